@@ -1,0 +1,1 @@
+"""Shardgate proto package."""

@@ -1,0 +1,1 @@
+"""Shardgate protocols package."""

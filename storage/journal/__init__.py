@@ -1,0 +1,1 @@
+"""Shardgate storage.journal package."""
