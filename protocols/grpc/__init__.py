@@ -1,0 +1,1 @@
+"""Native gRPC API server."""

@@ -1,0 +1,150 @@
+"""The record format of a message in a shard log (journal) and in the archive's source data.
+
+Storage sits below `core`, so this module works on plain values: `encode_message` reads the
+attributes every message has (duck typing, no import of `core`), `decode_message` returns a
+`MessageRecord`. Layout (little endian), version 1:
+
+    u8 version | u8 present-flags | u8 qos | u8 retain | i64 publish_time_ms
+    u32 len + topic (UTF-8) | u32 len + payload
+    then, for each flag set, in this order:
+    key (u32 len + bytes), headers (u16 count, then u16 len + key, u32 len + value per entry),
+    content_type (u16 len + UTF-8), correlation_data (u32 len + bytes), reply_to (u16 len + UTF-8),
+    payload_format (u8), expires_at_ms (i64)
+    u16 len + producer_protocol | u16 len + producer_id
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+VERSION = 1
+_HEAD = struct.Struct("<BBBBq")
+_U32 = struct.Struct("<I")
+_U16 = struct.Struct("<H")
+_I64 = struct.Struct("<q")
+
+F_KEY, F_HEADERS, F_CONTENT_TYPE, F_CORRELATION, F_REPLY_TO, F_FORMAT, F_EXPIRY = (
+    1, 2, 4, 8, 16, 32, 64
+)
+
+
+class RecordFormatError(ValueError):
+    pass
+
+
+@dataclass(slots=True)
+class MessageRecord:
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    publish_time_ms: int
+    key: bytes | None = None
+    headers: list[tuple[str, str]] | None = None
+    content_type: str | None = None
+    correlation_data: bytes | None = None
+    reply_to: str | None = None
+    payload_format: int | None = None
+    expires_at_ms: int | None = None
+    producer_protocol: str = ""
+    producer_id: str = ""
+
+
+def encode_message(message: Any) -> bytes:
+    flags = 0
+    parts: list[bytes] = []
+    topic = message.topic.encode()
+    payload = message.payload
+    if message.key is not None:
+        flags |= F_KEY
+        parts += (_U32.pack(len(message.key)), message.key)
+    if message.headers:
+        flags |= F_HEADERS
+        parts.append(_U16.pack(len(message.headers)))
+        for name, value in message.headers:
+            name_bytes, value_bytes = name.encode(), value.encode()
+            parts += (_U16.pack(len(name_bytes)), name_bytes, _U32.pack(len(value_bytes)), value_bytes)
+    if message.content_type is not None:
+        flags |= F_CONTENT_TYPE
+        data = message.content_type.encode()
+        parts += (_U16.pack(len(data)), data)
+    if message.correlation_data is not None:
+        flags |= F_CORRELATION
+        parts += (_U32.pack(len(message.correlation_data)), message.correlation_data)
+    if message.reply_to is not None:
+        flags |= F_REPLY_TO
+        data = message.reply_to.encode()
+        parts += (_U16.pack(len(data)), data)
+    if message.payload_format is not None:
+        flags |= F_FORMAT
+        parts.append(bytes((message.payload_format,)))
+    if message.expires_at_ms is not None:
+        flags |= F_EXPIRY
+        parts.append(_I64.pack(message.expires_at_ms))
+    protocol = message.producer_protocol.encode()
+    producer = message.producer_id.encode()
+    parts += (_U16.pack(len(protocol)), protocol, _U16.pack(len(producer)), producer)
+    return b"".join((
+        _HEAD.pack(VERSION, flags, message.qos, 1 if message.retain else 0, message.publish_time_ms),
+        _U32.pack(len(topic)), topic, _U32.pack(len(payload)), payload, *parts,
+    ))
+
+
+def decode_message(data: bytes) -> MessageRecord:
+    try:
+        view = memoryview(data)
+        version, flags, qos, retain, publish_time = _HEAD.unpack_from(view, 0)
+        if version != VERSION:
+            raise RecordFormatError(f"message record version {version} is not supported")
+        pos = _HEAD.size
+
+        def take32() -> bytes:
+            nonlocal pos
+            (length,) = _U32.unpack_from(view, pos)
+            pos += 4
+            if pos + length > len(view):
+                raise RecordFormatError("truncated message record")
+            chunk = bytes(view[pos : pos + length])
+            pos += length
+            return chunk
+
+        def take16() -> bytes:
+            nonlocal pos
+            (length,) = _U16.unpack_from(view, pos)
+            pos += 2
+            if pos + length > len(view):
+                raise RecordFormatError("truncated message record")
+            chunk = bytes(view[pos : pos + length])
+            pos += length
+            return chunk
+
+        record = MessageRecord(take32().decode(), take32(), qos, bool(retain), publish_time)
+        if flags & F_KEY:
+            record.key = take32()
+        if flags & F_HEADERS:
+            (count,) = _U16.unpack_from(view, pos)
+            pos += 2
+            headers = []
+            for _ in range(count):
+                name = take16().decode()
+                headers.append((name, take32().decode()))
+            record.headers = headers
+        if flags & F_CONTENT_TYPE:
+            record.content_type = take16().decode()
+        if flags & F_CORRELATION:
+            record.correlation_data = take32()
+        if flags & F_REPLY_TO:
+            record.reply_to = take16().decode()
+        if flags & F_FORMAT:
+            record.payload_format = view[pos]
+            pos += 1
+        if flags & F_EXPIRY:
+            (record.expires_at_ms,) = _I64.unpack_from(view, pos)
+            pos += 8
+        record.producer_protocol = take16().decode()
+        record.producer_id = take16().decode()
+        return record
+    except (struct.error, UnicodeDecodeError, IndexError) as exc:
+        raise RecordFormatError(f"malformed message record: {exc}") from exc
