@@ -1,1 +1,27 @@
-"""Shardgate storage.journal package."""
+"""The local journal (WAL) engine for reliable streams, after Kafka's log.
+
+`JournalStorage` implements `ShardStorage` and `JournalShardLog` implements `ShardLog` (see
+`shardgate.storage.interfaces`): per shard, segment files of checksummed records with sparse
+offset and time indexes, group commit under an fsync policy, recovery that cuts a torn tail,
+and retention bounded by what consumers still need.
+"""
+
+from .commit import CommitStats, GroupCommitter
+from .config import FsyncPolicy, JournalClosed, JournalConfig, JournalVersionError
+from .log import JournalShardLog
+from .record import CHECKSUM_NAME
+from .storage import FORMAT_VERSION, VERSION_FILE, JournalStorage
+
+__all__ = [
+    "CHECKSUM_NAME",
+    "FORMAT_VERSION",
+    "VERSION_FILE",
+    "CommitStats",
+    "FsyncPolicy",
+    "GroupCommitter",
+    "JournalClosed",
+    "JournalConfig",
+    "JournalShardLog",
+    "JournalStorage",
+    "JournalVersionError",
+]

@@ -1,0 +1,49 @@
+"""Settings of the journal engine and the errors it adds to the storage error hierarchy."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from ..interfaces import StorageError
+
+MIB = 1024 * 1024
+
+
+class FsyncPolicy(enum.StrEnum):
+    """When an appended record counts as durable (and its commit waiter resolves)."""
+
+    ALWAYS = "always"
+    """After the group's os.write and an fsync of the segment file."""
+    INTERVAL = "interval"
+    """After the group's os.write and the next periodic fsync (every fsync_interval_ms)."""
+    OS = "os"
+    """After the group's os.write: survives a crash of the process, not of the machine."""
+
+
+@dataclass(slots=True, frozen=True)
+class JournalConfig:
+    fsync: FsyncPolicy = FsyncPolicy.ALWAYS
+    fsync_interval_ms: int = 50
+    segment_bytes: int = 64 * MIB
+    segment_ms: int = 3_600_000
+    index_interval_bytes: int = 4096
+    retention_bytes: int | None = None
+    retention_ms: int | None = None
+    max_pending_bytes: int = 256 * MIB
+    """Appends beyond this many buffered, not yet written bytes per shard get StorageFull."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fsync", FsyncPolicy(self.fsync))
+        if self.segment_bytes <= 0 or self.index_interval_bytes <= 0:
+            raise ValueError("segment_bytes and index_interval_bytes must be positive")
+        if self.fsync_interval_ms <= 0 or self.segment_ms <= 0:
+            raise ValueError("fsync_interval_ms and segment_ms must be positive")
+
+
+class JournalVersionError(StorageError):
+    """The journal directory was written by another (newer) format or another checksum."""
+
+
+class JournalClosed(StorageError):
+    """The shard log or the journal was closed."""

@@ -1,0 +1,500 @@
+"""`JournalShardLog`: one shard of the journal, a sequence of segments under one directory.
+
+Appends assign offsets and frame records into an in-memory *group* (never touching the disk);
+the group committer (`commit.py`) writes and fsyncs groups in a worker thread. Records become
+*published* — readable, and their commit future resolved — once durable under the fsync
+policy: `read` and `offset_for_timestamp` see published records only (offsets stay dense: a
+record is published only after every lower offset). When a write or fsync fails, the shard is
+rolled back to its last published state: the file is truncated there, every unpublished group
+fails with StorageFull, and their offsets are handed out again.
+
+Segment layout, recovery and reads are in `segment.py`; this module owns offsets, rolling,
+retention and the hand-over of groups between the event loop and the worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..interfaces import StorageFull, StoredRecord
+from .commit import GroupCommitter, resolve
+from .config import FsyncPolicy, JournalClosed, JournalConfig
+from .record import HEADER_SIZE, LENGTH_CRC, MAX_DATA, OFFSET_TS, checksum
+from .segment import (
+    Segment,
+    fsync_directory,
+    parse_segment_name,
+    sync_file,
+    write_all,
+)
+
+log = logging.getLogger(__name__)
+
+_OFFSET_TS_PACK = OFFSET_TS.pack
+_LENGTH_CRC_PACK = LENGTH_CRC.pack
+
+
+@dataclass(slots=True)
+class _Tail:
+    """Where the next appended record will land: the projected end of the active segment,
+    counting groups that are buffered or in flight, and its index state there."""
+
+    base_offset: int
+    pos: int
+    last_index_pos: int
+    max_ts: int | None
+    last_time_ts: int | None
+    first_ts: int | None
+
+    @classmethod
+    def of(cls, segment: Segment) -> _Tail:
+        return cls(
+            segment.base_offset,
+            segment.size,
+            segment.index_positions[-1] if segment.index_positions else 0,
+            segment.max_timestamp,
+            segment.time_stamps[-1] if segment.time_stamps else None,
+            segment.first_timestamp,
+        )
+
+
+class _Group:
+    """Records appended between two commit passes, framed and ready to write."""
+
+    __slots__ = (
+        "first_offset",
+        "end_offset",
+        "buf",
+        "start_pos",
+        "end_pos",
+        "segment_base",
+        "roll",
+        "index_offsets",
+        "index_positions",
+        "time_stamps",
+        "time_offsets",
+        "max_ts",
+        "first_ts",
+        "future",
+        "new_segment",
+    )
+
+    def __init__(self, first_offset: int, tail: _Tail, roll: bool) -> None:
+        self.first_offset = first_offset
+        self.end_offset = first_offset
+        self.buf = bytearray()
+        self.start_pos = tail.pos
+        self.end_pos = tail.pos
+        self.segment_base = tail.base_offset
+        self.roll = roll
+        self.index_offsets: list[int] = []
+        self.index_positions: list[int] = []
+        self.time_stamps: list[int] = []
+        self.time_offsets: list[int] = []
+        self.max_ts: int | None = tail.max_ts
+        self.first_ts: int | None = tail.first_ts
+        self.future: asyncio.Future[None] | None = None
+        self.new_segment: Segment | None = None
+
+
+class JournalShardLog:
+    """A shard log on local disk (implements `ShardLog`; see the module docstring)."""
+
+    def __init__(
+        self,
+        directory: Path,
+        config: JournalConfig | None = None,
+        committer: GroupCommitter | None = None,
+    ) -> None:
+        self.directory = Path(directory)
+        self.config = config or JournalConfig()
+        self._owns_committer = committer is None
+        self._committer = committer or GroupCommitter(self.config)
+        self._closed = False
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._segments = self._open_segments()
+        self._bases = [s.base_offset for s in self._segments]
+        active = self._segments[-1]
+        self._next = self._committed = active.next_offset
+        self._tail = _Tail.of(active)
+        self._pending: _Group | None = None
+        self._inflight: _Group | None = None
+        self._unsynced: list[_Group] = []
+        self._to_seal: list[Segment] = []
+        self._io_segment = active
+        self._broken: OSError | None = None
+        self._committer.register(self)
+
+    def _open_segments(self) -> list[Segment]:
+        bases: list[int] = []
+        for entry in os.scandir(self.directory):
+            if entry.name.endswith(".tmp"):
+                os.unlink(entry.path)  # an index file whose write was interrupted
+                continue
+            base = parse_segment_name(entry.name)
+            if base is not None:
+                bases.append(base)
+        bases.sort()
+        if not bases:
+            return [Segment.create(self.directory, 0)]
+        interval = self.config.index_interval_bytes
+        segments = [
+            Segment.open_sealed(self.directory, base, next_base, interval)
+            for base, next_base in zip(bases, bases[1:], strict=False)
+        ]
+        segments.append(Segment.recover_active(self.directory, bases[-1], interval))
+        return segments
+
+    # -- ShardLog -----------------------------------------------------------------------
+
+    @property
+    def low_watermark(self) -> int:
+        return self._bases[0]
+
+    @property
+    def next_offset(self) -> int:
+        """The offset the next appended record gets (appended records included)."""
+        return self._next
+
+    @property
+    def committed_offset(self) -> int:
+        """One past the last published record: what `read` can reach."""
+        return self._committed
+
+    def append(self, records: Sequence[tuple[int, bytes]]) -> int:
+        """Frame `records` into the pending group; returns the first offset. No disk I/O."""
+        if self._closed:
+            raise JournalClosed(f"{self.directory} is closed")
+        if self._broken is not None:
+            raise StorageFull(f"{self.directory}: unusable until reopened: {self._broken}")
+        first = self._next
+        if not records:
+            return first
+        saved_tail = self._tail
+        group = self._pending
+        created = group is None
+        if group is None:
+            group = self._new_group(records[0][0])
+        elif len(group.buf) >= self.config.max_pending_bytes:
+            raise StorageFull(f"{self.directory}: {len(group.buf)} bytes waiting for the disk")
+        tail = self._tail
+        buf = group.buf
+        buf_len = len(buf)
+        n_index = len(group.index_offsets)
+        n_time = len(group.time_stamps)
+        base = tail.base_offset
+        interval = self.config.index_interval_bytes
+        pos = tail.pos
+        last_index_pos = tail.last_index_pos
+        max_ts = tail.max_ts
+        last_time_ts = tail.last_time_ts
+        first_ts = records[0][0] if tail.first_ts is None else tail.first_ts
+        offset = first
+        pack_tail = _OFFSET_TS_PACK
+        pack_head = _LENGTH_CRC_PACK
+        try:
+            for timestamp_ms, data in records:
+                size = len(data)
+                if size > MAX_DATA:
+                    raise ValueError(f"record of {size} bytes is too large for the journal")
+                ts_part = pack_tail(offset, timestamp_ms)
+                buf += pack_head(size, checksum(data, checksum(ts_part)))
+                buf += ts_part
+                buf += data
+                if max_ts is None or timestamp_ms > max_ts:
+                    max_ts = timestamp_ms
+                if pos - last_index_pos >= interval:
+                    last_index_pos = pos
+                    group.index_offsets.append(offset - base)
+                    group.index_positions.append(pos)
+                    if last_time_ts is None or max_ts > last_time_ts:
+                        last_time_ts = max_ts
+                        group.time_stamps.append(max_ts)
+                        group.time_offsets.append(offset - base)
+                pos += HEADER_SIZE + size
+                offset += 1
+        except Exception:
+            del buf[buf_len:]
+            del group.index_offsets[n_index:], group.index_positions[n_index:]
+            del group.time_stamps[n_time:], group.time_offsets[n_time:]
+            if created:
+                self._pending = None
+                self._tail = saved_tail
+            raise
+        tail.pos = pos
+        tail.last_index_pos = last_index_pos
+        tail.max_ts = max_ts
+        tail.last_time_ts = last_time_ts
+        tail.first_ts = first_ts
+        group.end_offset = self._next = offset
+        group.end_pos = pos
+        group.max_ts = max_ts
+        group.first_ts = first_ts
+        return first
+
+    def _new_group(self, first_timestamp: int) -> _Group:
+        tail = self._tail
+        config = self.config
+        roll = tail.pos > 0 and (
+            tail.pos >= config.segment_bytes
+            or (tail.first_ts is not None and first_timestamp - tail.first_ts >= config.segment_ms)
+        )
+        if roll:
+            tail = self._tail = _Tail(self._next, 0, 0, None, None, None)
+        group = self._pending = _Group(self._next, tail, roll)
+        self._committer.mark_dirty(self)
+        return group
+
+    def commit_waiter(self) -> asyncio.Future[None] | None:
+        """The future of the newest group not yet durable (shared by all its appenders), or
+        None when everything appended is durable. Needs a running event loop."""
+        group = self._pending or self._inflight or (self._unsynced[-1] if self._unsynced else None)
+        if group is None:
+            return None
+        if group.future is None:
+            group.future = asyncio.get_running_loop().create_future()
+        return group.future
+
+    async def flush(self) -> None:
+        """Wait until every record appended so far is durable (see `commit_waiter`)."""
+        waiter = self.commit_waiter()
+        if waiter is not None:
+            await waiter
+
+    def flush_sync(self) -> None:
+        """Write and fsync everything appended so far, without an event loop (this flushes
+        every log sharing the committer). Raises StorageFull when a write fails."""
+        self._committer.flush_sync()
+
+    def read(self, from_offset: int, max_records: int = 1000) -> list[StoredRecord]:
+        """Published records from `from_offset` (clamped to the low watermark), in order."""
+        out: list[StoredRecord] = []
+        start = max(from_offset, self._bases[0])
+        if start >= self._committed or max_records <= 0:
+            return out
+        segments = self._segments
+        i = bisect_right(self._bases, start) - 1
+        while i < len(segments) and len(out) < max_records:
+            segment = segments[i]
+            segment.read(start, max_records, out)
+            start = segment.next_offset
+            i += 1
+        return out
+
+    def offset_for_timestamp(self, timestamp_ms: int) -> int:
+        """The first published offset whose timestamp is >= `timestamp_ms`, else the committed
+        offset (where the next published record will be)."""
+        for segment in list(self._segments):
+            found = segment.offset_for_timestamp(timestamp_ms)
+            if found is not None:
+                return found
+        return self._committed
+
+    def delete_before(self, offset: int) -> int:
+        """Delete the sealed segments whose records are all below `offset`; returns the new
+        low watermark. The active segment is never deleted."""
+        self._delete_while(lambda segment: segment.next_offset <= offset)
+        return self._bases[0]
+
+    def apply_retention(self, min_needed_offset: int, now_ms: int | None = None) -> int:
+        """Delete the oldest sealed segments while the shard exceeds `retention_bytes` or their
+        newest record is older than `retention_ms`, but never a segment holding an offset at
+        or above `min_needed_offset` (what a durable cursor or the archiver still needs).
+        Returns the new low watermark."""
+        config = self.config
+        if config.retention_bytes is None and config.retention_ms is None:
+            return self._bases[0]
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        total = sum(segment.size for segment in self._segments)
+
+        def expired(segment: Segment) -> bool:
+            nonlocal total
+            if segment.next_offset > min_needed_offset:
+                return False
+            by_size = config.retention_bytes is not None and total > config.retention_bytes
+            by_age = (
+                config.retention_ms is not None
+                and segment.max_timestamp is not None
+                and segment.max_timestamp < now - config.retention_ms
+            )
+            if by_size or by_age:
+                total -= segment.size
+                return True
+            return False
+
+        self._delete_while(expired)
+        return self._bases[0]
+
+    def _delete_while(self, condition: Callable[[Segment], bool]) -> None:
+        deleted = False
+        while len(self._segments) > 1:
+            segment = self._segments[0]
+            if segment in self._to_seal or not condition(segment):
+                break
+            del self._segments[0]
+            del self._bases[0]
+            segment.delete_files()
+            deleted = True
+        if deleted:
+            fsync_directory(self.directory)
+
+    def close(self) -> None:
+        """Flush what was appended, then close the files. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if self._owns_committer:
+                self._committer.close()
+            elif self._pending or self._inflight or self._unsynced:
+                self._committer.flush_sync()
+        finally:
+            self._close_files()
+
+    def discard(self) -> None:
+        """Close without flushing (the shard is being deleted): unwritten groups fail."""
+        if self._closed:
+            return
+        self._closed = True
+        self._committer.unregister(self)
+        error = JournalClosed(f"{self.directory} was deleted")
+        for group in (*self._unsynced, self._inflight, self._pending):
+            if group is not None:
+                resolve(group.future, error)
+        self._unsynced, self._inflight, self._pending = [], None, None
+        for segment in self._segments:
+            segment.close()
+        if self._io_segment not in self._segments:
+            self._io_segment.close()
+        if self._owns_committer:
+            self._committer.close()
+
+    def _close_files(self) -> None:
+        self._closed = True
+        self._committer.unregister(self)
+        try:
+            self._io_write_seals()
+        finally:
+            for segment in self._segments:
+                segment.close()
+
+    @property
+    def segments(self) -> list[Segment]:
+        """The published segments, oldest first (for tools and tests)."""
+        return list(self._segments)
+
+    # -- hand-over with the committer (event-loop side) ---------------------------------
+
+    def _take_pending(self) -> _Group | None:
+        group = self._pending
+        if group is not None:
+            self._pending = None
+            self._inflight = group
+        return group
+
+    def _complete(self, group: _Group | None, synced: bool, error: OSError | None) -> None:
+        if self._closed:
+            return
+        if error is not None:
+            self._rollback(error, group)
+            return
+        if group is not None:
+            self._inflight = None
+            if group.new_segment is not None:
+                # The roll fsynced the old segment: its unsynced groups are durable.
+                self._publish_unsynced()
+                old = self._segments[-1]
+                old.seal()
+                self._to_seal.append(old)
+                self._segments.append(group.new_segment)
+                self._bases.append(group.new_segment.base_offset)
+            if synced or self.config.fsync is FsyncPolicy.OS:
+                self._publish_unsynced()
+                self._publish(group)
+            else:
+                self._unsynced.append(group)
+        elif synced:
+            self._publish_unsynced()
+
+    def _publish_unsynced(self) -> None:
+        for group in self._unsynced:
+            self._publish(group)
+        self._unsynced = []
+
+    def _publish(self, group: _Group) -> None:
+        segment = self._segments[-1]
+        assert segment.base_offset == group.segment_base
+        segment.size = group.end_pos
+        segment.next_offset = group.end_offset
+        segment.index_offsets += group.index_offsets
+        segment.index_positions += group.index_positions
+        segment.time_stamps += group.time_stamps
+        segment.time_offsets += group.time_offsets
+        segment.max_timestamp = group.max_ts
+        if segment.first_timestamp is None:
+            segment.first_timestamp = group.first_ts
+        self._committed = group.end_offset
+        resolve(group.future)
+
+    def _rollback(self, error: OSError, group: _Group | None) -> None:
+        failure = StorageFull(f"journal write failed in {self.directory}: {error}")
+        failed = [*self._unsynced, group, self._pending]
+        self._unsynced, self._inflight, self._pending = [], None, None
+        self._committer.discard_dirty(self)
+        self._next = self._committed
+        self._tail = _Tail.of(self._segments[-1])
+        for failed_group in failed:
+            if failed_group is not None:
+                resolve(failed_group.future, failure)
+
+    # -- I/O (worker thread, or flush_sync's caller; the committer's I/O lock is held) ----
+
+    def _io_write(self, group: _Group) -> None:
+        segment = self._io_segment
+        if group.roll:
+            sync_file(segment.fd)
+            segment = self._io_segment = group.new_segment = Segment.create(
+                self.directory, group.first_offset
+            )
+        write_all(segment.fd, group.buf)
+
+    def _io_sync(self) -> None:
+        sync_file(self._io_segment.fd)
+
+    def _io_undo(self) -> None:
+        """Cut the files back to the last published state after a failed write or fsync."""
+        durable = self._segments[-1]
+        try:
+            if self._io_segment is not durable:
+                self._io_segment.delete_files()
+                fsync_directory(self.directory)
+                self._io_segment = durable
+            os.ftruncate(durable.fd, durable.size)
+        except OSError as exc:
+            # Unpublished records stay in the file: writing the reused offsets after them
+            # would let recovery prefer them to acknowledged ones. Refuse appends instead.
+            log.error("could not cut %s back to byte %d: %s", self.directory, durable.size, exc)
+            self._broken = exc
+
+    def _io_write_seals(self) -> None:
+        while self._to_seal:
+            segment = self._to_seal[0]
+            try:
+                segment.write_indexes()
+            except OSError as exc:
+                log.warning(
+                    "could not write indexes of %s (rebuilt on open): %s", segment.path(), exc
+                )
+            del self._to_seal[0]
+
+    def __repr__(self) -> str:
+        return (
+            f"JournalShardLog({str(self.directory)!r}, low={self.low_watermark}, "
+            f"committed={self._committed}, next={self._next})"
+        )

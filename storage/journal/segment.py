@@ -1,0 +1,390 @@
+"""One journal segment: a `.log` file of framed records beside its sparse `.index` and
+`.timeindex`, after Kafka's log segments.
+
+Files are named by the segment's base offset, zero-padded to 20 digits. The `.index` holds
+(offset - base, byte position) pairs, one every `index_interval_bytes` of records; the
+`.timeindex` holds (largest timestamp so far, offset - base) pairs written at the same points
+whenever the largest timestamp grew, so that every record at or below such an offset has a
+timestamp at or below it. Both index files are written once, atomically, when the segment is
+sealed; the active segment keeps its indexes in memory and rebuilds them on recovery.
+
+A `Segment` holds only what is *published* (durable and visible to readers): its `size`,
+`next_offset` and index lists change only through `publish`, on the thread that reads. The
+commit machinery writes bytes ahead of that (see `log.py`). This module never decides when to
+roll, fsync or delete: the shard log does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from bisect import bisect_right
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Final
+
+from ..interfaces import CorruptRecord, StoredRecord
+from .record import HEADER, HEADER_SIZE, checksum
+
+log = logging.getLogger(__name__)
+
+OFFSET_DIGITS: Final = 20
+LOG_SUFFIX: Final = ".log"
+INDEX_SUFFIX: Final = ".index"
+TIMEINDEX_SUFFIX: Final = ".timeindex"
+READ_CHUNK: Final = 256 * 1024
+
+_INDEX_ENTRY: Final = struct.Struct("<II")
+_TIME_ENTRY: Final = struct.Struct("<qI")
+
+OK: Final = 0
+TRUNCATED: Final = 1
+BAD_CRC: Final = 2
+
+_EMPTY: Final = memoryview(b"")
+
+
+def segment_name(base_offset: int) -> str:
+    return f"{base_offset:0{OFFSET_DIGITS}d}"
+
+
+def parse_segment_name(filename: str) -> int | None:
+    """The base offset of a `.log` file name, or None if it is not a segment file."""
+    if not filename.endswith(LOG_SUFFIX):
+        return None
+    stem = filename[: -len(LOG_SUFFIX)]
+    if len(stem) != OFFSET_DIGITS or not stem.isdigit():
+        return None
+    return int(stem)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a file creation, rename or removal in `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_file(fd: int) -> None:
+    """fdatasync where the platform has it (size changes included), fsync elsewhere."""
+    if hasattr(os, "fdatasync"):
+        os.fdatasync(fd)
+    else:  # pragma: no cover - macOS
+        os.fsync(fd)
+
+
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    """os.write until every byte is written (a short write is retried, an error raised)."""
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def walk(
+    fd: int, start: int, limit: int, chunk: int = READ_CHUNK
+) -> Iterator[tuple[int, int, int, int, memoryview]]:
+    """The records of the file between byte `start` and `limit`, in order.
+
+    Yields (status, position, offset, timestamp_ms, data). Status OK for a record whose
+    checksum holds; the walk ends after yielding TRUNCATED (the file or `limit` ends inside a
+    record) or BAD_CRC (a complete record whose checksum fails). `data` is a view into a read
+    buffer, valid until the walk is resumed.
+    """
+    pos = start
+    want = chunk
+    unpack = HEADER.unpack_from
+    while pos < limit:
+        asked = min(want, limit - pos)
+        buf = os.pread(fd, asked, pos)
+        have = len(buf)
+        view = memoryview(buf)
+        p = 0
+        length = 0
+        while p + HEADER_SIZE <= have:
+            length, crc, offset, timestamp_ms = unpack(view, p)
+            end = p + HEADER_SIZE + length
+            if end > have:
+                break
+            if (
+                checksum(view[p + HEADER_SIZE : end], checksum(view[p + 8 : p + HEADER_SIZE]))
+                != crc
+            ):
+                yield BAD_CRC, pos + p, offset, timestamp_ms, _EMPTY
+                return
+            yield OK, pos + p, offset, timestamp_ms, view[p + HEADER_SIZE : end]
+            p = end
+        if p == have and have == asked:
+            pos += p
+            want = chunk
+            continue
+        if have < asked or pos + have >= limit:
+            # The file, or the region asked for, ends inside this record.
+            yield TRUNCATED, pos + p, -1, 0, _EMPTY
+            return
+        # A record straddles the chunk: read again from its start, large enough to hold it.
+        if p == 0:
+            want = max(2 * asked, HEADER_SIZE + length)
+        pos += p
+
+
+class Segment:
+    """A segment file and its published state (see the module docstring)."""
+
+    __slots__ = (
+        "directory",
+        "base_offset",
+        "fd",
+        "size",
+        "next_offset",
+        "index_offsets",
+        "index_positions",
+        "time_stamps",
+        "time_offsets",
+        "max_timestamp",
+        "first_timestamp",
+        "sealed",
+    )
+
+    def __init__(self, directory: Path, base_offset: int, fd: int) -> None:
+        self.directory = directory
+        self.base_offset = base_offset
+        self.fd = fd
+        self.size = 0
+        self.next_offset = base_offset
+        self.index_offsets: list[int] = []
+        self.index_positions: list[int] = []
+        self.time_stamps: list[int] = []
+        self.time_offsets: list[int] = []
+        self.max_timestamp: int | None = None
+        self.first_timestamp: int | None = None
+        self.sealed = False
+
+    # -- files --------------------------------------------------------------------------
+
+    def path(self, suffix: str = LOG_SUFFIX) -> Path:
+        return self.directory / f"{segment_name(self.base_offset)}{suffix}"
+
+    @classmethod
+    def create(cls, directory: Path, base_offset: int) -> Segment:
+        """A new, empty segment file (durable in its directory when this returns)."""
+        path = directory / f"{segment_name(base_offset)}{LOG_SUFFIX}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        try:
+            fsync_directory(directory)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(directory, base_offset, fd)
+
+    @classmethod
+    def open_sealed(
+        cls, directory: Path, base_offset: int, next_offset: int, index_interval_bytes: int
+    ) -> Segment:
+        """A sealed segment: its indexes come from its index files, rebuilt when missing or
+        inconsistent. Its records are not checksummed here (reads do)."""
+        fd = os.open(directory / f"{segment_name(base_offset)}{LOG_SUFFIX}", os.O_RDONLY)
+        segment = cls(directory, base_offset, fd)
+        segment.size = os.fstat(fd).st_size
+        segment.next_offset = next_offset
+        segment.sealed = True
+        if not segment._load_indexes():
+            log.info("rebuilding indexes of %s", segment.path())
+            segment._rebuild_indexes(index_interval_bytes)
+            try:
+                segment.write_indexes()
+            except OSError as exc:  # the in-memory indexes are enough to serve reads
+                log.warning("could not write indexes of %s: %s", segment.path(), exc)
+        return segment
+
+    @classmethod
+    def recover_active(
+        cls, directory: Path, base_offset: int, index_interval_bytes: int
+    ) -> Segment:
+        """The last segment after a restart: every record is checked, a torn or corrupt tail
+        is cut off (the file truncated), and the indexes are rebuilt in memory."""
+        path = directory / f"{segment_name(base_offset)}{LOG_SUFFIX}"
+        fd = os.open(path, os.O_RDWR | os.O_APPEND)
+        segment = cls(directory, base_offset, fd)
+        try:
+            file_size = os.fstat(fd).st_size
+            good_end = segment._rebuild_indexes(index_interval_bytes, limit=file_size)
+            if good_end < file_size:
+                log.warning(
+                    "%s: cutting %d bytes of torn or corrupt tail at byte %d",
+                    path,
+                    file_size - good_end,
+                    good_end,
+                )
+                os.ftruncate(fd, good_end)
+                os.fsync(fd)
+            for suffix in (INDEX_SUFFIX, TIMEINDEX_SUFFIX):
+                segment.path(suffix).unlink(missing_ok=True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return segment
+
+    def write_indexes(self) -> None:
+        """Write the `.index` and `.timeindex` files atomically (temp file, fsync, rename)."""
+        index = b"".join(
+            _INDEX_ENTRY.pack(o, p)
+            for o, p in zip(self.index_offsets, self.index_positions, strict=True)
+        )
+        times = b"".join(
+            _TIME_ENTRY.pack(t, o) for t, o in zip(self.time_stamps, self.time_offsets, strict=True)
+        )
+        for suffix, content in ((INDEX_SUFFIX, index), (TIMEINDEX_SUFFIX, times)):
+            final = self.path(suffix)
+            temp = final.with_name(final.name + ".tmp")
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                write_all(fd, content)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(temp, final)
+        fsync_directory(self.directory)
+
+    def seal(self) -> None:
+        """Mark the segment sealed and close its time index with its largest timestamp."""
+        self.sealed = True
+        if self.max_timestamp is not None and (
+            not self.time_stamps or self.time_stamps[-1] < self.max_timestamp
+        ):
+            self.time_stamps.append(self.max_timestamp)
+            self.time_offsets.append(self.next_offset - 1 - self.base_offset)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def delete_files(self) -> None:
+        self.close()
+        for suffix in (LOG_SUFFIX, INDEX_SUFFIX, TIMEINDEX_SUFFIX):
+            self.path(suffix).unlink(missing_ok=True)
+
+    # -- indexes ------------------------------------------------------------------------
+
+    def _load_indexes(self) -> bool:
+        try:
+            index = self.path(INDEX_SUFFIX).read_bytes()
+            times = self.path(TIMEINDEX_SUFFIX).read_bytes()
+        except FileNotFoundError:
+            return False
+        if len(index) % _INDEX_ENTRY.size or len(times) % _TIME_ENTRY.size:
+            return False
+        offsets: list[int] = []
+        positions: list[int] = []
+        span = self.next_offset - self.base_offset
+        for rel, pos in _INDEX_ENTRY.iter_unpack(index):
+            if (
+                (offsets and (rel <= offsets[-1] or pos <= positions[-1]))
+                or rel >= span
+                or pos >= self.size
+            ):
+                return False
+            offsets.append(rel)
+            positions.append(pos)
+        stamps: list[int] = []
+        time_offsets: list[int] = []
+        for stamp, rel in _TIME_ENTRY.iter_unpack(times):
+            if (stamps and stamp <= stamps[-1]) or rel >= span:
+                return False
+            stamps.append(stamp)
+            time_offsets.append(rel)
+        if span > 0 and not stamps:
+            return False
+        self.index_offsets, self.index_positions = offsets, positions
+        self.time_stamps, self.time_offsets = stamps, time_offsets
+        self.max_timestamp = stamps[-1] if stamps else None
+        return True
+
+    def _rebuild_indexes(self, interval: int, limit: int | None = None) -> int:
+        """Scan the records from byte 0, rebuilding the indexes, size and next offset.
+
+        With `limit` (recovery of the active segment) the scan stops at the first record that
+        is torn, fails its checksum or breaks the offset sequence, and returns where it
+        stopped. Without it (a sealed segment) the scan covers the whole file but stops
+        indexing at such a record; reads will report it as CorruptRecord.
+        """
+        end = self.size if limit is None else limit
+        self.index_offsets, self.index_positions = [], []
+        self.time_stamps, self.time_offsets = [], []
+        self.max_timestamp = self.first_timestamp = None
+        expected = self.base_offset
+        good_end = 0
+        for status, pos, offset, timestamp_ms, data in walk(self.fd, 0, end):
+            if status != OK or offset != expected:
+                break
+            self.note_record(offset - self.base_offset, timestamp_ms, pos, interval)
+            expected += 1
+            good_end = pos + HEADER_SIZE + len(data)
+        if limit is not None:
+            self.size = good_end
+            self.next_offset = expected
+        elif self.sealed:
+            self.seal()
+        return good_end
+
+    def note_record(self, rel_offset: int, timestamp_ms: int, pos: int, interval: int) -> None:
+        """Account one record at `pos` in the indexes (the rule `log.py` also follows when it
+        projects index entries for records still in flight)."""
+        if self.first_timestamp is None:
+            self.first_timestamp = timestamp_ms
+        if self.max_timestamp is None or timestamp_ms > self.max_timestamp:
+            self.max_timestamp = timestamp_ms
+        last_pos = self.index_positions[-1] if self.index_positions else 0
+        if pos - last_pos >= interval:
+            self.index_offsets.append(rel_offset)
+            self.index_positions.append(pos)
+            if not self.time_stamps or self.max_timestamp > self.time_stamps[-1]:
+                self.time_stamps.append(self.max_timestamp)
+                self.time_offsets.append(rel_offset)
+
+    # -- reads --------------------------------------------------------------------------
+
+    def position_for(self, offset: int) -> int:
+        """The byte position of the last indexed record at or before `offset`."""
+        i = bisect_right(self.index_offsets, offset - self.base_offset) - 1
+        return self.index_positions[i] if i >= 0 else 0
+
+    def read(self, from_offset: int, max_records: int, out: list[StoredRecord]) -> None:
+        """Append to `out` the published records from `from_offset` until `max_records` are
+        in `out` or the segment ends. Raises CorruptRecord on a record that fails its
+        checksum, is torn, or breaks the offset sequence inside the published region."""
+        if from_offset >= self.next_offset or len(out) >= max_records:
+            return
+        start = self.position_for(from_offset)
+        expected: int | None = None
+        for status, pos, offset, timestamp_ms, data in walk(self.fd, start, self.size):
+            if status != OK:
+                reason = "checksum mismatch" if status == BAD_CRC else "truncated record"
+                raise CorruptRecord(f"{self.path()}: {reason} at byte {pos}")
+            if expected is not None and offset != expected:
+                raise CorruptRecord(
+                    f"{self.path()}: offset {offset} where {expected} was expected at byte {pos}"
+                )
+            expected = offset + 1
+            if offset >= from_offset:
+                out.append(StoredRecord(offset, timestamp_ms, bytes(data)))
+                if len(out) >= max_records or expected >= self.next_offset:
+                    return
+
+    def offset_for_timestamp(self, timestamp_ms: int) -> int | None:
+        """The first published offset in this segment with a timestamp >= `timestamp_ms`."""
+        if self.max_timestamp is None or self.max_timestamp < timestamp_ms:
+            return None
+        i = bisect_right(self.time_stamps, timestamp_ms - 1) - 1
+        start = self.base_offset + (self.time_offsets[i] + 1 if i >= 0 else 0)
+        for status, pos, offset, stamp, _data in walk(self.fd, self.position_for(start), self.size):
+            if status != OK:
+                reason = "checksum mismatch" if status == BAD_CRC else "truncated record"
+                raise CorruptRecord(f"{self.path()}: {reason} at byte {pos}")
+            if offset >= start and stamp >= timestamp_ms:
+                return offset
+        return None

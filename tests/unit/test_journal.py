@@ -1,0 +1,696 @@
+"""The journal engine: framing, segments and indexes, group commit under each fsync policy,
+recovery after a crash, corruption reports, retention and write failures."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from shardgate.storage.interfaces import CorruptRecord, StorageFull, StoredRecord
+from shardgate.storage.journal import (
+    FORMAT_VERSION,
+    VERSION_FILE,
+    JournalClosed,
+    JournalShardLog,
+    JournalStorage,
+    JournalVersionError,
+)
+from shardgate.storage.journal import log as log_module
+from shardgate.storage.journal import segment as segment_module
+from shardgate.storage.journal.record import HEADER_SIZE
+
+T0 = 1_700_000_000_000
+
+
+def payload(offset: int) -> bytes:
+    return b"record-%d-" % offset + bytes(offset % 7)
+
+
+def records(first: int, count: int, ts: int = T0) -> list[tuple[int, bytes]]:
+    return [(ts + first + i, payload(first + i)) for i in range(count)]
+
+
+def check_dense(got: list[StoredRecord], first: int, count: int) -> None:
+    assert [r.offset for r in got] == list(range(first, first + count))
+    assert all(r.data == payload(r.offset) for r in got)
+
+
+@pytest.fixture
+def journal_dir(tmp_path: Path) -> Path:
+    return tmp_path / "journal"
+
+
+@pytest.fixture
+def storage(journal_dir: Path) -> Iterator[JournalStorage]:
+    store = JournalStorage(journal_dir, segment_bytes=4096, index_interval_bytes=256)
+    yield store
+    store.close()
+
+
+def shard_files(
+    store: JournalStorage, suffix: str, stream: str = "s", shard: int = 0
+) -> list[Path]:
+    return sorted(store.shard_directory(stream, shard).glob(f"*{suffix}"))
+
+
+# -- round trips, segments, indexes -----------------------------------------------------------
+
+
+def test_append_read_round_trip_across_segment_rolls(journal_dir: Path) -> None:
+    store = JournalStorage(journal_dir, segment_bytes=2048, index_interval_bytes=128)
+    shard = store.open_shard("s", 0)
+    for first in range(0, 600, 50):
+        assert shard.append(records(first, 50)) == first
+        store.flush_sync()
+    assert shard.next_offset == shard.committed_offset == 600
+    assert len(shard.segments) > 5
+    check_dense(shard.read(0, 10_000), 0, 600)
+    check_dense(shard.read(333, 10), 333, 10)
+    check_dense(shard.read(599, 10), 599, 1)
+    assert shard.read(600) == []
+    store.close()
+
+    logs = shard_files(store, ".log")
+    assert logs[0].name == "00000000000000000000.log"
+    # every sealed segment got its index files; the active one keeps them in memory
+    assert len(shard_files(store, ".index")) == len(logs) - 1
+    assert len(shard_files(store, ".timeindex")) == len(logs) - 1
+
+    reopened = JournalStorage(journal_dir, segment_bytes=2048, index_interval_bytes=128)
+    shard = reopened.open_shard("s", 0)
+    assert (shard.low_watermark, shard.next_offset) == (0, 600)
+    check_dense(shard.read(0, 10_000), 0, 600)
+    for start in (0, 1, 127, 300, 598):
+        check_dense(shard.read(start, 3), start, min(3, 600 - start))
+    shard.append(records(600, 5))
+    reopened.flush_sync()
+    check_dense(shard.read(590, 100), 590, 15)
+    reopened.close()
+
+
+def test_segment_rolls_by_age_of_its_first_record(storage: JournalStorage) -> None:
+    storage.close()
+    store = JournalStorage(storage.directory, segment_ms=1000)
+    shard = store.open_shard("s", 0)
+    shard.append([(T0, b"a"), (T0 + 999, b"b")])
+    store.flush_sync()
+    shard.append([(T0 + 999, b"c")])
+    store.flush_sync()
+    assert [s.base_offset for s in shard.segments] == [0]
+    shard.append([(T0 + 1000, b"d")])
+    store.flush_sync()
+    assert [s.base_offset for s in shard.segments] == [0, 3]
+    assert [r.data for r in shard.read(0)] == [b"a", b"b", b"c", b"d"]
+    store.close()
+
+
+def test_missing_or_damaged_index_files_are_rebuilt(journal_dir: Path) -> None:
+    store = JournalStorage(journal_dir, segment_bytes=2048, index_interval_bytes=128)
+    shard = store.open_shard("s", 0)
+    for first in range(0, 300, 30):
+        shard.append(records(first, 30))
+        store.flush_sync()
+    store.close()
+    indexes = shard_files(store, ".index")
+    indexes[0].unlink()
+    indexes[1].write_bytes(indexes[1].read_bytes()[:-3])
+    shard_files(store, ".timeindex")[2].write_bytes(b"")
+
+    reopened = JournalStorage(journal_dir, segment_bytes=2048, index_interval_bytes=128)
+    shard = reopened.open_shard("s", 0)
+    check_dense(shard.read(0, 1000), 0, 300)
+    assert shard.offset_for_timestamp(T0 + 150) == 150
+    reopened.close()
+    assert len(shard_files(reopened, ".index")) == len(shard_files(reopened, ".log")) - 1
+
+
+def test_read_clamps_to_low_watermark_and_respects_max_records(storage: JournalStorage) -> None:
+    shard = storage.open_shard("s", 0)
+    for first in range(0, 400, 20):
+        shard.append(records(first, 20))
+        storage.flush_sync()
+    low = shard.delete_before(150)
+    assert 0 < low <= 150
+    got = shard.read(0, 5)
+    check_dense(got, low, 5)
+    assert shard.read(10, 0) == []
+
+
+def test_offset_for_timestamp_uses_time_index(journal_dir: Path) -> None:
+    store = JournalStorage(journal_dir, segment_bytes=1024, index_interval_bytes=64)
+    shard = store.open_shard("s", 0)
+    # timestamps mostly rising, with stragglers that arrive late
+    stamps = [T0 + 10 * i - (25 if i % 9 == 0 else 0) for i in range(300)]
+    for first in range(0, 300, 20):
+        shard.append([(stamps[i], payload(i)) for i in range(first, first + 20)])
+        store.flush_sync()
+    assert len(shard.segments) > 3
+
+    def expected(target: int) -> int:
+        return next((i for i, ts in enumerate(stamps) if ts >= target), 300)
+
+    for target in (0, T0 - 25, T0, T0 + 1, T0 + 500, T0 + 1234, T0 + 2990, T0 + 2991, T0 + 10**9):
+        assert shard.offset_for_timestamp(target) == expected(target), target
+    store.close()
+    reopened = JournalStorage(journal_dir, segment_bytes=1024, index_interval_bytes=64)
+    shard = reopened.open_shard("s", 0)
+    for target in (T0 - 25, T0 + 777, T0 + 2985, T0 + 10**9):
+        assert shard.offset_for_timestamp(target) == expected(target), target
+    reopened.close()
+
+
+def test_shards_are_listed_and_deleted(storage: JournalStorage) -> None:
+    storage.open_shard("orders", 0)
+    storage.open_shard("orders", 3)
+    storage.open_shard("a/b c", 1)
+    storage.open_shard(".hidden", 0)
+    assert storage.list_shards() == [(".hidden", 0), ("a/b c", 1), ("orders", 0), ("orders", 3)]
+    storage.delete_shard("orders", 3)
+    assert ("orders", 3) not in storage.list_shards()
+    storage.close()
+    reopened = JournalStorage(storage.directory)
+    assert reopened.list_shards() == [(".hidden", 0), ("a/b c", 1), ("orders", 0)]
+    reopened.close()
+
+
+def test_closed_shard_refuses_appends(storage: JournalStorage) -> None:
+    shard = storage.open_shard("s", 0)
+    shard.close()
+    with pytest.raises(JournalClosed):
+        shard.append(records(0, 1))
+
+
+def test_append_of_bad_record_leaves_the_group_untouched(storage: JournalStorage) -> None:
+    shard = storage.open_shard("s", 0)
+    shard.append(records(0, 3))
+    with pytest.raises(TypeError):
+        shard.append([(T0, b"ok"), (T0, "not bytes")])  # type: ignore[list-item]
+    assert shard.next_offset == 3
+    storage.flush_sync()
+    check_dense(shard.read(0), 0, 3)
+
+
+# -- group commit and fsync policies ------------------------------------------------------
+
+
+@pytest.fixture
+def fsync_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = log_module.sync_file
+
+    def counting(fd: int) -> None:
+        calls.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(log_module, "sync_file", counting)
+    return calls
+
+
+async def test_group_commit_shares_one_future_among_concurrent_appenders(
+    storage: JournalStorage, fsync_calls: list[int]
+) -> None:
+    shard = storage.open_shard("s", 0)
+    other = storage.open_shard("s", 1)
+    waiters = []
+    for i in range(50):
+        shard.append(records(i, 1))
+        other.append(records(i, 1))
+        waiters.append(shard.commit_waiter())
+    assert all(w is waiters[0] for w in waiters)
+    assert shard.read(0) == []  # appended, not yet durable: not visible
+    await asyncio.gather(*waiters)
+    assert shard.committed_offset == 50
+    check_dense(shard.read(0), 0, 50)
+    # one pass wrote and fsynced both shards
+    assert storage.stats.passes == 1 and len(fsync_calls) == 2
+    await other.flush()
+    assert shard.commit_waiter() is None and other.commit_waiter() is None
+
+
+async def test_appends_during_a_commit_form_the_next_group(storage: JournalStorage) -> None:
+    shard = storage.open_shard("s", 0)
+
+    async def appender(k: int) -> list[int]:
+        done = []
+        for j in range(40):
+            offset = shard.append([(T0, b"%d-%d" % (k, j))])
+            waiter = shard.commit_waiter()
+            assert waiter is not None
+            await waiter
+            assert shard.committed_offset > offset
+            done.append(offset)
+        return done
+
+    results = await asyncio.gather(*(appender(k) for k in range(25)))
+    assert sorted(o for r in results for o in r) == list(range(1000))
+    stats = storage.stats
+    assert stats.records == 1000
+    assert stats.groups < 200  # appends were batched into groups
+    got = shard.read(0, 2000)
+    assert [r.offset for r in got] == list(range(1000))
+
+
+async def test_policy_always_fsyncs_before_resolving(
+    journal_dir: Path, fsync_calls: list[int]
+) -> None:
+    store = JournalStorage(journal_dir, fsync="always")
+    shard = store.open_shard("s", 0)
+    shard.append(records(0, 3))
+    await shard.commit_waiter()  # type: ignore[misc]
+    assert len(fsync_calls) == 1
+    store.close()
+
+
+async def test_policy_os_resolves_after_write_without_fsync(
+    journal_dir: Path, fsync_calls: list[int]
+) -> None:
+    store = JournalStorage(journal_dir, fsync="os")
+    shard = store.open_shard("s", 0)
+    for first in range(0, 30, 10):
+        shard.append(records(first, 10))
+        await shard.commit_waiter()  # type: ignore[misc]
+    check_dense(shard.read(0), 0, 30)
+    assert fsync_calls == []
+    store.close()  # close fsyncs what the OS holds
+    assert len(fsync_calls) == 1
+
+
+async def test_policy_interval_resolves_after_the_next_timed_fsync(
+    journal_dir: Path, fsync_calls: list[int]
+) -> None:
+    store = JournalStorage(journal_dir, fsync="interval", fsync_interval_ms=200)
+    shard = store.open_shard("s", 0)
+    await asyncio.sleep(0.25)  # let the first interval elapse: the next sync is due at once
+    shard.append(records(0, 1))
+    await shard.commit_waiter()  # type: ignore[misc]
+    assert len(fsync_calls) == 1
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    for first in range(1, 6):
+        shard.append(records(first, 1))
+        waiter = shard.commit_waiter()
+        await asyncio.sleep(0.01)
+        assert waiter is not None and not waiter.done()
+        assert shard.read(first) == []  # written, not yet fsynced: not visible
+    await waiter
+    elapsed = loop.time() - started
+    assert 0.1 < elapsed < 1.0
+    assert len(fsync_calls) == 2  # several write passes, one fsync
+    check_dense(shard.read(0), 0, 6)
+    # flush() does not wait for the timer
+    shard.append(records(6, 1))
+    started = loop.time()
+    await store.flush()
+    assert loop.time() - started < 0.15
+    assert shard.committed_offset == 7
+    store.close()
+
+
+def test_flush_sync_without_event_loop(storage: JournalStorage) -> None:
+    shard = storage.open_shard("s", 0)
+    shard.append(records(0, 10))
+    assert shard.read(0) == []
+    shard.flush_sync()
+    check_dense(shard.read(0), 0, 10)
+    assert shard.commit_waiter() is None
+
+
+# -- write failures -------------------------------------------------------------------------
+
+
+def failing_write(monkeypatch: pytest.MonkeyPatch, *, partial: int = 0) -> list[int]:
+    """Make os.write in the journal fail with ENOSPC (after writing `partial` bytes once)."""
+    real = os.write
+    calls: list[int] = []
+
+    def write(fd: int, data: bytes) -> int:
+        calls.append(fd)
+        if partial and len(calls) == 1:
+            return real(fd, memoryview(data)[:partial])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(segment_module.os, "write", write)
+    return calls
+
+
+@pytest.mark.parametrize("partial", [0, 10, HEADER_SIZE + 3])
+async def test_write_error_fails_the_waiter_and_rolls_back(
+    journal_dir: Path, monkeypatch: pytest.MonkeyPatch, partial: int
+) -> None:
+    store = JournalStorage(journal_dir)
+    shard = store.open_shard("s", 0)
+    shard.append(records(0, 5))
+    await shard.flush()
+    size = shard.segments[-1].size
+
+    with monkeypatch.context() as patch:
+        failing_write(patch, partial=partial)
+        assert shard.append(records(5, 3)) == 5
+        waiter = shard.commit_waiter()
+        with pytest.raises(StorageFull, match="No space left"):
+            await waiter  # type: ignore[misc]
+    assert (shard.next_offset, shard.committed_offset) == (5, 5)
+    log_path = shard.segments[-1].path()
+    assert log_path.stat().st_size == size
+    check_dense(shard.read(0), 0, 5)
+
+    # the offsets are handed out again and the log carries on
+    assert shard.append(records(5, 3)) == 5
+    await shard.flush()
+    check_dense(shard.read(0), 0, 8)
+    store.close()
+    reopened = JournalStorage(journal_dir)
+    check_dense(reopened.open_shard("s", 0).read(0), 0, 8)
+    reopened.close()
+
+
+async def test_write_error_also_fails_appends_made_during_the_failed_pass(
+    journal_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = JournalStorage(journal_dir)
+    shard = store.open_shard("s", 0)
+    failing_write(monkeypatch)
+    shard.append(records(0, 2))
+    first = shard.commit_waiter()
+    await asyncio.sleep(0)  # the pass takes the first group
+    shard.append(records(2, 2))
+    second = shard.commit_waiter()
+    assert second is not first
+    results = await asyncio.gather(first, second, return_exceptions=True)  # type: ignore[arg-type]
+    assert all(isinstance(r, StorageFull) for r in results)
+    assert shard.next_offset == 0
+    monkeypatch.undo()
+    store.close()
+
+
+async def test_fsync_error_rolls_back_unsynced_groups(
+    journal_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = JournalStorage(journal_dir, fsync="interval", fsync_interval_ms=30)
+    shard = store.open_shard("s", 0)
+    shard.append(records(0, 4))
+    await store.flush()
+    size = shard.segments[-1].size
+
+    def broken_sync(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(log_module, "sync_file", broken_sync)
+    shard.append(records(4, 2))
+    first = shard.commit_waiter()
+    await asyncio.sleep(0.005)
+    shard.append(records(6, 2))
+    second = shard.commit_waiter()
+    results = await asyncio.gather(first, second, return_exceptions=True)  # type: ignore[arg-type]
+    assert all(isinstance(r, StorageFull) for r in results)
+    assert (shard.next_offset, shard.committed_offset) == (4, 4)
+    assert shard.segments[-1].path().stat().st_size == size
+    monkeypatch.undo()
+    shard.append(records(4, 1))
+    await store.flush()
+    check_dense(shard.read(0), 0, 5)
+    store.close()
+
+
+def test_flush_sync_raises_storage_full(journal_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = JournalStorage(journal_dir)
+    shard = store.open_shard("s", 0)
+    failing_write(monkeypatch)
+    shard.append(records(0, 2))
+    with pytest.raises(StorageFull):
+        store.flush_sync()
+    assert shard.next_offset == 0
+    monkeypatch.undo()
+    store.close()
+
+
+def test_write_error_during_roll_removes_the_new_segment(
+    journal_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = JournalStorage(journal_dir, segment_bytes=256)
+    shard = store.open_shard("s", 0)
+    shard.append(records(0, 10))
+    store.flush_sync()
+    with monkeypatch.context() as patch:
+        failing_write(patch)
+        shard.append(records(10, 2))
+        with pytest.raises(StorageFull):
+            store.flush_sync()
+    assert [s.base_offset for s in shard.segments] == [0]
+    assert len(shard_files(store, ".log")) == 1
+    shard.append(records(10, 2))
+    store.flush_sync()
+    assert [s.base_offset for s in shard.segments] == [0, 10]
+    check_dense(shard.read(0), 0, 12)
+    store.close()
+
+
+def test_too_much_pending_data_is_refused(journal_dir: Path) -> None:
+    store = JournalStorage(journal_dir, max_pending_bytes=1000)
+    shard = store.open_shard("s", 0)
+    shard.append([(T0, bytes(1200))])
+    with pytest.raises(StorageFull):
+        shard.append([(T0, b"x")])
+    store.flush_sync()
+    shard.append([(T0, b"x")])
+    store.close()
+
+
+# -- recovery and corruption ------------------------------------------------------------------
+
+
+def write_closed_journal(journal_dir: Path, count: int, **options: int) -> list[int]:
+    """Append `count` records one group at a time; returns each record's end position in the
+    active segment."""
+    store = JournalStorage(journal_dir, **options)
+    shard = store.open_shard("s", 0)
+    ends = []
+    for i in range(count):
+        shard.append(records(i, 1))
+        store.flush_sync()
+        ends.append(shard.segments[-1].size)
+    store.close()
+    return ends
+
+
+@pytest.mark.parametrize("cut", ["header", "crc", "data", "last-byte", "boundary"])
+def test_recovery_cuts_a_torn_tail(journal_dir: Path, cut: str) -> None:
+    ends = write_closed_journal(journal_dir, 40, index_interval_bytes=100)
+    active = journal_dir / "s" / "0" / "00000000000000000000.log"
+    last_good = ends[-2]
+    position = {
+        "header": last_good + 3,
+        "crc": last_good + 6,
+        "data": last_good + HEADER_SIZE + 2,
+        "last-byte": ends[-1] - 1,
+        "boundary": last_good,
+    }[cut]
+    os.truncate(active, position)
+
+    store = JournalStorage(journal_dir, index_interval_bytes=100)
+    shard = store.open_shard("s", 0)
+    assert shard.next_offset == shard.committed_offset == 39
+    assert active.stat().st_size == last_good
+    check_dense(shard.read(0, 100), 0, 39)
+    check_dense(shard.read(25, 100), 25, 14)
+    assert shard.offset_for_timestamp(T0 + 30) == 30
+    shard.append(records(39, 3))
+    store.flush_sync()
+    check_dense(shard.read(0, 100), 0, 42)
+    store.close()
+
+
+def test_recovery_cuts_at_a_corrupt_record_in_the_active_segment(journal_dir: Path) -> None:
+    ends = write_closed_journal(journal_dir, 10)
+    active = journal_dir / "s" / "0" / "00000000000000000000.log"
+    data = bytearray(active.read_bytes())
+    data[ends[6] + HEADER_SIZE] ^= 0xFF  # the data of record 7
+    active.write_bytes(bytes(data))
+    store = JournalStorage(journal_dir)
+    shard = store.open_shard("s", 0)
+    assert shard.next_offset == 7
+    check_dense(shard.read(0), 0, 7)
+    store.close()
+
+
+def test_recovery_cuts_garbage_after_the_last_record(journal_dir: Path) -> None:
+    ends = write_closed_journal(journal_dir, 5)
+    active = journal_dir / "s" / "0" / "00000000000000000000.log"
+    with active.open("ab") as f:
+        f.write(bytes(100))
+    store = JournalStorage(journal_dir)
+    shard = store.open_shard("s", 0)
+    assert shard.next_offset == 5 and active.stat().st_size == ends[-1]
+    store.close()
+
+
+def test_crc_flip_in_sealed_segment_raises_corrupt_record(journal_dir: Path) -> None:
+    store = JournalStorage(journal_dir, segment_bytes=1024, index_interval_bytes=128)
+    shard = store.open_shard("s", 0)
+    for first in range(0, 200, 20):
+        shard.append(records(first, 20))
+        store.flush_sync()
+    first_segment = shard.segments[0]
+    assert first_segment.sealed and len(shard.segments) > 2
+    store.close()
+
+    path = first_segment.path()
+    data = bytearray(path.read_bytes())
+    # find the byte position of record 10 by walking the headers
+    position = 0
+    for _ in range(10):
+        position += HEADER_SIZE + int.from_bytes(data[position : position + 4], "little")
+    data[position + HEADER_SIZE + 1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+    reopened = JournalStorage(journal_dir, segment_bytes=1024, index_interval_bytes=128)
+    shard = reopened.open_shard("s", 0)
+    assert shard.next_offset == 200  # a sealed segment is not cut
+    check_dense(shard.read(0, 10), 0, 10)
+    with pytest.raises(CorruptRecord) as info:
+        shard.read(0, 100)
+    message = str(info.value)
+    assert str(path) in message and f"byte {position}" in message
+    with pytest.raises(CorruptRecord):
+        shard.read(10, 1)
+    later = shard.segments[1].base_offset
+    check_dense(shard.read(later, 5), later, 5)
+    reopened.close()
+
+
+def test_newer_format_version_is_refused(journal_dir: Path) -> None:
+    JournalStorage(journal_dir).close()
+    assert (journal_dir / VERSION_FILE).read_text().split()[0] == str(FORMAT_VERSION)
+    (journal_dir / VERSION_FILE).write_text(f"{FORMAT_VERSION + 1}\ncrc32c\n")
+    with pytest.raises(JournalVersionError, match="format version 2"):
+        JournalStorage(journal_dir)
+
+
+def test_other_checksum_is_refused(journal_dir: Path) -> None:
+    JournalStorage(journal_dir).close()
+    (journal_dir / VERSION_FILE).write_text(f"{FORMAT_VERSION}\nsha1\n")
+    with pytest.raises(JournalVersionError, match="sha1"):
+        JournalStorage(journal_dir)
+
+
+# -- retention ------------------------------------------------------------------------------
+
+
+def fill_segments(store: JournalStorage, count: int, per_group: int = 10) -> JournalShardLog:
+    shard = store.open_shard("s", 0)
+    for first in range(0, count, per_group):
+        shard.append([(T0 + 1000 * (first + i), payload(first + i)) for i in range(per_group)])
+        store.flush_sync()
+    return shard
+
+
+def test_delete_before_drops_whole_sealed_segments(journal_dir: Path) -> None:
+    store = JournalStorage(journal_dir, segment_bytes=512)
+    shard = fill_segments(store, 200)
+    bases = [s.base_offset for s in shard.segments]
+    assert shard.delete_before(bases[3] + 1) == bases[3]
+    assert shard_files(store, ".log")[0].name == f"{bases[3]:020d}.log"
+    assert shard.delete_before(10**9) == bases[-1]  # the active segment stays
+    check_dense(shard.read(0), bases[-1], 200 - bases[-1])
+    store.close()
+    reopened = JournalStorage(journal_dir, segment_bytes=512)
+    assert reopened.open_shard("s", 0).low_watermark == bases[-1]
+    reopened.close()
+
+
+def test_retention_by_size_never_passes_min_needed_offset(journal_dir: Path) -> None:
+    store = JournalStorage(journal_dir, segment_bytes=512, retention_bytes=1500)
+    shard = fill_segments(store, 200)
+    bases = [s.base_offset for s in shard.segments]
+    needed = bases[4] + 3
+    assert shard.apply_retention(needed) == bases[4]
+    assert shard.apply_retention(0) == bases[4]
+    low = shard.apply_retention(10**9)
+    assert sum(s.size for s in shard.segments) <= 1500 or len(shard.segments) == 1
+    assert low > bases[4]
+    check_dense(shard.read(0, 1000), low, 200 - low)
+    store.close()
+
+
+def test_retention_by_age_never_passes_min_needed_offset(journal_dir: Path) -> None:
+    store = JournalStorage(journal_dir, segment_bytes=512, retention_ms=50_000)
+    shard = fill_segments(store, 200)
+    now = T0 + 1000 * 120  # records 0..69 are older than 50 s
+    segments = shard.segments
+    old_enough = [s for s in segments if s.max_timestamp < now - 50_000]
+    assert 1 < len(old_enough) < len(segments)
+    assert shard.apply_retention(old_enough[1].base_offset, now_ms=now) == old_enough[1].base_offset
+    expected_low = old_enough[-1].next_offset
+    assert shard.apply_retention(10**9, now_ms=now) == expected_low
+    assert shard.read(0, 1)[0].offset == expected_low
+    store.close()
+
+
+# -- a crash of the process --------------------------------------------------------------
+
+CHILD = textwrap.dedent(
+    """
+    import asyncio, sys
+    from shardgate.storage.journal import JournalStorage
+
+    async def main() -> None:
+        store = JournalStorage(sys.argv[1], segment_bytes=8192, index_interval_bytes=512)
+        shard = store.open_shard("s", 0)
+
+        async def appender(k: int) -> None:
+            while True:
+                offset = shard.next_offset
+                data = b"%d:%d:" % (offset, k) + bytes(k * 7)
+                assert shard.append([(offset, data)]) == offset
+                await shard.commit_waiter()
+                sys.stdout.write(f"{offset}\\n")
+                sys.stdout.flush()
+
+        await asyncio.gather(*(appender(k) for k in range(16)))
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_sigkill_loses_nothing_that_was_committed(journal_dir: Path) -> None:
+    committed: list[int] = []
+    with subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(journal_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as child:
+        assert child.stdout is not None and child.stderr is not None
+        try:
+            for line in child.stdout:
+                committed.append(int(line))
+                if len(committed) >= 3000:
+                    break
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait(10)
+        errors = child.stderr.read().decode()
+    assert len(committed) >= 3000, errors
+    assert child.returncode == -signal.SIGKILL
+
+    store = JournalStorage(journal_dir, segment_bytes=8192, index_interval_bytes=512)
+    shard = store.open_shard("s", 0)
+    assert len(shard.segments) > 3
+    assert shard.next_offset > max(committed)
+    got = {r.offset: r for r in shard.read(0, shard.next_offset)}
+    assert sorted(got) == list(range(shard.next_offset))
+    for offset in committed:
+        record = got[offset]
+        assert record.timestamp_ms == offset
+        assert record.data.startswith(b"%d:" % offset)
+        k = int(record.data.split(b":")[1])
+        assert record.data == b"%d:%d:" % (offset, k) + bytes(k * 7)
+    store.close()
