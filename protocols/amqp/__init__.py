@@ -1,1 +1,1 @@
-"""AMQP 0-9-1 protocol adapter."""
+"""AMQP 0-9-1 protocol adapter: RabbitMQ clients (aio-pika, pika, ...) on the Shardgate core."""

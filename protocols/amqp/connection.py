@@ -1,0 +1,1015 @@
+"""The sans-IO AMQP 0-9-1 connection: bytes in → core calls and frames out.
+
+`AmqpConnection.data_received(bytes)` parses frames (pamqp does the method and content header
+encoding), runs the connection state machine (protocol header → start/start-ok → tune/tune-ok →
+open → open; close/close-ok at any point) and its channels, and appends the frames it answers
+with to an output list that the service flushes to the `Link` once per event-loop turn. It never
+touches a socket or awaits.
+
+Errors follow the spec's model (AMQP 0-9-1 §1.2 constants, §2.3.7 channel vs connection
+exceptions): a `ChannelException` sends channel.close and ignores that channel's frames until
+channel.close-ok; a `ConnectionException` (frame errors 501/502/503/504/505, 530, 540) sends
+connection.close and ignores everything but close/close-ok until the peer confirms.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import struct
+import time
+from collections.abc import Callable
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pamqp import commands, constants, decode, exceptions
+from pamqp import frame as pframe
+from pamqp import header as pheader
+
+from ... import __version__
+from ...core.errors import PublishRejected
+from ...core.message import Message
+from .errors import ChannelException, ConnectionException, ReplyCode
+from .properties import content_header_payload, encoded_properties, message_from_properties
+from .queues import Queue, QueueConsumer, QueueEntry
+from .routing import exchange_and_key, publish_topic
+
+if TYPE_CHECKING:
+    from .service import AmqpService
+    from .vhost import VirtualHost
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"  # AMQP 0-9-1 §4.2.2
+FRAME_MIN_SIZE = constants.FRAME_MIN_SIZE  # 4096, §4.2.3
+_FRAME_HEADER = struct.Struct(">BHI")
+_FRAME_END = b"\xce"
+_HEARTBEAT = pframe.marshal(pframe.heartbeat.Heartbeat(), 0)
+
+
+class Link(Protocol):
+    """Where a connection's bytes go (the socket adapter)."""
+
+    def write(self, data: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class State(Enum):
+    AWAIT_HEADER = "await-header"
+    AWAIT_START_OK = "await-start-ok"
+    AWAIT_TUNE_OK = "await-tune-ok"
+    AWAIT_OPEN = "await-open"
+    OPEN = "open"
+    CLOSING = "closing"  # we sent connection.close, waiting for close-ok
+    CLOSED = "closed"
+
+
+def frame_bytes(frame_type: int, channel: int, payload: bytes) -> bytes:
+    return _FRAME_HEADER.pack(frame_type, channel, len(payload)) + payload + _FRAME_END
+
+
+def _ids(method: type[commands.base.Frame] | commands.base.Frame | None) -> tuple[int, int]:
+    if method is None:
+        return 0, 0
+    return method.index >> 16, method.index & 0xFFFF
+
+
+class Delivery:
+    """An unacknowledged delivery on a channel."""
+
+    __slots__ = ("queue", "entry", "consumer")
+
+    def __init__(self, queue: Queue, entry: QueueEntry, consumer: QueueConsumer | None) -> None:
+        self.queue = queue
+        self.entry = entry
+        self.consumer = consumer
+
+
+class AmqpChannel:
+    """One open channel: its consumers, unacked deliveries, prefetch, confirms, pending publish."""
+
+    def __init__(self, connection: AmqpConnection, number: int) -> None:
+        self.connection = connection
+        self.number = number
+        self.closing = False
+        self.flow = True
+        self.prefetch = 0  # channel-wide limit (basic.qos global=true)
+        self.consumer_prefetch = 0  # for consumers created next (global=false)
+        self.consumers: dict[str, QueueConsumer] = {}
+        self.unacked: dict[int, Delivery] = {}
+        self.next_tag = 1
+        self.confirm = False
+        self.publish_seq = 0
+        self.unconfirmed: dict[int, bool] = {}
+        self.last_queue = ""
+        # Content being received: the publish method, its header, body parts.
+        self.publish: commands.Basic.Publish | None = None
+        self.content_props: commands.Basic.Properties | None = None
+        self.content_raw: bytes = b""
+        self.body_size = 0
+        self.body: list[bytes] = []
+        self.body_received = 0
+
+    # ------------------------------------------------------------------ ConsumerChannel
+    def can_deliver(self, consumer: QueueConsumer) -> bool:
+        if self.closing or not self.flow or not self.connection.writable:
+            return False
+        if consumer.no_ack:
+            return True
+        if consumer.prefetch and consumer.unacked >= consumer.prefetch:
+            return False
+        return not (self.prefetch and len(self.unacked) >= self.prefetch)
+
+    def deliver(self, consumer: QueueConsumer, queue: Queue, entry: QueueEntry) -> None:
+        tag = self.next_tag
+        self.next_tag = tag + 1
+        if not consumer.no_ack:
+            self.unacked[tag] = Delivery(queue, entry, consumer)
+            consumer.unacked += 1
+        message = entry.message
+        exchange, routing_key = exchange_and_key(message.topic)
+        method = commands.Basic.Deliver(consumer.tag, tag, entry.redelivered, exchange, routing_key)
+        self.connection.send_content(self.number, method, message)
+
+    # ------------------------------------------------------------------ acks
+    def settle(self, tag: int, multiple: bool, method: type[commands.base.Frame]) -> list[Delivery]:
+        """Remove and return the deliveries an ack/nack/reject covers."""
+        unacked = self.unacked
+        if multiple:
+            if tag == 0:
+                settled = list(unacked.values())
+                unacked.clear()
+            else:
+                keys = [k for k in unacked if k <= tag]
+                if not keys and tag >= self.next_tag:
+                    raise ChannelException(
+                        ReplyCode.PRECONDITION_FAILED, f"unknown delivery tag {tag}", *_ids(method)
+                    )
+                settled = [unacked.pop(k) for k in keys]
+        else:
+            delivery = unacked.pop(tag, None)
+            if delivery is None:
+                raise ChannelException(
+                    ReplyCode.PRECONDITION_FAILED, f"unknown delivery tag {tag}", *_ids(method)
+                )
+            settled = [delivery]
+        for delivery in settled:
+            consumer = delivery.consumer
+            if consumer is not None:
+                consumer.unacked -= 1
+                self.connection.wake(consumer.queue)
+            elif self.prefetch:
+                self.connection.wake_channel(self)
+        return settled
+
+    def requeue_all(self) -> None:
+        """Give every unacked delivery back to its queue (channel closed or basic.recover)."""
+        deliveries = list(self.unacked.values())
+        self.unacked.clear()
+        by_queue: dict[Queue, list[QueueEntry]] = {}
+        for delivery in deliveries:
+            if delivery.consumer is not None:
+                delivery.consumer.unacked -= 1
+            by_queue.setdefault(delivery.queue, []).append(delivery.entry)
+        for queue, entries in by_queue.items():
+            queue.requeue(entries)
+
+    def release(self) -> list[Queue]:
+        """Channel is going away: cancel consumers, requeue unacked; returns touched queues."""
+        self.closing = True
+        queues = []
+        for consumer in self.consumers.values():
+            consumer.queue.remove_consumer(consumer)
+            queues.append(consumer.queue)
+        self.consumers.clear()
+        self.requeue_all()
+        return queues
+
+
+class AmqpConnection:
+    """One client connection's protocol state (sans-IO)."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, service: AmqpService, link: Link, remote: str, loopback: bool) -> None:
+        self.service = service
+        self.settings = service.settings
+        self.link = link
+        self.remote = remote
+        self.loopback = loopback
+        self.id = f"amqp-{next(self._ids)}"
+        self.state = State.AWAIT_HEADER
+        self.buffer = bytearray()
+        self.out: list[bytes] = []
+        self.out_bytes = 0
+        self.flush_requested = False
+        self.close_after_flush = False
+        self.transport_writable = True
+        self.channels: dict[int, AmqpChannel] = {}
+        self.closing_channels: set[int] = set()
+        self.frame_max = self.settings.frame_max
+        self.channel_max = self.settings.channel_max
+        self.heartbeat = 0
+        self.username = ""
+        self.vhost: VirtualHost | None = None
+        self.client_properties: dict[str, Any] = {}
+        self.capabilities: dict[str, Any] = {}
+        self.opened_at = time.monotonic()
+        self.last_received = self.opened_at
+        self.last_sent = self.opened_at
+        self.closing_since = 0.0
+        self._wake_queues: set[Queue] = set()
+        self._wake_channels: set[AmqpChannel] = set()
+        self._ctag = itertools.count(1)
+        self._ctag_prefix = os.urandom(6).hex()
+        self._handlers: dict[type, Callable[[AmqpChannel, Any], None]] = {
+            commands.Channel.Close: self._channel_close,
+            commands.Channel.CloseOk: self._channel_close_ok,
+            commands.Channel.Flow: self._channel_flow,
+            commands.Channel.FlowOk: lambda ch, f: None,
+            commands.Exchange.Declare: self._exchange_declare,
+            commands.Exchange.Delete: self._exchange_delete,
+            commands.Exchange.Bind: self._not_implemented,
+            commands.Exchange.Unbind: self._not_implemented,
+            commands.Queue.Declare: self._queue_declare,
+            commands.Queue.Bind: self._queue_bind,
+            commands.Queue.Unbind: self._queue_unbind,
+            commands.Queue.Purge: self._queue_purge,
+            commands.Queue.Delete: self._queue_delete,
+            commands.Basic.Qos: self._basic_qos,
+            commands.Basic.Consume: self._basic_consume,
+            commands.Basic.Cancel: self._basic_cancel,
+            commands.Basic.Publish: self._basic_publish,
+            commands.Basic.Get: self._basic_get,
+            commands.Basic.Ack: self._basic_ack,
+            commands.Basic.Nack: self._basic_nack,
+            commands.Basic.Reject: self._basic_reject,
+            commands.Basic.Recover: self._basic_recover,
+            commands.Basic.RecoverAsync: self._basic_recover,
+            commands.Confirm.Select: self._confirm_select,
+            commands.Tx.Select: self._not_implemented,
+            commands.Tx.Commit: self._not_implemented,
+            commands.Tx.Rollback: self._not_implemented,
+        }
+
+    # ================================================================== output
+    @property
+    def writable(self) -> bool:
+        return self.transport_writable and self.out_bytes < self.settings.max_outbound_buffer
+
+    def _write(self, data: bytes) -> None:
+        self.out.append(data)
+        self.out_bytes += len(data)
+        if not self.flush_requested:
+            self.flush_requested = True
+            self.service.request_flush(self)
+
+    def send_method(self, channel: int, method: commands.base.Frame) -> None:
+        self._write(pframe.marshal(method, channel))
+
+    def send_content(self, channel: int, method: commands.base.Frame, message: Message) -> None:
+        """A method with content (deliver, get-ok, return): method, header and body frames."""
+        payload = message.payload
+        parts = [
+            pframe.marshal(method, channel),
+            frame_bytes(2, channel, content_header_payload(encoded_properties(message), len(payload))),
+        ]
+        if payload:
+            chunk = self.frame_max - 8
+            if len(payload) <= chunk:
+                parts.append(frame_bytes(3, channel, payload))
+            else:
+                for start in range(0, len(payload), chunk):
+                    parts.append(frame_bytes(3, channel, payload[start:start + chunk]))
+        self._write(b"".join(parts))
+
+    def flush(self) -> None:
+        self.flush_requested = False
+        if self.out:
+            data = b"".join(self.out) if len(self.out) > 1 else self.out[0]
+            self.out.clear()
+            self.out_bytes = 0
+            self.last_sent = time.monotonic()
+            self.link.write(data)
+            if self.transport_writable:
+                self._resume_consumers()
+        if self.close_after_flush:
+            self.state = State.CLOSED
+            self.link.close()
+
+    def set_writable(self, writable: bool) -> None:
+        """The transport paused or resumed writing."""
+        self.transport_writable = writable
+        if writable:
+            self._resume_consumers()
+            self._run_wakeups()
+
+    def _resume_consumers(self) -> None:
+        for channel in self.channels.values():
+            for consumer in channel.consumers.values():
+                self._wake_queues.add(consumer.queue)
+
+    # ================================================================== input
+    def data_received(self, data: bytes) -> None:
+        if self.state is State.CLOSED:
+            return
+        self.last_received = time.monotonic()
+        buffer = self.buffer
+        buffer += data
+        if self.state is State.AWAIT_HEADER:
+            if not self._protocol_header():
+                return
+        pos = 0
+        size_limit = self.frame_max
+        try:
+            while self.state is not State.CLOSED:
+                available = len(buffer) - pos
+                if available < 7:
+                    break
+                frame_type, channel, size = _FRAME_HEADER.unpack_from(buffer, pos)
+                if size + 8 > size_limit:
+                    raise ConnectionException(
+                        ReplyCode.FRAME_ERROR,
+                        f"frame of {size + 8} bytes exceeds the negotiated frame-max {size_limit}",
+                    )
+                if available < size + 8:
+                    break
+                end = pos + 7 + size
+                if buffer[end] != 0xCE:
+                    raise ConnectionException(ReplyCode.FRAME_ERROR, "frame end byte is not 0xCE")
+                if frame_type == 3:
+                    self._body_frame(channel, bytes(buffer[pos + 7:end]))
+                else:
+                    self._frame(frame_type, channel, bytes(buffer[pos:end + 1]))
+                pos = end + 1
+                if self.state is State.CLOSING and self.close_after_flush:
+                    break
+        except ConnectionException as exc:
+            self.close(exc)
+            pos = len(buffer)
+        finally:
+            del buffer[:pos]
+            self._run_wakeups()
+
+    def _protocol_header(self) -> bool:
+        buffer = self.buffer
+        if len(buffer) < 8:
+            if PROTOCOL_HEADER.startswith(bytes(buffer)) or bytes(buffer) == b"AMQP"[: len(buffer)]:
+                return False
+            self._reject_header()
+            return False
+        if bytes(buffer[:8]) != PROTOCOL_HEADER:
+            self._reject_header()
+            return False
+        del buffer[:8]
+        self.state = State.AWAIT_START_OK
+        self.send_method(0, commands.Connection.Start(
+            version_major=0, version_minor=9,
+            server_properties={
+                "product": self.settings.product,
+                "version": __version__,
+                "platform": "Python",
+                "information": "Shardgate multi-protocol message gateway",
+                "capabilities": {
+                    "publisher_confirms": True,
+                    "exchange_exchange_bindings": False,
+                    "basic.nack": True,
+                    "consumer_cancel_notify": True,
+                    "connection.blocked": False,
+                    "consumer_priorities": False,
+                    "authentication_failure_close": True,
+                    "per_consumer_qos": True,
+                    "direct_reply_to": False,
+                },
+            },
+            mechanisms="PLAIN AMQPLAIN", locales="en_US",
+        ))
+        return True
+
+    def _reject_header(self) -> None:
+        """Not an AMQP 0-9-1 header: answer with ours and close (§4.2.2)."""
+        log.info("%s sent a bad protocol header %r", self.remote, bytes(self.buffer[:8]))
+        self.buffer.clear()
+        self._write(PROTOCOL_HEADER)
+        self.state = State.CLOSING
+        self.close_after_flush = True
+
+    def _frame(self, frame_type: int, channel_number: int, data: bytes) -> None:
+        if frame_type == 8:
+            if channel_number != 0:
+                raise ConnectionException(ReplyCode.FRAME_ERROR, "heartbeat frame on a channel")
+            return
+        if frame_type not in (1, 2):
+            raise ConnectionException(ReplyCode.FRAME_ERROR, f"unknown frame type {frame_type}")
+        try:
+            _, _, value = pframe.unmarshal(data)
+        except exceptions.UnmarshalingException as exc:
+            if frame_type == 1 and len(data) >= 11:
+                index = struct.unpack_from(">I", data, 7)[0]
+                if index not in commands.INDEX_MAPPING:
+                    raise ConnectionException(
+                        ReplyCode.NOT_IMPLEMENTED,
+                        f"unknown method class {index >> 16} method {index & 0xFFFF}",
+                    ) from None
+            raise ConnectionException(ReplyCode.SYNTAX_ERROR, f"malformed frame: {exc}") from None
+        except Exception as exc:  # pamqp raises assorted errors on garbage
+            raise ConnectionException(ReplyCode.SYNTAX_ERROR, f"malformed frame: {exc}") from None
+        state = self.state
+        if frame_type == 2:
+            if state is not State.CLOSING:
+                self._header_frame(channel_number, value, data)
+            return
+        if state is State.CLOSING:
+            if isinstance(value, commands.Connection.CloseOk | commands.Connection.Close):
+                if isinstance(value, commands.Connection.Close):
+                    self.send_method(0, commands.Connection.CloseOk())
+                self.close_after_flush = True
+                self._request_flush()
+            return
+        if channel_number == 0:
+            self._connection_method(value)
+            return
+        if state is not State.OPEN:
+            raise ConnectionException(
+                ReplyCode.COMMAND_INVALID, f"{value.name} before the connection is open", *_ids(value)
+            )
+        channel = self.channels.get(channel_number)
+        if channel is None:
+            if isinstance(value, commands.Channel.Open):
+                self._channel_open(channel_number)
+                return
+            if channel_number in self.closing_channels:
+                if isinstance(value, commands.Channel.CloseOk):
+                    self.closing_channels.discard(channel_number)
+                elif isinstance(value, commands.Channel.Close):
+                    self.send_method(channel_number, commands.Channel.CloseOk())
+                return
+            raise ConnectionException(
+                ReplyCode.CHANNEL_ERROR, f"expected 'channel.open' on channel {channel_number}, "
+                f"got '{value.name}'", *_ids(value),
+            )
+        if channel.publish is not None:
+            raise ConnectionException(
+                ReplyCode.UNEXPECTED_FRAME,
+                f"expected content header for class 60, got method '{value.name}'", *_ids(value),
+            )
+        handler = self._handlers.get(type(value))
+        if handler is None:
+            if isinstance(value, commands.Channel.Open):
+                raise ConnectionException(
+                    ReplyCode.CHANNEL_ERROR, f"channel {channel_number} is already open", *_ids(value)
+                )
+            raise ConnectionException(
+                ReplyCode.COMMAND_INVALID, f"'{value.name}' is not a client method here",
+                *_ids(value),
+            )
+        try:
+            handler(channel, value)
+        except ChannelException as exc:
+            self._close_channel(channel, exc)
+
+    # ================================================================== connection class
+    def _connection_method(self, value: commands.base.Frame) -> None:
+        state = self.state
+        if isinstance(value, commands.Connection.Close):
+            self.send_method(0, commands.Connection.CloseOk())
+            self.state = State.CLOSING
+            self.close_after_flush = True
+            self._release_all()
+            return
+        if state is State.AWAIT_START_OK and isinstance(value, commands.Connection.StartOk):
+            self._start_ok(value)
+        elif state is State.AWAIT_TUNE_OK and isinstance(value, commands.Connection.TuneOk):
+            self._tune_ok(value)
+        elif state is State.AWAIT_OPEN and isinstance(value, commands.Connection.Open):
+            self._open(value)
+        elif isinstance(value, commands.Connection.UpdateSecret) and state is State.OPEN:
+            self.send_method(0, commands.Connection.UpdateSecretOk())
+        else:
+            raise ConnectionException(
+                ReplyCode.COMMAND_INVALID if state is State.OPEN else ReplyCode.COMMAND_INVALID,
+                f"unexpected '{value.name}' on channel 0 in state {state.value}", *_ids(value),
+            )
+
+    def _start_ok(self, frame: commands.Connection.StartOk) -> None:
+        self.client_properties = dict(frame.client_properties or {})
+        caps = self.client_properties.get("capabilities")
+        self.capabilities = dict(caps) if isinstance(caps, dict) else {}
+        response = frame.response
+        raw = response.encode("utf-8") if isinstance(response, str) else bytes(response or b"")
+        user = password = None
+        if frame.mechanism == "PLAIN":
+            parts = raw.split(b"\x00")
+            if len(parts) == 3:
+                user, password = parts[1].decode("utf-8", "replace"), parts[2].decode("utf-8", "replace")
+        elif frame.mechanism == "AMQPLAIN":
+            try:
+                _, table = decode.field_table(struct.pack(">I", len(raw)) + raw)
+                login, secret = table.get("LOGIN"), table.get("PASSWORD")
+                user = login.decode() if isinstance(login, bytes) else login
+                password = secret.decode() if isinstance(secret, bytes) else secret
+            except (ValueError, UnicodeDecodeError):
+                pass
+        else:
+            raise ConnectionException(
+                ReplyCode.ACCESS_REFUSED,
+                f"unsupported authentication mechanism '{frame.mechanism}'", *_ids(frame),
+            )
+        refusal = self.service.authenticate(user, password, self.loopback)
+        if refusal is not None:
+            raise ConnectionException(ReplyCode.ACCESS_REFUSED, refusal, *_ids(frame))
+        self.username = str(user)
+        self.state = State.AWAIT_TUNE_OK
+        self.send_method(0, commands.Connection.Tune(
+            channel_max=self.settings.channel_max, frame_max=self.settings.frame_max,
+            heartbeat=self.settings.heartbeat,
+        ))
+
+    def _tune_ok(self, frame: commands.Connection.TuneOk) -> None:
+        settings = self.settings
+        frame_max = frame.frame_max or settings.frame_max
+        if frame_max < FRAME_MIN_SIZE or frame_max > settings.frame_max:
+            raise ConnectionException(
+                ReplyCode.NOT_ALLOWED,
+                f"frame_max={frame_max} outside [{FRAME_MIN_SIZE}, {settings.frame_max}]",
+                *_ids(frame),
+            )
+        channel_max = frame.channel_max or settings.channel_max
+        if channel_max > settings.channel_max:
+            raise ConnectionException(
+                ReplyCode.NOT_ALLOWED,
+                f"channel_max={channel_max} above the server's {settings.channel_max}", *_ids(frame),
+            )
+        self.frame_max = frame_max
+        self.channel_max = channel_max
+        self.heartbeat = frame.heartbeat
+        self.state = State.AWAIT_OPEN
+
+    def _open(self, frame: commands.Connection.Open) -> None:
+        vhost = self.service.vhost(frame.virtual_host)
+        if vhost is None:
+            raise ConnectionException(
+                ReplyCode.NOT_ALLOWED, f"vhost '{frame.virtual_host}' not found", *_ids(frame)
+            )
+        self.vhost = vhost
+        self.state = State.OPEN
+        self.service.connection_opened(self)
+        self.send_method(0, commands.Connection.OpenOk())
+
+    def close(self, exc: ConnectionException) -> None:
+        """Close the connection with a connection exception (connection.close)."""
+        if self.state in (State.CLOSING, State.CLOSED):
+            return
+        log.info("closing AMQP connection %s: %s", self.remote, exc.reply_text)
+        self._release_all()
+        if self.state is State.AWAIT_HEADER:
+            self.state = State.CLOSED
+            self.link.close()
+            return
+        self.send_method(0, commands.Connection.Close(exc.code, exc.reply_text, exc.class_id, exc.method_id))
+        self.state = State.CLOSING
+        self.closing_since = time.monotonic()
+        if exc.code == ReplyCode.ACCESS_REFUSED and self.vhost is None:
+            self.close_after_flush = True
+
+    def shutdown(self, text: str = "broker shutting down") -> None:
+        self.close(ConnectionException(ReplyCode.CONNECTION_FORCED, text))
+        self.close_after_flush = True
+        self._request_flush()
+
+    def _request_flush(self) -> None:
+        if not self.flush_requested:
+            self.flush_requested = True
+            self.service.request_flush(self)
+
+    def connection_lost(self) -> None:
+        self.state = State.CLOSED
+        self._release_all()
+        self.out.clear()
+
+    def _release_all(self) -> None:
+        touched: list[Queue] = []
+        for channel in self.channels.values():
+            touched.extend(channel.release())
+        self.channels.clear()
+        self.service.connection_closed(self, touched)
+
+    def tick(self, now: float) -> None:
+        """Heartbeats and timeouts, called about once a second by the service."""
+        state = self.state
+        if state is State.CLOSED:
+            return
+        if state is State.CLOSING:
+            if self.closing_since and now - self.closing_since > 5:
+                self.state = State.CLOSED
+                self.link.close()
+            return
+        if state is not State.OPEN:
+            if now - self.opened_at > self.settings.handshake_timeout and state is not State.AWAIT_OPEN:
+                log.info("AMQP handshake timeout for %s", self.remote)
+                self.state = State.CLOSED
+                self.link.close()
+            return
+        heartbeat = self.heartbeat
+        if heartbeat:
+            if now - self.last_received > 2 * heartbeat:
+                log.info("missed heartbeats from %s, closing", self.remote)
+                self.state = State.CLOSED
+                self._release_all()
+                self.link.close()
+                return
+            if now - self.last_sent >= heartbeat / 2 and not self.out:
+                self._write(_HEARTBEAT)
+
+    # ================================================================== channels
+    def _channel_open(self, number: int) -> None:
+        if number > self.channel_max:
+            raise ConnectionException(
+                ReplyCode.CHANNEL_ERROR, f"channel {number} above channel-max {self.channel_max}",
+                *_ids(commands.Channel.Open),
+            )
+        self.closing_channels.discard(number)
+        self.channels[number] = AmqpChannel(self, number)
+        self.send_method(number, commands.Channel.OpenOk())
+
+    def _close_channel(self, channel: AmqpChannel, exc: ChannelException) -> None:
+        log.debug("channel %d of %s closed: %s", channel.number, self.remote, exc.reply_text)
+        self._drop_channel(channel)
+        self.closing_channels.add(channel.number)
+        self.send_method(
+            channel.number,
+            commands.Channel.Close(exc.code, exc.reply_text, exc.class_id, exc.method_id),
+        )
+
+    def _drop_channel(self, channel: AmqpChannel) -> None:
+        self.channels.pop(channel.number, None)
+        touched = channel.release()
+        self.service.queues_released(self, touched)
+
+    def _channel_close(self, channel: AmqpChannel, frame: commands.Channel.Close) -> None:
+        self._drop_channel(channel)
+        self.send_method(channel.number, commands.Channel.CloseOk())
+
+    def _channel_close_ok(self, channel: AmqpChannel, frame: commands.Channel.CloseOk) -> None:
+        raise ConnectionException(
+            ReplyCode.COMMAND_INVALID, "channel.close-ok on an open channel", *_ids(frame)
+        )
+
+    def _channel_flow(self, channel: AmqpChannel, frame: commands.Channel.Flow) -> None:
+        channel.flow = bool(frame.active)
+        self.send_method(channel.number, commands.Channel.FlowOk(active=channel.flow))
+        if channel.flow:
+            self.wake_channel(channel)
+
+    def _not_implemented(self, channel: AmqpChannel, frame: commands.base.Frame) -> None:
+        if isinstance(frame, commands.Tx.Select | commands.Tx.Commit | commands.Tx.Rollback):
+            text = "transactions (tx.select) are not supported; use publisher confirms (confirm.select)"
+        else:
+            text = f"'{frame.name}' is not supported (no exchange-to-exchange bindings)"
+        raise ConnectionException(ReplyCode.NOT_IMPLEMENTED, text, *_ids(frame))
+
+    # ================================================================== wake-ups
+    def wake(self, queue: Queue) -> None:
+        self._wake_queues.add(queue)
+
+    def wake_channel(self, channel: AmqpChannel) -> None:
+        for consumer in channel.consumers.values():
+            self._wake_queues.add(consumer.queue)
+
+    def _run_wakeups(self) -> None:
+        if self._wake_queues:
+            queues = self._wake_queues
+            self._wake_queues = set()
+            for queue in queues:
+                queue.dispatch()
+
+    # ================================================================== exchange & queue class
+    def _exchange_declare(self, channel: AmqpChannel, frame: commands.Exchange.Declare) -> None:
+        assert self.vhost is not None
+        self.vhost.declare_exchange(frame)
+        if not frame.nowait:
+            self.send_method(channel.number, commands.Exchange.DeclareOk())
+
+    def _exchange_delete(self, channel: AmqpChannel, frame: commands.Exchange.Delete) -> None:
+        assert self.vhost is not None
+        self.vhost.delete_exchange(frame.exchange, frame.if_unused)
+        if not frame.nowait:
+            self.send_method(channel.number, commands.Exchange.DeleteOk())
+
+    def _queue_name(self, channel: AmqpChannel, name: str, method: type[commands.base.Frame]) -> str:
+        if name:
+            return name
+        if not channel.last_queue:
+            raise ChannelException(ReplyCode.NOT_FOUND, "no previously declared queue", *_ids(method))
+        return channel.last_queue
+
+    def _queue_declare(self, channel: AmqpChannel, frame: commands.Queue.Declare) -> None:
+        assert self.vhost is not None
+        queue, _ = self.vhost.declare_queue(frame, self)
+        channel.last_queue = queue.name
+        if not frame.nowait:
+            queue.expire()
+            self.send_method(channel.number, commands.Queue.DeclareOk(
+                queue.name, len(queue.messages), len(queue.consumers)
+            ))
+
+    def _queue_bind(self, channel: AmqpChannel, frame: commands.Queue.Bind) -> None:
+        assert self.vhost is not None
+        name = self._queue_name(channel, frame.queue, commands.Queue.Bind)
+        queue = self.vhost.queue(name, self, commands.Queue.Bind)
+        self.vhost.bind(queue, frame.exchange, frame.routing_key, frame.arguments, commands.Queue.Bind)
+        if not frame.nowait:
+            self.send_method(channel.number, commands.Queue.BindOk())
+
+    def _queue_unbind(self, channel: AmqpChannel, frame: commands.Queue.Unbind) -> None:
+        assert self.vhost is not None
+        name = self._queue_name(channel, frame.queue, commands.Queue.Unbind)
+        queue = self.vhost.queue(name, self, commands.Queue.Unbind)
+        self.vhost.unbind(queue, frame.exchange, frame.routing_key, frame.arguments, commands.Queue.Unbind)
+        self.send_method(channel.number, commands.Queue.UnbindOk())
+
+    def _queue_purge(self, channel: AmqpChannel, frame: commands.Queue.Purge) -> None:
+        assert self.vhost is not None
+        name = self._queue_name(channel, frame.queue, commands.Queue.Purge)
+        queue = self.vhost.queue(name, self, commands.Queue.Purge)
+        count = queue.purge()
+        if not frame.nowait:
+            self.send_method(channel.number, commands.Queue.PurgeOk(count))
+
+    def _queue_delete(self, channel: AmqpChannel, frame: commands.Queue.Delete) -> None:
+        assert self.vhost is not None
+        method = commands.Queue.Delete
+        name = self._queue_name(channel, frame.queue, method)
+        queue = self.vhost.queues.get(name)
+        count = 0
+        if queue is not None:
+            self.vhost.check_access(queue, self, method)
+            if frame.if_unused and queue.consumers:
+                raise ChannelException(
+                    ReplyCode.PRECONDITION_FAILED, f"queue '{name}' in vhost '{self.vhost.name}' in use",
+                    *_ids(method),
+                )
+            if frame.if_empty and queue.messages:
+                raise ChannelException(
+                    ReplyCode.PRECONDITION_FAILED,
+                    f"queue '{name}' in vhost '{self.vhost.name}' is not empty", *_ids(method),
+                )
+            count = self.vhost.delete_queue(queue)
+        if not frame.nowait:
+            self.send_method(channel.number, commands.Queue.DeleteOk(count))
+
+    def queue_deleted(self, queue: Queue) -> None:
+        """`queue` was deleted: drop our consumers on it (basic.cancel if the client wants it)."""
+        notify = bool(self.capabilities.get("consumer_cancel_notify"))
+        for channel in self.channels.values():
+            for tag, consumer in list(channel.consumers.items()):
+                if consumer.queue is queue:
+                    del channel.consumers[tag]
+                    if notify:
+                        self.send_method(channel.number, commands.Basic.Cancel(tag, nowait=True))
+            for delivery in list(channel.unacked.values()):
+                if delivery.queue is queue and delivery.consumer is not None:
+                    delivery.consumer.unacked -= 1
+                    delivery.consumer = None
+
+    # ================================================================== basic class
+    def _basic_qos(self, channel: AmqpChannel, frame: commands.Basic.Qos) -> None:
+        if frame.global_:
+            channel.prefetch = frame.prefetch_count
+        else:
+            channel.consumer_prefetch = frame.prefetch_count
+        self.send_method(channel.number, commands.Basic.QosOk())
+        self.wake_channel(channel)
+
+    def _basic_consume(self, channel: AmqpChannel, frame: commands.Basic.Consume) -> None:
+        assert self.vhost is not None
+        method = commands.Basic.Consume
+        name = self._queue_name(channel, frame.queue, method)
+        queue = self.vhost.queue(name, self, method)
+        tag = frame.consumer_tag or f"amq.ctag-{self._ctag_prefix}-{next(self._ctag)}"
+        if tag in channel.consumers:
+            raise ConnectionException(
+                ReplyCode.NOT_ALLOWED, f"attempt to reuse consumer tag '{tag}'", *_ids(method)
+            )
+        if queue.consumers and (frame.exclusive or any(c.exclusive for c in queue.consumers)):
+            raise ChannelException(
+                ReplyCode.ACCESS_REFUSED,
+                f"queue '{name}' in vhost '{self.vhost.name}' in exclusive use", *_ids(method),
+            )
+        consumer = QueueConsumer(
+            channel, tag, queue, bool(frame.no_ack), bool(frame.exclusive), channel.consumer_prefetch
+        )
+        channel.consumers[tag] = consumer
+        queue.add_consumer(consumer)
+        if not frame.nowait:
+            self.send_method(channel.number, commands.Basic.ConsumeOk(tag))
+        self._wake_queues.add(queue)
+
+    def _basic_cancel(self, channel: AmqpChannel, frame: commands.Basic.Cancel) -> None:
+        consumer = channel.consumers.pop(frame.consumer_tag, None)
+        if not frame.nowait:
+            self.send_method(channel.number, commands.Basic.CancelOk(frame.consumer_tag))
+        if consumer is not None:
+            consumer.queue.remove_consumer(consumer)
+            self.service.queues_released(self, [consumer.queue])
+            self._wake_queues.add(consumer.queue)
+
+    def _basic_publish(self, channel: AmqpChannel, frame: commands.Basic.Publish) -> None:
+        if frame.immediate:
+            raise ConnectionException(
+                ReplyCode.NOT_IMPLEMENTED, "immediate=true is not supported", *_ids(frame)
+            )
+        channel.publish = frame
+
+    def _header_frame(self, number: int, value: Any, data: bytes) -> None:
+        channel = self.channels.get(number)
+        if channel is None:
+            if number in self.closing_channels:
+                return
+            raise ConnectionException(ReplyCode.CHANNEL_ERROR, f"content header on unopened channel {number}")
+        if channel.publish is None or channel.content_props is not None:
+            raise ConnectionException(
+                ReplyCode.UNEXPECTED_FRAME, f"unexpected content header on channel {number}"
+            )
+        assert isinstance(value, pheader.ContentHeader)
+        if value.body_size > self.settings.max_message_size:
+            raise ConnectionException(
+                ReplyCode.FRAME_ERROR,
+                f"message body of {value.body_size} bytes exceeds the maximum "
+                f"{self.settings.max_message_size}",
+            )
+        channel.content_props = value.properties
+        channel.content_raw = data[7 + 12:-1]
+        channel.body_size = value.body_size
+        channel.body = []
+        channel.body_received = 0
+        if value.body_size == 0:
+            self._publish_complete(channel)
+
+    def _body_frame(self, number: int, payload: bytes) -> None:
+        if self.state is State.CLOSING:
+            return
+        channel = self.channels.get(number)
+        if channel is None:
+            if number in self.closing_channels:
+                return
+            raise ConnectionException(ReplyCode.CHANNEL_ERROR, f"content body on unopened channel {number}")
+        if channel.content_props is None:
+            raise ConnectionException(ReplyCode.UNEXPECTED_FRAME, f"unexpected content body on channel {number}")
+        channel.body.append(payload)
+        channel.body_received += len(payload)
+        if channel.body_received > channel.body_size:
+            raise ConnectionException(
+                ReplyCode.FRAME_ERROR, "content body longer than announced in its header"
+            )
+        if channel.body_received == channel.body_size:
+            self._publish_complete(channel)
+
+    def _publish_complete(self, channel: AmqpChannel) -> None:
+        frame = channel.publish
+        props = channel.content_props
+        assert frame is not None and props is not None and self.vhost is not None
+        body = channel.body[0] if len(channel.body) == 1 else b"".join(channel.body)
+        raw = channel.content_raw
+        channel.publish = None
+        channel.content_props = None
+        channel.body = []
+        channel.content_raw = b""
+        if channel.confirm:
+            channel.publish_seq += 1
+        try:
+            self._route(channel, frame, props, raw, body)
+        except ChannelException as exc:
+            self._close_channel(channel, exc)
+
+    def _route(
+        self, channel: AmqpChannel, frame: commands.Basic.Publish, props: commands.Basic.Properties,
+        raw: bytes, body: bytes,
+    ) -> None:
+        vhost = self.vhost
+        assert vhost is not None
+        exchange = vhost.exchange(frame.exchange, commands.Basic.Publish)
+        if exchange.internal:
+            raise ChannelException(
+                ReplyCode.ACCESS_REFUSED, f"cannot publish to internal exchange '{exchange.name}'",
+                *_ids(commands.Basic.Publish),
+            )
+        if props.user_id and props.user_id != self.username:
+            raise ChannelException(
+                ReplyCode.PRECONDITION_FAILED,
+                f"user_id property set to '{props.user_id}' but authenticated user was "
+                f"'{self.username}'", *_ids(commands.Basic.Publish),
+            )
+        topic = publish_topic(exchange.name, exchange.type, frame.routing_key)
+        message = message_from_properties(topic, body, props, self.id, raw)
+        seq = channel.publish_seq if channel.confirm else 0
+        if frame.mandatory and not vhost.routed(message):
+            method = commands.Basic.Return(
+                int(ReplyCode.NO_ROUTE), "NO_ROUTE", frame.exchange, frame.routing_key
+            )
+            self.send_content(channel.number, method, message)
+            if seq:
+                self.send_method(channel.number, commands.Basic.Ack(seq, False))
+            return
+        try:
+            pending = self.service.broker.publish(message)
+        except PublishRejected as exc:
+            log.warning("publish from %s rejected: %s", self.remote, exc)
+            if seq:
+                self.send_method(channel.number, commands.Basic.Nack(seq, False, False))
+            return
+        if not seq:
+            return
+        if pending is None:
+            self._confirm(channel, seq, True)
+        else:
+            channel.unconfirmed[seq] = False
+            pending.add_done_callback(
+                lambda fut, ch=channel, tag=seq: self._confirm(
+                    ch, tag, not fut.cancelled() and fut.exception() is None
+                )
+            )
+
+    def _confirm(self, channel: AmqpChannel, tag: int, ok: bool) -> None:
+        if channel.closing or self.state is not State.OPEN:
+            return
+        unconfirmed = channel.unconfirmed
+        if not ok:
+            unconfirmed.pop(tag, None)
+            self.send_method(channel.number, commands.Basic.Nack(tag, False, False))
+            return
+        if not unconfirmed:
+            # Nothing older is pending: ack it alone; consecutive acks merge on output.
+            self._ack_publish(channel, tag)
+            return
+        if tag in unconfirmed:
+            unconfirmed[tag] = True
+        elif tag < next(iter(unconfirmed)):
+            self._ack_publish(channel, tag)
+            return
+        else:
+            unconfirmed[tag] = True
+        last = 0
+        for pending_tag, done in list(unconfirmed.items()):
+            if not done:
+                break
+            del unconfirmed[pending_tag]
+            last = pending_tag
+        if last:
+            self.send_method(channel.number, commands.Basic.Ack(last, True))
+
+    def _ack_publish(self, channel: AmqpChannel, tag: int) -> None:
+        self.send_method(channel.number, commands.Basic.Ack(tag, False))
+
+    def _basic_get(self, channel: AmqpChannel, frame: commands.Basic.Get) -> None:
+        assert self.vhost is not None
+        method = commands.Basic.Get
+        name = self._queue_name(channel, frame.queue, method)
+        queue = self.vhost.queue(name, self, method)
+        entry = queue.take()
+        if entry is None:
+            self.send_method(channel.number, commands.Basic.GetEmpty())
+            return
+        tag = channel.next_tag
+        channel.next_tag = tag + 1
+        if not frame.no_ack:
+            channel.unacked[tag] = Delivery(queue, entry, None)
+        exchange, routing_key = exchange_and_key(entry.message.topic)
+        self.send_content(channel.number, commands.Basic.GetOk(
+            tag, entry.redelivered, exchange, routing_key, len(queue.messages)
+        ), entry.message)
+
+    def _basic_ack(self, channel: AmqpChannel, frame: commands.Basic.Ack) -> None:
+        for delivery in channel.settle(frame.delivery_tag, frame.multiple, commands.Basic.Ack):
+            delivery.queue.subscription.ack(delivery.entry.message)
+
+    def _settle_negative(self, channel: AmqpChannel, deliveries: list[Delivery], requeue: bool) -> None:
+        if requeue:
+            by_queue: dict[Queue, list[QueueEntry]] = {}
+            for delivery in deliveries:
+                by_queue.setdefault(delivery.queue, []).append(delivery.entry)
+            for queue, entries in by_queue.items():
+                queue.requeue(entries)
+        else:
+            for delivery in deliveries:
+                delivery.queue.reject(delivery.entry)
+
+    def _basic_nack(self, channel: AmqpChannel, frame: commands.Basic.Nack) -> None:
+        deliveries = channel.settle(frame.delivery_tag, frame.multiple, commands.Basic.Nack)
+        self._settle_negative(channel, deliveries, frame.requeue)
+
+    def _basic_reject(self, channel: AmqpChannel, frame: commands.Basic.Reject) -> None:
+        deliveries = channel.settle(frame.delivery_tag, False, commands.Basic.Reject)
+        self._settle_negative(channel, deliveries, frame.requeue)
+
+    def _basic_recover(self, channel: AmqpChannel, frame: Any) -> None:
+        channel.requeue_all()
+        if isinstance(frame, commands.Basic.Recover):
+            self.send_method(channel.number, commands.Basic.RecoverOk())
+
+    def _confirm_select(self, channel: AmqpChannel, frame: commands.Confirm.Select) -> None:
+        channel.confirm = True
+        if not frame.nowait:
+            self.send_method(channel.number, commands.Confirm.SelectOk())

@@ -1,0 +1,143 @@
+"""AMQP basic properties ⇄ core `Message` fields.
+
+Core fields: content-type, headers (stringified), correlation-id (as `correlation_data` bytes),
+reply-to, expiration (relative ms ⇄ absolute `expires_at_ms`). Properties without a core field
+ride in headers with an `amqp-` prefix (`amqp-delivery-mode`, `amqp-priority`,
+`amqp-message-id`, `amqp-timestamp`, `amqp-type`, `amqp-user-id`, `amqp-app-id`,
+`amqp-content-encoding`) and are restored on the way out. A persistent message (delivery-mode 2)
+is QoS 1 for MQTT subscribers and an MQTT QoS>0 message is persistent for AMQP consumers.
+
+Messages published over AMQP also keep the exact property bytes they came with in
+`Message.encoded[PROPERTIES_KEY]`, so AMQP consumers get typed headers back unchanged and the
+properties are encoded once for every consumer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import struct
+
+from pamqp import commands
+
+from ...core.message import Message, now_ms
+from .routing import header_value
+
+PROPERTIES_KEY = "amqp-properties"
+_PREFIX = "amqp-"
+_EXTRA = {
+    "delivery_mode": "amqp-delivery-mode",
+    "priority": "amqp-priority",
+    "message_id": "amqp-message-id",
+    "message_type": "amqp-type",
+    "user_id": "amqp-user-id",
+    "app_id": "amqp-app-id",
+    "content_encoding": "amqp-content-encoding",
+}
+_INT_PROPS = {"delivery_mode", "priority"}
+
+
+def message_from_properties(
+    topic: str, body: bytes, props: commands.Basic.Properties, producer_id: str,
+    raw_properties: bytes | None,
+) -> Message:
+    headers: list[tuple[str, str]] = []
+    if props.headers:
+        for name, value in props.headers.items():
+            headers.append((str(name), header_value(value)))
+    for attr, header in _EXTRA.items():
+        value = getattr(props, attr)
+        if value is not None and value != "":
+            headers.append((header, str(value)))
+    if props.timestamp is not None:
+        stamp = props.timestamp
+        if stamp.tzinfo is None:
+            stamp = stamp.replace(tzinfo=datetime.UTC)
+        headers.append(("amqp-timestamp", str(int(stamp.timestamp()))))
+    publish_time = now_ms()
+    expires_at = None
+    if props.expiration:
+        try:
+            expires_at = publish_time + max(0, int(props.expiration))
+        except ValueError:
+            expires_at = None
+    message = Message(
+        topic,
+        body,
+        qos=1 if props.delivery_mode == 2 else 0,
+        headers=headers or None,
+        content_type=props.content_type or None,
+        correlation_data=props.correlation_id.encode() if props.correlation_id else None,
+        reply_to=props.reply_to or None,
+        expires_at_ms=expires_at,
+        publish_time_ms=publish_time,
+        producer_protocol="amqp",
+        producer_id=producer_id,
+    )
+    if raw_properties is not None:
+        message.encoded = {PROPERTIES_KEY: raw_properties}
+    return message
+
+
+def properties_from_message(message: Message, at_ms: int | None = None) -> commands.Basic.Properties:
+    """Basic properties for a message that did not come in over AMQP (or lost its encoding)."""
+    props = commands.Basic.Properties()
+    table: dict[str, object] = {}
+    for name, value in message.headers or ():
+        if name.startswith(_PREFIX):
+            attr = _ATTR_OF.get(name)
+            if attr is not None:
+                if attr in _INT_PROPS:
+                    try:
+                        setattr(props, attr, int(value))
+                    except ValueError:
+                        pass
+                else:
+                    setattr(props, attr, value)
+                continue
+            if name == "amqp-timestamp":
+                try:
+                    props.timestamp = datetime.datetime.fromtimestamp(int(value), datetime.UTC)
+                except (ValueError, OverflowError, OSError):
+                    pass
+                continue
+        table[name] = value
+    if table:
+        props.headers = table
+    if message.content_type:
+        props.content_type = message.content_type[:255]
+    if message.correlation_data is not None:
+        props.correlation_id = message.correlation_data.decode("utf-8", "replace")[:255]
+    if message.reply_to:
+        props.reply_to = message.reply_to[:255]
+    if message.expires_at_ms is not None:
+        left = message.expires_at_ms - (at_ms if at_ms is not None else now_ms())
+        props.expiration = str(max(0, left))
+    if props.delivery_mode is None and message.qos > 0:
+        props.delivery_mode = 2
+    return props
+
+
+_ATTR_OF = {header: attr for attr, header in _EXTRA.items()}
+
+
+def encoded_properties(message: Message) -> bytes:
+    """The property-flags-and-values part of a content header for `message`, cached."""
+    encoded = message.encoded
+    if encoded is not None:
+        raw = encoded.get(PROPERTIES_KEY)
+        if raw is not None:
+            return raw
+    else:
+        encoded = message.encoded = {}
+    raw = properties_from_message(message).marshal()
+    if message.expires_at_ms is None:
+        encoded[PROPERTIES_KEY] = raw
+    return raw
+
+
+_CONTENT_HEADER = struct.Struct(">HHQ")
+
+
+def content_header_payload(properties: bytes, body_size: int) -> bytes:
+    """Payload of a content header frame (§4.2.6.1): class 60, weight 0, body size, properties."""
+    return _CONTENT_HEADER.pack(60, 0, body_size) + properties

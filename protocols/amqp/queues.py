@@ -1,0 +1,276 @@
+"""AMQP queues: each one is a core subscription whose single core consumer is the `Queue`.
+
+The core hands the queue every message matching one of its bindings' filters; the queue checks
+the bindings that need an exact check (headers exchanges, mid-key `#`), buffers the message in
+memory (bounded by `x-max-length`, oldest dropped first), expires it (`x-message-ttl`, per-message
+expiration) and hands it to its AMQP consumers round-robin, each within its own and its channel's
+prefetch window (`basic.qos`). With `x-single-active-consumer` only the first consumer receives;
+the next one takes over when it cancels. Rejected, expired and overflowing messages go to the
+dead-letter exchange when one is set.
+
+No I/O here: consumers are reached through their channel (`connection.AmqpChannel`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ...core.message import Message, now_ms
+from ...core.subscriptions import Subscription
+from .routing import Binding
+
+if TYPE_CHECKING:
+    pass
+
+
+class QueueEntry:
+    """A message waiting in (or delivered from) a queue."""
+
+    __slots__ = ("message", "redelivered", "expires_at_ms")
+
+    def __init__(self, message: Message, expires_at_ms: int | None, redelivered: bool = False) -> None:
+        self.message = message
+        self.expires_at_ms = expires_at_ms
+        self.redelivered = redelivered
+
+
+class ConsumerChannel(Protocol):
+    """What a queue needs from the channel of one of its consumers."""
+
+    def deliver(self, consumer: QueueConsumer, queue: Queue, entry: QueueEntry) -> None: ...
+
+    def can_deliver(self, consumer: QueueConsumer) -> bool: ...
+
+
+class QueueConsumer:
+    """One basic.consume registration on a queue."""
+
+    __slots__ = ("channel", "tag", "queue", "no_ack", "exclusive", "prefetch", "unacked")
+
+    def __init__(
+        self, channel: ConsumerChannel, tag: str, queue: Queue, no_ack: bool, exclusive: bool,
+        prefetch: int,
+    ) -> None:
+        self.channel = channel
+        self.tag = tag
+        self.queue = queue
+        self.no_ack = no_ack
+        self.exclusive = exclusive
+        self.prefetch = prefetch
+        self.unacked = 0
+
+
+# dead_letter(queue, entry, reason) is provided by the virtual host.
+DeadLetter = Callable[["Queue", QueueEntry, str], None]
+
+
+class Queue:
+    """An AMQP queue; implements the core `Consumer` protocol for its subscription."""
+
+    def __init__(
+        self,
+        name: str,
+        subscription: Subscription,
+        *,
+        durable: bool,
+        exclusive_owner: object | None,
+        auto_delete: bool,
+        arguments: dict[str, Any],
+        dead_letter: DeadLetter,
+    ) -> None:
+        self.name = name
+        self.subscription = subscription
+        self.durable = durable
+        self.exclusive_owner = exclusive_owner
+        self.auto_delete = auto_delete
+        self.arguments = arguments
+        self.message_ttl: int | None = _int_arg(arguments, "x-message-ttl")
+        self.expires: int | None = _int_arg(arguments, "x-expires")
+        self.max_length: int | None = _int_arg(arguments, "x-max-length")
+        dlx = arguments.get("x-dead-letter-exchange")
+        self.dead_letter_exchange: str | None = None if dlx is None else str(dlx)
+        dlrk = arguments.get("x-dead-letter-routing-key")
+        self.dead_letter_routing_key: str | None = None if dlrk is None else str(dlrk)
+        self.single_active = bool(arguments.get("x-single-active-consumer", False))
+        self.messages: deque[QueueEntry] = deque()
+        self.consumers: list[QueueConsumer] = []
+        self.bindings: dict[tuple[str, str, tuple[tuple[str, str], ...]], Binding] = {}
+        self.by_filter: dict[str, list[Binding]] = {}
+        self.checked_filters = 0  # how many filters carry a binding with an exact check
+        self._next = 0
+        self._dead_letter = dead_letter
+        self._dispatching = False
+        self.had_consumer = False
+        self.last_used_ms = now_ms()
+        self.deleted = False
+
+    def __repr__(self) -> str:
+        return f"Queue({self.name!r}, messages={len(self.messages)}, consumers={len(self.consumers)})"
+
+    # ------------------------------------------------------------------ core Consumer
+    @property
+    def consumer_id(self) -> str:
+        return self.subscription.name
+
+    @property
+    def available(self) -> bool:
+        return not self.deleted
+
+    def deliver(self, message: Message, subscription: Subscription, filters: Sequence[str]) -> None:
+        if self.deleted:
+            return
+        if self.checked_filters and not self.accepts(message, filters):
+            return
+        self.enqueue(message)
+
+    # ------------------------------------------------------------------ bindings
+    def accepts(self, message: Message, filters: Iterable[str]) -> bool:
+        """True if one of the bindings behind `filters` takes `message`."""
+        by_filter = self.by_filter
+        for topic_filter in filters:
+            for binding in by_filter.get(topic_filter, ()):
+                if binding.check is None or binding.check(message):
+                    return True
+        return False
+
+    def add_binding(self, binding: Binding) -> bool:
+        """Record `binding`; True if its filter is new to this queue (the core must add it)."""
+        key = (binding.exchange, binding.routing_key, binding.arguments)
+        if key in self.bindings:
+            return False
+        self.bindings[key] = binding
+        same = self.by_filter.setdefault(binding.topic_filter, [])
+        had_check = any(b.check is not None for b in same)
+        same.append(binding)
+        if not had_check and binding.check is not None:
+            self.checked_filters += 1
+        return len(same) == 1
+
+    def remove_binding(self, key: tuple[str, str, tuple[tuple[str, str], ...]]) -> str | None:
+        """Forget a binding; returns its filter if no binding uses that filter any more."""
+        binding = self.bindings.pop(key, None)
+        if binding is None:
+            return None
+        same = self.by_filter.get(binding.topic_filter, [])
+        had_check = any(b.check is not None for b in same)
+        same.remove(binding)
+        if had_check and not any(b.check is not None for b in same):
+            self.checked_filters -= 1
+        if not same:
+            del self.by_filter[binding.topic_filter]
+            return binding.topic_filter
+        return None
+
+    # ------------------------------------------------------------------ messages
+    def enqueue(self, message: Message) -> None:
+        expires = message.expires_at_ms
+        if self.message_ttl is not None:
+            by_queue = now_ms() + self.message_ttl
+            expires = by_queue if expires is None else min(expires, by_queue)
+        self.messages.append(QueueEntry(message, expires))
+        if self.max_length is not None:
+            while len(self.messages) > self.max_length:
+                self._dead_letter(self, self.messages.popleft(), "maxlen")
+        self.dispatch()
+
+    def requeue(self, entries: Sequence[QueueEntry]) -> None:
+        """Give delivered messages back: at the head, in their original order, redelivered."""
+        if self.deleted:
+            return
+        for entry in reversed(entries):
+            entry.redelivered = True
+            self.messages.appendleft(entry)
+        self.dispatch()
+
+    def reject(self, entry: QueueEntry) -> None:
+        """A consumer rejected `entry` without requeue: dead-letter it (or drop it)."""
+        self._dead_letter(self, entry, "rejected")
+
+    def take(self) -> QueueEntry | None:
+        """The next unexpired message for basic.get, or None."""
+        self.last_used_ms = now_ms()
+        self.expire()
+        return self.messages.popleft() if self.messages else None
+
+    def purge(self) -> int:
+        count = len(self.messages)
+        self.messages.clear()
+        return count
+
+    def expire(self, at_ms: int | None = None) -> None:
+        """Drop (dead-letter) expired messages from the head, as RabbitMQ does."""
+        messages = self.messages
+        if not messages:
+            return
+        now = at_ms if at_ms is not None else now_ms()
+        while messages:
+            expires = messages[0].expires_at_ms
+            if expires is None or expires > now:
+                break
+            self._dead_letter(self, messages.popleft(), "expired")
+
+    # ------------------------------------------------------------------ consumers
+    def add_consumer(self, consumer: QueueConsumer) -> None:
+        self.consumers.append(consumer)
+        self.had_consumer = True
+        self.last_used_ms = now_ms()
+
+    def remove_consumer(self, consumer: QueueConsumer) -> None:
+        try:
+            self.consumers.remove(consumer)
+        except ValueError:
+            return
+        self.last_used_ms = now_ms()
+
+    @property
+    def unused_and_disposable(self) -> bool:
+        """An auto-delete queue whose last consumer went away."""
+        return self.auto_delete and self.had_consumer and not self.consumers
+
+    def _next_consumer(self) -> QueueConsumer | None:
+        consumers = self.consumers
+        if not consumers:
+            return None
+        if self.single_active:
+            first = consumers[0]
+            return first if first.channel.can_deliver(first) else None
+        count = len(consumers)
+        start = self._next % count
+        for step in range(count):
+            candidate = consumers[(start + step) % count]
+            if candidate.channel.can_deliver(candidate):
+                self._next = start + step + 1
+                return candidate
+        return None
+
+    def dispatch(self) -> None:
+        """Hand buffered messages to consumers with room for them."""
+        if self._dispatching or self.deleted:
+            return
+        messages = self.messages
+        if not messages or not self.consumers:
+            return
+        self._dispatching = True
+        try:
+            now = now_ms()
+            while messages:
+                consumer = self._next_consumer()
+                if consumer is None:
+                    break
+                entry = messages.popleft()
+                expires = entry.expires_at_ms
+                if expires is not None and expires <= now:
+                    self._dead_letter(self, entry, "expired")
+                    continue
+                consumer.channel.deliver(consumer, self, entry)
+        finally:
+            self._dispatching = False
+
+
+def _int_arg(arguments: dict[str, Any], name: str) -> int | None:
+    value = arguments.get(name)
+    if value is None:
+        return None
+    return int(value)

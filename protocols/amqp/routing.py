@@ -1,0 +1,188 @@
+"""How AMQP exchanges and bindings map onto core topic names and topic filters.
+
+Every AMQP publish becomes one core message on one topic, so it goes through the core like any
+other message (streams, shards, subscriptions) and AMQP queues are core subscriptions whose
+filters are the queue's bindings. The mapping:
+
+- `amq.topic` is shared with MQTT and gRPC, as RabbitMQ's MQTT plugin does it: the routing key
+  `a.b.c` is the topic `a/b/c` (dots and slashes swap, so the MQTT topic `a.x/b` is the routing
+  key `a/x.b`), a binding `*` is the filter level `+`, `#` stays `#`.
+- Any other exchange `E` owns the reserved subtree `$amqp/E/`, which MQTT `#` subscriptions never
+  see (topics starting with `$`). The default exchange is `$amqp/amq.default/<queue name>`.
+  - direct and headers exchanges: `$amqp/E/<key>`, the key as one level (percent-escaped);
+    a direct binding is the exact topic, a headers binding is `$amqp/E/#` plus header matching;
+  - fanout: publish like direct, a binding is `$amqp/E/#`;
+  - topic exchanges: `$amqp/E/<word>/<word>...` (each word percent-escaped), bindings converted
+    as for `amq.topic`.
+  Escaping (`%` `/` `+` `#` as `%25` `%2F` `%2B` `%23`) keeps any routing key a valid topic.
+- A binding a topic filter cannot express exactly (a `#` that is not the last word, headers
+  matching) is the widest filter that covers it plus a `Binding.accepts` check run by the queue.
+
+Delivered messages get their exchange and routing key back from the topic (`exchange_and_key`).
+This module does no I/O and knows nothing of connections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ...core.message import Message
+
+AMQ_TOPIC = "amq.topic"
+DEFAULT_EXCHANGE_TOPIC = "amq.default"
+PREFIX = "$amqp/"
+
+_SWAP = str.maketrans("./", "/.")
+_ESCAPES = {"%": "%25", "/": "%2F", "+": "%2B", "#": "%23"}
+
+
+def escape(word: str) -> str:
+    if not any(c in word for c in "%/+#"):
+        return word
+    return "".join(_ESCAPES.get(c, c) for c in word)
+
+
+def unescape(level: str) -> str:
+    if "%" not in level:
+        return level
+    return (
+        level.replace("%2F", "/").replace("%2B", "+").replace("%23", "#").replace("%25", "%")
+    )
+
+
+def publish_topic(exchange: str, exchange_type: str, routing_key: str) -> str:
+    """The core topic a message published to `exchange` with `routing_key` goes to."""
+    if exchange == AMQ_TOPIC:
+        return routing_key.translate(_SWAP)
+    name = exchange or DEFAULT_EXCHANGE_TOPIC
+    if exchange_type == "topic":
+        return PREFIX + name + "/" + "/".join(escape(w) for w in routing_key.split("."))
+    return PREFIX + name + "/" + escape(routing_key)
+
+
+def queue_topic(queue: str) -> str:
+    """The topic of the default exchange's implicit binding of `queue`."""
+    return PREFIX + DEFAULT_EXCHANGE_TOPIC + "/" + escape(queue)
+
+
+def exchange_and_key(topic: str) -> tuple[str, str]:
+    """(exchange, routing key) a delivered message reports for its core topic."""
+    if not topic.startswith(PREFIX):
+        return AMQ_TOPIC, topic.translate(_SWAP)
+    rest = topic[len(PREFIX):]
+    name, _, key = rest.partition("/")
+    if name == DEFAULT_EXCHANGE_TOPIC:
+        name = ""
+    return name, ".".join(unescape(level) for level in key.split("/"))
+
+
+HeaderCheck = Callable[[Message], bool]
+
+
+@dataclass(slots=True)
+class Binding:
+    """One queue binding: its core filter and, when the filter is wider, the exact check."""
+
+    exchange: str
+    routing_key: str
+    arguments: tuple[tuple[str, str], ...]
+    topic_filter: str
+    check: HeaderCheck | None = None
+
+    def accepts(self, message: Message) -> bool:
+        return self.check is None or self.check(message)
+
+
+def binding_for(
+    exchange: str, exchange_type: str, routing_key: str, arguments: dict[str, Any] | None
+) -> Binding:
+    """Translate an AMQP binding into a core topic filter (and a check if needed)."""
+    args = tuple(sorted((str(k), header_value(v)) for k, v in (arguments or {}).items()))
+    if exchange_type == "fanout":
+        return Binding(exchange, routing_key, args, PREFIX + exchange + "/#")
+    if exchange_type == "headers":
+        return Binding(
+            exchange, routing_key, args, PREFIX + exchange + "/#", headers_check(arguments or {})
+        )
+    if exchange_type == "direct":
+        return Binding(exchange, routing_key, args, publish_topic(exchange, "direct", routing_key))
+    # topic
+    words = routing_key.split(".")
+    prefix = "" if exchange == AMQ_TOPIC else PREFIX + exchange + "/"
+    check: HeaderCheck | None = None
+    if "#" in words[:-1]:
+        # A '#' before the end: filter on the words before it, check the whole pattern.
+        cut = words.index("#")
+        words = words[: cut + 1]
+        pattern = routing_key.split(".")
+        check = _topic_check(exchange, pattern)
+    levels = []
+    for word in words:
+        if word == "*":
+            levels.append("+")
+        elif word == "#":
+            levels.append("#")
+        elif exchange == AMQ_TOPIC:
+            levels.append(word.replace("/", "."))
+        else:
+            levels.append(escape(word))
+    return Binding(exchange, routing_key, args, prefix + "/".join(levels), check)
+
+
+def topic_matches(pattern: Sequence[str], words: Sequence[str]) -> bool:
+    """AMQP topic matching: `*` is one word, `#` zero or more."""
+    if not pattern:
+        return not words
+    head = pattern[0]
+    if head == "#":
+        return any(topic_matches(pattern[1:], words[i:]) for i in range(len(words) + 1))
+    if not words:
+        return False
+    if head != "*" and head != words[0]:
+        return False
+    return topic_matches(pattern[1:], words[1:])
+
+
+def _topic_check(exchange: str, pattern: list[str]) -> HeaderCheck:
+    def check(message: Message) -> bool:
+        _, key = exchange_and_key(message.topic)
+        return topic_matches(pattern, key.split("."))
+
+    return check
+
+
+def header_value(value: Any) -> str:
+    """An AMQP field value as the string a core header carries."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", "replace")
+    if value is None:
+        return ""
+    return str(value)
+
+
+def headers_check(arguments: dict[str, Any]) -> HeaderCheck:
+    """The headers exchange rule for `arguments` (x-match all/any/all-with-x/any-with-x)."""
+    mode = header_value(arguments.get("x-match", "all"))
+    with_x = mode.endswith("-with-x")
+    wanted = {
+        str(k): (None if v is None else header_value(v))
+        for k, v in arguments.items()
+        if k != "x-match" and (with_x or not str(k).startswith("x-"))
+    }
+    match_any = mode.startswith("any")
+
+    def check(message: Message) -> bool:
+        have = dict(message.headers or ())
+        results = (
+            name in have and (value is None or have[name] == value)
+            for name, value in wanted.items()
+        )
+        return any(results) if match_any else all(results)
+
+    return check

@@ -1,0 +1,105 @@
+"""The AMQP listener: an `asyncio.Protocol` feeding socket bytes to `AmqpConnection`.
+
+This is the only AMQP module with sockets. `start_amqp_listener` is what the composition root
+calls; it returns the `asyncio.Server`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import ssl
+from typing import TYPE_CHECKING
+
+from .connection import AmqpConnection
+from .errors import ConnectionException, ReplyCode
+from .service import AmqpService
+from .settings import AmqpSettings
+
+if TYPE_CHECKING:
+    from ...core.broker import Broker
+
+log = logging.getLogger(__name__)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return host in ("localhost",)
+
+
+class AmqpProtocol(asyncio.Protocol):
+    """One TCP connection: bytes in to the state machine, its output to the transport."""
+
+    def __init__(self, service: AmqpService) -> None:
+        self.service = service
+        self.transport: asyncio.Transport | None = None
+        self.connection: AmqpConnection | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        limit = self.service.settings.max_outbound_buffer
+        transport.set_write_buffer_limits(high=limit, low=limit // 4)
+        peer = transport.get_extra_info("peername")
+        host = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        remote = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.connection = AmqpConnection(self.service, self, remote, _is_loopback(host))
+        self.service.connection_made(self.connection)
+
+    def data_received(self, data: bytes) -> None:
+        connection = self.connection
+        assert connection is not None
+        try:
+            connection.data_received(data)
+        except Exception:
+            log.exception("internal error on AMQP connection %s", connection.remote)
+            connection.close(ConnectionException(ReplyCode.INTERNAL_ERROR, "internal error"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.connection is not None:
+            self.service.connection_gone(self.connection)
+
+    def pause_writing(self) -> None:
+        if self.connection is not None:
+            self.connection.set_writable(False)
+
+    def resume_writing(self) -> None:
+        if self.connection is not None:
+            self.connection.set_writable(True)
+
+    # Link
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+async def start_amqp_listener(
+    broker: Broker,
+    host: str,
+    port: int,
+    ssl_context: ssl.SSLContext | None = None,
+    settings: AmqpSettings | None = None,
+) -> asyncio.Server:
+    """Listen for AMQP 0-9-1 clients; closing the returned server also stops the service."""
+    service = AmqpService(broker, settings)
+    service.start()
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(
+        lambda: AmqpProtocol(service), host, port, ssl=ssl_context, reuse_address=True, backlog=1024
+    )
+    original_close = server.close
+
+    def close() -> None:
+        service.stop()
+        original_close()
+
+    server.close = close  # type: ignore[method-assign]
+    server.amqp_service = service  # type: ignore[attr-defined]
+    return server

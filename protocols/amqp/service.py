@@ -1,0 +1,157 @@
+"""The AMQP service: virtual hosts, connections, authentication and the timers they share.
+
+One `AmqpService` per broker. It batches output (connections ask for a flush and every dirty
+connection is written once per event-loop turn), ticks heartbeats and handshake timeouts, sweeps
+expired messages (`x-message-ttl`, per-message expiration) and unused queues (`x-expires`), and
+deletes exclusive queues with their connection and auto-delete queues with their last consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from ...core.message import now_ms
+from .queues import Queue
+from .settings import AmqpSettings
+from .vhost import VirtualHost
+
+if TYPE_CHECKING:
+    from ...core.broker import Broker
+    from .connection import AmqpConnection
+
+log = logging.getLogger(__name__)
+
+SWEEP_S = 0.05
+TICK_S = 1.0
+
+
+class AmqpService:
+    def __init__(self, broker: Broker, settings: AmqpSettings | None = None) -> None:
+        self.broker = broker
+        self.settings = settings or AmqpSettings()
+        self.vhosts: dict[str, VirtualHost] = {}
+        for name in self.settings.vhosts:
+            vhost = VirtualHost(name, broker)
+            vhost.on_queue_deleted.append(self._queue_deleted)
+            self.vhosts[name] = vhost
+        self.connections: set[AmqpConnection] = set()
+        self._all: set[AmqpConnection] = set()
+        self._dirty: list[AmqpConnection] = []
+        self._flush_scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tick_handle: asyncio.TimerHandle | None = None
+        self._sweep_handle: asyncio.TimerHandle | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
+
+    def start(self) -> None:
+        self._tick_handle = self.loop.call_later(TICK_S, self._tick)
+        self._sweep_handle = self.loop.call_later(SWEEP_S, self._sweep)
+
+    def stop(self) -> None:
+        for handle in (self._tick_handle, self._sweep_handle):
+            if handle is not None:
+                handle.cancel()
+        for connection in list(self._all):
+            connection.shutdown()
+        self._flush()
+
+    # ------------------------------------------------------------------ output batching
+    def request_flush(self, connection: AmqpConnection) -> None:
+        self._dirty.append(connection)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        while self._dirty:
+            dirty, self._dirty = self._dirty, []
+            for connection in dirty:
+                connection.flush()
+
+    # ------------------------------------------------------------------ policy
+    def authenticate(self, user: str | None, password: str | None, loopback: bool) -> str | None:
+        """None to accept, else the refusal text for connection.close 403."""
+        settings = self.settings
+        expected = settings.users.get(user or "")
+        if user is None or password is None or expected is None or not hmac.compare_digest(
+            expected.encode(), password.encode()
+        ):
+            return "Login was refused using authentication mechanism PLAIN or AMQPLAIN. " \
+                "For details see the broker logfile."
+        if user in settings.loopback_users and not loopback:
+            return f"user '{user}' can only connect via localhost"
+        return None
+
+    def vhost(self, name: str) -> VirtualHost | None:
+        return self.vhosts.get(name)
+
+    # ------------------------------------------------------------------ connections
+    def connection_made(self, connection: AmqpConnection) -> None:
+        self._all.add(connection)
+
+    def connection_opened(self, connection: AmqpConnection) -> None:
+        self.connections.add(connection)
+
+    def connection_closed(self, connection: AmqpConnection, touched: Iterable[Queue]) -> None:
+        """The connection released its channels: drop what it owned."""
+        self.queues_released(connection, touched)
+        vhost = connection.vhost
+        if vhost is not None:
+            for queue in [q for q in vhost.queues.values() if q.exclusive_owner is connection]:
+                vhost.delete_queue(queue)
+        self.connections.discard(connection)
+
+    def connection_gone(self, connection: AmqpConnection) -> None:
+        connection.connection_lost()
+        self._all.discard(connection)
+
+    def queues_released(self, connection: AmqpConnection, queues: Iterable[Queue]) -> None:
+        """Consumers left `queues`: delete the auto-delete ones now unused."""
+        vhost = connection.vhost
+        if vhost is None:
+            return
+        for queue in set(queues):
+            if queue.unused_and_disposable and not queue.deleted:
+                vhost.delete_queue(queue)
+            elif not queue.deleted:
+                queue.dispatch()
+
+    def _queue_deleted(self, queue: Queue) -> None:
+        for connection in list(self.connections):
+            connection.queue_deleted(queue)
+
+    # ------------------------------------------------------------------ timers
+    def _tick(self) -> None:
+        self._tick_handle = self.loop.call_later(TICK_S, self._tick)
+        now = time.monotonic()
+        for connection in list(self._all):
+            try:
+                connection.tick(now)
+            except Exception:
+                log.exception("AMQP tick failed for %s", connection.remote)
+
+    def _sweep(self) -> None:
+        self._sweep_handle = self.loop.call_later(SWEEP_S, self._sweep)
+        now = now_ms()
+        for vhost in self.vhosts.values():
+            for queue in list(vhost.timed_queues):
+                if queue.deleted:
+                    continue
+                queue.expire(now)
+                if (
+                    queue.expires is not None and not queue.consumers
+                    and now - queue.last_used_ms >= queue.expires
+                ):
+                    vhost.delete_queue(queue)

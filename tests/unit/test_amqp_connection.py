@@ -1,0 +1,325 @@
+"""The sans-IO AMQP connection fed raw frames: handshake, channels, errors, publish/consume."""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import pytest
+from pamqp import body as pbody
+from pamqp import commands, frame, header
+from shardgate.core.broker import Broker
+from shardgate.protocols.amqp.connection import PROTOCOL_HEADER, AmqpConnection, State
+from shardgate.protocols.amqp.service import AmqpService
+from shardgate.protocols.amqp.settings import AmqpSettings
+
+
+class FakeLink:
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Client:
+    """Drives one AmqpConnection with frames and reads what it answers."""
+
+    def __init__(self, service: AmqpService, loopback: bool = True) -> None:
+        self.service = service
+        self.link = FakeLink()
+        self.conn = AmqpConnection(service, self.link, "127.0.0.1:1", loopback)
+        service.connection_made(self.conn)
+
+    def feed(self, data: bytes) -> list[tuple[int, Any]]:
+        self.conn.data_received(data)
+        return self.read()
+
+    def send(self, channel: int, *values: Any) -> list[tuple[int, Any]]:
+        return self.feed(b"".join(frame.marshal(v, channel) for v in values))
+
+    def read(self) -> list[tuple[int, Any]]:
+        self.service._flush()
+        data = bytes(self.link.data)
+        self.link.data.clear()
+        frames = []
+        while data:
+            if data.startswith(b"AMQP"):
+                frames.append((0, data[:8]))
+                data = data[8:]
+                continue
+            used, channel, value = frame.unmarshal(data)
+            frames.append((channel, value))
+            data = data[used:]
+        return frames
+
+    def handshake(self, user: str = "guest", password: str = "guest") -> None:
+        out = self.feed(PROTOCOL_HEADER)
+        assert isinstance(out[0][1], commands.Connection.Start)
+        out = self.send(0, commands.Connection.StartOk(
+            client_properties={"capabilities": {"consumer_cancel_notify": True}},
+            mechanism="PLAIN", response=f"\0{user}\0{password}"))
+        assert isinstance(out[0][1], commands.Connection.Tune), out
+        out = self.send(0, commands.Connection.TuneOk(channel_max=100, frame_max=131072, heartbeat=0))
+        assert out == []
+        out = self.send(0, commands.Connection.Open(virtual_host="/"))
+        assert isinstance(out[0][1], commands.Connection.OpenOk)
+
+    def open_channel(self, number: int = 1) -> None:
+        out = self.send(number, commands.Channel.Open())
+        assert isinstance(out[0][1], commands.Channel.OpenOk)
+
+    def publish(self, channel: int, exchange: str, key: str, body: bytes, mandatory: bool = False,
+                **props: Any) -> list[tuple[int, Any]]:
+        return self.send(
+            channel,
+            commands.Basic.Publish(exchange=exchange, routing_key=key, mandatory=mandatory),
+            header.ContentHeader(0, len(body), commands.Basic.Properties(**props)),
+            pbody.ContentBody(body),
+        )
+
+
+class Loopless(AmqpService):
+    """Service whose flush is driven by the test instead of the event loop."""
+
+    def request_flush(self, connection: AmqpConnection) -> None:
+        self._dirty.append(connection)
+
+
+@pytest.fixture
+def service() -> AmqpService:
+    return Loopless(Broker(), AmqpSettings())
+
+
+@pytest.fixture
+def client(service: AmqpService) -> Client:
+    c = Client(service)
+    c.handshake()
+    c.open_channel(1)
+    return c
+
+
+def close_of(frames: list[tuple[int, Any]]) -> Any:
+    closes = [v for _, v in frames if isinstance(v, commands.Connection.Close | commands.Channel.Close)]
+    assert closes, frames
+    return closes[0]
+
+
+def test_wrong_protocol_version_gets_supported_header_and_close(service: AmqpService) -> None:
+    c = Client(service)
+    out = c.feed(b"AMQP\x01\x01\x00\x0a")
+    assert out == [(0, PROTOCOL_HEADER)]
+    assert c.link.closed
+
+
+def test_garbage_before_header_gets_supported_header_and_close(service: AmqpService) -> None:
+    c = Client(service)
+    out = c.feed(b"GET / HTTP/1.1\r\n")
+    assert out == [(0, PROTOCOL_HEADER)]
+    assert c.link.closed
+
+
+def test_header_split_over_reads(service: AmqpService) -> None:
+    c = Client(service)
+    assert c.feed(PROTOCOL_HEADER[:3]) == []
+    out = c.feed(PROTOCOL_HEADER[3:])
+    assert isinstance(out[0][1], commands.Connection.Start)
+    assert "PLAIN" in out[0][1].mechanisms and "AMQPLAIN" in out[0][1].mechanisms
+
+
+def test_bad_password_is_refused_with_403(service: AmqpService) -> None:
+    c = Client(service)
+    c.feed(PROTOCOL_HEADER)
+    out = c.send(0, commands.Connection.StartOk(mechanism="PLAIN", response="\0guest\0nope"))
+    assert close_of(out).reply_code == 403
+    assert c.link.closed
+
+
+def test_guest_refused_from_a_remote_address(service: AmqpService) -> None:
+    c = Client(service, loopback=False)
+    c.feed(PROTOCOL_HEADER)
+    out = c.send(0, commands.Connection.StartOk(mechanism="PLAIN", response="\0guest\0guest"))
+    close = close_of(out)
+    assert close.reply_code == 403 and "localhost" in close.reply_text
+
+
+def test_amqplain_login(service: AmqpService) -> None:
+    from pamqp import encode
+
+    c = Client(service)
+    c.feed(PROTOCOL_HEADER)
+    table = encode.field_table({"LOGIN": "guest", "PASSWORD": "guest"})[4:]
+    out = c.send(0, commands.Connection.StartOk(mechanism="AMQPLAIN", response=table.decode()))
+    assert isinstance(out[0][1], commands.Connection.Tune)
+
+
+def test_unknown_vhost_is_530(service: AmqpService) -> None:
+    c = Client(service)
+    c.feed(PROTOCOL_HEADER)
+    c.send(0, commands.Connection.StartOk(mechanism="PLAIN", response="\0guest\0guest"))
+    c.send(0, commands.Connection.TuneOk(channel_max=0, frame_max=0, heartbeat=0))
+    out = c.send(0, commands.Connection.Open(virtual_host="nope"))
+    assert close_of(out).reply_code == 530
+
+
+def test_frame_max_below_minimum_is_refused(service: AmqpService) -> None:
+    c = Client(service)
+    c.feed(PROTOCOL_HEADER)
+    c.send(0, commands.Connection.StartOk(mechanism="PLAIN", response="\0guest\0guest"))
+    out = c.send(0, commands.Connection.TuneOk(channel_max=0, frame_max=1024, heartbeat=0))
+    assert close_of(out).reply_code == 530
+
+
+def test_oversized_frame_is_frame_error(client: Client) -> None:
+    data = struct.pack(">BHI", 1, 1, 10_000_000)
+    out = client.feed(data)
+    assert close_of(out).reply_code == 501
+    assert client.conn.state is State.CLOSING
+
+
+def test_bad_frame_end_is_frame_error(client: Client) -> None:
+    raw = bytearray(frame.marshal(commands.Basic.Qos(prefetch_count=1), 1))
+    raw[-1] = 0
+    assert close_of(client.feed(bytes(raw))).reply_code == 501
+
+
+def test_method_on_unopened_channel_is_504(client: Client) -> None:
+    out = client.send(7, commands.Basic.Qos(prefetch_count=1))
+    assert close_of(out).reply_code == 504
+
+
+def test_unknown_method_is_540(client: Client) -> None:
+    raw = struct.pack(">HH", 60, 999) + b"\x00" * 4
+    data = struct.pack(">BHI", 1, 1, len(raw)) + raw + b"\xce"
+    assert close_of(client.feed(data)).reply_code == 540
+
+
+def test_body_without_header_is_unexpected_frame(client: Client) -> None:
+    out = client.send(1, pbody.ContentBody(b"hello"))
+    assert close_of(out).reply_code == 505
+
+
+def test_method_while_content_expected_is_unexpected_frame(client: Client) -> None:
+    out = client.send(1, commands.Basic.Publish(exchange="", routing_key="q"),
+                      commands.Basic.Qos(prefetch_count=1))
+    assert close_of(out).reply_code == 505
+
+
+def test_publish_to_missing_exchange_closes_channel_404(client: Client) -> None:
+    out = client.publish(1, "nope", "k", b"x")
+    close = close_of(out)
+    assert isinstance(close, commands.Channel.Close)
+    assert close.reply_code == 404 and (close.class_id, close.method_id) == (60, 40)
+    # Frames for the closing channel are dropped until close-ok; then it can reopen.
+    assert client.publish(1, "", "k", b"x") == []
+    assert client.send(1, commands.Channel.CloseOk()) == []
+    client.open_channel(1)
+
+
+def test_tx_select_is_not_implemented(client: Client) -> None:
+    close = close_of(client.send(1, commands.Tx.Select()))
+    assert close.reply_code == 540 and "confirm" in close.reply_text
+
+
+def test_connection_close_handshake(client: Client) -> None:
+    out = client.send(0, commands.Connection.Close(200, "bye", 0, 0))
+    assert isinstance(out[0][1], commands.Connection.CloseOk)
+    assert client.link.closed
+
+
+def declare(client: Client, name: str, **kwargs: Any) -> Any:
+    out = client.send(1, commands.Queue.Declare(queue=name, **kwargs))
+    return out[0][1]
+
+
+def test_publish_via_default_exchange_and_basic_get(client: Client) -> None:
+    ok = declare(client, "q1")
+    assert isinstance(ok, commands.Queue.DeclareOk) and ok.queue == "q1"
+    assert client.publish(1, "", "q1", b"hello", content_type="text/plain",
+                          headers={"n": 1}) == []
+    out = client.send(1, commands.Basic.Get(queue="q1"))
+    get_ok, content, body = (v for _, v in out)
+    assert isinstance(get_ok, commands.Basic.GetOk)
+    assert get_ok.routing_key == "q1" and get_ok.exchange == ""
+    assert content.properties.content_type == "text/plain"
+    assert content.properties.headers == {"n": 1}
+    assert body.value == b"hello"
+    out = client.send(1, commands.Basic.Get(queue="q1"))
+    assert isinstance(out[0][1], commands.Basic.GetEmpty)
+
+
+def test_consume_on_amq_topic_binding(client: Client) -> None:
+    declare(client, "q2")
+    out = client.send(1, commands.Queue.Bind(queue="q2", exchange="amq.topic", routing_key="a.*.c"))
+    assert isinstance(out[0][1], commands.Queue.BindOk)
+    out = client.send(1, commands.Basic.Consume(queue="q2", consumer_tag="t1", no_ack=True))
+    assert isinstance(out[0][1], commands.Basic.ConsumeOk)
+    out = client.publish(1, "amq.topic", "a.b.c", b"m1")
+    deliver = out[0][1]
+    assert isinstance(deliver, commands.Basic.Deliver)
+    assert (deliver.consumer_tag, deliver.exchange, deliver.routing_key) == ("t1", "amq.topic", "a.b.c")
+    assert client.publish(1, "amq.topic", "a.b.d", b"m2") == []
+
+
+def test_mandatory_unroutable_is_returned(client: Client) -> None:
+    client.send(1, commands.Confirm.Select())
+    out = client.publish(1, "amq.direct", "nobody", b"x", mandatory=True)
+    kinds = [type(v) for _, v in out]
+    assert kinds[0] is commands.Basic.Return and out[0][1].reply_code == 312
+    assert isinstance(out[-1][1], commands.Basic.Ack) and out[-1][1].delivery_tag == 1
+
+
+def test_prefetch_limits_and_requeue_order(client: Client) -> None:
+    declare(client, "q3")
+    for i in range(5):
+        client.publish(1, "", "q3", str(i).encode())
+    client.send(1, commands.Basic.Qos(prefetch_count=2))
+    out = client.send(1, commands.Basic.Consume(queue="q3", consumer_tag="c"))
+    delivers = [v for _, v in out if isinstance(v, commands.Basic.Deliver)]
+    assert [d.delivery_tag for d in delivers] == [1, 2]
+    out = client.send(1, commands.Basic.Nack(delivery_tag=2, multiple=True, requeue=True))
+    delivers = [v for _, v in out if isinstance(v, commands.Basic.Deliver)]
+    bodies = [v.value for _, v in out if isinstance(v, pbody.ContentBody)]
+    assert all(d.redelivered for d in delivers) and bodies == [b"0", b"1"]
+    out = client.send(1, commands.Basic.Ack(delivery_tag=4, multiple=True))
+    bodies = [v.value for _, v in out if isinstance(v, pbody.ContentBody)]
+    assert bodies == [b"2", b"3"]
+
+
+def test_unknown_delivery_tag_is_406(client: Client) -> None:
+    close = close_of(client.send(1, commands.Basic.Ack(delivery_tag=42)))
+    assert isinstance(close, commands.Channel.Close) and close.reply_code == 406
+
+
+def test_exclusive_queue_locked_for_other_connections(service: AmqpService, client: Client) -> None:
+    declare(client, "mine", exclusive=True)
+    other = Client(service)
+    other.handshake()
+    other.open_channel(1)
+    out = other.send(1, commands.Queue.Declare(queue="mine", passive=True))
+    assert close_of(out).reply_code == 405
+    client.send(0, commands.Connection.Close(200, "bye", 0, 0))
+    assert "mine" not in service.vhosts["/"].queues
+
+
+def test_passive_declare_of_missing_queue_is_404(client: Client) -> None:
+    out = client.send(1, commands.Queue.Declare(queue="missing", passive=True))
+    assert close_of(out).reply_code == 404
+
+
+def test_exchange_redeclare_with_other_type_is_406(client: Client) -> None:
+    out = client.send(1, commands.Exchange.Declare(exchange="amq.topic", exchange_type="direct"))
+    assert close_of(out).reply_code == 406
+
+
+def test_server_named_queue(client: Client) -> None:
+    ok = declare(client, "")
+    assert ok.queue.startswith("amq.gen-")
+
+
+def test_heartbeat_frames_are_accepted(client: Client) -> None:
+    assert client.feed(frame.marshal(frame.heartbeat.Heartbeat(), 0)) == []
