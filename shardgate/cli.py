@@ -1,5 +1,102 @@
-"""Command-line entry point."""
+"""The `shardgate` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from .config import Config, ConfigError, load_config
 
 
-def main() -> None:
-    print("shardgate")
+def _configure_logging(config: Config) -> None:
+    level = getattr(logging, config.log_level.upper(), logging.INFO)
+    handler = logging.StreamHandler(sys.stderr)
+    if config.log_json:
+        class JsonFormatter(logging.Formatter):
+            def format(self, record: logging.LogRecord) -> str:
+                return json.dumps({
+                    "ts": self.formatTime(record), "level": record.levelname.lower(),
+                    "logger": record.name, "msg": record.getMessage(),
+                })
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="start the broker")
+    serve.add_argument("--config", type=Path, help="TOML configuration file")
+    serve.add_argument("--data-dir", type=Path, help="data directory (default ./shardgate-data)")
+    serve.add_argument("--host", help="address every listener binds (default 127.0.0.1)")
+    for name, default in (("mqtt", 1883), ("mqtt-ws", 8083), ("mqtts", 0), ("mqtt-wss", 0)):
+        serve.add_argument(f"--{name}-port", type=int, metavar="N",
+                           help=f"{name} listener port, 0 turns it off (default {default})")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--port-file", type=Path,
+                       help="write the bound listener ports as JSON to this file once started")
+
+
+async def _serve(config: Config, port_file: Path | None) -> int:
+    from .app import Shardgate
+
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        pass
+    app = Shardgate(config)
+    try:
+        await app.start()
+    except ConfigError as exc:
+        print(f"shardgate: {exc}", file=sys.stderr)
+        return 2
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    if port_file is not None:
+        ports = {name: listener.port for name, listener in app.listeners.items()}
+        tmp = port_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(ports))
+        tmp.replace(port_file)
+    logging.getLogger("shardgate").info("shardgate started (data dir %s)", config.data_dir)
+    await stop.wait()
+    logging.getLogger("shardgate").info("shutting down")
+    await app.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="shardgate", description="Shardgate message gateway")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        overrides: dict[tuple[str, ...], Any] = {
+            ("data_dir",): args.data_dir,
+            ("listeners", "host"): args.host,
+            ("listeners", "mqtt_port"): args.mqtt_port,
+            ("listeners", "mqtt_ws_port"): args.mqtt_ws_port,
+            ("listeners", "mqtts_port"): args.mqtts_port,
+            ("listeners", "mqtt_wss_port"): args.mqtt_wss_port,
+            ("log_level",): args.log_level,
+        }
+        try:
+            config = load_config(args.config, overrides=overrides)
+        except ConfigError as exc:
+            print(f"shardgate: {exc}", file=sys.stderr)
+            sys.exit(2)
+        _configure_logging(config)
+        try:
+            import uvloop
+
+            code = uvloop.run(_serve(config, args.port_file))
+        except ImportError:
+            code = asyncio.run(_serve(config, args.port_file))
+        sys.exit(code)

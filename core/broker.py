@@ -1,0 +1,302 @@
+"""The core broker: routes published messages to streams and shards and dispatches them live.
+
+The hot path is `publish`: resolve the topic's stream and shard (cached per topic), assign the
+offset, and hand the message to every matching subscription's chosen consumer — with no await
+and no task per message. Reliable streams append to the shard's log first and dispatch once the
+log's commit group is durable; the caller gets the commit future to hold its acknowledgement on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..storage.interfaces import ShardStorage, StorageError
+from .durable import CursorSink, DurableOptions, DurableSubscription
+from .errors import (
+    PublishRejected,
+    StreamExists,
+    StreamNotFound,
+    SubscriptionBusy,
+    SubscriptionNotFound,
+)
+from .message import Message
+from .retained import RetainedStore
+from .streams import DispatchMode, RoutingRule, Shard, Stream, StreamConfig, StreamRouter
+from .subscriptions import Consumer, Subscription, SubscriptionType
+from .trie import TopicTrie
+
+log = logging.getLogger(__name__)
+
+MATCH_CACHE_LIMIT = 50_000
+
+# One entry per matched subscription: the subscription and the filters of it that matched.
+Matches = list[tuple[Subscription, tuple[str, ...]]]
+
+
+@dataclass(slots=True)
+class BrokerStats:
+    started_at: float = field(default_factory=time.time)
+    messages_in: int = 0
+    bytes_in: int = 0
+    messages_out: int = 0
+    bytes_out: int = 0
+    messages_dropped: int = 0
+    messages_without_subscriber: int = 0
+
+
+class Broker:
+    def __init__(
+        self,
+        storage: ShardStorage | None = None,
+        default_stream: StreamConfig | None = None,
+    ) -> None:
+        self.storage = storage
+        self.stats = BrokerStats()
+        self.retained: RetainedStore[Message] = RetainedStore()
+        self.subscriptions: dict[str, Subscription] = {}
+        self._streams: dict[str, Stream] = {}
+        self._trie: TopicTrie[Subscription] = TopicTrie()
+        self._match_cache: dict[str, Matches] = {}
+        self._topic_stream_cache: dict[str, Stream] = {}
+        default = default_stream or StreamConfig("default")
+        self.router = StreamRouter(default.name)
+        self.create_stream(default)
+        self._awaiting_commit: dict[asyncio.Future[None], list[Message]] = {}
+        # Told of every change of a retained message (the composition root persists them).
+        self.on_retained_change: Callable[[str, Message | None], None] | None = None
+        # Where durable subscriptions save their cursors.
+        self.cursor_sink: CursorSink | None = None
+
+    # ---------------------------------------------------------------- streams and routing
+    @property
+    def streams(self) -> dict[str, Stream]:
+        return dict(self._streams)
+
+    def save_cursors(self) -> None:
+        for sub in self.subscriptions.values():
+            if isinstance(sub, DurableSubscription):
+                sub.save()
+
+    def stream(self, name: str) -> Stream:
+        try:
+            return self._streams[name]
+        except KeyError:
+            raise StreamNotFound(f"stream {name!r} does not exist") from None
+
+    def create_stream(self, config: StreamConfig, routes: list[str] | None = None) -> Stream:
+        if config.name in self._streams:
+            raise StreamExists(f"stream {config.name!r} already exists")
+        shards = []
+        for index in range(config.partitions):
+            shard_log = None
+            if config.mode is DispatchMode.RELIABLE:
+                if self.storage is None:
+                    raise PublishRejected("reliable streams need a journal; none is configured")
+                shard_log = self.storage.open_shard(config.name, index)
+            shards.append(Shard(config.name, index, shard_log))
+        stream = Stream(config, shards)
+        self._streams[config.name] = stream
+        for pattern in routes or ():
+            self.add_route(RoutingRule(pattern, config.name))
+        self._topic_stream_cache.clear()
+        return stream
+
+    def delete_stream(self, name: str) -> None:
+        if name == self.router.default_stream:
+            raise StreamExists("the default stream cannot be deleted")
+        stream = self.stream(name)
+        del self._streams[name]
+        self.router.remove_stream(name)
+        self._topic_stream_cache.clear()
+        if self.storage is not None and stream.reliable:
+            for shard in stream.shards:
+                self.storage.delete_shard(name, shard.index)
+
+    def add_route(self, rule: RoutingRule) -> None:
+        self.stream(rule.stream)
+        self.router.add_rule(rule)
+        self._topic_stream_cache.clear()
+
+    def stream_for_topic(self, topic: str) -> Stream:
+        stream = self._topic_stream_cache.get(topic)
+        if stream is None:
+            stream = self._streams[self.router.resolve(topic)]
+            if len(self._topic_stream_cache) > MATCH_CACHE_LIMIT:
+                self._topic_stream_cache.clear()
+            self._topic_stream_cache[topic] = stream
+        return stream
+
+    # ---------------------------------------------------------------- subscriptions
+    def subscription(
+        self,
+        name: str,
+        type: SubscriptionType = SubscriptionType.EXCLUSIVE,
+        *,
+        durable: bool = False,
+        create: bool = True,
+        owner: object = None,
+    ) -> Subscription:
+        sub = self.subscriptions.get(name)
+        if sub is None:
+            if not create:
+                raise SubscriptionNotFound(f"subscription {name!r} does not exist")
+            sub = self.subscriptions[name] = Subscription(name, type, durable, owner)
+        return sub
+
+    def durable_subscription(
+        self,
+        name: str,
+        type: SubscriptionType = SubscriptionType.EXCLUSIVE,
+        *,
+        options: DurableOptions | None = None,
+        owner: object = None,
+        initial_position: str | int = "latest",
+    ) -> DurableSubscription:
+        """Get or create a durable subscription (cursors, acks, redelivery)."""
+        sub = self.subscriptions.get(name)
+        if isinstance(sub, DurableSubscription):
+            return sub
+        if sub is not None:
+            raise SubscriptionBusy(f"subscription {name!r} exists and is not durable")
+        sub = DurableSubscription(self, name, type, options, owner, initial_position, self.cursor_sink)
+        self.subscriptions[name] = sub
+        if initial_position != "latest":
+            sub.open_cursors()
+        return sub
+
+    def add_filter(self, sub: Subscription, topic_filter: str, options: object = None) -> bool:
+        """Add (or update the options of) a filter; True if the filter is new to `sub`."""
+        new = topic_filter not in sub.filters
+        sub.filters[topic_filter] = options
+        if new:
+            self._trie.add(topic_filter, sub)
+            self._match_cache.clear()
+        return new
+
+    def remove_filter(self, sub: Subscription, topic_filter: str) -> bool:
+        if topic_filter not in sub.filters:
+            return False
+        del sub.filters[topic_filter]
+        self._trie.remove(topic_filter, sub)
+        self._match_cache.clear()
+        return True
+
+    def remove_subscription(self, name: str) -> Subscription | None:
+        sub = self.subscriptions.pop(name, None)
+        if isinstance(sub, DurableSubscription):
+            sub.close()
+        if sub is not None:
+            for topic_filter in list(sub.filters):
+                self._trie.remove(topic_filter, sub)
+            sub.filters.clear()
+            self._match_cache.clear()
+        return sub
+
+    def attach(self, sub: Subscription, consumer: Consumer) -> None:
+        sub.attach(consumer)
+        sub.wake()
+
+    def detach(self, sub: Subscription, consumer: Consumer) -> None:
+        sub.detach(consumer)
+
+    @property
+    def subscription_count(self) -> int:
+        return len(self._trie)
+
+    def match(self, topic: str) -> Matches:
+        matches = self._match_cache.get(topic)
+        if matches is None:
+            grouped: dict[Subscription, list[str]] = {}
+            for topic_filter, sub in self._trie.match(topic):
+                grouped.setdefault(sub, []).append(topic_filter)
+            matches = [(sub, tuple(filters)) for sub, filters in grouped.items()]
+            if len(self._match_cache) >= MATCH_CACHE_LIMIT:
+                self._match_cache.clear()
+            self._match_cache[topic] = matches
+        return matches
+
+    # ---------------------------------------------------------------- publish
+    def publish(self, message: Message) -> asyncio.Future[None] | None:
+        """Accept a message. Returns None when it is already stored and dispatched, or a future
+        that resolves once it is durable (then it is dispatched); the future fails with
+        PublishRejected if the store could not take it."""
+        stats = self.stats
+        stats.messages_in += 1
+        stats.bytes_in += len(message.payload)
+        topic = message.topic
+        stream = self.stream_for_topic(topic)
+        shard = stream.shard_for(topic, message.key)
+        message.stream = stream.config.name
+        message.shard = shard.index
+        if message.retain:
+            self._retain(message)
+        shard_log = shard.log
+        if shard_log is None:
+            message.offset = shard.next_offset
+            shard.next_offset += 1
+            self.dispatch(message)
+            return None
+        return self._append_reliable(shard, message)
+
+    def _append_reliable(self, shard: Shard, message: Message) -> asyncio.Future[None] | None:
+        from ..storage.records import encode_message
+
+        assert shard.log is not None
+        try:
+            message.offset = shard.log.append([(message.publish_time_ms, encode_message(message))])
+        except StorageError as exc:
+            raise PublishRejected(f"the journal refused the message: {exc}") from exc
+        shard.next_offset = message.offset + 1
+        waiter = shard.log.commit_waiter()
+        if waiter is None:
+            self.dispatch(message)
+            return None
+        waiting = self._awaiting_commit.get(waiter)
+        if waiting is None:
+            waiting = self._awaiting_commit[waiter] = []
+            waiter.add_done_callback(self._on_commit)
+        waiting.append(message)
+        return waiter
+
+    def _on_commit(self, waiter: asyncio.Future[None]) -> None:
+        messages = self._awaiting_commit.pop(waiter, [])
+        if waiter.cancelled() or waiter.exception() is not None:
+            log.error("journal commit failed for %d messages: %s", len(messages),
+                      None if waiter.cancelled() else waiter.exception())
+            return
+        for message in messages:
+            self.dispatch(message)
+
+    def dispatch(self, message: Message) -> int:
+        """Hand a stored message to each matching subscription; returns how many took it."""
+        matches = self.match(message.topic)
+        if not matches:
+            self.stats.messages_without_subscriber += 1
+            return 0
+        delivered = 0
+        for sub, filters in matches:
+            if sub.durable:
+                sub.offer(message, filters)  # type: ignore[attr-defined]
+                delivered += 1
+                continue
+            consumer = sub.pick()
+            if consumer is None:
+                continue
+            consumer.deliver(message, sub, filters)
+            delivered += 1
+        return delivered
+
+    def _retain(self, message: Message) -> None:
+        if message.payload:
+            self.retained.set(message.topic, message)
+            changed: Message | None = message
+        else:
+            if not self.retained.delete(message.topic):
+                return
+            changed = None
+        if self.on_retained_change is not None:
+            self.on_retained_change(message.topic, changed)

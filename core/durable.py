@@ -1,0 +1,490 @@
+"""Durable subscriptions: per-shard cursors, acknowledgements, redelivery and dead letters.
+
+A durable subscription does not copy messages for consumers that are away or busy: it keeps,
+per shard, a cursor — the next offset to deliver (`position`) and the offsets delivered but not
+yet acknowledged (`unacked`). While a cursor is *live* the subscription takes messages from the
+live dispatch; when no consumer can take one, the cursor falls behind and the subscription
+later replays the shard's log from `position`, filtering by its topic filters, until it has
+caught up and is live again. Replay and live dispatch meet by offset: a live message below
+`position` was already replayed and is dropped, so there is no gap and no duplicate.
+
+Unacknowledged messages are redelivered when a consumer gives them back (nack), when their ack
+timeout passes, or when their consumer leaves; after `max_deliveries` they go to the dead-letter
+topic `$dlq/<subscription>`. Progress (position and unacked offsets) is saved through a
+`CursorSink` in batches; on restart the subscription resumes from what was saved, so a message
+acknowledged before the crash may at worst be delivered again (at-least-once), never lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import struct
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from ..storage.interfaces import ShardLog, StorageError
+from ..storage.records import RecordFormatError, decode_message
+from .message import Message, message_from_record, now_ms
+from .subscriptions import Consumer, Subscription, SubscriptionType
+from .topics import filter_matches
+
+if TYPE_CHECKING:
+    from .broker import Broker
+
+log = logging.getLogger(__name__)
+
+REPLAY_BATCH = 256
+PUMP_BUDGET = 2000
+
+
+@dataclass(slots=True)
+class DurableOptions:
+    # Seconds before an unacknowledged message is redelivered; None: only on nack/leave.
+    ack_timeout_s: float | None = 30.0
+    # Deliveries before a message goes to the dead-letter topic; 0: never dead-letter.
+    max_deliveries: int = 0
+    # Redeliver a leaving consumer's unacknowledged messages to the others. MQTT sessions
+    # resend their own in-flight messages instead.
+    redeliver_on_leave: bool = True
+
+
+class CursorSink(Protocol):
+    """Where durable progress is saved (the metadata store, through the composition root)."""
+
+    def save_cursor(self, subscription: str, stream: str, shard: int, floor: int, state: bytes) -> None: ...
+
+
+def encode_cursor_state(position: int, unacked: Sequence[int]) -> bytes:
+    return struct.pack(f"<qI{len(unacked)}q", position, len(unacked), *unacked)
+
+
+def decode_cursor_state(data: bytes) -> tuple[int, list[int]]:
+    position, count = struct.unpack_from("<qI", data, 0)
+    return position, list(struct.unpack_from(f"<{count}q", data, 12))
+
+
+class Delivery:
+    __slots__ = ("message", "consumer", "count", "deadline")
+
+    def __init__(self, message: Message, consumer: Consumer | None, count: int, deadline: float | None) -> None:
+        self.message = message
+        self.consumer = consumer
+        self.count = count
+        self.deadline = deadline
+
+
+class ShardCursor:
+    __slots__ = ("stream", "shard", "log", "position", "unacked", "live", "pending_redelivery")
+
+    def __init__(self, stream: str, shard: int, shard_log: ShardLog | None, position: int) -> None:
+        self.stream = stream
+        self.shard = shard
+        self.log = shard_log
+        self.position = position
+        # Offset -> Delivery for messages handed out and not yet acknowledged.
+        self.unacked: dict[int, Delivery] = {}
+        self.live = shard_log is None
+        # Offsets saved as unacknowledged before a restart, to read back and redeliver.
+        self.pending_redelivery: list[int] = []
+
+    @property
+    def floor(self) -> int:
+        """The lowest offset this cursor still needs."""
+        lowest = self.position
+        if self.unacked:
+            lowest = min(lowest, min(self.unacked))
+        if self.pending_redelivery:
+            lowest = min(lowest, self.pending_redelivery[0])
+        return lowest
+
+
+class DurableSubscription(Subscription):
+    __slots__ = (
+        "broker", "options", "cursors", "_redeliver", "_delayed", "_pump_scheduled", "_dirty",
+        "sink", "initial_position", "_matching_cache", "_timer",
+    )
+
+    def __init__(
+        self,
+        broker: Broker,
+        name: str,
+        type: SubscriptionType = SubscriptionType.EXCLUSIVE,
+        options: DurableOptions | None = None,
+        owner: object = None,
+        initial_position: str | int = "latest",
+        sink: CursorSink | None = None,
+    ) -> None:
+        super().__init__(name, type, durable=True, owner=owner)
+        self.broker = broker
+        self.options = options or DurableOptions()
+        self.cursors: dict[tuple[str, int], ShardCursor] = {}
+        self._redeliver: deque[tuple[ShardCursor, int]] = deque()
+        self._delayed: list[tuple[float, int, str, int]] = []
+        self._pump_scheduled = False
+        self._dirty: set[tuple[str, int]] = set()
+        self.sink = sink
+        self.initial_position = initial_position
+        self._matching_cache: dict[str, tuple[str, ...]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+
+    # ------------------------------------------------------------------ cursors
+    def open_cursors(self, positions: str | int | None = None) -> None:
+        """Create cursors on every shard of every reliable stream (for `earliest`, an offset
+        or a timestamp start). Cursors of shards first seen live start at that message."""
+        position = self.initial_position if positions is None else positions
+        for stream in self.broker.streams.values():
+            for shard in stream.shards:
+                key = (stream.name, shard.index)
+                if key in self.cursors:
+                    continue
+                self.cursors[key] = self._new_cursor(stream.name, shard.index, shard.log, position)
+        self.schedule_pump()
+
+    def _new_cursor(self, stream: str, shard: int, shard_log: ShardLog | None, position: str | int) -> ShardCursor:
+        if shard_log is None:
+            start = 0
+        elif position == "earliest":
+            start = shard_log.low_watermark
+        elif position == "latest":
+            start = shard_log.next_offset
+        elif isinstance(position, int) and position < 0:
+            start = shard_log.offset_for_timestamp(-position)  # negative: a timestamp in ms
+        else:
+            start = int(position)
+        cursor = ShardCursor(stream, shard, shard_log, start)
+        self._dirty.add((stream, shard))
+        return cursor
+
+    def restore_cursor(self, stream: str, shard: int, state: bytes) -> None:
+        broker_stream = self.broker.streams.get(stream)
+        if broker_stream is None or shard >= len(broker_stream.shards):
+            return
+        shard_log = broker_stream.shards[shard].log
+        position, unacked = decode_cursor_state(state)
+        cursor = ShardCursor(stream, shard, shard_log, position)
+        cursor.pending_redelivery = sorted(unacked)
+        self.cursors[(stream, shard)] = cursor
+
+    def reset(self, position: str | int) -> None:
+        """Move every cursor (offset, `earliest`, `latest`, or -timestamp_ms)."""
+        self.cursors.clear()
+        self._redeliver.clear()
+        self.open_cursors(position)
+
+    def lag(self) -> int:
+        total = 0
+        for cursor in self.cursors.values():
+            if cursor.log is not None:
+                total += max(0, cursor.log.next_offset - cursor.floor)
+        return total
+
+    def inflight_count(self) -> int:
+        return sum(len(c.unacked) for c in self.cursors.values())
+
+    # ------------------------------------------------------------------ live path
+    def offer(self, message: Message, filters: Sequence[str]) -> None:
+        """A message dispatched live (after it was stored)."""
+        key = (message.stream, message.shard)
+        cursor = self.cursors.get(key)
+        if cursor is None:
+            stream = self.broker.streams.get(message.stream)
+            shard_log = stream.shards[message.shard].log if stream is not None else None
+            cursor = ShardCursor(message.stream, message.shard, shard_log, message.offset)
+            cursor.live = True
+            self.cursors[key] = cursor
+        if cursor.log is None:
+            # Non-reliable shard: nothing to replay from, so behave as a live subscription and
+            # let the consumer queue what it cannot take now.
+            consumer = self.pick()
+            if consumer is not None:
+                consumer.deliver(message, self, filters)
+            return
+        if message.offset < cursor.position:
+            return  # already delivered by replay
+        if not cursor.live:
+            self.schedule_pump()
+            return
+        consumer = self._pick_available()
+        if consumer is None:
+            cursor.live = False
+            return
+        self._send(cursor, message, filters, consumer, 1)
+
+    def _send(self, cursor: ShardCursor, message: Message, filters: Sequence[str],
+              consumer: Consumer, count: int) -> None:
+        if message.offset >= cursor.position:
+            cursor.position = message.offset + 1
+        timeout = self.options.ack_timeout_s
+        deadline = time.monotonic() + timeout if timeout else None
+        cursor.unacked[message.offset] = Delivery(message, consumer, count, deadline)
+        self._dirty.add((cursor.stream, cursor.shard))
+        if timeout and self._timer is None:
+            self._arm_timer()
+        consumer.deliver(message, self, filters)
+
+    def _pick_available(self) -> Consumer | None:
+        consumers = self.consumers
+        if not consumers:
+            return None
+        if self.type is not SubscriptionType.SHARED:
+            first = consumers[0]
+            return first if first.available else None
+        count = len(consumers)
+        start = self._next % count
+        for step in range(count):
+            candidate = consumers[(start + step) % count]
+            if candidate.available:
+                self._next = start + step + 1
+                return candidate
+        return None
+
+    def _filters_for(self, topic: str) -> tuple[str, ...]:
+        cached = self._matching_cache.get(topic)
+        if cached is None:
+            cached = tuple(f for f in self.filters if filter_matches(f, topic))
+            if len(self._matching_cache) > 10_000:
+                self._matching_cache.clear()
+            self._matching_cache[topic] = cached
+        return cached
+
+    # ------------------------------------------------------------------ acknowledgements
+    def ack(self, message: Message) -> None:
+        cursor = self.cursors.get((message.stream, message.shard))
+        if cursor is None:
+            return
+        if cursor.unacked.pop(message.offset, None) is not None:
+            self._dirty.add((cursor.stream, cursor.shard))
+            if not cursor.live or self._redeliver:
+                self.schedule_pump()
+
+    def nack(self, message: Message, delay_s: float = 0.0) -> None:
+        cursor = self.cursors.get((message.stream, message.shard))
+        if cursor is None or message.offset not in cursor.unacked:
+            return
+        delivery = cursor.unacked[message.offset]
+        delivery.consumer = None
+        delivery.deadline = None
+        if delay_s > 0:
+            heapq.heappush(self._delayed, (time.monotonic() + delay_s, message.offset, cursor.stream, cursor.shard))
+            self._arm_timer()
+        else:
+            self._redeliver.append((cursor, message.offset))
+            self.schedule_pump()
+
+    def detach(self, consumer: Consumer) -> bool:
+        removed = super().detach(consumer)
+        if removed and self.options.redeliver_on_leave:
+            for cursor in self.cursors.values():
+                for offset, delivery in cursor.unacked.items():
+                    if delivery.consumer is consumer:
+                        delivery.consumer = None
+                        self._redeliver.append((cursor, offset))
+            if self._redeliver:
+                self.schedule_pump()
+        return removed
+
+    def wake(self) -> None:
+        self.schedule_pump()
+
+    # ------------------------------------------------------------------ replay
+    def schedule_pump(self) -> None:
+        if not self._pump_scheduled:
+            self._pump_scheduled = True
+            try:
+                asyncio.get_running_loop().call_soon(self._pump)
+            except RuntimeError:
+                self._pump_scheduled = False
+
+    def _pump(self) -> None:
+        self._pump_scheduled = False
+        budget = PUMP_BUDGET
+        budget = self._pump_redeliveries(budget)
+        if budget <= 0:
+            self.schedule_pump()
+            return
+        for cursor in list(self.cursors.values()):
+            if cursor.pending_redelivery:
+                budget = self._pump_restored(cursor, budget)
+            if not cursor.live and budget > 0:
+                budget = self._pump_cursor(cursor, budget)
+            if budget <= 0:
+                self.schedule_pump()
+                return
+
+    def _pump_redeliveries(self, budget: int) -> int:
+        max_deliveries = self.options.max_deliveries
+        while self._redeliver and budget > 0:
+            cursor, offset = self._redeliver[0]
+            delivery = cursor.unacked.get(offset)
+            if delivery is None or delivery.consumer is not None:
+                self._redeliver.popleft()
+                continue
+            if max_deliveries and delivery.count >= max_deliveries:
+                self._redeliver.popleft()
+                self._dead_letter(cursor, delivery)
+                continue
+            consumer = self._pick_available()
+            if consumer is None:
+                return budget
+            self._redeliver.popleft()
+            filters = self._filters_for(delivery.message.topic) or tuple(self.filters)
+            self._send(cursor, delivery.message, filters, consumer, delivery.count + 1)
+            budget -= 1
+        return budget
+
+    def _pump_restored(self, cursor: ShardCursor, budget: int) -> int:
+        while cursor.pending_redelivery and budget > 0:
+            consumer = self._pick_available()
+            if consumer is None:
+                return budget
+            offset = cursor.pending_redelivery.pop(0)
+            message = self._read_one(cursor, offset)
+            if message is None:
+                continue
+            filters = self._filters_for(message.topic)
+            if filters:
+                self._send(cursor, message, filters, consumer, 2)
+                budget -= 1
+        return budget
+
+    def _read_one(self, cursor: ShardCursor, offset: int) -> Message | None:
+        if cursor.log is None:
+            return None
+        try:
+            records = cursor.log.read(offset, 1)
+        except StorageError as exc:
+            log.error("subscription %s: cannot read %s/%d@%d: %s", self.name, cursor.stream, cursor.shard, offset, exc)
+            return None
+        if not records or records[0].offset != offset:
+            return None
+        try:
+            return message_from_record(decode_message(records[0].data), cursor.stream, cursor.shard, offset)
+        except RecordFormatError as exc:
+            log.error("subscription %s: bad record %s/%d@%d: %s", self.name, cursor.stream, cursor.shard, offset, exc)
+            return None
+
+    def has_available(self) -> bool:
+        return any(consumer.available for consumer in self.consumers)
+
+    def _pump_cursor(self, cursor: ShardCursor, budget: int) -> int:
+        shard_log = cursor.log
+        assert shard_log is not None
+        if not self.has_available():
+            return budget
+        now = now_ms()
+        while budget > 0:
+            try:
+                records = shard_log.read(cursor.position, REPLAY_BATCH)
+            except StorageError as exc:
+                log.error("subscription %s: replay of %s/%d stopped at %d: %s",
+                          self.name, cursor.stream, cursor.shard, cursor.position, exc)
+                return budget
+            if not records:
+                cursor.live = True
+                return budget
+            for record in records:
+                if record.offset < cursor.position:
+                    continue
+                try:
+                    message = message_from_record(decode_message(record.data), cursor.stream, cursor.shard, record.offset)
+                except RecordFormatError as exc:
+                    log.error("subscription %s: skipping bad record %s/%d@%d: %s",
+                              self.name, cursor.stream, cursor.shard, record.offset, exc)
+                    cursor.position = record.offset + 1
+                    continue
+                filters = self._filters_for(message.topic)
+                if not filters or message.expired(now):
+                    cursor.position = record.offset + 1
+                    continue
+                consumer = self._pick_available()
+                if consumer is None:
+                    return 0
+                self._send(cursor, message, filters, consumer, 1)
+                budget -= 1
+                if budget <= 0:
+                    return 0
+            self._dirty.add((cursor.stream, cursor.shard))
+        return budget
+
+    def _dead_letter(self, cursor: ShardCursor, delivery: Delivery) -> None:
+        cursor.unacked.pop(delivery.message.offset, None)
+        self._dirty.add((cursor.stream, cursor.shard))
+        original = delivery.message
+        headers = list(original.headers or [])
+        headers += [("x-dead-letter-subscription", self.name), ("x-original-topic", original.topic),
+                    ("x-delivery-count", str(delivery.count))]
+        letter = Message(
+            f"$dlq/{self.name}", original.payload, original.qos, False, original.key, headers,
+            original.content_type, original.correlation_data, original.reply_to, original.payload_format,
+            None, producer_protocol="dlq", producer_id=self.name,
+        )
+        log.info("subscription %s: %s@%d dead-lettered after %d deliveries", self.name,
+                 original.topic, original.offset, delivery.count)
+        try:
+            self.broker.publish(letter)
+        except Exception:
+            log.exception("subscription %s: dead letter could not be published", self.name)
+
+    # ------------------------------------------------------------------ timers and saving
+    def _arm_timer(self) -> None:
+        if self._timer is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._timer = loop.call_later(0.5, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        now = time.monotonic()
+        due = False
+        while self._delayed and self._delayed[0][0] <= now:
+            _, offset, stream, shard = heapq.heappop(self._delayed)
+            cursor = self.cursors.get((stream, shard))
+            if cursor is not None and offset in cursor.unacked:
+                self._redeliver.append((cursor, offset))
+                due = True
+        if self.options.ack_timeout_s:
+            for cursor in self.cursors.values():
+                for offset, delivery in cursor.unacked.items():
+                    if delivery.deadline is not None and delivery.deadline <= now and delivery.consumer is not None:
+                        delivery.consumer = None
+                        delivery.deadline = None
+                        self._redeliver.append((cursor, offset))
+                        due = True
+        if due:
+            self.schedule_pump()
+        if self._delayed or any(c.unacked for c in self.cursors.values()):
+            self._arm_timer()
+
+    def save(self) -> None:
+        """Hand changed cursors to the sink."""
+        if self.sink is None or not self._dirty:
+            self._dirty.clear()
+            return
+        dirty, self._dirty = self._dirty, set()
+        for key in dirty:
+            cursor = self.cursors.get(key)
+            if cursor is None:
+                continue
+            unacked = sorted(set(cursor.unacked) | set(cursor.pending_redelivery))
+            state = encode_cursor_state(cursor.position, unacked)
+            self.sink.save_cursor(self.name, cursor.stream, cursor.shard, cursor.floor, state)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+def is_durable(subscription: Subscription) -> bool:
+    return isinstance(subscription, DurableSubscription)
+
+
+OnDeliver = Callable[[Message], None]

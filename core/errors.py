@@ -1,0 +1,29 @@
+"""The core's exception hierarchy; protocol adapters translate these into their own replies."""
+
+
+class CoreError(Exception):
+    """Base of every error the core raises."""
+
+
+class StreamNotFound(CoreError):
+    pass
+
+
+class StreamExists(CoreError):
+    pass
+
+
+class InvalidStreamConfig(CoreError):
+    pass
+
+
+class SubscriptionNotFound(CoreError):
+    pass
+
+
+class SubscriptionBusy(CoreError):
+    """An Exclusive subscription already has a consumer, or the type does not match."""
+
+
+class PublishRejected(CoreError):
+    """The message cannot be accepted (schema mismatch, storage failure, too large)."""

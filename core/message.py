@@ -1,0 +1,63 @@
+"""The message model shared by every protocol.
+
+A `Message` carries the same fields whichever protocol brought it in: MQTT 5 user properties,
+AMQP headers and gRPC metadata all become `headers`; MQTT response topic and AMQP reply-to
+become `reply_to`. The core fills `stream`, `shard` and `offset` when it appends the message.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(slots=True, eq=False)
+class Message:
+    topic: str
+    payload: bytes
+    qos: int = 0
+    retain: bool = False
+    key: bytes | None = None
+    headers: list[tuple[str, str]] | None = None
+    content_type: str | None = None
+    correlation_data: bytes | None = None
+    reply_to: str | None = None
+    payload_format: int | None = None
+    # Absolute expiry time in epoch milliseconds (MQTT 5 message expiry, AMQP expiration).
+    expires_at_ms: int | None = None
+    publish_time_ms: int = field(default_factory=now_ms)
+    producer_protocol: str = ""
+    producer_id: str = ""
+    stream: str = ""
+    shard: int = 0
+    offset: int = -1
+    # Encoded forms cached by protocol adapters so that many subscribers share one encoding.
+    encoded: dict[Any, bytes] | None = None
+
+    def expired(self, at_ms: int | None = None) -> bool:
+        if self.expires_at_ms is None:
+            return False
+        return (at_ms if at_ms is not None else now_ms()) >= self.expires_at_ms
+
+    def remaining_expiry_s(self, at_ms: int | None = None) -> int | None:
+        """Seconds left before expiry (rounded up), None if the message never expires."""
+        if self.expires_at_ms is None:
+            return None
+        left = self.expires_at_ms - (at_ms if at_ms is not None else now_ms())
+        return max(0, -(-left // 1000))
+
+
+def message_from_record(record: object, stream: str, shard: int, offset: int) -> Message:
+    """Rebuild a Message from a decoded `storage.records.MessageRecord`."""
+    r = record
+    return Message(
+        r.topic, r.payload, r.qos, r.retain, r.key, r.headers, r.content_type,  # type: ignore[attr-defined]
+        r.correlation_data, r.reply_to, r.payload_format, r.expires_at_ms,  # type: ignore[attr-defined]
+        r.publish_time_ms, r.producer_protocol, r.producer_id,  # type: ignore[attr-defined]
+        stream, shard, offset,
+    )

@@ -1,0 +1,117 @@
+"""Subscriptions: named sets of topic filters with a type that decides who gets each message.
+
+- Exclusive: one consumer at a time; a second one is refused.
+- Shared: every message goes to one consumer, round-robin over those available.
+- Failover: one active consumer (the first attached); standbys take over, in attach order,
+  when it leaves.
+
+An MQTT session's own subscriptions, an MQTT `$share/group/filter`, an AMQP queue and a gRPC
+subscription are all `Subscription`s. Consumers are protocol objects implementing `Consumer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .errors import SubscriptionBusy
+
+if TYPE_CHECKING:
+    from .message import Message
+
+
+class SubscriptionType(StrEnum):
+    EXCLUSIVE = "exclusive"
+    SHARED = "shared"
+    FAILOVER = "failover"
+
+
+class Consumer(Protocol):
+    """What a protocol adapter implements to receive messages from a subscription."""
+
+    @property
+    def consumer_id(self) -> str: ...
+
+    @property
+    def available(self) -> bool:
+        """True when the consumer is connected and can take messages now."""
+
+    def deliver(self, message: Message, subscription: Subscription, filters: Sequence[str]) -> None:
+        """Take one message matched by `filters` of `subscription`. Must not block or await.
+
+        When the client acknowledges it, the consumer calls `subscription.ack(message)` (or
+        `nack`); for live-only subscriptions those calls cost nothing."""
+
+
+class Subscription:
+    __slots__ = ("name", "type", "durable", "filters", "consumers", "_next", "owner")
+
+    def __init__(
+        self,
+        name: str,
+        type: SubscriptionType = SubscriptionType.EXCLUSIVE,
+        durable: bool = False,
+        owner: Any = None,
+    ) -> None:
+        self.name = name
+        self.type = SubscriptionType(type)
+        self.durable = durable
+        # Topic filter -> opaque options kept for the protocol that made the subscription.
+        self.filters: dict[str, Any] = {}
+        self.consumers: list[Consumer] = []
+        self._next = 0
+        self.owner = owner
+
+    def __repr__(self) -> str:
+        return f"Subscription({self.name!r}, {self.type.value}, filters={list(self.filters)})"
+
+    def attach(self, consumer: Consumer) -> None:
+        if consumer in self.consumers:
+            return
+        if self.type is SubscriptionType.EXCLUSIVE and self.consumers:
+            raise SubscriptionBusy(
+                f"subscription {self.name!r} is exclusive and already has a consumer"
+            )
+        self.consumers.append(consumer)
+
+    def detach(self, consumer: Consumer) -> bool:
+        try:
+            self.consumers.remove(consumer)
+        except ValueError:
+            return False
+        return True
+
+    @property
+    def active_consumer(self) -> Consumer | None:
+        """For Exclusive and Failover: the consumer that receives messages."""
+        return self.consumers[0] if self.consumers else None
+
+    # Acknowledgement hooks: no-ops for live-only subscriptions; durable subscriptions
+    # (core.durable) track cursors, redeliver and dead-letter with them.
+    def ack(self, message: Message) -> None:
+        """The consumer's client has processed `message`."""
+
+    def nack(self, message: Message, delay_s: float = 0.0) -> None:
+        """The consumer's client gives `message` back for redelivery after `delay_s`."""
+
+    def wake(self) -> None:
+        """A consumer became available again (reconnected, got credit): resume delivery."""
+
+    def pick(self) -> Consumer | None:
+        """The consumer that gets the next message, or None if there is none."""
+        consumers = self.consumers
+        if not consumers:
+            return None
+        if self.type is not SubscriptionType.SHARED:
+            return consumers[0]
+        count = len(consumers)
+        start = self._next % count
+        for step in range(count):
+            candidate = consumers[(start + step) % count]
+            if candidate.available:
+                self._next = start + step + 1
+                return candidate
+        # Nobody is available right now: hand it to the next in turn, which may queue it.
+        self._next = start + 1
+        return consumers[start]

@@ -1,0 +1,641 @@
+"""The per-connection MQTT state machine (sans-IO).
+
+Bytes come in through `data_received`; packets go out through the `Link` the adapter gives
+(a transport's write and close, or a list in tests). The connection decodes packets with the
+codec, checks them against the spec, and turns them into calls on the core broker and the
+session. It never touches a socket and never awaits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from enum import Enum
+from typing import TYPE_CHECKING, Protocol
+
+from ...core.errors import PublishRejected
+from ...core.message import Message, now_ms
+from ...core.subscriptions import SubscriptionType
+from ...core.topics import (
+    TopicError,
+    parse_shared_filter,
+    validate_topic_filter,
+    validate_topic_name,
+)
+from . import packets as p
+from .codec import (
+    MQTTCodecError,
+    PacketParser,
+    PacketTooLarge,
+    UnsupportedProtocolVersion,
+    encode,
+    encode_publish,
+)
+from .session import NEVER_EXPIRES, MqttSession, SubscriptionOptions
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from .service import MqttService
+
+log = logging.getLogger(__name__)
+
+RC = p.ReasonCode
+MQTT_V5 = 5
+
+
+class Link(Protocol):
+    """What the connection needs of its transport."""
+
+    def write(self, data: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+    def buffered(self) -> int:
+        """Bytes written but not yet sent to the network."""
+
+
+class State(Enum):
+    AWAIT_CONNECT = "await-connect"
+    CONNECTED = "connected"
+    CLOSED = "closed"
+
+
+class ProtocolViolation(Exception):
+    """The client broke the protocol: the connection ends with this reason code."""
+
+    def __init__(self, reason_code: int, message: str) -> None:
+        super().__init__(message)
+        self.reason_code = reason_code
+
+
+def _publish_properties(
+    message: Message, subscription_ids: tuple[int, ...], topic_alias: int | None
+) -> p.Properties | None:
+    if not (
+        message.headers or message.content_type or message.reply_to or message.correlation_data
+        or message.payload_format is not None or message.expires_at_ms is not None
+        or subscription_ids or topic_alias
+    ):
+        return None
+    props = p.Properties()
+    props.payload_format_indicator = message.payload_format
+    props.content_type = message.content_type
+    props.response_topic = message.reply_to
+    props.correlation_data = message.correlation_data
+    if message.headers:
+        props.user_properties = list(message.headers)
+    if message.expires_at_ms is not None:
+        props.message_expiry_interval = message.remaining_expiry_s()
+    if subscription_ids:
+        props.subscription_identifiers = list(subscription_ids)
+    props.topic_alias = topic_alias
+    return props
+
+
+def _packet_id_position(packet: bytes, topic_length: int) -> int:
+    index = 1
+    while packet[index] & 0x80:
+        index += 1
+    return index + 1 + 2 + topic_length
+
+
+class MqttConnection:
+    def __init__(self, service: MqttService, link: Link, remote: str = "", transport_name: str = "tcp") -> None:
+        self.service = service
+        self.link = link
+        self.remote = remote
+        self.transport_name = transport_name
+        self.state = State.AWAIT_CONNECT
+        self.parser = PacketParser(max_packet_size=service.settings.max_packet_size)
+        self.version = 4
+        self.client_id = ""
+        self.username: str | None = None
+        self.session: MqttSession | None = None
+        self.keep_alive = 0
+        self.last_received = time.monotonic()
+        self.connected_at = time.time()
+        self.send_window = service.settings.max_inflight
+        self.client_max_packet_size = 0
+        self.client_topic_alias_max = 0
+        self.inbound_aliases: dict[int, str] = {}
+        self.outbound_aliases: dict[str, int] = {}
+        self.inbound_pending = 0
+        self.will: p.Will | None = None
+        self.session_expiry_at_connect = 0
+        self._out: list[bytes] = []
+        self._flush_requested = False
+        self.messages_in = 0
+        self.messages_out = 0
+
+    @property
+    def open(self) -> bool:
+        return self.state is not State.CLOSED
+
+    # ------------------------------------------------------------------ output
+    def _send(self, data: bytes) -> None:
+        self._out.append(data)
+        if not self._flush_requested:
+            self._flush_requested = True
+            self.service.request_flush(self)
+
+    def _send_packet(self, packet: p.Packet) -> None:
+        data = encode(packet, self.version)
+        if self.client_max_packet_size and len(data) > self.client_max_packet_size:
+            return
+        self._send(data)
+
+    def flush(self) -> None:
+        self._flush_requested = False
+        if self._out:
+            data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
+            self._out.clear()
+            if self.state is not State.CLOSED or data:
+                self.link.write(data)
+
+    def send_publish(
+        self,
+        message: Message,
+        qos: int,
+        retain: bool,
+        subscription_ids: tuple[int, ...],
+        packet_id: int | None,
+        dup: bool,
+    ) -> bool:
+        """Queue a PUBLISH for the client; False if it could not be sent (too large, closed,
+        or a QoS 0 message dropped for a slow client)."""
+        if self.state is not State.CONNECTED:
+            return False
+        if qos == 0 and self.link.buffered() > self.service.settings.max_outbound_buffer:
+            self.service.broker.stats.messages_dropped += 1
+            return False
+        version = self.version
+        personal = version == MQTT_V5 and (
+            subscription_ids or message.expires_at_ms is not None or self.client_topic_alias_max
+        )
+        if personal or dup:
+            topic = message.topic
+            alias = None
+            if self.client_topic_alias_max and not dup:
+                alias = self.outbound_aliases.get(topic)
+                if alias is not None:
+                    topic = ""
+                elif len(self.outbound_aliases) < self.client_topic_alias_max:
+                    alias = len(self.outbound_aliases) + 1
+                    self.outbound_aliases[topic] = alias
+            props = _publish_properties(message, subscription_ids, alias) if version == MQTT_V5 else None
+            data = encode_publish(topic, message.payload, qos, retain, dup, packet_id, props, version)
+        else:
+            key = (version, qos, retain)
+            cache = message.encoded
+            if cache is None:
+                cache = message.encoded = {}
+            data = cache.get(key)
+            if data is None:
+                props = _publish_properties(message, (), None) if version == MQTT_V5 else None
+                data = encode_publish(
+                    message.topic, message.payload, qos, retain, False, 1 if qos else None, props, version
+                )
+                cache[key] = data
+            if qos:
+                position = cache.get((version, "pid"))
+                if position is None:
+                    position = _packet_id_position(data, len(message.topic.encode()))
+                    cache[(version, "pid")] = position  # type: ignore[assignment]
+                buffer = bytearray(data)
+                buffer[position] = packet_id >> 8  # type: ignore[operator]
+                buffer[position + 1] = packet_id & 0xFF  # type: ignore[operator]
+                data = bytes(buffer)
+        if self.client_max_packet_size and len(data) > self.client_max_packet_size:
+            return False
+        self.messages_out += 1
+        stats = self.service.broker.stats
+        stats.messages_out += 1
+        stats.bytes_out += len(message.payload)
+        self._send(data)
+        return True
+
+    def send_pubrel(self, packet_id: int) -> None:
+        self._send_packet(p.Pubrel(packet_id))
+
+    # ------------------------------------------------------------------ input
+    def data_received(self, data: bytes) -> None:
+        if self.state is State.CLOSED:
+            return
+        self.last_received = time.monotonic()
+        if self.state is State.AWAIT_CONNECT and data and not self.parser.buffered and data[0] >> 4 != 1:
+            # [MQTT-3.1.0-1] the first packet must be CONNECT: no need to wait for the rest.
+            log.info("%s: first packet is not CONNECT (first byte 0x%02x)", self.remote, data[0])
+            self.close()
+            return
+        try:
+            packets = self.parser.feed(data)
+        except UnsupportedProtocolVersion as exc:
+            log.info("%s: unsupported protocol version %s", self.remote, exc.protocol_level)
+            if self.state is State.AWAIT_CONNECT:
+                if exc.protocol_level == MQTT_V5:
+                    self._send(encode(p.Connack(False, RC.UNSUPPORTED_PROTOCOL_VERSION), MQTT_V5))
+                else:
+                    self._send(encode(p.Connack(False, p.ConnackCode311.UNACCEPTABLE_PROTOCOL_VERSION), 4))
+            self.close()
+            return
+        except PacketTooLarge as exc:
+            log.info("%s %s: packet too large: %s", self.remote, self.client_id, exc)
+            self.close(RC.PACKET_TOO_LARGE)
+            return
+        except MQTTCodecError as exc:
+            log.info("%s %s: malformed packet: %s", self.remote, self.client_id, exc)
+            self.close(exc.reason_code)
+            return
+        for packet in packets:
+            if self.state is State.CLOSED:
+                return
+            try:
+                self._handle(packet)
+            except ProtocolViolation as exc:
+                log.info("%s %s: protocol violation: %s", self.remote, self.client_id, exc)
+                self.close(exc.reason_code, str(exc))
+                return
+
+    def _handle(self, packet: p.Packet) -> None:
+        if self.state is State.AWAIT_CONNECT:
+            if not isinstance(packet, p.Connect):
+                # [MQTT-3.1.0-1] the first packet must be CONNECT.
+                raise ProtocolViolation(RC.PROTOCOL_ERROR, "the first packet must be CONNECT")
+            self._on_connect(packet)
+            return
+        handler = self._handlers.get(type(packet))
+        if handler is None:
+            raise ProtocolViolation(RC.PROTOCOL_ERROR, f"{type(packet).__name__} is not allowed from a client")
+        handler(self, packet)
+
+    # ------------------------------------------------------------------ CONNECT
+    def _refuse(self, v5_code: int, v3_code: int, reason: str) -> None:
+        log.info("%s: connection refused: %s", self.remote, reason)
+        if self.version == MQTT_V5:
+            props = p.Properties(reason_string=reason)
+            self._send(encode(p.Connack(False, v5_code, props), MQTT_V5))
+        else:
+            self._send(encode(p.Connack(False, v3_code), self.version))
+        self.close()
+
+    def _on_connect(self, connect: p.Connect) -> None:
+        settings = self.service.settings
+        self.version = connect.protocol_level
+        v5 = self.version == MQTT_V5
+        props = connect.properties
+        client_id = connect.client_id
+        assigned = None
+        if not client_id:
+            if not v5 and not connect.clean_start:
+                # [MQTT-3.1.3-8] empty client id needs clean session on 3.1.1.
+                self._refuse(RC.CLIENT_IDENTIFIER_NOT_VALID, p.ConnackCode311.IDENTIFIER_REJECTED,
+                             "an empty client identifier needs clean session")
+                return
+            client_id = assigned = self.service.assign_client_id()
+        elif len(client_id) > settings.max_client_id_length:
+            self._refuse(RC.CLIENT_IDENTIFIER_NOT_VALID, p.ConnackCode311.IDENTIFIER_REJECTED,
+                         "client identifier too long")
+            return
+        if v5 and props.authentication_method is not None:
+            self._refuse(RC.BAD_AUTHENTICATION_METHOD, p.ConnackCode311.NOT_AUTHORIZED,
+                         f"authentication method {props.authentication_method!r} is not supported")
+            return
+        if connect.will is not None:
+            try:
+                validate_topic_name(connect.will.topic)
+            except TopicError as exc:
+                self._refuse(RC.TOPIC_NAME_INVALID, p.ConnackCode311.SERVER_UNAVAILABLE, f"will topic: {exc}")
+                return
+            if connect.will.qos > settings.maximum_qos:
+                self._refuse(RC.QOS_NOT_SUPPORTED, p.ConnackCode311.SERVER_UNAVAILABLE, "will QoS not supported")
+                return
+            if connect.will.retain and not settings.retain_available:
+                self._refuse(RC.RETAIN_NOT_SUPPORTED, p.ConnackCode311.SERVER_UNAVAILABLE, "retain not supported")
+                return
+        verdict = self.service.authenticate(connect.username, connect.password, client_id, self.remote)
+        if verdict is not None:
+            bad_credentials = verdict == "bad-credentials"
+            self._refuse(
+                RC.BAD_USER_NAME_OR_PASSWORD if bad_credentials else RC.NOT_AUTHORIZED,
+                p.ConnackCode311.BAD_USERNAME_OR_PASSWORD if bad_credentials else p.ConnackCode311.NOT_AUTHORIZED,
+                "bad user name or password" if bad_credentials else "not authorized",
+            )
+            return
+        self.client_id = client_id
+        self.username = connect.username
+        self.keep_alive = connect.keep_alive
+        server_keep_alive = None
+        if settings.max_keepalive and (self.keep_alive == 0 or self.keep_alive > settings.max_keepalive):
+            self.keep_alive = server_keep_alive = settings.max_keepalive
+        if v5:
+            expiry = props.session_expiry_interval or 0
+            self.send_window = props.receive_maximum or 65535
+            self.client_max_packet_size = props.maximum_packet_size or 0
+            self.client_topic_alias_max = props.topic_alias_maximum or 0
+        else:
+            expiry = 0 if connect.clean_start else (settings.persistent_session_expiry or NEVER_EXPIRES)
+        self.session_expiry_at_connect = expiry
+        self.will = connect.will
+        self.state = State.CONNECTED
+        session, present = self.service.open_session(self, client_id, connect.clean_start, expiry)
+        self.session = session
+        connack_props = p.Properties()
+        if v5:
+            connack_props.receive_maximum = settings.receive_maximum
+            connack_props.maximum_packet_size = settings.max_packet_size
+            connack_props.topic_alias_maximum = settings.topic_alias_maximum
+            if settings.maximum_qos < 2:
+                connack_props.maximum_qos = settings.maximum_qos
+            if not settings.retain_available:
+                connack_props.retain_available = 0
+            connack_props.assigned_client_identifier = assigned
+            connack_props.server_keep_alive = server_keep_alive
+        self._send(encode(p.Connack(present, RC.SUCCESS, connack_props), self.version))
+        log.info("%s: client %r connected (MQTT %s, clean=%s, keepalive=%s)", self.remote, client_id,
+                 {3: "3.1", 4: "3.1.1", 5: "5.0"}[self.version], connect.clean_start, self.keep_alive)
+        session.resend_inflight()
+
+    # ------------------------------------------------------------------ PUBLISH
+    def _on_publish(self, packet: p.Publish) -> None:
+        settings = self.service.settings
+        v5 = self.version == MQTT_V5
+        qos = packet.qos
+        if qos > settings.maximum_qos:
+            raise ProtocolViolation(RC.QOS_NOT_SUPPORTED, f"QoS {qos} is not supported")  # [MQTT-3.3.2-11]
+        if packet.retain and not settings.retain_available:
+            raise ProtocolViolation(RC.RETAIN_NOT_SUPPORTED, "retain is not supported")
+        props = packet.properties
+        topic = packet.topic
+        if v5 and props.topic_alias is not None:
+            alias = props.topic_alias
+            if alias == 0 or alias > settings.topic_alias_maximum:
+                raise ProtocolViolation(RC.TOPIC_ALIAS_INVALID, f"topic alias {alias} is out of range")
+            if topic:
+                self.inbound_aliases[alias] = topic
+            else:
+                known = self.inbound_aliases.get(alias)
+                if known is None:
+                    raise ProtocolViolation(RC.PROTOCOL_ERROR, f"topic alias {alias} is not defined")
+                topic = known
+        try:
+            validate_topic_name(topic)  # [MQTT-3.3.2-2]
+        except TopicError as exc:
+            raise ProtocolViolation(RC.TOPIC_NAME_INVALID, f"invalid topic name: {exc}") from None
+        if v5 and props.response_topic is not None:
+            try:
+                validate_topic_name(props.response_topic)
+            except TopicError as exc:
+                raise ProtocolViolation(RC.PROTOCOL_ERROR, f"invalid response topic: {exc}") from None
+        session = self.session
+        assert session is not None
+        packet_id = packet.packet_id
+        if qos == 2 and packet_id in session.inbound_qos2:
+            # A retransmission of a QoS 2 message already accepted [MQTT-4.3.3-9].
+            self._send_packet(p.Pubrec(packet_id))
+            return
+        if qos and self.inbound_pending >= settings.receive_maximum:
+            raise ProtocolViolation(RC.RECEIVE_MAXIMUM_EXCEEDED, "receive maximum exceeded")  # [MQTT-3.3.4-9]
+        refusal = None
+        if topic.startswith("$SYS"):
+            refusal = RC.NOT_AUTHORIZED
+        elif not self.service.authorize_publish(self, topic):
+            refusal = RC.NOT_AUTHORIZED
+        elif v5 and props.payload_format_indicator == 1:
+            try:
+                packet.payload.decode("utf-8")
+            except UnicodeDecodeError:
+                refusal = RC.PAYLOAD_FORMAT_INVALID
+        if refusal is not None:
+            log.info("%s %s: publish to %r refused (%s)", self.remote, self.client_id, topic, refusal.name)
+            self._ack(qos, packet_id, refusal)
+            return
+        expires = None
+        if v5 and props.message_expiry_interval is not None:
+            expires = now_ms() + props.message_expiry_interval * 1000
+        message = Message(
+            topic,
+            packet.payload,
+            qos,
+            packet.retain,
+            None,
+            props.user_properties or None if v5 else None,
+            props.content_type if v5 else None,
+            props.correlation_data if v5 else None,
+            props.response_topic if v5 else None,
+            props.payload_format_indicator if v5 else None,
+            expires,
+            producer_protocol="mqtt",
+            producer_id=self.client_id,
+        )
+        self.messages_in += 1
+        if qos == 2:
+            session.inbound_qos2.add(packet_id)  # type: ignore[arg-type]
+            self.service.remember_qos2(session, packet_id, True)  # type: ignore[arg-type]
+        try:
+            waiter = self.service.publish(message)
+        except PublishRejected as exc:
+            log.warning("%s %s: publish to %r rejected: %s", self.remote, self.client_id, topic, exc)
+            if qos == 2:
+                session.inbound_qos2.discard(packet_id)  # type: ignore[arg-type]
+            if not v5:
+                self.close()
+                return
+            self._ack(qos, packet_id, RC.QUOTA_EXCEEDED if "full" in str(exc) else RC.UNSPECIFIED_ERROR)
+            return
+        if qos == 0:
+            return
+        if waiter is None:
+            self._ack(qos, packet_id, RC.SUCCESS)
+            return
+        self.inbound_pending += 1
+        waiter.add_done_callback(lambda fut: self._on_durable(fut, qos, packet_id))
+
+    def _on_durable(self, fut: asyncio.Future[None], qos: int, packet_id: int | None) -> None:
+        self.inbound_pending -= 1
+        if self.state is State.CLOSED:
+            return
+        if fut.cancelled() or fut.exception() is not None:
+            if qos == 2 and self.session is not None:
+                self.session.inbound_qos2.discard(packet_id)  # type: ignore[arg-type]
+            if self.version != MQTT_V5:
+                self.close()
+            else:
+                self._ack(qos, packet_id, RC.UNSPECIFIED_ERROR)
+            return
+        self._ack(qos, packet_id, RC.SUCCESS)
+
+    def _ack(self, qos: int, packet_id: int | None, reason: int) -> None:
+        if qos == 1:
+            self._send_packet(p.Puback(packet_id, reason))  # type: ignore[arg-type]
+        elif qos == 2:
+            if reason >= 0x80 and self.session is not None:
+                self.session.inbound_qos2.discard(packet_id)  # type: ignore[arg-type]
+            self._send_packet(p.Pubrec(packet_id, reason))  # type: ignore[arg-type]
+
+    def _on_puback(self, packet: p.Puback) -> None:
+        assert self.session is not None
+        self.session.acknowledge(packet.packet_id)
+
+    def _on_pubrec(self, packet: p.Pubrec) -> None:
+        assert self.session is not None
+        if packet.packet_id not in self.session.inflight:
+            if self.version == MQTT_V5:
+                self._send_packet(p.Pubrel(packet.packet_id, RC.PACKET_IDENTIFIER_NOT_FOUND))
+            else:
+                self._send_packet(p.Pubrel(packet.packet_id))
+            return
+        if self.session.received(packet.packet_id, packet.reason_code >= 0x80):
+            self._send_packet(p.Pubrel(packet.packet_id))
+
+    def _on_pubrel(self, packet: p.Pubrel) -> None:
+        assert self.session is not None
+        if packet.packet_id in self.session.inbound_qos2:
+            self.session.inbound_qos2.discard(packet.packet_id)
+            self.service.remember_qos2(self.session, packet.packet_id, False)
+            self._send_packet(p.Pubcomp(packet.packet_id))
+        else:
+            reason = RC.PACKET_IDENTIFIER_NOT_FOUND if self.version == MQTT_V5 else RC.SUCCESS
+            self._send_packet(p.Pubcomp(packet.packet_id, reason))
+
+    def _on_pubcomp(self, packet: p.Pubcomp) -> None:
+        assert self.session is not None
+        self.session.acknowledge(packet.packet_id)
+
+    # ------------------------------------------------------------------ SUBSCRIBE
+    def _on_subscribe(self, packet: p.Subscribe) -> None:
+        session = self.session
+        assert session is not None
+        settings = self.service.settings
+        broker = self.service.broker
+        v5 = self.version == MQTT_V5
+        subscription_id = None
+        if v5 and packet.properties.subscription_identifiers:
+            subscription_id = packet.properties.subscription_identifiers[0]
+        codes: list[int] = []
+        retained: list[tuple[Message, int]] = []
+        failure = 0x80
+        for request in packet.subscriptions:
+            topic_filter = request.topic_filter
+            try:
+                shared = parse_shared_filter(topic_filter)
+                validate_topic_filter(shared.topic_filter if shared else topic_filter)
+            except TopicError as exc:
+                log.info("%s %s: invalid filter %r: %s", self.remote, self.client_id, topic_filter, exc)
+                codes.append(RC.TOPIC_FILTER_INVALID if v5 else failure)
+                continue
+            if shared is not None and request.no_local:
+                raise ProtocolViolation(RC.PROTOCOL_ERROR, "no local on a shared subscription")  # [MQTT-3.8.3-4]
+            if not self.service.authorize_subscribe(self, topic_filter):
+                codes.append(RC.NOT_AUTHORIZED if v5 else failure)
+                continue
+            granted = min(request.qos, settings.maximum_qos)
+            options = SubscriptionOptions(
+                granted, request.no_local, request.retain_as_published, request.retain_handling, subscription_id
+            )
+            if shared is None:
+                new = broker.add_filter(session.subscription, topic_filter, options)
+                broker.attach(session.subscription, session)
+                handling = request.retain_handling
+                if handling == 0 or (handling == 1 and new):
+                    for message in broker.retained.match(topic_filter):
+                        retained.append((message, granted))
+            else:
+                name = f"$share/{shared.group}/{shared.topic_filter}"
+                sub = broker.subscription(name, SubscriptionType.SHARED)
+                broker.add_filter(sub, shared.topic_filter, None)
+                broker.attach(sub, session)
+                session.shared[name] = (sub, options)
+            codes.append(granted)
+        self.service.save_session(session)
+        self._send_packet(p.Suback(packet.packet_id, codes))
+        now = now_ms()
+        for message, granted in retained:
+            if message.expired(now):
+                continue
+            ids = (subscription_id,) if subscription_id else ()
+            # Retained messages sent on subscription carry RETAIN=1 [MQTT-3.3.1-9].
+            session.send_message(message, min(granted, message.qos), True, ids)
+
+    def _on_unsubscribe(self, packet: p.Unsubscribe) -> None:
+        session = self.session
+        assert session is not None
+        broker = self.service.broker
+        codes: list[int] = []
+        for topic_filter in packet.topic_filters:
+            found = False
+            try:
+                shared = parse_shared_filter(topic_filter)
+            except TopicError:
+                shared = None
+            if shared is not None:
+                name = f"$share/{shared.group}/{shared.topic_filter}"
+                entry = session.shared.pop(name, None)
+                if entry is not None:
+                    found = True
+                    broker.detach(entry[0], session)
+                    if not entry[0].consumers:
+                        broker.remove_subscription(name)
+            else:
+                found = broker.remove_filter(session.subscription, topic_filter)
+            codes.append(RC.SUCCESS if found else RC.NO_SUBSCRIPTION_EXISTED)
+        self.service.save_session(session)
+        self._send_packet(p.Unsuback(packet.packet_id, codes))
+
+    def _on_pingreq(self, packet: p.Pingreq) -> None:
+        self._send_packet(p.Pingresp())
+
+    def _on_disconnect(self, packet: p.Disconnect) -> None:
+        if self.version == MQTT_V5:
+            expiry = packet.properties.session_expiry_interval
+            if expiry is not None:
+                if self.session_expiry_at_connect == 0 and expiry != 0:
+                    raise ProtocolViolation(RC.PROTOCOL_ERROR, "session expiry set on DISCONNECT after 0")  # [MQTT-3.14.2-2]
+                assert self.session is not None
+                self.session.expiry_interval = expiry
+            if packet.reason_code != RC.DISCONNECT_WITH_WILL:
+                self.will = None
+        else:
+            self.will = None  # [MQTT-3.14.4-3]
+        self.close(None, normal=True)
+
+    def _on_auth(self, packet: p.Auth) -> None:
+        raise ProtocolViolation(RC.PROTOCOL_ERROR, "AUTH without an authentication method")
+
+    _handlers = {
+        p.Publish: _on_publish,
+        p.Puback: _on_puback,
+        p.Pubrec: _on_pubrec,
+        p.Pubrel: _on_pubrel,
+        p.Pubcomp: _on_pubcomp,
+        p.Subscribe: _on_subscribe,
+        p.Unsubscribe: _on_unsubscribe,
+        p.Pingreq: _on_pingreq,
+        p.Disconnect: _on_disconnect,
+        p.Auth: _on_auth,
+    }
+
+    # ------------------------------------------------------------------ ending
+    def close(self, reason_code: int | None = None, reason: str | None = None, *, normal: bool = False) -> None:
+        """End the connection; on 5.0 a server-sent DISCONNECT carries `reason_code` first."""
+        if self.state is State.CLOSED:
+            return
+        was_connected = self.state is State.CONNECTED
+        if reason_code is not None and was_connected and self.version == MQTT_V5 and not normal:
+            props = p.Properties(reason_string=reason) if reason else p.Properties()
+            self._send(encode(p.Disconnect(reason_code, props), MQTT_V5))
+        self.state = State.CLOSED
+        self.flush()
+        self.link.close()
+        if was_connected:
+            self.service.connection_closed(self, normal=normal)
+
+    def connection_lost(self) -> None:
+        """The network connection went away (or the adapter closed it)."""
+        if self.state is State.CLOSED:
+            return
+        was_connected = self.state is State.CONNECTED
+        self.state = State.CLOSED
+        self._out.clear()
+        if was_connected:
+            self.service.connection_closed(self, normal=False)

@@ -1,0 +1,154 @@
+"""MQTT listeners: the asyncio adapters that feed sockets to `MqttConnection`.
+
+This is the only MQTT module with sockets. TCP (optionally TLS) uses an `asyncio.Protocol`;
+MQTT over WebSocket (subprotocol `mqtt`, binary frames) uses the `websockets` library.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections import deque
+
+from .connection import MqttConnection
+from .service import MqttService
+
+log = logging.getLogger(__name__)
+
+
+class MqttProtocol(asyncio.Protocol):
+    """One TCP connection: bytes in to the state machine, its output to the transport."""
+
+    __slots__ = ("service", "transport", "connection")
+
+    def __init__(self, service: MqttService) -> None:
+        self.service = service
+        self.transport: asyncio.Transport | None = None
+        self.connection: MqttConnection | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        remote = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        tls = transport.get_extra_info("sslcontext") is not None
+        self.connection = MqttConnection(self.service, self, remote, "tls" if tls else "tcp")
+        self.service.connection_made(self.connection)
+
+    def data_received(self, data: bytes) -> None:
+        assert self.connection is not None
+        try:
+            self.connection.data_received(data)
+        except Exception:
+            log.exception("internal error on connection %s", self.connection.remote)
+            self.connection.close(0x83, "internal error")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.connection is not None:
+            self.service.connection_gone(self.connection)
+
+    # Link
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def buffered(self) -> int:
+        return self.transport.get_write_buffer_size() if self.transport is not None else 0
+
+
+async def start_tcp_listener(
+    service: MqttService, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+) -> asyncio.Server:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(
+        lambda: MqttProtocol(service), host, port, ssl=ssl_context, reuse_address=True, backlog=1024
+    )
+    return server
+
+
+class WebSocketLink:
+    """Link for one MQTT-over-WebSocket connection: writes go out in order through one task."""
+
+    def __init__(self, websocket: object) -> None:
+        self.websocket = websocket
+        self.pending: deque[bytes] = deque()
+        self.pending_bytes = 0
+        self.wakeup = asyncio.Event()
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        self.pending.append(data)
+        self.pending_bytes += len(data)
+        self.wakeup.set()
+
+    def close(self) -> None:
+        self.closing = True
+        self.wakeup.set()
+
+    def buffered(self) -> int:
+        return self.pending_bytes
+
+    async def run_writer(self) -> None:
+        ws = self.websocket
+        while True:
+            await self.wakeup.wait()
+            self.wakeup.clear()
+            while self.pending:
+                data = self.pending.popleft()
+                self.pending_bytes -= len(data)
+                try:
+                    await ws.send(data)  # type: ignore[attr-defined]
+                except Exception:
+                    self.closing = True
+                    break
+            if self.closing:
+                try:
+                    await ws.close()  # type: ignore[attr-defined]
+                except Exception:
+                    pass
+                return
+
+
+async def start_websocket_listener(
+    service: MqttService, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+) -> object:
+    from websockets.asyncio.server import serve
+
+    async def handler(websocket: object) -> None:
+        link = WebSocketLink(websocket)
+        remote_address = getattr(websocket, "remote_address", None)
+        remote = f"{remote_address[0]}:{remote_address[1]}" if remote_address else "ws"
+        connection = MqttConnection(service, link, remote, "ws")
+        service.connection_made(connection)
+        writer = asyncio.create_task(link.run_writer())
+        try:
+            async for frame in websocket:  # type: ignore[attr-defined]
+                if isinstance(frame, str):
+                    connection.close(0x81, "MQTT over WebSocket needs binary frames")
+                    break
+                connection.data_received(frame)
+                if not connection.open:
+                    break
+        except Exception as exc:
+            log.debug("websocket %s ended: %s", remote, exc)
+        finally:
+            service.connection_gone(connection)
+            link.close()
+            await writer
+
+    def select_subprotocol(connection: object, subprotocols: list[str]) -> str | None:
+        for candidate in ("mqtt", "mqttv3.1"):
+            if candidate in subprotocols:
+                return candidate
+        return None
+
+    return await serve(
+        handler, host, port, ssl=ssl_context, subprotocols=["mqtt", "mqttv3.1"],
+        select_subprotocol=select_subprotocol, max_size=service.settings.max_packet_size + 8,
+        compression=None,
+    )

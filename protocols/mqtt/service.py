@@ -1,0 +1,377 @@
+"""The MQTT service: sessions, connections and the timers they share.
+
+One `MqttService` per broker holds every MQTT session (live or offline) and connection, takes
+sessions over when a client id reconnects, publishes Last Will messages (with the MQTT 5 will
+delay), expires sessions, checks keepalives, publishes the `$SYS/broker/...` topics, and batches
+output: connections ask for a flush and the service writes every dirty connection once per
+event-loop turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ... import __version__
+from ...core.broker import Broker
+from ...core.message import Message, now_ms
+from . import packets as p
+from .connection import MQTT_V5, MqttConnection, State
+from .session import NEVER_EXPIRES, MqttSession
+from .settings import MqttSettings
+
+if TYPE_CHECKING:
+    from ...storage.metadata import MetadataStore
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 10.0
+TICK_S = 0.25
+
+# authenticate(username, password, client_id, remote) -> None to accept, or a refusal:
+# "bad-credentials" or "not-authorized".
+Authenticator = Callable[[str | None, bytes | None, str, str], str | None]
+# authorize(action, username, client_id, topic) -> bool; action is "publish" or "subscribe".
+Authorizer = Callable[[str, str | None, str, str], bool]
+
+
+class MqttService:
+    def __init__(
+        self, broker: Broker, settings: MqttSettings | None = None, store: MetadataStore | None = None
+    ) -> None:
+        self.broker = broker
+        # Where persistent sessions are saved; None keeps them in memory only.
+        self.store = store
+        self.settings = settings or MqttSettings()
+        self.sessions: dict[str, MqttSession] = {}
+        self.connections: set[MqttConnection] = set()
+        self.authenticator: Authenticator | None = None
+        self.authorizer: Authorizer | None = None
+        self._dirty: list[MqttConnection] = []
+        self._flush_scheduled = False
+        self._will_timers: dict[str, tuple[asyncio.TimerHandle, p.Will]] = {}
+        self._expiry_timers: dict[str, asyncio.TimerHandle] = {}
+        self._client_ids = itertools.count(1)
+        self._id_prefix = os.urandom(4).hex()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tick_handle: asyncio.TimerHandle | None = None
+        self._sys_handle: asyncio.TimerHandle | None = None
+        self.total_connections = 0
+        self._handshaking: set[MqttConnection] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._tick_handle = self._loop.call_later(TICK_S, self._tick)
+        if self.settings.sys_interval > 0:
+            self._publish_sys()
+
+    def stop(self, reason: int = p.ReasonCode.SERVER_SHUTTING_DOWN) -> None:
+        for handle in (self._tick_handle, self._sys_handle):
+            if handle is not None:
+                handle.cancel()
+        for connection in list(self.connections):
+            connection.close(reason, "server shutting down")
+        self._flush()
+        for timer, _ in self._will_timers.values():
+            timer.cancel()
+        for timer in self._expiry_timers.values():
+            timer.cancel()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
+
+    # ------------------------------------------------------------------ output batching
+    def request_flush(self, connection: MqttConnection) -> None:
+        self._dirty.append(connection)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        dirty, self._dirty = self._dirty, []
+        for connection in dirty:
+            connection.flush()
+
+    # ------------------------------------------------------------------ policy hooks
+    def assign_client_id(self) -> str:
+        return f"sg-{self._id_prefix}-{next(self._client_ids)}"
+
+    def authenticate(self, username: str | None, password: bytes | None, client_id: str, remote: str) -> str | None:
+        if self.authenticator is not None:
+            return self.authenticator(username, password, client_id, remote)
+        if username is None and not self.settings.allow_anonymous:
+            return "not-authorized"
+        return None
+
+    def authorize_publish(self, connection: MqttConnection, topic: str) -> bool:
+        if self.authorizer is None:
+            return True
+        return self.authorizer("publish", connection.username, connection.client_id, topic)
+
+    def authorize_subscribe(self, connection: MqttConnection, topic_filter: str) -> bool:
+        if self.authorizer is None:
+            return True
+        return self.authorizer("subscribe", connection.username, connection.client_id, topic_filter)
+
+    def publish(self, message: Message) -> asyncio.Future[None] | None:
+        return self.broker.publish(message)
+
+    # ------------------------------------------------------------------ sessions
+    def open_session(
+        self, connection: MqttConnection, client_id: str, clean_start: bool, expiry: int
+    ) -> tuple[MqttSession, bool]:
+        self.connections.add(connection)
+        self._handshaking.discard(connection)
+        self.total_connections += 1
+        existing = self.sessions.get(client_id)
+        if existing is not None and existing.connection is not None:
+            old = existing.connection
+            log.info("client %r taken over by a new connection from %s", client_id, connection.remote)
+            old.close(p.ReasonCode.SESSION_TAKEN_OVER, "session taken over")  # [MQTT-3.1.4-3]
+        pending_will = self._will_timers.pop(client_id, None)
+        if pending_will is not None:
+            pending_will[0].cancel()
+            if clean_start:
+                self._publish_will(client_id, pending_will[1])  # the old session ends now
+        timer = self._expiry_timers.pop(client_id, None)
+        if timer is not None:
+            timer.cancel()
+        present = False
+        if existing is not None and not clean_start:
+            session = existing
+            present = True
+        else:
+            if existing is not None:
+                existing.discard()
+            durable = expiry > 0 and self.store is not None and self.broker.storage is not None
+            session = self.sessions[client_id] = MqttSession(self, client_id, durable)
+        session.expiry_interval = expiry
+        session.connection = connection
+        session.disconnected_at_ms = None
+        self.save_session(session)
+        return session, present
+
+    def connection_closed(self, connection: MqttConnection, *, normal: bool) -> None:
+        self.connections.discard(connection)
+        session = connection.session
+        if session is None:
+            return
+        will = connection.will
+        connection.will = None
+        if session.connection is not connection:
+            # Taken over: the new connection owns the session now.
+            if will is not None and self._will_delay(connection, will) == 0:
+                self._publish_will(connection.client_id, will)
+            return
+        session.connection = None
+        session.disconnected_at_ms = now_ms()
+        expiry = session.expiry_interval
+        if will is not None:
+            delay = self._will_delay(connection, will)
+            if delay == 0 or expiry == 0:
+                self._publish_will(session.client_id, will)
+            else:
+                delay = min(delay, expiry)
+                handle = self.loop.call_later(delay, self._delayed_will, session.client_id, will)
+                self._will_timers[session.client_id] = (handle, will)
+        if expiry == 0:
+            self._end_session(session)
+            return
+        self.save_session(session)
+        if expiry != NEVER_EXPIRES:
+            self._expiry_timers[session.client_id] = self.loop.call_later(
+                expiry, self._expire_session, session.client_id
+            )
+        log.info("client %r disconnected%s", connection.client_id, "" if normal else " (abnormally)")
+
+    @staticmethod
+    def _will_delay(connection: MqttConnection, will: p.Will) -> int:
+        if connection.version != MQTT_V5:
+            return 0
+        return will.properties.will_delay_interval or 0
+
+    def _delayed_will(self, client_id: str, will: p.Will) -> None:
+        self._will_timers.pop(client_id, None)
+        self._publish_will(client_id, will)
+
+    def _publish_will(self, client_id: str, will: p.Will) -> None:
+        props = will.properties
+        expires = None
+        if props.message_expiry_interval is not None:
+            expires = now_ms() + props.message_expiry_interval * 1000
+        message = Message(
+            will.topic, will.payload, will.qos, will.retain, None,
+            props.user_properties or None, props.content_type, props.correlation_data,
+            props.response_topic, props.payload_format_indicator, expires,
+            producer_protocol="mqtt", producer_id=client_id,
+        )
+        log.info("publishing the will of %r to %r", client_id, will.topic)
+        try:
+            self.broker.publish(message)
+        except Exception:
+            log.exception("could not publish the will of %r", client_id)
+
+    def _expire_session(self, client_id: str) -> None:
+        self._expiry_timers.pop(client_id, None)
+        session = self.sessions.get(client_id)
+        if session is None or session.connection is not None:
+            return
+        pending_will = self._will_timers.pop(client_id, None)
+        if pending_will is not None:
+            pending_will[0].cancel()
+            self._publish_will(client_id, pending_will[1])
+        log.info("session %r expired", client_id)
+        self._end_session(session)
+
+    def _end_session(self, session: MqttSession) -> None:
+        if self.sessions.get(session.client_id) is session:
+            del self.sessions[session.client_id]
+        session.discard()
+
+    # ------------------------------------------------------------------ persistence
+    def save_session(self, session: MqttSession) -> None:
+        """Persist a durable session's subscriptions and expiry (not its messages: those are
+        in the journal, and the session's cursors say how far it got)."""
+        if not session.durable or self.store is None:
+            return
+        from ...storage.metadata import SessionRecord
+
+        own = [
+            [f, o.qos, o.no_local, o.retain_as_published, o.retain_handling, o.subscription_id]
+            for f, o in session.subscription.filters.items()
+        ]
+        shared = [
+            [name, sub.type.value, list(sub.filters), o.qos, o.retain_as_published, o.subscription_id]
+            for name, (sub, o) in session.shared.items()
+        ]
+        data = json.dumps({"subscriptions": own, "shared": shared}).encode()
+        record = SessionRecord(session.client_id, session.expiry_interval, session.disconnected_at_ms, data)
+        try:
+            self.store.put_session(record)
+        except Exception:
+            log.exception("could not save session %r", session.client_id)
+
+    def forget_session(self, client_id: str) -> None:
+        if self.store is None:
+            return
+        try:
+            with self.store.transaction():
+                self.store.delete_session(client_id)
+                self.store.delete_subscription(f"mqtt:{client_id}")
+        except Exception:
+            log.exception("could not delete session %r", client_id)
+
+    def restore_sessions(self) -> int:
+        """Bring back persistent sessions saved by an earlier run (offline until their client
+        reconnects); returns how many."""
+        if self.store is None or self.broker.storage is None:
+            return 0
+        from ...core.subscriptions import SubscriptionType
+        from .session import SubscriptionOptions
+
+        restored = 0
+        now = now_ms()
+        for record in self.store.list_sessions():
+            disconnected = record.disconnected_ms or now
+            if record.expiry_interval != NEVER_EXPIRES and disconnected + record.expiry_interval * 1000 <= now:
+                self.forget_session(record.client_id)
+                continue
+            try:
+                data = json.loads(record.data)
+            except ValueError:
+                log.error("session %r: unreadable saved state, dropped", record.client_id)
+                continue
+            session = MqttSession(self, record.client_id, durable=True)
+            session.expiry_interval = record.expiry_interval
+            session.disconnected_at_ms = disconnected
+            for topic_filter, qos, no_local, rap, handling, sub_id in data.get("subscriptions", []):
+                options = SubscriptionOptions(qos, no_local, rap, handling, sub_id)
+                self.broker.add_filter(session.subscription, topic_filter, options)
+            self.broker.attach(session.subscription, session)
+            for name, sub_type, filters, qos, rap, sub_id in data.get("shared", []):
+                sub = self.broker.subscription(name, SubscriptionType(sub_type))
+                for topic_filter in filters:
+                    self.broker.add_filter(sub, topic_filter)
+                self.broker.attach(sub, session)
+                session.shared[name] = (sub, SubscriptionOptions(qos, False, rap, 0, sub_id))
+            for cursor in self.store.get_cursors(session.subscription.name):
+                if cursor.acked:
+                    session.subscription.restore_cursor(cursor.stream, cursor.shard, cursor.acked)  # type: ignore[attr-defined]
+            session.inbound_qos2 = self.store.list_qos2_inbound(record.client_id)
+            self.sessions[record.client_id] = session
+            if record.expiry_interval != NEVER_EXPIRES:
+                remaining = max(0.0, (disconnected + record.expiry_interval * 1000 - now) / 1000)
+                self._expiry_timers[record.client_id] = self.loop.call_later(
+                    remaining, self._expire_session, record.client_id
+                )
+            restored += 1
+        return restored
+
+    def remember_qos2(self, session: MqttSession, packet_id: int, present: bool) -> None:
+        if not session.durable or self.store is None:
+            return
+        try:
+            if present:
+                self.store.add_qos2_inbound(session.client_id, packet_id)
+            else:
+                self.store.remove_qos2_inbound(session.client_id, packet_id)
+        except Exception:
+            log.exception("could not save QoS 2 state of %r", session.client_id)
+
+    # ------------------------------------------------------------------ timers
+    def _tick(self) -> None:
+        now = time.monotonic()
+        for connection in list(self.connections):
+            if connection.state is State.CONNECTED and connection.keep_alive:
+                if now - connection.last_received > connection.keep_alive * 1.5:
+                    log.info("client %r: keepalive timeout", connection.client_id)
+                    connection.close(p.ReasonCode.KEEP_ALIVE_TIMEOUT, "keep alive timeout")
+        for connection in list(self._handshaking):
+            if connection.state is not State.AWAIT_CONNECT:
+                self._handshaking.discard(connection)
+            elif now - connection.last_received > CONNECT_TIMEOUT_S:
+                self._handshaking.discard(connection)
+                connection.close()
+        self._tick_handle = self.loop.call_later(TICK_S, self._tick)
+
+    def connection_made(self, connection: MqttConnection) -> None:
+        self._handshaking.add(connection)
+
+    def connection_gone(self, connection: MqttConnection) -> None:
+        self._handshaking.discard(connection)
+        connection.connection_lost()
+
+    def sys_values(self) -> dict[str, str]:
+        stats = self.broker.stats
+        return {
+            "version": f"shardgate {__version__}",
+            "uptime": f"{int(time.time() - stats.started_at)} seconds",
+            "clients/connected": str(len(self.connections)),
+            "clients/disconnected": str(len(self.sessions) - sum(1 for s in self.sessions.values() if s.connection)),
+            "clients/total": str(len(self.sessions)),
+            "clients/maximum": str(self.total_connections),
+            "messages/received": str(stats.messages_in),
+            "messages/sent": str(stats.messages_out),
+            "messages/dropped": str(stats.messages_dropped),
+            "bytes/received": str(stats.bytes_in),
+            "bytes/sent": str(stats.bytes_out),
+            "subscriptions/count": str(self.broker.subscription_count),
+            "retained messages/count": str(len(self.broker.retained)),
+        }
+
+    def _publish_sys(self) -> None:
+        for name, value in self.sys_values().items():
+            message = Message(f"$SYS/broker/{name}", value.encode(), 0, True, producer_protocol="sys")
+            self.broker.publish(message)
+        self._sys_handle = self.loop.call_later(self.settings.sys_interval, self._publish_sys)

@@ -1,0 +1,284 @@
+"""An MQTT session: the state that outlives a network connection.
+
+A session is the core `Consumer` for its own subscription (all its non-shared topic filters)
+and for each shared subscription it joined. It keeps the outbound in-flight window (QoS 1/2
+messages sent but not yet acknowledged), a bounded queue of messages waiting for that window
+or for the client to come back, and the inbound QoS 2 packet ids not yet released.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ...core.durable import DurableOptions
+from ...core.message import Message, now_ms
+from ...core.subscriptions import Subscription
+
+if TYPE_CHECKING:
+    from .connection import MqttConnection
+    from .service import MqttService
+
+log = logging.getLogger(__name__)
+
+NEVER_EXPIRES = 0xFFFFFFFF
+
+
+@dataclass(slots=True)
+class SubscriptionOptions:
+    qos: int
+    no_local: bool = False
+    retain_as_published: bool = False
+    retain_handling: int = 0
+    subscription_id: int | None = None
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """One QoS 1/2 message in flight to the client."""
+
+    message: Message
+    qos: int
+    retain: bool
+    subscription_ids: tuple[int, ...]
+    source: Subscription | None = None
+    # False: waiting for PUBACK/PUBREC; True: PUBREL sent, waiting for PUBCOMP.
+    released: bool = False
+
+
+@dataclass(slots=True)
+class Queued:
+    message: Message
+    qos: int
+    retain: bool
+    subscription_ids: tuple[int, ...]
+    source: Subscription | None = None
+
+
+class MqttSession:
+    def __init__(self, service: MqttService, client_id: str, durable: bool = False) -> None:
+        self.service = service
+        self.client_id = client_id
+        self.connection: MqttConnection | None = None
+        self.expiry_interval = 0
+        self.disconnected_at_ms: int | None = None
+        self.durable = durable
+        name = f"mqtt:{client_id}"
+        broker = service.broker
+        if durable:
+            # Offline messages stay in the journal; the session's cursors replay them.
+            self.subscription: Subscription = broker.durable_subscription(
+                name, options=DurableOptions(ack_timeout_s=None, redeliver_on_leave=False), owner=self
+            )
+        else:
+            self.subscription = broker.subscription(name, owner=self)
+        # Shared subscription name -> (subscription, this member's options).
+        self.shared: dict[str, tuple[Subscription, SubscriptionOptions]] = {}
+        self.inflight: dict[int, Outgoing] = {}
+        self.queue: deque[Queued] = deque()
+        self.inbound_qos2: set[int] = set()
+        self._last_packet_id = 0
+        self.dropped = 0
+
+    def __repr__(self) -> str:
+        return f"MqttSession({self.client_id!r})"
+
+    # ------------------------------------------------------------------ core Consumer
+    @property
+    def consumer_id(self) -> str:
+        return self.client_id
+
+    @property
+    def available(self) -> bool:
+        connection = self.connection
+        return connection is not None and not self.queue and len(self.inflight) < connection.send_window
+
+    def deliver(self, message: Message, subscription: Subscription, filters: Sequence[str]) -> None:
+        if subscription is self.subscription:
+            qos = -1
+            retain_as_published = False
+            ids: list[int] | None = None
+            own = subscription.filters
+            for topic_filter in filters:
+                options: SubscriptionOptions = own[topic_filter]
+                if (
+                    options.no_local
+                    and message.producer_id == self.client_id
+                    and message.producer_protocol == "mqtt"
+                ):
+                    continue  # [MQTT-3.8.3-3]
+                if options.qos > qos:
+                    qos = options.qos
+                retain_as_published |= options.retain_as_published
+                if options.subscription_id:
+                    if ids is None:
+                        ids = []
+                    ids.append(options.subscription_id)
+            if qos < 0:
+                return
+            subscription_ids = tuple(ids) if ids else ()
+        else:
+            entry = self.shared.get(subscription.name)
+            if entry is None:
+                return
+            options = entry[1]
+            qos = options.qos
+            retain_as_published = options.retain_as_published
+            subscription_ids = (options.subscription_id,) if options.subscription_id else ()
+        if message.qos < qos:
+            qos = message.qos
+        retain = message.retain if retain_as_published else False
+        self.send_message(message, qos, retain, subscription_ids, subscription)
+
+    # ------------------------------------------------------------------ outbound flow
+    def send_message(
+        self,
+        message: Message,
+        qos: int,
+        retain: bool,
+        subscription_ids: tuple[int, ...] = (),
+        source: Subscription | None = None,
+    ) -> None:
+        connection = self.connection
+        if connection is None:
+            if qos == 0 and not self.service.settings.queue_qos0_offline:
+                if source is not None:
+                    source.ack(message)
+                return
+            self._enqueue(Queued(message, qos, retain, subscription_ids, source))
+            return
+        if qos == 0:
+            if not connection.send_publish(message, 0, retain, subscription_ids, None, False):
+                self.dropped += 1
+            if source is not None:
+                source.ack(message)
+            return
+        if self.queue or len(self.inflight) >= connection.send_window:
+            self._enqueue(Queued(message, qos, retain, subscription_ids, source))
+            return
+        self._send_inflight(connection, message, qos, retain, subscription_ids, source)
+
+    def _send_inflight(
+        self,
+        connection: MqttConnection,
+        message: Message,
+        qos: int,
+        retain: bool,
+        subscription_ids: tuple[int, ...],
+        source: Subscription | None = None,
+    ) -> None:
+        packet_id = self._next_packet_id()
+        self.inflight[packet_id] = Outgoing(message, qos, retain, subscription_ids, source)
+        if not connection.send_publish(message, qos, retain, subscription_ids, packet_id, False):
+            # Too large for the client [MQTT-3.1.2-25]: discarded as if delivered.
+            del self.inflight[packet_id]
+            if source is not None:
+                source.ack(message)
+
+    def _enqueue(self, item: Queued) -> None:
+        if len(self.queue) >= self.service.settings.max_queued_messages:
+            self.dropped += 1
+            self.service.broker.stats.messages_dropped += 1
+            if item.source is not None:
+                item.source.ack(item.message)
+            return
+        self.queue.append(item)
+
+    def _next_packet_id(self) -> int:
+        packet_id = self._last_packet_id
+        for _ in range(65535):
+            packet_id = packet_id % 65535 + 1
+            if packet_id not in self.inflight:
+                self._last_packet_id = packet_id
+                return packet_id
+        raise RuntimeError("no free packet identifier")
+
+    def drain(self) -> None:
+        """Send queued messages while the client's window has room."""
+        connection = self.connection
+        if connection is None:
+            return
+        queue = self.queue
+        window = connection.send_window
+        now = now_ms()
+        while queue and (queue[0].qos == 0 or len(self.inflight) < window):
+            item = queue.popleft()
+            if item.message.expired(now):
+                if item.source is not None:
+                    item.source.ack(item.message)
+                continue
+            if item.qos == 0:
+                connection.send_publish(item.message, 0, item.retain, item.subscription_ids, None, False)
+                if item.source is not None:
+                    item.source.ack(item.message)
+            else:
+                self._send_inflight(
+                    connection, item.message, item.qos, item.retain, item.subscription_ids, item.source
+                )
+            if not connection.open:
+                return
+        if not queue and self.durable:
+            self.subscription.wake()
+
+    def acknowledge(self, packet_id: int) -> bool:
+        """PUBACK (QoS 1) or PUBCOMP (QoS 2) received; frees the slot."""
+        outgoing = self.inflight.pop(packet_id, None)
+        if outgoing is None:
+            return False
+        if outgoing.source is not None:
+            outgoing.source.ack(outgoing.message)
+        if self.queue:
+            self.drain()
+        elif self.durable:
+            self.subscription.wake()
+        return True
+
+    def received(self, packet_id: int, failed: bool) -> bool:
+        """PUBREC received. Returns True if a PUBREL must be sent."""
+        outgoing = self.inflight.get(packet_id)
+        if outgoing is None:
+            return False
+        if failed:
+            self.acknowledge(packet_id)
+            return False
+        outgoing.released = True
+        return True
+
+    def resend_inflight(self) -> None:
+        """On a resumed session: resend unacknowledged PUBLISH (DUP) and PUBREL [MQTT-4.4.0-1]."""
+        connection = self.connection
+        if connection is None:
+            return
+        now = now_ms()
+        for packet_id, outgoing in list(self.inflight.items()):
+            if outgoing.released:
+                connection.send_pubrel(packet_id)
+            elif outgoing.message.expired(now) and outgoing.qos == 1:
+                del self.inflight[packet_id]
+                if outgoing.source is not None:
+                    outgoing.source.ack(outgoing.message)
+            else:
+                connection.send_publish(
+                    outgoing.message, outgoing.qos, outgoing.retain,
+                    outgoing.subscription_ids, packet_id, True,
+                )
+        self.drain()
+
+    # ------------------------------------------------------------------ lifecycle
+    def discard(self) -> None:
+        """End the session: leave every subscription, forget queued and in-flight messages."""
+        broker = self.service.broker
+        broker.remove_subscription(self.subscription.name)
+        for subscription, _ in self.shared.values():
+            broker.detach(subscription, self)
+            if not subscription.consumers:
+                broker.remove_subscription(subscription.name)
+        self.shared.clear()
+        self.inflight.clear()
+        if self.durable:
+            self.service.forget_session(self.client_id)
+        self.queue.clear()
+        self.inbound_qos2.clear()

@@ -1,0 +1,31 @@
+"""Settings of the MQTT protocol layer (limits, defaults, what CONNACK advertises)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class MqttSettings:
+    # The largest packet the server accepts (MQTT 5 Maximum Packet Size in CONNACK).
+    max_packet_size: int = 1024 * 1024
+    # How many QoS 1/2 publishes a client may have unacknowledged towards the server.
+    receive_maximum: int = 1024
+    # Outbound in-flight window for 3.1.1 clients (5.0 clients set theirs in CONNECT).
+    max_inflight: int = 100
+    # Messages queued per session while offline or while the in-flight window is full.
+    max_queued_messages: int = 1000
+    queue_qos0_offline: bool = False
+    topic_alias_maximum: int = 65535
+    maximum_qos: int = 2
+    retain_available: bool = True
+    # 0 = accept whatever the client asks; otherwise the largest keepalive the server allows.
+    max_keepalive: int = 0
+    # Session expiry applied to 3.1.1 persistent sessions (clean session 0); None = never.
+    persistent_session_expiry: int | None = None
+    max_client_id_length: int = 65535
+    # Outbound bytes buffered for a client beyond which QoS 0 messages are dropped.
+    max_outbound_buffer: int = 8 * 1024 * 1024
+    # Seconds between $SYS updates; 0 turns them off.
+    sys_interval: float = 10.0
+    allow_anonymous: bool = True

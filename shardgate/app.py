@@ -1,0 +1,189 @@
+"""Assembling a broker from a `Config`: storage engines, the core, protocol listeners.
+
+This is the composition root: the only place that knows which engines and protocols exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import Config, ConfigError
+from .core.broker import Broker
+from .core.errors import CoreError
+from .core.streams import RoutingRule, StreamConfig
+from .persistence import Persistence
+from .protocols.mqtt.server import start_tcp_listener, start_websocket_listener
+from .protocols.mqtt.service import MqttService
+from .storage.interfaces import StorageError
+from .storage.journal import JournalStorage
+from .storage.metadata import SqliteMetadataStore
+
+log = logging.getLogger(__name__)
+
+SYS_STREAM = "sys"
+
+
+@dataclass
+class Listener:
+    name: str
+    host: str
+    port: int
+    server: Any = field(repr=False, default=None)
+
+
+class Shardgate:
+    """One broker node: `await start()`, serve, `await stop()`."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.listeners: dict[str, Listener] = {}
+        self.broker: Broker | None = None
+        self.mqtt: MqttService | None = None
+        self.journal: JournalStorage | None = None
+        self.metadata: SqliteMetadataStore | None = None
+        self.persistence: Persistence | None = None
+        self._stopped = asyncio.Event()
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        tls = self.config.tls
+        if not tls.cert_file or not tls.key_file:
+            raise ConfigError("a TLS listener needs tls.cert_file and tls.key_file")
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(tls.cert_file, tls.key_file)
+        if tls.ca_file:
+            context.load_verify_locations(tls.ca_file)
+            context.verify_mode = ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_OPTIONAL
+        return context
+
+    def _build_broker(self) -> Broker:
+        config = self.config
+        journal_config = config.journal
+        self.journal = JournalStorage(
+            config.data_dir / "journal",
+            fsync=journal_config.fsync,
+            fsync_interval_ms=journal_config.fsync_interval_ms,
+            segment_bytes=journal_config.segment_bytes,
+            segment_ms=journal_config.segment_ms,
+            retention_ms=journal_config.retention_ms,
+            retention_bytes=journal_config.retention_bytes,
+        )
+        self.metadata = SqliteMetadataStore(config.data_dir / "metadata.db")
+        default = StreamConfig(
+            "default", mode=config.default_stream_mode, partitions=config.default_stream_partitions
+        )
+        broker = Broker(storage=self.journal, default_stream=default)
+        broker.create_stream(StreamConfig(SYS_STREAM, mode="non-reliable"))
+        broker.add_route(RoutingRule("$SYS/#", SYS_STREAM))
+        for entry in config.streams:
+            stream_config = StreamConfig(
+                entry.name, mode=entry.mode, partitions=entry.partitions, schema=entry.schema,
+                retention_ms=entry.retention_ms, retention_bytes=entry.retention_bytes,
+            )
+            broker.create_stream(stream_config, routes=entry.routes or [entry.name, f"{entry.name}/#"])
+        declared = {entry.name for entry in config.streams} | {"default", SYS_STREAM}
+        for record in self.metadata.list_streams():
+            if record.name in declared:
+                continue
+            broker.create_stream(StreamConfig(
+                record.name, mode=record.mode, partitions=record.partitions, schema=record.schema,
+                retention_ms=record.retention_ms, retention_bytes=record.retention_bytes,
+            ))
+        for route in self.metadata.list_routes():
+            if route.stream in broker.streams:
+                broker.add_route(RoutingRule(route.pattern, route.stream))
+        return broker
+
+    async def start(self) -> None:
+        config = self.config
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.broker = self._build_broker()
+        except (StorageError, CoreError, ValueError) as exc:
+            raise ConfigError(str(exc)) from exc
+        self.persistence = Persistence(self.broker, self.metadata)
+        self.persistence.restore_retained()
+        self.mqtt = MqttService(self.broker, config.mqtt, store=self.metadata)
+        restored = self.mqtt.restore_sessions()
+        if restored:
+            log.info("restored %d persistent MQTT sessions", restored)
+        self.persistence.start()
+        self.mqtt.start()
+        host = config.listeners.host
+        ports = config.listeners
+        try:
+            if ports.mqtt_port:
+                server = await start_tcp_listener(self.mqtt, host, ports.mqtt_port)
+                self._add_listener("mqtt", server)
+            if ports.mqtts_port:
+                server = await start_tcp_listener(self.mqtt, host, ports.mqtts_port, self._ssl_context())
+                self._add_listener("mqtts", server)
+            if ports.mqtt_ws_port:
+                server = await start_websocket_listener(self.mqtt, host, ports.mqtt_ws_port)
+                self._add_listener("mqtt-ws", server)
+            if ports.mqtt_wss_port:
+                server = await start_websocket_listener(
+                    self.mqtt, host, ports.mqtt_wss_port, self._ssl_context()
+                )
+                self._add_listener("mqtt-wss", server)
+            if ports.amqp_port:
+                from .protocols.amqp.server import start_amqp_listener
+
+                server = await start_amqp_listener(
+                    self.broker, host, ports.amqp_port, None, getattr(self.config, "amqp", None)
+                )
+                self._add_listener("amqp", server)
+            if ports.grpc_port:
+                from .protocols.grpc.server import start_grpc_server
+
+                server = await start_grpc_server(self, host, ports.grpc_port, None)
+                self._add_listener("grpc", server)
+        except OSError as exc:
+            await self.stop()
+            raise ConfigError(f"cannot listen: {exc}") from exc
+        for listener in self.listeners.values():
+            log.info("listening for %s on %s:%d", listener.name, listener.host, listener.port)
+
+    def _add_listener(self, name: str, server: Any) -> None:
+        port = getattr(server, "port", None)
+        if isinstance(port, int):
+            self.listeners[name] = Listener(name, self.config.listeners.host, port, server)
+            return
+        sockets = list(getattr(server, "sockets", []) or [])
+        address = sockets[0].getsockname() if sockets else (self.config.listeners.host, 0)
+        self.listeners[name] = Listener(name, address[0], address[1], server)
+
+    def port(self, name: str) -> int:
+        return self.listeners[name].port
+
+    async def stop(self) -> None:
+        for listener in self.listeners.values():
+            listener.server.close()
+        if self.mqtt is not None:
+            self.mqtt.stop()
+        for listener in self.listeners.values():
+            try:
+                await asyncio.wait_for(listener.server.wait_closed(), 5)
+            except (TimeoutError, Exception):
+                pass
+        if self.journal is not None:
+            try:
+                await asyncio.wait_for(self.journal.flush(), 10)
+            except Exception:
+                log.exception("journal flush on shutdown failed")
+        if self.persistence is not None:
+            await self.persistence.stop()
+        if self.mqtt is not None:
+            for session in list(self.mqtt.sessions.values()):
+                self.mqtt.save_session(session)
+        if self.journal is not None:
+            self.journal.close()
+        if self.metadata is not None:
+            self.metadata.close()
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()

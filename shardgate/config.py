@@ -1,0 +1,177 @@
+"""Configuration: defaults, then a TOML file, then SHARDGATE_* environment variables, then flags.
+
+Every setting has one dotted name (`listeners.mqtt_port`, `mqtt.max_packet_size`,
+`journal.fsync`); the environment spells it `SHARDGATE_LISTENERS__MQTT_PORT` (sections joined by
+a double underscore), and the common ones also as `SHARDGATE_MQTT_PORT`, `SHARDGATE_DATA_DIR`.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .protocols.mqtt.settings import MqttSettings
+
+
+class ConfigError(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class ListenerConfig:
+    host: str = "127.0.0.1"
+    # 0 turns a listener off.
+    mqtt_port: int = 1883
+    mqtt_ws_port: int = 8083
+    mqtts_port: int = 0
+    mqtt_wss_port: int = 0
+    amqp_port: int = 0
+    grpc_port: int = 0
+    http_port: int = 0
+
+
+@dataclass(slots=True)
+class TlsConfig:
+    cert_file: str | None = None
+    key_file: str | None = None
+    ca_file: str | None = None
+    require_client_cert: bool = False
+
+
+@dataclass(slots=True)
+class JournalConfig:
+    fsync: str = "always"
+    fsync_interval_ms: int = 50
+    segment_bytes: int = 64 * 1024 * 1024
+    segment_ms: int = 3_600_000
+    retention_ms: int | None = None
+    retention_bytes: int | None = None
+
+
+@dataclass(slots=True)
+class StreamEntry:
+    name: str
+    mode: str = "reliable"
+    partitions: int = 1
+    schema: str = "bytes"
+    routes: list[str] = field(default_factory=list)
+    retention_ms: int | None = None
+    retention_bytes: int | None = None
+
+
+@dataclass(slots=True)
+class Config:
+    data_dir: Path = Path("./shardgate-data")
+    log_level: str = "info"
+    log_json: bool = False
+    default_stream_mode: str = "non-reliable"
+    default_stream_partitions: int = 4
+    listeners: ListenerConfig = field(default_factory=ListenerConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    mqtt: MqttSettings = field(default_factory=MqttSettings)
+    journal: JournalConfig = field(default_factory=JournalConfig)
+    streams: list[StreamEntry] = field(default_factory=list)
+
+
+SECTIONS = {"listeners": ListenerConfig, "tls": TlsConfig, "mqtt": MqttSettings, "journal": JournalConfig}
+SHORT_ENV = {
+    "SHARDGATE_DATA_DIR": ("data_dir",),
+    "SHARDGATE_HOST": ("listeners", "host"),
+    "SHARDGATE_MQTT_PORT": ("listeners", "mqtt_port"),
+    "SHARDGATE_MQTT_WS_PORT": ("listeners", "mqtt_ws_port"),
+    "SHARDGATE_AMQP_PORT": ("listeners", "amqp_port"),
+    "SHARDGATE_GRPC_PORT": ("listeners", "grpc_port"),
+    "SHARDGATE_HTTP_PORT": ("listeners", "http_port"),
+    "SHARDGATE_LOG_LEVEL": ("log_level",),
+}
+
+
+def _coerce(value: Any, current: Any, name: str, annotation: str) -> Any:
+    if isinstance(value, str):
+        text = value.strip()
+        if isinstance(current, bool) or annotation == "bool":
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ConfigError(f"{name}: expected true or false, got {value!r}")
+        if isinstance(current, int) or annotation.startswith("int"):
+            try:
+                return int(text)
+            except ValueError:
+                raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
+        if isinstance(current, float) or annotation.startswith("float"):
+            try:
+                return float(text)
+            except ValueError:
+                raise ConfigError(f"{name}: expected a number, got {value!r}") from None
+        if isinstance(current, Path):
+            return Path(text)
+        if text.lower() in ("", "none", "null") and "None" in annotation:
+            return None
+        return text
+    if isinstance(current, Path):
+        return Path(value)
+    if isinstance(current, float) and isinstance(value, int):
+        return float(value)
+    return value
+
+
+def _set(config: Config, path: tuple[str, ...], value: Any, source: str) -> None:
+    target: Any = config
+    for part in path[:-1]:
+        if not hasattr(target, part):
+            raise ConfigError(f"{source}: unknown section {part!r}")
+        target = getattr(target, part)
+    key = path[-1]
+    known = {f.name: f for f in fields(target)}
+    if key not in known:
+        raise ConfigError(f"{source}: unknown setting {'.'.join(path)!r}")
+    annotation = str(known[key].type)
+    setattr(target, key, _coerce(value, getattr(target, key), ".".join(path), annotation))
+
+
+def load_config(
+    path: Path | None = None,
+    environ: dict[str, str] | None = None,
+    overrides: dict[tuple[str, ...], Any] | None = None,
+) -> Config:
+    config = Config()
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
+        for key, value in data.items():
+            if key == "streams":
+                if not isinstance(value, list):
+                    raise ConfigError("streams must be an array of tables ([[streams]])")
+                try:
+                    config.streams = [StreamEntry(**entry) for entry in value]
+                except TypeError as exc:
+                    raise ConfigError(f"streams: {exc}") from None
+            elif key in SECTIONS:
+                if not isinstance(value, dict):
+                    raise ConfigError(f"{key} must be a table")
+                for inner, inner_value in value.items():
+                    _set(config, (key, inner), inner_value, str(path))
+            else:
+                _set(config, (key,), value, str(path))
+    env = os.environ if environ is None else environ
+    for name, value in env.items():
+        if not name.startswith("SHARDGATE_") or name in ("SHARDGATE_URL", "SHARDGATE_CONFIG"):
+            continue
+        if name in SHORT_ENV:
+            _set(config, SHORT_ENV[name], value, name)
+            continue
+        parts = tuple(part.lower() for part in name[len("SHARDGATE_"):].split("__"))
+        _set(config, parts, value, name)
+    for key_path, value in (overrides or {}).items():
+        if value is not None:
+            _set(config, key_path, value, "command line")
+    return config

@@ -1,0 +1,182 @@
+"""Shared fixtures: a real broker on ephemeral loopback ports, in a thread or a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shardgate.app import Shardgate
+from shardgate.config import Config, load_config
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 10.0, interval: float = 0.01) -> Any:
+    """Poll `condition` until it returns a truthy value; fail the test after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(interval)
+
+
+class ThreadedBroker:
+    """A Shardgate running on its own event loop in a background thread."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.app = Shardgate(config)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def start(self) -> ThreadedBroker:
+        self._thread.start()
+        self.call(self.app.start())
+        return self
+
+    def call(self, coro_or_fn: Any, timeout: float = 15.0) -> Any:
+        """Run a coroutine, or a plain function, on the broker's loop and return its result."""
+        if asyncio.iscoroutine(coro_or_fn):
+            return asyncio.run_coroutine_threadsafe(coro_or_fn, self.loop).result(timeout)
+
+        async def run() -> Any:
+            return coro_or_fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout)
+
+    def stop(self) -> None:
+        try:
+            self.call(self.app.stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+            self.loop.close()
+
+    @property
+    def mqtt_port(self) -> int:
+        return self.app.port("mqtt")
+
+    @property
+    def ws_port(self) -> int:
+        return self.app.port("mqtt-ws")
+
+
+def make_config(data_dir: Path, **sections: dict[str, Any]) -> Config:
+    config = load_config(environ={})
+    config.data_dir = data_dir
+    config.listeners.mqtt_port = free_port()
+    config.listeners.mqtt_ws_port = free_port()
+    config.mqtt.sys_interval = 0.5
+    for section, values in sections.items():
+        target = getattr(config, section)
+        for key, value in values.items():
+            setattr(target, key, value)
+    return config
+
+
+@pytest.fixture
+def broker_factory(tmp_path: Path) -> Iterator[Callable[..., ThreadedBroker]]:
+    started: list[ThreadedBroker] = []
+
+    def start(**sections: dict[str, Any]) -> ThreadedBroker:
+        config = make_config(tmp_path / f"data{len(started)}", **sections)
+        broker = ThreadedBroker(config).start()
+        started.append(broker)
+        return broker
+
+    yield start
+    for broker in started:
+        broker.stop()
+
+
+@pytest.fixture
+def broker(broker_factory: Callable[..., ThreadedBroker]) -> ThreadedBroker:
+    return broker_factory()
+
+
+class BrokerProcess:
+    """`shardgate serve` as a real subprocess, for restart and SIGKILL tests."""
+
+    def __init__(self, data_dir: Path, extra_args: list[str] | None = None,
+                 config_file: Path | None = None) -> None:
+        self.data_dir = data_dir
+        self.extra_args = extra_args or []
+        self.config_file = config_file
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.ports: dict[str, int] = {}
+        self.log_path = data_dir.parent / f"{data_dir.name}.log"
+
+    def start(self, mqtt_port: int | None = None) -> BrokerProcess:
+        port_file = self.data_dir.parent / f"{self.data_dir.name}.ports.json"
+        if port_file.exists():
+            port_file.unlink()
+        args = [
+            sys.executable, "-m", "shardgate", "serve", "--data-dir", str(self.data_dir),
+            "--host", "127.0.0.1", "--mqtt-port", str(mqtt_port or self.ports.get("mqtt") or free_port()),
+            "--mqtt-ws-port", "0", "--port-file", str(port_file), *self.extra_args,
+        ]
+        if self.config_file is not None:
+            args += ["--config", str(self.config_file)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDGATE_")}
+        log_file = open(self.log_path, "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        log_file.close()
+
+        def ready() -> bool:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"broker exited early:\n{self.log_path.read_text()}")
+            return port_file.exists()
+
+        wait_for(ready, timeout=30)
+        self.ports = json.loads(port_file.read_text())
+        return self
+
+    @property
+    def mqtt_port(self) -> int:
+        return self.ports["mqtt"]
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def terminate(self, timeout: float = 20) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+
+@pytest.fixture
+def broker_process(tmp_path: Path) -> Iterator[Callable[..., BrokerProcess]]:
+    processes: list[BrokerProcess] = []
+
+    def make(data_dir: Path | None = None, **kwargs: Any) -> BrokerProcess:
+        process = BrokerProcess(data_dir or tmp_path / "data", **kwargs)
+        processes.append(process)
+        return process
+
+    yield make
+    for process in processes:
+        if process.proc is not None and process.proc.poll() is None:
+            process.proc.kill()
+            process.proc.wait(10)

@@ -1,0 +1,125 @@
+"""The core broker without any protocol: routing to streams and shards, and dispatch by
+subscription type."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardgate.core.broker import Broker
+from shardgate.core.errors import StreamExists, SubscriptionBusy
+from shardgate.core.message import Message
+from shardgate.core.streams import InvalidStreamConfig, RoutingRule, StreamConfig
+from shardgate.core.subscriptions import SubscriptionType
+
+
+class Recorder:
+    def __init__(self, name: str, available: bool = True) -> None:
+        self.consumer_id = name
+        self.available = available
+        self.got: list[tuple[str, tuple[str, ...]]] = []
+
+    def deliver(self, message, subscription, filters):
+        self.got.append((message.topic, tuple(filters)))
+
+
+def test_exclusive_subscription_refuses_second_consumer():
+    broker = Broker()
+    sub = broker.subscription("s", SubscriptionType.EXCLUSIVE)
+    broker.attach(sub, Recorder("a"))
+    with pytest.raises(SubscriptionBusy):
+        broker.attach(sub, Recorder("b"))
+
+
+def test_shared_round_robin_skips_unavailable():
+    broker = Broker()
+    sub = broker.subscription("s", SubscriptionType.SHARED)
+    broker.add_filter(sub, "jobs/#")
+    a, b, c = Recorder("a"), Recorder("b", available=False), Recorder("c")
+    for consumer in (a, b, c):
+        broker.attach(sub, consumer)
+    for index in range(6):
+        broker.publish(Message(f"jobs/{index}", b""))
+    assert len(a.got) == 3 and len(c.got) == 3 and not b.got
+
+
+def test_failover_standby_takes_over():
+    broker = Broker()
+    sub = broker.subscription("s", SubscriptionType.FAILOVER)
+    broker.add_filter(sub, "t")
+    active, standby = Recorder("a"), Recorder("b")
+    broker.attach(sub, active)
+    broker.attach(sub, standby)
+    broker.publish(Message("t", b"1"))
+    broker.detach(sub, active)
+    broker.publish(Message("t", b"2"))
+    assert len(active.got) == 1 and len(standby.got) == 1
+
+
+def test_overlapping_filters_deliver_once_with_all_matches():
+    broker = Broker()
+    sub = broker.subscription("s")
+    broker.add_filter(sub, "a/+")
+    broker.add_filter(sub, "a/#")
+    consumer = Recorder("c")
+    broker.attach(sub, consumer)
+    broker.publish(Message("a/b", b""))
+    assert len(consumer.got) == 1
+    assert sorted(consumer.got[0][1]) == ["a/#", "a/+"]
+
+
+def test_match_cache_invalidated_by_unsubscribe():
+    broker = Broker()
+    sub = broker.subscription("s")
+    broker.add_filter(sub, "x")
+    consumer = Recorder("c")
+    broker.attach(sub, consumer)
+    broker.publish(Message("x", b""))
+    broker.remove_filter(sub, "x")
+    broker.publish(Message("x", b""))
+    assert len(consumer.got) == 1
+
+
+def test_routing_rules_pick_most_specific_stream_and_stable_shard():
+    broker = Broker(default_stream=StreamConfig("default", partitions=2))
+    broker.create_stream(StreamConfig("sensors", partitions=8), routes=["sensors/#"])
+    broker.create_stream(StreamConfig("hot", partitions=1), routes=["sensors/hot/+"])
+    first = Message("sensors/a", b"")
+    broker.publish(first)
+    again = Message("sensors/a", b"")
+    broker.publish(again)
+    hot = Message("sensors/hot/1", b"")
+    broker.publish(hot)
+    other = Message("misc", b"")
+    broker.publish(other)
+    assert (first.stream, hot.stream, other.stream) == ("sensors", "hot", "default")
+    assert first.shard == again.shard  # a topic keeps its shard, so its order
+    assert again.offset == first.offset + 1
+
+
+def test_keyed_messages_choose_shard_by_key():
+    broker = Broker(default_stream=StreamConfig("default", partitions=16))
+    shards = set()
+    for index in range(50):
+        message = Message("t", b"", key=b"device-7")
+        broker.publish(message)
+        shards.add(message.shard)
+    assert len(shards) == 1
+
+
+def test_stream_name_validation_and_duplicates():
+    broker = Broker()
+    with pytest.raises(InvalidStreamConfig):
+        StreamConfig("bad/name")
+    with pytest.raises(StreamExists):
+        broker.create_stream(StreamConfig("default"))
+    with pytest.raises(Exception):
+        broker.add_route(RoutingRule("x/#", "missing"))
+
+
+def test_retained_messages_set_and_cleared():
+    broker = Broker()
+    broker.publish(Message("r/1", b"on", retain=True))
+    broker.publish(Message("r/2", b"off", retain=True))
+    assert sorted(m.payload for m in broker.retained.match("r/+")) == [b"off", b"on"]
+    broker.publish(Message("r/1", b"", retain=True))
+    assert [m.payload for m in broker.retained.match("r/#")] == [b"off"]
