@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 from .packets import (
@@ -272,7 +273,7 @@ def _read_str(data: bytes, pos: int, end: int, what: str) -> tuple[str, int]:
     if stop > end:
         raise _malformed(f"{what} runs past the end of the packet")
     try:
-        text = data[pos + 2 : stop].decode("utf-8")
+        text = data[pos + 2 : stop].decode()
     except UnicodeDecodeError:
         raise InvalidUTF8(f"{what} is not well-formed UTF-8 [MQTT-1.5.3-1]") from None
     if "\x00" in text:
@@ -292,7 +293,11 @@ def _read_bin(data: bytes, pos: int, end: int, what: str) -> tuple[bytes, int]:
 
 def _read_properties(data: bytes, pos: int, end: int, mask: int) -> tuple[Properties, int]:
     """The Property Length and the properties after it (v5 §2.2.2)."""
-    length, pos = _read_varint(data, pos, end)
+    if pos < end and data[pos] < 0x80:
+        length = data[pos]
+        pos += 1
+    else:
+        length, pos = _read_varint(data, pos, end)
     stop = pos + length
     if stop > end:
         raise _malformed("property length runs past the end of the packet")
@@ -415,8 +420,10 @@ def _decode_connack(data: bytes, pos: int, end: int, version: int) -> Connack:
     ack_flags = data[pos]
     code = data[pos + 1]
     pos += 2
-    if ack_flags & 0xFE:
-        raise _malformed("CONNACK reserved acknowledge flags are set")
+    if version == MQTT_3_1:
+        ack_flags = 0  # a reserved, unused byte in MQTT 3.1
+    elif ack_flags & 0xFE:
+        raise _malformed("CONNACK acknowledge flags bits 7-1 are reserved (§3.2.2.1)")
     if version == MQTT_5:
         if code not in _CONNACK_CODES:
             raise _malformed(f"invalid CONNACK reason code {code:#04x}")
@@ -440,7 +447,7 @@ def _decode_publish(data: bytes, pos: int, end: int, flags: int, version: int) -
     if stop > end:
         raise _malformed("PUBLISH topic runs past the end of the packet")
     try:
-        topic = data[pos + 2 : stop].decode("utf-8")
+        topic = data[pos + 2 : stop].decode()
     except UnicodeDecodeError:
         raise InvalidUTF8("PUBLISH topic is not well-formed UTF-8 [MQTT-1.5.3-1]") from None
     if "\x00" in topic:
@@ -454,13 +461,12 @@ def _decode_publish(data: bytes, pos: int, end: int, flags: int, version: int) -
         if not packet_id:
             raise _protocol_error("PUBLISH QoS > 0 with packet identifier 0 [MQTT-2.3.1-1]")
         pos += 2
-    if version == MQTT_5:
+    if version == MQTT_5 and (pos >= end or data[pos]):
         props, pos = _read_properties(data, pos, end, _PUBLISH)
     else:
         props = Properties()
-    return Publish(
-        topic, data[pos:end], qos, bool(flags & 0x01), bool(flags & 0x08), packet_id, props
-    )
+        pos += version == MQTT_5  # an empty property block: one zero byte
+    return Publish(topic, data[pos:end], qos, flags & 0x01 != 0, flags & 0x08 != 0, packet_id, props)
 
 
 def _ack_decoder(
@@ -818,18 +824,56 @@ def _fixed(first: int, body: bytes) -> bytes:
     return bytes((first,)) + _varint(len(body)) + body
 
 
+def _values_of(names: list[str]) -> Callable[[Properties], tuple[Any, ...]]:
+    """A C-speed reader of several Properties attributes, always returning a tuple."""
+    if not names:
+        return lambda props: ()
+    if len(names) == 1:
+        getter = attrgetter(names[0])
+        return lambda props: (getter(props),)
+    return attrgetter(*names)
+
+
+def _encode_plan(mask: int) -> tuple[Any, ...]:
+    allowed = [(i, spec) for i, spec in _ENCODE_ORDER if spec[2] & mask]
+    refused = [spec for _, spec in _ENCODE_ORDER if not spec[2] & mask]
+    refused_scalars = [spec[0] for spec in refused if spec[1] not in (_VARINT, _PAIR)]
+    return (
+        _values_of([spec[0] for _, spec in allowed]),
+        tuple((i, spec[1]) for i, spec in allowed),
+        _values_of(refused_scalars),
+        tuple(spec[0] for spec in refused if spec[1] in (_VARINT, _PAIR)),
+    )
+
+
+# packet mask -> (allowed values reader, (identifier, kind) per allowed property,
+# refused single-valued properties reader, refused list property names)
+_ENCODE_PLANS = {mask: _encode_plan(mask) for mask in _MASK_NAMES}
+
+
+def _check_allowed(props: Properties, mask: int) -> None:
+    """ValueError if `props` sets a property the packet `mask` names may not carry."""
+    _, _, read_refused, refused_lists = _ENCODE_PLANS[mask]
+    refused = read_refused(props)
+    if refused.count(None) != len(refused) or any(getattr(props, n) for n in refused_lists):
+        names = [
+            attr for attr, _kind, allowed, _low, _high in _PROPERTY_SPECS.values()
+            if not allowed & mask and getattr(props, attr) not in (None, [])
+        ]
+        raise ValueError(f"{', '.join(names)} not allowed in {_MASK_NAMES[mask]}")
+
+
 def _encode_properties(props: Properties | None, mask: int) -> bytes:
     """The Property Length and properties allowed in the packet `mask` names; a property
     the packet may not carry is a ValueError."""
     if props is None:
         return b"\x00"
+    _check_allowed(props, mask)
+    read_allowed, entries = _ENCODE_PLANS[mask][:2]
     out = bytearray()
-    for identifier, (attr, kind, allowed, _low, _high) in _ENCODE_ORDER:
-        value = getattr(props, attr)
-        if value is None or value == []:
-            continue
-        if not allowed & mask:
-            raise ValueError(f"property {attr} is not allowed in {_MASK_NAMES[mask]}")
+    for (identifier, kind), value in zip(entries, read_allowed(props), strict=True):
+        if value is None:
+            continue  # an empty list (user properties, subscription ids) writes nothing
         if kind == _PAIR:
             for key, text in value:
                 out.append(identifier)
@@ -851,6 +895,8 @@ def _encode_properties(props: Properties | None, mask: int) -> bytes:
                 out += _pack_u32(value)
             else:  # _BIN
                 out += _bin(value)
+    if not out:
+        return b"\x00"
     return _varint(len(out)) + out
 
 
@@ -975,7 +1021,10 @@ def _encode_connack(packet: Connack, version: int) -> bytes:
 
 
 def _encode_publish_packet(packet: Publish, version: int) -> bytes:
-    props = _encode_properties(packet.properties, _PUBLISH) if version == MQTT_5 else None
+    props = None
+    if version == MQTT_5:
+        _check_allowed(packet.properties, _PUBLISH)
+        props = _publish_properties(packet.properties)
     return _publish_bytes(
         packet.topic, packet.payload, packet.qos, packet.retain, packet.dup, packet.packet_id,
         props,

@@ -215,6 +215,15 @@ def test_random_chunking(version):
         assert decoded == packets
 
 
+def test_feed_accepts_any_bytes_like():
+    data = encode(p.Publish("t", b"x"), 4)
+    assert parser(4).feed(bytearray(data)) == [p.Publish("t", b"x")]
+    assert parser(4).feed(memoryview(data)) == [p.Publish("t", b"x")]
+    reader = parser(4)
+    assert reader.feed(memoryview(data)[:2]) == []
+    assert reader.feed(memoryview(data)[2:]) == [p.Publish("t", b"x")]
+
+
 def test_empty_feed_returns_nothing():
     reader = parser(4)
     assert reader.feed(b"") == []
@@ -308,6 +317,10 @@ def test_user_properties_keep_order_and_duplicates():
 def test_encode_refuses_property_not_allowed_in_packet():
     with pytest.raises(ValueError):
         encode(p.Puback(1, 0, p.Properties(topic_alias=1)), 5)
+    with pytest.raises(ValueError, match="reason_string"):
+        encode(p.Publish("t", b"", properties=p.Properties(reason_string="no")), 5)
+    with pytest.raises(ValueError, match="subscription_identifiers"):
+        encode(p.Connack(False, 0, p.Properties(subscription_identifiers=[1])), 5)
     with pytest.raises(ValueError):
         encode(p.Auth(), 4)
     with pytest.raises(ValueError):
@@ -476,8 +489,10 @@ def test_invalid_utf8_client_id_is_malformed():
 
 
 def test_connack_reserved_flags_are_malformed():
-    """[MQTT-3.2.2-1]: CONNACK acknowledge flags bits 7-1 are reserved."""
+    """§3.2.2.1: CONNACK acknowledge flags bits 7-1 are reserved; in MQTT 3.1 the whole
+    byte is reserved and unused."""
     assert decode_error(b"\x20\x02\x02\x00", 4).reason_code == MALFORMED
+    assert decode(b"\x20\x02\xff\x00", 3) == [p.Connack(False, 0)]
 
 
 def test_connack_unknown_return_code_is_malformed():
