@@ -7,7 +7,13 @@ and retention bounded by what consumers still need.
 """
 
 from .commit import CommitStats, GroupCommitter
-from .config import FsyncPolicy, JournalClosed, JournalConfig, JournalVersionError
+from .config import (
+    FsyncPolicy,
+    JournalClosed,
+    JournalConfig,
+    JournalLocked,
+    JournalVersionError,
+)
 from .log import JournalShardLog
 from .record import CHECKSUM_NAME
 from .storage import FORMAT_VERSION, VERSION_FILE, JournalStorage
@@ -21,6 +27,7 @@ __all__ = [
     "GroupCommitter",
     "JournalClosed",
     "JournalConfig",
+    "JournalLocked",
     "JournalShardLog",
     "JournalStorage",
     "JournalVersionError",

@@ -141,6 +141,11 @@ class GroupCommitter:
         loop = asyncio.get_running_loop()
         wake = self._wake
         assert wake is not None
+        stranded = self._inflight
+        if stranded is not None:
+            # A pass started on an event loop that stopped before completing it.
+            await loop.run_in_executor(self._executor, self._do_io, stranded)
+            self._complete(stranded)
         while not self._closed:
             if not self._dirty:
                 if not (self.policy is FsyncPolicy.INTERVAL and self._needs_sync):

@@ -45,5 +45,9 @@ class JournalVersionError(StorageError):
     """The journal directory was written by another (newer) format or another checksum."""
 
 
+class JournalLocked(StorageError):
+    """Another process (or another JournalStorage) has the journal directory open."""
+
+
 class JournalClosed(StorageError):
     """The shard log or the journal was closed."""

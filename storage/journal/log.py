@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import struct
 import time
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
@@ -26,7 +27,7 @@ from pathlib import Path
 from ..interfaces import StorageFull, StoredRecord
 from .commit import GroupCommitter, resolve
 from .config import FsyncPolicy, JournalClosed, JournalConfig
-from .record import HEADER_SIZE, LENGTH_CRC, MAX_DATA, OFFSET_TS, checksum
+from .record import HEADER_SIZE, LENGTH_CRC, OFFSET_TS, checksum
 from .segment import (
     Segment,
     fsync_directory,
@@ -37,6 +38,7 @@ from .segment import (
 
 log = logging.getLogger(__name__)
 
+_NO_TIMESTAMP = -(2**63)
 _OFFSET_TS_PACK = OFFSET_TS.pack
 _LENGTH_CRC_PACK = LENGTH_CRC.pack
 
@@ -130,6 +132,8 @@ class JournalShardLog:
         self._to_seal: list[Segment] = []
         self._io_segment = active
         self._broken: OSError | None = None
+        self._max_pending = self.config.max_pending_bytes
+        self._index_interval = self.config.index_interval_bytes
         self._committer.register(self)
 
     def _open_segments(self) -> list[Segment]:
@@ -182,7 +186,7 @@ class JournalShardLog:
         created = group is None
         if group is None:
             group = self._new_group(records[0][0])
-        elif len(group.buf) >= self.config.max_pending_bytes:
+        elif len(group.buf) >= self._max_pending:
             raise StorageFull(f"{self.directory}: {len(group.buf)} bytes waiting for the disk")
         tail = self._tail
         buf = group.buf
@@ -190,53 +194,55 @@ class JournalShardLog:
         n_index = len(group.index_offsets)
         n_time = len(group.time_stamps)
         base = tail.base_offset
-        interval = self.config.index_interval_bytes
+        interval = self._index_interval
         pos = tail.pos
         last_index_pos = tail.last_index_pos
-        max_ts = tail.max_ts
-        last_time_ts = tail.last_time_ts
-        first_ts = records[0][0] if tail.first_ts is None else tail.first_ts
+        max_ts = _NO_TIMESTAMP if tail.max_ts is None else tail.max_ts
+        last_time_ts = _NO_TIMESTAMP if tail.last_time_ts is None else tail.last_time_ts
         offset = first
         pack_tail = _OFFSET_TS_PACK
         pack_head = _LENGTH_CRC_PACK
+        crc = checksum
         try:
+            # The hot loop: keep it to framing and the sparse-index rule of Segment.note_record.
             for timestamp_ms, data in records:
                 size = len(data)
-                if size > MAX_DATA:
-                    raise ValueError(f"record of {size} bytes is too large for the journal")
-                ts_part = pack_tail(offset, timestamp_ms)
-                buf += pack_head(size, checksum(data, checksum(ts_part)))
-                buf += ts_part
-                buf += data
-                if max_ts is None or timestamp_ms > max_ts:
+                framed = pack_tail(offset, timestamp_ms) + data
+                buf += pack_head(size, crc(framed))
+                buf += framed
+                if timestamp_ms > max_ts:
                     max_ts = timestamp_ms
                 if pos - last_index_pos >= interval:
                     last_index_pos = pos
                     group.index_offsets.append(offset - base)
                     group.index_positions.append(pos)
-                    if last_time_ts is None or max_ts > last_time_ts:
+                    if max_ts > last_time_ts:
                         last_time_ts = max_ts
                         group.time_stamps.append(max_ts)
                         group.time_offsets.append(offset - base)
                 pos += HEADER_SIZE + size
                 offset += 1
-        except Exception:
+        except Exception as exc:
             del buf[buf_len:]
             del group.index_offsets[n_index:], group.index_positions[n_index:]
             del group.time_stamps[n_time:], group.time_offsets[n_time:]
             if created:
                 self._pending = None
                 self._tail = saved_tail
+            if isinstance(exc, struct.error):
+                raise ValueError(f"record not accepted by the journal: {exc}") from exc
             raise
         tail.pos = pos
         tail.last_index_pos = last_index_pos
         tail.max_ts = max_ts
-        tail.last_time_ts = last_time_ts
-        tail.first_ts = first_ts
+        if last_time_ts != _NO_TIMESTAMP:
+            tail.last_time_ts = last_time_ts
+        if tail.first_ts is None:
+            tail.first_ts = records[0][0]
         group.end_offset = self._next = offset
         group.end_pos = pos
         group.max_ts = max_ts
-        group.first_ts = first_ts
+        group.first_ts = tail.first_ts
         return first
 
     def _new_group(self, first_timestamp: int) -> _Group:

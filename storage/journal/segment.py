@@ -34,6 +34,9 @@ LOG_SUFFIX: Final = ".log"
 INDEX_SUFFIX: Final = ".index"
 TIMEINDEX_SUFFIX: Final = ".timeindex"
 READ_CHUNK: Final = 256 * 1024
+"""Bytes per read while scanning a whole segment (recovery, index rebuild)."""
+FETCH_CHUNK: Final = 32 * 1024
+"""Bytes per read while serving `read` (a few index intervals: most reads want few records)."""
 
 _INDEX_ENTRY: Final = struct.Struct("<II")
 _TIME_ENTRY: Final = struct.Struct("<qI")
@@ -361,7 +364,7 @@ class Segment:
             return
         start = self.position_for(from_offset)
         expected: int | None = None
-        for status, pos, offset, timestamp_ms, data in walk(self.fd, start, self.size):
+        for status, pos, offset, timestamp_ms, data in walk(self.fd, start, self.size, FETCH_CHUNK):
             if status != OK:
                 reason = "checksum mismatch" if status == BAD_CRC else "truncated record"
                 raise CorruptRecord(f"{self.path()}: {reason} at byte {pos}")
@@ -381,7 +384,8 @@ class Segment:
             return None
         i = bisect_right(self.time_stamps, timestamp_ms - 1) - 1
         start = self.base_offset + (self.time_offsets[i] + 1 if i >= 0 else 0)
-        for status, pos, offset, stamp, _data in walk(self.fd, self.position_for(start), self.size):
+        position = self.position_for(start)
+        for status, pos, offset, stamp, _data in walk(self.fd, position, self.size, FETCH_CHUNK):
             if status != OK:
                 reason = "checksum mismatch" if status == BAD_CRC else "truncated record"
                 raise CorruptRecord(f"{self.path()}: {reason} at byte {pos}")

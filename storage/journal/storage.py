@@ -1,26 +1,53 @@
 """`JournalStorage`: the local journal engine (implements `ShardStorage`) for reliable streams.
 
-The journal root holds `journal.version` (the on-disk format and the record checksum) and one
-directory per shard, `<root>/<stream>/<shard>/`, where the stream name is percent-encoded so
+The journal root holds `journal.version` (the on-disk format and the record checksum),
+`journal.lock` (an exclusive flock held while the journal is open, so that two brokers never
+write the same files) and one directory per shard, `<root>/<stream>/<shard>/`, where the stream name is percent-encoded so
 that any name maps to one directory level. All shard logs share one group committer, so one
 worker-thread pass writes and fsyncs every dirty shard.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 from pathlib import Path
 from urllib.parse import quote, unquote
 
 from .commit import CommitStats, GroupCommitter
-from .config import MIB, FsyncPolicy, JournalClosed, JournalConfig, JournalVersionError
+from .config import (
+    MIB,
+    FsyncPolicy,
+    JournalClosed,
+    JournalConfig,
+    JournalLocked,
+    JournalVersionError,
+)
 from .log import JournalShardLog
 from .record import CHECKSUM_NAME
 from .segment import fsync_directory, write_all
 
 FORMAT_VERSION = 1
 VERSION_FILE = "journal.version"
+LOCK_FILE = "journal.lock"
+
+
+def lock_directory(root: Path) -> int:
+    """Take the journal's exclusive lock; returns the lock file's descriptor (closing it, or the
+    process dying, releases the lock)."""
+    fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        os.close(fd)
+        raise JournalLocked(
+            f"the journal at {root} is already open in another process or JournalStorage"
+        ) from exc
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def check_version(root: Path) -> None:
@@ -92,7 +119,12 @@ class JournalStorage:
             max_pending_bytes=max_pending_bytes,
         )
         self.directory.mkdir(parents=True, exist_ok=True)
-        check_version(self.directory)
+        self._lock_fd = lock_directory(self.directory)
+        try:
+            check_version(self.directory)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
         self._committer = GroupCommitter(self.config)
         self._shards: dict[tuple[str, int], JournalShardLog] = {}
         self._closed = False
@@ -165,6 +197,9 @@ class JournalStorage:
         try:
             self._committer.close()
         finally:
-            for shard_log in self._shards.values():
-                shard_log.close()
-            self._shards.clear()
+            try:
+                for shard_log in self._shards.values():
+                    shard_log.close()
+                self._shards.clear()
+            finally:
+                os.close(self._lock_fd)

@@ -19,6 +19,7 @@ from shardgate.storage.journal import (
     FORMAT_VERSION,
     VERSION_FILE,
     JournalClosed,
+    JournalLocked,
     JournalShardLog,
     JournalStorage,
     JournalVersionError,
@@ -181,6 +182,13 @@ def test_shards_are_listed_and_deleted(storage: JournalStorage) -> None:
     reopened.close()
 
 
+def test_a_journal_directory_is_opened_by_one_storage_at_a_time(storage: JournalStorage) -> None:
+    with pytest.raises(JournalLocked):
+        JournalStorage(storage.directory)
+    storage.close()
+    JournalStorage(storage.directory).close()
+
+
 def test_closed_shard_refuses_appends(storage: JournalStorage) -> None:
     shard = storage.open_shard("s", 0)
     shard.close()
@@ -311,6 +319,25 @@ async def test_policy_interval_resolves_after_the_next_timed_fsync(
     await store.flush()
     assert loop.time() - started < 0.15
     assert shard.committed_offset == 7
+    store.close()
+
+
+def test_commit_survives_the_event_loop_that_started_it(journal_dir: Path) -> None:
+    store = JournalStorage(journal_dir)
+    shard = store.open_shard("s", 0)
+
+    async def append_and_leave() -> None:
+        shard.append(records(0, 5))
+        for _ in range(3):
+            await asyncio.sleep(0)  # the pass is in the worker thread when this loop ends
+
+    async def append_and_wait() -> None:
+        shard.append(records(5, 5))
+        await shard.flush()
+
+    asyncio.run(append_and_leave())
+    asyncio.run(append_and_wait())
+    check_dense(shard.read(0), 0, 10)
     store.close()
 
 
