@@ -1,0 +1,101 @@
+"""`Admin`: streams, routing rules, subscriptions, connected clients and broker info."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from ..proto import shardgate_pb2 as pb
+from ..proto import shardgate_pb2_grpc as pb_grpc
+from .errors import from_rpc_error
+from .types import BrokerInfo, ClientInfo, Mode, Position, Schema, StreamInfo, SubscriptionInfo
+
+T = TypeVar("T")
+
+
+class Admin:
+    """Administration calls; every method raises a `ShardgateError` subclass on failure."""
+
+    def __init__(self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] = (),
+                 timeout: float = 10.0) -> None:
+        self._stub = pb_grpc.AdminStub(channel)
+        self._metadata = metadata
+        self._timeout = timeout
+
+    async def _call(self, method: Callable[..., Awaitable[T]], request: Any) -> T:
+        try:
+            return await method(request, metadata=self._metadata, timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    # ---------------------------------------------------------------- streams
+    async def create_stream(
+        self, name: str, *, partitions: int = 1, mode: Mode | str = Mode.NON_RELIABLE,
+        schema: Schema | str = Schema.BYTES, retention_ms: int | None = None,
+        retention_bytes: int | None = None, routes: list[str] | None = None,
+    ) -> StreamInfo:
+        """Create a stream; it receives topic `name` and `name/#` unless `routes` say otherwise."""
+        spec = pb.StreamSpec(name=name, partitions=partitions, mode=Mode(mode).to_pb(),
+                             schema=Schema(schema).to_pb(), routes=routes or [])
+        if retention_ms is not None:
+            spec.retention_ms = retention_ms
+        if retention_bytes is not None:
+            spec.retention_bytes = retention_bytes
+        return StreamInfo.from_pb(await self._call(self._stub.CreateStream, spec))
+
+    async def list_streams(self) -> list[StreamInfo]:
+        response = await self._call(self._stub.ListStreams, pb.Empty())
+        return [StreamInfo.from_pb(s) for s in response.streams]
+
+    async def describe_stream(self, name: str) -> StreamInfo:
+        return StreamInfo.from_pb(await self._call(self._stub.DescribeStream, pb.StreamName(name=name)))
+
+    async def update_stream(self, name: str, *, retention_ms: int | None = None,
+                            retention_bytes: int | None = None,
+                            add_routes: list[str] | None = None) -> StreamInfo:
+        request = pb.UpdateStreamRequest(name=name, add_routes=add_routes or [])
+        if retention_ms is not None:
+            request.retention_ms = retention_ms
+        if retention_bytes is not None:
+            request.retention_bytes = retention_bytes
+        return StreamInfo.from_pb(await self._call(self._stub.UpdateStream, request))
+
+    async def delete_stream(self, name: str) -> None:
+        await self._call(self._stub.DeleteStream, pb.StreamName(name=name))
+
+    # ---------------------------------------------------------------- routing
+    async def add_route(self, topic_filter: str, stream: str) -> None:
+        await self._call(self._stub.AddRoute, pb.Route(topic_filter=topic_filter, stream=stream))
+
+    async def remove_route(self, topic_filter: str) -> None:
+        await self._call(self._stub.RemoveRoute, pb.Route(topic_filter=topic_filter))
+
+    async def list_routes(self) -> list[tuple[str, str]]:
+        response = await self._call(self._stub.ListRoutes, pb.Empty())
+        return [(r.topic_filter, r.stream) for r in response.routes]
+
+    # ---------------------------------------------------------------- subscriptions
+    async def list_subscriptions(self) -> list[SubscriptionInfo]:
+        response = await self._call(self._stub.ListSubscriptions, pb.Empty())
+        return [SubscriptionInfo.from_pb(s) for s in response.subscriptions]
+
+    async def describe_subscription(self, name: str) -> SubscriptionInfo:
+        response = await self._call(self._stub.DescribeSubscription, pb.SubscriptionName(name=name))
+        return SubscriptionInfo.from_pb(response)
+
+    async def reset_cursor(self, name: str, position: Position) -> SubscriptionInfo:
+        request = pb.ResetCursorRequest(subscription=name, position=position.to_pb())
+        return SubscriptionInfo.from_pb(await self._call(self._stub.ResetCursor, request))
+
+    async def delete_subscription(self, name: str) -> None:
+        await self._call(self._stub.DeleteSubscription, pb.SubscriptionName(name=name))
+
+    # ---------------------------------------------------------------- clients and broker
+    async def list_clients(self) -> list[ClientInfo]:
+        response = await self._call(self._stub.ListClients, pb.Empty())
+        return [ClientInfo.from_pb(c) for c in response.clients]
+
+    async def broker_info(self) -> BrokerInfo:
+        return BrokerInfo.from_pb(await self._call(self._stub.GetBrokerInfo, pb.Empty()))

@@ -1,0 +1,302 @@
+"""`Consumer`: an async iterator over a subscription, with acks, nacks, credit and reconnects.
+
+```python
+consumer = client.consumer("billing", ["orders/#"], type="shared")
+await consumer.subscribe()          # raises FailedPrecondition for a busy Exclusive subscription
+async for message in consumer:
+    handle(message.payload)
+    message.ack()
+```
+
+Flow control: the broker pushes at most `credit` messages ahead; the consumer grants more as the
+application takes messages, so a slow application holds the broker back instead of being
+flooded. Acks and nacks are batched and sent at the next turn of the event loop.
+
+When the stream breaks for a reason worth retrying (broker restart, network), the consumer
+resubscribes with exponential backoff and carries on; acks of messages received before the
+break are dropped (the broker hands those messages to another consumer, or, for durable
+subscriptions, redelivers them). Errors that retrying cannot fix end the iteration by raising.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import random
+from typing import TYPE_CHECKING
+
+import grpc
+
+from ..proto import shardgate_pb2 as pb
+from ..proto import shardgate_pb2_grpc as pb_grpc
+from .errors import (
+    FINAL,
+    FailedPrecondition,
+    ShardgateError,
+    Unavailable,
+    error_for,
+    from_rpc_error,
+)
+from .types import Position, ReceivedMessage, SubscriptionType
+
+if TYPE_CHECKING:
+    from .client import Client
+
+_CLOSED = object()
+
+
+class Consumer:
+    """A consumer of one subscription. Create it with `Client.consumer()`."""
+
+    def __init__(
+        self, client: Client, subscription: str, topics: list[str], *, stream: str | None = None,
+        type: SubscriptionType = SubscriptionType.EXCLUSIVE, position: Position | None = None,
+        credit: int = 1000, name: str = "", durable: bool = False, reconnect: bool = True,
+        retries: int | None = None, backoff_s: float = 0.1, max_backoff_s: float = 2.0,
+    ) -> None:
+        self._client = client
+        self.subscription = subscription
+        self.topics = list(topics)
+        self.stream = stream
+        self.type = type
+        self.position = position or Position.latest()
+        self.credit = max(1, credit)
+        self.name = name
+        self.durable = durable
+        self.reconnect = reconnect
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.consumer_id = ""
+        self.active = False
+        self.errors: list[ShardgateError] = []
+        self._stub = pb_grpc.ConsumerStub(client.channel)
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._generation = 0
+        self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._taken = 0
+        self._acks: list[int] = []
+        self._nacks: dict[int, list[int]] = {}
+        self._settle_scheduled = False
+        self._reader: asyncio.Task[None] | None = None
+        self._closed = False
+        self._active_changed = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._write_lock = asyncio.Lock()
+
+    # ---------------------------------------------------------------- lifecycle
+    async def subscribe(self) -> Consumer:
+        """Open the stream and wait for the broker to accept the subscription."""
+        if self._reader is None:
+            await self._open()
+            self._reader = asyncio.ensure_future(self._read_loop())
+        return self
+
+    async def _open(self) -> None:
+        request = pb.Subscribe(
+            subscription=self.subscription, type=self.type.to_pb(), topic_filters=self.topics,
+            stream=self.stream or "", position=self.position.to_pb(), credit=self.credit,
+            consumer_name=self.name, durable=self.durable,
+        )
+        call = self._stub.Subscribe(metadata=self._client.metadata)
+        try:
+            await call.write(pb.ConsumeRequest(subscribe=request))
+            first = await asyncio.wait_for(call.read(), self._client.timeout)
+        except grpc.aio.AioRpcError as exc:
+            call.cancel()
+            raise from_rpc_error(exc) from None
+        except TimeoutError:
+            call.cancel()
+            raise Unavailable("the broker did not answer the subscription") from None
+        if first is grpc.aio.EOF or first.WhichOneof("response") != "subscribed":
+            call.cancel()
+            raise Unavailable("the broker ended the stream before accepting the subscription")
+        self._generation += 1
+        self._loop = asyncio.get_running_loop()
+        self._call = call
+        self._taken = 0
+        self.consumer_id = first.subscribed.consumer_id
+        self._set_active(first.subscribed.active)
+
+    async def close(self) -> None:
+        """Send pending acks, end the stream; unacknowledged messages go to other consumers."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._send_settlements()
+        call = self._call
+        if call is not None:
+            with contextlib.suppress(Exception):
+                async with self._write_lock:
+                    await call.done_writing()
+        if self._reader is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._reader), 2.0)
+            except (TimeoutError, Exception):
+                self._reader.cancel()
+        if call is not None:
+            call.cancel()
+        self._queue.put_nowait(_CLOSED)
+        self._client._forget(self)
+
+    async def __aenter__(self) -> Consumer:
+        return await self.subscribe()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---------------------------------------------------------------- receiving
+    def __aiter__(self) -> Consumer:
+        return self
+
+    async def __anext__(self) -> ReceivedMessage:
+        try:
+            return await self.receive()
+        except StopAsyncIteration:
+            raise
+        except _Closed:
+            raise StopAsyncIteration from None
+
+    async def receive(self, timeout: float | None = None) -> ReceivedMessage:
+        """The next message; raises `TimeoutError` after `timeout` seconds, the subscription's
+        error if it ended, or `StopAsyncIteration` once closed."""
+        await self.subscribe()
+        if timeout is None:
+            item = await self._queue.get()
+        else:
+            item = await asyncio.wait_for(self._queue.get(), timeout)
+        if item is _CLOSED:
+            self._queue.put_nowait(_CLOSED)
+            raise _Closed()
+        if isinstance(item, BaseException):
+            self._queue.put_nowait(item)
+            raise item
+        assert isinstance(item, ReceivedMessage)
+        self._taken += 1
+        if self._taken >= max(1, self.credit // 2):
+            self._grant(self._taken)
+            self._taken = 0
+        return item
+
+    async def wait_active(self, timeout: float | None = None) -> None:
+        """Until this consumer is the active one (Failover standbys wait here)."""
+        while not self.active:
+            self._active_changed.clear()
+            await asyncio.wait_for(self._active_changed.wait(), timeout)
+
+    def _set_active(self, active: bool) -> None:
+        self.active = active
+        self._active_changed.set()
+
+    # ---------------------------------------------------------------- acks, nacks, credit
+    def _settle(self, generation: int, message: ReceivedMessage, ok: bool, delay_s: float) -> None:
+        loop = self._loop
+        if loop is not None and not _running_on(loop):
+            loop.call_soon_threadsafe(self._settle, generation, message, ok, delay_s)
+            return
+        if generation != self._generation or self._closed and self._call is None:
+            return  # received on a stream that has since broken: the broker redelivers it
+        if ok:
+            self._acks.append(message.delivery_id)
+        else:
+            self._nacks.setdefault(int(delay_s * 1000), []).append(message.delivery_id)
+        if not self._settle_scheduled:
+            self._settle_scheduled = True
+            asyncio.get_running_loop().call_soon(
+                lambda: asyncio.ensure_future(self._send_settlements()))
+
+    async def _send_settlements(self) -> None:
+        self._settle_scheduled = False
+        call = self._call
+        acks, self._acks = self._acks, []
+        nacks, self._nacks = self._nacks, {}
+        if call is None:
+            return
+        if acks:
+            await self._write(call, pb.ConsumeRequest(ack=pb.Ack(delivery_ids=acks)))
+        for delay_ms, ids in nacks.items():
+            await self._write(call, pb.ConsumeRequest(nack=pb.Nack(delivery_ids=ids, delay_ms=delay_ms)))
+
+    async def _write(self, call: grpc.aio.StreamStreamCall, request: pb.ConsumeRequest) -> None:
+        """One writer at a time: gRPC refuses concurrent writes on a call."""
+        async with self._write_lock:
+            if call is not self._call or call.done():
+                return
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError):
+                await call.write(request)
+
+    def _grant(self, credit: int) -> None:
+        call = self._call
+        if call is None:
+            return
+
+        asyncio.ensure_future(self._write(call, pb.ConsumeRequest(credit=pb.Credit(credit=credit))))
+
+    # ---------------------------------------------------------------- the stream
+    async def _read_loop(self) -> None:
+        attempt = 0
+        while True:
+            call = self._call
+            error: ShardgateError | None = None
+            try:
+                assert call is not None
+                await self._pump(call)
+                if self._closed:
+                    return
+                error = Unavailable("the broker ended the subscription stream")
+            except grpc.aio.AioRpcError as exc:
+                if self._closed:
+                    return
+                error = from_rpc_error(exc)
+            except asyncio.CancelledError:
+                return
+            # Messages still queued locally came from the broken stream: they are still handed
+            # to the application (at least once), but their acks are void.
+            self._call = None
+            while True:
+                # A busy Exclusive subscription may still hold our previous stream's consumer.
+                busy = attempt > 0 and attempt < 20 and isinstance(error, FailedPrecondition)
+                if not self.reconnect or (error.code in FINAL and not busy) or (
+                        self.retries is not None and attempt >= self.retries):
+                    self._queue.put_nowait(error)
+                    return
+                attempt += 1
+                delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+                await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+                if self._closed:
+                    return
+                try:
+                    await self._open()
+                    attempt = 0
+                    break
+                except ShardgateError as exc:
+                    error = exc
+
+    async def _pump(self, call: grpc.aio.StreamStreamCall) -> None:
+        settle = functools.partial(self._settle, self._generation)
+        queue = self._queue
+        while True:
+            response = await call.read()
+            if response is grpc.aio.EOF:
+                return
+            kind = response.WhichOneof("response")
+            if kind == "messages":
+                for message in response.messages.messages:
+                    queue.put_nowait(ReceivedMessage.from_pb(message, settle))
+            elif kind == "status":
+                self._set_active(response.status.active)
+            elif kind == "error":
+                self.errors.append(error_for(response.error.code, response.error.error))
+
+
+def _running_on(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+class _Closed(ShardgateError):
+    def __init__(self) -> None:
+        super().__init__("the consumer is closed", grpc.StatusCode.CANCELLED)

@@ -1,0 +1,263 @@
+"""Plain data the SDK returns: receipts, received messages, stream / subscription / client views."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from ..proto import shardgate_pb2 as pb
+from . import schemas
+
+
+class SubscriptionType(StrEnum):
+    EXCLUSIVE = "exclusive"
+    SHARED = "shared"
+    FAILOVER = "failover"
+
+    def to_pb(self) -> int:
+        return {"exclusive": pb.SUBSCRIPTION_TYPE_EXCLUSIVE, "shared": pb.SUBSCRIPTION_TYPE_SHARED,
+                "failover": pb.SUBSCRIPTION_TYPE_FAILOVER}[self.value]
+
+    @classmethod
+    def from_pb(cls, value: int) -> SubscriptionType:
+        return {pb.SUBSCRIPTION_TYPE_SHARED: cls.SHARED,
+                pb.SUBSCRIPTION_TYPE_FAILOVER: cls.FAILOVER}.get(value, cls.EXCLUSIVE)
+
+
+class Mode(StrEnum):
+    NON_RELIABLE = "non-reliable"
+    RELIABLE = "reliable"
+
+    def to_pb(self) -> int:
+        return pb.DISPATCH_MODE_RELIABLE if self is Mode.RELIABLE else pb.DISPATCH_MODE_NON_RELIABLE
+
+    @classmethod
+    def from_pb(cls, value: int) -> Mode:
+        return cls.RELIABLE if value == pb.DISPATCH_MODE_RELIABLE else cls.NON_RELIABLE
+
+
+class Schema(StrEnum):
+    BYTES = "bytes"
+    STRING = "string"
+    INT64 = "int64"
+    JSON = "json"
+
+    def to_pb(self) -> int:
+        return {"bytes": pb.SCHEMA_BYTES, "string": pb.SCHEMA_STRING, "int64": pb.SCHEMA_INT64,
+                "json": pb.SCHEMA_JSON}[self.value]
+
+    @classmethod
+    def from_pb(cls, value: int) -> Schema:
+        return {pb.SCHEMA_STRING: cls.STRING, pb.SCHEMA_INT64: cls.INT64,
+                pb.SCHEMA_JSON: cls.JSON}.get(value, cls.BYTES)
+
+
+@dataclass(slots=True, frozen=True)
+class Position:
+    """Where a new subscription starts: `Position.latest()`, `earliest()`, `at_offset(n)`,
+    `at_time(ms)`."""
+
+    kind: str = "latest"
+    value: int = 0
+
+    @classmethod
+    def latest(cls) -> Position:
+        return cls("latest")
+
+    @classmethod
+    def earliest(cls) -> Position:
+        return cls("earliest")
+
+    @classmethod
+    def at_offset(cls, offset: int) -> Position:
+        return cls("offset", offset)
+
+    @classmethod
+    def at_time(cls, timestamp_ms: int) -> Position:
+        return cls("timestamp_ms", timestamp_ms)
+
+    def to_pb(self) -> pb.StartPosition:
+        if self.kind == "latest":
+            return pb.StartPosition(latest=True)
+        if self.kind == "earliest":
+            return pb.StartPosition(earliest=True)
+        if self.kind == "offset":
+            return pb.StartPosition(offset=self.value)
+        if self.kind == "timestamp_ms":
+            return pb.StartPosition(timestamp_ms=self.value)
+        raise ValueError(f"unknown position {self.kind!r}")
+
+
+@dataclass(slots=True, frozen=True)
+class Receipt:
+    """Where a published message was stored."""
+
+    stream: str
+    shard: int
+    offset: int
+
+
+@dataclass(slots=True, eq=False)
+class ReceivedMessage:
+    """A message pushed to a consumer. Call `ack()` once processed, or `nack(delay_s)`."""
+
+    topic: str
+    payload: bytes
+    key: bytes | None
+    headers: list[tuple[str, str]]
+    content_type: str
+    correlation_data: bytes
+    reply_to: str
+    publish_time_ms: int
+    expires_at_ms: int | None
+    stream: str
+    shard: int
+    offset: int
+    producer_protocol: str
+    producer_id: str
+    redelivery_count: int
+    delivery_id: int
+    _settle: Callable[[ReceivedMessage, bool, float], None] | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_pb(cls, m: pb.ConsumedMessage,
+                settle: Callable[[ReceivedMessage, bool, float], None] | None) -> ReceivedMessage:
+        return cls(
+            topic=m.topic, payload=m.payload, key=m.key if m.HasField("key") else None,
+            headers=[(h.key, h.value) for h in m.headers], content_type=m.content_type,
+            correlation_data=m.correlation_data, reply_to=m.reply_to,
+            publish_time_ms=m.publish_time_ms, expires_at_ms=m.expires_at_ms or None,
+            stream=m.stream, shard=m.shard, offset=m.offset,
+            producer_protocol=m.producer_protocol, producer_id=m.producer_id,
+            redelivery_count=m.redelivery_count, delivery_id=m.delivery_id, _settle=settle,
+        )
+
+    def ack(self) -> None:
+        """Mark the message processed (sent with the next batch of acks)."""
+        if self._settle is not None:
+            self._settle(self, True, 0.0)
+
+    def nack(self, delay_s: float = 0.0) -> None:
+        """Give the message back; it is redelivered (to this or another consumer) after `delay_s`."""
+        if self._settle is not None:
+            self._settle(self, False, delay_s)
+
+    def header(self, name: str, default: str | None = None) -> str | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return default
+
+    def text(self) -> str:
+        return schemas.decode_string(self.payload)
+
+    def int64(self) -> int:
+        return schemas.decode_int64(self.payload)
+
+    def json(self) -> Any:
+        return schemas.decode_json(self.payload)
+
+
+@dataclass(slots=True)
+class ShardInfo:
+    index: int
+    next_offset: int
+
+
+@dataclass(slots=True)
+class StreamInfo:
+    name: str
+    mode: Mode
+    partitions: int
+    schema: Schema
+    retention_ms: int | None
+    retention_bytes: int | None
+    routes: list[str]
+    shards: list[ShardInfo]
+    subscriptions: dict[str, int]
+    is_default: bool
+
+    @classmethod
+    def from_pb(cls, s: pb.StreamInfo) -> StreamInfo:
+        return cls(
+            name=s.name, mode=Mode.from_pb(s.mode), partitions=s.partitions,
+            schema=Schema.from_pb(s.schema),
+            retention_ms=s.retention_ms if s.HasField("retention_ms") else None,
+            retention_bytes=s.retention_bytes if s.HasField("retention_bytes") else None,
+            routes=list(s.routes), shards=[ShardInfo(x.index, x.next_offset) for x in s.shards],
+            subscriptions={x.name: x.lag for x in s.subscriptions}, is_default=s.is_default,
+        )
+
+
+@dataclass(slots=True)
+class ConsumerInfo:
+    consumer_id: str
+    protocol: str
+    active: bool
+    unacked: int
+    credit: int
+    delivered: int
+
+
+@dataclass(slots=True)
+class SubscriptionInfo:
+    name: str
+    type: SubscriptionType
+    durable: bool
+    topic_filters: list[str]
+    consumers: list[ConsumerInfo]
+    protocol: str
+
+    @classmethod
+    def from_pb(cls, s: pb.SubscriptionInfo) -> SubscriptionInfo:
+        return cls(
+            name=s.name, type=SubscriptionType.from_pb(s.type), durable=s.durable,
+            topic_filters=list(s.topic_filters), protocol=s.protocol,
+            consumers=[ConsumerInfo(c.consumer_id, c.protocol, c.active, c.unacked, c.credit,
+                                    c.delivered) for c in s.consumers],
+        )
+
+
+@dataclass(slots=True)
+class ClientInfo:
+    protocol: str
+    client_id: str
+    username: str
+    remote: str
+    connected_at: float
+    messages_in: int
+    messages_out: int
+    detail: str
+
+    @classmethod
+    def from_pb(cls, c: pb.ClientInfo) -> ClientInfo:
+        return cls(c.protocol, c.client_id, c.username, c.remote, c.connected_at,
+                   c.messages_in, c.messages_out, c.detail)
+
+
+@dataclass(slots=True)
+class BrokerInfo:
+    version: str
+    started_at: float
+    uptime_s: float
+    listeners: dict[str, tuple[str, int]]
+    messages_in: int
+    bytes_in: int
+    messages_out: int
+    bytes_out: int
+    messages_dropped: int
+    streams: int
+    subscriptions: int
+    clients: int
+
+    @classmethod
+    def from_pb(cls, b: pb.BrokerInfo) -> BrokerInfo:
+        return cls(
+            version=b.version, started_at=b.started_at, uptime_s=b.uptime_s,
+            listeners={x.name: (x.host, x.port) for x in b.listeners},
+            messages_in=b.messages_in, bytes_in=b.bytes_in, messages_out=b.messages_out,
+            bytes_out=b.bytes_out, messages_dropped=b.messages_dropped, streams=b.streams,
+            subscriptions=b.subscriptions, clients=b.clients,
+        )
