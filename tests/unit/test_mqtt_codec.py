@@ -787,3 +787,163 @@ def test_publish_round_trip_property(
     data = encode_publish(topic, payload, qos, retain, dup, packet.packet_id, props, version)
     assert data == encode(packet, version)
     assert decode(data, version) == [packet]
+
+
+# ----------------------------------------------------------------------------- generated packets
+_u16 = st.integers(0, 0xFFFF)
+_u32 = st.integers(0, 2**32 - 1)
+_flag = st.integers(0, 1)
+_bin = st.binary(max_size=12)
+_PROPERTY_VALUES = {
+    "payload_format_indicator": _flag,
+    "message_expiry_interval": _u32,
+    "content_type": _text,
+    "response_topic": _text,
+    "correlation_data": _bin,
+    "subscription_identifiers": st.lists(st.integers(1, 268435455), min_size=1, max_size=3),
+    "session_expiry_interval": _u32,
+    "assigned_client_identifier": _text,
+    "server_keep_alive": _u16,
+    "authentication_method": _text,
+    "authentication_data": _bin,
+    "request_problem_information": _flag,
+    "will_delay_interval": _u32,
+    "request_response_information": _flag,
+    "response_information": _text,
+    "server_reference": _text,
+    "reason_string": _text,
+    "receive_maximum": st.integers(1, 0xFFFF),
+    "topic_alias_maximum": _u16,
+    "topic_alias": st.integers(1, 0xFFFF),
+    "maximum_qos": _flag,
+    "retain_available": _flag,
+    "user_properties": st.lists(st.tuples(_text, _text), min_size=1, max_size=3),
+    "maximum_packet_size": st.integers(1, 2**32 - 1),
+    "wildcard_subscription_available": _flag,
+    "subscription_identifier_available": _flag,
+    "shared_subscription_available": _flag,
+}
+# Which properties each packet may carry: MQTT 5.0 §2.2.2.2, table 2-4.
+_ALLOWED = {
+    "connect": ["session_expiry_interval", "authentication_method", "authentication_data",
+                "request_problem_information", "request_response_information", "receive_maximum",
+                "topic_alias_maximum", "user_properties", "maximum_packet_size"],
+    "will": ["payload_format_indicator", "message_expiry_interval", "content_type",
+             "response_topic", "correlation_data", "will_delay_interval", "user_properties"],
+    "connack": ["session_expiry_interval", "assigned_client_identifier", "server_keep_alive",
+                "authentication_method", "authentication_data", "response_information",
+                "server_reference", "reason_string", "receive_maximum", "topic_alias_maximum",
+                "maximum_qos", "retain_available", "user_properties", "maximum_packet_size",
+                "wildcard_subscription_available", "subscription_identifier_available",
+                "shared_subscription_available"],
+    "publish": ["payload_format_indicator", "message_expiry_interval", "content_type",
+                "response_topic", "correlation_data", "subscription_identifiers", "topic_alias",
+                "user_properties"],
+    "ack": ["reason_string", "user_properties"],
+    "subscribe": ["subscription_identifiers", "user_properties"],
+    "unsubscribe": ["user_properties"],
+    "disconnect": ["session_expiry_interval", "server_reference", "reason_string",
+                   "user_properties"],
+    "auth": ["authentication_method", "authentication_data", "reason_string", "user_properties"],
+}
+# Reason codes each MQTT 5.0 packet may carry (§3.2.2.2, 3.4.2.1, 3.6.2.1, 3.9.3, 3.11.3,
+# 3.14.2.1, 3.15.2.1).
+_CODES = {
+    "connack": [0x00, 0x80, 0x81, 0x82, 0x83, 0x84, 0x85, 0x86, 0x87, 0x88, 0x89, 0x8A, 0x8C,
+                0x90, 0x95, 0x97, 0x99, 0x9A, 0x9B, 0x9C, 0x9D, 0x9F],
+    "puback": [0x00, 0x10, 0x80, 0x83, 0x87, 0x90, 0x91, 0x97, 0x99],
+    "pubrel": [0x00, 0x92],
+    "suback": [0x00, 0x01, 0x02, 0x80, 0x83, 0x87, 0x8F, 0x91, 0x97, 0x9E, 0xA1, 0xA2],
+    "unsuback": [0x00, 0x11, 0x80, 0x83, 0x87, 0x8F, 0x91],
+    "disconnect": [0x00, 0x04, 0x80, 0x81, 0x82, 0x83, 0x87, 0x89, 0x8B, 0x8D, 0x8E, 0x8F, 0x90,
+                   0x93, 0x94, 0x95, 0x96, 0x97, 0x98, 0x99, 0x9A, 0x9B, 0x9C, 0x9D, 0x9E, 0x9F,
+                   0xA0, 0xA1, 0xA2],
+    "auth": [0x00, 0x18, 0x19],
+}
+
+
+@st.composite
+def packets(draw: st.DrawFn, version: int) -> p.Packet:
+    v5 = version == 5
+
+    def props(kind: str) -> p.Properties:
+        if not v5:
+            return p.Properties()
+        names = _ALLOWED[kind]
+        if kind == "subscribe":
+            values = draw(st.fixed_dictionaries({}, optional={
+                "subscription_identifiers": st.lists(st.integers(1, 268435455), min_size=1, max_size=1),
+                "user_properties": _PROPERTY_VALUES["user_properties"],
+            }))
+        else:
+            values = draw(st.fixed_dictionaries({}, optional={n: _PROPERTY_VALUES[n] for n in names}))
+        return p.Properties(**values)
+
+    def code(kind: str, default: list[int]) -> int:
+        return draw(st.sampled_from(_CODES[kind] if v5 else default))
+
+    packet_id = draw(st.integers(1, 0xFFFF))
+    kind = draw(st.sampled_from(
+        ["connect", "connack", "publish", "puback", "pubrec", "pubrel", "pubcomp", "subscribe",
+         "suback", "unsubscribe", "unsuback", "pingreq", "pingresp", "disconnect"]
+        + (["auth"] if v5 else [])
+    ))
+    if kind == "connect":
+        will = None
+        if draw(st.booleans()):
+            will = p.Will(draw(_text), draw(_bin), draw(st.integers(0, 2)), draw(st.booleans()),
+                          props("will"))
+        username = draw(st.none() | _text)
+        password = draw(st.none() | _bin) if (v5 or username is not None) else None
+        return p.Connect("MQIsdp" if version == 3 else "MQTT", version, draw(st.booleans()),
+                         draw(_u16), draw(_text), will, username, password, props("connect"))
+    if kind == "connack":
+        return p.Connack(draw(st.booleans()) and version != 3, code("connack", list(range(6))),
+                         props("connack"))
+    if kind == "publish":
+        qos = draw(st.integers(0, 2))
+        return p.Publish(draw(_text), draw(st.binary(max_size=50)), qos, draw(st.booleans()),
+                         draw(st.booleans()), packet_id if qos else None, props("publish"))
+    if kind in ("puback", "pubrec", "pubrel", "pubcomp"):
+        cls = {"puback": p.Puback, "pubrec": p.Pubrec, "pubrel": p.Pubrel, "pubcomp": p.Pubcomp}[kind]
+        codes = "puback" if kind in ("puback", "pubrec") else "pubrel"
+        return cls(packet_id, code(codes, [0]), props("ack"))
+    if kind == "subscribe":
+        requests = draw(st.lists(
+            st.builds(p.SubscriptionRequest, _text, st.integers(0, 2),
+                      st.booleans() if v5 else st.just(False),
+                      st.booleans() if v5 else st.just(False),
+                      st.integers(0, 2) if v5 else st.just(0)),
+            min_size=1, max_size=4,
+        ))
+        return p.Subscribe(packet_id, requests, props("subscribe"))
+    if kind == "suback":
+        codes = draw(st.lists(st.sampled_from(_CODES["suback"] if v5 else [0, 1, 2, 0x80]), max_size=4))
+        return p.Suback(packet_id, codes, props("ack"))
+    if kind == "unsubscribe":
+        return p.Unsubscribe(packet_id, draw(st.lists(_text, min_size=1, max_size=4)),
+                             props("unsubscribe"))
+    if kind == "unsuback":
+        codes = draw(st.lists(st.sampled_from(_CODES["unsuback"]), max_size=4)) if v5 else []
+        return p.Unsuback(packet_id, codes, props("ack"))
+    if kind == "pingreq":
+        return p.Pingreq()
+    if kind == "pingresp":
+        return p.Pingresp()
+    if kind == "disconnect":
+        return p.Disconnect(code("disconnect", [0]), props("disconnect"))
+    return p.Auth(code("auth", [0]), props("auth"))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), version=st.sampled_from(VERSIONS))
+def test_generated_packets_round_trip(data, version):
+    sequence = data.draw(st.lists(packets(version), min_size=1, max_size=5))
+    stream = b"".join(encode(packet, version) for packet in sequence)
+    assert decode(stream, version) == sequence
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=4)))
+    reader = parser(version)
+    decoded = []
+    for start, stop in zip([0, *cuts], [*cuts, len(stream)], strict=True):
+        decoded += reader.feed(stream[start:stop])
+    assert decoded == sequence
