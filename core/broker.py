@@ -65,7 +65,7 @@ class Broker:
         default = default_stream or StreamConfig("default")
         self.router = StreamRouter(default.name)
         self.create_stream(default)
-        self._awaiting_commit: dict[asyncio.Future[None], list[Message]] = {}
+        self._awaiting_commit: dict[asyncio.Future[None], Shard] = {}
         # Told of every change of a retained message (the composition root persists them).
         self.on_retained_change: Callable[[str, Message | None], None] | None = None
         # Where durable subscriptions save their cursors.
@@ -245,31 +245,35 @@ class Broker:
     def _append_reliable(self, shard: Shard, message: Message) -> asyncio.Future[None] | None:
         from ..storage.records import encode_message
 
-        assert shard.log is not None
+        shard_log = shard.log
+        assert shard_log is not None
         try:
-            message.offset = shard.log.append([(message.publish_time_ms, encode_message(message))])
+            message.offset = shard_log.append([(message.publish_time_ms, encode_message(message))])
         except StorageError as exc:
             raise PublishRejected(f"the journal refused the message: {exc}") from exc
         shard.next_offset = message.offset + 1
-        waiter = shard.log.commit_waiter()
-        if waiter is None:
-            self.dispatch(message)
-            return None
-        waiting = self._awaiting_commit.get(waiter)
-        if waiting is None:
-            waiting = self._awaiting_commit[waiter] = []
+        waiter = shard_log.commit_waiter()
+        if waiter is not None and waiter not in self._awaiting_commit:
+            self._awaiting_commit[waiter] = shard
             waiter.add_done_callback(self._on_commit)
-        waiting.append(message)
+        # Live subscribers get the message now; the publisher's acknowledgement waits for the
+        # commit (the returned future), so "acknowledged" always means "durable".
+        self.dispatch(message)
         return waiter
 
     def _on_commit(self, waiter: asyncio.Future[None]) -> None:
-        messages = self._awaiting_commit.pop(waiter, [])
-        if waiter.cancelled() or waiter.exception() is not None:
-            log.error("journal commit failed for %d messages: %s", len(messages),
-                      None if waiter.cancelled() else waiter.exception())
+        shard = self._awaiting_commit.pop(waiter, None)
+        if shard is None or not (waiter.cancelled() or waiter.exception() is not None):
             return
-        for message in messages:
-            self.dispatch(message)
+        error = "cancelled" if waiter.cancelled() else waiter.exception()
+        log.error("journal commit failed on %s/%d: %s", shard.stream, shard.index, error)
+        # The failed records were rolled back and their offsets will be reused: move cursors
+        # that went past the log's end back to it.
+        if shard.log is not None:
+            shard.next_offset = shard.log.next_offset
+            for sub in self.subscriptions.values():
+                if isinstance(sub, DurableSubscription):
+                    sub.clamp(shard.stream, shard.index, shard.next_offset)
 
     def dispatch(self, message: Message) -> int:
         """Hand a stored message to each matching subscription; returns how many took it."""

@@ -166,9 +166,24 @@ class DurableSubscription(Subscription):
             return
         shard_log = broker_stream.shards[shard].log
         position, unacked = decode_cursor_state(state)
+        if shard_log is not None:
+            # Saved progress may run ahead of a log that lost its unsynced tail in a crash.
+            position = min(position, shard_log.next_offset)
+            unacked = [o for o in unacked if o < position]
         cursor = ShardCursor(stream, shard, shard_log, position)
         cursor.pending_redelivery = sorted(unacked)
         self.cursors[(stream, shard)] = cursor
+
+    def clamp(self, stream: str, shard: int, end: int) -> None:
+        """The shard's log ends at `end` (records beyond were rolled back)."""
+        cursor = self.cursors.get((stream, shard))
+        if cursor is None:
+            return
+        if cursor.position > end:
+            cursor.position = end
+        for offset in [o for o in cursor.unacked if o >= end]:
+            del cursor.unacked[offset]
+        self._dirty.add((stream, shard))
 
     def reset(self, position: str | int) -> None:
         """Move every cursor (offset, `earliest`, `latest`, or -timestamp_ms)."""
@@ -385,7 +400,13 @@ class DurableSubscription(Subscription):
                           self.name, cursor.stream, cursor.shard, cursor.position, exc)
                 return budget
             if not records:
-                cursor.live = True
+                if cursor.position >= shard_log.next_offset:
+                    cursor.live = True
+                else:
+                    # Appended but not yet committed: read it once the commit is done.
+                    waiter = shard_log.commit_waiter()
+                    if waiter is not None:
+                        waiter.add_done_callback(lambda _: self.schedule_pump())
                 return budget
             for record in records:
                 if record.offset < cursor.position:

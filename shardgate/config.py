@@ -67,8 +67,8 @@ class Config:
     data_dir: Path = Path("./shardgate-data")
     log_level: str = "info"
     log_json: bool = False
-    default_stream_mode: str = "non-reliable"
-    default_stream_partitions: int = 4
+    default_stream_mode: str = "reliable"
+    default_stream_partitions: int = 1
     listeners: ListenerConfig = field(default_factory=ListenerConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
     mqtt: MqttSettings = field(default_factory=MqttSettings)

@@ -87,6 +87,9 @@ def make_config(data_dir: Path, **sections: dict[str, Any]) -> Config:
     config.listeners.mqtt_ws_port = free_port()
     config.mqtt.sys_interval = 0.5
     for section, values in sections.items():
+        if not isinstance(values, dict):
+            setattr(config, section, values)  # a top-level setting
+            continue
         target = getattr(config, section)
         for key, value in values.items():
             setattr(target, key, value)

@@ -142,11 +142,29 @@ def test_persistent_session_gets_offline_messages(broker, version):
     pub = Paho(broker.mqtt_port, "pub", version)
     for index in range(5):
         pub.publish(f"jobs/{index}", str(index), 1)
-    pub.publish("jobs/q0", "dropped", 0)
+    pub.publish("jobs/q0", "kept too", 0)
     back = Paho(broker.mqtt_port, "durable", version, clean=False, session_expiry=expiry, connect=False)
     flags, rc, props = back.connect()
     assert flags.session_present
-    assert [m.payload for m in back.expect_n(5)] == [b"0", b"1", b"2", b"3", b"4"]
+    received = back.expect_n(6)
+    # On a reliable stream the session's cursor replays the journal, QoS 0 messages included
+    # (the spec allows storing them); each keeps the QoS it was published with.
+    assert [m.payload for m in received] == [b"0", b"1", b"2", b"3", b"4", b"kept too"]
+    assert [m.qos for m in received] == [1, 1, 1, 1, 1, 0]
+    back.expect_none()
+
+
+def test_non_reliable_stream_queues_offline_qos1_in_memory(broker_factory):
+    broker = broker_factory(mqtt={"max_queued_messages": 3}, default_stream_mode="non-reliable")
+    sub = Paho(broker.mqtt_port, "mem", V311, clean=False)
+    sub.subscribe("m/#", 1)
+    sub.disconnect()
+    pub = Paho(broker.mqtt_port, "pub", V311)
+    pub.publish("m/q0", "not queued", 0)
+    for index in range(5):
+        pub.publish(f"m/{index}", str(index), 1)
+    back = Paho(broker.mqtt_port, "mem", V311, clean=False)
+    assert [m.payload for m in back.expect_n(3)] == [b"0", b"1", b"2"]  # bounded queue
     back.expect_none()
 
 
