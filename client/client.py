@@ -92,7 +92,7 @@ class Client:
         try:
             await asyncio.wait_for(self.channel.channel_ready(), timeout or self.timeout)
         except TimeoutError:
-            raise Unavailable(f"cannot reach the broker at {self.target}") from None
+            raise Unavailable(f"no answer from {self.target}") from None
         return self
 
     async def close(self) -> None:

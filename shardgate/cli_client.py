@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import base64
 import json
+import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict
@@ -194,12 +195,14 @@ async def _pub(client: Client, args: argparse.Namespace) -> int:
 
 async def _sub(client: Client, args: argparse.Namespace) -> int:
     position = Position.earliest() if args.position == "earliest" else Position.latest()
+    name = args.subscription or f"cli-{os.getpid()}"
+    credit = max(1, min(args.count or 1000, 1000))
     if args.stream:
-        consumer = client.consumer(args.subscription, stream=args.target, type=args.type,
-                                   position=position, credit=max(1, min(args.count or 1000, 1000)))
+        consumer = client.consumer(name, stream=args.target, type=args.type, position=position,
+                                   credit=credit)
     else:
-        consumer = client.consumer(args.subscription, [args.target], type=args.type,
-                                   position=position, credit=max(1, min(args.count or 1000, 1000)))
+        consumer = client.consumer(name, [args.target], type=args.type, position=position,
+                                   credit=credit)
     await consumer.subscribe()
     received = 0
     try:
@@ -313,8 +316,8 @@ def run_handler(handler: Handler, args: argparse.Namespace) -> int:
         return asyncio.run(_run(handler, args))
     except Unavailable as exc:
         url = Client(args.url).target
-        print(f"shardgate: cannot reach the broker at {url} ({exc.details}); "
-              "use --url HOST:PORT or SHARDGATE_URL", file=sys.stderr)
+        print(f"shardgate: cannot reach the broker at {url}: {exc.details}. "
+              "Is it running? Use --url HOST:PORT or SHARDGATE_URL.", file=sys.stderr)
         return 1
     except ShardgateError as exc:
         print(f"shardgate: {exc}", file=sys.stderr)
@@ -413,16 +416,8 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
           _info)
 
 
-def _default_subscription(args: argparse.Namespace) -> None:
-    if getattr(args, "target", None) is not None and getattr(args, "subscription", "") is None:
-        import os
-
-        args.subscription = f"cli-{os.getpid()}"
-
-
 def dispatch(args: argparse.Namespace) -> int:
     """Run the client command of a parsed namespace (what `shardgate.cli` calls)."""
-    _default_subscription(args)
     return int(args.client_handler(args))
 
 
