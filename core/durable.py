@@ -58,6 +58,9 @@ class CursorSink(Protocol):
 
     def save_cursor(self, subscription: str, stream: str, shard: int, floor: int, state: bytes) -> None: ...
 
+    def flush(self) -> None:
+        """Write what was saved so far, now."""
+
 
 def encode_cursor_state(position: int, unacked: Sequence[int]) -> bytes:
     return struct.pack(f"<qI{len(unacked)}q", position, len(unacked), *unacked)
@@ -79,7 +82,7 @@ class Delivery:
 
 
 class ShardCursor:
-    __slots__ = ("stream", "shard", "log", "position", "unacked", "live", "pending_redelivery")
+    __slots__ = ("stream", "shard", "log", "position", "unacked", "live", "pending_redelivery", "skip")
 
     def __init__(self, stream: str, shard: int, shard_log: ShardLog | None, position: int) -> None:
         self.stream = stream
@@ -91,6 +94,9 @@ class ShardCursor:
         self.live = shard_log is None
         # Offsets saved as unacknowledged before a restart, to read back and redeliver.
         self.pending_redelivery: list[int] = []
+        # Offsets at or above `position` already handed out (restored in-flight state of a
+        # consumer that resends them itself): replay passes over them.
+        self.skip: set[int] = set()
 
     @property
     def floor(self) -> int:
@@ -173,6 +179,30 @@ class DurableSubscription(Subscription):
         cursor = ShardCursor(stream, shard, shard_log, position)
         cursor.pending_redelivery = sorted(unacked)
         self.cursors[(stream, shard)] = cursor
+
+    def adopt(self, message: Message, consumer: Consumer) -> None:
+        """Register a message restored as in flight to `consumer` (which resends it itself):
+        it stays unacknowledged here and is not replayed again."""
+        key = (message.stream, message.shard)
+        cursor = self.cursors.get(key)
+        if cursor is None:
+            stream = self.broker.streams.get(message.stream)
+            shard_log = stream.shards[message.shard].log if stream is not None else None
+            cursor = self.cursors[key] = ShardCursor(message.stream, message.shard, shard_log, message.offset)
+        if message.offset in cursor.pending_redelivery:
+            cursor.pending_redelivery.remove(message.offset)
+        cursor.unacked[message.offset] = Delivery(message, consumer, 1, None)
+        if message.offset >= cursor.position:
+            cursor.skip.add(message.offset)
+
+    def read_message(self, stream: str, shard: int, offset: int) -> Message | None:
+        cursor = self.cursors.get((stream, shard))
+        if cursor is None:
+            broker_stream = self.broker.streams.get(stream)
+            if broker_stream is None or shard >= len(broker_stream.shards):
+                return None
+            cursor = ShardCursor(stream, shard, broker_stream.shards[shard].log, offset)
+        return self._read_one(cursor, offset)
 
     def clamp(self, stream: str, shard: int, end: int) -> None:
         """The shard's log ends at `end` (records beyond were rolled back)."""
@@ -419,7 +449,8 @@ class DurableSubscription(Subscription):
                     cursor.position = record.offset + 1
                     continue
                 filters = self._filters_for(message.topic)
-                if not filters or message.expired(now):
+                if not filters or message.expired(now) or record.offset in cursor.skip:
+                    cursor.skip.discard(record.offset)
                     cursor.position = record.offset + 1
                     continue
                 consumer = self._pick_available()

@@ -26,6 +26,9 @@ class MetadataCursorSink:
     def save_cursor(self, subscription: str, stream: str, shard: int, floor: int, state: bytes) -> None:
         self._pending[(subscription, stream, shard)] = CursorRecord(subscription, stream, shard, floor, state)
 
+    def flush(self) -> None:
+        self.write()
+
     def write(self) -> None:
         if not self._pending:
             return

@@ -45,7 +45,12 @@ class ThreadedBroker:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.app = Shardgate(config)
-        self.loop = asyncio.new_event_loop()
+        try:
+            import uvloop
+
+            self.loop = uvloop.new_event_loop()
+        except ImportError:
+            self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
     def start(self) -> ThreadedBroker:

@@ -547,6 +547,15 @@ class MqttConnection:
                 broker.attach(sub, session)
                 session.shared[name] = (sub, options)
             codes.append(granted)
+        if session.durable:
+            # Cursors start here, and are saved before SUBACK: whatever is published from now
+            # on reaches this session even if the broker crashes right after.
+            subscription = session.subscription
+            subscription.open_cursors("latest")  # type: ignore[attr-defined]
+            subscription.save()  # type: ignore[attr-defined]
+            sink = self.service.broker.cursor_sink
+            if sink is not None:
+                sink.flush()
         self.service.save_session(session)
         self._send_packet(p.Suback(packet.packet_id, codes))
         now = now_ms()

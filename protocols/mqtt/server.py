@@ -28,8 +28,7 @@ class MqttProtocol(asyncio.Protocol):
         self.connection: MqttConnection | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
         remote = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         tls = transport.get_extra_info("sslcontext") is not None

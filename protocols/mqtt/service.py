@@ -23,7 +23,7 @@ from ...core.broker import Broker
 from ...core.message import Message, now_ms
 from . import packets as p
 from .connection import MQTT_V5, MqttConnection, State
-from .session import NEVER_EXPIRES, MqttSession
+from .session import NEVER_EXPIRES, MqttSession, Outgoing
 from .settings import MqttSettings
 
 if TYPE_CHECKING:
@@ -255,7 +255,13 @@ class MqttService:
             [name, sub.type.value, list(sub.filters), o.qos, o.retain_as_published, o.subscription_id]
             for name, (sub, o) in session.shared.items()
         ]
-        data = json.dumps({"subscriptions": own, "shared": shared}).encode()
+        inflight = [
+            [pid, o.message.stream, o.message.shard, o.message.offset, o.qos, o.released, o.retain,
+             list(o.subscription_ids)]
+            for pid, o in session.inflight.items()
+            if o.source is session.subscription and o.message.offset >= 0
+        ]
+        data = json.dumps({"subscriptions": own, "shared": shared, "inflight": inflight}).encode()
         record = SessionRecord(session.client_id, session.expiry_interval, session.disconnected_at_ms, data)
         try:
             self.store.put_session(record)
@@ -308,6 +314,13 @@ class MqttService:
             for cursor in self.store.get_cursors(session.subscription.name):
                 if cursor.acked:
                     session.subscription.restore_cursor(cursor.stream, cursor.shard, cursor.acked)  # type: ignore[attr-defined]
+            durable_sub = session.subscription
+            for pid, stream, shard, offset, qos, released, retain, ids in data.get("inflight", []):
+                message = durable_sub.read_message(stream, shard, offset)  # type: ignore[attr-defined]
+                if message is None:
+                    continue
+                session.inflight[pid] = Outgoing(message, qos, retain, tuple(ids), durable_sub, released)
+                durable_sub.adopt(message, session)  # type: ignore[attr-defined]
             session.inbound_qos2 = self.store.list_qos2_inbound(record.client_id)
             self.sessions[record.client_id] = session
             if record.expiry_interval != NEVER_EXPIRES:

@@ -245,6 +245,10 @@ class MqttSession:
             self.acknowledge(packet_id)
             return False
         outgoing.released = True
+        if self.durable:
+            # Saved before PUBREL goes out: after a restart this message is only ever
+            # released, never published again [MQTT-4.3.3], so QoS 2 stays exactly once.
+            self.service.save_session(self)
         return True
 
     def resend_inflight(self) -> None:
