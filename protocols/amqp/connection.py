@@ -66,6 +66,14 @@ class State(Enum):
     CLOSED = "closed"
 
 
+# Methods that read a queue's contents; they wait for this connection's publishes to land.
+_READS_QUEUE = frozenset(
+    m.index for m in (
+        commands.Basic.Get, commands.Queue.Declare, commands.Queue.Purge, commands.Queue.Delete,
+    )
+)
+
+
 def frame_bytes(frame_type: int, channel: int, payload: bytes) -> bytes:
     return _FRAME_HEADER.pack(frame_type, channel, len(payload)) + payload + _FRAME_END
 
@@ -220,6 +228,8 @@ class AmqpConnection:
         self.last_received = self.opened_at
         self.last_sent = self.opened_at
         self.closing_since = 0.0
+        self._publishes_in_flight = 0
+        self._paused = False
         self._wake_queues: set[Queue] = set()
         self._wake_channels: set[AmqpChannel] = set()
         self._ctag = itertools.count(1)
@@ -315,6 +325,9 @@ class AmqpConnection:
     def data_received(self, data: bytes) -> None:
         if self.state is State.CLOSED:
             return
+        if self._paused:
+            self.buffer += data
+            return
         self.last_received = time.monotonic()
         buffer = self.buffer
         buffer += data
@@ -339,6 +352,14 @@ class AmqpConnection:
                 end = pos + 7 + size
                 if buffer[end] != 0xCE:
                     raise ConnectionException(ReplyCode.FRAME_ERROR, "frame end byte is not 0xCE")
+                if (
+                    self._publishes_in_flight and frame_type == 1 and size >= 4
+                    and struct.unpack_from(">I", buffer, pos + 7)[0] in _READS_QUEUE
+                ):
+                    # A read of queue state after publishes still being journaled: wait for
+                    # them so this channel sees its own publishes (RabbitMQ's channel order).
+                    self._paused = True
+                    break
                 if frame_type == 3:
                     self._body_frame(channel, bytes(buffer[pos + 7:end]))
                 else:
@@ -920,6 +941,9 @@ class AmqpConnection:
             if seq:
                 self.send_method(channel.number, commands.Basic.Nack(seq, False, False))
             return
+        if pending is not None:
+            self._publishes_in_flight += 1
+            pending.add_done_callback(self._publish_landed)
         if not seq:
             return
         if pending is None:
@@ -931,6 +955,13 @@ class AmqpConnection:
                     ch, tag, not fut.cancelled() and fut.exception() is None
                 )
             )
+
+    def _publish_landed(self, _: object) -> None:
+        self._publishes_in_flight -= 1
+        if self._publishes_in_flight == 0 and self._paused:
+            self._paused = False
+            if self.state is not State.CLOSED:
+                self.data_received(b"")
 
     def _confirm(self, channel: AmqpChannel, tag: int, ok: bool) -> None:
         if channel.closing or self.state is not State.OPEN:

@@ -39,7 +39,7 @@ class AmqpProtocol(asyncio.Protocol):
         self.connection: AmqpConnection | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # uvloop transports are not asyncio.Transport subclasses; no isinstance check here.
         self.transport = transport
         limit = self.service.settings.max_outbound_buffer
         transport.set_write_buffer_limits(high=limit, low=limit // 4)
@@ -80,26 +80,38 @@ class AmqpProtocol(asyncio.Protocol):
             self.transport.close()
 
 
+class AmqpServer:
+    """The listening socket(s) and the service behind them; shaped like `asyncio.Server`."""
+
+    def __init__(self, server: asyncio.AbstractServer, service: AmqpService) -> None:
+        self.server = server
+        self.service = service
+
+    @property
+    def sockets(self) -> tuple[object, ...]:
+        return tuple(getattr(self.server, "sockets", ()) or ())
+
+    def close(self) -> None:
+        """Stop accepting, close every client connection (connection.close 320)."""
+        self.server.close()
+        self.service.stop()
+
+    async def wait_closed(self) -> None:
+        await self.server.wait_closed()
+
+
 async def start_amqp_listener(
     broker: Broker,
     host: str,
     port: int,
     ssl_context: ssl.SSLContext | None = None,
     settings: AmqpSettings | None = None,
-) -> asyncio.Server:
-    """Listen for AMQP 0-9-1 clients; closing the returned server also stops the service."""
+) -> AmqpServer:
+    """Listen for AMQP 0-9-1 clients; `close()` on the result also stops the service."""
     service = AmqpService(broker, settings)
     service.start()
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
         lambda: AmqpProtocol(service), host, port, ssl=ssl_context, reuse_address=True, backlog=1024
     )
-    original_close = server.close
-
-    def close() -> None:
-        service.stop()
-        original_close()
-
-    server.close = close  # type: ignore[method-assign]
-    server.amqp_service = service  # type: ignore[attr-defined]
-    return server
+    return AmqpServer(server, service)
