@@ -8,7 +8,7 @@ confirms). In the same run, a plain loop of os.write + fdatasync writes pre-fram
 the same size as the journal's mean commit group: the most a single writer gets from this disk
 at that group size.
 
-    python bench/bench_journal.py [--seconds 3] [--scenarios 64x1x1 64x16x8 ...] [--dir PATH]
+    python bench/bench_journal.py [--seconds 2] [--repeat 2] [--scenarios 64x1x1 ...] [--dir PATH]
 
 A scenario is APPENDERSxRECORDS_PER_APPENDxWINDOW.
 Prints a markdown table. Nothing here is imported by the broker.
@@ -118,7 +118,7 @@ def run_raw(directory: Path, group: int, seconds: float, fsync: bool) -> Result:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument(
         "--scenarios", nargs="+", default=["64x1x1", "64x16x1", "512x16x1", "64x1x16", "64x16x8"]
     )
@@ -126,6 +126,7 @@ def main() -> None:
     parser.add_argument(
         "--dir", type=Path, default=None, help="where to write (default: a temp dir)"
     )
+    parser.add_argument("--repeat", type=int, default=2, help="runs per row; the best is kept")
     parser.add_argument("--no-uvloop", action="store_true")
     args = parser.parse_args()
 
@@ -146,31 +147,65 @@ def main() -> None:
         for scenario in args.scenarios:
             appenders, batch, window = (int(part) for part in scenario.split("x"))
             for policy in args.policies:
-                work = base / f"{policy}-{scenario}"
-                result = runner(run_journal(work, policy, appenders, batch, window, args.seconds))
-                group = round(result.group)
-                raw = run_raw(work / "raw", group, args.seconds, fsync=policy != "os")
-                rows.append((result, raw))
-                shutil.rmtree(work)
+                best: Result | None = None
+                best_raw: Result | None = None
+                for attempt in range(args.repeat):
+                    work = base / f"{policy}-{scenario}-{attempt}"
+                    result = runner(
+                        run_journal(work, policy, appenders, batch, window, args.seconds)
+                    )
+                    if best is None or result.rate > best.rate:
+                        best = result
+                    if policy == "interval":
+                        raw = interval_bound(appenders * batch * window, result)
+                    else:
+                        raw = run_raw(
+                            work / "raw",
+                            round(result.group),
+                            args.seconds,
+                            fsync=policy == "always",
+                        )
+                    if best_raw is None or raw.rate > best_raw.rate:
+                        best_raw = raw
+                    shutil.rmtree(work)
+                assert best is not None and best_raw is not None
+                rows.append((best, best_raw))
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
     print(
         f"Journal append throughput, {RECORD_BYTES}-byte records, {loop_name}, "
-        f"{CHECKSUM_NAME} checksums, {os.cpu_count()} CPUs, {args.seconds:g} s per run\n"
+        f"{CHECKSUM_NAME} checksums, {os.cpu_count()} CPUs, best of {args.repeat} runs of "
+        f"{args.seconds:g} s\n"
     )
     print(
-        "| policy | appenders | records/append | window | mean group | fsyncs/s | records/s "
-        "| MB/s | raw baseline (same group size) | raw records/s | ratio |"
+        "| policy | appenders × records/append × window | mean group | fsyncs/s | records/s "
+        "| MB/s | baseline (same group size) | baseline records/s | ratio |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---|---:|---:|")
     for result, raw in rows:
         print(
-            f"| {result.name} | {result.appenders} | {result.batch} | {result.window} "
+            f"| {result.name} | {result.appenders} × {result.batch} × {result.window} "
             f"| {result.group:.0f} "
             f"| {result.fsyncs / result.seconds:.0f} | {result.rate:,.0f} | {result.mbps:.1f} "
             f"| {raw.name} | {raw.rate:,.0f} | {result.rate / raw.rate:.2f} |"
         )
+
+
+def interval_bound(outstanding: int, result: Result) -> Result:
+    """Appenders that wait for their commit can get at most `outstanding` records committed
+    per fsync interval: the baseline of the `interval` policy is that bound, not the disk."""
+    interval = 0.05
+    return Result(
+        "bound: unacked records / 50 ms",
+        1,
+        outstanding,
+        1,
+        float(outstanding),
+        round(outstanding / interval * result.seconds),
+        result.seconds,
+        0,
+    )
 
 
 if __name__ == "__main__":

@@ -377,6 +377,12 @@ class Segment:
                 out.append(StoredRecord(offset, timestamp_ms, bytes(data)))
                 if len(out) >= max_records or expected >= self.next_offset:
                     return
+        # The file ended before the offsets this segment must hold (the next one starts later).
+        raise CorruptRecord(
+            f"{self.path()}: no record for offset {from_offset if expected is None else expected}"
+            f" before the end of the segment (byte {self.size}); offsets up to "
+            f"{self.next_offset - 1} belong here"
+        )
 
     def offset_for_timestamp(self, timestamp_ms: int) -> int | None:
         """The first published offset in this segment with a timestamp >= `timestamp_ms`."""

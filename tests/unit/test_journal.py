@@ -6,14 +6,18 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import random
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from shardgate.storage.interfaces import CorruptRecord, StorageFull, StoredRecord
 from shardgate.storage.journal import (
     FORMAT_VERSION,
@@ -593,6 +597,31 @@ def test_crc_flip_in_sealed_segment_raises_corrupt_record(journal_dir: Path) -> 
     reopened.close()
 
 
+def test_sealed_segment_missing_its_last_records_is_reported(journal_dir: Path) -> None:
+    store = JournalStorage(journal_dir, segment_bytes=1024, index_interval_bytes=128)
+    shard = store.open_shard("s", 0)
+    for first in range(0, 100, 10):
+        shard.append(records(first, 10))
+        store.flush_sync()
+    sealed = shard.segments[0]
+    end = sealed.next_offset
+    store.close()
+    path = sealed.path()
+    data = path.read_bytes()
+    cut = len(data) - (HEADER_SIZE + len(payload(end - 1)))
+    os.truncate(path, cut)  # as if the disk lost the last record of a sealed segment
+    for suffix in (".index", ".timeindex"):
+        path.with_suffix(suffix).unlink()
+
+    reopened = JournalStorage(journal_dir, segment_bytes=1024, index_interval_bytes=128)
+    shard = reopened.open_shard("s", 0)
+    check_dense(shard.read(0, end - 1), 0, end - 1)
+    with pytest.raises(CorruptRecord, match=f"no record for offset {end - 1}"):
+        shard.read(0, 1000)
+    check_dense(shard.read(end, 5), end, 5)
+    reopened.close()
+
+
 def test_newer_format_version_is_refused(journal_dir: Path) -> None:
     JournalStorage(journal_dir).close()
     assert (journal_dir / VERSION_FILE).read_text().split()[0] == str(FORMAT_VERSION)
@@ -721,3 +750,162 @@ def test_sigkill_loses_nothing_that_was_committed(journal_dir: Path) -> None:
         k = int(record.data.split(b":")[1])
         assert record.data == b"%d:%d:" % (offset, k) + bytes(k * 7)
     store.close()
+
+
+# -- a model of the log, driven by Hypothesis ---------------------------------------------------
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("append"),
+            st.integers(1, 6),
+            st.integers(0, 90),
+            st.integers(-50, 200),
+        ),
+        st.tuples(st.just("flush")),
+        st.tuples(st.just("reopen")),
+        st.tuples(st.just("crash-cut"), st.integers(1, 200)),
+        st.tuples(st.just("delete-before"), st.integers(0, 400)),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=operations)
+def test_journal_behaves_like_a_list_of_durable_records(
+    ops: list[tuple[str | int, ...]],
+) -> None:
+    options = {"segment_bytes": 400, "index_interval_bytes": 64}
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        store = JournalStorage(directory, **options)
+        shard = store.open_shard("s", 0)
+        durable: dict[int, tuple[int, bytes]] = {}
+        pending: list[tuple[int, bytes]] = []
+        clock = T0
+        try:
+            for op in ops:
+                if op[0] == "append":
+                    _, count, size, step = op
+                    batch = []
+                    for _ in range(int(count)):
+                        clock += int(step)
+                        batch.append((clock, bytes([len(durable) % 251]) * int(size)))
+                    assert shard.append(batch) == shard.next_offset - len(batch)
+                    pending.extend(batch)
+                elif op[0] == "flush":
+                    store.flush_sync()
+                    first = shard.committed_offset - len(pending)
+                    durable.update(enumerate(pending, start=first))
+                    pending = []
+                elif op[0] == "reopen":
+                    store.close()
+                    first = shard.committed_offset - len(pending)
+                    durable.update(enumerate(pending, start=first))
+                    pending = []
+                    store = JournalStorage(directory, **options)
+                    shard = store.open_shard("s", 0)
+                elif op[0] == "crash-cut":
+                    # a crash: what was not written is gone, and the active file lost a tail
+                    store.flush_sync()
+                    first = shard.committed_offset - len(pending)
+                    durable.update(enumerate(pending, start=first))
+                    pending = []
+                    active = shard.segments[-1]
+                    store.close()
+                    cut = max(0, active.size - int(op[1]))
+                    os.truncate(active.path(), cut)
+                    store = JournalStorage(directory, **options)
+                    shard = store.open_shard("s", 0)
+                    for offset in [o for o in durable if o >= shard.next_offset]:
+                        del durable[offset]
+                    assert shard.next_offset >= active.base_offset
+                else:
+                    low = shard.delete_before(int(op[1]))
+                    assert low <= max(int(op[1]), shard.low_watermark)
+                    for offset in [o for o in durable if o < low]:
+                        del durable[offset]
+
+                # the published log is exactly the durable records, densely numbered
+                low, end = shard.low_watermark, shard.committed_offset
+                assert sorted(durable) == list(range(low, end))
+                got = shard.read(0, 10_000)
+                assert [(r.offset, r.timestamp_ms, r.data) for r in got] == [
+                    (o, *durable[o]) for o in range(low, end)
+                ]
+                for start in range(low, end, 7):
+                    assert [r.offset for r in shard.read(start, 3)] == list(
+                        range(start, min(start + 3, end))
+                    )
+                for target in {ts for ts, _ in durable.values()} | {clock + 1, 0}:
+                    expected = next((o for o in range(low, end) if durable[o][0] >= target), end)
+                    assert shard.offset_for_timestamp(target) == expected
+        finally:
+            store.close()
+
+
+@pytest.mark.parametrize("policy", ["always", "interval", "os"])
+async def test_acknowledged_records_survive_random_io_failures(
+    journal_dir: Path, monkeypatch: pytest.MonkeyPatch, policy: str
+) -> None:
+    rng = random.Random(policy)
+    real_write, real_sync = os.write, log_module.sync_file
+
+    def flaky_write(fd: int, data: bytes) -> int:
+        roll = rng.random()
+        if roll < 0.08:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if roll < 0.16:  # a short write, then (usually) a failure on the retry
+            return real_write(fd, memoryview(data)[: max(1, len(data) // 3)])
+        return real_write(fd, data)
+
+    def flaky_sync(fd: int) -> None:
+        if rng.random() < 0.08:
+            raise OSError(errno.EIO, "Input/output error")
+        real_sync(fd)
+
+    options = {
+        "fsync": policy,
+        "fsync_interval_ms": 5,
+        "segment_bytes": 2048,
+        "index_interval_bytes": 128,
+    }
+    store = JournalStorage(journal_dir, **options)  # type: ignore[arg-type]
+    shard = store.open_shard("s", 0)
+    monkeypatch.setattr(segment_module.os, "write", flaky_write)
+    monkeypatch.setattr(log_module, "sync_file", flaky_sync)
+    acked: dict[int, bytes] = {}
+    failures = 0
+
+    async def appender(k: int) -> None:
+        nonlocal failures
+        for j in range(40):
+            batch = [(T0 + j, b"%d-%d-%d" % (k, j, i)) for i in range(1 + j % 3)]
+            first = shard.append(batch)
+            try:
+                await shard.commit_waiter()  # type: ignore[misc]
+            except StorageFull:
+                failures += 1
+                continue
+            for i, (_, data) in enumerate(batch):
+                acked[first + i] = data
+
+    await asyncio.gather(*(appender(k) for k in range(12)))
+    monkeypatch.undo()
+    await store.flush()
+    assert failures > 0 and acked
+
+    def check(shard: JournalShardLog) -> None:
+        got = shard.read(0, 100_000)
+        assert [r.offset for r in got] == list(range(shard.committed_offset))
+        by_offset = {r.offset: r.data for r in got}
+        for offset, data in acked.items():
+            assert by_offset[offset] == data
+
+    check(shard)
+    store.close()
+    reopened = JournalStorage(journal_dir, **options)  # type: ignore[arg-type]
+    check(reopened.open_shard("s", 0))
+    reopened.close()
