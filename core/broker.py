@@ -144,7 +144,9 @@ class Broker:
         if sub is None:
             if not create:
                 raise SubscriptionNotFound(f"subscription {name!r} does not exist")
-            sub = self.subscriptions[name] = Subscription(name, type, durable, owner)
+            if durable:
+                return self.durable_subscription(name, type, owner=owner)
+            sub = self.subscriptions[name] = Subscription(name, type, False, owner)
         return sub
 
     def durable_subscription(

@@ -204,6 +204,20 @@ class DurableSubscription(Subscription):
             cursor = ShardCursor(stream, shard, broker_stream.shards[shard].log, offset)
         return self._read_one(cursor, offset)
 
+    def seek(self, kind: str | None, value: object = None) -> None:
+        """Move the cursors: kind "earliest", "latest", "offset" (value: the offset on every
+        shard) or "timestamp" (value: epoch milliseconds)."""
+        if kind in (None, "", "latest"):
+            self.reset("latest")
+        elif kind == "earliest":
+            self.reset("earliest")
+        elif kind == "offset":
+            self.reset(int(value))  # type: ignore[arg-type]
+        elif kind in ("timestamp", "timestamp_ms", "time"):
+            self.reset(-int(value))  # type: ignore[arg-type]
+        else:
+            raise ValueError(f"unknown position {kind!r}")
+
     def clamp(self, stream: str, shard: int, end: int) -> None:
         """The shard's log ends at `end` (records beyond were rolled back)."""
         cursor = self.cursors.get((stream, shard))

@@ -141,6 +141,11 @@ class Shardgate:
 
                 server = await start_grpc_server(self, host, ports.grpc_port, None)
                 self._add_listener("grpc", server)
+            if ports.http_port:
+                from .admin_http import start_http_server
+
+                server = await start_http_server(self, host, ports.http_port)
+                self._add_listener("http", server)
         except OSError as exc:
             await self.stop()
             raise ConfigError(f"cannot listen: {exc}") from exc

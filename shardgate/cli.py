@@ -35,7 +35,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--config", type=Path, help="TOML configuration file")
     serve.add_argument("--data-dir", type=Path, help="data directory (default ./shardgate-data)")
     serve.add_argument("--host", help="address every listener binds (default 127.0.0.1)")
-    for name, default in (("mqtt", 1883), ("mqtt-ws", 8083), ("mqtts", 0), ("mqtt-wss", 0)):
+    for name, default in (("mqtt", 1883), ("mqtt-ws", 8083), ("mqtts", 0), ("mqtt-wss", 0),
+                          ("amqp", 0), ("grpc", 6650), ("http", 0)):
         serve.add_argument(f"--{name}-port", type=int, metavar="N",
                            help=f"{name} listener port, 0 turns it off (default {default})")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -76,7 +77,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="shardgate", description="Shardgate message gateway")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    from .cli_client import add_client_commands, dispatch
+
+    add_client_commands(sub)
     args = parser.parse_args(argv)
+    if getattr(args, "client_handler", None) is not None:
+        sys.exit(dispatch(args))
     if args.command == "serve":
         overrides: dict[tuple[str, ...], Any] = {
             ("data_dir",): args.data_dir,
@@ -85,6 +91,9 @@ def main(argv: list[str] | None = None) -> None:
             ("listeners", "mqtt_ws_port"): args.mqtt_ws_port,
             ("listeners", "mqtts_port"): args.mqtts_port,
             ("listeners", "mqtt_wss_port"): args.mqtt_wss_port,
+            ("listeners", "amqp_port"): args.amqp_port,
+            ("listeners", "grpc_port"): args.grpc_port,
+            ("listeners", "http_port"): args.http_port,
             ("log_level",): args.log_level,
         }
         try:

@@ -29,7 +29,7 @@ class ListenerConfig:
     mqtts_port: int = 0
     mqtt_wss_port: int = 0
     amqp_port: int = 0
-    grpc_port: int = 0
+    grpc_port: int = 6650
     http_port: int = 0
 
 

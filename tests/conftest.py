@@ -90,6 +90,9 @@ def make_config(data_dir: Path, **sections: dict[str, Any]) -> Config:
     config.data_dir = data_dir
     config.listeners.mqtt_port = free_port()
     config.listeners.mqtt_ws_port = free_port()
+    config.listeners.grpc_port = 0
+    config.listeners.amqp_port = 0
+    config.listeners.http_port = 0
     config.mqtt.sys_interval = 0.5
     for section, values in sections.items():
         if not isinstance(values, dict):
@@ -140,7 +143,8 @@ class BrokerProcess:
         args = [
             sys.executable, "-m", "shardgate", "serve", "--data-dir", str(self.data_dir),
             "--host", "127.0.0.1", "--mqtt-port", str(mqtt_port or self.ports.get("mqtt") or free_port()),
-            "--mqtt-ws-port", "0", "--port-file", str(port_file), *self.extra_args,
+            "--mqtt-ws-port", "0", "--grpc-port", "0", "--amqp-port", "0", "--http-port", "0",
+            "--port-file", str(port_file), *self.extra_args,
         ]
         if self.config_file is not None:
             args += ["--config", str(self.config_file)]
