@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..storage.interfaces import ShardStorage, StorageError
+from .delayed import DelayedDelivery, deliver_at
 from .durable import CursorSink, DurableOptions, DurableSubscription
 from .errors import (
     PublishRejected,
@@ -23,9 +24,10 @@ from .errors import (
     SubscriptionBusy,
     SubscriptionNotFound,
 )
-from .message import Message
+from .message import Message, now_ms
 from .retained import RetainedStore
-from .streams import DispatchMode, RoutingRule, Shard, Stream, StreamConfig, StreamRouter
+from .schemas import check_payload
+from .streams import DispatchMode, RoutingRule, Schema, Shard, Stream, StreamConfig, StreamRouter
 from .subscriptions import Consumer, Subscription, SubscriptionType
 from .trie import TopicTrie
 
@@ -70,6 +72,7 @@ class Broker:
         self.on_retained_change: Callable[[str, Message | None], None] | None = None
         # Where durable subscriptions save their cursors.
         self.cursor_sink: CursorSink | None = None
+        self.delayed = DelayedDelivery(None, self.publish)
 
     # ---------------------------------------------------------------- streams and routing
     @property
@@ -226,11 +229,19 @@ class Broker:
         """Accept a message. Returns None when it is already stored and dispatched, or a future
         that resolves once it is durable (then it is dispatched); the future fails with
         PublishRejected if the store could not take it."""
+        topic = message.topic
+        if topic[:1] == "$" or message.headers:
+            at_ms = deliver_at(message)
+            if at_ms is not None and at_ms > now_ms():
+                self.delayed.hold(message, at_ms)
+                return None
+            topic = message.topic
         stats = self.stats
         stats.messages_in += 1
         stats.bytes_in += len(message.payload)
-        topic = message.topic
         stream = self.stream_for_topic(topic)
+        if stream.config.schema is not Schema.BYTES:
+            check_payload(stream.config.schema, message.payload, stream.config.name)
         shard = stream.shard_for(topic, message.key)
         message.stream = stream.config.name
         message.shard = shard.index

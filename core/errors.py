@@ -27,3 +27,7 @@ class SubscriptionBusy(CoreError):
 
 class PublishRejected(CoreError):
     """The message cannot be accepted (schema mismatch, storage failure, too large)."""
+
+
+class SchemaMismatch(PublishRejected):
+    """The payload does not fit the stream's schema."""

@@ -106,6 +106,10 @@ class Shardgate:
             raise ConfigError(str(exc)) from exc
         self.persistence = Persistence(self.broker, self.metadata)
         self.persistence.restore_retained()
+        self.broker.delayed.store = self.metadata
+        held = self.broker.delayed.restore()
+        if held:
+            log.info("restored %d delayed messages", held)
         self.mqtt = MqttService(self.broker, config.mqtt, store=self.metadata)
         restored = self.mqtt.restore_sessions()
         if restored:
@@ -181,6 +185,8 @@ class Shardgate:
                 log.exception("journal flush on shutdown failed")
         if self.persistence is not None:
             await self.persistence.stop()
+        if self.broker is not None:
+            self.broker.delayed.close()
         if self.mqtt is not None:
             for session in list(self.mqtt.sessions.values()):
                 self.mqtt.save_session(session)

@@ -13,7 +13,7 @@ import time
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
-from ...core.errors import PublishRejected
+from ...core.errors import PublishRejected, SchemaMismatch
 from ...core.message import Message, now_ms
 from ...core.subscriptions import SubscriptionType
 from ...core.topics import (
@@ -441,7 +441,13 @@ class MqttConnection:
             if not v5:
                 self.close()
                 return
-            self._ack(qos, packet_id, RC.QUOTA_EXCEEDED if "full" in str(exc) else RC.UNSPECIFIED_ERROR)
+            if isinstance(exc, SchemaMismatch):
+                reason = RC.PAYLOAD_FORMAT_INVALID
+            elif "full" in str(exc):
+                reason = RC.QUOTA_EXCEEDED
+            else:
+                reason = RC.UNSPECIFIED_ERROR
+            self._ack(qos, packet_id, reason, str(exc))
             return
         if qos == 0:
             return
@@ -465,13 +471,14 @@ class MqttConnection:
             return
         self._ack(qos, packet_id, RC.SUCCESS)
 
-    def _ack(self, qos: int, packet_id: int | None, reason: int) -> None:
+    def _ack(self, qos: int, packet_id: int | None, reason: int, reason_string: str | None = None) -> None:
+        props = p.Properties(reason_string=reason_string) if reason_string and self.version == MQTT_V5 else p.Properties()
         if qos == 1:
-            self._send_packet(p.Puback(packet_id, reason))  # type: ignore[arg-type]
+            self._send_packet(p.Puback(packet_id, reason, props))  # type: ignore[arg-type]
         elif qos == 2:
             if reason >= 0x80 and self.session is not None:
                 self.session.inbound_qos2.discard(packet_id)  # type: ignore[arg-type]
-            self._send_packet(p.Pubrec(packet_id, reason))  # type: ignore[arg-type]
+            self._send_packet(p.Pubrec(packet_id, reason, props))  # type: ignore[arg-type]
 
     def _on_puback(self, packet: p.Puback) -> None:
         assert self.session is not None
