@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardgate.storage.journal import JournalStorage
-from shardgate.storage.journal.record import CHECKSUM_NAME, encode
+from shardgate.storage.journal.record import DEFAULT_CHECKSUM, encode
 
 RECORD_BYTES = 100
 
@@ -175,7 +175,7 @@ def main() -> None:
 
     print(
         f"Journal append throughput, {RECORD_BYTES}-byte records, {loop_name}, "
-        f"{CHECKSUM_NAME} checksums, {os.cpu_count()} CPUs, best of {args.repeat} runs of "
+        f"{DEFAULT_CHECKSUM} checksums, {os.cpu_count()} CPUs, best of {args.repeat} runs of "
         f"{args.seconds:g} s\n"
     )
     print(

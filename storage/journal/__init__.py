@@ -15,11 +15,11 @@ from .config import (
     JournalVersionError,
 )
 from .log import JournalShardLog
-from .record import CHECKSUM_NAME
+from .record import DEFAULT_CHECKSUM
 from .storage import FORMAT_VERSION, VERSION_FILE, JournalStorage
 
 __all__ = [
-    "CHECKSUM_NAME",
+    "DEFAULT_CHECKSUM",
     "FORMAT_VERSION",
     "VERSION_FILE",
     "CommitStats",

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from ..interfaces import StorageError
+from .record import DEFAULT_CHECKSUM
 
 MIB = 1024 * 1024
 
@@ -32,6 +33,8 @@ class JournalConfig:
     retention_ms: int | None = None
     max_pending_bytes: int = 256 * MIB
     """Appends beyond this many buffered, not yet written bytes per shard get StorageFull."""
+    checksum: str = DEFAULT_CHECKSUM
+    """The record checksum (`crc32c`, or `crc32`): set by the journal's version file."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fsync", FsyncPolicy(self.fsync))

@@ -27,7 +27,7 @@ from pathlib import Path
 from ..interfaces import StorageFull, StoredRecord
 from .commit import GroupCommitter, resolve
 from .config import FsyncPolicy, JournalClosed, JournalConfig
-from .record import HEADER_SIZE, LENGTH_CRC, OFFSET_TS, checksum
+from .record import HEADER_SIZE, LENGTH_CRC, OFFSET_TS, checksum_function
 from .segment import (
     Segment,
     fsync_directory,
@@ -119,6 +119,7 @@ class JournalShardLog:
         self.config = config or JournalConfig()
         self._owns_committer = committer is None
         self._committer = committer or GroupCommitter(self.config)
+        self._crc = checksum_function(self.config.checksum)
         self._closed = False
         self.directory.mkdir(parents=True, exist_ok=True)
         self._segments = self._open_segments()
@@ -147,13 +148,13 @@ class JournalShardLog:
                 bases.append(base)
         bases.sort()
         if not bases:
-            return [Segment.create(self.directory, 0)]
+            return [Segment.create(self.directory, 0, self._crc)]
         interval = self.config.index_interval_bytes
         segments = [
-            Segment.open_sealed(self.directory, base, next_base, interval)
+            Segment.open_sealed(self.directory, base, next_base, interval, self._crc)
             for base, next_base in zip(bases, bases[1:], strict=False)
         ]
-        segments.append(Segment.recover_active(self.directory, bases[-1], interval))
+        segments.append(Segment.recover_active(self.directory, bases[-1], interval, self._crc))
         return segments
 
     # -- ShardLog -----------------------------------------------------------------------
@@ -202,7 +203,7 @@ class JournalShardLog:
         offset = first
         pack_tail = _OFFSET_TS_PACK
         pack_head = _LENGTH_CRC_PACK
-        crc = checksum
+        crc = self._crc
         try:
             # The hot loop: keep it to framing and the sparse-index rule of Segment.note_record.
             for timestamp_ms, data in records:
@@ -466,7 +467,7 @@ class JournalShardLog:
         if group.roll:
             sync_file(segment.fd)
             segment = self._io_segment = group.new_segment = Segment.create(
-                self.directory, group.first_offset
+                self.directory, group.first_offset, self._crc
             )
         write_all(segment.fd, group.buf)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Final
 
 from ..interfaces import CorruptRecord, StoredRecord
-from .record import HEADER, HEADER_SIZE, checksum
+from .record import CRC_START, HEADER, HEADER_SIZE, Checksum, checksum
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
 
 
 def walk(
-    fd: int, start: int, limit: int, chunk: int = READ_CHUNK
+    fd: int, start: int, limit: int, chunk: int = READ_CHUNK, crc: Checksum = checksum
 ) -> Iterator[tuple[int, int, int, int, memoryview]]:
     """The records of the file between byte `start` and `limit`, in order.
 
@@ -108,11 +108,11 @@ def walk(
         p = 0
         length = 0
         while p + HEADER_SIZE <= have:
-            length, crc, offset, timestamp_ms = unpack(view, p)
+            length, stored_crc, offset, timestamp_ms = unpack(view, p)
             end = p + HEADER_SIZE + length
             if end > have:
                 break
-            if checksum(view[p + 8 : end]) != crc:
+            if crc(view[p + CRC_START : end]) != stored_crc:
                 yield BAD_CRC, pos + p, offset, timestamp_ms, _EMPTY
                 return
             yield OK, pos + p, offset, timestamp_ms, view[p + HEADER_SIZE : end]
@@ -147,10 +147,14 @@ class Segment:
         "max_timestamp",
         "first_timestamp",
         "sealed",
+        "crc",
     )
 
-    def __init__(self, directory: Path, base_offset: int, fd: int) -> None:
+    def __init__(
+        self, directory: Path, base_offset: int, fd: int, crc: Checksum = checksum
+    ) -> None:
         self.directory = directory
+        self.crc = crc
         self.base_offset = base_offset
         self.fd = fd
         self.size = 0
@@ -169,7 +173,7 @@ class Segment:
         return self.directory / f"{segment_name(self.base_offset)}{suffix}"
 
     @classmethod
-    def create(cls, directory: Path, base_offset: int) -> Segment:
+    def create(cls, directory: Path, base_offset: int, crc: Checksum = checksum) -> Segment:
         """A new, empty segment file (durable in its directory when this returns)."""
         path = directory / f"{segment_name(base_offset)}{LOG_SUFFIX}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
@@ -178,37 +182,46 @@ class Segment:
         except BaseException:
             os.close(fd)
             raise
-        return cls(directory, base_offset, fd)
+        return cls(directory, base_offset, fd, crc)
 
     @classmethod
     def open_sealed(
-        cls, directory: Path, base_offset: int, next_offset: int, index_interval_bytes: int
+        cls,
+        directory: Path,
+        base_offset: int,
+        next_offset: int,
+        index_interval_bytes: int,
+        crc: Checksum = checksum,
     ) -> Segment:
         """A sealed segment: its indexes come from its index files, rebuilt when missing or
         inconsistent. Its records are not checksummed here (reads do)."""
         fd = os.open(directory / f"{segment_name(base_offset)}{LOG_SUFFIX}", os.O_RDONLY)
-        segment = cls(directory, base_offset, fd)
-        segment.size = os.fstat(fd).st_size
-        segment.next_offset = next_offset
-        segment.sealed = True
-        if not segment._load_indexes():
-            log.info("rebuilding indexes of %s", segment.path())
-            segment._rebuild_indexes(index_interval_bytes)
-            try:
-                segment.write_indexes()
-            except OSError as exc:  # the in-memory indexes are enough to serve reads
-                log.warning("could not write indexes of %s: %s", segment.path(), exc)
+        segment = cls(directory, base_offset, fd, crc)
+        try:
+            segment.size = os.fstat(fd).st_size
+            segment.next_offset = next_offset
+            segment.sealed = True
+            if not segment._load_indexes():
+                log.info("rebuilding indexes of %s", segment.path())
+                segment._rebuild_indexes(index_interval_bytes)
+                try:
+                    segment.write_indexes()
+                except OSError as exc:  # the in-memory indexes are enough to serve reads
+                    log.warning("could not write indexes of %s: %s", segment.path(), exc)
+        except BaseException:
+            os.close(fd)
+            raise
         return segment
 
     @classmethod
     def recover_active(
-        cls, directory: Path, base_offset: int, index_interval_bytes: int
+        cls, directory: Path, base_offset: int, index_interval_bytes: int, crc: Checksum = checksum
     ) -> Segment:
         """The last segment after a restart: every record is checked, a torn or corrupt tail
         is cut off (the file truncated), and the indexes are rebuilt in memory."""
         path = directory / f"{segment_name(base_offset)}{LOG_SUFFIX}"
         fd = os.open(path, os.O_RDWR | os.O_APPEND)
-        segment = cls(directory, base_offset, fd)
+        segment = cls(directory, base_offset, fd, crc)
         try:
             file_size = os.fstat(fd).st_size
             good_end = segment._rebuild_indexes(index_interval_bytes, limit=file_size)
@@ -318,7 +331,7 @@ class Segment:
         self.max_timestamp = self.first_timestamp = None
         expected = self.base_offset
         good_end = 0
-        for status, pos, offset, timestamp_ms, data in walk(self.fd, 0, end):
+        for status, pos, offset, timestamp_ms, data in walk(self.fd, 0, end, crc=self.crc):
             if status != OK or offset != expected:
                 break
             self.note_record(offset - self.base_offset, timestamp_ms, pos, interval)
@@ -372,7 +385,7 @@ class Segment:
         want = FETCH_CHUNK
         expected = -1
         unpack = HEADER.unpack_from
-        crc = checksum
+        crc = self.crc
         append = out.append
         while pos < limit:
             asked = min(want, limit - pos)
@@ -392,7 +405,7 @@ class Segment:
                         f"at byte {pos + p}"
                     )
                 if offset >= from_offset:
-                    if crc(view[p + 8 : end]) != stored_crc:
+                    if crc(view[p + CRC_START : end]) != stored_crc:
                         raise CorruptRecord(f"{self.path()}: checksum mismatch at byte {pos + p}")
                     append(StoredRecord(offset, timestamp_ms, buf[p + HEADER_SIZE : end]))
                     if len(out) >= max_records or offset + 1 >= end_offset:
@@ -421,7 +434,9 @@ class Segment:
         i = bisect_right(self.time_stamps, timestamp_ms - 1) - 1
         start = self.base_offset + (self.time_offsets[i] + 1 if i >= 0 else 0)
         position = self.position_for(start)
-        for status, pos, offset, stamp, _data in walk(self.fd, position, self.size, FETCH_CHUNK):
+        for status, pos, offset, stamp, _data in walk(
+            self.fd, position, self.size, FETCH_CHUNK, self.crc
+        ):
             if status != OK:
                 reason = "checksum mismatch" if status == BAD_CRC else "truncated record"
                 raise CorruptRecord(f"{self.path()}: {reason} at byte {pos}")

@@ -25,7 +25,7 @@ from .config import (
     JournalVersionError,
 )
 from .log import JournalShardLog
-from .record import CHECKSUM_NAME
+from .record import DEFAULT_CHECKSUM, checksum_function
 from .segment import fsync_directory, write_all
 
 FORMAT_VERSION = 1
@@ -50,8 +50,9 @@ def lock_directory(root: Path) -> int:
     return fd
 
 
-def check_version(root: Path) -> None:
-    """Refuse a journal written by a newer format or another checksum; stamp a new one."""
+def check_version(root: Path) -> str:
+    """Refuse a journal written by a newer format or with a checksum this installation cannot
+    compute; stamp a new journal. Returns the journal's record checksum."""
     path = root / VERSION_FILE
     try:
         lines = path.read_text(encoding="ascii").split()
@@ -59,13 +60,13 @@ def check_version(root: Path) -> None:
         temp = path.with_name(VERSION_FILE + ".tmp")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            write_all(fd, f"{FORMAT_VERSION}\n{CHECKSUM_NAME}\n".encode("ascii"))
+            write_all(fd, f"{FORMAT_VERSION}\n{DEFAULT_CHECKSUM}\n".encode("ascii"))
             os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(temp, path)
         fsync_directory(root)
-        return
+        return DEFAULT_CHECKSUM
     except (UnicodeDecodeError, OSError) as exc:
         raise JournalVersionError(f"{path}: unreadable journal version file: {exc}") from exc
     if not lines or not lines[0].isdigit():
@@ -77,11 +78,11 @@ def check_version(root: Path) -> None:
             f"Shardgate reads format {FORMAT_VERSION} and older. Upgrade Shardgate to open it."
         )
     checksum = lines[1] if len(lines) > 1 else "crc32c"
-    if checksum != CHECKSUM_NAME:
-        raise JournalVersionError(
-            f"{path}: the journal at {root} uses {checksum} record checksums but this "
-            f"installation computes {CHECKSUM_NAME} (install the `crc32c` package)."
-        )
+    try:
+        checksum_function(checksum)
+    except LookupError as exc:
+        raise JournalVersionError(f"{path}: cannot verify the journal at {root}: {exc}") from exc
+    return checksum
 
 
 def _stream_dir_name(stream: str) -> str:
@@ -108,20 +109,20 @@ class JournalStorage:
         max_pending_bytes: int = 256 * MIB,
     ) -> None:
         self.directory = Path(directory)
-        self.config = JournalConfig(
-            fsync=FsyncPolicy(fsync),
-            fsync_interval_ms=fsync_interval_ms,
-            segment_bytes=segment_bytes,
-            segment_ms=segment_ms,
-            index_interval_bytes=index_interval_bytes,
-            retention_bytes=retention_bytes,
-            retention_ms=retention_ms,
-            max_pending_bytes=max_pending_bytes,
-        )
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock_fd = lock_directory(self.directory)
         try:
-            check_version(self.directory)
+            self.config = JournalConfig(
+                fsync=FsyncPolicy(fsync),
+                fsync_interval_ms=fsync_interval_ms,
+                segment_bytes=segment_bytes,
+                segment_ms=segment_ms,
+                index_interval_bytes=index_interval_bytes,
+                retention_bytes=retention_bytes,
+                retention_ms=retention_ms,
+                max_pending_bytes=max_pending_bytes,
+                checksum=check_version(self.directory),
+            )
         except BaseException:
             os.close(self._lock_fd)
             raise

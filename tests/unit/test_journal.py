@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -665,11 +666,25 @@ def test_newer_format_version_is_refused(journal_dir: Path) -> None:
         JournalStorage(journal_dir)
 
 
-def test_other_checksum_is_refused(journal_dir: Path) -> None:
+def test_unknown_checksum_is_refused(journal_dir: Path) -> None:
     JournalStorage(journal_dir).close()
     (journal_dir / VERSION_FILE).write_text(f"{FORMAT_VERSION}\nsha1\n")
     with pytest.raises(JournalVersionError, match="sha1"):
         JournalStorage(journal_dir)
+
+
+def test_a_journal_keeps_the_checksum_it_was_created_with(journal_dir: Path) -> None:
+    journal_dir.mkdir()
+    (journal_dir / VERSION_FILE).write_text(f"{FORMAT_VERSION}\ncrc32\n")
+    store = JournalStorage(journal_dir)
+    shard = store.open_shard("s", 0)
+    shard.append([(T0, b"hello")])
+    store.close()
+    data = shard.segments[0].path().read_bytes()
+    assert int.from_bytes(data[4:8], "little") == zlib.crc32(data[8:])
+    reopened = JournalStorage(journal_dir)
+    assert reopened.open_shard("s", 0).read(0)[0].data == b"hello"
+    reopened.close()
 
 
 # -- retention ------------------------------------------------------------------------------
