@@ -228,25 +228,12 @@ class MqttConnection:
             log.info("%s: first packet is not CONNECT (first byte 0x%02x)", self.remote, data[0])
             self.close()
             return
+        error: MQTTCodecError | None = None
         try:
             packets = self.parser.feed(data)
-        except UnsupportedProtocolVersion as exc:
-            log.info("%s: unsupported protocol version %s", self.remote, exc.protocol_level)
-            if self.state is State.AWAIT_CONNECT:
-                if exc.protocol_level == MQTT_V5:
-                    self._send(encode(p.Connack(False, RC.UNSUPPORTED_PROTOCOL_VERSION), MQTT_V5))
-                else:
-                    self._send(encode(p.Connack(False, p.ConnackCode311.UNACCEPTABLE_PROTOCOL_VERSION), 4))
-            self.close()
-            return
-        except PacketTooLarge as exc:
-            log.info("%s %s: packet too large: %s", self.remote, self.client_id, exc)
-            self.close(RC.PACKET_TOO_LARGE)
-            return
         except MQTTCodecError as exc:
-            log.info("%s %s: malformed packet: %s", self.remote, self.client_id, exc)
-            self.close(exc.reason_code)
-            return
+            # Packets decoded before the bad one in the same chunk are still handled.
+            packets, error = list(getattr(exc, "packets", []) or []), exc
         for packet in packets:
             if self.state is State.CLOSED:
                 return
@@ -256,6 +243,24 @@ class MqttConnection:
                 log.info("%s %s: protocol violation: %s", self.remote, self.client_id, exc)
                 self.close(exc.reason_code, str(exc))
                 return
+        if error is not None and self.state is not State.CLOSED:
+            self._codec_error(error)
+
+    def _codec_error(self, exc: MQTTCodecError) -> None:
+        if isinstance(exc, UnsupportedProtocolVersion):
+            log.info("%s: unsupported protocol version %s", self.remote, exc.protocol_level)
+            if self.state is State.AWAIT_CONNECT:
+                if exc.protocol_level == MQTT_V5:
+                    self._send(encode(p.Connack(False, RC.UNSUPPORTED_PROTOCOL_VERSION), MQTT_V5))
+                else:
+                    self._send(encode(p.Connack(False, p.ConnackCode311.UNACCEPTABLE_PROTOCOL_VERSION), 4))
+            self.close()
+        elif isinstance(exc, PacketTooLarge):
+            log.info("%s %s: packet too large: %s", self.remote, self.client_id, exc)
+            self.close(RC.PACKET_TOO_LARGE)
+        else:
+            log.info("%s %s: malformed packet: %s", self.remote, self.client_id, exc)
+            self.close(exc.reason_code)
 
     def _handle(self, packet: p.Packet) -> None:
         if self.state is State.AWAIT_CONNECT:
