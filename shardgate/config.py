@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .protocols.grpc.settings import GrpcSettings
 from .protocols.mqtt.settings import MqttSettings
 
 
@@ -72,11 +73,15 @@ class Config:
     listeners: ListenerConfig = field(default_factory=ListenerConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
     mqtt: MqttSettings = field(default_factory=MqttSettings)
+    grpc: GrpcSettings = field(default_factory=GrpcSettings)
     journal: JournalConfig = field(default_factory=JournalConfig)
     streams: list[StreamEntry] = field(default_factory=list)
 
 
-SECTIONS = {"listeners": ListenerConfig, "tls": TlsConfig, "mqtt": MqttSettings, "journal": JournalConfig}
+SECTIONS = {
+    "listeners": ListenerConfig, "tls": TlsConfig, "mqtt": MqttSettings, "grpc": GrpcSettings,
+    "journal": JournalConfig,
+}
 SHORT_ENV = {
     "SHARDGATE_DATA_DIR": ("data_dir",),
     "SHARDGATE_HOST": ("listeners", "host"),
