@@ -1,0 +1,32 @@
+"""The Parquet archive of reliable streams in object storage (fsspec): the `Archiver` that
+moves committed journal records into Hive-partitioned Parquet files exactly once, and the
+`ArchiveReader` that serves them back for tiered replay.
+
+Layout: `<url>/stream=<name>/date=YYYY-MM-DD/hour=HH/shard0003-<first>-<last>.parquet`.
+"""
+
+from .archiver import Archiver, StreamList, write_local_atomically
+from .columns import ARROW_SCHEMA, DECODED_COLUMN, build_table, records_from_table
+from .layout import ArchiveFile, file_name, list_stream_files, open_filesystem, parse_file_name
+from .reader import ArchiveReader
+from .settings import ArchiveConfigError, ArchiveError, ArchiveSettings, ArchiveUnavailable
+
+__all__ = [
+    "ARROW_SCHEMA",
+    "DECODED_COLUMN",
+    "ArchiveConfigError",
+    "ArchiveError",
+    "ArchiveFile",
+    "ArchiveReader",
+    "ArchiveSettings",
+    "ArchiveUnavailable",
+    "Archiver",
+    "StreamList",
+    "build_table",
+    "file_name",
+    "list_stream_files",
+    "open_filesystem",
+    "parse_file_name",
+    "records_from_table",
+    "write_local_atomically",
+]

@@ -1,0 +1,509 @@
+"""`Archiver`: moves the committed records of reliable streams from the journal into Parquet
+files under an fsspec URL, exactly once.
+
+Progress lives nowhere but in the archive's file names: at start (and for each stream it
+first meets) the archiver lists the stream's files and continues each shard right after the
+highest offset found. A crash after an upload therefore never re-archives those rows, a crash
+before one loses nothing (the journal still holds them, and retention keeps them until
+`archived_offset` passes them), and a retried upload writes the same name again.
+
+One background task on the event loop reads committed records from the journal in bounded
+batches into a per-shard buffer; a buffer becomes a file when it reaches the row or byte
+target, when its oldest record is `max_delay_s` old, at an hour boundary (each file lies in
+one `date=/hour=` partition), or on `flush`. Decoding, Parquet encoding and uploads run in a
+worker thread. A failing store is retried with exponential backoff while the lag grows in
+`status()`. This module never deletes journal data: the caller feeds `archived_offset` to the
+journal's retention.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsspec import AbstractFileSystem
+
+from ..interfaces import StoredRecord
+from ..journal import JournalStorage
+from . import layout
+from .columns import build_table, encode_parquet
+from .settings import ArchiveConfigError, ArchiveSettings, ArchiveUnavailable
+
+log = logging.getLogger(__name__)
+
+StreamList = Callable[[], list[tuple[str, int, str]]]
+"""What the archiver archives: (stream name, shard count, schema) of every reliable stream."""
+
+_AUTH_ERRORS = (
+    "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "NoSuchBucket",
+    "InvalidClientTokenId", "ExpiredToken", "AuthorizationHeaderMalformed",
+)
+
+
+@dataclass(slots=True)
+class _ShardState:
+    stream: str
+    shard: int
+    schema: str
+    archived_next: int
+    """The first offset not in the archive (derived from the file names)."""
+    files: int = 0
+    bytes: int = 0
+    buffer: list[StoredRecord] = field(default_factory=list)
+    buffer_bytes: int = 0
+    hour_closed: bool = False
+    """The journal's next record lies in another hour than the buffer's: seal it now."""
+    failures: int = 0
+    retry_at: float = 0.0
+    last_error: str | None = None
+    skipped: int = 0
+    """Records the journal had dropped before they could be archived (never archivable)."""
+    last_upload_ms: int | None = None
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _is_auth_error(exc: BaseException) -> bool:
+    if isinstance(exc, PermissionError):
+        return True
+    text = str(exc)
+    return any(code in text for code in _AUTH_ERRORS)
+
+
+class Archiver:
+    """Archives the journal's reliable streams into Parquet (see the module docstring)."""
+
+    def __init__(
+        self,
+        journal: JournalStorage,
+        url: str,
+        streams: StreamList,
+        settings: ArchiveSettings | None = None,
+        *,
+        filesystem: AbstractFileSystem | None = None,
+    ) -> None:
+        self.journal = journal
+        self.url = url
+        self.settings = settings or ArchiveSettings()
+        fs, root = layout.open_filesystem(url, self.settings)
+        self.fs: AbstractFileSystem = filesystem if filesystem is not None else fs
+        self.root = root
+        self._local = layout.is_local(self.fs)
+        self._object_store = layout.is_object_store(self.fs)
+        self._streams = streams
+        self._shards: dict[tuple[str, int], _ShardState] = {}
+        self._listed: dict[str, dict[int, tuple[int, int, int]]] = {}
+        self._list_errors: dict[str, str] = {}
+        self._invalid: set[str] = set()
+        """Streams whose names cannot be archived (reported in status, never retried)."""
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._stopping = False
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """List the archive (a clear ArchiveConfigError for bad credentials or a missing
+        bucket), then archive in a background task. An unreachable store is not an error
+        here: the task keeps retrying and `status()` shows it."""
+        await asyncio.to_thread(self._check_store)
+        await self._discover(raise_auth=True)
+        self._stopping = False
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="archiver")
+
+    async def stop(self, flush: bool = True) -> None:
+        """Stop the background task; with `flush`, first archive everything committed (trying
+        for up to `stop_timeout_s`; what is left stays in the journal)."""
+        self._stopping = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if flush:
+            try:
+                await self.flush(timeout=self.settings.stop_timeout_s)
+            except ArchiveUnavailable as exc:
+                log.error("archive not complete at stop (the journal keeps the rest): %s", exc)
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Make the journal durable, then archive every record committed so far (sealing
+        partial files), retrying a failing store with backoff. Raises ArchiveUnavailable if
+        that is not done within `timeout` seconds (None: keep trying)."""
+        await self.journal.flush()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            async with self._lock:
+                await self._discover()
+                targets = {key: self._committed(key) for key in self._shards}
+                await self._pass(force=True, ignore_backoff=True)
+                missing = [
+                    state for key, state in self._shards.items()
+                    if state.archived_next < targets.get(key, 0)
+                ]
+                unknown = [
+                    name for name in self._wanted_streams()
+                    if name not in self._listed and name not in self._invalid
+                ]
+            if not missing and not unknown:
+                return
+            delays = [state.retry_at - time.monotonic() for state in missing]
+            wait = max(0.01, min(delays, default=self.settings.retry_initial_s))
+            if deadline is not None and time.monotonic() + wait > deadline:
+                errors = [f"{s.stream}/{s.shard}: {s.last_error}" for s in missing]
+                errors += [f"{name}: {self._list_errors.get(name)}" for name in unknown]
+                raise ArchiveUnavailable("archive flush did not complete: " + "; ".join(errors))
+            await asyncio.sleep(wait)
+
+    # -- what the rest of the broker asks -------------------------------------------------
+
+    def archived_offset(self, stream: str, shard: int) -> int:
+        """The first offset of the shard not yet archived: the journal may delete below it.
+        0 while the archive's listing of the stream is not known."""
+        state = self._shards.get((stream, shard))
+        if state is not None:
+            return state.archived_next
+        listed = self._listed.get(stream)
+        if listed is None:
+            return 0
+        entry = listed.get(shard)
+        return entry[0] if entry else 0
+
+    def status(self) -> list[dict[str, Any]]:
+        """Per stream and shard: journal range, archived range, lag (records and ms), files,
+        bytes, buffered records and the last upload error."""
+        now_ms = int(time.time() * 1000)
+        out = []
+        for name, shard_count, _schema in self._wanted_streams_with_shards():
+            for shard in range(shard_count):
+                state = self._shards.get((name, shard))
+                shard_log = None if name in self._invalid else self._open_log(name, shard)
+                low = shard_log.low_watermark if shard_log is not None else 0
+                committed = shard_log.committed_offset if shard_log is not None else 0
+                archived_next = state.archived_next if state is not None else None
+                lag = None if archived_next is None else max(0, committed - archived_next)
+                oldest_ms = None
+                if state is not None and state.buffer:
+                    oldest_ms = state.buffer[0].timestamp_ms
+                elif lag and shard_log is not None and archived_next is not None:
+                    first = shard_log.read(max(archived_next, low), 1)
+                    oldest_ms = first[0].timestamp_ms if first else None
+                out.append({
+                    "stream": name,
+                    "shard": shard,
+                    "journal_low": low,
+                    "journal_next": committed,
+                    "archived_next": archived_next,
+                    "archived_up_to": None if archived_next is None else archived_next - 1,
+                    "lag_records": lag,
+                    "lag_ms": None if oldest_ms is None else max(0, now_ms - oldest_ms),
+                    "files": state.files if state is not None else 0,
+                    "bytes": state.bytes if state is not None else 0,
+                    "buffered": len(state.buffer) if state is not None else 0,
+                    "failures": state.failures if state is not None else 0,
+                    "last_error": (state.last_error if state is not None
+                                   else self._list_errors.get(name)),
+                    "skipped": state.skipped if state is not None else 0,
+                    "last_upload_ms": state.last_upload_ms if state is not None else None,
+                })
+        return out
+
+    # -- the background task ----------------------------------------------------------------
+
+    async def _run(self) -> None:
+        interval = self.settings.poll_interval_s
+        while not self._stopping:
+            try:
+                async with self._lock:
+                    await self._discover()
+                    await self._pass(force=False, ignore_backoff=False)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("archiver pass failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), interval)
+            self._wake.clear()
+
+    def _wanted_streams_with_shards(self) -> list[tuple[str, int, str]]:
+        return [(name, int(count), str(schema)) for name, count, schema in self._streams()]
+
+    def _wanted_streams(self) -> list[str]:
+        return [name for name, _count, _schema in self._wanted_streams_with_shards()]
+
+    async def _discover(self, raise_auth: bool = False) -> None:
+        """List the archive for every stream not listed yet, and register its shards."""
+        for name, shard_count, schema in self._wanted_streams_with_shards():
+            if name not in self._listed:
+                try:
+                    layout.check_stream_name(name)
+                    self._listed[name] = await asyncio.to_thread(self._list_stream, name)
+                    self._list_errors.pop(name, None)
+                except ValueError as exc:
+                    self._list_errors[name] = str(exc)
+                    self._invalid.add(name)
+                    continue
+                except Exception as exc:
+                    if raise_auth and _is_auth_error(exc):
+                        raise ArchiveConfigError(
+                            f"archive {self.url!r}: access refused ({_describe(exc)}); check "
+                            "the credentials, the region and that the bucket exists"
+                        ) from exc
+                    self._list_errors[name] = _describe(exc)
+                    log.warning("cannot list archive of stream %s: %s", name, _describe(exc))
+                    continue
+            listed = self._listed[name]
+            for shard in range(shard_count):
+                key = (name, shard)
+                state = self._shards.get(key)
+                if state is None:
+                    archived_next, files, size = listed.get(shard, (0, 0, 0))
+                    self._shards[key] = _ShardState(name, shard, schema, archived_next, files, size)
+                else:
+                    state.schema = schema
+
+    def _check_store(self) -> None:
+        """Refuse a missing bucket or refused credentials now, with a clear message; an
+        unreachable store only gets a warning (the background task retries)."""
+        try:
+            if self._local:
+                os.makedirs(self.root, exist_ok=True)
+            elif self._object_store:
+                self.fs.info(self.root.split("/", 1)[0])
+        except FileNotFoundError as exc:
+            raise ArchiveConfigError(
+                f"archive {self.url!r}: the bucket {self.root.split('/', 1)[0]!r} does not exist"
+            ) from exc
+        except Exception as exc:
+            if _is_auth_error(exc):
+                raise ArchiveConfigError(
+                    f"archive {self.url!r}: access refused ({_describe(exc)}); check the "
+                    "credentials, the region and that the bucket exists"
+                ) from exc
+            log.warning("archive %s not reachable at start (retrying): %s", self.url, _describe(exc))
+
+    def _list_stream(self, stream: str) -> dict[int, tuple[int, int, int]]:
+        """Per shard: (first offset not archived, file count, bytes), from the file names."""
+        for path in layout.stale_temporaries(self.fs, self.root, stream):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        shards: dict[int, tuple[int, int, int]] = {}
+        for entry in layout.list_stream_files(self.fs, self.root, stream):
+            archived_next, files, size = shards.get(entry.shard, (0, 0, 0))
+            shards[entry.shard] = (
+                max(archived_next, entry.last_offset + 1), files + 1, size + entry.size
+            )
+        return shards
+
+    def _open_log(self, stream: str, shard: int) -> Any:
+        try:
+            return self.journal.open_shard(stream, shard)
+        except Exception:  # a closed journal, a deleted stream
+            return None
+
+    def _committed(self, key: tuple[str, int]) -> int:
+        shard_log = self._open_log(*key)
+        return shard_log.committed_offset if shard_log is not None else 0
+
+    async def _pass(self, force: bool, ignore_backoff: bool) -> None:
+        """One round over every shard: read what is new, seal the files that are due."""
+        for state in list(self._shards.values()):
+            if not ignore_backoff and time.monotonic() < state.retry_at:
+                continue
+            shard_log = self._open_log(state.stream, state.shard)
+            if shard_log is None:
+                continue
+            while True:
+                await self._fill(state, shard_log)
+                if not self._due(state, force):
+                    break
+                if not await self._seal(state):
+                    break
+
+    async def _fill(self, state: _ShardState, shard_log: Any) -> None:
+        """Read committed records after the buffer, up to the file targets, stopping at an
+        hour boundary. Yields to the event loop between journal reads."""
+        settings = self.settings
+        while (
+            not state.hour_closed
+            and len(state.buffer) < settings.target_rows
+            and state.buffer_bytes < settings.target_bytes
+        ):
+            start = state.archived_next + len(state.buffer)
+            committed = shard_log.committed_offset
+            if start >= committed:
+                if start > committed and not state.buffer and state.last_error is None:
+                    state.last_error = (
+                        f"the archive holds offsets up to {start - 1} but the journal only "
+                        f"{committed - 1}: another journal wrote to this archive URL?"
+                    )
+                    log.error("%s/%d: %s", state.stream, state.shard, state.last_error)
+                return
+            want = min(settings.read_batch, settings.target_rows - len(state.buffer))
+            batch = shard_log.read(start, want)
+            if not batch:
+                return
+            if batch[0].offset != start:
+                if state.buffer:
+                    state.hour_closed = True  # seal before the gap
+                    return
+                state.skipped += batch[0].offset - start
+                log.error(
+                    "%s/%d: offsets %d..%d left the journal before they were archived",
+                    state.stream, state.shard, start, batch[0].offset - 1,
+                )
+                state.archived_next = batch[0].offset
+            buffer = state.buffer
+            hour = layout.hour_of(buffer[0].timestamp_ms if buffer else batch[0].timestamp_ms)
+            added = 0
+            for record in batch:
+                if layout.hour_of(record.timestamp_ms) != hour:
+                    state.hour_closed = True
+                    break
+                buffer.append(record)
+                added += len(record.data)
+                if state.buffer_bytes + added >= settings.target_bytes:
+                    break
+            state.buffer_bytes += added
+            await asyncio.sleep(0)
+
+    def _due(self, state: _ShardState, force: bool) -> bool:
+        if not state.buffer:
+            return False
+        settings = self.settings
+        if (
+            force
+            or state.hour_closed
+            or len(state.buffer) >= settings.target_rows
+            or state.buffer_bytes >= settings.target_bytes
+        ):
+            return True
+        age_ms = time.time() * 1000 - state.buffer[0].timestamp_ms
+        return age_ms >= settings.max_delay_s * 1000
+
+    async def _seal(self, state: _ShardState) -> bool:
+        """Upload the buffer as one file; on failure schedule a retry. True if uploaded."""
+        records = state.buffer
+        first, last = records[0].offset, records[-1].offset
+        directory = layout.partition_dir(self.root, state.stream, records[0].timestamp_ms)
+        path = f"{directory}/{layout.file_name(state.shard, first, last)}"
+        try:
+            size = await asyncio.to_thread(
+                self._write_file, path, state.stream, state.shard, state.schema, records
+            )
+        except Exception as exc:
+            state.failures += 1
+            delay = min(
+                self.settings.retry_max_s,
+                self.settings.retry_initial_s * 2 ** min(state.failures - 1, 20),
+            )
+            state.retry_at = time.monotonic() + delay * random.uniform(0.8, 1.2)
+            state.last_error = _describe(exc)
+            log.warning(
+                "archive upload of %s failed (attempt %d, retry in %.1fs): %s",
+                path, state.failures, delay, state.last_error,
+            )
+            return False
+        state.archived_next = last + 1
+        state.buffer = []
+        state.buffer_bytes = 0
+        state.hour_closed = False
+        state.files += 1
+        state.bytes += size
+        state.failures = 0
+        state.retry_at = 0.0
+        state.last_error = None
+        state.last_upload_ms = int(time.time() * 1000)
+        return True
+
+    # -- worker thread ------------------------------------------------------------------
+
+    def _write_file(
+        self, path: str, stream: str, shard: int, schema: str, records: list[StoredRecord]
+    ) -> int:
+        table = build_table(stream, shard, schema, records)
+        data = encode_parquet(
+            table,
+            compression_level=self.settings.compression_level,
+            row_group_rows=self.settings.row_group_rows,
+            metadata={
+                "shardgate.stream": stream,
+                "shardgate.shard": str(shard),
+                "shardgate.first_offset": str(records[0].offset),
+                "shardgate.last_offset": str(records[-1].offset),
+            },
+        )
+        self._put(path, data)
+        return len(data)
+
+    def _put(self, path: str, data: bytes) -> None:
+        """Make `data` visible at `path` all at once (replacing a previous upload)."""
+        if self._local:
+            write_local_atomically(path, data)
+            return
+        try:
+            self.fs.pipe_file(path, data)
+        except FileNotFoundError:
+            if self._object_store:
+                raise
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            self.fs.pipe_file(path, data)
+
+
+def write_local_atomically(path: str, data: bytes) -> None:
+    """Write a dot-named temporary file beside `path`, fsync it, rename it over `path` and
+    fsync the directory: readers see the whole file or nothing."""
+    directory, name = os.path.split(path)
+    created = _make_dirs(directory)
+    temp = os.path.join(directory, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    for synced in (directory, *created):
+        _fsync_dir(synced)
+
+
+def _make_dirs(directory: str) -> list[str]:
+    """Create `directory` and its missing parents; returns the parents of what was created
+    (their entries must be fsynced too)."""
+    missing = []
+    current = directory
+    while not os.path.isdir(current):
+        missing.append(current)
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    os.makedirs(directory, exist_ok=True)
+    return [os.path.dirname(path) for path in missing]
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

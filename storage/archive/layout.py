@@ -1,0 +1,191 @@
+"""Where archive files live: the fsspec filesystem of an archive URL, the Hive-partitioned
+paths (`stream=<name>/date=YYYY-MM-DD/hour=HH/`), the file names that carry a shard and an
+offset range, and the listing that rebuilds what the archive holds from those names alone.
+
+File names are the archive's only bookkeeping: `shard0003-<first>-<last>.parquet` with
+20-digit zero-padded offsets (both inclusive). Files still being written locally are
+dot-named, so Spark, pyarrow and the listing here skip them. This module does no Parquet
+encoding and keeps no state.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import fsspec
+from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
+
+from .settings import ArchiveConfigError, ArchiveSettings
+
+STREAM_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
+FILE_NAME = re.compile(r"^shard(\d{4,})-(\d{20})-(\d{20})\.parquet$")
+HOUR_MS = 3_600_000
+OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "az", "adl", "oss"})
+
+
+@dataclass(slots=True, frozen=True, order=True)
+class ArchiveFile:
+    """One finished archive file, as its name describes it."""
+
+    shard: int
+    first_offset: int
+    last_offset: int
+    path: str
+    size: int = 0
+
+
+def check_stream_name(stream: str) -> str:
+    if not STREAM_NAME.match(stream):
+        raise ValueError(
+            f"stream name {stream!r} cannot be archived: 1-128 of [A-Za-z0-9_.-], not "
+            "starting with . or -"
+        )
+    return stream
+
+
+def file_name(shard: int, first_offset: int, last_offset: int) -> str:
+    return f"shard{shard:04d}-{first_offset:020d}-{last_offset:020d}.parquet"
+
+
+def parse_file_name(name: str) -> tuple[int, int, int] | None:
+    """(shard, first offset, last offset) of an archive file name; None for anything else."""
+    match = FILE_NAME.match(name)
+    if match is None:
+        return None
+    shard, first, last = (int(group) for group in match.groups())
+    return (shard, first, last) if first <= last else None
+
+
+def stream_dir(root: str, stream: str) -> str:
+    return f"{root}/stream={check_stream_name(stream)}"
+
+
+def partition_dir(root: str, stream: str, timestamp_ms: int) -> str:
+    """The `date=/hour=` directory (UTC) of a record published at `timestamp_ms`."""
+    stamp = time.gmtime(timestamp_ms // 1000)
+    return f"{stream_dir(root, stream)}/date={stamp.tm_year:04d}-{stamp.tm_mon:02d}-{stamp.tm_mday:02d}/hour={stamp.tm_hour:02d}"
+
+
+def hour_of(timestamp_ms: int) -> int:
+    return timestamp_ms // HOUR_MS
+
+
+def filesystem_options(url: str, settings: ArchiveSettings) -> dict[str, Any]:
+    """fsspec keyword arguments for `url` from the settings (S3: endpoint, region, keys)."""
+    options: dict[str, Any] = {}
+    scheme = url_scheme(url)
+    if scheme in ("s3", "s3a"):
+        client_kwargs: dict[str, Any] = {}
+        endpoint = settings.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
+            "AWS_ENDPOINT_URL"
+        )
+        if endpoint:
+            client_kwargs["endpoint_url"] = endpoint
+        region = settings.region or os.environ.get("AWS_REGION") or os.environ.get(
+            "AWS_DEFAULT_REGION"
+        )
+        if region:
+            client_kwargs["region_name"] = region
+        if client_kwargs:
+            options["client_kwargs"] = client_kwargs
+        if settings.access_key_id:
+            options["key"] = settings.access_key_id
+        if settings.secret_access_key:
+            options["secret"] = settings.secret_access_key
+        # Listings must see files written by other processes (the broker, a reader).
+        options["use_listings_cache"] = False
+    options.update(settings.storage_options)
+    return options
+
+
+def url_scheme(url: str) -> str:
+    if "::" in url:  # a chained URL, e.g. simplecache::s3://...
+        url = url.rsplit("::", 1)[-1]
+    return urlsplit(url).scheme or "file"
+
+
+def open_filesystem(
+    url: str, settings: ArchiveSettings | None = None
+) -> tuple[AbstractFileSystem, str]:
+    """The filesystem and root path of an archive URL; ArchiveConfigError when the scheme is
+    unknown or its fsspec implementation is not installed."""
+    settings = settings or ArchiveSettings()
+    if not url:
+        raise ArchiveConfigError("the archive URL is empty")
+    scheme = url_scheme(url)
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ValueError as exc:
+        raise ArchiveConfigError(
+            f"archive URL {url!r}: unknown scheme {scheme!r} (use file://, s3:// or another "
+            "fsspec filesystem)"
+        ) from exc
+    except ImportError as exc:
+        raise ArchiveConfigError(
+            f"archive URL {url!r}: the {scheme!r} filesystem needs a package that is not "
+            f"installed: {exc}"
+        ) from exc
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **filesystem_options(url, settings))
+    except (ValueError, TypeError, ImportError) as exc:
+        raise ArchiveConfigError(f"archive URL {url!r}: {exc}") from exc
+    root = root.rstrip("/")
+    if is_local(fs):
+        root = os.path.abspath(root)
+    elif not root:
+        raise ArchiveConfigError(f"archive URL {url!r} names no bucket or directory")
+    return fs, root
+
+
+def _protocols(fs: AbstractFileSystem) -> tuple[str, ...]:
+    return tuple(fs.protocol) if isinstance(fs.protocol, tuple | list) else (fs.protocol,)
+
+
+def is_local(fs: AbstractFileSystem) -> bool:
+    """A local disk, written with temp file, fsync and rename."""
+    return isinstance(fs, LocalFileSystem) and any(p in ("file", "local") for p in _protocols(fs))
+
+
+def is_object_store(fs: AbstractFileSystem) -> bool:
+    return any(protocol in OBJECT_STORE_PROTOCOLS for protocol in _protocols(fs))
+
+
+def list_stream_files(fs: AbstractFileSystem, root: str, stream: str) -> list[ArchiveFile]:
+    """Every finished archive file of `stream`, sorted by (shard, first offset). Files whose
+    name is not an archive file name (dot-named temporaries included) are ignored."""
+    directory = stream_dir(root, stream)
+    try:
+        fs.invalidate_cache(directory)
+    except Exception:  # noqa: BLE001 - caching is an optimisation of some filesystems only
+        pass
+    try:
+        found = fs.find(directory, detail=True)
+    except FileNotFoundError:
+        return []
+    files = []
+    for path, info in found.items():
+        name = path.rsplit("/", 1)[-1]
+        parsed = parse_file_name(name)
+        if parsed is None:
+            continue
+        shard, first, last = parsed
+        files.append(ArchiveFile(shard, first, last, path, int(info.get("size") or 0)))
+    files.sort()
+    return files
+
+
+def stale_temporaries(fs: AbstractFileSystem, root: str, stream: str) -> list[str]:
+    """Dot-named temporary files left in a local archive by a writer that crashed."""
+    if not is_local(fs):
+        return []
+    directory = stream_dir(root, stream)
+    stale = []
+    for dirpath, _dirnames, filenames in os.walk(directory):
+        stale += [os.path.join(dirpath, name) for name in filenames if name.startswith(".shard")]
+    return stale
