@@ -1,0 +1,649 @@
+"""The admin HTTP server: a JSON API, Prometheus `/metrics` and the web dashboard, on aiohttp.
+
+It runs on the broker's own event loop, so every handler reads broker state between awaits and
+never races the hot path; views are built only when asked, nothing here runs per message. The
+only write is kicking a client. Unknown paths and bad requests under `/api/` answer with a JSON
+`{"error": ..., "status": ...}` body. No CORS headers are sent, so other web origins cannot call
+the state-changing `DELETE` from a browser; authentication belongs to a middleware in front.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from . import __version__
+from .metrics import (
+    CONTENT_TYPE,
+    amqp_service,
+    archive_status,
+    connection_counts,
+    create_registry,
+    grpc_server,
+    render,
+)
+
+log = logging.getLogger(__name__)
+
+DASHBOARD_DIR = Path(__file__).with_name("dashboard")
+KICK_REASON = "kicked by administrator"
+MQTT_ADMINISTRATIVE_ACTION = 0x98  # MQTT 5.0 section 2.4, reason code "Administrative action"
+RETAINED_LIMIT = 1000
+PREVIEW_BYTES = 256
+APP_KEY: web.AppKey[Any] = web.AppKey("shardgate", object)
+
+
+class NotFound(Exception):
+    """A named thing (stream, subscription, client) does not exist; answered with 404."""
+
+
+# ---------------------------------------------------------------------------- views
+def _protocol_of(thing: object) -> str:
+    """The protocol a subscription owner or a consumer belongs to, from its module."""
+    if thing is None:
+        return "core"
+    module = type(thing).__module__
+    for protocol in ("mqtt", "amqp", "grpc"):
+        if f".{protocol}." in module:
+            return protocol
+    return "core"
+
+
+def info_view(app: Any) -> dict[str, Any]:
+    broker = app.broker
+    stats = broker.stats
+    now = time.time()
+    mqtt = getattr(app, "mqtt", None)
+    journal = getattr(app, "journal", None)
+    commit = getattr(journal, "stats", None)
+    return {
+        "version": __version__,
+        "now": now,
+        "started_at": stats.started_at,
+        "uptime_s": max(0.0, now - stats.started_at),
+        "listeners": [
+            {"name": listener.name, "host": listener.host, "port": listener.port}
+            for listener in (getattr(app, "listeners", None) or {}).values()
+        ],
+        "messages_in": stats.messages_in,
+        "bytes_in": stats.bytes_in,
+        "messages_out": stats.messages_out,
+        "bytes_out": stats.bytes_out,
+        "messages_dropped": stats.messages_dropped,
+        "messages_without_subscriber": stats.messages_without_subscriber,
+        "connections": connection_counts(app),
+        "streams": len(broker.streams),
+        "subscriptions": len(broker.subscriptions),
+        "sessions": len(mqtt.sessions) if mqtt is not None else 0,
+        "retained": len(broker.retained),
+        "journal": None if commit is None else {
+            name: getattr(commit, name)
+            for name in ("passes", "groups", "records", "bytes", "fsyncs", "failures")
+        },
+        "archive": getattr(app, "archiver", None) is not None,
+    }
+
+
+def _shard_view(shard: Any) -> dict[str, Any]:
+    shard_log = shard.log
+    view: dict[str, Any] = {"index": shard.index, "next_offset": shard.next_offset}
+    if shard_log is not None:
+        segments = list(getattr(shard_log, "segments", ()) or ())
+        view.update(
+            low_watermark=shard_log.low_watermark,
+            committed_offset=getattr(shard_log, "committed_offset", shard_log.next_offset),
+            segments=len(segments),
+            size_bytes=sum(int(getattr(segment, "size", 0)) for segment in segments),
+        )
+    return view
+
+
+def stream_view(app: Any, stream: Any, *, detail: bool = False) -> dict[str, Any]:
+    broker = app.broker
+    config = stream.config
+    view: dict[str, Any] = {
+        "name": config.name,
+        "mode": str(config.mode),
+        "partitions": config.partitions,
+        "schema": str(config.schema),
+        "retention_ms": config.retention_ms,
+        "retention_bytes": config.retention_bytes,
+        "default": config.name == broker.router.default_stream,
+        "routes": [rule.topic_filter for rule in broker.router.rules if rule.stream == config.name],
+        "messages": sum(shard.next_offset for shard in stream.shards),
+        "shards": [_shard_view(shard) for shard in stream.shards],
+    }
+    if detail:
+        by_shard: dict[int, list[dict[str, Any]]] = {shard.index: [] for shard in stream.shards}
+        ends = {shard.index: shard.next_offset for shard in stream.shards}
+        for sub in list(broker.subscriptions.values()):
+            for (name, index), cursor in list(getattr(sub, "cursors", {}).items()):
+                if name != config.name or index not in by_shard:
+                    continue
+                by_shard[index].append({
+                    "subscription": sub.name,
+                    "position": cursor.position,
+                    "floor": cursor.floor,
+                    "unacked": len(cursor.unacked),
+                    "lag": max(0, ends[index] - cursor.floor),
+                })
+        for shard in view["shards"]:
+            shard["cursors"] = by_shard[shard["index"]]
+    return view
+
+
+def streams_view(app: Any) -> list[dict[str, Any]]:
+    return [stream_view(app, stream) for _, stream in sorted(app.broker.streams.items())]
+
+
+def subscription_view(sub: Any) -> dict[str, Any]:
+    owner = sub.owner
+    active = sub.active_consumer
+    durable = callable(getattr(sub, "lag", None))
+    if durable:
+        inflight = sub.inflight_count()
+    else:
+        inflight = len(getattr(owner, "inflight", ()) or ())
+    queued = getattr(owner, "queue", None)
+    if queued is None:
+        queued = getattr(owner, "messages", None)  # an AMQP queue's ready messages
+    return {
+        "name": sub.name,
+        "type": str(sub.type),
+        "durable": bool(sub.durable),
+        "protocol": _protocol_of(owner),
+        "filters": list(sub.filters),
+        "consumers": [
+            {
+                "id": str(consumer.consumer_id),
+                "protocol": _protocol_of(consumer),
+                "active": str(sub.type) == "shared" or consumer is active,
+            }
+            for consumer in list(sub.consumers)
+        ],
+        "lag": sub.lag() if durable else 0,
+        "inflight": inflight,
+        "queued": len(queued) if queued is not None else 0,
+    }
+
+
+def subscriptions_view(app: Any) -> list[dict[str, Any]]:
+    subs = sorted(app.broker.subscriptions.values(), key=lambda sub: sub.name)
+    return [subscription_view(sub) for sub in subs]
+
+
+def clients_view(app: Any) -> list[dict[str, Any]]:
+    """Every connected client, whatever its protocol; `client_id` is what a kick names."""
+    out: list[dict[str, Any]] = []
+    mqtt = getattr(app, "mqtt", None)
+    for connection in list(getattr(mqtt, "connections", ()) or ()):
+        version = connection.version
+        out.append({
+            "protocol": "mqtt",
+            "client_id": connection.client_id,
+            "username": connection.username,
+            "remote": connection.remote,
+            "transport": connection.transport_name,
+            "connected_at": connection.connected_at,
+            "messages_in": connection.messages_in,
+            "messages_out": connection.messages_out,
+            "detail": {3: "MQTT 3.1", 4: "MQTT 3.1.1", 5: "MQTT 5.0"}.get(version, f"MQTT {version}"),
+            "kickable": True,
+        })
+    amqp = amqp_service(app)
+    opened_offset = time.time() - time.monotonic()
+    for connection in list(getattr(amqp, "connections", ()) or ()):
+        name = (getattr(connection, "client_properties", None) or {}).get("connection_name")
+        out.append({
+            "protocol": "amqp",
+            "client_id": connection.id,
+            "username": connection.username or None,
+            "remote": connection.remote,
+            "transport": "tcp",
+            "connected_at": connection.opened_at + opened_offset,
+            "messages_in": None,
+            "messages_out": None,
+            "detail": f"AMQP 0-9-1 {name}" if name else "AMQP 0-9-1",
+            "kickable": True,
+        })
+    grpc = grpc_server(app)
+    for producer in list(getattr(grpc, "producers", ()) or ()):
+        out.append({
+            "protocol": "grpc",
+            "client_id": producer.name or producer.peer,
+            "username": None,
+            "remote": producer.peer,
+            "transport": "http2",
+            "connected_at": producer.connected_at,
+            "messages_in": producer.messages_in,
+            "messages_out": None,
+            "detail": "producer stream",
+            "kickable": False,
+        })
+    for consumer in list(getattr(grpc, "consumers", ()) or ()):
+        out.append({
+            "protocol": "grpc",
+            "client_id": consumer.id,
+            "username": None,
+            "remote": consumer.peer,
+            "transport": "http2",
+            "connected_at": consumer.connected_at,
+            "messages_in": None,
+            "messages_out": consumer.delivered,
+            "detail": f"consumer of {consumer.subscription.name}",
+            "kickable": True,
+        })
+    return out
+
+
+def kick_client(app: Any, protocol: str, client_id: str) -> None:
+    """Disconnect one client; raises `NotFound` if no such client is connected."""
+    if protocol == "mqtt":
+        mqtt = getattr(app, "mqtt", None)
+        for connection in list(getattr(mqtt, "connections", ()) or ()):
+            if connection.client_id == client_id:
+                connection.close(MQTT_ADMINISTRATIVE_ACTION, KICK_REASON)
+                return
+    elif protocol == "amqp":
+        for connection in list(getattr(amqp_service(app), "connections", ()) or ()):
+            if connection.id == client_id:
+                connection.shutdown(KICK_REASON)  # connection.close 320 CONNECTION_FORCED
+                return
+    elif protocol == "grpc":
+        for consumer in list(getattr(grpc_server(app), "consumers", ()) or ()):
+            if consumer.id == client_id:
+                consumer.closed = True  # its stream ends with UNAVAILABLE
+                consumer.wakeup.set()
+                return
+    else:
+        raise NotFound(f"unknown protocol {protocol!r}: expected mqtt, amqp or grpc")
+    raise NotFound(f"no {protocol} client {client_id!r} is connected")
+
+
+def sessions_view(app: Any) -> list[dict[str, Any]]:
+    mqtt = getattr(app, "mqtt", None)
+    sessions = sorted((getattr(mqtt, "sessions", None) or {}).values(), key=lambda s: s.client_id)
+    out = []
+    for session in sessions:
+        disconnected_ms = session.disconnected_at_ms
+        out.append({
+            "protocol": "mqtt",
+            "client_id": session.client_id,
+            "connected": session.connection is not None,
+            "durable": bool(session.durable),
+            "expiry_interval": session.expiry_interval,
+            "disconnected_at": None if disconnected_ms is None else disconnected_ms / 1000,
+            "filters": list(session.subscription.filters),
+            "shared": list(session.shared),
+            "queued": len(session.queue),
+            "inflight": len(session.inflight),
+            "dropped": session.dropped,
+        })
+    return out
+
+
+def _payload_preview(payload: bytes) -> dict[str, Any]:
+    head = payload[:PREVIEW_BYTES]
+    try:
+        return {"payload": head.decode("utf-8"), "payload_encoding": "utf-8"}
+    except UnicodeDecodeError:
+        return {"payload": base64.b64encode(head).decode("ascii"), "payload_encoding": "base64"}
+
+
+def retained_view(app: Any, prefix: str = "", limit: int = RETAINED_LIMIT) -> dict[str, Any]:
+    items = sorted(
+        (topic, message) for topic, message in app.broker.retained.items() if topic.startswith(prefix)
+    )
+    out = []
+    for topic, message in items[:limit]:
+        entry = {
+            "topic": topic,
+            "qos": message.qos,
+            "size": len(message.payload),
+            "content_type": message.content_type,
+            "publish_time": message.publish_time_ms / 1000,
+            "stream": message.stream,
+            "truncated": len(message.payload) > PREVIEW_BYTES,
+        }
+        entry.update(_payload_preview(message.payload))
+        out.append(entry)
+    return {"total": len(items), "messages": out}
+
+
+def archive_view(app: Any) -> dict[str, Any]:
+    status = archive_status(app)
+    if status is None:
+        return {"enabled": False}
+    return {"enabled": True, **status}
+
+
+# ---------------------------------------------------------------------------- OpenAPI
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict[str, Any], description: str = "OK") -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+_NOT_FOUND = _json(_ref("Error"), "Not found")
+
+
+def _get(summary: str, schema: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    operation = {"summary": summary, "responses": {"200": _json(schema)}}
+    operation.update(extra)
+    return {"get": operation}
+
+
+def _path_param(name: str, description: str) -> dict[str, Any]:
+    return {"name": name, "in": "path", "required": True, "description": description,
+            "schema": {"type": "string"}}
+
+
+def _object(**properties: Any) -> dict[str, Any]:
+    return {"type": "object", "properties": properties}
+
+
+_INT = {"type": "integer"}
+_NUM = {"type": "number"}
+_STR = {"type": "string"}
+_BOOL = {"type": "boolean"}
+_STRS = {"type": "array", "items": _STR}
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI 3.1 description of every `/api/` route."""
+    shard = _object(
+        index=_INT, next_offset=_INT, low_watermark=_INT, committed_offset=_INT,
+        segments=_INT, size_bytes=_INT,
+        cursors={"type": "array", "items": _object(
+            subscription=_STR, position=_INT, floor=_INT, unacked=_INT, lag=_INT)},
+    )
+    schemas = {
+        "Error": _object(error=_STR, status=_INT),
+        "Info": _object(
+            version=_STR, now=_NUM, started_at=_NUM, uptime_s=_NUM,
+            listeners={"type": "array", "items": _object(name=_STR, host=_STR, port=_INT)},
+            messages_in=_INT, bytes_in=_INT, messages_out=_INT, bytes_out=_INT,
+            messages_dropped=_INT, messages_without_subscriber=_INT,
+            connections={"type": "object", "additionalProperties": _INT},
+            streams=_INT, subscriptions=_INT, sessions=_INT, retained=_INT,
+            journal={"type": ["object", "null"], "additionalProperties": _INT}, archive=_BOOL,
+        ),
+        "Shard": shard,
+        "Stream": _object(
+            name=_STR, mode={"enum": ["reliable", "non-reliable"]}, partitions=_INT, schema=_STR,
+            retention_ms={"type": ["integer", "null"]}, retention_bytes={"type": ["integer", "null"]},
+            default=_BOOL, routes=_STRS, messages=_INT,
+            shards={"type": "array", "items": _ref("Shard")},
+        ),
+        "Subscription": _object(
+            name=_STR, type={"enum": ["exclusive", "shared", "failover"]}, durable=_BOOL,
+            protocol=_STR, filters=_STRS,
+            consumers={"type": "array", "items": _object(id=_STR, protocol=_STR, active=_BOOL)},
+            lag=_INT, inflight=_INT, queued=_INT,
+        ),
+        "Client": _object(
+            protocol={"enum": ["mqtt", "amqp", "grpc"]}, client_id=_STR,
+            username={"type": ["string", "null"]}, remote=_STR, transport=_STR, connected_at=_NUM,
+            messages_in={"type": ["integer", "null"]}, messages_out={"type": ["integer", "null"]},
+            detail=_STR, kickable=_BOOL,
+        ),
+        "Session": _object(
+            protocol=_STR, client_id=_STR, connected=_BOOL, durable=_BOOL, expiry_interval=_INT,
+            disconnected_at={"type": ["number", "null"]}, filters=_STRS, shared=_STRS,
+            queued=_INT, inflight=_INT, dropped=_INT,
+        ),
+        "Retained": _object(
+            total=_INT,
+            messages={"type": "array", "items": _object(
+                topic=_STR, qos=_INT, size=_INT, content_type={"type": ["string", "null"]},
+                publish_time=_NUM, stream=_STR, truncated=_BOOL, payload=_STR,
+                payload_encoding={"enum": ["utf-8", "base64"]},
+            )},
+        ),
+        "Archive": {"type": "object", "properties": {"enabled": _BOOL},
+                    "additionalProperties": True},
+    }
+    array = lambda name: {"type": "array", "items": _ref(name)}  # noqa: E731
+    paths = {
+        "/api/info": _get("Broker version, listeners, counters and counts", _ref("Info")),
+        "/api/streams": _get("Streams with their shards and offsets", array("Stream")),
+        "/api/streams/{name}": _get(
+            "One stream, with the durable cursors on each shard", _ref("Stream"),
+            parameters=[_path_param("name", "stream name")], responses={
+                "200": _json(_ref("Stream")), "404": _NOT_FOUND}),
+        "/api/subscriptions": _get("Subscriptions with lag and in-flight counts",
+                                   array("Subscription")),
+        "/api/subscriptions/{name}": _get(
+            "One subscription", _ref("Subscription"),
+            parameters=[_path_param("name", "subscription name")], responses={
+                "200": _json(_ref("Subscription")), "404": _NOT_FOUND}),
+        "/api/clients": _get("Connected clients of every protocol", array("Client")),
+        "/api/clients/{protocol}/{client_id}": {"delete": {
+            "summary": "Disconnect a client (MQTT 5 DISCONNECT 0x98, AMQP connection.close 320, "
+                       "gRPC UNAVAILABLE)",
+            "parameters": [_path_param("protocol", "mqtt, amqp or grpc"),
+                           _path_param("client_id", "the client id from /api/clients")],
+            "responses": {"200": _json(_object(kicked=_BOOL, protocol=_STR, client_id=_STR)),
+                          "404": _NOT_FOUND},
+        }},
+        "/api/sessions": _get("MQTT sessions, connected or not", array("Session")),
+        "/api/retained": _get(
+            "Retained messages (payload previews)", _ref("Retained"),
+            parameters=[
+                {"name": "prefix", "in": "query", "schema": _STR,
+                 "description": "only topics starting with this"},
+                {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 0},
+                 "description": f"at most this many (default {RETAINED_LIMIT})"},
+            ]),
+        "/api/archive": _get("Archiver status", _ref("Archive")),
+        "/api/openapi.json": _get("This document", {"type": "object"}),
+    }
+    for item in paths.values():
+        for operation in item.values():
+            operation["responses"].setdefault("default", _json(_ref("Error"), "Error"))
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Shardgate admin API", "version": __version__},
+        "paths": paths,
+        "components": {"schemas": schemas},
+    }
+
+
+# ---------------------------------------------------------------------------- handlers
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message, "status": status}, status=status)
+
+
+@web.middleware
+async def _json_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Under `/api/`: `NotFound` and HTTP errors become JSON bodies, crashes a JSON 500."""
+    try:
+        return await handler(request)
+    except NotFound as exc:
+        return _error(404, str(exc))
+    except web.HTTPException as exc:
+        if not request.path.startswith("/api/") or exc.status < 400:
+            raise
+        message = {404: f"no such endpoint: {request.method} {request.path}",
+                   405: f"method {request.method} not allowed on {request.path}"}.get(
+            exc.status, exc.reason)
+        response = _error(exc.status, message)
+        if exc.status == 405 and "Allow" in exc.headers:
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
+    except Exception:
+        log.exception("admin HTTP handler failed: %s %s", request.method, request.path)
+        if not request.path.startswith("/api/"):
+            raise
+        return _error(500, "internal error; see the broker log")
+
+
+def _app(request: web.Request) -> Any:
+    return request.app[APP_KEY]
+
+
+async def _info(request: web.Request) -> web.Response:
+    return web.json_response(info_view(_app(request)))
+
+
+async def _streams(request: web.Request) -> web.Response:
+    return web.json_response(streams_view(_app(request)))
+
+
+async def _stream(request: web.Request) -> web.Response:
+    app = _app(request)
+    name = request.match_info["name"]
+    stream = app.broker.streams.get(name)
+    if stream is None:
+        raise NotFound(f"stream {name!r} does not exist")
+    return web.json_response(stream_view(app, stream, detail=True))
+
+
+async def _subscriptions(request: web.Request) -> web.Response:
+    return web.json_response(subscriptions_view(_app(request)))
+
+
+async def _subscription(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    sub = _app(request).broker.subscriptions.get(name)
+    if sub is None:
+        raise NotFound(f"subscription {name!r} does not exist")
+    return web.json_response(subscription_view(sub))
+
+
+async def _clients(request: web.Request) -> web.Response:
+    return web.json_response(clients_view(_app(request)))
+
+
+async def _kick(request: web.Request) -> web.Response:
+    protocol = request.match_info["protocol"]
+    client_id = request.match_info["client_id"]
+    kick_client(_app(request), protocol, client_id)
+    log.info("administrator kicked %s client %r (from %s)", protocol, client_id, request.remote)
+    return web.json_response({"kicked": True, "protocol": protocol, "client_id": client_id})
+
+
+async def _sessions(request: web.Request) -> web.Response:
+    return web.json_response(sessions_view(_app(request)))
+
+
+async def _retained(request: web.Request) -> web.Response:
+    try:
+        limit = int(request.query.get("limit", RETAINED_LIMIT))
+    except ValueError:
+        return _error(400, "limit must be an integer")
+    if limit < 0:
+        return _error(400, "limit must not be negative")
+    prefix = request.query.get("prefix", "")
+    return web.json_response(retained_view(_app(request), prefix, limit))
+
+
+async def _archive(request: web.Request) -> web.Response:
+    return web.json_response(archive_view(_app(request)), dumps=_dumps)
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[_OPENAPI_KEY])
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = render(request.app[_REGISTRY_KEY])
+    response = web.Response(body=body)
+    response.headers["Content-Type"] = CONTENT_TYPE
+    return response
+
+
+async def _index(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(DASHBOARD_DIR / "index.html")
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, default=str)
+
+
+_OPENAPI_KEY: web.AppKey[dict[str, Any]] = web.AppKey("openapi", dict)
+_REGISTRY_KEY: web.AppKey[Any] = web.AppKey("registry", object)
+
+_DASHBOARD_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
+
+
+async def _dashboard_headers(request: web.Request, response: web.StreamResponse) -> None:
+    if not request.path.startswith("/api/") and request.path != "/metrics":
+        for name, value in _DASHBOARD_HEADERS.items():
+            response.headers.setdefault(name, value)
+
+
+def create_web_app(app: Any, middlewares: list[Any] | None = None) -> web.Application:
+    """The aiohttp application for `app` (a `Shardgate`); extra `middlewares` (authentication)
+    run inside the JSON error translation, so their HTTP errors reach clients as JSON too."""
+    web_app = web.Application(middlewares=[_json_errors, *(middlewares or [])])
+    web_app[APP_KEY] = app
+    web_app[_OPENAPI_KEY] = openapi_document()
+    web_app[_REGISTRY_KEY] = create_registry(app)
+    router = web_app.router
+    router.add_get("/api/info", _info)
+    router.add_get("/api/streams", _streams)
+    router.add_get("/api/streams/{name}", _stream)
+    router.add_get("/api/subscriptions", _subscriptions)
+    router.add_get("/api/subscriptions/{name}", _subscription)
+    router.add_get("/api/clients", _clients)
+    router.add_delete("/api/clients/{protocol}/{client_id:.+}", _kick)
+    router.add_get("/api/sessions", _sessions)
+    router.add_get("/api/retained", _retained)
+    router.add_get("/api/archive", _archive)
+    router.add_get("/api/openapi.json", _openapi)
+    router.add_get("/metrics", _metrics)
+    router.add_get("/", _index)
+    router.add_static("/dashboard/", DASHBOARD_DIR, show_index=False, follow_symlinks=False)
+    web_app.on_response_prepare.append(_dashboard_headers)
+    return web_app
+
+
+class HttpServer:
+    """The bound admin server: `.port`, `close()`, `await wait_closed()`."""
+
+    def __init__(self, runner: web.AppRunner, site: web.TCPSite, port: int) -> None:
+        self.runner = runner
+        self.site = site
+        self.port = port
+        self._closing: asyncio.Task[None] | None = None
+
+    def close(self) -> None:
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self.runner.cleanup())
+
+    async def wait_closed(self) -> None:
+        self.close()
+        assert self._closing is not None
+        await self._closing
+
+
+async def start_http_server(app: Any, host: str, port: int) -> HttpServer:
+    """Serve the admin API, `/metrics` and the dashboard for `app` on `host:port` (0: any port),
+    on the running event loop. Raises `OSError` if the port cannot be bound."""
+    runner = web.AppRunner(create_web_app(app), access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    addresses = runner.addresses
+    return HttpServer(runner, site, addresses[0][1] if addresses else port)

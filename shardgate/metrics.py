@@ -1,0 +1,248 @@
+"""Prometheus metrics for one Shardgate node, read from the broker's own counters at scrape time.
+
+A custom `Collector` walks the broker, the protocol services and the journal only when
+`/metrics` is scraped: nothing here runs on the message hot path, and nothing is registered in
+prometheus-client's global registry (each node gets its own `CollectorRegistry`, so several
+brokers in one process never clash). Every name starts with `shardgate_`.
+
+This module also knows where each protocol service hangs on the composition root
+(`app.mqtt`, `app.amqp` or the AMQP listener, `app.grpc` or the gRPC listener); the admin HTTP
+API uses the same lookups. It must not change broker state.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, is_dataclass
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+from . import __version__
+
+PREFIX = "shardgate"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_JOURNAL_COUNTERS = (
+    ("passes", "Group-commit passes run by the journal committer"),
+    ("groups", "Commit groups written by the journal"),
+    ("records", "Records written to the journal"),
+    ("bytes", "Bytes written to the journal"),
+    ("fsyncs", "fsync calls made by the journal"),
+    ("failures", "Journal commit passes that failed with an I/O error"),
+)
+
+
+# ---------------------------------------------------------------------------- protocol lookups
+def _listener_server(app: Any, name: str) -> Any:
+    listener = (getattr(app, "listeners", None) or {}).get(name)
+    return getattr(listener, "server", None)
+
+
+def amqp_service(app: Any) -> Any:
+    """The node's `AmqpService`, or None when no AMQP listener runs."""
+    found = getattr(app, "amqp", None) or _listener_server(app, "amqp")
+    if found is not None and not hasattr(found, "connections"):
+        found = getattr(found, "service", None)  # the `AmqpServer` wrapping the service
+    return found
+
+
+def grpc_server(app: Any) -> Any:
+    """The node's `GrpcServer`, or None when no gRPC listener runs."""
+    return getattr(app, "grpc", None) or _listener_server(app, "grpc")
+
+
+def connection_counts(app: Any) -> dict[str, int]:
+    """Open client connections (or client streams, for gRPC) by protocol."""
+    counts: dict[str, int] = {}
+    mqtt = getattr(app, "mqtt", None)
+    if mqtt is not None:
+        counts["mqtt"] = len(mqtt.connections)
+    amqp = amqp_service(app)
+    if amqp is not None:
+        counts["amqp"] = len(amqp.connections)
+    grpc = grpc_server(app)
+    if grpc is not None:
+        counts["grpc"] = len(getattr(grpc, "consumers", ())) + len(getattr(grpc, "producers", ()))
+    return counts
+
+
+def archive_status(app: Any) -> dict[str, Any] | None:
+    """`app.archiver.status()` as a plain dict, or None when no archiver runs."""
+    archiver = getattr(app, "archiver", None)
+    if archiver is None:
+        return None
+    status = archiver.status() if callable(getattr(archiver, "status", None)) else {}
+    if is_dataclass(status) and not isinstance(status, type):
+        status = asdict(status)
+    elif hasattr(status, "_asdict"):
+        status = status._asdict()
+    return dict(status) if isinstance(status, dict) else {"status": status}
+
+
+# ---------------------------------------------------------------------------- the collector
+def _metric_name(text: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", text).strip("_").lower()
+
+
+class ShardgateCollector(Collector):
+    """Yields the node's metrics from live broker state whenever the registry is scraped."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # no collect() at registration: the broker may not have started yet
+
+    def collect(self) -> Iterator[Metric]:
+        app = self.app
+        info = GaugeMetricFamily(f"{PREFIX}_info", "Shardgate version", labels=["version"])
+        info.add_metric([__version__], 1)
+        yield info
+        broker = getattr(app, "broker", None)
+        if broker is None:
+            return
+        stats = broker.stats
+        yield GaugeMetricFamily(f"{PREFIX}_start_time_seconds", "When the broker started (Unix time)",
+                                value=stats.started_at)
+        yield GaugeMetricFamily(f"{PREFIX}_uptime_seconds", "Seconds since the broker started",
+                                value=max(0.0, time.time() - stats.started_at))
+
+        connections = GaugeMetricFamily(f"{PREFIX}_connections", "Open client connections",
+                                        labels=["protocol"])
+        for protocol, count in sorted(connection_counts(app).items()):
+            connections.add_metric([protocol], count)
+        yield connections
+
+        for name, value, text in (
+            ("messages_received", stats.messages_in, "Messages accepted from publishers"),
+            ("messages_sent", stats.messages_out, "Messages delivered to subscribers"),
+            ("bytes_received", stats.bytes_in, "Payload bytes accepted from publishers"),
+            ("bytes_sent", stats.bytes_out, "Payload bytes delivered to subscribers"),
+            ("messages_dropped", stats.messages_dropped,
+             "Messages dropped (full queues, slow consumers, expiry)"),
+            ("messages_without_subscriber", stats.messages_without_subscriber,
+             "Messages that matched no subscription"),
+        ):
+            yield CounterMetricFamily(f"{PREFIX}_{name}", text, value=value)
+
+        yield from self._streams(broker)
+        yield from self._subscriptions(broker)
+        yield from self._sessions(app)
+        yield GaugeMetricFamily(f"{PREFIX}_retained_messages", "Retained messages held",
+                                value=len(broker.retained))
+        yield from self._journal(app)
+        yield from self._archive(app)
+
+    @staticmethod
+    def _streams(broker: Any) -> Iterator[Metric]:
+        streams = broker.streams
+        yield GaugeMetricFamily(f"{PREFIX}_streams", "Streams defined", value=len(streams))
+        offsets = GaugeMetricFamily(
+            f"{PREFIX}_stream_offset", "Next offset of each shard (messages appended since creation)",
+            labels=["stream", "shard"],
+        )
+        low = GaugeMetricFamily(
+            f"{PREFIX}_stream_low_watermark", "Oldest offset still held by a reliable shard's journal",
+            labels=["stream", "shard"],
+        )
+        for name, stream in sorted(streams.items()):
+            for shard in stream.shards:
+                labels = [name, str(shard.index)]
+                offsets.add_metric(labels, shard.next_offset)
+                if shard.log is not None:
+                    low.add_metric(labels, shard.log.low_watermark)
+        yield offsets
+        yield low
+
+    @staticmethod
+    def _subscriptions(broker: Any) -> Iterator[Metric]:
+        subs = list(broker.subscriptions.values())
+        yield GaugeMetricFamily(f"{PREFIX}_subscriptions", "Subscriptions defined", value=len(subs))
+        lag = GaugeMetricFamily(
+            f"{PREFIX}_subscription_lag", "Messages a durable subscription has yet to consume",
+            labels=["subscription"],
+        )
+        inflight = GaugeMetricFamily(
+            f"{PREFIX}_subscription_inflight", "Messages delivered and not yet acknowledged",
+            labels=["subscription"],
+        )
+        consumers = GaugeMetricFamily(
+            f"{PREFIX}_subscription_consumers", "Consumers attached to a subscription",
+            labels=["subscription"],
+        )
+        for sub in subs:
+            consumers.add_metric([sub.name], len(sub.consumers))
+            if callable(getattr(sub, "lag", None)):
+                lag.add_metric([sub.name], sub.lag())
+                inflight.add_metric([sub.name], sub.inflight_count())
+        yield lag
+        yield inflight
+        yield consumers
+
+    @staticmethod
+    def _sessions(app: Any) -> Iterator[Metric]:
+        mqtt = getattr(app, "mqtt", None)
+        if mqtt is None:
+            return
+        sessions = list(mqtt.sessions.values())
+        connected = sum(1 for session in sessions if session.connection is not None)
+        gauge = GaugeMetricFamily(f"{PREFIX}_sessions", "MQTT sessions held", labels=["state"])
+        gauge.add_metric(["connected"], connected)
+        gauge.add_metric(["disconnected"], len(sessions) - connected)
+        yield gauge
+        yield GaugeMetricFamily(
+            f"{PREFIX}_session_queued_messages", "Messages queued in MQTT sessions, waiting to be sent",
+            value=sum(len(session.queue) for session in sessions),
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_session_inflight_messages", "QoS 1/2 messages in flight to MQTT clients",
+            value=sum(len(session.inflight) for session in sessions),
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_mqtt_connections_accepted", "MQTT connections accepted since start",
+            value=getattr(mqtt, "total_connections", 0),
+        )
+
+    @staticmethod
+    def _journal(app: Any) -> Iterator[Metric]:
+        journal = getattr(app, "journal", None)
+        stats = getattr(journal, "stats", None)
+        if stats is None:
+            return
+        for field_name, text in _JOURNAL_COUNTERS:
+            value = getattr(stats, field_name, None)
+            if value is not None:
+                yield CounterMetricFamily(f"{PREFIX}_journal_{field_name}", text, value=value)
+
+    @staticmethod
+    def _archive(app: Any) -> Iterator[Metric]:
+        status = archive_status(app)
+        if status is None:
+            return
+        for key, value in status.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            name = _metric_name(str(key))
+            if name:
+                yield GaugeMetricFamily(f"{PREFIX}_archive_{name}", f"Archiver status field {key}",
+                                        value=value)
+
+
+def create_registry(app: Any, *, process: bool = True) -> CollectorRegistry:
+    """A registry of its own for `app`: the broker collector, plus process memory/CPU/fds."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ShardgateCollector(app))
+    if process:
+        ProcessCollector(namespace=PREFIX, registry=registry)
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The Prometheus text exposition of `registry` (serve it with `CONTENT_TYPE`)."""
+    return generate_latest(registry)

@@ -1,0 +1,277 @@
+"""The admin HTTP API end to end: real clients of every protocol, JSON read over real HTTP."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pika
+import pytest
+from shardgate.client import SyncClient
+
+from shardgate.admin_http import create_web_app, start_http_server
+from shardgate.config import StreamEntry
+from tests.conftest import ThreadedBroker, free_port, wait_for
+from tests.mqtt_clients import V311, Paho
+
+MQTT_ADMINISTRATIVE_ACTION = 0x98
+
+
+@dataclass
+class Node:
+    broker: ThreadedBroker
+    url: str
+
+    def request(self, method: str, path: str) -> tuple[int, dict[str, str], Any]:
+        request = urllib.request.Request(self.url + path, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                status, headers, body = response.status, dict(response.headers), response.read()
+        except urllib.error.HTTPError as error:
+            status, headers, body = error.code, dict(error.headers), error.read()
+        is_json = headers.get("Content-Type", "").startswith("application/json")
+        return status, headers, json.loads(body) if is_json else body
+
+    def get(self, path: str) -> Any:
+        status, _, body = self.request("GET", path)
+        assert status == 200, body
+        return body
+
+
+def serve_admin(broker: ThreadedBroker) -> Iterator[str]:
+    """The node's admin URL: its own HTTP listener once wired, else one started here."""
+    if "http" in broker.app.listeners:
+        yield f"http://127.0.0.1:{broker.app.port('http')}"
+        return
+    server = broker.call(start_http_server(broker.app, "127.0.0.1", 0))
+    try:
+        yield f"http://127.0.0.1:{server.port}"
+    finally:
+        broker.call(server.wait_closed())
+
+
+@pytest.fixture
+def node(broker_factory: Callable[..., ThreadedBroker]) -> Iterator[Node]:
+    broker = broker_factory(
+        listeners={"http_port": free_port(), "grpc_port": free_port(), "amqp_port": free_port()},
+        streams=[StreamEntry("telemetry", mode="reliable", partitions=2)],
+    )
+    for url in serve_admin(broker):
+        yield Node(broker, url)
+
+
+def test_info_reports_version_listeners_and_message_counters(node: Node) -> None:
+    info = node.get("/api/info")
+    assert info["version"]
+    assert {"mqtt", "grpc", "amqp"} <= {listener["name"] for listener in info["listeners"]}
+    before = info["messages_in"]
+    client = Paho(node.broker.mqtt_port, "counter")
+    try:
+        for _ in range(3):
+            client.publish("telemetry/a", b"12345", qos=1)
+        info = node.get("/api/info")
+        assert info["messages_in"] >= before + 3
+        assert info["bytes_in"] >= 15
+        assert info["connections"]["mqtt"] == 1
+        assert info["journal"]["records"] >= 3
+        assert info["uptime_s"] >= 0
+    finally:
+        client.client.disconnect()
+
+
+def test_stream_shows_each_shard_with_its_offsets(node: Node) -> None:
+    client = Paho(node.broker.mqtt_port, "producer")
+    try:
+        for i in range(10):
+            client.publish(f"telemetry/device-{i}", b"x", qos=1)
+    finally:
+        client.client.disconnect()
+    names = {stream["name"] for stream in node.get("/api/streams")}
+    assert {"default", "sys", "telemetry"} <= names
+    stream = node.get("/api/streams/telemetry")
+    assert stream["mode"] == "reliable" and stream["partitions"] == 2
+    assert "telemetry/#" in stream["routes"]
+    shards = stream["shards"]
+    assert [shard["index"] for shard in shards] == [0, 1]
+    assert sum(shard["next_offset"] for shard in shards) == 10 == stream["messages"]
+    for shard in shards:
+        assert shard["low_watermark"] == 0
+        assert shard["committed_offset"] == shard["next_offset"]
+        assert shard["segments"] >= 1
+        assert "cursors" in shard
+
+
+def test_unknown_stream_is_a_json_404_with_a_message(node: Node) -> None:
+    status, headers, body = node.request("GET", "/api/streams/nope")
+    assert status == 404
+    assert headers["Content-Type"].startswith("application/json")
+    assert body == {"error": "stream 'nope' does not exist", "status": 404}
+    status, _, body = node.request("GET", "/api/no-such-thing")
+    assert status == 404 and "no such endpoint" in body["error"]
+    status, headers, body = node.request("POST", "/api/info")
+    assert status == 405 and "not allowed" in body["error"]
+    assert "GET" in headers["Allow"]
+
+
+def test_offline_persistent_session_shows_lag_on_its_subscription(node: Node) -> None:
+    subscriber = Paho(node.broker.mqtt_port, "sleepy", session_expiry=3600)
+    subscriber.subscribe("telemetry/#", qos=1)
+    subscriber.client.disconnect()
+    subscriber.client.loop_stop()
+    publisher = Paho(node.broker.mqtt_port, "pub")
+    try:
+        for _ in range(5):
+            publisher.publish("telemetry/x", b"m", qos=1)
+    finally:
+        publisher.client.disconnect()
+
+    def lag_of_sleepy() -> dict[str, Any] | None:
+        subs = {sub["name"]: sub for sub in node.get("/api/subscriptions")}
+        sub = subs.get("mqtt:sleepy")
+        return sub if sub and sub["lag"] == 5 else None
+
+    sub = wait_for(lag_of_sleepy)
+    assert sub["durable"] is True and sub["protocol"] == "mqtt"
+    assert sub["filters"] == ["telemetry/#"]
+    assert node.get("/api/subscriptions/mqtt:sleepy")["lag"] == 5
+    stream = node.get("/api/streams/telemetry")
+    cursors = [c for shard in stream["shards"] for c in shard["cursors"]
+               if c["subscription"] == "mqtt:sleepy"]
+    assert sum(cursor["lag"] for cursor in cursors) == 5
+    sessions = {session["client_id"]: session for session in node.get("/api/sessions")}
+    assert sessions["sleepy"]["connected"] is False
+    assert sessions["sleepy"]["expiry_interval"] == 3600
+    status, _, body = node.request("GET", "/api/subscriptions/missing")
+    assert status == 404 and "missing" in body["error"]
+
+
+def test_mqtt_client_is_listed_and_kicked_with_administrative_action(node: Node) -> None:
+    client = Paho(node.broker.mqtt_port, "device/with spaces&odd?chars")
+    legacy = Paho(node.broker.mqtt_port, "legacy-311", protocol=V311)
+    try:
+        clients = {(c["protocol"], c["client_id"]): c for c in node.get("/api/clients")}
+        entry = clients[("mqtt", "device/with spaces&odd?chars")]
+        assert entry["detail"] == "MQTT 5.0" and entry["kickable"] is True
+        assert entry["remote"].startswith("127.0.0.1")
+        assert clients[("mqtt", "legacy-311")]["detail"] == "MQTT 3.1.1"
+
+        quoted = urllib.parse.quote("device/with spaces&odd?chars", safe="")
+        status, _, body = node.request("DELETE", f"/api/clients/mqtt/{quoted}")
+        assert status == 200 and body["kicked"] is True
+        reason, _props = client.disconnects.get(timeout=10)
+        assert reason == MQTT_ADMINISTRATIVE_ACTION
+
+        status, _, _ = node.request("DELETE", "/api/clients/mqtt/legacy-311")
+        assert status == 200
+        legacy.disconnects.get(timeout=10)
+        wait_for(lambda: not [c for c in node.get("/api/clients") if c["protocol"] == "mqtt"])
+    finally:
+        client.client.loop_stop()
+        legacy.client.loop_stop()
+
+
+def test_kicking_an_unknown_client_or_protocol_is_a_404(node: Node) -> None:
+    status, _, body = node.request("DELETE", "/api/clients/mqtt/ghost")
+    assert status == 404 and body["error"] == "no mqtt client 'ghost' is connected"
+    status, _, body = node.request("DELETE", "/api/clients/smtp/ghost")
+    assert status == 404 and "unknown protocol" in body["error"]
+
+
+def test_amqp_connection_is_listed_and_kicked(node: Node) -> None:
+    params = pika.ConnectionParameters(
+        "127.0.0.1", node.broker.app.port("amqp"),
+        client_properties={"connection_name": "billing-worker"},
+    )
+    connection = pika.BlockingConnection(params)
+    try:
+        amqp = [c for c in node.get("/api/clients") if c["protocol"] == "amqp"]
+        assert len(amqp) == 1 and "billing-worker" in amqp[0]["detail"]
+        status, _, _ = node.request("DELETE", f"/api/clients/amqp/{amqp[0]['client_id']}")
+        assert status == 200
+        with pytest.raises(pika.exceptions.ConnectionClosed) as closed:
+            connection.process_data_events(time_limit=5)
+            connection.process_data_events(time_limit=5)
+        assert closed.value.reply_code == 320
+    finally:
+        if connection.is_open:
+            connection.close()
+
+
+def test_grpc_consumer_is_listed_and_kicked(node: Node) -> None:
+    with SyncClient(f"127.0.0.1:{node.broker.app.port('grpc')}") as sdk:
+        consumer = sdk.consumer("grpc-admin-sub", stream="telemetry")
+        consumer.subscribe()
+        grpc_clients = wait_for(lambda: [c for c in node.get("/api/clients") if c["protocol"] == "grpc"])
+        assert grpc_clients[0]["detail"] == "consumer of grpc-admin-sub"
+        subs = {sub["name"]: sub for sub in node.get("/api/subscriptions")}
+        assert subs["grpc-admin-sub"]["protocol"] == "grpc"
+        assert subs["grpc-admin-sub"]["consumers"][0]["protocol"] == "grpc"
+        status, _, _ = node.request("DELETE", f"/api/clients/grpc/{grpc_clients[0]['client_id']}")
+        assert status == 200
+        wait_for(lambda: not [c for c in node.get("/api/clients") if c["protocol"] == "grpc"])
+
+
+def test_retained_messages_are_listed_with_payload_previews(node: Node) -> None:
+    client = Paho(node.broker.mqtt_port, "retainer")
+    try:
+        client.publish("status/door", b"open", qos=1, retain=True)
+        client.publish("status/blob", bytes([0xFF, 0x00, 0x80]), qos=1, retain=True)
+        client.publish("other/x", b"1", qos=1, retain=True)
+    finally:
+        client.client.disconnect()
+    retained = node.get("/api/retained?prefix=status/")
+    assert retained["total"] == 2
+    by_topic = {m["topic"]: m for m in retained["messages"]}
+    assert by_topic["status/door"]["payload"] == "open"
+    assert by_topic["status/door"]["payload_encoding"] == "utf-8"
+    assert by_topic["status/blob"]["payload"] == "/wCA"
+    assert by_topic["status/blob"]["payload_encoding"] == "base64"
+    assert node.get("/api/retained?prefix=status/&limit=1")["messages"][0]["topic"] == "status/blob"
+    status, _, body = node.request("GET", "/api/retained?limit=many")
+    assert status == 400 and "limit" in body["error"]
+
+
+def test_archive_status_comes_from_the_archiver(node: Node, tmp_path: Path) -> None:
+    assert node.get("/api/archive") == {"enabled": False}
+
+    class Archiver:
+        def status(self) -> dict[str, Any]:
+            return {"url": f"file://{tmp_path}", "files_written": 3, "lag_records": 12,
+                    "last_error": None}
+
+    node.broker.app.archiver = Archiver()
+    try:
+        archive = node.get("/api/archive")
+        assert archive["enabled"] is True
+        assert archive["files_written"] == 3 and archive["lag_records"] == 12
+        assert node.get("/api/info")["archive"] is True
+    finally:
+        del node.broker.app.archiver
+
+
+def test_openapi_document_describes_every_api_route(node: Node) -> None:
+    document = node.get("/api/openapi.json")
+    assert document["openapi"].startswith("3.")
+    assert document["info"]["title"] == "Shardgate admin API"
+    documented = {
+        (method.upper(), path) for path, item in document["paths"].items() for method in item
+    }
+    served = set()
+    web_app = create_web_app(node.broker.app)
+    for route in web_app.router.routes():
+        info = route.resource.get_info() if route.resource is not None else {}
+        path = info.get("path") or info.get("formatter") or ""
+        if path.startswith("/api/") and route.method != "HEAD":
+            served.add((route.method, path.replace("{client_id:.+}", "{client_id}")))
+    assert served == documented and len(served) == 11
+    for path, item in document["paths"].items():
+        for operation in item.values():
+            for ref in json.dumps(operation).split('"$ref": "')[1:]:
+                name = ref.split('"')[0].rsplit("/", 1)[-1]
+                assert name in document["components"]["schemas"], (path, name)
