@@ -72,6 +72,8 @@ class Broker:
         self.on_retained_change: Callable[[str, Message | None], None] | None = None
         # Where durable subscriptions save their cursors.
         self.cursor_sink: CursorSink | None = None
+        # Told when a subscription is removed (the composition root forgets durable ones).
+        self.on_subscription_removed: Callable[[Subscription], None] | None = None
         self.delayed = DelayedDelivery(None, self.publish)
 
     # ---------------------------------------------------------------- streams and routing
@@ -194,6 +196,8 @@ class Broker:
         sub = self.subscriptions.pop(name, None)
         if isinstance(sub, DurableSubscription):
             sub.close()
+            if self.on_subscription_removed is not None:
+                self.on_subscription_removed(sub)
         if sub is not None:
             for topic_filter in list(sub.filters):
                 self._trie.remove(topic_filter, sub)

@@ -106,6 +106,7 @@ class Shardgate:
             raise ConfigError(str(exc)) from exc
         self.persistence = Persistence(self.broker, self.metadata)
         self.persistence.restore_retained()
+        self.persistence.restore_subscriptions()
         self.broker.delayed.store = self.metadata
         held = self.broker.delayed.restore()
         if held:

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from .core.broker import Broker
-from .core.message import Message, message_from_record
-from .storage.metadata import CursorRecord, MetadataStore
+from .core.durable import DurableSubscription
+from .core.message import Message, message_from_record, now_ms
+from .core.subscriptions import SubscriptionType
+from .storage.metadata import CursorRecord, MetadataStore, SubscriptionRecord
 from .storage.records import decode_message, encode_message
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,7 @@ class Persistence:
         self.sink = MetadataCursorSink(store)
         broker.cursor_sink = self.sink
         self._task: asyncio.Task[None] | None = None
+        self._saved: dict[str, tuple[str, tuple[str, ...]]] = {}
 
     def restore_retained(self) -> int:
         count = 0
@@ -74,6 +78,64 @@ class Persistence:
         except Exception:
             log.exception("could not save the retained message of %r", topic)
 
+    # ------------------------------------------------------------------ durable subscriptions
+    def _owner_options(self, sub: DurableSubscription) -> dict[str, Any]:
+        owner = sub.owner
+        if owner is None:
+            return {}
+        if type(owner).__name__ == "GrpcSubscriptionState":
+            return {"protocol": "grpc", "stream": getattr(owner, "stream", None)}
+        return {"protocol": type(owner).__module__.split(".")[-2] if "." in type(owner).__module__ else ""}
+
+    def save_subscriptions(self) -> None:
+        """Save durable subscriptions other than MQTT sessions (those are saved with the
+        session) whose definition changed."""
+        for sub in list(self.broker.subscriptions.values()):
+            if not isinstance(sub, DurableSubscription) or sub.name.startswith("mqtt:"):
+                continue
+            signature = (sub.type.value, tuple(sorted(sub.filters)))
+            if self._saved.get(sub.name) == signature:
+                continue
+            record = SubscriptionRecord(
+                sub.name, sub.type.value, sorted(sub.filters), True, self._owner_options(sub), now_ms()
+            )
+            try:
+                self.store.put_subscription(record)
+                self._saved[sub.name] = signature
+            except Exception:
+                log.exception("could not save subscription %r", sub.name)
+
+    def _subscription_removed(self, sub: object) -> None:
+        name = getattr(sub, "name", "")
+        self._saved.pop(name, None)
+        try:
+            self.store.delete_subscription(name)
+        except Exception:
+            log.exception("could not delete subscription %r", name)
+
+    def restore_subscriptions(self) -> int:
+        """Bring back durable subscriptions (gRPC and others) with their cursors; their
+        consumers attach when they reconnect."""
+        count = 0
+        for record in self.store.list_subscriptions():
+            if record.name.startswith("mqtt:") or not record.durable:
+                continue
+            owner = None
+            if record.options.get("protocol") == "grpc":
+                from .protocols.grpc.consumer import GrpcSubscriptionState
+
+                owner = GrpcSubscriptionState(stream=record.options.get("stream"))
+            sub = self.broker.durable_subscription(record.name, SubscriptionType(record.type), owner=owner)
+            for topic_filter in record.filters:
+                self.broker.add_filter(sub, topic_filter)
+            for cursor in self.store.get_cursors(record.name):
+                if cursor.acked:
+                    sub.restore_cursor(cursor.stream, cursor.shard, cursor.acked)
+            self._saved[record.name] = (sub.type.value, tuple(sorted(sub.filters)))
+            count += 1
+        self.broker.on_subscription_removed = self._subscription_removed
+        return count
+
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -83,6 +145,7 @@ class Persistence:
             self.flush()
 
     def flush(self) -> None:
+        self.save_subscriptions()
         self.broker.save_cursors()
         self.sink.write()
 

@@ -543,7 +543,9 @@ class ConsumerService(pb_grpc.ConsumerServicer):
             for topic_filter in filters:
                 broker.add_filter(sub, topic_filter)
         seek = getattr(sub, "seek", None)  # durable subscriptions (cursor seam)
-        if callable(seek) and request.HasField("position"):
+        # The initial position applies when the subscription is created; an existing durable
+        # subscription resumes from its cursors (reset them with ResetCursor).
+        if callable(seek) and existing is None and request.HasField("position"):
             seek(request.position.WhichOneof("position"),
                  getattr(request.position, request.position.WhichOneof("position") or "latest"))
         return consumer

@@ -1,0 +1,96 @@
+"""Durable gRPC subscriptions on reliable streams: replay from earliest, cursor reset, lag,
+and cursors that survive a SIGKILL of the broker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from shardgate.client import Client, Position
+from tests.conftest import free_port
+
+
+@pytest.fixture
+def url(broker_factory) -> str:
+    broker = broker_factory(listeners={"grpc_port": free_port()})
+    return f"127.0.0.1:{broker.app.port('grpc')}"
+
+
+async def take(consumer, count: int, ack: bool = True, timeout: float = 10) -> list[bytes]:
+    got = []
+
+    async def run() -> None:
+        async for message in consumer:
+            got.append(message.payload)
+            if ack:
+                message.ack()
+            if len(got) == count:
+                return
+
+    await asyncio.wait_for(run(), timeout)
+    return got
+
+
+async def test_durable_subscription_replays_history_from_earliest(url):
+    async with Client(url) as client:
+        producer = client.producer()
+        for index in range(10):
+            await producer.send("history/a", str(index).encode())
+        consumer = client.consumer("late", ["history/#"], durable=True, position=Position.earliest())
+        assert await take(consumer, 10) == [str(i).encode() for i in range(10)]
+        await producer.send("history/a", b"live")
+        assert await take(consumer, 1) == [b"live"]
+        await consumer.close()
+
+
+async def test_reset_cursor_and_lag(url):
+    async with Client(url) as client:
+        producer = client.producer()
+        consumer = client.consumer("resettable", ["reset/#"], durable=True)
+        await consumer.subscribe()
+        for index in range(5):
+            await producer.send("reset/x", str(index).encode())
+        assert await take(consumer, 5) == [str(i).encode() for i in range(5)]
+        await client.admin.reset_cursor("resettable", Position.earliest())
+        assert await take(consumer, 5) == [str(i).encode() for i in range(5)]
+        info = await client.admin.describe_subscription("resettable")
+        assert info.durable
+        await consumer.close()
+
+
+def test_durable_cursor_survives_sigkill(broker_process):
+    grpc_port = free_port()
+    broker = broker_process(extra_args=["--grpc-port", str(grpc_port)]).start()
+    url = f"127.0.0.1:{grpc_port}"
+
+    async def first_run() -> None:
+        async with Client(url) as client:
+            consumer = client.consumer("billing", ["orders/#"], durable=True, reconnect=False)
+            await consumer.subscribe()
+            producer = client.producer()
+            for index in range(10):
+                await producer.send("orders/eu", str(index).encode())
+            assert await take(consumer, 4) == [b"0", b"1", b"2", b"3"]
+            await asyncio.sleep(0.6)  # cursors are saved every 200 ms
+
+    asyncio.run(first_run())
+    broker.kill()
+    broker.start(mqtt_port=broker.mqtt_port)
+
+    async def second_run() -> list[bytes]:
+        async with Client(url) as client:
+            consumer = client.consumer("billing", ["orders/#"], durable=True)
+            return await take(consumer, 6)
+
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            rest = asyncio.run(second_run())
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    assert rest == [b"4", b"5", b"6", b"7", b"8", b"9"]
