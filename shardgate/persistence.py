@@ -17,6 +17,7 @@ from .storage.records import decode_message, encode_message
 log = logging.getLogger(__name__)
 
 CURSOR_SAVE_INTERVAL_S = 0.2
+RETENTION_EVERY_TICKS = 50  # every 10 s
 
 
 class MetadataCursorSink:
@@ -52,6 +53,9 @@ class Persistence:
         broker.cursor_sink = self.sink
         self._task: asyncio.Task[None] | None = None
         self._saved: dict[str, tuple[str, tuple[str, ...]]] = {}
+        # Set by the composition root when an archiver runs: the journal keeps what it has
+        # not archived yet.
+        self.archiver: object | None = None
 
     def restore_retained(self) -> int:
         count = 0
@@ -140,9 +144,46 @@ class Persistence:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
+        ticks = 0
         while True:
             await asyncio.sleep(CURSOR_SAVE_INTERVAL_S)
             self.flush()
+            ticks += 1
+            if ticks % RETENTION_EVERY_TICKS == 0:
+                self.apply_retention()
+
+    def needed_offsets(self) -> dict[tuple[str, int], int]:
+        """Per shard, the lowest offset a durable cursor or the archiver still needs."""
+        needs: dict[tuple[str, int], int] = {}
+        for sub in list(self.broker.subscriptions.values()):
+            if isinstance(sub, DurableSubscription):
+                for key, cursor in sub.cursors.items():
+                    floor = cursor.floor
+                    if floor < needs.get(key, floor + 1):
+                        needs[key] = floor
+        archived = getattr(self.archiver, "archived_offset", None)
+        if archived is not None:
+            for stream in self.broker.streams.values():
+                for shard in stream.shards:
+                    if shard.log is not None:
+                        key = (stream.name, shard.index)
+                        done = archived(stream.name, shard.index)
+                        needs[key] = min(needs.get(key, done), done)
+        return needs
+
+    def apply_retention(self) -> None:
+        """Let the journal drop old segments, never below what is still needed."""
+        needs = self.needed_offsets()
+        for stream in self.broker.streams.values():
+            for shard in stream.shards:
+                shard_log = shard.log
+                apply = getattr(shard_log, "apply_retention", None)
+                if apply is None:
+                    continue
+                try:
+                    apply(needs.get((stream.name, shard.index), shard_log.next_offset))  # type: ignore[union-attr]
+                except Exception:
+                    log.exception("retention failed on %s/%d", stream.name, shard.index)
 
     def flush(self) -> None:
         self.save_subscriptions()
