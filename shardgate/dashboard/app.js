@@ -1,0 +1,290 @@
+// The Shardgate dashboard: polls the admin JSON API and renders it with plain DOM calls.
+// Every value from the broker (client ids, topics, names) is set through textContent, never
+// parsed as HTML: a client id is whatever a device sent.
+"use strict";
+
+const INFO_INTERVAL_MS = 1000;
+const DETAIL_INTERVAL_MS = 2000;
+const CHART_POINTS = 120;
+
+const samples = [];          // {t, in, out} message rates for the chart
+let lastInfo = null;         // the previous /api/info, for rates
+
+// ------------------------------------------------------------------ helpers
+function $(id) { return document.getElementById(id); }
+
+function el(tag, props, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(props || {})) {
+    if (value === undefined || value === null) continue;
+    if (key === "className") node.className = value;
+    else if (key === "text") node.textContent = String(value);
+    else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
+    else if (key === "dataset") Object.assign(node.dataset, value);
+    else node.setAttribute(key, String(value));
+  }
+  for (const child of children) {
+    if (child === null || child === undefined) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+function num(value) {
+  if (value === null || value === undefined) return "–";
+  if (typeof value !== "number") return String(value);
+  if (Math.abs(value) >= 100 || Number.isInteger(value)) return Math.round(value).toLocaleString();
+  return value.toFixed(1);
+}
+
+function bytes(value) {
+  if (value === null || value === undefined) return "–";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (Math.abs(value) >= 1024 && i < units.length - 1) { value /= 1024; i++; }
+  return (i === 0 ? Math.round(value) : value.toFixed(1)) + " " + units[i];
+}
+
+function duration(seconds) {
+  seconds = Math.max(0, Math.floor(seconds));
+  const d = Math.floor(seconds / 86400), h = Math.floor(seconds % 86400 / 3600);
+  const m = Math.floor(seconds % 3600 / 60), s = seconds % 60;
+  if (d) return `${d}d ${h}h`;
+  if (h) return `${h}h ${m}m`;
+  if (m) return `${m}m ${s}s`;
+  return `${s}s`;
+}
+
+function since(unixSeconds) {
+  if (!unixSeconds) return "–";
+  return new Date(unixSeconds * 1000).toLocaleTimeString();
+}
+
+async function getJSON(path) {
+  const response = await fetch(path, { headers: { Accept: "application/json" }, cache: "no-store" });
+  const body = await response.json().catch(() => ({}));
+  if (!response.ok) throw new Error(body.error || `${response.status} ${response.statusText}`);
+  return body;
+}
+
+function fillTable(tbody, rows, columns, emptyText) {
+  if (!rows.length) {
+    tbody.replaceChildren(el("tr", {}, el("td", { className: "empty", colspan: columns, text: emptyText })));
+  } else {
+    tbody.replaceChildren(...rows);
+  }
+}
+
+function cell(value, className) { return el("td", { className, text: value }); }
+
+function setLinkState(ok, text) {
+  const node = $("link-state");
+  node.className = "state " + (ok ? "ok" : "down");
+  node.textContent = text;
+}
+
+// ------------------------------------------------------------------ overview
+function renderInfo(info) {
+  $("version").textContent = "v" + info.version;
+  $("uptime").textContent = "up " + duration(info.uptime_s);
+  if (lastInfo && info.now > lastInfo.now) {
+    const dt = info.now - lastInfo.now;
+    const rate = (key) => Math.max(0, (info[key] - lastInfo[key]) / dt);
+    const sample = { t: info.now, in: rate("messages_in"), out: rate("messages_out") };
+    $("rate-in").textContent = num(sample.in);
+    $("rate-out").textContent = num(sample.out);
+    $("rate-bytes-in").textContent = bytes(rate("bytes_in"));
+    $("rate-bytes-out").textContent = bytes(rate("bytes_out"));
+    samples.push(sample);
+    if (samples.length > CHART_POINTS) samples.shift();
+    drawChart();
+  }
+  lastInfo = info;
+  const byProtocol = Object.entries(info.connections || {});
+  $("connections").textContent = num(byProtocol.reduce((total, [, n]) => total + n, 0));
+  $("connections-by-protocol").textContent = byProtocol.map(([p, n]) => `${p} ${n}`).join(" · ");
+  $("dropped").textContent = num(info.messages_dropped);
+  $("count-streams").textContent = num(info.streams);
+  $("count-subscriptions").textContent = num(info.subscriptions);
+  $("count-sessions").textContent = num(info.sessions);
+  $("count-retained").textContent = num(info.retained);
+  $("listeners").textContent = "Listeners: " +
+    info.listeners.map((l) => `${l.name} ${l.host}:${l.port}`).join(", ");
+}
+
+function drawChart() {
+  const canvas = $("rate-chart");
+  const ratio = window.devicePixelRatio || 1;
+  const width = canvas.clientWidth || canvas.width, height = canvas.clientHeight || canvas.height;
+  if (canvas.width !== Math.round(width * ratio)) canvas.width = Math.round(width * ratio);
+  if (canvas.height !== Math.round(height * ratio)) canvas.height = Math.round(height * ratio);
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  ctx.clearRect(0, 0, width, height);
+  const style = getComputedStyle(document.documentElement);
+  const color = (name) => style.getPropertyValue(name).trim();
+  const left = 56, right = 8, top = 10, bottom = 20;
+  const plotW = width - left - right, plotH = height - top - bottom;
+  const peak = Math.max(1, ...samples.map((s) => Math.max(s.in, s.out)));
+  const max = niceCeiling(peak);
+  ctx.font = "11px system-ui, sans-serif";
+  ctx.fillStyle = color("--muted");
+  ctx.strokeStyle = color("--line");
+  ctx.lineWidth = 1;
+  for (let i = 0; i <= 4; i++) {
+    const y = top + plotH - (plotH * i) / 4;
+    ctx.beginPath(); ctx.moveTo(left, y); ctx.lineTo(left + plotW, y); ctx.stroke();
+    ctx.textAlign = "right"; ctx.textBaseline = "middle";
+    ctx.fillText(num((max * i) / 4), left - 6, y);
+  }
+  const windowS = CHART_POINTS * INFO_INTERVAL_MS / 1000;
+  $("chart-window").textContent = duration(windowS);
+  if (samples.length < 2) return;
+  const newest = samples[samples.length - 1].t;
+  const x = (t) => left + plotW - ((newest - t) / windowS) * plotW;
+  const y = (v) => top + plotH - (v / max) * plotH;
+  for (const [key, name] of [["in", "--in"], ["out", "--out"]]) {
+    ctx.strokeStyle = color(name);
+    ctx.lineWidth = 2;
+    ctx.beginPath();
+    samples.forEach((s, i) => (i ? ctx.lineTo(x(s.t), y(s[key])) : ctx.moveTo(x(s.t), y(s[key]))));
+    ctx.stroke();
+  }
+}
+
+function niceCeiling(value) {
+  const power = Math.pow(10, Math.floor(Math.log10(value)));
+  for (const step of [1, 2, 5, 10]) if (value <= step * power) return step * power;
+  return 10 * power;
+}
+
+// ------------------------------------------------------------------ tables
+function renderStreams(streams) {
+  const rows = [];
+  for (const stream of streams) {
+    stream.shards.forEach((shard, i) => {
+      const first = i === 0;
+      rows.push(el("tr", { className: first ? "" : "sub-row", dataset: { stream: stream.name, shard: shard.index } },
+        el("td", {}, first ? el("code", { text: stream.name }) : stream.name,
+           first && stream.default ? el("span", { className: "muted", text: " (default)" }) : null),
+        cell(first ? stream.mode : ""),
+        cell(first ? stream.schema : ""),
+        cell(shard.index, "num"),
+        cell(shard.low_watermark === undefined ? "memory" : num(shard.low_watermark), "num"),
+        cell(num(shard.next_offset), "num"),
+        cell(shard.segments === undefined ? "" : num(shard.segments), "num"),
+        cell(shard.size_bytes === undefined ? "" : bytes(shard.size_bytes), "num"),
+        el("td", {}, first ? el("code", { text: stream.routes.join(" ") }) : "")));
+    });
+  }
+  fillTable($("streams-body"), rows, 9, "No streams");
+}
+
+function renderSubscriptions(subscriptions) {
+  const rows = subscriptions.map((sub) => el("tr", { dataset: { subscription: sub.name } },
+    el("td", {}, el("code", { text: sub.name })),
+    cell(sub.type), cell(sub.protocol), cell(sub.durable ? "yes" : "no"),
+    el("td", {}, el("code", { text: sub.filters.join(" ") })),
+    cell(sub.consumers.map((c) => c.id + (c.active ? "" : " (standby)")).join(", ") || "none"),
+    cell(num(sub.lag), "num" + (sub.lag > 0 ? " lagging" : "")),
+    cell(num(sub.inflight), "num"), cell(num(sub.queued), "num")));
+  fillTable($("subscriptions-body"), rows, 9, "No subscriptions");
+}
+
+async function kick(button, client) {
+  button.disabled = true;
+  const status = $("kick-status");
+  try {
+    const path = `/api/clients/${encodeURIComponent(client.protocol)}/${encodeURIComponent(client.client_id)}`;
+    const response = await fetch(path, { method: "DELETE", headers: { Accept: "application/json" } });
+    const body = await response.json().catch(() => ({}));
+    if (!response.ok) throw new Error(body.error || `${response.status} ${response.statusText}`);
+    status.textContent = `Kicked ${client.protocol} client ${client.client_id}`;
+  } catch (error) {
+    status.textContent = `Could not kick ${client.client_id}: ${error.message}`;
+    button.disabled = false;
+  }
+  refreshDetails();
+}
+
+function renderClients(clients) {
+  const rows = clients.map((client) => {
+    const button = client.kickable
+      ? el("button", { type: "button", className: "kick", title: "Disconnect this client", text: "Kick" })
+      : null;
+    if (button) button.addEventListener("click", () => kick(button, client));
+    return el("tr", { dataset: { protocol: client.protocol, clientId: client.client_id } },
+      cell(client.protocol),
+      el("td", {}, el("code", { className: "client-id", text: client.client_id })),
+      cell(client.username || ""), cell(client.remote), cell(since(client.connected_at)),
+      cell(num(client.messages_in), "num"), cell(num(client.messages_out), "num"),
+      cell(client.detail), el("td", {}, button));
+  });
+  fillTable($("clients-body"), rows, 9, "No clients connected");
+}
+
+function renderSessions(sessions) {
+  const rows = sessions.map((s) => el("tr", { dataset: { clientId: s.client_id } },
+    el("td", {}, el("code", { text: s.client_id })),
+    cell(s.connected ? "connected" : "offline" + (s.disconnected_at ? " since " + since(s.disconnected_at) : "")),
+    cell(s.expiry_interval ? duration(s.expiry_interval) : "0"),
+    el("td", {}, el("code", { text: s.filters.concat(s.shared).join(" ") })),
+    cell(num(s.queued), "num"), cell(num(s.inflight), "num"), cell(num(s.dropped), "num")));
+  fillTable($("sessions-body"), rows, 7, "No sessions");
+}
+
+function renderArchive(archive) {
+  const body = $("archive-body");
+  if (!archive.enabled) {
+    body.replaceChildren(el("p", { className: "muted", text: "Archiving to object storage is not configured." }));
+    return;
+  }
+  const list = el("dl", { className: "kv" });
+  for (const [key, value] of Object.entries(archive)) {
+    if (key === "enabled") continue;
+    const shown = typeof value === "object" && value !== null ? JSON.stringify(value) : value;
+    list.append(el("dt", { text: key.replaceAll("_", " ") }), el("dd", { text: typeof shown === "number" ? num(shown) : String(shown) }));
+  }
+  body.replaceChildren(list);
+}
+
+// ------------------------------------------------------------------ polling
+async function refreshInfo() {
+  try {
+    renderInfo(await getJSON("/api/info"));
+    setLinkState(true, "live");
+  } catch (error) {
+    setLinkState(false, "broker unreachable");
+  }
+}
+
+let detailsRunning = false;
+async function refreshDetails() {
+  if (detailsRunning) return;
+  detailsRunning = true;
+  try {
+    const [streams, subscriptions, clients, sessions, archive] = await Promise.all(
+      ["/api/streams", "/api/subscriptions", "/api/clients", "/api/sessions", "/api/archive"].map(getJSON));
+    renderStreams(streams);
+    renderSubscriptions(subscriptions);
+    renderClients(clients);
+    renderSessions(sessions);
+    renderArchive(archive);
+  } catch (error) {
+    setLinkState(false, "broker unreachable");
+  } finally {
+    detailsRunning = false;
+  }
+}
+
+function every(ms, task) {
+  task();
+  setInterval(() => { if (!document.hidden) task(); }, ms);
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  every(INFO_INTERVAL_MS, refreshInfo);
+  every(DETAIL_INTERVAL_MS, refreshDetails);
+  window.addEventListener("resize", drawChart);
+  drawChart();
+});

@@ -1,0 +1,131 @@
+"""The web dashboard in a real headless Chromium (Debian's `chromium`, driven by playwright):
+it loads, lists a client connected with paho, and its kick button disconnects that client."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from shardgate.admin_http import start_http_server
+from tests.conftest import ThreadedBroker, free_port
+from tests.mqtt_clients import Paho
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+MQTT_ADMINISTRATIVE_ACTION = 0x98
+TIMEOUT_MS = 15_000
+
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium browser installed")
+
+
+def serve_admin(broker: ThreadedBroker) -> Iterator[str]:
+    """The node's admin URL: its own HTTP listener once wired, else one started here."""
+    if "http" in broker.app.listeners:
+        yield f"http://127.0.0.1:{broker.app.port('http')}"
+        return
+    server = broker.call(start_http_server(broker.app, "127.0.0.1", 0))
+    try:
+        yield f"http://127.0.0.1:{server.port}"
+    finally:
+        broker.call(server.wait_closed())
+
+
+@pytest.fixture
+def node(broker_factory: Callable[..., ThreadedBroker]) -> Iterator[tuple[ThreadedBroker, str]]:
+    broker = broker_factory(listeners={"http_port": free_port(), "grpc_port": free_port()})
+    for url in serve_admin(broker):
+        yield broker, url
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def page(browser: Any, node: tuple[ThreadedBroker, str]) -> Iterator[Any]:
+    context = browser.new_context()
+    try:
+        page = context.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+        page.errors = errors
+        yield page
+    finally:
+        context.close()
+
+
+def test_dashboard_loads_with_overview_streams_and_live_chart(
+    node: tuple[ThreadedBroker, str], page: Any
+) -> None:
+    broker, url = node
+    publisher = Paho(broker.mqtt_port, "chart-feeder")
+    try:
+        page.goto(url + "/")
+        expect = sync_api.expect
+        expect(page).to_have_title("Shardgate")
+        expect(page.locator("#link-state")).to_have_text("live")
+        expect(page.locator("#version")).to_contain_text("v0.")
+        for i in range(20):
+            publisher.publish("chart/x", str(i), qos=1)
+        expect(page.locator("#streams-body tr[data-stream='default']")).to_have_count(1)
+        expect(page.locator("#connections")).to_have_text("1")
+        expect(page.locator("#archive-body")).to_contain_text("not configured")
+        # Rates need two samples; the chart is drawn on a canvas with some non-blank pixels.
+        expect(page.locator("#rate-in")).not_to_have_text("–")
+        page.wait_for_function(
+            """() => {
+                const c = document.getElementById('rate-chart');
+                const data = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                for (let i = 3; i < data.length; i += 4) if (data[i] !== 0) return true;
+                return false;
+            }"""
+        )
+    finally:
+        publisher.client.disconnect()
+    assert page.errors == []
+
+
+def test_kick_button_disconnects_the_client(node: tuple[ThreadedBroker, str], page: Any) -> None:
+    broker, url = node
+    victim_id = "<img src=x onerror=alert(1)>"  # a client id is untrusted input
+    victim = Paho(broker.mqtt_port, victim_id)
+    bystander = Paho(broker.mqtt_port, "bystander")
+    try:
+        page.goto(url + "/")
+        expect = sync_api.expect
+        row = page.locator("#clients-body tr").filter(
+            has=page.locator("code.client-id", has_text=victim_id)
+        )
+        expect(row).to_have_count(1)
+        expect(row).to_contain_text("MQTT 5.0")
+        expect(page.locator("#clients-body img")).to_have_count(0)
+
+        row.get_by_role("button", name="Kick").click()
+
+        reason, _props = victim.disconnects.get(timeout=10)
+        assert reason == MQTT_ADMINISTRATIVE_ACTION
+        expect(page.locator("#kick-status")).to_contain_text(f"Kicked mqtt client {victim_id}")
+        expect(row).to_have_count(0)
+        bystander_row = page.locator("#clients-body tr[data-client-id='bystander']")
+        expect(bystander_row).to_have_count(1)
+        assert bystander.disconnects.empty()
+    finally:
+        victim.client.loop_stop()
+        bystander.client.disconnect()
+    assert page.errors == []
