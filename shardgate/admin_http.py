@@ -29,6 +29,7 @@ from .metrics import (
     create_registry,
     grpc_server,
     render,
+    subscription_queue,
 )
 
 log = logging.getLogger(__name__)
@@ -152,9 +153,7 @@ def subscription_view(sub: Any) -> dict[str, Any]:
         inflight = sub.inflight_count()
     else:
         inflight = len(getattr(owner, "inflight", ()) or ())
-    queued = getattr(owner, "queue", None)
-    if queued is None:
-        queued = getattr(owner, "messages", None)  # an AMQP queue's ready messages
+    queued = subscription_queue(sub)
     return {
         "name": sub.name,
         "type": str(sub.type),

@@ -72,6 +72,16 @@ def connection_counts(app: Any) -> dict[str, int]:
     return counts
 
 
+def subscription_queue(sub: Any) -> Any:
+    """What holds a subscription's waiting messages, if anything: an MQTT session's queue or an
+    AMQP queue's ready messages (both belong to the subscription's owner)."""
+    owner = sub.owner
+    queue = getattr(owner, "queue", None)
+    if queue is None:
+        queue = getattr(owner, "messages", None)
+    return queue if hasattr(queue, "__len__") else None
+
+
 def archive_status(app: Any) -> dict[str, Any] | None:
     """`app.archiver.status()` as a plain dict, or None when no archiver runs."""
     archiver = getattr(app, "archiver", None)
@@ -176,14 +186,22 @@ class ShardgateCollector(Collector):
             f"{PREFIX}_subscription_consumers", "Consumers attached to a subscription",
             labels=["subscription"],
         )
+        queued = GaugeMetricFamily(
+            f"{PREFIX}_subscription_queued", "Messages queued for a subscription's consumers "
+            "(an MQTT session's queue, an AMQP queue's ready messages)", labels=["subscription"],
+        )
         for sub in subs:
             consumers.add_metric([sub.name], len(sub.consumers))
+            queue = subscription_queue(sub)
+            if queue is not None:
+                queued.add_metric([sub.name], len(queue))
             if callable(getattr(sub, "lag", None)):
                 lag.add_metric([sub.name], sub.lag())
                 inflight.add_metric([sub.name], sub.inflight_count())
         yield lag
         yield inflight
         yield consumers
+        yield queued
 
     @staticmethod
     def _sessions(app: Any) -> Iterator[Metric]:

@@ -6,6 +6,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pika
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -45,12 +46,15 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 
 def start_node(factory: Callable[..., ThreadedBroker], **sections: Any) -> ThreadedBroker:
-    return factory(listeners={"http_port": free_port(), "grpc_port": free_port()}, **sections)
+    sections.setdefault("listeners", {"http_port": free_port(), "grpc_port": free_port()})
+    return factory(**sections)
 
 
 @pytest.fixture
 def node(broker_factory: Callable[..., ThreadedBroker]) -> Iterator[tuple[ThreadedBroker, str]]:
-    broker = start_node(broker_factory, streams=[StreamEntry("telemetry", partitions=2)])
+    broker = start_node(broker_factory, streams=[StreamEntry("telemetry", partitions=2)],
+                        listeners={"http_port": free_port(), "grpc_port": free_port(),
+                                   "amqp_port": free_port()})
     for url in serve_admin(broker):
         yield broker, url
 
@@ -155,3 +159,20 @@ def test_archive_status_numbers_become_gauges(node: tuple[ThreadedBroker, str]) 
     assert value(samples, "shardgate_archive_lag_records") == 42
     assert value(samples, "shardgate_archive_files_written") == 3
     assert not [name for name, _ in samples if name in ("shardgate_archive_running", "shardgate_archive_url")]
+
+
+def test_amqp_queue_depth_and_connection_are_counted(node: tuple[ThreadedBroker, str]) -> None:
+    broker, url = node
+    connection = pika.BlockingConnection(
+        pika.ConnectionParameters("127.0.0.1", broker.app.port("amqp")))
+    try:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        channel.queue_declare("work", durable=False)
+        for _ in range(3):
+            channel.basic_publish("", "work", b"job")
+        _, samples = scrape(url)
+        assert value(samples, "shardgate_connections", protocol="amqp") == 1
+        assert value(samples, "shardgate_subscription_queued", subscription="amqp:/:work") == 3
+    finally:
+        connection.close()
