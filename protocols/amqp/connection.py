@@ -14,6 +14,7 @@ connection.close and ignores everything but close/close-ok until the peer confir
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
@@ -31,6 +32,15 @@ from ... import __version__
 from ...core.errors import PublishRejected
 from ...core.message import Message
 from .errors import ChannelException, ConnectionException, ReplyCode
+from .hotpath import (
+    ACK_INDEX,
+    PUBLISH_INDEX,
+    decode_ack,
+    decode_publish,
+    encode_ack,
+    encode_deliver,
+    shortstr,
+)
 from .properties import content_header_payload, encoded_properties, message_from_properties
 from .queues import Queue, QueueConsumer, QueueEntry
 from .routing import exchange_and_key, publish_topic
@@ -45,6 +55,7 @@ PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"  # AMQP 0-9-1 §4.2.2
 FRAME_MIN_SIZE = constants.FRAME_MIN_SIZE  # 4096, §4.2.3
 _FRAME_HEADER = struct.Struct(">BHI")
 _FRAME_END = b"\xce"
+_INDEX = struct.Struct(">I")
 _HEARTBEAT = pframe.marshal(pframe.heartbeat.Heartbeat(), 0)
 
 
@@ -112,6 +123,9 @@ class AmqpChannel:
         self.publish_seq = 0
         self.unconfirmed: dict[int, bool] = {}
         self.last_queue = ""
+        self.consumer_tags: dict[str, bytes] = {}
+        # Highest publish sequence number covered by confirms waiting to be sent (multiple ack).
+        self.confirm_ready = 0
         # Content being received: the publish method, its header, body parts.
         self.publish: commands.Basic.Publish | None = None
         self.content_props: commands.Basic.Properties | None = None
@@ -122,7 +136,10 @@ class AmqpChannel:
 
     # ------------------------------------------------------------------ ConsumerChannel
     def can_deliver(self, consumer: QueueConsumer) -> bool:
-        if self.closing or not self.flow or not self.connection.writable:
+        if self.closing or not self.flow:
+            return False
+        if not self.connection.writable:
+            self.connection.stalled = True
             return False
         if consumer.no_ack:
             return True
@@ -138,8 +155,14 @@ class AmqpChannel:
             consumer.unacked += 1
         message = entry.message
         exchange, routing_key = exchange_and_key(message.topic)
-        method = commands.Basic.Deliver(consumer.tag, tag, entry.redelivered, exchange, routing_key)
-        self.connection.send_content(self.number, method, message)
+        tag_bytes = self.consumer_tags.get(consumer.tag)
+        if tag_bytes is None:
+            tag_bytes = self.consumer_tags[consumer.tag] = shortstr(consumer.tag)
+        self.connection.send_content(
+            self.number,
+            encode_deliver(self.number, tag_bytes, tag, entry.redelivered, exchange, routing_key),
+            message,
+        )
 
     # ------------------------------------------------------------------ acks
     def settle(self, tag: int, multiple: bool, method: type[commands.base.Frame]) -> list[Delivery]:
@@ -215,6 +238,7 @@ class AmqpConnection:
         self.flush_requested = False
         self.close_after_flush = False
         self.transport_writable = True
+        self.stalled = False
         self.channels: dict[int, AmqpChannel] = {}
         self.closing_channels: set[int] = set()
         self.frame_max = self.settings.frame_max
@@ -229,6 +253,8 @@ class AmqpConnection:
         self.last_sent = self.opened_at
         self.closing_since = 0.0
         self._publishes_in_flight = 0
+        self._landing: dict[asyncio.Future[None], list[tuple[AmqpChannel, int]]] = {}
+        self._confirm_channels: set[AmqpChannel] = set()
         self._paused = False
         self._wake_queues: set[Queue] = set()
         self._wake_channels: set[AmqpChannel] = set()
@@ -279,11 +305,11 @@ class AmqpConnection:
     def send_method(self, channel: int, method: commands.base.Frame) -> None:
         self._write(pframe.marshal(method, channel))
 
-    def send_content(self, channel: int, method: commands.base.Frame, message: Message) -> None:
+    def send_content(self, channel: int, method: commands.base.Frame | bytes, message: Message) -> None:
         """A method with content (deliver, get-ok, return): method, header and body frames."""
         payload = message.payload
         parts = [
-            pframe.marshal(method, channel),
+            method if isinstance(method, bytes) else pframe.marshal(method, channel),
             frame_bytes(2, channel, content_header_payload(encoded_properties(message), len(payload))),
         ]
         if payload:
@@ -297,14 +323,23 @@ class AmqpConnection:
 
     def flush(self) -> None:
         self.flush_requested = False
+        if self._confirm_channels:
+            for channel in self._confirm_channels:
+                if channel.confirm_ready and not channel.closing:
+                    self.out.append(encode_ack(channel.number, channel.confirm_ready, True))
+                channel.confirm_ready = 0
+            self._confirm_channels.clear()
         if self.out:
             data = b"".join(self.out) if len(self.out) > 1 else self.out[0]
             self.out.clear()
             self.out_bytes = 0
             self.last_sent = time.monotonic()
             self.link.write(data)
-            if self.transport_writable:
+            if self.stalled and self.writable:
+                # Consumers stopped for a full output buffer: there is room again.
+                self.stalled = False
                 self._resume_consumers()
+                self._run_wakeups()
         if self.close_after_flush:
             self.state = State.CLOSED
             self.link.close()
@@ -312,7 +347,8 @@ class AmqpConnection:
     def set_writable(self, writable: bool) -> None:
         """The transport paused or resumed writing."""
         self.transport_writable = writable
-        if writable:
+        if writable and self.stalled:
+            self.stalled = False
             self._resume_consumers()
             self._run_wakeups()
 
@@ -424,8 +460,16 @@ class AmqpConnection:
             return
         if frame_type not in (1, 2):
             raise ConnectionException(ReplyCode.FRAME_ERROR, f"unknown frame type {frame_type}")
+        value: Any = None
+        if frame_type == 1 and len(data) >= 12:
+            index = _INDEX.unpack_from(data, 7)[0]
+            if index == PUBLISH_INDEX:
+                value = decode_publish(data)
+            elif index == ACK_INDEX:
+                value = decode_ack(data)
         try:
-            _, _, value = pframe.unmarshal(data)
+            if value is None:
+                _, _, value = pframe.unmarshal(data)
         except exceptions.UnmarshalingException as exc:
             if frame_type == 1 and len(data) >= 11:
                 index = struct.unpack_from(">I", data, 7)[0]
@@ -932,7 +976,7 @@ class AmqpConnection:
             )
             self.send_content(channel.number, method, message)
             if seq:
-                self.send_method(channel.number, commands.Basic.Ack(seq, False))
+                self._confirm(channel, seq, True)
             return
         try:
             pending = self.service.broker.publish(message)
@@ -941,58 +985,57 @@ class AmqpConnection:
             if seq:
                 self.send_method(channel.number, commands.Basic.Nack(seq, False, False))
             return
-        if pending is not None:
-            self._publishes_in_flight += 1
-            pending.add_done_callback(self._publish_landed)
-        if not seq:
-            return
         if pending is None:
-            self._confirm(channel, seq, True)
-        else:
+            if seq:
+                self._confirm(channel, seq, True)
+            return
+        # Stored once the journal's commit group is durable: one callback per group.
+        waiting = self._landing.get(pending)
+        if waiting is None:
+            waiting = self._landing[pending] = []
+            pending.add_done_callback(self._landed)
+        waiting.append((channel, seq))
+        self._publishes_in_flight += 1
+        if seq:
             channel.unconfirmed[seq] = False
-            pending.add_done_callback(
-                lambda fut, ch=channel, tag=seq: self._confirm(
-                    ch, tag, not fut.cancelled() and fut.exception() is None
-                )
-            )
 
-    def _publish_landed(self, _: object) -> None:
-        self._publishes_in_flight -= 1
+    def _landed(self, future: asyncio.Future[None]) -> None:
+        waiting = self._landing.pop(future, [])
+        self._publishes_in_flight -= len(waiting)
+        ok = not future.cancelled() and future.exception() is None
+        for channel, seq in waiting:
+            if seq:
+                self._confirm(channel, seq, ok)
         if self._publishes_in_flight == 0 and self._paused:
             self._paused = False
             if self.state is not State.CLOSED:
                 self.data_received(b"")
 
     def _confirm(self, channel: AmqpChannel, tag: int, ok: bool) -> None:
+        """Publish `tag` is stored (or failed). Acks are merged into one multiple ack per
+        channel and flush; a tag is acked only once every lower tag is settled."""
         if channel.closing or self.state is not State.OPEN:
             return
         unconfirmed = channel.unconfirmed
         if not ok:
             unconfirmed.pop(tag, None)
             self.send_method(channel.number, commands.Basic.Nack(tag, False, False))
-            return
-        if not unconfirmed:
-            # Nothing older is pending: ack it alone; consecutive acks merge on output.
-            self._ack_publish(channel, tag)
-            return
-        if tag in unconfirmed:
-            unconfirmed[tag] = True
-        elif tag < next(iter(unconfirmed)):
-            self._ack_publish(channel, tag)
-            return
+        elif not unconfirmed:
+            channel.confirm_ready = tag
         else:
             unconfirmed[tag] = True
         last = 0
-        for pending_tag, done in list(unconfirmed.items()):
+        for pending_tag, done in unconfirmed.items():
             if not done:
                 break
-            del unconfirmed[pending_tag]
             last = pending_tag
         if last:
-            self.send_method(channel.number, commands.Basic.Ack(last, True))
-
-    def _ack_publish(self, channel: AmqpChannel, tag: int) -> None:
-        self.send_method(channel.number, commands.Basic.Ack(tag, False))
+            for pending_tag in [t for t in unconfirmed if t <= last]:
+                del unconfirmed[pending_tag]
+            channel.confirm_ready = max(channel.confirm_ready, last)
+        if channel.confirm_ready:
+            self._confirm_channels.add(channel)
+            self._request_flush()
 
     def _basic_get(self, channel: AmqpChannel, frame: commands.Basic.Get) -> None:
         assert self.vhost is not None

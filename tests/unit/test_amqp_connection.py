@@ -323,3 +323,34 @@ def test_server_named_queue(client: Client) -> None:
 
 def test_heartbeat_frames_are_accepted(client: Client) -> None:
     assert client.feed(frame.marshal(frame.heartbeat.Heartbeat(), 0)) == []
+
+
+def test_hot_path_codecs_match_pamqp():
+    from shardgate.protocols.amqp import hotpath
+
+    publish = frame.marshal(commands.Basic.Publish(exchange="ex.1", routing_key="k/ü", mandatory=True), 3)
+    decoded = hotpath.decode_publish(publish)
+    assert (decoded.exchange, decoded.routing_key, decoded.mandatory, decoded.immediate) == (
+        "ex.1", "k/ü", True, False)
+    ack = frame.marshal(commands.Basic.Ack(delivery_tag=2**40 + 5, multiple=True), 2)
+    decoded_ack = hotpath.decode_ack(ack)
+    assert (decoded_ack.delivery_tag, decoded_ack.multiple) == (2**40 + 5, True)
+    assert hotpath.encode_ack(2, 2**40 + 5, True) == ack
+    deliver = commands.Basic.Deliver("ctag", 77, True, "amq.topic", "a.b")
+    assert hotpath.encode_deliver(4, hotpath.shortstr("ctag"), 77, True, "amq.topic", "a.b") == \
+        frame.marshal(deliver, 4)
+    assert hotpath.decode_publish(publish[:-3] + b"\xce") is None
+
+
+def test_confirms_merge_into_one_multiple_ack(client: Client) -> None:
+    client.send(1, commands.Confirm.Select())
+    declare(client, "cq")
+    chunk = b"".join(
+        frame.marshal(commands.Basic.Publish(exchange="", routing_key="cq"), 1)
+        + frame.marshal(header.ContentHeader(0, 1, commands.Basic.Properties()), 1)
+        + frame.marshal(pbody.ContentBody(b"x"), 1)
+        for _ in range(10)
+    )
+    out = client.feed(chunk)
+    acks = [v for _, v in out if isinstance(v, commands.Basic.Ack)]
+    assert [(a.delivery_tag, a.multiple) for a in acks] == [(10, True)]
