@@ -1,0 +1,161 @@
+"""Spark helpers for the Parquet archive: open it as a DataFrame with partition pruning.
+
+The archive is plain Hive-partitioned Parquet (`stream=<name>/date=YYYY-MM-DD/hour=HH/`), so
+`spark.read.parquet(url)` works on its own; `read_archive` adds what is easy to get wrong:
+an explicit schema (so that partition values are never type-inferred and a stream named
+`007` stays the string "007"), reading only the stream's directory, and filters on the
+`stream`, `date` and `hour` partition columns that Spark turns into PartitionFilters before
+the exact filter on `publish_time`.
+
+For `s3://` archives Spark needs the hadoop-aws connector (not shipped with pyspark):
+
+    spark = (SparkSession.builder
+             .config("spark.jars.packages", "org.apache.hadoop:hadoop-aws:3.5.0")
+             .config("spark.hadoop.fs.s3a.endpoint", "https://s3.eu-west-1.amazonaws.com")
+             .getOrCreate())
+
+and reads `s3a://bucket/prefix` (`read_archive` rewrites `s3://` to `s3a://`). The hadoop-aws
+version must match the Hadoop jars of the pyspark installation (`pyspark/jars/hadoop-client-*`).
+
+pyspark is imported lazily: this module imports without it. It never writes the archive.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame, SparkSession
+    from pyspark.sql.types import StructType
+
+PARTITION_COLUMNS = ("stream", "date", "hour")
+TimeBound = datetime | int | float | str | None
+"""A time bound: an aware datetime (naive means UTC), milliseconds since the epoch, or an
+ISO 8601 string."""
+
+
+def archive_schema() -> StructType:
+    """The Spark schema of the archive: the Parquet columns, then the `date` (DateType) and
+    `hour` (IntegerType) partition columns; `stream` is both, a string."""
+    from pyspark.sql import types as T
+
+    def field(name: str, data_type: Any) -> Any:
+        return T.StructField(name, data_type, True)
+
+    return T.StructType([
+        field("stream", T.StringType()),
+        field("shard", T.IntegerType()),
+        field("offset", T.LongType()),
+        field("publish_time", T.TimestampType()),
+        field("topic", T.StringType()),
+        field("key", T.BinaryType()),
+        field("payload", T.BinaryType()),
+        field("headers", T.MapType(T.StringType(), T.StringType(), True)),
+        field("content_type", T.StringType()),
+        field("producer_protocol", T.StringType()),
+        field("producer_id", T.StringType()),
+        field("qos", T.ByteType()),
+        field("retain", T.BooleanType()),
+        field("correlation_data", T.BinaryType()),
+        field("reply_to", T.StringType()),
+        field("payload_format", T.ByteType()),
+        field("expires_at", T.TimestampType()),
+        field("payload_string", T.StringType()),
+        field("payload_int64", T.LongType()),
+        field("payload_json", T.StringType()),
+        field("date", T.DateType()),
+        field("hour", T.IntegerType()),
+    ])
+
+
+def spark_path(url: str) -> str:
+    """The archive URL as Hadoop names it: `s3://` becomes `s3a://`, a bare path `file://`."""
+    url = url.rstrip("/")
+    if url.startswith("s3://"):
+        return "s3a://" + url[len("s3://"):]
+    if "://" not in url:
+        return "file://" + url
+    return url
+
+
+def to_datetime(bound: TimeBound) -> datetime | None:
+    """A time bound as an aware UTC datetime."""
+    if bound is None:
+        return None
+    if isinstance(bound, datetime):
+        return bound.replace(tzinfo=UTC) if bound.tzinfo is None else bound.astimezone(UTC)
+    if isinstance(bound, int | float):
+        return datetime.fromtimestamp(bound / 1000, UTC)
+    return to_datetime(datetime.fromisoformat(bound))
+
+
+def partition_filter(start: TimeBound = None, end: TimeBound = None) -> Column | None:
+    """A condition on the `date` and `hour` partition columns that keeps every partition
+    that can hold a record published in [start, end)."""
+    from pyspark.sql import functions as F
+
+    condition = None
+    lower, upper = to_datetime(start), to_datetime(end)
+    if lower is not None:
+        day = F.lit(lower.date())
+        condition = (F.col("date") > day) | (
+            (F.col("date") == day) & (F.col("hour") >= F.lit(lower.hour)))
+    if upper is not None:
+        day = F.lit(upper.date())
+        below = (F.col("date") < day) | ((F.col("date") == day) & (F.col("hour") <= F.lit(upper.hour)))
+        condition = below if condition is None else condition & below
+    return condition
+
+
+def read_archive(
+    spark: SparkSession,
+    url: str,
+    stream: str | None = None,
+    start: TimeBound = None,
+    end: TimeBound = None,
+) -> DataFrame:
+    """The archive at `url` as a DataFrame (schema: `archive_schema()`), optionally one
+    stream and the records published in [start, end). Pruned by partition: only the
+    matching `stream=/date=/hour=` directories are read. An archive (or stream) with no
+    files yet gives an empty DataFrame."""
+    from pyspark.errors import AnalysisException
+    from pyspark.sql import functions as F
+
+    base = spark_path(url)
+    schema = archive_schema()
+    reader = spark.read.schema(schema).option("basePath", base)
+    path = base if stream is None else f"{base}/stream={stream}"
+    try:
+        frame = reader.parquet(path)
+    except AnalysisException as exc:
+        if "PATH_NOT_FOUND" not in str(exc) and "does not exist" not in str(exc):
+            raise
+        return spark.createDataFrame([], schema)
+    if stream is not None:
+        frame = frame.where(F.col("stream") == F.lit(stream))
+    pruning = partition_filter(start, end)
+    if pruning is not None:
+        frame = frame.where(pruning)
+    lower, upper = to_datetime(start), to_datetime(end)
+    if lower is not None:
+        frame = frame.where(F.col("publish_time") >= F.lit(lower))
+    if upper is not None:
+        frame = frame.where(F.col("publish_time") < F.lit(upper))
+    return frame
+
+
+def read_archive_stream(spark: SparkSession, url: str, stream: str | None = None,
+                        max_files_per_trigger: int | None = None) -> DataFrame:
+    """The archive as a Structured Streaming source: each new Parquet file is picked up
+    once (files are renamed or uploaded whole, so a file is never read half-written).
+
+    The file source discovers partitions from the archive root (it ignores `basePath`), so
+    a stream is selected with a filter on the `stream` partition column."""
+    from pyspark.sql import functions as F
+
+    reader = spark.readStream.schema(archive_schema())
+    if max_files_per_trigger is not None:
+        reader = reader.option("maxFilesPerTrigger", max_files_per_trigger)
+    frame = reader.parquet(spark_path(url))
+    return frame if stream is None else frame.where(F.col("stream") == F.lit(stream))
