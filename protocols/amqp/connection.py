@@ -150,7 +150,9 @@ class AmqpChannel:
     def deliver(self, consumer: QueueConsumer, queue: Queue, entry: QueueEntry) -> None:
         tag = self.next_tag
         self.next_tag = tag + 1
-        if not consumer.no_ack:
+        if consumer.no_ack:
+            queue.settle(entry)
+        else:
             self.unacked[tag] = Delivery(queue, entry, consumer)
             consumer.unacked += 1
         message = entry.message
@@ -1048,7 +1050,9 @@ class AmqpConnection:
             return
         tag = channel.next_tag
         channel.next_tag = tag + 1
-        if not frame.no_ack:
+        if frame.no_ack:
+            queue.settle(entry)
+        else:
             channel.unacked[tag] = Delivery(queue, entry, None)
         exchange, routing_key = exchange_and_key(entry.message.topic)
         self.send_content(channel.number, commands.Basic.GetOk(
@@ -1057,7 +1061,7 @@ class AmqpConnection:
 
     def _basic_ack(self, channel: AmqpChannel, frame: commands.Basic.Ack) -> None:
         for delivery in channel.settle(frame.delivery_tag, frame.multiple, commands.Basic.Ack):
-            delivery.queue.subscription.ack(delivery.entry.message)
+            delivery.queue.settle(delivery.entry)
 
     def _settle_negative(self, channel: AmqpChannel, deliveries: list[Delivery], requeue: bool) -> None:
         if requeue:

@@ -62,6 +62,9 @@ class QueueConsumer:
         self.unacked = 0
 
 
+# Messages a durable queue holds in memory; beyond that they wait in the journal.
+READY_LIMIT = 100_000
+
 # dead_letter(queue, entry, reason) is provided by the virtual host.
 DeadLetter = Callable[["Queue", QueueEntry, str], None]
 
@@ -116,7 +119,17 @@ class Queue:
 
     @property
     def available(self) -> bool:
-        return not self.deleted
+        # A durable queue stops taking live messages when its buffer is full: the core's
+        # durable subscription then keeps them in the journal and replays them on `wake`.
+        if self.deleted:
+            return False
+        return not self.subscription.durable or len(self.messages) < READY_LIMIT
+
+    def settle(self, entry: QueueEntry) -> None:
+        """`entry` left the queue for good (acked, dropped, dead-lettered, purged)."""
+        self.subscription.ack(entry.message)
+        if self.subscription.durable and len(self.messages) == READY_LIMIT // 2:
+            self.subscription.wake()
 
     def deliver(self, message: Message, subscription: Subscription, filters: Sequence[str]) -> None:
         if self.deleted:
@@ -196,7 +209,10 @@ class Queue:
 
     def purge(self) -> int:
         count = len(self.messages)
+        entries = list(self.messages)
         self.messages.clear()
+        for entry in entries:
+            self.settle(entry)
         return count
 
     def expire(self, at_ms: int | None = None) -> None:

@@ -55,6 +55,10 @@ class AmqpService:
         return self._loop
 
     def start(self) -> None:
+        for vhost in self.vhosts.values():
+            restored = vhost.restore()
+            if restored:
+                log.info("restored %d durable AMQP queues in vhost %r", restored, vhost.name)
         self._tick_handle = self.loop.call_later(TICK_S, self._tick)
         self._sweep_handle = self.loop.call_later(SWEEP_S, self._sweep)
 

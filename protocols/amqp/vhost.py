@@ -4,31 +4,54 @@ Operations raise `ChannelException`/`ConnectionException` with the reply code th
 RabbitMQ) gives: 404 for a missing entity, 406 for an inequivalent redeclaration or a failed
 if-unused/if-empty, 403 for the reserved `amq.` names, 405 for another connection's exclusive
 queue, 503 for an unknown exchange type. Queues are core subscriptions named
-`amqp:<vhost>:<queue>`; bindings are core filters (see `routing`).
+`amqp:<vhost>:<queue>`; bindings are core filters (see `routing`). A durable queue (when the broker
+has a journal) is a core *durable* subscription, so its messages and acknowledgements survive a
+restart; the durable exchanges, queue arguments and bindings are recorded as a retained message
+on `$amqp/$topology/<vhost>` (persisted by the composition root like every retained message) and
+`restore()` rebuilds them at start.
 """
 
 from __future__ import annotations
 
 import base64
 import datetime
+import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pamqp import commands, header
 
+from ...core.durable import DurableOptions, DurableSubscription
 from ...core.errors import PublishRejected, SubscriptionBusy
 from ...core.message import Message
-from ...core.subscriptions import SubscriptionType
+from ...core.subscriptions import Subscription, SubscriptionType
 from .errors import ChannelException, ConnectionException, ReplyCode
 from .properties import PROPERTIES_KEY, content_header_payload
 from .queues import Queue, QueueEntry
-from .routing import AMQ_TOPIC, binding_for, exchange_and_key, publish_topic, queue_topic
+from .routing import (
+    AMQ_TOPIC,
+    PREFIX,
+    binding_for,
+    escape,
+    exchange_and_key,
+    publish_topic,
+    queue_topic,
+)
 
 if TYPE_CHECKING:
     from ...core.broker import Broker
 
+log = logging.getLogger(__name__)
+
 EXCHANGE_TYPES = ("direct", "fanout", "topic", "headers")
+# Retained record of a vhost's durable exchanges, queues and bindings (`$` keeps it clear of
+# exchange names, which cannot contain one).
+TOPOLOGY_PREFIX = PREFIX + "$topology/"
+# A durable queue settles every message itself (ack, reject, expiry, purge): no ack timeout,
+# no core dead-lettering; its buffer is handed back when the queue object goes away.
+DURABLE_QUEUE_OPTIONS = DurableOptions(ack_timeout_s=None, max_deliveries=0, redeliver_on_leave=True)
 PREDECLARED = {
     "": "direct",
     "amq.direct": "direct",
@@ -125,6 +148,8 @@ class VirtualHost:
             dict(frame.arguments or {}),
         )
         self.exchanges[name] = exchange
+        if exchange.durable:
+            self.save_topology()
         return exchange
 
     def delete_exchange(self, name: str, if_unused: bool) -> None:
@@ -141,7 +166,9 @@ class VirtualHost:
             if queue is not None:
                 for key in [k for k in queue.bindings if k[0] == name]:
                     self._remove_binding(queue, key)
-        del self.exchanges[name]
+        self.exchanges.pop(name, None)
+        if exchange.durable:
+            self.save_topology()
 
     # ------------------------------------------------------------------ queues
     def queue(self, name: str, owner: object, method: type[commands.base.Frame] | None) -> Queue:
@@ -214,30 +241,130 @@ class VirtualHost:
             existing.last_used_ms = existing.last_used_ms
             return existing, False
         broker = self.broker
-        sub_name = f"amqp:{self.name}:{name}"
+        sub_name = self._subscription_name(name)
+        keeps_messages = frame.durable and not frame.exclusive and broker.storage is not None
         old = broker.subscriptions.get(sub_name)
-        if old is not None:
+        if old is not None and not (keeps_messages and isinstance(old, DurableSubscription)):
             broker.remove_subscription(sub_name)
-        sub = broker.subscription(
-            sub_name, SubscriptionType.EXCLUSIVE, durable=False, owner=None
-        )
-        queue = Queue(
-            name, sub, durable=frame.durable, exclusive_owner=owner if frame.exclusive else None,
-            auto_delete=frame.auto_delete, arguments=arguments, dead_letter=self.dead_letter,
-        )
-        sub.owner = queue
+        if keeps_messages:
+            # Messages wait in the journal; the core's durable subscription keeps this queue's
+            # cursor, so they survive a restart (acks are `subscription.ack`).
+            durable = broker.durable_subscription(
+                sub_name, SubscriptionType.EXCLUSIVE, options=DURABLE_QUEUE_OPTIONS
+            )
+            # Cursors on every reliable shard from now on, saved with the next cursor flush.
+            durable.open_cursors()
+            sub: Subscription = durable
+        else:
+            sub = broker.subscription(sub_name, SubscriptionType.EXCLUSIVE, durable=False)
         try:
-            broker.attach(sub, queue)
+            queue = self._make_queue(
+                name, sub, durable=frame.durable,
+                exclusive_owner=owner if frame.exclusive else None,
+                auto_delete=frame.auto_delete, arguments=arguments,
+            )
         except SubscriptionBusy:  # pragma: no cover - the subscription is new
             raise _err(ReplyCode.RESOURCE_LOCKED, f"queue '{name}' is busy", method) from None
+        if frame.durable and not frame.exclusive:
+            self.save_topology()
+        return queue, True
+
+    def _subscription_name(self, queue: str) -> str:
+        return f"amqp:{self.name}:{queue}"
+
+    def _make_queue(
+        self, name: str, sub: Subscription, *, durable: bool, exclusive_owner: object | None,
+        auto_delete: bool, arguments: dict[str, Any],
+    ) -> Queue:
+        queue = Queue(
+            name, sub, durable=durable, exclusive_owner=exclusive_owner, auto_delete=auto_delete,
+            arguments=arguments, dead_letter=self.dead_letter,
+        )
+        sub.owner = queue
+        self.broker.attach(sub, queue)
         self.queues[name] = queue
         default = binding_for("", "direct", name, None)
         default.topic_filter = queue_topic(name)
         queue.add_binding(default)
-        broker.add_filter(sub, default.topic_filter)
+        self.broker.add_filter(sub, default.topic_filter)
         if queue.message_ttl is not None or queue.expires is not None:
             self.timed_queues.add(queue)
-        return queue, True
+        return queue
+
+    # ------------------------------------------------------------------ durable topology
+    @property
+    def topology_topic(self) -> str:
+        return TOPOLOGY_PREFIX + escape(self.name)
+
+    def save_topology(self) -> None:
+        """Record durable exchanges, durable queues and their bindings as a retained message,
+        which the composition root persists with the other retained messages."""
+        if self.broker.storage is None:
+            return  # nothing survives a restart anyway
+        exchanges = [
+            {"name": e.name, "type": e.type, "auto_delete": e.auto_delete, "internal": e.internal,
+             "arguments": e.arguments}
+            for e in self.exchanges.values() if e.durable and e.name not in PREDECLARED
+        ]
+        queues = [
+            {"name": q.name, "auto_delete": q.auto_delete, "arguments": q.arguments,
+             "bindings": [[b.exchange, b.routing_key, list(b.arguments)]
+                          for b in q.bindings.values() if b.exchange]}
+            for q in self.queues.values() if q.durable and q.exclusive_owner is None
+        ]
+        payload = json.dumps({"exchanges": exchanges, "queues": queues}, default=str).encode()
+        try:
+            self.broker.publish(Message(
+                self.topology_topic, payload, qos=1, retain=True, content_type="application/json",
+                producer_protocol="amqp",
+            ))
+        except PublishRejected as exc:
+            log.error("could not record the AMQP topology of vhost %r: %s", self.name, exc)
+
+    def restore(self) -> int:
+        """Bring back durable exchanges and queues (with their bindings) after a restart; the
+        queues' messages come back from their durable subscriptions' cursors."""
+        saved: dict[str, Any] = {"exchanges": [], "queues": []}
+        record = self.broker.retained.get(self.topology_topic)
+        if record is not None and record.payload:
+            try:
+                saved = json.loads(record.payload)
+            except ValueError:
+                log.error("unreadable AMQP topology for vhost %r", self.name)
+        for entry in saved.get("exchanges", []):
+            if entry.get("type") in EXCHANGE_TYPES and entry["name"] not in self.exchanges:
+                self.exchanges[entry["name"]] = Exchange(
+                    entry["name"], entry["type"], True, bool(entry.get("auto_delete")),
+                    bool(entry.get("internal")), dict(entry.get("arguments") or {}),
+                )
+        queues = {entry["name"]: entry for entry in saved.get("queues", [])}
+        prefix = self._subscription_name("")
+        count = 0
+        for sub in list(self.broker.subscriptions.values()):
+            if not sub.name.startswith(prefix) or not isinstance(sub, DurableSubscription):
+                continue
+            name = sub.name[len(prefix):]
+            if name in self.queues:
+                continue
+            entry = queues.get(name, {})
+            queue = self._make_queue(
+                name, sub, durable=True, exclusive_owner=None,
+                auto_delete=bool(entry.get("auto_delete")),
+                arguments=dict(entry.get("arguments") or {}),
+            )
+            for exchange_name, key, args in entry.get("bindings", []):
+                exchange = self.exchanges.get(exchange_name)
+                if exchange is None:
+                    continue
+                binding = binding_for(exchange.name, exchange.type, key, dict(args))
+                queue.add_binding(binding)
+                self.broker.add_filter(sub, binding.topic_filter)
+                exchange.bound[name] = exchange.bound.get(name, 0) + 1
+            for stale in [f for f in sub.filters if f not in queue.by_filter]:
+                self.broker.remove_filter(sub, stale)
+            sub.wake()
+            count += 1
+        return count
 
     def delete_queue(self, queue: Queue) -> int:
         """Remove `queue` and everything bound to it; returns how many messages it held."""
@@ -254,6 +381,8 @@ class VirtualHost:
         queue.messages.clear()
         for callback in self.on_queue_deleted:
             callback(queue)
+        if queue.durable and queue.exclusive_owner is None:
+            self.save_topology()
         return count
 
     # ------------------------------------------------------------------ bindings
@@ -265,8 +394,9 @@ class VirtualHost:
         binding = binding_for(exchange.name, exchange.type, routing_key, arguments)
         if queue.add_binding(binding):
             self.broker.add_filter(queue.subscription, binding.topic_filter)
-        if (binding.exchange, binding.routing_key, binding.arguments) in queue.bindings:
-            exchange.bound[queue.name] = sum(1 for k in queue.bindings if k[0] == exchange.name)
+        exchange.bound[queue.name] = sum(1 for k in queue.bindings if k[0] == exchange.name)
+        if queue.durable and queue.exclusive_owner is None:
+            self.save_topology()
 
     def unbind(self, queue: Queue, exchange_name: str, routing_key: str, arguments: dict[str, Any] | None,
                method: type[commands.base.Frame]) -> None:
@@ -275,6 +405,8 @@ class VirtualHost:
             raise _err(ReplyCode.ACCESS_REFUSED, "operation not permitted on the default exchange", method)
         binding = binding_for(exchange.name, exchange.type, routing_key, arguments)
         self._remove_binding(queue, (binding.exchange, binding.routing_key, binding.arguments))
+        if queue.durable and queue.exclusive_owner is None:
+            self.save_topology()
 
     def _remove_binding(self, queue: Queue, key: tuple[str, str, tuple[tuple[str, str], ...]]) -> None:
         if key not in queue.bindings:
@@ -292,6 +424,8 @@ class VirtualHost:
             exchange.bound.pop(queue.name, None)
             if exchange.auto_delete and not exchange.bound:
                 del self.exchanges[exchange.name]
+                if exchange.durable:
+                    self.save_topology()
 
     # ------------------------------------------------------------------ routing
     def routed(self, message: Message) -> bool:
@@ -307,6 +441,7 @@ class VirtualHost:
 
     def dead_letter(self, queue: Queue, entry: QueueEntry, reason: str) -> None:
         """Republish a dropped message to the queue's dead-letter exchange, if it has one."""
+        queue.settle(entry)
         dlx = queue.dead_letter_exchange
         if dlx is None:
             return

@@ -1,0 +1,76 @@
+"""Durable AMQP queues across a SIGKILL and restart of a `shardgate serve` process: the durable
+exchange, the queue with its arguments and bindings, and every confirmed but unacknowledged
+message come back (acknowledged ones may come back once more: at-least-once, never lost)."""
+
+from __future__ import annotations
+
+import pika
+import pytest
+from pika.exceptions import ChannelClosedByBroker
+
+from tests.conftest import free_port, wait_for
+
+
+def persisted(data_dir, subscription: str) -> bool:
+    """The composition root saved the queue's durable subscription and its cursor (it does so
+    every 0.2 s); read the metadata store from outside, read-only."""
+    import sqlite3
+
+    with sqlite3.connect(f"file:{data_dir / 'metadata.db'}?mode=ro", uri=True) as db:
+        subs = db.execute("select count(*) from subscriptions where name = ?", (subscription,))
+        cursors = db.execute("select count(*) from cursors where subscription = ?", (subscription,))
+        return subs.fetchone()[0] > 0 and cursors.fetchone()[0] > 0
+
+
+def connect(port: int) -> pika.BlockingConnection:
+    return pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port, heartbeat=0))
+
+
+def drain(channel, queue: str) -> list[bytes]:
+    bodies = []
+    while True:
+        method, _, body = channel.basic_get(queue)
+        if method is None:
+            return bodies
+        bodies.append(body)
+        channel.basic_ack(method.delivery_tag)
+
+
+def test_durable_queue_keeps_confirmed_messages_across_sigkill(broker_process, tmp_path):
+    port = free_port()
+    node = broker_process(tmp_path / "data", extra_args=["--amqp-port", str(port)]).start()
+    with connect(port) as conn:
+        channel = conn.channel()
+        channel.confirm_delivery()
+        channel.exchange_declare("orders", "direct", durable=True)
+        channel.queue_declare("billing", durable=True, arguments={"x-max-length": 1000})
+        channel.queue_bind("billing", "orders", "new")
+        channel.queue_declare("scratch", durable=False)
+        for i in range(10):
+            channel.basic_publish("orders", "new", b"order-%d" % i,
+                                  pika.BasicProperties(delivery_mode=2), mandatory=True)
+        acked = []
+        for _ in range(3):
+            method, _, body = channel.basic_get("billing")
+            channel.basic_ack(method.delivery_tag)
+            acked.append(body)
+    wait_for(lambda: persisted(tmp_path / "data", "amqp:/:billing"))
+    node.kill()
+    node.start()
+    with connect(port) as conn:
+        channel = conn.channel()
+        channel.confirm_delivery()
+        # the queue, its arguments and its binding to the durable exchange are back
+        declared = channel.queue_declare("billing", durable=True, arguments={"x-max-length": 1000})
+        assert declared.method.message_count >= 7
+        channel.basic_publish("orders", "new", b"after-restart",
+                              pika.BasicProperties(delivery_mode=2), mandatory=True)
+        bodies = drain(channel, "billing")
+        unacked = {b"order-%d" % i for i in range(3, 10)}
+        assert unacked <= set(bodies)
+        assert set(bodies) <= unacked | set(acked) | {b"after-restart"}
+        assert bodies[-1] == b"after-restart"
+        with pytest.raises(ChannelClosedByBroker) as info:
+            channel.queue_declare("scratch", passive=True)
+        assert info.value.reply_code == 404
+    node.terminate()
