@@ -149,7 +149,7 @@ class Shardgate:
             if ports.http_port:
                 from .admin_http import start_http_server
 
-                server = await start_http_server(self, host, ports.http_port)
+                server = await start_http_server(self, ports.http_host, ports.http_port)
                 self._add_listener("http", server)
         except OSError as exc:
             await self.stop()
