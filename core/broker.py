@@ -304,7 +304,7 @@ class Broker:
                 sub.offer(message, filters)  # type: ignore[attr-defined]
                 delivered += 1
                 continue
-            consumer = sub.pick()
+            consumer = sub.pick(message.shard)
             if consumer is None:
                 continue
             consumer.deliver(message, sub, filters)

@@ -259,7 +259,7 @@ class DurableSubscription(Subscription):
         if cursor.log is None:
             # Non-reliable shard: nothing to replay from, so behave as a live subscription and
             # let the consumer queue what it cannot take now.
-            consumer = self.pick()
+            consumer = self.pick(message.shard)
             if consumer is not None:
                 consumer.deliver(message, self, filters)
             return
@@ -268,7 +268,7 @@ class DurableSubscription(Subscription):
         if not cursor.live:
             self.schedule_pump()
             return
-        consumer = self._pick_available()
+        consumer = self._pick_available(message.shard)
         if consumer is None:
             cursor.live = False
             return
@@ -286,10 +286,13 @@ class DurableSubscription(Subscription):
             self._arm_timer()
         consumer.deliver(message, self, filters)
 
-    def _pick_available(self) -> Consumer | None:
+    def _pick_available(self, shard: int = 0) -> Consumer | None:
         consumers = self.consumers
         if not consumers:
             return None
+        if self.type is SubscriptionType.FAILOVER:
+            active = consumers[shard % len(consumers)]
+            return active if active.available else None
         if self.type is not SubscriptionType.SHARED:
             first = consumers[0]
             return first if first.available else None
@@ -387,7 +390,7 @@ class DurableSubscription(Subscription):
                 self._redeliver.popleft()
                 self._dead_letter(cursor, delivery)
                 continue
-            consumer = self._pick_available()
+            consumer = self._pick_available(cursor.shard)
             if consumer is None:
                 return budget
             self._redeliver.popleft()
@@ -398,7 +401,7 @@ class DurableSubscription(Subscription):
 
     def _pump_restored(self, cursor: ShardCursor, budget: int) -> int:
         while cursor.pending_redelivery and budget > 0:
-            consumer = self._pick_available()
+            consumer = self._pick_available(cursor.shard)
             if consumer is None:
                 return budget
             offset = cursor.pending_redelivery.pop(0)
@@ -467,7 +470,7 @@ class DurableSubscription(Subscription):
                     cursor.skip.discard(record.offset)
                     cursor.position = record.offset + 1
                     continue
-                consumer = self._pick_available()
+                consumer = self._pick_available(cursor.shard)
                 if consumer is None:
                     return 0
                 self._send(cursor, message, filters, consumer, 1)

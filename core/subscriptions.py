@@ -98,11 +98,17 @@ class Subscription:
     def wake(self) -> None:
         """A consumer became available again (reconnected, got credit): resume delivery."""
 
-    def pick(self) -> Consumer | None:
-        """The consumer that gets the next message, or None if there is none."""
+    def pick(self, shard: int = 0) -> Consumer | None:
+        """The consumer that gets the next message (of `shard`), or None if there is none.
+
+        Failover on a partitioned stream spreads the shards over the consumers in attach order
+        (shard i goes to consumer i mod n), so each shard has one active consumer and the
+        others stand by; when one leaves, its shards move to the next."""
         consumers = self.consumers
         if not consumers:
             return None
+        if self.type is SubscriptionType.FAILOVER:
+            return consumers[shard % len(consumers)]
         if self.type is not SubscriptionType.SHARED:
             return consumers[0]
         count = len(consumers)

@@ -123,3 +123,30 @@ def test_retained_messages_set_and_cleared():
     assert sorted(m.payload for m in broker.retained.match("r/+")) == [b"off", b"on"]
     broker.publish(Message("r/1", b"", retain=True))
     assert [m.payload for m in broker.retained.match("r/#")] == [b"off"]
+
+
+def test_failover_per_partition_spreads_shards_and_moves_them_when_one_leaves():
+    broker = Broker(default_stream=StreamConfig("default", partitions=4))
+    sub = broker.subscription("f", SubscriptionType.FAILOVER)
+    broker.add_filter(sub, "#")
+    a, b = Recorder("a"), Recorder("b")
+    broker.attach(sub, a)
+    broker.attach(sub, b)
+    topics_by_shard: dict[int, str] = {}
+    index = 0
+    while len(topics_by_shard) < 4:
+        message = Message(f"t/{index}", b"")
+        broker.publish(message)
+        topics_by_shard.setdefault(message.shard, message.topic)
+        index += 1
+    a.got.clear()
+    b.got.clear()
+    for shard, topic in sorted(topics_by_shard.items()):
+        broker.publish(Message(topic, b""))
+    assert sorted(t for t, _ in a.got) == sorted(topics_by_shard[s] for s in (0, 2))
+    assert sorted(t for t, _ in b.got) == sorted(topics_by_shard[s] for s in (1, 3))
+    broker.detach(sub, a)
+    b.got.clear()
+    for topic in topics_by_shard.values():
+        broker.publish(Message(topic, b""))
+    assert len(b.got) == 4  # the standby took over every shard
