@@ -12,7 +12,6 @@ from typing import Any
 import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
-
 from shardgate.protocols.mqtt import packets as p
 from shardgate.protocols.mqtt.codec import PacketParser, encode
 

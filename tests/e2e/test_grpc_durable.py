@@ -7,8 +7,8 @@ import asyncio
 import time
 
 import pytest
-
 from shardgate.client import Client, Position
+
 from tests.conftest import free_port
 
 

@@ -8,9 +8,9 @@ import time
 import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
-
 from shardgate.protocols.mqtt import packets as p
-from tests.mqtt_clients import V5, Paho, RawClient, publish_props
+
+from tests.mqtt_clients import Paho, RawClient, publish_props
 
 
 def test_properties_carried_to_subscriber(broker):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import socket
 
 import pytest
-
 from shardgate.protocols.mqtt import packets as p
 from shardgate.protocols.mqtt.codec import encode
+
 from tests.mqtt_clients import V311, Paho, RawClient
 
 

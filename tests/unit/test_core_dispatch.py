@@ -4,9 +4,8 @@ subscription type."""
 from __future__ import annotations
 
 import pytest
-
 from shardgate.core.broker import Broker
-from shardgate.core.errors import StreamExists, SubscriptionBusy
+from shardgate.core.errors import StreamExists, StreamNotFound, SubscriptionBusy
 from shardgate.core.message import Message
 from shardgate.core.streams import InvalidStreamConfig, RoutingRule, StreamConfig
 from shardgate.core.subscriptions import SubscriptionType
@@ -99,7 +98,7 @@ def test_routing_rules_pick_most_specific_stream_and_stable_shard():
 def test_keyed_messages_choose_shard_by_key():
     broker = Broker(default_stream=StreamConfig("default", partitions=16))
     shards = set()
-    for index in range(50):
+    for _ in range(50):
         message = Message("t", b"", key=b"device-7")
         broker.publish(message)
         shards.add(message.shard)
@@ -112,7 +111,7 @@ def test_stream_name_validation_and_duplicates():
         StreamConfig("bad/name")
     with pytest.raises(StreamExists):
         broker.create_stream(StreamConfig("default"))
-    with pytest.raises(Exception):
+    with pytest.raises(StreamNotFound):
         broker.add_route(RoutingRule("x/#", "missing"))
 
 
@@ -141,7 +140,7 @@ def test_failover_per_partition_spreads_shards_and_moves_them_when_one_leaves():
         index += 1
     a.got.clear()
     b.got.clear()
-    for shard, topic in sorted(topics_by_shard.items()):
+    for _, topic in sorted(topics_by_shard.items()):
         broker.publish(Message(topic, b""))
     assert sorted(t for t, _ in a.got) == sorted(topics_by_shard[s] for s in (0, 2))
     assert sorted(t for t, _ in b.got) == sorted(topics_by_shard[s] for s in (1, 3))

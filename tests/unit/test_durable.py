@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from shardgate.core.broker import Broker
 from shardgate.core.durable import DurableOptions
 from shardgate.core.message import Message
@@ -172,7 +171,7 @@ async def test_saved_cursor_restores_unacked_and_position():
     again = Broker(storage, StreamConfig("default", mode="reliable"))
     restored = again.durable_subscription("d")
     again.add_filter(restored, "t")
-    for (name, stream, shard), (floor, state) in sink.saved.items():
+    for (_name, stream, shard), (_floor, state) in sink.saved.items():
         restored.restore_cursor(stream, shard, state)
     fresh = Consumer("c2", auto_ack=True)
     again.attach(restored, fresh)
