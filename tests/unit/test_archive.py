@@ -15,6 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from fsspec.implementations.local import LocalFileSystem
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from shardgate.storage.archive import (
     ARROW_SCHEMA,
     ArchiveConfigError,
@@ -22,11 +24,14 @@ from shardgate.storage.archive import (
     ArchiveReader,
     ArchiveSettings,
     ArchiveUnavailable,
+    build_table,
     list_stream_files,
     open_filesystem,
     parse_file_name,
+    records_from_table,
 )
 from shardgate.storage.archive import archiver as archiver_module
+from shardgate.storage.interfaces import StoredRecord
 from shardgate.storage.journal import JournalStorage
 from shardgate.storage.records import MessageRecord, decode_message, encode_message
 
@@ -376,3 +381,37 @@ async def test_streams_with_unsafe_names_are_not_archived(
     await archiver.flush(timeout=0.2)
     assert not root.exists() or not any(root.rglob("*.parquet"))
     assert "cannot be archived" in archiver.status()[0]["last_error"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.builds(
+    MessageRecord,
+    topic=st.text(min_size=1, max_size=20),
+    payload=st.binary(max_size=40),
+    qos=st.integers(0, 2),
+    retain=st.booleans(),
+    publish_time_ms=st.integers(0, 2**41),
+    key=st.none() | st.binary(max_size=8),
+    headers=st.none() | st.lists(st.tuples(st.text(max_size=5), st.text(max_size=5)), max_size=3),
+    content_type=st.none() | st.text(max_size=10),
+    correlation_data=st.none() | st.binary(max_size=8),
+    reply_to=st.none() | st.text(max_size=10),
+    payload_format=st.none() | st.integers(0, 1),
+    expires_at_ms=st.none() | st.integers(0, 2**41),
+    producer_protocol=st.sampled_from(["mqtt", "amqp", "grpc", ""]),
+    producer_id=st.text(max_size=10),
+), max_size=8))
+def test_archive_table_decodes_like_decode_message_and_rebuilds_the_same_bytes(
+        messages: list[MessageRecord]) -> None:
+    records = [StoredRecord(i, m.publish_time_ms, encode_message(m)) for i, m in enumerate(messages)]
+    table = build_table("s", 0, "bytes", records)
+    rows = table.to_pylist()
+    for row, record in zip(rows, records, strict=True):
+        expected = decode_message(record.data)
+        assert (row["topic"], row["payload"], row["key"], row["qos"], row["retain"]) == (
+            expected.topic, expected.payload, expected.key, expected.qos, expected.retain)
+        assert (row["headers"] or None) == expected.headers
+        assert (row["content_type"], row["reply_to"], row["payload_format"]) == (
+            expected.content_type, expected.reply_to, expected.payload_format)
+    assert [(r.offset, r.data) for r in records_from_table(table)] == [
+        (r.offset, r.data) for r in records]
