@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
@@ -53,6 +54,9 @@ class Link(Protocol):
 
     def buffered(self) -> int:
         """Bytes written but not yet sent to the network."""
+
+    def throttle(self, seconds: float) -> None:
+        """Stop reading from the client for `seconds` (back-pressure)."""
 
 
 class State(Enum):
@@ -124,9 +128,16 @@ class MqttConnection:
         self.will: p.Will | None = None
         self.session_expiry_at_connect = 0
         self._out: list[bytes] = []
+        self._out_bytes = 0
         self._flush_requested = False
         self.messages_in = 0
         self.messages_out = 0
+        self.last_ack = time.monotonic()
+        self._tokens = float(service.settings.max_publish_rate)
+        self._tokens_at = time.monotonic()
+        self._throttled_for = 0.0
+        self._backlog: deque[p.Packet] = deque()
+        self._backlog_error: MQTTCodecError | None = None
 
     @property
     def open(self) -> bool:
@@ -135,6 +146,7 @@ class MqttConnection:
     # ------------------------------------------------------------------ output
     def _send(self, data: bytes) -> None:
         self._out.append(data)
+        self._out_bytes += len(data)
         if not self._flush_requested:
             self._flush_requested = True
             self.service.request_flush(self)
@@ -150,6 +162,7 @@ class MqttConnection:
         if self._out:
             data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
             self._out.clear()
+            self._out_bytes = 0
             if self.state is not State.CLOSED or data:
                 self.link.write(data)
 
@@ -166,7 +179,7 @@ class MqttConnection:
         or a QoS 0 message dropped for a slow client)."""
         if self.state is not State.CONNECTED:
             return False
-        if qos == 0 and self.link.buffered() > self.service.settings.max_outbound_buffer:
+        if qos == 0 and self._out_bytes + self.link.buffered() > self.service.settings.max_outbound_buffer:
             self.service.broker.stats.messages_dropped += 1
             return False
         version = self.version
@@ -208,6 +221,8 @@ class MqttConnection:
                 data = bytes(buffer)
         if self.client_max_packet_size and len(data) > self.client_max_packet_size:
             return False
+        if packet_id is not None and self.session is not None and len(self.session.inflight) <= 1:
+            self.last_ack = time.monotonic()  # the dead-subscriber clock starts with the window
         self.messages_out += 1
         stats = self.service.broker.stats
         stats.messages_out += 1
@@ -234,7 +249,15 @@ class MqttConnection:
         except MQTTCodecError as exc:
             # Packets decoded before the bad one in the same chunk are still handled.
             packets, error = list(getattr(exc, "packets", []) or []), exc
-        for packet in packets:
+        if self._backlog:
+            self._backlog.extend(packets)  # still throttled: keep the order
+            if error is not None:
+                self._backlog_error = error
+            return
+        self._process(packets, error)
+
+    def _process(self, packets: list[p.Packet], error: MQTTCodecError | None = None) -> None:
+        for index, packet in enumerate(packets):
             if self.state is State.CLOSED:
                 return
             try:
@@ -243,8 +266,23 @@ class MqttConnection:
                 log.info("%s %s: protocol violation: %s", self.remote, self.client_id, exc)
                 self.close(exc.reason_code, str(exc))
                 return
+            if self._throttled_for > 0:
+                # Over the publish rate: the rest waits, and the socket is not read meanwhile.
+                self._backlog.extend(packets[index + 1:])
+                if error is not None:
+                    self._backlog_error = error
+                delay, self._throttled_for = self._throttled_for, 0.0
+                self.link.throttle(delay)
+                self.service.loop.call_later(delay, self._resume_backlog)
+                return
         if error is not None and self.state is not State.CLOSED:
             self._codec_error(error)
+
+    def _resume_backlog(self) -> None:
+        packets = list(self._backlog)
+        self._backlog.clear()
+        error, self._backlog_error = self._backlog_error, None
+        self._process(packets, error)
 
     def _codec_error(self, exc: MQTTCodecError) -> None:
         if isinstance(exc, UnsupportedProtocolVersion):
@@ -318,6 +356,9 @@ class MqttConnection:
             if connect.will.retain and not settings.retain_available:
                 self._refuse(RC.RETAIN_NOT_SUPPORTED, p.ConnackCode311.SERVER_UNAVAILABLE, "retain not supported")
                 return
+        if settings.max_connections and len(self.service.connections) >= settings.max_connections:
+            self._refuse(RC.SERVER_BUSY, p.ConnackCode311.SERVER_UNAVAILABLE, "too many connections")
+            return
         verdict = self.service.authenticate(connect.username, connect.password, client_id, self.remote)
         if verdict is not None:
             bad_credentials = verdict == "bad-credentials"
@@ -362,8 +403,17 @@ class MqttConnection:
         session.resend_inflight()
 
     # ------------------------------------------------------------------ PUBLISH
+    def _rate_limit(self, rate: float) -> None:
+        now = time.monotonic()
+        self._tokens = min(rate, self._tokens + (now - self._tokens_at) * rate) - 1
+        self._tokens_at = now
+        if self._tokens < 0:
+            self._throttled_for = -self._tokens / rate
+
     def _on_publish(self, packet: p.Publish) -> None:
         settings = self.service.settings
+        if settings.max_publish_rate:
+            self._rate_limit(settings.max_publish_rate)
         v5 = self.version == MQTT_V5
         qos = packet.qos
         if qos > settings.maximum_qos:
@@ -487,10 +537,12 @@ class MqttConnection:
 
     def _on_puback(self, packet: p.Puback) -> None:
         assert self.session is not None
+        self.last_ack = time.monotonic()
         self.session.acknowledge(packet.packet_id)
 
     def _on_pubrec(self, packet: p.Pubrec) -> None:
         assert self.session is not None
+        self.last_ack = time.monotonic()
         if packet.packet_id not in self.session.inflight:
             if self.version == MQTT_V5:
                 self._send_packet(p.Pubrel(packet.packet_id, RC.PACKET_IDENTIFIER_NOT_FOUND))
@@ -512,6 +564,7 @@ class MqttConnection:
 
     def _on_pubcomp(self, packet: p.Pubcomp) -> None:
         assert self.session is not None
+        self.last_ack = time.monotonic()
         self.session.acknowledge(packet.packet_id)
 
     # ------------------------------------------------------------------ SUBSCRIBE

@@ -59,6 +59,20 @@ class MqttProtocol(asyncio.Protocol):
     def buffered(self) -> int:
         return self.transport.get_write_buffer_size() if self.transport is not None else 0
 
+    def throttle(self, seconds: float) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        transport.pause_reading()
+        asyncio.get_running_loop().call_later(seconds, self._resume)
+
+    def _resume(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            try:
+                self.transport.resume_reading()
+            except RuntimeError:
+                pass
+
 
 async def start_tcp_listener(
     service: MqttService, host: str, port: int, ssl_context: ssl.SSLContext | None = None
@@ -79,6 +93,7 @@ class WebSocketLink:
         self.pending_bytes = 0
         self.wakeup = asyncio.Event()
         self.closing = False
+        self.paused_until = 0.0
 
     def write(self, data: bytes) -> None:
         self.pending.append(data)
@@ -91,6 +106,9 @@ class WebSocketLink:
 
     def buffered(self) -> int:
         return self.pending_bytes
+
+    def throttle(self, seconds: float) -> None:
+        self.paused_until = asyncio.get_running_loop().time() + seconds
 
     async def run_writer(self) -> None:
         ws = self.websocket
@@ -133,6 +151,9 @@ async def start_websocket_listener(
                 connection.data_received(frame)
                 if not connection.open:
                     break
+                delay = link.paused_until - asyncio.get_running_loop().time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
         except Exception as exc:
             log.debug("websocket %s ended: %s", remote, exc)
         finally:

@@ -350,6 +350,17 @@ class MqttService:
                 if now - connection.last_received > connection.keep_alive * 1.5:
                     log.info("client %r: keepalive timeout", connection.client_id)
                     connection.close(p.ReasonCode.KEEP_ALIVE_TIMEOUT, "keep alive timeout")
+        dead_after = self.settings.dead_subscriber_timeout
+        if dead_after:
+            for connection in list(self.connections):
+                session = connection.session
+                if (
+                    session is not None and session.inflight and connection.state is State.CONNECTED
+                    and now - connection.last_ack > dead_after
+                ):
+                    log.warning("client %r: no acknowledgement for %.0fs; disconnected as dead",
+                                connection.client_id, now - connection.last_ack)
+                    connection.close(p.ReasonCode.KEEP_ALIVE_TIMEOUT, "dead subscriber")
         for connection in list(self._handshaking):
             if connection.state is not State.AWAIT_CONNECT:
                 self._handshaking.discard(connection)

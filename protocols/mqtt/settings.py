@@ -29,3 +29,12 @@ class MqttSettings:
     # Seconds between $SYS updates; 0 turns them off.
     sys_interval: float = 10.0
     allow_anonymous: bool = True
+    # Connected clients allowed at once (0: no limit); more get CONNACK "server busy".
+    max_connections: int = 0
+    # PUBLISH packets per second per client (0: no limit); beyond it the broker stops
+    # reading from that client for a while (TCP back-pressure), losing nothing.
+    max_publish_rate: float = 0.0
+    # Seconds a client may hold unacknowledged QoS 1/2 messages without acknowledging any
+    # while not reading (0: never): such a dead subscriber is disconnected so its messages go
+    # back to its session or, for shared subscriptions, to the other members.
+    dead_subscriber_timeout: float = 0.0
