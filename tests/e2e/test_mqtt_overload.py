@@ -8,6 +8,7 @@ import time
 
 from shardgate.protocols.mqtt import packets as p
 from shardgate.protocols.mqtt.codec import encode
+
 from tests.conftest import wait_for
 from tests.mqtt_clients import V5, V311, Paho, RawClient
 
