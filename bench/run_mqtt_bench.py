@@ -433,7 +433,9 @@ def results_table(brokers: list[str], plan: list[Scenario],
                 outcome = outcomes.get((broker, scenario.name))
                 values[broker] = outcome.median(metric.key) if outcome else None
                 if values[broker] is not None:
-                    cells.append(fmt(values[broker], metric))
+                    only_disturbed = outcome is not None and not outcome.clean_runs() \
+                        and scenario.mode != "idle"
+                    cells.append(fmt(values[broker], metric) + ("*" if only_disturbed else ""))
                 else:
                     cells.append("error" if outcome else "not run")
             if with_ratio:
@@ -481,7 +483,7 @@ def details_table(brokers: list[str], plan: list[Scenario],
                 v = o.median(k)
                 return "—" if v is None else f"{v:.2f}"
 
-            per_core = [r["rate"] / r["broker_cpu"] for r in outcome.runs
+            per_core = [r["rate"] / r["broker_cpu"] for r in outcome.clean_runs() or outcome.runs
                         if r.get("rate") and r.get("broker_cpu")]
             efficiency = f"{statistics.median(per_core):,.0f}" if per_core else "—"
             lines.append(f"| {scenario.name} | {broker} | {runs} | {cpu('broker_cpu')} | "
@@ -537,7 +539,9 @@ Recorded by `{command}` (method and caveats: [README.md](README.md)).
 {skipped_lines}
 {table}
 
-Ratios above 1 favour Shardgate for rates and mosquitto for latency and memory.
+Ratios above 1 favour Shardgate for rates and mosquitto for latency and memory. A value
+marked * comes only from runs disturbed by other work on the machine (see below): read it as a
+lower bound for rates, an upper bound for latency.
 
 <details><summary>Every run, with CPU use (1.00 = one core busy)</summary>
 
