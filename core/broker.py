@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..storage.interfaces import ShardStorage, StorageError
+from ..storage.interfaces import ArchiveSource, ShardStorage, StorageError
 from .delayed import DelayedDelivery, deliver_at
 from .durable import CursorSink, DurableOptions, DurableSubscription
 from .errors import (
@@ -72,6 +72,8 @@ class Broker:
         self.on_retained_change: Callable[[str, Message | None], None] | None = None
         # Where durable subscriptions save their cursors.
         self.cursor_sink: CursorSink | None = None
+        # Where tiered replay reads what the journal no longer holds (set when archiving).
+        self.archive: ArchiveSource | None = None
         # Told when a subscription is removed (the composition root forgets durable ones).
         self.on_subscription_removed: Callable[[Subscription], None] | None = None
         self.delayed = DelayedDelivery(None, self.publish)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ..storage.interfaces import ShardLog, StorageError
+from ..storage.interfaces import ArchiveSource, ShardLog, StorageError, StoredRecord
 from ..storage.records import RecordFormatError, decode_message
 from .message import Message, message_from_record, now_ms
 from .subscriptions import Consumer, Subscription, SubscriptionType
@@ -82,7 +82,10 @@ class Delivery:
 
 
 class ShardCursor:
-    __slots__ = ("stream", "shard", "log", "position", "unacked", "live", "pending_redelivery", "skip")
+    __slots__ = (
+        "stream", "shard", "log", "position", "unacked", "live", "pending_redelivery", "skip",
+        "archived", "fetching",
+    )
 
     def __init__(self, stream: str, shard: int, shard_log: ShardLog | None, position: int) -> None:
         self.stream = stream
@@ -97,6 +100,9 @@ class ShardCursor:
         # Offsets at or above `position` already handed out (restored in-flight state of a
         # consumer that resends them itself): replay passes over them.
         self.skip: set[int] = set()
+        # Records fetched from the archive for a cursor below the journal's low watermark.
+        self.archived: list[StoredRecord] = []
+        self.fetching = False
 
     @property
     def floor(self) -> int:
@@ -440,8 +446,26 @@ class DurableSubscription(Subscription):
             return budget
         now = now_ms()
         while budget > 0:
+            if cursor.archived:
+                records, cursor.archived = cursor.archived, []
+            elif cursor.position < shard_log.low_watermark:
+                # Tiered replay: what the journal no longer holds comes from the archive.
+                archive = self.broker.archive
+                if archive is None:
+                    log.warning("subscription %s: %s/%d@%d is gone from the journal; resuming at %d",
+                                self.name, cursor.stream, cursor.shard, cursor.position,
+                                shard_log.low_watermark)
+                    cursor.position = shard_log.low_watermark
+                    continue
+                if not cursor.fetching:
+                    cursor.fetching = True
+                    asyncio.get_running_loop().create_task(self._fetch_archived(cursor, archive))
+                return budget
+            else:
+                records = None
             try:
-                records = shard_log.read(cursor.position, REPLAY_BATCH)
+                if records is None:
+                    records = shard_log.read(cursor.position, REPLAY_BATCH)
             except StorageError as exc:
                 log.error("subscription %s: replay of %s/%d stopped at %d: %s",
                           self.name, cursor.stream, cursor.shard, cursor.position, exc)
@@ -479,6 +503,26 @@ class DurableSubscription(Subscription):
                     return 0
             self._dirty.add((cursor.stream, cursor.shard))
         return budget
+
+    async def _fetch_archived(self, cursor: ShardCursor, archive: ArchiveSource) -> None:
+        try:
+            records = await archive.read_async(cursor.stream, cursor.shard, cursor.position, REPLAY_BATCH)
+        except Exception as exc:
+            log.error("subscription %s: archive read of %s/%d@%d failed: %s",
+                      self.name, cursor.stream, cursor.shard, cursor.position, exc)
+            records = []
+            await asyncio.sleep(1.0)
+        finally:
+            cursor.fetching = False
+        records = [r for r in records if r.offset >= cursor.position]
+        if records:
+            cursor.archived = records
+        elif cursor.log is not None and cursor.position < cursor.log.low_watermark:
+            log.warning("subscription %s: %s/%d@%d is in neither the archive nor the journal; "
+                        "resuming at %d", self.name, cursor.stream, cursor.shard, cursor.position,
+                        cursor.log.low_watermark)
+            cursor.position = cursor.log.low_watermark
+        self.schedule_pump()
 
     def _dead_letter(self, cursor: ShardCursor, delivery: Delivery) -> None:
         cursor.unacked.pop(delivery.message.offset, None)

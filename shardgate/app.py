@@ -46,6 +46,8 @@ class Shardgate:
         self.journal: JournalStorage | None = None
         self.metadata: SqliteMetadataStore | None = None
         self.persistence: Persistence | None = None
+        self.archiver: Any = None
+        self.archive_reader: Any = None
         self._stopped = asyncio.Event()
 
     def _ssl_context(self) -> ssl.SSLContext:
@@ -115,6 +117,7 @@ class Shardgate:
         restored = self.mqtt.restore_sessions()
         if restored:
             log.info("restored %d persistent MQTT sessions", restored)
+        await self._start_archiver()
         self.persistence.start()
         self.mqtt.start()
         host = config.listeners.host
@@ -157,6 +160,38 @@ class Shardgate:
         for listener in self.listeners.values():
             log.info("listening for %s on %s:%d", listener.name, listener.host, listener.port)
 
+    async def _start_archiver(self) -> None:
+        archive = self.config.archive
+        if not archive.enabled:
+            return
+        from .storage.archive import ArchiveConfigError, Archiver, ArchiveReader, ArchiveSettings
+
+        url = archive.url or f"file://{(self.config.data_dir / 'archive').resolve()}"
+        settings = ArchiveSettings(
+            target_rows=archive.target_rows, target_bytes=archive.target_bytes,
+            max_delay_s=archive.max_delay_s, endpoint_url=archive.endpoint_url, region=archive.region,
+            access_key_id=archive.access_key_id, secret_access_key=archive.secret_access_key,
+        )
+        broker = self.broker
+        assert broker is not None
+
+        def reliable_streams() -> list[tuple[str, int, str]]:
+            return [
+                (stream.name, len(stream.shards), stream.config.schema.value)
+                for stream in broker.streams.values() if stream.reliable
+            ]
+
+        try:
+            self.archiver = Archiver(self.journal, url, reliable_streams, settings)
+            await self.archiver.start()
+        except ArchiveConfigError as exc:
+            raise ConfigError(f"archive: {exc}") from exc
+        self.archive_reader = ArchiveReader(url, settings)
+        broker.archive = self.archive_reader
+        assert self.persistence is not None
+        self.persistence.archiver = self.archiver
+        log.info("archiving reliable streams to %s", url)
+
     def _add_listener(self, name: str, server: Any) -> None:
         port = getattr(server, "port", None)
         if isinstance(port, int):
@@ -184,6 +219,11 @@ class Shardgate:
                 await asyncio.wait_for(self.journal.flush(), 10)
             except Exception:
                 log.exception("journal flush on shutdown failed")
+        if self.archiver is not None:
+            try:
+                await self.archiver.stop(flush=True)
+            except Exception:
+                log.exception("archiving on shutdown failed")
         if self.persistence is not None:
             await self.persistence.stop()
         if self.broker is not None:

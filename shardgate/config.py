@@ -55,6 +55,20 @@ class JournalConfig:
 
 
 @dataclass(slots=True)
+class ArchiveConfig:
+    enabled: bool = True
+    # fsspec URL; empty: file://<data_dir>/archive. s3://bucket/prefix needs s3fs.
+    url: str = ""
+    target_rows: int = 100_000
+    target_bytes: int = 32 * 1024 * 1024
+    max_delay_s: float = 60.0
+    endpoint_url: str | None = None
+    region: str | None = None
+    access_key_id: str | None = None
+    secret_access_key: str | None = None
+
+
+@dataclass(slots=True)
 class StreamEntry:
     name: str
     mode: str = "reliable"
@@ -77,12 +91,13 @@ class Config:
     mqtt: MqttSettings = field(default_factory=MqttSettings)
     grpc: GrpcSettings = field(default_factory=GrpcSettings)
     journal: JournalConfig = field(default_factory=JournalConfig)
+    archive: ArchiveConfig = field(default_factory=ArchiveConfig)
     streams: list[StreamEntry] = field(default_factory=list)
 
 
 SECTIONS = {
     "listeners": ListenerConfig, "tls": TlsConfig, "mqtt": MqttSettings, "grpc": GrpcSettings,
-    "journal": JournalConfig,
+    "journal": JournalConfig, "archive": ArchiveConfig,
 }
 SHORT_ENV = {
     "SHARDGATE_DATA_DIR": ("data_dir",),

@@ -92,6 +92,18 @@ def archive_status(app: Any) -> dict[str, Any] | None:
         status = asdict(status)
     elif hasattr(status, "_asdict"):
         status = status._asdict()
+    if isinstance(status, list):
+        # One entry per shard: totals for the gauges, the shards as they are for the API.
+        totals: dict[str, Any] = {}
+        for shard in status:
+            for key in ("lag_records", "files", "bytes", "buffered", "failures", "skipped"):
+                value = shard.get(key)
+                if isinstance(value, int | float):
+                    totals[key] = totals.get(key, 0) + value
+        lag_ms = [s.get("lag_ms") for s in status if isinstance(s.get("lag_ms"), int | float)]
+        totals["lag_ms"] = max(lag_ms, default=0)
+        totals["shards"] = status
+        return totals
     return dict(status) if isinstance(status, dict) else {"status": status}
 
 

@@ -81,3 +81,13 @@ class ShardStorage(Protocol):
         """Make everything appended so far durable."""
 
     def close(self) -> None: ...
+
+
+class ArchiveSource(Protocol):
+    """Records that left the journal for the archive, read back for tiered replay."""
+
+    async def read_async(
+        self, stream: str, shard: int, from_offset: int, max_records: int = 1000
+    ) -> list[StoredRecord]:
+        """Archived records of a shard from `from_offset` in offset order (empty when the
+        archive holds nothing there)."""

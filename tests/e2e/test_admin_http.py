@@ -61,6 +61,7 @@ def node(broker_factory: Callable[..., ThreadedBroker]) -> Iterator[Node]:
     broker = broker_factory(
         listeners={"http_port": free_port(), "grpc_port": free_port(), "amqp_port": free_port()},
         streams=[StreamEntry("telemetry", mode="reliable", partitions=2)],
+        archive={"enabled": False},  # archive tests below install their own
     )
     for url in serve_admin(broker):
         yield Node(broker, url)
@@ -252,7 +253,7 @@ def test_archive_status_comes_from_the_archiver(node: Node, tmp_path: Path) -> N
         assert archive["files_written"] == 3 and archive["lag_records"] == 12
         assert node.get("/api/info")["archive"] is True
     finally:
-        del node.broker.app.archiver
+        node.broker.app.archiver = None
 
 
 def test_openapi_document_describes_every_api_route(node: Node) -> None:
@@ -275,3 +276,12 @@ def test_openapi_document_describes_every_api_route(node: Node) -> None:
             for ref in json.dumps(operation).split('"$ref": "')[1:]:
                 name = ref.split('"')[0].rsplit("/", 1)[-1]
                 assert name in document["components"]["schemas"], (path, name)
+
+
+def test_archive_status_of_the_real_archiver(broker_factory: Callable[..., ThreadedBroker]) -> None:
+    broker = broker_factory(listeners={"http_port": free_port()})
+    for url in serve_admin(broker):
+        node = Node(broker, url)
+        archive = node.get("/api/archive")
+        assert archive["enabled"] is True
+        assert any(shard["stream"] == "default" for shard in archive["shards"])

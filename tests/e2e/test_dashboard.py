@@ -40,7 +40,8 @@ def serve_admin(broker: ThreadedBroker) -> Iterator[str]:
 
 @pytest.fixture
 def node(broker_factory: Callable[..., ThreadedBroker]) -> Iterator[tuple[ThreadedBroker, str]]:
-    broker = broker_factory(listeners={"http_port": free_port(), "grpc_port": free_port()})
+    broker = broker_factory(listeners={"http_port": free_port(), "grpc_port": free_port()},
+                            archive={"enabled": False})
     for url in serve_admin(broker):
         yield broker, url
 

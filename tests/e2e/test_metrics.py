@@ -54,7 +54,8 @@ def start_node(factory: Callable[..., ThreadedBroker], **sections: Any) -> Threa
 def node(broker_factory: Callable[..., ThreadedBroker]) -> Iterator[tuple[ThreadedBroker, str]]:
     broker = start_node(broker_factory, streams=[StreamEntry("telemetry", partitions=2)],
                         listeners={"http_port": free_port(), "grpc_port": free_port(),
-                                   "amqp_port": free_port()})
+                                   "amqp_port": free_port()},
+                        archive={"enabled": False})
     for url in serve_admin(broker):
         yield broker, url
 
@@ -155,7 +156,7 @@ def test_archive_status_numbers_become_gauges(node: tuple[ThreadedBroker, str]) 
     try:
         _, samples = scrape(url)
     finally:
-        del broker.app.archiver
+        broker.app.archiver = None
     assert value(samples, "shardgate_archive_lag_records") == 42
     assert value(samples, "shardgate_archive_files_written") == 3
     assert not [name for name, _ in samples if name in ("shardgate_archive_running", "shardgate_archive_url")]

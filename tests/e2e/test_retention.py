@@ -6,7 +6,7 @@ from tests.mqtt_clients import V5, Paho
 
 
 def test_retention_waits_for_offline_session_then_frees_space(broker_factory):
-    broker = broker_factory(journal={"segment_bytes": 4096, "retention_bytes": 8192})
+    broker = broker_factory(journal={"segment_bytes": 4096, "retention_bytes": 8192}, archive={"enabled": False})
     sub = Paho(broker.mqtt_port, "slow", V5, clean=False, session_expiry=600)
     sub.subscribe("ret/#", 1)
     sub.disconnect()
@@ -33,3 +33,55 @@ def test_retention_waits_for_offline_session_then_frees_space(broker_factory):
     from tests.conftest import wait_for
 
     assert wait_for(lambda: broker.call(after_ack) > 0, timeout=10)
+
+
+def test_retention_waits_for_the_archiver(broker_factory):
+    broker = broker_factory(journal={"segment_bytes": 4096, "retention_bytes": 8192})
+    pub = Paho(broker.mqtt_port, "pub", V5)
+    for index in range(200):
+        pub.publish("arch/x", f"{index:04d}" + "y" * 100, 1, wait=index % 50 == 49)
+    pub.publish("arch/x", "end", 1)
+
+    def low_after_retention() -> int:
+        broker.app.persistence.apply_retention()
+        return broker.app.broker.stream("default").shards[0].log.low_watermark
+
+    assert broker.call(low_after_retention) == 0  # nothing archived yet: the journal keeps it
+    broker.call(broker.app.archiver.flush(timeout=30), timeout=40)
+    assert broker.call(low_after_retention) > 0
+    status = broker.call(broker.app.archiver.status)
+    default = next(s for s in status if s["stream"] == "default")
+    assert default["archived_next"] == default["journal_next"]
+
+
+def test_tiered_replay_reads_the_archive_then_the_journal_then_live(broker_factory):
+    broker = broker_factory(journal={"segment_bytes": 4096, "retention_bytes": 8192})
+    # A durable gRPC-style subscription created at the start, its consumer away.
+    sub = Paho(broker.mqtt_port, "archivist", V5, clean=False, session_expiry=600)
+    sub.subscribe("tier/#", 1)
+    sub.disconnect()
+    pub = Paho(broker.mqtt_port, "pub", V5)
+    for index in range(200):
+        pub.publish("tier/x", f"{index:04d}", 1, wait=index % 50 == 49)
+
+    def archive_and_cut() -> int:
+        # The session's cursor alone would hold retention: forget it to let the journal go,
+        # as a session would whose cursor is older than the journal (restored from backup).
+        session_sub = broker.app.broker.subscriptions["mqtt:archivist"]
+        saved = {key: cursor.position for key, cursor in session_sub.cursors.items()}
+        session_sub.cursors.clear()
+        broker.app.persistence.apply_retention()
+        for (stream, shard), position in saved.items():
+            from shardgate.core.durable import ShardCursor
+
+            log = broker.app.broker.stream(stream).shards[shard].log
+            session_sub.cursors[(stream, shard)] = ShardCursor(stream, shard, log, position)
+        return broker.app.broker.stream("default").shards[0].log.low_watermark
+
+    broker.call(broker.app.archiver.flush(timeout=30), timeout=40)
+    assert broker.call(archive_and_cut) > 0  # the oldest records are only in the archive now
+    back = Paho(broker.mqtt_port, "archivist", V5, clean=False, session_expiry=600)
+    pub.publish("tier/x", "live", 1)
+    received = [back.expect().payload for _ in range(201)]
+    assert received == [f"{i:04d}".encode() for i in range(200)] + [b"live"]
+    back.expect_none()
