@@ -445,6 +445,11 @@ def openapi_document() -> dict[str, Any]:
                  "description": f"at most this many (default {RETAINED_LIMIT})"},
             ]),
         "/api/archive": _get("Archiver status", _ref("Archive")),
+        "/api/archive/flush": {"post": {
+            "summary": "Seal and upload what the journal holds for the archive, now",
+            "responses": {"200": _json(_ref("Archive")), "409": _json(_ref("Error"), "Not enabled"),
+                          "503": _json(_ref("Error"), "Object store unavailable")},
+        }},
         "/api/openapi.json": _get("This document", {"type": "object"}),
     }
     for item in paths.values():
@@ -553,6 +558,19 @@ async def _archive(request: web.Request) -> web.Response:
     return web.json_response(archive_view(_app(request)), dumps=_dumps)
 
 
+async def _archive_flush(request: web.Request) -> web.Response:
+    """Seal and upload everything the journal holds for the archive, now."""
+    app = _app(request)
+    archiver = getattr(app, "archiver", None)
+    if archiver is None:
+        return _error(409, "archiving is not enabled")
+    try:
+        await archiver.flush(timeout=120)
+    except Exception as exc:
+        return _error(503, f"archive flush did not finish: {exc}")
+    return web.json_response(archive_view(app), dumps=_dumps)
+
+
 async def _openapi(request: web.Request) -> web.Response:
     return web.json_response(request.app[_OPENAPI_KEY])
 
@@ -606,6 +624,7 @@ def create_web_app(app: Any, middlewares: list[Any] | None = None) -> web.Applic
     router.add_get("/api/sessions", _sessions)
     router.add_get("/api/retained", _retained)
     router.add_get("/api/archive", _archive)
+    router.add_post("/api/archive/flush", _archive_flush)
     router.add_get("/api/openapi.json", _openapi)
     router.add_get("/metrics", _metrics)
     router.add_get("/", _index)

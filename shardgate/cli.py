@@ -78,6 +78,52 @@ async def _serve(config: Config, port_file: Path | None) -> int:
     return 0
 
 
+def _archive_parser(sub: argparse._SubParsersAction) -> None:
+    archive = sub.add_parser("archive", help="Parquet archive status and flush (admin HTTP API)")
+    archive.add_argument("action", choices=["status", "flush"])
+    archive.add_argument("--http-url", default=None,
+                         help="admin API (default $SHARDGATE_HTTP_URL or http://127.0.0.1:8080)")
+    archive.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _archive_command(args: argparse.Namespace) -> int:
+    import os
+    import urllib.error
+    import urllib.request
+
+    base = (args.http_url or os.environ.get("SHARDGATE_HTTP_URL") or "http://127.0.0.1:8080").rstrip("/")
+    if args.action == "flush":
+        request = urllib.request.Request(f"{base}/api/archive/flush", method="POST", data=b"")
+    else:
+        request = urllib.request.Request(f"{base}/api/archive")
+    try:
+        with urllib.request.urlopen(request, timeout=150) as response:
+            status = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        detail = json.loads(exc.read() or b"{}").get("error", exc.reason)
+        print(f"shardgate: {detail}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"shardgate: cannot reach the admin API at {base}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    if not status.get("enabled", True):
+        print("archiving is not enabled")
+        return 0
+    header = ("stream", "shard", "journal", "archived up to", "lag", "files", "bytes")
+    rows = [
+        (s["stream"], str(s["shard"]), f"{s['journal_low']}..{s['journal_next']}",
+         str(s["archived_up_to"]), str(s["lag_records"]), str(s["files"]), str(s["bytes"]))
+        for s in status.get("shards", [])
+    ]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    for row in (header, *rows):
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="shardgate", description="Shardgate message gateway")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -85,7 +131,10 @@ def main(argv: list[str] | None = None) -> None:
     from .cli_client import add_client_commands, dispatch
 
     add_client_commands(sub)
+    _archive_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "archive":
+        sys.exit(_archive_command(args))
     if getattr(args, "client_handler", None) is not None:
         sys.exit(dispatch(args))
     if args.command == "serve":

@@ -280,3 +280,51 @@ def test_structured_streaming_picks_up_new_files_once(spark: Any, published: Pub
 
     asyncio.run(archive_more())
     assert run_once() == published.history + 7  # only the new files were read again
+
+
+def test_sigterm_archives_everything_for_spark_and_cli_reports_it(spark: Any, tmp_path: Path) -> None:
+    """The whole pipeline through the real commands: `shardgate serve`, MQTT publishes,
+    `shardgate archive flush|status`, SIGTERM, then Spark sees every acknowledged message."""
+    import json
+    import subprocess
+
+    from tests.conftest import BrokerProcess, free_port
+
+    http_port = free_port()
+    broker = BrokerProcess(tmp_path / "data", extra_args=["--http-port", str(http_port)]).start()
+    try:
+        publisher = Paho(broker.mqtt_port, "meter", V5)
+        for index in range(50):
+            publisher.publish(f"meters/m{index % 5}", json.dumps({"kwh": index}), 1)
+        cli = [sys.executable, "-m", "shardgate", "archive"]
+        url = ["--http-url", f"http://127.0.0.1:{http_port}"]
+        flushed = subprocess.run([*cli, "flush", *url, "--json"], capture_output=True, text=True, timeout=120)
+        assert flushed.returncode == 0, flushed.stderr
+        default = next(s for s in json.loads(flushed.stdout)["shards"] if s["stream"] == "default")
+        assert default["archived_next"] == default["journal_next"] >= 50
+        table = subprocess.run([*cli, "status", *url], capture_output=True, text=True, timeout=60)
+        assert table.returncode == 0 and "default" in table.stdout
+        for index in range(50, 80):
+            publisher.publish(f"meters/m{index % 5}", json.dumps({"kwh": index}), 1)
+        publisher.disconnect()
+    finally:
+        assert broker.terminate() == 0
+    archive = f"file://{tmp_path / 'data' / 'archive'}"
+    rows = read_archive(spark, archive, stream="default").filter(F.col("topic").startswith("meters/"))
+    assert rows.count() == 80
+    payloads = sorted(json.loads(bytes(r.payload))["kwh"] for r in rows.select("payload").collect())
+    assert payloads == list(range(80))
+
+
+def test_unknown_archive_scheme_is_a_clear_error_at_start(tmp_path: Path) -> None:
+    import subprocess
+
+    config = tmp_path / "shardgate.toml"
+    config.write_text('[archive]\nurl = "nosuchfs://bucket/x"\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "shardgate", "serve", "--config", str(config), "--data-dir", str(tmp_path / "d"),
+         "--mqtt-port", "0", "--mqtt-ws-port", "0", "--grpc-port", "0", "--http-port", "0"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert "archive" in result.stderr and "nosuchfs" in result.stderr
