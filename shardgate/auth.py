@@ -1,0 +1,636 @@
+"""Authentication and authorization: one security model for every protocol.
+
+Users
+    Kept in a JSON users file, `<data_dir>/users.json` unless `auth.users_file` says otherwise,
+    managed by `shardgate users add|remove|list`:
+    `{"version": 1, "users": {"alice": {"password": "scrypt$16384$8$1$<salt>$<hash>",
+    "roles": ["admin"]}}}`. Passwords are hashed with scrypt (`hashlib.scrypt`, 16 random salt
+    bytes, base64 salt and hash) in a self-describing string, so stronger parameters can be
+    introduced later without breaking existing entries; verification compares in constant time.
+
+    A file rather than the SQLite metadata store: the CLI edits it whether or not a broker is
+    running (no second writer on the broker's private database), an operator can review it,
+    provision it from configuration management and back it up alone, and the broker picks up
+    changes by its modification time without a restart. Mosquitto's `password_file` is the
+    model.
+
+Anonymous access
+    `auth.allow_anonymous` = true or false decides. Left unset (the embedded default), anonymous
+    clients are accepted exactly when the listener host (`listeners.host`) is a loopback address
+    (127.0.0.0/8, ::1, "localhost") *and* no user is defined (the users file is missing or lists
+    nobody). Adding the first user, or binding a non-loopback address, turns anonymous access off.
+
+ACL rules
+    From a TOML file, `<data_dir>/acl.toml` unless `auth.acl_file` says otherwise::
+
+        [[allow]]
+        user = "alice"                 # optional: exact user name
+        client = "sensor-1"            # optional: exact client id
+        actions = ["publish", "subscribe"]   # publish / subscribe / admin / all
+        topics = ["sensors/%u/#", "clients/%c/+"]
+
+        [[deny]]
+        topics = ["secret/#"]          # no user/client: applies to everyone, as Mosquitto's pattern
+
+    `%u` becomes the user name and `%c` the client id, as in Mosquitto; a rule using `%u` never
+    matches an anonymous client, and an allow rule never matches when the substituted value holds
+    `+`, `#` or `/` (a client cannot widen its own grant). A deny rule beats an allow rule. A
+    publish is matched as a topic name against the rule's filter; a subscribe filter is allowed
+    when the rule's filter covers everything it can match (`a/#` allows `a/+/b`, `a/+` does not
+    allow `a/#`) and denied when it merely overlaps a deny filter (subscribing to `#` is denied by
+    a deny on `secret/#`). `$share/<group>/` is stripped first. With an ACL file, what no rule
+    allows is refused. Without one, publish and subscribe are allowed to any accepted client and
+    `admin` only to users with the `admin` role (or to anyone while anonymous loopback access is
+    on); the `admin` role grants `admin` everywhere unless a deny rule says otherwise.
+
+Denials are counted per (protocol, action) in `Security.denials`, action being "connect",
+"publish", "subscribe" or "admin". This module knows no protocol: the protocol layers call it
+through their hooks and turn a refusal into their own reply.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import collections
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import secrets
+import time
+import tomllib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+USERS_FILE = "users.json"
+ACL_FILE = "acl.toml"
+
+# scrypt cost: N=2^14, r=8, p=1 takes 16 MiB and some tens of milliseconds; successful checks
+# are cached (see `Security._verified`) so a reconnecting client does not pay it again.
+SCRYPT_N = 2**14
+SCRYPT_R = 8
+SCRYPT_P = 1
+SCRYPT_DKLEN = 32
+SALT_BYTES = 16
+# Bounds on parameters read from a users file, so a bad entry cannot exhaust memory.
+MAX_SCRYPT_MEMORY = 256 * 1024 * 1024
+
+# How often (seconds) the users and ACL files are checked for changes.
+RELOAD_INTERVAL_S = 1.0
+MAX_CACHED_DECISIONS = 65536
+
+
+class AuthError(Exception):
+    """A users or ACL file that cannot be read or a user that cannot be stored."""
+
+
+class Action(StrEnum):
+    PUBLISH = "publish"
+    SUBSCRIBE = "subscribe"
+    ADMIN = "admin"
+    CONNECT = "connect"
+
+
+class Refusal(StrEnum):
+    """What `authenticate` returns instead of None; the strings the MQTT hook expects."""
+
+    BAD_CREDENTIALS = "bad-credentials"
+    NOT_AUTHORIZED = "not-authorized"
+
+
+# ---------------------------------------------------------------------------- password hashing
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def hash_password(password: str | bytes, *, n: int = SCRYPT_N, r: int = SCRYPT_R, p: int = SCRYPT_P) -> str:
+    """`scrypt$N$r$p$salt$hash` with a fresh random salt (base64 salt and hash)."""
+    secret = password.encode("utf-8") if isinstance(password, str) else password
+    salt = os.urandom(SALT_BYTES)
+    digest = hashlib.scrypt(secret, salt=salt, n=n, r=r, p=p, dklen=SCRYPT_DKLEN,
+                            maxmem=MAX_SCRYPT_MEMORY)
+    return f"scrypt${n}${r}${p}${_b64(salt)}${_b64(digest)}"
+
+
+def _parse_hash(encoded: str) -> tuple[int, int, int, bytes, bytes]:
+    parts = encoded.split("$")
+    if len(parts) != 6 or parts[0] != "scrypt":
+        raise ValueError("not an scrypt$N$r$p$salt$hash string")
+    n, r, p = int(parts[1]), int(parts[2]), int(parts[3])
+    if n < 2 or n & (n - 1) or r < 1 or p < 1 or 128 * r * n > MAX_SCRYPT_MEMORY // 2 or p > 16:
+        raise ValueError("scrypt parameters out of bounds")
+    try:
+        salt = base64.b64decode(parts[4], validate=True)
+        digest = base64.b64decode(parts[5], validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"bad base64: {exc}") from exc
+    if not salt or not digest:
+        raise ValueError("empty salt or hash")
+    return n, r, p, salt, digest
+
+
+def verify_password(password: str | bytes, encoded: str) -> bool:
+    """True when `password` hashes to `encoded`; False for a wrong password or a bad string."""
+    secret = password.encode("utf-8") if isinstance(password, str) else password
+    try:
+        n, r, p, salt, expected = _parse_hash(encoded)
+    except ValueError:
+        return False
+    actual = hashlib.scrypt(secret, salt=salt, n=n, r=r, p=p, dklen=len(expected),
+                            maxmem=MAX_SCRYPT_MEMORY)
+    return hmac.compare_digest(actual, expected)
+
+
+# A hash of nothing anyone knows: unknown users cost as much time as known ones.
+_DUMMY_HASH = hash_password(secrets.token_bytes(16))
+
+
+# ---------------------------------------------------------------------------- users file
+@dataclass(slots=True)
+class User:
+    name: str
+    password_hash: str
+    roles: list[str] = field(default_factory=list)
+
+
+def validate_user_name(name: str) -> None:
+    if not name or len(name.encode("utf-8")) > 65535:
+        raise AuthError("a user name is 1 to 65535 bytes of UTF-8")
+    if any(ch in name for ch in "\x00+#/") or any(ord(ch) < 0x20 for ch in name):
+        raise AuthError("a user name cannot hold control characters, '+', '#' or '/'")
+
+
+def load_users(path: Path) -> dict[str, User]:
+    """The users of a users file; an absent file holds none."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise AuthError(f"cannot read {path}: {exc}") from exc
+    try:
+        document = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise AuthError(f"{path} is not valid JSON: {exc}") from exc
+    entries = document.get("users", {}) if isinstance(document, dict) else None
+    if not isinstance(entries, dict):
+        raise AuthError(f"{path}: expected an object with a 'users' object")
+    users: dict[str, User] = {}
+    for name, entry in entries.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("password"), str):
+            raise AuthError(f"{path}: user {name!r} needs a 'password' string")
+        roles = entry.get("roles", [])
+        if not isinstance(roles, list) or not all(isinstance(role, str) for role in roles):
+            raise AuthError(f"{path}: user {name!r}: 'roles' is a list of strings")
+        users[name] = User(name, entry["password"], list(roles))
+    return users
+
+
+def save_users(path: Path, users: dict[str, User]) -> None:
+    """Write the users file atomically, readable by its owner only."""
+    document = {
+        "version": 1,
+        "users": {
+            name: {"password": user.password_hash, "roles": user.roles}
+            for name, user in sorted(users.items())
+        },
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        json.dump(document, handle, indent=2)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------- topic filters
+def _strip_share(topic_filter: str) -> str:
+    if topic_filter.startswith("$share/"):
+        parts = topic_filter.split("/", 2)
+        return parts[2] if len(parts) == 3 else ""
+    return topic_filter
+
+
+def topic_matches(acl_filter: str, topic: str) -> bool:
+    """MQTT matching of a topic name against a filter (wildcards never match a `$` first level)."""
+    return _covers(acl_filter.split("/"), topic.split("/"))
+
+
+def filter_covers(acl_filter: str, topic_filter: str) -> bool:
+    """True when every topic `topic_filter` can match is matched by `acl_filter`."""
+    return _covers(acl_filter.split("/"), topic_filter.split("/"))
+
+
+def _covers(rule: list[str], wanted: list[str]) -> bool:
+    if wanted and wanted[0].startswith("$") and rule and rule[0] in ("+", "#"):
+        return False
+    for index, level in enumerate(rule):
+        if level == "#":
+            return True
+        if index >= len(wanted):
+            return False
+        asked = wanted[index]
+        if asked == "#":
+            return False
+        if level == "+":
+            continue
+        if level != asked:
+            return False
+    return len(rule) == len(wanted)
+
+
+def filters_overlap(first: str, second: str) -> bool:
+    """True when some topic name matches both filters."""
+    a, b = first.split("/"), second.split("/")
+    # Wildcards never match a `$` first level: a `$` topic needs that same literal in both.
+    if a[0].startswith("$") or b[0].startswith("$"):
+        if a[0] != b[0]:
+            return False
+    for index in range(max(len(a), len(b))):
+        x = a[index] if index < len(a) else None
+        y = b[index] if index < len(b) else None
+        if x == "#" or y == "#":
+            return True
+        if x is None or y is None:
+            return False
+        if x != "+" and y != "+" and x != y:
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------- ACL rules
+ALL_ACTIONS = frozenset({Action.PUBLISH.value, Action.SUBSCRIBE.value, Action.ADMIN.value})
+
+
+@dataclass(slots=True)
+class AclRule:
+    allow: bool
+    actions: frozenset[str]
+    topics: tuple[str, ...]
+    user: str | None = None
+    client: str | None = None
+
+    def applies_to(self, username: str | None, client_id: str) -> bool:
+        if self.user is not None and self.user != username:
+            return False
+        return self.client is None or self.client == client_id
+
+    def filters_for(self, username: str | None, client_id: str) -> Iterable[str]:
+        for pattern in self.topics:
+            if "%u" in pattern:
+                if username is None or (self.allow and _unsafe(username)):
+                    continue
+                pattern = pattern.replace("%u", username)
+            if "%c" in pattern:
+                if self.allow and _unsafe(client_id):
+                    continue
+                pattern = pattern.replace("%c", client_id)
+            yield pattern
+
+
+def _unsafe(value: str) -> bool:
+    return not value or any(ch in value for ch in "+#/")
+
+
+def parse_acl(document: dict[str, Any], source: str = "ACL") -> list[AclRule]:
+    rules: list[AclRule] = []
+    for kind in ("deny", "allow"):
+        entries = document.get(kind, [])
+        if not isinstance(entries, list):
+            raise AuthError(f"{source}: '{kind}' must be an array of tables ([[{kind}]])")
+        for number, entry in enumerate(entries, 1):
+            where = f"{source}: [[{kind}]] #{number}"
+            if not isinstance(entry, dict):
+                raise AuthError(f"{where}: expected a table")
+            unknown = set(entry) - {"user", "client", "actions", "topics"}
+            if unknown:
+                raise AuthError(f"{where}: unknown keys {sorted(unknown)}")
+            actions = entry.get("actions", "all")
+            actions = [actions] if isinstance(actions, str) else actions
+            if not isinstance(actions, list) or not actions:
+                raise AuthError(f"{where}: 'actions' is a string or a list of strings")
+            expanded: set[str] = set()
+            for action in actions:
+                if action == "all":
+                    expanded |= ALL_ACTIONS
+                elif action in ALL_ACTIONS:
+                    expanded.add(action)
+                else:
+                    raise AuthError(f"{where}: unknown action {action!r}")
+            topics = entry.get("topics")
+            if isinstance(topics, str):
+                topics = [topics]
+            if not isinstance(topics, list) or not topics or not all(isinstance(t, str) and t for t in topics):
+                raise AuthError(f"{where}: 'topics' is a non-empty list of topic filters")
+            user, client = entry.get("user"), entry.get("client")
+            if user is not None and not isinstance(user, str) or client is not None and not isinstance(client, str):
+                raise AuthError(f"{where}: 'user' and 'client' are strings")
+            rules.append(AclRule(kind == "allow", frozenset(expanded), tuple(topics), user, client))
+    return rules
+
+
+def load_acl(path: Path) -> list[AclRule] | None:
+    """The rules of an ACL file, or None when there is no such file."""
+    try:
+        with path.open("rb") as handle:
+            document = tomllib.load(handle)
+    except FileNotFoundError:
+        return None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise AuthError(f"cannot read {path}: {exc}") from exc
+    return parse_acl(document, str(path))
+
+
+def is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0].strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+# ---------------------------------------------------------------------------- the model
+@dataclass(slots=True)
+class AuthSettings:
+    """The `[auth]` configuration section."""
+
+    # Empty: <data_dir>/users.json and <data_dir>/acl.toml.
+    users_file: str = ""
+    acl_file: str = ""
+    # None: anonymous only on a loopback listener with no user defined (see the module doc).
+    allow_anonymous: bool | None = None
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+class Security:
+    """Users, anonymous policy and ACL rules; `authenticate` and `authorize` for every protocol.
+
+    Files are re-read when their modification time changes (checked on every authentication and
+    at most once a second on authorization), so `shardgate users add` takes effect on a running
+    broker. A file that fails to parse keeps the
+    previous rules and logs an error; at start it raises `AuthError`.
+    """
+
+    def __init__(
+        self, users_file: Path, acl_file: Path | None = None, *,
+        allow_anonymous: bool | None = None, listener_host: str = "127.0.0.1",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.users_file = users_file
+        self.acl_file = acl_file
+        self.allow_anonymous_setting = allow_anonymous
+        self.loopback_listener = is_loopback_host(listener_host)
+        self.denials: collections.Counter[tuple[str, str]] = collections.Counter()
+        # Called with the new anonymous policy whenever it changes.
+        self.on_change: Callable[[Security], None] | None = None
+        self._clock = clock
+        self._users: dict[str, User] = {}
+        self._rules: list[AclRule] | None = None
+        self._users_mtime: float | None = None
+        self._acl_mtime: float | None = None
+        self._checked_at = float("-inf")
+        self._decisions: dict[tuple[str, str | None, str, str], bool] = {}
+        # user -> (stored hash, keyed digest of the password last verified against it).
+        self._verified: dict[str, tuple[str, bytes]] = {}
+        self._cache_key = secrets.token_bytes(32)
+        self.reload(strict=True)
+
+    # ------------------------------------------------------------------ files
+    def reload(self, *, strict: bool = False) -> None:
+        """Re-read the files whose modification time changed."""
+        self._checked_at = self._clock()
+        before = self.allow_anonymous
+        users_mtime = _mtime(self.users_file)
+        if users_mtime != self._users_mtime or (users_mtime is None and self._users):
+            try:
+                self._users = load_users(self.users_file)
+                self._users_mtime = users_mtime
+                self._verified.clear()
+                self._decisions.clear()
+                log.info("loaded %d users from %s", len(self._users), self.users_file)
+            except AuthError:
+                if strict:
+                    raise
+                log.exception("keeping the previous users")
+        if self.acl_file is not None:
+            acl_mtime = _mtime(self.acl_file)
+            if acl_mtime != self._acl_mtime:
+                try:
+                    self._rules = load_acl(self.acl_file)
+                    self._acl_mtime = acl_mtime
+                    self._decisions.clear()
+                    if self._rules is not None:
+                        log.info("loaded %d ACL rules from %s", len(self._rules), self.acl_file)
+                except AuthError:
+                    if strict:
+                        raise
+                    log.exception("keeping the previous ACL rules")
+        if self.allow_anonymous != before and self.on_change is not None:
+            self.on_change(self)
+
+    def _maybe_reload(self) -> None:
+        if self._clock() - self._checked_at >= RELOAD_INTERVAL_S:
+            self.reload()
+
+    @property
+    def users(self) -> dict[str, User]:
+        return self._users
+
+    @property
+    def rules(self) -> list[AclRule] | None:
+        return self._rules
+
+    @property
+    def allow_anonymous(self) -> bool:
+        if self.allow_anonymous_setting is not None:
+            return self.allow_anonymous_setting
+        return self.loopback_listener and not self._users
+
+    # ------------------------------------------------------------------ authentication
+    def authenticate(
+        self, username: str | None, password: bytes | str | None, client_id: str = "",
+        remote: str = "", protocol: str = "mqtt",
+    ) -> str | None:
+        """None to accept, else a `Refusal` value ("bad-credentials" or "not-authorized")."""
+        self.reload()  # a stat of each file per connection: a user just added can log in
+        refusal = self._check_credentials(username, password)
+        if refusal is not None:
+            self.denials[(protocol, Action.CONNECT.value)] += 1
+            log.info("%s %s %s: %s refused: %s", protocol, remote or "-", client_id or "-",
+                     f"user {username!r}" if username is not None else "anonymous client", refusal.value)
+            return refusal.value
+        return None
+
+    def _check_credentials(self, username: str | None, password: bytes | str | None) -> Refusal | None:
+        if username is None:
+            if password is not None:
+                return Refusal.BAD_CREDENTIALS  # a token or a password without a user name
+            return None if self.allow_anonymous else Refusal.NOT_AUTHORIZED
+        secret = password.encode("utf-8") if isinstance(password, str) else (password or b"")
+        user = self._users.get(username)
+        if user is None:
+            verify_password(secret, _DUMMY_HASH)
+            return Refusal.BAD_CREDENTIALS
+        keyed = hmac.new(self._cache_key, secret, hashlib.sha256).digest()
+        cached = self._verified.get(username)
+        if cached is not None and cached[0] == user.password_hash and hmac.compare_digest(cached[1], keyed):
+            return None
+        if password is None or not verify_password(secret, user.password_hash):
+            return Refusal.BAD_CREDENTIALS
+        self._verified[username] = (user.password_hash, keyed)
+        return None
+
+    # ------------------------------------------------------------------ authorization
+    def authorize(
+        self, action: str, username: str | None, client_id: str, topic: str, protocol: str = "mqtt",
+    ) -> bool:
+        """May this client publish to / subscribe to / administer `topic`? Counts refusals."""
+        self._maybe_reload()
+        key = (action, username, client_id, topic)
+        allowed = self._decisions.get(key)
+        if allowed is None:
+            allowed = self._decide(action, username, client_id, topic)
+            if len(self._decisions) >= MAX_CACHED_DECISIONS:
+                self._decisions.clear()
+            self._decisions[key] = allowed
+        if not allowed:
+            self.denials[(protocol, action)] += 1
+            log.info("%s %s: %s on %r denied for %s", protocol, client_id or "-", action, topic,
+                     f"user {username!r}" if username is not None else "anonymous client")
+        return allowed
+
+    def _decide(self, action: str, username: str | None, client_id: str, topic: str) -> bool:
+        subscribing = action == Action.SUBSCRIBE.value
+        wanted = _strip_share(topic) if subscribing else topic
+        if not wanted:
+            return False
+        rules = self._rules
+        if rules is not None:
+            for rule in rules:
+                if rule.allow or action not in rule.actions or not rule.applies_to(username, client_id):
+                    continue
+                for acl_filter in rule.filters_for(username, client_id):
+                    hit = filters_overlap(acl_filter, wanted) if subscribing else topic_matches(acl_filter, wanted)
+                    if hit:
+                        return False
+        if action == Action.ADMIN.value and self._is_admin(username):
+            return True
+        if rules is None:
+            if action == Action.ADMIN.value:
+                return username is None and self.allow_anonymous
+            return True
+        for rule in rules:
+            if not rule.allow or action not in rule.actions or not rule.applies_to(username, client_id):
+                continue
+            for acl_filter in rule.filters_for(username, client_id):
+                hit = filter_covers(acl_filter, wanted) if subscribing else topic_matches(acl_filter, wanted)
+                if hit:
+                    return True
+        return False
+
+    def _is_admin(self, username: str | None) -> bool:
+        user = self._users.get(username) if username is not None else None
+        return user is not None and "admin" in user.roles
+
+    # ------------------------------------------------------------------ protocol hooks
+    def mqtt_authenticator(self, username: str | None, password: bytes | None, client_id: str, remote: str) -> str | None:
+        """`MqttService.authenticator`. The gRPC interceptor calls the same hook with client id
+        "grpc" and no remote address; those calls are counted under "grpc"."""
+        protocol = "grpc" if client_id == "grpc" and not remote else "mqtt"
+        return self.authenticate(username, password, client_id, remote, protocol)
+
+    def mqtt_authorizer(self, action: str, username: str | None, client_id: str, topic: str) -> bool:
+        """`MqttService.authorizer`."""
+        return self.authorize(action, username, client_id, topic, "mqtt")
+
+    def amqp_authenticate(self, user: str | None, password: str | None, loopback: bool) -> str | None:
+        """Shaped like `AmqpService.authenticate`: None or the text of a connection.close 403."""
+        refusal = self.authenticate(user, password, "", "", "amqp")
+        if refusal is None:
+            return None
+        if refusal == Refusal.NOT_AUTHORIZED.value:
+            return "anonymous login refused"
+        return "Login was refused using authentication mechanism PLAIN or AMQPLAIN. " \
+            "For details see the broker logfile."
+
+    def amqp_authorize(self, action: str, user: str | None, topic: str) -> bool:
+        """For the AMQP layer: publish on a routing-key topic, or subscribe (queue.bind) a filter."""
+        return self.authorize(action, user, "", topic, "amqp")
+
+
+def security_paths(data_dir: Path, settings: AuthSettings | None = None) -> tuple[Path, Path]:
+    settings = settings or AuthSettings()
+    users = Path(settings.users_file) if settings.users_file else data_dir / USERS_FILE
+    acl = Path(settings.acl_file) if settings.acl_file else data_dir / ACL_FILE
+    return users, acl
+
+
+def anonymous_setting(value: Any) -> bool | None:
+    """`auth.allow_anonymous` as configured: a bool, or None / "auto" (also from an env string)."""
+    if value is None or isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("", "auto", "none", "null"):
+        return None
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise AuthError(f"auth.allow_anonymous: expected true, false or auto, got {value!r}")
+
+
+def install_security(app: Any) -> Security:
+    """Hook one `Security` into a started-or-starting `Shardgate`: MQTT (and so gRPC) hooks, the
+    AMQP service if its listener is up, and `app.security` for the admin API and metrics.
+    A users or ACL file that cannot be read raises `ConfigError`."""
+    from .config import ConfigError
+
+    config = app.config
+    settings = getattr(config, "auth", None) or AuthSettings()
+    users_file, acl_file = security_paths(Path(config.data_dir), settings)
+    try:
+        security = Security(
+            users_file, acl_file, allow_anonymous=anonymous_setting(settings.allow_anonymous),
+            listener_host=config.listeners.host,
+        )
+    except AuthError as exc:
+        raise ConfigError(f"auth: {exc}") from exc
+    mqtt = app.mqtt
+
+    def mirror(current: Security) -> None:
+        # The gRPC interceptor reads this flag for calls without credentials.
+        if mqtt is not None:
+            mqtt.settings.allow_anonymous = current.allow_anonymous
+
+    security.on_change = mirror
+    if mqtt is not None:
+        mqtt.authenticator = security.mqtt_authenticator
+        mqtt.authorizer = security.mqtt_authorizer
+        mirror(security)
+    listener = getattr(app, "listeners", {}).get("amqp")
+    service = getattr(getattr(listener, "server", None), "service", None)
+    if service is not None:
+        service.authenticate = security.amqp_authenticate
+    app.security = security
+    log.info("security: %d users, %s, anonymous access %s", len(security.users),
+             f"{len(security.rules)} ACL rules" if security.rules is not None else "no ACL file",
+             "on" if security.allow_anonymous else "off")
+    return security

@@ -1,0 +1,270 @@
+"""Unit tests of password hashing, ACL filter matching and the `Security` decisions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardgate.auth import (
+    AuthError,
+    Security,
+    User,
+    anonymous_setting,
+    filter_covers,
+    filters_overlap,
+    hash_password,
+    load_acl,
+    load_users,
+    save_users,
+    topic_matches,
+    verify_password,
+)
+from shardgate.users_cli import main as users_main
+
+
+# ---------------------------------------------------------------------------- hashing
+def test_hash_is_self_describing_and_salted() -> None:
+    first, second = hash_password("pw"), hash_password("pw")
+    assert first != second
+    scheme, n, r, p, salt, digest = first.split("$")
+    assert (scheme, n, r, p) == ("scrypt", "16384", "8", "1")
+    assert salt and digest
+
+
+def test_verify_accepts_right_password_refuses_wrong() -> None:
+    encoded = hash_password("correct horse")
+    assert verify_password("correct horse", encoded)
+    assert verify_password(b"correct horse", encoded)
+    assert not verify_password("correct hors", encoded)
+    assert not verify_password("", encoded)
+
+
+def test_verify_honours_parameters_in_the_string() -> None:
+    encoded = hash_password("pw", n=2**10, r=4, p=2)
+    assert encoded.startswith("scrypt$1024$4$2$")
+    assert verify_password("pw", encoded)
+
+
+@pytest.mark.parametrize("encoded", [
+    "", "plain", "scrypt$16384$8$1$c2FsdA==", "bcrypt$16384$8$1$c2FsdA==$aGFzaA==",
+    "scrypt$1000$8$1$c2FsdA==$aGFzaA==",  # N not a power of two
+    "scrypt$1073741824$8$1$c2FsdA==$aGFzaA==",  # far too much memory
+    "scrypt$16384$8$1$!!!$aGFzaA==",
+])
+def test_verify_refuses_malformed_hashes(encoded: str) -> None:
+    assert not verify_password("pw", encoded)
+
+
+# ---------------------------------------------------------------------------- users file
+def test_users_file_round_trip_is_owner_only(tmp_path: Path) -> None:
+    path = tmp_path / "users.json"
+    save_users(path, {"alice": User("alice", hash_password("a"), ["admin"])})
+    users = load_users(path)
+    assert users["alice"].roles == ["admin"]
+    assert verify_password("a", users["alice"].password_hash)
+    assert path.stat().st_mode & 0o077 == 0
+
+
+def test_missing_users_file_holds_nobody(tmp_path: Path) -> None:
+    assert load_users(tmp_path / "absent.json") == {}
+
+
+def test_broken_users_file_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "users.json"
+    path.write_text('{"users": {"bob": {"roles": []}}}')
+    with pytest.raises(AuthError, match="password"):
+        load_users(path)
+
+
+# ---------------------------------------------------------------------------- filters
+@pytest.mark.parametrize(("acl", "topic", "expected"), [
+    ("a/b", "a/b", True),
+    ("a/+", "a/b", True),
+    ("a/+", "a/b/c", False),
+    ("a/#", "a", True),
+    ("a/#", "a/b/c", True),
+    ("#", "a/b", True),
+    ("#", "$SYS/x", False),
+    ("+/x", "$SYS/x", False),
+    ("$SYS/#", "$SYS/x", True),
+    ("a/b", "a/c", False),
+])
+def test_topic_matches(acl: str, topic: str, expected: bool) -> None:
+    assert topic_matches(acl, topic) is expected
+
+
+@pytest.mark.parametrize(("acl", "wanted", "expected"), [
+    ("a/#", "a/+/b", True),
+    ("a/#", "a/#", True),
+    ("a/+", "a/#", False),
+    ("a/+", "a/+", True),
+    ("a/b", "a/+", False),
+    ("#", "#", True),
+    ("+/+", "a/+", True),
+])
+def test_filter_covers(acl: str, wanted: str, expected: bool) -> None:
+    assert filter_covers(acl, wanted) is expected
+
+
+@pytest.mark.parametrize(("first", "second", "expected"), [
+    ("secret/#", "#", True),
+    ("secret/#", "+/x", True),
+    ("secret/#", "public/#", False),
+    ("a/+/c", "a/b/+", True),
+    ("a/b", "a/b/c", False),
+    ("a/#", "a", True),
+    ("#", "$SYS/x", False),
+    ("$SYS/#", "$SYS/+", True),
+])
+def test_filters_overlap(first: str, second: str, expected: bool) -> None:
+    assert filters_overlap(first, second) is expected
+    assert filters_overlap(second, first) is expected
+
+
+# ---------------------------------------------------------------------------- Security
+def make_security(tmp_path: Path, users: dict[str, list[str]] | None = None, acl: str | None = None,
+                  **kwargs: object) -> Security:
+    users_file = tmp_path / "users.json"
+    if users is not None:
+        save_users(users_file, {name: User(name, hash_password(f"{name}-pw", n=2**8), roles)
+                                for name, roles in users.items()})
+    acl_file = tmp_path / "acl.toml"
+    if acl is not None:
+        acl_file.write_text(acl)
+    return Security(users_file, acl_file, **kwargs)  # type: ignore[arg-type]
+
+
+def test_anonymous_allowed_only_on_loopback_without_users(tmp_path: Path) -> None:
+    assert make_security(tmp_path, listener_host="127.0.0.1").allow_anonymous
+    assert make_security(tmp_path, listener_host="::1").allow_anonymous
+    assert not make_security(tmp_path, listener_host="0.0.0.0").allow_anonymous
+    assert not make_security(tmp_path, {"alice": []}, listener_host="127.0.0.1").allow_anonymous
+    assert make_security(tmp_path, {"alice": []}, allow_anonymous=True).allow_anonymous
+    assert not make_security(tmp_path / "x", allow_anonymous=False).allow_anonymous
+
+
+def test_anonymous_setting_parses_config_values() -> None:
+    assert anonymous_setting(None) is None
+    assert anonymous_setting("auto") is None
+    assert anonymous_setting("false") is False
+    assert anonymous_setting(True) is True
+    with pytest.raises(AuthError):
+        anonymous_setting("maybe")
+
+
+def test_authenticate_outcomes_and_denial_counter(tmp_path: Path) -> None:
+    security = make_security(tmp_path, {"alice": []})
+    assert security.authenticate("alice", b"alice-pw", "c1") is None
+    assert security.authenticate("alice", b"alice-pw", "c1") is None  # cached path
+    assert security.authenticate("alice", b"wrong", "c1") == "bad-credentials"
+    assert security.authenticate("mallory", b"alice-pw", "c1") == "bad-credentials"
+    assert security.authenticate("alice", None, "c1") == "bad-credentials"
+    assert security.authenticate(None, None, "c1") == "not-authorized"
+    assert security.authenticate(None, b"token", "c1", protocol="grpc") == "bad-credentials"
+    assert security.denials[("mqtt", "connect")] == 4
+    assert security.denials[("grpc", "connect")] == 1
+
+
+def test_password_change_invalidates_cached_login(tmp_path: Path) -> None:
+    security = make_security(tmp_path, {"alice": []})
+    assert security.authenticate("alice", b"alice-pw") is None
+    save_users(security.users_file, {"alice": User("alice", hash_password("new", n=2**8))})
+    assert security.authenticate("alice", b"alice-pw") == "bad-credentials"
+    assert security.authenticate("alice", b"new") is None
+
+
+ACL = """
+[[allow]]
+actions = ["publish", "subscribe"]
+topics = ["devices/%u/#", "clients/%c/#"]
+
+[[allow]]
+user = "alice"
+actions = "subscribe"
+topics = ["devices/#"]
+
+[[allow]]
+client = "logger"
+actions = "all"
+topics = ["#"]
+
+[[deny]]
+topics = ["devices/+/secret"]
+"""
+
+
+def test_acl_user_and_client_substitution(tmp_path: Path) -> None:
+    security = make_security(tmp_path, {"alice": [], "bob": []}, ACL)
+    assert security.authorize("publish", "bob", "b1", "devices/bob/temp")
+    assert not security.authorize("publish", "bob", "b1", "devices/alice/temp")
+    assert security.authorize("publish", "bob", "b1", "clients/b1/status")
+    assert not security.authorize("publish", "bob", "b1", "clients/b2/status")
+    assert security.authorize("subscribe", "alice", "a1", "devices/+/temp")
+    assert not security.authorize("subscribe", "bob", "b1", "devices/+/temp")
+    assert security.authorize("subscribe", "bob", "b1", "$share/g/devices/bob/temp")
+    assert security.authorize("subscribe", "bob", "b1", "clients/b1/#")
+    assert not security.authorize("subscribe", None, "anon", "devices/None/x")
+
+
+def test_acl_deny_beats_allow_and_overlapping_subscriptions_are_denied(tmp_path: Path) -> None:
+    security = make_security(tmp_path, {"bob": []}, ACL)
+    assert not security.authorize("publish", "bob", "b1", "devices/bob/secret")
+    assert security.authorize("publish", "bob", "logger", "anything/at/all")
+    assert not security.authorize("subscribe", "bob", "logger", "#")  # overlaps the deny
+    assert security.authorize("subscribe", "bob", "logger", "other/#")
+    assert security.denials[("mqtt", "publish")] == 1
+    assert security.denials[("mqtt", "subscribe")] == 1
+
+
+def test_acl_wildcards_in_names_do_not_widen_grants(tmp_path: Path) -> None:
+    security = make_security(tmp_path, None, ACL, allow_anonymous=True)
+    assert not security.authorize("publish", None, "+", "clients/x/status")
+    assert not security.authorize("subscribe", None, "#", "clients/#")
+    assert security.authorize("publish", None, "c9", "clients/c9/status")
+
+
+def test_without_acl_file_everything_but_admin_is_allowed(tmp_path: Path) -> None:
+    security = make_security(tmp_path, {"root": ["admin"], "bob": []})
+    assert security.authorize("publish", "bob", "b", "any/topic")
+    assert security.authorize("subscribe", "bob", "b", "#")
+    assert not security.authorize("admin", "bob", "b", "api")
+    assert security.authorize("admin", "root", "r", "api")
+    assert security.denials[("mqtt", "admin")] == 1
+
+
+def test_acl_file_changes_are_picked_up(tmp_path: Path) -> None:
+    now = [0.0]
+    security = make_security(tmp_path, {"bob": []}, clock=lambda: now[0])
+    assert security.authorize("publish", "bob", "b", "x")
+    (tmp_path / "acl.toml").write_text('[[allow]]\ntopics = ["y"]\nactions = "publish"\n')
+    now[0] += 2
+    assert not security.authorize("publish", "bob", "b", "x")
+    assert security.authorize("publish", "bob", "b", "y")
+
+
+def test_bad_acl_file_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "acl.toml"
+    path.write_text('[[allow]]\ntopics = ["a"]\nactions = "read"\n')
+    with pytest.raises(AuthError, match="unknown action"):
+        load_acl(path)
+    path.write_text('[[allow]]\nactions = "publish"\n')
+    with pytest.raises(AuthError, match="topics"):
+        load_acl(path)
+
+
+# ---------------------------------------------------------------------------- users CLI
+def test_users_cli_add_list_remove(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = str(tmp_path)
+    assert users_main(["users", "add", "alice", "--password", "pw", "--role", "admin",
+                       "--data-dir", data]) == 0
+    assert users_main(["users", "add", "bob", "--password", "pw2", "--data-dir", data]) == 0
+    assert users_main(["users", "list", "--data-dir", data]) == 0
+    out = capsys.readouterr().out
+    assert "alice\tadmin" in out and "\nbob\n" in out and "pw" not in out.replace("pw2", "")
+    users = load_users(tmp_path / "users.json")
+    assert verify_password("pw2", users["bob"].password_hash)
+    assert users_main(["users", "remove", "bob", "--data-dir", data]) == 0
+    assert users_main(["users", "remove", "bob", "--data-dir", data]) == 2
+    assert users_main(["users", "add", "a/b", "--password", "x", "--data-dir", data]) == 2
+    assert set(load_users(tmp_path / "users.json")) == {"alice"}
