@@ -19,6 +19,12 @@ Anonymous access
     clients are accepted exactly when the listener host (`listeners.host`) is a loopback address
     (127.0.0.0/8, ::1, "localhost") *and* no user is defined (the users file is missing or lists
     nobody). Adding the first user, or binding a non-loopback address, turns anonymous access off.
+    While anonymous access is on and no user is defined, credentials are not checked at all (as
+    Mosquitto without a `password_file`): a gRPC bearer token is accepted and a claimed user
+    name still selects `%u` ACL rules; AMQP keeps its built-in guest/guest login from loopback
+    (RabbitMQ's default) since AMQP clients always send credentials. Once a user
+    exists, an unknown user name or a wrong password is refused even when anonymous access is
+    on by configuration.
 
 ACL rules
     From a TOML file, `<data_dir>/acl.toml` unless `auth.acl_file` says otherwise::
@@ -459,6 +465,11 @@ class Security:
         return self._rules
 
     @property
+    def open(self) -> bool:
+        """No user defined and anonymous access on: credentials are not checked."""
+        return not self._users and self.allow_anonymous
+
+    @property
     def allow_anonymous(self) -> bool:
         if self.allow_anonymous_setting is not None:
             return self.allow_anonymous_setting
@@ -480,6 +491,8 @@ class Security:
         return None
 
     def _check_credentials(self, username: str | None, password: bytes | str | None) -> Refusal | None:
+        if self.open:
+            return None  # nobody to check against: an open broker, as Mosquitto without a password_file
         if username is None:
             if password is not None:
                 return Refusal.BAD_CREDENTIALS  # a token or a password without a user name
@@ -561,15 +574,41 @@ class Security:
         """`MqttService.authorizer`."""
         return self.authorize(action, username, client_id, topic, "mqtt")
 
-    def amqp_authenticate(self, user: str | None, password: str | None, loopback: bool) -> str | None:
-        """Shaped like `AmqpService.authenticate`: None or the text of a connection.close 403."""
-        refusal = self.authenticate(user, password, "", "", "amqp")
-        if refusal is None:
+    def amqp_authenticate(
+        self, user: str | None, password: str | None, loopback: bool,
+        builtin: Callable[[str | None, str | None, bool], str | None] | None = None,
+    ) -> str | None:
+        """Shaped like `AmqpService.authenticate`: None or the text of a connection.close 403.
+
+        On an open broker (no user defined, anonymous access on) the AMQP layer's own built-in
+        login (`builtin`: guest/guest from loopback, as RabbitMQ out of the box) still decides,
+        since AMQP clients always send credentials."""
+        if builtin is not None and self.open:
+            refusal = builtin(user, password, loopback)
+            if refusal is not None:
+                self.denials[("amqp", Action.CONNECT.value)] += 1
+            return refusal
+        verdict = self.authenticate(user, password, "", "", "amqp")
+        if verdict is None:
             return None
-        if refusal == Refusal.NOT_AUTHORIZED.value:
+        if verdict == Refusal.NOT_AUTHORIZED.value:
             return "anonymous login refused"
         return "Login was refused using authentication mechanism PLAIN or AMQPLAIN. " \
             "For details see the broker logfile."
+
+    def attach_amqp(self, service: Any) -> None:
+        """Make an `AmqpService` log in through this model (its built-in users only serve an
+        open broker)."""
+        current = service.authenticate
+        # Installed twice (a restart of the security model): wrap the AMQP layer's own login.
+        builtin = getattr(current, "builtin_login", current)
+
+        def authenticate(user: str | None, password: str | None, loopback: bool) -> str | None:
+            self.reload()
+            return self.amqp_authenticate(user, password, loopback, builtin)
+
+        authenticate.builtin_login = builtin  # type: ignore[attr-defined]
+        service.authenticate = authenticate
 
     def amqp_authorize(self, action: str, user: str | None, topic: str) -> bool:
         """For the AMQP layer: publish on a routing-key topic, or subscribe (queue.bind) a filter."""
@@ -628,7 +667,7 @@ def install_security(app: Any) -> Security:
     listener = getattr(app, "listeners", {}).get("amqp")
     service = getattr(getattr(listener, "server", None), "service", None)
     if service is not None:
-        service.authenticate = security.amqp_authenticate
+        security.attach_amqp(service)
     app.security = security
     log.info("security: %d users, %s, anonymous access %s", len(security.users),
              f"{len(security.rules)} ACL rules" if security.rules is not None else "no ACL file",

@@ -166,6 +166,15 @@ def test_authenticate_outcomes_and_denial_counter(tmp_path: Path) -> None:
     assert security.denials[("grpc", "connect")] == 1
 
 
+def test_open_broker_does_not_check_credentials(tmp_path: Path) -> None:
+    security = make_security(tmp_path)
+    assert security.authenticate("guest", b"guest") is None
+    assert security.authenticate(None, b"token", protocol="grpc") is None
+    explicit = make_security(tmp_path / "x", {"alice": []}, allow_anonymous=True)
+    assert explicit.authenticate(None, None) is None
+    assert explicit.authenticate("guest", b"guest") == "bad-credentials"
+
+
 def test_password_change_invalidates_cached_login(tmp_path: Path) -> None:
     security = make_security(tmp_path, {"alice": []})
     assert security.authenticate("alice", b"alice-pw") is None
