@@ -10,8 +10,8 @@ reports messages per second from the first publish to the last message consumed:
 - `plain`: transient messages, no confirms, a no-ack consumer (the fire-and-forget path).
 
 Every child process has a time limit; the brokers are stopped (their process group) at the end.
-`--write` records the table in the `## AMQP broker` section of `bench/RESULTS.md` and leaves the
-other sections alone. This script never imports shardgate, so both brokers are driven the same
+`--write` records the table in the `## AMQP broker` section of `--results` (default
+`bench/RESULTS.md`) and leaves the other sections alone. This script never imports shardgate, so both brokers are driven the same
 way. Run: `python bench/bench_amqp.py --messages 20000 --write`.
 """
 
@@ -81,7 +81,7 @@ def shardgate_broker(workdir: Path, fsync: str) -> Iterator[int]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "shardgate", "serve", "--data-dir", str(workdir / "data"),
          "--host", "127.0.0.1", "--mqtt-port", str(free_port()), "--mqtt-ws-port", "0",
-         "--amqp-port", str(port), "--grpc-port", "0", "--log-level", "warning"],
+         "--amqp-port", str(port), "--grpc-port", "0", "--http-port", "0", "--log-level", "warning"],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )
     log.close()
@@ -196,6 +196,19 @@ class RawClient:
             del buffer[:pos]
         return out
 
+    async def close(self) -> None:
+        """connection.close and wait for close-ok: the broker has taken everything we sent (a
+        bare socket close may lose publishes the broker had not read yet)."""
+        from pamqp import commands, frame
+
+        self.send(0, commands.Connection.Close(200, "bye", 0, 0))
+        done = False
+        while not done:
+            for frame_type, raw in await self.frames():
+                if frame_type == 1 and isinstance(frame.unmarshal(raw)[2], commands.Connection.CloseOk):
+                    done = True
+        self.writer.close()
+
     async def expect(self, kind: type) -> object:
         from pamqp import frame
 
@@ -234,8 +247,8 @@ def _consumer(port: int, queue: str, count: int, acks: bool, ready: mp.Event, ou
                         tag.unmarshal(raw[11:-1])
                         client.send(1, commands.Basic.Ack(tag.delivery_tag))
         out.put(("consumer", time.time()))
-        await client.writer.drain()
-        client.writer.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(client.close(), 10)
 
     asyncio.run(run())
 
@@ -276,10 +289,9 @@ def _publisher(port: int, queue: str, count: int, size: int, confirms: bool, win
                 client.writer.write(batch if n == window else one * n)
                 sent += n
                 await client.writer.drain()
+        await client.close()
         out.put(("publisher-start", start))
         out.put(("publisher-end", time.time()))
-        await client.writer.drain()
-        client.writer.close()
 
     asyncio.run(run())
 
@@ -303,7 +315,7 @@ def run_mode(port: int, mode: str, count: int, size: int, window: int, time_limi
         while len(results) < 3:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"{mode} did not finish within {time_limit}s")
+                raise TimeoutError(f"{mode} did not finish within {time_limit}s (got {results})")
             with contextlib.suppress(Exception):
                 name, value = out.get(timeout=min(left, 1.0))
                 results[name] = value
@@ -343,15 +355,15 @@ def table(rows: dict[str, dict[str, dict[str, float]]], brokers: list[str]) -> s
     return "\n".join(lines)
 
 
-def write_section(text: str) -> None:
-    current = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+def write_section(text: str, results: Path) -> None:
+    current = results.read_text() if results.exists() else "# Benchmark results\n"
     start = current.find(SECTION)
     if start == -1:
         current = current.rstrip() + "\n\n" + text + "\n"
     else:
         end = current.find("\n## ", start + len(SECTION))
         current = current[:start] + text + ("\n" + current[end + 1:] if end != -1 else "\n")
-    RESULTS.write_text(current)
+    results.write_text(current)
 
 
 def main() -> int:
@@ -360,30 +372,37 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--brokers", default="shardgate,rabbitmq")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--repeats", type=int, default=3, help="runs per cell; the median is kept")
     parser.add_argument("--window", type=int, default=1024, help="outstanding confirms")
     parser.add_argument("--fsync", default="interval", help="Shardgate journal.fsync policy")
     parser.add_argument("--time-limit", type=float, default=180.0, help="seconds per run")
-    parser.add_argument("--write", action="store_true", help="record in bench/RESULTS.md")
+    parser.add_argument("--write", action="store_true", help="record the table in --results")
+    parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     brokers = [b for b in args.brokers.split(",") if b]
     modes = [m for m in args.modes.split(",") if m]
     rows: dict[str, dict[str, dict[str, float]]] = {}
     for broker in brokers:
         for mode in modes:
-            with tempfile.TemporaryDirectory(prefix=f"bench-amqp-{broker}-") as tmp:
-                workdir = Path(tmp)
-                starter = (shardgate_broker(workdir, args.fsync) if broker == "shardgate"
-                           else rabbitmq_broker(workdir))
-                try:
-                    with starter as port:
-                        result = run_mode(port, mode, args.messages, args.size, args.window, args.time_limit)
-                except Exception as exc:  # a broker that cannot run leaves its cells empty
-                    print(f"{broker} {mode}: failed: {exc}", file=sys.stderr)
-                    for name in ("shardgate.log", "rabbitmq.log"):
-                        log = workdir / name
-                        if log.exists():
-                            print(log.read_text(errors="replace")[-2000:], file=sys.stderr)
-                    continue
+            runs = []
+            for _ in range(args.repeats):
+                with tempfile.TemporaryDirectory(prefix=f"bench-amqp-{broker}-") as tmp:
+                    workdir = Path(tmp)
+                    starter = (shardgate_broker(workdir, args.fsync) if broker == "shardgate"
+                               else rabbitmq_broker(workdir))
+                    try:
+                        with starter as port:
+                            runs.append(run_mode(port, mode, args.messages, args.size, args.window,
+                                                 args.time_limit))
+                    except Exception as exc:  # a failed run is reported and left out
+                        print(f"{broker} {mode}: failed: {exc}", file=sys.stderr)
+                        for name in ("shardgate.log", "rabbitmq.log"):
+                            log = workdir / name
+                            if log.exists():
+                                print(log.read_text(errors="replace")[-2000:], file=sys.stderr)
+            if not runs:
+                continue
+            result = sorted(runs, key=lambda r: r["msgs_per_s"])[len(runs) // 2]  # median
             rows.setdefault(broker, {})[mode] = result
             print(f"{broker:10s} {mode:14s} {result['msgs_per_s']:10,.0f} msg/s "
                   f"(publish {result['publish_msgs_per_s']:,.0f} msg/s, {result['elapsed_s']:.2f}s)",
@@ -392,15 +411,17 @@ def main() -> int:
     print(report)
     if args.write:
         text = (
-            f"{SECTION}\n\n`python bench/bench_amqp.py --messages {args.messages} --size {args.size}"
-            f" --window {args.window} --fsync {args.fsync}` on {dt.date.today().isoformat()}, {platform.machine()}, "
-            f"{os.cpu_count()} CPUs, Python {platform.python_version()}. One aio-pika publisher "
-            "process and one consumer process on one queue; msg/s from the first publish to the "
-            "last message consumed. `confirms+acks`: persistent messages, publisher confirms "
-            f"(window {args.window}), prefetch 256 and one ack per message. `plain`: transient, no confirms, "
-            "no-ack consumer.\n\n" + report + "\n"
+            f"{SECTION}\n\n`python bench/bench_amqp.py --messages {args.messages} "
+            f"--size {args.size} --window {args.window} --fsync {args.fsync} "
+            f"--repeats {args.repeats}` on {dt.date.today().isoformat()}, {platform.machine()}, "
+            f"{os.cpu_count()} CPUs, Python {platform.python_version()}. One publisher process "
+            "and one consumer process (lean pamqp clients) on one queue; msg/s from the first "
+            "publish to the last message consumed, median of the repeats. `confirms+acks`: "
+            f"persistent messages to a durable queue, publisher confirms (window {args.window}), "
+            "prefetch 256 and one ack per message. `plain`: transient, no confirms, no-ack "
+            "consumer.\n\n" + report + "\n"
         )
-        write_section(text)
+        write_section(text, args.results)
     return 0
 
 
