@@ -449,8 +449,8 @@ def details_table(brokers: list[str], plan: list[Scenario],
     """Every run, with the CPU use of broker, generator and the rest of the machine."""
     lines = [
         "| scenario | broker | runs | broker CPU | msg/s per broker core | generator CPU "
-        "| other CPU |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "| other CPU | written off |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for scenario in plan:
         key = scenario.metrics[0].key
@@ -460,7 +460,7 @@ def details_table(brokers: list[str], plan: list[Scenario],
                 continue
             if not outcome.runs:
                 lines.append(f"| {scenario.name} | {broker} | error: "
-                             f"{(outcome.error or '?')[:120].replace('|', '/')} | | | | |")
+                             f"{(outcome.error or '?')[:120].replace('|', '/')} | | | | | |")
                 continue
             def mark(r: dict[str, Any], o: Outcome = outcome) -> str:
                 return "*" if o.disturbed(r) else ""
@@ -486,8 +486,10 @@ def details_table(brokers: list[str], plan: list[Scenario],
             per_core = [r["rate"] / r["broker_cpu"] for r in outcome.clean_runs() or outcome.runs
                         if r.get("rate") and r.get("broker_cpu")]
             efficiency = f"{statistics.median(per_core):,.0f}" if per_core else "—"
+            written_off = sum(r.get("written_off", 0) for r in outcome.runs)
             lines.append(f"| {scenario.name} | {broker} | {runs} | {cpu('broker_cpu')} | "
-                         f"{efficiency} | {cpu('generator_cpu')} | {cpu('other_cpu')} |")
+                         f"{efficiency} | {cpu('generator_cpu')} | {cpu('other_cpu')} | "
+                         f"{written_off:,} |")
     return "\n".join(lines)
 
 
@@ -549,7 +551,9 @@ lower bound for rates, an upper bound for latency.
 the brokers were sharing their cores and the rates are lower than the machine can give.
 "msg/s per broker core" (rate ÷ broker CPU) is less sensitive to that. Runs marked * had
 other CPU above {opts.max_other:g}: they were replaced by further runs while the allowance lasted
-and count in the median only when no undisturbed run was left.
+and count in the median only when no undisturbed run was left. "written off" counts, over all
+runs, the messages the generator gave up waiting for (nothing arrived for 0.5 s while the
+subscribers lagged by the limit): QoS 0 messages the broker dropped or held back that long.
 
 {details}
 
