@@ -1,0 +1,105 @@
+"""The MQTT bridge against a second Shardgate on loopback, with a restart of the remote."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from shardgate.app import Shardgate
+from shardgate.bridge import Bridge, BridgeSettings
+from tests.conftest import ThreadedBroker, wait_for
+from tests.mqtt_clients import V5, V311, Paho
+
+
+def start_bridge(local: ThreadedBroker, remote: ThreadedBroker, **kwargs: object) -> Bridge:
+    settings = BridgeSettings(name="edge", remote=f"mqtt://127.0.0.1:{remote.mqtt_port}", **kwargs)  # type: ignore[arg-type]
+
+    def start() -> Bridge:
+        bridge = Bridge(local.app.broker, settings)
+        bridge.start()
+        return bridge
+
+    bridge = local.call(start)
+    wait_for(lambda: bridge.connected)
+    return bridge
+
+
+def stop_node(broker: ThreadedBroker) -> None:
+    broker.call(broker.app.stop())
+
+
+def start_node(broker: ThreadedBroker) -> None:
+    """A new node on the stopped one's loop, ports and data directory."""
+    broker.app = Shardgate(broker.config)
+    broker.call(broker.app.start())
+
+
+def test_bridge_mirrors_both_ways_and_stores_while_the_remote_restarts(
+    broker_factory: Callable[..., ThreadedBroker],
+) -> None:
+    remote = broker_factory()
+    local = broker_factory()
+    bridge = start_bridge(local, remote, out=["sensors/#"], inbound=["commands/#"])
+    try:
+        # A persistent watcher on the remote: its session survives the remote's restart.
+        watcher = Paho(remote.mqtt_port, "watcher", V311, clean=False)
+        watcher.subscribe("sensors/#", qos=1)
+        device = Paho(local.mqtt_port, "device", V5)
+        device.subscribe("commands/#", qos=1)
+
+        device.publish("sensors/1", b"before", qos=1)
+        assert (watcher.expect().topic, watcher.expect_none()) == ("sensors/1", None)
+
+        controller = Paho(remote.mqtt_port, "controller", V5)
+        controller.publish("commands/light", b"on", qos=1)
+        command = device.expect()
+        assert (command.topic, command.payload) == ("commands/light", b"on")
+        controller.disconnect()
+
+        watcher.disconnect()
+        stop_node(remote)
+        wait_for(lambda: not bridge.connected)
+        # While the remote is down, what is published locally waits in the bridge.
+        for number in range(50):
+            device.publish(f"sensors/{number % 5}", f"m{number}".encode(), qos=1)
+        assert len(bridge.queue) == 50 and not bridge.connected
+        start_node(remote)
+        wait_for(lambda: bridge.connected and not bridge.queue, timeout=30)
+        assert bridge.connects >= 2 and bridge.dropped == 0
+
+        watcher = Paho(remote.mqtt_port, "watcher", V311, clean=False, connect=False)
+        _, rc, _ = watcher.connect()
+        assert rc == 0
+        payloads = [m.payload for m in watcher.expect_n(50)]
+        assert payloads == [f"m{n}".encode() for n in range(50)]
+        watcher.expect_none()
+
+        controller = Paho(remote.mqtt_port, "controller-2", V5)
+        controller.publish("commands/door", b"open", qos=1)
+        assert device.expect().payload == b"open"
+        # Nothing the bridge brought in goes back out, nothing local leaks the other way.
+        device.publish("other/topic", b"local only", qos=1)
+        watcher.expect_none()
+        assert bridge.forwarded_in == 2 and bridge.forwarded_out == 51
+        device.disconnect()
+        watcher.disconnect()
+        controller.disconnect()
+    finally:
+        local.call(bridge.stop())
+
+
+def test_bridge_rewrites_topics_with_prefixes(broker_factory: Callable[..., ThreadedBroker]) -> None:
+    remote = broker_factory()
+    local = broker_factory()
+    bridge = start_bridge(local, remote, out=["site/#"], local_prefix="site/",
+                          remote_prefix="plants/berlin/")
+    try:
+        watcher = Paho(remote.mqtt_port, "hq", V5)
+        watcher.subscribe("plants/#", qos=1)
+        device = Paho(local.mqtt_port, "plc", V5)
+        device.publish("site/line1/temp", b"72", qos=1)
+        message = watcher.expect()
+        assert (message.topic, message.payload) == ("plants/berlin/line1/temp", b"72")
+        device.disconnect()
+        watcher.disconnect()
+    finally:
+        local.call(bridge.stop())
