@@ -108,6 +108,7 @@ class Queue:
         self.had_consumer = False
         self.last_used_ms = now_ms()
         self.deleted = False
+        self.starved = False
 
     def __repr__(self) -> str:
         return f"Queue({self.name!r}, messages={len(self.messages)}, consumers={len(self.consumers)})"
@@ -123,12 +124,19 @@ class Queue:
         # durable subscription then keeps them in the journal and replays them on `wake`.
         if self.deleted:
             return False
-        return not self.subscription.durable or len(self.messages) < READY_LIMIT
+        if self.subscription.durable and len(self.messages) >= READY_LIMIT:
+            self.starved = True
+            return False
+        return True
 
     def settle(self, entry: QueueEntry) -> None:
         """`entry` left the queue for good (acked, dropped, dead-lettered, purged)."""
         self.subscription.ack(entry.message)
-        if self.subscription.durable and len(self.messages) == READY_LIMIT // 2:
+
+    def _refill(self) -> None:
+        """A durable queue that refused live messages has room again: let the core replay."""
+        if self.starved and len(self.messages) <= READY_LIMIT // 2:
+            self.starved = False
             self.subscription.wake()
 
     def deliver(self, message: Message, subscription: Subscription, filters: Sequence[str]) -> None:
@@ -205,7 +213,10 @@ class Queue:
         """The next unexpired message for basic.get, or None."""
         self.last_used_ms = now_ms()
         self.expire()
-        return self.messages.popleft() if self.messages else None
+        entry = self.messages.popleft() if self.messages else None
+        if self.starved:
+            self._refill()
+        return entry
 
     def purge(self) -> int:
         count = len(self.messages)
@@ -213,6 +224,8 @@ class Queue:
         self.messages.clear()
         for entry in entries:
             self.settle(entry)
+        if self.starved:
+            self._refill()
         return count
 
     def expire(self, at_ms: int | None = None) -> None:
@@ -283,6 +296,8 @@ class Queue:
                 consumer.channel.deliver(consumer, self, entry)
         finally:
             self._dispatching = False
+        if self.starved:
+            self._refill()
 
 
 def _int_arg(arguments: dict[str, Any], name: str) -> int | None:

@@ -354,3 +354,87 @@ def test_confirms_merge_into_one_multiple_ack(client: Client) -> None:
     out = client.feed(chunk)
     acks = [v for _, v in out if isinstance(v, commands.Basic.Ack)]
     assert [(a.delivery_tag, a.multiple) for a in acks] == [(10, True)]
+
+
+def test_server_sends_heartbeats_and_drops_a_silent_peer(service: AmqpService) -> None:
+    c = Client(service)
+    c.feed(PROTOCOL_HEADER)
+    c.send(0, commands.Connection.StartOk(mechanism="PLAIN", response="\0guest\0guest"))
+    c.send(0, commands.Connection.TuneOk(channel_max=0, frame_max=0, heartbeat=2))
+    c.send(0, commands.Connection.Open(virtual_host="/"))
+    start = c.conn.last_received
+    c.conn.tick(start + 1.5)
+    out = c.read()
+    assert [type(v).__name__ for _, v in out] == ["Heartbeat"]
+    assert not c.link.closed
+    c.conn.tick(start + 4.5)
+    assert c.link.closed
+
+
+def test_heartbeat_negotiation_follows_tune_ok(service: AmqpService) -> None:
+    c = Client(service)
+    out = c.feed(PROTOCOL_HEADER)
+    out = c.send(0, commands.Connection.StartOk(mechanism="PLAIN", response="\0guest\0guest"))
+    tune = out[0][1]
+    assert (tune.frame_max, tune.channel_max, tune.heartbeat) == (131072, 2047, 60)
+    c.send(0, commands.Connection.TuneOk(channel_max=5, frame_max=8192, heartbeat=0))
+    c.send(0, commands.Connection.Open(virtual_host="/"))
+    assert (c.conn.frame_max, c.conn.channel_max, c.conn.heartbeat) == (8192, 5, 0)
+    assert close_of(c.send(6, commands.Channel.Open())).reply_code == 504
+
+
+def test_channel_wide_prefetch(client: Client) -> None:
+    declare(client, "qa")
+    declare(client, "qb")
+    for name in ("qa", "qb"):
+        for i in range(3):
+            client.publish(1, "", name, b"%d" % i)
+    client.send(1, commands.Basic.Qos(prefetch_count=2, global_=True))
+    out = client.send(1, commands.Basic.Consume(queue="qa", consumer_tag="a"),
+                      commands.Basic.Consume(queue="qb", consumer_tag="b"))
+    delivers = [v for _, v in out if isinstance(v, commands.Basic.Deliver)]
+    assert len(delivers) == 2  # two consumers share the channel's window of 2
+
+
+def test_deleting_a_queue_cancels_its_consumers(service: AmqpService, client: Client) -> None:
+    declare(client, "gone")
+    client.send(1, commands.Basic.Consume(queue="gone", consumer_tag="c1"))
+    other = Client(service)
+    other.handshake()
+    other.open_channel(1)
+    out = other.send(1, commands.Queue.Delete(queue="gone"))
+    assert isinstance(out[0][1], commands.Queue.DeleteOk)
+    cancels = [v for _, v in client.read() if isinstance(v, commands.Basic.Cancel)]
+    assert [c.consumer_tag for c in cancels] == ["c1"]
+
+
+def test_delete_if_unused_refused_while_consumed(client: Client) -> None:
+    declare(client, "busy")
+    client.send(1, commands.Basic.Consume(queue="busy", consumer_tag="c"))
+    close = close_of(client.send(1, commands.Queue.Delete(queue="busy", if_unused=True)))
+    assert close.reply_code == 406
+
+
+def test_consumer_tag_reuse_is_a_connection_error(client: Client) -> None:
+    declare(client, "tags")
+    client.send(1, commands.Basic.Consume(queue="tags", consumer_tag="same"))
+    close = close_of(client.send(1, commands.Basic.Consume(queue="tags", consumer_tag="same")))
+    assert isinstance(close, commands.Connection.Close) and close.reply_code == 530
+
+
+def test_user_id_must_match_the_login(client: Client) -> None:
+    declare(client, "uid")
+    close = close_of(client.publish(1, "", "uid", b"x", user_id="mallory"))
+    assert isinstance(close, commands.Channel.Close) and close.reply_code == 406
+
+
+def test_large_body_is_split_into_frame_max_frames(client: Client) -> None:
+    declare(client, "big")
+    payload = bytes(range(256)) * 2000  # 512 000 bytes, four times frame-max
+    chunks = [payload[i:i + 100_000] for i in range(0, len(payload), 100_000)]
+    client.send(1, commands.Basic.Publish(exchange="", routing_key="big"),
+                header.ContentHeader(0, len(payload), commands.Basic.Properties()),
+                *[pbody.ContentBody(chunk) for chunk in chunks])
+    out = client.send(1, commands.Basic.Get(queue="big", no_ack=True))
+    bodies = [v.value for _, v in out if isinstance(v, pbody.ContentBody)]
+    assert b"".join(bodies) == payload and max(len(b) for b in bodies) <= 131072 - 8

@@ -1,0 +1,66 @@
+"""A durable queue on a reliable stream: a core durable subscription behind the AMQP queue, with
+a bounded memory buffer refilled from the log, and acks that advance the core cursor."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from pamqp import body as pbody
+from pamqp import commands
+from shardgate.core.broker import Broker
+from shardgate.core.durable import DurableSubscription
+from shardgate.core.streams import StreamConfig
+from shardgate.protocols.amqp import queues
+from shardgate.protocols.amqp.settings import AmqpSettings
+from shardgate.storage.memory import MemoryStorage
+
+from tests.unit.test_amqp_connection import Client, Loopless
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+@pytest.fixture
+def client() -> Client:
+    broker = Broker(storage=MemoryStorage(100_000), default_stream=StreamConfig("default", mode="reliable"))
+    service = Loopless(broker, AmqpSettings())
+    c = Client(service)
+    c.handshake()
+    c.open_channel(1)
+    return c
+
+
+async def test_full_buffer_leaves_messages_in_the_log_and_refills(client: Client, monkeypatch) -> None:
+    monkeypatch.setattr(queues, "READY_LIMIT", 4)
+    client.send(1, commands.Queue.Declare(queue="dq", durable=True))
+    queue = client.service.vhosts["/"].queues["dq"]
+    assert isinstance(queue.subscription, DurableSubscription)
+    for i in range(10):
+        client.publish(1, "", "dq", b"%d" % i, delivery_mode=2)
+    await settle()
+    assert len(queue.messages) == 4
+    bodies = []
+    for _ in range(10):
+        out = client.send(1, commands.Basic.Get(queue="dq"))
+        get_ok = out[0][1]
+        assert isinstance(get_ok, commands.Basic.GetOk), out
+        bodies.append(out[-1][1].value)
+        client.send(1, commands.Basic.Ack(delivery_tag=get_ok.delivery_tag))
+        await settle()
+    assert bodies == [b"%d" % i for i in range(10)]
+    assert all(not cursor.unacked for cursor in queue.subscription.cursors.values())
+
+
+async def test_unacked_messages_stay_unacked_in_the_core(client: Client) -> None:
+    client.send(1, commands.Queue.Declare(queue="dq2", durable=True))
+    client.publish(1, "", "dq2", b"a", delivery_mode=2)
+    await settle()
+    out = client.send(1, commands.Basic.Get(queue="dq2"))
+    assert isinstance(out[-1][1], pbody.ContentBody)
+    sub = client.service.vhosts["/"].queues["dq2"].subscription
+    assert sum(len(c.unacked) for c in sub.cursors.values()) == 1
+    client.send(1, commands.Basic.Ack(delivery_tag=out[0][1].delivery_tag))
+    assert sum(len(c.unacked) for c in sub.cursors.values()) == 0
