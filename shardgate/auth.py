@@ -609,10 +609,16 @@ class Security:
 
         authenticate.builtin_login = builtin  # type: ignore[attr-defined]
         service.authenticate = authenticate
+        if hasattr(service, "authorizer"):
+            service.authorizer = self.amqp_authorize
 
     def amqp_authorize(self, action: str, user: str | None, topic: str) -> bool:
         """For the AMQP layer: publish on a routing-key topic, or subscribe (queue.bind) a filter."""
         return self.authorize(action, user, "", topic, "amqp")
+
+    def grpc_authorize(self, action: str, user: str | None, topic: str) -> bool:
+        """For the gRPC layer: publish to a topic, subscribe to a filter, or admin calls."""
+        return self.authorize(action, user, "grpc", topic, "grpc")
 
 
 def security_paths(data_dir: Path, settings: AuthSettings | None = None) -> tuple[Path, Path]:
@@ -638,7 +644,8 @@ def anonymous_setting(value: Any) -> bool | None:
 
 def install_security(app: Any) -> Security:
     """Hook one `Security` into a started-or-starting `Shardgate`: MQTT (and so gRPC) hooks, the
-    AMQP service if its listener is up, and `app.security` for the admin API and metrics.
+    AMQP service if its listener is up, the `authorizer` attribute of the AMQP service and of
+    `app.grpc` where those layers have one, and `app.security` for the admin API and metrics.
     A users or ACL file that cannot be read raises `ConfigError`."""
     from .config import ConfigError
 
@@ -668,6 +675,9 @@ def install_security(app: Any) -> Security:
     service = getattr(getattr(listener, "server", None), "service", None)
     if service is not None:
         security.attach_amqp(service)
+    grpc_server = getattr(app, "grpc", None)
+    if grpc_server is not None and hasattr(grpc_server, "authorizer"):
+        grpc_server.authorizer = security.grpc_authorize
     app.security = security
     log.info("security: %d users, %s, anonymous access %s", len(security.users),
              f"{len(security.rules)} ACL rules" if security.rules is not None else "no ACL file",
