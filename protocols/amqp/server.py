@@ -83,18 +83,21 @@ class AmqpProtocol(asyncio.Protocol):
 class AmqpServer:
     """The listening socket(s) and the service behind them; shaped like `asyncio.Server`."""
 
-    def __init__(self, server: asyncio.AbstractServer, service: AmqpService) -> None:
+    def __init__(self, server: asyncio.AbstractServer, service: AmqpService, owns_service: bool) -> None:
         self.server = server
         self.service = service
+        self.owns_service = owns_service
 
     @property
     def sockets(self) -> tuple[object, ...]:
         return tuple(getattr(self.server, "sockets", ()) or ())
 
     def close(self) -> None:
-        """Stop accepting, close every client connection (connection.close 320)."""
+        """Stop accepting; the listener that created the service also closes every client
+        connection (connection.close 320)."""
         self.server.close()
-        self.service.stop()
+        if self.owns_service:
+            self.service.stop()
 
     async def wait_closed(self) -> None:
         await self.server.wait_closed()
@@ -106,12 +109,19 @@ async def start_amqp_listener(
     port: int,
     ssl_context: ssl.SSLContext | None = None,
     settings: AmqpSettings | None = None,
+    *,
+    service: AmqpService | None = None,
 ) -> AmqpServer:
-    """Listen for AMQP 0-9-1 clients; `close()` on the result also stops the service."""
-    service = AmqpService(broker, settings)
-    service.start()
+    """Listen for AMQP 0-9-1 clients (AMQPS with `ssl_context`). A second listener (TLS next to
+    plain TCP) passes the first one's `service` so that both serve the same exchanges and
+    queues."""
+    owns = service is None
+    if service is None:
+        service = AmqpService(broker, settings)
+        service.start()
+    shared = service
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
-        lambda: AmqpProtocol(service), host, port, ssl=ssl_context, reuse_address=True, backlog=1024
+        lambda: AmqpProtocol(shared), host, port, ssl=ssl_context, reuse_address=True, backlog=1024
     )
-    return AmqpServer(server, service)
+    return AmqpServer(server, service, owns)

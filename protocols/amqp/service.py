@@ -12,7 +12,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from ...core.message import now_ms
@@ -27,6 +27,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SWEEP_S = 0.05
+REFUSED = (
+    "Login was refused using authentication mechanism PLAIN or AMQPLAIN. "
+    "For details see the broker logfile."
+)
+
+# authenticator(username, password) -> None to accept, or the refusal text.
+Authenticator = Callable[[str, str], str | None]
 TICK_S = 1.0
 
 
@@ -39,6 +46,7 @@ class AmqpService:
             vhost = VirtualHost(name, broker)
             vhost.on_queue_deleted.append(self._queue_deleted)
             self.vhosts[name] = vhost
+        self.authenticator: Authenticator | None = None
         self.connections: set[AmqpConnection] = set()
         self._all: set[AmqpConnection] = set()
         self._dirty: list[AmqpConnection] = []
@@ -86,14 +94,20 @@ class AmqpService:
 
     # ------------------------------------------------------------------ policy
     def authenticate(self, user: str | None, password: str | None, loopback: bool) -> str | None:
-        """None to accept, else the refusal text for connection.close 403."""
+        """None to accept, else the refusal text for connection.close 403. With an
+        `authenticator` (Shardgate's user store, set by the composition root) it decides;
+        otherwise `settings.users`. `settings.loopback_users` apply either way."""
         settings = self.settings
-        expected = settings.users.get(user or "")
-        if user is None or password is None or expected is None or not hmac.compare_digest(
-            expected.encode(), password.encode()
-        ):
-            return "Login was refused using authentication mechanism PLAIN or AMQPLAIN. " \
-                "For details see the broker logfile."
+        if user is None or password is None:
+            return REFUSED
+        if self.authenticator is not None:
+            refusal = self.authenticator(user, password)
+            if refusal is not None:
+                return refusal
+        else:
+            expected = settings.users.get(user)
+            if expected is None or not hmac.compare_digest(expected.encode(), password.encode()):
+                return REFUSED
         if user in settings.loopback_users and not loopback:
             return f"user '{user}' can only connect via localhost"
         return None

@@ -438,3 +438,13 @@ def test_large_body_is_split_into_frame_max_frames(client: Client) -> None:
     out = client.send(1, commands.Basic.Get(queue="big", no_ack=True))
     bodies = [v.value for _, v in out if isinstance(v, pbody.ContentBody)]
     assert b"".join(bodies) == payload and max(len(b) for b in bodies) <= 131072 - 8
+
+
+def test_authenticator_hook_decides_logins(service: AmqpService) -> None:
+    service.authenticator = lambda user, password: None if (user, password) == ("app", "s3cret") else "no"
+    ok = Client(service, loopback=False)
+    ok.handshake("app", "s3cret")
+    bad = Client(service)
+    bad.feed(PROTOCOL_HEADER)
+    out = bad.send(0, commands.Connection.StartOk(mechanism="PLAIN", response="\0guest\0guest"))
+    assert close_of(out).reply_code == 403
