@@ -59,6 +59,7 @@ from __future__ import annotations
 import base64
 import binascii
 import collections
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -155,8 +156,10 @@ def verify_password(password: str | bytes, encoded: str) -> bool:
     return hmac.compare_digest(actual, expected)
 
 
-# A hash of nothing anyone knows: unknown users cost as much time as known ones.
-_DUMMY_HASH = hash_password(secrets.token_bytes(16))
+@functools.cache
+def _dummy_hash() -> str:
+    """A hash of nothing anyone knows: unknown users cost as much time as known ones."""
+    return hash_password(secrets.token_bytes(16))
 
 
 # ---------------------------------------------------------------------------- users file
@@ -500,7 +503,7 @@ class Security:
         secret = password.encode("utf-8") if isinstance(password, str) else (password or b"")
         user = self._users.get(username)
         if user is None:
-            verify_password(secret, _DUMMY_HASH)
+            verify_password(secret, _dummy_hash())
             return Refusal.BAD_CREDENTIALS
         keyed = hmac.new(self._cache_key, secret, hashlib.sha256).digest()
         cached = self._verified.get(username)
