@@ -556,7 +556,7 @@ class AmqpConnection:
             self.send_method(0, commands.Connection.UpdateSecretOk())
         else:
             raise ConnectionException(
-                ReplyCode.COMMAND_INVALID if state is State.OPEN else ReplyCode.COMMAND_INVALID,
+                ReplyCode.COMMAND_INVALID,
                 f"unexpected '{value.name}' on channel 0 in state {state.value}", *_ids(value),
             )
 
@@ -963,7 +963,7 @@ class AmqpConnection:
                 ReplyCode.ACCESS_REFUSED, f"cannot publish to internal exchange '{exchange.name}'",
                 *_ids(commands.Basic.Publish),
             )
-        if props.user_id and props.user_id != self.username:
+        if props.user_id and str(props.user_id) != self.username:
             raise ChannelException(
                 ReplyCode.PRECONDITION_FAILED,
                 f"user_id property set to '{props.user_id}' but authenticated user was "

@@ -36,6 +36,15 @@ _EXTRA = {
 _INT_PROPS = {"delivery_mode", "priority"}
 
 
+def _text(value: object) -> str | None:
+    """A shortstr property as text (pamqp hands back bytes when it is not valid UTF-8)."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", "replace")
+    return str(value)
+
+
 def message_from_properties(
     topic: str, body: bytes, props: commands.Basic.Properties, producer_id: str,
     raw_properties: bytes | None,
@@ -45,29 +54,33 @@ def message_from_properties(
         for name, value in props.headers.items():
             headers.append((str(name), header_value(value)))
     for attr, header in _EXTRA.items():
-        value = getattr(props, attr)
-        if value is not None and value != "":
-            headers.append((header, str(value)))
-    if props.timestamp is not None:
+        value = _text(getattr(props, attr))
+        if value is not None:
+            headers.append((header, value))
+    if isinstance(props.timestamp, datetime.datetime):
         stamp = props.timestamp
         if stamp.tzinfo is None:
             stamp = stamp.replace(tzinfo=datetime.UTC)
         headers.append(("amqp-timestamp", str(int(stamp.timestamp()))))
     publish_time = now_ms()
     expires_at = None
-    if props.expiration:
+    expiration = _text(props.expiration)
+    if expiration:
         try:
-            expires_at = publish_time + max(0, int(props.expiration))
+            expires_at = publish_time + max(0, int(expiration))
         except ValueError:
             expires_at = None
+    correlation = props.correlation_id
+    if isinstance(correlation, str):
+        correlation = correlation.encode()
     message = Message(
         topic,
         body,
         qos=1 if props.delivery_mode == 2 else 0,
         headers=headers or None,
-        content_type=props.content_type or None,
-        correlation_data=props.correlation_id.encode() if props.correlation_id else None,
-        reply_to=props.reply_to or None,
+        content_type=_text(props.content_type),
+        correlation_data=bytes(correlation) if correlation else None,
+        reply_to=_text(props.reply_to),
         expires_at_ms=expires_at,
         publish_time_ms=publish_time,
         producer_protocol="amqp",

@@ -15,14 +15,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from ...core.message import Message, now_ms
 from ...core.subscriptions import Subscription
 from .routing import Binding
-
-if TYPE_CHECKING:
-    pass
 
 
 class QueueEntry:
