@@ -40,7 +40,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 LOAD = BENCH_DIR / "mqtt_load.py"
 RESULTS = BENCH_DIR / "RESULTS.md"
 SECTION = "## MQTT broker"
-BROKERS = ("shardgate", "mosquitto", "amqtt")
+BROKERS = ("shardgate", "mosquitto", "amqtt", "shardgate-memory")
 START_TIMEOUT = 30.0
 
 
@@ -189,8 +189,16 @@ def _amqtt_version() -> str:
 
 def _shardgate_command(port: int, workdir: Path) -> list[str]:
     return [sys.executable, "-m", "shardgate", "serve", "--host", "127.0.0.1",
-            "--mqtt-port", str(port), "--mqtt-ws-port", "0",
-            "--data-dir", str(workdir / "data")]
+            "--mqtt-port", str(port), "--mqtt-ws-port", "0", "--grpc-port", "0",
+            "--http-port", "0", "--data-dir", str(workdir / "data")]
+
+
+def _shardgate_memory_command(port: int, workdir: Path) -> list[str]:
+    """Shardgate with its default stream non-reliable (memory only, no journal, no archive):
+    the baseline for what the journal costs."""
+    config = workdir / "memory.toml"
+    config.write_text('default_stream_mode = "non-reliable"\n[archive]\nenabled = false\n')
+    return [*_shardgate_command(port, workdir), "--config", str(config)]
 
 
 def _shardgate_probe() -> str | None:
@@ -218,6 +226,8 @@ BROKER_SPECS = {
     "amqtt": BrokerSpec("amqtt", _amqtt_command, _amqtt_probe, _amqtt_version),
     "shardgate": BrokerSpec("shardgate", _shardgate_command, _shardgate_probe,
                             _shardgate_version),
+    "shardgate-memory": BrokerSpec("shardgate-memory", _shardgate_memory_command,
+                                   _shardgate_probe, _shardgate_version),
 }
 
 

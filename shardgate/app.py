@@ -47,6 +47,8 @@ class Shardgate:
         self.metadata: SqliteMetadataStore | None = None
         self.persistence: Persistence | None = None
         self.archiver: Any = None
+        self.security: Any = None
+        self.bridges: list[Any] = []
         self.archive_reader: Any = None
         self._stopped = asyncio.Event()
 
@@ -114,6 +116,9 @@ class Shardgate:
         if held:
             log.info("restored %d delayed messages", held)
         self.mqtt = MqttService(self.broker, config.mqtt, store=self.metadata)
+        from .auth import install_security
+
+        install_security(self)
         restored = self.mqtt.restore_sessions()
         if restored:
             log.info("restored %d persistent MQTT sessions", restored)
@@ -143,6 +148,8 @@ class Shardgate:
                 server = await start_amqp_listener(
                     self.broker, host, ports.amqp_port, None, getattr(self.config, "amqp", None)
                 )
+                if self.security is not None and hasattr(server, "service"):
+                    self.security.attach_amqp(server.service)
                 self._add_listener("amqp", server)
             if ports.grpc_port:
                 from .protocols.grpc.server import start_grpc_server
@@ -159,6 +166,10 @@ class Shardgate:
             raise ConfigError(f"cannot listen: {exc}") from exc
         for listener in self.listeners.values():
             log.info("listening for %s on %s:%d", listener.name, listener.host, listener.port)
+        if config.bridges:
+            from .bridge import start_bridges
+
+            start_bridges(self, config.bridges)
 
     async def _start_archiver(self) -> None:
         archive = self.config.archive
@@ -205,6 +216,10 @@ class Shardgate:
         return self.listeners[name].port
 
     async def stop(self) -> None:
+        if self.bridges:
+            from .bridge import stop_bridges
+
+            await stop_bridges(self)
         for listener in self.listeners.values():
             listener.server.close()
         if self.mqtt is not None:

@@ -132,7 +132,12 @@ def main(argv: list[str] | None = None) -> None:
 
     add_client_commands(sub)
     _archive_parser(sub)
+    from .users_cli import add_users_commands
+
+    add_users_commands(sub)
     args = parser.parse_args(argv)
+    if getattr(args, "users_handler", None) is not None:
+        sys.exit(args.users_handler(args))
     if args.command == "archive":
         sys.exit(_archive_command(args))
     if getattr(args, "client_handler", None) is not None:

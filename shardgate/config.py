@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .auth import AuthSettings
 from .protocols.grpc.settings import GrpcSettings
 from .protocols.mqtt.settings import MqttSettings
 
@@ -92,12 +93,14 @@ class Config:
     grpc: GrpcSettings = field(default_factory=GrpcSettings)
     journal: JournalConfig = field(default_factory=JournalConfig)
     archive: ArchiveConfig = field(default_factory=ArchiveConfig)
+    auth: AuthSettings = field(default_factory=AuthSettings)
+    bridges: list[Any] = field(default_factory=list)
     streams: list[StreamEntry] = field(default_factory=list)
 
 
 SECTIONS = {
     "listeners": ListenerConfig, "tls": TlsConfig, "mqtt": MqttSettings, "grpc": GrpcSettings,
-    "journal": JournalConfig, "archive": ArchiveConfig,
+    "journal": JournalConfig, "archive": ArchiveConfig, "auth": AuthSettings,
 }
 SHORT_ENV = {
     "SHARDGATE_DATA_DIR": ("data_dir",),
@@ -178,6 +181,15 @@ def load_config(
                     config.streams = [StreamEntry(**entry) for entry in value]
                 except TypeError as exc:
                     raise ConfigError(f"streams: {exc}") from None
+            elif key == "bridges":
+                from .bridge import BridgeSettings  # imports amqtt: only when configured
+
+                if not isinstance(value, list):
+                    raise ConfigError("bridges must be an array of tables ([[bridges]])")
+                try:
+                    config.bridges = [BridgeSettings(**entry) for entry in value]
+                except TypeError as exc:
+                    raise ConfigError(f"bridges: {exc}") from None
             elif key in SECTIONS:
                 if not isinstance(value, dict):
                     raise ConfigError(f"{key} must be a table")
