@@ -1,0 +1,49 @@
+"""`shardgate serve` as a user runs it: clear refusals of a data directory it cannot use, of a
+second broker on the same data directory, of a bad configuration."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import BrokerProcess
+
+
+def serve(data_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "shardgate", "serve", "--data-dir", str(data_dir), "--mqtt-port", "0",
+         "--mqtt-ws-port", "0", "--grpc-port", "0", "--http-port", "0", *extra],
+        capture_output=True, text=True, timeout=60,
+    )
+
+
+def test_data_directory_from_a_newer_format_is_refused(tmp_path: Path) -> None:
+    journal = tmp_path / "data" / "journal"
+    journal.mkdir(parents=True)
+    (journal / "journal.version").write_text("99 crc32c\n")
+    result = serve(tmp_path / "data")
+    assert result.returncode == 2
+    assert "journal" in result.stderr and "99" in result.stderr
+
+
+def test_second_broker_on_the_same_data_directory_is_refused(tmp_path: Path) -> None:
+    first = BrokerProcess(tmp_path / "data").start()
+    try:
+        result = serve(tmp_path / "data")
+        assert result.returncode == 2
+        assert "already open" in result.stderr
+    finally:
+        assert first.terminate() == 0
+
+
+def test_bad_configuration_is_a_clear_error(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text("[mqtt]\nmax_packet_size = 'huge'\n")
+    result = serve(tmp_path / "data", "--config", str(config))
+    assert result.returncode == 2
+    assert "mqtt.max_packet_size" in result.stderr and "integer" in result.stderr
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("[mqtt]\nno_such_setting = 1\n")
+    result = serve(tmp_path / "data", "--config", str(unknown))
+    assert result.returncode == 2 and "no_such_setting" in result.stderr
