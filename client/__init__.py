@@ -9,7 +9,7 @@
 - `schemas`: payload helpers for String, Int64 and JSON streams.
 
 Errors are `ShardgateError` subclasses named after the gRPC status (`NotFound`,
-`FailedPrecondition`, `InvalidArgument`, `Unavailable`...).
+`FailedPrecondition`, `InvalidArgument`, `PermissionDenied`, `Unavailable`...).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from .errors import (
     InvalidArgument,
     NotFound,
     OutOfRange,
+    PermissionDenied,
     ResourceExhausted,
     ShardgateError,
     Unauthenticated,
@@ -49,7 +50,7 @@ from .types import (
 __all__ = [
     "DEFAULT_URL", "Admin", "AlreadyExists", "BrokerInfo", "Client", "ClientInfo", "Consumer",
     "ConsumerInfo", "FailedPrecondition", "InvalidArgument", "Mode", "NotFound", "OutOfRange",
-    "Position", "Producer", "Receipt", "ReceivedMessage", "ResourceExhausted", "Schema",
+    "PermissionDenied", "Position", "Producer", "Receipt", "ReceivedMessage", "ResourceExhausted", "Schema",
     "ShardInfo", "ShardgateError", "StreamInfo", "SubscriptionInfo", "SubscriptionType",
     "SyncClient", "SyncConsumer", "SyncProducer", "Unauthenticated", "Unavailable", "resolve_url",
     "schemas",

@@ -52,6 +52,12 @@ class Unauthenticated(ShardgateError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class PermissionDenied(ShardgateError):
+    """The broker's ACL refuses this user the publish or subscribe."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class Unavailable(ShardgateError):
     """The broker cannot be reached (or is shutting down); retrying may help."""
 
@@ -61,7 +67,7 @@ class Unavailable(ShardgateError):
 _BY_CODE: dict[grpc.StatusCode, type[ShardgateError]] = {
     cls.code: cls
     for cls in (NotFound, AlreadyExists, InvalidArgument, FailedPrecondition, ResourceExhausted,
-                OutOfRange, Unauthenticated, Unavailable)
+                OutOfRange, Unauthenticated, PermissionDenied, Unavailable)
 }
 _BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 

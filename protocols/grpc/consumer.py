@@ -25,6 +25,8 @@ from ...core.subscriptions import Subscription, SubscriptionType
 from ...proto import shardgate_pb2 as pb
 
 _consumer_ids = itertools.count(1)
+# The status message of a stream the admin API disconnected (status UNAVAILABLE).
+KICK_REASON = "kicked by administrator"
 
 
 @dataclass(slots=True)
@@ -89,6 +91,8 @@ class GrpcConsumer:
         self.max_pending = max_pending
         self.max_batch = max_batch
         self.closed = False
+        # Set by `kick`: the stream ends with UNAVAILABLE and this message.
+        self.kicked: str | None = None
         self.delivered = 0
         self.acked = 0
         self._on_drop = on_drop
@@ -213,6 +217,15 @@ class GrpcConsumer:
                 del self._timers[handle]
                 break
         redeliver(self.subscription, *entry)
+
+    def kick(self, reason: str = KICK_REASON) -> None:
+        """Disconnect this consumer (the admin API's kick): nothing more is pushed, its stream
+        ends with UNAVAILABLE and `reason`, and its unacknowledged and pending messages go to the
+        subscription's other consumers (or back to the cursor of a durable subscription)."""
+        if self.kicked is None:
+            self.kicked = reason
+        self.closed = True
+        self.wakeup.set()
 
     def error(self, code: int, text: str, delivery_ids: Sequence[int] = ()) -> None:
         self.errors.append(pb.ConsumeError(code=code, error=text, delivery_ids=delivery_ids))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import inspect
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -34,7 +36,7 @@ from ...core.subscriptions import Subscription, SubscriptionType
 from ...core.topics import TopicError, validate_topic_filter, validate_topic_name
 from ...proto import shardgate_pb2 as pb
 from ...proto import shardgate_pb2_grpc as pb_grpc
-from .consumer import GrpcConsumer, GrpcSubscriptionState, hand_over
+from .consumer import KICK_REASON, GrpcConsumer, GrpcSubscriptionState, hand_over
 from .schemas import SchemaMismatch, check_payload
 from .settings import DEFAULT_PORT, GrpcSettings
 
@@ -67,6 +69,13 @@ SUB_TYPES_OUT = {value: code for code, value in SUB_TYPES.items()
                  if code != pb.SUBSCRIPTION_TYPE_UNSPECIFIED}
 SUBSCRIBE_TIMEOUT_S = 30.0
 PUBLISH_QUEUE_BATCHES = 256
+_producer_ids = itertools.count(1)
+
+# `authorizer(action, user, topic) -> bool`, action being "publish" or "subscribe" (the shape of
+# `shardgate.auth.Security.grpc_authorize`, which `install_security` puts on `GrpcServer`).
+Authorizer = Callable[[str, "str | None", str], bool]
+# `authenticator(username, password, remote) -> None | refusal text`.
+Authenticator = Callable[["str | None", "bytes | None", str], "str | None"]
 
 
 class Refusal(Exception):
@@ -109,6 +118,20 @@ class ProducerStreamInfo:
     name: str
     connected_at: float = field(default_factory=time.time)
     messages_in: int = 0
+    id: str = field(default_factory=lambda: f"grpc-producer-{next(_producer_ids)}")
+    username: str | None = None
+    # Set by `kick`: the stream ends with UNAVAILABLE and this reason once the batches already
+    # read are acknowledged.
+    kicked: str | None = None
+    _reader: asyncio.Future[None] | None = field(default=None, repr=False)
+
+    def kick(self, reason: str = KICK_REASON) -> None:
+        """Disconnect this producer stream (the admin API's kick): batches it sent and the
+        server has not read yet are not published, and the SDK resends them on reconnect."""
+        if self.kicked is None:
+            self.kicked = reason
+        if self._reader is not None:
+            self._reader.cancel()
 
 
 class GrpcServer:
@@ -123,6 +146,29 @@ class GrpcServer:
         self.port = 0
         self._closing: asyncio.Task[None] | None = None
         self._topic_ok: set[str] = set()
+        # Authorization hook (None: everything an authenticated client asks is allowed).
+        self.authorizer: Authorizer | None = None
+        # Authentication hook taking the peer address; when None the interceptor uses
+        # `app.security` (or else the MQTT layer's authenticator).
+        self.authenticator: Authenticator | None = None
+
+    def allowed(self, action: str, user: str | None, topic: str) -> bool:
+        authorizer = self.authorizer
+        return authorizer is None or bool(authorizer(action, user, topic))
+
+    def kick(self, client_id: str, reason: str = KICK_REASON) -> int:
+        """Disconnect the gRPC streams of `client_id` (a consumer id, or a producer's id, name or
+        peer as `clients()` lists them); returns how many streams were ended."""
+        kicked = 0
+        for consumer in list(self.consumers):
+            if consumer.id == client_id and not consumer.closed:
+                consumer.kick(reason)
+                kicked += 1
+        for producer in list(self.producers):
+            if client_id in (producer.id, producer.name or producer.peer) and producer.kicked is None:
+                producer.kick(reason)
+                kicked += 1
+        return kicked
 
     @property
     def broker(self) -> Any:
@@ -171,8 +217,9 @@ class GrpcServer:
             await self._closing
 
     # ---------------------------------------------------------------- publishing
-    def message_from(self, request: pb.PublishRequest, producer_id: str) -> Message:
-        """Validate a publish request and build the core message; raises `Refusal`."""
+    def message_from(self, request: pb.PublishRequest, producer_id: str,
+                     user: str | None = None) -> Message:
+        """Validate and authorize a publish request, build the core message; raises `Refusal`."""
         topic = request.topic
         if not topic:
             if not request.stream:
@@ -186,6 +233,10 @@ class GrpcServer:
             if len(self._topic_ok) > 100_000:
                 self._topic_ok.clear()
             self._topic_ok.add(topic)
+        if self.authorizer is not None and not self.authorizer("publish", user, topic):
+            raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                          f"not authorized to publish to {topic!r}"
+                          + (f" as user {user!r}" if user is not None else " anonymously"))
         payload = request.payload
         if len(payload) > self.settings.max_payload_bytes:
             raise Refusal(
@@ -336,6 +387,15 @@ async def _abort(context: grpc.aio.ServicerContext, refusal: Refusal) -> None:
     await context.abort(refusal.code, refusal.reason)
 
 
+def _user(context: grpc.aio.ServicerContext) -> str | None:
+    """The user name the call authenticated as (None: anonymous or a bearer token)."""
+    try:
+        credentials = credentials_from_metadata(context.invocation_metadata())
+    except Exception:  # noqa: BLE001 - no metadata: anonymous
+        return None
+    return credentials[0] if credentials is not None else None
+
+
 def _peer(context: grpc.aio.ServicerContext) -> str:
     try:
         return context.peer() or ""
@@ -351,7 +411,7 @@ class ProducerService(pb_grpc.ProducerServicer):
     async def Publish(self, request: pb.PublishRequest, context: grpc.aio.ServicerContext) -> pb.PublishResponse:
         server = self.server
         try:
-            message = server.message_from(request, _peer(context))
+            message = server.message_from(request, _peer(context), _user(context))
             waiter = server.publish(message)
             if waiter is not None:
                 try:
@@ -368,7 +428,7 @@ class ProducerService(pb_grpc.ProducerServicer):
         self, request_iterator: AsyncIterator[pb.PublishBatch], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.PublishAck]:
         server = self.server
-        info = ProducerStreamInfo(peer=_peer(context), name="")
+        info = ProducerStreamInfo(peer=_peer(context), name="", username=_user(context))
         server.producers.add(info)
         queue: asyncio.Queue[tuple[pb.PublishAck, list[asyncio.Future[None]]] | None] = (
             asyncio.Queue(PUBLISH_QUEUE_BATCHES)
@@ -381,7 +441,7 @@ class ProducerService(pb_grpc.ProducerServicer):
             finally:
                 await queue.put(None)
 
-        reader = asyncio.ensure_future(read())
+        reader = info._reader = asyncio.ensure_future(read())
         try:
             while True:
                 item = await queue.get()
@@ -391,6 +451,8 @@ class ProducerService(pb_grpc.ProducerServicer):
                 if waiters:
                     await self._await_durable(ack, waiters)
                 yield ack
+            if info.kicked is not None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, info.kicked)
             if reader.done() and not reader.cancelled() and reader.exception() is not None:
                 exc = reader.exception()
                 if not isinstance(exc, asyncio.CancelledError | grpc.aio.AbortError):
@@ -407,12 +469,13 @@ class ProducerService(pb_grpc.ProducerServicer):
         results = ack.results
         waiters: list[asyncio.Future[None]] = []
         producer_id = info.name or info.peer
+        user = info.username
         message_from, publish = server.message_from, server.publish
         for request in batch.messages:
             if not info.name and request.producer_name:
                 info.name = request.producer_name
             try:
-                message = message_from(request, producer_id)
+                message = message_from(request, producer_id, user)
                 waiter = publish(message)
             except Refusal as refusal:
                 results.add(code=refusal.code.value[0], error=refusal.reason)
@@ -457,7 +520,7 @@ class ConsumerService(pb_grpc.ConsumerServicer):
                                 "the first request of a Subscribe stream must be a Subscribe")
             return
         try:
-            consumer = self._attach(first.subscribe, _peer(context))
+            consumer = self._attach(first.subscribe, _peer(context), _user(context))
         except Refusal as refusal:
             await _abort(context, refusal)
             return
@@ -471,7 +534,7 @@ class ConsumerService(pb_grpc.ConsumerServicer):
             server.consumers.discard(consumer)
             self._detach(consumer)
 
-    def _attach(self, request: pb.Subscribe, peer: str) -> GrpcConsumer:
+    def _attach(self, request: pb.Subscribe, peer: str, user: str | None = None) -> GrpcConsumer:
         server = self.server
         broker = server.broker
         settings = server.settings
@@ -505,6 +568,11 @@ class ConsumerService(pb_grpc.ConsumerServicer):
             self._check_position(request.position, [stream])
         else:
             self._check_position(request.position, list(broker.streams.values()))
+        for topic_filter in filters:
+            if not server.allowed("subscribe", user, topic_filter):
+                raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                              f"not authorized to subscribe to {topic_filter!r}"
+                              + (f" as user {user!r}" if user is not None else " anonymously"))
         sub_type = SUB_TYPES.get(request.type)
         if sub_type is None:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"unknown subscription type {request.type}")
@@ -607,6 +675,14 @@ class ConsumerService(pb_grpc.ConsumerServicer):
             if now_active != active:
                 active = now_active
                 await context.write(pb.ConsumeResponse(status=pb.ConsumerStatus(active=active)))
+            if consumer.closed:
+                # Nothing more is pushed: what is pending goes to other consumers on detach.
+                if consumer.kicked is not None:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, consumer.kicked)
+                if consumer.subscription.name not in self.server.broker.subscriptions:
+                    await context.abort(grpc.StatusCode.NOT_FOUND,
+                                        f"subscription {consumer.subscription.name!r} was deleted")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
             while True:
                 batch = consumer.take_batch()
                 if batch is None:
@@ -614,11 +690,6 @@ class ConsumerService(pb_grpc.ConsumerServicer):
                 await context.write(pb.ConsumeResponse(messages=batch))
             if reader.done():
                 return
-            if consumer.closed:
-                if consumer.subscription.name not in self.server.broker.subscriptions:
-                    await context.abort(grpc.StatusCode.NOT_FOUND,
-                                        f"subscription {consumer.subscription.name!r} was deleted")
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
 
     def _detach(self, consumer: GrpcConsumer) -> None:
         broker = self.server.broker
@@ -831,7 +902,12 @@ def credentials_from_metadata(metadata: Any) -> tuple[str | None, bytes | None] 
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Checks credentials with the same authenticator as MQTT (and AMQP): `app.mqtt.authenticator`."""
+    """Checks credentials with the broker's one security model, passing the peer address:
+    `GrpcServer.authenticator` when set, else `app.security` (what `install_security` installs),
+    else the MQTT layer's `authenticator`.
+
+    A call without credentials is refused at once when anonymous access is off; a call with
+    credentials is checked when it starts, where the peer address is known."""
 
     def __init__(self, server: GrpcServer) -> None:
         self.server = server
@@ -844,7 +920,6 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         mqtt = getattr(self.server.app, "mqtt", None)
-        authenticator = getattr(mqtt, "authenticator", None)
         allow_anonymous = self.server.settings.allow_anonymous and (
             getattr(getattr(mqtt, "settings", None), "allow_anonymous", True))
         credentials = credentials_from_metadata(handler_call_details.invocation_metadata)
@@ -852,14 +927,63 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             if allow_anonymous:
                 return handler
             return _refuse(grpc.StatusCode.UNAUTHENTICATED, "credentials required", handler)
-        if authenticator is None:
+        check = self._checker()
+        if check is None:
             return handler
         username, password = credentials
-        refusal = authenticator(username, password, "grpc", "")
-        if refusal is not None:
-            return _refuse(grpc.StatusCode.UNAUTHENTICATED, f"authentication failed: {refusal}",
-                           handler)
-        return handler
+        return _checked(handler, lambda peer: check(username, password, peer))
+
+    def _checker(self) -> Authenticator | None:
+        server = self.server
+        if server.authenticator is not None:
+            return server.authenticator
+        security = getattr(server.app, "security", None)
+        authenticate = getattr(security, "authenticate", None)
+        if callable(authenticate):
+            return lambda username, password, peer: authenticate(
+                username, password, "grpc", peer, "grpc")
+        authenticator = getattr(getattr(server.app, "mqtt", None), "authenticator", None)
+        if authenticator is None:
+            return None
+        # The MQTT hook counts a call with client id "grpc" and no remote address as gRPC.
+        return lambda username, password, peer: authenticator(username, password, "grpc", "")
+
+
+def _checked(handler: grpc.RpcMethodHandler,
+             check: Callable[[str], str | None]) -> grpc.RpcMethodHandler:
+    """`handler`, preceded by `check(peer)`: a refusal ends the call with UNAUTHENTICATED."""
+
+    async def refused(context: grpc.aio.ServicerContext) -> bool:
+        refusal = check(_peer(context))
+        if refusal is None:
+            return False
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"authentication failed: {refusal}")
+        return True
+
+    def wrap(behaviour: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.isasyncgenfunction(behaviour):
+            async def generator(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if await refused(context):
+                    return
+                async for response in behaviour(request, context):
+                    yield response
+            return generator
+
+        async def coroutine(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if await refused(context):
+                return None
+            return await behaviour(request, context)
+        return coroutine
+
+    kwargs = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream), **kwargs)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary), **kwargs)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream), **kwargs)
+    return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary), **kwargs)
 
 
 # ---------------------------------------------------------------------------- entry point
