@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..storage.interfaces import ArchiveSource, ShardStorage, StorageError
+from ..storage.journal import LatencyHistogram
 from .delayed import DelayedDelivery, deliver_at
 from .durable import CursorSink, DurableOptions, DurableSubscription
 from .errors import (
@@ -48,6 +50,35 @@ class BrokerStats:
     bytes_out: int = 0
     messages_dropped: int = 0
     messages_without_subscriber: int = 0
+    # Plain dict counters for metrics, read at scrape time: per producer or client protocol
+    # ("mqtt", "amqp", "grpc", ...; "" for the broker's own messages) and per stream.
+    in_by_protocol: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    bytes_in_by_protocol: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    in_by_stream: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    bytes_in_by_stream: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    out_by_protocol: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    bytes_out_by_protocol: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    out_by_stream: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    bytes_out_by_stream: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # Drops counted through `drop` (messages_dropped also holds those counted directly).
+    dropped_by_reason: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # Append to durable, once per commit group, from the group's first append (reliable streams).
+    commit_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+
+    def sent(self, protocol: str, message: Message) -> None:
+        """Count `message` as delivered to a client over `protocol`."""
+        size = len(message.payload)
+        self.messages_out += 1
+        self.bytes_out += size
+        self.out_by_protocol[protocol] += 1
+        self.bytes_out_by_protocol[protocol] += size
+        self.out_by_stream[message.stream] += 1
+        self.bytes_out_by_stream[message.stream] += size
+
+    def drop(self, reason: str, count: int = 1) -> None:
+        """Count `count` messages dropped for `reason` (e.g. "slow_subscriber", "queue_full")."""
+        self.messages_dropped += count
+        self.dropped_by_reason[reason] += count
 
 
 class Broker:
@@ -67,7 +98,8 @@ class Broker:
         default = default_stream or StreamConfig("default")
         self.router = StreamRouter(default.name)
         self.create_stream(default)
-        self._awaiting_commit: dict[asyncio.Future[None], Shard] = {}
+        # A commit group's future → its shard and when the group's first append came.
+        self._awaiting_commit: dict[asyncio.Future[None], tuple[Shard, float]] = {}
         # Told of every change of a retained message (the composition root persists them).
         self.on_retained_change: Callable[[str, Message | None], None] | None = None
         # Where durable subscriptions save their cursors.
@@ -243,13 +275,18 @@ class Broker:
                 return None
             topic = message.topic
         stats = self.stats
+        size = len(message.payload)
         stats.messages_in += 1
-        stats.bytes_in += len(message.payload)
+        stats.bytes_in += size
+        stats.in_by_protocol[message.producer_protocol] += 1
+        stats.bytes_in_by_protocol[message.producer_protocol] += size
         stream = self.stream_for_topic(topic)
         if stream.config.schema is not Schema.BYTES:
             check_payload(stream.config.schema, message.payload, stream.config.name)
         shard = stream.shard_for(topic, message.key)
-        message.stream = stream.config.name
+        message.stream = name = stream.config.name
+        stats.in_by_stream[name] += 1
+        stats.bytes_in_by_stream[name] += size
         message.shard = shard.index
         if message.retain:
             self._retain(message)
@@ -273,7 +310,7 @@ class Broker:
         shard.next_offset = message.offset + 1
         waiter = shard_log.commit_waiter()
         if waiter is not None and waiter not in self._awaiting_commit:
-            self._awaiting_commit[waiter] = shard
+            self._awaiting_commit[waiter] = (shard, time.perf_counter())
             waiter.add_done_callback(self._on_commit)
         # Live subscribers get the message now; the publisher's acknowledgement waits for the
         # commit (the returned future), so "acknowledged" always means "durable".
@@ -281,8 +318,12 @@ class Broker:
         return waiter
 
     def _on_commit(self, waiter: asyncio.Future[None]) -> None:
-        shard = self._awaiting_commit.pop(waiter, None)
-        if shard is None or not (waiter.cancelled() or waiter.exception() is not None):
+        awaited = self._awaiting_commit.pop(waiter, None)
+        if awaited is None:
+            return
+        shard, first_append = awaited
+        if not (waiter.cancelled() or waiter.exception() is not None):
+            self.stats.commit_latency.observe(time.perf_counter() - first_append)
             return
         error = "cancelled" if waiter.cancelled() else waiter.exception()
         log.error("journal commit failed on %s/%d: %s", shard.stream, shard.index, error)
@@ -308,6 +349,7 @@ class Broker:
                 continue
             consumer = sub.pick(message.shard)
             if consumer is None:
+                self.stats.drop("no_consumer")  # a live subscription nobody consumes
                 continue
             consumer.deliver(message, sub, filters)
             delivered += 1

@@ -19,14 +19,22 @@ from dataclasses import asdict, is_dataclass
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from . import __version__
 
 PREFIX = "shardgate"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# The protocol label of messages the broker makes itself (producer protocol "").
+INTERNAL = "internal"
 
 _JOURNAL_COUNTERS = (
     ("passes", "Group-commit passes run by the journal committer"),
@@ -153,6 +161,14 @@ class ShardgateCollector(Collector):
         ):
             yield CounterMetricFamily(f"{PREFIX}_{name}", text, value=value)
 
+        yield from self._traffic(stats, connection_counts(app), broker.streams)
+        yield from self._drops(stats)
+        yield self._histogram(
+            "publish_durable_latency_seconds",
+            "Seconds from the first append of a commit group on a reliable stream to the group "
+            "being durable, when its acknowledgements may go out (one observation per group)",
+            stats.commit_latency,
+        )
         yield from self._streams(broker)
         yield from self._subscriptions(broker)
         yield from self._sessions(app)
@@ -160,6 +176,103 @@ class ShardgateCollector(Collector):
                                 value=len(broker.retained))
         yield from self._journal(app)
         yield from self._archive(app)
+        yield from self._security(app)
+        yield from self._bridges(app)
+
+    @staticmethod
+    def _traffic(stats: Any, protocols: dict[str, int], streams: dict[str, Any]) -> Iterator[Metric]:
+        """Messages and payload bytes in and out, by protocol and by stream. Every running
+        protocol and every stream gets a series, at zero until traffic moves it."""
+        for label, families in (
+            ("protocol", (
+                ("messages_received", stats.in_by_protocol, "Messages accepted from publishers"),
+                ("bytes_received", stats.bytes_in_by_protocol, "Payload bytes accepted from publishers"),
+                ("messages_sent", stats.out_by_protocol, "Messages delivered to subscribers"),
+                ("bytes_sent", stats.bytes_out_by_protocol, "Payload bytes delivered to subscribers"),
+            )),
+            ("stream", (
+                ("messages_received", stats.in_by_stream, "Messages accepted from publishers"),
+                ("bytes_received", stats.bytes_in_by_stream, "Payload bytes accepted from publishers"),
+                ("messages_sent", stats.out_by_stream, "Messages delivered to subscribers"),
+                ("bytes_sent", stats.bytes_out_by_stream, "Payload bytes delivered to subscribers"),
+            )),
+        ):
+            known = protocols if label == "protocol" else streams
+            for name, counts, text in families:
+                values = dict.fromkeys(known, 0)
+                for key, count in dict(counts).items():
+                    key = key or INTERNAL
+                    values[key] = values.get(key, 0) + count
+                family = CounterMetricFamily(f"{PREFIX}_{label}_{name}", f"{text}, by {label}",
+                                             labels=[label])
+                for key, count in sorted(values.items()):
+                    family.add_metric([key], count)
+                yield family
+
+    @staticmethod
+    def _drops(stats: Any) -> Iterator[Metric]:
+        """Dropped messages by reason; drops counted without one (`messages_dropped += n`)
+        show as reason "other", so the reasons add up to `shardgate_messages_dropped_total`."""
+        counted = dict(stats.dropped_by_reason)
+        other = stats.messages_dropped - sum(counted.values())
+        reasons = dict.fromkeys(("no_consumer", "other"), 0) | counted
+        reasons["other"] += max(0, other)
+        family = CounterMetricFamily(f"{PREFIX}_messages_dropped_by_reason", "Messages dropped, by reason",
+                                     labels=["reason"])
+        for reason, count in sorted(reasons.items()):
+            family.add_metric([reason], count)
+        yield family
+
+    @staticmethod
+    def _histogram(name: str, text: str, histogram: Any) -> Metric:
+        buckets, total = histogram.snapshot()
+        return HistogramMetricFamily(
+            f"{PREFIX}_{name}", text,
+            buckets=[(floatToGoString(bound), count) for bound, count in buckets], sum_value=total,
+        )
+
+    @staticmethod
+    def _security(app: Any) -> Iterator[Metric]:
+        security = getattr(app, "security", None)
+        denials = getattr(security, "denials", None)
+        if denials is None:
+            return
+        family = CounterMetricFamily(
+            f"{PREFIX}_security_denials",
+            "Refused authentications and actions (connect, publish, subscribe, admin), by protocol",
+            labels=["protocol", "action"],
+        )
+        for (protocol, action), count in sorted(dict(denials).items()):
+            family.add_metric([protocol, action], count)
+        yield family
+
+    @staticmethod
+    def _bridges(app: Any) -> Iterator[Metric]:
+        bridges = list(getattr(app, "bridges", None) or ())
+        if not bridges:
+            return
+        connected = GaugeMetricFamily(f"{PREFIX}_bridge_connected",
+                                      "1 while a bridge is connected to its remote broker", labels=["bridge"])
+        queued = GaugeMetricFamily(f"{PREFIX}_bridge_queued",
+                                   "Messages a bridge holds for its remote broker", labels=["bridge"])
+        forwarded = CounterMetricFamily(
+            f"{PREFIX}_bridge_forwarded", "Messages a bridge forwarded, out to its remote or in from it",
+            labels=["bridge", "direction"],
+        )
+        dropped = CounterMetricFamily(f"{PREFIX}_bridge_dropped",
+                                      "Messages a bridge dropped (its queue full)", labels=["bridge"])
+        connects = CounterMetricFamily(f"{PREFIX}_bridge_connects",
+                                       "Connections a bridge made to its remote", labels=["bridge"])
+        for bridge in bridges:
+            status = bridge.status()
+            name = [str(status.get("name", ""))]
+            connected.add_metric(name, 1 if status.get("connected") else 0)
+            queued.add_metric(name, status.get("queued", 0))
+            forwarded.add_metric([*name, "out"], status.get("forwarded_out", 0))
+            forwarded.add_metric([*name, "in"], status.get("forwarded_in", 0))
+            dropped.add_metric(name, status.get("dropped", 0))
+            connects.add_metric(name, status.get("connects", 0))
+        yield from (connected, queued, forwarded, dropped, connects)
 
     @staticmethod
     def _streams(broker: Any) -> Iterator[Metric]:
@@ -249,6 +362,10 @@ class ShardgateCollector(Collector):
             value = getattr(stats, field_name, None)
             if value is not None:
                 yield CounterMetricFamily(f"{PREFIX}_journal_{field_name}", text, value=value)
+        latency = getattr(stats, "fsync_latency", None)
+        if latency is not None:
+            yield ShardgateCollector._histogram(
+                "journal_fsync_latency_seconds", "Seconds each journal fsync took", latency)
 
     @staticmethod
     def _archive(app: Any) -> Iterator[Metric]:

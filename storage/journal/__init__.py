@@ -6,7 +6,7 @@ offset and time indexes, group commit under an fsync policy, recovery that cuts 
 and retention bounded by what consumers still need.
 """
 
-from .commit import CommitStats, GroupCommitter
+from .commit import LATENCY_BUCKETS, CommitStats, GroupCommitter, LatencyHistogram
 from .config import (
     FsyncPolicy,
     JournalClosed,
@@ -21,6 +21,7 @@ from .storage import FORMAT_VERSION, VERSION_FILE, JournalStorage
 __all__ = [
     "DEFAULT_CHECKSUM",
     "FORMAT_VERSION",
+    "LATENCY_BUCKETS",
     "VERSION_FILE",
     "CommitStats",
     "FsyncPolicy",
@@ -31,4 +32,5 @@ __all__ = [
     "JournalShardLog",
     "JournalStorage",
     "JournalVersionError",
+    "LatencyHistogram",
 ]
