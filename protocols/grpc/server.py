@@ -684,10 +684,10 @@ class ConsumerService(pb_grpc.ConsumerServicer):
                                         f"subscription {consumer.subscription.name!r} was deleted")
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
             while True:
-                batch = consumer.take_batch()
-                if batch is None:
+                response = consumer.take_batch()
+                if response is None:
                     break
-                await context.write(pb.ConsumeResponse(messages=batch))
+                await context.write(response)
             if reader.done():
                 return
 

@@ -276,7 +276,7 @@ async def test_credit_window_limits_what_is_pushed(client: Client, grpc_broker: 
         return client.admin.describe_subscription("slow")
 
     info = await eventually(described)
-    await eventually(lambda: consumer._queue.qsize() == 5)
+    await eventually(lambda: consumer.buffered == 5)
     info = await described()
     assert info.consumers[0].delivered == 5 and info.consumers[0].credit == 0
     payloads = [(await consumer.receive(TIMEOUT)).payload for _ in range(20)]
@@ -368,3 +368,33 @@ def test_sync_client(url: str) -> None:
         assert message.text() == "hello"
         message.ack()
         assert [s.name for s in client.admin.list_subscriptions()] == ["sync-sub"]
+
+
+async def test_acks_are_batched_and_receive_batch(client: Client, grpc_broker: ThreadedBroker) -> None:
+    consumer = await client.consumer("batched", ["many/#"], credit=400).subscribe()
+    writes: list[str] = []
+    original = consumer._write
+
+    async def counting(call: Any, request: pb.ConsumeRequest) -> None:
+        writes.append(request.WhichOneof("request"))
+        await original(call, request)
+
+    consumer._write = counting  # type: ignore[method-assign]
+    producer = client.producer()
+    for i in range(1000):
+        producer.send_nowait("many/x", str(i).encode())
+    await producer.flush()
+    got: list[bytes] = []
+    while len(got) < 1000:
+        batch = await consumer.receive_batch(300, TIMEOUT)
+        assert 1 <= len(batch) <= 300
+        for message in batch:
+            got.append(message.payload)
+            message.ack()
+    assert got == [str(i).encode() for i in range(1000)]
+    server_side = next(iter(grpc_broker.app.grpc.consumers))
+    await eventually(lambda: server_side.acked == 1000)
+    assert server_side.unacked == 0
+    # 1000 acks and 5 credit grants of 200 travel in a handful of requests, not one each.
+    assert writes.count("ack") <= 12 and writes.count("credit") <= 5, writes
+    await consumer.close()
