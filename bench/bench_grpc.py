@@ -6,7 +6,10 @@ SDK:
 
 - stream publish: `Producer.send_nowait` of 100 B messages, batched over one PublishStream;
 - unary publish: `Producer.publish`, one round trip each, sequential and 32 concurrent;
-- consume: one consumer draining what a streaming producer sends.
+- consume: one consumer draining what a streaming producer sends (live subscription, one
+  `receive()` and one `ack()` per message; acks travel in batches);
+- backlog: a durable subscription replaying, from earliest, what a reliable stream already
+  holds, with `receive()` per message and with `receive_batch()`.
 
     python bench/bench_grpc.py [--messages 200000] [--mode non-reliable|reliable] [--profile]
 
@@ -114,6 +117,28 @@ async def consume(client: Client, topic: str, count: int) -> tuple[float, float,
     return publish_rate, rate, received
 
 
+async def backlog(client: Client, stream: str, count: int, batched: bool) -> float:
+    """Drain `count` messages a reliable stream already holds through a new durable
+    subscription from earliest; no producer competes for the client's CPU."""
+    name = f"bench-backlog-{'batch' if batched else 'single'}"
+    consumer = await client.consumer(name, stream=stream, durable=True, position="earliest",
+                                     credit=5000).subscribe()
+    received = 0
+    started = time.perf_counter()
+    while received < count:
+        if batched:
+            messages = await consumer.receive_batch(1000, 10.0)
+        else:
+            messages = [await consumer.receive(10.0)]
+        for message in messages:
+            message.ack()
+        received += len(messages)
+    rate = received / (time.perf_counter() - started)
+    await consumer.close()
+    await client.admin.delete_subscription(name)
+    return rate
+
+
 async def run(url: str, messages: int, mode: str, profile: bool) -> dict[str, float]:
     async with Client(url) as client:
         stream = f"bench-{mode}"
@@ -134,6 +159,13 @@ async def run(url: str, messages: int, mode: str, profile: bool) -> dict[str, fl
         results["publish_while_consuming_msg_s"] = pub_rate
         results["consume_msg_s"] = consume_rate
         results["consumed_of_published_pct"] = 100 * received / (messages // 2)
+        backlog_stream = "bench-backlog"
+        await client.admin.create_stream(backlog_stream, mode="reliable")
+        filled = await stream_publish(client, backlog_stream, messages // 2)
+        print(f"backlog filled at {filled:.0f} msg/s", file=sys.stderr)
+        results["consume_backlog_msg_s"] = await backlog(client, backlog_stream, messages // 2, False)
+        results["consume_backlog_batch_msg_s"] = await backlog(
+            client, backlog_stream, messages // 2, True)
         print(json.dumps({k: round(v) for k, v in results.items()}), file=sys.stderr)
         return results
 

@@ -85,6 +85,12 @@ class SyncConsumer(_SyncProxy):
     def receive(self, timeout: float | None = None) -> ReceivedMessage:
         return self._loop.run(self._target.receive(timeout))
 
+    def receive_batch(self, max_messages: int = 1000,
+                      timeout: float | None = None) -> list[ReceivedMessage]:
+        """Every message already received (at most `max_messages`), waiting up to `timeout`
+        seconds for the first one."""
+        return self._loop.run(self._target.receive_batch(max_messages, timeout))
+
     def iter(self, timeout: float | None = None) -> Iterator[ReceivedMessage]:
         """Messages until none arrives within `timeout` seconds (forever if None)."""
         while True:
