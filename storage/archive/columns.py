@@ -31,6 +31,7 @@ from ..records import (
     encode_message,
 )
 from ..records import VERSION as RECORD_VERSION
+from .decode import decode_batch
 
 FORMAT_VERSION = "1"
 TIMESTAMP = pa.timestamp("ms", tz="UTC")
@@ -62,12 +63,12 @@ ARROW_SCHEMA = pa.schema([
 DECODED_COLUMN = {"string": "payload_string", "int64": "payload_int64", "json": "payload_json"}
 
 
-def _as_text(payloads: list[bytes]) -> pa.Array:
+def _as_text(payloads: pa.Array) -> pa.Array:
     try:
-        return pa.array(payloads, pa.binary()).cast(pa.string())
+        return payloads.cast(pa.string())
     except (pa.ArrowInvalid, UnicodeDecodeError):
         texts: list[str | None] = []
-        for payload in payloads:
+        for payload in payloads.to_pylist():
             try:
                 texts.append(payload.decode("utf-8"))
             except UnicodeDecodeError:
@@ -75,9 +76,10 @@ def _as_text(payloads: list[bytes]) -> pa.Array:
         return pa.array(texts, pa.string())
 
 
-def _as_int64(payloads: list[bytes]) -> pa.Array:
+def _as_int64(payloads: pa.Array) -> pa.Array:
     return pa.array(
-        [int.from_bytes(p, "big", signed=True) if len(p) == 8 else None for p in payloads],
+        [int.from_bytes(p, "big", signed=True) if len(p) == 8 else None
+         for p in payloads.to_pylist()],
         pa.int64(),
     )
 
@@ -109,7 +111,9 @@ def _decode_columns(
         try:
             version, flags, qos, retain, _time = head(data, 0)
             if version != RECORD_VERSION:
-                raise RecordFormatError(f"message record version {version} is not supported")
+                raise RecordFormatError(
+                    f"message record version {version} at offset {record.offset} is not supported"
+                )
             pos = _HEAD_SIZE
             (size,) = u32(data, pos)
             pos += 4
@@ -161,7 +165,7 @@ def _decode_columns(
             add_producer(data[pos + 2:pos + 2 + size].decode())
             pos += 2 + size
             if pos > len(data):
-                raise RecordFormatError("truncated message record")
+                raise RecordFormatError(f"truncated message record at offset {record.offset}")
         except (struct.error, UnicodeDecodeError, IndexError) as exc:
             raise RecordFormatError(
                 f"malformed message record at offset {record.offset}: {exc}"
@@ -183,30 +187,11 @@ def build_table(
     """The archive table of `records` (one shard, offset order). The publish_time column is
     the journal record's timestamp, which is the message's publish time, so that the
     `date=/hour=` partition of a file and its rows always agree."""
-    offsets: list[int] = []
-    times: list[int] = []
-    topics: list[str] = []
-    keys: list[bytes | None] = []
-    payloads: list[bytes] = []
-    headers: list[list[tuple[str, str]] | None] = []
-    content_types: list[str | None] = []
-    protocols: list[str] = []
-    producers: list[str] = []
-    qoses: list[int] = []
-    retains: list[bool] = []
-    correlations: list[bytes | None] = []
-    reply_tos: list[str | None] = []
-    formats: list[int | None] = []
-    expiries: list[int | None] = []
-    for record in records:
-        offsets.append(record.offset)
-        times.append(record.timestamp_ms)
-    _decode_columns(
-        records, topics, keys, payloads, headers, content_types, protocols, producers, qoses,
-        retains, correlations, reply_tos, formats, expiries,
-    )
-    count = len(offsets)
-    payload_array = pa.array(payloads, pa.binary())
+    count = len(records)
+    columns = decode_batch([record.data for record in records])
+    if columns is None:  # a malformed record: decode one by one, which names it
+        columns = _decode_lists(records)
+    payloads = columns["payload"]
     decoded = {name: pa.nulls(count, ARROW_SCHEMA.field(name).type) for name in DECODED_COLUMN.values()}
     if schema in ("string", "json"):
         decoded[DECODED_COLUMN[schema]] = _as_text(payloads)
@@ -215,26 +200,43 @@ def build_table(
     arrays = [
         pa.repeat(pa.scalar(stream, pa.string()), count),
         pa.repeat(pa.scalar(shard, pa.int32()), count),
-        pa.array(offsets, pa.int64()),
-        pa.array(times, pa.int64()).cast(TIMESTAMP),
-        pa.array(topics, pa.string()),
-        pa.array(keys, pa.binary()),
-        payload_array,
-        pa.array(headers, HEADERS),
-        pa.array(content_types, pa.string()),
-        pa.array(protocols, pa.string()),
-        pa.array(producers, pa.string()),
-        pa.array(qoses, pa.int8()),
-        pa.array(retains, pa.bool_()),
-        pa.array(correlations, pa.binary()),
-        pa.array(reply_tos, pa.string()),
-        pa.array(formats, pa.int8()),
-        pa.array(expiries, pa.int64()).cast(TIMESTAMP),
+        pa.array([record.offset for record in records], pa.int64()),
+        pa.array([record.timestamp_ms for record in records], pa.int64()).cast(TIMESTAMP),
+        columns["topic"],
+        columns["key"],
+        payloads,
+        columns["headers"],
+        columns["content_type"],
+        columns["producer_protocol"],
+        columns["producer_id"],
+        columns["qos"],
+        columns["retain"],
+        columns["correlation_data"],
+        columns["reply_to"],
+        columns["payload_format"],
+        columns["expires_at"].cast(TIMESTAMP),
         decoded["payload_string"],
         decoded["payload_int64"],
         decoded["payload_json"],
     ]
     return pa.Table.from_arrays(arrays, schema=ARROW_SCHEMA)
+
+
+def _decode_lists(records: Sequence[StoredRecord]) -> dict[str, pa.Array]:
+    """`decode_batch`'s result, record by record (raises RecordFormatError on a bad one)."""
+    lists: dict[str, list] = {name: [] for name in _LIST_COLUMNS}
+    _decode_columns(records, *lists.values())
+    return {name: pa.array(values, _LIST_COLUMNS[name]) for name, values in lists.items()}
+
+
+_LIST_COLUMNS = {
+    "topic": pa.string(), "key": pa.binary(), "payload": pa.binary(), "headers": HEADERS,
+    "content_type": pa.string(), "producer_protocol": pa.string(),
+    "producer_id": pa.string(), "qos": pa.int8(), "retain": pa.bool_(),
+    "correlation_data": pa.binary(), "reply_to": pa.string(), "payload_format": pa.int8(),
+    "expires_at": pa.int64(),
+}
+"""The order of `_decode_columns`' list arguments, with the type of each."""
 
 
 def encode_parquet(
