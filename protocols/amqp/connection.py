@@ -258,8 +258,8 @@ class AmqpConnection:
         self._landing: dict[asyncio.Future[None], list[tuple[AmqpChannel, int]]] = {}
         self._confirm_channels: set[AmqpChannel] = set()
         self._paused = False
+        self._held_by_alarm = False
         self._wake_queues: set[Queue] = set()
-        self._wake_channels: set[AmqpChannel] = set()
         self._ctag = itertools.count(1)
         self._ctag_prefix = os.urandom(6).hex()
         self._handlers: dict[type, Callable[[AmqpChannel, Any], None]] = {
@@ -398,6 +398,17 @@ class AmqpConnection:
                     # them so this channel sees its own publishes (RabbitMQ's channel order).
                     self._paused = True
                     break
+                if (
+                    self.service.blocked and frame_type == 1 and size >= 4
+                    and _INDEX.unpack_from(buffer, pos + 7)[0] == PUBLISH_INDEX
+                ):
+                    # Memory alarm: hold this publisher (stop reading) until it clears.
+                    self._paused = True
+                    self._held_by_alarm = True
+                    pause = getattr(self.link, "pause_reading", None)
+                    if pause is not None:
+                        pause()
+                    break
                 if frame_type == 3:
                     self._body_frame(channel, bytes(buffer[pos + 7:end]))
                 else:
@@ -436,7 +447,7 @@ class AmqpConnection:
                     "exchange_exchange_bindings": False,
                     "basic.nack": True,
                     "consumer_cancel_notify": True,
-                    "connection.blocked": False,
+                    "connection.blocked": True,
                     "consumer_priorities": False,
                     "authentication_failure_close": True,
                     "per_consumer_qos": True,
@@ -1001,6 +1012,23 @@ class AmqpConnection:
         if seq:
             channel.unconfirmed[seq] = False
 
+    def block(self, reason: str) -> None:
+        """The memory alarm went off: tell the client (if it listens) that publishes wait."""
+        if self.state is State.OPEN and self.capabilities.get("connection.blocked"):
+            self.send_method(0, commands.Connection.Blocked(reason))
+
+    def unblock(self) -> None:
+        if self.state is State.OPEN and self.capabilities.get("connection.blocked"):
+            self.send_method(0, commands.Connection.Unblocked())
+        if self._held_by_alarm:
+            self._held_by_alarm = False
+            resume = getattr(self.link, "resume_reading", None)
+            if resume is not None:
+                resume()
+            if self._paused and self._publishes_in_flight == 0:
+                self._paused = False
+                self.data_received(b"")
+
     def _landed(self, future: asyncio.Future[None]) -> None:
         waiting = self._landing.pop(future, [])
         self._publishes_in_flight -= len(waiting)
@@ -1008,7 +1036,7 @@ class AmqpConnection:
         for channel, seq in waiting:
             if seq:
                 self._confirm(channel, seq, ok)
-        if self._publishes_in_flight == 0 and self._paused:
+        if self._publishes_in_flight == 0 and self._paused and not self._held_by_alarm:
             self._paused = False
             if self.state is not State.CLOSED:
                 self.data_received(b"")

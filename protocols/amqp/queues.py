@@ -95,6 +95,7 @@ class Queue:
         self.dead_letter_routing_key: str | None = None if dlrk is None else str(dlrk)
         self.single_active = bool(arguments.get("x-single-active-consumer", False))
         self.messages: deque[QueueEntry] = deque()
+        self.ready_bytes = 0  # payload bytes of `messages`, for the memory alarm
         self.consumers: list[QueueConsumer] = []
         self.bindings: dict[tuple[str, str, tuple[tuple[str, str], ...]], Binding] = {}
         self.by_filter: dict[str, list[Binding]] = {}
@@ -188,10 +189,16 @@ class Queue:
             by_queue = now_ms() + self.message_ttl
             expires = by_queue if expires is None else min(expires, by_queue)
         self.messages.append(QueueEntry(message, expires))
+        self.ready_bytes += len(message.payload)
         if self.max_length is not None:
             while len(self.messages) > self.max_length:
-                self._dead_letter(self, self.messages.popleft(), "maxlen")
+                self._dead_letter(self, self._pop(), "maxlen")
         self.dispatch()
+
+    def _pop(self) -> QueueEntry:
+        entry = self.messages.popleft()
+        self.ready_bytes -= len(entry.message.payload)
+        return entry
 
     def requeue(self, entries: Sequence[QueueEntry]) -> None:
         """Give delivered messages back: at the head, in their original order, redelivered."""
@@ -200,6 +207,7 @@ class Queue:
         for entry in reversed(entries):
             entry.redelivered = True
             self.messages.appendleft(entry)
+            self.ready_bytes += len(entry.message.payload)
         self.dispatch()
 
     def reject(self, entry: QueueEntry) -> None:
@@ -210,7 +218,7 @@ class Queue:
         """The next unexpired message for basic.get, or None."""
         self.last_used_ms = now_ms()
         self.expire()
-        entry = self.messages.popleft() if self.messages else None
+        entry = self._pop() if self.messages else None
         if self.starved:
             self._refill()
         return entry
@@ -219,6 +227,7 @@ class Queue:
         count = len(self.messages)
         entries = list(self.messages)
         self.messages.clear()
+        self.ready_bytes = 0
         for entry in entries:
             self.settle(entry)
         if self.starved:
@@ -235,7 +244,7 @@ class Queue:
             expires = messages[0].expires_at_ms
             if expires is None or expires > now:
                 break
-            self._dead_letter(self, messages.popleft(), "expired")
+            self._dead_letter(self, self._pop(), "expired")
 
     # ------------------------------------------------------------------ consumers
     def add_consumer(self, consumer: QueueConsumer) -> None:
@@ -286,6 +295,7 @@ class Queue:
                 if consumer is None:
                     break
                 entry = messages.popleft()
+                self.ready_bytes -= len(entry.message.payload)
                 expires = entry.expires_at_ms
                 if expires is not None and expires <= now:
                     self._dead_letter(self, entry, "expired")

@@ -79,6 +79,14 @@ class AmqpProtocol(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
 
 class AmqpServer:
     """The listening socket(s) and the service behind them; shaped like `asyncio.Server`."""

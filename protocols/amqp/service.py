@@ -47,6 +47,8 @@ class AmqpService:
             vhost.on_queue_deleted.append(self._queue_deleted)
             self.vhosts[name] = vhost
         self.authenticator: Authenticator | None = None
+        # Memory alarm raised: publishers are held (connection.blocked) until it clears.
+        self.blocked = False
         self.connections: set[AmqpConnection] = set()
         self._all: set[AmqpConnection] = set()
         self._dirty: list[AmqpConnection] = []
@@ -150,6 +152,24 @@ class AmqpService:
         for connection in list(self.connections):
             connection.queue_deleted(queue)
 
+    # ------------------------------------------------------------------ memory alarm
+    def ready_bytes(self) -> int:
+        return sum(q.ready_bytes for vhost in self.vhosts.values() for q in vhost.queues.values())
+
+    def _check_memory(self) -> None:
+        high = self.settings.memory_high_watermark
+        held = self.ready_bytes()
+        if not self.blocked and held > high:
+            log.warning("AMQP memory alarm: %d bytes of ready messages; blocking publishers", held)
+            self.blocked = True
+            for connection in list(self.connections):
+                connection.block("low on memory")
+        elif self.blocked and held <= high // 2:
+            log.info("AMQP memory alarm cleared (%d bytes); unblocking publishers", held)
+            self.blocked = False
+            for connection in list(self.connections):
+                connection.unblock()
+
     # ------------------------------------------------------------------ timers
     def _tick(self) -> None:
         self._tick_handle = self.loop.call_later(TICK_S, self._tick)
@@ -163,6 +183,7 @@ class AmqpService:
     def _sweep(self) -> None:
         self._sweep_handle = self.loop.call_later(SWEEP_S, self._sweep)
         now = now_ms()
+        self._check_memory()
         for vhost in self.vhosts.values():
             for queue in list(vhost.timed_queues):
                 if queue.deleted:

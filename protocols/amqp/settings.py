@@ -26,6 +26,9 @@ class AmqpSettings:
     # Outbound bytes buffered for a connection beyond which its consumers stop receiving
     # until the socket drains.
     max_outbound_buffer: int = 4 * 1024 * 1024
+    # Memory alarm: when the ready messages of all queues hold more payload bytes than this,
+    # publishing connections are blocked (connection.blocked) until they drop below half of it.
+    memory_high_watermark: int = 512 * 1024 * 1024
     # Largest message body accepted on publish.
     max_message_size: int = 128 * 1024 * 1024
     product: str = "Shardgate"

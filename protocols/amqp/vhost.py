@@ -379,6 +379,7 @@ class VirtualHost:
         self.broker.detach(queue.subscription, queue)
         self.broker.remove_subscription(queue.subscription.name)
         queue.messages.clear()
+        queue.ready_bytes = 0
         for callback in self.on_queue_deleted:
             callback(queue)
         if queue.durable and queue.exclusive_owner is None:

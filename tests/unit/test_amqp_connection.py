@@ -61,7 +61,7 @@ class Client:
         out = self.feed(PROTOCOL_HEADER)
         assert isinstance(out[0][1], commands.Connection.Start)
         out = self.send(0, commands.Connection.StartOk(
-            client_properties={"capabilities": {"consumer_cancel_notify": True}},
+            client_properties={"capabilities": {"consumer_cancel_notify": True, "connection.blocked": True}},
             mechanism="PLAIN", response=f"\0{user}\0{password}"))
         assert isinstance(out[0][1], commands.Connection.Tune), out
         out = self.send(0, commands.Connection.TuneOk(channel_max=100, frame_max=131072, heartbeat=0))
@@ -448,3 +448,25 @@ def test_authenticator_hook_decides_logins(service: AmqpService) -> None:
     bad.feed(PROTOCOL_HEADER)
     out = bad.send(0, commands.Connection.StartOk(mechanism="PLAIN", response="\0guest\0guest"))
     assert close_of(out).reply_code == 403
+
+
+def test_memory_alarm_blocks_publishers_until_queues_drain(service: AmqpService, client: Client) -> None:
+    service.settings.memory_high_watermark = 1000
+    declare(client, "mem")
+    for _ in range(3):
+        client.publish(1, "", "mem", b"x" * 400)
+    service._check_memory()
+    out = client.read()
+    assert [type(v) for _, v in out] == [commands.Connection.Blocked]
+    client.publish(1, "", "mem", b"held")
+    assert len(service.vhosts["/"].queues["mem"].messages) == 3  # the 4th waits unread
+    consumer = Client(service)  # frames behind the held publish wait too: drain from elsewhere
+    consumer.handshake()
+    consumer.open_channel(1)
+    for _ in range(3):
+        consumer.send(1, commands.Basic.Get(queue="mem", no_ack=True))
+    service._check_memory()
+    out = client.read()
+    assert isinstance(out[0][1], commands.Connection.Unblocked)
+    got = client.send(1, commands.Basic.Get(queue="mem", no_ack=True))
+    assert got[-1][1].value == b"held"
