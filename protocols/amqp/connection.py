@@ -797,7 +797,14 @@ class AmqpConnection:
         assert self.vhost is not None
         name = self._queue_name(channel, frame.queue, commands.Queue.Bind)
         queue = self.vhost.queue(name, self, commands.Queue.Bind)
-        self.vhost.bind(queue, frame.exchange, frame.routing_key, frame.arguments, commands.Queue.Bind)
+        authorizer = self.service.authorizer
+        allowed = None
+        if authorizer is not None:
+            def allowed(topic_filter: str) -> bool:
+                return authorizer("subscribe", self.username, topic_filter)
+        self.vhost.bind(
+            queue, frame.exchange, frame.routing_key, frame.arguments, commands.Queue.Bind, allowed
+        )
         if not frame.nowait:
             self.send_method(channel.number, commands.Queue.BindOk())
 
@@ -981,6 +988,13 @@ class AmqpConnection:
                 f"'{self.username}'", *_ids(commands.Basic.Publish),
             )
         topic = publish_topic(exchange.name, exchange.type, frame.routing_key)
+        authorizer = self.service.authorizer
+        if authorizer is not None and not authorizer("publish", self.username, topic):
+            raise ChannelException(
+                ReplyCode.ACCESS_REFUSED,
+                f"user '{self.username}' may not publish to exchange '{exchange.name}' with "
+                f"routing key '{frame.routing_key}'", *_ids(commands.Basic.Publish),
+            )
         message = message_from_properties(topic, body, props, self.id, raw)
         seq = channel.publish_seq if channel.confirm else 0
         if frame.mandatory and not vhost.routed(message):

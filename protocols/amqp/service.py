@@ -34,6 +34,7 @@ REFUSED = (
 
 # authenticator(username, password) -> None to accept, or the refusal text.
 Authenticator = Callable[[str, str], str | None]
+Authorizer = Callable[[str, str | None, str], bool]
 TICK_S = 1.0
 
 
@@ -47,6 +48,9 @@ class AmqpService:
             vhost.on_queue_deleted.append(self._queue_deleted)
             self.vhosts[name] = vhost
         self.authenticator: Authenticator | None = None
+        # authorizer(action, username, topic) -> bool; action "publish" (the message's core
+        # topic) or "subscribe" (a binding's core filter). None allows everything.
+        self.authorizer: Authorizer | None = None
         # Memory alarm raised: publishers are held (connection.blocked) until it clears.
         self.blocked = False
         self.connections: set[AmqpConnection] = set()

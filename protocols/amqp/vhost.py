@@ -388,11 +388,18 @@ class VirtualHost:
 
     # ------------------------------------------------------------------ bindings
     def bind(self, queue: Queue, exchange_name: str, routing_key: str, arguments: dict[str, Any] | None,
-             method: type[commands.base.Frame]) -> None:
+             method: type[commands.base.Frame], allowed: Any = None) -> None:
+        """Bind `queue`; `allowed(topic_filter)` (the authorizer) may refuse it with 403."""
         exchange = self.exchange(exchange_name, method)
         if exchange_name == "":
             raise _err(ReplyCode.ACCESS_REFUSED, "operation not permitted on the default exchange", method)
         binding = binding_for(exchange.name, exchange.type, routing_key, arguments)
+        if allowed is not None and not allowed(binding.topic_filter):
+            raise _err(
+                ReplyCode.ACCESS_REFUSED,
+                f"access to exchange '{exchange_name}' with binding key '{routing_key}' refused",
+                method,
+            )
         if queue.add_binding(binding):
             self.broker.add_filter(queue.subscription, binding.topic_filter)
         exchange.bound[queue.name] = sum(1 for k in queue.bindings if k[0] == exchange.name)

@@ -470,3 +470,22 @@ def test_memory_alarm_blocks_publishers_until_queues_drain(service: AmqpService,
     assert isinstance(out[0][1], commands.Connection.Unblocked)
     got = client.send(1, commands.Basic.Get(queue="mem", no_ack=True))
     assert got[-1][1].value == b"held"
+
+
+def test_authorizer_refuses_publish_and_bind_with_403(service: AmqpService, client: Client) -> None:
+    calls = []
+
+    def authorizer(action: str, user: str | None, topic: str) -> bool:
+        calls.append((action, user, topic))
+        return not topic.startswith("secret")
+
+    service.authorizer = authorizer
+    declare(client, "az")
+    close = close_of(client.send(1, commands.Queue.Bind(queue="az", exchange="amq.topic",
+                                                        routing_key="secret.#")))
+    assert close.reply_code == 403
+    client.send(1, commands.Channel.CloseOk())
+    client.open_channel(1)
+    close = close_of(client.publish(1, "amq.topic", "secret.x", b"x"))
+    assert close.reply_code == 403
+    assert ("subscribe", "guest", "secret/#") in calls and ("publish", "guest", "secret/x") in calls
