@@ -122,9 +122,14 @@ class MqttConnection:
         self.send_window = service.settings.max_inflight
         self.client_max_packet_size = 0
         self.client_topic_alias_max = 0
+        # Request Problem Information 0: no reason string on acknowledgements [MQTT-3.1.2-29].
+        self.problem_info = True
         self.inbound_aliases: dict[int, str] = {}
         self.outbound_aliases: dict[str, int] = {}
+        # QoS 1 publishes waiting for the journal, and QoS 2 publishes received on this
+        # connection and not yet completed: together they use the Receive Maximum quota.
         self.inbound_pending = 0
+        self.qos2_open: set[int] = set()
         self.will: p.Will | None = None
         self.session_expiry_at_connect = 0
         self._out: list[bytes] = []
@@ -188,16 +193,18 @@ class MqttConnection:
         )
         if personal or dup:
             topic = message.topic
-            alias = None
+            alias = new_alias = None
             if self.client_topic_alias_max and not dup:
                 alias = self.outbound_aliases.get(topic)
                 if alias is not None:
                     topic = ""
                 elif len(self.outbound_aliases) < self.client_topic_alias_max:
-                    alias = len(self.outbound_aliases) + 1
-                    self.outbound_aliases[topic] = alias
+                    alias = new_alias = len(self.outbound_aliases) + 1
             props = _publish_properties(message, subscription_ids, alias) if version == MQTT_V5 else None
             data = encode_publish(topic, message.payload, qos, retain, dup, packet_id, props, version)
+            if new_alias is not None and not (self.client_max_packet_size and len(data) > self.client_max_packet_size):
+                # Only a mapping the client has received may be used later [MQTT-3.3.2-10].
+                self.outbound_aliases[topic] = new_alias
         else:
             key = (version, qos, retain)
             cache = message.encoded
@@ -372,13 +379,15 @@ class MqttConnection:
         self.username = connect.username
         self.keep_alive = connect.keep_alive
         server_keep_alive = None
-        if settings.max_keepalive and (self.keep_alive == 0 or self.keep_alive > settings.max_keepalive):
+        if v5 and settings.max_keepalive and (self.keep_alive == 0 or self.keep_alive > settings.max_keepalive):
+            # Server Keep Alive exists on 5.0 only [MQTT-3.2.2-21]; a 3.1.1 client's value stands.
             self.keep_alive = server_keep_alive = settings.max_keepalive
         if v5:
             expiry = props.session_expiry_interval or 0
             self.send_window = props.receive_maximum or 65535
             self.client_max_packet_size = props.maximum_packet_size or 0
             self.client_topic_alias_max = props.topic_alias_maximum or 0
+            self.problem_info = props.request_problem_information != 0
         else:
             expiry = 0 if connect.clean_start else (settings.persistent_session_expiry or NEVER_EXPIRES)
         self.session_expiry_at_connect = expiry
@@ -437,6 +446,8 @@ class MqttConnection:
             validate_topic_name(topic)  # [MQTT-3.3.2-2]
         except TopicError as exc:
             raise ProtocolViolation(RC.TOPIC_NAME_INVALID, f"invalid topic name: {exc}") from None
+        if v5 and props.subscription_identifiers:
+            raise ProtocolViolation(RC.PROTOCOL_ERROR, "subscription identifier in a client PUBLISH")  # [MQTT-3.3.4-6]
         if v5 and props.response_topic is not None:
             try:
                 validate_topic_name(props.response_topic)
@@ -449,7 +460,7 @@ class MqttConnection:
             # A retransmission of a QoS 2 message already accepted [MQTT-4.3.3-9].
             self._send_packet(p.Pubrec(packet_id))
             return
-        if qos and self.inbound_pending >= settings.receive_maximum:
+        if qos and self.inbound_pending + len(self.qos2_open) >= settings.receive_maximum:
             raise ProtocolViolation(RC.RECEIVE_MAXIMUM_EXCEEDED, "receive maximum exceeded")  # [MQTT-3.3.4-9]
         refusal = None
         if topic.startswith("$SYS"):
@@ -486,6 +497,7 @@ class MqttConnection:
         self.messages_in += 1
         if qos == 2:
             session.inbound_qos2.add(packet_id)  # type: ignore[arg-type]
+            self.qos2_open.add(packet_id)  # type: ignore[arg-type]
             self.service.remember_qos2(session, packet_id, True)  # type: ignore[arg-type]
         try:
             waiter = self.service.publish(message)
@@ -493,6 +505,7 @@ class MqttConnection:
             log.warning("%s %s: publish to %r rejected: %s", self.remote, self.client_id, topic, exc)
             if qos == 2:
                 session.inbound_qos2.discard(packet_id)  # type: ignore[arg-type]
+                self.qos2_open.discard(packet_id)  # type: ignore[arg-type]
             if not v5:
                 self.close()
                 return
@@ -509,16 +522,19 @@ class MqttConnection:
         if waiter is None:
             self._ack(qos, packet_id, RC.SUCCESS)
             return
-        self.inbound_pending += 1
+        if qos == 1:
+            self.inbound_pending += 1
         waiter.add_done_callback(lambda fut: self._on_durable(fut, qos, packet_id))
 
     def _on_durable(self, fut: asyncio.Future[None], qos: int, packet_id: int | None) -> None:
-        self.inbound_pending -= 1
+        if qos == 1:
+            self.inbound_pending -= 1
         if self.state is State.CLOSED:
             return
         if fut.cancelled() or fut.exception() is not None:
             if qos == 2 and self.session is not None:
                 self.session.inbound_qos2.discard(packet_id)  # type: ignore[arg-type]
+                self.qos2_open.discard(packet_id)  # type: ignore[arg-type]
             if self.version != MQTT_V5:
                 self.close()
             else:
@@ -527,12 +543,16 @@ class MqttConnection:
         self._ack(qos, packet_id, RC.SUCCESS)
 
     def _ack(self, qos: int, packet_id: int | None, reason: int, reason_string: str | None = None) -> None:
-        props = p.Properties(reason_string=reason_string) if reason_string and self.version == MQTT_V5 else p.Properties()
+        if reason_string and self.version == MQTT_V5 and self.problem_info:
+            props = p.Properties(reason_string=reason_string)
+        else:
+            props = p.Properties()
         if qos == 1:
             self._send_packet(p.Puback(packet_id, reason, props))  # type: ignore[arg-type]
         elif qos == 2:
             if reason >= 0x80 and self.session is not None:
                 self.session.inbound_qos2.discard(packet_id)  # type: ignore[arg-type]
+                self.qos2_open.discard(packet_id)  # type: ignore[arg-type]
             self._send_packet(p.Pubrec(packet_id, reason, props))  # type: ignore[arg-type]
 
     def _on_puback(self, packet: p.Puback) -> None:
@@ -554,6 +574,7 @@ class MqttConnection:
 
     def _on_pubrel(self, packet: p.Pubrel) -> None:
         assert self.session is not None
+        self.qos2_open.discard(packet.packet_id)
         if packet.packet_id in self.session.inbound_qos2:
             self.session.inbound_qos2.discard(packet.packet_id)
             self.service.remember_qos2(self.session, packet.packet_id, False)

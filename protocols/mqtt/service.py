@@ -139,6 +139,9 @@ class MqttService:
             old = existing.connection
             log.info("client %r taken over by a new connection from %s", client_id, connection.remote)
             old.close(p.ReasonCode.SESSION_TAKEN_OVER, "session taken over")  # [MQTT-3.1.4-3]
+            # A session that lasted only as long as that connection (expiry 0, or clean
+            # session on 3.1.1) has just ended with it: nothing is left to resume.
+            existing = self.sessions.get(client_id)
         pending_will = self._will_timers.pop(client_id, None)
         if pending_will is not None:
             pending_will[0].cancel()
