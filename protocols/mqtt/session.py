@@ -256,15 +256,12 @@ class MqttSession:
         connection = self.connection
         if connection is None:
             return
-        now = now_ms()
         for packet_id, outgoing in list(self.inflight.items()):
             if outgoing.released:
                 connection.send_pubrel(packet_id)
-            elif outgoing.message.expired(now) and outgoing.qos == 1:
-                del self.inflight[packet_id]
-                if outgoing.source is not None:
-                    outgoing.source.ack(outgoing.message)
             else:
+                # Resent even if it expired since: onward delivery has started, and expiry
+                # only removes messages not yet sent [MQTT-3.3.2-5].
                 connection.send_publish(
                     outgoing.message, outgoing.qos, outgoing.retain,
                     outgoing.subscription_ids, packet_id, True,

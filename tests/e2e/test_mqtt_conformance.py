@@ -654,3 +654,35 @@ def test_shared_qos2_completed_to_the_same_member_mqtt_4_8_2_4(broker):
     again = back.receive()
     assert (again.payload, again.dup, again.packet_id) == (first.payload, True, first.packet_id)
     b.expect_none()
+
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_will_published_when_server_closes_for_protocol_error_mqtt_3_1_2_8(broker, version):
+    """[MQTT-3.1.2-8] the will is published when the server closes the connection because of
+    a protocol error (here a wildcard in a PUBLISH topic, [MQTT-3.3.2-2])."""
+    watcher = Paho(broker.mqtt_port, "watcher")
+    watcher.subscribe("pe/#", 1)
+    raw = RawClient(broker.mqtt_port, version)
+    raw.connect("offender", will=p.Will("pe/will", b"closed by server", 1, False, p.Properties()))
+    raw.send(p.Publish("pe/+", b"x", 0))
+    raw.receive_until_closed()
+    assert watcher.expect().payload == b"closed by server"
+
+
+def test_inflight_message_resent_even_after_expiry_mqtt_4_4_0_1(broker):
+    """[MQTT-4.4.0-1] unacknowledged PUBLISH packets are resent on a resumed session; message
+    expiry removes only messages whose onward delivery has not started [MQTT-3.3.2-5]."""
+    persistent = p.Properties(session_expiry_interval=60)
+    raw = RawClient(broker.mqtt_port, 5)
+    raw.connect("slow-acker", properties=persistent)
+    _subscribe(raw, "ie", 1)
+    pub = Paho(broker.mqtt_port, "pub")
+    pub.publish("ie", "short-lived", 1, properties=publish_props(MessageExpiryInterval=1))
+    first = raw.receive()
+    assert first.payload == b"short-lived"
+    raw.close()
+    time.sleep(1.5)  # the expiry interval itself is under test
+    back = RawClient(broker.mqtt_port, 5)
+    assert back.connect("slow-acker", clean=False, properties=persistent).session_present
+    again = back.receive()
+    assert (again.payload, again.dup, again.packet_id) == (b"short-lived", True, first.packet_id)
