@@ -25,10 +25,13 @@ import os
 import random
 import time
 import uuid
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
+import pyarrow as pa
 from fsspec import AbstractFileSystem
 
 from ..interfaces import StoredRecord
@@ -59,6 +62,9 @@ class _ShardState:
     bytes: int = 0
     buffer: list[StoredRecord] = field(default_factory=list)
     buffer_bytes: int = 0
+    uploading: list[StoredRecord] = field(default_factory=list)
+    """The records of the file being uploaded (they precede the buffer, which meanwhile
+    reads ahead); back into the buffer if the upload fails."""
     hour_closed: bool = False
     """The journal's next record lies in another hour than the buffer's: seal it now."""
     failures: int = 0
@@ -194,8 +200,9 @@ class Archiver:
                 archived_next = state.archived_next if state is not None else None
                 lag = None if archived_next is None else max(0, committed - archived_next)
                 oldest_ms = None
-                if state is not None and state.buffer:
-                    oldest_ms = state.buffer[0].timestamp_ms
+                pending = None if state is None else (state.uploading or state.buffer)
+                if pending:
+                    oldest_ms = pending[0].timestamp_ms
                 elif lag and shard_log is not None and archived_next is not None:
                     first = shard_log.read(max(archived_next, low), 1)
                     oldest_ms = first[0].timestamp_ms if first else None
@@ -210,7 +217,8 @@ class Archiver:
                     "lag_ms": None if oldest_ms is None else max(0, now_ms - oldest_ms),
                     "files": state.files if state is not None else 0,
                     "bytes": state.bytes if state is not None else 0,
-                    "buffered": len(state.buffer) if state is not None else 0,
+                    "buffered": (len(state.uploading) + len(state.buffer)
+                                 if state is not None else 0),
                     "failures": state.failures if state is not None else 0,
                     "last_error": (state.last_error if state is not None
                                    else self._list_errors.get(name)),
@@ -328,22 +336,24 @@ class Archiver:
                 await self._fill(state, shard_log)
                 if not self._due(state, force):
                     break
-                if not await self._seal(state):
+                if not await self._seal(state, shard_log):
                     break
 
     async def _fill(self, state: _ShardState, shard_log: Any) -> None:
-        """Read committed records after the buffer, up to the file targets, stopping at an
-        hour boundary. Yields to the event loop between journal reads."""
+        """Read committed records after the buffer (and after the file being uploaded), up
+        to the file targets, stopping at an hour boundary. Yields to the event loop between
+        journal reads."""
         settings = self.settings
         while (
             not state.hour_closed
             and len(state.buffer) < settings.target_rows
             and state.buffer_bytes < settings.target_bytes
         ):
-            start = state.archived_next + len(state.buffer)
+            start = state.archived_next + len(state.uploading) + len(state.buffer)
             committed = shard_log.committed_offset
             if start >= committed:
-                if start > committed and not state.buffer and state.last_error is None:
+                if (start > committed and not state.buffer and not state.uploading
+                        and state.last_error is None):
                     state.last_error = (
                         f"the archive holds offsets up to {start - 1} but the journal only "
                         f"{committed - 1}: another journal wrote to this archive URL?"
@@ -358,25 +368,36 @@ class Archiver:
                 if state.buffer:
                     state.hour_closed = True  # seal before the gap
                     return
+                if state.uploading:
+                    return  # skip the gap once that upload is done
                 state.skipped += batch[0].offset - start
                 log.error(
                     "%s/%d: offsets %d..%d left the journal before they were archived",
                     state.stream, state.shard, start, batch[0].offset - 1,
                 )
                 state.archived_next = batch[0].offset
-            buffer = state.buffer
-            hour = layout.hour_of(buffer[0].timestamp_ms if buffer else batch[0].timestamp_ms)
-            added = 0
-            for record in batch:
-                if layout.hour_of(record.timestamp_ms) != hour:
-                    state.hour_closed = True
-                    break
-                buffer.append(record)
-                added += len(record.data)
-                if state.buffer_bytes + added >= settings.target_bytes:
-                    break
-            state.buffer_bytes += added
+            self._take(state, batch)
             await asyncio.sleep(0)
+
+    def _take(self, state: _ShardState, batch: list[StoredRecord]) -> None:
+        """Append the head of `batch` that lies in the buffer's hour and fits the byte target
+        (the record reaching the target included) to the buffer."""
+        buffer = state.buffer
+        hour = layout.hour_of(buffer[0].timestamp_ms if buffer else batch[0].timestamp_ms)
+        low, high = hour * layout.HOUR_MS, (hour + 1) * layout.HOUR_MS
+        times = [record.timestamp_ms for record in batch]
+        hour_end = len(batch)
+        if min(times) < low or max(times) >= high:
+            hour_end = next(i for i, ts in enumerate(times) if not low <= ts < high)
+        sizes = list(accumulate([len(record.data) for record in batch[:hour_end]]))
+        room = self.settings.target_bytes - state.buffer_bytes
+        take = hour_end
+        if sizes and sizes[-1] >= room:
+            take = bisect_left(sizes, room) + 1
+        elif hour_end < len(batch):
+            state.hour_closed = True
+        buffer.extend(batch[:take] if take < len(batch) else batch)
+        state.buffer_bytes += sizes[take - 1] if take else 0
 
     def _due(self, state: _ShardState, force: bool) -> bool:
         if not state.buffer:
@@ -392,17 +413,41 @@ class Archiver:
         age_ms = time.time() * 1000 - state.buffer[0].timestamp_ms
         return age_ms >= settings.max_delay_s * 1000
 
-    async def _seal(self, state: _ShardState) -> bool:
-        """Upload the buffer as one file; on failure schedule a retry. True if uploaded."""
+    async def _seal(self, state: _ShardState, shard_log: Any = None) -> bool:
+        """Upload the buffer as one file; on failure schedule a retry. True if uploaded.
+
+        The work runs in a worker thread, in two steps: decoding the records into an Arrow
+        table (short compute kernels, each taking the GIL back: the event loop waits rather
+        than contend), then Parquet encoding and the write (long calls without the GIL),
+        during which the buffer, emptied, reads ahead from `shard_log`. Files of a shard are
+        still uploaded one after the other, in offset order (progress is the highest offset
+        among the files). If the upload fails or is cancelled, what was read ahead is dropped
+        and the file's records become the buffer again."""
         records = state.buffer
+        saved = (records, state.buffer_bytes, state.hour_closed)
         first, last = records[0].offset, records[-1].offset
         directory = layout.partition_dir(self.root, state.stream, records[0].timestamp_ms)
         path = f"{directory}/{layout.file_name(state.shard, first, last)}"
+        state.uploading = records
+        state.buffer, state.buffer_bytes, state.hour_closed = [], 0, False
+        upload: asyncio.Future[int] | None = None
         try:
-            size = await asyncio.to_thread(
-                self._write_file, path, state.stream, state.shard, state.schema, records
+            table = await asyncio.to_thread(
+                build_table, state.stream, state.shard, state.schema, records
             )
-        except Exception as exc:
+            upload = asyncio.ensure_future(asyncio.to_thread(
+                self._write_file, path, state.stream, state.shard, table, first, last
+            ))
+            if shard_log is not None:
+                with contextlib.suppress(Exception):  # a read error shows on the next pass
+                    await self._fill(state, shard_log)
+            size = await upload
+        except BaseException as exc:
+            state.buffer, state.buffer_bytes, state.hour_closed = saved
+            if not isinstance(exc, Exception):
+                if upload is not None:
+                    upload.cancel()
+                raise
             state.failures += 1
             delay = min(
                 self.settings.retry_max_s,
@@ -415,10 +460,9 @@ class Archiver:
                 path, state.failures, delay, state.last_error,
             )
             return False
+        finally:
+            state.uploading = []
         state.archived_next = last + 1
-        state.buffer = []
-        state.buffer_bytes = 0
-        state.hour_closed = False
         state.files += 1
         state.bytes += size
         state.failures = 0
@@ -430,9 +474,8 @@ class Archiver:
     # -- worker thread ------------------------------------------------------------------
 
     def _write_file(
-        self, path: str, stream: str, shard: int, schema: str, records: list[StoredRecord]
+        self, path: str, stream: str, shard: int, table: pa.Table, first: int, last: int
     ) -> int:
-        table = build_table(stream, shard, schema, records)
         data = encode_parquet(
             table,
             compression_level=self.settings.compression_level,
@@ -440,8 +483,8 @@ class Archiver:
             metadata={
                 "shardgate.stream": stream,
                 "shardgate.shard": str(shard),
-                "shardgate.first_offset": str(records[0].offset),
-                "shardgate.last_offset": str(records[-1].offset),
+                "shardgate.first_offset": str(first),
+                "shardgate.last_offset": str(last),
             },
         )
         self._put(path, data)

@@ -65,6 +65,7 @@ class _Batch:
         self.size = pc.sum(lengths).as_py() or 0
         self.buffer = pa.py_buffer(b"".join([*datas, _PAD]))
         self.bytes = pa.Array.from_buffers(pa.uint8(), self.size + len(_PAD), [None, self.buffer])
+        self._layouts: dict[int, tuple[pa.Array, pa.Array]] = {}
         if self.count and pc.min(lengths).as_py() < _HEAD_SIZE:
             raise _Malformed
 
@@ -72,18 +73,17 @@ class _Batch:
         return pc.take(self.bytes, pos).cast(_I64)
 
     def uint(self, pos: pa.Array, width: int) -> pa.Array:
-        value = self.u8(pos)
-        for i in range(1, width):
-            byte = self.u8(pc.add(pos, i))
-            value = pc.bit_wise_or(value, pc.shift_left(byte, 8 * i))
-        return value
+        """The little-endian unsigned integers of `width` (2 or 4) bytes at `pos`: one gather
+        of the bytes (positions one per record, so increasing and far enough apart), read
+        as an array of that integer type."""
+        raw = self._gather(pos, pc.add(pos, width), None)
+        type_ = pa.uint16() if width == 2 else pa.uint32()
+        values = pa.Array.from_buffers(type_, len(pos), [None, raw.buffers()[2]])
+        return values.cast(_I64)
 
     def i64(self, pos: pa.Array) -> pa.Array:
-        value = pc.take(self.bytes, pos).cast(_U64)
-        for i in range(1, 8):
-            byte = pc.take(self.bytes, pc.add(pos, i)).cast(_U64)
-            value = pc.bit_wise_or(value, pc.shift_left(byte, 8 * i))
-        return value.cast(_I64, safe=False)
+        raw = self._gather(pos, pc.add(pos, 8), None)
+        return pa.Array.from_buffers(_I64, len(pos), [None, raw.buffers()[2]])
 
     def check(self, pos: pa.Array) -> None:
         """Every position still lies inside its own record."""
@@ -95,19 +95,7 @@ class _Batch:
     ) -> pa.Array:
         """The bytes [starts[i], stops[i]) of every record as an array of `type_` (binary or
         string), null where `valid` is false. Spans must be increasing and disjoint."""
-        n = len(starts)
-        large = self.size > _INT32_LIMIT
-        offset_type = _I64 if large else pa.int32()
-        both = pa.concat_arrays([pa.array([0], _I64), _interleave(starts, stops)])
-        offsets = both.cast(offset_type)
-        base = pa.large_binary() if large else pa.binary()
-        whole = pa.Array.from_buffers(base, 2 * n, [None, offsets.buffers()[1], self.buffer])
-        odd = pc.add(pc.multiply(_arange(n), 2), 1)
-        if valid is not None:
-            odd = pc.if_else(valid, odd, pa.scalar(None, _I64))
-        out = pc.take(whole, odd)
-        if large:
-            out = out.cast(pa.binary())
+        out = self._gather(starts, stops, valid)
         if type_ == pa.string():
             try:
                 out = out.cast(pa.string())
@@ -115,19 +103,43 @@ class _Batch:
                 raise _Malformed from exc
         return out
 
+    def _gather(self, starts: pa.Array, stops: pa.Array, valid: pa.Array | None) -> pa.Array:
+        """A binary array of the spans (see the module docstring); its values are contiguous
+        and start at 0."""
+        n = len(starts)
+        large = self.size > _INT32_LIMIT
+        both = pc.take(pa.concat_arrays([_ZERO, starts, stops]), self._layout(n)[0])
+        base = pa.large_binary() if large else pa.binary()
+        offsets = both if large else both.cast(pa.int32())
+        whole = pa.Array.from_buffers(base, 2 * n, [None, offsets.buffers()[1], self.buffer])
+        odd = self._layout(n)[1]
+        if valid is not None:
+            odd = pc.if_else(valid, odd, pa.scalar(None, _I64))
+        out = pc.take(whole, odd)
+        return out.cast(pa.binary()) if large else out
+
+    def _layout(self, n: int) -> tuple[pa.Array, pa.Array]:
+        """For n spans: where each offset of the interleaved array comes from in
+        `[0, starts..., stops...]` (0, then start i at 1 + i and stop i at 1 + n + i), and
+        the odd indices 1, 3, ... 2n - 1 (the spans)."""
+        cached = self._layouts.get(n)
+        if cached is None:
+            index = _arange(2 * n)
+            odd = pc.bit_wise_and(index, 1)
+            source = pc.add(pc.add(pc.shift_right(index, 1), pc.multiply(odd, n)), 1)
+            source = pa.concat_arrays([_ZERO, source])
+            cached = (source, pc.add(pc.multiply(_arange(n), 2), 1))
+            self._layouts[n] = cached
+        return cached
+
+
+_ZERO = pa.array([0], _I64)
+
 
 def _arange(n: int) -> pa.Array:
     if n == 0:
         return pa.array([], _I64)
     return pc.subtract(pc.cumulative_sum(pa.repeat(pa.scalar(1, _I64), n)), 1)
-
-
-def _interleave(a: pa.Array, b: pa.Array) -> pa.Array:
-    """a0, b0, a1, b1, ..."""
-    n = len(a)
-    index = _arange(2 * n)
-    source = pc.add(pc.shift_right(index, 1), pc.multiply(pc.bit_wise_and(index, 1), n))
-    return pc.take(pa.concat_arrays([a, b]), source)
 
 
 def decode_batch(datas: Sequence[bytes]) -> dict[str, pa.Array] | None:

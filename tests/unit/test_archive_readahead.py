@@ -1,0 +1,64 @@
+"""The archiver reads the next file's records from the journal while the previous file is
+encoded and uploaded: a failed upload drops what was read ahead and retries the same file,
+so that the archive still holds every offset once, in files cut at the same places."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
+from shardgate.storage.archive import Archiver, ArchiveSettings, list_stream_files
+from shardgate.storage.journal import JournalStorage
+from shardgate.storage.records import MessageRecord, encode_message
+
+T0 = 1_700_000_000_000 - 1_700_000_000_000 % 3_600_000
+
+
+class FailingNthUpload(LocalFileSystem):
+    """Taken for a remote store; upload number `fail_at` (1-based) fails once."""
+
+    cachable = False
+    protocol = ("failnth",)
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+        self.calls: list[str] = []
+
+    def pipe_file(self, path: str, value: bytes, **kwargs: Any) -> None:
+        self.calls.append(path.rsplit("/", 1)[1])
+        if len(self.calls) == self.fail_at:
+            raise ConnectionError("object store unreachable")
+        super().pipe_file(path, value, **kwargs)
+
+
+async def test_failed_upload_drops_the_read_ahead_and_loses_nothing(tmp_path: Path) -> None:
+    journal = JournalStorage(tmp_path / "journal", fsync="os", segment_bytes=8192)
+    try:
+        log = journal.open_shard("s", 0)
+        log.append([(T0 + i, encode_message(MessageRecord(
+            f"t/{i}", b"p" + bytes(str(i), "ascii"), 1, False, T0 + i, producer_id="me"))) for i in range(350)])
+        await log.flush()
+        root = tmp_path / "archive"
+        fs = FailingNthUpload(fail_at=2)
+        fs.mkdirs(str(root), exist_ok=True)
+        settings = ArchiveSettings(target_rows=100, read_batch=30, max_delay_s=3600,
+                                   retry_initial_s=0.01, retry_max_s=0.02)
+        archiver = Archiver(journal, f"file://{root}", lambda: [("s", 1, "bytes")], settings,
+                            filesystem=fs)
+        await archiver.flush(timeout=5)
+
+        # the second file failed once and was uploaded again under the same name
+        assert fs.calls[1] == fs.calls[2]
+        entries = list_stream_files(fs, str(root), "s")
+        assert [(e.first_offset, e.last_offset) for e in entries] == [
+            (0, 99), (100, 199), (200, 299), (300, 349)]
+        offsets = [o for e in entries for o in pq.read_table(e.path).column("offset").to_pylist()]
+        assert offsets == list(range(350))
+        status = archiver.status()[0]
+        assert status["archived_next"] == 350 and status["buffered"] == 0
+        assert status["lag_records"] == 0 and status["failures"] == 0
+    finally:
+        journal.close()
