@@ -16,16 +16,22 @@ from .service import MqttService
 
 log = logging.getLogger(__name__)
 
+# After the server ends a connection it half-closes (FIN) and discards what the client still
+# sends for up to this long: closing with unread input makes the kernel send RST, which can
+# destroy the DISCONNECT reason code before the client reads it (e.g. after an oversized packet).
+LINGER_SECONDS = 2.0
+
 
 class MqttProtocol(asyncio.Protocol):
     """One TCP connection: bytes in to the state machine, its output to the transport."""
 
-    __slots__ = ("service", "transport", "connection")
+    __slots__ = ("service", "transport", "connection", "linger")
 
     def __init__(self, service: MqttService) -> None:
         self.service = service
         self.transport: asyncio.Transport | None = None
         self.connection: MqttConnection | None = None
+        self.linger: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -36,6 +42,8 @@ class MqttProtocol(asyncio.Protocol):
         self.service.connection_made(self.connection)
 
     def data_received(self, data: bytes) -> None:
+        if self.linger is not None:
+            return
         assert self.connection is not None
         try:
             self.connection.data_received(data)
@@ -44,17 +52,29 @@ class MqttProtocol(asyncio.Protocol):
             self.connection.close(0x83, "internal error")
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.linger is not None:
+            self.linger.cancel()
         if self.connection is not None:
             self.service.connection_gone(self.connection)
 
     # Link
     def write(self, data: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
+        if self.linger is None and self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
 
     def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
+        transport = self.transport
+        if transport is None or transport.is_closing() or self.linger is not None:
+            return
+        if not transport.can_write_eof():  # TLS: no half-close
+            transport.close()
+            return
+        transport.write_eof()
+        self.linger = asyncio.get_running_loop().call_later(LINGER_SECONDS, transport.close)
+        try:
+            transport.resume_reading()
+        except RuntimeError:
+            pass
 
     def buffered(self) -> int:
         return self.transport.get_write_buffer_size() if self.transport is not None else 0
