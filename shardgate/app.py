@@ -116,6 +116,7 @@ class Shardgate:
         if held:
             log.info("restored %d delayed messages", held)
         self.mqtt = MqttService(self.broker, config.mqtt, store=self.metadata)
+        self.mqtt.use_identity_as_username = config.tls.use_identity_as_username
         from .auth import install_security
 
         install_security(self)

@@ -43,6 +43,9 @@ class TlsConfig:
     key_file: str | None = None
     ca_file: str | None = None
     require_client_cert: bool = False
+    # A verified client certificate's subject CN becomes the user name (no password needed),
+    # as Mosquitto's use_identity_as_username; ACL rules then apply to that user.
+    use_identity_as_username: bool = False
 
 
 @dataclass(slots=True)

@@ -115,6 +115,9 @@ class MqttConnection:
         self.version = 4
         self.client_id = ""
         self.username: str | None = None
+        # Set by the adapter from a verified client certificate when the listener maps
+        # certificate identities to users.
+        self.certificate_identity: str | None = None
         self.session: MqttSession | None = None
         self.keep_alive = 0
         self.last_received = time.monotonic()
@@ -366,7 +369,12 @@ class MqttConnection:
         if settings.max_connections and len(self.service.connections) >= settings.max_connections:
             self._refuse(RC.SERVER_BUSY, p.ConnackCode311.SERVER_UNAVAILABLE, "too many connections")
             return
-        verdict = self.service.authenticate(connect.username, connect.password, client_id, self.remote)
+        username = connect.username
+        if self.certificate_identity is not None:
+            # The TLS layer verified a client certificate that names the user: no password.
+            username, verdict = self.certificate_identity, None
+        else:
+            verdict = self.service.authenticate(connect.username, connect.password, client_id, self.remote)
         if verdict is not None:
             bad_credentials = verdict == "bad-credentials"
             self._refuse(
@@ -376,7 +384,7 @@ class MqttConnection:
             )
             return
         self.client_id = client_id
-        self.username = connect.username
+        self.username = username
         self.keep_alive = connect.keep_alive
         server_keep_alive = None
         if v5 and settings.max_keepalive and (self.keep_alive == 0 or self.keep_alive > settings.max_keepalive):

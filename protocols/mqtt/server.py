@@ -22,6 +22,15 @@ log = logging.getLogger(__name__)
 LINGER_SECONDS = 2.0
 
 
+def certificate_common_name(peercert: dict | None) -> str | None:
+    """The subject CN of a verified peer certificate (`SSLObject.getpeercert()`), else None."""
+    for rdn in (peercert or {}).get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName" and value:
+                return value
+    return None
+
+
 class MqttProtocol(asyncio.Protocol):
     """One TCP connection: bytes in to the state machine, its output to the transport."""
 
@@ -39,6 +48,10 @@ class MqttProtocol(asyncio.Protocol):
         remote = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         tls = transport.get_extra_info("sslcontext") is not None
         self.connection = MqttConnection(self.service, self, remote, "tls" if tls else "tcp")
+        if tls and self.service.use_identity_as_username:
+            self.connection.certificate_identity = certificate_common_name(
+                transport.get_extra_info("peercert")
+            )
         self.service.connection_made(self.connection)
 
     def data_received(self, data: bytes) -> None:
@@ -161,6 +174,9 @@ async def start_websocket_listener(
         remote_address = getattr(websocket, "remote_address", None)
         remote = f"{remote_address[0]}:{remote_address[1]}" if remote_address else "ws"
         connection = MqttConnection(service, link, remote, "ws")
+        transport = getattr(websocket, "transport", None)
+        if ssl_context is not None and service.use_identity_as_username and transport is not None:
+            connection.certificate_identity = certificate_common_name(transport.get_extra_info("peercert"))
         service.connection_made(connection)
         writer = asyncio.create_task(link.run_writer())
         try:

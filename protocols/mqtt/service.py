@@ -53,6 +53,8 @@ class MqttService:
         self.connections: set[MqttConnection] = set()
         self.authenticator: Authenticator | None = None
         self.authorizer: Authorizer | None = None
+        # TLS listeners: a verified client certificate's subject CN is the user name.
+        self.use_identity_as_username = False
         self._dirty: list[MqttConnection] = []
         self._flush_scheduled = False
         self._will_timers: dict[str, tuple[asyncio.TimerHandle, p.Will]] = {}

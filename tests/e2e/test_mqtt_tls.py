@@ -57,3 +57,62 @@ def test_tls_listener_without_certificate_is_a_clear_error(tmp_path):
 
     with pytest.raises(ConfigError, match="cert_file"):
         asyncio.run(start())
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> dict[str, Path]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate for CN=alice."""
+    files = {name: tmp_path / name for name in (
+        "ca.crt", "ca.key", "server.crt", "server.key", "server.csr", "alice.crt", "alice.key", "alice.csr",
+        "ext.cnf",
+    )}
+    files["ext.cnf"].write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(files["ca.key"]),
+             "-out", str(files["ca.crt"]), "-days", "1", "-subj", "/CN=test-ca")
+    for name, subject in (("server", "/CN=localhost"), ("alice", "/CN=alice")):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(files[f"{name}.key"]),
+                 "-out", str(files[f"{name}.csr"]), "-subj", subject)
+        extra = ["-extfile", str(files["ext.cnf"])] if name == "server" else []
+        _openssl("x509", "-req", "-in", str(files[f"{name}.csr"]), "-CA", str(files["ca.crt"]),
+                 "-CAkey", str(files["ca.key"]), "-CAcreateserial", "-out", str(files[f"{name}.crt"]),
+                 "-days", "1", *extra)
+    return files
+
+
+def test_client_certificate_identity_is_the_user_name(broker_factory, pki):
+    from shardgate.auth import User, hash_password, install_security, save_users
+
+    broker = broker_factory(
+        listeners={"mqtts_port": free_port()},
+        tls={"cert_file": str(pki["server.crt"]), "key_file": str(pki["server.key"]),
+             "ca_file": str(pki["ca.crt"]), "use_identity_as_username": True},
+    )
+    data_dir = broker.config.data_dir
+    save_users(data_dir / "users.json", {"bob": User("bob", hash_password("bob-pw"))})
+    (data_dir / "acl.toml").write_text(
+        '[[allow]]\nactions = ["publish", "subscribe"]\ntopics = ["devices/%u/#"]\n'
+    )
+    broker.call(lambda: install_security(broker.app))
+    port = broker.app.port("mqtts")
+    server_only = {"ca_certs": str(pki["ca.crt"]), "cert_reqs": ssl.CERT_REQUIRED}
+
+    # No certificate and no password: refused, as everywhere once users exist.
+    anonymous = Paho(port, "anon", V5, tls=server_only, connect=False)
+    _, code, _ = anonymous.connect()
+    assert code.value == 0x87
+    # A password still works on the same listener for clients without a certificate.
+    bob = Paho(port, "bob", V5, tls=server_only, username="bob", password="bob-pw")
+    assert [c.value for c in bob.subscribe([("devices/bob/#", 1), ("devices/alice/#", 1)])] == [1, 0x87]
+    # The certificate names the user: no password, and the ACL's %u is "alice".
+    alice = Paho(port, "alice-device", V311, tls={
+        **server_only, "certfile": str(pki["alice.crt"]), "keyfile": str(pki["alice.key"]),
+    })
+    assert [getattr(c, "value", c) for c in alice.subscribe([("devices/alice/#", 1), ("devices/bob/#", 1)])] \
+        == [1, 0x80]
+    assert broker.call(lambda: sorted(
+        c.username for c in broker.app.mqtt.connections if c.username is not None
+    )) == ["alice", "bob"]
