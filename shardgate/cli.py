@@ -73,8 +73,14 @@ async def _serve(config: Config, port_file: Path | None) -> int:
     gc.set_threshold(50_000, 20, 100)
     logging.getLogger("shardgate").info("shardgate started (data dir %s)", config.data_dir)
     await stop.wait()
-    logging.getLogger("shardgate").info("shutting down")
-    await app.stop()
+    logger = logging.getLogger("shardgate")
+    logger.info("shutting down")
+    try:
+        await asyncio.wait_for(app.stop(), config.shutdown_timeout_s)
+    except TimeoutError:
+        logger.error("graceful stop took longer than shutdown_timeout_s = %s; exiting now "
+                     "(acknowledged messages are in the journal)", config.shutdown_timeout_s)
+        return 1
     return 0
 
 

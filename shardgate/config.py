@@ -88,6 +88,9 @@ class Config:
     data_dir: Path = Path("./shardgate-data")
     log_level: str = "info"
     log_json: bool = False
+    # SIGTERM/Ctrl-C: the most a graceful stop may take (drain clients, flush the journal,
+    # archive what it holds); past it the process exits and the journal keeps the rest.
+    shutdown_timeout_s: float = 30.0
     default_stream_mode: str = "reliable"
     default_stream_partitions: int = 1
     listeners: ListenerConfig = field(default_factory=ListenerConfig)
