@@ -50,7 +50,7 @@ def start_broker(data_dir: Path) -> tuple[subprocess.Popen[bytes], int]:
     env["SHARDGATE_LOG_LEVEL"] = "warning"
     proc = subprocess.Popen(
         [sys.executable, "-m", "shardgate", "serve", "--data-dir", str(data_dir / "data"),
-         "--mqtt-port", "0", "--mqtt-ws-port", "0", "--port-file", str(port_file)],
+         "--mqtt-port", "0", "--mqtt-ws-port", "0", "--amqp-port", "0", "--port-file", str(port_file)],
         env=env,
     )
     deadline = time.monotonic() + 30

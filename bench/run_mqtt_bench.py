@@ -190,7 +190,7 @@ def _amqtt_version() -> str:
 def _shardgate_command(port: int, workdir: Path) -> list[str]:
     return [sys.executable, "-m", "shardgate", "serve", "--host", "127.0.0.1",
             "--mqtt-port", str(port), "--mqtt-ws-port", "0", "--grpc-port", "0",
-            "--http-port", "0", "--data-dir", str(workdir / "data")]
+            "--http-port", "0", "--amqp-port", "0", "--data-dir", str(workdir / "data")]
 
 
 def _shardgate_memory_command(port: int, workdir: Path) -> list[str]:

@@ -807,7 +807,7 @@ def start_broker(data_dir: Path, log_path: Path) -> tuple[subprocess.Popen[bytes
     command = [
         sys.executable, "-m", "shardgate", "serve", "--data-dir", str(data_dir), "--host", HOST,
         "--mqtt-port", str(mqtt_port), "--mqtt-ws-port", "0", "--grpc-port", "0",
-        "--http-port", str(http_port), "--port-file", str(port_file),
+        "--http-port", str(http_port), "--amqp-port", "0", "--port-file", str(port_file),
     ]
     log = log_path.open("wb")
     proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)

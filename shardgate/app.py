@@ -146,12 +146,21 @@ class Shardgate:
             if ports.amqp_port:
                 from .protocols.amqp.server import start_amqp_listener
 
-                server = await start_amqp_listener(
-                    self.broker, host, ports.amqp_port, None, getattr(self.config, "amqp", None)
-                )
-                if self.security is not None and hasattr(server, "service"):
+                server = await start_amqp_listener(self.broker, host, ports.amqp_port, None, config.amqp)
+                if self.security is not None:
                     self.security.attach_amqp(server.service)
                 self._add_listener("amqp", server)
+            if ports.amqps_port:
+                from .protocols.amqp.server import start_amqp_listener
+
+                plain = self.listeners.get("amqp")
+                server = await start_amqp_listener(
+                    self.broker, host, ports.amqps_port, self._ssl_context(), config.amqp,
+                    service=plain.server.service if plain is not None else None,
+                )
+                if self.security is not None and plain is None:
+                    self.security.attach_amqp(server.service)
+                self._add_listener("amqps", server)
             if ports.grpc_port:
                 from .protocols.grpc.server import start_grpc_server
 

@@ -674,7 +674,8 @@ def install_security(app: Any) -> Security:
         mqtt.authenticator = security.mqtt_authenticator
         mqtt.authorizer = security.mqtt_authorizer
         mirror(security)
-    listener = getattr(app, "listeners", {}).get("amqp")
+    listeners = getattr(app, "listeners", {})
+    listener = listeners.get("amqp") or listeners.get("amqps")  # both share one service
     service = getattr(getattr(listener, "server", None), "service", None)
     if service is not None:
         security.attach_amqp(service)

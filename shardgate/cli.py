@@ -37,7 +37,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--data-dir", type=Path, help="data directory (default ./shardgate-data)")
     serve.add_argument("--host", help="address every listener binds (default 127.0.0.1)")
     for name, default in (("mqtt", 1883), ("mqtt-ws", 8083), ("mqtts", 0), ("mqtt-wss", 0),
-                          ("amqp", 0), ("grpc", 6650), ("http", 8080)):
+                          ("amqp", 5672), ("amqps", 0), ("grpc", 6650), ("http", 8080)):
         serve.add_argument(f"--{name}-port", type=int, metavar="N",
                            help=f"{name} listener port, 0 turns it off (default {default})")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
             ("listeners", "mqtts_port"): args.mqtts_port,
             ("listeners", "mqtt_wss_port"): args.mqtt_wss_port,
             ("listeners", "amqp_port"): args.amqp_port,
+            ("listeners", "amqps_port"): args.amqps_port,
             ("listeners", "grpc_port"): args.grpc_port,
             ("listeners", "http_port"): args.http_port,
             ("log_level",): args.log_level,

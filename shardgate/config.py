@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .auth import AuthSettings
+from .protocols.amqp.settings import AmqpSettings
 from .protocols.grpc.settings import GrpcSettings
 from .protocols.mqtt.settings import MqttSettings
 
@@ -30,7 +31,8 @@ class ListenerConfig:
     mqtt_ws_port: int = 8083
     mqtts_port: int = 0
     mqtt_wss_port: int = 0
-    amqp_port: int = 0
+    amqp_port: int = 5672
+    amqps_port: int = 0
     grpc_port: int = 6650
     http_port: int = 8080
     # The admin API has no authentication of its own yet: it stays on loopback unless told.
@@ -96,6 +98,7 @@ class Config:
     listeners: ListenerConfig = field(default_factory=ListenerConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
     mqtt: MqttSettings = field(default_factory=MqttSettings)
+    amqp: AmqpSettings = field(default_factory=AmqpSettings)
     grpc: GrpcSettings = field(default_factory=GrpcSettings)
     journal: JournalConfig = field(default_factory=JournalConfig)
     archive: ArchiveConfig = field(default_factory=ArchiveConfig)
@@ -105,7 +108,8 @@ class Config:
 
 
 SECTIONS = {
-    "listeners": ListenerConfig, "tls": TlsConfig, "mqtt": MqttSettings, "grpc": GrpcSettings,
+    "listeners": ListenerConfig, "tls": TlsConfig, "mqtt": MqttSettings, "amqp": AmqpSettings,
+    "grpc": GrpcSettings,
     "journal": JournalConfig, "archive": ArchiveConfig, "auth": AuthSettings,
 }
 SHORT_ENV = {
@@ -114,6 +118,7 @@ SHORT_ENV = {
     "SHARDGATE_MQTT_PORT": ("listeners", "mqtt_port"),
     "SHARDGATE_MQTT_WS_PORT": ("listeners", "mqtt_ws_port"),
     "SHARDGATE_AMQP_PORT": ("listeners", "amqp_port"),
+    "SHARDGATE_AMQPS_PORT": ("listeners", "amqps_port"),
     "SHARDGATE_GRPC_PORT": ("listeners", "grpc_port"),
     "SHARDGATE_HTTP_PORT": ("listeners", "http_port"),
     "SHARDGATE_HTTP_HOST": ("listeners", "http_host"),

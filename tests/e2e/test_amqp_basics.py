@@ -263,34 +263,26 @@ async def test_transactions_are_refused_with_not_implemented(amqp_url):
 
 
 async def test_tls_listener_shares_exchanges_and_queues(broker_factory, tmp_path):
+    """`listeners.amqps_port` with the `[tls]` certificate serves the same exchanges and queues
+    as the plain listener."""
     import ssl
     import subprocess
-
-    from shardgate.protocols.amqp.server import start_amqp_listener
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
                     "-subj", "/CN=127.0.0.1", "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True)
-    node = broker_factory(listeners={"amqp_port": free_port()})
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server_ctx.load_cert_chain(cert, key)
-    plain = node.app.listeners["amqp"].server
-    tls_port = free_port()
-    tls = node.call(start_amqp_listener(node.app.broker, "127.0.0.1", tls_port, server_ctx,
-                                        service=plain.service))
-    try:
-        client_ctx = ssl.create_default_context(cafile=str(cert))
-        client_ctx.check_hostname = False
-        secure = await aio_pika.connect(host="127.0.0.1", port=tls_port, login="guest",
-                                        password="guest", ssl=True, ssl_context=client_ctx)
-        async with secure, await aio_pika.connect(
-            f"amqp://guest:guest@127.0.0.1:{node.app.port('amqp')}/"
-        ) as clear:
-            tls_channel = await secure.channel()
-            queue = await tls_channel.declare_queue("over-tls", auto_delete=True)
-            clear_channel = await clear.channel()
-            await clear_channel.default_exchange.publish(aio_pika.Message(b"hi"), "over-tls")
-            assert (await _get(queue)).body == b"hi"
-    finally:
-        node.call(lambda: tls.close())
+    node = broker_factory(listeners={"amqp_port": free_port(), "amqps_port": free_port()},
+                          tls={"cert_file": str(cert), "key_file": str(key)})
+    client_ctx = ssl.create_default_context(cafile=str(cert))
+    client_ctx.check_hostname = False
+    secure = await aio_pika.connect(host="127.0.0.1", port=node.app.port("amqps"), login="guest",
+                                    password="guest", ssl=True, ssl_context=client_ctx)
+    async with secure, await aio_pika.connect(
+        f"amqp://guest:guest@127.0.0.1:{node.app.port('amqp')}/"
+    ) as clear:
+        tls_channel = await secure.channel()
+        queue = await tls_channel.declare_queue("over-tls", auto_delete=True)
+        clear_channel = await clear.channel()
+        await clear_channel.default_exchange.publish(aio_pika.Message(b"hi"), "over-tls")
+        assert (await _get(queue)).body == b"hi"

@@ -13,7 +13,7 @@ from tests.conftest import BrokerProcess
 def serve(data_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "shardgate", "serve", "--data-dir", str(data_dir), "--mqtt-port", "0",
-         "--mqtt-ws-port", "0", "--grpc-port", "0", "--http-port", "0", *extra],
+         "--mqtt-ws-port", "0", "--grpc-port", "0", "--http-port", "0", "--amqp-port", "0", *extra],
         capture_output=True, text=True, timeout=60,
     )
 

@@ -323,7 +323,7 @@ def test_unknown_archive_scheme_is_a_clear_error_at_start(tmp_path: Path) -> Non
     config.write_text('[archive]\nurl = "nosuchfs://bucket/x"\n')
     result = subprocess.run(
         [sys.executable, "-m", "shardgate", "serve", "--config", str(config), "--data-dir", str(tmp_path / "d"),
-         "--mqtt-port", "0", "--mqtt-ws-port", "0", "--grpc-port", "0", "--http-port", "0"],
+         "--mqtt-port", "0", "--mqtt-ws-port", "0", "--grpc-port", "0", "--http-port", "0", "--amqp-port", "0"],
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2
