@@ -180,6 +180,14 @@ class Shardgate:
             from .bridge import start_bridges
 
             start_bridges(self, config.bridges)
+        if config.amqp_bridges:
+            from .amqp_bridge import start_amqp_bridges
+
+            try:
+                start_amqp_bridges(self, config.amqp_bridges)
+            except ValueError as exc:
+                await self.stop()
+                raise ConfigError(str(exc)) from exc
 
     async def _start_archiver(self) -> None:
         archive = self.config.archive

@@ -104,6 +104,7 @@ class Config:
     archive: ArchiveConfig = field(default_factory=ArchiveConfig)
     auth: AuthSettings = field(default_factory=AuthSettings)
     bridges: list[Any] = field(default_factory=list)
+    amqp_bridges: list[Any] = field(default_factory=list)
     streams: list[StreamEntry] = field(default_factory=list)
 
 
@@ -201,6 +202,15 @@ def load_config(
                     config.bridges = [BridgeSettings(**entry) for entry in value]
                 except TypeError as exc:
                     raise ConfigError(f"bridges: {exc}") from None
+            elif key == "amqp_bridges":
+                from .amqp_bridge import AmqpBridgeSettings
+
+                if not isinstance(value, list):
+                    raise ConfigError("amqp_bridges must be an array of tables ([[amqp_bridges]])")
+                try:
+                    config.amqp_bridges = [AmqpBridgeSettings(**entry) for entry in value]
+                except TypeError as exc:
+                    raise ConfigError(f"amqp_bridges: {exc}") from None
             elif key in SECTIONS:
                 if not isinstance(value, dict):
                     raise ConfigError(f"{key} must be a table")
