@@ -103,12 +103,12 @@ class Stream:
 
 
 class StreamRouter:
-    """Resolves topic names to stream names by routing rules, with a per-topic cache."""
+    """Resolves topic names to stream names by routing rules. Uncached: `Broker` keeps the
+    topic -> stream cache, so a second per-topic map here would only double the memory."""
 
     def __init__(self, default_stream: str) -> None:
         self.default_stream = default_stream
         self._rules: list[RoutingRule] = []
-        self._cache: dict[str, str] = {}
 
     @property
     def rules(self) -> list[RoutingRule]:
@@ -118,27 +118,17 @@ class StreamRouter:
         self._rules = [r for r in self._rules if r.topic_filter != rule.topic_filter]
         self._rules.append(rule)
         self._rules.sort(key=lambda r: r.specificity, reverse=True)
-        self._cache.clear()
 
     def remove_rule(self, topic_filter: str) -> bool:
         before = len(self._rules)
         self._rules = [r for r in self._rules if r.topic_filter != topic_filter]
-        self._cache.clear()
         return len(self._rules) != before
 
     def remove_stream(self, stream: str) -> None:
         self._rules = [r for r in self._rules if r.stream != stream]
-        self._cache.clear()
 
     def resolve(self, topic: str) -> str:
-        stream = self._cache.get(topic)
-        if stream is None:
-            stream = self.default_stream
-            for rule in self._rules:
-                if filter_matches(rule.topic_filter, topic):
-                    stream = rule.stream
-                    break
-            if len(self._cache) > 100_000:
-                self._cache.clear()
-            self._cache[topic] = stream
-        return stream
+        for rule in self._rules:
+            if filter_matches(rule.topic_filter, topic):
+                return rule.stream
+        return self.default_stream

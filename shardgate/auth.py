@@ -520,13 +520,18 @@ class Security:
     ) -> bool:
         """May this client publish to / subscribe to / administer `topic`? Counts refusals."""
         self._maybe_reload()
-        key = (action, username, client_id, topic)
-        allowed = self._decisions.get(key)
-        if allowed is None:
+        if self._rules is None and action != Action.ADMIN.value:
+            # No ACL file: the decision is a few comparisons; caching it per client and topic
+            # would only hold memory.
             allowed = self._decide(action, username, client_id, topic)
-            if len(self._decisions) >= MAX_CACHED_DECISIONS:
-                self._decisions.clear()
-            self._decisions[key] = allowed
+        else:
+            key = (action, username, client_id, topic)
+            allowed = self._decisions.get(key)
+            if allowed is None:
+                allowed = self._decide(action, username, client_id, topic)
+                if len(self._decisions) >= MAX_CACHED_DECISIONS:
+                    self._decisions.clear()
+                self._decisions[key] = allowed
         if not allowed:
             self.denials[(protocol, action)] += 1
             log.info("%s %s: %s on %r denied for %s", protocol, client_id or "-", action, topic,
