@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -115,19 +116,27 @@ class AmqpBridge:
         if message.producer_protocol == PRODUCER_PROTOCOL and message.producer_id == self.name:
             subscription.ack(message)  # brought in by this bridge: never echo it back
             return
-        if message.offset >= 0 and getattr(subscription, "durable", False):
+        if self._reliable(message):
             key = (message.stream, message.shard, message.offset)
             if key in self._queued_offsets:
                 return  # a redelivery of what is already waiting here
             self._queued_offsets.add(key)
         elif len(self.outbox) >= self.settings.max_queued:
-            dropped, _ = self.outbox.popleft()
-            self._forget(dropped)
+            # Only messages of non-reliable streams get here beyond `window`: the cursor of a
+            # reliable one stops while the bridge is unavailable. Drop the oldest of those.
+            for index, (queued, _) in enumerate(self.outbox):
+                if queued.offset < 0 or not self._reliable(queued):
+                    del self.outbox[index]
+                    break
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 1000 == 0:
                 log.warning("amqp bridge %s: queue full, %d messages dropped", self.name, self.dropped)
         self.outbox.append((message, subscription))
         self._wakeup.set()
+
+    def _reliable(self, message: Message) -> bool:
+        stream = self.broker.streams.get(message.stream)
+        return stream is not None and stream.reliable
 
     def _forget(self, message: Message) -> None:
         self._queued_offsets.discard((message.stream, message.shard, message.offset))
@@ -226,7 +235,7 @@ class AmqpBridge:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wakeup.wait(), 1.0)
                 continue
-            batch = list(self.outbox)[: settings.window]
+            batch = list(itertools.islice(self.outbox, settings.window))
             publishes = []
             for message, _ in batch:
                 if message.expired():

@@ -126,3 +126,29 @@ def test_in_bridge_acks_the_remote_only_after_the_local_side_took_the_message(
         wait_for(lambda: queue_depth(port, "to-edge") == 0, timeout=20)
     finally:
         edge.stop()
+
+
+def test_out_bridge_forwards_a_non_reliable_stream_too(
+    broker_factory: Callable[..., ThreadedBroker], broker_process: Callable[..., BrokerProcess], tmp_path: Path,
+) -> None:
+    from shardgate.config import StreamEntry
+
+    remote, port = start_remote(broker_process, tmp_path)
+    connection, channel = remote_channel(port)
+    with connection:
+        channel.queue_declare("metrics", durable=True)
+        channel.queue_bind("metrics", "amq.topic", "telemetry.#")
+    edge = broker_factory(
+        streams=[StreamEntry("telemetry", mode="non-reliable", partitions=2)],
+        amqp_bridges=[AmqpBridgeSettings(
+            name="fast", remote=f"amqp://guest:guest@127.0.0.1:{port}/", out=["telemetry/#"],
+        )],
+    )
+    assert edge.call(lambda: edge.app.broker.stream_for_topic("telemetry/meter0").reliable) is False
+    wait_for(lambda: edge.call(lambda: edge.app.bridges[0].status()["connected"]), timeout=20)
+    publisher = Paho(edge.mqtt_port, "meter", V5)
+    sent = [f"m-{index}".encode() for index in range(30)]
+    for index, payload in enumerate(sent):
+        publisher.publish(f"telemetry/meter{index % 4}", payload, 1)
+    wait_for(lambda: queue_depth(port, "metrics") == 30, timeout=20)
+    assert sorted(drain(port, "metrics")) == sorted(sent)
