@@ -290,13 +290,3 @@ class AmqpBridge:
                 await incoming.ack()
                 self.forwarded_in += 1
 
-
-def start_amqp_bridges(app: Any, entries: Sequence[AmqpBridgeSettings]) -> list[AmqpBridge]:
-    """Start one bridge per entry on the running loop; keeps them in `app.bridges`."""
-    bridges = []
-    for entry in entries:
-        bridge = AmqpBridge(app.broker, entry)
-        bridge.start()
-        bridges.append(bridge)
-    app.bridges = [*getattr(app, "bridges", []), *bridges]
-    return bridges

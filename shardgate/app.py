@@ -181,10 +181,13 @@ class Shardgate:
 
             start_bridges(self, config.bridges)
         if config.amqp_bridges:
-            from .amqp_bridge import start_amqp_bridges
+            from .amqp_bridge import AmqpBridge
 
             try:
-                start_amqp_bridges(self, config.amqp_bridges)
+                for entry in config.amqp_bridges:
+                    bridge = AmqpBridge(self.broker, entry)
+                    bridge.start()
+                    self.bridges.append(bridge)
             except ValueError as exc:
                 await self.stop()
                 raise ConfigError(str(exc)) from exc
@@ -236,10 +239,9 @@ class Shardgate:
         return self.listeners[name].port
 
     async def stop(self) -> None:
-        if self.bridges:
-            from .bridge import stop_bridges
-
-            await stop_bridges(self)
+        for bridge in self.bridges:
+            await bridge.stop()
+        self.bridges = []
         for listener in self.listeners.values():
             listener.server.close()
         if self.mqtt is not None:
