@@ -8,9 +8,10 @@ before one loses nothing (the journal still holds them, and retention keeps them
 `archived_offset` passes them), and a retried upload writes the same name again.
 
 One background task on the event loop reads committed records from the journal in bounded
-batches into a per-shard buffer; a buffer becomes a file when it reaches the row or byte
-target, when its oldest record is `max_delay_s` old, at an hour boundary (each file lies in
-one `date=/hour=` partition), or on `flush`. Decoding, Parquet encoding and uploads run in a
+batches into a per-shard buffer, but only once a file is due (enough rows committed, the oldest
+record `max_delay_s` old, or `flush`): until then the records stay in the journal, not in
+memory. A buffer becomes a file when it reaches the row or byte target, at an hour boundary
+(each file lies in one `date=/hour=` partition), or when it holds all that is due. Decoding, Parquet encoding and uploads run in a
 worker thread. A failing store is retried with exponential backoff while the lag grows in
 `status()`. This module never deletes journal data: the caller feeds `archived_offset` to the
 journal's retention.
@@ -332,12 +333,30 @@ class Archiver:
             shard_log = self._open_log(state.stream, state.shard)
             if shard_log is None:
                 continue
+            if not (force or state.buffer or self._file_due_soon(state, shard_log)):
+                continue
             while True:
                 await self._fill(state, shard_log)
                 if not self._due(state, force):
                     break
                 if not await self._seal(state, shard_log):
                     break
+
+    def _file_due_soon(self, state: _ShardState, shard_log: Any) -> bool:
+        """Whether to read records into memory now: only once a file will be due, because
+        enough rows are committed or the oldest record not archived is `max_delay_s` old.
+        Until then the records stay in the journal, not in the broker's memory (the byte
+        target then cuts the files when they are written)."""
+        start = state.archived_next
+        committed = shard_log.committed_offset
+        if committed <= start:
+            return False
+        if committed - start >= self.settings.target_rows:
+            return True
+        head = shard_log.read(start, 1)
+        if not head or head[0].offset != start:
+            return True  # a gap or an error: let _fill report it
+        return time.time() * 1000 - head[0].timestamp_ms >= self.settings.max_delay_s * 1000
 
     async def _fill(self, state: _ShardState, shard_log: Any) -> None:
         """Read committed records after the buffer (and after the file being uploaded), up
