@@ -1,0 +1,80 @@
+"""What the data plane may ask of the control plane: who is in the cluster, who owns a shard.
+
+The control plane (etcd: node leases, the controller's placement, epochs) implements
+`ClusterView`; the data plane (forwarding, route table) only reads it. `StaticClusterView`
+is a fixed view for unit tests of the data plane and for a single node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """A live node: its id and the host:port of its internal (cluster) gRPC listener."""
+
+    node_id: str
+    cluster_address: str
+
+
+@dataclass(frozen=True, slots=True)
+class ShardAssignment:
+    """The node that leads `stream`/`shard`, under `epoch` (bumped on every change of leader)."""
+
+    stream: str
+    shard: int
+    node_id: str
+    epoch: int
+
+
+class ClusterView(Protocol):
+    """The current, locally cached view of the cluster (kept fresh by etcd watches)."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    def nodes(self) -> Mapping[str, NodeInfo]:
+        """Live nodes by id (those whose lease is alive), this node included."""
+        ...
+
+    def owner(self, stream: str, shard: int) -> ShardAssignment | None:
+        """Who leads the shard now, or None while it is unassigned (publishes are refused)."""
+        ...
+
+    def owns(self, stream: str, shard: int) -> bool:
+        """True when this node leads the shard under the current epoch and its lease is live."""
+        ...
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (on the event loop) after any change of nodes or assignments."""
+        ...
+
+
+@dataclass
+class StaticClusterView:
+    """A fixed cluster view: every assignment given up front (tests, single node)."""
+
+    node_id: str
+    node_infos: dict[str, NodeInfo] = field(default_factory=dict)
+    assignments: dict[tuple[str, int], ShardAssignment] = field(default_factory=dict)
+    _callbacks: list[Callable[[], None]] = field(default_factory=list)
+
+    def nodes(self) -> Mapping[str, NodeInfo]:
+        return self.node_infos
+
+    def owner(self, stream: str, shard: int) -> ShardAssignment | None:
+        return self.assignments.get((stream, shard))
+
+    def owns(self, stream: str, shard: int) -> bool:
+        assignment = self.assignments.get((stream, shard))
+        return assignment is not None and assignment.node_id == self.node_id
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        self._callbacks.append(callback)
+
+    def changed(self) -> None:
+        for callback in self._callbacks:
+            callback()
