@@ -253,3 +253,14 @@ async def test_metrics_count_forwarded_messages_and_their_latency(cluster):
     assert 'shardgate_cluster_forwarded_messages_total{direction="out"} 1.0' in text
     assert "shardgate_cluster_forward_latency_seconds_count 1.0" in text
     assert 'shardgate_cluster_link_up{peer="b"} 1.0' in text
+
+
+async def test_system_topics_stay_on_their_node(cluster):
+    a, b = cluster["a"], cluster["b"]
+    a.broker.create_stream(StreamConfig("sys"))
+    a.broker.add_route(RoutingRule("$SYS/#", "sys"))
+    b.subscribe("$SYS/#")
+    await routes_seen(a, b, 1)
+    here = a.subscribe("$SYS/#")
+    assert a.broker.publish(Message("$SYS/broker/uptime", b"1")) is None, "stored here, unplaced"
+    assert len(here.got) == 1 and a.plane.stats.pushed == 0
