@@ -9,7 +9,7 @@ import aio_pika
 import pytest
 
 from tests.conftest import free_port
-from tests.mqtt_clients import V311, V5, Paho
+from tests.mqtt_clients import V5, V311, Paho
 
 
 @pytest.fixture
