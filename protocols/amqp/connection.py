@@ -192,6 +192,7 @@ class AmqpChannel:
             encode_deliver(self.number, tag_bytes, tag, entry.redelivered, exchange, routing_key),
             message,
         )
+        self.connection.sent(message)
 
     # ------------------------------------------------------------------ acks
     def settle(self, tag: int, multiple: bool, method: type[commands.base.Frame]) -> list[Delivery]:
@@ -310,6 +311,8 @@ class AmqpConnection:
         self.last_sent = self.opened_at
         self.closing_since = 0.0
         self._publishes_in_flight = 0
+        self.messages_in = 0
+        self.messages_out = 0
         self._landing: dict[asyncio.Future[None], list[tuple[AmqpChannel, int]]] = {}
         self._confirm_channels: set[AmqpChannel] = set()
         self._paused = False
@@ -1213,6 +1216,7 @@ class AmqpConnection:
             if seq > 0:
                 self._confirm(channel, seq, True)
             return
+        self.messages_in += 1
         try:
             pending = self.service.broker.publish(message)
         except PublishRejected as exc:
@@ -1317,6 +1321,12 @@ class AmqpConnection:
         self.send_content(channel.number, commands.Basic.GetOk(
             tag, entry.redelivered, exchange, routing_key, len(queue.messages)
         ), entry.message)
+        self.sent(entry.message)
+
+    def sent(self, message: Message) -> None:
+        """Count one message delivered to this client (basic.deliver or basic.get-ok)."""
+        self.messages_out += 1
+        self.service.broker.stats.sent("amqp", message)
 
     def _basic_ack(self, channel: AmqpChannel, frame: commands.Basic.Ack) -> None:
         if channel.tx is not None:
