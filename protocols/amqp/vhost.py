@@ -28,7 +28,7 @@ from ...core.errors import PublishRejected, SubscriptionBusy
 from ...core.message import Message
 from ...core.subscriptions import Subscription, SubscriptionType
 from .errors import ChannelException, ConnectionException, ReplyCode
-from .properties import PROPERTIES_KEY, content_header_payload
+from .properties import NATIVE_FORMAT, content_header_payload, native_properties
 from .queues import Queue, QueueEntry
 from .routing import (
     AMQ_TOPIC,
@@ -483,9 +483,9 @@ class VirtualHost:
             producer_protocol=original.producer_protocol,
             producer_id=original.producer_id,
         )
-        raw = original.encoded.get(PROPERTIES_KEY) if original.encoded else None
+        raw = native_properties(original)
         if raw is not None:
-            message.encoded = {PROPERTIES_KEY: _dead_lettered_properties(
+            message.native_properties = {NATIVE_FORMAT: _dead_lettered_properties(
                 raw, reason, queue.name, old_exchange, old_key, first
             )}
         try:
