@@ -29,7 +29,16 @@ from .errors import (
 from .message import Message, now_ms
 from .retained import RetainedStore
 from .schemas import check_payload
-from .streams import DispatchMode, RoutingRule, Schema, Shard, Stream, StreamConfig, StreamRouter
+from .streams import (
+    DispatchMode,
+    RoutingRule,
+    Schema,
+    Shard,
+    Stream,
+    StreamConfig,
+    StreamRouter,
+    TopologySink,
+)
 from .subscriptions import Consumer, Subscription, SubscriptionType
 from .trie import TopicTrie
 
@@ -95,6 +104,9 @@ class Broker:
         self._trie: TopicTrie[Subscription] = TopicTrie()
         self._match_cache: dict[str, Matches] = {}
         self._topic_stream_cache: dict[str, Stream] = {}
+        # Told of stream and route changes (the composition root persists them); set once the
+        # streams of the configuration exist.
+        self.topology_sink: TopologySink | None = None
         default = default_stream or StreamConfig("default")
         self.router = StreamRouter(default.name)
         self.create_stream(default)
@@ -139,9 +151,24 @@ class Broker:
             shards.append(Shard(config.name, index, shard_log))
         stream = Stream(config, shards)
         self._streams[config.name] = stream
+        if self.topology_sink is not None:
+            self.topology_sink.stream_saved(config)
         for pattern in routes or ():
             self.add_route(RoutingRule(pattern, config.name))
         self._topic_stream_cache.clear()
+        return stream
+
+    def update_stream(
+        self, name: str, *, retention_ms: int | None = None, retention_bytes: int | None = None
+    ) -> Stream:
+        """Change a stream's retention (0 removes a limit; None leaves it)."""
+        stream = self.stream(name)
+        if retention_ms is not None:
+            stream.config.retention_ms = retention_ms or None
+        if retention_bytes is not None:
+            stream.config.retention_bytes = retention_bytes or None
+        if self.topology_sink is not None:
+            self.topology_sink.stream_saved(stream.config)
         return stream
 
     def delete_stream(self, name: str) -> None:
@@ -151,6 +178,8 @@ class Broker:
         del self._streams[name]
         self.router.remove_stream(name)
         self._topic_stream_cache.clear()
+        if self.topology_sink is not None:
+            self.topology_sink.stream_deleted(name)
         if self.storage is not None and stream.reliable:
             for shard in stream.shards:
                 self.storage.delete_shard(name, shard.index)
@@ -159,6 +188,16 @@ class Broker:
         self.stream(rule.stream)
         self.router.add_rule(rule)
         self._topic_stream_cache.clear()
+        if self.topology_sink is not None:
+            self.topology_sink.route_saved(rule)
+
+    def remove_route(self, topic_filter: str) -> bool:
+        """Remove the routing rule of `topic_filter`; whether there was one."""
+        removed = self.router.remove_rule(topic_filter)
+        self._topic_stream_cache.clear()
+        if removed and self.topology_sink is not None:
+            self.topology_sink.route_removed(topic_filter)
+        return removed
 
     def stream_for_topic(self, topic: str) -> Stream:
         stream = self._topic_stream_cache.get(topic)

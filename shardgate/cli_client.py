@@ -350,7 +350,8 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
     create = streams_sub.add_parser("create", parents=[common], help="create a stream")
     create.add_argument("name")
     create.add_argument("--partitions", type=int, default=1)
-    create.add_argument("--mode", choices=["reliable", "non-reliable"], default="non-reliable")
+    create.add_argument("--mode", choices=["reliable", "non-reliable"], default=None,
+                        help="default: the broker's default_stream_mode (reliable unless configured)")
     create.add_argument("--schema", choices=["bytes", "string", "int64", "json"], default="bytes")
     create.add_argument("--retention-ms", type=int)
     create.add_argument("--retention-bytes", type=int)

@@ -734,6 +734,10 @@ class AdminService(pb_grpc.AdminServicer):
     @_unary
     def CreateStream(self, request: pb.StreamSpec) -> pb.StreamInfo:
         mode = MODES.get(request.mode)
+        if request.mode == pb.DISPATCH_MODE_UNSPECIFIED:
+            # One default everywhere: the broker's `default_stream_mode` (reliable unless set).
+            config_default = getattr(getattr(self.server.app, "config", None), "default_stream_mode", None)
+            mode = DispatchMode(config_default or DispatchMode.RELIABLE)
         schema = SCHEMAS.get(request.schema)
         if mode is None or schema is None:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "unknown dispatch mode or schema")
@@ -765,10 +769,12 @@ class AdminService(pb_grpc.AdminServicer):
         stream = self.broker.stream(request.name)
         for route in request.add_routes:
             self.broker.add_route(RoutingRule(route, request.name))
-        if request.HasField("retention_ms"):
-            stream.config.retention_ms = request.retention_ms or None
-        if request.HasField("retention_bytes"):
-            stream.config.retention_bytes = request.retention_bytes or None
+        if request.HasField("retention_ms") or request.HasField("retention_bytes"):
+            stream = self.broker.update_stream(
+                request.name,
+                retention_ms=request.retention_ms if request.HasField("retention_ms") else None,
+                retention_bytes=request.retention_bytes if request.HasField("retention_bytes") else None,
+            )
         return self.server.stream_info(stream)
 
     @_unary
@@ -787,13 +793,8 @@ class AdminService(pb_grpc.AdminServicer):
 
     @_unary
     def RemoveRoute(self, request: pb.Route) -> pb.Empty:
-        router = self.broker.router
-        if not any(rule.topic_filter == request.topic_filter for rule in router.rules):
+        if not self.broker.remove_route(request.topic_filter):
             raise Refusal(grpc.StatusCode.NOT_FOUND, f"no route for {request.topic_filter!r}")
-        router.remove_rule(request.topic_filter)
-        cache = getattr(self.broker, "_topic_stream_cache", None)
-        if isinstance(cache, dict):
-            cache.clear()
         return pb.Empty()
 
     @_unary
