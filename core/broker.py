@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 from ..storage.interfaces import ArchiveSource, ShardStorage, StorageError
@@ -27,6 +27,7 @@ from .errors import (
     SubscriptionNotFound,
 )
 from .message import Message, now_ms
+from .placement import Fanout, ShardPlacement
 from .retained import RetainedStore
 from .schemas import check_payload
 from .streams import (
@@ -121,6 +122,11 @@ class Broker:
         # Told when a subscription is removed (the composition root forgets durable ones).
         self.on_subscription_removed: Callable[[Subscription], None] | None = None
         self.delayed = DelayedDelivery(None, self.publish)
+        # Cluster mode only (None on a single node): where shards are served, which other
+        # nodes want a stored message, and who is told when local subscriptions change.
+        self.placement: ShardPlacement | None = None
+        self.fanout: Fanout | None = None
+        self.on_routes_changed: Callable[[], None] | None = None
 
     # ---------------------------------------------------------------- streams and routing
     @property
@@ -255,6 +261,8 @@ class Broker:
         if new:
             self._trie.add(topic_filter, sub)
             self._match_cache.clear()
+            if self.on_routes_changed is not None:
+                self.on_routes_changed()
         return new
 
     def remove_filter(self, sub: Subscription, topic_filter: str) -> bool:
@@ -263,6 +271,8 @@ class Broker:
         del sub.filters[topic_filter]
         self._trie.remove(topic_filter, sub)
         self._match_cache.clear()
+        if self.on_routes_changed is not None:
+            self.on_routes_changed()
         return True
 
     def remove_subscription(self, name: str) -> Subscription | None:
@@ -276,14 +286,20 @@ class Broker:
                 self._trie.remove(topic_filter, sub)
             sub.filters.clear()
             self._match_cache.clear()
+            if self.on_routes_changed is not None:
+                self.on_routes_changed()
         return sub
 
     def attach(self, sub: Subscription, consumer: Consumer) -> None:
         sub.attach(consumer)
         sub.wake()
+        if self.on_routes_changed is not None:
+            self.on_routes_changed()
 
     def detach(self, sub: Subscription, consumer: Consumer) -> None:
         sub.detach(consumer)
+        if self.on_routes_changed is not None:
+            self.on_routes_changed()
 
     @property
     def subscription_count(self) -> int:
@@ -327,6 +343,9 @@ class Broker:
         stats.in_by_stream[name] += 1
         stats.bytes_in_by_stream[name] += size
         message.shard = shard.index
+        placement = self.placement
+        if placement is not None and not placement.serves(name, shard.index):
+            return placement.forward(message)
         if message.retain:
             self._retain(message)
         shard_log = shard.log
@@ -374,14 +393,27 @@ class Broker:
                 if isinstance(sub, DurableSubscription):
                     sub.clamp(shard.stream, shard.index, shard.next_offset)
 
-    def dispatch(self, message: Message) -> int:
-        """Hand a stored message to each matching subscription; returns how many took it."""
+    def dispatch(self, message: Message, share_groups: Container[str] | None = None) -> int:
+        """Hand a stored message to each matching subscription; returns how many took it.
+
+        In a cluster the fanout first pushes it to the other nodes that want it. A message
+        pushed here by its shard's owner comes with `share_groups`: the shared subscriptions
+        chosen on this node (the other shared ones were served elsewhere)."""
         matches = self.match(message.topic)
+        fanout = self.fanout
+        if fanout is not None and share_groups is None:
+            share_groups = fanout.push(message, matches)
         if not matches:
             self.stats.messages_without_subscriber += 1
             return 0
         delivered = 0
         for sub, filters in matches:
+            if (
+                share_groups is not None
+                and sub.type is SubscriptionType.SHARED
+                and sub.name not in share_groups
+            ):
+                continue
             if sub.durable:
                 sub.offer(message, filters)  # type: ignore[attr-defined]
                 delivered += 1

@@ -139,6 +139,8 @@ class Persistence:
         for sub in list(self.broker.subscriptions.values()):
             if not isinstance(sub, DurableSubscription) or sub.name.startswith("mqtt:"):
                 continue
+            if getattr(sub.owner, "transient", False):  # a non-durable replay: never saved
+                continue
             signature = (sub.type.value, tuple(sorted(sub.filters)))
             if self._saved.get(sub.name) == signature:
                 continue

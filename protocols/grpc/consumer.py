@@ -38,6 +38,10 @@ class GrpcSubscriptionState:
     # matched the filters but were stored in another stream are skipped.
     stream: str | None = None
     created_at: float = field(default_factory=lambda: now_ms() / 1000)
+    # A non-durable subscription that asked for a start position (earliest, an offset, a
+    # time): it replays through cursors (archive, journal, live tail) like a durable one, but
+    # nothing of it is saved and it ends when its last consumer leaves.
+    transient: bool = False
 
 
 def add_consumed(messages: Any, message: Message, delivery_id: int,

@@ -307,7 +307,7 @@ class GrpcServer:
 
     def subscription_info(self, sub: Subscription) -> pb.SubscriptionInfo:
         info = pb.SubscriptionInfo(
-            name=sub.name, type=SUB_TYPES_OUT[sub.type], durable=sub.durable,
+            name=sub.name, type=SUB_TYPES_OUT[sub.type], durable=sub.durable and not _transient(sub),
             topic_filters=list(sub.filters), protocol=_protocol_of(sub),
         )
         active = sub.active_consumer
@@ -592,8 +592,14 @@ class ConsumerService(pb_grpc.ConsumerServicer):
                 )
             sub = existing
         else:
-            state = GrpcSubscriptionState(stream=stream_name)
-            sub = broker.subscription(name, sub_type, durable=request.durable, owner=state)
+            replay = (not request.durable and request.HasField("position")
+                      and request.position.WhichOneof("position") not in (None, "latest"))
+            state = GrpcSubscriptionState(stream=stream_name, transient=replay)
+            if replay:
+                sub = broker.durable_subscription(name, sub_type, owner=state)
+                sub.sink = None  # its cursors are not saved: it ends with its consumers
+            else:
+                sub = broker.subscription(name, sub_type, durable=request.durable, owner=state)
         consumer = GrpcConsumer(
             sub, request.consumer_name, peer,
             credit=request.credit or settings.default_credit,
@@ -701,10 +707,14 @@ class ConsumerService(pb_grpc.ConsumerServicer):
             for other in list(sub.consumers):
                 if isinstance(other, GrpcConsumer):
                     other.wakeup.set()  # a Failover standby may be active now
-        elif not sub.durable and broker.subscriptions.get(sub.name) is sub:
+        elif (not sub.durable or _transient(sub)) and broker.subscriptions.get(sub.name) is sub:
             broker.remove_subscription(sub.name)
         elif sub.durable:
             hand_over(sub, left)
+
+
+def _transient(sub: Subscription) -> bool:
+    return bool(getattr(sub.owner, "transient", False))
 
 
 # ---------------------------------------------------------------------------- Admin
