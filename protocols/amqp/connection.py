@@ -165,6 +165,7 @@ class AmqpChannel:
             encode_deliver(self.number, tag_bytes, tag, entry.redelivered, exchange, routing_key),
             message,
         )
+        self.connection.sent(message)
 
     # ------------------------------------------------------------------ acks
     def settle(self, tag: int, multiple: bool, method: type[commands.base.Frame]) -> list[Delivery]:
@@ -255,6 +256,8 @@ class AmqpConnection:
         self.last_sent = self.opened_at
         self.closing_since = 0.0
         self._publishes_in_flight = 0
+        self.messages_in = 0
+        self.messages_out = 0
         self._landing: dict[asyncio.Future[None], list[tuple[AmqpChannel, int]]] = {}
         self._confirm_channels: set[AmqpChannel] = set()
         self._paused = False
@@ -1005,6 +1008,7 @@ class AmqpConnection:
             if seq:
                 self._confirm(channel, seq, True)
             return
+        self.messages_in += 1
         try:
             pending = self.service.broker.publish(message)
         except PublishRejected as exc:
@@ -1100,6 +1104,12 @@ class AmqpConnection:
         self.send_content(channel.number, commands.Basic.GetOk(
             tag, entry.redelivered, exchange, routing_key, len(queue.messages)
         ), entry.message)
+        self.sent(entry.message)
+
+    def sent(self, message: Message) -> None:
+        """Count one message delivered to this client (basic.deliver or basic.get-ok)."""
+        self.messages_out += 1
+        self.service.broker.stats.sent("amqp", message)
 
     def _basic_ack(self, channel: AmqpChannel, frame: commands.Basic.Ack) -> None:
         for delivery in channel.settle(frame.delivery_tag, frame.multiple, commands.Basic.Ack):
