@@ -249,3 +249,22 @@ async def test_grpc_publish_while_the_owner_is_gone_is_unavailable(cluster):
     async with Client(f"127.0.0.1:{a.port('grpc')}") as client_a:
         with pytest.raises(Unavailable):
             await client_a.producer().send(topic_for(a, "b"), "x")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_persistent_session_gets_what_was_published_on_another_node_while_it_was_away(cluster, version):
+    a, b = cluster["a"], cluster["b"]
+    options = {"clean": False, "session_expiry": 300} if version == V5 else {"clean": False}
+    sub = Paho(b.mqtt_port, "keeper", version, **options)
+    sub.subscribe("orders/#", 1)
+    routes_reach(cluster, "b")
+    sub.disconnect()
+    pub = Paho(a.mqtt_port, "pub", version)
+    topics = [topic_for(a, owner) for owner in ("a", "b")]
+    for topic in topics:
+        pub.publish(topic, topic, 1)
+    sub = Paho(b.mqtt_port, "keeper", version, **options)
+    assert sorted(m.payload.decode() for m in sub.expect_n(2)) == sorted(topics)
+    sub.expect_none()
+    sub.disconnect()
+    pub.disconnect()
