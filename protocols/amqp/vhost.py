@@ -632,7 +632,9 @@ class VirtualHost:
                     return True
             else:
                 return True
-        return False
+        # In a cluster, a queue or subscription on another node may take it.
+        fanout = self.broker.fanout
+        return fanout is not None and fanout.wanted_elsewhere(message.topic)
 
     def dead_letter(self, queue: Queue, entry: QueueEntry, reason: str) -> None:
         """Republish a dropped message to the queue's dead-letter exchange, if it has one."""
