@@ -38,6 +38,10 @@ class GrpcSubscriptionState:
     # matched the filters but were stored in another stream are skipped.
     stream: str | None = None
     created_at: float = field(default_factory=lambda: now_ms() / 1000)
+    # A non-durable subscription that asked for a start position (earliest, an offset, a
+    # time): it replays through cursors (archive, journal, live tail) like a durable one, but
+    # nothing of it is saved and it ends when its last consumer leaves.
+    transient: bool = False
 
 
 def add_consumed(messages: Any, message: Message, delivery_id: int,
@@ -91,8 +95,11 @@ class GrpcConsumer:
         max_pending: int,
         max_batch: int,
         on_drop: Callable[[int], None] | None = None,
+        on_sent: Callable[[str, Message], None] | None = None,
     ) -> None:
         self.subscription = subscription
+        # Told of every message pushed to the client (the broker's delivery counters).
+        self._on_sent = on_sent
         self.id = f"grpc-{next(_consumer_ids)}" + (f"-{name}" if name else "")
         self.name = name
         self.peer = peer
@@ -170,6 +177,7 @@ class GrpcConsumer:
         now = now_ms()
         delivery_ids = self._delivery_ids
         popleft = pending.popleft
+        on_sent = self._on_sent
         sent = 0
         for _ in range(count):
             entry = popleft()
@@ -180,6 +188,8 @@ class GrpcConsumer:
             unacked[delivery_id] = entry
             add_consumed(out, message, delivery_id, entry[1])
             sent += 1
+            if on_sent is not None:
+                on_sent("grpc", message)
         self.credit -= sent
         self.delivered += sent
         return response if sent else None
