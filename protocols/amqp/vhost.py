@@ -28,7 +28,12 @@ from ...core.errors import PublishRejected, SubscriptionBusy
 from ...core.message import Message
 from ...core.subscriptions import Subscription, SubscriptionType
 from .errors import ChannelException, ConnectionException, ReplyCode
-from .properties import PROPERTIES_KEY, content_header_payload, properties_from_message
+from .properties import (
+    NATIVE_FORMAT,
+    content_header_payload,
+    native_properties,
+    properties_from_message,
+)
 from .queues import Queue, QueueEntry
 from .routing import (
     AMQ_TOPIC,
@@ -627,7 +632,9 @@ class VirtualHost:
                     return True
             else:
                 return True
-        return False
+        # In a cluster, a queue or subscription on another node may take it.
+        fanout = self.broker.fanout
+        return fanout is not None and fanout.wanted_elsewhere(message.topic)
 
     def dead_letter(self, queue: Queue, entry: QueueEntry, reason: str) -> None:
         """Republish a dropped message to the queue's dead-letter exchange, if it has one."""
@@ -665,10 +672,10 @@ class VirtualHost:
             producer_protocol=original.producer_protocol,
             producer_id=original.producer_id,
         )
-        raw = original.encoded.get(PROPERTIES_KEY) if original.encoded else None
+        raw = native_properties(original)
         if raw is None:
             raw = properties_from_message(original).marshal()
-        message.encoded = {PROPERTIES_KEY: dead_lettered_properties(
+        message.native_properties = {NATIVE_FORMAT: dead_lettered_properties(
             raw, reason, queue.name, old_exchange, old_key, first
         )}
         try:
