@@ -61,6 +61,8 @@ class Shardgate:
         self.archive_reader: Any = None
         # cluster mode (`[cluster]` / `--cluster`): this node's membership; None on a single node
         self.cluster: Any = None
+        # cluster mode: forwarding, route table and pushes between nodes (`cluster.forward`)
+        self.data_plane: Any = None
         self._stopped = asyncio.Event()
 
     def _ssl_context(self) -> ssl.SSLContext:
@@ -189,6 +191,13 @@ class Shardgate:
         host = config.listeners.host
         ports = config.listeners
         try:
+            if self.cluster is not None:
+                # before any client listener: a publish for another node's shard is forwarded
+                from .cluster.forward import DataPlane
+
+                self.data_plane = DataPlane(self.broker, self.cluster.view, host, config.cluster.port)
+                await self.data_plane.start()
+                self._add_listener("cluster", self.data_plane)
             if ports.mqtt_port:
                 server = await start_tcp_listener(self.mqtt, host, ports.mqtt_port)
                 self._add_listener("mqtt", server)

@@ -386,6 +386,7 @@ class DataPlane:
         self._started = False
         # Shards other nodes own that a durable subscription here follows.
         self._received: dict[tuple[str, int], ReceivedLog] = {}
+        self._closing: asyncio.Task[None] | None = None
 
     @property
     def node_id(self) -> str:
@@ -427,6 +428,17 @@ class DataPlane:
         if self._server is not None:
             await self._server.stop(grace=0.1)
             self._server = None
+
+    # The app closes its listeners with close() then wait_closed(); this is one of them.
+    def close(self) -> None:
+        if self._closing is None:
+            self._closing = asyncio.get_running_loop().create_task(self.stop())
+
+    async def wait_closed(self) -> None:
+        if self._closing is None:
+            self.close()
+        assert self._closing is not None
+        await self._closing
 
     def _view_changed(self) -> None:
         """Dial new peers, drop the links and routes of nodes that left or moved."""
