@@ -61,7 +61,8 @@ class Shardgate:
         self.archive_reader: Any = None
         # cluster mode (`[cluster]` / `--cluster`): this node's membership; None on a single node
         self.cluster: Any = None
-        # cluster mode: forwarding, route table and pushes between nodes (`cluster.forward`)
+        # cluster mode: forwarding, route table and pushes between nodes (`cluster.forward`),
+        # started before any client listener so that no publish is stored by a non-owner
         self.data_plane: Any = None
         self._stopped = asyncio.Event()
 
@@ -197,7 +198,6 @@ class Shardgate:
 
                 self.data_plane = DataPlane(self.broker, self.cluster.view, host, config.cluster.port)
                 await self.data_plane.start()
-                self._add_listener("cluster", self.data_plane)
             if ports.mqtt_port:
                 server = await start_tcp_listener(self.mqtt, host, ports.mqtt_port)
                 self._add_listener("mqtt", server)
@@ -329,6 +329,9 @@ class Shardgate:
                 await asyncio.wait_for(listener.server.wait_closed(), 5)
             except (TimeoutError, Exception):
                 pass
+        if self.data_plane is not None:
+            # after the clients, before the journal: forwarded publishes still land in it
+            await self.data_plane.stop()
         if self.journal is not None:
             try:
                 await asyncio.wait_for(self.journal.flush(), 10)
