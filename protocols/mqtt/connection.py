@@ -590,7 +590,8 @@ class MqttConnection:
             if self.version != MQTT_V5:
                 self.close()
             else:
-                self._ack(qos, packet_id, RC.UNSPECIFIED_ERROR)
+                error = None if fut.cancelled() else fut.exception()
+                self._ack(qos, packet_id, RC.UNSPECIFIED_ERROR, str(error) if error else None)
             return
         self._ack(qos, packet_id, RC.SUCCESS)
 
