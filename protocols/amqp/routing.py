@@ -195,3 +195,37 @@ def headers_check(arguments: dict[str, Any]) -> HeaderCheck:
         return any(results) if match_any else all(results)
 
     return check
+
+
+def hop_check(exchange_type: str, routing_key: str, arguments: dict[str, Any] | None) -> HeaderCheck | None:
+    """Whether a message passes one binding of an exchange of `exchange_type` that it reaches
+    through exchange-to-exchange bindings. The routing key does not change on the way, so it
+    is the key the message was published with (recovered from its topic); None: always."""
+    if exchange_type == "fanout":
+        return None
+    if exchange_type == "headers":
+        return headers_check(arguments or {})
+    if exchange_type == "direct":
+        def direct(message: Message) -> bool:
+            return exchange_and_key(message.topic)[1] == routing_key
+
+        return direct
+    pattern = routing_key.split(".")
+
+    def topic(message: Message) -> bool:
+        return topic_matches(pattern, exchange_and_key(message.topic)[1].split("."))
+
+    return topic
+
+
+def all_of(checks: Sequence[HeaderCheck]) -> HeaderCheck | None:
+    """One check that passes when every one of `checks` does (None when there are none)."""
+    if not checks:
+        return None
+    if len(checks) == 1:
+        return checks[0]
+
+    def every(message: Message) -> bool:
+        return all(check(message) for check in checks)
+
+    return every

@@ -22,7 +22,7 @@ from .vhost import VirtualHost
 
 if TYPE_CHECKING:
     from ...core.broker import Broker
-    from .connection import AmqpConnection
+    from .connection import AmqpChannel, AmqpConnection
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ class AmqpService:
         # Memory alarm raised: publishers are held (connection.blocked) until it clears.
         self.blocked = False
         self.connections: set[AmqpConnection] = set()
+        # Direct reply-to: token -> the channel whose reply consumer it names.
+        self.reply_channels: dict[str, AmqpChannel] = {}
         self._all: set[AmqpConnection] = set()
         self._dirty: list[AmqpConnection] = []
         self._flush_scheduled = False
