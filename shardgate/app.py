@@ -64,6 +64,8 @@ class Shardgate:
         self.amqp: Any = None
         # cluster mode (`[cluster]` / `--cluster`): this node's membership; None on a single node
         self.cluster: Any = None
+        # its data plane (forwarding, route table; shardgate.cluster.forward), once joined
+        self.data_plane: Any = None
         self._stopped = asyncio.Event()
 
     def _ssl_context(self) -> ssl.SSLContext:
@@ -353,6 +355,9 @@ class Shardgate:
                 await asyncio.wait_for(listener.server.wait_closed(), 5)
             except (TimeoutError, Exception):
                 pass
+        if self.data_plane is not None:
+            # after the clients, before the journal: forwarded publishes still land in it
+            await self.data_plane.stop()
         if self.journal is not None:
             try:
                 await asyncio.wait_for(self.journal.flush(), 10)
