@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from ..storage.interfaces import ArchiveSource, ShardStorage, StorageError
 from ..storage.journal import LatencyHistogram
+from ..storage.records import encode_message
 from .delayed import DelayedDelivery, deliver_at
 from .durable import CursorSink, DurableOptions, DurableSubscription
 from .errors import (
@@ -362,8 +363,6 @@ class Broker:
         return self._append_reliable(shard, message)
 
     def _append_reliable(self, shard: Shard, message: Message) -> asyncio.Future[None] | None:
-        from ..storage.records import encode_message
-
         shard_log = shard.log
         assert shard_log is not None
         try:

@@ -63,6 +63,8 @@ class Shardgate:
         self.security: Any = None
         self.bridges: list[Any] = []
         self.archive_reader: Any = None
+        # cluster mode (`[cluster]` / `--cluster`): this node's membership; None on a single node
+        self.cluster: Any = None
         self._stopped = asyncio.Event()
 
     def _ssl_context(self) -> ssl.SSLContext:
@@ -153,10 +155,23 @@ class Shardgate:
     async def start(self) -> None:
         config = self.config
         config.data_dir.mkdir(parents=True, exist_ok=True)
+        if config.cluster.enabled:
+            from .cluster import attach
+            from .cluster.control import ClusterStartError
+
+            try:
+                self.cluster = await attach.connect(self)
+            except ClusterStartError as exc:
+                raise ConfigError(f"cluster: {exc}") from exc
         try:
             self.broker = self._build_broker()
         except (StorageError, CoreError, ValueError) as exc:
             raise ConfigError(str(exc)) from exc
+        if self.cluster is not None:
+            try:
+                await attach.share_catalog(self, self.cluster)
+            except ClusterStartError as exc:
+                raise ConfigError(f"cluster: {exc}") from exc
         self.persistence = Persistence(self.broker, self.metadata)
         self.persistence.restore_retained()
         self.persistence.restore_subscriptions()
@@ -225,6 +240,12 @@ class Shardgate:
             raise ConfigError(f"cannot listen: {exc}") from exc
         for listener in self.listeners.values():
             log.info("listening for %s on %s:%d", listener.name, listener.host, listener.port)
+        if self.cluster is not None:
+            try:
+                await attach.join(self, self.cluster)
+            except ClusterStartError as exc:
+                await self.stop()
+                raise ConfigError(f"cluster: {exc}") from exc
         if config.bridges:
             from .bridge import start_bridges
 
@@ -288,6 +309,9 @@ class Shardgate:
         return self.listeners[name].port
 
     async def stop(self) -> None:
+        if self.cluster is not None:
+            # hand this node's shards over while it still serves, then go on stopping
+            await self.cluster.leave()
         for bridge in self.bridges:
             await bridge.stop()
         self.bridges = []
@@ -331,6 +355,8 @@ class Shardgate:
             self.journal.close()
         if self.metadata is not None:
             self.metadata.close()
+        if self.cluster is not None:
+            await self.cluster.stop()
         self._stopped.set()
 
     async def wait_stopped(self) -> None:
