@@ -37,6 +37,10 @@ def _definition(config: StreamConfig) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
+IN_FLIGHT_DRAIN_S = 2.0
+"""How long a graceful stop waits for clients to acknowledge the deliveries in flight."""
+
+
 @dataclass
 class Listener:
     name: str
@@ -347,8 +351,18 @@ class Shardgate:
             await bridge.stop()
         self.bridges = []
         for listener in self.listeners.values():
-            listener.server.close()
+            if listener.name.startswith("mqtt-ws"):
+                # keep the open WebSocket connections for the drain below
+                listener.server.close(close_connections=False)  # type: ignore[call-arg]
+            else:
+                listener.server.close()
         if self.mqtt is not None:
+            left = await self.mqtt.finish_in_flight(
+                min(IN_FLIGHT_DRAIN_S, self.config.shutdown_timeout_s * 0.1)
+            )
+            if left:
+                log.info("stopping with %d MQTT deliveries unacknowledged; they are sent again "
+                         "after the restart", left)
             self.mqtt.stop()
         for listener in self.listeners.values():
             try:

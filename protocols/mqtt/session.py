@@ -96,7 +96,10 @@ class MqttSession:
     @property
     def available(self) -> bool:
         connection = self.connection
-        return connection is not None and not self.queue and len(self.inflight) < connection.send_window
+        return (
+            connection is not None and not self.queue and len(self.inflight) < connection.send_window
+            and not self.service.draining
+        )
 
     def deliver(self, message: Message, subscription: Subscription, filters: Sequence[str]) -> None:
         if subscription is self.subscription and len(filters) == 1:
@@ -174,7 +177,7 @@ class MqttSession:
             if source is not None and source.durable:  # live subscriptions take no acks
                 source.ack(message)
             return
-        if self.queue or len(self.inflight) >= connection.send_window:
+        if self.queue or len(self.inflight) >= connection.send_window or self.service.draining:
             self._enqueue(Queued(message, qos, retain, subscription_ids, source))
             return
         self._send_inflight(connection, message, qos, retain, subscription_ids, source)
@@ -220,9 +223,10 @@ class MqttSession:
         raise RuntimeError("no free packet identifier")
 
     def drain(self) -> None:
-        """Send queued messages while the client's window has room."""
+        """Send queued messages while the client's window has room (none once the server
+        drains for a graceful stop)."""
         connection = self.connection
-        if connection is None:
+        if connection is None or self.service.draining:
             return
         queue = self.queue
         window = connection.send_window
