@@ -37,6 +37,10 @@ def _definition(config: StreamConfig) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
+IN_FLIGHT_DRAIN_S = 2.0
+"""How long a graceful stop waits for clients to acknowledge the deliveries in flight."""
+
+
 @dataclass
 class Listener:
     name: str
@@ -64,7 +68,8 @@ class Shardgate:
         self.amqp: Any = None
         # cluster mode (`[cluster]` / `--cluster`): this node's membership; None on a single node
         self.cluster: Any = None
-        # its data plane (forwarding, route table; shardgate.cluster.forward), once joined
+        # cluster mode: forwarding, route table and pushes between nodes (`cluster.forward`),
+        # started before any client listener so that no publish is stored by a non-owner
         self.data_plane: Any = None
         self._stopped = asyncio.Event()
 
@@ -195,6 +200,12 @@ class Shardgate:
         ports = config.listeners
         starting: tuple[str, str, int, str] = ("", host, 0, "")
         try:
+            if self.cluster is not None:
+                # before any client listener: a publish for another node's shard is forwarded
+                from .cluster.forward import DataPlane
+
+                self.data_plane = DataPlane(self.broker, self.cluster.view, host, config.cluster.port)
+                await self.data_plane.start()
             if ports.mqtt_port:
                 starting = ("MQTT", host, ports.mqtt_port, "listeners.mqtt_port")
                 server = await start_tcp_listener(self.mqtt, host, ports.mqtt_port)
@@ -347,8 +358,18 @@ class Shardgate:
             await bridge.stop()
         self.bridges = []
         for listener in self.listeners.values():
-            listener.server.close()
+            if listener.name.startswith("mqtt-ws"):
+                # keep the open WebSocket connections for the drain below
+                listener.server.close(close_connections=False)  # type: ignore[call-arg]
+            else:
+                listener.server.close()
         if self.mqtt is not None:
+            left = await self.mqtt.finish_in_flight(
+                min(IN_FLIGHT_DRAIN_S, self.config.shutdown_timeout_s * 0.1)
+            )
+            if left:
+                log.info("stopping with %d MQTT deliveries unacknowledged; they are sent again "
+                         "after the restart", left)
             self.mqtt.stop()
         for listener in self.listeners.values():
             try:
