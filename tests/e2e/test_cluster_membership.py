@@ -114,7 +114,8 @@ def test_an_unreachable_etcd_is_a_clear_error_after_a_bounded_wait(tmp_path: Pat
 
 def test_a_joining_node_takes_its_fair_share(cluster: Cluster) -> None:
     (n1,) = cluster(1, extra_config=STREAMS)
-    wait_for(lambda: owners(n1.status(), "fast") == ["n1"] * 6 if "fast" in n1.status()["placement"] else False)
+    wait_for(lambda: n1.status()["placement"].get("fast") and owners(n1.status(), "fast") == ["n1"] * 6,
+             timeout=30)
     before = epochs(n1.status(), "fast")
     cluster(1, first=2, extra_config=STREAMS)
 
@@ -122,7 +123,7 @@ def test_a_joining_node_takes_its_fair_share(cluster: Cluster) -> None:
         status = n1.status()
         return status if shard_counts(status) == [4, 5] else None
 
-    status = wait_for(split, timeout=20)
+    status = wait_for(split, timeout=30)
     # every shard that changed node has a higher epoch; the others kept theirs
     for shard, (owner, epoch) in enumerate(status["placement"]["fast"]):
         assert epoch == (before[shard] + 1 if owner == "n2" else before[shard])
