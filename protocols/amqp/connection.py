@@ -50,7 +50,7 @@ from .routing import exchange_and_key, publish_topic
 
 if TYPE_CHECKING:
     from .service import AmqpService
-    from .vhost import VirtualHost
+    from .vhost import Exchange, VirtualHost
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,13 @@ def route_of(message: Message) -> bytes:
     exchange, routing_key = exchange_and_key(message.topic)
     route = encoded[_ROUTE_KEY] = shortstr(exchange) + shortstr(routing_key)
     return route
+
+
+def _route_names(route: bytes) -> tuple[str, str]:
+    """(exchange, routing key) back from `route_of`'s two shortstrs."""
+    n = route[0]
+    m = route[1 + n]
+    return route[1:1 + n].decode(), route[2 + n:2 + n + m].decode()
 
 
 class Delivery:
@@ -1093,6 +1100,11 @@ class AmqpConnection:
 
     # ================================================================== basic class
     def _basic_qos(self, channel: AmqpChannel, frame: commands.Basic.Qos) -> None:
+        if frame.prefetch_size:
+            # rabbit_channel: a byte window is not implemented, and says so with 540.
+            raise ConnectionException(
+                ReplyCode.NOT_IMPLEMENTED, f"prefetch_size!=0 ({frame.prefetch_size})", *_ids(frame)
+            )
         if frame.global_:
             channel.prefetch = frame.prefetch_count
         else:
@@ -1290,6 +1302,10 @@ class AmqpConnection:
             if target is not None and not target.closing:
                 target.deliver_reply(frame.routing_key, message)
             replied = True
+        if not replied and frame.exchange:
+            exchange = vhost.exchanges.get(frame.exchange)
+            if exchange is not None and "alternate-exchange" in exchange.arguments:
+                self._to_alternate_exchange(exchange, frame, message)
         if frame.mandatory and (replied or not vhost.routed(message)):
             # A mandatory publish to a reply-to name is returned as unroutable even when the
             # reply was delivered: RabbitMQ 3.x routes replies outside its queues (proven
@@ -1311,6 +1327,7 @@ class AmqpConnection:
                 self._confirm(channel, seq, True)
             return
         self.messages_in += 1
+        vhost.publish_refused = False
         try:
             pending = self.service.broker.publish(message)
         except PublishRejected as exc:
@@ -1319,6 +1336,10 @@ class AmqpConnection:
                 self.send_method(channel.number, commands.Basic.Nack(seq, False, False))
             elif seq < 0:
                 channel.tx_failed = True
+            return
+        if vhost.publish_refused and seq > 0:
+            # A queue with x-overflow reject-publish was full: the publisher gets a nack.
+            self._confirm(channel, seq, False)
             return
         if pending is None:
             if seq > 0:
@@ -1335,6 +1356,28 @@ class AmqpConnection:
             channel.unconfirmed[seq] = False
         elif seq < 0:
             channel.tx_landing += 1
+
+    def _to_alternate_exchange(
+        self, exchange: Exchange, frame: commands.Basic.Publish, message: Message
+    ) -> None:
+        """A message its exchange cannot route goes to the exchange's alternate exchange
+        (https://www.rabbitmq.com/docs/ae), and on to that one's alternate if it cannot route
+        it either; consumers still see the exchange it was published to."""
+        vhost = self.vhost
+        assert vhost is not None
+        seen = {exchange.name}
+        while not vhost.routed(message):
+            alternate = vhost.exchanges.get(str(exchange.arguments.get("alternate-exchange", "")))
+            if alternate is None or alternate.name in seen:
+                return
+            seen.add(alternate.name)
+            if message.encoded is None:
+                message.encoded = {}
+            message.encoded.setdefault(
+                _ROUTE_KEY, shortstr(frame.exchange) + shortstr(frame.routing_key)
+            )
+            message.topic = publish_topic(alternate.name, alternate.type, frame.routing_key)
+            exchange = alternate
 
     def block(self, reason: str) -> None:
         """The memory alarm went off: tell the client (if it listens) that publishes wait."""
@@ -1411,7 +1454,7 @@ class AmqpConnection:
             queue.settle(entry)
         else:
             channel.unacked[tag] = Delivery(queue, entry, None)
-        exchange, routing_key = exchange_and_key(entry.message.topic)
+        exchange, routing_key = _route_names(route_of(entry.message))
         self.send_content(channel.number, commands.Basic.GetOk(
             tag, entry.redelivered, exchange, routing_key, len(queue.messages)
         ), entry.message)
@@ -1457,6 +1500,9 @@ class AmqpConnection:
         self._settle_negative(channel, [d for _, d in tagged], frame.requeue)
 
     def _basic_recover(self, channel: AmqpChannel, frame: Any) -> None:
+        if not frame.requeue:
+            # rabbit_channel handles only requeue=true (connection.close 540).
+            raise ConnectionException(ReplyCode.NOT_IMPLEMENTED, "requeue=false", *_ids(frame))
         channel.requeue_all()
         if isinstance(frame, commands.Basic.Recover):
             self.send_method(channel.number, commands.Basic.RecoverOk())
