@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import errno
 import inspect
 import itertools
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -190,6 +192,8 @@ class GrpcServer:
         pb_grpc.add_ConsumerServicer_to_server(ConsumerService(self), server)
         pb_grpc.add_AdminServicer_to_server(AdminService(self), server)
         address = f"{host}:{port}"
+        if port:
+            _check_port_free(host, port)
         try:
             if credentials is None:
                 bound = server.add_insecure_port(address)
@@ -341,14 +345,18 @@ class GrpcServer:
                 detail={3: "mqtt 3.1", 4: "mqtt 3.1.1", 5: "mqtt 5.0"}.get(version, str(version)),
             ))
         amqp = getattr(self.app, "amqp", None)
+        opened_offset = time.time() - time.monotonic()
         for connection in list(getattr(amqp, "connections", ()) or ()):
+            name = (getattr(connection, "client_properties", None) or {}).get("connection_name")
             out.append(pb.ClientInfo(
                 protocol="amqp",
-                client_id=str(getattr(connection, "client_id", "") or getattr(connection, "name", "")),
+                client_id=str(connection.id),
                 username=str(getattr(connection, "username", "") or ""),
                 remote=str(getattr(connection, "remote", "") or ""),
-                connected_at=float(getattr(connection, "connected_at", 0.0) or 0.0),
-                detail="amqp 0-9-1",
+                connected_at=float(getattr(connection, "opened_at", 0.0)) + opened_offset,
+                messages_in=int(getattr(connection, "messages_in", 0)),
+                messages_out=int(getattr(connection, "messages_out", 0)),
+                detail=f"amqp 0-9-1 {name}" if name else "amqp 0-9-1",
             ))
         for producer in list(self.producers):
             out.append(pb.ClientInfo(
@@ -720,6 +728,23 @@ class ConsumerService(pb_grpc.ConsumerServicer):
             broker.remove_subscription(sub.name)
         elif sub.durable:
             hand_over(sub, left)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Raise OSError(EADDRINUSE) when another socket listens on host:port, before gRPC's core
+    tries and logs its own raw failure line."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return  # let gRPC report the address it cannot resolve
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(sockaddr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise OSError(errno.EADDRINUSE, f"{host}:{port} is already in use") from None
 
 
 def _transient(sub: Subscription) -> bool:

@@ -96,9 +96,28 @@ class MqttSession:
     @property
     def available(self) -> bool:
         connection = self.connection
-        return connection is not None and not self.queue and len(self.inflight) < connection.send_window
+        return (
+            connection is not None and not self.queue and len(self.inflight) < connection.send_window
+            and not self.service.draining
+        )
 
     def deliver(self, message: Message, subscription: Subscription, filters: Sequence[str]) -> None:
+        if subscription is self.subscription and len(filters) == 1:
+            # The common case, one plain filter of the session's own: no loop, and a QoS 0
+            # message goes straight to the connection.
+            options = subscription.filters[filters[0]]
+            if not options.no_local and not options.subscription_id:
+                qos = options.qos if options.qos < message.qos else message.qos
+                retain = message.retain if options.retain_as_published else False
+                connection = self.connection
+                if qos or connection is None:
+                    self.send_message(message, qos, retain, (), subscription)
+                    return
+                if not connection.send_publish(message, 0, retain, (), None, False):
+                    self.dropped += 1
+                if subscription.durable:
+                    subscription.ack(message)
+                return
         if subscription is self.subscription:
             qos = -1
             retain_as_published = False
@@ -155,10 +174,10 @@ class MqttSession:
         if qos == 0:
             if not connection.send_publish(message, 0, retain, subscription_ids, None, False):
                 self.dropped += 1
-            if source is not None:
+            if source is not None and source.durable:  # live subscriptions take no acks
                 source.ack(message)
             return
-        if self.queue or len(self.inflight) >= connection.send_window:
+        if self.queue or len(self.inflight) >= connection.send_window or self.service.draining:
             self._enqueue(Queued(message, qos, retain, subscription_ids, source))
             return
         self._send_inflight(connection, message, qos, retain, subscription_ids, source)
@@ -204,9 +223,10 @@ class MqttSession:
         raise RuntimeError("no free packet identifier")
 
     def drain(self) -> None:
-        """Send queued messages while the client's window has room."""
+        """Send queued messages while the client's window has room (none once the server
+        drains for a graceful stop)."""
         connection = self.connection
-        if connection is None:
+        if connection is None or self.service.draining:
             return
         queue = self.queue
         window = connection.send_window

@@ -75,6 +75,53 @@ async def share_catalog(app: Shardgate, node: ClusterNode) -> None:
     for pattern, definition in view.routes.items():
         apply_catalog_change(app, "route", pattern, definition)
     node.catalog_listeners.append(lambda kind, name, value: apply_catalog_change(app, kind, name, value))
+    broker = app.broker
+    assert broker is not None
+    broker.topology_sink = ClusterTopologySink(broker.topology_sink, node)
+
+
+class ClusterTopologySink:
+    """The broker's topology sink in cluster mode: every stream and route change made on this
+    node goes to the local metadata store (as on a single node) and to etcd, where every other
+    node's watch applies it. Changes that came from etcd are not written back."""
+
+    def __init__(self, local: Any, node: ClusterNode) -> None:
+        self.local = local
+        self.node = node
+
+    def stream_saved(self, config: StreamConfig) -> None:
+        if self.local is not None:
+            self.local.stream_saved(config)
+        if config.name in LOCAL_STREAMS:
+            return
+        definition = stream_definition(config)
+        if self.node.view.streams.get(config.name) != definition:
+            self.node.view.streams[config.name] = definition
+            self.node.submit(keys.STREAMS + config.name, keys.encode(definition))
+
+    def stream_deleted(self, name: str) -> None:
+        if self.local is not None:
+            self.local.stream_deleted(name)
+        if self.node.view.streams.pop(name, None) is not None:
+            self.node.submit(keys.STREAMS + name, None)
+        for pattern, route in list(self.node.view.routes.items()):
+            if route.get("stream") == name:
+                del self.node.view.routes[pattern]
+                self.node.submit(keys.ROUTES + pattern, None)
+
+    def route_saved(self, rule: Any) -> None:
+        if self.local is not None:
+            self.local.route_saved(rule)
+        definition = {"stream": rule.stream}
+        if self.node.view.routes.get(rule.topic_filter) != definition:
+            self.node.view.routes[rule.topic_filter] = definition
+            self.node.submit(keys.ROUTES + rule.topic_filter, keys.encode(definition))
+
+    def route_removed(self, topic_filter: str) -> None:
+        if self.local is not None:
+            self.local.route_removed(topic_filter)
+        if self.node.view.routes.pop(topic_filter, None) is not None:
+            self.node.submit(keys.ROUTES + topic_filter, None)
 
 
 def apply_catalog_change(app: Shardgate, kind: str, name: str, definition: dict[str, Any] | None) -> None:
@@ -96,25 +143,35 @@ def apply_catalog_change(app: Shardgate, kind: str, name: str, definition: dict[
                 broker.create_stream(stream_config(name, definition))
                 log.info("cluster: stream %s created on another node", name)
         elif kind == "route":
+            current = {rule.topic_filter: rule.stream for rule in broker.router.rules}
             if definition is None:
-                broker.router.remove_rule(name)
-                broker._topic_stream_cache.clear()
-            elif definition.get("stream") in broker.streams:
+                if name in current:
+                    broker.remove_route(name)
+            elif current.get(name) != definition.get("stream") and definition.get("stream") in broker.streams:
                 broker.add_route(RoutingRule(name, definition["stream"]))
     except (CoreError, ValueError) as exc:
         log.warning("cluster: cannot apply %s %s from etcd: %s", kind, name, exc)
 
 
 async def join(app: Shardgate, node: ClusterNode) -> None:
+    """Start the data plane on the internal port, register under a lease with its address,
+    then declare this node's configured streams."""
+    from .forward import DataPlane
+
     settings = app.config.cluster
     host = app.config.listeners.host
-    internal = app.listeners.get("cluster")  # the data plane's internal listener, when present
-    port = internal.port if internal is not None else settings.port
-    address = settings.advertise_address or f"{host}:{port}"
-    listeners = {name: f"{listener.host}:{listener.port}" for name, listener in app.listeners.items()}
-    await node.join(address, listeners)
     broker = app.broker
     assert broker is not None
+    plane = DataPlane(broker, node.view, host=host, port=settings.port)
+    try:
+        await plane.start()
+    except (OSError, RuntimeError) as exc:
+        raise ClusterStartError(f"cannot listen on the cluster port {host}:{settings.port}: {exc}") from None
+    app.data_plane = plane
+    address = settings.advertise_address or f"{host}:{plane.port}"
+    listeners = {name: f"{listener.host}:{listener.port}" for name, listener in app.listeners.items()}
+    listeners["cluster"] = f"{host}:{plane.port}"
+    await node.join(address, listeners)
     ours = {
         name: stream_definition(stream.config)
         for name, stream in broker.streams.items() if name not in LOCAL_STREAMS

@@ -235,6 +235,8 @@ class ClusterNode:
         self._synced = asyncio.Event()
         # told (on the event loop) about catalog changes seen in etcd: (kind, name, definition)
         self.catalog_listeners: list[Callable[[str, str, dict[str, Any] | None], None]] = []
+        # catalog writes made on this node, sent to etcd in order by one task (see `submit`)
+        self._writes: asyncio.Queue[tuple[str, bytes | None]] = asyncio.Queue()
 
     def key(self, suffix: str) -> str:
         return self.prefix + suffix
@@ -287,6 +289,7 @@ class ClusterNode:
             asyncio.create_task(self._keep_alive(), name="cluster-lease"),
             asyncio.create_task(self._watch(revision), name="cluster-watch"),
             asyncio.create_task(self._control(), name="cluster-controller"),
+            asyncio.create_task(self._write_catalog(), name="cluster-catalog-writer"),
         ]
         log.info("cluster %s: node %s joined (internal address %s)", self.settings.name,
                  self.node_id, cluster_address)
@@ -470,6 +473,26 @@ class ClusterNode:
             for name in list(view.placement.keys() - view.streams.keys()):
                 del view.placement[name]
             log.info("cluster: placement written (%d streams changed)", len(ops))
+
+    # ---------------------------------------------------------------- catalog writes
+    def submit(self, suffix: str, value: bytes | None) -> None:
+        """Put (value) or delete (None) the key `suffix` in etcd, after every earlier submit.
+        Called from synchronous code (the broker's topology sink); retried while etcd is away."""
+        self._writes.put_nowait((suffix, value))
+
+    async def _write_catalog(self) -> None:
+        while self._running:
+            suffix, value = await self._writes.get()
+            while self._running:
+                try:
+                    if value is None:
+                        await self.client.delete(self.key(suffix))
+                    else:
+                        await self.client.put(self.key(suffix), value)
+                    break
+                except Exception as exc:
+                    log.warning("cluster: cannot write %s to etcd yet (%s); retrying", suffix, exc)
+                    await asyncio.sleep(0.5)
 
     # ---------------------------------------------------------------- leave
     async def leave(self) -> None:

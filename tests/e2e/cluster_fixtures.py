@@ -96,7 +96,7 @@ class ClusterNodeProcess(BrokerProcess):
         super().__init__(
             data_dir,
             ["--cluster", etcd_url, "--node-id", node_id, "--cluster-port", "0",
-             "--http-port", str(free_port()), *(extra_args or [])],
+             "--http-port", str(free_port()), "--grpc-port", str(free_port()), *(extra_args or [])],
             config_file=config,
         )
         self.node_id = node_id
@@ -106,6 +106,10 @@ class ClusterNodeProcess(BrokerProcess):
         with urllib.request.urlopen(f"http://127.0.0.1:{self.ports['http']}/api/cluster",
                                     timeout=5) as response:
             return json.loads(response.read())
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.ports['grpc']}"
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
