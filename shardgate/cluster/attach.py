@@ -170,12 +170,14 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     host = app.config.listeners.host
     broker = app.broker
     assert broker is not None
-    plane = DataPlane(broker, node.view, host=host, port=settings.port)
-    try:
-        await plane.start()
-    except (OSError, RuntimeError) as exc:
-        raise ClusterStartError(f"cannot listen on the cluster port {host}:{settings.port}: {exc}") from None
-    app.data_plane = plane
+    plane = app.data_plane  # the app starts it before its client listeners
+    if plane is None:
+        plane = DataPlane(broker, node.view, host=host, port=settings.port)
+        try:
+            await plane.start()
+        except (OSError, RuntimeError) as exc:
+            raise ClusterStartError(f"cannot listen on the cluster port {host}:{settings.port}: {exc}") from None
+        app.data_plane = plane
     address = settings.advertise_address or f"{host}:{plane.port}"
     listeners = {name: f"{listener.host}:{listener.port}" for name, listener in app.listeners.items()}
     listeners["cluster"] = f"{host}:{plane.port}"
