@@ -164,7 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     from .users_cli import add_users_commands
 
     add_users_commands(sub)
+    from .cluster.cli import add_cluster_commands
+
+    add_cluster_commands(sub)
     args = parser.parse_args(argv)
+    if getattr(args, "cluster_handler", None) is not None:
+        sys.exit(args.cluster_handler(args))
     if getattr(args, "users_handler", None) is not None:
         sys.exit(args.users_handler(args))
     if args.command == "archive":
