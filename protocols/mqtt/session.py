@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NEVER_EXPIRES = 0xFFFFFFFF
+# The queue of every session that never queued anything (an empty deque costs 600 bytes, and
+# most sessions never queue): only `_enqueue` adds, and it gives the session its own first.
+_NO_QUEUE: deque[Queued] = deque()
 
 
 @dataclass(slots=True)
@@ -78,7 +81,7 @@ class MqttSession:
         # Shared subscription name -> (subscription, this member's options).
         self.shared: dict[str, tuple[Subscription, SubscriptionOptions]] = {}
         self.inflight: dict[int, Outgoing] = {}
-        self.queue: deque[Queued] = deque()
+        self.queue: deque[Queued] = _NO_QUEUE  # a deque of its own from the first message
         self.inbound_qos2: set[int] = set()
         self._last_packet_id = 0
         self.dropped = 0
@@ -211,6 +214,8 @@ class MqttSession:
             if item.source is not None:
                 item.source.ack(item.message)
             return
+        if self.queue is _NO_QUEUE:
+            self.queue = deque()
         self.queue.append(item)
 
     def _next_packet_id(self) -> int:
