@@ -29,6 +29,9 @@ def _configure_logging(config: Config) -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
+    from .logs import quiet_third_party_loggers
+
+    quiet_third_party_loggers(level)
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
