@@ -273,6 +273,9 @@ class DurableSubscription(Subscription):
             cursor = ShardCursor(message.stream, message.shard, shard_log, message.offset)
             cursor.live = True
             self.cursors[key] = cursor
+            # Saved at once: if this message is not delivered before a restart, the restored
+            # subscription must still start here, not at the end of the shard.
+            self._dirty.add(key)
         if cursor.log is None:
             # Non-reliable shard: nothing to replay from, so behave as a live subscription and
             # let the consumer queue what it cannot take now.
