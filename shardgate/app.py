@@ -68,7 +68,8 @@ class Shardgate:
         self.amqp: Any = None
         # cluster mode (`[cluster]` / `--cluster`): this node's membership; None on a single node
         self.cluster: Any = None
-        # its data plane (forwarding, route table; shardgate.cluster.forward), once joined
+        # cluster mode: forwarding, route table and pushes between nodes (`cluster.forward`),
+        # started before any client listener so that no publish is stored by a non-owner
         self.data_plane: Any = None
         self._stopped = asyncio.Event()
 
@@ -199,6 +200,12 @@ class Shardgate:
         ports = config.listeners
         starting: tuple[str, str, int, str] = ("", host, 0, "")
         try:
+            if self.cluster is not None:
+                # before any client listener: a publish for another node's shard is forwarded
+                from .cluster.forward import DataPlane
+
+                self.data_plane = DataPlane(self.broker, self.cluster.view, host, config.cluster.port)
+                await self.data_plane.start()
             if ports.mqtt_port:
                 starting = ("MQTT", host, ports.mqtt_port, "listeners.mqtt_port")
                 server = await start_tcp_listener(self.mqtt, host, ports.mqtt_port)

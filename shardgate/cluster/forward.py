@@ -42,6 +42,7 @@ from .frames import (
     routes_from_update,
 )
 from .membership import ClusterView, NodeInfo
+from .received import ReceivedLog
 from .routes import NOBODY, RemoteRoutes, Route, RouteDelta, diff, local_routes
 
 if TYPE_CHECKING:
@@ -383,6 +384,9 @@ class DataPlane:
         self._incoming: dict[str, int] = {}
         self._server: grpc.aio.Server | None = None
         self._started = False
+        # Shards other nodes own that a durable subscription here follows.
+        self._received: dict[tuple[str, int], ReceivedLog] = {}
+        self._closing: asyncio.Task[None] | None = None
 
     @property
     def node_id(self) -> str:
@@ -425,6 +429,17 @@ class DataPlane:
             await self._server.stop(grace=0.1)
             self._server = None
 
+    # The app closes its listeners with close() then wait_closed(); this is one of them.
+    def close(self) -> None:
+        if self._closing is None:
+            self._closing = asyncio.get_running_loop().create_task(self.stop())
+
+    async def wait_closed(self) -> None:
+        if self._closing is None:
+            self.close()
+        assert self._closing is not None
+        await self._closing
+
     def _view_changed(self) -> None:
         """Dial new peers, drop the links and routes of nodes that left or moved."""
         if not self._started:
@@ -444,6 +459,13 @@ class DataPlane:
     # ------------------------------------------------------------ ShardPlacement
     def serves(self, stream: str, shard: int) -> bool:
         return stream in NODE_LOCAL_STREAMS or self.view.owns(stream, shard)
+
+    def received_log(self, stream: str, shard: int) -> ReceivedLog:
+        key = (stream, shard)
+        log = self._received.get(key)
+        if log is None:
+            log = self._received[key] = ReceivedLog()
+        return log
 
     def forward(self, message: Message) -> asyncio.Future[None]:
         assignment = self.view.owner(message.stream, message.shard)
@@ -558,6 +580,7 @@ class DataPlane:
 
     def _dispatch_pushes(self, pushes: list[pb.Push]) -> None:
         dispatch = self.broker.dispatch
+        received = self._received
         for push in pushes:
             try:
                 message = message_from_push(push)
@@ -565,7 +588,13 @@ class DataPlane:
                 log.warning("dropped a malformed message pushed by a peer: %s", exc)
                 continue
             self.stats.pushed_in += 1
+            key = (message.stream, message.shard)
+            kept = received.get(key)
+            if kept is not None:
+                kept.add(message.offset, message.publish_time_ms, push.record)
             dispatch(message, frozenset(push.share_groups))
+            if kept is None and key in received:  # a durable subscription here just began
+                received[key].add(message.offset, message.publish_time_ms, push.record)
 
     def _store_forwards(self, sequence: int, forwards: list[pb.Forward], reply: Callable[[pb.PeerReply], None]) -> None:
         broker = self.broker
