@@ -297,6 +297,7 @@ class ClusterNode:
         self._running = True
         kvs, revision = await self.client.get_prefix(self.prefix)
         self.view.load(self.prefix, kvs, revision)
+        self.view.changed()  # nodes that registered since the catalog was read (data plane links)
         self._tasks = [
             asyncio.create_task(self._keep_alive(), name="cluster-lease"),
             asyncio.create_task(self._watch(revision), name="cluster-watch"),
