@@ -9,7 +9,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from shardgate.client import SyncClient
+from shardgate.client import SyncClient, Unavailable
 
 from tests.conftest import wait_for
 from tests.e2e.cluster_fixtures import ClusterNodeProcess
@@ -56,7 +56,10 @@ def test_routes_and_deletes_made_on_one_node_reach_the_others(cluster: Cluster) 
 
     def routed_on_n2() -> bool:
         with SyncClient(n2.grpc_url) as client:
-            return client.producer().send("telemetry/h1/cpu", b"1").stream == "metrics"
+            try:
+                return client.producer().send("telemetry/h1/cpu", b"1").stream == "metrics"
+            except Unavailable:  # known, but its shard not placed yet: a retryable error
+                return False
 
     wait_for(routed_on_n2, timeout=20)
     with SyncClient(n2.grpc_url) as client:
