@@ -776,7 +776,8 @@ class MqttConnection:
             props = p.Properties(reason_string=reason) if reason else p.Properties()
             self._send(encode(p.Disconnect(reason_code, props), MQTT_V5))
         self.state = State.CLOSED
-        self.service.commit_writes()  # before the last acknowledgements go out
+        if self._out:
+            self.service.commit_writes()  # before the last acknowledgements go out
         self.flush()
         self.link.close()
         if was_connected:
