@@ -29,6 +29,9 @@ def _configure_logging(config: Config) -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
+    from .logs import quiet_third_party_loggers
+
+    quiet_third_party_loggers(level)
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -161,7 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     from .users_cli import add_users_commands
 
     add_users_commands(sub)
+    from .cluster.cli import add_cluster_commands
+
+    add_cluster_commands(sub)
     args = parser.parse_args(argv)
+    if getattr(args, "cluster_handler", None) is not None:
+        sys.exit(args.cluster_handler(args))
     if getattr(args, "users_handler", None) is not None:
         sys.exit(args.users_handler(args))
     if args.command == "archive":

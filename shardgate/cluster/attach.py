@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import keys
@@ -78,6 +79,13 @@ async def share_catalog(app: Shardgate, node: ClusterNode) -> None:
     broker = app.broker
     assert broker is not None
     broker.topology_sink = ClusterTopologySink(broker.topology_sink, node)
+    # users and ACL: the same files on every node (before the broker's security reads them)
+    from ..auth import security_paths
+    from .shared_files import SharedFiles
+
+    users_file, acl_file = security_paths(Path(app.config.data_dir), app.config.auth)
+    node.shared_files = SharedFiles(node, {"users": users_file, "acl": acl_file})
+    await node.shared_files.start()
 
 
 class ClusterTopologySink:

@@ -59,6 +59,8 @@ MAX_GRPC_MESSAGE = 512 << 20
 RECONNECT_MIN_S = 0.05
 RECONNECT_MAX_S = 1.0
 ROUTE_DEBOUNCE_S = 0.02
+# Links are checked against the view this often too, besides on every change it reports.
+RECONCILE_S = 1.0
 # Streams every node keeps for itself, never placed nor forwarded: its own $SYS topics.
 NODE_LOCAL_STREAMS = frozenset({"sys"})
 CHANNEL_OPTIONS = [
@@ -127,11 +129,11 @@ class PeerLink:
     def forward(self, message: Message, epoch: int, record: bytes | None = None) -> asyncio.Future[None]:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if not self.reachable:
-            future.set_exception(ShardUnavailable(
+            _fail(future, ShardUnavailable(
                 f"node {self.node.node_id} owning {message.stream}/{message.shard} is unreachable"
             ))
         elif self._in_flight >= MAX_FORWARDS_IN_FLIGHT:
-            future.set_exception(ShardUnavailable(
+            _fail(future, ShardUnavailable(
                 f"too many publishes waiting for node {self.node.node_id}; retry"
             ))
         else:
@@ -276,7 +278,7 @@ class PeerLink:
                         future.set_result(None)
                         continue
                     stats.forward_failures += 1
-                    future.set_exception(_refusal(self.node.node_id, outcome))
+                    _fail(future, _refusal(self.node.node_id, outcome))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to the writer, which redials
@@ -298,7 +300,14 @@ class PeerLink:
         for future, _message in entries:
             if not future.done():
                 self.plane.stats.forward_failures += 1
-                future.set_exception(error)
+                _fail(future, error)
+
+
+def _fail(future: asyncio.Future[None], error: BaseException) -> None:
+    """Fail a forward's future, marked as seen: a QoS 0 publisher never looks at it, and an
+    unretrieved failure would be logged by asyncio as a bug."""
+    future.set_exception(error)
+    future.exception()
 
 
 def _refusal(node_id: str, outcome: pb.Outcome | None) -> PublishRejected:
@@ -387,6 +396,7 @@ class DataPlane:
         # Shards other nodes own that a durable subscription here follows.
         self._received: dict[tuple[str, int], ReceivedLog] = {}
         self._closing: asyncio.Task[None] | None = None
+        self._reconcile: asyncio.Task[None] | None = None
 
     @property
     def node_id(self) -> str:
@@ -411,9 +421,13 @@ class DataPlane:
         broker.on_routes_changed = self._routes_changed
         self.view.on_change(self._view_changed)
         self._view_changed()
+        self._reconcile = asyncio.get_running_loop().create_task(self._reconcile_links())
 
     async def stop(self) -> None:
         self._started = False
+        if self._reconcile is not None:
+            self._reconcile.cancel()
+            self._reconcile = None
         broker = self.broker
         if broker.placement is self:
             broker.placement = None
@@ -439,6 +453,14 @@ class DataPlane:
             self.close()
         assert self._closing is not None
         await self._closing
+
+    async def _reconcile_links(self) -> None:
+        while self._started:
+            await asyncio.sleep(RECONCILE_S)
+            try:
+                self._view_changed()
+            except Exception:  # noqa: BLE001 - retried on the next round
+                log.exception("cluster: checking the links against the view failed")
 
     def _view_changed(self) -> None:
         """Dial new peers, drop the links and routes of nodes that left or moved."""
@@ -480,7 +502,7 @@ class DataPlane:
                 reason = f"this node cannot prove it owns {message.stream}/{message.shard} now; retry"
             else:
                 reason = f"node {assignment.node_id} owning {message.stream}/{message.shard} is not live"
-            future.set_exception(ShardUnavailable(reason))
+            _fail(future, ShardUnavailable(reason))
             self.stats.forward_failures += 1
             return future
         self.stats.forwarded += 1
