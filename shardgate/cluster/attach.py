@@ -181,6 +181,8 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     address = settings.advertise_address or f"{host}:{plane.port}"
     listeners = {name: f"{listener.host}:{listener.port}" for name, listener in app.listeners.items()}
     listeners["cluster"] = f"{host}:{plane.port}"
+    stats = broker.stats
+    node.load_probe = lambda: stats.messages_in + stats.messages_out
     await node.join(address, listeners)
     ours = {
         name: stream_definition(stream.config)
@@ -202,6 +204,7 @@ def cluster_status(node: ClusterNode) -> dict[str, Any]:
             "node_id": node_id, "cluster_address": registration.cluster_address,
             "listeners": registration.listeners, "leaving": registration.leaving,
             "controller": node_id == view.controller_id, "shards": counts.get(node_id, 0),
+            "load": registration.load,
             "started_ms": registration.started_ms,
         })
     unavailable = sorted(

@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 # etcd allows 128 operations per transaction by default; the guard takes one
 MAX_TXN_OPS = 100
+# how often a node measures its message rate (and reports it when it moved)
+LOAD_INTERVAL_S = 5.0
 
 
 class ClusterStartError(Exception):
@@ -245,6 +247,8 @@ class ClusterNode:
         self.catalog_listeners: list[Callable[[str, str, dict[str, Any] | None], None]] = []
         # catalog writes made on this node, sent to etcd in order by one task (see `submit`)
         self._writes: asyncio.Queue[tuple[str, bytes | None]] = asyncio.Queue()
+        # messages this node has handled so far (in + out); its rate is the load it reports
+        self.load_probe: Callable[[], int] | None = None
         # the users and ACL files kept equal on every node (shared_files.SharedFiles)
         self.shared_files: Any = None
         # told about changes of whole documents (auth/...) seen in etcd: (key, value)
@@ -303,6 +307,7 @@ class ClusterNode:
             asyncio.create_task(self._watch(revision), name="cluster-watch"),
             asyncio.create_task(self._control(), name="cluster-controller"),
             asyncio.create_task(self._write_catalog(), name="cluster-catalog-writer"),
+            asyncio.create_task(self._report_load(), name="cluster-load"),
         ]
         log.info("cluster %s: node %s joined (internal address %s)", self.settings.name,
                  self.node_id, cluster_address)
@@ -496,6 +501,27 @@ class ClusterNode:
             for name in list(view.placement.keys() - view.streams.keys()):
                 del view.placement[name]
             log.info("cluster: placement written (%d streams changed)", len(ops))
+
+    async def _report_load(self) -> None:
+        """Every LOAD_INTERVAL_S, put this node's message rate in its registration when it moved
+        by more than a fifth (placement breaks ties between nodes with as many shards by it)."""
+        if self.load_probe is None:
+            return
+        last_count, last_time = self.load_probe(), time.monotonic()
+        while self._running:
+            await asyncio.sleep(LOAD_INTERVAL_S)
+            count, now = self.load_probe(), time.monotonic()
+            rate = (count - last_count) / max(now - last_time, 1e-3)
+            last_count, last_time = count, now
+            registration = self.registration
+            if registration is None or registration.leaving:
+                continue
+            if abs(rate - registration.load) <= max(1.0, 0.2 * registration.load):
+                continue
+            registration.load = round(rate, 1)
+            with contextlib.suppress(Exception):
+                await self.client.put(self.key(keys.NODES + self.node_id), registration.to_json(),
+                                      self.lease_id)
 
     # ---------------------------------------------------------------- catalog writes
     def submit(self, suffix: str, value: bytes | None) -> None:
