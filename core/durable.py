@@ -84,7 +84,7 @@ class Delivery:
 class ShardCursor:
     __slots__ = (
         "stream", "shard", "log", "position", "unacked", "live", "pending_redelivery", "skip",
-        "archived", "fetching",
+        "archived", "fetching", "restored",
     )
 
     def __init__(self, stream: str, shard: int, shard_log: ShardLog | None, position: int) -> None:
@@ -103,6 +103,8 @@ class ShardCursor:
         # Records fetched from the archive for a cursor below the journal's low watermark.
         self.archived: list[StoredRecord] = []
         self.fetching = False
+        # Pending redeliveries below the journal's low watermark, read from the archive.
+        self.restored: dict[int, Message] = {}
 
     @property
     def floor(self) -> int:
@@ -424,8 +426,20 @@ class DurableSubscription(Subscription):
             consumer = self._pick_available(cursor.shard)
             if consumer is None:
                 return budget
-            offset = cursor.pending_redelivery.pop(0)
-            message = self._read_one(cursor, offset)
+            offset = cursor.pending_redelivery[0]
+            message = cursor.restored.pop(offset, None)
+            if message is None and cursor.log is not None and offset < cursor.log.low_watermark:
+                archive = self.broker.archive
+                if archive is not None:
+                    # Tiered replay of a restored unacknowledged message: from the archive.
+                    if not cursor.fetching:
+                        cursor.fetching = True
+                        asyncio.get_running_loop().create_task(
+                            self._fetch_restored(cursor, archive))
+                    return budget
+            cursor.pending_redelivery.pop(0)
+            if message is None:
+                message = self._read_one(cursor, offset)
             if message is None:
                 continue
             filters = self._filters_for(message.topic)
@@ -536,6 +550,47 @@ class DurableSubscription(Subscription):
                         "resuming at %d", self.name, cursor.stream, cursor.shard, cursor.position,
                         cursor.log.low_watermark)
             cursor.position = cursor.log.low_watermark
+        self.schedule_pump()
+
+    async def _fetch_restored(self, cursor: ShardCursor, archive: ArchiveSource) -> None:
+        """Read the pending redeliveries that only the archive still holds."""
+        low = cursor.log.low_watermark if cursor.log is not None else 0
+        wanted = [offset for offset in cursor.pending_redelivery if offset < low]
+        found: dict[int, Message] = {}
+        try:
+            if wanted:
+                first, last = wanted[0], wanted[-1]
+                position = first
+                while position <= last:
+                    records = await archive.read_async(
+                        cursor.stream, cursor.shard, position, min(REPLAY_BATCH, last - position + 1))
+                    if not records:
+                        break
+                    for record in records:
+                        if record.offset in wanted:
+                            try:
+                                found[record.offset] = message_from_record(
+                                    decode_message(record.data), cursor.stream, cursor.shard,
+                                    record.offset)
+                            except RecordFormatError as exc:
+                                log.error("subscription %s: bad archived record %s/%d@%d: %s",
+                                          self.name, cursor.stream, cursor.shard, record.offset, exc)
+                    position = records[-1].offset + 1
+        except Exception as exc:
+            log.error("subscription %s: archive read of %s/%d@%d failed: %s",
+                      self.name, cursor.stream, cursor.shard, wanted[0], exc)
+            await asyncio.sleep(1.0)
+            cursor.fetching = False
+            self.schedule_pump()
+            return
+        cursor.fetching = False
+        missing = [offset for offset in wanted if offset not in found]
+        if missing:
+            log.warning("subscription %s: %d unacknowledged messages of %s/%d are in neither "
+                        "the archive nor the journal", self.name, len(missing), cursor.stream,
+                        cursor.shard)
+            cursor.pending_redelivery = [o for o in cursor.pending_redelivery if o not in missing]
+        cursor.restored.update(found)
         self.schedule_pump()
 
     def _dead_letter(self, cursor: ShardCursor, delivery: Delivery) -> None:
