@@ -129,9 +129,32 @@ class MqttService:
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        self.commit_writes()  # what the acknowledgements below depend on is durable first
         dirty, self._dirty = self._dirty, []
         for connection in dirty:
             connection.flush()
+
+    # ------------------------------------------------------------------ metadata group commit
+    def group_writes(self, on: bool) -> None:
+        """While the packets of a read are handled, session state saved to the store joins
+        one transaction, committed (one fsync) by `commit_writes` before any output is sent."""
+        group = getattr(self.store, "group_writes", None)
+        if group is None:
+            return
+        group(on)
+        if not on and self.store.group_pending and not self._flush_scheduled:  # type: ignore[union-attr]
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def commit_writes(self) -> None:
+        commit = getattr(self.store, "commit_group", None)
+        if commit is None:
+            return
+        try:
+            commit()
+        except Exception:
+            # As a failed save always was: logged, and the session lives on in memory.
+            log.exception("could not save MQTT session state")
 
     # ------------------------------------------------------------------ back-pressure
     def congested(self, session: MqttSession) -> None:
