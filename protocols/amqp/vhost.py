@@ -7,7 +7,8 @@ queue, 503 for an unknown exchange type. Queues are core subscriptions named
 `amqp:<vhost>:<queue>`; bindings are core filters (see `routing`). A durable queue (when the broker
 has a journal) is a core *durable* subscription, so its messages and acknowledgements survive a
 restart; the durable exchanges, queue arguments and bindings are recorded as a retained message
-on `$amqp/$topology/<vhost>` (persisted by the composition root like every retained message) and
+under `$internal/amqp/topology/<vhost>` (internal broker state, persisted by the composition
+root like retained messages, never seen by clients) and
 `restore()` rebuilds them at start.
 """
 
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pamqp import commands, encode, header
 
+from ...core.broker import INTERNAL_PREFIX
 from ...core.durable import DurableOptions, DurableSubscription
 from ...core.errors import PublishRejected, SubscriptionBusy
 from ...core.message import Message
@@ -58,7 +60,9 @@ log = logging.getLogger(__name__)
 EXCHANGE_TYPES = ("direct", "fanout", "topic", "headers")
 # Retained record of a vhost's durable exchanges, queues and bindings (`$` keeps it clear of
 # exchange names, which cannot contain one).
-TOPOLOGY_PREFIX = PREFIX + "$topology/"
+TOPOLOGY_PREFIX = INTERNAL_PREFIX + "amqp/topology/"
+# Where earlier versions kept it: as a retained message any `$amqp/#` subscriber could see.
+LEGACY_TOPOLOGY_PREFIX = PREFIX + "$topology/"
 # A durable queue settles every message itself (ack, reject, expiry, purge): no ack timeout,
 # no core dead-lettering; its buffer is handed back when the queue object goes away.
 DURABLE_QUEUE_OPTIONS = DurableOptions(ack_timeout_s=None, max_deliveries=0, redeliver_on_leave=True)
@@ -556,19 +560,25 @@ class VirtualHost:
             {"exchanges": exchanges, "queues": queues, "exchange_bindings": exchange_bindings},
             default=str,
         ).encode()
-        try:
-            self.broker.publish(Message(
-                self.topology_topic, payload, qos=1, retain=True, content_type="application/json",
-                producer_protocol="amqp",
-            ))
-        except PublishRejected as exc:
-            log.error("could not record the AMQP topology of vhost %r: %s", self.name, exc)
+        self.broker.keep_internal(Message(
+            self.topology_topic, payload, qos=1, content_type="application/json",
+            producer_protocol="amqp",
+        ))
 
     def restore(self) -> int:
         """Bring back durable exchanges and queues (with their bindings) after a restart; the
         queues' messages come back from their durable subscriptions' cursors."""
         saved: dict[str, Any] = {"exchanges": [], "queues": []}
-        record = self.broker.retained.get(self.topology_topic)
+        record = self.broker.internal_state.get(self.topology_topic)
+        legacy_topic = LEGACY_TOPOLOGY_PREFIX + escape(self.name)
+        legacy = self.broker.retained.get(legacy_topic)
+        if legacy is not None:
+            # Move it out of the retained messages clients can see.
+            if record is None:
+                record = legacy
+            self.broker.retained.delete(legacy_topic)
+            if self.broker.on_retained_change is not None:
+                self.broker.on_retained_change(legacy_topic, None)
         if record is not None and record.payload:
             try:
                 saved = json.loads(record.payload)
