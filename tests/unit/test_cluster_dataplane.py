@@ -325,3 +325,20 @@ async def test_a_node_that_dials_in_gets_the_retained_messages_of_the_shards_a_p
     assert b.broker.retained.get(topic) is None
     await b.plane.start()
     await until(lambda: b.broker.retained.get(topic) is not None)
+
+
+async def test_forwards_past_the_link_bound_are_refused_retryably_not_queued(cluster, monkeypatch):
+    from shardgate.cluster import forward
+
+    a = cluster["a"]
+    monkeypatch.setattr(forward, "MAX_FORWARDS_IN_FLIGHT", 3)
+    topic = topic_on(a.broker, "orders", 2, "orders")
+    pending = [a.broker.publish(Message(topic, str(i).encode(), qos=1)) for i in range(5)]
+    refused = [f for f in pending if f is not None and f.done()]
+    assert len(refused) == 2
+    for future in refused:
+        with pytest.raises(ShardUnavailable, match="too many publishes waiting"):
+            future.result()
+    await asyncio.wait_for(asyncio.gather(*pending[:3]), 5)  # type: ignore[arg-type]
+    # the bound is on what waits: once answered, the link takes more
+    assert await asyncio.wait_for(a.broker.publish(Message(topic, b"more", qos=1)), 5) is None  # type: ignore[arg-type]
