@@ -285,3 +285,18 @@ def test_retained_message_set_on_one_node_is_read_on_the_other(pair, owner):
     wait_for(lambda: b.server.call(lambda: b.server.app.broker.retained.get(topic)) is None)
     pub.disconnect()
     late.disconnect()
+
+
+async def test_amqp_publish_while_the_owner_is_gone_is_nacked(pair):
+    a, b = pair["a"], pair["b"]
+    b.server.call(b.plane.stop())
+    async with await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:{a.port('amqp')}/") as conn:
+        channel = await conn.channel(publisher_confirms=True)
+        exchange = await channel.get_exchange("amq.topic")
+        key = topic_for(a, "b").replace("/", ".")
+        with pytest.raises(aio_pika.exceptions.DeliveryError):
+            await exchange.publish(aio_pika.Message(b"x"), key, mandatory=False)
+        # the channel stays usable: a publish for a shard of this node is confirmed
+        own = topic_for(a, "a").replace("/", ".")
+        confirmation = await exchange.publish(aio_pika.Message(b"y"), own, mandatory=False)
+        assert isinstance(confirmation, aiormq.spec.Basic.Ack)
