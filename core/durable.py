@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from ..storage.interfaces import ArchiveSource, ShardLog, StorageError, StoredRecord
-from ..storage.records import RecordFormatError, decode_message
+from ..storage.records import RecordFormatError, decode_message, record_topic
 from .message import Message, message_from_record, now_ms
 from .subscriptions import Consumer, Subscription, SubscriptionType
 from .topics import filter_matches
@@ -511,14 +511,17 @@ class DurableSubscription(Subscription):
                 if record.offset < cursor.position:
                     continue
                 try:
-                    message = message_from_record(decode_message(record.data), cursor.stream, cursor.shard, record.offset)
+                    # Only records this subscription wants are decoded whole.
+                    filters = self._filters_for(record_topic(record.data))
+                    message = message_from_record(
+                        decode_message(record.data), cursor.stream, cursor.shard, record.offset
+                    ) if filters else None
                 except RecordFormatError as exc:
                     log.error("subscription %s: skipping bad record %s/%d@%d: %s",
                               self.name, cursor.stream, cursor.shard, record.offset, exc)
                     cursor.position = record.offset + 1
                     continue
-                filters = self._filters_for(message.topic)
-                if not filters or message.expired(now) or record.offset in cursor.skip:
+                if message is None or message.expired(now) or record.offset in cursor.skip:
                     cursor.skip.discard(record.offset)
                     cursor.position = record.offset + 1
                     continue

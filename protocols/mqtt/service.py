@@ -56,6 +56,10 @@ class MqttService:
         self.draining = False
         self.authenticator: Authenticator | None = None
         self.authorizer: Authorizer | None = None
+        # Cluster mode: told of every session a client opens here (the session registry).
+        self.on_session_opened: Callable[[str], None] | None = None
+        # ... and of every session that ended here (not merely disconnected).
+        self.on_session_ended: Callable[[str], None] | None = None
         # TLS listeners: a verified client certificate's subject CN is the user name.
         self.use_identity_as_username = False
         self._dirty: list[MqttConnection] = []
@@ -125,9 +129,32 @@ class MqttService:
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        self.commit_writes()  # what the acknowledgements below depend on is durable first
         dirty, self._dirty = self._dirty, []
         for connection in dirty:
             connection.flush()
+
+    # ------------------------------------------------------------------ metadata group commit
+    def group_writes(self, on: bool) -> None:
+        """While the packets of a read are handled, session state saved to the store joins
+        one transaction, committed (one fsync) by `commit_writes` before any output is sent."""
+        group = getattr(self.store, "group_writes", None)
+        if group is None:
+            return
+        group(on)
+        if not on and self.store.group_pending and not self._flush_scheduled:  # type: ignore[union-attr]
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def commit_writes(self) -> None:
+        commit = getattr(self.store, "commit_group", None)
+        if commit is None:
+            return
+        try:
+            commit()
+        except Exception:
+            # As a failed save always was: logged, and the session lives on in memory.
+            log.exception("could not save MQTT session state")
 
     # ------------------------------------------------------------------ back-pressure
     def congested(self, session: MqttSession) -> None:
@@ -223,7 +250,19 @@ class MqttService:
         session.connection = connection
         session.disconnected_at_ms = None
         self.save_session(session)
+        if self.on_session_opened is not None:
+            self.on_session_opened(client_id)
         return session, present
+
+    def session_taken_elsewhere(self, client_id: str, where: str) -> bool:
+        """Cluster mode: the client connected to another node; end its connection here with
+        DISCONNECT 0x8E as a takeover on one node would. Whether a connection was ended."""
+        session = self.sessions.get(client_id)
+        if session is None or session.connection is None:
+            return False
+        log.info("client %r taken over by a connection to %s", client_id, where)
+        session.connection.close(p.ReasonCode.SESSION_TAKEN_OVER, f"session taken over on {where}")
+        return True
 
     def connection_closed(self, connection: MqttConnection, *, normal: bool) -> None:
         self.connections.discard(connection)
@@ -302,6 +341,8 @@ class MqttService:
     def _end_session(self, session: MqttSession) -> None:
         if self.sessions.get(session.client_id) is session:
             del self.sessions[session.client_id]
+            if self.on_session_ended is not None:
+                self.on_session_ended(session.client_id)
         session.discard()
 
     # ------------------------------------------------------------------ persistence
