@@ -595,7 +595,7 @@ class AmqpConnection:
                     "basic.nack": True,
                     "consumer_cancel_notify": True,
                     "connection.blocked": True,
-                    "consumer_priorities": False,
+                    "consumer_priorities": True,
                     "authentication_failure_close": True,
                     "per_consumer_qos": True,
                     "direct_reply_to": True,
@@ -894,6 +894,9 @@ class AmqpConnection:
         )
 
     def _channel_flow(self, channel: AmqpChannel, frame: commands.Channel.Flow) -> None:
+        if not frame.active:
+            # RabbitMQ 3.x does not let a client pause deliveries (rabbit_channel: 540).
+            raise ConnectionException(ReplyCode.NOT_IMPLEMENTED, "active=false", *_ids(frame))
         channel.flow = bool(frame.active)
         self.send_method(channel.number, commands.Channel.FlowOk(active=channel.flow))
         if channel.flow:
@@ -1131,8 +1134,12 @@ class AmqpConnection:
                 ReplyCode.ACCESS_REFUSED,
                 f"queue '{name}' in vhost '{self.vhost.name}' in exclusive use", *_ids(method),
             )
+        priority = (frame.arguments or {}).get("x-priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            priority = 0
         consumer = QueueConsumer(
-            channel, tag, queue, bool(frame.no_ack), bool(frame.exclusive), channel.consumer_prefetch
+            channel, tag, queue, bool(frame.no_ack), bool(frame.exclusive),
+            channel.consumer_prefetch, priority,
         )
         channel.consumers[tag] = consumer
         queue.add_consumer(consumer)
@@ -1252,7 +1259,8 @@ class AmqpConnection:
         exchange = vhost.exchange(frame.exchange, commands.Basic.Publish)
         if exchange.internal:
             raise ChannelException(
-                ReplyCode.ACCESS_REFUSED, f"cannot publish to internal exchange '{exchange.name}'",
+                ReplyCode.ACCESS_REFUSED,
+                f"cannot publish to internal exchange '{exchange.name}' in vhost '{vhost.name}'",
                 *_ids(commands.Basic.Publish),
             )
         if props.user_id and str(props.user_id) != self.username:

@@ -594,12 +594,11 @@ class DataPlane:
                 sub.name: sub for sub, _ in local if sub.type is SubscriptionType.SHARED
             }
             allowed = {name for name in local_shared if name not in interest.groups}
-            for group, nodes in interest.groups.items():
+            for group, members in interest.groups.items():
                 here = local_shared.get(group)
-                candidates = (*nodes, self.node_id) if here is not None and here.consumers else nodes
-                turn = self._turns.get(group, 0)
-                self._turns[group] = turn + 1
-                chosen = candidates[turn % len(candidates)]
+                if here is not None and here.consumers:
+                    members = (*members, (self.node_id, len(here.consumers)))
+                chosen = self._choose(group, members)
                 if chosen == self.node_id:
                     allowed.add(group)
                 else:
@@ -615,6 +614,19 @@ class DataPlane:
 
     def wanted_elsewhere(self, topic: str) -> bool:
         return self.remote.lookup(topic) is not NOBODY
+
+    def _choose(self, group: str, members: tuple[tuple[str, int], ...]) -> str:
+        """The node that takes the next message of a share group: round robin over the
+        group's consumers, so each node gets its members' part."""
+        total = sum(weight for _node, weight in members)
+        turn = self._turns.get(group, 0)
+        self._turns[group] = turn + 1
+        slot = turn % total
+        for node, weight in members:
+            if slot < weight:
+                return node
+            slot -= weight
+        return members[-1][0]
 
     # ------------------------------------------------------------ route table
     def route_snapshot(self) -> pb.RouteUpdate:

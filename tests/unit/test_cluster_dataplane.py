@@ -19,6 +19,7 @@ from shardgate.storage.journal import JournalStorage
 
 from shardgate.cluster.forward import DataPlane
 from shardgate.cluster.membership import NodeInfo, ShardAssignment, StaticClusterView
+from shardgate.cluster.routes import Route
 
 
 class Recorder:
@@ -342,3 +343,16 @@ async def test_forwards_past_the_link_bound_are_refused_retryably_not_queued(clu
     await asyncio.wait_for(asyncio.gather(*pending[:3]), 5)  # type: ignore[arg-type]
     # the bound is on what waits: once answered, the link takes more
     assert await asyncio.wait_for(a.broker.publish(Message(topic, b"more", qos=1)), 5) is None  # type: ignore[arg-type]
+
+
+async def test_a_share_group_spreads_by_members_not_by_nodes(cluster):
+    a, b = cluster["a"], cluster["b"]
+    group = "$share/workers/orders/#"
+    on_a = a.subscribe("orders/#", name=group, shared=True)
+    on_b = [b.subscribe("orders/#", name=group, shared=True) for _ in range(3)]
+    await until(lambda: a.plane.remote.routes_of("b") == {Route("orders/#", group, 3)})
+    topic = topic_on(a.broker, "orders", 0, "orders")
+    for index in range(400):
+        a.broker.publish(Message(topic, str(index).encode()))
+    await until(lambda: len(on_a.got) + sum(len(r.got) for r in on_b) == 400)
+    assert len(on_a.got) == 100, "one member of four: a quarter of the messages"
