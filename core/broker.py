@@ -15,8 +15,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..storage.interfaces import ArchiveSource, ShardStorage, StorageError
-from ..storage.journal import LatencyHistogram
+from ..storage.interfaces import ArchiveSource, LatencyHistogram, ShardStorage, StorageError
 from .delayed import DelayedDelivery, deliver_at
 from .durable import CursorSink, DurableOptions, DurableSubscription
 from .errors import (

@@ -75,6 +75,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from .core.edge import Principal
+
 log = logging.getLogger(__name__)
 
 USERS_FILE = "users.json"
@@ -571,16 +573,18 @@ class Security:
         user = self._users.get(username) if username is not None else None
         return user is not None and "admin" in user.roles
 
-    # ------------------------------------------------------------------ protocol hooks
-    def mqtt_authenticator(self, username: str | None, password: bytes | None, client_id: str, remote: str) -> str | None:
-        """`MqttService.authenticator`. The gRPC interceptor calls the same hook with client id
-        "grpc" and no remote address; those calls are counted under "grpc"."""
-        protocol = "grpc" if client_id == "grpc" and not remote else "mqtt"
-        return self.authenticate(username, password, client_id, remote, protocol)
+    # ------------------------------------------------------------------ front-door hooks
+    def authenticate_principal(self, principal: Principal, password: bytes | str | None) -> str | None:
+        """`Edge.authenticator`: check a principal's credentials, counted under its protocol."""
+        return self.authenticate(
+            principal.username, password, principal.client_id, principal.remote, principal.protocol
+        )
 
-    def mqtt_authorizer(self, action: str, username: str | None, client_id: str, topic: str) -> bool:
-        """`MqttService.authorizer`."""
-        return self.authorize(action, username, client_id, topic, "mqtt")
+    def authorize_principal(self, principal: Principal, action: str, topic: str) -> bool:
+        """`Edge.authorizer`: one shape for every protocol."""
+        return self.authorize(
+            str(action), principal.username, principal.client_id, topic, principal.protocol
+        )
 
     def amqp_authenticate(
         self, user: str | None, password: str | None, loopback: bool,
@@ -617,16 +621,6 @@ class Security:
 
         authenticate.builtin_login = builtin  # type: ignore[attr-defined]
         service.authenticate = authenticate
-        if hasattr(service, "authorizer"):
-            service.authorizer = self.amqp_authorize
-
-    def amqp_authorize(self, action: str, user: str | None, topic: str) -> bool:
-        """For the AMQP layer: publish on a routing-key topic, or subscribe (queue.bind) a filter."""
-        return self.authorize(action, user, "", topic, "amqp")
-
-    def grpc_authorize(self, action: str, user: str | None, topic: str) -> bool:
-        """For the gRPC layer: publish to a topic, subscribe to a filter, or admin calls."""
-        return self.authorize(action, user, "grpc", topic, "grpc")
 
 
 def security_paths(data_dir: Path, settings: AuthSettings | None = None) -> tuple[Path, Path]:
@@ -651,9 +645,9 @@ def anonymous_setting(value: Any) -> bool | None:
 
 
 def install_security(app: Any) -> Security:
-    """Hook one `Security` into a started-or-starting `Shardgate`: MQTT (and so gRPC) hooks, the
-    AMQP service if its listener is up, the `authorizer` attribute of the AMQP service and of
-    `app.grpc` where those layers have one, and `app.security` for the admin API and metrics.
+    """Hook one `Security` into a started-or-starting `Shardgate`: the front door's
+    `authenticator` and `authorizer` (every protocol asks there), the AMQP login if its listener
+    is up, and `app.security` for the admin API and metrics.
     A users or ACL file that cannot be read raises `ConfigError`."""
     from .config import ConfigError
 
@@ -667,26 +661,24 @@ def install_security(app: Any) -> Security:
         )
     except AuthError as exc:
         raise ConfigError(f"auth: {exc}") from exc
+    edge = app.edge
     mqtt = app.mqtt
 
     def mirror(current: Security) -> None:
-        # The gRPC interceptor reads this flag for calls without credentials.
+        # Calls without credentials (gRPC, MQTT) read this policy.
+        edge.allow_anonymous = current.allow_anonymous
         if mqtt is not None:
             mqtt.settings.allow_anonymous = current.allow_anonymous
 
     security.on_change = mirror
-    if mqtt is not None:
-        mqtt.authenticator = security.mqtt_authenticator
-        mqtt.authorizer = security.mqtt_authorizer
-        mirror(security)
+    edge.authenticator = security.authenticate_principal
+    edge.authorizer = security.authorize_principal
+    mirror(security)
     listeners = getattr(app, "listeners", {})
     listener = listeners.get("amqp") or listeners.get("amqps")  # both share one service
     service = getattr(getattr(listener, "server", None), "service", None)
     if service is not None:
         security.attach_amqp(service)
-    grpc_server = getattr(app, "grpc", None)
-    if grpc_server is not None and hasattr(grpc_server, "authorizer"):
-        grpc_server.authorizer = security.grpc_authorize
     app.security = security
     log.info("security: %d users, %s, anonymous access %s", len(security.users),
              f"{len(security.rules)} ACL rules" if security.rules is not None else "no ACL file",

@@ -29,6 +29,7 @@ from pamqp import frame as pframe
 from pamqp import header as pheader
 
 from ... import __version__
+from ...core.edge import Action, Principal
 from ...core.errors import PublishRejected
 from ...core.message import Message
 from .errors import ChannelException, ConnectionException, ReplyCode
@@ -247,6 +248,7 @@ class AmqpConnection:
         self.channel_max = self.settings.channel_max
         self.heartbeat = 0
         self.username = ""
+        self.principal = Principal("amqp", None, "", remote)
         self.vhost: VirtualHost | None = None
         self.client_properties: dict[str, Any] = {}
         self.capabilities: dict[str, Any] = {}
@@ -599,6 +601,8 @@ class AmqpConnection:
         if refusal is not None:
             raise ConnectionException(ReplyCode.ACCESS_REFUSED, refusal, *_ids(frame))
         self.username = str(user)
+        # ACL rules see AMQP clients by user only (no client id for `client =` or `%c`).
+        self.principal = Principal("amqp", self.username, "", self.remote)
         self.state = State.AWAIT_TUNE_OK
         self.send_method(0, commands.Connection.Tune(
             channel_max=self.settings.channel_max, frame_max=self.settings.frame_max,
@@ -797,11 +801,13 @@ class AmqpConnection:
         assert self.vhost is not None
         name = self._queue_name(channel, frame.queue, commands.Queue.Bind)
         queue = self.vhost.queue(name, self, commands.Queue.Bind)
-        authorizer = self.service.authorizer
+        edge = self.service.edge
         allowed = None
-        if authorizer is not None:
+        if edge.authorizer is not None:
+            principal = self.principal
+
             def allowed(topic_filter: str) -> bool:
-                return authorizer("subscribe", self.username, topic_filter)
+                return edge.authorize(principal, Action.SUBSCRIBE, topic_filter)
         self.vhost.bind(
             queue, frame.exchange, frame.routing_key, frame.arguments, commands.Queue.Bind, allowed
         )
@@ -988,8 +994,7 @@ class AmqpConnection:
                 f"'{self.username}'", *_ids(commands.Basic.Publish),
             )
         topic = publish_topic(exchange.name, exchange.type, frame.routing_key)
-        authorizer = self.service.authorizer
-        if authorizer is not None and not authorizer("publish", self.username, topic):
+        if not self.service.edge.authorize(self.principal, Action.PUBLISH, topic):
             raise ChannelException(
                 ReplyCode.ACCESS_REFUSED,
                 f"user '{self.username}' may not publish to exchange '{exchange.name}' with "
@@ -1006,7 +1011,7 @@ class AmqpConnection:
                 self._confirm(channel, seq, True)
             return
         try:
-            pending = self.service.broker.publish(message)
+            pending = self.service.edge.publish(message)
         except PublishRejected as exc:
             log.warning("publish from %s rejected: %s", self.remote, exc)
             if seq:

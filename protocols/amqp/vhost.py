@@ -41,7 +41,7 @@ from .routing import (
 )
 
 if TYPE_CHECKING:
-    from ...core.broker import Broker
+    from ...core.edge import Edge
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +87,10 @@ def _ids(method: type[commands.base.Frame] | None) -> tuple[int, int]:
 
 
 class VirtualHost:
-    def __init__(self, name: str, broker: Broker) -> None:
+    def __init__(self, name: str, edge: Edge) -> None:
         self.name = name
-        self.broker = broker
+        self.edge = edge
+        self.broker = edge.broker
         self.exchanges: dict[str, Exchange] = {
             n: Exchange(n, t) for n, t in PREDECLARED.items()
         }
@@ -314,7 +315,7 @@ class VirtualHost:
         ]
         payload = json.dumps({"exchanges": exchanges, "queues": queues}, default=str).encode()
         try:
-            self.broker.publish(Message(
+            self.edge.publish(Message(
                 self.topology_topic, payload, qos=1, retain=True, content_type="application/json",
                 producer_protocol="amqp",
             ))
@@ -489,7 +490,7 @@ class VirtualHost:
                 raw, reason, queue.name, old_exchange, old_key, first
             )}
         try:
-            self.broker.publish(message)
+            self.edge.publish(message)
         except PublishRejected:
             pass
 

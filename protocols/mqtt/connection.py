@@ -14,6 +14,7 @@ from collections import deque
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
+from ...core.edge import Principal
 from ...core.errors import PublishRejected, SchemaMismatch
 from ...core.message import Message, now_ms
 from ...core.subscriptions import SubscriptionType
@@ -115,6 +116,8 @@ class MqttConnection:
         self.version = 4
         self.client_id = ""
         self.username: str | None = None
+        # Who this client is to the front door's authorization (set once connected).
+        self.principal = Principal("mqtt", None, "", remote)
         # Set by the adapter from a verified client certificate when the listener maps
         # certificate identities to users.
         self.certificate_identity: str | None = None
@@ -385,6 +388,7 @@ class MqttConnection:
             return
         self.client_id = client_id
         self.username = username
+        self.principal = Principal("mqtt", username, client_id, self.remote)
         self.keep_alive = connect.keep_alive
         server_keep_alive = None
         if v5 and settings.max_keepalive and (self.keep_alive == 0 or self.keep_alive > settings.max_keepalive):
@@ -508,7 +512,7 @@ class MqttConnection:
             self.qos2_open.add(packet_id)  # type: ignore[arg-type]
             self.service.remember_qos2(session, packet_id, True)  # type: ignore[arg-type]
         try:
-            waiter = self.service.publish(message)
+            waiter = self.service.edge.publish(message)
         except PublishRejected as exc:
             log.warning("%s %s: publish to %r rejected: %s", self.remote, self.client_id, topic, exc)
             if qos == 2:

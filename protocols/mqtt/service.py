@@ -15,11 +15,10 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ... import __version__
-from ...core.broker import Broker
+from ...core.edge import KICK_REASON, Action, ClientInfo, Edge, Principal
 from ...core.message import Message, now_ms
 from . import packets as p
 from .connection import MQTT_V5, MqttConnection, State
@@ -27,32 +26,28 @@ from .session import NEVER_EXPIRES, MqttSession, Outgoing
 from .settings import MqttSettings
 
 if TYPE_CHECKING:
-    from ...storage.metadata import MetadataStore
+    from ...core.ports import MqttSessionPorts
 
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
 TICK_S = 0.25
 
-# authenticate(username, password, client_id, remote) -> None to accept, or a refusal:
-# "bad-credentials" or "not-authorized".
-Authenticator = Callable[[str | None, bytes | None, str, str], str | None]
-# authorize(action, username, client_id, topic) -> bool; action is "publish" or "subscribe".
-Authorizer = Callable[[str, str | None, str, str], bool]
+MQTT_ADMINISTRATIVE_ACTION = p.ReasonCode.ADMINISTRATIVE_ACTION
+VERSION_NAMES = {3: "MQTT 3.1", 4: "MQTT 3.1.1", 5: "MQTT 5.0"}
 
 
 class MqttService:
     def __init__(
-        self, broker: Broker, settings: MqttSettings | None = None, store: MetadataStore | None = None
+        self, edge: Edge, settings: MqttSettings | None = None, store: MqttSessionPorts | None = None
     ) -> None:
-        self.broker = broker
+        self.edge = edge
+        self.broker = edge.broker
         # Where persistent sessions are saved; None keeps them in memory only.
         self.store = store
         self.settings = settings or MqttSettings()
         self.sessions: dict[str, MqttSession] = {}
         self.connections: set[MqttConnection] = set()
-        self.authenticator: Authenticator | None = None
-        self.authorizer: Authorizer | None = None
         # TLS listeners: a verified client certificate's subject CN is the user name.
         self.use_identity_as_username = False
         self._dirty: list[MqttConnection] = []
@@ -66,6 +61,7 @@ class MqttService:
         self._sys_handle: asyncio.TimerHandle | None = None
         self.total_connections = 0
         self._handshaking: set[MqttConnection] = set()
+        edge.clients.register("mqtt", self)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -110,24 +106,36 @@ class MqttService:
         return f"sg-{self._id_prefix}-{next(self._client_ids)}"
 
     def authenticate(self, username: str | None, password: bytes | None, client_id: str, remote: str) -> str | None:
-        if self.authenticator is not None:
-            return self.authenticator(username, password, client_id, remote)
-        if username is None and not self.settings.allow_anonymous:
+        edge = self.edge
+        if edge.authenticator is None and username is None and not self.settings.allow_anonymous:
             return "not-authorized"
-        return None
+        return edge.authenticate(Principal("mqtt", username, client_id, remote), password)
 
     def authorize_publish(self, connection: MqttConnection, topic: str) -> bool:
-        if self.authorizer is None:
-            return True
-        return self.authorizer("publish", connection.username, connection.client_id, topic)
+        return self.edge.authorize(connection.principal, Action.PUBLISH, topic)
 
     def authorize_subscribe(self, connection: MqttConnection, topic_filter: str) -> bool:
-        if self.authorizer is None:
-            return True
-        return self.authorizer("subscribe", connection.username, connection.client_id, topic_filter)
+        return self.edge.authorize(connection.principal, Action.SUBSCRIBE, topic_filter)
 
-    def publish(self, message: Message) -> asyncio.Future[None] | None:
-        return self.broker.publish(message)
+    # ------------------------------------------------------------------ client registry
+    def clients(self) -> list[ClientInfo]:
+        return [
+            ClientInfo(
+                "mqtt", connection.client_id, connection.username, connection.remote,
+                connection.transport_name, connection.connected_at, connection.messages_in,
+                connection.messages_out,
+                VERSION_NAMES.get(connection.version, f"MQTT {connection.version}"),
+            )
+            for connection in list(self.connections)
+        ]
+
+    def kick(self, client_id: str, reason: str = KICK_REASON) -> int:
+        """Disconnect `client_id` with DISCONNECT 0x98 (administrative action) on MQTT 5."""
+        for connection in list(self.connections):
+            if connection.client_id == client_id:
+                connection.close(MQTT_ADMINISTRATIVE_ACTION, reason)
+                return 1
+        return 0
 
     # ------------------------------------------------------------------ sessions
     def open_session(
@@ -223,7 +231,7 @@ class MqttService:
         )
         log.info("publishing the will of %r to %r", client_id, will.topic)
         try:
-            self.broker.publish(message)
+            self.edge.publish(message)
         except Exception:
             log.exception("could not publish the will of %r", client_id)
 
@@ -250,8 +258,6 @@ class MqttService:
         in the journal, and the session's cursors say how far it got)."""
         if not session.durable or self.store is None:
             return
-        from ...storage.metadata import SessionRecord
-
         own = [
             [f, o.qos, o.no_local, o.retain_as_published, o.retain_handling, o.subscription_id]
             for f, o in session.subscription.filters.items()
@@ -267,9 +273,10 @@ class MqttService:
             if o.source is session.subscription and o.message.offset >= 0
         ]
         data = json.dumps({"subscriptions": own, "shared": shared, "inflight": inflight}).encode()
-        record = SessionRecord(session.client_id, session.expiry_interval, session.disconnected_at_ms, data)
         try:
-            self.store.put_session(record)
+            self.store.save_session(
+                session.client_id, session.expiry_interval, session.disconnected_at_ms, data
+            )
         except Exception:
             log.exception("could not save session %r", session.client_id)
 
@@ -277,9 +284,7 @@ class MqttService:
         if self.store is None:
             return
         try:
-            with self.store.transaction():
-                self.store.delete_session(client_id)
-                self.store.delete_subscription(f"mqtt:{client_id}")
+            self.store.forget_session(client_id)
         except Exception:
             log.exception("could not delete session %r", client_id)
 
@@ -293,7 +298,7 @@ class MqttService:
 
         restored = 0
         now = now_ms()
-        for record in self.store.list_sessions():
+        for record in self.store.load_sessions():
             disconnected = record.disconnected_ms or now
             if record.expiry_interval != NEVER_EXPIRES and disconnected + record.expiry_interval * 1000 <= now:
                 self.forget_session(record.client_id)
@@ -316,7 +321,7 @@ class MqttService:
                     self.broker.add_filter(sub, topic_filter)
                 self.broker.attach(sub, session)
                 session.shared[name] = (sub, SubscriptionOptions(qos, False, rap, 0, sub_id))
-            for cursor in self.store.get_cursors(session.subscription.name):
+            for cursor in self.store.load_cursors(session.subscription.name):
                 if cursor.acked:
                     session.subscription.restore_cursor(cursor.stream, cursor.shard, cursor.acked)  # type: ignore[attr-defined]
             durable_sub = session.subscription
@@ -326,7 +331,7 @@ class MqttService:
                     continue
                 session.inflight[pid] = Outgoing(message, qos, retain, tuple(ids), durable_sub, released)
                 durable_sub.adopt(message, session)  # type: ignore[attr-defined]
-            session.inbound_qos2 = self.store.list_qos2_inbound(record.client_id)
+            session.inbound_qos2 = self.store.qos2_inbound(record.client_id)
             self.sessions[record.client_id] = session
             if record.expiry_interval != NEVER_EXPIRES:
                 remaining = max(0.0, (disconnected + record.expiry_interval * 1000 - now) / 1000)
@@ -340,10 +345,7 @@ class MqttService:
         if not session.durable or self.store is None:
             return
         try:
-            if present:
-                self.store.add_qos2_inbound(session.client_id, packet_id)
-            else:
-                self.store.remove_qos2_inbound(session.client_id, packet_id)
+            self.store.remember_qos2(session.client_id, packet_id, present)
         except Exception:
             log.exception("could not save QoS 2 state of %r", session.client_id)
 
@@ -402,5 +404,5 @@ class MqttService:
     def _publish_sys(self) -> None:
         for name, value in self.sys_values().items():
             message = Message(f"$SYS/broker/{name}", value.encode(), 0, True, producer_protocol="sys")
-            self.broker.publish(message)
+            self.edge.publish(message)
         self._sys_handle = self.loop.call_later(self.settings.sys_interval, self._publish_sys)
