@@ -32,12 +32,14 @@ class Admin:
 
     # ---------------------------------------------------------------- streams
     async def create_stream(
-        self, name: str, *, partitions: int = 1, mode: Mode | str = Mode.NON_RELIABLE,
+        self, name: str, *, partitions: int = 1, mode: Mode | str | None = None,
         schema: Schema | str = Schema.BYTES, retention_ms: int | None = None,
         retention_bytes: int | None = None, routes: list[str] | None = None,
     ) -> StreamInfo:
-        """Create a stream; it receives topic `name` and `name/#` unless `routes` say otherwise."""
-        spec = pb.StreamSpec(name=name, partitions=partitions, mode=Mode(mode).to_pb(),
+        """Create a stream; it receives topic `name` and `name/#` unless `routes` say otherwise.
+        Without `mode` the broker's `default_stream_mode` applies (reliable unless configured)."""
+        spec = pb.StreamSpec(name=name, partitions=partitions,
+                             mode=Mode(mode).to_pb() if mode is not None else pb.DISPATCH_MODE_UNSPECIFIED,
                              schema=Schema(schema).to_pb(), routes=routes or [])
         if retention_ms is not None:
             spec.retention_ms = retention_ms

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 from ..storage.interfaces import ArchiveSource, LatencyHistogram, ShardStorage, StorageError
@@ -26,9 +26,19 @@ from .errors import (
     SubscriptionNotFound,
 )
 from .message import Message, now_ms
+from .placement import Fanout, ShardPlacement
 from .retained import RetainedStore
 from .schemas import check_payload
-from .streams import DispatchMode, RoutingRule, Schema, Shard, Stream, StreamConfig, StreamRouter
+from .streams import (
+    DispatchMode,
+    RoutingRule,
+    Schema,
+    Shard,
+    Stream,
+    StreamConfig,
+    StreamRouter,
+    TopologySink,
+)
 from .subscriptions import Consumer, Subscription, SubscriptionType
 from .trie import TopicTrie
 
@@ -94,6 +104,9 @@ class Broker:
         self._trie: TopicTrie[Subscription] = TopicTrie()
         self._match_cache: dict[str, Matches] = {}
         self._topic_stream_cache: dict[str, Stream] = {}
+        # Told of stream and route changes (the composition root persists them); set once the
+        # streams of the configuration exist.
+        self.topology_sink: TopologySink | None = None
         default = default_stream or StreamConfig("default")
         self.router = StreamRouter(default.name)
         self.create_stream(default)
@@ -108,6 +121,11 @@ class Broker:
         # Told when a subscription is removed (the composition root forgets durable ones).
         self.on_subscription_removed: Callable[[Subscription], None] | None = None
         self.delayed = DelayedDelivery(None, self.publish)
+        # Cluster mode only (None on a single node): where shards are served, which other
+        # nodes want a stored message, and who is told when local subscriptions change.
+        self.placement: ShardPlacement | None = None
+        self.fanout: Fanout | None = None
+        self.on_routes_changed: Callable[[], None] | None = None
 
     # ---------------------------------------------------------------- streams and routing
     @property
@@ -138,9 +156,24 @@ class Broker:
             shards.append(Shard(config.name, index, shard_log))
         stream = Stream(config, shards)
         self._streams[config.name] = stream
+        if self.topology_sink is not None:
+            self.topology_sink.stream_saved(config)
         for pattern in routes or ():
             self.add_route(RoutingRule(pattern, config.name))
         self._topic_stream_cache.clear()
+        return stream
+
+    def update_stream(
+        self, name: str, *, retention_ms: int | None = None, retention_bytes: int | None = None
+    ) -> Stream:
+        """Change a stream's retention (0 removes a limit; None leaves it)."""
+        stream = self.stream(name)
+        if retention_ms is not None:
+            stream.config.retention_ms = retention_ms or None
+        if retention_bytes is not None:
+            stream.config.retention_bytes = retention_bytes or None
+        if self.topology_sink is not None:
+            self.topology_sink.stream_saved(stream.config)
         return stream
 
     def delete_stream(self, name: str) -> None:
@@ -150,6 +183,8 @@ class Broker:
         del self._streams[name]
         self.router.remove_stream(name)
         self._topic_stream_cache.clear()
+        if self.topology_sink is not None:
+            self.topology_sink.stream_deleted(name)
         if self.storage is not None and stream.reliable:
             for shard in stream.shards:
                 self.storage.delete_shard(name, shard.index)
@@ -158,6 +193,16 @@ class Broker:
         self.stream(rule.stream)
         self.router.add_rule(rule)
         self._topic_stream_cache.clear()
+        if self.topology_sink is not None:
+            self.topology_sink.route_saved(rule)
+
+    def remove_route(self, topic_filter: str) -> bool:
+        """Remove the routing rule of `topic_filter`; whether there was one."""
+        removed = self.router.remove_rule(topic_filter)
+        self._topic_stream_cache.clear()
+        if removed and self.topology_sink is not None:
+            self.topology_sink.route_removed(topic_filter)
+        return removed
 
     def stream_for_topic(self, topic: str) -> Stream:
         stream = self._topic_stream_cache.get(topic)
@@ -215,6 +260,8 @@ class Broker:
         if new:
             self._trie.add(topic_filter, sub)
             self._match_cache.clear()
+            if self.on_routes_changed is not None:
+                self.on_routes_changed()
         return new
 
     def remove_filter(self, sub: Subscription, topic_filter: str) -> bool:
@@ -223,6 +270,8 @@ class Broker:
         del sub.filters[topic_filter]
         self._trie.remove(topic_filter, sub)
         self._match_cache.clear()
+        if self.on_routes_changed is not None:
+            self.on_routes_changed()
         return True
 
     def remove_subscription(self, name: str) -> Subscription | None:
@@ -236,14 +285,20 @@ class Broker:
                 self._trie.remove(topic_filter, sub)
             sub.filters.clear()
             self._match_cache.clear()
+            if self.on_routes_changed is not None:
+                self.on_routes_changed()
         return sub
 
     def attach(self, sub: Subscription, consumer: Consumer) -> None:
         sub.attach(consumer)
         sub.wake()
+        if self.on_routes_changed is not None:
+            self.on_routes_changed()
 
     def detach(self, sub: Subscription, consumer: Consumer) -> None:
         sub.detach(consumer)
+        if self.on_routes_changed is not None:
+            self.on_routes_changed()
 
     @property
     def subscription_count(self) -> int:
@@ -287,6 +342,9 @@ class Broker:
         stats.in_by_stream[name] += 1
         stats.bytes_in_by_stream[name] += size
         message.shard = shard.index
+        placement = self.placement
+        if placement is not None and not placement.serves(name, shard.index):
+            return placement.forward(message)
         if message.retain:
             self._retain(message)
         shard_log = shard.log
@@ -334,14 +392,27 @@ class Broker:
                 if isinstance(sub, DurableSubscription):
                     sub.clamp(shard.stream, shard.index, shard.next_offset)
 
-    def dispatch(self, message: Message) -> int:
-        """Hand a stored message to each matching subscription; returns how many took it."""
+    def dispatch(self, message: Message, share_groups: Container[str] | None = None) -> int:
+        """Hand a stored message to each matching subscription; returns how many took it.
+
+        In a cluster the fanout first pushes it to the other nodes that want it. A message
+        pushed here by its shard's owner comes with `share_groups`: the shared subscriptions
+        chosen on this node (the other shared ones were served elsewhere)."""
         matches = self.match(message.topic)
+        fanout = self.fanout
+        if fanout is not None and share_groups is None:
+            share_groups = fanout.push(message, matches)
         if not matches:
             self.stats.messages_without_subscriber += 1
             return 0
         delivered = 0
         for sub, filters in matches:
+            if (
+                share_groups is not None
+                and sub.type is SubscriptionType.SHARED
+                and sub.name not in share_groups
+            ):
+                continue
             if sub.durable:
                 sub.offer(message, filters)  # type: ignore[attr-defined]
                 delivered += 1

@@ -31,3 +31,8 @@ class PublishRejected(CoreError):
 
 class SchemaMismatch(PublishRejected):
     """The payload does not fit the stream's schema."""
+
+
+class ShardUnavailable(PublishRejected):
+    """The shard is served by another node that cannot take the message now (no owner while
+    the shard map changes, owner unreachable, ownership moved): the client may retry."""

@@ -12,6 +12,7 @@ import re
 import zlib
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
 from ..storage.interfaces import ShardLog
 from .errors import InvalidStreamConfig
@@ -100,6 +101,19 @@ class Stream:
             return self.shards[0]
         basis = key if key is not None else topic.encode()
         return self.shards[zlib.crc32(basis) % len(self.shards)]
+
+
+class TopologySink(Protocol):
+    """Told of every change to streams and routing rules made after start-up (the composition
+    root keeps them in the metadata store, so they survive a restart)."""
+
+    def stream_saved(self, config: StreamConfig) -> None: ...
+
+    def stream_deleted(self, name: str) -> None: ...
+
+    def route_saved(self, rule: RoutingRule) -> None: ...
+
+    def route_removed(self, topic_filter: str) -> None: ...
 
 
 class StreamRouter:

@@ -1,10 +1,13 @@
-"""Regenerate the Python stubs of `shardgate.proto` with grpcio-tools.
+"""Regenerate the Python stubs of the `.proto` files with grpcio-tools.
+
+`shardgate.proto` is the public API (clients, the SDK); `cluster.proto` is the internal link
+between the nodes of a cluster.
 
 The stubs are committed (so installing Shardgate needs no code generation and readers can see
 them); `tests/unit/test_grpc_stubs.py` regenerates into a temporary directory and fails when the
 committed files differ. Run `python proto/generate.py` after editing the `.proto`.
 
-protoc writes `import shardgate_pb2` into the gRPC stub, which only works with `proto/` on
+protoc writes `import shardgate_pb2` into a gRPC stub, which only works with `proto/` on
 sys.path; this script rewrites it to the package import `from shardgate.proto import ...`.
 """
 
@@ -14,35 +17,47 @@ import sys
 from pathlib import Path
 
 PROTO_DIR = Path(__file__).resolve().parent
-PROTO_FILE = "shardgate.proto"
-GENERATED = ("shardgate_pb2.py", "shardgate_pb2.pyi", "shardgate_pb2_grpc.py")
-BARE_IMPORT = "import shardgate_pb2 as shardgate__pb2"
-PACKAGE_IMPORT = "from shardgate.proto import shardgate_pb2 as shardgate__pb2"
+PROTO_FILES = ("shardgate.proto", "cluster.proto")
+
+
+def _generated(stem: str) -> tuple[str, str, str]:
+    return (f"{stem}_pb2.py", f"{stem}_pb2.pyi", f"{stem}_pb2_grpc.py")
+
+
+def _imports(stem: str) -> tuple[str, str]:
+    """The import protoc writes into the gRPC stub, and the package import it becomes."""
+    alias = stem.replace("_", "__") + "__pb2"
+    return f"import {stem}_pb2 as {alias}", f"from shardgate.proto import {stem}_pb2 as {alias}"
 
 
 def generate(out_dir: Path) -> list[Path]:
-    """Write the stubs of `shardgate.proto` into `out_dir`; returns the files written."""
+    """Write the stubs of every `.proto` into `out_dir`; returns the files written."""
     from grpc_tools import protoc  # a build/test dependency only
 
     out_dir.mkdir(parents=True, exist_ok=True)
     include = Path(protoc.__file__).resolve().parent / "_proto"
-    code = protoc.main([
-        "grpc_tools.protoc",
-        f"-I{PROTO_DIR}",
-        f"-I{include}",
-        f"--python_out={out_dir}",
-        f"--pyi_out={out_dir}",
-        f"--grpc_python_out={out_dir}",
-        str(PROTO_DIR / PROTO_FILE),
-    ])
-    if code != 0:
-        raise RuntimeError(f"protoc failed with exit code {code}")
-    grpc_stub = out_dir / "shardgate_pb2_grpc.py"
-    text = grpc_stub.read_text()
-    if BARE_IMPORT not in text:
-        raise RuntimeError(f"expected {BARE_IMPORT!r} in the generated gRPC stub")
-    grpc_stub.write_text(text.replace(BARE_IMPORT, PACKAGE_IMPORT))
-    return [out_dir / name for name in GENERATED]
+    written: list[Path] = []
+    for proto_file in PROTO_FILES:
+        stem = proto_file.removesuffix(".proto")
+        code = protoc.main([
+            "grpc_tools.protoc",
+            f"-I{PROTO_DIR}",
+            f"-I{include}",
+            f"--python_out={out_dir}",
+            f"--pyi_out={out_dir}",
+            f"--grpc_python_out={out_dir}",
+            str(PROTO_DIR / proto_file),
+        ])
+        if code != 0:
+            raise RuntimeError(f"protoc failed on {proto_file} with exit code {code}")
+        bare_import, package_import = _imports(stem)
+        grpc_stub = out_dir / f"{stem}_pb2_grpc.py"
+        text = grpc_stub.read_text()
+        if bare_import not in text:
+            raise RuntimeError(f"expected {bare_import!r} in the generated gRPC stub")
+        grpc_stub.write_text(text.replace(bare_import, package_import))
+        written += [out_dir / name for name in _generated(stem)]
+    return written
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from .core.broker import Broker
 from .core.edge import Edge
 from .core.errors import CoreError
 from .core.streams import RoutingRule, StreamConfig
-from .persistence import Persistence
+from .persistence import MetadataTopologySink, Persistence, stream_config
 from .protocols.mqtt.server import start_tcp_listener, start_websocket_listener
 from .protocols.mqtt.service import MqttService
 from .storage.interfaces import StorageError
@@ -27,6 +27,15 @@ from .storage.metadata.ports import MetadataPorts
 log = logging.getLogger(__name__)
 
 SYS_STREAM = "sys"
+
+
+def _definition(config: StreamConfig) -> str:
+    parts = [config.mode.value, f"{config.partitions} partitions", f"schema {config.schema.value}"]
+    if config.retention_ms is not None:
+        parts.append(f"retention_ms {config.retention_ms}")
+    if config.retention_bytes is not None:
+        parts.append(f"retention_bytes {config.retention_bytes}")
+    return "(" + ", ".join(parts) + ")"
 
 
 @dataclass
@@ -88,24 +97,60 @@ class Shardgate:
         broker = Broker(storage=self.journal, default_stream=default)
         broker.create_stream(StreamConfig(SYS_STREAM, mode="non-reliable"))
         broker.add_route(RoutingRule("$SYS/#", SYS_STREAM))
+        declared_routes: dict[str, str] = {}
         for entry in config.streams:
-            stream_config = StreamConfig(
+            declared = StreamConfig(
                 entry.name, mode=entry.mode, partitions=entry.partitions, schema=entry.schema,
                 retention_ms=entry.retention_ms, retention_bytes=entry.retention_bytes,
             )
-            broker.create_stream(stream_config, routes=entry.routes or [entry.name, f"{entry.name}/#"])
-        declared = {entry.name for entry in config.streams} | {"default", SYS_STREAM}
-        for record in self.metadata.list_streams():
-            if record.name in declared:
-                continue
-            broker.create_stream(StreamConfig(
-                record.name, mode=record.mode, partitions=record.partitions, schema=record.schema,
-                retention_ms=record.retention_ms, retention_bytes=record.retention_bytes,
-            ))
-        for route in self.metadata.list_routes():
-            if route.stream in broker.streams:
-                broker.add_route(RoutingRule(route.pattern, route.stream))
+            routes = entry.routes or [entry.name, f"{entry.name}/#"]
+            broker.create_stream(declared, routes=routes)
+            declared_routes.update(dict.fromkeys(routes, entry.name))
+        self._restore_runtime_topology(broker, declared_routes)
+        # From here on, every stream and route change is written to the metadata store.
+        broker.topology_sink = MetadataTopologySink(self.metadata)
         return broker
+
+    def _restore_runtime_topology(self, broker: Broker, declared_routes: dict[str, str]) -> None:
+        """Bring back the streams and routes created at run time (CLI, gRPC Admin), kept in
+        the metadata store. The rule when both define the same name: the configuration file
+        wins for the streams and route patterns it declares; the stored definition is set
+        aside (and kept in the store) with a warning."""
+        assert self.metadata is not None
+        builtin = {broker.router.default_stream, SYS_STREAM}
+        for record in self.metadata.list_streams():
+            if record.name in builtin:
+                continue
+            try:
+                stored = stream_config(record)
+            except (CoreError, ValueError) as exc:
+                log.error("stream %r in the metadata store is unusable (%s); skipped", record.name, exc)
+                continue
+            existing = broker.streams.get(record.name)
+            if existing is None:
+                broker.create_stream(stored)
+                log.info("restored stream %r (%s, %d partitions) created at run time",
+                         stored.name, stored.mode.value, stored.partitions)
+            elif _definition(existing.config) != _definition(stored):
+                log.warning(
+                    "stream %r is declared in the configuration file and was also created or "
+                    "changed at run time; the configuration file wins: using %s, not the stored %s",
+                    record.name, _definition(existing.config), _definition(stored),
+                )
+        for route in self.metadata.list_routes():
+            owner = declared_routes.get(route.pattern)
+            if owner is not None:
+                if owner != route.stream:
+                    log.warning(
+                        "route %r goes to stream %r in the configuration file and to %r at run "
+                        "time; the configuration file wins", route.pattern, owner, route.stream,
+                    )
+                continue
+            if route.stream not in broker.streams:
+                log.warning("route %r in the metadata store names stream %r, which does not "
+                            "exist; skipped", route.pattern, route.stream)
+                continue
+            broker.add_route(RoutingRule(route.pattern, route.stream))
 
     async def start(self) -> None:
         config = self.config

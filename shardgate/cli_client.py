@@ -199,10 +199,10 @@ async def _sub(client: Client, args: argparse.Namespace) -> int:
     credit = max(1, min(args.count or 1000, 1000))
     if args.stream:
         consumer = client.consumer(name, stream=args.target, type=args.type, position=position,
-                                   credit=credit)
+                                   credit=credit, durable=args.durable)
     else:
         consumer = client.consumer(name, [args.target], type=args.type, position=position,
-                                   credit=credit)
+                                   credit=credit, durable=args.durable)
     await consumer.subscribe()
     received = 0
     try:
@@ -350,7 +350,8 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
     create = streams_sub.add_parser("create", parents=[common], help="create a stream")
     create.add_argument("name")
     create.add_argument("--partitions", type=int, default=1)
-    create.add_argument("--mode", choices=["reliable", "non-reliable"], default="non-reliable")
+    create.add_argument("--mode", choices=["reliable", "non-reliable"], default=None,
+                        help="default: the broker's default_stream_mode (reliable unless configured)")
     create.add_argument("--schema", choices=["bytes", "string", "int64", "json"], default="bytes")
     create.add_argument("--retention-ms", type=int)
     create.add_argument("--retention-bytes", type=int)
@@ -386,7 +387,12 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
     sub.add_argument("--subscription", "-s", default=None,
                      help="subscription name (default: a new one for this command)")
     sub.add_argument("--type", choices=["exclusive", "shared", "failover"], default="exclusive")
-    sub.add_argument("--position", choices=["earliest", "latest"], default="latest")
+    sub.add_argument("--position", choices=["earliest", "latest"], default="latest",
+                     help="where to start: earliest replays what the streams hold (archive, "
+                          "journal) before the live tail")
+    sub.add_argument("--durable", action="store_true",
+                     help="keep the subscription and its position after this command exits; "
+                          "the next `sub` with the same --subscription resumes from there")
     sub.add_argument("--count", "-n", type=int, help="exit after N messages")
     sub.add_argument("--timeout", type=float, help="exit after this many idle seconds")
     sub.add_argument("--int64", action="store_true", help="print 8-byte payloads as integers")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +158,79 @@ def _coerce(value: Any, current: Any, name: str, annotation: str) -> Any:
     return value
 
 
+# Settings that take one of a few words: dotted name -> allowed values.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "log_level": ("debug", "info", "warning", "error"),
+    "default_stream_mode": ("reliable", "non-reliable"),
+    "journal.fsync": ("always", "interval", "os"),
+    "streams.mode": ("reliable", "non-reliable"),
+    "streams.schema": ("bytes", "string", "int64", "json"),
+}
+
+
+def _check_choice(name: str, value: Any, source: str) -> None:
+    allowed = CHOICES.get(name)
+    if allowed is not None and value not in allowed:
+        raise ConfigError(f"{source}: {name} = {value!r} is not allowed; use one of {' | '.join(allowed)}")
+
+
+def _entries(key: str, value: Any, cls: type, path: Path) -> list[Any]:
+    """The `[[key]]` array of tables of a config file as `cls` instances, every mistake named
+    by the setting, the entry and the file, with the allowed names or values."""
+    if not isinstance(value, list) or not all(isinstance(entry, dict) for entry in value):
+        raise ConfigError(f"{path}: {key} must be an array of tables ([[{key}]])")
+    known = {f.name: f for f in fields(cls)}
+    required = [f.name for f in fields(cls)
+                if f.default is MISSING and f.default_factory is MISSING]  # type: ignore[misc]
+    entries = []
+    for number, entry in enumerate(value, 1):
+        label = f"{path}: [[{key}]] #{number}"
+        if isinstance(entry.get("name"), str):
+            label += f" ({entry['name']!r})"
+        unknown = sorted(set(entry) - set(known))
+        if unknown:
+            raise ConfigError(f"{label}: unknown setting {unknown[0]!r}; the settings of "
+                              f"[[{key}]] are {', '.join(known)}")
+        missing = [name for name in required if name not in entry]
+        if missing:
+            raise ConfigError(f"{label}: {missing[0]!r} is required")
+        values = {}
+        for name, raw in entry.items():
+            dotted = f"{key}.{name}"
+            annotation = str(known[name].type)
+            if annotation.startswith("list"):
+                if not isinstance(raw, list) or not all(isinstance(item, str) for item in raw):
+                    raise ConfigError(f"{label}: {name} must be a list of strings, got {raw!r}")
+                values[name] = raw
+                continue
+            values[name] = _coerce(raw, known[name].default if known[name].default is not MISSING
+                                   else None, f"{label}: {name}", annotation)
+            expected = (int,) if annotation.startswith("int") else (
+                (int, float) if annotation.startswith("float") else
+                (bool,) if annotation == "bool" else (str,) if annotation.startswith("str") else None)
+            if expected and values[name] is not None and (
+                not isinstance(values[name], expected)
+                or (isinstance(values[name], bool) and bool not in expected)
+            ):
+                raise ConfigError(f"{label}: {name} must be {_kind(annotation)}, got {raw!r}")
+            try:
+                _check_choice(dotted, values[name], label)
+            except ConfigError as exc:
+                raise ConfigError(str(exc).replace(f"{dotted} =", f"{name} =")) from None
+        entries.append(cls(**values))
+    return entries
+
+
+def _kind(annotation: str) -> str:
+    if annotation.startswith("int"):
+        return "an integer"
+    if annotation.startswith("float"):
+        return "a number"
+    if annotation == "bool":
+        return "true or false"
+    return "a string"
+
+
 def _set(config: Config, path: tuple[str, ...], value: Any, source: str) -> None:
     target: Any = config
     for part in path[:-1]:
@@ -169,7 +242,10 @@ def _set(config: Config, path: tuple[str, ...], value: Any, source: str) -> None
     if key not in known:
         raise ConfigError(f"{source}: unknown setting {'.'.join(path)!r}")
     annotation = str(known[key].type)
-    setattr(target, key, _coerce(value, getattr(target, key), ".".join(path), annotation))
+    coerced = _coerce(value, getattr(target, key), ".".join(path), annotation)
+    _check_choice(".".join(path), coerced.lower() if path == ("log_level",) and isinstance(coerced, str)
+                  else coerced, source)
+    setattr(target, key, coerced)
 
 
 def load_config(
@@ -187,30 +263,15 @@ def load_config(
             raise ConfigError(f"config file {path}: {exc}") from None
         for key, value in data.items():
             if key == "streams":
-                if not isinstance(value, list):
-                    raise ConfigError("streams must be an array of tables ([[streams]])")
-                try:
-                    config.streams = [StreamEntry(**entry) for entry in value]
-                except TypeError as exc:
-                    raise ConfigError(f"streams: {exc}") from None
+                config.streams = _entries(key, value, StreamEntry, path)
             elif key == "bridges":
                 from .bridge import BridgeSettings  # imports amqtt: only when configured
 
-                if not isinstance(value, list):
-                    raise ConfigError("bridges must be an array of tables ([[bridges]])")
-                try:
-                    config.bridges = [BridgeSettings(**entry) for entry in value]
-                except TypeError as exc:
-                    raise ConfigError(f"bridges: {exc}") from None
+                config.bridges = _entries(key, value, BridgeSettings, path)
             elif key == "amqp_bridges":
                 from .amqp_bridge import AmqpBridgeSettings
 
-                if not isinstance(value, list):
-                    raise ConfigError("amqp_bridges must be an array of tables ([[amqp_bridges]])")
-                try:
-                    config.amqp_bridges = [AmqpBridgeSettings(**entry) for entry in value]
-                except TypeError as exc:
-                    raise ConfigError(f"amqp_bridges: {exc}") from None
+                config.amqp_bridges = _entries(key, value, AmqpBridgeSettings, path)
             elif key in SECTIONS:
                 if not isinstance(value, dict):
                     raise ConfigError(f"{key} must be a table")

@@ -1,5 +1,5 @@
 """Wiring the core's persistence hooks to the metadata store: cursors saved in batches,
-retained messages, and streams declared at run time."""
+retained messages, and streams and routes declared at run time (CLI, gRPC Admin)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,14 @@ from typing import Any
 from .core.broker import Broker
 from .core.durable import DurableSubscription
 from .core.message import Message, message_from_record, now_ms
+from .core.streams import RoutingRule, StreamConfig
 from .core.subscriptions import SubscriptionType
-from .storage.metadata import MetadataStore, SubscriptionRecord
+from .storage.metadata import (
+    MetadataStore,
+    RouteRecord,
+    StreamRecord,
+    SubscriptionRecord,
+)
 from .storage.metadata.ports import MetadataPorts
 from .storage.records import decode_message, encode_message
 
@@ -20,6 +26,41 @@ log = logging.getLogger(__name__)
 
 CURSOR_SAVE_INTERVAL_S = 0.2
 RETENTION_EVERY_TICKS = 50  # every 10 s
+
+
+def stream_record(config: StreamConfig, created_ms: int | None = None) -> StreamRecord:
+    return StreamRecord(
+        config.name, config.mode.value, config.partitions, config.retention_ms,
+        config.retention_bytes, config.schema.value, None, created_ms or now_ms(),
+    )
+
+
+def stream_config(record: StreamRecord) -> StreamConfig:
+    return StreamConfig(
+        record.name, mode=record.mode, partitions=record.partitions, schema=record.schema,
+        retention_ms=record.retention_ms, retention_bytes=record.retention_bytes,
+    )
+
+
+class MetadataTopologySink:
+    """Writes streams and routing rules created, changed or deleted at run time to the
+    metadata store at once (an admin call answers only after its change is stored)."""
+
+    def __init__(self, store: MetadataStore) -> None:
+        self.store = store
+
+    def stream_saved(self, config: StreamConfig) -> None:
+        existing = self.store.get_stream(config.name)
+        self.store.put_stream(stream_record(config, existing.created_ms if existing else None))
+
+    def stream_deleted(self, name: str) -> None:
+        self.store.delete_stream(name)
+
+    def route_saved(self, rule: RoutingRule) -> None:
+        self.store.put_route(RouteRecord(rule.topic_filter, rule.stream, 0))
+
+    def route_removed(self, topic_filter: str) -> None:
+        self.store.delete_route(topic_filter)
 
 
 class Persistence:
@@ -82,6 +123,8 @@ class Persistence:
         session) whose definition changed."""
         for sub in list(self.broker.subscriptions.values()):
             if not isinstance(sub, DurableSubscription) or sub.name.startswith("mqtt:"):
+                continue
+            if getattr(sub.owner, "transient", False):  # a non-durable replay: never saved
                 continue
             signature = (sub.type.value, tuple(sorted(sub.filters)))
             if self._saved.get(sub.name) == signature:

@@ -38,6 +38,10 @@ class GrpcSubscriptionState:
     # matched the filters but were stored in another stream are skipped.
     stream: str | None = None
     created_at: float = field(default_factory=lambda: now_ms() / 1000)
+    # A non-durable subscription that asked for a start position (earliest, an offset, a
+    # time): it replays through cursors (archive, journal, live tail) like a durable one, but
+    # nothing of it is saved and it ends when its last consumer leaves.
+    transient: bool = False
 
     # The kind under which a saved subscription finds its owner again after a restart
     # (`Edge.owner_factories`).

@@ -301,7 +301,7 @@ class GrpcServer:
 
     def subscription_info(self, sub: Subscription) -> pb.SubscriptionInfo:
         info = pb.SubscriptionInfo(
-            name=sub.name, type=SUB_TYPES_OUT[sub.type], durable=sub.durable,
+            name=sub.name, type=SUB_TYPES_OUT[sub.type], durable=sub.durable and not _transient(sub),
             topic_filters=list(sub.filters), protocol=_protocol_of(sub),
         )
         active = sub.active_consumer
@@ -588,8 +588,14 @@ class ConsumerService(pb_grpc.ConsumerServicer):
                 )
             sub = existing
         else:
-            state = GrpcSubscriptionState(stream=stream_name)
-            sub = broker.subscription(name, sub_type, durable=request.durable, owner=state)
+            replay = (not request.durable and request.HasField("position")
+                      and request.position.WhichOneof("position") not in (None, "latest"))
+            state = GrpcSubscriptionState(stream=stream_name, transient=replay)
+            if replay:
+                sub = broker.durable_subscription(name, sub_type, owner=state)
+                sub.sink = None  # its cursors are not saved: it ends with its consumers
+            else:
+                sub = broker.subscription(name, sub_type, durable=request.durable, owner=state)
         consumer = GrpcConsumer(
             sub, request.consumer_name, peer,
             credit=request.credit or settings.default_credit,
@@ -697,10 +703,14 @@ class ConsumerService(pb_grpc.ConsumerServicer):
             for other in list(sub.consumers):
                 if isinstance(other, GrpcConsumer):
                     other.wakeup.set()  # a Failover standby may be active now
-        elif not sub.durable and broker.subscriptions.get(sub.name) is sub:
+        elif (not sub.durable or _transient(sub)) and broker.subscriptions.get(sub.name) is sub:
             broker.remove_subscription(sub.name)
         elif sub.durable:
             hand_over(sub, left)
+
+
+def _transient(sub: Subscription) -> bool:
+    return bool(getattr(sub.owner, "transient", False))
 
 
 # ---------------------------------------------------------------------------- Admin
@@ -730,6 +740,9 @@ class AdminService(pb_grpc.AdminServicer):
     @_unary
     def CreateStream(self, request: pb.StreamSpec) -> pb.StreamInfo:
         mode = MODES.get(request.mode)
+        if request.mode == pb.DISPATCH_MODE_UNSPECIFIED:
+            # One default everywhere: the broker's `default_stream_mode`, the default stream's.
+            mode = self.broker.stream(self.broker.router.default_stream).config.mode
         schema = SCHEMAS.get(request.schema)
         if mode is None or schema is None:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "unknown dispatch mode or schema")
@@ -761,10 +774,12 @@ class AdminService(pb_grpc.AdminServicer):
         stream = self.broker.stream(request.name)
         for route in request.add_routes:
             self.broker.add_route(RoutingRule(route, request.name))
-        if request.HasField("retention_ms"):
-            stream.config.retention_ms = request.retention_ms or None
-        if request.HasField("retention_bytes"):
-            stream.config.retention_bytes = request.retention_bytes or None
+        if request.HasField("retention_ms") or request.HasField("retention_bytes"):
+            stream = self.broker.update_stream(
+                request.name,
+                retention_ms=request.retention_ms if request.HasField("retention_ms") else None,
+                retention_bytes=request.retention_bytes if request.HasField("retention_bytes") else None,
+            )
         return self.server.stream_info(stream)
 
     @_unary
@@ -783,13 +798,8 @@ class AdminService(pb_grpc.AdminServicer):
 
     @_unary
     def RemoveRoute(self, request: pb.Route) -> pb.Empty:
-        router = self.broker.router
-        if not any(rule.topic_filter == request.topic_filter for rule in router.rules):
+        if not self.broker.remove_route(request.topic_filter):
             raise Refusal(grpc.StatusCode.NOT_FOUND, f"no route for {request.topic_filter!r}")
-        router.remove_rule(request.topic_filter)
-        cache = getattr(self.broker, "_topic_stream_cache", None)
-        if isinstance(cache, dict):
-            cache.clear()
         return pb.Empty()
 
     @_unary

@@ -53,7 +53,7 @@ def test_streams_create_list_describe_delete(url: str) -> None:
     assert "created stream orders" in created.stdout
     listed = run(url, "streams", "list")
     assert listed.stdout.splitlines()[0].split()[:3] == ["NAME", "MODE", "PARTITIONS"]
-    assert any(line.split()[:4] == ["orders", "non-reliable", "2", "json"]
+    assert any(line.split()[:4] == ["orders", "reliable", "2", "json"]
                for line in listed.stdout.splitlines())
     described = json.loads(run(url, "streams", "describe", "orders", "--json").stdout)
     assert [shard["index"] for shard in described["shards"]] == [0, 1]

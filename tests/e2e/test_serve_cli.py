@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import BrokerProcess
 
 
@@ -47,3 +49,26 @@ def test_bad_configuration_is_a_clear_error(tmp_path: Path) -> None:
     unknown.write_text("[mqtt]\nno_such_setting = 1\n")
     result = serve(tmp_path / "data", "--config", str(unknown))
     assert result.returncode == 2 and "no_such_setting" in result.stderr
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ('[[bridges]]\nname = "cloud"\nremote = "mqtt://127.0.0.1:1"\noutt = ["a/#"]\n',
+     ["[[bridges]] #1 ('cloud')", "unknown setting 'outt'", "out, inbound"]),
+    ('[[streams]]\nname = "pc"\nmode = "durable"\n',
+     ["[[streams]] #1 ('pc')", "mode = 'durable'", "reliable | non-reliable"]),
+    ('[[streams]]\nname = "pc"\npartitions = "many"\n', ["partitions", "integer"]),
+    ('[[amqp_bridges]]\nname = "rabbit"\n', ["[[amqp_bridges]] #1 ('rabbit')", "'remote' is required"]),
+    ('default_stream_mode = "durable"\n', ["default_stream_mode = 'durable'", "reliable | non-reliable"]),
+    ('[journal]\nfsync = "sometimes"\n', ["journal.fsync", "always | interval | os"]),
+])
+def test_config_errors_name_the_setting_the_file_and_the_allowed_values(
+    tmp_path: Path, text: str, expected: list[str],
+) -> None:
+    config = tmp_path / "shardgate.toml"
+    config.write_text(text)
+    result = serve(tmp_path / "data", "--config", str(config))
+    assert result.returncode == 2, result.stderr
+    assert str(config) in result.stderr
+    for part in expected:
+        assert part in result.stderr
+    assert "__init__" not in result.stderr and "not a valid" not in result.stderr

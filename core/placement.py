@@ -1,0 +1,44 @@
+"""What the core asks of a cluster, when it runs in one: where a shard is served, and which
+other nodes want a stored message.
+
+A single node has neither (`Broker.placement` and `Broker.fanout` stay None and the core
+behaves as it always did). In a cluster the data plane (`shardgate.cluster`) implements both:
+the core only calls them, and knows nothing of peers, links or etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Container
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from .message import Message
+    from .subscriptions import Subscription
+
+
+class ShardPlacement(Protocol):
+    """Decides whether a publish is stored here or forwarded to the shard's owner."""
+
+    def serves(self, stream: str, shard: int) -> bool:
+        """True when this node owns `stream`/`shard` now and stores its messages itself."""
+        ...
+
+    def forward(self, message: Message) -> asyncio.Future[None]:
+        """Send `message` (stream and shard set) to the shard's owner. The future resolves once
+        the owner holds it under the stream's durability policy (`message.offset` is set
+        then), or fails with `PublishRejected` (`ShardUnavailable` when the client may retry).
+        Must not block or await."""
+        ...
+
+
+class Fanout(Protocol):
+    """Pushes a message stored on this node to the other nodes whose clients want it."""
+
+    def push(
+        self, message: Message, local: list[tuple[Subscription, tuple[str, ...]]]
+    ) -> Container[str] | None:
+        """Push `message` to every other interested node, once each; `local` is what matched
+        here. Returns the names of the local shared subscriptions that should take it (the
+        others were given to other nodes), or None when every local match takes it."""
+        ...

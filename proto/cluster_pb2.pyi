@@ -1,0 +1,97 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class OutcomeCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STORED: _ClassVar[OutcomeCode]
+    NOT_OWNER: _ClassVar[OutcomeCode]
+    REJECTED: _ClassVar[OutcomeCode]
+    FAILED: _ClassVar[OutcomeCode]
+STORED: OutcomeCode
+NOT_OWNER: OutcomeCode
+REJECTED: OutcomeCode
+FAILED: OutcomeCode
+
+class PeerFrame(_message.Message):
+    __slots__ = ("sequence", "from_node", "forwards", "pushes", "routes")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    FROM_NODE_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    from_node: str
+    forwards: _containers.RepeatedCompositeFieldContainer[Forward]
+    pushes: _containers.RepeatedCompositeFieldContainer[Push]
+    routes: RouteUpdate
+    def __init__(self, sequence: _Optional[int] = ..., from_node: _Optional[str] = ..., forwards: _Optional[_Iterable[_Union[Forward, _Mapping]]] = ..., pushes: _Optional[_Iterable[_Union[Push, _Mapping]]] = ..., routes: _Optional[_Union[RouteUpdate, _Mapping]] = ...) -> None: ...
+
+class Forward(_message.Message):
+    __slots__ = ("stream", "shard", "epoch", "record")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    shard: int
+    epoch: int
+    record: bytes
+    def __init__(self, stream: _Optional[str] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ..., record: _Optional[bytes] = ...) -> None: ...
+
+class Push(_message.Message):
+    __slots__ = ("stream", "shard", "offset", "record", "plain", "share_groups")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_FIELD_NUMBER: _ClassVar[int]
+    SHARE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    shard: int
+    offset: int
+    record: bytes
+    plain: bool
+    share_groups: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, stream: _Optional[str] = ..., shard: _Optional[int] = ..., offset: _Optional[int] = ..., record: _Optional[bytes] = ..., plain: _Optional[bool] = ..., share_groups: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RouteUpdate(_message.Message):
+    __slots__ = ("reset", "added", "removed")
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    added: _containers.RepeatedCompositeFieldContainer[Route]
+    removed: _containers.RepeatedCompositeFieldContainer[Route]
+    def __init__(self, reset: _Optional[bool] = ..., added: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., removed: _Optional[_Iterable[_Union[Route, _Mapping]]] = ...) -> None: ...
+
+class Route(_message.Message):
+    __slots__ = ("topic_filter", "share_group")
+    TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
+    SHARE_GROUP_FIELD_NUMBER: _ClassVar[int]
+    topic_filter: str
+    share_group: str
+    def __init__(self, topic_filter: _Optional[str] = ..., share_group: _Optional[str] = ...) -> None: ...
+
+class PeerReply(_message.Message):
+    __slots__ = ("sequence", "outcomes")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    outcomes: _containers.RepeatedCompositeFieldContainer[Outcome]
+    def __init__(self, sequence: _Optional[int] = ..., outcomes: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ...) -> None: ...
+
+class Outcome(_message.Message):
+    __slots__ = ("code", "offset", "reason")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    code: OutcomeCode
+    offset: int
+    reason: str
+    def __init__(self, code: _Optional[_Union[OutcomeCode, str]] = ..., offset: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,617 @@
+"""The data plane of a cluster: forwarding publishes to shard owners, pushing stored messages
+to the nodes that want them, and telling peers which filters this node's clients hold.
+
+`DataPlane` is what the core sees (`ShardPlacement` and `Fanout`, see `core/placement.py`).
+It serves the internal gRPC port (`PeerLink.Link`, `proto/cluster.proto`) and keeps one
+outgoing `PeerLink` per other live node. A link batches everything queued since its last
+write into one frame (no task and no await per message) and is bounded: past
+`MAX_FORWARDS_IN_FLIGHT` forwarded publishes waiting for their owner, further ones are refused
+with `ShardUnavailable` (the client's retryable error); past `MAX_PUSHES_QUEUED` queued pushes,
+pushes are dropped and counted as a slow subscriber's would be. gRPC's own flow control holds
+the writer back while the peer does not read.
+
+Ownership is the control plane's (`membership.ClusterView`); the owner checks it again for
+every forwarded message and answers `NOT_OWNER` when the map moved, so a message is stored only
+by the node that owns its shard under the current epoch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Container
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+
+from ..core.errors import PublishRejected, ShardUnavailable
+from ..core.subscriptions import Subscription, SubscriptionType
+from ..proto import cluster_pb2 as pb
+from ..proto import cluster_pb2_grpc as pb_grpc
+from ..storage.journal import LatencyHistogram
+from .frames import (
+    RecordFormatError,
+    encode_record,
+    forward_frame,
+    message_from_forward,
+    message_from_push,
+    push_frame,
+    route_update,
+    routes_from_update,
+)
+from .membership import ClusterView, NodeInfo
+from .routes import NOBODY, RemoteRoutes, Route, RouteDelta, diff, local_routes
+
+if TYPE_CHECKING:
+    from ..core.broker import Broker
+    from ..core.message import Message
+
+log = logging.getLogger(__name__)
+
+MAX_FORWARDS_IN_FLIGHT = 20_000
+MAX_PUSHES_QUEUED = 100_000
+FRAME_MAX_MESSAGES = 2_000
+FRAME_MAX_BYTES = 4 << 20
+MAX_GRPC_MESSAGE = 512 << 20
+RECONNECT_MIN_S = 0.05
+RECONNECT_MAX_S = 1.0
+ROUTE_DEBOUNCE_S = 0.02
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
+    ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
+    ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+@dataclass(slots=True)
+class DataPlaneStats:
+    """Counters for metrics (read at scrape time)."""
+
+    forwarded: int = 0  # publishes sent to their shard's owner
+    forward_failures: int = 0  # of those, refused or lost (the client got an error)
+    forwarded_in: int = 0  # publishes other nodes forwarded here
+    pushed: int = 0  # stored messages pushed to other nodes (once per node)
+    pushed_in: int = 0  # messages other nodes pushed here for local subscribers
+    pushes_dropped: int = 0  # pushes dropped on a full or broken link
+    # Write of a frame of forwards → the owner's answer, once per frame.
+    forward_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+
+
+class _Awaiting:
+    """The forwards of one written frame, answered together."""
+
+    __slots__ = ("written_at", "entries")
+
+    def __init__(self, entries: list[tuple[asyncio.Future[None], Message]]) -> None:
+        self.written_at = time.perf_counter()
+        self.entries = entries
+
+
+class PeerLink:
+    """This node's outgoing link to one peer: one `Link` stream, batched, bounded, redialed."""
+
+    def __init__(self, plane: DataPlane, node: NodeInfo) -> None:
+        self.plane = plane
+        self.node = node
+        self._forwards: list[tuple[pb.Forward, asyncio.Future[None], Message]] = []
+        self._pushes: list[pb.Push] = []
+        self._routes: list[pb.RouteUpdate] = []
+        self._awaiting: dict[int, _Awaiting] = {}
+        self._in_flight = 0
+        self._wake = asyncio.Event()
+        self._closed = False
+        self._broken: BaseException | None = None
+        self.connected = False
+        # False after a failed dial, until a dial succeeds: forwards fail fast meanwhile.
+        self.reachable = True
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"link-{node.node_id}")
+
+    def __repr__(self) -> str:
+        return f"PeerLink({self.node.node_id} at {self.node.cluster_address})"
+
+    # ------------------------------------------------------------ called on the hot path
+    def forward(self, message: Message, epoch: int, record: bytes | None = None) -> asyncio.Future[None]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if not self.reachable:
+            future.set_exception(ShardUnavailable(
+                f"node {self.node.node_id} owning {message.stream}/{message.shard} is unreachable"
+            ))
+        elif self._in_flight >= MAX_FORWARDS_IN_FLIGHT:
+            future.set_exception(ShardUnavailable(
+                f"too many publishes waiting for node {self.node.node_id}; retry"
+            ))
+        else:
+            self._forwards.append((forward_frame(message, epoch, record), future, message))
+            self._in_flight += 1
+            self._wake.set()
+        if future.done():
+            self.plane.stats.forward_failures += 1
+        return future
+
+    def push(self, push: pb.Push) -> None:
+        if len(self._pushes) >= MAX_PUSHES_QUEUED or not self.reachable:
+            self.plane.stats.pushes_dropped += 1
+            self.plane.broker.stats.drop("cluster_link_full")
+            return
+        self._pushes.append(push)
+        self._wake.set()
+
+    def send_routes(self, update: pb.RouteUpdate) -> None:
+        self._routes.append(update)
+        self._wake.set()
+
+    # ------------------------------------------------------------ the link's task
+    async def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._task.cancel()
+        try:
+            await self._task
+        except (asyncio.CancelledError, Exception):
+            pass
+        self._fail_all(ShardUnavailable(f"node {self.node.node_id} left the cluster"))
+
+    async def _run(self) -> None:
+        backoff = RECONNECT_MIN_S
+        while not self._closed:
+            channel = grpc.aio.insecure_channel(self.node.cluster_address, options=CHANNEL_OPTIONS)
+            try:
+                await self._serve(channel)
+                backoff = RECONNECT_MIN_S
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a broken link is redialed, never fatal
+                if self.connected or self.reachable:
+                    log.warning("cluster link to %s lost: %s", self, _short(exc))
+                self.reachable = self.connected and not self._closed
+                self._fail_all(ShardUnavailable(
+                    f"link to node {self.node.node_id} lost before it answered; retry"
+                ))
+            finally:
+                self.connected = False
+                await channel.close(grace=None)
+            if self._closed:
+                return
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, RECONNECT_MAX_S)
+
+    async def _serve(self, channel: grpc.aio.Channel) -> None:
+        stub = pb_grpc.PeerLinkStub(channel)
+        call = stub.Link()
+        self._broken = None
+        reader = asyncio.get_running_loop().create_task(self._read(call))
+        try:
+            # A new stream starts from everything this node's clients hold now.
+            self._routes = [self.plane.route_snapshot()]
+            sequence = 0
+            while True:
+                if self._broken is not None:
+                    raise self._broken
+                if not (self._forwards or self._pushes or self._routes):
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                sequence += 1
+                frame = self._next_frame(sequence)
+                await call.write(frame)
+                if not self.connected:
+                    self.connected = self.reachable = True
+                    log.info("cluster link to %s up", self)
+        finally:
+            reader.cancel()
+            call.cancel()
+
+    def _next_frame(self, sequence: int) -> pb.PeerFrame:
+        frame = pb.PeerFrame(sequence=sequence)
+        if sequence == 1:
+            frame.from_node = self.plane.node_id
+        if self._routes:
+            routes, self._routes = self._routes, []
+            merged = routes[0]
+            for later in routes[1:]:
+                if later.reset:
+                    merged = later
+                else:
+                    merged.added.extend(later.added)
+                    merged.removed.extend(later.removed)
+            frame.routes.CopyFrom(merged)
+        size = 0
+        count = 0
+        if self._forwards:
+            taken = []
+            for entry in self._forwards:
+                if count >= FRAME_MAX_MESSAGES or (count and size >= FRAME_MAX_BYTES):
+                    break
+                taken.append(entry)
+                count += 1
+                size += len(entry[0].record)
+            del self._forwards[:count]
+            frame.forwards.extend(entry[0] for entry in taken)
+            self._awaiting[sequence] = _Awaiting([(future, message) for _, future, message in taken])
+        if self._pushes and count < FRAME_MAX_MESSAGES:
+            pushes = 0
+            for push in self._pushes:
+                if count >= FRAME_MAX_MESSAGES or (count and size >= FRAME_MAX_BYTES):
+                    break
+                count += 1
+                pushes += 1
+                size += len(push.record)
+            frame.pushes.extend(self._pushes[:pushes])
+            del self._pushes[:pushes]
+        return frame
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        stats = self.plane.stats
+        try:
+            while True:
+                reply = await call.read()
+                if reply is grpc.aio.EOF:
+                    raise ConnectionError(f"node {self.node.node_id} ended the link")
+                awaiting = self._awaiting.pop(reply.sequence, None)
+                if awaiting is None:
+                    continue
+                stats.forward_latency.observe(time.perf_counter() - awaiting.written_at)
+                self._in_flight -= len(awaiting.entries)
+                outcomes = reply.outcomes
+                for index, (future, message) in enumerate(awaiting.entries):
+                    if future.done():
+                        continue
+                    outcome = outcomes[index] if index < len(outcomes) else None
+                    if outcome is not None and outcome.code == pb.STORED:
+                        message.offset = outcome.offset
+                        future.set_result(None)
+                        continue
+                    stats.forward_failures += 1
+                    future.set_exception(_refusal(self.node.node_id, outcome))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the writer, which redials
+            self._broken = exc
+            self._wake.set()
+
+    def _fail_all(self, error: PublishRejected) -> None:
+        """Fail every forward not yet answered: the owner may or may not have stored them, so
+        the clients get a retryable error (at least once, never acknowledged and lost)."""
+        entries = [(future, message) for _, future, message in self._forwards]
+        for awaiting in self._awaiting.values():
+            entries += awaiting.entries
+        self._forwards = []
+        self._awaiting = {}
+        self._in_flight = 0
+        if self._pushes:
+            self.plane.stats.pushes_dropped += len(self._pushes)
+            self._pushes = []
+        for future, _message in entries:
+            if not future.done():
+                self.plane.stats.forward_failures += 1
+                future.set_exception(error)
+
+
+def _refusal(node_id: str, outcome: pb.Outcome | None) -> PublishRejected:
+    if outcome is None:
+        return ShardUnavailable(f"node {node_id} did not answer for the message; retry")
+    reason = outcome.reason or pb.OutcomeCode.Name(outcome.code).lower()
+    if outcome.code == pb.NOT_OWNER:
+        return ShardUnavailable(reason)
+    return PublishRejected(reason)
+
+
+def _short(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc) or type(exc).__name__
+
+
+class LinkService(pb_grpc.PeerLinkServicer):
+    """The receiving end of the peers' links, on this node's cluster port."""
+
+    def __init__(self, plane: DataPlane) -> None:
+        self.plane = plane
+
+    async def Link(
+        self, request_iterator: AsyncIterator[pb.PeerFrame], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.PeerReply]:
+        replies: asyncio.Queue[pb.PeerReply | None] = asyncio.Queue()
+        peer: list[str] = []
+
+        async def read() -> None:
+            try:
+                async for frame in request_iterator:
+                    if frame.from_node:
+                        peer[:] = [frame.from_node]
+                    if not peer:
+                        raise ValueError("the first frame of a link must name its node")
+                    self.plane.receive(peer[0], frame, replies.put_nowait)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a bad peer ends its own stream only
+                if not isinstance(exc, grpc.aio.AioRpcError | grpc.aio.UsageError):
+                    log.warning("cluster link from %s failed: %s", peer or context.peer(), exc)
+            finally:
+                replies.put_nowait(None)
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while True:
+                reply = await replies.get()
+                if reply is None:
+                    return
+                yield reply
+        finally:
+            reader.cancel()
+            if peer:
+                self.plane.peer_link_ended(peer[0])
+
+
+class DataPlane:
+    """Forwarding, fanout and the route table of one node (see the module docstring)."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        view: ClusterView,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        route_debounce_s: float = ROUTE_DEBOUNCE_S,
+    ) -> None:
+        self.broker = broker
+        self.view = view
+        self.host = host
+        self.port = port
+        self.route_debounce_s = route_debounce_s
+        self.stats = DataPlaneStats()
+        self.remote = RemoteRoutes()
+        self.links: dict[str, PeerLink] = {}
+        self._advertised: set[Route] = set()
+        self._flush_handle: asyncio.Handle | None = None
+        self._last_flush = 0.0
+        self._turns: dict[str, int] = {}
+        # Incoming link streams per peer (a peer redialing may briefly have two).
+        self._incoming: dict[str, int] = {}
+        self._server: grpc.aio.Server | None = None
+        self._started = False
+
+    @property
+    def node_id(self) -> str:
+        return self.view.node_id
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Listen on the cluster port, dial the peers and take the core's cluster hooks."""
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        pb_grpc.add_PeerLinkServicer_to_server(LinkService(self), server)
+        bound = server.add_insecure_port(f"{self.host}:{self.port}")
+        if not bound:
+            raise OSError(f"cannot listen for the cluster on {self.host}:{self.port}")
+        self.port = bound
+        await server.start()
+        self._server = server
+        self._started = True
+        self._advertised = local_routes(self.broker.subscriptions.values())
+        broker = self.broker
+        broker.placement = self
+        broker.fanout = self
+        broker.on_routes_changed = self._routes_changed
+        self.view.on_change(self._view_changed)
+        self._view_changed()
+
+    async def stop(self) -> None:
+        self._started = False
+        broker = self.broker
+        if broker.placement is self:
+            broker.placement = None
+            broker.fanout = None
+            broker.on_routes_changed = None
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        links, self.links = list(self.links.values()), {}
+        for link in links:
+            await link.close()
+        if self._server is not None:
+            await self._server.stop(grace=0.1)
+            self._server = None
+
+    def _view_changed(self) -> None:
+        """Dial new peers, drop the links and routes of nodes that left or moved."""
+        if not self._started:
+            return
+        nodes = self.view.nodes()
+        for node_id, link in list(self.links.items()):
+            info = nodes.get(node_id)
+            if info is None or info.cluster_address != link.node.cluster_address:
+                del self.links[node_id]
+                asyncio.get_running_loop().create_task(link.close())
+                if info is None:
+                    self.remote.forget(node_id)
+        for node_id, info in nodes.items():
+            if node_id != self.node_id and node_id not in self.links:
+                self.links[node_id] = PeerLink(self, info)
+
+    # ------------------------------------------------------------ ShardPlacement
+    def serves(self, stream: str, shard: int) -> bool:
+        return self.view.owns(stream, shard)
+
+    def forward(self, message: Message) -> asyncio.Future[None]:
+        assignment = self.view.owner(message.stream, message.shard)
+        link = None
+        if assignment is not None and assignment.node_id != self.node_id:
+            link = self.links.get(assignment.node_id)
+        if link is None:
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            if assignment is None:
+                reason = f"no node owns {message.stream}/{message.shard} now; retry"
+            elif assignment.node_id == self.node_id:
+                reason = f"this node cannot prove it owns {message.stream}/{message.shard} now; retry"
+            else:
+                reason = f"node {assignment.node_id} owning {message.stream}/{message.shard} is not live"
+            future.set_exception(ShardUnavailable(reason))
+            self.stats.forward_failures += 1
+            return future
+        self.stats.forwarded += 1
+        return link.forward(message, assignment.epoch)  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------ Fanout
+    def push(
+        self, message: Message, local: list[tuple[Subscription, tuple[str, ...]]]
+    ) -> Container[str] | None:
+        interest = self.remote.lookup(message.topic)
+        if interest is NOBODY:
+            return None
+        targets: dict[str, list[str]] = {node: [] for node in interest.plain}
+        allowed: set[str] | None = None
+        if interest.groups:
+            local_shared = {
+                sub.name: sub for sub, _ in local if sub.type is SubscriptionType.SHARED
+            }
+            allowed = {name for name in local_shared if name not in interest.groups}
+            for group, nodes in interest.groups.items():
+                here = local_shared.get(group)
+                candidates = (*nodes, self.node_id) if here is not None and here.consumers else nodes
+                turn = self._turns.get(group, 0)
+                self._turns[group] = turn + 1
+                chosen = candidates[turn % len(candidates)]
+                if chosen == self.node_id:
+                    allowed.add(group)
+                else:
+                    targets.setdefault(chosen, []).append(group)
+        record = encode_record(message)
+        links = self.links
+        for node_id, groups in targets.items():
+            link = links.get(node_id)
+            if link is not None:
+                link.push(push_frame(message, record, groups))
+                self.stats.pushed += 1
+        return allowed
+
+    # ------------------------------------------------------------ route table
+    def route_snapshot(self) -> pb.RouteUpdate:
+        """Everything this node's clients hold, as a reset for a new link."""
+        return route_update(RouteDelta(sorted(self._advertised), []), reset=True)
+
+    def _routes_changed(self) -> None:
+        """Local subscriptions changed: tell the peers soon (the first change at once, then
+        at most one update per debounce interval)."""
+        if self._flush_handle is not None or not self._started:
+            return
+        loop = asyncio.get_running_loop()
+        wait = self._last_flush + self.route_debounce_s - loop.time()
+        if wait <= 0:
+            self._flush_handle = loop.call_soon(self._flush_routes)
+        else:
+            self._flush_handle = loop.call_later(wait, self._flush_routes)
+
+    def _flush_routes(self) -> None:
+        self._flush_handle = None
+        self._last_flush = asyncio.get_running_loop().time()
+        now = local_routes(self.broker.subscriptions.values())
+        delta = diff(self._advertised, now)
+        self._advertised = now
+        if not delta:
+            return
+        update = route_update(delta)
+        for link in self.links.values():
+            link.send_routes(update)
+
+    # ------------------------------------------------------------ the receiving end
+    def receive(self, peer: str, frame: pb.PeerFrame, reply: Callable[[pb.PeerReply], None]) -> None:
+        """Apply one frame from `peer`: routes, then pushes, then forwards (answered through
+        `reply` once every forward is stored)."""
+        if frame.from_node:
+            self._incoming[peer] = self._incoming.get(peer, 0) + 1
+        if frame.HasField("routes"):
+            update = frame.routes
+            delta = routes_from_update(update)
+            if update.reset:
+                self.remote.reset(peer, delta.added)
+            else:
+                self.remote.apply(peer, delta)
+        if frame.pushes:
+            self._dispatch_pushes(frame.pushes)
+        if frame.forwards:
+            self._store_forwards(frame.sequence, frame.forwards, reply)
+
+    def peer_link_ended(self, peer: str) -> None:
+        left = self._incoming.get(peer, 1) - 1
+        if left > 0:
+            self._incoming[peer] = left
+            return
+        self._incoming.pop(peer, None)
+        # The peer resends every route when it redials; until then it gets nothing.
+        self.remote.forget(peer)
+
+    def _dispatch_pushes(self, pushes: list[pb.Push]) -> None:
+        dispatch = self.broker.dispatch
+        for push in pushes:
+            try:
+                message = message_from_push(push)
+            except RecordFormatError as exc:
+                log.warning("dropped a malformed message pushed by a peer: %s", exc)
+                continue
+            self.stats.pushed_in += 1
+            dispatch(message, frozenset(push.share_groups))
+
+    def _store_forwards(self, sequence: int, forwards: list[pb.Forward], reply: Callable[[pb.PeerReply], None]) -> None:
+        broker = self.broker
+        view = self.view
+        outcomes = [pb.Outcome() for _ in forwards]
+        waiting: dict[asyncio.Future[None], list[tuple[int, Message]]] = {}
+        self.stats.forwarded_in += len(forwards)
+        for index, forward in enumerate(forwards):
+            outcome = outcomes[index]
+            try:
+                message = message_from_forward(forward)
+                stream = broker.stream_for_topic(message.topic)
+                shard = stream.shard_for(message.topic, message.key).index
+                if not view.owns(stream.name, shard):
+                    outcome.code = pb.NOT_OWNER
+                    outcome.reason = (
+                        f"node {self.node_id} does not own {stream.name}/{shard} now; retry"
+                    )
+                    continue
+                future = broker.publish(message)
+            except RecordFormatError as exc:
+                outcome.code = pb.REJECTED
+                outcome.reason = f"malformed forwarded message: {exc}"
+                continue
+            except PublishRejected as exc:
+                outcome.code = pb.NOT_OWNER if isinstance(exc, ShardUnavailable) else pb.REJECTED
+                outcome.reason = str(exc)
+                continue
+            outcome.offset = message.offset
+            if future is not None:
+                waiting.setdefault(future, []).append((index, message))
+        answer = pb.PeerReply(sequence=sequence, outcomes=outcomes)
+        if not waiting:
+            reply(answer)
+            return
+        remaining = [len(waiting)]
+
+        def landed(future: asyncio.Future[None]) -> None:
+            failed = future.cancelled() or future.exception() is not None
+            for index, message in waiting[future]:
+                if failed:
+                    outcomes[index].code = pb.FAILED
+                    error = "cancelled" if future.cancelled() else future.exception()
+                    outcomes[index].reason = f"the owner could not store the message: {error}"
+                else:
+                    outcomes[index].offset = message.offset
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                answer.ClearField("outcomes")
+                answer.outcomes.extend(outcomes)
+                reply(answer)
+
+        for future in waiting:
+            future.add_done_callback(landed)

@@ -1,0 +1,233 @@
+"""The cluster data plane between two in-process nodes on real loopback gRPC links: forwarding
+to a shard's owner, the route table and pushes to subscribers' nodes, shared subscriptions
+spread across nodes, and the retryable errors when ownership is not where the sender thinks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from shardgate.core.broker import Broker
+from shardgate.core.errors import ShardUnavailable
+from shardgate.core.message import Message
+from shardgate.core.streams import RoutingRule, StreamConfig
+from shardgate.core.subscriptions import SubscriptionType
+from shardgate.storage.journal import JournalStorage
+
+from shardgate.cluster.forward import DataPlane
+from shardgate.cluster.membership import NodeInfo, ShardAssignment, StaticClusterView
+
+
+class Recorder:
+    """A consumer standing in for a client: keeps what it is handed."""
+
+    def __init__(self, name: str) -> None:
+        self.consumer_id = name
+        self.available = True
+        self.got: list[Message] = []
+
+    def deliver(self, message, subscription, filters):  # type: ignore[no-untyped-def]
+        self.got.append(message)
+
+
+async def until(condition: Callable[[], object], timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.005)
+
+
+@dataclass
+class Node:
+    node_id: str
+    broker: Broker
+    view: StaticClusterView
+    plane: DataPlane
+
+    def subscribe(self, topic_filter: str, name: str | None = None, shared: bool = False) -> Recorder:
+        kind = SubscriptionType.SHARED if shared else SubscriptionType.EXCLUSIVE
+        sub = self.broker.subscription(name or f"{self.node_id}:{topic_filter}", kind)
+        self.broker.add_filter(sub, topic_filter)
+        consumer = Recorder(f"{self.node_id}-{len(sub.consumers)}")
+        self.broker.attach(sub, consumer)
+        return consumer
+
+
+def make_broker(journal_dir: Path | None) -> Broker:
+    storage = JournalStorage(journal_dir) if journal_dir is not None else None
+    broker = Broker(storage=storage)
+    broker.create_stream(StreamConfig("orders", partitions=4))
+    broker.add_route(RoutingRule("orders/#", "orders"))
+    if storage is not None:
+        broker.create_stream(StreamConfig("ledger", mode="reliable"))
+        broker.add_route(RoutingRule("ledger/#", "ledger"))
+    return broker
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[dict[str, Node]]:
+    """Nodes a and b. a owns default/0 and orders/0,1; b owns orders/2,3 and ledger/0."""
+    owners = {("default", 0): "a", ("orders", 0): "a", ("orders", 1): "a",
+              ("orders", 2): "b", ("orders", 3): "b", ("ledger", 0): "b"}
+    assignments = {key: ShardAssignment(key[0], key[1], node, 1) for key, node in owners.items()}
+    nodes: dict[str, Node] = {}
+    for node_id in ("a", "b"):
+        broker = make_broker(tmp_path / node_id)
+        view = StaticClusterView(node_id, {}, dict(assignments))
+        plane = DataPlane(broker, view)
+        await plane.start()
+        nodes[node_id] = Node(node_id, broker, view, plane)
+    infos = {n.node_id: NodeInfo(n.node_id, f"127.0.0.1:{n.plane.port}") for n in nodes.values()}
+    for node in nodes.values():
+        node.view.node_infos = dict(infos)
+        node.view.changed()
+    await until(lambda: all(link.connected for n in nodes.values() for link in n.plane.links.values()))
+    yield nodes
+    for node in nodes.values():
+        await node.plane.stop()
+        if node.broker.storage is not None:
+            node.broker.storage.close()
+
+
+def topic_on(broker: Broker, stream: str, shard: int, prefix: str) -> str:
+    """A topic of `stream` that hashes to `shard`."""
+    for index in range(1000):
+        topic = f"{prefix}/{index}"
+        if broker.stream_for_topic(topic).shard_for(topic, None).index == shard:
+            return topic
+    raise AssertionError("no topic found")
+
+
+async def routes_seen(by: Node, of: Node, count: int) -> None:
+    await until(lambda: len(by.plane.remote.routes_of(of.node_id)) == count)
+
+
+async def test_publish_for_a_remote_shard_is_stored_by_its_owner_and_reaches_its_subscriber(cluster):
+    a, b = cluster["a"], cluster["b"]
+    topic = topic_on(a.broker, "orders", 2, "orders")
+    on_b = b.subscribe("orders/#")
+    await routes_seen(a, b, 1)
+    message = Message(topic, b"hello", qos=1)
+    pending = a.broker.publish(message)
+    assert pending is not None, "a publish for b's shard must wait for b's answer"
+    await asyncio.wait_for(pending, 5)
+    assert message.offset == 0
+    assert [m.payload for m in on_b.got] == [b"hello"]
+    assert on_b.got[0].stream == "orders" and on_b.got[0].shard == 2
+    assert a.plane.stats.forwarded == 1 and b.plane.stats.forwarded_in == 1
+
+
+async def test_owner_pushes_each_message_once_to_each_interested_node(cluster):
+    a, b = cluster["a"], cluster["b"]
+    topic = topic_on(a.broker, "orders", 0, "orders")
+    first, second = b.subscribe("orders/#"), b.subscribe("orders/+")
+    here = a.subscribe("orders/#")
+    await routes_seen(a, b, 2)
+    for index in range(50):
+        assert a.broker.publish(Message(topic, str(index).encode())) is None
+    await until(lambda: len(first.got) == 50 and len(second.got) == 50)
+    expected = [str(i).encode() for i in range(50)]
+    assert [m.payload for m in first.got] == expected, "per-shard order is kept"
+    assert [m.payload for m in second.got] == expected
+    assert [m.payload for m in here.got] == expected
+    assert a.plane.stats.pushed == 50, "one push per message to node b, however many subscribers"
+
+
+async def test_messages_forwarded_from_a_node_reach_subscribers_on_the_same_node(cluster):
+    a, b = cluster["a"], cluster["b"]
+    topic = topic_on(a.broker, "orders", 3, "orders")
+    on_a = a.subscribe("orders/#")
+    await routes_seen(b, a, 1)
+    pending = [a.broker.publish(Message(topic, str(i).encode(), qos=1)) for i in range(20)]
+    await asyncio.wait_for(asyncio.gather(*pending), 5)  # type: ignore[arg-type]
+    await until(lambda: len(on_a.got) == 20)
+    assert [m.payload for m in on_a.got] == [str(i).encode() for i in range(20)]
+    assert [m.offset for m in on_a.got] == list(range(20))
+
+
+async def test_forward_to_a_reliable_shard_is_answered_once_the_owner_journal_holds_it(cluster):
+    a, b = cluster["a"], cluster["b"]
+    message = Message("ledger/x", b"entry", qos=1)
+    pending = a.broker.publish(message)
+    assert pending is not None
+    await asyncio.wait_for(pending, 5)
+    log = b.broker.stream("ledger").shards[0].log
+    assert log is not None and log.commit_waiter() is None, "answered only when durable"
+    [record] = log.read(0)
+    assert message.offset == record.offset == 0
+    assert a.broker.stream("ledger").shards[0].log.next_offset == 0, "a stores nothing"  # type: ignore[union-attr]
+
+
+async def test_unsubscribing_stops_the_pushes(cluster):
+    a, b = cluster["a"], cluster["b"]
+    topic = topic_on(a.broker, "orders", 0, "orders")
+    on_b = b.subscribe("orders/#", name="s")
+    await routes_seen(a, b, 1)
+    b.broker.remove_subscription("s")
+    await routes_seen(a, b, 0)
+    a.broker.publish(Message(topic, b"x"))
+    assert a.plane.stats.pushed == 0 and on_b.got == []
+
+
+async def test_shared_subscription_spreads_across_nodes_without_duplicates(cluster):
+    a, b = cluster["a"], cluster["b"]
+    group = "$share/workers/orders/#"
+    on_a = a.subscribe("orders/#", name=group, shared=True)
+    on_b = b.subscribe("orders/#", name=group, shared=True)
+    await routes_seen(a, b, 1)
+    await routes_seen(b, a, 1)
+    pending = []
+    for index in range(200):
+        result = a.broker.publish(Message(f"orders/{index}", str(index).encode(), qos=1))
+        if result is not None:
+            pending.append(result)
+    await asyncio.wait_for(asyncio.gather(*pending), 5)
+    await until(lambda: len(on_a.got) + len(on_b.got) >= 200)
+    got = sorted(int(m.payload) for m in on_a.got + on_b.got)
+    assert got == list(range(200)), "every message exactly once across the group"
+    assert on_a.got and on_b.got, "both nodes' members take a share"
+
+
+async def test_publish_refused_with_a_retryable_error_when_the_owner_disagrees(cluster):
+    a, b = cluster["a"], cluster["b"]
+    topic = topic_on(a.broker, "orders", 2, "orders")
+    # b handed orders/2 over to a, and a has not heard of it yet
+    b.view.assignments[("orders", 2)] = ShardAssignment("orders", 2, "a", 2)
+    pending = a.broker.publish(Message(topic, b"x", qos=1))
+    assert pending is not None
+    with pytest.raises(ShardUnavailable, match="does not own orders/2"):
+        await asyncio.wait_for(pending, 5)
+
+
+async def test_publish_to_an_unassigned_shard_is_refused_at_once(cluster):
+    a = cluster["a"]
+    del a.view.assignments[("orders", 2)]
+    pending = a.broker.publish(Message(topic_on(a.broker, "orders", 2, "orders"), b"x"))
+    assert pending is not None and pending.done()
+    with pytest.raises(ShardUnavailable, match="no node owns orders/2"):
+        pending.result()
+
+
+async def test_forwards_in_flight_fail_retryably_when_the_owner_goes_away(cluster):
+    a, b = cluster["a"], cluster["b"]
+    topic = topic_on(a.broker, "orders", 2, "orders")
+    await b.plane.stop()
+    pending = [a.broker.publish(Message(topic, b"x", qos=1)) for _ in range(3)]
+    for future in pending:
+        with pytest.raises(ShardUnavailable):
+            await asyncio.wait_for(future, 5)  # type: ignore[arg-type]
+    assert a.plane.stats.forward_failures >= 3
+
+
+async def test_routes_of_a_node_that_leaves_the_view_are_forgotten(cluster):
+    a, b = cluster["a"], cluster["b"]
+    b.subscribe("orders/#")
+    await routes_seen(a, b, 1)
+    del a.view.node_infos["b"]
+    a.view.changed()
+    assert a.plane.remote.routes_of("b") == frozenset()
+    assert "b" not in a.plane.links
