@@ -4,9 +4,10 @@ A protocol adapter turns its frames into core calls through an `Edge` and nothin
 
 - `publish(message) -> Receipt`: accept a message; the receipt is None when the message is
   already stored and dispatched, or a future that resolves once it is durable under its
-  stream's policy (and fails with `PublishRejected` if the store could not take it). Where the
-  message goes is decided by a `ShardRouter`: `LocalShards` (this node's broker) by default,
-  a cluster layer can put "local shard or forward to the owner node" in its place.
+  stream's policy (and fails with `PublishRejected` if the store could not take it). Whether
+  the shard is stored here or forwarded to its owner node is the broker's placement hook
+  (`core.placement.ShardPlacement`, None on a single node); `use_router` can put another
+  publish path (a `ShardRouter`) in front of the broker for the whole node.
 - `subscription` / `durable_subscription` / `add_filter` / `remove_filter` / `attach` /
   `detach` / `remove_subscription`: subscribe and unsubscribe (a cluster layer hooks filter
   changes here for its route table); acks and nacks go to the durable subscription the
@@ -80,14 +81,6 @@ class ShardRouter(Protocol):
     """Where a publish goes: the local shard, or (in a cluster) the node owning the shard."""
 
     def publish(self, message: Message) -> Receipt: ...
-
-
-class LocalShards:
-    """The single-node router: every shard is this broker's."""
-
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
-        self.publish: Callable[[Message], Receipt] = broker.publish
 
 
 # ---------------------------------------------------------------------------- clients
@@ -174,12 +167,13 @@ class Edge:
         # Durable subscription owners by kind, so that subscriptions saved by a protocol come
         # back with the right owner after a restart (`"grpc"` -> its state factory).
         self.owner_factories: dict[str, Callable[[Mapping[str, object]], object]] = {}
-        self.router: ShardRouter = router or LocalShards(broker)
-        self.publish: Callable[[Message], Receipt] = self.router.publish
+        # Bound once: publishing costs one call, no attribute walk per message.
+        self.publish: Callable[[Message], Receipt] = (
+            router.publish if router is not None else broker.publish
+        )
 
     def use_router(self, router: ShardRouter) -> None:
-        """Send publishes through `router` from now on (a cluster's placement)."""
-        self.router = router
+        """Send every publish of this node through `router` from now on."""
         self.publish = router.publish
 
     @property
