@@ -75,7 +75,10 @@ class BrokerStats:
     commit_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
 
     def sent(self, protocol: str, message: Message) -> None:
-        """Count `message` as delivered to a client over `protocol`."""
+        """Count `message` as delivered to a client over `protocol` (the broker's own `$SYS`
+        statistics are not messages: they count neither in nor out)."""
+        if message.producer_protocol == "sys":
+            return
         size = len(message.payload)
         self.messages_out += 1
         self.bytes_out += size
@@ -337,19 +340,21 @@ class Broker:
                 self.delayed.hold(message, at_ms)
                 return None
             topic = message.topic
-        stats = self.stats
-        size = len(message.payload)
-        stats.messages_in += 1
-        stats.bytes_in += size
-        stats.in_by_protocol[message.producer_protocol] += 1
-        stats.bytes_in_by_protocol[message.producer_protocol] += size
         stream = self.stream_for_topic(topic)
         if stream.config.schema is not Schema.BYTES:
             check_payload(stream.config.schema, message.payload, stream.config.name)
         shard = stream.shard_for(topic, message.key)
         message.stream = name = stream.config.name
-        stats.in_by_stream[name] += 1
-        stats.bytes_in_by_stream[name] += size
+        protocol = message.producer_protocol
+        if protocol != "sys":  # the broker's own $SYS statistics are not counted as messages
+            stats = self.stats
+            size = len(message.payload)
+            stats.messages_in += 1
+            stats.bytes_in += size
+            stats.in_by_protocol[protocol] += 1
+            stats.bytes_in_by_protocol[protocol] += size
+            stats.in_by_stream[name] += 1
+            stats.bytes_in_by_stream[name] += size
         message.shard = shard.index
         placement = self.placement
         if placement is not None and not placement.serves(name, shard.index):

@@ -18,6 +18,7 @@ import asyncio
 import itertools
 import logging
 import os
+import secrets
 import struct
 import time
 from collections.abc import Callable
@@ -58,6 +59,12 @@ _FRAME_HEADER = struct.Struct(">BHI")
 _FRAME_END = b"\xce"
 _INDEX = struct.Struct(">I")
 _HEARTBEAT = pframe.marshal(pframe.heartbeat.Heartbeat(), 0)
+# Direct reply-to (https://www.rabbitmq.com/docs/direct-reply-to): a pseudo-queue consumed in
+# no-ack mode; a publish whose reply-to is this name gets it rewritten to REPLY_TO + "." + a
+# token, and a publish to the default exchange with that routing key goes straight to the
+# consumer.
+REPLY_TO = "amq.rabbitmq.reply-to"
+REPLY_PREFIX = REPLY_TO + "."
 
 
 class Link(Protocol):
@@ -107,6 +114,18 @@ class Delivery:
         self.consumer = consumer
 
 
+class Transaction:
+    """What a transactional channel did since its last commit or rollback (AMQP 0-9-1 §1.9
+    class tx): publishes, and the acks/nacks/rejects of deliveries, in the order they came."""
+
+    __slots__ = ("publishes", "settlements")
+
+    def __init__(self) -> None:
+        self.publishes: list[tuple[commands.Basic.Publish, Message]] = []
+        # (requeue or None for an ack, deliveries with their delivery tags)
+        self.settlements: list[tuple[bool | None, list[tuple[int, Delivery]]]] = []
+
+
 class AmqpChannel:
     """One open channel: its consumers, unacked deliveries, prefetch, confirms, pending publish."""
 
@@ -127,6 +146,14 @@ class AmqpChannel:
         self.consumer_tags: dict[str, bytes] = {}
         # Highest publish sequence number covered by confirms waiting to be sent (multiple ack).
         self.confirm_ready = 0
+        # Transaction (tx.select): publishes and settlements held until tx.commit, or None.
+        self.tx: Transaction | None = None
+        # Publishes of a tx.commit still being journaled; commit-ok waits for them.
+        self.tx_landing = 0
+        self.tx_failed = False
+        # Direct reply-to consumer on this channel: its consumer tag and reply token.
+        self.reply_consumer = ""
+        self.reply_token = ""
         # Content being received: the publish method, its header, body parts.
         self.publish: commands.Basic.Publish | None = None
         self.content_props: commands.Basic.Properties | None = None
@@ -166,14 +193,22 @@ class AmqpChannel:
             encode_deliver(self.number, tag_bytes, tag, entry.redelivered, exchange, routing_key),
             message,
         )
+        self.connection.sent(message)
 
     # ------------------------------------------------------------------ acks
     def settle(self, tag: int, multiple: bool, method: type[commands.base.Frame]) -> list[Delivery]:
         """Remove and return the deliveries an ack/nack/reject covers."""
+        return [delivery for _, delivery in self.settle_tagged(tag, multiple, method)]
+
+    def settle_tagged(
+        self, tag: int, multiple: bool, method: type[commands.base.Frame]
+    ) -> list[tuple[int, Delivery]]:
+        """Remove the deliveries an ack/nack/reject covers; returns them with their tags."""
         unacked = self.unacked
+        settled: list[tuple[int, Delivery]]
         if multiple:
             if tag == 0:
-                settled = list(unacked.values())
+                settled = list(unacked.items())
                 unacked.clear()
             else:
                 keys = [k for k in unacked if k <= tag]
@@ -181,15 +216,15 @@ class AmqpChannel:
                     raise ChannelException(
                         ReplyCode.PRECONDITION_FAILED, f"unknown delivery tag {tag}", *_ids(method)
                     )
-                settled = [unacked.pop(k) for k in keys]
+                settled = [(k, unacked.pop(k)) for k in keys]
         else:
             delivery = unacked.pop(tag, None)
             if delivery is None:
                 raise ChannelException(
                     ReplyCode.PRECONDITION_FAILED, f"unknown delivery tag {tag}", *_ids(method)
                 )
-            settled = [delivery]
-        for delivery in settled:
+            settled = [(tag, delivery)]
+        for _, delivery in settled:
             consumer = delivery.consumer
             if consumer is not None:
                 consumer.unacked -= 1
@@ -197,6 +232,14 @@ class AmqpChannel:
             elif self.prefetch:
                 self.connection.wake_channel(self)
         return settled
+
+    def restore_unacked(self, tagged: list[tuple[int, Delivery]]) -> None:
+        """tx.rollback: deliveries acknowledged inside the transaction are unacked again."""
+        for tag, delivery in tagged:
+            self.unacked[tag] = delivery
+            if delivery.consumer is not None:
+                delivery.consumer.unacked += 1
+        self.unacked = dict(sorted(self.unacked.items()))
 
     def requeue_all(self) -> None:
         """Give every unacked delivery back to its queue (channel closed or basic.recover)."""
@@ -210,9 +253,22 @@ class AmqpChannel:
         for queue, entries in by_queue.items():
             queue.requeue(entries)
 
+    def deliver_reply(self, routing_key: str, message: Message) -> None:
+        """A direct reply-to response for this channel's reply consumer (no-ack)."""
+        tag = self.next_tag
+        self.next_tag = tag + 1
+        self.connection.send_content(
+            self.number,
+            encode_deliver(self.number, shortstr(self.reply_consumer), tag, False, "", routing_key),
+            message,
+        )
+
     def release(self) -> list[Queue]:
         """Channel is going away: cancel consumers, requeue unacked; returns touched queues."""
         self.closing = True
+        if self.reply_token:
+            self.connection.service.reply_channels.pop(self.reply_token, None)
+            self.reply_token = self.reply_consumer = ""
         queues = []
         for consumer in self.consumers.values():
             consumer.queue.remove_consumer(consumer)
@@ -257,6 +313,8 @@ class AmqpConnection:
         self.last_sent = self.opened_at
         self.closing_since = 0.0
         self._publishes_in_flight = 0
+        self.messages_in = 0
+        self.messages_out = 0
         self._landing: dict[asyncio.Future[None], list[tuple[AmqpChannel, int]]] = {}
         self._confirm_channels: set[AmqpChannel] = set()
         self._paused = False
@@ -271,8 +329,8 @@ class AmqpConnection:
             commands.Channel.FlowOk: lambda ch, f: None,
             commands.Exchange.Declare: self._exchange_declare,
             commands.Exchange.Delete: self._exchange_delete,
-            commands.Exchange.Bind: self._not_implemented,
-            commands.Exchange.Unbind: self._not_implemented,
+            commands.Exchange.Bind: self._exchange_bind,
+            commands.Exchange.Unbind: self._exchange_unbind,
             commands.Queue.Declare: self._queue_declare,
             commands.Queue.Bind: self._queue_bind,
             commands.Queue.Unbind: self._queue_unbind,
@@ -289,9 +347,9 @@ class AmqpConnection:
             commands.Basic.Recover: self._basic_recover,
             commands.Basic.RecoverAsync: self._basic_recover,
             commands.Confirm.Select: self._confirm_select,
-            commands.Tx.Select: self._not_implemented,
-            commands.Tx.Commit: self._not_implemented,
-            commands.Tx.Rollback: self._not_implemented,
+            commands.Tx.Select: self._tx_select,
+            commands.Tx.Commit: self._tx_commit,
+            commands.Tx.Rollback: self._tx_rollback,
         }
 
     # ================================================================== output
@@ -377,7 +435,7 @@ class AmqpConnection:
         pos = 0
         size_limit = self.frame_max
         try:
-            while self.state is not State.CLOSED:
+            while self.state is not State.CLOSED and not self._paused:
                 available = len(buffer) - pos
                 if available < 7:
                     break
@@ -446,14 +504,14 @@ class AmqpConnection:
                 "information": "Shardgate multi-protocol message gateway",
                 "capabilities": {
                     "publisher_confirms": True,
-                    "exchange_exchange_bindings": False,
+                    "exchange_exchange_bindings": True,
                     "basic.nack": True,
                     "consumer_cancel_notify": True,
                     "connection.blocked": True,
                     "consumer_priorities": False,
                     "authentication_failure_close": True,
                     "per_consumer_qos": True,
-                    "direct_reply_to": False,
+                    "direct_reply_to": True,
                 },
             },
             mechanisms="PLAIN AMQPLAIN", locales="en_US",
@@ -707,12 +765,16 @@ class AmqpConnection:
 
     # ================================================================== channels
     def _channel_open(self, number: int) -> None:
-        if number > self.channel_max:
-            raise ConnectionException(
-                ReplyCode.CHANNEL_ERROR, f"channel {number} above channel-max {self.channel_max}",
-                *_ids(commands.Channel.Open),
-            )
+        # RabbitMQ limits how many channels are open, not their numbers (any of 1..65535):
+        # rabbit_reader:create_channel/2 closes the connection with 530 NOT_ALLOWED, class and
+        # method 0, once channel_count reaches the negotiated channel_max.
         self.closing_channels.discard(number)
+        if self.channel_max and len(self.channels) >= self.channel_max:
+            raise ConnectionException(
+                ReplyCode.NOT_ALLOWED,
+                f"number of channels opened ({len(self.channels)}) has reached the negotiated "
+                f"channel_max ({self.channel_max})",
+            )
         self.channels[number] = AmqpChannel(self, number)
         self.send_method(number, commands.Channel.OpenOk())
 
@@ -745,12 +807,66 @@ class AmqpConnection:
         if channel.flow:
             self.wake_channel(channel)
 
-    def _not_implemented(self, channel: AmqpChannel, frame: commands.base.Frame) -> None:
-        if isinstance(frame, commands.Tx.Select | commands.Tx.Commit | commands.Tx.Rollback):
-            text = "transactions (tx.select) are not supported; use publisher confirms (confirm.select)"
+    # ================================================================== tx class
+    def _tx_select(self, channel: AmqpChannel, frame: commands.Tx.Select) -> None:
+        if channel.confirm:
+            # rabbit_channel: tx.select on a channel in confirm mode.
+            raise ChannelException(
+                ReplyCode.PRECONDITION_FAILED, "cannot switch from confirm to tx mode", *_ids(frame)
+            )
+        if channel.tx is None:
+            channel.tx = Transaction()
+        self.send_method(channel.number, commands.Tx.SelectOk())
+
+    def _tx_commit(self, channel: AmqpChannel, frame: commands.Tx.Commit) -> None:
+        """Route the held publishes, then apply the held settlements (RabbitMQ's order); the
+        commit-ok waits until the publishes to reliable streams are journaled, and this
+        connection reads nothing more until then."""
+        tx = channel.tx
+        if tx is None:
+            raise ChannelException(
+                ReplyCode.PRECONDITION_FAILED, "channel is not transactional", *_ids(frame)
+            )
+        publishes, settlements = tx.publishes, tx.settlements
+        channel.tx = Transaction()
+        for publish, message in publishes:
+            self._deliver_publish(channel, publish, message, -1)
+        for requeue, tagged in settlements:
+            deliveries = [delivery for _, delivery in tagged]
+            if requeue is None:
+                for delivery in deliveries:
+                    delivery.queue.settle(delivery.entry)
+            else:
+                self._settle_negative(channel, deliveries, requeue)
+        if channel.tx_landing:
+            self._paused = True  # resumed, with the commit-ok sent, once they are stored
         else:
-            text = f"'{frame.name}' is not supported (no exchange-to-exchange bindings)"
-        raise ConnectionException(ReplyCode.NOT_IMPLEMENTED, text, *_ids(frame))
+            self._commit_ok(channel)
+
+    def _commit_ok(self, channel: AmqpChannel) -> None:
+        if channel.closing or self.state is not State.OPEN:
+            return
+        if channel.tx_failed:
+            channel.tx_failed = False
+            self._close_channel(channel, ChannelException(
+                ReplyCode.INTERNAL_ERROR, "the transaction's messages could not be stored",
+                *_ids(commands.Tx.Commit),
+            ))
+            return
+        self.send_method(channel.number, commands.Tx.CommitOk())
+
+    def _tx_rollback(self, channel: AmqpChannel, frame: commands.Tx.Rollback) -> None:
+        """Forget the held publishes; deliveries acknowledged in the transaction are
+        unacknowledged again (rabbit_channel handle_method tx.rollback)."""
+        tx = channel.tx
+        if tx is None:
+            raise ChannelException(
+                ReplyCode.PRECONDITION_FAILED, "channel is not transactional", *_ids(frame)
+            )
+        channel.tx = Transaction()
+        for _, tagged in tx.settlements:
+            channel.restore_unacked(tagged)
+        self.send_method(channel.number, commands.Tx.RollbackOk())
 
     # ================================================================== wake-ups
     def wake(self, queue: Queue) -> None:
@@ -768,11 +884,42 @@ class AmqpConnection:
                 queue.dispatch()
 
     # ================================================================== exchange & queue class
+    def _may_bind(self) -> Callable[[str], bool] | None:
+        """The front door's check of a binding's core filter (a subscribe), or None when
+        nothing is checked."""
+        edge = self.service.edge
+        if edge.authorizer is None:
+            return None
+        principal = self.principal
+
+        def allowed(topic_filter: str) -> bool:
+            return edge.authorize(principal, Action.SUBSCRIBE, topic_filter)
+
+        return allowed
+
     def _exchange_declare(self, channel: AmqpChannel, frame: commands.Exchange.Declare) -> None:
         assert self.vhost is not None
         self.vhost.declare_exchange(frame)
         if not frame.nowait:
             self.send_method(channel.number, commands.Exchange.DeclareOk())
+
+    def _exchange_bind(self, channel: AmqpChannel, frame: commands.Exchange.Bind) -> None:
+        assert self.vhost is not None
+        self.vhost.bind_exchange(
+            frame.destination, frame.source, frame.routing_key, frame.arguments,
+            commands.Exchange.Bind, self._may_bind(),
+        )
+        if not frame.nowait:
+            self.send_method(channel.number, commands.Exchange.BindOk())
+
+    def _exchange_unbind(self, channel: AmqpChannel, frame: commands.Exchange.Unbind) -> None:
+        assert self.vhost is not None
+        self.vhost.unbind_exchange(
+            frame.destination, frame.source, frame.routing_key, frame.arguments,
+            commands.Exchange.Unbind,
+        )
+        if not frame.nowait:
+            self.send_method(channel.number, commands.Exchange.UnbindOk())
 
     def _exchange_delete(self, channel: AmqpChannel, frame: commands.Exchange.Delete) -> None:
         assert self.vhost is not None
@@ -789,6 +936,11 @@ class AmqpConnection:
 
     def _queue_declare(self, channel: AmqpChannel, frame: commands.Queue.Declare) -> None:
         assert self.vhost is not None
+        if frame.queue == REPLY_TO:
+            # The pseudo-queue always "exists" (rabbit_channel declare_fast_reply_to).
+            if not frame.nowait:
+                self.send_method(channel.number, commands.Queue.DeclareOk(REPLY_TO, 0, 0))
+            return
         queue, _ = self.vhost.declare_queue(frame, self)
         channel.last_queue = queue.name
         if not frame.nowait:
@@ -801,13 +953,7 @@ class AmqpConnection:
         assert self.vhost is not None
         name = self._queue_name(channel, frame.queue, commands.Queue.Bind)
         queue = self.vhost.queue(name, self, commands.Queue.Bind)
-        edge = self.service.edge
-        allowed = None
-        if edge.authorizer is not None:
-            principal = self.principal
-
-            def allowed(topic_filter: str) -> bool:
-                return edge.authorize(principal, Action.SUBSCRIBE, topic_filter)
+        allowed = self._may_bind()
         self.vhost.bind(
             queue, frame.exchange, frame.routing_key, frame.arguments, commands.Queue.Bind, allowed
         )
@@ -877,6 +1023,9 @@ class AmqpConnection:
     def _basic_consume(self, channel: AmqpChannel, frame: commands.Basic.Consume) -> None:
         assert self.vhost is not None
         method = commands.Basic.Consume
+        if frame.queue == REPLY_TO:
+            self._reply_consume(channel, frame)
+            return
         name = self._queue_name(channel, frame.queue, method)
         queue = self.vhost.queue(name, self, method)
         tag = frame.consumer_tag or f"amq.ctag-{self._ctag_prefix}-{next(self._ctag)}"
@@ -898,7 +1047,34 @@ class AmqpConnection:
             self.send_method(channel.number, commands.Basic.ConsumeOk(tag))
         self._wake_queues.add(queue)
 
+    def _reply_consume(self, channel: AmqpChannel, frame: commands.Basic.Consume) -> None:
+        method = commands.Basic.Consume
+        if not frame.no_ack:
+            raise ChannelException(
+                ReplyCode.PRECONDITION_FAILED, "reply consumer cannot acknowledge", *_ids(method)
+            )
+        if channel.reply_consumer:
+            raise ChannelException(
+                ReplyCode.PRECONDITION_FAILED, "reply consumer already set", *_ids(method)
+            )
+        tag = frame.consumer_tag or f"amq.ctag-{self._ctag_prefix}-{next(self._ctag)}"
+        if tag in channel.consumers:
+            raise ConnectionException(
+                ReplyCode.NOT_ALLOWED, f"attempt to reuse consumer tag '{tag}'", *_ids(method)
+            )
+        channel.reply_consumer = tag
+        channel.reply_token = secrets.token_urlsafe(24)
+        self.service.reply_channels[channel.reply_token] = channel
+        if not frame.nowait:
+            self.send_method(channel.number, commands.Basic.ConsumeOk(tag))
+
     def _basic_cancel(self, channel: AmqpChannel, frame: commands.Basic.Cancel) -> None:
+        if channel.reply_consumer and frame.consumer_tag == channel.reply_consumer:
+            self.service.reply_channels.pop(channel.reply_token, None)
+            channel.reply_consumer = channel.reply_token = ""
+            if not frame.nowait:
+                self.send_method(channel.number, commands.Basic.CancelOk(frame.consumer_tag))
+            return
         consumer = channel.consumers.pop(frame.consumer_tag, None)
         if not frame.nowait:
             self.send_method(channel.number, commands.Basic.CancelOk(frame.consumer_tag))
@@ -1000,25 +1176,65 @@ class AmqpConnection:
                 f"user '{self.username}' may not publish to exchange '{exchange.name}' with "
                 f"routing key '{frame.routing_key}'", *_ids(commands.Basic.Publish),
             )
+        if props.reply_to == REPLY_TO:
+            if not channel.reply_consumer:
+                raise ChannelException(
+                    ReplyCode.PRECONDITION_FAILED, "fast reply consumer does not exist",
+                    *_ids(commands.Basic.Publish),
+                )
+            props.reply_to = REPLY_PREFIX + channel.reply_token
+            raw = props.marshal()
         message = message_from_properties(topic, body, props, self.id, raw)
-        seq = channel.publish_seq if channel.confirm else 0
-        if frame.mandatory and not vhost.routed(message):
+        if channel.tx is not None:
+            channel.tx.publishes.append((frame, message))
+            return
+        self._deliver_publish(channel, frame, message, channel.publish_seq if channel.confirm else 0)
+
+    def _deliver_publish(
+        self, channel: AmqpChannel, frame: commands.Basic.Publish, message: Message, seq: int
+    ) -> None:
+        """Hand a checked publish to the core. `seq` is its publisher-confirm sequence number
+        (0: no confirm; -1: part of a tx.commit, which waits for it)."""
+        vhost = self.vhost
+        assert vhost is not None
+        replied = False
+        if not frame.exchange and frame.routing_key.startswith(REPLY_PREFIX):
+            target = self.service.reply_channels.get(frame.routing_key[len(REPLY_PREFIX):])
+            if target is not None and not target.closing:
+                target.deliver_reply(frame.routing_key, message)
+            replied = True
+        if frame.mandatory and (replied or not vhost.routed(message)):
+            # A mandatory publish to a reply-to name is returned as unroutable even when the
+            # reply was delivered: RabbitMQ 3.x routes replies outside its queues (proven
+            # against rabbitmq-server in tests/e2e/test_amqp_rpc.py).
+            # basic.return goes out before the confirm (https://www.rabbitmq.com/docs/confirms:
+            # "For unroutable messages, the broker will issue a confirm once the exchange
+            # verifies a message won't route to any queue (returns an empty list of queues). If
+            # the message is also published as mandatory, the basic.return is sent to the client
+            # before basic.ack.")
             method = commands.Basic.Return(
                 int(ReplyCode.NO_ROUTE), "NO_ROUTE", frame.exchange, frame.routing_key
             )
             self.send_content(channel.number, method, message)
-            if seq:
+            if seq > 0:
                 self._confirm(channel, seq, True)
             return
+        if replied:
+            if seq > 0:
+                self._confirm(channel, seq, True)
+            return
+        self.messages_in += 1
         try:
             pending = self.service.edge.publish(message)
         except PublishRejected as exc:
             log.warning("publish from %s rejected: %s", self.remote, exc)
-            if seq:
+            if seq > 0:
                 self.send_method(channel.number, commands.Basic.Nack(seq, False, False))
+            elif seq < 0:
+                channel.tx_failed = True
             return
         if pending is None:
-            if seq:
+            if seq > 0:
                 self._confirm(channel, seq, True)
             return
         # Stored once the journal's commit group is durable: one callback per group.
@@ -1028,8 +1244,10 @@ class AmqpConnection:
             pending.add_done_callback(self._landed)
         waiting.append((channel, seq))
         self._publishes_in_flight += 1
-        if seq:
+        if seq > 0:
             channel.unconfirmed[seq] = False
+        elif seq < 0:
+            channel.tx_landing += 1
 
     def block(self, reason: str) -> None:
         """The memory alarm went off: tell the client (if it listens) that publishes wait."""
@@ -1053,8 +1271,13 @@ class AmqpConnection:
         self._publishes_in_flight -= len(waiting)
         ok = not future.cancelled() and future.exception() is None
         for channel, seq in waiting:
-            if seq:
+            if seq > 0:
                 self._confirm(channel, seq, ok)
+            elif seq < 0:
+                channel.tx_failed = channel.tx_failed or not ok
+                channel.tx_landing -= 1
+                if channel.tx_landing == 0:
+                    self._commit_ok(channel)
         if self._publishes_in_flight == 0 and self._paused and not self._held_by_alarm:
             self._paused = False
             if self.state is not State.CLOSED:
@@ -1105,8 +1328,19 @@ class AmqpConnection:
         self.send_content(channel.number, commands.Basic.GetOk(
             tag, entry.redelivered, exchange, routing_key, len(queue.messages)
         ), entry.message)
+        self.sent(entry.message)
+
+    def sent(self, message: Message) -> None:
+        """Count one message delivered to this client (basic.deliver or basic.get-ok)."""
+        self.messages_out += 1
+        self.service.broker.stats.sent("amqp", message)
 
     def _basic_ack(self, channel: AmqpChannel, frame: commands.Basic.Ack) -> None:
+        if channel.tx is not None:
+            channel.tx.settlements.append(
+                (None, channel.settle_tagged(frame.delivery_tag, frame.multiple, commands.Basic.Ack))
+            )
+            return
         for delivery in channel.settle(frame.delivery_tag, frame.multiple, commands.Basic.Ack):
             delivery.queue.settle(delivery.entry)
 
@@ -1122,12 +1356,18 @@ class AmqpConnection:
                 delivery.queue.reject(delivery.entry)
 
     def _basic_nack(self, channel: AmqpChannel, frame: commands.Basic.Nack) -> None:
-        deliveries = channel.settle(frame.delivery_tag, frame.multiple, commands.Basic.Nack)
-        self._settle_negative(channel, deliveries, frame.requeue)
+        tagged = channel.settle_tagged(frame.delivery_tag, frame.multiple, commands.Basic.Nack)
+        if channel.tx is not None:
+            channel.tx.settlements.append((bool(frame.requeue), tagged))
+            return
+        self._settle_negative(channel, [d for _, d in tagged], frame.requeue)
 
     def _basic_reject(self, channel: AmqpChannel, frame: commands.Basic.Reject) -> None:
-        deliveries = channel.settle(frame.delivery_tag, False, commands.Basic.Reject)
-        self._settle_negative(channel, deliveries, frame.requeue)
+        tagged = channel.settle_tagged(frame.delivery_tag, False, commands.Basic.Reject)
+        if channel.tx is not None:
+            channel.tx.settlements.append((bool(frame.requeue), tagged))
+            return
+        self._settle_negative(channel, [d for _, d in tagged], frame.requeue)
 
     def _basic_recover(self, channel: AmqpChannel, frame: Any) -> None:
         channel.requeue_all()
@@ -1135,6 +1375,11 @@ class AmqpConnection:
             self.send_method(channel.number, commands.Basic.RecoverOk())
 
     def _confirm_select(self, channel: AmqpChannel, frame: commands.Confirm.Select) -> None:
+        if channel.tx is not None:
+            # rabbit_channel: confirm.select on a transactional channel.
+            raise ChannelException(
+                ReplyCode.PRECONDITION_FAILED, "cannot switch from tx to confirm mode", *_ids(frame)
+            )
         channel.confirm = True
         if not frame.nowait:
             self.send_method(channel.number, commands.Confirm.SelectOk())

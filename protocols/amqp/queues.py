@@ -13,6 +13,7 @@ No I/O here: consumers are reached through their channel (`connection.AmqpChanne
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
@@ -23,14 +24,23 @@ from .routing import Binding
 
 
 class QueueEntry:
-    """A message waiting in (or delivered from) a queue."""
+    """A message waiting in (or delivered from) a queue; `position` is its place in the queue's
+    order of arrival, which a requeued message goes back to."""
 
-    __slots__ = ("message", "redelivered", "expires_at_ms")
+    __slots__ = ("message", "redelivered", "expires_at_ms", "position")
 
-    def __init__(self, message: Message, expires_at_ms: int | None, redelivered: bool = False) -> None:
+    def __init__(
+        self, message: Message, expires_at_ms: int | None, redelivered: bool = False,
+        position: int = 0,
+    ) -> None:
         self.message = message
         self.expires_at_ms = expires_at_ms
         self.redelivered = redelivered
+        self.position = position
+
+
+def _position(entry: QueueEntry) -> int:
+    return entry.position
 
 
 class ConsumerChannel(Protocol):
@@ -98,9 +108,16 @@ class Queue:
         self.ready_bytes = 0  # payload bytes of `messages`, for the memory alarm
         self.consumers: list[QueueConsumer] = []
         self.bindings: dict[tuple[str, str, tuple[tuple[str, str], ...]], Binding] = {}
+        # Bindings reached through exchange-to-exchange bindings (see `VirtualHost.rederive`),
+        # keyed by the path they come from.
+        self.derived: dict[tuple[Any, ...], Binding] = {}
         self.by_filter: dict[str, list[Binding]] = {}
         self.checked_filters = 0  # how many filters carry a binding with an exact check
         self._next = 0
+        self._arrivals = 0  # position of the next enqueued message
+        # Set by the virtual host: called when a message with its own expiration is queued, so
+        # the queue is swept even without x-message-ttl.
+        self.on_timed_message: Callable[[Queue], None] | None = None
         self._dead_letter = dead_letter
         self._dispatching = False
         self.had_consumer = False
@@ -160,6 +177,21 @@ class Queue:
         if key in self.bindings:
             return False
         self.bindings[key] = binding
+        return self._index(binding)
+
+    def add_derived(self, key: tuple[Any, ...], binding: Binding) -> bool:
+        """Record a binding reached through exchange bindings; True if its filter is new."""
+        if key in self.derived:
+            return False
+        self.derived[key] = binding
+        return self._index(binding)
+
+    def remove_derived(self, key: tuple[Any, ...]) -> str | None:
+        """Forget a derived binding; returns its filter if nothing else uses it."""
+        binding = self.derived.pop(key, None)
+        return None if binding is None else self._unindex(binding)
+
+    def _index(self, binding: Binding) -> bool:
         same = self.by_filter.setdefault(binding.topic_filter, [])
         had_check = any(b.check is not None for b in same)
         same.append(binding)
@@ -172,6 +204,9 @@ class Queue:
         binding = self.bindings.pop(key, None)
         if binding is None:
             return None
+        return self._unindex(binding)
+
+    def _unindex(self, binding: Binding) -> str | None:
         same = self.by_filter.get(binding.topic_filter, [])
         had_check = any(b.check is not None for b in same)
         same.remove(binding)
@@ -188,7 +223,11 @@ class Queue:
         if self.message_ttl is not None:
             by_queue = now_ms() + self.message_ttl
             expires = by_queue if expires is None else min(expires, by_queue)
-        self.messages.append(QueueEntry(message, expires))
+        elif expires is not None and self.on_timed_message is not None:
+            self.on_timed_message(self)
+        position = self._arrivals
+        self._arrivals = position + 1
+        self.messages.append(QueueEntry(message, expires, False, position))
         self.ready_bytes += len(message.payload)
         if self.max_length is not None:
             while len(self.messages) > self.max_length:
@@ -201,13 +240,25 @@ class Queue:
         return entry
 
     def requeue(self, entries: Sequence[QueueEntry]) -> None:
-        """Give delivered messages back: at the head, in their original order, redelivered."""
-        if self.deleted:
+        """Give delivered messages back to their original positions, marked redelivered.
+
+        RabbitMQ: "When a message is requeued, it will be placed to its original position in
+        its queue, if possible" (https://www.rabbitmq.com/docs/confirms, "Negative
+        Acknowledgement and Requeuing of Deliveries"). Delivered messages are older than every
+        ready one except those requeued before, so only the head is merged."""
+        if self.deleted or not entries:
             return
-        for entry in reversed(entries):
+        returning = sorted(entries, key=_position)
+        messages = self.messages
+        last = returning[-1].position
+        older: list[QueueEntry] = []
+        while messages and messages[0].position < last:
+            older.append(messages.popleft())
+        for entry in returning:
             entry.redelivered = True
-            self.messages.appendleft(entry)
             self.ready_bytes += len(entry.message.payload)
+        merged = list(heapq.merge(older, returning, key=_position)) if older else returning
+        messages.extendleft(reversed(merged))
         self.dispatch()
 
     def reject(self, entry: QueueEntry) -> None:

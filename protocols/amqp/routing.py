@@ -6,7 +6,10 @@ filters are the queue's bindings. The mapping:
 
 - `amq.topic` is shared with MQTT and gRPC, as RabbitMQ's MQTT plugin does it: the routing key
   `a.b.c` is the topic `a/b/c` (dots and slashes swap, so the MQTT topic `a.x/b` is the routing
-  key `a/x.b`), a binding `*` is the filter level `+`, `#` stays `#`.
+  key `a/x.b`), a binding `*` is the filter level `+`, `#` stays `#`. A routing key is a
+  plain name to AMQP, so `+` and `#` in a published key are escaped as `%2B` and `%23`: the key
+  `w.#` is the topic `w/%23` (never a wildcard in an MQTT PUBLISH), and AMQP consumers get the
+  key `w.#` back.
 - Any other exchange `E` owns the reserved subtree `$amqp/E/`, which MQTT `#` subscriptions never
   see (topics starting with `$`). The default exchange is `$amqp/amq.default/<queue name>`.
   - direct and headers exchanges: `$amqp/E/<key>`, the key as one level (percent-escaped);
@@ -55,7 +58,10 @@ def unescape(level: str) -> str:
 def publish_topic(exchange: str, exchange_type: str, routing_key: str) -> str:
     """The core topic a message published to `exchange` with `routing_key` goes to."""
     if exchange == AMQ_TOPIC:
-        return routing_key.translate(_SWAP)
+        topic = routing_key.translate(_SWAP)
+        if "+" in topic or "#" in topic:
+            topic = topic.replace("+", "%2B").replace("#", "%23")
+        return topic
     name = exchange or DEFAULT_EXCHANGE_TOPIC
     if exchange_type == "topic":
         return PREFIX + name + "/" + "/".join(escape(w) for w in routing_key.split("."))
@@ -70,7 +76,10 @@ def queue_topic(queue: str) -> str:
 def exchange_and_key(topic: str) -> tuple[str, str]:
     """(exchange, routing key) a delivered message reports for its core topic."""
     if not topic.startswith(PREFIX):
-        return AMQ_TOPIC, topic.translate(_SWAP)
+        key = topic.translate(_SWAP)
+        if "%2" in key:
+            key = key.replace("%2B", "+").replace("%23", "#")
+        return AMQ_TOPIC, key
     rest = topic[len(PREFIX):]
     name, _, key = rest.partition("/")
     if name == DEFAULT_EXCHANGE_TOPIC:
@@ -186,3 +195,37 @@ def headers_check(arguments: dict[str, Any]) -> HeaderCheck:
         return any(results) if match_any else all(results)
 
     return check
+
+
+def hop_check(exchange_type: str, routing_key: str, arguments: dict[str, Any] | None) -> HeaderCheck | None:
+    """Whether a message passes one binding of an exchange of `exchange_type` that it reaches
+    through exchange-to-exchange bindings. The routing key does not change on the way, so it
+    is the key the message was published with (recovered from its topic); None: always."""
+    if exchange_type == "fanout":
+        return None
+    if exchange_type == "headers":
+        return headers_check(arguments or {})
+    if exchange_type == "direct":
+        def direct(message: Message) -> bool:
+            return exchange_and_key(message.topic)[1] == routing_key
+
+        return direct
+    pattern = routing_key.split(".")
+
+    def topic(message: Message) -> bool:
+        return topic_matches(pattern, exchange_and_key(message.topic)[1].split("."))
+
+    return topic
+
+
+def all_of(checks: Sequence[HeaderCheck]) -> HeaderCheck | None:
+    """One check that passes when every one of `checks` does (None when there are none)."""
+    if not checks:
+        return None
+    if len(checks) == 1:
+        return checks[0]
+
+    def every(message: Message) -> bool:
+        return all(check(message) for check in checks)
+
+    return every

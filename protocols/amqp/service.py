@@ -22,7 +22,7 @@ from .settings import AmqpSettings
 from .vhost import VirtualHost
 
 if TYPE_CHECKING:
-    from .connection import AmqpConnection
+    from .connection import AmqpChannel, AmqpConnection
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,8 @@ class AmqpService:
         # Memory alarm raised: publishers are held (connection.blocked) until it clears.
         self.blocked = False
         self.connections: set[AmqpConnection] = set()
+        # Direct reply-to: token -> the channel whose reply consumer it names.
+        self.reply_channels: dict[str, AmqpChannel] = {}
         self._all: set[AmqpConnection] = set()
         self._dirty: list[AmqpConnection] = []
         self._flush_scheduled = False

@@ -28,14 +28,19 @@ from ...core.errors import PublishRejected, SubscriptionBusy
 from ...core.message import Message
 from ...core.subscriptions import Subscription, SubscriptionType
 from .errors import ChannelException, ConnectionException, ReplyCode
-from .properties import PROPERTIES_KEY, content_header_payload
+from .properties import PROPERTIES_KEY, content_header_payload, properties_from_message
 from .queues import Queue, QueueEntry
 from .routing import (
     AMQ_TOPIC,
     PREFIX,
+    Binding,
+    HeaderCheck,
+    all_of,
     binding_for,
     escape,
     exchange_and_key,
+    header_value,
+    hop_check,
     publish_topic,
     queue_topic,
 )
@@ -75,6 +80,29 @@ class Exchange:
     bound: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class ExchangeBinding:
+    """An exchange-to-exchange binding (RabbitMQ's exchange.bind extension): messages that
+    `source` routes with `routing_key`/`arguments` go on through `destination`."""
+
+    source: str
+    destination: str
+    routing_key: str
+    arguments: dict[str, Any]
+
+    @property
+    def key(self) -> tuple[str, str, str, tuple[tuple[str, str], ...]]:
+        args = tuple(sorted((str(k), header_value(v)) for k, v in self.arguments.items()))
+        return (self.source, self.destination, self.routing_key, args)
+
+
+# At most this many routes through exchange bindings per queue binding (a guard against
+# pathological graphs; RabbitMQ visits every exchange once per message).
+MAX_DERIVED_BINDINGS = 1000
+
+DEFAULT_EXCHANGE_REFUSED = "operation not permitted on the default exchange"
+
+
 def _err(code: ReplyCode, text: str, method: type[commands.base.Frame] | None) -> ChannelException:
     class_id, method_id = _ids(method)
     return ChannelException(code, text, class_id, method_id)
@@ -95,6 +123,7 @@ class VirtualHost:
             n: Exchange(n, t) for n, t in PREDECLARED.items()
         }
         self.queues: dict[str, Queue] = {}
+        self.exchange_bindings: dict[tuple[str, str, str, tuple[tuple[str, str], ...]], ExchangeBinding] = {}
         # Queues with a TTL or an x-expires, swept by the service's timer.
         self.timed_queues: set[Queue] = set()
         # Called with each deleted queue so that channels can cancel its consumers.
@@ -110,6 +139,9 @@ class VirtualHost:
     def declare_exchange(self, frame: commands.Exchange.Declare) -> Exchange:
         method = commands.Exchange.Declare
         name = frame.exchange
+        if name == "":
+            # rabbit_channel check_not_default_exchange/1, passive or not (403).
+            raise _err(ReplyCode.ACCESS_REFUSED, DEFAULT_EXCHANGE_REFUSED, method)
         existing = self.exchanges.get(name)
         if frame.passive:
             if existing is None:
@@ -156,20 +188,151 @@ class VirtualHost:
     def delete_exchange(self, name: str, if_unused: bool) -> None:
         method = commands.Exchange.Delete
         exchange = self.exchanges.get(name)
+        if name == "":
+            raise _err(ReplyCode.ACCESS_REFUSED, DEFAULT_EXCHANGE_REFUSED, method)
         if exchange is None:
             return  # RabbitMQ: deleting a missing exchange succeeds
         if name in PREDECLARED:
-            raise _err(ReplyCode.ACCESS_REFUSED, f"cannot delete predeclared exchange '{name}'", method)
-        if if_unused and exchange.bound:
-            raise _err(ReplyCode.PRECONDITION_FAILED, f"exchange '{name}' in use", method)
+            raise _err(
+                ReplyCode.ACCESS_REFUSED,
+                f"deletion of system exchange '{name}' in vhost '{self.name}' not allowed", method,
+            )
+        if if_unused and (exchange.bound or self._is_source(name)):
+            raise _err(
+                ReplyCode.PRECONDITION_FAILED,
+                f"exchange '{name}' in vhost '{self.name}' in use", method,
+            )
+        linked = [k for k, b in self.exchange_bindings.items() if name in (b.source, b.destination)]
+        for key in linked:
+            del self.exchange_bindings[key]
         for queue_name in list(exchange.bound):
             queue = self.queues.get(queue_name)
             if queue is not None:
                 for key in [k for k in queue.bindings if k[0] == name]:
                     self._remove_binding(queue, key)
         self.exchanges.pop(name, None)
+        if linked:
+            self.rederive_all()
         if exchange.durable:
             self.save_topology()
+
+    # ------------------------------------------------------------------ exchange bindings
+    def _is_source(self, name: str) -> bool:
+        return any(b.source == name for b in self.exchange_bindings.values())
+
+    def bind_exchange(
+        self, destination: str, source: str, routing_key: str, arguments: dict[str, Any] | None,
+        method: type[commands.base.Frame], allowed: Any = None,
+    ) -> None:
+        """exchange.bind: route what `source` matches on through `destination`. Loops are
+        allowed; a message still reaches each queue at most once, as in RabbitMQ."""
+        if destination == "" or source == "":
+            raise _err(ReplyCode.ACCESS_REFUSED, DEFAULT_EXCHANGE_REFUSED, method)
+        self.exchange(destination, method)
+        src = self.exchange(source, method)
+        binding = ExchangeBinding(source, destination, routing_key, dict(arguments or {}))
+        if allowed is not None:
+            topic_filter = binding_for(src.name, src.type, routing_key, arguments).topic_filter
+            if not allowed(topic_filter):
+                raise _err(
+                    ReplyCode.ACCESS_REFUSED,
+                    f"access to exchange '{source}' with binding key '{routing_key}' refused",
+                    method,
+                )
+        if binding.key in self.exchange_bindings:
+            return
+        self.exchange_bindings[binding.key] = binding
+        self.rederive_all()
+        if self._durable_binding(binding):
+            self.save_topology()
+
+    def unbind_exchange(
+        self, destination: str, source: str, routing_key: str, arguments: dict[str, Any] | None,
+        method: type[commands.base.Frame],
+    ) -> None:
+        if destination == "" or source == "":
+            raise _err(ReplyCode.ACCESS_REFUSED, DEFAULT_EXCHANGE_REFUSED, method)
+        key = ExchangeBinding(source, destination, routing_key, dict(arguments or {})).key
+        binding = self.exchange_bindings.pop(key, None)
+        if binding is None:
+            return  # RabbitMQ answers unbind-ok for a binding that does not exist
+        self.rederive_all()
+        if self._durable_binding(binding):
+            self.save_topology()
+        self._maybe_auto_delete(source)
+
+    def _durable_binding(self, binding: ExchangeBinding) -> bool:
+        source = self.exchanges.get(binding.source)
+        destination = self.exchanges.get(binding.destination)
+        return bool(source and destination and source.durable and destination.durable)
+
+    def _maybe_auto_delete(self, name: str) -> None:
+        """An auto-delete exchange goes once it is no longer the source of any binding."""
+        exchange = self.exchanges.get(name)
+        if exchange is None or not exchange.auto_delete or exchange.bound or self._is_source(name):
+            return
+        del self.exchanges[name]
+        linked = [k for k, b in self.exchange_bindings.items() if b.destination == name]
+        for key in linked:
+            del self.exchange_bindings[key]
+        if linked:
+            self.rederive_all()
+        if exchange.durable:
+            self.save_topology()
+
+    def rederive_all(self) -> None:
+        for queue in list(self.queues.values()):
+            self.rederive(queue)
+
+    def rederive(self, queue: Queue) -> None:
+        """Bring `queue`'s derived bindings (one per route from a source exchange through
+        exchange bindings to one of its own bindings) and their core filters up to date."""
+        wanted = self._derived_for(queue)
+        current = queue.derived
+        subscription = queue.subscription
+        for key in [k for k in current if k not in wanted]:
+            unused = queue.remove_derived(key)
+            if unused is not None:
+                self.broker.remove_filter(subscription, unused)
+        for key, binding in wanted.items():
+            if key not in current and queue.add_derived(key, binding):
+                self.broker.add_filter(subscription, binding.topic_filter)
+
+    def _derived_for(self, queue: Queue) -> dict[tuple[Any, ...], Binding]:
+        derived: dict[tuple[Any, ...], Binding] = {}
+        if not self.exchange_bindings:
+            return derived
+        incoming: dict[str, list[ExchangeBinding]] = {}
+        for binding in self.exchange_bindings.values():
+            incoming.setdefault(binding.destination, []).append(binding)
+
+        def walk(
+            name: str, checks: list[HeaderCheck], path: tuple[Any, ...], seen: frozenset[str]
+        ) -> None:
+            for link in incoming.get(name, ()):
+                if link.source in seen or len(derived) >= MAX_DERIVED_BINDINGS:
+                    continue
+                source = self.exchanges.get(link.source)
+                if source is None:
+                    continue
+                first = binding_for(source.name, source.type, link.routing_key, link.arguments)
+                route = (*path, link.key)
+                derived[route] = Binding(
+                    source.name, link.routing_key, first.arguments, first.topic_filter,
+                    all_of([c for c in (first.check, *checks) if c is not None]),
+                )
+                hop = hop_check(source.type, link.routing_key, link.arguments)
+                walk(source.name, [hop, *checks] if hop else checks, route, seen | {source.name})
+
+        for key, own in queue.bindings.items():
+            if not own.exchange or own.exchange not in incoming:
+                continue
+            exchange = self.exchanges.get(own.exchange)
+            if exchange is None:
+                continue
+            last = hop_check(exchange.type, own.routing_key, dict(own.arguments))
+            walk(exchange.name, [last] if last else [], (key,), frozenset((exchange.name,)))
+        return derived
 
     # ------------------------------------------------------------------ queues
     def queue(self, name: str, owner: object, method: type[commands.base.Frame] | None) -> Queue:
@@ -290,6 +453,7 @@ class VirtualHost:
         self.broker.add_filter(sub, default.topic_filter)
         if queue.message_ttl is not None or queue.expires is not None:
             self.timed_queues.add(queue)
+        queue.on_timed_message = self.timed_queues.add
         return queue
 
     # ------------------------------------------------------------------ durable topology
@@ -313,7 +477,14 @@ class VirtualHost:
                           for b in q.bindings.values() if b.exchange]}
             for q in self.queues.values() if q.durable and q.exclusive_owner is None
         ]
-        payload = json.dumps({"exchanges": exchanges, "queues": queues}, default=str).encode()
+        exchange_bindings = [
+            [b.source, b.destination, b.routing_key, b.arguments]
+            for b in self.exchange_bindings.values() if self._durable_binding(b)
+        ]
+        payload = json.dumps(
+            {"exchanges": exchanges, "queues": queues, "exchange_bindings": exchange_bindings},
+            default=str,
+        ).encode()
         try:
             self.edge.publish(Message(
                 self.topology_topic, payload, qos=1, retain=True, content_type="application/json",
@@ -338,6 +509,10 @@ class VirtualHost:
                     entry["name"], entry["type"], True, bool(entry.get("auto_delete")),
                     bool(entry.get("internal")), dict(entry.get("arguments") or {}),
                 )
+        for source, destination, key, args in saved.get("exchange_bindings", []):
+            if source in self.exchanges and destination in self.exchanges:
+                binding = ExchangeBinding(source, destination, key, dict(args or {}))
+                self.exchange_bindings[binding.key] = binding
         queues = {entry["name"]: entry for entry in saved.get("queues", [])}
         prefix = self._subscription_name("")
         count = 0
@@ -363,6 +538,8 @@ class VirtualHost:
                 exchange.bound[name] = exchange.bound.get(name, 0) + 1
             for stale in [f for f in sub.filters if f not in queue.by_filter]:
                 self.broker.remove_filter(sub, stale)
+            if self.exchange_bindings:
+                self.rederive(queue)
             sub.wake()
             count += 1
         return count
@@ -377,6 +554,10 @@ class VirtualHost:
         self.timed_queues.discard(queue)
         for key in list(queue.bindings):
             self._remove_binding(queue, key)
+        for key in list(queue.derived):
+            unused = queue.remove_derived(key)
+            if unused is not None:
+                self.broker.remove_filter(queue.subscription, unused)
         self.broker.detach(queue.subscription, queue)
         self.broker.remove_subscription(queue.subscription.name)
         queue.messages.clear()
@@ -404,6 +585,8 @@ class VirtualHost:
         if queue.add_binding(binding):
             self.broker.add_filter(queue.subscription, binding.topic_filter)
         exchange.bound[queue.name] = sum(1 for k in queue.bindings if k[0] == exchange.name)
+        if self.exchange_bindings:
+            self.rederive(queue)
         if queue.durable and queue.exclusive_owner is None:
             self.save_topology()
 
@@ -414,6 +597,8 @@ class VirtualHost:
             raise _err(ReplyCode.ACCESS_REFUSED, "operation not permitted on the default exchange", method)
         binding = binding_for(exchange.name, exchange.type, routing_key, arguments)
         self._remove_binding(queue, (binding.exchange, binding.routing_key, binding.arguments))
+        if self.exchange_bindings:
+            self.rederive(queue)
         if queue.durable and queue.exclusive_owner is None:
             self.save_topology()
 
@@ -431,10 +616,7 @@ class VirtualHost:
             exchange.bound[queue.name] = left
         else:
             exchange.bound.pop(queue.name, None)
-            if exchange.auto_delete and not exchange.bound:
-                del self.exchanges[exchange.name]
-                if exchange.durable:
-                    self.save_topology()
+            self._maybe_auto_delete(exchange.name)
 
     # ------------------------------------------------------------------ routing
     def routed(self, message: Message) -> bool:
@@ -485,30 +667,58 @@ class VirtualHost:
             producer_id=original.producer_id,
         )
         raw = original.encoded.get(PROPERTIES_KEY) if original.encoded else None
-        if raw is not None:
-            message.encoded = {PROPERTIES_KEY: _dead_lettered_properties(
-                raw, reason, queue.name, old_exchange, old_key, first
-            )}
+        if raw is None:
+            raw = properties_from_message(original).marshal()
+        message.encoded = {PROPERTIES_KEY: dead_lettered_properties(
+            raw, reason, queue.name, old_exchange, old_key, first
+        )}
         try:
             self.edge.publish(message)
         except PublishRejected:
             pass
 
 
-def _dead_lettered_properties(
-    raw: bytes, reason: str, queue: str, exchange: str, routing_key: str, first: dict[str, str]
+def dead_lettered_properties(
+    raw: bytes, reason: str, queue: str, exchange: str, routing_key: str, first: dict[str, str],
+    now: datetime.datetime | None = None,
 ) -> bytes:
-    """The original typed properties plus RabbitMQ's x-death headers, expiration removed."""
+    """The original typed properties with RabbitMQ's dead-lettering headers, expiration removed.
+
+    As rabbit_dead_letter:update_x_death_header/2 (RabbitMQ 3.x): `x-death` is an array of
+    tables, most recent first, one per (queue, reason); dying again in the same queue for the
+    same reason increments that table's `count` (a long) and moves it to the front, keeping its
+    other fields. A new table holds count, exchange, `original-expiration` (when the message had
+    a per-message TTL), queue, reason, routing-keys (the routing key and any CC keys) and time,
+    fields sorted by name. `x-first-death-reason/queue/exchange` are set on the first death
+    only. See https://www.rabbitmq.com/docs/dlx#effects."""
     content = header.ContentHeader()
     content.unmarshal(content_header_payload(raw, 0))
     props = content.properties
     headers = dict(props.headers or {})
-    deaths = list(headers.get("x-death") or [])
-    deaths.insert(0, {
-        "count": 1, "reason": reason, "queue": queue, "exchange": exchange,
-        "routing-keys": [routing_key],
-        "time": datetime.datetime.now(datetime.UTC).replace(microsecond=0, tzinfo=None),
-    })
+    deaths = [d for d in headers.get("x-death") or [] if isinstance(d, dict)]
+    same = [d for d in deaths if d.get("queue") == queue and d.get("reason") == reason]
+    if same:
+        death = dict(same[0])
+        count = death.get("count", 0)
+        death["count"] = (count if isinstance(count, int) else 0) + 1
+        deaths = [death, *(d for d in deaths if d is not same[0])]
+    else:
+        routing_keys = [routing_key]
+        cc = headers.get("CC")
+        if isinstance(cc, list):
+            routing_keys.extend(str(k) for k in cc)
+        death = {"count": 1, "exchange": exchange}
+        expiration = props.expiration
+        if expiration:
+            death["original-expiration"] = (
+                expiration.decode() if isinstance(expiration, bytes) else str(expiration)
+            )
+        stamp = now or datetime.datetime.now(datetime.UTC)
+        death.update({
+            "queue": queue, "reason": reason, "routing-keys": routing_keys,
+            "time": stamp.replace(microsecond=0, tzinfo=None),
+        })
+        deaths.insert(0, death)
     headers["x-death"] = deaths
     for name, value in first.items():
         headers.setdefault(name, value)

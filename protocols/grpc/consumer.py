@@ -108,8 +108,11 @@ class GrpcConsumer:
         max_pending: int,
         max_batch: int,
         on_drop: Callable[[int], None] | None = None,
+        on_sent: Callable[[str, Message], None] | None = None,
     ) -> None:
         self.subscription = subscription
+        # Told of every message pushed to the client (the broker's delivery counters).
+        self._on_sent = on_sent
         self.id = f"grpc-{next(_consumer_ids)}" + (f"-{name}" if name else "")
         self.name = name
         self.peer = peer
@@ -187,6 +190,7 @@ class GrpcConsumer:
         now = now_ms()
         delivery_ids = self._delivery_ids
         popleft = pending.popleft
+        on_sent = self._on_sent
         sent = 0
         for _ in range(count):
             entry = popleft()
@@ -197,6 +201,8 @@ class GrpcConsumer:
             unacked[delivery_id] = entry
             add_consumed(out, message, delivery_id, entry[1])
             sent += 1
+            if on_sent is not None:
+                on_sent("grpc", message)
         self.credit -= sent
         self.delivered += sent
         return response if sent else None

@@ -602,6 +602,7 @@ class ConsumerService(pb_grpc.ConsumerServicer):
             max_pending=settings.max_pending_per_consumer,
             max_batch=settings.max_batch_messages,
             on_drop=self._count_drop,
+            on_sent=broker.stats.sent,
         )
         try:
             broker.attach(sub, consumer)

@@ -237,9 +237,7 @@ class MqttConnection:
         if packet_id is not None and self.session is not None and len(self.session.inflight) <= 1:
             self.last_ack = time.monotonic()  # the dead-subscriber clock starts with the window
         self.messages_out += 1
-        stats = self.service.broker.stats
-        stats.messages_out += 1
-        stats.bytes_out += len(message.payload)
+        self.service.broker.stats.sent("mqtt", message)
         self._send(data)
         return True
 

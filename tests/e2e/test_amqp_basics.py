@@ -251,17 +251,6 @@ async def test_publisher_confirms_and_mandatory_return(amqp_url):
             await channel.default_exchange.publish(aio_pika.Message(b"lost"), "no-queue", mandatory=True)
 
 
-async def test_transactions_are_refused_with_not_implemented(amqp_url):
-    conn = await aio_pika.connect(amqp_url)
-    channel = await conn.channel(publisher_confirms=False)
-    tx = channel.transaction()
-    with pytest.raises(Exception):  # noqa: B017 - the connection closes with 540
-        await tx.select()
-    await asyncio.sleep(0.05)
-    assert conn.is_closed or channel.is_closed
-    await conn.close()
-
-
 async def test_tls_listener_shares_exchanges_and_queues(broker_factory, tmp_path):
     """`listeners.amqps_port` with the `[tls]` certificate serves the same exchanges and queues
     as the plain listener."""
