@@ -15,11 +15,18 @@ from collections import defaultdict
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
-from ..storage.interfaces import ArchiveSource, LatencyHistogram, ShardStorage, StorageError
+from ..storage.interfaces import (
+    ArchiveSource,
+    LatencyHistogram,
+    ShardStorage,
+    StorageError,
+    StorageFull,
+)
 from .delayed import DelayedDelivery, deliver_at
 from .durable import CursorSink, DurableOptions, DurableSubscription
 from .errors import (
     PublishRejected,
+    StoreFull,
     StreamExists,
     StreamNotFound,
     SubscriptionBusy,
@@ -337,6 +344,10 @@ class Broker:
         if topic[:1] == "$" or message.headers:
             at_ms = deliver_at(message)
             if at_ms is not None and at_ms > now_ms():
+                # Refused now if it will not fit its stream's schema when it is due.
+                held_in = self.stream_for_topic(message.topic).config
+                if held_in.schema is not Schema.BYTES:
+                    check_payload(held_in.schema, message.payload, held_in.name)
                 self.delayed.hold(message, at_ms)
                 return None
             topic = message.topic
@@ -376,6 +387,8 @@ class Broker:
         assert shard_log is not None
         try:
             message.offset = shard_log.append([(message.publish_time_ms, encode_message(message))])
+        except StorageFull as exc:
+            raise StoreFull(f"the journal refused the message: {exc}") from exc
         except StorageError as exc:
             raise PublishRejected(f"the journal refused the message: {exc}") from exc
         shard.next_offset = message.offset + 1

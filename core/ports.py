@@ -75,12 +75,10 @@ class SessionStore(Protocol):
 
 
 class Qos2Store(Protocol):
-    """Inbound QoS 2 packet ids (PUBLISH received, PUBREL not yet seen) per client.
+    """Inbound QoS 2 packet ids (PUBLISH received, PUBREL not yet seen) per client."""
 
-    `remember_qos2` must not block the caller on the disk: the implementation batches and
-    writes in the background (at least as often as cursors are saved)."""
-
-    def remember_qos2(self, client_id: str, packet_id: int, present: bool) -> None: ...
+    def save_qos2(self, changes: Sequence[tuple[str, int, bool]]) -> None:
+        """Apply (client id, packet id, present) changes in one atomic write; callers batch."""
 
     def qos2_inbound(self, client_id: str) -> set[int]: ...
 

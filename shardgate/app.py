@@ -173,7 +173,7 @@ class Shardgate:
         held = self.broker.delayed.restore()
         if held:
             log.info("restored %d delayed messages", held)
-        self.mqtt = MqttService(edge, config.mqtt, store=stored)
+        self.mqtt = MqttService(edge, config.mqtt, store=stored, scheduler=asyncio.get_running_loop())
         self.mqtt.use_identity_as_username = config.tls.use_identity_as_username
         from .auth import install_security
 
@@ -325,6 +325,7 @@ class Shardgate:
         if self.broker is not None:
             self.broker.delayed.close()
         if self.mqtt is not None:
+            self.mqtt.flush_qos2()
             for session in list(self.mqtt.sessions.values()):
                 self.mqtt.save_session(session)
         if self.journal is not None:

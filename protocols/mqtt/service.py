@@ -9,7 +9,6 @@ event-loop turn.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import logging
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING
 from ... import __version__
 from ...core.edge import KICK_REASON, Action, ClientInfo, Edge, Principal
 from ...core.message import Message, now_ms
+from ...core.scheduling import Scheduler, Timer
 from . import packets as p
 from .connection import MQTT_V5, MqttConnection, State
 from .session import NEVER_EXPIRES, MqttSession, Outgoing
@@ -39,9 +39,12 @@ VERSION_NAMES = {3: "MQTT 3.1", 4: "MQTT 3.1.1", 5: "MQTT 5.0"}
 
 class MqttService:
     def __init__(
-        self, edge: Edge, settings: MqttSettings | None = None, store: MqttSessionPorts | None = None
+        self, edge: Edge, settings: MqttSettings | None = None,
+        store: MqttSessionPorts | None = None, scheduler: Scheduler | None = None,
     ) -> None:
         self.edge = edge
+        # Time and timers, from the I/O adapter (an asyncio loop is one) or a test's clock.
+        self._scheduler = scheduler
         self.broker = edge.broker
         # Where persistent sessions are saved; None keeps them in memory only.
         self.store = store
@@ -52,21 +55,22 @@ class MqttService:
         self.use_identity_as_username = False
         self._dirty: list[MqttConnection] = []
         self._flush_scheduled = False
-        self._will_timers: dict[str, tuple[asyncio.TimerHandle, p.Will]] = {}
-        self._expiry_timers: dict[str, asyncio.TimerHandle] = {}
+        # QoS 2 inbound state changes of durable sessions, written in one batch per loop turn.
+        self._qos2_changes: dict[tuple[str, int], bool] = {}
+        self._qos2_flush_scheduled = False
+        self._will_timers: dict[str, tuple[Timer, p.Will]] = {}
+        self._expiry_timers: dict[str, Timer] = {}
         self._client_ids = itertools.count(1)
         self._id_prefix = os.urandom(4).hex()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._tick_handle: asyncio.TimerHandle | None = None
-        self._sys_handle: asyncio.TimerHandle | None = None
+        self._tick_handle: Timer | None = None
+        self._sys_handle: Timer | None = None
         self.total_connections = 0
         self._handshaking: set[MqttConnection] = set()
         edge.clients.register("mqtt", self)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._tick_handle = self._loop.call_later(TICK_S, self._tick)
+        self._tick_handle = self.scheduler.call_later(TICK_S, self._tick)
         if self.settings.sys_interval > 0:
             self._publish_sys()
 
@@ -83,17 +87,17 @@ class MqttService:
             timer.cancel()
 
     @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
-        return self._loop
+    def scheduler(self) -> Scheduler:
+        if self._scheduler is None:
+            raise RuntimeError("MqttService needs a scheduler: the asyncio adapter passes its event loop")
+        return self._scheduler
 
     # ------------------------------------------------------------------ output batching
     def request_flush(self, connection: MqttConnection) -> None:
         self._dirty.append(connection)
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            self.loop.call_soon(self._flush)
+            self.scheduler.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -196,14 +200,14 @@ class MqttService:
                 self._publish_will(session.client_id, will)
             else:
                 delay = min(delay, expiry)
-                handle = self.loop.call_later(delay, self._delayed_will, session.client_id, will)
+                handle = self.scheduler.call_later(delay, self._delayed_will, session.client_id, will)
                 self._will_timers[session.client_id] = (handle, will)
         if expiry == 0:
             self._end_session(session)
             return
         self.save_session(session)
         if expiry != NEVER_EXPIRES:
-            self._expiry_timers[session.client_id] = self.loop.call_later(
+            self._expiry_timers[session.client_id] = self.scheduler.call_later(
                 expiry, self._expire_session, session.client_id
             )
         log.info("client %r disconnected%s", connection.client_id, "" if normal else " (abnormally)")
@@ -283,6 +287,7 @@ class MqttService:
     def forget_session(self, client_id: str) -> None:
         if self.store is None:
             return
+        self.flush_qos2()  # nothing queued for this client may be written after the delete
         try:
             self.store.forget_session(client_id)
         except Exception:
@@ -335,7 +340,7 @@ class MqttService:
             self.sessions[record.client_id] = session
             if record.expiry_interval != NEVER_EXPIRES:
                 remaining = max(0.0, (disconnected + record.expiry_interval * 1000 - now) / 1000)
-                self._expiry_timers[record.client_id] = self.loop.call_later(
+                self._expiry_timers[record.client_id] = self.scheduler.call_later(
                     remaining, self._expire_session, record.client_id
                 )
             restored += 1
@@ -344,14 +349,27 @@ class MqttService:
     def remember_qos2(self, session: MqttSession, packet_id: int, present: bool) -> None:
         if not session.durable or self.store is None:
             return
+        self._qos2_changes[(session.client_id, packet_id)] = present
+        if not self._qos2_flush_scheduled:
+            self._qos2_flush_scheduled = True
+            self.scheduler.call_soon(self.flush_qos2)
+
+    def flush_qos2(self) -> None:
+        """Write the QoS 2 state changes queued this loop turn, in one transaction. They are
+        written before the turn in which their PUBREC can go out: the PUBREC waits for the
+        journal's commit, which needs a round trip through its worker thread."""
+        self._qos2_flush_scheduled = False
+        if not self._qos2_changes or self.store is None:
+            return
+        changes, self._qos2_changes = self._qos2_changes, {}
         try:
-            self.store.remember_qos2(session.client_id, packet_id, present)
+            self.store.save_qos2([(client, pid, present) for (client, pid), present in changes.items()])
         except Exception:
-            log.exception("could not save QoS 2 state of %r", session.client_id)
+            log.exception("could not save the QoS 2 state of %d packets", len(changes))
 
     # ------------------------------------------------------------------ timers
     def _tick(self) -> None:
-        now = time.monotonic()
+        now = self.scheduler.time()
         for connection in list(self.connections):
             if connection.state is State.CONNECTED and connection.keep_alive:
                 if now - connection.last_received > connection.keep_alive * 1.5:
@@ -374,7 +392,7 @@ class MqttService:
             elif now - connection.last_received > CONNECT_TIMEOUT_S:
                 self._handshaking.discard(connection)
                 connection.close()
-        self._tick_handle = self.loop.call_later(TICK_S, self._tick)
+        self._tick_handle = self.scheduler.call_later(TICK_S, self._tick)
 
     def connection_made(self, connection: MqttConnection) -> None:
         self._handshaking.add(connection)
@@ -405,4 +423,4 @@ class MqttService:
         for name, value in self.sys_values().items():
             message = Message(f"$SYS/broker/{name}", value.encode(), 0, True, producer_protocol="sys")
             self.edge.publish(message)
-        self._sys_handle = self.loop.call_later(self.settings.sys_interval, self._publish_sys)
+        self._sys_handle = self.scheduler.call_later(self.settings.sys_interval, self._publish_sys)

@@ -9,6 +9,7 @@ composition root calls it periodically and on shutdown).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from shardgate.storage.metadata.interface import MetadataStore
 from shardgate.storage.metadata.records import CursorRecord, DelayedRecord, SessionRecord
@@ -40,11 +41,13 @@ class MetadataPorts:
         return self.store.list_sessions()
 
     # ------------------------------------------------------------------ QoS 2 inbound state
-    def remember_qos2(self, client_id: str, packet_id: int, present: bool) -> None:
-        if present:
-            self.store.add_qos2_inbound(client_id, packet_id)
-        else:
-            self.store.remove_qos2_inbound(client_id, packet_id)
+    def save_qos2(self, changes: Sequence[tuple[str, int, bool]]) -> None:
+        with self.store.transaction():
+            for client_id, packet_id, present in changes:
+                if present:
+                    self.store.add_qos2_inbound(client_id, packet_id)
+                else:
+                    self.store.remove_qos2_inbound(client_id, packet_id)
 
     def qos2_inbound(self, client_id: str) -> set[int]:
         return self.store.list_qos2_inbound(client_id)
