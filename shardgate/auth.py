@@ -76,6 +76,7 @@ from pathlib import Path
 from typing import Any
 
 from .core.edge import Principal
+from .core.topics import filter_covers, filter_matches, filters_overlap
 
 log = logging.getLogger(__name__)
 
@@ -231,53 +232,6 @@ def _strip_share(topic_filter: str) -> str:
         parts = topic_filter.split("/", 2)
         return parts[2] if len(parts) == 3 else ""
     return topic_filter
-
-
-def topic_matches(acl_filter: str, topic: str) -> bool:
-    """MQTT matching of a topic name against a filter (wildcards never match a `$` first level)."""
-    return _covers(acl_filter.split("/"), topic.split("/"))
-
-
-def filter_covers(acl_filter: str, topic_filter: str) -> bool:
-    """True when every topic `topic_filter` can match is matched by `acl_filter`."""
-    return _covers(acl_filter.split("/"), topic_filter.split("/"))
-
-
-def _covers(rule: list[str], wanted: list[str]) -> bool:
-    if wanted and wanted[0].startswith("$") and rule and rule[0] in ("+", "#"):
-        return False
-    for index, level in enumerate(rule):
-        if level == "#":
-            return True
-        if index >= len(wanted):
-            return False
-        asked = wanted[index]
-        if asked == "#":
-            return False
-        if level == "+":
-            continue
-        if level != asked:
-            return False
-    return len(rule) == len(wanted)
-
-
-def filters_overlap(first: str, second: str) -> bool:
-    """True when some topic name matches both filters."""
-    a, b = first.split("/"), second.split("/")
-    # Wildcards never match a `$` first level: a `$` topic needs that same literal in both.
-    if a[0].startswith("$") or b[0].startswith("$"):
-        if a[0] != b[0]:
-            return False
-    for index in range(max(len(a), len(b))):
-        x = a[index] if index < len(a) else None
-        y = b[index] if index < len(b) else None
-        if x == "#" or y == "#":
-            return True
-        if x is None or y is None:
-            return False
-        if x != "+" and y != "+" and x != y:
-            return False
-    return True
 
 
 # ---------------------------------------------------------------------------- ACL rules
@@ -551,7 +505,7 @@ class Security:
                 if rule.allow or action not in rule.actions or not rule.applies_to(username, client_id):
                     continue
                 for acl_filter in rule.filters_for(username, client_id):
-                    hit = filters_overlap(acl_filter, wanted) if subscribing else topic_matches(acl_filter, wanted)
+                    hit = filters_overlap(acl_filter, wanted) if subscribing else filter_matches(acl_filter, wanted)
                     if hit:
                         return False
         if action == Action.ADMIN.value and self._is_admin(username):
@@ -564,7 +518,7 @@ class Security:
             if not rule.allow or action not in rule.actions or not rule.applies_to(username, client_id):
                 continue
             for acl_filter in rule.filters_for(username, client_id):
-                hit = filter_covers(acl_filter, wanted) if subscribing else topic_matches(acl_filter, wanted)
+                hit = filter_covers(acl_filter, wanted) if subscribing else filter_matches(acl_filter, wanted)
                 if hit:
                     return True
         return False

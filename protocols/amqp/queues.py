@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from ...core.message import Message, now_ms
-from ...core.subscriptions import Subscription
+from ...core.subscriptions import Subscription, round_robin
 from .routing import Binding
 
 
@@ -322,14 +322,11 @@ class Queue:
         if self.single_active:
             first = consumers[0]
             return first if first.channel.can_deliver(first) else None
-        count = len(consumers)
-        start = self._next % count
-        for step in range(count):
-            candidate = consumers[(start + step) % count]
-            if candidate.channel.can_deliver(candidate):
-                self._next = start + step + 1
-                return candidate
-        return None
+        index = round_robin(consumers, self._next, _can_take)
+        if index is None:
+            return None
+        self._next = index + 1
+        return consumers[index]
 
     def dispatch(self) -> None:
         """Hand buffered messages to consumers with room for them."""
@@ -356,6 +353,10 @@ class Queue:
             self._dispatching = False
         if self.starved:
             self._refill()
+
+
+def _can_take(consumer: QueueConsumer) -> bool:
+    return consumer.channel.can_deliver(consumer)
 
 
 def _int_arg(arguments: dict[str, Any], name: str) -> int | None:

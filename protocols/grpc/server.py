@@ -28,6 +28,7 @@ from ...core.errors import (
     CoreError,
     InvalidStreamConfig,
     PublishRejected,
+    SchemaMismatch,
     StreamExists,
     StreamNotFound,
     SubscriptionBusy,
@@ -39,7 +40,6 @@ from ...core.topics import TopicError, validate_topic_filter, validate_topic_nam
 from ...proto import shardgate_pb2 as pb
 from ...proto import shardgate_pb2_grpc as pb_grpc
 from .consumer import GrpcConsumer, GrpcSubscriptionState, hand_over
-from .schemas import SchemaMismatch, check_payload
 from .settings import DEFAULT_PORT, GrpcSettings
 
 log = logging.getLogger(__name__)
@@ -247,12 +247,7 @@ class GrpcServer:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"topic {topic!r} resolves to stream {stream.config.name!r}, not {request.stream!r}",
             )
-        schema = stream.config.schema
-        if schema is not Schema.BYTES:
-            try:
-                check_payload(schema, payload, stream.config.name)
-            except SchemaMismatch as exc:
-                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        # The stream's schema is checked once, by the core's publish (see `publish`).
         message = Message(topic, payload, qos=1, retain=request.retain,
                           producer_protocol="grpc", producer_id=request.producer_name or producer_id)
         if request.HasField("key"):
@@ -272,6 +267,8 @@ class GrpcServer:
     def publish(self, message: Message) -> Receipt:
         try:
             return self.edge.publish(message)
+        except SchemaMismatch as exc:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except PublishRejected as exc:
             raise Refusal(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
 
