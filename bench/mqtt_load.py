@@ -699,7 +699,7 @@ async def mode_throughput(args: argparse.Namespace) -> dict[str, Any]:
     payload = b"x" * args.payload
     budget = args.warmup + args.duration + 30.0
     plan = SubscriberPlan(
-        args.host, args.port, topic, args.qos, args.subscribers,
+        args.sub_host or args.host, args.sub_port or args.port, topic, args.qos, args.subscribers,
         deadline=time.monotonic() + budget, run_id=run_id,
     )
     subs = SubscriberSide(plan, args.split)
@@ -768,7 +768,7 @@ async def mode_latency(args: argparse.Namespace) -> dict[str, Any]:
     # The measured window starts at a planned instant (connection set-up + warm-up), fixed in
     # advance so that a subscriber in a child process knows it too.
     plan = SubscriberPlan(
-        args.host, args.port, topic, args.qos, 1, deadline=time.monotonic() + budget,
+        args.sub_host or args.host, args.sub_port or args.port, topic, args.qos, 1, deadline=time.monotonic() + budget,
         latency_from_ns=time.monotonic_ns() + int((args.warmup + 2.0) * 1e9), run_id=run_id,
     )
     subs = SubscriberSide(plan, args.split)
@@ -876,6 +876,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--port", type=int, default=1883)
         p.add_argument("--broker-pid", type=int, help="read the broker's CPU and RSS in /proc")
+        p.add_argument("--sub-host", default="",
+                       help="subscribers connect here (default --host): another cluster node")
+        p.add_argument("--sub-port", type=int, default=0, help="subscribers' port (default --port)")
 
     def flow(p: argparse.ArgumentParser) -> None:
         p.add_argument("--qos", type=int, choices=(0, 1), default=0)

@@ -22,6 +22,7 @@ from ..storage.interfaces import (
     StorageError,
     StorageFull,
 )
+from ..storage.records import encode_message
 from .delayed import DelayedDelivery, deliver_at
 from .durable import CursorSink, DurableOptions, DurableSubscription
 from .errors import (
@@ -381,8 +382,6 @@ class Broker:
         return self._append_reliable(shard, message)
 
     def _append_reliable(self, shard: Shard, message: Message) -> asyncio.Future[None] | None:
-        from ..storage.records import encode_message
-
         shard_log = shard.log
         assert shard_log is not None
         try:

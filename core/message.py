@@ -3,6 +3,12 @@
 A `Message` carries the same fields whichever protocol brought it in: MQTT 5 user properties,
 AMQP headers and gRPC metadata all become `headers`; MQTT response topic and AMQP reply-to
 become `reply_to`. The core fills `stream`, `shard` and `offset` when it appends the message.
+
+What the common fields cannot say travels in `native_properties`: the exact encoding of the
+properties in the sending protocol's own format, by format name (AMQP's typed header table and
+basic properties as `amqp-0-9-1`). The journal and the archive keep it byte for byte, so a
+consumer of the same protocol gets back exactly what was published, across restarts and
+archive replay; every other protocol reads the common fields. The core never looks inside.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ class Message:
     stream: str = ""
     shard: int = 0
     offset: int = -1
+    # Exact encodings of the properties, by format name; opaque to the core (see above).
+    native_properties: dict[str, bytes] | None = None
     # Encoded forms cached by protocol adapters so that many subscribers share one encoding.
     encoded: dict[Any, bytes] | None = None
 
@@ -59,5 +67,5 @@ def message_from_record(record: object, stream: str, shard: int, offset: int) ->
         r.topic, r.payload, r.qos, r.retain, r.key, r.headers, r.content_type,  # type: ignore[attr-defined]
         r.correlation_data, r.reply_to, r.payload_format, r.expires_at_ms,  # type: ignore[attr-defined]
         r.publish_time_ms, r.producer_protocol, r.producer_id,  # type: ignore[attr-defined]
-        stream, shard, offset,
+        stream, shard, offset, r.native_properties,  # type: ignore[attr-defined]
     )

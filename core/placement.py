@@ -42,3 +42,7 @@ class Fanout(Protocol):
         here. Returns the names of the local shared subscriptions that should take it (the
         others were given to other nodes), or None when every local match takes it."""
         ...
+
+    def wanted_elsewhere(self, topic: str) -> bool:
+        """True when a subscription on another node matches `topic` (AMQP's mandatory flag)."""
+        ...

@@ -391,6 +391,11 @@ def openapi_document() -> dict[str, Any]:
             "responses": {"200": _json(_ref("Archive")), "409": _json(_ref("Error"), "Not enabled"),
                           "503": _json(_ref("Error"), "Object store unavailable")},
         }},
+        "/api/cluster": {"get": {
+            "summary": "Cluster mode: nodes, their addresses, the controller, shards per node",
+            "responses": {"200": _json({"type": "object"}),
+                          "404": _json(_ref("Error"), "Not in cluster mode")},
+        }},
         "/api/openapi.json": _get("This document", {"type": "object"}),
     }
     for item in paths.values():
@@ -512,6 +517,15 @@ async def _archive_flush(request: web.Request) -> web.Response:
     return web.json_response(archive_view(app), dumps=_dumps)
 
 
+async def _cluster(request: web.Request) -> web.Response:
+    node = getattr(_app(request), "cluster", None)
+    if node is None:
+        return _error(404, "this node is not in cluster mode (serve --cluster)")
+    from .cluster.attach import cluster_status
+
+    return web.json_response(cluster_status(node), dumps=_dumps)
+
+
 async def _openapi(request: web.Request) -> web.Response:
     return web.json_response(request.app[_OPENAPI_KEY])
 
@@ -566,6 +580,7 @@ def create_web_app(app: Any, middlewares: list[Any] | None = None) -> web.Applic
     router.add_get("/api/retained", _retained)
     router.add_get("/api/archive", _archive)
     router.add_post("/api/archive/flush", _archive_flush)
+    router.add_get("/api/cluster", _cluster)
     router.add_get("/api/openapi.json", _openapi)
     router.add_get("/metrics", _metrics)
     router.add_get("/", _index)

@@ -65,6 +65,10 @@ class Shardgate:
         self.security: Any = None
         self.bridges: list[Any] = []
         self.archive_reader: Any = None
+        # cluster mode (`[cluster]` / `--cluster`): this node's membership; None on a single node
+        self.cluster: Any = None
+        # its data plane (forwarding, route table; shardgate.cluster.forward), once joined
+        self.data_plane: Any = None
         self._stopped = asyncio.Event()
 
     def _ssl_context(self) -> ssl.SSLContext:
@@ -155,10 +159,23 @@ class Shardgate:
     async def start(self) -> None:
         config = self.config
         config.data_dir.mkdir(parents=True, exist_ok=True)
+        if config.cluster.enabled:
+            from .cluster import attach
+            from .cluster.control import ClusterStartError
+
+            try:
+                self.cluster = await attach.connect(self)
+            except ClusterStartError as exc:
+                raise ConfigError(f"cluster: {exc}") from exc
         try:
             self.broker = self._build_broker()
         except (StorageError, CoreError, ValueError) as exc:
             raise ConfigError(str(exc)) from exc
+        if self.cluster is not None:
+            try:
+                await attach.share_catalog(self, self.cluster)
+            except ClusterStartError as exc:
+                raise ConfigError(f"cluster: {exc}") from exc
         assert self.metadata is not None
         self.edge = edge = Edge(self.broker)
         edge.listeners = self.listeners
@@ -235,6 +252,12 @@ class Shardgate:
             raise ConfigError(f"cannot listen: {exc}") from exc
         for listener in self.listeners.values():
             log.info("listening for %s on %s:%d", listener.name, listener.host, listener.port)
+        if self.cluster is not None:
+            try:
+                await attach.join(self, self.cluster)
+            except ClusterStartError as exc:
+                await self.stop()
+                raise ConfigError(f"cluster: {exc}") from exc
         if config.bridges:
             from .bridge import start_bridges
 
@@ -298,6 +321,9 @@ class Shardgate:
         return self.listeners[name].port
 
     async def stop(self) -> None:
+        if self.cluster is not None:
+            # hand this node's shards over while it still serves, then go on stopping
+            await self.cluster.leave()
         for bridge in self.bridges:
             await bridge.stop()
         self.bridges = []
@@ -310,6 +336,9 @@ class Shardgate:
                 await asyncio.wait_for(listener.server.wait_closed(), 5)
             except (TimeoutError, Exception):
                 pass
+        if self.data_plane is not None:
+            # after the clients, before the journal: forwarded publishes still land in it
+            await self.data_plane.stop()
         if self.journal is not None:
             try:
                 await asyncio.wait_for(self.journal.flush(), 10)
@@ -332,6 +361,8 @@ class Shardgate:
             self.journal.close()
         if self.metadata is not None:
             self.metadata.close()
+        if self.cluster is not None:
+            await self.cluster.stop()
         self._stopped.set()
 
     async def wait_stopped(self) -> None:

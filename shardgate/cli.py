@@ -41,6 +41,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         serve.add_argument(f"--{name}-port", type=int, metavar="N",
                            help=f"{name} listener port, 0 turns it off (default {default})")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--cluster", metavar="URL",
+                       help="join a cluster coordinated by etcd at URL (comma-separated endpoints)")
+    serve.add_argument("--node-id", help="this node's id in the cluster (default: the host name)")
+    serve.add_argument("--cluster-port", type=int, metavar="N",
+                       help="internal node-to-node listener port (default 7001, 0 picks one)")
     serve.add_argument("--port-file", type=Path,
                        help="write the bound listener ports as JSON to this file once started")
 
@@ -161,6 +166,9 @@ def main(argv: list[str] | None = None) -> None:
             ("listeners", "grpc_port"): args.grpc_port,
             ("listeners", "http_port"): args.http_port,
             ("log_level",): args.log_level,
+            ("cluster", "etcd"): args.cluster,
+            ("cluster", "node_id"): args.node_id,
+            ("cluster", "port"): args.cluster_port,
         }
         try:
             config = load_config(args.config, overrides=overrides)

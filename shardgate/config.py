@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .auth import AuthSettings
+from .cluster.settings import ClusterSettings
 from .protocols.amqp.settings import AmqpSettings
 from .protocols.grpc.settings import GrpcSettings
 from .protocols.mqtt.settings import MqttSettings
@@ -103,6 +104,7 @@ class Config:
     journal: JournalConfig = field(default_factory=JournalConfig)
     archive: ArchiveConfig = field(default_factory=ArchiveConfig)
     auth: AuthSettings = field(default_factory=AuthSettings)
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
     bridges: list[Any] = field(default_factory=list)
     amqp_bridges: list[Any] = field(default_factory=list)
     streams: list[StreamEntry] = field(default_factory=list)
@@ -112,6 +114,7 @@ SECTIONS = {
     "listeners": ListenerConfig, "tls": TlsConfig, "mqtt": MqttSettings, "amqp": AmqpSettings,
     "grpc": GrpcSettings,
     "journal": JournalConfig, "archive": ArchiveConfig, "auth": AuthSettings,
+    "cluster": ClusterSettings,
 }
 SHORT_ENV = {
     "SHARDGATE_DATA_DIR": ("data_dir",),

@@ -178,6 +178,11 @@ class ShardgateCollector(Collector):
         yield from self._archive(app)
         yield from self._security(app)
         yield from self._bridges(app)
+        plane = getattr(app, "data_plane", None)
+        if plane is not None:
+            from .cluster.metrics import data_plane_metrics
+
+            yield from data_plane_metrics(plane)
 
     @staticmethod
     def _traffic(stats: Any, protocols: dict[str, int], streams: dict[str, Any]) -> Iterator[Metric]:

@@ -2,7 +2,7 @@
 
 Storage sits below `core`, so this module works on plain values: `encode_message` reads the
 attributes every message has (duck typing, no import of `core`), `decode_message` returns a
-`MessageRecord`. Layout (little endian), version 1:
+`MessageRecord`. Layout (little endian), version 2:
 
     u8 version | u8 present-flags | u8 qos | u8 retain | i64 publish_time_ms
     u32 len + topic (UTF-8) | u32 len + payload
@@ -11,6 +11,17 @@ attributes every message has (duck typing, no import of `core`), `decode_message
     content_type (u16 len + UTF-8), correlation_data (u32 len + bytes), reply_to (u16 len + UTF-8),
     payload_format (u8), expires_at_ms (i64)
     u16 len + producer_protocol | u16 len + producer_id
+    then, if F_NATIVE is set (version 2 only): native properties,
+    u8 count, then u8 len + format name (ASCII), u32 len + bytes per entry
+
+Native properties are the exact encoding of a message's properties in the format of the
+protocol that sent them (e.g. `amqp-0-9-1`: an AMQP content header's property flags and
+property list, typed header table included), for what the common fields cannot say. This
+module keeps them as opaque bytes; the protocol that owns a format reads it back.
+
+Version 1 is version 2 without native properties: version 1 records (journals written before
+native properties existed) decode unchanged. Every record is written as version 2, so an older
+reader refuses it rather than silently dropping the native properties.
 """
 
 from __future__ import annotations
@@ -19,14 +30,15 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = frozenset((1, 2))
 _HEAD = struct.Struct("<BBBBq")
 _U32 = struct.Struct("<I")
 _U16 = struct.Struct("<H")
 _I64 = struct.Struct("<q")
 
-F_KEY, F_HEADERS, F_CONTENT_TYPE, F_CORRELATION, F_REPLY_TO, F_FORMAT, F_EXPIRY = (
-    1, 2, 4, 8, 16, 32, 64
+F_KEY, F_HEADERS, F_CONTENT_TYPE, F_CORRELATION, F_REPLY_TO, F_FORMAT, F_EXPIRY, F_NATIVE = (
+    1, 2, 4, 8, 16, 32, 64, 128
 )
 
 
@@ -50,6 +62,48 @@ class MessageRecord:
     expires_at_ms: int | None = None
     producer_protocol: str = ""
     producer_id: str = ""
+    native_properties: dict[str, bytes] | None = None
+
+
+def encode_native_properties(native: dict[str, bytes]) -> bytes:
+    """The native properties section (count, then name and bytes per format)."""
+    if len(native) > 255:
+        raise RecordFormatError("a message carries at most 255 native property formats")
+    parts = [bytes((len(native),))]
+    for name, data in native.items():
+        name_bytes = name.encode("ascii")
+        if len(name_bytes) > 255:
+            raise RecordFormatError(f"native property format name too long: {name!r}")
+        parts += (bytes((len(name_bytes),)), name_bytes, _U32.pack(len(data)), data)
+    return b"".join(parts)
+
+
+def decode_native_properties(data: bytes | memoryview) -> dict[str, bytes]:
+    """The inverse of `encode_native_properties` (the section alone, nothing after it)."""
+    native, end = native_properties_at(memoryview(data), 0)
+    if end != len(data):
+        raise RecordFormatError("trailing bytes after native properties")
+    return native
+
+
+def native_properties_at(view: memoryview, pos: int) -> tuple[dict[str, bytes], int]:
+    try:
+        count = view[pos]
+        pos += 1
+        native: dict[str, bytes] = {}
+        for _ in range(count):
+            size = view[pos]
+            name = bytes(view[pos + 1 : pos + 1 + size]).decode("ascii")
+            pos += 1 + size
+            (size,) = _U32.unpack_from(view, pos)
+            pos += 4
+            if pos + size > len(view):
+                raise RecordFormatError("truncated native properties")
+            native[name] = bytes(view[pos : pos + size])
+            pos += size
+    except (struct.error, UnicodeDecodeError, IndexError) as exc:
+        raise RecordFormatError(f"malformed native properties: {exc}") from exc
+    return native, pos
 
 
 def encode_message(message: Any) -> bytes:
@@ -86,6 +140,10 @@ def encode_message(message: Any) -> bytes:
     protocol = message.producer_protocol.encode()
     producer = message.producer_id.encode()
     parts += (_U16.pack(len(protocol)), protocol, _U16.pack(len(producer)), producer)
+    native = getattr(message, "native_properties", None)
+    if native:
+        flags |= F_NATIVE
+        parts.append(encode_native_properties(native))
     return b"".join((
         _HEAD.pack(VERSION, flags, message.qos, 1 if message.retain else 0, message.publish_time_ms),
         _U32.pack(len(topic)), topic, _U32.pack(len(payload)), payload, *parts,
@@ -96,7 +154,7 @@ def decode_message(data: bytes) -> MessageRecord:
     try:
         view = memoryview(data)
         version, flags, qos, retain, publish_time = _HEAD.unpack_from(view, 0)
-        if version != VERSION:
+        if version not in READABLE_VERSIONS or (version == 1 and flags & F_NATIVE):
             raise RecordFormatError(f"message record version {version} is not supported")
         pos = _HEAD.size
 
@@ -145,6 +203,8 @@ def decode_message(data: bytes) -> MessageRecord:
             pos += 8
         record.producer_protocol = take16().decode()
         record.producer_id = take16().decode()
+        if flags & F_NATIVE:
+            record.native_properties, pos = native_properties_at(view, pos)
         return record
     except (struct.error, UnicodeDecodeError, IndexError) as exc:
         raise RecordFormatError(f"malformed message record: {exc}") from exc

@@ -64,6 +64,7 @@ def archive_schema() -> StructType:
         field("payload_string", T.StringType()),
         field("payload_int64", T.LongType()),
         field("payload_json", T.StringType()),
+        field("native_properties", T.MapType(T.StringType(), T.BinaryType(), True)),
         field("date", T.DateType()),
         field("hour", T.IntegerType()),
     ])

@@ -991,7 +991,7 @@ class AmqpConnection:
             if frame.if_empty and queue.messages:
                 raise ChannelException(
                     ReplyCode.PRECONDITION_FAILED,
-                    f"queue '{name}' in vhost '{self.vhost.name}' is not empty", *_ids(method),
+                    f"queue '{name}' in vhost '{self.vhost.name}' not empty", *_ids(method),
                 )
             count = self.vhost.delete_queue(queue)
         if not frame.nowait:

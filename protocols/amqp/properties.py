@@ -7,9 +7,12 @@ ride in headers with an `amqp-` prefix (`amqp-delivery-mode`, `amqp-priority`,
 `amqp-content-encoding`) and are restored on the way out. A persistent message (delivery-mode 2)
 is QoS 1 for MQTT subscribers and an MQTT QoS>0 message is persistent for AMQP consumers.
 
-Messages published over AMQP also keep the exact property bytes they came with in
-`Message.encoded[PROPERTIES_KEY]`, so AMQP consumers get typed headers back unchanged and the
-properties are encoded once for every consumer.
+Messages published over AMQP also keep the exact property bytes they came with (the content
+header's property flags and list, §4.2.6.1, as pamqp parsed them) as the message's native
+properties in format `amqp-0-9-1`. The journal and the archive keep those bytes, so AMQP
+consumers get typed headers (void, booleans, integers of each width, floats, decimals,
+timestamps, byte arrays, nested tables and arrays) and every basic property back unchanged, also
+after a restart or from the archive, and the properties are encoded once for every consumer.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from ...core.message import Message, now_ms
 from .routing import header_value
 
 PROPERTIES_KEY = "amqp-properties"
+"""Key of the properties encoded for a message from another protocol in `Message.encoded`."""
+NATIVE_FORMAT = "amqp-0-9-1"
+"""The name of AMQP's exact property encoding in `Message.native_properties`."""
 _PREFIX = "amqp-"
 _EXTRA = {
     "delivery_mode": "amqp-delivery-mode",
@@ -87,8 +93,14 @@ def message_from_properties(
         producer_id=producer_id,
     )
     if raw_properties is not None:
-        message.encoded = {PROPERTIES_KEY: raw_properties}
+        message.native_properties = {NATIVE_FORMAT: raw_properties}
     return message
+
+
+def native_properties(message: Message) -> bytes | None:
+    """The exact AMQP property bytes `message` was published with, None if it came otherwise."""
+    native = message.native_properties
+    return native.get(NATIVE_FORMAT) if native else None
 
 
 def properties_from_message(message: Message, at_ms: int | None = None) -> commands.Basic.Properties:
@@ -135,6 +147,11 @@ _ATTR_OF = {header: attr for attr, header in _EXTRA.items()}
 
 def encoded_properties(message: Message) -> bytes:
     """The property-flags-and-values part of a content header for `message`, cached."""
+    native = message.native_properties
+    if native:
+        raw = native.get(NATIVE_FORMAT)
+        if raw is not None:
+            return raw
     encoded = message.encoded
     if encoded is not None:
         raw = encoded.get(PROPERTIES_KEY)

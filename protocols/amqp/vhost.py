@@ -21,14 +21,19 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pamqp import commands, header
+from pamqp import commands, encode, header
 
 from ...core.durable import DurableOptions, DurableSubscription
 from ...core.errors import PublishRejected, SubscriptionBusy
 from ...core.message import Message
 from ...core.subscriptions import Subscription, SubscriptionType
 from .errors import ChannelException, ConnectionException, ReplyCode
-from .properties import PROPERTIES_KEY, content_header_payload, properties_from_message
+from .properties import (
+    NATIVE_FORMAT,
+    content_header_payload,
+    native_properties,
+    properties_from_message,
+)
 from .queues import Queue, QueueEntry
 from .routing import (
     AMQ_TOPIC,
@@ -628,7 +633,9 @@ class VirtualHost:
                     return True
             else:
                 return True
-        return False
+        # In a cluster, a queue or subscription on another node may take it.
+        fanout = self.broker.fanout
+        return fanout is not None and fanout.wanted_elsewhere(message.topic)
 
     def dead_letter(self, queue: Queue, entry: QueueEntry, reason: str) -> None:
         """Republish a dropped message to the queue's dead-letter exchange, if it has one."""
@@ -666,10 +673,10 @@ class VirtualHost:
             producer_protocol=original.producer_protocol,
             producer_id=original.producer_id,
         )
-        raw = original.encoded.get(PROPERTIES_KEY) if original.encoded else None
+        raw = native_properties(original)
         if raw is None:
             raw = properties_from_message(original).marshal()
-        message.encoded = {PROPERTIES_KEY: dead_lettered_properties(
+        message.native_properties = {NATIVE_FORMAT: dead_lettered_properties(
             raw, reason, queue.name, old_exchange, old_key, first
         )}
         try:
@@ -687,10 +694,12 @@ def dead_lettered_properties(
     As rabbit_dead_letter:update_x_death_header/2 (RabbitMQ 3.x): `x-death` is an array of
     tables, most recent first, one per (queue, reason); dying again in the same queue for the
     same reason increments that table's `count` (a long) and moves it to the front, keeping its
-    other fields. A new table holds count, exchange, `original-expiration` (when the message had
-    a per-message TTL), queue, reason, routing-keys (the routing key and any CC keys) and time,
-    fields sorted by name. `x-first-death-reason/queue/exchange` are set on the first death
-    only. See https://www.rabbitmq.com/docs/dlx#effects."""
+    other fields. A new table holds count, reason, queue, time, exchange, routing-keys (the
+    routing key and any CC keys) and `original-expiration` (when the message had a per-message
+    TTL). `x-first-death-reason/queue/exchange` are set on the first death
+    only. A first table comes in RabbitMQ's field order (count, reason, queue, time, exchange,
+    routing-keys, original-expiration); tables written while an x-death exists are sorted by
+    field name. See https://www.rabbitmq.com/docs/dlx#effects."""
     content = header.ContentHeader()
     content.unmarshal(content_header_payload(raw, 0))
     props = content.properties
@@ -698,7 +707,7 @@ def dead_lettered_properties(
     deaths = [d for d in headers.get("x-death") or [] if isinstance(d, dict)]
     same = [d for d in deaths if d.get("queue") == queue and d.get("reason") == reason]
     if same:
-        death = dict(same[0])
+        death = dict(sorted(same[0].items()))
         count = death.get("count", 0)
         death["count"] = (count if isinstance(count, int) else 0) + 1
         deaths = [death, *(d for d in deaths if d is not same[0])]
@@ -707,24 +716,63 @@ def dead_lettered_properties(
         cc = headers.get("CC")
         if isinstance(cc, list):
             routing_keys.extend(str(k) for k in cc)
-        death = {"count": 1, "exchange": exchange}
+        stamp = (now or datetime.datetime.now(datetime.UTC)).replace(microsecond=0, tzinfo=None)
+        death = {
+            "count": 1, "reason": reason, "queue": queue, "time": stamp, "exchange": exchange,
+            "routing-keys": routing_keys,
+        }
         expiration = props.expiration
         if expiration:
             death["original-expiration"] = (
                 expiration.decode() if isinstance(expiration, bytes) else str(expiration)
             )
-        stamp = now or datetime.datetime.now(datetime.UTC)
-        death.update({
-            "queue": queue, "reason": reason, "routing-keys": routing_keys,
-            "time": stamp.replace(microsecond=0, tzinfo=None),
-        })
+        if deaths:
+            death = dict(sorted(death.items()))
         deaths.insert(0, death)
     headers["x-death"] = deaths
     for name, value in first.items():
         headers.setdefault(name, value)
-    props.headers = headers
+    props.headers = None
     props.expiration = None
-    return props.marshal()
+    return _with_headers(props.marshal(), headers)
+
+
+# Basic property flags (AMQP 0-9-1 §4.2.6.1, class basic): content-type, content-encoding,
+# headers are the first three.
+_CONTENT_TYPE_FLAG, _CONTENT_ENCODING_FLAG, _HEADERS_FLAG = 0x8000, 0x4000, 0x2000
+
+
+def _with_headers(raw: bytes, headers: dict[str, Any]) -> bytes:
+    """Property bytes `raw` (without headers) with `headers` spliced in. pamqp sorts every
+    table's fields; RabbitMQ keeps the order it writes x-death tables in, so the table is
+    encoded here: top-level names sorted (as RabbitMQ sends them), nested tables in order."""
+    flags = int.from_bytes(raw[:2], "big")
+    pos = 2
+    for flag in (_CONTENT_TYPE_FLAG, _CONTENT_ENCODING_FLAG):
+        if flags & flag:
+            pos += 1 + raw[pos]
+    table = _ordered_table(dict(sorted(headers.items())))
+    return (flags | _HEADERS_FLAG).to_bytes(2, "big") + raw[2:pos] + table + raw[pos:]
+
+
+def _ordered_table(table: dict[str, Any]) -> bytes:
+    parts = []
+    for name, value in table.items():
+        parts.append(encode.short_string(name))
+        parts.append(_ordered_value(name, value))
+    body = b"".join(parts)
+    return len(body).to_bytes(4, "big") + body
+
+
+def _ordered_value(name: str, value: Any) -> bytes:
+    if isinstance(value, dict):
+        return b"F" + _ordered_table(value)
+    if isinstance(value, list):
+        body = b"".join(_ordered_value("", item) for item in value)
+        return b"A" + len(body).to_bytes(4, "big") + body
+    if name == "count" and isinstance(value, int) and not isinstance(value, bool):
+        return b"l" + encode.long_long_int(value)  # x-death count is a long in RabbitMQ
+    return encode.encode_table_value(value)
 
 
 __all__ = ["AMQ_TOPIC", "Exchange", "VirtualHost", "PREDECLARED"]

@@ -473,9 +473,17 @@ class ProducerService(pb_grpc.ProducerServicer):
             except Refusal as refusal:
                 results.add(code=refusal.code.value[0], error=refusal.reason)
                 continue
-            results.add(stream=message.stream, shard=message.shard, offset=message.offset)
+            result = results.add(stream=message.stream, shard=message.shard)
+            if message.offset >= 0:
+                result.offset = message.offset
             if waiter is not None:
                 waiters.append(waiter)
+                if message.offset < 0:  # forwarded to the shard's owner: the offset comes back
+                    waiter.add_done_callback(
+                        lambda _, result=result, message=message: setattr(
+                            result, "offset", max(message.offset, 0)
+                        )
+                    )
         info.messages_in += len(batch.messages)
         return ack, waiters
 

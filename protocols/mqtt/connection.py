@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 RC = p.ReasonCode
 MQTT_V5 = 5
+# The longest a publisher is held for a subscriber that does not catch up (see `held`).
+HOLD_MAX_S = 0.5
 
 
 class Link(Protocol):
@@ -58,6 +60,9 @@ class Link(Protocol):
 
     def throttle(self, seconds: float) -> None:
         """Stop reading from the client for `seconds` (back-pressure)."""
+
+    def resume(self) -> None:
+        """Read from the client again before a `throttle` runs out."""
 
 
 class State(Enum):
@@ -151,6 +156,11 @@ class MqttConnection:
         self._throttled_for = 0.0
         self._backlog: deque[p.Packet] = deque()
         self._backlog_error: MQTTCodecError | None = None
+        self._valid_topic = ""
+        # Held: a subscriber this client publishes to has more queued than it reads; this
+        # client is not read until that subscriber catches up (or HOLD_MAX_S passes).
+        self.held = False
+        self._hold_timer: asyncio.TimerHandle | None = None
 
     @property
     def open(self) -> bool:
@@ -262,14 +272,22 @@ class MqttConnection:
         except MQTTCodecError as exc:
             # Packets decoded before the bad one in the same chunk are still handled.
             packets, error = list(getattr(exc, "packets", []) or []), exc
-        if self._backlog:
-            self._backlog.extend(packets)  # still throttled: keep the order
+        if self._backlog or self.held:
+            self._backlog.extend(packets)  # still throttled or held: keep the order
             if error is not None:
                 self._backlog_error = error
             return
         self._process(packets, error)
 
     def _process(self, packets: list[p.Packet], error: MQTTCodecError | None = None) -> None:
+        service = self.service
+        outer, service.publishing = service.publishing, self
+        try:
+            self._process_packets(packets, error)
+        finally:
+            service.publishing = outer
+
+    def _process_packets(self, packets: list[p.Packet], error: MQTTCodecError | None) -> None:
         for index, packet in enumerate(packets):
             if self.state is State.CLOSED:
                 return
@@ -278,6 +296,14 @@ class MqttConnection:
             except ProtocolViolation as exc:
                 log.info("%s %s: protocol violation: %s", self.remote, self.client_id, exc)
                 self.close(exc.reason_code, str(exc))
+                return
+            if self.held and self.state is not State.CLOSED:
+                # Back-pressure: the rest waits, and the socket is not read meanwhile.
+                self._backlog.extend(packets[index + 1:])
+                if error is not None:
+                    self._backlog_error = error
+                self.link.throttle(HOLD_MAX_S)
+                self._hold_timer = self.service.loop.call_later(HOLD_MAX_S, self.release)
                 return
             if self._throttled_for > 0:
                 # Over the publish rate: the rest waits, and the socket is not read meanwhile.
@@ -290,6 +316,24 @@ class MqttConnection:
                 return
         if error is not None and self.state is not State.CLOSED:
             self._codec_error(error)
+
+    def hold(self) -> None:
+        """Stop reading this client after the packet in hand (see `held`)."""
+        self.held = True
+
+    def release(self) -> None:
+        """Read this client again, beginning with what a hold left unprocessed."""
+        if not self.held:
+            return
+        self.held = False
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        if self.state is State.CLOSED:
+            return
+        self.link.resume()
+        if self._backlog or self._backlog_error is not None:
+            self._resume_backlog()
 
     def _resume_backlog(self) -> None:
         packets = list(self._backlog)
@@ -454,10 +498,12 @@ class MqttConnection:
                 if known is None:
                     raise ProtocolViolation(RC.PROTOCOL_ERROR, f"topic alias {alias} is not defined")
                 topic = known
-        try:
-            validate_topic_name(topic)  # [MQTT-3.3.2-2]
-        except TopicError as exc:
-            raise ProtocolViolation(RC.TOPIC_NAME_INVALID, f"invalid topic name: {exc}") from None
+        if topic != self._valid_topic:  # publishers mostly repeat their topic: check it once
+            try:
+                validate_topic_name(topic)  # [MQTT-3.3.2-2]
+            except TopicError as exc:
+                raise ProtocolViolation(RC.TOPIC_NAME_INVALID, f"invalid topic name: {exc}") from None
+            self._valid_topic = topic
         if v5 and props.subscription_identifiers:
             raise ProtocolViolation(RC.PROTOCOL_ERROR, "subscription identifier in a client PUBLISH")  # [MQTT-3.3.4-6]
         if v5 and props.response_topic is not None:
@@ -550,7 +596,8 @@ class MqttConnection:
             if self.version != MQTT_V5:
                 self.close()
             else:
-                self._ack(qos, packet_id, RC.UNSPECIFIED_ERROR)
+                error = None if fut.cancelled() else fut.exception()
+                self._ack(qos, packet_id, RC.UNSPECIFIED_ERROR, str(error) if error else None)
             return
         self._ack(qos, packet_id, RC.SUCCESS)
 

@@ -34,13 +34,14 @@ def certificate_common_name(peercert: dict | None) -> str | None:
 class MqttProtocol(asyncio.Protocol):
     """One TCP connection: bytes in to the state machine, its output to the transport."""
 
-    __slots__ = ("service", "transport", "connection", "linger")
+    __slots__ = ("service", "transport", "connection", "linger", "paused")
 
     def __init__(self, service: MqttService) -> None:
         self.service = service
         self.transport: asyncio.Transport | None = None
         self.connection: MqttConnection | None = None
         self.linger: asyncio.TimerHandle | None = None
+        self.paused: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -96,10 +97,15 @@ class MqttProtocol(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
+        if self.paused is not None:
+            self.paused.cancel()
         transport.pause_reading()
-        asyncio.get_running_loop().call_later(seconds, self._resume)
+        self.paused = asyncio.get_running_loop().call_later(seconds, self.resume)
 
-    def _resume(self) -> None:
+    def resume(self) -> None:
+        if self.paused is not None:
+            self.paused.cancel()
+            self.paused = None
         if self.transport is not None and not self.transport.is_closing():
             try:
                 self.transport.resume_reading()
@@ -142,6 +148,9 @@ class WebSocketLink:
 
     def throttle(self, seconds: float) -> None:
         self.paused_until = asyncio.get_running_loop().time() + seconds
+
+    def resume(self) -> None:
+        self.paused_until = 0.0
 
     async def run_writer(self) -> None:
         ws = self.websocket

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
+CONGESTION_GIVE_UP_S = 5.0
 TICK_S = 0.25
 
 MQTT_ADMINISTRATIVE_ACTION = p.ReasonCode.ADMINISTRATIVE_ACTION
@@ -66,6 +67,11 @@ class MqttService:
         self._sys_handle: Timer | None = None
         self.total_connections = 0
         self._handshaking: set[MqttConnection] = set()
+        # Back-pressure: the connection whose packets are being handled, the online sessions
+        # whose queue is over half full, and the publishers held until those catch up.
+        self.publishing: MqttConnection | None = None
+        self._congested: set[MqttSession] = set()
+        self._held: list[MqttConnection] = []
         edge.clients.register("mqtt", self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -104,6 +110,40 @@ class MqttService:
         dirty, self._dirty = self._dirty, []
         for connection in dirty:
             connection.flush()
+
+    # ------------------------------------------------------------------ back-pressure
+    def congested(self, session: MqttSession) -> None:
+        """`session` (online) queues more than it reads: hold the client publishing to it, so
+        that QoS 1/2 messages wait in the publisher's socket instead of overflowing the queue.
+        A session that has not caught up for CONGESTION_GIVE_UP_S holds nobody any more (a
+        subscriber that stopped reading must not stall its publishers): its queue limit then
+        drops, as without back-pressure, until keepalive or the dead-subscriber timeout ends it."""
+        now = time.monotonic()
+        if session.congested_since is None:
+            session.congested_since = now
+            self._congested.add(session)
+        elif now - session.congested_since > CONGESTION_GIVE_UP_S:
+            if session in self._congested:
+                self._congested.discard(session)
+                self._release_held()
+            return
+        publisher = self.publishing
+        if publisher is not None and publisher is not session.connection and not publisher.held:
+            publisher.hold()
+            self._held.append(publisher)
+
+    def relieved(self, session: MqttSession) -> None:
+        """`session` caught up (or went away): release the held publishers once no session is
+        congested any more."""
+        session.congested_since = None
+        self._congested.discard(session)
+        self._release_held()
+
+    def _release_held(self) -> None:
+        if not self._congested and self._held:
+            held, self._held = self._held, []
+            for connection in held:
+                connection.release()
 
     # ------------------------------------------------------------------ policy hooks
     def assign_client_id(self) -> str:
@@ -193,6 +233,8 @@ class MqttService:
             return
         session.connection = None
         session.disconnected_at_ms = now_ms()
+        if session.congested_since is not None:
+            self.relieved(session)  # offline, its queue limit applies as it always did
         expiry = session.expiry_interval
         if will is not None:
             delay = self._will_delay(connection, will)

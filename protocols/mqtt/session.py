@@ -82,6 +82,8 @@ class MqttSession:
         self.inbound_qos2: set[int] = set()
         self._last_packet_id = 0
         self.dropped = 0
+        # When the queue of this online session passed half its limit (back-pressure), if it has.
+        self.congested_since: float | None = None
 
     def __repr__(self) -> str:
         return f"MqttSession({self.client_id!r})"
@@ -179,7 +181,12 @@ class MqttSession:
                 source.ack(message)
 
     def _enqueue(self, item: Queued) -> None:
-        if len(self.queue) >= self.service.settings.max_queued_messages:
+        queued = len(self.queue)
+        limit = self.service.settings.max_queued_messages
+        if queued >= limit >> 1 and self.connection is not None:
+            # Online but behind: hold the publisher rather than drop beyond the limit.
+            self.service.congested(self)
+        if queued >= limit:
             self.dropped += 1
             self.service.broker.stats.messages_dropped += 1
             if item.source is not None:
@@ -220,6 +227,8 @@ class MqttSession:
                 )
             if not connection.open:
                 return
+        if self.congested_since is not None and len(queue) <= self.service.settings.max_queued_messages >> 2:
+            self.service.relieved(self)
         if not queue and self.durable:
             self.subscription.wake()
 

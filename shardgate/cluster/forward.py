@@ -58,6 +58,8 @@ MAX_GRPC_MESSAGE = 512 << 20
 RECONNECT_MIN_S = 0.05
 RECONNECT_MAX_S = 1.0
 ROUTE_DEBOUNCE_S = 0.02
+# Streams every node keeps for itself, never placed nor forwarded: its own $SYS topics.
+NODE_LOCAL_STREAMS = frozenset({"sys"})
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
     ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
@@ -441,7 +443,7 @@ class DataPlane:
 
     # ------------------------------------------------------------ ShardPlacement
     def serves(self, stream: str, shard: int) -> bool:
-        return self.view.owns(stream, shard)
+        return stream in NODE_LOCAL_STREAMS or self.view.owns(stream, shard)
 
     def forward(self, message: Message) -> asyncio.Future[None]:
         assignment = self.view.owner(message.stream, message.shard)
@@ -467,7 +469,7 @@ class DataPlane:
         self, message: Message, local: list[tuple[Subscription, tuple[str, ...]]]
     ) -> Container[str] | None:
         interest = self.remote.lookup(message.topic)
-        if interest is NOBODY:
+        if interest is NOBODY or message.stream in NODE_LOCAL_STREAMS:
             return None
         targets: dict[str, list[str]] = {node: [] for node in interest.plain}
         allowed: set[str] | None = None
@@ -494,6 +496,9 @@ class DataPlane:
                 link.push(push_frame(message, record, groups))
                 self.stats.pushed += 1
         return allowed
+
+    def wanted_elsewhere(self, topic: str) -> bool:
+        return self.remote.lookup(topic) is not NOBODY
 
     # ------------------------------------------------------------ route table
     def route_snapshot(self) -> pb.RouteUpdate:

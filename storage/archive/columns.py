@@ -24,15 +24,18 @@ from ..records import (
     F_FORMAT,
     F_HEADERS,
     F_KEY,
+    F_NATIVE,
     F_REPLY_TO,
+    READABLE_VERSIONS,
     MessageRecord,
     RecordFormatError,
     encode_message,
+    native_properties_at,
 )
-from ..records import VERSION as RECORD_VERSION
-from .decode import decode_batch
+from .decode import NATIVE_PROPERTIES, decode_batch
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
+"""2 added the `native_properties` column; files of format 1 lack it (read as null)."""
 TIMESTAMP = pa.timestamp("ms", tz="UTC")
 HEADERS = pa.map_(pa.string(), pa.string())
 
@@ -57,6 +60,7 @@ ARROW_SCHEMA = pa.schema([
     pa.field("payload_string", pa.string()),
     pa.field("payload_int64", pa.int64()),
     pa.field("payload_json", pa.string()),
+    pa.field("native_properties", NATIVE_PROPERTIES),
 ])
 
 DECODED_COLUMN = {"string": "payload_string", "int64": "payload_int64", "json": "payload_json"}
@@ -93,9 +97,9 @@ _I64 = struct.Struct("<q").unpack_from
 def _decode_columns(
     records: Sequence[StoredRecord], topics: list, keys: list, payloads: list, headers: list,
     content_types: list, protocols: list, producers: list, qoses: list, retains: list,
-    correlations: list, reply_tos: list, formats: list, expiries: list,
+    correlations: list, reply_tos: list, formats: list, expiries: list, natives: list,
 ) -> None:
-    """Decode message records (the layout of `storage.records`, version 1) straight into
+    """Decode message records (the layout of `storage.records`) straight into
     column lists: the same result as `decode_message` per record, without building a
     `MessageRecord` each time (this loop is most of the archiver's CPU time)."""
     head = _HEAD.unpack_from
@@ -105,11 +109,12 @@ def _decode_columns(
     add_protocol, add_producer = protocols.append, producers.append
     add_qos, add_retain, add_correlation = qoses.append, retains.append, correlations.append
     add_reply_to, add_format, add_expiry = reply_tos.append, formats.append, expiries.append
+    add_native = natives.append
     for record in records:
         data = record.data
         try:
             version, flags, qos, retain, _time = head(data, 0)
-            if version != RECORD_VERSION:
+            if version not in READABLE_VERSIONS or (version == 1 and flags & F_NATIVE):
                 raise RecordFormatError(
                     f"message record version {version} at offset {record.offset} is not supported"
                 )
@@ -165,6 +170,10 @@ def _decode_columns(
             pos += 2 + size
             if pos > len(data):
                 raise RecordFormatError(f"truncated message record at offset {record.offset}")
+            native = None
+            if flags & F_NATIVE:
+                entries, pos = native_properties_at(memoryview(data), pos)
+                native = list(entries.items())
         except (struct.error, UnicodeDecodeError, IndexError) as exc:
             raise RecordFormatError(
                 f"malformed message record at offset {record.offset}: {exc}"
@@ -176,6 +185,7 @@ def _decode_columns(
         add_reply_to(reply_to)
         add_format(fmt)
         add_expiry(expiry)
+        add_native(native)
         add_qos(qos)
         add_retain(bool(retain))
 
@@ -217,6 +227,7 @@ def build_table(
         decoded["payload_string"],
         decoded["payload_int64"],
         decoded["payload_json"],
+        columns["native_properties"],
     ]
     return pa.Table.from_arrays(arrays, schema=ARROW_SCHEMA)
 
@@ -234,6 +245,7 @@ _LIST_COLUMNS = {
     "producer_id": pa.string(), "qos": pa.int8(), "retain": pa.bool_(),
     "correlation_data": pa.binary(), "reply_to": pa.string(), "payload_format": pa.int8(),
     "expires_at": pa.int64(),
+    "native_properties": NATIVE_PROPERTIES,
 }
 """The order of `_decode_columns`' list arguments, with the type of each."""
 
@@ -264,6 +276,10 @@ def records_from_table(table: pa.Table) -> list[StoredRecord]:
                      "producer_protocol", "producer_id", "qos", "retain", "correlation_data",
                      "reply_to", "payload_format")
     }
+    natives = (
+        table.column("native_properties").to_pylist()
+        if "native_properties" in table.column_names else [None] * table.num_rows
+    )
     times = table.column("publish_time").cast(pa.int64()).to_pylist()
     expiries = table.column("expires_at").cast(pa.int64()).to_pylist()
     out: list[StoredRecord] = []
@@ -283,6 +299,7 @@ def records_from_table(table: pa.Table) -> list[StoredRecord]:
             expires_at_ms=expiries[i],
             producer_protocol=columns["producer_protocol"][i] or "",
             producer_id=columns["producer_id"][i] or "",
+            native_properties=dict(natives[i]) if natives[i] else None,
         )
         out.append(StoredRecord(offset, times[i], encode_message(message)))
     return out

@@ -1,5 +1,5 @@
-"""Decoding a batch of message records (the layout of `storage.records`, version 1) straight
-into Arrow arrays, without a Python loop over the records' fields.
+"""Decoding a batch of message records (the layout of `storage.records`, versions 1 and 2)
+straight into Arrow arrays, without a Python loop over the records' fields.
 
 The records are joined into one buffer; every field's position is then computed for all
 records at once with Arrow compute kernels (a gather of the length bytes, a shift, an add),
@@ -29,9 +29,11 @@ from ..records import (
     F_FORMAT,
     F_HEADERS,
     F_KEY,
+    F_NATIVE,
     F_REPLY_TO,
+    RecordFormatError,
+    native_properties_at,
 )
-from ..records import VERSION as RECORD_VERSION
 
 _I64 = pa.int64()
 _U64 = pa.uint64()
@@ -45,6 +47,7 @@ _INT32_LIMIT = 2**31 - 1
 COLUMNS = (
     "topic", "key", "payload", "headers", "content_type", "producer_protocol", "producer_id",
     "qos", "retain", "correlation_data", "reply_to", "payload_format", "expires_at",
+    "native_properties",
 )
 """The arrays `decode_batch` returns (expires_at as int64 milliseconds)."""
 
@@ -155,9 +158,14 @@ def _decode(datas: Sequence[bytes]) -> dict[str, pa.Array]:
     batch = _Batch(datas)
     n = batch.count
     starts = batch.starts
-    if n and not pc.all(pc.equal(batch.u8(starts), RECORD_VERSION)).as_py():
-        raise _Malformed
+    versions = batch.u8(starts)
     flags = batch.u8(pc.add(starts, 1))
+    if n and not pc.all(pc.is_in(versions, _VERSIONS)).as_py():
+        raise _Malformed
+    if n and pc.any(pc.and_(
+        pc.equal(versions, 1), pc.not_equal(pc.bit_wise_and(flags, F_NATIVE), 0)
+    )).as_py():
+        raise _Malformed
     qos = batch.u8(pc.add(starts, 2))
     if n and pc.max(qos).as_py() > 127:
         raise _Malformed
@@ -207,6 +215,7 @@ def _decode(datas: Sequence[bytes]) -> dict[str, pa.Array]:
             batch.check(pos)
     protocol = field(2, None, pa.string())
     producer = field(2, None, pa.string())
+    native = _native(datas, batch, flags, pos) if any_flags else None
     return {
         "topic": topic,
         "key": key if key is not None else pa.nulls(n, pa.binary()),
@@ -221,10 +230,35 @@ def _decode(datas: Sequence[bytes]) -> dict[str, pa.Array]:
         "reply_to": reply_to if reply_to is not None else pa.nulls(n, pa.string()),
         "payload_format": (fmt if fmt is not None else pa.nulls(n, _I64)).cast(pa.int8()),
         "expires_at": expiry if expiry is not None else pa.nulls(n, _I64),
+        "native_properties": native if native is not None else pa.nulls(n, NATIVE_PROPERTIES),
     }
 
 
 _HEADERS = pa.map_(pa.string(), pa.string())
+NATIVE_PROPERTIES = pa.map_(pa.string(), pa.binary())
+_VERSIONS = pa.array([1, 2], _I64)
+
+
+def _native(
+    datas: Sequence[bytes], batch: _Batch, flags: pa.Array, pos: pa.Array
+) -> pa.Array | None:
+    """The native properties map (null where the flag is unset), None if no record has any.
+    Only the records that carry them (AMQP's, typically) are read, one by one."""
+    present = pc.not_equal(pc.bit_wise_and(flags, F_NATIVE), 0)
+    if not pc.any(present).as_py():
+        return None
+    relative = pc.subtract(pos, batch.starts).to_pylist()
+    values: list[list[tuple[str, bytes]] | None] = [None] * batch.count
+    for index in pc.indices_nonzero(present).to_pylist():
+        data = datas[index]
+        try:
+            native, end = native_properties_at(memoryview(data), relative[index])
+        except RecordFormatError as exc:
+            raise _Malformed from exc
+        if end > len(data):
+            raise _Malformed
+        values[index] = list(native.items())
+    return pa.array(values, NATIVE_PROPERTIES)
 
 
 def _headers(batch: _Batch, flags: pa.Array, pos: pa.Array) -> tuple[pa.Array, pa.Array] | None:

@@ -74,3 +74,27 @@ def test_durable_queue_keeps_confirmed_messages_across_sigkill(broker_process, t
             channel.queue_declare("scratch", passive=True)
         assert info.value.reply_code == 404
     node.terminate()
+
+
+def test_committed_transaction_survives_sigkill_right_after_commit_ok(broker_process, tmp_path):
+    """tx.commit-ok comes only once the transaction's publishes to a reliable stream are
+    journaled: a SIGKILL right after it loses none of them; a rolled-back publish never
+    appears."""
+    port = free_port()
+    node = broker_process(tmp_path / "data", extra_args=["--amqp-port", str(port)]).start()
+    conn = connect(port)
+    channel = conn.channel()
+    channel.queue_declare("ledger", durable=True)
+    wait_for(lambda: persisted(tmp_path / "data", "amqp:/:ledger"))
+    channel.tx_select()
+    channel.basic_publish("", "ledger", b"rolled-back", pika.BasicProperties(delivery_mode=2))
+    channel.tx_rollback()
+    for i in range(20):
+        channel.basic_publish("", "ledger", b"entry-%d" % i, pika.BasicProperties(delivery_mode=2))
+    channel.tx_commit()
+    node.kill()
+    node.start()
+    with connect(port) as conn:
+        channel = conn.channel()
+        assert drain(channel, "ledger") == [b"entry-%d" % i for i in range(20)]
+    node.terminate()

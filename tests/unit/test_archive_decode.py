@@ -39,6 +39,8 @@ records = st.builds(
     expires_at_ms=st.none() | st.integers(-(2**63), 2**63 - 1),
     producer_protocol=st.sampled_from(["", "mqtt", "amqp", "grpc"]),
     producer_id=text,
+    native_properties=st.none() | st.dictionaries(
+        st.text("abcdefghij-0123456789", min_size=1, max_size=12), blob, max_size=3),
 )
 
 
@@ -50,6 +52,7 @@ def expected(data: bytes) -> dict:
         "producer_id": m.producer_id, "qos": m.qos, "retain": m.retain,
         "correlation_data": m.correlation_data, "reply_to": m.reply_to,
         "payload_format": m.payload_format, "expires_at": m.expires_at_ms,
+        "native_properties": list(m.native_properties.items()) if m.native_properties else None,
     }
 
 
@@ -73,12 +76,12 @@ def test_types_match_the_archive_schema() -> None:
     datas = [encode_message(MessageRecord(
         "a/b", b"x", 1, True, 5, key=b"k", headers=[("h", "v")], content_type="c",
         correlation_data=b"c", reply_to="r", payload_format=1, expires_at_ms=9,
-        producer_protocol="mqtt", producer_id="p"))]
+        producer_protocol="mqtt", producer_id="p", native_properties={"f": b"x"}))]
     columns = decode_batch(datas)
     assert columns is not None
     table = build_table("s", 0, "bytes", [StoredRecord(0, 5, datas[0])])
     for name in COLUMNS:
-        if name != "expires_at":
+        if name not in ("expires_at",):
             assert columns[name].type == table.schema.field(name).type, name
     assert columns["expires_at"].type == pa.int64()
 
@@ -107,7 +110,7 @@ def malformed_variants() -> list[bytes]:
     return [
         good[:-1],  # truncated
         good[:5],  # shorter than the fixed head
-        bytes([2]) + good[1:],  # another version
+        bytes([3]) + good[1:],  # another version
         good[:12] + struct.pack("<I", 10_000) + good[16:],  # topic overruns the record
         bad_utf8,
         good[:2] + bytes([200]) + good[3:],  # QoS outside int8
@@ -148,3 +151,4 @@ def test_garbage_never_crashes(messages: list[MessageRecord], data: st.DataObjec
     except RecordFormatError:
         pytest.fail("decode_batch accepted a record decode_message refuses")
     assert decoded_rows(raw) == wanted
+

@@ -231,3 +231,36 @@ async def test_routes_of_a_node_that_leaves_the_view_are_forgotten(cluster):
     a.view.changed()
     assert a.plane.remote.routes_of("b") == frozenset()
     assert "b" not in a.plane.links
+
+
+async def test_metrics_count_forwarded_messages_and_their_latency(cluster):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.registry import Collector
+
+    from shardgate.cluster.metrics import data_plane_metrics
+
+    a = cluster["a"]
+    pending = a.broker.publish(Message(topic_on(a.broker, "orders", 2, "orders"), b"x", qos=1))
+    await asyncio.wait_for(pending, 5)  # type: ignore[arg-type]
+
+    class Plane(Collector):
+        def collect(self):  # type: ignore[no-untyped-def]
+            return data_plane_metrics(a.plane)
+
+    registry = CollectorRegistry()
+    registry.register(Plane())
+    text = generate_latest(registry).decode()
+    assert 'shardgate_cluster_forwarded_messages_total{direction="out"} 1.0' in text
+    assert "shardgate_cluster_forward_latency_seconds_count 1.0" in text
+    assert 'shardgate_cluster_link_up{peer="b"} 1.0' in text
+
+
+async def test_system_topics_stay_on_their_node(cluster):
+    a, b = cluster["a"], cluster["b"]
+    a.broker.create_stream(StreamConfig("sys"))
+    a.broker.add_route(RoutingRule("$SYS/#", "sys"))
+    b.subscribe("$SYS/#")
+    await routes_seen(a, b, 1)
+    here = a.subscribe("$SYS/#")
+    assert a.broker.publish(Message("$SYS/broker/uptime", b"1")) is None, "stored here, unplaced"
+    assert len(here.got) == 1 and a.plane.stats.pushed == 0

@@ -1,0 +1,218 @@
+"""Joining a `Shardgate` app to its cluster: the only place that knows both the app and etcd.
+
+`connect()` runs first in `Shardgate.start()` (fail fast: etcd unreachable, node id taken),
+`share_catalog()` once the broker exists (streams and routes of etcd into the broker, this
+node's configured streams into etcd), `join()` once the listeners are bound (registration,
+keep-alive, watch, controller). Catalog changes seen later in etcd are applied to the broker
+as they come.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import TYPE_CHECKING, Any
+
+from . import keys
+from .control import ClusterNode, ClusterStartError
+from .etcd import EtcdError
+
+if TYPE_CHECKING:
+    from ..app import Shardgate
+    from ..core.streams import StreamConfig
+
+log = logging.getLogger(__name__)
+
+# Streams each node has for itself and which are never placed (node-local $SYS topics).
+LOCAL_STREAMS = frozenset({"sys"})
+
+
+def stream_definition(config: StreamConfig) -> dict[str, Any]:
+    return {
+        "mode": str(config.mode), "partitions": config.partitions, "schema": str(config.schema),
+        "retention_ms": config.retention_ms, "retention_bytes": config.retention_bytes,
+    }
+
+
+def stream_config(name: str, definition: dict[str, Any]) -> StreamConfig:
+    from ..core.streams import StreamConfig
+
+    return StreamConfig(
+        name, mode=definition.get("mode", "reliable"), partitions=int(definition.get("partitions", 1)),
+        schema=definition.get("schema", "bytes"), retention_ms=definition.get("retention_ms"),
+        retention_bytes=definition.get("retention_bytes"),
+    )
+
+
+async def connect(app: Shardgate) -> ClusterNode:
+    settings = app.config.cluster
+    node_id = settings.node_id or socket.gethostname()
+    node = ClusterNode(settings, node_id, app.config.data_dir)
+    await node.connect()
+    try:
+        view = await node.read_catalog()
+    except EtcdError as exc:
+        raise ClusterStartError(f"cannot read the cluster state from etcd: {exc}") from None
+    existing = view.registrations.get(node_id)
+    if existing is not None and existing.instance != node.instance:
+        await node.client.close()
+        raise ClusterStartError(
+            f"node id {node_id!r} is already in use by a running node (internal address "
+            f"{existing.cluster_address}); give this node another --node-id")
+    return node
+
+
+async def share_catalog(app: Shardgate, node: ClusterNode) -> None:
+    """Everything etcd holds (streams, routes) into the broker; later changes follow through
+    the watch. This node's own configured streams go to etcd once it has joined (`join`), so
+    the controller places them with this node counted."""
+    try:
+        view = await node.read_catalog()
+    except EtcdError as exc:
+        raise ClusterStartError(f"cannot read the stream catalog from etcd: {exc}") from None
+    for name, definition in view.streams.items():
+        apply_catalog_change(app, "stream", name, definition)
+    for pattern, definition in view.routes.items():
+        apply_catalog_change(app, "route", pattern, definition)
+    node.catalog_listeners.append(lambda kind, name, value: apply_catalog_change(app, kind, name, value))
+    broker = app.broker
+    assert broker is not None
+    broker.topology_sink = ClusterTopologySink(broker.topology_sink, node)
+
+
+class ClusterTopologySink:
+    """The broker's topology sink in cluster mode: every stream and route change made on this
+    node goes to the local metadata store (as on a single node) and to etcd, where every other
+    node's watch applies it. Changes that came from etcd are not written back."""
+
+    def __init__(self, local: Any, node: ClusterNode) -> None:
+        self.local = local
+        self.node = node
+
+    def stream_saved(self, config: StreamConfig) -> None:
+        if self.local is not None:
+            self.local.stream_saved(config)
+        if config.name in LOCAL_STREAMS:
+            return
+        definition = stream_definition(config)
+        if self.node.view.streams.get(config.name) != definition:
+            self.node.view.streams[config.name] = definition
+            self.node.submit(keys.STREAMS + config.name, keys.encode(definition))
+
+    def stream_deleted(self, name: str) -> None:
+        if self.local is not None:
+            self.local.stream_deleted(name)
+        if self.node.view.streams.pop(name, None) is not None:
+            self.node.submit(keys.STREAMS + name, None)
+        for pattern, route in list(self.node.view.routes.items()):
+            if route.get("stream") == name:
+                del self.node.view.routes[pattern]
+                self.node.submit(keys.ROUTES + pattern, None)
+
+    def route_saved(self, rule: Any) -> None:
+        if self.local is not None:
+            self.local.route_saved(rule)
+        definition = {"stream": rule.stream}
+        if self.node.view.routes.get(rule.topic_filter) != definition:
+            self.node.view.routes[rule.topic_filter] = definition
+            self.node.submit(keys.ROUTES + rule.topic_filter, keys.encode(definition))
+
+    def route_removed(self, topic_filter: str) -> None:
+        if self.local is not None:
+            self.local.route_removed(topic_filter)
+        if self.node.view.routes.pop(topic_filter, None) is not None:
+            self.node.submit(keys.ROUTES + topic_filter, None)
+
+
+def apply_catalog_change(app: Shardgate, kind: str, name: str, definition: dict[str, Any] | None) -> None:
+    """Make the broker agree with etcd about one stream or route."""
+    from ..core.errors import CoreError
+    from ..core.streams import RoutingRule
+
+    broker = app.broker
+    if broker is None or name in LOCAL_STREAMS:
+        return
+    try:
+        if kind == "stream":
+            existing = broker.streams.get(name)
+            if definition is None:
+                if existing is not None and name != broker.router.default_stream:
+                    broker.delete_stream(name)
+                    log.info("cluster: stream %s deleted on another node", name)
+            elif existing is None:
+                broker.create_stream(stream_config(name, definition))
+                log.info("cluster: stream %s created on another node", name)
+        elif kind == "route":
+            current = {rule.topic_filter: rule.stream for rule in broker.router.rules}
+            if definition is None:
+                if name in current:
+                    broker.remove_route(name)
+            elif current.get(name) != definition.get("stream") and definition.get("stream") in broker.streams:
+                broker.add_route(RoutingRule(name, definition["stream"]))
+    except (CoreError, ValueError) as exc:
+        log.warning("cluster: cannot apply %s %s from etcd: %s", kind, name, exc)
+
+
+async def join(app: Shardgate, node: ClusterNode) -> None:
+    """Start the data plane on the internal port, register under a lease with its address,
+    then declare this node's configured streams."""
+    from .forward import DataPlane
+
+    settings = app.config.cluster
+    host = app.config.listeners.host
+    broker = app.broker
+    assert broker is not None
+    plane = DataPlane(broker, node.view, host=host, port=settings.port)
+    try:
+        await plane.start()
+    except (OSError, RuntimeError) as exc:
+        raise ClusterStartError(f"cannot listen on the cluster port {host}:{settings.port}: {exc}") from None
+    app.data_plane = plane
+    address = settings.advertise_address or f"{host}:{plane.port}"
+    listeners = {name: f"{listener.host}:{listener.port}" for name, listener in app.listeners.items()}
+    listeners["cluster"] = f"{host}:{plane.port}"
+    await node.join(address, listeners)
+    ours = {
+        name: stream_definition(stream.config)
+        for name, stream in broker.streams.items() if name not in LOCAL_STREAMS
+    }
+    try:
+        await node.publish_streams(ours)
+    except EtcdError as exc:
+        raise ClusterStartError(f"cannot share the stream catalog through etcd: {exc}") from None
+
+
+def cluster_status(node: ClusterNode) -> dict[str, Any]:
+    """What `/api/cluster` and `shardgate cluster status` show."""
+    view = node.view
+    counts = view.shard_counts()
+    nodes = []
+    for node_id, registration in sorted(view.registrations.items()):
+        nodes.append({
+            "node_id": node_id, "cluster_address": registration.cluster_address,
+            "listeners": registration.listeners, "leaving": registration.leaving,
+            "controller": node_id == view.controller_id, "shards": counts.get(node_id, 0),
+            "started_ms": registration.started_ms,
+        })
+    unavailable = sorted(
+        f"{stream}/{index}"
+        for stream, shards in view.placement.items()
+        for index, placed in enumerate(shards)
+        if placed.node_id not in view.registrations
+    )
+    return {
+        "cluster": node.settings.name, "node_id": node.node_id, "controller": view.controller_id,
+        # False once this node cannot prove its lease is alive: it no longer acts for its shards
+        "lease_alive": view.lease_alive(),
+        "nodes": nodes, "streams": len(view.streams),
+        "shards": sum(len(shards) for shards in view.placement.values()),
+        "unavailable_shards": unavailable,
+        "placement": {
+            stream: [[placed.node_id, placed.epoch] for placed in shards]
+            for stream, shards in sorted(view.placement.items())
+        },
+    }
+
+
+__all__ = ["ClusterStartError", "apply_catalog_change", "cluster_status", "connect", "join",
+           "share_catalog", "keys"]

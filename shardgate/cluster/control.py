@@ -1,0 +1,551 @@
+"""The control plane of one cluster node: registration under a lease, the cached view of the
+cluster kept fresh by one etcd watch, controller election and placement writes.
+
+- Registration: `nodes/<id>` is put under this node's lease. A second node with the same id is
+  refused (naming the first) unless it is the same node restarting (same data directory, whose
+  identity is kept in `<data dir>/cluster-instance`).
+- The view (`EtcdClusterView`, the `ClusterView` of `membership.py`) is read once, then kept
+  by a watch on the whole cluster prefix; a broken or compacted watch re-reads and resumes.
+- Election: the first node to create `controller` under its lease is the controller until its
+  lease ends. Only the controller writes placement, with a compare-and-swap on the revision of
+  `placement-guard` it last saw and on its own election revision, so a deposed controller's
+  write fails.
+- Fencing: `owns()` is true only while this node's lease is known to be alive (the last
+  successful keep-alive plus the TTL); a node cut off from etcd stops acting for its shards
+  when that runs out, and registers again (a new lease) when etcd is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from . import keys
+from .etcd import (
+    EtcdClient,
+    EtcdError,
+    EtcdUnavailable,
+    KeyValue,
+    WatchEvent,
+    create_revision_is,
+    delete_op,
+    get_op,
+    mod_revision_is,
+    put_op,
+    version_is,
+)
+from .membership import NodeInfo, ShardAssignment
+from .placement import Placed, ShardSpec, place
+from .settings import ClusterSettings
+
+log = logging.getLogger(__name__)
+
+# etcd allows 128 operations per transaction by default; the guard takes one
+MAX_TXN_OPS = 100
+
+
+class ClusterStartError(Exception):
+    """The node cannot join: etcd unreachable, node id taken, bad settings."""
+
+
+def node_instance(data_dir: Path) -> str:
+    """The identity of this node's data directory (made once, kept across restarts)."""
+    path = data_dir / "cluster-instance"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        instance = uuid.uuid4().hex
+        data_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(instance + "\n")
+        return instance
+
+
+class EtcdClusterView:
+    """The locally cached cluster state; implements `membership.ClusterView`."""
+
+    def __init__(self, node_id: str) -> None:
+        self._node_id = node_id
+        self.registrations: dict[str, keys.NodeRegistration] = {}
+        self.placement: dict[str, list[Placed]] = {}
+        self.streams: dict[str, dict[str, Any]] = {}
+        self.routes: dict[str, dict[str, Any]] = {}
+        self.users: dict[str, dict[str, Any]] = {}
+        self.controller_id: str | None = None
+        self.controller_revision = 0
+        self.guard_revision = 0
+        self.revision = 0
+        self.lease_valid_until = 0.0
+        self._callbacks: list[Callable[[], None]] = []
+        self._node_infos: dict[str, NodeInfo] = {}
+
+    # ---------------------------------------------------------------- ClusterView
+    @property
+    def node_id(self) -> str:
+        return self._node_id
+
+    def nodes(self) -> Mapping[str, NodeInfo]:
+        return self._node_infos
+
+    def owner(self, stream: str, shard: int) -> ShardAssignment | None:
+        shards = self.placement.get(stream)
+        if shards is None or not 0 <= shard < len(shards):
+            return None
+        placed = shards[shard]
+        return ShardAssignment(stream, shard, placed.node_id, placed.epoch)
+
+    def owns(self, stream: str, shard: int) -> bool:
+        shards = self.placement.get(stream)
+        if shards is None or not 0 <= shard < len(shards):
+            return False
+        return shards[shard].node_id == self._node_id and self.lease_alive()
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        self._callbacks.append(callback)
+
+    # ---------------------------------------------------------------- additions
+    def lease_alive(self) -> bool:
+        """True while this node's lease is known to be alive (fencing)."""
+        return time.monotonic() < self.lease_valid_until
+
+    def available(self, stream: str, shard: int) -> bool:
+        """True when the shard's node is live (a dead node's reliable shards are not)."""
+        assignment = self.owner(stream, shard)
+        return assignment is not None and assignment.node_id in self._node_infos
+
+    def shard_counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(self.registrations, 0)
+        for shards in self.placement.values():
+            for placed in shards:
+                counts[placed.node_id] = counts.get(placed.node_id, 0) + 1
+        return counts
+
+    def shard_specs(self) -> list[ShardSpec]:
+        specs = []
+        for name, definition in sorted(self.streams.items()):
+            reliable = definition.get("mode", "reliable") == "reliable"
+            for index in range(int(definition.get("partitions", 1))):
+                specs.append(ShardSpec(name, index, reliable))
+        return specs
+
+    # ---------------------------------------------------------------- applying etcd state
+    def load(self, prefix: str, kvs: list[KeyValue], revision: int) -> None:
+        self.registrations.clear()
+        self.placement.clear()
+        self.streams.clear()
+        self.routes.clear()
+        self.users.clear()
+        self.controller_id = None
+        self.controller_revision = 0
+        self.guard_revision = 0
+        for kv in kvs:
+            self._apply(prefix, WatchEvent(kv.key, kv.value, kv.mod_revision, kv.create_revision))
+        self.revision = revision
+        self._refresh_nodes()
+
+    def apply(self, prefix: str, events: list[WatchEvent]) -> None:
+        for event in events:
+            self._apply(prefix, event)
+            self.revision = max(self.revision, event.revision)
+        self._refresh_nodes()
+
+    def _apply(self, prefix: str, event: WatchEvent) -> None:
+        key = event.key[len(prefix):]
+        value = event.value
+        try:
+            if key.startswith(keys.NODES):
+                node_id = key[len(keys.NODES):]
+                if value is None:
+                    self.registrations.pop(node_id, None)
+                else:
+                    self.registrations[node_id] = keys.NodeRegistration.from_json(value)
+            elif key.startswith(keys.PLACEMENT):
+                stream = key[len(keys.PLACEMENT):]
+                if value is None:
+                    self.placement.pop(stream, None)
+                else:
+                    self.placement[stream] = [Placed(node, int(epoch))
+                                              for node, epoch in keys.decode(value)["shards"]]
+            elif key == keys.PLACEMENT_GUARD:
+                self.guard_revision = 0 if value is None else event.revision
+            elif key == keys.CONTROLLER:
+                if value is None:
+                    self.controller_id, self.controller_revision = None, 0
+                else:
+                    self.controller_id = keys.decode(value)["node_id"]
+                    self.controller_revision = event.create_revision
+            elif key.startswith(keys.STREAMS):
+                self._set(self.streams, key[len(keys.STREAMS):], value)
+            elif key.startswith(keys.ROUTES):
+                self._set(self.routes, key[len(keys.ROUTES):], value)
+            elif key.startswith(keys.USERS):
+                self._set(self.users, key[len(keys.USERS):], value)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("cluster: ignoring malformed etcd key %s: %s", event.key, exc)
+
+    @staticmethod
+    def _set(table: dict[str, dict[str, Any]], name: str, value: bytes | None) -> None:
+        if value is None:
+            table.pop(name, None)
+        else:
+            table[name] = keys.decode(value)
+
+    def _refresh_nodes(self) -> None:
+        self._node_infos = {
+            node_id: NodeInfo(node_id, registration.cluster_address)
+            for node_id, registration in self.registrations.items()
+        }
+
+    def changed(self) -> None:
+        for callback in list(self._callbacks):
+            try:
+                callback()
+            except Exception:
+                log.exception("cluster change callback failed")
+
+
+class ClusterNode:
+    """This node's membership: `connect()`, `join()`, serve, `leave()`, `stop()`."""
+
+    def __init__(self, settings: ClusterSettings, node_id: str, data_dir: Path) -> None:
+        if not node_id or "/" in node_id:
+            raise ClusterStartError(f"cluster node id {node_id!r}: must be non-empty, without '/'")
+        if settings.lease_ttl_s < 2:
+            raise ClusterStartError("cluster.lease_ttl_s must be at least 2 seconds")
+        self.settings = settings
+        self.node_id = node_id
+        self.prefix = settings.prefix
+        self.instance = node_instance(data_dir)
+        self.view = EtcdClusterView(node_id)
+        self.client = EtcdClient(
+            settings.endpoints, username=settings.username, password=settings.password,
+            ca_file=settings.ca_file, cert_file=settings.cert_file, key_file=settings.key_file,
+            timeout=max(1.0, min(5.0, settings.lease_ttl_s / 2)),
+        )
+        self.registration: keys.NodeRegistration | None = None
+        self.lease_id = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._wake = asyncio.Event()
+        self._running = False
+        self._synced = asyncio.Event()
+        # told (on the event loop) about catalog changes seen in etcd: (kind, name, definition)
+        self.catalog_listeners: list[Callable[[str, str, dict[str, Any] | None], None]] = []
+        # catalog writes made on this node, sent to etcd in order by one task (see `submit`)
+        self._writes: asyncio.Queue[tuple[str, bytes | None]] = asyncio.Queue()
+
+    def key(self, suffix: str) -> str:
+        return self.prefix + suffix
+
+    # ---------------------------------------------------------------- start
+    async def connect(self) -> None:
+        """Reach etcd within `connect_timeout_s`, or raise ClusterStartError saying why."""
+        deadline = time.monotonic() + self.settings.connect_timeout_s
+        last: Exception | None = None
+        while True:
+            try:
+                await self.client.connect()
+                return
+            except EtcdUnavailable as exc:
+                last = exc
+            except EtcdError as exc:
+                raise ClusterStartError(f"etcd refused the connection: {exc}") from None
+            if time.monotonic() >= deadline:
+                raise ClusterStartError(
+                    f"cannot reach etcd at {', '.join(self.settings.endpoints)} after "
+                    f"{self.settings.connect_timeout_s:g} s: {last}")
+            await asyncio.sleep(0.25)
+
+    async def read_catalog(self) -> EtcdClusterView:
+        """Read the whole cluster state once (before the watch starts)."""
+        kvs, revision = await self.client.get_prefix(self.prefix)
+        self.view.load(self.prefix, kvs, revision)
+        return self.view
+
+    async def publish_streams(self, definitions: Mapping[str, dict[str, Any]]) -> None:
+        """Declare streams this node was configured with, unless the cluster already has them."""
+        for name, definition in definitions.items():
+            key = self.key(keys.STREAMS + name)
+            await self.client.txn([version_is(key, 0)], [put_op(key, keys.encode(definition))])
+
+    async def join(self, cluster_address: str, listeners: Mapping[str, str]) -> None:
+        """Register under a new lease; start the keep-alive, the watch and the controller."""
+        self.registration = keys.NodeRegistration(
+            node_id=self.node_id, cluster_address=cluster_address, instance=self.instance,
+            started_ms=int(time.time() * 1000), listeners=dict(listeners),
+        )
+        try:
+            await self._register()
+        except EtcdError as exc:
+            raise ClusterStartError(f"cannot register with etcd: {exc}") from None
+        self._running = True
+        kvs, revision = await self.client.get_prefix(self.prefix)
+        self.view.load(self.prefix, kvs, revision)
+        self._tasks = [
+            asyncio.create_task(self._keep_alive(), name="cluster-lease"),
+            asyncio.create_task(self._watch(revision), name="cluster-watch"),
+            asyncio.create_task(self._control(), name="cluster-controller"),
+            asyncio.create_task(self._write_catalog(), name="cluster-catalog-writer"),
+        ]
+        log.info("cluster %s: node %s joined (internal address %s)", self.settings.name,
+                 self.node_id, cluster_address)
+
+    async def _register(self) -> None:
+        assert self.registration is not None
+        key = self.key(keys.NODES + self.node_id)
+        ttl = self.settings.lease_ttl_s
+        sent = time.monotonic()
+        lease = await self.client.grant(ttl)
+        result = await self.client.txn(
+            [version_is(key, 0)], [put_op(key, self.registration.to_json(), lease)], [get_op(key)])
+        if not result.succeeded:
+            existing = result.reads[0][0] if result.reads and result.reads[0] else None
+            other = keys.NodeRegistration.from_json(existing.value) if existing else None
+            if existing is not None and other is not None and other.instance == self.instance:
+                # the same node restarting before its previous lease ran out: take the key over
+                taken = await self.client.txn(
+                    [mod_revision_is(key, existing.mod_revision)],
+                    [put_op(key, self.registration.to_json(), lease)])
+                if taken.succeeded:
+                    await self.client.revoke(existing.lease)
+                else:
+                    await self.client.revoke(lease)
+                    raise ClusterStartError(f"node id {self.node_id!r} changed hands during start")
+            else:
+                await self.client.revoke(lease)
+                address = other.cluster_address if other else "?"
+                raise ClusterStartError(
+                    f"node id {self.node_id!r} is already in use by a running node "
+                    f"(internal address {address}); give this node another --node-id")
+        self.lease_id = lease
+        self.view.lease_valid_until = sent + ttl
+
+    # ---------------------------------------------------------------- background loops
+    async def _keep_alive(self) -> None:
+        ttl = self.settings.lease_ttl_s
+        interval = max(0.5, ttl / 3)
+        while self._running:
+            try:
+                sent = time.monotonic()
+                async with contextlib.aclosing(
+                        self.client.keep_alive(self.lease_id, interval)) as refreshes:
+                    async for granted in refreshes:
+                        if granted <= 0:
+                            raise _LeaseLost
+                        self.view.lease_valid_until = sent + granted
+                        sent = time.monotonic() + interval
+            except _LeaseLost:
+                log.warning("cluster: the lease of node %s expired; registering again", self.node_id)
+                await self._register_again()
+            except Exception as exc:  # a broken stream must never end the keep-alive loop
+                remaining = self.view.lease_valid_until - time.monotonic()
+                if remaining > 0:
+                    log.warning("cluster: cannot refresh the lease (%s); acting for owned shards "
+                                "for %.1f s more", exc, remaining)
+                else:
+                    log.debug("cluster: cannot refresh the lease: %s", exc)
+                await asyncio.sleep(0.5)
+                with contextlib.suppress(Exception):
+                    await self.client.reconnect(None)
+
+    async def _register_again(self) -> None:
+        while self._running:
+            try:
+                await self._register()
+                self._wake.set()
+                log.info("cluster: node %s registered again", self.node_id)
+                return
+            except (EtcdError, ClusterStartError) as exc:
+                log.warning("cluster: registering again failed: %s", exc)
+                await asyncio.sleep(0.5)
+
+    async def _watch(self, revision: int) -> None:
+        while self._running:
+            try:
+                if revision == 0:
+                    kvs, revision = await self.client.get_prefix(self.prefix)
+                    self.view.load(self.prefix, kvs, revision)
+                    self._after_change()
+                self._synced.set()
+                async with contextlib.aclosing(
+                        self.client.watch_prefix(self.prefix, revision + 1)) as changes:
+                    async for events in changes:
+                        before = self._catalog_snapshot()
+                        self.view.apply(self.prefix, events)
+                        revision = self.view.revision
+                        self._after_change(before)
+            except Exception as exc:  # a broken stream must never end the watch loop
+                (log.warning if revision else log.debug)(
+                    "cluster: watch interrupted (%s); reading the state again", exc)
+                revision = 0
+                await asyncio.sleep(0.5)
+
+    def _catalog_snapshot(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        return dict(self.view.streams), dict(self.view.routes), dict(self.view.users)
+
+    def _after_change(self, before: tuple[dict[str, Any], ...] | None = None) -> None:
+        self._wake.set()
+        if before is not None and self.catalog_listeners:
+            for kind, old, new in zip(("stream", "route", "user"), before,
+                                      self._catalog_snapshot(), strict=True):
+                for name in old.keys() | new.keys():
+                    if old.get(name) != new.get(name):
+                        for listener in self.catalog_listeners:
+                            try:
+                                listener(kind, name, new.get(name))
+                            except Exception:
+                                log.exception("cluster catalog listener failed")
+        self.view.changed()
+
+    async def _control(self) -> None:
+        """Campaign for controller while there is none; as controller, keep placement right."""
+        while self._running:
+            self._wake.clear()
+            try:
+                if self.view.lease_alive():
+                    if self.view.controller_id is None:
+                        await self._campaign()
+                    if self.is_controller:
+                        await self._write_placement()
+            except Exception as exc:
+                log.warning("cluster controller step failed: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), 1.0)
+
+    @property
+    def is_controller(self) -> bool:
+        return self.view.controller_id == self.node_id and self.view.lease_alive()
+
+    async def _campaign(self) -> None:
+        key = self.key(keys.CONTROLLER)
+        result = await self.client.txn(
+            [version_is(key, 0)],
+            [put_op(key, keys.encode({"node_id": self.node_id}), self.lease_id)])
+        if result.succeeded:
+            self.view.controller_id = self.node_id
+            self.view.controller_revision = result.revision
+            log.info("cluster: node %s is the controller", self.node_id)
+
+    def desired_placement(self) -> dict[str, list[Placed]]:
+        view = self.view
+        current = {
+            (stream, index): placed
+            for stream, shards in view.placement.items()
+            for index, placed in enumerate(shards)
+        }
+        live = [node for node, reg in view.registrations.items() if not reg.leaving]
+        load = {node: reg.load for node, reg in view.registrations.items()}
+        placed = place(view.shard_specs(), current, live, load)
+        desired: dict[str, list[Placed]] = {}
+        for name, definition in view.streams.items():
+            shards = [placed.get((name, index)) for index in range(int(definition.get("partitions", 1)))]
+            if all(shard is not None for shard in shards):
+                desired[name] = shards  # type: ignore[assignment]
+        return desired
+
+    async def _write_placement(self) -> None:
+        view = self.view
+        desired = self.desired_placement()
+        ops = []
+        for name, shards in sorted(desired.items()):
+            if view.placement.get(name) != shards:
+                value = keys.encode({"shards": [[p.node_id, p.epoch] for p in shards]})
+                ops.append(put_op(self.key(keys.PLACEMENT + name), value))
+        for name in view.placement.keys() - view.streams.keys():
+            ops.append(delete_op(self.key(keys.PLACEMENT + name)))
+        guard = self.key(keys.PLACEMENT_GUARD)
+        for start in range(0, len(ops), MAX_TXN_OPS):
+            chunk = ops[start:start + MAX_TXN_OPS]
+            result = await self.client.txn(
+                [create_revision_is(self.key(keys.CONTROLLER), view.controller_revision),
+                 mod_revision_is(guard, view.guard_revision)],
+                [put_op(guard, keys.encode({"controller": self.node_id}))] + chunk)
+            if not result.succeeded:
+                return  # the view was stale or another controller won: the watch catches up
+            view.guard_revision = result.revision
+        if ops:
+            for name, shards in desired.items():
+                view.placement[name] = shards
+            for name in list(view.placement.keys() - view.streams.keys()):
+                del view.placement[name]
+            log.info("cluster: placement written (%d streams changed)", len(ops))
+
+    # ---------------------------------------------------------------- catalog writes
+    def submit(self, suffix: str, value: bytes | None) -> None:
+        """Put (value) or delete (None) the key `suffix` in etcd, after every earlier submit.
+        Called from synchronous code (the broker's topology sink); retried while etcd is away."""
+        self._writes.put_nowait((suffix, value))
+
+    async def _write_catalog(self) -> None:
+        while self._running:
+            suffix, value = await self._writes.get()
+            while self._running:
+                try:
+                    if value is None:
+                        await self.client.delete(self.key(suffix))
+                    else:
+                        await self.client.put(self.key(suffix), value)
+                    break
+                except Exception as exc:
+                    log.warning("cluster: cannot write %s to etcd yet (%s); retrying", suffix, exc)
+                    await asyncio.sleep(0.5)
+
+    # ---------------------------------------------------------------- leave
+    async def leave(self) -> None:
+        """SIGTERM: ask the controller to move this node's shards, wait (bounded) until it has."""
+        if not self._running or self.registration is None:
+            return
+        others = [n for n, reg in self.view.registrations.items() if n != self.node_id and not reg.leaving]
+        self.registration.leaving = True
+        key = self.key(keys.NODES + self.node_id)
+        try:
+            announced = await self.client.put(key, self.registration.to_json(), self.lease_id)
+        except EtcdError as exc:
+            log.warning("cluster: cannot announce leaving: %s", exc)
+            return
+        if not others:
+            return
+        if self.is_controller:
+            self._wake.set()
+        deadline = time.monotonic() + self.settings.leave_timeout_s
+        while time.monotonic() < deadline:
+            # once the watch has passed the announcement, the view holds every placement made
+            # before it; then wait for the controller to move what this node still owns
+            if self.view.revision >= announced and not self._movable_owned():
+                log.info("cluster: node %s handed its shards over", self.node_id)
+                return
+            await asyncio.sleep(0.05)
+        log.warning("cluster: shards not handed over within %.1f s", self.settings.leave_timeout_s)
+
+    def _movable_owned(self) -> list[tuple[str, int]]:
+        owned = []
+        for spec in self.view.shard_specs():
+            if not spec.reliable:
+                assignment = self.view.owner(spec.stream, spec.shard)
+                if assignment is not None and assignment.node_id == self.node_id:
+                    owned.append((spec.stream, spec.shard))
+        return owned
+
+    async def stop(self) -> None:
+        """Stop the loops and end the lease (the node's keys go with it)."""
+        self._running = False
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        if self.lease_id:
+            with contextlib.suppress(EtcdError):
+                await self.client.revoke(self.lease_id)
+            self.lease_id = 0
+        self.view.lease_valid_until = 0.0
+        await self.client.close()
+
+
+class _LeaseLost(Exception):
+    pass

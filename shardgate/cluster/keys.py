@@ -1,0 +1,68 @@
+"""What Shardgate keeps in etcd, and how it is spelled: one module so every reader and writer
+agrees. Every key lives under `/shardgate/<cluster name>/`; values are JSON.
+
+    nodes/<node id>        a live node's registration, under that node's lease
+    controller             the elected controller's node id, under its lease
+    placement/<stream>     the stream's shards: [[node id, epoch], ...] (written by the controller)
+    placement-guard        bumped with every placement write: the compare-and-swap token
+    streams/<name>         a stream's definition (mode, partitions, retention, schema)
+    routes/<pattern>       a routing rule: topics matching the pattern go to a stream
+    users/<name>           a user (password hash, roles)
+    sessions/<client id>   the node an MQTT client's session lives on
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+NODES = "nodes/"
+CONTROLLER = "controller"
+PLACEMENT = "placement/"
+PLACEMENT_GUARD = "placement-guard"
+STREAMS = "streams/"
+ROUTES = "routes/"
+USERS = "users/"
+SESSIONS = "sessions/"
+
+
+def encode(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
+
+
+def decode(raw: bytes) -> Any:
+    return json.loads(raw)
+
+
+@dataclass(slots=True)
+class NodeRegistration:
+    """What a node says of itself in `nodes/<id>`."""
+
+    node_id: str
+    cluster_address: str
+    # the data directory's identity: a restart of the same node may replace its own stale key
+    instance: str
+    started_ms: int
+    listeners: dict[str, str] = field(default_factory=dict)
+    # set on SIGTERM: the controller moves this node's shards away before it exits
+    leaving: bool = False
+    # messages per second the node handles, for placement ties
+    load: float = 0.0
+
+    def to_json(self) -> bytes:
+        return encode({
+            "node_id": self.node_id, "cluster_address": self.cluster_address,
+            "instance": self.instance, "started_ms": self.started_ms,
+            "listeners": self.listeners, "leaving": self.leaving, "load": self.load,
+        })
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> NodeRegistration:
+        data = decode(raw)
+        return cls(
+            node_id=data["node_id"], cluster_address=data.get("cluster_address", ""),
+            instance=data.get("instance", ""), started_ms=int(data.get("started_ms", 0)),
+            listeners=dict(data.get("listeners", {})), leaving=bool(data.get("leaving", False)),
+            load=float(data.get("load", 0.0)),
+        )

@@ -1,0 +1,67 @@
+"""Prometheus metric families of the cluster data plane, read from its counters at scrape time.
+
+`shardgate.metrics` yields these when the node runs in a cluster (`app.data_plane` is set);
+nothing here runs on the message path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+
+PREFIX = "shardgate_cluster"
+
+
+def data_plane_metrics(plane: Any) -> Iterator[Metric]:
+    stats = plane.stats
+    forwarded = CounterMetricFamily(
+        f"{PREFIX}_forwarded_messages",
+        "Publishes forwarded to the node owning their shard (out), or from other nodes to this "
+        "owner (in)", labels=["direction"],
+    )
+    forwarded.add_metric(["out"], stats.forwarded)
+    forwarded.add_metric(["in"], stats.forwarded_in)
+    yield forwarded
+    yield CounterMetricFamily(
+        f"{PREFIX}_forward_failures",
+        "Forwarded publishes refused or lost (their clients got a retryable error)",
+        value=stats.forward_failures,
+    )
+    pushed = CounterMetricFamily(
+        f"{PREFIX}_pushed_messages",
+        "Stored messages pushed to the nodes of their subscribers (out, once per node), or "
+        "pushed here by their shard's owner (in)", labels=["direction"],
+    )
+    pushed.add_metric(["out"], stats.pushed)
+    pushed.add_metric(["in"], stats.pushed_in)
+    yield pushed
+    yield CounterMetricFamily(
+        f"{PREFIX}_pushes_dropped", "Pushes dropped on a full or broken link to a node",
+        value=stats.pushes_dropped,
+    )
+    buckets, total = stats.forward_latency.snapshot()
+    yield HistogramMetricFamily(
+        f"{PREFIX}_forward_latency_seconds",
+        "Seconds from writing a batch of forwarded publishes to the owner's answer (the owner "
+        "holds them under the stream's durability policy); one observation per batch",
+        buckets=[(floatToGoString(bound), count) for bound, count in buckets], sum_value=total,
+    )
+    up = GaugeMetricFamily(f"{PREFIX}_link_up", "1 while this node's link to a peer is up",
+                           labels=["peer"])
+    routes = GaugeMetricFamily(
+        f"{PREFIX}_peer_routes", "Topic filters a peer's clients hold, as this node knows them",
+        labels=["peer"],
+    )
+    for peer, link in sorted(plane.links.items()):
+        up.add_metric([peer], 1 if link.connected else 0)
+        routes.add_metric([peer], len(plane.remote.routes_of(peer)))
+    yield up
+    yield routes

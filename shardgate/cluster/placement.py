@@ -1,0 +1,119 @@
+"""Placement: which node leads each stream shard. A pure function the controller runs.
+
+Rules, in order:
+- a shard stays where it is while its node is live (no needless moves);
+- a non-reliable shard of a dead or leaving node, or a new one, goes to the live node with
+  the fewest shards (ties: the least load, then the node id);
+- a reliable shard keeps its node even when that node is dead or leaving: its log lives on
+  that node's disk (replication is not there yet), so it is unavailable until the node
+  returns rather than silently moved to an empty log; a new reliable shard goes to the
+  least-loaded live node like any other;
+- then non-reliable shards move from the fullest to the emptiest live node until shard
+  counts differ by at most one (a joining node takes its fair share).
+Every change of a shard's node bumps that shard's epoch.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+ShardKey = tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSpec:
+    stream: str
+    shard: int
+    reliable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    node_id: str
+    epoch: int
+
+
+def place(
+    shards: Iterable[ShardSpec],
+    current: Mapping[ShardKey, Placed],
+    live_nodes: Iterable[str],
+    load: Mapping[str, float] | None = None,
+) -> dict[ShardKey, Placed]:
+    """The new assignment of every shard in `shards` (shards not listed are dropped).
+    With no live node, non-reliable shards without a live owner are left out (unassigned)."""
+    live = sorted(set(live_nodes))
+    load = load or {}
+    result: dict[ShardKey, Placed] = {}
+    count = dict.fromkeys(live, 0)
+    movable: dict[str, list[ShardKey]] = {node: [] for node in live}
+    homeless: list[ShardSpec] = []
+    for spec in shards:
+        key = (spec.stream, spec.shard)
+        placed = current.get(key)
+        if placed is not None and placed.node_id in count:
+            result[key] = placed
+            count[placed.node_id] += 1
+            if not spec.reliable:
+                movable[placed.node_id].append(key)
+        elif placed is not None and spec.reliable:
+            result[key] = placed  # sticky: its log is on that node
+        else:
+            homeless.append(spec)
+    if not live:
+        return result
+    # least loaded first: (shard count, load, node id)
+    heap = [(count[node], load.get(node, 0.0), node) for node in live]
+    heapq.heapify(heap)
+    for spec in homeless:
+        shard_count, node_load, node = heapq.heappop(heap)
+        key = (spec.stream, spec.shard)
+        previous = current.get(key)
+        result[key] = Placed(node, previous.epoch + 1 if previous is not None else 1)
+        count[node] = shard_count + 1
+        if not spec.reliable:
+            movable[node].append(key)
+        heapq.heappush(heap, (shard_count + 1, node_load, node))
+    _balance(result, count, movable, load)
+    return result
+
+
+def _balance(
+    result: dict[ShardKey, Placed],
+    count: dict[str, int],
+    movable: dict[str, list[ShardKey]],
+    load: Mapping[str, float],
+) -> None:
+    """Move non-reliable shards from the fullest to the emptiest node while counts differ by
+    more than one. Heaps of (count) keep it O(moves · log nodes)."""
+    if len(count) < 2:
+        return
+    low = [(count[n], load.get(n, 0.0), n) for n in count]
+    high = [(-count[n], -load.get(n, 0.0), n) for n in count]
+    heapq.heapify(low)
+    heapq.heapify(high)
+    while True:
+        # drop stale heap entries (counts changed since they were pushed)
+        while low and low[0][0] != count[low[0][2]]:
+            heapq.heappop(low)
+        while high and -high[0][0] != count[high[0][2]]:
+            heapq.heappop(high)
+        if not low or not high:
+            return
+        fullest, emptiest = high[0][2], low[0][2]
+        if count[fullest] - count[emptiest] <= 1:
+            return
+        if not movable[fullest]:
+            # nothing movable on the fullest node: it stops competing
+            heapq.heappop(high)
+            continue
+        key = movable[fullest].pop()
+        result[key] = Placed(emptiest, result[key].epoch + 1)
+        movable[emptiest].append(key)
+        count[fullest] -= 1
+        count[emptiest] += 1
+        heapq.heappush(low, (count[emptiest], load.get(emptiest, 0.0), emptiest))
+        heapq.heappush(low, (count[fullest], load.get(fullest, 0.0), fullest))
+        heapq.heappush(high, (-count[emptiest], -load.get(emptiest, 0.0), emptiest))
+        heapq.heappush(high, (-count[fullest], -load.get(fullest, 0.0), fullest))

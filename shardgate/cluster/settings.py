@@ -1,0 +1,48 @@
+"""The `[cluster]` configuration section (`serve --cluster URL --node-id ID --cluster-port N`).
+
+Cluster mode is on when `etcd` names at least one endpoint; otherwise none of
+`shardgate.cluster` runs and the node is today's embedded single node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class ClusterSettings:
+    # etcd endpoints: http://host:port or https://host:port, a list or one comma-separated string
+    etcd: list[str] | str = field(default_factory=list)
+    # the cluster's name: every key lives under /shardgate/<name>/ in etcd
+    name: str = "shardgate"
+    # this node's id, unique in the cluster (default: the host name)
+    node_id: str = ""
+    # the internal (node-to-node gRPC) listener; 0 picks a free port
+    port: int = 7001
+    # host:port other nodes dial to reach the internal listener (default: listeners.host:port)
+    advertise_address: str = ""
+    # a node whose lease is not refreshed for this long is dead; its non-reliable shards move
+    lease_ttl_s: int = 5
+    # how long `serve` waits for etcd at start before giving up with an error
+    connect_timeout_s: float = 10.0
+    # how long a SIGTERM'd node waits for its shards to be handed over before it exits
+    leave_timeout_s: float = 10.0
+    username: str | None = None
+    password: str | None = None
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    @property
+    def endpoints(self) -> list[str]:
+        if isinstance(self.etcd, str):
+            return [part.strip() for part in self.etcd.split(",") if part.strip()]
+        return [str(part) for part in self.etcd]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.endpoints)
+
+    @property
+    def prefix(self) -> str:
+        return f"/shardgate/{self.name}/"

@@ -1,0 +1,162 @@
+"""Fixtures for cluster tests: a real etcd (Debian's etcd-server) on ephemeral loopback ports in
+a temporary directory, and `shardgate serve --cluster` processes with every listener on an
+ephemeral port. Tests import the fixtures by name (tests/e2e/conftest.py makes them available).
+
+`cluster(3)` starts three nodes (n1, n2, n3) and waits until all are registered and every
+shard is placed; `node.status()` is the node's `/api/cluster`. Tests skip when etcd is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import BrokerProcess, free_port, wait_for
+
+ETCD = shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None)
+
+
+class EtcdServer:
+    """One etcd member on loopback: `start()`, `stop()` (SIGTERM), `kill()`, `start()` again
+    (same data directory and ports, as an etcd restart)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = directory / "etcd.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    def start(self) -> EtcdServer:
+        assert ETCD is not None
+        self.directory.mkdir(parents=True, exist_ok=True)
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        args = [
+            ETCD, "--name", "test", "--data-dir", str(self.directory / "data"),
+            "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"test={peer}", "--initial-cluster-state", "new",
+            "--heartbeat-interval", "50", "--election-timeout", "500",
+        ]
+        log_file = open(self.log_path, "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT)
+        log_file.close()
+        wait_for(self.healthy, timeout=20, interval=0.05)
+        return self
+
+    def healthy(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"etcd exited:\n{self.log_path.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=1) as response:
+                return json.loads(response.read()).get("health") == "true"
+        except (OSError, ValueError):
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+class ClusterNodeProcess(BrokerProcess):
+    """`shardgate serve --cluster URL --node-id ID --cluster-port 0` as a subprocess."""
+
+    def __init__(self, data_dir: Path, node_id: str, etcd_url: str, *,
+                 lease_ttl_s: int = 3, cluster_name: str = "test", extra_config: str = "",
+                 extra_args: list[str] | None = None) -> None:
+        config = data_dir.parent / f"{data_dir.name}.toml"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(
+            f'[cluster]\nname = "{cluster_name}"\nlease_ttl_s = {lease_ttl_s}\n'
+            f"connect_timeout_s = 5\nleave_timeout_s = 10\n\n{extra_config}")
+        super().__init__(
+            data_dir,
+            ["--cluster", etcd_url, "--node-id", node_id, "--cluster-port", "0",
+             "--http-port", str(free_port()), "--grpc-port", str(free_port()), *(extra_args or [])],
+            config_file=config,
+        )
+        self.node_id = node_id
+
+    def status(self) -> dict[str, Any]:
+        """This node's `/api/cluster`."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ports['http']}/api/cluster",
+                                    timeout=5) as response:
+            return json.loads(response.read())
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.ports['grpc']}"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def settled(node: ClusterNodeProcess, nodes: set[str]) -> dict[str, Any] | None:
+    """The node's status once it sees exactly `nodes`, a controller, and every live-owned
+    shard placed; else None (for `wait_for`)."""
+    try:
+        status = node.status()
+    except (OSError, urllib.error.URLError):
+        return None
+    seen = {entry["node_id"] for entry in status["nodes"]}
+    if seen != nodes or status["controller"] not in nodes:
+        return None
+    if any(entry["leaving"] for entry in status["nodes"]) or len(status["placement"]) < status["streams"]:
+        return None
+    return status
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    if ETCD is None:
+        pytest.skip("etcd is not installed (apt-get install etcd-server)")
+    server = EtcdServer(tmp_path / "etcd").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, etcd: EtcdServer) -> Iterator[Callable[..., list[ClusterNodeProcess]]]:
+    started: list[ClusterNodeProcess] = []
+
+    def start(count: int, *, lease_ttl_s: int = 3, first: int = 1,
+              extra_config: str = "") -> list[ClusterNodeProcess]:
+        nodes = []
+        for index in range(first, first + count):
+            node = ClusterNodeProcess(tmp_path / f"n{index}", f"n{index}", etcd.url,
+                                      lease_ttl_s=lease_ttl_s, extra_config=extra_config)
+            started.append(node)
+            nodes.append(node.start())
+        everyone = {n.node_id for n in started if n.alive()}
+        for node in nodes:
+            wait_for(lambda node=node: settled(node, everyone), timeout=30, interval=0.05)
+        return nodes
+
+    yield start
+    for node in started:
+        if node.alive():
+            node.kill()

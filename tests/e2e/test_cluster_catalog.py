@@ -1,0 +1,70 @@
+"""Cluster metadata in etcd: a stream or route created at run time on one node is known to
+every node, which places, forwards and serves it; deleting it on another node removes it
+everywhere."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
+from shardgate.client import SyncClient
+
+from tests.conftest import wait_for
+from tests.e2e.cluster_fixtures import ClusterNodeProcess
+
+Cluster = Callable[..., list[ClusterNodeProcess]]
+
+
+def shardgate(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDGATE_")}
+    return subprocess.run([sys.executable, "-m", "shardgate", *args, "--url", url],
+                          capture_output=True, text=True, timeout=60, env=env)
+
+
+def stored(nodes: list[ClusterNodeProcess], stream: str) -> int:
+    """Messages the stream holds, summed over the nodes (each shard is stored by its owner)."""
+    total = 0
+    for node in nodes:
+        with SyncClient(node.grpc_url) as client:
+            total += sum(shard.next_offset for shard in client.admin.describe_stream(stream).shards)
+    return total
+
+
+def test_a_stream_created_on_node_1_is_used_on_node_3(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster(3)
+    created = shardgate(n1.grpc_url, "streams", "create", "orders", "--partitions", "3",
+                        "--mode", "reliable")
+    assert created.returncode == 0, created.stderr
+    # every node learns it from etcd, and the controller places its three shards
+    for node in (n2, n3):
+        wait_for(lambda node=node: len(node.status()["placement"].get("orders", [])) == 3, timeout=20)
+    for index in range(6):
+        published = shardgate(n3.grpc_url, "pub", f"orders/{index}", f"order {index}")
+        assert published.returncode == 0, published.stderr
+        assert published.stdout.startswith("published to orders shard"), published.stdout
+    # each message is stored once, by the owner of its shard, wherever that is
+    assert stored([n1, n2, n3], "orders") == 6
+
+
+def test_routes_and_deletes_made_on_one_node_reach_the_others(cluster: Cluster) -> None:
+    n1, n2 = cluster(2)
+    with SyncClient(n1.grpc_url) as client:
+        client.admin.create_stream("metrics", mode="non-reliable", routes=["metrics/#"])
+        client.admin.add_route("telemetry/+/cpu", "metrics")
+
+    def routed_on_n2() -> bool:
+        with SyncClient(n2.grpc_url) as client:
+            return client.producer().send("telemetry/h1/cpu", b"1").stream == "metrics"
+
+    wait_for(routed_on_n2, timeout=20)
+    with SyncClient(n2.grpc_url) as client:
+        client.admin.delete_stream("metrics")
+
+    def gone_on_n1() -> bool:
+        with SyncClient(n1.grpc_url) as client:
+            return "metrics" not in {stream.name for stream in client.admin.list_streams()}
+
+    wait_for(gone_on_n1, timeout=20)
+    assert "metrics" not in n1.status()["placement"]

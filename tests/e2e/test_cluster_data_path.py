@@ -1,0 +1,251 @@
+"""The cluster data path with real clients: two whole Shardgate nodes (every listener up) joined
+by their data planes over real loopback gRPC links, with a fixed shard map (no etcd: the
+control plane is replaced by a `StaticClusterView`, so these tests prove forwarding, the route
+table and pushes alone). A client publishes on one node, a subscriber on the other receives.
+
+Node a owns the even shards of every stream, node b the odd ones; the default stream has four
+shards (journaled, as `serve` makes it), so both paths are covered: a publish for a shard of
+the other node is forwarded there; a message stored by its owner is pushed to the subscriber's
+node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aio_pika
+import aiormq
+import pytest
+from shardgate.client import Client, Unavailable
+from shardgate.core.streams import Stream
+from shardgate.protocols.mqtt import packets as p
+
+from shardgate.cluster.forward import DataPlane
+from shardgate.cluster.membership import NodeInfo, ShardAssignment, StaticClusterView
+from tests.conftest import ThreadedBroker, free_port, make_config, wait_for
+from tests.mqtt_clients import V5, V311, Paho, RawClient
+
+VERSIONS = [pytest.param(V311, id="3.1.1"), pytest.param(V5, id="5.0")]
+NODES = ("a", "b")
+
+
+@dataclass
+class Node:
+    node_id: str
+    server: ThreadedBroker
+    view: StaticClusterView
+    plane: DataPlane
+
+    @property
+    def mqtt_port(self) -> int:
+        return self.server.mqtt_port
+
+    def port(self, name: str) -> int:
+        return self.server.app.port(name)
+
+    def remote_routes(self, of: str) -> int:
+        return self.server.call(lambda: len(self.plane.remote.routes_of(of)))
+
+
+def owner_of(index: int) -> str:
+    return NODES[index % len(NODES)]
+
+
+def assignments(streams: dict[str, Stream]) -> dict[tuple[str, int], ShardAssignment]:
+    return {
+        (name, shard.index): ShardAssignment(name, shard.index, owner_of(shard.index), 1)
+        for name, stream in streams.items() for shard in stream.shards
+    }
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[dict[str, Node]]:
+    nodes: dict[str, Node] = {}
+    try:
+        for node_id in NODES:
+            config = make_config(
+                tmp_path / node_id, default_stream_partitions=4,
+                listeners={"amqp_port": free_port(), "grpc_port": free_port()},
+            )
+            config.mqtt.sys_interval = 0
+            server = ThreadedBroker(config).start()
+            broker = server.app.broker
+            view = StaticClusterView(node_id, {}, assignments(broker.streams))
+            plane = DataPlane(broker, view)
+            server.call(plane.start())
+            server.app.data_plane = plane
+            nodes[node_id] = Node(node_id, server, view, plane)
+        infos = {n.node_id: NodeInfo(n.node_id, f"127.0.0.1:{n.plane.port}") for n in nodes.values()}
+        for node in nodes.values():
+            node.view.node_infos = dict(infos)
+            node.server.call(node.view.changed)
+        wait_for(lambda: all(
+            n.server.call(lambda n=n: all(link.connected for link in n.plane.links.values()))
+            for n in nodes.values()
+        ))
+        yield nodes
+    finally:
+        for node in nodes.values():
+            node.server.call(node.plane.stop())
+        for node in nodes.values():
+            node.server.stop()
+
+
+def topic_for(node: Node, owner: str, prefix: str = "orders") -> str:
+    """A topic of the default stream whose shard `owner` owns."""
+    broker = node.server.app.broker
+    for index in range(1000):
+        topic = f"{prefix}/{index}"
+        if owner_of(broker.stream_for_topic(topic).shard_for(topic, None).index) == owner:
+            return topic
+    raise AssertionError("no such topic")
+
+
+def routes_reach(nodes: dict[str, Node], of: str, count: int = 1) -> None:
+    """Wait until every other node knows `count` routes of node `of`."""
+    wait_for(lambda: all(n.remote_routes(of) >= count for n in nodes.values() if n.node_id != of))
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("qos", [0, 1, 2])
+@pytest.mark.parametrize("owner", ["a", "b"], ids=["stored-by-publisher-node", "forwarded-to-subscriber-node"])
+def test_mqtt_publish_on_one_node_reaches_subscriber_on_the_other(cluster, version, qos, owner):
+    a, b = cluster["a"], cluster["b"]
+    topic = topic_for(a, owner)
+    sub = Paho(b.mqtt_port, "sub", version)
+    sub.subscribe("orders/#", qos)
+    routes_reach(cluster, "b")
+    pub = Paho(a.mqtt_port, "pub", version)
+    for index in range(20):
+        pub.publish(topic, f"m{index}", qos)  # QoS 1/2: waits for PUBACK / PUBCOMP
+    received = sub.expect_n(20)
+    assert [m.payload for m in received] == [f"m{i}".encode() for i in range(20)]
+    assert all(m.qos == qos and m.topic == topic for m in received)
+    sub.expect_none()
+    pub.disconnect()
+    sub.disconnect()
+
+
+def test_acknowledged_publish_for_the_other_node_is_in_its_journal(cluster):
+    a, b = cluster["a"], cluster["b"]
+    topic = topic_for(a, "b")
+    pub = Paho(a.mqtt_port, "pub", V5)
+    pub.publish(topic, b"kept", 1)
+    shard = b.server.app.broker.stream_for_topic(topic).shard_for(topic, None)
+
+    def stored() -> list[bytes]:
+        assert shard.log is not None
+        return [record.data for record in shard.log.read(0)]
+
+    records = b.server.call(stored)
+    assert len(records) == 1 and b"kept" in records[0]
+    local = a.server.app.broker.stream_for_topic(topic).shard_for(topic, None)
+    assert a.server.call(lambda: local.log.next_offset) == 0, "the publisher's node keeps nothing"
+    pub.disconnect()
+
+
+def test_mqtt_shared_subscription_spreads_across_nodes_once_each(cluster):
+    a, b = cluster["a"], cluster["b"]
+    members = [Paho(node.mqtt_port, f"worker-{node.node_id}", V5) for node in (a, b)]
+    for member in members:
+        member.subscribe("$share/workers/jobs/#", 1)
+    routes_reach(cluster, "a")
+    routes_reach(cluster, "b")
+    pub = Paho(a.mqtt_port, "pub", V5)
+    for index in range(40):
+        pub.publish(f"jobs/{index}", str(index), 1)
+    got: list[int] = []
+    counts = []
+    for member in members:
+        count = 0
+        while True:
+            try:
+                got.append(int(member.expect(timeout=1.0).payload))
+                count += 1
+            except Exception:  # noqa: BLE001 - queue.Empty: this member has no more
+                break
+        counts.append(count)
+    assert sorted(got) == list(range(40)), "each message once across the group"
+    assert all(counts), f"both nodes' members take messages: {counts}"
+    pub.disconnect()
+    for member in members:
+        member.disconnect()
+
+
+def test_unsubscribe_on_one_node_stops_delivery_from_the_other(cluster):
+    a, b = cluster["a"], cluster["b"]
+    sub = Paho(b.mqtt_port, "sub", V5)
+    sub.subscribe("news/#", 1)
+    sub.subscribe("marker", 1)
+    routes_reach(cluster, "b", 2)
+    sub.unsubscribe("news/#")
+    wait_for(lambda: a.remote_routes("b") == 1)
+    pub = Paho(a.mqtt_port, "pub", V5)
+    pub.publish(topic_for(a, "a", "news"), b"late", 1)
+    pub.publish("marker", b"after", 1)
+    assert sub.expect().payload == b"after"
+    sub.expect_none()
+
+
+async def test_amqp_publish_confirmed_on_one_node_reaches_consumer_on_the_other(cluster):
+    a, b = cluster["a"], cluster["b"]
+    received: asyncio.Queue[aio_pika.abc.AbstractIncomingMessage] = asyncio.Queue()
+    url_a = f"amqp://guest:guest@127.0.0.1:{a.port('amqp')}/"
+    url_b = f"amqp://guest:guest@127.0.0.1:{b.port('amqp')}/"
+    async with await aio_pika.connect(url_b) as consumer_conn, await aio_pika.connect(url_a) as producer_conn:
+        channel = await consumer_conn.channel()
+        queue = await channel.declare_queue("", exclusive=True)
+        await queue.bind("amq.topic", "orders.#")
+        await queue.consume(received.put, no_ack=True)
+        await asyncio.to_thread(routes_reach, cluster, "b", 2)  # the queue's name and its binding
+        out = await producer_conn.channel(publisher_confirms=True)
+        exchange = await out.get_exchange("amq.topic")
+        keys = [topic_for(a, owner).replace("/", ".") for owner in ("a", "b")]
+        for key in keys:
+            confirmation = await exchange.publish(aio_pika.Message(key.encode()), key)
+            assert isinstance(confirmation, aiormq.spec.Basic.Ack)
+        bodies = sorted([(await asyncio.wait_for(received.get(), 5)).body for _ in keys])
+        assert bodies == sorted(key.encode() for key in keys)
+
+
+async def test_grpc_sdk_publish_on_one_node_reaches_consumer_on_the_other(cluster):
+    a, b = cluster["a"], cluster["b"]
+    async with Client(f"127.0.0.1:{b.port('grpc')}") as client_b, \
+            Client(f"127.0.0.1:{a.port('grpc')}") as client_a:
+        consumer = client_b.consumer("cross", ["orders/#"])
+        await consumer.subscribe()
+        await asyncio.to_thread(routes_reach, cluster, "b")
+        producer = client_a.producer()
+        topics = [topic_for(a, owner) for owner in ("a", "b")]
+        for topic in topics:
+            receipt = await producer.send(topic, topic)
+            assert receipt.offset >= 0 and owner_of(receipt.shard) in NODES
+        texts = sorted([(await consumer.receive(5)).text() for _ in topics])
+        assert texts == sorted(topics)
+
+
+def test_publish_while_the_owner_is_gone_gets_a_retryable_error(cluster):
+    a, b = cluster["a"], cluster["b"]
+    topic = topic_for(a, "b")
+    b.server.call(b.plane.stop())
+    raw = RawClient(a.mqtt_port, version=5)
+    raw.connect("pub")
+    raw.send(p.Publish(topic, b"x", 1, packet_id=1))
+    puback = raw.receive()
+    assert isinstance(puback, p.Puback)
+    assert puback.reason_code == 0x80
+    assert "retry" in (puback.properties.reason_string or "") or "node b" in (
+        puback.properties.reason_string or ""
+    )
+    raw.close()
+
+
+async def test_grpc_publish_while_the_owner_is_gone_is_unavailable(cluster):
+    a, b = cluster["a"], cluster["b"]
+    b.server.call(b.plane.stop())
+    async with Client(f"127.0.0.1:{a.port('grpc')}") as client_a:
+        with pytest.raises(Unavailable):
+            await client_a.producer().send(topic_for(a, "b"), "x")

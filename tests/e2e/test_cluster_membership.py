@@ -1,0 +1,190 @@
+"""Cluster membership and placement against a real etcd: nodes register under leases, one
+controller places every shard, joins take a fair share, a SIGTERM'd node hands its shards
+over, a dead node's non-reliable shards move within the lease TTL while its reliable ones wait
+for it, and bad starts (same node id, no etcd) fail clearly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import free_port, wait_for
+from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer, settled
+
+STREAMS = """
+[[streams]]
+name = "fast"
+mode = "non-reliable"
+partitions = 6
+
+[[streams]]
+name = "safe"
+mode = "reliable"
+partitions = 2
+"""
+
+Cluster = Callable[..., list[ClusterNodeProcess]]
+
+
+def owners(status: dict[str, Any], stream: str) -> list[str]:
+    return [node for node, _epoch in status["placement"][stream]]
+
+
+def shard_counts(status: dict[str, Any]) -> list[int]:
+    """Shards per live node, fewest first."""
+    return sorted(entry["shards"] for entry in status["nodes"])
+
+
+def status_when(node: ClusterNodeProcess, predicate: Callable[[dict[str, Any]], bool]
+                ) -> Callable[[], dict[str, Any] | None]:
+    """For `wait_for`: the node's status once `predicate` holds for it."""
+    def check() -> dict[str, Any] | None:
+        status = node.status()
+        return status if predicate(status) else None
+    return check
+
+
+def epochs(status: dict[str, Any], stream: str) -> list[int]:
+    return [epoch for _node, epoch in status["placement"][stream]]
+
+
+def test_three_nodes_register_elect_one_controller_and_share_the_shards(cluster: Cluster) -> None:
+    nodes = cluster(3, extra_config=STREAMS)
+    everyone = {"n1", "n2", "n3"}
+    # every node ends up with the same view: three nodes, one controller, and the nine shards
+    # (default 1, fast 6, safe 2) spread three per node
+    def balanced(node: ClusterNodeProcess) -> dict[str, Any] | None:
+        status = settled(node, everyone)
+        if status is None or "fast" not in status["placement"]:
+            return None
+        return status if shard_counts(status) == [3, 3, 3] else None
+
+    views = [wait_for(lambda node=node: balanced(node), timeout=20) for node in nodes]
+    assert len({view["controller"] for view in views}) == 1
+    assert all(view["lease_alive"] for view in views)
+    assert {view["placement"]["fast"] == views[0]["placement"]["fast"] for view in views} == {True}
+    # reliable shards were placed too, and addresses of every listener are published
+    assert set(owners(views[0], "safe")) <= everyone
+    assert all(entry["listeners"]["mqtt"].startswith("127.0.0.1:") for entry in views[0]["nodes"])
+
+
+def test_a_second_node_with_the_same_id_refuses_to_start_naming_the_first(
+    cluster: Cluster, etcd: EtcdServer, tmp_path: Path,
+) -> None:
+    (first,) = cluster(1)
+    twin = ClusterNodeProcess(tmp_path / "twin", "n1", etcd.url)
+    port_file = tmp_path / "twin.ports.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "shardgate", "serve", "--data-dir", str(twin.data_dir),
+         "--config", str(twin.config_file), "--cluster", etcd.url, "--node-id", "n1",
+         "--cluster-port", "0", "--mqtt-port", "0", "--mqtt-ws-port", "0", "--amqp-port", "0",
+         "--grpc-port", "0", "--http-port", "0", "--port-file", str(port_file)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode != 0
+    assert "node id 'n1' is already in use" in result.stderr, result.stderr
+    assert not port_file.exists()
+    # the first node is untouched
+    assert [entry["node_id"] for entry in first.status()["nodes"]] == ["n1"]
+
+
+def test_an_unreachable_etcd_is_a_clear_error_after_a_bounded_wait(tmp_path: Path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    config = tmp_path / "c.toml"
+    config.write_text("[cluster]\nconnect_timeout_s = 2\n")
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "shardgate", "serve", "--data-dir", str(tmp_path / "d"),
+         "--config", str(config), "--cluster", dead, "--node-id", "n1",
+         "--mqtt-port", "0", "--mqtt-ws-port", "0", "--amqp-port", "0", "--grpc-port", "0",
+         "--http-port", "0"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode != 0
+    assert f"cannot reach etcd at {dead} after 2 s" in result.stderr, result.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_a_joining_node_takes_its_fair_share(cluster: Cluster) -> None:
+    (n1,) = cluster(1, extra_config=STREAMS)
+    wait_for(lambda: owners(n1.status(), "fast") == ["n1"] * 6 if "fast" in n1.status()["placement"] else False)
+    before = epochs(n1.status(), "fast")
+    cluster(1, first=2, extra_config=STREAMS)
+
+    def split() -> dict[str, Any] | None:
+        status = n1.status()
+        return status if shard_counts(status) == [4, 5] else None
+
+    status = wait_for(split, timeout=20)
+    # every shard that changed node has a higher epoch; the others kept theirs
+    for shard, (owner, epoch) in enumerate(status["placement"]["fast"]):
+        assert epoch == (before[shard] + 1 if owner == "n2" else before[shard])
+    # the reliable shards stay on the node that holds their logs
+    assert owners(status, "safe") == ["n1", "n1"]
+
+
+def test_sigterm_hands_the_shards_over_before_the_node_exits(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster(3, extra_config=STREAMS)
+    wait_for(lambda: shard_counts(n1.status()) == [3, 3, 3])
+    assert Counter(owners(n1.status(), "fast"))["n3"] == 3
+    assert n3.terminate() == 0
+    # by the time n3 has exited, its shards were already given to the others
+    status = n1.status()
+    assert "n3" not in owners(status, "fast")
+    assert sorted(Counter(owners(status, "fast") + owners(status, "safe")
+                          + owners(status, "default")).values()) == [4, 5]
+
+
+def test_a_dead_node_loses_its_non_reliable_shards_within_the_ttl_and_keeps_its_reliable_ones(
+    cluster: Cluster,
+) -> None:
+    (n1,) = cluster(1, extra_config=STREAMS)
+    # a reliable stream first declared by n2 once it is a member: some of its shards go to n2
+    late = '\n[[streams]]\nname = "late"\nmode = "reliable"\npartitions = 4\n'
+    (n2,) = cluster(1, first=2, extra_config=STREAMS + late)
+
+    def late_placed() -> dict[str, Any] | None:
+        status = n1.status()
+        if "late" not in status["placement"] or shard_counts(status) not in ([6, 7], [7, 6]):
+            return None
+        return status
+
+    status = wait_for(late_placed, timeout=20)
+    late_on_n2 = [shard for shard, owner in enumerate(owners(status, "late")) if owner == "n2"]
+    assert late_on_n2 and "n2" in owners(status, "fast")
+    n2.kill()
+    killed = time.monotonic()
+    status = wait_for(status_when(n1, lambda s: "n2" not in owners(s, "fast")), timeout=20)
+    # the lease TTL is 3 s; the move is the controller's next step after etcd expires it
+    assert time.monotonic() - killed < 3 + 3
+    assert owners(status, "fast") == ["n1"] * 6
+    # n2's reliable shards still name n2, and are reported unavailable, not moved to an empty log
+    assert [owners(status, "late")[shard] for shard in late_on_n2] == ["n2"] * len(late_on_n2)
+    assert {f"late/{shard}" for shard in late_on_n2} <= set(status["unavailable_shards"])
+    # n2 comes back (same data directory): its reliable shards are available again
+    n2.start()
+    wait_for(lambda: not n1.status()["unavailable_shards"], timeout=20)
+    assert [owners(n1.status(), "late")[shard] for shard in late_on_n2] == ["n2"] * len(late_on_n2)
+
+
+def test_a_node_cut_off_from_etcd_stops_acting_after_its_ttl_and_rejoins(
+    cluster: Cluster, etcd: EtcdServer,
+) -> None:
+    (n1,) = cluster(1, extra_config=STREAMS)
+    assert n1.status()["lease_alive"]
+    etcd.stop()
+    stopped = time.monotonic()
+    wait_for(lambda: not n1.status()["lease_alive"], timeout=15)
+    assert time.monotonic() - stopped < 3 + 3
+    assert n1.alive()  # still serving, only no longer acting for its shards
+    etcd.start()
+    status = wait_for(
+        lambda: (status := settled(n1, {"n1"})) is not None and status["lease_alive"] and status,
+        timeout=20)
+    assert [entry["node_id"] for entry in status["nodes"]] == ["n1"]
+    assert owners(status, "fast") == ["n1"] * 6
