@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 from ...core.edge import Principal
 from ...core.errors import PublishRejected, SchemaMismatch, StoreFull
 from ...core.message import Message, now_ms
+from ...core.scheduling import Timer
 from ...core.subscriptions import SubscriptionType
 from ...core.topics import (
     TopicError,
@@ -160,7 +161,7 @@ class MqttConnection:
         # Held: a subscriber this client publishes to has more queued than it reads; this
         # client is not read until that subscriber catches up (or HOLD_MAX_S passes).
         self.held = False
-        self._hold_timer: asyncio.TimerHandle | None = None
+        self._hold_timer: Timer | None = None
 
     @property
     def open(self) -> bool:
@@ -303,7 +304,7 @@ class MqttConnection:
                 if error is not None:
                     self._backlog_error = error
                 self.link.throttle(HOLD_MAX_S)
-                self._hold_timer = self.service.loop.call_later(HOLD_MAX_S, self.release)
+                self._hold_timer = self.service.scheduler.call_later(HOLD_MAX_S, self.release)
                 return
             if self._throttled_for > 0:
                 # Over the publish rate: the rest waits, and the socket is not read meanwhile.
