@@ -1,9 +1,11 @@
 """AMQP publish→consume throughput: Shardgate against RabbitMQ, side by side.
 
-For each broker (Shardgate started as `python -m shardgate serve`, Debian's `rabbitmq-server`
-started on a loopback port with a throw-away node directory) and each mode, the bench starts a
-fresh broker, runs one publisher process and one consumer process (a lean pamqp client) on a queue, and
-reports messages per second from the first publish to the last message consumed:
+Both brokers (Shardgate started as `python -m shardgate serve`, Debian's `rabbitmq-server`
+started on a loopback port with a throw-away node directory) are started once; each repeat then
+runs every mode on each broker in turn (interleaved, so that load from other work on the
+machine weighs on both alike), with one publisher process and one consumer process (a lean
+pamqp client) on a fresh queue, and reports messages per second from the first publish to the
+last message consumed, the median over the repeats, and the median of the per-repeat ratios:
 
 - `confirms+acks`: persistent messages, publisher confirms with a window of outstanding
   confirms, consumer with prefetch and one basic.ack per message (the reliable path);
@@ -27,6 +29,7 @@ import platform
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -296,12 +299,14 @@ def _publisher(port: int, queue: str, count: int, size: int, confirms: bool, win
     asyncio.run(run())
 
 
-def run_mode(port: int, mode: str, count: int, size: int, window: int, time_limit: float) -> dict[str, float]:
+def run_mode(
+    port: int, mode: str, count: int, size: int, window: int, time_limit: float, tag: str = "",
+) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     out = ctx.Queue()
     acks = mode == "confirms+acks"
-    queue = f"bench-{mode.replace('+', '-')}"
+    queue = f"bench-{mode.replace('+', '-')}{'-' + tag if tag else ''}"
     consumer = ctx.Process(target=_consumer, args=(port, queue, count, acks, ready, out))
     consumer.start()
     if not ready.wait(60):
@@ -382,31 +387,51 @@ def main() -> int:
     brokers = [b for b in args.brokers.split(",") if b]
     modes = [m for m in args.modes.split(",") if m]
     rows: dict[str, dict[str, dict[str, float]]] = {}
-    for broker in brokers:
-        for mode in modes:
-            runs = []
-            for _ in range(args.repeats):
-                with tempfile.TemporaryDirectory(prefix=f"bench-amqp-{broker}-") as tmp:
-                    workdir = Path(tmp)
-                    starter = (shardgate_broker(workdir, args.fsync) if broker == "shardgate"
-                               else rabbitmq_broker(workdir))
+    runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+    ratios: dict[str, list[float]] = {}
+    with contextlib.ExitStack() as stack:
+        # Each broker is started once; the runs interleave (every repeat runs each mode on each
+        # broker in turn), so that a machine loaded by other work weighs on both alike.
+        ports: dict[str, int] = {}
+        workdirs: dict[str, Path] = {}
+        for broker in brokers:
+            workdir = workdirs[broker] = Path(stack.enter_context(
+                tempfile.TemporaryDirectory(prefix=f"bench-amqp-{broker}-")
+            ))
+            starter = (shardgate_broker(workdir, args.fsync) if broker == "shardgate"
+                       else rabbitmq_broker(workdir))
+            ports[broker] = stack.enter_context(starter)
+        for repeat in range(args.repeats):
+            for mode in modes:
+                this_round: dict[str, float] = {}
+                for broker in brokers:
                     try:
-                        with starter as port:
-                            runs.append(run_mode(port, mode, args.messages, args.size, args.window,
-                                                 args.time_limit))
+                        result = run_mode(ports[broker], mode, args.messages, args.size,
+                                          args.window, args.time_limit, tag=str(repeat))
                     except Exception as exc:  # a failed run is reported and left out
                         print(f"{broker} {mode}: failed: {exc}", file=sys.stderr)
                         for name in ("shardgate.log", "rabbitmq.log"):
-                            log = workdir / name
+                            log = workdirs[broker] / name
                             if log.exists():
                                 print(log.read_text(errors="replace")[-2000:], file=sys.stderr)
-            if not runs:
-                continue
-            result = sorted(runs, key=lambda r: r["msgs_per_s"])[len(runs) // 2]  # median
-            rows.setdefault(broker, {})[mode] = result
-            print(f"{broker:10s} {mode:14s} {result['msgs_per_s']:10,.0f} msg/s "
-                  f"(publish {result['publish_msgs_per_s']:,.0f} msg/s, {result['elapsed_s']:.2f}s)",
-                  flush=True)
+                        continue
+                    runs.setdefault((broker, mode), []).append(result)
+                    this_round[broker] = result["msgs_per_s"]
+                    print(f"  run {repeat + 1} {broker:10s} {mode:14s} "
+                          f"{result['msgs_per_s']:10,.0f} msg/s", flush=True)
+                if len(brokers) == 2 and len(this_round) == 2:
+                    ratios.setdefault(mode, []).append(
+                        this_round[brokers[0]] / this_round[brokers[1]]
+                    )
+    for (broker, mode), results in runs.items():
+        result = sorted(results, key=lambda r: r["msgs_per_s"])[len(results) // 2]  # median
+        rows.setdefault(broker, {})[mode] = result
+        print(f"{broker:10s} {mode:14s} {result['msgs_per_s']:10,.0f} msg/s "
+              f"(publish {result['publish_msgs_per_s']:,.0f} msg/s, {result['elapsed_s']:.2f}s)",
+              flush=True)
+    for mode, values in ratios.items():
+        print(f"{mode}: median of the per-round ratios {statistics.median(values):.2f}× "
+              f"({', '.join(f'{v:.2f}' for v in values)})")
     report = table(rows, brokers)
     print(report)
     if args.write:

@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import cProfile
 import json
+import os
 import pstats
 import tempfile
 import time
@@ -162,6 +163,7 @@ async def run(scenario: str, messages: int, mode: str, profile: int) -> dict[str
             expected = rounds * per_round * pubs
             if profiler is not None:
                 profiler.enable()
+            usage = os.times()
             cpu, wall = time.process_time(), time.perf_counter()
             for _ in range(rounds):
                 for client, read in zip(publishers, reads, strict=True):
@@ -173,6 +175,8 @@ async def run(scenario: str, messages: int, mode: str, profile: int) -> dict[str
                     await asyncio.sleep(0)
             await until(lambda: all(s.published >= expected for s in subscribers))
             cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+            after = os.times()
+            system = after.system - usage.system
             if profiler is not None:
                 profiler.disable()
                 pstats.Stats(profiler).sort_stats("tottime").print_stats(profile)
@@ -180,6 +184,7 @@ async def run(scenario: str, messages: int, mode: str, profile: int) -> dict[str
             return {
                 "scenario": scenario, "mode": mode, "delivered": delivered,
                 "cpu_us_per_msg": round(cpu / delivered * 1e6, 2),
+                "of_which_system_us": round(system / delivered * 1e6, 2),
                 "msgs_per_cpu_s": round(delivered / cpu),
                 "wall_msgs_per_s": round(delivered / wall),
             }

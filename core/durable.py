@@ -154,8 +154,17 @@ class DurableSubscription(Subscription):
                 key = (stream.name, shard.index)
                 if key in self.cursors:
                     continue
-                self.cursors[key] = self._new_cursor(stream.name, shard.index, shard.log, position)
+                shard_log = self._replay_log(stream.name, shard.index, shard.log)
+                self.cursors[key] = self._new_cursor(stream.name, shard.index, shard_log, position)
         self.schedule_pump()
+
+    def _replay_log(self, stream: str, shard: int, local: ShardLog | None) -> ShardLog | None:
+        """The log to replay `stream`/`shard` from: its own, or in a cluster, for a reliable
+        shard another node owns, what this node received of it."""
+        placement = self.broker.placement
+        if local is None or placement is None or placement.serves(stream, shard):
+            return local
+        return placement.received_log(stream, shard)
 
     def _new_cursor(self, stream: str, shard: int, shard_log: ShardLog | None, position: str | int) -> ShardCursor:
         if shard_log is None:
@@ -176,7 +185,7 @@ class DurableSubscription(Subscription):
         broker_stream = self.broker.streams.get(stream)
         if broker_stream is None or shard >= len(broker_stream.shards):
             return
-        shard_log = broker_stream.shards[shard].log
+        shard_log = self._replay_log(stream, shard, broker_stream.shards[shard].log)
         position, unacked = decode_cursor_state(state)
         if shard_log is not None:
             # Saved progress may run ahead of a log that lost its unsynced tail in a crash.
@@ -194,6 +203,7 @@ class DurableSubscription(Subscription):
         if cursor is None:
             stream = self.broker.streams.get(message.stream)
             shard_log = stream.shards[message.shard].log if stream is not None else None
+            shard_log = self._replay_log(message.stream, message.shard, shard_log)
             cursor = self.cursors[key] = ShardCursor(message.stream, message.shard, shard_log, message.offset)
         if message.offset in cursor.pending_redelivery:
             cursor.pending_redelivery.remove(message.offset)
@@ -259,9 +269,13 @@ class DurableSubscription(Subscription):
         if cursor is None:
             stream = self.broker.streams.get(message.stream)
             shard_log = stream.shards[message.shard].log if stream is not None else None
+            shard_log = self._replay_log(message.stream, message.shard, shard_log)
             cursor = ShardCursor(message.stream, message.shard, shard_log, message.offset)
             cursor.live = True
             self.cursors[key] = cursor
+            # Saved at once: if this message is not delivered before a restart, the restored
+            # subscription must still start here, not at the end of the shard.
+            self._dirty.add(key)
         if cursor.log is None:
             # Non-reliable shard: nothing to replay from, so behave as a live subscription and
             # let the consumer queue what it cannot take now.

@@ -13,6 +13,7 @@ from collections.abc import Container
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from ..storage.interfaces import ShardLog
     from .message import Message
     from .subscriptions import Subscription
 
@@ -29,6 +30,11 @@ class ShardPlacement(Protocol):
         the owner holds it under the stream's durability policy (`message.offset` is set
         then), or fails with `PublishRejected` (`ShardUnavailable` when the client may retry).
         Must not block or await."""
+        ...
+
+    def received_log(self, stream: str, shard: int) -> ShardLog:
+        """What this node received of a shard another node owns (the messages pushed here, in
+        offset order, a bounded window): durable subscriptions here replay from it."""
         ...
 
 

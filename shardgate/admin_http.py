@@ -4,7 +4,13 @@ It runs on the broker's own event loop, so every handler reads broker state betw
 never races the hot path; views are built only when asked, nothing here runs per message. The
 only write is kicking a client. Unknown paths and bad requests under `/api/` answer with a JSON
 `{"error": ..., "status": ...}` body. No CORS headers are sent, so other web origins cannot call
-the state-changing `DELETE` from a browser; authentication belongs to a middleware in front.
+the state-changing `DELETE` from a browser.
+
+Authentication: as soon as the broker's security model is not open (a user exists, or
+anonymous access is off), every path (API, `/metrics`, dashboard) needs HTTP Basic credentials
+of a user the ACL grants the `admin` action on the request path as a topic (`api/streams`,
+`api/clients/mqtt/x`, `metrics`, `dashboard`); users with the `admin` role have it everywhere.
+An open broker serves only a loopback address (the composition root refuses anything else).
 """
 
 from __future__ import annotations
@@ -430,8 +436,9 @@ async def _json_errors(
                    405: f"method {request.method} not allowed on {request.path}"}.get(
             exc.status, exc.reason)
         response = _error(exc.status, message)
-        if exc.status == 405 and "Allow" in exc.headers:
-            response.headers["Allow"] = exc.headers["Allow"]
+        for header in ("Allow", "WWW-Authenticate"):
+            if header in exc.headers:
+                response.headers[header] = exc.headers[header]
         return response
     except Exception:
         log.exception("admin HTTP handler failed: %s %s", request.method, request.path)
@@ -442,6 +449,53 @@ async def _json_errors(
 
 def _app(request: web.Request) -> Any:
     return request.app[APP_KEY]
+
+
+_UNAUTHORIZED_HEADERS = {"WWW-Authenticate": 'Basic realm="Shardgate", charset="UTF-8"'}
+
+
+def _basic_credentials(request: web.Request) -> tuple[str, str] | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, encoded = header.partition(" ")
+    if scheme.lower() != "basic" or not encoded:
+        return None
+    try:
+        text = base64.b64decode(encoded.strip(), validate=True).decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    username, sep, password = text.partition(":")
+    return (username, password) if sep else None
+
+
+def admin_topic(path: str) -> str:
+    """The topic the `admin` action is checked on for a request path."""
+    topic = path.strip("/")
+    if not topic or topic == "index.html" or topic.startswith("dashboard/") or topic == "dashboard":
+        return "dashboard"
+    return topic
+
+
+@web.middleware
+async def _authenticate(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """HTTP Basic with the broker's users and the ACL's `admin` action, unless the broker is
+    open (no user, anonymous on), which the composition root allows only on loopback."""
+    security = getattr(_app(request), "security", None)
+    if security is None or security.open:
+        return await handler(request)
+    credentials = _basic_credentials(request)
+    remote = request.remote or ""
+    if credentials is None:
+        raise web.HTTPUnauthorized(reason="credentials required (HTTP Basic)",
+                                   headers=_UNAUTHORIZED_HEADERS)
+    username, password = credentials
+    if security.authenticate(username, password, "http", remote, "http") is not None:
+        raise web.HTTPUnauthorized(reason="authentication failed", headers=_UNAUTHORIZED_HEADERS)
+    topic = admin_topic(request.path)
+    if not security.authorize("admin", username, "http", topic, "http"):
+        raise web.HTTPForbidden(reason=f"user {username!r} may not administer {topic!r}")
+    return await handler(request)
 
 
 async def _info(request: web.Request) -> web.Response:
@@ -564,7 +618,7 @@ async def _dashboard_headers(request: web.Request, response: web.StreamResponse)
 def create_web_app(app: Any, middlewares: list[Any] | None = None) -> web.Application:
     """The aiohttp application for `app` (a `Shardgate`); extra `middlewares` (authentication)
     run inside the JSON error translation, so their HTTP errors reach clients as JSON too."""
-    web_app = web.Application(middlewares=[_json_errors, *(middlewares or [])])
+    web_app = web.Application(middlewares=[_json_errors, _authenticate, *(middlewares or [])])
     web_app[APP_KEY] = app
     web_app[_OPENAPI_KEY] = openapi_document()
     web_app[_REGISTRY_KEY] = create_registry(app)

@@ -33,6 +33,7 @@ from urllib.parse import urlparse
 
 from .core.durable import DurableOptions
 from .core.message import Message
+from .logs import ReconnectReport
 from .protocols.amqp.routing import routing_key_for_topic, topic_for_routing_key
 
 if TYPE_CHECKING:
@@ -100,6 +101,7 @@ class AmqpBridge:
         self._wakeup = asyncio.Event()
         self._subscription: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
+        self._report = ReconnectReport(log, f"amqp bridge {self.name}")
 
     # ------------------------------------------------------------------ core Consumer
     @property
@@ -178,19 +180,19 @@ class AmqpBridge:
             try:
                 connection = await aio_pika.connect(self.settings.remote, timeout=10)
             except Exception as exc:
-                log.info("amqp bridge %s: cannot connect to the remote: %s", self.name, exc)
+                self._report.failed(exc, self.settings.reconnect_max_s)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.settings.reconnect_max_s)
                 continue
             delay = self.settings.reconnect_min_s
             self.connects += 1
-            log.info("amqp bridge %s: connected to %s", self.name, urlparse(self.settings.remote).hostname)
+            self._report.connected(str(urlparse(self.settings.remote).hostname))
             try:
                 await self._serve(connection)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.info("amqp bridge %s: connection lost: %s", self.name, exc)
+                self._report.lost(exc)
             finally:
                 self.connected = False
                 with contextlib.suppress(Exception):

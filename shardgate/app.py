@@ -6,6 +6,7 @@ This is the composition root: the only place that knows which engines and protoc
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import ssl
 from dataclasses import dataclass, field
@@ -38,6 +39,10 @@ def _definition(config: StreamConfig) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
+IN_FLIGHT_DRAIN_S = 2.0
+"""How long a graceful stop waits for clients to acknowledge the deliveries in flight."""
+
+
 @dataclass
 class Listener:
     name: str
@@ -65,9 +70,12 @@ class Shardgate:
         self.security: Any = None
         self.bridges: list[Any] = []
         self.archive_reader: Any = None
+        # The AMQP service (shared by the amqp and amqps listeners), once listening.
+        self.amqp: Any = None
         # cluster mode (`[cluster]` / `--cluster`): this node's membership; None on a single node
         self.cluster: Any = None
-        # its data plane (forwarding, route table; shardgate.cluster.forward), once joined
+        # cluster mode: forwarding, route table and pushes between nodes (`cluster.forward`),
+        # started before any client listener so that no publish is stored by a non-owner
         self.data_plane: Any = None
         self._stopped = asyncio.Event()
 
@@ -203,29 +211,44 @@ class Shardgate:
         self.mqtt.start()
         host = config.listeners.host
         ports = config.listeners
+        starting: tuple[str, str, int, str] = ("", host, 0, "")
         try:
+            if self.cluster is not None:
+                # before any client listener: a publish for another node's shard is forwarded
+                from .cluster.forward import DataPlane
+
+                self.data_plane = DataPlane(self.broker, self.cluster.view, host, config.cluster.port)
+                await self.data_plane.start()
             if ports.mqtt_port:
+                starting = ("MQTT", host, ports.mqtt_port, "listeners.mqtt_port")
                 server = await start_tcp_listener(self.mqtt, host, ports.mqtt_port)
                 self._add_listener("mqtt", server)
             if ports.mqtts_port:
+                starting = ("MQTT over TLS", host, ports.mqtts_port, "listeners.mqtts_port")
                 server = await start_tcp_listener(self.mqtt, host, ports.mqtts_port, self._ssl_context())
                 self._add_listener("mqtts", server)
             if ports.mqtt_ws_port:
+                starting = ("MQTT over WebSocket", host, ports.mqtt_ws_port, "listeners.mqtt_ws_port")
                 server = await start_websocket_listener(self.mqtt, host, ports.mqtt_ws_port)
                 self._add_listener("mqtt-ws", server)
             if ports.mqtt_wss_port:
+                starting = ("MQTT over secure WebSocket", host, ports.mqtt_wss_port,
+                            "listeners.mqtt_wss_port")
                 server = await start_websocket_listener(
                     self.mqtt, host, ports.mqtt_wss_port, self._ssl_context()
                 )
                 self._add_listener("mqtt-wss", server)
             if ports.amqp_port:
+                starting = ("AMQP", host, ports.amqp_port, "listeners.amqp_port")
                 from .protocols.amqp.server import start_amqp_listener
 
                 server = await start_amqp_listener(edge, host, ports.amqp_port, None, config.amqp)
+                self.amqp = server.service
                 if self.security is not None:
                     self.security.attach_amqp(server.service)
                 self._add_listener("amqp", server)
             if ports.amqps_port:
+                starting = ("AMQP over TLS", host, ports.amqps_port, "listeners.amqps_port")
                 from .protocols.amqp.server import start_amqp_listener
 
                 plain = self.listeners.get("amqp")
@@ -235,21 +258,42 @@ class Shardgate:
                 )
                 if self.security is not None and plain is None:
                     self.security.attach_amqp(server.service)
+                self.amqp = server.service
                 self._add_listener("amqps", server)
             if ports.grpc_port:
+                starting = ("gRPC", host, ports.grpc_port, "listeners.grpc_port")
                 from .protocols.grpc.server import start_grpc_server
 
                 server = await start_grpc_server(edge, host, ports.grpc_port, None, config.grpc)
                 self.grpc = server
                 self._add_listener("grpc", server)
             if ports.http_port:
+                starting = ("admin HTTP", ports.http_host, ports.http_port, "listeners.http_port")
                 from .admin_http import start_http_server
+                from .auth import is_loopback_host
+
+                open_broker = self.security is None or self.security.open
+                if open_broker and not is_loopback_host(ports.http_host):
+                    raise ConfigError(
+                        f"the admin API would serve {ports.http_host}:{ports.http_port} with no "
+                        "authentication: add a user (shardgate users add NAME --role admin) or "
+                        "keep listeners.http_host on a loopback address such as 127.0.0.1"
+                    )
 
                 server = await start_http_server(self, ports.http_host, ports.http_port)
                 self._add_listener("http", server)
+        except ConfigError:
+            await self.stop()
+            raise
         except OSError as exc:
             await self.stop()
-            raise ConfigError(f"cannot listen: {exc}") from exc
+            what, bound_host, port, setting = starting
+            reason = "the port is already in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
+            raise ConfigError(
+                f"cannot listen for {what} on {bound_host}:{port}: {reason} "
+                f"(another broker running? change {setting} or --{setting.split('.')[1].replace('_', '-')}, "
+                "0 turns the listener off)"
+            ) from exc
         for listener in self.listeners.values():
             log.info("listening for %s on %s:%d", listener.name, listener.host, listener.port)
         if self.cluster is not None:
@@ -328,8 +372,18 @@ class Shardgate:
             await bridge.stop()
         self.bridges = []
         for listener in self.listeners.values():
-            listener.server.close()
+            if listener.name.startswith("mqtt-ws"):
+                # keep the open WebSocket connections for the drain below
+                listener.server.close(close_connections=False)  # type: ignore[call-arg]
+            else:
+                listener.server.close()
         if self.mqtt is not None:
+            left = await self.mqtt.finish_in_flight(
+                min(IN_FLIGHT_DRAIN_S, self.config.shutdown_timeout_s * 0.1)
+            )
+            if left:
+                log.info("stopping with %d MQTT deliveries unacknowledged; they are sent again "
+                         "after the restart", left)
             self.mqtt.stop()
         for listener in self.listeners.values():
             try:

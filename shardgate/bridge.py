@@ -3,11 +3,12 @@
 One `Bridge` per remote broker, run inside a Shardgate node:
 
 - **out** filters: messages published locally (any protocol) that match are forwarded to the
-  remote broker with QoS 1. They wait in a bounded store-and-forward queue while the remote is
-  down or slow; a message leaves the queue only once the remote has acknowledged it (PUBACK), so
-  a reconnect resends the head of the queue (at least once, in order). The queue lives in
-  memory: it survives the remote's restarts, not this node's. Past `max_queued` the oldest
-  message is dropped and counted.
+  remote broker with QoS 1, read through a durable core subscription (`$bridge/<name>`) whose
+  cursor advances only once the remote has acknowledged a message (PUBACK). While the remote
+  is down the cursor simply stops: messages of reliable streams stay in the journal, survive a
+  restart of this node and are sent, in order, when the remote is back (at least once). Messages
+  of non-reliable streams have no cursor: they wait in a bounded memory queue (past `max_queued`
+  the oldest is dropped and counted).
 - **in** filters: subscribed on the remote broker with QoS 1 under a fixed client id and a
   persistent session (clean session off), so the remote keeps what arrives while the bridge is
   away; received messages are published into the local core as producer protocol "bridge".
@@ -35,7 +36,9 @@ from urllib.parse import urlparse
 
 from amqtt.client import MQTTClient
 
+from .core.durable import DurableOptions, DurableSubscription
 from .core.message import Message
+from .logs import ReconnectReport
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -66,6 +69,8 @@ class BridgeSettings:
     keep_alive: int = 30
     max_queued: int = 100_000
     ack_timeout_s: float = 10.0
+    # Messages handed to the bridge and not yet acknowledged by the remote, at most.
+    window: int = 256
     reconnect_min_s: float = 0.2
     reconnect_max_s: float = 10.0
 
@@ -90,7 +95,9 @@ class Bridge:
         self.settings = settings
         self.name = settings.name
         self.client_id = settings.client_id or f"shardgate-bridge-{settings.name}"
-        self.queue: collections.deque[Message] = collections.deque()
+        # (message, subscription) waiting to be sent or acknowledged, in delivery order.
+        self.queue: collections.deque[tuple[Message, Subscription]] = collections.deque()
+        self._queued_offsets: set[tuple[str, int, int]] = set()
         self.connected = False
         # Counters for the admin API and metrics.
         self.forwarded_out = 0
@@ -101,6 +108,7 @@ class Bridge:
         self._subscription: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
         self._client: MQTTClient | None = None
+        self._report = ReconnectReport(log, f"bridge {self.name}")
 
     # ------------------------------------------------------------------ core Consumer
     @property
@@ -109,23 +117,46 @@ class Bridge:
 
     @property
     def available(self) -> bool:
-        return True
+        # Messages of non-reliable streams are taken while the remote is away (into the
+        # bounded queue); the cursor of a reliable stream waits until the window has room.
+        return self.connected and len(self.queue) < self.settings.window
 
     def deliver(self, message: Message, subscription: Subscription, filters: Sequence[str]) -> None:
         if message.producer_protocol == PRODUCER_PROTOCOL and message.producer_id == self.name:
-            return  # brought in by this bridge: never echo it back
-        if len(self.queue) >= self.settings.max_queued:
-            self.queue.popleft()
+            subscription.ack(message)  # brought in by this bridge: never echo it back
+            return
+        if self._reliable(message):
+            key = (message.stream, message.shard, message.offset)
+            if key in self._queued_offsets:
+                return  # a redelivery of what is already waiting here
+            self._queued_offsets.add(key)
+        elif len(self.queue) >= self.settings.max_queued:
+            for index, (queued, _) in enumerate(self.queue):
+                if not self._reliable(queued):
+                    del self.queue[index]
+                    break
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 1000 == 0:
                 log.warning("bridge %s: queue full, %d messages dropped", self.name, self.dropped)
-        self.queue.append(message)
+        self.queue.append((message, subscription))
         self._wakeup.set()
+
+    def _reliable(self, message: Message) -> bool:
+        stream = self.broker.streams.get(message.stream)
+        return stream is not None and stream.reliable and message.offset >= 0
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         if self.settings.out:
-            sub = self.broker.subscription(f"$bridge/{self.name}", owner=self)
+            sub = self.broker.durable_subscription(
+                f"$bridge/{self.name}", options=DurableOptions(ack_timeout_s=None), owner=self,
+            )
+            # Restored from the metadata store after a restart: take it over.
+            sub.owner = self
+            sub.options = DurableOptions(ack_timeout_s=None)
+            for topic_filter in list(sub.filters):
+                if topic_filter not in self.settings.out:
+                    self.broker.remove_filter(sub, topic_filter)
             for topic_filter in self.settings.out:
                 self.broker.add_filter(sub, topic_filter)
             self.broker.attach(sub, self)
@@ -133,22 +164,31 @@ class Bridge:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"bridge-{self.name}")
 
     async def stop(self) -> None:
-        if self._subscription is not None:
-            self.broker.detach(self._subscription, self)
-            self.broker.remove_subscription(self._subscription.name)
-            self._subscription = None
+        """Stop forwarding; the durable subscription stays, so what the remote did not
+        acknowledge is sent when the bridge next runs."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        if self.queue:
-            log.warning("bridge %s: stopped with %d messages not forwarded", self.name, len(self.queue))
+        if self._subscription is not None:
+            self.broker.detach(self._subscription, self)
+        lost = sum(1 for message, _ in self.queue if not self._reliable(message))
+        if lost:
+            log.warning("bridge %s: stopped with %d messages of non-reliable streams not forwarded",
+                        self.name, lost)
+
+    @property
+    def backlog(self) -> int:
+        """Messages not yet acknowledged by the remote: behind the cursor on reliable streams,
+        plus those of non-reliable streams queued in memory."""
+        lag = self._subscription.lag() if isinstance(self._subscription, DurableSubscription) else 0
+        return lag + sum(1 for message, _ in self.queue if not self._reliable(message))
 
     def status(self) -> dict[str, Any]:
         return {
             "name": self.name, "remote": urlparse(self.settings.remote).hostname,
-            "connected": self.connected, "queued": len(self.queue), "dropped": self.dropped,
+            "connected": self.connected, "queued": self.backlog, "dropped": self.dropped,
             "forwarded_out": self.forwarded_out, "forwarded_in": self.forwarded_in,
             "connects": self.connects,
         }
@@ -165,14 +205,16 @@ class Bridge:
             try:
                 await client.connect(self.settings.remote)
             except Exception as exc:  # amqtt raises ConnectError and others
-                log.info("bridge %s: cannot connect to the remote: %s", self.name, exc)
+                self._report.failed(exc, self.settings.reconnect_max_s)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.settings.reconnect_max_s)
                 continue
             delay = self.settings.reconnect_min_s
             self.connected = True
+            if self._subscription is not None:
+                self._subscription.wake()  # the cursor resumes from where the remote stopped it
             self.connects += 1
-            log.info("bridge %s: connected to %s", self.name, urlparse(self.settings.remote).netloc)
+            self._report.connected(urlparse(self.settings.remote).netloc)
             try:
                 await self._serve(client)
             except asyncio.CancelledError:
@@ -180,7 +222,7 @@ class Bridge:
                     await asyncio.wait_for(client.disconnect(), 2)
                 raise
             except Exception as exc:
-                log.info("bridge %s: connection lost: %s", self.name, exc)
+                self._report.lost(exc)
             finally:
                 self.connected = False
                 self._client = None
@@ -222,7 +264,8 @@ class Bridge:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wakeup.wait(), 1.0)
                 continue
-            message = self.queue[0]
+            head = self.queue[0]
+            message, subscription = head
             topic = _rewrite(message.topic, settings.local_prefix, settings.remote_prefix)
             if topic is not None and not message.expired():
                 await asyncio.wait_for(
@@ -230,8 +273,11 @@ class Bridge:
                     settings.ack_timeout_s,
                 )
                 self.forwarded_out += 1
-            if self.queue and self.queue[0] is message:
+            if self.queue and self.queue[0] is head:
                 self.queue.popleft()
+                self._queued_offsets.discard((message.stream, message.shard, message.offset))
+                subscription.ack(message)  # the remote has it: the cursor moves on
+                subscription.wake()  # the window has room again
 
     async def _receive(self, client: MQTTClient) -> None:
         settings = self.settings

@@ -29,6 +29,9 @@ def _configure_logging(config: Config) -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
+    from .logs import quiet_third_party_loggers
+
+    quiet_third_party_loggers(level)
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -95,9 +98,14 @@ def _archive_parser(sub: argparse._SubParsersAction) -> None:
     archive.add_argument("--http-url", default=None,
                          help="admin API (default $SHARDGATE_HTTP_URL or http://127.0.0.1:8080)")
     archive.add_argument("--json", action="store_true", help="print JSON")
+    archive.add_argument("--username", default=None,
+                         help="admin user, when the broker has users (default $SHARDGATE_USERNAME)")
+    archive.add_argument("--password", default=None,
+                         help="its password (default $SHARDGATE_PASSWORD)")
 
 
 def _archive_command(args: argparse.Namespace) -> int:
+    import base64
     import os
     import urllib.error
     import urllib.request
@@ -107,11 +115,21 @@ def _archive_command(args: argparse.Namespace) -> int:
         request = urllib.request.Request(f"{base}/api/archive/flush", method="POST", data=b"")
     else:
         request = urllib.request.Request(f"{base}/api/archive")
+    username = args.username or os.environ.get("SHARDGATE_USERNAME")
+    password = args.password or os.environ.get("SHARDGATE_PASSWORD") or ""
+    if username:
+        token = base64.b64encode(f"{username}:{password}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
     try:
         with urllib.request.urlopen(request, timeout=150) as response:
             status = json.loads(response.read())
     except urllib.error.HTTPError as exc:
-        detail = json.loads(exc.read() or b"{}").get("error", exc.reason)
+        try:
+            detail = json.loads(exc.read() or b"{}").get("error", exc.reason)
+        except ValueError:
+            detail = exc.reason
+        if exc.code == 401:
+            detail = f"{detail}; give --username and --password of an admin user"
         print(f"shardgate: {detail}", file=sys.stderr)
         return 1
     except OSError as exc:
@@ -146,7 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     from .users_cli import add_users_commands
 
     add_users_commands(sub)
+    from .cluster.cli import add_cluster_commands
+
+    add_cluster_commands(sub)
     args = parser.parse_args(argv)
+    if getattr(args, "cluster_handler", None) is not None:
+        sys.exit(args.cluster_handler(args))
     if getattr(args, "users_handler", None) is not None:
         sys.exit(args.users_handler(args))
     if args.command == "archive":

@@ -414,8 +414,10 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
     sdelete.add_argument("name")
     _bind(sdelete, _subs_delete)
 
-    clients = subparsers.add_parser("clients", help="connected clients of every protocol")
-    clients_sub = clients.add_subparsers(dest="clients_command", required=True)
+    clients = subparsers.add_parser("clients", parents=[common],
+                                    help="connected clients of every protocol (list)")
+    clients_sub = clients.add_subparsers(dest="clients_command")
+    _bind(clients, _clients_list)  # `shardgate clients` alone lists
     _bind(clients_sub.add_parser("list", parents=[common], help="list clients"), _clients_list)
 
     _bind(subparsers.add_parser("info", parents=[common], help="broker version, listeners, stats"),

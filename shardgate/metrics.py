@@ -183,6 +183,11 @@ class ShardgateCollector(Collector):
             from .cluster.metrics import data_plane_metrics
 
             yield from data_plane_metrics(plane)
+        cluster = getattr(app, "cluster", None)
+        if cluster is not None:
+            from .cluster.metrics import control_plane_metrics
+
+            yield from control_plane_metrics(cluster)
 
     @staticmethod
     def _traffic(stats: Any, protocols: dict[str, int], streams: dict[str, Any]) -> Iterator[Metric]:

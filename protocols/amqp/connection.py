@@ -38,9 +38,11 @@ from .hotpath import (
     ACK_INDEX,
     PUBLISH_INDEX,
     decode_ack,
+    decode_content_header,
     decode_publish,
     encode_ack,
     encode_deliver,
+    encode_deliver_route,
     shortstr,
 )
 from .properties import content_header_payload, encoded_properties, message_from_properties
@@ -49,7 +51,7 @@ from .routing import exchange_and_key, publish_topic
 
 if TYPE_CHECKING:
     from .service import AmqpService
-    from .vhost import VirtualHost
+    from .vhost import Exchange, VirtualHost
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +103,31 @@ def _ids(method: type[commands.base.Frame] | commands.base.Frame | None) -> tupl
     if method is None:
         return 0, 0
     return method.index >> 16, method.index & 0xFFFF
+
+
+_ROUTE_KEY = "amqp-route"
+
+
+def route_of(message: Message) -> bytes:
+    """The exchange and routing key a delivery of `message` reports, as two shortstrs; worked
+    out from its topic once and kept with the message's other encodings."""
+    encoded = message.encoded
+    if encoded is None:
+        encoded = message.encoded = {}
+    else:
+        route = encoded.get(_ROUTE_KEY)
+        if route is not None:
+            return route
+    exchange, routing_key = exchange_and_key(message.topic)
+    route = encoded[_ROUTE_KEY] = shortstr(exchange) + shortstr(routing_key)
+    return route
+
+
+def _route_names(route: bytes) -> tuple[str, str]:
+    """(exchange, routing key) back from `route_of`'s two shortstrs."""
+    n = route[0]
+    m = route[1 + n]
+    return route[1:1 + n].decode(), route[2 + n:2 + n + m].decode()
 
 
 class Delivery:
@@ -184,13 +211,12 @@ class AmqpChannel:
             self.unacked[tag] = Delivery(queue, entry, consumer)
             consumer.unacked += 1
         message = entry.message
-        exchange, routing_key = exchange_and_key(message.topic)
         tag_bytes = self.consumer_tags.get(consumer.tag)
         if tag_bytes is None:
             tag_bytes = self.consumer_tags[consumer.tag] = shortstr(consumer.tag)
         self.connection.send_content(
             self.number,
-            encode_deliver(self.number, tag_bytes, tag, entry.redelivered, exchange, routing_key),
+            encode_deliver_route(self.number, tag_bytes, tag, entry.redelivered, route_of(message)),
             message,
         )
         self.connection.sent(message)
@@ -320,6 +346,8 @@ class AmqpConnection:
         self._paused = False
         self._held_by_alarm = False
         self._wake_queues: set[Queue] = set()
+        # (exchange, exchange type, routing key) -> core topic, for repeated publishes.
+        self._topics: dict[tuple[str, str, str], str] = {}
         self._ctag = itertools.count(1)
         self._ctag_prefix = os.urandom(6).hex()
         self._handlers: dict[type, Callable[[AmqpChannel, Any], None]] = {
@@ -471,9 +499,20 @@ class AmqpConnection:
                     break
                 if frame_type == 3:
                     self._body_frame(channel, bytes(buffer[pos + 7:end]))
+                    pos = end + 1
+                elif (
+                    frame_type == 1 and size >= 4
+                    and _INDEX.unpack_from(buffer, pos + 7)[0] == PUBLISH_INDEX
+                ):
+                    whole = self._whole_publish(buffer, pos, end, channel)
+                    if whole:
+                        pos = whole
+                    else:
+                        self._frame(frame_type, channel, bytes(buffer[pos:end + 1]))
+                        pos = end + 1
                 else:
                     self._frame(frame_type, channel, bytes(buffer[pos:end + 1]))
-                pos = end + 1
+                    pos = end + 1
                 if self.state is State.CLOSING and self.close_after_flush:
                     break
         except ConnectionException as exc:
@@ -482,6 +521,55 @@ class AmqpConnection:
         finally:
             del buffer[:pos]
             self._run_wakeups()
+
+    def _whole_publish(self, buffer: bytearray, pos: int, end: int, number: int) -> int:
+        """The common publish, handled in one go: basic.publish, its content header and a body
+        in one frame (or none), all already buffered, on an open channel. Returns where the
+        next frame starts, or 0 to take the frame-by-frame path (which also reports errors)."""
+        channel = self.channels.get(number)
+        if channel is None or channel.publish is not None or self.state is not State.OPEN:
+            return 0
+        header_at = end + 1
+        if len(buffer) - header_at < 7:
+            return 0
+        frame_type, header_channel, size = _FRAME_HEADER.unpack_from(buffer, header_at)
+        header_end = header_at + 7 + size
+        if (
+            frame_type != 2 or header_channel != number or size + 8 > self.frame_max
+            or len(buffer) <= header_end or buffer[header_end] != 0xCE
+        ):
+            return 0
+        frame = decode_publish(bytes(buffer[pos:end + 1]))
+        header_bytes = bytes(buffer[header_at:header_end + 1])
+        header = decode_content_header(header_bytes)
+        if frame is None or frame.immediate or header is None:
+            return 0
+        body_size, props = header
+        if body_size > self.settings.max_message_size:
+            return 0
+        after = header_end + 1
+        if body_size:
+            if len(buffer) - after < 7:
+                return 0
+            frame_type, body_channel, size = _FRAME_HEADER.unpack_from(buffer, after)
+            body_end = after + 7 + size
+            if (
+                frame_type != 3 or body_channel != number or size != body_size
+                or size + 8 > self.frame_max or len(buffer) <= body_end
+                or buffer[body_end] != 0xCE
+            ):
+                return 0
+            body = bytes(buffer[after + 7:body_end])
+            after = body_end + 1
+        else:
+            body = b""
+        if channel.confirm:
+            channel.publish_seq += 1
+        try:
+            self._route(channel, frame, props, header_bytes[7 + 12:-1], body)
+        except ChannelException as exc:
+            self._close_channel(channel, exc)
+        return after
 
     def _protocol_header(self) -> bool:
         buffer = self.buffer
@@ -533,6 +621,12 @@ class AmqpConnection:
             return
         if frame_type not in (1, 2):
             raise ConnectionException(ReplyCode.FRAME_ERROR, f"unknown frame type {frame_type}")
+        if frame_type == 2:
+            header = decode_content_header(data)
+            if header is not None:
+                if self.state is not State.CLOSING:
+                    self._header_frame(channel_number, header[0], header[1], data)
+                return
         value: Any = None
         if frame_type == 1 and len(data) >= 12:
             index = _INDEX.unpack_from(data, 7)[0]
@@ -557,7 +651,8 @@ class AmqpConnection:
         state = self.state
         if frame_type == 2:
             if state is not State.CLOSING:
-                self._header_frame(channel_number, value, data)
+                assert isinstance(value, pheader.ContentHeader)
+                self._header_frame(channel_number, value.body_size, value.properties, data)
             return
         if state is State.CLOSING:
             if isinstance(value, commands.Connection.CloseOk | commands.Connection.Close):
@@ -1013,6 +1108,11 @@ class AmqpConnection:
 
     # ================================================================== basic class
     def _basic_qos(self, channel: AmqpChannel, frame: commands.Basic.Qos) -> None:
+        if frame.prefetch_size:
+            # rabbit_channel: a byte window is not implemented, and says so with 540.
+            raise ConnectionException(
+                ReplyCode.NOT_IMPLEMENTED, f"prefetch_size!=0 ({frame.prefetch_size})", *_ids(frame)
+            )
         if frame.global_:
             channel.prefetch = frame.prefetch_count
         else:
@@ -1090,7 +1190,7 @@ class AmqpConnection:
             )
         channel.publish = frame
 
-    def _header_frame(self, number: int, value: Any, data: bytes) -> None:
+    def _header_frame(self, number: int, body_size: int, properties: Any, data: bytes) -> None:
         channel = self.channels.get(number)
         if channel is None:
             if number in self.closing_channels:
@@ -1100,19 +1200,18 @@ class AmqpConnection:
             raise ConnectionException(
                 ReplyCode.UNEXPECTED_FRAME, f"unexpected content header on channel {number}"
             )
-        assert isinstance(value, pheader.ContentHeader)
-        if value.body_size > self.settings.max_message_size:
+        if body_size > self.settings.max_message_size:
             raise ConnectionException(
                 ReplyCode.FRAME_ERROR,
-                f"message body of {value.body_size} bytes exceeds the maximum "
+                f"message body of {body_size} bytes exceeds the maximum "
                 f"{self.settings.max_message_size}",
             )
-        channel.content_props = value.properties
+        channel.content_props = properties
         channel.content_raw = data[7 + 12:-1]
-        channel.body_size = value.body_size
+        channel.body_size = body_size
         channel.body = []
         channel.body_received = 0
-        if value.body_size == 0:
+        if body_size == 0:
             self._publish_complete(channel)
 
     def _body_frame(self, number: int, payload: bytes) -> None:
@@ -1169,7 +1268,14 @@ class AmqpConnection:
                 f"user_id property set to '{props.user_id}' but authenticated user was "
                 f"'{self.username}'", *_ids(commands.Basic.Publish),
             )
-        topic = publish_topic(exchange.name, exchange.type, frame.routing_key)
+        topics = self._topics
+        topic = topics.get((exchange.name, exchange.type, frame.routing_key))
+        if topic is None:
+            if len(topics) >= 4096:
+                topics.clear()
+            topic = topics[(exchange.name, exchange.type, frame.routing_key)] = publish_topic(
+                exchange.name, exchange.type, frame.routing_key
+            )
         if not self.service.edge.authorize(self.principal, Action.PUBLISH, topic):
             raise ChannelException(
                 ReplyCode.ACCESS_REFUSED,
@@ -1203,6 +1309,10 @@ class AmqpConnection:
             if target is not None and not target.closing:
                 target.deliver_reply(frame.routing_key, message)
             replied = True
+        if not replied and frame.exchange:
+            exchange = vhost.exchanges.get(frame.exchange)
+            if exchange is not None and "alternate-exchange" in exchange.arguments:
+                self._to_alternate_exchange(exchange, frame, message)
         if frame.mandatory and (replied or not vhost.routed(message)):
             # A mandatory publish to a reply-to name is returned as unroutable even when the
             # reply was delivered: RabbitMQ 3.x routes replies outside its queues (proven
@@ -1224,6 +1334,7 @@ class AmqpConnection:
                 self._confirm(channel, seq, True)
             return
         self.messages_in += 1
+        vhost.publish_refused = False
         try:
             pending = self.service.edge.publish(message)
         except PublishRejected as exc:
@@ -1232,6 +1343,10 @@ class AmqpConnection:
                 self.send_method(channel.number, commands.Basic.Nack(seq, False, False))
             elif seq < 0:
                 channel.tx_failed = True
+            return
+        if vhost.publish_refused and seq > 0:
+            # A queue with x-overflow reject-publish was full: the publisher gets a nack.
+            self._confirm(channel, seq, False)
             return
         if pending is None:
             if seq > 0:
@@ -1248,6 +1363,28 @@ class AmqpConnection:
             channel.unconfirmed[seq] = False
         elif seq < 0:
             channel.tx_landing += 1
+
+    def _to_alternate_exchange(
+        self, exchange: Exchange, frame: commands.Basic.Publish, message: Message
+    ) -> None:
+        """A message its exchange cannot route goes to the exchange's alternate exchange
+        (https://www.rabbitmq.com/docs/ae), and on to that one's alternate if it cannot route
+        it either; consumers still see the exchange it was published to."""
+        vhost = self.vhost
+        assert vhost is not None
+        seen = {exchange.name}
+        while not vhost.routed(message):
+            alternate = vhost.exchanges.get(str(exchange.arguments.get("alternate-exchange", "")))
+            if alternate is None or alternate.name in seen:
+                return
+            seen.add(alternate.name)
+            if message.encoded is None:
+                message.encoded = {}
+            message.encoded.setdefault(
+                _ROUTE_KEY, shortstr(frame.exchange) + shortstr(frame.routing_key)
+            )
+            message.topic = publish_topic(alternate.name, alternate.type, frame.routing_key)
+            exchange = alternate
 
     def block(self, reason: str) -> None:
         """The memory alarm went off: tell the client (if it listens) that publishes wait."""
@@ -1324,7 +1461,7 @@ class AmqpConnection:
             queue.settle(entry)
         else:
             channel.unacked[tag] = Delivery(queue, entry, None)
-        exchange, routing_key = exchange_and_key(entry.message.topic)
+        exchange, routing_key = _route_names(route_of(entry.message))
         self.send_content(channel.number, commands.Basic.GetOk(
             tag, entry.redelivered, exchange, routing_key, len(queue.messages)
         ), entry.message)
@@ -1370,6 +1507,9 @@ class AmqpConnection:
         self._settle_negative(channel, [d for _, d in tagged], frame.requeue)
 
     def _basic_recover(self, channel: AmqpChannel, frame: Any) -> None:
+        if not frame.requeue:
+            # rabbit_channel handles only requeue=true (connection.close 540).
+            raise ConnectionException(ReplyCode.NOT_IMPLEMENTED, "requeue=false", *_ids(frame))
         channel.requeue_all()
         if isinstance(frame, commands.Basic.Recover):
             self.send_method(channel.number, commands.Basic.RecoverOk())

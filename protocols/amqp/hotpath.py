@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import struct
 
-from pamqp import commands
+from pamqp import commands, decode
 
 PUBLISH_INDEX = commands.Basic.Publish.index
 ACK_INDEX = commands.Basic.Ack.index
@@ -23,6 +23,8 @@ DELIVER_INDEX = commands.Basic.Deliver.index
 _METHOD_FRAME = struct.Struct(">BHII")  # type, channel, size, class+method index
 _TAG_BITS = struct.Struct(">QB")
 _ACK_FRAME = struct.Struct(">BHIIQBB")  # whole basic.ack frame incl. end octet
+_new_publish = commands.Basic.Publish.__new__
+_new_ack = commands.Basic.Ack.__new__
 
 
 def decode_publish(data: bytes) -> commands.Basic.Publish | None:
@@ -40,7 +42,8 @@ def decode_publish(data: bytes) -> commands.Basic.Publish | None:
             return None
     except (IndexError, UnicodeDecodeError):
         return None
-    method = commands.Basic.Publish()
+    method = _new_publish(commands.Basic.Publish)  # skips pamqp's per-field validation
+    method.ticket = 0
     method.exchange = exchange
     method.routing_key = routing_key
     method.mandatory = bool(bits & 1)
@@ -53,7 +56,7 @@ def decode_ack(data: bytes) -> commands.Basic.Ack | None:
     if len(data) != 21:
         return None
     tag, bits = _TAG_BITS.unpack_from(data, 11)
-    method = commands.Basic.Ack()
+    method = _new_ack(commands.Basic.Ack)
     method.delivery_tag = tag
     method.multiple = bool(bits & 1)
     return method
@@ -71,10 +74,17 @@ def encode_deliver(
     routing_key: str,
 ) -> bytes:
     """A whole basic.deliver frame; `consumer_tag` is already a shortstr (cached per consumer)."""
-    args = (
-        consumer_tag + _TAG_BITS.pack(delivery_tag, 1 if redelivered else 0)
-        + _shortstr(exchange) + _shortstr(routing_key)
+    return encode_deliver_route(
+        channel, consumer_tag, delivery_tag, redelivered, _shortstr(exchange) + _shortstr(routing_key)
     )
+
+
+def encode_deliver_route(
+    channel: int, consumer_tag: bytes, delivery_tag: int, redelivered: bool, route: bytes
+) -> bytes:
+    """basic.deliver with the exchange and routing key already encoded as two shortstrs
+    (`route`, cached per message)."""
+    args = consumer_tag + _TAG_BITS.pack(delivery_tag, 1 if redelivered else 0) + route
     return _METHOD_FRAME.pack(1, channel, len(args) + 4, DELIVER_INDEX) + args + b"\xce"
 
 
@@ -85,3 +95,92 @@ def encode_ack(channel: int, delivery_tag: int, multiple: bool) -> bytes:
 
 def shortstr(text: str) -> bytes:
     return _shortstr(text)
+
+
+# --------------------------------------------------------------------------- content header
+# Basic property flags, highest bit first (AMQP 0-9-1 §4.2.6.1 and the basic class fields):
+# (flag, attribute, kind) with kind "s" shortstr, "t" table, "o" octet, "T" timestamp.
+_PROPERTY_FIELDS = (
+    (0x8000, "content_type", "s"),
+    (0x4000, "content_encoding", "s"),
+    (0x2000, "headers", "t"),
+    (0x1000, "delivery_mode", "o"),
+    (0x0800, "priority", "o"),
+    (0x0400, "correlation_id", "s"),
+    (0x0200, "reply_to", "s"),
+    (0x0100, "expiration", "s"),
+    (0x0080, "message_id", "s"),
+    (0x0040, "timestamp", "T"),
+    (0x0020, "message_type", "s"),
+    (0x0010, "user_id", "s"),
+    (0x0008, "app_id", "s"),
+    (0x0004, "cluster_id", "s"),
+)
+_CONTENT_HEADER = struct.Struct(">HHQH")  # class id, weight, body size, property flags
+_PROPERTY_NAMES = tuple(name for _, name, _ in _PROPERTY_FIELDS)
+
+
+class Properties:
+    """Basic properties as read from a content header: the attributes of pamqp's
+    `commands.Basic.Properties` (unset ones None), without its per-field machinery. The
+    defaults are class attributes, so a new instance costs nothing per field."""
+
+    content_type: object = None
+    content_encoding: object = None
+    headers: object = None
+    delivery_mode: object = None
+    priority: object = None
+    correlation_id: object = None
+    reply_to: object = None
+    expiration: object = None
+    message_id: object = None
+    timestamp: object = None
+    message_type: object = None
+    user_id: object = None
+    app_id: object = None
+    cluster_id: object = ""  # pamqp's default
+
+    def to_pamqp(self) -> commands.Basic.Properties:
+        return commands.Basic.Properties(**{  # cluster-id is deprecated: pamqp refuses it
+            name: getattr(self, name) for name in _PROPERTY_NAMES
+            if getattr(self, name) is not None and name != "cluster_id"
+        })
+
+    def marshal(self) -> bytes:
+        return self.to_pamqp().marshal()
+
+
+def decode_content_header(data: bytes) -> tuple[int, Properties] | None:
+    """(body size, properties) of a whole content header frame of class basic; None for
+    anything else (another class, property flags continued, malformed or non-UTF-8 input), which
+    then goes through pamqp and its error reporting."""
+    try:
+        class_id, _, body_size, flags = _CONTENT_HEADER.unpack_from(data, 7)
+        if class_id != 60 or flags & 1:
+            return None
+        props = Properties()
+        pos = 21
+        end = len(data) - 1
+        if flags:
+            for flag, name, kind in _PROPERTY_FIELDS:
+                if not flags & flag:
+                    continue
+                if kind == "s":
+                    n = data[pos]
+                    value: object = data[pos + 1:pos + 1 + n].decode()
+                    pos += 1 + n
+                elif kind == "o":
+                    value = data[pos]
+                    pos += 1
+                elif kind == "t":
+                    used, value = decode.field_table(data[pos:end])
+                    pos += used
+                else:
+                    used, value = decode.timestamp(data[pos:pos + 8])
+                    pos += used
+                setattr(props, name, value)
+        if pos != end:
+            return None
+    except (IndexError, ValueError, struct.error, UnicodeDecodeError):
+        return None
+    return body_size, props

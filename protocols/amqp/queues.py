@@ -13,6 +13,7 @@ No I/O here: consumers are reached through their channel (`connection.AmqpChanne
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -41,6 +42,17 @@ class QueueEntry:
 
 def _position(entry: QueueEntry) -> int:
     return entry.position
+
+
+def _priority(message: Message) -> int:
+    """The AMQP priority property of `message` (0 when it has none)."""
+    for name, value in message.headers or ():
+        if name == "amqp-priority":
+            try:
+                return max(0, int(value))
+            except ValueError:
+                return 0
+    return 0
 
 
 class ConsumerChannel(Protocol):
@@ -99,6 +111,15 @@ class Queue:
         self.message_ttl: int | None = _int_arg(arguments, "x-message-ttl")
         self.expires: int | None = _int_arg(arguments, "x-expires")
         self.max_length: int | None = _int_arg(arguments, "x-max-length")
+        self.max_length_bytes: int | None = _int_arg(arguments, "x-max-length-bytes")
+        # x-overflow (https://www.rabbitmq.com/docs/maxlength): drop-head (default),
+        # reject-publish (the publish is refused: nack in confirm mode), reject-publish-dlx.
+        self.overflow = str(arguments.get("x-overflow") or "drop-head")
+        # x-max-priority (https://www.rabbitmq.com/docs/priority): 1..255, higher first.
+        max_priority = _int_arg(arguments, "x-max-priority")
+        self.max_priority = max(0, min(255, max_priority)) if max_priority else 0
+        # Set by the connection around a publish: called when this queue refuses it.
+        self.on_publish_refused: Callable[[], None] | None = None
         dlx = arguments.get("x-dead-letter-exchange")
         self.dead_letter_exchange: str | None = None if dlx is None else str(dlx)
         dlrk = arguments.get("x-dead-letter-routing-key")
@@ -219,6 +240,10 @@ class Queue:
 
     # ------------------------------------------------------------------ messages
     def enqueue(self, message: Message) -> None:
+        size = len(message.payload)
+        if self.overflow != "drop-head" and self._full_for(size):
+            self._refuse(message)
+            return
         expires = message.expires_at_ms
         if self.message_ttl is not None:
             by_queue = now_ms() + self.message_ttl
@@ -227,12 +252,39 @@ class Queue:
             self.on_timed_message(self)
         position = self._arrivals
         self._arrivals = position + 1
-        self.messages.append(QueueEntry(message, expires, False, position))
-        self.ready_bytes += len(message.payload)
+        if self.max_priority:
+            # Higher priority first, arrival order within a priority: both in the position.
+            position += (self.max_priority - min(_priority(message), self.max_priority)) << 48
+            entry = QueueEntry(message, expires, False, position)
+            messages = self.messages
+            if messages and messages[-1].position > position:
+                bisect.insort(messages, entry, key=_position)
+            else:
+                messages.append(entry)
+        else:
+            self.messages.append(QueueEntry(message, expires, False, position))
+        self.ready_bytes += size
         if self.max_length is not None:
             while len(self.messages) > self.max_length:
                 self._dead_letter(self, self._pop(), "maxlen")
+        if self.max_length_bytes is not None:
+            while self.messages and self.ready_bytes > self.max_length_bytes:
+                self._dead_letter(self, self._pop(), "maxlen")
         self.dispatch()
+
+    def _full_for(self, size: int) -> bool:
+        if self.max_length is not None and len(self.messages) >= self.max_length:
+            return True
+        return self.max_length_bytes is not None and self.ready_bytes + size > self.max_length_bytes
+
+    def _refuse(self, message: Message) -> None:
+        """x-overflow reject-publish(-dlx): the message does not enter this queue."""
+        if self.on_publish_refused is not None:
+            self.on_publish_refused()
+        if self.overflow == "reject-publish-dlx":
+            self._dead_letter(self, QueueEntry(message, None), "maxlen")
+        else:
+            self.subscription.ack(message)
 
     def _pop(self) -> QueueEntry:
         entry = self.messages.popleft()
@@ -345,7 +397,9 @@ class Queue:
                 entry = messages.popleft()
                 self.ready_bytes -= len(entry.message.payload)
                 expires = entry.expires_at_ms
-                if expires is not None and expires <= now:
+                if expires is not None and expires < now:
+                    # (A message whose TTL runs out this very millisecond, e.g. TTL 0, still
+                    # goes to a consumer ready for it, as in RabbitMQ.)
                     self._dead_letter(self, entry, "expired")
                     continue
                 consumer.channel.deliver(consumer, self, entry)

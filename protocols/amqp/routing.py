@@ -42,7 +42,7 @@ _ESCAPES = {"%": "%25", "/": "%2F", "+": "%2B", "#": "%23"}
 
 
 def escape(word: str) -> str:
-    if not any(c in word for c in "%/+#"):
+    if "%" not in word and "/" not in word and "+" not in word and "#" not in word:
         return word
     return "".join(_ESCAPES.get(c, c) for c in word)
 

@@ -126,7 +126,8 @@ class AmqpService:
             name = (connection.client_properties or {}).get("connection_name")
             out.append(ClientInfo(
                 "amqp", connection.id, connection.username or None, connection.remote, "tcp",
-                connection.opened_at + opened_offset, None, None,
+                connection.opened_at + opened_offset, connection.messages_in,
+                connection.messages_out,
                 f"AMQP 0-9-1 {name}" if name else "AMQP 0-9-1",
             ))
         return out

@@ -70,7 +70,9 @@ PREDECLARED = {
     "amq.headers": "headers",
     "amq.match": "headers",
 }
-_QUEUE_INT_ARGS = ("x-message-ttl", "x-expires", "x-max-length")
+_QUEUE_INT_ARGS = (
+    "x-message-ttl", "x-expires", "x-max-length", "x-max-length-bytes", "x-max-priority",
+)
 
 
 @dataclass(slots=True)
@@ -128,6 +130,8 @@ class VirtualHost:
             n: Exchange(n, t) for n, t in PREDECLARED.items()
         }
         self.queues: dict[str, Queue] = {}
+        # Set when a queue refused the publish being routed (x-overflow reject-publish).
+        self.publish_refused = False
         self.exchange_bindings: dict[tuple[str, str, str, tuple[tuple[str, str], ...]], ExchangeBinding] = {}
         # Queues with a TTL or an x-expires, swept by the service's timer.
         self.timed_queues: set[Queue] = set()
@@ -459,7 +463,11 @@ class VirtualHost:
         if queue.message_ttl is not None or queue.expires is not None:
             self.timed_queues.add(queue)
         queue.on_timed_message = self.timed_queues.add
+        queue.on_publish_refused = self._publish_refused
         return queue
+
+    def _publish_refused(self) -> None:
+        self.publish_refused = True
 
     # ------------------------------------------------------------------ durable topology
     @property

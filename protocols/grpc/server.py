@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import errno
 import inspect
 import itertools
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -182,6 +184,8 @@ class GrpcServer:
         pb_grpc.add_ConsumerServicer_to_server(ConsumerService(self), server)
         pb_grpc.add_AdminServicer_to_server(AdminService(self), server)
         address = f"{host}:{port}"
+        if port:
+            _check_port_free(host, port)
         try:
             if credentials is None:
                 bound = server.add_insecure_port(address)
@@ -713,6 +717,23 @@ class ConsumerService(pb_grpc.ConsumerServicer):
             broker.remove_subscription(sub.name)
         elif sub.durable:
             hand_over(sub, left)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Raise OSError(EADDRINUSE) when another socket listens on host:port, before gRPC's core
+    tries and logs its own raw failure line."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return  # let gRPC report the address it cannot resolve
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(sockaddr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise OSError(errno.EADDRINUSE, f"{host}:{port} is already in use") from None
 
 
 def _transient(sub: Subscription) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
@@ -155,7 +154,7 @@ class MqttConnection:
         self._tokens = float(service.settings.max_publish_rate)
         self._tokens_at = self._clock()
         self._throttled_for = 0.0
-        self._backlog: deque[p.Packet] = deque()
+        self._backlog: list[p.Packet] = []
         self._backlog_error: MQTTCodecError | None = None
         self._valid_topic = ""
         # Held: a subscriber this client publishes to has more queued than it reads; this

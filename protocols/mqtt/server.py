@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import sys
 from collections import deque
 
 from .connection import MqttConnection
@@ -173,6 +174,25 @@ class WebSocketLink:
                 return
 
 
+class _WebSocketServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """The `websockets` server's logger, except that a failed opening handshake is one line,
+    not an ERROR with a traceback: a TCP connect-and-close (what load balancers and Kubernetes
+    TCP probes do) logs at debug level, any other bad handshake at info level."""
+
+    def log(self, level: int, msg: object, *args: object, **kwargs: object) -> None:
+        if msg == "opening handshake failed":
+            exc = sys.exc_info()[1]
+            cause = exc.__cause__ if exc is not None and exc.__cause__ is not None else exc
+            closed = isinstance(cause, EOFError | ConnectionError)
+            log.log(
+                logging.DEBUG if closed else logging.INFO,
+                "websocket opening handshake failed: %s%s", exc,
+                f" ({cause})" if cause is not exc else "",
+            )
+            return
+        super().log(level, msg, *args, **kwargs)  # type: ignore[arg-type]
+
+
 async def start_websocket_listener(
     service: MqttService, host: str, port: int, ssl_context: ssl.SSLContext | None = None
 ) -> object:
@@ -215,5 +235,5 @@ async def start_websocket_listener(
     return await serve(
         handler, host, port, ssl=ssl_context, subprotocols=["mqtt", "mqttv3.1"],
         select_subprotocol=select_subprotocol, max_size=service.settings.max_packet_size + 8,
-        compression=None,
+        compression=None, logger=_WebSocketServerLog(logging.getLogger("websockets.server")),
     )

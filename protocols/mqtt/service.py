@@ -9,6 +9,7 @@ event-loop turn.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -52,6 +53,8 @@ class MqttService:
         self.settings = settings or MqttSettings()
         self.sessions: dict[str, MqttSession] = {}
         self.connections: set[MqttConnection] = set()
+        # Set by a graceful stop: no new PUBLISH goes out (see `finish_in_flight`).
+        self.draining = False
         # TLS listeners: a verified client certificate's subject CN is the user name.
         self.use_identity_as_username = False
         self._dirty: list[MqttConnection] = []
@@ -79,6 +82,22 @@ class MqttService:
         self._tick_handle = self.scheduler.call_later(TICK_S, self._tick)
         if self.settings.sys_interval > 0:
             self._publish_sys()
+
+    async def finish_in_flight(self, timeout_s: float) -> int:
+        """A graceful stop's first step: send no new PUBLISH to any client, and wait up to
+        `timeout_s` for the acknowledgements (PUBACK, PUBREC, PUBCOMP) of those in flight, so
+        that what clients acknowledged is saved, and only what they did not is sent again
+        after the restart. Returns how many were still in flight at the end."""
+        self.draining = True
+        deadline = self.scheduler.time() + timeout_s
+        while True:
+            left = sum(
+                len(session.inflight) for session in self.sessions.values()
+                if session.connection is not None and session.connection.open
+            )
+            if not left or self.scheduler.time() >= deadline:
+                return left
+            await asyncio.sleep(0.01)
 
     def stop(self, reason: int = p.ReasonCode.SERVER_SHUTTING_DOWN) -> None:
         for handle in (self._tick_handle, self._sys_handle):
@@ -118,7 +137,7 @@ class MqttService:
         A session that has not caught up for CONGESTION_GIVE_UP_S holds nobody any more (a
         subscriber that stopped reading must not stall its publishers): its queue limit then
         drops, as without back-pressure, until keepalive or the dead-subscriber timeout ends it."""
-        now = time.monotonic()
+        now = self.scheduler.time()
         if session.congested_since is None:
             session.congested_since = now
             self._congested.add(session)

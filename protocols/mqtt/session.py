@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NEVER_EXPIRES = 0xFFFFFFFF
+# The queue of every session that never queued anything (an empty deque costs 600 bytes, and
+# most sessions never queue): only `_enqueue` adds, and it gives the session its own first.
+_NO_QUEUE: deque[Queued] = deque()
 
 
 @dataclass(slots=True)
@@ -78,7 +81,7 @@ class MqttSession:
         # Shared subscription name -> (subscription, this member's options).
         self.shared: dict[str, tuple[Subscription, SubscriptionOptions]] = {}
         self.inflight: dict[int, Outgoing] = {}
-        self.queue: deque[Queued] = deque()
+        self.queue: deque[Queued] = _NO_QUEUE  # a deque of its own from the first message
         self.inbound_qos2: set[int] = set()
         self._last_packet_id = 0
         self.dropped = 0
@@ -96,9 +99,28 @@ class MqttSession:
     @property
     def available(self) -> bool:
         connection = self.connection
-        return connection is not None and not self.queue and len(self.inflight) < connection.send_window
+        return (
+            connection is not None and not self.queue and len(self.inflight) < connection.send_window
+            and not self.service.draining
+        )
 
     def deliver(self, message: Message, subscription: Subscription, filters: Sequence[str]) -> None:
+        if subscription is self.subscription and len(filters) == 1:
+            # The common case, one plain filter of the session's own: no loop, and a QoS 0
+            # message goes straight to the connection.
+            options = subscription.filters[filters[0]]
+            if not options.no_local and not options.subscription_id:
+                qos = options.qos if options.qos < message.qos else message.qos
+                retain = message.retain if options.retain_as_published else False
+                connection = self.connection
+                if qos or connection is None:
+                    self.send_message(message, qos, retain, (), subscription)
+                    return
+                if not connection.send_publish(message, 0, retain, (), None, False):
+                    self.dropped += 1
+                if subscription.durable:
+                    subscription.ack(message)
+                return
         if subscription is self.subscription:
             qos = -1
             retain_as_published = False
@@ -155,10 +177,10 @@ class MqttSession:
         if qos == 0:
             if not connection.send_publish(message, 0, retain, subscription_ids, None, False):
                 self.dropped += 1
-            if source is not None:
+            if source is not None and source.durable:  # live subscriptions take no acks
                 source.ack(message)
             return
-        if self.queue or len(self.inflight) >= connection.send_window:
+        if self.queue or len(self.inflight) >= connection.send_window or self.service.draining:
             self._enqueue(Queued(message, qos, retain, subscription_ids, source))
             return
         self._send_inflight(connection, message, qos, retain, subscription_ids, source)
@@ -192,6 +214,8 @@ class MqttSession:
             if item.source is not None:
                 item.source.ack(item.message)
             return
+        if self.queue is _NO_QUEUE:
+            self.queue = deque()
         self.queue.append(item)
 
     def _next_packet_id(self) -> int:
@@ -204,9 +228,10 @@ class MqttSession:
         raise RuntimeError("no free packet identifier")
 
     def drain(self) -> None:
-        """Send queued messages while the client's window has room."""
+        """Send queued messages while the client's window has room (none once the server
+        drains for a graceful stop)."""
         connection = self.connection
-        if connection is None:
+        if connection is None or self.service.draining:
             return
         queue = self.queue
         window = connection.send_window

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import keys
@@ -78,6 +79,13 @@ async def share_catalog(app: Shardgate, node: ClusterNode) -> None:
     broker = app.broker
     assert broker is not None
     broker.topology_sink = ClusterTopologySink(broker.topology_sink, node)
+    # users and ACL: the same files on every node (before the broker's security reads them)
+    from ..auth import security_paths
+    from .shared_files import SharedFiles
+
+    users_file, acl_file = security_paths(Path(app.config.data_dir), app.config.auth)
+    node.shared_files = SharedFiles(node, {"users": users_file, "acl": acl_file})
+    await node.shared_files.start()
 
 
 class ClusterTopologySink:
@@ -162,12 +170,14 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     host = app.config.listeners.host
     broker = app.broker
     assert broker is not None
-    plane = DataPlane(broker, node.view, host=host, port=settings.port)
-    try:
-        await plane.start()
-    except (OSError, RuntimeError) as exc:
-        raise ClusterStartError(f"cannot listen on the cluster port {host}:{settings.port}: {exc}") from None
-    app.data_plane = plane
+    plane = app.data_plane  # the app starts it before its client listeners
+    if plane is None:
+        plane = DataPlane(broker, node.view, host=host, port=settings.port)
+        try:
+            await plane.start()
+        except (OSError, RuntimeError) as exc:
+            raise ClusterStartError(f"cannot listen on the cluster port {host}:{settings.port}: {exc}") from None
+        app.data_plane = plane
     address = settings.advertise_address or f"{host}:{plane.port}"
     listeners = {name: f"{listener.host}:{listener.port}" for name, listener in app.listeners.items()}
     listeners["cluster"] = f"{host}:{plane.port}"

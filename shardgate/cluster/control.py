@@ -76,6 +76,8 @@ class EtcdClusterView:
         self.streams: dict[str, dict[str, Any]] = {}
         self.routes: dict[str, dict[str, Any]] = {}
         self.users: dict[str, dict[str, Any]] = {}
+        # whole documents kept as bytes (auth/users, auth/acl), by key
+        self.documents: dict[str, bytes] = {}
         self.controller_id: str | None = None
         self.controller_revision = 0
         self.guard_revision = 0
@@ -140,6 +142,7 @@ class EtcdClusterView:
         self.streams.clear()
         self.routes.clear()
         self.users.clear()
+        self.documents.clear()
         self.controller_id = None
         self.controller_revision = 0
         self.guard_revision = 0
@@ -185,6 +188,11 @@ class EtcdClusterView:
                 self._set(self.routes, key[len(keys.ROUTES):], value)
             elif key.startswith(keys.USERS):
                 self._set(self.users, key[len(keys.USERS):], value)
+            elif key.startswith(keys.DOCUMENTS):
+                if value is None:
+                    self.documents.pop(key, None)
+                else:
+                    self.documents[key] = value
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("cluster: ignoring malformed etcd key %s: %s", event.key, exc)
 
@@ -237,6 +245,10 @@ class ClusterNode:
         self.catalog_listeners: list[Callable[[str, str, dict[str, Any] | None], None]] = []
         # catalog writes made on this node, sent to etcd in order by one task (see `submit`)
         self._writes: asyncio.Queue[tuple[str, bytes | None]] = asyncio.Queue()
+        # the users and ACL files kept equal on every node (shared_files.SharedFiles)
+        self.shared_files: Any = None
+        # told about changes of whole documents (auth/...) seen in etcd: (key, value)
+        self.document_listeners: list[Callable[[str, bytes | None], None]] = []
 
     def key(self, suffix: str) -> str:
         return self.prefix + suffix
@@ -285,6 +297,7 @@ class ClusterNode:
         self._running = True
         kvs, revision = await self.client.get_prefix(self.prefix)
         self.view.load(self.prefix, kvs, revision)
+        self.view.changed()  # nodes that registered since the catalog was read (data plane links)
         self._tasks = [
             asyncio.create_task(self._keep_alive(), name="cluster-lease"),
             asyncio.create_task(self._watch(revision), name="cluster-watch"),
@@ -384,14 +397,24 @@ class ClusterNode:
                 revision = 0
                 await asyncio.sleep(0.5)
 
-    def _catalog_snapshot(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        return dict(self.view.streams), dict(self.view.routes), dict(self.view.users)
+    def _catalog_snapshot(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+        return (dict(self.view.streams), dict(self.view.routes), dict(self.view.users),
+                dict(self.view.documents))
 
     def _after_change(self, before: tuple[dict[str, Any], ...] | None = None) -> None:
         self._wake.set()
+        if before is not None:
+            old_documents, new_documents = before[3], self.view.documents
+            for key in old_documents.keys() | new_documents.keys():
+                if old_documents.get(key) != new_documents.get(key):
+                    for document_listener in self.document_listeners:
+                        try:
+                            document_listener(key, new_documents.get(key))
+                        except Exception:
+                            log.exception("cluster document listener failed")
         if before is not None and self.catalog_listeners:
-            for kind, old, new in zip(("stream", "route", "user"), before,
-                                      self._catalog_snapshot(), strict=True):
+            for kind, old, new in zip(("stream", "route", "user"), before[:3],
+                                      self._catalog_snapshot()[:3], strict=True):
                 for name in old.keys() | new.keys():
                     if old.get(name) != new.get(name):
                         for listener in self.catalog_listeners:
@@ -533,6 +556,8 @@ class ClusterNode:
     async def stop(self) -> None:
         """Stop the loops and end the lease (the node's keys go with it)."""
         self._running = False
+        if self.shared_files is not None:
+            await self.shared_files.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

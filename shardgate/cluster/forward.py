@@ -42,6 +42,7 @@ from .frames import (
     routes_from_update,
 )
 from .membership import ClusterView, NodeInfo
+from .received import ReceivedLog
 from .routes import NOBODY, RemoteRoutes, Route, RouteDelta, diff, local_routes
 
 if TYPE_CHECKING:
@@ -58,6 +59,8 @@ MAX_GRPC_MESSAGE = 512 << 20
 RECONNECT_MIN_S = 0.05
 RECONNECT_MAX_S = 1.0
 ROUTE_DEBOUNCE_S = 0.02
+# Links are checked against the view this often too, besides on every change it reports.
+RECONCILE_S = 1.0
 # Streams every node keeps for itself, never placed nor forwarded: its own $SYS topics.
 NODE_LOCAL_STREAMS = frozenset({"sys"})
 CHANNEL_OPTIONS = [
@@ -126,11 +129,11 @@ class PeerLink:
     def forward(self, message: Message, epoch: int, record: bytes | None = None) -> asyncio.Future[None]:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if not self.reachable:
-            future.set_exception(ShardUnavailable(
+            _fail(future, ShardUnavailable(
                 f"node {self.node.node_id} owning {message.stream}/{message.shard} is unreachable"
             ))
         elif self._in_flight >= MAX_FORWARDS_IN_FLIGHT:
-            future.set_exception(ShardUnavailable(
+            _fail(future, ShardUnavailable(
                 f"too many publishes waiting for node {self.node.node_id}; retry"
             ))
         else:
@@ -275,7 +278,7 @@ class PeerLink:
                         future.set_result(None)
                         continue
                     stats.forward_failures += 1
-                    future.set_exception(_refusal(self.node.node_id, outcome))
+                    _fail(future, _refusal(self.node.node_id, outcome))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to the writer, which redials
@@ -297,7 +300,14 @@ class PeerLink:
         for future, _message in entries:
             if not future.done():
                 self.plane.stats.forward_failures += 1
-                future.set_exception(error)
+                _fail(future, error)
+
+
+def _fail(future: asyncio.Future[None], error: BaseException) -> None:
+    """Fail a forward's future, marked as seen: a QoS 0 publisher never looks at it, and an
+    unretrieved failure would be logged by asyncio as a bug."""
+    future.set_exception(error)
+    future.exception()
 
 
 def _refusal(node_id: str, outcome: pb.Outcome | None) -> PublishRejected:
@@ -383,6 +393,10 @@ class DataPlane:
         self._incoming: dict[str, int] = {}
         self._server: grpc.aio.Server | None = None
         self._started = False
+        # Shards other nodes own that a durable subscription here follows.
+        self._received: dict[tuple[str, int], ReceivedLog] = {}
+        self._closing: asyncio.Task[None] | None = None
+        self._reconcile: asyncio.Task[None] | None = None
 
     @property
     def node_id(self) -> str:
@@ -407,9 +421,13 @@ class DataPlane:
         broker.on_routes_changed = self._routes_changed
         self.view.on_change(self._view_changed)
         self._view_changed()
+        self._reconcile = asyncio.get_running_loop().create_task(self._reconcile_links())
 
     async def stop(self) -> None:
         self._started = False
+        if self._reconcile is not None:
+            self._reconcile.cancel()
+            self._reconcile = None
         broker = self.broker
         if broker.placement is self:
             broker.placement = None
@@ -424,6 +442,25 @@ class DataPlane:
         if self._server is not None:
             await self._server.stop(grace=0.1)
             self._server = None
+
+    # The app closes its listeners with close() then wait_closed(); this is one of them.
+    def close(self) -> None:
+        if self._closing is None:
+            self._closing = asyncio.get_running_loop().create_task(self.stop())
+
+    async def wait_closed(self) -> None:
+        if self._closing is None:
+            self.close()
+        assert self._closing is not None
+        await self._closing
+
+    async def _reconcile_links(self) -> None:
+        while self._started:
+            await asyncio.sleep(RECONCILE_S)
+            try:
+                self._view_changed()
+            except Exception:  # noqa: BLE001 - retried on the next round
+                log.exception("cluster: checking the links against the view failed")
 
     def _view_changed(self) -> None:
         """Dial new peers, drop the links and routes of nodes that left or moved."""
@@ -445,6 +482,13 @@ class DataPlane:
     def serves(self, stream: str, shard: int) -> bool:
         return stream in NODE_LOCAL_STREAMS or self.view.owns(stream, shard)
 
+    def received_log(self, stream: str, shard: int) -> ReceivedLog:
+        key = (stream, shard)
+        log = self._received.get(key)
+        if log is None:
+            log = self._received[key] = ReceivedLog()
+        return log
+
     def forward(self, message: Message) -> asyncio.Future[None]:
         assignment = self.view.owner(message.stream, message.shard)
         link = None
@@ -458,7 +502,7 @@ class DataPlane:
                 reason = f"this node cannot prove it owns {message.stream}/{message.shard} now; retry"
             else:
                 reason = f"node {assignment.node_id} owning {message.stream}/{message.shard} is not live"
-            future.set_exception(ShardUnavailable(reason))
+            _fail(future, ShardUnavailable(reason))
             self.stats.forward_failures += 1
             return future
         self.stats.forwarded += 1
@@ -558,6 +602,7 @@ class DataPlane:
 
     def _dispatch_pushes(self, pushes: list[pb.Push]) -> None:
         dispatch = self.broker.dispatch
+        received = self._received
         for push in pushes:
             try:
                 message = message_from_push(push)
@@ -565,7 +610,13 @@ class DataPlane:
                 log.warning("dropped a malformed message pushed by a peer: %s", exc)
                 continue
             self.stats.pushed_in += 1
+            key = (message.stream, message.shard)
+            kept = received.get(key)
+            if kept is not None:
+                kept.add(message.offset, message.publish_time_ms, push.record)
             dispatch(message, frozenset(push.share_groups))
+            if kept is None and key in received:  # a durable subscription here just began
+                received[key].add(message.offset, message.publish_time_ms, push.record)
 
     def _store_forwards(self, sequence: int, forwards: list[pb.Forward], reply: Callable[[pb.PeerReply], None]) -> None:
         broker = self.broker

@@ -65,3 +65,35 @@ def data_plane_metrics(plane: Any) -> Iterator[Metric]:
         routes.add_metric([peer], len(plane.remote.routes_of(peer)))
     yield up
     yield routes
+
+
+def control_plane_metrics(node: Any) -> Iterator[Metric]:
+    """Membership as this node sees it; every series carries this node's id as `node`."""
+    view = node.view
+    me = node.node_id
+    nodes = GaugeMetricFamily(f"{PREFIX}_nodes", "Live nodes of the cluster, as this node sees them",
+                              labels=["node"])
+    nodes.add_metric([me], len(view.registrations))
+    yield nodes
+    controller = GaugeMetricFamily(f"{PREFIX}_controller", "1 when this node is the controller",
+                                   labels=["node"])
+    controller.add_metric([me], 1 if view.controller_id == me else 0)
+    yield controller
+    lease = GaugeMetricFamily(
+        f"{PREFIX}_lease_alive",
+        "1 while this node's etcd lease is known to be alive (it acts for its shards only then)",
+        labels=["node"])
+    lease.add_metric([me], 1 if view.lease_alive() else 0)
+    yield lease
+    shards = GaugeMetricFamily(f"{PREFIX}_shards", "Shards led by each node (the placement)",
+                               labels=["node", "owner"])
+    for owner, count in sorted(view.shard_counts().items()):
+        shards.add_metric([me, owner], count)
+    yield shards
+    unavailable = sum(
+        1 for placed in (p for shards_ in view.placement.values() for p in shards_)
+        if placed.node_id not in view.registrations
+    )
+    yield GaugeMetricFamily(f"{PREFIX}_unavailable_shards",
+                            "Shards whose node is not live (reliable shards of a dead node)",
+                            value=unavailable)

@@ -58,12 +58,13 @@ def test_bridge_mirrors_both_ways_and_stores_while_the_remote_restarts(
         watcher.disconnect()
         stop_node(remote)
         wait_for(lambda: not bridge.connected)
-        # While the remote is down, what is published locally waits in the bridge.
+        # While the remote is down, what is published locally waits (in the journal, behind
+        # the bridge's durable cursor).
         for number in range(50):
             device.publish(f"sensors/{number % 5}", f"m{number}".encode(), qos=1)
-        assert len(bridge.queue) == 50 and not bridge.connected
+        assert local.call(lambda: bridge.backlog) >= 50 and not bridge.connected
         start_node(remote)
-        wait_for(lambda: bridge.connected and not bridge.queue, timeout=30)
+        wait_for(lambda: bridge.connected and bridge.forwarded_out == 51, timeout=30)
         assert bridge.connects >= 2 and bridge.dropped == 0
 
         watcher = Paho(remote.mqtt_port, "watcher", V311, clean=False, connect=False)
@@ -103,3 +104,50 @@ def test_bridge_rewrites_topics_with_prefixes(broker_factory: Callable[..., Thre
         watcher.disconnect()
     finally:
         local.call(bridge.stop())
+
+
+def test_store_and_forward_survives_a_restart_of_this_node_on_a_reliable_stream(
+    broker_factory: Callable[..., ThreadedBroker], broker_process, tmp_path,
+) -> None:
+    from tests.conftest import free_port
+
+    remote_port = free_port()  # nothing listens there yet: the remote is down
+    config = tmp_path / "edge.toml"
+    config.write_text(
+        '[[streams]]\nname = "sensors"\nmode = "reliable"\n\n'
+        f'[[bridges]]\nname = "cloud"\nremote = "mqtt://127.0.0.1:{remote_port}"\nout = ["sensors/#"]\n'
+    )
+    http_port = free_port()
+    edge = broker_process(config_file=config, extra_args=["--http-port", str(http_port)]).start()
+
+    def forwarded(count: int) -> bool:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        return f'shardgate_bridge_forwarded_total{{bridge="cloud",direction="out"}} {count}.0' in text
+
+    device = Paho(edge.mqtt_port, "device", V311)
+    for index in range(3):
+        device.publish(f"sensors/t{index}", f"{index}".encode(), qos=1)
+    device.disconnect()
+    assert edge.terminate() == 0  # SIGTERM while the remote is still down
+
+    remote = broker_factory(listeners={"mqtt_port": remote_port})
+    watcher = Paho(remote.mqtt_port, "watcher", V311)
+    watcher.subscribe("sensors/#", 1)
+    edge.start()
+    received = watcher.expect_n(3, timeout=30)
+    assert [(m.topic, m.payload) for m in received] == [
+        ("sensors/t0", b"0"), ("sensors/t1", b"1"), ("sensors/t2", b"2")]
+    # once acknowledged by the remote (PUBACK), a further restart sends nothing again
+    wait_for(lambda: forwarded(3))
+    assert edge.terminate() == 0
+    edge.start()
+    device = Paho(edge.mqtt_port, "device", V311)
+    device.publish("sensors/t3", b"3", qos=1)
+    device.disconnect()
+    assert [(m.topic, m.payload) for m in watcher.expect_n(1, timeout=30)] == [("sensors/t3", b"3")]
+    watcher.expect_none(0.5)
+    watcher.disconnect()
+    assert edge.terminate() == 0

@@ -131,3 +131,33 @@ def test_url_from_environment(url: str) -> None:
     result = run(None, "streams", "list", "--json", env={"SHARDGATE_URL": url})
     assert result.returncode == 0, result.stderr
     assert "default" in [s["name"] for s in json.loads(result.stdout)]
+
+
+def test_clients_alone_lists_amqp_mqtt_and_grpc_clients(
+    broker_factory: Callable[..., ThreadedBroker],
+) -> None:
+    import pika
+
+    from tests.mqtt_clients import Paho
+
+    broker = broker_factory(listeners={"grpc_port": free_port(), "amqp_port": free_port()})
+    url = f"127.0.0.1:{broker.app.port('grpc')}"
+    connection = pika.BlockingConnection(pika.URLParameters(
+        f"amqp://guest:guest@127.0.0.1:{broker.app.port('amqp')}/?client_properties="
+        "{'connection_name':'billing'}"))
+    device = Paho(broker.mqtt_port, "device-7")
+    try:
+        channel = connection.channel()
+        channel.basic_publish("amq.topic", "bills.new", b"1")
+        listed = run(url, "clients")
+        assert listed.returncode == 0, listed.stderr
+        rows = [line.split() for line in listed.stdout.splitlines()[1:]]
+        assert any(row[0] == "mqtt" and row[1] == "device-7" for row in rows)
+        amqp = [row for row in rows if row[0] == "amqp"]
+        assert len(amqp) == 1 and amqp[0][2] == "guest"
+        as_json = json.loads(run(url, "clients", "list", "--json").stdout)
+        entry = next(c for c in as_json if c["protocol"] == "amqp")
+        assert entry["detail"] == "amqp 0-9-1 billing" and entry["messages_in"] == 1
+    finally:
+        connection.close()
+        device.disconnect()

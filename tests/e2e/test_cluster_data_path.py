@@ -62,7 +62,7 @@ def assignments(streams: dict[str, Stream]) -> dict[tuple[str, int], ShardAssign
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[dict[str, Node]]:
+def pair(tmp_path: Path) -> Iterator[dict[str, Node]]:
     nodes: dict[str, Node] = {}
     try:
         for node_id in NODES:
@@ -112,12 +112,12 @@ def routes_reach(nodes: dict[str, Node], of: str, count: int = 1) -> None:
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("qos", [0, 1, 2])
 @pytest.mark.parametrize("owner", ["a", "b"], ids=["stored-by-publisher-node", "forwarded-to-subscriber-node"])
-def test_mqtt_publish_on_one_node_reaches_subscriber_on_the_other(cluster, version, qos, owner):
-    a, b = cluster["a"], cluster["b"]
+def test_mqtt_publish_on_one_node_reaches_subscriber_on_the_other(pair, version, qos, owner):
+    a, b = pair["a"], pair["b"]
     topic = topic_for(a, owner)
     sub = Paho(b.mqtt_port, "sub", version)
     sub.subscribe("orders/#", qos)
-    routes_reach(cluster, "b")
+    routes_reach(pair, "b")
     pub = Paho(a.mqtt_port, "pub", version)
     for index in range(20):
         pub.publish(topic, f"m{index}", qos)  # QoS 1/2: waits for PUBACK / PUBCOMP
@@ -129,8 +129,8 @@ def test_mqtt_publish_on_one_node_reaches_subscriber_on_the_other(cluster, versi
     sub.disconnect()
 
 
-def test_acknowledged_publish_for_the_other_node_is_in_its_journal(cluster):
-    a, b = cluster["a"], cluster["b"]
+def test_acknowledged_publish_for_the_other_node_is_in_its_journal(pair):
+    a, b = pair["a"], pair["b"]
     topic = topic_for(a, "b")
     pub = Paho(a.mqtt_port, "pub", V5)
     pub.publish(topic, b"kept", 1)
@@ -147,13 +147,13 @@ def test_acknowledged_publish_for_the_other_node_is_in_its_journal(cluster):
     pub.disconnect()
 
 
-def test_mqtt_shared_subscription_spreads_across_nodes_once_each(cluster):
-    a, b = cluster["a"], cluster["b"]
+def test_mqtt_shared_subscription_spreads_across_nodes_once_each(pair):
+    a, b = pair["a"], pair["b"]
     members = [Paho(node.mqtt_port, f"worker-{node.node_id}", V5) for node in (a, b)]
     for member in members:
         member.subscribe("$share/workers/jobs/#", 1)
-    routes_reach(cluster, "a")
-    routes_reach(cluster, "b")
+    routes_reach(pair, "a")
+    routes_reach(pair, "b")
     pub = Paho(a.mqtt_port, "pub", V5)
     for index in range(40):
         pub.publish(f"jobs/{index}", str(index), 1)
@@ -175,12 +175,12 @@ def test_mqtt_shared_subscription_spreads_across_nodes_once_each(cluster):
         member.disconnect()
 
 
-def test_unsubscribe_on_one_node_stops_delivery_from_the_other(cluster):
-    a, b = cluster["a"], cluster["b"]
+def test_unsubscribe_on_one_node_stops_delivery_from_the_other(pair):
+    a, b = pair["a"], pair["b"]
     sub = Paho(b.mqtt_port, "sub", V5)
     sub.subscribe("news/#", 1)
     sub.subscribe("marker", 1)
-    routes_reach(cluster, "b", 2)
+    routes_reach(pair, "b", 2)
     sub.unsubscribe("news/#")
     wait_for(lambda: a.remote_routes("b") == 1)
     pub = Paho(a.mqtt_port, "pub", V5)
@@ -190,8 +190,8 @@ def test_unsubscribe_on_one_node_stops_delivery_from_the_other(cluster):
     sub.expect_none()
 
 
-async def test_amqp_publish_confirmed_on_one_node_reaches_consumer_on_the_other(cluster):
-    a, b = cluster["a"], cluster["b"]
+async def test_amqp_publish_confirmed_on_one_node_reaches_consumer_on_the_other(pair):
+    a, b = pair["a"], pair["b"]
     received: asyncio.Queue[aio_pika.abc.AbstractIncomingMessage] = asyncio.Queue()
     url_a = f"amqp://guest:guest@127.0.0.1:{a.port('amqp')}/"
     url_b = f"amqp://guest:guest@127.0.0.1:{b.port('amqp')}/"
@@ -200,7 +200,7 @@ async def test_amqp_publish_confirmed_on_one_node_reaches_consumer_on_the_other(
         queue = await channel.declare_queue("", exclusive=True)
         await queue.bind("amq.topic", "orders.#")
         await queue.consume(received.put, no_ack=True)
-        await asyncio.to_thread(routes_reach, cluster, "b", 2)  # the queue's name and its binding
+        await asyncio.to_thread(routes_reach, pair, "b", 2)  # the queue's name and its binding
         out = await producer_conn.channel(publisher_confirms=True)
         exchange = await out.get_exchange("amq.topic")
         keys = [topic_for(a, owner).replace("/", ".") for owner in ("a", "b")]
@@ -211,13 +211,13 @@ async def test_amqp_publish_confirmed_on_one_node_reaches_consumer_on_the_other(
         assert bodies == sorted(key.encode() for key in keys)
 
 
-async def test_grpc_sdk_publish_on_one_node_reaches_consumer_on_the_other(cluster):
-    a, b = cluster["a"], cluster["b"]
+async def test_grpc_sdk_publish_on_one_node_reaches_consumer_on_the_other(pair):
+    a, b = pair["a"], pair["b"]
     async with Client(f"127.0.0.1:{b.port('grpc')}") as client_b, \
             Client(f"127.0.0.1:{a.port('grpc')}") as client_a:
         consumer = client_b.consumer("cross", ["orders/#"])
         await consumer.subscribe()
-        await asyncio.to_thread(routes_reach, cluster, "b")
+        await asyncio.to_thread(routes_reach, pair, "b")
         producer = client_a.producer()
         topics = [topic_for(a, owner) for owner in ("a", "b")]
         for topic in topics:
@@ -227,8 +227,8 @@ async def test_grpc_sdk_publish_on_one_node_reaches_consumer_on_the_other(cluste
         assert texts == sorted(topics)
 
 
-def test_publish_while_the_owner_is_gone_gets_a_retryable_error(cluster):
-    a, b = cluster["a"], cluster["b"]
+def test_publish_while_the_owner_is_gone_gets_a_retryable_error(pair):
+    a, b = pair["a"], pair["b"]
     topic = topic_for(a, "b")
     b.server.call(b.plane.stop())
     raw = RawClient(a.mqtt_port, version=5)
@@ -243,9 +243,28 @@ def test_publish_while_the_owner_is_gone_gets_a_retryable_error(cluster):
     raw.close()
 
 
-async def test_grpc_publish_while_the_owner_is_gone_is_unavailable(cluster):
-    a, b = cluster["a"], cluster["b"]
+async def test_grpc_publish_while_the_owner_is_gone_is_unavailable(pair):
+    a, b = pair["a"], pair["b"]
     b.server.call(b.plane.stop())
     async with Client(f"127.0.0.1:{a.port('grpc')}") as client_a:
         with pytest.raises(Unavailable):
             await client_a.producer().send(topic_for(a, "b"), "x")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_persistent_session_gets_what_was_published_on_another_node_while_it_was_away(pair, version):
+    a, b = pair["a"], pair["b"]
+    options = {"clean": False, "session_expiry": 300} if version == V5 else {"clean": False}
+    sub = Paho(b.mqtt_port, "keeper", version, **options)
+    sub.subscribe("orders/#", 1)
+    routes_reach(pair, "b")
+    sub.disconnect()
+    pub = Paho(a.mqtt_port, "pub", version)
+    topics = [topic_for(a, owner) for owner in ("a", "b")]
+    for topic in topics:
+        pub.publish(topic, topic, 1)
+    sub = Paho(b.mqtt_port, "keeper", version, **options)
+    assert sorted(m.payload.decode() for m in sub.expect_n(2)) == sorted(topics)
+    sub.expect_none()
+    sub.disconnect()
+    pub.disconnect()

@@ -5,9 +5,11 @@ for it, and bad starts (same node id, no etcd) fail clearly."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -112,7 +114,8 @@ def test_an_unreachable_etcd_is_a_clear_error_after_a_bounded_wait(tmp_path: Pat
 
 def test_a_joining_node_takes_its_fair_share(cluster: Cluster) -> None:
     (n1,) = cluster(1, extra_config=STREAMS)
-    wait_for(lambda: owners(n1.status(), "fast") == ["n1"] * 6 if "fast" in n1.status()["placement"] else False)
+    wait_for(lambda: n1.status()["placement"].get("fast") and owners(n1.status(), "fast") == ["n1"] * 6,
+             timeout=30)
     before = epochs(n1.status(), "fast")
     cluster(1, first=2, extra_config=STREAMS)
 
@@ -120,7 +123,7 @@ def test_a_joining_node_takes_its_fair_share(cluster: Cluster) -> None:
         status = n1.status()
         return status if shard_counts(status) == [4, 5] else None
 
-    status = wait_for(split, timeout=20)
+    status = wait_for(split, timeout=30)
     # every shard that changed node has a higher epoch; the others kept theirs
     for shard, (owner, epoch) in enumerate(status["placement"]["fast"]):
         assert epoch == (before[shard] + 1 if owner == "n2" else before[shard])
@@ -188,3 +191,24 @@ def test_a_node_cut_off_from_etcd_stops_acting_after_its_ttl_and_rejoins(
         timeout=20)
     assert [entry["node_id"] for entry in status["nodes"]] == ["n1"]
     assert owners(status, "fast") == ["n1"] * 6
+
+
+def test_cluster_status_command_and_metrics_show_every_node(cluster: Cluster) -> None:
+    n1, n2 = cluster(2, extra_config=STREAMS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDGATE_")}
+    shown = subprocess.run(
+        [sys.executable, "-m", "shardgate", "cluster", "status",
+         "--http-url", f"http://127.0.0.1:{n2.ports['http']}"],
+        capture_output=True, text=True, timeout=60, env=env)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    controller = n1.status()["controller"]
+    assert lines[0] == f"cluster test: 2 nodes, controller {controller}, 9 shards in 3 streams"
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert set(rows) == {"n1", "n2"}
+    assert rows["n1"][2] == f"127.0.0.1:{n1.mqtt_port}"
+    assert sorted(int(row[-2]) for row in rows.values()) == [4, 5]
+    with urllib.request.urlopen(f"http://127.0.0.1:{n1.ports['http']}/metrics", timeout=5) as reply:
+        metrics = reply.read().decode()
+    assert 'shardgate_cluster_nodes{node="n1"} 2.0' in metrics
+    assert 'shardgate_cluster_lease_alive{node="n1"} 1.0' in metrics

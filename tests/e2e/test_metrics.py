@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,8 +34,12 @@ def serve_admin(broker: ThreadedBroker) -> Iterator[str]:
         broker.call(server.wait_closed())
 
 
-def scrape(url: str) -> tuple[str, Samples]:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+def scrape(url: str, auth: tuple[str, str] | None = None) -> tuple[str, Samples]:
+    request = urllib.request.Request(url + "/metrics")
+    if auth is not None:
+        token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    with urllib.request.urlopen(request, timeout=10) as response:
         content_type = response.headers["Content-Type"]
         text = response.read().decode()
     samples: Samples = {}
@@ -286,11 +291,13 @@ def test_dropped_messages_by_reason(node: tuple[ThreadedBroker, str]) -> None:
 def test_security_denials_by_protocol_and_action(node: tuple[ThreadedBroker, str]) -> None:
     broker, url = node
     data_dir = broker.config.data_dir
-    save_users(data_dir / "users.json", {"alice": User("alice", hash_password("alice-pw"))})
+    save_users(data_dir / "users.json", {"alice": User("alice", hash_password("alice-pw")),
+                                         "ops": User("ops", hash_password("ops-pw"), ["admin"])})
     (data_dir / "acl.toml").write_text('[[allow]]\nactions = ["publish", "subscribe"]\n'
                                        'topics = ["devices/%u/#"]\n')
     broker.call(lambda: install_security(broker.app))
-    _, before = scrape(url)
+    ops = ("ops", "ops-pw")  # /metrics needs an admin once users exist
+    _, before = scrape(url, ops)
     denials = "shardgate_security_denials_total"
     assert not [name for name, _ in before if name == denials]  # nothing refused yet
 
@@ -307,7 +314,7 @@ def test_security_denials_by_protocol_and_action(node: tuple[ThreadedBroker, str
         client.producer().send("devices/alice/temp", b"21")
 
     def counted() -> Samples | None:
-        _, samples = scrape(url)
+        _, samples = scrape(url, ops)
         keys = [(denials, (("action", a), ("protocol", p)))
                 for p, a in (("mqtt", "connect"), ("mqtt", "publish"), ("grpc", "connect"))]
         return samples if all(key in samples for key in keys) else None

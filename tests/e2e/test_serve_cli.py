@@ -72,3 +72,18 @@ def test_config_errors_name_the_setting_the_file_and_the_allowed_values(
     for part in expected:
         assert part in result.stderr
     assert "__init__" not in result.stderr and "not a valid" not in result.stderr
+
+
+def test_a_port_in_use_names_the_listener(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for flag, name in (("--grpc-port", "gRPC"), ("--mqtt-port", "MQTT"), ("--http-port", "admin HTTP")):
+            result = serve(tmp_path / "data", flag, port)
+            assert result.returncode == 2, result.stderr
+            assert f"cannot listen for {name} on 127.0.0.1:{port}: the port is already in use" in result.stderr
+            assert flag in result.stderr
+            assert "add_port.cc" not in result.stderr and "Traceback" not in result.stderr

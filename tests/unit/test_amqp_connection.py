@@ -377,6 +377,40 @@ def test_hot_path_codecs_match_pamqp():
     assert hotpath.decode_publish(publish[:-3] + b"\xce") is None
 
 
+@pytest.mark.parametrize("props", [
+    {},
+    {"delivery_mode": 2},
+    {"content_type": "application/json", "content_encoding": "gzip", "delivery_mode": 1,
+     "priority": 7, "correlation_id": "c-1", "reply_to": "amq.rabbitmq.reply-to",
+     "expiration": "60000", "message_id": "m-ü", "message_type": "t", "user_id": "guest",
+     "app_id": "app"},
+    {"headers": {"n": 1, "s": "x", "nested": {"l": [1, "two", 3.5]}, "flag": True},
+     "timestamp": __import__("datetime").datetime(2026, 1, 2, 3, 4, 5,
+                                                  tzinfo=__import__("datetime").UTC)},
+])
+def test_content_header_fast_decode_matches_pamqp(props: dict[str, Any]) -> None:
+    from shardgate.protocols.amqp import hotpath
+
+    raw = frame.marshal(header.ContentHeader(0, 12345, commands.Basic.Properties(**props)), 1)
+    body_size, decoded = hotpath.decode_content_header(raw)
+    _, _, expected = frame.unmarshal(raw)
+    assert body_size == 12345
+    for name in hotpath._PROPERTY_NAMES:
+        assert getattr(decoded, name) == getattr(expected.properties, name), name
+    assert decoded.marshal() == expected.properties.marshal()
+
+
+def test_content_header_fast_decode_leaves_odd_input_to_pamqp() -> None:
+    from shardgate.protocols.amqp import hotpath
+
+    raw = frame.marshal(header.ContentHeader(0, 1, commands.Basic.Properties(app_id="a")), 1)
+    assert hotpath.decode_content_header(raw[:-4] + b"\xce") is None  # truncated
+    bad_utf8 = raw.replace(b"\x01a", b"\x01\xff")
+    assert hotpath.decode_content_header(bad_utf8) is None
+    other_class = raw[:7] + struct.pack(">H", 50) + raw[9:]
+    assert hotpath.decode_content_header(other_class) is None
+
+
 def test_confirms_merge_into_one_multiple_ack(client: Client) -> None:
     client.send(1, commands.Confirm.Select())
     declare(client, "cq")

@@ -1,0 +1,61 @@
+"""Logging set-up shared by the CLI and the connectors: Shardgate's own lines, and third-party
+libraries kept quiet.
+
+amqtt (with its `transitions` state machine) logs every state change at INFO and every failed
+connection attempt as a WARNING; aiormq and aio-pika log an ERROR for each refused
+reconnection. The bridges report the same events once, in Shardgate's words
+(`ReconnectReport`), so those libraries only speak at `--log-level debug`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+# logger name -> the level it runs at unless Shardgate logs at debug
+QUIET_LOGGERS = {
+    "transitions": logging.WARNING,
+    "amqtt": logging.ERROR,
+    "aiormq": logging.CRITICAL,
+    "aio_pika": logging.CRITICAL,
+    "pamqp": logging.WARNING,
+    "hpack": logging.WARNING,
+    "fsspec": logging.WARNING,
+    "botocore": logging.WARNING,
+    "s3fs": logging.WARNING,
+}
+
+
+def quiet_third_party_loggers(level: int) -> None:
+    """Keep the libraries of `QUIET_LOGGERS` at their quiet level, unless `level` is DEBUG."""
+    for name, quiet in QUIET_LOGGERS.items():
+        logging.getLogger(name).setLevel(logging.DEBUG if level <= logging.DEBUG else quiet)
+
+
+class ReconnectReport:
+    """Says once that a remote is unreachable (a warning), keeps later attempts at debug, and
+    says when it is reachable again."""
+
+    def __init__(self, log: logging.Logger, what: str) -> None:
+        self.log = log
+        self.what = what
+        self.failures = 0
+
+    def failed(self, error: BaseException, retry_max_s: float) -> None:
+        self.failures += 1
+        if self.failures == 1:
+            self.log.warning("%s: cannot reach the remote (%s); retrying every few seconds (at "
+                             "most %.0fs apart), messages wait meanwhile", self.what,
+                             error or type(error).__name__, retry_max_s)
+        else:
+            self.log.debug("%s: attempt %d failed: %s", self.what, self.failures, error)
+
+    def connected(self, where: str) -> None:
+        if self.failures:
+            self.log.info("%s: connected to %s after %d failed attempts", self.what, where, self.failures)
+        else:
+            self.log.info("%s: connected to %s", self.what, where)
+        self.failures = 0
+
+    def lost(self, error: BaseException) -> None:
+        self.log.warning("%s: connection to the remote lost (%s); reconnecting", self.what,
+                         error or type(error).__name__)

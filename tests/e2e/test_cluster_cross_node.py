@@ -1,0 +1,178 @@
+"""Any node serves any client: `shardgate serve --cluster` processes on a real etcd, a client
+publishing on one node and a subscriber on another, for every protocol (paho MQTT 3.1.1/5.0 at
+QoS 0/1/2, aio-pika, the gRPC SDK) and for shared subscriptions spread across nodes.
+
+Which node owns a shard is the controller's choice; the tests publish to topics of every shard
+of a partitioned stream, so both data paths run: a publish forwarded to the shard's owner, and
+a stored message pushed by the owner to the subscriber's node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import re
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import aio_pika
+import pytest
+from shardgate.client import Client
+
+from tests.conftest import free_port, wait_for
+from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer, settled
+from tests.mqtt_clients import V5, V311, Paho
+
+Cluster = Callable[..., list[ClusterNodeProcess]]
+
+STREAMS = """
+[[streams]]
+name = "fast"
+mode = "non-reliable"
+partitions = 4
+routes = ["fast/#"]
+
+[[streams]]
+name = "safe"
+mode = "reliable"
+partitions = 4
+routes = ["safe/#"]
+"""
+# Enough distinct topics to land on every shard of a 4-shard stream (crc32 of the topic).
+TOPICS = 12
+
+
+def with_every_protocol(etcd: EtcdServer, tmp_path: Path, count: int) -> list[ClusterNodeProcess]:
+    """`count` nodes with their AMQP and gRPC listeners on too (the `cluster` fixture's nodes
+    serve MQTT and HTTP only)."""
+    nodes = []
+    for index in range(1, count + 1):
+        node = ClusterNodeProcess(
+            tmp_path / f"n{index}", f"n{index}", etcd.url, extra_config=STREAMS,
+            extra_args=["--amqp-port", str(free_port()), "--grpc-port", str(free_port())],
+        )
+        nodes.append(node.start())
+    names = {node.node_id for node in nodes}
+    for node in nodes:
+        wait_for(lambda node=node: settled(node, names), timeout=30, interval=0.05)
+    return nodes
+
+
+@pytest.fixture
+def protocol_nodes(etcd: EtcdServer, tmp_path: Path) -> Iterator[list[ClusterNodeProcess]]:
+    nodes = with_every_protocol(etcd, tmp_path, 2)
+    yield nodes
+    for node in nodes:
+        if node.alive():
+            node.kill()
+
+
+def metric(node: ClusterNodeProcess, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.ports['http']}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    want = ",".join(f'{key}="{value}"' for key, value in labels.items())
+    match = re.search(rf"^{name}{{{re.escape(want)}}} (\S+)$", text, re.M) if want else re.search(
+        rf"^{name} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def routes_reach(nodes: list[ClusterNodeProcess], of: ClusterNodeProcess, count: int = 1) -> None:
+    """Wait until every other node knows `count` topic filters of node `of`'s clients."""
+    wait_for(lambda: all(
+        metric(node, "shardgate_cluster_peer_routes", peer=of.node_id) >= count
+        for node in nodes if node is not of
+    ), timeout=15)
+
+
+def drain(client: Paho, timeout: float = 1.0) -> list[bytes]:
+    got = []
+    while True:
+        try:
+            got.append(client.expect(timeout=timeout).payload)
+        except queue.Empty:
+            return got
+
+
+def test_mqtt_publish_on_one_node_reaches_a_subscriber_on_another_at_every_qos(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster(3, extra_config=STREAMS)
+    for version in (V311, V5):
+        for qos in (0, 1, 2):
+            tag = f"v{version}q{qos}"
+            sub = Paho(n2.mqtt_port, f"sub-{tag}", version)
+            sub.subscribe(f"fast/{tag}/#", qos)
+            sub.subscribe(f"safe/{tag}/#", qos)
+            routes_reach([n1, n2, n3], n2, 2)
+            pub = Paho(n1.mqtt_port, f"pub-{tag}", version)
+            sent = [f"{stream}/{tag}/{i}" for stream in ("fast", "safe") for i in range(TOPICS)]
+            for topic in sent:
+                pub.publish(topic, topic, qos)  # QoS 1/2: returns once acknowledged
+            received = sub.expect_n(len(sent))
+            assert sorted(m.payload.decode() for m in received) == sorted(sent), tag
+            assert all(m.qos == qos for m in received)
+            sub.expect_none()
+            pub.disconnect()
+            sub.disconnect()
+    forwarded = sum(metric(node, "shardgate_cluster_forwarded_messages_total", direction="out")
+                    for node in (n1, n2, n3))
+    pushed = sum(metric(node, "shardgate_cluster_pushed_messages_total", direction="out")
+                 for node in (n1, n2, n3))
+    assert forwarded and pushed, "both data paths ran"
+
+
+def test_shared_subscription_spreads_across_nodes_each_message_once(cluster: Cluster) -> None:
+    nodes = cluster(3, extra_config=STREAMS)
+    members = [Paho(node.mqtt_port, f"worker-{node.node_id}", V5) for node in nodes]
+    for member in members:
+        member.subscribe("$share/workers/fast/jobs/#", 1)
+    for node in nodes:
+        routes_reach(nodes, node)
+    pub = Paho(nodes[0].mqtt_port, "pub", V5)
+    for index in range(60):
+        pub.publish(f"fast/jobs/{index}", str(index), 1)
+    shares = [drain(member) for member in members]
+    assert sorted(int(p) for share in shares for p in share) == list(range(60))
+    assert sum(1 for share in shares if share) >= 2, f"spread: {[len(s) for s in shares]}"
+
+
+async def test_amqp_publisher_confirmed_on_one_node_reaches_a_queue_on_another(
+    protocol_nodes: list[ClusterNodeProcess],
+) -> None:
+    n1, n2 = protocol_nodes
+    received: asyncio.Queue[bytes] = asyncio.Queue()
+    async with await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:{n2.ports['amqp']}/") as c2, \
+            await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:{n1.ports['amqp']}/") as c1:
+        channel = await c2.channel()
+        queue_ = await channel.declare_queue("", exclusive=True)
+        await queue_.bind("amq.topic", "safe.#")
+
+        async def take(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            received.put_nowait(message.body)
+
+        await queue_.consume(take, no_ack=True)
+        await asyncio.to_thread(routes_reach, [n1, n2], n2, 2)
+        out = await c1.channel(publisher_confirms=True)
+        exchange = await out.get_exchange("amq.topic")
+        keys = [f"safe.orders.{i}" for i in range(TOPICS)]
+        for key in keys:
+            await exchange.publish(aio_pika.Message(key.encode()), key)  # raises unless acked
+        got = [await asyncio.wait_for(received.get(), 5) for _ in keys]
+        assert sorted(got) == sorted(key.encode() for key in keys)
+
+
+async def test_grpc_sdk_publish_on_one_node_reaches_a_consumer_on_another(
+    protocol_nodes: list[ClusterNodeProcess],
+) -> None:
+    n1, n2 = protocol_nodes
+    async with Client(f"127.0.0.1:{n2.ports['grpc']}") as c2, Client(f"127.0.0.1:{n1.ports['grpc']}") as c1:
+        consumer = c2.consumer("cross", ["safe/#"])
+        await consumer.subscribe()
+        await asyncio.to_thread(routes_reach, [n1, n2], n2)
+        producer = c1.producer()
+        topics = [f"safe/grpc/{i}" for i in range(TOPICS)]
+        receipts = [await producer.send(topic, topic) for topic in topics]
+        assert all(r.stream == "safe" and r.offset >= 0 for r in receipts)
+        got = [(await consumer.receive(5)).text() for _ in topics]
+        assert sorted(got) == sorted(topics)
+
+

@@ -1,0 +1,117 @@
+"""README "Running a cluster": every command of its first shell block, run exactly as printed
+(in a temporary directory): etcd, three nodes, `shardgate cluster status`, a stream created
+on node 1, a subscriber on node 3 that gets a message published on node 1."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_for
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def cluster_commands() -> list[str]:
+    text = README.read_text()
+    section = text[text.index("## Running a cluster"):]
+    block = section[section.index("```sh\n") + len("```sh\n"):]
+    return [line for line in block[:block.index("```")].splitlines() if line.strip()]
+
+
+def ports_in(commands: list[str]) -> list[int]:
+    """Every port the commands name (the four- and five-digit numbers), and etcd's peer port."""
+    numbers = re.findall(r"(?<![\d.])(\d{4,5})(?![\d.])", " ".join(commands))
+    return sorted({2380, *(int(number) for number in numbers)})
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.fixture
+def shell(tmp_path: Path) -> Iterator[tuple[dict[str, str], list[subprocess.Popen[bytes]]]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDGATE_")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    background: list[subprocess.Popen[bytes]] = []
+    yield env, background
+    for process in reversed(background):
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+    for process in reversed(background):
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(5)
+
+
+def test_readme_cluster_commands_run_as_printed(
+    tmp_path: Path, shell: tuple[dict[str, str], list[subprocess.Popen[bytes]]],
+) -> None:
+    commands = cluster_commands()
+    for tool in ("etcd", "mosquitto_sub", "mosquitto_pub"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is not installed")
+    busy = [port for port in ports_in(commands) if not port_free(port)]
+    if busy:
+        pytest.skip(f"ports the README uses are busy on this machine: {busy}")
+    env, background = shell
+    log = open(tmp_path / "commands.log", "ab")  # noqa: SIM115
+
+    def run(command: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=60)
+
+    subscriber: subprocess.Popen[bytes] | None = None
+    for command in commands:
+        if command.endswith("&"):
+            process = subprocess.Popen(
+                command[:-1], shell=True, cwd=tmp_path, env=env, start_new_session=True,
+                stdout=subprocess.PIPE if command.startswith("mosquitto_sub") else log,
+                stderr=log)
+            background.append(process)
+            if command.startswith("mosquitto_sub"):
+                subscriber = process
+        elif command.startswith("shardgate cluster status"):
+            shown = wait_for(lambda command=command: (r := run(command)).returncode == 0
+                             and "3 nodes" in r.stdout and r, timeout=60, interval=0.2)
+            for node in ("n1", "n2", "n3"):
+                assert f"\n{node} " in shown.stdout, shown.stdout
+        elif command.startswith("mosquitto_pub"):
+            assert subscriber is not None
+            # until the subscription has reached the other nodes, a publish finds nobody:
+            # publish again until the subscriber (-C 1) got one message and exited
+            started = time.monotonic()
+            while subscriber.poll() is None:
+                published = run(command)
+                assert published.returncode == 0, published.stderr
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    subscriber.wait(0.3)
+                assert time.monotonic() - started < 30, "the subscriber on node 3 got nothing"
+            assert subscriber.stdout is not None
+            assert subscriber.stdout.read().decode().strip() == "shipped"
+        else:
+            result = wait_for(lambda command=command: (r := run(command)).returncode == 0 and r,
+                              timeout=30, interval=0.2)
+            assert result.returncode == 0
+    log.close()
