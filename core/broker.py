@@ -53,6 +53,7 @@ from .trie import TopicTrie
 log = logging.getLogger(__name__)
 
 MATCH_CACHE_LIMIT = 50_000
+INTERNAL_PREFIX = "$internal/"
 
 # One entry per matched subscription: the subscription and the filters of it that matched.
 Matches = list[tuple[Subscription, tuple[str, ...]]]
@@ -119,6 +120,10 @@ class Broker:
         self.storage = storage
         self.stats = BrokerStats()
         self.retained: RetainedStore[Message] = RetainedStore()
+        # Protocol state the broker keeps for itself (e.g. AMQP's durable topology), by topic
+        # under `$internal/`: persisted like retained messages, never delivered or retained for
+        # clients, never journaled.
+        self.internal_state: dict[str, Message] = {}
         self.subscriptions: dict[str, Subscription] = {}
         self._streams: dict[str, Stream] = {}
         self._trie: TopicTrie[Subscription] = TopicTrie()
@@ -343,6 +348,8 @@ class Broker:
         PublishRejected if the store could not take it."""
         topic = message.topic
         if topic[:1] == "$" or message.headers:
+            if topic.startswith(INTERNAL_PREFIX):
+                raise PublishRejected(f"{INTERNAL_PREFIX} topics are reserved for the broker")
             at_ms = deliver_at(message)
             if at_ms is not None and at_ms > now_ms():
                 # Refused now if it will not fit its stream's schema when it is due.
@@ -459,6 +466,18 @@ class Broker:
             consumer.deliver(message, sub, filters)
             delivered += 1
         return delivered
+
+    def keep_internal(self, message: Message) -> None:
+        """Keep `message` as internal state under its topic (which must start with
+        `$internal/`); an empty payload removes it. Persisted through `on_retained_change`."""
+        if not message.topic.startswith(INTERNAL_PREFIX):
+            raise ValueError(f"internal state lives under {INTERNAL_PREFIX}, not {message.topic!r}")
+        if message.payload:
+            self.internal_state[message.topic] = message
+        elif self.internal_state.pop(message.topic, None) is None:
+            return
+        if self.on_retained_change is not None:
+            self.on_retained_change(message.topic, message if message.payload else None)
 
     def _retain(self, message: Message) -> None:
         if message.payload:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from ..storage.interfaces import ArchiveSource, ShardLog, StorageError, StoredRecord
-from ..storage.records import RecordFormatError, decode_message
+from ..storage.records import RecordFormatError, decode_message, record_topic
 from .message import Message, message_from_record, now_ms
 from .subscriptions import Consumer, Subscription, SubscriptionType
 from .topics import filter_matches
@@ -84,7 +84,7 @@ class Delivery:
 class ShardCursor:
     __slots__ = (
         "stream", "shard", "log", "position", "unacked", "live", "pending_redelivery", "skip",
-        "archived", "fetching",
+        "archived", "fetching", "restored",
     )
 
     def __init__(self, stream: str, shard: int, shard_log: ShardLog | None, position: int) -> None:
@@ -103,6 +103,8 @@ class ShardCursor:
         # Records fetched from the archive for a cursor below the journal's low watermark.
         self.archived: list[StoredRecord] = []
         self.fetching = False
+        # Pending redeliveries below the journal's low watermark, read from the archive.
+        self.restored: dict[int, Message] = {}
 
     @property
     def floor(self) -> int:
@@ -405,8 +407,20 @@ class DurableSubscription(Subscription):
             consumer = self.pick_available(cursor.shard)
             if consumer is None:
                 return budget
-            offset = cursor.pending_redelivery.pop(0)
-            message = self._read_one(cursor, offset)
+            offset = cursor.pending_redelivery[0]
+            message = cursor.restored.pop(offset, None)
+            if message is None and cursor.log is not None and offset < cursor.log.low_watermark:
+                archive = self.broker.archive
+                if archive is not None:
+                    # Tiered replay of a restored unacknowledged message: from the archive.
+                    if not cursor.fetching:
+                        cursor.fetching = True
+                        asyncio.get_running_loop().create_task(
+                            self._fetch_restored(cursor, archive))
+                    return budget
+            cursor.pending_redelivery.pop(0)
+            if message is None:
+                message = self._read_one(cursor, offset)
             if message is None:
                 continue
             filters = self._filters_for(message.topic)
@@ -478,14 +492,17 @@ class DurableSubscription(Subscription):
                 if record.offset < cursor.position:
                     continue
                 try:
-                    message = message_from_record(decode_message(record.data), cursor.stream, cursor.shard, record.offset)
+                    # Only records this subscription wants are decoded whole.
+                    filters = self._filters_for(record_topic(record.data))
+                    message = message_from_record(
+                        decode_message(record.data), cursor.stream, cursor.shard, record.offset
+                    ) if filters else None
                 except RecordFormatError as exc:
                     log.error("subscription %s: skipping bad record %s/%d@%d: %s",
                               self.name, cursor.stream, cursor.shard, record.offset, exc)
                     cursor.position = record.offset + 1
                     continue
-                filters = self._filters_for(message.topic)
-                if not filters or message.expired(now) or record.offset in cursor.skip:
+                if message is None or message.expired(now) or record.offset in cursor.skip:
                     cursor.skip.discard(record.offset)
                     cursor.position = record.offset + 1
                     continue
@@ -517,6 +534,47 @@ class DurableSubscription(Subscription):
                         "resuming at %d", self.name, cursor.stream, cursor.shard, cursor.position,
                         cursor.log.low_watermark)
             cursor.position = cursor.log.low_watermark
+        self.schedule_pump()
+
+    async def _fetch_restored(self, cursor: ShardCursor, archive: ArchiveSource) -> None:
+        """Read the pending redeliveries that only the archive still holds."""
+        low = cursor.log.low_watermark if cursor.log is not None else 0
+        wanted = [offset for offset in cursor.pending_redelivery if offset < low]
+        found: dict[int, Message] = {}
+        try:
+            if wanted:
+                first, last = wanted[0], wanted[-1]
+                position = first
+                while position <= last:
+                    records = await archive.read_async(
+                        cursor.stream, cursor.shard, position, min(REPLAY_BATCH, last - position + 1))
+                    if not records:
+                        break
+                    for record in records:
+                        if record.offset in wanted:
+                            try:
+                                found[record.offset] = message_from_record(
+                                    decode_message(record.data), cursor.stream, cursor.shard,
+                                    record.offset)
+                            except RecordFormatError as exc:
+                                log.error("subscription %s: bad archived record %s/%d@%d: %s",
+                                          self.name, cursor.stream, cursor.shard, record.offset, exc)
+                    position = records[-1].offset + 1
+        except Exception as exc:
+            log.error("subscription %s: archive read of %s/%d@%d failed: %s",
+                      self.name, cursor.stream, cursor.shard, wanted[0], exc)
+            await asyncio.sleep(1.0)
+            cursor.fetching = False
+            self.schedule_pump()
+            return
+        cursor.fetching = False
+        missing = [offset for offset in wanted if offset not in found]
+        if missing:
+            log.warning("subscription %s: %d unacknowledged messages of %s/%d are in neither "
+                        "the archive nor the journal", self.name, len(missing), cursor.stream,
+                        cursor.shard)
+            cursor.pending_redelivery = [o for o in cursor.pending_redelivery if o not in missing]
+        cursor.restored.update(found)
         self.schedule_pump()
 
     def _dead_letter(self, cursor: ShardCursor, delivery: Delivery) -> None:

@@ -113,5 +113,20 @@ class DelayedStore(Protocol):
     def delete_delayed(self, id: str) -> bool: ...
 
 
-class MqttSessionPorts(SessionStore, Qos2Store, CursorStore, Protocol):
+class WriteGroups(Protocol):
+    """Group commit: while a group is open, writes join one transaction that `commit_group`
+    makes durable (one fsync) before the caller acknowledges anything that depends on them."""
+
+    def group_writes(self, on: bool) -> None:
+        """Open (True) or close (False) the group; closing does not commit."""
+
+    @property
+    def group_pending(self) -> bool:
+        """Writes wait in the group for `commit_group`."""
+        ...
+
+    def commit_group(self) -> None: ...
+
+
+class MqttSessionPorts(SessionStore, Qos2Store, CursorStore, WriteGroups, Protocol):
     """Everything the MQTT layer stores."""

@@ -33,32 +33,60 @@ class PeerFrame(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., from_node: _Optional[str] = ..., forwards: _Optional[_Iterable[_Union[Forward, _Mapping]]] = ..., pushes: _Optional[_Iterable[_Union[Push, _Mapping]]] = ..., routes: _Optional[_Union[RouteUpdate, _Mapping]] = ...) -> None: ...
 
 class Forward(_message.Message):
-    __slots__ = ("stream", "shard", "epoch", "record")
+    __slots__ = ("stream", "shard", "epoch", "record", "topic", "payload", "qos", "retain", "publish_time_ms", "producer_protocol", "producer_id")
     STREAM_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    QOS_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_ID_FIELD_NUMBER: _ClassVar[int]
     stream: str
     shard: int
     epoch: int
     record: bytes
-    def __init__(self, stream: _Optional[str] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ..., record: _Optional[bytes] = ...) -> None: ...
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    publish_time_ms: int
+    producer_protocol: str
+    producer_id: str
+    def __init__(self, stream: _Optional[str] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ..., record: _Optional[bytes] = ..., topic: _Optional[str] = ..., payload: _Optional[bytes] = ..., qos: _Optional[int] = ..., retain: _Optional[bool] = ..., publish_time_ms: _Optional[int] = ..., producer_protocol: _Optional[str] = ..., producer_id: _Optional[str] = ...) -> None: ...
 
 class Push(_message.Message):
-    __slots__ = ("stream", "shard", "offset", "record", "plain", "share_groups")
+    __slots__ = ("stream", "shard", "offset", "record", "plain", "share_groups", "topic", "payload", "qos", "retain", "publish_time_ms", "producer_protocol", "producer_id")
     STREAM_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
     PLAIN_FIELD_NUMBER: _ClassVar[int]
     SHARE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    QOS_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_ID_FIELD_NUMBER: _ClassVar[int]
     stream: str
     shard: int
     offset: int
     record: bytes
     plain: bool
     share_groups: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, stream: _Optional[str] = ..., shard: _Optional[int] = ..., offset: _Optional[int] = ..., record: _Optional[bytes] = ..., plain: _Optional[bool] = ..., share_groups: _Optional[_Iterable[str]] = ...) -> None: ...
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    publish_time_ms: int
+    producer_protocol: str
+    producer_id: str
+    def __init__(self, stream: _Optional[str] = ..., shard: _Optional[int] = ..., offset: _Optional[int] = ..., record: _Optional[bytes] = ..., plain: _Optional[bool] = ..., share_groups: _Optional[_Iterable[str]] = ..., topic: _Optional[str] = ..., payload: _Optional[bytes] = ..., qos: _Optional[int] = ..., retain: _Optional[bool] = ..., publish_time_ms: _Optional[int] = ..., producer_protocol: _Optional[str] = ..., producer_id: _Optional[str] = ...) -> None: ...
 
 class RouteUpdate(_message.Message):
     __slots__ = ("reset", "added", "removed")

@@ -28,6 +28,7 @@ from aiohttp import web
 
 from . import __version__
 from .core.edge import KICK_REASON
+from .history import TrafficHistory
 from .metrics import (
     CONTENT_TYPE,
     archive_status,
@@ -392,6 +393,9 @@ def openapi_document() -> dict[str, Any]:
                  "description": f"at most this many (default {RETAINED_LIMIT})"},
             ]),
         "/api/archive": _get("Archiver status", _ref("Archive")),
+        "/api/history": _get(
+            "The last 15 minutes of traffic counters, one sample every few seconds (cumulative "
+            "messages and bytes in and out, connections)", {"type": "object"}),
         "/api/archive/flush": {"post": {
             "summary": "Seal and upload what the journal holds for the archive, now",
             "responses": {"200": _json(_ref("Archive")), "409": _json(_ref("Error"), "Not enabled"),
@@ -600,6 +604,20 @@ def _dumps(value: Any) -> str:
 
 
 _OPENAPI_KEY: web.AppKey[dict[str, Any]] = web.AppKey("openapi", dict)
+HISTORY_KEY: web.AppKey[Any] = web.AppKey("history", object)
+
+
+def _traffic_counters(app: Any) -> dict[str, Any]:
+    stats = app.broker.stats
+    return {
+        "messages_in": stats.messages_in, "messages_out": stats.messages_out,
+        "bytes_in": stats.bytes_in, "bytes_out": stats.bytes_out,
+        "connections": sum(connection_counts(app).values()),
+    }
+
+
+async def _history(request: web.Request) -> web.Response:
+    return web.json_response(request.app[HISTORY_KEY].view())
 _REGISTRY_KEY: web.AppKey[Any] = web.AppKey("registry", object)
 
 _DASHBOARD_HEADERS = {
@@ -622,6 +640,7 @@ def create_web_app(app: Any, middlewares: list[Any] | None = None) -> web.Applic
     web_app[APP_KEY] = app
     web_app[_OPENAPI_KEY] = openapi_document()
     web_app[_REGISTRY_KEY] = create_registry(app)
+    web_app[HISTORY_KEY] = TrafficHistory(lambda: _traffic_counters(app))
     router = web_app.router
     router.add_get("/api/info", _info)
     router.add_get("/api/streams", _streams)
@@ -633,6 +652,7 @@ def create_web_app(app: Any, middlewares: list[Any] | None = None) -> web.Applic
     router.add_get("/api/sessions", _sessions)
     router.add_get("/api/retained", _retained)
     router.add_get("/api/archive", _archive)
+    router.add_get("/api/history", _history)
     router.add_post("/api/archive/flush", _archive_flush)
     router.add_get("/api/cluster", _cluster)
     router.add_get("/api/openapi.json", _openapi)
@@ -647,12 +667,14 @@ class HttpServer:
     """The bound admin server: `.port`, `close()`, `await wait_closed()`."""
 
     def __init__(self, runner: web.AppRunner, site: web.TCPSite, port: int) -> None:
+        self.history = runner.app[HISTORY_KEY]
         self.runner = runner
         self.site = site
         self.port = port
         self._closing: asyncio.Task[None] | None = None
 
     def close(self) -> None:
+        self.history.stop()
         if self._closing is None:
             self._closing = asyncio.ensure_future(self.runner.cleanup())
 
@@ -674,4 +696,6 @@ async def start_http_server(app: Any, host: str, port: int) -> HttpServer:
         await runner.cleanup()
         raise
     addresses = runner.addresses
-    return HttpServer(runner, site, addresses[0][1] if addresses else port)
+    server = HttpServer(runner, site, addresses[0][1] if addresses else port)
+    server.history.start()
+    return server

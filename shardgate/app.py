@@ -408,7 +408,6 @@ class Shardgate:
         if self.broker is not None:
             self.broker.delayed.close()
         if self.mqtt is not None:
-            self.mqtt.flush_qos2()
             for session in list(self.mqtt.sessions.values()):
                 self.mqtt.save_session(session)
         if self.journal is not None:

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .core.broker import Broker
+from .core.broker import INTERNAL_PREFIX, Broker
 from .core.durable import DurableSubscription
 from .core.message import Message, message_from_record, now_ms
 from .core.streams import RoutingRule, StreamConfig
@@ -92,6 +92,9 @@ class Persistence:
                 log.error("retained message for %r is unreadable; dropped", topic)
                 continue
             message = message_from_record(record, "", 0, -1)
+            if topic.startswith(INTERNAL_PREFIX):
+                self.broker.internal_state[topic] = message
+                continue
             self.broker.retained.set(topic, message)
             count += 1
         self.broker.on_retained_change = self._retained_changed

@@ -208,3 +208,19 @@ def decode_message(data: bytes) -> MessageRecord:
         return record
     except (struct.error, UnicodeDecodeError, IndexError) as exc:
         raise RecordFormatError(f"malformed message record: {exc}") from exc
+
+
+def record_topic(data: bytes | memoryview) -> str:
+    """The topic of an encoded message record, without decoding the rest: a reader that
+    filters by topic (a durable subscription replaying a shard) decodes only what it keeps."""
+    try:
+        version = data[0]
+        if version not in READABLE_VERSIONS:
+            raise RecordFormatError(f"message record version {version} is not supported")
+        start = _HEAD.size + 4
+        (length,) = _U32.unpack_from(data, _HEAD.size)
+        if start + length > len(data):
+            raise RecordFormatError("truncated message record")
+        return bytes(data[start : start + length]).decode("utf-8")
+    except (IndexError, struct.error, UnicodeDecodeError) as exc:
+        raise RecordFormatError(f"malformed message record: {exc}") from exc

@@ -346,8 +346,9 @@ class AmqpConnection:
         self._paused = False
         self._held_by_alarm = False
         self._wake_queues: set[Queue] = set()
-        # (exchange, exchange type, routing key) -> core topic, for repeated publishes.
-        self._topics: dict[tuple[str, str, str], str] = {}
+        # (exchange, exchange type, routing key) -> (core topic, encoded route), for repeated
+        # publishes.
+        self._topics: dict[tuple[str, str, str], tuple[str, bytes]] = {}
         self._ctag = itertools.count(1)
         self._ctag_prefix = os.urandom(6).hex()
         self._handlers: dict[type, Callable[[AmqpChannel, Any], None]] = {
@@ -1269,13 +1270,15 @@ class AmqpConnection:
                 f"'{self.username}'", *_ids(commands.Basic.Publish),
             )
         topics = self._topics
-        topic = topics.get((exchange.name, exchange.type, frame.routing_key))
-        if topic is None:
+        known = topics.get((exchange.name, exchange.type, frame.routing_key))
+        if known is None:
             if len(topics) >= 4096:
                 topics.clear()
-            topic = topics[(exchange.name, exchange.type, frame.routing_key)] = publish_topic(
-                exchange.name, exchange.type, frame.routing_key
+            known = topics[(exchange.name, exchange.type, frame.routing_key)] = (
+                publish_topic(exchange.name, exchange.type, frame.routing_key),
+                shortstr(frame.exchange) + shortstr(frame.routing_key),
             )
+        topic, route = known
         if not self.service.edge.authorize(self.principal, Action.PUBLISH, topic):
             raise ChannelException(
                 ReplyCode.ACCESS_REFUSED,
@@ -1291,6 +1294,11 @@ class AmqpConnection:
             props.reply_to = REPLY_PREFIX + channel.reply_token
             raw = props.marshal()
         message = message_from_properties(topic, body, props, self.id, raw)
+        # Deliveries report the exchange and routing key it was published with.
+        if message.encoded is None:
+            message.encoded = {_ROUTE_KEY: route}
+        else:
+            message.encoded[_ROUTE_KEY] = route
         if channel.tx is not None:
             channel.tx.publishes.append((frame, message))
             return

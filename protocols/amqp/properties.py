@@ -1,6 +1,6 @@
 """AMQP basic properties ⇄ core `Message` fields.
 
-Core fields: content-type, headers (stringified), correlation-id (as `correlation_data` bytes),
+Core fields: content-type, headers (as text, see `header_text`), correlation-id (as `correlation_data` bytes),
 reply-to, expiration (relative ms ⇄ absolute `expires_at_ms`). Properties without a core field
 ride in headers with an `amqp-` prefix (`amqp-delivery-mode`, `amqp-priority`,
 `amqp-message-id`, `amqp-timestamp`, `amqp-type`, `amqp-user-id`, `amqp-app-id`,
@@ -17,7 +17,9 @@ after a restart or from the archive, and the properties are encoded once for eve
 
 from __future__ import annotations
 
+import base64
 import datetime
+import json
 import struct
 
 from pamqp import commands
@@ -51,6 +53,38 @@ def _text(value: object) -> str | None:
     return str(value)
 
 
+def _json_ready(value: object) -> object:
+    if isinstance(value, dict):
+        return {str(k): _json_ready(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_ready(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return header_text(value)
+
+
+def header_text(value: object) -> str:
+    """An AMQP field value as the text of a core header, which MQTT 5 user properties and gRPC
+    metadata carry: strings, integers, booleans (`true`/`false`) and void (empty) as the
+    headers exchange compares them; nested tables and arrays as JSON; timestamps in ISO 8601;
+    byte arrays as UTF-8 where they are, else `base64:` and their Base64. U+0000, which an
+    MQTT string must not hold [MQTT-1.5.4-2], becomes U+FFFD. The exact typed value stays in
+    the native properties for AMQP consumers."""
+    if isinstance(value, dict | list | tuple):
+        text = json.dumps(_json_ready(value), ensure_ascii=False, separators=(",", ":"))
+    elif isinstance(value, datetime.datetime):
+        stamp = value if value.tzinfo is not None else value.replace(tzinfo=datetime.UTC)
+        text = stamp.isoformat()
+    elif isinstance(value, bytes | bytearray):
+        try:
+            text = bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            text = "base64:" + base64.b64encode(bytes(value)).decode("ascii")
+    else:
+        text = header_value(value)
+    return text.replace("\x00", "\ufffd") if "\x00" in text else text
+
+
 def message_from_properties(
     topic: str, body: bytes, props: commands.Basic.Properties, producer_id: str,
     raw_properties: bytes | None,
@@ -58,7 +92,7 @@ def message_from_properties(
     headers: list[tuple[str, str]] = []
     if props.headers:
         for name, value in props.headers.items():
-            headers.append((str(name), header_value(value)))
+            headers.append((str(name).replace("\x00", "\ufffd"), header_text(value)))
     for attr, header in _EXTRA.items():
         value = _text(getattr(props, attr))
         if value is not None:

@@ -7,7 +7,8 @@ queue, 503 for an unknown exchange type. Queues are core subscriptions named
 `amqp:<vhost>:<queue>`; bindings are core filters (see `routing`). A durable queue (when the broker
 has a journal) is a core *durable* subscription, so its messages and acknowledgements survive a
 restart; the durable exchanges, queue arguments and bindings are recorded as a retained message
-on `$amqp/$topology/<vhost>` (persisted by the composition root like every retained message) and
+under `$internal/amqp/topology/<vhost>` (internal broker state, persisted by the composition
+root like retained messages, never seen by clients) and
 `restore()` rebuilds them at start.
 """
 
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pamqp import commands, encode, header
 
+from ...core.broker import INTERNAL_PREFIX
 from ...core.durable import DurableOptions, DurableSubscription
 from ...core.errors import PublishRejected, SubscriptionBusy
 from ...core.message import Message
@@ -58,7 +60,9 @@ log = logging.getLogger(__name__)
 EXCHANGE_TYPES = ("direct", "fanout", "topic", "headers")
 # Retained record of a vhost's durable exchanges, queues and bindings (`$` keeps it clear of
 # exchange names, which cannot contain one).
-TOPOLOGY_PREFIX = PREFIX + "$topology/"
+TOPOLOGY_PREFIX = INTERNAL_PREFIX + "amqp/topology/"
+# Where earlier versions kept it: as a retained message any `$amqp/#` subscriber could see.
+LEGACY_TOPOLOGY_PREFIX = PREFIX + "$topology/"
 # A durable queue settles every message itself (ack, reject, expiry, purge): no ack timeout,
 # no core dead-lettering; its buffer is handed back when the queue object goes away.
 DURABLE_QUEUE_OPTIONS = DurableOptions(ack_timeout_s=None, max_deliveries=0, redeliver_on_leave=True)
@@ -108,6 +112,42 @@ class ExchangeBinding:
 MAX_DERIVED_BINDINGS = 1000
 
 DEFAULT_EXCHANGE_REFUSED = "operation not permitted on the default exchange"
+
+
+# The queue arguments RabbitMQ compares on redeclaration (rabbit_amqqueue declare_args/0);
+# other arguments are not compared.
+EQUIVALENT_QUEUE_ARGS = (
+    "x-expires", "x-message-ttl", "x-dead-letter-exchange", "x-dead-letter-routing-key",
+    "x-max-length", "x-max-length-bytes", "x-max-in-memory-length", "x-max-in-memory-bytes",
+    "x-max-priority", "x-overflow", "x-queue-mode", "x-queue-version",
+    "x-single-active-consumer", "x-queue-type", "x-quorum-initial-group-size", "x-max-age",
+    "x-stream-max-segment-size-bytes", "x-initial-cluster-size", "x-queue-leader-locator",
+)
+# AMQP field-table type names as RabbitMQ prints them, by pamqp's type octet.
+_FIELD_TYPES = {
+    "b": "byte", "B": "unsignedbyte", "s": "short", "u": "unsignedshort", "I": "signedint",
+    "i": "unsignedint", "l": "long", "f": "float", "d": "double", "D": "decimal",
+    "S": "longstr", "t": "bool", "T": "timestamp", "F": "table", "A": "array", "V": "void",
+    "x": "binary",
+}
+
+
+def _field_type(value: Any) -> str:
+    """The field type RabbitMQ names for `value` as a pamqp-based client (aio-pika, aiormq)
+    encodes it."""
+    try:
+        return _FIELD_TYPES.get(chr(encode.encode_table_value(value)[0]), "unknown")
+    except (TypeError, ValueError):
+        return "unknown"
+
+
+def _erl(value: Any) -> str:
+    """A value as RabbitMQ's ~s prints it in its reply texts."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", "replace")
+    return str(value)
 
 
 def _err(code: ReplyCode, text: str, method: type[commands.base.Frame] | None) -> ChannelException:
@@ -170,15 +210,17 @@ class VirtualHost:
                     f"received '{frame.exchange_type}' but current is '{existing.type}'",
                     method,
                 )
-            if name not in PREDECLARED and (
-                existing.durable != frame.durable or existing.auto_delete != frame.auto_delete
+            for flag, have, want in (
+                ("durable", existing.durable, bool(frame.durable)),
+                ("auto_delete", existing.auto_delete, bool(frame.auto_delete)),
             ):
-                raise _err(
-                    ReplyCode.PRECONDITION_FAILED,
-                    f"inequivalent arg 'durable' or 'auto_delete' for exchange '{name}' "
-                    f"in vhost '{self.name}'",
-                    method,
-                )
+                if name not in PREDECLARED and have != want:
+                    raise _err(
+                        ReplyCode.PRECONDITION_FAILED,
+                        f"inequivalent arg '{flag}' for exchange '{name}' in vhost "
+                        f"'{self.name}': received '{_erl(want)}' but current is '{_erl(have)}'",
+                        method,
+                    )
             return existing
         if name.startswith("amq."):
             raise _err(
@@ -353,13 +395,16 @@ class VirtualHost:
 
     def check_access(self, queue: Queue, owner: object, method: type[commands.base.Frame] | None) -> None:
         if queue.exclusive_owner is not None and queue.exclusive_owner is not owner:
-            raise _err(
-                ReplyCode.RESOURCE_LOCKED,
-                f"cannot obtain exclusive access to locked queue '{queue.name}' in vhost "
-                f"'{self.name}'. It could be originally declared on another connection or "
-                "the exclusive property value does not match that of the original declaration.",
-                method,
-            )
+            raise self._locked(queue, method)
+
+    def _locked(self, queue: Queue, method: type[commands.base.Frame] | None) -> ChannelException:
+        return _err(
+            ReplyCode.RESOURCE_LOCKED,
+            f"cannot obtain exclusive access to locked queue '{queue.name}' in vhost "
+            f"'{self.name}'. It could be originally declared on another connection or "
+            "the exclusive property value does not match that of the original declaration.",
+            method,
+        )
 
     def declare_queue(self, frame: commands.Queue.Declare, owner: object) -> tuple[Queue, bool]:
         """Declare (or find, when passive) a queue; returns it and whether it is new."""
@@ -379,38 +424,56 @@ class VirtualHost:
         arguments = dict(frame.arguments or {})
         for arg in _QUEUE_INT_ARGS:
             value = arguments.get(arg)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 0
-                or (arg == "x-expires" and value == 0)
-            ):
+            if value is None:
+                continue
+            problem = None
+            if isinstance(value, bool) or not isinstance(value, int):
+                problem = f'"expected integer, got {_field_type(value)}"'
+            elif value < 0:
+                problem = f"{{value_negative,{value}}}"
+            elif arg == "x-expires" and value == 0:
+                problem = "{value_zero,0}"
+            if problem is not None:
                 raise _err(
                     ReplyCode.PRECONDITION_FAILED,
-                    f"invalid arg '{arg}' for queue '{name}' in vhost '{self.name}': {value!r}",
+                    f"invalid arg '{arg}' for queue '{name}' in vhost '{self.name}': {problem}",
                     method,
                 )
         existing = self.queues.get(name)
         if existing is not None:
-            self.check_access(existing, owner, method)
-            if (
-                existing.durable != frame.durable
-                or existing.auto_delete != frame.auto_delete
-                or (existing.exclusive_owner is not None) != frame.exclusive
+            # rabbit_amqqueue:assert_equivalence/5: durable, auto_delete, exclusive (405), then
+            # the declare arguments RabbitMQ knows, each with its own text.
+            for flag, have, want in (
+                ("durable", existing.durable, bool(frame.durable)),
+                ("auto_delete", existing.auto_delete, bool(frame.auto_delete)),
             ):
-                raise _err(
-                    ReplyCode.PRECONDITION_FAILED,
-                    f"inequivalent arg 'durable', 'exclusive' or 'auto_delete' for queue "
-                    f"'{name}' in vhost '{self.name}'",
-                    method,
-                )
-            for arg in set(arguments) | set(existing.arguments):
-                if arg.startswith("x-") and arguments.get(arg) != existing.arguments.get(arg):
+                if have != want:
                     raise _err(
                         ReplyCode.PRECONDITION_FAILED,
-                        f"inequivalent arg '{arg}' for queue '{name}' in vhost '{self.name}': "
-                        f"received {arguments.get(arg)!r} but current is "
-                        f"{existing.arguments.get(arg)!r}",
+                        f"inequivalent arg '{flag}' for queue '{name}' in vhost '{self.name}': "
+                        f"received '{_erl(want)}' but current is '{_erl(have)}'",
                         method,
                     )
+            self.check_access(existing, owner, method)
+            if (existing.exclusive_owner is not None) != bool(frame.exclusive):
+                raise self._locked(existing, method)
+            for arg in EQUIVALENT_QUEUE_ARGS:
+                received, current = arguments.get(arg), existing.arguments.get(arg)
+                if received == current:
+                    continue
+                if received is None:
+                    detail = (f"received none but current is the value '{_erl(current)}' of type "
+                              f"'{_field_type(current)}'")
+                elif current is None:
+                    detail = (f"received the value '{_erl(received)}' of type "
+                              f"'{_field_type(received)}' but current is none")
+                else:
+                    detail = f"received '{_erl(received)}' but current is '{_erl(current)}'"
+                raise _err(
+                    ReplyCode.PRECONDITION_FAILED,
+                    f"inequivalent arg '{arg}' for queue '{name}' in vhost '{self.name}': {detail}",
+                    method,
+                )
             existing.last_used_ms = existing.last_used_ms
             return existing, False
         broker = self.broker
@@ -498,19 +561,25 @@ class VirtualHost:
             {"exchanges": exchanges, "queues": queues, "exchange_bindings": exchange_bindings},
             default=str,
         ).encode()
-        try:
-            self.edge.publish(Message(
-                self.topology_topic, payload, qos=1, retain=True, content_type="application/json",
-                producer_protocol="amqp",
-            ))
-        except PublishRejected as exc:
-            log.error("could not record the AMQP topology of vhost %r: %s", self.name, exc)
+        self.broker.keep_internal(Message(
+            self.topology_topic, payload, qos=1, content_type="application/json",
+            producer_protocol="amqp",
+        ))
 
     def restore(self) -> int:
         """Bring back durable exchanges and queues (with their bindings) after a restart; the
         queues' messages come back from their durable subscriptions' cursors."""
         saved: dict[str, Any] = {"exchanges": [], "queues": []}
-        record = self.broker.retained.get(self.topology_topic)
+        record = self.broker.internal_state.get(self.topology_topic)
+        legacy_topic = LEGACY_TOPOLOGY_PREFIX + escape(self.name)
+        legacy = self.broker.retained.get(legacy_topic)
+        if legacy is not None:
+            # Move it out of the retained messages clients can see.
+            if record is None:
+                record = legacy
+            self.broker.retained.delete(legacy_topic)
+            if self.broker.on_retained_change is not None:
+                self.broker.on_retained_change(legacy_topic, None)
         if record is not None and record.payload:
             try:
                 saved = json.loads(record.payload)

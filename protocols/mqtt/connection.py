@@ -282,10 +282,14 @@ class MqttConnection:
     def _process(self, packets: list[p.Packet], error: MQTTCodecError | None = None) -> None:
         service = self.service
         outer, service.publishing = service.publishing, self
+        if outer is None:
+            service.group_writes(True)
         try:
             self._process_packets(packets, error)
         finally:
             service.publishing = outer
+            if outer is None:
+                service.group_writes(False)
 
     def _process_packets(self, packets: list[p.Packet], error: MQTTCodecError | None) -> None:
         for index, packet in enumerate(packets):
@@ -779,6 +783,8 @@ class MqttConnection:
             props = p.Properties(reason_string=reason) if reason else p.Properties()
             self._send(encode(p.Disconnect(reason_code, props), MQTT_V5))
         self.state = State.CLOSED
+        if self._out:
+            self.service.commit_writes()  # before the last acknowledgements go out
         self.flush()
         self.link.close()
         if was_connected:

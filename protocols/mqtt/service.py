@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ... import __version__
@@ -55,13 +56,15 @@ class MqttService:
         self.connections: set[MqttConnection] = set()
         # Set by a graceful stop: no new PUBLISH goes out (see `finish_in_flight`).
         self.draining = False
+        # Cluster mode: told of every session a client opens here (the session registry).
+        self.on_session_opened: Callable[[str], None] | None = None
+        # ... and of every session that ended here (not merely disconnected).
+        self.on_session_ended: Callable[[str], None] | None = None
         # TLS listeners: a verified client certificate's subject CN is the user name.
         self.use_identity_as_username = False
         self._dirty: list[MqttConnection] = []
         self._flush_scheduled = False
         # QoS 2 inbound state changes of durable sessions, written in one batch per loop turn.
-        self._qos2_changes: dict[tuple[str, int], bool] = {}
-        self._qos2_flush_scheduled = False
         self._will_timers: dict[str, tuple[Timer, p.Will]] = {}
         self._expiry_timers: dict[str, Timer] = {}
         self._client_ids = itertools.count(1)
@@ -126,9 +129,31 @@ class MqttService:
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        self.commit_writes()  # what the acknowledgements below depend on is durable first
         dirty, self._dirty = self._dirty, []
         for connection in dirty:
             connection.flush()
+
+    # ------------------------------------------------------------------ metadata group commit
+    def group_writes(self, on: bool) -> None:
+        """While the packets of a read are handled, session state saved to the store joins
+        one transaction, committed (one fsync) by `commit_writes` before any output is sent."""
+        store = self.store
+        if store is None:
+            return
+        store.group_writes(on)
+        if not on and store.group_pending and not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.scheduler.call_soon(self._flush)
+
+    def commit_writes(self) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.commit_group()
+        except Exception:
+            # As a failed save always was: logged, and the session lives on in memory.
+            log.exception("could not save MQTT session state")
 
     # ------------------------------------------------------------------ back-pressure
     def congested(self, session: MqttSession) -> None:
@@ -236,7 +261,19 @@ class MqttService:
         session.connection = connection
         session.disconnected_at_ms = None
         self.save_session(session)
+        if self.on_session_opened is not None:
+            self.on_session_opened(client_id)
         return session, present
+
+    def session_taken_elsewhere(self, client_id: str, where: str) -> bool:
+        """Cluster mode: the client connected to another node; end its connection here with
+        DISCONNECT 0x8E as a takeover on one node would. Whether a connection was ended."""
+        session = self.sessions.get(client_id)
+        if session is None or session.connection is None:
+            return False
+        log.info("client %r taken over by a connection to %s", client_id, where)
+        session.connection.close(p.ReasonCode.SESSION_TAKEN_OVER, f"session taken over on {where}")
+        return True
 
     def connection_closed(self, connection: MqttConnection, *, normal: bool) -> None:
         self.connections.discard(connection)
@@ -315,6 +352,8 @@ class MqttService:
     def _end_session(self, session: MqttSession) -> None:
         if self.sessions.get(session.client_id) is session:
             del self.sessions[session.client_id]
+            if self.on_session_ended is not None:
+                self.on_session_ended(session.client_id)
         session.discard()
 
     # ------------------------------------------------------------------ persistence
@@ -348,7 +387,6 @@ class MqttService:
     def forget_session(self, client_id: str) -> None:
         if self.store is None:
             return
-        self.flush_qos2()  # nothing queued for this client may be written after the delete
         try:
             self.store.forget_session(client_id)
         except Exception:
@@ -410,23 +448,12 @@ class MqttService:
     def remember_qos2(self, session: MqttSession, packet_id: int, present: bool) -> None:
         if not session.durable or self.store is None:
             return
-        self._qos2_changes[(session.client_id, packet_id)] = present
-        if not self._qos2_flush_scheduled:
-            self._qos2_flush_scheduled = True
-            self.scheduler.call_soon(self.flush_qos2)
-
-    def flush_qos2(self) -> None:
-        """Write the QoS 2 state changes queued this loop turn, in one transaction. They are
-        written before the turn in which their PUBREC can go out: the PUBREC waits for the
-        journal's commit, which needs a round trip through its worker thread."""
-        self._qos2_flush_scheduled = False
-        if not self._qos2_changes or self.store is None:
-            return
-        changes, self._qos2_changes = self._qos2_changes, {}
+        # Inside the write group of the read that brought the packet: committed once, with
+        # the rest of that read's session state, before any acknowledgement goes out.
         try:
-            self.store.save_qos2([(client, pid, present) for (client, pid), present in changes.items()])
+            self.store.save_qos2([(session.client_id, packet_id, present)])
         except Exception:
-            log.exception("could not save the QoS 2 state of %d packets", len(changes))
+            log.exception("could not save the QoS 2 state of %r", session.client_id)
 
     # ------------------------------------------------------------------ timers
     def _tick(self) -> None:

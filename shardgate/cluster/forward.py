@@ -32,12 +32,15 @@ from ..proto import cluster_pb2 as pb
 from ..proto import cluster_pb2_grpc as pb_grpc
 from ..storage.journal import LatencyHistogram
 from .frames import (
+    NO_GROUPS,
     RecordFormatError,
-    encode_record,
+    body_of,
     forward_frame,
+    frame_size,
     message_from_forward,
     message_from_push,
     push_frame,
+    record_of,
     route_update,
     routes_from_update,
 )
@@ -126,7 +129,7 @@ class PeerLink:
         return f"PeerLink({self.node.node_id} at {self.node.cluster_address})"
 
     # ------------------------------------------------------------ called on the hot path
-    def forward(self, message: Message, epoch: int, record: bytes | None = None) -> asyncio.Future[None]:
+    def forward(self, message: Message, epoch: int) -> asyncio.Future[None]:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if not self.reachable:
             _fail(future, ShardUnavailable(
@@ -137,7 +140,7 @@ class PeerLink:
                 f"too many publishes waiting for node {self.node.node_id}; retry"
             ))
         else:
-            self._forwards.append((forward_frame(message, epoch, record), future, message))
+            self._forwards.append((forward_frame(message, epoch), future, message))
             self._in_flight += 1
             self._wake.set()
         if future.done():
@@ -240,7 +243,7 @@ class PeerLink:
                     break
                 taken.append(entry)
                 count += 1
-                size += len(entry[0].record)
+                size += frame_size(entry[0])
             del self._forwards[:count]
             frame.forwards.extend(entry[0] for entry in taken)
             self._awaiting[sequence] = _Awaiting([(future, message) for _, future, message in taken])
@@ -251,7 +254,7 @@ class PeerLink:
                     break
                 count += 1
                 pushes += 1
-                size += len(push.record)
+                size += frame_size(push)
             frame.pushes.extend(self._pushes[:pushes])
             del self._pushes[:pushes]
         return frame
@@ -532,12 +535,12 @@ class DataPlane:
                     allowed.add(group)
                 else:
                     targets.setdefault(chosen, []).append(group)
-        record = encode_record(message)
+        body = body_of(message)
         links = self.links
         for node_id, groups in targets.items():
             link = links.get(node_id)
             if link is not None:
-                link.push(push_frame(message, record, groups))
+                link.push(push_frame(message, body, groups))
                 self.stats.pushed += 1
         return allowed
 
@@ -613,10 +616,11 @@ class DataPlane:
             key = (message.stream, message.shard)
             kept = received.get(key)
             if kept is not None:
-                kept.add(message.offset, message.publish_time_ms, push.record)
-            dispatch(message, frozenset(push.share_groups))
+                kept.add(message.offset, message.publish_time_ms, record_of(push))
+            groups = push.share_groups
+            dispatch(message, frozenset(groups) if groups else NO_GROUPS)
             if kept is None and key in received:  # a durable subscription here just began
-                received[key].add(message.offset, message.publish_time_ms, push.record)
+                received[key].add(message.offset, message.publish_time_ms, record_of(push))
 
     def _store_forwards(self, sequence: int, forwards: list[pb.Forward], reply: Callable[[pb.PeerReply], None]) -> None:
         broker = self.broker

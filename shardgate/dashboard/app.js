@@ -5,9 +5,9 @@
 
 const INFO_INTERVAL_MS = 1000;
 const DETAIL_INTERVAL_MS = 2000;
-const CHART_POINTS = 120;
+let chartWindowS = 900;      // the server's history span (/api/history), 15 minutes
 
-const samples = [];          // {t, in, out} message rates for the chart
+const samples = [];          // {t, in, out} message rates for the chart, oldest first
 let lastInfo = null;         // the previous /api/info, for rates
 
 // ------------------------------------------------------------------ helpers
@@ -95,8 +95,7 @@ function renderInfo(info) {
     $("rate-out").textContent = num(sample.out);
     $("rate-bytes-in").textContent = bytes(rate("bytes_in"));
     $("rate-bytes-out").textContent = bytes(rate("bytes_out"));
-    samples.push(sample);
-    if (samples.length > CHART_POINTS) samples.shift();
+    addSample(sample);
     drawChart();
   }
   lastInfo = info;
@@ -110,6 +109,32 @@ function renderInfo(info) {
   $("count-retained").textContent = num(info.retained);
   $("listeners").textContent = "Listeners: " +
     info.listeners.map((l) => `${l.name} ${l.host}:${l.port}`).join(", ");
+}
+
+function addSample(sample) {
+  samples.push(sample);
+  while (samples.length && samples[0].t < sample.t - chartWindowS) samples.shift();
+}
+
+// The server keeps the last minutes of counters: draw them at once on page load.
+async function loadHistory() {
+  try {
+    const history = await getJSON("/api/history");
+    chartWindowS = history.span_s || chartWindowS;
+    const points = history.samples || [];
+    for (let i = 1; i < points.length; i++) {
+      const previous = points[i - 1], point = points[i], dt = point.t - previous.t;
+      if (dt <= 0) continue;
+      addSample({
+        t: point.t,
+        in: Math.max(0, (point.messages_in - previous.messages_in) / dt),
+        out: Math.max(0, (point.messages_out - previous.messages_out) / dt),
+      });
+    }
+    drawChart();
+  } catch (error) {
+    // an older broker without /api/history: the chart fills from the live samples
+  }
 }
 
 function drawChart() {
@@ -137,7 +162,7 @@ function drawChart() {
     ctx.textAlign = "right"; ctx.textBaseline = "middle";
     ctx.fillText(num((max * i) / 4), left - 6, y);
   }
-  const windowS = CHART_POINTS * INFO_INTERVAL_MS / 1000;
+  const windowS = chartWindowS;
   $("chart-window").textContent = duration(windowS);
   if (samples.length < 2) return;
   const newest = samples[samples.length - 1].t;
@@ -227,10 +252,19 @@ function renderSessions(sessions) {
   const rows = sessions.map((s) => el("tr", { dataset: { clientId: s.client_id } },
     el("td", {}, el("code", { text: s.client_id })),
     cell(s.connected ? "connected" : "offline" + (s.disconnected_at ? " since " + since(s.disconnected_at) : "")),
-    cell(s.expiry_interval ? duration(s.expiry_interval) : "0"),
+    cell(expiry(s.expiry_interval)),
     el("td", {}, el("code", { text: s.filters.concat(s.shared).join(" ") })),
     cell(num(s.queued), "num"), cell(num(s.inflight), "num"), cell(num(s.dropped), "num")));
   fillTable($("sessions-body"), rows, 7, "No sessions");
+}
+
+// MQTT 5.0 §3.1.2.11.2: 0xFFFFFFFF (and a 3.1.1 persistent session) never expires.
+const NEVER_EXPIRES = 0xFFFFFFFF;
+
+function expiry(seconds) {
+  if (seconds === null || seconds === undefined) return "–";
+  if (seconds >= NEVER_EXPIRES) return "never";
+  return seconds ? duration(seconds) : "at disconnect";
 }
 
 function renderArchive(archive) {
@@ -239,13 +273,24 @@ function renderArchive(archive) {
     body.replaceChildren(el("p", { className: "muted", text: "Archiving to object storage is not configured." }));
     return;
   }
+  // Scalars as a short key/value list, the per-shard status as a table.
   const list = el("dl", { className: "kv" });
   for (const [key, value] of Object.entries(archive)) {
-    if (key === "enabled") continue;
-    const shown = typeof value === "object" && value !== null ? JSON.stringify(value) : value;
-    list.append(el("dt", { text: key.replaceAll("_", " ") }), el("dd", { text: typeof shown === "number" ? num(shown) : String(shown) }));
+    if (key === "enabled" || key === "shards" || (typeof value === "object" && value !== null)) continue;
+    list.append(el("dt", { text: key.replaceAll("_", " ") }),
+                el("dd", { text: typeof value === "number" ? num(value) : String(value) }));
   }
-  body.replaceChildren(list);
+  const shards = Array.isArray(archive.shards) ? archive.shards : [];
+  const head = el("thead", {}, el("tr", {},
+    ...["Stream", "Shard", "Journal", "Archived up to", "Lag", "Files", "Size"].map((h, i) =>
+      el("th", { className: i >= 3 ? "num" : "", text: h }))));
+  const tbody = el("tbody", { id: "archive-shards" });
+  fillTable(tbody, shards.map((s) => el("tr", { dataset: { stream: s.stream, shard: s.shard } },
+    el("td", {}, el("code", { text: s.stream })), cell(s.shard),
+    cell(`${num(s.journal_low)}..${num(s.journal_next)}`),
+    cell(num(s.archived_up_to), "num"), cell(num(s.lag_records), "num" + (s.lag_records > 0 ? " lagging" : "")),
+    cell(num(s.files), "num"), cell(bytes(s.bytes), "num"))), 7, "No reliable streams");
+  body.replaceChildren(list, el("table", { className: "archive" }, head, tbody));
 }
 
 // ------------------------------------------------------------------ polling
@@ -283,6 +328,7 @@ function every(ms, task) {
 }
 
 document.addEventListener("DOMContentLoaded", () => {
+  loadHistory();
   every(INFO_INTERVAL_MS, refreshInfo);
   every(DETAIL_INTERVAL_MS, refreshDetails);
   window.addEventListener("resize", drawChart);

@@ -40,6 +40,21 @@ class MetadataPorts:
     def load_sessions(self) -> list[SessionRecord]:
         return self.store.list_sessions()
 
+    # ------------------------------------------------------------------ group commit
+    def group_writes(self, on: bool) -> None:
+        group = getattr(self.store, "group_writes", None)
+        if group is not None:
+            group(on)
+
+    @property
+    def group_pending(self) -> bool:
+        return bool(getattr(self.store, "group_pending", False))
+
+    def commit_group(self) -> None:
+        commit = getattr(self.store, "commit_group", None)
+        if commit is not None:
+            commit()
+
     # ------------------------------------------------------------------ QoS 2 inbound state
     def save_qos2(self, changes: Sequence[tuple[str, int, bool]]) -> None:
         with self.store.transaction():

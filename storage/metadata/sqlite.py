@@ -2,7 +2,10 @@
 
 One connection, WAL journal mode, `synchronous=FULL` by default so that a commit is on disk
 before the broker acknowledges anything that depends on it. Writes outside an explicit
-`transaction()` commit one by one; batch frequent writes inside one. Statements are fixed
+`transaction()` commit one by one; batch frequent writes inside one, or collect the writes of a
+stretch of work with `group_writes` and make them durable with one `commit_group` (group
+commit: the MQTT layer commits once per event-loop turn, before it sends the acknowledgements
+that depend on what was written). Statements are fixed
 strings, so `sqlite3`'s statement cache keeps them prepared; batches use `executemany`.
 
 Not thread-safe: the store belongs to the event-loop thread that opened it. It knows nothing
@@ -96,6 +99,10 @@ class SqliteMetadataStore:
             raise ValueError(f"synchronous must be FULL, EXTRA or NORMAL, not {synchronous!r}")
         self.path = Path(path)
         self._depth = 0
+        # Group commit (see `group_writes`): inside a group, writes join one open transaction
+        # that `commit_group` commits; outside, every write commits at once as before.
+        self._grouping = False
+        self._group_open = False
         try:
             self._conn: sqlite3.Connection | None = sqlite3.connect(
                 self.path, isolation_level=None, cached_statements=256
@@ -155,11 +162,22 @@ class SqliteMetadataStore:
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
-        """Group writes into one atomic commit; nested blocks use savepoints."""
+        """Group writes into one atomic commit; nested blocks use savepoints.
+
+        While a write group is open (`group_writes`), an outermost block is a savepoint of
+        the group's transaction: it is atomic on its own, and durable at `commit_group`."""
         conn = self._db
         depth = self._depth
+        grouped = depth == 0 and (self._grouping or self._group_open)
+        if grouped and not self._group_open:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise MetadataError(f"cannot begin a metadata transaction: {exc}") from exc
+            self._group_open = True
+        level = depth + 1 if grouped or depth else 0
         try:
-            conn.execute("BEGIN IMMEDIATE" if depth == 0 else f"SAVEPOINT sp{depth}")
+            conn.execute("BEGIN IMMEDIATE" if level == 0 else f"SAVEPOINT sp{level}")
         except sqlite3.Error as exc:
             raise MetadataError(f"cannot begin a metadata transaction: {exc}") from exc
         self._depth = depth + 1
@@ -167,14 +185,43 @@ class SqliteMetadataStore:
             yield
         except BaseException:
             self._depth = depth
-            self._rollback(conn, depth)
+            self._rollback(conn, level)
             raise
         self._depth = depth
         try:
-            conn.execute("COMMIT" if depth == 0 else f"RELEASE sp{depth}")
+            conn.execute("COMMIT" if level == 0 else f"RELEASE sp{level}")
         except sqlite3.Error as exc:
-            self._rollback(conn, depth)
+            self._rollback(conn, level)
             raise MetadataError(f"metadata commit failed: {exc}") from exc
+        if grouped and not self._grouping:
+            self.commit_group()  # a write outside the group: durable now, with the group's
+
+    def group_writes(self, on: bool) -> None:
+        """Start (True) or stop (False) collecting writes into one transaction, committed (one
+        fsync) by `commit_group`. Stopping does not commit: the caller commits before it sends
+        any acknowledgement of what was written. A write made outside the group while it is
+        open commits the group with it."""
+        self._grouping = on
+
+    @property
+    def group_pending(self) -> bool:
+        """Writes are waiting in an open group for `commit_group`."""
+        return self._group_open
+
+    def commit_group(self) -> None:
+        """Make every write of the open group durable (no-op without one). On failure the
+        group is rolled back and MetadataError raised."""
+        if not self._group_open or self._depth:
+            return
+        self._group_open = False
+        conn = self._db
+        if not conn.in_transaction:  # SQLite rolled it back on an error (e.g. disk full)
+            raise MetadataError("the metadata write group was rolled back")
+        try:
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            self._rollback(conn, 0)
+            raise MetadataError(f"metadata group commit failed: {exc}") from exc
 
     @staticmethod
     def _rollback(conn: sqlite3.Connection, depth: int) -> None:
@@ -192,6 +239,10 @@ class SqliteMetadataStore:
     def close(self) -> None:
         if self._conn is None:
             return
+        try:
+            self.commit_group()
+        except MetadataError:
+            pass  # rolled back; the caller never acknowledged what it held
         conn, self._conn = self._conn, None
         try:
             if conn.in_transaction:

@@ -6,6 +6,7 @@ for it, and bad starts (same node id, no etcd) fail clearly."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -14,6 +15,8 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from tests.conftest import free_port, wait_for
 from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer, settled
@@ -212,3 +215,34 @@ def test_cluster_status_command_and_metrics_show_every_node(cluster: Cluster) ->
         metrics = reply.read().decode()
     assert 'shardgate_cluster_nodes{node="n1"} 2.0' in metrics
     assert 'shardgate_cluster_lease_alive{node="n1"} 1.0' in metrics
+
+
+def test_nodes_authenticate_to_an_etcd_with_users_and_a_wrong_password_is_a_clear_error(
+    etcd: EtcdServer, tmp_path: Path,
+) -> None:
+    if shutil.which("etcdctl") is None:
+        pytest.skip("etcdctl is not installed (apt-get install etcd-client)")
+    for command in (["user", "add", "root:rootpw", "--interactive=false"], ["role", "add", "root"],
+                    ["user", "grant-role", "root", "root"], ["auth", "enable"]):
+        done = subprocess.run(["etcdctl", "--endpoints", etcd.url, *command],
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+    login = 'username = "root"\npassword = "rootpw"\n'
+    node = ClusterNodeProcess(tmp_path / "n1", "n1", etcd.url, extra_config="")
+    assert node.config_file is not None
+    node.config_file.write_text(node.config_file.read_text().replace("[cluster]\n", "[cluster]\n" + login))
+    node.start()
+    try:
+        status = wait_for(lambda: settled(node, {"n1"}), timeout=30)
+        assert status["lease_alive"]
+    finally:
+        node.kill()
+    node.config_file.write_text(node.config_file.read_text().replace("rootpw", "wrong"))
+    refused = subprocess.run(
+        [sys.executable, "-m", "shardgate", "serve", "--data-dir", str(tmp_path / "n2"),
+         "--config", str(node.config_file), "--cluster", etcd.url, "--node-id", "n2",
+         "--mqtt-port", "0", "--mqtt-ws-port", "0", "--amqp-port", "0", "--grpc-port", "0",
+         "--http-port", "0"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0
+    assert "etcd refused the connection" in refused.stderr, refused.stderr
+    assert "invalid user ID or password" in refused.stderr

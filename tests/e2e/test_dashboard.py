@@ -130,3 +130,48 @@ def test_kick_button_disconnects_the_client(node: tuple[ThreadedBroker, str], pa
         victim.client.loop_stop()
         bystander.client.disconnect()
     assert page.errors == []
+
+
+def test_chart_draws_the_server_history_on_load_archive_table_and_session_expiry(
+    broker_factory: Callable[..., ThreadedBroker], page: Any,
+) -> None:
+    import json
+    import urllib.request
+
+    from tests.conftest import wait_for
+    from tests.mqtt_clients import V311
+
+    broker = broker_factory(listeners={"http_port": free_port()})
+    url = f"http://127.0.0.1:{broker.app.port('http')}"
+    history = broker.app.listeners["http"].server.history
+    publisher = Paho(broker.mqtt_port, "history-feeder")
+    for i in range(30):
+        publisher.publish("history/x", str(i), qos=1)
+    publisher.client.disconnect()
+    broker.call(history.sample)  # as the sampler does every few seconds
+    with urllib.request.urlopen(url + "/api/history", timeout=10) as response:
+        served = json.loads(response.read())
+    assert served["span_s"] == 900 and len(served["samples"]) >= 2
+    assert served["samples"][-1]["messages_in"] - served["samples"][0]["messages_in"] >= 30
+
+    sleeper = Paho(broker.mqtt_port, "sleeper-311", V311, clean=False)
+    sleeper.subscribe("history/#", 1)
+    sleeper.client.disconnect()
+    wait_for(lambda: "sleeper-311" in broker.app.mqtt.sessions
+             and broker.app.mqtt.sessions["sleeper-311"].connection is None)
+
+    page.goto(url + "/")
+    expect = sync_api.expect
+    # The chart starts with the server's history: points older than the page.
+    page.wait_for_function("() => samples.length >= 1 && samples[0].in > 0")
+    assert page.evaluate("() => samples[0].t") < served["samples"][-1]["t"] + 0.001
+    expect(page.locator("#chart-window")).to_have_text("15m 0s")
+
+    session = page.locator("#sessions-body tr[data-client-id='sleeper-311']")
+    expect(session).to_contain_text("never")
+    expect(session).not_to_contain_text("49710d")
+
+    archive = page.locator("#archive-body table #archive-shards tr[data-stream='default']")
+    expect(archive).to_have_count(1)
+    expect(page.locator("#archive-body")).not_to_contain_text('{"')
+    assert page.errors == []

@@ -264,3 +264,23 @@ async def test_system_topics_stay_on_their_node(cluster):
     here = a.subscribe("$SYS/#")
     assert a.broker.publish(Message("$SYS/broker/uptime", b"1")) is None, "stored here, unplaced"
     assert len(here.got) == 1 and a.plane.stats.pushed == 0
+
+
+async def test_properties_cross_nodes_intact_on_both_paths(cluster):
+    a, b = cluster["a"], cluster["b"]
+    on_b = b.subscribe("orders/#")
+    await routes_seen(a, b, 1)
+    for shard in (0, 2):  # stored by a and pushed; forwarded to b
+        message = Message(
+            topic_on(a.broker, "orders", shard, "orders"), b"{}", qos=1, key=None,
+            headers=[("tenant", "acme")], content_type="application/json", reply_to="replies",
+            correlation_data=b"c1", expires_at_ms=4_102_444_800_000, producer_protocol="amqp",
+        )
+        pending = a.broker.publish(message)
+        if pending is not None:
+            await asyncio.wait_for(pending, 5)
+    await until(lambda: len(on_b.got) == 2)
+    for got in on_b.got:
+        assert got.headers == [("tenant", "acme")] and got.content_type == "application/json"
+        assert (got.reply_to, got.correlation_data) == ("replies", b"c1")
+        assert got.expires_at_ms == 4_102_444_800_000 and got.producer_protocol == "amqp"

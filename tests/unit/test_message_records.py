@@ -198,3 +198,15 @@ def test_archive_keeps_header_order_native_properties_and_replays_them_exactly()
     # a file of archive format 1 has no native_properties column: it still replays
     old = table.drop_columns(["native_properties"])
     assert [r.offset for r in records_from_table(old)] == [0, 1, 2, 3]
+
+
+def test_amqp_header_values_as_text_for_other_protocols() -> None:
+    from shardgate.protocols.amqp.properties import header_text
+
+    stamp = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+    assert [header_text(v) for v in (None, True, False, 7, "s", decimal.Decimal("3.14"))] == [
+        "", "true", "false", "7", "s", "3.14"]
+    assert header_text({"a": [1, None, b"x", stamp]}) == '{"a":[1,null,"x","2026-01-01T00:00:00+00:00"]}'
+    assert header_text(b"ok") == "ok"
+    assert header_text(b"\x00\xff") == "base64:AP8="
+    assert header_text("a\x00b") == "a\ufffdb"  # an MQTT string must not hold U+0000

@@ -452,3 +452,55 @@ def test_killed_writer_leaves_a_consistent_database(db_path: Path) -> None:
         store.put_stream(stream())  # and it is writable again
     finally:
         store.close()
+
+
+def _sessions_seen_by_another_connection(db_path: Path) -> list[str]:
+    other = sqlite3.connect(db_path)
+    try:
+        return [row[0] for row in other.execute("SELECT client_id FROM sessions ORDER BY client_id")]
+    finally:
+        other.close()
+
+
+def test_grouped_writes_become_durable_together_at_commit_group(store, db_path) -> None:
+    store.group_writes(True)
+    store.put_session(SessionRecord("a", 60, None, b"1"))
+    store.put_session(SessionRecord("b", 60, None, b"2"))
+    store.add_qos2_inbound("a", 7)
+    store.group_writes(False)
+    assert store.group_pending
+    assert store.get_session("a") is not None  # the writer reads its own writes at once
+    assert _sessions_seen_by_another_connection(db_path) == []  # not committed yet
+    store.commit_group()
+    assert not store.group_pending
+    assert _sessions_seen_by_another_connection(db_path) == ["a", "b"]
+    assert store.list_qos2_inbound("a") == {7}
+
+
+def test_a_failed_write_in_a_group_undoes_only_itself(store, db_path) -> None:
+    store.group_writes(True)
+    store.put_session(SessionRecord("kept", 60, None, b""))
+    with pytest.raises(RuntimeError):
+        with store.transaction():
+            store.put_session(SessionRecord("undone", 60, None, b""))
+            raise RuntimeError("the caller failed half way")
+    store.group_writes(False)
+    store.commit_group()
+    assert _sessions_seen_by_another_connection(db_path) == ["kept"]
+
+
+def test_a_write_outside_the_group_commits_the_open_group_with_it(store, db_path) -> None:
+    store.group_writes(True)
+    store.put_session(SessionRecord("grouped", 60, None, b""))
+    store.group_writes(False)
+    store.put_session(SessionRecord("direct", 60, None, b""))  # e.g. another protocol's write
+    assert not store.group_pending
+    assert _sessions_seen_by_another_connection(db_path) == ["direct", "grouped"]
+
+
+def test_close_commits_an_open_group(db_path) -> None:
+    store = SqliteMetadataStore(db_path)
+    store.group_writes(True)
+    store.put_session(SessionRecord("last", 60, None, b""))
+    store.close()
+    assert _sessions_seen_by_another_connection(db_path) == ["last"]

@@ -1,6 +1,6 @@
-"""The QoS 2 inbound state of a persistent MQTT session goes to the storage port in one batch
-per event-loop turn, not as one synchronous write per PUBLISH; the MQTT layer holds no
-metadata store."""
+"""The QoS 2 inbound state of a persistent MQTT session goes to the storage port, and the
+changes of one read are committed together (one group commit) before any acknowledgement goes
+out, not as one synchronous commit per PUBLISH; the MQTT layer holds no metadata store."""
 
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ class SavedPorts:
     """An in-memory implementation of the MQTT layer's storage ports."""
 
     def __init__(self) -> None:
-        self.qos2_batches: list[list[tuple[str, int, bool]]] = []
+        self.commits: list[list[tuple[str, int, bool]]] = []  # what each commit made durable
         self.qos2: dict[str, set[int]] = {}
+        self._grouping = False
+        self._group: list[tuple[str, int, bool]] = []
 
     def save_session(self, client_id: str, expiry_interval: int, disconnected_ms: int | None,
                      data: bytes) -> None:
@@ -34,8 +36,22 @@ class SavedPorts:
     def load_sessions(self) -> list[object]:
         return []
 
+    def group_writes(self, on: bool) -> None:
+        self._grouping = on
+
+    @property
+    def group_pending(self) -> bool:
+        return bool(self._group)
+
+    def commit_group(self) -> None:
+        if self._group:
+            self.commits.append(self._group)
+            self._group = []
+
     def save_qos2(self, changes: Sequence[tuple[str, int, bool]]) -> None:
-        self.qos2_batches.append(list(changes))
+        self._group.extend(changes)
+        if not self._grouping:
+            self.commit_group()
         for client_id, packet_id, present in changes:
             ids = self.qos2.setdefault(client_id, set())
             if present:
@@ -75,21 +91,26 @@ class Wire:
         pass
 
 
-async def test_qos2_state_of_a_persistent_session_is_written_once_per_loop_turn() -> None:
+async def test_qos2_state_of_one_read_is_committed_once_before_the_pubrecs() -> None:
     broker = Broker(storage=MemoryStorage(), default_stream=StreamConfig("default", mode="reliable"))
     ports = SavedPorts()
     service = MqttService(Edge(broker), store=ports, scheduler=asyncio.get_running_loop())
-    connection = MqttConnection(service, Wire(), "127.0.0.1:5000")
+    wire = Wire()
+    connection = MqttConnection(service, wire, "127.0.0.1:5000")
     connect = p.Connect("MQTT", 4, False, 60, "keeper")  # clean session off: persistent
+    connection.data_received(encode(connect, 4))
+    await asyncio.sleep(0)  # one loop turn: the CONNACK is written
+    wire.out.clear()
     publishes = b"".join(
         encode(p.Publish(f"t/{pid}", b"x", qos=2, packet_id=pid), 4) for pid in (1, 2, 3)
     )
-    connection.data_received(encode(connect, 4) + publishes)
-    assert ports.qos2_batches == []  # nothing written synchronously on the PUBLISH path
-    await asyncio.sleep(0)  # one loop turn
-    assert ports.qos2_batches == [[("keeper", 1, True), ("keeper", 2, True), ("keeper", 3, True)]]
+    connection.data_received(publishes)
+    assert ports.commits == [] and not wire.out  # nothing committed or sent mid-read
+    await asyncio.sleep(0)
+    assert ports.commits == [[("keeper", 1, True), ("keeper", 2, True), ("keeper", 3, True)]]
+    assert wire.out == b"".join(encode(p.Pubrec(pid), 4) for pid in (1, 2, 3))
 
     connection.data_received(encode(p.Pubrel(1), 4) + encode(p.Pubrel(2), 4))
     await asyncio.sleep(0)
-    assert ports.qos2_batches[1:] == [[("keeper", 1, False), ("keeper", 2, False)]]
+    assert ports.commits[1:] == [[("keeper", 1, False), ("keeper", 2, False)]]
     assert ports.qos2_inbound("keeper") == {3}
