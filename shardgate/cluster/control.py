@@ -158,11 +158,18 @@ class EtcdClusterView:
         self.revision = revision
         self._refresh_nodes()
 
-    def apply(self, prefix: str, events: list[WatchEvent]) -> None:
+    def apply(self, prefix: str, events: list[WatchEvent]) -> bool:
+        """Apply watch events; whether any could change placement (nodes, streams, placement,
+        controller): session and auth keys do not, and need no placement run."""
+        relevant = False
         for event in events:
             self._apply(prefix, event)
             self.revision = max(self.revision, event.revision)
-        self._refresh_nodes()
+            key = event.key[len(prefix):]
+            relevant = relevant or not key.startswith((keys.SESSIONS, keys.DOCUMENTS))
+        if relevant:
+            self._refresh_nodes()
+        return relevant
 
     def _apply(self, prefix: str, event: WatchEvent) -> None:
         key = event.key[len(prefix):]
@@ -409,9 +416,9 @@ class ClusterNode:
                         self.client.watch_prefix(self.prefix, revision + 1)) as changes:
                     async for events in changes:
                         before = self._catalog_snapshot()
-                        self.view.apply(self.prefix, events)
+                        relevant = self.view.apply(self.prefix, events)
                         revision = self.view.revision
-                        self._after_change(before)
+                        self._after_change(before, wake=relevant)
             except Exception as exc:  # a broken stream must never end the watch loop
                 (log.warning if revision else log.debug)(
                     "cluster: watch interrupted (%s); reading the state again", exc)
@@ -422,8 +429,10 @@ class ClusterNode:
         return (dict(self.view.streams), dict(self.view.routes), dict(self.view.users),
                 dict(self.view.documents))
 
-    def _after_change(self, before: tuple[dict[str, Any], ...] | None = None) -> None:
-        self._wake.set()
+    def _after_change(self, before: tuple[dict[str, Any], ...] | None = None, *,
+                      wake: bool = True) -> None:
+        if wake:
+            self._wake.set()
         changes, self.view.session_changes = self.view.session_changes, []
         if before is not None:
             for client_id, node_id in changes:
@@ -452,7 +461,8 @@ class ClusterNode:
                                 listener(kind, name, new.get(name))
                             except Exception:
                                 log.exception("cluster catalog listener failed")
-        self.view.changed()
+        if wake:
+            self.view.changed()
 
     async def _control(self) -> None:
         """Campaign for controller while there is none; as controller, keep placement right."""

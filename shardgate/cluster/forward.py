@@ -101,7 +101,7 @@ class _Awaiting:
 
     __slots__ = ("written_at", "entries")
 
-    def __init__(self, entries: list[tuple[asyncio.Future[None], Message]]) -> None:
+    def __init__(self, entries: list[tuple[asyncio.Future[None], Message, int]]) -> None:
         self.written_at = time.perf_counter()
         self.entries = entries
 
@@ -129,8 +129,13 @@ class PeerLink:
         return f"PeerLink({self.node.node_id} at {self.node.cluster_address})"
 
     # ------------------------------------------------------------ called on the hot path
-    def forward(self, message: Message, epoch: int) -> asyncio.Future[None]:
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    def forward(
+        self, message: Message, epoch: int, future: asyncio.Future[None] | None = None
+    ) -> asyncio.Future[None]:
+        """Queue `message` for the peer (the owner under `epoch`); `future` is the one to
+        resolve when the message is re-routed after a refusal."""
+        if future is None:
+            future = asyncio.get_running_loop().create_future()
         if not self.reachable:
             _fail(future, ShardUnavailable(
                 f"node {self.node.node_id} owning {message.stream}/{message.shard} is unreachable"
@@ -246,7 +251,9 @@ class PeerLink:
                 size += frame_size(entry[0])
             del self._forwards[:count]
             frame.forwards.extend(entry[0] for entry in taken)
-            self._awaiting[sequence] = _Awaiting([(future, message) for _, future, message in taken])
+            self._awaiting[sequence] = _Awaiting(
+                [(future, message, forward.epoch) for forward, future, message in taken]
+            )
         if self._pushes and count < FRAME_MAX_MESSAGES:
             pushes = 0
             for push in self._pushes:
@@ -272,13 +279,17 @@ class PeerLink:
                 stats.forward_latency.observe(time.perf_counter() - awaiting.written_at)
                 self._in_flight -= len(awaiting.entries)
                 outcomes = reply.outcomes
-                for index, (future, message) in enumerate(awaiting.entries):
+                for index, (future, message, epoch) in enumerate(awaiting.entries):
                     if future.done():
                         continue
                     outcome = outcomes[index] if index < len(outcomes) else None
                     if outcome is not None and outcome.code == pb.STORED:
                         message.offset = outcome.offset
                         future.set_result(None)
+                        continue
+                    if outcome is not None and outcome.code == pb.NOT_OWNER and self.plane.reroute(
+                        message, future, epoch
+                    ):
                         continue
                     stats.forward_failures += 1
                     _fail(future, _refusal(self.node.node_id, outcome))
@@ -293,7 +304,7 @@ class PeerLink:
         the clients get a retryable error (at least once, never acknowledged and lost)."""
         entries = [(future, message) for _, future, message in self._forwards]
         for awaiting in self._awaiting.values():
-            entries += awaiting.entries
+            entries += [(future, message) for future, message, _epoch in awaiting.entries]
         self._forwards = []
         self._awaiting = {}
         self._in_flight = 0
@@ -311,6 +322,16 @@ def _fail(future: asyncio.Future[None], error: BaseException) -> None:
     unretrieved failure would be logged by asyncio as a bug."""
     future.set_exception(error)
     future.exception()
+
+
+def _settle(future: asyncio.Future[None], done: asyncio.Future[None]) -> None:
+    if future.done():
+        return
+    if done.cancelled() or done.exception() is not None:
+        error = "cancelled" if done.cancelled() else done.exception()
+        _fail(future, PublishRejected(f"the message could not be stored: {error}"))
+    else:
+        future.set_result(None)
 
 
 def _refusal(node_id: str, outcome: pb.Outcome | None) -> PublishRejected:
@@ -510,6 +531,32 @@ class DataPlane:
             return future
         self.stats.forwarded += 1
         return link.forward(message, assignment.epoch)  # type: ignore[union-attr]
+
+    def reroute(self, message: Message, future: asyncio.Future[None], refused_epoch: int) -> bool:
+        """An owner refused `message` (it no longer owns the shard): when the view has moved
+        on since (a newer epoch), send it where the shard lives now and resolve `future` from
+        there; False to let the client have the retryable error. Bounded: epochs only grow."""
+        assignment = self.view.owner(message.stream, message.shard)
+        if assignment is None or assignment.epoch <= refused_epoch:
+            return False
+        if assignment.node_id == self.node_id:
+            if not self.view.owns(message.stream, message.shard):
+                return False
+            try:
+                stored = self.broker.publish(message)
+            except PublishRejected as exc:
+                _fail(future, exc)
+                return True
+            if stored is None:
+                future.set_result(None)
+            else:
+                stored.add_done_callback(lambda done: _settle(future, done))
+            return True
+        link = self.links.get(assignment.node_id)
+        if link is None:
+            return False
+        link.forward(message, assignment.epoch, future)
+        return True
 
     # ------------------------------------------------------------ Fanout
     def push(

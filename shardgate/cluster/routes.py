@@ -7,6 +7,15 @@ every matching message; a shared one (an MQTT `$share/group/filter`, an AMQP que
 shared subscription: any `SubscriptionType.SHARED`) is one group across the cluster, named by
 its subscription name, and each message goes to one of the nodes holding it.
 
+Routes travel over the peer links, not through etcd. Subscriptions come and go at client
+speed (a reconnect storm is thousands a second), while etcd takes about a thousand fsynced
+writes a second for everything the cluster agrees on; and routes need no agreement: each node
+is the only authority on its own clients. A link starts with the node's whole route set
+(`reset`), then carries debounced deltas in order with the data; a peer forgets a node's routes
+when its link ends or it leaves the view (its lease in etcd is the liveness that counts), and
+relearns them in full when the node dials again. A node that joins learns everyone's routes as
+they dial it, with no etcd reads.
+
 Pure data: no sockets, no event loop, no etcd.
 """
 

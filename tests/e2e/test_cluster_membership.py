@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import free_port, wait_for
-from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer, settled
+from tests.e2e.cluster_fixtures import ETCD, ClusterNodeProcess, EtcdServer, settled
 
 STREAMS = """
 [[streams]]
@@ -246,3 +246,37 @@ def test_nodes_authenticate_to_an_etcd_with_users_and_a_wrong_password_is_a_clea
     assert refused.returncode != 0
     assert "etcd refused the connection" in refused.stderr, refused.stderr
     assert "invalid user ID or password" in refused.stderr
+
+
+def test_nodes_reach_etcd_over_tls_with_the_configured_ca(tmp_path: Path) -> None:
+    if ETCD is None:
+        pytest.skip("etcd is not installed (apt-get install etcd-server)")
+    cert, key = tmp_path / "etcd.crt", tmp_path / "etcd.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+         str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext",
+         "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True, timeout=60)
+    server = EtcdServer(tmp_path / "etcd", tls=(cert, key)).start()
+    try:
+        assert server.url.startswith("https://")
+        node = ClusterNodeProcess(tmp_path / "n1", "n1", server.url, extra_config="")
+        assert node.config_file is not None
+        node.config_file.write_text(
+            node.config_file.read_text().replace("[cluster]\n", f'[cluster]\nca_file = "{cert}"\n'))
+        node.start()
+        try:
+            assert wait_for(lambda: settled(node, {"n1"}), timeout=30)["lease_alive"]
+        finally:
+            node.kill()
+        # without the CA, the certificate is not trusted: a clear error, not a hang
+        (tmp_path / "short.toml").write_text("[cluster]\nconnect_timeout_s = 2\n")
+        untrusted = subprocess.run(
+            [sys.executable, "-m", "shardgate", "serve", "--data-dir", str(tmp_path / "n2"),
+             "--cluster", server.url, "--node-id", "n2", "--mqtt-port", "0", "--mqtt-ws-port", "0",
+             "--amqp-port", "0", "--grpc-port", "0", "--http-port", "0",
+             "--config", str(tmp_path / "short.toml")],
+            capture_output=True, text=True, timeout=60)
+        assert untrusted.returncode != 0
+        assert "cannot reach etcd" in untrusted.stderr, untrusted.stderr
+    finally:
+        server.stop()

@@ -284,3 +284,19 @@ async def test_properties_cross_nodes_intact_on_both_paths(cluster):
         assert got.headers == [("tenant", "acme")] and got.content_type == "application/json"
         assert (got.reply_to, got.correlation_data) == ("replies", b"c1")
         assert got.expires_at_ms == 4_102_444_800_000 and got.producer_protocol == "amqp"
+
+
+async def test_a_refused_forward_follows_the_shard_to_its_new_owner(cluster):
+    a, b = cluster["a"], cluster["b"]
+    topic = topic_on(a.broker, "orders", 2, "orders")
+    here = a.subscribe("orders/#")
+    # b handed orders/2 to a; a learns of it while its forward is on the way to b
+    moved = ShardAssignment("orders", 2, "a", 2)
+    b.view.assignments[("orders", 2)] = moved
+    message = Message(topic, b"moved", qos=1)
+    pending = a.broker.publish(message)
+    assert pending is not None
+    a.view.assignments[("orders", 2)] = moved
+    await asyncio.wait_for(pending, 5)
+    assert [m.payload for m in here.got] == [b"moved"]
+    assert message.offset == 0 and a.plane.stats.forward_failures == 0
