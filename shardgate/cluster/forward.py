@@ -66,6 +66,8 @@ ROUTE_DEBOUNCE_S = 0.02
 RECONCILE_S = 1.0
 # Streams every node keeps for itself, never placed nor forwarded: its own $SYS topics.
 NODE_LOCAL_STREAMS = frozenset({"sys"})
+# Topics whose retained state is the node's own: its $SYS topics, its internal state.
+NODE_LOCAL_TOPICS = ("$SYS/", "$internal/")
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
     ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
@@ -115,6 +117,7 @@ class PeerLink:
         self._forwards: list[tuple[pb.Forward, asyncio.Future[None], Message]] = []
         self._pushes: list[pb.Push] = []
         self._routes: list[pb.RouteUpdate] = []
+        self._retained: list[pb.Retained] = []
         self._awaiting: dict[int, _Awaiting] = {}
         self._in_flight = 0
         self._wake = asyncio.Event()
@@ -164,6 +167,10 @@ class PeerLink:
         self._routes.append(update)
         self._wake.set()
 
+    def send_retained(self, retained: pb.Retained) -> None:
+        self._retained.append(retained)
+        self._wake.set()
+
     # ------------------------------------------------------------ the link's task
     async def close(self) -> None:
         self._closed = True
@@ -207,11 +214,12 @@ class PeerLink:
         try:
             # A new stream starts from everything this node's clients hold now.
             self._routes = [self.plane.route_snapshot()]
+            self._retained = self.plane.retained_snapshot()
             sequence = 0
             while True:
                 if self._broken is not None:
                     raise self._broken
-                if not (self._forwards or self._pushes or self._routes):
+                if not (self._forwards or self._pushes or self._routes or self._retained):
                     self._wake.clear()
                     await self._wake.wait()
                     continue
@@ -239,6 +247,9 @@ class PeerLink:
                     merged.added.extend(later.added)
                     merged.removed.extend(later.removed)
             frame.routes.CopyFrom(merged)
+        if self._retained:
+            frame.retained.extend(self._retained)
+            self._retained = []
         size = 0
         count = 0
         if self._forwards:
@@ -322,6 +333,12 @@ def _fail(future: asyncio.Future[None], error: BaseException) -> None:
     unretrieved failure would be logged by asyncio as a bug."""
     future.set_exception(error)
     future.exception()
+
+
+def _retained_frame(topic: str, message: Message | None) -> pb.Retained:
+    if message is None:
+        return pb.Retained(topic=topic, present=False)
+    return pb.Retained(topic=topic, present=True, message=push_frame(message, body_of(message)))
 
 
 def _settle(future: asyncio.Future[None], done: asyncio.Future[None]) -> None:
@@ -421,6 +438,8 @@ class DataPlane:
         self._received: dict[tuple[str, int], ReceivedLog] = {}
         self._closing: asyncio.Task[None] | None = None
         self._reconcile: asyncio.Task[None] | None = None
+        # What kept retained messages before (the metadata store, through the app).
+        self._keep_retained: Callable[[str, Message | None], None] | None = None
 
     @property
     def node_id(self) -> str:
@@ -443,6 +462,8 @@ class DataPlane:
         broker.placement = self
         broker.fanout = self
         broker.on_routes_changed = self._routes_changed
+        self._keep_retained = broker.on_retained_change
+        broker.on_retained_change = self._retained_changed
         self.view.on_change(self._view_changed)
         self._view_changed()
         self._reconcile = asyncio.get_running_loop().create_task(self._reconcile_links())
@@ -457,6 +478,7 @@ class DataPlane:
             broker.placement = None
             broker.fanout = None
             broker.on_routes_changed = None
+            broker.on_retained_change = self._keep_retained
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
@@ -572,12 +594,11 @@ class DataPlane:
                 sub.name: sub for sub, _ in local if sub.type is SubscriptionType.SHARED
             }
             allowed = {name for name in local_shared if name not in interest.groups}
-            for group, nodes in interest.groups.items():
+            for group, members in interest.groups.items():
                 here = local_shared.get(group)
-                candidates = (*nodes, self.node_id) if here is not None and here.consumers else nodes
-                turn = self._turns.get(group, 0)
-                self._turns[group] = turn + 1
-                chosen = candidates[turn % len(candidates)]
+                if here is not None and here.consumers:
+                    members = (*members, (self.node_id, len(here.consumers)))
+                chosen = self._choose(group, members)
                 if chosen == self.node_id:
                     allowed.add(group)
                 else:
@@ -593,6 +614,19 @@ class DataPlane:
 
     def wanted_elsewhere(self, topic: str) -> bool:
         return self.remote.lookup(topic) is not NOBODY
+
+    def _choose(self, group: str, members: tuple[tuple[str, int], ...]) -> str:
+        """The node that takes the next message of a share group: round robin over the
+        group's consumers, so each node gets its members' part."""
+        total = sum(weight for _node, weight in members)
+        turn = self._turns.get(group, 0)
+        self._turns[group] = turn + 1
+        slot = turn % total
+        for node, weight in members:
+            if slot < weight:
+                return node
+            slot -= weight
+        return members[-1][0]
 
     # ------------------------------------------------------------ route table
     def route_snapshot(self) -> pb.RouteUpdate:
@@ -623,6 +657,47 @@ class DataPlane:
         for link in self.links.values():
             link.send_routes(update)
 
+    # ------------------------------------------------------------ retained messages
+    def _retained_changed(self, topic: str, message: Message | None) -> None:
+        """A retained message was set or cleared here (the owner of its shard): keep it, and
+        tell every other node."""
+        if self._keep_retained is not None:
+            self._keep_retained(topic, message)
+        if topic.startswith(NODE_LOCAL_TOPICS):
+            return
+        update = _retained_frame(topic, message)
+        for link in self.links.values():
+            link.send_retained(update)
+
+    def retained_snapshot(self) -> list[pb.Retained]:
+        """The retained messages of the shards this node owns, for a new link."""
+        broker = self.broker
+        owned = []
+        for topic, message in broker.retained.items():
+            if topic.startswith(NODE_LOCAL_TOPICS):
+                continue
+            stream = broker.stream_for_topic(topic)  # restored messages carry no shard
+            if self.view.owns(stream.name, stream.shard_for(topic, message.key).index):
+                owned.append(_retained_frame(topic, message))
+        return owned
+
+    def _apply_retained(self, updates: list[pb.Retained]) -> None:
+        retained = self.broker.retained
+        for update in updates:
+            message: Message | None = None
+            if update.present:
+                try:
+                    message = message_from_push(update.message)
+                except RecordFormatError as exc:
+                    log.warning("dropped a malformed retained message from a peer: %s", exc)
+                    continue
+                message.retain = True
+                retained.set(update.topic, message)
+            elif not retained.delete(update.topic):
+                continue
+            if self._keep_retained is not None:
+                self._keep_retained(update.topic, message)
+
     # ------------------------------------------------------------ the receiving end
     def receive(self, peer: str, frame: pb.PeerFrame, reply: Callable[[pb.PeerReply], None]) -> None:
         """Apply one frame from `peer`: routes, then pushes, then forwards (answered through
@@ -636,6 +711,8 @@ class DataPlane:
                 self.remote.reset(peer, delta.added)
             else:
                 self.remote.apply(peer, delta)
+        if frame.retained:
+            self._apply_retained(frame.retained)
         if frame.pushes:
             self._dispatch_pushes(frame.pushes)
         if frame.forwards:

@@ -92,13 +92,15 @@ def frame_size(frame: pb.Forward | pb.Push) -> int:
 def route_update(delta: RouteDelta, reset: bool = False) -> pb.RouteUpdate:
     return pb.RouteUpdate(
         reset=reset,
-        added=[pb.Route(topic_filter=r.topic_filter, share_group=r.share_group) for r in delta.added],
-        removed=[pb.Route(topic_filter=r.topic_filter, share_group=r.share_group) for r in delta.removed],
+        added=[pb.Route(topic_filter=r.topic_filter, share_group=r.share_group, weight=r.weight)
+               for r in delta.added],
+        removed=[pb.Route(topic_filter=r.topic_filter, share_group=r.share_group, weight=r.weight)
+                 for r in delta.removed],
     )
 
 
 def routes_from_update(update: pb.RouteUpdate) -> RouteDelta:
     return RouteDelta(
-        [Route(r.topic_filter, r.share_group) for r in update.added],
-        [Route(r.topic_filter, r.share_group) for r in update.removed],
+        [Route(r.topic_filter, r.share_group, r.weight) for r in update.added],
+        [Route(r.topic_filter, r.share_group, r.weight) for r in update.removed],
     )

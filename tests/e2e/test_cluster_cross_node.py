@@ -176,3 +176,18 @@ async def test_grpc_sdk_publish_on_one_node_reaches_a_consumer_on_another(
         assert sorted(got) == sorted(topics)
 
 
+
+
+def test_retained_message_set_on_one_node_is_read_on_another(cluster: Cluster) -> None:
+    n1, n2 = cluster(2, extra_config=STREAMS)
+    pub = Paho(n1.mqtt_port, "pub", V5)
+    topics = [f"fast/status/{i}" for i in range(TOPICS)]
+    for topic in topics:
+        pub.publish(topic, topic, 1, retain=True)
+    # the retained messages reach n2 shortly after each PUBACK: a subscriber may have to wait
+    wait_for(lambda: metric(n2, "shardgate_retained_messages") >= len(topics), timeout=15)
+    late = Paho(n2.mqtt_port, "late", V311)
+    late.subscribe("fast/status/#", 1)
+    got = late.expect_n(len(topics))
+    assert sorted(m.payload.decode() for m in got) == sorted(topics)
+    assert all(m.retain for m in got)
