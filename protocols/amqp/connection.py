@@ -597,7 +597,7 @@ class AmqpConnection:
                     "basic.nack": True,
                     "consumer_cancel_notify": True,
                     "connection.blocked": True,
-                    "consumer_priorities": False,
+                    "consumer_priorities": True,
                     "authentication_failure_close": True,
                     "per_consumer_qos": True,
                     "direct_reply_to": True,
@@ -1139,8 +1139,12 @@ class AmqpConnection:
                 ReplyCode.ACCESS_REFUSED,
                 f"queue '{name}' in vhost '{self.vhost.name}' in exclusive use", *_ids(method),
             )
+        priority = (frame.arguments or {}).get("x-priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            priority = 0
         consumer = QueueConsumer(
-            channel, tag, queue, bool(frame.no_ack), bool(frame.exclusive), channel.consumer_prefetch
+            channel, tag, queue, bool(frame.no_ack), bool(frame.exclusive),
+            channel.consumer_prefetch, priority,
         )
         channel.consumers[tag] = consumer
         queue.add_consumer(consumer)
