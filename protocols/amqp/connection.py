@@ -341,7 +341,7 @@ class AmqpConnection:
         self._publishes_in_flight = 0
         self.messages_in = 0
         self.messages_out = 0
-        self._landing: dict[asyncio.Future[None], list[tuple[AmqpChannel, int]]] = {}
+        self._landing: dict[asyncio.Future[None], list[tuple[AmqpChannel, int, Message]]] = {}
         self._confirm_channels: set[AmqpChannel] = set()
         self._paused = False
         self._held_by_alarm = False
@@ -1346,7 +1346,6 @@ class AmqpConnection:
                 self._confirm(channel, seq, True)
             return
         self.messages_in += 1
-        vhost.publish_refused = False
         try:
             pending = self.service.edge.publish(message)
         except PublishRejected as exc:
@@ -1356,20 +1355,18 @@ class AmqpConnection:
             elif seq < 0:
                 channel.tx_failed = True
             return
-        if vhost.publish_refused and seq > 0:
-            # A queue with x-overflow reject-publish was full: the publisher gets a nack.
-            self._confirm(channel, seq, False)
-            return
         if pending is None:
+            # A queue with x-overflow reject-publish that was full makes it a nack.
+            refused = vhost.take_refusal(message)
             if seq > 0:
-                self._confirm(channel, seq, True)
+                self._confirm(channel, seq, not refused)
             return
         # Stored once the journal's commit group is durable: one callback per group.
         waiting = self._landing.get(pending)
         if waiting is None:
             waiting = self._landing[pending] = []
             pending.add_done_callback(self._landed)
-        waiting.append((channel, seq))
+        waiting.append((channel, seq, message))
         self._publishes_in_flight += 1
         if seq > 0:
             channel.unconfirmed[seq] = False
@@ -1419,9 +1416,12 @@ class AmqpConnection:
         waiting = self._landing.pop(future, [])
         self._publishes_in_flight -= len(waiting)
         ok = not future.cancelled() and future.exception() is None
-        for channel, seq in waiting:
+        vhost = self.vhost
+        for channel, seq, message in waiting:
+            # Routed to the queues by now (the broker delivers before this callback runs).
+            refused = vhost is not None and vhost.take_refusal(message)
             if seq > 0:
-                self._confirm(channel, seq, ok)
+                self._confirm(channel, seq, ok and not refused)
             elif seq < 0:
                 channel.tx_failed = channel.tx_failed or not ok
                 channel.tx_landing -= 1

@@ -124,7 +124,7 @@ class Queue:
         max_priority = _int_arg(arguments, "x-max-priority")
         self.max_priority = max(0, min(255, max_priority)) if max_priority else 0
         # Set by the connection around a publish: called when this queue refuses it.
-        self.on_publish_refused: Callable[[], None] | None = None
+        self.on_publish_refused: Callable[[Message], None] | None = None
         dlx = arguments.get("x-dead-letter-exchange")
         self.dead_letter_exchange: str | None = None if dlx is None else str(dlx)
         dlrk = arguments.get("x-dead-letter-routing-key")
@@ -287,7 +287,7 @@ class Queue:
     def _refuse(self, message: Message) -> None:
         """x-overflow reject-publish(-dlx): the message does not enter this queue."""
         if self.on_publish_refused is not None:
-            self.on_publish_refused()
+            self.on_publish_refused(message)
         if self.overflow == "reject-publish-dlx":
             self._dead_letter(self, QueueEntry(message, None), "maxlen")
         else:
