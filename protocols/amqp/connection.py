@@ -898,6 +898,9 @@ class AmqpConnection:
         )
 
     def _channel_flow(self, channel: AmqpChannel, frame: commands.Channel.Flow) -> None:
+        if not frame.active:
+            # RabbitMQ 3.x does not let a client pause deliveries (rabbit_channel: 540).
+            raise ConnectionException(ReplyCode.NOT_IMPLEMENTED, "active=false", *_ids(frame))
         channel.flow = bool(frame.active)
         self.send_method(channel.number, commands.Channel.FlowOk(active=channel.flow))
         if channel.flow:
@@ -1264,7 +1267,8 @@ class AmqpConnection:
         exchange = vhost.exchange(frame.exchange, commands.Basic.Publish)
         if exchange.internal:
             raise ChannelException(
-                ReplyCode.ACCESS_REFUSED, f"cannot publish to internal exchange '{exchange.name}'",
+                ReplyCode.ACCESS_REFUSED,
+                f"cannot publish to internal exchange '{exchange.name}' in vhost '{vhost.name}'",
                 *_ids(commands.Basic.Publish),
             )
         if props.user_id and str(props.user_id) != self.username:

@@ -3,8 +3,8 @@ behaviour; each test runs against Shardgate and a real RabbitMQ node:
 x-max-priority (https://www.rabbitmq.com/docs/priority), x-overflow reject-publish and
 x-max-length-bytes (https://www.rabbitmq.com/docs/maxlength), alternate exchanges
 (https://www.rabbitmq.com/docs/ae), TTL 0 delivered to a ready consumer
-(https://www.rabbitmq.com/docs/ttl), and the 540s for basic.qos prefetch-size and
-basic.recover requeue=false (rabbit_channel).
+(https://www.rabbitmq.com/docs/ttl), consumer priorities, and the 540s for basic.qos
+prefetch-size, basic.recover requeue=false and channel.flow active=false (rabbit_channel).
 """
 
 from __future__ import annotations
@@ -113,6 +113,7 @@ async def test_ttl_zero_reaches_a_ready_consumer(amqp_broker_url):
 @pytest.mark.parametrize("method, text", [
     (lambda ch: ch.basic_qos(prefetch_size=10, prefetch_count=1), "NOT_IMPLEMENTED - prefetch_size!=0 (10)"),
     (lambda ch: ch.basic_recover(requeue=False), "NOT_IMPLEMENTED - requeue=false"),
+    (lambda ch: ch.flow(active=False), "NOT_IMPLEMENTED - active=false"),
 ])
 async def test_unimplemented_options_close_the_connection_with_540(amqp_broker_url, method, text):
     conn = await aiormq.connect(amqp_broker_url)

@@ -280,3 +280,25 @@ def test_nodes_reach_etcd_over_tls_with_the_configured_ca(tmp_path: Path) -> Non
         assert "cannot reach etcd" in untrusted.stderr, untrusted.stderr
     finally:
         server.stop()
+
+
+def test_when_the_controller_dies_another_node_takes_over_within_the_ttl(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster(3, extra_config=STREAMS)
+    status = wait_for(lambda: (s := settled(n2, {"n1", "n2", "n3"})) and shard_counts(s) == [3, 3, 3] and s,
+                      timeout=30)
+    controller = {"n1": n1, "n2": n2, "n3": n3}[status["controller"]]
+    survivors = [node for node in (n1, n2, n3) if node is not controller]
+    controller.kill()
+    killed = time.monotonic()
+
+    def taken_over() -> dict[str, Any] | None:
+        s = survivors[0].status()
+        if s["controller"] not in {node.node_id for node in survivors}:
+            return None
+        return s if controller.node_id not in owners(s, "fast") else None
+
+    status = wait_for(taken_over, timeout=20)
+    assert time.monotonic() - killed < 3 + 3
+    # one controller for both survivors, and the dead node's fast shards spread over them
+    assert survivors[1].status()["controller"] == status["controller"]
+    assert set(owners(status, "fast")) <= {node.node_id for node in survivors}
