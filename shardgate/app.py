@@ -252,6 +252,9 @@ class Shardgate:
                 from .protocols.grpc.server import start_grpc_server
 
                 server = await start_grpc_server(self, host, ports.grpc_port, None)
+                if self.security is not None:
+                    # installed before the listener existed: give it the ACL now
+                    server.authorizer = self.security.grpc_authorize
                 self._add_listener("grpc", server)
             if ports.http_port:
                 starting = ("admin HTTP", ports.http_host, ports.http_port, "listeners.http_port")
