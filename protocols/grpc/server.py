@@ -746,6 +746,13 @@ def _unary(method: Callable[..., Any]) -> Callable[..., Any]:
 
     async def handler(self: AdminService, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            user = _user(context)
+            topic = f"admin/{method.__name__}"
+            if not self.server.allowed("admin", user, topic):
+                raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                              f"{method.__name__} needs the admin action ({topic!r}), which "
+                              + (f"user {user!r}" if user is not None else "an anonymous client")
+                              + " does not have")
             with _translated():
                 return method(self, request)
         except Refusal as refusal:
