@@ -143,6 +143,9 @@ class EtcdClusterView:
 
     # ---------------------------------------------------------------- applying etcd state
     def load(self, prefix: str, kvs: list[KeyValue], revision: int) -> None:
+        """Replace the whole state with what etcd holds at `revision`; registry entries that
+        differ from before are left in `session_changes`."""
+        sessions_before = dict(self.sessions)
         self.registrations.clear()
         self.placement.clear()
         self.streams.clear()
@@ -157,6 +160,11 @@ class EtcdClusterView:
             self._apply(prefix, WatchEvent(kv.key, kv.value, kv.mod_revision, kv.create_revision))
         self.revision = revision
         self._refresh_nodes()
+        self.session_changes = [
+            (client_id, self.sessions.get(client_id))
+            for client_id in sessions_before.keys() | self.sessions.keys()
+            if sessions_before.get(client_id) != self.sessions.get(client_id)
+        ]
 
     def apply(self, prefix: str, events: list[WatchEvent]) -> bool:
         """Apply watch events; whether any could change placement (nodes, streams, placement,
@@ -324,6 +332,7 @@ class ClusterNode:
         self._running = True
         kvs, revision = await self.client.get_prefix(self.prefix)
         self.view.load(self.prefix, kvs, revision)
+        self.view.session_changes = []  # joining is not a change of anyone's session
         self.view.changed()  # nodes that registered since the catalog was read (data plane links)
         self._tasks = [
             asyncio.create_task(self._keep_alive(), name="cluster-lease"),
@@ -408,9 +417,12 @@ class ClusterNode:
         while self._running:
             try:
                 if revision == 0:
+                    # read everything again; what changed meanwhile (a stream created or
+                    # deleted while this node could not watch) is applied as any change is
                     kvs, revision = await self.client.get_prefix(self.prefix)
+                    before = self._catalog_snapshot()
                     self.view.load(self.prefix, kvs, revision)
-                    self._after_change()
+                    self._after_change(before)
                 self._synced.set()
                 async with contextlib.aclosing(
                         self.client.watch_prefix(self.prefix, revision + 1)) as changes:
