@@ -9,7 +9,9 @@ min and max temperature, mean humidity, first and last reading.
     python examples/sensor_aggregates.py --archive file:///var/lib/shardgate/archive
     python examples/sensor_aggregates.py --demo            # synthetic readings, no broker
 
-`--publish N --mqtt HOST:PORT` first publishes N readings to a running broker (paho-mqtt).
+`--publish N --mqtt HOST:PORT` first publishes N readings to a running broker (paho-mqtt),
+then asks its admin API (`--http-url`, default http://127.0.0.1:8080) to flush the archive, so
+the job reads what was just published.
 """
 
 from __future__ import annotations
@@ -93,6 +95,27 @@ def publish_over_mqtt(address: str, count: int, devices: int) -> None:
         client.loop_stop()
 
 
+def flush_archive(http_url: str, username: str | None, password: str | None) -> bool:
+    """`POST /api/archive/flush` on the broker's admin API: seal and write what the journal
+    holds. False (with a note) when the admin API cannot be reached or refuses."""
+    import base64
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(http_url.rstrip("/") + "/api/archive/flush", method="POST",
+                                     data=b"")
+    if username:
+        token = base64.b64encode(f"{username}:{password or ''}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=150):
+            return True
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"could not flush the archive through {http_url} ({exc}); the newest readings "
+              "appear once the archiver's max delay has passed", file=sys.stderr)
+        return False
+
+
 def write_demo_archive(url: str, count: int, devices: int) -> None:
     """Synthetic readings through a real journal and the archiver (no broker needed)."""
     from shardgate.storage.archive import Archiver
@@ -129,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--demo", action="store_true", help="archive synthetic readings first")
     parser.add_argument("--publish", type=int, default=0, help="publish N readings over MQTT first")
     parser.add_argument("--mqtt", default="127.0.0.1:1883")
+    parser.add_argument("--http-url", default="http://127.0.0.1:8080",
+                        help="the broker's admin API, to flush the archive after --publish")
+    parser.add_argument("--username", help="an admin user, when the broker has users")
+    parser.add_argument("--password")
     parser.add_argument("--devices", type=int, default=10)
     parser.add_argument("--master", default="local[*]")
     args = parser.parse_args(argv)
@@ -141,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--archive is required (or --demo)")
     if args.publish:
         publish_over_mqtt(args.mqtt, args.publish, args.devices)
-        print(f"published {args.publish} readings; run `shardgate archive flush` on the broker "
-              "(or wait for the archiver's max delay) before reading")
+        flushed = flush_archive(args.http_url, args.username, args.password)
+        print(f"published {args.publish} readings" + ("; archive flushed" if flushed else ""))
 
     from shardgate.storage.spark import read_archive
 

@@ -19,46 +19,86 @@ REJECTED: OutcomeCode
 FAILED: OutcomeCode
 
 class PeerFrame(_message.Message):
-    __slots__ = ("sequence", "from_node", "forwards", "pushes", "routes")
+    __slots__ = ("sequence", "from_node", "forwards", "pushes", "routes", "retained")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     FROM_NODE_FIELD_NUMBER: _ClassVar[int]
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
     PUSHES_FIELD_NUMBER: _ClassVar[int]
     ROUTES_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     from_node: str
     forwards: _containers.RepeatedCompositeFieldContainer[Forward]
     pushes: _containers.RepeatedCompositeFieldContainer[Push]
     routes: RouteUpdate
-    def __init__(self, sequence: _Optional[int] = ..., from_node: _Optional[str] = ..., forwards: _Optional[_Iterable[_Union[Forward, _Mapping]]] = ..., pushes: _Optional[_Iterable[_Union[Push, _Mapping]]] = ..., routes: _Optional[_Union[RouteUpdate, _Mapping]] = ...) -> None: ...
+    retained: _containers.RepeatedCompositeFieldContainer[Retained]
+    def __init__(self, sequence: _Optional[int] = ..., from_node: _Optional[str] = ..., forwards: _Optional[_Iterable[_Union[Forward, _Mapping]]] = ..., pushes: _Optional[_Iterable[_Union[Push, _Mapping]]] = ..., routes: _Optional[_Union[RouteUpdate, _Mapping]] = ..., retained: _Optional[_Iterable[_Union[Retained, _Mapping]]] = ...) -> None: ...
+
+class Retained(_message.Message):
+    __slots__ = ("topic", "present", "message")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    present: bool
+    message: Push
+    def __init__(self, topic: _Optional[str] = ..., present: _Optional[bool] = ..., message: _Optional[_Union[Push, _Mapping]] = ...) -> None: ...
 
 class Forward(_message.Message):
-    __slots__ = ("stream", "shard", "epoch", "record")
+    __slots__ = ("stream", "shard", "epoch", "record", "topic", "payload", "qos", "retain", "publish_time_ms", "producer_protocol", "producer_id")
     STREAM_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    QOS_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_ID_FIELD_NUMBER: _ClassVar[int]
     stream: str
     shard: int
     epoch: int
     record: bytes
-    def __init__(self, stream: _Optional[str] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ..., record: _Optional[bytes] = ...) -> None: ...
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    publish_time_ms: int
+    producer_protocol: str
+    producer_id: str
+    def __init__(self, stream: _Optional[str] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ..., record: _Optional[bytes] = ..., topic: _Optional[str] = ..., payload: _Optional[bytes] = ..., qos: _Optional[int] = ..., retain: _Optional[bool] = ..., publish_time_ms: _Optional[int] = ..., producer_protocol: _Optional[str] = ..., producer_id: _Optional[str] = ...) -> None: ...
 
 class Push(_message.Message):
-    __slots__ = ("stream", "shard", "offset", "record", "plain", "share_groups")
+    __slots__ = ("stream", "shard", "offset", "record", "plain", "share_groups", "topic", "payload", "qos", "retain", "publish_time_ms", "producer_protocol", "producer_id")
     STREAM_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
     PLAIN_FIELD_NUMBER: _ClassVar[int]
     SHARE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    QOS_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_ID_FIELD_NUMBER: _ClassVar[int]
     stream: str
     shard: int
     offset: int
     record: bytes
     plain: bool
     share_groups: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, stream: _Optional[str] = ..., shard: _Optional[int] = ..., offset: _Optional[int] = ..., record: _Optional[bytes] = ..., plain: _Optional[bool] = ..., share_groups: _Optional[_Iterable[str]] = ...) -> None: ...
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    publish_time_ms: int
+    producer_protocol: str
+    producer_id: str
+    def __init__(self, stream: _Optional[str] = ..., shard: _Optional[int] = ..., offset: _Optional[int] = ..., record: _Optional[bytes] = ..., plain: _Optional[bool] = ..., share_groups: _Optional[_Iterable[str]] = ..., topic: _Optional[str] = ..., payload: _Optional[bytes] = ..., qos: _Optional[int] = ..., retain: _Optional[bool] = ..., publish_time_ms: _Optional[int] = ..., producer_protocol: _Optional[str] = ..., producer_id: _Optional[str] = ...) -> None: ...
 
 class RouteUpdate(_message.Message):
     __slots__ = ("reset", "added", "removed")
@@ -71,12 +111,14 @@ class RouteUpdate(_message.Message):
     def __init__(self, reset: _Optional[bool] = ..., added: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., removed: _Optional[_Iterable[_Union[Route, _Mapping]]] = ...) -> None: ...
 
 class Route(_message.Message):
-    __slots__ = ("topic_filter", "share_group")
+    __slots__ = ("topic_filter", "share_group", "weight")
     TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
     SHARE_GROUP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
     topic_filter: str
     share_group: str
-    def __init__(self, topic_filter: _Optional[str] = ..., share_group: _Optional[str] = ...) -> None: ...
+    weight: int
+    def __init__(self, topic_filter: _Optional[str] = ..., share_group: _Optional[str] = ..., weight: _Optional[int] = ...) -> None: ...
 
 class PeerReply(_message.Message):
     __slots__ = ("sequence", "outcomes")

@@ -34,6 +34,8 @@ from urllib.parse import urlparse
 from .core.durable import DurableOptions
 from .core.message import Message
 from .logs import ReconnectReport
+from .protocols.amqp.properties import message_from_properties, typed_properties
+from .protocols.amqp.routing import routing_key_for_topic, topic_for_routing_key
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -44,6 +46,28 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PRODUCER_PROTOCOL = "amqp-bridge"
+
+
+def _outgoing(aio_pika: Any, message: Message) -> Any:
+    """The remote's copy of `message`: a message that came in over AMQP keeps its typed
+    headers and basic properties (but not user-id, which the remote checks against its own
+    login, nor expiration: the bridge drops what expires before it is sent)."""
+    props = typed_properties(message)
+    if props is None:
+        return aio_pika.Message(
+            bytes(message.payload), headers=dict(message.headers or ()) or None,
+            content_type=message.content_type,
+            correlation_id=message.correlation_data.decode("utf-8", "replace")
+            if message.correlation_data else None,
+            reply_to=message.reply_to, delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        )
+    return aio_pika.Message(
+        bytes(message.payload), headers=props.headers, content_type=props.content_type,
+        content_encoding=props.content_encoding, delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        priority=props.priority, correlation_id=props.correlation_id, reply_to=props.reply_to,
+        message_id=props.message_id, timestamp=props.timestamp, type=props.message_type,
+        app_id=props.app_id,
+    )
 
 
 @dataclass(slots=True)
@@ -73,12 +97,9 @@ class AmqpBridgeSettings:
     reconnect_max_s: float = 10.0
 
 
-def topic_to_routing_key(topic: str) -> str:
-    return topic.replace("/", ".")
-
-
-def routing_key_to_topic(routing_key: str) -> str:
-    return routing_key.replace(".", "/")
+# The one mapping of `amq.topic` routing keys, both ways (the AMQP listener's).
+topic_to_routing_key = routing_key_for_topic
+routing_key_to_topic = topic_for_routing_key
 
 
 class AmqpBridge:
@@ -248,13 +269,7 @@ class AmqpBridge:
                         continue
                     topic = topic[len(settings.local_prefix):]
                 routing_key = settings.routing_key or topic_to_routing_key(topic)
-                outgoing = aio_pika.Message(
-                    bytes(message.payload), headers=dict(message.headers or ()) or None,
-                    content_type=message.content_type,
-                    correlation_id=message.correlation_data.decode("utf-8", "replace")
-                    if message.correlation_data else None,
-                    reply_to=message.reply_to, delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                )
+                outgoing = _outgoing(aio_pika, message)
                 publishes.append(exchange.publish(outgoing, routing_key, timeout=settings.confirm_timeout_s))
             await asyncio.gather(*publishes)  # each returns once the remote confirmed it
             for _ in batch:
@@ -273,14 +288,12 @@ class AmqpBridge:
         async with queue.iterator() as deliveries:
             async for incoming in deliveries:
                 topic = settings.topic or settings.local_prefix + routing_key_to_topic(incoming.routing_key or "")
-                headers = [(str(k), str(v)) for k, v in (incoming.headers or {}).items()] or None
-                message = Message(
-                    topic, bytes(incoming.body), qos=1, headers=headers,
-                    content_type=incoming.content_type,
-                    correlation_data=incoming.correlation_id.encode() if incoming.correlation_id else None,
-                    reply_to=incoming.reply_to,
-                    producer_protocol=PRODUCER_PROTOCOL, producer_id=self.name,
-                )
+                properties = incoming.properties
+                # typed headers and every basic property kept, as for a local AMQP publish
+                message = message_from_properties(
+                    topic, bytes(incoming.body), properties, self.name, properties.marshal())
+                message.qos = 1
+                message.producer_protocol = PRODUCER_PROTOCOL
                 try:
                     pending = self.broker.publish(message)
                     if pending is not None:

@@ -30,6 +30,7 @@ from pamqp import frame as pframe
 from pamqp import header as pheader
 
 from ... import __version__
+from ...core.edge import Action, Principal
 from ...core.errors import PublishRejected
 from ...core.message import Message
 from .errors import ChannelException, ConnectionException, ReplyCode
@@ -329,6 +330,7 @@ class AmqpConnection:
         self.channel_max = self.settings.channel_max
         self.heartbeat = 0
         self.username = ""
+        self.principal = Principal("amqp", None, "", remote)
         self.vhost: VirtualHost | None = None
         self.client_properties: dict[str, Any] = {}
         self.capabilities: dict[str, Any] = {}
@@ -339,7 +341,7 @@ class AmqpConnection:
         self._publishes_in_flight = 0
         self.messages_in = 0
         self.messages_out = 0
-        self._landing: dict[asyncio.Future[None], list[tuple[AmqpChannel, int]]] = {}
+        self._landing: dict[asyncio.Future[None], list[tuple[AmqpChannel, int, Message]]] = {}
         self._confirm_channels: set[AmqpChannel] = set()
         self._paused = False
         self._held_by_alarm = False
@@ -595,7 +597,7 @@ class AmqpConnection:
                     "basic.nack": True,
                     "consumer_cancel_notify": True,
                     "connection.blocked": True,
-                    "consumer_priorities": False,
+                    "consumer_priorities": True,
                     "authentication_failure_close": True,
                     "per_consumer_qos": True,
                     "direct_reply_to": True,
@@ -753,6 +755,8 @@ class AmqpConnection:
         if refusal is not None:
             raise ConnectionException(ReplyCode.ACCESS_REFUSED, refusal, *_ids(frame))
         self.username = str(user)
+        # ACL rules see AMQP clients by user only (no client id for `client =` or `%c`).
+        self.principal = Principal("amqp", self.username, "", self.remote)
         self.state = State.AWAIT_TUNE_OK
         self.send_method(0, commands.Connection.Tune(
             channel_max=self.settings.channel_max, frame_max=self.settings.frame_max,
@@ -894,6 +898,9 @@ class AmqpConnection:
         )
 
     def _channel_flow(self, channel: AmqpChannel, frame: commands.Channel.Flow) -> None:
+        if not frame.active:
+            # RabbitMQ 3.x does not let a client pause deliveries (rabbit_channel: 540).
+            raise ConnectionException(ReplyCode.NOT_IMPLEMENTED, "active=false", *_ids(frame))
         channel.flow = bool(frame.active)
         self.send_method(channel.number, commands.Channel.FlowOk(active=channel.flow))
         if channel.flow:
@@ -976,6 +983,19 @@ class AmqpConnection:
                 queue.dispatch()
 
     # ================================================================== exchange & queue class
+    def _may_bind(self) -> Callable[[str], bool] | None:
+        """The front door's check of a binding's core filter (a subscribe), or None when
+        nothing is checked."""
+        edge = self.service.edge
+        if edge.authorizer is None:
+            return None
+        principal = self.principal
+
+        def allowed(topic_filter: str) -> bool:
+            return edge.authorize(principal, Action.SUBSCRIBE, topic_filter)
+
+        return allowed
+
     def _exchange_declare(self, channel: AmqpChannel, frame: commands.Exchange.Declare) -> None:
         assert self.vhost is not None
         self.vhost.declare_exchange(frame)
@@ -984,14 +1004,9 @@ class AmqpConnection:
 
     def _exchange_bind(self, channel: AmqpChannel, frame: commands.Exchange.Bind) -> None:
         assert self.vhost is not None
-        authorizer = self.service.authorizer
-        allowed = None
-        if authorizer is not None:
-            def allowed(topic_filter: str) -> bool:
-                return authorizer("subscribe", self.username, topic_filter)
         self.vhost.bind_exchange(
             frame.destination, frame.source, frame.routing_key, frame.arguments,
-            commands.Exchange.Bind, allowed,
+            commands.Exchange.Bind, self._may_bind(),
         )
         if not frame.nowait:
             self.send_method(channel.number, commands.Exchange.BindOk())
@@ -1037,11 +1052,7 @@ class AmqpConnection:
         assert self.vhost is not None
         name = self._queue_name(channel, frame.queue, commands.Queue.Bind)
         queue = self.vhost.queue(name, self, commands.Queue.Bind)
-        authorizer = self.service.authorizer
-        allowed = None
-        if authorizer is not None:
-            def allowed(topic_filter: str) -> bool:
-                return authorizer("subscribe", self.username, topic_filter)
+        allowed = self._may_bind()
         self.vhost.bind(
             queue, frame.exchange, frame.routing_key, frame.arguments, commands.Queue.Bind, allowed
         )
@@ -1131,8 +1142,12 @@ class AmqpConnection:
                 ReplyCode.ACCESS_REFUSED,
                 f"queue '{name}' in vhost '{self.vhost.name}' in exclusive use", *_ids(method),
             )
+        priority = (frame.arguments or {}).get("x-priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            priority = 0
         consumer = QueueConsumer(
-            channel, tag, queue, bool(frame.no_ack), bool(frame.exclusive), channel.consumer_prefetch
+            channel, tag, queue, bool(frame.no_ack), bool(frame.exclusive),
+            channel.consumer_prefetch, priority,
         )
         channel.consumers[tag] = consumer
         queue.add_consumer(consumer)
@@ -1252,7 +1267,8 @@ class AmqpConnection:
         exchange = vhost.exchange(frame.exchange, commands.Basic.Publish)
         if exchange.internal:
             raise ChannelException(
-                ReplyCode.ACCESS_REFUSED, f"cannot publish to internal exchange '{exchange.name}'",
+                ReplyCode.ACCESS_REFUSED,
+                f"cannot publish to internal exchange '{exchange.name}' in vhost '{vhost.name}'",
                 *_ids(commands.Basic.Publish),
             )
         if props.user_id and str(props.user_id) != self.username:
@@ -1271,8 +1287,7 @@ class AmqpConnection:
                 shortstr(frame.exchange) + shortstr(frame.routing_key),
             )
         topic, route = known
-        authorizer = self.service.authorizer
-        if authorizer is not None and not authorizer("publish", self.username, topic):
+        if not self.service.edge.authorize(self.principal, Action.PUBLISH, topic):
             raise ChannelException(
                 ReplyCode.ACCESS_REFUSED,
                 f"user '{self.username}' may not publish to exchange '{exchange.name}' with "
@@ -1335,9 +1350,8 @@ class AmqpConnection:
                 self._confirm(channel, seq, True)
             return
         self.messages_in += 1
-        vhost.publish_refused = False
         try:
-            pending = self.service.broker.publish(message)
+            pending = self.service.edge.publish(message)
         except PublishRejected as exc:
             log.warning("publish from %s rejected: %s", self.remote, exc)
             if seq > 0:
@@ -1345,20 +1359,18 @@ class AmqpConnection:
             elif seq < 0:
                 channel.tx_failed = True
             return
-        if vhost.publish_refused and seq > 0:
-            # A queue with x-overflow reject-publish was full: the publisher gets a nack.
-            self._confirm(channel, seq, False)
-            return
         if pending is None:
+            # A queue with x-overflow reject-publish that was full makes it a nack.
+            refused = vhost.take_refusal(message)
             if seq > 0:
-                self._confirm(channel, seq, True)
+                self._confirm(channel, seq, not refused)
             return
         # Stored once the journal's commit group is durable: one callback per group.
         waiting = self._landing.get(pending)
         if waiting is None:
             waiting = self._landing[pending] = []
             pending.add_done_callback(self._landed)
-        waiting.append((channel, seq))
+        waiting.append((channel, seq, message))
         self._publishes_in_flight += 1
         if seq > 0:
             channel.unconfirmed[seq] = False
@@ -1408,9 +1420,12 @@ class AmqpConnection:
         waiting = self._landing.pop(future, [])
         self._publishes_in_flight -= len(waiting)
         ok = not future.cancelled() and future.exception() is None
-        for channel, seq in waiting:
+        vhost = self.vhost
+        for channel, seq, message in waiting:
+            # Routed to the queues by now (the broker delivers before this callback runs).
+            refused = vhost is not None and vhost.take_refusal(message)
             if seq > 0:
-                self._confirm(channel, seq, ok)
+                self._confirm(channel, seq, ok and not refused)
             elif seq < 0:
                 channel.tx_failed = channel.tx_failed or not ok
                 channel.tx_landing -= 1

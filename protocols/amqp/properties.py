@@ -23,6 +23,7 @@ import json
 import struct
 
 from pamqp import commands
+from pamqp import header as pamqp_header
 
 from ...core.message import Message, now_ms
 from .routing import header_value
@@ -129,6 +130,20 @@ def message_from_properties(
     if raw_properties is not None:
         message.native_properties = {NATIVE_FORMAT: raw_properties}
     return message
+
+
+def decode_properties(raw: bytes) -> commands.Basic.Properties:
+    """Basic properties from their encoding (property flags and values, §4.2.6.1)."""
+    content = pamqp_header.ContentHeader()
+    content.unmarshal(content_header_payload(raw, 0))
+    return content.properties
+
+
+def typed_properties(message: Message) -> commands.Basic.Properties | None:
+    """The basic properties `message` was published with over AMQP, typed headers included;
+    None if it came from another protocol."""
+    raw = native_properties(message)
+    return decode_properties(raw) if raw is not None else None
 
 
 def native_properties(message: Message) -> bytes | None:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from ...core.message import Message, now_ms
-from ...core.subscriptions import Subscription
+from ...core.subscriptions import Subscription, round_robin
 from .routing import Binding
 
 
@@ -66,11 +66,13 @@ class ConsumerChannel(Protocol):
 class QueueConsumer:
     """One basic.consume registration on a queue."""
 
-    __slots__ = ("channel", "tag", "queue", "no_ack", "exclusive", "prefetch", "unacked")
+    __slots__ = (
+        "channel", "tag", "queue", "no_ack", "exclusive", "prefetch", "unacked", "priority",
+    )
 
     def __init__(
         self, channel: ConsumerChannel, tag: str, queue: Queue, no_ack: bool, exclusive: bool,
-        prefetch: int,
+        prefetch: int, priority: int = 0,
     ) -> None:
         self.channel = channel
         self.tag = tag
@@ -79,6 +81,9 @@ class QueueConsumer:
         self.exclusive = exclusive
         self.prefetch = prefetch
         self.unacked = 0
+        # x-priority (https://www.rabbitmq.com/docs/consumer-priority): higher first, while
+        # they have room; round-robin among equals.
+        self.priority = priority
 
 
 # Messages a durable queue holds in memory; beyond that they wait in the journal.
@@ -119,7 +124,7 @@ class Queue:
         max_priority = _int_arg(arguments, "x-max-priority")
         self.max_priority = max(0, min(255, max_priority)) if max_priority else 0
         # Set by the connection around a publish: called when this queue refuses it.
-        self.on_publish_refused: Callable[[], None] | None = None
+        self.on_publish_refused: Callable[[Message], None] | None = None
         dlx = arguments.get("x-dead-letter-exchange")
         self.dead_letter_exchange: str | None = None if dlx is None else str(dlx)
         dlrk = arguments.get("x-dead-letter-routing-key")
@@ -135,6 +140,8 @@ class Queue:
         self.by_filter: dict[str, list[Binding]] = {}
         self.checked_filters = 0  # how many filters carry a binding with an exact check
         self._next = 0
+        self.prioritized = False  # some consumer has an x-priority
+        self._next_in: dict[int, int] = {}  # round-robin position per consumer priority
         self._arrivals = 0  # position of the next enqueued message
         # Set by the virtual host: called when a message with its own expiration is queued, so
         # the queue is swept even without x-message-ttl.
@@ -280,7 +287,7 @@ class Queue:
     def _refuse(self, message: Message) -> None:
         """x-overflow reject-publish(-dlx): the message does not enter this queue."""
         if self.on_publish_refused is not None:
-            self.on_publish_refused()
+            self.on_publish_refused(message)
         if self.overflow == "reject-publish-dlx":
             self._dead_letter(self, QueueEntry(message, None), "maxlen")
         else:
@@ -351,7 +358,15 @@ class Queue:
 
     # ------------------------------------------------------------------ consumers
     def add_consumer(self, consumer: QueueConsumer) -> None:
-        self.consumers.append(consumer)
+        consumers = self.consumers
+        if consumer.priority or self.prioritized:
+            self.prioritized = True
+            at = len(consumers)
+            while at and consumers[at - 1].priority < consumer.priority:
+                at -= 1
+            consumers.insert(at, consumer)
+        else:
+            consumers.append(consumer)
         self.had_consumer = True
         self.last_used_ms = now_ms()
 
@@ -374,13 +389,29 @@ class Queue:
         if self.single_active:
             first = consumers[0]
             return first if first.channel.can_deliver(first) else None
-        count = len(consumers)
-        start = self._next % count
-        for step in range(count):
-            candidate = consumers[(start + step) % count]
-            if candidate.channel.can_deliver(candidate):
-                self._next = start + step + 1
-                return candidate
+        if self.prioritized:
+            return self._next_by_priority()
+        index = round_robin(consumers, self._next, _can_take)
+        if index is None:
+            return None
+        self._next = index + 1
+        return consumers[index]
+
+    def _next_by_priority(self) -> QueueConsumer | None:
+        """The next consumer of the highest priority that has room (consumers are kept sorted
+        by priority, highest first), round-robin within that priority."""
+        consumers = self.consumers
+        group_start = 0
+        while group_start < len(consumers):
+            priority = consumers[group_start].priority
+            group_end = group_start
+            while group_end < len(consumers) and consumers[group_end].priority == priority:
+                group_end += 1
+            index = round_robin(consumers[group_start:group_end], self._next_in.get(priority, 0), _can_take)
+            if index is not None:
+                self._next_in[priority] = index + 1
+                return consumers[group_start + index]
+            group_start = group_end
         return None
 
     def dispatch(self) -> None:
@@ -410,6 +441,10 @@ class Queue:
             self._dispatching = False
         if self.starved:
             self._refill()
+
+
+def _can_take(consumer: QueueConsumer) -> bool:
+    return consumer.channel.can_deliver(consumer)
 
 
 def _int_arg(arguments: dict[str, Any], name: str) -> int | None:

@@ -53,7 +53,7 @@ from .routing import (
 )
 
 if TYPE_CHECKING:
-    from ...core.broker import Broker
+    from ...core.edge import Edge
 
 log = logging.getLogger(__name__)
 
@@ -162,15 +162,17 @@ def _ids(method: type[commands.base.Frame] | None) -> tuple[int, int]:
 
 
 class VirtualHost:
-    def __init__(self, name: str, broker: Broker) -> None:
+    def __init__(self, name: str, edge: Edge) -> None:
         self.name = name
-        self.broker = broker
+        self.edge = edge
+        self.broker = edge.broker
         self.exchanges: dict[str, Exchange] = {
             n: Exchange(n, t) for n, t in PREDECLARED.items()
         }
         self.queues: dict[str, Queue] = {}
-        # Set when a queue refused the publish being routed (x-overflow reject-publish).
-        self.publish_refused = False
+        # Messages a queue refused (x-overflow reject-publish), by id, until their publisher's
+        # confirm is decided: a reliable stream routes them once their commit is durable.
+        self.refused_publishes: set[int] = set()
         self.exchange_bindings: dict[tuple[str, str, str, tuple[tuple[str, str], ...]], ExchangeBinding] = {}
         # Queues with a TTL or an x-expires, swept by the service's timer.
         self.timed_queues: set[Queue] = set()
@@ -528,8 +530,16 @@ class VirtualHost:
         queue.on_publish_refused = self._publish_refused
         return queue
 
-    def _publish_refused(self) -> None:
-        self.publish_refused = True
+    def _publish_refused(self, message: Message) -> None:
+        self.refused_publishes.add(id(message))
+
+    def take_refusal(self, message: Message) -> bool:
+        """Whether a queue refused `message` (forgotten once asked)."""
+        refused = self.refused_publishes
+        if not refused or id(message) not in refused:
+            return False
+        refused.discard(id(message))
+        return True
 
     # ------------------------------------------------------------------ durable topology
     @property
@@ -756,7 +766,7 @@ class VirtualHost:
             raw, reason, queue.name, old_exchange, old_key, first
         )}
         try:
-            self.broker.publish(message)
+            self.edge.publish(message)
         except PublishRejected:
             pass
 

@@ -181,6 +181,18 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     address = settings.advertise_address or f"{host}:{plane.port}"
     listeners = {name: f"{listener.host}:{listener.port}" for name, listener in app.listeners.items()}
     listeners["cluster"] = f"{host}:{plane.port}"
+    mqtt = app.mqtt
+    if mqtt is not None:
+        # the MQTT session registry: a client connecting here takes its session over from
+        # the node it was on, which ends that connection with DISCONNECT 0x8E
+        mqtt.on_session_opened = node.claim_session
+        mqtt.on_session_ended = node.release_session
+        node.session_listeners.append(mqtt.session_taken_elsewhere)
+        for client_id, session in mqtt.sessions.items():
+            if session.connection is not None:
+                node.claim_session(client_id)
+    stats = broker.stats
+    node.load_probe = lambda: stats.messages_in + stats.messages_out
     await node.join(address, listeners)
     ours = {
         name: stream_definition(stream.config)
@@ -196,12 +208,17 @@ def cluster_status(node: ClusterNode) -> dict[str, Any]:
     """What `/api/cluster` and `shardgate cluster status` show."""
     view = node.view
     counts = view.shard_counts()
+    sessions: dict[str, int] = {}
+    for owner in view.sessions.values():
+        sessions[owner] = sessions.get(owner, 0) + 1
     nodes = []
     for node_id, registration in sorted(view.registrations.items()):
         nodes.append({
             "node_id": node_id, "cluster_address": registration.cluster_address,
             "listeners": registration.listeners, "leaving": registration.leaving,
             "controller": node_id == view.controller_id, "shards": counts.get(node_id, 0),
+            "load": registration.load,
+            "sessions": sessions.get(node_id, 0),
             "started_ms": registration.started_ms,
         })
     unavailable = sorted(

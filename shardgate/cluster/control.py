@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 # etcd allows 128 operations per transaction by default; the guard takes one
 MAX_TXN_OPS = 100
+# how often a node measures its message rate (and reports it when it moved)
+LOAD_INTERVAL_S = 5.0
 
 
 class ClusterStartError(Exception):
@@ -76,6 +78,10 @@ class EtcdClusterView:
         self.streams: dict[str, dict[str, Any]] = {}
         self.routes: dict[str, dict[str, Any]] = {}
         self.users: dict[str, dict[str, Any]] = {}
+        # the MQTT session registry: client id -> the node its session lives on
+        self.sessions: dict[str, str] = {}
+        # registry entries changed by the last events applied: (client id, node or None)
+        self.session_changes: list[tuple[str, str | None]] = []
         # whole documents kept as bytes (auth/users, auth/acl), by key
         self.documents: dict[str, bytes] = {}
         self.controller_id: str | None = None
@@ -137,12 +143,16 @@ class EtcdClusterView:
 
     # ---------------------------------------------------------------- applying etcd state
     def load(self, prefix: str, kvs: list[KeyValue], revision: int) -> None:
+        """Replace the whole state with what etcd holds at `revision`; registry entries that
+        differ from before are left in `session_changes`."""
+        sessions_before = dict(self.sessions)
         self.registrations.clear()
         self.placement.clear()
         self.streams.clear()
         self.routes.clear()
         self.users.clear()
         self.documents.clear()
+        self.sessions.clear()
         self.controller_id = None
         self.controller_revision = 0
         self.guard_revision = 0
@@ -150,12 +160,24 @@ class EtcdClusterView:
             self._apply(prefix, WatchEvent(kv.key, kv.value, kv.mod_revision, kv.create_revision))
         self.revision = revision
         self._refresh_nodes()
+        self.session_changes = [
+            (client_id, self.sessions.get(client_id))
+            for client_id in sessions_before.keys() | self.sessions.keys()
+            if sessions_before.get(client_id) != self.sessions.get(client_id)
+        ]
 
-    def apply(self, prefix: str, events: list[WatchEvent]) -> None:
+    def apply(self, prefix: str, events: list[WatchEvent]) -> bool:
+        """Apply watch events; whether any could change placement (nodes, streams, placement,
+        controller): session and auth keys do not, and need no placement run."""
+        relevant = False
         for event in events:
             self._apply(prefix, event)
             self.revision = max(self.revision, event.revision)
-        self._refresh_nodes()
+            key = event.key[len(prefix):]
+            relevant = relevant or not key.startswith((keys.SESSIONS, keys.DOCUMENTS))
+        if relevant:
+            self._refresh_nodes()
+        return relevant
 
     def _apply(self, prefix: str, event: WatchEvent) -> None:
         key = event.key[len(prefix):]
@@ -188,6 +210,15 @@ class EtcdClusterView:
                 self._set(self.routes, key[len(keys.ROUTES):], value)
             elif key.startswith(keys.USERS):
                 self._set(self.users, key[len(keys.USERS):], value)
+            elif key.startswith(keys.SESSIONS):
+                client_id = key[len(keys.SESSIONS):]
+                node_id = None if value is None else keys.decode(value)["node"]
+                if self.sessions.get(client_id) != node_id:
+                    if node_id is None:
+                        self.sessions.pop(client_id, None)
+                    else:
+                        self.sessions[client_id] = node_id
+                    self.session_changes.append((client_id, node_id))
             elif key.startswith(keys.DOCUMENTS):
                 if value is None:
                     self.documents.pop(key, None)
@@ -244,9 +275,13 @@ class ClusterNode:
         # told (on the event loop) about catalog changes seen in etcd: (kind, name, definition)
         self.catalog_listeners: list[Callable[[str, str, dict[str, Any] | None], None]] = []
         # catalog writes made on this node, sent to etcd in order by one task (see `submit`)
-        self._writes: asyncio.Queue[tuple[str, bytes | None]] = asyncio.Queue()
+        self._writes: asyncio.Queue[tuple[str, bytes | None, bool]] = asyncio.Queue()
+        # messages this node has handled so far (in + out); its rate is the load it reports
+        self.load_probe: Callable[[], int] | None = None
         # the users and ACL files kept equal on every node (shared_files.SharedFiles)
         self.shared_files: Any = None
+        # told when a client's session moved to another node: (client id, node id)
+        self.session_listeners: list[Callable[[str, str], None]] = []
         # told about changes of whole documents (auth/...) seen in etcd: (key, value)
         self.document_listeners: list[Callable[[str, bytes | None], None]] = []
 
@@ -297,12 +332,14 @@ class ClusterNode:
         self._running = True
         kvs, revision = await self.client.get_prefix(self.prefix)
         self.view.load(self.prefix, kvs, revision)
+        self.view.session_changes = []  # joining is not a change of anyone's session
         self.view.changed()  # nodes that registered since the catalog was read (data plane links)
         self._tasks = [
             asyncio.create_task(self._keep_alive(), name="cluster-lease"),
             asyncio.create_task(self._watch(revision), name="cluster-watch"),
             asyncio.create_task(self._control(), name="cluster-controller"),
             asyncio.create_task(self._write_catalog(), name="cluster-catalog-writer"),
+            asyncio.create_task(self._report_load(), name="cluster-load"),
         ]
         log.info("cluster %s: node %s joined (internal address %s)", self.settings.name,
                  self.node_id, cluster_address)
@@ -380,17 +417,20 @@ class ClusterNode:
         while self._running:
             try:
                 if revision == 0:
+                    # read everything again; what changed meanwhile (a stream created or
+                    # deleted while this node could not watch) is applied as any change is
                     kvs, revision = await self.client.get_prefix(self.prefix)
+                    before = self._catalog_snapshot()
                     self.view.load(self.prefix, kvs, revision)
-                    self._after_change()
+                    self._after_change(before)
                 self._synced.set()
                 async with contextlib.aclosing(
                         self.client.watch_prefix(self.prefix, revision + 1)) as changes:
                     async for events in changes:
                         before = self._catalog_snapshot()
-                        self.view.apply(self.prefix, events)
+                        relevant = self.view.apply(self.prefix, events)
                         revision = self.view.revision
-                        self._after_change(before)
+                        self._after_change(before, wake=relevant)
             except Exception as exc:  # a broken stream must never end the watch loop
                 (log.warning if revision else log.debug)(
                     "cluster: watch interrupted (%s); reading the state again", exc)
@@ -401,8 +441,19 @@ class ClusterNode:
         return (dict(self.view.streams), dict(self.view.routes), dict(self.view.users),
                 dict(self.view.documents))
 
-    def _after_change(self, before: tuple[dict[str, Any], ...] | None = None) -> None:
-        self._wake.set()
+    def _after_change(self, before: tuple[dict[str, Any], ...] | None = None, *,
+                      wake: bool = True) -> None:
+        if wake:
+            self._wake.set()
+        changes, self.view.session_changes = self.view.session_changes, []
+        if before is not None:
+            for client_id, node_id in changes:
+                if node_id is not None and node_id != self.node_id:
+                    for session_listener in self.session_listeners:
+                        try:
+                            session_listener(client_id, node_id)
+                        except Exception:
+                            log.exception("cluster session listener failed")
         if before is not None:
             old_documents, new_documents = before[3], self.view.documents
             for key in old_documents.keys() | new_documents.keys():
@@ -422,7 +473,8 @@ class ClusterNode:
                                 listener(kind, name, new.get(name))
                             except Exception:
                                 log.exception("cluster catalog listener failed")
-        self.view.changed()
+        if wake:
+            self.view.changed()
 
     async def _control(self) -> None:
         """Campaign for controller while there is none; as controller, keep placement right."""
@@ -497,21 +549,59 @@ class ClusterNode:
                 del view.placement[name]
             log.info("cluster: placement written (%d streams changed)", len(ops))
 
+    async def _report_load(self) -> None:
+        """Every LOAD_INTERVAL_S, put this node's message rate in its registration when it moved
+        by more than a fifth (placement breaks ties between nodes with as many shards by it)."""
+        if self.load_probe is None:
+            return
+        last_count, last_time = self.load_probe(), time.monotonic()
+        while self._running:
+            await asyncio.sleep(LOAD_INTERVAL_S)
+            count, now = self.load_probe(), time.monotonic()
+            rate = (count - last_count) / max(now - last_time, 1e-3)
+            last_count, last_time = count, now
+            registration = self.registration
+            if registration is None or registration.leaving:
+                continue
+            if abs(rate - registration.load) <= max(1.0, 0.2 * registration.load):
+                continue
+            registration.load = round(rate, 1)
+            with contextlib.suppress(Exception):
+                await self.client.put(self.key(keys.NODES + self.node_id), registration.to_json(),
+                                      self.lease_id)
+
+    # ---------------------------------------------------------------- session registry
+    def claim_session(self, client_id: str) -> None:
+        """A client opened its session here: record it in the registry (unless it already
+        names this node), so the node that held it before ends its connection there."""
+        if self.view.sessions.get(client_id) == self.node_id:
+            return
+        self.view.sessions[client_id] = self.node_id
+        self.submit(keys.SESSIONS + client_id, keys.encode({"node": self.node_id}), under_lease=True)
+
+    def release_session(self, client_id: str) -> None:
+        """The client's session ended here: drop its registry entry (if still this node's)."""
+        if self.view.sessions.get(client_id) == self.node_id:
+            del self.view.sessions[client_id]
+            self.submit(keys.SESSIONS + client_id, None)
+
     # ---------------------------------------------------------------- catalog writes
-    def submit(self, suffix: str, value: bytes | None) -> None:
-        """Put (value) or delete (None) the key `suffix` in etcd, after every earlier submit.
-        Called from synchronous code (the broker's topology sink); retried while etcd is away."""
-        self._writes.put_nowait((suffix, value))
+    def submit(self, suffix: str, value: bytes | None, *, under_lease: bool = False) -> None:
+        """Put (value) or delete (None) the key `suffix` in etcd, after every earlier submit;
+        `under_lease`: the key goes when this node's lease does. Called from synchronous code
+        (the broker's topology sink, the MQTT service); retried while etcd is away."""
+        self._writes.put_nowait((suffix, value, under_lease))
 
     async def _write_catalog(self) -> None:
         while self._running:
-            suffix, value = await self._writes.get()
+            suffix, value, under_lease = await self._writes.get()
             while self._running:
                 try:
                     if value is None:
                         await self.client.delete(self.key(suffix))
                     else:
-                        await self.client.put(self.key(suffix), value)
+                        await self.client.put(self.key(suffix), value,
+                                              self.lease_id if under_lease else 0)
                     break
                 except Exception as exc:
                     log.warning("cluster: cannot write %s to etcd yet (%s); retrying", suffix, exc)

@@ -32,12 +32,15 @@ from ..proto import cluster_pb2 as pb
 from ..proto import cluster_pb2_grpc as pb_grpc
 from ..storage.journal import LatencyHistogram
 from .frames import (
+    NO_GROUPS,
     RecordFormatError,
-    encode_record,
+    body_of,
     forward_frame,
+    frame_size,
     message_from_forward,
     message_from_push,
     push_frame,
+    record_of,
     route_update,
     routes_from_update,
 )
@@ -63,6 +66,8 @@ ROUTE_DEBOUNCE_S = 0.02
 RECONCILE_S = 1.0
 # Streams every node keeps for itself, never placed nor forwarded: its own $SYS topics.
 NODE_LOCAL_STREAMS = frozenset({"sys"})
+# Topics whose retained state is the node's own: its $SYS topics, its internal state.
+NODE_LOCAL_TOPICS = ("$SYS/", "$internal/")
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
     ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
@@ -98,7 +103,7 @@ class _Awaiting:
 
     __slots__ = ("written_at", "entries")
 
-    def __init__(self, entries: list[tuple[asyncio.Future[None], Message]]) -> None:
+    def __init__(self, entries: list[tuple[asyncio.Future[None], Message, int]]) -> None:
         self.written_at = time.perf_counter()
         self.entries = entries
 
@@ -112,6 +117,7 @@ class PeerLink:
         self._forwards: list[tuple[pb.Forward, asyncio.Future[None], Message]] = []
         self._pushes: list[pb.Push] = []
         self._routes: list[pb.RouteUpdate] = []
+        self._retained: list[pb.Retained] = []
         self._awaiting: dict[int, _Awaiting] = {}
         self._in_flight = 0
         self._wake = asyncio.Event()
@@ -126,8 +132,13 @@ class PeerLink:
         return f"PeerLink({self.node.node_id} at {self.node.cluster_address})"
 
     # ------------------------------------------------------------ called on the hot path
-    def forward(self, message: Message, epoch: int, record: bytes | None = None) -> asyncio.Future[None]:
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    def forward(
+        self, message: Message, epoch: int, future: asyncio.Future[None] | None = None
+    ) -> asyncio.Future[None]:
+        """Queue `message` for the peer (the owner under `epoch`); `future` is the one to
+        resolve when the message is re-routed after a refusal."""
+        if future is None:
+            future = asyncio.get_running_loop().create_future()
         if not self.reachable:
             _fail(future, ShardUnavailable(
                 f"node {self.node.node_id} owning {message.stream}/{message.shard} is unreachable"
@@ -137,7 +148,7 @@ class PeerLink:
                 f"too many publishes waiting for node {self.node.node_id}; retry"
             ))
         else:
-            self._forwards.append((forward_frame(message, epoch, record), future, message))
+            self._forwards.append((forward_frame(message, epoch), future, message))
             self._in_flight += 1
             self._wake.set()
         if future.done():
@@ -154,6 +165,10 @@ class PeerLink:
 
     def send_routes(self, update: pb.RouteUpdate) -> None:
         self._routes.append(update)
+        self._wake.set()
+
+    def send_retained(self, retained: pb.Retained) -> None:
+        self._retained.append(retained)
         self._wake.set()
 
     # ------------------------------------------------------------ the link's task
@@ -199,11 +214,12 @@ class PeerLink:
         try:
             # A new stream starts from everything this node's clients hold now.
             self._routes = [self.plane.route_snapshot()]
+            self._retained = self.plane.retained_snapshot()
             sequence = 0
             while True:
                 if self._broken is not None:
                     raise self._broken
-                if not (self._forwards or self._pushes or self._routes):
+                if not (self._forwards or self._pushes or self._routes or self._retained):
                     self._wake.clear()
                     await self._wake.wait()
                     continue
@@ -231,6 +247,9 @@ class PeerLink:
                     merged.added.extend(later.added)
                     merged.removed.extend(later.removed)
             frame.routes.CopyFrom(merged)
+        if self._retained:
+            frame.retained.extend(self._retained)
+            self._retained = []
         size = 0
         count = 0
         if self._forwards:
@@ -240,10 +259,12 @@ class PeerLink:
                     break
                 taken.append(entry)
                 count += 1
-                size += len(entry[0].record)
+                size += frame_size(entry[0])
             del self._forwards[:count]
             frame.forwards.extend(entry[0] for entry in taken)
-            self._awaiting[sequence] = _Awaiting([(future, message) for _, future, message in taken])
+            self._awaiting[sequence] = _Awaiting(
+                [(future, message, forward.epoch) for forward, future, message in taken]
+            )
         if self._pushes and count < FRAME_MAX_MESSAGES:
             pushes = 0
             for push in self._pushes:
@@ -251,7 +272,7 @@ class PeerLink:
                     break
                 count += 1
                 pushes += 1
-                size += len(push.record)
+                size += frame_size(push)
             frame.pushes.extend(self._pushes[:pushes])
             del self._pushes[:pushes]
         return frame
@@ -269,13 +290,17 @@ class PeerLink:
                 stats.forward_latency.observe(time.perf_counter() - awaiting.written_at)
                 self._in_flight -= len(awaiting.entries)
                 outcomes = reply.outcomes
-                for index, (future, message) in enumerate(awaiting.entries):
+                for index, (future, message, epoch) in enumerate(awaiting.entries):
                     if future.done():
                         continue
                     outcome = outcomes[index] if index < len(outcomes) else None
                     if outcome is not None and outcome.code == pb.STORED:
                         message.offset = outcome.offset
                         future.set_result(None)
+                        continue
+                    if outcome is not None and outcome.code == pb.NOT_OWNER and self.plane.reroute(
+                        message, future, epoch
+                    ):
                         continue
                     stats.forward_failures += 1
                     _fail(future, _refusal(self.node.node_id, outcome))
@@ -290,7 +315,7 @@ class PeerLink:
         the clients get a retryable error (at least once, never acknowledged and lost)."""
         entries = [(future, message) for _, future, message in self._forwards]
         for awaiting in self._awaiting.values():
-            entries += awaiting.entries
+            entries += [(future, message) for future, message, _epoch in awaiting.entries]
         self._forwards = []
         self._awaiting = {}
         self._in_flight = 0
@@ -308,6 +333,22 @@ def _fail(future: asyncio.Future[None], error: BaseException) -> None:
     unretrieved failure would be logged by asyncio as a bug."""
     future.set_exception(error)
     future.exception()
+
+
+def _retained_frame(topic: str, message: Message | None) -> pb.Retained:
+    if message is None:
+        return pb.Retained(topic=topic, present=False)
+    return pb.Retained(topic=topic, present=True, message=push_frame(message, body_of(message)))
+
+
+def _settle(future: asyncio.Future[None], done: asyncio.Future[None]) -> None:
+    if future.done():
+        return
+    if done.cancelled() or done.exception() is not None:
+        error = "cancelled" if done.cancelled() else done.exception()
+        _fail(future, PublishRejected(f"the message could not be stored: {error}"))
+    else:
+        future.set_result(None)
 
 
 def _refusal(node_id: str, outcome: pb.Outcome | None) -> PublishRejected:
@@ -397,6 +438,8 @@ class DataPlane:
         self._received: dict[tuple[str, int], ReceivedLog] = {}
         self._closing: asyncio.Task[None] | None = None
         self._reconcile: asyncio.Task[None] | None = None
+        # What kept retained messages before (the metadata store, through the app).
+        self._keep_retained: Callable[[str, Message | None], None] | None = None
 
     @property
     def node_id(self) -> str:
@@ -419,6 +462,8 @@ class DataPlane:
         broker.placement = self
         broker.fanout = self
         broker.on_routes_changed = self._routes_changed
+        self._keep_retained = broker.on_retained_change
+        broker.on_retained_change = self._retained_changed
         self.view.on_change(self._view_changed)
         self._view_changed()
         self._reconcile = asyncio.get_running_loop().create_task(self._reconcile_links())
@@ -433,6 +478,7 @@ class DataPlane:
             broker.placement = None
             broker.fanout = None
             broker.on_routes_changed = None
+            broker.on_retained_change = self._keep_retained
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
@@ -508,6 +554,32 @@ class DataPlane:
         self.stats.forwarded += 1
         return link.forward(message, assignment.epoch)  # type: ignore[union-attr]
 
+    def reroute(self, message: Message, future: asyncio.Future[None], refused_epoch: int) -> bool:
+        """An owner refused `message` (it no longer owns the shard): when the view has moved
+        on since (a newer epoch), send it where the shard lives now and resolve `future` from
+        there; False to let the client have the retryable error. Bounded: epochs only grow."""
+        assignment = self.view.owner(message.stream, message.shard)
+        if assignment is None or assignment.epoch <= refused_epoch:
+            return False
+        if assignment.node_id == self.node_id:
+            if not self.view.owns(message.stream, message.shard):
+                return False
+            try:
+                stored = self.broker.publish(message)
+            except PublishRejected as exc:
+                _fail(future, exc)
+                return True
+            if stored is None:
+                future.set_result(None)
+            else:
+                stored.add_done_callback(lambda done: _settle(future, done))
+            return True
+        link = self.links.get(assignment.node_id)
+        if link is None:
+            return False
+        link.forward(message, assignment.epoch, future)
+        return True
+
     # ------------------------------------------------------------ Fanout
     def push(
         self, message: Message, local: list[tuple[Subscription, tuple[str, ...]]]
@@ -522,27 +594,39 @@ class DataPlane:
                 sub.name: sub for sub, _ in local if sub.type is SubscriptionType.SHARED
             }
             allowed = {name for name in local_shared if name not in interest.groups}
-            for group, nodes in interest.groups.items():
+            for group, members in interest.groups.items():
                 here = local_shared.get(group)
-                candidates = (*nodes, self.node_id) if here is not None and here.consumers else nodes
-                turn = self._turns.get(group, 0)
-                self._turns[group] = turn + 1
-                chosen = candidates[turn % len(candidates)]
+                if here is not None and here.consumers:
+                    members = (*members, (self.node_id, len(here.consumers)))
+                chosen = self._choose(group, members)
                 if chosen == self.node_id:
                     allowed.add(group)
                 else:
                     targets.setdefault(chosen, []).append(group)
-        record = encode_record(message)
+        body = body_of(message)
         links = self.links
         for node_id, groups in targets.items():
             link = links.get(node_id)
             if link is not None:
-                link.push(push_frame(message, record, groups))
+                link.push(push_frame(message, body, groups))
                 self.stats.pushed += 1
         return allowed
 
     def wanted_elsewhere(self, topic: str) -> bool:
         return self.remote.lookup(topic) is not NOBODY
+
+    def _choose(self, group: str, members: tuple[tuple[str, int], ...]) -> str:
+        """The node that takes the next message of a share group: round robin over the
+        group's consumers, so each node gets its members' part."""
+        total = sum(weight for _node, weight in members)
+        turn = self._turns.get(group, 0)
+        self._turns[group] = turn + 1
+        slot = turn % total
+        for node, weight in members:
+            if slot < weight:
+                return node
+            slot -= weight
+        return members[-1][0]
 
     # ------------------------------------------------------------ route table
     def route_snapshot(self) -> pb.RouteUpdate:
@@ -573,6 +657,47 @@ class DataPlane:
         for link in self.links.values():
             link.send_routes(update)
 
+    # ------------------------------------------------------------ retained messages
+    def _retained_changed(self, topic: str, message: Message | None) -> None:
+        """A retained message was set or cleared here (the owner of its shard): keep it, and
+        tell every other node."""
+        if self._keep_retained is not None:
+            self._keep_retained(topic, message)
+        if topic.startswith(NODE_LOCAL_TOPICS):
+            return
+        update = _retained_frame(topic, message)
+        for link in self.links.values():
+            link.send_retained(update)
+
+    def retained_snapshot(self) -> list[pb.Retained]:
+        """The retained messages of the shards this node owns, for a new link."""
+        broker = self.broker
+        owned = []
+        for topic, message in broker.retained.items():
+            if topic.startswith(NODE_LOCAL_TOPICS):
+                continue
+            stream = broker.stream_for_topic(topic)  # restored messages carry no shard
+            if self.view.owns(stream.name, stream.shard_for(topic, message.key).index):
+                owned.append(_retained_frame(topic, message))
+        return owned
+
+    def _apply_retained(self, updates: list[pb.Retained]) -> None:
+        retained = self.broker.retained
+        for update in updates:
+            message: Message | None = None
+            if update.present:
+                try:
+                    message = message_from_push(update.message)
+                except RecordFormatError as exc:
+                    log.warning("dropped a malformed retained message from a peer: %s", exc)
+                    continue
+                message.retain = True
+                retained.set(update.topic, message)
+            elif not retained.delete(update.topic):
+                continue
+            if self._keep_retained is not None:
+                self._keep_retained(update.topic, message)
+
     # ------------------------------------------------------------ the receiving end
     def receive(self, peer: str, frame: pb.PeerFrame, reply: Callable[[pb.PeerReply], None]) -> None:
         """Apply one frame from `peer`: routes, then pushes, then forwards (answered through
@@ -586,6 +711,8 @@ class DataPlane:
                 self.remote.reset(peer, delta.added)
             else:
                 self.remote.apply(peer, delta)
+        if frame.retained:
+            self._apply_retained(frame.retained)
         if frame.pushes:
             self._dispatch_pushes(frame.pushes)
         if frame.forwards:
@@ -613,10 +740,11 @@ class DataPlane:
             key = (message.stream, message.shard)
             kept = received.get(key)
             if kept is not None:
-                kept.add(message.offset, message.publish_time_ms, push.record)
-            dispatch(message, frozenset(push.share_groups))
+                kept.add(message.offset, message.publish_time_ms, record_of(push))
+            groups = push.share_groups
+            dispatch(message, frozenset(groups) if groups else NO_GROUPS)
             if kept is None and key in received:  # a durable subscription here just began
-                received[key].add(message.offset, message.publish_time_ms, push.record)
+                received[key].add(message.offset, message.publish_time_ms, record_of(push))
 
     def _store_forwards(self, sequence: int, forwards: list[pb.Forward], reply: Callable[[pb.PeerReply], None]) -> None:
         broker = self.broker

@@ -9,7 +9,7 @@ agrees. Every key lives under `/shardgate/<cluster name>/`; values are JSON.
     routes/<pattern>       a routing rule: topics matching the pattern go to a stream
     users/<name>           a user (password hash, roles) (reserved)
     auth/users, auth/acl   the users file and the ACL file, whole (see shared_files.py)
-    sessions/<client id>   the node an MQTT client's session lives on
+    sessions/<client id>   the node an MQTT client's session lives on (under that node's lease)
 """
 
 from __future__ import annotations

@@ -7,6 +7,15 @@ every matching message; a shared one (an MQTT `$share/group/filter`, an AMQP que
 shared subscription: any `SubscriptionType.SHARED`) is one group across the cluster, named by
 its subscription name, and each message goes to one of the nodes holding it.
 
+Routes travel over the peer links, not through etcd. Subscriptions come and go at client
+speed (a reconnect storm is thousands a second), while etcd takes about a thousand fsynced
+writes a second for everything the cluster agrees on; and routes need no agreement: each node
+is the only authority on its own clients. A link starts with the node's whole route set
+(`reset`), then carries debounced deltas in order with the data; a peer forgets a node's routes
+when its link ends or it leaves the view (its lease in etcd is the liveness that counts), and
+relearns them in full when the node dials again. A node that joins learns everyone's routes as
+they dial it, with no etcd reads.
+
 Pure data: no sockets, no event loop, no etcd.
 """
 
@@ -28,6 +37,8 @@ class Route(NamedTuple):
 
     topic_filter: str
     share_group: str = PLAIN
+    # For a share: the node's consumers in it, so a group's messages spread per member.
+    weight: int = 0
 
 
 @dataclass(slots=True)
@@ -47,8 +58,9 @@ def local_routes(subscriptions: Iterable[Subscription]) -> set[Route]:
         if not sub.filters:
             continue
         if sub.type is SubscriptionType.SHARED:
-            if sub.consumers:
-                routes.update(Route(topic_filter, sub.name) for topic_filter in sub.filters)
+            members = len(sub.consumers)
+            if members:
+                routes.update(Route(topic_filter, sub.name, members) for topic_filter in sub.filters)
         else:
             routes.update(Route(topic_filter) for topic_filter in sub.filters)
     return routes
@@ -59,10 +71,11 @@ def diff(before: set[Route], after: set[Route]) -> RouteDelta:
 
 
 class Interest(NamedTuple):
-    """Who wants a topic: nodes with a plain subscription, and per share group its nodes."""
+    """Who wants a topic: nodes with a plain subscription, and per share group its nodes with
+    their weights (consumers)."""
 
     plain: frozenset[str]
-    groups: Mapping[str, tuple[str, ...]]
+    groups: Mapping[str, tuple[tuple[str, int], ...]]
 
 
 NOBODY = Interest(frozenset(), {})
@@ -73,8 +86,8 @@ class RemoteRoutes:
 
     def __init__(self) -> None:
         self._by_node: dict[str, set[Route]] = {}
-        # filter -> (node, share group) entries
-        self._trie: TopicTrie[tuple[str, str]] = TopicTrie()
+        # filter -> (node, share group, weight) entries
+        self._trie: TopicTrie[tuple[str, str, int]] = TopicTrie()
         self._cache: dict[str, Interest] = {}
 
     def nodes(self) -> list[str]:
@@ -96,11 +109,11 @@ class RemoteRoutes:
         for route in delta.removed:
             if route in held:
                 held.discard(route)
-                self._trie.remove(route.topic_filter, (node, route.share_group))
+                self._trie.remove(route.topic_filter, (node, route.share_group, route.weight))
         for route in delta.added:
             if route not in held:
                 held.add(route)
-                self._trie.add(route.topic_filter, (node, route.share_group))
+                self._trie.add(route.topic_filter, (node, route.share_group, route.weight))
         self._cache.clear()
 
     def forget(self, node: str) -> None:
@@ -109,7 +122,7 @@ class RemoteRoutes:
         if not held:
             return
         for route in held:
-            self._trie.remove(route.topic_filter, (node, route.share_group))
+            self._trie.remove(route.topic_filter, (node, route.share_group, route.weight))
         self._cache.clear()
 
     def lookup(self, topic: str) -> Interest:
@@ -117,14 +130,17 @@ class RemoteRoutes:
         if interest is not None:
             return interest
         plain: set[str] = set()
-        groups: dict[str, set[str]] = {}
-        for _filter, (node, group) in self._trie.match(topic):
+        groups: dict[str, dict[str, int]] = {}
+        for _filter, (node, group, weight) in self._trie.match(topic):
             if group:
-                groups.setdefault(group, set()).add(node)
+                members = groups.setdefault(group, {})
+                members[node] = max(members.get(node, 0), weight, 1)
             else:
                 plain.add(node)
         interest = (
-            Interest(frozenset(plain), {group: tuple(sorted(nodes)) for group, nodes in groups.items()})
+            Interest(frozenset(plain), {
+                group: tuple(sorted(members.items())) for group, members in groups.items()
+            })
             if plain or groups else NOBODY
         )
         if len(self._cache) >= LOOKUP_CACHE_LIMIT:

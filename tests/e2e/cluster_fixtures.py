@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import ssl
 import subprocess
 import urllib.error
 import urllib.request
@@ -29,8 +30,10 @@ class EtcdServer:
     """One etcd member on loopback: `start()`, `stop()` (SIGTERM), `kill()`, `start()` again
     (same data directory and ports, as an etcd restart)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, tls: tuple[Path, Path] | None = None) -> None:
         self.directory = directory
+        # (certificate, key): clients must use https:// and trust the certificate
+        self.tls = tls
         self.client_port = free_port()
         self.peer_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -38,7 +41,8 @@ class EtcdServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://127.0.0.1:{self.client_port}"
 
     def start(self) -> EtcdServer:
         assert ETCD is not None
@@ -51,6 +55,8 @@ class EtcdServer:
             "--initial-cluster", f"test={peer}", "--initial-cluster-state", "new",
             "--heartbeat-interval", "50", "--election-timeout", "500",
         ]
+        if self.tls is not None:
+            args += ["--cert-file", str(self.tls[0]), "--key-file", str(self.tls[1])]
         log_file = open(self.log_path, "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT)
         log_file.close()
@@ -62,7 +68,8 @@ class EtcdServer:
         if self.proc.poll() is not None:
             raise AssertionError(f"etcd exited:\n{self.log_path.read_text()[-3000:]}")
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=1) as response:
+            context = ssl.create_default_context(cafile=str(self.tls[0])) if self.tls else None
+            with urllib.request.urlopen(f"{self.url}/health", timeout=1, context=context) as response:
                 return json.loads(response.read()).get("health") == "true"
         except (OSError, ValueError):
             return False

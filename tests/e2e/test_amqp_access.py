@@ -28,6 +28,10 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
+async def ignore(message: object) -> None:
+    """A consumer that does nothing with what it gets."""
+
+
 def pika_params(url: str, **kwargs) -> pika.ConnectionParameters:
     port = int(url.rsplit(":", 1)[1].strip("/"))
     return pika.ConnectionParameters(
@@ -102,7 +106,7 @@ async def test_exclusive_queue_from_another_connection_is_405(amqp_broker_url):
         for attempt in (
             lambda ch: ch.queue_declare(name, passive=True),
             lambda ch: ch.queue_declare(name, exclusive=True),
-            lambda ch: ch.basic_consume(name, lambda m: None),
+            lambda ch: ch.basic_consume(name, ignore),
             lambda ch: ch.basic_get(name),
             lambda ch: ch.queue_purge(name),
             lambda ch: ch.queue_delete(name),
@@ -121,19 +125,19 @@ async def test_exclusive_consumer_on_a_queue_with_consumers_is_403(amqp_broker_u
     async with await aio_pika.connect(amqp_broker_url) as conn:
         channel = await conn.channel()
         queue = await channel.declare_queue(unique("shared"), auto_delete=True)
-        await queue.consume(lambda m: None)
+        await queue.consume(ignore)
         second = await conn.channel()
         queue2 = await second.get_queue(queue.name)
         with pytest.raises(ChannelAccessRefused) as refused:
-            await queue2.consume(lambda m: None, exclusive=True)
+            await queue2.consume(ignore, exclusive=True)
         assert refused.value.args[0] == (
             f"ACCESS_REFUSED - queue '{queue.name}' in vhost '/' in exclusive use"
         )
         # And the other way round: a consumer on a queue with an exclusive consumer.
         held = await channel.declare_queue(unique("held"), auto_delete=True)
-        await held.consume(lambda m: None, exclusive=True)
+        await held.consume(ignore, exclusive=True)
         third = await conn.channel()
         held3 = await third.get_queue(held.name)
         with pytest.raises(ChannelAccessRefused) as refused:
-            await held3.consume(lambda m: None)
+            await held3.consume(ignore)
         assert "in exclusive use" in refused.value.args[0]  # 403, mapped by aiormq

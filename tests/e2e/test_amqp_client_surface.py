@@ -23,6 +23,10 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
+async def ignore(message: object) -> None:
+    """A consumer that does nothing with what it gets."""
+
+
 def pika_params(url: str, **kwargs) -> pika.ConnectionParameters:
     port = int(url.rsplit(":", 1)[1].strip("/"))
     return pika.ConnectionParameters(
@@ -77,7 +81,7 @@ async def test_delete_if_unused_and_if_empty(amqp_broker_url):
             await channel.queue_delete(queue, if_empty=True)
         assert failed.value.args[0] == f"PRECONDITION_FAILED - queue '{queue}' in vhost '/' not empty"
         channel = await conn.channel()
-        await channel.basic_consume(queue, lambda m: None)
+        await channel.basic_consume(queue, ignore)
         with pytest.raises(ChannelPreconditionFailed) as failed:
             await channel.queue_delete(queue, if_unused=True)
         assert failed.value.args[0] == f"PRECONDITION_FAILED - queue '{queue}' in vhost '/' in use"
@@ -101,7 +105,7 @@ async def test_consumer_cancel_notification_when_the_queue_is_deleted(amqp_broke
     try:
         consumer_channel = await conn.channel()
         queue = (await consumer_channel.queue_declare(unique("doomed"), auto_delete=False)).queue
-        ok = await consumer_channel.basic_consume(queue, lambda m: None)
+        ok = await consumer_channel.basic_consume(queue, ignore)
         assert ok.consumer_tag in consumer_channel.consumers
         other = await conn.channel()
         await other.queue_delete(queue)
@@ -130,7 +134,10 @@ async def count_deliveries(amqp_broker_url: str, global_: bool, prefetch: int, e
         received: list[bytes] = []
         for queue in queues:
             mine = await consumer.get_queue(queue.name)
-            await mine.consume(lambda m: received.append(m.body))
+            async def take(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+                received.append(message.body)
+
+            await mine.consume(take)
         for _ in range(500):  # the window fills up ...
             if len(received) >= expected:
                 break

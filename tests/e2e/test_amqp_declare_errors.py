@@ -10,6 +10,7 @@ import uuid
 
 import aiormq
 import pytest
+from pamqp.commands import Basic
 
 LOCKED = (
     "RESOURCE_LOCKED - cannot obtain exclusive access to locked queue '{q}' in vhost '/'. It "
@@ -43,7 +44,20 @@ CASES = [
      "NOT_FOUND - no queue 'missing-{q}' in vhost '/'"),
     ("publish to a missing exchange", lambda c, q: c.basic_publish(b"x", exchange="missing-" + q, routing_key="k"),
      "NOT_FOUND - no exchange 'missing-{q}' in vhost '/'"),
+    ("publish to an internal exchange", lambda c, q: c.basic_publish(b"x", exchange="internal-" + q, routing_key="k"),
+     "ACCESS_REFUSED - cannot publish to internal exchange 'internal-{q}' in vhost '/'"),
+    ("user-id of someone else", lambda c, q: c.basic_publish(b"x", routing_key=q, properties=Basic.Properties(user_id="bob")),
+     "PRECONDITION_FAILED - user_id property set to 'bob' but authenticated user was 'guest'"),
+    ("bind to the default exchange", lambda c, q: c.queue_bind(q, "", "k"),
+     "ACCESS_REFUSED - operation not permitted on the default exchange"),
+    ("ack of an unknown delivery tag", lambda c, q: _ack_then_round_trip(c, 7),
+     "PRECONDITION_FAILED - unknown delivery tag 7"),
 ]
+
+
+async def _ack_then_round_trip(channel: aiormq.abc.AbstractChannel, tag: int) -> None:
+    await channel.basic_ack(tag)
+    await channel.basic_qos(prefetch_count=1)  # the channel.close arrives before qos-ok
 
 
 async def test_redeclare_and_argument_errors(amqp_broker_url):
@@ -54,6 +68,8 @@ async def test_redeclare_and_argument_errors(amqp_broker_url):
         await channel.queue_declare(queue, auto_delete=True, arguments={"x-message-ttl": 100})
         await channel.exchange_declare("x-" + queue, exchange_type="direct", auto_delete=True)
         await channel.queue_bind(queue, "x-" + queue, "k")  # keeps the exchange alive
+        await channel.exchange_declare("internal-" + queue, exchange_type="fanout",
+                                       auto_delete=True, internal=True)
         for label, attempt, text in CASES:
             channel = await conn.channel()
             with pytest.raises(aiormq.exceptions.AMQPChannelError) as raised:

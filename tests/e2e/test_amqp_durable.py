@@ -22,6 +22,17 @@ def persisted(data_dir, subscription: str) -> bool:
         return subs.fetchone()[0] > 0 and cursors.fetchone()[0] > 0
 
 
+def topology_record(data_dir) -> bytes:
+    """The saved AMQP topology of vhost "/" (a retained message), read-only; b"" if none."""
+    import sqlite3
+
+    with sqlite3.connect(f"file:{data_dir / 'metadata.db'}?mode=ro", uri=True) as db:
+        row = db.execute(
+            "select data from retained where topic like '%topology/%2F'"
+        ).fetchone()
+    return bytes(row[0]) if row else b""
+
+
 def connect(port: int) -> pika.BlockingConnection:
     return pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port, heartbeat=0))
 
@@ -97,4 +108,30 @@ def test_committed_transaction_survives_sigkill_right_after_commit_ok(broker_pro
     with connect(port) as conn:
         channel = conn.channel()
         assert drain(channel, "ledger") == [b"entry-%d" % i for i in range(20)]
+    node.terminate()
+
+
+def test_durable_exchange_binding_survives_a_restart(broker_process, tmp_path):
+    """An exchange-to-exchange binding between durable exchanges is durable (RabbitMQ keeps a
+    binding whose both ends are durable) and routes again after SIGKILL and restart."""
+    port = free_port()
+    node = broker_process(tmp_path / "data", extra_args=["--amqp-port", str(port)]).start()
+    conn = connect(port)
+    channel = conn.channel()
+    channel.exchange_declare("ingress", "topic", durable=True)
+    channel.exchange_declare("audit", "fanout", durable=True)
+    channel.exchange_bind("audit", "ingress", "orders.#")
+    channel.queue_declare("audit-log", durable=True)
+    channel.queue_bind("audit-log", "audit")
+    wait_for(lambda: persisted(tmp_path / "data", "amqp:/:audit-log"))
+    wait_for(lambda: b"exchange_bindings" in topology_record(tmp_path / "data")
+             and b'"audit-log"' in topology_record(tmp_path / "data"))
+    node.kill()
+    node.start()
+    with connect(port) as conn:
+        channel = conn.channel()
+        channel.confirm_delivery()
+        channel.basic_publish("ingress", "orders.eu.new", b"o-1", mandatory=True)
+        channel.basic_publish("ingress", "payments.eu", b"p-1")
+        assert drain(channel, "audit-log") == [b"o-1"]
     node.terminate()

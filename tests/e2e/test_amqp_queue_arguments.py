@@ -3,8 +3,8 @@ behaviour; each test runs against Shardgate and a real RabbitMQ node:
 x-max-priority (https://www.rabbitmq.com/docs/priority), x-overflow reject-publish and
 x-max-length-bytes (https://www.rabbitmq.com/docs/maxlength), alternate exchanges
 (https://www.rabbitmq.com/docs/ae), TTL 0 delivered to a ready consumer
-(https://www.rabbitmq.com/docs/ttl), and the 540s for basic.qos prefetch-size and
-basic.recover requeue=false (rabbit_channel).
+(https://www.rabbitmq.com/docs/ttl), consumer priorities, and the 540s for basic.qos
+prefetch-size, basic.recover requeue=false and channel.flow active=false (rabbit_channel).
 """
 
 from __future__ import annotations
@@ -113,6 +113,7 @@ async def test_ttl_zero_reaches_a_ready_consumer(amqp_broker_url):
 @pytest.mark.parametrize("method, text", [
     (lambda ch: ch.basic_qos(prefetch_size=10, prefetch_count=1), "NOT_IMPLEMENTED - prefetch_size!=0 (10)"),
     (lambda ch: ch.basic_recover(requeue=False), "NOT_IMPLEMENTED - requeue=false"),
+    (lambda ch: ch.flow(active=False), "NOT_IMPLEMENTED - active=false"),
 ])
 async def test_unimplemented_options_close_the_connection_with_540(amqp_broker_url, method, text):
     conn = await aiormq.connect(amqp_broker_url)
@@ -121,5 +122,34 @@ async def test_unimplemented_options_close_the_connection_with_540(amqp_broker_u
         with pytest.raises(ConnectionNotImplemented) as raised:
             await method(channel)
         assert raised.value.args[0] == text
+    finally:
+        await conn.close()
+
+
+async def test_consumer_priorities(amqp_broker_url):
+    """https://www.rabbitmq.com/docs/consumer-priority: a lower-priority consumer gets messages
+    only while every higher-priority one is blocked (here: its prefetch window is full)."""
+    conn = await aiormq.connect(amqp_broker_url)
+    try:
+        setup = await conn.channel()
+        queue = (await setup.queue_declare("", exclusive=True)).queue
+        high, low = await conn.channel(), await conn.channel()
+        await high.basic_qos(prefetch_count=4)
+        await low.basic_qos(prefetch_count=100)
+        got: dict[str, list[bytes]] = {"high": [], "low": []}
+
+        async def to(name: str, message: aiormq.abc.DeliveredMessage) -> None:
+            got[name].append(message.body)
+
+        await low.basic_consume(queue, lambda m: to("low", m), arguments={"x-priority": 1})
+        await high.basic_consume(queue, lambda m: to("high", m), arguments={"x-priority": 10})
+        for i in range(10):
+            await setup.basic_publish(b"%d" % i, routing_key=queue)
+        for _ in range(500):
+            if len(got["high"]) + len(got["low"]) == 10:
+                break
+            await asyncio.sleep(0.01)
+        assert got["high"] == [b"0", b"1", b"2", b"3"]
+        assert got["low"] == [b"%d" % i for i in range(4, 10)]
     finally:
         await conn.close()

@@ -21,6 +21,10 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
+async def ignore(message: object) -> None:
+    """A consumer that does nothing with what it gets."""
+
+
 async def test_rpc_round_trip_over_direct_reply_to(amqp_broker_url):
     async with await aio_pika.connect(amqp_broker_url) as server_conn, \
             await aio_pika.connect(amqp_broker_url) as client_conn:
@@ -58,7 +62,7 @@ async def test_direct_reply_to_errors(amqp_broker_url):
     try:
         channel = await conn.channel()
         with pytest.raises(ChannelPreconditionFailed, match="reply consumer cannot acknowledge"):
-            await channel.basic_consume(REPLY_TO, lambda m: None, no_ack=False)
+            await channel.basic_consume(REPLY_TO, ignore, no_ack=False)
         channel = await conn.channel()
         with pytest.raises(ChannelPreconditionFailed, match="fast reply consumer does not exist"):
             await channel.basic_publish(
@@ -66,9 +70,9 @@ async def test_direct_reply_to_errors(amqp_broker_url):
                 properties=aiormq.spec.Basic.Properties(reply_to=REPLY_TO),
             )
         channel = await conn.channel()
-        await channel.basic_consume(REPLY_TO, lambda m: None, no_ack=True)
+        await channel.basic_consume(REPLY_TO, ignore, no_ack=True)
         with pytest.raises(ChannelPreconditionFailed, match="reply consumer already set"):
-            await channel.basic_consume(REPLY_TO, lambda m: None, no_ack=True)
+            await channel.basic_consume(REPLY_TO, ignore, no_ack=True)
     finally:
         await conn.close()
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from shardgate.client import SyncClient, Unavailable
 
 from tests.conftest import wait_for
-from tests.e2e.cluster_fixtures import ClusterNodeProcess
+from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer
 
 Cluster = Callable[..., list[ClusterNodeProcess]]
 
@@ -72,3 +72,20 @@ def test_routes_and_deletes_made_on_one_node_reach_the_others(cluster: Cluster) 
     wait_for(gone_on_n1, timeout=20)
     # and the controller drops its shards from the placement
     wait_for(lambda: "metrics" not in n1.status()["placement"], timeout=20)
+
+
+def test_a_stream_created_while_etcd_is_down_reaches_the_other_nodes_when_it_returns(
+    cluster: Cluster, etcd: EtcdServer,
+) -> None:
+    n1, n2 = cluster(2)
+    etcd.stop()
+    with SyncClient(n1.grpc_url) as client:
+        client.admin.create_stream("offline", mode="non-reliable", partitions=2)
+    etcd.start()
+
+    def listed_on_n2() -> bool:
+        with SyncClient(n2.grpc_url) as client:
+            return "offline" in {stream.name for stream in client.admin.list_streams()}
+
+    wait_for(listed_on_n2, timeout=30)
+    wait_for(lambda: len(n2.status()["placement"].get("offline", [])) == 2, timeout=30)

@@ -12,17 +12,20 @@ from __future__ import annotations
 import asyncio
 import queue
 import re
+import time
 import urllib.request
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aio_pika
 import pytest
 from shardgate.client import Client
+from shardgate.protocols.mqtt import packets as p
 
 from tests.conftest import free_port, wait_for
 from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer, settled
-from tests.mqtt_clients import V5, V311, Paho
+from tests.mqtt_clients import V5, V311, Paho, RawClient
 
 Cluster = Callable[..., list[ClusterNodeProcess]]
 
@@ -176,3 +179,54 @@ async def test_grpc_sdk_publish_on_one_node_reaches_a_consumer_on_another(
         assert sorted(got) == sorted(topics)
 
 
+
+
+def test_retained_message_set_on_one_node_is_read_on_another(cluster: Cluster) -> None:
+    n1, n2 = cluster(2, extra_config=STREAMS)
+    pub = Paho(n1.mqtt_port, "pub", V5)
+    topics = [f"fast/status/{i}" for i in range(TOPICS)]
+    for topic in topics:
+        pub.publish(topic, topic, 1, retain=True)
+    # the retained messages reach n2 shortly after each PUBACK: a subscriber may have to wait
+    wait_for(lambda: metric(n2, "shardgate_retained_messages") >= len(topics), timeout=15)
+    late = Paho(n2.mqtt_port, "late", V311)
+    late.subscribe("fast/status/#", 1)
+    got = late.expect_n(len(topics))
+    assert sorted(m.payload.decode() for m in got) == sorted(topics)
+    assert all(m.retain for m in got)
+
+
+def test_publishes_to_a_killed_node_get_a_retryable_error_until_its_shards_move(cluster: Cluster) -> None:
+    n1, n2 = cluster(2, extra_config=STREAMS)
+    fast = n1.status()["placement"]["fast"]
+    shard = next(index for index, (owner, _epoch) in enumerate(fast) if owner == "n2")
+    topic = next(t for t in (f"fast/kill/{i}" for i in range(200)) if zlib.crc32(t.encode()) % 4 == shard)
+    sub = Paho(n1.mqtt_port, "sub", V5)
+    sub.subscribe("fast/kill/#", 1)
+    raw = RawClient(n1.mqtt_port, version=5)
+    raw.connect("pub")
+
+    def publish(packet_id: int) -> p.Puback:
+        raw.send(p.Publish(topic, str(packet_id).encode(), 1, packet_id=packet_id))
+        puback = raw.receive()
+        assert isinstance(puback, p.Puback), puback
+        return puback
+
+    assert publish(1).reason_code == 0, "n2 owns the shard and stores it"
+    assert sub.expect().payload == b"1"
+    n2.kill()
+    refusals = []
+    packet_id = 1
+    deadline = time.monotonic() + 20
+    while True:  # refused (retryably) until the controller moves n2's shard to n1
+        packet_id += 1
+        puback = publish(packet_id)
+        if puback.reason_code == 0:
+            break
+        refusals.append(puback)
+        assert time.monotonic() < deadline, "the shard never moved"
+        time.sleep(0.05)
+    assert refusals, "n1 learns of the death only after the lease TTL"
+    assert all(r.reason_code == 0x80 and r.properties.reason_string for r in refusals)
+    assert sub.expect().payload == str(packet_id).encode(), "served by n1 now"
+    raw.close()

@@ -268,3 +268,35 @@ def test_persistent_session_gets_what_was_published_on_another_node_while_it_was
     sub.expect_none()
     sub.disconnect()
     pub.disconnect()
+
+
+@pytest.mark.parametrize("owner", ["a", "b"])
+def test_retained_message_set_on_one_node_is_read_on_the_other(pair, owner):
+    a, b = pair["a"], pair["b"]
+    topic = topic_for(a, owner, "status")
+    pub = Paho(a.mqtt_port, "pub", V5)
+    pub.publish(topic, b"online", 1, retain=True)
+    wait_for(lambda: b.server.call(lambda: b.server.app.broker.retained.get(topic)) is not None)
+    late = Paho(b.mqtt_port, "late", V5)
+    late.subscribe("status/#", 1)
+    message = late.expect()
+    assert (message.topic, message.payload, message.retain) == (topic, b"online", True)
+    pub.publish(topic, b"", 1, retain=True)
+    wait_for(lambda: b.server.call(lambda: b.server.app.broker.retained.get(topic)) is None)
+    pub.disconnect()
+    late.disconnect()
+
+
+async def test_amqp_publish_while_the_owner_is_gone_is_nacked(pair):
+    a, b = pair["a"], pair["b"]
+    b.server.call(b.plane.stop())
+    async with await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:{a.port('amqp')}/") as conn:
+        channel = await conn.channel(publisher_confirms=True)
+        exchange = await channel.get_exchange("amq.topic")
+        key = topic_for(a, "b").replace("/", ".")
+        with pytest.raises(aio_pika.exceptions.DeliveryError):
+            await exchange.publish(aio_pika.Message(b"x"), key, mandatory=False)
+        # the channel stays usable: a publish for a shard of this node is confirmed
+        own = topic_for(a, "a").replace("/", ".")
+        confirmation = await exchange.publish(aio_pika.Message(b"y"), own, mandatory=False)
+        assert isinstance(confirmation, aiormq.spec.Basic.Ack)

@@ -6,6 +6,7 @@ for it, and bad starts (same node id, no etcd) fail clearly."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -15,8 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import free_port, wait_for
-from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer, settled
+from tests.e2e.cluster_fixtures import ETCD, ClusterNodeProcess, EtcdServer, settled
 
 STREAMS = """
 [[streams]]
@@ -212,3 +215,90 @@ def test_cluster_status_command_and_metrics_show_every_node(cluster: Cluster) ->
         metrics = reply.read().decode()
     assert 'shardgate_cluster_nodes{node="n1"} 2.0' in metrics
     assert 'shardgate_cluster_lease_alive{node="n1"} 1.0' in metrics
+
+
+def test_nodes_authenticate_to_an_etcd_with_users_and_a_wrong_password_is_a_clear_error(
+    etcd: EtcdServer, tmp_path: Path,
+) -> None:
+    if shutil.which("etcdctl") is None:
+        pytest.skip("etcdctl is not installed (apt-get install etcd-client)")
+    for command in (["user", "add", "root:rootpw", "--interactive=false"], ["role", "add", "root"],
+                    ["user", "grant-role", "root", "root"], ["auth", "enable"]):
+        done = subprocess.run(["etcdctl", "--endpoints", etcd.url, *command],
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+    login = 'username = "root"\npassword = "rootpw"\n'
+    node = ClusterNodeProcess(tmp_path / "n1", "n1", etcd.url, extra_config="")
+    assert node.config_file is not None
+    node.config_file.write_text(node.config_file.read_text().replace("[cluster]\n", "[cluster]\n" + login))
+    node.start()
+    try:
+        status = wait_for(lambda: settled(node, {"n1"}), timeout=30)
+        assert status["lease_alive"]
+    finally:
+        node.kill()
+    node.config_file.write_text(node.config_file.read_text().replace("rootpw", "wrong"))
+    refused = subprocess.run(
+        [sys.executable, "-m", "shardgate", "serve", "--data-dir", str(tmp_path / "n2"),
+         "--config", str(node.config_file), "--cluster", etcd.url, "--node-id", "n2",
+         "--mqtt-port", "0", "--mqtt-ws-port", "0", "--amqp-port", "0", "--grpc-port", "0",
+         "--http-port", "0"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0
+    assert "etcd refused the connection" in refused.stderr, refused.stderr
+    assert "invalid user ID or password" in refused.stderr
+
+
+def test_nodes_reach_etcd_over_tls_with_the_configured_ca(tmp_path: Path) -> None:
+    if ETCD is None:
+        pytest.skip("etcd is not installed (apt-get install etcd-server)")
+    cert, key = tmp_path / "etcd.crt", tmp_path / "etcd.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+         str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext",
+         "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True, timeout=60)
+    server = EtcdServer(tmp_path / "etcd", tls=(cert, key)).start()
+    try:
+        assert server.url.startswith("https://")
+        node = ClusterNodeProcess(tmp_path / "n1", "n1", server.url, extra_config="")
+        assert node.config_file is not None
+        node.config_file.write_text(
+            node.config_file.read_text().replace("[cluster]\n", f'[cluster]\nca_file = "{cert}"\n'))
+        node.start()
+        try:
+            assert wait_for(lambda: settled(node, {"n1"}), timeout=30)["lease_alive"]
+        finally:
+            node.kill()
+        # without the CA, the certificate is not trusted: a clear error, not a hang
+        (tmp_path / "short.toml").write_text("[cluster]\nconnect_timeout_s = 2\n")
+        untrusted = subprocess.run(
+            [sys.executable, "-m", "shardgate", "serve", "--data-dir", str(tmp_path / "n2"),
+             "--cluster", server.url, "--node-id", "n2", "--mqtt-port", "0", "--mqtt-ws-port", "0",
+             "--amqp-port", "0", "--grpc-port", "0", "--http-port", "0",
+             "--config", str(tmp_path / "short.toml")],
+            capture_output=True, text=True, timeout=60)
+        assert untrusted.returncode != 0
+        assert "cannot reach etcd" in untrusted.stderr, untrusted.stderr
+    finally:
+        server.stop()
+
+
+def test_when_the_controller_dies_another_node_takes_over_within_the_ttl(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster(3, extra_config=STREAMS)
+    status = wait_for(lambda: (s := settled(n2, {"n1", "n2", "n3"})) and shard_counts(s) == [3, 3, 3] and s,
+                      timeout=30)
+    controller = {"n1": n1, "n2": n2, "n3": n3}[status["controller"]]
+    survivors = [node for node in (n1, n2, n3) if node is not controller]
+    controller.kill()
+    killed = time.monotonic()
+
+    def taken_over() -> dict[str, Any] | None:
+        s = survivors[0].status()
+        if s["controller"] not in {node.node_id for node in survivors}:
+            return None
+        return s if controller.node_id not in owners(s, "fast") else None
+
+    status = wait_for(taken_over, timeout=20)
+    assert time.monotonic() - killed < 3 + 3
+    # one controller for both survivors, and the dead node's fast shards spread over them
+    assert survivors[1].status()["controller"] == status["controller"]
+    assert set(owners(status, "fast")) <= {node.node_id for node in survivors}

@@ -19,6 +19,7 @@ from shardgate.storage.journal import JournalStorage
 
 from shardgate.cluster.forward import DataPlane
 from shardgate.cluster.membership import NodeInfo, ShardAssignment, StaticClusterView
+from shardgate.cluster.routes import Route
 
 
 class Recorder:
@@ -264,3 +265,94 @@ async def test_system_topics_stay_on_their_node(cluster):
     here = a.subscribe("$SYS/#")
     assert a.broker.publish(Message("$SYS/broker/uptime", b"1")) is None, "stored here, unplaced"
     assert len(here.got) == 1 and a.plane.stats.pushed == 0
+
+
+async def test_properties_cross_nodes_intact_on_both_paths(cluster):
+    a, b = cluster["a"], cluster["b"]
+    on_b = b.subscribe("orders/#")
+    await routes_seen(a, b, 1)
+    for shard in (0, 2):  # stored by a and pushed; forwarded to b
+        message = Message(
+            topic_on(a.broker, "orders", shard, "orders"), b"{}", qos=1, key=None,
+            headers=[("tenant", "acme")], content_type="application/json", reply_to="replies",
+            correlation_data=b"c1", expires_at_ms=4_102_444_800_000, producer_protocol="amqp",
+        )
+        pending = a.broker.publish(message)
+        if pending is not None:
+            await asyncio.wait_for(pending, 5)
+    await until(lambda: len(on_b.got) == 2)
+    for got in on_b.got:
+        assert got.headers == [("tenant", "acme")] and got.content_type == "application/json"
+        assert (got.reply_to, got.correlation_data) == ("replies", b"c1")
+        assert got.expires_at_ms == 4_102_444_800_000 and got.producer_protocol == "amqp"
+
+
+async def test_a_refused_forward_follows_the_shard_to_its_new_owner(cluster):
+    a, b = cluster["a"], cluster["b"]
+    topic = topic_on(a.broker, "orders", 2, "orders")
+    here = a.subscribe("orders/#")
+    # b handed orders/2 to a; a learns of it while its forward is on the way to b
+    moved = ShardAssignment("orders", 2, "a", 2)
+    b.view.assignments[("orders", 2)] = moved
+    message = Message(topic, b"moved", qos=1)
+    pending = a.broker.publish(message)
+    assert pending is not None
+    a.view.assignments[("orders", 2)] = moved
+    await asyncio.wait_for(pending, 5)
+    assert [m.payload for m in here.got] == [b"moved"]
+    assert message.offset == 0 and a.plane.stats.forward_failures == 0
+
+
+async def test_retained_messages_reach_every_node_and_their_clearing_too(cluster):
+    a, b = cluster["a"], cluster["b"]
+    for shard in (0, 2):  # stored by a, and forwarded to b
+        topic = topic_on(a.broker, "orders", shard, "orders")
+        pending = a.broker.publish(Message(topic, b"last", retain=True, qos=1))
+        if pending is not None:
+            await asyncio.wait_for(pending, 5)
+        await until(lambda topic=topic: all(n.broker.retained.get(topic) is not None for n in (a, b)))
+        assert b.broker.retained.get(topic).payload == b"last"  # type: ignore[union-attr]
+        pending = a.broker.publish(Message(topic, b"", retain=True, qos=1))
+        if pending is not None:
+            await asyncio.wait_for(pending, 5)
+        await until(lambda topic=topic: all(n.broker.retained.get(topic) is None for n in (a, b)))
+
+
+async def test_a_node_that_dials_in_gets_the_retained_messages_of_the_shards_a_peer_owns(cluster):
+    a, b = cluster["a"], cluster["b"]
+    topic = topic_on(a.broker, "orders", 0, "orders")
+    await b.plane.stop()
+    a.broker.publish(Message(topic, b"while away", retain=True))
+    assert b.broker.retained.get(topic) is None
+    await b.plane.start()
+    await until(lambda: b.broker.retained.get(topic) is not None)
+
+
+async def test_forwards_past_the_link_bound_are_refused_retryably_not_queued(cluster, monkeypatch):
+    from shardgate.cluster import forward
+
+    a = cluster["a"]
+    monkeypatch.setattr(forward, "MAX_FORWARDS_IN_FLIGHT", 3)
+    topic = topic_on(a.broker, "orders", 2, "orders")
+    pending = [a.broker.publish(Message(topic, str(i).encode(), qos=1)) for i in range(5)]
+    refused = [f for f in pending if f is not None and f.done()]
+    assert len(refused) == 2
+    for future in refused:
+        with pytest.raises(ShardUnavailable, match="too many publishes waiting"):
+            future.result()
+    await asyncio.wait_for(asyncio.gather(*pending[:3]), 5)  # type: ignore[arg-type]
+    # the bound is on what waits: once answered, the link takes more
+    assert await asyncio.wait_for(a.broker.publish(Message(topic, b"more", qos=1)), 5) is None  # type: ignore[arg-type]
+
+
+async def test_a_share_group_spreads_by_members_not_by_nodes(cluster):
+    a, b = cluster["a"], cluster["b"]
+    group = "$share/workers/orders/#"
+    on_a = a.subscribe("orders/#", name=group, shared=True)
+    on_b = [b.subscribe("orders/#", name=group, shared=True) for _ in range(3)]
+    await until(lambda: a.plane.remote.routes_of("b") == {Route("orders/#", group, 3)})
+    topic = topic_on(a.broker, "orders", 0, "orders")
+    for index in range(400):
+        a.broker.publish(Message(topic, str(index).encode()))
+    await until(lambda: len(on_a.got) + sum(len(r.got) for r in on_b) == 400)
+    assert len(on_a.got) == 100, "one member of four: a quarter of the messages"

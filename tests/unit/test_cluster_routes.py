@@ -18,7 +18,7 @@ def test_local_routes_hold_plain_filters_and_shared_groups_with_a_consumer():
     busy_group.filters = {"d": None}
     busy_group.consumers.append(object())  # type: ignore[arg-type]
     assert local_routes([plain, idle_group, busy_group]) == {
-        Route("a/#"), Route("b/+"), Route("d", "$share/h/d"),
+        Route("a/#"), Route("b/+"), Route("d", "$share/h/d", 1),
     }
 
 
@@ -30,11 +30,11 @@ def test_diff_lists_added_and_removed_routes():
 
 def test_lookup_names_plain_nodes_and_share_group_members():
     routes = RemoteRoutes()
-    routes.reset("n2", [Route("sensors/#"), Route("sensors/+/t", "$share/g/sensors/+/t")])
-    routes.reset("n3", [Route("sensors/+/t", "$share/g/sensors/+/t"), Route("other")])
+    routes.reset("n2", [Route("sensors/#"), Route("sensors/+/t", "$share/g/sensors/+/t", 1)])
+    routes.reset("n3", [Route("sensors/+/t", "$share/g/sensors/+/t", 3), Route("other")])
     interest = routes.lookup("sensors/1/t")
     assert interest.plain == {"n2"}
-    assert dict(interest.groups) == {"$share/g/sensors/+/t": ("n2", "n3")}
+    assert dict(interest.groups) == {"$share/g/sensors/+/t": (("n2", 1), ("n3", 3))}
     assert routes.lookup("nothing/here") is NOBODY
 
 
@@ -56,7 +56,7 @@ def test_applying_deltas_and_forgetting_a_node_clear_cached_lookups():
 
 
 def test_route_updates_round_trip_through_their_frame():
-    delta = RouteDelta([Route("a/#"), Route("b", "$share/g/b")], [Route("c")])
+    delta = RouteDelta([Route("a/#"), Route("b", "$share/g/b", 2)], [Route("c")])
     update = route_update(delta, reset=True)
     assert update.reset
     assert routes_from_update(type(update).FromString(update.SerializeToString())) == delta

@@ -1,0 +1,206 @@
+"""The README, run as printed: every command of its shell blocks (in a fresh directory, against
+`shardgate serve` on the default ports), and its Python snippets (aio-pika, the SDK, Spark).
+
+Two commands are checked elsewhere: the test-suite command (`pip install -q -e '.[test]' &&
+python -m pytest -q`) is what `.ci/run` runs verbatim (running it here would recurse), and the
+"Running a cluster" block has its own test (`test_readme_cluster.py`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+TEST_SUITE = "pip install -q -e '.[test]' && python -m pytest -q"
+DEFAULT_PORTS = (1883, 8083, 5672, 6650, 8080)
+
+
+def blocks(language: str) -> list[tuple[str, str]]:
+    """(section title, block text) of every fenced block in `language`, outside the cluster
+    section."""
+    found = []
+    section = ""
+    lines = README.read_text().splitlines()
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        if line.startswith("## "):
+            section = line[3:].strip()
+        if line == f"```{language}":
+            end = lines.index("```", index + 1)
+            if section != "Running a cluster":
+                found.append((section, "\n".join(lines[index + 1:end])))
+            index = end
+        index += 1
+    return found
+
+
+def commands() -> list[str]:
+    return [line for _, block in blocks("sh") for line in block.splitlines() if line.strip()]
+
+
+def snippet(start: str) -> str:
+    for _, block in blocks("python"):
+        if block.startswith(start):
+            return block
+    raise AssertionError(f"no Python block starting with {start!r} in the README")
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.fixture
+def shell(tmp_path: Path) -> Iterator[tuple[dict[str, str], list[subprocess.Popen[str]]]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDGATE_")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["SPARK_LOCAL_IP"] = "127.0.0.1"
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    background: list[subprocess.Popen[str]] = []
+    yield env, background
+    for process in reversed(background):
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+    for process in reversed(background):
+        try:
+            process.wait(40)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(5)
+
+
+def wrapped(code: str, timeout_s: float) -> str:
+    """A snippet with top-level `await` as a script: its body in a coroutine run with a timeout
+    (a consumer loop runs until then)."""
+    return (
+        "import asyncio\n\nasync def snippet():\n" + textwrap.indent(code, "    ") + "\n\n"
+        "try:\n"
+        f"    asyncio.run(asyncio.wait_for(snippet(), {timeout_s}))\n"
+        "except TimeoutError:\n    pass\n"
+    )
+
+
+def test_the_test_suite_command_is_what_ci_runs() -> None:
+    assert TEST_SUITE in commands()
+    assert TEST_SUITE in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+@pytest.mark.timeout(900)  # pip install -e ., three Spark jobs
+def test_readme_commands_and_snippets_run_as_printed(
+    tmp_path: Path, shell: tuple[dict[str, str], list[subprocess.Popen[str]]],
+) -> None:
+    for tool in ("mosquitto_sub", "mosquitto_pub", "java"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is not installed")
+    busy = [port for port in DEFAULT_PORTS if not port_free(port)]
+    if busy:
+        pytest.skip(f"default ports the README uses are busy on this machine: {busy}")
+    env, background = shell
+
+    def run(command: str, cwd: Path = tmp_path, stdin: str | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(command, shell=True, cwd=cwd, env=env, capture_output=True,
+                                text=True, timeout=timeout, input=stdin)
+        assert result.returncode == 0, f"{command}\n{result.stdout}\n{result.stderr}"
+        return result
+
+    def in_background(command: str) -> subprocess.Popen[str]:
+        process = subprocess.Popen(command, shell=True, cwd=tmp_path, env=env, text=True,
+                                   start_new_session=True, stdout=subprocess.PIPE,
+                                   stderr=open(tmp_path / "background.log", "a"))  # noqa: SIM115
+        background.append(process)
+        return process
+
+    def broker_up() -> bool:
+        try:
+            with urllib.request.urlopen("http://127.0.0.1:8080/api/info", timeout=2):
+                pass
+            with socket.create_connection(("127.0.0.1", 6650), timeout=2):
+                return True
+        except OSError:
+            return False
+
+    done: list[str] = []
+    timing = open(tmp_path / "timing.log", "a")  # noqa: SIM115
+    subscriber = None
+    for command in commands():
+        if command == TEST_SUITE:
+            continue  # what .ci/run runs, see the test above
+        if command == "pip install -e .":
+            run(command, cwd=ROOT, timeout=300)  # in the checkout, as the README says
+        elif command == "shardgate serve":
+            server = in_background(command)
+            wait_for(lambda server=server: server.poll() is None and broker_up(), timeout=60,
+                     interval=0.2)
+        elif command.endswith("&"):
+            subscriber = in_background(command[:-1])
+
+            def mqtt_client_listed() -> bool:
+                with urllib.request.urlopen("http://127.0.0.1:8080/api/clients", timeout=5) as r:
+                    return any(c["protocol"] == "mqtt" for c in json.loads(r.read()))
+
+            wait_for(mqtt_client_listed, timeout=20, interval=0.1)
+        elif command.startswith("shardgate sub "):
+            received = [json.loads(line) for line in run(command).stdout.splitlines()]
+            assert [(m["topic"], m["payload"]) for m in received] == [
+                ("sensors/t1", "21.5"), ("sensors/t2", "22.0")]
+        elif command.startswith("shardgate streams list"):
+            assert re.search(r"^orders\s+reliable\s+4\s+json", run(command).stdout, re.M)
+        elif command.startswith("shardgate users add"):
+            # before it: the Python snippets, while the broker is still open (no user yet)
+            run_snippets(tmp_path, env)
+            run(command, stdin="alice-secret\n")
+        elif command.startswith("shardgate users list"):
+            assert "alice" in run(command).stdout
+        elif command.startswith("python examples/sensor_aggregates.py --demo"):
+            assert "dev-000" in run(command, timeout=300).stdout
+        else:
+            run(command, timeout=300)
+        done.append(command)
+        print(command, file=timing, flush=True)
+    assert "shardgate users list" in done
+    assert subscriber is not None
+    os.killpg(subscriber.pid, signal.SIGTERM)
+    out, _ = subscriber.communicate(timeout=10)
+    assert out.split()[:3] == ["21.5", "22.0", "21.5"]  # mosquitto, gRPC, then the aio-pika snippet
+
+
+def run_snippets(cwd: Path, env: dict[str, str]) -> None:
+    aio_pika = wrapped(snippet("import aio_pika"), 20)
+    result = subprocess.run([sys.executable, "-c", aio_pika], cwd=cwd, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    sdk = wrapped(snippet("from shardgate.client import"), 10)
+    result = subprocess.run([sys.executable, "-c", sdk], cwd=cwd, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "sensors/t1 b'21.5'" in result.stdout.splitlines()
+    spark = snippet("from datetime import")
+    result = subprocess.run([sys.executable, "-c", spark], cwd=cwd, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "sensors/t1" in result.stdout and "count" in result.stdout
