@@ -117,6 +117,18 @@ def _packet_id_position(packet: bytes, topic_length: int) -> int:
 
 
 class MqttConnection:
+    # Slots, not a __dict__: an idle connection costs about 1.3 KiB less (a class with more
+    # than 30 attributes gets no key-sharing dict).
+    __slots__ = (
+        "service", "link", "remote", "transport_name", "state", "parser", "version", "client_id",
+        "username", "principal", "certificate_identity", "session", "keep_alive", "_clock",
+        "last_received", "connected_at", "send_window", "client_max_packet_size",
+        "client_topic_alias_max", "problem_info", "inbound_aliases", "outbound_aliases",
+        "inbound_pending", "qos2_open", "will", "session_expiry_at_connect", "_out", "_out_bytes",
+        "_flush_requested", "messages_in", "messages_out", "last_ack", "_tokens", "_tokens_at",
+        "_throttled_for", "_backlog", "_backlog_error", "_valid_topic", "held", "_hold_timer",
+    )
+
     def __init__(self, service: MqttService, link: Link, remote: str = "", transport_name: str = "tcp") -> None:
         self.service = service
         # Monotonic seconds from the service's scheduler (the adapter's loop, or a test clock).
