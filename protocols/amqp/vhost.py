@@ -4,7 +4,9 @@ Operations raise `ChannelException`/`ConnectionException` with the reply code th
 RabbitMQ) gives: 404 for a missing entity, 406 for an inequivalent redeclaration or a failed
 if-unused/if-empty, 403 for the reserved `amq.` names, 405 for another connection's exclusive
 queue, 503 for an unknown exchange type. Queues are core subscriptions named
-`amqp:<vhost>:<queue>`; bindings are core filters (see `routing`). A durable queue (when the broker
+`amqp:<vhost>:<queue>`; bindings are core filters (see `routing`); an exchange-to-exchange
+binding adds, to each queue bound downstream, the filter of the source exchange plus a check of
+every hop (`rederive`), so a message reaches a queue once whatever the paths. A durable queue (when the broker
 has a journal) is a core *durable* subscription, so its messages and acknowledgements survive a
 restart; the durable exchanges, queue arguments and bindings are recorded as a retained message
 under `$internal/amqp/topology/<vhost>` (internal broker state, persisted by the composition
