@@ -10,6 +10,12 @@ Errors follow the spec's model (AMQP 0-9-1 §1.2 constants, §2.3.7 channel vs c
 exceptions): a `ChannelException` sends channel.close and ignores that channel's frames until
 channel.close-ok; a `ConnectionException` (frame errors 501/502/503/504/505, 530, 540) sends
 connection.close and ignores everything but close/close-ok until the peer confirms.
+
+Where RabbitMQ and the AMQP text differ, this follows RabbitMQ (its reply codes and texts,
+checked against a real node in tests/e2e/test_amqp_*.py): transactions (tx.select/commit/
+rollback, commit-ok once the publishes are journaled), mandatory returns before the confirm,
+channel-max as a limit on open channels, direct reply-to (`amq.rabbitmq.reply-to`), alternate
+exchanges, 540 for prefetch-size, recover requeue=false and channel.flow active=false.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from .hotpath import (
     encode_deliver_route,
     shortstr,
 )
-from .properties import content_header_payload, encoded_properties, message_from_properties
+from .properties import encoded_properties, message_from_properties
 from .queues import Queue, QueueConsumer, QueueEntry
 from .routing import exchange_and_key, publish_topic
 
@@ -58,6 +64,7 @@ log = logging.getLogger(__name__)
 PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"  # AMQP 0-9-1 §4.2.2
 FRAME_MIN_SIZE = constants.FRAME_MIN_SIZE  # 4096, §4.2.3
 _FRAME_HEADER = struct.Struct(">BHI")
+_CONTENT_HEADER_FRAME = struct.Struct(">BHIHHQ")  # frame header + class, weight, body size
 _FRAME_END = b"\xce"
 _INDEX = struct.Struct(">I")
 _HEARTBEAT = pframe.marshal(pframe.heartbeat.Heartbeat(), 0)
@@ -399,17 +406,24 @@ class AmqpConnection:
     def send_content(self, channel: int, method: commands.base.Frame | bytes, message: Message) -> None:
         """A method with content (deliver, get-ok, return): method, header and body frames."""
         payload = message.payload
-        parts = [
-            method if isinstance(method, bytes) else pframe.marshal(method, channel),
-            frame_bytes(2, channel, content_header_payload(encoded_properties(message), len(payload))),
-        ]
-        if payload:
-            chunk = self.frame_max - 8
-            if len(payload) <= chunk:
-                parts.append(frame_bytes(3, channel, payload))
+        size = len(payload)
+        properties = encoded_properties(message)
+        head = method if isinstance(method, bytes) else pframe.marshal(method, channel)
+        # Content header frame (§4.2.6.1): class 60, weight 0, body size, properties.
+        header = _CONTENT_HEADER_FRAME.pack(2, channel, 12 + len(properties), 60, 0, size)
+        chunk = self.frame_max - 8
+        if size <= chunk:
+            if size:
+                self._write(b"".join((
+                    head, header, properties, _FRAME_END, _FRAME_HEADER.pack(3, channel, size),
+                    payload, _FRAME_END,
+                )))
             else:
-                for start in range(0, len(payload), chunk):
-                    parts.append(frame_bytes(3, channel, payload[start:start + chunk]))
+                self._write(b"".join((head, header, properties, _FRAME_END)))
+            return
+        parts = [head, header, properties, _FRAME_END]
+        for start in range(0, size, chunk):
+            parts.append(frame_bytes(3, channel, payload[start:start + chunk]))
         self._write(b"".join(parts))
 
     def flush(self) -> None:

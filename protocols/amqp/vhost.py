@@ -4,7 +4,9 @@ Operations raise `ChannelException`/`ConnectionException` with the reply code th
 RabbitMQ) gives: 404 for a missing entity, 406 for an inequivalent redeclaration or a failed
 if-unused/if-empty, 403 for the reserved `amq.` names, 405 for another connection's exclusive
 queue, 503 for an unknown exchange type. Queues are core subscriptions named
-`amqp:<vhost>:<queue>`; bindings are core filters (see `routing`). A durable queue (when the broker
+`amqp:<vhost>:<queue>`; bindings are core filters (see `routing`); an exchange-to-exchange
+binding adds, to each queue bound downstream, the filter of the source exchange plus a check of
+every hop (`rederive`), so a message reaches a queue once whatever the paths. A durable queue (when the broker
 has a journal) is a core *durable* subscription, so its messages and acknowledgements survive a
 restart; the durable exchanges, queue arguments and bindings are recorded as a retained message
 under `$internal/amqp/topology/<vhost>` (internal broker state, persisted by the composition
@@ -345,10 +347,10 @@ class VirtualHost:
         for key in [k for k in current if k not in wanted]:
             unused = queue.remove_derived(key)
             if unused is not None:
-                self.broker.remove_filter(subscription, unused)
+                self.edge.remove_filter(subscription, unused)
         for key, binding in wanted.items():
             if key not in current and queue.add_derived(key, binding):
-                self.broker.add_filter(subscription, binding.topic_filter)
+                self.edge.add_filter(subscription, binding.topic_filter)
 
     def _derived_for(self, queue: Queue) -> dict[tuple[Any, ...], Binding]:
         derived: dict[tuple[Any, ...], Binding] = {}
@@ -477,23 +479,23 @@ class VirtualHost:
                 )
             existing.last_used_ms = existing.last_used_ms
             return existing, False
-        broker = self.broker
+        broker, edge = self.broker, self.edge
         sub_name = self._subscription_name(name)
         keeps_messages = frame.durable and not frame.exclusive and broker.storage is not None
         old = broker.subscriptions.get(sub_name)
         if old is not None and not (keeps_messages and isinstance(old, DurableSubscription)):
-            broker.remove_subscription(sub_name)
+            edge.remove_subscription(sub_name)
         if keeps_messages:
             # Messages wait in the journal; the core's durable subscription keeps this queue's
             # cursor, so they survive a restart (acks are `subscription.ack`).
-            durable = broker.durable_subscription(
+            durable = edge.durable_subscription(
                 sub_name, SubscriptionType.EXCLUSIVE, options=DURABLE_QUEUE_OPTIONS
             )
             # Cursors on every reliable shard from now on, saved with the next cursor flush.
             durable.open_cursors()
             sub: Subscription = durable
         else:
-            sub = broker.subscription(sub_name, SubscriptionType.EXCLUSIVE, durable=False)
+            sub = edge.subscription(sub_name, SubscriptionType.EXCLUSIVE, durable=False)
         try:
             queue = self._make_queue(
                 name, sub, durable=frame.durable,
@@ -518,12 +520,12 @@ class VirtualHost:
             arguments=arguments, dead_letter=self.dead_letter,
         )
         sub.owner = queue
-        self.broker.attach(sub, queue)
+        self.edge.attach(sub, queue)
         self.queues[name] = queue
         default = binding_for("", "direct", name, None)
         default.topic_filter = queue_topic(name)
         queue.add_binding(default)
-        self.broker.add_filter(sub, default.topic_filter)
+        self.edge.add_filter(sub, default.topic_filter)
         if queue.message_ttl is not None or queue.expires is not None:
             self.timed_queues.add(queue)
         queue.on_timed_message = self.timed_queues.add
@@ -625,10 +627,10 @@ class VirtualHost:
                     continue
                 binding = binding_for(exchange.name, exchange.type, key, dict(args))
                 queue.add_binding(binding)
-                self.broker.add_filter(sub, binding.topic_filter)
+                self.edge.add_filter(sub, binding.topic_filter)
                 exchange.bound[name] = exchange.bound.get(name, 0) + 1
             for stale in [f for f in sub.filters if f not in queue.by_filter]:
-                self.broker.remove_filter(sub, stale)
+                self.edge.remove_filter(sub, stale)
             if self.exchange_bindings:
                 self.rederive(queue)
             sub.wake()
@@ -648,9 +650,9 @@ class VirtualHost:
         for key in list(queue.derived):
             unused = queue.remove_derived(key)
             if unused is not None:
-                self.broker.remove_filter(queue.subscription, unused)
-        self.broker.detach(queue.subscription, queue)
-        self.broker.remove_subscription(queue.subscription.name)
+                self.edge.remove_filter(queue.subscription, unused)
+        self.edge.detach(queue.subscription, queue)
+        self.edge.remove_subscription(queue.subscription.name)
         queue.messages.clear()
         queue.ready_bytes = 0
         for callback in self.on_queue_deleted:
@@ -674,7 +676,7 @@ class VirtualHost:
                 method,
             )
         if queue.add_binding(binding):
-            self.broker.add_filter(queue.subscription, binding.topic_filter)
+            self.edge.add_filter(queue.subscription, binding.topic_filter)
         exchange.bound[queue.name] = sum(1 for k in queue.bindings if k[0] == exchange.name)
         if self.exchange_bindings:
             self.rederive(queue)
@@ -698,7 +700,7 @@ class VirtualHost:
             return
         unused_filter = queue.remove_binding(key)
         if unused_filter is not None:
-            self.broker.remove_filter(queue.subscription, unused_filter)
+            self.edge.remove_filter(queue.subscription, unused_filter)
         exchange = self.exchanges.get(key[0])
         if exchange is None or not exchange.name:
             return
@@ -722,6 +724,22 @@ class VirtualHost:
         # In a cluster, a queue or subscription on another node may take it.
         fanout = self.broker.fanout
         return fanout is not None and fanout.wanted_elsewhere(message.topic)
+
+    def _dead_letter_cycle(self, message: Message, raw: bytes, queue: str) -> bool:
+        """True if every queue `message` would reach has dead-lettered it before, with no
+        rejection on the way: RabbitMQ drops such a message ("Messages in such cycles (i.e.
+        messages that reach the same queue twice) will be dropped if there was no rejections
+        in the entire cycle", https://www.rabbitmq.com/docs/dlx#routing)."""
+        targets = [
+            sub.owner.name for sub, filters in self.broker.match(message.topic)
+            if isinstance(sub.owner, Queue)
+            and (not sub.owner.checked_filters or sub.owner.accepts(message, filters))
+        ]
+        if not targets:
+            return False
+        died_in, rejected = _deaths(raw)
+        died_in.add(queue)
+        return not rejected and all(name in died_in for name in targets)
 
     def dead_letter(self, queue: Queue, entry: QueueEntry, reason: str) -> None:
         """Republish a dropped message to the queue's dead-letter exchange, if it has one."""
@@ -762,6 +780,8 @@ class VirtualHost:
         raw = native_properties(original)
         if raw is None:
             raw = properties_from_message(original).marshal()
+        if reason != "rejected" and self._dead_letter_cycle(message, raw, queue.name):
+            return
         message.native_properties = {NATIVE_FORMAT: dead_lettered_properties(
             raw, reason, queue.name, old_exchange, old_key, first
         )}
@@ -769,6 +789,16 @@ class VirtualHost:
             self.edge.publish(message)
         except PublishRejected:
             pass
+
+
+def _deaths(raw: bytes) -> tuple[set[str], bool]:
+    """Queues named in the x-death header of properties `raw`, and whether any death there
+    was a rejection."""
+    content = header.ContentHeader()
+    content.unmarshal(content_header_payload(raw, 0))
+    deaths = (content.properties.headers or {}).get("x-death") or []
+    tables = [d for d in deaths if isinstance(d, dict)]
+    return {str(d.get("queue")) for d in tables}, any(d.get("reason") == "rejected" for d in tables)
 
 
 def dead_lettered_properties(

@@ -259,11 +259,16 @@ class GrpcServer:
             message.key = request.key
         if request.headers:
             message.headers = [(h.key, h.value) for h in request.headers]
+            for key, value in message.headers:
+                _check_text("header name", key)
+                _check_text(f"header {key!r}", value)
         if request.content_type:
+            _check_text("content_type", request.content_type)
             message.content_type = request.content_type
         if request.correlation_data:
             message.correlation_data = request.correlation_data
         if request.reply_to:
+            _check_text("reply_to", request.reply_to)
             message.reply_to = request.reply_to
         if request.ttl_ms:
             message.expires_at_ms = message.publish_time_ms + request.ttl_ms
@@ -1012,6 +1017,15 @@ def _checked(handler: grpc.RpcMethodHandler,
 
 
 # ---------------------------------------------------------------------------- entry point
+def _check_text(what: str, text: str, limit: int = 0xFFFF) -> None:
+    """Text every protocol can carry: no U+0000 (MQTT strings must not hold it
+    [MQTT-1.5.4-2]) and at most `limit` bytes of UTF-8 (MQTT's and the record's u16 lengths)."""
+    if "\x00" in text:
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{what} contains U+0000")
+    if len(text) > limit // 4 and len(text.encode()) > limit:
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{what} is longer than {limit} bytes")
+
+
 def _principal(user: str | None) -> Principal:
     """A gRPC caller as authorization sees it: by user (ACL rules see no client id)."""
     return Principal("grpc", user)

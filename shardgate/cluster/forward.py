@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from ..core.errors import PublishRejected, ShardUnavailable
+from ..core.errors import CoreError, PublishRejected, ShardUnavailable
 from ..core.subscriptions import Subscription, SubscriptionType
 from ..proto import cluster_pb2 as pb
 from ..proto import cluster_pb2_grpc as pb_grpc
@@ -523,6 +523,31 @@ class DataPlane:
         for node_id, info in nodes.items():
             if node_id != self.node_id and node_id not in self.links:
                 self.links[node_id] = PeerLink(self, info)
+        self._repoint_cursors()
+
+    def _repoint_cursors(self) -> None:
+        """Durable cursors of reliable shards replay from the shard's own log where this node
+        owns the shard, else from what it received of it. Cursors restored at start, before the
+        shard map was known, get their log here once it is."""
+        from ..core.durable import DurableSubscription
+
+        broker, view = self.broker, self.view
+        for sub in broker.subscriptions.values():
+            if not isinstance(sub, DurableSubscription):
+                continue
+            for (stream, shard), cursor in sub.cursors.items():
+                if cursor.log is None:
+                    continue
+                assignment = view.owner(stream, shard)
+                if assignment is None:
+                    continue
+                received = isinstance(cursor.log, ReceivedLog)
+                if assignment.node_id != self.node_id and not received:
+                    cursor.log = self.received_log(stream, shard)
+                elif assignment.node_id == self.node_id and received:
+                    local = broker.streams.get(stream)
+                    if local is not None and shard < len(local.shards) and local.shards[shard].log:
+                        cursor.log = local.shards[shard].log
 
     # ------------------------------------------------------------ ShardPlacement
     def serves(self, stream: str, shard: int) -> bool:
@@ -742,7 +767,10 @@ class DataPlane:
             if kept is not None:
                 kept.add(message.offset, message.publish_time_ms, record_of(push))
             groups = push.share_groups
-            dispatch(message, frozenset(groups) if groups else NO_GROUPS)
+            try:
+                dispatch(message, frozenset(groups) if groups else NO_GROUPS)
+            except Exception:  # noqa: BLE001 - one message's failure must not end the link
+                log.exception("dispatching a message pushed by a peer failed")
             if kept is None and key in received:  # a durable subscription here just began
                 received[key].add(message.offset, message.publish_time_ms, record_of(push))
 
@@ -771,6 +799,10 @@ class DataPlane:
                 continue
             except PublishRejected as exc:
                 outcome.code = pb.NOT_OWNER if isinstance(exc, ShardUnavailable) else pb.REJECTED
+                outcome.reason = str(exc)
+                continue
+            except (CoreError, ValueError) as exc:  # a bad topic, say: this message only
+                outcome.code = pb.REJECTED
                 outcome.reason = str(exc)
                 continue
             outcome.offset = message.offset
