@@ -77,7 +77,7 @@ def decoded_columns(journal: JournalStorage, count: int) -> list[pa.Array]:
                 ("qos", m.qos), ("retain", m.retain), ("correlation_data", m.correlation_data),
                 ("reply_to", m.reply_to), ("payload_format", m.payload_format),
                 ("expires_at", m.expires_at_ms), ("payload_string", None),
-                ("payload_int64", None), ("payload_json", None),
+                ("payload_int64", None), ("payload_json", None), ("native_properties", None),
             ):
                 cols[name].append(value)
             offset = record.offset + 1

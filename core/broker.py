@@ -15,13 +15,19 @@ from collections import defaultdict
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
-from ..storage.interfaces import ArchiveSource, ShardStorage, StorageError
-from ..storage.journal import LatencyHistogram
+from ..storage.interfaces import (
+    ArchiveSource,
+    LatencyHistogram,
+    ShardStorage,
+    StorageError,
+    StorageFull,
+)
 from ..storage.records import encode_message
 from .delayed import DelayedDelivery, deliver_at
 from .durable import CursorSink, DurableOptions, DurableSubscription
 from .errors import (
     PublishRejected,
+    StoreFull,
     StreamExists,
     StreamNotFound,
     SubscriptionBusy,
@@ -96,6 +102,15 @@ class BrokerStats:
         self.dropped_by_reason[reason] += count
 
 
+@dataclass(slots=True, eq=False)
+class CommitGroup:
+    """Messages appended to one shard's pending commit group, delivered once it is durable."""
+
+    shard: Shard
+    first_append: float
+    messages: list[Message] = field(default_factory=list)
+
+
 class Broker:
     def __init__(
         self,
@@ -120,8 +135,8 @@ class Broker:
         default = default_stream or StreamConfig("default")
         self.router = StreamRouter(default.name)
         self.create_stream(default)
-        # A commit group's future → its shard and when the group's first append came.
-        self._awaiting_commit: dict[asyncio.Future[None], tuple[Shard, float]] = {}
+        # A commit group's future → its shard, when its first append came and its messages.
+        self._awaiting_commit: dict[asyncio.Future[None], CommitGroup] = {}
         # Told of every change of a retained message (the composition root persists them).
         self.on_retained_change: Callable[[str, Message | None], None] | None = None
         # Where durable subscriptions save their cursors.
@@ -337,6 +352,10 @@ class Broker:
                 raise PublishRejected(f"{INTERNAL_PREFIX} topics are reserved for the broker")
             at_ms = deliver_at(message)
             if at_ms is not None and at_ms > now_ms():
+                # Refused now if it will not fit its stream's schema when it is due.
+                held_in = self.stream_for_topic(message.topic).config
+                if held_in.schema is not Schema.BYTES:
+                    check_payload(held_in.schema, message.payload, held_in.name)
                 self.delayed.hold(message, at_ms)
                 return None
             topic = message.topic
@@ -374,28 +393,39 @@ class Broker:
         assert shard_log is not None
         try:
             message.offset = shard_log.append([(message.publish_time_ms, encode_message(message))])
+        except StorageFull as exc:
+            raise StoreFull(f"the journal refused the message: {exc}") from exc
         except StorageError as exc:
             raise PublishRejected(f"the journal refused the message: {exc}") from exc
         shard.next_offset = message.offset + 1
         waiter = shard_log.commit_waiter()
-        if waiter is not None and waiter not in self._awaiting_commit:
-            self._awaiting_commit[waiter] = (shard, time.perf_counter())
+        if waiter is None:  # durable already (an engine that writes synchronously)
+            self.dispatch(message)
+            return None
+        group = self._awaiting_commit.get(waiter)
+        if group is None:
+            group = self._awaiting_commit[waiter] = CommitGroup(shard, time.perf_counter())
             waiter.add_done_callback(self._on_commit)
-        # Live subscribers get the message now; the publisher's acknowledgement waits for the
-        # commit (the returned future), so "acknowledged" always means "durable".
-        self.dispatch(message)
+        # Subscribers get the message once its commit group is durable, as the publisher's
+        # acknowledgement does (the returned future): nobody ever sees an offset that a failed
+        # commit hands out again.
+        group.messages.append(message)
         return waiter
 
     def _on_commit(self, waiter: asyncio.Future[None]) -> None:
-        awaited = self._awaiting_commit.pop(waiter, None)
-        if awaited is None:
+        group = self._awaiting_commit.pop(waiter, None)
+        if group is None:
             return
-        shard, first_append = awaited
+        shard = group.shard
         if not (waiter.cancelled() or waiter.exception() is not None):
-            self.stats.commit_latency.observe(time.perf_counter() - first_append)
+            self.stats.commit_latency.observe(time.perf_counter() - group.first_append)
+            dispatch = self.dispatch
+            for message in group.messages:
+                dispatch(message)
             return
         error = "cancelled" if waiter.cancelled() else waiter.exception()
-        log.error("journal commit failed on %s/%d: %s", shard.stream, shard.index, error)
+        log.error("journal commit failed on %s/%d: %s; %d messages not delivered",
+                  shard.stream, shard.index, error, len(group.messages))
         # The failed records were rolled back and their offsets will be reused: move cursors
         # that went past the log's end back to it.
         if shard.log is not None:

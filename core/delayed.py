@@ -13,24 +13,16 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Callable
-from typing import Protocol
 
 from ..storage.records import decode_message, encode_message
 from .errors import PublishRejected
 from .message import Message, message_from_record, now_ms
+from .ports import DelayedStore
 
 log = logging.getLogger(__name__)
 
 DELAYED_PREFIX = "$delayed/"
 MAX_DELAY_S = 42 * 24 * 3600
-
-
-class DelayedStore(Protocol):
-    def put_delayed(self, id: str, deliver_at_ms: int, data: bytes) -> None: ...
-
-    def due_delayed(self, now_ms: int, limit: int | None = None) -> list: ...
-
-    def delete_delayed(self, id: str) -> bool: ...
 
 
 def deliver_at(message: Message) -> int | None:

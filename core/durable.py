@@ -290,7 +290,7 @@ class DurableSubscription(Subscription):
         if not cursor.live:
             self.schedule_pump()
             return
-        consumer = self._pick_available(message.shard)
+        consumer = self.pick_available(message.shard)
         if consumer is None:
             cursor.live = False
             return
@@ -307,25 +307,6 @@ class DurableSubscription(Subscription):
         if timeout and self._timer is None:
             self._arm_timer()
         consumer.deliver(message, self, filters)
-
-    def _pick_available(self, shard: int = 0) -> Consumer | None:
-        consumers = self.consumers
-        if not consumers:
-            return None
-        if self.type is SubscriptionType.FAILOVER:
-            active = consumers[shard % len(consumers)]
-            return active if active.available else None
-        if self.type is not SubscriptionType.SHARED:
-            first = consumers[0]
-            return first if first.available else None
-        count = len(consumers)
-        start = self._next % count
-        for step in range(count):
-            candidate = consumers[(start + step) % count]
-            if candidate.available:
-                self._next = start + step + 1
-                return candidate
-        return None
 
     def _filters_for(self, topic: str) -> tuple[str, ...]:
         cached = self._matching_cache.get(topic)
@@ -412,7 +393,7 @@ class DurableSubscription(Subscription):
                 self._redeliver.popleft()
                 self._dead_letter(cursor, delivery)
                 continue
-            consumer = self._pick_available(cursor.shard)
+            consumer = self.pick_available(cursor.shard)
             if consumer is None:
                 return budget
             self._redeliver.popleft()
@@ -423,7 +404,7 @@ class DurableSubscription(Subscription):
 
     def _pump_restored(self, cursor: ShardCursor, budget: int) -> int:
         while cursor.pending_redelivery and budget > 0:
-            consumer = self._pick_available(cursor.shard)
+            consumer = self.pick_available(cursor.shard)
             if consumer is None:
                 return budget
             offset = cursor.pending_redelivery[0]
@@ -525,7 +506,7 @@ class DurableSubscription(Subscription):
                     cursor.skip.discard(record.offset)
                     cursor.position = record.offset + 1
                     continue
-                consumer = self._pick_available(cursor.shard)
+                consumer = self.pick_available(cursor.shard)
                 if consumer is None:
                     return 0
                 self._send(cursor, message, filters, consumer, 1)

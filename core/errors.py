@@ -33,6 +33,11 @@ class SchemaMismatch(PublishRejected):
     """The payload does not fit the stream's schema."""
 
 
+class StoreFull(PublishRejected):
+    """The stream's store cannot take more now (its disk is full or too far behind): a quota
+    the publisher may retry against later."""
+
+
 class ShardUnavailable(PublishRejected):
     """The shard is served by another node that cannot take the message now (no owner while
     the shard map changes, owner unreachable, ownership moved): the client may retry."""

@@ -1,5 +1,15 @@
-"""Payload schemas per stream (Danube's): Bytes, String (UTF-8), Int64 (8 bytes, big-endian,
-signed) and JSON (any JSON document). A publish whose payload does not fit is refused."""
+"""Payload schemas per stream (Danube's): a publish whose payload does not fit is refused.
+
+- bytes: anything.
+- string: valid UTF-8.
+- int64: exactly 8 bytes, a big-endian two's complement signed integer (what
+  `int.to_bytes(8, "big", signed=True)` writes; the SDK's `encode_int64` does it). Decimal text is
+  refused so that a payload has one meaning only.
+- json: one JSON document in UTF-8.
+
+The one check every protocol's publish goes through (`Broker.publish` calls it); each protocol
+turns a `SchemaMismatch` into its own reply (gRPC INVALID_ARGUMENT, MQTT 5 reason 0x99).
+"""
 
 from __future__ import annotations
 
@@ -10,20 +20,27 @@ from .streams import Schema
 
 
 def check_payload(schema: Schema, payload: bytes, stream: str) -> None:
+    """Raise `SchemaMismatch` when `payload` does not fit `schema` of `stream`."""
     if schema is Schema.BYTES:
         return
-    if schema is Schema.STRING:
-        try:
-            payload.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise SchemaMismatch(f"stream {stream!r} takes UTF-8 strings: {exc.reason} at byte {exc.start}") from None
-    elif schema is Schema.INT64:
+    if schema is Schema.INT64:
         if len(payload) != 8:
             raise SchemaMismatch(
-                f"stream {stream!r} takes int64 payloads (8 bytes, big-endian); got {len(payload)} bytes"
+                f"stream {stream!r} has schema int64: the payload must be 8 bytes "
+                f"(big-endian signed integer), got {len(payload)} bytes"
             )
-    elif schema is Schema.JSON:
+        return
+    try:
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SchemaMismatch(
+            f"stream {stream!r} has schema {schema.value}: the payload is not valid UTF-8 "
+            f"(byte {exc.start}: {exc.reason})"
+        ) from None
+    if schema is Schema.JSON:
         try:
-            json.loads(payload)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise SchemaMismatch(f"stream {stream!r} takes JSON documents: {exc}") from None
+            json.loads(text)
+        except ValueError as exc:
+            raise SchemaMismatch(
+                f"stream {stream!r} has schema json: the payload is not valid JSON ({exc})"
+            ) from None

@@ -11,14 +11,35 @@ subscription are all `Subscription`s. Consumers are protocol objects implementin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from .errors import SubscriptionBusy
 
 if TYPE_CHECKING:
     from .message import Message
+
+T = TypeVar("T")
+
+
+def round_robin(items: Sequence[T], start: int, available: Callable[[T], bool]) -> int | None:
+    """The index of the first item, from `start` (modulo the length) on and wrapping around,
+    that is `available`; None when none is. The one turn-taking rule of Shared subscriptions,
+    durable ones and AMQP queues alike."""
+    count = len(items)
+    if not count:
+        return None
+    start %= count
+    for step in range(count):
+        index = (start + step) % count
+        if available(items[index]):
+            return index
+    return None
+
+
+def _is_available(consumer: Consumer) -> bool:
+    return consumer.available
 
 
 class SubscriptionType(StrEnum):
@@ -111,13 +132,23 @@ class Subscription:
             return consumers[shard % len(consumers)]
         if self.type is not SubscriptionType.SHARED:
             return consumers[0]
-        count = len(consumers)
-        start = self._next % count
-        for step in range(count):
-            candidate = consumers[(start + step) % count]
-            if candidate.available:
-                self._next = start + step + 1
-                return candidate
-        # Nobody is available right now: hand it to the next in turn, which may queue it.
-        self._next = start + 1
-        return consumers[start]
+        index = round_robin(consumers, self._next, _is_available)
+        if index is None:
+            # Nobody is available right now: hand it to the next in turn, which may queue it.
+            index = self._next % len(consumers)
+        self._next = index + 1
+        return consumers[index]
+
+    def pick_available(self, shard: int = 0) -> Consumer | None:
+        """Like `pick`, but None rather than a consumer that cannot take a message now."""
+        consumers = self.consumers
+        if not consumers:
+            return None
+        if self.type is SubscriptionType.SHARED:
+            index = round_robin(consumers, self._next, _is_available)
+            if index is None:
+                return None
+            self._next = index + 1
+            return consumers[index]
+        chosen = self.pick(shard)
+        return chosen if chosen is not None and chosen.available else None

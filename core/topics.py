@@ -20,7 +20,9 @@ __all__ = [
     "SHARE_PREFIX",
     "SharedFilter",
     "TopicError",
+    "filter_covers",
     "filter_matches",
+    "filters_overlap",
     "is_wildcard",
     "parse_shared_filter",
     "validate_topic_filter",
@@ -151,3 +153,43 @@ def filter_matches(topic_filter: str, topic_name: str) -> bool:
         if level != SINGLE_LEVEL and level != name_levels[index]:
             return False
     return len(filter_levels) == depth
+
+
+def filter_covers(outer: str, inner: str) -> bool:
+    """True when every topic name the filter `inner` can match is matched by `outer`
+    (`a/#` covers `a/+/b`, `a/+` does not cover `a/#`)."""
+    wanted = inner.split(SEPARATOR)
+    rule = outer.split(SEPARATOR)
+    if wanted[0][:1] == "$" and rule[0] in (SINGLE_LEVEL, MULTI_LEVEL):
+        return False
+    for index, level in enumerate(rule):
+        if level == MULTI_LEVEL:
+            return True
+        if index >= len(wanted):
+            return False
+        asked = wanted[index]
+        if asked == MULTI_LEVEL:
+            return False
+        if level == SINGLE_LEVEL:
+            continue
+        if level != asked:
+            return False
+    return len(rule) == len(wanted)
+
+
+def filters_overlap(first: str, second: str) -> bool:
+    """True when some topic name matches both filters."""
+    a, b = first.split(SEPARATOR), second.split(SEPARATOR)
+    # Wildcards never match a `$` first level: a `$` topic needs that same literal in both.
+    if (a[0][:1] == "$" or b[0][:1] == "$") and a[0] != b[0]:
+        return False
+    for index in range(max(len(a), len(b))):
+        x = a[index] if index < len(a) else None
+        y = b[index] if index < len(b) else None
+        if x == MULTI_LEVEL or y == MULTI_LEVEL:
+            return True
+        if x is None or y is None:
+            return False
+        if x != SINGLE_LEVEL and y != SINGLE_LEVEL and x != y:
+            return False
+    return True

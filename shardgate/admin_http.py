@@ -27,14 +27,13 @@ from typing import Any
 from aiohttp import web
 
 from . import __version__
+from .core.edge import KICK_REASON
 from .history import TrafficHistory
 from .metrics import (
     CONTENT_TYPE,
-    amqp_service,
     archive_status,
     connection_counts,
     create_registry,
-    grpc_server,
     render,
     subscription_queue,
 )
@@ -42,8 +41,6 @@ from .metrics import (
 log = logging.getLogger(__name__)
 
 DASHBOARD_DIR = Path(__file__).with_name("dashboard")
-KICK_REASON = "kicked by administrator"
-MQTT_ADMINISTRATIVE_ACTION = 0x98  # MQTT 5.0 section 2.4, reason code "Administrative action"
 RETAINED_LIMIT = 1000
 PREVIEW_BYTES = 256
 APP_KEY: web.AppKey[Any] = web.AppKey("shardgate", object)
@@ -187,91 +184,35 @@ def subscriptions_view(app: Any) -> list[dict[str, Any]]:
 
 
 def clients_view(app: Any) -> list[dict[str, Any]]:
-    """Every connected client, whatever its protocol; `client_id` is what a kick names."""
-    out: list[dict[str, Any]] = []
-    mqtt = getattr(app, "mqtt", None)
-    for connection in list(getattr(mqtt, "connections", ()) or ()):
-        version = connection.version
-        out.append({
-            "protocol": "mqtt",
-            "client_id": connection.client_id,
-            "username": connection.username,
-            "remote": connection.remote,
-            "transport": connection.transport_name,
-            "connected_at": connection.connected_at,
-            "messages_in": connection.messages_in,
-            "messages_out": connection.messages_out,
-            "detail": {3: "MQTT 3.1", 4: "MQTT 3.1.1", 5: "MQTT 5.0"}.get(version, f"MQTT {version}"),
-            "kickable": True,
-        })
-    amqp = amqp_service(app)
-    opened_offset = time.time() - time.monotonic()
-    for connection in list(getattr(amqp, "connections", ()) or ()):
-        name = (getattr(connection, "client_properties", None) or {}).get("connection_name")
-        out.append({
-            "protocol": "amqp",
-            "client_id": connection.id,
-            "username": connection.username or None,
-            "remote": connection.remote,
-            "transport": "tcp",
-            "connected_at": connection.opened_at + opened_offset,
-            "messages_in": getattr(connection, "messages_in", None),
-            "messages_out": getattr(connection, "messages_out", None),
-            "detail": f"AMQP 0-9-1 {name}" if name else "AMQP 0-9-1",
-            "kickable": True,
-        })
-    grpc = grpc_server(app)
-    for producer in list(getattr(grpc, "producers", ()) or ()):
-        out.append({
-            "protocol": "grpc",
-            "client_id": producer.name or producer.peer,
-            "username": None,
-            "remote": producer.peer,
-            "transport": "http2",
-            "connected_at": producer.connected_at,
-            "messages_in": producer.messages_in,
-            "messages_out": None,
-            "detail": "producer stream",
-            "kickable": False,
-        })
-    for consumer in list(getattr(grpc, "consumers", ()) or ()):
-        out.append({
-            "protocol": "grpc",
-            "client_id": consumer.id,
-            "username": None,
-            "remote": consumer.peer,
-            "transport": "http2",
-            "connected_at": consumer.connected_at,
-            "messages_in": None,
-            "messages_out": consumer.delivered,
-            "detail": f"consumer of {consumer.subscription.name}",
-            "kickable": True,
-        })
-    return out
+    """Every connected client, whatever its protocol (the front door's registry); `client_id`
+    is what a kick names."""
+    edge = getattr(app, "edge", None)
+    if edge is None:
+        return []
+    return [
+        {
+            "protocol": client.protocol,
+            "client_id": client.client_id,
+            "username": client.username,
+            "remote": client.remote,
+            "transport": client.transport,
+            "connected_at": client.connected_at,
+            "messages_in": client.messages_in,
+            "messages_out": client.messages_out,
+            "detail": client.detail,
+            "kickable": client.kickable,
+        }
+        for client in edge.clients.list()
+    ]
 
 
 def kick_client(app: Any, protocol: str, client_id: str) -> None:
     """Disconnect one client; raises `NotFound` if no such client is connected."""
-    if protocol == "mqtt":
-        mqtt = getattr(app, "mqtt", None)
-        for connection in list(getattr(mqtt, "connections", ()) or ()):
-            if connection.client_id == client_id:
-                connection.close(MQTT_ADMINISTRATIVE_ACTION, KICK_REASON)
-                return
-    elif protocol == "amqp":
-        for connection in list(getattr(amqp_service(app), "connections", ()) or ()):
-            if connection.id == client_id:
-                connection.shutdown(KICK_REASON)  # connection.close 320 CONNECTION_FORCED
-                return
-    elif protocol == "grpc":
-        for consumer in list(getattr(grpc_server(app), "consumers", ()) or ()):
-            if consumer.id == client_id:
-                consumer.closed = True  # its stream ends with UNAVAILABLE
-                consumer.wakeup.set()
-                return
-    else:
+    if protocol not in ("mqtt", "amqp", "grpc"):
         raise NotFound(f"unknown protocol {protocol!r}: expected mqtt, amqp or grpc")
-    raise NotFound(f"no {protocol} client {client_id!r} is connected")
+    edge = getattr(app, "edge", None)
+    if edge is None or not edge.clients.kick(protocol, client_id, KICK_REASON):
+        raise NotFound(f"no {protocol} client {client_id!r} is connected")
 
 
 def sessions_view(app: Any) -> list[dict[str, Any]]:

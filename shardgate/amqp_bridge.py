@@ -35,6 +35,7 @@ from .core.durable import DurableOptions
 from .core.message import Message
 from .logs import ReconnectReport
 from .protocols.amqp.properties import message_from_properties, typed_properties
+from .protocols.amqp.routing import routing_key_for_topic, topic_for_routing_key
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -96,12 +97,9 @@ class AmqpBridgeSettings:
     reconnect_max_s: float = 10.0
 
 
-def topic_to_routing_key(topic: str) -> str:
-    return topic.replace("/", ".")
-
-
-def routing_key_to_topic(routing_key: str) -> str:
-    return routing_key.replace(".", "/")
+# The one mapping of `amq.topic` routing keys, both ways (the AMQP listener's).
+topic_to_routing_key = routing_key_for_topic
+routing_key_to_topic = topic_for_routing_key
 
 
 class AmqpBridge:

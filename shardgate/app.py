@@ -14,6 +14,7 @@ from typing import Any
 
 from .config import Config, ConfigError
 from .core.broker import Broker
+from .core.edge import Edge
 from .core.errors import CoreError
 from .core.streams import RoutingRule, StreamConfig
 from .persistence import MetadataTopologySink, Persistence, stream_config
@@ -22,6 +23,7 @@ from .protocols.mqtt.service import MqttService
 from .storage.interfaces import StorageError
 from .storage.journal import JournalStorage
 from .storage.metadata import SqliteMetadataStore
+from .storage.metadata.ports import MetadataPorts
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +58,13 @@ class Shardgate:
         self.config = config
         self.listeners: dict[str, Listener] = {}
         self.broker: Broker | None = None
+        # The front door every protocol, admin surface and bridge goes through.
+        self.edge: Edge | None = None
         self.mqtt: MqttService | None = None
+        self.grpc: Any = None
         self.journal: JournalStorage | None = None
         self.metadata: SqliteMetadataStore | None = None
+        self.ports: MetadataPorts | None = None
         self.persistence: Persistence | None = None
         self.archiver: Any = None
         self.security: Any = None
@@ -178,14 +184,21 @@ class Shardgate:
                 await attach.share_catalog(self, self.cluster)
             except ClusterStartError as exc:
                 raise ConfigError(f"cluster: {exc}") from exc
-        self.persistence = Persistence(self.broker, self.metadata)
+        assert self.metadata is not None
+        self.edge = edge = Edge(self.broker)
+        edge.listeners = self.listeners
+        from .protocols.grpc.consumer import GrpcSubscriptionState
+
+        edge.owner_factories[GrpcSubscriptionState.OWNER_KIND] = GrpcSubscriptionState.restored
+        self.ports = stored = MetadataPorts(self.metadata)
+        self.persistence = Persistence(self.broker, self.metadata, stored, edge.owner_factories)
         self.persistence.restore_retained()
         self.persistence.restore_subscriptions()
-        self.broker.delayed.store = self.metadata
+        self.broker.delayed.store = stored
         held = self.broker.delayed.restore()
         if held:
             log.info("restored %d delayed messages", held)
-        self.mqtt = MqttService(self.broker, config.mqtt, store=self.metadata)
+        self.mqtt = MqttService(edge, config.mqtt, store=stored, scheduler=asyncio.get_running_loop())
         self.mqtt.use_identity_as_username = config.tls.use_identity_as_username
         from .auth import install_security
 
@@ -229,7 +242,7 @@ class Shardgate:
                 starting = ("AMQP", host, ports.amqp_port, "listeners.amqp_port")
                 from .protocols.amqp.server import start_amqp_listener
 
-                server = await start_amqp_listener(self.broker, host, ports.amqp_port, None, config.amqp)
+                server = await start_amqp_listener(edge, host, ports.amqp_port, None, config.amqp)
                 self.amqp = server.service
                 if self.security is not None:
                     self.security.attach_amqp(server.service)
@@ -240,7 +253,7 @@ class Shardgate:
 
                 plain = self.listeners.get("amqp")
                 server = await start_amqp_listener(
-                    self.broker, host, ports.amqps_port, self._ssl_context(), config.amqp,
+                    edge, host, ports.amqps_port, self._ssl_context(), config.amqp,
                     service=plain.server.service if plain is not None else None,
                 )
                 if self.security is not None and plain is None:
@@ -251,7 +264,8 @@ class Shardgate:
                 starting = ("gRPC", host, ports.grpc_port, "listeners.grpc_port")
                 from .protocols.grpc.server import start_grpc_server
 
-                server = await start_grpc_server(self, host, ports.grpc_port, None)
+                server = await start_grpc_server(edge, host, ports.grpc_port, None, config.grpc)
+                self.grpc = server
                 self._add_listener("grpc", server)
             if ports.http_port:
                 starting = ("admin HTTP", ports.http_host, ports.http_port, "listeners.http_port")

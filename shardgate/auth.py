@@ -75,6 +75,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from .core.edge import Principal
+from .core.topics import filter_covers, filter_matches, filters_overlap
+
 log = logging.getLogger(__name__)
 
 USERS_FILE = "users.json"
@@ -229,53 +232,6 @@ def _strip_share(topic_filter: str) -> str:
         parts = topic_filter.split("/", 2)
         return parts[2] if len(parts) == 3 else ""
     return topic_filter
-
-
-def topic_matches(acl_filter: str, topic: str) -> bool:
-    """MQTT matching of a topic name against a filter (wildcards never match a `$` first level)."""
-    return _covers(acl_filter.split("/"), topic.split("/"))
-
-
-def filter_covers(acl_filter: str, topic_filter: str) -> bool:
-    """True when every topic `topic_filter` can match is matched by `acl_filter`."""
-    return _covers(acl_filter.split("/"), topic_filter.split("/"))
-
-
-def _covers(rule: list[str], wanted: list[str]) -> bool:
-    if wanted and wanted[0].startswith("$") and rule and rule[0] in ("+", "#"):
-        return False
-    for index, level in enumerate(rule):
-        if level == "#":
-            return True
-        if index >= len(wanted):
-            return False
-        asked = wanted[index]
-        if asked == "#":
-            return False
-        if level == "+":
-            continue
-        if level != asked:
-            return False
-    return len(rule) == len(wanted)
-
-
-def filters_overlap(first: str, second: str) -> bool:
-    """True when some topic name matches both filters."""
-    a, b = first.split("/"), second.split("/")
-    # Wildcards never match a `$` first level: a `$` topic needs that same literal in both.
-    if a[0].startswith("$") or b[0].startswith("$"):
-        if a[0] != b[0]:
-            return False
-    for index in range(max(len(a), len(b))):
-        x = a[index] if index < len(a) else None
-        y = b[index] if index < len(b) else None
-        if x == "#" or y == "#":
-            return True
-        if x is None or y is None:
-            return False
-        if x != "+" and y != "+" and x != y:
-            return False
-    return True
 
 
 # ---------------------------------------------------------------------------- ACL rules
@@ -551,7 +507,7 @@ class Security:
                 if rule.allow or action not in rule.actions or not rule.applies_to(username, client_id):
                     continue
                 for acl_filter in rule.filters_for(username, client_id):
-                    hit = filters_overlap(acl_filter, wanted) if subscribing else topic_matches(acl_filter, wanted)
+                    hit = filters_overlap(acl_filter, wanted) if subscribing else filter_matches(acl_filter, wanted)
                     if hit:
                         return False
         if action == Action.ADMIN.value and self._is_admin(username):
@@ -564,7 +520,7 @@ class Security:
             if not rule.allow or action not in rule.actions or not rule.applies_to(username, client_id):
                 continue
             for acl_filter in rule.filters_for(username, client_id):
-                hit = filter_covers(acl_filter, wanted) if subscribing else topic_matches(acl_filter, wanted)
+                hit = filter_covers(acl_filter, wanted) if subscribing else filter_matches(acl_filter, wanted)
                 if hit:
                     return True
         return False
@@ -573,16 +529,18 @@ class Security:
         user = self._users.get(username) if username is not None else None
         return user is not None and "admin" in user.roles
 
-    # ------------------------------------------------------------------ protocol hooks
-    def mqtt_authenticator(self, username: str | None, password: bytes | None, client_id: str, remote: str) -> str | None:
-        """`MqttService.authenticator`. The gRPC interceptor calls the same hook with client id
-        "grpc" and no remote address; those calls are counted under "grpc"."""
-        protocol = "grpc" if client_id == "grpc" and not remote else "mqtt"
-        return self.authenticate(username, password, client_id, remote, protocol)
+    # ------------------------------------------------------------------ front-door hooks
+    def authenticate_principal(self, principal: Principal, password: bytes | str | None) -> str | None:
+        """`Edge.authenticator`: check a principal's credentials, counted under its protocol."""
+        return self.authenticate(
+            principal.username, password, principal.client_id, principal.remote, principal.protocol
+        )
 
-    def mqtt_authorizer(self, action: str, username: str | None, client_id: str, topic: str) -> bool:
-        """`MqttService.authorizer`."""
-        return self.authorize(action, username, client_id, topic, "mqtt")
+    def authorize_principal(self, principal: Principal, action: str, topic: str) -> bool:
+        """`Edge.authorizer`: one shape for every protocol."""
+        return self.authorize(
+            str(action), principal.username, principal.client_id, topic, principal.protocol
+        )
 
     def amqp_authenticate(
         self, user: str | None, password: str | None, loopback: bool,
@@ -619,16 +577,6 @@ class Security:
 
         authenticate.builtin_login = builtin  # type: ignore[attr-defined]
         service.authenticate = authenticate
-        if hasattr(service, "authorizer"):
-            service.authorizer = self.amqp_authorize
-
-    def amqp_authorize(self, action: str, user: str | None, topic: str) -> bool:
-        """For the AMQP layer: publish on a routing-key topic, or subscribe (queue.bind) a filter."""
-        return self.authorize(action, user, "", topic, "amqp")
-
-    def grpc_authorize(self, action: str, user: str | None, topic: str) -> bool:
-        """For the gRPC layer: publish to a topic, subscribe to a filter, or admin calls."""
-        return self.authorize(action, user, "grpc", topic, "grpc")
 
 
 def security_paths(data_dir: Path, settings: AuthSettings | None = None) -> tuple[Path, Path]:
@@ -653,9 +601,9 @@ def anonymous_setting(value: Any) -> bool | None:
 
 
 def install_security(app: Any) -> Security:
-    """Hook one `Security` into a started-or-starting `Shardgate`: MQTT (and so gRPC) hooks, the
-    AMQP service if its listener is up, the `authorizer` attribute of the AMQP service and of
-    `app.grpc` where those layers have one, and `app.security` for the admin API and metrics.
+    """Hook one `Security` into a started-or-starting `Shardgate`: the front door's
+    `authenticator` and `authorizer` (every protocol asks there), the AMQP login if its listener
+    is up, and `app.security` for the admin API and metrics.
     A users or ACL file that cannot be read raises `ConfigError`."""
     from .config import ConfigError
 
@@ -669,26 +617,24 @@ def install_security(app: Any) -> Security:
         )
     except AuthError as exc:
         raise ConfigError(f"auth: {exc}") from exc
+    edge = app.edge
     mqtt = app.mqtt
 
     def mirror(current: Security) -> None:
-        # The gRPC interceptor reads this flag for calls without credentials.
+        # Calls without credentials (gRPC, MQTT) read this policy.
+        edge.allow_anonymous = current.allow_anonymous
         if mqtt is not None:
             mqtt.settings.allow_anonymous = current.allow_anonymous
 
     security.on_change = mirror
-    if mqtt is not None:
-        mqtt.authenticator = security.mqtt_authenticator
-        mqtt.authorizer = security.mqtt_authorizer
-        mirror(security)
+    edge.authenticator = security.authenticate_principal
+    edge.authorizer = security.authorize_principal
+    mirror(security)
     listeners = getattr(app, "listeners", {})
     listener = listeners.get("amqp") or listeners.get("amqps")  # both share one service
     service = getattr(getattr(listener, "server", None), "service", None)
     if service is not None:
         security.attach_amqp(service)
-    grpc_server = getattr(app, "grpc", None)
-    if grpc_server is not None and hasattr(grpc_server, "authorizer"):
-        grpc_server.authorizer = security.grpc_authorize
     app.security = security
     log.info("security: %d users, %s, anonymous access %s", len(security.users),
              f"{len(security.rules)} ACL rules" if security.rules is not None else "no ACL file",

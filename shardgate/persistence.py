@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .core.broker import INTERNAL_PREFIX, Broker
@@ -13,41 +14,18 @@ from .core.message import Message, message_from_record, now_ms
 from .core.streams import RoutingRule, StreamConfig
 from .core.subscriptions import SubscriptionType
 from .storage.metadata import (
-    CursorRecord,
     MetadataStore,
     RouteRecord,
     StreamRecord,
     SubscriptionRecord,
 )
+from .storage.metadata.ports import MetadataPorts
 from .storage.records import decode_message, encode_message
 
 log = logging.getLogger(__name__)
 
 CURSOR_SAVE_INTERVAL_S = 0.2
 RETENTION_EVERY_TICKS = 50  # every 10 s
-
-
-class MetadataCursorSink:
-    """Collects cursor changes from durable subscriptions and writes them in one transaction."""
-
-    def __init__(self, store: MetadataStore) -> None:
-        self.store = store
-        self._pending: dict[tuple[str, str, int], CursorRecord] = {}
-
-    def save_cursor(self, subscription: str, stream: str, shard: int, floor: int, state: bytes) -> None:
-        self._pending[(subscription, stream, shard)] = CursorRecord(subscription, stream, shard, floor, state)
-
-    def flush(self) -> None:
-        self.write()
-
-    def write(self) -> None:
-        if not self._pending:
-            return
-        batch, self._pending = list(self._pending.values()), {}
-        try:
-            self.store.put_cursors(batch)
-        except Exception:
-            log.exception("could not save %d cursors", len(batch))
 
 
 def stream_record(config: StreamConfig, created_ms: int | None = None) -> StreamRecord:
@@ -88,10 +66,16 @@ class MetadataTopologySink:
 class Persistence:
     """Periodic saving of cursors, and retained messages kept in the metadata store."""
 
-    def __init__(self, broker: Broker, store: MetadataStore) -> None:
+    def __init__(
+        self, broker: Broker, store: MetadataStore, ports: MetadataPorts | None = None,
+        owner_factories: Mapping[str, Callable[[Mapping[str, object]], object]] | None = None,
+    ) -> None:
         self.broker = broker
         self.store = store
-        self.sink = MetadataCursorSink(store)
+        # How a saved subscription's owner comes back, by the "protocol" its options name.
+        self.owner_factories = owner_factories if owner_factories is not None else {}
+        # Where durable subscriptions queue their cursors (written in batches by `flush`).
+        self.sink = ports if ports is not None else MetadataPorts(store)
         broker.cursor_sink = self.sink
         self._task: asyncio.Task[None] | None = None
         self._saved: dict[str, tuple[str, tuple[str, ...]]] = {}
@@ -132,8 +116,9 @@ class Persistence:
         owner = sub.owner
         if owner is None:
             return {}
-        if type(owner).__name__ == "GrpcSubscriptionState":
-            return {"protocol": "grpc", "stream": getattr(owner, "stream", None)}
+        saved_options = getattr(owner, "saved_options", None)
+        if callable(saved_options):
+            return dict(saved_options())
         return {"protocol": type(owner).__module__.split(".")[-2] if "." in type(owner).__module__ else ""}
 
     def save_subscriptions(self) -> None:
@@ -172,10 +157,9 @@ class Persistence:
             if record.name.startswith("mqtt:") or not record.durable:
                 continue
             owner = None
-            if record.options.get("protocol") == "grpc":
-                from .protocols.grpc.consumer import GrpcSubscriptionState
-
-                owner = GrpcSubscriptionState(stream=record.options.get("stream"))
+            factory = self.owner_factories.get(str(record.options.get("protocol", "")))
+            if factory is not None:
+                owner = factory(record.options)
             sub = self.broker.durable_subscription(record.name, SubscriptionType(record.type), owner=owner)
             for topic_filter in record.filters:
                 self.broker.add_filter(sub, topic_filter)
@@ -235,7 +219,7 @@ class Persistence:
     def flush(self) -> None:
         self.save_subscriptions()
         self.broker.save_cursors()
-        self.sink.write()
+        self.sink.flush()
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -1,13 +1,15 @@
 """The storage boundary: small typing Protocols that `core` uses and each engine implements.
 
 `core` imports only this module from `storage`; the composition root (`shardgate/`) picks the
-engines. A shard log stores opaque record bytes at dense offsets; what the bytes mean (a
+engines. `LatencyHistogram` is the one measurement both sides share: an engine reports its fsync
+latency in one, the core its append-to-durable latency. A shard log stores opaque record bytes at dense offsets; what the bytes mean (a
 message) is the core's business.
 """
 
 from __future__ import annotations
 
 import asyncio
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -91,3 +93,42 @@ class ArchiveSource(Protocol):
     ) -> list[StoredRecord]:
         """Archived records of a shard from `from_offset` in offset order (empty when the
         archive holds nothing there)."""
+
+
+# Upper bounds (seconds) of the latency histograms' buckets, from 100 µs to 10 s.
+LATENCY_BUCKETS: tuple[float, ...] = tuple(
+    scale * step for scale in (0.0001, 0.001, 0.01, 0.1, 1.0) for step in (1, 2.5, 5)
+) + (10.0,)
+
+
+class LatencyHistogram:
+    """Counts of observed durations (seconds) in fixed buckets, for metrics.
+
+    `observe` is a bisect and two additions, meant for events that happen once per commit group
+    or per fsync, not per message. One thread observes; exporters read `snapshot()` from
+    another, which at worst misses an observation in progress."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float] = LATENCY_BUCKETS) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one counts what exceeds every bound
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(self.bounds, seconds)] += 1
+        self.sum += seconds
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def snapshot(self) -> tuple[list[tuple[float, int]], float]:
+        """Cumulative counts per upper bound (the last bound being +inf), and the sum."""
+        counts = list(self.counts)
+        total = 0
+        buckets = []
+        for bound, count in zip((*self.bounds, float("inf")), counts, strict=True):
+            total += count
+            buckets.append((bound, total))
+        return buckets, self.sum

@@ -30,6 +30,7 @@ from pamqp import frame as pframe
 from pamqp import header as pheader
 
 from ... import __version__
+from ...core.edge import Action, Principal
 from ...core.errors import PublishRejected
 from ...core.message import Message
 from .errors import ChannelException, ConnectionException, ReplyCode
@@ -44,7 +45,7 @@ from .hotpath import (
     encode_deliver_route,
     shortstr,
 )
-from .properties import content_header_payload, encoded_properties, message_from_properties
+from .properties import encoded_properties, message_from_properties
 from .queues import Queue, QueueConsumer, QueueEntry
 from .routing import exchange_and_key, publish_topic
 
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"  # AMQP 0-9-1 §4.2.2
 FRAME_MIN_SIZE = constants.FRAME_MIN_SIZE  # 4096, §4.2.3
 _FRAME_HEADER = struct.Struct(">BHI")
+_CONTENT_HEADER_FRAME = struct.Struct(">BHIHHQ")  # frame header + class, weight, body size
 _FRAME_END = b"\xce"
 _INDEX = struct.Struct(">I")
 _HEARTBEAT = pframe.marshal(pframe.heartbeat.Heartbeat(), 0)
@@ -329,6 +331,7 @@ class AmqpConnection:
         self.channel_max = self.settings.channel_max
         self.heartbeat = 0
         self.username = ""
+        self.principal = Principal("amqp", None, "", remote)
         self.vhost: VirtualHost | None = None
         self.client_properties: dict[str, Any] = {}
         self.capabilities: dict[str, Any] = {}
@@ -339,7 +342,7 @@ class AmqpConnection:
         self._publishes_in_flight = 0
         self.messages_in = 0
         self.messages_out = 0
-        self._landing: dict[asyncio.Future[None], list[tuple[AmqpChannel, int]]] = {}
+        self._landing: dict[asyncio.Future[None], list[tuple[AmqpChannel, int, Message]]] = {}
         self._confirm_channels: set[AmqpChannel] = set()
         self._paused = False
         self._held_by_alarm = False
@@ -397,17 +400,24 @@ class AmqpConnection:
     def send_content(self, channel: int, method: commands.base.Frame | bytes, message: Message) -> None:
         """A method with content (deliver, get-ok, return): method, header and body frames."""
         payload = message.payload
-        parts = [
-            method if isinstance(method, bytes) else pframe.marshal(method, channel),
-            frame_bytes(2, channel, content_header_payload(encoded_properties(message), len(payload))),
-        ]
-        if payload:
-            chunk = self.frame_max - 8
-            if len(payload) <= chunk:
-                parts.append(frame_bytes(3, channel, payload))
+        size = len(payload)
+        properties = encoded_properties(message)
+        head = method if isinstance(method, bytes) else pframe.marshal(method, channel)
+        # Content header frame (§4.2.6.1): class 60, weight 0, body size, properties.
+        header = _CONTENT_HEADER_FRAME.pack(2, channel, 12 + len(properties), 60, 0, size)
+        chunk = self.frame_max - 8
+        if size <= chunk:
+            if size:
+                self._write(b"".join((
+                    head, header, properties, _FRAME_END, _FRAME_HEADER.pack(3, channel, size),
+                    payload, _FRAME_END,
+                )))
             else:
-                for start in range(0, len(payload), chunk):
-                    parts.append(frame_bytes(3, channel, payload[start:start + chunk]))
+                self._write(b"".join((head, header, properties, _FRAME_END)))
+            return
+        parts = [head, header, properties, _FRAME_END]
+        for start in range(0, size, chunk):
+            parts.append(frame_bytes(3, channel, payload[start:start + chunk]))
         self._write(b"".join(parts))
 
     def flush(self) -> None:
@@ -753,6 +763,8 @@ class AmqpConnection:
         if refusal is not None:
             raise ConnectionException(ReplyCode.ACCESS_REFUSED, refusal, *_ids(frame))
         self.username = str(user)
+        # ACL rules see AMQP clients by user only (no client id for `client =` or `%c`).
+        self.principal = Principal("amqp", self.username, "", self.remote)
         self.state = State.AWAIT_TUNE_OK
         self.send_method(0, commands.Connection.Tune(
             channel_max=self.settings.channel_max, frame_max=self.settings.frame_max,
@@ -979,6 +991,19 @@ class AmqpConnection:
                 queue.dispatch()
 
     # ================================================================== exchange & queue class
+    def _may_bind(self) -> Callable[[str], bool] | None:
+        """The front door's check of a binding's core filter (a subscribe), or None when
+        nothing is checked."""
+        edge = self.service.edge
+        if edge.authorizer is None:
+            return None
+        principal = self.principal
+
+        def allowed(topic_filter: str) -> bool:
+            return edge.authorize(principal, Action.SUBSCRIBE, topic_filter)
+
+        return allowed
+
     def _exchange_declare(self, channel: AmqpChannel, frame: commands.Exchange.Declare) -> None:
         assert self.vhost is not None
         self.vhost.declare_exchange(frame)
@@ -987,14 +1012,9 @@ class AmqpConnection:
 
     def _exchange_bind(self, channel: AmqpChannel, frame: commands.Exchange.Bind) -> None:
         assert self.vhost is not None
-        authorizer = self.service.authorizer
-        allowed = None
-        if authorizer is not None:
-            def allowed(topic_filter: str) -> bool:
-                return authorizer("subscribe", self.username, topic_filter)
         self.vhost.bind_exchange(
             frame.destination, frame.source, frame.routing_key, frame.arguments,
-            commands.Exchange.Bind, allowed,
+            commands.Exchange.Bind, self._may_bind(),
         )
         if not frame.nowait:
             self.send_method(channel.number, commands.Exchange.BindOk())
@@ -1040,11 +1060,7 @@ class AmqpConnection:
         assert self.vhost is not None
         name = self._queue_name(channel, frame.queue, commands.Queue.Bind)
         queue = self.vhost.queue(name, self, commands.Queue.Bind)
-        authorizer = self.service.authorizer
-        allowed = None
-        if authorizer is not None:
-            def allowed(topic_filter: str) -> bool:
-                return authorizer("subscribe", self.username, topic_filter)
+        allowed = self._may_bind()
         self.vhost.bind(
             queue, frame.exchange, frame.routing_key, frame.arguments, commands.Queue.Bind, allowed
         )
@@ -1279,8 +1295,7 @@ class AmqpConnection:
                 shortstr(frame.exchange) + shortstr(frame.routing_key),
             )
         topic, route = known
-        authorizer = self.service.authorizer
-        if authorizer is not None and not authorizer("publish", self.username, topic):
+        if not self.service.edge.authorize(self.principal, Action.PUBLISH, topic):
             raise ChannelException(
                 ReplyCode.ACCESS_REFUSED,
                 f"user '{self.username}' may not publish to exchange '{exchange.name}' with "
@@ -1343,9 +1358,8 @@ class AmqpConnection:
                 self._confirm(channel, seq, True)
             return
         self.messages_in += 1
-        vhost.publish_refused = False
         try:
-            pending = self.service.broker.publish(message)
+            pending = self.service.edge.publish(message)
         except PublishRejected as exc:
             log.warning("publish from %s rejected: %s", self.remote, exc)
             if seq > 0:
@@ -1353,20 +1367,18 @@ class AmqpConnection:
             elif seq < 0:
                 channel.tx_failed = True
             return
-        if vhost.publish_refused and seq > 0:
-            # A queue with x-overflow reject-publish was full: the publisher gets a nack.
-            self._confirm(channel, seq, False)
-            return
         if pending is None:
+            # A queue with x-overflow reject-publish that was full makes it a nack.
+            refused = vhost.take_refusal(message)
             if seq > 0:
-                self._confirm(channel, seq, True)
+                self._confirm(channel, seq, not refused)
             return
         # Stored once the journal's commit group is durable: one callback per group.
         waiting = self._landing.get(pending)
         if waiting is None:
             waiting = self._landing[pending] = []
             pending.add_done_callback(self._landed)
-        waiting.append((channel, seq))
+        waiting.append((channel, seq, message))
         self._publishes_in_flight += 1
         if seq > 0:
             channel.unconfirmed[seq] = False
@@ -1416,9 +1428,12 @@ class AmqpConnection:
         waiting = self._landing.pop(future, [])
         self._publishes_in_flight -= len(waiting)
         ok = not future.cancelled() and future.exception() is None
-        for channel, seq in waiting:
+        vhost = self.vhost
+        for channel, seq, message in waiting:
+            # Routed to the queues by now (the broker delivers before this callback runs).
+            refused = vhost is not None and vhost.take_refusal(message)
             if seq > 0:
-                self._confirm(channel, seq, ok)
+                self._confirm(channel, seq, ok and not refused)
             elif seq < 0:
                 channel.tx_failed = channel.tx_failed or not ok
                 channel.tx_landing -= 1

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from ...core.message import Message, now_ms
-from ...core.subscriptions import Subscription
+from ...core.subscriptions import Subscription, round_robin
 from .routing import Binding
 
 
@@ -124,7 +124,7 @@ class Queue:
         max_priority = _int_arg(arguments, "x-max-priority")
         self.max_priority = max(0, min(255, max_priority)) if max_priority else 0
         # Set by the connection around a publish: called when this queue refuses it.
-        self.on_publish_refused: Callable[[], None] | None = None
+        self.on_publish_refused: Callable[[Message], None] | None = None
         dlx = arguments.get("x-dead-letter-exchange")
         self.dead_letter_exchange: str | None = None if dlx is None else str(dlx)
         dlrk = arguments.get("x-dead-letter-routing-key")
@@ -287,7 +287,7 @@ class Queue:
     def _refuse(self, message: Message) -> None:
         """x-overflow reject-publish(-dlx): the message does not enter this queue."""
         if self.on_publish_refused is not None:
-            self.on_publish_refused()
+            self.on_publish_refused(message)
         if self.overflow == "reject-publish-dlx":
             self._dead_letter(self, QueueEntry(message, None), "maxlen")
         else:
@@ -391,14 +391,11 @@ class Queue:
             return first if first.channel.can_deliver(first) else None
         if self.prioritized:
             return self._next_by_priority()
-        count = len(consumers)
-        start = self._next % count
-        for step in range(count):
-            candidate = consumers[(start + step) % count]
-            if candidate.channel.can_deliver(candidate):
-                self._next = start + step + 1
-                return candidate
-        return None
+        index = round_robin(consumers, self._next, _can_take)
+        if index is None:
+            return None
+        self._next = index + 1
+        return consumers[index]
 
     def _next_by_priority(self) -> QueueConsumer | None:
         """The next consumer of the highest priority that has room (consumers are kept sorted
@@ -410,13 +407,10 @@ class Queue:
             group_end = group_start
             while group_end < len(consumers) and consumers[group_end].priority == priority:
                 group_end += 1
-            size = group_end - group_start
-            start = self._next_in.get(priority, 0) % size
-            for step in range(size):
-                candidate = consumers[group_start + (start + step) % size]
-                if candidate.channel.can_deliver(candidate):
-                    self._next_in[priority] = start + step + 1
-                    return candidate
+            index = round_robin(consumers[group_start:group_end], self._next_in.get(priority, 0), _can_take)
+            if index is not None:
+                self._next_in[priority] = index + 1
+                return consumers[group_start + index]
             group_start = group_end
         return None
 
@@ -447,6 +441,10 @@ class Queue:
             self._dispatching = False
         if self.starved:
             self._refill()
+
+
+def _can_take(consumer: QueueConsumer) -> bool:
+    return consumer.channel.can_deliver(consumer)
 
 
 def _int_arg(arguments: dict[str, Any], name: str) -> int | None:

@@ -55,13 +55,27 @@ def unescape(level: str) -> str:
     )
 
 
+def topic_for_routing_key(routing_key: str) -> str:
+    """The core topic of an `amq.topic` routing key (RabbitMQ's MQTT convention: `.` and `/`
+    swap; a `+` or `#` in the key is escaped, never a wildcard in a topic name)."""
+    topic = routing_key.translate(_SWAP)
+    if "+" in topic or "#" in topic:
+        topic = topic.replace("+", "%2B").replace("#", "%23")
+    return topic
+
+
+def routing_key_for_topic(topic: str) -> str:
+    """The `amq.topic` routing key of a core topic: the inverse of `topic_for_routing_key`."""
+    key = topic.translate(_SWAP)
+    if "%2" in key:
+        key = key.replace("%2B", "+").replace("%23", "#")
+    return key
+
+
 def publish_topic(exchange: str, exchange_type: str, routing_key: str) -> str:
     """The core topic a message published to `exchange` with `routing_key` goes to."""
     if exchange == AMQ_TOPIC:
-        topic = routing_key.translate(_SWAP)
-        if "+" in topic or "#" in topic:
-            topic = topic.replace("+", "%2B").replace("#", "%23")
-        return topic
+        return topic_for_routing_key(routing_key)
     name = exchange or DEFAULT_EXCHANGE_TOPIC
     if exchange_type == "topic":
         return PREFIX + name + "/" + "/".join(escape(w) for w in routing_key.split("."))
@@ -76,10 +90,7 @@ def queue_topic(queue: str) -> str:
 def exchange_and_key(topic: str) -> tuple[str, str]:
     """(exchange, routing key) a delivered message reports for its core topic."""
     if not topic.startswith(PREFIX):
-        key = topic.translate(_SWAP)
-        if "%2" in key:
-            key = key.replace("%2B", "+").replace("%23", "#")
-        return AMQ_TOPIC, key
+        return AMQ_TOPIC, routing_key_for_topic(topic)
     rest = topic[len(PREFIX):]
     name, _, key = rest.partition("/")
     if name == DEFAULT_EXCHANGE_TOPIC:

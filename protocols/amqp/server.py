@@ -18,7 +18,7 @@ from .service import AmqpService
 from .settings import AmqpSettings
 
 if TYPE_CHECKING:
-    from ...core.broker import Broker
+    from ...core.edge import Edge
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class AmqpServer:
 
 
 async def start_amqp_listener(
-    broker: Broker,
+    edge: Edge,
     host: str,
     port: int,
     ssl_context: ssl.SSLContext | None = None,
@@ -125,7 +125,7 @@ async def start_amqp_listener(
     queues."""
     owns = service is None
     if service is None:
-        service = AmqpService(broker, settings)
+        service = AmqpService(edge, settings)
         service.start()
     shared = service
     loop = asyncio.get_running_loop()

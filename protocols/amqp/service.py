@@ -15,13 +15,13 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
+from ...core.edge import KICK_REASON, ClientInfo, Edge
 from ...core.message import now_ms
 from .queues import Queue
 from .settings import AmqpSettings
 from .vhost import VirtualHost
 
 if TYPE_CHECKING:
-    from ...core.broker import Broker
     from .connection import AmqpChannel, AmqpConnection
 
 log = logging.getLogger(__name__)
@@ -34,23 +34,20 @@ REFUSED = (
 
 # authenticator(username, password) -> None to accept, or the refusal text.
 Authenticator = Callable[[str, str], str | None]
-Authorizer = Callable[[str, str | None, str], bool]
 TICK_S = 1.0
 
 
 class AmqpService:
-    def __init__(self, broker: Broker, settings: AmqpSettings | None = None) -> None:
-        self.broker = broker
+    def __init__(self, edge: Edge, settings: AmqpSettings | None = None) -> None:
+        self.edge = edge
+        self.broker = edge.broker
         self.settings = settings or AmqpSettings()
         self.vhosts: dict[str, VirtualHost] = {}
         for name in self.settings.vhosts:
-            vhost = VirtualHost(name, broker)
+            vhost = VirtualHost(name, edge)
             vhost.on_queue_deleted.append(self._queue_deleted)
             self.vhosts[name] = vhost
         self.authenticator: Authenticator | None = None
-        # authorizer(action, username, topic) -> bool; action "publish" (the message's core
-        # topic) or "subscribe" (a binding's core filter). None allows everything.
-        self.authorizer: Authorizer | None = None
         # Memory alarm raised: publishers are held (connection.blocked) until it clears.
         self.blocked = False
         self.connections: set[AmqpConnection] = set()
@@ -62,6 +59,7 @@ class AmqpService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tick_handle: asyncio.TimerHandle | None = None
         self._sweep_handle: asyncio.TimerHandle | None = None
+        edge.clients.register("amqp", self)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -119,6 +117,28 @@ class AmqpService:
         if user in settings.loopback_users and not loopback:
             return f"user '{user}' can only connect via localhost"
         return None
+
+    # ------------------------------------------------------------------ client registry
+    def clients(self) -> list[ClientInfo]:
+        opened_offset = time.time() - time.monotonic()
+        out = []
+        for connection in list(self.connections):
+            name = (connection.client_properties or {}).get("connection_name")
+            out.append(ClientInfo(
+                "amqp", connection.id, connection.username or None, connection.remote, "tcp",
+                connection.opened_at + opened_offset, connection.messages_in,
+                connection.messages_out,
+                f"AMQP 0-9-1 {name}" if name else "AMQP 0-9-1",
+            ))
+        return out
+
+    def kick(self, client_id: str, reason: str = KICK_REASON) -> int:
+        """Close `client_id` (a connection id) with connection.close 320 CONNECTION_FORCED."""
+        for connection in list(self.connections):
+            if connection.id == client_id:
+                connection.shutdown(reason)
+                return 1
+        return 0
 
     def vhost(self, name: str) -> VirtualHost | None:
         return self.vhosts.get(name)

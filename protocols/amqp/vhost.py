@@ -53,7 +53,7 @@ from .routing import (
 )
 
 if TYPE_CHECKING:
-    from ...core.broker import Broker
+    from ...core.edge import Edge
 
 log = logging.getLogger(__name__)
 
@@ -162,15 +162,17 @@ def _ids(method: type[commands.base.Frame] | None) -> tuple[int, int]:
 
 
 class VirtualHost:
-    def __init__(self, name: str, broker: Broker) -> None:
+    def __init__(self, name: str, edge: Edge) -> None:
         self.name = name
-        self.broker = broker
+        self.edge = edge
+        self.broker = edge.broker
         self.exchanges: dict[str, Exchange] = {
             n: Exchange(n, t) for n, t in PREDECLARED.items()
         }
         self.queues: dict[str, Queue] = {}
-        # Set when a queue refused the publish being routed (x-overflow reject-publish).
-        self.publish_refused = False
+        # Messages a queue refused (x-overflow reject-publish), by id, until their publisher's
+        # confirm is decided: a reliable stream routes them once their commit is durable.
+        self.refused_publishes: set[int] = set()
         self.exchange_bindings: dict[tuple[str, str, str, tuple[tuple[str, str], ...]], ExchangeBinding] = {}
         # Queues with a TTL or an x-expires, swept by the service's timer.
         self.timed_queues: set[Queue] = set()
@@ -343,10 +345,10 @@ class VirtualHost:
         for key in [k for k in current if k not in wanted]:
             unused = queue.remove_derived(key)
             if unused is not None:
-                self.broker.remove_filter(subscription, unused)
+                self.edge.remove_filter(subscription, unused)
         for key, binding in wanted.items():
             if key not in current and queue.add_derived(key, binding):
-                self.broker.add_filter(subscription, binding.topic_filter)
+                self.edge.add_filter(subscription, binding.topic_filter)
 
     def _derived_for(self, queue: Queue) -> dict[tuple[Any, ...], Binding]:
         derived: dict[tuple[Any, ...], Binding] = {}
@@ -475,23 +477,23 @@ class VirtualHost:
                 )
             existing.last_used_ms = existing.last_used_ms
             return existing, False
-        broker = self.broker
+        broker, edge = self.broker, self.edge
         sub_name = self._subscription_name(name)
         keeps_messages = frame.durable and not frame.exclusive and broker.storage is not None
         old = broker.subscriptions.get(sub_name)
         if old is not None and not (keeps_messages and isinstance(old, DurableSubscription)):
-            broker.remove_subscription(sub_name)
+            edge.remove_subscription(sub_name)
         if keeps_messages:
             # Messages wait in the journal; the core's durable subscription keeps this queue's
             # cursor, so they survive a restart (acks are `subscription.ack`).
-            durable = broker.durable_subscription(
+            durable = edge.durable_subscription(
                 sub_name, SubscriptionType.EXCLUSIVE, options=DURABLE_QUEUE_OPTIONS
             )
             # Cursors on every reliable shard from now on, saved with the next cursor flush.
             durable.open_cursors()
             sub: Subscription = durable
         else:
-            sub = broker.subscription(sub_name, SubscriptionType.EXCLUSIVE, durable=False)
+            sub = edge.subscription(sub_name, SubscriptionType.EXCLUSIVE, durable=False)
         try:
             queue = self._make_queue(
                 name, sub, durable=frame.durable,
@@ -516,20 +518,28 @@ class VirtualHost:
             arguments=arguments, dead_letter=self.dead_letter,
         )
         sub.owner = queue
-        self.broker.attach(sub, queue)
+        self.edge.attach(sub, queue)
         self.queues[name] = queue
         default = binding_for("", "direct", name, None)
         default.topic_filter = queue_topic(name)
         queue.add_binding(default)
-        self.broker.add_filter(sub, default.topic_filter)
+        self.edge.add_filter(sub, default.topic_filter)
         if queue.message_ttl is not None or queue.expires is not None:
             self.timed_queues.add(queue)
         queue.on_timed_message = self.timed_queues.add
         queue.on_publish_refused = self._publish_refused
         return queue
 
-    def _publish_refused(self) -> None:
-        self.publish_refused = True
+    def _publish_refused(self, message: Message) -> None:
+        self.refused_publishes.add(id(message))
+
+    def take_refusal(self, message: Message) -> bool:
+        """Whether a queue refused `message` (forgotten once asked)."""
+        refused = self.refused_publishes
+        if not refused or id(message) not in refused:
+            return False
+        refused.discard(id(message))
+        return True
 
     # ------------------------------------------------------------------ durable topology
     @property
@@ -615,10 +625,10 @@ class VirtualHost:
                     continue
                 binding = binding_for(exchange.name, exchange.type, key, dict(args))
                 queue.add_binding(binding)
-                self.broker.add_filter(sub, binding.topic_filter)
+                self.edge.add_filter(sub, binding.topic_filter)
                 exchange.bound[name] = exchange.bound.get(name, 0) + 1
             for stale in [f for f in sub.filters if f not in queue.by_filter]:
-                self.broker.remove_filter(sub, stale)
+                self.edge.remove_filter(sub, stale)
             if self.exchange_bindings:
                 self.rederive(queue)
             sub.wake()
@@ -638,9 +648,9 @@ class VirtualHost:
         for key in list(queue.derived):
             unused = queue.remove_derived(key)
             if unused is not None:
-                self.broker.remove_filter(queue.subscription, unused)
-        self.broker.detach(queue.subscription, queue)
-        self.broker.remove_subscription(queue.subscription.name)
+                self.edge.remove_filter(queue.subscription, unused)
+        self.edge.detach(queue.subscription, queue)
+        self.edge.remove_subscription(queue.subscription.name)
         queue.messages.clear()
         queue.ready_bytes = 0
         for callback in self.on_queue_deleted:
@@ -664,7 +674,7 @@ class VirtualHost:
                 method,
             )
         if queue.add_binding(binding):
-            self.broker.add_filter(queue.subscription, binding.topic_filter)
+            self.edge.add_filter(queue.subscription, binding.topic_filter)
         exchange.bound[queue.name] = sum(1 for k in queue.bindings if k[0] == exchange.name)
         if self.exchange_bindings:
             self.rederive(queue)
@@ -688,7 +698,7 @@ class VirtualHost:
             return
         unused_filter = queue.remove_binding(key)
         if unused_filter is not None:
-            self.broker.remove_filter(queue.subscription, unused_filter)
+            self.edge.remove_filter(queue.subscription, unused_filter)
         exchange = self.exchanges.get(key[0])
         if exchange is None or not exchange.name:
             return
@@ -756,7 +766,7 @@ class VirtualHost:
             raw, reason, queue.name, old_exchange, old_key, first
         )}
         try:
-            self.broker.publish(message)
+            self.edge.publish(message)
         except PublishRejected:
             pass
 

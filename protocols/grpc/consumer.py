@@ -17,17 +17,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...core.edge import KICK_REASON
 from ...core.message import Message, now_ms
 from ...core.subscriptions import Subscription, SubscriptionType
 from ...proto import shardgate_pb2 as pb
 
 _consumer_ids = itertools.count(1)
 # The status message of a stream the admin API disconnected (status UNAVAILABLE).
-KICK_REASON = "kicked by administrator"
 
 
 @dataclass(slots=True)
@@ -42,6 +42,19 @@ class GrpcSubscriptionState:
     # time): it replays through cursors (archive, journal, live tail) like a durable one, but
     # nothing of it is saved and it ends when its last consumer leaves.
     transient: bool = False
+
+    # The kind under which a saved subscription finds its owner again after a restart
+    # (`Edge.owner_factories`).
+    OWNER_KIND = "grpc"
+
+    def saved_options(self) -> dict[str, object]:
+        """What a restart needs to rebuild this owner (saved with the subscription)."""
+        return {"protocol": self.OWNER_KIND, "stream": self.stream}
+
+    @classmethod
+    def restored(cls, options: Mapping[str, object]) -> GrpcSubscriptionState:
+        stream = options.get("stream")
+        return cls(stream=stream if isinstance(stream, str) else None)
 
 
 def add_consumed(messages: Any, message: Message, delivery_id: int,

@@ -1,7 +1,7 @@
 """The gRPC listener: `Producer`, `Consumer` and `Admin` servicers on the core, over grpc.aio.
 
-`start_grpc_server(app, host, port, tls)` is what the composition root calls. The server runs on
-the broker's own event loop, so servicers call the core directly. Core errors are translated
+`start_grpc_server(edge, host, port, tls)` is what the composition root calls. The server runs on
+the broker's own event loop, so servicers call the core's front door (`core.edge.Edge`) directly. Core errors are translated
 here, at the edge, into gRPC status codes with a message (see the table in `shardgate.proto`);
 nothing a client sends should end in UNKNOWN/INTERNAL or a hang.
 """
@@ -24,10 +24,13 @@ from typing import Any
 import grpc
 
 from ... import __version__
+from ...core.broker import Broker
+from ...core.edge import KICK_REASON, Action, ClientInfo, Edge, Principal, Receipt
 from ...core.errors import (
     CoreError,
     InvalidStreamConfig,
     PublishRejected,
+    SchemaMismatch,
     StreamExists,
     StreamNotFound,
     SubscriptionBusy,
@@ -38,8 +41,7 @@ from ...core.subscriptions import Subscription, SubscriptionType
 from ...core.topics import TopicError, validate_topic_filter, validate_topic_name
 from ...proto import shardgate_pb2 as pb
 from ...proto import shardgate_pb2_grpc as pb_grpc
-from .consumer import KICK_REASON, GrpcConsumer, GrpcSubscriptionState, hand_over
-from .schemas import SchemaMismatch, check_payload
+from .consumer import GrpcConsumer, GrpcSubscriptionState, hand_over
 from .settings import DEFAULT_PORT, GrpcSettings
 
 log = logging.getLogger(__name__)
@@ -73,11 +75,6 @@ SUBSCRIBE_TIMEOUT_S = 30.0
 PUBLISH_QUEUE_BATCHES = 256
 _producer_ids = itertools.count(1)
 
-# `authorizer(action, user, topic) -> bool`, action being "publish" or "subscribe" (the shape of
-# `shardgate.auth.Security.grpc_authorize`, which `install_security` puts on `GrpcServer`).
-Authorizer = Callable[[str, "str | None", str], bool]
-# `authenticator(username, password, remote) -> None | refusal text`.
-Authenticator = Callable[["str | None", "bytes | None", str], "str | None"]
 
 
 class Refusal(Exception):
@@ -139,8 +136,8 @@ class ProducerStreamInfo:
 class GrpcServer:
     """The bound gRPC server; `close()` and `await wait_closed()` stop it."""
 
-    def __init__(self, app: Any, settings: GrpcSettings | None = None) -> None:
-        self.app = app
+    def __init__(self, edge: Edge, settings: GrpcSettings | None = None) -> None:
+        self.edge = edge
         self.settings = settings or GrpcSettings()
         self.consumers: set[GrpcConsumer] = set()
         self.producers: set[ProducerStreamInfo] = set()
@@ -148,15 +145,10 @@ class GrpcServer:
         self.port = 0
         self._closing: asyncio.Task[None] | None = None
         self._topic_ok: set[str] = set()
-        # Authorization hook (None: everything an authenticated client asks is allowed).
-        self.authorizer: Authorizer | None = None
-        # Authentication hook taking the peer address; when None the interceptor uses
-        # `app.security` (or else the MQTT layer's authenticator).
-        self.authenticator: Authenticator | None = None
+        self._registered = _RegisteredClients(self)
 
-    def allowed(self, action: str, user: str | None, topic: str) -> bool:
-        authorizer = self.authorizer
-        return authorizer is None or bool(authorizer(action, user, topic))
+    def allowed(self, action: Action, user: str | None, topic: str) -> bool:
+        return self.edge.authorize(_principal(user), action, topic)
 
     def kick(self, client_id: str, reason: str = KICK_REASON) -> int:
         """Disconnect the gRPC streams of `client_id` (a consumer id, or a producer's id, name or
@@ -173,8 +165,8 @@ class GrpcServer:
         return kicked
 
     @property
-    def broker(self) -> Any:
-        return self.app.broker
+    def broker(self) -> Broker:
+        return self.edge.broker
 
     async def start(self, host: str, port: int, credentials: grpc.ServerCredentials | None) -> None:
         settings = self.settings
@@ -206,12 +198,14 @@ class GrpcServer:
         await server.start()
         self.server = server
         self.port = bound
+        self.edge.clients.register("grpc", self._registered)
 
     def close(self) -> None:
         if self.server is not None and self._closing is None:
             for consumer in list(self.consumers):
                 consumer.closed = True
                 consumer.wakeup.set()
+            self.edge.clients.unregister("grpc", self._registered)
             self._closing = asyncio.ensure_future(self.server.stop(grace=1.0))
 
     async def wait_closed(self) -> None:
@@ -237,7 +231,7 @@ class GrpcServer:
             if len(self._topic_ok) > 100_000:
                 self._topic_ok.clear()
             self._topic_ok.add(topic)
-        if self.authorizer is not None and not self.authorizer("publish", user, topic):
+        if not self.edge.authorize(_principal(user), Action.PUBLISH, topic):
             raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
                           f"not authorized to publish to {topic!r}"
                           + (f" as user {user!r}" if user is not None else " anonymously"))
@@ -257,31 +251,33 @@ class GrpcServer:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"topic {topic!r} resolves to stream {stream.config.name!r}, not {request.stream!r}",
             )
-        schema = stream.config.schema
-        if schema is not Schema.BYTES:
-            try:
-                check_payload(schema, payload, stream.config.name)
-            except SchemaMismatch as exc:
-                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        # The stream's schema is checked once, by the core's publish (see `publish`).
         message = Message(topic, payload, qos=1, retain=request.retain,
                           producer_protocol="grpc", producer_id=request.producer_name or producer_id)
         if request.HasField("key"):
             message.key = request.key
         if request.headers:
             message.headers = [(h.key, h.value) for h in request.headers]
+            for key, value in message.headers:
+                _check_text("header name", key)
+                _check_text(f"header {key!r}", value)
         if request.content_type:
+            _check_text("content_type", request.content_type)
             message.content_type = request.content_type
         if request.correlation_data:
             message.correlation_data = request.correlation_data
         if request.reply_to:
+            _check_text("reply_to", request.reply_to)
             message.reply_to = request.reply_to
         if request.ttl_ms:
             message.expires_at_ms = message.publish_time_ms + request.ttl_ms
         return message
 
-    def publish(self, message: Message) -> asyncio.Future[None] | None:
+    def publish(self, message: Message) -> Receipt:
         try:
-            return self.broker.publish(message)
+            return self.edge.publish(message)
+        except SchemaMismatch as exc:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except PublishRejected as exc:
             raise Refusal(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
 
@@ -330,47 +326,45 @@ class GrpcServer:
         return info
 
     def clients(self) -> list[pb.ClientInfo]:
-        out: list[pb.ClientInfo] = []
-        mqtt = getattr(self.app, "mqtt", None)
-        for connection in list(getattr(mqtt, "connections", ()) or ()):
-            version = getattr(connection, "version", 4)
-            out.append(pb.ClientInfo(
-                protocol="mqtt",
-                client_id=str(getattr(connection, "client_id", "") or ""),
-                username=str(getattr(connection, "username", "") or ""),
-                remote=str(getattr(connection, "remote", "") or ""),
-                connected_at=float(getattr(connection, "connected_at", 0.0) or 0.0),
-                messages_in=int(getattr(connection, "messages_in", 0) or 0),
-                messages_out=int(getattr(connection, "messages_out", 0) or 0),
-                detail={3: "mqtt 3.1", 4: "mqtt 3.1.1", 5: "mqtt 5.0"}.get(version, str(version)),
-            ))
-        amqp = getattr(self.app, "amqp", None)
-        opened_offset = time.time() - time.monotonic()
-        for connection in list(getattr(amqp, "connections", ()) or ()):
-            name = (getattr(connection, "client_properties", None) or {}).get("connection_name")
-            out.append(pb.ClientInfo(
-                protocol="amqp",
-                client_id=str(connection.id),
-                username=str(getattr(connection, "username", "") or ""),
-                remote=str(getattr(connection, "remote", "") or ""),
-                connected_at=float(getattr(connection, "opened_at", 0.0)) + opened_offset,
-                messages_in=int(getattr(connection, "messages_in", 0)),
-                messages_out=int(getattr(connection, "messages_out", 0)),
-                detail=f"amqp 0-9-1 {name}" if name else "amqp 0-9-1",
-            ))
+        """Every connected client of every protocol, from the front door's registry."""
+        return [
+            pb.ClientInfo(
+                protocol=client.protocol, client_id=client.client_id,
+                username=client.username or "", remote=client.remote,
+                connected_at=client.connected_at, messages_in=client.messages_in or 0,
+                messages_out=client.messages_out or 0, detail=client.detail.lower(),
+            )
+            for client in self.edge.clients.list()
+        ]
+
+    # ---------------------------------------------------------------- client registry
+    def registered_clients(self) -> list[ClientInfo]:
+        """This listener's own streams, for the front door's registry."""
+        out: list[ClientInfo] = []
         for producer in list(self.producers):
-            out.append(pb.ClientInfo(
-                protocol="grpc", client_id=producer.name or producer.peer, remote=producer.peer,
-                connected_at=producer.connected_at, messages_in=producer.messages_in,
-                detail="producer",
+            out.append(ClientInfo(
+                "grpc", producer.name or producer.peer, producer.username, producer.peer, "http2",
+                producer.connected_at, producer.messages_in, None, "producer", kickable=False,
             ))
         for consumer in list(self.consumers):
-            out.append(pb.ClientInfo(
-                protocol="grpc", client_id=consumer.id, remote=consumer.peer,
-                connected_at=consumer.connected_at, messages_out=consumer.delivered,
-                detail=f"consumer of {consumer.subscription.name}",
+            out.append(ClientInfo(
+                "grpc", consumer.id, None, consumer.peer, "http2", consumer.connected_at, None,
+                consumer.delivered, f"consumer of {consumer.subscription.name}",
             ))
         return out
+
+
+class _RegisteredClients:
+    """The `ClientSource` of one `GrpcServer` (its `clients()` is the full cross-protocol list)."""
+
+    def __init__(self, server: GrpcServer) -> None:
+        self.server = server
+
+    def clients(self) -> list[ClientInfo]:
+        return self.server.registered_clients()
+
+    def kick(self, client_id: str, reason: str = KICK_REASON) -> int:
+        return self.server.kick(client_id, reason)
 
 
 def _protocol_of(sub: Subscription) -> str:
@@ -585,7 +579,7 @@ class ConsumerService(pb_grpc.ConsumerServicer):
         else:
             self._check_position(request.position, list(broker.streams.values()))
         for topic_filter in filters:
-            if not server.allowed("subscribe", user, topic_filter):
+            if not server.allowed(Action.SUBSCRIBE, user, topic_filter):
                 raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
                               f"not authorized to subscribe to {topic_filter!r}"
                               + (f" as user {user!r}" if user is not None else " anonymously"))
@@ -757,6 +751,13 @@ def _unary(method: Callable[..., Any]) -> Callable[..., Any]:
 
     async def handler(self: AdminService, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            user = _user(context)
+            topic = f"admin/{method.__name__}"
+            if not self.server.allowed("admin", user, topic):
+                raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                              f"{method.__name__} needs the admin action ({topic!r}), which "
+                              + (f"user {user!r}" if user is not None else "an anonymous client")
+                              + " does not have")
             with _translated():
                 return method(self, request)
         except Refusal as refusal:
@@ -772,16 +773,15 @@ class AdminService(pb_grpc.AdminServicer):
         self.server = server
 
     @property
-    def broker(self) -> Any:
+    def broker(self) -> Broker:
         return self.server.broker
 
     @_unary
     def CreateStream(self, request: pb.StreamSpec) -> pb.StreamInfo:
         mode = MODES.get(request.mode)
         if request.mode == pb.DISPATCH_MODE_UNSPECIFIED:
-            # One default everywhere: the broker's `default_stream_mode` (reliable unless set).
-            config_default = getattr(getattr(self.server.app, "config", None), "default_stream_mode", None)
-            mode = DispatchMode(config_default or DispatchMode.RELIABLE)
+            # One default everywhere: the broker's `default_stream_mode`, the default stream's.
+            mode = self.broker.stream(self.broker.router.default_stream).config.mode
         schema = SCHEMAS.get(request.schema)
         if mode is None or schema is None:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "unknown dispatch mode or schema")
@@ -893,7 +893,7 @@ class AdminService(pb_grpc.AdminServicer):
     def GetBrokerInfo(self, request: pb.Empty) -> pb.BrokerInfo:
         broker = self.broker
         stats = broker.stats
-        listeners = getattr(self.server.app, "listeners", {}) or {}
+        listeners = self.server.edge.listeners
         return pb.BrokerInfo(
             version=__version__,
             started_at=stats.started_at,
@@ -947,9 +947,7 @@ def credentials_from_metadata(metadata: Any) -> tuple[str | None, bytes | None] 
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Checks credentials with the broker's one security model, passing the peer address:
-    `GrpcServer.authenticator` when set, else `app.security` (what `install_security` installs),
-    else the MQTT layer's `authenticator`.
+    """Checks credentials at the front door (`Edge.authenticate`), passing the peer address.
 
     A call without credentials is refused at once when anonymous access is off; a call with
     credentials is checked when it starts, where the peer address is known."""
@@ -964,34 +962,19 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        mqtt = getattr(self.server.app, "mqtt", None)
-        allow_anonymous = self.server.settings.allow_anonymous and (
-            getattr(getattr(mqtt, "settings", None), "allow_anonymous", True))
+        edge = self.server.edge
+        allow_anonymous = self.server.settings.allow_anonymous and edge.allow_anonymous
         credentials = credentials_from_metadata(handler_call_details.invocation_metadata)
         if credentials is None:
             if allow_anonymous:
                 return handler
             return _refuse(grpc.StatusCode.UNAUTHENTICATED, "credentials required", handler)
-        check = self._checker()
-        if check is None:
+        if edge.authenticator is None:
             return handler
         username, password = credentials
-        return _checked(handler, lambda peer: check(username, password, peer))
-
-    def _checker(self) -> Authenticator | None:
-        server = self.server
-        if server.authenticator is not None:
-            return server.authenticator
-        security = getattr(server.app, "security", None)
-        authenticate = getattr(security, "authenticate", None)
-        if callable(authenticate):
-            return lambda username, password, peer: authenticate(
-                username, password, "grpc", peer, "grpc")
-        authenticator = getattr(getattr(server.app, "mqtt", None), "authenticator", None)
-        if authenticator is None:
-            return None
-        # The MQTT hook counts a call with client id "grpc" and no remote address as gRPC.
-        return lambda username, password, peer: authenticator(username, password, "grpc", "")
+        return _checked(
+            handler, lambda peer: edge.authenticate(Principal("grpc", username, "", peer), password)
+        )
 
 
 def _checked(handler: grpc.RpcMethodHandler,
@@ -1032,34 +1015,40 @@ def _checked(handler: grpc.RpcMethodHandler,
 
 
 # ---------------------------------------------------------------------------- entry point
-def _credentials(tls: Any, app: Any) -> grpc.ServerCredentials | None:
-    """gRPC needs PEM files, not an `ssl.SSLContext`: take them from `app.config.tls`."""
-    if tls is None or isinstance(tls, grpc.ServerCredentials):
-        return tls
-    config = getattr(getattr(app, "config", None), "tls", None)
-    if config is None or not config.cert_file or not config.key_file:
-        raise OSError("a TLS gRPC listener needs tls.cert_file and tls.key_file")
-    with open(config.cert_file, "rb") as cert, open(config.key_file, "rb") as key:
+def _check_text(what: str, text: str, limit: int = 0xFFFF) -> None:
+    """Text every protocol can carry: no U+0000 (MQTT strings must not hold it
+    [MQTT-1.5.4-2]) and at most `limit` bytes of UTF-8 (MQTT's and the record's u16 lengths)."""
+    if "\x00" in text:
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{what} contains U+0000")
+    if len(text) > limit // 4 and len(text.encode()) > limit:
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{what} is longer than {limit} bytes")
+
+
+def _principal(user: str | None) -> Principal:
+    """A gRPC caller as authorization sees it: by user (ACL rules see no client id)."""
+    return Principal("grpc", user)
+
+
+def tls_credentials(cert_file: str, key_file: str, ca_file: str = "",
+                    require_client_cert: bool = False) -> grpc.ServerCredentials:
+    """gRPC needs PEM files, not an `ssl.SSLContext`: server credentials from the files."""
+    with open(cert_file, "rb") as cert, open(key_file, "rb") as key:
         chain = [(key.read(), cert.read())]
     root = None
-    if config.ca_file:
-        with open(config.ca_file, "rb") as ca:
+    if ca_file:
+        with open(ca_file, "rb") as ca:
             root = ca.read()
     return grpc.ssl_server_credentials(
-        chain, root_certificates=root,
-        require_client_auth=bool(root and config.require_client_cert),
+        chain, root_certificates=root, require_client_auth=bool(root and require_client_cert),
     )
 
 
 async def start_grpc_server(
-    app: Any, host: str, port: int, tls: Any = None, settings: GrpcSettings | None = None
+    edge: Edge, host: str, port: int, tls: grpc.ServerCredentials | None = None,
+    settings: GrpcSettings | None = None,
 ) -> GrpcServer:
-    """Start the native API on `host:port` (0 picks a free port) for `app.broker`.
-
-    `tls` is None for plaintext, a `grpc.ServerCredentials`, or anything else (an
-    `ssl.SSLContext`) to use the PEM files of `app.config.tls`."""
-    settings = settings or getattr(getattr(app, "config", None), "grpc", None) or GrpcSettings()
-    server = GrpcServer(app, settings)
-    await server.start(host, port, _credentials(tls, app))
-    app.grpc = server
+    """Start the native API on `host:port` (0 picks a free port) at the front door `edge`;
+    `tls` is None for plaintext (see `tls_credentials`)."""
+    server = GrpcServer(edge, settings)
+    await server.start(host, port, tls)
     return server

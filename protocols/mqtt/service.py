@@ -19,15 +19,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ... import __version__
-from ...core.broker import Broker
+from ...core.edge import KICK_REASON, Action, ClientInfo, Edge, Principal
 from ...core.message import Message, now_ms
+from ...core.scheduling import Scheduler, Timer
 from . import packets as p
 from .connection import MQTT_V5, MqttConnection, State
 from .session import NEVER_EXPIRES, MqttSession, Outgoing
 from .settings import MqttSettings
 
 if TYPE_CHECKING:
-    from ...storage.metadata import MetadataStore
+    from ...core.ports import MqttSessionPorts
 
 log = logging.getLogger(__name__)
 
@@ -35,18 +36,19 @@ CONNECT_TIMEOUT_S = 10.0
 CONGESTION_GIVE_UP_S = 5.0
 TICK_S = 0.25
 
-# authenticate(username, password, client_id, remote) -> None to accept, or a refusal:
-# "bad-credentials" or "not-authorized".
-Authenticator = Callable[[str | None, bytes | None, str, str], str | None]
-# authorize(action, username, client_id, topic) -> bool; action is "publish" or "subscribe".
-Authorizer = Callable[[str, str | None, str, str], bool]
+MQTT_ADMINISTRATIVE_ACTION = p.ReasonCode.ADMINISTRATIVE_ACTION
+VERSION_NAMES = {3: "MQTT 3.1", 4: "MQTT 3.1.1", 5: "MQTT 5.0"}
 
 
 class MqttService:
     def __init__(
-        self, broker: Broker, settings: MqttSettings | None = None, store: MetadataStore | None = None
+        self, edge: Edge, settings: MqttSettings | None = None,
+        store: MqttSessionPorts | None = None, scheduler: Scheduler | None = None,
     ) -> None:
-        self.broker = broker
+        self.edge = edge
+        # Time and timers, from the I/O adapter (an asyncio loop is one) or a test's clock.
+        self._scheduler = scheduler
+        self.broker = edge.broker
         # Where persistent sessions are saved; None keeps them in memory only.
         self.store = store
         self.settings = settings or MqttSettings()
@@ -54,8 +56,6 @@ class MqttService:
         self.connections: set[MqttConnection] = set()
         # Set by a graceful stop: no new PUBLISH goes out (see `finish_in_flight`).
         self.draining = False
-        self.authenticator: Authenticator | None = None
-        self.authorizer: Authorizer | None = None
         # Cluster mode: told of every session a client opens here (the session registry).
         self.on_session_opened: Callable[[str], None] | None = None
         # ... and of every session that ended here (not merely disconnected).
@@ -64,13 +64,13 @@ class MqttService:
         self.use_identity_as_username = False
         self._dirty: list[MqttConnection] = []
         self._flush_scheduled = False
-        self._will_timers: dict[str, tuple[asyncio.TimerHandle, p.Will]] = {}
-        self._expiry_timers: dict[str, asyncio.TimerHandle] = {}
+        # QoS 2 inbound state changes of durable sessions, written in one batch per loop turn.
+        self._will_timers: dict[str, tuple[Timer, p.Will]] = {}
+        self._expiry_timers: dict[str, Timer] = {}
         self._client_ids = itertools.count(1)
         self._id_prefix = os.urandom(4).hex()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._tick_handle: asyncio.TimerHandle | None = None
-        self._sys_handle: asyncio.TimerHandle | None = None
+        self._tick_handle: Timer | None = None
+        self._sys_handle: Timer | None = None
         self.total_connections = 0
         self._handshaking: set[MqttConnection] = set()
         # Back-pressure: the connection whose packets are being handled, the online sessions
@@ -78,11 +78,11 @@ class MqttService:
         self.publishing: MqttConnection | None = None
         self._congested: set[MqttSession] = set()
         self._held: list[MqttConnection] = []
+        edge.clients.register("mqtt", self)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._tick_handle = self._loop.call_later(TICK_S, self._tick)
+        self._tick_handle = self.scheduler.call_later(TICK_S, self._tick)
         if self.settings.sys_interval > 0:
             self._publish_sys()
 
@@ -92,13 +92,13 @@ class MqttService:
         that what clients acknowledged is saved, and only what they did not is sent again
         after the restart. Returns how many were still in flight at the end."""
         self.draining = True
-        deadline = self.loop.time() + timeout_s
+        deadline = self.scheduler.time() + timeout_s
         while True:
             left = sum(
                 len(session.inflight) for session in self.sessions.values()
                 if session.connection is not None and session.connection.open
             )
-            if not left or self.loop.time() >= deadline:
+            if not left or self.scheduler.time() >= deadline:
                 return left
             await asyncio.sleep(0.01)
 
@@ -115,17 +115,17 @@ class MqttService:
             timer.cancel()
 
     @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
-        return self._loop
+    def scheduler(self) -> Scheduler:
+        if self._scheduler is None:
+            raise RuntimeError("MqttService needs a scheduler: the asyncio adapter passes its event loop")
+        return self._scheduler
 
     # ------------------------------------------------------------------ output batching
     def request_flush(self, connection: MqttConnection) -> None:
         self._dirty.append(connection)
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            self.loop.call_soon(self._flush)
+            self.scheduler.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -138,20 +138,19 @@ class MqttService:
     def group_writes(self, on: bool) -> None:
         """While the packets of a read are handled, session state saved to the store joins
         one transaction, committed (one fsync) by `commit_writes` before any output is sent."""
-        group = getattr(self.store, "group_writes", None)
-        if group is None:
+        store = self.store
+        if store is None:
             return
-        group(on)
-        if not on and self.store.group_pending and not self._flush_scheduled:  # type: ignore[union-attr]
+        store.group_writes(on)
+        if not on and store.group_pending and not self._flush_scheduled:
             self._flush_scheduled = True
-            self.loop.call_soon(self._flush)
+            self.scheduler.call_soon(self._flush)
 
     def commit_writes(self) -> None:
-        commit = getattr(self.store, "commit_group", None)
-        if commit is None:
+        if self.store is None:
             return
         try:
-            commit()
+            self.store.commit_group()
         except Exception:
             # As a failed save always was: logged, and the session lives on in memory.
             log.exception("could not save MQTT session state")
@@ -163,7 +162,7 @@ class MqttService:
         A session that has not caught up for CONGESTION_GIVE_UP_S holds nobody any more (a
         subscriber that stopped reading must not stall its publishers): its queue limit then
         drops, as without back-pressure, until keepalive or the dead-subscriber timeout ends it."""
-        now = time.monotonic()
+        now = self.scheduler.time()
         if session.congested_since is None:
             session.congested_since = now
             self._congested.add(session)
@@ -195,24 +194,36 @@ class MqttService:
         return f"sg-{self._id_prefix}-{next(self._client_ids)}"
 
     def authenticate(self, username: str | None, password: bytes | None, client_id: str, remote: str) -> str | None:
-        if self.authenticator is not None:
-            return self.authenticator(username, password, client_id, remote)
-        if username is None and not self.settings.allow_anonymous:
+        edge = self.edge
+        if edge.authenticator is None and username is None and not self.settings.allow_anonymous:
             return "not-authorized"
-        return None
+        return edge.authenticate(Principal("mqtt", username, client_id, remote), password)
 
     def authorize_publish(self, connection: MqttConnection, topic: str) -> bool:
-        if self.authorizer is None:
-            return True
-        return self.authorizer("publish", connection.username, connection.client_id, topic)
+        return self.edge.authorize(connection.principal, Action.PUBLISH, topic)
 
     def authorize_subscribe(self, connection: MqttConnection, topic_filter: str) -> bool:
-        if self.authorizer is None:
-            return True
-        return self.authorizer("subscribe", connection.username, connection.client_id, topic_filter)
+        return self.edge.authorize(connection.principal, Action.SUBSCRIBE, topic_filter)
 
-    def publish(self, message: Message) -> asyncio.Future[None] | None:
-        return self.broker.publish(message)
+    # ------------------------------------------------------------------ client registry
+    def clients(self) -> list[ClientInfo]:
+        return [
+            ClientInfo(
+                "mqtt", connection.client_id, connection.username, connection.remote,
+                connection.transport_name, connection.connected_at, connection.messages_in,
+                connection.messages_out,
+                VERSION_NAMES.get(connection.version, f"MQTT {connection.version}"),
+            )
+            for connection in list(self.connections)
+        ]
+
+    def kick(self, client_id: str, reason: str = KICK_REASON) -> int:
+        """Disconnect `client_id` with DISCONNECT 0x98 (administrative action) on MQTT 5."""
+        for connection in list(self.connections):
+            if connection.client_id == client_id:
+                connection.close(MQTT_ADMINISTRATIVE_ACTION, reason)
+                return 1
+        return 0
 
     # ------------------------------------------------------------------ sessions
     def open_session(
@@ -287,14 +298,14 @@ class MqttService:
                 self._publish_will(session.client_id, will)
             else:
                 delay = min(delay, expiry)
-                handle = self.loop.call_later(delay, self._delayed_will, session.client_id, will)
+                handle = self.scheduler.call_later(delay, self._delayed_will, session.client_id, will)
                 self._will_timers[session.client_id] = (handle, will)
         if expiry == 0:
             self._end_session(session)
             return
         self.save_session(session)
         if expiry != NEVER_EXPIRES:
-            self._expiry_timers[session.client_id] = self.loop.call_later(
+            self._expiry_timers[session.client_id] = self.scheduler.call_later(
                 expiry, self._expire_session, session.client_id
             )
         log.info("client %r disconnected%s", connection.client_id, "" if normal else " (abnormally)")
@@ -322,7 +333,7 @@ class MqttService:
         )
         log.info("publishing the will of %r to %r", client_id, will.topic)
         try:
-            self.broker.publish(message)
+            self.edge.publish(message)
         except Exception:
             log.exception("could not publish the will of %r", client_id)
 
@@ -351,8 +362,6 @@ class MqttService:
         in the journal, and the session's cursors say how far it got)."""
         if not session.durable or self.store is None:
             return
-        from ...storage.metadata import SessionRecord
-
         own = [
             [f, o.qos, o.no_local, o.retain_as_published, o.retain_handling, o.subscription_id]
             for f, o in session.subscription.filters.items()
@@ -368,9 +377,10 @@ class MqttService:
             if o.source is session.subscription and o.message.offset >= 0
         ]
         data = json.dumps({"subscriptions": own, "shared": shared, "inflight": inflight}).encode()
-        record = SessionRecord(session.client_id, session.expiry_interval, session.disconnected_at_ms, data)
         try:
-            self.store.put_session(record)
+            self.store.save_session(
+                session.client_id, session.expiry_interval, session.disconnected_at_ms, data
+            )
         except Exception:
             log.exception("could not save session %r", session.client_id)
 
@@ -378,9 +388,7 @@ class MqttService:
         if self.store is None:
             return
         try:
-            with self.store.transaction():
-                self.store.delete_session(client_id)
-                self.store.delete_subscription(f"mqtt:{client_id}")
+            self.store.forget_session(client_id)
         except Exception:
             log.exception("could not delete session %r", client_id)
 
@@ -394,7 +402,7 @@ class MqttService:
 
         restored = 0
         now = now_ms()
-        for record in self.store.list_sessions():
+        for record in self.store.load_sessions():
             disconnected = record.disconnected_ms or now
             if record.expiry_interval != NEVER_EXPIRES and disconnected + record.expiry_interval * 1000 <= now:
                 self.forget_session(record.client_id)
@@ -417,7 +425,7 @@ class MqttService:
                     self.broker.add_filter(sub, topic_filter)
                 self.broker.attach(sub, session)
                 session.shared[name] = (sub, SubscriptionOptions(qos, False, rap, 0, sub_id))
-            for cursor in self.store.get_cursors(session.subscription.name):
+            for cursor in self.store.load_cursors(session.subscription.name):
                 if cursor.acked:
                     session.subscription.restore_cursor(cursor.stream, cursor.shard, cursor.acked)  # type: ignore[attr-defined]
             durable_sub = session.subscription
@@ -427,11 +435,11 @@ class MqttService:
                     continue
                 session.inflight[pid] = Outgoing(message, qos, retain, tuple(ids), durable_sub, released)
                 durable_sub.adopt(message, session)  # type: ignore[attr-defined]
-            session.inbound_qos2 = self.store.list_qos2_inbound(record.client_id)
+            session.inbound_qos2 = self.store.qos2_inbound(record.client_id)
             self.sessions[record.client_id] = session
             if record.expiry_interval != NEVER_EXPIRES:
                 remaining = max(0.0, (disconnected + record.expiry_interval * 1000 - now) / 1000)
-                self._expiry_timers[record.client_id] = self.loop.call_later(
+                self._expiry_timers[record.client_id] = self.scheduler.call_later(
                     remaining, self._expire_session, record.client_id
                 )
             restored += 1
@@ -440,17 +448,16 @@ class MqttService:
     def remember_qos2(self, session: MqttSession, packet_id: int, present: bool) -> None:
         if not session.durable or self.store is None:
             return
+        # Inside the write group of the read that brought the packet: committed once, with
+        # the rest of that read's session state, before any acknowledgement goes out.
         try:
-            if present:
-                self.store.add_qos2_inbound(session.client_id, packet_id)
-            else:
-                self.store.remove_qos2_inbound(session.client_id, packet_id)
+            self.store.save_qos2([(session.client_id, packet_id, present)])
         except Exception:
-            log.exception("could not save QoS 2 state of %r", session.client_id)
+            log.exception("could not save the QoS 2 state of %r", session.client_id)
 
     # ------------------------------------------------------------------ timers
     def _tick(self) -> None:
-        now = time.monotonic()
+        now = self.scheduler.time()
         for connection in list(self.connections):
             if connection.state is State.CONNECTED and connection.keep_alive:
                 if now - connection.last_received > connection.keep_alive * 1.5:
@@ -473,7 +480,7 @@ class MqttService:
             elif now - connection.last_received > CONNECT_TIMEOUT_S:
                 self._handshaking.discard(connection)
                 connection.close()
-        self._tick_handle = self.loop.call_later(TICK_S, self._tick)
+        self._tick_handle = self.scheduler.call_later(TICK_S, self._tick)
 
     def connection_made(self, connection: MqttConnection) -> None:
         self._handshaking.add(connection)
@@ -503,5 +510,5 @@ class MqttService:
     def _publish_sys(self) -> None:
         for name, value in self.sys_values().items():
             message = Message(f"$SYS/broker/{name}", value.encode(), 0, True, producer_protocol="sys")
-            self.broker.publish(message)
-        self._sys_handle = self.loop.call_later(self.settings.sys_interval, self._publish_sys)
+            self.edge.publish(message)
+        self._sys_handle = self.scheduler.call_later(self.settings.sys_interval, self._publish_sys)

@@ -523,6 +523,31 @@ class DataPlane:
         for node_id, info in nodes.items():
             if node_id != self.node_id and node_id not in self.links:
                 self.links[node_id] = PeerLink(self, info)
+        self._repoint_cursors()
+
+    def _repoint_cursors(self) -> None:
+        """Durable cursors of reliable shards replay from the shard's own log where this node
+        owns the shard, else from what it received of it. Cursors restored at start, before the
+        shard map was known, get their log here once it is."""
+        from ..core.durable import DurableSubscription
+
+        broker, view = self.broker, self.view
+        for sub in broker.subscriptions.values():
+            if not isinstance(sub, DurableSubscription):
+                continue
+            for (stream, shard), cursor in sub.cursors.items():
+                if cursor.log is None:
+                    continue
+                assignment = view.owner(stream, shard)
+                if assignment is None:
+                    continue
+                received = isinstance(cursor.log, ReceivedLog)
+                if assignment.node_id != self.node_id and not received:
+                    cursor.log = self.received_log(stream, shard)
+                elif assignment.node_id == self.node_id and received:
+                    local = broker.streams.get(stream)
+                    if local is not None and shard < len(local.shards) and local.shards[shard].log:
+                        cursor.log = local.shards[shard].log
 
     # ------------------------------------------------------------ ShardPlacement
     def serves(self, stream: str, shard: int) -> bool:

@@ -6,7 +6,8 @@ offset and time indexes, group commit under an fsync policy, recovery that cuts 
 and retention bounded by what consumers still need.
 """
 
-from .commit import LATENCY_BUCKETS, CommitStats, GroupCommitter, LatencyHistogram
+from ..interfaces import LATENCY_BUCKETS, LatencyHistogram
+from .commit import CommitStats, GroupCommitter
 from .config import (
     FsyncPolicy,
     JournalClosed,

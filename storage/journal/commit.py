@@ -20,58 +20,17 @@ import asyncio
 import logging
 import threading
 import time
-from bisect import bisect_left
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..interfaces import StorageFull
+from ..interfaces import LatencyHistogram, StorageFull
 from .config import FsyncPolicy, JournalConfig
 
 if TYPE_CHECKING:
     from .log import JournalShardLog, _Group
 
 log = logging.getLogger(__name__)
-
-
-# Upper bounds (seconds) of the latency histograms' buckets, from 100 µs to 10 s.
-LATENCY_BUCKETS: tuple[float, ...] = tuple(
-    scale * step for scale in (0.0001, 0.001, 0.01, 0.1, 1.0) for step in (1, 2.5, 5)
-) + (10.0,)
-
-
-class LatencyHistogram:
-    """Counts of observed durations (seconds) in fixed buckets, for metrics.
-
-    `observe` is a bisect and two additions, meant for events that happen once per commit group
-    or per fsync, not per message. One thread observes; exporters read `snapshot()` from
-    another, which at worst misses an observation in progress."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: Sequence[float] = LATENCY_BUCKETS) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)  # the last one counts what exceeds every bound
-        self.sum = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect_left(self.bounds, seconds)] += 1
-        self.sum += seconds
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def snapshot(self) -> tuple[list[tuple[float, int]], float]:
-        """Cumulative counts per upper bound (the last bound being +inf), and the sum."""
-        counts = list(self.counts)
-        total = 0
-        buckets = []
-        for bound, count in zip((*self.bounds, float("inf")), counts, strict=True):
-            total += count
-            buckets.append((bound, total))
-        return buckets, self.sum
 
 
 @dataclass(slots=True)

@@ -110,3 +110,32 @@ def test_archive_cli_passes_credentials(secured) -> None:
     allowed = subprocess.run([*command, "--username", "root", "--password", "root-pw"],
                              capture_output=True, text=True, timeout=60, env=env)
     assert allowed.returncode == 0, allowed.stderr
+
+
+def test_grpc_acl_and_admin_action_apply_under_serve(tmp_path: Path) -> None:
+    from shardgate.client import PermissionDenied, SyncClient
+
+    data = tmp_path / "grpc"
+    data.mkdir()
+    save_users(data / "users.json", {
+        "root": User("root", hash_password("root-pw"), ["admin"]),
+        "alice": User("alice", hash_password("alice-pw")),
+    })
+    (data / "acl.toml").write_text(
+        '[[allow]]\nuser = "alice"\nactions = ["publish", "subscribe"]\ntopics = ["ok/#"]\n')
+    broker = ThreadedBroker(make_config(data, listeners={"grpc_port": free_port()},
+                                        archive={"enabled": False})).start()
+    url = f"127.0.0.1:{broker.app.port('grpc')}"
+    try:
+        with SyncClient(url, username="alice", password="alice-pw") as alice:
+            assert alice.producer().send("ok/1", b"1").stream == "default"
+            with pytest.raises(PermissionDenied):
+                alice.producer().send("secret/1", b"1")
+            with pytest.raises(PermissionDenied, match="admin"):
+                alice.admin.create_stream("evil")
+            with pytest.raises(PermissionDenied):
+                alice.admin.list_clients()
+        with SyncClient(url, username="root", password="root-pw") as root:
+            assert root.admin.create_stream("fine").name == "fine"
+    finally:
+        broker.stop()

@@ -343,7 +343,7 @@ async def test_consumer_and_producer_reconnect_after_listener_restart(
         old = app.listeners["grpc"].server
         old.close()
         await old.wait_closed()
-        app.listeners["grpc"].server = await start_grpc_server(app, "127.0.0.1", port)
+        app.listeners["grpc"].server = app.grpc = await start_grpc_server(app.edge, "127.0.0.1", port)
 
     grpc_broker.call(restart())
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import pytest
 from shardgate.client import Client, PermissionDenied, Unauthenticated, Unavailable
+from shardgate.core.edge import Principal
 
 from shardgate.auth import User, hash_password, install_security, save_users
 from tests.conftest import ThreadedBroker, free_port
@@ -44,7 +45,7 @@ def secured(broker_factory: Callable[..., ThreadedBroker]) -> ThreadedBroker:
                {name: User(name, hash_password(password)) for name, password in USERS.items()})
     (data_dir / "acl.toml").write_text(ACL)
     broker.call(lambda: install_security(broker.app))
-    assert broker.app.grpc.authorizer is not None
+    assert broker.app.edge.authorizer is not None
     return broker
 
 
@@ -117,11 +118,11 @@ async def test_authenticator_gets_the_peer_address(secured: ThreadedBroker) -> N
     seen: list[tuple[str | None, str]] = []
     security = secured.app.security
 
-    def authenticator(username: str | None, password: bytes | None, remote: str) -> str | None:
-        seen.append((username, remote))
-        return security.authenticate(username, password, "grpc", remote, "grpc")
+    def authenticator(principal: Principal, password: bytes | str | None) -> str | None:
+        seen.append((principal.username, principal.remote))
+        return security.authenticate_principal(principal, password)
 
-    secured.app.grpc.authenticator = authenticator
+    secured.app.edge.authenticator = authenticator
     async with client_for(secured, "alice") as client:
         await client.producer().publish("devices/alice/x", b"1")
     async with Client(url_of(secured), username="alice", password="nope") as client:

@@ -9,6 +9,7 @@ import pytest
 from pamqp import body as pbody
 from pamqp import commands, frame, header
 from shardgate.core.broker import Broker
+from shardgate.core.edge import Action, Edge, Principal
 from shardgate.protocols.amqp.connection import PROTOCOL_HEADER, AmqpConnection, State
 from shardgate.protocols.amqp.service import AmqpService
 from shardgate.protocols.amqp.settings import AmqpSettings
@@ -92,7 +93,7 @@ class Loopless(AmqpService):
 
 @pytest.fixture
 def service() -> AmqpService:
-    return Loopless(Broker(), AmqpSettings())
+    return Loopless(Edge(Broker()), AmqpSettings())
 
 
 @pytest.fixture
@@ -544,11 +545,11 @@ def test_memory_alarm_blocks_publishers_until_queues_drain(service: AmqpService,
 def test_authorizer_refuses_publish_and_bind_with_403(service: AmqpService, client: Client) -> None:
     calls = []
 
-    def authorizer(action: str, user: str | None, topic: str) -> bool:
-        calls.append((action, user, topic))
+    def authorizer(principal: Principal, action: Action, topic: str) -> bool:
+        calls.append((action, principal.username, topic))
         return not topic.startswith("secret")
 
-    service.authorizer = authorizer
+    service.edge.authorizer = authorizer
     declare(client, "az")
     close = close_of(client.send(1, commands.Queue.Bind(queue="az", exchange="amq.topic",
                                                         routing_key="secret.#")))

@@ -10,6 +10,7 @@ from pamqp import body as pbody
 from pamqp import commands
 from shardgate.core.broker import Broker
 from shardgate.core.durable import DurableSubscription
+from shardgate.core.edge import Edge
 from shardgate.core.streams import StreamConfig
 from shardgate.protocols.amqp import queues
 from shardgate.protocols.amqp.settings import AmqpSettings
@@ -26,7 +27,7 @@ async def settle() -> None:
 @pytest.fixture
 def client() -> Client:
     broker = Broker(storage=MemoryStorage(100_000), default_stream=StreamConfig("default", mode="reliable"))
-    service = Loopless(broker, AmqpSettings())
+    service = Loopless(Edge(broker), AmqpSettings())
     c = Client(service)
     c.handshake()
     c.open_channel(1)

@@ -11,13 +11,10 @@ from shardgate.auth import (
     Security,
     User,
     anonymous_setting,
-    filter_covers,
-    filters_overlap,
     hash_password,
     load_acl,
     load_users,
     save_users,
-    topic_matches,
     verify_password,
 )
 from shardgate.users_cli import main as users_main
@@ -75,51 +72,6 @@ def test_broken_users_file_is_an_error(tmp_path: Path) -> None:
     path.write_text('{"users": {"bob": {"roles": []}}}')
     with pytest.raises(AuthError, match="password"):
         load_users(path)
-
-
-# ---------------------------------------------------------------------------- filters
-@pytest.mark.parametrize(("acl", "topic", "expected"), [
-    ("a/b", "a/b", True),
-    ("a/+", "a/b", True),
-    ("a/+", "a/b/c", False),
-    ("a/#", "a", True),
-    ("a/#", "a/b/c", True),
-    ("#", "a/b", True),
-    ("#", "$SYS/x", False),
-    ("+/x", "$SYS/x", False),
-    ("$SYS/#", "$SYS/x", True),
-    ("a/b", "a/c", False),
-])
-def test_topic_matches(acl: str, topic: str, expected: bool) -> None:
-    assert topic_matches(acl, topic) is expected
-
-
-@pytest.mark.parametrize(("acl", "wanted", "expected"), [
-    ("a/#", "a/+/b", True),
-    ("a/#", "a/#", True),
-    ("a/+", "a/#", False),
-    ("a/+", "a/+", True),
-    ("a/b", "a/+", False),
-    ("#", "#", True),
-    ("+/+", "a/+", True),
-])
-def test_filter_covers(acl: str, wanted: str, expected: bool) -> None:
-    assert filter_covers(acl, wanted) is expected
-
-
-@pytest.mark.parametrize(("first", "second", "expected"), [
-    ("secret/#", "#", True),
-    ("secret/#", "+/x", True),
-    ("secret/#", "public/#", False),
-    ("a/+/c", "a/b/+", True),
-    ("a/b", "a/b/c", False),
-    ("a/#", "a", True),
-    ("#", "$SYS/x", False),
-    ("$SYS/#", "$SYS/+", True),
-])
-def test_filters_overlap(first: str, second: str, expected: bool) -> None:
-    assert filters_overlap(first, second) is expected
-    assert filters_overlap(second, first) is expected
 
 
 # ---------------------------------------------------------------------------- Security

@@ -356,3 +356,26 @@ async def test_a_share_group_spreads_by_members_not_by_nodes(cluster):
         a.broker.publish(Message(topic, str(index).encode()))
     await until(lambda: len(on_a.got) + sum(len(r.got) for r in on_b) == 400)
     assert len(on_a.got) == 100, "one member of four: a quarter of the messages"
+
+
+async def test_durable_cursors_made_before_the_shard_map_replay_from_what_the_node_receives(cluster):
+    from shardgate.cluster.received import ReceivedLog
+
+    a, b = cluster["a"], cluster["b"]
+    moved = ShardAssignment("ledger", 0, "a", 2)  # a leads ledger/0; b keeps an (empty) journal
+    # b restarted: its durable subscription came back before it knew the shard map
+    b.broker.placement = None
+    sub = b.broker.durable_subscription("keeper", initial_position="earliest")
+    b.broker.add_filter(sub, "ledger/#")
+    b.broker.placement = b.plane
+    assert not isinstance(sub.cursors[("ledger", 0)].log, ReceivedLog)
+    for node in (a, b):
+        node.view.assignments[("ledger", 0)] = moved
+        node.view.changed()
+    assert isinstance(sub.cursors[("ledger", 0)].log, ReceivedLog)
+    await routes_seen(a, b, 1)
+    await asyncio.wait_for(a.broker.publish(Message("ledger/x", b"kept", qos=1)), 5)  # type: ignore[arg-type]
+    await until(lambda: len(b.plane.received_log("ledger", 0)) == 1)
+    consumer = Recorder("late")
+    b.broker.attach(sub, consumer)  # the client comes back: replayed from what b received
+    await until(lambda: [m.payload for m in consumer.got] == [b"kept"])

@@ -8,7 +8,9 @@ from shardgate.core.topics import (
     MAX_TOPIC_BYTES,
     SharedFilter,
     TopicError,
+    filter_covers,
     filter_matches,
+    filters_overlap,
     is_wildcard,
     parse_shared_filter,
     validate_topic_filter,
@@ -156,3 +158,48 @@ def test_filter_matches(topic_filter: str, topic: str, expected: bool) -> None:
     validate_topic_filter(topic_filter)
     validate_topic_name(topic)
     assert filter_matches(topic_filter, topic) is expected
+
+
+# ---------------------------------------------------------------------------- filter relations (ACL rules)
+@pytest.mark.parametrize(("acl", "topic", "expected"), [
+    ("a/b", "a/b", True),
+    ("a/+", "a/b", True),
+    ("a/+", "a/b/c", False),
+    ("a/#", "a", True),
+    ("a/#", "a/b/c", True),
+    ("#", "a/b", True),
+    ("#", "$SYS/x", False),
+    ("+/x", "$SYS/x", False),
+    ("$SYS/#", "$SYS/x", True),
+    ("a/b", "a/c", False),
+])
+def test_acl_filter_matches_topic(acl: str, topic: str, expected: bool) -> None:
+    assert filter_matches(acl, topic) is expected
+
+
+@pytest.mark.parametrize(("acl", "wanted", "expected"), [
+    ("a/#", "a/+/b", True),
+    ("a/#", "a/#", True),
+    ("a/+", "a/#", False),
+    ("a/+", "a/+", True),
+    ("a/b", "a/+", False),
+    ("#", "#", True),
+    ("+/+", "a/+", True),
+])
+def test_filter_covers(acl: str, wanted: str, expected: bool) -> None:
+    assert filter_covers(acl, wanted) is expected
+
+
+@pytest.mark.parametrize(("first", "second", "expected"), [
+    ("secret/#", "#", True),
+    ("secret/#", "+/x", True),
+    ("secret/#", "public/#", False),
+    ("a/+/c", "a/b/+", True),
+    ("a/b", "a/b/c", False),
+    ("a/#", "a", True),
+    ("#", "$SYS/x", False),
+    ("$SYS/#", "$SYS/+", True),
+])
+def test_filters_overlap(first: str, second: str, expected: bool) -> None:
+    assert filters_overlap(first, second) is expected
+    assert filters_overlap(second, first) is expected

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 from shardgate.client import schemas
+from shardgate.core.errors import SchemaMismatch
+from shardgate.core.schemas import check_payload
 from shardgate.core.streams import Schema
-from shardgate.protocols.grpc.schemas import SchemaMismatch, check_payload
 
 
 @pytest.mark.parametrize(("schema", "payload"), [

@@ -1,0 +1,233 @@
+"""The front door into the core: the one object every protocol, admin surface and bridge uses.
+
+A protocol adapter turns its frames into core calls through an `Edge` and nothing else:
+
+- `publish(message) -> Receipt`: accept a message; the receipt is None when the message is
+  already stored and dispatched, or a future that resolves once it is durable under its
+  stream's policy (and fails with `PublishRejected` if the store could not take it). Whether
+  the shard is stored here or forwarded to its owner node is the broker's placement hook
+  (`core.placement.ShardPlacement`, None on a single node); `use_router` can put another
+  publish path (a `ShardRouter`) in front of the broker for the whole node.
+- `subscription` / `durable_subscription` / `add_filter` / `remove_filter` / `attach` /
+  `detach` / `remove_subscription`: subscribe and unsubscribe (a cluster layer hooks filter
+  changes here for its route table); acks and nacks go to the durable subscription the
+  consumer was handed.
+- `authenticate(principal, password)` and `authorize(principal, action, topic)`: the one hook
+  shape for every protocol; a `Principal` says who asks (protocol, user, client id, peer).
+- `clients`: the registry of connected clients of every protocol (list, kick), read by the
+  admin HTTP API and by gRPC `ListClients` alike.
+
+This module knows no protocol and no storage engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Protocol
+
+from .message import Message
+
+if TYPE_CHECKING:
+    from .broker import Broker, BrokerStats
+    from .durable import DurableOptions, DurableSubscription
+    from .subscriptions import Consumer, Subscription, SubscriptionType
+
+# What `publish` returns: None when the message is stored and dispatched already, else a
+# future resolving once it is durable (shared by every message of the same commit group).
+Receipt = asyncio.Future[None] | None
+
+KICK_REASON = "kicked by administrator"
+
+
+class Action(StrEnum):
+    """What a principal asks to do; `authorize` decides."""
+
+    CONNECT = "connect"
+    PUBLISH = "publish"
+    SUBSCRIBE = "subscribe"
+    ADMIN = "admin"
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is asking: the protocol it came in by, the user it authenticated as (None for an
+    anonymous client or a bare token), its client id (MQTT client id, AMQP connection id,
+    gRPC producer or consumer id; may be empty) and its peer address."""
+
+    protocol: str
+    username: str | None = None
+    client_id: str = ""
+    remote: str = ""
+
+
+class Authenticator(Protocol):
+    """`authenticate(principal, password)` -> None to accept, else the refusal
+    ("bad-credentials" or "not-authorized")."""
+
+    def __call__(self, principal: Principal, password: bytes | str | None, /) -> str | None: ...
+
+
+class Authorizer(Protocol):
+    """`authorize(principal, action, topic)` -> may it? `topic` is a topic name for publish,
+    a filter for subscribe."""
+
+    def __call__(self, principal: Principal, action: Action, topic: str, /) -> bool: ...
+
+
+class ShardRouter(Protocol):
+    """Where a publish goes: the local shard, or (in a cluster) the node owning the shard."""
+
+    def publish(self, message: Message) -> Receipt: ...
+
+
+# ---------------------------------------------------------------------------- clients
+@dataclass(slots=True)
+class ClientInfo:
+    """One connected client as every admin surface lists it."""
+
+    protocol: str
+    client_id: str
+    username: str | None
+    remote: str
+    transport: str
+    connected_at: float  # epoch seconds
+    messages_in: int | None
+    messages_out: int | None
+    detail: str
+    kickable: bool = True
+
+
+class ClientSource(Protocol):
+    """A protocol layer's connected clients: listed, and disconnected by id."""
+
+    def clients(self) -> Iterable[ClientInfo]: ...
+
+    def kick(self, client_id: str, reason: str) -> int:
+        """Disconnect the client(s) named `client_id`; returns how many connections ended."""
+
+
+class ClientRegistry:
+    """Connected clients of every protocol: each protocol layer registers its source."""
+
+    def __init__(self) -> None:
+        self._sources: dict[str, list[ClientSource]] = {}
+
+    def register(self, protocol: str, source: ClientSource) -> None:
+        sources = self._sources.setdefault(protocol, [])
+        if not any(existing is source for existing in sources):
+            sources.append(source)
+
+    def unregister(self, protocol: str, source: ClientSource) -> None:
+        sources = self._sources.get(protocol, [])
+        self._sources[protocol] = [existing for existing in sources if existing is not source]
+
+    @property
+    def protocols(self) -> list[str]:
+        return list(self._sources)
+
+    def list(self, protocol: str | None = None) -> list[ClientInfo]:
+        out: list[ClientInfo] = []
+        for name, sources in list(self._sources.items()):
+            if protocol is not None and name != protocol:
+                continue
+            for source in list(sources):
+                out.extend(source.clients())
+        return out
+
+    def kick(self, protocol: str, client_id: str, reason: str = KICK_REASON) -> int:
+        """Disconnect `client_id` of `protocol`; returns how many connections were ended."""
+        return sum(source.kick(client_id, reason) for source in list(self._sources.get(protocol, ())))
+
+
+class ListenerInfo(Protocol):
+    """A bound listener as the admin surfaces show it."""
+
+    name: str
+    host: str
+    port: int
+
+
+# ---------------------------------------------------------------------------- the front door
+class Edge:
+    """The front door into one broker node (see the module docstring)."""
+
+    def __init__(self, broker: Broker, router: ShardRouter | None = None) -> None:
+        self.broker = broker
+        self.clients = ClientRegistry()
+        self.authenticator: Authenticator | None = None
+        self.authorizer: Authorizer | None = None
+        # Anonymous access when no authenticator is installed, and the policy the security
+        # model currently has (it mirrors its own here when it changes).
+        self.allow_anonymous = True
+        # Bound listeners by name (the composition root fills it), for broker info views.
+        self.listeners: Mapping[str, ListenerInfo] = {}
+        # Durable subscription owners by kind, so that subscriptions saved by a protocol come
+        # back with the right owner after a restart (`"grpc"` -> its state factory).
+        self.owner_factories: dict[str, Callable[[Mapping[str, object]], object]] = {}
+        # Bound once: publishing costs one call, no attribute walk per message.
+        self.publish: Callable[[Message], Receipt] = (
+            router.publish if router is not None else broker.publish
+        )
+
+    def use_router(self, router: ShardRouter) -> None:
+        """Send every publish of this node through `router` from now on."""
+        self.publish = router.publish
+
+    @property
+    def stats(self) -> BrokerStats:
+        return self.broker.stats
+
+    # ------------------------------------------------------------------ security
+    def authenticate(self, principal: Principal, password: bytes | str | None) -> str | None:
+        """None to accept `principal`, else the refusal ("bad-credentials", "not-authorized")."""
+        authenticator = self.authenticator
+        if authenticator is not None:
+            return authenticator(principal, password)
+        if principal.username is None and not self.allow_anonymous:
+            return "not-authorized"
+        return None
+
+    def authorize(self, principal: Principal, action: Action, topic: str) -> bool:
+        authorizer = self.authorizer
+        return authorizer is None or bool(authorizer(principal, action, topic))
+
+    # ------------------------------------------------------------------ subscribing
+    def subscription(
+        self, name: str, type: SubscriptionType | None = None, *, durable: bool = False,
+        create: bool = True, owner: object = None,
+    ) -> Subscription:
+        from .subscriptions import SubscriptionType
+
+        return self.broker.subscription(
+            name, type or SubscriptionType.EXCLUSIVE, durable=durable, create=create, owner=owner
+        )
+
+    def durable_subscription(
+        self, name: str, type: SubscriptionType | None = None, *,
+        options: DurableOptions | None = None, owner: object = None,
+        initial_position: str | int = "latest",
+    ) -> DurableSubscription:
+        from .subscriptions import SubscriptionType
+
+        return self.broker.durable_subscription(
+            name, type or SubscriptionType.EXCLUSIVE, options=options, owner=owner,
+            initial_position=initial_position,
+        )
+
+    def add_filter(self, sub: Subscription, topic_filter: str, options: object = None) -> bool:
+        return self.broker.add_filter(sub, topic_filter, options)
+
+    def remove_filter(self, sub: Subscription, topic_filter: str) -> bool:
+        return self.broker.remove_filter(sub, topic_filter)
+
+    def remove_subscription(self, name: str) -> Subscription | None:
+        return self.broker.remove_subscription(name)
+
+    def attach(self, sub: Subscription, consumer: Consumer) -> None:
+        self.broker.attach(sub, consumer)
+
+    def detach(self, sub: Subscription, consumer: Consumer) -> None:
+        self.broker.detach(sub, consumer)
