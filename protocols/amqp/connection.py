@@ -10,6 +10,12 @@ Errors follow the spec's model (AMQP 0-9-1 §1.2 constants, §2.3.7 channel vs c
 exceptions): a `ChannelException` sends channel.close and ignores that channel's frames until
 channel.close-ok; a `ConnectionException` (frame errors 501/502/503/504/505, 530, 540) sends
 connection.close and ignores everything but close/close-ok until the peer confirms.
+
+Where RabbitMQ and the AMQP text differ, this follows RabbitMQ (its reply codes and texts,
+checked against a real node in tests/e2e/test_amqp_*.py): transactions (tx.select/commit/
+rollback, commit-ok once the publishes are journaled), mandatory returns before the confirm,
+channel-max as a limit on open channels, direct reply-to (`amq.rabbitmq.reply-to`), alternate
+exchanges, 540 for prefetch-size, recover requeue=false and channel.flow active=false.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ message each) that was about half of the broker's CPU. These functions read and 
 wire layout (AMQP 0-9-1 §4.2.5: shortstr = length octet + bytes, longlong = 8 bytes big-endian,
 consecutive bits packed in one octet) and are checked byte for byte against pamqp in the unit
 tests. They return pamqp command objects so that the state machine sees one type per method.
-Anything they cannot decode (short or malformed input) returns None and goes through pamqp,
-which reports the error.
+Content headers of class basic are read the same way (`decode_content_header`, pamqp's own
+decoders for a headers table and a timestamp). Anything they cannot decode (short or malformed
+input) returns None and goes through pamqp, which reports the error.
 """
 
 from __future__ import annotations

@@ -2,11 +2,13 @@
 
 The core hands the queue every message matching one of its bindings' filters; the queue checks
 the bindings that need an exact check (headers exchanges, mid-key `#`), buffers the message in
-memory (bounded by `x-max-length`, oldest dropped first), expires it (`x-message-ttl`, per-message
-expiration) and hands it to its AMQP consumers round-robin, each within its own and its channel's
-prefetch window (`basic.qos`). With `x-single-active-consumer` only the first consumer receives;
-the next one takes over when it cancels. Rejected, expired and overflowing messages go to the
-dead-letter exchange when one is set.
+memory (bounded by `x-max-length` / `x-max-length-bytes`: oldest dropped first, or the publish
+refused with `x-overflow` reject-publish), in priority order with `x-max-priority`, expires it
+at the head (`x-message-ttl`, per-message expiration) and hands it to its AMQP consumers
+round-robin (highest `x-priority` first), each within its own and its channel's prefetch window
+(`basic.qos`). With `x-single-active-consumer` only the first consumer receives; the next one
+takes over when it cancels. A requeued message goes back to its original position. Rejected,
+expired and overflowing messages go to the dead-letter exchange when one is set.
 
 No I/O here: consumers are reached through their channel (`connection.AmqpChannel`).
 """

@@ -4,7 +4,9 @@ Operations raise `ChannelException`/`ConnectionException` with the reply code th
 RabbitMQ) gives: 404 for a missing entity, 406 for an inequivalent redeclaration or a failed
 if-unused/if-empty, 403 for the reserved `amq.` names, 405 for another connection's exclusive
 queue, 503 for an unknown exchange type. Queues are core subscriptions named
-`amqp:<vhost>:<queue>`; bindings are core filters (see `routing`). A durable queue (when the broker
+`amqp:<vhost>:<queue>`; bindings are core filters (see `routing`); an exchange-to-exchange
+binding adds, to each queue bound downstream, the filter of the source exchange plus a check of
+every hop (`rederive`), so a message reaches a queue once whatever the paths. A durable queue (when the broker
 has a journal) is a core *durable* subscription, so its messages and acknowledgements survive a
 restart; the durable exchanges, queue arguments and bindings are recorded as a retained message
 under `$internal/amqp/topology/<vhost>` (internal broker state, persisted by the composition
@@ -723,6 +725,22 @@ class VirtualHost:
         fanout = self.broker.fanout
         return fanout is not None and fanout.wanted_elsewhere(message.topic)
 
+    def _dead_letter_cycle(self, message: Message, raw: bytes, queue: str) -> bool:
+        """True if every queue `message` would reach has dead-lettered it before, with no
+        rejection on the way: RabbitMQ drops such a message ("Messages in such cycles (i.e.
+        messages that reach the same queue twice) will be dropped if there was no rejections
+        in the entire cycle", https://www.rabbitmq.com/docs/dlx#routing)."""
+        targets = [
+            sub.owner.name for sub, filters in self.broker.match(message.topic)
+            if isinstance(sub.owner, Queue)
+            and (not sub.owner.checked_filters or sub.owner.accepts(message, filters))
+        ]
+        if not targets:
+            return False
+        died_in, rejected = _deaths(raw)
+        died_in.add(queue)
+        return not rejected and all(name in died_in for name in targets)
+
     def dead_letter(self, queue: Queue, entry: QueueEntry, reason: str) -> None:
         """Republish a dropped message to the queue's dead-letter exchange, if it has one."""
         queue.settle(entry)
@@ -762,6 +780,8 @@ class VirtualHost:
         raw = native_properties(original)
         if raw is None:
             raw = properties_from_message(original).marshal()
+        if reason != "rejected" and self._dead_letter_cycle(message, raw, queue.name):
+            return
         message.native_properties = {NATIVE_FORMAT: dead_lettered_properties(
             raw, reason, queue.name, old_exchange, old_key, first
         )}
@@ -769,6 +789,16 @@ class VirtualHost:
             self.edge.publish(message)
         except PublishRejected:
             pass
+
+
+def _deaths(raw: bytes) -> tuple[set[str], bool]:
+    """Queues named in the x-death header of properties `raw`, and whether any death there
+    was a rejection."""
+    content = header.ContentHeader()
+    content.unmarshal(content_header_payload(raw, 0))
+    deaths = (content.properties.headers or {}).get("x-death") or []
+    tables = [d for d in deaths if isinstance(d, dict)]
+    return {str(d.get("queue")) for d in tables}, any(d.get("reason") == "rejected" for d in tables)
 
 
 def dead_lettered_properties(

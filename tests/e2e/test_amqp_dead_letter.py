@@ -145,3 +145,27 @@ async def test_per_message_ttl_expires_only_at_the_head(amqp_broker_url):
         assert late.header.properties.headers["x-death"][0]["original-expiration"] == "10"
     finally:
         await conn.close()
+
+
+async def test_dead_letter_cycle_without_rejection_is_dropped(amqp_broker_url):
+    """A queue that dead-letters expired messages back to itself (the default exchange, no
+    dead-letter routing key): the message reaches the same queue twice with no rejection on the
+    way, so RabbitMQ drops it (https://www.rabbitmq.com/docs/dlx#routing)."""
+    conn = await aiormq.connect(amqp_broker_url)
+    try:
+        channel = await conn.channel()
+        loop = (await channel.queue_declare(unique("loop"), exclusive=True, arguments={
+            "x-message-ttl": 30, "x-dead-letter-exchange": "",
+        })).queue
+        marker = (await channel.queue_declare(unique("marker"), exclusive=True,
+                                              arguments={"x-message-ttl": 400})).queue
+        await channel.basic_publish(b"m", routing_key=marker)
+        await channel.basic_publish(b"cycling?", routing_key=loop)
+        for _ in range(300):  # until 400 ms have surely passed: many 30 ms TTLs
+            if (await channel.queue_declare(marker, passive=True)).message_count == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert (await channel.queue_declare(loop, passive=True)).message_count == 0
+        assert (await channel.basic_get(loop, no_ack=True)).delivery.__class__ is Basic.GetEmpty
+    finally:
+        await conn.close()
