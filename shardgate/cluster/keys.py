@@ -7,7 +7,6 @@ agrees. Every key lives under `/shardgate/<cluster name>/`; values are JSON.
     placement-guard        bumped with every placement write: the compare-and-swap token
     streams/<name>         a stream's definition (mode, partitions, retention, schema)
     routes/<pattern>       a routing rule: topics matching the pattern go to a stream
-    users/<name>           a user (password hash, roles) (reserved)
     auth/users, auth/acl   the users file and the ACL file, whole (see shared_files.py)
     sessions/<client id>   the node an MQTT client's session lives on (under that node's lease)
 """
@@ -24,7 +23,6 @@ PLACEMENT = "placement/"
 PLACEMENT_GUARD = "placement-guard"
 STREAMS = "streams/"
 ROUTES = "routes/"
-USERS = "users/"
 DOCUMENTS = "auth/"
 SESSIONS = "sessions/"
 
