@@ -51,7 +51,7 @@ def start_worker(directory: Path) -> subprocess.Popen[bytes]:
     with (directory / "worker.log").open("ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "tasks", "worker", "--pool=solo", "-l", "info",
-             "--without-gossip", "--without-mingle", "--without-heartbeat", "--prefetch-multiplier=1"],
+             "--without-gossip", "--without-mingle", "--without-heartbeat"],
             cwd=directory, stdout=log, stderr=subprocess.STDOUT,
         )
 
