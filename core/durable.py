@@ -222,17 +222,19 @@ class DurableSubscription(Subscription):
             cursor = ShardCursor(stream, shard, broker_stream.shards[shard].log, offset)
         return self._read_one(cursor, offset)
 
-    def seek(self, kind: str | None, value: object = None) -> None:
+    def seek(self, kind: str | None, value: int | str | None = None) -> None:
         """Move the cursors: kind "earliest", "latest", "offset" (value: the offset on every
         shard) or "timestamp" (value: epoch milliseconds)."""
+        if kind in ("offset", "timestamp", "timestamp_ms", "time") and value is None:
+            raise TypeError(f"seek to {kind!r} needs a value")
         if kind in (None, "", "latest"):
             self.reset("latest")
         elif kind == "earliest":
             self.reset("earliest")
         elif kind == "offset":
-            self.reset(int(value))  # type: ignore[arg-type]
+            self.reset(int(value or 0))
         elif kind in ("timestamp", "timestamp_ms", "time"):
-            self.reset(-int(value))  # type: ignore[arg-type]
+            self.reset(-int(value or 0))
         else:
             raise ValueError(f"unknown position {kind!r}")
 

@@ -6,7 +6,7 @@ every port over the metadata store; the composition root (`shardgate/`) wires it
 store can implement the same ports later.
 
 Writes through a port may be batched by the implementation (`flush` makes them durable now);
-reads happen at start-up, when sessions, cursors and topology are restored.
+reads happen at start-up, when sessions and cursors are restored.
 """
 
 from __future__ import annotations
@@ -93,14 +93,6 @@ class CursorStore(Protocol):
         """Write every queued cursor (and other batched state) now."""
 
     def load_cursors(self, subscription: str) -> Sequence[SavedCursor]: ...
-
-
-class TopologyStore(Protocol):
-    """A protocol's declared topology (AMQP exchanges, queues and bindings) per scope (vhost)."""
-
-    def save_topology(self, scope: str, data: bytes) -> None: ...
-
-    def load_topology(self, scope: str) -> bytes | None: ...
 
 
 class DelayedStore(Protocol):

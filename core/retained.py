@@ -128,9 +128,9 @@ class RetainedStore(Generic[M]):
                     if not (skip_dollar and key[:1] == "$"):
                         stack.append((child, index + 1))
             else:
-                child = node.children.get(level)
-                if child is not None:
-                    stack.append((child, index + 1))
+                exact = node.children.get(level)
+                if exact is not None:
+                    stack.append((exact, index + 1))
         return found
 
     @staticmethod

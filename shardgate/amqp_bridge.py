@@ -40,7 +40,7 @@ from .protocols.amqp.routing import routing_key_for_topic, topic_for_routing_key
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from .core.broker import Broker
+    from .core.edge import Edge
     from .core.subscriptions import Subscription
 
 log = logging.getLogger(__name__)
@@ -105,12 +105,14 @@ routing_key_to_topic = topic_for_routing_key
 class AmqpBridge:
     """A running bridge: `start()` on the node's loop, `await stop()`; the core calls `deliver`."""
 
-    def __init__(self, broker: Broker, settings: AmqpBridgeSettings) -> None:
+    def __init__(self, edge: Edge, settings: AmqpBridgeSettings) -> None:
         if not settings.out and not settings.queue:
             raise ValueError(f"amqp bridge {settings.name!r}: no out filters and no queue")
         if urlparse(settings.remote).scheme not in ("amqp", "amqps"):
             raise ValueError(f"amqp bridge {settings.name!r}: remote must be an amqp:// URL")
-        self.broker = broker
+        # The front door: publishes and subscriptions go through it.
+        self.edge = edge
+        self.broker = edge.broker
         self.settings = settings
         self.name = settings.name
         # (message, subscription) waiting to be sent or confirmed, in delivery order.
@@ -167,11 +169,11 @@ class AmqpBridge:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         if self.settings.out:
-            sub = self.broker.durable_subscription(
+            sub = self.edge.durable_subscription(
                 f"$amqp-bridge/{self.name}", options=DurableOptions(ack_timeout_s=None), owner=self,
             )
             for topic_filter in self.settings.out:
-                self.broker.add_filter(sub, topic_filter)
+                self.edge.add_filter(sub, topic_filter)
             self._subscription = sub
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"amqp-bridge-{self.name}")
 
@@ -184,7 +186,7 @@ class AmqpBridge:
                 await self._task
             self._task = None
         if self._subscription is not None:
-            self.broker.detach(self._subscription, self)
+            self.edge.detach(self._subscription, self)
 
     def status(self) -> dict[str, Any]:
         return {
@@ -232,7 +234,7 @@ class AmqpBridge:
             tasks.append(asyncio.create_task(self._receive(connection)))
         self.connected = True
         if self._subscription is not None:
-            self.broker.attach(self._subscription, self)
+            self.edge.attach(self._subscription, self)
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -295,7 +297,7 @@ class AmqpBridge:
                 message.qos = 1
                 message.producer_protocol = PRODUCER_PROTOCOL
                 try:
-                    pending = self.broker.publish(message)
+                    pending = self.edge.publish(message)
                     if pending is not None:
                         await pending  # journaled: only now may the remote forget it
                 except Exception as exc:

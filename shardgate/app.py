@@ -311,7 +311,7 @@ class Shardgate:
 
             try:
                 for entry in config.amqp_bridges:
-                    bridge = AmqpBridge(self.broker, entry)
+                    bridge = AmqpBridge(edge, entry)
                     bridge.start()
                     self.bridges.append(bridge)
             except ValueError as exc:

@@ -20,7 +20,7 @@ Messages the bridge itself brought in are never sent back out; out and in filter
 on the remote side still make a loop through the remote, which this module cannot see (MQTT
 3.1.1 has no "no local" option): keep them disjoint.
 
-The bridge talks to the core directly (a live subscription and `Broker.publish`); it does not
+The bridge talks to the core through its front door (a durable subscription and `Edge.publish`); it does not
 go through the local MQTT listener, its authentication or its ACLs.
 """
 
@@ -43,7 +43,7 @@ from .logs import ReconnectReport
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from .core.broker import Broker
+    from .core.edge import Edge
     from .core.subscriptions import Subscription
 
 log = logging.getLogger(__name__)
@@ -86,12 +86,14 @@ def _rewrite(topic: str, strip: str, add: str) -> str | None:
 class Bridge:
     """A running bridge: `start()` on the node's loop, `await stop()`; the core calls `deliver`."""
 
-    def __init__(self, broker: Broker, settings: BridgeSettings) -> None:
+    def __init__(self, edge: Edge, settings: BridgeSettings) -> None:
         if not settings.out and not settings.inbound:
             raise ValueError(f"bridge {settings.name!r}: no out or in topic filters")
         if urlparse(settings.remote).scheme not in ("mqtt", "mqtts", "ws", "wss"):
             raise ValueError(f"bridge {settings.name!r}: remote must be an mqtt:// URL")
-        self.broker = broker
+        # The front door: publishes and subscriptions go through it.
+        self.edge = edge
+        self.broker = edge.broker
         self.settings = settings
         self.name = settings.name
         self.client_id = settings.client_id or f"shardgate-bridge-{settings.name}"
@@ -148,7 +150,7 @@ class Bridge:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         if self.settings.out:
-            sub = self.broker.durable_subscription(
+            sub = self.edge.durable_subscription(
                 f"$bridge/{self.name}", options=DurableOptions(ack_timeout_s=None), owner=self,
             )
             # Restored from the metadata store after a restart: take it over.
@@ -156,10 +158,10 @@ class Bridge:
             sub.options = DurableOptions(ack_timeout_s=None)
             for topic_filter in list(sub.filters):
                 if topic_filter not in self.settings.out:
-                    self.broker.remove_filter(sub, topic_filter)
+                    self.edge.remove_filter(sub, topic_filter)
             for topic_filter in self.settings.out:
-                self.broker.add_filter(sub, topic_filter)
-            self.broker.attach(sub, self)
+                self.edge.add_filter(sub, topic_filter)
+            self.edge.attach(sub, self)
             self._subscription = sub
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"bridge-{self.name}")
 
@@ -172,7 +174,7 @@ class Bridge:
                 await self._task
             self._task = None
         if self._subscription is not None:
-            self.broker.detach(self._subscription, self)
+            self.edge.detach(self._subscription, self)
         lost = sum(1 for message, _ in self.queue if not self._reliable(message))
         if lost:
             log.warning("bridge %s: stopped with %d messages of non-reliable streams not forwarded",
@@ -303,7 +305,7 @@ class Bridge:
                 producer_protocol=PRODUCER_PROTOCOL, producer_id=self.name,
             )
             try:
-                pending = self.broker.publish(message)
+                pending = self.edge.publish(message)
                 if pending is not None:
                     await pending
             except Exception as exc:
@@ -316,7 +318,7 @@ def start_bridges(app: Any, entries: Sequence[BridgeSettings]) -> list[Bridge]:
     """Start one bridge per entry on the running loop; keeps them in `app.bridges`."""
     bridges = []
     for entry in entries:
-        bridge = Bridge(app.broker, entry)
+        bridge = Bridge(app.edge, entry)
         bridge.start()
         bridges.append(bridge)
     app.bridges = [*getattr(app, "bridges", []), *bridges]

@@ -26,7 +26,6 @@ import logging
 import os
 import secrets
 import struct
-import time
 from collections.abc import Callable
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
@@ -318,6 +317,8 @@ class AmqpConnection:
 
     def __init__(self, service: AmqpService, link: Link, remote: str, loopback: bool) -> None:
         self.service = service
+        # Monotonic seconds from the service's scheduler (the adapter's loop, or a test clock).
+        self._clock = service.scheduler.time
         self.settings = service.settings
         self.link = link
         self.remote = remote
@@ -341,7 +342,7 @@ class AmqpConnection:
         self.vhost: VirtualHost | None = None
         self.client_properties: dict[str, Any] = {}
         self.capabilities: dict[str, Any] = {}
-        self.opened_at = time.monotonic()
+        self.opened_at = self._clock()
         self.last_received = self.opened_at
         self.last_sent = self.opened_at
         self.closing_since = 0.0
@@ -438,7 +439,7 @@ class AmqpConnection:
             data = b"".join(self.out) if len(self.out) > 1 else self.out[0]
             self.out.clear()
             self.out_bytes = 0
-            self.last_sent = time.monotonic()
+            self.last_sent = self._clock()
             self.link.write(data)
             if self.stalled and self.writable:
                 # Consumers stopped for a full output buffer: there is room again.
@@ -469,7 +470,7 @@ class AmqpConnection:
         if self._paused:
             self.buffer += data
             return
-        self.last_received = time.monotonic()
+        self.last_received = self._clock()
         buffer = self.buffer
         buffer += data
         if self.state is State.AWAIT_HEADER:
@@ -820,7 +821,7 @@ class AmqpConnection:
             return
         self.send_method(0, commands.Connection.Close(exc.code, exc.reply_text, exc.class_id, exc.method_id))
         self.state = State.CLOSING
-        self.closing_since = time.monotonic()
+        self.closing_since = self._clock()
         if exc.code == ReplyCode.ACCESS_REFUSED and self.vhost is None:
             self.close_after_flush = True
 

@@ -21,6 +21,7 @@ import base64
 import datetime
 import json
 import struct
+from typing import Any
 
 from pamqp import commands
 from pamqp import header as pamqp_header
@@ -111,16 +112,18 @@ def message_from_properties(
             expires_at = publish_time + max(0, int(expiration))
         except ValueError:
             expires_at = None
-    correlation = props.correlation_id
-    if isinstance(correlation, str):
-        correlation = correlation.encode()
+    correlation_id: object = props.correlation_id
+    correlation = (
+        correlation_id.encode() if isinstance(correlation_id, str)
+        else bytes(correlation_id) if isinstance(correlation_id, bytes | bytearray) else None
+    )
     message = Message(
         topic,
         body,
         qos=1 if props.delivery_mode == 2 else 0,
         headers=headers or None,
         content_type=_text(props.content_type),
-        correlation_data=bytes(correlation) if correlation else None,
+        correlation_data=correlation or None,
         reply_to=_text(props.reply_to),
         expires_at_ms=expires_at,
         publish_time_ms=publish_time,
@@ -155,7 +158,7 @@ def native_properties(message: Message) -> bytes | None:
 def properties_from_message(message: Message, at_ms: int | None = None) -> commands.Basic.Properties:
     """Basic properties for a message that did not come in over AMQP (or lost its encoding)."""
     props = commands.Basic.Properties()
-    table: dict[str, object] = {}
+    table: dict[str, Any] = {}
     for name, value in message.headers or ():
         if name.startswith(_PREFIX):
             attr = _ATTR_OF.get(name)

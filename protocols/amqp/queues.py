@@ -386,6 +386,9 @@ class Queue:
 
     def _next_consumer(self) -> QueueConsumer | None:
         consumers = self.consumers
+        if len(consumers) == 1:  # the common case: every rule below picks it if it has room
+            only = consumers[0]
+            return only if only.channel.can_deliver(only) else None
         if not consumers:
             return None
         if self.single_active:

@@ -125,7 +125,7 @@ async def start_amqp_listener(
     queues."""
     owns = service is None
     if service is None:
-        service = AmqpService(edge, settings)
+        service = AmqpService(edge, settings, scheduler=asyncio.get_running_loop())
         service.start()
     shared = service
     loop = asyncio.get_running_loop()

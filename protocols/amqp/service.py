@@ -8,7 +8,6 @@ deletes exclusive queues with their connection and auto-delete queues with their
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import time
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ...core.edge import KICK_REASON, ClientInfo, Edge
 from ...core.message import now_ms
+from ...core.scheduling import Scheduler, Timer
 from .queues import Queue
 from .settings import AmqpSettings
 from .vhost import VirtualHost
@@ -38,8 +38,12 @@ TICK_S = 1.0
 
 
 class AmqpService:
-    def __init__(self, edge: Edge, settings: AmqpSettings | None = None) -> None:
+    def __init__(
+        self, edge: Edge, settings: AmqpSettings | None = None, scheduler: Scheduler | None = None,
+    ) -> None:
         self.edge = edge
+        # Time and timers, from the I/O adapter (an asyncio loop is one) or a test's clock.
+        self._scheduler = scheduler
         self.broker = edge.broker
         self.settings = settings or AmqpSettings()
         self.vhosts: dict[str, VirtualHost] = {}
@@ -56,25 +60,24 @@ class AmqpService:
         self._all: set[AmqpConnection] = set()
         self._dirty: list[AmqpConnection] = []
         self._flush_scheduled = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._tick_handle: asyncio.TimerHandle | None = None
-        self._sweep_handle: asyncio.TimerHandle | None = None
+        self._tick_handle: Timer | None = None
+        self._sweep_handle: Timer | None = None
         edge.clients.register("amqp", self)
 
     # ------------------------------------------------------------------ lifecycle
     @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
-        return self._loop
+    def scheduler(self) -> Scheduler:
+        if self._scheduler is None:
+            raise RuntimeError("AmqpService needs a scheduler: the asyncio adapter passes its event loop")
+        return self._scheduler
 
     def start(self) -> None:
         for vhost in self.vhosts.values():
             restored = vhost.restore()
             if restored:
                 log.info("restored %d durable AMQP queues in vhost %r", restored, vhost.name)
-        self._tick_handle = self.loop.call_later(TICK_S, self._tick)
-        self._sweep_handle = self.loop.call_later(SWEEP_S, self._sweep)
+        self._tick_handle = self.scheduler.call_later(TICK_S, self._tick)
+        self._sweep_handle = self.scheduler.call_later(SWEEP_S, self._sweep)
 
     def stop(self) -> None:
         for handle in (self._tick_handle, self._sweep_handle):
@@ -89,7 +92,7 @@ class AmqpService:
         self._dirty.append(connection)
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            self.loop.call_soon(self._flush)
+            self.scheduler.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -120,7 +123,7 @@ class AmqpService:
 
     # ------------------------------------------------------------------ client registry
     def clients(self) -> list[ClientInfo]:
-        opened_offset = time.time() - time.monotonic()
+        opened_offset = time.time() - self.scheduler.time()
         out = []
         for connection in list(self.connections):
             name = (connection.client_properties or {}).get("connection_name")
@@ -198,8 +201,8 @@ class AmqpService:
 
     # ------------------------------------------------------------------ timers
     def _tick(self) -> None:
-        self._tick_handle = self.loop.call_later(TICK_S, self._tick)
-        now = time.monotonic()
+        self._tick_handle = self.scheduler.call_later(TICK_S, self._tick)
+        now = self.scheduler.time()
         for connection in list(self._all):
             try:
                 connection.tick(now)
@@ -207,7 +210,7 @@ class AmqpService:
                 log.exception("AMQP tick failed for %s", connection.remote)
 
     def _sweep(self) -> None:
-        self._sweep_handle = self.loop.call_later(SWEEP_S, self._sweep)
+        self._sweep_handle = self.scheduler.call_later(SWEEP_S, self._sweep)
         now = now_ms()
         self._check_memory()
         for vhost in self.vhosts.values():

@@ -19,6 +19,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import grpc
@@ -367,6 +368,11 @@ class _RegisteredClients:
         return self.server.kick(client_id, reason)
 
 
+def _offset_landed(result: Any, message: Message, _: object) -> None:
+    """A forwarded publish landed: its result carries the offset the shard's owner gave."""
+    result.offset = max(message.offset, 0)
+
+
 def _protocol_of(sub: Subscription) -> str:
     owner = sub.owner
     if isinstance(owner, GrpcSubscriptionState):
@@ -488,11 +494,7 @@ class ProducerService(pb_grpc.ProducerServicer):
             if waiter is not None:
                 waiters.append(waiter)
                 if message.offset < 0:  # forwarded to the shard's owner: the offset comes back
-                    waiter.add_done_callback(
-                        lambda _, result=result, message=message: setattr(
-                            result, "offset", max(message.offset, 0)
-                        )
-                    )
+                    waiter.add_done_callback(partial(_offset_landed, result, message))
         info.messages_in += len(batch.messages)
         return ack, waiters
 
@@ -753,7 +755,7 @@ def _unary(method: Callable[..., Any]) -> Callable[..., Any]:
         try:
             user = _user(context)
             topic = f"admin/{method.__name__}"
-            if not self.server.allowed("admin", user, topic):
+            if not self.server.allowed(Action.ADMIN, user, topic):
                 raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
                               f"{method.__name__} needs the admin action ({topic!r}), which "
                               + (f"user {user!r}" if user is not None else "an anonymous client")

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from enum import Enum
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ...core.edge import Principal
 from ...core.errors import PublishRejected, SchemaMismatch, StoreFull
@@ -101,6 +102,11 @@ def _publish_properties(
         props.subscription_identifiers = list(subscription_ids)
     props.topic_alias = topic_alias
     return props
+
+
+def _packet_id_offset(packet: bytes, topic_length: int) -> bytes:
+    """`_packet_id_position`, as three little-endian bytes (what an encoding cache holds)."""
+    return _packet_id_position(packet, topic_length).to_bytes(3, "little")
 
 
 def _packet_id_position(packet: bytes, topic_length: int) -> int:
@@ -240,21 +246,22 @@ class MqttConnection:
             cache = message.encoded
             if cache is None:
                 cache = message.encoded = {}
-            data = cache.get(key)
-            if data is None:
+            cached = cache.get(key)
+            if cached is None:
                 props = _publish_properties(message, (), None) if version == MQTT_V5 else None
-                data = encode_publish(
+                cached = cache[key] = encode_publish(
                     message.topic, message.payload, qos, retain, False, 1 if qos else None, props, version
                 )
-                cache[key] = data
-            if qos:
-                position = cache.get((version, "pid"))
-                if position is None:
-                    position = _packet_id_position(data, len(message.topic.encode()))
-                    cache[(version, "pid")] = position  # type: ignore[assignment]
+            data = cached
+            if qos and packet_id is not None:
+                # Where the packet id sits, kept beside the encoding in the same cache.
+                where = cache.get((version, "pid"))
+                if where is None:
+                    where = cache[(version, "pid")] = _packet_id_offset(data, len(message.topic.encode()))
+                position = int.from_bytes(where, "little")
                 buffer = bytearray(data)
-                buffer[position] = packet_id >> 8  # type: ignore[operator]
-                buffer[position + 1] = packet_id & 0xFF  # type: ignore[operator]
+                buffer[position] = packet_id >> 8
+                buffer[position + 1] = packet_id & 0xFF
                 data = bytes(buffer)
         if self.client_max_packet_size and len(data) > self.client_max_packet_size:
             return False
@@ -772,7 +779,7 @@ class MqttConnection:
     def _on_auth(self, packet: p.Auth) -> None:
         raise ProtocolViolation(RC.PROTOCOL_ERROR, "AUTH without an authentication method")
 
-    _handlers = {
+    _handlers: dict[type, Callable[[MqttConnection, Any], None]] = {
         p.Publish: _on_publish,
         p.Puback: _on_puback,
         p.Pubrec: _on_pubrec,

@@ -11,6 +11,7 @@ import logging
 import ssl
 import sys
 from collections import deque
+from collections.abc import Sequence
 
 from .connection import MqttConnection
 from .service import MqttService
@@ -197,6 +198,7 @@ async def start_websocket_listener(
     service: MqttService, host: str, port: int, ssl_context: ssl.SSLContext | None = None
 ) -> object:
     from websockets.asyncio.server import serve
+    from websockets.typing import Subprotocol
 
     async def handler(websocket: object) -> None:
         link = WebSocketLink(websocket)
@@ -226,14 +228,16 @@ async def start_websocket_listener(
             link.close()
             await writer
 
-    def select_subprotocol(connection: object, subprotocols: list[str]) -> str | None:
-        for candidate in ("mqtt", "mqttv3.1"):
+    offered = [Subprotocol("mqtt"), Subprotocol("mqttv3.1")]
+
+    def select_subprotocol(connection: object, subprotocols: Sequence[Subprotocol]) -> Subprotocol | None:
+        for candidate in offered:
             if candidate in subprotocols:
                 return candidate
         return None
 
     return await serve(
-        handler, host, port, ssl=ssl_context, subprotocols=["mqtt", "mqttv3.1"],
+        handler, host, port, ssl=ssl_context, subprotocols=offered,
         select_subprotocol=select_subprotocol, max_size=service.settings.max_packet_size + 8,
         compression=None, logger=_WebSocketServerLog(logging.getLogger("websockets.server")),
     )

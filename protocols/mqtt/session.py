@@ -108,7 +108,7 @@ class MqttSession:
         if subscription is self.subscription and len(filters) == 1:
             # The common case, one plain filter of the session's own: no loop, and a QoS 0
             # message goes straight to the connection.
-            options = subscription.filters[filters[0]]
+            options: SubscriptionOptions = subscription.filters[filters[0]]
             if not options.no_local and not options.subscription_id:
                 qos = options.qos if options.qos < message.qos else message.qos
                 retain = message.retain if options.retain_as_published else False
@@ -127,7 +127,7 @@ class MqttSession:
             ids: list[int] | None = None
             own = subscription.filters
             for topic_filter in filters:
-                options: SubscriptionOptions = own[topic_filter]
+                options = own[topic_filter]
                 if (
                     options.no_local
                     and message.producer_id == self.client_id

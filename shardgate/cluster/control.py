@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 MAX_TXN_OPS = 100
 # how often a node measures its message rate (and reports it when it moved)
 LOAD_INTERVAL_S = 5.0
+# how often the watch's health is checked against etcd (see `_watch_guard`)
+WATCH_CHECK_S = 2.0
 
 
 class ClusterStartError(Exception):
@@ -77,7 +79,6 @@ class EtcdClusterView:
         self.placement: dict[str, list[Placed]] = {}
         self.streams: dict[str, dict[str, Any]] = {}
         self.routes: dict[str, dict[str, Any]] = {}
-        self.users: dict[str, dict[str, Any]] = {}
         # the MQTT session registry: client id -> the node its session lives on
         self.sessions: dict[str, str] = {}
         # registry entries changed by the last events applied: (client id, node or None)
@@ -89,6 +90,8 @@ class EtcdClusterView:
         self.guard_revision = 0
         self.revision = 0
         self.lease_valid_until = 0.0
+        # shards this node stopped acting for before handing them over (graceful leave)
+        self.released: set[tuple[str, int]] = set()
         self._callbacks: list[Callable[[], None]] = []
         self._node_infos: dict[str, NodeInfo] = {}
 
@@ -111,7 +114,8 @@ class EtcdClusterView:
         shards = self.placement.get(stream)
         if shards is None or not 0 <= shard < len(shards):
             return False
-        return shards[shard].node_id == self._node_id and self.lease_alive()
+        return (shards[shard].node_id == self._node_id and self.lease_alive()
+                and (not self.released or (stream, shard) not in self.released))
 
     def on_change(self, callback: Callable[[], None]) -> None:
         self._callbacks.append(callback)
@@ -150,7 +154,6 @@ class EtcdClusterView:
         self.placement.clear()
         self.streams.clear()
         self.routes.clear()
-        self.users.clear()
         self.documents.clear()
         self.sessions.clear()
         self.controller_id = None
@@ -208,8 +211,6 @@ class EtcdClusterView:
                 self._set(self.streams, key[len(keys.STREAMS):], value)
             elif key.startswith(keys.ROUTES):
                 self._set(self.routes, key[len(keys.ROUTES):], value)
-            elif key.startswith(keys.USERS):
-                self._set(self.users, key[len(keys.USERS):], value)
             elif key.startswith(keys.SESSIONS):
                 client_id = key[len(keys.SESSIONS):]
                 node_id = None if value is None else keys.decode(value)["node"]
@@ -271,11 +272,13 @@ class ClusterNode:
         self._tasks: list[asyncio.Task[None]] = []
         self._wake = asyncio.Event()
         self._running = False
-        self._synced = asyncio.Event()
         # told (on the event loop) about catalog changes seen in etcd: (kind, name, definition)
         self.catalog_listeners: list[Callable[[str, str, dict[str, Any] | None], None]] = []
         # catalog writes made on this node, sent to etcd in order by one task (see `submit`)
         self._writes: asyncio.Queue[tuple[str, bytes | None, bool]] = asyncio.Queue()
+        self._pending_writes = 0
+        # which of the given reliable shards hold no message here (graceful leave hands them over)
+        self.empty_shards: Callable[[list[tuple[str, int]]], list[tuple[str, int]]] | None = None
         # messages this node has handled so far (in + out); its rate is the load it reports
         self.load_probe: Callable[[], int] | None = None
         # the users and ACL files kept equal on every node (shared_files.SharedFiles)
@@ -336,7 +339,7 @@ class ClusterNode:
         self.view.changed()  # nodes that registered since the catalog was read (data plane links)
         self._tasks = [
             asyncio.create_task(self._keep_alive(), name="cluster-lease"),
-            asyncio.create_task(self._watch(revision), name="cluster-watch"),
+            asyncio.create_task(self._watch_guard(revision), name="cluster-watch"),
             asyncio.create_task(self._control(), name="cluster-controller"),
             asyncio.create_task(self._write_catalog(), name="cluster-catalog-writer"),
             asyncio.create_task(self._report_load(), name="cluster-load"),
@@ -398,9 +401,13 @@ class ClusterNode:
                                 "for %.1f s more", exc, remaining)
                 else:
                     log.debug("cluster: cannot refresh the lease: %s", exc)
+                # the channel reconnects by itself; unary calls (the watch guard's every
+                # WATCH_CHECK_S) fail over to the next endpoint when this one is gone
                 await asyncio.sleep(0.5)
-                with contextlib.suppress(Exception):
-                    await self.client.reconnect(None)
+            except asyncio.CancelledError:
+                if _cancelling():
+                    raise
+                await asyncio.sleep(0.5)  # the channel under the stream was closed: retry
 
     async def _register_again(self) -> None:
         while self._running:
@@ -413,17 +420,52 @@ class ClusterNode:
                 log.warning("cluster: registering again failed: %s", exc)
                 await asyncio.sleep(0.5)
 
+    async def _watch_guard(self, revision: int) -> None:
+        """Run the watch; every WATCH_CHECK_S ask etcd whether keys changed after the view's
+        revision, and restart the watch (re-reading everything) when they still have at the
+        next check: a watch stream that silently stopped delivering (seen after an etcd restart)
+        must not leave this node's view stale."""
+        watch = asyncio.create_task(self._watch(revision), name="cluster-watch-stream")
+        stale_since: int | None = None
+        try:
+            while self._running:
+                await asyncio.sleep(WATCH_CHECK_S)
+                seen = self.view.revision
+                try:
+                    behind = await self.client.count_modified_since(self.prefix, seen)
+                except Exception:
+                    continue  # etcd away: the watch loop itself deals with that
+                if not behind:
+                    stale_since = None
+                elif stale_since != seen:
+                    stale_since = seen  # give the watch until the next check
+                else:
+                    log.warning("cluster: the etcd watch is behind (at revision %d); "
+                                "reading the state again", seen)
+                    watch.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await watch
+                    watch = asyncio.create_task(self._watch(0), name="cluster-watch-stream")
+                    stale_since = None
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await watch
+
     async def _watch(self, revision: int) -> None:
         while self._running:
             try:
                 if revision == 0:
                     # read everything again; what changed meanwhile (a stream created or
-                    # deleted while this node could not watch) is applied as any change is
+                    # deleted while this node could not watch) is applied as any change is.
+                    # This node's own writes still queued go first, or they would look undone.
+                    while self._pending_writes and self._running:
+                        await asyncio.sleep(0.05)
                     kvs, revision = await self.client.get_prefix(self.prefix)
                     before = self._catalog_snapshot()
                     self.view.load(self.prefix, kvs, revision)
                     self._after_change(before)
-                self._synced.set()
+                    log.info("cluster: watching etcd again from revision %d", revision)
                 async with contextlib.aclosing(
                         self.client.watch_prefix(self.prefix, revision + 1)) as changes:
                     async for events in changes:
@@ -436,10 +478,14 @@ class ClusterNode:
                     "cluster: watch interrupted (%s); reading the state again", exc)
                 revision = 0
                 await asyncio.sleep(0.5)
+            except asyncio.CancelledError:
+                if _cancelling():
+                    raise
+                revision = 0  # the channel under the stream was closed (fail-over): resume
+                await asyncio.sleep(0.5)
 
-    def _catalog_snapshot(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
-        return (dict(self.view.streams), dict(self.view.routes), dict(self.view.users),
-                dict(self.view.documents))
+    def _catalog_snapshot(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        return dict(self.view.streams), dict(self.view.routes), dict(self.view.documents)
 
     def _after_change(self, before: tuple[dict[str, Any], ...] | None = None, *,
                       wake: bool = True) -> None:
@@ -455,7 +501,7 @@ class ClusterNode:
                         except Exception:
                             log.exception("cluster session listener failed")
         if before is not None:
-            old_documents, new_documents = before[3], self.view.documents
+            old_documents, new_documents = before[2], self.view.documents
             for key in old_documents.keys() | new_documents.keys():
                 if old_documents.get(key) != new_documents.get(key):
                     for document_listener in self.document_listeners:
@@ -464,8 +510,8 @@ class ClusterNode:
                         except Exception:
                             log.exception("cluster document listener failed")
         if before is not None and self.catalog_listeners:
-            for kind, old, new in zip(("stream", "route", "user"), before[:3],
-                                      self._catalog_snapshot()[:3], strict=True):
+            for kind, old, new in zip(("stream", "route"), before[:2],
+                                      self._catalog_snapshot()[:2], strict=True):
                 for name in old.keys() | new.keys():
                     if old.get(name) != new.get(name):
                         for listener in self.catalog_listeners:
@@ -514,7 +560,15 @@ class ClusterNode:
         }
         live = [node for node, reg in view.registrations.items() if not reg.leaving]
         load = {node: reg.load for node, reg in view.registrations.items()}
-        placed = place(view.shard_specs(), current, live, load)
+        released = set()
+        for node, registration in view.registrations.items():
+            if registration.leaving:
+                for name in registration.released:
+                    stream, _, index = name.rpartition("/")
+                    if index.isdigit() and current.get((stream, int(index)), None) is not None \
+                            and current[(stream, int(index))].node_id == node:
+                        released.add((stream, int(index)))
+        placed = place(view.shard_specs(), current, live, load, released)
         desired: dict[str, list[Placed]] = {}
         for name, definition in view.streams.items():
             shards = [placed.get((name, index)) for index in range(int(definition.get("partitions", 1)))]
@@ -590,6 +644,7 @@ class ClusterNode:
         """Put (value) or delete (None) the key `suffix` in etcd, after every earlier submit;
         `under_lease`: the key goes when this node's lease does. Called from synchronous code
         (the broker's topology sink, the MQTT service); retried while etcd is away."""
+        self._pending_writes += 1
         self._writes.put_nowait((suffix, value, under_lease))
 
     async def _write_catalog(self) -> None:
@@ -602,6 +657,7 @@ class ClusterNode:
                     else:
                         await self.client.put(self.key(suffix), value,
                                               self.lease_id if under_lease else 0)
+                    self._pending_writes -= 1
                     break
                 except Exception as exc:
                     log.warning("cluster: cannot write %s to etcd yet (%s); retrying", suffix, exc)
@@ -613,6 +669,15 @@ class ClusterNode:
         if not self._running or self.registration is None:
             return
         others = [n for n, reg in self.view.registrations.items() if n != self.node_id and not reg.leaving]
+        if others and self.empty_shards is not None:
+            # reliable shards whose log is empty can move with nothing lost: stop acting for
+            # them first (publishes get a retryable error), then check they are still empty
+            mine = [(spec.stream, spec.shard) for spec in self.view.shard_specs()
+                    if spec.reliable and self.view.owns(spec.stream, spec.shard)]
+            self.view.released.update(mine)
+            empty = set(self.empty_shards(mine))
+            self.view.released.intersection_update(empty)
+            self.registration.released = sorted(f"{stream}/{shard}" for stream, shard in empty)
         self.registration.leaving = True
         key = self.key(keys.NODES + self.node_id)
         try:
@@ -637,7 +702,7 @@ class ClusterNode:
     def _movable_owned(self) -> list[tuple[str, int]]:
         owned = []
         for spec in self.view.shard_specs():
-            if not spec.reliable:
+            if not spec.reliable or (spec.stream, spec.shard) in self.view.released:
                 assignment = self.view.owner(spec.stream, spec.shard)
                 if assignment is not None and assignment.node_id == self.node_id:
                     owned.append((spec.stream, spec.shard))
@@ -664,3 +729,10 @@ class ClusterNode:
 
 class _LeaseLost(Exception):
     pass
+
+
+def _cancelling() -> bool:
+    """True when the running task itself is being cancelled (not merely a gRPC call under it,
+    which grpc.aio reports as CancelledError when its channel is closed)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

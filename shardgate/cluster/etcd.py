@@ -171,7 +171,11 @@ class EtcdClient:
     # ---------------------------------------------------------------- connection
     async def _open(self, index: int) -> None:
         endpoint = self.endpoints[index]
-        options = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
+        # etcd restarts: reconnect within a second rather than after gRPC's default backoff
+        # (up to two minutes), so leases are refreshed again before they run out
+        options = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+                   ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                   ("grpc.max_reconnect_backoff_ms", 1_000)]
         if endpoint.secure or self._credentials is not None:
             assert self._credentials is not None
             channel = grpc.aio.secure_channel(endpoint.target, self._credentials, options=options)
@@ -270,6 +274,13 @@ class EtcdClient:
         raw = prefix.encode()
         reply = await self._unary("Range", "kv", rpc.RangeRequest(key=raw, range_end=prefix_end(raw)))
         return [_kv(kv) for kv in reply.kvs], reply.header.revision  # type: ignore[attr-defined]
+
+    async def count_modified_since(self, prefix: str, revision: int) -> int:
+        """How many keys under `prefix` were put after `revision` (a watch's health check)."""
+        raw = prefix.encode()
+        reply = await self._unary("Range", "kv", rpc.RangeRequest(
+            key=raw, range_end=prefix_end(raw), count_only=True, min_mod_revision=revision + 1))
+        return reply.count  # type: ignore[attr-defined]
 
     async def put(self, key: str, value: bytes, lease: int = 0) -> int:
         reply = await self._unary("Put", "kv", rpc.PutRequest(key=key.encode(), value=value, lease=lease))

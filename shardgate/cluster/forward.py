@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from ..core.errors import PublishRejected, ShardUnavailable
+from ..core.errors import CoreError, PublishRejected, ShardUnavailable
 from ..core.subscriptions import Subscription, SubscriptionType
 from ..proto import cluster_pb2 as pb
 from ..proto import cluster_pb2_grpc as pb_grpc
@@ -767,7 +767,10 @@ class DataPlane:
             if kept is not None:
                 kept.add(message.offset, message.publish_time_ms, record_of(push))
             groups = push.share_groups
-            dispatch(message, frozenset(groups) if groups else NO_GROUPS)
+            try:
+                dispatch(message, frozenset(groups) if groups else NO_GROUPS)
+            except Exception:  # noqa: BLE001 - one message's failure must not end the link
+                log.exception("dispatching a message pushed by a peer failed")
             if kept is None and key in received:  # a durable subscription here just began
                 received[key].add(message.offset, message.publish_time_ms, record_of(push))
 
@@ -796,6 +799,10 @@ class DataPlane:
                 continue
             except PublishRejected as exc:
                 outcome.code = pb.NOT_OWNER if isinstance(exc, ShardUnavailable) else pb.REJECTED
+                outcome.reason = str(exc)
+                continue
+            except (CoreError, ValueError) as exc:  # a bad topic, say: this message only
+                outcome.code = pb.REJECTED
                 outcome.reason = str(exc)
                 continue
             outcome.offset = message.offset

@@ -7,7 +7,6 @@ agrees. Every key lives under `/shardgate/<cluster name>/`; values are JSON.
     placement-guard        bumped with every placement write: the compare-and-swap token
     streams/<name>         a stream's definition (mode, partitions, retention, schema)
     routes/<pattern>       a routing rule: topics matching the pattern go to a stream
-    users/<name>           a user (password hash, roles) (reserved)
     auth/users, auth/acl   the users file and the ACL file, whole (see shared_files.py)
     sessions/<client id>   the node an MQTT client's session lives on (under that node's lease)
 """
@@ -24,7 +23,6 @@ PLACEMENT = "placement/"
 PLACEMENT_GUARD = "placement-guard"
 STREAMS = "streams/"
 ROUTES = "routes/"
-USERS = "users/"
 DOCUMENTS = "auth/"
 SESSIONS = "sessions/"
 
@@ -51,12 +49,15 @@ class NodeRegistration:
     leaving: bool = False
     # messages per second the node handles, for placement ties
     load: float = 0.0
+    # leaving: reliable shards ("stream/shard") with an empty log it no longer writes to
+    released: list[str] = field(default_factory=list)
 
     def to_json(self) -> bytes:
         return encode({
             "node_id": self.node_id, "cluster_address": self.cluster_address,
             "instance": self.instance, "started_ms": self.started_ms,
             "listeners": self.listeners, "leaving": self.leaving, "load": self.load,
+            "released": self.released,
         })
 
     @classmethod
@@ -66,5 +67,5 @@ class NodeRegistration:
             node_id=data["node_id"], cluster_address=data.get("cluster_address", ""),
             instance=data.get("instance", ""), started_ms=int(data.get("started_ms", 0)),
             listeners=dict(data.get("listeners", {})), leaving=bool(data.get("leaving", False)),
-            load=float(data.get("load", 0.0)),
+            load=float(data.get("load", 0.0)), released=list(data.get("released", [])),
         )

@@ -14,7 +14,7 @@ def start_bridge(local: ThreadedBroker, remote: ThreadedBroker, **kwargs: object
     settings = BridgeSettings(name="edge", remote=f"mqtt://127.0.0.1:{remote.mqtt_port}", **kwargs)  # type: ignore[arg-type]
 
     def start() -> Bridge:
-        bridge = Bridge(local.app.broker, settings)
+        bridge = Bridge(local.app.edge, settings)
         bridge.start()
         return bridge
 

@@ -300,3 +300,19 @@ async def test_amqp_publish_while_the_owner_is_gone_is_nacked(pair):
         own = topic_for(a, "a").replace("/", ".")
         confirmation = await exchange.publish(aio_pika.Message(b"y"), own, mandatory=False)
         assert isinstance(confirmation, aiormq.spec.Basic.Ack)
+
+
+def test_delayed_message_published_on_one_node_reaches_the_other_when_due(pair):
+    a, b = pair["a"], pair["b"]
+    sub = Paho(b.mqtt_port, "sub", V5)
+    sub.subscribe("orders/#", 1)
+    routes_reach(pair, "b")
+    pub = Paho(a.mqtt_port, "pub", V5)
+    topics = [topic_for(a, owner) for owner in ("a", "b")]
+    for topic in topics:
+        pub.publish(f"$delayed/1/{topic}", topic, 1)
+    sub.expect_none(within=0.5)  # held on a until due
+    got = sorted(m.payload.decode() for m in sub.expect_n(2))
+    assert got == sorted(topics)
+    pub.disconnect()
+    sub.disconnect()

@@ -82,3 +82,28 @@ async def test_mqtt_clients_are_listed_beside_grpc_ones(
     mqtt = [c for c in clients if c.protocol == "mqtt"]
     assert [c.client_id for c in mqtt] == ["listed-device"] and mqtt[0].detail == "mqtt 5.0"
     await asyncio.to_thread(device.disconnect)
+
+
+async def test_list_clients_shows_every_protocol_from_one_registry(
+    broker_factory: Callable[..., ThreadedBroker],
+) -> None:
+    import aio_pika
+
+    node = broker_factory(listeners={"grpc_port": free_port(), "amqp_port": free_port()})
+    amqp = await aio_pika.connect(
+        f"amqp://guest:guest@127.0.0.1:{node.app.port('amqp')}/", client_properties={"connection_name": "billing"}
+    )
+    device = await asyncio.to_thread(Paho, node.mqtt_port, "listed-too", V311)
+    try:
+        async with Client(f"127.0.0.1:{node.app.port('grpc')}") as client:
+            consumer = await client.consumer("everyone", ["x/#"], name="watcher").subscribe()
+            clients = await client.admin.list_clients()
+            by_protocol = {c.protocol: c for c in clients}
+            assert set(by_protocol) == {"mqtt", "amqp", "grpc"}
+            assert by_protocol["amqp"].detail == "amqp 0-9-1 billing"
+            assert by_protocol["mqtt"].client_id == "listed-too"
+            assert "consumer of everyone" in by_protocol["grpc"].detail
+            await consumer.close()
+    finally:
+        await asyncio.to_thread(device.disconnect)
+        await amqp.close()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pamqp import commands
 
 pyspark = pytest.importorskip("pyspark")
 if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
@@ -37,6 +38,9 @@ from tests.mqtt_clients import V5, Paho  # noqa: E402
 
 HOUR = 3_600_000
 T0 = 1_700_000_000_000 - 1_700_000_000_000 % HOUR  # 2023-11-14 22:00 UTC
+AMQP_PROPERTIES = commands.Basic.Properties(
+    headers={"eta": None, "retries": 0}, content_type="application/json").marshal()
+"""An AMQP message's exact properties, as the record's native properties carry them."""
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 ODD_TOPICS = ["plant 7/línea/温度", "a//b/", "ünïcödé/🚀/x y", "/leading"]
 LOG4J2 = """\
@@ -103,7 +107,7 @@ def append_history(root: Path, journal_dir: Path) -> int:
         ]
         readings.append(batch)
         journal.open_shard("007", 0).append([(T0, encode_message(MessageRecord(
-            "007/x", b"bond", 0, False, T0)))])
+            "007/x", b"bond", 0, False, T0, native_properties={"amqp-0-9-1": AMQP_PROPERTIES})))])
         await journal.flush()
         archiver = Archiver(journal, f"file://{root}",
                             lambda: [("history", 1, "json"), ("007", 1, "string")],
@@ -227,6 +231,23 @@ def test_stream_named_007_stays_a_string(spark: Any, published: Published) -> No
              .collect()}
     assert names == {"007", "default", "history", "sensors"}
     assert read_archive(spark, published.url, stream="missing").count() == 0
+
+
+def test_native_properties_read_as_a_binary_map_that_pamqp_decodes(spark: Any,
+                                                                   published: Published) -> None:
+    from pamqp import header
+
+    frame = spark.read.parquet(published.url)
+    types = {field.name: field.dataType for field in frame.schema.fields}
+    assert types["native_properties"] == T.MapType(T.StringType(), T.BinaryType(), True)
+    [row] = read_archive(spark, published.url, stream="007").collect()
+    raw = bytes(row.native_properties["amqp-0-9-1"])
+    assert raw == AMQP_PROPERTIES
+    content = header.ContentHeader()
+    content.unmarshal(b"\x00\x3c\x00\x00" + bytes(8) + raw)
+    assert content.properties.headers == {"eta": None, "retries": 0}
+    assert read_archive(spark, published.url, stream="default").where(
+        F.col("native_properties").isNotNull()).count() == 0
 
 
 def load_example(name: str) -> Any:

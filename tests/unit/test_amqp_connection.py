@@ -14,6 +14,8 @@ from shardgate.protocols.amqp.connection import PROTOCOL_HEADER, AmqpConnection,
 from shardgate.protocols.amqp.service import AmqpService
 from shardgate.protocols.amqp.settings import AmqpSettings
 
+from tests.manual_clock import ManualClock
+
 
 class FakeLink:
     def __init__(self) -> None:
@@ -93,7 +95,7 @@ class Loopless(AmqpService):
 
 @pytest.fixture
 def service() -> AmqpService:
-    return Loopless(Edge(Broker()), AmqpSettings())
+    return Loopless(Edge(Broker()), AmqpSettings(), scheduler=ManualClock())
 
 
 @pytest.fixture
@@ -438,6 +440,23 @@ def test_server_sends_heartbeats_and_drops_a_silent_peer(service: AmqpService) -
     assert not c.link.closed
     c.conn.tick(start + 4.5)
     assert c.link.closed
+
+
+def test_heartbeats_run_on_the_services_timers_with_a_manual_clock() -> None:
+    clock = ManualClock()
+    service = Loopless(Edge(Broker()), AmqpSettings(), scheduler=clock)
+    service.start()  # its tick and sweep timers go to the clock, no event loop
+    c = Client(service)
+    c.feed(PROTOCOL_HEADER)
+    c.send(0, commands.Connection.StartOk(mechanism="PLAIN", response="\0guest\0guest"))
+    c.send(0, commands.Connection.TuneOk(channel_max=0, frame_max=0, heartbeat=2))
+    c.send(0, commands.Connection.Open(virtual_host="/"))
+    clock.advance(1.5)
+    assert [type(v).__name__ for _, v in c.read()] == ["Heartbeat"]
+    assert not c.link.closed
+    clock.advance(3.6)  # over two heartbeat intervals without a frame from the client
+    assert c.link.closed
+    service.stop()
 
 
 def test_heartbeat_negotiation_follows_tune_ok(service: AmqpService) -> None:

@@ -16,6 +16,7 @@ from shardgate.protocols.amqp import queues
 from shardgate.protocols.amqp.settings import AmqpSettings
 from shardgate.storage.memory import MemoryStorage
 
+from tests.manual_clock import ManualClock
 from tests.unit.test_amqp_connection import Client, Loopless
 
 
@@ -27,7 +28,7 @@ async def settle() -> None:
 @pytest.fixture
 def client() -> Client:
     broker = Broker(storage=MemoryStorage(100_000), default_stream=StreamConfig("default", mode="reliable"))
-    service = Loopless(Edge(broker), AmqpSettings())
+    service = Loopless(Edge(broker), AmqpSettings(), scheduler=ManualClock())
     c = Client(service)
     c.handshake()
     c.open_channel(1)

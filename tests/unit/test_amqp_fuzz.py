@@ -14,6 +14,7 @@ from shardgate.core.edge import Edge
 from shardgate.protocols.amqp.connection import PROTOCOL_HEADER, State
 from shardgate.protocols.amqp.settings import AmqpSettings
 
+from tests.manual_clock import ManualClock
 from tests.unit.test_amqp_connection import Client, Loopless
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pamqp on basic.recover-async
@@ -22,7 +23,7 @@ FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCh
 
 
 def opened() -> Client:
-    client = Client(Loopless(Edge(Broker()), AmqpSettings()))
+    client = Client(Loopless(Edge(Broker()), AmqpSettings(), scheduler=ManualClock()))
     client.handshake()
     client.open_channel(1)
     return client
@@ -36,7 +37,7 @@ def frames_of(method_index: int, args: bytes, frame_type: int = 1, channel: int 
 @FUZZ
 @given(st.binary(max_size=200))
 def test_random_bytes_before_the_header(data: bytes) -> None:
-    client = Client(Loopless(Edge(Broker()), AmqpSettings()))
+    client = Client(Loopless(Edge(Broker()), AmqpSettings(), scheduler=ManualClock()))
     client.conn.data_received(data)
     client.service._flush()
 
@@ -68,7 +69,7 @@ def test_known_methods_with_garbage_arguments(index: int, args: bytes, frame_typ
 
 
 def test_header_then_garbage_in_one_read() -> None:
-    client = Client(Loopless(Edge(Broker()), AmqpSettings()))
+    client = Client(Loopless(Edge(Broker()), AmqpSettings(), scheduler=ManualClock()))
     client.conn.data_received(PROTOCOL_HEADER + b"\xff" * 40)
     client.service._flush()
     assert client.conn.state in (State.CLOSING, State.CLOSED)

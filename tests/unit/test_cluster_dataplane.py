@@ -379,3 +379,25 @@ async def test_durable_cursors_made_before_the_shard_map_replay_from_what_the_no
     consumer = Recorder("late")
     b.broker.attach(sub, consumer)  # the client comes back: replayed from what b received
     await until(lambda: [m.payload for m in consumer.got] == [b"kept"])
+
+
+async def test_malformed_frames_from_a_peer_are_refused_per_message_and_the_link_lives(cluster):
+    import grpc
+    from shardgate.proto import cluster_pb2 as pb
+    from shardgate.proto import cluster_pb2_grpc as pb_grpc
+
+    b = cluster["b"]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{b.plane.port}") as channel:
+        call = pb_grpc.PeerLinkStub(channel).Link()
+        await call.write(pb.PeerFrame(sequence=1, from_node="intruder", forwards=[
+            pb.Forward(stream="orders", shard=2, record=b"\x07garbage"),
+            pb.Forward(stream="orders", shard=2, topic=topic_on(b.broker, "orders", 2, "orders"), payload=b"ok"),
+        ], pushes=[pb.Push(stream="orders", shard=0, offset=1, record=b"\x00")]))
+        reply = await asyncio.wait_for(call.read(), 5)
+        assert [o.code for o in reply.outcomes] == [pb.REJECTED, pb.STORED]
+        assert "malformed" in reply.outcomes[0].reason
+        await call.write(pb.PeerFrame(sequence=2, forwards=[
+            pb.Forward(stream="orders", shard=2, topic=topic_on(b.broker, "orders", 2, "orders"), payload=b"again"),
+        ]))
+        assert (await asyncio.wait_for(call.read(), 5)).outcomes[0].code == pb.STORED
+        call.cancel()
