@@ -191,6 +191,15 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
         for client_id, session in mqtt.sessions.items():
             if session.connection is not None:
                 node.claim_session(client_id)
+    def empty_shards(shards: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        empty = []
+        for name, index in shards:
+            stream = broker.streams.get(name)
+            if stream is not None and index < len(stream.shards) and stream.shards[index].next_offset == 0:
+                empty.append((name, index))
+        return empty
+
+    node.empty_shards = empty_shards
     stats = broker.stats
     node.load_probe = lambda: stats.messages_in + stats.messages_out
     await node.join(address, listeners)

@@ -90,6 +90,8 @@ class EtcdClusterView:
         self.guard_revision = 0
         self.revision = 0
         self.lease_valid_until = 0.0
+        # shards this node stopped acting for before handing them over (graceful leave)
+        self.released: set[tuple[str, int]] = set()
         self._callbacks: list[Callable[[], None]] = []
         self._node_infos: dict[str, NodeInfo] = {}
 
@@ -112,7 +114,8 @@ class EtcdClusterView:
         shards = self.placement.get(stream)
         if shards is None or not 0 <= shard < len(shards):
             return False
-        return shards[shard].node_id == self._node_id and self.lease_alive()
+        return (shards[shard].node_id == self._node_id and self.lease_alive()
+                and (not self.released or (stream, shard) not in self.released))
 
     def on_change(self, callback: Callable[[], None]) -> None:
         self._callbacks.append(callback)
@@ -274,6 +277,8 @@ class ClusterNode:
         # catalog writes made on this node, sent to etcd in order by one task (see `submit`)
         self._writes: asyncio.Queue[tuple[str, bytes | None, bool]] = asyncio.Queue()
         self._pending_writes = 0
+        # which of the given reliable shards hold no message here (graceful leave hands them over)
+        self.empty_shards: Callable[[list[tuple[str, int]]], list[tuple[str, int]]] | None = None
         # messages this node has handled so far (in + out); its rate is the load it reports
         self.load_probe: Callable[[], int] | None = None
         # the users and ACL files kept equal on every node (shared_files.SharedFiles)
@@ -555,7 +560,15 @@ class ClusterNode:
         }
         live = [node for node, reg in view.registrations.items() if not reg.leaving]
         load = {node: reg.load for node, reg in view.registrations.items()}
-        placed = place(view.shard_specs(), current, live, load)
+        released = set()
+        for node, registration in view.registrations.items():
+            if registration.leaving:
+                for name in registration.released:
+                    stream, _, index = name.rpartition("/")
+                    if index.isdigit() and current.get((stream, int(index)), None) is not None \
+                            and current[(stream, int(index))].node_id == node:
+                        released.add((stream, int(index)))
+        placed = place(view.shard_specs(), current, live, load, released)
         desired: dict[str, list[Placed]] = {}
         for name, definition in view.streams.items():
             shards = [placed.get((name, index)) for index in range(int(definition.get("partitions", 1)))]
@@ -656,6 +669,15 @@ class ClusterNode:
         if not self._running or self.registration is None:
             return
         others = [n for n, reg in self.view.registrations.items() if n != self.node_id and not reg.leaving]
+        if others and self.empty_shards is not None:
+            # reliable shards whose log is empty can move with nothing lost: stop acting for
+            # them first (publishes get a retryable error), then check they are still empty
+            mine = [(spec.stream, spec.shard) for spec in self.view.shard_specs()
+                    if spec.reliable and self.view.owns(spec.stream, spec.shard)]
+            self.view.released.update(mine)
+            empty = set(self.empty_shards(mine))
+            self.view.released.intersection_update(empty)
+            self.registration.released = sorted(f"{stream}/{shard}" for stream, shard in empty)
         self.registration.leaving = True
         key = self.key(keys.NODES + self.node_id)
         try:
@@ -680,7 +702,7 @@ class ClusterNode:
     def _movable_owned(self) -> list[tuple[str, int]]:
         owned = []
         for spec in self.view.shard_specs():
-            if not spec.reliable:
+            if not spec.reliable or (spec.stream, spec.shard) in self.view.released:
                 assignment = self.view.owner(spec.stream, spec.shard)
                 if assignment is not None and assignment.node_id == self.node_id:
                     owned.append((spec.stream, spec.shard))

@@ -49,12 +49,15 @@ class NodeRegistration:
     leaving: bool = False
     # messages per second the node handles, for placement ties
     load: float = 0.0
+    # leaving: reliable shards ("stream/shard") with an empty log it no longer writes to
+    released: list[str] = field(default_factory=list)
 
     def to_json(self) -> bytes:
         return encode({
             "node_id": self.node_id, "cluster_address": self.cluster_address,
             "instance": self.instance, "started_ms": self.started_ms,
             "listeners": self.listeners, "leaving": self.leaving, "load": self.load,
+            "released": self.released,
         })
 
     @classmethod
@@ -64,5 +67,5 @@ class NodeRegistration:
             node_id=data["node_id"], cluster_address=data.get("cluster_address", ""),
             instance=data.get("instance", ""), started_ms=int(data.get("started_ms", 0)),
             listeners=dict(data.get("listeners", {})), leaving=bool(data.get("leaving", False)),
-            load=float(data.get("load", 0.0)),
+            load=float(data.get("load", 0.0)), released=list(data.get("released", [])),
         )

@@ -7,7 +7,8 @@ Rules, in order:
 - a reliable shard keeps its node even when that node is dead or leaving: its log lives on
   that node's disk (replication is not there yet), so it is unavailable until the node
   returns rather than silently moved to an empty log; a new reliable shard goes to the
-  least-loaded live node like any other;
+  least-loaded live node like any other. The exception: shards a leaving node `released`
+  (their log is empty and it has stopped taking writes for them) move like non-reliable ones;
 - then non-reliable shards move from the fullest to the emptiest live node until shard
   counts differ by at most one (a joining node takes its fair share).
 Every change of a shard's node bumps that shard's epoch.
@@ -16,7 +17,7 @@ Every change of a shard's node bumps that shard's epoch.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
 
 ShardKey = tuple[str, int]
@@ -40,6 +41,7 @@ def place(
     current: Mapping[ShardKey, Placed],
     live_nodes: Iterable[str],
     load: Mapping[str, float] | None = None,
+    released: Set[ShardKey] = frozenset(),
 ) -> dict[ShardKey, Placed]:
     """The new assignment of every shard in `shards` (shards not listed are dropped).
     With no live node, non-reliable shards without a live owner are left out (unassigned)."""
@@ -57,7 +59,7 @@ def place(
             count[placed.node_id] += 1
             if not spec.reliable:
                 movable[placed.node_id].append(key)
-        elif placed is not None and spec.reliable:
+        elif placed is not None and spec.reliable and key not in released:
             result[key] = placed  # sticky: its log is on that node
         else:
             homeless.append(spec)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from shardgate.client import SyncClient
 
 from tests.conftest import free_port, wait_for
 from tests.e2e.cluster_fixtures import ETCD, ClusterNodeProcess, EtcdServer, settled
@@ -302,3 +303,21 @@ def test_when_the_controller_dies_another_node_takes_over_within_the_ttl(cluster
     # one controller for both survivors, and the dead node's fast shards spread over them
     assert survivors[1].status()["controller"] == status["controller"]
     assert set(owners(status, "fast")) <= {node.node_id for node in survivors}
+
+
+def test_sigterm_hands_over_empty_reliable_shards_and_keeps_the_ones_with_messages(
+    cluster: Cluster,
+) -> None:
+    n1, n2 = cluster(2, extra_config=STREAMS)
+    status = wait_for(lambda: (s := settled(n2, {"n1", "n2"})) and shard_counts(s) == [4, 5] and s,
+                      timeout=30)
+    assert owners(status, "safe") == ["n1", "n1"]  # declared before n2 joined
+    with SyncClient(n1.grpc_url) as client:
+        kept = client.producer().send("safe/a", b"acknowledged").shard
+    assert n1.terminate() == 0
+    status = n2.status()
+    # the shard holding a message stays with n1 (unavailable until it returns, never moved to
+    # an empty log); the empty one was handed over before n1 exited
+    assert owners(status, "safe")[kept] == "n1"
+    assert owners(status, "safe")[1 - kept] == "n2"
+    assert status["unavailable_shards"] == [f"safe/{kept}"]
