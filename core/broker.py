@@ -151,6 +151,9 @@ class Broker:
         self.placement: ShardPlacement | None = None
         self.fanout: Fanout | None = None
         self.on_routes_changed: Callable[[], None] | None = None
+        # Told when a durable subscription is created or its filters change, so that its
+        # definition is saved before the protocol confirms it (declare-ok, SUBACK, ...).
+        self.on_durable_defined: Callable[[DurableSubscription], None] | None = None
 
     # ---------------------------------------------------------------- streams and routing
     @property
@@ -276,7 +279,12 @@ class Broker:
         self.subscriptions[name] = sub
         if initial_position != "latest":
             sub.open_cursors()
+        self._durable_defined(sub)
         return sub
+
+    def _durable_defined(self, sub: Subscription) -> None:
+        if self.on_durable_defined is not None and isinstance(sub, DurableSubscription):
+            self.on_durable_defined(sub)
 
     def add_filter(self, sub: Subscription, topic_filter: str, options: object = None) -> bool:
         """Add (or update the options of) a filter; True if the filter is new to `sub`."""
@@ -287,6 +295,7 @@ class Broker:
             self._match_cache.clear()
             if self.on_routes_changed is not None:
                 self.on_routes_changed()
+            self._durable_defined(sub)
         return new
 
     def remove_filter(self, sub: Subscription, topic_filter: str) -> bool:
@@ -297,6 +306,7 @@ class Broker:
         self._match_cache.clear()
         if self.on_routes_changed is not None:
             self.on_routes_changed()
+        self._durable_defined(sub)
         return True
 
     def remove_subscription(self, name: str) -> Subscription | None:

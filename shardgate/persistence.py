@@ -125,21 +125,37 @@ class Persistence:
         """Save durable subscriptions other than MQTT sessions (those are saved with the
         session) whose definition changed."""
         for sub in list(self.broker.subscriptions.values()):
-            if not isinstance(sub, DurableSubscription) or sub.name.startswith("mqtt:"):
-                continue
-            if getattr(sub.owner, "transient", False):  # a non-durable replay: never saved
-                continue
-            signature = (sub.type.value, tuple(sorted(sub.filters)))
-            if self._saved.get(sub.name) == signature:
-                continue
-            record = SubscriptionRecord(
-                sub.name, sub.type.value, sorted(sub.filters), True, self._owner_options(sub), now_ms()
-            )
-            try:
-                self.store.put_subscription(record)
-                self._saved[sub.name] = signature
-            except Exception:
-                log.exception("could not save subscription %r", sub.name)
+            if isinstance(sub, DurableSubscription):
+                self._save_definition(sub)
+
+    def subscription_defined(self, sub: DurableSubscription) -> None:
+        """Save a durable subscription and its cursors as soon as it is created or its
+        filters change (a durable AMQP queue declared or bound, a gRPC durable subscription
+        opened), before the client is told: a crash right after declare-ok and a confirmed
+        publish must find the queue, positioned before that message, after the restart."""
+        if sub.name.startswith("mqtt:") or getattr(sub.owner, "transient", False):
+            return
+        self._save_definition(sub)
+        sub.save()
+        self.sink.flush()
+
+    def _save_definition(self, sub: DurableSubscription) -> None:
+        """Save `sub`'s definition if it changed since it was last saved."""
+        if sub.name.startswith("mqtt:") or sub.name not in self.broker.subscriptions:
+            return
+        if getattr(sub.owner, "transient", False):  # a non-durable replay: never saved
+            return
+        signature = (sub.type.value, tuple(sorted(sub.filters)))
+        if self._saved.get(sub.name) == signature:
+            return
+        record = SubscriptionRecord(
+            sub.name, sub.type.value, sorted(sub.filters), True, self._owner_options(sub), now_ms()
+        )
+        try:
+            self.store.put_subscription(record)
+            self._saved[sub.name] = signature
+        except Exception:
+            log.exception("could not save subscription %r", sub.name)
 
     def _subscription_removed(self, sub: object) -> None:
         name = getattr(sub, "name", "")
@@ -169,6 +185,7 @@ class Persistence:
             self._saved[record.name] = (sub.type.value, tuple(sorted(sub.filters)))
             count += 1
         self.broker.on_subscription_removed = self._subscription_removed
+        self.broker.on_durable_defined = self.subscription_defined
         return count
 
     def start(self) -> None:
