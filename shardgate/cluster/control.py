@@ -32,6 +32,7 @@ from .etcd import (
     EtcdError,
     EtcdUnavailable,
     KeyValue,
+    LeaseKeeper,
     WatchEvent,
     create_revision_is,
     delete_op,
@@ -269,6 +270,8 @@ class ClusterNode:
         )
         self.registration: keys.NodeRegistration | None = None
         self.lease_id = 0
+        self._lease_keeper: LeaseKeeper | None = None
+        self._lease_lost = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._wake = asyncio.Event()
         self._running = False
@@ -333,6 +336,7 @@ class ClusterNode:
         except EtcdError as exc:
             raise ClusterStartError(f"cannot register with etcd: {exc}") from None
         self._running = True
+        self._start_lease_keeper()
         kvs, revision = await self.client.get_prefix(self.prefix)
         self.view.load(self.prefix, kvs, revision)
         self.view.session_changes = []  # joining is not a change of anyone's session
@@ -378,36 +382,37 @@ class ClusterNode:
         self.view.lease_valid_until = sent + ttl
 
     # ---------------------------------------------------------------- background loops
+    def _start_lease_keeper(self) -> None:
+        """Keep the lease alive from a thread of its own (etcd.LeaseKeeper), so a busy event
+        loop cannot let it expire; its answers reach the fencing view through the loop."""
+        loop = asyncio.get_running_loop()
+        self._lease_lost = asyncio.Event()
+
+        def refreshed(lease_id: int, sent: float, granted: int) -> None:  # on the event loop
+            if lease_id != self.lease_id or not self._running:
+                return  # an answer about a lease this node no longer holds
+            if granted <= 0:
+                self._lease_lost.set()
+            else:
+                self.view.lease_valid_until = max(self.view.lease_valid_until, sent + granted)
+
+        def from_thread(lease_id: int, sent: float, granted: int) -> None:
+            loop.call_soon_threadsafe(refreshed, lease_id, sent, granted)
+
+        self._lease_keeper = self.client.lease_keeper(
+            self.lease_id, max(0.5, self.settings.lease_ttl_s / 3), from_thread)
+        self._lease_keeper.start()
+
     async def _keep_alive(self) -> None:
-        ttl = self.settings.lease_ttl_s
-        interval = max(0.5, ttl / 3)
+        """Register again (a new lease) whenever etcd says the lease is gone."""
+        assert self._lease_keeper is not None
         while self._running:
-            try:
-                sent = time.monotonic()
-                async with contextlib.aclosing(
-                        self.client.keep_alive(self.lease_id, interval)) as refreshes:
-                    async for granted in refreshes:
-                        if granted <= 0:
-                            raise _LeaseLost
-                        self.view.lease_valid_until = sent + granted
-                        sent = time.monotonic() + interval
-            except _LeaseLost:
-                log.warning("cluster: the lease of node %s expired; registering again", self.node_id)
-                await self._register_again()
-            except Exception as exc:  # a broken stream must never end the keep-alive loop
-                remaining = self.view.lease_valid_until - time.monotonic()
-                if remaining > 0:
-                    log.warning("cluster: cannot refresh the lease (%s); acting for owned shards "
-                                "for %.1f s more", exc, remaining)
-                else:
-                    log.debug("cluster: cannot refresh the lease: %s", exc)
-                # the channel reconnects by itself; unary calls (the watch guard's every
-                # WATCH_CHECK_S) fail over to the next endpoint when this one is gone
-                await asyncio.sleep(0.5)
-            except asyncio.CancelledError:
-                if _cancelling():
-                    raise
-                await asyncio.sleep(0.5)  # the channel under the stream was closed: retry
+            await self._lease_lost.wait()
+            self._lease_lost.clear()
+            log.warning("cluster: the lease of node %s expired; registering again", self.node_id)
+            await self._register_again()
+            self._lease_keeper.lease_id = self.lease_id
+            self._lease_keeper.refresh_now()
 
     async def _register_again(self) -> None:
         while self._running:
@@ -719,16 +724,15 @@ class ClusterNode:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
+        if self._lease_keeper is not None:
+            await asyncio.to_thread(self._lease_keeper.stop, self.client.timeout + 1)
+            self._lease_keeper = None
         if self.lease_id:
             with contextlib.suppress(EtcdError):
                 await self.client.revoke(self.lease_id)
             self.lease_id = 0
         self.view.lease_valid_until = 0.0
         await self.client.close()
-
-
-class _LeaseLost(Exception):
-    pass
 
 
 def _cancelling() -> bool:
