@@ -42,6 +42,7 @@ from .errors import ChannelException, ConnectionException, ReplyCode
 from .hotpath import (
     ACK_INDEX,
     PUBLISH_INDEX,
+    BasicProperties,
     decode_ack,
     decode_content_header,
     decode_publish,
@@ -134,6 +135,14 @@ def _route_names(route: bytes) -> tuple[str, str]:
     n = route[0]
     m = route[1 + n]
     return route[1:1 + n].decode(), route[2 + n:2 + n + m].decode()
+
+
+def _login_text(value: object) -> str | None:
+    """An AMQPLAIN LOGIN or PASSWORD field as text (a byte string as UTF-8); None, which
+    authentication refuses, for a missing field or one of another type."""
+    if isinstance(value, bytes):
+        return value.decode()
+    return value if isinstance(value, str) else None
 
 
 class Delivery:
@@ -757,8 +766,7 @@ class AmqpConnection:
             try:
                 _, table = decode.field_table(struct.pack(">I", len(raw)) + raw)
                 login, secret = table.get("LOGIN"), table.get("PASSWORD")
-                user = login.decode() if isinstance(login, bytes) else login
-                password = secret.decode() if isinstance(secret, bytes) else secret
+                user, password = _login_text(login), _login_text(secret)
             except (ValueError, UnicodeDecodeError):
                 pass
         else:
@@ -1198,7 +1206,7 @@ class AmqpConnection:
             if not frame.nowait:
                 self.send_method(channel.number, commands.Basic.CancelOk(frame.consumer_tag))
             return
-        consumer = channel.consumers.pop(frame.consumer_tag, None)
+        consumer = channel.consumers.pop(frame.consumer_tag or "", None)
         if not frame.nowait:
             self.send_method(channel.number, commands.Basic.CancelOk(frame.consumer_tag))
         if consumer is not None:
@@ -1274,7 +1282,7 @@ class AmqpConnection:
             self._close_channel(channel, exc)
 
     def _route(
-        self, channel: AmqpChannel, frame: commands.Basic.Publish, props: commands.Basic.Properties,
+        self, channel: AmqpChannel, frame: commands.Basic.Publish, props: BasicProperties,
         raw: bytes, body: bytes,
     ) -> None:
         vhost = self.vhost
@@ -1531,7 +1539,7 @@ class AmqpConnection:
         self._settle_negative(channel, [d for _, d in tagged], frame.requeue)
 
     def _basic_reject(self, channel: AmqpChannel, frame: commands.Basic.Reject) -> None:
-        tagged = channel.settle_tagged(frame.delivery_tag, False, commands.Basic.Reject)
+        tagged = channel.settle_tagged(frame.delivery_tag or 0, False, commands.Basic.Reject)
         if channel.tx is not None:
             channel.tx.settlements.append((bool(frame.requeue), tagged))
             return

@@ -13,9 +13,11 @@ input) returns None and goes through pamqp, which reports the error.
 
 from __future__ import annotations
 
+import datetime
 import struct
 
 from pamqp import commands, decode
+from pamqp.common import FieldTable
 
 PUBLISH_INDEX = commands.Basic.Publish.index
 ACK_INDEX = commands.Basic.Ack.index
@@ -124,22 +126,23 @@ _PROPERTY_NAMES = tuple(name for _, name, _ in _PROPERTY_FIELDS)
 class Properties:
     """Basic properties as read from a content header: the attributes of pamqp's
     `commands.Basic.Properties` (unset ones None), without its per-field machinery. The
-    defaults are class attributes, so a new instance costs nothing per field."""
+    defaults are class attributes, so a new instance costs nothing per field. The attribute
+    types are pamqp's, so code reading properties takes either (`BasicProperties`)."""
 
-    content_type: object = None
-    content_encoding: object = None
-    headers: object = None
-    delivery_mode: object = None
-    priority: object = None
-    correlation_id: object = None
-    reply_to: object = None
-    expiration: object = None
-    message_id: object = None
-    timestamp: object = None
-    message_type: object = None
-    user_id: object = None
-    app_id: object = None
-    cluster_id: object = ""  # pamqp's default
+    content_type: str | None = None
+    content_encoding: str | None = None
+    headers: FieldTable | None = None
+    delivery_mode: int | None = None
+    priority: int | None = None
+    correlation_id: str | None = None
+    reply_to: str | None = None
+    expiration: str | None = None
+    message_id: str | None = None
+    timestamp: datetime.datetime | None = None
+    message_type: str | None = None
+    user_id: str | None = None
+    app_id: str | None = None
+    cluster_id: str = ""  # pamqp's default
 
     def to_pamqp(self) -> commands.Basic.Properties:
         return commands.Basic.Properties(**{  # cluster-id is deprecated: pamqp refuses it
@@ -149,6 +152,10 @@ class Properties:
 
     def marshal(self) -> bytes:
         return self.to_pamqp().marshal()
+
+
+# A message's basic properties as decoded by pamqp or by `decode_content_header`.
+BasicProperties = commands.Basic.Properties | Properties
 
 
 def decode_content_header(data: bytes) -> tuple[int, Properties] | None:

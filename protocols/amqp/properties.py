@@ -21,13 +21,16 @@ import base64
 import datetime
 import json
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pamqp import commands
 from pamqp import header as pamqp_header
 
 from ...core.message import Message, now_ms
 from .routing import header_value
+
+if TYPE_CHECKING:
+    from .hotpath import BasicProperties
 
 PROPERTIES_KEY = "amqp-properties"
 """Key of the properties encoded for a message from another protocol in `Message.encoded`."""
@@ -88,7 +91,7 @@ def header_text(value: object) -> str:
 
 
 def message_from_properties(
-    topic: str, body: bytes, props: commands.Basic.Properties, producer_id: str,
+    topic: str, body: bytes, props: BasicProperties, producer_id: str,
     raw_properties: bytes | None,
 ) -> Message:
     headers: list[tuple[str, str]] = []

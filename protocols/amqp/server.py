@@ -10,7 +10,7 @@ import asyncio
 import ipaddress
 import logging
 import ssl
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from .connection import AmqpConnection
 from .errors import ConnectionException, ReplyCode
@@ -39,10 +39,11 @@ class AmqpProtocol(asyncio.Protocol):
         self.connection: AmqpConnection | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop transports are not asyncio.Transport subclasses; no isinstance check here.
-        self.transport = transport
+        # A stream server's transport has the asyncio.Transport interface; uvloop's are not
+        # asyncio.Transport subclasses, so this is a cast rather than an isinstance check.
+        self.transport = cast(asyncio.Transport, transport)
         limit = self.service.settings.max_outbound_buffer
-        transport.set_write_buffer_limits(high=limit, low=limit // 4)
+        self.transport.set_write_buffer_limits(high=limit, low=limit // 4)
         peer = transport.get_extra_info("peername")
         host = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         remote = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pamqp import commands, encode, header
+from pamqp.common import FieldArray, FieldTable
 
 from ...core.broker import INTERNAL_PREFIX
 from ...core.durable import DurableOptions, DurableSubscription
@@ -262,8 +263,8 @@ class VirtualHost:
         for queue_name in list(exchange.bound):
             queue = self.queues.get(queue_name)
             if queue is not None:
-                for key in [k for k in queue.bindings if k[0] == name]:
-                    self._remove_binding(queue, key)
+                for binding_key in [k for k in queue.bindings if k[0] == name]:
+                    self._remove_binding(queue, binding_key)
         self.exchanges.pop(name, None)
         if linked:
             self.rederive_all()
@@ -604,8 +605,8 @@ class VirtualHost:
                 )
         for source, destination, key, args in saved.get("exchange_bindings", []):
             if source in self.exchanges and destination in self.exchanges:
-                binding = ExchangeBinding(source, destination, key, dict(args or {}))
-                self.exchange_bindings[binding.key] = binding
+                exchange_binding = ExchangeBinding(source, destination, key, dict(args or {}))
+                self.exchange_bindings[exchange_binding.key] = exchange_binding
         queues = {entry["name"]: entry for entry in saved.get("queues", [])}
         prefix = self._subscription_name("")
         count = 0
@@ -796,9 +797,14 @@ def _deaths(raw: bytes) -> tuple[set[str], bool]:
     was a rejection."""
     content = header.ContentHeader()
     content.unmarshal(content_header_payload(raw, 0))
-    deaths = (content.properties.headers or {}).get("x-death") or []
-    tables = [d for d in deaths if isinstance(d, dict)]
+    tables = _death_tables(content.properties.headers or {})
     return {str(d.get("queue")) for d in tables}, any(d.get("reason") == "rejected" for d in tables)
+
+
+def _death_tables(headers: FieldTable) -> list[FieldTable]:
+    """The tables of the x-death array in `headers`; anything else there counts as none."""
+    deaths = headers.get("x-death")
+    return [d for d in deaths if isinstance(d, dict)] if isinstance(deaths, list) else []
 
 
 def dead_lettered_properties(
@@ -820,7 +826,7 @@ def dead_lettered_properties(
     content.unmarshal(content_header_payload(raw, 0))
     props = content.properties
     headers = dict(props.headers or {})
-    deaths = [d for d in headers.get("x-death") or [] if isinstance(d, dict)]
+    deaths = _death_tables(headers)
     same = [d for d in deaths if d.get("queue") == queue and d.get("reason") == reason]
     if same:
         death = dict(sorted(same[0].items()))
@@ -828,7 +834,7 @@ def dead_lettered_properties(
         death["count"] = (count if isinstance(count, int) else 0) + 1
         deaths = [death, *(d for d in deaths if d is not same[0])]
     else:
-        routing_keys = [routing_key]
+        routing_keys: FieldArray = [routing_key]
         cc = headers.get("CC")
         if isinstance(cc, list):
             routing_keys.extend(str(k) for k in cc)
@@ -845,7 +851,7 @@ def dead_lettered_properties(
         if deaths:
             death = dict(sorted(death.items()))
         deaths.insert(0, death)
-    headers["x-death"] = deaths
+    headers["x-death"] = [*deaths]  # a FieldArray (a list of tables is not one to mypy)
     for name, value in first.items():
         headers.setdefault(name, value)
     props.headers = None
