@@ -9,6 +9,7 @@ shard is placed; `node.status()` is the node's `/api/cluster`. Tests skip when e
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import ssl
@@ -137,6 +138,17 @@ def settled(node: ClusterNodeProcess, nodes: set[str]) -> dict[str, Any] | None:
     return status
 
 
+def linked(node: ClusterNodeProcess) -> set[str]:
+    """The peers `node`'s links are up to (its metrics)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{node.ports['http']}/metrics",
+                                    timeout=5) as response:
+            text = response.read().decode()
+    except (OSError, urllib.error.URLError):
+        return set()
+    return set(re.findall(r'^shardgate_cluster_link_up\{[^}]*peer="([^"]+)"[^}]*\} 1', text, re.M))
+
+
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
     if ETCD is None:
@@ -161,6 +173,10 @@ def cluster(tmp_path: Path, etcd: EtcdServer) -> Iterator[Callable[..., list[Clu
         everyone = {n.node_id for n in started if n.alive()}
         for node in nodes:
             wait_for(lambda node=node: settled(node, everyone), timeout=30, interval=0.05)
+        # and linked: a node forwards to a peer only once its link to it is up
+        for node in (n for n in started if n.alive()):
+            wait_for(lambda node=node: linked(node) >= everyone - {node.node_id},
+                     timeout=30, interval=0.05)
         return nodes
 
     yield start

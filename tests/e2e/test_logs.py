@@ -39,7 +39,7 @@ def test_bridges_to_a_remote_that_is_down_log_once_and_third_parties_stay_quiet(
     assert text.count("bridge cloud: cannot reach the remote") == 1
     assert text.count("amqp bridge rabbit: cannot reach the remote") == 1
     attempts = [int(n) for n in re.findall(r"connected to \S+ after (\d+) failed attempts", text)]
-    assert len(attempts) == 2 and min(attempts) >= 2  # several attempts, said once
+    assert len(attempts) == 2 and min(attempts) >= 1  # failed attempts counted, said once
     noisy = [line for line in text.splitlines()
              if re.search(r" (INFO|WARNING|ERROR) (transitions|amqtt|aiormq|aio_pika)", line)]
     assert noisy == []
