@@ -136,6 +136,9 @@ class Persistence:
         if sub.name.startswith("mqtt:") or getattr(sub.owner, "transient", False):
             return
         self._save_definition(sub)
+        # Cursors on every reliable shard from now on ("latest" is where it stands now), saved
+        # with the definition: a message published after this answer is never skipped.
+        sub.open_cursors()
         sub.save()
         self.sink.flush()
 
