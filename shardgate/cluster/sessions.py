@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.durable import DurableSubscription
 from ..core.message import Message, message_from_record, now_ms
+from ..core.records import RecordFormatError, decode_message, encode_message
 from ..core.subscriptions import SubscriptionType
 from ..protocols.mqtt import packets as p
 from ..protocols.mqtt.session import (
@@ -48,7 +49,6 @@ from ..protocols.mqtt.session import (
     Queued,
     SubscriptionOptions,
 )
-from ..storage.records import RecordFormatError, decode_message, encode_message
 from . import keys
 from .etcd import EtcdError, delete_op, get_op, mod_revision_is, put_op
 from .shard_reader import OwnerLog

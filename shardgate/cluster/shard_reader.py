@@ -27,9 +27,9 @@ from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..core.records import RecordFormatError, record_topic
 from ..core.topics import filter_matches
 from ..storage.interfaces import StoredRecord
-from ..storage.records import RecordFormatError, record_topic
 from .routes import Route
 from .state_rpc import StateCallError, StateRpc
 
