@@ -321,10 +321,8 @@ function renderCluster(cluster) {
 }
 
 async function refreshCluster() {
-  const response = await fetch("/api/cluster", { headers: { Accept: "application/json" }, cache: "no-store" });
-  if (response.status === 404) return renderCluster(null);  // a single node
-  if (!response.ok) throw new Error(`${response.status} ${response.statusText}`);
-  renderCluster(await response.json());
+  // /api/info names this node's cluster id; a single node has none (and no /api/cluster)
+  renderCluster(lastInfo && lastInfo.cluster_node ? await getJSON("/api/cluster") : null);
 }
 
 // ------------------------------------------------------------------ polling
