@@ -187,10 +187,6 @@ async def test_grpc_sdk_publish_on_one_node_reaches_a_consumer_on_another(
         assert sorted(got) == sorted(topics)
 
 
-
-
-@pytest.mark.xfail(strict=False, reason="known race: a retained update sent while a peer link is "
-                   "(re)connecting can be lost, so a node may miss some retained messages")
 def test_retained_message_set_on_one_node_is_read_on_another(cluster: Cluster) -> None:
     n1, n2 = cluster(2, extra_config=STREAMS)
     pub = Paho(n1.mqtt_port, "pub", V5)
@@ -207,8 +203,6 @@ def test_retained_message_set_on_one_node_is_read_on_another(cluster: Cluster) -
     assert all(m.retain for m in got)
 
 
-@pytest.mark.xfail(strict=False, reason="known race: right after start a forward to a peer is "
-                   "sometimes refused (0x80) although the link is up and the shard placed")
 def test_publishes_to_a_killed_node_get_a_retryable_error_until_its_shards_move(cluster: Cluster) -> None:
     n1, n2 = cluster(2, extra_config=STREAMS)
     fast = n1.status()["placement"]["fast"]
