@@ -10,12 +10,17 @@ a stored message pushed by the owner to the subscriber's node.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import queue
 import re
+import socket
+import struct
+import threading
 import time
 import urllib.request
 import zlib
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,7 +30,7 @@ from shardgate.client import Client
 from shardgate.protocols.mqtt import packets as p
 
 from tests.conftest import free_port, wait_for
-from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer, settled
+from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer, linked, settled
 from tests.mqtt_clients import V5, V311, Paho, RawClient
 
 Cluster = Callable[..., list[ClusterNodeProcess]]
@@ -237,3 +242,133 @@ def test_publishes_to_a_killed_node_get_a_retryable_error_until_its_shards_move(
     assert all(r.reason_code == 0x80 and r.properties.reason_string for r in refusals)
     assert sub.expect().payload == str(packet_id).encode(), "served by n1 now"
     raw.close()
+
+
+class CuttableProxy:
+    """A TCP relay on loopback in front of a node's cluster port. `cut()` kills every
+    connection through it at once (both directions, mid-frame), as a network fault would; new
+    connections are relayed again at once."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.relayed = 0  # bytes relayed towards the node
+        self.cuts = 0
+        self._lock = threading.Lock()
+        self._open: list[tuple[socket.socket, socket.socket]] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._open.append((client, upstream))
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, towards_node: bool) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+                if towards_node:
+                    self.relayed += len(data)
+        except OSError:
+            pass
+        for sock in (source, sink):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        with self._lock:
+            pairs, self._open = self._open, []
+        for pair in pairs:
+            for sock in pair:
+                # RST, not FIN: the connection dies as a broken network leaves it
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                sock.close()
+        self.cuts += 1
+
+    def close(self) -> None:
+        self._closed = True
+        self.listener.close()
+        self.cut()
+
+
+def test_messages_in_flight_when_a_link_breaks_are_neither_lost_nor_duplicated(
+    etcd: EtcdServer, tmp_path: Path
+) -> None:
+    """n1's link to n2 runs through a relay that is cut again and again while a publisher on
+    n1 sends to every shard (forwards to n2's shards, pushes of n1's to n2's subscriber):
+    every acknowledged message reaches the subscriber on n2 once, none twice."""
+    n2_cluster_port = free_port()
+    proxy = CuttableProxy(n2_cluster_port)
+    n1 = ClusterNodeProcess(tmp_path / "n1", "n1", etcd.url, extra_config=STREAMS).start()
+    n2 = ClusterNodeProcess(
+        tmp_path / "n2", "n2", etcd.url,
+        extra_config=f'advertise_address = "127.0.0.1:{proxy.port}"\n{STREAMS}',
+        extra_args=["--cluster-port", str(n2_cluster_port)],
+    ).start()
+    try:
+        for node in (n1, n2):
+            wait_for(lambda node=node: settled(node, {"n1", "n2"}), timeout=30, interval=0.05)
+            wait_for(lambda node=node: linked(node) == {"n1", "n2"} - {node.node_id}, timeout=30)
+        sub = Paho(n2.mqtt_port, "sub", V5)
+        sub.subscribe("fast/cut/#", 1)
+        sub.subscribe("safe/cut/#", 1)
+        routes_reach([n1, n2], n2, 2)
+        total, window = 3000, 50
+        topics = [f"{stream}/cut/{i % TOPICS}" for i in range(total) for stream in ("fast", "safe")][:total]
+
+        cutting = threading.Event()
+
+        def cut_repeatedly() -> None:
+            seen = proxy.relayed
+            while not cutting.is_set() and proxy.cuts < 6:
+                if proxy.relayed - seen > 30_000:  # mid-stream: data flowed since the last cut
+                    proxy.cut()
+                    seen = proxy.relayed
+                time.sleep(0.005)
+
+        cutter = threading.Thread(target=cut_repeatedly, daemon=True)
+        raw = RawClient(n1.mqtt_port, version=5)
+        raw.connect("pub")
+        cutter.start()
+        codes: dict[int, int] = {}
+        for start in range(0, total, window):
+            for index in range(start, min(start + window, total)):
+                raw.send(p.Publish(topics[index], str(index).encode(), 1, packet_id=index % 60000 + 1))
+            for _ in range(start, min(start + window, total)):
+                puback = raw.receive()
+                assert isinstance(puback, p.Puback), puback
+                codes[puback.packet_id - 1] = puback.reason_code
+        cutting.set()
+        cutter.join(5)
+        raw.close()
+        assert proxy.cuts >= 3, f"the link broke {proxy.cuts} times only"
+        acknowledged = {index for index, code in codes.items() if code == 0}
+        assert len(acknowledged) == total, f"refused: {[c for c in codes.values() if c]}"
+        got: list[int] = []
+        deadline = time.monotonic() + 30
+        while not acknowledged <= set(got) and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                got.append(int(sub.expect(timeout=1).payload))
+        got += [int(payload) for payload in drain(sub, timeout=0.5)]
+        missing = sorted(acknowledged - set(got))
+        assert not missing, f"{len(missing)} acknowledged messages lost, first {missing[:10]}"
+        duplicated = [index for index, count in Counter(got).items() if count > 1]
+        assert not duplicated, f"{len(duplicated)} delivered twice, first {duplicated[:10]}"
+    finally:
+        proxy.close()
+        for node in (n1, n2):
+            if node.alive():
+                node.kill()
