@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import queue
 import re
+import signal
 import socket
 import struct
 import threading
@@ -372,3 +374,48 @@ def test_messages_in_flight_when_a_link_breaks_are_neither_lost_nor_duplicated(
         for node in (n1, n2):
             if node.alive():
                 node.kill()
+
+
+def test_a_publish_on_another_node_right_after_suback_reaches_the_subscriber(cluster: Cluster) -> None:
+    """No waiting for routes: the SUBACK itself means every node knows the subscription."""
+    n1, n2 = cluster(2, extra_config=STREAMS)
+    sub = RawClient(n2.mqtt_port, version=5)
+    sub.connect("sub")
+    pub = RawClient(n1.mqtt_port, version=5)
+    pub.connect("pub")
+    placement = n1.status()["placement"]
+    # topics of the shards n1 owns: stored there, and pushed to n2 only if n1 knows the route
+    topics = [t for t in (f"{stream}/right-after/{i}" for i in range(200) for stream in ("fast", "safe"))
+              if placement[t.split("/")[0]][zlib.crc32(t.encode()) % 4][0] == "n1"][:50]
+    assert len(topics) == 50
+    for index, topic in enumerate(topics, start=1):
+        # two subscriptions in a row, as a client subscribing to several filters does: the
+        # second's route update goes out after a short delay that batches route changes
+        for packet_id, topic_filter in ((2 * index, f"other/{index}"), (2 * index + 1, topic)):
+            sub.send(p.Subscribe(packet_id, [p.SubscriptionRequest(topic_filter, 0)]))
+            suback = sub.receive()
+            assert isinstance(suback, p.Suback) and suback.reason_codes == [0], suback
+        pub.send(p.Publish(topic, str(index).encode(), 0))
+        got = sub.receive(timeout=5)
+        assert isinstance(got, p.Publish) and got.payload == str(index).encode(), (topic, got)
+    sub.close()
+    pub.close()
+
+
+def test_suback_is_not_held_long_by_a_node_that_does_not_answer(cluster: Cluster) -> None:
+    """A peer that is stopped (its link still open, nothing answered) delays a SUBACK by a
+    bounded wait only; the subscription works on its own node meanwhile."""
+    n1, n2 = cluster(2, extra_config=STREAMS)
+    assert n2.proc is not None
+    os.kill(n2.proc.pid, signal.SIGSTOP)
+    try:
+        sub = Paho(n1.mqtt_port, "sub", V5)
+        assert sub.subscribe("+/stopped/#", 1)[0].value == 1  # the helper waits 10 s at most
+        pub = Paho(n1.mqtt_port, "pub", V5)
+        placement = n1.status()["placement"]
+        topic = next(topic for topic in (f"{stream}/stopped/{i}" for i in range(50) for stream in ("fast", "safe"))
+                     if placement[topic.split("/")[0]][zlib.crc32(topic.encode()) % 4][0] == "n1")
+        pub.publish(topic, "here", 1)
+        assert sub.expect().payload == b"here"
+    finally:
+        os.kill(n2.proc.pid, signal.SIGCONT)
