@@ -22,7 +22,6 @@ from ..storage.interfaces import (
     StorageError,
     StorageFull,
 )
-from ..storage.records import encode_message
 from .delayed import DelayedDelivery, deliver_at
 from .durable import CursorSink, DurableOptions, DurableSubscription
 from .errors import (
@@ -35,6 +34,7 @@ from .errors import (
 )
 from .message import Message, now_ms
 from .placement import Fanout, ShardPlacement
+from .records import encode_message
 from .retained import RetainedStore
 from .schemas import check_payload
 from .streams import (

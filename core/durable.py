@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from ..storage.interfaces import ArchiveSource, ShardLog, StorageError, StoredRecord
-from ..storage.records import RecordFormatError, decode_message, record_topic
 from .message import Message, message_from_record, now_ms
+from .records import RecordFormatError, decode_message, record_topic
 from .subscriptions import Consumer, Subscription, SubscriptionType
 from .topics import filter_matches
 

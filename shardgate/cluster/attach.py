@@ -80,7 +80,7 @@ async def share_catalog(app: Shardgate, node: ClusterNode) -> None:
     assert broker is not None
     broker.topology_sink = ClusterTopologySink(broker.topology_sink, node)
     # users and ACL: the same files on every node (before the broker's security reads them)
-    from ..auth import security_paths
+    from ..security.auth import security_paths
     from .shared_files import SharedFiles
 
     users_file, acl_file = security_paths(Path(app.config.data_dir), app.config.auth)
