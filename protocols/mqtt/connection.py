@@ -68,6 +68,8 @@ class Link(Protocol):
 
 class State(Enum):
     AWAIT_CONNECT = "await-connect"
+    # CONNECT accepted, CONNACK waits for the session (a cluster fetches it from another node)
+    OPENING = "opening"
     CONNECTED = "connected"
     CLOSED = "closed"
 
@@ -291,8 +293,8 @@ class MqttConnection:
         except MQTTCodecError as exc:
             # Packets decoded before the bad one in the same chunk are still handled.
             packets, error = list(getattr(exc, "packets", []) or []), exc
-        if self._backlog or self.held:
-            self._backlog.extend(packets)  # still throttled or held: keep the order
+        if self._backlog or self.held or self.state is State.OPENING:
+            self._backlog.extend(packets)  # still throttled, held or opening: keep the order
             if error is not None:
                 self._backlog_error = error
             return
@@ -319,6 +321,12 @@ class MqttConnection:
             except ProtocolViolation as exc:
                 log.info("%s %s: protocol violation: %s", self.remote, self.client_id, exc)
                 self.close(exc.reason_code, str(exc))
+                return
+            if self.state is State.OPENING:
+                # The rest waits for the session (see `_on_connect`).
+                self._backlog.extend(packets[index + 1:])
+                if error is not None:
+                    self._backlog_error = error
                 return
             if self.held and self.state is not State.CLOSED:
                 # Back-pressure: the rest waits, and the socket is not read meanwhile.
@@ -471,8 +479,25 @@ class MqttConnection:
             expiry = 0 if connect.clean_start else (settings.persistent_session_expiry or NEVER_EXPIRES)
         self.session_expiry_at_connect = expiry
         self.will = connect.will
+        fetching = self.service.session_elsewhere(client_id, connect.clean_start)
+        if fetching is not None:
+            # Cluster: the session lives on (or must be ended on) another node first; CONNACK
+            # and every later packet wait until it is here.
+            self.state = State.OPENING
+            fetching.add_done_callback(
+                lambda _: self._opened(client_id, connect.clean_start, expiry, assigned, server_keep_alive))
+            return
+        self._opened(client_id, connect.clean_start, expiry, assigned, server_keep_alive)
+
+    def _opened(self, client_id: str, clean_start: bool, expiry: int, assigned: str | None,
+                server_keep_alive: int | None) -> None:
+        if self.state is State.CLOSED:
+            return  # the client left while its session was fetched
+        settings = self.service.settings
+        v5 = self.version == MQTT_V5
+        resumed = self.state is State.OPENING
         self.state = State.CONNECTED
-        session, present = self.service.open_session(self, client_id, connect.clean_start, expiry)
+        session, present = self.service.open_session(self, client_id, clean_start, expiry)
         self.session = session
         connack_props = p.Properties()
         if v5:
@@ -487,8 +512,10 @@ class MqttConnection:
             connack_props.server_keep_alive = server_keep_alive
         self._send(encode(p.Connack(present, RC.SUCCESS, connack_props), self.version))
         log.info("%s: client %r connected (MQTT %s, clean=%s, keepalive=%s)", self.remote, client_id,
-                 {3: "3.1", 4: "3.1.1", 5: "5.0"}[self.version], connect.clean_start, self.keep_alive)
+                 {3: "3.1", 4: "3.1.1", 5: "5.0"}[self.version], clean_start, self.keep_alive)
         session.resend_inflight()
+        if resumed and (self._backlog or self._backlog_error is not None):
+            self._resume_backlog()
 
     # ------------------------------------------------------------------ PUBLISH
     def _rate_limit(self, rate: float) -> None:

@@ -489,6 +489,11 @@ class DataPlane:
             await self._server.stop(grace=0.1)
             self._server = None
 
+    def add_service(self, handler: grpc.GenericRpcHandler) -> None:
+        """Serve another service on the cluster port (the shared-state calls, `state_rpc.py`)."""
+        assert self._server is not None, "the data plane is not started"
+        self._server.add_generic_rpc_handlers((handler,))
+
     # The app closes its listeners with close() then wait_closed(); this is one of them.
     def close(self) -> None:
         if self._closing is None:
@@ -541,7 +546,8 @@ class DataPlane:
                 assignment = view.owner(stream, shard)
                 if assignment is None:
                     continue
-                received = isinstance(cursor.log, ReceivedLog)
+                # (an OwnerLog of cluster.shard_reader also reads a shard another node owns)
+                received = isinstance(cursor.log, ReceivedLog) or getattr(cursor.log, "remote_shard", False)
                 if assignment.node_id != self.node_id and not received:
                     cursor.log = self.received_log(stream, shard)
                 elif assignment.node_id == self.node_id and received:

@@ -195,7 +195,10 @@ def build_table(
 ) -> pa.Table:
     """The archive table of `records` (one shard, offset order). The publish_time column is
     the journal record's timestamp, which is the message's publish time, so that the
-    `date=/hour=` partition of a file and its rows always agree."""
+    `date=/hour=` partition of a file and its rows always agree. Empty records (offsets
+    the journal skipped) have no row."""
+    if not all(record.data for record in records):
+        records = [record for record in records if record.data]
     count = len(records)
     columns = decode_batch([record.data for record in records])
     if columns is None:  # a malformed record: decode one by one, which names it
