@@ -129,6 +129,7 @@ class MqttConnection:
         "inbound_pending", "qos2_open", "will", "session_expiry_at_connect", "_out", "_out_bytes",
         "_flush_requested", "messages_in", "messages_out", "last_ack", "_tokens", "_tokens_at",
         "_throttled_for", "_backlog", "_backlog_error", "_valid_topic", "held", "_hold_timer",
+        "_held_subacks",
     )
 
     def __init__(self, service: MqttService, link: Link, remote: str = "", transport_name: str = "tcp") -> None:
@@ -181,6 +182,8 @@ class MqttConnection:
         # client is not read until that subscriber catches up (or HOLD_MAX_S passes).
         self.held = False
         self._hold_timer: Timer | None = None
+        # SUBACKs waiting, in order, for the cluster's other nodes to know the subscription.
+        self._held_subacks: list[list[Any]] | None = None
 
     @property
     def open(self) -> bool:
@@ -752,7 +755,33 @@ class MqttConnection:
             if sink is not None:
                 sink.flush()
         self.service.save_session(session)
-        self._send_packet(p.Suback(packet.packet_id, codes))
+        # In a cluster, SUBACK waits (bounded) until the other nodes know the subscription,
+        # so a publish anywhere after the SUBACK reaches it; SUBACKs keep their order.
+        ready = broker.routes_ready()
+        if ready is None and not self._held_subacks:
+            self._subscribed(packet.packet_id, codes, retained, subscription_id)
+            return
+        entry: list[Any] = [ready is None, packet.packet_id, codes, retained, subscription_id]
+        if self._held_subacks is None:
+            self._held_subacks = []
+        self._held_subacks.append(entry)
+        if ready is not None:
+            ready.add_done_callback(lambda _ready: self._release_subacks(entry))
+
+    def _release_subacks(self, entry: list[Any]) -> None:
+        entry[0] = True
+        held = self._held_subacks
+        while held and held[0][0]:
+            _, packet_id, codes, retained, subscription_id = held.pop(0)
+            if self.state is not State.CLOSED:
+                self._subscribed(packet_id, codes, retained, subscription_id)
+
+    def _subscribed(
+        self, packet_id: int, codes: list[int], retained: list[tuple[Message, int]], subscription_id: int | None
+    ) -> None:
+        session = self.session
+        assert session is not None
+        self._send_packet(p.Suback(packet_id, codes))
         now = now_ms()
         for message, granted in retained:
             if message.expired(now):
