@@ -284,7 +284,7 @@ class ShardgateCollector(Collector):
             labels=["bridge", "direction"],
         )
         dropped = CounterMetricFamily(f"{PREFIX}_bridge_dropped",
-                                      "Messages a bridge dropped (its queue full)", labels=["bridge"])
+                                      "Messages a bridge dropped: its queue full, expired, or outside its local_prefix", labels=["bridge"])
         connects = CounterMetricFamily(f"{PREFIX}_bridge_connects",
                                        "Connections a bridge made to its remote", labels=["bridge"])
         for bridge in bridges:
