@@ -96,3 +96,10 @@ def test_installed_build_and_pure_sources_agree() -> None:
     pure.pop("compiled")
     assert installed == pure
     assert len(pure["packets"]) == 10 and all(parsed for _, parsed in pure["packets"])
+
+
+def test_pure_switch_is_not_read_as_a_setting() -> None:
+    from shardgate.config import load_config
+
+    config = load_config(environ={"SHARDGATE_PURE": "1", "SHARDGATE_MQTT_PORT": "1999"})
+    assert config.listeners.mqtt_port == 1999
