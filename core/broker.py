@@ -340,6 +340,13 @@ class Broker:
         if self.on_routes_changed is not None:
             self.on_routes_changed()
 
+    def routes_ready(self) -> asyncio.Future[None] | None:
+        """None when a subscription made now is already known wherever a message for it may
+        be stored (always on a single node); else a future that resolves once it is (a
+        cluster's other nodes: `Fanout.routes_ready`)."""
+        fanout = self.fanout
+        return None if fanout is None else fanout.routes_ready()
+
     @property
     def subscription_count(self) -> int:
         return len(self._trie)
@@ -357,10 +364,11 @@ class Broker:
         return matches
 
     # ---------------------------------------------------------------- publish
-    def publish(self, message: Message) -> asyncio.Future[None] | None:
+    def publish(self, message: Message, *, counted: bool = True) -> asyncio.Future[None] | None:
         """Accept a message. Returns None when it is already stored and dispatched, or a future
         that resolves once it is durable (then it is dispatched); the future fails with
-        PublishRejected if the store could not take it."""
+        PublishRejected if the store could not take it. `counted=False`: a message another
+        node took from its client and forwarded here (counted there, once)."""
         topic = message.topic
         if topic[:1] == "$" or message.headers:
             if topic.startswith(INTERNAL_PREFIX):
@@ -380,7 +388,7 @@ class Broker:
         shard = stream.shard_for(topic, message.key)
         message.stream = name = stream.config.name
         protocol = message.producer_protocol
-        if protocol != "sys":  # the broker's own $SYS statistics are not counted as messages
+        if counted and protocol != "sys":  # the broker's own $SYS statistics are not messages
             stats = self.stats
             size = len(message.payload)
             stats.messages_in += 1

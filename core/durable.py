@@ -197,6 +197,18 @@ class DurableSubscription(Subscription):
         cursor.pending_redelivery = sorted(unacked)
         self.cursors[(stream, shard)] = cursor
 
+    def place_cursor(self, stream: str, shard: int, shard_log: ShardLog | None, position: int,
+                     unacked: Sequence[int] = (), messages: Sequence[Message] = ()) -> ShardCursor:
+        """Put a cursor handed over from elsewhere (a cluster node that held this subscription):
+        it resumes at `position` over `shard_log`, redelivering `unacked` (whose `messages`,
+        when given, are redelivered as they are instead of being read back). Saved soon."""
+        cursor = ShardCursor(stream, shard, shard_log, position)
+        cursor.pending_redelivery = sorted(unacked)
+        cursor.restored.update((message.offset, message) for message in messages)
+        self.cursors[(stream, shard)] = cursor
+        self._dirty.add((stream, shard))
+        return cursor
+
     def adopt(self, message: Message, consumer: Consumer) -> None:
         """Register a message restored as in flight to `consumer` (which resends it itself):
         it stays unacknowledged here and is not replayed again."""
