@@ -22,7 +22,8 @@ from .settings import AmqpSettings
 from .vhost import VirtualHost
 
 if TYPE_CHECKING:
-    from .connection import AmqpChannel, AmqpConnection
+    from .base import ConnectionBase
+    from .channel import AmqpChannel
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +55,11 @@ class AmqpService:
         self.authenticator: Authenticator | None = None
         # Memory alarm raised: publishers are held (connection.blocked) until it clears.
         self.blocked = False
-        self.connections: set[AmqpConnection] = set()
+        self.connections: set[ConnectionBase] = set()
         # Direct reply-to: token -> the channel whose reply consumer it names.
         self.reply_channels: dict[str, AmqpChannel] = {}
-        self._all: set[AmqpConnection] = set()
-        self._dirty: list[AmqpConnection] = []
+        self._all: set[ConnectionBase] = set()
+        self._dirty: list[ConnectionBase] = []
         self._flush_scheduled = False
         self._tick_handle: Timer | None = None
         self._sweep_handle: Timer | None = None
@@ -88,7 +89,7 @@ class AmqpService:
         self._flush()
 
     # ------------------------------------------------------------------ output batching
-    def request_flush(self, connection: AmqpConnection) -> None:
+    def request_flush(self, connection: ConnectionBase) -> None:
         self._dirty.append(connection)
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -147,13 +148,13 @@ class AmqpService:
         return self.vhosts.get(name)
 
     # ------------------------------------------------------------------ connections
-    def connection_made(self, connection: AmqpConnection) -> None:
+    def connection_made(self, connection: ConnectionBase) -> None:
         self._all.add(connection)
 
-    def connection_opened(self, connection: AmqpConnection) -> None:
+    def connection_opened(self, connection: ConnectionBase) -> None:
         self.connections.add(connection)
 
-    def connection_closed(self, connection: AmqpConnection, touched: Iterable[Queue]) -> None:
+    def connection_closed(self, connection: ConnectionBase, touched: Iterable[Queue]) -> None:
         """The connection released its channels: drop what it owned."""
         self.queues_released(connection, touched)
         vhost = connection.vhost
@@ -162,11 +163,11 @@ class AmqpService:
                 vhost.delete_queue(queue)
         self.connections.discard(connection)
 
-    def connection_gone(self, connection: AmqpConnection) -> None:
+    def connection_gone(self, connection: ConnectionBase) -> None:
         connection.connection_lost()
         self._all.discard(connection)
 
-    def queues_released(self, connection: AmqpConnection, queues: Iterable[Queue]) -> None:
+    def queues_released(self, connection: ConnectionBase, queues: Iterable[Queue]) -> None:
         """Consumers left `queues`: delete the auto-delete ones now unused."""
         vhost = connection.vhost
         if vhost is None:

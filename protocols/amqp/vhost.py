@@ -33,6 +33,7 @@ from ...core.errors import PublishRejected, SubscriptionBusy
 from ...core.message import Message
 from ...core.subscriptions import Subscription, SubscriptionType
 from .errors import ChannelException, ConnectionException, ReplyCode
+from .frames import method_ids
 from .properties import (
     NATIVE_FORMAT,
     content_header_payload,
@@ -154,14 +155,8 @@ def _erl(value: Any) -> str:
 
 
 def _err(code: ReplyCode, text: str, method: type[commands.base.Frame] | None) -> ChannelException:
-    class_id, method_id = _ids(method)
+    class_id, method_id = method_ids(method)
     return ChannelException(code, text, class_id, method_id)
-
-
-def _ids(method: type[commands.base.Frame] | None) -> tuple[int, int]:
-    if method is None:
-        return 0, 0
-    return method.index >> 16, method.index & 0xFFFF
 
 
 class VirtualHost:
@@ -201,7 +196,7 @@ class VirtualHost:
                 raise _err(ReplyCode.NOT_FOUND, f"no exchange '{name}' in vhost '{self.name}'", method)
             return existing
         if frame.exchange_type not in EXCHANGE_TYPES:
-            class_id, method_id = _ids(method)
+            class_id, method_id = method_ids(method)
             raise ConnectionException(
                 ReplyCode.COMMAND_INVALID, f"unknown exchange type '{frame.exchange_type}'",
                 class_id, method_id,

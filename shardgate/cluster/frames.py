@@ -2,7 +2,7 @@
 
 A message without properties (no key, headers, MQTT 5 or AMQP properties, expiry) travels as
 its few fields, which protobuf's C code reads and writes; any other travels as its journal
-record (`storage.records`), encoded once however many nodes it goes to. Stream, shard and
+record (`core.records`), encoded once however many nodes it goes to. Stream, shard and
 offset travel beside it. Nothing here touches a socket.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..core.message import Message, message_from_record
+from ..core.message import Message
+from ..core.records import RecordFormatError, decode_to_message, encode_message
 from ..proto import cluster_pb2 as pb
-from ..storage.records import RecordFormatError, decode_message, encode_message
 from .routes import Route, RouteDelta
 
 __all__ = [
@@ -62,7 +62,7 @@ def push_frame(message: Message, body: dict[str, object], share_groups: Iterable
 
 def _message(frame: pb.Forward | pb.Push, offset: int) -> Message:
     if frame.record:
-        return message_from_record(decode_message(frame.record), frame.stream, frame.shard, offset)
+        return decode_to_message(frame.record, frame.stream, frame.shard, offset)
     return Message(
         frame.topic, frame.payload, frame.qos, frame.retain, publish_time_ms=frame.publish_time_ms,
         producer_protocol=frame.producer_protocol, producer_id=frame.producer_id,

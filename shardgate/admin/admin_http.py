@@ -26,8 +26,8 @@ from typing import Any
 
 from aiohttp import web
 
-from . import __version__
-from .core.edge import KICK_REASON
+from .. import __version__
+from ..core.edge import KICK_REASON
 from .history import TrafficHistory
 from .metrics import (
     CONTENT_TYPE,
@@ -89,6 +89,8 @@ def info_view(app: Any) -> dict[str, Any]:
         "subscriptions": len(broker.subscriptions),
         "sessions": len(mqtt.sessions) if mqtt is not None else 0,
         "retained": len(broker.retained),
+        # cluster mode: this node's id (its cluster is at /api/cluster); None on a single node
+        "cluster_node": getattr(getattr(app, "cluster", None), "node_id", None),
         "journal": None if commit is None else {
             name: getattr(commit, name)
             for name in ("passes", "groups", "records", "bytes", "fsyncs", "failures")
@@ -323,6 +325,7 @@ def openapi_document() -> dict[str, Any]:
             messages_dropped=_INT, messages_without_subscriber=_INT,
             connections={"type": "object", "additionalProperties": _INT},
             streams=_INT, subscriptions=_INT, sessions=_INT, retained=_INT,
+            cluster_node={"type": ["string", "null"]},
             journal={"type": ["object", "null"], "additionalProperties": _INT}, archive=_BOOL,
         ),
         "Shard": shard,
@@ -579,7 +582,7 @@ async def _cluster(request: web.Request) -> web.Response:
     node = getattr(_app(request), "cluster", None)
     if node is None:
         return _error(404, "this node is not in cluster mode (serve --cluster)")
-    from .cluster.attach import cluster_status
+    from ..cluster.attach import cluster_status
 
     return web.json_response(cluster_status(node), dumps=_dumps)
 

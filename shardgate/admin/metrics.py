@@ -29,7 +29,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from . import __version__
+from .. import __version__
 
 PREFIX = "shardgate"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -130,6 +130,20 @@ class ShardgateCollector(Collector):
         return []  # no collect() at registration: the broker may not have started yet
 
     def collect(self) -> Iterator[Metric]:
+        """Every family; in a cluster each sample also carries `node` (this node's id), so
+        the series of several nodes scraped into one Prometheus stay apart and sum right."""
+        cluster = getattr(self.app, "cluster", None)
+        node_id = getattr(cluster, "node_id", None)
+        for metric in self._collect():
+            if node_id:
+                metric.samples = [
+                    sample if "node" in sample.labels
+                    else sample._replace(labels={"node": node_id, **sample.labels})
+                    for sample in metric.samples
+                ]
+            yield metric
+
+    def _collect(self) -> Iterator[Metric]:
         app = self.app
         info = GaugeMetricFamily(f"{PREFIX}_info", "Shardgate version", labels=["version"])
         info.add_metric([__version__], 1)
@@ -180,12 +194,12 @@ class ShardgateCollector(Collector):
         yield from self._bridges(app)
         plane = getattr(app, "data_plane", None)
         if plane is not None:
-            from .cluster.metrics import data_plane_metrics
+            from ..cluster.metrics import data_plane_metrics
 
             yield from data_plane_metrics(plane)
         cluster = getattr(app, "cluster", None)
         if cluster is not None:
-            from .cluster.metrics import control_plane_metrics
+            from ..cluster.metrics import control_plane_metrics
 
             yield from control_plane_metrics(cluster)
 
@@ -270,7 +284,7 @@ class ShardgateCollector(Collector):
             labels=["bridge", "direction"],
         )
         dropped = CounterMetricFamily(f"{PREFIX}_bridge_dropped",
-                                      "Messages a bridge dropped (its queue full)", labels=["bridge"])
+                                      "Messages a bridge dropped: its queue full, expired, or outside its local_prefix", labels=["bridge"])
         connects = CounterMetricFamily(f"{PREFIX}_bridge_connects",
                                        "Connections a bridge made to its remote", labels=["bridge"])
         for bridge in bridges:

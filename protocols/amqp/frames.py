@@ -1,0 +1,58 @@
+"""AMQP 0-9-1 framing shared by the connection's modules: the protocol header, frame layout
+(§4.2.3: type, channel, size, payload, 0xCE), the connection's states and the `Link` its bytes
+go to. pamqp encodes and decodes the methods and content headers; this holds what the hot path
+packs and unpacks by hand."""
+
+from __future__ import annotations
+
+import struct
+from enum import Enum
+from typing import Protocol
+
+from pamqp import commands, constants
+from pamqp import frame as pframe
+
+PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"  # AMQP 0-9-1 §4.2.2
+FRAME_MIN_SIZE = constants.FRAME_MIN_SIZE  # 4096, §4.2.3
+FRAME_HEADER = struct.Struct(">BHI")
+CONTENT_HEADER_FRAME = struct.Struct(">BHIHHQ")  # frame header + class, weight, body size
+FRAME_END = b"\xce"
+METHOD_INDEX = struct.Struct(">I")
+HEARTBEAT_FRAME = pframe.marshal(pframe.heartbeat.Heartbeat(), 0)
+
+
+class Link(Protocol):
+    """Where a connection's bytes go (the socket adapter)."""
+
+    def write(self, data: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class State(Enum):
+    AWAIT_HEADER = "await-header"
+    AWAIT_START_OK = "await-start-ok"
+    AWAIT_TUNE_OK = "await-tune-ok"
+    AWAIT_OPEN = "await-open"
+    OPEN = "open"
+    CLOSING = "closing"  # we sent connection.close, waiting for close-ok
+    CLOSED = "closed"
+
+
+# Methods that read a queue's contents; they wait for this connection's publishes to land.
+READS_QUEUE = frozenset(
+    m.index for m in (
+        commands.Basic.Get, commands.Queue.Declare, commands.Queue.Purge, commands.Queue.Delete,
+    )
+)
+
+
+def frame_bytes(frame_type: int, channel: int, payload: bytes) -> bytes:
+    return FRAME_HEADER.pack(frame_type, channel, len(payload)) + payload + FRAME_END
+
+
+def method_ids(method: type[commands.base.Frame] | commands.base.Frame | None) -> tuple[int, int]:
+    """(class id, method id) of a method, for the close frames that name what failed."""
+    if method is None:
+        return 0, 0
+    return method.index >> 16, method.index & 0xFFFF
