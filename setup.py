@@ -7,7 +7,8 @@ an extension before a source of the same name, and `shardgate.core.native` check
 each compiled group was built from the sources present (a source hash is compiled in), falling
 back to the sources otherwise, so an edited `.py` is never shadowed by a stale build.
 
-The build is skipped, and the package is pure Python, when `SHARDGATE_PURE=1` is set, on an
+An editable install whose compiled modules are already current beside the sources does not
+compile them again. The build is skipped, and the package is pure Python, when `SHARDGATE_PURE=1` is set, on an
 interpreter other than CPython, or when mypyc or a C compiler is missing or fails: the
 extensions are optional.
 """
@@ -15,6 +16,7 @@ extensions are optional.
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
 import os
 import platform
 import runpy
@@ -67,6 +69,25 @@ def _stage(package: str, modules: tuple[str, ...], readonly: tuple[str, ...]) ->
     return compiled
 
 
+def _built_in_place(group: str, package: str, modules: tuple[str, ...]) -> bool:
+    """Whether an earlier editable install left a build of `group` beside its sources that
+    was compiled from them (each source's hash is in the group's library): nothing to redo."""
+    folder = source_folder(package)
+    suffixes = importlib.machinery.EXTENSION_SUFFIXES
+    library = next(
+        (folder / f"{group.rsplit('.', 1)[1]}__mypyc{suffix}" for suffix in suffixes
+         if (folder / f"{group.rsplit('.', 1)[1]}__mypyc{suffix}").exists()), None,
+    )
+    if library is None or not all(
+        any((folder / f"{name}{suffix}").exists() for suffix in suffixes) for name in modules
+    ):
+        return False
+    content = library.read_bytes()
+    return all(
+        source_hash(folder / f"{name}.py").encode() in content for name in modules
+    )
+
+
 def compiled_extensions() -> list:
     if os.environ.get("SHARDGATE_PURE") == "1" or platform.python_implementation() != "CPython":
         return []
@@ -76,7 +97,11 @@ def compiled_extensions() -> list:
         print("shardgate: mypyc is not available; installing pure Python", file=sys.stderr)
         return []
     extensions = []
+    editable = "editable_wheel" in sys.argv
     for group, (package, modules, readonly) in compiled_groups().items():
+        if editable and _built_in_place(group, package, modules):
+            print(f"shardgate: {group} is already built from these sources", file=sys.stderr)
+            continue
         try:
             compiled = _stage(package, modules, readonly)
             paths = compiled + [
