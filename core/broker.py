@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from ..storage.interfaces import (
     ArchiveSource,
     LatencyHistogram,
+    ShardLog,
     ShardStorage,
     StorageError,
     StorageFull,
@@ -396,7 +397,25 @@ class Broker:
             shard.next_offset += 1
             self.dispatch(message)
             return None
+        if message.transient and not self._wanted_durably(message.topic):
+            self._deliver_transient(shard_log, message)
+            return None
         return self._append_reliable(shard, message)
+
+    def _wanted_durably(self, topic: str) -> bool:
+        """Whether a durable subscription (one that replays the journal) matches `topic`."""
+        return any(sub.durable for sub, _ in self.match(topic))
+
+    def _deliver_transient(self, shard_log: ShardLog, message: Message) -> None:
+        """A transient message that no durable subscription wants: not journaled (so not
+        archived either), delivered behind the shard's messages still waiting for their commit
+        so that subscribers see the producer's order. It has no offset."""
+        waiter = shard_log.commit_waiter()
+        group = self._awaiting_commit.get(waiter) if waiter is not None else None
+        if group is None:
+            self.dispatch(message)
+        else:
+            group.messages.append(message)
 
     def _append_reliable(self, shard: Shard, message: Message) -> asyncio.Future[None] | None:
         shard_log = shard.log
