@@ -32,9 +32,9 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from shardgate.core.records import MessageRecord, decode_message, encode_message
 from shardgate.storage.archive import ARROW_SCHEMA, Archiver, ArchiveSettings
 from shardgate.storage.journal import JournalStorage
-from shardgate.storage.records import MessageRecord, decode_message, encode_message
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 T0 = 1_700_000_000_000 - 1_700_000_000_000 % 3_600_000

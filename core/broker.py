@@ -2,8 +2,10 @@
 
 The hot path is `publish`: resolve the topic's stream and shard (cached per topic), assign the
 offset, and hand the message to every matching subscription's chosen consumer — with no await
-and no task per message. Reliable streams append to the shard's log first and dispatch once the
-log's commit group is durable; the caller gets the commit future to hold its acknowledgement on.
+and no task per message. Reliable streams append to the shard's log first and dispatch at once
+when the log promises never to reuse the offset (`deliverable_end`: not after a failed commit,
+not after a crash), else once the commit group is durable; either way the caller gets the
+commit future to hold its acknowledgement on (acknowledged means durable).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from ..storage.interfaces import (
     StorageError,
     StorageFull,
 )
-from ..storage.records import encode_message
 from .delayed import DelayedDelivery, deliver_at
 from .durable import CursorSink, DurableOptions, DurableSubscription
 from .errors import (
@@ -36,6 +37,7 @@ from .errors import (
 )
 from .message import Message, now_ms
 from .placement import Fanout, ShardPlacement
+from .records import encode_message
 from .retained import RetainedStore
 from .schemas import check_payload
 from .streams import (
@@ -109,6 +111,7 @@ class CommitGroup:
 
     shard: Shard
     first_append: float
+    # The messages held until the group is durable (those beyond the log's deliverable end).
     messages: list[Message] = field(default_factory=list)
 
 
@@ -138,6 +141,8 @@ class Broker:
         self.create_stream(default)
         # A commit group's future → its shard, when its first append came and its messages.
         self._awaiting_commit: dict[asyncio.Future[None], CommitGroup] = {}
+        # Shards with messages held until their commit (later ones must not overtake them).
+        self._held: dict[Shard, int] = {}
         # Told of every change of a retained message (the composition root persists them).
         self.on_retained_change: Callable[[str, Message | None], None] | None = None
         # Where durable subscriptions save their cursors.
@@ -336,6 +341,13 @@ class Broker:
         if self.on_routes_changed is not None:
             self.on_routes_changed()
 
+    def routes_ready(self) -> asyncio.Future[None] | None:
+        """None when a subscription made now is already known wherever a message for it may
+        be stored (always on a single node); else a future that resolves once it is (a
+        cluster's other nodes: `Fanout.routes_ready`)."""
+        fanout = self.fanout
+        return None if fanout is None else fanout.routes_ready()
+
     @property
     def subscription_count(self) -> int:
         return len(self._trie)
@@ -353,10 +365,11 @@ class Broker:
         return matches
 
     # ---------------------------------------------------------------- publish
-    def publish(self, message: Message) -> asyncio.Future[None] | None:
+    def publish(self, message: Message, *, counted: bool = True) -> asyncio.Future[None] | None:
         """Accept a message. Returns None when it is already stored and dispatched, or a future
         that resolves once it is durable (then it is dispatched); the future fails with
-        PublishRejected if the store could not take it."""
+        PublishRejected if the store could not take it. `counted=False`: a message another
+        node took from its client and forwarded here (counted there, once)."""
         topic = message.topic
         if topic[:1] == "$" or message.headers:
             if topic.startswith(INTERNAL_PREFIX):
@@ -376,7 +389,7 @@ class Broker:
         shard = stream.shard_for(topic, message.key)
         message.stream = name = stream.config.name
         protocol = message.producer_protocol
-        if protocol != "sys":  # the broker's own $SYS statistics are not counted as messages
+        if counted and protocol != "sys":  # the broker's own $SYS statistics are not messages
             stats = self.stats
             size = len(message.payload)
             stats.messages_in += 1
@@ -435,10 +448,16 @@ class Broker:
         if group is None:
             group = self._awaiting_commit[waiter] = CommitGroup(shard, time.perf_counter())
             waiter.add_done_callback(self._on_commit)
-        # Subscribers get the message once its commit group is durable, as the publisher's
-        # acknowledgement does (the returned future): nobody ever sees an offset that a failed
-        # commit hands out again.
-        group.messages.append(message)
+        if message.offset < shard_log.deliverable_end and shard not in self._held:
+            # Subscribers get it now; the publisher's acknowledgement (the returned future)
+            # still waits for durability. The log never gives this offset to another record,
+            # so what a subscriber saw is never contradicted, even if this commit fails.
+            self.dispatch(message)
+        else:
+            # Beyond the log's reservation: delivered once durable, in order.
+            if not group.messages:
+                self._held[shard] = self._held.get(shard, 0) + 1
+            group.messages.append(message)
         return waiter
 
     def _on_commit(self, waiter: asyncio.Future[None]) -> None:
@@ -446,6 +465,12 @@ class Broker:
         if group is None:
             return
         shard = group.shard
+        if group.messages:
+            held = self._held.get(shard, 0) - 1
+            if held > 0:
+                self._held[shard] = held
+            else:
+                self._held.pop(shard, None)
         if not (waiter.cancelled() or waiter.exception() is not None):
             self.stats.commit_latency.observe(time.perf_counter() - group.first_append)
             dispatch = self.dispatch
@@ -453,15 +478,10 @@ class Broker:
                 dispatch(message)
             return
         error = "cancelled" if waiter.cancelled() else waiter.exception()
-        log.error("journal commit failed on %s/%d: %s; %d messages not delivered",
+        log.error("journal commit failed on %s/%d: %s; %d held messages not delivered",
                   shard.stream, shard.index, error, len(group.messages))
-        # The failed records were rolled back and their offsets will be reused: move cursors
-        # that went past the log's end back to it.
-        if shard.log is not None:
-            shard.next_offset = shard.log.next_offset
-            for sub in self.subscriptions.values():
-                if isinstance(sub, DurableSubscription):
-                    sub.clamp(shard.stream, shard.index, shard.next_offset)
+        # The failed offsets are not handed out again (the log skips them), so what a
+        # subscriber already saw is never contradicted; publishers got no acknowledgement.
 
     def dispatch(self, message: Message, share_groups: Container[str] | None = None) -> int:
         """Hand a stored message to each matching subscription; returns how many took it.

@@ -14,10 +14,10 @@ import logging
 import uuid
 from collections.abc import Callable
 
-from ..storage.records import decode_message, encode_message
 from .errors import PublishRejected
 from .message import Message, message_from_record, now_ms
 from .ports import DelayedStore
+from .records import decode_message, encode_message
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from ..storage.interfaces import ArchiveSource, ShardLog, StorageError, StoredRecord
-from ..storage.records import RecordFormatError, decode_message, record_topic
 from .message import Message, message_from_record, now_ms
+from .records import RecordFormatError, decode_message, record_topic
 from .subscriptions import Consumer, Subscription, SubscriptionType
 from .topics import filter_matches
 
@@ -197,6 +197,18 @@ class DurableSubscription(Subscription):
         cursor.pending_redelivery = sorted(unacked)
         self.cursors[(stream, shard)] = cursor
 
+    def place_cursor(self, stream: str, shard: int, shard_log: ShardLog | None, position: int,
+                     unacked: Sequence[int] = (), messages: Sequence[Message] = ()) -> ShardCursor:
+        """Put a cursor handed over from elsewhere (a cluster node that held this subscription):
+        it resumes at `position` over `shard_log`, redelivering `unacked` (whose `messages`,
+        when given, are redelivered as they are instead of being read back). Saved soon."""
+        cursor = ShardCursor(stream, shard, shard_log, position)
+        cursor.pending_redelivery = sorted(unacked)
+        cursor.restored.update((message.offset, message) for message in messages)
+        self.cursors[(stream, shard)] = cursor
+        self._dirty.add((stream, shard))
+        return cursor
+
     def adopt(self, message: Message, consumer: Consumer) -> None:
         """Register a message restored as in flight to `consumer` (which resends it itself):
         it stays unacknowledged here and is not replayed again."""
@@ -237,17 +249,6 @@ class DurableSubscription(Subscription):
             self.reset(-int(value or 0))
         else:
             raise ValueError(f"unknown position {kind!r}")
-
-    def clamp(self, stream: str, shard: int, end: int) -> None:
-        """The shard's log ends at `end` (records beyond were rolled back)."""
-        cursor = self.cursors.get((stream, shard))
-        if cursor is None:
-            return
-        if cursor.position > end:
-            cursor.position = end
-        for offset in [o for o in cursor.unacked if o >= end]:
-            del cursor.unacked[offset]
-        self._dirty.add((stream, shard))
 
     def reset(self, position: str | int) -> None:
         """Move every cursor (offset, `earliest`, `latest`, or -timestamp_ms)."""
@@ -439,8 +440,8 @@ class DurableSubscription(Subscription):
         except StorageError as exc:
             log.error("subscription %s: cannot read %s/%d@%d: %s", self.name, cursor.stream, cursor.shard, offset, exc)
             return None
-        if not records or records[0].offset != offset:
-            return None
+        if not records or records[0].offset != offset or not records[0].data:
+            return None  # gone, or an offset the journal skipped (an empty record)
         try:
             return message_from_record(decode_message(records[0].data), cursor.stream, cursor.shard, offset)
         except RecordFormatError as exc:
@@ -492,6 +493,9 @@ class DurableSubscription(Subscription):
                 return budget
             for record in records:
                 if record.offset < cursor.position:
+                    continue
+                if not record.data:  # an offset the journal skipped
+                    cursor.position = record.offset + 1
                     continue
                 try:
                     # Only records this subscription wants are decoded whole.

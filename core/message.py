@@ -66,7 +66,7 @@ class Message:
 
 
 def message_from_record(record: object, stream: str, shard: int, offset: int) -> Message:
-    """Rebuild a Message from a decoded `storage.records.MessageRecord`."""
+    """Rebuild a Message from a decoded `core.records.MessageRecord`."""
     r = record
     return Message(
         r.topic, r.payload, r.qos, r.retain, r.key, r.headers, r.content_type,  # type: ignore[attr-defined]

@@ -52,3 +52,10 @@ class Fanout(Protocol):
     def wanted_elsewhere(self, topic: str) -> bool:
         """True when a subscription on another node matches `topic` (AMQP's mandatory flag)."""
         ...
+
+    def routes_ready(self) -> asyncio.Future[None] | None:
+        """None when the other nodes already know every subscription made here so far; else a
+        future that resolves once they do (bounded: a slow or unreachable node is not waited
+        for long). A SUBACK waits for it, so a publish on another node right after the
+        SUBACK reaches the new subscription."""
+        ...

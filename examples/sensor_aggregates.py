@@ -118,9 +118,9 @@ def flush_archive(http_url: str, username: str | None, password: str | None) -> 
 
 def write_demo_archive(url: str, count: int, devices: int) -> None:
     """Synthetic readings through a real journal and the archiver (no broker needed)."""
+    from shardgate.core.records import MessageRecord, encode_message
     from shardgate.storage.archive import Archiver
     from shardgate.storage.journal import JournalStorage
-    from shardgate.storage.records import MessageRecord, encode_message
 
     async def run() -> None:
         with tempfile.TemporaryDirectory() as directory:

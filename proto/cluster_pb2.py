@@ -24,31 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcluster.proto\x12\x14shardgate.cluster.v1\"\xf2\x01\n\tPeerFrame\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x11\n\tfrom_node\x18\x02 \x01(\t\x12/\n\x08\x66orwards\x18\x03 \x03(\x0b\x32\x1d.shardgate.cluster.v1.Forward\x12*\n\x06pushes\x18\x04 \x03(\x0b\x32\x1a.shardgate.cluster.v1.Push\x12\x31\n\x06routes\x18\x05 \x01(\x0b\x32!.shardgate.cluster.v1.RouteUpdate\x12\x30\n\x08retained\x18\x06 \x03(\x0b\x32\x1e.shardgate.cluster.v1.Retained\"W\n\x08Retained\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0f\n\x07present\x18\x02 \x01(\x08\x12+\n\x07message\x18\x03 \x01(\x0b\x32\x1a.shardgate.cluster.v1.Push\"\xcd\x01\n\x07\x46orward\x12\x0e\n\x06stream\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0e\n\x06record\x18\x04 \x01(\x0c\x12\r\n\x05topic\x18\n \x01(\t\x12\x0f\n\x07payload\x18\x0b \x01(\x0c\x12\x0b\n\x03qos\x18\x0c \x01(\r\x12\x0e\n\x06retain\x18\r \x01(\x08\x12\x17\n\x0fpublish_time_ms\x18\x0e \x01(\x03\x12\x19\n\x11producer_protocol\x18\x0f \x01(\t\x12\x13\n\x0bproducer_id\x18\x10 \x01(\t\"\xf0\x01\n\x04Push\x12\x0e\n\x06stream\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0e\n\x06record\x18\x04 \x01(\x0c\x12\r\n\x05plain\x18\x05 \x01(\x08\x12\x14\n\x0cshare_groups\x18\x06 \x03(\t\x12\r\n\x05topic\x18\n \x01(\t\x12\x0f\n\x07payload\x18\x0b \x01(\x0c\x12\x0b\n\x03qos\x18\x0c \x01(\r\x12\x0e\n\x06retain\x18\r \x01(\x08\x12\x17\n\x0fpublish_time_ms\x18\x0e \x01(\x03\x12\x19\n\x11producer_protocol\x18\x0f \x01(\t\x12\x13\n\x0bproducer_id\x18\x10 \x01(\t\"v\n\x0bRouteUpdate\x12\r\n\x05reset\x18\x01 \x01(\x08\x12*\n\x05\x61\x64\x64\x65\x64\x18\x02 \x03(\x0b\x32\x1b.shardgate.cluster.v1.Route\x12,\n\x07removed\x18\x03 \x03(\x0b\x32\x1b.shardgate.cluster.v1.Route\"B\n\x05Route\x12\x14\n\x0ctopic_filter\x18\x01 \x01(\t\x12\x13\n\x0bshare_group\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\r\"N\n\tPeerReply\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12/\n\x08outcomes\x18\x02 \x03(\x0b\x32\x1d.shardgate.cluster.v1.Outcome\"Z\n\x07Outcome\x12/\n\x04\x63ode\x18\x01 \x01(\x0e\x32!.shardgate.cluster.v1.OutcomeCode\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t*B\n\x0bOutcomeCode\x12\n\n\x06STORED\x10\x00\x12\r\n\tNOT_OWNER\x10\x01\x12\x0c\n\x08REJECTED\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03\x32X\n\x08PeerLink\x12L\n\x04Link\x12\x1f.shardgate.cluster.v1.PeerFrame\x1a\x1f.shardgate.cluster.v1.PeerReply(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcluster.proto\x12\x14shardgate.cluster.v1\"\x9b\x02\n\tPeerFrame\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x11\n\tfrom_node\x18\x02 \x01(\t\x12/\n\x08\x66orwards\x18\x03 \x03(\x0b\x32\x1d.shardgate.cluster.v1.Forward\x12*\n\x06pushes\x18\x04 \x03(\x0b\x32\x1a.shardgate.cluster.v1.Push\x12\x31\n\x06routes\x18\x05 \x01(\x0b\x32!.shardgate.cluster.v1.RouteUpdate\x12\x30\n\x08retained\x18\x06 \x03(\x0b\x32\x1e.shardgate.cluster.v1.Retained\x12\x0f\n\x07session\x18\x07 \x01(\x04\x12\x16\n\x0e\x61nswered_below\x18\x08 \x01(\x04\"W\n\x08Retained\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0f\n\x07present\x18\x02 \x01(\x08\x12+\n\x07message\x18\x03 \x01(\x0b\x32\x1a.shardgate.cluster.v1.Push\"\xcd\x01\n\x07\x46orward\x12\x0e\n\x06stream\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0e\n\x06record\x18\x04 \x01(\x0c\x12\r\n\x05topic\x18\n \x01(\t\x12\x0f\n\x07payload\x18\x0b \x01(\x0c\x12\x0b\n\x03qos\x18\x0c \x01(\r\x12\x0e\n\x06retain\x18\r \x01(\x08\x12\x17\n\x0fpublish_time_ms\x18\x0e \x01(\x03\x12\x19\n\x11producer_protocol\x18\x0f \x01(\t\x12\x13\n\x0bproducer_id\x18\x10 \x01(\t\"\xf0\x01\n\x04Push\x12\x0e\n\x06stream\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0e\n\x06record\x18\x04 \x01(\x0c\x12\r\n\x05plain\x18\x05 \x01(\x08\x12\x14\n\x0cshare_groups\x18\x06 \x03(\t\x12\r\n\x05topic\x18\n \x01(\t\x12\x0f\n\x07payload\x18\x0b \x01(\x0c\x12\x0b\n\x03qos\x18\x0c \x01(\r\x12\x0e\n\x06retain\x18\r \x01(\x08\x12\x17\n\x0fpublish_time_ms\x18\x0e \x01(\x03\x12\x19\n\x11producer_protocol\x18\x0f \x01(\t\x12\x13\n\x0bproducer_id\x18\x10 \x01(\t\"v\n\x0bRouteUpdate\x12\r\n\x05reset\x18\x01 \x01(\x08\x12*\n\x05\x61\x64\x64\x65\x64\x18\x02 \x03(\x0b\x32\x1b.shardgate.cluster.v1.Route\x12,\n\x07removed\x18\x03 \x03(\x0b\x32\x1b.shardgate.cluster.v1.Route\"B\n\x05Route\x12\x14\n\x0ctopic_filter\x18\x01 \x01(\t\x12\x13\n\x0bshare_group\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\r\"N\n\tPeerReply\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12/\n\x08outcomes\x18\x02 \x03(\x0b\x32\x1d.shardgate.cluster.v1.Outcome\"i\n\x07Outcome\x12/\n\x04\x63ode\x18\x01 \x01(\x0e\x32!.shardgate.cluster.v1.OutcomeCode\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04*B\n\x0bOutcomeCode\x12\n\n\x06STORED\x10\x00\x12\r\n\tNOT_OWNER\x10\x01\x12\x0c\n\x08REJECTED\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03\x32X\n\x08PeerLink\x12L\n\x04Link\x12\x1f.shardgate.cluster.v1.PeerFrame\x1a\x1f.shardgate.cluster.v1.PeerReply(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cluster_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OUTCOMECODE']._serialized_start=1184
-  _globals['_OUTCOMECODE']._serialized_end=1250
+  _globals['_OUTCOMECODE']._serialized_start=1240
+  _globals['_OUTCOMECODE']._serialized_end=1306
   _globals['_PEERFRAME']._serialized_start=40
-  _globals['_PEERFRAME']._serialized_end=282
-  _globals['_RETAINED']._serialized_start=284
-  _globals['_RETAINED']._serialized_end=371
-  _globals['_FORWARD']._serialized_start=374
-  _globals['_FORWARD']._serialized_end=579
-  _globals['_PUSH']._serialized_start=582
-  _globals['_PUSH']._serialized_end=822
-  _globals['_ROUTEUPDATE']._serialized_start=824
-  _globals['_ROUTEUPDATE']._serialized_end=942
-  _globals['_ROUTE']._serialized_start=944
-  _globals['_ROUTE']._serialized_end=1010
-  _globals['_PEERREPLY']._serialized_start=1012
-  _globals['_PEERREPLY']._serialized_end=1090
-  _globals['_OUTCOME']._serialized_start=1092
-  _globals['_OUTCOME']._serialized_end=1182
-  _globals['_PEERLINK']._serialized_start=1252
-  _globals['_PEERLINK']._serialized_end=1340
+  _globals['_PEERFRAME']._serialized_end=323
+  _globals['_RETAINED']._serialized_start=325
+  _globals['_RETAINED']._serialized_end=412
+  _globals['_FORWARD']._serialized_start=415
+  _globals['_FORWARD']._serialized_end=620
+  _globals['_PUSH']._serialized_start=623
+  _globals['_PUSH']._serialized_end=863
+  _globals['_ROUTEUPDATE']._serialized_start=865
+  _globals['_ROUTEUPDATE']._serialized_end=983
+  _globals['_ROUTE']._serialized_start=985
+  _globals['_ROUTE']._serialized_end=1051
+  _globals['_PEERREPLY']._serialized_start=1053
+  _globals['_PEERREPLY']._serialized_end=1131
+  _globals['_OUTCOME']._serialized_start=1133
+  _globals['_OUTCOME']._serialized_end=1238
+  _globals['_PEERLINK']._serialized_start=1308
+  _globals['_PEERLINK']._serialized_end=1396
 # @@protoc_insertion_point(module_scope)

@@ -19,20 +19,24 @@ REJECTED: OutcomeCode
 FAILED: OutcomeCode
 
 class PeerFrame(_message.Message):
-    __slots__ = ("sequence", "from_node", "forwards", "pushes", "routes", "retained")
+    __slots__ = ("sequence", "from_node", "forwards", "pushes", "routes", "retained", "session", "answered_below")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     FROM_NODE_FIELD_NUMBER: _ClassVar[int]
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
     PUSHES_FIELD_NUMBER: _ClassVar[int]
     ROUTES_FIELD_NUMBER: _ClassVar[int]
     RETAINED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_BELOW_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     from_node: str
     forwards: _containers.RepeatedCompositeFieldContainer[Forward]
     pushes: _containers.RepeatedCompositeFieldContainer[Push]
     routes: RouteUpdate
     retained: _containers.RepeatedCompositeFieldContainer[Retained]
-    def __init__(self, sequence: _Optional[int] = ..., from_node: _Optional[str] = ..., forwards: _Optional[_Iterable[_Union[Forward, _Mapping]]] = ..., pushes: _Optional[_Iterable[_Union[Push, _Mapping]]] = ..., routes: _Optional[_Union[RouteUpdate, _Mapping]] = ..., retained: _Optional[_Iterable[_Union[Retained, _Mapping]]] = ...) -> None: ...
+    session: int
+    answered_below: int
+    def __init__(self, sequence: _Optional[int] = ..., from_node: _Optional[str] = ..., forwards: _Optional[_Iterable[_Union[Forward, _Mapping]]] = ..., pushes: _Optional[_Iterable[_Union[Push, _Mapping]]] = ..., routes: _Optional[_Union[RouteUpdate, _Mapping]] = ..., retained: _Optional[_Iterable[_Union[Retained, _Mapping]]] = ..., session: _Optional[int] = ..., answered_below: _Optional[int] = ...) -> None: ...
 
 class Retained(_message.Message):
     __slots__ = ("topic", "present", "message")
@@ -129,11 +133,13 @@ class PeerReply(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., outcomes: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ...) -> None: ...
 
 class Outcome(_message.Message):
-    __slots__ = ("code", "offset", "reason")
+    __slots__ = ("code", "offset", "reason", "epoch")
     CODE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     code: OutcomeCode
     offset: int
     reason: str
-    def __init__(self, code: _Optional[_Union[OutcomeCode, str]] = ..., offset: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, code: _Optional[_Union[OutcomeCode, str]] = ..., offset: _Optional[int] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...

@@ -200,7 +200,7 @@ class Shardgate:
             log.info("restored %d delayed messages", held)
         self.mqtt = MqttService(edge, config.mqtt, store=stored, scheduler=asyncio.get_running_loop())
         self.mqtt.use_identity_as_username = config.tls.use_identity_as_username
-        from .auth import install_security
+        from .security.auth import install_security
 
         install_security(self)
         restored = self.mqtt.restore_sessions()
@@ -269,8 +269,8 @@ class Shardgate:
                 self._add_listener("grpc", server)
             if ports.http_port:
                 starting = ("admin HTTP", ports.http_host, ports.http_port, "listeners.http_port")
-                from .admin_http import start_http_server
-                from .auth import is_loopback_host
+                from .admin.admin_http import start_http_server
+                from .security.auth import is_loopback_host
 
                 open_broker = self.security is None or self.security.open
                 if open_broker and not is_loopback_host(ports.http_host):
@@ -303,11 +303,11 @@ class Shardgate:
                 await self.stop()
                 raise ConfigError(f"cluster: {exc}") from exc
         if config.bridges:
-            from .bridge import start_bridges
+            from .bridges.bridge import start_bridges
 
             start_bridges(self, config.bridges)
         if config.amqp_bridges:
-            from .amqp_bridge import AmqpBridge
+            from .bridges.amqp_bridge import AmqpBridge
 
             try:
                 for entry in config.amqp_bridges:

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
 
     add_client_commands(sub)
     _archive_parser(sub)
-    from .users_cli import add_users_commands
+    from .security.users_cli import add_users_commands
 
     add_users_commands(sub)
     from .cluster.cli import add_cluster_commands

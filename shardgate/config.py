@@ -13,11 +13,11 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .auth import AuthSettings
 from .cluster.settings import ClusterSettings
 from .protocols.amqp.settings import AmqpSettings
 from .protocols.grpc.settings import GrpcSettings
 from .protocols.mqtt.settings import MqttSettings
+from .security.auth import AuthSettings
 
 
 class ConfigError(Exception):
@@ -268,11 +268,11 @@ def load_config(
             if key == "streams":
                 config.streams = _entries(key, value, StreamEntry, path)
             elif key == "bridges":
-                from .bridge import BridgeSettings  # imports amqtt: only when configured
+                from .bridges.bridge import BridgeSettings  # imports amqtt: only when configured
 
                 config.bridges = _entries(key, value, BridgeSettings, path)
             elif key == "amqp_bridges":
-                from .amqp_bridge import AmqpBridgeSettings
+                from .bridges.amqp_bridge import AmqpBridgeSettings
 
                 config.amqp_bridges = _entries(key, value, AmqpBridgeSettings, path)
             elif key in SECTIONS:

@@ -11,6 +11,7 @@ from typing import Any
 from .core.broker import INTERNAL_PREFIX, Broker
 from .core.durable import DurableSubscription
 from .core.message import Message, message_from_record, now_ms
+from .core.records import decode_message, encode_message
 from .core.streams import RoutingRule, StreamConfig
 from .core.subscriptions import SubscriptionType
 from .storage.metadata import (
@@ -20,7 +21,6 @@ from .storage.metadata import (
     SubscriptionRecord,
 )
 from .storage.metadata.ports import MetadataPorts
-from .storage.records import decode_message, encode_message
 
 log = logging.getLogger(__name__)
 

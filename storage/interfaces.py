@@ -35,7 +35,9 @@ class StoredRecord:
 
 
 class ShardLog(Protocol):
-    """One shard: an ordered, append-only log with dense offsets starting at 0."""
+    """One shard: an ordered, append-only log with dense offsets starting at 0. An offset the
+    engine had to skip (its record was lost before it was durable, after it may have been
+    seen) holds an empty record: readers skip records whose data is empty."""
 
     @property
     def low_watermark(self) -> int:
@@ -51,6 +53,12 @@ class ShardLog(Protocol):
         Never blocks on the disk: the records are buffered and become durable with the next
         commit (see `commit_waiter`). Raises StorageFull when the engine cannot accept them.
         """
+
+    @property
+    def deliverable_end(self) -> int:
+        """Records at offsets below this may be shown to readers before they are durable: the
+        engine never gives any of these offsets to another record (not after a failed commit,
+        not after a crash). Records at or above it are shown once their commit is durable."""
 
     def commit_waiter(self) -> asyncio.Future[None] | None:
         """A future that resolves once every record appended so far is durable under the

@@ -46,6 +46,10 @@ class MemoryShardLog:
             self._low = self._next
         return first
 
+    @property
+    def deliverable_end(self) -> int:
+        return self._next
+
     def commit_waiter(self) -> asyncio.Future[None] | None:
         return None
 

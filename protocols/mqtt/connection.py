@@ -68,6 +68,8 @@ class Link(Protocol):
 
 class State(Enum):
     AWAIT_CONNECT = "await-connect"
+    # CONNECT accepted, CONNACK waits for the session (a cluster fetches it from another node)
+    OPENING = "opening"
     CONNECTED = "connected"
     CLOSED = "closed"
 
@@ -127,6 +129,7 @@ class MqttConnection:
         "inbound_pending", "qos2_open", "will", "session_expiry_at_connect", "_out", "_out_bytes",
         "_flush_requested", "messages_in", "messages_out", "last_ack", "_tokens", "_tokens_at",
         "_throttled_for", "_backlog", "_backlog_error", "_valid_topic", "held", "_hold_timer",
+        "_held_subacks",
     )
 
     def __init__(self, service: MqttService, link: Link, remote: str = "", transport_name: str = "tcp") -> None:
@@ -179,6 +182,8 @@ class MqttConnection:
         # client is not read until that subscriber catches up (or HOLD_MAX_S passes).
         self.held = False
         self._hold_timer: Timer | None = None
+        # SUBACKs waiting, in order, for the cluster's other nodes to know the subscription.
+        self._held_subacks: list[list[Any]] | None = None
 
     @property
     def open(self) -> bool:
@@ -291,8 +296,8 @@ class MqttConnection:
         except MQTTCodecError as exc:
             # Packets decoded before the bad one in the same chunk are still handled.
             packets, error = list(getattr(exc, "packets", []) or []), exc
-        if self._backlog or self.held:
-            self._backlog.extend(packets)  # still throttled or held: keep the order
+        if self._backlog or self.held or self.state is State.OPENING:
+            self._backlog.extend(packets)  # still throttled, held or opening: keep the order
             if error is not None:
                 self._backlog_error = error
             return
@@ -319,6 +324,12 @@ class MqttConnection:
             except ProtocolViolation as exc:
                 log.info("%s %s: protocol violation: %s", self.remote, self.client_id, exc)
                 self.close(exc.reason_code, str(exc))
+                return
+            if self.state is State.OPENING:
+                # The rest waits for the session (see `_on_connect`).
+                self._backlog.extend(packets[index + 1:])
+                if error is not None:
+                    self._backlog_error = error
                 return
             if self.held and self.state is not State.CLOSED:
                 # Back-pressure: the rest waits, and the socket is not read meanwhile.
@@ -471,8 +482,25 @@ class MqttConnection:
             expiry = 0 if connect.clean_start else (settings.persistent_session_expiry or NEVER_EXPIRES)
         self.session_expiry_at_connect = expiry
         self.will = connect.will
+        fetching = self.service.session_elsewhere(client_id, connect.clean_start)
+        if fetching is not None:
+            # Cluster: the session lives on (or must be ended on) another node first; CONNACK
+            # and every later packet wait until it is here.
+            self.state = State.OPENING
+            fetching.add_done_callback(
+                lambda _: self._opened(client_id, connect.clean_start, expiry, assigned, server_keep_alive))
+            return
+        self._opened(client_id, connect.clean_start, expiry, assigned, server_keep_alive)
+
+    def _opened(self, client_id: str, clean_start: bool, expiry: int, assigned: str | None,
+                server_keep_alive: int | None) -> None:
+        if self.state is State.CLOSED:
+            return  # the client left while its session was fetched
+        settings = self.service.settings
+        v5 = self.version == MQTT_V5
+        resumed = self.state is State.OPENING
         self.state = State.CONNECTED
-        session, present = self.service.open_session(self, client_id, connect.clean_start, expiry)
+        session, present = self.service.open_session(self, client_id, clean_start, expiry)
         self.session = session
         connack_props = p.Properties()
         if v5:
@@ -487,8 +515,10 @@ class MqttConnection:
             connack_props.server_keep_alive = server_keep_alive
         self._send(encode(p.Connack(present, RC.SUCCESS, connack_props), self.version))
         log.info("%s: client %r connected (MQTT %s, clean=%s, keepalive=%s)", self.remote, client_id,
-                 {3: "3.1", 4: "3.1.1", 5: "5.0"}[self.version], connect.clean_start, self.keep_alive)
+                 {3: "3.1", 4: "3.1.1", 5: "5.0"}[self.version], clean_start, self.keep_alive)
         session.resend_inflight()
+        if resumed and (self._backlog or self._backlog_error is not None):
+            self._resume_backlog()
 
     # ------------------------------------------------------------------ PUBLISH
     def _rate_limit(self, rate: float) -> None:
@@ -725,7 +755,33 @@ class MqttConnection:
             if sink is not None:
                 sink.flush()
         self.service.save_session(session)
-        self._send_packet(p.Suback(packet.packet_id, codes))
+        # In a cluster, SUBACK waits (bounded) until the other nodes know the subscription,
+        # so a publish anywhere after the SUBACK reaches it; SUBACKs keep their order.
+        ready = broker.routes_ready()
+        if ready is None and not self._held_subacks:
+            self._subscribed(packet.packet_id, codes, retained, subscription_id)
+            return
+        entry: list[Any] = [ready is None, packet.packet_id, codes, retained, subscription_id]
+        if self._held_subacks is None:
+            self._held_subacks = []
+        self._held_subacks.append(entry)
+        if ready is not None:
+            ready.add_done_callback(lambda _ready: self._release_subacks(entry))
+
+    def _release_subacks(self, entry: list[Any]) -> None:
+        entry[0] = True
+        held = self._held_subacks
+        while held and held[0][0]:
+            _, packet_id, codes, retained, subscription_id = held.pop(0)
+            if self.state is not State.CLOSED:
+                self._subscribed(packet_id, codes, retained, subscription_id)
+
+    def _subscribed(
+        self, packet_id: int, codes: list[int], retained: list[tuple[Message, int]], subscription_id: int | None
+    ) -> None:
+        session = self.session
+        assert session is not None
+        self._send_packet(p.Suback(packet_id, codes))
         now = now_ms()
         for message, granted in retained:
             if message.expired(now):

@@ -60,6 +60,10 @@ class MqttService:
         self.on_session_opened: Callable[[str], None] | None = None
         # ... and of every session that ended here (not merely disconnected).
         self.on_session_ended: Callable[[str], None] | None = None
+        # Cluster mode: asked at every CONNECT before the session opens; returns an awaitable
+        # when the client's session must first come from (or be ended on) another node (it is
+        # in `sessions`, offline, once that is done), None when nothing is elsewhere.
+        self.find_session_elsewhere: Callable[[str, bool], asyncio.Future[None] | None] | None = None
         # TLS listeners: a verified client certificate's subject CN is the user name.
         self.use_identity_as_username = False
         self._dirty: list[MqttConnection] = []
@@ -264,6 +268,12 @@ class MqttService:
         if self.on_session_opened is not None:
             self.on_session_opened(client_id)
         return session, present
+
+    def session_elsewhere(self, client_id: str, clean_start: bool) -> asyncio.Future[None] | None:
+        """What a CONNECT waits for before its session opens (see `find_session_elsewhere`)."""
+        if self.find_session_elsewhere is None or client_id in self.sessions:
+            return None
+        return self.find_session_elsewhere(client_id, clean_start)
 
     def session_taken_elsewhere(self, client_id: str, where: str) -> bool:
         """Cluster mode: the client connected to another node; end its connection here with

@@ -80,7 +80,7 @@ async def share_catalog(app: Shardgate, node: ClusterNode) -> None:
     assert broker is not None
     broker.topology_sink = ClusterTopologySink(broker.topology_sink, node)
     # users and ACL: the same files on every node (before the broker's security reads them)
-    from ..auth import security_paths
+    from ..security.auth import security_paths
     from .shared_files import SharedFiles
 
     users_file, acl_file = security_paths(Path(app.config.data_dir), app.config.auth)
@@ -181,8 +181,22 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     address = settings.advertise_address or f"{host}:{plane.port}"
     listeners = {name: f"{listener.host}:{listener.port}" for name, listener in app.listeners.items()}
     listeners["cluster"] = f"{host}:{plane.port}"
+    # shared-state calls between nodes on the same port: session handover, remote shard reads
+    from .shard_reader import serve_read
+    from .state_rpc import StateRpc
+
+    rpc = StateRpc(node.view)
+    rpc.on_read = lambda request: serve_read(broker, plane, request)
+    plane.add_service(rpc.handler())
+    node.state_rpc = rpc
     mqtt = app.mqtt
     if mqtt is not None:
+        from .sessions import SessionHandover
+
+        handover = SessionHandover(node, mqtt, broker, plane, rpc)
+        handover.install()
+        node.handover = handover
+        await handover.drop_moved()
         # the MQTT session registry: a client connecting here takes its session over from
         # the node it was on, which ends that connection with DISCONNECT 0x8E
         mqtt.on_session_opened = node.claim_session

@@ -290,6 +290,10 @@ class ClusterNode:
         self.session_listeners: list[Callable[[str, str], None]] = []
         # told about changes of whole documents (auth/...) seen in etcd: (key, value)
         self.document_listeners: list[Callable[[str, bytes | None], None]] = []
+        # MQTT sessions moving between nodes (sessions.SessionHandover) and the calls between
+        # nodes it and remote cursors make (state_rpc.StateRpc); set by `attach.join`
+        self.handover: Any = None
+        self.state_rpc: Any = None
 
     def key(self, suffix: str) -> str:
         return self.prefix + suffix
@@ -715,9 +719,13 @@ class ClusterNode:
 
     async def stop(self) -> None:
         """Stop the loops and end the lease (the node's keys go with it)."""
+        if self.handover is not None:
+            await self.handover.stop()  # the last offline sessions' snapshots first
         self._running = False
         if self.shared_files is not None:
             await self.shared_files.stop()
+        if self.state_rpc is not None:
+            await self.state_rpc.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

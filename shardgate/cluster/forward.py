@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Callable, Container
 from dataclasses import dataclass, field
@@ -62,6 +63,14 @@ MAX_GRPC_MESSAGE = 512 << 20
 RECONNECT_MIN_S = 0.05
 RECONNECT_MAX_S = 1.0
 ROUTE_DEBOUNCE_S = 0.02
+# A SUBACK waits at most this long for the peers to apply the new routes (a slow peer).
+ROUTE_WAIT_S = 1.0
+# A node whose view of the shard map is behind a peer's waits this long for its etcd watch
+# to catch up before it refuses a message it is not (yet) the owner of.
+VIEW_CATCH_UP_S = 2.0
+# A broken stream is resumed (its unanswered frames sent again) while its oldest unanswered
+# frame is younger than this; older, their publishes fail retryably instead of waiting on.
+RESUME_LIMIT_S = 10.0
 # Links are checked against the view this often too, besides on every change it reports.
 RECONCILE_S = 1.0
 # Streams every node keeps for itself, never placed nor forwarded: its own $SYS topics.
@@ -98,28 +107,43 @@ class DataPlaneStats:
     forward_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
 
 
-class _Awaiting:
-    """The forwards of one written frame, answered together."""
+class _Sent:
+    """A frame written to the peer and not answered yet: written again on a new stream of the
+    same session after a break, until its answer comes."""
 
-    __slots__ = ("written_at", "entries")
+    __slots__ = ("frame", "forwards", "pushes", "route_generation", "written_at")
 
-    def __init__(self, entries: list[tuple[asyncio.Future[None], Message, int]]) -> None:
+    def __init__(
+        self, frame: pb.PeerFrame, forwards: list[tuple[asyncio.Future[None], Message, int]],
+        pushes: int, route_generation: int,
+    ) -> None:
+        self.frame = frame
+        self.forwards = forwards
+        self.pushes = pushes
+        self.route_generation = route_generation
         self.written_at = time.perf_counter()
-        self.entries = entries
 
 
 class PeerLink:
-    """This node's outgoing link to one peer: one `Link` stream, batched, bounded, redialed."""
+    """This node's outgoing link to one peer: one `Link` stream at a time, batched, bounded,
+    redialed, and resumed after a break (the frames not answered are sent again)."""
 
     def __init__(self, plane: DataPlane, node: NodeInfo) -> None:
         self.plane = plane
         self.node = node
+        # Frames are numbered within this session, across the streams it opens.
+        self.session = random.getrandbits(62) + 1
+        self._next_sequence = 1
+        self._unanswered: dict[int, _Sent] = {}
         self._forwards: list[tuple[pb.Forward, asyncio.Future[None], Message]] = []
         self._pushes: list[pb.Push] = []
         self._routes: list[pb.RouteUpdate] = []
+        self._routes_generation = 0
         self._retained: list[pb.Retained] = []
-        self._awaiting: dict[int, _Awaiting] = {}
-        self._in_flight = 0
+        self._in_flight = 0  # forwards queued or not answered
+        self._pushes_held = 0  # pushes queued or not answered
+        # The last route generation of this node the peer has applied (SUBACK waits for it).
+        self.routes_answered = 0
         self._wake = asyncio.Event()
         self._closed = False
         self._broken: BaseException | None = None
@@ -156,15 +180,17 @@ class PeerLink:
         return future
 
     def push(self, push: pb.Push) -> None:
-        if len(self._pushes) >= MAX_PUSHES_QUEUED or not self.reachable:
+        if self._pushes_held >= MAX_PUSHES_QUEUED or not self.reachable:
             self.plane.stats.pushes_dropped += 1
             self.plane.broker.stats.drop("cluster_link_full")
             return
         self._pushes.append(push)
+        self._pushes_held += 1
         self._wake.set()
 
-    def send_routes(self, update: pb.RouteUpdate) -> None:
+    def send_routes(self, update: pb.RouteUpdate, generation: int) -> None:
         self._routes.append(update)
+        self._routes_generation = generation
         self._wake.set()
 
     def send_retained(self, retained: pb.Retained) -> None:
@@ -194,12 +220,20 @@ class PeerLink:
             except Exception as exc:  # noqa: BLE001 - a broken link is redialed, never fatal
                 if self.connected or self.reachable:
                     log.warning("cluster link to %s lost: %s", self, _short(exc))
+                # A stream that broke is resumed on the next (its frames are sent again); a
+                # dial that failed means the peer is away: its clients get retryable errors.
                 self.reachable = self.connected and not self._closed
-                self._fail_all(ShardUnavailable(
-                    f"link to node {self.node.node_id} lost before it answered; retry"
-                ))
+                oldest = next(iter(self._unanswered.values()), None)
+                if not self.reachable or (
+                    oldest is not None and time.perf_counter() - oldest.written_at > RESUME_LIMIT_S
+                ):
+                    self._fail_all(ShardUnavailable(
+                        f"link to node {self.node.node_id} lost before it answered; retry"
+                    ))
             finally:
-                self.connected = False
+                if self.connected:
+                    self.connected = False
+                    self.plane.link_state_changed()
                 await channel.close(grace=None)
             if self._closed:
                 return
@@ -212,10 +246,21 @@ class PeerLink:
         self._broken = None
         reader = asyncio.get_running_loop().create_task(self._read(call))
         try:
-            # A new stream starts from everything this node's clients hold now.
+            await call.write(pb.PeerFrame(sequence=0, from_node=self.plane.node_id, session=self.session))
+            # What the last stream left unanswered goes again, in order (the peer skips what
+            # it applied already and answers it again).
+            for _sequence, sent in list(self._unanswered.items()):
+                sent.frame.answered_below = self._answered_below()
+                await call.write(sent.frame)
+            # Then everything this node's clients hold now (the peer may be a new process),
+            # and the retained messages of its shards.
             self._routes = [self.plane.route_snapshot()]
-            self._retained = self.plane.retained_snapshot()
-            sequence = 0
+            self._routes_generation = self.plane.route_generation
+            self._retained = self._retained + self.plane.retained_snapshot()
+            if not self.connected:
+                self.connected = self.reachable = True
+                log.info("cluster link to %s up", self)
+                self.plane.link_state_changed()
             while True:
                 if self._broken is not None:
                     raise self._broken
@@ -223,20 +268,19 @@ class PeerLink:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                sequence += 1
-                frame = self._next_frame(sequence)
-                await call.write(frame)
-                if not self.connected:
-                    self.connected = self.reachable = True
-                    log.info("cluster link to %s up", self)
+                await call.write(self._next_frame())
         finally:
             reader.cancel()
             call.cancel()
 
-    def _next_frame(self, sequence: int) -> pb.PeerFrame:
-        frame = pb.PeerFrame(sequence=sequence)
-        if sequence == 1:
-            frame.from_node = self.plane.node_id
+    def _answered_below(self) -> int:
+        return next(iter(self._unanswered), self._next_sequence)
+
+    def _next_frame(self) -> pb.PeerFrame:
+        sequence = self._next_sequence
+        self._next_sequence = sequence + 1
+        frame = pb.PeerFrame(sequence=sequence, answered_below=self._answered_below())
+        route_generation = 0
         if self._routes:
             routes, self._routes = self._routes, []
             merged = routes[0]
@@ -247,11 +291,13 @@ class PeerLink:
                     merged.added.extend(later.added)
                     merged.removed.extend(later.removed)
             frame.routes.CopyFrom(merged)
+            route_generation = self._routes_generation
         if self._retained:
             frame.retained.extend(self._retained)
             self._retained = []
         size = 0
         count = 0
+        forwards: list[tuple[asyncio.Future[None], Message, int]] = []
         if self._forwards:
             taken = []
             for entry in self._forwards:
@@ -262,11 +308,9 @@ class PeerLink:
                 size += frame_size(entry[0])
             del self._forwards[:count]
             frame.forwards.extend(entry[0] for entry in taken)
-            self._awaiting[sequence] = _Awaiting(
-                [(future, message, forward.epoch) for forward, future, message in taken]
-            )
+            forwards = [(future, message, forward.epoch) for forward, future, message in taken]
+        pushes = 0
         if self._pushes and count < FRAME_MAX_MESSAGES:
-            pushes = 0
             for push in self._pushes:
                 if count >= FRAME_MAX_MESSAGES or (count and size >= FRAME_MAX_BYTES):
                     break
@@ -275,6 +319,7 @@ class PeerLink:
                 size += frame_size(push)
             frame.pushes.extend(self._pushes[:pushes])
             del self._pushes[:pushes]
+        self._unanswered[sequence] = _Sent(frame, forwards, pushes, route_generation)
         return frame
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
@@ -284,13 +329,19 @@ class PeerLink:
                 reply = await call.read()
                 if reply is grpc.aio.EOF:
                     raise ConnectionError(f"node {self.node.node_id} ended the link")
-                awaiting = self._awaiting.pop(reply.sequence, None)
-                if awaiting is None:
+                sent = self._unanswered.pop(reply.sequence, None)
+                if sent is None:
                     continue
-                stats.forward_latency.observe(time.perf_counter() - awaiting.written_at)
-                self._in_flight -= len(awaiting.entries)
+                self._pushes_held -= sent.pushes
+                if sent.route_generation > self.routes_answered:
+                    self.routes_answered = sent.route_generation
+                    self.plane.link_state_changed()
+                if not sent.forwards:
+                    continue
+                stats.forward_latency.observe(time.perf_counter() - sent.written_at)
+                self._in_flight -= len(sent.forwards)
                 outcomes = reply.outcomes
-                for index, (future, message, epoch) in enumerate(awaiting.entries):
+                for index, (future, message, epoch) in enumerate(sent.forwards):
                     if future.done():
                         continue
                     outcome = outcomes[index] if index < len(outcomes) else None
@@ -299,7 +350,7 @@ class PeerLink:
                         future.set_result(None)
                         continue
                     if outcome is not None and outcome.code == pb.NOT_OWNER and self.plane.reroute(
-                        message, future, epoch
+                        message, future, epoch, outcome.epoch
                     ):
                         continue
                     stats.forward_failures += 1
@@ -311,17 +362,20 @@ class PeerLink:
             self._wake.set()
 
     def _fail_all(self, error: PublishRejected) -> None:
-        """Fail every forward not yet answered: the owner may or may not have stored them, so
-        the clients get a retryable error (at least once, never acknowledged and lost)."""
+        """Fail every forward not yet answered and drop the pushes: the owner may or may not
+        have stored them, so the clients get a retryable error (at least once, never
+        acknowledged and lost). Used when the peer is away, not when a stream merely broke."""
         entries = [(future, message) for _, future, message in self._forwards]
-        for awaiting in self._awaiting.values():
-            entries += [(future, message) for future, message, _epoch in awaiting.entries]
+        dropped = len(self._pushes)
+        for sent in self._unanswered.values():
+            entries += [(future, message) for future, message, _epoch in sent.forwards]
+            dropped += sent.pushes
         self._forwards = []
-        self._awaiting = {}
+        self._unanswered = {}
         self._in_flight = 0
-        if self._pushes:
-            self.plane.stats.pushes_dropped += len(self._pushes)
-            self._pushes = []
+        self._pushes = []
+        self._pushes_held = 0
+        self.plane.stats.pushes_dropped += dropped
         for future, _message in entries:
             if not future.done():
                 self.plane.stats.forward_failures += 1
@@ -339,6 +393,11 @@ def _retained_frame(topic: str, message: Message | None) -> pb.Retained:
     if message is None:
         return pb.Retained(topic=topic, present=False)
     return pb.Retained(topic=topic, present=True, message=push_frame(message, body_of(message)))
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _settle(future: asyncio.Future[None], done: asyncio.Future[None]) -> None:
@@ -366,6 +425,32 @@ def _short(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+class _Inbox:
+    """What this node applied of one peer's link session: the highest frame applied (frames of
+    a session are applied once, in order), and its answers the peer may not have received yet
+    (sent again when the peer sends their frame again on a new stream)."""
+
+    __slots__ = ("session", "applied", "answers", "reply")
+
+    def __init__(self, session: int) -> None:
+        self.session = session
+        self.applied = 0
+        self.answers: dict[int, pb.PeerReply] = {}
+        # Where answers go now: the session's current stream (None between streams).
+        self.reply: Callable[[pb.PeerReply], None] | None = None
+
+    def answer(self, reply: pb.PeerReply) -> None:
+        self.answers[reply.sequence] = reply
+        if self.reply is not None:
+            self.reply(reply)
+
+    def forget_below(self, sequence: int) -> None:
+        answers = self.answers
+        if answers and sequence:
+            for answered in [s for s in answers if s < sequence]:
+                del answers[answered]
+
+
 class LinkService(pb_grpc.PeerLinkServicer):
     """The receiving end of the peers' links, on this node's cluster port."""
 
@@ -376,16 +461,20 @@ class LinkService(pb_grpc.PeerLinkServicer):
         self, request_iterator: AsyncIterator[pb.PeerFrame], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.PeerReply]:
         replies: asyncio.Queue[pb.PeerReply | None] = asyncio.Queue()
+        send = replies.put_nowait
         peer: list[str] = []
 
         async def read() -> None:
             try:
                 async for frame in request_iterator:
                     if frame.from_node:
+                        if peer and peer[0] != frame.from_node:
+                            raise ValueError("a link carries one node's frames")
                         peer[:] = [frame.from_node]
+                        self.plane.link_opened(peer[0], frame.session, send)
                     if not peer:
                         raise ValueError("the first frame of a link must name its node")
-                    self.plane.receive(peer[0], frame, replies.put_nowait)
+                    self.plane.receive(peer[0], frame, send)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a bad peer ends its own stream only
@@ -404,7 +493,7 @@ class LinkService(pb_grpc.PeerLinkServicer):
         finally:
             reader.cancel()
             if peer:
-                self.plane.peer_link_ended(peer[0])
+                self.plane.peer_link_ended(peer[0], send)
 
 
 class DataPlane:
@@ -430,8 +519,13 @@ class DataPlane:
         self._flush_handle: asyncio.Handle | None = None
         self._last_flush = 0.0
         self._turns: dict[str, int] = {}
-        # Incoming link streams per peer (a peer redialing may briefly have two).
-        self._incoming: dict[str, int] = {}
+        # What this node applied of each peer's link session.
+        self._inboxes: dict[str, _Inbox] = {}
+        # Bumped by every route update sent; each link knows the last its peer applied.
+        self.route_generation = 0
+        self._route_waiters: list[tuple[int, asyncio.Future[None]]] = []
+        # (deadline, stream, shard, epoch, then): waiting for this node's view to catch up.
+        self._epoch_waiters: list[tuple[float, str, int, int, Callable[[], None]]] = []
         self._server: grpc.aio.Server | None = None
         self._started = False
         # Shards other nodes own that a durable subscription here follows.
@@ -489,6 +583,11 @@ class DataPlane:
             await self._server.stop(grace=0.1)
             self._server = None
 
+    def add_service(self, handler: grpc.GenericRpcHandler) -> None:
+        """Serve another service on the cluster port (the shared-state calls, `state_rpc.py`)."""
+        assert self._server is not None, "the data plane is not started"
+        self._server.add_generic_rpc_handlers((handler,))
+
     # The app closes its listeners with close() then wait_closed(); this is one of them.
     def close(self) -> None:
         if self._closing is None:
@@ -510,6 +609,8 @@ class DataPlane:
 
     def _view_changed(self) -> None:
         """Dial new peers, drop the links and routes of nodes that left or moved."""
+        if self._epoch_waiters:
+            self._check_epoch_waiters()
         if not self._started:
             return
         nodes = self.view.nodes()
@@ -520,6 +621,8 @@ class DataPlane:
                 asyncio.get_running_loop().create_task(link.close())
                 if info is None:
                     self.remote.forget(node_id)
+                    self._inboxes.pop(node_id, None)
+                self.link_state_changed()
         for node_id, info in nodes.items():
             if node_id != self.node_id and node_id not in self.links:
                 self.links[node_id] = PeerLink(self, info)
@@ -541,7 +644,8 @@ class DataPlane:
                 assignment = view.owner(stream, shard)
                 if assignment is None:
                     continue
-                received = isinstance(cursor.log, ReceivedLog)
+                # (an OwnerLog of cluster.shard_reader also reads a shard another node owns)
+                received = isinstance(cursor.log, ReceivedLog) or getattr(cursor.log, "remote_shard", False)
                 if assignment.node_id != self.node_id and not received:
                     cursor.log = self.received_log(stream, shard)
                 elif assignment.node_id == self.node_id and received:
@@ -579,10 +683,30 @@ class DataPlane:
         self.stats.forwarded += 1
         return link.forward(message, assignment.epoch)  # type: ignore[union-attr]
 
-    def reroute(self, message: Message, future: asyncio.Future[None], refused_epoch: int) -> bool:
-        """An owner refused `message` (it no longer owns the shard): when the view has moved
-        on since (a newer epoch), send it where the shard lives now and resolve `future` from
-        there; False to let the client have the retryable error. Bounded: epochs only grow."""
+    def reroute(
+        self, message: Message, future: asyncio.Future[None], refused_epoch: int, owner_epoch: int = 0
+    ) -> bool:
+        """An owner refused `message` (it does not own the shard under `refused_epoch`): when
+        the view has moved on since (a newer epoch), send it where the shard lives now and
+        resolve `future` from there. When the refusing node knows a newer epoch
+        (`owner_epoch`) than this node's view, wait (bounded) for the view to catch up first.
+        False to let the client have the retryable error. Bounded: epochs only grow."""
+        if self._route_again(message, future, refused_epoch):
+            return True
+        if owner_epoch <= refused_epoch:
+            return False
+
+        def caught_up() -> None:
+            if not self._route_again(message, future, refused_epoch):
+                self.stats.forward_failures += 1
+                _fail(future, ShardUnavailable(
+                    f"the owner of {message.stream}/{message.shard} moved and this node has "
+                    "not learned where yet; retry"))
+
+        self._after_epoch(message.stream, message.shard, owner_epoch, caught_up)
+        return True
+
+    def _route_again(self, message: Message, future: asyncio.Future[None], refused_epoch: int) -> bool:
         assignment = self.view.owner(message.stream, message.shard)
         if assignment is None or assignment.epoch <= refused_epoch:
             return False
@@ -590,7 +714,7 @@ class DataPlane:
             if not self.view.owns(message.stream, message.shard):
                 return False
             try:
-                stored = self.broker.publish(message)
+                stored = self.broker.publish(message, counted=False)  # counted when it came in
             except PublishRejected as exc:
                 _fail(future, exc)
                 return True
@@ -604,6 +728,31 @@ class DataPlane:
             return False
         link.forward(message, assignment.epoch, future)
         return True
+
+    def _after_epoch(self, stream: str, shard: int, epoch: int, then: Callable[[], None]) -> None:
+        """Call `then` once this node's view holds `stream`/`shard` at `epoch` or later (its
+        etcd watch caught up with the node that knew it first), or after VIEW_CATCH_UP_S."""
+        loop = asyncio.get_running_loop()
+        self._epoch_waiters.append((loop.time() + VIEW_CATCH_UP_S, stream, shard, epoch, then))
+        loop.call_later(VIEW_CATCH_UP_S, self._check_epoch_waiters)
+
+    def _check_epoch_waiters(self) -> None:
+        now = asyncio.get_running_loop().time()
+        view = self.view
+        due, waiting = [], []
+        for waiter in self._epoch_waiters:
+            deadline, stream, shard, epoch, then = waiter
+            assignment = view.owner(stream, shard)
+            if now >= deadline or (assignment is not None and assignment.epoch >= epoch):
+                due.append(then)
+            else:
+                waiting.append(waiter)
+        self._epoch_waiters = waiting
+        for then in due:
+            try:
+                then()
+            except Exception:  # noqa: BLE001 - one message's failure must not stop the others
+                log.exception("cluster: handling a message after the shard map changed failed")
 
     # ------------------------------------------------------------ Fanout
     def push(
@@ -677,10 +826,45 @@ class DataPlane:
         delta = diff(self._advertised, now)
         self._advertised = now
         if not delta:
+            self.link_state_changed()  # nothing new to wait for
             return
+        self.route_generation += 1
         update = route_update(delta)
         for link in self.links.values():
-            link.send_routes(update)
+            link.send_routes(update, self.route_generation)
+
+    def routes_ready(self) -> asyncio.Future[None] | None:
+        """None when every peer this node is linked to has applied its routes as they are
+        now (subscriptions made so far); else a future that resolves once they have, or after
+        ROUTE_WAIT_S (a slow peer). Peers whose link is down are not waited for: they get the
+        whole route set when their link comes back."""
+        target = self.route_generation + (1 if self._flush_handle is not None else 0)
+        if self._routes_reached(target):
+            return None
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        self._route_waiters.append((target, future))
+        loop.call_later(ROUTE_WAIT_S, _resolve, future)
+        return future
+
+    def _routes_reached(self, target: int) -> bool:
+        if self._flush_handle is None:
+            target = min(target, self.route_generation)
+        return all(link.routes_answered >= target for link in self.links.values() if link.connected)
+
+    def link_state_changed(self) -> None:
+        """A link came up, went down, or its peer applied routes: settle the route waiters."""
+        if not self._route_waiters:
+            return
+        waiting = []
+        for target, future in self._route_waiters:
+            if future.done():
+                continue
+            if self._routes_reached(target):
+                future.set_result(None)
+            else:
+                waiting.append((target, future))
+        self._route_waiters = waiting
 
     # ------------------------------------------------------------ retained messages
     def _retained_changed(self, topic: str, message: Message | None) -> None:
@@ -724,11 +908,30 @@ class DataPlane:
                 self._keep_retained(update.topic, message)
 
     # ------------------------------------------------------------ the receiving end
+    def link_opened(self, peer: str, session: int, reply: Callable[[pb.PeerReply], None]) -> None:
+        """A stream of `peer`'s link `session` began: answers go to it from now on."""
+        inbox = self._inboxes.get(peer)
+        if inbox is None or inbox.session != session:
+            inbox = self._inboxes[peer] = _Inbox(session)
+        inbox.reply = reply
+
     def receive(self, peer: str, frame: pb.PeerFrame, reply: Callable[[pb.PeerReply], None]) -> None:
-        """Apply one frame from `peer`: routes, then pushes, then forwards (answered through
-        `reply` once every forward is stored)."""
-        if frame.from_node:
-            self._incoming[peer] = self._incoming.get(peer, 0) + 1
+        """Apply one frame from `peer` once per session: routes, then retained messages, then
+        pushes, then forwards; answered once every forward is stored (at once without any)."""
+        inbox = self._inboxes.get(peer)
+        if inbox is None or inbox.reply is not reply:
+            return  # a late frame of a stream the peer replaced: it sends it again on the new one
+        if frame.answered_below:
+            inbox.forget_below(frame.answered_below)
+        sequence = frame.sequence
+        if sequence == 0:
+            return  # a hello
+        if sequence <= inbox.applied:
+            answered = inbox.answers.get(sequence)
+            if answered is not None:
+                reply(answered)
+            return  # applied already; its answer follows when its forwards are stored
+        inbox.applied = sequence
         if frame.HasField("routes"):
             update = frame.routes
             delta = routes_from_update(update)
@@ -741,16 +944,16 @@ class DataPlane:
         if frame.pushes:
             self._dispatch_pushes(frame.pushes)
         if frame.forwards:
-            self._store_forwards(frame.sequence, frame.forwards, reply)
+            self._store_forwards(sequence, frame.forwards, inbox.answer)
+        else:
+            inbox.answer(pb.PeerReply(sequence=sequence))
 
-    def peer_link_ended(self, peer: str) -> None:
-        left = self._incoming.get(peer, 1) - 1
-        if left > 0:
-            self._incoming[peer] = left
-            return
-        self._incoming.pop(peer, None)
-        # The peer resends every route when it redials; until then it gets nothing.
-        self.remote.forget(peer)
+    def peer_link_ended(self, peer: str, reply: Callable[[pb.PeerReply], None]) -> None:
+        """A stream from `peer` ended. Its routes stay: the peer resumes its session on a new
+        stream, and a node that is gone leaves the view, which forgets them."""
+        inbox = self._inboxes.get(peer)
+        if inbox is not None and inbox.reply is reply:
+            inbox.reply = None
 
     def _dispatch_pushes(self, pushes: list[pb.Push]) -> None:
         dispatch = self.broker.dispatch
@@ -774,60 +977,99 @@ class DataPlane:
             if kept is None and key in received:  # a durable subscription here just began
                 received[key].add(message.offset, message.publish_time_ms, record_of(push))
 
-    def _store_forwards(self, sequence: int, forwards: list[pb.Forward], reply: Callable[[pb.PeerReply], None]) -> None:
-        broker = self.broker
-        view = self.view
+    def _store_forwards(
+        self, sequence: int, forwards: list[pb.Forward], answer: Callable[[pb.PeerReply], None]
+    ) -> None:
+        """Store the forwarded messages of one frame and answer it once all are stored."""
         outcomes = [pb.Outcome() for _ in forwards]
         waiting: dict[asyncio.Future[None], list[tuple[int, Message]]] = {}
-        self.stats.forwarded_in += len(forwards)
-        for index, forward in enumerate(forwards):
-            outcome = outcomes[index]
-            try:
-                message = message_from_forward(forward)
-                stream = broker.stream_for_topic(message.topic)
-                shard = stream.shard_for(message.topic, message.key).index
-                if not view.owns(stream.name, shard):
-                    outcome.code = pb.NOT_OWNER
-                    outcome.reason = (
-                        f"node {self.node_id} does not own {stream.name}/{shard} now; retry"
-                    )
-                    continue
-                future = broker.publish(message)
-            except RecordFormatError as exc:
-                outcome.code = pb.REJECTED
-                outcome.reason = f"malformed forwarded message: {exc}"
-                continue
-            except PublishRejected as exc:
-                outcome.code = pb.NOT_OWNER if isinstance(exc, ShardUnavailable) else pb.REJECTED
-                outcome.reason = str(exc)
-                continue
-            except (CoreError, ValueError) as exc:  # a bad topic, say: this message only
-                outcome.code = pb.REJECTED
-                outcome.reason = str(exc)
-                continue
-            outcome.offset = message.offset
-            if future is not None:
-                waiting.setdefault(future, []).append((index, message))
-        answer = pb.PeerReply(sequence=sequence, outcomes=outcomes)
-        if not waiting:
-            reply(answer)
-            return
-        remaining = [len(waiting)]
+        # the pass below, each commit group waited on, and each message waiting for the view
+        remaining = [1]
+
+        def settled() -> None:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                answer(pb.PeerReply(sequence=sequence, outcomes=outcomes))
 
         def landed(future: asyncio.Future[None]) -> None:
             failed = future.cancelled() or future.exception() is not None
-            for index, message in waiting[future]:
+            for index, message in waiting.pop(future):
                 if failed:
                     outcomes[index].code = pb.FAILED
                     error = "cancelled" if future.cancelled() else future.exception()
                     outcomes[index].reason = f"the owner could not store the message: {error}"
                 else:
                     outcomes[index].offset = message.offset
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                answer.ClearField("outcomes")
-                answer.outcomes.extend(outcomes)
-                reply(answer)
+            settled()
 
-        for future in waiting:
-            future.add_done_callback(landed)
+        def later(index: int, message: Message, epoch: int) -> None:
+            """The sender knew a newer shard map than this node's view: stored (or refused)
+            once the view has caught up."""
+            remaining[0] += 1
+
+            def again() -> None:
+                future = self._store_forward(message, epoch, outcomes[index], None)
+                if future is None:
+                    settled()
+                    return
+                waiting.setdefault(future, []).append((index, message))
+                if len(waiting[future]) == 1:
+                    remaining[0] += 1
+                    future.add_done_callback(landed)
+                settled()
+
+            self._after_epoch(message.stream, message.shard, epoch, again)
+
+        self.stats.forwarded_in += len(forwards)
+        for index, forward in enumerate(forwards):
+            try:
+                message = message_from_forward(forward)
+            except RecordFormatError as exc:
+                outcomes[index].code = pb.REJECTED
+                outcomes[index].reason = f"malformed forwarded message: {exc}"
+                continue
+            future = self._store_forward(message, forward.epoch, outcomes[index], later, index)
+            if future is not None:
+                entries = waiting.get(future)
+                if entries is None:
+                    entries = waiting[future] = []
+                    remaining[0] += 1
+                    future.add_done_callback(landed)
+                entries.append((index, message))
+        settled()
+
+    def _store_forward(
+        self, message: Message, epoch: int, outcome: pb.Outcome,
+        later: Callable[[int, Message, int], None] | None, index: int = 0,
+    ) -> asyncio.Future[None] | None:
+        """Publish one forwarded message here, its owner; fill `outcome` (the offset, or why
+        not). Returns the commit future to wait on, if any. With `later`, a message for a
+        shard this node's view does not yet give it (the sender's epoch is newer) is handed
+        to `later` instead."""
+        broker, view = self.broker, self.view
+        try:
+            stream = broker.stream_for_topic(message.topic)
+            shard = stream.shard_for(message.topic, message.key).index
+            if not view.owns(stream.name, shard):
+                assignment = view.owner(stream.name, shard)
+                known = assignment.epoch if assignment is not None else 0
+                if later is not None and epoch > known:
+                    message.stream, message.shard = stream.name, shard
+                    later(index, message, epoch)
+                    return None
+                outcome.code = pb.NOT_OWNER
+                outcome.epoch = known
+                outcome.reason = f"node {self.node_id} does not own {stream.name}/{shard} now; retry"
+                return None
+            # counted once, by the node its client published to
+            future = broker.publish(message, counted=False)
+        except PublishRejected as exc:
+            outcome.code = pb.NOT_OWNER if isinstance(exc, ShardUnavailable) else pb.REJECTED
+            outcome.reason = str(exc)
+            return None
+        except (CoreError, ValueError) as exc:  # a bad topic, say: this message only
+            outcome.code = pb.REJECTED
+            outcome.reason = str(exc)
+            return None
+        outcome.offset = message.offset
+        return future

@@ -2,7 +2,7 @@
 
 A message without properties (no key, headers, MQTT 5 or AMQP properties, expiry) travels as
 its few fields, which protobuf's C code reads and writes; any other travels as its journal
-record (`storage.records`), encoded once however many nodes it goes to. Stream, shard and
+record (`core.records`), encoded once however many nodes it goes to. Stream, shard and
 offset travel beside it. Nothing here touches a socket.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..core.message import Message, message_from_record
+from ..core.records import RecordFormatError, decode_message, encode_message
 from ..proto import cluster_pb2 as pb
-from ..storage.records import RecordFormatError, decode_message, encode_message
 from .routes import Route, RouteDelta
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Prometheus metric families of the cluster data plane, read from its counters at scrape time.
 
-`shardgate.metrics` yields these when the node runs in a cluster (`app.data_plane` is set);
+`shardgate.admin.metrics` yields these when the node runs in a cluster (`app.data_plane` is set);
 nothing here runs on the message path.
 """
 

@@ -16,8 +16,7 @@ from collections.abc import Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..interfaces import StoredRecord
-from ..records import (
+from ...core.records import (
     F_CONTENT_TYPE,
     F_CORRELATION,
     F_EXPIRY,
@@ -32,6 +31,7 @@ from ..records import (
     encode_message,
     native_properties_at,
 )
+from ..interfaces import StoredRecord
 from .decode import NATIVE_PROPERTIES, decode_batch
 
 FORMAT_VERSION = "2"
@@ -99,7 +99,7 @@ def _decode_columns(
     content_types: list, protocols: list, producers: list, qoses: list, retains: list,
     correlations: list, reply_tos: list, formats: list, expiries: list, natives: list,
 ) -> None:
-    """Decode message records (the layout of `storage.records`) straight into
+    """Decode message records (the layout of `core.records`) straight into
     column lists: the same result as `decode_message` per record, without building a
     `MessageRecord` each time (this loop is most of the archiver's CPU time)."""
     head = _HEAD.unpack_from
@@ -195,7 +195,10 @@ def build_table(
 ) -> pa.Table:
     """The archive table of `records` (one shard, offset order). The publish_time column is
     the journal record's timestamp, which is the message's publish time, so that the
-    `date=/hour=` partition of a file and its rows always agree."""
+    `date=/hour=` partition of a file and its rows always agree. Empty records (offsets
+    the journal skipped) have no row."""
+    if not all(record.data for record in records):
+        records = [record for record in records if record.data]
     count = len(records)
     columns = decode_batch([record.data for record in records])
     if columns is None:  # a malformed record: decode one by one, which names it

@@ -1,4 +1,4 @@
-"""Decoding a batch of message records (the layout of `storage.records`, versions 1 and 2)
+"""Decoding a batch of message records (the layout of `core.records`, versions 1 and 2)
 straight into Arrow arrays, without a Python loop over the records' fields.
 
 The records are joined into one buffer; every field's position is then computed for all
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..records import (
+from ...core.records import (
     F_CONTENT_TYPE,
     F_CORRELATION,
     F_EXPIRY,

@@ -5,8 +5,13 @@ the group committer (`commit.py`) writes and fsyncs groups in a worker thread. R
 *published* — readable, and their commit future resolved — once durable under the fsync
 policy: `read` and `offset_for_timestamp` see published records only (offsets stay dense: a
 record is published only after every lower offset). When a write or fsync fails, the shard is
-rolled back to its last published state: the file is truncated there, every unpublished group
-fails with StorageFull, and their offsets are handed out again.
+rolled back to its last published state: the file is truncated there and every unpublished
+group fails with StorageFull.
+
+An offset, once handed out, never names another record: subscribers may already have seen it
+(see `reservation.py`, and `deliverable_end`). The offsets of a failed commit, and after a
+crash those between the recovered end and the durable reservation, are filled with *empty
+records* (no data) by the next append: readers skip records whose data is empty.
 
 Segment layout, recovery and reads are in `segment.py`; this module owns offsets, rolling,
 retention and the hand-over of groups between the event loop and the worker thread.
@@ -28,6 +33,7 @@ from ..interfaces import StorageFull, StoredRecord
 from .commit import GroupCommitter, resolve
 from .config import FsyncPolicy, JournalClosed, JournalConfig
 from .record import HEADER_SIZE, LENGTH_CRC, OFFSET_TS, checksum_function
+from .reservation import OffsetReservation, read_reservation
 from .segment import (
     Segment,
     fsync_directory,
@@ -39,6 +45,11 @@ from .segment import (
 log = logging.getLogger(__name__)
 
 _NO_TIMESTAMP = -(2**63)
+RESERVE_BLOCK = 16_384
+"""How far beyond the next offset a reservation reaches when it is renewed: after a crash at
+most about this many offsets are skipped."""
+RESERVE_AHEAD = RESERVE_BLOCK // 2
+"""Renew the reservation once fewer than this many offsets are left in it."""
 _OFFSET_TS_PACK = OFFSET_TS.pack
 _LENGTH_CRC_PACK = LENGTH_CRC.pack
 
@@ -86,6 +97,7 @@ class _Group:
         "first_ts",
         "future",
         "new_segment",
+        "reserve_to",
     )
 
     def __init__(self, first_offset: int, tail: _Tail, roll: bool) -> None:
@@ -104,6 +116,7 @@ class _Group:
         self.first_ts: int | None = tail.first_ts
         self.future: asyncio.Future[None] | None = None
         self.new_segment: Segment | None = None
+        self.reserve_to = 0
 
 
 class JournalShardLog:
@@ -126,6 +139,19 @@ class JournalShardLog:
         self._bases = [s.base_offset for s in self._segments]
         active = self._segments[-1]
         self._next = self._committed = active.next_offset
+        # Offsets below `_reserved` (durable in the reservation file) may be seen before they
+        # are durable; `_reserve_target` is what the next commit pass makes durable.
+        self._reservation = OffsetReservation(self.directory)
+        self._reserved = read_reservation(self.directory)
+        self._reserve_target = self._reserved
+        # Offsets from `_hole_from` to `_next` were handed out but their records are gone (a
+        # failed commit, or a crash before their fsync): the next append fills them.
+        self._hole_from: int | None = None
+        if self._reserved > self._next:
+            log.info("%s: offsets %d..%d may have been seen before a crash; they are skipped",
+                     self.directory, self._next, self._reserved - 1)
+            self._hole_from = self._next
+            self._next = self._reserved
         self._tail = _Tail.of(active)
         self._pending: _Group | None = None
         self._inflight: _Group | None = None
@@ -173,15 +199,43 @@ class JournalShardLog:
         """One past the last published record: what `read` can reach."""
         return self._committed
 
+    @property
+    def deliverable_end(self) -> int:
+        """Records at offsets below this may be shown to subscribers before they are durable:
+        none of these offsets will ever name another record, after a failed commit or a
+        crash (the durable reservation). Offsets at or above it must wait for their commit."""
+        return self._reserved
+
     def append(self, records: Sequence[tuple[int, bytes]]) -> int:
         """Frame `records` into the pending group; returns the first offset. No disk I/O."""
         if self._closed:
             raise JournalClosed(f"{self.directory} is closed")
         if self._broken is not None:
             raise StorageFull(f"{self.directory}: unusable until reopened: {self._broken}")
-        first = self._next
         if not records:
-            return first
+            return self._next
+        if self._hole_from is not None:
+            self._fill_hole(records[0][0])
+        first = self._frame(records)
+        if self._next + RESERVE_AHEAD > self._reserve_target:
+            self._reserve_target = self._next + RESERVE_BLOCK
+        return first
+
+    def _fill_hole(self, timestamp_ms: int) -> None:
+        """Frame one empty record for each offset of the hole, ahead of the next records."""
+        hole_from = self._hole_from
+        assert hole_from is not None
+        end = self._next
+        self._next = hole_from
+        try:
+            self._frame([(timestamp_ms, b"")] * (end - hole_from))
+        except BaseException:
+            self._next = end
+            raise
+        self._hole_from = None
+
+    def _frame(self, records: Sequence[tuple[int, bytes]]) -> int:
+        first = self._next
         saved_tail = self._tail
         group = self._pending
         created = group is None
@@ -362,7 +416,22 @@ class JournalShardLog:
             elif self._pending or self._inflight or self._unsynced:
                 self._committer.flush_sync()
         finally:
-            self._close_files()
+            try:
+                self._lower_reservation()
+            finally:
+                self._close_files()
+
+    def _lower_reservation(self) -> None:
+        """On close, lower the reservation to the next offset: no offset at or above it was
+        handed out, so a restart after a clean stop continues without a gap."""
+        if self._reserved > self._next or (
+            self._reserve_target > self._next and self._reservation.exists
+        ):
+            try:
+                self._reservation.lower(self._next)
+            except OSError as exc:  # a larger reservation is still safe, only leaves a gap
+                log.warning("could not lower the offset reservation of %s: %s",
+                            self.directory, exc)
 
     def discard(self) -> None:
         """Close without flushing (the shard is being deleted): unwritten groups fail."""
@@ -375,6 +444,7 @@ class JournalShardLog:
             if group is not None:
                 resolve(group.future, error)
         self._unsynced, self._inflight, self._pending = [], None, None
+        self._reservation.close()
         for segment in self._segments:
             segment.close()
         if self._io_segment not in self._segments:
@@ -385,6 +455,7 @@ class JournalShardLog:
     def _close_files(self) -> None:
         self._closed = True
         self._committer.unregister(self)
+        self._reservation.close()
         try:
             self._io_write_seals()
         finally:
@@ -403,6 +474,8 @@ class JournalShardLog:
         if group is not None:
             self._pending = None
             self._inflight = group
+            if self._reserve_target > self._reserved:
+                group.reserve_to = self._reserve_target
         return group
 
     def _complete(self, group: _Group | None, synced: bool, error: OSError | None) -> None:
@@ -413,6 +486,8 @@ class JournalShardLog:
             return
         if group is not None:
             self._inflight = None
+            if group.reserve_to > self._reserved:
+                self._reserved = group.reserve_to
             if group.new_segment is not None:
                 # The roll fsynced the old segment: its unsynced groups are durable.
                 self._publish_unsynced()
@@ -454,7 +529,10 @@ class JournalShardLog:
         failed = [*self._unsynced, group, self._pending]
         self._unsynced, self._inflight, self._pending = [], None, None
         self._committer.discard_dirty(self)
-        self._next = self._committed
+        # The failed offsets may have been seen: they are never handed out again but filled
+        # with empty records by the next append.
+        if self._next > self._committed:
+            self._hole_from = self._committed
         self._tail = _Tail.of(self._segments[-1])
         for failed_group in failed:
             if failed_group is not None:
@@ -463,6 +541,8 @@ class JournalShardLog:
     # -- I/O (worker thread, or flush_sync's caller; the committer's I/O lock is held) ----
 
     def _io_write(self, group: _Group) -> None:
+        if group.reserve_to:
+            self._reservation.write(group.reserve_to)
         segment = self._io_segment
         if group.roll:
             sync_file(segment.fd)

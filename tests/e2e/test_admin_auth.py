@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shardgate.auth import User, hash_password, save_users
+from shardgate.security.auth import User, hash_password, save_users
 from tests.conftest import ThreadedBroker, free_port, make_config
 
 

@@ -15,7 +15,7 @@ import pika
 import pytest
 from shardgate.client import SyncClient
 
-from shardgate.admin_http import create_web_app, start_http_server
+from shardgate.admin.admin_http import create_web_app, start_http_server
 from shardgate.config import StreamEntry
 from tests.conftest import ThreadedBroker, free_port, wait_for
 from tests.mqtt_clients import V311, Paho

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pika
 
-from shardgate.amqp_bridge import AmqpBridgeSettings
+from shardgate.bridges.amqp_bridge import AmqpBridgeSettings
 from tests.conftest import BrokerProcess, ThreadedBroker, free_port, make_config, wait_for
 from tests.mqtt_clients import V5, Paho
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pika
 
-from shardgate.amqp_bridge import AmqpBridgeSettings
+from shardgate.bridges.amqp_bridge import AmqpBridgeSettings
 from tests.conftest import BrokerProcess, ThreadedBroker, free_port
 
 HEADERS = {

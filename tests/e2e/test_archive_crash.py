@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pyarrow.dataset as ds
+from shardgate.core.records import MessageRecord, encode_message
 from shardgate.storage.archive import Archiver, ArchiveSettings
 from shardgate.storage.journal import JournalStorage
-from shardgate.storage.records import MessageRecord, encode_message
 
 RECORDS = 6000
 T0 = 1_700_000_000_000

@@ -6,7 +6,7 @@ import pika
 import pytest
 from pika.exceptions import ProbableAuthenticationError
 
-from shardgate.auth import User, hash_password, install_security, save_users
+from shardgate.security.auth import User, hash_password, install_security, save_users
 from tests.conftest import ThreadedBroker, free_port
 
 

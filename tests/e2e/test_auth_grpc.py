@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 from shardgate.client import Client, Unauthenticated
 
-from shardgate.auth import User, hash_password, install_security, save_users
+from shardgate.security.auth import User, hash_password, install_security, save_users
 from tests.conftest import ThreadedBroker, free_port
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from shardgate.protocols.mqtt import packets as p
 
-from shardgate.auth import Security, User, hash_password, install_security, save_users
+from shardgate.security.auth import Security, User, hash_password, install_security, save_users
 from tests.conftest import ThreadedBroker
 from tests.mqtt_clients import V5, V311, Paho, RawClient
 
@@ -116,7 +116,7 @@ def test_anonymous_refused_on_a_non_loopback_listener(broker: ThreadedBroker) ->
 def test_user_added_with_the_cli_can_connect_to_a_running_broker(secured: ThreadedBroker) -> None:
     assert raw_connect(secured.mqtt_port, 5, "carol", b"carol-pw").reason_code == 0x86
     result = subprocess.run(
-        [sys.executable, "-m", "shardgate.users_cli", "users", "add", "carol",
+        [sys.executable, "-m", "shardgate.security.users_cli", "users", "add", "carol",
          "--data-dir", str(secured.config.data_dir)],
         input="carol-pw\n", capture_output=True, text=True, timeout=30,
     )
@@ -126,7 +126,7 @@ def test_user_added_with_the_cli_can_connect_to_a_running_broker(secured: Thread
     client.publish("devices/carol/temp", b"21", qos=1)
     client.disconnect()
     result = subprocess.run(
-        [sys.executable, "-m", "shardgate.users_cli", "users", "remove", "carol",
+        [sys.executable, "-m", "shardgate.security.users_cli", "users", "remove", "carol",
          "--data-dir", str(secured.config.data_dir)], capture_output=True, text=True, timeout=30,
     )
     assert result.returncode == 0, result.stderr

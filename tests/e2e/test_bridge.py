@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from shardgate.app import Shardgate
-from shardgate.bridge import Bridge, BridgeSettings
+from shardgate.bridges.bridge import Bridge, BridgeSettings
 from tests.conftest import ThreadedBroker, wait_for
 from tests.mqtt_clients import V5, V311, Paho
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from shardgate.admin_http import start_http_server
+from shardgate.admin.admin_http import start_http_server
 from tests.conftest import ThreadedBroker, free_port
 from tests.mqtt_clients import Paho
 

@@ -14,7 +14,7 @@ import pytest
 from shardgate.client import Client, PermissionDenied, Unauthenticated, Unavailable
 from shardgate.core.edge import Principal
 
-from shardgate.auth import User, hash_password, install_security, save_users
+from shardgate.security.auth import User, hash_password, install_security, save_users
 from tests.conftest import ThreadedBroker, free_port
 
 TIMEOUT = 5.0

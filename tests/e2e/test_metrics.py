@@ -12,10 +12,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from shardgate.client import SyncClient, Unauthenticated
 
-from shardgate.admin_http import start_http_server
-from shardgate.auth import User, hash_password, install_security, save_users
-from shardgate.bridge import BridgeSettings, start_bridges, stop_bridges
+from shardgate.admin.admin_http import start_http_server
+from shardgate.bridges.bridge import BridgeSettings, start_bridges, stop_bridges
 from shardgate.config import StreamEntry
+from shardgate.security.auth import User, hash_password, install_security, save_users
 from tests.conftest import ThreadedBroker, free_port, wait_for
 from tests.mqtt_clients import V311, Paho
 

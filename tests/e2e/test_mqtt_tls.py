@@ -84,7 +84,7 @@ def pki(tmp_path: Path) -> dict[str, Path]:
 
 
 def test_client_certificate_identity_is_the_user_name(broker_factory, pki):
-    from shardgate.auth import User, hash_password, install_security, save_users
+    from shardgate.security.auth import User, hash_password, install_security, save_users
 
     broker = broker_factory(
         listeners={"mqtts_port": free_port()},

@@ -27,9 +27,9 @@ from paho.mqtt.packettypes import PacketTypes  # noqa: E402
 from paho.mqtt.properties import Properties  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 from pyspark.sql import types as T  # noqa: E402
+from shardgate.core.records import MessageRecord, encode_message  # noqa: E402
 from shardgate.storage.archive import Archiver, ArchiveSettings  # noqa: E402
 from shardgate.storage.journal import JournalStorage  # noqa: E402
-from shardgate.storage.records import MessageRecord, encode_message  # noqa: E402
 from shardgate.storage.spark import read_archive, read_archive_stream  # noqa: E402
 
 from shardgate.config import StreamEntry  # noqa: E402

@@ -17,6 +17,7 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from shardgate.core.records import MessageRecord, decode_message, encode_message
 from shardgate.storage.archive import (
     ARROW_SCHEMA,
     ArchiveConfigError,
@@ -33,7 +34,6 @@ from shardgate.storage.archive import (
 from shardgate.storage.archive import archiver as archiver_module
 from shardgate.storage.interfaces import StoredRecord
 from shardgate.storage.journal import JournalStorage
-from shardgate.storage.records import MessageRecord, decode_message, encode_message
 
 HOUR = 3_600_000
 T0 = 1_700_000_000_000 - 1_700_000_000_000 % HOUR + 30 * 60_000  # 2023-11-14 22:30 UTC

@@ -11,15 +11,15 @@ import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from shardgate.storage.archive import build_table
-from shardgate.storage.archive.decode import COLUMNS, decode_batch
-from shardgate.storage.interfaces import StoredRecord
-from shardgate.storage.records import (
+from shardgate.core.records import (
     MessageRecord,
     RecordFormatError,
     decode_message,
     encode_message,
 )
+from shardgate.storage.archive import build_table
+from shardgate.storage.archive.decode import COLUMNS, decode_batch
+from shardgate.storage.interfaces import StoredRecord
 
 text = st.text(max_size=40)
 blob = st.binary(max_size=80)

@@ -9,9 +9,9 @@ from typing import Any
 
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
+from shardgate.core.records import MessageRecord, encode_message
 from shardgate.storage.archive import Archiver, ArchiveSettings, list_stream_files
 from shardgate.storage.journal import JournalStorage
-from shardgate.storage.records import MessageRecord, encode_message
 
 T0 = 1_700_000_000_000 - 1_700_000_000_000 % 3_600_000
 

@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("s3fs")
 boto3 = pytest.importorskip("boto3")
 
+from shardgate.core.records import MessageRecord, encode_message  # noqa: E402
 from shardgate.storage.archive import (  # noqa: E402
     ArchiveConfigError,
     Archiver,
@@ -23,7 +24,6 @@ from shardgate.storage.archive import (  # noqa: E402
     ArchiveSettings,
 )
 from shardgate.storage.journal import JournalStorage  # noqa: E402
-from shardgate.storage.records import MessageRecord, encode_message  # noqa: E402
 
 T0 = 1_700_000_000_000
 

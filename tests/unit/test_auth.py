@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shardgate.auth import (
+from shardgate.security.auth import (
     AuthError,
     Security,
     User,
@@ -17,7 +17,7 @@ from shardgate.auth import (
     save_users,
     verify_password,
 )
-from shardgate.users_cli import main as users_main
+from shardgate.security.users_cli import main as users_main
 
 
 # ---------------------------------------------------------------------------- hashing

@@ -193,15 +193,55 @@ async def test_shared_subscription_spreads_across_nodes_without_duplicates(clust
     assert on_a.got and on_b.got, "both nodes' members take a share"
 
 
-async def test_publish_refused_with_a_retryable_error_when_the_owner_disagrees(cluster):
+async def test_publish_refused_with_a_retryable_error_when_the_owner_disagrees(cluster, monkeypatch):
+    from shardgate.cluster import forward
+
+    monkeypatch.setattr(forward, "VIEW_CATCH_UP_S", 0.2)
     a, b = cluster["a"], cluster["b"]
     topic = topic_on(a.broker, "orders", 2, "orders")
-    # b handed orders/2 over to a, and a has not heard of it yet
+    # b handed orders/2 over to a, and a never hears of it
     b.view.assignments[("orders", 2)] = ShardAssignment("orders", 2, "a", 2)
     pending = a.broker.publish(Message(topic, b"x", qos=1))
     assert pending is not None
-    with pytest.raises(ShardUnavailable, match="does not own orders/2"):
+    with pytest.raises(ShardUnavailable, match="moved and this node has not learned where yet"):
         await asyncio.wait_for(pending, 5)
+
+
+async def test_a_sender_behind_the_owner_waits_for_its_view_then_follows_the_shard(cluster):
+    a, b = cluster["a"], cluster["b"]
+    topic = topic_on(a.broker, "orders", 2, "orders")
+    here = a.subscribe("orders/#")
+    moved = ShardAssignment("orders", 2, "a", 2)
+    b.view.assignments[("orders", 2)] = moved  # b knows first; a's watch is slower
+    pending = a.broker.publish(Message(topic, b"late view", qos=1))
+    assert pending is not None
+    await until(lambda: a.plane._epoch_waiters)  # refused by b, waiting for a's view
+    a.view.assignments[("orders", 2)] = moved
+    a.view.changed()
+    await asyncio.wait_for(pending, 5)
+    assert [m.payload for m in here.got] == [b"late view"]
+    assert a.plane.stats.forward_failures == 0
+
+
+async def test_an_owner_behind_the_sender_waits_for_its_view_instead_of_refusing(cluster):
+    """The controller writes a new shard map and acts on it at once; the new owner learns it
+    from its etcd watch a little later. A forward arriving in between is stored once the
+    owner's view catches up, not refused (the race seen right after a cluster starts)."""
+    a, b = cluster["a"], cluster["b"]
+    topic = topic_on(a.broker, "orders", 0, "orders")  # a owns orders/0 at epoch 1
+    on_b = b.subscribe("orders/#")
+    await routes_seen(a, b, 1)
+    moved = ShardAssignment("orders", 0, "b", 2)
+    a.view.assignments[("orders", 0)] = moved  # a (the controller) moved it to b
+    pending = a.broker.publish(Message(topic, b"early", qos=1))
+    assert pending is not None, "forwarded to b"
+    await until(lambda: b.plane._epoch_waiters)  # b holds it: its view is behind
+    assert not pending.done()
+    b.view.assignments[("orders", 0)] = moved
+    b.view.changed()
+    await asyncio.wait_for(pending, 5)
+    assert [m.payload for m in on_b.got] == [b"early"]
+    assert a.plane.stats.forward_failures == 0
 
 
 async def test_publish_to_an_unassigned_shard_is_refused_at_once(cluster):

@@ -11,6 +11,14 @@ import pyarrow.parquet as pq
 import pytest
 from pamqp import commands, header
 from shardgate.core.message import Message, message_from_record
+from shardgate.core.records import (
+    VERSION,
+    RecordFormatError,
+    decode_message,
+    decode_native_properties,
+    encode_message,
+    encode_native_properties,
+)
 from shardgate.protocols.amqp.properties import (
     NATIVE_FORMAT,
     content_header_payload,
@@ -21,14 +29,6 @@ from shardgate.storage.archive import build_table, records_from_table
 from shardgate.storage.archive.columns import encode_parquet
 from shardgate.storage.archive.decode import decode_batch
 from shardgate.storage.interfaces import StoredRecord
-from shardgate.storage.records import (
-    VERSION,
-    RecordFormatError,
-    decode_message,
-    decode_native_properties,
-    encode_message,
-    encode_native_properties,
-)
 
 # A version 1 record as Shardgate wrote it before native properties existed (topic sensors/t1,
 # payload b"\0hello", QoS 1, key k1, headers a=1 b=x a=2, content type text/plain, correlation

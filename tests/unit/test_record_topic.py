@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from shardgate.core.message import Message
-from shardgate.storage.records import (
+from shardgate.core.records import (
     RecordFormatError,
     decode_message,
     encode_message,

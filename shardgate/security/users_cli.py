@@ -1,8 +1,8 @@
 """`shardgate users add|remove|list`: manage the users file of a data directory.
 
-Edits the JSON users file described in `shardgate.auth` (default `<data-dir>/users.json`) with
+Edits the JSON users file described in `shardgate.security.auth` (default `<data-dir>/users.json`) with
 an atomic replace, so a running broker picks the change up at the next connection. It never
-prints or stores a clear-text password. Run alone as `python -m shardgate.users_cli ...`.
+prints or stores a clear-text password. Run alone as `python -m shardgate.security.users_cli ...`.
 """
 
 from __future__ import annotations

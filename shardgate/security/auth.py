@@ -75,8 +75,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from .core.edge import Principal
-from .core.topics import filter_covers, filter_matches, filters_overlap
+from ..core.edge import Principal
+from ..core.topics import filter_covers, filter_matches, filters_overlap
 
 log = logging.getLogger(__name__)
 
@@ -609,7 +609,7 @@ def install_security(app: Any) -> Security:
     `authenticator` and `authorizer` (every protocol asks there), the AMQP login if its listener
     is up, and `app.security` for the admin API and metrics.
     A users or ACL file that cannot be read raises `ConfigError`."""
-    from .config import ConfigError
+    from ..config import ConfigError
 
     config = app.config
     settings = getattr(config, "auth", None) or AuthSettings()

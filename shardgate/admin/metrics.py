@@ -29,7 +29,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from . import __version__
+from .. import __version__
 
 PREFIX = "shardgate"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -180,12 +180,12 @@ class ShardgateCollector(Collector):
         yield from self._bridges(app)
         plane = getattr(app, "data_plane", None)
         if plane is not None:
-            from .cluster.metrics import data_plane_metrics
+            from ..cluster.metrics import data_plane_metrics
 
             yield from data_plane_metrics(plane)
         cluster = getattr(app, "cluster", None)
         if cluster is not None:
-            from .cluster.metrics import control_plane_metrics
+            from ..cluster.metrics import control_plane_metrics
 
             yield from control_plane_metrics(cluster)
 

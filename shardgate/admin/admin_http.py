@@ -26,8 +26,8 @@ from typing import Any
 
 from aiohttp import web
 
-from . import __version__
-from .core.edge import KICK_REASON
+from .. import __version__
+from ..core.edge import KICK_REASON
 from .history import TrafficHistory
 from .metrics import (
     CONTENT_TYPE,
@@ -579,7 +579,7 @@ async def _cluster(request: web.Request) -> web.Response:
     node = getattr(_app(request), "cluster", None)
     if node is None:
         return _error(404, "this node is not in cluster mode (serve --cluster)")
-    from .cluster.attach import cluster_status
+    from ..cluster.attach import cluster_status
 
     return web.json_response(cluster_status(node), dumps=_dumps)
 

@@ -1,8 +1,8 @@
 """The record format of a message in a shard log (journal) and in the archive's source data.
 
-Storage sits below `core`, so this module works on plain values: `encode_message` reads the
-attributes every message has (duck typing, no import of `core`), `decode_message` returns a
-`MessageRecord`. Layout (little endian), version 2:
+The format belongs to the core (the journal, the archive and the cluster's frames all store
+or carry it; `storage` imports it from here). It works on plain values: `encode_message` reads
+the attributes every message has (duck typing), `decode_message` returns a `MessageRecord`. Layout (little endian), version 2:
 
     u8 version | u8 present-flags | u8 qos | u8 retain | i64 publish_time_ms
     u32 len + topic (UTF-8) | u32 len + payload

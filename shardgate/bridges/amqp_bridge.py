@@ -31,17 +31,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from .core.durable import DurableOptions
-from .core.message import Message
-from .logs import ReconnectReport
-from .protocols.amqp.properties import message_from_properties, typed_properties
-from .protocols.amqp.routing import routing_key_for_topic, topic_for_routing_key
+from ..core.durable import DurableOptions
+from ..core.message import Message
+from ..logs import ReconnectReport
+from ..protocols.amqp.properties import message_from_properties, typed_properties
+from ..protocols.amqp.routing import routing_key_for_topic, topic_for_routing_key
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from .core.edge import Edge
-    from .core.subscriptions import Subscription
+    from ..core.edge import Edge
+    from ..core.subscriptions import Subscription
 
 log = logging.getLogger(__name__)
 

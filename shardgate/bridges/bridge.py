@@ -36,15 +36,15 @@ from urllib.parse import urlparse
 
 from amqtt.client import MQTTClient
 
-from .core.durable import DurableOptions, DurableSubscription
-from .core.message import Message
-from .logs import ReconnectReport
+from ..core.durable import DurableOptions, DurableSubscription
+from ..core.message import Message
+from ..logs import ReconnectReport
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from .core.edge import Edge
-    from .core.subscriptions import Subscription
+    from ..core.edge import Edge
+    from ..core.subscriptions import Subscription
 
 log = logging.getLogger(__name__)
 

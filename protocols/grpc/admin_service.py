@@ -1,0 +1,190 @@
+"""The `Admin` servicer: streams, routes, subscriptions, clients and broker information; every
+call needs the `admin` action on `admin/<method>`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from ... import __version__
+from ...core.broker import Broker
+from ...core.edge import Action
+from ...core.streams import DispatchMode, RoutingRule, StreamConfig
+from ...core.subscriptions import Subscription
+from ...core.topics import validate_topic_filter
+from ...proto import shardgate_pb2 as pb
+from ...proto import shardgate_pb2_grpc as pb_grpc
+from .auth import user_of
+from .consumer import GrpcConsumer
+from .convert import MODES, SCHEMAS, Refusal, abort, translated
+
+if TYPE_CHECKING:
+    from .server import GrpcServer
+
+
+
+
+def _unary(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run an admin method, translating `Refusal`s and core errors into gRPC statuses."""
+
+    async def handler(self: AdminService, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            user = user_of(context)
+            topic = f"admin/{method.__name__}"
+            if not self.server.allowed(Action.ADMIN, user, topic):
+                raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                              f"{method.__name__} needs the admin action ({topic!r}), which "
+                              + (f"user {user!r}" if user is not None else "an anonymous client")
+                              + " does not have")
+            with translated():
+                return method(self, request)
+        except Refusal as refusal:
+            await abort(context, refusal)
+
+    handler.__name__ = method.__name__
+    handler.__doc__ = method.__doc__
+    return handler
+
+
+class AdminService(pb_grpc.AdminServicer):
+    def __init__(self, server: GrpcServer) -> None:
+        self.server = server
+
+    @property
+    def broker(self) -> Broker:
+        return self.server.broker
+
+    @_unary
+    def CreateStream(self, request: pb.StreamSpec) -> pb.StreamInfo:
+        mode = MODES.get(request.mode)
+        if request.mode == pb.DISPATCH_MODE_UNSPECIFIED:
+            # One default everywhere: the broker's `default_stream_mode`, the default stream's.
+            mode = self.broker.stream(self.broker.router.default_stream).config.mode
+        schema = SCHEMAS.get(request.schema)
+        if mode is None or schema is None:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "unknown dispatch mode or schema")
+        config = StreamConfig(
+            request.name, mode=mode, partitions=request.partitions or 1, schema=schema,
+            retention_ms=request.retention_ms if request.HasField("retention_ms") else None,
+            retention_bytes=request.retention_bytes if request.HasField("retention_bytes") else None,
+        )
+        routes = list(request.routes) or [request.name, f"{request.name}/#"]
+        for route in routes:
+            validate_topic_filter(route)
+        if mode is DispatchMode.RELIABLE and getattr(self.broker, "storage", None) is None:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          "reliable streams need a journal and this broker has none configured")
+        stream = self.broker.create_stream(config, routes=routes)
+        return self.server.stream_info(stream)
+
+    @_unary
+    def ListStreams(self, request: pb.Empty) -> pb.ListStreamsResponse:
+        streams = sorted(self.broker.streams.values(), key=lambda s: s.config.name)
+        return pb.ListStreamsResponse(streams=[self.server.stream_info(s) for s in streams])
+
+    @_unary
+    def DescribeStream(self, request: pb.StreamName) -> pb.StreamInfo:
+        return self.server.stream_info(self.broker.stream(request.name))
+
+    @_unary
+    def UpdateStream(self, request: pb.UpdateStreamRequest) -> pb.StreamInfo:
+        stream = self.broker.stream(request.name)
+        for route in request.add_routes:
+            self.broker.add_route(RoutingRule(route, request.name))
+        if request.HasField("retention_ms") or request.HasField("retention_bytes"):
+            stream = self.broker.update_stream(
+                request.name,
+                retention_ms=request.retention_ms if request.HasField("retention_ms") else None,
+                retention_bytes=request.retention_bytes if request.HasField("retention_bytes") else None,
+            )
+        return self.server.stream_info(stream)
+
+    @_unary
+    def DeleteStream(self, request: pb.StreamName) -> pb.Empty:
+        broker = self.broker
+        broker.stream(request.name)
+        if request.name == broker.router.default_stream:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "the default stream cannot be deleted")
+        broker.delete_stream(request.name)
+        return pb.Empty()
+
+    @_unary
+    def AddRoute(self, request: pb.Route) -> pb.Empty:
+        self.broker.add_route(RoutingRule(request.topic_filter, request.stream))
+        return pb.Empty()
+
+    @_unary
+    def RemoveRoute(self, request: pb.Route) -> pb.Empty:
+        if not self.broker.remove_route(request.topic_filter):
+            raise Refusal(grpc.StatusCode.NOT_FOUND, f"no route for {request.topic_filter!r}")
+        return pb.Empty()
+
+    @_unary
+    def ListRoutes(self, request: pb.Empty) -> pb.ListRoutesResponse:
+        return pb.ListRoutesResponse(routes=[
+            pb.Route(topic_filter=rule.topic_filter, stream=rule.stream)
+            for rule in self.broker.router.rules
+        ])
+
+    @_unary
+    def ListSubscriptions(self, request: pb.Empty) -> pb.ListSubscriptionsResponse:
+        subs = sorted(self.broker.subscriptions.values(), key=lambda s: s.name)
+        return pb.ListSubscriptionsResponse(
+            subscriptions=[self.server.subscription_info(sub) for sub in subs])
+
+    def _subscription(self, name: str) -> Subscription:
+        sub = self.broker.subscriptions.get(name)
+        if sub is None:
+            raise Refusal(grpc.StatusCode.NOT_FOUND, f"subscription {name!r} does not exist")
+        return sub
+
+    @_unary
+    def DescribeSubscription(self, request: pb.SubscriptionName) -> pb.SubscriptionInfo:
+        return self.server.subscription_info(self._subscription(request.name))
+
+    @_unary
+    def ResetCursor(self, request: pb.ResetCursorRequest) -> pb.SubscriptionInfo:
+        sub = self._subscription(request.subscription)
+        seek = getattr(sub, "seek", None)
+        if not sub.durable or not callable(seek):
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"subscription {sub.name!r} is live-only: it has no cursor to reset")
+        which = request.position.WhichOneof("position") or "latest"
+        seek(which, getattr(request.position, which))
+        return self.server.subscription_info(sub)
+
+    @_unary
+    def DeleteSubscription(self, request: pb.SubscriptionName) -> pb.Empty:
+        sub = self._subscription(request.name)
+        self.broker.remove_subscription(sub.name)
+        for consumer in list(sub.consumers):
+            if isinstance(consumer, GrpcConsumer):
+                consumer.closed = True
+                consumer.wakeup.set()
+        return pb.Empty()
+
+    @_unary
+    def ListClients(self, request: pb.Empty) -> pb.ListClientsResponse:
+        return pb.ListClientsResponse(clients=self.server.clients())
+
+    @_unary
+    def GetBrokerInfo(self, request: pb.Empty) -> pb.BrokerInfo:
+        broker = self.broker
+        stats = broker.stats
+        listeners = self.server.edge.listeners
+        return pb.BrokerInfo(
+            version=__version__,
+            started_at=stats.started_at,
+            uptime_s=max(0.0, time.time() - stats.started_at),
+            listeners=[pb.Listener(name=lst.name, host=lst.host, port=lst.port)
+                       for lst in listeners.values()],
+            messages_in=stats.messages_in, bytes_in=stats.bytes_in,
+            messages_out=stats.messages_out, bytes_out=stats.bytes_out,
+            messages_dropped=stats.messages_dropped,
+            streams=len(broker.streams), subscriptions=len(broker.subscriptions),
+            clients=len(self.server.clients()),
+        )

@@ -1,0 +1,246 @@
+"""The `Consumer` servicer: one bidirectional `Subscribe` stream per consumer, with credit-based
+flow control, acks and nacks (the consumer's state is `consumer.GrpcConsumer`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from ...core.edge import Action
+from ...core.errors import (
+    SubscriptionBusy,
+)
+from ...core.streams import Stream
+from ...core.topics import TopicError, validate_topic_filter
+from ...proto import shardgate_pb2 as pb
+from ...proto import shardgate_pb2_grpc as pb_grpc
+from .auth import peer_of, user_of
+from .consumer import GrpcConsumer, GrpcSubscriptionState, hand_over
+from .convert import SUB_TYPES, Refusal, abort, is_transient, protocol_of, translated
+
+if TYPE_CHECKING:
+    from .server import GrpcServer
+
+
+
+
+SUBSCRIBE_TIMEOUT_S = 30.0
+
+
+class ConsumerService(pb_grpc.ConsumerServicer):
+    def __init__(self, server: GrpcServer) -> None:
+        self.server = server
+
+    async def Subscribe(
+        self, request_iterator: AsyncIterator[pb.ConsumeRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        requests = aiter(request_iterator)
+        try:
+            first = await asyncio.wait_for(anext(requests), SUBSCRIBE_TIMEOUT_S)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no Subscribe request within {SUBSCRIBE_TIMEOUT_S:.0f}s")
+            return
+        if first.WhichOneof("request") != "subscribe":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "the first request of a Subscribe stream must be a Subscribe")
+            return
+        try:
+            consumer = self._attach(first.subscribe, peer_of(context), user_of(context))
+        except Refusal as refusal:
+            await abort(context, refusal)
+            return
+        server = self.server
+        server.consumers.add(consumer)
+        reader = asyncio.ensure_future(self._read(requests, consumer))
+        try:
+            await self._write(consumer, reader, context)
+        finally:
+            reader.cancel()
+            server.consumers.discard(consumer)
+            self._detach(consumer)
+
+    def _attach(self, request: pb.Subscribe, peer: str, user: str | None = None) -> GrpcConsumer:
+        server = self.server
+        broker = server.broker
+        settings = server.settings
+        name = request.subscription
+        if not name:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "a subscription name is required")
+        filters = list(request.topic_filters)
+        if filters and request.stream:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          "give topic filters or a stream, not both")
+        if not filters and not request.stream:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "give topic filters or a stream")
+        for topic_filter in filters:
+            try:
+                validate_topic_filter(topic_filter)
+            except TopicError as exc:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"topic filter {topic_filter!r}: {exc}") from None
+            if topic_filter.startswith("$share/"):
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                              "use a Shared subscription instead of a $share/ filter")
+        stream_name = request.stream or None
+        if stream_name is not None:
+            with translated():
+                stream = broker.stream(stream_name)
+            if stream_name == broker.router.default_stream:
+                filters = ["#"]
+            else:
+                filters = [rule.topic_filter for rule in broker.router.rules
+                           if rule.stream == stream_name] or [stream_name, f"{stream_name}/#"]
+            self._check_position(request.position, [stream])
+        else:
+            self._check_position(request.position, list(broker.streams.values()))
+        for topic_filter in filters:
+            if not server.allowed(Action.SUBSCRIBE, user, topic_filter):
+                raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                              f"not authorized to subscribe to {topic_filter!r}"
+                              + (f" as user {user!r}" if user is not None else " anonymously"))
+        sub_type = SUB_TYPES.get(request.type)
+        if sub_type is None:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"unknown subscription type {request.type}")
+        existing = broker.subscriptions.get(name)
+        if existing is not None:
+            if not isinstance(existing.owner, GrpcSubscriptionState):
+                raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"subscription {name!r} belongs to {protocol_of(existing)}")
+            if existing.type is not sub_type:
+                raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"subscription {name!r} is {existing.type.value}, not {sub_type.value}")
+            if set(existing.filters) != set(filters) or existing.owner.stream != stream_name:
+                raise Refusal(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"subscription {name!r} follows {sorted(existing.filters)}; "
+                    "its consumers must subscribe to the same filters or stream",
+                )
+            sub = existing
+        else:
+            replay = (not request.durable and request.HasField("position")
+                      and request.position.WhichOneof("position") not in (None, "latest"))
+            state = GrpcSubscriptionState(stream=stream_name, transient=replay)
+            if replay:
+                sub = broker.durable_subscription(name, sub_type, owner=state)
+                sub.sink = None  # its cursors are not saved: it ends with its consumers
+            else:
+                sub = broker.subscription(name, sub_type, durable=request.durable, owner=state)
+        consumer = GrpcConsumer(
+            sub, request.consumer_name, peer,
+            credit=request.credit or settings.default_credit,
+            max_pending=settings.max_pending_per_consumer,
+            max_batch=settings.max_batch_messages,
+            on_drop=self._count_drop,
+            on_sent=broker.stats.sent,
+        )
+        try:
+            broker.attach(sub, consumer)
+        except SubscriptionBusy as exc:
+            if existing is None and not sub.consumers:
+                broker.remove_subscription(name)
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
+        if existing is None:
+            for topic_filter in filters:
+                broker.add_filter(sub, topic_filter)
+        seek = getattr(sub, "seek", None)  # durable subscriptions (cursor seam)
+        # The initial position applies when the subscription is created; an existing durable
+        # subscription resumes from its cursors (reset them with ResetCursor).
+        if callable(seek) and existing is None and request.HasField("position"):
+            seek(request.position.WhichOneof("position"),
+                 getattr(request.position, request.position.WhichOneof("position") or "latest"))
+        return consumer
+
+    @staticmethod
+    def _check_position(position: pb.StartPosition, streams: list[Stream]) -> None:
+        which = position.WhichOneof("position")
+        if which == "offset":
+            end = max((shard.next_offset for stream in streams for shard in stream.shards),
+                      default=0)
+            if position.offset > end:
+                raise Refusal(grpc.StatusCode.OUT_OF_RANGE,
+                              f"start offset {position.offset} is beyond the end of the "
+                              f"stream (next offset {end})")
+        elif which == "timestamp_ms" and position.timestamp_ms < 0:
+            raise Refusal(grpc.StatusCode.OUT_OF_RANGE, "start timestamp must not be negative")
+
+    def _count_drop(self, count: int) -> None:
+        self.server.broker.stats.messages_dropped += count
+
+    async def _read(self, requests: AsyncIterator[pb.ConsumeRequest], consumer: GrpcConsumer) -> None:
+        try:
+            async for request in requests:
+                kind = request.WhichOneof("request")
+                if kind == "ack":
+                    unknown = consumer.ack(request.ack.delivery_ids)
+                    if unknown:
+                        consumer.error(grpc.StatusCode.NOT_FOUND.value[0],
+                                       "ack of unknown or already settled deliveries", unknown)
+                elif kind == "nack":
+                    unknown = consumer.nack(request.nack.delivery_ids, request.nack.delay_ms)
+                    if unknown:
+                        consumer.error(grpc.StatusCode.NOT_FOUND.value[0],
+                                       "nack of unknown or already settled deliveries", unknown)
+                elif kind == "credit":
+                    consumer.add_credit(request.credit.credit)
+                elif kind == "subscribe":
+                    consumer.error(grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                   "this stream is already subscribed")
+                else:
+                    consumer.error(grpc.StatusCode.INVALID_ARGUMENT.value[0], "empty request")
+        finally:
+            consumer.wakeup.set()
+
+    async def _write(self, consumer: GrpcConsumer, reader: asyncio.Future[None],
+                     context: grpc.aio.ServicerContext) -> None:
+        active = consumer.active
+        await context.write(pb.ConsumeResponse(subscribed=pb.Subscribed(
+            subscription=consumer.subscription.name, consumer_id=consumer.id, active=active)))
+        wakeup = consumer.wakeup
+        while True:
+            await wakeup.wait()
+            wakeup.clear()
+            if consumer.errors:
+                errors, consumer.errors = consumer.errors, []
+                for error in errors:
+                    await context.write(pb.ConsumeResponse(error=error))
+            now_active = consumer.active
+            if now_active != active:
+                active = now_active
+                await context.write(pb.ConsumeResponse(status=pb.ConsumerStatus(active=active)))
+            if consumer.closed:
+                # Nothing more is pushed: what is pending goes to other consumers on detach.
+                if consumer.kicked is not None:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, consumer.kicked)
+                if consumer.subscription.name not in self.server.broker.subscriptions:
+                    await context.abort(grpc.StatusCode.NOT_FOUND,
+                                        f"subscription {consumer.subscription.name!r} was deleted")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            while True:
+                response = consumer.take_batch()
+                if response is None:
+                    break
+                await context.write(response)
+            if reader.done():
+                return
+
+    def _detach(self, consumer: GrpcConsumer) -> None:
+        broker = self.server.broker
+        sub = consumer.subscription
+        left = consumer.close()
+        broker.detach(sub, consumer)
+        if sub.consumers:
+            hand_over(sub, left)
+            for other in list(sub.consumers):
+                if isinstance(other, GrpcConsumer):
+                    other.wakeup.set()  # a Failover standby may be active now
+        elif (not sub.durable or is_transient(sub)) and broker.subscriptions.get(sub.name) is sub:
+            broker.remove_subscription(sub.name)
+        elif sub.durable:
+            hand_over(sub, left)

@@ -1,0 +1,160 @@
+"""The `Producer` servicer: unary `Publish` and the batched `PublishStream`, whose acks are sent
+once the batch's reliable messages are durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from ...core.edge import KICK_REASON
+from ...core.message import Message
+from ...proto import shardgate_pb2 as pb
+from ...proto import shardgate_pb2_grpc as pb_grpc
+from .auth import peer_of, user_of
+from .convert import Refusal, abort
+
+if TYPE_CHECKING:
+    from .server import GrpcServer
+
+
+log = logging.getLogger(__name__)
+
+
+PUBLISH_QUEUE_BATCHES = 256
+_producer_ids = itertools.count(1)
+
+
+@dataclass(slots=True, eq=False)
+class ProducerStreamInfo:
+    """A live `PublishStream`, listed by `Admin.ListClients`."""
+
+    peer: str
+    name: str
+    connected_at: float = field(default_factory=time.time)
+    messages_in: int = 0
+    id: str = field(default_factory=lambda: f"grpc-producer-{next(_producer_ids)}")
+    username: str | None = None
+    # Set by `kick`: the stream ends with UNAVAILABLE and this reason once the batches already
+    # read are acknowledged.
+    kicked: str | None = None
+    _reader: asyncio.Future[None] | None = field(default=None, repr=False)
+
+    def kick(self, reason: str = KICK_REASON) -> None:
+        """Disconnect this producer stream (the admin API's kick): batches it sent and the
+        server has not read yet are not published, and the SDK resends them on reconnect."""
+        if self.kicked is None:
+            self.kicked = reason
+        if self._reader is not None:
+            self._reader.cancel()
+
+
+def offset_landed(result: Any, message: Message, _: object) -> None:
+    """A forwarded publish landed: its result carries the offset the shard's owner gave."""
+    result.offset = max(message.offset, 0)
+
+
+class ProducerService(pb_grpc.ProducerServicer):
+    def __init__(self, server: GrpcServer) -> None:
+        self.server = server
+
+    async def Publish(self, request: pb.PublishRequest, context: grpc.aio.ServicerContext) -> pb.PublishResponse:
+        server = self.server
+        try:
+            message = server.message_from(request, peer_of(context), user_of(context))
+            waiter = server.publish(message)
+            if waiter is not None:
+                try:
+                    await waiter
+                except Exception as exc:
+                    raise Refusal(grpc.StatusCode.UNAVAILABLE,
+                                  f"the message could not be stored: {exc}") from exc
+        except Refusal as refusal:
+            await abort(context, refusal)
+            raise  # unreachable: abort raises
+        return pb.PublishResponse(stream=message.stream, shard=message.shard, offset=message.offset)
+
+    async def PublishStream(
+        self, request_iterator: AsyncIterator[pb.PublishBatch], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.PublishAck]:
+        server = self.server
+        info = ProducerStreamInfo(peer=peer_of(context), name="", username=user_of(context))
+        server.producers.add(info)
+        queue: asyncio.Queue[tuple[pb.PublishAck, list[asyncio.Future[None]]] | None] = (
+            asyncio.Queue(PUBLISH_QUEUE_BATCHES)
+        )
+
+        async def read() -> None:
+            try:
+                async for batch in request_iterator:
+                    await queue.put(self._publish_batch(batch, info))
+            finally:
+                await queue.put(None)
+
+        reader = info._reader = asyncio.ensure_future(read())
+        try:
+            while True:
+                item = await queue.get()
+                if item is None:
+                    break
+                ack, waiters = item
+                if waiters:
+                    await self._await_durable(ack, waiters)
+                yield ack
+            if info.kicked is not None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, info.kicked)
+            if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                exc = reader.exception()
+                if not isinstance(exc, asyncio.CancelledError | grpc.aio.AbortError):
+                    log.debug("publish stream from %s ended: %r", info.peer, exc)
+        finally:
+            reader.cancel()
+            server.producers.discard(info)
+
+    def _publish_batch(
+        self, batch: pb.PublishBatch, info: ProducerStreamInfo
+    ) -> tuple[pb.PublishAck, list[asyncio.Future[None]]]:
+        server = self.server
+        ack = pb.PublishAck(sequence=batch.sequence)
+        results = ack.results
+        waiters: list[asyncio.Future[None]] = []
+        producer_id = info.name or info.peer
+        user = info.username
+        message_from, publish = server.message_from, server.publish
+        for request in batch.messages:
+            if not info.name and request.producer_name:
+                info.name = request.producer_name
+            try:
+                message = message_from(request, producer_id, user)
+                waiter = publish(message)
+            except Refusal as refusal:
+                results.add(code=refusal.code.value[0], error=refusal.reason)
+                continue
+            result = results.add(stream=message.stream, shard=message.shard)
+            if message.offset >= 0:
+                result.offset = message.offset
+            if waiter is not None:
+                waiters.append(waiter)
+                if message.offset < 0:  # forwarded to the shard's owner: the offset comes back
+                    waiter.add_done_callback(partial(offset_landed, result, message))
+        info.messages_in += len(batch.messages)
+        return ack, waiters
+
+    @staticmethod
+    async def _await_durable(ack: pb.PublishAck, waiters: list[asyncio.Future[None]]) -> None:
+        outcomes = await asyncio.gather(*set(waiters), return_exceptions=True)
+        failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        if failure is not None:
+            # Which messages shared the failed commit is not tracked per message: fail them all.
+            for result in ack.results:
+                if result.code == 0:
+                    result.code = grpc.StatusCode.UNAVAILABLE.value[0]
+                    result.error = f"the message could not be stored: {failure}"

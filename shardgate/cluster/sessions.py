@@ -1,0 +1,441 @@
+"""MQTT persistent sessions that resume on any node of a cluster, with what was published while
+their client was away.
+
+The design: a session lives on one node at a time (the registry `sessions/<client id>` in etcd
+says which, under that node's lease). Its backlog is never copied: the messages are in the
+journals of their shards' owners, and the session's durable cursors (per shard: the next
+offset to deliver and the offsets delivered but unacknowledged, in the owner's numbering) say
+how far it got. Moving a session moves its state, not its messages:
+
+- **Takeover from a live node.** A CONNECT with clean start 0 for a client whose session is
+  elsewhere waits (before CONNACK) while this node claims the registry entry and asks the
+  holder over the cluster port (`ReleaseSession`, `state_rpc.py`). The holder ends the old
+  connection with DISCONNECT 0x8E, snapshots the session (subscriptions, cursors, in-flight
+  packet ids with their messages, QoS 2 receive state, queued messages of non-reliable
+  streams) and drops it. This node rebuilds the session from the snapshot; cursors of shards
+  it owns replay its own journal, the others read the owner's journal (`shard_reader.OwnerLog`)
+  until they meet the live pushes. Unacknowledged messages are resent with DUP, as after a
+  restart; QoS 2 releases stay releases.
+- **The holder is dead.** The snapshot is also kept in etcd, written when the session goes
+  offline (one write per disconnect, never per message: an offline session's cursors do not
+  move, so that snapshot is exact). The new node resumes from it; the dead node's reliable
+  shards are read once it is back. A holder that died while its client was connected leaves
+  the snapshot of the previous disconnect: messages since are delivered again (at least once).
+- **etcd is not the store for cursors in motion.** A connected session moves its cursors with
+  every acknowledgement: those stay in the node's own metadata store (as on a single node, saved
+  in batches and at stop) and travel only at takeover, over the peer link.
+
+Snapshots live outside the prefix every node watches (`/shardgate/<cluster>.state/`), so a
+disconnect is one etcd write that no other node is woken for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ..core.durable import DurableSubscription
+from ..core.message import Message, message_from_record, now_ms
+from ..core.records import RecordFormatError, decode_message, encode_message
+from ..core.subscriptions import SubscriptionType
+from ..protocols.mqtt import packets as p
+from ..protocols.mqtt.session import (
+    NEVER_EXPIRES,
+    MqttSession,
+    Outgoing,
+    Queued,
+    SubscriptionOptions,
+)
+from . import keys
+from .etcd import EtcdError, delete_op, get_op, mod_revision_is, put_op
+from .shard_reader import OwnerLog
+from .state_rpc import StateCallError, StateRpc
+
+if TYPE_CHECKING:
+    from ..core.broker import Broker
+    from ..protocols.mqtt.service import MqttService
+    from .control import ClusterNode
+    from .forward import DataPlane
+
+log = logging.getLogger(__name__)
+
+# How long a CONNECT waits for its session to come from another node before it gets a new one.
+TAKEOVER_TIMEOUT_S = 5.0
+RELEASE_CALL_TIMEOUT_S = 3.0
+# A cursor the old node did not have for a shard starts this long before the snapshot: that
+# node had received no matching message of the shard, so nothing there is delivered twice.
+NO_CURSOR_MARGIN_MS = 5_000
+SNAPSHOT_VERSION = 1
+
+
+def _message_data(message: Message) -> str:
+    return base64.b64encode(encode_message(message)).decode()
+
+
+def _message(data: str, stream: str, shard: int, offset: int) -> Message | None:
+    try:
+        return message_from_record(decode_message(base64.b64decode(data)), stream, shard, offset)
+    except (RecordFormatError, ValueError) as exc:
+        log.warning("cluster: a handed-over message of %s/%d@%d is unreadable: %s", stream, shard, offset, exc)
+        return None
+
+
+def snapshot(session: MqttSession, node_id: str) -> dict[str, Any]:
+    """Everything needed to resume `session` on another node (JSON)."""
+    sub = session.subscription
+    own = [
+        [f, o.qos, o.no_local, o.retain_as_published, o.retain_handling, o.subscription_id]
+        for f, o in sub.filters.items()
+    ]
+    shared = [
+        [name, shared_sub.type.value, list(shared_sub.filters), o.qos, o.retain_as_published, o.subscription_id]
+        for name, (shared_sub, o) in session.shared.items()
+    ]
+    cursors = []
+    messages = []
+    if isinstance(sub, DurableSubscription):
+        for (stream, shard), cursor in sub.cursors.items():
+            unacked = sorted(set(cursor.unacked) | set(cursor.pending_redelivery))
+            cursors.append([stream, shard, cursor.position, unacked])
+            for offset in unacked:
+                delivery = cursor.unacked.get(offset)
+                message = delivery.message if delivery is not None else cursor.restored.get(offset)
+                if message is None:
+                    message = sub.read_message(stream, shard, offset)
+                if message is not None:
+                    messages.append([stream, shard, offset, _message_data(message)])
+    inflight = [
+        [pid, o.message.stream, o.message.shard, o.message.offset, o.qos, o.released, o.retain,
+         list(o.subscription_ids)]
+        for pid, o in session.inflight.items()
+        if o.source is sub and o.message.offset >= 0
+    ]
+    # queued messages no cursor holds (non-reliable streams): carried as they are
+    queued = []
+    for item in session.queue:
+        if item.source is not None and item.source is not sub:
+            continue  # a shared subscription's: its group's other members take it
+        message = item.message
+        cursor = sub.cursors.get((message.stream, message.shard)) if isinstance(sub, DurableSubscription) else None
+        if cursor is not None and message.offset in cursor.unacked:
+            continue
+        queued.append([message.stream, message.shard, message.offset, item.qos, item.retain,
+                       list(item.subscription_ids), _message_data(message)])
+    return {
+        "version": SNAPSHOT_VERSION, "node": node_id, "client_id": session.client_id,
+        "expiry": session.expiry_interval, "disconnected_ms": session.disconnected_at_ms or now_ms(),
+        "taken_ms": now_ms(), "subscriptions": own, "shared": shared, "cursors": cursors,
+        "messages": messages, "inflight": inflight, "queued": queued,
+        "qos2": sorted(session.inbound_qos2),
+    }
+
+
+def expired(state: dict[str, Any], now: int | None = None) -> bool:
+    expiry = int(state.get("expiry", 0))
+    if expiry == NEVER_EXPIRES:
+        return False
+    disconnected = int(state.get("disconnected_ms") or 0)
+    return disconnected + expiry * 1000 <= (now_ms() if now is None else now)
+
+
+class SessionHandover:
+    """Moves MQTT persistent sessions between this node and the others (module docstring)."""
+
+    def __init__(self, node: ClusterNode, service: MqttService, broker: Broker, plane: DataPlane,
+                 rpc: StateRpc) -> None:
+        self.node = node
+        self.service = service
+        self.broker = broker
+        self.plane = plane
+        self.rpc = rpc
+        self.prefix = node.settings.prefix.rstrip("/") + ".state/sessions/"
+        # snapshot writes and deletes, latest per client id, written in order by one task
+        self._pending: dict[str, bool] = {}
+        self._wake = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
+        # client ids being handed to another node (their local forget is not an end)
+        self._releasing: set[str] = set()
+        self.taken_over = 0
+        self.handed_over = 0
+
+    def key(self, client_id: str) -> str:
+        return self.prefix + client_id
+
+    # ------------------------------------------------------------ wiring
+    def install(self) -> None:
+        self.service.find_session_elsewhere = self.find
+        self.service.store = SnapshottingStore(self.service.store, self)  # type: ignore[assignment]
+        self.rpc.on_release = self.release
+        self._writer = asyncio.get_running_loop().create_task(self._write_snapshots())
+
+    async def stop(self) -> None:
+        if self._writer is not None:
+            # what is queued is written first (a graceful stop's offline sessions)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drain(), 2.0)
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+            self._writer = None
+
+    async def _drain(self) -> None:
+        while self._pending:
+            await asyncio.sleep(0.02)
+
+    async def drop_moved(self) -> int:
+        """At start: drop sessions restored from this node's store that another node has
+        taken since (their snapshot in etcd names that node)."""
+        dropped = 0
+        for client_id, session in list(self.service.sessions.items()):
+            if session.connection is not None or not session.durable:
+                continue
+            try:
+                kv = await self.node.client.get(self.key(client_id))
+            except EtcdError as exc:
+                log.warning("cluster: cannot check where session %r lives: %s", client_id, exc)
+                continue
+            holder = keys.decode(kv.value).get("node") if kv is not None else None
+            if holder is not None and holder != self.node.node_id:
+                self._releasing.add(client_id)
+                try:
+                    del self.service.sessions[client_id]
+                    session.discard()
+                finally:
+                    self._releasing.discard(client_id)
+                dropped += 1
+        if dropped:
+            log.info("cluster: %d sessions restored here had moved to other nodes; dropped", dropped)
+        return dropped
+
+    # ------------------------------------------------------------ the new node
+    def find(self, client_id: str, clean_start: bool) -> asyncio.Future[None] | None:
+        holder = self.node.view.sessions.get(client_id)
+        if clean_start and holder in (None, self.node.node_id):
+            return None  # nothing to resume, and nobody else to end a session on
+        return asyncio.ensure_future(self._take(client_id, clean_start))
+
+    async def _take(self, client_id: str, clean_start: bool) -> None:
+        try:
+            await asyncio.wait_for(self._take_now(client_id, clean_start), TAKEOVER_TIMEOUT_S)
+        except (TimeoutError, EtcdError, StateCallError) as exc:
+            log.warning("cluster: session %r could not be taken over (%s); it starts anew", client_id, exc)
+        except Exception:
+            log.exception("cluster: taking session %r over failed", client_id)
+
+    async def _take_now(self, client_id: str, clean_start: bool) -> None:
+        node = self.node
+        me = node.node_id
+        registry = node.key(keys.SESSIONS + client_id)
+        # one round trip: who held it, its last snapshot, and the registry now names this node
+        result = await node.client.txn([], [
+            get_op(registry), get_op(self.key(client_id)),
+            put_op(registry, keys.encode({"node": me}), node.lease_id),
+        ])
+        node.view.sessions[client_id] = me
+        held = result.reads[0]
+        holder = keys.decode(held[0].value).get("node") if held else None
+        saved_kv = result.reads[1]
+        saved = keys.decode(saved_kv[0].value) if saved_kv else None
+        state = saved
+        if holder is not None and holder != me and holder in node.view.nodes():
+            try:
+                reply = await self.rpc.release_session(
+                    holder, {"client_id": client_id, "to": me, "clean_start": clean_start},
+                    RELEASE_CALL_TIMEOUT_S)
+                state = reply.get("state")
+            except StateCallError as exc:
+                log.warning("cluster: node %s did not hand session %r over (%s); resuming from "
+                            "its last snapshot", holder, client_id, exc)
+        if client_id in self.service.sessions:
+            return  # a connection here made one meanwhile
+        if clean_start or state is None or expired(state):
+            if saved is not None:
+                self._queue(client_id, False)
+            return
+        self.adopt(state)
+        self.taken_over += 1
+        log.info("cluster: session %r taken over from %s", client_id, state.get("node"))
+        self._queue(client_id, True)
+
+    def adopt(self, state: dict[str, Any]) -> MqttSession:
+        """Rebuild a session from a snapshot, offline (its connection is about to attach)."""
+        service, broker = self.service, self.broker
+        client_id = str(state["client_id"])
+        session = MqttSession(service, client_id, durable=True)
+        session.expiry_interval = int(state.get("expiry", 0))
+        session.disconnected_at_ms = state.get("disconnected_ms")
+        sub = session.subscription
+        assert isinstance(sub, DurableSubscription)
+        messages: dict[tuple[str, int], list[Message]] = {}
+        for stream, shard, offset, data in state.get("messages", []):
+            message = _message(data, stream, shard, offset)
+            if message is not None:
+                messages.setdefault((stream, shard), []).append(message)
+        # cursors first, so the pushes that the filters below bring are all kept
+        placed: set[tuple[str, int]] = set()
+        for stream, shard, position, unacked in state.get("cursors", []):
+            shard_log = self._log_for(stream, shard, position, lambda sub=sub: list(sub.filters))
+            if shard_log is None and (stream not in broker.streams):
+                continue
+            sub.place_cursor(stream, shard, shard_log, int(position), unacked, messages.get((stream, shard), ()))
+            placed.add((stream, shard))
+        since = int(state.get("taken_ms", now_ms())) - NO_CURSOR_MARGIN_MS
+        for stream in broker.streams.values():
+            for shard in stream.shards:
+                key = (stream.name, shard.index)
+                if key in placed or shard.log is None or stream.name in ("sys",):
+                    continue
+                shard_log = self._log_for(stream.name, shard.index, None, lambda sub=sub: list(sub.filters),
+                                          since_ms=since)
+                if shard_log is not None:
+                    start = 0 if isinstance(shard_log, OwnerLog) else shard_log.offset_for_timestamp(since)
+                    sub.place_cursor(stream.name, shard.index, shard_log, start)
+        for topic_filter, qos, no_local, rap, handling, sub_id in state.get("subscriptions", []):
+            broker.add_filter(sub, topic_filter, SubscriptionOptions(qos, no_local, rap, handling, sub_id))
+        broker.attach(sub, session)
+        for name, sub_type, shared_filters, qos, rap, sub_id in state.get("shared", []):
+            shared_sub = broker.subscription(name, SubscriptionType(sub_type))
+            for topic_filter in shared_filters:
+                broker.add_filter(shared_sub, topic_filter)
+            broker.attach(shared_sub, session)
+            session.shared[name] = (shared_sub, SubscriptionOptions(qos, False, rap, 0, sub_id))
+        by_offset = {(m.stream, m.shard, m.offset): m for found in messages.values() for m in found}
+        for pid, stream, shard, offset, qos, released, retain, ids in state.get("inflight", []):
+            message = by_offset.get((stream, shard, offset))
+            if message is None:
+                continue
+            session.inflight[int(pid)] = Outgoing(message, qos, retain, tuple(ids), sub, released)
+            sub.adopt(message, session)
+        for stream, shard, offset, qos, retain, ids, data in state.get("queued", []):
+            message = _message(data, stream, shard, offset)
+            if message is not None:
+                session._enqueue(Queued(message, qos, retain, tuple(ids), sub))
+        session.inbound_qos2 = set(state.get("qos2", []))
+        if session.inbound_qos2 and service.store is not None:
+            service.store.save_qos2([(client_id, packet_id, True) for packet_id in session.inbound_qos2])
+        service.sessions[client_id] = session
+        return session
+
+    def _log_for(self, stream: str, shard: int, position: int | None, filters: Any,
+                 since_ms: int | None = None) -> Any:
+        broker_stream = self.broker.streams.get(stream)
+        if broker_stream is None or shard >= len(broker_stream.shards):
+            return None
+        local = broker_stream.shards[shard].log
+        if local is None:
+            return None
+        owner = self.node.view.owner(stream, shard)
+        if owner is None or owner.node_id == self.node.node_id:
+            return local
+        return OwnerLog(self.rpc, self.plane, stream, shard, position or 0, filters, since_ms)
+
+    # ------------------------------------------------------------ the old node
+    async def release(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A peer took this client's session: end it here and hand its state over."""
+        client_id = str(request["client_id"])
+        to = str(request.get("to", "another node"))
+        clean_start = bool(request.get("clean_start"))
+        service = self.service
+        session = service.sessions.get(client_id)
+        if session is None:
+            return {"state": None}
+        connection = session.connection
+        if connection is not None:
+            # a takeover: the new connection owns the session now (a will without delay goes)
+            session.connection = None
+            connection.close(p.ReasonCode.SESSION_TAKEN_OVER, f"session taken over on {to}")
+        self._cancel_timers(client_id, publish_will=clean_start)
+        state = snapshot(session, self.node.node_id) if session.durable and not clean_start else None
+        self._releasing.add(client_id)
+        try:
+            if service.sessions.get(client_id) is session:
+                del service.sessions[client_id]
+            session.discard()
+        finally:
+            self._releasing.discard(client_id)
+        self.handed_over += 1
+        log.info("cluster: session %r handed over to %s", client_id, to)
+        return {"state": state}
+
+    def _cancel_timers(self, client_id: str, *, publish_will: bool) -> None:
+        service = self.service
+        timers: dict[str, Any] = service._will_timers
+        pending_will = timers.pop(client_id, None)
+        if pending_will is not None:
+            pending_will[0].cancel()
+            if publish_will:
+                service._publish_will(client_id, pending_will[1])
+        expiry = service._expiry_timers.pop(client_id, None)
+        if expiry is not None:
+            expiry.cancel()
+
+    # ------------------------------------------------------------ snapshots in etcd
+    def went_offline(self, client_id: str) -> None:
+        self._queue(client_id, True)
+
+    def ended(self, client_id: str) -> None:
+        if client_id not in self._releasing:
+            self._queue(client_id, False)
+
+    def _queue(self, client_id: str, present: bool) -> None:
+        self._pending[client_id] = present
+        self._wake.set()
+
+    async def _write_snapshots(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                client_id = next(iter(self._pending))
+                present = self._pending.pop(client_id)
+                try:
+                    if present:
+                        await self._put(client_id)
+                    else:
+                        await self._delete(client_id)
+                except Exception as exc:  # noqa: BLE001 - retried while etcd is away
+                    log.warning("cluster: cannot save session %r in etcd yet (%s); retrying", client_id, exc)
+                    self._pending.setdefault(client_id, present)
+                    await asyncio.sleep(0.5)
+
+    async def _put(self, client_id: str) -> None:
+        session = self.service.sessions.get(client_id)
+        if session is None or not session.durable:
+            return
+        await self.node.client.put(self.key(client_id), keys.encode(snapshot(session, self.node.node_id)))
+
+    async def _delete(self, client_id: str) -> None:
+        """Delete the snapshot if it is still this node's (another may hold the session now)."""
+        if client_id in self.service.sessions:
+            return
+        key = self.key(client_id)
+        kv = await self.node.client.get(key)
+        if kv is None or keys.decode(kv.value).get("node") != self.node.node_id:
+            return
+        await self.node.client.txn([mod_revision_is(key, kv.mod_revision)], [delete_op(key)])
+
+
+class SnapshottingStore:
+    """The MQTT service's session store in a cluster: the node's own store, plus a snapshot
+    in etcd each time a persistent session goes offline, removed when it ends."""
+
+    def __init__(self, inner: Any, handover: SessionHandover) -> None:
+        self._inner = inner
+        self._handover = handover
+
+    def save_session(self, client_id: str, expiry_interval: int, disconnected_ms: int | None,
+                     data: bytes) -> None:
+        self._inner.save_session(client_id, expiry_interval, disconnected_ms, data)
+        if disconnected_ms is not None:
+            self._handover.went_offline(client_id)
+
+    def forget_session(self, client_id: str) -> None:
+        self._inner.forget_session(client_id)
+        self._handover.ended(client_id)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
