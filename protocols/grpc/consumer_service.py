@@ -14,6 +14,7 @@ from ...core.edge import Action
 from ...core.errors import (
     SubscriptionBusy,
 )
+from ...core.outbox import SLOW_SUBSCRIBER
 from ...core.streams import Stream
 from ...core.topics import TopicError, validate_topic_filter
 from ...proto import shardgate_pb2 as pb
@@ -171,7 +172,8 @@ class ConsumerService(pb_grpc.ConsumerServicer):
             raise Refusal(grpc.StatusCode.OUT_OF_RANGE, "start timestamp must not be negative")
 
     def _count_drop(self, count: int) -> None:
-        self.server.broker.stats.messages_dropped += count
+        # Past `max_pending` the oldest pending message of a live-only subscription is dropped.
+        self.server.broker.stats.drop(SLOW_SUBSCRIBER, count)
 
     async def _read(self, requests: AsyncIterator[pb.ConsumeRequest], consumer: GrpcConsumer) -> None:
         try:

@@ -89,6 +89,8 @@ def info_view(app: Any) -> dict[str, Any]:
         "subscriptions": len(broker.subscriptions),
         "sessions": len(mqtt.sessions) if mqtt is not None else 0,
         "retained": len(broker.retained),
+        # cluster mode: this node's id (its cluster is at /api/cluster); None on a single node
+        "cluster_node": getattr(getattr(app, "cluster", None), "node_id", None),
         "journal": None if commit is None else {
             name: getattr(commit, name)
             for name in ("passes", "groups", "records", "bytes", "fsyncs", "failures")
@@ -323,6 +325,7 @@ def openapi_document() -> dict[str, Any]:
             messages_dropped=_INT, messages_without_subscriber=_INT,
             connections={"type": "object", "additionalProperties": _INT},
             streams=_INT, subscriptions=_INT, sessions=_INT, retained=_INT,
+            cluster_node={"type": ["string", "null"]},
             journal={"type": ["object", "null"], "additionalProperties": _INT}, archive=_BOOL,
         ),
         "Shard": shard,

@@ -130,6 +130,20 @@ class ShardgateCollector(Collector):
         return []  # no collect() at registration: the broker may not have started yet
 
     def collect(self) -> Iterator[Metric]:
+        """Every family; in a cluster each sample also carries `node` (this node's id), so
+        the series of several nodes scraped into one Prometheus stay apart and sum right."""
+        cluster = getattr(self.app, "cluster", None)
+        node_id = getattr(cluster, "node_id", None)
+        for metric in self._collect():
+            if node_id:
+                metric.samples = [
+                    sample if "node" in sample.labels
+                    else sample._replace(labels={"node": node_id, **sample.labels})
+                    for sample in metric.samples
+                ]
+            yield metric
+
+    def _collect(self) -> Iterator[Metric]:
         app = self.app
         info = GaugeMetricFamily(f"{PREFIX}_info", "Shardgate version", labels=["version"])
         info.add_metric([__version__], 1)
@@ -270,7 +284,7 @@ class ShardgateCollector(Collector):
             labels=["bridge", "direction"],
         )
         dropped = CounterMetricFamily(f"{PREFIX}_bridge_dropped",
-                                      "Messages a bridge dropped (its queue full)", labels=["bridge"])
+                                      "Messages a bridge dropped: its queue full, expired, or outside its local_prefix", labels=["bridge"])
         connects = CounterMetricFamily(f"{PREFIX}_bridge_connects",
                                        "Connections a bridge made to its remote", labels=["bridge"])
         for bridge in bridges:

@@ -16,32 +16,26 @@ One `AmqpBridge` per `[[amqp_bridges]]` entry, run inside a Shardgate node:
   only once Shardgate accepted them (journaled, on a reliable stream); a failure nacks them
   back to the remote queue.
 
-Like the MQTT bridge, it talks to the core directly, not through the local listeners, their
-authentication or their ACLs; messages it brought in are never forwarded back out.
+Like the MQTT bridge, it talks to the core through its front door, not through the local
+listeners, their authentication or their ACLs; messages it brought in are never forwarded back
+out. The consumer, outbox, echo guard and reconnect loop are every bridge's (`bridges.base`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
-from ..core.durable import DurableOptions
 from ..core.message import Message
-from ..logs import ReconnectReport
 from ..protocols.amqp.properties import message_from_properties, typed_properties
 from ..protocols.amqp.routing import routing_key_for_topic, topic_for_routing_key
+from .base import BridgeBase, BridgeSettingsBase
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
     from ..core.edge import Edge
-    from ..core.subscriptions import Subscription
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +65,11 @@ def _outgoing(aio_pika: Any, message: Message) -> Any:
 
 
 @dataclass(slots=True)
-class AmqpBridgeSettings:
-    """One `[[amqp_bridges]]` entry of the configuration."""
+class AmqpBridgeSettings(BridgeSettingsBase):
+    """One `[[amqp_bridges]]` entry of the configuration; `remote` is
+    amqp://user:password@host:port/vhost (amqps:// for TLS), `out` the local topic filters
+    forwarded to `exchange`."""
 
-    name: str
-    # amqp://user:password@host:port/vhost (amqps:// for TLS).
-    remote: str
-    # Local topic filters forwarded to the remote exchange.
-    out: list[str] = field(default_factory=list)
     exchange: str = "amq.topic"
     # Empty: the message's topic with "/" -> "." (after local_prefix is stripped).
     routing_key: str = ""
@@ -86,15 +77,8 @@ class AmqpBridgeSettings:
     queue: str = ""
     # Local topic for messages from `queue`; empty: local_prefix + routing key with "." -> "/".
     topic: str = ""
-    local_prefix: str = ""
     prefetch: int = 256
-    # Messages sent to the remote and not yet confirmed, at most.
-    window: int = 256
-    # Memory queue bound for messages of non-reliable streams while the remote is away.
-    max_queued: int = 100_000
     confirm_timeout_s: float = 10.0
-    reconnect_min_s: float = 0.2
-    reconnect_max_s: float = 10.0
 
 
 # The one mapping of `amq.topic` routing keys, both ways (the AMQP listener's).
@@ -102,127 +86,34 @@ topic_to_routing_key = routing_key_for_topic
 routing_key_to_topic = topic_for_routing_key
 
 
-class AmqpBridge:
-    """A running bridge: `start()` on the node's loop, `await stop()`; the core calls `deliver`."""
+class AmqpBridge(BridgeBase[Any]):
+    """A running AMQP bridge: `start()` on the node's loop, `await stop()`; the core calls
+    `deliver`."""
+
+    producer_protocol = PRODUCER_PROTOCOL
+    kind = "amqp bridge"
+    schemes = ("amqp", "amqps")
+    nothing_to_do = "no out filters and no queue"
+    log = log
 
     def __init__(self, edge: Edge, settings: AmqpBridgeSettings) -> None:
-        if not settings.out and not settings.queue:
-            raise ValueError(f"amqp bridge {settings.name!r}: no out filters and no queue")
-        if urlparse(settings.remote).scheme not in ("amqp", "amqps"):
-            raise ValueError(f"amqp bridge {settings.name!r}: remote must be an amqp:// URL")
-        # The front door: publishes and subscriptions go through it.
-        self.edge = edge
-        self.broker = edge.broker
+        super().__init__(edge, settings)
         self.settings = settings
-        self.name = settings.name
-        # (message, subscription) waiting to be sent or confirmed, in delivery order.
-        self.outbox: collections.deque[tuple[Message, Subscription]] = collections.deque()
-        self._queued_offsets: set[tuple[str, int, int]] = set()
-        self.connected = False
-        self.forwarded_out = 0
-        self.forwarded_in = 0
-        self.dropped = 0
-        self.connects = 0
-        self._wakeup = asyncio.Event()
-        self._subscription: Subscription | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._report = ReconnectReport(log, f"amqp bridge {self.name}")
 
-    # ------------------------------------------------------------------ core Consumer
-    @property
-    def consumer_id(self) -> str:
-        return f"amqp-bridge:{self.name}"
-
-    @property
-    def available(self) -> bool:
-        return self.connected and len(self.outbox) < self.settings.window
-
-    def deliver(self, message: Message, subscription: Subscription, filters: Sequence[str]) -> None:
-        if message.producer_protocol == PRODUCER_PROTOCOL and message.producer_id == self.name:
-            subscription.ack(message)  # brought in by this bridge: never echo it back
-            return
-        if self._reliable(message):
-            key = (message.stream, message.shard, message.offset)
-            if key in self._queued_offsets:
-                return  # a redelivery of what is already waiting here
-            self._queued_offsets.add(key)
-        elif len(self.outbox) >= self.settings.max_queued:
-            # Only messages of non-reliable streams get here beyond `window`: the cursor of a
-            # reliable one stops while the bridge is unavailable. Drop the oldest of those.
-            for index, (queued, _) in enumerate(self.outbox):
-                if queued.offset < 0 or not self._reliable(queued):
-                    del self.outbox[index]
-                    break
-            self.dropped += 1
-            if self.dropped == 1 or self.dropped % 1000 == 0:
-                log.warning("amqp bridge %s: queue full, %d messages dropped", self.name, self.dropped)
-        self.outbox.append((message, subscription))
-        self._wakeup.set()
-
-    def _reliable(self, message: Message) -> bool:
-        stream = self.broker.streams.get(message.stream)
-        return stream is not None and stream.reliable
-
-    def _forget(self, message: Message) -> None:
-        self._queued_offsets.discard((message.stream, message.shard, message.offset))
-
-    # ------------------------------------------------------------------ lifecycle
-    def start(self) -> None:
-        if self.settings.out:
-            sub = self.edge.durable_subscription(
-                f"$amqp-bridge/{self.name}", options=DurableOptions(ack_timeout_s=None), owner=self,
-            )
-            for topic_filter in self.settings.out:
-                self.edge.add_filter(sub, topic_filter)
-            self._subscription = sub
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"amqp-bridge-{self.name}")
-
-    async def stop(self) -> None:
-        """Stop forwarding; the durable subscription stays, so what was not confirmed is sent
-        again when the bridge next runs."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._subscription is not None:
-            self.edge.detach(self._subscription, self)
+    def _brings_in(self, settings: BridgeSettingsBase) -> bool:
+        return isinstance(settings, AmqpBridgeSettings) and bool(settings.queue)
 
     def status(self) -> dict[str, Any]:
-        return {
-            "name": self.name, "kind": "amqp", "remote": urlparse(self.settings.remote).hostname,
-            "connected": self.connected, "queued": len(self.outbox), "dropped": self.dropped,
-            "forwarded_out": self.forwarded_out, "forwarded_in": self.forwarded_in,
-            "connects": self.connects,
-        }
+        return {**super().status(), "kind": "amqp"}
 
-    # ------------------------------------------------------------------ the connection loop
-    async def _run(self) -> None:
+    # ------------------------------------------------------------------ the connection
+    async def _connect(self) -> Any:
         import aio_pika
 
-        delay = self.settings.reconnect_min_s
-        while True:
-            try:
-                connection = await aio_pika.connect(self.settings.remote, timeout=10)
-            except Exception as exc:
-                self._report.failed(exc, self.settings.reconnect_max_s)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.settings.reconnect_max_s)
-                continue
-            delay = self.settings.reconnect_min_s
-            self.connects += 1
-            self._report.connected(str(urlparse(self.settings.remote).hostname))
-            try:
-                await self._serve(connection)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self._report.lost(exc)
-            finally:
-                self.connected = False
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(connection.close(), 2)
-            await asyncio.sleep(self.settings.reconnect_min_s)
+        return await aio_pika.connect(self.settings.remote, timeout=10)
+
+    async def _close(self, connection: Any) -> None:
+        await connection.close()
 
     async def _serve(self, connection: Any) -> None:
         tasks = []
@@ -232,9 +123,7 @@ class AmqpBridge:
             tasks.append(asyncio.create_task(self._forward(connection, exchange)))
         if self.settings.queue:
             tasks.append(asyncio.create_task(self._receive(connection)))
-        self.connected = True
-        if self._subscription is not None:
-            self.edge.attach(self._subscription, self)
+        self._ready()
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -255,32 +144,24 @@ class AmqpBridge:
         while True:
             if connection.is_closed:
                 raise ConnectionError("remote connection closed")
-            if not self.outbox:
-                self._wakeup.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wakeup.wait(), 1.0)
+            batch = await self._next_batch(settings.window)
+            if not batch:
                 continue
-            batch = list(itertools.islice(self.outbox, settings.window))
             publishes = []
-            for message, _ in batch:
-                if message.expired():
+            sent = []
+            for entry in batch:
+                topic = self._remote_topic(entry)
+                if topic is None:
                     continue
-                topic = message.topic
-                if settings.local_prefix:
-                    if not topic.startswith(settings.local_prefix):
-                        continue
-                    topic = topic[len(settings.local_prefix):]
+                if entry.encoded is None:
+                    entry.encoded = _outgoing(aio_pika, entry.message)
                 routing_key = settings.routing_key or topic_to_routing_key(topic)
-                outgoing = _outgoing(aio_pika, message)
-                publishes.append(exchange.publish(outgoing, routing_key, timeout=settings.confirm_timeout_s))
+                publishes.append(exchange.publish(entry.encoded, routing_key,
+                                                  timeout=settings.confirm_timeout_s))
+                sent.append(entry)
             await asyncio.gather(*publishes)  # each returns once the remote confirmed it
-            for _ in batch:
-                message, subscription = self.outbox.popleft()
-                self._forget(message)
-                subscription.ack(message)
             self.forwarded_out += len(publishes)
-            if self._subscription is not None:
-                self._subscription.wake()  # the window has room again
+            self.settle(sent)
 
     async def _receive(self, connection: Any) -> None:
         settings = self.settings
@@ -297,13 +178,9 @@ class AmqpBridge:
                 message.qos = 1
                 message.producer_protocol = PRODUCER_PROTOCOL
                 try:
-                    pending = self.edge.publish(message)
-                    if pending is not None:
-                        await pending  # journaled: only now may the remote forget it
+                    await self._publish_in(message)  # journaled: only now may the remote forget it
                 except Exception as exc:
                     log.warning("amqp bridge %s: message on %r not accepted locally: %s", self.name, topic, exc)
                     await incoming.nack(requeue=True)
                     continue
                 await incoming.ack()
-                self.forwarded_in += 1
-

@@ -20,31 +20,28 @@ Messages the bridge itself brought in are never sent back out; out and in filter
 on the remote side still make a loop through the remote, which this module cannot see (MQTT
 3.1.1 has no "no local" option): keep them disjoint.
 
-The bridge talks to the core through its front door (a durable subscription and `Edge.publish`); it does not
-go through the local MQTT listener, its authentication or its ACLs.
+The bridge talks to the core through its front door (a durable subscription and `Edge.publish`);
+it does not go through the local MQTT listener, its authentication or its ACLs. The consumer,
+outbox, echo guard and reconnect loop are every bridge's (`bridges.base`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
 from amqtt.client import MQTTClient
 
-from ..core.durable import DurableOptions, DurableSubscription
 from ..core.message import Message
-from ..logs import ReconnectReport
+from .base import BridgeBase, BridgeSettingsBase, rewrite_topic
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from ..core.edge import Edge
-    from ..core.subscriptions import Subscription
 
 log = logging.getLogger(__name__)
 
@@ -53,186 +50,52 @@ QOS_1 = 1
 
 
 @dataclass(slots=True)
-class BridgeSettings:
-    """One `[[bridges]]` entry of the configuration."""
+class BridgeSettings(BridgeSettingsBase):
+    """One `[[bridges]]` entry of the configuration; `remote` is
+    mqtt://[user:password@]host:port (mqtts:// for TLS)."""
 
-    name: str
-    # mqtt://[user:password@]host:port (mqtts:// for TLS).
-    remote: str
-    out: list[str] = field(default_factory=list)
     # Filters subscribed on the remote ("in" is a Python keyword).
     inbound: list[str] = field(default_factory=list)
-    local_prefix: str = ""
     remote_prefix: str = ""
     # Empty: "shardgate-bridge-<name>".
     client_id: str = ""
     keep_alive: int = 30
-    max_queued: int = 100_000
     ack_timeout_s: float = 10.0
-    # Messages handed to the bridge and not yet acknowledged by the remote, at most.
-    window: int = 256
-    reconnect_min_s: float = 0.2
-    reconnect_max_s: float = 10.0
 
 
-def _rewrite(topic: str, strip: str, add: str) -> str | None:
-    if strip:
-        if not topic.startswith(strip):
-            return None
-        topic = topic[len(strip):]
-    return add + topic
+class Bridge(BridgeBase[MQTTClient]):
+    """A running MQTT bridge: `start()` on the node's loop, `await stop()`; the core calls
+    `deliver`."""
 
-
-class Bridge:
-    """A running bridge: `start()` on the node's loop, `await stop()`; the core calls `deliver`."""
+    producer_protocol = PRODUCER_PROTOCOL
+    kind = "bridge"
+    schemes = ("mqtt", "mqtts", "ws", "wss")
+    nothing_to_do = "no out or in topic filters"
+    log = log
 
     def __init__(self, edge: Edge, settings: BridgeSettings) -> None:
-        if not settings.out and not settings.inbound:
-            raise ValueError(f"bridge {settings.name!r}: no out or in topic filters")
-        if urlparse(settings.remote).scheme not in ("mqtt", "mqtts", "ws", "wss"):
-            raise ValueError(f"bridge {settings.name!r}: remote must be an mqtt:// URL")
-        # The front door: publishes and subscriptions go through it.
-        self.edge = edge
-        self.broker = edge.broker
+        super().__init__(edge, settings)
         self.settings = settings
-        self.name = settings.name
         self.client_id = settings.client_id or f"shardgate-bridge-{settings.name}"
-        # (message, subscription) waiting to be sent or acknowledged, in delivery order.
-        self.queue: collections.deque[tuple[Message, Subscription]] = collections.deque()
-        self._queued_offsets: set[tuple[str, int, int]] = set()
-        self.connected = False
-        # Counters for the admin API and metrics.
-        self.forwarded_out = 0
-        self.forwarded_in = 0
-        self.dropped = 0
-        self.connects = 0
-        self._wakeup = asyncio.Event()
-        self._subscription: Subscription | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._client: MQTTClient | None = None
-        self._report = ReconnectReport(log, f"bridge {self.name}")
 
-    # ------------------------------------------------------------------ core Consumer
-    @property
-    def consumer_id(self) -> str:
-        return f"bridge:{self.name}"
+    def _brings_in(self, settings: BridgeSettingsBase) -> bool:
+        return isinstance(settings, BridgeSettings) and bool(settings.inbound)
 
-    @property
-    def available(self) -> bool:
-        # Messages of non-reliable streams are taken while the remote is away (into the
-        # bounded queue); the cursor of a reliable stream waits until the window has room.
-        return self.connected and len(self.queue) < self.settings.window
+    # ------------------------------------------------------------------ the connection
+    async def _connect(self) -> MQTTClient:
+        # One fresh client per attempt: amqtt's own reconnect is off.
+        client = MQTTClient(client_id=self.client_id, config={
+            "auto_reconnect": False, "keep_alive": self.settings.keep_alive,
+            "default_qos": QOS_1, "cleansession": False,
+        })
+        await client.connect(self.settings.remote)
+        return client
 
-    def deliver(self, message: Message, subscription: Subscription, filters: Sequence[str]) -> None:
-        if message.producer_protocol == PRODUCER_PROTOCOL and message.producer_id == self.name:
-            subscription.ack(message)  # brought in by this bridge: never echo it back
-            return
-        if self._reliable(message):
-            key = (message.stream, message.shard, message.offset)
-            if key in self._queued_offsets:
-                return  # a redelivery of what is already waiting here
-            self._queued_offsets.add(key)
-        elif len(self.queue) >= self.settings.max_queued:
-            for index, (queued, _) in enumerate(self.queue):
-                if not self._reliable(queued):
-                    del self.queue[index]
-                    break
-            self.dropped += 1
-            if self.dropped == 1 or self.dropped % 1000 == 0:
-                log.warning("bridge %s: queue full, %d messages dropped", self.name, self.dropped)
-        self.queue.append((message, subscription))
-        self._wakeup.set()
-
-    def _reliable(self, message: Message) -> bool:
-        stream = self.broker.streams.get(message.stream)
-        return stream is not None and stream.reliable and message.offset >= 0
-
-    # ------------------------------------------------------------------ lifecycle
-    def start(self) -> None:
-        if self.settings.out:
-            sub = self.edge.durable_subscription(
-                f"$bridge/{self.name}", options=DurableOptions(ack_timeout_s=None), owner=self,
-            )
-            # Restored from the metadata store after a restart: take it over.
-            sub.owner = self
-            sub.options = DurableOptions(ack_timeout_s=None)
-            for topic_filter in list(sub.filters):
-                if topic_filter not in self.settings.out:
-                    self.edge.remove_filter(sub, topic_filter)
-            for topic_filter in self.settings.out:
-                self.edge.add_filter(sub, topic_filter)
-            self.edge.attach(sub, self)
-            self._subscription = sub
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"bridge-{self.name}")
-
-    async def stop(self) -> None:
-        """Stop forwarding; the durable subscription stays, so what the remote did not
-        acknowledge is sent when the bridge next runs."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._subscription is not None:
-            self.edge.detach(self._subscription, self)
-        lost = sum(1 for message, _ in self.queue if not self._reliable(message))
-        if lost:
-            log.warning("bridge %s: stopped with %d messages of non-reliable streams not forwarded",
-                        self.name, lost)
-
-    @property
-    def backlog(self) -> int:
-        """Messages not yet acknowledged by the remote: behind the cursor on reliable streams,
-        plus those of non-reliable streams queued in memory."""
-        lag = self._subscription.lag() if isinstance(self._subscription, DurableSubscription) else 0
-        return lag + sum(1 for message, _ in self.queue if not self._reliable(message))
-
-    def status(self) -> dict[str, Any]:
-        return {
-            "name": self.name, "remote": urlparse(self.settings.remote).hostname,
-            "connected": self.connected, "queued": self.backlog, "dropped": self.dropped,
-            "forwarded_out": self.forwarded_out, "forwarded_in": self.forwarded_in,
-            "connects": self.connects,
-        }
-
-    # ------------------------------------------------------------------ the connection loop
-    async def _run(self) -> None:
-        delay = self.settings.reconnect_min_s
-        while True:
-            client = MQTTClient(client_id=self.client_id, config={
-                "auto_reconnect": False, "keep_alive": self.settings.keep_alive,
-                "default_qos": QOS_1, "cleansession": False,
-            })
-            self._client = client
-            try:
-                await client.connect(self.settings.remote)
-            except Exception as exc:  # amqtt raises ConnectError and others
-                self._report.failed(exc, self.settings.reconnect_max_s)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.settings.reconnect_max_s)
-                continue
-            delay = self.settings.reconnect_min_s
-            self.connected = True
-            if self._subscription is not None:
-                self._subscription.wake()  # the cursor resumes from where the remote stopped it
-            self.connects += 1
-            self._report.connected(urlparse(self.settings.remote).netloc)
-            try:
-                await self._serve(client)
-            except asyncio.CancelledError:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(client.disconnect(), 2)
-                raise
-            except Exception as exc:
-                self._report.lost(exc)
-            finally:
-                self.connected = False
-                self._client = None
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(client.disconnect(), 2)
-            await asyncio.sleep(self.settings.reconnect_min_s)
+    async def _close(self, client: MQTTClient) -> None:
+        await client.disconnect()
 
     async def _serve(self, client: MQTTClient) -> None:
+        self._ready()
         receiver: asyncio.Task[None] | None = None
         if self.settings.inbound:
             codes = await client.subscribe([(f, QOS_1) for f in self.settings.inbound])
@@ -261,25 +124,24 @@ class Bridge:
                 raise ConnectionError("remote stopped delivering")
             if not self._alive(client):
                 raise ConnectionError("remote connection closed")
-            if not self.queue:
-                self._wakeup.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wakeup.wait(), 1.0)
+            batch = await self._next_batch(1)
+            if not batch:
                 continue
-            head = self.queue[0]
-            message, subscription = head
-            topic = _rewrite(message.topic, settings.local_prefix, settings.remote_prefix)
-            if topic is not None and not message.expired():
-                await asyncio.wait_for(
-                    client.publish(topic, bytes(message.payload), qos=QOS_1, retain=message.retain),
-                    settings.ack_timeout_s,
-                )
-                self.forwarded_out += 1
-            if self.queue and self.queue[0] is head:
-                self.queue.popleft()
-                self._queued_offsets.discard((message.stream, message.shard, message.offset))
-                subscription.ack(message)  # the remote has it: the cursor moves on
-                subscription.wake()  # the window has room again
+            entry = batch[0]
+            message = entry.message
+            topic = self._remote_topic(entry, settings.remote_prefix)
+            if topic is None:
+                continue
+            if entry.encoded is None:
+                entry.encoded = bytes(message.payload)
+            payload = entry.encoded
+            assert isinstance(payload, bytes)
+            await asyncio.wait_for(
+                client.publish(topic, payload, qos=QOS_1, retain=message.retain),
+                settings.ack_timeout_s,
+            )
+            self.forwarded_out += 1
+            self.settle(batch)  # the remote has it (PUBACK): the cursor moves on
 
     async def _receive(self, client: MQTTClient) -> None:
         settings = self.settings
@@ -297,7 +159,7 @@ class Bridge:
                 return  # amqtt cancelled its own delivery task: the connection went away
             if received is None:
                 continue
-            topic = _rewrite(received.topic, settings.remote_prefix, settings.local_prefix)
+            topic = rewrite_topic(received.topic, settings.remote_prefix, settings.local_prefix)
             if topic is None:
                 continue
             message = Message(
@@ -305,13 +167,9 @@ class Bridge:
                 producer_protocol=PRODUCER_PROTOCOL, producer_id=self.name,
             )
             try:
-                pending = self.edge.publish(message)
-                if pending is not None:
-                    await pending
+                await self._publish_in(message)
             except Exception as exc:
                 log.warning("bridge %s: message on %r not accepted locally: %s", self.name, topic, exc)
-                continue
-            self.forwarded_in += 1
 
 
 def start_bridges(app: Any, entries: Sequence[BridgeSettings]) -> list[Bridge]:

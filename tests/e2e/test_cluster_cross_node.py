@@ -86,13 +86,15 @@ def retained_total(node: ClusterNodeProcess, prefix: str) -> int:
         return int(json.loads(response.read())["total"])
 
 
-def metric(node: ClusterNodeProcess, name: str, **labels: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{node.ports['http']}/metrics", timeout=5) as response:
+def metric(of: ClusterNodeProcess, name: str, **labels: str) -> float:
+    """The value of the series `name` with `labels` (among others, as `node`) on node `of`."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{of.ports['http']}/metrics", timeout=5) as response:
         text = response.read().decode()
-    want = ",".join(f'{key}="{value}"' for key, value in labels.items())
-    match = re.search(rf"^{name}{{{re.escape(want)}}} (\S+)$", text, re.M) if want else re.search(
-        rf"^{name} (\S+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
+    for match in re.finditer(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", text, re.M):
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1) or ""))
+        if all(found.get(key) == value for key, value in labels.items()):
+            return float(match.group(2))
+    return 0.0
 
 
 def routes_reach(nodes: list[ClusterNodeProcess], of: ClusterNodeProcess, count: int = 1) -> None:
@@ -419,3 +421,19 @@ def test_suback_is_not_held_long_by_a_node_that_does_not_answer(cluster: Cluster
         assert sub.expect().payload == b"here"
     finally:
         os.kill(n2.proc.pid, signal.SIGCONT)
+
+
+def test_metrics_carry_the_node_and_count_a_forwarded_publish_once(cluster: Cluster) -> None:
+    n1, n2 = cluster(2, extra_config=STREAMS)
+    pub = Paho(n1.mqtt_port, "pub", V5)
+    topics = [f"{stream}/counted/{i}" for stream in ("fast", "safe") for i in range(TOPICS)]
+    for topic in topics:
+        pub.publish(topic, topic, 1)
+    forwarded = metric(n1, "shardgate_cluster_forwarded_messages_total", direction="out", node="n1")
+    assert forwarded and metric(n2, "shardgate_cluster_forwarded_messages_total", direction="in",
+                                node="n2") == forwarded, "some went to n2's shards"
+    received = {node.node_id: metric(node, "shardgate_messages_received_total", node=node.node_id)
+                for node in (n1, n2)}
+    assert received == {"n1": len(topics), "n2": 0}, "counted by the node the client used, once"
+    by_protocol = metric(n1, "shardgate_protocol_messages_received_total", protocol="mqtt", node="n1")
+    assert by_protocol == len(topics)

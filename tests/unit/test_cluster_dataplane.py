@@ -274,7 +274,7 @@ async def test_routes_of_a_node_that_leaves_the_view_are_forgotten(cluster):
     assert "b" not in a.plane.links
 
 
-async def test_metrics_count_forwarded_messages_and_their_latency(cluster):
+async def test_metrics_count_forwarded_messages_once_and_their_latency(cluster):
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.registry import Collector
 
@@ -294,6 +294,8 @@ async def test_metrics_count_forwarded_messages_and_their_latency(cluster):
     assert 'shardgate_cluster_forwarded_messages_total{direction="out"} 1.0' in text
     assert "shardgate_cluster_forward_latency_seconds_count 1.0" in text
     assert 'shardgate_cluster_link_up{peer="b"} 1.0' in text
+    # counted as received once, by the node the client published to
+    assert (a.broker.stats.messages_in, cluster["b"].broker.stats.messages_in) == (1, 0)
 
 
 async def test_system_topics_stay_on_their_node(cluster):

@@ -293,6 +293,38 @@ function renderArchive(archive) {
   body.replaceChildren(list, el("table", { className: "archive" }, head, tbody));
 }
 
+// The cluster's nodes as this node sees them (/api/cluster); hidden on a single node.
+function renderCluster(cluster) {
+  const section = $("cluster");
+  section.hidden = $("cluster-link").hidden = !cluster;
+  if (!cluster) return;
+  const unavailable = cluster.unavailable_shards || [];
+  $("cluster-summary").textContent =
+    `Cluster ${cluster.cluster}: ${cluster.nodes.length} nodes, ${num(cluster.shards)} shards of ` +
+    `${num(cluster.streams)} streams; this page is served by ${cluster.node_id}` +
+    (cluster.lease_alive ? "" : " (its lease is not alive: it serves no shards)") +
+    (unavailable.length ? `; unavailable: ${unavailable.join(", ")}` : "");
+  const rows = cluster.nodes.map((n) => {
+    const roles = [];
+    if (n.controller) roles.push("controller");
+    if (n.node_id === cluster.node_id) roles.push("this node");
+    if (n.leaving) roles.push("leaving");
+    const listeners = Object.entries(n.listeners || {})
+      .filter(([name]) => name !== "cluster").map(([name, address]) => `${name} ${address}`).join(", ");
+    return el("tr", { dataset: { node: n.node_id, controller: n.controller ? "yes" : "no" } },
+      el("td", {}, el("code", { text: n.node_id })), cell(roles.join(", ")),
+      el("td", {}, el("code", { text: n.cluster_address })), cell(listeners),
+      cell(num(n.shards), "num shards"), cell(num(n.sessions), "num"), cell(num(n.load), "num"),
+      cell(n.started_ms ? since(n.started_ms / 1000) : "–"));
+  });
+  fillTable($("cluster-body"), rows, 8, "No nodes registered");
+}
+
+async function refreshCluster() {
+  // /api/info names this node's cluster id; a single node has none (and no /api/cluster)
+  renderCluster(lastInfo && lastInfo.cluster_node ? await getJSON("/api/cluster") : null);
+}
+
 // ------------------------------------------------------------------ polling
 async function refreshInfo() {
   try {
@@ -315,6 +347,7 @@ async function refreshDetails() {
     renderClients(clients);
     renderSessions(sessions);
     renderArchive(archive);
+    await refreshCluster();
   } catch (error) {
     setLinkState(false, "broker unreachable");
   } finally {
