@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from ..storage.interfaces import (
     ArchiveSource,
     LatencyHistogram,
-    ShardLog,
     ShardStorage,
     StorageError,
     StorageFull,
@@ -411,7 +410,7 @@ class Broker:
             self.dispatch(message)
             return None
         if message.transient and not self._wanted_durably(message.topic):
-            self._deliver_transient(shard_log, message)
+            self._deliver_transient(shard, message)
             return None
         return self._append_reliable(shard, message)
 
@@ -419,16 +418,17 @@ class Broker:
         """Whether a durable subscription (one that replays the journal) matches `topic`."""
         return any(sub.durable for sub, _ in self.match(topic))
 
-    def _deliver_transient(self, shard_log: ShardLog, message: Message) -> None:
+    def _deliver_transient(self, shard: Shard, message: Message) -> None:
         """A transient message that no durable subscription wants: not journaled (so not
-        archived either), delivered behind the shard's messages still waiting for their commit
-        so that subscribers see the producer's order. It has no offset."""
-        waiter = shard_log.commit_waiter()
-        group = self._awaiting_commit.get(waiter) if waiter is not None else None
-        if group is None:
-            self.dispatch(message)
-        else:
-            group.messages.append(message)
+        archived either) and without an offset. It is delivered at once, unless the shard's
+        stored messages are being held until their commit: then it waits behind them, so that
+        subscribers see the producer's order."""
+        if shard in self._held:
+            for group in reversed(self._awaiting_commit.values()):
+                if group.shard is shard and group.messages:
+                    group.messages.append(message)
+                    return
+        self.dispatch(message)
 
     def _append_reliable(self, shard: Shard, message: Message) -> asyncio.Future[None] | None:
         shard_log = shard.log
