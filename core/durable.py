@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 
 REPLAY_BATCH = 256
 PUMP_BUDGET = 2000
+SCAN_BUDGET = 2048
+"""Records a replaying cursor examines per event-loop turn, delivered or not: a session that
+resumes far behind a busy shard whose records it mostly does not want yields to other work
+(new connections, acknowledgements) between batches instead of scanning to the end at once."""
 
 
 @dataclass(slots=True)
@@ -311,6 +315,10 @@ class DurableSubscription(Subscription):
             self._arm_timer()
         consumer.deliver(message, self, filters)
 
+    def forget_cached_matches(self) -> None:
+        """Drop the per-topic filter cache (rebuilt on demand): memory back when idle."""
+        self._matching_cache = {}
+
     def _filters_for(self, topic: str) -> tuple[str, ...]:
         cached = self._matching_cache.get(topic)
         if cached is None:
@@ -457,7 +465,11 @@ class DurableSubscription(Subscription):
         if not self.has_available():
             return budget
         now = now_ms()
+        scanned = 0
         while budget > 0:
+            if scanned >= SCAN_BUDGET:
+                self._dirty.add((cursor.stream, cursor.shard))
+                return 0  # the rest on a later turn
             if cursor.archived:
                 records, cursor.archived = cursor.archived, []
             elif cursor.position < shard_log.low_watermark:
@@ -491,6 +503,7 @@ class DurableSubscription(Subscription):
                     if waiter is not None:
                         waiter.add_done_callback(lambda _: self.schedule_pump())
                 return budget
+            scanned += len(records)
             for record in records:
                 if record.offset < cursor.position:
                     continue

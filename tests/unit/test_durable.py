@@ -207,3 +207,34 @@ def test_schema_refuses_a_payload_that_does_not_fit():
         broker.publish(Message("nums/a", b"5"))
     with pytest.raises(SchemaMismatch, match="JSON"):
         broker.publish(Message("docs/a", b"{not json"))
+
+
+async def test_a_cursor_far_behind_on_records_it_does_not_want_yields_between_turns() -> None:
+    """A session resuming behind 20,000 records of other topics does not scan them all in one
+    event-loop turn: other work (new connections, acks) runs in between."""
+    from shardgate.core.durable import SCAN_BUDGET
+
+    broker = Broker(MemoryStorage(max_records_per_shard=1_000_000), StreamConfig("default", mode="reliable"))
+    sub = broker.durable_subscription("resuming", initial_position="earliest")
+    broker.add_filter(sub, "want/#")
+    for i in range(20_000):
+        broker.publish(Message(f"other/{i % 50}", b"x"))
+    broker.publish(Message("want/1", b"wanted"))
+    consumer = Consumer("c", auto_ack=True)
+    turns = 0
+    other_work_ran = []
+
+    def other_work() -> None:
+        other_work_ran.append(turns)
+
+    broker.attach(sub, consumer)
+    cursor = sub.cursors[("default", 0)]
+    while not consumer.got and turns < 100:
+        before = cursor.position
+        asyncio.get_running_loop().call_soon(other_work)
+        await asyncio.sleep(0)
+        turns += 1
+        assert cursor.position - before <= SCAN_BUDGET + 256
+    assert [m.payload for m in consumer.got] == [b"wanted"]
+    assert turns >= 20_000 // (SCAN_BUDGET + 256)
+    assert len(other_work_ran) == turns
