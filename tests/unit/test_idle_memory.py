@@ -7,8 +7,9 @@ from pathlib import Path
 
 from shardgate.core.broker import Broker
 from shardgate.core.message import Message
-from shardgate.persistence import Persistence
 from shardgate.storage.metadata import SqliteMetadataStore
+
+from shardgate.persistence import Persistence
 
 
 class Recorder:
