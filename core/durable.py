@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from ..storage.interfaces import ArchiveSource, ShardLog, StorageError, StoredRecord
-from .message import Message, message_from_record, now_ms
-from .records import RecordFormatError, decode_message, record_topic
+from .message import Message, now_ms
+from .records import RecordFormatError, decode_to_message, record_topic
 from .subscriptions import Consumer, Subscription, SubscriptionType
 from .topics import filter_matches
 
@@ -451,7 +451,7 @@ class DurableSubscription(Subscription):
         if not records or records[0].offset != offset or not records[0].data:
             return None  # gone, or an offset the journal skipped (an empty record)
         try:
-            return message_from_record(decode_message(records[0].data), cursor.stream, cursor.shard, offset)
+            return decode_to_message(records[0].data, cursor.stream, cursor.shard, offset)
         except RecordFormatError as exc:
             log.error("subscription %s: bad record %s/%d@%d: %s", self.name, cursor.stream, cursor.shard, offset, exc)
             return None
@@ -513,8 +513,8 @@ class DurableSubscription(Subscription):
                 try:
                     # Only records this subscription wants are decoded whole.
                     filters = self._filters_for(record_topic(record.data))
-                    message = message_from_record(
-                        decode_message(record.data), cursor.stream, cursor.shard, record.offset
+                    message = decode_to_message(
+                        record.data, cursor.stream, cursor.shard, record.offset
                     ) if filters else None
                 except RecordFormatError as exc:
                     log.error("subscription %s: skipping bad record %s/%d@%d: %s",
@@ -572,9 +572,8 @@ class DurableSubscription(Subscription):
                     for record in records:
                         if record.offset in wanted:
                             try:
-                                found[record.offset] = message_from_record(
-                                    decode_message(record.data), cursor.stream, cursor.shard,
-                                    record.offset)
+                                found[record.offset] = decode_to_message(
+                                    record.data, cursor.stream, cursor.shard, record.offset)
                             except RecordFormatError as exc:
                                 log.error("subscription %s: bad archived record %s/%d@%d: %s",
                                           self.name, cursor.stream, cursor.shard, record.offset, exc)

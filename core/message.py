@@ -59,13 +59,3 @@ class Message:
         left = self.expires_at_ms - (at_ms if at_ms is not None else now_ms())
         return max(0, -(-left // 1000))
 
-
-def message_from_record(record: object, stream: str, shard: int, offset: int) -> Message:
-    """Rebuild a Message from a decoded `core.records.MessageRecord`."""
-    r = record
-    return Message(
-        r.topic, r.payload, r.qos, r.retain, r.key, r.headers, r.content_type,  # type: ignore[attr-defined]
-        r.correlation_data, r.reply_to, r.payload_format, r.expires_at_ms,  # type: ignore[attr-defined]
-        r.publish_time_ms, r.producer_protocol, r.producer_id,  # type: ignore[attr-defined]
-        stream, shard, offset, r.native_properties,  # type: ignore[attr-defined]
-    )

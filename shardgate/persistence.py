@@ -13,8 +13,8 @@ from typing import Any
 
 from .core.broker import INTERNAL_PREFIX, Broker
 from .core.durable import DurableSubscription
-from .core.message import Message, message_from_record, now_ms
-from .core.records import decode_message, encode_message
+from .core.message import Message, now_ms
+from .core.records import decode_to_message, encode_message
 from .core.streams import RoutingRule, StreamConfig
 from .core.subscriptions import SubscriptionType
 from .storage.metadata import (
@@ -116,11 +116,10 @@ class Persistence:
         count = 0
         for topic, data in self.store.list_retained():
             try:
-                record = decode_message(data)
+                message = decode_to_message(data)
             except ValueError:
                 log.error("retained message for %r is unreadable; dropped", topic)
                 continue
-            message = message_from_record(record, "", 0, -1)
             if topic.startswith(INTERNAL_PREFIX):
                 self.broker.internal_state[topic] = message
                 continue
