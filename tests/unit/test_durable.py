@@ -238,3 +238,37 @@ async def test_a_cursor_far_behind_on_records_it_does_not_want_yields_between_tu
     assert [m.payload for m in consumer.got] == [b"wanted"]
     assert turns >= 20_000 // (SCAN_BUDGET + 256)
     assert len(other_work_ran) == turns
+
+
+async def test_a_consumer_with_a_small_window_does_not_make_the_replay_read_each_batch_again() -> None:
+    """Replay reads a batch of records; when the consumer's window fills in the middle, the
+    rest waits on the cursor for the next turn instead of being read (and decoded) again."""
+    broker = Broker(MemoryStorage(max_records_per_shard=1_000_000), StreamConfig("default", mode="reliable"))
+    shard = broker.stream("default").shards[0]
+    reads: list[int] = []
+
+    class CountingLog:
+        def __init__(self, inner: object) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.inner, name)
+
+        def read(self, from_offset: int, max_records: int = 1000) -> list:
+            reads.append(from_offset)
+            return self.inner.read(from_offset, max_records)  # type: ignore[attr-defined]
+
+    shard.log = CountingLog(shard.log)  # type: ignore[assignment]
+    sub = broker.durable_subscription("slow", initial_position="earliest")
+    broker.add_filter(sub, "t/#")
+    for i in range(600):
+        broker.publish(Message("t/1", b"%d" % i))
+    consumer = Consumer("c", window=1)
+    broker.attach(sub, consumer)
+    for _ in range(2000):
+        await asyncio.sleep(0)
+        consumer.ack_all()
+        if len(consumer.got) == 600:
+            break
+    assert [int(m.payload) for m in consumer.got] == list(range(600))
+    assert len(reads) <= 600 // 256 + 3
