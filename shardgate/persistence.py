@@ -15,7 +15,7 @@ from .core.broker import INTERNAL_PREFIX, Broker
 from .core.durable import DurableSubscription
 from .core.message import Message, now_ms
 from .core.records import decode_to_message, encode_message
-from .core.streams import RoutingRule, StreamConfig
+from .core.streams import DispatchMode, RoutingRule, Schema, StreamConfig
 from .core.subscriptions import SubscriptionType
 from .storage.metadata import (
     MetadataStore,
@@ -64,7 +64,8 @@ def stream_record(config: StreamConfig, created_ms: int | None = None) -> Stream
 
 def stream_config(record: StreamRecord) -> StreamConfig:
     return StreamConfig(
-        record.name, mode=record.mode, partitions=record.partitions, schema=record.schema,
+        record.name, mode=DispatchMode(record.mode), partitions=record.partitions,
+        schema=Schema(record.schema),
         retention_ms=record.retention_ms, retention_bytes=record.retention_bytes,
     )
 

@@ -300,7 +300,7 @@ def records_from_table(table: pa.Table) -> list[StoredRecord]:
                      "producer_protocol", "producer_id", "qos", "retain", "correlation_data",
                      "reply_to", "payload_format")
     }
-    natives = (
+    natives: list[list[tuple[str, bytes]] | None] = (
         table.column("native_properties").to_pylist()
         if "native_properties" in table.column_names else [None] * table.num_rows
     )
@@ -323,7 +323,7 @@ def records_from_table(table: pa.Table) -> list[StoredRecord]:
             expires_at_ms=expiries[i],
             producer_protocol=columns["producer_protocol"][i] or "",
             producer_id=columns["producer_id"][i] or "",
-            native_properties=dict(natives[i]) if natives[i] else None,
+            native_properties=dict(native) if (native := natives[i]) else None,
         )
         out.append(StoredRecord(offset, times[i], encode_message(message)))
     return out
