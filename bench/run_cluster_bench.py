@@ -272,10 +272,11 @@ def _lease_note(info: dict[str, Any]) -> str:
             "the placement was not the one named.\n")
 
 
-def write_section(text: str, path: Path = RESULTS) -> None:
+def write_section(text: str, path: Path = RESULTS, heading: str = SECTION) -> None:
+    """Replace the section under `heading` in `path` with `text` (appended if absent)."""
     old = path.read_text() if path.exists() else "# Benchmark results\n"
     lines = old.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.strip() == SECTION), None)
+    start = next((i for i, line in enumerate(lines) if line.strip() == heading), None)
     if start is None:
         new = old.rstrip("\n") + "\n\n" + text.rstrip("\n") + "\n"
     else:

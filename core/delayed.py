@@ -15,9 +15,9 @@ import uuid
 from collections.abc import Callable
 
 from .errors import PublishRejected
-from .message import Message, message_from_record, now_ms
+from .message import Message, now_ms
 from .ports import DelayedStore
-from .records import decode_message, encode_message
+from .records import decode_to_message, encode_message
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class DelayedDelivery:
         count = 0
         for record in self.store.due_delayed(2**62):
             try:
-                message = message_from_record(decode_message(record.data), "", 0, -1)
+                message = decode_to_message(record.data)
             except ValueError:
                 log.error("delayed message %s is unreadable; dropped", record.id)
                 self.store.delete_delayed(record.id)

@@ -46,6 +46,11 @@ class Message:
     native_properties: dict[str, bytes] | None = None
     # Encoded forms cached by protocol adapters so that many subscribers share one encoding.
     encoded: dict[Any, bytes] | None = None
+    # The producer does not ask for it to be stored (an AMQP delivery-mode 1 message): on a
+    # reliable stream it is journaled only when a durable subscription wants it, else it is
+    # delivered from memory in its place among the stored messages, as RabbitMQ keeps
+    # transient messages (see Broker.publish).
+    transient: bool = False
 
     def expired(self, at_ms: int | None = None) -> bool:
         if self.expires_at_ms is None:
@@ -59,13 +64,3 @@ class Message:
         left = self.expires_at_ms - (at_ms if at_ms is not None else now_ms())
         return max(0, -(-left // 1000))
 
-
-def message_from_record(record: object, stream: str, shard: int, offset: int) -> Message:
-    """Rebuild a Message from a decoded `core.records.MessageRecord`."""
-    r = record
-    return Message(
-        r.topic, r.payload, r.qos, r.retain, r.key, r.headers, r.content_type,  # type: ignore[attr-defined]
-        r.correlation_data, r.reply_to, r.payload_format, r.expires_at_ms,  # type: ignore[attr-defined]
-        r.publish_time_ms, r.producer_protocol, r.producer_id,  # type: ignore[attr-defined]
-        stream, shard, offset, r.native_properties,  # type: ignore[attr-defined]
-    )

@@ -1,8 +1,13 @@
 """The record format of a message in a shard log (journal) and in the archive's source data.
 
 The format belongs to the core (the journal, the archive and the cluster's frames all store
-or carry it; `storage` imports it from here). It works on plain values: `encode_message` reads
-the attributes every message has (duck typing), `decode_message` returns a `MessageRecord`. Layout (little endian), version 2:
+or carry it; `storage` imports it from here). `encode_message` encodes a core `Message` (or a
+`MessageRecord`, the same fields without a place in a shard). Going back, `decode_message`
+returns a `MessageRecord` (what the archive's columns are built from) and `decode_to_message`
+a core `Message` at its place in a shard: that function is the one conversion from a record to
+a `Message` (`message_from_record` is its second half, for a record already decoded).
+
+Layout (little endian), version 2:
 
     u8 version | u8 present-flags | u8 qos | u8 retain | i64 publish_time_ms
     u32 len + topic (UTF-8) | u32 len + payload
@@ -28,7 +33,8 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any
+
+from .message import Message
 
 VERSION = 2
 READABLE_VERSIONS = frozenset((1, 2))
@@ -106,7 +112,7 @@ def native_properties_at(view: memoryview, pos: int) -> tuple[dict[str, bytes], 
     return native, pos
 
 
-def encode_message(message: Any) -> bytes:
+def encode_message(message: Message | MessageRecord) -> bytes:
     flags = 0
     parts: list[bytes] = []
     topic = message.topic.encode()
@@ -140,7 +146,7 @@ def encode_message(message: Any) -> bytes:
     protocol = message.producer_protocol.encode()
     producer = message.producer_id.encode()
     parts += (_U16.pack(len(protocol)), protocol, _U16.pack(len(producer)), producer)
-    native = getattr(message, "native_properties", None)
+    native = message.native_properties
     if native:
         flags |= F_NATIVE
         parts.append(encode_native_properties(native))
@@ -224,3 +230,20 @@ def record_topic(data: bytes | memoryview) -> str:
         return bytes(data[start : start + length]).decode("utf-8")
     except (IndexError, struct.error, UnicodeDecodeError) as exc:
         raise RecordFormatError(f"malformed message record: {exc}") from exc
+
+
+def message_from_record(record: MessageRecord, stream: str, shard: int, offset: int) -> Message:
+    """The core `Message` of a decoded record, at `offset` of `shard` of `stream` (offset -1,
+    stream "": a message kept outside the shard logs, e.g. retained or delayed)."""
+    r = record
+    return Message(
+        r.topic, r.payload, r.qos, r.retain, r.key, r.headers, r.content_type,
+        r.correlation_data, r.reply_to, r.payload_format, r.expires_at_ms,
+        r.publish_time_ms, r.producer_protocol, r.producer_id,
+        stream, shard, offset, r.native_properties,
+    )
+
+
+def decode_to_message(data: bytes, stream: str = "", shard: int = 0, offset: int = -1) -> Message:
+    """Decode a record straight into a core `Message` (see `message_from_record`)."""
+    return message_from_record(decode_message(data), stream, shard, offset)

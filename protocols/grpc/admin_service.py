@@ -12,6 +12,7 @@ import grpc
 
 from ... import __version__
 from ...core.broker import Broker
+from ...core.durable import DurableSubscription
 from ...core.edge import Action
 from ...core.streams import DispatchMode, RoutingRule, StreamConfig
 from ...core.subscriptions import Subscription
@@ -20,7 +21,7 @@ from ...proto import shardgate_pb2 as pb
 from ...proto import shardgate_pb2_grpc as pb_grpc
 from .auth import user_of
 from .consumer import GrpcConsumer
-from .convert import MODES, SCHEMAS, Refusal, abort, translated
+from .convert import MODES, SCHEMAS, Refusal, abort, seek_to, translated
 
 if TYPE_CHECKING:
     from .server import GrpcServer
@@ -75,7 +76,7 @@ class AdminService(pb_grpc.AdminServicer):
         routes = list(request.routes) or [request.name, f"{request.name}/#"]
         for route in routes:
             validate_topic_filter(route)
-        if mode is DispatchMode.RELIABLE and getattr(self.broker, "storage", None) is None:
+        if mode is DispatchMode.RELIABLE and self.broker.storage is None:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                           "reliable streams need a journal and this broker has none configured")
         stream = self.broker.create_stream(config, routes=routes)
@@ -149,12 +150,10 @@ class AdminService(pb_grpc.AdminServicer):
     @_unary
     def ResetCursor(self, request: pb.ResetCursorRequest) -> pb.SubscriptionInfo:
         sub = self._subscription(request.subscription)
-        seek = getattr(sub, "seek", None)
-        if not sub.durable or not callable(seek):
+        if not sub.durable or not isinstance(sub, DurableSubscription):
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                           f"subscription {sub.name!r} is live-only: it has no cursor to reset")
-        which = request.position.WhichOneof("position") or "latest"
-        seek(which, getattr(request.position, which))
+        seek_to(sub, request.position)
         return self.server.subscription_info(sub)
 
     @_unary

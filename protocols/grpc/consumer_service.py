@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from ...core.durable import DurableSubscription
 from ...core.edge import Action
 from ...core.errors import (
     SubscriptionBusy,
@@ -21,7 +22,7 @@ from ...proto import shardgate_pb2 as pb
 from ...proto import shardgate_pb2_grpc as pb_grpc
 from .auth import peer_of, user_of
 from .consumer import GrpcConsumer, GrpcSubscriptionState, hand_over
-from .convert import SUB_TYPES, Refusal, abort, is_transient, protocol_of, translated
+from .convert import SUB_TYPES, Refusal, abort, is_transient, protocol_of, seek_to, translated
 
 if TYPE_CHECKING:
     from .server import GrpcServer
@@ -159,12 +160,10 @@ class ConsumerService(pb_grpc.ConsumerServicer):
         if existing is None:
             for topic_filter in filters:
                 broker.add_filter(sub, topic_filter)
-        seek = getattr(sub, "seek", None)  # durable subscriptions (cursor seam)
         # The initial position applies when the subscription is created; an existing durable
         # subscription resumes from its cursors (reset them with ResetCursor).
-        if callable(seek) and existing is None and request.HasField("position"):
-            seek(request.position.WhichOneof("position"),
-                 getattr(request.position, request.position.WhichOneof("position") or "latest"))
+        if isinstance(sub, DurableSubscription) and existing is None and request.HasField("position"):
+            seek_to(sub, request.position)
         return consumer
 
     @staticmethod

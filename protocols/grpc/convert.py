@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from ...core.durable import DurableSubscription
 from ...core.errors import (
     CoreError,
     InvalidStreamConfig,
@@ -111,11 +112,22 @@ def protocol_of(sub: Subscription) -> str:
 
 
 def lag_of(sub: Subscription) -> int:
-    lag = getattr(sub, "lag", None)  # durable subscriptions (cursor seam)
-    if callable(lag):
-        return int(lag())
-    return int(lag or 0)
+    """Messages behind the cursors of a durable subscription (0 for a live-only one)."""
+    return sub.lag() if isinstance(sub, DurableSubscription) else 0
 
 
 def is_transient(sub: Subscription) -> bool:
-    return bool(getattr(sub.owner, "transient", False))
+    """A gRPC replay of a non-durable subscription: it ends with its consumers."""
+    owner = sub.owner
+    return isinstance(owner, GrpcSubscriptionState) and owner.transient
+
+
+def seek_to(sub: DurableSubscription, position: pb.StartPosition) -> None:
+    """Move the cursors of `sub` to `position` (latest when none is set)."""
+    which = position.WhichOneof("position")
+    if which == "offset":
+        sub.seek(which, position.offset)
+    elif which == "timestamp_ms":
+        sub.seek(which, position.timestamp_ms)
+    else:
+        sub.seek(which or "latest")

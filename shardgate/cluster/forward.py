@@ -135,6 +135,7 @@ class PeerLink:
         self.session = random.getrandbits(62) + 1
         self._next_sequence = 1
         self._unanswered: dict[int, _Sent] = {}
+        self._answered_floor = 1  # every frame below it was answered
         self._forwards: list[tuple[pb.Forward, asyncio.Future[None], Message]] = []
         self._pushes: list[pb.Push] = []
         self._routes: list[pb.RouteUpdate] = []
@@ -274,12 +275,17 @@ class PeerLink:
             call.cancel()
 
     def _answered_below(self) -> int:
-        return next(iter(self._unanswered), self._next_sequence)
+        """The lowest sequence not answered yet (each sequence is passed once: O(1) a frame)."""
+        floor, unanswered, end = self._answered_floor, self._unanswered, self._next_sequence
+        while floor < end and floor not in unanswered:
+            floor += 1
+        self._answered_floor = floor
+        return floor
 
     def _next_frame(self) -> pb.PeerFrame:
         sequence = self._next_sequence
-        self._next_sequence = sequence + 1
         frame = pb.PeerFrame(sequence=sequence, answered_below=self._answered_below())
+        self._next_sequence = sequence + 1
         route_generation = 0
         if self._routes:
             routes, self._routes = self._routes, []
@@ -372,6 +378,7 @@ class PeerLink:
             dropped += sent.pushes
         self._forwards = []
         self._unanswered = {}
+        self._answered_floor = self._next_sequence
         self._in_flight = 0
         self._pushes = []
         self._pushes_held = 0
@@ -430,12 +437,13 @@ class _Inbox:
     a session are applied once, in order), and its answers the peer may not have received yet
     (sent again when the peer sends their frame again on a new stream)."""
 
-    __slots__ = ("session", "applied", "answers", "reply")
+    __slots__ = ("session", "applied", "answers", "reply", "_forgotten_below")
 
     def __init__(self, session: int) -> None:
         self.session = session
         self.applied = 0
         self.answers: dict[int, pb.PeerReply] = {}
+        self._forgotten_below = 1
         # Where answers go now: the session's current stream (None between streams).
         self.reply: Callable[[pb.PeerReply], None] | None = None
 
@@ -445,10 +453,13 @@ class _Inbox:
             self.reply(reply)
 
     def forget_below(self, sequence: int) -> None:
+        """Drop the answers below `sequence` (each sequence is passed once: O(1) a frame)."""
         answers = self.answers
-        if answers and sequence:
-            for answered in [s for s in answers if s < sequence]:
-                del answers[answered]
+        below = self._forgotten_below
+        while below < sequence:
+            answers.pop(below, None)
+            below += 1
+        self._forgotten_below = below
 
 
 class LinkService(pb_grpc.PeerLinkServicer):

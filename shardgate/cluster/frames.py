@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..core.message import Message, message_from_record
-from ..core.records import RecordFormatError, decode_message, encode_message
+from ..core.message import Message
+from ..core.records import RecordFormatError, decode_to_message, encode_message
 from ..proto import cluster_pb2 as pb
 from .routes import Route, RouteDelta
 
@@ -62,7 +62,7 @@ def push_frame(message: Message, body: dict[str, object], share_groups: Iterable
 
 def _message(frame: pb.Forward | pb.Push, offset: int) -> Message:
     if frame.record:
-        return message_from_record(decode_message(frame.record), frame.stream, frame.shard, offset)
+        return decode_to_message(frame.record, frame.stream, frame.shard, offset)
     return Message(
         frame.topic, frame.payload, frame.qos, frame.retain, publish_time_ms=frame.publish_time_ms,
         producer_protocol=frame.producer_protocol, producer_id=frame.producer_id,

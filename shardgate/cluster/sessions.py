@@ -39,8 +39,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from ..core.durable import DurableSubscription
-from ..core.message import Message, message_from_record, now_ms
-from ..core.records import RecordFormatError, decode_message, encode_message
+from ..core.message import Message, now_ms
+from ..core.records import RecordFormatError, decode_to_message, encode_message
 from ..core.subscriptions import SubscriptionType
 from ..protocols.mqtt import packets as p
 from ..protocols.mqtt.session import (
@@ -80,7 +80,7 @@ def _message_data(message: Message) -> str:
 
 def _message(data: str, stream: str, shard: int, offset: int) -> Message | None:
     try:
-        return message_from_record(decode_message(base64.b64decode(data)), stream, shard, offset)
+        return decode_to_message(base64.b64decode(data), stream, shard, offset)
     except (RecordFormatError, ValueError) as exc:
         log.warning("cluster: a handed-over message of %s/%d@%d is unreadable: %s", stream, shard, offset, exc)
         return None

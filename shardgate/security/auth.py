@@ -484,12 +484,14 @@ class Security:
             allowed = self._decide(action, username, client_id, topic)
         else:
             key = (action, username, client_id, topic)
-            allowed = self._decisions.get(key)
-            if allowed is None:
+            cached = self._decisions.get(key)
+            if cached is None:
                 allowed = self._decide(action, username, client_id, topic)
                 if len(self._decisions) >= MAX_CACHED_DECISIONS:
                     self._decisions.clear()
                 self._decisions[key] = allowed
+            else:
+                allowed = cached
         if not allowed:
             self.denials[(protocol, action)] += 1
             log.info("%s %s: %s on %r denied for %s", protocol, client_id or "-", action, topic,

@@ -8,7 +8,8 @@ before one loses nothing (the journal still holds them, and retention keeps them
 `archived_offset` passes them), and a retried upload writes the same name again.
 
 One background task on the event loop reads committed records from the journal in bounded
-batches into a per-shard buffer, but only once a file is due (enough rows committed, the oldest
+blocks (one buffer and arrays of positions each: no Python object per record) into a per-shard
+buffer, but only once a file is due (enough rows committed, the oldest
 record `max_delay_s` old, or `flush`): until then the records stay in the journal, not in
 memory. A buffer becomes a file when it reaches the row or byte target, at an hour boundary
 (each file lies in one `date=/hour=` partition), or when it holds all that is due. Decoding, Parquet encoding and uploads run in a
@@ -27,18 +28,17 @@ import os
 import random
 import time
 import uuid
-from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from fsspec import AbstractFileSystem
 
-from ..interfaces import StoredRecord
-from ..journal import JournalStorage
+from ..journal import JournalStorage, RecordBlock
 from . import layout
+from .buffer import RecordBuffer, int64_array
 from .columns import build_table, encode_parquet
 from .settings import ArchiveConfigError, ArchiveSettings, ArchiveUnavailable
 
@@ -62,9 +62,9 @@ class _ShardState:
     """The first offset not in the archive (derived from the file names)."""
     files: int = 0
     bytes: int = 0
-    buffer: list[StoredRecord] = field(default_factory=list)
+    buffer: RecordBuffer = field(default_factory=RecordBuffer)
     buffer_bytes: int = 0
-    uploading: list[StoredRecord] = field(default_factory=list)
+    uploading: RecordBuffer = field(default_factory=RecordBuffer)
     """The records of the file being uploaded (they precede the buffer, which meanwhile
     reads ahead); back into the buffer if the upload fails."""
     hour_closed: bool = False
@@ -381,43 +381,47 @@ class Archiver:
                     log.error("%s/%d: %s", state.stream, state.shard, state.last_error)
                 return
             want = min(settings.read_batch, settings.target_rows - len(state.buffer))
-            batch = shard_log.read(start, want)
+            batch = shard_log.read_block(start, want)
             if not batch:
                 return
-            if batch[0].offset != start:
+            if batch.first_offset != start:
                 if state.buffer:
                     state.hour_closed = True  # seal before the gap
                     return
                 if state.uploading:
                     return  # skip the gap once that upload is done
-                state.skipped += batch[0].offset - start
+                state.skipped += batch.first_offset - start
                 log.error(
                     "%s/%d: offsets %d..%d left the journal before they were archived",
-                    state.stream, state.shard, start, batch[0].offset - 1,
+                    state.stream, state.shard, start, batch.first_offset - 1,
                 )
-                state.archived_next = batch[0].offset
+                state.archived_next = batch.first_offset
             self._take(state, batch)
             await asyncio.sleep(0)
 
-    def _take(self, state: _ShardState, batch: list[StoredRecord]) -> None:
+    def _take(self, state: _ShardState, batch: RecordBlock) -> None:
         """Append the head of `batch` that lies in the buffer's hour and fits the byte target
-        (the record reaching the target included) to the buffer."""
+        (the record reaching the target included) to the buffer (array kernels over the
+        block's positions and timestamps, no loop per record)."""
         buffer = state.buffer
-        hour = layout.hour_of(buffer[0].timestamp_ms if buffer else batch[0].timestamp_ms)
+        times = batch.timestamps
+        hour = layout.hour_of(buffer[0].timestamp_ms if buffer else times[0])
         low, high = hour * layout.HOUR_MS, (hour + 1) * layout.HOUR_MS
-        times = [record.timestamp_ms for record in batch]
         hour_end = len(batch)
         if min(times) < low or max(times) >= high:
-            hour_end = next(i for i, ts in enumerate(times) if not low <= ts < high)
-        sizes = list(accumulate([len(record.data) for record in batch[:hour_end]]))
+            stamps = int64_array(times)
+            outside = pc.invert(pc.and_(pc.greater_equal(stamps, low), pc.less(stamps, high)))
+            hour_end = pc.index(outside, True).as_py()
+        sizes = pc.cumulative_sum(pc.subtract(
+            int64_array(batch.ends[:hour_end]), int64_array(batch.starts[:hour_end])))
         room = self.settings.target_bytes - state.buffer_bytes
         take = hour_end
-        if sizes and sizes[-1] >= room:
-            take = bisect_left(sizes, room) + 1
+        if hour_end and sizes[-1].as_py() >= room:
+            take = pc.sum(pc.less(sizes, room)).as_py() + 1
         elif hour_end < len(batch):
             state.hour_closed = True
         buffer.extend(batch[:take] if take < len(batch) else batch)
-        state.buffer_bytes += sizes[take - 1] if take else 0
+        state.buffer_bytes += sizes[take - 1].as_py() if take else 0
 
     def _due(self, state: _ShardState, force: bool) -> bool:
         if not state.buffer:
@@ -449,7 +453,7 @@ class Archiver:
         directory = layout.partition_dir(self.root, state.stream, records[0].timestamp_ms)
         path = f"{directory}/{layout.file_name(state.shard, first, last)}"
         state.uploading = records
-        state.buffer, state.buffer_bytes, state.hour_closed = [], 0, False
+        state.buffer, state.buffer_bytes, state.hour_closed = RecordBuffer(), 0, False
         upload: asyncio.Future[int] | None = None
         try:
             table = await asyncio.to_thread(
@@ -483,7 +487,7 @@ class Archiver:
             )
             return False
         finally:
-            state.uploading = []
+            state.uploading = RecordBuffer()
         state.archived_next = last + 1
         state.files += 1
         state.bytes += size

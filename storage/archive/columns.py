@@ -14,6 +14,7 @@ import struct
 from collections.abc import Sequence
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ...core.records import (
@@ -32,7 +33,8 @@ from ...core.records import (
     native_properties_at,
 )
 from ..interfaces import StoredRecord
-from .decode import NATIVE_PROPERTIES, decode_batch
+from .buffer import RecordBuffer
+from .decode import NATIVE_PROPERTIES, decode_spans
 
 FORMAT_VERSION = "2"
 """2 added the `native_properties` column; files of format 1 lack it (read as null)."""
@@ -191,18 +193,37 @@ def _decode_columns(
 
 
 def build_table(
-    stream: str, shard: int, schema: str, records: Sequence[StoredRecord]
+    stream: str, shard: int, schema: str, records: Sequence[StoredRecord] | RecordBuffer
 ) -> pa.Table:
-    """The archive table of `records` (one shard, offset order). The publish_time column is
+    """The archive table of `records` (one shard, offset order): a `RecordBuffer` of journal
+    blocks is decoded in bulk, with no Python object per record. The publish_time column is
     the journal record's timestamp, which is the message's publish time, so that the
     `date=/hour=` partition of a file and its rows always agree. Empty records (offsets
     the journal skipped) have no row."""
-    if not all(record.data for record in records):
-        records = [record for record in records if record.data]
-    count = len(records)
-    columns = decode_batch([record.data for record in records])
+    if isinstance(records, RecordBuffer):
+        buffer, starts, ends, offsets, stamps = records.joined()
+    else:
+        datas = [record.data for record in records]
+        lengths = pa.array([len(data) for data in datas], pa.int64())
+        ends = pc.cumulative_sum(lengths)
+        starts = pc.subtract(ends, lengths)
+        buffer = b"".join(datas)
+        offsets = pa.array([record.offset for record in records], pa.int64())
+        stamps = pa.array([record.timestamp_ms for record in records], pa.int64())
+    present = pc.greater(ends, starts)
+    if len(starts) and not pc.all(present).as_py():
+        starts, ends, offsets, stamps = (
+            pc.filter(array, present) for array in (starts, ends, offsets, stamps)
+        )
+    count = len(starts)
+    columns = decode_spans(buffer, starts, ends)
     if columns is None:  # a malformed record: decode one by one, which names it
-        columns = _decode_lists(records)
+        columns = _decode_lists([
+            StoredRecord(offset, stamp, buffer[start:end]) for offset, stamp, start, end in zip(
+                offsets.to_pylist(), stamps.to_pylist(), starts.to_pylist(), ends.to_pylist(),
+                strict=True,
+            )
+        ])
     payloads = columns["payload"]
     decoded = {name: pa.nulls(count, ARROW_SCHEMA.field(name).type) for name in DECODED_COLUMN.values()}
     if schema in ("string", "json"):
@@ -212,8 +233,8 @@ def build_table(
     arrays = [
         pa.repeat(pa.scalar(stream, pa.string()), count),
         pa.repeat(pa.scalar(shard, pa.int32()), count),
-        pa.array([record.offset for record in records], pa.int64()),
-        pa.array([record.timestamp_ms for record in records], pa.int64()).cast(TIMESTAMP),
+        offsets,
+        stamps.cast(TIMESTAMP),
         columns["topic"],
         columns["key"],
         payloads,
@@ -279,7 +300,7 @@ def records_from_table(table: pa.Table) -> list[StoredRecord]:
                      "producer_protocol", "producer_id", "qos", "retain", "correlation_data",
                      "reply_to", "payload_format")
     }
-    natives = (
+    natives: list[list[tuple[str, bytes]] | None] = (
         table.column("native_properties").to_pylist()
         if "native_properties" in table.column_names else [None] * table.num_rows
     )
@@ -302,7 +323,7 @@ def records_from_table(table: pa.Table) -> list[StoredRecord]:
             expires_at_ms=expiries[i],
             producer_protocol=columns["producer_protocol"][i] or "",
             producer_id=columns["producer_id"][i] or "",
-            native_properties=dict(natives[i]) if natives[i] else None,
+            native_properties=dict(native) if (native := natives[i]) else None,
         )
         out.append(StoredRecord(offset, times[i], encode_message(message)))
     return out

@@ -60,17 +60,28 @@ class _Batch:
     """The joined records as one uint8 array, and readers of little-endian integers at an
     array of positions (int64 in, int64 out)."""
 
-    def __init__(self, datas: Sequence[bytes]) -> None:
-        self.count = len(datas)
-        lengths = pa.array([len(data) for data in datas], _I64)
-        self.ends = pc.cumulative_sum(lengths)
-        self.starts = pc.subtract(self.ends, lengths)
-        self.size = pc.sum(lengths).as_py() or 0
-        self.buffer = pa.py_buffer(b"".join([*datas, _PAD]))
+    def __init__(self, buffer: bytes, starts: pa.Array, ends: pa.Array) -> None:
+        """Record i is `buffer[starts[i]:ends[i]]` (int64 arrays; spans increasing and
+        disjoint; the buffer may hold other bytes between them)."""
+        self.count = len(starts)
+        self.starts = starts
+        self.ends = ends
+        self.size = len(buffer)
+        self.raw = buffer
+        self.buffer = pa.py_buffer(buffer + _PAD)
         self.bytes = pa.Array.from_buffers(pa.uint8(), self.size + len(_PAD), [None, self.buffer])
         self._layouts: dict[int, tuple[pa.Array, pa.Array]] = {}
-        if self.count and pc.min(lengths).as_py() < _HEAD_SIZE:
+        if self.count and pc.min(pc.subtract(ends, starts)).as_py() < _HEAD_SIZE:
             raise _Malformed
+
+    @classmethod
+    def of(cls, datas: Sequence[bytes]) -> _Batch:
+        lengths = pa.array([len(data) for data in datas], _I64)
+        ends = pc.cumulative_sum(lengths)
+        return cls(b"".join(datas), pc.subtract(ends, lengths), ends)
+
+    def data(self, index: int, starts: list[int], ends: list[int]) -> bytes:
+        return self.raw[starts[index] : ends[index]]
 
     def u8(self, pos: pa.Array) -> pa.Array:
         return pc.take(self.bytes, pos).cast(_I64)
@@ -149,13 +160,21 @@ def decode_batch(datas: Sequence[bytes]) -> dict[str, pa.Array] | None:
     """The message records `datas` as Arrow arrays named by `COLUMNS` (the same values as
     `decode_message` per record), or None if some record is not well-formed."""
     try:
-        return _decode(datas)
+        return _decode(_Batch.of(datas))
     except _Malformed:
         return None
 
 
-def _decode(datas: Sequence[bytes]) -> dict[str, pa.Array]:
-    batch = _Batch(datas)
+def decode_spans(buffer: bytes, starts: pa.Array, ends: pa.Array) -> dict[str, pa.Array] | None:
+    """`decode_batch` of the records `buffer[starts[i]:ends[i]]` (int64 arrays, spans in
+    increasing order): a bulk journal read decodes without a bytes object per record."""
+    try:
+        return _decode(_Batch(buffer, starts, ends))
+    except _Malformed:
+        return None
+
+
+def _decode(batch: _Batch) -> dict[str, pa.Array]:
     n = batch.count
     starts = batch.starts
     versions = batch.u8(starts)
@@ -215,7 +234,7 @@ def _decode(datas: Sequence[bytes]) -> dict[str, pa.Array]:
             batch.check(pos)
     protocol = field(2, None, pa.string())
     producer = field(2, None, pa.string())
-    native = _native(datas, batch, flags, pos) if any_flags else None
+    native = _native(batch, flags, pos) if any_flags else None
     return {
         "topic": topic,
         "key": key if key is not None else pa.nulls(n, pa.binary()),
@@ -239,18 +258,17 @@ NATIVE_PROPERTIES = pa.map_(pa.string(), pa.binary())
 _VERSIONS = pa.array([1, 2], _I64)
 
 
-def _native(
-    datas: Sequence[bytes], batch: _Batch, flags: pa.Array, pos: pa.Array
-) -> pa.Array | None:
+def _native(batch: _Batch, flags: pa.Array, pos: pa.Array) -> pa.Array | None:
     """The native properties map (null where the flag is unset), None if no record has any.
     Only the records that carry them (AMQP's, typically) are read, one by one."""
     present = pc.not_equal(pc.bit_wise_and(flags, F_NATIVE), 0)
     if not pc.any(present).as_py():
         return None
     relative = pc.subtract(pos, batch.starts).to_pylist()
+    starts, ends = batch.starts.to_pylist(), batch.ends.to_pylist()
     values: list[list[tuple[str, bytes]] | None] = [None] * batch.count
     for index in pc.indices_nonzero(present).to_pylist():
-        data = datas[index]
+        data = batch.data(index, starts, ends)
         try:
             native, end = native_properties_at(memoryview(data), relative[index])
         except RecordFormatError as exc:

@@ -7,6 +7,7 @@ and retention bounded by what consumers still need.
 """
 
 from ..interfaces import LATENCY_BUCKETS, LatencyHistogram
+from .block import RecordBlock
 from .commit import CommitStats, GroupCommitter
 from .config import (
     FsyncPolicy,
@@ -32,6 +33,7 @@ __all__ = [
     "JournalLocked",
     "JournalShardLog",
     "JournalStorage",
+    "RecordBlock",
     "JournalVersionError",
     "LatencyHistogram",
 ]

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..interfaces import StorageFull, StoredRecord
+from .block import RecordBlock
 from .commit import GroupCommitter, resolve
 from .config import FsyncPolicy, JournalClosed, JournalConfig
 from .record import HEADER_SIZE, LENGTH_CRC, OFFSET_TS, checksum_function
@@ -348,6 +349,21 @@ class JournalShardLog:
             start = segment.next_offset
             i += 1
         return out
+
+    def read_block(self, from_offset: int, max_records: int = 10_000) -> RecordBlock:
+        """Published records from `from_offset` (clamped to the low watermark) as one
+        `RecordBlock` (one segment, one read: possibly fewer than `max_records` even when more
+        are published; an empty block at the committed end). For bulk readers."""
+        start = max(from_offset, self._bases[0])
+        if start >= self._committed or max_records <= 0:
+            return RecordBlock.empty(start)
+        segments = self._segments
+        i = bisect_right(self._bases, start) - 1
+        while i < len(segments) and start >= segments[i].next_offset:
+            i += 1
+        if i >= len(segments):
+            return RecordBlock.empty(start)
+        return segments[i].read_block(start, min(max_records, self._committed - start))
 
     def offset_for_timestamp(self, timestamp_ms: int) -> int:
         """The first published offset whose timestamp is >= `timestamp_ms`, else the committed

@@ -22,6 +22,7 @@ from typing import Final
 
 Checksum = Callable[[bytes | bytearray | memoryview], int]
 
+_crc32c: Checksum | None
 try:  # pragma: no cover - which branch runs depends on the environment
     from crc32c import crc32c as _crc32c
 except ImportError:  # pragma: no cover

@@ -15,7 +15,7 @@ from shardgate.client import Client, PermissionDenied, Unauthenticated, Unavaila
 from shardgate.core.edge import Principal
 
 from shardgate.security.auth import User, hash_password, install_security, save_users
-from tests.conftest import ThreadedBroker, free_port
+from tests.conftest import ThreadedBroker, free_port, wait_for
 
 TIMEOUT = 5.0
 
@@ -143,8 +143,7 @@ async def test_kick_ends_consumer_and_producer_streams(secured: ThreadedBroker) 
         with pytest.raises(Unavailable) as ended:
             await consumer.receive(TIMEOUT)
         assert "kicked by administrator" in ended.value.details
-        await asyncio.sleep(0.1)
-        assert not server.consumers
+        wait_for(lambda: secured.call(lambda: not server.consumers))  # the stream's cleanup
         # A producer stream: listed under its id and its name; the SDK reconnects and resends.
         assert [p.name for p in server.producers] == ["alice-producer"]
         producer_id = next(iter(server.producers)).id

@@ -4,6 +4,7 @@ and cursors that survive a SIGKILL of the broker."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -60,6 +61,23 @@ async def test_reset_cursor_and_lag(url):
         await consumer.close()
 
 
+async def saved_ack_floor(data_dir, subscription: str, floor: int, timeout: float = 10) -> None:
+    """Wait until the metadata store holds a cursor of `subscription` acknowledged below
+    `floor` (cursors are saved every 200 ms); read it from outside, read-only."""
+    import sqlite3
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(sqlite3.OperationalError):  # not created yet
+            with sqlite3.connect(f"file:{data_dir / 'metadata.db'}?mode=ro", uri=True) as db:
+                row = db.execute("select max(ack_floor) from cursors where subscription = ?",
+                                 (subscription,)).fetchone()
+            if row[0] is not None and row[0] >= floor:
+                return
+        assert time.monotonic() < deadline, f"cursor of {subscription!r} not saved at {floor}"
+        await asyncio.sleep(0.05)
+
+
 def test_durable_cursor_survives_sigkill(broker_process):
     grpc_port = free_port()
     broker = broker_process(extra_args=["--grpc-port", str(grpc_port)]).start()
@@ -73,7 +91,7 @@ def test_durable_cursor_survives_sigkill(broker_process):
             for index in range(10):
                 await producer.send("orders/eu", str(index).encode())
             assert await take(consumer, 4) == [b"0", b"1", b"2", b"3"]
-            await asyncio.sleep(0.6)  # cursors are saved every 200 ms
+            await saved_ack_floor(broker.data_dir, "billing", 4)
 
     asyncio.run(first_run())
     broker.kill()

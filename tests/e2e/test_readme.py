@@ -3,7 +3,8 @@
 
 Two commands are checked elsewhere: the test-suite command (`pip install -q -e '.[test]' &&
 python -m pytest -q`) is what `.ci/run` runs verbatim (running it here would recurse), and the
-"Running a cluster" block has its own test (`test_readme_cluster.py`)."""
+"Running a cluster" and "Multi-core on one host" blocks have their own test
+(`test_readme_cluster.py`)."""
 
 from __future__ import annotations
 
@@ -31,9 +32,12 @@ TEST_SUITE = "pip install -q -e '.[test]' && python -m pytest -q"
 DEFAULT_PORTS = (1883, 8083, 5672, 6650, 8080)
 
 
+CLUSTER_SECTIONS = ("Running a cluster", "Multi-core on one host")
+
+
 def blocks(language: str) -> list[tuple[str, str]]:
     """(section title, block text) of every fenced block in `language`, outside the cluster
-    section."""
+    sections."""
     found = []
     section = ""
     lines = README.read_text().splitlines()
@@ -44,7 +48,7 @@ def blocks(language: str) -> list[tuple[str, str]]:
             section = line[3:].strip()
         if line == f"```{language}":
             end = lines.index("```", index + 1)
-            if section != "Running a cluster":
+            if section not in CLUSTER_SECTIONS:
                 found.append((section, "\n".join(lines[index + 1:end])))
             index = end
         index += 1

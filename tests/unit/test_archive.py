@@ -417,3 +417,32 @@ def test_archive_table_decodes_like_decode_message_and_rebuilds_the_same_bytes(
             expected.content_type, expected.reply_to, expected.payload_format)
     assert [(r.offset, r.data) for r in records_from_table(table)] == [
         (r.offset, r.data) for r in records]
+
+
+async def test_offsets_the_journal_skipped_have_no_row(
+    journal: JournalStorage, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed commit leaves offsets that subscribers may have seen; the journal fills them
+    with empty records, which the archive skips (and its progress passes)."""
+    import errno
+
+    from shardgate.storage.journal import segment as segment_module
+
+    await append(journal, "default", 0, 5)
+    log = journal.open_shard("default", 0)
+    with monkeypatch.context() as patch:
+        def disk_full(fd: int, data: bytes) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        patch.setattr(segment_module.os, "write", disk_full)
+        log.append([(T0 + 5, message(5, T0 + 5))])
+        with pytest.raises(Exception, match="No space left"):
+            await log.flush()
+    await append(journal, "default", 0, 3, ts=T0 + 10)
+    assert log.committed_offset == 9
+
+    archiver = Archiver(journal, f"file://{root}", streams(("default", 1, "bytes")), FAST)
+    await archiver.flush()
+    table = read_rows(root, "default")
+    assert table.column("offset").to_pylist() == [0, 1, 2, 3, 4, 6, 7, 8]
+    assert archiver.archived_offset("default", 0) == 9

@@ -443,3 +443,33 @@ async def test_malformed_frames_from_a_peer_are_refused_per_message_and_the_link
         ]))
         assert (await asyncio.wait_for(call.read(), 5)).outcomes[0].code == pb.STORED
         call.cancel()
+
+
+async def test_a_frame_sent_again_on_a_new_stream_of_its_session_is_applied_once(cluster):
+    import grpc
+    from shardgate.proto import cluster_pb2 as pb
+    from shardgate.proto import cluster_pb2_grpc as pb_grpc
+
+    b = cluster["b"]
+    on_b = b.subscribe("orders/#")
+    topic = topic_on(b.broker, "orders", 2, "orders")  # b owns orders/2
+    frame = pb.PeerFrame(sequence=1, forwards=[
+        pb.Forward(stream="orders", shard=2, epoch=1, topic=topic, payload=b"once")])
+
+    async def send(session: int) -> pb.PeerReply:
+        """A new stream of `session` (as after a break) carrying frame 1 again."""
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{b.plane.port}") as channel:
+            call = pb_grpc.PeerLinkStub(channel).Link()
+            await call.write(pb.PeerFrame(sequence=0, from_node="c", session=session))
+            await call.write(frame)
+            reply = await asyncio.wait_for(call.read(), 5)
+            call.cancel()
+            return reply
+
+    for _ in range(2):
+        reply = await send(session=7)
+        assert reply.sequence == 1 and [o.code for o in reply.outcomes] == [pb.STORED]
+        assert reply.outcomes[0].offset == 0, "answered again with the first outcome"
+    assert [m.payload for m in on_b.got] == [b"once"]
+    await send(session=8)  # a new session: the sender restarted, its frame 1 is new
+    assert [m.payload for m in on_b.got] == [b"once", b"once"]

@@ -974,3 +974,57 @@ async def test_acknowledged_records_survive_random_io_failures(
     reopened = JournalStorage(journal_dir, **options)  # type: ignore[arg-type]
     check(reopened.open_shard("s", 0))
     reopened.close()
+
+
+# -- bulk reads ---------------------------------------------------------------------------------
+
+
+def test_read_block_returns_what_read_returns_without_an_object_per_record(
+    storage: JournalStorage,
+) -> None:
+    shard = storage.open_shard("s", 0)
+    for first in range(0, 300, 37):  # several groups, several segments (4 KiB each)
+        shard.append(records(first, min(37, 300 - first)))
+        storage.flush_sync()
+    assert len(shard.segments) >= 3
+    for start in (0, 1, 36, 150, 299, 300, 1000):
+        got: list[StoredRecord] = []
+        position = start
+        while True:
+            block = shard.read_block(position, 64)
+            if not block:
+                assert block.first_offset == max(position, 0)
+                break
+            assert block.first_offset == position and len(block) <= 64
+            assert block.end_offset == position + len(block)
+            assert [block.data(i) for i in range(len(block))] == [r.data for r in block]
+            got.extend(block)
+            position = block.end_offset
+        assert got == shard.read(start, 1000)
+
+
+def test_read_block_of_a_single_record_larger_than_its_chunk(journal_dir: Path) -> None:
+    store = JournalStorage(journal_dir)
+    shard = store.open_shard("s", 0)
+    big = os.urandom(300_000)
+    shard.append([(T0, b"small"), (T0 + 1, big), (T0 + 2, b"after")])
+    store.flush_sync()
+    segment = shard.segments[-1]
+    block = segment.read_block(1, 10, chunk=1024)
+    assert block.first_offset == 1 and block.data(0) == big
+    assert [r.data for r in segment.read_block(0, 10, chunk=1024)] == [b"small"]
+    store.close()
+
+
+def test_read_block_raises_on_a_corrupt_record(journal_dir: Path) -> None:
+    ends = write_closed_journal(journal_dir, 10)
+    store = JournalStorage(journal_dir)
+    shard = store.open_shard("s", 0)
+    path = shard.segments[-1].path()
+    data = bytearray(path.read_bytes())
+    data[ends[3] + HEADER_SIZE] ^= 0xFF  # the data of record 4, behind the published end
+    path.write_bytes(bytes(data))
+    assert len(shard.read_block(0, 4)) == 4
+    with pytest.raises(CorruptRecord, match="checksum"):
+        shard.read_block(2, 10)
+    store.close()

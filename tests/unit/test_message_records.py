@@ -10,12 +10,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from pamqp import commands, header
-from shardgate.core.message import Message, message_from_record
+from shardgate.core.message import Message
 from shardgate.core.records import (
     VERSION,
     RecordFormatError,
     decode_message,
     decode_native_properties,
+    decode_to_message,
     encode_message,
     encode_native_properties,
 )
@@ -64,7 +65,7 @@ def test_every_field_round_trips_in_the_current_version() -> None:
     )
     data = encode_message(message)
     assert data[0] == VERSION == 2
-    copy = message_from_record(decode_message(data), "s", 3, 9)
+    copy = decode_to_message(data, "s", 3, 9)
     for name in ("topic", "payload", "qos", "retain", "key", "headers", "content_type",
                  "correlation_data", "reply_to", "payload_format", "expires_at_ms",
                  "publish_time_ms", "producer_protocol", "producer_id", "native_properties"):
@@ -114,7 +115,7 @@ def test_amqp_typed_headers_and_basic_properties_survive_the_record() -> None:
     props = amqp_properties()
     raw = props.marshal()
     message = message_from_properties("$amqp/x/k", b"body", props, "conn-1", raw)
-    again = message_from_record(decode_message(encode_message(message)), "s", 0, 1)
+    again = decode_to_message(encode_message(message), "s", 0, 1)
     assert encoded_properties(again) == raw
     decoded = decode_properties(encoded_properties(again))
     assert decoded.headers == props.headers
@@ -158,7 +159,7 @@ def test_header_widths_and_tags_survive_byte_for_byte() -> None:
     props = decode_properties(WIDTH_PROPERTIES)  # what the AMQP connection parses
     assert props.headers is not None and props.headers["i8"] == -2
     message = message_from_properties("$amqp/x/k", b"", props, "conn-1", WIDTH_PROPERTIES)
-    again = message_from_record(decode_message(encode_message(message)), "s", 0, 1)
+    again = decode_to_message(encode_message(message), "s", 0, 1)
     assert encoded_properties(again) == WIDTH_PROPERTIES
 
 
@@ -189,7 +190,7 @@ def test_archive_keeps_header_order_native_properties_and_replays_them_exactly()
     table = pq.read_table(pa.BufferReader(parquet))
     assert table.column("headers").to_pylist()[1] == [("k", "2"), ("a", "1"), ("k", "0")]
     assert table.column("native_properties").to_pylist()[3] == [(NATIVE_FORMAT, WIDTH_PROPERTIES)]
-    replayed = [message_from_record(decode_message(r.data), "s", 0, r.offset)
+    replayed = [decode_to_message(r.data, "s", 0, r.offset)
                 for r in records_from_table(table)]
     assert replayed[1].headers == mqtt.headers
     assert encoded_properties(replayed[2]) == props.marshal()

@@ -1,0 +1,92 @@
+"""`RecordBuffer`: the records of one archive file being assembled, held as the journal's
+record blocks (buffers plus position arrays) rather than one object per record.
+
+It reads as a sequence of records where the archiver needs one (`buffer[0]`, `buffer[-1]`,
+`len`), and `joined` gives the Arrow view that `build_table` decodes in bulk.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterator
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..interfaces import StoredRecord
+from ..journal import RecordBlock
+
+_I64 = pa.int64()
+
+
+def int64_array(values: array[int]) -> pa.Array:
+    """An int64 Arrow array over an `array('q')` (no conversion per value)."""
+    return pa.Array.from_buffers(_I64, len(values), [None, pa.py_buffer(values)])
+
+
+class RecordBuffer:
+    """Record blocks in offset order (see the module docstring)."""
+
+    __slots__ = ("blocks", "count")
+
+    def __init__(self, blocks: list[RecordBlock] | None = None) -> None:
+        self.blocks: list[RecordBlock] = blocks or []
+        self.count = sum(len(block) for block in self.blocks)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def __getitem__(self, index: int) -> StoredRecord:
+        if index < 0:
+            index += self.count
+        if 0 <= index < self.count:
+            for block in self.blocks:
+                if index < len(block):
+                    return block[index]
+                index -= len(block)
+        raise IndexError("record buffer index out of range")
+
+    def __iter__(self) -> Iterator[StoredRecord]:
+        for block in self.blocks:
+            yield from block
+
+    def extend(self, block: RecordBlock) -> None:
+        if len(block):
+            self.blocks.append(block)
+            self.count += len(block)
+
+    def joined(self) -> tuple[bytes, pa.Array, pa.Array, pa.Array, pa.Array]:
+        """(buffer, starts, ends, offsets, timestamps): record i is buffer[starts[i]:ends[i]]
+        (int64 arrays), the blocks' buffers joined into one."""
+        parts: list[bytes] = []
+        starts: list[pa.Array] = []
+        ends: list[pa.Array] = []
+        offsets: list[pa.Array] = []
+        stamps: list[pa.Array] = []
+        base = 0
+        for block in self.blocks:
+            parts.append(block.buffer)
+            shift = pa.scalar(base, _I64)
+            starts.append(pc.add(int64_array(block.starts), shift))
+            ends.append(pc.add(int64_array(block.ends), shift))
+            first = pa.scalar(block.first_offset, _I64)
+            offsets.append(pc.add(_arange(len(block)), first))
+            stamps.append(int64_array(block.timestamps))
+            base += len(block.buffer)
+        if not parts:
+            empty = pa.array([], _I64)
+            return b"", empty, empty, empty, empty
+        return (
+            parts[0] if len(parts) == 1 else b"".join(parts),
+            pa.concat_arrays(starts),
+            pa.concat_arrays(ends),
+            pa.concat_arrays(offsets),
+            pa.concat_arrays(stamps),
+        )
+
+
+def _arange(n: int) -> pa.Array:
+    return int64_array(array("q", range(n)))
