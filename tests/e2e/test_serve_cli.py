@@ -53,7 +53,7 @@ def test_bad_configuration_is_a_clear_error(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("text", "expected"), [
     ('[[bridges]]\nname = "cloud"\nremote = "mqtt://127.0.0.1:1"\noutt = ["a/#"]\n',
-     ["[[bridges]] #1 ('cloud')", "unknown setting 'outt'", "out, inbound"]),
+     ["[[bridges]] #1 ('cloud')", "unknown setting 'outt'", "remote, out,", "inbound"]),
     ('[[streams]]\nname = "pc"\nmode = "durable"\n',
      ["[[streams]] #1 ('pc')", "mode = 'durable'", "reliable | non-reliable"]),
     ('[[streams]]\nname = "pc"\npartitions = "many"\n', ["partitions", "integer"]),
