@@ -351,6 +351,15 @@ class Broker:
     def subscription_count(self) -> int:
         return len(self._trie)
 
+    def forget_cached_matches(self) -> None:
+        """Drop the per-topic caches (topic → stream, topic → subscriptions, and each durable
+        subscription's), which are rebuilt on demand: an idle broker gives their memory back."""
+        self._match_cache = {}
+        self._topic_stream_cache = {}
+        for sub in list(self.subscriptions.values()):
+            if isinstance(sub, DurableSubscription):
+                sub.forget_cached_matches()
+
     def match(self, topic: str) -> Matches:
         matches = self._match_cache.get(topic)
         if matches is None:
