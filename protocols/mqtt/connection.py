@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ...core.edge import Principal
 from ...core.errors import PublishRejected, SchemaMismatch, StoreFull
 from ...core.message import Message, now_ms
+from ...core.outbox import SLOW_SUBSCRIBER
 from ...core.scheduling import Timer
 from ...core.subscriptions import SubscriptionType
 from ...core.topics import (
@@ -226,7 +227,7 @@ class MqttConnection:
         if self.state is not State.CONNECTED:
             return False
         if qos == 0 and self._out_bytes + self.link.buffered() > self.service.settings.max_outbound_buffer:
-            self.service.broker.stats.messages_dropped += 1
+            self.service.broker.stats.drop(SLOW_SUBSCRIBER)
             return False
         version = self.version
         personal = version == MQTT_V5 and (
