@@ -351,6 +351,15 @@ class Broker:
     def subscription_count(self) -> int:
         return len(self._trie)
 
+    def forget_cached_matches(self) -> None:
+        """Drop the per-topic caches (topic → stream, topic → subscriptions, and each durable
+        subscription's), which are rebuilt on demand: an idle broker gives their memory back."""
+        self._match_cache = {}
+        self._topic_stream_cache = {}
+        for sub in list(self.subscriptions.values()):
+            if isinstance(sub, DurableSubscription):
+                sub.forget_cached_matches()
+
     def match(self, topic: str) -> Matches:
         matches = self._match_cache.get(topic)
         if matches is None:
@@ -409,7 +418,26 @@ class Broker:
             shard.next_offset += 1
             self.dispatch(message)
             return None
+        if message.transient and not self._wanted_durably(message.topic):
+            self._deliver_transient(shard, message)
+            return None
         return self._append_reliable(shard, message)
+
+    def _wanted_durably(self, topic: str) -> bool:
+        """Whether a durable subscription (one that replays the journal) matches `topic`."""
+        return any(sub.durable for sub, _ in self.match(topic))
+
+    def _deliver_transient(self, shard: Shard, message: Message) -> None:
+        """A transient message that no durable subscription wants: not journaled (so not
+        archived either) and without an offset. It is delivered at once, unless the shard's
+        stored messages are being held until their commit: then it waits behind them, so that
+        subscribers see the producer's order."""
+        if shard in self._held:
+            for group in reversed(self._awaiting_commit.values()):
+                if group.shard is shard and group.messages:
+                    group.messages.append(message)
+                    return
+        self.dispatch(message)
 
     def _append_reliable(self, shard: Shard, message: Message) -> asyncio.Future[None] | None:
         shard_log = shard.log

@@ -40,6 +40,12 @@ log = logging.getLogger(__name__)
 
 REPLAY_BATCH = 256
 PUMP_BUDGET = 2000
+SCAN_BUDGET = 2048
+AHEAD_BYTES = 256 * 1024
+"""At most this many record bytes are kept per cursor between turns (else read again)."""
+"""Records a replaying cursor examines per event-loop turn, delivered or not: a session that
+resumes far behind a busy shard whose records it mostly does not want yields to other work
+(new connections, acknowledgements) between batches instead of scanning to the end at once."""
 
 
 @dataclass(slots=True)
@@ -84,7 +90,7 @@ class Delivery:
 class ShardCursor:
     __slots__ = (
         "stream", "shard", "log", "position", "unacked", "live", "pending_redelivery", "skip",
-        "archived", "fetching", "restored",
+        "archived", "fetching", "restored", "ahead",
     )
 
     def __init__(self, stream: str, shard: int, shard_log: ShardLog | None, position: int) -> None:
@@ -105,6 +111,9 @@ class ShardCursor:
         self.fetching = False
         # Pending redeliveries below the journal's low watermark, read from the archive.
         self.restored: dict[int, Message] = {}
+        # Journal records read but not yet gone through (the consumer's window filled): the
+        # next turn resumes there instead of reading the same batch again.
+        self.ahead: list[StoredRecord] = []
 
     @property
     def floor(self) -> int:
@@ -311,6 +320,10 @@ class DurableSubscription(Subscription):
             self._arm_timer()
         consumer.deliver(message, self, filters)
 
+    def forget_cached_matches(self) -> None:
+        """Drop the per-topic filter cache (rebuilt on demand): memory back when idle."""
+        self._matching_cache = {}
+
     def _filters_for(self, topic: str) -> tuple[str, ...]:
         cached = self._matching_cache.get(topic)
         if cached is None:
@@ -457,9 +470,15 @@ class DurableSubscription(Subscription):
         if not self.has_available():
             return budget
         now = now_ms()
+        scanned = 0
         while budget > 0:
+            if scanned >= SCAN_BUDGET:
+                self._dirty.add((cursor.stream, cursor.shard))
+                return 0  # the rest on a later turn
             if cursor.archived:
                 records, cursor.archived = cursor.archived, []
+            elif cursor.ahead:
+                records, cursor.ahead = cursor.ahead, []
             elif cursor.position < shard_log.low_watermark:
                 # Tiered replay: what the journal no longer holds comes from the archive.
                 archive = self.broker.archive
@@ -491,7 +510,8 @@ class DurableSubscription(Subscription):
                     if waiter is not None:
                         waiter.add_done_callback(lambda _: self.schedule_pump())
                 return budget
-            for record in records:
+            scanned += len(records)
+            for index, record in enumerate(records):
                 if record.offset < cursor.position:
                     continue
                 if not record.data:  # an offset the journal skipped
@@ -514,13 +534,21 @@ class DurableSubscription(Subscription):
                     continue
                 consumer = self.pick_available(cursor.shard)
                 if consumer is None:
+                    self._keep_ahead(cursor, records, index)
                     return 0
                 self._send(cursor, message, filters, consumer, 1)
                 budget -= 1
                 if budget <= 0:
+                    self._keep_ahead(cursor, records, index + 1)
                     return 0
             self._dirty.add((cursor.stream, cursor.shard))
         return budget
+
+    @staticmethod
+    def _keep_ahead(cursor: ShardCursor, records: list[StoredRecord], index: int) -> None:
+        rest = records[index:]
+        if rest and sum(len(record.data) for record in rest) <= AHEAD_BYTES:
+            cursor.ahead = rest
 
     async def _fetch_archived(self, cursor: ShardCursor, archive: ArchiveSource) -> None:
         try:

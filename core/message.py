@@ -46,6 +46,11 @@ class Message:
     native_properties: dict[str, bytes] | None = None
     # Encoded forms cached by protocol adapters so that many subscribers share one encoding.
     encoded: dict[Any, bytes] | None = None
+    # The producer does not ask for it to be stored (an AMQP delivery-mode 1 message): on a
+    # reliable stream it is journaled only when a durable subscription wants it, else it is
+    # delivered from memory in its place among the stored messages, as RabbitMQ keeps
+    # transient messages (see Broker.publish).
+    transient: bool = False
 
     def expired(self, at_ms: int | None = None) -> bool:
         if self.expires_at_ms is None:

@@ -128,6 +128,9 @@ SHORT_ENV = {
     "SHARDGATE_HTTP_HOST": ("listeners", "http_host"),
     "SHARDGATE_LOG_LEVEL": ("log_level",),
 }
+# SHARDGATE_* variables that are not settings: the CLI's server URL and config file, and
+# SHARDGATE_PURE=1 (run the Python sources instead of compiled builds, core/native.py).
+NOT_SETTINGS_ENV = ("SHARDGATE_URL", "SHARDGATE_CONFIG", "SHARDGATE_PURE")
 
 
 def _coerce(value: Any, current: Any, name: str, annotation: str) -> Any:
@@ -284,7 +287,7 @@ def load_config(
                 _set(config, (key,), value, str(path))
     env = os.environ if environ is None else environ
     for name, value in env.items():
-        if not name.startswith("SHARDGATE_") or name in ("SHARDGATE_URL", "SHARDGATE_CONFIG"):
+        if not name.startswith("SHARDGATE_") or name in NOT_SETTINGS_ENV:
             continue
         if name in SHORT_ENV:
             _set(config, SHORT_ENV[name], value, name)

@@ -4,7 +4,10 @@ retained messages, and streams and routes declared at run time (CLI, gRPC Admin)
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import gc
 import logging
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,6 +29,30 @@ log = logging.getLogger(__name__)
 
 CURSOR_SAVE_INTERVAL_S = 0.2
 RETENTION_EVERY_TICKS = 50  # every 10 s
+IDLE_CHECK_EVERY_TICKS = 25  # every 5 s: a broker idle for one whole period gives memory back
+
+
+def _glibc_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _glibc_malloc_trim()
+
+
+def release_idle_memory(broker: Broker) -> None:
+    """What a burst of load left behind, handed back once the broker is idle: the per-topic
+    caches (rebuilt on demand), unreachable cycles, Arrow's pool and the free pages of glibc's
+    heap (which otherwise keeps what the peak needed for good)."""
+    broker.forget_cached_matches()
+    gc.collect()
+    arrow = sys.modules.get("pyarrow")
+    if arrow is not None:
+        arrow.default_memory_pool().release_unused()
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def stream_record(config: StreamConfig, created_ms: int | None = None) -> StreamRecord:
@@ -79,6 +106,8 @@ class Persistence:
         self.sink = ports if ports is not None else MetadataPorts(store)
         broker.cursor_sink = self.sink
         self._task: asyncio.Task[None] | None = None
+        self._last_activity: tuple[int, int, int] | None = None
+        self._released = False
         self._saved: dict[str, tuple[str, tuple[str, ...]]] = {}
         # Set by the composition root when an archiver runs: the journal keeps what it has
         # not archived yet.
@@ -202,6 +231,22 @@ class Persistence:
             ticks += 1
             if ticks % RETENTION_EVERY_TICKS == 0:
                 self.apply_retention()
+            if ticks % IDLE_CHECK_EVERY_TICKS == 0:
+                self.check_idle()
+
+    def check_idle(self) -> bool:
+        """Release memory (once) when nothing came in or went out since the last check;
+        returns whether it did."""
+        stats = self.broker.stats
+        activity = (stats.messages_in, stats.messages_out, len(self.broker.subscriptions))
+        idle = activity == self._last_activity
+        self._last_activity = activity
+        if not idle or self._released:
+            self._released = self._released and idle
+            return False
+        release_idle_memory(self.broker)
+        self._released = True
+        return True
 
     def needed_offsets(self) -> dict[tuple[str, int], int]:
         """Per shard, the lowest offset a durable cursor or the archiver still needs."""

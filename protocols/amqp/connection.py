@@ -38,12 +38,16 @@ from .channel import AmqpChannel
 from .consuming import ConsumingMixin
 from .errors import ChannelException, ConnectionException, ReplyCode
 from .frames import (
+    EXPECTED_BODY,
+    EXPECTED_HEADER,
     FRAME_HEADER,
     METHOD_INDEX,
     PROTOCOL_HEADER,
     READS_QUEUE,
     Link,
     State,
+    frame_bytes,
+    frame_error_text,
     method_ids,
 )
 from .handshake import HandshakeMixin
@@ -54,6 +58,8 @@ from .transactions import TransactionsMixin
 
 if TYPE_CHECKING:
     from .service import AmqpService
+
+_OPEN_OK_PAYLOAD = struct.pack(">HHI", 20, 11, 0)
 
 __all__ = ["PROTOCOL_HEADER", "AmqpChannel", "AmqpConnection", "Link", "State"]
 
@@ -118,15 +124,17 @@ class AmqpConnection(
                     break
                 frame_type, channel, size = FRAME_HEADER.unpack_from(buffer, pos)
                 if size + 8 > size_limit:
-                    raise ConnectionException(
-                        ReplyCode.FRAME_ERROR,
-                        f"frame of {size + 8} bytes exceeds the negotiated frame-max {size_limit}",
-                    )
+                    raise ConnectionException(ReplyCode.FRAME_ERROR, frame_error_text(
+                        frame_type, b"", f"{{frame_too_large,{size},{size_limit - 8}}}"
+                    ))
                 if available < size + 8:
                     break
                 end = pos + 7 + size
                 if buffer[end] != 0xCE:
-                    raise ConnectionException(ReplyCode.FRAME_ERROR, "frame end byte is not 0xCE")
+                    raise ConnectionException(ReplyCode.FRAME_ERROR, frame_error_text(
+                        frame_type, bytes(buffer[pos + 7:end]),
+                        f"{{invalid_frame_end_marker,{buffer[end]}}}",
+                    ))
                 if (
                     self._publishes_in_flight and frame_type == 1 and size >= 4
                     and struct.unpack_from(">I", buffer, pos + 7)[0] in READS_QUEUE
@@ -177,7 +185,9 @@ class AmqpConnection(
                 raise ConnectionException(ReplyCode.FRAME_ERROR, "heartbeat frame on a channel")
             return
         if frame_type not in (1, 2):
-            raise ConnectionException(ReplyCode.FRAME_ERROR, f"unknown frame type {frame_type}")
+            raise ConnectionException(
+                ReplyCode.FRAME_ERROR, frame_error_text(frame_type, data[7:-1], "unknown_frame")
+            )
         if frame_type == 2:
             header = decode_content_header(data)
             if header is not None:
@@ -237,19 +247,20 @@ class AmqpConnection(
                     self.send_method(channel_number, commands.Channel.CloseOk())
                 return
             raise ConnectionException(
-                ReplyCode.CHANNEL_ERROR, f"expected 'channel.open' on channel {channel_number}, "
-                f"got '{value.name}'", *method_ids(value),
+                ReplyCode.CHANNEL_ERROR, "expected 'channel.open'", *method_ids(value),
             )
         if channel.publish is not None:
+            # rabbit_command_assembler: a method while a publish's content is incomplete.
             raise ConnectionException(
                 ReplyCode.UNEXPECTED_FRAME,
-                f"expected content header for class 60, got method '{value.name}'", *method_ids(value),
+                EXPECTED_HEADER if channel.content_props is None else EXPECTED_BODY,
+                *method_ids(commands.Basic.Publish),
             )
         handler = self._handlers.get(type(value))
         if handler is None:
             if isinstance(value, commands.Channel.Open):
                 raise ConnectionException(
-                    ReplyCode.CHANNEL_ERROR, f"channel {channel_number} is already open", *method_ids(value)
+                    ReplyCode.CHANNEL_ERROR, "second 'channel.open' seen", *method_ids(value)
                 )
             raise ConnectionException(
                 ReplyCode.COMMAND_INVALID, f"'{value.name}' is not a client method here",
@@ -274,7 +285,8 @@ class AmqpConnection(
                 f"channel_max ({self.channel_max})",
             )
         self.channels[number] = AmqpChannel(self, number)
-        self.send_method(number, commands.Channel.OpenOk())
+        # channel.open-ok with RabbitMQ's empty reserved long string (pamqp insists on "0").
+        self._write(frame_bytes(1, number, _OPEN_OK_PAYLOAD))
 
     def _channel_close(self, channel: AmqpChannel, frame: commands.Channel.Close) -> None:
         self._drop_channel(channel)

@@ -56,3 +56,22 @@ def method_ids(method: type[commands.base.Frame] | commands.base.Frame | None) -
     if method is None:
         return 0, 0
     return method.index >> 16, method.index & 0xFFFF
+
+
+def _erlang_binary(data: bytes) -> str:
+    """`data` as Erlang's ~p prints a binary: <<"text">> when printable, else <<0,60,...>>."""
+    if data and all(32 <= b < 127 for b in data):
+        return '<<"' + data.decode().replace("\\", "\\\\").replace('"', '\\"') + '">>'
+    return "<<" + ",".join(str(b) for b in data) + ">>"
+
+
+def frame_error_text(frame_type: int, payload: bytes, error: str) -> str:
+    """rabbit_reader's 501 text: the frame type, its payload (up to 16 octets) and the error
+    as an Erlang term, e.g. "type 1, all octets = <<0,60,0,40>>: {invalid_frame_end_marker,0}"."""
+    which = "all" if len(payload) <= 16 else "first 16"
+    return f"type {frame_type}, {which} octets = {_erlang_binary(payload[:16])}: {error}"
+
+
+EXPECTED_METHOD = "expected method frame, got non method frame instead"
+EXPECTED_HEADER = "expected content header for class 60, got non content header frame instead"
+EXPECTED_BODY = "expected content body, got non content body frame instead"

@@ -18,6 +18,13 @@ from .frames import FRAME_MIN_SIZE, PROTOCOL_HEADER, State, method_ids
 log = logging.getLogger(__name__)
 
 
+# Connection states as rabbit_reader names them in its error texts.
+_RABBIT_STATES = {
+    State.AWAIT_START_OK: "starting", State.AWAIT_TUNE_OK: "tuning",
+    State.AWAIT_OPEN: "opening", State.OPEN: "running", State.CLOSING: "closing",
+}
+
+
 def _login_text(value: object) -> str | None:
     """An AMQPLAIN LOGIN or PASSWORD field as text (a byte string as UTF-8); None, which
     authentication refuses, for a missing field or one of another type."""
@@ -48,6 +55,7 @@ class HandshakeMixin(ConnectionBase):
                 "version": __version__,
                 "platform": "Python",
                 "information": "Shardgate multi-protocol message gateway",
+                "copyright": "Copyright (c) the Shardgate authors",
                 "capabilities": {
                     "publisher_confirms": True,
                     "exchange_exchange_bindings": True,
@@ -90,9 +98,11 @@ class HandshakeMixin(ConnectionBase):
         elif isinstance(value, commands.Connection.UpdateSecret) and state is State.OPEN:
             self.send_method(0, commands.Connection.UpdateSecretOk())
         else:
+            # rabbit_reader:handle_method0/2 for anything else on channel 0.
             raise ConnectionException(
-                ReplyCode.COMMAND_INVALID,
-                f"unexpected '{value.name}' on channel 0 in state {state.value}", *method_ids(value),
+                ReplyCode.CHANNEL_ERROR,
+                f"unexpected method in connection state {_RABBIT_STATES.get(state, 'running')}",
+                *method_ids(value),
             )
 
     def _start_ok(self, frame: commands.Connection.StartOk) -> None:

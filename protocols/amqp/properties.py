@@ -120,10 +120,11 @@ def message_from_properties(
         correlation_id.encode() if isinstance(correlation_id, str)
         else bytes(correlation_id) if isinstance(correlation_id, bytes | bytearray) else None
     )
+    persistent = props.delivery_mode == 2
     message = Message(
         topic,
         body,
-        qos=1 if props.delivery_mode == 2 else 0,
+        qos=1 if persistent else 0,
         headers=headers or None,
         content_type=_text(props.content_type),
         correlation_data=correlation or None,
@@ -132,6 +133,7 @@ def message_from_properties(
         publish_time_ms=publish_time,
         producer_protocol="amqp",
         producer_id=producer_id,
+        transient=not persistent,
     )
     if raw_properties is not None:
         message.native_properties = {NATIVE_FORMAT: raw_properties}

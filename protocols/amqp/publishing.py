@@ -18,7 +18,14 @@ from ...core.message import Message
 from .base import ConnectionBase
 from .channel import REPLY_PREFIX, REPLY_TO, ROUTE_KEY, AmqpChannel
 from .errors import ChannelException, ConnectionException, ReplyCode
-from .frames import FRAME_HEADER, State, method_ids
+from .frames import (
+    EXPECTED_BODY,
+    EXPECTED_HEADER,
+    EXPECTED_METHOD,
+    FRAME_HEADER,
+    State,
+    method_ids,
+)
 from .hotpath import BasicProperties, decode_content_header, decode_publish, shortstr
 from .properties import message_from_properties
 from .routing import publish_topic
@@ -29,13 +36,34 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def expiration_problem(expiration: object) -> str | None:
+    """Why rabbit_basic:parse_expiration/1 refuses an expiration property (an Erlang term, as
+    its 406 text shows it), or None for a valid one: Erlang's string:to_integer/1 then a
+    non-negative check."""
+    text = expiration.decode("latin-1") if isinstance(expiration, bytes) else str(expiration)
+    digits = len(text) - len(text.lstrip("+-"))
+    if digits > 1:
+        return "no_integer"
+    end = digits
+    while end < len(text) and text[end].isdigit():
+        end += 1
+    if end == digits:
+        return "no_integer"
+    if end < len(text):
+        return f'{{leftover_string,"{text[end:]}"}}'
+    value = int(text[:end])
+    if value < 0:
+        return f"{{value_negative,{value}}}"
+    return None
+
+
 class PublishingMixin(ConnectionBase):
     """basic.publish and its content, confirm.select, publisher confirms, connection.blocked."""
 
     def _basic_publish(self, channel: AmqpChannel, frame: commands.Basic.Publish) -> None:
         if frame.immediate:
             raise ConnectionException(
-                ReplyCode.NOT_IMPLEMENTED, "immediate=true is not supported", *method_ids(frame)
+                ReplyCode.NOT_IMPLEMENTED, "immediate=true", *method_ids(frame)
             )
         channel.publish = frame
 
@@ -45,9 +73,11 @@ class PublishingMixin(ConnectionBase):
             if number in self.closing_channels:
                 return
             raise ConnectionException(ReplyCode.CHANNEL_ERROR, f"content header on unopened channel {number}")
-        if channel.publish is None or channel.content_props is not None:
+        if channel.publish is None:
+            raise ConnectionException(ReplyCode.UNEXPECTED_FRAME, EXPECTED_METHOD)
+        if channel.content_props is not None:
             raise ConnectionException(
-                ReplyCode.UNEXPECTED_FRAME, f"unexpected content header on channel {number}"
+                ReplyCode.UNEXPECTED_FRAME, EXPECTED_BODY, *method_ids(commands.Basic.Publish)
             )
         if body_size > self.settings.max_message_size:
             raise ConnectionException(
@@ -72,7 +102,11 @@ class PublishingMixin(ConnectionBase):
                 return
             raise ConnectionException(ReplyCode.CHANNEL_ERROR, f"content body on unopened channel {number}")
         if channel.content_props is None:
-            raise ConnectionException(ReplyCode.UNEXPECTED_FRAME, f"unexpected content body on channel {number}")
+            if channel.publish is None:
+                raise ConnectionException(ReplyCode.UNEXPECTED_FRAME, EXPECTED_METHOD)
+            raise ConnectionException(
+                ReplyCode.UNEXPECTED_FRAME, EXPECTED_HEADER, *method_ids(commands.Basic.Publish)
+            )
         channel.body.append(payload)
         channel.body_received += len(payload)
         if channel.body_received > channel.body_size:
@@ -118,6 +152,14 @@ class PublishingMixin(ConnectionBase):
                 f"user_id property set to '{props.user_id}' but authenticated user was "
                 f"'{self.username}'", *method_ids(commands.Basic.Publish),
             )
+        if props.expiration is not None:
+            problem = expiration_problem(props.expiration)
+            if problem is not None:
+                raise ChannelException(
+                    ReplyCode.PRECONDITION_FAILED,
+                    f"invalid expiration '{props.expiration}': {problem}",
+                    *method_ids(commands.Basic.Publish),
+                )
         topics = self._topics
         known = topics.get((exchange.name, exchange.type, frame.routing_key))
         if known is None:
@@ -196,7 +238,7 @@ class PublishingMixin(ConnectionBase):
         except PublishRejected as exc:
             log.warning("publish from %s rejected: %s", self.remote, exc)
             if seq > 0:
-                self.send_method(channel.number, commands.Basic.Nack(seq, False, False))
+                self.send_method(channel.number, commands.Basic.Nack(seq, False, True))
             elif seq < 0:
                 channel.tx_failed = True
             return
@@ -285,7 +327,7 @@ class PublishingMixin(ConnectionBase):
         unconfirmed = channel.unconfirmed
         if not ok:
             unconfirmed.pop(tag, None)
-            self.send_method(channel.number, commands.Basic.Nack(tag, False, False))
+            self.send_method(channel.number, commands.Basic.Nack(tag, False, True))
         elif not unconfirmed:
             channel.confirm_ready = tag
         else:

@@ -186,23 +186,62 @@ def header_value(value: Any) -> str:
     return str(value)
 
 
+def _typed(value: Any) -> tuple[str, Any]:
+    """A field value with its type class as rabbit_misc:type_class/1 sees it: every integer
+    width is one class, float and double another, and values of different classes never
+    match (the long 1 is not the string "1", nor true)."""
+    if isinstance(value, bool):
+        return "bool", value
+    if isinstance(value, int):
+        return "int", value
+    if isinstance(value, float):
+        return "float", value
+    if isinstance(value, bytes | bytearray):
+        return "binary", bytes(value)
+    if isinstance(value, str):
+        return "binary", value.encode()
+    return type(value).__name__, value
+
+
+def _amqp_headers(message: Message) -> dict[str, Any] | None:
+    """The typed header table `message` was published with over AMQP, None if it came from
+    another protocol."""
+    native = message.native_properties
+    raw = native.get("amqp-0-9-1") if native else None
+    if raw is None:
+        return None
+    from .properties import decode_properties  # properties imports this module
+
+    return dict(decode_properties(raw).headers or {})
+
+
 def headers_check(arguments: dict[str, Any]) -> HeaderCheck:
-    """The headers exchange rule for `arguments` (x-match all/any/all-with-x/any-with-x)."""
+    """The headers exchange rule for `arguments` (x-match all/any/all-with-x/any-with-x), as
+    rabbit_exchange_type_headers matches: a void argument asks only for the header's presence,
+    any other must equal the header in value and type class."""
     mode = header_value(arguments.get("x-match", "all"))
     with_x = mode.endswith("-with-x")
-    wanted = {
-        str(k): (None if v is None else header_value(v))
-        for k, v in arguments.items()
+    chosen = {
+        str(k): v for k, v in arguments.items()
         if k != "x-match" and (with_x or not str(k).startswith("x-"))
     }
+    wanted = {k: (None if v is None else header_value(v)) for k, v in chosen.items()}
+    wanted_typed = {k: (None if v is None else _typed(v)) for k, v in chosen.items()}
     match_any = mode.startswith("any")
 
     def check(message: Message) -> bool:
-        have = dict(message.headers or ())
-        results = (
-            name in have and (value is None or have[name] == value)
-            for name, value in wanted.items()
-        )
+        typed = _amqp_headers(message)
+        if typed is not None:
+            results = (
+                name in typed and (value is None or _typed(typed[name]) == value)
+                for name, value in wanted_typed.items()
+            )
+        else:
+            have = dict(message.headers or ())
+            results = (
+                name in have and (value is None or have[name] == value)
+                for name, value in wanted.items()
+            )
         return any(results) if match_any else all(results)
 
     return check

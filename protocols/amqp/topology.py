@@ -74,7 +74,7 @@ class TopologyMixin(ConnectionBase):
         if frame.queue == REPLY_TO:
             # The pseudo-queue always "exists" (rabbit_channel declare_fast_reply_to).
             if not frame.nowait:
-                self.send_method(channel.number, commands.Queue.DeclareOk(REPLY_TO, 0, 0))
+                self.send_method(channel.number, commands.Queue.DeclareOk(REPLY_TO, 0, 1))
             return
         queue, _ = self.vhost.declare_queue(frame, self)
         channel.last_queue = queue.name
@@ -98,6 +98,10 @@ class TopologyMixin(ConnectionBase):
     def _queue_unbind(self, channel: AmqpChannel, frame: commands.Queue.Unbind) -> None:
         assert self.vhost is not None
         name = self._queue_name(channel, frame.queue, commands.Queue.Unbind)
+        if name not in self.vhost.queues:
+            # RabbitMQ 3.x: unbinding a missing queue succeeds (as a missing exchange does).
+            self.send_method(channel.number, commands.Queue.UnbindOk())
+            return
         queue = self.vhost.queue(name, self, commands.Queue.Unbind)
         self.vhost.unbind(queue, frame.exchange, frame.routing_key, frame.arguments, commands.Queue.Unbind)
         self.send_method(channel.number, commands.Queue.UnbindOk())

@@ -30,7 +30,7 @@ from pamqp.common import FieldArray, FieldTable
 from ...core.broker import INTERNAL_PREFIX
 from ...core.durable import DurableOptions, DurableSubscription
 from ...core.errors import PublishRejected, SubscriptionBusy
-from ...core.message import Message
+from ...core.message import Message, now_ms
 from ...core.subscriptions import Subscription, SubscriptionType
 from .errors import ChannelException, ConnectionException, ReplyCode
 from .frames import method_ids
@@ -120,6 +120,7 @@ DEFAULT_EXCHANGE_REFUSED = "operation not permitted on the default exchange"
 
 # The queue arguments RabbitMQ compares on redeclaration (rabbit_amqqueue declare_args/0);
 # other arguments are not compared.
+OVERFLOW_MODES = ("drop-head", "reject-publish", "reject-publish-dlx")
 EQUIVALENT_QUEUE_ARGS = (
     "x-expires", "x-message-ttl", "x-dead-letter-exchange", "x-dead-letter-routing-key",
     "x-max-length", "x-max-length-bytes", "x-max-in-memory-length", "x-max-in-memory-bytes",
@@ -152,6 +153,17 @@ def _erl(value: Any) -> str:
     if isinstance(value, bytes | bytearray):
         return bytes(value).decode("utf-8", "replace")
     return str(value)
+
+
+def _arg_difference(received: Any, current: Any) -> str:
+    """How a redeclared argument differs, in rabbit_misc:assert_args_equivalence's words."""
+    if received is None:
+        return (f"received none but current is the value '{_erl(current)}' of type "
+                f"'{_field_type(current)}'")
+    if current is None:
+        return (f"received the value '{_erl(received)}' of type '{_field_type(received)}' "
+                f"but current is none")
+    return f"received '{_erl(received)}' but current is '{_erl(current)}'"
 
 
 def _err(code: ReplyCode, text: str, method: type[commands.base.Frame] | None) -> ChannelException:
@@ -209,9 +221,12 @@ class VirtualHost:
                     f"received '{frame.exchange_type}' but current is '{existing.type}'",
                     method,
                 )
+            # rabbit_exchange:assert_equivalence/6: type, durable, auto_delete, internal, then
+            # of the arguments only alternate-exchange.
             for flag, have, want in (
                 ("durable", existing.durable, bool(frame.durable)),
                 ("auto_delete", existing.auto_delete, bool(frame.auto_delete)),
+                ("internal", existing.internal, bool(frame.internal)),
             ):
                 if name not in PREDECLARED and have != want:
                     raise _err(
@@ -220,6 +235,15 @@ class VirtualHost:
                         f"'{self.name}': received '{_erl(want)}' but current is '{_erl(have)}'",
                         method,
                     )
+            received = (frame.arguments or {}).get("alternate-exchange")
+            current = existing.arguments.get("alternate-exchange")
+            if received != current:
+                raise _err(
+                    ReplyCode.PRECONDITION_FAILED,
+                    f"inequivalent arg 'alternate-exchange' for exchange '{name}' in vhost "
+                    f"'{self.name}': {_arg_difference(received, current)}",
+                    method,
+                )
             return existing
         if name.startswith("amq."):
             raise _err(
@@ -412,7 +436,10 @@ class VirtualHost:
         if frame.passive:
             if not name:
                 raise _err(ReplyCode.NOT_FOUND, "no queue name given", method)
-            return self.queue(name, owner, method), False
+            queue = self.queue(name, owner, method)
+            # rabbit_amqqueue_process handle_call(stat): a passive declare renews x-expires.
+            queue.last_used_ms = now_ms()
+            return queue, False
         if not name:
             name = "amq.gen-" + base64.urlsafe_b64encode(os.urandom(16)).decode().rstrip("=")
         elif name.startswith("amq."):
@@ -432,12 +459,28 @@ class VirtualHost:
                 problem = f"{{value_negative,{value}}}"
             elif arg == "x-expires" and value == 0:
                 problem = "{value_zero,0}"
+            elif arg == "x-max-priority" and value > 255:
+                problem = f"{{max_value_exceeded,{value}}}"
             if problem is not None:
                 raise _err(
                     ReplyCode.PRECONDITION_FAILED,
                     f"invalid arg '{arg}' for queue '{name}' in vhost '{self.name}': {problem}",
                     method,
                 )
+        # rabbit_amqqueue's other argument checks, with their Erlang reasons.
+        overflow = arguments.get("x-overflow")
+        if overflow is not None and _erl(overflow) not in OVERFLOW_MODES:
+            raise _err(
+                ReplyCode.PRECONDITION_FAILED,
+                f"invalid arg 'x-overflow' for queue '{name}' in vhost '{self.name}': "
+                f"invalid_overflow", method,
+            )
+        if "x-dead-letter-routing-key" in arguments and "x-dead-letter-exchange" not in arguments:
+            raise _err(
+                ReplyCode.PRECONDITION_FAILED,
+                f"invalid arg 'x-dead-letter-routing-key' for queue '{name}' in vhost "
+                f"'{self.name}': routing_key_but_no_dlx_defined", method,
+            )
         existing = self.queues.get(name)
         if existing is not None:
             # rabbit_amqqueue:assert_equivalence/5: durable, auto_delete, exclusive (405), then
@@ -460,20 +503,13 @@ class VirtualHost:
                 received, current = arguments.get(arg), existing.arguments.get(arg)
                 if received == current:
                     continue
-                if received is None:
-                    detail = (f"received none but current is the value '{_erl(current)}' of type "
-                              f"'{_field_type(current)}'")
-                elif current is None:
-                    detail = (f"received the value '{_erl(received)}' of type "
-                              f"'{_field_type(received)}' but current is none")
-                else:
-                    detail = f"received '{_erl(received)}' but current is '{_erl(current)}'"
                 raise _err(
                     ReplyCode.PRECONDITION_FAILED,
-                    f"inequivalent arg '{arg}' for queue '{name}' in vhost '{self.name}': {detail}",
+                    f"inequivalent arg '{arg}' for queue '{name}' in vhost '{self.name}': "
+                    f"{_arg_difference(received, current)}",
                     method,
                 )
-            existing.last_used_ms = existing.last_used_ms
+            existing.last_used_ms = now_ms()  # a redeclare renews x-expires
             return existing, False
         broker, edge = self.broker, self.edge
         sub_name = self._subscription_name(name)
@@ -681,6 +717,8 @@ class VirtualHost:
 
     def unbind(self, queue: Queue, exchange_name: str, routing_key: str, arguments: dict[str, Any] | None,
                method: type[commands.base.Frame]) -> None:
+        if exchange_name and exchange_name not in self.exchanges:
+            return  # RabbitMQ 3.x: unbinding from a missing exchange succeeds
         exchange = self.exchange(exchange_name, method)
         if exchange_name == "":
             raise _err(ReplyCode.ACCESS_REFUSED, "operation not permitted on the default exchange", method)

@@ -130,7 +130,7 @@ class MqttConnection:
         "inbound_pending", "qos2_open", "will", "session_expiry_at_connect", "_out", "_out_bytes",
         "_flush_requested", "messages_in", "messages_out", "last_ack", "_tokens", "_tokens_at",
         "_throttled_for", "_backlog", "_backlog_error", "_valid_topic", "held", "_hold_timer",
-        "_held_subacks",
+        "_allowed_topic", "_read_ms", "_link_buffered", "_acks_waiting", "_held_subacks",
     )
 
     def __init__(self, service: MqttService, link: Link, remote: str = "", transport_name: str = "tcp") -> None:
@@ -179,6 +179,17 @@ class MqttConnection:
         self._backlog: list[p.Packet] = []
         self._backlog_error: MQTTCodecError | None = None
         self._valid_topic = ""
+        # The topic this client was last allowed to publish to, during the current read only
+        # (authorization is asked once per topic per read, not once per PUBLISH).
+        self._allowed_topic: str | None = None
+        # Publish time of the messages of the current read (one clock read per read).
+        self._read_ms = 0
+        # The link's send buffer when it was last asked: it grows only when `flush` writes,
+        # so between flushes it is an upper bound of what the link still holds.
+        self._link_buffered = 0
+        # Commit futures of QoS 1/2 publishes → what to acknowledge, in order, once each is
+        # durable: one callback per commit group and connection, not one per PUBLISH.
+        self._acks_waiting: dict[asyncio.Future[None], list[tuple[int, int]]] | None = None
         # Held: a subscriber this client publishes to has more queued than it reads; this
         # client is not read until that subscriber catches up (or HOLD_MAX_S passes).
         self.held = False
@@ -212,6 +223,7 @@ class MqttConnection:
             self._out_bytes = 0
             if self.state is not State.CLOSED or data:
                 self.link.write(data)
+            self._link_buffered = self.link.buffered()
 
     def send_publish(
         self,
@@ -226,9 +238,12 @@ class MqttConnection:
         or a QoS 0 message dropped for a slow client)."""
         if self.state is not State.CONNECTED:
             return False
-        if qos == 0 and self._out_bytes + self.link.buffered() > self.service.settings.max_outbound_buffer:
-            self.service.broker.stats.drop(SLOW_SUBSCRIBER)
-            return False
+        if qos == 0 and self._out_bytes + self._link_buffered > self.service.settings.max_outbound_buffer:
+            # Over the bound, which may be stale: ask the link what it really still holds.
+            self._link_buffered = self.link.buffered()
+            if self._out_bytes + self._link_buffered > self.service.settings.max_outbound_buffer:
+                self.service.broker.stats.drop(SLOW_SUBSCRIBER)
+                return False
         version = self.version
         personal = version == MQTT_V5 and (
             subscription_ids or message.expires_at_ms is not None or self.client_topic_alias_max
@@ -309,6 +324,8 @@ class MqttConnection:
         outer, service.publishing = service.publishing, self
         if outer is None:
             service.group_writes(True)
+        self._allowed_topic = None
+        self._read_ms = now_ms()
         try:
             self._process_packets(packets, error)
         finally:
@@ -317,11 +334,17 @@ class MqttConnection:
                 service.group_writes(False)
 
     def _process_packets(self, packets: list[p.Packet], error: MQTTCodecError | None) -> None:
+        connected = State.CONNECTED
+        publish = p.Publish
         for index, packet in enumerate(packets):
-            if self.state is State.CLOSED:
+            state = self.state
+            if state is State.CLOSED:
                 return
             try:
-                self._handle(packet)
+                if state is connected and type(packet) is publish:
+                    self._on_publish(packet)  # type: ignore[arg-type]
+                else:
+                    self._handle(packet)
             except ProtocolViolation as exc:
                 log.info("%s %s: protocol violation: %s", self.remote, self.client_id, exc)
                 self.close(exc.reason_code, str(exc))
@@ -575,11 +598,12 @@ class MqttConnection:
         if qos and self.inbound_pending + len(self.qos2_open) >= settings.receive_maximum:
             raise ProtocolViolation(RC.RECEIVE_MAXIMUM_EXCEEDED, "receive maximum exceeded")  # [MQTT-3.3.4-9]
         refusal = None
-        if topic.startswith("$SYS"):
-            refusal = RC.NOT_AUTHORIZED
-        elif not self.service.authorize_publish(self, topic):
-            refusal = RC.NOT_AUTHORIZED
-        elif v5 and props.payload_format_indicator == 1:
+        if topic != self._allowed_topic:
+            if not topic.startswith("$SYS") and self.service.authorize_publish(self, topic):
+                self._allowed_topic = topic
+            else:
+                refusal = RC.NOT_AUTHORIZED
+        if refusal is None and v5 and props.payload_format_indicator == 1:
             try:
                 packet.payload.decode("utf-8")
             except UnicodeDecodeError:
@@ -603,8 +627,9 @@ class MqttConnection:
             props.response_topic if v5 else None,
             props.payload_format_indicator if v5 else None,
             expires,
-            producer_protocol="mqtt",
-            producer_id=self.client_id,
+            self._read_ms,
+            "mqtt",
+            self.client_id,
         )
         self.messages_in += 1
         if qos == 2:
@@ -636,26 +661,46 @@ class MqttConnection:
             return
         if qos == 1:
             self.inbound_pending += 1
-        waiter.add_done_callback(lambda fut: self._on_durable(fut, qos, packet_id))
+        waiting = self._acks_waiting
+        if waiting is None:
+            waiting = self._acks_waiting = {}
+        acks = waiting.get(waiter)
+        if acks is None:
+            acks = waiting[waiter] = []
+            waiter.add_done_callback(self._on_durable)
+        acks.append((qos, packet_id))  # type: ignore[arg-type]
 
-    def _on_durable(self, fut: asyncio.Future[None], qos: int, packet_id: int | None) -> None:
-        if qos == 1:
-            self.inbound_pending -= 1
+    def _on_durable(self, fut: asyncio.Future[None]) -> None:
+        """A commit group is durable (or failed): acknowledge its publishes from this client."""
+        waiting = self._acks_waiting
+        acks = waiting.pop(fut, None) if waiting is not None else None
+        if not acks:
+            return
+        for qos, _ in acks:
+            if qos == 1:
+                self.inbound_pending -= 1
         if self.state is State.CLOSED:
             return
-        if fut.cancelled() or fut.exception() is not None:
+        if not (fut.cancelled() or fut.exception() is not None):
+            for qos, packet_id in acks:
+                self._ack(qos, packet_id, RC.SUCCESS)
+            return
+        error = None if fut.cancelled() else fut.exception()
+        for qos, packet_id in acks:
             if qos == 2 and self.session is not None:
-                self.session.inbound_qos2.discard(packet_id)  # type: ignore[arg-type]
-                self.qos2_open.discard(packet_id)  # type: ignore[arg-type]
+                self.session.inbound_qos2.discard(packet_id)
+                self.qos2_open.discard(packet_id)
             if self.version != MQTT_V5:
                 self.close()
-            else:
-                error = None if fut.cancelled() else fut.exception()
-                self._ack(qos, packet_id, RC.UNSPECIFIED_ERROR, str(error) if error else None)
-            return
-        self._ack(qos, packet_id, RC.SUCCESS)
+                return
+            self._ack(qos, packet_id, RC.UNSPECIFIED_ERROR, str(error) if error else None)
 
     def _ack(self, qos: int, packet_id: int | None, reason: int, reason_string: str | None = None) -> None:
+        if not reason and packet_id is not None:
+            # Success without properties: PUBACK or PUBREC is four bytes on every version
+            # (the reason code may be left out when it is 0, v5 §3.4.2.1).
+            self._send(bytes((0x40 if qos == 1 else 0x50, 2, packet_id >> 8, packet_id & 0xFF)))
+            return
         if reason_string and self.version == MQTT_V5 and self.problem_info:
             props = p.Properties(reason_string=reason_string)
         else:

@@ -346,6 +346,14 @@ class MqttService:
         session = self.sessions.get(client_id)
         if session is None or session.connection is not None:
             return
+        self.group_writes(True)  # as a departure: one group commit per turn
+        try:
+            self._expire(session)
+        finally:
+            self.group_writes(False)
+
+    def _expire(self, session: MqttSession) -> None:
+        client_id = session.client_id
         pending_will = self._will_timers.pop(client_id, None)
         if pending_will is not None:
             pending_will[0].cancel()
@@ -491,7 +499,14 @@ class MqttService:
 
     def connection_gone(self, connection: MqttConnection) -> None:
         self._handshaking.discard(connection)
-        connection.connection_lost()
+        # What a departure saves (the session, or its removal) acknowledges nothing: it joins
+        # the turn's group commit (one fsync for every departure of the turn) instead of
+        # committing, and fsyncing on the event loop, once per connection.
+        self.group_writes(True)
+        try:
+            connection.connection_lost()
+        finally:
+            self.group_writes(False)
 
     def sys_values(self) -> dict[str, str]:
         stats = self.broker.stats

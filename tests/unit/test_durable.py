@@ -207,3 +207,68 @@ def test_schema_refuses_a_payload_that_does_not_fit():
         broker.publish(Message("nums/a", b"5"))
     with pytest.raises(SchemaMismatch, match="JSON"):
         broker.publish(Message("docs/a", b"{not json"))
+
+
+async def test_a_cursor_far_behind_on_records_it_does_not_want_yields_between_turns() -> None:
+    """A session resuming behind 20,000 records of other topics does not scan them all in one
+    event-loop turn: other work (new connections, acks) runs in between."""
+    from shardgate.core.durable import SCAN_BUDGET
+
+    broker = Broker(MemoryStorage(max_records_per_shard=1_000_000), StreamConfig("default", mode="reliable"))
+    sub = broker.durable_subscription("resuming", initial_position="earliest")
+    broker.add_filter(sub, "want/#")
+    for i in range(20_000):
+        broker.publish(Message(f"other/{i % 50}", b"x"))
+    broker.publish(Message("want/1", b"wanted"))
+    consumer = Consumer("c", auto_ack=True)
+    turns = 0
+    other_work_ran = []
+
+    def other_work() -> None:
+        other_work_ran.append(turns)
+
+    broker.attach(sub, consumer)
+    cursor = sub.cursors[("default", 0)]
+    while not consumer.got and turns < 100:
+        before = cursor.position
+        asyncio.get_running_loop().call_soon(other_work)
+        await asyncio.sleep(0)
+        turns += 1
+        assert cursor.position - before <= SCAN_BUDGET + 256
+    assert [m.payload for m in consumer.got] == [b"wanted"]
+    assert turns >= 20_000 // (SCAN_BUDGET + 256)
+    assert len(other_work_ran) == turns
+
+
+async def test_a_consumer_with_a_small_window_does_not_make_the_replay_read_each_batch_again() -> None:
+    """Replay reads a batch of records; when the consumer's window fills in the middle, the
+    rest waits on the cursor for the next turn instead of being read (and decoded) again."""
+    broker = Broker(MemoryStorage(max_records_per_shard=1_000_000), StreamConfig("default", mode="reliable"))
+    shard = broker.stream("default").shards[0]
+    reads: list[int] = []
+
+    class CountingLog:
+        def __init__(self, inner: object) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.inner, name)
+
+        def read(self, from_offset: int, max_records: int = 1000) -> list:
+            reads.append(from_offset)
+            return self.inner.read(from_offset, max_records)  # type: ignore[attr-defined]
+
+    shard.log = CountingLog(shard.log)  # type: ignore[assignment]
+    sub = broker.durable_subscription("slow", initial_position="earliest")
+    broker.add_filter(sub, "t/#")
+    for i in range(600):
+        broker.publish(Message("t/1", b"%d" % i))
+    consumer = Consumer("c", window=1)
+    broker.attach(sub, consumer)
+    for _ in range(2000):
+        await asyncio.sleep(0)
+        consumer.ack_all()
+        if len(consumer.got) == 600:
+            break
+    assert [int(m.payload) for m in consumer.got] == list(range(600))
+    assert len(reads) <= 600 // 256 + 3

@@ -1,0 +1,61 @@
+"""Transient messages (an AMQP delivery-mode 1 publish) on a reliable stream: journaled only
+when a durable subscription wants them, otherwise delivered from memory in their place among
+the stored messages, as RabbitMQ keeps transient messages out of its message store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from shardgate.core.broker import Broker
+from shardgate.core.message import Message
+from shardgate.core.streams import StreamConfig
+from shardgate.storage.journal import JournalStorage
+
+from tests.unit.test_commit_before_delivery import Recorder
+
+
+@pytest.fixture
+def journal(tmp_path: Path):
+    storage = JournalStorage(tmp_path / "journal")
+    yield storage
+    storage.close()
+
+
+def live_broker(journal: JournalStorage) -> tuple[Broker, Recorder]:
+    broker = Broker(storage=journal, default_stream=StreamConfig("default", mode="reliable"))
+    sub = broker.subscription("live")
+    broker.add_filter(sub, "t/#")
+    recorder = Recorder()
+    broker.attach(sub, recorder)
+    return broker, recorder
+
+
+async def test_a_transient_message_waits_behind_stored_messages_held_for_their_commit(
+    journal: JournalStorage,
+) -> None:
+    broker, recorder = live_broker(journal)
+    # A fresh journal holds its first message until the commit (no reservation yet).
+    first = broker.publish(Message("t/1", b"stored"))
+    assert first is not None and recorder.got == []
+    assert broker.publish(Message("t/1", b"transient", transient=True)) is None
+    assert recorder.got == [], "it must not overtake the message published before it"
+    await first
+    assert recorder.got == [(0, b"stored"), (-1, b"transient")]
+    # Nothing held now: delivered at once, and never written to the journal.
+    broker.publish(Message("t/1", b"later", transient=True))
+    assert recorder.got[-1] == (-1, b"later")
+    log = journal.open_shard("default", 0)
+    assert log.next_offset == 1
+
+
+async def test_a_durable_subscription_gets_transient_messages_journaled(
+    journal: JournalStorage,
+) -> None:
+    broker, _ = live_broker(journal)
+    durable = broker.durable_subscription("keeps")
+    broker.add_filter(durable, "t/#")
+    pending = broker.publish(Message("t/1", b"transient", transient=True))
+    assert pending is not None, "journaled, so the publisher can wait for it"
+    await pending
+    assert journal.open_shard("default", 0).next_offset == 1
