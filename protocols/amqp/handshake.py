@@ -130,7 +130,9 @@ class HandshakeMixin(ConnectionBase):
             )
         refusal = self.service.authenticate(user, password, self.loopback)
         if refusal is not None:
-            raise ConnectionException(ReplyCode.ACCESS_REFUSED, refusal, *method_ids(frame))
+            # rabbit_reader:auth_fail/5 names the mechanism the client used; class and method 0.
+            refusal = refusal.replace("mechanism PLAIN or AMQPLAIN", f"mechanism {frame.mechanism}")
+            raise ConnectionException(ReplyCode.ACCESS_REFUSED, refusal)
         self.username = str(user)
         # ACL rules see AMQP clients by user only (no client id for `client =` or `%c`).
         self.principal = Principal("amqp", self.username, "", self.remote)
@@ -143,18 +145,20 @@ class HandshakeMixin(ConnectionBase):
     def _tune_ok(self, frame: commands.Connection.TuneOk) -> None:
         settings = self.settings
         frame_max = frame.frame_max or settings.frame_max
-        if frame_max < FRAME_MIN_SIZE or frame_max > settings.frame_max:
-            raise ConnectionException(
-                ReplyCode.NOT_ALLOWED,
-                f"frame_max={frame_max} outside [{FRAME_MIN_SIZE}, {settings.frame_max}]",
-                *method_ids(frame),
-            )
         channel_max = frame.channel_max or settings.channel_max
-        if channel_max > settings.channel_max:
-            raise ConnectionException(
-                ReplyCode.NOT_ALLOWED,
-                f"channel_max={channel_max} above the server's {settings.channel_max}", *method_ids(frame),
-            )
+        problem = None
+        if frame_max < FRAME_MIN_SIZE or frame_max > settings.frame_max:
+            problem = f"frame_max={frame_max} outside [{FRAME_MIN_SIZE}, {settings.frame_max}]"
+        elif channel_max > settings.channel_max:
+            problem = f"channel_max={channel_max} above the server's {settings.channel_max}"
+        if problem is not None:
+            # rabbit_reader: an error while tuning is a handshake error, and the socket is
+            # closed without a connection.close (the client is not trusted yet).
+            log.info("AMQP handshake of %s refused: %s", self.remote, problem)
+            self.state = State.CLOSING
+            self.close_after_flush = True
+            self._request_flush()
+            return
         self.frame_max = frame_max
         self.channel_max = channel_max
         self.heartbeat = frame.heartbeat
@@ -164,7 +168,7 @@ class HandshakeMixin(ConnectionBase):
         vhost = self.service.vhost(frame.virtual_host)
         if vhost is None:
             raise ConnectionException(
-                ReplyCode.NOT_ALLOWED, f"vhost '{frame.virtual_host}' not found", *method_ids(frame)
+                ReplyCode.NOT_ALLOWED, f"vhost {frame.virtual_host} not found", *method_ids(frame)
             )
         self.vhost = vhost
         self.state = State.OPEN

@@ -110,8 +110,9 @@ class PublishingMixin(ConnectionBase):
         channel.body.append(payload)
         channel.body_received += len(payload)
         if channel.body_received > channel.body_size:
+            # rabbit_command_assembler takes the excess as a frame that is not the body.
             raise ConnectionException(
-                ReplyCode.FRAME_ERROR, "content body longer than announced in its header"
+                ReplyCode.UNEXPECTED_FRAME, EXPECTED_BODY, *method_ids(commands.Basic.Publish)
             )
         if channel.body_received == channel.body_size:
             self._publish_complete(channel)

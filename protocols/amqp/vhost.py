@@ -481,12 +481,15 @@ class VirtualHost:
                 f"invalid arg 'x-dead-letter-routing-key' for queue '{name}' in vhost "
                 f"'{self.name}': routing_key_but_no_dlx_defined", method,
             )
+        # rabbit_channel: "Durable = DurableDeclare andalso not ExclusiveDeclare", an exclusive
+        # queue is never durable, whatever the declare says.
+        is_durable = bool(frame.durable) and not frame.exclusive
         existing = self.queues.get(name)
         if existing is not None:
             # rabbit_amqqueue:assert_equivalence/5: durable, auto_delete, exclusive (405), then
             # the declare arguments RabbitMQ knows, each with its own text.
             for flag, have, want in (
-                ("durable", existing.durable, bool(frame.durable)),
+                ("durable", existing.durable, is_durable),
                 ("auto_delete", existing.auto_delete, bool(frame.auto_delete)),
             ):
                 if have != want:
@@ -530,7 +533,7 @@ class VirtualHost:
             sub = edge.subscription(sub_name, SubscriptionType.EXCLUSIVE, durable=False)
         try:
             queue = self._make_queue(
-                name, sub, durable=frame.durable,
+                name, sub, durable=is_durable,
                 exclusive_owner=owner if frame.exclusive else None,
                 auto_delete=frame.auto_delete, arguments=arguments,
             )

@@ -681,6 +681,132 @@ async def max_length_overflow(s: Session) -> None:
     await conn.call(ch, Q.Declare(queue=queue, passive=True))
 
 
+# ---------------------------------------------------------------------- more connection
+@scenario
+async def login_and_vhost_refused(s: Session) -> None:
+    await s.connect("bad-password", password="wrong")
+    await s.connect("bad-user", user="nobody")
+    await s.connect("bad-vhost", vhost="/nowhere")
+
+
+@scenario
+async def tune_limits(s: Session) -> None:
+    conn = await s.connect("small-frame", frame_max=1024)
+    if not conn.closed:
+        await conn.barrier(0)
+    conn = await s.connect("two-channels", channel_max=2)
+    await conn.channel()
+    await conn.channel()
+    await conn.call(3, c.Channel.Open())
+
+
+@scenario
+async def missed_heartbeats_close_the_connection(s: Session) -> None:
+    conn = await s.connect(heartbeat=1)
+    ch = await conn.channel()
+    # Stay silent (the raw client never sends heartbeats): the broker gives up after missing
+    # two; heartbeats it sends are read and skipped.
+    try:
+        await conn.settle(ch, "never", record_barrier=False)
+    except TimeoutError:
+        s.note("still open")
+
+
+@scenario
+async def consumer_cancelled_when_its_queue_is_deleted(s: Session) -> None:
+    conn = await s.connect()
+    ch = await conn.channel()
+    queue = s.name("doomed")
+    await conn.call(ch, Q.Declare(queue=queue))
+    await conn.call(ch, B.Consume(queue=queue, consumer_tag="watcher"))
+    other = await conn.channel()
+    await conn.call(other, Q.Delete(queue=queue))
+    await conn.until(ch, "Basic.Cancel", 1)
+    await conn.call(ch, B.Cancel(consumer_tag="watcher"))
+
+
+@scenario
+async def deliveries_report_exchange_and_key(s: Session) -> None:
+    conn = await s.connect()
+    ch = await conn.channel()
+    queue = s.name("deliver")
+    await conn.call(ch, Q.Declare(queue=queue, exclusive=True))
+    await conn.call(ch, Q.Bind(queue=queue, exchange="amq.topic", routing_key="a.*.c"))
+    await conn.call(ch, Q.Bind(queue=queue, exchange="amq.fanout"))
+    await conn.call(ch, B.Consume(queue=queue, consumer_tag="d", no_ack=True))
+    await conn.publish(ch, "amq.topic", "a.b.c", b"topic", P(content_type="text/plain"))
+    await conn.publish(ch, "amq.fanout", "any.key", b"fanout", P(headers={"n": 1}))
+    await conn.publish(ch, "", queue, b"direct", P(delivery_mode=2, priority=3))
+    await conn.until(ch, "Basic.Deliver", 3)
+
+
+@scenario
+async def requeue_with_reject_and_nack_multiple(s: Session) -> None:
+    conn = await s.connect()
+    ch = await conn.channel()
+    queue = s.name("requeue")
+    await conn.call(ch, Q.Declare(queue=queue, exclusive=True))
+    for i in range(5):
+        await conn.publish(ch, "", queue, b"%d" % i)
+    await poll(conn, ch, queue, 5)
+    for _ in range(5):
+        await conn.call(ch, B.Get(queue=queue))
+    await conn.call(ch, B.Reject(delivery_tag=4, requeue=True))
+    await conn.call(ch, B.Nack(delivery_tag=2, multiple=True, requeue=True))
+    await conn.call(ch, Q.Declare(queue=queue, passive=True))
+    for _ in range(4):
+        await conn.call(ch, B.Get(queue=queue, no_ack=True))
+    await conn.call(ch, Q.Purge(queue=queue))
+    await conn.call(ch, Q.Delete(queue=queue))
+
+
+@scenario
+async def channel_close_requeues_unacked(s: Session) -> None:
+    conn = await s.connect()
+    ch = await conn.channel()
+    queue = s.name("unacked")
+    await conn.call(ch, Q.Declare(queue=queue, exclusive=True))
+    for i in range(3):
+        await conn.publish(ch, "", queue, b"%d" % i)
+    await poll(conn, ch, queue, 3)
+    other = await conn.channel()
+    await conn.call(other, B.Get(queue=queue))
+    await conn.call(other, B.Get(queue=queue))
+    conn.send(other, c.Channel.Close(200, "", 0, 0))
+    await conn.settle(other, "Channel.CloseOk")
+    await poll(conn, ch, queue, 3)
+    for _ in range(3):
+        await conn.call(ch, B.Get(queue=queue, no_ack=True))
+
+
+@scenario
+async def body_longer_than_its_header_says(s: Session) -> None:
+    conn = await s.connect()
+    ch = await conn.channel()
+    from pamqp import body as pbody
+    from pamqp import frame as pframe
+    from pamqp import header as pheader
+    conn.send_raw(
+        pframe.marshal(B.Publish(exchange="", routing_key="x"), ch)
+        + pframe.marshal(pheader.ContentHeader(0, 2, P()), ch)
+        + pframe.marshal(pbody.ContentBody(b"four"), ch)
+    )
+    await conn.barrier(ch)
+
+
+@scenario
+async def bindings_on_the_default_exchange(s: Session) -> None:
+    conn = await s.connect()
+    ch = await conn.channel()
+    queue = s.name("q")
+    await conn.call(ch, Q.Declare(queue=queue, exclusive=True))
+    await conn.call(ch, Q.Bind(queue=queue, exchange="", routing_key="k"))
+    ch = await conn.channel()
+    await conn.call(ch, Q.Unbind(queue=queue, exchange="", routing_key=queue))
+    ch = await conn.channel()
+    await conn.call(ch, E.Bind(destination="amq.direct", source="", routing_key="k"))
+
+
 # ---------------------------------------------------------------------- the test
 @pytest.fixture
 def shardgate_url(broker_factory: Callable[..., object]) -> str:
