@@ -9,6 +9,7 @@ offset travel beside it. Nothing here touches a socket.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from ..core.message import Message
 from ..core.records import RecordFormatError, decode_to_message, encode_message
@@ -39,7 +40,7 @@ def is_plain(message: Message) -> bool:
     )
 
 
-def body_of(message: Message) -> dict[str, object]:
+def body_of(message: Message) -> dict[str, Any]:
     """The frame fields that carry the message itself (shared by every node it goes to)."""
     if is_plain(message):
         return {
@@ -50,12 +51,12 @@ def body_of(message: Message) -> dict[str, object]:
     return {"record": encode_message(message)}
 
 
-def forward_frame(message: Message, epoch: int, body: dict[str, object] | None = None) -> pb.Forward:
+def forward_frame(message: Message, epoch: int, body: dict[str, Any] | None = None) -> pb.Forward:
     return pb.Forward(stream=message.stream, shard=message.shard, epoch=epoch,
                       **(body if body is not None else body_of(message)))
 
 
-def push_frame(message: Message, body: dict[str, object], share_groups: Iterable[str] = ()) -> pb.Push:
+def push_frame(message: Message, body: dict[str, Any], share_groups: Iterable[str] = ()) -> pb.Push:
     return pb.Push(stream=message.stream, shard=message.shard, offset=message.offset, plain=True,
                    share_groups=share_groups, **body)
 

@@ -69,6 +69,11 @@ class ReceivedLog:
     def next_offset(self) -> int:
         return self._next
 
+    @property
+    def deliverable_end(self) -> int:
+        """Everything here was stored by the shard's owner before it was pushed."""
+        return self._next
+
     def append(self, records: Sequence[tuple[int, bytes]]) -> int:
         raise NotImplementedError("a received log only takes what the shard's owner pushes")
 
