@@ -970,6 +970,49 @@ async def headers_exchange_with_x_keys(s: Session) -> None:
     )
 
 
+@scenario
+async def per_consumer_and_channel_prefetch(s: Session) -> None:
+    conn = await s.connect()
+    ch = await conn.channel()
+    queue = s.name("qos")
+    await conn.call(ch, Q.Declare(queue=queue, exclusive=True))
+    for i in range(6):
+        await conn.publish(ch, "", queue, b"%d" % i)
+    await poll(conn, ch, queue, 6)
+    await conn.call(ch, B.Qos(prefetch_count=3, global_=True))
+    await conn.call(ch, B.Qos(prefetch_count=1))
+    await conn.call(ch, B.Consume(queue=queue, consumer_tag="one"))
+    await conn.until(ch, "Basic.Deliver", 1)
+    await conn.call(ch, B.Qos(prefetch_count=5))  # for consumers made later
+    await conn.call(ch, B.Consume(queue=queue, consumer_tag="two"))
+    await conn.until(ch, "Basic.Deliver", 3)
+    await asyncio.sleep(0.2)
+    await conn.call(ch, Q.Declare(queue=queue, passive=True))
+    await conn.call(ch, B.Cancel(consumer_tag="one"))
+    await conn.call(ch, B.Cancel(consumer_tag="two"))
+    await conn.call(ch, B.Ack(delivery_tag=0, multiple=True))  # unacked survive the cancel
+    await conn.call(ch, Q.Declare(queue=queue, passive=True))
+
+
+@scenario
+async def unacked_return_redelivered_to_another_connection(s: Session) -> None:
+    owner = await s.connect("owner")
+    och = await owner.channel()
+    queue = s.name("shared")
+    await owner.call(och, Q.Declare(queue=queue, auto_delete=False))
+    for i in range(2):
+        await owner.publish(och, "", queue, b"%d" % i)
+    await poll(owner, och, queue, 2)
+    taker = await s.connect("taker")
+    tch = await taker.channel()
+    await taker.call(tch, B.Get(queue=queue))
+    await taker.close()
+    await poll(owner, och, queue, 2)
+    await owner.call(och, B.Get(queue=queue, no_ack=True))
+    await owner.call(och, B.Get(queue=queue, no_ack=True))
+    await owner.call(och, Q.Delete(queue=queue))
+
+
 # ---------------------------------------------------------------------- the test
 @pytest.fixture
 def shardgate_url(broker_factory: Callable[..., object]) -> str:
