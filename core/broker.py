@@ -506,6 +506,7 @@ class Broker:
             self.stats.messages_without_subscriber += 1
             return 0
         delivered = 0
+        exclusive = SubscriptionType.EXCLUSIVE
         for sub, filters in matches:
             if (
                 share_groups is not None
@@ -517,7 +518,10 @@ class Broker:
                 sub.offer(message, filters)  # type: ignore[attr-defined]
                 delivered += 1
                 continue
-            consumer = sub.pick(message.shard)
+            if sub.type is exclusive and sub.consumers:
+                consumer: Consumer | None = sub.consumers[0]  # what `pick` chooses, inline
+            else:
+                consumer = sub.pick(message.shard)
             if consumer is None:
                 self.stats.drop("no_consumer")  # a live subscription nobody consumes
                 continue
