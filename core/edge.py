@@ -23,7 +23,7 @@ This module knows no protocol and no storage engine.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
@@ -167,6 +167,10 @@ class Edge:
         # Durable subscription owners by kind, so that subscriptions saved by a protocol come
         # back with the right owner after a restart (`"grpc"` -> its state factory).
         self.owner_factories: dict[str, Callable[[Mapping[str, object]], object]] = {}
+        # Cluster mode: awaited before a consumer attaches here to a durable subscription this
+        # node does not have; it brings the subscription over from the node that holds it
+        # (None) or says why it cannot (a text for the client). None on a single node.
+        self.find_durable_elsewhere: Callable[[str], Awaitable[str | None]] | None = None
         # Bound once: publishing costs one call, no attribute walk per message.
         self.publish: Callable[[Message], Receipt] = (
             router.publish if router is not None else broker.publish

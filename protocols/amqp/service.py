@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from ...core.edge import KICK_REASON, ClientInfo, Edge
 from ...core.message import now_ms
 from ...core.scheduling import Scheduler, Timer
+from ..output import OutputBatcher
 from .queues import Queue
 from .settings import AmqpSettings
 from .vhost import VirtualHost
@@ -59,8 +60,8 @@ class AmqpService:
         # Direct reply-to: token -> the channel whose reply consumer it names.
         self.reply_channels: dict[str, AmqpChannel] = {}
         self._all: set[ConnectionBase] = set()
-        self._dirty: list[ConnectionBase] = []
-        self._flush_scheduled = False
+        self.output: OutputBatcher[ConnectionBase] = OutputBatcher(
+            lambda flush: self.scheduler.call_soon(flush))
         self._tick_handle: Timer | None = None
         self._sweep_handle: Timer | None = None
         edge.clients.register("amqp", self)
@@ -90,17 +91,10 @@ class AmqpService:
 
     # ------------------------------------------------------------------ output batching
     def request_flush(self, connection: ConnectionBase) -> None:
-        self._dirty.append(connection)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self.scheduler.call_soon(self._flush)
+        self.output.request(connection)
 
     def _flush(self) -> None:
-        self._flush_scheduled = False
-        while self._dirty:
-            dirty, self._dirty = self._dirty, []
-            for connection in dirty:
-                connection.flush()
+        self.output.flush()
 
     # ------------------------------------------------------------------ policy
     def authenticate(self, user: str | None, password: str | None, loopback: bool) -> str | None:

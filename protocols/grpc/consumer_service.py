@@ -53,8 +53,17 @@ class ConsumerService(pb_grpc.ConsumerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "the first request of a Subscribe stream must be a Subscribe")
             return
+        subscribe = first.subscribe
+        find_elsewhere = self.server.edge.find_durable_elsewhere
+        if find_elsewhere is not None and subscribe.durable and subscribe.subscription \
+                and subscribe.subscription not in self.server.broker.subscriptions:
+            # cluster: the durable subscription (its cursors) may live on another node
+            refused = await find_elsewhere(subscribe.subscription)
+            if refused is not None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refused)
+                return
         try:
-            consumer = self._attach(first.subscribe, peer_of(context), user_of(context))
+            consumer = self._attach(subscribe, peer_of(context), user_of(context))
         except Refusal as refusal:
             await abort(context, refusal)
             return

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ...core.edge import Principal
 from ...core.errors import PublishRejected, SchemaMismatch, StoreFull
 from ...core.message import Message, now_ms
+from ...core.outbox import SLOW_SUBSCRIBER
 from ...core.scheduling import Timer
 from ...core.subscriptions import SubscriptionType
 from ...core.topics import (
@@ -241,7 +242,7 @@ class MqttConnection:
             # Over the bound, which may be stale: ask the link what it really still holds.
             self._link_buffered = self.link.buffered()
             if self._out_bytes + self._link_buffered > self.service.settings.max_outbound_buffer:
-                self.service.broker.stats.messages_dropped += 1
+                self.service.broker.stats.drop(SLOW_SUBSCRIBER)
                 return False
         version = self.version
         personal = version == MQTT_V5 and (

@@ -22,6 +22,7 @@ from ... import __version__
 from ...core.edge import KICK_REASON, Action, ClientInfo, Edge, Principal
 from ...core.message import Message, now_ms
 from ...core.scheduling import Scheduler, Timer
+from ..output import OutputBatcher
 from . import packets as p
 from .connection import MQTT_V5, MqttConnection, State
 from .session import NEVER_EXPIRES, MqttSession, Outgoing
@@ -66,8 +67,9 @@ class MqttService:
         self.find_session_elsewhere: Callable[[str, bool], asyncio.Future[None] | None] | None = None
         # TLS listeners: a verified client certificate's subject CN is the user name.
         self.use_identity_as_username = False
-        self._dirty: list[MqttConnection] = []
-        self._flush_scheduled = False
+        # Output of a loop turn leaves after the session state it acknowledges is committed.
+        self.output: OutputBatcher[MqttConnection] = OutputBatcher(
+            lambda flush: self.scheduler.call_soon(flush), before_flush=self.commit_writes)
         # QoS 2 inbound state changes of durable sessions, written in one batch per loop turn.
         self._will_timers: dict[str, tuple[Timer, p.Will]] = {}
         self._expiry_timers: dict[str, Timer] = {}
@@ -126,17 +128,10 @@ class MqttService:
 
     # ------------------------------------------------------------------ output batching
     def request_flush(self, connection: MqttConnection) -> None:
-        self._dirty.append(connection)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self.scheduler.call_soon(self._flush)
+        self.output.request(connection)
 
     def _flush(self) -> None:
-        self._flush_scheduled = False
-        self.commit_writes()  # what the acknowledgements below depend on is durable first
-        dirty, self._dirty = self._dirty, []
-        for connection in dirty:
-            connection.flush()
+        self.output.flush()  # what the acknowledgements depend on is committed first
 
     # ------------------------------------------------------------------ metadata group commit
     def group_writes(self, on: bool) -> None:
@@ -146,9 +141,8 @@ class MqttService:
         if store is None:
             return
         store.group_writes(on)
-        if not on and store.group_pending and not self._flush_scheduled:
-            self._flush_scheduled = True
-            self.scheduler.call_soon(self._flush)
+        if not on and store.group_pending:
+            self.output.schedule()
 
     def commit_writes(self) -> None:
         if self.store is None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ...core.durable import DurableOptions
 from ...core.message import Message, now_ms
+from ...core.outbox import SLOW_SUBSCRIBER
 from ...core.subscriptions import Subscription
 
 if TYPE_CHECKING:
@@ -210,7 +211,7 @@ class MqttSession:
             self.service.congested(self)
         if queued >= limit:
             self.dropped += 1
-            self.service.broker.stats.messages_dropped += 1
+            self.service.broker.stats.drop(SLOW_SUBSCRIBER)
             if item.source is not None:
                 item.source.ack(item.message)
             return

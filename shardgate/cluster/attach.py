@@ -189,11 +189,18 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     rpc.on_read = lambda request: serve_read(broker, plane, request)
     plane.add_service(rpc.handler())
     node.state_rpc = rpc
+    from .durables import DurableHandover
+    from .sessions import CursorPlacer, SessionHandover, StateWriter
+
+    writer = StateWriter(node)
+    writer.start()
+    node.state_writer = writer
+    placer = CursorPlacer(node, broker, plane, rpc)
+    node.durables = DurableHandover(node, app.edge, broker, placer, rpc, writer)
+    node.durables.install()
     mqtt = app.mqtt
     if mqtt is not None:
-        from .sessions import SessionHandover
-
-        handover = SessionHandover(node, mqtt, broker, plane, rpc)
+        handover = SessionHandover(node, mqtt, broker, placer, rpc, writer)
         handover.install()
         node.handover = handover
         await handover.drop_moved()
@@ -205,6 +212,8 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
         for client_id, session in mqtt.sessions.items():
             if session.connection is not None:
                 node.claim_session(client_id)
+    await node.durables.drop_moved()
+
     def empty_shards(shards: list[tuple[str, int]]) -> list[tuple[str, int]]:
         empty = []
         for name, index in shards:

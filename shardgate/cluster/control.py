@@ -294,6 +294,10 @@ class ClusterNode:
         # nodes it and remote cursors make (state_rpc.StateRpc); set by `attach.join`
         self.handover: Any = None
         self.state_rpc: Any = None
+        # durable subscriptions shared through etcd (durables.DurableHandover) and the writer
+        # of the snapshots both keep there (sessions.StateWriter)
+        self.durables: Any = None
+        self.state_writer: Any = None
 
     def key(self, suffix: str) -> str:
         return self.prefix + suffix
@@ -719,8 +723,10 @@ class ClusterNode:
 
     async def stop(self) -> None:
         """Stop the loops and end the lease (the node's keys go with it)."""
-        if self.handover is not None:
-            await self.handover.stop()  # the last offline sessions' snapshots first
+        if self.durables is not None:
+            self.durables.stop()
+        if self.state_writer is not None:
+            await self.state_writer.stop()  # the last offline sessions' snapshots first
         self._running = False
         if self.shared_files is not None:
             await self.shared_files.stop()

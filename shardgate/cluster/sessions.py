@@ -35,6 +35,7 @@ import asyncio
 import base64
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from ..core.durable import DurableSubscription
@@ -69,6 +70,8 @@ RELEASE_CALL_TIMEOUT_S = 3.0
 # node had received no matching message of the shard, so nothing there is delivered twice.
 NO_CURSOR_MARGIN_MS = 5_000
 SNAPSHOT_VERSION = 1
+# Streams every node keeps for itself (its $SYS topics): never handed over.
+LOCAL_STREAMS = frozenset({"sys"})
 
 
 def _message_data(message: Message) -> str:
@@ -83,6 +86,146 @@ def _message(data: str, stream: str, shard: int, offset: int) -> Message | None:
         return None
 
 
+def cursor_state(sub: DurableSubscription) -> tuple[list[list[Any]], list[list[Any]]]:
+    """A durable subscription's cursors ([stream, shard, position, unacked offsets]) and the
+    unacknowledged messages themselves ([stream, shard, offset, record]), for another node."""
+    cursors = []
+    messages = []
+    for (stream, shard), cursor in sub.cursors.items():
+        unacked = sorted(set(cursor.unacked) | set(cursor.pending_redelivery))
+        cursors.append([stream, shard, cursor.position, unacked])
+        for offset in unacked:
+            delivery = cursor.unacked.get(offset)
+            message = delivery.message if delivery is not None else cursor.restored.get(offset)
+            if message is None:
+                message = sub.read_message(stream, shard, offset)
+            if message is not None:
+                messages.append([stream, shard, offset, _message_data(message)])
+    return cursors, messages
+
+
+class CursorPlacer:
+    """Puts cursors that come from another node on a durable subscription here: over this
+    node's journal for the shards it owns, over the owner's (`OwnerLog`) for the others."""
+
+    def __init__(self, node: ClusterNode, broker: Broker, plane: DataPlane, rpc: StateRpc) -> None:
+        self.node = node
+        self.broker = broker
+        self.plane = plane
+        self.rpc = rpc
+
+    def place(self, sub: DurableSubscription, cursors: list[list[Any]], messages: list[list[Any]],
+              taken_ms: int) -> dict[tuple[str, int, int], Message]:
+        """Place every cursor of a snapshot (before the subscription's filters are added, so
+        that every push they bring is kept); shards the snapshot has no cursor for start a
+        little before it was taken. Returns the handed-over messages by (stream, shard, offset)."""
+        broker = self.broker
+        found: dict[tuple[str, int], list[Message]] = {}
+        for stream, shard, offset, data in messages:
+            message = _message(data, stream, shard, offset)
+            if message is not None:
+                found.setdefault((stream, shard), []).append(message)
+        placed: set[tuple[str, int]] = set()
+        for stream, shard, position, unacked in cursors:
+            shard_log = self._log_for(sub, stream, shard, position)
+            if shard_log is None and stream not in broker.streams:
+                continue
+            sub.place_cursor(stream, shard, shard_log, int(position), unacked, found.get((stream, shard), ()))
+            placed.add((stream, shard))
+        since = taken_ms - NO_CURSOR_MARGIN_MS
+        for broker_stream in broker.streams.values():
+            for shard_entry in broker_stream.shards:
+                key = (broker_stream.name, shard_entry.index)
+                if key in placed or shard_entry.log is None or broker_stream.name in LOCAL_STREAMS:
+                    continue
+                shard_log = self._log_for(sub, broker_stream.name, shard_entry.index, None, since)
+                if shard_log is not None:
+                    start = 0 if isinstance(shard_log, OwnerLog) else shard_log.offset_for_timestamp(since)
+                    sub.place_cursor(broker_stream.name, shard_entry.index, shard_log, start)
+        return {(m.stream, m.shard, m.offset): m for listed in found.values() for m in listed}
+
+    def _log_for(self, sub: DurableSubscription, stream: str, shard: int, position: int | None,
+                 since_ms: int | None = None) -> Any:
+        broker_stream = self.broker.streams.get(stream)
+        if broker_stream is None or shard >= len(broker_stream.shards):
+            return None
+        local = broker_stream.shards[shard].log
+        if local is None:
+            return None
+        owner = self.node.view.owner(stream, shard)
+        if owner is None or owner.node_id == self.node.node_id:
+            return local
+        return OwnerLog(self.rpc, self.plane, stream, shard, position or 0,
+                        lambda: list(sub.filters), since_ms)
+
+
+class StateWriter:
+    """Writes snapshots to etcd in the background, the latest per key, in order, retrying
+    while etcd is away. A value is made when it is written (`make` returns the bytes to put,
+    or None to skip), so a burst of changes is one write."""
+
+    def __init__(self, node: ClusterNode) -> None:
+        self.node = node
+        self._pending: dict[str, Callable[[], Awaitable[None]]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def put(self, key: str, make: Callable[[], bytes | None]) -> None:
+        async def write() -> None:
+            value = make()
+            if value is not None:
+                await self.node.client.put(key, value)
+        self._queue(key, write)
+
+    def delete_if_mine(self, key: str, still_gone: Callable[[], bool]) -> None:
+        """Delete `key` if its snapshot names this node (another may hold it by now)."""
+        async def delete() -> None:
+            if not still_gone():
+                return
+            kv = await self.node.client.get(key)
+            if kv is None or keys.decode(kv.value).get("node") != self.node.node_id:
+                return
+            await self.node.client.txn([mod_revision_is(key, kv.mod_revision)], [delete_op(key)])
+        self._queue(key, delete)
+
+    def _queue(self, key: str, write: Callable[[], Awaitable[None]]) -> None:
+        self._pending.pop(key, None)
+        self._pending[key] = write
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                key = next(iter(self._pending))
+                write = self._pending.pop(key)
+                try:
+                    await write()
+                except Exception as exc:  # noqa: BLE001 - retried while etcd is away
+                    log.warning("cluster: cannot write %s to etcd yet (%s); retrying", key, exc)
+                    self._pending.setdefault(key, write)
+                    await asyncio.sleep(0.5)
+
+    async def stop(self, drain_s: float = 2.0) -> None:
+        if self._task is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._drained(), drain_s)  # a graceful stop's last snapshots
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
+
+    async def _drained(self) -> None:
+        while self._pending:
+            await asyncio.sleep(0.02)
+
+
 def snapshot(session: MqttSession, node_id: str) -> dict[str, Any]:
     """Everything needed to resume `session` on another node (JSON)."""
     sub = session.subscription
@@ -94,19 +237,7 @@ def snapshot(session: MqttSession, node_id: str) -> dict[str, Any]:
         [name, shared_sub.type.value, list(shared_sub.filters), o.qos, o.retain_as_published, o.subscription_id]
         for name, (shared_sub, o) in session.shared.items()
     ]
-    cursors = []
-    messages = []
-    if isinstance(sub, DurableSubscription):
-        for (stream, shard), cursor in sub.cursors.items():
-            unacked = sorted(set(cursor.unacked) | set(cursor.pending_redelivery))
-            cursors.append([stream, shard, cursor.position, unacked])
-            for offset in unacked:
-                delivery = cursor.unacked.get(offset)
-                message = delivery.message if delivery is not None else cursor.restored.get(offset)
-                if message is None:
-                    message = sub.read_message(stream, shard, offset)
-                if message is not None:
-                    messages.append([stream, shard, offset, _message_data(message)])
+    cursors, messages = cursor_state(sub) if isinstance(sub, DurableSubscription) else ([], [])
     inflight = [
         [pid, o.message.stream, o.message.shard, o.message.offset, o.qos, o.released, o.retain,
          list(o.subscription_ids)]
@@ -144,18 +275,15 @@ def expired(state: dict[str, Any], now: int | None = None) -> bool:
 class SessionHandover:
     """Moves MQTT persistent sessions between this node and the others (module docstring)."""
 
-    def __init__(self, node: ClusterNode, service: MqttService, broker: Broker, plane: DataPlane,
-                 rpc: StateRpc) -> None:
+    def __init__(self, node: ClusterNode, service: MqttService, broker: Broker, placer: CursorPlacer,
+                 rpc: StateRpc, writer: StateWriter) -> None:
         self.node = node
         self.service = service
         self.broker = broker
-        self.plane = plane
+        self.placer = placer
         self.rpc = rpc
+        self.writer = writer
         self.prefix = node.settings.prefix.rstrip("/") + ".state/sessions/"
-        # snapshot writes and deletes, latest per client id, written in order by one task
-        self._pending: dict[str, bool] = {}
-        self._wake = asyncio.Event()
-        self._writer: asyncio.Task[None] | None = None
         # client ids being handed to another node (their local forget is not an end)
         self._releasing: set[str] = set()
         self.taken_over = 0
@@ -169,21 +297,6 @@ class SessionHandover:
         self.service.find_session_elsewhere = self.find
         self.service.store = SnapshottingStore(self.service.store, self)  # type: ignore[assignment]
         self.rpc.on_release = self.release
-        self._writer = asyncio.get_running_loop().create_task(self._write_snapshots())
-
-    async def stop(self) -> None:
-        if self._writer is not None:
-            # what is queued is written first (a graceful stop's offline sessions)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._drain(), 2.0)
-            self._writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._writer
-            self._writer = None
-
-    async def _drain(self) -> None:
-        while self._pending:
-            await asyncio.sleep(0.02)
 
     async def drop_moved(self) -> int:
         """At start: drop sessions restored from this node's store that another node has
@@ -253,12 +366,12 @@ class SessionHandover:
             return  # a connection here made one meanwhile
         if clean_start or state is None or expired(state):
             if saved is not None:
-                self._queue(client_id, False)
+                self.writer.delete_if_mine(self.key(client_id), lambda: client_id not in self.service.sessions)
             return
         self.adopt(state)
         self.taken_over += 1
         log.info("cluster: session %r taken over from %s", client_id, state.get("node"))
-        self._queue(client_id, True)
+        self.went_offline(client_id)  # etcd now names this node
 
     def adopt(self, state: dict[str, Any]) -> MqttSession:
         """Rebuild a session from a snapshot, offline (its connection is about to attach)."""
@@ -269,30 +382,8 @@ class SessionHandover:
         session.disconnected_at_ms = state.get("disconnected_ms")
         sub = session.subscription
         assert isinstance(sub, DurableSubscription)
-        messages: dict[tuple[str, int], list[Message]] = {}
-        for stream, shard, offset, data in state.get("messages", []):
-            message = _message(data, stream, shard, offset)
-            if message is not None:
-                messages.setdefault((stream, shard), []).append(message)
-        # cursors first, so the pushes that the filters below bring are all kept
-        placed: set[tuple[str, int]] = set()
-        for stream, shard, position, unacked in state.get("cursors", []):
-            shard_log = self._log_for(stream, shard, position, lambda sub=sub: list(sub.filters))
-            if shard_log is None and (stream not in broker.streams):
-                continue
-            sub.place_cursor(stream, shard, shard_log, int(position), unacked, messages.get((stream, shard), ()))
-            placed.add((stream, shard))
-        since = int(state.get("taken_ms", now_ms())) - NO_CURSOR_MARGIN_MS
-        for stream in broker.streams.values():
-            for shard in stream.shards:
-                key = (stream.name, shard.index)
-                if key in placed or shard.log is None or stream.name in ("sys",):
-                    continue
-                shard_log = self._log_for(stream.name, shard.index, None, lambda sub=sub: list(sub.filters),
-                                          since_ms=since)
-                if shard_log is not None:
-                    start = 0 if isinstance(shard_log, OwnerLog) else shard_log.offset_for_timestamp(since)
-                    sub.place_cursor(stream.name, shard.index, shard_log, start)
+        handed = self.placer.place(sub, state.get("cursors", []), state.get("messages", []),
+                                   int(state.get("taken_ms", now_ms())))
         for topic_filter, qos, no_local, rap, handling, sub_id in state.get("subscriptions", []):
             broker.add_filter(sub, topic_filter, SubscriptionOptions(qos, no_local, rap, handling, sub_id))
         broker.attach(sub, session)
@@ -302,9 +393,8 @@ class SessionHandover:
                 broker.add_filter(shared_sub, topic_filter)
             broker.attach(shared_sub, session)
             session.shared[name] = (shared_sub, SubscriptionOptions(qos, False, rap, 0, sub_id))
-        by_offset = {(m.stream, m.shard, m.offset): m for found in messages.values() for m in found}
         for pid, stream, shard, offset, qos, released, retain, ids in state.get("inflight", []):
-            message = by_offset.get((stream, shard, offset))
+            message = handed.get((stream, shard, offset))
             if message is None:
                 continue
             session.inflight[int(pid)] = Outgoing(message, qos, retain, tuple(ids), sub, released)
@@ -318,19 +408,6 @@ class SessionHandover:
             service.store.save_qos2([(client_id, packet_id, True) for packet_id in session.inbound_qos2])
         service.sessions[client_id] = session
         return session
-
-    def _log_for(self, stream: str, shard: int, position: int | None, filters: Any,
-                 since_ms: int | None = None) -> Any:
-        broker_stream = self.broker.streams.get(stream)
-        if broker_stream is None or shard >= len(broker_stream.shards):
-            return None
-        local = broker_stream.shards[shard].log
-        if local is None:
-            return None
-        owner = self.node.view.owner(stream, shard)
-        if owner is None or owner.node_id == self.node.node_id:
-            return local
-        return OwnerLog(self.rpc, self.plane, stream, shard, position or 0, filters, since_ms)
 
     # ------------------------------------------------------------ the old node
     async def release(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -374,48 +451,16 @@ class SessionHandover:
 
     # ------------------------------------------------------------ snapshots in etcd
     def went_offline(self, client_id: str) -> None:
-        self._queue(client_id, True)
+        def make() -> bytes | None:
+            session = self.service.sessions.get(client_id)
+            if session is None or not session.durable:
+                return None
+            return keys.encode(snapshot(session, self.node.node_id))
+        self.writer.put(self.key(client_id), make)
 
     def ended(self, client_id: str) -> None:
         if client_id not in self._releasing:
-            self._queue(client_id, False)
-
-    def _queue(self, client_id: str, present: bool) -> None:
-        self._pending[client_id] = present
-        self._wake.set()
-
-    async def _write_snapshots(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._pending:
-                client_id = next(iter(self._pending))
-                present = self._pending.pop(client_id)
-                try:
-                    if present:
-                        await self._put(client_id)
-                    else:
-                        await self._delete(client_id)
-                except Exception as exc:  # noqa: BLE001 - retried while etcd is away
-                    log.warning("cluster: cannot save session %r in etcd yet (%s); retrying", client_id, exc)
-                    self._pending.setdefault(client_id, present)
-                    await asyncio.sleep(0.5)
-
-    async def _put(self, client_id: str) -> None:
-        session = self.service.sessions.get(client_id)
-        if session is None or not session.durable:
-            return
-        await self.node.client.put(self.key(client_id), keys.encode(snapshot(session, self.node.node_id)))
-
-    async def _delete(self, client_id: str) -> None:
-        """Delete the snapshot if it is still this node's (another may hold the session now)."""
-        if client_id in self.service.sessions:
-            return
-        key = self.key(client_id)
-        kv = await self.node.client.get(key)
-        if kv is None or keys.decode(kv.value).get("node") != self.node.node_id:
-            return
-        await self.node.client.txn([mod_revision_is(key, kv.mod_revision)], [delete_op(key)])
+            self.writer.delete_if_mine(self.key(client_id), lambda: client_id not in self.service.sessions)
 
 
 class SnapshottingStore:

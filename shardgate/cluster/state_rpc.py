@@ -4,6 +4,8 @@ data plane's `PeerLink` stream (`DataPlane.add_service`).
 - `ReleaseSession`: "a client whose MQTT session you hold connected to me: end its connection
   there (DISCONNECT 0x8E), and hand me the session" — the reply is the session's state
   (`sessions.py`).
+- `ReleaseDurable`: the same for a durable subscription (`durables.py`) whose consumer came
+  here; refused while consumers are attached there.
 - `ReadShard`: "give me the records of your shard from this offset that match these filters" —
   how a node replays a reliable shard it does not own for a durable cursor that resumed here
   (`shard_reader.py`); the owner also says whether this node's routes already cover the
@@ -28,6 +30,7 @@ from .membership import ClusterView
 
 SERVICE = "shardgate.cluster.v1.ClusterState"
 RELEASE_SESSION = "ReleaseSession"
+RELEASE_DURABLE = "ReleaseDurable"
 READ_SHARD = "ReadShard"
 _RECORD = struct.Struct("<qqI")
 _HEADER = struct.Struct("<I")
@@ -78,6 +81,7 @@ class StateRpc:
     def __init__(self, view: ClusterView) -> None:
         self.view = view
         self.on_release: JsonHandler | None = None
+        self.on_release_durable: JsonHandler | None = None
         self.on_read: ReadHandler | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
 
@@ -89,6 +93,12 @@ class StateRpc:
             assert self.on_release is not None
             return _json(await self.on_release(json.loads(request)))
 
+        async def release_durable(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            if self.on_release_durable is None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "this node shares no durable subscriptions")
+            assert self.on_release_durable is not None
+            return _json(await self.on_release_durable(json.loads(request)))
+
         async def read(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             if self.on_read is None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "this node reads no shards")
@@ -98,6 +108,7 @@ class StateRpc:
 
         return grpc.method_handlers_generic_handler(SERVICE, {
             RELEASE_SESSION: grpc.unary_unary_rpc_method_handler(release),
+            RELEASE_DURABLE: grpc.unary_unary_rpc_method_handler(release_durable),
             READ_SHARD: grpc.unary_unary_rpc_method_handler(read),
         })
 
@@ -121,6 +132,9 @@ class StateRpc:
 
     async def release_session(self, node_id: str, request: dict[str, Any], timeout: float) -> dict[str, Any]:
         return json.loads(await self._call(node_id, RELEASE_SESSION, request, timeout))  # type: ignore[no-any-return]
+
+    async def release_durable(self, node_id: str, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        return json.loads(await self._call(node_id, RELEASE_DURABLE, request, timeout))  # type: ignore[no-any-return]
 
     async def read_shard(self, node_id: str, request: dict[str, Any],
                          timeout: float) -> tuple[dict[str, Any], list[StoredRecord]]:

@@ -807,6 +807,87 @@ async def bindings_on_the_default_exchange(s: Session) -> None:
     await conn.call(ch, E.Bind(destination="amq.direct", source="", routing_key="k"))
 
 
+@scenario
+async def auto_delete_exchange_goes_with_its_last_binding(s: Session) -> None:
+    conn = await s.connect()
+    ch = await conn.channel()
+    name, queue = s.name("ax"), s.name("q")
+    await conn.call(ch, E.Declare(exchange=name, exchange_type="fanout", auto_delete=True))
+    await conn.call(ch, E.Declare(exchange=name, passive=True))  # never bound: stays
+    await conn.call(ch, Q.Declare(queue=queue, exclusive=True))
+    await conn.call(ch, Q.Bind(queue=queue, exchange=name))
+    await conn.call(ch, Q.Unbind(queue=queue, exchange=name))
+    await conn.call(ch, E.Declare(exchange=name, passive=True))
+
+
+@scenario
+async def recover_gives_new_delivery_tags(s: Session) -> None:
+    conn = await s.connect()
+    ch = await conn.channel()
+    queue = s.name("recover")
+    await conn.call(ch, Q.Declare(queue=queue, exclusive=True))
+    await conn.publish(ch, "", queue, b"once")
+    await poll(conn, ch, queue, 1)
+    await conn.call(ch, B.Consume(queue=queue, consumer_tag="r"))
+    await conn.until(ch, "Basic.Deliver", 1)
+    await conn.call(ch, B.Recover(requeue=True))
+    await conn.until(ch, "Basic.Deliver", 2)
+    await conn.call(ch, B.Ack(delivery_tag=2))
+    await conn.call(ch, B.Ack(delivery_tag=1))
+
+
+@scenario
+async def single_active_consumer(s: Session) -> None:
+    conn = await s.connect()
+    ch = await conn.channel()
+    queue = s.name("sac")
+    await conn.call(ch, Q.Declare(queue=queue, exclusive=True,
+                                  arguments={"x-single-active-consumer": True}))
+    await conn.call(ch, B.Consume(queue=queue, consumer_tag="first", no_ack=True))
+    await conn.call(ch, B.Consume(queue=queue, consumer_tag="second", no_ack=True))
+    await conn.call(ch, Q.Declare(queue=queue, passive=True))
+    for i in range(3):
+        await conn.publish(ch, "", queue, b"%d" % i)
+    await conn.until(ch, "Basic.Deliver", 3)
+    await conn.call(ch, B.Cancel(consumer_tag="first"))
+    await conn.publish(ch, "", queue, b"after")
+    await conn.until(ch, "Basic.Deliver", 4)
+
+
+@scenario
+async def delete_and_purge_count_only_ready_messages(s: Session) -> None:
+    conn = await s.connect()
+    ch = await conn.channel()
+    queue = s.name("counts")
+    await conn.call(ch, Q.Declare(queue=queue, exclusive=True))
+    for i in range(4):
+        await conn.publish(ch, "", queue, b"%d" % i)
+    await poll(conn, ch, queue, 4)
+    await conn.call(ch, B.Get(queue=queue))
+    await conn.call(ch, Q.Purge(queue=queue))
+    await conn.call(ch, B.Nack(delivery_tag=1, requeue=True))
+    await conn.call(ch, Q.Declare(queue=queue, passive=True))
+    await conn.call(ch, Q.Delete(queue=queue))
+    await conn.call(ch, Q.Purge(queue=queue))
+
+
+@scenario
+async def nowait_methods(s: Session) -> None:
+    conn = await s.connect()
+    ch = await conn.channel()
+    queue, name = s.name("nw"), s.name("nwx")
+    await conn.call(ch, E.Declare(exchange=name, exchange_type="direct", auto_delete=True,
+                                  nowait=True))
+    await conn.call(ch, Q.Declare(queue=queue, exclusive=True, nowait=True))
+    await conn.call(ch, Q.Bind(queue=queue, exchange=name, routing_key="k", nowait=True))
+    await conn.call(ch, B.Consume(queue=queue, consumer_tag="nw", no_ack=True, nowait=True))
+    await conn.publish(ch, name, "k", b"x")
+    await conn.until(ch, "Basic.Deliver", 1)
+    await conn.call(ch, B.Cancel(consumer_tag="nw", nowait=True))
+    await conn.call(ch, Q.Delete(queue=queue, nowait=True))
+    await conn.call(ch, Q.Declare(queue=queue, passive=True, nowait=True))
+
+
 # ---------------------------------------------------------------------- the test
 @pytest.fixture
 def shardgate_url(broker_factory: Callable[..., object]) -> str:

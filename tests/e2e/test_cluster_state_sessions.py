@@ -8,15 +8,20 @@ and shards the node it left owns.
 
 from __future__ import annotations
 
+import base64
+import json
+import urllib.request
+import zlib
 from collections import defaultdict
 from collections.abc import Callable
 
 import pytest
 from shardgate.client import SyncClient
+from shardgate.protocols.mqtt import packets as p
 
 from tests.conftest import wait_for
-from tests.e2e.cluster_fixtures import ClusterNodeProcess
-from tests.mqtt_clients import V5, V311, Paho
+from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer
+from tests.mqtt_clients import V5, V311, Paho, RawClient
 
 Cluster = Callable[..., list[ClusterNodeProcess]]
 
@@ -84,5 +89,102 @@ def test_a_persistent_session_resumes_on_another_node_with_what_was_published_wh
     live = publish_round(publisher, 2, qos, "live")
     assert received_by_topic(back, sum(len(v) for v in live.values())) == live
     back.expect_none(within=0.5)
+    back.disconnect()
+    publisher.disconnect()
+
+
+def test_taking_over_a_connected_session_resends_its_unacknowledged_messages_with_dup(
+        cluster: Cluster) -> None:
+    """The client is still connected to n1 with QoS 1 messages it has not acknowledged when it
+    connects to n2: n1 ends that connection with 0x8E, and n2 sends the same messages again,
+    under the same packet ids, marked DUP, then the rest of the backlog."""
+    n1, n2, n3 = cluster(3)
+    spread_stream([n1, n2, n3])
+    expiry = p.Properties(session_expiry_interval=3600, receive_maximum=4)
+    old = RawClient(n1.mqtt_port, version=5)
+    assert old.connect("slow-reader", clean=False, properties=expiry).reason_code == 0
+    old.send(p.Subscribe(1, [p.SubscriptionRequest("away/#", 1)]))
+    assert isinstance(old.receive(), p.Suback)
+    publisher = Paho(n3.mqtt_port, "publisher", V5)
+    sent = publish_round(publisher, 2, 1, "held")
+    unacked = [old.receive() for _ in range(4)]  # the client's receive maximum: no more
+    assert all(isinstance(packet, p.Publish) and not packet.dup for packet in unacked)
+
+    new = RawClient(n2.mqtt_port, version=5)
+    connack = new.connect("slow-reader", clean=False, properties=p.Properties(session_expiry_interval=3600))
+    assert connack.session_present
+    ended = old.receive_until_closed()
+    assert any(isinstance(packet, p.Disconnect) and packet.reason_code == 0x8E for packet in ended)
+
+    total = sum(len(payloads) for payloads in sent.values())
+    got: dict[str, list[bytes]] = defaultdict(list)
+    resent = []
+    while sum(len(payloads) for payloads in got.values()) < total:
+        packet = new.receive(timeout=30)
+        assert isinstance(packet, p.Publish), packet
+        if packet.dup:
+            resent.append((packet.packet_id, packet.topic, packet.payload))
+        got[packet.topic].append(packet.payload)
+        new.send(p.Puback(packet.packet_id))
+    assert sorted(resent) == sorted((packet.packet_id, packet.topic, packet.payload) for packet in unacked)
+    assert got == sent  # nothing lost, nothing twice, in order per topic
+    with pytest.raises(AssertionError, match="no packet"):
+        new.receive(timeout=0.5)
+    new.close()
+    publisher.disconnect()
+
+
+def etcd_get(etcd: EtcdServer, key: str) -> dict | None:
+    """A key's JSON value, through etcd's HTTP gateway."""
+    request = urllib.request.Request(
+        f"{etcd.url}/v3/kv/range", data=json.dumps({"key": base64.b64encode(key.encode()).decode()}).encode(),
+        method="POST")
+    with urllib.request.urlopen(request, timeout=5) as response:
+        kvs = json.loads(response.read()).get("kvs", [])
+    return json.loads(base64.b64decode(kvs[0]["value"])) if kvs else None
+
+
+def owners(node: ClusterNodeProcess) -> dict[str, str]:
+    """Each topic's shard owner (the stream hashes the topic name)."""
+    placement = node.status()["placement"]["away"]
+    return {topic: placement[zlib.crc32(topic.encode()) % len(placement)][0] for topic in TOPICS}
+
+
+def test_a_session_whose_node_died_resumes_elsewhere_and_gets_that_nodes_messages_when_it_returns(
+        cluster: Cluster, etcd: EtcdServer) -> None:
+    n1, n2, n3 = cluster(3)
+    spread_stream([n1, n2, n3])
+    owner = owners(n2)
+    away = Paho(n1.mqtt_port, "orphan", V5, clean=False, session_expiry=3600)
+    away.subscribe("away/#", qos=1)
+    away.disconnect()
+    # the offline session's snapshot is in etcd (written once, at the disconnect)
+    wait_for(lambda: (etcd_get(etcd, "/shardgate/test.state/sessions/orphan") or {}).get("node") == "n1",
+             timeout=20)
+    publisher = Paho(n3.mqtt_port, "publisher", V5)
+    before = publish_round(publisher, 2, 1, "before")  # some of it on n1's shards
+    n1.kill()
+    wait_for(lambda: {e["node_id"] for e in n2.status()["nodes"]} == {"n2", "n3"}, timeout=20)
+    alive = [topic for topic in TOPICS if owner[topic] != "n1"]
+    during: dict[str, list[bytes]] = defaultdict(list)
+    for topic in alive:
+        payload = f"during-{topic}".encode()
+        publisher.publish(topic, payload, qos=1)
+        during[topic].append(payload)
+
+    back = Paho(n2.mqtt_port, "orphan", V5, clean=False, session_expiry=3600, connect=False)
+    flags, _rc, _props = back.connect()
+    assert flags.session_present
+    expected_now = {topic: before[topic] + during[topic] for topic in alive}
+    assert received_by_topic(back, sum(len(v) for v in expected_now.values())) == expected_now
+    back.expect_none(within=0.5)
+
+    # n1 returns with its journal: what it held for the session arrives on n2, and n1 drops
+    # its own stale copy of the session (etcd says n2 holds it now)
+    n1.start()
+    held = {topic: before[topic] for topic in TOPICS if owner[topic] == "n1"}
+    assert received_by_topic(back, sum(len(v) for v in held.values())) == held
+    back.expect_none(within=0.5)
+    assert (etcd_get(etcd, "/shardgate/test.state/sessions/orphan") or {}).get("node") == "n2"
     back.disconnect()
     publisher.disconnect()

@@ -90,7 +90,7 @@ class Loopless(AmqpService):
     """Service whose flush is driven by the test instead of the event loop."""
 
     def request_flush(self, connection: AmqpConnection) -> None:
-        self._dirty.append(connection)
+        self.output.add(connection)
 
 
 @pytest.fixture

@@ -1,0 +1,248 @@
+"""Durable subscriptions shared by every node of a cluster (gRPC durable subscriptions).
+
+A durable subscription is one thing cluster-wide: its name, type, filters and cursors. Like an
+MQTT persistent session (`sessions.py`), it lives on one node at a time, its *holder*, and
+moves to where its consumers are:
+
+- Its snapshot (definition, holder, cursors with their unacknowledged messages) is kept in
+  etcd under `/shardgate/<cluster>.state/durables/<name>`: written when it is defined, when
+  its last consumer leaves, and at most every `CHECKPOINT_S` while its cursors move (the
+  debounced cursor writes Danube makes to its metadata store). A connected consumer acks at
+  message rate; etcd takes about a thousand fsynced writes a second for the whole cluster, so
+  cursors in motion stay in the holder's own metadata store (saved every 200 ms, as on a single
+  node) and etcd gets one write per subscription per interval.
+- A consumer that subscribes on node B to a durable subscription B does not have: B reads the
+  snapshot; when the holder is live it asks it over the cluster port (`ReleaseDurable`) for the
+  exact state, and the holder gives it up (its cursors stop here, nothing is lost or sent
+  twice); when the holder is dead B resumes from the last checkpoint (messages since may come
+  again: at least once). The shards another node owns replay from that node's journal
+  (`shard_reader.OwnerLog`).
+- While consumers of the subscription are attached on its holder, a consumer on another node
+  is refused with a clear error naming the holder: all of a subscription's consumers are on
+  one node (its Shared round robin and Failover standby run there). Remote consumers (a node
+  proxying deliveries and acks for another) are not built.
+
+AMQP queues are durable subscriptions too, but a queue also lives in its virtual host's
+topology (exchanges, bindings, arguments); they are not moved between nodes yet: a queue is
+consumed on the node where it was declared (see docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..core.durable import DurableSubscription
+from ..core.message import now_ms
+from ..core.subscriptions import Subscription, SubscriptionType
+from . import keys
+from .sessions import (
+    RELEASE_CALL_TIMEOUT_S,
+    TAKEOVER_TIMEOUT_S,
+    CursorPlacer,
+    StateWriter,
+    cursor_state,
+)
+from .state_rpc import StateCallError, StateRpc
+
+if TYPE_CHECKING:
+    from ..core.broker import Broker
+    from ..core.edge import Edge
+    from .control import ClusterNode
+
+log = logging.getLogger(__name__)
+
+# How often the cursors of a durable subscription that moved are checkpointed to etcd.
+CHECKPOINT_S = 2.0
+# Owner kinds whose durable subscriptions are shared (their owner can be rebuilt anywhere).
+SHARED_KINDS = frozenset({"grpc"})
+
+
+class DurableHandover:
+    """Keeps this node's shareable durable subscriptions in etcd and moves them (module
+    docstring)."""
+
+    def __init__(self, node: ClusterNode, edge: Edge, broker: Broker, placer: CursorPlacer,
+                 rpc: StateRpc, writer: StateWriter) -> None:
+        self.node = node
+        self.edge = edge
+        self.broker = broker
+        self.placer = placer
+        self.rpc = rpc
+        self.writer = writer
+        self.prefix = node.settings.prefix.rstrip("/") + ".state/durables/"
+        # the cursor state last written, per subscription (to write only what moved)
+        self._written: dict[str, Any] = {}
+        self._releasing: set[str] = set()
+        self._defined: Callable[[DurableSubscription], None] | None = None
+        self._removed: Callable[[Subscription], None] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.taken_over = 0
+
+    def key(self, name: str) -> str:
+        return self.prefix + name
+
+    # ------------------------------------------------------------ wiring
+    def install(self) -> None:
+        broker = self.broker
+        self.edge.find_durable_elsewhere = self.find
+        self.rpc.on_release_durable = self.release
+        self._defined, broker.on_durable_defined = broker.on_durable_defined, self._on_defined
+        self._removed, broker.on_subscription_removed = broker.on_subscription_removed, self._on_removed
+        self._task = asyncio.get_running_loop().create_task(self._checkpoints())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        for sub in self._shared():
+            self._checkpoint(sub)  # the writer writes them before it stops
+
+    def shareable(self, sub: Subscription) -> bool:
+        if not isinstance(sub, DurableSubscription) or sub.name.startswith("mqtt:"):
+            return False
+        owner = sub.owner
+        if getattr(owner, "transient", False):
+            return False
+        options = getattr(owner, "saved_options", None)
+        return callable(options) and options().get("protocol") in SHARED_KINDS
+
+    def _shared(self) -> list[DurableSubscription]:
+        return [sub for sub in list(self.broker.subscriptions.values())
+                if self.shareable(sub)]  # type: ignore[misc]
+
+    def snapshot(self, sub: DurableSubscription) -> dict[str, Any]:
+        cursors, messages = cursor_state(sub)
+        owner_options = sub.owner.saved_options()  # type: ignore[union-attr]
+        return {
+            "node": self.node.node_id, "name": sub.name, "type": sub.type.value,
+            "filters": sorted(sub.filters), "owner": owner_options, "cursors": cursors,
+            "messages": messages, "taken_ms": now_ms(),
+        }
+
+    # ------------------------------------------------------------ writing to etcd
+    def _on_defined(self, sub: DurableSubscription) -> None:
+        if self._defined is not None:
+            self._defined(sub)
+        if self.shareable(sub):
+            self._checkpoint(sub, force=True)
+
+    def _on_removed(self, sub: Subscription) -> None:
+        if self._removed is not None:
+            self._removed(sub)
+        name = sub.name
+        if name in self._releasing or not self.shareable(sub):
+            return
+        self._written.pop(name, None)
+        self.writer.delete_if_mine(self.key(name), lambda: name not in self.broker.subscriptions)
+
+    def _checkpoint(self, sub: DurableSubscription, *, force: bool = False) -> None:
+        state = [sorted(sub.filters), cursor_state(sub)[0]]
+        if not force and self._written.get(sub.name) == state:
+            return
+        self._written[sub.name] = state
+
+        def make() -> bytes | None:
+            if self.broker.subscriptions.get(sub.name) is not sub:
+                return None
+            return keys.encode(self.snapshot(sub))
+        self.writer.put(self.key(sub.name), make)
+
+    async def _checkpoints(self) -> None:
+        while True:
+            await asyncio.sleep(CHECKPOINT_S)
+            try:
+                for sub in self._shared():
+                    self._checkpoint(sub)
+            except Exception:  # noqa: BLE001 - the next round tries again
+                log.exception("cluster: checkpointing durable subscriptions failed")
+
+    async def drop_moved(self) -> int:
+        """At start: drop durable subscriptions restored from this node's store that another
+        node holds now (etcd names it)."""
+        dropped = 0
+        for sub in self._shared():
+            try:
+                kv = await self.node.client.get(self.key(sub.name))
+            except Exception as exc:  # noqa: BLE001 - kept; checked again at its next move
+                log.warning("cluster: cannot check where subscription %r lives: %s", sub.name, exc)
+                continue
+            holder = keys.decode(kv.value).get("node") if kv is not None else None
+            if holder is not None and holder != self.node.node_id and not sub.consumers:
+                self._give_up(sub)
+                dropped += 1
+        if dropped:
+            log.info("cluster: %d durable subscriptions restored here had moved; dropped", dropped)
+        return dropped
+
+    def _give_up(self, sub: DurableSubscription) -> None:
+        self._releasing.add(sub.name)
+        try:
+            self.broker.remove_subscription(sub.name)
+            self._written.pop(sub.name, None)
+        finally:
+            self._releasing.discard(sub.name)
+
+    # ------------------------------------------------------------ the consumer's node
+    async def find(self, name: str) -> str | None:
+        try:
+            return await asyncio.wait_for(self._find(name), TAKEOVER_TIMEOUT_S)
+        except TimeoutError:
+            return f"durable subscription {name!r} could not be brought to this node in time; retry"
+
+    async def _find(self, name: str) -> str | None:
+        me = self.node.node_id
+        kv = await self.node.client.get(self.key(name))
+        if kv is None:
+            return None  # a new subscription: it is defined here
+        state = keys.decode(kv.value)
+        holder = state.get("node")
+        if holder != me and holder in self.node.view.nodes():
+            try:
+                reply = await self.rpc.release_durable(holder, {"name": name, "to": me}, RELEASE_CALL_TIMEOUT_S)
+            except StateCallError as exc:
+                log.warning("cluster: node %s did not hand subscription %r over (%s); resuming "
+                            "from its last checkpoint", holder, name, exc)
+                reply = {}
+            if reply.get("busy"):
+                return str(reply["busy"])
+            if reply.get("state") is not None:
+                state = reply["state"]
+        if name in self.broker.subscriptions:
+            return None
+        self.adopt(state)
+        self.taken_over += 1
+        log.info("cluster: durable subscription %r taken over from %s", name, holder)
+        return None
+
+    def adopt(self, state: dict[str, Any]) -> DurableSubscription:
+        broker = self.broker
+        options = dict(state.get("owner") or {})
+        factory = self.edge.owner_factories.get(str(options.get("protocol", "")))
+        owner = factory(options) if factory is not None else None
+        sub = broker.durable_subscription(state["name"], SubscriptionType(state["type"]), owner=owner)
+        self.placer.place(sub, state.get("cursors", []), state.get("messages", []),
+                          int(state.get("taken_ms", now_ms())))
+        for topic_filter in state.get("filters", []):
+            broker.add_filter(sub, topic_filter)
+        self._checkpoint(sub, force=True)  # etcd names this node now
+        return sub
+
+    # ------------------------------------------------------------ the holder
+    async def release(self, request: dict[str, Any]) -> dict[str, Any]:
+        name = str(request["name"])
+        to = str(request.get("to", "another node"))
+        sub = self.broker.subscriptions.get(name)
+        if sub is None or not self.shareable(sub):
+            return {"state": None}
+        assert isinstance(sub, DurableSubscription)
+        if sub.consumers:
+            return {"busy": f"durable subscription {name!r} is consumed on node {self.node.node_id}: "
+                            f"all its consumers must be on one node; connect to {self.node.node_id} "
+                            "or stop those consumers first"}
+        state = self.snapshot(sub)
+        self._give_up(sub)
+        log.info("cluster: durable subscription %r handed over to %s", name, to)
+        return {"state": state}
