@@ -57,23 +57,36 @@ from .wire import (
     with_fixed_header,
 )
 
+#: How many topics keep their encoded topic name field (cleared when full): a broker delivers
+#: the same few topics over and over, so encoding a topic name is mostly a dictionary look-up.
+TOPIC_FIELDS_KEPT = 4096
+_TOPIC_FIELDS: dict[str, bytes] = {}
+
+
+def encode_str_field(text: str) -> bytes:
+    """A topic name as its PUBLISH field: two-byte length, then UTF-8 (§1.5.3)."""
+    raw = text.encode("utf-8")
+    if len(raw) > 0xFFFF:
+        raise ValueError("topic longer than 65535 bytes")
+    return pack_u16(len(raw)) + raw
+
 
 def _publish_bytes(
     topic: str, payload: bytes, qos: int, retain: bool, dup: bool, packet_id: int | None,
     props: bytes | None,
 ) -> bytes:
-    raw = topic.encode("utf-8")
-    length = len(raw)
-    if length > 0xFFFF:
-        raise ValueError("topic longer than 65535 bytes")
+    head = _TOPIC_FIELDS.get(topic)
+    if head is None:
+        head = encode_str_field(topic)
+        if len(_TOPIC_FIELDS) >= TOPIC_FIELDS_KEPT:
+            _TOPIC_FIELDS.clear()
+        _TOPIC_FIELDS[topic] = head
     if qos:
         if qos not in (1, 2):
             raise ValueError(f"invalid QoS {qos}")
         if not packet_id:
             raise ValueError("PUBLISH with QoS > 0 needs a non-zero packet identifier")
-        head = pack_u16(length) + raw + pack_u16(packet_id)
-    else:
-        head = pack_u16(length) + raw
+        head += pack_u16(packet_id)
     first = 0x30 | (qos << 1) | (0x01 if retain else 0) | (0x08 if dup else 0)
     if props is not None:
         head += props
