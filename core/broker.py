@@ -419,25 +419,26 @@ class Broker:
             self.dispatch(message)
             return None
         if message.transient and not self._wanted_durably(message.topic):
-            self._deliver_transient(shard, message)
-            return None
+            return self._deliver_transient(shard, message)
         return self._append_reliable(shard, message)
 
     def _wanted_durably(self, topic: str) -> bool:
         """Whether a durable subscription (one that replays the journal) matches `topic`."""
         return any(sub.durable for sub, _ in self.match(topic))
 
-    def _deliver_transient(self, shard: Shard, message: Message) -> None:
+    def _deliver_transient(self, shard: Shard, message: Message) -> asyncio.Future[None] | None:
         """A transient message that no durable subscription wants: not journaled (so not
-        archived either) and without an offset. It is delivered at once, unless the shard's
-        stored messages are being held until their commit: then it waits behind them, so that
-        subscribers see the producer's order."""
+        archived either) and without an offset. It is delivered at once (returns None), unless
+        the shard's stored messages are being held until their commit: then it waits behind
+        them, so that subscribers see the producer's order, and the commit future that
+        releases it is returned (the caller learns when it was delivered)."""
         if shard in self._held:
-            for group in reversed(self._awaiting_commit.values()):
+            for waiter, group in reversed(self._awaiting_commit.items()):
                 if group.shard is shard and group.messages:
                     group.messages.append(message)
-                    return
+                    return waiter
         self.dispatch(message)
+        return None
 
     def _append_reliable(self, shard: Shard, message: Message) -> asyncio.Future[None] | None:
         shard_log = shard.log

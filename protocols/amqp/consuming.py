@@ -28,6 +28,9 @@ class ConsumingMixin(ConnectionBase):
             channel.prefetch = frame.prefetch_count
         else:
             channel.consumer_prefetch = frame.prefetch_count
+            # rabbit_channel handle_method basic.qos global=false also lifts the channel's
+            # limit (rabbit_limiter:unlimit_prefetch/1).
+            channel.prefetch = 0
         self.send_method(channel.number, commands.Basic.QosOk())
         self.wake_channel(channel)
 

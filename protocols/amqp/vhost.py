@@ -120,6 +120,8 @@ DEFAULT_EXCHANGE_REFUSED = "operation not permitted on the default exchange"
 
 # The queue arguments RabbitMQ compares on redeclaration (rabbit_amqqueue declare_args/0);
 # other arguments are not compared.
+_REFUSED_KEY = "amqp-refused"  # in Message.encoded: an x-overflow reject-publish queue refused it
+QUEUE_TYPES = ("classic", "quorum", "stream")
 OVERFLOW_MODES = ("drop-head", "reject-publish", "reject-publish-dlx")
 EQUIVALENT_QUEUE_ARGS = (
     "x-expires", "x-message-ttl", "x-dead-letter-exchange", "x-dead-letter-routing-key",
@@ -182,7 +184,6 @@ class VirtualHost:
         self.queues: dict[str, Queue] = {}
         # Messages a queue refused (x-overflow reject-publish), by id, until their publisher's
         # confirm is decided: a reliable stream routes them once their commit is durable.
-        self.refused_publishes: set[int] = set()
         self.exchange_bindings: dict[tuple[str, str, str, tuple[tuple[str, str], ...]], ExchangeBinding] = {}
         # Queues with a TTL or an x-expires, swept by the service's timer.
         self.timed_queues: set[Queue] = set()
@@ -514,6 +515,26 @@ class VirtualHost:
                 )
             existing.last_used_ms = now_ms()  # a redeclare renews x-expires
             return existing, False
+        # x-queue-type (rabbit_queue_type): quorum and stream queues are accepted and kept as
+        # classic ones are, with their own declare checks (rabbit_queue_type_util run_checks).
+        queue_type = _erl(arguments.get("x-queue-type", "classic"))
+        if queue_type not in QUEUE_TYPES:
+            raise _err(
+                ReplyCode.PRECONDITION_FAILED,
+                f"invalid arg 'x-queue-type' for queue '{name}' in vhost '{self.name}': "
+                f"\"unsupported queue type '{queue_type}'\"", method,
+            )
+        if queue_type != "classic":
+            for problem, present in (
+                ("auto-delete", frame.auto_delete), ("exclusive-owner", frame.exclusive),
+                ("non-durable", not is_durable),
+            ):
+                if present:
+                    raise _err(
+                        ReplyCode.PRECONDITION_FAILED,
+                        f"invalid property '{problem}' for queue '{name}' in vhost '{self.name}'",
+                        method,
+                    )
         broker, edge = self.broker, self.edge
         sub_name = self._subscription_name(name)
         keeps_messages = frame.durable and not frame.exclusive and broker.storage is not None
@@ -568,15 +589,17 @@ class VirtualHost:
         return queue
 
     def _publish_refused(self, message: Message) -> None:
-        self.refused_publishes.add(id(message))
+        # Marked on the message itself: a refusal nobody asks about (a publish from another
+        # protocol) goes with the message instead of lingering under an id that a later
+        # message could reuse.
+        if message.encoded is None:
+            message.encoded = {}
+        message.encoded[_REFUSED_KEY] = b"1"
 
     def take_refusal(self, message: Message) -> bool:
         """Whether a queue refused `message` (forgotten once asked)."""
-        refused = self.refused_publishes
-        if not refused or id(message) not in refused:
-            return False
-        refused.discard(id(message))
-        return True
+        encoded = message.encoded
+        return encoded is not None and encoded.pop(_REFUSED_KEY, None) is not None
 
     # ------------------------------------------------------------------ durable topology
     @property
@@ -813,6 +836,7 @@ class VirtualHost:
             expires_at_ms=None,
             producer_protocol=original.producer_protocol,
             producer_id=original.producer_id,
+            transient=original.transient,
         )
         raw = native_properties(original)
         if raw is None:

@@ -888,6 +888,131 @@ async def nowait_methods(s: Session) -> None:
     await conn.call(ch, Q.Declare(queue=queue, passive=True, nowait=True))
 
 
+@scenario
+async def queue_types(s: Session) -> None:
+    conn = await s.connect()
+    ch = await conn.channel()
+    for label, durable, exclusive, arguments in (
+        ("quorum", True, False, {"x-queue-type": "quorum"}),
+        ("classic", True, False, {"x-queue-type": "classic"}),
+        ("stream", True, False, {"x-queue-type": "stream"}),
+        ("quorum-transient", False, False, {"x-queue-type": "quorum"}),
+        ("quorum-exclusive", True, True, {"x-queue-type": "quorum"}),
+        ("stream-exclusive", True, True, {"x-queue-type": "stream"}),
+        ("weird", True, False, {"x-queue-type": "weird"}),
+    ):
+        queue = s.name(label)
+        await conn.call(ch, Q.Declare(queue=queue, durable=durable, exclusive=exclusive,
+                                      arguments=arguments))
+        if ch in conn.open_channels:
+            await conn.call(ch, Q.Delete(queue=queue))
+        else:
+            ch = await conn.channel()
+
+
+@scenario
+async def dead_letter_on_expiry(s: Session) -> None:
+    conn = await s.connect()
+    ch = await conn.channel()
+    dead, work = s.name("dead"), s.name("work")
+    await conn.call(ch, Q.Declare(queue=dead, exclusive=True))
+    await conn.call(ch, Q.Declare(queue=work, exclusive=True, arguments={
+        "x-dead-letter-exchange": "", "x-dead-letter-routing-key": dead, "x-message-ttl": 50,
+    }))
+    await conn.publish(ch, "", work, b"queue-ttl")
+    await conn.publish(ch, "", work, b"message-ttl", P(expiration="20", headers={"k": "v"}))
+    await poll(conn, ch, dead, 2)
+    await conn.call(ch, B.Get(queue=dead, no_ack=True))
+    await conn.call(ch, B.Get(queue=dead, no_ack=True))
+
+
+@scenario
+async def zero_expiration(s: Session) -> None:
+    conn = await s.connect()
+    ch = await conn.channel()
+    queue = s.name("zero")
+    await conn.call(ch, Q.Declare(queue=queue, exclusive=True))
+    await conn.publish(ch, "", queue, b"gone", P(expiration="0"))
+    await asyncio.sleep(0.2)
+    await conn.call(ch, Q.Declare(queue=queue, passive=True))
+    await conn.call(ch, B.Consume(queue=queue, consumer_tag="z", no_ack=True))
+    await conn.publish(ch, "", queue, b"taken", P(expiration="0"))
+    await conn.until(ch, "Basic.Deliver", 1)
+
+
+@scenario
+async def reject_publish_dlx(s: Session) -> None:
+    conn = await s.connect()
+    ch = await conn.channel()
+    await conn.call(ch, c.Confirm.Select())
+    dead, full = s.name("dead"), s.name("full")
+    await conn.call(ch, Q.Declare(queue=dead, exclusive=True))
+    await conn.call(ch, Q.Declare(queue=full, exclusive=True, arguments={
+        "x-max-length": 1, "x-overflow": "reject-publish-dlx",
+        "x-dead-letter-exchange": "", "x-dead-letter-routing-key": dead,
+    }))
+    for i in range(3):
+        await conn.publish(ch, "", full, b"%d" % i, barrier=False)
+    await conn.confirmed(ch, 3)
+    await poll(conn, ch, dead, 2)
+    await conn.call(ch, B.Get(queue=dead, no_ack=True))
+    await conn.call(ch, Q.Declare(queue=full, passive=True))
+
+
+@scenario
+async def headers_exchange_with_x_keys(s: Session) -> None:
+    await route_through(
+        s, "headers",
+        [("", {"x-match": "all-with-x", "x-id": 1}), ("", {"x-match": "any-with-x", "x-id": 1,
+                                                            "y": "z"}),
+         ("", {"x-match": "all", "x-id": 1})],
+        [("", {"x-id": 1}), ("", {"y": "z"}), ("", {"x-id": 2})],
+    )
+
+
+@scenario
+async def per_consumer_and_channel_prefetch(s: Session) -> None:
+    conn = await s.connect()
+    ch = await conn.channel()
+    queue = s.name("qos")
+    await conn.call(ch, Q.Declare(queue=queue, exclusive=True))
+    for i in range(6):
+        await conn.publish(ch, "", queue, b"%d" % i)
+    await poll(conn, ch, queue, 6)
+    await conn.call(ch, B.Qos(prefetch_count=3, global_=True))
+    await conn.call(ch, B.Qos(prefetch_count=1))
+    await conn.call(ch, B.Consume(queue=queue, consumer_tag="one"))
+    await conn.until(ch, "Basic.Deliver", 1)
+    await conn.call(ch, B.Qos(prefetch_count=5))  # for consumers made later
+    await conn.call(ch, B.Consume(queue=queue, consumer_tag="two"))
+    await conn.until(ch, "Basic.Deliver", 3)
+    await asyncio.sleep(0.2)
+    await conn.call(ch, Q.Declare(queue=queue, passive=True))
+    await conn.call(ch, B.Cancel(consumer_tag="one"))
+    await conn.call(ch, B.Cancel(consumer_tag="two"))
+    await conn.call(ch, B.Ack(delivery_tag=0, multiple=True))  # unacked survive the cancel
+    await conn.call(ch, Q.Declare(queue=queue, passive=True))
+
+
+@scenario
+async def unacked_return_redelivered_to_another_connection(s: Session) -> None:
+    owner = await s.connect("owner")
+    och = await owner.channel()
+    queue = s.name("shared")
+    await owner.call(och, Q.Declare(queue=queue, auto_delete=False))
+    for i in range(2):
+        await owner.publish(och, "", queue, b"%d" % i)
+    await poll(owner, och, queue, 2)
+    taker = await s.connect("taker")
+    tch = await taker.channel()
+    await taker.call(tch, B.Get(queue=queue))
+    await taker.close()
+    await poll(owner, och, queue, 2)
+    await owner.call(och, B.Get(queue=queue, no_ack=True))
+    await owner.call(och, B.Get(queue=queue, no_ack=True))
+    await owner.call(och, Q.Delete(queue=queue))
+
+
 # ---------------------------------------------------------------------- the test
 @pytest.fixture
 def shardgate_url(broker_factory: Callable[..., object]) -> str:

@@ -38,12 +38,13 @@ async def test_a_transient_message_waits_behind_stored_messages_held_for_their_c
     # A fresh journal holds its first message until the commit (no reservation yet).
     first = broker.publish(Message("t/1", b"stored"))
     assert first is not None and recorder.got == []
-    assert broker.publish(Message("t/1", b"transient", transient=True)) is None
+    held = broker.publish(Message("t/1", b"transient", transient=True))
+    assert held is first, "the caller can wait until it is delivered"
     assert recorder.got == [], "it must not overtake the message published before it"
     await first
     assert recorder.got == [(0, b"stored"), (-1, b"transient")]
     # Nothing held now: delivered at once, and never written to the journal.
-    broker.publish(Message("t/1", b"later", transient=True))
+    assert broker.publish(Message("t/1", b"later", transient=True)) is None
     assert recorder.got[-1] == (-1, b"later")
     log = journal.open_shard("default", 0)
     assert log.next_offset == 1
