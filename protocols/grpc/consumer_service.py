@@ -209,6 +209,11 @@ class ConsumerService(pb_grpc.ConsumerServicer):
 
     async def _write(self, consumer: GrpcConsumer, reader: asyncio.Future[None],
                      context: grpc.aio.ServicerContext) -> None:
+        # In a cluster, Subscribed waits (bounded) until the other nodes know the subscription,
+        # so a message published anywhere after it reaches this consumer.
+        ready = self.server.broker.routes_ready()
+        if ready is not None:
+            await ready
         active = consumer.active
         await context.write(pb.ConsumeResponse(subscribed=pb.Subscribed(
             subscription=consumer.subscription.name, consumer_id=consumer.id, active=active)))

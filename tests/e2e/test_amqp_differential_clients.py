@@ -248,6 +248,51 @@ def aio_pika_script(url: str, name: Callable[[str], str], out: list[Any]) -> Non
     asyncio.run(aio_pika_surface(url, name, out))
 
 
+# ---------------------------------------------------------------------- aiormq
+async def aiormq_surface(url: str, name: Callable[[str], str], out: list[Any]) -> None:
+    import aiormq
+
+    connection = await aiormq.connect(url)
+    try:
+        channel = await connection.channel()
+        declared = await channel.queue_declare(name("q"), exclusive=True)
+        out.append((declared.message_count, declared.consumer_count))
+        confirmation = await channel.basic_publish(b"one", routing_key=name("q"))
+        out.append(type(confirmation).__name__)
+        try:
+            await channel.basic_publish(b"lost", routing_key=name("none"), mandatory=True)
+        except aiormq.exceptions.PublishError as exc:
+            out.append((type(exc).__name__, exc.message.delivery.reply_code))
+        got = await channel.basic_get(name("q"), no_ack=False)
+        out.append((got.body, got.delivery.message_count, got.delivery.redelivered))
+        await channel.basic_reject(got.delivery.delivery_tag, requeue=True)
+        bodies: list[Any] = []
+        done = asyncio.get_running_loop().create_future()
+
+        async def on_message(message: Any) -> None:
+            bodies.append((message.body, message.delivery.redelivered))
+            await message.channel.basic_ack(message.delivery.delivery_tag)
+            if not done.done():
+                done.set_result(None)
+
+        consume = await channel.basic_consume(name("q"), on_message, consumer_tag="aio")
+        await asyncio.wait_for(done, 10)
+        out.append((bodies, consume.consumer_tag))
+        out.append(type(await channel.basic_cancel("aio")).__name__)
+        try:
+            await channel.exchange_declare(name("x"), exchange_type="nope")
+        except Exception as exc:  # noqa: BLE001
+            out.append(error(exc))
+    finally:
+        if not connection.is_closed:
+            await connection.close()
+
+
+@script
+def aiormq_script(url: str, name: Callable[[str], str], out: list[Any]) -> None:
+    asyncio.run(aiormq_surface(url, name, out))
+
+
 # ---------------------------------------------------------------------- the test
 def run_script(url: str, which: str) -> Any:
     token = uuid.uuid4().hex[:8]

@@ -437,3 +437,23 @@ def test_metrics_carry_the_node_and_count_a_forwarded_publish_once(cluster: Clus
     assert received == {"n1": len(topics), "n2": 0}, "counted by the node the client used, once"
     by_protocol = metric(n1, "shardgate_protocol_messages_received_total", protocol="mqtt", node="n1")
     assert by_protocol == len(topics)
+
+
+async def test_a_grpc_publish_on_another_node_right_after_subscribed_reaches_the_consumer(
+    protocol_nodes: list[ClusterNodeProcess],
+) -> None:
+    n1, n2 = protocol_nodes
+    placement = n1.status()["placement"]
+    topics = [t for t in (f"{stream}/grpc-after/{i}" for i in range(200) for stream in ("fast", "safe"))
+              if placement[t.split("/")[0]][zlib.crc32(t.encode()) % 4][0] == "n1"][:15]
+    assert len(topics) == 15
+    async with Client(f"127.0.0.1:{n2.ports['grpc']}") as c2, Client(f"127.0.0.1:{n1.ports['grpc']}") as c1:
+        producer = c1.producer()
+        for index, topic in enumerate(topics):
+            # two subscriptions in a row: the second's routes go out after the batching delay
+            other = c2.consumer(f"other-{index}", [f"other/{index}"])
+            await other.subscribe()
+            consumer = c2.consumer(f"after-{index}", [topic])
+            await consumer.subscribe()  # returns once the Subscribed answer came
+            await producer.send(topic, str(index))
+            assert (await consumer.receive(5)).text() == str(index), topic
