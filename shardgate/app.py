@@ -10,13 +10,13 @@ import errno
 import logging
 import ssl
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import Config, ConfigError
 from .core.broker import Broker
 from .core.edge import Edge
 from .core.errors import CoreError
-from .core.streams import RoutingRule, StreamConfig
+from .core.streams import DispatchMode, RoutingRule, Schema, StreamConfig
 from .persistence import MetadataTopologySink, Persistence, stream_config
 from .protocols.mqtt.server import start_tcp_listener, start_websocket_listener
 from .protocols.mqtt.service import MqttService
@@ -24,6 +24,15 @@ from .storage.interfaces import StorageError
 from .storage.journal import JournalStorage
 from .storage.metadata import SqliteMetadataStore
 from .storage.metadata.ports import MetadataPorts
+
+if TYPE_CHECKING:
+    from .bridges.base import BridgeBase
+    from .cluster.control import ClusterNode
+    from .cluster.forward import DataPlane
+    from .protocols.amqp.service import AmqpService
+    from .protocols.grpc.server import GrpcServer
+    from .security.auth import Security
+    from .storage.archive import Archiver, ArchiveReader
 
 log = logging.getLogger(__name__)
 
@@ -61,22 +70,22 @@ class Shardgate:
         # The front door every protocol, admin surface and bridge goes through.
         self.edge: Edge | None = None
         self.mqtt: MqttService | None = None
-        self.grpc: Any = None
+        self.grpc: GrpcServer | None = None
         self.journal: JournalStorage | None = None
         self.metadata: SqliteMetadataStore | None = None
         self.ports: MetadataPorts | None = None
         self.persistence: Persistence | None = None
-        self.archiver: Any = None
-        self.security: Any = None
-        self.bridges: list[Any] = []
-        self.archive_reader: Any = None
+        self.archiver: Archiver | None = None
+        self.security: Security | None = None
+        self.bridges: list[BridgeBase[Any]] = []
+        self.archive_reader: ArchiveReader | None = None
         # The AMQP service (shared by the amqp and amqps listeners), once listening.
-        self.amqp: Any = None
+        self.amqp: AmqpService | None = None
         # cluster mode (`[cluster]` / `--cluster`): this node's membership; None on a single node
-        self.cluster: Any = None
+        self.cluster: ClusterNode | None = None
         # cluster mode: forwarding, route table and pushes between nodes (`cluster.forward`),
         # started before any client listener so that no publish is stored by a non-owner
-        self.data_plane: Any = None
+        self.data_plane: DataPlane | None = None
         self._stopped = asyncio.Event()
 
     def _ssl_context(self) -> ssl.SSLContext:
@@ -104,15 +113,17 @@ class Shardgate:
         )
         self.metadata = SqliteMetadataStore(config.data_dir / "metadata.db")
         default = StreamConfig(
-            "default", mode=config.default_stream_mode, partitions=config.default_stream_partitions
+            "default", mode=DispatchMode(config.default_stream_mode),
+            partitions=config.default_stream_partitions,
         )
         broker = Broker(storage=self.journal, default_stream=default)
-        broker.create_stream(StreamConfig(SYS_STREAM, mode="non-reliable"))
+        broker.create_stream(StreamConfig(SYS_STREAM, mode=DispatchMode.NON_RELIABLE))
         broker.add_route(RoutingRule("$SYS/#", SYS_STREAM))
         declared_routes: dict[str, str] = {}
         for entry in config.streams:
             declared = StreamConfig(
-                entry.name, mode=entry.mode, partitions=entry.partitions, schema=entry.schema,
+                entry.name, mode=DispatchMode(entry.mode), partitions=entry.partitions,
+                schema=Schema(entry.schema),
                 retention_ms=entry.retention_ms, retention_bytes=entry.retention_bytes,
             )
             routes = entry.routes or [entry.name, f"{entry.name}/#"]
@@ -229,44 +240,43 @@ class Shardgate:
                 self._add_listener("mqtts", server)
             if ports.mqtt_ws_port:
                 starting = ("MQTT over WebSocket", host, ports.mqtt_ws_port, "listeners.mqtt_ws_port")
-                server = await start_websocket_listener(self.mqtt, host, ports.mqtt_ws_port)
-                self._add_listener("mqtt-ws", server)
+                websocket = await start_websocket_listener(self.mqtt, host, ports.mqtt_ws_port)
+                self._add_listener("mqtt-ws", websocket)
             if ports.mqtt_wss_port:
                 starting = ("MQTT over secure WebSocket", host, ports.mqtt_wss_port,
                             "listeners.mqtt_wss_port")
-                server = await start_websocket_listener(
+                websocket = await start_websocket_listener(
                     self.mqtt, host, ports.mqtt_wss_port, self._ssl_context()
                 )
-                self._add_listener("mqtt-wss", server)
+                self._add_listener("mqtt-wss", websocket)
             if ports.amqp_port:
                 starting = ("AMQP", host, ports.amqp_port, "listeners.amqp_port")
                 from .protocols.amqp.server import start_amqp_listener
 
-                server = await start_amqp_listener(edge, host, ports.amqp_port, None, config.amqp)
-                self.amqp = server.service
+                amqp = await start_amqp_listener(edge, host, ports.amqp_port, None, config.amqp)
+                self.amqp = amqp.service
                 if self.security is not None:
-                    self.security.attach_amqp(server.service)
-                self._add_listener("amqp", server)
+                    self.security.attach_amqp(amqp.service)
+                self._add_listener("amqp", amqp)
             if ports.amqps_port:
                 starting = ("AMQP over TLS", host, ports.amqps_port, "listeners.amqps_port")
                 from .protocols.amqp.server import start_amqp_listener
 
                 plain = self.listeners.get("amqp")
-                server = await start_amqp_listener(
+                amqps = await start_amqp_listener(
                     edge, host, ports.amqps_port, self._ssl_context(), config.amqp,
                     service=plain.server.service if plain is not None else None,
                 )
                 if self.security is not None and plain is None:
-                    self.security.attach_amqp(server.service)
-                self.amqp = server.service
-                self._add_listener("amqps", server)
+                    self.security.attach_amqp(amqps.service)
+                self.amqp = amqps.service
+                self._add_listener("amqps", amqps)
             if ports.grpc_port:
                 starting = ("gRPC", host, ports.grpc_port, "listeners.grpc_port")
                 from .protocols.grpc.server import start_grpc_server
 
-                server = await start_grpc_server(edge, host, ports.grpc_port, None, config.grpc)
-                self.grpc = server
-                self._add_listener("grpc", server)
+                self.grpc = await start_grpc_server(edge, host, ports.grpc_port, None, config.grpc)
+                self._add_listener("grpc", self.grpc)
             if ports.http_port:
                 starting = ("admin HTTP", ports.http_host, ports.http_port, "listeners.http_port")
                 from .admin.admin_http import start_http_server
@@ -280,8 +290,8 @@ class Shardgate:
                         "keep listeners.http_host on a loopback address such as 127.0.0.1"
                     )
 
-                server = await start_http_server(self, ports.http_host, ports.http_port)
-                self._add_listener("http", server)
+                http = await start_http_server(self, ports.http_host, ports.http_port)
+                self._add_listener("http", http)
         except ConfigError:
             await self.stop()
             raise
@@ -341,6 +351,7 @@ class Shardgate:
                 for stream in broker.streams.values() if stream.reliable
             ]
 
+        assert self.journal is not None  # the archive reads the journal's reliable streams
         try:
             self.archiver = Archiver(self.journal, url, reliable_streams, settings)
             await self.archiver.start()

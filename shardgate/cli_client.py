@@ -28,7 +28,7 @@ Handler = Callable[[Client, argparse.Namespace], Awaitable[int]]
 
 
 # ------------------------------------------------------------------------------ output
-def _table(rows: Sequence[Sequence[Any]], headers: Sequence[str], out: TextIO) -> None:
+def _table(rows: Sequence[Sequence[object]], headers: Sequence[str], out: TextIO) -> None:
     text = [[str(cell) for cell in row] for row in rows]
     widths = [max([len(h)] + [len(row[i]) for row in text]) for i, h in enumerate(headers)]
     print("  ".join(h.upper().ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip(),
@@ -291,7 +291,7 @@ async def _info(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         _json(info, sys.stdout)
     else:
-        rows = [["version", info.version], ["uptime (s)", f"{info.uptime_s:.0f}"],
+        rows: list[list[object]] = [["version", info.version], ["uptime (s)", f"{info.uptime_s:.0f}"],
                 ["listeners", ", ".join(f"{n} {h}:{p}" for n, (h, p) in info.listeners.items())],
                 ["messages in / out", f"{info.messages_in} / {info.messages_out}"],
                 ["dropped", info.messages_dropped], ["streams", info.streams],
