@@ -15,8 +15,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, is_dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -30,6 +29,11 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from .. import __version__
+
+if TYPE_CHECKING:
+    from ..app import Shardgate
+    from ..protocols.amqp.service import AmqpService
+    from ..protocols.grpc.server import GrpcServer
 
 PREFIX = "shardgate"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -47,36 +51,25 @@ _JOURNAL_COUNTERS = (
 
 
 # ---------------------------------------------------------------------------- protocol lookups
-def _listener_server(app: Any, name: str) -> Any:
-    listener = (getattr(app, "listeners", None) or {}).get(name)
-    return getattr(listener, "server", None)
-
-
-def amqp_service(app: Any) -> Any:
+def amqp_service(app: Shardgate) -> AmqpService | None:
     """The node's `AmqpService`, or None when no AMQP listener runs."""
-    found = getattr(app, "amqp", None) or _listener_server(app, "amqp")
-    if found is not None and not hasattr(found, "connections"):
-        found = getattr(found, "service", None)  # the `AmqpServer` wrapping the service
-    return found
+    return app.amqp
 
 
-def grpc_server(app: Any) -> Any:
+def grpc_server(app: Shardgate) -> GrpcServer | None:
     """The node's `GrpcServer`, or None when no gRPC listener runs."""
-    return getattr(app, "grpc", None) or _listener_server(app, "grpc")
+    return app.grpc
 
 
-def connection_counts(app: Any) -> dict[str, int]:
+def connection_counts(app: Shardgate) -> dict[str, int]:
     """Open client connections (or client streams, for gRPC) by protocol."""
     counts: dict[str, int] = {}
-    mqtt = getattr(app, "mqtt", None)
-    if mqtt is not None:
-        counts["mqtt"] = len(mqtt.connections)
-    amqp = amqp_service(app)
-    if amqp is not None:
-        counts["amqp"] = len(amqp.connections)
-    grpc = grpc_server(app)
-    if grpc is not None:
-        counts["grpc"] = len(getattr(grpc, "consumers", ())) + len(getattr(grpc, "producers", ()))
+    if app.mqtt is not None:
+        counts["mqtt"] = len(app.mqtt.connections)
+    if app.amqp is not None:
+        counts["amqp"] = len(app.amqp.connections)
+    if app.grpc is not None:
+        counts["grpc"] = len(app.grpc.consumers) + len(app.grpc.producers)
     return counts
 
 
@@ -90,29 +83,24 @@ def subscription_queue(sub: Any) -> Any:
     return queue if hasattr(queue, "__len__") else None
 
 
-def archive_status(app: Any) -> dict[str, Any] | None:
-    """`app.archiver.status()` as a plain dict, or None when no archiver runs."""
-    archiver = getattr(app, "archiver", None)
-    if archiver is None:
+def archive_status(app: Shardgate) -> dict[str, Any] | None:
+    """The archiver's status, totals for the gauges and the shards as they are for the API;
+    None when no archiver runs."""
+    if app.archiver is None:
         return None
-    status = archiver.status() if callable(getattr(archiver, "status", None)) else {}
-    if is_dataclass(status) and not isinstance(status, type):
-        status = asdict(status)
-    elif hasattr(status, "_asdict"):
-        status = status._asdict()
-    if isinstance(status, list):
-        # One entry per shard: totals for the gauges, the shards as they are for the API.
-        totals: dict[str, Any] = {}
-        for shard in status:
-            for key in ("lag_records", "files", "bytes", "buffered", "failures", "skipped"):
-                value = shard.get(key)
-                if isinstance(value, int | float):
-                    totals[key] = totals.get(key, 0) + value
-        lag_ms = [s.get("lag_ms") for s in status if isinstance(s.get("lag_ms"), int | float)]
-        totals["lag_ms"] = max(lag_ms, default=0)
-        totals["shards"] = status
-        return totals
-    return dict(status) if isinstance(status, dict) else {"status": status}
+    status: Any = app.archiver.status()  # one entry per stream and shard
+    if isinstance(status, dict):  # an archiver that reports totals itself
+        return dict(status)
+    totals: dict[str, Any] = {}
+    for shard in status:
+        for key in ("lag_records", "files", "bytes", "buffered", "failures", "skipped"):
+            value = shard.get(key)
+            if isinstance(value, int | float):
+                totals[key] = totals.get(key, 0) + value
+    lag_ms = [lag for s in status if isinstance(lag := s.get("lag_ms"), int | float)]
+    totals["lag_ms"] = max(lag_ms, default=0)
+    totals["shards"] = status
+    return totals
 
 
 # ---------------------------------------------------------------------------- the collector

@@ -67,7 +67,7 @@ ROUTE_DEBOUNCE_S = 0.02
 ROUTE_WAIT_S = 1.0
 # A node whose view of the shard map is behind a peer's waits this long for its etcd watch
 # to catch up before it refuses a message it is not (yet) the owner of.
-VIEW_CATCH_UP_S = 2.0
+VIEW_CATCH_UP_S = 5.0
 # A broken stream is resumed (its unanswered frames sent again) while its oldest unanswered
 # frame is younger than this; older, their publishes fail retryably instead of waiting on.
 RESUME_LIMIT_S = 10.0
