@@ -47,7 +47,8 @@ class Message:
     # Encoded forms cached by protocol adapters so that many subscribers share one encoding.
     encoded: dict[Any, bytes] | None = None
     # The producer does not ask for it to be stored (an AMQP delivery-mode 1 message): on a
-    # reliable stream it is journaled only when a durable subscription wants it, else it is
+    # reliable stream it is journaled only when a durable subscription (or, in a cluster, a
+    # subscription on another node) wants it, else it is
     # delivered from memory in its place among the stored messages, as RabbitMQ keeps
     # transient messages (see Broker.publish).
     transient: bool = False
