@@ -213,6 +213,10 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
             if session.connection is not None:
                 node.claim_session(client_id)
     await node.durables.drop_moved()
+    if app.amqp is not None:
+        from .amqp_topology import SharedExchanges
+
+        SharedExchanges(node, broker, app.amqp).install()
 
     def empty_shards(shards: list[tuple[str, int]]) -> list[tuple[str, int]]:
         empty = []

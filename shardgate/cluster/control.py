@@ -178,7 +178,7 @@ class EtcdClusterView:
             self._apply(prefix, event)
             self.revision = max(self.revision, event.revision)
             key = event.key[len(prefix):]
-            relevant = relevant or not key.startswith((keys.SESSIONS, keys.DOCUMENTS))
+            relevant = relevant or not key.startswith((keys.SESSIONS, keys.DOCUMENTS, keys.AMQP))
         if relevant:
             self._refresh_nodes()
         return relevant
@@ -221,7 +221,7 @@ class EtcdClusterView:
                     else:
                         self.sessions[client_id] = node_id
                     self.session_changes.append((client_id, node_id))
-            elif key.startswith(keys.DOCUMENTS):
+            elif key.startswith((keys.DOCUMENTS, keys.AMQP)):
                 if value is None:
                     self.documents.pop(key, None)
                 else:
@@ -445,7 +445,7 @@ class ClusterNode:
                 await asyncio.sleep(WATCH_CHECK_S)
                 seen = self.view.revision
                 try:
-                    behind = await self.client.count_modified_since(self.prefix, seen)
+                    behind = await self.client.latest_modification(self.prefix) > seen
                 except Exception:
                     continue  # etcd away: the watch loop itself deals with that
                 if not behind:

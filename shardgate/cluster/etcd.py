@@ -279,12 +279,15 @@ class EtcdClient:
         reply = await self._unary("Range", "kv", rpc.RangeRequest(key=raw, range_end=prefix_end(raw)))
         return [_kv(kv) for kv in reply.kvs], reply.header.revision  # type: ignore[attr-defined]
 
-    async def count_modified_since(self, prefix: str, revision: int) -> int:
-        """How many keys under `prefix` were put after `revision` (a watch's health check)."""
+    async def latest_modification(self, prefix: str) -> int:
+        """The highest mod revision of a key under `prefix` (0: none), a watch's health check.
+        (A count_only range ignores min_mod_revision in etcd: it counts every key.)"""
         raw = prefix.encode()
         reply = await self._unary("Range", "kv", rpc.RangeRequest(
-            key=raw, range_end=prefix_end(raw), count_only=True, min_mod_revision=revision + 1))
-        return reply.count  # type: ignore[attr-defined]
+            key=raw, range_end=prefix_end(raw), limit=1, keys_only=True,
+            sort_order=rpc.RangeRequest.DESCEND, sort_target=rpc.RangeRequest.MOD))
+        kvs = reply.kvs  # type: ignore[attr-defined]
+        return kvs[0].mod_revision if kvs else 0
 
     async def put(self, key: str, value: bytes, lease: int = 0) -> int:
         reply = await self._unary("Put", "kv", rpc.PutRequest(key=key.encode(), value=value, lease=lease))

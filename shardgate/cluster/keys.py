@@ -9,6 +9,11 @@ agrees. Every key lives under `/shardgate/<cluster name>/`; values are JSON.
     routes/<pattern>       a routing rule: topics matching the pattern go to a stream
     auth/users, auth/acl   the users file and the ACL file, whole (see shared_files.py)
     sessions/<client id>   the node an MQTT client's session lives on (under that node's lease)
+    amqp/<vhost>/exchanges/<name>   a durable AMQP exchange (type, flags, arguments)
+
+Outside that prefix, under `/shardgate/<cluster name>.state/` (read on demand, never watched):
+    sessions/<client id>   an MQTT persistent session's last snapshot (sessions.py)
+    durables/<name>        a durable subscription's definition, holder and cursors (durables.py)
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ PLACEMENT_GUARD = "placement-guard"
 STREAMS = "streams/"
 ROUTES = "routes/"
 DOCUMENTS = "auth/"
+# Kept whole like documents (view.documents), watched, told to document listeners.
+AMQP = "amqp/"
 SESSIONS = "sessions/"
 
 
