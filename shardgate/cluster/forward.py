@@ -149,8 +149,10 @@ class PeerLink:
         self._closed = False
         self._broken: BaseException | None = None
         self.connected = False
-        # False after a failed dial, until a dial succeeds: forwards fail fast meanwhile.
+        # False after two failed dials in a row, until a dial succeeds: forwards fail fast
+        # meanwhile.
         self.reachable = True
+        self._failed_dials = 0
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"link-{node.node_id}")
 
     def __repr__(self) -> str:
@@ -221,9 +223,11 @@ class PeerLink:
             except Exception as exc:  # noqa: BLE001 - a broken link is redialed, never fatal
                 if self.connected or self.reachable:
                     log.warning("cluster link to %s lost: %s", self, _short(exc))
-                # A stream that broke is resumed on the next (its frames are sent again); a
-                # dial that failed means the peer is away: its clients get retryable errors.
-                self.reachable = self.connected and not self._closed
+                # A stream that broke is resumed on the next (its frames are sent again), as is
+                # one broken again while it opened; a peer that cannot be dialed twice in a row
+                # is away: its clients get retryable errors.
+                self._failed_dials = 0 if self.connected else self._failed_dials + 1
+                self.reachable = self._failed_dials < 2 and not self._closed
                 oldest = next(iter(self._unanswered.values()), None)
                 if not self.reachable or (
                     oldest is not None and time.perf_counter() - oldest.written_at > RESUME_LIMIT_S
