@@ -249,6 +249,7 @@ class ContinuousPublisher:
         self.refused: list[tuple[int, str, str]] = []
         self.unanswered: list[str] = []
         self.dropped = threading.Event()
+        self.disconnect: Any = None  # the server's DISCONNECT, when it sent one
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -271,7 +272,8 @@ class ContinuousPublisher:
                     puback = self.client.receive(self.ack_timeout_s)
                 except OSError:
                     puback = None
-                if puback is None:
+                if puback is None or isinstance(puback, p.Disconnect):
+                    self.disconnect = puback
                     self.unanswered.append(payload)
                     self.dropped.set()
                     return
@@ -310,7 +312,7 @@ _READS = itertools.count(1)
 
 
 async def read_back(grpc_url: str, filters: list[str], expected: set[str],
-                    timeout: float = 60) -> Counter[str]:
+                    timeout: float = 60, durable: bool = False) -> Counter[str]:
     """Every message under `filters` from the earliest offset, through the gRPC SDK on one
     node (shards owned elsewhere are read from their owners): the payloads and how often each
     came, once `expected` were all seen or nothing more came within a few seconds after the
@@ -320,7 +322,7 @@ async def read_back(grpc_url: str, filters: list[str], expected: set[str],
     deadline = time.monotonic() + timeout
     async with Client(grpc_url) as client:
         consumer = client.consumer(f"read-back-{next(_READS)}", filters, position="earliest",
-                                   durable=True)
+                                   durable=durable)
         await consumer.subscribe()
         while time.monotonic() < deadline:
             quiet = 3.0 if expected <= set(got) else max(0.1, deadline - time.monotonic())

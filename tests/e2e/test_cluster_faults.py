@@ -11,6 +11,7 @@ earliest offset: every message that was acknowledged must be there, once.
 from __future__ import annotations
 
 import asyncio
+import signal
 import zlib
 from collections import Counter
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ from typing import Any
 
 import aio_pika
 import pytest
-from shardgate.client import Client, Unavailable
+from shardgate.client import Client, ShardgateError, Unavailable
 
 from tests.conftest import wait_for
 from tests.e2e.cluster_fixtures import (
@@ -146,3 +147,111 @@ def assert_amqp_and_grpc_publishes_are_refused(node: ClusterNodeProcess, topic: 
                 await client.producer().send(topic, "refused")
 
     asyncio.run(check())
+
+
+def rss_mib(node: ClusterNodeProcess) -> float:
+    assert node.proc is not None
+    status = Path(f"/proc/{node.proc.pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_node_does_not_stop_the_others_and_catches_up_when_it_continues(
+    nodes: list[ClusterNodeProcess],
+) -> None:
+    """n2 is frozen (SIGSTOP) for longer than its lease: n1 goes on acknowledging its own
+    shards, a publish for n2's shards gets an answer (a retryable refusal, never a hang), n1's
+    memory stays bounded; after SIGCONT n2 rejoins and nothing acknowledged is lost."""
+    n1, n2 = nodes
+    status = n1.status()
+    own = topics_of(status, "safe", "safe/s", owner="n1", per_shard=2)
+    theirs = topics_of(status, "safe", "safe/s", owner="n2", per_shard=2)
+    to_n1 = ContinuousPublisher(n1.mqtt_port, "to-n1", own)
+    to_n2 = ContinuousPublisher(n1.mqtt_port, "to-n2", theirs)
+    # (a publish that n2 read just before it froze is answered after SIGCONT)
+    on_n2 = ContinuousPublisher(n2.mqtt_port, "on-n2", own + theirs, ack_timeout_s=120)
+    wait_for(lambda: min(p.count() for p in (to_n1, to_n2, on_n2)) >= 50, timeout=60)
+    rss_before = rss_mib(n1)
+    assert n2.proc is not None
+    n2.proc.send_signal(signal.SIGSTOP)
+    try:
+        at_stop = to_n1.count()
+        # n1's own shards keep being served while n2 is frozen ...
+        wait_for(lambda: to_n1.count() >= at_stop + 200, timeout=30)
+        # ... and a publish for n2's shards is answered: refused, retryably, once n2 is found
+        # dead (no answer within its lease) or the link to it is full
+        wait_for(lambda: to_n2.refusals() >= 3, timeout=30)
+        assert not to_n2.dropped.is_set() and not to_n1.dropped.is_set()
+        assert {code for code, _reason, _topic in to_n2.refused} <= RETRYABLE, to_n2.refused[:3]
+        wait_for(lambda: to_n1.count() >= at_stop + 300, timeout=60)
+        assert rss_mib(n1) - rss_before < 100, "n1 holds what it cannot send to n2 in bounded memory"
+    finally:
+        n2.proc.send_signal(signal.SIGCONT)
+    # n2 finds its lease gone, stops acting for its shards, registers again and serves them
+    wait_settled(nodes)
+    wait_for(lambda: not n1.status()["unavailable_shards"], timeout=30)
+    refused = to_n2.refusals()
+    at_return = to_n2.count()
+    wait_for(lambda: to_n2.count() >= at_return + 20 and to_n2.refusals() == refused, timeout=30)
+    for publisher in (to_n1, to_n2, on_n2):
+        publisher.stop()
+    assert n1.alive() and n2.alive()
+    assert not to_n1.dropped.is_set() and not to_n2.dropped.is_set()
+    # (n2's own client may be disconnected by n2 after SIGCONT: `keep alive timeout` when
+    # the freeze outlasted 1.5 times its keep alive; what it had acknowledged still counts)
+    assert_every_acknowledged_message_is_stored_once(nodes, [to_n1, to_n2, on_n2])
+
+
+@pytest.mark.timeout(300)
+def test_etcd_restarted_while_nodes_serve_loses_nothing_acknowledged_and_nodes_rejoin(
+    nodes: list[ClusterNodeProcess], etcd: EtcdServer,
+) -> None:
+    """etcd is SIGKILLed while clients publish QoS 1 on both nodes, and started again on the same
+    data directory and ports after the nodes' leases ran out: the nodes keep running, refuse
+    (retryably) what they can no longer prove they own, register again, the controller and the
+    placement come back, publishing resumes, and every acknowledged message is stored once."""
+    n1, n2 = nodes
+    topics = topics_of(n1.status(), "safe", "safe/e", per_shard=2)
+    on_n1 = ContinuousPublisher(n1.mqtt_port, "on-n1", topics)
+    on_n2 = ContinuousPublisher(n2.mqtt_port, "on-n2", topics)
+    wait_for(lambda: on_n1.count() >= 100 and on_n2.count() >= 100, timeout=60)
+    placement_before = n1.status()["placement"]["safe"]
+    etcd.kill()
+    # past the lease TTL the nodes stop acting for their shards: publishes are refused, retryably
+    wait_for(lambda: not n1.status()["lease_alive"] and not n2.status()["lease_alive"], timeout=20)
+    wait_for(lambda: on_n1.refusals() >= 5 and on_n2.refusals() >= 5, timeout=30)
+    assert n1.alive() and n2.alive()
+    etcd.start()
+    wait_for(lambda: n1.status()["lease_alive"] and n2.status()["lease_alive"], timeout=30)
+    wait_settled(nodes)
+    status = n1.status()
+    assert status["controller"] in {"n1", "n2"}
+    # the reliable shards stay with the nodes that hold their journals
+    assert [owner for owner, _epoch in status["placement"]["safe"]] == [
+        owner for owner, _epoch in placement_before]
+    marks = [(p.count(), p.refusals()) for p in (on_n1, on_n2)]
+    wait_for(lambda: all(p.count() >= count + 50 for p, (count, _) in zip((on_n1, on_n2), marks, strict=True)),
+             timeout=30)
+    for publisher in (on_n1, on_n2):
+        publisher.stop()
+        assert not publisher.dropped.is_set(), f"{publisher.name} lost its connection"
+        assert {code for code, _reason, _topic in publisher.refused} <= RETRYABLE, publisher.refused[:3]
+        assert all(reason for _code, reason, _topic in publisher.refused)
+    assert_every_acknowledged_message_is_stored_once(nodes, [on_n1, on_n2])
+    # and what needs etcd at run time works again: a durable subscription is defined
+    for node in nodes:
+        wait_for(lambda node=node: durable_defined(node), timeout=20, interval=0.5)
+
+
+def durable_defined(node: ClusterNodeProcess) -> bool:
+    async def define() -> bool:
+        async with Client(node.grpc_url) as client:
+            consumer = client.consumer(f"after-etcd-{node.node_id}", ["safe/#"], durable=True)
+            try:
+                await consumer.subscribe()
+            except ShardgateError:
+                return False
+            await consumer.close()
+            return True
+
+    return asyncio.run(define())
