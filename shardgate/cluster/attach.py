@@ -196,7 +196,9 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     writer.start()
     node.state_writer = writer
     placer = CursorPlacer(node, broker, plane, rpc)
-    node.durables = DurableHandover(node, app.edge, broker, placer, rpc, writer)
+    edge = app.edge
+    assert edge is not None
+    node.durables = DurableHandover(node, edge, broker, placer, rpc, writer)
     node.durables.install()
     mqtt = app.mqtt
     if mqtt is not None:
