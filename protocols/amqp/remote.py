@@ -123,8 +123,25 @@ AmqpFailure = ChannelException | ConnectionException
 
 
 def encode_table(table: dict[str, Any] | None) -> str:
-    """An AMQP field table for a JSON request (its values keep their AMQP types)."""
-    return base64.b64encode(encode.field_table(table or {})).decode() if table else ""
+    """An AMQP field table for a JSON request (its values keep their AMQP types; a byte array,
+    which pamqp cannot encode, travels as a long string)."""
+    if not table:
+        return ""
+    try:
+        raw = encode.field_table(table)
+    except (TypeError, ValueError):
+        raw = encode.field_table(_encodable(table))
+    return base64.b64encode(raw).decode()
+
+
+def _encodable(value: Any) -> Any:
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("latin-1")
+    if isinstance(value, dict):
+        return {key: _encodable(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_encodable(item) for item in value]
+    return value
 
 
 def decode_table(text: str) -> dict[str, Any]:
