@@ -106,6 +106,15 @@ class BrokerStats:
         self.out_by_stream[message.stream] += 1
         self.bytes_out_by_stream[message.stream] += size
 
+    def received(self, protocol: str, stream: str, count: int, size: int) -> None:
+        """Count `count` messages of `size` bytes in all, taken from `protocol` into `stream`."""
+        self.messages_in += count
+        self.bytes_in += size
+        self.in_by_protocol[protocol] += count
+        self.bytes_in_by_protocol[protocol] += size
+        self.in_by_stream[stream] += count
+        self.bytes_in_by_stream[stream] += size
+
     def drop(self, reason: str, count: int = 1) -> None:
         """Count `count` messages dropped for `reason` (e.g. "slow_subscriber", "queue_full")."""
         self.messages_dropped += count
@@ -430,14 +439,43 @@ class Broker:
         # Reliable shards: the indices of their messages and the records to append.
         appends: dict[Shard, tuple[list[int], list[tuple[int, bytes]]]] = {}
         placement = self.placement
+        # A read mostly repeats one topic: after a message routed with nothing particular (no
+        # `$`, key or headers, a bytes schema, served here), the next ones of the same topic
+        # and protocol take its shard without routing again and are counted together.
+        plain_topic: str | None = None
+        plain_protocol = plain_name = ""
+        plain_shard: Shard | None = None
+        plain_count = plain_bytes = 0
         for index, message in enumerate(messages):
             try:
-                shard = self._route(message, counted)
-                if shard is None:
-                    continue  # held for delayed delivery
-                if placement is not None and not placement.serves(shard.stream, shard.index):
-                    outcomes[index] = placement.forward(message)
-                    continue
+                if (
+                    message.topic == plain_topic and message.key is None and not message.headers
+                    and message.producer_protocol == plain_protocol
+                ):
+                    shard = plain_shard
+                    assert shard is not None
+                    message.stream = plain_name
+                    message.shard = shard.index
+                    plain_count += 1
+                    plain_bytes += len(message.payload)
+                else:
+                    routed = self._route(message, counted)
+                    if routed is None:
+                        continue  # held for delayed delivery
+                    shard = routed
+                    if placement is not None and not placement.serves(shard.stream, shard.index):
+                        outcomes[index] = placement.forward(message)
+                        continue
+                    if (
+                        counted and message.key is None and not message.headers
+                        and message.topic[:1] != "$" and message.producer_protocol != "sys"
+                        and self._streams[shard.stream].config.schema is Schema.BYTES
+                    ):
+                        if plain_count:
+                            self.stats.received(plain_protocol, plain_name, plain_count, plain_bytes)
+                        plain_topic, plain_protocol = message.topic, message.producer_protocol
+                        plain_shard, plain_name = shard, message.stream
+                        plain_count = plain_bytes = 0
                 if shard.log is None:
                     step = _MEMORY
                 elif message.transient and not self._wanted_durably(message.topic):
@@ -459,6 +497,8 @@ class Broker:
                 outcomes[index] = exc
                 continue
             steps.append((index, shard, step))
+        if plain_count:
+            self.stats.received(plain_protocol, plain_name, plain_count, plain_bytes)
         waiters: dict[Shard, asyncio.Future[None] | None] = {}
         for shard, (indices, records) in appends.items():
             group = [messages[i] for i in indices]

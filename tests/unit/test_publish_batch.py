@@ -137,7 +137,9 @@ async def test_a_refused_message_does_not_drop_the_others(journal: JournalStorag
     await settle(outcomes)
     assert [payload for _, payload in recorder.got] == [b"one", b"two", b"three"]
     assert [r.data != b"" for r in log.read(0)] == [True, True, True]
-    assert broker.stats.messages_in == 3, "counted once, refused ones not at all"
+    stats = broker.stats
+    assert stats.messages_in == 3, "counted once, refused ones not at all"
+    assert (stats.bytes_in, stats.in_by_stream["default"], stats.bytes_in_by_protocol[""]) == (11, 3, 11)
 
 
 async def test_what_the_journal_cannot_take_is_refused_message_by_message(tmp_path: Path) -> None:
