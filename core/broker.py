@@ -129,6 +129,8 @@ class CommitGroup:
     first_append: float
     # The messages held until the group is durable (those beyond the log's deliverable end).
     messages: list[Message] = field(default_factory=list)
+    # The offset of the last stored message held (transient ones have none).
+    last_offset: int = -1
 
 
 class Broker:
@@ -649,8 +651,10 @@ class Broker:
         shard_log = shard.log
         assert shard_log is not None
         deliverable_end = shard_log.deliverable_end
-        dispatch = self.dispatch
         held = self._held
+        if shard in held:
+            self._release_reserved(shard, deliverable_end)
+        dispatch = self.dispatch
         for message, index in zip(group, indices, strict=True):
             if outcomes[index] is not None:
                 continue  # refused by the journal
@@ -661,6 +665,7 @@ class Broker:
                 if not commit_group.messages:
                     held[shard] = held.get(shard, 0) + 1
                 commit_group.messages.append(message)
+                commit_group.last_offset = message.offset
 
     def _appended(
         self, shard: Shard, message: Message, waiter: asyncio.Future[None] | None
@@ -676,7 +681,10 @@ class Broker:
             waiter.add_done_callback(self._on_commit)
         shard_log = shard.log
         assert shard_log is not None
-        if message.offset < shard_log.deliverable_end and shard not in self._held:
+        deliverable_end = shard_log.deliverable_end
+        if shard in self._held:
+            self._release_reserved(shard, deliverable_end)
+        if message.offset < deliverable_end and shard not in self._held:
             # Subscribers get it now; the publisher's acknowledgement (the returned future)
             # still waits for durability. The log never gives this offset to another record,
             # so what a subscriber saw is never contradicted, even if this commit fails.
@@ -686,7 +694,28 @@ class Broker:
             if not group.messages:
                 self._held[shard] = self._held.get(shard, 0) + 1
             group.messages.append(message)
+            group.last_offset = message.offset
         return waiter
+
+    def _release_reserved(self, shard: Shard, deliverable_end: int) -> None:
+        """Dispatch now, oldest first, the held messages of `shard` that the log's durable
+        reservation has come to cover (all below `deliverable_end`), as if they had been
+        appended below it: without this, a shard that had to hold once (a fresh journal's
+        first group) would keep holding behind each commit under a steady load."""
+        held = self._held
+        for group in list(self._awaiting_commit.values()):
+            if group.shard is not shard or not group.messages:
+                continue
+            if group.last_offset >= deliverable_end:
+                return  # this one and the later ones still wait, in order
+            messages, group.messages = group.messages, []
+            count = held.get(shard, 0) - 1
+            if count > 0:
+                held[shard] = count
+            else:
+                held.pop(shard, None)
+            for message in messages:
+                self.dispatch(message)
 
     def _on_commit(self, waiter: asyncio.Future[None]) -> None:
         group = self._awaiting_commit.pop(waiter, None)
@@ -704,6 +733,9 @@ class Broker:
             dispatch = self.dispatch
             for message in group.messages:
                 dispatch(message)
+            if shard in self._held:  # later groups the reservation covers now go out too
+                assert shard.log is not None
+                self._release_reserved(shard, shard.log.deliverable_end)
             return
         error = "cancelled" if waiter.cancelled() else waiter.exception()
         log.error("journal commit failed on %s/%d: %s; %d held messages not delivered",
