@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from ... import __version__
@@ -70,6 +71,8 @@ class MqttService:
         # Output of a loop turn leaves after the session state it acknowledges is committed.
         self.output: OutputBatcher[MqttConnection] = OutputBatcher(
             lambda flush: self.scheduler.call_soon(flush), before_flush=self.commit_writes)
+        # Connections whose output waits for a metadata commit to be durable, by its future.
+        self._held_for_durable: dict[Future[None], list[MqttConnection]] = {}
         # QoS 2 inbound state changes of durable sessions, written in one batch per loop turn.
         self._will_timers: dict[str, tuple[Timer, p.Will]] = {}
         self._expiry_timers: dict[str, Timer] = {}
@@ -136,7 +139,8 @@ class MqttService:
     # ------------------------------------------------------------------ metadata group commit
     def group_writes(self, on: bool) -> None:
         """While the packets of a read are handled, session state saved to the store joins
-        one transaction, committed (one fsync) by `commit_writes` before any output is sent."""
+        one transaction, committed by `commit_writes` before the turn's output is flushed;
+        the output that depends on it waits for its fsync (`hold_output_until_durable`)."""
         store = self.store
         if store is None:
             return
@@ -145,6 +149,8 @@ class MqttService:
             self.output.schedule()
 
     def commit_writes(self) -> None:
+        """Commit the turn's group; it becomes durable in the store's sync thread, and the
+        output held for it (`hold_output_until_durable`) goes out then."""
         if self.store is None:
             return
         try:
@@ -152,6 +158,34 @@ class MqttService:
         except Exception:
             # As a failed save always was: logged, and the session lives on in memory.
             log.exception("could not save MQTT session state")
+
+    def store_writes(self) -> int:
+        """How many writes the store has taken (compared before and after handling a read)."""
+        store = self.store
+        return 0 if store is None else store.write_count
+
+    def hold_output_until_durable(self, connection: MqttConnection, start: int) -> None:
+        """`connection` wrote session state while it produced its output from `start` on (a
+        CONNACK reporting a session, a SUBACK, a PUBREC, a PUBREL...): that output leaves
+        once the writes are durable, without the event loop waiting for the fsync."""
+        store = self.store
+        durable = store.durable_waiter() if store is not None else None
+        if durable is None or not connection.hold_output(start, durable):
+            return
+        waiting = self._held_for_durable.get(durable)
+        if waiting is None:
+            waiting = self._held_for_durable[durable] = []
+            durable.add_done_callback(self._durable_in_sync_thread)
+        waiting.append(connection)
+
+    def _durable_in_sync_thread(self, durable: Future[None]) -> None:
+        # Runs in the store's sync thread (or here, when already done): back to the loop.
+        call = getattr(self.scheduler, "call_soon_threadsafe", None) or self.scheduler.call_soon
+        call(self._durable_done, durable)
+
+    def _durable_done(self, durable: Future[None]) -> None:
+        for connection in self._held_for_durable.pop(durable, ()):
+            connection.output_released()
 
     # ------------------------------------------------------------------ back-pressure
     def congested(self, session: MqttSession) -> None:
