@@ -961,7 +961,9 @@ class MqttConnection:
             self._send(encode(p.Disconnect(reason_code, props), MQTT_V5))
         self.state = State.CLOSED
         if self._out:
-            self.service.commit_writes()  # before the last acknowledgements go out
+            # The last acknowledgements go out once what they report is durable.
+            self.service.commit_writes()
+            self.service.hold_output_until_durable(self, 0)
         self.flush()
         if self._held_from is not None:
             self._close_when_sent = True  # the rest once durable, then the link closes

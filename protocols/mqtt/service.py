@@ -71,6 +71,11 @@ class MqttService:
         # Output of a loop turn leaves after the session state it acknowledges is committed.
         self.output: OutputBatcher[MqttConnection] = OutputBatcher(
             lambda flush: self.scheduler.call_soon(flush), before_flush=self.commit_writes)
+        # Sessions saved while a read's writes are grouped: written once each as the group
+        # closes (by client id, so that forgetting a session drops its pending save).
+        self._grouping = False
+        self._unsaved: dict[str, MqttSession] = {}
+        self.store_writes_deferred = 0
         # Connections whose output waits for a metadata commit to be durable, by its future.
         self._held_for_durable: dict[Future[None], list[MqttConnection]] = {}
         # QoS 2 inbound state changes of durable sessions, written in one batch per loop turn.
@@ -144,15 +149,28 @@ class MqttService:
         store = self.store
         if store is None:
             return
+        if on:
+            self._grouping = True
+        else:
+            self._grouping = False
+            self._save_unsaved()
         store.group_writes(on)
         if not on and store.group_pending:
             self.output.schedule()
+
+    def _save_unsaved(self) -> None:
+        """Write, once each, the sessions saved while the group was open (a read with many
+        PUBRECs of one session writes it once)."""
+        unsaved = self._unsaved
+        while unsaved:
+            self._write_session(unsaved.pop(next(iter(unsaved))))
 
     def commit_writes(self) -> None:
         """Commit the turn's group; it becomes durable in the store's sync thread, and the
         output held for it (`hold_output_until_durable`) goes out then."""
         if self.store is None:
             return
+        self._save_unsaved()
         try:
             self.store.commit_group()
         except Exception:
@@ -160,9 +178,10 @@ class MqttService:
             log.exception("could not save MQTT session state")
 
     def store_writes(self) -> int:
-        """How many writes the store has taken (compared before and after handling a read)."""
+        """How many writes the store has taken or will take at the group's end (compared
+        before and after handling a read)."""
         store = self.store
-        return 0 if store is None else store.write_count
+        return 0 if store is None else store.write_count + self.store_writes_deferred
 
     def hold_output_until_durable(self, connection: MqttConnection, start: int) -> None:
         """`connection` wrote session state while it produced its output from `start` on (a
@@ -405,9 +424,18 @@ class MqttService:
     # ------------------------------------------------------------------ persistence
     def save_session(self, session: MqttSession) -> None:
         """Persist a durable session's subscriptions and expiry (not its messages: those are
-        in the journal, and the session's cursors say how far it got)."""
+        in the journal, and the session's cursors say how far it got). Inside a read's write
+        group the write waits for the group's end, once per session."""
         if not session.durable or self.store is None:
             return
+        if self._grouping:
+            self._unsaved[session.client_id] = session
+            self.store_writes_deferred += 1
+            return
+        self._write_session(session)
+
+    def _write_session(self, session: MqttSession) -> None:
+        assert self.store is not None
         own = [
             [f, o.qos, o.no_local, o.retain_as_published, o.retain_handling, o.subscription_id]
             for f, o in session.subscription.filters.items()
@@ -433,6 +461,7 @@ class MqttService:
     def forget_session(self, client_id: str) -> None:
         if self.store is None:
             return
+        self._unsaved.pop(client_id, None)
         try:
             self.store.forget_session(client_id)
         except Exception:
