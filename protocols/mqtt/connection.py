@@ -270,10 +270,10 @@ class MqttConnection:
         return True
 
     def output_released(self) -> None:
-        """A commit that held output is durable: flush on this turn's flush."""
-        if self._held_from is not None and not self._flush_requested:
-            self._flush_requested = True
-            self.service.request_flush(self)
+        """A commit that held output is durable: what waited for it goes out now (one write
+        per connection per commit, so no need to wait for the turn's batched flush)."""
+        if self._held_from is not None:
+            self.flush()
 
     def send_publish(
         self,
