@@ -81,33 +81,28 @@ class WalSyncer:
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
-        checkpointer: sqlite3.Connection | None = None
-        try:
-            while True:
-                with self._cond:
-                    while not self._waiting and not self._stopping:
-                        self._cond.wait()
-                    batch, self._waiting = self._waiting, []
-                    stopping = self._stopping
-                if batch:
-                    error: BaseException | None = None
-                    try:
-                        if self.fsync:
-                            self._sync_wal()
-                    except OSError as exc:
-                        log.error("metadata: fsync of %s failed: %s", self.wal_path, exc)
-                        error = exc
-                    for future in batch:
-                        if error is None:
-                            future.set_result(None)
-                        else:
-                            future.set_exception(error)
-                    checkpointer = self._maybe_checkpoint(checkpointer)
-                if stopping:
-                    return
-        finally:
-            if checkpointer is not None:
-                checkpointer.close()
+        while True:
+            with self._cond:
+                while not self._waiting and not self._stopping:
+                    self._cond.wait()
+                batch, self._waiting = self._waiting, []
+                stopping = self._stopping
+            if batch:
+                error: BaseException | None = None
+                try:
+                    if self.fsync:
+                        self._sync_wal()
+                except OSError as exc:
+                    log.error("metadata: fsync of %s failed: %s", self.wal_path, exc)
+                    error = exc
+                for future in batch:
+                    if error is None:
+                        future.set_result(None)
+                    else:
+                        future.set_exception(error)
+                self._maybe_checkpoint()
+            if stopping:
+                return
 
     def _sync_wal(self) -> None:
         try:
@@ -127,19 +122,24 @@ class WalSyncer:
         self.fsync_file(self._fd)
         self.fsyncs += 1
 
-    def _maybe_checkpoint(self, checkpointer: sqlite3.Connection | None) -> sqlite3.Connection | None:
+    def _maybe_checkpoint(self) -> None:
         self._batches += 1
         if self._batches < CHECKPOINT_EVERY:
-            return checkpointer
+            return
         self._batches = 0
         try:
-            if checkpointer is None:
-                checkpointer = sqlite3.connect(self.db_path, isolation_level=None)
-                checkpointer.execute("PRAGMA synchronous=NORMAL")  # syncs the WAL, then the db
+            # A connection of its own, closed again: no file descriptors held in between.
+            checkpointer = sqlite3.connect(self.db_path, isolation_level=None)
+        except sqlite3.Error as exc:
+            log.warning("metadata: checkpoint failed: %s", exc)
+            return
+        try:
+            checkpointer.execute("PRAGMA synchronous=NORMAL")  # syncs the WAL, then the db
             # PASSIVE: never waits for, nor blocks, the writer; the writer starts the WAL over
             # once it has all been copied.
             checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
             self.checkpoints += 1
         except sqlite3.Error as exc:
             log.warning("metadata: checkpoint failed: %s", exc)
-        return checkpointer
+        finally:
+            checkpointer.close()

@@ -28,6 +28,7 @@ from shardgate.storage.metadata import (
     StreamRecord,
     SubscriptionRecord,
     UserRecord,
+    durability,
 )
 from shardgate.storage.metadata import sqlite as sqlite_engine
 
@@ -394,7 +395,7 @@ def test_the_wal_is_checkpointed_off_the_writer(db_path: Path) -> None:
     store = SqliteMetadataStore(db_path)
     try:
         assert store._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
-        for index in range(sqlite_engine.CHECKPOINT_EVERY + 1):
+        for index in range(durability.CHECKPOINT_EVERY + 1):
             store.put_session(SessionRecord(f"c{index}", 60, None, b"x" * 100))
         assert store._syncer is not None and store._syncer.checkpoints >= 1
     finally:
