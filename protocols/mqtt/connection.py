@@ -319,12 +319,15 @@ class MqttConnection:
                 cache = message.encoded = {}
             cached = cache.get(key)
             if cached is None:
+                # The first subscriber's encoding, with its packet id: the next ones (fan-out)
+                # take it from the cache and write their own packet id over it.
                 props = _publish_properties(message, (), None) if version == MQTT_V5 else None
-                cached = cache[key] = encode_publish(
-                    message.topic, message.payload, qos, retain, False, 1 if qos else None, props, version
+                data = cache[key] = encode_publish(
+                    message.topic, message.payload, qos, retain, False,
+                    (1 if packet_id is None else packet_id) if qos else None, props, version,
                 )
-            data = cached
-            if qos and packet_id is not None:
+            elif qos and packet_id is not None:
+                data = cached
                 # Where the packet id sits, kept beside the encoding in the same cache.
                 where = cache.get((version, "pid"))
                 if where is None:
@@ -334,6 +337,8 @@ class MqttConnection:
                 buffer[position] = packet_id >> 8
                 buffer[position + 1] = packet_id & 0xFF
                 data = bytes(buffer)
+            else:
+                data = cached
         if self.client_max_packet_size and len(data) > self.client_max_packet_size:
             return False
         if packet_id is not None and self.session is not None and len(self.session.inflight) <= 1:
@@ -773,15 +778,27 @@ class MqttConnection:
         acks = waiting.pop(fut, None) if waiting is not None else None
         if not acks:
             return
+        if self.state is State.CLOSED:
+            self.inbound_pending -= sum(1 for qos, _ in acks if qos == 1)
+            return
+        if not (fut.cancelled() or fut.exception() is not None):
+            # Success without properties: each PUBACK or PUBREC is four bytes (see `_ack`),
+            # written together.
+            out = bytearray()
+            pending = self.inbound_pending
+            for qos, packet_id in acks:
+                if qos == 1:
+                    pending -= 1
+                    out += b"\x40\x02"
+                else:
+                    out += b"\x50\x02"
+                out += packet_id.to_bytes(2, "big")
+            self.inbound_pending = pending
+            self._send(bytes(out))
+            return
         for qos, _ in acks:
             if qos == 1:
                 self.inbound_pending -= 1
-        if self.state is State.CLOSED:
-            return
-        if not (fut.cancelled() or fut.exception() is not None):
-            for qos, packet_id in acks:
-                self._ack(qos, packet_id, RC.SUCCESS)
-            return
         error = None if fut.cancelled() else fut.exception()
         for qos, packet_id in acks:
             if qos == 2 and self.session is not None:
