@@ -106,6 +106,15 @@ class BrokerStats:
         self.out_by_stream[message.stream] += 1
         self.bytes_out_by_stream[message.stream] += size
 
+    def received(self, protocol: str, stream: str, count: int, size: int) -> None:
+        """Count `count` messages of `size` bytes in all, taken from `protocol` into `stream`."""
+        self.messages_in += count
+        self.bytes_in += size
+        self.in_by_protocol[protocol] += count
+        self.bytes_in_by_protocol[protocol] += size
+        self.in_by_stream[stream] += count
+        self.bytes_in_by_stream[stream] += size
+
     def drop(self, reason: str, count: int = 1) -> None:
         """Count `count` messages dropped for `reason` (e.g. "slow_subscriber", "queue_full")."""
         self.messages_dropped += count
@@ -120,6 +129,8 @@ class CommitGroup:
     first_append: float
     # The messages held until the group is durable (those beyond the log's deliverable end).
     messages: list[Message] = field(default_factory=list)
+    # The offset of the last stored message held (transient ones have none).
+    last_offset: int = -1
 
 
 class Broker:
@@ -430,14 +441,43 @@ class Broker:
         # Reliable shards: the indices of their messages and the records to append.
         appends: dict[Shard, tuple[list[int], list[tuple[int, bytes]]]] = {}
         placement = self.placement
+        # A read mostly repeats one topic: after a message routed with nothing particular (no
+        # `$`, key or headers, a bytes schema, served here), the next ones of the same topic
+        # and protocol take its shard without routing again and are counted together.
+        plain_topic: str | None = None
+        plain_protocol = plain_name = ""
+        plain_shard: Shard | None = None
+        plain_count = plain_bytes = 0
         for index, message in enumerate(messages):
             try:
-                shard = self._route(message, counted)
-                if shard is None:
-                    continue  # held for delayed delivery
-                if placement is not None and not placement.serves(shard.stream, shard.index):
-                    outcomes[index] = placement.forward(message)
-                    continue
+                if (
+                    message.topic == plain_topic and message.key is None and not message.headers
+                    and message.producer_protocol == plain_protocol
+                ):
+                    shard = plain_shard
+                    assert shard is not None
+                    message.stream = plain_name
+                    message.shard = shard.index
+                    plain_count += 1
+                    plain_bytes += len(message.payload)
+                else:
+                    routed = self._route(message, counted)
+                    if routed is None:
+                        continue  # held for delayed delivery
+                    shard = routed
+                    if placement is not None and not placement.serves(shard.stream, shard.index):
+                        outcomes[index] = placement.forward(message)
+                        continue
+                    if (
+                        counted and message.key is None and not message.headers
+                        and message.topic[:1] != "$" and message.producer_protocol != "sys"
+                        and self._streams[shard.stream].config.schema is Schema.BYTES
+                    ):
+                        if plain_count:
+                            self.stats.received(plain_protocol, plain_name, plain_count, plain_bytes)
+                        plain_topic, plain_protocol = message.topic, message.producer_protocol
+                        plain_shard, plain_name = shard, message.stream
+                        plain_count = plain_bytes = 0
                 if shard.log is None:
                     step = _MEMORY
                 elif message.transient and not self._wanted_durably(message.topic):
@@ -459,6 +499,8 @@ class Broker:
                 outcomes[index] = exc
                 continue
             steps.append((index, shard, step))
+        if plain_count:
+            self.stats.received(plain_protocol, plain_name, plain_count, plain_bytes)
         waiters: dict[Shard, asyncio.Future[None] | None] = {}
         for shard, (indices, records) in appends.items():
             group = [messages[i] for i in indices]
@@ -609,8 +651,10 @@ class Broker:
         shard_log = shard.log
         assert shard_log is not None
         deliverable_end = shard_log.deliverable_end
-        dispatch = self.dispatch
         held = self._held
+        if shard in held:
+            self._release_reserved(shard, deliverable_end)
+        dispatch = self.dispatch
         for message, index in zip(group, indices, strict=True):
             if outcomes[index] is not None:
                 continue  # refused by the journal
@@ -621,6 +665,7 @@ class Broker:
                 if not commit_group.messages:
                     held[shard] = held.get(shard, 0) + 1
                 commit_group.messages.append(message)
+                commit_group.last_offset = message.offset
 
     def _appended(
         self, shard: Shard, message: Message, waiter: asyncio.Future[None] | None
@@ -636,7 +681,10 @@ class Broker:
             waiter.add_done_callback(self._on_commit)
         shard_log = shard.log
         assert shard_log is not None
-        if message.offset < shard_log.deliverable_end and shard not in self._held:
+        deliverable_end = shard_log.deliverable_end
+        if shard in self._held:
+            self._release_reserved(shard, deliverable_end)
+        if message.offset < deliverable_end and shard not in self._held:
             # Subscribers get it now; the publisher's acknowledgement (the returned future)
             # still waits for durability. The log never gives this offset to another record,
             # so what a subscriber saw is never contradicted, even if this commit fails.
@@ -646,7 +694,28 @@ class Broker:
             if not group.messages:
                 self._held[shard] = self._held.get(shard, 0) + 1
             group.messages.append(message)
+            group.last_offset = message.offset
         return waiter
+
+    def _release_reserved(self, shard: Shard, deliverable_end: int) -> None:
+        """Dispatch now, oldest first, the held messages of `shard` that the log's durable
+        reservation has come to cover (all below `deliverable_end`), as if they had been
+        appended below it: without this, a shard that had to hold once (a fresh journal's
+        first group) would keep holding behind each commit under a steady load."""
+        held = self._held
+        for group in list(self._awaiting_commit.values()):
+            if group.shard is not shard or not group.messages:
+                continue
+            if group.last_offset >= deliverable_end:
+                return  # this one and the later ones still wait, in order
+            messages, group.messages = group.messages, []
+            count = held.get(shard, 0) - 1
+            if count > 0:
+                held[shard] = count
+            else:
+                held.pop(shard, None)
+            for message in messages:
+                self.dispatch(message)
 
     def _on_commit(self, waiter: asyncio.Future[None]) -> None:
         group = self._awaiting_commit.pop(waiter, None)
@@ -664,6 +733,9 @@ class Broker:
             dispatch = self.dispatch
             for message in group.messages:
                 dispatch(message)
+            if shard in self._held:  # later groups the reservation covers now go out too
+                assert shard.log is not None
+                self._release_reserved(shard, shard.log.deliverable_end)
             return
         error = "cancelled" if waiter.cancelled() else waiter.exception()
         log.error("journal commit failed on %s/%d: %s; %d held messages not delivered",
