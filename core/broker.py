@@ -106,6 +106,16 @@ class BrokerStats:
         self.out_by_stream[message.stream] += 1
         self.bytes_out_by_stream[message.stream] += size
 
+    def sent_many(self, protocol: str, stream: str, count: int, size: int) -> None:
+        """Count `count` messages of `stream`, `size` bytes in all, as delivered over
+        `protocol` (what `sent` counts for each; the caller leaves out `$SYS` statistics)."""
+        self.messages_out += count
+        self.bytes_out += size
+        self.out_by_protocol[protocol] += count
+        self.bytes_out_by_protocol[protocol] += size
+        self.out_by_stream[stream] += count
+        self.bytes_out_by_stream[stream] += size
+
     def received(self, protocol: str, stream: str, count: int, size: int) -> None:
         """Count `count` messages of `size` bytes in all, taken from `protocol` into `stream`."""
         self.messages_in += count
