@@ -308,7 +308,8 @@ class Consumer:
     async def _write(self, call: grpc.aio.StreamStreamCall, request: pb.ConsumeRequest) -> None:
         """One writer at a time: gRPC refuses concurrent writes on a call."""
         async with self._write_lock:
-            if call is not self._call or call.done():
+            current = self._call
+            if current is None or call is not current or current.done():
                 return
             with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError):
                 await call.write(request)

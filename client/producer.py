@@ -19,7 +19,8 @@ import contextlib
 import itertools
 import random
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -30,6 +31,8 @@ from .types import Receipt
 
 if TYPE_CHECKING:
     from .client import Client
+
+_T = TypeVar("_T")
 
 Headers = dict[str, str] | list[tuple[str, str]] | None
 _Entry = tuple[pb.PublishBatch, list[asyncio.Future[Receipt]]]
@@ -201,10 +204,11 @@ class Producer:
                 call.cancel()
 
     @staticmethod
-    async def _wait(awaitable: object, receiver: asyncio.Future[None]) -> object:
+    async def _wait(awaitable: Awaitable[_T], receiver: asyncio.Future[None]) -> _T:
         """Await `awaitable` unless the ack reader ends first (then raise why it ended)."""
-        task = asyncio.ensure_future(awaitable)  # type: ignore[arg-type]
-        done, _ = await asyncio.wait({task, receiver}, return_when=asyncio.FIRST_COMPLETED)
+        task = asyncio.ensure_future(awaitable)
+        waiting: set[asyncio.Future[Any]] = {task, receiver}
+        done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
             return task.result()
         task.cancel()

@@ -16,21 +16,22 @@ class SubscriptionType(StrEnum):
     SHARED = "shared"
     FAILOVER = "failover"
 
-    def to_pb(self) -> int:
+    def to_pb(self) -> pb.SubscriptionType:
         return {"exclusive": pb.SUBSCRIPTION_TYPE_EXCLUSIVE, "shared": pb.SUBSCRIPTION_TYPE_SHARED,
                 "failover": pb.SUBSCRIPTION_TYPE_FAILOVER}[self.value]
 
     @classmethod
     def from_pb(cls, value: int) -> SubscriptionType:
-        return {pb.SUBSCRIPTION_TYPE_SHARED: cls.SHARED,
-                pb.SUBSCRIPTION_TYPE_FAILOVER: cls.FAILOVER}.get(value, cls.EXCLUSIVE)
+        by_value: dict[int, SubscriptionType] = {pb.SUBSCRIPTION_TYPE_SHARED: cls.SHARED,
+                                                 pb.SUBSCRIPTION_TYPE_FAILOVER: cls.FAILOVER}
+        return by_value.get(value, cls.EXCLUSIVE)
 
 
 class Mode(StrEnum):
     NON_RELIABLE = "non-reliable"
     RELIABLE = "reliable"
 
-    def to_pb(self) -> int:
+    def to_pb(self) -> pb.DispatchMode:
         return pb.DISPATCH_MODE_RELIABLE if self is Mode.RELIABLE else pb.DISPATCH_MODE_NON_RELIABLE
 
     @classmethod
@@ -44,14 +45,15 @@ class Schema(StrEnum):
     INT64 = "int64"
     JSON = "json"
 
-    def to_pb(self) -> int:
+    def to_pb(self) -> pb.Schema:
         return {"bytes": pb.SCHEMA_BYTES, "string": pb.SCHEMA_STRING, "int64": pb.SCHEMA_INT64,
                 "json": pb.SCHEMA_JSON}[self.value]
 
     @classmethod
     def from_pb(cls, value: int) -> Schema:
-        return {pb.SCHEMA_STRING: cls.STRING, pb.SCHEMA_INT64: cls.INT64,
-                pb.SCHEMA_JSON: cls.JSON}.get(value, cls.BYTES)
+        by_value: dict[int, Schema] = {pb.SCHEMA_STRING: cls.STRING, pb.SCHEMA_INT64: cls.INT64,
+                                       pb.SCHEMA_JSON: cls.JSON}
+        return by_value.get(value, cls.BYTES)
 
 
 @dataclass(slots=True, frozen=True)

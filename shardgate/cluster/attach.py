@@ -196,7 +196,9 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     writer.start()
     node.state_writer = writer
     placer = CursorPlacer(node, broker, plane, rpc)
-    node.durables = DurableHandover(node, app.edge, broker, placer, rpc, writer)
+    edge = app.edge
+    assert edge is not None
+    node.durables = DurableHandover(node, edge, broker, placer, rpc, writer)
     node.durables.install()
     mqtt = app.mqtt
     if mqtt is not None:
@@ -216,7 +218,7 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     if app.amqp is not None:
         from .amqp_topology import SharedExchanges
 
-        SharedExchanges(node, broker, app.amqp).install()
+        SharedExchanges(node, broker, app.amqp, plane.add_service).install()
 
     def empty_shards(shards: list[tuple[str, int]]) -> list[tuple[str, int]]:
         empty = []

@@ -214,13 +214,13 @@ class EtcdClusterView:
                 self._set(self.routes, key[len(keys.ROUTES):], value)
             elif key.startswith(keys.SESSIONS):
                 client_id = key[len(keys.SESSIONS):]
-                node_id = None if value is None else keys.decode(value)["node"]
-                if self.sessions.get(client_id) != node_id:
-                    if node_id is None:
+                holder = None if value is None else str(keys.decode(value)["node"])
+                if self.sessions.get(client_id) != holder:
+                    if holder is None:
                         self.sessions.pop(client_id, None)
                     else:
-                        self.sessions[client_id] = node_id
-                    self.session_changes.append((client_id, node_id))
+                        self.sessions[client_id] = holder
+                    self.session_changes.append((client_id, holder))
             elif key.startswith((keys.DOCUMENTS, keys.AMQP)):
                 if value is None:
                     self.documents.pop(key, None)
@@ -287,7 +287,7 @@ class ClusterNode:
         # the users and ACL files kept equal on every node (shared_files.SharedFiles)
         self.shared_files: Any = None
         # told when a client's session moved to another node: (client id, node id)
-        self.session_listeners: list[Callable[[str, str], None]] = []
+        self.session_listeners: list[Callable[[str, str], object]] = []
         # told about changes of whole documents (auth/...) seen in etcd: (key, value)
         self.document_listeners: list[Callable[[str, bytes | None], None]] = []
         # MQTT sessions moving between nodes (sessions.SessionHandover) and the calls between

@@ -111,7 +111,7 @@ class DurableHandover:
 
     def _shared(self) -> list[DurableSubscription]:
         return [sub for sub in list(self.broker.subscriptions.values())
-                if self.shareable(sub)]  # type: ignore[misc]
+                if isinstance(sub, DurableSubscription) and self.shareable(sub)]
 
     def snapshot(self, sub: DurableSubscription) -> dict[str, Any]:
         cursors, messages = cursor_state(sub)

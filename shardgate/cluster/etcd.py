@@ -18,7 +18,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -363,7 +363,7 @@ class EtcdClient:
         return LeaseKeeper(self, lease_id, interval, refreshed)
 
     # ---------------------------------------------------------------- watches
-    async def watch_prefix(self, prefix: str, start_revision: int) -> AsyncIterator[list[WatchEvent]]:
+    async def watch_prefix(self, prefix: str, start_revision: int) -> AsyncGenerator[list[WatchEvent], None]:
         """Every change under `prefix` from `start_revision` on, one list per etcd response.
         Raises EtcdCompacted when that revision is gone, EtcdUnavailable when the stream breaks."""
         if self._channel is None:

@@ -75,6 +75,9 @@ VIEW_CATCH_UP_S = 5.0
 RESUME_LIMIT_S = 10.0
 # Links are checked against the view this often too, besides on every change it reports.
 RECONCILE_S = 1.0
+# On stop, how long the node waits for its peers to answer what it still sends them: the
+# pushes of messages it stored (a subscriber elsewhere would miss an acknowledged message).
+STOP_DRAIN_S = 3.0
 # Streams every node keeps for itself, never placed nor forwarded: its own $SYS topics.
 NODE_LOCAL_STREAMS = frozenset({"sys"})
 # Topics whose retained state is the node's own: its $SYS topics, its internal state.
@@ -155,6 +158,11 @@ class PeerLink:
 
     def __repr__(self) -> str:
         return f"PeerLink({self.node.node_id} at {self.node.cluster_address})"
+
+    @property
+    def holding(self) -> bool:
+        """Whether anything is queued for the peer or sent and not answered yet."""
+        return bool(self._forwards or self._pushes or self._unanswered)
 
     # ------------------------------------------------------------ called on the hot path
     def forward(
@@ -507,6 +515,9 @@ class DataPlane:
         # Connections accepted on the cluster port (closed at stop).
         self._connections: set[ClusterPortProtocol] = set()
         self._started = False
+        # Stopping: forwarded publishes are refused (retryably) while the links drain.
+        self._stopping = False
+        self._storing = 0  # frames of forwarded publishes being stored, not answered yet
         # Shards other nodes own that a durable subscription here follows.
         self._received: dict[tuple[str, int], ReceivedLog] = {}
         self._closing: asyncio.Task[None] | None = None
@@ -552,6 +563,14 @@ class DataPlane:
         self._reconcile = asyncio.get_running_loop().create_task(self._reconcile_links())
 
     async def stop(self) -> None:
+        # Refuse new forwards, then let the links carry what is queued (the pushes of what
+        # this node stored: their publishers were acknowledged) before they close. Bounded.
+        self._stopping = True
+        deadline = time.monotonic() + STOP_DRAIN_S
+        while time.monotonic() < deadline and (
+            self._storing or any(link.holding for link in self.links.values() if link.connected)
+        ):
+            await asyncio.sleep(0.01)
         self._started = False
         if self._reconcile is not None:
             self._reconcile.cancel()
@@ -983,10 +1002,12 @@ class DataPlane:
         waiting: dict[asyncio.Future[None], list[tuple[int, Message]]] = {}
         # the pass below, each commit group waited on, and each message waiting for the view
         remaining = [1]
+        self._storing += 1
 
         def settled() -> None:
             remaining[0] -= 1
             if remaining[0] == 0:
+                self._storing -= 1
                 answer(pb.PeerReply(sequence=sequence, outcomes=outcomes))
 
         def landed(future: asyncio.Future[None]) -> None:
@@ -1045,6 +1066,10 @@ class DataPlane:
         shard this node's view does not yet give it (the sender's epoch is newer) is handed
         to `later` instead."""
         broker, view = self.broker, self.view
+        if self._stopping:
+            outcome.code = pb.NOT_OWNER
+            outcome.reason = f"node {self.node_id} is stopping; retry"
+            return None
         try:
             stream = broker.stream_for_topic(message.topic)
             shard = stream.shard_for(message.topic, message.key).index
