@@ -591,14 +591,12 @@ class Broker:
     def _wanted_durably(self, topic: str) -> bool:
         """Whether a durable subscription (one that replays the journal) matches `topic`.
 
-        In a cluster a subscription on another node counts too: the route table does not say
-        which are durable, and a durable one there needs the message's offset in this journal
-        (its cursor drops a push without one), so a transient message wanted elsewhere is
-        journaled."""
+        In a cluster a durable subscription on another node counts too: it needs the message's
+        offset in this journal (its cursor drops a push without one)."""
         if any(sub.durable for sub, _ in self.match(topic)):
             return True
         fanout = self.fanout
-        return fanout is not None and fanout.wanted_elsewhere(topic)
+        return fanout is not None and fanout.wanted_durably_elsewhere(topic)
 
     def _deliver_transient(self, shard: Shard, message: Message) -> asyncio.Future[None] | None:
         """A transient message that no durable subscription wants: not journaled (so not
