@@ -37,7 +37,7 @@ from .errors import (
 )
 from .message import Message, now_ms
 from .placement import Fanout, ShardPlacement
-from .records import encode_message
+from .records import encode_message, encode_records
 from .retained import RetainedStore
 from .schemas import check_payload
 from .streams import (
@@ -105,6 +105,16 @@ class BrokerStats:
         self.bytes_out_by_protocol[protocol] += size
         self.out_by_stream[message.stream] += 1
         self.bytes_out_by_stream[message.stream] += size
+
+    def sent_many(self, protocol: str, stream: str, count: int, size: int) -> None:
+        """Count `count` messages of `stream`, `size` bytes in all, as delivered over
+        `protocol` (what `sent` counts for each; the caller leaves out `$SYS` statistics)."""
+        self.messages_out += count
+        self.bytes_out += size
+        self.out_by_protocol[protocol] += count
+        self.bytes_out_by_protocol[protocol] += size
+        self.out_by_stream[stream] += count
+        self.bytes_out_by_stream[stream] += size
 
     def received(self, protocol: str, stream: str, count: int, size: int) -> None:
         """Count `count` messages of `size` bytes in all, taken from `protocol` into `stream`."""
@@ -438,8 +448,8 @@ class Broker:
         # What happens to each message once the appends are done, in the list's order: the
         # shard it is stored in or dispatched from, and how (_STORED, _MEMORY, _TRANSIENT).
         steps: list[tuple[int, Shard, int]] = []
-        # Reliable shards: the indices of their messages and the records to append.
-        appends: dict[Shard, tuple[list[int], list[tuple[int, bytes]]]] = {}
+        # Reliable shards: the indices of their messages to append, and the messages.
+        appends: dict[Shard, tuple[list[int], list[Message]]] = {}
         placement = self.placement
         # A read mostly repeats one topic: after a message routed with nothing particular (no
         # `$`, key or headers, a bytes schema, served here), the next ones of the same topic
@@ -483,15 +493,11 @@ class Broker:
                 elif message.transient and not self._wanted_durably(message.topic):
                     step = _TRANSIENT
                 else:
-                    try:
-                        record = encode_message(message)
-                    except (ValueError, OverflowError, struct.error) as exc:
-                        raise PublishRejected(f"the message cannot be stored: {exc}") from exc
                     pending = appends.get(shard)
                     if pending is None:
                         pending = appends[shard] = ([], [])
                     pending[0].append(index)
-                    pending[1].append((message.publish_time_ms, record))
+                    pending[1].append(message)
                     step = _STORED
                 if message.retain:
                     self._retain(message)
@@ -502,8 +508,13 @@ class Broker:
         if plain_count:
             self.stats.received(plain_protocol, plain_name, plain_count, plain_bytes)
         waiters: dict[Shard, asyncio.Future[None] | None] = {}
-        for shard, (indices, records) in appends.items():
-            group = [messages[i] for i in indices]
+        for shard, (indices, group) in appends.items():
+            try:
+                records = encode_records(group)
+            except (ValueError, OverflowError, struct.error):
+                indices, group, records = self._encodable(indices, group, outcomes)
+                if not group:
+                    continue
             waiter = waiters[shard] = self._append_group(shard, group, records, indices, outcomes)
             if len(appends) == 1 and len(steps) == len(indices):
                 # The common case (one shard, every message stored): dispatch them as a group.
@@ -521,6 +532,25 @@ class Broker:
             else:
                 outcomes[index] = self._deliver_transient(shard, message)
         return outcomes
+
+    @staticmethod
+    def _encodable(
+        indices: list[int], group: list[Message], outcomes: list[PublishOutcome]
+    ) -> tuple[list[int], list[Message], list[tuple[int, bytes]]]:
+        """The messages of `group` that encode as records, with their records; the others
+        are refused in `outcomes` (a field the record format cannot hold)."""
+        kept_indices: list[int] = []
+        kept: list[Message] = []
+        records: list[tuple[int, bytes]] = []
+        for index, message in zip(indices, group, strict=True):
+            try:
+                records.append((message.publish_time_ms, encode_message(message)))
+            except (ValueError, OverflowError, struct.error) as exc:
+                outcomes[index] = PublishRejected(f"the message cannot be stored: {exc}")
+                continue
+            kept_indices.append(index)
+            kept.append(message)
+        return kept_indices, kept, records
 
     def _route(self, message: Message, counted: bool) -> Shard | None:
         """The first steps of a publish: reserved topics refused, delayed messages held (None),

@@ -1,7 +1,7 @@
 """AMQP queues that live on another node of a cluster, used as RabbitMQ's nodes use a classic
 queue on its home node.
 
-A shared queue (durable, neither exclusive nor auto-delete) lives on one node, its *home*: the
+A shared queue (neither exclusive nor auto-delete) lives on one node, its *home*: the
 node where it was declared (the cluster records it; see `shardgate/cluster/amqp_queues.py`).
 A client of any other node uses it through its home node:
 
@@ -82,7 +82,7 @@ class QueueDirectory(Protocol):
     def lookup(self, vhost: str, queue: str) -> asyncio.Future[str | None]:
         """`home`, asked of the cluster's store itself (this node's view may lag behind)."""
 
-    def claim(self, vhost: str, queue: str) -> asyncio.Future[str | None]:
+    def claim(self, vhost: str, queue: str, durable: bool) -> asyncio.Future[str | None]:
         """Record this node as the home of a queue just declared here; the answer is the
         node that recorded it first when that is another one (this declare then gives way)."""
 
@@ -96,9 +96,9 @@ class QueueDirectory(Protocol):
 
 
 def is_shared(queue: Queue) -> bool:
-    """A queue every node of a cluster may use: durable, neither exclusive nor auto-delete."""
-    return (queue.durable and queue.exclusive_owner is None and not queue.auto_delete
-            and not isinstance(queue, RemoteQueue))
+    """A queue every node of a cluster may use: neither exclusive nor auto-delete (those
+    belong to one connection, and stay on its node)."""
+    return queue.exclusive_owner is None and not queue.auto_delete and not isinstance(queue, RemoteQueue)
 
 
 def home_down(node: str, vhost: str, queue: str, method: type[commands.base.Frame]) -> ChannelException:
@@ -492,6 +492,8 @@ class QueueHost:
                 arguments=decode_table(str(request.get("arguments", ""))),
             )
             vhost = self._vhost(request, commands.Queue.Declare)
+            if name not in vhost.queues and (frame.exclusive or frame.auto_delete) and not frame.passive:
+                return {"absent": True}  # a connection's own queue is made on its node
             queue, new = vhost.declare_queue(frame, self.peer)
             queue.expire()
             return {"queue": queue.name, "messages": len(queue.messages),

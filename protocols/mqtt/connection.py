@@ -132,6 +132,7 @@ class MqttConnection:
         "_flush_requested", "messages_in", "messages_out", "last_ack", "_tokens", "_tokens_at",
         "_throttled_for", "_backlog", "_backlog_error", "_valid_topic", "held", "_hold_timer",
         "_allowed_topic", "_read_ms", "_link_buffered", "_acks_waiting", "_held_subacks",
+        "_sent_stream", "_sent_count", "_sent_bytes",
         "_held_from", "_close_when_sent",
     )
 
@@ -198,6 +199,11 @@ class MqttConnection:
         self._hold_timer: Timer | None = None
         # SUBACKs waiting, in order, for the cluster's other nodes to know the subscription.
         self._held_subacks: list[list[Any]] | None = None
+        # Messages sent since the broker's statistics last counted them, all of one stream:
+        # counted at the next flush (or sooner, when a message of another stream comes).
+        self._sent_stream = ""
+        self._sent_count = 0
+        self._sent_bytes = 0
         # Output held for session state to be durable: [index in `_out` from which output
         # waits, future of the metadata commit it waits for], oldest first (they resolve in
         # order). Closed while output was held: the link closes once it is sent.
@@ -222,8 +228,16 @@ class MqttConnection:
             return
         self._send(data)
 
+    def _count_sent(self) -> None:
+        """Add the messages sent since the last count to the broker's statistics."""
+        if self._sent_count:
+            self.service.broker.stats.sent_many("mqtt", self._sent_stream, self._sent_count, self._sent_bytes)
+            self._sent_count = self._sent_bytes = 0
+
     def flush(self) -> None:
         self._flush_requested = False
+        if self._sent_count:
+            self._count_sent()
         held = self._held_from
         if held is not None:
             while held and held[0][1].done():
@@ -344,7 +358,12 @@ class MqttConnection:
         if packet_id is not None and self.session is not None and len(self.session.inflight) <= 1:
             self.last_ack = self._clock()  # the dead-subscriber clock starts with the window
         self.messages_out += 1
-        self.service.broker.stats.sent("mqtt", message)
+        if message.producer_protocol != "sys":  # the broker's own $SYS statistics are not messages
+            if message.stream != self._sent_stream:
+                self._count_sent()
+                self._sent_stream = message.stream
+            self._sent_count += 1
+            self._sent_bytes += len(message.payload)
         self._send(data)
         return True
 
@@ -1056,6 +1075,7 @@ class MqttConnection:
         was_connected = self.state is State.CONNECTED
         self.state = State.CLOSED
         self._out.clear()
+        self._count_sent()
         self._held_from = None
         self._close_when_sent = False
         if was_connected:

@@ -273,8 +273,11 @@ async def _next(queue: aio_pika.abc.AbstractQueue) -> aio_pika.abc.AbstractIncom
         await asyncio.sleep(0.05)
 
 
-async def test_exclusive_queues_stay_on_their_connections_node(
+async def test_exclusive_queues_stay_on_their_node_and_non_durable_ones_end_with_it(
         amqp_nodes: list[ClusterNodeProcess]) -> None:
+    """Exclusive queues are their connection's, on its node (two nodes may each have one of a
+    name). A non-durable queue is shared like a durable one while its node lives, and ends with
+    it (as in RabbitMQ): after that node restarts, the name is free to declare anywhere."""
     n1, n2 = amqp_nodes
     async with await aio_pika.connect(amqp_url(n1)) as c1, await aio_pika.connect(amqp_url(n2)) as c2:
         mine = await (await c1.channel()).declare_queue("private-q", exclusive=True)
@@ -282,6 +285,20 @@ async def test_exclusive_queues_stay_on_their_connections_node(
         assert mine.name == theirs.name == "private-q"
         with pytest.raises(aio_pika.exceptions.ChannelNotFoundEntity):
             await (await c2.channel()).declare_queue("amq.gen-nowhere", passive=True)
+
+        transient = await (await c1.channel()).declare_queue("transient-q", durable=False)
+        await transient.bind("amq.topic", "transient.#")
+    await publish_all(amqp_url(n2), [("transient.a", b"t")])
+    assert await message_count(amqp_url(n2), "transient-q") == 1
+    n1.terminate()
+    n1.start()
+    wait_joined(amqp_nodes)
+    with pytest.raises(aio_pika.exceptions.ChannelNotFoundEntity, match="no queue 'transient-q'"):
+        await message_count(amqp_url(n2), "transient-q")
+    async with await aio_pika.connect(amqp_url(n2)) as c2:
+        again = await (await c2.channel()).declare_queue("transient-q", durable=False)
+        assert again.declaration_result.message_count == 0
+    assert await message_count(amqp_url(n1), "transient-q") == 0  # n2's now, seen from n1
 
 
 async def test_a_durable_queue_whose_node_left_gives_rabbitmq_errors_and_comes_back_with_its_messages(

@@ -78,7 +78,7 @@ class InMemoryDirectory:
     def lookup(self, vhost: str, queue: str) -> asyncio.Future[str | None]:
         return self._later(self.homes.get(queue))
 
-    def claim(self, vhost: str, queue: str) -> asyncio.Future[str | None]:
+    def claim(self, vhost: str, queue: str, durable: bool) -> asyncio.Future[str | None]:
         return self._later(None)
 
     def call(self, node: str, request: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:

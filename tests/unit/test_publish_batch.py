@@ -310,3 +310,13 @@ async def test_messages_held_behind_a_commit_go_out_once_the_reservation_covers_
     assert [offset for offset, _ in recorder.got] == list(range(len(recorder.got)))
     await settle(later)
     assert len(recorder.got) == 2 + 2 * len(later), "and not delivered twice"
+
+
+async def test_a_message_the_record_format_cannot_hold_is_refused_alone(journal: JournalStorage) -> None:
+    broker, recorder = build(journal)
+    too_long = Message("t/1", b"bad", content_type="x" * 70_000)  # a u16 length field
+    outcomes = broker.publish_many([Message("t/1", b"a"), too_long, Message("t/1", b"b")])
+    assert isinstance(outcomes[1], PublishRejected)
+    assert isinstance(outcomes[0], asyncio.Future) and outcomes[2] is outcomes[0]
+    await settle(outcomes)
+    assert recorder.got == [(0, b"a"), (1, b"b")]
