@@ -375,3 +375,30 @@ async def test_what_is_published_while_a_queues_node_is_away_reaches_it_when_it_
         q = await (await connection.channel()).declare_queue("away-q", passive=True)
         bodies = [(await q.get(no_ack=True)).body for _ in range(5)]
     assert bodies == [b"before", b"during-0", b"during-1", b"during-2", b"after"]
+
+
+async def test_a_no_ack_consumer_on_another_node_gets_every_message(
+        amqp_nodes: list[ClusterNodeProcess]) -> None:
+    """More messages than the home node sends ahead of a no-ack consumer's client: the rest
+    follow as the client takes them, in order."""
+    n1, n2 = amqp_nodes
+    async with await aio_pika.connect(amqp_url(n1)) as connection:
+        await (await connection.channel()).declare_queue("firehose-q", durable=True)
+    sent = [f"f{i}".encode() for i in range(1500)]
+    async with await aio_pika.connect(amqp_url(n1)) as connection:
+        channel = await connection.channel(publisher_confirms=True)
+        await asyncio.gather(*(channel.default_exchange.publish(aio_pika.Message(body), "firehose-q")
+                               for body in sent))
+    got: list[bytes] = []
+    done = asyncio.Event()
+
+    async def take(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        got.append(message.body)
+        if len(got) == len(sent):
+            done.set()
+
+    async with await aio_pika.connect(amqp_url(n2)) as connection:
+        queue = await (await connection.channel()).get_queue("firehose-q", ensure=False)
+        await queue.consume(take, no_ack=True)
+        await asyncio.wait_for(done.wait(), 60)
+    assert got == sent
