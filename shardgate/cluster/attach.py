@@ -238,6 +238,7 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     stats = broker.stats
     node.load_probe = lambda: stats.messages_in + stats.messages_out
     await node.join(address, listeners)
+    placer.replay_restored()
     floors.start()
     ours = {
         name: stream_definition(stream.config)

@@ -146,6 +146,32 @@ class CursorPlacer:
             self.node.floors.report_soon()  # the owners keep what these cursors still need
         return {(m.stream, m.shard, m.offset): m for listed in found.values() for m in listed}
 
+    def replay_restored(self) -> int:
+        """At start: durable cursors this node restored from its own store, on shards another
+        node owns, continue from that owner's journal (what was pushed here before the restart
+        went with the process), then on the pushes. Returns how many."""
+        me = self.node.node_id
+        count = 0
+        for sub in list(self.broker.subscriptions.values()):
+            if not isinstance(sub, DurableSubscription):
+                continue
+            for (stream, shard), cursor in sub.cursors.items():
+                if cursor.log is None or getattr(cursor.log, "remote_shard", False):
+                    continue
+                owner = self.node.view.owner(stream, shard)
+                if owner is None or owner.node_id == me:
+                    continue
+                cursor.log = OwnerLog(  # type: ignore[assignment]
+                    self.rpc, self.plane, stream, shard, cursor.position, self._filters_of(sub))
+                count += 1
+        if count:
+            log.info("cluster: %d restored cursors replay from their shards' owners", count)
+        return count
+
+    @staticmethod
+    def _filters_of(sub: DurableSubscription) -> Callable[[], list[str]]:
+        return lambda: list(sub.filters)
+
     def _log_for(self, sub: DurableSubscription, stream: str, shard: int, position: int | None,
                  since_ms: int | None = None) -> Any:
         broker_stream = self.broker.streams.get(stream)

@@ -369,3 +369,45 @@ def test_the_owners_retention_keeps_what_a_session_on_another_node_has_not_read(
     wait_for(lambda: n1.status()["cursor_floors"].get(f"kept/{shard}", len(sent)) >= len(sent), timeout=20)
     publisher.disconnect()
     spare.disconnect()
+
+
+def test_a_session_on_a_restarted_node_gets_what_the_owner_kept_while_it_was_down(
+        cluster: Cluster, etcd: EtcdServer) -> None:
+    """The node holding an offline session (n2) is killed; messages for it go to n1's shard
+    and n1's retention runs while n2 is down (n2's last report of its cursors keeps them);
+    n2 comes back, the client reconnects there and gets every message, from n1's journal."""
+    n1, n2, n3 = cluster(3, extra_config=SMALL_JOURNAL)
+    create_spread(n1, [n1, n2, n3], "kept")
+    topic, shard = topic_on(n1, "kept", "n1")
+    keeper = Paho(n2.mqtt_port, "keeper", V5, clean=False, session_expiry=3600)
+    keeper.subscribe("kept/#", qos=1)
+    keeper.disconnect()
+    wait_for(lambda: n1.status()["cursor_floors"].get(f"kept/{shard}") == 0, timeout=20)
+    create_spread(n1, [n1, n2, n3], "spare")
+    spare_topic, spare_shard = topic_on(n1, "spare", "n1")
+    n2.kill()
+    wait_for(lambda: {e["node_id"] for e in n1.status()["nodes"]} == {"n1", "n3"}, timeout=20)
+
+    publisher = Paho(n3.mqtt_port, "publisher", V5)
+    sent = [f"while-down-{number:04d}-{'x' * 40}".encode() for number in range(150)]
+    for payload in sent:
+        publisher.publish(topic, payload, qos=1)
+    spare = Paho(n1.mqtt_port, "spare-publisher", V5)
+    for number in range(60):
+        spare.publish(spare_topic, f"spare-{number}-{'y' * 40}".encode(), qos=1)
+    wait_for(lambda: low_watermark(n1, "spare", spare_shard) > 0, timeout=40)
+    assert low_watermark(n1, "kept", shard) == 0
+
+    n2.start()
+    wait_for(lambda: {e["node_id"] for e in n2.status()["nodes"]} == {"n1", "n2", "n3"}, timeout=30)
+    back = Paho(n2.mqtt_port, "keeper", V5, clean=False, session_expiry=3600, connect=False)
+    assert back.connect()[0].session_present
+    assert [m.payload for m in back.expect_n(len(sent), timeout=30)] == sent
+    back.expect_none(within=0.5)
+    # and live messages after the backlog, once
+    publisher.publish(topic, b"live", qos=1)
+    assert [m.payload for m in back.expect_n(1, timeout=20)] == [b"live"]
+    back.expect_none(within=0.5)
+    back.disconnect()
+    publisher.disconnect()
+    spare.disconnect()
