@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 import time
 from collections import defaultdict
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 
 from ..storage.interfaces import (
@@ -56,6 +57,13 @@ log = logging.getLogger(__name__)
 
 MATCH_CACHE_LIMIT = 50_000
 INTERNAL_PREFIX = "$internal/"
+
+# What `publish_many` returns per message: None (stored and dispatched, or held for later), the
+# commit future to wait on before acknowledging, or the error that refused the message.
+PublishOutcome = asyncio.Future[None] | PublishRejected | None
+# How `publish_many` finishes a message after the appends: dispatched once appended to its
+# shard's log, dispatched from memory (a non-reliable shard), or delivered as transient.
+_STORED, _MEMORY, _TRANSIENT = 0, 1, 2
 
 # One entry per matched subscription: the subscription and the filters of it that matched.
 Matches = list[tuple[Subscription, tuple[str, ...]]]
@@ -378,6 +386,104 @@ class Broker:
         that resolves once it is durable (then it is dispatched); the future fails with
         PublishRejected if the store could not take it. `counted=False`: a message another
         node took from its client and forwarded here (counted there, once)."""
+        shard = self._route(message, counted)
+        if shard is None:
+            return None  # held for delayed delivery
+        placement = self.placement
+        if placement is not None and not placement.serves(shard.stream, shard.index):
+            return placement.forward(message)
+        if message.retain:
+            self._retain(message)
+        if shard.log is None:
+            message.offset = shard.next_offset
+            shard.next_offset += 1
+            self.dispatch(message)
+            return None
+        if message.transient and not self._wanted_durably(message.topic):
+            return self._deliver_transient(shard, message)
+        return self._append_reliable(shard, message)
+
+    def publish_many(
+        self, messages: Sequence[Message], *, counted: bool = True
+    ) -> list[PublishOutcome]:
+        """Accept several messages (e.g. every PUBLISH of one socket read) as `publish` accepts
+        each, with ONE journal append per reliable shard. Returns one outcome per message, in
+        order: None (stored and dispatched, or held for delayed delivery), the commit future
+        to wait on before acknowledging (shared by the messages of one commit group), or the
+        `PublishRejected` that refused that message alone: a rejected message does not affect
+        the others.
+
+        Per message it is `publish`: authorisation is the caller's, then delayed delivery,
+        schema check, statistics (once), cluster forward, retained, transient handling. The
+        messages of a shard are stored and dispatched in their order; messages of different
+        shards are dispatched in the order of the list too, after the appends."""
+        count = len(messages)
+        if count == 1:
+            try:
+                return [self.publish(messages[0], counted=counted)]
+            except PublishRejected as exc:
+                return [exc]
+        outcomes: list[PublishOutcome] = [None] * count
+        # What happens to each message once the appends are done, in the list's order: the
+        # shard it is stored in or dispatched from, and how (_STORED, _MEMORY, _TRANSIENT).
+        steps: list[tuple[int, Shard, int]] = []
+        # Reliable shards: the indices of their messages and the records to append.
+        appends: dict[Shard, tuple[list[int], list[tuple[int, bytes]]]] = {}
+        placement = self.placement
+        for index, message in enumerate(messages):
+            try:
+                shard = self._route(message, counted)
+                if shard is None:
+                    continue  # held for delayed delivery
+                if placement is not None and not placement.serves(shard.stream, shard.index):
+                    outcomes[index] = placement.forward(message)
+                    continue
+                if shard.log is None:
+                    step = _MEMORY
+                elif message.transient and not self._wanted_durably(message.topic):
+                    step = _TRANSIENT
+                else:
+                    try:
+                        record = encode_message(message)
+                    except (ValueError, OverflowError, struct.error) as exc:
+                        raise PublishRejected(f"the message cannot be stored: {exc}") from exc
+                    pending = appends.get(shard)
+                    if pending is None:
+                        pending = appends[shard] = ([], [])
+                    pending[0].append(index)
+                    pending[1].append((message.publish_time_ms, record))
+                    step = _STORED
+                if message.retain:
+                    self._retain(message)
+            except PublishRejected as exc:
+                outcomes[index] = exc
+                continue
+            steps.append((index, shard, step))
+        waiters: dict[Shard, asyncio.Future[None] | None] = {}
+        for shard, (indices, records) in appends.items():
+            group = [messages[i] for i in indices]
+            waiter = waiters[shard] = self._append_group(shard, group, records, indices, outcomes)
+            if len(appends) == 1 and len(steps) == len(indices):
+                # The common case (one shard, every message stored): dispatch them as a group.
+                self._appended_group(shard, group, waiter, indices, outcomes)
+                return outcomes
+        for index, shard, step in steps:
+            message = messages[index]
+            if step == _STORED:
+                if outcomes[index] is None:  # not refused by the journal
+                    outcomes[index] = self._appended(shard, message, waiters[shard])
+            elif step == _MEMORY:
+                message.offset = shard.next_offset
+                shard.next_offset += 1
+                self.dispatch(message)
+            else:
+                outcomes[index] = self._deliver_transient(shard, message)
+        return outcomes
+
+    def _route(self, message: Message, counted: bool) -> Shard | None:
+        """The first steps of a publish: reserved topics refused, delayed messages held (None),
+        the stream's schema checked, the stream and shard chosen (set on the message) and the
+        message counted. Raises PublishRejected."""
         topic = message.topic
         if topic[:1] == "$" or message.headers:
             if topic.startswith(INTERNAL_PREFIX):
@@ -392,10 +498,11 @@ class Broker:
                 return None
             topic = message.topic
         stream = self.stream_for_topic(topic)
-        if stream.config.schema is not Schema.BYTES:
-            check_payload(stream.config.schema, message.payload, stream.config.name)
+        config = stream.config
+        if config.schema is not Schema.BYTES:
+            check_payload(config.schema, message.payload, config.name)
         shard = stream.shard_for(topic, message.key)
-        message.stream = name = stream.config.name
+        message.stream = name = config.name
         protocol = message.producer_protocol
         if counted and protocol != "sys":  # the broker's own $SYS statistics are not messages
             stats = self.stats
@@ -407,20 +514,7 @@ class Broker:
             stats.in_by_stream[name] += 1
             stats.bytes_in_by_stream[name] += size
         message.shard = shard.index
-        placement = self.placement
-        if placement is not None and not placement.serves(name, shard.index):
-            return placement.forward(message)
-        if message.retain:
-            self._retain(message)
-        shard_log = shard.log
-        if shard_log is None:
-            message.offset = shard.next_offset
-            shard.next_offset += 1
-            self.dispatch(message)
-            return None
-        if message.transient and not self._wanted_durably(message.topic):
-            return self._deliver_transient(shard, message)
-        return self._append_reliable(shard, message)
+        return shard
 
     def _wanted_durably(self, topic: str) -> bool:
         """Whether a durable subscription (one that replays the journal) matches `topic`.
@@ -458,7 +552,81 @@ class Broker:
         except StorageError as exc:
             raise PublishRejected(f"the journal refused the message: {exc}") from exc
         shard.next_offset = message.offset + 1
-        waiter = shard_log.commit_waiter()
+        return self._appended(shard, message, shard_log.commit_waiter())
+
+    def _append_group(
+        self,
+        shard: Shard,
+        group: list[Message],
+        records: list[tuple[int, bytes]],
+        indices: list[int],
+        outcomes: list[PublishOutcome],
+    ) -> asyncio.Future[None] | None:
+        """Append the records of `group` (messages of one shard, in order) with one call; a
+        message the journal refuses gets its error in `outcomes`. Returns the commit waiter."""
+        shard_log = shard.log
+        assert shard_log is not None
+        try:
+            first = shard_log.append(records)
+        except StorageError:
+            # The journal takes a batch whole or not at all: offer them one by one, so that
+            # what fits is stored and only the rest is refused, as single publishes would be.
+            for message, record, index in zip(group, records, indices, strict=True):
+                try:
+                    message.offset = shard_log.append([record])
+                except StorageFull as exc:
+                    outcomes[index] = StoreFull(f"the journal refused the message: {exc}")
+                except StorageError as exc:
+                    outcomes[index] = PublishRejected(f"the journal refused the message: {exc}")
+                else:
+                    shard.next_offset = message.offset + 1
+        else:
+            for message in group:
+                message.offset = first
+                first += 1
+            shard.next_offset = first
+        return shard_log.commit_waiter()
+
+    def _appended_group(
+        self,
+        shard: Shard,
+        group: list[Message],
+        waiter: asyncio.Future[None] | None,
+        indices: list[int],
+        outcomes: list[PublishOutcome],
+    ) -> None:
+        """`_appended` for each message of `group` (appended to `shard` in order), setting its
+        outcome; messages the journal refused (an outcome already) are skipped."""
+        if waiter is None:
+            for message, index in zip(group, indices, strict=True):
+                if outcomes[index] is None:
+                    self.dispatch(message)
+            return
+        commit_group = self._awaiting_commit.get(waiter)
+        if commit_group is None:
+            commit_group = self._awaiting_commit[waiter] = CommitGroup(shard, time.perf_counter())
+            waiter.add_done_callback(self._on_commit)
+        shard_log = shard.log
+        assert shard_log is not None
+        deliverable_end = shard_log.deliverable_end
+        dispatch = self.dispatch
+        held = self._held
+        for message, index in zip(group, indices, strict=True):
+            if outcomes[index] is not None:
+                continue  # refused by the journal
+            outcomes[index] = waiter
+            if message.offset < deliverable_end and shard not in held:
+                dispatch(message)  # see `_appended`
+            else:
+                if not commit_group.messages:
+                    held[shard] = held.get(shard, 0) + 1
+                commit_group.messages.append(message)
+
+    def _appended(
+        self, shard: Shard, message: Message, waiter: asyncio.Future[None] | None
+    ) -> asyncio.Future[None] | None:
+        """Dispatch `message`, just appended to `shard`'s log, now or once its commit group
+        (`waiter`) is durable; returns the waiter (None: durable already)."""
         if waiter is None:  # durable already (an engine that writes synchronously)
             self.dispatch(message)
             return None
@@ -466,6 +634,8 @@ class Broker:
         if group is None:
             group = self._awaiting_commit[waiter] = CommitGroup(shard, time.perf_counter())
             waiter.add_done_callback(self._on_commit)
+        shard_log = shard.log
+        assert shard_log is not None
         if message.offset < shard_log.deliverable_end and shard not in self._held:
             # Subscribers get it now; the publisher's acknowledgement (the returned future)
             # still waits for durability. The log never gives this offset to another record,

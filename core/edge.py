@@ -4,7 +4,10 @@ A protocol adapter turns its frames into core calls through an `Edge` and nothin
 
 - `publish(message) -> Receipt`: accept a message; the receipt is None when the message is
   already stored and dispatched, or a future that resolves once it is durable under its
-  stream's policy (and fails with `PublishRejected` if the store could not take it). Whether
+  stream's policy (and fails with `PublishRejected` if the store could not take it).
+  `publish_many(messages)` accepts the messages of one read at once (one journal append per
+  shard) and returns, per message, its receipt or the `PublishRejected` that refused it alone.
+  Whether
   the shard is stored here or forwarded to its owner node is the broker's placement hook
   (`core.placement.ShardPlacement`, None on a single node); `use_router` can put another
   publish path (a `ShardRouter`) in front of the broker for the whole node.
@@ -23,11 +26,12 @@ This module knows no protocol and no storage engine.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
+from .errors import PublishRejected
 from .message import Message
 
 if TYPE_CHECKING:
@@ -38,6 +42,8 @@ if TYPE_CHECKING:
 # What `publish` returns: None when the message is stored and dispatched already, else a
 # future resolving once it is durable (shared by every message of the same commit group).
 Receipt = asyncio.Future[None] | None
+# What `publish_many` returns per message: its receipt, or the error that refused it.
+Outcome = asyncio.Future[None] | PublishRejected | None
 
 KICK_REASON = "kicked by administrator"
 
@@ -175,10 +181,25 @@ class Edge:
         self.publish: Callable[[Message], Receipt] = (
             router.publish if router is not None else broker.publish
         )
+        self.publish_many: Callable[[Sequence[Message]], list[Outcome]] = (
+            broker.publish_many if router is None else self._publish_each
+        )
 
     def use_router(self, router: ShardRouter) -> None:
         """Send every publish of this node through `router` from now on."""
         self.publish = router.publish
+        self.publish_many = self._publish_each
+
+    def _publish_each(self, messages: Sequence[Message]) -> list[Outcome]:
+        """`publish_many` through a router: one `publish` per message."""
+        outcomes: list[Outcome] = []
+        publish = self.publish
+        for message in messages:
+            try:
+                outcomes.append(publish(message))
+            except PublishRejected as exc:
+                outcomes.append(exc)
+        return outcomes
 
     @property
     def stats(self) -> BrokerStats:

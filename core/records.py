@@ -112,7 +112,44 @@ def native_properties_at(view: memoryview, pos: int) -> tuple[dict[str, bytes], 
     return native, pos
 
 
+# The fixed head and the topic's length: one pack for a message of topic and payload only.
+_HEAD_TOPIC = struct.Struct("<BBBBqI")
+# Encoded producer fields (u16 len + protocol, u16 len + id) by (protocol, id): a publisher
+# sends many messages, each ending with the same bytes.
+_producer_tails: dict[tuple[str, str], bytes] = {}
+_PRODUCER_TAILS_LIMIT = 4096
+
+
+def _producer_tail(protocol: str, producer_id: str) -> bytes:
+    tail = _producer_tails.get((protocol, producer_id))
+    if tail is None:
+        protocol_bytes = protocol.encode()
+        producer = producer_id.encode()
+        tail = b"".join(
+            (_U16.pack(len(protocol_bytes)), protocol_bytes, _U16.pack(len(producer)), producer)
+        )
+        if len(_producer_tails) >= _PRODUCER_TAILS_LIMIT:
+            _producer_tails.clear()
+        _producer_tails[(protocol, producer_id)] = tail
+    return tail
+
+
 def encode_message(message: Message | MessageRecord) -> bytes:
+    if (
+        message.key is None and not message.headers and message.content_type is None
+        and message.correlation_data is None and message.reply_to is None
+        and message.payload_format is None and message.expires_at_ms is None
+        and not message.native_properties
+    ):
+        # The common message (topic and payload only, no flag set): four parts, one join.
+        topic = message.topic.encode()
+        payload = message.payload
+        return b"".join((
+            _HEAD_TOPIC.pack(VERSION, 0, message.qos, 1 if message.retain else 0,
+                             message.publish_time_ms, len(topic)),
+            topic, _U32.pack(len(payload)), payload,
+            _producer_tail(message.producer_protocol, message.producer_id),
+        ))
     flags = 0
     parts: list[bytes] = []
     topic = message.topic.encode()

@@ -336,16 +336,36 @@ class MqttConnection:
     def _process_packets(self, packets: list[p.Packet], error: MQTTCodecError | None) -> None:
         connected = State.CONNECTED
         publish = p.Publish
+        last = len(packets) - 1
+        # The PUBLISHes of a run of them in this read, handed to the core in one call (one
+        # journal append per shard) when the run ends, before any other packet is handled.
+        messages: list[Message] = []
+        packet_ids: list[int | None] = []
+        limit = self.service.publish_batch_limit()
         for index, packet in enumerate(packets):
             state = self.state
             if state is State.CLOSED:
                 return
             try:
                 if state is connected and type(packet) is publish:
-                    self._on_publish(packet)  # type: ignore[arg-type]
+                    message = self._accept_publish(packet)  # type: ignore[arg-type]
+                    if message is not None:
+                        messages.append(message)
+                        packet_ids.append(packet.packet_id)  # type: ignore[attr-defined]
+                    if (
+                        index < last and type(packets[index + 1]) is publish
+                        and len(messages) < limit and not self._throttled_for > 0
+                    ):
+                        continue
+                    if messages:
+                        self._publish_batch(messages, packet_ids)
+                        messages, packet_ids = [], []
+                        limit = self.service.publish_batch_limit()
                 else:
                     self._handle(packet)
             except ProtocolViolation as exc:
+                if messages:  # the ones before the offending packet were fine
+                    self._publish_batch(messages, packet_ids)
                 log.info("%s %s: protocol violation: %s", self.remote, self.client_id, exc)
                 self.close(exc.reason_code, str(exc))
                 return
@@ -553,6 +573,14 @@ class MqttConnection:
             self._throttled_for = -self._tokens / rate
 
     def _on_publish(self, packet: p.Publish) -> None:
+        """One PUBLISH on its own (see `_process_packets` for runs of them)."""
+        message = self._accept_publish(packet)
+        if message is not None:
+            self._publish_batch([message], [packet.packet_id])
+
+    def _accept_publish(self, packet: p.Publish) -> Message | None:
+        """Check a PUBLISH and build its core message; None when it is answered already
+        (refused, or a QoS 2 retransmission). Raises ProtocolViolation."""
         settings = self.service.settings
         if settings.max_publish_rate:
             self._rate_limit(settings.max_publish_rate)
@@ -594,7 +622,7 @@ class MqttConnection:
         if qos == 2 and packet_id in session.inbound_qos2:
             # A retransmission of a QoS 2 message already accepted [MQTT-4.3.3-9].
             self._send_packet(p.Pubrec(packet_id))
-            return
+            return None
         if qos and self.inbound_pending + len(self.qos2_open) >= settings.receive_maximum:
             raise ProtocolViolation(RC.RECEIVE_MAXIMUM_EXCEEDED, "receive maximum exceeded")  # [MQTT-3.3.4-9]
         refusal = None
@@ -611,7 +639,7 @@ class MqttConnection:
         if refusal is not None:
             log.info("%s %s: publish to %r refused (%s)", self.remote, self.client_id, topic, refusal.name)
             self._ack(qos, packet_id, refusal)
-            return
+            return None
         expires = None
         if v5 and props.message_expiry_interval is not None:
             expires = now_ms() + props.message_expiry_interval * 1000
@@ -632,43 +660,56 @@ class MqttConnection:
             self.client_id,
         )
         self.messages_in += 1
-        if qos == 2:
+        if qos == 1:
+            # Counted against Receive Maximum from now on (until acknowledged or refused).
+            self.inbound_pending += 1
+        elif qos == 2:
             session.inbound_qos2.add(packet_id)  # type: ignore[arg-type]
             self.qos2_open.add(packet_id)  # type: ignore[arg-type]
             self.service.remember_qos2(session, packet_id, True)  # type: ignore[arg-type]
-        try:
-            waiter = self.service.edge.publish(message)
-        except PublishRejected as exc:
-            log.warning("%s %s: publish to %r rejected: %s", self.remote, self.client_id, topic, exc)
-            if qos == 2:
-                session.inbound_qos2.discard(packet_id)  # type: ignore[arg-type]
-                self.qos2_open.discard(packet_id)  # type: ignore[arg-type]
-            if not v5:
-                self.close()
-                return
-            if isinstance(exc, SchemaMismatch):
-                reason = RC.PAYLOAD_FORMAT_INVALID
-            elif isinstance(exc, StoreFull):
-                reason = RC.QUOTA_EXCEEDED
-            else:
-                reason = RC.UNSPECIFIED_ERROR
-            self._ack(qos, packet_id, reason, str(exc))
-            return
-        if qos == 0:
-            return
-        if waiter is None:
-            self._ack(qos, packet_id, RC.SUCCESS)
-            return
-        if qos == 1:
-            self.inbound_pending += 1
+        return message
+
+    def _publish_batch(self, messages: list[Message], packet_ids: list[int | None]) -> None:
+        """Hand accepted PUBLISHes to the core in one call and acknowledge each: at once when
+        it is stored already or refused, else once its commit group is durable."""
+        outcomes = self.service.edge.publish_many(messages)
         waiting = self._acks_waiting
-        if waiting is None:
-            waiting = self._acks_waiting = {}
-        acks = waiting.get(waiter)
-        if acks is None:
-            acks = waiting[waiter] = []
-            waiter.add_done_callback(self._on_durable)
-        acks.append((qos, packet_id))  # type: ignore[arg-type]
+        for message, packet_id, outcome in zip(messages, packet_ids, outcomes, strict=True):
+            qos = message.qos
+            if outcome is None:
+                if qos:
+                    if qos == 1:
+                        self.inbound_pending -= 1
+                    self._ack(qos, packet_id, RC.SUCCESS)
+                continue
+            if isinstance(outcome, PublishRejected):
+                if qos == 1:
+                    self.inbound_pending -= 1
+                elif qos == 2:
+                    self.session.inbound_qos2.discard(packet_id)  # type: ignore[union-attr,arg-type]
+                    self.qos2_open.discard(packet_id)  # type: ignore[arg-type]
+                log.warning("%s %s: publish to %r rejected: %s", self.remote, self.client_id,
+                            message.topic, outcome)
+                if self.version != MQTT_V5:
+                    self.close()
+                    return
+                if isinstance(outcome, SchemaMismatch):
+                    reason = RC.PAYLOAD_FORMAT_INVALID
+                elif isinstance(outcome, StoreFull):
+                    reason = RC.QUOTA_EXCEEDED
+                else:
+                    reason = RC.UNSPECIFIED_ERROR
+                self._ack(qos, packet_id, reason, str(outcome))
+                continue
+            if not qos:
+                continue
+            if waiting is None:
+                waiting = self._acks_waiting = {}
+            acks = waiting.get(outcome)
+            if acks is None:
+                acks = waiting[outcome] = []
+                outcome.add_done_callback(self._on_durable)
+            acks.append((qos, packet_id))  # type: ignore[arg-type]
 
     def _on_durable(self, fut: asyncio.Future[None]) -> None:
         """A commit group is durable (or failed): acknowledge its publishes from this client."""

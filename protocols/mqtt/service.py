@@ -174,6 +174,16 @@ class MqttService:
             publisher.hold()
             self._held.append(publisher)
 
+    def publish_batch_limit(self) -> int:
+        """How many PUBLISHes of one read a connection may hand to the core at once. A batch
+        is dispatched whole, and a publisher is held only between batches: a quarter of the
+        queue limit keeps a subscriber below half its limit (where it holds publishers) short
+        of the limit (where it drops). While a subscriber is congested, one at a time, so
+        that a publisher is held right after the PUBLISH that reached a congested queue."""
+        if self._congested:
+            return 1
+        return max(1, self.settings.max_queued_messages >> 2)
+
     def relieved(self, session: MqttSession) -> None:
         """`session` caught up (or went away): release the held publishers once no session is
         congested any more."""

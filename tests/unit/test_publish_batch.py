@@ -1,0 +1,282 @@
+"""Publishing the messages of one read at once (`Broker.publish_many`, `Edge.publish_many`):
+one journal append per shard, and per message exactly what `publish` does — a refused message
+gets its own error and the others are stored and acknowledged, order within a shard is kept,
+statistics count each accepted message once, and delayed, transient and non-reliable messages
+are handled as single publishes handle them. The MQTT connection hands the PUBLISHes of one
+read over in one call."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+from shardgate.core.broker import Broker
+from shardgate.core.edge import Edge
+from shardgate.core.errors import PublishRejected, SchemaMismatch, StoreFull
+from shardgate.core.message import Message
+from shardgate.core.streams import StreamConfig
+from shardgate.protocols.mqtt import packets as p
+from shardgate.protocols.mqtt.codec import encode
+from shardgate.protocols.mqtt.connection import MqttConnection
+from shardgate.protocols.mqtt.service import MqttService
+from shardgate.protocols.mqtt.settings import MqttSettings
+from shardgate.storage.journal import JournalStorage
+
+from tests.unit.test_commit_before_delivery import Recorder
+from tests.unit.test_mqtt_connection import Node, Wire
+
+RC = p.ReasonCode
+
+
+class ResumableWire(Wire):
+    def resume(self) -> None:
+        pass
+
+
+class CountingLog:
+    """A shard's journal log that counts the `append` calls it gets (everything else is the
+    log's own)."""
+
+    def __init__(self, log: object) -> None:
+        self._log = log
+        self.appends: list[int] = []  # records per call
+
+    def append(self, records: Sequence[tuple[int, bytes]]) -> int:
+        self.appends.append(len(records))
+        return self._log.append(records)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._log, name)
+
+
+def count_appends(broker: Broker, stream: str = "default") -> list[CountingLog]:
+    logs = []
+    for shard in broker.stream(stream).shards:
+        shard.log = CountingLog(shard.log)  # type: ignore[assignment]
+        logs.append(shard.log)
+    return logs  # type: ignore[return-value]
+
+
+def build(journal: JournalStorage, partitions: int = 1) -> tuple[Broker, Recorder]:
+    broker = Broker(
+        storage=journal, default_stream=StreamConfig("default", mode="reliable", partitions=partitions)
+    )
+    broker.create_stream(StreamConfig("json", mode="reliable", schema="json"), routes=["j/#"])
+    broker.create_stream(StreamConfig("memory", mode="non-reliable"), routes=["m/#"])
+    sub = broker.subscription("live")
+    broker.add_filter(sub, "#")
+    recorder = Recorder()
+    broker.attach(sub, recorder)
+    return broker, recorder
+
+
+@pytest.fixture
+def journal(tmp_path: Path):
+    storage = JournalStorage(tmp_path / "journal")
+    yield storage
+    storage.close()
+
+
+async def settle(outcomes: Sequence[object]) -> None:
+    """Wait for every commit future, then one loop turn: a future that was done already when
+    awaited has not run its callbacks (the broker's delivery of held messages) yet."""
+    for outcome in outcomes:
+        if isinstance(outcome, asyncio.Future):
+            await outcome
+    await asyncio.sleep(0)
+
+
+async def test_one_journal_append_per_shard_and_each_shard_keeps_its_order(
+    journal: JournalStorage,
+) -> None:
+    broker, recorder = build(journal, partitions=4)
+    logs = count_appends(broker)
+    topics = [f"t/{n}" for n in range(8)]
+    messages = [Message(topics[n % 8], f"{n}".encode()) for n in range(64)]
+    outcomes = broker.publish_many(messages)
+    used = [log for log in logs if log.appends]
+    assert len(used) > 1, "the topics spread over several shards"
+    assert all(log.appends == [sum(1 for m in messages if m.shard == logs.index(log))] for log in used)
+    assert all(isinstance(outcome, asyncio.Future) for outcome in outcomes)
+    # One commit future per shard's group, shared by its messages.
+    by_shard = {m.shard: outcome for m, outcome in zip(messages, outcomes, strict=True)}
+    assert all(outcome is by_shard[m.shard] for m, outcome in zip(messages, outcomes, strict=True))
+    await settle(outcomes)
+    for index, log in enumerate(logs):
+        stored = [r.data for r in log.read(0)]
+        mine = [m for m in messages if m.shard == index]
+        assert [m.offset for m in mine] == list(range(len(mine))), "dense offsets in order"
+        assert len(stored) == len(mine)
+    for topic in topics:  # every topic's messages reached the subscriber in publish order
+        sent = [m.payload for m in messages if m.topic == topic]
+        assert [payload for _, payload in recorder.got if payload in sent] == sent
+    assert broker.stats.messages_in == 64
+
+
+async def test_a_refused_message_does_not_drop_the_others(journal: JournalStorage) -> None:
+    broker, recorder = build(journal)
+    (log,) = count_appends(broker)
+    messages = [
+        Message("t/1", b"one"),
+        Message("j/1", b"not json"),  # the json stream's schema refuses it
+        Message("$internal/x", b"reserved"),  # reserved for the broker
+        Message("t/1", b"two"),
+        Message("$delayed/bad/t/1", b"bad delay"),
+        Message("t/1", b"three"),
+    ]
+    outcomes = broker.publish_many(messages)
+    assert isinstance(outcomes[1], SchemaMismatch)
+    assert isinstance(outcomes[2], PublishRejected)
+    assert isinstance(outcomes[4], PublishRejected)
+    accepted = [outcomes[0], outcomes[3], outcomes[5]]
+    assert all(isinstance(o, asyncio.Future) for o in accepted) and len(set(map(id, accepted))) == 1
+    assert log.appends == [3]
+    await settle(outcomes)
+    assert [payload for _, payload in recorder.got] == [b"one", b"two", b"three"]
+    assert [r.data != b"" for r in log.read(0)] == [True, True, True]
+    assert broker.stats.messages_in == 3, "counted once, refused ones not at all"
+
+
+async def test_what_the_journal_cannot_take_is_refused_message_by_message(tmp_path: Path) -> None:
+    journal = JournalStorage(tmp_path / "journal", max_pending_bytes=4096)
+    try:
+        broker, recorder = build(journal)
+        # A large first group fills what may wait for the disk; the next batch is refused
+        # there, while a message of a memory stream in the same batch is delivered.
+        first = broker.publish_many([Message("t/big", bytes(5000)), Message("t/big", b"x")])
+        outcomes = broker.publish_many([Message("t/1", b"a"), Message("m/1", b"memory"), Message("t/1", b"b")])
+        assert isinstance(outcomes[0], StoreFull) and isinstance(outcomes[2], StoreFull)
+        assert outcomes[1] is None
+        assert (-1, b"memory") not in recorder.got and (0, b"memory") in recorder.got
+        await settle(first)
+        # Once the disk caught up, the journal takes messages again.
+        later = broker.publish_many([Message("t/1", b"c"), Message("t/1", b"d")])
+        assert all(isinstance(o, asyncio.Future) for o in later)
+        await settle(later)
+        assert [payload for _, payload in recorder.got][-2:] == [b"c", b"d"]
+    finally:
+        journal.close()
+
+
+def mixed_read() -> list[Message]:
+    """Stored, non-reliable, transient, retained and delayed messages in one read."""
+    return [
+        Message("t/1", b"s1"),
+        Message("m/1", b"mem1"),
+        Message("t/1", b"tr1", transient=True),
+        Message("t/1", b"s2", retain=True),
+        Message("$delayed/60/t/1", b"later"),
+        Message("m/1", b"mem2"),
+        Message("t/2", b"s3"),
+        Message("t/1", b"tr2", transient=True),
+    ]
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh-journal", "reserved-offsets"])
+async def test_a_batch_does_what_the_same_single_publishes_do(tmp_path: Path, fresh: bool) -> None:
+    seen: dict[str, list[tuple[str, int, bytes]]] = {}
+    kinds: dict[str, list[str]] = {}
+    for way in ("single", "batch"):
+        journal = JournalStorage(tmp_path / way)
+        try:
+            broker, recorder = build(journal)
+            if not fresh:  # the journal has reserved offsets: stored messages go out at once
+                await broker.publish(Message("t/0", b"warm-up"))  # type: ignore[misc]
+                recorder.got.clear()
+            messages = mixed_read()
+            if way == "single":
+                outcomes: list[object] = [broker.publish(m) for m in messages]
+            else:
+                outcomes = list(broker.publish_many(messages))
+            kinds[way] = [type(o).__name__ for o in outcomes]
+            got_now = list(recorder.got)
+            await settle(outcomes)
+            seen[way] = [(m.topic, m.offset, m.payload) for m in messages]
+            seen[way + "-delivered"] = [("", offset, payload) for offset, payload in recorder.got]
+            seen[way + "-early"] = [("", offset, payload) for offset, payload in got_now]
+            assert broker.retained.get("t/1") is not None
+            assert len(broker.delayed) == 1
+        finally:
+            journal.close()
+    assert kinds["single"] == kinds["batch"]
+    assert seen["single"] == seen["batch"]
+    assert seen["single-early"] == seen["batch-early"]
+    # The batch dispatches after its appends: the same deliveries, each shard in its order.
+    assert seen["single-delivered"] == seen["batch-delivered"]
+
+
+async def test_an_mqtt_read_of_publishes_is_one_append_with_per_message_acks(
+    journal: JournalStorage,
+) -> None:
+    broker, recorder = build(journal)
+    (log,) = count_appends(broker)
+    loop = asyncio.get_running_loop()
+    service = MqttService(Edge(broker), MqttSettings(sys_interval=0), scheduler=loop)
+    service.start()
+    try:
+        wire = Wire(5)
+        connection = MqttConnection(service, wire, "127.0.0.1:1")
+        service.connection_made(connection)
+        connection.data_received(encode(p.Connect("MQTT", 5, True, 60, "pub"), 5))
+        await until(lambda: wire.out)
+        wire.read()
+        read = b"".join(encode(packet, 5) for packet in (
+            p.Publish("t/1", b"a", qos=1, packet_id=1),
+            p.Publish("j/1", b"not json", qos=1, packet_id=2),
+            p.Publish("t/1", b"b", qos=0),
+            p.Publish("t/1", b"c", qos=1, packet_id=3),
+        ))
+        connection.data_received(read)
+        acks: list[p.Packet] = []
+        await until(lambda: len(acks.extend(wire.read()) or acks) >= 3)
+        codes = {ack.packet_id: ack.reason_code for ack in acks}  # type: ignore[attr-defined]
+        assert codes == {1: RC.SUCCESS, 2: RC.PAYLOAD_FORMAT_INVALID, 3: RC.SUCCESS}
+        assert [ack.packet_id for ack in acks if ack.reason_code == RC.SUCCESS] == [1, 3]  # type: ignore[attr-defined]
+        assert log.appends == [3], "one append for the read's three stored messages"
+        assert [payload for _, payload in recorder.got] == [b"a", b"b", b"c"]
+        assert connection.inbound_pending == 0
+    finally:
+        service.stop()
+
+
+async def until(condition: Callable[[], object], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(0.001)
+
+
+def test_a_read_larger_than_a_slow_subscribers_queue_loses_nothing() -> None:
+    """A read of 200 QoS 1 PUBLISHes to a subscriber with a window of 2 and a queue of 40: the
+    read is handed over in batches small enough that the publisher is held before the queue
+    can overflow, so no QoS 1 message is dropped."""
+    node = Node(max_inflight=2, max_queued_messages=40)
+    sub, sub_wire = node.connect("slow", 4)
+    pub, pub_wire = node.connect("pub", 4)
+    pub.link = pub_wire = ResumableWire(4)
+    sub_wire.read(), pub_wire.read()
+    node.send(sub, p.Subscribe(1, [p.SubscriptionRequest("work", 1)]), 4)
+    assert isinstance(sub_wire.read()[0], p.Suback)
+    pub.data_received(b"".join(
+        encode(p.Publish("work", str(i).encode(), 1, packet_id=i + 1), 4) for i in range(200)
+    ))
+    node.clock.run_soon()
+    assert pub.held, "held once the subscriber's queue passed half its limit"
+    received: list[bytes] = []
+    for _ in range(1000):
+        packets = sub_wire.read()
+        if not packets and len(received) == 200:
+            break
+        for packet in packets:
+            assert isinstance(packet, p.Publish)
+            received.append(packet.payload)
+            node.send(sub, p.Puback(packet.packet_id), 4)
+        node.clock.run_soon()
+    assert received == [str(i).encode() for i in range(200)]
+    assert node.service.broker.stats.messages_dropped == 0
+    acks = pub_wire.read()
+    assert sorted(a.packet_id for a in acks) == list(range(1, 201))  # type: ignore[attr-defined]
