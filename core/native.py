@@ -42,6 +42,7 @@ COMPILED_GROUPS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
         ("packets", "errors"),
     ),
     "shardgate.core.topics_native": ("shardgate.core", ("topics", "trie"), ("errors",)),
+    "shardgate.storage.journal.framing_native": ("shardgate.storage.journal", ("framing",), ()),
 }
 
 # group -> whether its compiled build is in use (filled as packages are imported).

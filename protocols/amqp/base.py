@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pamqp import commands
@@ -37,6 +38,7 @@ from .properties import encoded_properties
 from .queues import Queue
 
 if TYPE_CHECKING:
+    from .remote import RemoteQueue
     from .service import AmqpService
     from .vhost import VirtualHost
 
@@ -86,6 +88,12 @@ class ConnectionBase:
         self._confirm_channels: set[AmqpChannel] = set()
         self._paused = False
         self._held_by_alarm = False
+        # Replies waiting on something outside this connection (a bind-ok until the cluster's
+        # other nodes know the route, a queue operation on the node that holds the queue):
+        # no further frame is read until they are sent, so replies keep the client's order.
+        self._holds = 0
+        # Shared queues of other nodes this connection uses, by name (`remote.RemoteQueue`).
+        self._remote_queues: dict[str, RemoteQueue] = {}
         self._wake_queues: set[Queue] = set()
         # (exchange, exchange type, routing key) -> (core topic, encoded route), for repeated
         # publishes.
@@ -100,6 +108,20 @@ class ConnectionBase:
         def _queue_name(
             self, channel: AmqpChannel, name: str, method: type[commands.base.Frame]
         ) -> str: ...
+
+        def _at_home(
+            self, channel: AmqpChannel, name: str, here: Callable[[], None],
+            there: Callable[[str], None],
+        ) -> None: ...
+
+        def _remote_queue(self, name: str, node: str) -> RemoteQueue: ...
+
+        def _ask_home(
+            self, channel: AmqpChannel, node: str, name: str, method: type[commands.base.Frame],
+            request: dict[str, Any],
+            reply_for: Callable[[dict[str, Any]], commands.base.Frame] | None,
+            after: Callable[[dict[str, Any]], None] | None = None,
+        ) -> None: ...
 
         def _deliver_publish(
             self, channel: AmqpChannel, frame: commands.Basic.Publish, message: Message, seq: int
@@ -276,6 +298,45 @@ class ConnectionBase:
         self.channels.pop(channel.number, None)
         touched = channel.release()
         self.service.queues_released(self, touched)
+
+    # ================================================================== held replies
+    def hold_until(
+        self, channel: AmqpChannel, future: asyncio.Future[Any],
+        then: Callable[[asyncio.Future[Any]], None],
+    ) -> None:
+        """Read no more frames until `future` is done, then run `then(future)` (which sends
+        the reply, or raises the channel's or connection's exception) and read on."""
+        self.hold()
+        future.add_done_callback(lambda done: self.release_hold(channel, lambda: then(done)))
+
+    def hold(self) -> None:
+        self._holds += 1
+        self._paused = True
+
+    def release_hold(self, channel: AmqpChannel, then: Callable[[], None],
+                     orphaned: Callable[[], None] | None = None) -> None:
+        """End one `hold`: `then()` if the channel is still open, else `orphaned()`."""
+        self._holds -= 1
+        if self.state is State.OPEN and self.channels.get(channel.number) is channel:
+            try:
+                then()
+            except ChannelException as exc:
+                self._close_channel(channel, exc)
+            except ConnectionException as exc:
+                self.close(exc)
+        elif orphaned is not None:
+            orphaned()
+        self._run_wakeups()
+        self._request_flush()
+        self.resume_reading()
+
+    def resume_reading(self) -> None:
+        """Read the frames held back once nothing holds this connection any more."""
+        if (self._paused and not self._holds and self._publishes_in_flight == 0
+                and not self._held_by_alarm):
+            self._paused = False
+            if self.state is not State.CLOSED:
+                self.data_received(b"")
 
     # ================================================================== wake-ups
     def wake(self, queue: Queue) -> None:

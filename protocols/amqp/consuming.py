@@ -3,6 +3,7 @@ consumer), cancel, get, and settling deliveries with ack, nack, reject and recov
 
 from __future__ import annotations
 
+import base64
 import secrets
 from typing import Any
 
@@ -11,8 +12,17 @@ from pamqp import commands
 from .base import ConnectionBase
 from .channel import REPLY_TO, AmqpChannel, Delivery, route_names, route_of
 from .errors import ChannelException, ConnectionException, ReplyCode
-from .frames import method_ids
+from .frames import State, method_ids
 from .queues import Queue, QueueConsumer, QueueEntry
+from .remote import (
+    ConsumerProxy,
+    GetOrigin,
+    RemoteEntry,
+    RemoteQueue,
+    decode_delivery,
+    home_down,
+    refusal,
+)
 
 
 class ConsumingMixin(ConnectionBase):
@@ -35,18 +45,37 @@ class ConsumingMixin(ConnectionBase):
         self.wake_channel(channel)
 
     def _basic_consume(self, channel: AmqpChannel, frame: commands.Basic.Consume) -> None:
+        # In a cluster, first wait (bounded) until the other nodes know this node's routes as
+        # they are now (a bind sent with nowait just before, say), as a SUBACK waits.
+        ready = self.service.broker.routes_ready()
+        if ready is None:
+            self._consume(channel, frame)
+        else:
+            self.hold_until(channel, ready, lambda _: self._consume(channel, frame))
+
+    def _consume(self, channel: AmqpChannel, frame: commands.Basic.Consume) -> None:
         assert self.vhost is not None
         method = commands.Basic.Consume
         if frame.queue == REPLY_TO:
             self._reply_consume(channel, frame)
             return
         name = self._queue_name(channel, frame.queue, method)
-        queue = self.vhost.queue(name, self, method)
+        self._at_home(channel, name, lambda: self._consume_here(channel, frame, name),
+                      lambda node: self._remote_consume(channel, frame, name, node, self._consumer_tag(channel, frame)))
+
+    def _consumer_tag(self, channel: AmqpChannel, frame: commands.Basic.Consume) -> str:
         tag = frame.consumer_tag or f"amq.ctag-{self._ctag_prefix}-{next(self._ctag)}"
         if tag in channel.consumers:
             raise ConnectionException(
-                ReplyCode.NOT_ALLOWED, f"attempt to reuse consumer tag '{tag}'", *method_ids(method)
+                ReplyCode.NOT_ALLOWED, f"attempt to reuse consumer tag '{tag}'", *method_ids(commands.Basic.Consume)
             )
+        return tag
+
+    def _consume_here(self, channel: AmqpChannel, frame: commands.Basic.Consume, name: str) -> None:
+        assert self.vhost is not None
+        method = commands.Basic.Consume
+        queue = self.vhost.queue(name, self, method)
+        tag = self._consumer_tag(channel, frame)
         if queue.consumers and (frame.exclusive or any(c.exclusive for c in queue.consumers)):
             raise ChannelException(
                 ReplyCode.ACCESS_REFUSED,
@@ -64,6 +93,57 @@ class ConsumingMixin(ConnectionBase):
         if not frame.nowait:
             self.send_method(channel.number, commands.Basic.ConsumeOk(tag))
         self._wake_queues.add(queue)
+
+    def _remote_consume(self, channel: AmqpChannel, frame: commands.Basic.Consume, name: str,
+                        home: str, tag: str) -> None:
+        """basic.consume on a queue of another node: a consumer link to it (`remote`)."""
+        vhost = self.vhost
+        assert vhost is not None and vhost.directory is not None
+        method = commands.Basic.Consume
+        directory = vhost.directory
+        if not directory.live(home):
+            raise home_down(home, vhost.name, name, method)
+        priority = (frame.arguments or {}).get("x-priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            priority = 0
+        remote = self._remote_queue(name, home)
+        consumer = QueueConsumer(
+            channel, tag, remote, bool(frame.no_ack), bool(frame.exclusive),
+            channel.consumer_prefetch, priority,
+        )
+
+        def answered(reply: dict[str, Any]) -> None:
+            def then() -> None:
+                if reply.get("gone"):
+                    raise home_down(home, vhost.name, name, method)
+                failure = refusal(reply, method)
+                if failure is not None:
+                    proxy.close()
+                    raise failure
+                channel.consumers[tag] = consumer
+                remote.add_remote_consumer(consumer, proxy)
+                if not frame.nowait:
+                    self.send_method(channel.number, commands.Basic.ConsumeOk(tag))
+
+            self.release_hold(channel, then, orphaned=proxy.close)
+
+        proxy = ConsumerProxy(remote, consumer, answered, self._remote_queue_gone)
+        self.hold()
+        proxy.link = directory.consume(home, {
+            "op": "consume", "vhost": vhost.name, "queue": name, "tag": tag,
+            "no_ack": bool(frame.no_ack), "exclusive": bool(frame.exclusive),
+            # a channel-wide limit (global qos) counts as this consumer's on the home node
+            "prefetch": channel.consumer_prefetch or channel.prefetch, "priority": priority,
+        }, proxy.receive)
+
+    def _remote_queue_gone(self, remote: RemoteQueue) -> None:
+        """A queue of another node was deleted there, or its node went away: its consumers
+        here are cancelled (basic.cancel when the client takes it), as for a local queue."""
+        remote.consumers.clear()
+        remote.proxies.clear()
+        if self.state is State.OPEN:
+            self.queue_deleted(remote)
+            self._request_flush()
 
     def _reply_consume(self, channel: AmqpChannel, frame: commands.Basic.Consume) -> None:
         method = commands.Basic.Consume
@@ -106,7 +186,12 @@ class ConsumingMixin(ConnectionBase):
         assert self.vhost is not None
         method = commands.Basic.Get
         name = self._queue_name(channel, frame.queue, method)
-        queue = self.vhost.queue(name, self, method)
+        self._at_home(channel, name, lambda: self._get_here(channel, frame, name),
+                      lambda node: self._remote_get(channel, frame, name, node))
+
+    def _get_here(self, channel: AmqpChannel, frame: commands.Basic.Get, name: str) -> None:
+        assert self.vhost is not None
+        queue = self.vhost.queue(name, self, commands.Basic.Get)
         entry = queue.take()
         if entry is None:
             self.send_method(channel.number, commands.Basic.GetEmpty())
@@ -122,6 +207,31 @@ class ConsumingMixin(ConnectionBase):
             tag, entry.redelivered, exchange, routing_key, len(queue.messages)
         ), entry.message)
         self.sent(entry.message)
+
+    def _remote_get(self, channel: AmqpChannel, frame: commands.Basic.Get, name: str, home: str) -> None:
+        vhost = self.vhost
+        assert vhost is not None and vhost.directory is not None
+        origin = GetOrigin(vhost.directory, home, vhost.name, name)
+
+        def got(reply: dict[str, Any]) -> None:
+            if reply.get("empty"):
+                self.send_method(channel.number, commands.Basic.GetEmpty())
+                return
+            remote_id, redelivered, message = decode_delivery(base64.b64decode(reply["delivery"]))
+            remote = self._remote_queue(name, home)
+            entry = RemoteEntry(message, redelivered, None if frame.no_ack else origin, remote_id)
+            tag = channel.next_tag
+            channel.next_tag = tag + 1
+            if not frame.no_ack:
+                channel.unacked[tag] = Delivery(remote, entry, None)
+            exchange, routing_key = route_names(route_of(message))
+            self.send_content(channel.number, commands.Basic.GetOk(
+                tag, redelivered, exchange, routing_key, int(reply["count"])
+            ), message)
+            self.sent(message)
+
+        self._ask_home(channel, home, name, commands.Basic.Get,
+                       {"op": "get", "no_ack": bool(frame.no_ack)}, None, got)
 
     def _basic_ack(self, channel: AmqpChannel, frame: commands.Basic.Ack) -> None:
         if channel.tx is not None:

@@ -296,9 +296,7 @@ class PublishingMixin(ConnectionBase):
             resume = getattr(self.link, "resume_reading", None)
             if resume is not None:
                 resume()
-            if self._paused and self._publishes_in_flight == 0:
-                self._paused = False
-                self.data_received(b"")
+            self.resume_reading()
 
     def _landed(self, future: asyncio.Future[None]) -> None:
         waiting = self._landing.pop(future, [])
@@ -315,10 +313,8 @@ class PublishingMixin(ConnectionBase):
                 channel.tx_landing -= 1
                 if channel.tx_landing == 0:
                     self._commit_ok(channel)
-        if self._publishes_in_flight == 0 and self._paused and not self._held_by_alarm:
-            self._paused = False
-            if self.state is not State.CLOSED:
-                self.data_received(b"")
+        if self._publishes_in_flight == 0:
+            self.resume_reading()
 
     def _confirm(self, channel: AmqpChannel, tag: int, ok: bool) -> None:
         """Publish `tag` is stored (or failed). Acks are merged into one multiple ack per

@@ -4,7 +4,9 @@ the direct reply-to pseudo-queue, and consumers cancelled when their queue is de
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
+from typing import Any
 
 from pamqp import commands
 
@@ -14,6 +16,8 @@ from .channel import REPLY_TO, AmqpChannel
 from .errors import ChannelException, ReplyCode
 from .frames import method_ids
 from .queues import Queue
+from .remote import RemoteQueue, encode_table, home_down, is_shared, refusal
+from .routing import binding_for
 
 
 class TopologyMixin(ConnectionBase):
@@ -32,6 +36,16 @@ class TopologyMixin(ConnectionBase):
 
         return allowed
 
+    def _reply_when_routed(self, channel: AmqpChannel, reply: commands.base.Frame) -> None:
+        """Send `reply` once the cluster's other nodes know this node's routes as they are
+        now (bounded, as a SUBACK waits), so a publish on another node right after it reaches
+        the queue; at once on a single node or when nothing changed."""
+        ready = self.service.broker.routes_ready()
+        if ready is None:
+            self.send_method(channel.number, reply)
+        else:
+            self.hold_until(channel, ready, lambda _: self.send_method(channel.number, reply))
+
     def _exchange_declare(self, channel: AmqpChannel, frame: commands.Exchange.Declare) -> None:
         assert self.vhost is not None
         self.vhost.declare_exchange(frame)
@@ -45,7 +59,7 @@ class TopologyMixin(ConnectionBase):
             commands.Exchange.Bind, self._may_bind(),
         )
         if not frame.nowait:
-            self.send_method(channel.number, commands.Exchange.BindOk())
+            self._reply_when_routed(channel, commands.Exchange.BindOk())
 
     def _exchange_unbind(self, channel: AmqpChannel, frame: commands.Exchange.Unbind) -> None:
         assert self.vhost is not None
@@ -62,6 +76,68 @@ class TopologyMixin(ConnectionBase):
         if not frame.nowait:
             self.send_method(channel.number, commands.Exchange.DeleteOk())
 
+    # ------------------------------------------------------------ queues of other nodes
+    def _at_home(
+        self, channel: AmqpChannel, name: str, here: Callable[[], None],
+        there: Callable[[str], None],
+    ) -> None:
+        """Run `here()` when the queue `name` is on this node (or on none), else `there(node)`
+        with the node it lives on. In a cluster, a name this node's view of etcd does not know
+        is looked up in etcd first (a queue declared elsewhere an instant ago)."""
+        vhost = self.vhost
+        assert vhost is not None
+        directory = vhost.directory
+        if directory is None or not name or name in vhost.queues or name == REPLY_TO:
+            here()
+            return
+        node = directory.home(vhost.name, name)
+        if node is not None:
+            there(node)
+            return
+
+        def found(done: asyncio.Future[str | None]) -> None:
+            home = None if done.cancelled() or done.exception() is not None else done.result()
+            if home is None or name in vhost.queues:
+                here()
+            else:
+                there(home)
+
+        self.hold_until(channel, directory.lookup(vhost.name, name), found)
+
+    def _ask_home(
+        self, channel: AmqpChannel, node: str, name: str, method: type[commands.base.Frame],
+        request: dict[str, Any], reply_for: Callable[[dict[str, Any]], commands.base.Frame] | None,
+        after: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        """Run a queue operation on the queue's home node; the reply (`reply_for` its answer)
+        goes out when it answers, and no later frame of this connection is read before."""
+        vhost = self.vhost
+        assert vhost is not None and vhost.directory is not None
+        directory = vhost.directory
+        if not directory.live(node):
+            raise home_down(node, vhost.name, name, method)
+        future = directory.call(node, {"vhost": vhost.name, "queue": name, **request})
+
+        def answered(done: asyncio.Future[dict[str, Any]]) -> None:
+            if done.cancelled() or done.exception() is not None:
+                raise home_down(node, vhost.name, name, method)
+            reply = done.result()
+            failure = refusal(reply, method)
+            if failure is not None:
+                raise failure
+            if after is not None:
+                after(reply)
+            if reply_for is not None:
+                self.send_method(channel.number, reply_for(reply))
+
+        self.hold_until(channel, future, answered)
+
+    def _remote_queue(self, name: str, node: str) -> RemoteQueue:
+        remote = self._remote_queues.get(name)
+        if remote is None or remote.node != node:
+            remote = self._remote_queues[name] = RemoteQueue(name, node)
+        return remote
+
     def _queue_name(self, channel: AmqpChannel, name: str, method: type[commands.base.Frame]) -> str:
         if name:
             return name
@@ -76,28 +152,92 @@ class TopologyMixin(ConnectionBase):
             if not frame.nowait:
                 self.send_method(channel.number, commands.Queue.DeclareOk(REPLY_TO, 0, 1))
             return
-        queue, _ = self.vhost.declare_queue(frame, self)
+        self._at_home(channel, frame.queue, lambda: self._declare_here(channel, frame),
+                      lambda node: self._declare_there(channel, frame, node))
+
+    def _declare_there(self, channel: AmqpChannel, frame: commands.Queue.Declare, node: str) -> None:
+        def declared(reply: dict[str, Any]) -> None:
+            channel.last_queue = str(reply["queue"])
+
+        self._ask_home(channel, node, frame.queue, commands.Queue.Declare, {
+            "op": "declare", "passive": bool(frame.passive), "durable": bool(frame.durable),
+            "exclusive": bool(frame.exclusive), "auto_delete": bool(frame.auto_delete),
+            "arguments": encode_table(frame.arguments),
+        }, None if frame.nowait else lambda reply: commands.Queue.DeclareOk(
+            str(reply["queue"]), int(reply["messages"]), int(reply["consumers"])), declared)
+
+    def _declare_here(self, channel: AmqpChannel, frame: commands.Queue.Declare) -> None:
+        vhost = self.vhost
+        assert vhost is not None
+        queue, new = vhost.declare_queue(frame, self)
         channel.last_queue = queue.name
+        reply = None
         if not frame.nowait:
             queue.expire()
-            self.send_method(channel.number, commands.Queue.DeclareOk(
-                queue.name, len(queue.messages), len(queue.consumers)
-            ))
+            reply = commands.Queue.DeclareOk(queue.name, len(queue.messages), len(queue.consumers))
+        directory = vhost.directory
+        if new and directory is not None and is_shared(queue):
+            # The queue's home is the node that records it in etcd first: a twin declared on
+            # another node at the same instant gives way to it.
+            def claimed(done: asyncio.Future[str | None]) -> None:
+                home = None if done.cancelled() or done.exception() is not None else done.result()
+                if home is not None and not queue.deleted:
+                    vhost.delete_queue(queue)
+                    self._declare_there(channel, frame, home)
+                elif reply is not None:
+                    self._reply_when_routed(channel, reply)
+
+            self.hold_until(channel, directory.claim(vhost.name, queue.name), claimed)
+        elif reply is not None:
+            if new:  # its default-exchange binding is a new route
+                self._reply_when_routed(channel, reply)
+            else:
+                self.send_method(channel.number, reply)
 
     def _queue_bind(self, channel: AmqpChannel, frame: commands.Queue.Bind) -> None:
-        assert self.vhost is not None
         name = self._queue_name(channel, frame.queue, commands.Queue.Bind)
+        self._at_home(channel, name, lambda: self._bind_here(channel, frame, name),
+                      lambda node: self._bind_there(channel, frame, name, node))
+
+    def _bind_here(self, channel: AmqpChannel, frame: commands.Queue.Bind, name: str) -> None:
+        assert self.vhost is not None
         queue = self.vhost.queue(name, self, commands.Queue.Bind)
-        allowed = self._may_bind()
         self.vhost.bind(
-            queue, frame.exchange, frame.routing_key, frame.arguments, commands.Queue.Bind, allowed
+            queue, frame.exchange, frame.routing_key, frame.arguments, commands.Queue.Bind,
+            self._may_bind(),
         )
         if not frame.nowait:
-            self.send_method(channel.number, commands.Queue.BindOk())
+            self._reply_when_routed(channel, commands.Queue.BindOk())
+
+    def _bind_there(self, channel: AmqpChannel, frame: commands.Queue.Bind, name: str, node: str) -> None:
+        # The exchange and the authorizer's verdict are this node's; the binding is made on
+        # the queue's node, which answers once its peers know the new route.
+        assert self.vhost is not None
+        method = commands.Queue.Bind
+        exchange = self.vhost.exchange(frame.exchange, method)
+        allowed = self._may_bind()
+        if exchange.name and allowed is not None:
+            binding = binding_for(exchange.name, exchange.type, frame.routing_key, frame.arguments)
+            if not allowed(binding.topic_filter):
+                raise ChannelException(
+                    ReplyCode.ACCESS_REFUSED,
+                    f"access to exchange '{frame.exchange}' with binding key '{frame.routing_key}' "
+                    "refused", *method_ids(method))
+        self._ask_home(channel, node, name, method, {
+            "op": "bind", "exchange": frame.exchange, "routing_key": frame.routing_key,
+            "arguments": encode_table(frame.arguments),
+        }, None if frame.nowait else lambda reply: commands.Queue.BindOk())
 
     def _queue_unbind(self, channel: AmqpChannel, frame: commands.Queue.Unbind) -> None:
-        assert self.vhost is not None
         name = self._queue_name(channel, frame.queue, commands.Queue.Unbind)
+        self._at_home(channel, name, lambda: self._unbind_here(channel, frame, name),
+                      lambda node: self._ask_home(channel, node, name, commands.Queue.Unbind, {
+                          "op": "unbind", "exchange": frame.exchange, "routing_key": frame.routing_key,
+                          "arguments": encode_table(frame.arguments),
+                      }, lambda reply: commands.Queue.UnbindOk()))
+
+    def _unbind_here(self, channel: AmqpChannel, frame: commands.Queue.Unbind, name: str) -> None:
+        assert self.vhost is not None
         if name not in self.vhost.queues:
             # RabbitMQ 3.x: unbinding a missing queue succeeds (as a missing exchange does).
             self.send_method(channel.number, commands.Queue.UnbindOk())
@@ -107,32 +247,30 @@ class TopologyMixin(ConnectionBase):
         self.send_method(channel.number, commands.Queue.UnbindOk())
 
     def _queue_purge(self, channel: AmqpChannel, frame: commands.Queue.Purge) -> None:
-        assert self.vhost is not None
         name = self._queue_name(channel, frame.queue, commands.Queue.Purge)
+        self._at_home(channel, name, lambda: self._purge_here(channel, frame, name),
+                      lambda node: self._ask_home(
+                          channel, node, name, commands.Queue.Purge, {"op": "purge"},
+                          None if frame.nowait else lambda reply: commands.Queue.PurgeOk(int(reply["messages"]))))
+
+    def _purge_here(self, channel: AmqpChannel, frame: commands.Queue.Purge, name: str) -> None:
+        assert self.vhost is not None
         queue = self.vhost.queue(name, self, commands.Queue.Purge)
         count = queue.purge()
         if not frame.nowait:
             self.send_method(channel.number, commands.Queue.PurgeOk(count))
 
     def _queue_delete(self, channel: AmqpChannel, frame: commands.Queue.Delete) -> None:
+        name = self._queue_name(channel, frame.queue, commands.Queue.Delete)
+        self._at_home(channel, name, lambda: self._delete_here(channel, frame, name),
+                      lambda node: self._ask_home(channel, node, name, commands.Queue.Delete, {
+                          "op": "delete", "if_unused": bool(frame.if_unused),
+                          "if_empty": bool(frame.if_empty),
+                      }, None if frame.nowait else lambda reply: commands.Queue.DeleteOk(int(reply["messages"]))))
+
+    def _delete_here(self, channel: AmqpChannel, frame: commands.Queue.Delete, name: str) -> None:
         assert self.vhost is not None
-        method = commands.Queue.Delete
-        name = self._queue_name(channel, frame.queue, method)
-        queue = self.vhost.queues.get(name)
-        count = 0
-        if queue is not None:
-            self.vhost.check_access(queue, self, method)
-            if frame.if_unused and queue.consumers:
-                raise ChannelException(
-                    ReplyCode.PRECONDITION_FAILED, f"queue '{name}' in vhost '{self.vhost.name}' in use",
-                    *method_ids(method),
-                )
-            if frame.if_empty and queue.messages:
-                raise ChannelException(
-                    ReplyCode.PRECONDITION_FAILED,
-                    f"queue '{name}' in vhost '{self.vhost.name}' not empty", *method_ids(method),
-                )
-            count = self.vhost.delete_queue(queue)
+        count = self.vhost.delete_checked(name, self, bool(frame.if_unused), bool(frame.if_empty))
         if not frame.nowait:
             self.send_method(channel.number, commands.Queue.DeleteOk(count))
 

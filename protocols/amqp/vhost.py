@@ -58,6 +58,7 @@ from .routing import (
 
 if TYPE_CHECKING:
     from ...core.edge import Edge
+    from .remote import QueueDirectory
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +190,8 @@ class VirtualHost:
         self.timed_queues: set[Queue] = set()
         # Called with each deleted queue so that channels can cancel its consumers.
         self.on_queue_deleted: list[Any] = []
+        # In a cluster: where the shared queues of other nodes live (`remote.QueueDirectory`).
+        self.directory: QueueDirectory | None = None
 
     # ------------------------------------------------------------------ exchanges
     def exchange(self, name: str, method: type[commands.base.Frame] | None) -> Exchange:
@@ -694,6 +697,19 @@ class VirtualHost:
             sub.wake()
             count += 1
         return count
+
+    def delete_checked(self, name: str, owner: object, if_unused: bool, if_empty: bool) -> int:
+        """queue.delete with RabbitMQ's checks; a missing queue is deleted already (0)."""
+        method = commands.Queue.Delete
+        queue = self.queues.get(name)
+        if queue is None:
+            return 0
+        self.check_access(queue, owner, method)
+        if if_unused and queue.consumers:
+            raise _err(ReplyCode.PRECONDITION_FAILED, f"queue '{name}' in vhost '{self.name}' in use", method)
+        if if_empty and queue.messages:
+            raise _err(ReplyCode.PRECONDITION_FAILED, f"queue '{name}' in vhost '{self.name}' not empty", method)
+        return self.delete_queue(queue)
 
     def delete_queue(self, queue: Queue) -> int:
         """Remove `queue` and everything bound to it; returns how many messages it held."""

@@ -9,20 +9,24 @@ Exchanges are few and change at administrator speed, so etcd is the right place 
 
 What a node changes is seen where every virtual host saves its durable topology (its internal
 state `$internal/amqp/topology/<vhost>`); the exchanges of that document are compared with
-etcd's and the difference is written. Queues and their bindings stay with the node where the
-queue was declared (a queue is a durable subscription with consumers on that node); non-durable
-exchanges are the declaring node's own, as they end with it.
+etcd's and the difference is written. A queue lives on the node where it was declared and is
+used from every node through it (`amqp_queues.py`); non-durable exchanges are the declaring
+node's own, as they end with it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote
 
+import grpc
+
 from . import keys
+from .amqp_queues import SharedQueues
 
 if TYPE_CHECKING:
     from ..core.broker import Broker
@@ -47,14 +51,22 @@ def parse_key(key: str) -> tuple[str, str] | None:
 class SharedExchanges:
     """Keeps every node's durable AMQP exchanges equal through etcd (module docstring)."""
 
-    def __init__(self, node: ClusterNode, broker: Broker, amqp: Any) -> None:
+    def __init__(self, node: ClusterNode, broker: Broker, amqp: Any,
+                 add_service: Callable[[grpc.GenericRpcHandler], None] | None = None) -> None:
         self.node = node
         self.broker = broker
         self.amqp = amqp
         self._keep: Callable[[str, Message | None], None] | None = None
         self._applying = False
+        # the queues: where each lives, and the calls that reach it from other nodes
+        self.queues = SharedQueues(node, broker, amqp)
+        self._add_service = add_service
+        self._claiming: asyncio.Task[None] | None = None
 
     def install(self) -> None:
+        if self._add_service is not None:
+            self.queues.install(self._add_service)
+            self._claiming = asyncio.get_running_loop().create_task(self.queues.claim_restored())
         broker = self.broker
         self._keep, broker.on_retained_change = broker.on_retained_change, self._changed_here
         self.node.document_listeners.append(self._changed_in_etcd)
@@ -76,6 +88,7 @@ class SharedExchanges:
         vhost = self._vhost_for(topic)
         if vhost is not None:
             self._share(vhost.name, self._local_exchanges(vhost), delete=True)
+            self.queues.forget_deleted(vhost)
 
     def _vhost_for(self, topic: str) -> Any:
         for vhost in self.amqp.vhosts.values():

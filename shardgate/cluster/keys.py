@@ -10,6 +10,7 @@ agrees. Every key lives under `/shardgate/<cluster name>/`; values are JSON.
     auth/users, auth/acl   the users file and the ACL file, whole (see shared_files.py)
     sessions/<client id>   the node an MQTT client's session lives on (under that node's lease)
     amqp/<vhost>/exchanges/<name>   a durable AMQP exchange (type, flags, arguments)
+    amqp/<vhost>/queues/<name>      the node a shared AMQP queue lives on (amqp_queues.py)
 
 Outside that prefix, under `/shardgate/<cluster name>.state/` (read on demand, never watched):
     sessions/<client id>   an MQTT persistent session's last snapshot (sessions.py)

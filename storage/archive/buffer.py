@@ -10,6 +10,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -58,9 +59,10 @@ class RecordBuffer:
             self.blocks.append(block)
             self.count += len(block)
 
-    def joined(self) -> tuple[bytes, pa.Array, pa.Array, pa.Array, pa.Array]:
+    def joined(self, pad: int = 0) -> tuple[bytes, pa.Array, pa.Array, pa.Array, pa.Array]:
         """(buffer, starts, ends, offsets, timestamps): record i is buffer[starts[i]:ends[i]]
-        (int64 arrays), the blocks' buffers joined into one."""
+        (int64 arrays), the blocks' buffers joined into one (one copy), followed by `pad`
+        zero bytes."""
         parts: list[bytes] = []
         starts: list[pa.Array] = []
         ends: list[pa.Array] = []
@@ -72,13 +74,14 @@ class RecordBuffer:
             shift = pa.scalar(base, _I64)
             starts.append(pc.add(int64_array(block.starts), shift))
             ends.append(pc.add(int64_array(block.ends), shift))
-            first = pa.scalar(block.first_offset, _I64)
-            offsets.append(pc.add(_arange(len(block)), first))
+            offsets.append(_arange(block.first_offset, len(block)))
             stamps.append(int64_array(block.timestamps))
             base += len(block.buffer)
         if not parts:
             empty = pa.array([], _I64)
-            return b"", empty, empty, empty, empty
+            return bytes(pad), empty, empty, empty, empty
+        if pad:
+            parts.append(bytes(pad))
         return (
             parts[0] if len(parts) == 1 else b"".join(parts),
             pa.concat_arrays(starts),
@@ -88,5 +91,6 @@ class RecordBuffer:
         )
 
 
-def _arange(n: int) -> pa.Array:
-    return int64_array(array("q", range(n)))
+def _arange(first: int, n: int) -> pa.Array:
+    """first, first + 1, ... (n values) as an int64 array."""
+    return pa.array(np.arange(first, first + n, dtype=np.int64), _I64)

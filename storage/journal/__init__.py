@@ -6,6 +6,14 @@ offset and time indexes, group commit under an fsync policy, recovery that cuts 
 and retention bounded by what consumers still need.
 """
 
+# ruff: noqa: E402 - the compiled build is chosen before any module imports `framing`
+import os
+
+from ...core.native import use_compiled_if_current
+
+# The per-record loops (`framing.py`) run compiled when `pip install` built them from this source.
+use_compiled_if_current("shardgate.storage.journal.framing_native", os.path.dirname(__file__))
+
 from ..interfaces import LATENCY_BUCKETS, LatencyHistogram
 from .block import RecordBlock
 from .commit import CommitStats, GroupCommitter

@@ -33,7 +33,8 @@ from ..interfaces import StorageFull, StoredRecord
 from .block import RecordBlock
 from .commit import GroupCommitter, resolve
 from .config import FsyncPolicy, JournalClosed, JournalConfig
-from .record import HEADER_SIZE, LENGTH_CRC, OFFSET_TS, checksum_function
+from .framing import frame_records
+from .record import checksum_function
 from .reservation import OffsetReservation, read_reservation
 from .segment import (
     Segment,
@@ -51,8 +52,6 @@ RESERVE_BLOCK = 16_384
 most about this many offsets are skipped."""
 RESERVE_AHEAD = RESERVE_BLOCK // 2
 """Renew the reservation once fewer than this many offsets are left in it."""
-_OFFSET_TS_PACK = OFFSET_TS.pack
-_LENGTH_CRC_PACK = LENGTH_CRC.pack
 
 
 @dataclass(slots=True)
@@ -249,35 +248,15 @@ class JournalShardLog:
         buf_len = len(buf)
         n_index = len(group.index_offsets)
         n_time = len(group.time_stamps)
-        base = tail.base_offset
-        interval = self._index_interval
-        pos = tail.pos
-        last_index_pos = tail.last_index_pos
-        max_ts = _NO_TIMESTAMP if tail.max_ts is None else tail.max_ts
-        last_time_ts = _NO_TIMESTAMP if tail.last_time_ts is None else tail.last_time_ts
-        offset = first
-        pack_tail = _OFFSET_TS_PACK
-        pack_head = _LENGTH_CRC_PACK
-        crc = self._crc
         try:
-            # The hot loop: keep it to framing and the sparse-index rule of Segment.note_record.
-            for timestamp_ms, data in records:
-                size = len(data)
-                framed = pack_tail(offset, timestamp_ms) + data
-                buf += pack_head(size, crc(framed))
-                buf += framed
-                if timestamp_ms > max_ts:
-                    max_ts = timestamp_ms
-                if pos - last_index_pos >= interval:
-                    last_index_pos = pos
-                    group.index_offsets.append(offset - base)
-                    group.index_positions.append(pos)
-                    if max_ts > last_time_ts:
-                        last_time_ts = max_ts
-                        group.time_stamps.append(max_ts)
-                        group.time_offsets.append(offset - base)
-                pos += HEADER_SIZE + size
-                offset += 1
+            pos, last_index_pos, max_ts, last_time_ts = frame_records(
+                buf, records, first, tail.base_offset, tail.pos, tail.last_index_pos,
+                self._index_interval,
+                _NO_TIMESTAMP if tail.max_ts is None else tail.max_ts,
+                _NO_TIMESTAMP if tail.last_time_ts is None else tail.last_time_ts,
+                group.index_offsets, group.index_positions, group.time_stamps,
+                group.time_offsets, self._crc,
+            )
         except Exception as exc:
             del buf[buf_len:]
             del group.index_offsets[n_index:], group.index_positions[n_index:]
@@ -288,6 +267,7 @@ class JournalShardLog:
             if isinstance(exc, struct.error):
                 raise ValueError(f"record not accepted by the journal: {exc}") from exc
             raise
+        offset = first + len(records)
         tail.pos = pos
         tail.last_index_pos = last_index_pos
         tail.max_ts = max_ts

@@ -27,6 +27,7 @@ from typing import Final
 
 from ..interfaces import CorruptRecord, StoredRecord
 from .block import RecordBlock
+from .framing import SCAN_BAD_CRC, SCAN_BAD_OFFSET, scan_block
 from .record import CRC_START, HEADER, HEADER_SIZE, Checksum, checksum
 
 log = logging.getLogger(__name__)
@@ -439,11 +440,9 @@ class Segment:
         end_offset = self.next_offset
         if from_offset >= end_offset or max_records <= 0:
             return RecordBlock.empty(from_offset)
-        starts: array[int] = array("q")
-        ends: array[int] = array("q")
-        stamps: array[int] = array("q")
-        add_start, add_end, add_stamp = starts.append, ends.append, stamps.append
-        unpack = HEADER.unpack_from
+        starts: list[int] = []
+        ends: list[int] = []
+        stamps: list[int] = []
         crc = self.crc
         pos = self.position_for(from_offset)
         want = chunk
@@ -452,44 +451,28 @@ class Segment:
             if asked <= 0:
                 break
             buf = os.pread(self.fd, asked, pos)
-            have = len(buf)
-            view = memoryview(buf)
-            p = 0
-            length = 0
-            expected = -1
-            last = from_offset - 1
-            while p + HEADER_SIZE <= have:
-                length, stored_crc, offset, timestamp_ms = unpack(view, p)
-                end = p + HEADER_SIZE + length
-                if end > have:
-                    break
-                if offset != expected and expected >= 0:
-                    raise CorruptRecord(
-                        f"{self.path()}: offset {offset} where {expected} was expected "
-                        f"at byte {pos + p}"
-                    )
-                expected = offset + 1
-                if offset >= from_offset:
-                    if crc(view[p + CRC_START : end]) != stored_crc:
-                        raise CorruptRecord(f"{self.path()}: checksum mismatch at byte {pos + p}")
-                    add_start(p + HEADER_SIZE)
-                    add_end(end)
-                    add_stamp(timestamp_ms)
-                    last = offset
-                    if len(starts) >= max_records or expected >= end_offset:
-                        break
-                p = end
+            status, p, found, other = scan_block(
+                buf, from_offset, max_records, end_offset, crc, starts, ends, stamps
+            )
+            if status == SCAN_BAD_OFFSET:
+                raise CorruptRecord(
+                    f"{self.path()}: offset {found} where {other} was expected at byte {pos + p}"
+                )
+            if status == SCAN_BAD_CRC:
+                raise CorruptRecord(f"{self.path()}: checksum mismatch at byte {pos + p}")
             if starts:
-                first = last - len(starts) + 1
+                first = found - len(starts)  # `found`: the offset after the last one taken
                 if first != from_offset:
                     raise CorruptRecord(
                         f"{self.path()}: offset {first} where {from_offset} was expected"
                     )
-                return RecordBlock(buf, first, starts, ends, stamps)
-            if have < asked:
+                return RecordBlock(
+                    buf, first, array("q", starts), array("q", ends), array("q", stamps)
+                )
+            if len(buf) < asked:
                 break
-            if p == 0:  # one record larger than the chunk: read it whole
-                want = max(2 * asked, HEADER_SIZE + length)
+            if p == 0:  # one record larger than the chunk: read it whole (`other`: its length)
+                want = max(2 * asked, HEADER_SIZE + other)
             else:  # only records before from_offset in this chunk: go on after them
                 pos += p
         raise CorruptRecord(

@@ -8,14 +8,20 @@ shard is placed; `node.status()` is the node's `/api/cluster`. Tests skip when e
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import re
 import shutil
 import signal
 import ssl
 import subprocess
+import threading
+import time
 import urllib.error
 import urllib.request
+import zlib
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -183,3 +189,148 @@ def cluster(tmp_path: Path, etcd: EtcdServer) -> Iterator[Callable[..., list[Clu
     for node in started:
         if node.alive():
             node.kill()
+
+
+# ---------------------------------------------------------------- fault tests (additive)
+
+def protocol_node(directory: Path, node_id: str, etcd_url: str, extra_config: str = "",
+                  lease_ttl_s: int = 3) -> ClusterNodeProcess:
+    """A cluster node with its AMQP and gRPC listeners on too (fixed ports, kept on restart)."""
+    return ClusterNodeProcess(
+        directory / node_id, node_id, etcd_url, lease_ttl_s=lease_ttl_s, extra_config=extra_config,
+        extra_args=["--amqp-port", str(free_port()), "--grpc-port", str(free_port())],
+    )
+
+
+def wait_settled(nodes: list[ClusterNodeProcess], timeout: float = 30) -> None:
+    """Every live node sees exactly the live nodes, a controller, every shard placed, and has
+    its links up to every other live node."""
+    everyone = {node.node_id for node in nodes if node.alive()}
+    for node in (n for n in nodes if n.alive()):
+        wait_for(lambda node=node: settled(node, everyone), timeout=timeout, interval=0.05)
+        wait_for(lambda node=node: linked(node) >= everyone - {node.node_id},
+                 timeout=timeout, interval=0.05)
+
+
+def topics_of(status: dict[str, Any], stream: str, prefix: str, owner: str | None = None,
+              per_shard: int = 1) -> list[str]:
+    """Topics `prefix/<i>` that land on the shards of `stream` (crc32 of the topic, as
+    `Stream.shard_for` places them), `per_shard` of each, only shards `owner` owns if given."""
+    placement = status["placement"][stream]
+    wanted = {shard: per_shard for shard, (node, _epoch) in enumerate(placement)
+              if owner is None or node == owner}
+    found: list[str] = []
+    for index in range(100_000):
+        if not any(wanted.values()):
+            return found
+        topic = f"{prefix}/{index}"
+        shard = zlib.crc32(topic.encode()) % len(placement)
+        if wanted.get(shard):
+            wanted[shard] -= 1
+            found.append(topic)
+    raise AssertionError(f"no topics for every shard of {stream}")
+
+
+class ContinuousPublisher:
+    """A raw MQTT 5 client publishing QoS 1 in a thread, one message at a time, round robin
+    over `topics`, each payload unique (`<name>-<seq>`). It keeps what each PUBACK said:
+    `acknowledged` (reason 0, with the topic), `refused` (reason code, reason string, topic).
+    A publish whose PUBACK never came (the connection dropped) is neither; the publisher stops
+    on a dropped connection (`dropped` is set)."""
+
+    def __init__(self, port: int, name: str, topics: list[str], *, pause_s: float = 0.0,
+                 ack_timeout_s: float = 30.0) -> None:
+        from tests.mqtt_clients import RawClient  # (tests.mqtt_clients imports paho)
+        self.name = name
+        self.topics = list(topics)
+        self.pause_s = pause_s
+        self.ack_timeout_s = ack_timeout_s
+        self.acknowledged: dict[str, str] = {}  # payload -> topic
+        self.refused: list[tuple[int, str, str]] = []
+        self.unanswered: list[str] = []
+        self.dropped = threading.Event()
+        self.disconnect: Any = None  # the server's DISCONNECT, when it sent one
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.client = RawClient(port, version=5)
+        self.client.connect(name)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from shardgate.protocols.mqtt import packets as p
+        sequence = 0
+        try:
+            while not self._stop.is_set():
+                topic = self.topics[sequence % len(self.topics)]
+                payload = f"{self.name}-{sequence}"
+                sequence += 1
+                try:
+                    self.client.send(p.Publish(topic, payload.encode(), 1,
+                                               packet_id=sequence % 65535 + 1))
+                    puback = self.client.receive(self.ack_timeout_s)
+                except OSError:
+                    puback = None
+                if puback is None or isinstance(puback, p.Disconnect):
+                    self.disconnect = puback
+                    self.unanswered.append(payload)
+                    self.dropped.set()
+                    return
+                assert isinstance(puback, p.Puback), puback
+                with self._lock:
+                    if puback.reason_code == 0:
+                        self.acknowledged[payload] = topic
+                    else:
+                        self.refused.append((puback.reason_code,
+                                             puback.properties.reason_string or "", topic))
+                if self.pause_s:
+                    time.sleep(self.pause_s)
+        except BaseException as exc:  # noqa: BLE001  (reported by stop())
+            self.error = exc
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.acknowledged)
+
+    def refusals(self) -> int:
+        with self._lock:
+            return len(self.refused)
+
+    def stop(self) -> ContinuousPublisher:
+        self._stop.set()
+        self._thread.join(self.ack_timeout_s + 5)
+        assert not self._thread.is_alive(), f"publisher {self.name} is stuck"
+        with contextlib.suppress(OSError):
+            self.client.close()
+        if self.error is not None:
+            raise AssertionError(f"publisher {self.name} failed: {self.error!r}") from self.error
+        return self
+
+
+_READS = itertools.count(1)
+
+
+async def read_back(grpc_url: str, filters: list[str], expected: set[str],
+                    timeout: float = 60, durable: bool = False) -> Counter[str]:
+    """Every message under `filters` from the earliest offset, through the gRPC SDK on one
+    node (shards owned elsewhere are read from their owners): the payloads and how often each
+    came, once `expected` were all seen or nothing more came within a few seconds after the
+    timeout."""
+    from shardgate.client import Client
+    got: Counter[str] = Counter()
+    deadline = time.monotonic() + timeout
+    async with Client(grpc_url) as client:
+        consumer = client.consumer(f"read-back-{next(_READS)}", filters, position="earliest",
+                                   durable=durable)
+        await consumer.subscribe()
+        while time.monotonic() < deadline:
+            quiet = 3.0 if expected <= set(got) else max(0.1, deadline - time.monotonic())
+            try:
+                message = await consumer.receive(quiet)
+            except TimeoutError:
+                break
+            got[message.text()] += 1
+            message.ack()
+        await consumer.close()
+    return got

@@ -1,0 +1,303 @@
+"""AMQP queues shared by every node of a cluster: where a queue lives, and the calls that let a
+client of any node use it (the transport of `protocols/amqp/remote.py`).
+
+**Where a queue lives.** A shared queue (durable, neither exclusive nor auto-delete) lives on
+the node where it was first declared, its *home*, as a classic queue in a RabbitMQ cluster
+does. etcd names the home: `amqp/<vhost>/queues/<name>` holds `{"node": id}`. It is written
+when the queue is declared there (or when its node starts with it) and deleted with the queue.
+Every node's watch keeps these records, so finding a queue's home costs no etcd read.
+
+The home is not taken from the shard placement, because a queue has no shard of its own. Its
+bindings take messages from any number of streams and shards, and its state sits on its home
+node: the cursors of its durable subscription, the unacknowledged deliveries, the consumers'
+order and the prefetch. Moving that state with every placement change would redeliver what
+its consumers hold, and a queue's home changes only when an operator deletes it.
+Exclusive and auto-delete queues belong to one connection and stay on its node
+(RabbitMQ's exclusive queues are node-local too). Non-durable exchanges do the same.
+
+**Using it from another node.** That node asks the home node over the cluster port
+(`shardgate.cluster.v1.AmqpQueues`): `Call` runs one queue operation there
+(`QueueHost.handle`: declare, bind, unbind, purge, delete, get, settle), and `Consume` is one
+consumer's link, a stream each way of packed frames (`remote.pack_frames`). A bind answers
+only once the home node's peers know the new route (`Broker.routes_ready`, as a SUBACK
+waits), so a publish on any node right after bind-ok reaches the queue.
+
+**While the home node is down** (SIGKILL, or a graceful leave: a reliable shard and the
+queue's cursors do not move without replication), the record stays. Every other node then
+answers as RabbitMQ answers for a durable classic queue whose node is down: 404 "home node
+'n1' of durable queue 'q' in vhost '/' is down or inaccessible" (rabbit_amqqueue:absent/2),
+for a passive declare too. A redeclare on another node does not create an empty twin. The
+consumers of the queue on other nodes get basic.cancel, as RabbitMQ cancels them. When the
+node returns, the queue is back with its messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, unquote
+
+import grpc
+
+from ..protocols.amqp.remote import (
+    DELETED,
+    DELIVERY,
+    HostedConsumer,
+    QueueHost,
+    is_shared,
+    pack_frames,
+    unpack_frames,
+)
+from . import keys
+from .etcd import get_op, put_op, version_is
+from .state_rpc import CHANNEL_OPTIONS
+
+if TYPE_CHECKING:
+    from ..core.broker import Broker
+    from .control import ClusterNode
+
+log = logging.getLogger(__name__)
+
+SERVICE = "shardgate.cluster.v1.AmqpQueues"
+CALL = "Call"
+CONSUME = "Consume"
+CALL_TIMEOUT_S = 10.0
+
+
+def queue_key(vhost: str, name: str) -> str:
+    return f"{keys.AMQP}{quote(vhost, safe='')}/queues/{quote(name, safe='')}"
+
+
+class SharedQueues:
+    """This node's queue records in etcd, its answers to other nodes' calls, and the
+    `QueueDirectory` its virtual hosts use to reach other nodes' queues (module docstring)."""
+
+    def __init__(self, node: ClusterNode, broker: Broker, amqp: Any) -> None:
+        self.node = node
+        self.broker = broker
+        self.amqp = amqp
+        self.host = QueueHost(amqp)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._live: set[str] = set()
+
+    def install(self, add_service: Callable[[grpc.GenericRpcHandler], None]) -> None:
+        add_service(self.handler())
+        for vhost in self.amqp.vhosts.values():
+            vhost.directory = self
+        self._live = set(self.node.view.nodes())
+        self.node.view.on_change(self._view_changed)
+
+    # ------------------------------------------------------------ records in etcd
+    async def claim_restored(self) -> None:
+        """At start: record this node as the home of the shared queues it restored (a queue
+        declared here before the node joined, or kept across a restart)."""
+        for vhost in self.amqp.vhosts.values():
+            for name, queue in list(vhost.queues.items()):
+                if not is_shared(queue):
+                    continue
+                try:
+                    home = await self._claim(vhost.name, name)
+                except Exception as exc:  # noqa: BLE001 - the next declare claims it again
+                    log.warning("cluster: cannot record AMQP queue %r in etcd: %s", name, exc)
+                    continue
+                if home is not None:
+                    log.warning("cluster: AMQP queue %r of vhost %r also lives on node %s; clients "
+                                "of other nodes use that one", name, vhost.name, home)
+
+    def forget_deleted(self, vhost: Any) -> None:
+        """Drop the records of queues homed here that `vhost` no longer has (deleted)."""
+        documents = self.node.view.documents
+        me = self.node.node_id
+        prefix = queue_key(vhost.name, "")
+        for key, value in list(documents.items()):
+            if not key.startswith(prefix) or keys.decode(value).get("node") != me:
+                continue
+            queue = vhost.queues.get(unquote(key[len(prefix):]))
+            if queue is None or not is_shared(queue):
+                del documents[key]
+                self.node.submit(key, None)
+
+    # ------------------------------------------------------------ QueueDirectory
+    def home(self, vhost: str, queue: str) -> str | None:
+        value = self.node.view.documents.get(queue_key(vhost, queue))
+        if value is None:
+            return None
+        node = keys.decode(value).get("node")
+        return None if node == self.node.node_id else str(node)
+
+    def live(self, node: str) -> bool:
+        registration = self.node.view.registrations.get(node)
+        return node in self.node.view.nodes() and (registration is None or not registration.leaving)
+
+    def lookup(self, vhost: str, queue: str) -> asyncio.Future[str | None]:
+        return asyncio.ensure_future(self._lookup(vhost, queue))
+
+    async def _lookup(self, vhost: str, queue: str) -> str | None:
+        kv = await self.node.client.get(self.node.key(queue_key(vhost, queue)))
+        if kv is None:
+            return None
+        node = keys.decode(kv.value).get("node")
+        return None if node == self.node.node_id else str(node)
+
+    def claim(self, vhost: str, queue: str) -> asyncio.Future[str | None]:
+        return asyncio.ensure_future(self._claim(vhost, queue))
+
+    async def _claim(self, vhost: str, queue: str) -> str | None:
+        key = queue_key(vhost, queue)
+        full = self.node.key(key)
+        value = keys.encode({"node": self.node.node_id})
+        result = await self.node.client.txn([version_is(full, 0)], [put_op(full, value)], [get_op(full)])
+        if result.succeeded:
+            self.node.view.documents[key] = value
+            return None
+        current = result.reads[0][0].value if result.reads and result.reads[0] else None
+        node = keys.decode(current).get("node") if current is not None else None
+        return None if node in (None, self.node.node_id) else str(node)
+
+    def _channel(self, node: str) -> grpc.aio.Channel:
+        info = self.node.view.nodes().get(node)
+        if info is None:
+            raise ConnectionError(f"node {node} is not live")
+        channel = self._channels.get(info.cluster_address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(info.cluster_address, options=CHANNEL_OPTIONS)
+            self._channels[info.cluster_address] = channel
+        return channel
+
+    def call(self, node: str, request: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
+        return asyncio.ensure_future(self._call(node, {**request, "node": self.node.node_id}))
+
+    async def _call(self, node: str, request: dict[str, Any]) -> dict[str, Any]:
+        method = self._channel(node).unary_unary(f"/{SERVICE}/{CALL}")
+        reply = await method(json.dumps(request, separators=(",", ":")).encode(), timeout=CALL_TIMEOUT_S)
+        return json.loads(reply)  # type: ignore[no-any-return]
+
+    def consume(self, node: str, request: dict[str, Any], receive: Callable[[bytes], None]) -> ConsumerLink:
+        return ConsumerLink(self, node, {**request, "node": self.node.node_id}, receive)
+
+    def _view_changed(self) -> None:
+        live = set(self.node.view.nodes())
+        for gone in self._live - live:
+            self.host.node_gone(gone)
+        self._live = live
+
+    # ------------------------------------------------------------ serving other nodes
+    def handler(self) -> grpc.GenericRpcHandler:
+        host, broker = self.host, self.broker
+
+        async def call(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            asked = json.loads(request)
+            reply = host.handle(asked)
+            if asked.get("op") in ("bind", "declare") and "error" not in reply:
+                # answered once the peers know the route (a SUBACK waits the same way)
+                ready = broker.routes_ready()
+                if ready is not None:
+                    await ready
+            return json.dumps(reply, separators=(",", ":")).encode()
+
+        async def consume(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            incoming = requests.__aiter__()
+            try:
+                first = await incoming.__anext__()
+            except StopAsyncIteration:
+                return
+            out: asyncio.Queue[bytes | None] = asyncio.Queue()
+            hosted = host.consume(json.loads(first), out.put_nowait)
+            if not isinstance(hosted, HostedConsumer):
+                yield pack_frames([hosted])
+                return
+
+            async def read() -> None:
+                try:
+                    async for message in incoming:
+                        for frame in unpack_frames(message):
+                            hosted.receive(frame)
+                except Exception as exc:  # noqa: BLE001 - the link ends either way
+                    log.debug("cluster: AMQP consumer link from another node ended: %s", exc)
+                finally:
+                    out.put_nowait(None)
+
+            reader = asyncio.get_running_loop().create_task(read())
+            try:
+                while True:
+                    frames = [await out.get()]
+                    while not out.empty():
+                        frames.append(out.get_nowait())
+                    ended = None in frames or DELETED in frames
+                    batch = [frame for frame in frames if frame is not None]
+                    if batch:
+                        yield pack_frames(batch)
+                        delivered = sum(1 for frame in batch if frame[:1] == DELIVERY)
+                        if delivered:
+                            hosted.written(delivered)
+                    if ended:
+                        return
+            finally:
+                reader.cancel()
+                hosted.close()
+
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            CALL: grpc.unary_unary_rpc_method_handler(call),
+            CONSUME: grpc.stream_stream_rpc_method_handler(consume),
+        })
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close(grace=None)
+
+
+class ConsumerLink:
+    """The consuming node's end of a `Consume` stream (`remote.ConsumerLink`)."""
+
+    def __init__(self, queues: SharedQueues, node: str, request: dict[str, Any],
+                 receive: Callable[[bytes], None]) -> None:
+        self.receive = receive
+        self.closed = False
+        self._out: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._out.put_nowait(json.dumps(request, separators=(",", ":")).encode())
+        self._task = asyncio.get_running_loop().create_task(self._run(queues, node))
+
+    def send(self, frame: bytes) -> None:
+        if not self.closed:
+            self._out.put_nowait(frame)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._out.put_nowait(None)
+
+    async def _requests(self) -> AsyncIterator[bytes]:
+        first = await self._out.get()
+        if first is None:
+            return
+        yield first
+        while True:
+            frames = [await self._out.get()]
+            while not self._out.empty():
+                frames.append(self._out.get_nowait())
+            batch = [frame for frame in frames if frame is not None]
+            if batch:
+                yield pack_frames(batch)
+            if None in frames:
+                return
+
+    async def _run(self, queues: SharedQueues, node: str) -> None:
+        try:
+            stream = queues._channel(node).stream_stream(f"/{SERVICE}/{CONSUME}")
+            async for message in stream(self._requests()):
+                for frame in unpack_frames(message):
+                    self.receive(frame)
+        except Exception as exc:  # noqa: BLE001 - unreachable or broken: the consumer is gone
+            log.info("cluster: AMQP consumer link to node %s ended: %s", node, exc)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            if not self.closed:
+                self.closed = True
+                with contextlib.suppress(Exception):
+                    self.receive(b"")

@@ -1,0 +1,333 @@
+"""AMQP queues in a cluster, as in a RabbitMQ cluster: a durable queue declared and bound on
+one node is used from every node (passive declare with its message count, publish, basic.get
+and basic.consume with acks, nacks and requeues, purge, unbind, delete), with real aio-pika
+and pika clients against `shardgate serve --cluster` processes and a real etcd.
+
+The queue lives on the node where it was declared (its home, recorded in etcd); the other
+nodes reach it over the cluster port. Exclusive queues stay on their connection's node. While
+the home node is down, the other nodes answer as RabbitMQ does for a durable queue whose node
+is down, and the queue is back with its messages when the node returns."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import aio_pika
+import aiormq
+import pika
+import pytest
+
+from tests.conftest import free_port, wait_for
+from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer, linked, settled
+
+
+@pytest.fixture
+def amqp_nodes(etcd: EtcdServer, tmp_path: Path) -> Iterator[list[ClusterNodeProcess]]:
+    nodes = [
+        ClusterNodeProcess(tmp_path / f"n{index}", f"n{index}", etcd.url,
+                           extra_args=["--amqp-port", str(free_port())]).start()
+        for index in (1, 2)
+    ]
+    wait_joined(nodes)
+    yield nodes
+    for node in nodes:
+        if node.alive():
+            node.kill()
+
+
+def wait_joined(nodes: list[ClusterNodeProcess]) -> None:
+    names = {node.node_id for node in nodes}
+    for node in nodes:
+        wait_for(lambda node=node: settled(node, names), timeout=30, interval=0.05)
+        wait_for(lambda node=node: linked(node) >= names - {node.node_id}, timeout=30, interval=0.05)
+
+
+def amqp_url(node: ClusterNodeProcess) -> str:
+    return f"amqp://guest:guest@127.0.0.1:{node.ports['amqp']}/"
+
+
+def by_shard_owner(nodes: list[ClusterNodeProcess]) -> tuple[ClusterNodeProcess, ClusterNodeProcess]:
+    """(the node owning the default stream's only shard, the other one)."""
+    shards = nodes[0].status()["placement"]["default"]
+    assert len(shards) == 1, "the test expects the default stream to have one shard"
+    owner = next(node for node in nodes if node.node_id == shards[0][0])
+    return owner, next(node for node in nodes if node is not owner)
+
+
+async def eventually(check, timeout: float = 20) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await check():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+async def message_count(url: str, name: str) -> int:
+    async with await aio_pika.connect(url) as connection:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(name, passive=True)
+        return int(queue.declaration_result.message_count)
+
+
+async def publish_all(url: str, routing_keys_and_bodies: list[tuple[str, bytes]]) -> None:
+    async with await aio_pika.connect(url) as connection:
+        channel = await connection.channel(publisher_confirms=True)
+        exchange = await channel.get_exchange("amq.topic")
+        for routing_key, body in routing_keys_and_bodies:
+            confirmation = await exchange.publish(
+                aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT), routing_key)
+            assert isinstance(confirmation, aiormq.spec.Basic.Ack), confirmation
+
+
+async def test_a_queue_declared_and_bound_on_one_node_is_used_from_another(
+        amqp_nodes: list[ClusterNodeProcess]) -> None:
+    n1, n2 = amqp_nodes
+    url1, url2 = amqp_url(n1), amqp_url(n2)
+    async with await aio_pika.connect(url1) as c1, await aio_pika.connect(url2) as c2:
+        ch1 = await c1.channel()
+        home_queue = await ch1.declare_queue("orders-q", durable=True)
+        await home_queue.bind("amq.topic", "orders.#")
+        await publish_all(url1, [("orders.eu", f"on-n1-{i}".encode()) for i in range(3)])
+
+        # passive declare through n2 sees the queue and its messages
+        await eventually(lambda: _equals(message_count(url2, "orders-q"), 3))
+        # a publish through n2 reaches it (bound on n1); a redeclare through n2 is the same queue
+        await publish_all(url2, [("orders.us", b"on-n2")])
+        ch2 = await c2.channel()
+        queue = await ch2.declare_queue("orders-q", durable=True)
+        assert queue.declaration_result.message_count == 4
+        with pytest.raises(aio_pika.exceptions.ChannelPreconditionFailed, match="inequivalent arg"):
+            other = await c2.channel()
+            await other.declare_queue("orders-q", durable=True, arguments={"x-max-length": 5})
+
+        # basic.get through n2: a nack with requeue gives it back, redelivered, then an ack
+        first = await queue.get(no_ack=False)
+        assert (first.body, first.redelivered) == (b"on-n1-0", False)
+        await first.nack(requeue=True)
+        again = await queue.get(no_ack=False)
+        assert (again.body, again.redelivered) == (b"on-n1-0", True)
+        await again.ack()
+        assert await message_count(url1, "orders-q") == 3
+
+        # consumers on both nodes: each message once, whichever node consumes it
+        got: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+
+        def taker(node: str):
+            async def take(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+                got.put_nowait((node, message.body))
+                await message.ack()
+            return take
+
+        await ch1.set_qos(prefetch_count=1)
+        await ch2.set_qos(prefetch_count=1)
+        tag2 = await queue.consume(taker("n2"))
+        tag1 = await home_queue.consume(taker("n1"))
+        await publish_all(url2, [("orders.eu", f"more-{i}".encode()) for i in range(20)])
+        received = [await asyncio.wait_for(got.get(), 20) for _ in range(23)]
+        bodies = sorted(body for _, body in received)
+        assert bodies == sorted([b"on-n1-1", b"on-n1-2", b"on-n2"] + [f"more-{i}".encode() for i in range(20)])
+        assert {node for node, _ in received} == {"n1", "n2"}, received
+        await queue.cancel(tag2)
+        await home_queue.cancel(tag1)
+
+        # purge, unbind and delete through n2 act on n1's queue
+        await publish_all(url1, [("orders.eu", b"to-purge")] * 2)
+        await eventually(lambda: _equals(message_count(url2, "orders-q"), 2))
+        assert (await queue.purge()).message_count == 2
+        assert await message_count(url1, "orders-q") == 0
+        await queue.unbind("amq.topic", "orders.#")
+        async with await aio_pika.connect(url1) as c3:
+            out = await c3.channel(publisher_confirms=True)
+            exchange = await out.get_exchange("amq.topic")
+            returned = await exchange.publish(aio_pika.Message(b"x"), "orders.eu", mandatory=True)
+            assert not isinstance(returned, aiormq.spec.Basic.Ack), "still bound after the unbind"
+        await queue.delete(if_unused=False, if_empty=False)
+        with pytest.raises(aio_pika.exceptions.ChannelNotFoundEntity, match="no queue 'orders-q'"):
+            await message_count(url1, "orders-q")
+
+
+async def _equals(value, expected) -> bool:
+    return await value == expected
+
+
+def test_pika_consumer_on_another_node_acks_rejects_and_requeues(
+        amqp_nodes: list[ClusterNodeProcess]) -> None:
+    """pika's blocking client on n2, the queue on n1: a requeued delivery comes back (to a
+    consumer on n1 as well), a rejected one goes to the dead-letter exchange, acks settle,
+    and a consumer whose connection closes gives its unacked messages back."""
+    n1, n2 = amqp_nodes
+    home = pika.BlockingConnection(pika.URLParameters(amqp_url(n1)))
+    away = pika.BlockingConnection(pika.URLParameters(amqp_url(n2)))
+    try:
+        ch1 = home.channel()
+        ch1.queue_declare("dead-q", durable=True)
+        ch1.queue_bind("dead-q", "amq.direct", "dead")
+        ch1.queue_declare("work-q", durable=True, arguments={
+            "x-dead-letter-exchange": "amq.direct", "x-dead-letter-routing-key": "dead"})
+        ch1.confirm_delivery()
+        for body in (b"a", b"b", b"c"):
+            ch1.basic_publish("", "work-q", body, pika.BasicProperties(delivery_mode=2))
+
+        ch2 = away.channel()
+        wait_for(lambda: ch2.queue_declare("work-q", passive=True).method.message_count == 3, timeout=20)
+        ch2.basic_qos(prefetch_count=3)
+        deliveries = []
+        for method, _properties, body in ch2.consume("work-q", inactivity_timeout=20):
+            assert method is not None, "no delivery from the queue on n1"
+            deliveries.append((method, body))
+            if len(deliveries) == 3:
+                break
+        assert [body for _, body in deliveries] == [b"a", b"b", b"c"]
+        ch2.basic_ack(deliveries[0][0].delivery_tag)
+        ch2.basic_reject(deliveries[1][0].delivery_tag, requeue=False)
+        ch2.basic_nack(deliveries[2][0].delivery_tag, requeue=True)
+        method, _properties, body = next(ch2.consume("work-q", inactivity_timeout=20))
+        assert (body, method.redelivered) == (b"c", True)
+        ch2.basic_nack(method.delivery_tag, requeue=True)
+        ch2.cancel()
+
+        # on n1: "c" again (redelivered), "b" dead-lettered, "a" gone
+        wait_for(lambda: ch1.queue_declare("work-q", passive=True).method.message_count == 1, timeout=20)
+        method, _properties, body = ch1.basic_get("work-q")
+        assert (body, method.redelivered) == (b"c", True)
+        ch1.basic_ack(method.delivery_tag)
+        assert ch1.basic_get("work-q") == (None, None, None)
+        method, properties, body = ch1.basic_get("dead-q", auto_ack=True)
+        assert body == b"b" and properties.headers["x-death"][0]["reason"] == "rejected"
+
+        # a consumer's connection closing gives back what it held
+        ch1.basic_publish("", "work-q", b"d", pika.BasicProperties(delivery_mode=2))
+        method, _properties, body = next(ch2.consume("work-q", inactivity_timeout=20))
+        assert body == b"d"
+        away.close()
+        wait_for(lambda: ch1.queue_declare("work-q", passive=True).method.message_count == 1, timeout=20)
+        method, _properties, body = ch1.basic_get("work-q", auto_ack=True)
+        assert (body, method.redelivered) == (b"d", True)
+    finally:
+        for connection in (home, away):
+            if connection.is_open:
+                connection.close()
+
+
+async def test_bind_ok_and_consume_ok_come_once_every_node_routes_to_the_queue(
+        amqp_nodes: list[ClusterNodeProcess]) -> None:
+    """Right after queue.bind-ok (on the queue's node or through another one) a mandatory
+    publish on the other node is routed, never returned; after basic.consume-ok the same,
+    when the bind went with nowait."""
+    n1, n2 = amqp_nodes
+    async with await aio_pika.connect(amqp_url(n1)) as c1, await aio_pika.connect(amqp_url(n2)) as c2:
+        ch1 = await c1.channel()
+        out2 = await c2.channel(publisher_confirms=True)
+        exchange2 = await out2.get_exchange("amq.topic")
+        for round_ in range(10):
+            queue = await ch1.declare_queue("", exclusive=True)
+            await queue.bind("amq.topic", f"fresh.{round_}.#")
+            confirmation = await exchange2.publish(aio_pika.Message(b"now"), f"fresh.{round_}.x", mandatory=True)
+            assert isinstance(confirmation, aiormq.spec.Basic.Ack), f"round {round_}: {confirmation}"
+            message = await queue.get(timeout=10, fail=False) or await _next(queue)
+            assert message.body == b"now"
+
+        # bound through n2 (the queue lives on n1); a publish on n1 right after bind-ok
+        shared = await ch1.declare_queue("bound-elsewhere-q", durable=True)
+        ch2 = await c2.channel()
+        away = await ch2.declare_queue("bound-elsewhere-q", durable=True)
+        out1 = await c1.channel(publisher_confirms=True)
+        exchange1 = await out1.get_exchange("amq.topic")
+        for round_ in range(5):
+            await away.bind("amq.topic", f"far.{round_}.#")
+            confirmation = await exchange1.publish(aio_pika.Message(b"far"), f"far.{round_}.y", mandatory=True)
+            assert isinstance(confirmation, aiormq.spec.Basic.Ack), f"round {round_}: {confirmation}"
+        await eventually(lambda: _equals(message_count(amqp_url(n1), "bound-elsewhere-q"), 5))
+        await shared.delete(if_empty=False)
+
+        # basic.consume-ok after a bind sent with nowait (raw aiormq: aio-pika always waits)
+        raw = await aiormq.connect(amqp_url(n1))
+        try:
+            channel = await raw.channel()
+            declared = await channel.queue_declare("", exclusive=True)
+            await channel.queue_bind(declared.queue, "amq.topic", routing_key="late.#", nowait=True)
+            seen: asyncio.Queue[bytes] = asyncio.Queue()
+
+            async def on_message(message: aiormq.abc.DeliveredMessage) -> None:
+                seen.put_nowait(message.body)
+
+            await channel.basic_consume(declared.queue, on_message, no_ack=True)
+            confirmation = await exchange2.publish(aio_pika.Message(b"late"), "late.z", mandatory=True)
+            assert isinstance(confirmation, aiormq.spec.Basic.Ack), confirmation
+            assert await asyncio.wait_for(seen.get(), 20) == b"late"
+        finally:
+            await raw.close()
+
+
+async def _next(queue: aio_pika.abc.AbstractQueue) -> aio_pika.abc.AbstractIncomingMessage:
+    deadline = asyncio.get_running_loop().time() + 20
+    while True:
+        message = await queue.get(fail=False)
+        if message is not None:
+            return message
+        assert asyncio.get_running_loop().time() < deadline, "nothing arrived"
+        await asyncio.sleep(0.05)
+
+
+async def test_exclusive_queues_stay_on_their_connections_node(
+        amqp_nodes: list[ClusterNodeProcess]) -> None:
+    n1, n2 = amqp_nodes
+    async with await aio_pika.connect(amqp_url(n1)) as c1, await aio_pika.connect(amqp_url(n2)) as c2:
+        mine = await (await c1.channel()).declare_queue("private-q", exclusive=True)
+        theirs = await (await c2.channel()).declare_queue("private-q", exclusive=True)
+        assert mine.name == theirs.name == "private-q"
+        with pytest.raises(aio_pika.exceptions.ChannelNotFoundEntity):
+            await (await c2.channel()).declare_queue("amq.gen-nowhere", passive=True)
+
+
+async def test_a_durable_queue_whose_node_left_gives_rabbitmq_errors_and_comes_back_with_its_messages(
+        amqp_nodes: list[ClusterNodeProcess]) -> None:
+    """The queue's home (the node that also owns the default stream's reliable shard) leaves
+    with SIGTERM: the other node does not pretend the queue is gone or make an empty twin; it
+    answers RabbitMQ's 404 "home node ... is down or inaccessible", its consumer of the queue
+    gets basic.cancel. The node returns: the queue is there with every message."""
+    home, other = by_shard_owner(amqp_nodes)
+    url_home, url_other = amqp_url(home), amqp_url(other)
+    async with await aio_pika.connect(url_home) as connection:
+        queue = await (await connection.channel()).declare_queue("kept-q", durable=True)
+        await queue.bind("amq.topic", "kept.#")
+    await publish_all(url_home, [("kept.a", f"m{i}".encode()) for i in range(5)])
+    await eventually(lambda: _equals(message_count(url_other, "kept-q"), 5))
+
+    watcher = await aio_pika.connect(url_other)
+    channel = await watcher.channel()
+    await channel.set_qos(prefetch_count=1)
+    consumer_queue = await channel.get_queue("kept-q", ensure=False)
+    held: list[aio_pika.abc.AbstractIncomingMessage] = []
+    await consumer_queue.consume(held.append)
+    await eventually(lambda: _true(len(held) == 1))
+    assert held[0].body == b"m0"
+
+    assert home.terminate() == 0
+    down = re.escape(f"home node '{home.node_id}' of durable queue 'kept-q' in vhost '/' is down or inaccessible")
+    async with await aio_pika.connect(url_other) as c2:
+        for declare in ({"passive": True}, {"durable": True}):
+            with pytest.raises(aio_pika.exceptions.ChannelNotFoundEntity, match=down):
+                await (await c2.channel()).declare_queue("kept-q", **declare)
+        with pytest.raises(aio_pika.exceptions.ChannelNotFoundEntity, match=down):
+            q = await (await c2.channel()).get_queue("kept-q", ensure=False)
+            await q.consume(lambda message: None)
+    assert not watcher.is_closed
+    await watcher.close()
+
+    home.start()
+    wait_joined(amqp_nodes)
+    # every message is back (m0, unacked by the cancelled consumer, too)
+    await eventually(lambda: _equals(message_count(url_other, "kept-q"), 5), timeout=30)
+    async with await aio_pika.connect(url_other) as c2:
+        q = await (await c2.channel()).declare_queue("kept-q", passive=True)
+        bodies = []
+        while (message := await q.get(no_ack=True, fail=False)) is not None:
+            bodies.append(message.body)
+        assert sorted(bodies) == [f"m{i}".encode() for i in range(5)]
+
+
+async def _true(value: bool) -> bool:
+    return value
