@@ -37,7 +37,7 @@ from .errors import (
 )
 from .message import Message, now_ms
 from .placement import Fanout, ShardPlacement
-from .records import encode_message
+from .records import encode_message, encode_records
 from .retained import RetainedStore
 from .schemas import check_payload
 from .streams import (
@@ -106,6 +106,25 @@ class BrokerStats:
         self.out_by_stream[message.stream] += 1
         self.bytes_out_by_stream[message.stream] += size
 
+    def sent_many(self, protocol: str, stream: str, count: int, size: int) -> None:
+        """Count `count` messages of `stream`, `size` bytes in all, as delivered over
+        `protocol` (what `sent` counts for each; the caller leaves out `$SYS` statistics)."""
+        self.messages_out += count
+        self.bytes_out += size
+        self.out_by_protocol[protocol] += count
+        self.bytes_out_by_protocol[protocol] += size
+        self.out_by_stream[stream] += count
+        self.bytes_out_by_stream[stream] += size
+
+    def received(self, protocol: str, stream: str, count: int, size: int) -> None:
+        """Count `count` messages of `size` bytes in all, taken from `protocol` into `stream`."""
+        self.messages_in += count
+        self.bytes_in += size
+        self.in_by_protocol[protocol] += count
+        self.bytes_in_by_protocol[protocol] += size
+        self.in_by_stream[stream] += count
+        self.bytes_in_by_stream[stream] += size
+
     def drop(self, reason: str, count: int = 1) -> None:
         """Count `count` messages dropped for `reason` (e.g. "slow_subscriber", "queue_full")."""
         self.messages_dropped += count
@@ -120,6 +139,8 @@ class CommitGroup:
     first_append: float
     # The messages held until the group is durable (those beyond the log's deliverable end).
     messages: list[Message] = field(default_factory=list)
+    # The offset of the last stored message held (transient ones have none).
+    last_offset: int = -1
 
 
 class Broker:
@@ -427,31 +448,56 @@ class Broker:
         # What happens to each message once the appends are done, in the list's order: the
         # shard it is stored in or dispatched from, and how (_STORED, _MEMORY, _TRANSIENT).
         steps: list[tuple[int, Shard, int]] = []
-        # Reliable shards: the indices of their messages and the records to append.
-        appends: dict[Shard, tuple[list[int], list[tuple[int, bytes]]]] = {}
+        # Reliable shards: the indices of their messages to append, and the messages.
+        appends: dict[Shard, tuple[list[int], list[Message]]] = {}
         placement = self.placement
+        # A read mostly repeats one topic: after a message routed with nothing particular (no
+        # `$`, key or headers, a bytes schema, served here), the next ones of the same topic
+        # and protocol take its shard without routing again and are counted together.
+        plain_topic: str | None = None
+        plain_protocol = plain_name = ""
+        plain_shard: Shard | None = None
+        plain_count = plain_bytes = 0
         for index, message in enumerate(messages):
             try:
-                shard = self._route(message, counted)
-                if shard is None:
-                    continue  # held for delayed delivery
-                if placement is not None and not placement.serves(shard.stream, shard.index):
-                    outcomes[index] = placement.forward(message)
-                    continue
+                if (
+                    message.topic == plain_topic and message.key is None and not message.headers
+                    and message.producer_protocol == plain_protocol
+                ):
+                    shard = plain_shard
+                    assert shard is not None
+                    message.stream = plain_name
+                    message.shard = shard.index
+                    plain_count += 1
+                    plain_bytes += len(message.payload)
+                else:
+                    routed = self._route(message, counted)
+                    if routed is None:
+                        continue  # held for delayed delivery
+                    shard = routed
+                    if placement is not None and not placement.serves(shard.stream, shard.index):
+                        outcomes[index] = placement.forward(message)
+                        continue
+                    if (
+                        counted and message.key is None and not message.headers
+                        and message.topic[:1] != "$" and message.producer_protocol != "sys"
+                        and self._streams[shard.stream].config.schema is Schema.BYTES
+                    ):
+                        if plain_count:
+                            self.stats.received(plain_protocol, plain_name, plain_count, plain_bytes)
+                        plain_topic, plain_protocol = message.topic, message.producer_protocol
+                        plain_shard, plain_name = shard, message.stream
+                        plain_count = plain_bytes = 0
                 if shard.log is None:
                     step = _MEMORY
                 elif message.transient and not self._wanted_durably(message.topic):
                     step = _TRANSIENT
                 else:
-                    try:
-                        record = encode_message(message)
-                    except (ValueError, OverflowError, struct.error) as exc:
-                        raise PublishRejected(f"the message cannot be stored: {exc}") from exc
                     pending = appends.get(shard)
                     if pending is None:
                         pending = appends[shard] = ([], [])
                     pending[0].append(index)
-                    pending[1].append((message.publish_time_ms, record))
+                    pending[1].append(message)
                     step = _STORED
                 if message.retain:
                     self._retain(message)
@@ -459,9 +505,16 @@ class Broker:
                 outcomes[index] = exc
                 continue
             steps.append((index, shard, step))
+        if plain_count:
+            self.stats.received(plain_protocol, plain_name, plain_count, plain_bytes)
         waiters: dict[Shard, asyncio.Future[None] | None] = {}
-        for shard, (indices, records) in appends.items():
-            group = [messages[i] for i in indices]
+        for shard, (indices, group) in appends.items():
+            try:
+                records = encode_records(group)
+            except (ValueError, OverflowError, struct.error):
+                indices, group, records = self._encodable(indices, group, outcomes)
+                if not group:
+                    continue
             waiter = waiters[shard] = self._append_group(shard, group, records, indices, outcomes)
             if len(appends) == 1 and len(steps) == len(indices):
                 # The common case (one shard, every message stored): dispatch them as a group.
@@ -479,6 +532,25 @@ class Broker:
             else:
                 outcomes[index] = self._deliver_transient(shard, message)
         return outcomes
+
+    @staticmethod
+    def _encodable(
+        indices: list[int], group: list[Message], outcomes: list[PublishOutcome]
+    ) -> tuple[list[int], list[Message], list[tuple[int, bytes]]]:
+        """The messages of `group` that encode as records, with their records; the others
+        are refused in `outcomes` (a field the record format cannot hold)."""
+        kept_indices: list[int] = []
+        kept: list[Message] = []
+        records: list[tuple[int, bytes]] = []
+        for index, message in zip(indices, group, strict=True):
+            try:
+                records.append((message.publish_time_ms, encode_message(message)))
+            except (ValueError, OverflowError, struct.error) as exc:
+                outcomes[index] = PublishRejected(f"the message cannot be stored: {exc}")
+                continue
+            kept_indices.append(index)
+            kept.append(message)
+        return kept_indices, kept, records
 
     def _route(self, message: Message, counted: bool) -> Shard | None:
         """The first steps of a publish: reserved topics refused, delayed messages held (None),
@@ -519,14 +591,12 @@ class Broker:
     def _wanted_durably(self, topic: str) -> bool:
         """Whether a durable subscription (one that replays the journal) matches `topic`.
 
-        In a cluster a subscription on another node counts too: the route table does not say
-        which are durable, and a durable one there needs the message's offset in this journal
-        (its cursor drops a push without one), so a transient message wanted elsewhere is
-        journaled."""
+        In a cluster a durable subscription on another node counts too: it needs the message's
+        offset in this journal (its cursor drops a push without one)."""
         if any(sub.durable for sub, _ in self.match(topic)):
             return True
         fanout = self.fanout
-        return fanout is not None and fanout.wanted_elsewhere(topic)
+        return fanout is not None and fanout.wanted_durably_elsewhere(topic)
 
     def _deliver_transient(self, shard: Shard, message: Message) -> asyncio.Future[None] | None:
         """A transient message that no durable subscription wants: not journaled (so not
@@ -609,8 +679,10 @@ class Broker:
         shard_log = shard.log
         assert shard_log is not None
         deliverable_end = shard_log.deliverable_end
-        dispatch = self.dispatch
         held = self._held
+        if shard in held:
+            self._release_reserved(shard, deliverable_end)
+        dispatch = self.dispatch
         for message, index in zip(group, indices, strict=True):
             if outcomes[index] is not None:
                 continue  # refused by the journal
@@ -621,6 +693,7 @@ class Broker:
                 if not commit_group.messages:
                     held[shard] = held.get(shard, 0) + 1
                 commit_group.messages.append(message)
+                commit_group.last_offset = message.offset
 
     def _appended(
         self, shard: Shard, message: Message, waiter: asyncio.Future[None] | None
@@ -636,7 +709,10 @@ class Broker:
             waiter.add_done_callback(self._on_commit)
         shard_log = shard.log
         assert shard_log is not None
-        if message.offset < shard_log.deliverable_end and shard not in self._held:
+        deliverable_end = shard_log.deliverable_end
+        if shard in self._held:
+            self._release_reserved(shard, deliverable_end)
+        if message.offset < deliverable_end and shard not in self._held:
             # Subscribers get it now; the publisher's acknowledgement (the returned future)
             # still waits for durability. The log never gives this offset to another record,
             # so what a subscriber saw is never contradicted, even if this commit fails.
@@ -646,7 +722,28 @@ class Broker:
             if not group.messages:
                 self._held[shard] = self._held.get(shard, 0) + 1
             group.messages.append(message)
+            group.last_offset = message.offset
         return waiter
+
+    def _release_reserved(self, shard: Shard, deliverable_end: int) -> None:
+        """Dispatch now, oldest first, the held messages of `shard` that the log's durable
+        reservation has come to cover (all below `deliverable_end`), as if they had been
+        appended below it: without this, a shard that had to hold once (a fresh journal's
+        first group) would keep holding behind each commit under a steady load."""
+        held = self._held
+        for group in list(self._awaiting_commit.values()):
+            if group.shard is not shard or not group.messages:
+                continue
+            if group.last_offset >= deliverable_end:
+                return  # this one and the later ones still wait, in order
+            messages, group.messages = group.messages, []
+            count = held.get(shard, 0) - 1
+            if count > 0:
+                held[shard] = count
+            else:
+                held.pop(shard, None)
+            for message in messages:
+                self.dispatch(message)
 
     def _on_commit(self, waiter: asyncio.Future[None]) -> None:
         group = self._awaiting_commit.pop(waiter, None)
@@ -664,6 +761,9 @@ class Broker:
             dispatch = self.dispatch
             for message in group.messages:
                 dispatch(message)
+            if shard in self._held:  # later groups the reservation covers now go out too
+                assert shard.log is not None
+                self._release_reserved(shard, shard.log.deliverable_end)
             return
         error = "cancelled" if waiter.cancelled() else waiter.exception()
         log.error("journal commit failed on %s/%d: %s; %d held messages not delivered",

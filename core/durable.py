@@ -22,6 +22,7 @@ import heapq
 import logging
 import struct
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,11 +37,62 @@ from .topics import filter_matches
 if TYPE_CHECKING:
     from .broker import Broker
 
+
+class PumpQueue:
+    """The durable subscriptions of one event loop with replay work to do, served in turn
+    (round robin) by one callback per loop turn within `TURN_PUMP_S`; a subscription whose
+    pump leaves work over asks again and goes to the back."""
+
+    __slots__ = ("_loop", "_waiting", "_scheduled")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._waiting: deque[DurableSubscription] = deque()
+        self._scheduled = False
+
+    def add(self, subscription: DurableSubscription) -> None:
+        self._waiting.append(subscription)
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._run)
+
+    def _run(self) -> None:
+        self._scheduled = False
+        waiting = self._waiting
+        clock = time.perf_counter
+        deadline = clock() + TURN_PUMP_S
+        # Those that ask again while this runs wait for the next turn.
+        for _ in range(len(waiting)):
+            subscription = waiting.popleft()
+            try:
+                subscription._pump()
+            except Exception:
+                log.exception("replay of subscription %s failed", subscription.name)
+            if clock() >= deadline:
+                break
+        if waiting and not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._run)
+
+
+_pump_queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, PumpQueue] = weakref.WeakKeyDictionary()
+
+
+def pump_queue(loop: asyncio.AbstractEventLoop) -> PumpQueue:
+    queue = _pump_queues.get(loop)
+    if queue is None:
+        queue = _pump_queues[loop] = PumpQueue(loop)
+    return queue
+
 log = logging.getLogger(__name__)
 
 REPLAY_BATCH = 256
-PUMP_BUDGET = 2000
-SCAN_BUDGET = 2048
+PUMP_BUDGET = 512
+SCAN_BUDGET = 1024
+TURN_PUMP_S = 0.004
+"""Replay of every durable subscription together takes at most about this long per event-loop
+turn (then the rest waits for the next turn, after the turn's I/O): with many sessions
+resuming at once, a CONNECT or an acknowledgement never waits behind all of their replays."""
 AHEAD_BYTES = 256 * 1024
 """At most this many record bytes are kept per cursor between turns (else read again)."""
 """Records a replaying cursor examines per event-loop turn, delivered or not: a session that
@@ -377,7 +429,7 @@ class DurableSubscription(Subscription):
         if not self._pump_scheduled:
             self._pump_scheduled = True
             try:
-                asyncio.get_running_loop().call_soon(self._pump)
+                pump_queue(asyncio.get_running_loop()).add(self)
             except RuntimeError:
                 self._pump_scheduled = False
 

@@ -53,6 +53,11 @@ class Fanout(Protocol):
         """True when a subscription on another node matches `topic` (AMQP's mandatory flag)."""
         ...
 
+    def wanted_durably_elsewhere(self, topic: str) -> bool:
+        """True when a durable subscription on another node matches `topic`: it replays this
+        node's journal, so a transient message it wants is journaled here too."""
+        ...
+
     def routes_ready(self) -> asyncio.Future[None] | None:
         """None when the other nodes already know every subscription made here so far; else a
         future that resolves once they do (bounded: a slow or unreachable node is not waited

@@ -12,6 +12,7 @@ reads happen at start-up, when sessions and cursors are restored.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Protocol
 
 
@@ -89,8 +90,9 @@ class CursorStore(Protocol):
     def save_cursor(self, subscription: str, stream: str, shard: int, floor: int, state: bytes) -> None:
         """Queue one cursor for the next batched write."""
 
-    def flush(self) -> None:
-        """Write every queued cursor (and other batched state) now."""
+    def flush(self, wait: bool = True) -> None:
+        """Write every queued cursor (and other batched state) now; with `wait` False the
+        write need not be durable on return."""
 
     def load_cursors(self, subscription: str) -> Sequence[SavedCursor]: ...
 
@@ -107,7 +109,8 @@ class DelayedStore(Protocol):
 
 class WriteGroups(Protocol):
     """Group commit: while a group is open, writes join one transaction that `commit_group`
-    makes durable (one fsync) before the caller acknowledges anything that depends on them."""
+    commits; the future it returns resolves once the writes are durable (one fsync, off the
+    caller's thread), and the caller acknowledges nothing that depends on them before."""
 
     def group_writes(self, on: bool) -> None:
         """Open (True) or close (False) the group; closing does not commit."""
@@ -117,7 +120,15 @@ class WriteGroups(Protocol):
         """Writes wait in the group for `commit_group`."""
         ...
 
-    def commit_group(self) -> None: ...
+    def commit_group(self) -> Future[None] | None: ...
+
+    @property
+    def write_count(self) -> int:
+        """Writes taken so far: a change tells that a stretch of work wrote something."""
+        ...
+
+    def durable_waiter(self) -> Future[None] | None:
+        """Resolves once every write made so far is durable; None when they already are."""
 
 
 class MqttSessionPorts(SessionStore, Qos2Store, CursorStore, WriteGroups, Protocol):

@@ -2,7 +2,8 @@
 
 The format belongs to the core (the journal, the archive and the cluster's frames all store
 or carry it; `storage` imports it from here). `encode_message` encodes a core `Message` (or a
-`MessageRecord`, the same fields without a place in a shard). Going back, `decode_message`
+`MessageRecord`, the same fields without a place in a shard); `encode_records` encodes the
+messages of one read at once, as journal records. Going back, `decode_message`
 returns a `MessageRecord` (what the archive's columns are built from) and `decode_to_message`
 a core `Message` at its place in a shard: that function is the one conversion from a record to
 a `Message` (`message_from_record` is its second half, for a record already decoded).
@@ -32,6 +33,7 @@ reader refuses it rather than silently dropping the native properties.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .message import Message
@@ -191,6 +193,45 @@ def encode_message(message: Message | MessageRecord) -> bytes:
         _HEAD.pack(VERSION, flags, message.qos, 1 if message.retain else 0, message.publish_time_ms),
         _U32.pack(len(topic)), topic, _U32.pack(len(payload)), payload, *parts,
     ))
+
+
+def encode_records(messages: Sequence[Message]) -> list[tuple[int, bytes]]:
+    """The journal records, (publish time, encoded message), of `messages`: what
+    `encode_message` gives for each, with the topic and producer fields encoded once for a
+    run of messages that repeat them (the messages of one read)."""
+    records: list[tuple[int, bytes]] = []
+    append = records.append
+    join = b"".join
+    pack_head = _HEAD_TOPIC.pack
+    pack_u32 = _U32.pack
+    topic: str | None = None
+    topic_bytes = b""
+    protocol: str | None = None
+    producer: str | None = None
+    tail = b""
+    for message in messages:
+        if (
+            message.key is None and not message.headers and message.content_type is None
+            and message.correlation_data is None and message.reply_to is None
+            and message.payload_format is None and message.expires_at_ms is None
+            and not message.native_properties
+        ):
+            if message.topic != topic:
+                topic = message.topic
+                topic_bytes = topic.encode()
+            if message.producer_id != producer or message.producer_protocol != protocol:
+                protocol, producer = message.producer_protocol, message.producer_id
+                tail = _producer_tail(protocol, producer)
+            payload = message.payload
+            time_ms = message.publish_time_ms
+            append((time_ms, join((
+                pack_head(VERSION, 0, message.qos, 1 if message.retain else 0, time_ms,
+                          len(topic_bytes)),
+                topic_bytes, pack_u32(len(payload)), payload, tail,
+            ))))
+        else:
+            append((message.publish_time_ms, encode_message(message)))
+    return records
 
 
 def decode_message(data: bytes) -> MessageRecord:

@@ -115,14 +115,16 @@ class RouteUpdate(_message.Message):
     def __init__(self, reset: _Optional[bool] = ..., added: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., removed: _Optional[_Iterable[_Union[Route, _Mapping]]] = ...) -> None: ...
 
 class Route(_message.Message):
-    __slots__ = ("topic_filter", "share_group", "weight")
+    __slots__ = ("topic_filter", "share_group", "weight", "durable")
     TOPIC_FILTER_FIELD_NUMBER: _ClassVar[int]
     SHARE_GROUP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     topic_filter: str
     share_group: str
     weight: int
-    def __init__(self, topic_filter: _Optional[str] = ..., share_group: _Optional[str] = ..., weight: _Optional[int] = ...) -> None: ...
+    durable: bool
+    def __init__(self, topic_filter: _Optional[str] = ..., share_group: _Optional[str] = ..., weight: _Optional[int] = ..., durable: _Optional[bool] = ...) -> None: ...
 
 class PeerReply(_message.Message):
     __slots__ = ("sequence", "outcomes")

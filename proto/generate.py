@@ -1,7 +1,8 @@
 """Regenerate the Python stubs of the `.proto` files with grpcio-tools.
 
 `shardgate.proto` is the public API (clients, the SDK); `cluster.proto` is the internal link
-between the nodes of a cluster.
+between the nodes of a cluster (messages only: its frames travel on a plain TCP connection,
+so it has no gRPC stub).
 
 The stubs are committed (so installing Shardgate needs no code generation and readers can see
 them); `tests/unit/test_grpc_stubs.py` regenerates into a temporary directory and fails when the
@@ -53,10 +54,14 @@ def generate(out_dir: Path) -> list[Path]:
         bare_import, package_import = _imports(stem)
         grpc_stub = out_dir / f"{stem}_pb2_grpc.py"
         text = grpc_stub.read_text()
+        written += [out_dir / name for name in _generated(stem)]
+        if "Servicer" not in text:  # no service in it (cluster.proto): messages only
+            grpc_stub.unlink()
+            written.remove(grpc_stub)
+            continue
         if bare_import not in text:
             raise RuntimeError(f"expected {bare_import!r} in the generated gRPC stub")
         grpc_stub.write_text(text.replace(bare_import, package_import))
-        written += [out_dir / name for name in _generated(stem)]
     return written
 
 

@@ -230,7 +230,7 @@ class Persistence:
         ticks = 0
         while True:
             await asyncio.sleep(CURSOR_SAVE_INTERVAL_S)
-            self.flush()
+            self.flush(wait=False)
             ticks += 1
             if ticks % RETENTION_EVERY_TICKS == 0:
                 self.apply_retention()
@@ -288,10 +288,13 @@ class Persistence:
                 except Exception:
                     log.exception("retention failed on %s/%d", stream.name, shard.index)
 
-    def flush(self) -> None:
+    def flush(self, wait: bool = True) -> None:
+        """Save changed definitions and the queued cursors; `wait` False: the cursors' fsync
+        follows in the metadata store's sync thread instead of on the event loop (a periodic
+        save acknowledges nothing)."""
         self.save_subscriptions()
         self.broker.save_cursors()
-        self.sink.flush()
+        self.sink.flush(wait)
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -39,6 +39,7 @@ from .session import NEVER_EXPIRES, MqttSession, SubscriptionOptions
 
 if TYPE_CHECKING:
     import asyncio
+    from concurrent.futures import Future
 
     from .service import MqttService
 
@@ -131,6 +132,8 @@ class MqttConnection:
         "_flush_requested", "messages_in", "messages_out", "last_ack", "_tokens", "_tokens_at",
         "_throttled_for", "_backlog", "_backlog_error", "_valid_topic", "held", "_hold_timer",
         "_allowed_topic", "_read_ms", "_link_buffered", "_acks_waiting", "_held_subacks",
+        "_sent_stream", "_sent_count", "_sent_bytes",
+        "_held_from", "_close_when_sent",
     )
 
     def __init__(self, service: MqttService, link: Link, remote: str = "", transport_name: str = "tcp") -> None:
@@ -196,6 +199,16 @@ class MqttConnection:
         self._hold_timer: Timer | None = None
         # SUBACKs waiting, in order, for the cluster's other nodes to know the subscription.
         self._held_subacks: list[list[Any]] | None = None
+        # Messages sent since the broker's statistics last counted them, all of one stream:
+        # counted at the next flush (or sooner, when a message of another stream comes).
+        self._sent_stream = ""
+        self._sent_count = 0
+        self._sent_bytes = 0
+        # Output held for session state to be durable: [index in `_out` from which output
+        # waits, future of the metadata commit it waits for], oldest first (they resolve in
+        # order). Closed while output was held: the link closes once it is sent.
+        self._held_from: list[list[Any]] | None = None
+        self._close_when_sent = False
 
     @property
     def open(self) -> bool:
@@ -215,8 +228,24 @@ class MqttConnection:
             return
         self._send(data)
 
+    def _count_sent(self) -> None:
+        """Add the messages sent since the last count to the broker's statistics."""
+        if self._sent_count:
+            self.service.broker.stats.sent_many("mqtt", self._sent_stream, self._sent_count, self._sent_bytes)
+            self._sent_count = self._sent_bytes = 0
+
     def flush(self) -> None:
         self._flush_requested = False
+        if self._sent_count:
+            self._count_sent()
+        held = self._held_from
+        if held is not None:
+            while held and held[0][1].done():
+                del held[0]
+            if held:
+                self._flush_before(held)
+                return
+            self._held_from = None
         if self._out:
             data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
             self._out.clear()
@@ -224,6 +253,41 @@ class MqttConnection:
             if self.state is not State.CLOSED or data:
                 self.link.write(data)
             self._link_buffered = self.link.buffered()
+        if self._close_when_sent:
+            self._close_when_sent = False
+            self.link.close()
+
+    def _flush_before(self, held: list[list[Any]]) -> None:
+        """Write the output that waits for nothing (before the first hold)."""
+        cut = held[0][0]
+        if not cut:
+            return
+        out = self._out
+        data = b"".join(out[:cut])
+        del out[:cut]
+        for hold in held:
+            hold[0] -= cut
+        self._out_bytes -= len(data)
+        self.link.write(data)
+        self._link_buffered = self.link.buffered()
+
+    def hold_output(self, start: int, durable: Future[None]) -> bool:
+        """Output from index `start` of what is pending on waits until `durable` is done;
+        False when it already waits for that future."""
+        held = self._held_from
+        if held is None:
+            self._held_from = [[start, durable]]
+            return True
+        if held[-1][1] is durable:
+            return False  # the same commit: the earlier start covers it
+        held.append([start, durable])
+        return True
+
+    def output_released(self) -> None:
+        """A commit that held output is durable: what waited for it goes out now (one write
+        per connection per commit, so no need to wait for the turn's batched flush)."""
+        if self._held_from is not None:
+            self.flush()
 
     def send_publish(
         self,
@@ -269,12 +333,15 @@ class MqttConnection:
                 cache = message.encoded = {}
             cached = cache.get(key)
             if cached is None:
+                # The first subscriber's encoding, with its packet id: the next ones (fan-out)
+                # take it from the cache and write their own packet id over it.
                 props = _publish_properties(message, (), None) if version == MQTT_V5 else None
-                cached = cache[key] = encode_publish(
-                    message.topic, message.payload, qos, retain, False, 1 if qos else None, props, version
+                data = cache[key] = encode_publish(
+                    message.topic, message.payload, qos, retain, False,
+                    (1 if packet_id is None else packet_id) if qos else None, props, version,
                 )
-            data = cached
-            if qos and packet_id is not None:
+            elif qos and packet_id is not None:
+                data = cached
                 # Where the packet id sits, kept beside the encoding in the same cache.
                 where = cache.get((version, "pid"))
                 if where is None:
@@ -284,12 +351,19 @@ class MqttConnection:
                 buffer[position] = packet_id >> 8
                 buffer[position + 1] = packet_id & 0xFF
                 data = bytes(buffer)
+            else:
+                data = cached
         if self.client_max_packet_size and len(data) > self.client_max_packet_size:
             return False
         if packet_id is not None and self.session is not None and len(self.session.inflight) <= 1:
             self.last_ack = self._clock()  # the dead-subscriber clock starts with the window
         self.messages_out += 1
-        self.service.broker.stats.sent("mqtt", message)
+        if message.producer_protocol != "sys":  # the broker's own $SYS statistics are not messages
+            if message.stream != self._sent_stream:
+                self._count_sent()
+                self._sent_stream = message.stream
+            self._sent_count += 1
+            self._sent_bytes += len(message.payload)
         self._send(data)
         return True
 
@@ -326,12 +400,18 @@ class MqttConnection:
             service.group_writes(True)
         self._allowed_topic = None
         self._read_ms = now_ms()
+        start = len(self._out)
+        writes = service.store_writes()
         try:
             self._process_packets(packets, error)
         finally:
             service.publishing = outer
             if outer is None:
                 service.group_writes(False)
+            if service.store_writes() != writes:
+                # What this read answers may report session state just written (CONNACK's
+                # session present, SUBACK, PUBREC, PUBREL): it waits until that is durable.
+                service.hold_output_until_durable(self, start)
 
     def _process_packets(self, packets: list[p.Packet], error: MQTTCodecError | None) -> None:
         connected = State.CONNECTED
@@ -717,15 +797,27 @@ class MqttConnection:
         acks = waiting.pop(fut, None) if waiting is not None else None
         if not acks:
             return
+        if self.state is State.CLOSED:
+            self.inbound_pending -= sum(1 for qos, _ in acks if qos == 1)
+            return
+        if not (fut.cancelled() or fut.exception() is not None):
+            # Success without properties: each PUBACK or PUBREC is four bytes (see `_ack`),
+            # written together.
+            out = bytearray()
+            pending = self.inbound_pending
+            for qos, packet_id in acks:
+                if qos == 1:
+                    pending -= 1
+                    out += b"\x40\x02"
+                else:
+                    out += b"\x50\x02"
+                out += packet_id.to_bytes(2, "big")
+            self.inbound_pending = pending
+            self._send(bytes(out))
+            return
         for qos, _ in acks:
             if qos == 1:
                 self.inbound_pending -= 1
-        if self.state is State.CLOSED:
-            return
-        if not (fut.cancelled() or fut.exception() is not None):
-            for qos, packet_id in acks:
-                self._ack(qos, packet_id, RC.SUCCESS)
-            return
         error = None if fut.cancelled() else fut.exception()
         for qos, packet_id in acks:
             if qos == 2 and self.session is not None:
@@ -946,9 +1038,14 @@ class MqttConnection:
             self._send(encode(p.Disconnect(reason_code, props), MQTT_V5))
         self.state = State.CLOSED
         if self._out:
-            self.service.commit_writes()  # before the last acknowledgements go out
+            # The last acknowledgements go out once what they report is durable.
+            self.service.commit_writes()
+            self.service.hold_output_until_durable(self, 0)
         self.flush()
-        self.link.close()
+        if self._held_from is not None:
+            self._close_when_sent = True  # the rest once durable, then the link closes
+        else:
+            self.link.close()
         if was_connected:
             self.service.connection_closed(self, normal=normal)
 
@@ -959,5 +1056,8 @@ class MqttConnection:
         was_connected = self.state is State.CONNECTED
         self.state = State.CLOSED
         self._out.clear()
+        self._count_sent()
+        self._held_from = None
+        self._close_when_sent = False
         if was_connected:
             self.service.connection_closed(self, normal=False)

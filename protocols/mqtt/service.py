@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from ... import __version__
@@ -70,6 +71,13 @@ class MqttService:
         # Output of a loop turn leaves after the session state it acknowledges is committed.
         self.output: OutputBatcher[MqttConnection] = OutputBatcher(
             lambda flush: self.scheduler.call_soon(flush), before_flush=self.commit_writes)
+        # Sessions saved while a read's writes are grouped: written once each as the group
+        # closes (by client id, so that forgetting a session drops its pending save).
+        self._grouping = False
+        self._unsaved: dict[str, MqttSession] = {}
+        self.store_writes_deferred = 0
+        # Connections whose output waits for a metadata commit to be durable, by its future.
+        self._held_for_durable: dict[Future[None], list[MqttConnection]] = {}
         # QoS 2 inbound state changes of durable sessions, written in one batch per loop turn.
         self._will_timers: dict[str, tuple[Timer, p.Will]] = {}
         self._expiry_timers: dict[str, Timer] = {}
@@ -136,22 +144,67 @@ class MqttService:
     # ------------------------------------------------------------------ metadata group commit
     def group_writes(self, on: bool) -> None:
         """While the packets of a read are handled, session state saved to the store joins
-        one transaction, committed (one fsync) by `commit_writes` before any output is sent."""
+        one transaction, committed by `commit_writes` before the turn's output is flushed;
+        the output that depends on it waits for its fsync (`hold_output_until_durable`)."""
         store = self.store
         if store is None:
             return
+        if on:
+            self._grouping = True
+        else:
+            self._grouping = False
+            self._save_unsaved()
         store.group_writes(on)
         if not on and store.group_pending:
             self.output.schedule()
 
+    def _save_unsaved(self) -> None:
+        """Write, once each, the sessions saved while the group was open (a read with many
+        PUBRECs of one session writes it once)."""
+        unsaved = self._unsaved
+        while unsaved:
+            self._write_session(unsaved.pop(next(iter(unsaved))))
+
     def commit_writes(self) -> None:
+        """Commit the turn's group; it becomes durable in the store's sync thread, and the
+        output held for it (`hold_output_until_durable`) goes out then."""
         if self.store is None:
             return
+        self._save_unsaved()
         try:
             self.store.commit_group()
         except Exception:
             # As a failed save always was: logged, and the session lives on in memory.
             log.exception("could not save MQTT session state")
+
+    def store_writes(self) -> int:
+        """How many writes the store has taken or will take at the group's end (compared
+        before and after handling a read)."""
+        store = self.store
+        return 0 if store is None else store.write_count + self.store_writes_deferred
+
+    def hold_output_until_durable(self, connection: MqttConnection, start: int) -> None:
+        """`connection` wrote session state while it produced its output from `start` on (a
+        CONNACK reporting a session, a SUBACK, a PUBREC, a PUBREL...): that output leaves
+        once the writes are durable, without the event loop waiting for the fsync."""
+        store = self.store
+        durable = store.durable_waiter() if store is not None else None
+        if durable is None or not connection.hold_output(start, durable):
+            return
+        waiting = self._held_for_durable.get(durable)
+        if waiting is None:
+            waiting = self._held_for_durable[durable] = []
+            durable.add_done_callback(self._durable_in_sync_thread)
+        waiting.append(connection)
+
+    def _durable_in_sync_thread(self, durable: Future[None]) -> None:
+        # Runs in the store's sync thread (or here, when already done): back to the loop.
+        call = getattr(self.scheduler, "call_soon_threadsafe", None) or self.scheduler.call_soon
+        call(self._durable_done, durable)
+
+    def _durable_done(self, durable: Future[None]) -> None:
+        for connection in self._held_for_durable.pop(durable, ()):
+            connection.output_released()
 
     # ------------------------------------------------------------------ back-pressure
     def congested(self, session: MqttSession) -> None:
@@ -381,9 +434,18 @@ class MqttService:
     # ------------------------------------------------------------------ persistence
     def save_session(self, session: MqttSession) -> None:
         """Persist a durable session's subscriptions and expiry (not its messages: those are
-        in the journal, and the session's cursors say how far it got)."""
+        in the journal, and the session's cursors say how far it got). Inside a read's write
+        group the write waits for the group's end, once per session."""
         if not session.durable or self.store is None:
             return
+        if self._grouping:
+            self._unsaved[session.client_id] = session
+            self.store_writes_deferred += 1
+            return
+        self._write_session(session)
+
+    def _write_session(self, session: MqttSession) -> None:
+        assert self.store is not None
         own = [
             [f, o.qos, o.no_local, o.retain_as_published, o.retain_handling, o.subscription_id]
             for f, o in session.subscription.filters.items()
@@ -409,6 +471,7 @@ class MqttService:
     def forget_session(self, client_id: str) -> None:
         if self.store is None:
             return
+        self._unsaved.pop(client_id, None)
         try:
             self.store.forget_session(client_id)
         except Exception:

@@ -28,7 +28,9 @@ answers as RabbitMQ answers for a durable classic queue whose node is down: 404 
 'n1' of durable queue 'q' in vhost '/' is down or inaccessible" (rabbit_amqqueue:absent/2),
 for a passive declare too. A redeclare on another node does not create an empty twin. The
 consumers of the queue on other nodes get basic.cancel, as RabbitMQ cancels them. When the
-node returns, the queue is back with its messages.
+node returns, the queue is back with its messages. That includes the persistent messages
+published meanwhile on shards other nodes own: they are in those owners' journals. A restored
+queue reads its cursors on such shards from the owners (`resume_remote_cursors`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from .state_rpc import CHANNEL_OPTIONS
 if TYPE_CHECKING:
     from ..core.broker import Broker
     from .control import ClusterNode
+    from .forward import DataPlane
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +87,43 @@ class SharedQueues:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._live: set[str] = set()
 
-    def install(self, add_service: Callable[[grpc.GenericRpcHandler], None]) -> None:
-        add_service(self.handler())
+    def install(self, plane: DataPlane) -> None:
+        plane.add_service(self.handler())
         for vhost in self.amqp.vhosts.values():
             vhost.directory = self
+        self.resume_remote_cursors(plane)
         self._live = set(self.node.view.nodes())
         self.node.view.on_change(self._view_changed)
+
+    def resume_remote_cursors(self, plane: DataPlane) -> int:
+        """At start: the shared queues restored from this node's store read what they have not
+        had yet of shards other nodes own from those owners' journals (`shard_reader.OwnerLog`),
+        then follow the owners' pushes, as a persistent session that moved here does. Without
+        it a queue would look for that backlog in what this node received since it started."""
+        from ..core.durable import DurableSubscription
+        from .shard_reader import OwnerLog
+
+        rpc = self.node.state_rpc
+        view = self.node.view
+        placed = 0
+        for vhost in self.amqp.vhosts.values():
+            for queue in vhost.queues.values():
+                sub = queue.subscription
+                if not is_shared(queue) or not isinstance(sub, DurableSubscription):
+                    continue
+                for (stream, shard), cursor in list(sub.cursors.items()):
+                    owner = view.owner(stream, shard)
+                    if owner is None or owner.node_id == self.node.node_id or isinstance(cursor.log, OwnerLog):
+                        continue
+                    unacked = sorted(set(cursor.unacked) | set(cursor.pending_redelivery))
+                    # (a ShardLog for reading; the owner's own log does the rest)
+                    owner_log: Any = OwnerLog(rpc, plane, stream, shard, cursor.position, _filters_of(sub))
+                    sub.place_cursor(stream, shard, owner_log, cursor.position, unacked)
+                    placed += 1
+                sub.wake()
+        if placed:
+            log.info("cluster: %d cursors of restored AMQP queues read from their shards' owners", placed)
+        return placed
 
     # ------------------------------------------------------------ records in etcd
     async def claim_restored(self) -> None:
@@ -249,6 +283,10 @@ class SharedQueues:
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close(grace=None)
+
+
+def _filters_of(sub: Any) -> Callable[[], list[str]]:
+    return lambda: list(sub.filters)
 
 
 class ConsumerLink:

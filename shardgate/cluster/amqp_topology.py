@@ -23,8 +23,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote
 
-import grpc
-
 from . import keys
 from .amqp_queues import SharedQueues
 
@@ -32,6 +30,7 @@ if TYPE_CHECKING:
     from ..core.broker import Broker
     from ..core.message import Message
     from .control import ClusterNode
+    from .forward import DataPlane
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ class SharedExchanges:
     """Keeps every node's durable AMQP exchanges equal through etcd (module docstring)."""
 
     def __init__(self, node: ClusterNode, broker: Broker, amqp: Any,
-                 add_service: Callable[[grpc.GenericRpcHandler], None] | None = None) -> None:
+                 plane: DataPlane | None = None) -> None:
         self.node = node
         self.broker = broker
         self.amqp = amqp
@@ -60,12 +59,12 @@ class SharedExchanges:
         self._applying = False
         # the queues: where each lives, and the calls that reach it from other nodes
         self.queues = SharedQueues(node, broker, amqp)
-        self._add_service = add_service
+        self._plane = plane
         self._claiming: asyncio.Task[None] | None = None
 
     def install(self) -> None:
-        if self._add_service is not None:
-            self.queues.install(self._add_service)
+        if self._plane is not None:
+            self.queues.install(self._plane)
             self._claiming = asyncio.get_running_loop().create_task(self.queues.claim_restored())
         broker = self.broker
         self._keep, broker.on_retained_change = broker.on_retained_change, self._changed_here

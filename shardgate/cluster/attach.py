@@ -224,7 +224,7 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     if app.amqp is not None:
         from .amqp_topology import SharedExchanges
 
-        SharedExchanges(node, broker, app.amqp, plane.add_service).install()
+        SharedExchanges(node, broker, app.amqp, plane).install()
 
     def empty_shards(shards: list[tuple[str, int]]) -> list[tuple[str, int]]:
         empty = []

@@ -2,13 +2,14 @@
 to the nodes that want them, and telling peers which filters this node's clients hold.
 
 `DataPlane` is what the core sees (`ShardPlacement` and `Fanout`, see `core/placement.py`).
-It serves the internal gRPC port (`PeerLink.Link`, `proto/cluster.proto`) and keeps one
-outgoing `PeerLink` per other live node. A link batches everything queued since its last
-write into one frame (no task and no await per message) and is bounded: past
-`MAX_FORWARDS_IN_FLIGHT` forwarded publishes waiting for their owner, further ones are refused
-with `ShardUnavailable` (the client's retryable error); past `MAX_PUSHES_QUEUED` queued pushes,
-pushes are dropped and counted as a slow subscriber's would be. gRPC's own flow control holds
-the writer back while the peer does not read.
+It listens on the node's cluster port and keeps one outgoing `PeerLink` per other live node,
+a TCP connection carrying numbered frames (`proto/cluster.proto`, framed by `link.py`). A link
+writes everything queued during one loop turn as one frame, at the end of that turn (no timer,
+no task and no await per message); while the peer is behind reading, the transport pauses and
+messages gather into bigger frames. It is bounded: past `MAX_FORWARDS_IN_FLIGHT` forwarded
+publishes waiting for their owner, further ones are refused with `ShardUnavailable` (the
+client's retryable error); past `MAX_PUSHES_QUEUED` queued pushes, pushes are dropped and
+counted as a slow subscriber's would be.
 
 Ownership is the control plane's (`membership.ClusterView`); the owner checks it again for
 every forwarded message and answers `NOT_OWNER` when the map moved, so a message is stored only
@@ -21,7 +22,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,7 +31,6 @@ import grpc
 from ..core.errors import CoreError, PublishRejected, ShardUnavailable
 from ..core.subscriptions import Subscription, SubscriptionType
 from ..proto import cluster_pb2 as pb
-from ..proto import cluster_pb2_grpc as pb_grpc
 from ..storage.journal import LatencyHistogram
 from .frames import (
     NO_GROUPS,
@@ -45,6 +45,7 @@ from .frames import (
     route_update,
     routes_from_update,
 )
+from .link import ClusterPortProtocol, LinkClient
 from .membership import ClusterView, NodeInfo
 from .received import ReceivedLog
 from .routes import NOBODY, RemoteRoutes, Route, RouteDelta, diff, local_routes
@@ -60,6 +61,7 @@ MAX_PUSHES_QUEUED = 100_000
 FRAME_MAX_MESSAGES = 2_000
 FRAME_MAX_BYTES = 4 << 20
 MAX_GRPC_MESSAGE = 512 << 20
+DIAL_TIMEOUT_S = 5.0
 RECONNECT_MIN_S = 0.05
 RECONNECT_MAX_S = 1.0
 ROUTE_DEBOUNCE_S = 0.02
@@ -73,18 +75,13 @@ VIEW_CATCH_UP_S = 5.0
 RESUME_LIMIT_S = 10.0
 # Links are checked against the view this often too, besides on every change it reports.
 RECONCILE_S = 1.0
+# On stop, how long the node waits for its peers to answer what it still sends them: the
+# pushes of messages it stored (a subscriber elsewhere would miss an acknowledged message).
+STOP_DRAIN_S = 3.0
 # Streams every node keeps for itself, never placed nor forwarded: its own $SYS topics.
 NODE_LOCAL_STREAMS = frozenset({"sys"})
 # Topics whose retained state is the node's own: its $SYS topics, its internal state.
 NODE_LOCAL_TOPICS = ("$SYS/", "$internal/")
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
-    ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
     ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
@@ -103,6 +100,8 @@ class DataPlaneStats:
     pushed: int = 0  # stored messages pushed to other nodes (once per node)
     pushed_in: int = 0  # messages other nodes pushed here for local subscribers
     pushes_dropped: int = 0  # pushes dropped on a full or broken link
+    frames_out: int = 0  # frames written to peers (each a batch of forwards and pushes)
+    frames_in: int = 0  # frames received from peers
     # Write of a frame of forwards → the owner's answer, once per frame.
     forward_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
 
@@ -145,9 +144,11 @@ class PeerLink:
         self._pushes_held = 0  # pushes queued or not answered
         # The last route generation of this node the peer has applied (SUBACK waits for it).
         self.routes_answered = 0
-        self._wake = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        # The connection frames go to now (None while dialing or broken).
+        self._connection: LinkClient | None = None
+        self._flush_scheduled = False
         self._closed = False
-        self._broken: BaseException | None = None
         self.connected = False
         # False after two failed dials in a row, until a dial succeeds: forwards fail fast
         # meanwhile.
@@ -157,6 +158,11 @@ class PeerLink:
 
     def __repr__(self) -> str:
         return f"PeerLink({self.node.node_id} at {self.node.cluster_address})"
+
+    @property
+    def holding(self) -> bool:
+        """Whether anything is queued for the peer or sent and not answered yet."""
+        return bool(self._forwards or self._pushes or self._unanswered)
 
     # ------------------------------------------------------------ called on the hot path
     def forward(
@@ -177,7 +183,7 @@ class PeerLink:
         else:
             self._forwards.append((forward_frame(message, epoch), future, message))
             self._in_flight += 1
-            self._wake.set()
+            self._flush_soon()
         if future.done():
             self.plane.stats.forward_failures += 1
         return future
@@ -189,21 +195,41 @@ class PeerLink:
             return
         self._pushes.append(push)
         self._pushes_held += 1
-        self._wake.set()
+        self._flush_soon()
 
     def send_routes(self, update: pb.RouteUpdate, generation: int) -> None:
         self._routes.append(update)
         self._routes_generation = generation
-        self._wake.set()
+        self._flush_soon()
 
     def send_retained(self, retained: pb.Retained) -> None:
         self._retained.append(retained)
-        self._wake.set()
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        """Write what is queued at the end of this loop turn: everything queued meanwhile (one
+        socket read's publishes, say) leaves as one frame, with no timer."""
+        if not self._flush_scheduled and self._connection is not None:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Write everything queued as frames, unless the peer is behind reading (the transport
+        is paused): then the messages gather into bigger frames until it catches up."""
+        self._flush_scheduled = False
+        connection = self._connection
+        if connection is None:
+            return
+        stats = self.plane.stats
+        while (self._forwards or self._pushes or self._routes or self._retained) and not connection.paused:
+            connection.send(self._next_frame())
+            stats.frames_out += 1
 
     # ------------------------------------------------------------ the link's task
     async def close(self) -> None:
         self._closed = True
-        self._wake.set()
+        if self._connection is not None:
+            self._connection.close()
         self._task.cancel()
         try:
             await self._task
@@ -214,9 +240,8 @@ class PeerLink:
     async def _run(self) -> None:
         backoff = RECONNECT_MIN_S
         while not self._closed:
-            channel = grpc.aio.insecure_channel(self.node.cluster_address, options=CHANNEL_OPTIONS)
             try:
-                await self._serve(channel)
+                await self._serve()
                 backoff = RECONNECT_MIN_S
             except asyncio.CancelledError:
                 raise
@@ -239,44 +264,42 @@ class PeerLink:
                 if self.connected:
                     self.connected = False
                     self.plane.link_state_changed()
-                await channel.close(grace=None)
             if self._closed:
                 return
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, RECONNECT_MAX_S)
 
-    async def _serve(self, channel: grpc.aio.Channel) -> None:
-        stub = pb_grpc.PeerLinkStub(channel)
-        call = stub.Link()
-        self._broken = None
-        reader = asyncio.get_running_loop().create_task(self._read(call))
+    async def _serve(self) -> None:
+        """One connection of the link session: dial, say hello, send again what the last
+        connection left unanswered, then the route set; return (raise) when it ends."""
+        host, _, port = self.node.cluster_address.rpartition(":")
+        _transport, connection = await asyncio.wait_for(
+            self._loop.create_connection(
+                lambda: LinkClient(self._on_reply, self._flush_soon), host.strip("[]"), int(port)),
+            DIAL_TIMEOUT_S,
+        )
         try:
-            await call.write(pb.PeerFrame(sequence=0, from_node=self.plane.node_id, session=self.session))
-            # What the last stream left unanswered goes again, in order (the peer skips what
-            # it applied already and answers it again).
+            connection.send(pb.PeerFrame(sequence=0, from_node=self.plane.node_id, session=self.session))
+            # What the last connection left unanswered goes again, in order (the peer skips
+            # what it applied already and answers it again).
             for _sequence, sent in list(self._unanswered.items()):
                 sent.frame.answered_below = self._answered_below()
-                await call.write(sent.frame)
+                connection.send(sent.frame)
             # Then everything this node's clients hold now (the peer may be a new process),
             # and the retained messages of its shards.
             self._routes = [self.plane.route_snapshot()]
             self._routes_generation = self.plane.route_generation
             self._retained = self._retained + self.plane.retained_snapshot()
+            self._connection = connection
             if not self.connected:
                 self.connected = self.reachable = True
                 log.info("cluster link to %s up", self)
                 self.plane.link_state_changed()
-            while True:
-                if self._broken is not None:
-                    raise self._broken
-                if not (self._forwards or self._pushes or self._routes or self._retained):
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                await call.write(self._next_frame())
+            self._flush()
+            raise await connection.closed
         finally:
-            reader.cancel()
-            call.cancel()
+            self._connection = None
+            connection.close()
 
     def _answered_below(self) -> int:
         """The lowest sequence not answered yet (each sequence is passed once: O(1) a frame)."""
@@ -332,44 +355,35 @@ class PeerLink:
         self._unanswered[sequence] = _Sent(frame, forwards, pushes, route_generation)
         return frame
 
-    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+    def _on_reply(self, reply: pb.PeerReply) -> None:
+        """The peer answered a frame: settle its forwards (stored, re-routed or refused)."""
+        sent = self._unanswered.pop(reply.sequence, None)
+        if sent is None:
+            return
+        self._pushes_held -= sent.pushes
+        if sent.route_generation > self.routes_answered:
+            self.routes_answered = sent.route_generation
+            self.plane.link_state_changed()
+        if not sent.forwards:
+            return
         stats = self.plane.stats
-        try:
-            while True:
-                reply = await call.read()
-                if reply is grpc.aio.EOF:
-                    raise ConnectionError(f"node {self.node.node_id} ended the link")
-                sent = self._unanswered.pop(reply.sequence, None)
-                if sent is None:
-                    continue
-                self._pushes_held -= sent.pushes
-                if sent.route_generation > self.routes_answered:
-                    self.routes_answered = sent.route_generation
-                    self.plane.link_state_changed()
-                if not sent.forwards:
-                    continue
-                stats.forward_latency.observe(time.perf_counter() - sent.written_at)
-                self._in_flight -= len(sent.forwards)
-                outcomes = reply.outcomes
-                for index, (future, message, epoch) in enumerate(sent.forwards):
-                    if future.done():
-                        continue
-                    outcome = outcomes[index] if index < len(outcomes) else None
-                    if outcome is not None and outcome.code == pb.STORED:
-                        message.offset = outcome.offset
-                        future.set_result(None)
-                        continue
-                    if outcome is not None and outcome.code == pb.NOT_OWNER and self.plane.reroute(
-                        message, future, epoch, outcome.epoch
-                    ):
-                        continue
-                    stats.forward_failures += 1
-                    _fail(future, _refusal(self.node.node_id, outcome))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - handed to the writer, which redials
-            self._broken = exc
-            self._wake.set()
+        stats.forward_latency.observe(time.perf_counter() - sent.written_at)
+        self._in_flight -= len(sent.forwards)
+        outcomes = reply.outcomes
+        for index, (future, message, epoch) in enumerate(sent.forwards):
+            if future.done():
+                continue
+            outcome = outcomes[index] if index < len(outcomes) else None
+            if outcome is not None and outcome.code == pb.STORED:
+                message.offset = outcome.offset
+                future.set_result(None)
+                continue
+            if outcome is not None and outcome.code == pb.NOT_OWNER and self.plane.reroute(
+                message, future, epoch, outcome.epoch
+            ):
+                continue
+            stats.forward_failures += 1
+            _fail(future, _refusal(self.node.node_id, outcome))
 
     def _fail_all(self, error: PublishRejected) -> None:
         """Fail every forward not yet answered and drop the pushes: the owner may or may not
@@ -466,51 +480,6 @@ class _Inbox:
         self._forgotten_below = below
 
 
-class LinkService(pb_grpc.PeerLinkServicer):
-    """The receiving end of the peers' links, on this node's cluster port."""
-
-    def __init__(self, plane: DataPlane) -> None:
-        self.plane = plane
-
-    async def Link(
-        self, request_iterator: AsyncIterator[pb.PeerFrame], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.PeerReply]:
-        replies: asyncio.Queue[pb.PeerReply | None] = asyncio.Queue()
-        send = replies.put_nowait
-        peer: list[str] = []
-
-        async def read() -> None:
-            try:
-                async for frame in request_iterator:
-                    if frame.from_node:
-                        if peer and peer[0] != frame.from_node:
-                            raise ValueError("a link carries one node's frames")
-                        peer[:] = [frame.from_node]
-                        self.plane.link_opened(peer[0], frame.session, send)
-                    if not peer:
-                        raise ValueError("the first frame of a link must name its node")
-                    self.plane.receive(peer[0], frame, send)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a bad peer ends its own stream only
-                if not isinstance(exc, grpc.aio.AioRpcError | grpc.aio.UsageError):
-                    log.warning("cluster link from %s failed: %s", peer or context.peer(), exc)
-            finally:
-                replies.put_nowait(None)
-
-        reader = asyncio.get_running_loop().create_task(read())
-        try:
-            while True:
-                reply = await replies.get()
-                if reply is None:
-                    return
-                yield reply
-        finally:
-            reader.cancel()
-            if peer:
-                self.plane.peer_link_ended(peer[0], send)
-
-
 class DataPlane:
     """Forwarding, fanout and the route table of one node (see the module docstring)."""
 
@@ -542,7 +511,13 @@ class DataPlane:
         # (deadline, stream, shard, epoch, then): waiting for this node's view to catch up.
         self._epoch_waiters: list[tuple[float, str, int, int, Callable[[], None]]] = []
         self._server: grpc.aio.Server | None = None
+        self._listener: asyncio.Server | None = None
+        # Connections accepted on the cluster port (closed at stop).
+        self._connections: set[ClusterPortProtocol] = set()
         self._started = False
+        # Stopping: forwarded publishes are refused (retryably) while the links drain.
+        self._stopping = False
+        self._storing = 0  # frames of forwarded publishes being stored, not answered yet
         # Shards other nodes own that a durable subscription here follows.
         self._received: dict[tuple[str, int], ReceivedLog] = {}
         self._closing: asyncio.Task[None] | None = None
@@ -557,14 +532,24 @@ class DataPlane:
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Listen on the cluster port, dial the peers and take the core's cluster hooks."""
+        # gRPC (the shared-state calls) listens on loopback only: the cluster port passes
+        # every connection that is not a peer's link through to it (`link.py`).
         server = grpc.aio.server(options=SERVER_OPTIONS)
-        pb_grpc.add_PeerLinkServicer_to_server(LinkService(self), server)
-        bound = server.add_insecure_port(f"{self.host}:{self.port}")
-        if not bound:
-            raise OSError(f"cannot listen for the cluster on {self.host}:{self.port}")
-        self.port = bound
+        grpc_port = server.add_insecure_port("127.0.0.1:0")
+        if not grpc_port:
+            raise OSError("cannot listen for the cluster's gRPC calls on 127.0.0.1")
         await server.start()
         self._server = server
+        try:
+            self._listener = await asyncio.get_running_loop().create_server(
+                lambda: ClusterPortProtocol(self, ("127.0.0.1", grpc_port), self._connections),
+                self.host or None, self.port,
+            )
+        except OSError:
+            await server.stop(grace=None)
+            self._server = None
+            raise
+        self.port = self._listener.sockets[0].getsockname()[1]
         self._started = True
         self._advertised = local_routes(self.broker.subscriptions.values())
         broker = self.broker
@@ -578,6 +563,14 @@ class DataPlane:
         self._reconcile = asyncio.get_running_loop().create_task(self._reconcile_links())
 
     async def stop(self) -> None:
+        # Refuse new forwards, then let the links carry what is queued (the pushes of what
+        # this node stored: their publishers were acknowledged) before they close. Bounded.
+        self._stopping = True
+        deadline = time.monotonic() + STOP_DRAIN_S
+        while time.monotonic() < deadline and (
+            self._storing or any(link.holding for link in self.links.values() if link.connected)
+        ):
+            await asyncio.sleep(0.01)
         self._started = False
         if self._reconcile is not None:
             self._reconcile.cancel()
@@ -594,6 +587,11 @@ class DataPlane:
         links, self.links = list(self.links.values()), {}
         for link in links:
             await link.close()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for connection in list(self._connections):
+            connection.close()
         if self._server is not None:
             await self._server.stop(grace=0.1)
             self._server = None
@@ -804,6 +802,9 @@ class DataPlane:
     def wanted_elsewhere(self, topic: str) -> bool:
         return self.remote.lookup(topic) is not NOBODY
 
+    def wanted_durably_elsewhere(self, topic: str) -> bool:
+        return self.remote.lookup(topic).durable
+
     def _choose(self, group: str, members: tuple[tuple[str, int], ...]) -> str:
         """The node that takes the next message of a share group: round robin over the
         group's consumers, so each node gets its members' part."""
@@ -947,6 +948,7 @@ class DataPlane:
                 reply(answered)
             return  # applied already; its answer follows when its forwards are stored
         inbox.applied = sequence
+        self.stats.frames_in += 1
         if frame.HasField("routes"):
             update = frame.routes
             delta = routes_from_update(update)
@@ -1000,10 +1002,12 @@ class DataPlane:
         waiting: dict[asyncio.Future[None], list[tuple[int, Message]]] = {}
         # the pass below, each commit group waited on, and each message waiting for the view
         remaining = [1]
+        self._storing += 1
 
         def settled() -> None:
             remaining[0] -= 1
             if remaining[0] == 0:
+                self._storing -= 1
                 answer(pb.PeerReply(sequence=sequence, outcomes=outcomes))
 
         def landed(future: asyncio.Future[None]) -> None:
@@ -1062,6 +1066,10 @@ class DataPlane:
         shard this node's view does not yet give it (the sender's epoch is newer) is handed
         to `later` instead."""
         broker, view = self.broker, self.view
+        if self._stopping:
+            outcome.code = pb.NOT_OWNER
+            outcome.reason = f"node {self.node_id} is stopping; retry"
+            return None
         try:
             stream = broker.stream_for_topic(message.topic)
             shard = stream.shard_for(message.topic, message.key).index

@@ -93,15 +93,17 @@ def frame_size(frame: pb.Forward | pb.Push) -> int:
 def route_update(delta: RouteDelta, reset: bool = False) -> pb.RouteUpdate:
     return pb.RouteUpdate(
         reset=reset,
-        added=[pb.Route(topic_filter=r.topic_filter, share_group=r.share_group, weight=r.weight)
-               for r in delta.added],
-        removed=[pb.Route(topic_filter=r.topic_filter, share_group=r.share_group, weight=r.weight)
-                 for r in delta.removed],
+        added=[_route(r) for r in delta.added], removed=[_route(r) for r in delta.removed],
     )
+
+
+def _route(route: Route) -> pb.Route:
+    return pb.Route(topic_filter=route.topic_filter, share_group=route.share_group,
+                    weight=route.weight, durable=route.durable)
 
 
 def routes_from_update(update: pb.RouteUpdate) -> RouteDelta:
     return RouteDelta(
-        [Route(r.topic_filter, r.share_group, r.weight) for r in update.added],
-        [Route(r.topic_filter, r.share_group, r.weight) for r in update.removed],
+        [Route(r.topic_filter, r.share_group, r.weight, r.durable) for r in update.added],
+        [Route(r.topic_filter, r.share_group, r.weight, r.durable) for r in update.removed],
     )

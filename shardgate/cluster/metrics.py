@@ -47,6 +47,14 @@ def data_plane_metrics(plane: Any) -> Iterator[Metric]:
         f"{PREFIX}_pushes_dropped", "Pushes dropped on a full or broken link to a node",
         value=stats.pushes_dropped,
     )
+    frames = CounterMetricFamily(
+        f"{PREFIX}_link_frames",
+        "Frames (batches of forwards, pushes, routes) written to peers (out) or applied from "
+        "them (in); messages over frames is the batching", labels=["direction"],
+    )
+    frames.add_metric(["out"], stats.frames_out)
+    frames.add_metric(["in"], stats.frames_in)
+    yield frames
     buckets, total = stats.forward_latency.snapshot()
     yield HistogramMetricFamily(
         f"{PREFIX}_forward_latency_seconds",

@@ -39,6 +39,9 @@ class Route(NamedTuple):
     share_group: str = PLAIN
     # For a share: the node's consumers in it, so a group's messages spread per member.
     weight: int = 0
+    # Held by a durable subscription (a persistent session, a durable queue): it replays the
+    # owner's journal, so even a transient message it wants is stored there with an offset.
+    durable: bool = False
 
 
 @dataclass(slots=True)
@@ -60,9 +63,11 @@ def local_routes(subscriptions: Iterable[Subscription]) -> set[Route]:
         if sub.type is SubscriptionType.SHARED:
             members = len(sub.consumers)
             if members:
-                routes.update(Route(topic_filter, sub.name, members) for topic_filter in sub.filters)
+                routes.update(
+                    Route(topic_filter, sub.name, members, sub.durable) for topic_filter in sub.filters
+                )
         else:
-            routes.update(Route(topic_filter) for topic_filter in sub.filters)
+            routes.update(Route(topic_filter, durable=sub.durable) for topic_filter in sub.filters)
     return routes
 
 
@@ -72,10 +77,11 @@ def diff(before: set[Route], after: set[Route]) -> RouteDelta:
 
 class Interest(NamedTuple):
     """Who wants a topic: nodes with a plain subscription, and per share group its nodes with
-    their weights (consumers)."""
+    their weights (consumers); `durable` when a durable subscription is among them."""
 
     plain: frozenset[str]
     groups: Mapping[str, tuple[tuple[str, int], ...]]
+    durable: bool = False
 
 
 NOBODY = Interest(frozenset(), {})
@@ -86,8 +92,8 @@ class RemoteRoutes:
 
     def __init__(self) -> None:
         self._by_node: dict[str, set[Route]] = {}
-        # filter -> (node, share group, weight) entries
-        self._trie: TopicTrie[tuple[str, str, int]] = TopicTrie()
+        # filter -> (node, share group, weight, durable) entries
+        self._trie: TopicTrie[tuple[str, str, int, bool]] = TopicTrie()
         self._cache: dict[str, Interest] = {}
 
     def nodes(self) -> list[str]:
@@ -109,11 +115,11 @@ class RemoteRoutes:
         for route in delta.removed:
             if route in held:
                 held.discard(route)
-                self._trie.remove(route.topic_filter, (node, route.share_group, route.weight))
+                self._trie.remove(route.topic_filter, _entry(node, route))
         for route in delta.added:
             if route not in held:
                 held.add(route)
-                self._trie.add(route.topic_filter, (node, route.share_group, route.weight))
+                self._trie.add(route.topic_filter, _entry(node, route))
         self._cache.clear()
 
     def forget(self, node: str) -> None:
@@ -122,7 +128,7 @@ class RemoteRoutes:
         if not held:
             return
         for route in held:
-            self._trie.remove(route.topic_filter, (node, route.share_group, route.weight))
+            self._trie.remove(route.topic_filter, _entry(node, route))
         self._cache.clear()
 
     def lookup(self, topic: str) -> Interest:
@@ -131,7 +137,9 @@ class RemoteRoutes:
             return interest
         plain: set[str] = set()
         groups: dict[str, dict[str, int]] = {}
-        for _filter, (node, group, weight) in self._trie.match(topic):
+        durable = False
+        for _filter, (node, group, weight, held_durably) in self._trie.match(topic):
+            durable = durable or held_durably
             if group:
                 members = groups.setdefault(group, {})
                 members[node] = max(members.get(node, 0), weight, 1)
@@ -140,10 +148,14 @@ class RemoteRoutes:
         interest = (
             Interest(frozenset(plain), {
                 group: tuple(sorted(members.items())) for group, members in groups.items()
-            })
+            }, durable)
             if plain or groups else NOBODY
         )
         if len(self._cache) >= LOOKUP_CACHE_LIMIT:
             self._cache.clear()
         self._cache[topic] = interest
         return interest
+
+
+def _entry(node: str, route: Route) -> tuple[str, str, int, bool]:
+    return (node, route.share_group, route.weight, route.durable)

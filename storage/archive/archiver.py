@@ -75,6 +75,16 @@ class _ShardState:
     skipped: int = 0
     """Records the journal had dropped before they could be archived (never archivable)."""
     last_upload_ms: int | None = None
+    prebuilt: tuple[RecordBuffer, int, asyncio.Future[pa.Table]] | None = None
+    """The table of the buffer (as it was at that length), built while the file before it
+    was being uploaded; used by the next seal if the buffer is still the same."""
+
+
+def _forget(prebuilt: tuple[RecordBuffer, int, asyncio.Future[pa.Table]] | None) -> None:
+    """Forget a table built ahead (its buffer was dropped or changed)."""
+    if prebuilt is not None:
+        # Retrieve its outcome once done, so that a failed build is not reported as lost.
+        prebuilt[2].add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 def _describe(exc: BaseException) -> str:
@@ -423,6 +433,15 @@ class Archiver:
         buffer.extend(batch[:take] if take < len(batch) else batch)
         state.buffer_bytes += sizes[take - 1].as_py() if take else 0
 
+    def _full(self, state: _ShardState) -> bool:
+        """Whether the buffer is a whole file: no more records will join it."""
+        settings = self.settings
+        return bool(state.buffer) and (
+            state.hour_closed
+            or len(state.buffer) >= settings.target_rows
+            or state.buffer_bytes >= settings.target_bytes
+        )
+
     def _due(self, state: _ShardState, force: bool) -> bool:
         if not state.buffer:
             return False
@@ -443,7 +462,8 @@ class Archiver:
         The work runs in a worker thread, in two steps: decoding the records into an Arrow
         table (short compute kernels, each taking the GIL back: the event loop waits rather
         than contend), then Parquet encoding and the write (long calls without the GIL),
-        during which the buffer, emptied, reads ahead from `shard_log`. Files of a shard are
+        during which the buffer, emptied, reads ahead from `shard_log`; when what it read is
+        a whole file, its table is built meanwhile too, for the next seal. Files of a shard are
         still uploaded one after the other, in offset order (progress is the highest offset
         among the files). If the upload fails or is cancelled, what was read ahead is dropped
         and the file's records become the buffer again."""
@@ -452,23 +472,36 @@ class Archiver:
         first, last = records[0].offset, records[-1].offset
         directory = layout.partition_dir(self.root, state.stream, records[0].timestamp_ms)
         path = f"{directory}/{layout.file_name(state.shard, first, last)}"
+        prebuilt, state.prebuilt = state.prebuilt, None
         state.uploading = records
         state.buffer, state.buffer_bytes, state.hour_closed = RecordBuffer(), 0, False
         upload: asyncio.Future[int] | None = None
         try:
-            table = await asyncio.to_thread(
-                build_table, state.stream, state.shard, state.schema, records
-            )
+            if prebuilt is not None and prebuilt[0] is records and prebuilt[1] == len(records):
+                table = await prebuilt[2]
+            else:
+                _forget(prebuilt)
+                table = await asyncio.to_thread(
+                    build_table, state.stream, state.shard, state.schema, records
+                )
             upload = asyncio.ensure_future(asyncio.to_thread(
                 self._write_file, path, state.stream, state.shard, table, first, last
             ))
             if shard_log is not None:
                 with contextlib.suppress(Exception):  # a read error shows on the next pass
                     await self._fill(state, shard_log)
+                if self._full(state):  # build the next file's table while this one uploads
+                    state.prebuilt = (state.buffer, len(state.buffer), asyncio.ensure_future(
+                        asyncio.to_thread(
+                            build_table, state.stream, state.shard, state.schema, state.buffer
+                        )
+                    ))
             size = await upload
             del table
             return_freed_memory()
         except BaseException as exc:
+            _forget(state.prebuilt)
+            state.prebuilt = None
             state.buffer, state.buffer_bytes, state.hour_closed = saved
             if not isinstance(exc, Exception):
                 if upload is not None:

@@ -445,7 +445,13 @@ class Segment:
         stamps: list[int] = []
         crc = self.crc
         pos = self.position_for(from_offset)
-        want = chunk
+        # Read no further than the first indexed record after the last one wanted (when the
+        # index knows one): a block then holds little besides the records asked for.
+        after = bisect_right(self.index_offsets, from_offset + max_records - 1 - self.base_offset)
+        if after < len(self.index_positions) and self.index_positions[after] > pos:
+            want = min(chunk, self.index_positions[after] - pos)
+        else:
+            want = chunk
         while True:
             asked = min(want, self.size - pos)
             if asked <= 0:

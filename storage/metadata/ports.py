@@ -3,13 +3,15 @@
 The ports are typing Protocols checked by structure, so this module does not import the core:
 `MetadataPorts` has the methods the ports name, in plain values, and translates them into the
 store's records. Cursor saves are queued and written in one transaction by `flush` (the
-composition root calls it periodically and on shutdown).
+composition root calls it periodically, without waiting for the fsync, and on shutdown).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Future
+from contextlib import nullcontext
 
 from shardgate.storage.metadata.interface import MetadataStore
 from shardgate.storage.metadata.records import CursorRecord, DelayedRecord, SessionRecord
@@ -50,10 +52,21 @@ class MetadataPorts:
     def group_pending(self) -> bool:
         return bool(getattr(self.store, "group_pending", False))
 
-    def commit_group(self) -> None:
+    def commit_group(self) -> Future[None] | None:
+        """Commit the open group; the future resolves once it is durable."""
         commit = getattr(self.store, "commit_group", None)
-        if commit is not None:
-            commit()
+        return commit() if commit is not None else None
+
+    @property
+    def write_count(self) -> int:
+        """How many writes the store has taken (to tell whether some work wrote anything)."""
+        return int(getattr(self.store, "write_count", 0))
+
+    def durable_waiter(self) -> Future[None] | None:
+        """The future that resolves once every write made so far is durable; None when they
+        are already."""
+        waiter = getattr(self.store, "durable_waiter", None)
+        return waiter() if waiter is not None else None
 
     # ------------------------------------------------------------------ QoS 2 inbound state
     def save_qos2(self, changes: Sequence[tuple[str, int, bool]]) -> None:
@@ -73,12 +86,16 @@ class MetadataPorts:
             subscription, stream, shard, floor, state
         )
 
-    def flush(self) -> None:
+    def flush(self, wait: bool = True) -> None:
+        """Write the queued cursors in one transaction; with `wait` False the fsync follows
+        in the store's sync thread (a periodic save acknowledges nothing)."""
         if not self._pending_cursors:
             return
         batch, self._pending_cursors = list(self._pending_cursors.values()), {}
+        deferred = getattr(self.store, "deferred_sync", None)
         try:
-            self.store.put_cursors(batch)
+            with deferred() if deferred is not None and not wait else nullcontext():
+                self.store.put_cursors(batch)
         except Exception:
             log.exception("could not save %d cursors", len(batch))
 

@@ -1,15 +1,19 @@
 """The embedded metadata store: one SQLite file in the data directory (stdlib `sqlite3`).
 
-One connection, WAL journal mode, `synchronous=FULL` by default so that a commit is on disk
-before the broker acknowledges anything that depends on it. Writes outside an explicit
-`transaction()` commit one by one; batch frequent writes inside one, or collect the writes of a
-stretch of work with `group_writes` and make them durable with one `commit_group` (group
-commit: the MQTT layer commits once per event-loop turn, before it sends the acknowledgements
-that depend on what was written). Statements are fixed
-strings, so `sqlite3`'s statement cache keeps them prepared; batches use `executemany`.
+One connection, WAL journal mode. A COMMIT writes the transaction to the WAL without an fsync
+(`synchronous=NORMAL`); the fsync that makes it durable runs in the store's `WalSyncer` thread,
+never on the caller's (event-loop) thread. Under the default `synchronous="FULL"` a write
+outside an explicit `transaction()` returns once it is durable (the caller's thread waits for
+the sync thread); batch frequent writes inside one, or collect the writes of a stretch of work
+with `group_writes` and commit them with one `commit_group`, which returns at once with a
+future that resolves when they are durable (group commit: the MQTT layer commits once per
+event-loop turn, and the acknowledgements that depend on what was written wait on that
+future, not the event loop). `deferred_sync` lets writes that acknowledge nothing (periodic
+cursor saves) commit without waiting. Statements are fixed strings, so `sqlite3`'s statement
+cache keeps them prepared; batches use `executemany`.
 
-Not thread-safe: the store belongs to the event-loop thread that opened it. It knows nothing
-of `shardgate.core` or the protocols.
+Not thread-safe: the store belongs to the thread that opened it (the sync thread has its own
+connection, for checkpoints only). It knows nothing of `shardgate.core` or the protocols.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ import json
 import sqlite3
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
+from shardgate.storage.metadata.durability import WalSyncer, done_future
 from shardgate.storage.metadata.interface import MetadataError, SchemaVersionError
 from shardgate.storage.metadata.records import (
     CursorRecord,
@@ -72,6 +78,17 @@ _PUT_USER = """INSERT INTO users (name, password_hash, roles) VALUES (?, ?, ?)
     roles = excluded.roles"""
 
 
+def _chain(done: Future[None], future: Future[None]) -> None:
+    """Settle `future` as `done` settled."""
+    if future.done():
+        return
+    error = done.exception()
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
 def _stream(row: tuple[Any, ...]) -> StreamRecord:
     return StreamRecord(*row)
 
@@ -103,6 +120,15 @@ class SqliteMetadataStore:
         # that `commit_group` commits; outside, every write commits at once as before.
         self._grouping = False
         self._group_open = False
+        # Durability: the future of the open group (resolved after its commit's fsync), the
+        # future of the last commit, and how many writes were made (callers compare counts to
+        # learn whether a stretch of work wrote anything).
+        self._group_future: Future[None] | None = None
+        self._last_durable: Future[None] | None = None
+        self.write_count = 0
+        self._wait_for_sync = synchronous != "NORMAL"
+        self._deferred = 0
+        self._syncer: WalSyncer | None = None
         try:
             self._conn: sqlite3.Connection | None = sqlite3.connect(
                 self.path, isolation_level=None, cached_statements=256
@@ -110,20 +136,26 @@ class SqliteMetadataStore:
         except sqlite3.Error as exc:
             raise MetadataError(f"cannot open metadata database {self.path}: {exc}") from exc
         try:
-            self._configure(synchronous)
+            self._configure()
+            self._syncer = WalSyncer(self.path, fsync=synchronous != "NORMAL")
             self._migrate()
         except BaseException:
+            if self._syncer is not None:
+                self._syncer.stop()
             self._conn.close()
             self._conn = None
             raise
 
     # ---------------------------------------------------------------- setup and transactions
 
-    def _configure(self, synchronous: Synchronous) -> None:
+    def _configure(self) -> None:
         conn = self._db
         try:
             mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            conn.execute(f"PRAGMA synchronous={synchronous}")
+            # Commits write the WAL without an fsync: the sync thread makes them durable, and
+            # checkpoints (which do fsync) run there too, not on this connection.
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA wal_autocheckpoint=0")
             conn.execute("PRAGMA busy_timeout=5000")
         except sqlite3.DatabaseError as exc:
             raise MetadataError(f"{self.path} is not a usable SQLite database: {exc}") from exc
@@ -193,8 +225,15 @@ class SqliteMetadataStore:
         except sqlite3.Error as exc:
             self._rollback(conn, level)
             raise MetadataError(f"metadata commit failed: {exc}") from exc
-        if grouped and not self._grouping:
-            self.commit_group()  # a write outside the group: durable now, with the group's
+        if depth:
+            return
+        self.write_count += 1
+        if grouped and self._grouping:
+            return  # durable at `commit_group`
+        # A write outside the group: durable now (with the open group's writes, if any).
+        durable = self.commit_group() if grouped else self._request_sync()
+        if durable is not None and not self._deferred:
+            self._wait(durable)
 
     def group_writes(self, on: bool) -> None:
         """Start (True) or stop (False) collecting writes into one transaction, committed (one
@@ -208,20 +247,77 @@ class SqliteMetadataStore:
         """Writes are waiting in an open group for `commit_group`."""
         return self._group_open
 
-    def commit_group(self) -> None:
-        """Make every write of the open group durable (no-op without one). On failure the
-        group is rolled back and MetadataError raised."""
+    def commit_group(self) -> Future[None] | None:
+        """Commit every write of the open group and return the future that resolves once they
+        are durable (None without an open group). The caller does not wait: it holds back
+        what depends on the writes until the future is done. On failure the group is rolled
+        back, its future fails, and MetadataError is raised."""
         if not self._group_open or self._depth:
-            return
+            return None
         self._group_open = False
+        future, self._group_future = self._group_future, None
         conn = self._db
-        if not conn.in_transaction:  # SQLite rolled it back on an error (e.g. disk full)
-            raise MetadataError("the metadata write group was rolled back")
         try:
-            conn.execute("COMMIT")
-        except sqlite3.Error as exc:
-            self._rollback(conn, 0)
-            raise MetadataError(f"metadata group commit failed: {exc}") from exc
+            if not conn.in_transaction:  # SQLite rolled it back on an error (e.g. disk full)
+                raise MetadataError("the metadata write group was rolled back")
+            try:
+                conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                self._rollback(conn, 0)
+                raise MetadataError(f"metadata group commit failed: {exc}") from exc
+        except MetadataError as exc:
+            if future is not None:
+                future.set_exception(exc)
+            raise
+        durable = self._request_sync()
+        if future is not None:
+            durable.add_done_callback(lambda done: _chain(done, future))
+            return future
+        return durable
+
+    def durable_waiter(self) -> Future[None] | None:
+        """The future that resolves once every write made so far is durable: the open
+        group's, else the last commit's; None when everything is durable already."""
+        if self._group_open:
+            if self._group_future is None:
+                self._group_future = Future()
+            return self._group_future
+        last = self._last_durable
+        if last is None or last.done():
+            return None
+        return last
+
+    @contextmanager
+    def deferred_sync(self) -> Iterator[None]:
+        """Writes inside the block commit without waiting for their fsync (it follows in the
+        sync thread): for writes that acknowledge nothing, such as periodic cursor saves."""
+        self._deferred += 1
+        try:
+            yield
+        finally:
+            self._deferred -= 1
+
+    def sync(self) -> None:
+        """Wait until every commit made so far is durable."""
+        durable = self.durable_waiter()
+        if durable is not None and not self._group_open:
+            self._wait(durable)
+
+    def _request_sync(self) -> Future[None]:
+        if self._syncer is None:
+            future = done_future()
+        else:
+            future = self._syncer.request()
+        self._last_durable = future
+        return future
+
+    def _wait(self, durable: Future[None]) -> None:
+        if not self._wait_for_sync:
+            return
+        try:
+            durable.result()
+        except Exception as exc:
+            raise MetadataError(f"metadata sync failed: {exc}") from exc
 
     @staticmethod
     def _rollback(conn: sqlite3.Connection, depth: int) -> None:
@@ -243,12 +339,16 @@ class SqliteMetadataStore:
             self.commit_group()
         except MetadataError:
             pass  # rolled back; the caller never acknowledged what it held
+        if self._syncer is not None:
+            self._syncer.request()
+            self._syncer.stop()  # every commit synced, its checkpoint connection closed
+            self._syncer = None
         conn, self._conn = self._conn, None
         try:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
         finally:
-            conn.close()
+            conn.close()  # the last connection: SQLite checkpoints (with fsyncs) and drops the WAL
 
     # ---------------------------------------------------------------- statement helpers
 

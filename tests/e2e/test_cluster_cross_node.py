@@ -299,6 +299,11 @@ class CuttableProxy:
             for sock in pair:
                 # RST, not FIN: the connection dies as a broken network leaves it
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                # Wake the pump blocked reading it first: closed under a blocked recv, its file
+                # descriptor could be reused by the next connection, whose bytes that pump
+                # would then read and lose.
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RD)
                 sock.close()
         self.cuts += 1
 

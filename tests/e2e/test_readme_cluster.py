@@ -1,5 +1,5 @@
 """README "Running a cluster" and "Multi-core on one host": every command of each section's
-first shell block, run exactly as printed (in a temporary directory): etcd, the nodes (three;
+shell blocks, run exactly as printed (in a temporary directory): etcd, the nodes (three;
 two pinned one per core), `shardgate cluster status`, a stream created on the first node, a
 subscriber on the last node that gets a message published on the first."""
 
@@ -25,10 +25,13 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def cluster_commands(heading: str = "## Running a cluster") -> list[str]:
+    """Every command of every shell block of the section (up to the next heading)."""
     text = README.read_text()
-    section = text[text.index(heading):]
-    block = section[section.index("```sh\n") + len("```sh\n"):]
-    return [line for line in block[:block.index("```")].splitlines() if line.strip()]
+    section = text[text.index(heading) + len(heading):]
+    section = section[:section.index("\n## ")] if "\n## " in section else section
+    blocks = re.findall(r"```sh\n(.*?)```", section, re.S)
+    assert blocks, f"no shell block under {heading}"
+    return [line for block in blocks for line in block.splitlines() if line.strip()]
 
 
 def ports_in(commands: list[str]) -> list[int]:

@@ -15,9 +15,11 @@ from shardgate.core.errors import ShardUnavailable
 from shardgate.core.message import Message
 from shardgate.core.streams import RoutingRule, StreamConfig
 from shardgate.core.subscriptions import SubscriptionType
+from shardgate.proto import cluster_pb2 as pb
 from shardgate.storage.journal import JournalStorage
 
 from shardgate.cluster.forward import DataPlane
+from shardgate.cluster.link import LINK_MAGIC, FrameReader, frame_bytes
 from shardgate.cluster.membership import NodeInfo, ShardAssignment, StaticClusterView
 from shardgate.cluster.routes import Route
 
@@ -423,33 +425,85 @@ async def test_durable_cursors_made_before_the_shard_map_replay_from_what_the_no
     await until(lambda: [m.payload for m in consumer.got] == [b"kept"])
 
 
+class RawLink:
+    """A hand-made peer on a node's cluster port: frames written and replies read as bytes."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.frames = FrameReader()
+        self.replies: list[bytes] = []
+
+    @classmethod
+    async def open(cls, port: int) -> RawLink:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(LINK_MAGIC)
+        return cls(reader, writer)
+
+    def write(self, frame: pb.PeerFrame) -> None:
+        self.writer.write(frame_bytes(frame))
+
+    async def read(self) -> pb.PeerReply:
+        while not self.replies:
+            data = await asyncio.wait_for(self.reader.read(65536), 5)
+            assert data, "the node closed the link"
+            self.replies += self.frames.feed(data)
+        return pb.PeerReply.FromString(self.replies.pop(0))
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 async def test_malformed_frames_from_a_peer_are_refused_per_message_and_the_link_lives(cluster):
+    b = cluster["b"]
+    link = await RawLink.open(b.plane.port)
+    link.write(pb.PeerFrame(sequence=1, from_node="intruder", forwards=[
+        pb.Forward(stream="orders", shard=2, record=b"\x07garbage"),
+        pb.Forward(stream="orders", shard=2, topic=topic_on(b.broker, "orders", 2, "orders"), payload=b"ok"),
+    ], pushes=[pb.Push(stream="orders", shard=0, offset=1, record=b"\x00")]))
+    reply = await link.read()
+    assert [o.code for o in reply.outcomes] == [pb.REJECTED, pb.STORED]
+    assert "malformed" in reply.outcomes[0].reason
+    link.write(pb.PeerFrame(sequence=2, forwards=[
+        pb.Forward(stream="orders", shard=2, topic=topic_on(b.broker, "orders", 2, "orders"), payload=b"again"),
+    ]))
+    assert (await link.read()).outcomes[0].code == pb.STORED
+    link.close()
+
+
+async def test_bytes_that_are_not_frames_end_that_link_only(cluster):
+    a, b = cluster["a"], cluster["b"]
+    link = await RawLink.open(b.plane.port)
+    link.writer.write(b"\xff\xff\xff\xff not a frame")
+    assert await asyncio.wait_for(link.reader.read(), 5) == b"", "the node ends that connection"
+    link.close()
+    # the real peers' links still work
+    on_b = b.subscribe("orders/#")
+    await routes_seen(a, b, 1)
+    topic = topic_on(a.broker, "orders", 2, "orders")
+    await asyncio.wait_for(a.broker.publish(Message(topic, b"still", qos=1)), 5)
+    assert [m.payload for m in on_b.got] == [b"still"]
+
+
+async def test_the_cluster_port_still_serves_grpc_calls(cluster):
+    """The shared-state gRPC calls reach the node on the same port as the links."""
     import grpc
-    from shardgate.proto import cluster_pb2 as pb
-    from shardgate.proto import cluster_pb2_grpc as pb_grpc
 
     b = cluster["b"]
+    calls = []
+
+    def hello(request: bytes, context) -> bytes:
+        calls.append(request)
+        return b"hi " + request
+
+    b.plane.add_service(grpc.method_handlers_generic_handler(
+        "test.Echo", {"Say": grpc.unary_unary_rpc_method_handler(hello)}))
     async with grpc.aio.insecure_channel(f"127.0.0.1:{b.plane.port}") as channel:
-        call = pb_grpc.PeerLinkStub(channel).Link()
-        await call.write(pb.PeerFrame(sequence=1, from_node="intruder", forwards=[
-            pb.Forward(stream="orders", shard=2, record=b"\x07garbage"),
-            pb.Forward(stream="orders", shard=2, topic=topic_on(b.broker, "orders", 2, "orders"), payload=b"ok"),
-        ], pushes=[pb.Push(stream="orders", shard=0, offset=1, record=b"\x00")]))
-        reply = await asyncio.wait_for(call.read(), 5)
-        assert [o.code for o in reply.outcomes] == [pb.REJECTED, pb.STORED]
-        assert "malformed" in reply.outcomes[0].reason
-        await call.write(pb.PeerFrame(sequence=2, forwards=[
-            pb.Forward(stream="orders", shard=2, topic=topic_on(b.broker, "orders", 2, "orders"), payload=b"again"),
-        ]))
-        assert (await asyncio.wait_for(call.read(), 5)).outcomes[0].code == pb.STORED
-        call.cancel()
+        say = channel.unary_unary("/test.Echo/Say")
+        assert await asyncio.wait_for(say(b"there"), 5) == b"hi there"
+    assert calls == [b"there"]
 
 
 async def test_a_frame_sent_again_on_a_new_stream_of_its_session_is_applied_once(cluster):
-    import grpc
-    from shardgate.proto import cluster_pb2 as pb
-    from shardgate.proto import cluster_pb2_grpc as pb_grpc
-
     b = cluster["b"]
     on_b = b.subscribe("orders/#")
     topic = topic_on(b.broker, "orders", 2, "orders")  # b owns orders/2
@@ -457,14 +511,13 @@ async def test_a_frame_sent_again_on_a_new_stream_of_its_session_is_applied_once
         pb.Forward(stream="orders", shard=2, epoch=1, topic=topic, payload=b"once")])
 
     async def send(session: int) -> pb.PeerReply:
-        """A new stream of `session` (as after a break) carrying frame 1 again."""
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{b.plane.port}") as channel:
-            call = pb_grpc.PeerLinkStub(channel).Link()
-            await call.write(pb.PeerFrame(sequence=0, from_node="c", session=session))
-            await call.write(frame)
-            reply = await asyncio.wait_for(call.read(), 5)
-            call.cancel()
-            return reply
+        """A new connection of `session` (as after a break) carrying frame 1 again."""
+        link = await RawLink.open(b.plane.port)
+        link.write(pb.PeerFrame(sequence=0, from_node="c", session=session))
+        link.write(frame)
+        reply = await link.read()
+        link.close()
+        return reply
 
     for _ in range(2):
         reply = await send(session=7)
@@ -473,3 +526,37 @@ async def test_a_frame_sent_again_on_a_new_stream_of_its_session_is_applied_once
     assert [m.payload for m in on_b.got] == [b"once"]
     await send(session=8)  # a new session: the sender restarted, its frame 1 is new
     assert [m.payload for m in on_b.got] == [b"once", b"once"]
+
+
+async def test_routes_say_whether_the_subscription_is_durable(cluster):
+    a, b = cluster["a"], cluster["b"]
+    b.subscribe("orders/live/#")
+    kept = b.broker.durable_subscription("kept")
+    b.broker.add_filter(kept, "orders/kept/#")
+    await routes_seen(a, b, 2)
+    assert a.plane.remote.routes_of("b") == {
+        Route("orders/live/#"), Route("orders/kept/#", durable=True)}
+    assert a.plane.wanted_elsewhere("orders/live/1") and not a.plane.wanted_durably_elsewhere("orders/live/1")
+    assert a.plane.wanted_durably_elsewhere("orders/kept/1")
+
+
+async def test_a_transient_message_is_journaled_by_its_owner_only_for_a_durable_subscription_elsewhere(cluster):
+    """b owns the journaled ledger/0. A transient message (AMQP delivery mode 1) that only a
+    live subscription on a wants is delivered without being journaled; once a durable
+    subscription on a wants it too, it is journaled (the durable cursor needs its offset)."""
+    a, b = cluster["a"], cluster["b"]
+    log = b.broker.streams["ledger"].shards[0]
+    live = a.subscribe("ledger/#")
+    await routes_seen(b, a, 1)
+    b.broker.publish(Message("ledger/x", b"passing", transient=True))
+    await until(lambda: [m.payload for m in live.got] == [b"passing"])
+    assert log.next_offset == 0, "not journaled: nobody replays it"
+
+    kept = a.broker.durable_subscription("kept")
+    a.broker.add_filter(kept, "ledger/#")
+    await routes_seen(b, a, 2)
+    stored = b.broker.publish(Message("ledger/x", b"kept", transient=True))
+    assert stored is not None
+    await asyncio.wait_for(stored, 5)
+    assert log.next_offset == 1, "journaled for the durable subscription on a"
+    await until(lambda: [m.payload for m in live.got] == [b"passing", b"kept"])

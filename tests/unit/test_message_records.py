@@ -211,3 +211,18 @@ def test_amqp_header_values_as_text_for_other_protocols() -> None:
     assert header_text(b"ok") == "ok"
     assert header_text(b"\x00\xff") == "base64:AP8="
     assert header_text("a\x00b") == "a\ufffdb"  # an MQTT string must not hold U+0000
+
+
+def test_encoding_a_read_at_once_gives_each_message_its_own_record() -> None:
+    from shardgate.core.records import encode_records
+
+    messages = [
+        Message("a/1", b"x", 1, producer_protocol="mqtt", producer_id="p1"),
+        Message("a/1", b"yy", 0, True, producer_protocol="mqtt", producer_id="p1"),
+        Message("a/2", b"", 2, producer_protocol="mqtt", producer_id="p2"),
+        Message("a/2", b"k", key=b"key", headers=[("h", "v")], content_type="text/plain",
+                producer_protocol="amqp", producer_id="p2"),
+        Message("a/2", b"z", producer_protocol="amqp", producer_id="p2"),
+        Message("ü/3", b"z", expires_at_ms=5, native_properties={"amqp-0-9-1": b"\x00"}),
+    ]
+    assert encode_records(messages) == [(m.publish_time_ms, encode_message(m)) for m in messages]

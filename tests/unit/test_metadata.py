@@ -3,11 +3,13 @@ reopen, schema versioning, and consistency after the writing process is killed."
 
 from __future__ import annotations
 
+import os
 import signal
 import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from shardgate.storage.metadata import (
     StreamRecord,
     SubscriptionRecord,
     UserRecord,
+    durability,
 )
 from shardgate.storage.metadata import sqlite as sqlite_engine
 
@@ -334,13 +337,70 @@ def test_everything_is_back_after_reopen(db_path: Path) -> None:
         store.close()
 
 
-def test_database_uses_wal_and_full_sync(store: SqliteMetadataStore, db_path: Path) -> None:
+def test_database_uses_wal_and_a_write_returns_once_fsynced(
+    store: SqliteMetadataStore, db_path: Path
+) -> None:
     conn = sqlite3.connect(db_path)
     try:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     finally:
         conn.close()
-    assert store._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    syncer = store._syncer
+    assert syncer is not None
+    before = syncer.fsyncs
+    store.put_session(SessionRecord("a", 60, None, b""))
+    assert syncer.fsyncs > before  # the sync thread fsynced the WAL before put_session returned
+
+
+def test_commit_group_does_not_wait_and_its_future_resolves_after_the_fsync(
+    store: SqliteMetadataStore, db_path: Path
+) -> None:
+    syncer = store._syncer
+    assert syncer is not None
+    store.group_writes(True)
+    store.put_session(SessionRecord("a", 60, None, b""))
+    store.group_writes(False)
+    waiter = store.durable_waiter()
+    assert waiter is not None and not waiter.done()
+    released = threading.Event()
+    syncer.fsync_file = lambda fd: (released.wait(30), os.fsync(fd))
+    before = syncer.fsyncs
+    durable = store.commit_group()
+    assert durable is waiter
+    assert _sessions_seen_by_another_connection(db_path) == ["a"]  # committed at once
+    assert not durable.done()  # but not durable until the sync thread has fsynced
+    released.set()
+    durable.result(timeout=10)
+    assert syncer.fsyncs > before
+    assert store.durable_waiter() is None
+
+
+def test_deferred_writes_commit_without_waiting_and_become_durable(
+    store: SqliteMetadataStore, db_path: Path
+) -> None:
+    syncer = store._syncer
+    assert syncer is not None
+    released = threading.Event()
+    syncer.fsync_file = lambda fd: (released.wait(30), os.fsync(fd))
+    with store.deferred_sync():  # returns while the fsync is held
+        store.put_cursors([CursorRecord("s", "st", 0, 5, b"x")])
+    waiter = store.durable_waiter()
+    assert waiter is not None and not waiter.done()
+    released.set()
+    waiter.result(timeout=10)
+    assert store.durable_waiter() is None
+
+
+def test_the_wal_is_checkpointed_off_the_writer(db_path: Path) -> None:
+    store = SqliteMetadataStore(db_path)
+    try:
+        assert store._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+        for index in range(durability.CHECKPOINT_EVERY + 1):
+            store.put_session(SessionRecord(f"c{index}", 60, None, b"x" * 100))
+        assert store._syncer is not None and store._syncer.checkpoints >= 1
+    finally:
+        store.close()
+    assert _sessions_seen_by_another_connection(db_path)[:2] == ["c0", "c1"]
 
 
 def test_closed_store_raises_metadata_error(db_path: Path) -> None:

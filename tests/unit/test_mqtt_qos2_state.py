@@ -48,6 +48,13 @@ class SavedPorts:
             self.commits.append(self._group)
             self._group = []
 
+    @property
+    def write_count(self) -> int:
+        return sum(len(changes) for changes in self.commits) + len(self._group)
+
+    def durable_waiter(self) -> None:
+        return None  # durable once committed
+
     def save_qos2(self, changes: Sequence[tuple[str, int, bool]]) -> None:
         self._group.extend(changes)
         if not self._grouping:

@@ -137,7 +137,9 @@ async def test_a_refused_message_does_not_drop_the_others(journal: JournalStorag
     await settle(outcomes)
     assert [payload for _, payload in recorder.got] == [b"one", b"two", b"three"]
     assert [r.data != b"" for r in log.read(0)] == [True, True, True]
-    assert broker.stats.messages_in == 3, "counted once, refused ones not at all"
+    stats = broker.stats
+    assert stats.messages_in == 3, "counted once, refused ones not at all"
+    assert (stats.bytes_in, stats.in_by_stream["default"], stats.bytes_in_by_protocol[""]) == (11, 3, 11)
 
 
 async def test_what_the_journal_cannot_take_is_refused_message_by_message(tmp_path: Path) -> None:
@@ -280,3 +282,41 @@ def test_a_read_larger_than_a_slow_subscribers_queue_loses_nothing() -> None:
     assert node.service.broker.stats.messages_dropped == 0
     acks = pub_wire.read()
     assert sorted(a.packet_id for a in acks) == list(range(1, 201))  # type: ignore[attr-defined]
+
+
+async def test_messages_held_behind_a_commit_go_out_once_the_reservation_covers_them(
+    journal: JournalStorage,
+) -> None:
+    """A fresh journal holds its first group until it is durable (nothing reserved yet), and
+    what is appended meanwhile waits behind it to keep the order. Once that commit has made a
+    reservation durable, the messages waiting behind it go out at once, before their own
+    commit: a shard that had to hold once does not keep holding under a steady load."""
+    broker, recorder = build(journal)
+    log = journal.open_shard("default", 0)
+    first = broker.publish_many([Message("t/1", b"a0"), Message("t/1", b"a1")])[0]
+    assert isinstance(first, asyncio.Future) and recorder.got == []
+    later: list[asyncio.Future[None]] = []
+    while not first.done():  # publish while the first group is being committed
+        await asyncio.sleep(0)
+        outcome = broker.publish_many([Message("t/1", b"b"), Message("t/1", b"b")])[0]
+        assert isinstance(outcome, asyncio.Future)
+        later.append(outcome)
+    await asyncio.sleep(0)
+    second = later[-1]
+    if second is first or second.done():
+        pytest.skip("the later messages were committed with the first group")
+    assert log.deliverable_end > 2 * len(later) + 1, "the first commit reserved offsets ahead"
+    assert len(recorder.got) == 2 + 2 * len(later), "all delivered before their own commit"
+    assert [offset for offset, _ in recorder.got] == list(range(len(recorder.got)))
+    await settle(later)
+    assert len(recorder.got) == 2 + 2 * len(later), "and not delivered twice"
+
+
+async def test_a_message_the_record_format_cannot_hold_is_refused_alone(journal: JournalStorage) -> None:
+    broker, recorder = build(journal)
+    too_long = Message("t/1", b"bad", content_type="x" * 70_000)  # a u16 length field
+    outcomes = broker.publish_many([Message("t/1", b"a"), too_long, Message("t/1", b"b")])
+    assert isinstance(outcomes[1], PublishRejected)
+    assert isinstance(outcomes[0], asyncio.Future) and outcomes[2] is outcomes[0]
+    await settle(outcomes)
+    assert recorder.got == [(0, b"a"), (1, b"b")]

@@ -1,0 +1,330 @@
+"""The byte transport of the peer links: length-prefixed protobuf frames (`PeerFrame` one way,
+`PeerReply` the other, `proto/cluster.proto`) over one TCP connection per link, read and
+written by the event loop itself.
+
+Why not a gRPC stream, as the links first were: grpc.aio hands every message it reads or
+writes to the event loop from a poller thread, and under load each hand-off waits for the GIL
+and for a core. A receiver then took in a few hundred frames a second, one hand-off each, and
+fell behind the sender, whose writes went on filling gRPC's buffers: at 5,000 msg/s on a busy
+2-core machine the pushes to a subscriber's node reached a p99 of 200-550 ms, with the node
+itself mostly idle. On a plain socket one read takes everything that arrived, many frames at
+once, and a write is one `send` from the loop: the batching follows the load by itself.
+
+The cluster port serves both: a connection that opens with `LINK_MAGIC` is a peer's link;
+anything else (the shared-state gRPC calls of `state_rpc.py` and `shard_reader.py`) is passed
+through, byte for byte, to the node's gRPC server on a loopback port. So a node still has one
+cluster address to advertise and to open in a firewall.
+
+`FrameReader` and `frame_bytes` are sans-IO; the protocols below only move bytes and call
+back into the data plane (`forward.py`), which owns every decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+from collections.abc import Callable
+from typing import Protocol
+
+from google.protobuf.message import DecodeError
+
+from ..proto import cluster_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+# The first bytes a dialing node sends on the cluster port (an HTTP/2 client sends "PRI * ").
+LINK_MAGIC = b"SGLINK1\n"
+_HEADER = struct.Struct(">I")
+# A frame holds at most a few MiB of messages (forward.py bounds it) but one message, or the
+# retained messages sent when a link opens, may be big; beyond this the peer is not one of ours.
+MAX_FRAME_BYTES = 512 << 20
+# Above this many bytes waiting in the transport a link stops writing frames (and its
+# messages gather into bigger ones) until the peer has read most of them.
+WRITE_HIGH_WATER = 1 << 20
+WRITE_LOW_WATER = 256 << 10
+
+
+class FrameError(ValueError):
+    """Bytes on a link that are not frames of this protocol."""
+
+
+def frame_bytes(message: pb.PeerFrame | pb.PeerReply) -> bytes:
+    """One frame on the wire: its length (4 bytes, big endian), then the message."""
+    data = message.SerializeToString()
+    return _HEADER.pack(len(data)) + data
+
+
+class FrameReader:
+    """Bytes in, the payloads of the complete frames among them out (sans-IO)."""
+
+    __slots__ = ("_buffer", "_limit")
+
+    def __init__(self, limit: int = MAX_FRAME_BYTES) -> None:
+        self._buffer = bytearray()
+        self._limit = limit
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buffer = self._buffer
+        buffer += data
+        frames: list[bytes] = []
+        position, end = 0, len(buffer)
+        limit = self._limit
+        while end - position >= 4:
+            (size,) = _HEADER.unpack_from(buffer, position)
+            if size > limit:
+                raise FrameError(f"a frame of {size} bytes (at most {limit})")
+            stop = position + 4 + size
+            if stop > end:
+                break
+            frames.append(bytes(buffer[position + 4:stop]))
+            position = stop
+        if position:
+            del buffer[:position]
+        return frames
+
+
+def _keepalive(transport: asyncio.BaseTransport) -> None:
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+
+
+class LinkClient(asyncio.Protocol):
+    """The dialing end of one link connection: sends frames, hands each reply to `on_reply`.
+    `closed` resolves with why the connection ended."""
+
+    def __init__(
+        self, on_reply: Callable[[pb.PeerReply], None], on_writable: Callable[[], None]
+    ) -> None:
+        self._on_reply = on_reply
+        self._on_writable = on_writable
+        self._reader = FrameReader()
+        self.transport: asyncio.Transport | None = None
+        self.paused = False
+        self.closed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        _keepalive(transport)
+        self.transport.set_write_buffer_limits(WRITE_HIGH_WATER, WRITE_LOW_WATER)
+        self.transport.write(LINK_MAGIC)
+
+    def send(self, frame: pb.PeerFrame) -> None:
+        assert self.transport is not None
+        self.transport.write(frame_bytes(frame))
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            payloads = self._reader.feed(data)
+            for payload in payloads:
+                self._on_reply(pb.PeerReply.FromString(payload))
+        except (FrameError, DecodeError) as exc:
+            self._end(ConnectionError(f"malformed reply on the link: {exc}"))
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        self._on_writable()
+
+    def eof_received(self) -> bool:
+        self._end(ConnectionError("the peer ended the link"))
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end(exc or ConnectionError("the link was closed"))
+
+    def _end(self, exc: BaseException) -> None:
+        if not self.closed.done():
+            self.closed.set_result(exc)
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.abort()
+
+    def close(self) -> None:
+        self._end(ConnectionError("the link was closed"))
+
+
+class LinkReceiver(Protocol):
+    """What the receiving end calls (the data plane, `forward.DataPlane`)."""
+
+    def link_opened(self, peer: str, session: int, reply: Callable[[pb.PeerReply], None]) -> None: ...
+
+    def receive(self, peer: str, frame: pb.PeerFrame, reply: Callable[[pb.PeerReply], None]) -> None: ...
+
+    def peer_link_ended(self, peer: str, reply: Callable[[pb.PeerReply], None]) -> None: ...
+
+
+class ClusterPortProtocol(asyncio.Protocol):
+    """One connection accepted on the cluster port: a peer's link (it opens with
+    `LINK_MAGIC`), or anything else, passed through to the gRPC server at `grpc_address`."""
+
+    def __init__(
+        self, receiver: LinkReceiver, grpc_address: tuple[str, int],
+        connections: set[ClusterPortProtocol],
+    ) -> None:
+        self._receiver = receiver
+        self._grpc_address = grpc_address
+        self._connections = connections
+        self.transport: asyncio.Transport | None = None
+        self._head = bytearray()
+        self._mode = ""  # "", "link" or "grpc"
+        # link mode
+        self._reader = FrameReader()
+        self._peer = ""
+        self._out: list[bytes] = []
+        self._flush_scheduled = False
+        # One object for the whole connection: the data plane compares it by identity.
+        self._reply: Callable[[pb.PeerReply], None] = self._send
+        # pass-through mode
+        self._upstream: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self._connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self._mode == "link":
+            self._frames(data)
+        elif self._mode == "grpc":
+            self._pass(data)
+        else:
+            self._head += data
+            head = bytes(self._head)
+            if len(head) < len(LINK_MAGIC) and LINK_MAGIC.startswith(head):
+                return  # not enough to tell yet
+            self._head = bytearray()
+            if head.startswith(LINK_MAGIC):
+                self._mode = "link"
+                _keepalive(self.transport)  # type: ignore[arg-type]
+                self._frames(head[len(LINK_MAGIC):])
+            else:
+                self._mode = "grpc"
+                self._open_upstream(head)
+
+    # ------------------------------------------------------------ a peer's link
+    def _frames(self, data: bytes) -> None:
+        receiver = self._receiver
+        try:
+            for payload in self._reader.feed(data):
+                frame = pb.PeerFrame.FromString(payload)
+                if frame.from_node:
+                    if self._peer and self._peer != frame.from_node:
+                        raise FrameError("a link carries one node's frames")
+                    self._peer = frame.from_node
+                    receiver.link_opened(self._peer, frame.session, self._reply)
+                if not self._peer:
+                    raise FrameError("the first frame of a link must name its node")
+                receiver.receive(self._peer, frame, self._reply)
+        except (FrameError, DecodeError) as exc:
+            log.warning("cluster link from %s refused: %s", self._peer or self._remote(), exc)
+            self._abort()
+        except Exception:  # noqa: BLE001 - a bad peer ends its own link only
+            log.exception("cluster link from %s failed", self._peer or self._remote())
+            self._abort()
+
+    def _send(self, reply: pb.PeerReply) -> None:
+        """Queue a reply; the replies of one loop turn leave in one write."""
+        self._out.append(frame_bytes(reply))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        out, self._out = self._out, []
+        transport = self.transport
+        if out and transport is not None and not transport.is_closing():
+            transport.write(b"".join(out))
+
+    # ------------------------------------------------------------ gRPC, passed through
+    def _open_upstream(self, head: bytes) -> None:
+        transport = self.transport
+        assert transport is not None
+        transport.pause_reading()
+
+        async def dial() -> None:
+            try:
+                upstream, _pipe = await asyncio.get_running_loop().create_connection(
+                    lambda: _Pipe(transport), *self._grpc_address)
+            except OSError as exc:
+                log.warning("cluster port: cannot reach the node's gRPC server: %s", exc)
+                transport.abort()
+                return
+            if transport.is_closing():
+                upstream.close()
+                return
+            self._upstream = upstream
+            upstream.write(head)
+            transport.resume_reading()
+
+        asyncio.get_running_loop().create_task(dial())
+
+    def _pass(self, data: bytes) -> None:
+        if self._upstream is not None:
+            self._upstream.write(data)
+
+    def pause_writing(self) -> None:
+        if self._upstream is not None:
+            self._upstream.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self._upstream is not None:
+            self._upstream.resume_reading()
+
+    # ------------------------------------------------------------ both
+    def _remote(self) -> str:
+        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+        return str(peer)
+
+    def _abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def close(self) -> None:
+        self._abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._connections.discard(self)
+        if self._upstream is not None:
+            self._upstream.close()
+        if self._peer:
+            self._receiver.peer_link_ended(self._peer, self._reply)
+
+
+class _Pipe(asyncio.Protocol):
+    """The node's side of a passed-through connection: what the gRPC server sends goes back
+    to the client, with back-pressure both ways."""
+
+    def __init__(self, downstream: asyncio.Transport) -> None:
+        self._downstream = downstream
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if not self._downstream.is_closing():
+            self._downstream.write(data)
+
+    def pause_writing(self) -> None:
+        if not self._downstream.is_closing():
+            self._downstream.pause_reading()
+
+    def resume_writing(self) -> None:
+        if not self._downstream.is_closing():
+            self._downstream.resume_reading()
+
+    def eof_received(self) -> bool:
+        if self._downstream.can_write_eof() and not self._downstream.is_closing():
+            self._downstream.write_eof()
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._downstream.close()

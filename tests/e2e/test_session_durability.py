@@ -1,0 +1,119 @@
+"""Session state is durable before it is acknowledged, and the fsync that makes it so runs off
+the event loop.
+
+A CONNACK that reports a persistent session, a SUBACK and the like leave only once the metadata
+store's sync thread has fsynced the commit holding that state; meanwhile the broker keeps
+serving other clients. A SIGKILL right after the acknowledgement keeps what it reported."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from shardgate.protocols.mqtt import packets as p
+
+from tests.conftest import ThreadedBroker, wait_for
+from tests.mqtt_clients import V5, V311, Paho, RawClient
+
+
+def _committed(db_path: Path, sql: str) -> bool:
+    """What another SQLite connection sees: committed (not necessarily fsynced yet)."""
+    other = sqlite3.connect(db_path)
+    try:
+        return other.execute(sql).fetchone() is not None
+    finally:
+        other.close()
+
+
+@contextmanager
+def _fsync_held(broker: ThreadedBroker) -> Iterator[None]:
+    """The metadata store's sync thread cannot finish an fsync inside the block."""
+    store = broker.app.metadata
+    assert store is not None and store._syncer is not None
+    syncer = store._syncer
+    released = threading.Event()
+
+    def held_fsync(fd: int) -> None:
+        released.wait(30)
+        os.fsync(fd)
+
+    syncer.fsync_file = held_fsync
+    try:
+        yield
+    finally:
+        released.set()
+        syncer.fsync_file = os.fsync
+
+
+def _nothing_received(client: RawClient) -> bool:
+    timeout = client.sock.gettimeout()
+    client.sock.setblocking(False)
+    try:
+        data = client.sock.recv(65536)
+    except BlockingIOError:
+        return True
+    finally:
+        client.sock.settimeout(timeout)
+    client.pending.extend(client.parser.feed(data))
+    return False
+
+
+def test_connack_and_suback_wait_for_the_fsync_while_the_broker_serves_others(
+    broker: ThreadedBroker,
+) -> None:
+    assert broker.app.metadata is not None
+    db_path = broker.app.metadata.path
+    client = RawClient(broker.mqtt_port, version=5)
+    with _fsync_held(broker):
+        client.send(p.Connect("MQTT", 5, False, 60, "held",
+                              properties=p.Properties(session_expiry_interval=3600)))
+        wait_for(lambda: _committed(db_path, "SELECT 1 FROM sessions WHERE client_id = 'held'"))
+        broker.call(lambda: None)  # the loop turn that committed it has flushed its output
+        assert _nothing_received(client), "CONNACK sent before the session was durable"
+        # The event loop is not waiting for that fsync: another client is served meanwhile.
+        other = Paho(broker.mqtt_port, "other", V311)
+        other.subscribe("free/#", 0)
+        other.publish("free/x", "served", 0)
+        assert other.expect().payload == b"served"
+        other.disconnect()
+    connack = client.receive()
+    assert isinstance(connack, p.Connack) and connack.reason_code == 0
+    assert not connack.session_present
+
+    with _fsync_held(broker):
+        client.send(p.Subscribe(1, [p.SubscriptionRequest("kept/#", 1)]))
+        wait_for(lambda: _committed(
+            db_path, "SELECT 1 FROM sessions WHERE client_id = 'held' AND CAST(data AS TEXT) LIKE '%kept/#%'"))
+        broker.call(lambda: None)
+        assert _nothing_received(client), "SUBACK sent before the subscription was durable"
+    suback = client.receive()
+    assert isinstance(suback, p.Suback) and list(suback.reason_codes) == [1]
+    client.close()
+
+
+def test_sigkill_right_after_connack_and_suback_keeps_the_session(broker_process) -> None:
+    broker = broker_process().start()
+    port = broker.mqtt_port
+    first = Paho(port, "kept-v5", V5, clean=False, session_expiry=3600)
+    first.subscribe("after/crash/#", 1)
+    v311 = Paho(port, "kept-v311", V311, clean=False)
+    broker.kill()  # at once: no disconnect, no clean stop
+    first.drop()
+    v311.drop()
+
+    broker.start(mqtt_port=port)
+    back = Paho(port, "kept-v5", V5, clean=False, session_expiry=3600, connect=False)
+    flags, _, _ = back.connect()
+    assert flags.session_present
+    back_311 = Paho(port, "kept-v311", V311, clean=False, connect=False)
+    flags, _, _ = back_311.connect()
+    assert flags.session_present
+    publisher = Paho(port, "pub", V311)
+    publisher.publish("after/crash/x", "still subscribed", 1)
+    assert back.expect().payload == b"still subscribed"
+    for client in (back, back_311, publisher):
+        client.disconnect()
