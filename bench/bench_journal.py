@@ -9,8 +9,11 @@ the same size as the journal's mean commit group: the most a single writer gets 
 at that group size.
 
     python bench/bench_journal.py [--seconds 2] [--repeat 2] [--scenarios 64x1x1 ...] [--dir PATH]
+    python bench/bench_journal.py --framing    # CPU per record of append alone (no disk)
 
-A scenario is APPENDERSxRECORDS_PER_APPENDxWINDOW.
+A scenario is APPENDERSxRECORDS_PER_APPENDxWINDOW. `--framing` measures the process CPU time
+per record of `append` + `commit_waiter` for 1, 16 and 256 records per append, best of 40
+rounds of 2,000 records (the groups are written between rounds, outside the measure).
 Prints a markdown table. Nothing here is imported by the broker.
 """
 
@@ -116,6 +119,24 @@ def run_raw(directory: Path, group: int, seconds: float, fsync: bool) -> Result:
     return Result(name, 1, max(1, group), 1, float(max(1, group)), records, elapsed, syncs)
 
 
+async def framing_cost(directory: Path, batch: int, rounds: int = 40, per_round: int = 2000) -> float:
+    """Best process CPU ns per record of append + commit_waiter, `batch` records per append."""
+    store = JournalStorage(directory, fsync="os")
+    shard = store.open_shard("bench", 0)
+    records = [(int(time.time() * 1000), os.urandom(150))] * batch
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.process_time()
+        for _ in range(per_round // batch):
+            shard.append(records)
+            shard.commit_waiter()
+        elapsed = time.process_time() - started
+        best = min(best, elapsed / ((per_round // batch) * batch) * 1e9)
+        await store.flush()
+    store.close()
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=2.0)
@@ -128,7 +149,17 @@ def main() -> None:
     )
     parser.add_argument("--repeat", type=int, default=2, help="runs per row; the best is kept")
     parser.add_argument("--no-uvloop", action="store_true")
+    parser.add_argument("--framing", action="store_true", help="CPU per record of append only")
     args = parser.parse_args()
+    if args.framing:
+        base = Path(tempfile.mkdtemp(prefix="bench-framing-", dir=args.dir))
+        try:
+            for batch in (1, 16, 256):
+                cost = asyncio.run(framing_cost(base / str(batch), batch))
+                print(f"{batch:4d} records per append: {cost:6.0f} ns CPU per record")
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        return
 
     runner = asyncio.run
     loop_name = "asyncio"

@@ -1,7 +1,7 @@
 """AMQP queues that live on another node of a cluster, used as RabbitMQ's nodes use a classic
 queue on its home node.
 
-A shared queue (durable, neither exclusive nor auto-delete) lives on one node, its *home*: the
+A shared queue (neither exclusive nor auto-delete) lives on one node, its *home*: the
 node where it was declared (the cluster records it; see `shardgate/cluster/amqp_queues.py`).
 A client of any other node uses it through its home node:
 
@@ -23,7 +23,8 @@ When the home node is down, these operations fail as in RabbitMQ (rabbit_amqqueu
 Sans-IO: the transport (gRPC on the cluster port) belongs to the cluster; the frames of a
 consumer link are defined here.
 
-    to the home node:   request (JSON), then  A|R|J + ids (ack, requeue, reject)  and  X (cancel)
+    to the home node:   request (JSON), then  A|R|J + ids (ack, requeue, reject),  X (cancel)
+                        and, for a no-ack consumer,  W + count (handed to a writable client)
     from the home node: O + JSON (consuming) | E + JSON (refused), then  D + delivery  and
                         C (the queue was deleted: the consumer is cancelled)
 
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ACK, REQUEUE, REJECT, CANCEL = b"A", b"R", b"J", b"X"
+ACK, REQUEUE, REJECT, CANCEL, HANDED = b"A", b"R", b"J", b"X", b"W"
 CONSUMING, REFUSED, DELIVERY, DELETED = b"O", b"E", b"D", b"C"
 _DELIVERY = struct.Struct(">QBHI")
 # Deliveries a home node has handed to a link and the transport has not written yet.
@@ -82,7 +83,7 @@ class QueueDirectory(Protocol):
     def lookup(self, vhost: str, queue: str) -> asyncio.Future[str | None]:
         """`home`, asked of the cluster's store itself (this node's view may lag behind)."""
 
-    def claim(self, vhost: str, queue: str) -> asyncio.Future[str | None]:
+    def claim(self, vhost: str, queue: str, durable: bool) -> asyncio.Future[str | None]:
         """Record this node as the home of a queue just declared here; the answer is the
         node that recorded it first when that is another one (this declare then gives way)."""
 
@@ -96,9 +97,9 @@ class QueueDirectory(Protocol):
 
 
 def is_shared(queue: Queue) -> bool:
-    """A queue every node of a cluster may use: durable, neither exclusive nor auto-delete."""
-    return (queue.durable and queue.exclusive_owner is None and not queue.auto_delete
-            and not isinstance(queue, RemoteQueue))
+    """A queue every node of a cluster may use: neither exclusive nor auto-delete (those
+    belong to one connection, and stay on its node)."""
+    return queue.exclusive_owner is None and not queue.auto_delete and not isinstance(queue, RemoteQueue)
 
 
 def home_down(node: str, vhost: str, queue: str, method: type[commands.base.Frame]) -> ChannelException:
@@ -267,7 +268,11 @@ class RemoteQueue(Queue):
             proxy.cancel()
 
     def dispatch(self) -> None:
-        """Deliveries come from the home node as its consumers have room."""
+        """Deliveries come from the home node as its consumers have room; a client that can
+        take more lets its no-ack consumers' home nodes know."""
+        for proxy in list(self.proxies.values()):
+            if proxy.handed:
+                proxy.report()
 
     def expire(self, at_ms: int | None = None) -> None:
         """The home node expires messages."""
@@ -286,6 +291,10 @@ class ConsumerProxy:
         self.on_answer: Callable[[dict[str, Any]], None] | None = on_answer
         self.on_gone = on_gone
         self.outstanding = 0  # delivered here, not settled yet
+        # no-ack deliveries handed to the client since the home node was last told (its window
+        # for a no-ack consumer moves only while the client's connection takes them)
+        self.handed = 0
+        self._reporting = False
         self.cancelled = False
         self.closed = False
 
@@ -301,7 +310,13 @@ class ConsumerProxy:
             origin = None if consumer.no_ack else self
             if origin is not None:
                 self.outstanding += 1
-            consumer.channel.deliver(consumer, self.queue, RemoteEntry(message, redelivered, origin, delivery_id))
+            channel: Any = consumer.channel
+            channel.deliver(consumer, self.queue, RemoteEntry(message, redelivered, origin, delivery_id))
+            if consumer.no_ack:
+                self.handed += 1
+                if not self._reporting:
+                    self._reporting = True
+                    channel.connection.service.scheduler.call_soon(self.report)
             return
         if kind in (CONSUMING, REFUSED):
             answer, self.on_answer = self.on_answer, None
@@ -318,6 +333,19 @@ class ConsumerProxy:
             answer({"gone": True})
         else:
             self.on_gone(self.queue)
+
+    def report(self) -> None:
+        """Tell the home node how many no-ack deliveries the client's connection took, once
+        it can take more (else `RemoteQueue.dispatch` reports when it drains)."""
+        self._reporting = False
+        if not self.handed or self.closed or self.link is None:
+            return
+        channel: Any = self.consumer.channel
+        if not channel.connection.writable:
+            channel.connection.stalled = True  # woken (dispatch) when the client reads again
+            return
+        self.link.send(HANDED + struct.pack(">Q", self.handed))
+        self.handed = 0
 
     def settle(self, action: bytes, ids: list[int]) -> None:
         if self.closed or self.link is None:
@@ -391,6 +419,8 @@ class HostedConsumer:
 
     # ------------------------------------------------------------ ConsumerChannel
     def can_deliver(self, consumer: QueueConsumer) -> bool:
+        # in flight: not yet written by the transport (ack mode, where the prefetch bounds the
+        # rest), or not yet taken by the client's connection (no-ack, told by W frames)
         if self.closed or self.in_flight >= MAX_IN_FLIGHT:
             return False
         return consumer.no_ack or not consumer.prefetch or consumer.unacked < consumer.prefetch
@@ -407,6 +437,10 @@ class HostedConsumer:
 
     def written(self, count: int) -> None:
         """The transport wrote `count` deliveries: there may be room for more."""
+        if not self.consumer.no_ack:
+            self._room(count)
+
+    def _room(self, count: int) -> None:
         was = self.in_flight
         self.in_flight = was - count
         if was >= MAX_IN_FLIGHT and not self.closed:
@@ -420,6 +454,9 @@ class HostedConsumer:
         queue, consumer = self.queue, self.consumer
         if kind == CANCEL:
             queue.remove_consumer(consumer)
+            return
+        if kind == HANDED:
+            self._room(struct.unpack_from(">Q", frame, 1)[0])
             return
         held = self.held
         entries = [entry for entry in (held.pop(i, None) for i in _ids(frame)) if entry is not None]
@@ -492,6 +529,8 @@ class QueueHost:
                 arguments=decode_table(str(request.get("arguments", ""))),
             )
             vhost = self._vhost(request, commands.Queue.Declare)
+            if name not in vhost.queues and (frame.exclusive or frame.auto_delete) and not frame.passive:
+                return {"absent": True}  # a connection's own queue is made on its node
             queue, new = vhost.declare_queue(frame, self.peer)
             queue.expire()
             return {"queue": queue.name, "messages": len(queue.messages),

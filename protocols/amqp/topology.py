@@ -157,14 +157,21 @@ class TopologyMixin(ConnectionBase):
 
     def _declare_there(self, channel: AmqpChannel, frame: commands.Queue.Declare, node: str) -> None:
         def declared(reply: dict[str, Any]) -> None:
+            if reply.get("absent"):
+                # the home no longer has it and this declare is for a connection's own
+                # (exclusive or auto-delete) queue: it is made here
+                self._declare_here(channel, frame)
+                return
             channel.last_queue = str(reply["queue"])
+            if not frame.nowait:
+                self.send_method(channel.number, commands.Queue.DeclareOk(
+                    str(reply["queue"]), int(reply["messages"]), int(reply["consumers"])))
 
         self._ask_home(channel, node, frame.queue, commands.Queue.Declare, {
             "op": "declare", "passive": bool(frame.passive), "durable": bool(frame.durable),
             "exclusive": bool(frame.exclusive), "auto_delete": bool(frame.auto_delete),
             "arguments": encode_table(frame.arguments),
-        }, None if frame.nowait else lambda reply: commands.Queue.DeclareOk(
-            str(reply["queue"]), int(reply["messages"]), int(reply["consumers"])), declared)
+        }, None, declared)
 
     def _declare_here(self, channel: AmqpChannel, frame: commands.Queue.Declare) -> None:
         vhost = self.vhost
@@ -187,7 +194,7 @@ class TopologyMixin(ConnectionBase):
                 elif reply is not None:
                     self._reply_when_routed(channel, reply)
 
-            self.hold_until(channel, directory.claim(vhost.name, queue.name), claimed)
+            self.hold_until(channel, directory.claim(vhost.name, queue.name, queue.durable), claimed)
         elif reply is not None:
             if new:  # its default-exchange binding is a new route
                 self._reply_when_routed(channel, reply)

@@ -13,6 +13,7 @@ import grpc
 from ...core.durable import DurableSubscription
 from ...core.edge import Action
 from ...core.errors import (
+    CoreError,
     SubscriptionBusy,
 )
 from ...core.outbox import SLOW_SUBSCRIBER
@@ -22,7 +23,16 @@ from ...proto import shardgate_pb2 as pb
 from ...proto import shardgate_pb2_grpc as pb_grpc
 from .auth import peer_of, user_of
 from .consumer import GrpcConsumer, GrpcSubscriptionState, hand_over
-from .convert import SUB_TYPES, Refusal, abort, is_transient, protocol_of, seek_to, translated
+from .convert import (
+    SUB_TYPES,
+    Refusal,
+    abort,
+    is_transient,
+    protocol_of,
+    seek_to,
+    status_for,
+    translated,
+)
 
 if TYPE_CHECKING:
     from .server import GrpcServer
@@ -58,7 +68,11 @@ class ConsumerService(pb_grpc.ConsumerServicer):
         if find_elsewhere is not None and subscribe.durable and subscribe.subscription \
                 and subscribe.subscription not in self.server.broker.subscriptions:
             # cluster: the durable subscription (its cursors) may live on another node
-            refused = await find_elsewhere(subscribe.subscription)
+            try:
+                refused = await find_elsewhere(subscribe.subscription)
+            except CoreError as exc:  # etcd unreachable, say: UNAVAILABLE, retryable
+                await context.abort(status_for(exc), str(exc))
+                return
             if refused is not None:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refused)
                 return

@@ -416,6 +416,7 @@ class MqttConnection:
     def _process_packets(self, packets: list[p.Packet], error: MQTTCodecError | None) -> None:
         connected = State.CONNECTED
         publish = p.Publish
+        puback = p.Puback  # a QoS 1 subscriber's acknowledgements: no dispatch either
         last = len(packets) - 1
         # The PUBLISHes of a run of them in this read, handed to the core in one call (one
         # journal append per shard) when the run ends, before any other packet is handled.
@@ -441,6 +442,8 @@ class MqttConnection:
                         self._publish_batch(messages, packet_ids)
                         messages, packet_ids = [], []
                         limit = self.service.publish_batch_limit()
+                elif state is connected and type(packet) is puback:
+                    self._on_puback(packet)  # type: ignore[arg-type]
                 else:
                     self._handle(packet)
             except ProtocolViolation as exc:

@@ -58,20 +58,28 @@ class MqttProtocol(asyncio.Protocol):
         self.service.connection_made(self.connection)
 
     def data_received(self, data: bytes) -> None:
-        if self.linger is not None:
+        connection = self.connection
+        if self.linger is not None or connection is None:
             return
-        assert self.connection is not None
         try:
-            self.connection.data_received(data)
+            connection.data_received(data)
         except Exception:
-            log.exception("internal error on connection %s", self.connection.remote)
-            self.connection.close(0x83, "internal error")
+            log.exception("internal error on connection %s", connection.remote)
+            connection.close(0x83, "internal error")
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.linger is not None:
             self.linger.cancel()
-        if self.connection is not None:
-            self.service.connection_gone(self.connection)
+        if self.paused is not None:
+            self.paused.cancel()
+            self.paused = None
+        connection, self.connection = self.connection, None
+        # No reference back to the state machine or the transport: a closed connection is
+        # freed at once by reference counting, not left for the cycle collector (under load
+        # thousands of them piled up between collections).
+        self.transport = None
+        if connection is not None:
+            self.service.connection_gone(connection)
 
     # Link
     def write(self, data: bytes) -> None:

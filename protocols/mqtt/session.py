@@ -318,3 +318,9 @@ class MqttSession:
             self.service.forget_session(self.client_id)
         self.queue.clear()
         self.inbound_qos2.clear()
+        # No cycle left between the session and its (removed) subscription: both are freed
+        # at once by reference counting, not left for the cycle collector.
+        subscription = self.subscription
+        subscription.consumers.clear()
+        if subscription.owner is self:
+            subscription.owner = None

@@ -1,10 +1,13 @@
 """AMQP queues shared by every node of a cluster: where a queue lives, and the calls that let a
 client of any node use it (the transport of `protocols/amqp/remote.py`).
 
-**Where a queue lives.** A shared queue (durable, neither exclusive nor auto-delete) lives on
-the node where it was first declared, its *home*, as a classic queue in a RabbitMQ cluster
-does. etcd names the home: `amqp/<vhost>/queues/<name>` holds `{"node": id}`. It is written
-when the queue is declared there (or when its node starts with it) and deleted with the queue.
+**Where a queue lives.** A shared queue (neither exclusive nor auto-delete) lives on the node
+where it was first declared, its *home*, as a classic queue in a RabbitMQ cluster does. etcd
+names the home: `amqp/<vhost>/queues/<name>` holds `{"node": id, "durable": bool}`. The
+declaring node writes it with a create-if-absent transaction before its declare-ok, so of two
+nodes declaring the name at once one is the home and the other forwards its declare there.
+A node writes it again when it starts with the queue, and deletes it with the queue. A
+non-durable queue ends with its node, so its record then no longer counts.
 Every node's watch keeps these records, so finding a queue's home costs no etcd read.
 
 The home is not taken from the shard placement, because a queue has no shard of its own. Its
@@ -55,7 +58,7 @@ from ..protocols.amqp.remote import (
     unpack_frames,
 )
 from . import keys
-from .etcd import get_op, put_op, version_is
+from .etcd import get_op, mod_revision_is, put_op, version_is
 from .state_rpc import CHANNEL_OPTIONS
 
 if TYPE_CHECKING:
@@ -91,6 +94,8 @@ class SharedQueues:
         plane.add_service(self.handler())
         for vhost in self.amqp.vhosts.values():
             vhost.directory = self
+            vhost.on_queue_deleted.append(lambda queue, vhost=vhost: self._queue_deleted(vhost, queue))
+            self.forget_gone(vhost)
         self.resume_remote_cursors(plane)
         self._live = set(self.node.view.nodes())
         self.node.view.on_change(self._view_changed)
@@ -134,7 +139,7 @@ class SharedQueues:
                 if not is_shared(queue):
                     continue
                 try:
-                    home = await self._claim(vhost.name, name)
+                    home = await self._claim(vhost.name, name, queue.durable)
                 except Exception as exc:  # noqa: BLE001 - the next declare claims it again
                     log.warning("cluster: cannot record AMQP queue %r in etcd: %s", name, exc)
                     continue
@@ -142,26 +147,43 @@ class SharedQueues:
                     log.warning("cluster: AMQP queue %r of vhost %r also lives on node %s; clients "
                                 "of other nodes use that one", name, vhost.name, home)
 
-    def forget_deleted(self, vhost: Any) -> None:
-        """Drop the records of queues homed here that `vhost` no longer has (deleted)."""
-        documents = self.node.view.documents
+    def forget_gone(self, vhost: Any) -> None:
+        """Drop the records of queues homed here that `vhost` no longer has (a non-durable
+        queue does not outlive its node's restart)."""
         me = self.node.node_id
         prefix = queue_key(vhost.name, "")
-        for key, value in list(documents.items()):
-            if not key.startswith(prefix) or keys.decode(value).get("node") != me:
-                continue
-            queue = vhost.queues.get(unquote(key[len(prefix):]))
-            if queue is None or not is_shared(queue):
-                del documents[key]
-                self.node.submit(key, None)
+        for key, value in list(self.node.view.documents.items()):
+            if key.startswith(prefix) and keys.decode(value).get("node") == me:
+                queue = vhost.queues.get(unquote(key[len(prefix):]))
+                if queue is None or not is_shared(queue):
+                    self._forget(key)
+
+    def _queue_deleted(self, vhost: Any, queue: Any) -> None:
+        key = queue_key(vhost.name, queue.name)
+        value = self.node.view.documents.get(key)
+        if value is not None and keys.decode(value).get("node") == self.node.node_id:
+            self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        del self.node.view.documents[key]
+        self.node.submit(key, None)
 
     # ------------------------------------------------------------ QueueDirectory
-    def home(self, vhost: str, queue: str) -> str | None:
-        value = self.node.view.documents.get(queue_key(vhost, queue))
+    def _home_in(self, value: bytes | None) -> str | None:
+        """The other node a record names, unless the queue is gone with it: a non-durable
+        queue whose node is down no longer exists (as in RabbitMQ)."""
         if value is None:
             return None
-        node = keys.decode(value).get("node")
-        return None if node == self.node.node_id else str(node)
+        record = keys.decode(value)
+        node = record.get("node")
+        if node is None or node == self.node.node_id:
+            return None
+        if not record.get("durable", True) and node not in self.node.view.nodes():
+            return None
+        return str(node)
+
+    def home(self, vhost: str, queue: str) -> str | None:
+        return self._home_in(self.node.view.documents.get(queue_key(vhost, queue)))
 
     def live(self, node: str) -> bool:
         registration = self.node.view.registrations.get(node)
@@ -172,25 +194,34 @@ class SharedQueues:
 
     async def _lookup(self, vhost: str, queue: str) -> str | None:
         kv = await self.node.client.get(self.node.key(queue_key(vhost, queue)))
-        if kv is None:
-            return None
-        node = keys.decode(kv.value).get("node")
-        return None if node == self.node.node_id else str(node)
+        return self._home_in(kv.value if kv is not None else None)
 
-    def claim(self, vhost: str, queue: str) -> asyncio.Future[str | None]:
-        return asyncio.ensure_future(self._claim(vhost, queue))
+    def claim(self, vhost: str, queue: str, durable: bool) -> asyncio.Future[str | None]:
+        return asyncio.ensure_future(self._claim(vhost, queue, durable))
 
-    async def _claim(self, vhost: str, queue: str) -> str | None:
+    async def _claim(self, vhost: str, queue: str, durable: bool) -> str | None:
         key = queue_key(vhost, queue)
         full = self.node.key(key)
-        value = keys.encode({"node": self.node.node_id})
-        result = await self.node.client.txn([version_is(full, 0)], [put_op(full, value)], [get_op(full)])
-        if result.succeeded:
-            self.node.view.documents[key] = value
-            return None
-        current = result.reads[0][0].value if result.reads and result.reads[0] else None
-        node = keys.decode(current).get("node") if current is not None else None
-        return None if node in (None, self.node.node_id) else str(node)
+        value = keys.encode({"node": self.node.node_id, "durable": durable})
+        compare = version_is(full, 0)
+        for _ in range(3):
+            result = await self.node.client.txn([compare], [put_op(full, value)], [get_op(full)])
+            if result.succeeded:
+                self.node.view.documents[key] = value
+                return None
+            current = result.reads[0][0] if result.reads and result.reads[0] else None
+            if current is None:
+                compare = version_is(full, 0)
+                continue
+            if keys.decode(current.value).get("node") == self.node.node_id:
+                self.node.view.documents[key] = value
+                return None
+            home = self._home_in(current.value)
+            if home is not None:
+                return home
+            # a non-durable queue of a node that is gone: its record is stale, replace it
+            compare = mod_revision_is(full, current.mod_revision)
+        raise RuntimeError(f"the record of AMQP queue {queue!r} keeps changing")
 
     def _channel(self, node: str) -> grpc.aio.Channel:
         info = self.node.view.nodes().get(node)

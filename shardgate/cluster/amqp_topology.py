@@ -87,7 +87,6 @@ class SharedExchanges:
         vhost = self._vhost_for(topic)
         if vhost is not None:
             self._share(vhost.name, self._local_exchanges(vhost), delete=True)
-            self.queues.forget_deleted(vhost)
 
     def _vhost_for(self, topic: str) -> Any:
         for vhost in self.amqp.vhosts.values():

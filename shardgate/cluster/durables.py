@@ -35,9 +35,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..core.durable import DurableSubscription
+from ..core.errors import ShardUnavailable
 from ..core.message import now_ms
 from ..core.subscriptions import Subscription, SubscriptionType
 from . import keys
+from .etcd import EtcdError
 from .sessions import (
     RELEASE_CALL_TIMEOUT_S,
     TAKEOVER_TIMEOUT_S,
@@ -191,6 +193,10 @@ class DurableHandover:
             return await asyncio.wait_for(self._find(name), TAKEOVER_TIMEOUT_S)
         except TimeoutError:
             return f"durable subscription {name!r} could not be brought to this node in time; retry"
+        except EtcdError as exc:
+            raise ShardUnavailable(
+                f"durable subscription {name!r} cannot be looked up in etcd now ({exc}); retry"
+            ) from exc
 
     async def _find(self, name: str) -> str | None:
         me = self.node.node_id

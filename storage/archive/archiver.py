@@ -352,6 +352,8 @@ class Archiver:
                     break
                 if not await self._seal(state, shard_log):
                     break
+                if not (force or state.buffer or self._file_due_soon(state, shard_log)):
+                    break
 
     def _file_due_soon(self, state: _ShardState, shard_log: Any) -> bool:
         """Whether to read records into memory now: only once a file will be due, because
@@ -528,6 +530,12 @@ class Archiver:
         state.retry_at = 0.0
         state.last_error = None
         state.last_upload_ms = int(time.time() * 1000)
+        if state.buffer and not self._due(state, False):
+            # What was read ahead during the upload goes back to the journal until a file is
+            # due: a broker idle after a burst holds no records in memory meanwhile.
+            _forget(state.prebuilt)
+            state.prebuilt = None
+            state.buffer, state.buffer_bytes, state.hour_closed = RecordBuffer(), 0, False
         return True
 
     # -- worker thread ------------------------------------------------------------------

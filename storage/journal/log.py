@@ -42,6 +42,7 @@ from .segment import (
     parse_segment_name,
     sync_file,
     write_all,
+    write_durably,
 )
 
 log = logging.getLogger(__name__)
@@ -536,7 +537,9 @@ class JournalShardLog:
 
     # -- I/O (worker thread, or flush_sync's caller; the committer's I/O lock is held) ----
 
-    def _io_write(self, group: _Group) -> None:
+    def _io_write(self, group: _Group, durable: bool = False) -> None:
+        """Write the group; `durable`: make it durable too, in the same call where possible
+        (the file holds nothing else unsynced: the committer then skips `_io_sync`)."""
         if group.reserve_to:
             self._reservation.write(group.reserve_to)
         segment = self._io_segment
@@ -545,7 +548,10 @@ class JournalShardLog:
             segment = self._io_segment = group.new_segment = Segment.create(
                 self.directory, group.first_offset, self._crc
             )
-        write_all(segment.fd, group.buf)
+        if durable:
+            write_durably(segment.fd, group.buf, group.start_pos)
+        else:
+            write_all(segment.fd, group.buf)
 
     def _io_sync(self) -> None:
         sync_file(self._io_segment.fd)

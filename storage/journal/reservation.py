@@ -23,7 +23,7 @@ import zlib
 from pathlib import Path
 from typing import Final
 
-from .segment import fsync_directory, sync_file
+from .segment import fsync_directory, sync_file, write_durably
 
 RESERVATION_FILE: Final = "offsets.reserved"
 _SLOT: Final = struct.Struct("<QI4x")
@@ -74,8 +74,7 @@ class OffsetReservation:
         """Make `value` the durable reservation (one slot, then fdatasync)."""
         fd = self._open()
         slot = self._writes & 1
-        os.pwrite(fd, _slot(value), slot * _SLOT.size)
-        sync_file(fd)
+        write_durably(fd, _slot(value), slot * _SLOT.size, appending=False)
         self._writes += 1
 
     def lower(self, value: int) -> None:

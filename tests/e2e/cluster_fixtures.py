@@ -193,10 +193,31 @@ def cluster(tmp_path: Path, etcd: EtcdServer) -> Iterator[Callable[..., list[Clu
 
 # ---------------------------------------------------------------- fault tests (additive)
 
+class ProtocolNode(ClusterNodeProcess):
+    """A cluster node with its AMQP and gRPC listeners on too (ports kept on restart). A port
+    picked free here can be taken by another process before the node binds it (the machine is
+    shared): `start()` then picks new listener ports and starts again."""
+
+    def start(self, mqtt_port: int | None = None) -> ProtocolNode:
+        for attempt in range(3):
+            try:
+                super().start(mqtt_port)
+                return self
+            except AssertionError as exc:
+                if "already in use" not in str(exc) or attempt == 2:
+                    raise
+                for index, arg in enumerate(self.extra_args[:-1]):
+                    if arg in ("--http-port", "--grpc-port", "--amqp-port"):
+                        self.extra_args[index + 1] = str(free_port())
+                if "mqtt" in self.ports:
+                    del self.ports["mqtt"]
+        raise AssertionError("unreachable")
+
+
 def protocol_node(directory: Path, node_id: str, etcd_url: str, extra_config: str = "",
-                  lease_ttl_s: int = 3) -> ClusterNodeProcess:
+                  lease_ttl_s: int = 3) -> ProtocolNode:
     """A cluster node with its AMQP and gRPC listeners on too (fixed ports, kept on restart)."""
-    return ClusterNodeProcess(
+    return ProtocolNode(
         directory / node_id, node_id, etcd_url, lease_ttl_s=lease_ttl_s, extra_config=extra_config,
         extra_args=["--amqp-port", str(free_port()), "--grpc-port", str(free_port())],
     )

@@ -273,8 +273,11 @@ async def _next(queue: aio_pika.abc.AbstractQueue) -> aio_pika.abc.AbstractIncom
         await asyncio.sleep(0.05)
 
 
-async def test_exclusive_queues_stay_on_their_connections_node(
+async def test_exclusive_queues_stay_on_their_node_and_non_durable_ones_end_with_it(
         amqp_nodes: list[ClusterNodeProcess]) -> None:
+    """Exclusive queues are their connection's, on its node (two nodes may each have one of a
+    name). A non-durable queue is shared like a durable one while its node lives, and ends with
+    it (as in RabbitMQ): after that node restarts, the name is free to declare anywhere."""
     n1, n2 = amqp_nodes
     async with await aio_pika.connect(amqp_url(n1)) as c1, await aio_pika.connect(amqp_url(n2)) as c2:
         mine = await (await c1.channel()).declare_queue("private-q", exclusive=True)
@@ -282,6 +285,20 @@ async def test_exclusive_queues_stay_on_their_connections_node(
         assert mine.name == theirs.name == "private-q"
         with pytest.raises(aio_pika.exceptions.ChannelNotFoundEntity):
             await (await c2.channel()).declare_queue("amq.gen-nowhere", passive=True)
+
+        transient = await (await c1.channel()).declare_queue("transient-q", durable=False)
+        await transient.bind("amq.topic", "transient.#")
+    await publish_all(amqp_url(n2), [("transient.a", b"t")])
+    assert await message_count(amqp_url(n2), "transient-q") == 1
+    n1.terminate()
+    n1.start()
+    wait_joined(amqp_nodes)
+    with pytest.raises(aio_pika.exceptions.ChannelNotFoundEntity, match="no queue 'transient-q'"):
+        await message_count(amqp_url(n2), "transient-q")
+    async with await aio_pika.connect(amqp_url(n2)) as c2:
+        again = await (await c2.channel()).declare_queue("transient-q", durable=False)
+        assert again.declaration_result.message_count == 0
+    assert await message_count(amqp_url(n1), "transient-q") == 0  # n2's now, seen from n1
 
 
 async def test_a_durable_queue_whose_node_left_gives_rabbitmq_errors_and_comes_back_with_its_messages(
@@ -358,3 +375,30 @@ async def test_what_is_published_while_a_queues_node_is_away_reaches_it_when_it_
         q = await (await connection.channel()).declare_queue("away-q", passive=True)
         bodies = [(await q.get(no_ack=True)).body for _ in range(5)]
     assert bodies == [b"before", b"during-0", b"during-1", b"during-2", b"after"]
+
+
+async def test_a_no_ack_consumer_on_another_node_gets_every_message(
+        amqp_nodes: list[ClusterNodeProcess]) -> None:
+    """More messages than the home node sends ahead of a no-ack consumer's client: the rest
+    follow as the client takes them, in order."""
+    n1, n2 = amqp_nodes
+    async with await aio_pika.connect(amqp_url(n1)) as connection:
+        await (await connection.channel()).declare_queue("firehose-q", durable=True)
+    sent = [f"f{i}".encode() for i in range(1500)]
+    async with await aio_pika.connect(amqp_url(n1)) as connection:
+        channel = await connection.channel(publisher_confirms=True)
+        await asyncio.gather(*(channel.default_exchange.publish(aio_pika.Message(body), "firehose-q")
+                               for body in sent))
+    got: list[bytes] = []
+    done = asyncio.Event()
+
+    async def take(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        got.append(message.body)
+        if len(got) == len(sent):
+            done.set()
+
+    async with await aio_pika.connect(amqp_url(n2)) as connection:
+        queue = await (await connection.channel()).get_queue("firehose-q", ensure=False)
+        await queue.consume(take, no_ack=True)
+        await asyncio.wait_for(done.wait(), 60)
+    assert got == sent

@@ -92,6 +92,7 @@ def test_journal_write_error_is_reported_and_broker_keeps_serving(broker, monkey
 
     with monkeypatch.context() as patch:
         patch.setattr(journal_log, "write_all", disk_full)
+        patch.setattr(journal_log, "write_durably", disk_full)  # write + fsync in one call
         raw5.send(p.Publish("disk/full", b"refused", 1, packet_id=1))
         ack = raw5.receive()
         assert isinstance(ack, p.Puback) and ack.reason_code >= 0x80  # never acknowledged as stored

@@ -78,7 +78,7 @@ class InMemoryDirectory:
     def lookup(self, vhost: str, queue: str) -> asyncio.Future[str | None]:
         return self._later(self.homes.get(queue))
 
-    def claim(self, vhost: str, queue: str) -> asyncio.Future[str | None]:
+    def claim(self, vhost: str, queue: str, durable: bool) -> asyncio.Future[str | None]:
         return self._later(None)
 
     def call(self, node: str, request: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
@@ -202,3 +202,23 @@ async def test_errors_of_the_home_and_a_home_that_is_down() -> None:
     assert close.reply_text == ("NOT_FOUND - home node 'home' of durable queue 'q' in vhost '/' is down "
                                 "or inaccessible")
     assert (close.class_id, close.method_id) == (50, 10)
+
+
+async def test_a_no_ack_consumer_elsewhere_gets_more_only_as_its_client_takes_them() -> None:
+    """A no-ack consumer has no prefetch: the home node sends at most MAX_IN_FLIGHT deliveries
+    that the consumer's node has not yet handed to a client connection able to take more."""
+    from shardgate.protocols.amqp.remote import MAX_IN_FLIGHT
+
+    home, away, directory = nodes()
+    home.send(1, commands.Queue.Declare(queue="fast", durable=True))
+    directory.homes["fast"] = "home"
+    total = MAX_IN_FLIGHT + 100
+    for index in range(total):
+        home.publish(1, "", "fast", b"%d" % index)
+    away.send(1, commands.Basic.Consume(queue="fast", consumer_tag="t", no_ack=True))
+    await turns()
+    assert len(of(away.read(), commands.Basic.Deliver)) == MAX_IN_FLIGHT
+    away.service.scheduler.run_soon()  # the away node reports what its client's connection took
+    await turns()
+    assert len(of(away.read(), commands.Basic.Deliver)) == 100
+    assert not home.service.vhosts["/"].queues["fast"].messages

@@ -435,6 +435,8 @@ async def test_offsets_the_journal_skipped_have_no_row(
             raise OSError(errno.ENOSPC, "No space left on device")
 
         patch.setattr(segment_module.os, "write", disk_full)
+        patch.setattr(segment_module.os, "pwritev", lambda fd, buffers, position, flags=0: (
+            disk_full(fd, buffers[0])))
         log.append([(T0 + 5, message(5, T0 + 5))])
         with pytest.raises(Exception, match="No space left"):
             await log.flush()

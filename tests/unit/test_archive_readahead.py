@@ -5,7 +5,9 @@ places."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,44 @@ async def test_failed_upload_drops_the_read_ahead_and_loses_nothing(tmp_path: Pa
         status = archiver.status()[0]
         assert status["archived_next"] == 350 and status["buffered"] == 0
         assert status["lag_records"] == 0 and status["failures"] == 0
+    finally:
+        journal.close()
+
+
+async def test_what_was_read_ahead_goes_back_to_the_journal_until_a_file_is_due(
+    tmp_path: Path,
+) -> None:
+    """A broker idle after a burst holds no records in memory: the read-ahead of an upload is
+    dropped when the next file is not due yet, and read again once it is."""
+    hour = int(time.time() * 1000) // 3_600_000 * 3_600_000  # records of this hour
+    journal = JournalStorage(tmp_path / "journal", fsync="os", segment_bytes=8192)
+    try:
+        log = journal.open_shard("s", 0)
+        log.append([(hour + i, encode_message(MessageRecord(
+            f"t/{i}", b"p" * 100, 1, False, hour + i, producer_id="me"))) for i in range(150)])
+        await log.flush()
+        root = tmp_path / "archive"
+        settings = ArchiveSettings(target_rows=100, read_batch=30, max_delay_s=7200,
+                                   poll_interval_s=0.01)
+        archiver = Archiver(journal, f"file://{root}", lambda: [("s", 1, "bytes")], settings)
+        await archiver.start()
+        try:
+            deadline = asyncio.get_running_loop().time() + 10
+            while archiver.status()[0]["files"] < 1:
+                assert asyncio.get_running_loop().time() < deadline, archiver.status()
+                await asyncio.sleep(0.01)
+            status = archiver.status()[0]
+            assert status["buffered"] == 0 and status["lag_records"] == 50
+            log.append([(hour + 150 + i, encode_message(MessageRecord(
+                f"t/{i}", b"p", 1, False, hour + 150 + i, producer_id="me"))) for i in range(60)])
+            await log.flush()
+            while archiver.status()[0]["files"] < 2:  # 110 committed: due, read again
+                assert asyncio.get_running_loop().time() < deadline, archiver.status()
+                await asyncio.sleep(0.01)
+        finally:
+            await archiver.stop(flush=False)
+        entries = list_stream_files(LocalFileSystem(), str(root), "s")
+        assert [(e.first_offset, e.last_offset) for e in entries] == [(0, 99), (100, 199)]
     finally:
         journal.close()
 

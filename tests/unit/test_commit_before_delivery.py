@@ -91,6 +91,8 @@ async def test_a_failed_commit_never_reuses_an_offset_a_subscriber_saw(
 
     with monkeypatch.context() as patch:
         patch.setattr(segment_module.os, "write", disk_full)
+        patch.setattr(segment_module.os, "pwritev", lambda fd, buffers, position, flags=0: (
+            disk_full(fd, buffers[0])))
         lost = broker.publish(Message("t/1", b"lost"))
         assert lost is not None
         assert recorder.got[-1] == (1, b"lost")  # seen before the commit failed

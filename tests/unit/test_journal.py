@@ -249,14 +249,22 @@ def test_append_of_bad_record_leaves_the_group_untouched(storage: JournalStorage
 
 @pytest.fixture
 def fsync_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The fsyncs of segment files: `sync_file` calls, and writes made durable in the same
+    call (`write_durably`, under the `always` policy)."""
     calls: list[int] = []
     real = log_module.sync_file
+    real_durably = log_module.write_durably
 
     def counting(fd: int) -> None:
         calls.append(fd)
         real(fd)
 
+    def counting_durably(fd: int, data: bytes, position: int, appending: bool = True) -> None:
+        calls.append(fd)
+        real_durably(fd, data, position, appending)
+
     monkeypatch.setattr(log_module, "sync_file", counting)
+    monkeypatch.setattr(log_module, "write_durably", counting_durably)
     return calls
 
 
@@ -398,8 +406,9 @@ def test_flush_sync_without_event_loop(storage: JournalStorage) -> None:
 
 
 def failing_write(monkeypatch: pytest.MonkeyPatch, *, partial: int = 0) -> list[int]:
-    """Make os.write in the journal fail with ENOSPC (after writing `partial` bytes once)."""
-    real = os.write
+    """Make the journal's writes (os.write, and os.pwritev, which writes and syncs in one call)
+    fail with ENOSPC (after writing `partial` bytes once)."""
+    real, real_pwritev = os.write, os.pwritev
     calls: list[int] = []
 
     def write(fd: int, data: bytes) -> int:
@@ -408,7 +417,14 @@ def failing_write(monkeypatch: pytest.MonkeyPatch, *, partial: int = 0) -> list[
             return real(fd, memoryview(data)[:partial])
         raise OSError(errno.ENOSPC, "No space left on device")
 
+    def pwritev(fd: int, buffers: list[bytes], position: int, flags: int = 0) -> int:
+        calls.append(fd)
+        if partial and len(calls) == 1:
+            return real_pwritev(fd, [memoryview(buffers[0])[:partial]], position, flags)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
     monkeypatch.setattr(segment_module.os, "write", write)
+    monkeypatch.setattr(segment_module.os, "pwritev", pwritev)
     return calls
 
 
@@ -916,7 +932,7 @@ async def test_acknowledged_records_survive_random_io_failures(
     journal_dir: Path, monkeypatch: pytest.MonkeyPatch, policy: str
 ) -> None:
     rng = random.Random(policy)
-    real_write, real_sync = os.write, log_module.sync_file
+    real_write, real_sync, real_pwritev = os.write, log_module.sync_file, os.pwritev
 
     def flaky_write(fd: int, data: bytes) -> int:
         roll = rng.random()
@@ -925,6 +941,18 @@ async def test_acknowledged_records_survive_random_io_failures(
         if roll < 0.16:  # a short write, then (usually) a failure on the retry
             return real_write(fd, memoryview(data)[: max(1, len(data) // 3)])
         return real_write(fd, data)
+
+    def flaky_pwritev(fd: int, buffers: list[bytes], position: int, flags: int = 0) -> int:
+        """A write that also syncs (the `always` policy): fails as a write or an fsync."""
+        roll = rng.random()
+        if roll < 0.08:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if roll < 0.12:
+            raise OSError(errno.EIO, "Input/output error")
+        data = memoryview(buffers[0])
+        if roll < 0.2:  # a short write, then (usually) a failure on the retry
+            return real_pwritev(fd, [data[: max(1, len(data) // 3)]], position, flags)
+        return real_pwritev(fd, [data], position, flags)
 
     def flaky_sync(fd: int) -> None:
         if rng.random() < 0.08:
@@ -940,6 +968,7 @@ async def test_acknowledged_records_survive_random_io_failures(
     store = JournalStorage(journal_dir, **options)  # type: ignore[arg-type]
     shard = store.open_shard("s", 0)
     monkeypatch.setattr(segment_module.os, "write", flaky_write)
+    monkeypatch.setattr(segment_module.os, "pwritev", flaky_pwritev)
     monkeypatch.setattr(log_module, "sync_file", flaky_sync)
     acked: dict[int, bytes] = {}
     failures = 0
@@ -1028,3 +1057,66 @@ def test_read_block_raises_on_a_corrupt_record(journal_dir: Path) -> None:
     with pytest.raises(CorruptRecord, match="checksum"):
         shard.read_block(2, 10)
     store.close()
+
+
+# -- one system call per durable write ----------------------------------------------------------
+
+
+def test_a_durable_write_falls_back_to_write_and_fdatasync_where_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where pwritev2(RWF_DSYNC) is refused (old kernel, file system without it), the write
+    and an fdatasync do the same, and the flag is not tried again."""
+    refused: list[int] = []
+    synced: list[int] = []
+
+    def pwritev(fd: int, buffers: list[bytes], position: int, flags: int = 0) -> int:
+        refused.append(fd)
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    real_sync = segment_module.sync_file
+    monkeypatch.setattr(segment_module.os, "pwritev", pwritev)
+    monkeypatch.setattr(segment_module, "sync_file", lambda fd: (synced.append(fd), real_sync(fd)))
+    monkeypatch.setattr(segment_module, "_durable_writes", True)
+    path = tmp_path / "file"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        segment_module.write_durably(fd, b"one", 0)
+        segment_module.write_durably(fd, b"two", 3)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"onetwo"
+    assert len(refused) == 1 and len(synced) == 2
+    assert segment_module._durable_writes is False
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_DSYNC"), reason="no pwritev2(RWF_DSYNC) here")
+async def test_policy_always_writes_and_syncs_a_group_in_one_call(
+    journal_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[str, int]] = []
+    real_pwritev, real_write, real_sync = os.pwritev, os.write, segment_module.sync_file
+
+    def pwritev(fd: int, buffers: list[bytes], position: int, flags: int = 0) -> int:
+        calls.append(("pwritev", flags))
+        return real_pwritev(fd, buffers, position, flags)
+
+    def write(fd: int, data: bytes) -> int:
+        calls.append(("write", 0))
+        return real_write(fd, data)
+
+    store = JournalStorage(journal_dir, fsync="always")
+    shard = store.open_shard("s", 0)
+    shard.append(records(0, 3))
+    await shard.flush()  # the first pass also makes the offset reservation durable
+    monkeypatch.setattr(segment_module.os, "pwritev", pwritev)
+    monkeypatch.setattr(segment_module.os, "write", write)
+    monkeypatch.setattr(log_module, "sync_file", lambda fd: (calls.append(("sync", 0)), real_sync(fd)))
+    shard.append(records(3, 4))
+    await shard.flush()
+    assert calls == [("pwritev", os.RWF_DSYNC)]
+    monkeypatch.undo()
+    store.close()
+    reopened = JournalStorage(journal_dir)
+    check_dense(reopened.open_shard("s", 0).read(0), 0, 7)
+    reopened.close()

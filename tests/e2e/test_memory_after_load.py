@@ -1,0 +1,52 @@
+"""What a broker holds once clients are gone: closed MQTT connections and ended sessions are
+freed by reference counting as they go, not left in cycles for the garbage collector (under
+load thousands of them piled up between collections, and the heap kept what their peak
+needed)."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+
+import pytest
+from shardgate.protocols.mqtt.connection import MqttConnection
+from shardgate.protocols.mqtt.session import MqttSession
+
+from shardgate import persistence
+from tests.conftest import ThreadedBroker, wait_for
+from tests.mqtt_clients import V5, V311, Paho
+
+
+@pytest.fixture
+def no_cycle_collection(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No garbage collection: neither the automatic one nor the idle broker's own."""
+    monkeypatch.setattr(persistence, "release_idle_memory", lambda broker: None)
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _alive(kind: type) -> int:
+    return sum(1 for thing in gc.get_objects() if type(thing) is kind)
+
+
+def test_closed_connections_and_ended_sessions_are_freed_without_the_collector(
+    broker: ThreadedBroker, no_cycle_collection: None
+) -> None:
+    port = broker.mqtt_port
+    for index in range(5):
+        persistent = Paho(port, f"p{index}", V311, clean=False)
+        persistent.subscribe("load/#", 1)
+        persistent.publish("load/x", "m", 1)
+        assert persistent.expect().payload == b"m"
+        persistent.drop()  # gone without DISCONNECT, the session stays
+        ender = Paho(port, f"p{index}", V5, clean=True)  # ends the persistent session
+        ender.disconnect()
+        clean = Paho(port, f"c{index}", V5)
+        clean.subscribe("load/#", 0)
+        clean.disconnect()
+    wait_for(lambda: not broker.app.mqtt.connections and not broker.app.mqtt.sessions)
+    wait_for(lambda: _alive(MqttConnection) == 0 and _alive(MqttSession) == 0)
