@@ -17,7 +17,8 @@ Auditors drop their connection now and then (cleanly or not) and resume their se
 When the time is up the load stops, the auditors drain their sessions, every session is ended
 or left to expire, and the script polls the admin API until no connection and no session
 remains (with a timeout), lets the broker settle, and reports baseline, peak and final RSS and
-fds, messages acknowledged, messages the auditors received, messages lost (acknowledged but
+fds, CONNECT → CONNACK times (from the CONNECT, the TCP handshake apart; for every client and
+for persistent sessions alone), messages acknowledged, messages the auditors received, messages lost (acknowledged but
 never received; must be 0) and the errors in the broker's log. Every loop is bounded in count
 and in time; everything listens and connects on 127.0.0.1 only.
 

@@ -615,9 +615,28 @@ class MqttConnection:
             # and every later packet wait until it is here.
             self.state = State.OPENING
             fetching.add_done_callback(
-                lambda _: self._opened(client_id, connect.clean_start, expiry, assigned, server_keep_alive))
+                lambda _: self._opened_later(client_id, connect.clean_start, expiry, assigned, server_keep_alive))
             return
         self._opened(client_id, connect.clean_start, expiry, assigned, server_keep_alive)
+
+    def _opened_later(self, client_id: str, clean_start: bool, expiry: int, assigned: str | None,
+                      server_keep_alive: int | None) -> None:
+        """The session came from another node: open it as a read would, its store write in
+        a group committed off the loop, and the CONNACK held until that write is durable (a
+        write outside a group would wait for its fsync on the event loop)."""
+        service = self.service
+        grouping = service.publishing is None  # (a callback runs outside any read's group)
+        start = len(self._out)
+        writes = service.store_writes()
+        if grouping:
+            service.group_writes(True)
+        try:
+            self._opened(client_id, clean_start, expiry, assigned, server_keep_alive)
+        finally:
+            if grouping:
+                service.group_writes(False)
+            if service.store_writes() != writes:
+                service.hold_output_until_durable(self, start)
 
     def _opened(self, client_id: str, clean_start: bool, expiry: int, assigned: str | None,
                 server_keep_alive: int | None) -> None:

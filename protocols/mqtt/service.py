@@ -200,7 +200,10 @@ class MqttService:
     def _durable_in_sync_thread(self, durable: Future[None]) -> None:
         # Runs in the store's sync thread (or here, when already done): back to the loop.
         call = getattr(self.scheduler, "call_soon_threadsafe", None) or self.scheduler.call_soon
-        call(self._durable_done, durable)
+        try:
+            call(self._durable_done, durable)
+        except RuntimeError:
+            pass  # the event loop is closed: the broker has stopped
 
     def _durable_done(self, durable: Future[None]) -> None:
         for connection in self._held_for_durable.pop(durable, ()):

@@ -23,8 +23,8 @@ moves to where its consumers are:
   proxying deliveries and acks for another) are not built.
 
 AMQP queues are durable subscriptions too, but a queue also lives in its virtual host's
-topology (exchanges, bindings, arguments); they are not moved between nodes yet: a queue is
-consumed on the node where it was declared (see docs/ARCHITECTURE.md).
+topology (exchanges, bindings, arguments): it stays on its home node and clients of every
+other node use it there (`amqp_queues.py`, see docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations

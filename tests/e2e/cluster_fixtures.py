@@ -115,6 +115,26 @@ class ClusterNodeProcess(BrokerProcess):
         )
         self.node_id = node_id
 
+    # Listeners whose port is picked by free_port() (0 would turn them off).
+    PICKED_PORTS = ("--http-port", "--grpc-port", "--amqp-port")
+
+    def start(self, mqtt_port: int | None = None) -> ClusterNodeProcess:
+        """Start the node. Another process may take a port picked for it before the node binds
+        it (the loaded machine runs many tests): then the ports are picked again, three times
+        at most."""
+        for attempt in range(3):
+            try:
+                super().start(mqtt_port)
+                return self
+            except AssertionError as exc:
+                if "already in use" not in str(exc).rsplit("shardgate started", 1)[-1] or attempt == 2:
+                    raise
+            args = self.extra_args
+            for index, arg in enumerate(args[:-1]):
+                if arg in self.PICKED_PORTS and args[index + 1] != "0":
+                    args[index + 1] = str(free_port())
+        return self
+
     def status(self) -> dict[str, Any]:
         """This node's `/api/cluster`."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.ports['http']}/api/cluster",

@@ -12,6 +12,7 @@ node.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,17 +62,32 @@ def assignments(streams: dict[str, Stream]) -> dict[tuple[str, int], ShardAssign
     }
 
 
+def start_with_free_ports(data_dir: Path) -> ThreadedBroker:
+    """A broker with its AMQP and gRPC listeners on free ports. Another process may take a
+    port between its pick and the bind (0 would turn the listener off): then again."""
+    for attempt in range(3):
+        config = make_config(
+            data_dir, default_stream_partitions=4,
+            listeners={"amqp_port": free_port(), "grpc_port": free_port()},
+        )
+        config.mqtt.sys_interval = 0
+        server = ThreadedBroker(config)
+        try:
+            return server.start()
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                server.stop()
+            if "already in use" not in str(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture
 def pair(tmp_path: Path) -> Iterator[dict[str, Node]]:
     nodes: dict[str, Node] = {}
     try:
         for node_id in NODES:
-            config = make_config(
-                tmp_path / node_id, default_stream_partitions=4,
-                listeners={"amqp_port": free_port(), "grpc_port": free_port()},
-            )
-            config.mqtt.sys_interval = 0
-            server = ThreadedBroker(config).start()
+            server = start_with_free_ports(tmp_path / node_id)
             broker = server.app.broker
             view = StaticClusterView(node_id, {}, assignments(broker.streams))
             plane = DataPlane(broker, view)
