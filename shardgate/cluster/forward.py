@@ -509,7 +509,8 @@ class DataPlane:
         self.route_generation = 0
         self._route_waiters: list[tuple[int, asyncio.Future[None]]] = []
         # (deadline, stream, shard, epoch, then): waiting for this node's view to catch up.
-        self._epoch_waiters: list[tuple[float, str, int, int, Callable[[], None]]] = []
+        self._epoch_waiters: list[
+            tuple[float, str, int, int, Callable[[], None], Callable[[], bool] | None]] = []
         self._server: grpc.aio.Server | None = None
         self._listener: asyncio.Server | None = None
         # Connections accepted on the cluster port (closed at stop).
@@ -742,11 +743,13 @@ class DataPlane:
         link.forward(message, assignment.epoch, future)
         return True
 
-    def _after_epoch(self, stream: str, shard: int, epoch: int, then: Callable[[], None]) -> None:
+    def _after_epoch(self, stream: str, shard: int, epoch: int, then: Callable[[], None],
+                     ready: Callable[[], bool] | None = None) -> None:
         """Call `then` once this node's view holds `stream`/`shard` at `epoch` or later (its
-        etcd watch caught up with the node that knew it first), or after VIEW_CATCH_UP_S."""
+        etcd watch caught up with the node that knew it first), or after VIEW_CATCH_UP_S.
+        With `ready`, also wait until it holds."""
         loop = asyncio.get_running_loop()
-        self._epoch_waiters.append((loop.time() + VIEW_CATCH_UP_S, stream, shard, epoch, then))
+        self._epoch_waiters.append((loop.time() + VIEW_CATCH_UP_S, stream, shard, epoch, then, ready))
         loop.call_later(VIEW_CATCH_UP_S, self._check_epoch_waiters)
 
     def _check_epoch_waiters(self) -> None:
@@ -754,9 +757,11 @@ class DataPlane:
         view = self.view
         due, waiting = [], []
         for waiter in self._epoch_waiters:
-            deadline, stream, shard, epoch, then = waiter
+            deadline, stream, shard, epoch, then, ready = waiter
             assignment = view.owner(stream, shard)
-            if now >= deadline or (assignment is not None and assignment.epoch >= epoch):
+            if now >= deadline or (
+                assignment is not None and assignment.epoch >= epoch and (ready is None or ready())
+            ):
                 due.append(then)
             else:
                 waiting.append(waiter)
@@ -1022,8 +1027,8 @@ class DataPlane:
             settled()
 
         def later(index: int, message: Message, epoch: int) -> None:
-            """The sender knew a newer shard map than this node's view: stored (or refused)
-            once the view has caught up."""
+            """The sender knew a newer shard map (or stream) than this node's view: stored
+            (or refused) once the view has caught up."""
             remaining[0] += 1
 
             def again() -> None:
@@ -1037,7 +1042,10 @@ class DataPlane:
                     future.add_done_callback(landed)
                 settled()
 
-            self._after_epoch(message.stream, message.shard, epoch, again)
+            def routed_here() -> bool:  # this node routes the topic to the sender's stream
+                return self.broker.stream_for_topic(message.topic).name == message.stream
+
+            self._after_epoch(message.stream, message.shard, epoch, again, routed_here)
 
         self.stats.forwarded_in += len(forwards)
         for index, forward in enumerate(forwards):
@@ -1072,6 +1080,13 @@ class DataPlane:
             return None
         try:
             stream = broker.stream_for_topic(message.topic)
+            sent_for = message.stream
+            if later is not None and sent_for and sent_for != stream.name:
+                # the sender routes the topic to a stream this node does not (yet): one created
+                # a moment ago whose definition or routes have not landed here. Wait for them
+                # (bounded), as for a newer epoch
+                later(index, message, epoch)
+                return None
             shard = stream.shard_for(message.topic, message.key).index
             if not view.owns(stream.name, shard):
                 assignment = view.owner(stream.name, shard)

@@ -154,6 +154,9 @@ class Archiver:
                 await self.flush(timeout=self.settings.stop_timeout_s)
             except ArchiveUnavailable as exc:
                 log.error("archive not complete at stop (the journal keeps the rest): %s", exc)
+        for state in self._shards.values():  # tables built ahead for files not sealed
+            _forget(state.prebuilt)
+            state.prebuilt = None
 
     async def flush(self, timeout: float | None = None) -> None:
         """Make the journal durable, then archive every record committed so far (sealing

@@ -23,6 +23,7 @@ from typing import Any
 import aio_pika
 import pytest
 from shardgate.client import Client, ShardgateError, Unavailable
+from shardgate.protocols.mqtt import packets as p
 
 from tests.conftest import wait_for
 from tests.e2e.cluster_fixtures import (
@@ -34,6 +35,7 @@ from tests.e2e.cluster_fixtures import (
     topics_of,
     wait_settled,
 )
+from tests.mqtt_clients import RawClient
 
 RETRYABLE = {0x80, 0x97}  # MQTT 5: unspecified error, quota exceeded (both say "try again")
 
@@ -122,7 +124,7 @@ def test_a_node_killed_mid_publish_returns_with_every_acknowledged_message(
     assert all(reason for _code, reason, _topic in through_n1.refused), "every refusal says why"
     assert {topic for _code, _reason, topic in through_n1.refused} <= on_n2
     refused_topic = next(iter(on_n2))
-    assert_amqp_and_grpc_publishes_are_refused(n1, refused_topic)
+    assert_other_protocols_are_refused(n1, refused_topic)
     # n2 returns with its data directory: its shards are available again
     n2.start()
     wait_settled(nodes)
@@ -140,8 +142,9 @@ def test_a_node_killed_mid_publish_returns_with_every_acknowledged_message(
     assert_every_acknowledged_message_is_stored_once(nodes, [through_n1, on_n2_itself])
 
 
-def assert_amqp_and_grpc_publishes_are_refused(node: ClusterNodeProcess, topic: str) -> None:
-    """While `topic`'s owner is down: an AMQP publisher with confirms gets a nack for a
+def assert_other_protocols_are_refused(node: ClusterNodeProcess, topic: str) -> None:
+    """While `topic`'s owner is down: an MQTT 3.1.1 publisher (which has no refusal PUBACK) is
+    disconnected without a PUBACK, an AMQP publisher with confirms gets a nack for a
     persistent message, the gRPC SDK gets UNAVAILABLE. (Not mandatory: a mandatory message that
     no AMQP queue is bound for is returned unroutable and confirmed before it reaches a stream,
     as RabbitMQ does.)"""
@@ -159,6 +162,11 @@ def assert_amqp_and_grpc_publishes_are_refused(node: ClusterNodeProcess, topic: 
                 await client.producer().send(topic, "refused")
 
     asyncio.run(check())
+    legacy = RawClient(node.mqtt_port, version=4)
+    legacy.connect("legacy")
+    legacy.send(p.Publish(topic, b"refused", 1, packet_id=1))
+    assert legacy.receive() is None, "closed, not acknowledged"
+    legacy.close()
 
 
 def rss_mib(node: ClusterNodeProcess) -> float:

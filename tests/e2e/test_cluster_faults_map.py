@@ -127,3 +127,39 @@ def test_a_join_and_a_sigterm_leave_while_publishing_lose_and_duplicate_nothing(
     refused = [entry for publisher in publishers for entry in publisher.refused]
     assert {code for code, _reason, _topic in refused} <= RETRYABLE, refused[:5]
     assert all(reason for _code, reason, _topic in refused)
+
+
+def test_publishes_right_after_a_stream_is_created_on_another_node_are_stored(
+    started: list[ClusterNodeProcess], etcd: EtcdServer, tmp_path: Path,
+) -> None:
+    """A stream created through n1 is used at once through n1: its shards that n2 owns get
+    forwarded publishes before n2 may have learned the stream; n2 waits (bounded) for it
+    instead of refusing them."""
+    n1 = protocol_node(tmp_path, "n1", etcd.url).start()
+    n2 = protocol_node(tmp_path, "n2", etcd.url).start()
+    started += [n1, n2]
+    wait_settled(started)
+    from shardgate.protocols.mqtt import packets as p
+
+    from tests.mqtt_clients import RawClient
+
+    client = RawClient(n1.mqtt_port, version=5)
+    client.connect("eager")
+    packet_id = 0
+    for round_ in range(3):
+        name = f"fresh{round_}"
+
+        async def create(name: str = name) -> None:
+            async with Client(n1.grpc_url) as admin:
+                await admin.admin.create_stream(name, partitions=4, mode="reliable")
+
+        asyncio.run(create())
+        # the first publishes the moment n1 knows where the shards are
+        wait_for(lambda name=name: name in n1.status()["placement"], timeout=30, interval=0.01)
+        for topic in topics_of(n1.status(), name, name):
+            packet_id += 1
+            client.send(p.Publish(topic, b"first", 1, packet_id=packet_id))
+            puback = client.receive()
+            assert isinstance(puback, p.Puback)
+            assert puback.reason_code == 0, (topic, puback.properties.reason_string)
+    client.close()
