@@ -112,6 +112,9 @@ class Persistence:
         # Set by the composition root when an archiver runs: the journal keeps what it has
         # not archived yet.
         self.archiver: object | None = None
+        # cursors kept elsewhere (a cluster's other nodes): per shard, the lowest offset they
+        # still need, counted by retention as local cursors are
+        self.remote_needs: Callable[[], Mapping[tuple[str, int], int]] | None = None
 
     def restore_retained(self) -> int:
         count = 0
@@ -257,6 +260,10 @@ class Persistence:
                     floor = cursor.floor
                     if floor < needs.get(key, floor + 1):
                         needs[key] = floor
+        if self.remote_needs is not None:
+            for key, floor in self.remote_needs().items():
+                if floor < needs.get(key, floor + 1):
+                    needs[key] = floor
         archived = getattr(self.archiver, "archived_offset", None)
         if archived is not None:
             for stream in self.broker.streams.values():

@@ -88,7 +88,9 @@ class ProducerService(pb_grpc.ProducerServicer):
         server = self.server
         info = ProducerStreamInfo(peer=peer_of(context), name="", username=user_of(context))
         server.producers.add(info)
-        queue: asyncio.Queue[tuple[pb.PublishAck, list[asyncio.Future[None]]] | None] = (
+        queue: asyncio.Queue[
+            tuple[pb.PublishAck, list[tuple[pb.PublishResult, asyncio.Future[None]]]] | None
+        ] = (
             asyncio.Queue(PUBLISH_QUEUE_BATCHES)
         )
 
@@ -121,40 +123,58 @@ class ProducerService(pb_grpc.ProducerServicer):
 
     def _publish_batch(
         self, batch: pb.PublishBatch, info: ProducerStreamInfo
-    ) -> tuple[pb.PublishAck, list[asyncio.Future[None]]]:
+    ) -> tuple[pb.PublishAck, list[tuple[pb.PublishResult, asyncio.Future[None]]]]:
+        """Validate and authorize each message of `batch`, publish the accepted ones in one
+        core call (one journal append per shard), and build the ack: one result per message,
+        in order (its offset, or the status that refused it alone). Returns the ack and, per
+        message to wait for, its result and the commit future it waits on."""
         server = self.server
         ack = pb.PublishAck(sequence=batch.sequence)
-        results = ack.results
-        waiters: list[asyncio.Future[None]] = []
         producer_id = info.name or info.peer
         user = info.username
-        message_from, publish = server.message_from, server.publish
+        message_from = server.message_from
+        # Per request, in order: the message to publish, or the refusal of its validation.
+        checked: list[Message | Refusal] = []
+        accepted: list[Message] = []
         for request in batch.messages:
             if not info.name and request.producer_name:
                 info.name = request.producer_name
             try:
                 message = message_from(request, producer_id, user)
-                waiter = publish(message)
             except Refusal as refusal:
-                results.add(code=refusal.code.value[0], error=refusal.reason)
+                checked.append(refusal)
                 continue
+            checked.append(message)
+            accepted.append(message)
+        outcomes = iter(server.publish_many(accepted) if accepted else ())
+        results = ack.results
+        waiters: list[tuple[pb.PublishResult, asyncio.Future[None]]] = []
+        for item in checked:
+            outcome = item if isinstance(item, Refusal) else next(outcomes)
+            if isinstance(outcome, Refusal):
+                results.add(code=outcome.code.value[0], error=outcome.reason)
+                continue
+            message = item
+            assert isinstance(message, Message)
             result = results.add(stream=message.stream, shard=message.shard)
             if message.offset >= 0:
                 result.offset = message.offset
-            if waiter is not None:
-                waiters.append(waiter)
+            if outcome is not None:
+                waiters.append((result, outcome))
                 if message.offset < 0:  # forwarded to the shard's owner: the offset comes back
-                    waiter.add_done_callback(partial(offset_landed, result, message))
+                    outcome.add_done_callback(partial(offset_landed, result, message))
         info.messages_in += len(batch.messages)
         return ack, waiters
 
     @staticmethod
-    async def _await_durable(ack: pb.PublishAck, waiters: list[asyncio.Future[None]]) -> None:
-        outcomes = await asyncio.gather(*set(waiters), return_exceptions=True)
-        failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
-        if failure is not None:
-            # Which messages shared the failed commit is not tracked per message: fail them all.
-            for result in ack.results:
-                if result.code == 0:
-                    result.code = grpc.StatusCode.UNAVAILABLE.value[0]
-                    result.error = f"the message could not be stored: {failure}"
+    async def _await_durable(
+        ack: pb.PublishAck, waiters: list[tuple[pb.PublishResult, asyncio.Future[None]]]
+    ) -> None:
+        """Wait until every waited-for message is durable; a message whose commit failed gets
+        UNAVAILABLE in its own result (the others keep theirs)."""
+        await asyncio.gather(*{waiter for _, waiter in waiters}, return_exceptions=True)
+        for result, waiter in waiters:
+            failure = "cancelled" if waiter.cancelled() else waiter.exception()
+            if failure is not None:
+                result.code = grpc.StatusCode.UNAVAILABLE.value[0]
+                result.error = f"the message could not be stored: {failure}"

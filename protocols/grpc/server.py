@@ -48,6 +48,14 @@ from .settings import DEFAULT_PORT, GrpcSettings
 __all__ = ["DEFAULT_PORT", "GrpcServer", "start_grpc_server"]
 
 
+def refusal_of(exc: PublishRejected) -> Refusal:
+    """The status a publish the core refused gets: a schema mismatch is the client's error
+    (INVALID_ARGUMENT), any other refusal (storage failure, store full) is UNAVAILABLE."""
+    if isinstance(exc, SchemaMismatch):
+        return Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    return Refusal(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+
 class GrpcServer:
     """The bound gRPC server; `close()` and `await wait_closed()` stop it."""
 
@@ -191,10 +199,16 @@ class GrpcServer:
     def publish(self, message: Message) -> Receipt:
         try:
             return self.edge.publish(message)
-        except SchemaMismatch as exc:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except PublishRejected as exc:
-            raise Refusal(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+            raise refusal_of(exc) from exc
+
+    def publish_many(self, messages: list[Message]) -> list[Receipt | Refusal]:
+        """Publish the messages of one batch in one core call (one journal append per
+        shard): per message, in order, its receipt or the `Refusal` that refused it alone."""
+        return [
+            refusal_of(outcome) if isinstance(outcome, PublishRejected) else outcome
+            for outcome in self.edge.publish_many(messages)
+        ]
 
     # ---------------------------------------------------------------- admin views
     def stream_info(self, stream: Stream) -> pb.StreamInfo:

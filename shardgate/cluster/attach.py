@@ -208,13 +208,19 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
         await handover.drop_moved()
         # the MQTT session registry: a client connecting here takes its session over from
         # the node it was on, which ends that connection with DISCONNECT 0x8E
-        mqtt.on_session_opened = node.claim_session
+        mqtt.on_session_opened = handover.opened
         mqtt.on_session_ended = node.release_session
         node.session_listeners.append(mqtt.session_taken_elsewhere)
         for client_id, session in mqtt.sessions.items():
             if session.connection is not None:
                 node.claim_session(client_id)
+        handover.start_sweeping()
     await node.durables.drop_moved()
+    from .floors import CursorFloors
+
+    floors = node.floors = CursorFloors(node, broker)
+    if app.persistence is not None:
+        app.persistence.remote_needs = floors.remote_needs
     if app.amqp is not None:
         from .amqp_topology import SharedExchanges
 
@@ -232,6 +238,8 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     stats = broker.stats
     node.load_probe = lambda: stats.messages_in + stats.messages_out
     await node.join(address, listeners)
+    placer.replay_restored()
+    floors.start()
     ours = {
         name: stream_definition(stream.config)
         for name, stream in broker.streams.items() if name not in LOCAL_STREAMS
@@ -276,6 +284,8 @@ def cluster_status(node: ClusterNode) -> dict[str, Any]:
             stream: [[placed.node_id, placed.epoch] for placed in shards]
             for stream, shards in sorted(view.placement.items())
         },
+        # what other nodes' durable cursors still need of this node's shards (retention keeps it)
+        "cursor_floors": node.floors.status() if node.floors is not None else {},
     }
 
 

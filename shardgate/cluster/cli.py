@@ -1,7 +1,8 @@
 """`shardgate cluster status`: the cluster as one node's admin API sees it (`/api/cluster`).
 
 Prints the nodes (id, internal address, client listeners, shards led), which node is the
-controller, and the shards whose node is not live (unavailable until it returns).
+controller, the shards whose node is not live (unavailable until it returns), and from which
+offset the answering node keeps its shards' journals for durable cursors on other nodes.
 """
 
 from __future__ import annotations
@@ -65,4 +66,8 @@ def render_status(status: dict[str, Any]) -> str:
     unavailable = status.get("unavailable_shards", [])
     if unavailable:
         lines.append(f"unavailable (their node is not live): {', '.join(unavailable)}")
+    floors = status.get("cursor_floors", {})
+    if floors:
+        kept = ", ".join(f"{shard} from {offset}" for shard, offset in floors.items())
+        lines.append(f"journal kept here for cursors on other nodes: {kept}")
     return "\n".join(lines)

@@ -298,6 +298,8 @@ class ClusterNode:
         # of the snapshots both keep there (sessions.StateWriter)
         self.durables: Any = None
         self.state_writer: Any = None
+        # this node's durable cursors' floors for other owners' retention (floors.CursorFloors)
+        self.floors: Any = None
 
     def key(self, suffix: str) -> str:
         return self.prefix + suffix
@@ -725,6 +727,10 @@ class ClusterNode:
         """Stop the loops and end the lease (the node's keys go with it)."""
         if self.durables is not None:
             self.durables.stop()
+        if self.handover is not None:
+            self.handover.stop()
+        if self.floors is not None:
+            await self.floors.stop()
         if self.state_writer is not None:
             await self.state_writer.stop()  # the last offline sessions' snapshots first
         self._running = False

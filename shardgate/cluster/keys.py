@@ -15,6 +15,8 @@ agrees. Every key lives under `/shardgate/<cluster name>/`; values are JSON.
 Outside that prefix, under `/shardgate/<cluster name>.state/` (read on demand, never watched):
     sessions/<client id>   an MQTT persistent session's last snapshot (sessions.py)
     durables/<name>        a durable subscription's definition, holder and cursors (durables.py)
+    floors/<node id>       the lowest offset that node's durable cursors still need, per shard
+                           another node owns (floors.py: the owners' retention keeps it)
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import logging
 import socket
 import struct
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, cast
 
 from google.protobuf.message import DecodeError
 
@@ -110,10 +110,11 @@ class LinkClient(asyncio.Protocol):
         self.closed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        _keepalive(transport)
-        self.transport.set_write_buffer_limits(WRITE_HIGH_WATER, WRITE_LOW_WATER)
-        self.transport.write(LINK_MAGIC)
+        stream = cast(asyncio.Transport, transport)
+        self.transport = stream
+        _keepalive(stream)
+        stream.set_write_buffer_limits(WRITE_HIGH_WATER, WRITE_LOW_WATER)
+        stream.write(LINK_MAGIC)
 
     def send(self, frame: pb.PeerFrame) -> None:
         assert self.transport is not None

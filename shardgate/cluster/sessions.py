@@ -142,7 +142,35 @@ class CursorPlacer:
                 if shard_log is not None:
                     start = 0 if isinstance(shard_log, OwnerLog) else shard_log.offset_for_timestamp(since)
                     sub.place_cursor(broker_stream.name, shard_entry.index, shard_log, start)
+        if self.node.floors is not None:
+            self.node.floors.report_soon()  # the owners keep what these cursors still need
         return {(m.stream, m.shard, m.offset): m for listed in found.values() for m in listed}
+
+    def replay_restored(self) -> int:
+        """At start: durable cursors this node restored from its own store, on shards another
+        node owns, continue from that owner's journal (what was pushed here before the restart
+        went with the process), then on the pushes. Returns how many."""
+        me = self.node.node_id
+        count = 0
+        for sub in list(self.broker.subscriptions.values()):
+            if not isinstance(sub, DurableSubscription):
+                continue
+            for (stream, shard), cursor in sub.cursors.items():
+                if cursor.log is None or getattr(cursor.log, "remote_shard", False):
+                    continue
+                owner = self.node.view.owner(stream, shard)
+                if owner is None or owner.node_id == me:
+                    continue
+                cursor.log = OwnerLog(  # type: ignore[assignment]
+                    self.rpc, self.plane, stream, shard, cursor.position, self._filters_of(sub))
+                count += 1
+        if count:
+            log.info("cluster: %d restored cursors replay from their shards' owners", count)
+        return count
+
+    @staticmethod
+    def _filters_of(sub: DurableSubscription) -> Callable[[], list[str]]:
+        return lambda: list(sub.filters)
 
     def _log_for(self, sub: DurableSubscription, stream: str, shard: int, position: int | None,
                  since_ms: int | None = None) -> Any:
@@ -191,6 +219,10 @@ class StateWriter:
                 return
             await self.node.client.txn([mod_revision_is(key, kv.mod_revision)], [delete_op(key)])
         self._queue(key, delete)
+
+    def run(self, key: str, write: Callable[[], Awaitable[None]]) -> None:
+        """Queue `write` as the latest change of `key` (it replaces one not yet made)."""
+        self._queue(key, write)
 
     def _queue(self, key: str, write: Callable[[], Awaitable[None]]) -> None:
         self._pending.pop(key, None)
@@ -257,6 +289,7 @@ def snapshot(session: MqttSession, node_id: str) -> dict[str, Any]:
                        list(item.subscription_ids), _message_data(message)])
     return {
         "version": SNAPSHOT_VERSION, "node": node_id, "client_id": session.client_id,
+        "online": session.connection is not None,
         "expiry": session.expiry_interval, "disconnected_ms": session.disconnected_at_ms or now_ms(),
         "taken_ms": now_ms(), "subscriptions": own, "shared": shared, "cursors": cursors,
         "messages": messages, "inflight": inflight, "queued": queued,
@@ -264,11 +297,19 @@ def snapshot(session: MqttSession, node_id: str) -> dict[str, Any]:
     }
 
 
-def expired(state: dict[str, Any], now: int | None = None) -> bool:
+def expired(state: dict[str, Any], now: int | None = None, holder_gone_ms: int | None = None) -> bool:
+    """Whether the session of a snapshot has expired. A snapshot taken while its client was
+    connected (`online`) says nothing of when that connection ended: while its node lives, that
+    node's expiry timer decides (not expired here); once the node is gone, the session counts
+    as disconnected since `holder_gone_ms` (when this node saw it go)."""
     expiry = int(state.get("expiry", 0))
     if expiry == NEVER_EXPIRES:
         return False
     disconnected = int(state.get("disconnected_ms") or 0)
+    if state.get("online"):
+        if holder_gone_ms is None:
+            return False
+        disconnected = max(disconnected, holder_gone_ms)
     return disconnected + expiry * 1000 <= (now_ms() if now is None else now)
 
 
@@ -286,8 +327,16 @@ class SessionHandover:
         self.prefix = node.settings.prefix.rstrip("/") + ".state/sessions/"
         # client ids being handed to another node (their local forget is not an end)
         self._releasing: set[str] = set()
+        # client ids whose session here started without persistence, and when: a snapshot of
+        # an earlier session of theirs (whichever node wrote it) is void and leaves etcd
+        self._void: dict[str, int] = {}
+        # when this node saw each node that snapshots name go away (see `expired`)
+        self._alive: set[str] = set()
+        self._gone_since: dict[str, int] = {}
+        self._sweeper: asyncio.Task[None] | None = None
         self.taken_over = 0
         self.handed_over = 0
+        self.swept = 0
 
     def key(self, client_id: str) -> str:
         return self.prefix + client_id
@@ -297,10 +346,24 @@ class SessionHandover:
         self.service.find_session_elsewhere = self.find
         self.service.store = SnapshottingStore(self.service.store, self)  # type: ignore[assignment]
         self.rpc.on_release = self.release
+        self.node.view.on_change(self._note_departures)
+        self._note_departures()
+
+    def start_sweeping(self) -> None:
+        """Remove expired sessions' snapshots from etcd (the controller does, every
+        `session_sweep_s`), also those of nodes that died holding them."""
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
+
+    def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
 
     async def drop_moved(self) -> int:
-        """At start: drop sessions restored from this node's store that another node has
-        taken since (their snapshot in etcd names that node)."""
+        """At start: drop sessions restored from this node's store that ended or moved while
+        this node was away: their snapshot in etcd names another node, or is gone (the client
+        started clean elsewhere, or the session expired)."""
         dropped = 0
         for client_id, session in list(self.service.sessions.items()):
             if session.connection is not None or not session.durable:
@@ -311,16 +374,20 @@ class SessionHandover:
                 log.warning("cluster: cannot check where session %r lives: %s", client_id, exc)
                 continue
             holder = keys.decode(kv.value).get("node") if kv is not None else None
-            if holder is not None and holder != self.node.node_id:
+            if holder != self.node.node_id:
                 self._releasing.add(client_id)
                 try:
                     del self.service.sessions[client_id]
                     session.discard()
                 finally:
                     self._releasing.discard(client_id)
+                timer = self.service._expiry_timers.pop(client_id, None)
+                if timer is not None:
+                    timer.cancel()
                 dropped += 1
         if dropped:
-            log.info("cluster: %d sessions restored here had moved to other nodes; dropped", dropped)
+            log.info("cluster: %d sessions restored here had moved to other nodes or ended; "
+                     "dropped", dropped)
         return dropped
 
     # ------------------------------------------------------------ the new node
@@ -364,10 +431,8 @@ class SessionHandover:
                             "its last snapshot", holder, client_id, exc)
         if client_id in self.service.sessions:
             return  # a connection here made one meanwhile
-        if clean_start or state is None or expired(state):
-            if saved is not None:
-                self.writer.delete_if_mine(self.key(client_id), lambda: client_id not in self.service.sessions)
-            return
+        if clean_start or state is None or expired(state, holder_gone_ms=self.holder_gone_ms(state.get("node"))):
+            return  # a new session: opening it replaces or removes the snapshot (`opened`)
         self.adopt(state)
         self.taken_over += 1
         log.info("cluster: session %r taken over from %s", client_id, state.get("node"))
@@ -450,37 +515,130 @@ class SessionHandover:
             expiry.cancel()
 
     # ------------------------------------------------------------ snapshots in etcd
+    def opened(self, client_id: str) -> None:
+        """A session opened here (new, resumed or taken over): the registry names this node;
+        etcd's snapshot becomes this session's (online), or goes when the session is not
+        persistent (an earlier session's snapshot must not come back elsewhere)."""
+        self.node.claim_session(client_id)
+        session = self.service.sessions.get(client_id)
+        if session is not None and not session.durable:
+            self._void[client_id] = now_ms()
+        self._sync(client_id)
+
     def went_offline(self, client_id: str) -> None:
-        def make() -> bytes | None:
-            session = self.service.sessions.get(client_id)
-            if session is None or not session.durable:
-                return None
-            return keys.encode(snapshot(session, self.node.node_id))
-        self.writer.put(self.key(client_id), make)
+        """The session went offline or changed its subscriptions: its snapshot is written."""
+        self._sync(client_id)
 
     def ended(self, client_id: str) -> None:
         if client_id not in self._releasing:
-            self.writer.delete_if_mine(self.key(client_id), lambda: client_id not in self.service.sessions)
+            self._sync(client_id)
+
+    def _sync(self, client_id: str) -> None:
+        """Make etcd's snapshot of `client_id` agree with this node, in the background (what
+        is written is the state when it is written): a persistent session here is put; a
+        session that started here without persistence voids any earlier snapshot; a session
+        that ended here removes its snapshot if that still names this node."""
+        key = self.key(client_id)
+
+        async def write() -> None:
+            client = self.node.client
+            session = self.service.sessions.get(client_id)
+            if session is not None and session.durable:
+                await client.put(key, keys.encode(snapshot(session, self.node.node_id)))
+                self._void.pop(client_id, None)
+                return
+            kv = await client.get(key)
+            voided = self._void.get(client_id)
+            if kv is not None:
+                state = keys.decode(kv.value)
+                if (voided is not None and int(state.get("taken_ms", 0)) <= voided) or (
+                        session is None and state.get("node") == self.node.node_id):
+                    await client.txn([mod_revision_is(key, kv.mod_revision)], [delete_op(key)])
+            if self._void.get(client_id) == voided:
+                self._void.pop(client_id, None)
+
+        self.writer.run(key, write)
+
+    # ------------------------------------------------------------ expiry everywhere
+    def _note_departures(self) -> None:
+        alive = set(self.node.view.nodes())
+        now = now_ms()
+        for node_id in self._alive - alive:
+            self._gone_since.setdefault(node_id, now)
+        for node_id in alive:
+            self._gone_since.pop(node_id, None)
+        self._alive = alive
+
+    def holder_gone_ms(self, node_id: Any) -> int | None:
+        """None while `node_id` is alive; else since when this node knows it is gone (first
+        asked: now, which keeps a session longer rather than shorter)."""
+        if node_id in self.node.view.nodes():
+            return None
+        return self._gone_since.setdefault(str(node_id), now_ms())
+
+    async def _sweep_loop(self) -> None:
+        interval = max(0.1, float(self.node.settings.session_sweep_s))
+        while True:
+            await asyncio.sleep(interval)
+            if not self.node.is_controller:
+                continue
+            try:
+                await self.sweep()
+            except Exception as exc:  # noqa: BLE001 - the next round tries again
+                log.warning("cluster: sweeping expired session snapshots failed: %s", exc)
+
+    async def sweep(self) -> int:
+        """Delete the snapshots of expired sessions; returns how many."""
+        client = self.node.client
+        kvs, _revision = await client.get_prefix(self.prefix)
+        now = now_ms()
+        swept = 0
+        for kv in kvs:
+            try:
+                state = keys.decode(kv.value)
+            except ValueError:
+                continue
+            if not expired(state, now, self.holder_gone_ms(state.get("node"))):
+                continue
+            result = await client.txn([mod_revision_is(kv.key, kv.mod_revision)], [delete_op(kv.key)])
+            if result.succeeded:
+                swept += 1
+                log.info("cluster: session %r expired; its snapshot is removed", state.get("client_id"))
+        self.swept += swept
+        return swept
 
 
 class SnapshottingStore:
-    """The MQTT service's session store in a cluster: the node's own store, plus a snapshot
-    in etcd each time a persistent session goes offline, removed when it ends."""
+    """The MQTT service's session store in a cluster: the node's own store, plus the session's
+    snapshot in etcd each time a persistent session goes offline or its subscriptions change,
+    removed when it ends."""
 
     def __init__(self, inner: Any, handover: SessionHandover) -> None:
         self._inner = inner
         self._handover = handover
+        # what each online session's snapshot last held of its subscriptions: saves that change
+        # nothing of them (a QoS 2 release) write nothing to etcd
+        self._subscribed: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
     def save_session(self, client_id: str, expiry_interval: int, disconnected_ms: int | None,
                      data: bytes) -> None:
         self._inner.save_session(client_id, expiry_interval, disconnected_ms, data)
         if disconnected_ms is not None:
+            self._subscribed.pop(client_id, None)
             self._handover.went_offline(client_id)
+            return
+        session = self._handover.service.sessions.get(client_id)
+        if session is None:
+            return
+        subscribed = (tuple(session.subscription.filters), tuple(session.shared))
+        if self._subscribed.get(client_id) != subscribed:
+            self._subscribed[client_id] = subscribed
+            self._handover.went_offline(client_id)  # the same write: the session as it is now
 
     def forget_session(self, client_id: str) -> None:
         self._inner.forget_session(client_id)
+        self._subscribed.pop(client_id, None)
         self._handover.ended(client_id)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
-

@@ -27,6 +27,8 @@ class ClusterSettings:
     connect_timeout_s: float = 10.0
     # how long a SIGTERM'd node waits for its shards to be handed over before it exits
     leave_timeout_s: float = 10.0
+    # how often the controller removes expired MQTT sessions' snapshots from etcd
+    session_sweep_s: float = 30.0
     username: str | None = None
     password: str | None = None
     ca_file: str | None = None

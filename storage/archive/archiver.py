@@ -558,7 +558,13 @@ class Archiver:
             },
         )
         self._put(path, data)
-        return len(data)
+        size = len(data)
+        del data
+        # Arrow's allocator (mimalloc) keeps freed pages per thread: the pages the Parquet
+        # encoding freed in this worker thread go back to the system from here, not from the
+        # event loop's `return_freed_memory` (13 MiB stayed after a soak otherwise).
+        pa.default_memory_pool().release_unused()
+        return size
 
     def _put(self, path: str, data: bytes) -> None:
         """Make `data` visible at `path` all at once (replacing a previous upload)."""

@@ -105,3 +105,63 @@ def test_a_consumer_on_another_node_is_told_where_the_subscription_is_consumed(c
             await holder.close()
 
     asyncio.run(scenario())
+
+
+async def take_from(consumers: list, count: int, timeout: float = 30) -> list[list[bytes]]:
+    """`count` messages across `consumers` (acknowledged); what each one got, in order."""
+    got: list[list[bytes]] = [[] for _ in consumers]
+    done = asyncio.Event()
+
+    async def drain(index: int, consumer) -> None:
+        async for message in consumer:
+            got[index].append(message.payload)
+            message.ack()
+            if sum(map(len, got)) >= count:
+                done.set()
+
+    tasks = [asyncio.ensure_future(drain(index, consumer)) for index, consumer in enumerate(consumers)]
+    try:
+        await asyncio.wait_for(done.wait(), timeout)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return got
+
+
+@pytest.mark.parametrize("sub_type", ["shared", "failover"])
+def test_shared_and_failover_consumers_share_one_node_and_a_consumer_elsewhere_is_refused(
+        cluster: Cluster, sub_type: str) -> None:
+    """Several consumers of a Shared or Failover durable subscription on its node: each message
+    once across them (Shared) or all to the active one (Failover). A consumer on another node
+    gets FAILED_PRECONDITION naming the node; once those consumers are gone, it is served."""
+    n1, n2 = cluster(2)
+
+    async def scenario() -> None:
+        async with Client(n1.grpc_url) as first, Client(n2.grpc_url) as second:
+            consumers = [first.consumer("work", ["work/#"], type=sub_type, durable=True,
+                                        reconnect=False, name=f"c{index}") for index in range(2)]
+            for consumer in consumers:
+                await consumer.subscribe()
+            elsewhere = second.consumer("work", ["work/#"], type=sub_type, durable=True, reconnect=False)
+            with pytest.raises(FailedPrecondition, match="consumed on node n1"):
+                await elsewhere.subscribe()
+            producer = second.producer()
+            sent = [f"job-{number}".encode() for number in range(20)]
+            for payload in sent:
+                await producer.send("work/x", payload)
+            got = await take_from(consumers, len(sent))
+            assert sorted(got[0] + got[1]) == sorted(sent)  # each once
+            if sub_type == "failover":
+                assert sent in got  # all to the active consumer, in order
+            else:
+                assert got[0] and got[1]  # spread over both
+            for consumer in consumers:
+                await consumer.close()
+            later = second.consumer("work", ["work/#"], type=sub_type, durable=True, reconnect=False)
+            await later.subscribe()
+            await producer.send("work/x", b"after")
+            assert await take(later, 1) == {"work/x": [b"after"]}
+            await later.close()
+
+    asyncio.run(scenario())

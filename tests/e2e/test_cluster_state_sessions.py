@@ -188,3 +188,226 @@ def test_a_session_whose_node_died_resumes_elsewhere_and_gets_that_nodes_message
     assert (etcd_get(etcd, "/shardgate/test.state/sessions/orphan") or {}).get("node") == "n2"
     back.disconnect()
     publisher.disconnect()
+
+
+SNAPSHOTS = "/shardgate/test.state/sessions/"
+SWEEP_FAST = "session_sweep_s = 0.3\n"
+
+
+def snapshot_of(etcd: EtcdServer, client_id: str) -> dict | None:
+    return etcd_get(etcd, SNAPSHOTS + client_id)
+
+
+def leave_offline_session(node: ClusterNodeProcess, etcd: EtcdServer, client_id: str,
+                          protocol: int = V5, expiry: int = 3600) -> None:
+    """A persistent session subscribed to away/#, offline on `node`, its snapshot in etcd."""
+    client = Paho(node.mqtt_port, client_id, protocol, clean=False, session_expiry=expiry)
+    client.subscribe("away/#", qos=1)
+    client.disconnect()
+    wait_for(lambda: (snapshot_of(etcd, client_id) or {}).get("node") == node.node_id
+             and not snapshot_of(etcd, client_id).get("online"), timeout=20)
+
+
+@pytest.mark.parametrize("protocol", [pytest.param(V5, id="5.0"), pytest.param(V311, id="3.1.1")])
+def test_a_clean_start_on_another_node_ends_the_old_session_everywhere(
+        cluster: Cluster, etcd: EtcdServer, protocol: int) -> None:
+    """Clean session (3.1.1) / clean start without expiry (5.0) on n2 discards the session n1
+    held: its snapshot leaves etcd, and a later resume on n3 finds no session and gets nothing
+    of what the old session's subscription would have matched."""
+    n1, n2, n3 = cluster(3)
+    spread_stream([n1, n2, n3])
+    leave_offline_session(n1, etcd, "fresh-start", protocol)
+
+    clean = Paho(n2.mqtt_port, "fresh-start", protocol, clean=True)
+    clean.disconnect()
+    wait_for(lambda: snapshot_of(etcd, "fresh-start") is None, timeout=20)
+
+    publisher = Paho(n3.mqtt_port, "publisher", V5)
+    publish_round(publisher, 1, 1, "after")
+    later = Paho(n3.mqtt_port, "fresh-start", protocol, clean=False, session_expiry=3600, connect=False)
+    flags, _rc, _props = later.connect()
+    assert not flags.session_present
+    later.expect_none(within=0.5)
+    later.disconnect()
+    publisher.disconnect()
+
+
+def test_a_clean_start_while_the_holder_is_dead_voids_its_snapshot(
+        cluster: Cluster, etcd: EtcdServer) -> None:
+    """The node holding the offline session died: a clean start on n2 still voids the snapshot,
+    so neither n3 nor n1 when it returns resumes the old session."""
+    n1, n2, n3 = cluster(3)
+    spread_stream([n1, n2, n3])
+    leave_offline_session(n1, etcd, "restart-clean")
+    n1.kill()
+    wait_for(lambda: {e["node_id"] for e in n2.status()["nodes"]} == {"n2", "n3"}, timeout=20)
+
+    clean = Paho(n2.mqtt_port, "restart-clean", V5, clean=True, session_expiry=0)
+    clean.disconnect()
+    wait_for(lambda: snapshot_of(etcd, "restart-clean") is None, timeout=20)
+
+    later = Paho(n3.mqtt_port, "restart-clean", V5, clean=False, session_expiry=3600, connect=False)
+    flags, _rc, _props = later.connect()
+    assert not flags.session_present
+    later.disconnect()
+    wait_for(lambda: (snapshot_of(etcd, "restart-clean") or {}).get("node") == "n3", timeout=20)
+    # n1 comes back with the old session in its own store: it drops it (etcd says n3's)
+    n1.start()
+    wait_for(lambda: {e["node_id"] for e in n1.status()["nodes"]} == {"n1", "n2", "n3"}, timeout=30)
+    again = Paho(n1.mqtt_port, "restart-clean", V5, clean=False, session_expiry=3600, connect=False)
+    flags, _rc, _props = again.connect()
+    assert flags.session_present  # n3's session (no subscription), taken over
+    publisher = Paho(n2.mqtt_port, "publisher", V5)
+    publish_round(publisher, 1, 1, "unwanted")
+    again.expect_none(within=0.5)  # the old session's away/# did not come back
+    again.disconnect()
+    publisher.disconnect()
+
+
+def test_expired_sessions_snapshots_leave_etcd_also_when_their_node_died(
+        cluster: Cluster, etcd: EtcdServer) -> None:
+    """Session expiry holds cluster-wide: n1 dies holding an offline session with a 2 s
+    expiry; the controller removes its snapshot once it expired, and resuming it elsewhere
+    finds no session. A session with a long expiry on the same dead node still resumes,
+    also one whose client was connected when n1 died."""
+    n1, n2, n3 = cluster(3, extra_config=SWEEP_FAST)
+    spread_stream([n1, n2, n3])
+    leave_offline_session(n1, etcd, "short-lived", expiry=2)
+    leave_offline_session(n1, etcd, "long-lived", expiry=3600)
+    connected = Paho(n1.mqtt_port, "connected", V5, clean=False, session_expiry=3600)
+    connected.subscribe("away/#", qos=1)
+    wait_for(lambda: (snapshot_of(etcd, "connected") or {}).get("online") is True, timeout=20)
+    n1.kill()
+
+    wait_for(lambda: snapshot_of(etcd, "short-lived") is None, timeout=30)
+    assert snapshot_of(etcd, "long-lived") is not None
+    assert snapshot_of(etcd, "connected") is not None
+    gone = Paho(n2.mqtt_port, "short-lived", V5, clean=False, session_expiry=3600, connect=False)
+    assert not gone.connect()[0].session_present
+    gone.disconnect()
+
+    for client_id in ("long-lived", "connected"):
+        back = Paho(n3.mqtt_port, client_id, V5, clean=False, session_expiry=3600, connect=False)
+        assert back.connect()[0].session_present
+        publisher = Paho(n2.mqtt_port, "publisher", V5)
+        alive = next(t for t, o in owners(n2).items() if o != "n1")
+        publisher.publish(alive, b"still-subscribed", qos=1)
+        assert [m.payload for m in back.expect_n(1, timeout=20)] == [b"still-subscribed"]
+        back.disconnect()
+        publisher.disconnect()
+
+
+# small journal segments, no archive: what retention deletes is gone
+SMALL_JOURNAL = "\n[archive]\nenabled = false\n\n[journal]\nsegment_bytes = 1024\nretention_bytes = 1\n"
+
+
+def api(node: ClusterNodeProcess, path: str) -> object:
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.ports['http']}{path}", timeout=5) as response:
+        return json.loads(response.read())
+
+
+def topic_on(node: ClusterNodeProcess, stream: str, owner: str) -> tuple[str, int]:
+    """A topic `stream/t<n>` whose shard `owner` owns, and that shard."""
+    placement = node.status()["placement"][stream]
+    for number in range(1000):
+        topic = f"{stream}/t{number}"
+        shard = zlib.crc32(topic.encode()) % len(placement)
+        if placement[shard][0] == owner:
+            return topic, shard
+    raise AssertionError(f"no shard of {stream} on {owner}")
+
+
+def create_spread(through: ClusterNodeProcess, nodes: list[ClusterNodeProcess], name: str) -> None:
+    with SyncClient(through.grpc_url) as client:
+        client.admin.create_stream(name, mode="reliable", partitions=6, routes=[f"{name}/#"])
+    for node in nodes:
+        wait_for(lambda node=node: len(node.status()["placement"].get(name, [])) == 6, timeout=20)
+
+
+def low_watermark(node: ClusterNodeProcess, stream: str, shard: int) -> int:
+    for entry in api(node, "/api/streams"):  # type: ignore[union-attr]
+        if entry["name"] == stream:
+            return int(entry["shards"][shard].get("low_watermark", 0))
+    raise AssertionError(f"{stream} not on {node.node_id}")
+
+
+def test_the_owners_retention_keeps_what_a_session_on_another_node_has_not_read(
+        cluster: Cluster, etcd: EtcdServer) -> None:
+    """A persistent session offline on n2 subscribes to a shard n1 owns; n1's retention
+    (1 byte per shard, small segments, no archive) runs after the messages came; the session
+    resumes on n3, which reads the backlog from n1's journal: every message is there."""
+    n1, n2, n3 = cluster(3, extra_config=SMALL_JOURNAL)
+    create_spread(n1, [n1, n2, n3], "kept")
+    topic, shard = topic_on(n1, "kept", "n1")
+
+    keeper = Paho(n2.mqtt_port, "keeper", V5, clean=False, session_expiry=3600)
+    keeper.subscribe("kept/#", qos=1)
+    keeper.disconnect()
+    # n1 knows what n2's cursor needs of its shard before anything is published
+    wait_for(lambda: n1.status()["cursor_floors"].get(f"kept/{shard}") == 0, timeout=20)
+    # a stream created after: the offline session has no cursor there, nothing keeps its journal
+    create_spread(n1, [n1, n2, n3], "spare")
+    spare_topic, spare_shard = topic_on(n1, "spare", "n1")
+
+    publisher = Paho(n3.mqtt_port, "publisher", V5)
+    sent = [f"kept-{number:04d}-{'x' * 40}".encode() for number in range(150)]
+    for payload in sent:
+        publisher.publish(topic, payload, qos=1)
+    # a retention pass on n1 after those: it deletes the segments of a shard nobody reads
+    spare = Paho(n1.mqtt_port, "spare-publisher", V5)
+    for number in range(60):
+        spare.publish(spare_topic, f"spare-{number}-{'y' * 40}".encode(), qos=1)
+    wait_for(lambda: low_watermark(n1, "spare", spare_shard) > 0, timeout=40)
+    assert low_watermark(n1, "kept", shard) == 0
+
+    back = Paho(n3.mqtt_port, "keeper", V5, clean=False, session_expiry=3600, connect=False)
+    assert back.connect()[0].session_present
+    assert [m.payload for m in back.expect_n(len(sent), timeout=30)] == sent
+    back.expect_none(within=0.5)
+    back.disconnect()
+    # once the session has it all, n1 may let it go
+    wait_for(lambda: n1.status()["cursor_floors"].get(f"kept/{shard}", len(sent)) >= len(sent), timeout=20)
+    publisher.disconnect()
+    spare.disconnect()
+
+
+def test_a_session_on_a_restarted_node_gets_what_the_owner_kept_while_it_was_down(
+        cluster: Cluster, etcd: EtcdServer) -> None:
+    """The node holding an offline session (n2) is killed; messages for it go to n1's shard
+    and n1's retention runs while n2 is down (n2's last report of its cursors keeps them);
+    n2 comes back, the client reconnects there and gets every message, from n1's journal."""
+    n1, n2, n3 = cluster(3, extra_config=SMALL_JOURNAL)
+    create_spread(n1, [n1, n2, n3], "kept")
+    topic, shard = topic_on(n1, "kept", "n1")
+    keeper = Paho(n2.mqtt_port, "keeper", V5, clean=False, session_expiry=3600)
+    keeper.subscribe("kept/#", qos=1)
+    keeper.disconnect()
+    wait_for(lambda: n1.status()["cursor_floors"].get(f"kept/{shard}") == 0, timeout=20)
+    create_spread(n1, [n1, n2, n3], "spare")
+    spare_topic, spare_shard = topic_on(n1, "spare", "n1")
+    n2.kill()
+    wait_for(lambda: {e["node_id"] for e in n1.status()["nodes"]} == {"n1", "n3"}, timeout=20)
+
+    publisher = Paho(n3.mqtt_port, "publisher", V5)
+    sent = [f"while-down-{number:04d}-{'x' * 40}".encode() for number in range(150)]
+    for payload in sent:
+        publisher.publish(topic, payload, qos=1)
+    spare = Paho(n1.mqtt_port, "spare-publisher", V5)
+    for number in range(60):
+        spare.publish(spare_topic, f"spare-{number}-{'y' * 40}".encode(), qos=1)
+    wait_for(lambda: low_watermark(n1, "spare", spare_shard) > 0, timeout=40)
+    assert low_watermark(n1, "kept", shard) == 0
+
+    n2.start()
+    wait_for(lambda: {e["node_id"] for e in n2.status()["nodes"]} == {"n1", "n2", "n3"}, timeout=30)
+    back = Paho(n2.mqtt_port, "keeper", V5, clean=False, session_expiry=3600, connect=False)
+    assert back.connect()[0].session_present
+    assert [m.payload for m in back.expect_n(len(sent), timeout=30)] == sent
+    back.expect_none(within=0.5)
+    # and live messages after the backlog, once
+    publisher.publish(topic, b"live", qos=1)
+    assert [m.payload for m in back.expect_n(1, timeout=20)] == [b"live"]
+    back.expect_none(within=0.5)
+    back.disconnect()
+    publisher.disconnect()
+    spare.disconnect()

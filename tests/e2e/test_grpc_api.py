@@ -191,6 +191,32 @@ async def test_schema_mismatch_is_invalid_argument_with_reason(
         assert message.json() == {"t": 21.5}
 
 
+
+async def test_a_batch_with_a_schema_violation_acks_the_others_and_refuses_only_it(
+    client: Client,
+) -> None:
+    await client.admin.create_stream("counts", schema="int64", routes=["counts/#"])
+    consumer = await client.consumer("counts-sub", stream="counts").subscribe()
+    producer = client.producer()
+    # Sent in one tick, they travel in one PublishBatch and reach the core in one call.
+    sent = [
+        producer.send_nowait("counts/a", schemas.encode_int64(1)),
+        producer.send_nowait("counts/a", b"not eight bytes"),
+        producer.send_nowait("plain/t", b"bytes stream"),
+        producer.send_nowait("bad/#", b"invalid topic"),
+        producer.send_nowait("counts/a", schemas.encode_int64(2)),
+    ]
+    outcomes = await asyncio.gather(*sent, return_exceptions=True)
+    first, violation, plain, bad_topic, second = outcomes
+    assert isinstance(violation, InvalidArgument) and "8 bytes" in str(violation)
+    assert isinstance(bad_topic, InvalidArgument)
+    assert (first.stream, second.stream, plain.stream) == ("counts", "counts", "default")
+    assert second.offset == first.offset + 1
+    # Delivered in order, with nothing stored between them.
+    got = [await consumer.receive(TIMEOUT) for _ in range(2)]
+    assert [(m.int64(), m.offset) for m in got] == [(1, first.offset), (2, second.offset)]
+
+
 # ------------------------------------------------------------------------------ Consumer
 async def test_exclusive_refuses_a_second_consumer(client: Client) -> None:
     first = await client.consumer("solo", ["jobs/#"], type="exclusive").subscribe()

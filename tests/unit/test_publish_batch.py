@@ -320,3 +320,31 @@ async def test_a_message_the_record_format_cannot_hold_is_refused_alone(journal:
     assert isinstance(outcomes[0], asyncio.Future) and outcomes[2] is outcomes[0]
     await settle(outcomes)
     assert recorder.got == [(0, b"a"), (1, b"b")]
+
+
+async def test_a_grpc_publish_batch_is_one_append_with_per_message_results(
+    journal: JournalStorage,
+) -> None:
+    from shardgate.proto import shardgate_pb2 as pb
+    from shardgate.protocols.grpc.producer_service import ProducerService, ProducerStreamInfo
+    from shardgate.protocols.grpc.server import GrpcServer
+
+    broker, recorder = build(journal)
+    (log,) = count_appends(broker)
+    service = ProducerService(GrpcServer(Edge(broker)))
+    batch = pb.PublishBatch(sequence=7, messages=[
+        pb.PublishRequest(topic="t/1", payload=b"one"),
+        pb.PublishRequest(topic="j/1", payload=b"not json"),  # the json stream refuses it
+        pb.PublishRequest(topic="t/+", payload=b"bad topic"),  # refused before the core
+        pb.PublishRequest(topic="t/1", payload=b"two"),
+    ])
+    ack, waiters = service._publish_batch(batch, ProducerStreamInfo(peer="test", name=""))
+    assert log.appends == [2]
+    await service._await_durable(ack, waiters)
+    results = [(r.code, r.stream, r.offset) for r in ack.results]
+    assert ack.sequence == 7
+    assert results[0] == (0, "default", 0) and results[3] == (0, "default", 1)
+    assert results[1][0] == 3 and "JSON" in ack.results[1].error  # INVALID_ARGUMENT
+    assert results[2][0] == 3  # INVALID_ARGUMENT
+    await asyncio.sleep(0)
+    assert [payload for _, payload in recorder.got] == [b"one", b"two"]

@@ -1,0 +1,171 @@
+"""Journal retention that counts durable cursors on other nodes.
+
+On one node, a shard's retention never deletes what a durable cursor still needs (its floor:
+the lowest offset not yet acknowledged). In a cluster a reliable shard's journal is on its
+owner, while the cursors reading it can be anywhere: a persistent MQTT session or a durable
+gRPC subscription held by another node, whose backlog is read from the owner's journal when
+it resumes (`shard_reader.OwnerLog`). So every node reports the floors of its durable cursors
+on shards other nodes own, and every owner counts the reports for its shards:
+
+- each node writes `/shardgate/<cluster>.state/floors/<node id>` = {"stream/shard": floor},
+  when it changed, at most every `REPORT_INTERVAL_S`, and at once when cursors came here from
+  another node (a session taken over). Not under the node's lease: a dead node's sessions
+  still need their backlog when it returns or when they resume elsewhere;
+- every node reads all reports every `REFRESH_INTERVAL_S` and gives retention
+  (`Persistence.remote_needs`) the lowest floor per shard it owns. Until it has read them once,
+  it keeps every shard's journal whole.
+
+A floor only rises while a cursor moves, so a report that is a little old asks to keep more,
+never less. A node that never returns keeps its last floors (as a durable subscription that
+is never consumed keeps the journal of a single node); `shardgate cluster status` shows them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from ..core.durable import DurableSubscription
+from . import keys
+from .etcd import EtcdError
+
+if TYPE_CHECKING:
+    from ..core.broker import Broker
+    from .control import ClusterNode
+
+log = logging.getLogger(__name__)
+
+REPORT_INTERVAL_S = 2.0
+REFRESH_INTERVAL_S = 2.0
+
+
+class CursorFloors:
+    """This node's report of its cursors' floors, and every node's reports for the shards
+    this node owns (module docstring)."""
+
+    def __init__(self, node: ClusterNode, broker: Broker) -> None:
+        self.node = node
+        self.broker = broker
+        self.prefix = node.settings.prefix.rstrip("/") + ".state/floors/"
+        self._reported: dict[str, int] | None = None
+        # every other node's report, by node id
+        self._reports: dict[str, dict[str, int]] | None = None
+        self._report_now = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ------------------------------------------------------------ this node's cursors
+    def local_floors(self) -> dict[str, int]:
+        """The lowest floor of this node's durable cursors per reliable shard another node
+        owns ("stream/shard")."""
+        view = self.node.view
+        me = self.node.node_id
+        floors: dict[str, int] = {}
+        for sub in list(self.broker.subscriptions.values()):
+            if not isinstance(sub, DurableSubscription):
+                continue
+            for (stream, shard), cursor in sub.cursors.items():
+                if cursor.log is None:
+                    continue  # a stream kept in memory: no journal to retain
+                owner = view.owner(stream, shard)
+                if owner is None or owner.node_id == me:
+                    continue
+                name = f"{stream}/{shard}"
+                floor = cursor.floor
+                if floor < floors.get(name, floor + 1):
+                    floors[name] = floor
+        return floors
+
+    def report_soon(self) -> None:
+        """Cursors came here from another node: report them without waiting."""
+        self._report_now.set()
+
+    async def report(self) -> bool:
+        """Write this node's floors if they changed; whether it wrote."""
+        floors = self.local_floors()
+        if floors == self._reported:
+            return False
+        await self.node.client.put(self.prefix + self.node.node_id, keys.encode(floors))
+        self._reported = floors
+        return True
+
+    # ------------------------------------------------------------ the owners' side
+    async def refresh(self) -> None:
+        kvs, _revision = await self.node.client.get_prefix(self.prefix)
+        reports: dict[str, dict[str, int]] = {}
+        for kv in kvs:
+            node_id = kv.key[len(self.prefix):]
+            if node_id == self.node.node_id:
+                continue
+            try:
+                reports[node_id] = {str(name): int(floor) for name, floor in keys.decode(kv.value).items()}
+            except (ValueError, AttributeError, TypeError):
+                log.warning("cluster: ignoring an unreadable cursor report of node %s", node_id)
+        self._reports = reports
+
+    def remote_needs(self) -> Mapping[tuple[str, int], int]:
+        """For retention: per shard this node owns, the lowest offset another node's cursor
+        still needs; before the reports were read once, every shard's current start."""
+        reports = self._reports
+        needs: dict[tuple[str, int], int] = {}
+        if reports is None:
+            for broker_stream in self.broker.streams.values():
+                for shard in broker_stream.shards:
+                    if shard.log is not None:
+                        needs[(broker_stream.name, shard.index)] = shard.log.low_watermark
+            return needs
+        view = self.node.view
+        for floors in reports.values():
+            for name, floor in floors.items():
+                stream, _, index = name.rpartition("/")
+                if not index.isdigit():
+                    continue
+                owner = view.owner(stream, int(index))
+                if owner is None or owner.node_id != self.node.node_id:
+                    continue
+                key = (stream, int(index))
+                if floor < needs.get(key, floor + 1):
+                    needs[key] = floor
+        return needs
+
+    def status(self) -> dict[str, int]:
+        """The remote floors of the shards this node owns ("stream/shard": offset)."""
+        if self._reports is None:
+            return {}
+        return {f"{stream}/{shard}": floor for (stream, shard), floor in sorted(self.remote_needs().items())}
+
+    # ------------------------------------------------------------ loops
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._report_loop(), name="cluster-floor-report"),
+                       loop.create_task(self._refresh_loop(), name="cluster-floor-refresh")]
+
+    async def _report_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._report_now.wait(), REPORT_INTERVAL_S)
+            self._report_now.clear()
+            try:
+                await self.report()
+            except EtcdError as exc:
+                log.warning("cluster: cannot report cursor floors to etcd yet: %s", exc)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except EtcdError as exc:
+                log.warning("cluster: cannot read other nodes' cursor floors yet: %s", exc)
+            await asyncio.sleep(REFRESH_INTERVAL_S)
+
+    async def stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(EtcdError, TimeoutError):
+            await asyncio.wait_for(self.report(), 2.0)  # the last floors, before the lease ends
