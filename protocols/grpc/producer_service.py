@@ -149,13 +149,13 @@ class ProducerService(pb_grpc.ProducerServicer):
         outcomes = iter(server.publish_many(accepted) if accepted else ())
         results = ack.results
         waiters: list[tuple[pb.PublishResult, asyncio.Future[None]]] = []
-        for entry in checked:
-            outcome = entry if isinstance(entry, Refusal) else next(outcomes)
+        for item in checked:
+            outcome = item if isinstance(item, Refusal) else next(outcomes)
             if isinstance(outcome, Refusal):
                 results.add(code=outcome.code.value[0], error=outcome.reason)
                 continue
-            assert isinstance(entry, Message)
-            message = entry
+            assert isinstance(item, Message)
+            message = item
             result = results.add(stream=message.stream, shard=message.shard)
             if message.offset >= 0:
                 result.offset = message.offset
