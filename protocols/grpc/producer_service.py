@@ -154,8 +154,8 @@ class ProducerService(pb_grpc.ProducerServicer):
             if isinstance(outcome, Refusal):
                 results.add(code=outcome.code.value[0], error=outcome.reason)
                 continue
+            assert isinstance(item, Message)
             message = item
-            assert isinstance(message, Message)
             result = results.add(stream=message.stream, shard=message.shard)
             if message.offset >= 0:
                 result.offset = message.offset

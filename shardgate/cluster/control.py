@@ -261,6 +261,8 @@ class ClusterNode:
         self.settings = settings
         self.node_id = node_id
         self.prefix = settings.prefix
+        # the data directory's first start in a cluster (its sessions never had etcd snapshots)
+        self.first_cluster_start = not (data_dir / "cluster-instance").exists()
         self.instance = node_instance(data_dir)
         self.view = EtcdClusterView(node_id)
         self.client = EtcdClient(

@@ -363,7 +363,8 @@ class SessionHandover:
     async def drop_moved(self) -> int:
         """At start: drop sessions restored from this node's store that ended or moved while
         this node was away: their snapshot in etcd names another node, or is gone (the client
-        started clean elsewhere, or the session expired)."""
+        started clean elsewhere, or the session expired). On the first start of a data
+        directory in a cluster, its sessions (from a single node) get their snapshots instead."""
         dropped = 0
         for client_id, session in list(self.service.sessions.items()):
             if session.connection is not None or not session.durable:
@@ -374,6 +375,9 @@ class SessionHandover:
                 log.warning("cluster: cannot check where session %r lives: %s", client_id, exc)
                 continue
             holder = keys.decode(kv.value).get("node") if kv is not None else None
+            if holder is None and self.node.first_cluster_start:
+                self.went_offline(client_id)  # a single node's session joining the cluster
+                continue
             if holder != self.node.node_id:
                 self._releasing.add(client_id)
                 try:

@@ -14,12 +14,13 @@ import urllib.request
 import zlib
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from shardgate.client import SyncClient
 from shardgate.protocols.mqtt import packets as p
 
-from tests.conftest import wait_for
+from tests.conftest import BrokerProcess, wait_for
 from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer
 from tests.mqtt_clients import V5, V311, Paho, RawClient
 
@@ -411,3 +412,24 @@ def test_a_session_on_a_restarted_node_gets_what_the_owner_kept_while_it_was_dow
     back.disconnect()
     publisher.disconnect()
     spare.disconnect()
+
+
+def test_a_single_nodes_persistent_sessions_join_the_cluster_with_it(
+        cluster: Cluster, etcd: EtcdServer, tmp_path: Path) -> None:
+    """A data directory that served as a single node starts as cluster node n1: its persistent
+    sessions are kept (they never had snapshots in etcd) and can resume on n2."""
+    single = BrokerProcess(tmp_path / "n1", ["--http-port", "0", "--grpc-port", "0"]).start()
+    before = Paho(single.mqtt_port, "veteran", V5, clean=False, session_expiry=3600)
+    before.subscribe("away/#", qos=1)
+    before.disconnect()
+    assert single.terminate() == 0
+
+    n1, n2 = cluster(2)
+    wait_for(lambda: (snapshot_of(etcd, "veteran") or {}).get("node") == "n1", timeout=20)
+    back = Paho(n2.mqtt_port, "veteran", V5, clean=False, session_expiry=3600, connect=False)
+    assert back.connect()[0].session_present
+    publisher = Paho(n1.mqtt_port, "publisher", V5)
+    publisher.publish("away/device-0", b"joined", qos=1)
+    assert [m.payload for m in back.expect_n(1, timeout=20)] == [b"joined"]
+    back.disconnect()
+    publisher.disconnect()
