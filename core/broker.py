@@ -425,7 +425,7 @@ class Broker:
         return self._append_reliable(shard, message)
 
     def publish_many(
-        self, messages: Sequence[Message], *, counted: bool = True
+        self, messages: Sequence[Message], *, counted: bool = True, stop_at_refusal: bool = False
     ) -> list[PublishOutcome]:
         """Accept several messages (e.g. every PUBLISH of one socket read) as `publish` accepts
         each, with ONE journal append per reliable shard. Returns one outcome per message, in
@@ -437,7 +437,13 @@ class Broker:
         Per message it is `publish`: authorisation is the caller's, then delayed delivery,
         schema check, statistics (once), cluster forward, retained, transient handling. The
         messages of a shard are stored and dispatched in their order; messages of different
-        shards are dispatched in the order of the list too, after the appends."""
+        shards are dispatched in the order of the list too, after the appends.
+
+        `stop_at_refusal`: the first message refused before the appends (schema, reserved
+        topic, forward) ends the list there: the messages after it are not processed at all
+        (not counted, retained, stored or dispatched) and the outcomes returned stop at it
+        (a client that is disconnected for a refusal expects nothing after it to take
+        effect). A refusal by the journal itself does not stop the others."""
         count = len(messages)
         if count == 1:
             try:
@@ -503,6 +509,9 @@ class Broker:
                     self._retain(message)
             except PublishRejected as exc:
                 outcomes[index] = exc
+                if stop_at_refusal:
+                    del outcomes[index + 1:]
+                    break
                 continue
             steps.append((index, shard, step))
         if plain_count:

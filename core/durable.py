@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import operator
 import struct
 import time
 import weakref
@@ -28,9 +29,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ..storage.interfaces import ArchiveSource, ShardLog, StorageError, StoredRecord
+from ..storage.interfaces import (
+    ArchiveSource,
+    BlockReadable,
+    RecordSpans,
+    ShardLog,
+    StorageError,
+    StoredRecord,
+)
 from .message import Message, now_ms
-from .records import RecordFormatError, decode_to_message, record_topic
+from .records import READABLE_VERSIONS, RecordFormatError, decode_to_message, record_topic
 from .subscriptions import Consumer, Subscription, SubscriptionType
 from .topics import filter_matches
 
@@ -102,6 +110,11 @@ resuming at once, a CONNECT or an acknowledgement never waits behind all of thei
 AHEAD_BYTES = 256 * 1024
 """At most this many record bytes are kept per cursor between turns (else read again)."""
 
+_TOPIC_LENGTH = struct.Struct("<I")
+_TOPIC_LENGTH_AT = 12
+"""A message record's topic length (u32) sits after its fixed head (version, flags, qos,
+retain, i64 time: see `core/records.py`), the topic's UTF-8 bytes right after it."""
+
 
 @dataclass(slots=True)
 class DurableOptions:
@@ -168,7 +181,7 @@ class ShardCursor:
         self.restored: dict[int, Message] = {}
         # Journal records read but not yet gone through (the consumer's window filled): the
         # next turn resumes there instead of reading the same batch again.
-        self.ahead: list[StoredRecord] = []
+        self.ahead: list[StoredRecord] | RecordSpans = []
 
     @property
     def floor(self) -> int:
@@ -184,7 +197,8 @@ class ShardCursor:
 class DurableSubscription(Subscription):
     __slots__ = (
         "broker", "options", "cursors", "_redeliver", "_delayed", "_pump_scheduled", "_dirty",
-        "sink", "initial_position", "_matching_cache", "_timer",
+        "sink", "initial_position", "_matching_cache", "_timer", "_raw_matching_cache",
+        "_cached_filters",
     )
 
     def __init__(
@@ -208,6 +222,10 @@ class DurableSubscription(Subscription):
         self.sink = sink
         self.initial_position = initial_position
         self._matching_cache: dict[str, tuple[str, ...]] = {}
+        # The same by the topic's encoded bytes, for replay reading records from a block.
+        self._raw_matching_cache: dict[bytes, tuple[str, ...]] = {}
+        # The filters both caches were filled for (they are emptied when the filters change).
+        self._cached_filters: tuple[str, ...] = ()
         self._timer: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------------ cursors
@@ -378,6 +396,14 @@ class DurableSubscription(Subscription):
     def forget_cached_matches(self) -> None:
         """Drop the per-topic filter cache (rebuilt on demand): memory back when idle."""
         self._matching_cache = {}
+        self._raw_matching_cache = {}
+
+    def _check_cached_filters(self) -> None:
+        filters = tuple(self.filters)
+        if filters != self._cached_filters:
+            self._cached_filters = filters
+            self._matching_cache = {}
+            self._raw_matching_cache = {}
 
     def _filters_for(self, topic: str) -> tuple[str, ...]:
         cached = self._matching_cache.get(topic)
@@ -524,8 +550,12 @@ class DurableSubscription(Subscription):
         assert shard_log is not None
         if not self.has_available():
             return budget
+        self._check_cached_filters()
+        # The journal reads in blocks (one buffer, no object per record); other logs per record.
+        read_block = shard_log.read_block if isinstance(shard_log, BlockReadable) else None
         now = now_ms()
         scanned = 0
+        records: list[StoredRecord] | RecordSpans | None
         while budget > 0:
             if scanned >= SCAN_BUDGET:
                 self._dirty.add((cursor.stream, cursor.shard))
@@ -551,12 +581,15 @@ class DurableSubscription(Subscription):
                 records = None
             try:
                 if records is None:
-                    records = shard_log.read(cursor.position, REPLAY_BATCH)
+                    if read_block is not None:
+                        records = read_block(cursor.position, REPLAY_BATCH)
+                    else:
+                        records = shard_log.read(cursor.position, REPLAY_BATCH)
             except StorageError as exc:
                 log.error("subscription %s: replay of %s/%d stopped at %d: %s",
                           self.name, cursor.stream, cursor.shard, cursor.position, exc)
                 return budget
-            if not records:
+            if not len(records):
                 if cursor.position >= shard_log.next_offset:
                     cursor.live = True
                 else:
@@ -565,38 +598,110 @@ class DurableSubscription(Subscription):
                     if waiter is not None:
                         waiter.add_done_callback(lambda _: self.schedule_pump())
                 return budget
-            scanned += sum(1 for record in records if record.data)
-            for index, record in enumerate(records):
-                if record.offset < cursor.position:
-                    continue
-                if not record.data:  # an offset the journal skipped
-                    cursor.position = record.offset + 1
-                    continue
-                try:
-                    # Only records this subscription wants are decoded whole.
-                    filters = self._filters_for(record_topic(record.data))
-                    message = decode_to_message(
-                        record.data, cursor.stream, cursor.shard, record.offset
-                    ) if filters else None
-                except RecordFormatError as exc:
-                    log.error("subscription %s: skipping bad record %s/%d@%d: %s",
-                              self.name, cursor.stream, cursor.shard, record.offset, exc)
-                    cursor.position = record.offset + 1
-                    continue
-                if message is None or message.expired(now) or record.offset in cursor.skip:
-                    cursor.skip.discard(record.offset)
-                    cursor.position = record.offset + 1
-                    continue
-                consumer = self.pick_available(cursor.shard)
-                if consumer is None:
-                    self._keep_ahead(cursor, records, index)
-                    return 0
-                self._send(cursor, message, filters, consumer, 1)
-                budget -= 1
-                if budget <= 0:
-                    self._keep_ahead(cursor, records, index + 1)
-                    return 0
+            if isinstance(records, list):
+                scanned += sum(1 for record in records if record.data)
+                budget = self._replay_records(cursor, records, budget, now)
+            else:
+                scanned += sum(map(operator.ne, records.starts, records.ends))  # not empty
+                budget = self._replay_block(cursor, records, budget, now)
+            if budget <= 0:
+                return 0
             self._dirty.add((cursor.stream, cursor.shard))
+        return budget
+
+    def _replay_records(self, cursor: ShardCursor, records: list[StoredRecord], budget: int,
+                        now: int) -> int:
+        """Deliver what `cursor` wants of `records` (read per record: from the archive, or a
+        log without blocks) while consumers take it; returns the budget left, 0 when a
+        consumer was missing or the budget ran out (the rest kept in `cursor.ahead`)."""
+        for index, record in enumerate(records):
+            if record.offset < cursor.position:
+                continue
+            if not record.data:  # an offset the journal skipped
+                cursor.position = record.offset + 1
+                continue
+            try:
+                # Only records this subscription wants are decoded whole.
+                filters = self._filters_for(record_topic(record.data))
+                message = decode_to_message(
+                    record.data, cursor.stream, cursor.shard, record.offset
+                ) if filters else None
+            except RecordFormatError as exc:
+                log.error("subscription %s: skipping bad record %s/%d@%d: %s",
+                          self.name, cursor.stream, cursor.shard, record.offset, exc)
+                cursor.position = record.offset + 1
+                continue
+            if message is None or message.expired(now) or record.offset in cursor.skip:
+                cursor.skip.discard(record.offset)
+                cursor.position = record.offset + 1
+                continue
+            consumer = self.pick_available(cursor.shard)
+            if consumer is None:
+                self._keep_ahead(cursor, records, index)
+                return 0
+            self._send(cursor, message, filters, consumer, 1)
+            budget -= 1
+            if budget <= 0:
+                self._keep_ahead(cursor, records, index + 1)
+                return 0
+        return budget
+
+    def _replay_block(self, cursor: ShardCursor, block: RecordSpans, budget: int, now: int) -> int:
+        """`_replay_records` over a block: each record's topic is looked at in the block's
+        buffer and a message is made only for the records this subscription wants."""
+        buffer = block.buffer
+        starts = block.starts
+        ends = block.ends
+        first = block.first_offset
+        unpack_length = _TOPIC_LENGTH.unpack_from
+        raw_cache = self._raw_matching_cache
+        skip = cursor.skip
+        for index in range(max(0, cursor.position - first), len(starts)):
+            start = starts[index]
+            end = ends[index]
+            if start == end:  # an offset the journal skipped
+                cursor.position = first + index + 1
+                continue
+            try:
+                if buffer[start] not in READABLE_VERSIONS or end - start < _TOPIC_LENGTH_AT + 4:
+                    raise RecordFormatError("not a readable message record")
+                topic_start = start + _TOPIC_LENGTH_AT + 4
+                topic_end = topic_start + unpack_length(buffer, start + _TOPIC_LENGTH_AT)[0]
+                if topic_end > end:
+                    raise RecordFormatError("truncated message record")
+                raw_topic = buffer[topic_start:topic_end]
+                filters = raw_cache.get(raw_topic)
+                if filters is None:
+                    filters = self._filters_for(raw_topic.decode("utf-8"))
+                    if len(raw_cache) > 10_000:
+                        raw_cache.clear()
+                    raw_cache[raw_topic] = filters
+                if not filters:
+                    if skip:
+                        skip.discard(first + index)
+                    cursor.position = first + index + 1
+                    continue
+                # Only records this subscription wants are decoded whole.
+                message = decode_to_message(buffer[start:end], cursor.stream, cursor.shard, first + index)
+            except (RecordFormatError, UnicodeDecodeError) as exc:
+                log.error("subscription %s: skipping bad record %s/%d@%d: %s",
+                          self.name, cursor.stream, cursor.shard, first + index, exc)
+                cursor.position = first + index + 1
+                continue
+            offset = first + index
+            if message.expired(now) or offset in skip:
+                skip.discard(offset)
+                cursor.position = offset + 1
+                continue
+            consumer = self.pick_available(cursor.shard)
+            if consumer is None:
+                self._keep_block_ahead(cursor, block, index)
+                return 0
+            self._send(cursor, message, filters, consumer, 1)
+            budget -= 1
+            if budget <= 0:
+                self._keep_block_ahead(cursor, block, index + 1)
+                return 0
         return budget
 
     @staticmethod
@@ -604,6 +709,22 @@ class DurableSubscription(Subscription):
         rest = records[index:]
         if rest and sum(len(record.data) for record in rest) <= AHEAD_BYTES:
             cursor.ahead = rest
+
+    @staticmethod
+    def _keep_block_ahead(cursor: ShardCursor, block: RecordSpans, index: int) -> None:
+        """Keep the block's records from `index` for the next turn: the block itself when its
+        whole buffer fits in AHEAD_BYTES, else those records' data alone if that does."""
+        rest = block[index:]
+        if not len(rest):
+            return
+        if len(block.buffer) <= AHEAD_BYTES:
+            cursor.ahead = rest
+        elif sum(rest.ends) - sum(rest.starts) <= AHEAD_BYTES:
+            buffer = block.buffer
+            cursor.ahead = [
+                StoredRecord(rest.first_offset + i, stamp, buffer[start:end])
+                for i, (start, end, stamp) in enumerate(zip(rest.starts, rest.ends, rest.timestamps, strict=True))
+            ]
 
     async def _fetch_archived(self, cursor: ShardCursor, archive: ArchiveSource) -> None:
         try:

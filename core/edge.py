@@ -6,8 +6,8 @@ A protocol adapter turns its frames into core calls through an `Edge` and nothin
   already stored and dispatched, or a future that resolves once it is durable under its
   stream's policy (and fails with `PublishRejected` if the store could not take it).
   `publish_many(messages)` accepts the messages of one read at once (one journal append per
-  shard) and returns, per message, its receipt or the `PublishRejected` that refused it alone.
-  Whether
+  shard) and returns, per message, its receipt or the `PublishRejected` that refused it alone
+  (`stop_at_refusal=True`: nothing after the first refused message is processed). Whether
   the shard is stored here or forwarded to its owner node is the broker's placement hook
   (`core.placement.ShardPlacement`, None on a single node); `use_router` can put another
   publish path (a `ShardRouter`) in front of the broker for the whole node.
@@ -46,6 +46,16 @@ Receipt = asyncio.Future[None] | None
 Outcome = asyncio.Future[None] | PublishRejected | None
 
 KICK_REASON = "kicked by administrator"
+
+
+class PublishMany(Protocol):
+    """`publish_many(messages, stop_at_refusal=False)`: one outcome per message, in order;
+    with `stop_at_refusal` the list ends at the first refused message and the messages after
+    it are not processed at all."""
+
+    def __call__(
+        self, messages: Sequence[Message], /, *, stop_at_refusal: bool = False
+    ) -> list[Outcome]: ...
 
 
 class Action(StrEnum):
@@ -182,16 +192,16 @@ class Edge:
         self.publish: Callable[[Message], Receipt] = (
             router.publish if router is not None else broker.publish
         )
-        self.publish_many: Callable[[Sequence[Message]], list[Outcome]] = (
-            broker.publish_many if router is None else self._publish_each
-        )
+        self.publish_many: PublishMany = broker.publish_many if router is None else self._publish_each
 
     def use_router(self, router: ShardRouter) -> None:
         """Send every publish of this node through `router` from now on."""
         self.publish = router.publish
         self.publish_many = self._publish_each
 
-    def _publish_each(self, messages: Sequence[Message]) -> list[Outcome]:
+    def _publish_each(
+        self, messages: Sequence[Message], *, stop_at_refusal: bool = False
+    ) -> list[Outcome]:
         """`publish_many` through a router: one `publish` per message."""
         outcomes: list[Outcome] = []
         publish = self.publish
@@ -200,6 +210,8 @@ class Edge:
                 outcomes.append(publish(message))
             except PublishRejected as exc:
                 outcomes.append(exc)
+                if stop_at_refusal:
+                    break
         return outcomes
 
     @property

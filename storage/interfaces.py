@@ -12,7 +12,7 @@ import asyncio
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 class StorageError(Exception):
@@ -76,6 +76,42 @@ class ShardLog(Protocol):
         low watermark."""
 
     def close(self) -> None: ...
+
+
+class RecordSpans(Protocol):
+    """Consecutive records (offsets `first_offset`, `first_offset + 1`, ...) as one buffer and
+    arrays of positions, no Python object per record (the journal's `RecordBlock`): record i
+    has its data at `buffer[starts[i]:ends[i]]` (empty: an offset the engine skipped) and its
+    timestamp at `timestamps[i]`."""
+
+    @property
+    def buffer(self) -> bytes: ...
+
+    @property
+    def first_offset(self) -> int: ...
+
+    @property
+    def starts(self) -> Sequence[int]: ...
+
+    @property
+    def ends(self) -> Sequence[int]: ...
+
+    @property
+    def timestamps(self) -> Sequence[int]: ...
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: slice) -> RecordSpans: ...
+
+
+@runtime_checkable
+class BlockReadable(Protocol):
+    """A shard log that can also read in bulk (the journal): readers that go through many
+    records and keep few (durable replay, the archiver) read blocks instead of `read`."""
+
+    def read_block(self, from_offset: int, max_records: int = 10_000) -> RecordSpans:
+        """Published records from `from_offset` (clamped to the low watermark), possibly fewer
+        than `max_records` even when more are published; empty at the committed end."""
 
 
 class ShardStorage(Protocol):

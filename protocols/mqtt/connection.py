@@ -773,10 +773,16 @@ class MqttConnection:
 
     def _publish_batch(self, messages: list[Message], packet_ids: list[int | None]) -> None:
         """Hand accepted PUBLISHes to the core in one call and acknowledge each: at once when
-        it is stored already or refused, else once its commit group is durable."""
-        outcomes = self.service.edge.publish_many(messages)
+        it is stored already or refused, else once its commit group is durable.
+
+        MQTT 3.1.1 has no negative acknowledgement: a refused PUBLISH closes the connection,
+        and nothing after it in the batch is handed to the core (see `_forget_unprocessed`)."""
+        v5 = self.version == MQTT_V5
+        outcomes = self.service.edge.publish_many(messages, stop_at_refusal=not v5)
+        if len(outcomes) < len(messages):
+            self._forget_unprocessed(messages[len(outcomes):], packet_ids[len(outcomes):])
         waiting = self._acks_waiting
-        for message, packet_id, outcome in zip(messages, packet_ids, outcomes, strict=True):
+        for message, packet_id, outcome in zip(messages, packet_ids, outcomes, strict=False):
             qos = message.qos
             if outcome is None:
                 if qos:
@@ -792,7 +798,7 @@ class MqttConnection:
                     self.qos2_open.discard(packet_id)  # type: ignore[arg-type]
                 log.warning("%s %s: publish to %r rejected: %s", self.remote, self.client_id,
                             message.topic, outcome)
-                if self.version != MQTT_V5:
+                if not v5:
                     self.close()
                     return
                 if isinstance(outcome, SchemaMismatch):
@@ -812,6 +818,20 @@ class MqttConnection:
                 acks = waiting[outcome] = []
                 outcome.add_done_callback(self._on_durable)
             acks.append((qos, packet_id))  # type: ignore[arg-type]
+
+    def _forget_unprocessed(self, messages: list[Message], packet_ids: list[int | None]) -> None:
+        """PUBLISHes after a refusal that closes the connection: the core never saw them,
+        so they are neither acknowledged nor remembered (a QoS 2 one resent on the next
+        connection is a new message, not a duplicate to drop)."""
+        session = self.session
+        for message, packet_id in zip(messages, packet_ids, strict=True):
+            self.messages_in -= 1
+            if message.qos == 1:
+                self.inbound_pending -= 1
+            elif message.qos == 2 and session is not None:
+                session.inbound_qos2.discard(packet_id)  # type: ignore[arg-type]
+                self.qos2_open.discard(packet_id)  # type: ignore[arg-type]
+                self.service.remember_qos2(session, packet_id, False)  # type: ignore[arg-type]
 
     def _on_durable(self, fut: asyncio.Future[None]) -> None:
         """A commit group is durable (or failed): acknowledge its publishes from this client."""

@@ -348,3 +348,53 @@ async def test_a_grpc_publish_batch_is_one_append_with_per_message_results(
     assert results[2][0] == 3  # INVALID_ARGUMENT
     await asyncio.sleep(0)
     assert [payload for _, payload in recorder.got] == [b"one", b"two"]
+
+
+async def test_stop_at_refusal_leaves_what_follows_untouched(journal: JournalStorage) -> None:
+    broker, recorder = build(journal)
+    (log,) = count_appends(broker)
+    messages = [
+        Message("t/1", b"one"),
+        Message("j/1", b"not json"),  # refused: the list ends here
+        Message("t/1", b"two", retain=True),
+        Message("m/1", b"memory"),
+    ]
+    outcomes = broker.publish_many(messages, stop_at_refusal=True)
+    assert len(outcomes) == 2 and isinstance(outcomes[1], SchemaMismatch)
+    await settle(outcomes)
+    assert log.appends == [1]
+    assert [payload for _, payload in recorder.got] == [b"one"]
+    assert broker.stats.messages_in == 1
+    assert "t/1" not in broker.retained
+
+
+async def test_an_mqtt311_read_stops_at_the_publish_whose_refusal_closes_it(
+    journal: JournalStorage,
+) -> None:
+    broker, recorder = build(journal)
+    loop = asyncio.get_running_loop()
+    service = MqttService(Edge(broker), MqttSettings(sys_interval=0), scheduler=loop)
+    service.start()
+    try:
+        wire = Wire(4)
+        connection = MqttConnection(service, wire, "127.0.0.1:1")
+        service.connection_made(connection)
+        connection.data_received(encode(p.Connect("MQTT", 4, True, 60, "pub"), 4))
+        await until(lambda: wire.out)
+        wire.read()
+        session = connection.session
+        assert session is not None
+        connection.data_received(b"".join(encode(packet, 4) for packet in (
+            p.Publish("t/1", b"a", qos=2, packet_id=1),
+            p.Publish("j/1", b"not json", qos=1, packet_id=2),
+            p.Publish("t/1", b"b", qos=2, packet_id=3),
+            p.Publish("t/1", b"c", qos=1, packet_id=4),
+        )))
+        assert wire.closed
+        await until(lambda: recorder.got)  # stored before the refusal: dispatched once durable
+        assert [payload for _, payload in recorder.got] == [b"a"]
+        # Packet 3 was never taken: resent on the next connection it is a new message.
+        assert 3 not in session.inbound_qos2
+        assert connection.inbound_pending == 0
+    finally:
+        service.stop()
