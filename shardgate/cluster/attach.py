@@ -241,7 +241,8 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     stats = broker.stats
     node.load_probe = lambda: stats.messages_in + stats.messages_out
     await node.join(address, listeners)
-    placer.replay_restored()
+    metadata = app.metadata
+    placer.replay_restored(metadata.get_cursors if metadata is not None else None)
     floors.start()
     ours = {
         name: stream_definition(stream.config)
