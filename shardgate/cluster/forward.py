@@ -408,6 +408,11 @@ class PeerLink:
                 _fail(future, error)
 
 
+def _filters_of(sub: Subscription) -> Callable[[], Sequence[str]]:
+    """The topic filters `sub` has when called (they change while a cursor reads)."""
+    return lambda: list(sub.filters)
+
+
 def _fail(future: asyncio.Future[None], error: BaseException) -> None:
     """Fail a forward's future, marked as seen: a QoS 0 publisher never looks at it, and an
     unretrieved failure would be logged by asyncio as a bug."""
@@ -640,11 +645,39 @@ class DataPlane:
                 if info is None:
                     self.remote.forget(node_id)
                     self._inboxes.pop(node_id, None)
+                    self._read_owner_again(node_id)
                 self.link_state_changed()
         for node_id, info in nodes.items():
             if node_id != self.node_id and node_id not in self.links:
                 self.links[node_id] = PeerLink(self, info)
         self._repoint_cursors()
+
+    def _read_owner_again(self, node_id: str) -> None:
+        """`node_id` left the view (its lease expired): what it stored but had not pushed here
+        yet will never be pushed, so durable cursors following the pushes of its shards read
+        its journal from their positions once it is back (`shard_reader.OwnerLog`), then the
+        pushes again. Its reliable shards stay its own meanwhile (their log is on its disk)."""
+        from ..core.durable import DurableSubscription
+
+        reader = self.owner_reader
+        if reader is None:
+            return
+        for sub in self.broker.subscriptions.values():
+            if not isinstance(sub, DurableSubscription):
+                continue
+            moved = False
+            for (stream, shard), cursor in sub.cursors.items():
+                if not isinstance(cursor.log, ReceivedLog):
+                    continue
+                assignment = self.view.owner(stream, shard)
+                if assignment is None or assignment.node_id != node_id:
+                    continue
+                cursor.log = reader(stream, shard, cursor.position, _filters_of(sub), None)
+                cursor.live = False
+                cursor.ahead = []
+                moved = True
+            if moved:
+                sub.schedule_pump()
 
     def _repoint_cursors(self) -> None:
         """Durable cursors of reliable shards replay from the shard's own log where this node

@@ -300,11 +300,6 @@ def test_a_durable_subscribe_while_etcd_is_down_is_unavailable_then_works(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason=(
-    "messages n2 stored and acknowledged just before it froze are never pushed to n1 (the link "
-    "is dropped when n2's lease expires), and the session's cursor on n2's shards follows "
-    "what n1 received (ReceivedLog) without noticing the gap in offsets; it should read the "
-    "gap from n2's journal (shard_reader.OwnerLog) once n2 is back"))
 def test_a_persistent_session_gets_every_message_acknowledged_while_a_node_was_frozen(
     nodes: list[ClusterNodeProcess],
 ) -> None:
