@@ -112,6 +112,7 @@ class WillKeeper:
         self._due: dict[str, int] = {}
         self._scanner: asyncio.Task[None] | None = None
         self._own_leftovers_checked = False
+        self._claims: set[asyncio.Task[None]] = set()
         self.published = 0
 
     def key(self, client_id: str) -> str:
@@ -225,9 +226,13 @@ class WillKeeper:
             found += 1
             self._due[kv.key] = kv.mod_revision
             wait_s = max(0.0, (publish_at_ms(state, now) - now) / 1000)
-            asyncio.get_running_loop().call_later(
-                wait_s, lambda kv=kv, state=state: asyncio.ensure_future(self._claim(kv, state)))
+            asyncio.get_running_loop().call_later(wait_s, self._claim_later, kv, state)
         return found
+
+    def _claim_later(self, kv: KeyValue, state: dict[str, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(self._claim(kv, state))
+        self._claims.add(task)
+        task.add_done_callback(self._claims.discard)
 
     async def _claim(self, kv: KeyValue, state: dict[str, Any]) -> None:
         """Publish a departed node's will if this node wins the etcd claim on it."""
