@@ -238,16 +238,28 @@ class DurableSubscription(Subscription):
                 key = (stream.name, shard.index)
                 if key in self.cursors:
                     continue
-                shard_log = self._replay_log(stream.name, shard.index, shard.log)
+                shard_log = self._replay_log(stream.name, shard.index, shard.log, position)
                 self.cursors[key] = self._new_cursor(stream.name, shard.index, shard_log, position)
         self.schedule_pump()
 
-    def _replay_log(self, stream: str, shard: int, local: ShardLog | None) -> ShardLog | None:
+    def _replay_log(self, stream: str, shard: int, local: ShardLog | None,
+                    position: str | int = "latest") -> ShardLog | None:
         """The log to replay `stream`/`shard` from: its own, or in a cluster, for a reliable
-        shard another node owns, what this node received of it."""
+        shard another node owns, what this node received of it, or the owner's log itself for
+        a cursor that starts before now (`earliest`, an offset or a -timestamp)."""
         placement = self.broker.placement
         if local is None or placement is None or placement.serves(stream, shard):
             return local
+        if position != "latest":
+            if position == "earliest":
+                start, since_ms = 0, None
+            elif isinstance(position, int) and position < 0:
+                start, since_ms = 0, -position
+            else:
+                start, since_ms = int(position), None
+            owner_log = placement.owner_log(stream, shard, start, lambda: list(self.filters), since_ms)
+            if owner_log is not None:
+                return owner_log
         return placement.received_log(stream, shard)
 
     def _new_cursor(self, stream: str, shard: int, shard_log: ShardLog | None, position: str | int) -> ShardCursor:

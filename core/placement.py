@@ -9,7 +9,7 @@ the core only calls them, and knows nothing of peers, links or etcd.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Container
+from collections.abc import Callable, Container, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -35,6 +35,14 @@ class ShardPlacement(Protocol):
     def received_log(self, stream: str, shard: int) -> ShardLog:
         """What this node received of a shard another node owns (the messages pushed here, in
         offset order, a bounded window): durable subscriptions here replay from it."""
+        ...
+
+    def owner_log(self, stream: str, shard: int, start: int, filters: Callable[[], Sequence[str]],
+                  since_ms: int | None = None) -> ShardLog | None:
+        """A log reading a shard another node owns from its owner's journal, from `start` (or
+        the owner's first record at or after `since_ms`), only the records matching
+        `filters()`: a subscription opened at an earlier position replays from it. None when
+        this node cannot read other nodes' journals (it replays `received_log` then)."""
         ...
 
 

@@ -182,13 +182,16 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     listeners = {name: f"{listener.host}:{listener.port}" for name, listener in app.listeners.items()}
     listeners["cluster"] = f"{host}:{plane.port}"
     # shared-state calls between nodes on the same port: session handover, remote shard reads
-    from .shard_reader import serve_read
+    from .shard_reader import OwnerLog, serve_read
     from .state_rpc import StateRpc
 
     rpc = StateRpc(node.view)
     rpc.on_read = lambda request: serve_read(broker, plane, request)
     plane.add_service(rpc.handler())
     node.state_rpc = rpc
+    # a subscription opened here at an earlier position reads other nodes' shards from them
+    plane.owner_reader = lambda stream, shard, start, filters, since_ms: OwnerLog(
+        rpc, plane, stream, shard, start, filters, since_ms)
     from .durables import DurableHandover
     from .sessions import CursorPlacer, SessionHandover, StateWriter
 
@@ -243,7 +246,8 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     stats = broker.stats
     node.load_probe = lambda: stats.messages_in + stats.messages_out
     await node.join(address, listeners)
-    placer.replay_restored()
+    metadata = app.metadata
+    placer.replay_restored(metadata.get_cursors if metadata is not None else None)
     floors.start()
     ours = {
         name: stream_definition(stream.config)

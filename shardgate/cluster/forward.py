@@ -22,7 +22,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -53,6 +53,7 @@ from .routes import NOBODY, RemoteRoutes, Route, RouteDelta, diff, local_routes
 if TYPE_CHECKING:
     from ..core.broker import Broker
     from ..core.message import Message
+    from ..storage.interfaces import ShardLog
 
 log = logging.getLogger(__name__)
 
@@ -521,6 +522,9 @@ class DataPlane:
         self._storing = 0  # frames of forwarded publishes being stored, not answered yet
         # Shards other nodes own that a durable subscription here follows.
         self._received: dict[tuple[str, int], ReceivedLog] = {}
+        # makes a log reading a shard another node owns from its owner's journal (set by
+        # `attach.py` once the shard-reading calls are served; see `shard_reader.OwnerLog`)
+        self.owner_reader: Callable[[str, int, int, Callable[[], Sequence[str]], int | None], ShardLog] | None = None
         self._closing: asyncio.Task[None] | None = None
         self._reconcile: asyncio.Task[None] | None = None
         # What kept retained messages before (the metadata store, through the app).
@@ -677,6 +681,11 @@ class DataPlane:
         if log is None:
             log = self._received[key] = ReceivedLog()
         return log
+
+    def owner_log(self, stream: str, shard: int, start: int, filters: Callable[[], Sequence[str]],
+                  since_ms: int | None = None) -> ShardLog | None:
+        reader = self.owner_reader
+        return None if reader is None else reader(stream, shard, start, filters, since_ms)
 
     def forward(self, message: Message) -> asyncio.Future[None]:
         assignment = self.view.owner(message.stream, message.shard)

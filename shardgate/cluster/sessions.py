@@ -35,10 +35,10 @@ import asyncio
 import base64
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from ..core.durable import DurableSubscription
+from ..core.durable import DurableSubscription, decode_cursor_state
 from ..core.message import Message, now_ms
 from ..core.records import RecordFormatError, decode_to_message, encode_message
 from ..core.subscriptions import SubscriptionType
@@ -146,23 +146,36 @@ class CursorPlacer:
             self.node.floors.report_soon()  # the owners keep what these cursors still need
         return {(m.stream, m.shard, m.offset): m for listed in found.values() for m in listed}
 
-    def replay_restored(self) -> int:
+    def replay_restored(self, saved: Callable[[str], Iterable[Any]] | None = None) -> int:
         """At start: durable cursors this node restored from its own store, on shards another
         node owns, continue from that owner's journal (what was pushed here before the restart
-        went with the process), then on the pushes. Returns how many."""
+        went with the process), then on the pushes. They resume at the floor saved in the store
+        (`saved(name)`: its cursor records; restoring clamped them to this node's empty log of
+        the shard), so unacknowledged messages come again. Returns how many."""
         me = self.node.node_id
         count = 0
         for sub in list(self.broker.subscriptions.values()):
             if not isinstance(sub, DurableSubscription):
                 continue
-            for (stream, shard), cursor in sub.cursors.items():
-                if cursor.log is None or getattr(cursor.log, "remote_shard", False):
+            records: dict[tuple[str, int], Any] | None = None
+            for (stream, shard), cursor in list(sub.cursors.items()):
+                if cursor.log is None:
                     continue
                 owner = self.node.view.owner(stream, shard)
                 if owner is None or owner.node_id == me:
                     continue
+                if records is None:
+                    records = {(r.stream, r.shard): r for r in saved(sub.name)} if saved else {}
+                record = records.get((stream, shard))
+                position = cursor.position
+                if record is not None and record.acked:
+                    # from the saved floor: the unacknowledged come again (with what was
+                    # acknowledged after the first of them: at least once)
+                    saved_position, unacked = decode_cursor_state(record.acked)
+                    position = max(position, min([saved_position, *unacked]))
+                cursor.position = position
                 cursor.log = OwnerLog(  # type: ignore[assignment]
-                    self.rpc, self.plane, stream, shard, cursor.position, self._filters_of(sub))
+                    self.rpc, self.plane, stream, shard, position, self._filters_of(sub))
                 count += 1
         if count:
             log.info("cluster: %d restored cursors replay from their shards' owners", count)

@@ -148,6 +148,11 @@ class OwnerLog:
             return max(self._fetched_next, self._want) + 1
         return max(self.handoff, self.received.next_offset)
 
+    @property
+    def deliverable_end(self) -> int:
+        """Everything read here was committed by the shard's owner."""
+        return self.next_offset
+
     def read(self, from_offset: int, max_records: int = 1000) -> list[StoredRecord]:
         if from_offset > self._want:
             self._want = from_offset
@@ -218,9 +223,12 @@ class OwnerLog:
         owner = self.plane.view.owner(self.stream, self.shard)
         if owner is None or owner.node_id == self.plane.node_id:
             return RETRY_MIN_S  # unplaced, or moving here (the data plane repoints the cursor)
+        filters = list(self.filters())
+        if not filters:
+            return ROUTE_WAIT_S  # no filters yet: a handoff now would pass over what they want
         request: dict[str, Any] = {
             "stream": self.stream, "shard": self.shard, "from": self._fetched_next,
-            "max": FETCH_RECORDS, "filters": list(self.filters()), "node": self.plane.node_id,
+            "max": FETCH_RECORDS, "filters": filters, "node": self.plane.node_id,
         }
         if self.since_ms is not None:
             request["since_ms"] = self.since_ms

@@ -2,8 +2,8 @@
 14: "retained messages and wills ... shared"): a will of a client whose connection drops on one
 node reaches subscribers on another, a will delayed past a reconnect on another node is never
 published, retained messages outlive the node that stored them, and what a demanding user
-expects where it is not built yet (a will when its client's node dies, a replay from the
-earliest offset on any node), marked as expected failures with the reason."""
+expects where it is not built yet (a will when its client's node dies), marked as an expected
+failure with the reason; a replay from the earliest offset on any node reads every shard."""
 
 from __future__ import annotations
 
@@ -182,10 +182,6 @@ def test_no_will_after_a_clean_disconnect_when_the_node_later_dies(
     watcher.expect_none(within=3)  # n2 controls the cluster now: it found no will to publish
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "not built: a new subscription from the earliest offset replays the shards its node owns "
-    "(and what that node received of the others); shards other nodes own are not read from "
-    "their journals (shard_reader.OwnerLog is used by moved sessions and durables only)"))
 def test_a_consumer_from_the_earliest_offset_on_any_node_replays_every_shard(
     pair: list[ClusterNodeProcess],
 ) -> None:
