@@ -1,9 +1,9 @@
 """Retained messages, wills and history across nodes when connections and nodes fail (issue
 14: "retained messages and wills ... shared"): a will of a client whose connection drops on one
 node reaches subscribers on another, a will delayed past a reconnect on another node is never
-published, retained messages outlive the node that stored them, and what a demanding user
-expects where it is not built yet (a will when its client's node dies), marked as an expected
-failure with the reason; a replay from the earliest offset on any node reads every shard."""
+published, a will whose client's node dies is published once by a survivor (after its will
+delay; never after a clean DISCONNECT), retained messages outlive the node that stored them,
+and a replay from the earliest offset on any node reads every shard."""
 
 from __future__ import annotations
 
