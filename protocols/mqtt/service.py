@@ -62,6 +62,8 @@ class MqttService:
         self.on_session_opened: Callable[[str], None] | None = None
         # ... and of every session that ended here (not merely disconnected).
         self.on_session_ended: Callable[[str], None] | None = None
+        # ... and whenever a client's will was published, dropped or scheduled here.
+        self.on_will_changed: Callable[[str], None] | None = None
         # Cluster mode: asked at every CONNECT before the session opens; returns an awaitable
         # when the client's session must first come from (or be ended on) another node (it is
         # in `sessions`, offline, once that is done), None when nothing is elsewhere.
@@ -356,6 +358,8 @@ class MqttService:
             # Taken over: the new connection owns the session now.
             if will is not None and self._will_delay(connection, will) == 0:
                 self._publish_will(connection.client_id, will)
+            if self.on_will_changed is not None:
+                self.on_will_changed(connection.client_id)
             return
         session.connection = None
         session.disconnected_at_ms = now_ms()
@@ -370,6 +374,8 @@ class MqttService:
                 delay = min(delay, expiry)
                 handle = self.scheduler.call_later(delay, self._delayed_will, session.client_id, will)
                 self._will_timers[session.client_id] = (handle, will)
+        if self.on_will_changed is not None:
+            self.on_will_changed(session.client_id)
         if expiry == 0:
             self._end_session(session)
             return
@@ -406,6 +412,8 @@ class MqttService:
             self.edge.publish(message)
         except Exception:
             log.exception("could not publish the will of %r", client_id)
+        if self.on_will_changed is not None:
+            self.on_will_changed(client_id)
 
     def _expire_session(self, client_id: str) -> None:
         self._expiry_timers.pop(client_id, None)

@@ -218,6 +218,11 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
             if session.connection is not None:
                 node.claim_session(client_id)
         handover.start_sweeping()
+        from .wills import WillKeeper
+
+        wills = node.wills = WillKeeper(node, mqtt, writer)
+        wills.install()
+        wills.start()
     await node.durables.drop_moved()
     from .floors import CursorFloors
 

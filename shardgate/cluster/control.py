@@ -296,6 +296,8 @@ class ClusterNode:
         # nodes it and remote cursors make (state_rpc.StateRpc); set by `attach.join`
         self.handover: Any = None
         self.state_rpc: Any = None
+        # wills kept in etcd and published for departed nodes (wills.WillKeeper)
+        self.wills: Any = None
         # durable subscriptions shared through etcd (durables.DurableHandover) and the writer
         # of the snapshots both keep there (sessions.StateWriter)
         self.durables: Any = None
@@ -731,6 +733,8 @@ class ClusterNode:
             self.durables.stop()
         if self.handover is not None:
             self.handover.stop()
+        if self.wills is not None:
+            self.wills.stop()
         if self.floors is not None:
             await self.floors.stop()
         if self.state_writer is not None:

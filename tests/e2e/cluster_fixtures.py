@@ -70,6 +70,22 @@ class EtcdServer:
         wait_for(self.healthy, timeout=20, interval=0.05)
         return self
 
+    def keys(self, containing: str = "") -> list[str]:
+        """Every key in etcd (all Shardgate's start with "/") that contains `containing`."""
+        import asyncio
+
+        from shardgate.cluster.etcd import EtcdClient
+
+        async def read() -> list[str]:
+            client = EtcdClient([self.url])
+            try:
+                kvs, _revision = await client.get_prefix("/")
+            finally:
+                await client.close()
+            return [kv.key for kv in kvs if containing in kv.key]
+
+        return asyncio.run(read())
+
     def healthy(self) -> bool:
         assert self.proc is not None
         if self.proc.poll() is not None:

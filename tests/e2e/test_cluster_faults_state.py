@@ -1,9 +1,9 @@
 """Retained messages, wills and history across nodes when connections and nodes fail (issue
 14: "retained messages and wills ... shared"): a will of a client whose connection drops on one
 node reaches subscribers on another, a will delayed past a reconnect on another node is never
-published, retained messages outlive the node that stored them, and what a demanding user
-expects where it is not built yet (a will when its client's node dies), marked as an expected
-failure with the reason; a replay from the earliest offset on any node reads every shard."""
+published, a will whose client's node dies is published once by a survivor (after its will
+delay; never after a clean DISCONNECT), retained messages outlive the node that stored them,
+and a replay from the earliest offset on any node reads every shard."""
 
 from __future__ import annotations
 
@@ -25,11 +25,14 @@ from tests.e2e.cluster_fixtures import (
 from tests.mqtt_clients import V5, V311, Paho
 
 STREAMS = '[[streams]]\nname = "status"\nmode = "reliable"\npartitions = 4\nroutes = ["status/#"]\n'
+# Presence: non-reliable, so a dead node's shards move to a survivor (a will to a reliable
+# shard of the dead node itself waits for that node to come back).
+PRESENCE = '[[streams]]\nname = "presence"\nmode = "non-reliable"\npartitions = 2\nroutes = ["presence/#"]\n'
 
 
 @pytest.fixture
 def pair(etcd: EtcdServer, tmp_path: Path) -> Iterator[list[ClusterNodeProcess]]:
-    nodes = [protocol_node(tmp_path, name, etcd.url, STREAMS).start() for name in ("n1", "n2")]
+    nodes = [protocol_node(tmp_path, name, etcd.url, STREAMS + PRESENCE).start() for name in ("n1", "n2")]
     try:
         wait_settled(nodes)
         yield nodes
@@ -118,20 +121,65 @@ def test_a_retained_message_outlives_the_node_that_stored_it(pair: list[ClusterN
     assert wait_for(lambda: read_on(n1) == b"kept", timeout=15, interval=0.2)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "not built: a will lives only in the memory of the node holding its client's connection; "
-    "when that node dies (SIGKILL) no other node publishes it. Needs the will kept where a "
-    "survivor finds it (etcd, under the holder's lease, or the session snapshot) and published "
-    "by a survivor once the holder's lease expires"))
-def test_a_will_is_published_when_the_node_of_its_client_dies(pair: list[ClusterNodeProcess]) -> None:
+def will_kept(etcd: EtcdServer, client_id: str) -> bool:
+    """Whether `client_id`'s will is kept in etcd for survivors (see cluster/wills.py)."""
+    return any(key.endswith(f".state/wills/{client_id}") for key in etcd.keys(".state/wills/"))
+
+
+def test_a_will_is_published_when_the_node_of_its_client_dies(
+    pair: list[ClusterNodeProcess], etcd: EtcdServer,
+) -> None:
     n1, n2 = pair
     watcher = Paho(n2.mqtt_port, "watcher", V5)
-    watcher.subscribe("status/#", 1)
+    watcher.subscribe("presence/#", 1)
     routes_known(pair)
-    Paho(n1.mqtt_port, "device-3", V5, will=will("status/device-3", "offline"))
+    topic = "presence/device-3"
+    Paho(n1.mqtt_port, "device-3", V5, will=will(topic, "offline", retain=True))
+    assert wait_for(lambda: will_kept(etcd, "device-3"), timeout=10, interval=0.1)
     n1.kill()
     message = watcher.expect(timeout=15)  # the lease TTL is 3 s
-    assert message.payload == b"offline"
+    assert (message.topic, message.payload) == (topic, b"offline")
+    watcher.expect_none(within=3)  # published once
+    late = Paho(n2.mqtt_port, "late-device-3", V5)  # and retained, as its will said
+    late.subscribe(topic, 1)
+    got = late.expect(timeout=10)
+    assert (got.payload, got.retain) == (b"offline", True)
+    late.disconnect()
+
+
+def test_a_will_delay_runs_on_the_survivor_when_the_node_of_its_client_dies(
+    pair: list[ClusterNodeProcess], etcd: EtcdServer,
+) -> None:
+    n1, n2 = pair
+    watcher = Paho(n2.mqtt_port, "watcher", V5)
+    watcher.subscribe("presence/#", 1)
+    routes_known(pair)
+    topic = "presence/device-5"
+    Paho(n1.mqtt_port, "device-5", V5, will=will(topic, "offline", delay=4),
+         clean=False, session_expiry=300)
+    assert wait_for(lambda: will_kept(etcd, "device-5"), timeout=10, interval=0.1)
+    n1.kill()
+    watcher.expect_none(within=4)  # not before the lease runs out and the delay has run
+    assert watcher.expect(timeout=15).payload == b"offline"
+
+
+def test_no_will_after_a_clean_disconnect_when_the_node_later_dies(
+    pair: list[ClusterNodeProcess], etcd: EtcdServer,
+) -> None:
+    n1, n2 = pair
+    watcher = Paho(n2.mqtt_port, "watcher", V5)
+    watcher.subscribe("presence/#", 1)
+    routes_known(pair)
+    topic = "presence/device-4"
+    device = Paho(n1.mqtt_port, "device-4", V5, will=will(topic, "offline"),
+                  clean=False, session_expiry=300)
+    assert wait_for(lambda: will_kept(etcd, "device-4"), timeout=10, interval=0.1)
+    device.disconnect()  # DISCONNECT 0x00: the will is discarded
+    assert wait_for(lambda: not will_kept(etcd, "device-4"), timeout=10, interval=0.1)
+    n1.kill()
+    assert wait_for(lambda: [node["node_id"] for node in n2.status()["nodes"]] == ["n2"],
+                    timeout=15, interval=0.2)
+    watcher.expect_none(within=3)  # n2 controls the cluster now: it found no will to publish
 
 
 def test_a_consumer_from_the_earliest_offset_on_any_node_replays_every_shard(

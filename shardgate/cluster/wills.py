@@ -1,0 +1,284 @@
+"""MQTT wills that outlive the node holding their client's connection.
+
+A will lives in the memory of the node its client is connected to; when that node dies
+(SIGKILL, power) nothing there publishes it. So every node also keeps the wills it holds in
+etcd, under `/shardgate/<cluster>.state/wills/<client id>` (outside the watched prefix: a
+CONNECT with a will is one etcd write no other node is woken for), naming the node and its
+lease. The key follows the will's life on its node:
+
+- a client with a will opens its session here: the will is put (as its connection's);
+- the connection ends with DISCONNECT 0x00, its will is published here, or its session goes
+  to another node: the key is deleted (if it still names this node);
+- the connection drops with a will delay (MQTT 5): the key stays, marked with when the
+  connection went, until the delayed will is published or cancelled here.
+
+When a node's lease expires (it leaves the live nodes), the controller publishes every will
+that node held, once its will delay has run from when the connection dropped (or from when
+the controller saw the node go), with its retain flag and properties, through the normal
+publish path. The claim is an etcd transaction deleting the key at the revision read, so a
+will is published once even when the controller changes meanwhile. A will whose client is
+back on a live node by then (the session registry says so) is dropped, as a reconnect within
+the delay cancels it on one node. A node that restarts under the same id publishes the wills
+its previous life left (they name an older lease).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ..core.message import Message, now_ms
+from ..protocols.mqtt import packets as p
+from . import keys
+from .etcd import KeyValue, delete_op, mod_revision_is
+
+if TYPE_CHECKING:
+    from ..protocols.mqtt.service import MqttService
+    from .control import ClusterNode
+    from .sessions import StateWriter
+
+log = logging.getLogger(__name__)
+
+# How often the controller looks for wills of nodes that are gone.
+SCAN_INTERVAL_S = 1.0
+# How long a departed node's will is retried while its shard has no live owner (a reliable
+# shard of the departed node itself waits for that node to come back).
+PUBLISH_RETRY_S = 300.0
+
+
+def _b64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode()
+
+
+def _unb64(data: str | None) -> bytes | None:
+    return None if data is None else base64.b64decode(data)
+
+
+def will_state(client_id: str, will: p.Will, *, node: str, lease: int, delay: int, expiry: int,
+               disconnected_ms: int | None) -> dict[str, Any]:
+    """What etcd keeps of a will: enough to publish it as its node would have."""
+    props = will.properties
+    return {
+        "client_id": client_id, "node": node, "lease": lease,
+        "topic": will.topic, "payload": _b64(will.payload), "qos": will.qos, "retain": will.retain,
+        "delay": delay, "expiry": expiry, "disconnected_ms": disconnected_ms,
+        "message_expiry_interval": props.message_expiry_interval,
+        "content_type": props.content_type, "correlation_data": _b64(props.correlation_data),
+        "response_topic": props.response_topic,
+        "payload_format_indicator": props.payload_format_indicator,
+        "user_properties": [list(pair) for pair in props.user_properties or []],
+    }
+
+
+def will_of(state: dict[str, Any]) -> p.Will:
+    props = p.Properties()
+    props.message_expiry_interval = state.get("message_expiry_interval")
+    props.content_type = state.get("content_type")
+    props.correlation_data = _unb64(state.get("correlation_data"))
+    props.response_topic = state.get("response_topic")
+    props.payload_format_indicator = state.get("payload_format_indicator")
+    user = [(str(k), str(v)) for k, v in state.get("user_properties") or []]
+    if user:
+        props.user_properties = user
+    return p.Will(str(state["topic"]), _unb64(state.get("payload")) or b"", int(state.get("qos", 0)),
+                  bool(state.get("retain", False)), props)
+
+
+def publish_at_ms(state: dict[str, Any], noticed_ms: int) -> int:
+    """When a dead node's will is due: its delay (bounded by the session expiry, as on the
+    node) from when the connection dropped, or from when its node was seen gone."""
+    delay = int(state.get("delay") or 0)
+    expiry = int(state.get("expiry") or 0)
+    if delay <= 0 or expiry == 0:
+        return noticed_ms
+    dropped = state.get("disconnected_ms")
+    start = int(dropped) if dropped is not None else noticed_ms
+    return start + min(delay, expiry) * 1000
+
+
+class WillKeeper:
+    """Keeps this node's wills in etcd and publishes those of dead nodes (module docstring)."""
+
+    def __init__(self, node: ClusterNode, service: MqttService, writer: StateWriter) -> None:
+        self.node = node
+        self.service = service
+        self.writer = writer
+        self.prefix = node.settings.prefix.rstrip("/") + ".state/wills/"
+        # client ids whose will this node has put in etcd
+        self._kept: set[str] = set()
+        # wills of dead nodes waiting for their delay: key -> mod revision being waited on
+        self._due: dict[str, int] = {}
+        self._scanner: asyncio.Task[None] | None = None
+        self._own_leftovers_checked = False
+        self._claims: set[asyncio.Task[None]] = set()
+        self.published = 0
+
+    def key(self, client_id: str) -> str:
+        return self.prefix + client_id
+
+    # ------------------------------------------------------------ wiring
+    def install(self) -> None:
+        service = self.service
+        opened = service.on_session_opened
+
+        def on_opened(client_id: str) -> None:
+            if opened is not None:
+                opened(client_id)
+            self.opened(client_id)
+
+        service.on_session_opened = on_opened
+        service.on_will_changed = self.changed
+
+    def start(self) -> None:
+        if self._scanner is None:
+            self._scanner = asyncio.get_running_loop().create_task(self._scan_loop())
+
+    def stop(self) -> None:
+        if self._scanner is not None:
+            self._scanner.cancel()
+            self._scanner = None
+
+    # ------------------------------------------------------------ this node's wills
+    def opened(self, client_id: str) -> None:
+        session = self.service.sessions.get(client_id)
+        connection = session.connection if session is not None else None
+        if (connection is not None and connection.will is not None) or client_id in self._kept:
+            self._sync(client_id, opened=True)
+
+    def changed(self, client_id: str) -> None:
+        """The MQTT service published, dropped or scheduled `client_id`'s will."""
+        if client_id in self._kept:
+            self._sync(client_id, opened=False)
+
+    def _current(self, client_id: str) -> dict[str, Any] | None:
+        """The will this node holds for `client_id` now, as etcd keeps it (None: none)."""
+        service = self.service
+        session = service.sessions.get(client_id)
+        node_id, lease = self.node.node_id, self.node.lease_id
+        if session is not None and session.connection is not None:
+            connection = session.connection
+            if connection.will is None:
+                return None
+            return will_state(client_id, connection.will, node=node_id, lease=lease,
+                              delay=service._will_delay(connection, connection.will),
+                              expiry=connection.session_expiry_at_connect, disconnected_ms=None)
+        pending = service._will_timers.get(client_id)
+        if pending is None or session is None:
+            return None
+        delay = pending[1].properties.will_delay_interval or 0
+        return will_state(client_id, pending[1], node=node_id, lease=lease, delay=delay,
+                          expiry=session.expiry_interval, disconnected_ms=session.disconnected_at_ms)
+
+    def _sync(self, client_id: str, *, opened: bool) -> None:
+        """Make etcd agree with the will held here, in the background (what is written is the
+        state when it is written). A session opening here replaces whatever etcd had; any
+        other change deletes only a key that still names this node."""
+        key = self.key(client_id)
+
+        async def write() -> None:
+            client = self.node.client
+            state = self._current(client_id)
+            if state is not None:
+                self._kept.add(client_id)
+                await client.put(key, keys.encode(state))
+                return
+            self._kept.discard(client_id)
+            if opened:
+                await client.delete(key)
+                return
+            kv = await client.get(key)
+            if kv is not None and keys.decode(kv.value).get("node") == self.node.node_id:
+                await client.txn([mod_revision_is(key, kv.mod_revision)], [delete_op(key)])
+
+        self.writer.run(key, write)
+
+    # ------------------------------------------------------------ wills of dead nodes
+    async def _scan_loop(self) -> None:
+        while True:
+            try:
+                if self.node.is_controller or not self._own_leftovers_checked:
+                    await self.scan()
+                    self._own_leftovers_checked = True
+            except Exception as exc:  # noqa: BLE001 - the next round tries again
+                log.warning("cluster: looking for wills of departed nodes failed: %s", exc)
+            await asyncio.sleep(SCAN_INTERVAL_S)
+
+    def _orphaned(self, state: dict[str, Any]) -> bool:
+        holder = state.get("node")
+        if holder == self.node.node_id:
+            return state.get("lease") != self.node.lease_id  # left by this node's previous life
+        return self.node.is_controller and holder not in self.node.view.nodes()
+
+    async def scan(self) -> int:
+        """Schedule every will whose holder is gone; returns how many were found."""
+        kvs, _revision = await self.node.client.get_prefix(self.prefix)
+        found = 0
+        now = now_ms()
+        for kv in kvs:
+            try:
+                state = keys.decode(kv.value)
+            except ValueError:
+                continue
+            if not self._orphaned(state) or self._due.get(kv.key) == kv.mod_revision:
+                continue
+            found += 1
+            self._due[kv.key] = kv.mod_revision
+            wait_s = max(0.0, (publish_at_ms(state, now) - now) / 1000)
+            asyncio.get_running_loop().call_later(wait_s, self._claim_later, kv, state)
+        return found
+
+    def _claim_later(self, kv: KeyValue, state: dict[str, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(self._claim(kv, state))
+        self._claims.add(task)
+        task.add_done_callback(self._claims.discard)
+
+    async def _claim(self, kv: KeyValue, state: dict[str, Any]) -> None:
+        """Publish a departed node's will if this node wins the etcd claim on it."""
+        if self._due.get(kv.key) == kv.mod_revision:
+            del self._due[kv.key]
+        client_id = str(state.get("client_id", ""))
+        try:
+            result = await self.node.client.txn([mod_revision_is(kv.key, kv.mod_revision)],
+                                                [delete_op(kv.key)])
+        except Exception as exc:  # noqa: BLE001 - the next scan finds it again
+            log.warning("cluster: cannot claim the will of %r yet: %s", client_id, exc)
+            return
+        if not result.succeeded:
+            return  # published, replaced or cancelled elsewhere
+        holder = self.node.view.sessions.get(client_id)
+        if holder is not None and holder != state.get("node") and holder in self.node.view.nodes():
+            log.info("cluster: the will of %r is cancelled: its client is back on %s", client_id, holder)
+            return
+        log.info("cluster: publishing the will of %r held by departed node %s", client_id, state.get("node"))
+        await self._publish(client_id, will_of(state))
+
+    async def _publish(self, client_id: str, will: p.Will) -> None:
+        """Publish through the normal path, retried while its shard has no live owner (a
+        reliable shard of the departed node is unavailable until that node is back)."""
+        props = will.properties
+        expires = None
+        if props.message_expiry_interval is not None:
+            expires = now_ms() + props.message_expiry_interval * 1000
+        message = Message(
+            will.topic, will.payload, will.qos, will.retain, None,
+            props.user_properties or None, props.content_type, props.correlation_data,
+            props.response_topic, props.payload_format_indicator, expires,
+            producer_protocol="mqtt", producer_id=client_id,
+        )
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + PUBLISH_RETRY_S
+        while True:
+            try:
+                receipt = self.service.edge.publish(message)
+                if receipt is not None:
+                    await receipt
+                self.published += 1
+                return
+            except Exception as exc:  # noqa: BLE001 - a shard without owner yet: retried
+                if loop.time() >= give_up:
+                    log.error("cluster: the will of %r could not be published: %s", client_id, exc)
+                    return
+                log.info("cluster: the will of %r waits for its shard (%s)", client_id, exc)
+            await asyncio.sleep(0.5)
