@@ -286,7 +286,7 @@ def _native(batch: _Batch, flags: pa.Array, pos: pa.Array) -> pa.Array | None:
             raise _Malformed from exc
         if end > len(data):
             raise _Malformed
-        values[index] = list(native.items())
+        values[index] = list(native.items()) or None  # an empty section: none, as a message reads it
     return pa.array(values, NATIVE_PROPERTIES)
 
 

@@ -152,3 +152,14 @@ def test_garbage_never_crashes(messages: list[MessageRecord], data: st.DataObjec
         pytest.fail("decode_batch accepted a record decode_message refuses")
     assert decoded_rows(raw) == wanted
 
+
+
+def test_an_empty_native_properties_section_reads_as_none_as_a_message_does() -> None:
+    """A record flagged with native properties whose section holds none (a count of 0): the
+    archive column is null, as `decode_message` gives no native properties."""
+    with_one = encode_message(MessageRecord(topic="t", payload=b"x", qos=1, retain=False,
+                                            publish_time_ms=1, native_properties={"a": b"1"}))
+    section = with_one.index(b"\x01\x01a")
+    empty = with_one[:section] + b"\x00" + with_one[section + 1 + 1 + 1 + 4 + 1:]
+    assert not decode_message(empty).native_properties
+    assert decoded_rows([empty]) == [expected(empty)]
