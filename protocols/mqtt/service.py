@@ -42,6 +42,20 @@ MQTT_ADMINISTRATIVE_ACTION = p.ReasonCode.ADMINISTRATIVE_ACTION
 VERSION_NAMES = {3: "MQTT 3.1", 4: "MQTT 3.1.1", 5: "MQTT 5.0"}
 
 
+
+def will_message(client_id: str, will: p.Will) -> Message:
+    """The message a client's will publishes, its expiry counted from now."""
+    props = will.properties
+    expires = None
+    if props.message_expiry_interval is not None:
+        expires = now_ms() + props.message_expiry_interval * 1000
+    return Message(
+        will.topic, will.payload, will.qos, will.retain, None,
+        props.user_properties or None, props.content_type, props.correlation_data,
+        props.response_topic, props.payload_format_indicator, expires,
+        producer_protocol="mqtt", producer_id=client_id,
+    )
+
 class MqttService:
     def __init__(
         self, edge: Edge, settings: MqttSettings | None = None,
@@ -397,16 +411,7 @@ class MqttService:
         self._publish_will(client_id, will)
 
     def _publish_will(self, client_id: str, will: p.Will) -> None:
-        props = will.properties
-        expires = None
-        if props.message_expiry_interval is not None:
-            expires = now_ms() + props.message_expiry_interval * 1000
-        message = Message(
-            will.topic, will.payload, will.qos, will.retain, None,
-            props.user_properties or None, props.content_type, props.correlation_data,
-            props.response_topic, props.payload_format_indicator, expires,
-            producer_protocol="mqtt", producer_id=client_id,
-        )
+        message = will_message(client_id, will)
         log.info("publishing the will of %r to %r", client_id, will.topic)
         try:
             self.edge.publish(message)

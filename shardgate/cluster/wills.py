@@ -29,8 +29,9 @@ import base64
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ..core.message import Message, now_ms
+from ..core.message import now_ms
 from ..protocols.mqtt import packets as p
+from ..protocols.mqtt.service import will_message
 from . import keys
 from .etcd import KeyValue, delete_op, mod_revision_is
 
@@ -257,16 +258,7 @@ class WillKeeper:
     async def _publish(self, client_id: str, will: p.Will) -> None:
         """Publish through the normal path, retried while its shard has no live owner (a
         reliable shard of the departed node is unavailable until that node is back)."""
-        props = will.properties
-        expires = None
-        if props.message_expiry_interval is not None:
-            expires = now_ms() + props.message_expiry_interval * 1000
-        message = Message(
-            will.topic, will.payload, will.qos, will.retain, None,
-            props.user_properties or None, props.content_type, props.correlation_data,
-            props.response_topic, props.payload_format_indicator, expires,
-            producer_protocol="mqtt", producer_id=client_id,
-        )
+        message = will_message(client_id, will)
         loop = asyncio.get_running_loop()
         give_up = loop.time() + PUBLISH_RETRY_S
         while True:
