@@ -155,10 +155,15 @@ class BridgeBase(Generic[Connection]):
     async def stop(self) -> None:
         """Stop forwarding; the durable subscription stays, so what the remote did not
         acknowledge is sent when the bridge next runs."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        task = self._task
+        if task is not None:
+            # Cancelled again until it ends: on Python 3.11 a cancellation that arrives as an
+            # inner `wait_for` completes can be swallowed, and the reconnect loop would go on.
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=CLOSE_TIMEOUT_S + 1)
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                task.result()
             self._task = None
         if self._subscription is not None:
             self.edge.detach(self._subscription, self)
