@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,8 +22,42 @@ from shardgate.app import Shardgate
 from shardgate.config import Config, load_config
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports it picks itself (bind to 0, a client's connect)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_EPHEMERAL_LOW, _EPHEMERAL_HIGH = _ephemeral_range()
+# Ports for tests come from below the ephemeral range: the kernel never hands those to a client
+# connection or a bind to port 0, so between the pick and the broker's bind (or across a
+# broker's restart) no other socket on the machine can take one, except another test that
+# picked the same port on purpose, which the random pick and the bind check make rare.
+_PICK_LOW, _PICK_HIGH = (16384, _EPHEMERAL_LOW - 1) if _EPHEMERAL_LOW > 20000 else (0, 0)
+_picker = random.Random(os.getpid() ^ time.monotonic_ns())
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A loopback TCP port that nothing listens on, for a server the test starts next."""
+    if _PICK_HIGH:
+        if len(_handed_out) > (_PICK_HIGH - _PICK_LOW) // 2:
+            _handed_out.clear()
+        for _ in range(200):
+            port = _picker.randint(_PICK_LOW, _PICK_HIGH)
+            if port in _handed_out:
+                continue
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
+    with socket.socket() as sock:  # no room below the ephemeral range: let the kernel pick
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
@@ -124,6 +159,10 @@ def broker(broker_factory: Callable[..., ThreadedBroker]) -> ThreadedBroker:
     return broker_factory()
 
 
+class PortInUse(AssertionError):
+    """`shardgate serve` exited because a port it was given is in use."""
+
+
 class BrokerProcess:
     """`shardgate serve` as a real subprocess, for restart and SIGKILL tests."""
 
@@ -136,19 +175,45 @@ class BrokerProcess:
         self.ports: dict[str, int] = {}
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
 
+    # A port taken by another socket is waited for this long (same ports) before failing.
+    PORT_IN_USE_TIMEOUT = 30.0
+
     def start(self, mqtt_port: int | None = None) -> BrokerProcess:
+        """Start `shardgate serve` and wait for its port file. A restart keeps the ports it
+        had (clients come back to the same address). If a port is in use (a socket of the
+        killed process not yet released, or another process), the start is retried with the
+        same ports until PORT_IN_USE_TIMEOUT."""
+        port = mqtt_port or self.ports.get("mqtt") or free_port()
+        refusals: list[PortInUse] = []
+
+        def started() -> bool:
+            try:
+                self._start_once(port)
+            except PortInUse as exc:
+                refusals.append(exc)
+                return False
+            return True
+
+        try:
+            wait_for(started, timeout=self.PORT_IN_USE_TIMEOUT, interval=0.2)
+        except AssertionError:
+            raise refusals[-1] if refusals else AssertionError("broker did not start") from None
+        return self
+
+    def _start_once(self, mqtt_port: int) -> BrokerProcess:
         port_file = self.data_dir.parent / f"{self.data_dir.name}.ports.json"
         if port_file.exists():
             port_file.unlink()
         args = [
             sys.executable, "-m", "shardgate", "serve", "--data-dir", str(self.data_dir),
-            "--host", "127.0.0.1", "--mqtt-port", str(mqtt_port or self.ports.get("mqtt") or free_port()),
+            "--host", "127.0.0.1", "--mqtt-port", str(mqtt_port),
             "--mqtt-ws-port", "0", "--grpc-port", "0", "--amqp-port", "0", "--http-port", "0",
             "--port-file", str(port_file), *self.extra_args,
         ]
         if self.config_file is not None:
             args += ["--config", str(self.config_file)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDGATE_")}
+        log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         log_file = open(self.log_path, "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=env)
         log_file.close()
@@ -156,6 +221,11 @@ class BrokerProcess:
         def ready() -> bool:
             assert self.proc is not None
             if self.proc.poll() is not None:
+                with open(self.log_path, "rb") as log:
+                    log.seek(log_start)
+                    output = log.read().decode(errors="replace")
+                if "cannot listen" in output and "already in use" in output:
+                    raise PortInUse(output)
                 raise AssertionError(f"broker exited early:\n{self.log_path.read_text()}")
             return port_file.exists()
 
