@@ -246,3 +246,30 @@ def test_a_failover_standby_on_another_node_takes_over_when_the_active_node_is_k
             await standby.close()
 
     asyncio.run(scenario())
+
+
+def test_consumers_defining_a_subscription_on_two_nodes_at_once_share_one(cluster: Cluster, etcd: EtcdServer) -> None:
+    """Two consumers create the same new Shared subscription at the same moment on n1 and n2:
+    one node holds it (a create-if-absent claim in etcd), the other relays to it, so each
+    message is delivered once, not once per node."""
+    n1, n2 = cluster(2)
+
+    async def scenario() -> None:
+        async with Client(n1.grpc_url) as first, Client(n2.grpc_url) as second:
+            consumers = [client.consumer("race", ["race/#"], type="shared", durable=True, reconnect=False)
+                         for client in (first, second)]
+            await asyncio.gather(*(consumer.subscribe() for consumer in consumers))
+            assert held_by(etcd, "race") in {"n1", "n2"}
+            producer = first.producer()
+            sent = [f"r-{number}".encode() for number in range(20)]
+            for payload in sent:
+                await producer.send(f"race/{payload.decode()}", payload)
+            got = await take_from(consumers, len(sent))
+            await producer.send("race/last", b"last")
+            got_last = await take_from(consumers, 1)
+            assert sorted(got[0] + got[1]) == sorted(sent)
+            assert got_last[0] + got_last[1] == [b"last"]  # nothing of `sent` came twice
+            for consumer in consumers:
+                await consumer.close()
+
+    asyncio.run(scenario())
