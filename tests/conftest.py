@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,45 +19,12 @@ import pytest
 from shardgate.app import Shardgate
 from shardgate.config import Config, load_config
 
+# Re-exported: tests import these from here. Their state lives in those modules, which pytest's
+# own copy of this conftest and the tests' `tests.conftest` import share.
+from tests.child_processes import end_process, track_process, tracked_processes
+from tests.local_ports import free_port
 
-def _ephemeral_range() -> tuple[int, int]:
-    """The kernel's range for ports it picks itself (bind to 0, a client's connect)."""
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-_EPHEMERAL_LOW, _EPHEMERAL_HIGH = _ephemeral_range()
-# Ports for tests come from below the ephemeral range: the kernel never hands those to a client
-# connection or a bind to port 0, so between the pick and the broker's bind (or across a
-# broker's restart) no other socket on the machine can take one, except another test that
-# picked the same port on purpose, which the random pick and the bind check make rare.
-_PICK_LOW, _PICK_HIGH = (16384, _EPHEMERAL_LOW - 1) if _EPHEMERAL_LOW > 20000 else (0, 0)
-_picker = random.Random(os.getpid() ^ time.monotonic_ns())
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A loopback TCP port that nothing listens on, for a server the test starts next."""
-    if _PICK_HIGH:
-        if len(_handed_out) > (_PICK_HIGH - _PICK_LOW) // 2:
-            _handed_out.clear()
-        for _ in range(200):
-            port = _picker.randint(_PICK_LOW, _PICK_HIGH)
-            if port in _handed_out:
-                continue
-            with socket.socket() as sock:
-                try:
-                    sock.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-            _handed_out.add(port)
-            return port
-    with socket.socket() as sock:  # no room below the ephemeral range: let the kernel pick
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["end_process", "free_port", "track_process", "wait_for"]
 
 
 def wait_for(condition: Callable[[], Any], timeout: float = 10.0, interval: float = 0.01) -> Any:
@@ -150,13 +115,31 @@ def broker_factory(tmp_path: Path) -> Iterator[Callable[..., ThreadedBroker]]:
         return broker
 
     yield start
-    for broker in started:
-        broker.stop()
+    errors: list[BaseException] = []
+    for broker in started:  # every one is stopped, even if stopping an earlier one failed
+        try:
+            broker.stop()
+        except Exception as exc:  # noqa: BLE001  (raised below, after the others stopped)
+            errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 @pytest.fixture
 def broker(broker_factory: Callable[..., ThreadedBroker]) -> ThreadedBroker:
     return broker_factory()
+
+
+@pytest.fixture(autouse=True)
+def _end_processes_left_running() -> Iterator[None]:
+    """After each test, end the server processes it started and left running (a test that
+    failed half-way, a node that failed to start beside a running peer). Processes of wider-
+    scoped fixtures were started before this fixture and are left alone."""
+    first = len(tracked_processes)
+    yield
+    for proc in tracked_processes[first:]:
+        end_process(proc)
+    del tracked_processes[first:]
 
 
 class PortInUse(AssertionError):
@@ -215,7 +198,8 @@ class BrokerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDGATE_")}
         log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         log_file = open(self.log_path, "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        self.proc = track_process(
+            subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=env))
         log_file.close()
 
         def ready() -> bool:
@@ -229,7 +213,11 @@ class BrokerProcess:
                 raise AssertionError(f"broker exited early:\n{self.log_path.read_text()}")
             return port_file.exists()
 
-        wait_for(ready, timeout=30)
+        try:
+            wait_for(ready, timeout=30)
+        except AssertionError:
+            end_process(self.proc)  # one that never came up is not left running
+            raise
         self.ports = json.loads(port_file.read_text())
         return self
 
@@ -259,6 +247,4 @@ def broker_process(tmp_path: Path) -> Iterator[Callable[..., BrokerProcess]]:
 
     yield make
     for process in processes:
-        if process.proc is not None and process.proc.poll() is None:
-            process.proc.kill()
-            process.proc.wait(10)
+        end_process(process.proc)
