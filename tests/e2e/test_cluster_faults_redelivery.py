@@ -13,6 +13,8 @@ import pytest
 from shardgate.protocols.mqtt import packets as p
 
 from tests.conftest import wait_for
+from tests.e2e.cluster_fixtures import wait_settled
+from tests.e2e.test_cluster_state_sessions import Cluster, create_spread, topic_on
 from tests.mqtt_clients import V5, Paho, RawClient
 
 SESSION = p.Properties(session_expiry_interval=3600, receive_maximum=2)
@@ -66,6 +68,34 @@ def test_unacknowledged_messages_come_again_with_dup_after_a_restart(broker_proc
     broker.start()
     back = RawClient(broker.mqtt_port, version=5)
     assert back.connect("dup-reader", clean=False, properties=SESSION).session_present
+    again = receive_all(back, 4)
+    assert [(m.payload, m.dup) for m in again] == [
+        (b"m0", True), (b"m1", True), (b"m2", False), (b"m3", False)]
+    back.close()
+
+
+def test_a_restarted_cluster_nodes_session_resends_with_dup_what_it_read_from_another_owner(
+        cluster: Cluster) -> None:
+    """The session is on n2; its messages are on a shard n1 owns. n2 is SIGKILLed and
+    restarted: the session reads its backlog from n1's journal again, and what it had been
+    sent and had not acknowledged comes marked DUP, the rest not."""
+    n1, n2 = cluster(2)
+    create_spread(n1, [n1, n2], "owned")
+    topic, _shard = topic_on(n1, "owned", "n1")
+    reader = subscribe_unacked(n2.mqtt_port, "remote-reader", "owned/#")
+    publisher = Paho(n1.mqtt_port, "remote-publisher", V5)
+    for index in range(4):
+        publisher.publish(topic, f"m{index}", 1)
+    publisher.disconnect()
+    sent = [reader.receive(timeout=20) for _ in range(2)]
+    assert [(m.payload, m.dup) for m in sent] == [(b"m0", False), (b"m1", False)]
+    wait_for(lambda: saved_unacked(n2.data_dir, "mqtt:remote-reader") == 2, timeout=10, interval=0.05)
+    n2.kill()
+    reader.close()
+    n2.start()
+    wait_settled([n1, n2])
+    back = RawClient(n2.mqtt_port, version=5)
+    assert back.connect("remote-reader", clean=False, properties=SESSION).session_present
     again = receive_all(back, 4)
     assert [(m.payload, m.dup) for m in again] == [
         (b"m0", True), (b"m1", True), (b"m2", False), (b"m3", False)]
