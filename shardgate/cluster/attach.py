@@ -203,6 +203,8 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     assert edge is not None
     node.durables = DurableHandover(node, edge, broker, placer, rpc, writer)
     node.durables.install()
+    if app.grpc is not None:  # consumers of this node's durable subscriptions on other nodes
+        plane.add_service(node.durables.serve_consumers(app.grpc))
     mqtt = app.mqtt
     if mqtt is not None:
         handover = SessionHandover(node, mqtt, broker, placer, rpc, writer)
