@@ -4,16 +4,10 @@ ephemeral port. Tests import the fixtures by name (tests/e2e/conftest.py makes t
 
 `cluster(3)` starts three nodes (n1, n2, n3) and waits until all are registered and every
 shard is placed; `node.status()` is the node's `/api/cluster`. Tests skip when etcd is absent.
-
-Every `shardgate serve` a `ClusterNodeProcess` spawns is recorded (`spawned_nodes`), whichever
-attempt spawned it: the `etcd` fixture kills those still running when its test ends, however
-the test or a fixture built on it failed (a node that failed to start, a list of nodes whose
-second failed), and an exit hook kills any left by a test that did not use the fixture.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import itertools
 import json
@@ -118,43 +112,8 @@ class EtcdServer:
             self.proc.wait(5)
 
 
-# Every node process spawned and not yet reaped (see the module docstring).
-spawned_nodes: list[subprocess.Popen[bytes]] = []
-
-
-def kill_spawned_nodes() -> None:
-    """SIGKILL every node process spawned here that is still running, and reap them all."""
-    while spawned_nodes:
-        proc = spawned_nodes.pop()
-        if proc.poll() is None:
-            proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(10)
-
-
-atexit.register(kill_spawned_nodes)
-
-
 class ClusterNodeProcess(BrokerProcess):
     """`shardgate serve --cluster URL --node-id ID --cluster-port 0` as a subprocess."""
-
-    @property  # type: ignore[override]
-    def proc(self) -> subprocess.Popen[bytes] | None:
-        return self._proc
-
-    @proc.setter
-    def proc(self, proc: subprocess.Popen[bytes] | None) -> None:
-        # recorded as soon as spawned: a start that fails afterwards cannot leak it
-        self._proc = proc
-        if proc is not None:
-            spawned_nodes.append(proc)
-
-    def _kill_failed_start(self) -> None:
-        """A start failed: the process it spawned must not outlive it (it may still be up,
-        e.g. when it did not write its ports in time)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
     def __init__(self, data_dir: Path, node_id: str, etcd_url: str, *,
                  lease_ttl_s: int = 3, cluster_name: str = "test", extra_config: str = "",
@@ -183,10 +142,8 @@ class ClusterNodeProcess(BrokerProcess):
             try:
                 super().start(mqtt_port)
                 return self
-            except BaseException as exc:
-                self._kill_failed_start()
-                if (not isinstance(exc, AssertionError) or attempt == 2
-                        or "already in use" not in str(exc).rsplit("shardgate started", 1)[-1]):
+            except AssertionError as exc:
+                if "already in use" not in str(exc).rsplit("shardgate started", 1)[-1] or attempt == 2:
                     raise
             args = self.extra_args
             for index, arg in enumerate(args[:-1]):
@@ -239,11 +196,8 @@ def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
     if ETCD is None:
         pytest.skip("etcd is not installed (apt-get install etcd-server)")
     server = EtcdServer(tmp_path / "etcd").start()
-    try:
-        yield server
-    finally:
-        kill_spawned_nodes()  # whatever the test's nodes or fixtures left running
-        server.stop()
+    yield server
+    server.stop()
 
 
 @pytest.fixture
