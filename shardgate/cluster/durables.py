@@ -55,7 +55,7 @@ from ..core.message import now_ms
 from ..core.subscriptions import Subscription, SubscriptionType
 from ..proto import shardgate_pb2 as pb
 from . import keys
-from .etcd import EtcdError
+from .etcd import EtcdError, mod_revision_is, put_op, version_is
 from .sessions import (
     RELEASE_CALL_TIMEOUT_S,
     TAKEOVER_TIMEOUT_S,
@@ -238,28 +238,47 @@ class DurableHandover:
 
     async def _find(self, name: str) -> str | None:
         me = self.node.node_id
-        kv = await self.node.client.get(self.key(name))
-        if kv is None:
-            return None  # a new subscription: it is defined here
-        state = keys.decode(kv.value)
-        holder = state.get("node")
-        if holder != me and holder in self.node.view.nodes():
-            try:
-                reply = await self.rpc.release_durable(holder, {"name": name, "to": me}, RELEASE_CALL_TIMEOUT_S)
-            except StateCallError as exc:
-                log.warning("cluster: node %s did not hand subscription %r over (%s); resuming "
-                            "from its last checkpoint", holder, name, exc)
-                reply = {}
-            if reply.get("holder"):
-                return str(reply["holder"])
-            if reply.get("state") is not None:
-                state = reply["state"]
-        if name in self.broker.subscriptions:
+        client = self.node.client
+        key = self.key(name)
+        for _ in range(5):
+            kv = await client.get(key)
+            if kv is None:
+                # a new subscription: claimed with a create-if-absent transaction, so that of
+                # two nodes defining it at once one holds it and the other relays to it
+                claim = keys.encode({"node": me, "name": name, "taken_ms": now_ms()})
+                if (await client.txn([version_is(key, 0)], [put_op(key, claim)])).succeeded:
+                    return None
+                continue
+            state = keys.decode(kv.value)
+            holder = state.get("node")
+            if holder != me and holder in self.node.view.nodes():
+                try:
+                    reply = await self.rpc.release_durable(holder, {"name": name, "to": me}, RELEASE_CALL_TIMEOUT_S)
+                except StateCallError as exc:
+                    log.warning("cluster: node %s did not hand subscription %r over (%s); resuming "
+                                "from its last checkpoint", holder, name, exc)
+                    reply = {}
+                if reply.get("holder"):
+                    return str(reply["holder"])
+                if reply.get("state") is not None:
+                    state = reply["state"]
+            if name in self.broker.subscriptions:
+                return None
+            if holder != me:
+                # take it with a transaction on the revision read: of two nodes taking over a
+                # dead holder's subscription, one holds it and the other relays to it
+                claim = keys.encode(dict(state, node=me, taken_ms=state.get("taken_ms", now_ms())))
+                if not (await client.txn([mod_revision_is(key, kv.mod_revision)], [put_op(key, claim)])).succeeded:
+                    continue
+                if name in self.broker.subscriptions:
+                    return None
+            if "type" not in state:
+                return None  # claimed but never defined (its first consumer was refused)
+            self.adopt(state)
+            self.taken_over += 1
+            log.info("cluster: durable subscription %r taken over from %s", name, holder)
             return None
-        self.adopt(state)
-        self.taken_over += 1
-        log.info("cluster: durable subscription %r taken over from %s", name, holder)
-        return None
+        raise ShardUnavailable(f"the record of durable subscription {name!r} keeps changing; retry")
 
     def adopt(self, state: dict[str, Any]) -> DurableSubscription:
         broker = self.broker

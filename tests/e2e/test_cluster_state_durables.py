@@ -6,6 +6,7 @@ on several nodes share one cursor on the node that holds it (Shared, Failover, E
 from __future__ import annotations
 
 import asyncio
+import zlib
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -244,5 +245,79 @@ def test_a_failover_standby_on_another_node_takes_over_when_the_active_node_is_k
             await producer.send(sorted(on_n2)[0], b"marker")
             assert await take(standby, 1) == {sorted(on_n2)[0]: [b"marker"]}
             await standby.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_failover_standby_on_another_node_takes_over_when_the_active_node_leaves(
+        cluster: Cluster, etcd: EtcdServer) -> None:
+    """n1 holds the subscription and its active consumer, which has messages it did not
+    acknowledge, when n1 stops with SIGTERM: the standby on n2 becomes active and gets exactly
+    those again, then what is published next."""
+    n1, n2 = cluster(2)
+    spread_stream([n1, n2])
+    on_n2 = sorted(topics_of(n2.status(), "away", "away", owner="n2", per_shard=2))
+
+    async def scenario() -> None:
+        async with Client(n1.grpc_url) as first, Client(n2.grpc_url) as second:
+            active = first.consumer("leaving", ["away/#"], type="failover", durable=True, reconnect=False)
+            await active.subscribe()
+            wait_for(lambda: held_by(etcd, "leaving") == "n1", timeout=20)
+            standby = second.consumer("leaving", ["away/#"], type="failover", durable=True)
+            await standby.subscribe()
+            producer = second.producer()
+            before = [(topic, f"before-{topic}".encode()) for topic in on_n2]
+            for topic, payload in before:
+                await producer.send(topic, payload)
+            # each consumer has some shards (Failover is per shard); nobody acknowledges
+            got: list[list[bytes]] = [[], []]
+
+            async def hold(index: int, consumer) -> None:
+                async for message in consumer:
+                    got[index].append(message.payload)
+
+            holders = [asyncio.ensure_future(hold(index, consumer))
+                       for index, consumer in enumerate([active, standby])]
+            await asyncio.to_thread(wait_for, lambda: len(got[0]) + len(got[1]) == len(before), timeout=30)
+            for task in holders:
+                task.cancel()
+            # Failover gives shard s to consumer s % 2: n1's has some unless n2 owns odd ones only
+            assert got[0] or all(zlib.crc32(topic.encode()) % 6 % 2 for topic in on_n2)
+            assert await asyncio.to_thread(n1.terminate) == 0
+            await standby.wait_active(timeout=30)
+            # everything unacknowledged comes (again) to n2's consumer, then the next message
+            again = await take(standby, len(before))
+            assert sorted(payload for payloads in again.values() for payload in payloads) == \
+                sorted(payload for _, payload in before)
+            await producer.send(on_n2[0], b"next")
+            assert await take(standby, 1) == {on_n2[0]: [b"next"]}
+            await standby.close()
+
+    asyncio.run(scenario())
+
+
+def test_consumers_defining_a_subscription_on_two_nodes_at_once_share_one(cluster: Cluster, etcd: EtcdServer) -> None:
+    """Two consumers create the same new Shared subscription at the same moment on n1 and n2:
+    one node holds it (a create-if-absent claim in etcd), the other relays to it, so each
+    message is delivered once, not once per node."""
+    n1, n2 = cluster(2)
+
+    async def scenario() -> None:
+        async with Client(n1.grpc_url) as first, Client(n2.grpc_url) as second:
+            consumers = [client.consumer("race", ["race/#"], type="shared", durable=True, reconnect=False)
+                         for client in (first, second)]
+            await asyncio.gather(*(consumer.subscribe() for consumer in consumers))
+            assert held_by(etcd, "race") in {"n1", "n2"}
+            producer = first.producer()
+            sent = [f"r-{number}".encode() for number in range(20)]
+            for payload in sent:
+                await producer.send(f"race/{payload.decode()}", payload)
+            got = await take_from(consumers, len(sent))
+            await producer.send("race/last", b"last")
+            got_last = await take_from(consumers, 1)
+            assert sorted(got[0] + got[1]) == sorted(sent)
+            assert got_last[0] + got_last[1] == [b"last"]  # nothing of `sent` came twice
+            for consumer in consumers:
+                await consumer.close()
 
     asyncio.run(scenario())
