@@ -1,12 +1,13 @@
 """Draining a durable gRPC subscription on its holder against through another node's relay.
 
-Starts a real etcd and two `shardgate serve --cluster` nodes on loopback. Per run and side it
-makes a Shared durable subscription held by n1 (an anchor consumer on n1 with credit 1, which
-takes one message and then none), publishes `--messages` 64-byte messages to it with the SDK,
-then drains them (all but the anchor's one) with one SDK consumer (credit 1000, acks batched
-by the SDK): on n1 itself (local), or on n2, whose stream is relayed to n1 over the cluster
-port with every ack going back there (`shardgate/cluster/durables.py`). It prints messages
-per second for each, the median of `--runs`, runs interleaved.
+Starts a real etcd and two `shardgate serve --cluster` nodes on loopback. Per run and side
+it makes a Shared durable subscription held by the node that owns the default stream's shard,
+publishes `--messages` 64-byte messages to it with the SDK, attaches an anchor consumer there
+with credit 1 (it takes one message and then none, and keeps the subscription there), then
+drains the backlog (all but the anchor's one) with one SDK consumer (credit 1000, acks batched
+by the SDK): on the holder itself, or on the other node, whose stream is relayed to the holder
+over the cluster port with every ack going back there (`shardgate/cluster/durables.py`). It
+prints messages per second for each, the median of `--runs`, runs interleaved.
 
     python bench/durable_relay.py --messages 20000 --runs 3
 
@@ -37,7 +38,7 @@ ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 
 @contextlib.contextmanager
 def cluster() -> Iterator[dict[str, str]]:
-    """Yield {node id: gRPC url} once both nodes serve and are placed."""
+    """Yield the gRPC urls of the holder and the other node once both serve and are placed."""
     with tempfile.TemporaryDirectory(prefix="bench-durable-relay-") as tmp:
         workdir = Path(tmp)
         procs: list[subprocess.Popen[bytes]] = []
@@ -74,10 +75,14 @@ def cluster() -> Iterator[dict[str, str]]:
                     status = http_json(f"http://127.0.0.1:{info['http']}/api/cluster")
                     if len(status["nodes"]) != 2 or "default" not in status["placement"]:
                         return False
+                    info["owner"] = status["placement"]["default"][0][0]
                 return True
 
             wait_until(placed, 60, "the two nodes")
-            yield {node: info["grpc"] for node, info in nodes.items()}
+            # the holder is the owner of the default stream's shard: only the relay differs
+            owner = nodes["n1"]["owner"]
+            other = next(node for node in nodes if node != owner)
+            yield {"holder": nodes[owner]["grpc"], "other": nodes[other]["grpc"]}
         finally:
             for proc in reversed(procs):
                 if proc.poll() is None:
@@ -93,23 +98,34 @@ def cluster() -> Iterator[dict[str, str]]:
 async def run_once(urls: dict[str, str], name: str, drain_on: str, messages: int) -> float:
     """Messages per second draining subscription `name` from node `drain_on`."""
     topic = f"relay/{name}"
-    async with Client(urls["n1"]) as holder, Client(urls[drain_on]) as drainer:
-        anchor = holder.consumer(name, [topic], type="shared", durable=True, credit=1, reconnect=False)
-        await anchor.subscribe()
+    async with Client(urls["holder"]) as holder, Client(urls[drain_on]) as drainer:
+        # define the subscription on the holder, store the backlog, then attach the anchor: the backlog
+        # is then read from the journal, each message to a consumer with credit for it
+        first = holder.consumer(name, [topic], type="shared", durable=True, reconnect=False)
+        await first.subscribe()
+        await first.close()
         producer = holder.producer()
         body = b"x" * 64
         for start in range(0, messages, 500):
             await asyncio.gather(*(producer.send(topic, body) for _ in range(min(500, messages - start))))
+        anchor = holder.consumer(name, [topic], type="shared", durable=True, credit=1, reconnect=False)
+        await anchor.subscribe()
         consumer = drainer.consumer(name, [topic], type="shared", durable=True, reconnect=False)
         started = time.perf_counter()
         await consumer.subscribe()
         seen = 0
         wanted = messages - 1  # the anchor took one
-        async for message in consumer:
-            message.ack()
-            seen += 1
-            if seen >= wanted:
-                break
+        async def drain() -> None:
+            nonlocal seen
+            async for message in consumer:
+                message.ack()
+                seen += 1
+                if seen >= wanted:
+                    return
+        try:
+            await asyncio.wait_for(drain(), 120)
+        except TimeoutError:
+            raise RuntimeError(f"{name}: {seen} of {wanted} drained in 120 s") from None
         elapsed = time.perf_counter() - started
         await consumer.close()
         await anchor.close()
@@ -120,7 +136,7 @@ async def run_once(urls: dict[str, str], name: str, drain_on: str, messages: int
 async def measure(urls: dict[str, str], messages: int, runs: int) -> dict[str, list[float]]:
     rates: dict[str, list[float]] = {"holder": [], "relayed": []}
     for run in range(runs):
-        for label, node in (("holder", "n1"), ("relayed", "n2")):
+        for label, node in (("holder", "holder"), ("relayed", "other")):
             rates[label].append(await run_once(urls, f"bench-{run}-{label}", node, messages))
     return rates
 
