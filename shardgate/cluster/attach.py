@@ -297,6 +297,8 @@ def cluster_status(node: ClusterNode) -> dict[str, Any]:
         },
         # what other nodes' durable cursors still need of this node's shards (retention keeps it)
         "cursor_floors": node.floors.status() if node.floors is not None else {},
+        # cursor floors reported by nodes out of the view (ignored after a bound)
+        "departed_floors": node.floors.departed_status() if node.floors is not None else {},
     }
 
 

@@ -29,6 +29,8 @@ class ClusterSettings:
     leave_timeout_s: float = 10.0
     # how often the controller removes expired MQTT sessions' snapshots from etcd
     session_sweep_s: float = 30.0
+    # how long the cursor floors of a node that left the view still keep owners' journals
+    departed_floors_retention_s: float = 86400.0
     username: str | None = None
     password: str | None = None
     ca_file: str | None = None
