@@ -172,7 +172,8 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     assert broker is not None
     plane = app.data_plane  # the app starts it before its client listeners
     if plane is None:
-        plane = DataPlane(broker, node.view, host=host, port=settings.port)
+        plane = DataPlane(broker, node.view, host=host, port=settings.port,
+                          link_timeout_s=settings.link_timeout_s)
         try:
             await plane.start()
         except (OSError, RuntimeError) as exc:

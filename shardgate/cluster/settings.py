@@ -23,6 +23,9 @@ class ClusterSettings:
     advertise_address: str = ""
     # a node whose lease is not refreshed for this long is dead; its non-reliable shards move
     lease_ttl_s: int = 5
+    # a peer that sends nothing on its link for this long (frozen) is given up on: publishes
+    # waiting for it fail retryably, and its link is redialed until it answers again
+    link_timeout_s: float = 3.0
     # how long `serve` waits for etcd at start before giving up with an error
     connect_timeout_s: float = 10.0
     # how long a SIGTERM'd node waits for its shards to be handed over before it exits
