@@ -188,13 +188,13 @@ class CursorFloors:
         return {f"{stream}/{shard}": floor for (stream, shard), floor in sorted(self.remote_needs().items())}
 
     def departed_status(self) -> dict[str, dict[str, object]]:
-        """The reports of nodes out of the view: since when, whether they are ignored yet, and
-        when they will be, and their floors."""
+        """The reports of nodes out of the view that ask to keep something: since when, whether
+        they are ignored yet, and when they will be, and their floors."""
         reports = self._reports or {}
         live = self.node.view.nodes()
         status: dict[str, dict[str, object]] = {}
         for node_id, floors in sorted(reports.items()):
-            if node_id in live:
+            if node_id in live or not floors:
                 continue
             since = self._departed.get(node_id)
             status[node_id] = {
