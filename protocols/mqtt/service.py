@@ -28,6 +28,7 @@ from . import packets as p
 from .connection import MQTT_V5, MqttConnection, State
 from .session import NEVER_EXPIRES, MqttSession, Outgoing
 from .settings import MqttSettings
+from .timing import ConnectTiming
 
 if TYPE_CHECKING:
     from ...core.ports import MqttSessionPorts
@@ -108,11 +109,14 @@ class MqttService:
         self.publishing: MqttConnection | None = None
         self._congested: set[MqttSession] = set()
         self._held: list[MqttConnection] = []
+        # Where CONNECTs wait (read → session open → CONNACK written) and the loop's lateness.
+        self.connect_timing = ConnectTiming()
         edge.clients.register("mqtt", self)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self._tick_handle = self.scheduler.call_later(TICK_S, self._tick)
+        self.connect_timing.start_probe(self.scheduler)
         if self.settings.sys_interval > 0:
             self._publish_sys()
 
@@ -136,6 +140,7 @@ class MqttService:
         for handle in (self._tick_handle, self._sys_handle):
             if handle is not None:
                 handle.cancel()
+        self.connect_timing.stop_probe()
         for connection in list(self.connections):
             connection.close(reason, "server shutting down")
         self._flush()

@@ -96,6 +96,8 @@ def info_view(app: Any) -> dict[str, Any]:
             for name in ("passes", "groups", "records", "bytes", "fsyncs", "failures")
         },
         "archive": getattr(app, "archiver", None) is not None,
+        # where CONNECTs wait inside the broker, and the event loop's lateness (ms)
+        "mqtt_connect_timing": mqtt.connect_timing.summary() if mqtt is not None else None,
     }
 
 
