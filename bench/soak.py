@@ -170,17 +170,53 @@ def encode_disconnect(version: int, expiry: int | None = None) -> bytes:
     return packet(DISCONNECT << 4, b"")
 
 
-async def read_packet(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    first = (await reader.readexactly(1))[0]
-    length = 0
-    for shift in range(0, 28, 7):
-        byte = (await reader.readexactly(1))[0]
-        length |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            break
-    else:
-        raise ValueError("malformed remaining length")
-    return first, await reader.readexactly(length)
+class PacketReader:
+    """Whole packets from a stream: one socket read gives every packet it completed, parsed from
+    one buffer (a read per header byte would make the generator, not the broker, the bottleneck
+    under a fan-out of large messages)."""
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self.reader = reader
+        self.buffer = bytearray()
+        self.pending: list[tuple[int, bytes]] = []
+
+    async def packets(self) -> list[tuple[int, bytes]]:
+        """At least one packet; raises IncompleteReadError at the end of the stream."""
+        while True:
+            out, self.pending = self.pending + self._parse(), []
+            if out:
+                return out
+            chunk = await self.reader.read(1 << 18)
+            if not chunk:
+                raise asyncio.IncompleteReadError(bytes(self.buffer), None)
+            self.buffer += chunk
+
+    def _parse(self) -> list[tuple[int, bytes]]:
+        buffer = self.buffer
+        out: list[tuple[int, bytes]] = []
+        pos, end = 0, len(buffer)
+        while True:
+            length, shift, i = 0, 0, pos + 1
+            complete = False
+            while i < end and shift <= 21:
+                byte = buffer[i]
+                i += 1
+                length |= (byte & 0x7F) << shift
+                shift += 7
+                if not byte & 0x80:
+                    complete = True
+                    break
+            if not complete:
+                if shift > 21:
+                    raise ValueError("malformed remaining length")
+                break
+            if end - i < length:
+                break
+            out.append((buffer[pos], bytes(buffer[i:i + length])))
+            pos = i + length
+        if pos:
+            del buffer[:pos]
+        return out
 
 
 def skip_props(body: bytes, pos: int) -> int:
@@ -246,6 +282,8 @@ class Client:
         self.stats = stats
         self.on_message = on_message
         self.reader: asyncio.StreamReader | None = None
+        self.packets: PacketReader | None = None
+        self.batch: list[bytes] | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.pending: dict[int, tuple[str | None, int, asyncio.Future[bool]]] = {}
         self.suback: dict[int, asyncio.Future[bytes]] = {}
@@ -276,11 +314,14 @@ class Client:
         self.writer.write(
             encode_connect(self.client_id, self.version, clean, keepalive, expiry, receive_maximum, will)
         )
+        self.packets = PacketReader(self.reader)
         try:
-            first, body = await asyncio.wait_for(read_packet(self.reader), timeout)
+            received = await asyncio.wait_for(self.packets.packets(), timeout)
         except BaseException:
             self.abort()
             raise
+        first, body = received.pop(0)
+        self.packets.pending = received  # what came right behind the CONNACK
         if first >> 4 != CONNACK or len(body) < 2:
             self.abort()
             raise ConnectRefused(f"expected CONNACK, got packet type {first >> 4}")
@@ -305,7 +346,9 @@ class Client:
         raise RuntimeError("no free packet id")
 
     def write(self, data: bytes) -> None:
-        if self.writer is not None and not self.writer.is_closing():
+        if self.batch is not None:  # acknowledgements of one read leave in one write
+            self.batch.append(data)
+        elif self.writer is not None and not self.writer.is_closing():
             self.writer.write(data)
 
     async def subscribe(self, filters: list[tuple[str, int]], timeout: float = 15.0) -> bytes:
@@ -367,64 +410,21 @@ class Client:
             future.set_result(ok)
 
     async def _read_loop(self) -> None:
-        assert self.reader is not None
+        assert self.packets is not None
+        packets = self.packets
         version = self.version
         try:
             while True:
-                first, body = await read_packet(self.reader)
-                kind = first >> 4
-                if kind == PUBLISH:
-                    qos = (first >> 1) & 3
-                    topic_len = struct.unpack_from("!H", body)[0]
-                    topic = body[2:2 + topic_len].decode()
-                    pos = 2 + topic_len
-                    packet_id = 0
-                    if qos:
-                        packet_id = struct.unpack_from("!H", body, pos)[0]
-                        pos += 2
-                    if version == 5:
-                        pos = skip_props(body, pos)
-                    if qos == 2 and packet_id in self.inbound_qos2:
-                        self.write(encode_ack(PUBREC, packet_id))
-                        continue
-                    if self.on_message is not None:
-                        self.on_message(topic, body[pos:], qos)
-                    if qos == 1:
-                        self.write(encode_ack(PUBACK, packet_id))
-                    elif qos == 2:
-                        self.inbound_qos2.add(packet_id)
-                        self.write(encode_ack(PUBREC, packet_id))
-                elif kind == PUBREL:
-                    packet_id = struct.unpack_from("!H", body)[0]
-                    self.inbound_qos2.discard(packet_id)
-                    self.write(encode_ack(PUBCOMP, packet_id))
-                elif kind == PUBACK:
-                    packet_id = struct.unpack_from("!H", body)[0]
-                    ok = len(body) < 3 or body[2] < 0x80
-                    self._acked(packet_id, ok)
-                elif kind == PUBREC:
-                    packet_id = struct.unpack_from("!H", body)[0]
-                    if len(body) >= 3 and body[2] >= 0x80:
-                        self._acked(packet_id, False)
-                    else:
-                        self.write(encode_ack(PUBREL, packet_id))
-                elif kind == PUBCOMP:
-                    packet_id = struct.unpack_from("!H", body)[0]
-                    ok = len(body) < 3 or body[2] < 0x80
-                    self._acked(packet_id, ok)
-                elif kind == SUBACK:
-                    packet_id = struct.unpack_from("!H", body)[0]
-                    future = self.suback.get(packet_id)
-                    if future is not None and not future.done():
-                        future.set_result(body[2:])
-                elif kind == DISCONNECT:
-                    reason = body[0] if body else 0
-                    self.stats.server_disconnects[reason] = self.stats.server_disconnects.get(reason, 0) + 1
-                    break
-                elif kind == PINGRESP:
-                    pass
-                else:
-                    self.stats.note_error(f"{self.client_id}: unexpected packet type {kind}")
+                received = await packets.packets()
+                self.batch = []
+                try:
+                    for first, body in received:
+                        if not self._handle(first, body, version):
+                            return
+                finally:
+                    batch, self.batch = self.batch, None
+                    if batch:
+                        self.write(b"".join(batch))
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             if not self.closing:
                 self.stats.unexpected_close += 1
@@ -432,6 +432,56 @@ class Client:
             self.stats.note_error(f"{self.client_id}: bad packet from broker: {exc!r}")
         finally:
             self._finish()
+
+    def _handle(self, first: int, body: bytes, version: int) -> bool:
+        """One packet from the broker; False once the broker said DISCONNECT."""
+        kind = first >> 4
+        if kind == PUBLISH:
+            qos = (first >> 1) & 3
+            topic_len = struct.unpack_from("!H", body)[0]
+            topic = body[2:2 + topic_len].decode()
+            pos = 2 + topic_len
+            packet_id = 0
+            if qos:
+                packet_id = struct.unpack_from("!H", body, pos)[0]
+                pos += 2
+            if version == 5:
+                pos = skip_props(body, pos)
+            if qos == 2 and packet_id in self.inbound_qos2:
+                self.write(encode_ack(PUBREC, packet_id))
+                return True
+            if self.on_message is not None:
+                self.on_message(topic, body[pos:], qos)
+            if qos == 1:
+                self.write(encode_ack(PUBACK, packet_id))
+            elif qos == 2:
+                self.inbound_qos2.add(packet_id)
+                self.write(encode_ack(PUBREC, packet_id))
+        elif kind == PUBREL:
+            packet_id = struct.unpack_from("!H", body)[0]
+            self.inbound_qos2.discard(packet_id)
+            self.write(encode_ack(PUBCOMP, packet_id))
+        elif kind in (PUBACK, PUBCOMP):
+            packet_id = struct.unpack_from("!H", body)[0]
+            self._acked(packet_id, len(body) < 3 or body[2] < 0x80)
+        elif kind == PUBREC:
+            packet_id = struct.unpack_from("!H", body)[0]
+            if len(body) >= 3 and body[2] >= 0x80:
+                self._acked(packet_id, False)
+            else:
+                self.write(encode_ack(PUBREL, packet_id))
+        elif kind == SUBACK:
+            packet_id = struct.unpack_from("!H", body)[0]
+            future = self.suback.get(packet_id)
+            if future is not None and not future.done():
+                future.set_result(body[2:])
+        elif kind == DISCONNECT:
+            reason = body[0] if body else 0
+            self.stats.server_disconnects[reason] = self.stats.server_disconnects.get(reason, 0) + 1
+            return False
+        elif kind != PINGRESP:
+            self.stats.note_error(f"{self.client_id}: unexpected packet type {kind}")
+        return True
 
     async def _ping_loop(self, interval: float) -> None:
         while not self.closed.is_set():

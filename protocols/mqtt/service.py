@@ -93,6 +93,10 @@ class MqttService:
         self._grouping = False
         self._unsaved: dict[str, MqttSession] = {}
         self.store_writes_deferred = 0
+        # Of those, the ones no output waits for (`save_session(acknowledged=False)`), and how
+        # many such writes were made: `store_writes` leaves them out.
+        self._quiet: set[str] = set()
+        self._quiet_writes = 0
         # Connections whose output waits for a metadata commit to be durable, by its future.
         self._held_for_durable: dict[Future[None], list[MqttConnection]] = {}
         # QoS 2 inbound state changes of durable sessions, written in one batch per loop turn.
@@ -183,8 +187,13 @@ class MqttService:
         """Write, once each, the sessions saved while the group was open (a read with many
         PUBRECs of one session writes it once)."""
         unsaved = self._unsaved
+        quiet = self._quiet
         while unsaved:
-            self._write_session(unsaved.pop(next(iter(unsaved))))
+            session = unsaved.pop(next(iter(unsaved)))
+            self._write_session(session)
+            if quiet and session.client_id in quiet:
+                quiet.discard(session.client_id)
+                self._quiet_writes += 1
 
     def commit_writes(self) -> None:
         """Commit the turn's group; it becomes durable in the store's sync thread, and the
@@ -202,7 +211,7 @@ class MqttService:
         """How many writes the store has taken or will take at the group's end (compared
         before and after handling a read)."""
         store = self.store
-        return 0 if store is None else store.write_count + self.store_writes_deferred
+        return 0 if store is None else store.write_count + self.store_writes_deferred - self._quiet_writes
 
     def hold_output_until_durable(self, connection: MqttConnection, start: int) -> None:
         """`connection` wrote session state while it produced its output from `start` on (a
@@ -345,7 +354,9 @@ class MqttService:
         session.expiry_interval = expiry
         session.connection = connection
         session.disconnected_at_ms = None
-        self.save_session(session)
+        # A new persistent session is durable before its CONNACK (a crash right after it keeps
+        # the session); a resumed one already is: its CONNACK does not wait for this write.
+        self.save_session(session, acknowledged=not present)
         if self.on_session_opened is not None:
             self.on_session_opened(client_id)
         return session, present
@@ -398,7 +409,7 @@ class MqttService:
         if expiry == 0:
             self._end_session(session)
             return
-        self.save_session(session)
+        self.save_session(session, acknowledged=False)  # a departure acknowledges nothing
         if expiry != NEVER_EXPIRES:
             self._expiry_timers[session.client_id] = self.scheduler.call_later(
                 expiry, self._expire_session, session.client_id
@@ -453,15 +464,24 @@ class MqttService:
         session.discard()
 
     # ------------------------------------------------------------------ persistence
-    def save_session(self, session: MqttSession) -> None:
+    def save_session(self, session: MqttSession, *, acknowledged: bool = True) -> None:
         """Persist a durable session's subscriptions and expiry (not its messages: those are
         in the journal, and the session's cursors say how far it got). Inside a read's write
-        group the write waits for the group's end, once per session."""
+        group the write waits for the group's end, once per session.
+
+        `acknowledged` False: no output reports this write (a resumed session's new expiry
+        and connection time, a departure's time), so nothing is held until it is durable. It
+        still commits in the group, before any later write's acknowledgement."""
         if not session.durable or self.store is None:
             return
         if self._grouping:
-            self._unsaved[session.client_id] = session
-            self.store_writes_deferred += 1
+            client_id = session.client_id
+            if acknowledged:
+                self._quiet.discard(client_id)
+                self.store_writes_deferred += 1
+            elif client_id not in self._unsaved:
+                self._quiet.add(client_id)
+            self._unsaved[client_id] = session
             return
         self._write_session(session)
 
@@ -493,6 +513,7 @@ class MqttService:
         if self.store is None:
             return
         self._unsaved.pop(client_id, None)
+        self._quiet.discard(client_id)
         try:
             self.store.forget_session(client_id)
         except Exception:
