@@ -389,7 +389,7 @@ class MqttConnection:
     def data_received(self, data: bytes) -> None:
         if self.state is State.CLOSED:
             return
-        self.last_received = self._clock()
+        self.last_received = now = self._clock()
         if self.state is State.AWAIT_CONNECT and self._connect_marks is None:
             self._connect_marks = [timing_clock(), 0.0, 0.0]
         if self.state is State.AWAIT_CONNECT and data and not self.parser.buffered and data[0] >> 4 != 1:
@@ -408,7 +408,24 @@ class MqttConnection:
             if error is not None:
                 self._backlog_error = error
             return
+        if packets and self.state is not State.AWAIT_CONNECT and self.service.turn_spent(now):
+            # This loop turn has done its share of reads: the rest waits for the next turn, so
+            # that new connections are accepted and CONNECTs answered meanwhile (a CONNECT
+            # never waits here).
+            self._backlog.extend(packets)
+            if error is not None:
+                self._backlog_error = error
+            self.service.defer(self)
+            return
         self._process(packets, error)
+
+    def run_deferred(self) -> None:
+        """Handle what a turn's read budget left for later (see `MqttService.defer`)."""
+        if self.state is State.CLOSED or self.held or self.state is State.OPENING:
+            return  # a hold or an opening session resumes it in its own time
+        self.link.resume()
+        if self._backlog or self._backlog_error is not None:
+            self._resume_backlog()
 
     def _process(self, packets: list[p.Packet], error: MQTTCodecError | None = None) -> None:
         service = self.service

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 10.0
 CONGESTION_GIVE_UP_S = 5.0
 TICK_S = 0.25
+# Reads a connection has left for the next turn are read again after this at the latest.
+DEFER_MAX_S = 1.0
 
 MQTT_ADMINISTRATIVE_ACTION = p.ReasonCode.ADMINISTRATIVE_ACTION
 VERSION_NAMES = {3: "MQTT 3.1", 4: "MQTT 3.1.1", 5: "MQTT 5.0"}
@@ -115,6 +118,11 @@ class MqttService:
         self._held: list[MqttConnection] = []
         # Where CONNECTs wait (read → session open → CONNACK written) and the loop's lateness.
         self.connect_timing = ConnectTiming()
+        # The read budget of a loop turn: when its first read began (0: no read yet), and the
+        # connections whose reads wait for the next turn, oldest first.
+        self._turn_start = 0.0
+        self._turn_scheduled = False
+        self._deferred: deque[MqttConnection] = deque()
         edge.clients.register("mqtt", self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -238,6 +246,54 @@ class MqttService:
     def _durable_done(self, durable: Future[None]) -> None:
         for connection in self._held_for_durable.pop(durable, ()):
             connection.output_released()
+
+    # ------------------------------------------------------------------ read budget per turn
+    def turn_spent(self, now: float) -> bool:
+        """Whether this loop turn's reads have used their budget (`MqttSettings.read_budget_s`),
+        counted from the turn's first read. One turn handling every socket's read at once
+        (under a fan-out of large messages, hundreds of milliseconds) would keep new
+        connections waiting in the listen queue and CONNACKs unsent for as long."""
+        budget = self.settings.read_budget_s
+        if not budget:
+            return False
+        start = self._turn_start
+        if not start:
+            self._turn_start = now
+            self._schedule_turn()
+            return False
+        return now - start > budget
+
+    def defer(self, connection: MqttConnection) -> None:
+        """`connection` read a chunk that this turn has no budget left for: it is not read
+        again until a later turn has handled that chunk (TCP back-pressure meanwhile)."""
+        connection.link.throttle(DEFER_MAX_S)
+        self._deferred.append(connection)
+        self._schedule_turn()
+
+    def _schedule_turn(self) -> None:
+        if not self._turn_scheduled:
+            self._turn_scheduled = True
+            self.scheduler.call_soon(self._next_turn)
+
+    def _next_turn(self) -> None:
+        """A new turn: handle deferred reads, oldest first, within one budget; what remains
+        waits for the turn after (new sockets are accepted in between)."""
+        self._turn_scheduled = False
+        deferred = self._deferred
+        if not deferred:
+            self._turn_start = 0.0
+            return
+        clock = self.scheduler.time
+        start = self._turn_start = clock()
+        budget = self.settings.read_budget_s
+        while deferred:
+            deferred.popleft().run_deferred()
+            if clock() - start > budget:
+                break
+        if deferred:
+            self._schedule_turn()  # the reads of the coming poll share what is left of it
+        else:
+            self._turn_start = 0.0
 
     # ------------------------------------------------------------------ back-pressure
     def congested(self, session: MqttSession) -> None:
