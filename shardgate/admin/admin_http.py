@@ -329,6 +329,9 @@ def openapi_document() -> dict[str, Any]:
             streams=_INT, subscriptions=_INT, sessions=_INT, retained=_INT,
             cluster_node={"type": ["string", "null"]},
             journal={"type": ["object", "null"], "additionalProperties": _INT}, archive=_BOOL,
+            # name of a span → {count, p50, p99, max} in ms (protocols/mqtt/timing.py)
+            mqtt_connect_timing={"type": ["object", "null"], "additionalProperties": _object(
+                count=_INT, p50=_NUM, p99=_NUM, max=_NUM)},
         ),
         "Shard": shard,
         "Stream": _object(
