@@ -6,7 +6,9 @@ on its own `shardgate serve`; the report gives messages per second and the serve
 time per message (user + system), which a machine loaded by other work disturbs much less than
 wall-clock throughput. The earlier revision is taken with `git archive` into a temporary
 directory and put first on PYTHONPATH (laid out as `pyproject.toml`'s package-dir says), so
-nothing is checked out or installed. Run:
+nothing is checked out or installed. `--after REV` takes the other side from a revision the
+same way (both sides then run as plain Python, without this checkout's compiled modules), and
+`--fsync` sets the journal's fsync policy of both (the default stream is reliable). Run:
 `python bench/ab_amqp.py --before 6002853 --mode plain --rounds 5`.
 """
 
@@ -63,10 +65,11 @@ def export_revision(revision: str, into: Path) -> Path:
 
 
 @contextlib.contextmanager
-def serve(workdir: Path, pythonpath: str | None) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+def serve(workdir: Path, pythonpath: str | None,
+          fsync: str = "interval") -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDGATE_")}
-    env["SHARDGATE_JOURNAL__FSYNC"] = "interval"
+    env["SHARDGATE_JOURNAL__FSYNC"] = fsync
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     log = open(workdir / "shardgate.log", "wb")  # noqa: SIM115
@@ -94,6 +97,8 @@ def serve(workdir: Path, pythonpath: str | None) -> Iterator[tuple[subprocess.Po
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", required=True, help="git revision to compare against")
+    parser.add_argument("--after", default=None, help="git revision (default: this checkout)")
+    parser.add_argument("--fsync", default="interval", help="journal.fsync policy of both")
     parser.add_argument("--mode", default="plain", choices=("plain", "confirms+acks"))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--messages", type=int, default=20000)
@@ -106,9 +111,11 @@ def main() -> int:
         for name in ("before", "after"):
             (root / name).mkdir()
         before_path = export_revision(args.before, root / "before")
+        after_path = export_revision(args.after, root / "after") if args.after else None
         builds = {
-            "before": stack.enter_context(serve(root / "before", str(before_path))),
-            "after": stack.enter_context(serve(root / "after", None)),
+            "before": stack.enter_context(serve(root / "before", str(before_path), args.fsync)),
+            "after": stack.enter_context(
+                serve(root / "after", str(after_path) if after_path else None, args.fsync)),
         }
         for round_ in range(args.rounds):
             for name, (proc, port) in builds.items():

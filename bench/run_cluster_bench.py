@@ -86,15 +86,24 @@ class Processes:
         return proc
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in reversed(self.procs):
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        """Stop the nodes (SIGTERM, then SIGKILL), and etcd (started first) once they are gone:
+        a node drains and leaves while etcd still answers (stopped together, the nodes lost
+        etcd mid-shutdown and logged warnings about it)."""
+        first, rest = self.procs[:1], self.procs[1:]
+        for group in (rest, first):
+            for proc in reversed(group):
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in reversed(group):
+                self._wait(proc)
+
+    @staticmethod
+    def _wait(proc: subprocess.Popen[bytes]) -> None:
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
 
 
 @contextlib.contextmanager

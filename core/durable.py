@@ -158,7 +158,7 @@ class Delivery:
 class ShardCursor:
     __slots__ = (
         "stream", "shard", "log", "position", "unacked", "live", "pending_redelivery", "skip",
-        "archived", "fetching", "restored", "ahead",
+        "archived", "fetching", "restored", "ahead", "resent_below",
     )
 
     def __init__(self, stream: str, shard: int, shard_log: ShardLog | None, position: int) -> None:
@@ -182,6 +182,9 @@ class ShardCursor:
         # Journal records read but not yet gone through (the consumer's window filled): the
         # next turn resumes there instead of reading the same batch again.
         self.ahead: list[StoredRecord] | RecordSpans = []
+        # Offsets below this were handed out before a restart (a cursor resumed from an older
+        # floor): handing them out again is a redelivery.
+        self.resent_below = 0
 
     @property
     def floor(self) -> int:
@@ -397,6 +400,8 @@ class DurableSubscription(Subscription):
               consumer: Consumer, count: int) -> None:
         if message.offset >= cursor.position:
             cursor.position = message.offset + 1
+        if message.offset < cursor.resent_below and count == 1:
+            count = 2
         timeout = self.options.ack_timeout_s
         deadline = time.monotonic() + timeout if timeout else None
         cursor.unacked[message.offset] = Delivery(message, consumer, count, deadline)

@@ -185,8 +185,8 @@ class Edge:
         self.owner_factories: dict[str, Callable[[Mapping[str, object]], object]] = {}
         # Cluster mode: awaited before a consumer attaches here to a durable subscription this
         # node does not have; it brings the subscription over from the node that holds it
-        # (None) or says why it cannot (a text for the client); it raises a CoreError (as
-        # ShardUnavailable) when it cannot look now. None on a single node.
+        # (None), or names the node where it is consumed now (its consumers attach there); it
+        # raises a CoreError (as ShardUnavailable) when it cannot look now. None on one node.
         self.find_durable_elsewhere: Callable[[str], Awaitable[str | None]] | None = None
         # Bound once: publishing costs one call, no attribute walk per message.
         self.publish: Callable[[Message], Receipt] = (

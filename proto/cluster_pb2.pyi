@@ -19,7 +19,7 @@ REJECTED: OutcomeCode
 FAILED: OutcomeCode
 
 class PeerFrame(_message.Message):
-    __slots__ = ("sequence", "from_node", "forwards", "pushes", "routes", "retained", "session", "answered_below")
+    __slots__ = ("sequence", "from_node", "forwards", "pushes", "routes", "retained", "session", "answered_below", "batches", "heartbeat_ms", "push_batches")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     FROM_NODE_FIELD_NUMBER: _ClassVar[int]
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,9 @@ class PeerFrame(_message.Message):
     RETAINED_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     ANSWERED_BELOW_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_BATCHES_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     from_node: str
     forwards: _containers.RepeatedCompositeFieldContainer[Forward]
@@ -36,7 +39,40 @@ class PeerFrame(_message.Message):
     retained: _containers.RepeatedCompositeFieldContainer[Retained]
     session: int
     answered_below: int
-    def __init__(self, sequence: _Optional[int] = ..., from_node: _Optional[str] = ..., forwards: _Optional[_Iterable[_Union[Forward, _Mapping]]] = ..., pushes: _Optional[_Iterable[_Union[Push, _Mapping]]] = ..., routes: _Optional[_Union[RouteUpdate, _Mapping]] = ..., retained: _Optional[_Iterable[_Union[Retained, _Mapping]]] = ..., session: _Optional[int] = ..., answered_below: _Optional[int] = ...) -> None: ...
+    batches: _containers.RepeatedCompositeFieldContainer[ForwardBatch]
+    heartbeat_ms: int
+    push_batches: _containers.RepeatedCompositeFieldContainer[PushBatch]
+    def __init__(self, sequence: _Optional[int] = ..., from_node: _Optional[str] = ..., forwards: _Optional[_Iterable[_Union[Forward, _Mapping]]] = ..., pushes: _Optional[_Iterable[_Union[Push, _Mapping]]] = ..., routes: _Optional[_Union[RouteUpdate, _Mapping]] = ..., retained: _Optional[_Iterable[_Union[Retained, _Mapping]]] = ..., session: _Optional[int] = ..., answered_below: _Optional[int] = ..., batches: _Optional[_Iterable[_Union[ForwardBatch, _Mapping]]] = ..., heartbeat_ms: _Optional[int] = ..., push_batches: _Optional[_Iterable[_Union[PushBatch, _Mapping]]] = ...) -> None: ...
+
+class PushBatch(_message.Message):
+    __slots__ = ("stream", "shard", "records", "offsets", "share_groups")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    shard: int
+    records: bytes
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    share_groups: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, stream: _Optional[str] = ..., shard: _Optional[int] = ..., records: _Optional[bytes] = ..., offsets: _Optional[_Iterable[int]] = ..., share_groups: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ForwardBatch(_message.Message):
+    __slots__ = ("stream", "shard", "epoch", "records", "unacknowledged", "transient")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    UNACKNOWLEDGED_FIELD_NUMBER: _ClassVar[int]
+    TRANSIENT_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    shard: int
+    epoch: int
+    records: bytes
+    unacknowledged: bool
+    transient: bool
+    def __init__(self, stream: _Optional[str] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ..., records: _Optional[bytes] = ..., unacknowledged: _Optional[bool] = ..., transient: _Optional[bool] = ...) -> None: ...
 
 class Retained(_message.Message):
     __slots__ = ("topic", "present", "message")
@@ -127,21 +163,35 @@ class Route(_message.Message):
     def __init__(self, topic_filter: _Optional[str] = ..., share_group: _Optional[str] = ..., weight: _Optional[int] = ..., durable: _Optional[bool] = ...) -> None: ...
 
 class PeerReply(_message.Message):
-    __slots__ = ("sequence", "outcomes")
+    __slots__ = ("sequence", "outcomes", "batches", "heartbeat")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     outcomes: _containers.RepeatedCompositeFieldContainer[Outcome]
-    def __init__(self, sequence: _Optional[int] = ..., outcomes: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ...) -> None: ...
+    batches: _containers.RepeatedCompositeFieldContainer[BatchOutcome]
+    heartbeat: bool
+    def __init__(self, sequence: _Optional[int] = ..., outcomes: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ..., batches: _Optional[_Iterable[_Union[BatchOutcome, _Mapping]]] = ..., heartbeat: _Optional[bool] = ...) -> None: ...
+
+class BatchOutcome(_message.Message):
+    __slots__ = ("offsets", "refused")
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    refused: _containers.RepeatedCompositeFieldContainer[Outcome]
+    def __init__(self, offsets: _Optional[_Iterable[int]] = ..., refused: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ...) -> None: ...
 
 class Outcome(_message.Message):
-    __slots__ = ("code", "offset", "reason", "epoch")
+    __slots__ = ("code", "offset", "reason", "epoch", "index")
     CODE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     code: OutcomeCode
     offset: int
     reason: str
     epoch: int
-    def __init__(self, code: _Optional[_Union[OutcomeCode, str]] = ..., offset: _Optional[int] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    index: int
+    def __init__(self, code: _Optional[_Union[OutcomeCode, str]] = ..., offset: _Optional[int] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...

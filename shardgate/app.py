@@ -228,7 +228,8 @@ class Shardgate:
                 # before any client listener: a publish for another node's shard is forwarded
                 from .cluster.forward import DataPlane
 
-                self.data_plane = DataPlane(self.broker, self.cluster.view, host, config.cluster.port)
+                self.data_plane = DataPlane(self.broker, self.cluster.view, host, config.cluster.port,
+                                            link_timeout_s=config.cluster.link_timeout_s)
                 await self.data_plane.start()
             if ports.mqtt_port:
                 starting = ("MQTT", host, ports.mqtt_port, "listeners.mqtt_port")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config, ConfigError, load_config
+from .storage.allocators import tune_malloc
 
 
 def _configure_logging(config: Config) -> None:
@@ -199,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"shardgate: {exc}", file=sys.stderr)
             sys.exit(2)
         _configure_logging(config)
+        tune_malloc()
         try:
             import uvloop
 

@@ -4,10 +4,8 @@ retained messages, and streams and routes declared at run time (CLI, gRPC Admin)
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import gc
 import logging
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,6 +15,7 @@ from .core.message import Message, now_ms
 from .core.records import decode_to_message, encode_message
 from .core.streams import DispatchMode, RoutingRule, Schema, StreamConfig
 from .core.subscriptions import SubscriptionType
+from .storage.allocators import return_freed_memory
 from .storage.metadata import (
     MetadataStore,
     RouteRecord,
@@ -32,27 +31,13 @@ RETENTION_EVERY_TICKS = 50  # every 10 s
 IDLE_CHECK_EVERY_TICKS = 25  # every 5 s: a broker idle for one whole period gives memory back
 
 
-def _glibc_malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim  # type: ignore[no-any-return]
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-_MALLOC_TRIM = _glibc_malloc_trim()
-
-
 def release_idle_memory(broker: Broker) -> None:
     """What a burst of load left behind, handed back once the broker is idle: the per-topic
     caches (rebuilt on demand), unreachable cycles, Arrow's pool and the free pages of glibc's
     heap (which otherwise keeps what the peak needed for good)."""
     broker.forget_cached_matches()
     gc.collect()
-    arrow = sys.modules.get("pyarrow")
-    if arrow is not None:
-        arrow.default_memory_pool().release_unused()
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
+    return_freed_memory()
 
 
 def stream_record(config: StreamConfig, created_ms: int | None = None) -> StreamRecord:

@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,11 +19,12 @@ import pytest
 from shardgate.app import Shardgate
 from shardgate.config import Config, load_config
 
+# Re-exported: tests import these from here. Their state lives in those modules, which pytest's
+# own copy of this conftest and the tests' `tests.conftest` import share.
+from tests.child_processes import end_process, track_process, tracked_processes
+from tests.local_ports import free_port
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["end_process", "free_port", "track_process", "wait_for"]
 
 
 def wait_for(condition: Callable[[], Any], timeout: float = 10.0, interval: float = 0.01) -> Any:
@@ -115,13 +115,35 @@ def broker_factory(tmp_path: Path) -> Iterator[Callable[..., ThreadedBroker]]:
         return broker
 
     yield start
-    for broker in started:
-        broker.stop()
+    errors: list[BaseException] = []
+    for broker in started:  # every one is stopped, even if stopping an earlier one failed
+        try:
+            broker.stop()
+        except Exception as exc:  # noqa: BLE001  (raised below, after the others stopped)
+            errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 @pytest.fixture
 def broker(broker_factory: Callable[..., ThreadedBroker]) -> ThreadedBroker:
     return broker_factory()
+
+
+@pytest.fixture(autouse=True)
+def _end_processes_left_running() -> Iterator[None]:
+    """After each test, end the server processes it started and left running (a test that
+    failed half-way, a node that failed to start beside a running peer). Processes of wider-
+    scoped fixtures were started before this fixture and are left alone."""
+    first = len(tracked_processes)
+    yield
+    for proc in tracked_processes[first:]:
+        end_process(proc)
+    del tracked_processes[first:]
+
+
+class PortInUse(AssertionError):
+    """`shardgate serve` exited because a port it was given is in use."""
 
 
 class BrokerProcess:
@@ -136,30 +158,66 @@ class BrokerProcess:
         self.ports: dict[str, int] = {}
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
 
+    # A port taken by another socket is waited for this long (same ports) before failing.
+    PORT_IN_USE_TIMEOUT = 30.0
+
     def start(self, mqtt_port: int | None = None) -> BrokerProcess:
+        """Start `shardgate serve` and wait for its port file. A restart keeps the ports it
+        had (clients come back to the same address). If a port is in use (a socket of the
+        killed process not yet released, or another process), the start is retried with the
+        same ports until PORT_IN_USE_TIMEOUT."""
+        port = mqtt_port or self.ports.get("mqtt") or free_port()
+        refusals: list[PortInUse] = []
+
+        def started() -> bool:
+            try:
+                self._start_once(port)
+            except PortInUse as exc:
+                refusals.append(exc)
+                return False
+            return True
+
+        try:
+            wait_for(started, timeout=self.PORT_IN_USE_TIMEOUT, interval=0.2)
+        except AssertionError:
+            raise refusals[-1] if refusals else AssertionError("broker did not start") from None
+        return self
+
+    def _start_once(self, mqtt_port: int) -> BrokerProcess:
         port_file = self.data_dir.parent / f"{self.data_dir.name}.ports.json"
         if port_file.exists():
             port_file.unlink()
         args = [
             sys.executable, "-m", "shardgate", "serve", "--data-dir", str(self.data_dir),
-            "--host", "127.0.0.1", "--mqtt-port", str(mqtt_port or self.ports.get("mqtt") or free_port()),
+            "--host", "127.0.0.1", "--mqtt-port", str(mqtt_port),
             "--mqtt-ws-port", "0", "--grpc-port", "0", "--amqp-port", "0", "--http-port", "0",
             "--port-file", str(port_file), *self.extra_args,
         ]
         if self.config_file is not None:
             args += ["--config", str(self.config_file)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDGATE_")}
+        log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         log_file = open(self.log_path, "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        self.proc = track_process(
+            subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=env))
         log_file.close()
 
         def ready() -> bool:
             assert self.proc is not None
             if self.proc.poll() is not None:
+                with open(self.log_path, "rb") as log:
+                    log.seek(log_start)
+                    output = log.read().decode(errors="replace")
+                if "cannot listen" in output and "already in use" in output:
+                    raise PortInUse(output)
                 raise AssertionError(f"broker exited early:\n{self.log_path.read_text()}")
             return port_file.exists()
 
-        wait_for(ready, timeout=30)
+        try:
+            wait_for(ready, timeout=30)
+        except AssertionError:
+            end_process(self.proc)  # one that never came up is not left running
+            raise
         self.ports = json.loads(port_file.read_text())
         return self
 
@@ -189,6 +247,4 @@ def broker_process(tmp_path: Path) -> Iterator[Callable[..., BrokerProcess]]:
 
     yield make
     for process in processes:
-        if process.proc is not None and process.proc.poll() is None:
-            process.proc.kill()
-            process.proc.wait(10)
+        end_process(process.proc)

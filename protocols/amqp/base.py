@@ -85,6 +85,9 @@ class ConnectionBase:
         self.messages_in = 0
         self.messages_out = 0
         self._landing: dict[asyncio.Future[None], list[tuple[AmqpChannel, int, Message]]] = {}
+        # Publishes of this read not yet handed to the core (channel, confirm seq, message):
+        # handed over together (`_flush_publishes`), one journal append per shard.
+        self._publish_batch: list[tuple[AmqpChannel, int, Message]] = []
         self._confirm_channels: set[AmqpChannel] = set()
         self._paused = False
         self._held_by_alarm = False
@@ -126,6 +129,8 @@ class ConnectionBase:
         def _deliver_publish(
             self, channel: AmqpChannel, frame: commands.Basic.Publish, message: Message, seq: int
         ) -> None: ...
+
+        def _flush_publishes(self) -> None: ...
 
         def _settle_negative(
             self, channel: AmqpChannel, deliveries: list[Delivery], requeue: bool
@@ -326,6 +331,7 @@ class ConnectionBase:
                 self.close(exc)
         elif orphaned is not None:
             orphaned()
+        self._flush_publishes()  # a publish `then` routed
         self._run_wakeups()
         self._request_flush()
         self.resume_reading()

@@ -136,6 +136,12 @@ class AmqpConnection(
                         f"{{invalid_frame_end_marker,{buffer[end]}}}",
                     ))
                 if (
+                    self._publish_batch and frame_type == 1 and size >= 4
+                    and METHOD_INDEX.unpack_from(buffer, pos + 7)[0] != PUBLISH_INDEX
+                ):
+                    # Another method after publishes: they reach the core first.
+                    self._flush_publishes()
+                if (
                     self._publishes_in_flight and frame_type == 1 and size >= 4
                     and struct.unpack_from(">I", buffer, pos + 7)[0] in READS_QUEUE
                 ):
@@ -177,6 +183,8 @@ class AmqpConnection(
             pos = len(buffer)
         finally:
             del buffer[:pos]
+            # Every publish of this read goes to the core in one call.
+            self._flush_publishes()
             self._run_wakeups()
 
     def _frame(self, frame_type: int, channel_number: int, data: bytes) -> None:

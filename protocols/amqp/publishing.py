@@ -136,10 +136,17 @@ class PublishingMixin(ConnectionBase):
 
     def _route(
         self, channel: AmqpChannel, frame: commands.Basic.Publish, props: BasicProperties,
-        raw: bytes, body: bytes,
+        raw: bytes, body: bytes, looked_up: bool = False,
     ) -> None:
         vhost = self.vhost
         assert vhost is not None
+        if (not looked_up and frame.exchange not in vhost.exchanges
+                and vhost.exchange_directory is not None):
+            # In a cluster, an exchange declared on another node an instant ago: asked of the
+            # cluster's store before the 404 (no later frame is read meanwhile).
+            self.hold_until(channel, vhost.exchange_directory.lookup(vhost, [frame.exchange]),
+                            lambda _: self._route(channel, frame, props, raw, body, True))
+            return
         exchange = vhost.exchange(frame.exchange, commands.Basic.Publish)
         if exchange.internal:
             raise ChannelException(
@@ -234,32 +241,50 @@ class PublishingMixin(ConnectionBase):
                 self._confirm(channel, seq, True)
             return
         self.messages_in += 1
-        try:
-            pending = self.service.edge.publish(message)
-        except PublishRejected as exc:
-            log.warning("publish from %s rejected: %s", self.remote, exc)
-            if seq > 0:
-                self.send_method(channel.number, commands.Basic.Nack(seq, False, True))
-            elif seq < 0:
-                channel.tx_failed = True
-            return
-        if pending is None:
-            # A queue with x-overflow reject-publish that was full makes it a nack.
-            refused = vhost.take_refusal(message)
-            if seq > 0:
-                self._confirm(channel, seq, not refused)
-            return
-        # Stored once the journal's commit group is durable: one callback per group.
-        waiting = self._landing.get(pending)
-        if waiting is None:
-            waiting = self._landing[pending] = []
-            pending.add_done_callback(self._landed)
-        waiting.append((channel, seq, message))
-        self._publishes_in_flight += 1
+        # Handed to the core with the other publishes of this read (`_flush_publishes`); its
+        # confirm is owed from now on, so a later tag is never acked before it.
+        self._publish_batch.append((channel, seq, message))
         if seq > 0:
             channel.unconfirmed[seq] = False
         elif seq < 0:
             channel.tx_landing += 1
+
+    def _flush_publishes(self) -> None:
+        """Hand the publishes of this read to the core in one call (one journal append per
+        shard); each is confirmed once the commit that holds it is durable. Called when the
+        read ends, before any other method is handled (so a channel's later commands see its
+        publishes), and by tx.commit."""
+        batch = self._publish_batch
+        if not batch:
+            return
+        self._publish_batch = []
+        vhost = self.vhost
+        outcomes = self.service.edge.publish_many([message for _, _, message in batch])
+        landing = self._landing
+        for (channel, seq, message), pending in zip(batch, outcomes, strict=True):
+            if pending is None:
+                # A queue with x-overflow reject-publish that was full makes it a nack.
+                refused = vhost is not None and vhost.take_refusal(message)
+                if seq > 0:
+                    self._confirm(channel, seq, not refused)
+                elif seq < 0:
+                    channel.tx_landing -= 1
+                continue
+            if isinstance(pending, PublishRejected):
+                log.warning("publish from %s rejected: %s", self.remote, pending)
+                if seq > 0:
+                    self._confirm(channel, seq, False)
+                elif seq < 0:
+                    channel.tx_failed = True
+                    channel.tx_landing -= 1
+                continue
+            # Stored once the journal's commit group is durable: one callback per group.
+            waiting = landing.get(pending)
+            if waiting is None:
+                waiting = landing[pending] = []
+                pending.add_done_callback(self._landed)
+            waiting.append((channel, seq, message))
+            self._publishes_in_flight += 1
 
     def _to_alternate_exchange(
         self, exchange: Exchange, frame: commands.Basic.Publish, message: Message

@@ -96,6 +96,25 @@ class QueueDirectory(Protocol):
         the link is gone."""
 
 
+class ExchangeDirectory(Protocol):
+    """What the cluster does for a virtual host's exchanges, which every node shares."""
+
+    def create(self, vhost: VirtualHost, name: str, definition: dict[str, Any]) -> asyncio.Future[None]:
+        """Record the exchange `name` in the cluster unless it is there already; when done,
+        the virtual host has the cluster's exchange of that name (this one or an earlier)."""
+
+    def lookup(self, vhost: VirtualHost, names: list[str]) -> asyncio.Future[None]:
+        """Bring those of `names` the cluster knows (and this node's view does not yet) into
+        the virtual host."""
+
+    def in_use_elsewhere(self, vhost: VirtualHost, name: str) -> asyncio.Future[bool]:
+        """Whether a queue of another node is bound to the exchange `name`."""
+
+    def auto_delete(self, vhost: VirtualHost, name: str) -> None:
+        """The auto-delete exchange `name` is unused here: delete it (`vhost.auto_delete`)
+        once no other node's queue is bound to it."""
+
+
 def is_shared(queue: Queue) -> bool:
     """A queue every node of a cluster may use: neither exclusive nor auto-delete (those
     belong to one connection, and stay on its node)."""
@@ -555,6 +574,10 @@ class QueueHost:
             vhost = self._vhost(request, commands.Queue.Delete)
             return {"messages": vhost.delete_checked(
                 name, self.peer, bool(request.get("if_unused")), bool(request.get("if_empty")))}
+        if op == "exchange_in_use":
+            vhost = self._vhost(request, commands.Exchange.Delete)
+            known = vhost.exchanges.get(str(request.get("exchange", "")))
+            return {"in_use": bool(known is not None and known.bound)}
         if op == "get":
             return self._get(request)
         if op == "settle":

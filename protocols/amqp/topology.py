@@ -18,6 +18,7 @@ from .frames import method_ids
 from .queues import Queue
 from .remote import RemoteQueue, encode_table, home_down, is_shared, refusal
 from .routing import binding_for
+from .vhost import EXCHANGE_TYPES, PREDECLARED
 
 
 class TopologyMixin(ConnectionBase):
@@ -46,20 +47,60 @@ class TopologyMixin(ConnectionBase):
         else:
             self.hold_until(channel, ready, lambda _: self.send_method(channel.number, reply))
 
+    # ------------------------------------------------------------ exchanges (cluster-wide)
+    def _knowing(self, channel: AmqpChannel, names: list[str], then: Callable[[], None]) -> None:
+        """Run `then()` once this node knows every exchange of `names` the cluster has: at
+        once on a single node or when it knows them all, else after asking the cluster's store
+        for the others (declared on another node an instant ago)."""
+        vhost = self.vhost
+        assert vhost is not None
+        directory = vhost.exchange_directory
+        missing = [name for name in names if name and name not in vhost.exchanges]
+        if directory is None or not missing:
+            then()
+            return
+        self.hold_until(channel, directory.lookup(vhost, missing), lambda _: then())
+
     def _exchange_declare(self, channel: AmqpChannel, frame: commands.Exchange.Declare) -> None:
-        assert self.vhost is not None
-        self.vhost.declare_exchange(frame)
-        if not frame.nowait:
-            self.send_method(channel.number, commands.Exchange.DeclareOk())
+        vhost = self.vhost
+        assert vhost is not None
+        directory = vhost.exchange_directory
+
+        def declare() -> None:
+            vhost.declare_exchange(frame)
+            if not frame.nowait:
+                self.send_method(channel.number, commands.Exchange.DeclareOk())
+
+        name = frame.exchange
+        if directory is None or not name or name in vhost.exchanges or name.startswith("amq."):
+            declare()
+        elif frame.passive:
+            self._knowing(channel, [name], declare)
+        elif frame.exchange_type not in EXCHANGE_TYPES:
+            declare()  # refused as on a single node
+        else:
+            # Recorded in the cluster first (create-if-absent): a twin declared on another
+            # node meanwhile is found there, and this declare is checked against it (406).
+            definition = {
+                "type": frame.exchange_type, "durable": bool(frame.durable),
+                "auto_delete": bool(frame.auto_delete), "internal": bool(frame.internal),
+                "arguments": dict(frame.arguments or {}),
+            }
+            self.hold_until(channel, directory.create(vhost, name, definition), lambda _: declare())
 
     def _exchange_bind(self, channel: AmqpChannel, frame: commands.Exchange.Bind) -> None:
         assert self.vhost is not None
-        self.vhost.bind_exchange(
-            frame.destination, frame.source, frame.routing_key, frame.arguments,
-            commands.Exchange.Bind, self._may_bind(),
-        )
-        if not frame.nowait:
-            self._reply_when_routed(channel, commands.Exchange.BindOk())
+        vhost = self.vhost
+
+        def bind() -> None:
+            vhost.bind_exchange(
+                frame.destination, frame.source, frame.routing_key, frame.arguments,
+                commands.Exchange.Bind, self._may_bind(),
+            )
+            if not frame.nowait:
+                self._reply_when_routed(channel, commands.Exchange.BindOk())
+
+        self._knowing(channel, [frame.destination, frame.source], bind)
 
     def _exchange_unbind(self, channel: AmqpChannel, frame: commands.Exchange.Unbind) -> None:
         assert self.vhost is not None
@@ -71,10 +112,31 @@ class TopologyMixin(ConnectionBase):
             self.send_method(channel.number, commands.Exchange.UnbindOk())
 
     def _exchange_delete(self, channel: AmqpChannel, frame: commands.Exchange.Delete) -> None:
-        assert self.vhost is not None
-        self.vhost.delete_exchange(frame.exchange, frame.if_unused)
-        if not frame.nowait:
-            self.send_method(channel.number, commands.Exchange.DeleteOk())
+        vhost = self.vhost
+        assert vhost is not None
+        directory = vhost.exchange_directory
+
+        def delete() -> None:
+            vhost.delete_exchange(frame.exchange, frame.if_unused)
+            if not frame.nowait:
+                self.send_method(channel.number, commands.Exchange.DeleteOk())
+
+        exchange = vhost.exchanges.get(frame.exchange)
+        if (directory is None or not frame.if_unused or exchange is None
+                or frame.exchange in PREDECLARED or exchange.bound):
+            self._knowing(channel, [frame.exchange], delete)
+            return
+
+        # if-unused: the queues bound to it may be other nodes' (RabbitMQ's 406 "in use")
+        def asked(done: asyncio.Future[bool]) -> None:
+            if not done.cancelled() and done.exception() is None and done.result():
+                raise ChannelException(
+                    ReplyCode.PRECONDITION_FAILED,
+                    f"exchange '{frame.exchange}' in vhost '{vhost.name}' in use",
+                    *method_ids(commands.Exchange.Delete))
+            delete()
+
+        self.hold_until(channel, directory.in_use_elsewhere(vhost, frame.exchange), asked)
 
     # ------------------------------------------------------------ queues of other nodes
     def _at_home(
@@ -159,8 +221,9 @@ class TopologyMixin(ConnectionBase):
         def declared(reply: dict[str, Any]) -> None:
             if reply.get("absent"):
                 # the home no longer has it and this declare is for a connection's own
-                # (exclusive or auto-delete) queue: it is made here
-                self._declare_here(channel, frame)
+                # (exclusive or auto-delete) queue: it is made here (the record naming the
+                # other node is on its way out)
+                self._declare_here(channel, frame, claim=False)
                 return
             channel.last_queue = str(reply["queue"])
             if not frame.nowait:
@@ -173,7 +236,8 @@ class TopologyMixin(ConnectionBase):
             "arguments": encode_table(frame.arguments),
         }, None, declared)
 
-    def _declare_here(self, channel: AmqpChannel, frame: commands.Queue.Declare) -> None:
+    def _declare_here(self, channel: AmqpChannel, frame: commands.Queue.Declare, *,
+                      claim: bool = True) -> None:
         vhost = self.vhost
         assert vhost is not None
         queue, new = vhost.declare_queue(frame, self)
@@ -183,7 +247,16 @@ class TopologyMixin(ConnectionBase):
             queue.expire()
             reply = commands.Queue.DeclareOk(queue.name, len(queue.messages), len(queue.consumers))
         directory = vhost.directory
-        if new and directory is not None and is_shared(queue):
+        if new and directory is not None and queue.exclusive_owner is not None and claim and not frame.queue:
+            # A server-named exclusive queue: its name is new to the cluster, so it is
+            # recorded (for 405 from other nodes) without holding the declare-ok.
+            directory.claim(vhost.name, queue.name, False).add_done_callback(
+                lambda done: done.cancelled() or done.exception())
+            if reply is not None:
+                self._reply_when_routed(channel, reply)
+        elif new and directory is not None and claim and (is_shared(queue) or queue.exclusive_owner is not None):
+            # Recorded in the cluster: an exclusive queue so that other nodes' connections
+            # get RabbitMQ's 405 RESOURCE_LOCKED from it.
             # The queue's home is the node that records it in etcd first: a twin declared on
             # another node at the same instant gives way to it.
             def claimed(done: asyncio.Future[str | None]) -> None:
@@ -203,8 +276,9 @@ class TopologyMixin(ConnectionBase):
 
     def _queue_bind(self, channel: AmqpChannel, frame: commands.Queue.Bind) -> None:
         name = self._queue_name(channel, frame.queue, commands.Queue.Bind)
-        self._at_home(channel, name, lambda: self._bind_here(channel, frame, name),
-                      lambda node: self._bind_there(channel, frame, name, node))
+        self._knowing(channel, [frame.exchange], lambda: self._at_home(
+            channel, name, lambda: self._bind_here(channel, frame, name),
+            lambda node: self._bind_there(channel, frame, name, node)))
 
     def _bind_here(self, channel: AmqpChannel, frame: commands.Queue.Bind, name: str) -> None:
         assert self.vhost is not None

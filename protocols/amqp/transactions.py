@@ -53,6 +53,7 @@ class TransactionsMixin(ConnectionBase):
         channel.tx = Transaction()
         for publish, message in publishes:
             self._deliver_publish(channel, publish, message, -1)
+        self._flush_publishes()
         for requeue, tagged in settlements:
             deliveries = [delivery for _, delivery in tagged]
             if requeue is None:

@@ -58,7 +58,7 @@ from .routing import (
 
 if TYPE_CHECKING:
     from ...core.edge import Edge
-    from .remote import QueueDirectory
+    from .remote import ExchangeDirectory, QueueDirectory
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +192,15 @@ class VirtualHost:
         self.on_queue_deleted: list[Any] = []
         # In a cluster: where the shared queues of other nodes live (`remote.QueueDirectory`).
         self.directory: QueueDirectory | None = None
+        # In a cluster: the exchanges every node shares (`remote.ExchangeDirectory`), told of
+        # each change of this node's exchanges and exchange bindings through
+        # `on_exchanges_changed` (not while it applies another node's change).
+        self.exchange_directory: ExchangeDirectory | None = None
+        self.on_exchanges_changed: list[Any] = []
+
+    def _exchanges_changed(self) -> None:
+        for callback in self.on_exchanges_changed:
+            callback(self)
 
     # ------------------------------------------------------------------ exchanges
     def exchange(self, name: str, method: type[commands.base.Frame] | None) -> Exchange:
@@ -261,6 +270,7 @@ class VirtualHost:
         self.exchanges[name] = exchange
         if exchange.durable:
             self.save_topology()
+        self._exchanges_changed()
         return exchange
 
     def delete_exchange(self, name: str, if_unused: bool) -> None:
@@ -293,6 +303,7 @@ class VirtualHost:
             self.rederive_all()
         if exchange.durable:
             self.save_topology()
+        self._exchanges_changed()
 
     # ------------------------------------------------------------------ exchange bindings
     def _is_source(self, name: str) -> bool:
@@ -323,6 +334,7 @@ class VirtualHost:
         self.rederive_all()
         if self._durable_binding(binding):
             self.save_topology()
+        self._exchanges_changed()
 
     def unbind_exchange(
         self, destination: str, source: str, routing_key: str, arguments: dict[str, Any] | None,
@@ -337,6 +349,7 @@ class VirtualHost:
         self.rederive_all()
         if self._durable_binding(binding):
             self.save_topology()
+        self._exchanges_changed()
         self._maybe_auto_delete(source)
 
     def _durable_binding(self, binding: ExchangeBinding) -> bool:
@@ -344,11 +357,28 @@ class VirtualHost:
         destination = self.exchanges.get(binding.destination)
         return bool(source and destination and source.durable and destination.durable)
 
-    def _maybe_auto_delete(self, name: str) -> None:
-        """An auto-delete exchange goes once it is no longer the source of any binding."""
+    def unused_auto_delete(self, name: str) -> bool:
+        """Whether `name` is an auto-delete exchange no binding here has it as its source."""
         exchange = self.exchanges.get(name)
-        if exchange is None or not exchange.auto_delete or exchange.bound or self._is_source(name):
+        return not (exchange is None or not exchange.auto_delete or exchange.bound
+                    or self._is_source(name))
+
+    def _maybe_auto_delete(self, name: str) -> None:
+        """An auto-delete exchange goes once it is no longer the source of any binding. In a
+        cluster, queues of other nodes may still be bound to it: the directory asks them first
+        and calls `auto_delete` when none is."""
+        if not self.unused_auto_delete(name):
             return
+        if self.exchange_directory is not None:
+            self.exchange_directory.auto_delete(self, name)
+            return
+        self.auto_delete(name)
+
+    def auto_delete(self, name: str) -> None:
+        """Delete the auto-delete exchange `name` if it is still unused here."""
+        if not self.unused_auto_delete(name):
+            return
+        exchange = self.exchanges[name]
         del self.exchanges[name]
         linked = [k for k, b in self.exchange_bindings.items() if b.destination == name]
         for key in linked:
@@ -357,6 +387,7 @@ class VirtualHost:
             self.rederive_all()
         if exchange.durable:
             self.save_topology()
+        self._exchanges_changed()
 
     def rederive_all(self) -> None:
         for queue in list(self.queues.values()):

@@ -1,11 +1,16 @@
 """The `Consumer` servicer: one bidirectional `Subscribe` stream per consumer, with credit-based
 flow control, acks and nacks (the consumer's state is `consumer.GrpcConsumer`).
+
+In a cluster a durable subscription is consumed on one node, its holder. A consumer that
+subscribes on another node while the holder has consumers is served through the holder: its
+stream is relayed there (`GrpcServer.consume_remotely`), so that Shared round robin, Failover
+standby and the Exclusive refusal run at the one cursor.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -38,9 +43,13 @@ if TYPE_CHECKING:
     from .server import GrpcServer
 
 
-
-
 SUBSCRIBE_TIMEOUT_S = 30.0
+
+# (holder node id, the Subscribe request, the stream's later requests, the call, its user)
+ConsumeRemotely = Callable[
+    [str, pb.ConsumeRequest, AsyncIterator[pb.ConsumeRequest], grpc.aio.ServicerContext, "str | None"],
+    Awaitable[None],
+]
 
 
 class ConsumerService(pb_grpc.ConsumerServicer):
@@ -69,12 +78,18 @@ class ConsumerService(pb_grpc.ConsumerServicer):
                 and subscribe.subscription not in self.server.broker.subscriptions:
             # cluster: the durable subscription (its cursors) may live on another node
             try:
-                refused = await find_elsewhere(subscribe.subscription)
+                holder = await find_elsewhere(subscribe.subscription)
             except CoreError as exc:  # etcd unreachable, say: UNAVAILABLE, retryable
                 await context.abort(status_for(exc), str(exc))
                 return
-            if refused is not None:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refused)
+            if holder is not None:
+                remote = self.server.consume_remotely
+                if remote is None:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                        f"durable subscription {subscribe.subscription!r} is "
+                                        f"consumed on node {holder}")
+                    return
+                await remote(holder, first, requests, context, user_of(context))
                 return
         try:
             consumer = self._attach(subscribe, peer_of(context), user_of(context))

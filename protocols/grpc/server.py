@@ -31,7 +31,7 @@ from ...proto import shardgate_pb2_grpc as pb_grpc
 from .admin_service import AdminService
 from .auth import AuthInterceptor, principal_of
 from .consumer import GrpcConsumer, GrpcSubscriptionState
-from .consumer_service import ConsumerService
+from .consumer_service import ConsumeRemotely, ConsumerService
 from .convert import (
     MODES_OUT,
     SCHEMAS_OUT,
@@ -69,6 +69,10 @@ class GrpcServer:
         self._closing: asyncio.Task[None] | None = None
         self._topic_ok: set[str] = set()
         self._registered = _RegisteredClients(self)
+        self.consumer_service = ConsumerService(self)
+        # Cluster mode: runs a consumer's stream against the node where its durable
+        # subscription is consumed (`cluster.durables.RemoteConsumers`); None on a single node.
+        self.consume_remotely: ConsumeRemotely | None = None
 
     def allowed(self, action: Action, user: str | None, topic: str) -> bool:
         return self.edge.authorize(principal_of(user), action, topic)
@@ -104,7 +108,7 @@ class GrpcServer:
         ]
         server = grpc.aio.server(options=options, interceptors=[AuthInterceptor(self)])
         pb_grpc.add_ProducerServicer_to_server(ProducerService(self), server)
-        pb_grpc.add_ConsumerServicer_to_server(ConsumerService(self), server)
+        pb_grpc.add_ConsumerServicer_to_server(self.consumer_service, server)
         pb_grpc.add_AdminServicer_to_server(AdminService(self), server)
         address = f"{host}:{port}"
         if port:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ...core.durable import DurableOptions
+from ...core.durable import DurableOptions, DurableSubscription
 from ...core.message import Message, now_ms
 from ...core.outbox import SLOW_SUBSCRIBER
 from ...core.subscriptions import Subscription
@@ -60,6 +60,14 @@ class Queued:
     retain: bool
     subscription_ids: tuple[int, ...]
     source: Subscription | None = None
+
+
+def _handed_out_before(source: DurableSubscription, message: Message) -> bool:
+    """Whether a durable subscription gives out `message` again (unacknowledged before a
+    restart, nacked): its PUBLISH is a re-delivery, with DUP set [MQTT-3.3.1-1]."""
+    cursor = source.cursors.get((message.stream, message.shard))
+    delivery = cursor.unacked.get(message.offset) if cursor is not None else None
+    return delivery is not None and delivery.count > 1
 
 
 class MqttSession:
@@ -197,7 +205,8 @@ class MqttSession:
     ) -> None:
         packet_id = self._next_packet_id()
         self.inflight[packet_id] = Outgoing(message, qos, retain, subscription_ids, source)
-        if not connection.send_publish(message, qos, retain, subscription_ids, packet_id, False):
+        dup = isinstance(source, DurableSubscription) and _handed_out_before(source, message)
+        if not connection.send_publish(message, qos, retain, subscription_ids, packet_id, dup):
             # Too large for the client [MQTT-3.1.2-25]: discarded as if delivered.
             del self.inflight[packet_id]
             if source is not None:

@@ -43,7 +43,26 @@ log = logging.getLogger(__name__)
 DASHBOARD_DIR = Path(__file__).with_name("dashboard")
 RETAINED_LIMIT = 1000
 PREVIEW_BYTES = 256
-APP_KEY: web.AppKey[Any] = web.AppKey("shardgate", object)
+
+
+class Served:
+    """The broker an admin application serves and what is built from it (the metrics
+    registry, the traffic history), dropped when the server stops: aiohttp keeps up to 1,024
+    recent applications in a module-level cache (its middleware LRU), which would otherwise
+    keep a stopped broker alive with all its sessions and journals."""
+
+    __slots__ = ("app", "registry", "history")
+
+    def __init__(self, app: Any, registry: Any, history: Any) -> None:
+        self.app = app
+        self.registry = registry
+        self.history = history
+
+    def forget(self) -> None:
+        self.app = self.registry = self.history = None
+
+
+SERVED_KEY: web.AppKey[Served] = web.AppKey("served", Served)
 
 
 class NotFound(Exception):
@@ -460,7 +479,7 @@ async def _json_errors(
 
 
 def _app(request: web.Request) -> Any:
-    return request.app[APP_KEY]
+    return request.app[SERVED_KEY].app
 
 
 _UNAUTHORIZED_HEADERS = {"WWW-Authenticate": 'Basic realm="Shardgate", charset="UTF-8"'}
@@ -597,7 +616,7 @@ async def _openapi(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    body = render(request.app[_REGISTRY_KEY])
+    body = render(request.app[SERVED_KEY].registry)
     response = web.Response(body=body)
     response.headers["Content-Type"] = CONTENT_TYPE
     return response
@@ -612,7 +631,6 @@ def _dumps(value: Any) -> str:
 
 
 _OPENAPI_KEY: web.AppKey[dict[str, Any]] = web.AppKey("openapi", dict)
-HISTORY_KEY: web.AppKey[Any] = web.AppKey("history", object)
 
 
 def _traffic_counters(app: Any) -> dict[str, Any]:
@@ -625,8 +643,7 @@ def _traffic_counters(app: Any) -> dict[str, Any]:
 
 
 async def _history(request: web.Request) -> web.Response:
-    return web.json_response(request.app[HISTORY_KEY].view())
-_REGISTRY_KEY: web.AppKey[Any] = web.AppKey("registry", object)
+    return web.json_response(request.app[SERVED_KEY].history.view())
 
 _DASHBOARD_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
@@ -645,10 +662,11 @@ def create_web_app(app: Any, middlewares: list[Any] | None = None) -> web.Applic
     """The aiohttp application for `app` (a `Shardgate`); extra `middlewares` (authentication)
     run inside the JSON error translation, so their HTTP errors reach clients as JSON too."""
     web_app = web.Application(middlewares=[_json_errors, _authenticate, *(middlewares or [])])
-    web_app[APP_KEY] = app
+    web_app[SERVED_KEY] = Served(
+        app, create_registry(app), TrafficHistory(lambda: _traffic_counters(app))
+    )
     web_app[_OPENAPI_KEY] = openapi_document()
-    web_app[_REGISTRY_KEY] = create_registry(app)
-    web_app[HISTORY_KEY] = TrafficHistory(lambda: _traffic_counters(app))
+    web_app.on_cleanup.append(_forget_served)
     router = web_app.router
     router.add_get("/api/info", _info)
     router.add_get("/api/streams", _streams)
@@ -671,11 +689,15 @@ def create_web_app(app: Any, middlewares: list[Any] | None = None) -> web.Applic
     return web_app
 
 
+async def _forget_served(web_app: web.Application) -> None:
+    web_app[SERVED_KEY].forget()
+
+
 class HttpServer:
     """The bound admin server: `.port`, `close()`, `await wait_closed()`."""
 
     def __init__(self, runner: web.AppRunner, site: web.TCPSite, port: int) -> None:
-        self.history = runner.app[HISTORY_KEY]
+        self.history = runner.app[SERVED_KEY].history
         self.runner = runner
         self.site = site
         self.port = port

@@ -16,7 +16,9 @@ node: the cursors of its durable subscription, the unacknowledged deliveries, th
 order and the prefetch. Moving that state with every placement change would redeliver what
 its consumers hold, and a queue's home changes only when an operator deletes it.
 Exclusive and auto-delete queues belong to one connection and stay on its node
-(RabbitMQ's exclusive queues are node-local too). Non-durable exchanges do the same.
+(RabbitMQ's exclusive queues are node-local too). An exclusive queue is recorded as well
+(`{"node": id, "durable": false}`), so that another node forwards what its clients ask of it
+to its node, which answers 405 RESOURCE_LOCKED as RabbitMQ does.
 
 **Using it from another node.** That node asks the home node over the cluster port
 (`shardgate.cluster.v1.AmqpQueues`): `Call` runs one queue operation there

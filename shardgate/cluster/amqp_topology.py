@@ -1,17 +1,31 @@
-"""AMQP exchanges shared by every node of a cluster, through etcd.
+"""AMQP exchanges shared by every node of a cluster, through etcd, as RabbitMQ's exchanges are
+cluster-wide whether durable or not.
 
-A durable exchange declared (or deleted) through any node is one key in etcd,
-`amqp/<vhost>/exchanges/<name>` (its type, flags and arguments), which every node's watch
-applies to its own virtual host: a client of another node can declare it passively, bind its
-queues to it and publish to it; the message is routed by topic like any other (`$amqp/<exchange>/
-<routing key>`), forwarded to its shard's owner and pushed to the nodes whose queues are bound.
-Exchanges are few and change at administrator speed, so etcd is the right place for them.
+Each exchange declared through any node is one key in etcd, `amqp/<vhost>/exchanges/<name>`
+(its type, durable, auto-delete and internal flags and its arguments), and each
+exchange-to-exchange binding one key `amqp/<vhost>/xbindings/<binding>`. Every node's watch
+applies them to its own virtual host: a client of any node can declare the exchange passively,
+redeclare it (406 PRECONDITION_FAILED when a property differs, as in RabbitMQ), bind its queues
+to it, publish to it and delete it; the message is routed by topic like any other
+(`$amqp/<exchange>/<routing key>`), forwarded to its shard's owner and pushed to the nodes
+whose queues are bound. Exchanges are few and change at administrator speed, so etcd is the
+right place for them.
 
-What a node changes is seen where every virtual host saves its durable topology (its internal
-state `$internal/amqp/topology/<vhost>`); the exchanges of that document are compared with
-etcd's and the difference is written. A queue lives on the node where it was declared and is
-used from every node through it (`amqp_queues.py`); non-durable exchanges are the declaring
-node's own, as they end with it.
+- A declare of a name this node does not know is a create-if-absent transaction in etcd
+  before its declare-ok: of two nodes declaring it at once, one defines it and the other's
+  declare is checked against that definition.
+- A passive declare, a bind or a delete naming an exchange this node's view does not know yet
+  reads etcd first (it may have been declared elsewhere an instant ago).
+- What a node changes itself (`VirtualHost.on_exchanges_changed`) is compared with etcd's keys
+  and the difference written.
+- The queues bound to an exchange are known on their own nodes only, so a delete with
+  if-unused, and an auto-delete exchange losing its last binding here, ask the other live
+  nodes (`exchange_in_use`, over the queues' call) before deleting.
+- A non-durable exchange stays in etcd until it is deleted (RabbitMQ drops it only when every
+  node of the cluster stops).
+
+A queue lives on the node where it was declared and is used from every node through it
+(`amqp_queues.py`).
 """
 
 from __future__ import annotations
@@ -19,106 +33,175 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote
 
 from . import keys
 from .amqp_queues import SharedQueues
+from .etcd import get_op, put_op, version_is
 
 if TYPE_CHECKING:
     from ..core.broker import Broker
-    from ..core.message import Message
     from .control import ClusterNode
     from .forward import DataPlane
 
 log = logging.getLogger(__name__)
 
+EXCHANGES, XBINDINGS = "exchanges", "xbindings"
 
 
 def exchange_key(vhost: str, name: str) -> str:
-    return f"{keys.AMQP}{quote(vhost, safe='')}/exchanges/{quote(name, safe='')}"
+    return f"{keys.AMQP}{quote(vhost, safe='')}/{EXCHANGES}/{quote(name, safe='')}"
 
 
-def parse_key(key: str) -> tuple[str, str] | None:
+def binding_key(vhost: str, binding: Any) -> str:
+    """The key of an exchange-to-exchange binding (`vhost.ExchangeBinding`)."""
+    name = json.dumps(list(binding.key), separators=(",", ":"))
+    return f"{keys.AMQP}{quote(vhost, safe='')}/{XBINDINGS}/{quote(name, safe='')}"
+
+
+def parse_key(key: str) -> tuple[str, str, str] | None:
+    """(vhost, kind, name) of an exchange or exchange-binding key, else None."""
     parts = key[len(keys.AMQP):].split("/")
-    if len(parts) != 3 or parts[1] != "exchanges":
+    if len(parts) != 3 or parts[1] not in (EXCHANGES, XBINDINGS):
         return None
-    return unquote(parts[0]), unquote(parts[2])
+    return unquote(parts[0]), parts[1], unquote(parts[2])
+
+
+def exchange_definition(type_: str, durable: bool, auto_delete: bool, internal: bool,
+                        arguments: dict[str, Any]) -> dict[str, Any]:
+    return {"type": type_, "durable": durable, "auto_delete": auto_delete, "internal": internal,
+            "arguments": json.loads(json.dumps(arguments, default=str))}
 
 
 class SharedExchanges:
-    """Keeps every node's durable AMQP exchanges equal through etcd (module docstring)."""
+    """Keeps every node's AMQP exchanges equal through etcd (module docstring); the
+    `remote.ExchangeDirectory` of this node's virtual hosts."""
 
     def __init__(self, node: ClusterNode, broker: Broker, amqp: Any,
                  plane: DataPlane | None = None) -> None:
         self.node = node
         self.broker = broker
         self.amqp = amqp
-        self._keep: Callable[[str, Message | None], None] | None = None
         self._applying = False
         # the queues: where each lives, and the calls that reach it from other nodes
         self.queues = SharedQueues(node, broker, amqp)
         self._plane = plane
         self._claiming: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     def install(self) -> None:
         if self._plane is not None:
             self.queues.install(self._plane)
             self._claiming = asyncio.get_running_loop().create_task(self.queues.claim_restored())
-        broker = self.broker
-        self._keep, broker.on_retained_change = broker.on_retained_change, self._changed_here
         self.node.document_listeners.append(self._changed_in_etcd)
         # etcd's exchanges into this node, then this node's (declared before it joined) into etcd
         for key, value in list(self.node.view.documents.items()):
             if key.startswith(keys.AMQP):
                 self._changed_in_etcd(key, value)
         for vhost in self.amqp.vhosts.values():
-            self._share(vhost.name, self._local_exchanges(vhost), delete=False)
+            vhost.exchange_directory = self
+            vhost.on_exchanges_changed.append(self._changed_here)
+            self._share(vhost, delete=False)
 
     # ------------------------------------------------------------ this node -> etcd
-    def _changed_here(self, topic: str, message: Message | None) -> None:
-        if self._keep is not None:
-            self._keep(topic, message)
-        from ..protocols.amqp.vhost import TOPOLOGY_PREFIX
-
-        if not topic.startswith(TOPOLOGY_PREFIX) or self._applying:
-            return
-        vhost = self._vhost_for(topic)
-        if vhost is not None:
-            self._share(vhost.name, self._local_exchanges(vhost), delete=True)
-
-    def _vhost_for(self, topic: str) -> Any:
-        for vhost in self.amqp.vhosts.values():
-            if vhost.topology_topic == topic:
-                return vhost
-        return None
+    def _changed_here(self, vhost: Any) -> None:
+        if not self._applying:
+            self._share(vhost, delete=True)
 
     @staticmethod
-    def _local_exchanges(vhost: Any) -> dict[str, dict[str, Any]]:
+    def _local_exchanges(vhost: Any) -> dict[str, bytes]:
         from ..protocols.amqp.vhost import PREDECLARED
 
         return {
-            name: {"type": e.type, "auto_delete": e.auto_delete, "internal": e.internal,
-                   "arguments": json.loads(json.dumps(e.arguments, default=str))}
-            for name, e in vhost.exchanges.items() if e.durable and name not in PREDECLARED
+            exchange_key(vhost.name, name): keys.encode(exchange_definition(
+                e.type, e.durable, e.auto_delete, e.internal, e.arguments))
+            for name, e in vhost.exchanges.items() if name not in PREDECLARED
         }
 
-    def _share(self, vhost: str, exchanges: dict[str, dict[str, Any]], *, delete: bool) -> None:
+    @staticmethod
+    def _local_bindings(vhost: Any) -> dict[str, bytes]:
+        from ..protocols.amqp.remote import encode_table
+
+        return {
+            binding_key(vhost.name, b): keys.encode({
+                "source": b.source, "destination": b.destination, "routing_key": b.routing_key,
+                "arguments": encode_table(b.arguments)})
+            for b in vhost.exchange_bindings.values()
+        }
+
+    def _share(self, vhost: Any, *, delete: bool) -> None:
         documents = self.node.view.documents
-        prefix = exchange_key(vhost, "")
-        for name, definition in exchanges.items():
-            key = exchange_key(vhost, name)
-            value = keys.encode(definition)
-            if documents.get(key) != value:
-                documents[key] = value
-                self.node.submit(key, value)
-        if delete:
-            for key in [k for k in documents if k.startswith(prefix)]:
-                parsed = parse_key(key)
-                if parsed is not None and parsed[1] not in exchanges:
+        for kind, local in ((EXCHANGES, self._local_exchanges(vhost)),
+                            (XBINDINGS, self._local_bindings(vhost))):
+            for key, value in local.items():
+                if documents.get(key) != value:
+                    documents[key] = value
+                    self.node.submit(key, value)
+            if delete:
+                prefix = f"{keys.AMQP}{quote(vhost.name, safe='')}/{kind}/"
+                for key in [k for k in documents if k.startswith(prefix) and k not in local]:
                     del documents[key]
                     self.node.submit(key, None)
+
+    # ------------------------------------------------------------ ExchangeDirectory
+    def create(self, vhost: Any, name: str, definition: dict[str, Any]) -> asyncio.Future[None]:
+        return asyncio.ensure_future(self._create(vhost, name, definition))
+
+    async def _create(self, vhost: Any, name: str, definition: dict[str, Any]) -> None:
+        key = exchange_key(vhost.name, name)
+        full = self.node.key(key)
+        value = keys.encode(exchange_definition(
+            definition["type"], definition["durable"], definition["auto_delete"],
+            definition["internal"], definition["arguments"]))
+        result = await self.node.client.txn([version_is(full, 0)], [put_op(full, value)], [get_op(full)])
+        if result.succeeded:
+            # this declare defines it: the caller declares it here, and `_share` finds the
+            # key already written
+            self.node.view.documents[key] = value
+            return
+        current = result.reads[0][0] if result.reads and result.reads[0] else None
+        if current is not None:
+            self._learn(key, current.value)
+
+    def lookup(self, vhost: Any, names: list[str]) -> asyncio.Future[None]:
+        return asyncio.ensure_future(self._lookup(vhost, names))
+
+    async def _lookup(self, vhost: Any, names: list[str]) -> None:
+        for name in names:
+            key = exchange_key(vhost.name, name)
+            kv = await self.node.client.get(self.node.key(key))
+            if kv is not None and name not in vhost.exchanges:
+                self._learn(key, kv.value)
+
+    def _learn(self, key: str, value: bytes) -> None:
+        """What etcd holds under `key`, applied here before the watch brings it."""
+        if self.node.view.documents.get(key) != value:
+            self.node.view.documents[key] = value
+            self._changed_in_etcd(key, value)
+
+    def in_use_elsewhere(self, vhost: Any, name: str) -> asyncio.Future[bool]:
+        return asyncio.ensure_future(self._in_use_elsewhere(vhost.name, name))
+
+    async def _in_use_elsewhere(self, vhost: str, name: str) -> bool:
+        me = self.node.node_id
+        others = [node for node in self.node.view.nodes() if node != me and self.queues.live(node)]
+        if not others:
+            return False
+        replies = await asyncio.gather(*(
+            self.queues.call(node, {"op": "exchange_in_use", "vhost": vhost, "queue": "",
+                                    "exchange": name})
+            for node in others), return_exceptions=True)
+        return any(isinstance(reply, dict) and reply.get("in_use") for reply in replies)
+
+    def auto_delete(self, vhost: Any, name: str) -> None:
+        async def check() -> None:
+            if not await self._in_use_elsewhere(vhost.name, name):
+                vhost.auto_delete(name)
+
+        task = asyncio.get_running_loop().create_task(check())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # ------------------------------------------------------------ etcd -> this node
     def _changed_in_etcd(self, key: str, value: bytes | None) -> None:
@@ -130,16 +213,21 @@ class SharedExchanges:
         vhost = self.amqp.vhosts.get(parsed[0])
         if vhost is None:
             return
-        name = parsed[1]
+        kind, name = parsed[1], parsed[2]
         self._applying = True
         try:
-            if value is None:
-                self._delete(vhost, name)
+            if kind == EXCHANGES:
+                if value is None:
+                    self._delete(vhost, name)
+                else:
+                    self._declare(vhost, name, keys.decode(value))
+            elif value is None:
+                self._unbind(vhost, name)
             else:
-                self._declare(vhost, name, keys.decode(value))
+                self._bind(vhost, keys.decode(value))
         except Exception as exc:  # noqa: BLE001 - one bad key must not stop the watch
-            log.warning("cluster: cannot apply AMQP exchange %r of vhost %r from etcd: %s",
-                        name, vhost.name, exc)
+            log.warning("cluster: cannot apply AMQP %s %r of vhost %r from etcd: %s",
+                        kind, name, vhost.name, exc)
         finally:
             self._applying = False
 
@@ -148,6 +236,7 @@ class SharedExchanges:
         from ..protocols.amqp.vhost import EXCHANGE_TYPES, Exchange
 
         existing = vhost.exchanges.get(name)
+        durable = bool(definition.get("durable", True))
         if existing is not None:
             if existing.type != definition.get("type"):
                 log.warning("cluster: AMQP exchange %r is %s here but %s on another node; kept",
@@ -156,9 +245,10 @@ class SharedExchanges:
         if definition.get("type") not in EXCHANGE_TYPES:
             return
         vhost.exchanges[name] = Exchange(
-            name, definition["type"], True, bool(definition.get("auto_delete")),
+            name, definition["type"], durable, bool(definition.get("auto_delete")),
             bool(definition.get("internal")), dict(definition.get("arguments") or {}))
-        vhost.save_topology()
+        if durable:
+            vhost.save_topology()
         log.info("cluster: AMQP exchange %r declared on another node", name)
 
     @staticmethod
@@ -169,3 +259,33 @@ class SharedExchanges:
             return
         vhost.delete_exchange(name, False)
         log.info("cluster: AMQP exchange %r deleted on another node", name)
+
+    @staticmethod
+    def _bind(vhost: Any, definition: dict[str, Any]) -> None:
+        from ..protocols.amqp.remote import decode_table
+        from ..protocols.amqp.vhost import ExchangeBinding
+
+        binding = ExchangeBinding(
+            str(definition["source"]), str(definition["destination"]),
+            str(definition.get("routing_key", "")),
+            decode_table(str(definition.get("arguments", ""))))
+        if binding.key in vhost.exchange_bindings:
+            return
+        vhost.exchange_bindings[binding.key] = binding
+        vhost.rederive_all()
+        if vhost._durable_binding(binding):
+            vhost.save_topology()
+
+    @staticmethod
+    def _unbind(vhost: Any, name: str) -> None:
+        try:
+            wanted = json.loads(name)
+        except ValueError:
+            return
+        for key, binding in list(vhost.exchange_bindings.items()):
+            if json.loads(json.dumps(list(key))) == wanted:
+                del vhost.exchange_bindings[key]
+                vhost.rederive_all()
+                if vhost._durable_binding(binding):
+                    vhost.save_topology()
+                return

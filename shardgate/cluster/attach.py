@@ -172,7 +172,8 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     assert broker is not None
     plane = app.data_plane  # the app starts it before its client listeners
     if plane is None:
-        plane = DataPlane(broker, node.view, host=host, port=settings.port)
+        plane = DataPlane(broker, node.view, host=host, port=settings.port,
+                          link_timeout_s=settings.link_timeout_s)
         try:
             await plane.start()
         except (OSError, RuntimeError) as exc:
@@ -203,6 +204,8 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     assert edge is not None
     node.durables = DurableHandover(node, edge, broker, placer, rpc, writer)
     node.durables.install()
+    if app.grpc is not None:  # consumers of this node's durable subscriptions on other nodes
+        plane.add_service(node.durables.serve_consumers(app.grpc))
     mqtt = app.mqtt
     if mqtt is not None:
         handover = SessionHandover(node, mqtt, broker, placer, rpc, writer)
@@ -295,6 +298,8 @@ def cluster_status(node: ClusterNode) -> dict[str, Any]:
         },
         # what other nodes' durable cursors still need of this node's shards (retention keeps it)
         "cursor_floors": node.floors.status() if node.floors is not None else {},
+        # cursor floors reported by nodes out of the view (ignored after a bound)
+        "departed_floors": node.floors.departed_status() if node.floors is not None else {},
     }
 
 

@@ -13,6 +13,7 @@ import os
 import sys
 import urllib.error
 import urllib.request
+from datetime import UTC, datetime
 from typing import Any
 
 
@@ -44,6 +45,10 @@ def run_cluster_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _utc(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
 def render_status(status: dict[str, Any]) -> str:
     nodes = status["nodes"]
     lines = [
@@ -70,4 +75,13 @@ def render_status(status: dict[str, Any]) -> str:
     if floors:
         kept = ", ".join(f"{shard} from {offset}" for shard, offset in floors.items())
         lines.append(f"journal kept here for cursors on other nodes: {kept}")
+    for node_id, departed in status.get("departed_floors", {}).items():
+        shards = ", ".join(f"{shard} from {offset}" for shard, offset in departed["floors"].items()) or "none"
+        if departed["ignored"]:
+            state = "ignored (departed_floors_retention_s has passed)"
+        elif departed.get("ignored_from_ms") is not None:
+            state = f"kept until {_utc(departed['ignored_from_ms'])}"
+        else:
+            state = "kept"
+        lines.append(f"cursor floors of departed node {node_id} ({shards}): {state}")
     return "\n".join(lines)

@@ -17,10 +17,21 @@ moves to where its consumers are:
   twice); when the holder is dead B resumes from the last checkpoint (messages since may come
   again: at least once). The shards another node owns replay from that node's journal
   (`shard_reader.OwnerLog`).
-- While consumers of the subscription are attached on its holder, a consumer on another node
-  is refused with a clear error naming the holder: all of a subscription's consumers are on
-  one node (its Shared round robin and Failover standby run there). Remote consumers (a node
-  proxying deliveries and acks for another) are not built.
+- While consumers of the subscription are attached on its holder, a consumer that comes to
+  another node attaches there remotely: its node relays its `Subscribe` stream to the holder
+  over the cluster port (`DurableConsumers/Consume`, the same `ConsumeRequest` /
+  `ConsumeResponse` messages, the client's credit window passing through end to end), where it
+  is one more consumer of the subscription. So deliveries, acks, nacks and redeliveries all go
+  through the one cursor: Shared spreads round robin over every consumer wherever it is
+  connected, Failover has one active consumer and promotes a standby on any node when it
+  leaves (its unacknowledged messages redelivered to it), and Exclusive refuses a second
+  consumer from anywhere. This is the design of Pulsar and Danube: a subscription's dispatcher
+  lives with one broker and its consumers connect to it; here the relay stands in for a client
+  redirect, which the SDK does not follow.
+- When the holder dies, a relayed stream ends with UNAVAILABLE and the SDK resubscribes on its
+  own node, which takes the subscription over from the last checkpoint (above). While it has
+  consumers on other nodes, the holder checkpoints every `REMOTE_CHECKPOINT_S`, so a takeover
+  after a crash redelivers at most what was acknowledged within that interval.
 
 AMQP queues are durable subscriptions too, but a queue also lives in its virtual host's
 topology (exchanges, bindings, arguments): it stays on its home node and clients of every
@@ -30,16 +41,21 @@ other node use it there (`amqp_queues.py`, see docs/ARCHITECTURE.md).
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
+
+import grpc
 
 from ..core.durable import DurableSubscription
 from ..core.errors import ShardUnavailable
 from ..core.message import now_ms
 from ..core.subscriptions import Subscription, SubscriptionType
+from ..proto import shardgate_pb2 as pb
 from . import keys
-from .etcd import EtcdError
+from .etcd import EtcdError, mod_revision_is, put_op, version_is
 from .sessions import (
     RELEASE_CALL_TIMEOUT_S,
     TAKEOVER_TIMEOUT_S,
@@ -52,12 +68,24 @@ from .state_rpc import StateCallError, StateRpc
 if TYPE_CHECKING:
     from ..core.broker import Broker
     from ..core.edge import Edge
+    from ..protocols.grpc.server import GrpcServer
     from .control import ClusterNode
 
 log = logging.getLogger(__name__)
 
 # How often the cursors of a durable subscription that moved are checkpointed to etcd.
 CHECKPOINT_S = 2.0
+# ... and of one with consumers attached from other nodes (which take it over if this node dies).
+REMOTE_CHECKPOINT_S = 0.2
+# The stream a consumer on another node is relayed through (module docstring).
+CONSUMERS_SERVICE = "shardgate.cluster.v1.DurableConsumers"
+CONSUME = "Consume"
+# Metadata of a relayed stream: the subscription it is for.
+SUBSCRIPTION_HEADER = "shardgate-subscription"
+# Statuses of a relayed stream that mean "the holder went away": the client retries.
+_HOLDER_GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                          grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
+                          grpc.StatusCode.INTERNAL})
 # Owner kinds whose durable subscriptions are shared (their owner can be rebuilt anywhere).
 SHARED_KINDS = frozenset({"grpc"})
 
@@ -82,6 +110,9 @@ class DurableHandover:
         self._removed: Callable[[Subscription], None] | None = None
         self._task: asyncio.Task[None] | None = None
         self.taken_over = 0
+        # relayed streams from other nodes being served here, per subscription
+        self._remote: Counter[str] = Counter()
+        self._grpc: GrpcServer | None = None
 
     def key(self, name: str) -> str:
         return self.prefix + name
@@ -153,11 +184,15 @@ class DurableHandover:
         self.writer.put(self.key(sub.name), make)
 
     async def _checkpoints(self) -> None:
+        rounds = 0
+        every = max(1, round(CHECKPOINT_S / REMOTE_CHECKPOINT_S))
         while True:
-            await asyncio.sleep(CHECKPOINT_S)
+            await asyncio.sleep(REMOTE_CHECKPOINT_S)
+            rounds += 1
             try:
                 for sub in self._shared():
-                    self._checkpoint(sub)
+                    if rounds % every == 0 or self._remote[sub.name]:
+                        self._checkpoint(sub)
             except Exception:  # noqa: BLE001 - the next round tries again
                 log.exception("cluster: checkpointing durable subscriptions failed")
 
@@ -189,10 +224,13 @@ class DurableHandover:
 
     # ------------------------------------------------------------ the consumer's node
     async def find(self, name: str) -> str | None:
+        """Bring subscription `name` here (None), or name the node where it is consumed now."""
         try:
             return await asyncio.wait_for(self._find(name), TAKEOVER_TIMEOUT_S)
         except TimeoutError:
-            return f"durable subscription {name!r} could not be brought to this node in time; retry"
+            raise ShardUnavailable(
+                f"durable subscription {name!r} could not be brought to this node in time; retry"
+            ) from None
         except EtcdError as exc:
             raise ShardUnavailable(
                 f"durable subscription {name!r} cannot be looked up in etcd now ({exc}); retry"
@@ -200,28 +238,47 @@ class DurableHandover:
 
     async def _find(self, name: str) -> str | None:
         me = self.node.node_id
-        kv = await self.node.client.get(self.key(name))
-        if kv is None:
-            return None  # a new subscription: it is defined here
-        state = keys.decode(kv.value)
-        holder = state.get("node")
-        if holder != me and holder in self.node.view.nodes():
-            try:
-                reply = await self.rpc.release_durable(holder, {"name": name, "to": me}, RELEASE_CALL_TIMEOUT_S)
-            except StateCallError as exc:
-                log.warning("cluster: node %s did not hand subscription %r over (%s); resuming "
-                            "from its last checkpoint", holder, name, exc)
-                reply = {}
-            if reply.get("busy"):
-                return str(reply["busy"])
-            if reply.get("state") is not None:
-                state = reply["state"]
-        if name in self.broker.subscriptions:
+        client = self.node.client
+        key = self.key(name)
+        for _ in range(5):
+            kv = await client.get(key)
+            if kv is None:
+                # a new subscription: claimed with a create-if-absent transaction, so that of
+                # two nodes defining it at once one holds it and the other relays to it
+                claim = keys.encode({"node": me, "name": name, "taken_ms": now_ms()})
+                if (await client.txn([version_is(key, 0)], [put_op(key, claim)])).succeeded:
+                    return None
+                continue
+            state = keys.decode(kv.value)
+            holder = state.get("node")
+            if holder != me and holder in self.node.view.nodes():
+                try:
+                    reply = await self.rpc.release_durable(holder, {"name": name, "to": me}, RELEASE_CALL_TIMEOUT_S)
+                except StateCallError as exc:
+                    log.warning("cluster: node %s did not hand subscription %r over (%s); resuming "
+                                "from its last checkpoint", holder, name, exc)
+                    reply = {}
+                if reply.get("holder"):
+                    return str(reply["holder"])
+                if reply.get("state") is not None:
+                    state = reply["state"]
+            if name in self.broker.subscriptions:
+                return None
+            if holder != me:
+                # take it with a transaction on the revision read: of two nodes taking over a
+                # dead holder's subscription, one holds it and the other relays to it
+                claim = keys.encode(dict(state, node=me, taken_ms=state.get("taken_ms", now_ms())))
+                if not (await client.txn([mod_revision_is(key, kv.mod_revision)], [put_op(key, claim)])).succeeded:
+                    continue
+                if name in self.broker.subscriptions:
+                    return None
+            if "type" not in state:
+                return None  # claimed but never defined (its first consumer was refused)
+            self.adopt(state)
+            self.taken_over += 1
+            log.info("cluster: durable subscription %r taken over from %s", name, holder)
             return None
-        self.adopt(state)
-        self.taken_over += 1
-        log.info("cluster: durable subscription %r taken over from %s", name, holder)
-        return None
+        raise ShardUnavailable(f"the record of durable subscription {name!r} keeps changing; retry")
 
     def adopt(self, state: dict[str, Any]) -> DurableSubscription:
         broker = self.broker
@@ -245,10 +302,89 @@ class DurableHandover:
             return {"state": None}
         assert isinstance(sub, DurableSubscription)
         if sub.consumers:
-            return {"busy": f"durable subscription {name!r} is consumed on node {self.node.node_id}: "
-                            f"all its consumers must be on one node; connect to {self.node.node_id} "
-                            "or stop those consumers first"}
+            return {"holder": self.node.node_id}  # consumed here: the new consumer attaches here
         state = self.snapshot(sub)
         self._give_up(sub)
         log.info("cluster: durable subscription %r handed over to %s", name, to)
         return {"state": state}
+
+    # ------------------------------------------------------------ consumers on other nodes
+    def serve_consumers(self, grpc_server: GrpcServer) -> grpc.GenericRpcHandler:
+        """Relay consumers from other nodes (module docstring): this node's gRPC server takes
+        their streams; the returned handler goes on the cluster port."""
+        self._grpc = grpc_server
+        grpc_server.consume_remotely = self.consume_remotely
+
+        async def consume(requests: AsyncIterator[pb.ConsumeRequest],
+                          context: grpc.aio.ServicerContext) -> None:
+            name = dict(context.invocation_metadata() or ()).get(SUBSCRIPTION_HEADER, "")
+            sub = self.broker.subscriptions.get(str(name))
+            if not isinstance(sub, DurableSubscription) or not self.shareable(sub):
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"durable subscription {name!r} is no longer consumed on node "
+                                    f"{self.node.node_id}; retry")
+                return
+            self._remote[sub.name] += 1
+            try:
+                await grpc_server.consumer_service.Subscribe(requests, context)
+            finally:
+                self._remote[sub.name] -= 1
+                if self._remote[sub.name] <= 0:
+                    del self._remote[sub.name]
+                    self._checkpoint(sub)
+
+        return grpc.method_handlers_generic_handler(CONSUMERS_SERVICE, {
+            CONSUME: grpc.stream_stream_rpc_method_handler(
+                consume, request_deserializer=pb.ConsumeRequest.FromString,
+                response_serializer=pb.ConsumeResponse.SerializeToString),
+        })
+
+    async def consume_remotely(self, holder: str, first: pb.ConsumeRequest,
+                               requests: AsyncIterator[pb.ConsumeRequest],
+                               context: grpc.aio.ServicerContext, user: str | None) -> None:
+        """Serve a consumer of this node through `holder`: relay its stream both ways until
+        either end finishes; a holder that goes away ends it with UNAVAILABLE (retry here)."""
+        name = first.subscribe.subscription
+        try:
+            channel = self.rpc.channel(holder)
+        except StateCallError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"durable subscription {name!r} is consumed on node {holder}: {exc}; retry")
+            return
+        metadata: list[tuple[str, str]] = [(SUBSCRIPTION_HEADER, name)]
+        if user is not None:  # authenticated here; the holder authorizes it as this user
+            metadata.append(("authorization", "Basic " + base64.b64encode(f"{user}:".encode()).decode()))
+        call = channel.stream_stream(
+            f"/{CONSUMERS_SERVICE}/{CONSUME}",
+            request_serializer=pb.ConsumeRequest.SerializeToString,
+            response_deserializer=pb.ConsumeResponse.FromString,
+        )(metadata=tuple(metadata))
+
+        async def upstream() -> None:
+            await call.write(first)
+            async for request in requests:
+                await call.write(request)
+            await call.done_writing()
+
+        sender = asyncio.ensure_future(upstream())
+        sender.add_done_callback(lambda task: task.cancelled() or task.exception())
+        failure: grpc.aio.AioRpcError | None = None
+        try:
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF:
+                    break
+                await context.write(response)
+        except grpc.aio.AioRpcError as exc:
+            failure = exc
+        finally:
+            sender.cancel()
+            call.cancel()
+        if failure is None:
+            return
+        code, details = failure.code(), failure.details() or ""
+        if code in _HOLDER_GONE:
+            code = grpc.StatusCode.UNAVAILABLE
+            details = (f"node {holder}, where durable subscription {name!r} is consumed, ended "
+                       f"the stream ({details}); retry")
+        await context.abort(code, details)

@@ -16,8 +16,17 @@ on shards other nodes own, and every owner counts the reports for its shards:
   it keeps every shard's journal whole.
 
 A floor only rises while a cursor moves, so a report that is a little old asks to keep more,
-never less. A node that never returns keeps its last floors (as a durable subscription that
-is never consumed keeps the journal of a single node); `shardgate cluster status` shows them.
+never less.
+
+A node that never returns would pin its owners' journals forever, so its floors count for a
+bound, `departed_floors_retention_s` (24 h by default, as Kafka expires the committed offsets
+of a group gone for `offsets.retention.minutes`): the controller stamps when it first saw a
+reporting node out of the view, `/shardgate/<cluster>.state/floors-departed/<node id>` =
+{"since_ms": ...} (create-if-absent, so a new controller keeps the first stamp), and deletes
+the stamp when that node is live again. Owners ignore the floors of a node out of the view
+whose stamp is older than the bound; its report stays in etcd (a node that comes back after
+the bound resumes from what the owners still have). `shardgate cluster status` shows the
+floors an owner keeps and the departed nodes' reports, ignored or not yet.
 """
 
 from __future__ import annotations
@@ -29,8 +38,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from ..core.durable import DurableSubscription
+from ..core.message import now_ms
 from . import keys
-from .etcd import EtcdError
+from .etcd import EtcdError, put_op, version_is
 
 if TYPE_CHECKING:
     from ..core.broker import Broker
@@ -50,9 +60,14 @@ class CursorFloors:
         self.node = node
         self.broker = broker
         self.prefix = node.settings.prefix.rstrip("/") + ".state/floors/"
+        self.departed_prefix = node.settings.prefix.rstrip("/") + ".state/floors-departed/"
+        # how long the floors of a node out of the view still count
+        self.departed_retention_ms = int(float(node.settings.departed_floors_retention_s) * 1000)
         self._reported: dict[str, int] | None = None
         # every other node's report, by node id
         self._reports: dict[str, dict[str, int]] | None = None
+        # nodes out of the view, by node id: since when (ms), as the controller stamped it
+        self._departed: dict[str, int] = {}
         self._report_now = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -93,7 +108,8 @@ class CursorFloors:
 
     # ------------------------------------------------------------ the owners' side
     async def refresh(self) -> None:
-        kvs, _revision = await self.node.client.get_prefix(self.prefix)
+        client = self.node.client
+        kvs, _revision = await client.get_prefix(self.prefix)
         reports: dict[str, dict[str, int]] = {}
         for kv in kvs:
             node_id = kv.key[len(self.prefix):]
@@ -103,7 +119,40 @@ class CursorFloors:
                 reports[node_id] = {str(name): int(floor) for name, floor in keys.decode(kv.value).items()}
             except (ValueError, AttributeError, TypeError):
                 log.warning("cluster: ignoring an unreadable cursor report of node %s", node_id)
-        self._reports = reports
+        stamps, _revision = await client.get_prefix(self.departed_prefix)
+        departed: dict[str, int] = {}
+        for kv in stamps:
+            try:
+                departed[kv.key[len(self.departed_prefix):]] = int(keys.decode(kv.value)["since_ms"])
+            except (ValueError, KeyError, TypeError):
+                departed[kv.key[len(self.departed_prefix):]] = now_ms()  # restamped below
+        if self.node.is_controller:
+            await self._stamp_departed(reports, departed)
+        self._reports, self._departed = reports, departed
+
+    async def _stamp_departed(self, reports: Mapping[str, object], departed: dict[str, int]) -> None:
+        """(Controller) stamp when a reporting node was first seen out of the view; remove the
+        stamp of a node live again."""
+        live = self.node.view.nodes()
+        for node_id in reports:
+            if node_id not in live and node_id not in departed:
+                key, since = self.departed_prefix + node_id, now_ms()
+                result = await self.node.client.txn(
+                    [version_is(key, 0)], [put_op(key, keys.encode({"since_ms": since}))])
+                if result.succeeded:
+                    departed[node_id] = since
+                    log.info("cluster: node %s left with cursor floors; they count for %.0f s more",
+                             node_id, self.departed_retention_ms / 1000)
+        for node_id in list(departed):
+            if node_id in live or node_id not in reports:
+                await self.node.client.delete(self.departed_prefix + node_id)
+                del departed[node_id]
+
+    def ignored(self, node_id: str) -> bool:
+        """Whether `node_id`'s floors no longer count: out of the view for longer than the bound."""
+        since = self._departed.get(node_id)
+        return (since is not None and node_id not in self.node.view.nodes()
+                and now_ms() - since >= self.departed_retention_ms)
 
     def remote_needs(self) -> Mapping[tuple[str, int], int]:
         """For retention: per shard this node owns, the lowest offset another node's cursor
@@ -117,7 +166,9 @@ class CursorFloors:
                         needs[(broker_stream.name, shard.index)] = shard.log.low_watermark
             return needs
         view = self.node.view
-        for floors in reports.values():
+        for node_id, floors in reports.items():
+            if self.ignored(node_id):
+                continue
             for name, floor in floors.items():
                 stream, _, index = name.rpartition("/")
                 if not index.isdigit():
@@ -135,6 +186,23 @@ class CursorFloors:
         if self._reports is None:
             return {}
         return {f"{stream}/{shard}": floor for (stream, shard), floor in sorted(self.remote_needs().items())}
+
+    def departed_status(self) -> dict[str, dict[str, object]]:
+        """The reports of nodes out of the view that ask to keep something: since when, whether
+        they are ignored yet, and when they will be, and their floors."""
+        reports = self._reports or {}
+        live = self.node.view.nodes()
+        status: dict[str, dict[str, object]] = {}
+        for node_id, floors in sorted(reports.items()):
+            if node_id in live or not floors:
+                continue
+            since = self._departed.get(node_id)
+            status[node_id] = {
+                "departed_ms": since, "ignored": self.ignored(node_id),
+                "ignored_from_ms": None if since is None else since + self.departed_retention_ms,
+                "floors": dict(sorted(floors.items())),
+            }
+        return status
 
     # ------------------------------------------------------------ loops
     def start(self) -> None:

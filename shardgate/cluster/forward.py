@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import struct
 import time
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from ..core.errors import CoreError, PublishRejected, ShardUnavailable
+from ..core.records import encode_message
 from ..core.subscriptions import Subscription, SubscriptionType
 from ..proto import cluster_pb2 as pb
 from ..storage.journal import LatencyHistogram
@@ -36,14 +38,14 @@ from .frames import (
     NO_GROUPS,
     RecordFormatError,
     body_of,
-    forward_frame,
-    frame_size,
     message_from_forward,
     message_from_push,
+    pack_records,
     push_frame,
     record_of,
     route_update,
     routes_from_update,
+    unpack_records,
 )
 from .link import ClusterPortProtocol, LinkClient
 from .membership import ClusterView, NodeInfo
@@ -63,6 +65,8 @@ FRAME_MAX_MESSAGES = 2_000
 FRAME_MAX_BYTES = 4 << 20
 MAX_GRPC_MESSAGE = 512 << 20
 DIAL_TIMEOUT_S = 5.0
+# A peer silent for this long (frozen: SIGSTOP, a stalled VM) is given up on (see PeerSilent).
+LINK_TIMEOUT_S = 3.0
 RECONNECT_MIN_S = 0.05
 RECONNECT_MAX_S = 1.0
 ROUTE_DEBOUNCE_S = 0.02
@@ -107,18 +111,62 @@ class DataPlaneStats:
     forward_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
 
 
+class PeerSilent(ConnectionError):
+    """The peer said nothing (no reply, no heartbeat) for the link's timeout: it is frozen or
+    cut off, though its connection may look open."""
+
+
+class _Shared:
+    """The one future of the QoS 0 publishes queued for a peer between two writes: nobody
+    waits on them one by one (an MQTT QoS 0 publisher never looks; an AMQP transient publish
+    with confirms is confirmed with its batch). It resolves once the owner has taken every
+    one of them, and fails when the owner refused any (a retryable error: at least once)."""
+
+    __slots__ = ("future", "pending", "error")
+
+    def __init__(self, future: asyncio.Future[None]) -> None:
+        self.future = future
+        self.pending = 0
+        self.error: PublishRejected | None = None
+
+    def settle(self, count: int, error: PublishRejected | None = None) -> None:
+        if error is not None and self.error is None:
+            self.error = error
+        self.pending -= count
+        if self.pending <= 0 and not self.future.done():
+            if self.error is None:
+                self.future.set_result(None)
+            else:
+                _fail(self.future, self.error)
+
+
+class _SentBatch:
+    """A `ForwardBatch` written and not answered yet: its messages, and for each the future
+    of its publisher (the `_Shared` of its write for an unacknowledged batch)."""
+
+    __slots__ = ("messages", "waiters", "epoch", "unacknowledged")
+
+    def __init__(self, messages: list[Message], waiters: list[asyncio.Future[None] | _Shared],
+                 epoch: int, unacknowledged: bool) -> None:
+        self.messages = messages
+        self.waiters = waiters
+        self.epoch = epoch
+        self.unacknowledged = unacknowledged
+
+
 class _Sent:
     """A frame written to the peer and not answered yet: written again on a new stream of the
     same session after a break, until its answer comes."""
 
-    __slots__ = ("frame", "forwards", "pushes", "route_generation", "written_at")
+    __slots__ = ("frame", "batches", "forwarded", "pushes", "route_generation", "written_at")
 
     def __init__(
-        self, frame: pb.PeerFrame, forwards: list[tuple[asyncio.Future[None], Message, int]],
+        self, frame: pb.PeerFrame, batches: list[_SentBatch], forwarded: int,
         pushes: int, route_generation: int,
     ) -> None:
         self.frame = frame
-        self.forwards = forwards
+        self.batches = batches
+        self.forwarded = forwarded  # messages in the batches
         self.pushes = pushes
         self.route_generation = route_generation
         self.written_at = time.perf_counter()
@@ -136,8 +184,12 @@ class PeerLink:
         self._next_sequence = 1
         self._unanswered: dict[int, _Sent] = {}
         self._answered_floor = 1  # every frame below it was answered
-        self._forwards: list[tuple[pb.Forward, asyncio.Future[None], Message]] = []
-        self._pushes: list[pb.Push] = []
+        # Publishes to forward: (message, epoch, its future or None, the shared future of
+        # the QoS 0 ones or None).
+        self._forwards: list[tuple[Message, int, asyncio.Future[None] | None, _Shared | None]] = []
+        self._shared: _Shared | None = None
+        # Stored messages to push, with the share groups chosen here for each.
+        self._pushes: list[tuple[Message, tuple[str, ...]]] = []
         self._routes: list[pb.RouteUpdate] = []
         self._routes_generation = 0
         self._retained: list[pb.Retained] = []
@@ -170,33 +222,42 @@ class PeerLink:
         self, message: Message, epoch: int, future: asyncio.Future[None] | None = None
     ) -> asyncio.Future[None]:
         """Queue `message` for the peer (the owner under `epoch`); `future` is the one to
-        resolve when the message is re-routed after a refusal."""
-        if future is None:
-            future = asyncio.get_running_loop().create_future()
-        if not self.reachable:
+        resolve when the message is re-routed after a refusal. A QoS 0 message gets the
+        future it shares with the other QoS 0 messages of this write (see `_Shared`)."""
+        if not self.reachable or self._in_flight >= MAX_FORWARDS_IN_FLIGHT:
+            if future is None:
+                future = self._loop.create_future()
             _fail(future, ShardUnavailable(
                 f"node {self.node.node_id} owning {message.stream}/{message.shard} is unreachable"
-            ))
-        elif self._in_flight >= MAX_FORWARDS_IN_FLIGHT:
-            _fail(future, ShardUnavailable(
+                if not self.reachable else
                 f"too many publishes waiting for node {self.node.node_id}; retry"
             ))
-        else:
-            self._forwards.append((forward_frame(message, epoch), future, message))
-            self._in_flight += 1
-            self._flush_soon()
-        if future.done():
             self.plane.stats.forward_failures += 1
+            return future
+        self._in_flight += 1
+        if not self._flush_scheduled:
+            self._flush_soon()
+        if future is None and not message.qos:
+            shared = self._shared
+            if shared is None:
+                shared = self._shared = _Shared(self._loop.create_future())
+            shared.pending += 1
+            self._forwards.append((message, epoch, None, shared))
+            return shared.future
+        if future is None:
+            future = self._loop.create_future()
+        self._forwards.append((message, epoch, future, None))
         return future
 
-    def push(self, push: pb.Push) -> None:
+    def push(self, message: Message, groups: tuple[str, ...] = ()) -> None:
         if self._pushes_held >= MAX_PUSHES_QUEUED or not self.reachable:
             self.plane.stats.pushes_dropped += 1
             self.plane.broker.stats.drop("cluster_link_full")
             return
-        self._pushes.append(push)
+        self._pushes.append((message, groups))
         self._pushes_held += 1
-        self._flush_soon()
+        if not self._flush_scheduled:
+            self._flush_soon()
 
     def send_routes(self, update: pb.RouteUpdate, generation: int) -> None:
         self._routes.append(update)
@@ -221,6 +282,7 @@ class PeerLink:
         connection = self._connection
         if connection is None:
             return
+        self._shared = None  # QoS 0 publishes from now on share another future
         stats = self.plane.stats
         while (self._forwards or self._pushes or self._routes or self._retained) and not connection.paused:
             connection.send(self._next_frame())
@@ -253,7 +315,9 @@ class PeerLink:
                 # one broken again while it opened; a peer that cannot be dialed twice in a row
                 # is away: its clients get retryable errors.
                 self._failed_dials = 0 if self.connected else self._failed_dials + 1
-                self.reachable = self._failed_dials < 2 and not self._closed
+                # a silent peer is away (frozen): its clients get retryable errors at once
+                self.reachable = (self._failed_dials < 2 and not isinstance(exc, PeerSilent)
+                                  and not self._closed)
                 oldest = next(iter(self._unanswered.values()), None)
                 if not self.reachable or (
                     oldest is not None and time.perf_counter() - oldest.written_at > RESUME_LIMIT_S
@@ -280,7 +344,18 @@ class PeerLink:
             DIAL_TIMEOUT_S,
         )
         try:
-            connection.send(pb.PeerFrame(sequence=0, from_node=self.plane.node_id, session=self.session))
+            timeout = self.plane.link_timeout_s
+            connection.send(pb.PeerFrame(
+                sequence=0, from_node=self.plane.node_id, session=self.session,
+                heartbeat_ms=round(timeout * 1000)))
+            # A frozen peer's kernel accepts the connection: the link is up once the peer
+            # itself answers the hello.
+            await asyncio.wait((connection.answered, connection.closed), timeout=timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if connection.closed.done():
+                raise connection.closed.result()
+            if not connection.answered.done():
+                raise PeerSilent(f"no answer to the hello within {timeout:g} s")
             # What the last connection left unanswered goes again, in order (the peer skips
             # what it applied already and answers it again).
             for _sequence, sent in list(self._unanswered.items()):
@@ -297,10 +372,28 @@ class PeerLink:
                 log.info("cluster link to %s up", self)
                 self.plane.link_state_changed()
             self._flush()
-            raise await connection.closed
+            raise await self._watch(connection, timeout)
         finally:
             self._connection = None
             connection.close()
+
+    async def _watch(self, connection: LinkClient, timeout: float) -> BaseException:
+        """Wait for the connection to end, or for the peer to fall silent for `timeout` (it
+        sends heartbeats while it has nothing else to say): what ended it."""
+        closed = connection.closed
+        while True:
+            silent = connection.silent_for()
+            if silent >= timeout:
+                # (this node's own loop may have been the one stalled, with the peer's bytes
+                # waiting in the socket: let them be read first)
+                await asyncio.sleep(min(0.05, timeout / 10))
+                silent = connection.silent_for()
+                if silent >= timeout:
+                    return PeerSilent(f"nothing heard from the peer for {silent:.1f} s")
+            try:
+                return await asyncio.wait_for(asyncio.shield(closed), timeout - silent)
+            except TimeoutError:
+                continue
 
     def _answered_below(self) -> int:
         """The lowest sequence not answered yet (each sequence is passed once: O(1) a frame)."""
@@ -331,30 +424,112 @@ class PeerLink:
             self._retained = []
         size = 0
         count = 0
-        forwards: list[tuple[asyncio.Future[None], Message, int]] = []
+        batches: list[_SentBatch] = []
         if self._forwards:
-            taken = []
-            for entry in self._forwards:
-                if count >= FRAME_MAX_MESSAGES or (count and size >= FRAME_MAX_BYTES):
-                    break
-                taken.append(entry)
-                count += 1
-                size += frame_size(entry[0])
-            del self._forwards[:count]
-            frame.forwards.extend(entry[0] for entry in taken)
-            forwards = [(future, message, forward.epoch) for forward, future, message in taken]
+            batches, count, size = self._take_batches(frame)
         pushes = 0
         if self._pushes and count < FRAME_MAX_MESSAGES:
-            for push in self._pushes:
-                if count >= FRAME_MAX_MESSAGES or (count and size >= FRAME_MAX_BYTES):
-                    break
-                count += 1
-                pushes += 1
-                size += frame_size(push)
-            frame.pushes.extend(self._pushes[:pushes])
-            del self._pushes[:pushes]
-        self._unanswered[sequence] = _Sent(frame, forwards, pushes, route_generation)
+            pushes = self._take_pushes(frame, count, size)
+        forwarded = sum(len(batch.messages) for batch in batches)
+        self._unanswered[sequence] = _Sent(frame, batches, forwarded, pushes, route_generation)
         return frame
+
+    def _take_pushes(self, frame: pb.PeerFrame, count: int, size: int) -> int:
+        """Move queued pushes (as many as the frame still holds) into `frame`, as one packed
+        `PushBatch` per run of messages of one shard with the same share groups, in the
+        queue's order. Returns how many."""
+        runs: list[tuple[list[Message], tuple[str, ...]]] = []
+        run_key: tuple[str, int, tuple[str, ...]] | None = None
+        messages: list[Message] = []
+        taken = 0
+        for message, groups in self._pushes:
+            if count >= FRAME_MAX_MESSAGES or (count and size >= FRAME_MAX_BYTES):
+                break
+            count += 1
+            taken += 1
+            size += len(message.payload) + len(message.topic)
+            key = (message.stream, message.shard, groups)
+            if key != run_key:
+                run_key = key
+                messages = []
+                runs.append((messages, groups))
+            messages.append(message)
+        del self._pushes[:taken]
+        for messages, groups in runs:
+            first = messages[0]
+            try:
+                records = pack_records(messages)
+            except (ValueError, OverflowError, struct.error):  # stored, so encodable; but safe
+                log.exception("cluster: a stored message could not be packed for a push")
+                continue
+            frame.push_batches.add(
+                stream=first.stream, shard=first.shard, records=records,
+                offsets=[message.offset for message in messages], share_groups=groups,
+            )
+        return taken
+
+    def _take_batches(self, frame: pb.PeerFrame) -> tuple[list[_SentBatch], int, int]:
+        """Move the queued publishes (as many as a frame holds) into `frame`, as one packed
+        `ForwardBatch` per run of messages to the same shard, epoch and acknowledgement; the
+        runs keep the order of the queue. Returns the batches, the messages and their bytes."""
+        batches: list[_SentBatch] = []
+        count = size = 0
+        run_key: tuple[str, int, int, bool, bool] | None = None
+        messages: list[Message] = []
+        waiters: list[asyncio.Future[None] | _Shared] = []
+        for message, epoch, future, shared in self._forwards:
+            if count >= FRAME_MAX_MESSAGES or (count and size >= FRAME_MAX_BYTES):
+                break
+            count += 1
+            size += len(message.payload) + len(message.topic)
+            key = (message.stream, message.shard, epoch, future is None, message.transient)
+            if key != run_key:
+                run_key = key
+                messages, waiters = [], []
+                batches.append(_SentBatch(messages, waiters, epoch, future is None))
+            messages.append(message)
+            waiters.append(future if future is not None else shared)  # type: ignore[arg-type]
+        del self._forwards[:count]
+        for batch in batches:
+            first = batch.messages[0]
+            try:
+                records = pack_records(batch.messages)
+            except (ValueError, OverflowError, struct.error):
+                records = self._packable(batch)
+            frame.batches.add(
+                stream=first.stream, shard=first.shard, epoch=batch.epoch, records=records,
+                unacknowledged=batch.unacknowledged, transient=first.transient,
+            )
+        return batches, count, size
+
+    def _packable(self, batch: _SentBatch) -> bytes:
+        """The records of the messages of `batch` that a record can hold; the others are
+        refused here and leave the batch (a field too long for the record format, say)."""
+        kept: list[Message] = []
+        kept_waiters: list[asyncio.Future[None] | _Shared] = []
+        for message, waiter in zip(batch.messages, batch.waiters, strict=True):
+            try:
+                pack_records((message,))
+            except (ValueError, OverflowError, struct.error) as exc:
+                self._in_flight -= 1
+                self._settle_one(waiter, PublishRejected(f"the message cannot be forwarded: {exc}"))
+                continue
+            kept.append(message)
+            kept_waiters.append(waiter)
+        batch.messages[:] = kept
+        batch.waiters[:] = kept_waiters
+        return pack_records(kept)
+
+    def _settle_one(self, waiter: asyncio.Future[None] | _Shared, error: PublishRejected | None) -> None:
+        if error is not None:
+            self.plane.stats.forward_failures += 1
+        if isinstance(waiter, _Shared):
+            waiter.settle(1, error)
+        elif not waiter.done():
+            if error is None:
+                waiter.set_result(None)
+            else:
+                _fail(waiter, error)
 
     def _on_reply(self, reply: pb.PeerReply) -> None:
         """The peer answered a frame: settle its forwards (stored, re-routed or refused)."""
@@ -365,52 +540,98 @@ class PeerLink:
         if sent.route_generation > self.routes_answered:
             self.routes_answered = sent.route_generation
             self.plane.link_state_changed()
-        if not sent.forwards:
+        if not sent.batches:
             return
-        stats = self.plane.stats
-        stats.forward_latency.observe(time.perf_counter() - sent.written_at)
-        self._in_flight -= len(sent.forwards)
-        outcomes = reply.outcomes
-        for index, (future, message, epoch) in enumerate(sent.forwards):
-            if future.done():
+        self.plane.stats.forward_latency.observe(time.perf_counter() - sent.written_at)
+        self._in_flight -= sent.forwarded
+        results = reply.batches
+        for index, batch in enumerate(sent.batches):
+            self._settle_batch(batch, results[index] if index < len(results) else None)
+
+    def _settle_batch(self, batch: _SentBatch, result: pb.BatchOutcome | None) -> None:
+        """The owner answered a batch: resolve its publishers' futures (stored), re-route the
+        messages it did not own, fail the ones it refused."""
+        messages, waiters = batch.messages, batch.waiters
+        if result is None:  # the owner answered the frame without this batch
+            for waiter in waiters:
+                self._settle_one(waiter, _refusal(self.node.node_id, None))
+            return
+        refused: dict[int, pb.Outcome] = {}
+        if result.refused:
+            refused = {outcome.index: outcome for outcome in result.refused}
+        if batch.unacknowledged:
+            if not refused and waiters:
+                # the common case: every message taken; count them down per shared future
+                first = waiters[0]
+                if waiters[-1] is first:
+                    first.settle(len(waiters))  # type: ignore[union-attr]
+                    return
+            for index, waiter in enumerate(waiters):
+                outcome = refused.get(index) if refused else None
+                if outcome is None:
+                    waiter.settle(1)  # type: ignore[union-attr]
+                elif self._rerouted(messages[index], None, batch.epoch, outcome):
+                    waiter.settle(1)  # type: ignore[union-attr]
+                else:
+                    self._settle_one(waiter, _refusal(self.node.node_id, outcome))
+            return
+        offsets = list(result.offsets)
+        known = len(offsets)
+        for index, message in enumerate(messages):
+            future = waiters[index]
+            if future.done():  # type: ignore[union-attr]
                 continue
-            outcome = outcomes[index] if index < len(outcomes) else None
-            if outcome is not None and outcome.code == pb.STORED:
-                message.offset = outcome.offset
-                future.set_result(None)
-                continue
-            if outcome is not None and outcome.code == pb.NOT_OWNER and self.plane.reroute(
-                message, future, epoch, outcome.epoch
-            ):
-                continue
-            stats.forward_failures += 1
-            _fail(future, _refusal(self.node.node_id, outcome))
+            outcome = refused.get(index) if refused else None
+            if outcome is None and index < known:
+                message.offset = offsets[index]
+                future.set_result(None)  # type: ignore[union-attr]
+            elif outcome is None or not self._rerouted(message, future, batch.epoch, outcome):  # type: ignore[arg-type]
+                self._settle_one(future, _refusal(self.node.node_id, outcome))
+
+    def _rerouted(self, message: Message, future: asyncio.Future[None] | None, epoch: int,
+                  outcome: pb.Outcome) -> bool:
+        """Send a message the owner refused as not its own where the shard is now, when the
+        view has moved on (see `DataPlane.reroute`)."""
+        if outcome.code != pb.NOT_OWNER:
+            return False
+        if future is None:  # a QoS 0 message: its own future, which nobody waits on
+            future = self._loop.create_future()
+            future.add_done_callback(_seen)
+        return self.plane.reroute(message, future, epoch, outcome.epoch)
 
     def _fail_all(self, error: PublishRejected) -> None:
         """Fail every forward not yet answered and drop the pushes: the owner may or may not
         have stored them, so the clients get a retryable error (at least once, never
         acknowledged and lost). Used when the peer is away, not when a stream merely broke."""
-        entries = [(future, message) for _, future, message in self._forwards]
+        waiters: list[asyncio.Future[None] | _Shared] = [
+            future if future is not None else shared  # type: ignore[misc]
+            for _message, _epoch, future, shared in self._forwards
+        ]
         dropped = len(self._pushes)
         for sent in self._unanswered.values():
-            entries += [(future, message) for future, message, _epoch in sent.forwards]
+            for batch in sent.batches:
+                waiters += batch.waiters
             dropped += sent.pushes
         self._forwards = []
+        self._shared = None
         self._unanswered = {}
         self._answered_floor = self._next_sequence
         self._in_flight = 0
         self._pushes = []
         self._pushes_held = 0
         self.plane.stats.pushes_dropped += dropped
-        for future, _message in entries:
-            if not future.done():
-                self.plane.stats.forward_failures += 1
-                _fail(future, error)
+        for waiter in waiters:
+            self._settle_one(waiter, error)
 
 
 def _filters_of(sub: Subscription) -> Callable[[], Sequence[str]]:
     """The topic filters `sub` has when called (they change while a cursor reads)."""
     return lambda: list(sub.filters)
+
+
+def _seen(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _fail(future: asyncio.Future[None], error: BaseException) -> None:
@@ -456,6 +677,46 @@ def _short(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+class _Batch:
+    """What the receiving owner answers for one `ForwardBatch`: each message's offset (an
+    acknowledged batch) and the messages it refused."""
+
+    __slots__ = ("offsets", "refused", "pending", "acknowledged")
+
+    def __init__(self, unacknowledged: bool) -> None:
+        self.acknowledged = not unacknowledged
+        self.offsets: list[int] = []
+        self.refused: list[pb.Outcome] = []
+        # outcomes of the messages stored one by one, read when the answer is made
+        self.pending: list[pb.Outcome] = []
+
+    def size(self, count: int) -> None:
+        if self.acknowledged:
+            self.offsets = [-1] * count
+
+    def stored(self, index: int, offset: int) -> None:
+        if self.acknowledged:
+            self.offsets[index] = offset
+
+    def refuse(self, index: int, code: int, reason: str) -> None:
+        self.refused.append(pb.Outcome(code=code, reason=reason, index=index))  # type: ignore[arg-type]
+
+    def slow(self, index: int) -> pb.Outcome:
+        outcome = pb.Outcome(index=index)
+        self.pending.append(outcome)
+        return outcome
+
+    def outcome(self) -> pb.BatchOutcome:
+        refused = self.refused
+        for outcome in self.pending:
+            if outcome.code == pb.STORED:
+                self.stored(outcome.index, outcome.offset)
+            else:
+                refused.append(outcome)
+        self.pending = []
+        return pb.BatchOutcome(offsets=self.offsets, refused=refused)
+
+
 class _Inbox:
     """What this node applied of one peer's link session: the highest frame applied (frames of
     a session are applied once, in order), and its answers the peer may not have received yet
@@ -496,8 +757,12 @@ class DataPlane:
         host: str = "127.0.0.1",
         port: int = 0,
         route_debounce_s: float = ROUTE_DEBOUNCE_S,
+        link_timeout_s: float = LINK_TIMEOUT_S,
     ) -> None:
         self.broker = broker
+        # A peer that sends nothing for this long (no reply, no heartbeat) is given up on:
+        # its link breaks, the publishes waiting for it fail retryably, and it is redialed.
+        self.link_timeout_s = link_timeout_s
         self.view = view
         self.host = host
         self.port = port
@@ -505,6 +770,10 @@ class DataPlane:
         self.stats = DataPlaneStats()
         self.remote = RemoteRoutes()
         self.links: dict[str, PeerLink] = {}
+        # (stream, shard) -> the link to its owner and the owner's epoch, as the view said
+        # when last asked; forgotten at every change of the view (and every RECONCILE_S). A
+        # stale entry is safe: the owner refuses what it does not own, and the sender re-routes.
+        self._forward_routes: dict[tuple[str, int], tuple[PeerLink, int]] = {}
         self._advertised: set[Route] = set()
         self._flush_handle: asyncio.Handle | None = None
         self._last_flush = 0.0
@@ -595,6 +864,7 @@ class DataPlane:
             self._flush_handle.cancel()
             self._flush_handle = None
         links, self.links = list(self.links.values()), {}
+        self._forward_routes.clear()
         for link in links:
             await link.close()
         if self._listener is not None:
@@ -632,6 +902,7 @@ class DataPlane:
 
     def _view_changed(self) -> None:
         """Dial new peers, drop the links and routes of nodes that left or moved."""
+        self._forward_routes.clear()
         if self._epoch_waiters:
             self._check_epoch_waiters()
         if not self._started:
@@ -721,6 +992,10 @@ class DataPlane:
         return None if reader is None else reader(stream, shard, start, filters, since_ms)
 
     def forward(self, message: Message) -> asyncio.Future[None]:
+        route = self._forward_routes.get((message.stream, message.shard))
+        if route is not None:
+            self.stats.forwarded += 1
+            return route[0].forward(message, route[1])
         assignment = self.view.owner(message.stream, message.shard)
         link = None
         if assignment is not None and assignment.node_id != self.node_id:
@@ -737,6 +1012,7 @@ class DataPlane:
             self.stats.forward_failures += 1
             return future
         self.stats.forwarded += 1
+        self._forward_routes[(message.stream, message.shard)] = (link, assignment.epoch)  # type: ignore[union-attr]
         return link.forward(message, assignment.epoch)  # type: ignore[union-attr]
 
     def reroute(
@@ -837,12 +1113,11 @@ class DataPlane:
                     allowed.add(group)
                 else:
                     targets.setdefault(chosen, []).append(group)
-        body = body_of(message)
         links = self.links
         for node_id, groups in targets.items():
             link = links.get(node_id)
             if link is not None:
-                link.push(push_frame(message, body, groups))
+                link.push(message, tuple(groups))
                 self.stats.pushed += 1
         return allowed
 
@@ -1007,8 +1282,10 @@ class DataPlane:
             self._apply_retained(frame.retained)
         if frame.pushes:
             self._dispatch_pushes(frame.pushes)
-        if frame.forwards:
-            self._store_forwards(sequence, frame.forwards, inbox.answer)
+        if frame.push_batches:
+            self._dispatch_push_batches(frame.push_batches)
+        if frame.forwards or frame.batches:
+            self._store_forwards(sequence, frame.forwards, frame.batches, inbox.answer)
         else:
             inbox.answer(pb.PeerReply(sequence=sequence))
 
@@ -1041,53 +1318,100 @@ class DataPlane:
             if kept is None and key in received:  # a durable subscription here just began
                 received[key].add(message.offset, message.publish_time_ms, record_of(push))
 
+    def _dispatch_push_batches(self, batches: Sequence[pb.PushBatch]) -> None:
+        dispatch = self.broker.dispatch
+        received = self._received
+        for batch in batches:
+            stream, shard = batch.stream, batch.shard
+            items = unpack_records(batch.records, stream, shard)
+            offsets = batch.offsets
+            if len(offsets) != len(items):
+                log.warning("dropped a malformed batch of messages pushed by a peer: %d offsets "
+                            "for %d messages", len(offsets), len(items))
+                continue
+            groups = frozenset(batch.share_groups) if batch.share_groups else NO_GROUPS
+            key = (stream, shard)
+            self.stats.pushed_in += len(items)
+            for item, offset in zip(items, offsets, strict=True):
+                if isinstance(item, RecordFormatError):
+                    log.warning("dropped a malformed message pushed by a peer: %s", item)
+                    continue
+                item.offset = offset
+                kept = received.get(key)
+                if kept is not None:
+                    kept.add(offset, item.publish_time_ms, encode_message(item))
+                try:
+                    dispatch(item, groups)
+                except Exception:  # noqa: BLE001 - one message's failure must not end the link
+                    log.exception("dispatching a message pushed by a peer failed")
+                if kept is None and key in received:  # a durable subscription here just began
+                    received[key].add(offset, item.publish_time_ms, encode_message(item))
+
     def _store_forwards(
-        self, sequence: int, forwards: list[pb.Forward], answer: Callable[[pb.PeerReply], None]
+        self, sequence: int, forwards: Sequence[pb.Forward], batches: Sequence[pb.ForwardBatch],
+        answer: Callable[[pb.PeerReply], None],
     ) -> None:
-        """Store the forwarded messages of one frame and answer it once all are stored."""
+        """Store the forwarded messages of one frame and answer it once all are stored (an
+        unacknowledged batch once its messages are published)."""
         outcomes = [pb.Outcome() for _ in forwards]
-        waiting: dict[asyncio.Future[None], list[tuple[int, Message]]] = {}
-        # the pass below, each commit group waited on, and each message waiting for the view
+        # commit future -> the outcomes of the messages it stores
+        waiting: dict[asyncio.Future[None], list[tuple[pb.Outcome, Message]]] = {}
+        # commit future -> (batch, indices) of the batch messages it stores
+        waiting_batches: dict[asyncio.Future[None], list[tuple[_Batch, list[int]]]] = {}
+        # the pass below, each commit future waited on, and each message waiting for the view
         remaining = [1]
         self._storing += 1
+        results: list[_Batch] = []
 
         def settled() -> None:
             remaining[0] -= 1
             if remaining[0] == 0:
                 self._storing -= 1
-                answer(pb.PeerReply(sequence=sequence, outcomes=outcomes))
+                answer(pb.PeerReply(sequence=sequence, outcomes=outcomes,
+                                    batches=[result.outcome() for result in results]))
 
         def landed(future: asyncio.Future[None]) -> None:
             failed = future.cancelled() or future.exception() is not None
-            for index, message in waiting.pop(future):
+            error = ("cancelled" if future.cancelled() else future.exception()) if failed else None
+            for outcome, message in waiting.pop(future, ()):
                 if failed:
-                    outcomes[index].code = pb.FAILED
-                    error = "cancelled" if future.cancelled() else future.exception()
-                    outcomes[index].reason = f"the owner could not store the message: {error}"
+                    outcome.code = pb.FAILED
+                    outcome.reason = f"the owner could not store the message: {error}"
                 else:
-                    outcomes[index].offset = message.offset
+                    outcome.offset = message.offset
+            if failed:
+                for batch, indices in waiting_batches.pop(future, ()):
+                    for index in indices:
+                        batch.refuse(index, pb.FAILED, f"the owner could not store the message: {error}")
             settled()
 
-        def later(index: int, message: Message, epoch: int) -> None:
+        def wait_for(future: asyncio.Future[None]) -> None:
+            if future not in waiting and future not in waiting_batches:
+                remaining[0] += 1
+                future.add_done_callback(landed)
+
+        def later(outcome: pb.Outcome, message: Message, epoch: int) -> None:
             """The sender knew a newer shard map (or stream) than this node's view: stored
             (or refused) once the view has caught up."""
             remaining[0] += 1
 
             def again() -> None:
-                future = self._store_forward(message, epoch, outcomes[index], None)
-                if future is None:
-                    settled()
-                    return
-                waiting.setdefault(future, []).append((index, message))
-                if len(waiting[future]) == 1:
-                    remaining[0] += 1
-                    future.add_done_callback(landed)
+                future = self._store_forward(message, epoch, outcome, None)
+                if future is not None:
+                    wait_for(future)
+                    waiting.setdefault(future, []).append((outcome, message))
                 settled()
 
             def routed_here() -> bool:  # this node routes the topic to the sender's stream
                 return self.broker.stream_for_topic(message.topic).name == message.stream
 
             self._after_epoch(message.stream, message.shard, epoch, again, routed_here)
+
+        def one(message: Message, epoch: int, outcome: pb.Outcome, wait: bool = True) -> None:
+            future = self._store_forward(message, epoch, outcome, later)
+            if future is not None and wait:
+                wait_for(future)
+                waiting.setdefault(future, []).append((outcome, message))
 
         self.stats.forwarded_in += len(forwards)
         for index, forward in enumerate(forwards):
@@ -1097,19 +1421,79 @@ class DataPlane:
                 outcomes[index].code = pb.REJECTED
                 outcomes[index].reason = f"malformed forwarded message: {exc}"
                 continue
-            future = self._store_forward(message, forward.epoch, outcomes[index], later, index)
-            if future is not None:
-                entries = waiting.get(future)
-                if entries is None:
-                    entries = waiting[future] = []
-                    remaining[0] += 1
-                    future.add_done_callback(landed)
-                entries.append((index, message))
+            one(message, forward.epoch, outcomes[index])
+        for batch in batches:
+            result = _Batch(batch.unacknowledged)
+            results.append(result)
+            self._store_batch(batch, result, one, waiting_batches, wait_for)
         settled()
+
+    def _store_batch(
+        self, batch: pb.ForwardBatch, result: _Batch,
+        one: Callable[[Message, int, pb.Outcome, bool], None],
+        waiting: dict[asyncio.Future[None], list[tuple[_Batch, list[int]]]],
+        wait_for: Callable[[asyncio.Future[None]], None],
+    ) -> None:
+        """Publish the messages of one packed batch here, their shard's owner: the messages
+        this node routes to the batch's shard, while it owns it, as one `publish_many` (one
+        journal append); any other one by one, as a lone forward is (`_store_forward`)."""
+        stream_name, shard, epoch = batch.stream, batch.shard, batch.epoch
+        items = unpack_records(batch.records, stream_name, shard)
+        self.stats.forwarded_in += len(items)
+        acknowledged = not batch.unacknowledged
+        result.size(len(items))
+        broker = self.broker
+        owned = not self._stopping and self.view.owns(stream_name, shard)
+        # topic -> whether this node routes it to the batch's shard (messages without a key)
+        here: dict[str, bool] = {}
+        direct: list[Message] = []
+        direct_indices: list[int] = []
+        for index, item in enumerate(items):
+            if isinstance(item, RecordFormatError):
+                result.refuse(index, pb.REJECTED, f"malformed forwarded message: {item}")
+                continue
+            if batch.transient:
+                item.transient = True
+            routed = here.get(item.topic) if item.key is None else None
+            if routed is None:
+                try:
+                    stream = broker.stream_for_topic(item.topic)
+                    routed = (stream.name == stream_name
+                              and stream.shard_for(item.topic, item.key).index == shard)
+                except (CoreError, ValueError):
+                    routed = False
+                if item.key is None:
+                    here[item.topic] = routed
+            if owned and routed:
+                direct.append(item)
+                direct_indices.append(index)
+            else:
+                one(item, epoch, result.slow(index), acknowledged)
+        if not direct:
+            return
+        # counted once, by the node its client published to
+        outcomes = broker.publish_many(direct, counted=False)
+        commits: dict[asyncio.Future[None], list[int]] = {}
+        for index, message, published in zip(direct_indices, direct, outcomes, strict=True):
+            if published is None:
+                result.stored(index, message.offset)
+            elif isinstance(published, PublishRejected):
+                code = pb.NOT_OWNER if isinstance(published, ShardUnavailable) else pb.REJECTED
+                result.refuse(index, code, str(published))
+            else:
+                result.stored(index, message.offset)
+                if acknowledged:
+                    indices = commits.get(published)
+                    if indices is None:
+                        indices = commits[published] = []
+                    indices.append(index)
+        for future, indices in commits.items():
+            wait_for(future)
+            waiting.setdefault(future, []).append((result, indices))
 
     def _store_forward(
         self, message: Message, epoch: int, outcome: pb.Outcome,
-        later: Callable[[int, Message, int], None] | None, index: int = 0,
+        later: Callable[[pb.Outcome, Message, int], None] | None,
     ) -> asyncio.Future[None] | None:
         """Publish one forwarded message here, its owner; fill `outcome` (the offset, or why
         not). Returns the commit future to wait on, if any. With `later`, a message for a
@@ -1127,7 +1511,7 @@ class DataPlane:
                 # the sender routes the topic to a stream this node does not (yet): one created
                 # a moment ago whose definition or routes have not landed here. Wait for them
                 # (bounded), as for a newer epoch
-                later(index, message, epoch)
+                later(outcome, message, epoch)
                 return None
             shard = stream.shard_for(message.topic, message.key).index
             if not view.owns(stream.name, shard):
@@ -1135,7 +1519,7 @@ class DataPlane:
                 known = assignment.epoch if assignment is not None else 0
                 if later is not None and epoch > known:
                     message.stream, message.shard = stream.name, shard
-                    later(index, message, epoch)
+                    later(outcome, message, epoch)
                     return None
                 outcome.code = pb.NOT_OWNER
                 outcome.epoch = known

@@ -15,6 +15,12 @@ anything else (the shared-state gRPC calls of `state_rpc.py` and `shard_reader.p
 through, byte for byte, to the node's gRPC server on a loopback port. So a node still has one
 cluster address to advertise and to open in a firewall.
 
+A peer whose process is frozen (SIGSTOP, a stalled VM) keeps its connections open: its kernel
+even accepts new ones. So a dialing node asks for heartbeats in its hello (`heartbeat_ms`):
+the accepting end answers the hello at once and writes a heartbeat reply whenever it has
+written nothing for a third of that time, and the dialing end gives the connection up when it
+has heard nothing for the whole time (`LinkClient.silent_for`; `forward.PeerLink` decides).
+
 `FrameReader` and `frame_bytes` are sans-IO; the protocols below only move bytes and call
 back into the data plane (`forward.py`), which owns every decision.
 """
@@ -46,6 +52,10 @@ WRITE_HIGH_WATER = 1 << 20
 WRITE_LOW_WATER = 256 << 10
 
 
+# What the accepting end of a link sends when it has nothing else to say (see above).
+_HEARTBEAT = pb.PeerReply(heartbeat=True)
+
+
 class FrameError(ValueError):
     """Bytes on a link that are not frames of this protocol."""
 
@@ -54,6 +64,9 @@ def frame_bytes(message: pb.PeerFrame | pb.PeerReply) -> bytes:
     """One frame on the wire: its length (4 bytes, big endian), then the message."""
     data = message.SerializeToString()
     return _HEADER.pack(len(data)) + data
+
+
+_HEARTBEAT_BYTES = frame_bytes(_HEARTBEAT)
 
 
 class FrameReader:
@@ -107,7 +120,12 @@ class LinkClient(asyncio.Protocol):
         self._reader = FrameReader()
         self.transport: asyncio.Transport | None = None
         self.paused = False
-        self.closed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self.closed: asyncio.Future[BaseException] = loop.create_future()
+        # Resolved by the first bytes the peer sends (the answer to the hello).
+        self.answered: asyncio.Future[None] = loop.create_future()
+        self._heard_at = loop.time()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         stream = cast(asyncio.Transport, transport)
@@ -121,12 +139,19 @@ class LinkClient(asyncio.Protocol):
         self.transport.write(frame_bytes(frame))
 
     def data_received(self, data: bytes) -> None:
+        self._heard_at = self._loop.time()
+        if not self.answered.done():
+            self.answered.set_result(None)
         try:
             payloads = self._reader.feed(data)
             for payload in payloads:
                 self._on_reply(pb.PeerReply.FromString(payload))
         except (FrameError, DecodeError) as exc:
             self._end(ConnectionError(f"malformed reply on the link: {exc}"))
+
+    def silent_for(self) -> float:
+        """Seconds since the peer last sent anything (since the connection opened, at first)."""
+        return self._loop.time() - self._heard_at
 
     def pause_writing(self) -> None:
         self.paused = True
@@ -179,8 +204,12 @@ class ClusterPortProtocol(asyncio.Protocol):
         # link mode
         self._reader = FrameReader()
         self._peer = ""
-        self._out: list[bytes] = []
-        self._flush_scheduled = False
+        # Replies made while a read is applied leave together at its end; others at once.
+        self._out: list[bytes] | None = None
+        # Heartbeats asked for by the dialing node (its hello's `heartbeat_ms`).
+        self._heartbeat_s = 0.0
+        self._heartbeat: asyncio.TimerHandle | None = None
+        self._wrote_at = 0.0
         # One object for the whole connection: the data plane compares it by identity.
         self._reply: Callable[[pb.PeerReply], None] = self._send
         # pass-through mode
@@ -212,6 +241,7 @@ class ClusterPortProtocol(asyncio.Protocol):
     # ------------------------------------------------------------ a peer's link
     def _frames(self, data: bytes) -> None:
         receiver = self._receiver
+        self._out = []
         try:
             for payload in self._reader.feed(data):
                 frame = pb.PeerFrame.FromString(payload)
@@ -220,6 +250,8 @@ class ClusterPortProtocol(asyncio.Protocol):
                         raise FrameError("a link carries one node's frames")
                     self._peer = frame.from_node
                     receiver.link_opened(self._peer, frame.session, self._reply)
+                    if frame.heartbeat_ms:
+                        self._start_heartbeats(frame.heartbeat_ms / 1000)
                 if not self._peer:
                     raise FrameError("the first frame of a link must name its node")
                 receiver.receive(self._peer, frame, self._reply)
@@ -229,20 +261,44 @@ class ClusterPortProtocol(asyncio.Protocol):
         except Exception:  # noqa: BLE001 - a bad peer ends its own link only
             log.exception("cluster link from %s failed", self._peer or self._remote())
             self._abort()
+        finally:
+            out, self._out = self._out, None
+            if out:
+                self._write(b"".join(out))
 
     def _send(self, reply: pb.PeerReply) -> None:
-        """Queue a reply; the replies of one loop turn leave in one write."""
-        self._out.append(frame_bytes(reply))
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+        """Send a reply: at the end of the read being applied (the replies of one read leave
+        in one write), else at once (a reply that waited for a journal commit)."""
+        data = frame_bytes(reply)
+        if self._out is not None:
+            self._out.append(data)
+        else:
+            self._write(data)
 
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        out, self._out = self._out, []
+    def _write(self, data: bytes) -> None:
         transport = self.transport
-        if out and transport is not None and not transport.is_closing():
-            transport.write(b"".join(out))
+        if transport is not None and not transport.is_closing():
+            transport.write(data)
+            if self._heartbeat_s:
+                self._wrote_at = asyncio.get_running_loop().time()
+
+    def _start_heartbeats(self, interval_s: float) -> None:
+        """Answer the hello now, then keep the dialing node hearing from this end at least
+        every third of `interval_s` (see the module docstring)."""
+        self._heartbeat_s = max(0.03, interval_s / 3)
+        self._send(_HEARTBEAT)
+        if self._heartbeat is None:
+            self._heartbeat = asyncio.get_running_loop().call_later(self._heartbeat_s, self._beat)
+
+    def _beat(self) -> None:
+        loop = asyncio.get_running_loop()
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            self._heartbeat = None
+            return
+        if loop.time() - self._wrote_at >= self._heartbeat_s * 0.9:
+            self._write(_HEARTBEAT_BYTES)
+        self._heartbeat = loop.call_later(self._heartbeat_s, self._beat)
 
     # ------------------------------------------------------------ gRPC, passed through
     def _open_upstream(self, head: bytes) -> None:
@@ -293,6 +349,9 @@ class ClusterPortProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._connections.discard(self)
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            self._heartbeat = None
         if self._upstream is not None:
             self._upstream.close()
         if self._peer:

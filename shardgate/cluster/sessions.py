@@ -173,6 +173,8 @@ class CursorPlacer:
                     # acknowledged after the first of them: at least once)
                     saved_position, unacked = decode_cursor_state(record.acked)
                     position = max(position, min([saved_position, *unacked]))
+                    # all of those were handed out before: again, they are redeliveries (DUP)
+                    cursor.resent_below = saved_position
                 cursor.position = position
                 cursor.log = OwnerLog(  # type: ignore[assignment]
                     self.rpc, self.plane, stream, shard, position, self._filters_of(sub))

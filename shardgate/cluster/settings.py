@@ -23,12 +23,17 @@ class ClusterSettings:
     advertise_address: str = ""
     # a node whose lease is not refreshed for this long is dead; its non-reliable shards move
     lease_ttl_s: int = 5
+    # a peer that sends nothing on its link for this long (frozen) is given up on: publishes
+    # waiting for it fail retryably, and its link is redialed until it answers again
+    link_timeout_s: float = 3.0
     # how long `serve` waits for etcd at start before giving up with an error
     connect_timeout_s: float = 10.0
     # how long a SIGTERM'd node waits for its shards to be handed over before it exits
     leave_timeout_s: float = 10.0
     # how often the controller removes expired MQTT sessions' snapshots from etcd
     session_sweep_s: float = 30.0
+    # how long the cursor floors of a node that left the view still keep owners' journals
+    departed_floors_retention_s: float = 86400.0
     username: str | None = None
     password: str | None = None
     ca_file: str | None = None

@@ -113,6 +113,10 @@ class StateRpc:
         })
 
     # ------------------------------------------------------------ calling
+    def channel(self, node_id: str) -> grpc.aio.Channel:
+        """The channel to a live peer's cluster port (StateCallError if it is not live)."""
+        return self._channel(node_id)
+
     def _channel(self, node_id: str) -> grpc.aio.Channel:
         info = self.view.nodes().get(node_id)
         if info is None:

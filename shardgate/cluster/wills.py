@@ -15,11 +15,25 @@ lease. The key follows the will's life on its node:
 When a node's lease expires (it leaves the live nodes), the controller publishes every will
 that node held, once its will delay has run from when the connection dropped (or from when
 the controller saw the node go), with its retain flag and properties, through the normal
-publish path. The claim is an etcd transaction deleting the key at the revision read, so a
-will is published once even when the controller changes meanwhile. A will whose client is
-back on a live node by then (the session registry says so) is dropped, as a reconnect within
-the delay cancels it on one node. A node that restarts under the same id publishes the wills
-its previous life left (they name an older lease).
+publish path. Publication is at least once across a controller's death, and once while no
+controller dies:
+
+1. claim: an etcd transaction at the revision read rewrites the key, marked as claimed by the
+   controller under its lease (`"claim": {"node", "lease"}`); of two controllers, one wins;
+2. publish;
+3. delete the key at the claim's revision.
+
+A claim whose claimer is gone (no longer a live node, or a node restarted under the same id
+with a newer lease) is a will not known to be published: the controller claims it again and
+publishes it at once (its delay has run). So a controller that dies between claim and publish
+loses no will; one that dies between publish and delete makes it published twice. A will
+whose client is back on a live node by then (the session registry says so) is dropped, as a
+reconnect within the delay cancels it on one node. A node that restarts under the same id
+publishes the wills its previous life left, held or claimed (they name an older lease).
+
+Test hook (tests only, never set in production): when the environment variable
+`SG_TEST_PAUSE_AFTER_WILL_CLAIM` names a file, a node that has just claimed a will waits while
+that file exists before publishing it, so that a test can kill it between claim and publish.
 """
 
 from __future__ import annotations
@@ -27,13 +41,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from ..core.message import now_ms
 from ..protocols.mqtt import packets as p
 from ..protocols.mqtt.service import will_message
 from . import keys
-from .etcd import KeyValue, delete_op, mod_revision_is
+from .etcd import KeyValue, delete_op, mod_revision_is, put_op
 
 if TYPE_CHECKING:
     from ..protocols.mqtt.service import MqttService
@@ -47,6 +62,8 @@ SCAN_INTERVAL_S = 1.0
 # How long a departed node's will is retried while its shard has no live owner (a reliable
 # shard of the departed node itself waits for that node to come back).
 PUBLISH_RETRY_S = 300.0
+# Names a file: while it exists, a node that claimed a will waits before publishing it (tests).
+CLAIM_PAUSE_ENV = "SG_TEST_PAUSE_AFTER_WILL_CLAIM"
 
 
 def _b64(data: bytes | None) -> str | None:
@@ -87,9 +104,21 @@ def will_of(state: dict[str, Any]) -> p.Will:
                   bool(state.get("retain", False)), props)
 
 
+def responsible(state: dict[str, Any]) -> tuple[Any, Any]:
+    """The node and lease answering for a will in etcd: its claimer once claimed, else the node
+    holding its client's connection."""
+    claim = state.get("claim")
+    if isinstance(claim, dict):
+        return claim.get("node"), claim.get("lease")
+    return state.get("node"), state.get("lease")
+
+
 def publish_at_ms(state: dict[str, Any], noticed_ms: int) -> int:
     """When a dead node's will is due: its delay (bounded by the session expiry, as on the
-    node) from when the connection dropped, or from when its node was seen gone."""
+    node) from when the connection dropped, or from when its node was seen gone; at once
+    when a departed controller had claimed it (its delay had run)."""
+    if state.get("claim") is not None:
+        return noticed_ms
     delay = int(state.get("delay") or 0)
     expiry = int(state.get("expiry") or 0)
     if delay <= 0 or expiry == 0:
@@ -114,6 +143,8 @@ class WillKeeper:
         self._scanner: asyncio.Task[None] | None = None
         self._own_leftovers_checked = False
         self._claims: set[asyncio.Task[None]] = set()
+        # keys this node is claiming, publishing or deleting now
+        self._claiming: set[str] = set()
         self.published = 0
 
     def key(self, client_id: str) -> str:
@@ -207,13 +238,18 @@ class WillKeeper:
             await asyncio.sleep(SCAN_INTERVAL_S)
 
     def _orphaned(self, state: dict[str, Any]) -> bool:
-        holder = state.get("node")
+        holder, lease = responsible(state)
         if holder == self.node.node_id:
-            return state.get("lease") != self.node.lease_id  # left by this node's previous life
+            return bool(lease != self.node.lease_id)  # left by this node's previous life
         return self.node.is_controller and holder not in self.node.view.nodes()
 
+    def _claimed_here(self, state: dict[str, Any]) -> bool:
+        claim = state.get("claim")
+        return (isinstance(claim, dict) and claim.get("node") == self.node.node_id
+                and claim.get("lease") == self.node.lease_id)
+
     async def scan(self) -> int:
-        """Schedule every will whose holder is gone; returns how many were found."""
+        """Schedule every will whose holder (or claimer) is gone; returns how many were found."""
         kvs, _revision = await self.node.client.get_prefix(self.prefix)
         found = 0
         now = now_ms()
@@ -221,6 +257,10 @@ class WillKeeper:
             try:
                 state = keys.decode(kv.value)
             except ValueError:
+                continue
+            if self._claimed_here(state):
+                if kv.key not in self._claiming:  # published, but its delete failed: again
+                    await self._delete_claim(kv.key, kv.mod_revision)
                 continue
             if not self._orphaned(state) or self._due.get(kv.key) == kv.mod_revision:
                 continue
@@ -236,24 +276,42 @@ class WillKeeper:
         task.add_done_callback(self._claims.discard)
 
     async def _claim(self, kv: KeyValue, state: dict[str, Any]) -> None:
-        """Publish a departed node's will if this node wins the etcd claim on it."""
+        """Publish a departed node's will if this node wins the etcd claim on it (module
+        docstring: claim, publish, delete)."""
         if self._due.get(kv.key) == kv.mod_revision:
             del self._due[kv.key]
+        if kv.key in self._claiming:
+            return
         client_id = str(state.get("client_id", ""))
+        claimed = dict(state, claim={"node": self.node.node_id, "lease": self.node.lease_id})
+        self._claiming.add(kv.key)
         try:
-            result = await self.node.client.txn([mod_revision_is(kv.key, kv.mod_revision)],
-                                                [delete_op(kv.key)])
-        except Exception as exc:  # noqa: BLE001 - the next scan finds it again
-            log.warning("cluster: cannot claim the will of %r yet: %s", client_id, exc)
-            return
-        if not result.succeeded:
-            return  # published, replaced or cancelled elsewhere
-        holder = self.node.view.sessions.get(client_id)
-        if holder is not None and holder != state.get("node") and holder in self.node.view.nodes():
-            log.info("cluster: the will of %r is cancelled: its client is back on %s", client_id, holder)
-            return
-        log.info("cluster: publishing the will of %r held by departed node %s", client_id, state.get("node"))
-        await self._publish(client_id, will_of(state))
+            try:
+                result = await self.node.client.txn([mod_revision_is(kv.key, kv.mod_revision)],
+                                                    [put_op(kv.key, keys.encode(claimed))])
+            except Exception as exc:  # noqa: BLE001 - the next scan finds it again
+                log.warning("cluster: cannot claim the will of %r yet: %s", client_id, exc)
+                return
+            if not result.succeeded:
+                return  # claimed, replaced or cancelled elsewhere
+            await _pause_for_tests()
+            holder = self.node.view.sessions.get(client_id)
+            if holder is not None and holder != state.get("node") and holder in self.node.view.nodes():
+                log.info("cluster: the will of %r is cancelled: its client is back on %s", client_id, holder)
+            else:
+                log.info("cluster: publishing the will of %r held by departed node %s",
+                         client_id, state.get("node"))
+                await self._publish(client_id, will_of(state))
+            await self._delete_claim(kv.key, result.revision)
+        finally:
+            self._claiming.discard(kv.key)
+
+    async def _delete_claim(self, key: str, revision: int) -> None:
+        """Delete a will this node claimed and published (or cancelled), unless it changed."""
+        try:
+            await self.node.client.txn([mod_revision_is(key, revision)], [delete_op(key)])
+        except Exception as exc:  # noqa: BLE001 - the next scan deletes it
+            log.warning("cluster: cannot delete a published will's claim yet: %s", exc)
 
     async def _publish(self, client_id: str, will: p.Will) -> None:
         """Publish through the normal path, retried while its shard has no live owner (a
@@ -274,3 +332,11 @@ class WillKeeper:
                     return
                 log.info("cluster: the will of %r waits for its shard (%s)", client_id, exc)
             await asyncio.sleep(0.5)
+
+
+async def _pause_for_tests() -> None:
+    """The test hook of the module docstring: wait while the file named by CLAIM_PAUSE_ENV
+    exists (never set outside tests)."""
+    path = os.environ.get(CLAIM_PAUSE_ENV)
+    while path and os.path.exists(path):
+        await asyncio.sleep(0.05)

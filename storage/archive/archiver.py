@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import random
@@ -36,6 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from fsspec import AbstractFileSystem
 
+from ..allocators import return_freed_memory
 from ..journal import JournalStorage, RecordBlock
 from . import layout
 from .buffer import RecordBuffer, int64_array
@@ -423,8 +423,8 @@ class Archiver:
         hour = layout.hour_of(buffer[0].timestamp_ms if buffer else times[0])
         low, high = hour * layout.HOUR_MS, (hour + 1) * layout.HOUR_MS
         hour_end = len(batch)
-        if min(times) < low or max(times) >= high:
-            stamps = int64_array(times)
+        stamps = int64_array(times)
+        if pc.min(stamps).as_py() < low or pc.max(stamps).as_py() >= high:
             outside = pc.invert(pc.and_(pc.greater_equal(stamps, low), pc.less(stamps, high)))
             hour_end = pc.index(outside, True).as_py()
         sizes = pc.cumulative_sum(pc.subtract(
@@ -578,25 +578,6 @@ class Archiver:
                 raise
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
             self.fs.pipe_file(path, data)
-
-
-def _glibc_malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-_MALLOC_TRIM = _glibc_malloc_trim()
-
-
-def return_freed_memory() -> None:
-    """After a file: the allocators keep what a 32 MiB file freed for reuse — Arrow's pool
-    (mimalloc) its pages, glibc the heap that held the records' payloads — which an idle broker
-    would hold for good. Hand it back to the system once per file."""
-    pa.default_memory_pool().release_unused()
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 def write_local_atomically(path: str, data: bytes) -> None:

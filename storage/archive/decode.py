@@ -9,9 +9,10 @@ by a single `take` over the joined buffer: the spans of a field, in record order
 increasing and disjoint, so the buffer viewed as a binary array with offsets
 `0, start0, stop0, start1, stop1, ...` holds field i at index 2i + 1.
 
-Integers inside the records (lengths, counts) are read with numpy: a gather of the bytes at
-every record's position (one per byte of the integer), shifted into place; the result becomes
-an Arrow array without a copy.
+Integers inside the records (lengths, counts) are read with numpy: one gather, at every
+record's position, from an unaligned view of the buffer as integers of that width (a strided
+view, stride 1 byte); the result becomes an Arrow array without a copy. The four head bytes
+(version, flags, qos, retain) are one 32-bit gather, split with shifts.
 
 `decode_batch` vouches only for well-formed records: it returns None when a record is of
 another version, overruns its end, or holds invalid UTF-8 (or a QoS outside int8), and the
@@ -79,7 +80,10 @@ class _Batch:
         self.size = len(raw) - len(_PAD)
         self.raw = raw
         self.buffer = pa.py_buffer(raw)
-        self._bytes = np.frombuffer(raw, np.uint8)
+        self._views = {
+            width: np.ndarray((len(raw) - width + 1,), dtype, raw, 0, (1,))
+            for width, dtype in ((1, "u1"), (2, "<u2"), (4, "<u4"), (8, "<i8"))
+        }
         if self.count and pc.min(pc.subtract(ends, starts)).as_py() < _HEAD_SIZE:
             raise _Malformed
 
@@ -93,18 +97,24 @@ class _Batch:
         return self.raw[starts[index] : ends[index]]
 
     def _read(self, pos: pa.Array, width: int) -> pa.Array:
-        """The little-endian unsigned integers of `width` bytes (1, 2 or 4) at the byte
-        positions `pos`, as an int64 Arrow array: one numpy gather of bytes per byte of the
-        width (faster than a gather of unaligned integers), shifted into place."""
+        """The little-endian integers of `width` bytes (1, 2, 4: unsigned; 8: signed) at the
+        byte positions `pos`, as an int64 Arrow array (one numpy gather)."""
         at = pos.to_numpy(zero_copy_only=False)
-        raw = self._bytes
         try:
-            values = raw[at].astype(np.int64)
-            for k in range(1, width):
-                values |= raw[k:][at].astype(np.int64) << (8 * k)
+            return pa.array(self._views[width][at].astype(np.int64), _I64)
         except IndexError as exc:
             raise _Malformed from exc
-        return pa.array(values, _I64)
+
+    def head(self) -> tuple[pa.Array, pa.Array, pa.Array, pa.Array]:
+        """Every record's first four bytes (version, flags, qos, retain) as int64 arrays."""
+        at = self.starts.to_numpy(zero_copy_only=False)
+        try:
+            word = self._views[4][at].astype(np.int64)
+        except IndexError as exc:
+            raise _Malformed from exc
+        return tuple(  # type: ignore[return-value]
+            pa.array((word >> shift) & 0xFF, _I64) for shift in (0, 8, 16, 24)
+        )
 
     def u8(self, pos: pa.Array) -> pa.Array:
         return self._read(pos, 1)
@@ -114,12 +124,7 @@ class _Batch:
         return self._read(pos, width)
 
     def i64(self, pos: pa.Array) -> pa.Array:
-        at = pos.to_numpy(zero_copy_only=False)
-        view = np.ndarray((len(self.raw) - 7,), "<i8", self.raw, 0, (1,))  # unaligned: rare
-        try:
-            return pa.array(view[at].astype(np.int64), _I64)
-        except IndexError as exc:
-            raise _Malformed from exc
+        return self._read(pos, 8)
 
     def check(self, pos: pa.Array) -> None:
         """Every position still lies inside its own record."""
@@ -188,18 +193,16 @@ def decode_spans(
 def _decode(batch: _Batch) -> dict[str, pa.Array]:
     n = batch.count
     starts = batch.starts
-    versions = batch.u8(starts)
-    flags = batch.u8(pc.add(starts, 1))
+    versions, flags, qos, retain_byte = batch.head()
     if n and not pc.all(pc.is_in(versions, _VERSIONS)).as_py():
         raise _Malformed
     if n and pc.any(pc.and_(
         pc.equal(versions, 1), pc.not_equal(pc.bit_wise_and(flags, F_NATIVE), 0)
     )).as_py():
         raise _Malformed
-    qos = batch.u8(pc.add(starts, 2))
     if n and pc.max(qos).as_py() > 127:
         raise _Malformed
-    retain = pc.not_equal(batch.u8(pc.add(starts, 3)), 0)
+    retain = pc.not_equal(retain_byte, 0)
     pos = pc.add(starts, _HEAD_SIZE)
     zero = pa.scalar(0, _I64)
     any_flags = bool(n) and pc.max(flags).as_py() != 0

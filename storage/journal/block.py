@@ -13,7 +13,10 @@ from array import array
 from collections.abc import Iterator, Sequence
 from typing import overload
 
+import numpy as np
+
 from ..interfaces import StoredRecord
+from .record import HEADER_SIZE
 
 
 class RecordBlock(Sequence[StoredRecord]):
@@ -32,6 +35,25 @@ class RecordBlock(Sequence[StoredRecord]):
         self.starts = starts
         self.ends = ends
         self.timestamps = timestamps
+
+    @classmethod
+    def from_scan(
+        cls, buffer: bytes, first_offset: int, first_position: int, lengths: list[int]
+    ) -> RecordBlock:
+        """The block of the consecutive records whose data lengths are `lengths`, the first
+        one framed at byte `first_position` of `buffer` (what `scan_block` collects):
+        positions and timestamps computed with array kernels, not per record."""
+        sizes = np.array(lengths, np.int64)
+        ends = np.cumsum(sizes + HEADER_SIZE)
+        ends += first_position
+        starts = ends - sizes
+        # a record's timestamp is the i64 just before its data (unaligned: a strided view)
+        at = np.ndarray((len(buffer) - 7,), "<i8", buffer, 0, (1,))
+        stamps = at[starts - 8].astype(np.int64)
+        return cls(
+            buffer, first_offset, array("q", starts.tobytes()), array("q", ends.tobytes()),
+            array("q", stamps.tobytes()),
+        )
 
     @classmethod
     def empty(cls, first_offset: int) -> RecordBlock:

@@ -21,7 +21,7 @@ _HEADER_SIZE: Final = 24
 _CRC_START: Final = 8
 _OFFSET_TS: Final = struct.Struct("<qq")
 _LENGTH_CRC: Final = struct.Struct("<II")
-_HEADER: Final = struct.Struct("<IIqq")
+_LENGTH_CRC_OFFSET: Final = struct.Struct("<IIq")
 
 SCAN_OK: Final = 0
 """`scan_block` ended normally (the buffer, the records wanted or the segment's end)."""
@@ -84,25 +84,26 @@ def scan_block(
     want: int,
     end_offset: int,
     crc: Callable[[bytes], int],
-    starts: list[int],
-    ends: list[int],
-    stamps: list[int],
+    lengths: list[int],
 ) -> tuple[int, int, int, int]:
     """Walk the framed records at the start of `buf` (a read from a segment file), collecting
-    the data span and timestamp of each record at or after `from_offset` (its checksum
-    verified) until `want` are collected, the record before `end_offset` is, or `buf` ends
-    inside a record.
+    the data length of each record at or after `from_offset` (its checksum verified) until
+    `want` are collected, the record before `end_offset` is, or `buf` ends inside a record.
+    The records collected are consecutive, so their positions and timestamps follow from the
+    lengths and the first one's position (`RecordBlock.from_scan`, with array kernels): the
+    loop boxes no position and no timestamp, and a length under 257 is a cached int.
 
     Returns (status, p, a, b):
-    - SCAN_OK: `p` is where the walk stopped (the start of the last record collected, or of
-      the first record `buf` does not hold whole), `a` the offset expected next (-1 if none
-      was seen), `b` the length of the record at `p` when `buf` ends inside it;
+    - SCAN_OK: `p` is where the first record collected starts, or when none was, where the
+      walk stopped (the start of the first record `buf` does not hold whole); `a` the offset
+      expected next (-1 if none was seen), `b` the length of the record where the walk
+      stopped when `buf` ends inside it;
     - SCAN_BAD_OFFSET: the record at byte `p` has offset `a` where `b` was expected;
     - SCAN_BAD_CRC: the record at byte `p` (offset `a`) fails its checksum.
     """
     if _COMPILED:
-        return _scan_indexed(buf, from_offset, want, end_offset, crc, starts, ends, stamps)
-    return _scan_unpacked(buf, from_offset, want, end_offset, crc, starts, ends, stamps)
+        return _scan_indexed(buf, from_offset, want, end_offset, crc, lengths)
+    return _scan_unpacked(buf, from_offset, want, end_offset, crc, lengths)
 
 
 # Two versions of one loop: compiled, reading the header's integers byte by byte is several
@@ -125,14 +126,13 @@ def _scan_indexed(
     want: int,
     end_offset: int,
     crc: Callable[[bytes], int],
-    starts: list[int],
-    ends: list[int],
-    stamps: list[int],
+    lengths: list[int],
 ) -> tuple[int, int, int, int]:
     have = len(buf)
     p = 0
     length = 0
     expected = -1
+    first = -1
     while p + _HEADER_SIZE <= have:
         length = _u32(buf, p)
         end = p + _HEADER_SIZE + length
@@ -145,13 +145,13 @@ def _scan_indexed(
         if offset >= from_offset:
             if crc(buf[p + _CRC_START : end]) != _u32(buf, p + 4):
                 return SCAN_BAD_CRC, p, offset, 0
-            starts.append(p + _HEADER_SIZE)
-            ends.append(end)
-            stamps.append(_i64(buf, p + 16))
-            if len(starts) >= want or expected >= end_offset:
-                return SCAN_OK, p, expected, 0
+            if first < 0:
+                first = p
+            lengths.append(length)
+            if len(lengths) >= want or expected >= end_offset:
+                return SCAN_OK, first, expected, 0
         p = end
-    return SCAN_OK, p, expected, length
+    return SCAN_OK, p if first < 0 else first, expected, length
 
 
 def _scan_unpacked(
@@ -160,17 +160,16 @@ def _scan_unpacked(
     want: int,
     end_offset: int,
     crc: Callable[[bytes], int],
-    starts: list[int],
-    ends: list[int],
-    stamps: list[int],
+    lengths: list[int],
 ) -> tuple[int, int, int, int]:
-    unpack = _HEADER.unpack_from
+    unpack = _LENGTH_CRC_OFFSET.unpack_from
     have = len(buf)
     p = 0
     length = 0
     expected = -1
+    first = -1
     while p + _HEADER_SIZE <= have:
-        length, stored_crc, offset, timestamp_ms = unpack(buf, p)
+        length, stored_crc, offset = unpack(buf, p)
         end = p + _HEADER_SIZE + length
         if end > have:
             break
@@ -180,13 +179,13 @@ def _scan_unpacked(
         if offset >= from_offset:
             if crc(buf[p + _CRC_START : end]) != stored_crc:
                 return SCAN_BAD_CRC, p, offset, 0
-            starts.append(p + _HEADER_SIZE)
-            ends.append(end)
-            stamps.append(timestamp_ms)
-            if len(starts) >= want or expected >= end_offset:
-                return SCAN_OK, p, expected, 0
+            if first < 0:
+                first = p
+            lengths.append(length)
+            if len(lengths) >= want or expected >= end_offset:
+                return SCAN_OK, first, expected, 0
         p = end
-    return SCAN_OK, p, expected, length
+    return SCAN_OK, p if first < 0 else first, expected, length
 
 
 _COMPILED: Final = not isinstance(_u32, FunctionType)

@@ -20,7 +20,6 @@ import errno
 import logging
 import os
 import struct
-from array import array
 from bisect import bisect_right
 from collections.abc import Iterator
 from pathlib import Path
@@ -480,9 +479,7 @@ class Segment:
         end_offset = self.next_offset
         if from_offset >= end_offset or max_records <= 0:
             return RecordBlock.empty(from_offset)
-        starts: list[int] = []
-        ends: list[int] = []
-        stamps: list[int] = []
+        lengths: list[int] = []
         crc = self.crc
         pos = self.position_for(from_offset)
         # Read no further than the first indexed record after the last one wanted (when the
@@ -498,7 +495,7 @@ class Segment:
                 break
             buf = os.pread(self.fd, asked, pos)
             status, p, found, other = scan_block(
-                buf, from_offset, max_records, end_offset, crc, starts, ends, stamps
+                buf, from_offset, max_records, end_offset, crc, lengths
             )
             if status == SCAN_BAD_OFFSET:
                 raise CorruptRecord(
@@ -506,15 +503,13 @@ class Segment:
                 )
             if status == SCAN_BAD_CRC:
                 raise CorruptRecord(f"{self.path()}: checksum mismatch at byte {pos + p}")
-            if starts:
-                first = found - len(starts)  # `found`: the offset after the last one taken
+            if lengths:
+                first = found - len(lengths)  # `found`: the offset after the last one taken
                 if first != from_offset:
                     raise CorruptRecord(
                         f"{self.path()}: offset {first} where {from_offset} was expected"
                     )
-                return RecordBlock(
-                    buf, first, array("q", starts), array("q", ends), array("q", stamps)
-                )
+                return RecordBlock.from_scan(buf, first, p, lengths)
             if len(buf) < asked:
                 break
             if p == 0:  # one record larger than the chunk: read it whole (`other`: its length)

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import BrokerProcess, free_port, wait_for
+from tests.conftest import BrokerProcess, free_port, track_process, wait_for
 
 ETCD = shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None)
 
@@ -65,7 +65,7 @@ class EtcdServer:
         if self.tls is not None:
             args += ["--cert-file", str(self.tls[0]), "--key-file", str(self.tls[1])]
         log_file = open(self.log_path, "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT)
+        self.proc = track_process(subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT))
         log_file.close()
         wait_for(self.healthy, timeout=20, interval=0.05)
         return self

@@ -275,14 +275,16 @@ async def _next(queue: aio_pika.abc.AbstractQueue) -> aio_pika.abc.AbstractIncom
 
 async def test_exclusive_queues_stay_on_their_node_and_non_durable_ones_end_with_it(
         amqp_nodes: list[ClusterNodeProcess]) -> None:
-    """Exclusive queues are their connection's, on its node (two nodes may each have one of a
-    name). A non-durable queue is shared like a durable one while its node lives, and ends with
-    it (as in RabbitMQ): after that node restarts, the name is free to declare anywhere."""
+    """Exclusive queues are their connection's, on its node (another node's connection gets
+    405 RESOURCE_LOCKED, as in RabbitMQ). A non-durable queue is shared like a durable one while
+    its node lives, and ends with it (as in RabbitMQ): after that node restarts, the name is
+    free to declare anywhere."""
     n1, n2 = amqp_nodes
     async with await aio_pika.connect(amqp_url(n1)) as c1, await aio_pika.connect(amqp_url(n2)) as c2:
         mine = await (await c1.channel()).declare_queue("private-q", exclusive=True)
-        theirs = await (await c2.channel()).declare_queue("private-q", exclusive=True)
-        assert mine.name == theirs.name == "private-q"
+        assert mine.name == "private-q"
+        with pytest.raises(aiormq.exceptions.ChannelLockedResource):
+            await (await c2.channel()).declare_queue("private-q", exclusive=True)
         with pytest.raises(aio_pika.exceptions.ChannelNotFoundEntity):
             await (await c2.channel()).declare_queue("amq.gen-nowhere", passive=True)
 

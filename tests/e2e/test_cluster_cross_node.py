@@ -428,6 +428,49 @@ def test_suback_is_not_held_long_by_a_node_that_does_not_answer(cluster: Cluster
         os.kill(n2.proc.pid, signal.SIGCONT)
 
 
+def test_a_frozen_owner_is_given_up_on_after_the_link_timeout_and_used_again_once_it_answers(
+    cluster: Cluster,
+) -> None:
+    """The owner of a shard is frozen (SIGSTOP) with a lease far longer than the freeze: its
+    connections stay open and only its silence on the link tells. A publish forwarded to it
+    is answered with the retryable error within about `link_timeout_s`, not at the lease's
+    end; publishes for its shards are refused retryably while it is frozen; once it runs
+    again its link comes back and the same publish is stored."""
+    n1, n2 = cluster(2, lease_ttl_s=60, extra_config="link_timeout_s = 1\n" + STREAMS)
+    placement = n1.status()["placement"]
+    topic = next(topic for topic in (f"{stream}/frozen/{i}" for i in range(50) for stream in ("fast", "safe"))
+                 if placement[topic.split("/")[0]][zlib.crc32(topic.encode()) % 4][0] == "n2")
+    raw = RawClient(n1.mqtt_port, version=5)
+    raw.connect("pub")
+    assert n2.proc is not None
+    os.kill(n2.proc.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        raw.send(p.Publish(topic, b"while frozen", 1, packet_id=1))
+        puback = raw.receive(timeout=20)
+        waited = time.monotonic() - started
+        assert isinstance(puback, p.Puback) and puback.packet_id == 1, puback
+        assert puback.reason_code == 0x80, puback
+        assert "retry" in (puback.properties.reason_string or ""), puback.properties.reason_string
+        assert waited < 20, "answered by the link timeout, long before the 60 s lease"
+        wait_for(lambda: "n2" not in linked(n1), timeout=10, interval=0.05)
+        raw.send(p.Publish(topic, b"still frozen", 1, packet_id=2))
+        puback = raw.receive(timeout=10)
+        assert isinstance(puback, p.Puback) and puback.reason_code == 0x80, puback
+    finally:
+        os.kill(n2.proc.pid, signal.SIGCONT)
+    wait_for(lambda: "n2" in linked(n1), timeout=20, interval=0.05)
+    raw.send(p.Publish(topic, b"after", 1, packet_id=3))
+    puback = raw.receive(timeout=10)
+    assert isinstance(puback, p.Puback) and puback.reason_code == 0, puback
+    raw.close()
+    sub = Paho(n2.mqtt_port, "reader", V5)
+    assert sub.subscribe(topic, 1)[0].value == 1
+    pub = Paho(n1.mqtt_port, "pub2", V5)
+    pub.publish(topic, "through the link again", 1)
+    assert sub.expect().payload == b"through the link again"
+
+
 def test_metrics_carry_the_node_and_count_a_forwarded_publish_once(cluster: Cluster) -> None:
     n1, n2 = cluster(2, extra_config=STREAMS)
     pub = Paho(n1.mqtt_port, "pub", V5)

@@ -140,6 +140,7 @@ def test_a_will_is_published_when_the_node_of_its_client_dies(
     message = watcher.expect(timeout=15)  # the lease TTL is 3 s
     assert (message.topic, message.payload) == (topic, b"offline")
     watcher.expect_none(within=3)  # published once
+    assert wait_for(lambda: not will_kept(etcd, "device-3"), timeout=10, interval=0.1)  # claim gone
     late = Paho(n2.mqtt_port, "late-device-3", V5)  # and retained, as its will said
     late.subscribe(topic, 1)
     got = late.expect(timeout=10)

@@ -1,19 +1,24 @@
 """Durable subscriptions shared by the nodes of a cluster, with the gRPC SDK against a real etcd
 and `shardgate serve --cluster` processes: a durable subscription consumed on one node is
-consumed later on another from where it stopped, with what was published meanwhile; its
-consumers are on one node at a time, and a consumer elsewhere is told where."""
+consumed later on another from where it stopped, with what was published meanwhile; consumers
+on several nodes share one cursor on the node that holds it (Shared, Failover, Exclusive)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import zlib
 from collections import defaultdict
 from collections.abc import Callable
 
 import pytest
-from shardgate.client import Client, FailedPrecondition
+from shardgate.client import Client, FailedPrecondition, Unauthenticated
+from shardgate.core.message import now_ms
 
 from tests.conftest import wait_for
-from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer
+from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer, topics_of
 from tests.e2e.test_cluster_state_sessions import TOPICS, etcd_get, spread_stream
 
 Cluster = Callable[..., list[ClusterNodeProcess]]
@@ -90,21 +95,27 @@ def test_a_durable_subscription_moves_to_the_node_its_consumer_comes_back_to(
     asyncio.run(scenario())
 
 
-def test_a_consumer_on_another_node_is_told_where_the_subscription_is_consumed(cluster: Cluster) -> None:
+def test_an_exclusive_subscription_refuses_a_consumer_on_another_node(cluster: Cluster, etcd: EtcdServer) -> None:
     n1, n2 = cluster(2)
 
     async def scenario() -> None:
         async with Client(n1.grpc_url) as first, Client(n2.grpc_url) as second:
             holder = first.consumer("audit", ["audit/#"], durable=True, reconnect=False)
             await holder.subscribe()
+            wait_for(lambda: held_by(etcd, "audit") == "n1", timeout=20)
             elsewhere = second.consumer("audit", ["audit/#"], durable=True, reconnect=False)
-            with pytest.raises(FailedPrecondition, match="consumed on node n1"):
+            with pytest.raises(FailedPrecondition, match="exclusive and already has a consumer"):
                 await elsewhere.subscribe()
             await first.producer().send("audit/x", b"still here")
             assert await take(holder, 1) == {"audit/x": [b"still here"]}
             await holder.close()
 
     asyncio.run(scenario())
+
+
+def held_by(etcd: EtcdServer, name: str) -> str | None:
+    """The node etcd names as the holder of durable subscription `name`."""
+    return (etcd_get(etcd, f"/shardgate/test.state/durables/{name}") or {}).get("node")
 
 
 async def take_from(consumers: list, count: int, timeout: float = 30) -> list[list[bytes]]:
@@ -129,39 +140,230 @@ async def take_from(consumers: list, count: int, timeout: float = 30) -> list[li
     return got
 
 
-@pytest.mark.parametrize("sub_type", ["shared", "failover"])
-def test_shared_and_failover_consumers_share_one_node_and_a_consumer_elsewhere_is_refused(
-        cluster: Cluster, sub_type: str) -> None:
-    """Several consumers of a Shared or Failover durable subscription on its node: each message
-    once across them (Shared) or all to the active one (Failover). A consumer on another node
-    gets FAILED_PRECONDITION naming the node; once those consumers are gone, it is served."""
+def test_a_shared_subscription_spreads_over_consumers_on_two_nodes(cluster: Cluster, etcd: EtcdServer) -> None:
+    """Consumers of one Shared durable subscription on n1 and on n2: every message reaches one
+    of them, once, and both get some; acks from n2 move the one cursor (nothing comes again
+    when the n1 consumer leaves)."""
     n1, n2 = cluster(2)
 
     async def scenario() -> None:
         async with Client(n1.grpc_url) as first, Client(n2.grpc_url) as second:
-            consumers = [first.consumer("work", ["work/#"], type=sub_type, durable=True,
-                                        reconnect=False, name=f"c{index}") for index in range(2)]
-            for consumer in consumers:
-                await consumer.subscribe()
-            elsewhere = second.consumer("work", ["work/#"], type=sub_type, durable=True, reconnect=False)
-            with pytest.raises(FailedPrecondition, match="consumed on node n1"):
-                await elsewhere.subscribe()
+            here = first.consumer("work", ["work/#"], type="shared", durable=True, reconnect=False, name="a")
+            await here.subscribe()
+            wait_for(lambda: held_by(etcd, "work") == "n1", timeout=20)
+            there = second.consumer("work", ["work/#"], type="shared", durable=True, reconnect=False, name="b")
+            await there.subscribe()
+            info = await first.admin.describe_subscription("work")  # on its holder
+            assert len(info.consumers) == 2
             producer = second.producer()
-            sent = [f"job-{number}".encode() for number in range(20)]
+            sent = [f"job-{number}".encode() for number in range(40)]
             for payload in sent:
-                await producer.send("work/x", payload)
-            got = await take_from(consumers, len(sent))
+                await producer.send(f"work/{payload.decode()}", payload)
+            got = await take_from([here, there], len(sent))
             assert sorted(got[0] + got[1]) == sorted(sent)  # each once
-            if sub_type == "failover":
-                assert sent in got  # all to the active consumer, in order
-            else:
-                assert got[0] and got[1]  # spread over both
+            assert got[0] and got[1]  # spread over both nodes
+            await here.close()
+            await producer.send("work/after", b"after")
+            assert await take(there, 1) == {"work/after": [b"after"]}  # nothing acked came again
+            await there.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_failover_standby_on_another_node_takes_over_when_the_active_consumer_closes(
+        cluster: Cluster, etcd: EtcdServer) -> None:
+    """The active consumer on n1 leaves with messages it did not acknowledge: the standby on n2
+    becomes active and gets those again, then the rest; what n1 acknowledged never comes back."""
+    n1, n2 = cluster(2)
+
+    async def scenario() -> None:
+        async with Client(n1.grpc_url) as first, Client(n2.grpc_url) as second:
+            active = first.consumer("orders", ["orders/#"], type="failover", durable=True, reconnect=False)
+            await active.subscribe()
+            assert active.active
+            wait_for(lambda: held_by(etcd, "orders") == "n1", timeout=20)
+            standby = second.consumer("orders", ["orders/#"], type="failover", durable=True, reconnect=False)
+            await standby.subscribe()
+            assert not standby.active
+            producer = second.producer()
+            sent = [f"order-{number}".encode() for number in range(10)]
+            for payload in sent:
+                await producer.send("orders/eu", payload)
+            got = await take(active, len(sent), ack=6)
+            assert got == {"orders/eu": sent}  # all to the active consumer, in order
+            await active.close()
+            await standby.wait_active(timeout=20)
+            later = [f"order-{number}".encode() for number in range(10, 14)]
+            for payload in later:
+                await producer.send("orders/eu", payload)
+            again = await take(standby, 4 + len(later))
+            assert again == {"orders/eu": sent[6:] + later}
+            await standby.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_failover_standby_on_another_node_takes_over_when_the_active_node_is_killed(
+        cluster: Cluster, etcd: EtcdServer) -> None:
+    """n1 holds the subscription and its active consumer; n2's consumer is the standby. n1 is
+    SIGKILLed: n2's consumer becomes the active one, resuming from the last acknowledged
+    position (checkpointed while a consumer elsewhere was attached), and gets what is published
+    next: nothing acknowledged twice, nothing lost."""
+    n1, n2 = cluster(2)
+    spread_stream([n1, n2])
+    topics = topics_of(n2.status(), "away", "away")
+    on_n2 = set(topics_of(n2.status(), "away", "away", owner="n2"))
+
+    async def scenario() -> None:
+        async with Client(n1.grpc_url) as first, Client(n2.grpc_url) as second:
+            active = first.consumer("ledger", ["away/#"], type="failover", durable=True, reconnect=False)
+            await active.subscribe()
+            wait_for(lambda: held_by(etcd, "ledger") == "n1", timeout=20)
+            standby = second.consumer("ledger", ["away/#"], type="failover", durable=True)
+            await standby.subscribe()
+            assert not standby.active
+            producer = second.producer()
+            before = [(topic, f"before-{topic}".encode()) for topic in topics]
+            for topic, payload in before:
+                await producer.send(topic, payload)
+            # Failover is per shard (as Pulsar's over partitions): each shard of the stream has
+            # one active consumer, so the standby already has some of them
+            got = await take_from([active, standby], len(before))
+            assert sorted(got[0] + got[1]) == sorted(payload for _, payload in before)
+            acked_ms = now_ms()
+
+            def checkpointed() -> bool:
+                state = etcd_get(etcd, "/shardgate/test.state/durables/ledger") or {}
+                return (state.get("taken_ms", 0) >= acked_ms and not state.get("messages")
+                        and all(not cursor[3] for cursor in state.get("cursors", [])))
+            # (in a thread: the SDK sends the acks from this loop meanwhile)
+            await asyncio.to_thread(wait_for, checkpointed, timeout=20)
+            n1.kill()
+            await standby.wait_active(timeout=30)
+            after = [(topic, f"after-{topic}".encode()) for topic in sorted(on_n2)]
+            for topic, payload in after:
+                await producer.send(topic, payload)  # n2's shards: served while n1 is down
+            again = await take(standby, len(after))
+            assert again == {topic: [payload] for topic, payload in after}
+            await producer.send(sorted(on_n2)[0], b"marker")
+            assert await take(standby, 1) == {sorted(on_n2)[0]: [b"marker"]}
+            await standby.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_failover_standby_on_another_node_takes_over_when_the_active_node_leaves(
+        cluster: Cluster, etcd: EtcdServer) -> None:
+    """n1 holds the subscription and its active consumer, which has messages it did not
+    acknowledge, when n1 stops with SIGTERM: the standby on n2 becomes active and gets exactly
+    those again, then what is published next."""
+    n1, n2 = cluster(2)
+    spread_stream([n1, n2])
+    on_n2 = sorted(topics_of(n2.status(), "away", "away", owner="n2", per_shard=2))
+
+    async def scenario() -> None:
+        async with Client(n1.grpc_url) as first, Client(n2.grpc_url) as second:
+            active = first.consumer("leaving", ["away/#"], type="failover", durable=True, reconnect=False)
+            await active.subscribe()
+            wait_for(lambda: held_by(etcd, "leaving") == "n1", timeout=20)
+            standby = second.consumer("leaving", ["away/#"], type="failover", durable=True)
+            await standby.subscribe()
+            producer = second.producer()
+            before = [(topic, f"before-{topic}".encode()) for topic in on_n2]
+            for topic, payload in before:
+                await producer.send(topic, payload)
+            # each consumer has some shards (Failover is per shard); nobody acknowledges
+            got: list[list[bytes]] = [[], []]
+
+            async def hold(index: int, consumer) -> None:
+                async for message in consumer:
+                    got[index].append(message.payload)
+
+            holders = [asyncio.ensure_future(hold(index, consumer))
+                       for index, consumer in enumerate([active, standby])]
+            await asyncio.to_thread(wait_for, lambda: len(got[0]) + len(got[1]) == len(before), timeout=30)
+            for task in holders:
+                task.cancel()
+            # Failover gives shard s to consumer s % 2: n1's has some unless n2 owns odd ones only
+            assert got[0] or all(zlib.crc32(topic.encode()) % 6 % 2 for topic in on_n2)
+            assert await asyncio.to_thread(n1.terminate) == 0
+            await standby.wait_active(timeout=30)
+            # everything unacknowledged comes (again) to n2's consumer, then the next message
+            again = await take(standby, len(before))
+            assert sorted(payload for payloads in again.values() for payload in payloads) == \
+                sorted(payload for _, payload in before)
+            await producer.send(on_n2[0], b"next")
+            assert await take(standby, 1) == {on_n2[0]: [b"next"]}
+            await standby.close()
+
+    asyncio.run(scenario())
+
+
+def test_consumers_defining_a_subscription_on_two_nodes_at_once_share_one(cluster: Cluster, etcd: EtcdServer) -> None:
+    """Two consumers create the same new Shared subscription at the same moment on n1 and n2:
+    one node holds it (a create-if-absent claim in etcd), the other relays to it, so each
+    message is delivered once, not once per node."""
+    n1, n2 = cluster(2)
+
+    async def scenario() -> None:
+        async with Client(n1.grpc_url) as first, Client(n2.grpc_url) as second:
+            consumers = [client.consumer("race", ["race/#"], type="shared", durable=True, reconnect=False)
+                         for client in (first, second)]
+            await asyncio.gather(*(consumer.subscribe() for consumer in consumers))
+            assert held_by(etcd, "race") in {"n1", "n2"}
+            producer = first.producer()
+            sent = [f"r-{number}".encode() for number in range(20)]
+            for payload in sent:
+                await producer.send(f"race/{payload.decode()}", payload)
+            got = await take_from(consumers, len(sent))
+            await producer.send("race/last", b"last")
+            got_last = await take_from(consumers, 1)
+            assert sorted(got[0] + got[1]) == sorted(sent)
+            assert got_last[0] + got_last[1] == [b"last"]  # nothing of `sent` came twice
             for consumer in consumers:
                 await consumer.close()
-            later = second.consumer("work", ["work/#"], type=sub_type, durable=True, reconnect=False)
-            await later.subscribe()
-            await producer.send("work/x", b"after")
-            assert await take(later, 1) == {"work/x": [b"after"]}
-            await later.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_authenticated_consumer_is_relayed_to_the_holder(cluster: Cluster, etcd: EtcdServer) -> None:
+    """Once a user exists: alice, authenticated on n2, is served through n1 (which holds her
+    subscription; the holder authorizes her by name, its cluster port checks no password), and
+    a wrong password is refused on n2 before anything is relayed."""
+    n1, n2 = cluster(2)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDGATE_")}
+    added = subprocess.run(
+        [sys.executable, "-m", "shardgate", "users", "add", "alice", "--password", "s3cret",
+         "--data-dir", str(n1.data_dir)], capture_output=True, text=True, timeout=60, env=env)
+    assert added.returncode == 0, added.stderr
+
+    async def known_on_n2() -> bool:
+        async with Client(n2.grpc_url, username="alice", password="s3cret") as client:
+            try:
+                await client.producer().send("alice/probe", b"probe")
+            except Unauthenticated:
+                return False
+        return True
+    wait_for(lambda: asyncio.run(known_on_n2()), timeout=20)
+
+    async def scenario() -> None:
+        async with Client(n1.grpc_url, username="alice", password="s3cret") as first, \
+                Client(n2.grpc_url, username="alice", password="s3cret") as second:
+            here = first.consumer("alices", ["alice/#"], type="shared", durable=True, reconnect=False)
+            await here.subscribe()
+            there = second.consumer("alices", ["alice/#"], type="shared", durable=True, reconnect=False)
+            await there.subscribe()
+            sent = [f"a-{number}".encode() for number in range(10)]
+            producer = second.producer()
+            for payload in sent:
+                await producer.send(f"alice/{payload.decode()}", payload)
+            got = await take_from([here, there], len(sent))
+            assert sorted(got[0] + got[1]) == sorted(sent) and got[1]
+            async with Client(n2.grpc_url, username="alice", password="wrong") as intruder:
+                with pytest.raises(Unauthenticated):
+                    await intruder.consumer("alices", ["alice/#"], type="shared", durable=True,
+                                            reconnect=False).subscribe()
+            for consumer in (here, there):
+                await consumer.close()
 
     asyncio.run(scenario())

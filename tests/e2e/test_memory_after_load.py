@@ -1,19 +1,23 @@
 """What a broker holds once clients are gone: closed MQTT connections and ended sessions are
 freed by reference counting as they go, not left in cycles for the garbage collector (under
 load thousands of them piled up between collections, and the heap kept what their peak
-needed)."""
+needed). And a stopped broker is freed whole, even after serving its admin API."""
 
 from __future__ import annotations
 
 import gc
+import json
+import urllib.request
+import weakref
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from shardgate.protocols.mqtt.connection import MqttConnection
 from shardgate.protocols.mqtt.session import MqttSession
 
 from shardgate import persistence
-from tests.conftest import ThreadedBroker, wait_for
+from tests.conftest import ThreadedBroker, free_port, make_config, wait_for
 from tests.mqtt_clients import V5, V311, Paho
 
 
@@ -55,3 +59,23 @@ def test_closed_connections_and_ended_sessions_are_freed_without_the_collector(
         clean.disconnect()
     wait_for(lambda: not broker.app.mqtt.connections and not broker.app.mqtt.sessions)
     wait_for(lambda: _alive(MqttConnection, earlier) == 0 and _alive(MqttSession, earlier) == 0)
+
+
+def test_a_stopped_broker_is_freed_after_serving_its_admin_api(tmp_path: Path) -> None:
+    """aiohttp keeps recent applications in a module-level cache; a stopped broker's admin
+    application must not keep the broker (its sessions, its journal) alive through it."""
+    broker = ThreadedBroker(make_config(tmp_path / "data", listeners={"http_port": free_port()}))
+    broker.start()
+    try:
+        sleepy = Paho(broker.mqtt_port, "sleepy", V5, clean=False, session_expiry=3600)
+        sleepy.subscribe("t/#", 1)
+        sleepy.drop()  # the session stays, offline
+        url = f"http://127.0.0.1:{broker.app.port('http')}/api/sessions"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            assert [s["client_id"] for s in json.loads(response.read())] == ["sleepy"]
+    finally:
+        broker.stop()
+    app = weakref.ref(broker.app)
+    del broker
+    gc.collect()
+    assert app() is None

@@ -1,10 +1,11 @@
-"""The cluster data plane between two in-process nodes on real loopback gRPC links: forwarding
+"""The cluster data plane between two in-process nodes on real loopback links: forwarding
 to a shard's owner, the route table and pushes to subscribers' nodes, shared subscriptions
 spread across nodes, and the retryable errors when ownership is not where the sender thinks."""
 
 from __future__ import annotations
 
 import asyncio
+import struct
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from shardgate.proto import cluster_pb2 as pb
 from shardgate.storage.journal import JournalStorage
 
 from shardgate.cluster.forward import DataPlane
+from shardgate.cluster.frames import pack_records
 from shardgate.cluster.link import LINK_MAGIC, FrameReader, frame_bytes
 from shardgate.cluster.membership import NodeInfo, ShardAssignment, StaticClusterView
 from shardgate.cluster.routes import Route
@@ -560,3 +562,81 @@ async def test_a_transient_message_is_journaled_by_its_owner_only_for_a_durable_
     await asyncio.wait_for(stored, 5)
     assert log.next_offset == 1, "journaled for the durable subscription on a"
     await until(lambda: [m.payload for m in live.got] == [b"passing", b"kept"])
+
+
+async def test_a_packed_batch_is_stored_in_one_pass_with_its_offsets_and_bad_records_refused_alone(cluster):
+    """A `ForwardBatch` as a peer writes it: every message's record behind its length. The owner
+    answers with each message's offset; a record that does not decode is refused by its index,
+    and one for a shard this node does not own is refused as NOT_OWNER, the others stored."""
+    b = cluster["b"]
+    on_b = b.subscribe("orders/#")
+    topic = topic_on(b.broker, "orders", 2, "orders")  # b owns orders/2
+    good = [Message(topic, f"m{i}".encode(), qos=1) for i in range(3)]
+    records = pack_records(good[:2]) + struct.pack("<I", 3) + b"\x07xx" + pack_records(good[2:])
+    link = await RawLink.open(b.plane.port)
+    link.write(pb.PeerFrame(sequence=0, from_node="c", session=1, heartbeat_ms=60_000))
+    assert (await link.read()).heartbeat, "the hello is answered at once"
+    link.write(pb.PeerFrame(sequence=1, batches=[
+        pb.ForwardBatch(stream="orders", shard=2, epoch=1, records=records),
+        pb.ForwardBatch(stream="orders", shard=0, epoch=1, records=pack_records(
+            [Message(topic_on(b.broker, "orders", 0, "orders"), b"a's", qos=1)])),
+    ]))
+    reply = await link.read()
+    assert reply.sequence == 1 and len(reply.batches) == 2
+    stored, not_owned = reply.batches
+    assert [(o.index, o.code) for o in stored.refused] == [(2, pb.REJECTED)]
+    assert "malformed" in stored.refused[0].reason
+    assert [stored.offsets[i] for i in (0, 1, 3)] == [0, 1, 2]
+    assert [(o.index, o.code) for o in not_owned.refused] == [(0, pb.NOT_OWNER)]
+    assert [m.payload for m in on_b.got] == [b"m0", b"m1", b"m2"]
+    link.close()
+
+
+async def test_an_unacknowledged_batch_is_answered_without_offsets(cluster):
+    b = cluster["b"]
+    on_b = b.subscribe("orders/#")
+    topic = topic_on(b.broker, "orders", 2, "orders")
+    link = await RawLink.open(b.plane.port)
+    link.write(pb.PeerFrame(sequence=0, from_node="c", session=2))
+    link.write(pb.PeerFrame(sequence=1, batches=[pb.ForwardBatch(
+        stream="orders", shard=2, epoch=1, unacknowledged=True,
+        records=pack_records([Message(topic, b"q0-1"), Message(topic, b"q0-2")]))]))
+    reply = await link.read()
+    assert reply.sequence == 1 and not reply.batches[0].offsets and not reply.batches[0].refused
+    assert [m.payload for m in on_b.got] == [b"q0-1", b"q0-2"]
+    link.close()
+
+
+async def test_qos0_publishes_of_one_write_share_a_future_and_qos1_get_their_offsets(cluster):
+    a, b = cluster["a"], cluster["b"]
+    on_b = b.subscribe("orders/#")
+    topic = topic_on(a.broker, "orders", 2, "orders")  # b owns it: a forwards
+    messages = [Message(topic, f"{qos}-{i}".encode(), qos=qos) for i in range(3) for qos in (0, 1)]
+    outcomes = a.broker.publish_many(messages)
+    assert all(isinstance(outcome, asyncio.Future) for outcome in outcomes)
+    assert len({id(outcomes[i]) for i in (0, 2, 4)}) == 1, "the QoS 0 ones share one future"
+    assert len({id(outcomes[i]) for i in (1, 3, 5)}) == 3
+    await asyncio.wait_for(asyncio.gather(*outcomes), 5)
+    assert [messages[i].offset for i in (1, 3, 5)] == [1, 3, 5]
+    assert [m.payload for m in on_b.got] == [m.payload for m in messages], "in order"
+
+
+async def test_a_silent_peer_fails_the_link_and_its_waiting_forwards_retryably(cluster, monkeypatch):
+    """A peer that accepts the connection and reads but never answers (as a frozen process's
+    kernel does): the forwards waiting for it fail with the retryable error after the link
+    timeout, and the link is redialed."""
+    a = cluster["a"]
+    silent = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    a.plane.link_timeout_s = 0.3
+    a.view.node_infos["b"] = NodeInfo("b", f"127.0.0.1:{port}")
+    a.view.changed()
+    topic = topic_on(a.broker, "orders", 2, "orders")
+    started = asyncio.get_running_loop().time()
+    future = a.broker.publish(Message(topic, b"lost?", qos=1))
+    assert future is not None
+    with pytest.raises(ShardUnavailable, match="retry|unreachable"):
+        await asyncio.wait_for(future, 5)
+    assert asyncio.get_running_loop().time() - started < 3
+    assert not a.plane.links["b"].connected
+    silent.close()

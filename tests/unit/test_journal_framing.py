@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from shardgate.core.native import is_compiled
-from shardgate.storage.journal import framing
+from shardgate.storage.interfaces import StoredRecord
+from shardgate.storage.journal import RecordBlock, framing
 from shardgate.storage.journal.framing import (
     SCAN_BAD_CRC,
     SCAN_BAD_OFFSET,
@@ -74,32 +75,34 @@ def test_both_scans_read_back_what_was_framed(
     scan: object, records: list[tuple[int, bytes]], start: int, want: int
 ) -> None:
     framed, _, _ = frame(records, first=7)
-    starts: list[int] = []
-    ends: list[int] = []
-    stamps: list[int] = []
+    lengths: list[int] = []
     end_offset = 7 + len(records)
     status, p, expected, _ = scan(  # type: ignore[operator]
-        framed, 7 + start, want, end_offset, checksum, starts, ends, stamps
+        framed, 7 + start, want, end_offset, checksum, lengths
     )
     assert status == SCAN_OK
     taken = records[start : start + want]
-    assert [framed[s:e] for s, e in zip(starts, ends, strict=True)] == [d for _, d in taken]
-    assert stamps == [ts for ts, _ in taken]
+    assert lengths == [len(d) for _, d in taken]
     if taken:
         assert expected == 7 + start + len(taken)
-        assert p + HEADER_SIZE == starts[-1]  # stopped at the last record taken
+        # where the first record taken starts, from which the block's positions follow
+        assert p == sum(HEADER_SIZE + len(d) for _, d in records[:start])
+        block = RecordBlock.from_scan(framed, 7 + start, p, lengths)
+        assert list(block) == [
+            StoredRecord(7 + start + i, ts, d) for i, (ts, d) in enumerate(taken)
+        ]
 
 
 @pytest.mark.parametrize("scan", SCANS)
 def test_both_scans_stop_inside_a_torn_record(scan: object) -> None:
     framed, _, _ = frame([(1, b"a" * 10), (2, b"b" * 50)])
     torn = framed[: 34 + 30]  # the second record lacks its last bytes
-    starts: list[int] = []
+    lengths: list[int] = []
     status, p, expected, length = scan(  # type: ignore[operator]
-        torn, 0, 10, 2, checksum, starts, [], []
+        torn, 0, 10, 2, checksum, lengths
     )
-    assert (status, p, expected, length) == (SCAN_OK, 34, 1, 50)
-    assert starts == [HEADER_SIZE]
+    assert (status, p, expected, length) == (SCAN_OK, 0, 1, 50)  # p: the first taken
+    assert lengths == [10]
 
 
 @pytest.mark.parametrize("scan", SCANS)
@@ -107,13 +110,13 @@ def test_both_scans_report_a_bad_checksum_and_a_broken_sequence(scan: object) ->
     framed, _, _ = frame([(1, b"a" * 10), (2, b"b" * 10), (3, b"c" * 10)])
     damaged = bytearray(framed)
     damaged[34 + HEADER_SIZE] ^= 0xFF  # the data of offset 1
-    result = scan(bytes(damaged), 0, 10, 3, checksum, [], [], [])  # type: ignore[operator]
+    result = scan(bytes(damaged), 0, 10, 3, checksum, [])  # type: ignore[operator]
     assert result[:3] == (SCAN_BAD_CRC, 34, 1)
     # before from_offset only the framing and the sequence are checked, not the checksum
-    result = scan(bytes(damaged), 2, 10, 3, checksum, [], [], [])  # type: ignore[operator]
+    result = scan(bytes(damaged), 2, 10, 3, checksum, [])  # type: ignore[operator]
     assert result[0] == SCAN_OK
     gap = framed[:34] + encode(5, 2, b"b" * 10)
-    result = scan(gap, 0, 10, 9, checksum, [], [], [])  # type: ignore[operator]
+    result = scan(gap, 0, 10, 9, checksum, [])  # type: ignore[operator]
     assert result == (SCAN_BAD_OFFSET, 34, 5, 1)
 
 

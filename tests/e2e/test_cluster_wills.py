@@ -1,0 +1,80 @@
+"""Wills of a dead node's clients survive the death of the controller publishing them (issue
+14): the controller claims a will in etcd under its own lease before publishing it, and a new
+controller publishes again the claims of one that died (shardgate/cluster/wills.py). Real etcd,
+real nodes, paho clients; the controller is SIGKILLed between claim and publish, held there by
+the test hook `SG_TEST_PAUSE_AFTER_WILL_CLAIM`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shardgate.cluster.wills import CLAIM_PAUSE_ENV
+from tests.conftest import wait_for
+from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer, protocol_node, wait_settled
+from tests.mqtt_clients import V5, Paho
+
+# Non-reliable, so a dead node's shards move to a survivor.
+PRESENCE = '[[streams]]\nname = "presence"\nmode = "non-reliable"\npartitions = 2\nroutes = ["presence/#"]\n'
+
+
+@pytest.fixture
+def trio(etcd: EtcdServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[ClusterNodeProcess]]:
+    monkeypatch.setenv(CLAIM_PAUSE_ENV, str(tmp_path / "pause-after-will-claim"))
+    nodes = [protocol_node(tmp_path, name, etcd.url, PRESENCE).start() for name in ("n1", "n2", "n3")]
+    try:
+        wait_settled(nodes)
+        yield nodes
+    finally:
+        for node in nodes:
+            if node.alive():
+                node.kill()
+
+
+def wills_in_etcd(etcd: EtcdServer) -> dict[str, dict[str, Any]]:
+    """Every will etcd keeps, by client id."""
+    from shardgate.cluster.etcd import EtcdClient
+
+    async def read() -> dict[str, dict[str, Any]]:
+        client = EtcdClient([etcd.url])
+        try:
+            kvs, _revision = await client.get_prefix("/")
+        finally:
+            await client.close()
+        return {kv.key.rsplit("/", 1)[1]: json.loads(kv.value) for kv in kvs if ".state/wills/" in kv.key}
+
+    return asyncio.run(read())
+
+
+def test_a_will_claimed_by_a_controller_killed_before_publishing_it_is_published_by_the_next(
+    trio: list[ClusterNodeProcess], etcd: EtcdServer, tmp_path: Path,
+) -> None:
+    by_id = {node.node_id: node for node in trio}
+    controller = by_id[trio[0].status()["controller"]]
+    holder, survivor = [node for node in trio if node is not controller]
+    watcher = Paho(survivor.mqtt_port, "watcher", V5)
+    watcher.subscribe("presence/#", 1)
+    topic = "presence/device-7"
+    Paho(holder.mqtt_port, "device-7", V5,
+         will={"topic": topic, "payload": "offline", "qos": 1, "retain": False, "properties": None})
+    assert wait_for(lambda: "device-7" in wills_in_etcd(etcd), timeout=10, interval=0.1)
+
+    pause = tmp_path / "pause-after-will-claim"
+    pause.touch()  # the claimer stops between claim and publish
+    holder.kill()
+    claim = wait_for(lambda: wills_in_etcd(etcd).get("device-7", {}).get("claim"), timeout=20, interval=0.1)
+    assert claim["node"] == controller.node_id
+    controller.kill()  # SIGKILL between claim and publish
+    pause.unlink()
+
+    message = watcher.expect(timeout=20)  # the next controller, after the lease TTL (3 s)
+    assert (message.topic, message.payload) == (topic, b"offline")
+    assert wait_for(lambda: "device-7" not in wills_in_etcd(etcd), timeout=10, interval=0.1)
+    watcher.expect_none(within=2)  # and once
+    assert [node["node_id"] for node in survivor.status()["nodes"]] == [survivor.node_id]
+

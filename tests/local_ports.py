@@ -1,0 +1,49 @@
+"""Loopback ports for servers that tests start."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import time
+from pathlib import Path
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports it picks itself (bind to 0, a client's connect)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_EPHEMERAL_LOW, _EPHEMERAL_HIGH = _ephemeral_range()
+# Ports for tests come from below the ephemeral range: the kernel never hands those to a client
+# connection or a bind to port 0, so between the pick and the broker's bind (or across a
+# broker's restart) no other socket on the machine can take one, except another test that
+# picked the same port on purpose, which the random pick and the bind check make rare.
+_PICK_LOW, _PICK_HIGH = (16384, _EPHEMERAL_LOW - 1) if _EPHEMERAL_LOW > 20000 else (0, 0)
+_picker = random.Random(os.getpid() ^ time.monotonic_ns())
+_handed_out: set[int] = set()
+
+
+def free_port() -> int:
+    """A loopback TCP port that nothing listens on, for a server the test starts next."""
+    if _PICK_HIGH:
+        if len(_handed_out) > (_PICK_HIGH - _PICK_LOW) // 2:
+            _handed_out.clear()
+        for _ in range(200):
+            port = _picker.randint(_PICK_LOW, _PICK_HIGH)
+            if port in _handed_out:
+                continue
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
+    with socket.socket() as sock:  # no room below the ephemeral range: let the kernel pick
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
