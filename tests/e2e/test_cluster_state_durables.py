@@ -6,12 +6,15 @@ on several nodes share one cursor on the node that holds it (Shared, Failover, E
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import zlib
 from collections import defaultdict
 from collections.abc import Callable
 
 import pytest
-from shardgate.client import Client, FailedPrecondition
+from shardgate.client import Client, FailedPrecondition, Unauthenticated
 from shardgate.core.message import now_ms
 
 from tests.conftest import wait_for
@@ -318,6 +321,49 @@ def test_consumers_defining_a_subscription_on_two_nodes_at_once_share_one(cluste
             assert sorted(got[0] + got[1]) == sorted(sent)
             assert got_last[0] + got_last[1] == [b"last"]  # nothing of `sent` came twice
             for consumer in consumers:
+                await consumer.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_authenticated_consumer_is_relayed_to_the_holder(cluster: Cluster, etcd: EtcdServer) -> None:
+    """Once a user exists: alice, authenticated on n2, is served through n1 (which holds her
+    subscription; the holder authorizes her by name, its cluster port checks no password), and
+    a wrong password is refused on n2 before anything is relayed."""
+    n1, n2 = cluster(2)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDGATE_")}
+    added = subprocess.run(
+        [sys.executable, "-m", "shardgate", "users", "add", "alice", "--password", "s3cret",
+         "--data-dir", str(n1.data_dir)], capture_output=True, text=True, timeout=60, env=env)
+    assert added.returncode == 0, added.stderr
+
+    async def known_on_n2() -> bool:
+        async with Client(n2.grpc_url, username="alice", password="s3cret") as client:
+            try:
+                await client.producer().send("alice/probe", b"probe")
+            except Unauthenticated:
+                return False
+        return True
+    wait_for(lambda: asyncio.run(known_on_n2()), timeout=20)
+
+    async def scenario() -> None:
+        async with Client(n1.grpc_url, username="alice", password="s3cret") as first, \
+                Client(n2.grpc_url, username="alice", password="s3cret") as second:
+            here = first.consumer("alices", ["alice/#"], type="shared", durable=True, reconnect=False)
+            await here.subscribe()
+            there = second.consumer("alices", ["alice/#"], type="shared", durable=True, reconnect=False)
+            await there.subscribe()
+            sent = [f"a-{number}".encode() for number in range(10)]
+            producer = second.producer()
+            for payload in sent:
+                await producer.send(f"alice/{payload.decode()}", payload)
+            got = await take_from([here, there], len(sent))
+            assert sorted(got[0] + got[1]) == sorted(sent) and got[1]
+            async with Client(n2.grpc_url, username="alice", password="wrong") as intruder:
+                with pytest.raises(Unauthenticated):
+                    await intruder.consumer("alices", ["alice/#"], type="shared", durable=True,
+                                            reconnect=False).subscribe()
+            for consumer in (here, there):
                 await consumer.close()
 
     asyncio.run(scenario())
