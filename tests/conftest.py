@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -167,21 +169,30 @@ class BrokerProcess:
         killed process not yet released, or another process), the start is retried with the
         same ports until PORT_IN_USE_TIMEOUT."""
         port = mqtt_port or self.ports.get("mqtt") or free_port()
-        refusals: list[PortInUse] = []
-
-        def started() -> bool:
+        deadline = time.monotonic() + self.PORT_IN_USE_TIMEOUT
+        while True:
             try:
-                self._start_once(port)
-            except PortInUse as exc:
-                refusals.append(exc)
-                return False
-            return True
+                return self._start_once(port)  # any other failure is raised as it is
+            except PortInUse:
+                if time.monotonic() > deadline:
+                    raise
+            # start again as soon as every port can be bound (polled; then one last try)
+            with contextlib.suppress(AssertionError):
+                wait_for(lambda: self._ports_bindable(port),
+                         timeout=max(0.1, deadline - time.monotonic()), interval=0.05)
 
-        try:
-            wait_for(started, timeout=self.PORT_IN_USE_TIMEOUT, interval=0.2)
-        except AssertionError:
-            raise refusals[-1] if refusals else AssertionError("broker did not start") from None
-        return self
+    def _ports_bindable(self, mqtt_port: int) -> bool:
+        """Whether every fixed port this broker is given can be bound now."""
+        ports = [mqtt_port] + [int(value) for flag, value in zip(self.extra_args, self.extra_args[1:], strict=False)
+                               if flag.endswith("-port") and value.isdigit() and value != "0"]
+        for port in ports:
+            with socket.socket() as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    return False
+        return True
 
     def _start_once(self, mqtt_port: int) -> BrokerProcess:
         port_file = self.data_dir.parent / f"{self.data_dir.name}.ports.json"

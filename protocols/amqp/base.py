@@ -331,6 +331,7 @@ class ConnectionBase:
                 self.close(exc)
         elif orphaned is not None:
             orphaned()
+        self._flush_publishes()  # a publish `then` routed
         self._run_wakeups()
         self._request_flush()
         self.resume_reading()

@@ -136,10 +136,17 @@ class PublishingMixin(ConnectionBase):
 
     def _route(
         self, channel: AmqpChannel, frame: commands.Basic.Publish, props: BasicProperties,
-        raw: bytes, body: bytes,
+        raw: bytes, body: bytes, looked_up: bool = False,
     ) -> None:
         vhost = self.vhost
         assert vhost is not None
+        if (not looked_up and frame.exchange not in vhost.exchanges
+                and vhost.exchange_directory is not None):
+            # In a cluster, an exchange declared on another node an instant ago: asked of the
+            # cluster's store before the 404 (no later frame is read meanwhile).
+            self.hold_until(channel, vhost.exchange_directory.lookup(vhost, [frame.exchange]),
+                            lambda _: self._route(channel, frame, props, raw, body, True))
+            return
         exchange = vhost.exchange(frame.exchange, commands.Basic.Publish)
         if exchange.internal:
             raise ChannelException(

@@ -47,7 +47,7 @@ from .frames import (
     routes_from_update,
     unpack_records,
 )
-from .link import ClusterPortProtocol, LinkClient
+from .link import ClusterPortProtocol, LinkClient, PeerEnded
 from .membership import ClusterView, NodeInfo
 from .received import ReceivedLog
 from .routes import NOBODY, RemoteRoutes, Route, RouteDelta, diff, local_routes
@@ -309,8 +309,10 @@ class PeerLink:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a broken link is redialed, never fatal
-                if self.connected or self.reachable:
-                    log.warning("cluster link to %s lost: %s", self, _short(exc))
+                if (self.connected or self.reachable) and not self._closed:
+                    # (a peer that stops ends its links in order: not a fault)
+                    level = logging.INFO if isinstance(exc, PeerEnded) else logging.WARNING
+                    log.log(level, "cluster link to %s lost: %s", self, _short(exc))
                 # A stream that broke is resumed on the next (its frames are sent again), as is
                 # one broken again while it opened; a peer that cannot be dialed twice in a row
                 # is away: its clients get retryable errors.

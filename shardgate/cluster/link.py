@@ -56,6 +56,10 @@ WRITE_LOW_WATER = 256 << 10
 _HEARTBEAT = pb.PeerReply(heartbeat=True)
 
 
+class PeerEnded(ConnectionError):
+    """The peer closed the link in order (a node stopping): it is redialed, without alarm."""
+
+
 class FrameError(ValueError):
     """Bytes on a link that are not frames of this protocol."""
 
@@ -161,7 +165,7 @@ class LinkClient(asyncio.Protocol):
         self._on_writable()
 
     def eof_received(self) -> bool:
-        self._end(ConnectionError("the peer ended the link"))
+        self._end(PeerEnded("the peer ended the link"))
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -94,6 +94,12 @@ async def test_a_non_durable_exchange_is_the_clusters(amqp_nodes: list[ClusterNo
         with pytest.raises(aiormq.exceptions.ChannelNotFoundEntity,
                            match="no exchange 'nowhere-x' in vhost '/'"):
             await (await c2.channel()).declare_exchange("nowhere-x", passive=True)
+        # a publish through n2 right after n1's declare-ok finds the exchange
+        await (await c1.channel()).declare_exchange("flash-x", aio_pika.ExchangeType.FANOUT,
+                                                    durable=False)
+        flash = aio_pika.Exchange(await c2.channel(publisher_confirms=True), "flash-x")
+        assert isinstance(await flash.publish(aio_pika.Message(b"x"), "", mandatory=False),
+                          aiormq.spec.Basic.Ack)
 
         # a queue on n2 bound to it gets what a publisher on n1 sends
         queue = await (await c2.channel()).declare_queue("", exclusive=True)
