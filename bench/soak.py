@@ -23,6 +23,15 @@ never received; must be 0) and the errors in the broker's log. Every loop is bou
 and in time; everything listens and connects on 127.0.0.1 only.
 
     python bench/soak.py [--minutes 3] [--clients 200] [--write]
+    python bench/soak.py --broker mosquitto     # the same load against mosquitto
+    python bench/soak.py --port 1883            # ... against a broker already listening
+
+With ``--broker mosquitto`` the script starts ``mosquitto`` (from PATH) on a free port with a
+scratch configuration (anonymous, its default limits, no persistence file); with ``--port`` it
+only generates the load. Neither has Shardgate's admin API: connections and sessions are not
+counted (the settle step is the ``--settle`` pause alone) and, with ``--port``, no process is
+sampled. Against Shardgate the final ``/api/info`` also gives the broker's own view of where a
+CONNECT waited (``mqtt_connect_timing``), shown in the table.
 
 ``--write`` replaces the ``## Soak`` section of ``bench/RESULTS.md`` (and only that section).
 The MQTT client here is a small hand-written one on asyncio streams; it does not import
@@ -161,17 +170,53 @@ def encode_disconnect(version: int, expiry: int | None = None) -> bytes:
     return packet(DISCONNECT << 4, b"")
 
 
-async def read_packet(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    first = (await reader.readexactly(1))[0]
-    length = 0
-    for shift in range(0, 28, 7):
-        byte = (await reader.readexactly(1))[0]
-        length |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            break
-    else:
-        raise ValueError("malformed remaining length")
-    return first, await reader.readexactly(length)
+class PacketReader:
+    """Whole packets from a stream: one socket read gives every packet it completed, parsed from
+    one buffer (a read per header byte would make the generator, not the broker, the bottleneck
+    under a fan-out of large messages)."""
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self.reader = reader
+        self.buffer = bytearray()
+        self.pending: list[tuple[int, bytes]] = []
+
+    async def packets(self) -> list[tuple[int, bytes]]:
+        """At least one packet; raises IncompleteReadError at the end of the stream."""
+        while True:
+            out, self.pending = self.pending + self._parse(), []
+            if out:
+                return out
+            chunk = await self.reader.read(1 << 18)
+            if not chunk:
+                raise asyncio.IncompleteReadError(bytes(self.buffer), None)
+            self.buffer += chunk
+
+    def _parse(self) -> list[tuple[int, bytes]]:
+        buffer = self.buffer
+        out: list[tuple[int, bytes]] = []
+        pos, end = 0, len(buffer)
+        while True:
+            length, shift, i = 0, 0, pos + 1
+            complete = False
+            while i < end and shift <= 21:
+                byte = buffer[i]
+                i += 1
+                length |= (byte & 0x7F) << shift
+                shift += 7
+                if not byte & 0x80:
+                    complete = True
+                    break
+            if not complete:
+                if shift > 21:
+                    raise ValueError("malformed remaining length")
+                break
+            if end - i < length:
+                break
+            out.append((buffer[pos], bytes(buffer[i:i + length])))
+            pos = i + length
+        if pos:
+            del buffer[:pos]
+        return out
 
 
 def skip_props(body: bytes, pos: int) -> int:
@@ -237,6 +282,8 @@ class Client:
         self.stats = stats
         self.on_message = on_message
         self.reader: asyncio.StreamReader | None = None
+        self.packets: PacketReader | None = None
+        self.batch: list[bytes] | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.pending: dict[int, tuple[str | None, int, asyncio.Future[bool]]] = {}
         self.suback: dict[int, asyncio.Future[bytes]] = {}
@@ -267,11 +314,14 @@ class Client:
         self.writer.write(
             encode_connect(self.client_id, self.version, clean, keepalive, expiry, receive_maximum, will)
         )
+        self.packets = PacketReader(self.reader)
         try:
-            first, body = await asyncio.wait_for(read_packet(self.reader), timeout)
+            received = await asyncio.wait_for(self.packets.packets(), timeout)
         except BaseException:
             self.abort()
             raise
+        first, body = received.pop(0)
+        self.packets.pending = received  # what came right behind the CONNACK
         if first >> 4 != CONNACK or len(body) < 2:
             self.abort()
             raise ConnectRefused(f"expected CONNACK, got packet type {first >> 4}")
@@ -296,7 +346,9 @@ class Client:
         raise RuntimeError("no free packet id")
 
     def write(self, data: bytes) -> None:
-        if self.writer is not None and not self.writer.is_closing():
+        if self.batch is not None:  # acknowledgements of one read leave in one write
+            self.batch.append(data)
+        elif self.writer is not None and not self.writer.is_closing():
             self.writer.write(data)
 
     async def subscribe(self, filters: list[tuple[str, int]], timeout: float = 15.0) -> bytes:
@@ -358,64 +410,21 @@ class Client:
             future.set_result(ok)
 
     async def _read_loop(self) -> None:
-        assert self.reader is not None
+        assert self.packets is not None
+        packets = self.packets
         version = self.version
         try:
             while True:
-                first, body = await read_packet(self.reader)
-                kind = first >> 4
-                if kind == PUBLISH:
-                    qos = (first >> 1) & 3
-                    topic_len = struct.unpack_from("!H", body)[0]
-                    topic = body[2:2 + topic_len].decode()
-                    pos = 2 + topic_len
-                    packet_id = 0
-                    if qos:
-                        packet_id = struct.unpack_from("!H", body, pos)[0]
-                        pos += 2
-                    if version == 5:
-                        pos = skip_props(body, pos)
-                    if qos == 2 and packet_id in self.inbound_qos2:
-                        self.write(encode_ack(PUBREC, packet_id))
-                        continue
-                    if self.on_message is not None:
-                        self.on_message(topic, body[pos:], qos)
-                    if qos == 1:
-                        self.write(encode_ack(PUBACK, packet_id))
-                    elif qos == 2:
-                        self.inbound_qos2.add(packet_id)
-                        self.write(encode_ack(PUBREC, packet_id))
-                elif kind == PUBREL:
-                    packet_id = struct.unpack_from("!H", body)[0]
-                    self.inbound_qos2.discard(packet_id)
-                    self.write(encode_ack(PUBCOMP, packet_id))
-                elif kind == PUBACK:
-                    packet_id = struct.unpack_from("!H", body)[0]
-                    ok = len(body) < 3 or body[2] < 0x80
-                    self._acked(packet_id, ok)
-                elif kind == PUBREC:
-                    packet_id = struct.unpack_from("!H", body)[0]
-                    if len(body) >= 3 and body[2] >= 0x80:
-                        self._acked(packet_id, False)
-                    else:
-                        self.write(encode_ack(PUBREL, packet_id))
-                elif kind == PUBCOMP:
-                    packet_id = struct.unpack_from("!H", body)[0]
-                    ok = len(body) < 3 or body[2] < 0x80
-                    self._acked(packet_id, ok)
-                elif kind == SUBACK:
-                    packet_id = struct.unpack_from("!H", body)[0]
-                    future = self.suback.get(packet_id)
-                    if future is not None and not future.done():
-                        future.set_result(body[2:])
-                elif kind == DISCONNECT:
-                    reason = body[0] if body else 0
-                    self.stats.server_disconnects[reason] = self.stats.server_disconnects.get(reason, 0) + 1
-                    break
-                elif kind == PINGRESP:
-                    pass
-                else:
-                    self.stats.note_error(f"{self.client_id}: unexpected packet type {kind}")
+                received = await packets.packets()
+                self.batch = []
+                try:
+                    for first, body in received:
+                        if not self._handle(first, body, version):
+                            return
+                finally:
+                    batch, self.batch = self.batch, None
+                    if batch:
+                        self.write(b"".join(batch))
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             if not self.closing:
                 self.stats.unexpected_close += 1
@@ -423,6 +432,56 @@ class Client:
             self.stats.note_error(f"{self.client_id}: bad packet from broker: {exc!r}")
         finally:
             self._finish()
+
+    def _handle(self, first: int, body: bytes, version: int) -> bool:
+        """One packet from the broker; False once the broker said DISCONNECT."""
+        kind = first >> 4
+        if kind == PUBLISH:
+            qos = (first >> 1) & 3
+            topic_len = struct.unpack_from("!H", body)[0]
+            topic = body[2:2 + topic_len].decode()
+            pos = 2 + topic_len
+            packet_id = 0
+            if qos:
+                packet_id = struct.unpack_from("!H", body, pos)[0]
+                pos += 2
+            if version == 5:
+                pos = skip_props(body, pos)
+            if qos == 2 and packet_id in self.inbound_qos2:
+                self.write(encode_ack(PUBREC, packet_id))
+                return True
+            if self.on_message is not None:
+                self.on_message(topic, body[pos:], qos)
+            if qos == 1:
+                self.write(encode_ack(PUBACK, packet_id))
+            elif qos == 2:
+                self.inbound_qos2.add(packet_id)
+                self.write(encode_ack(PUBREC, packet_id))
+        elif kind == PUBREL:
+            packet_id = struct.unpack_from("!H", body)[0]
+            self.inbound_qos2.discard(packet_id)
+            self.write(encode_ack(PUBCOMP, packet_id))
+        elif kind in (PUBACK, PUBCOMP):
+            packet_id = struct.unpack_from("!H", body)[0]
+            self._acked(packet_id, len(body) < 3 or body[2] < 0x80)
+        elif kind == PUBREC:
+            packet_id = struct.unpack_from("!H", body)[0]
+            if len(body) >= 3 and body[2] >= 0x80:
+                self._acked(packet_id, False)
+            else:
+                self.write(encode_ack(PUBREL, packet_id))
+        elif kind == SUBACK:
+            packet_id = struct.unpack_from("!H", body)[0]
+            future = self.suback.get(packet_id)
+            if future is not None and not future.done():
+                future.set_result(body[2:])
+        elif kind == DISCONNECT:
+            reason = body[0] if body else 0
+            self.stats.server_disconnects[reason] = self.stats.server_disconnects.get(reason, 0) + 1
+            return False
+        elif kind != PINGRESP:
+            self.stats.note_error(f"{self.client_id}: unexpected packet type {kind}")
+        return True
 
     async def _ping_loop(self, interval: float) -> None:
         while not self.closed.is_set():
@@ -773,13 +832,15 @@ class Sample:
 
 
 class Monitor:
-    def __init__(self, pid: int, http_port: int) -> None:
+    def __init__(self, pid: int | None, http_port: int | None) -> None:
         self.pid = pid
         self.http_port = http_port
         self.samples: list[Sample] = []
         self.start = time.monotonic()
 
     async def info(self) -> dict[str, object] | None:
+        if self.http_port is None:
+            return None
         try:
             return await asyncio.to_thread(http_json, self.http_port, "/api/info")
         except (OSError, ValueError):
@@ -787,8 +848,9 @@ class Monitor:
 
     async def sample(self) -> Sample:
         info = await self.info()
-        sample = Sample(time.monotonic() - self.start, rss_bytes(self.pid), open_fds(self.pid),
-                        anon=rss_bytes(self.pid, "RssAnon"))
+        pid = self.pid
+        sample = Sample(time.monotonic() - self.start, rss_bytes(pid) if pid else 0,
+                        open_fds(pid) if pid else 0, anon=rss_bytes(pid, "RssAnon") if pid else 0)
         if info is not None:
             connections = info.get("connections") or {}
             assert isinstance(connections, dict)
@@ -827,6 +889,45 @@ def start_broker(data_dir: Path, log_path: Path) -> tuple[subprocess.Popen[bytes
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError("broker did not write its port file within 60 s")
+
+
+MOSQUITTO_CONF = """\
+listener {port} 127.0.0.1
+allow_anonymous true
+persistence false
+log_dest stdout
+log_type error
+log_type warning
+"""
+
+
+def start_mosquitto(work: Path, log_path: Path) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
+    """mosquitto on a free loopback port, its defaults otherwise (max_queued_messages 1000,
+    max_inflight_messages 20); sessions in memory."""
+    port = free_port()
+    conf = work / "mosquitto.conf"
+    conf.write_text(MOSQUITTO_CONF.format(port=port))
+    log = log_path.open("wb")
+    proc = subprocess.Popen(["mosquitto", "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mosquitto exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        with contextlib.suppress(OSError), socket.create_connection((HOST, port), timeout=1):
+            return proc, {"mqtt": port}
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("mosquitto did not listen within 20 s")
+
+
+class External:
+    """A broker this script did not start (``--port``): nothing to sample or stop."""
+
+    pid = None
+    returncode = 0
+
+    def poll(self) -> int | None:
+        return None
 
 
 def stop_broker(proc: subprocess.Popen[bytes]) -> int:
@@ -868,6 +969,7 @@ class Report:
     timeline: list[Sample]
     final_info: dict[str, object] | None
     max_loop_lag: float
+    broker: str = "shardgate"
 
 
 async def loop_lag(stop: asyncio.Event, out: list[float]) -> None:
@@ -882,7 +984,7 @@ async def loop_lag(stop: asyncio.Event, out: list[float]) -> None:
 
 
 async def one_round(
-    args: argparse.Namespace, number: int, ports: dict[str, int], proc: subprocess.Popen[bytes],
+    args: argparse.Namespace, number: int, ports: dict[str, int], proc: subprocess.Popen[bytes] | External,
     monitor: Monitor, stats: Stats,
 ) -> tuple[list[Auditor], int, bool]:
     """Auditors, waves for minutes/rounds, drain, end every session, wait until idle."""
@@ -929,7 +1031,10 @@ async def one_round(
     # Settle: every connection gone and every session ended or expired.
     settle_deadline = time.monotonic() + MAX_WAVE_EXPIRY + 90
     settled = False
-    while time.monotonic() < settle_deadline:
+    if "http" not in ports:  # no admin API to count them: wait for the wave sessions to expire
+        await asyncio.sleep(MAX_WAVE_EXPIRY)
+        settled = True
+    while not settled and time.monotonic() < settle_deadline:
         sample = monitor.samples[-1] if monitor.samples else None
         if sample is not None and sample.connections == 0 and sample.sessions == 0:
             settled = True
@@ -942,11 +1047,18 @@ async def one_round(
 async def scenario(args: argparse.Namespace, command: str) -> Report:
     work = Path(tempfile.mkdtemp(prefix="shardgate-soak-"))
     log_path = work / "broker.log"
-    proc, ports = start_broker(work / "data", log_path)
+    log_path.touch()
+    proc: subprocess.Popen[bytes] | External
+    if args.port:
+        proc, ports = External(), {"mqtt": args.port}
+    elif args.broker == "mosquitto":
+        proc, ports = start_mosquitto(work, log_path)
+    else:
+        proc, ports = start_broker(work / "data", log_path)
     stats = Stats()
     lags: list[float] = []
     try:
-        monitor = Monitor(proc.pid, ports["http"])
+        monitor = Monitor(proc.pid, ports.get("http"))
         await asyncio.sleep(2)
         baseline = await monitor.sample()
         print(f"baseline: RSS {baseline.rss / 2**20:.1f} MiB, {baseline.fds} fds", file=sys.stderr)
@@ -974,7 +1086,7 @@ async def scenario(args: argparse.Namespace, command: str) -> Report:
         final = after_round[-1] if after_round else await monitor.sample()
         final_info = await monitor.info()
     finally:
-        exit_code = stop_broker(proc)
+        exit_code = 0 if isinstance(proc, External) else stop_broker(proc)
     text = log_path.read_text(errors="replace")
     lines = text.splitlines()
     excerpt: list[str] = []
@@ -998,6 +1110,7 @@ async def scenario(args: argparse.Namespace, command: str) -> Report:
         log_warnings=sum(1 for line in lines if " WARNING " in line),
         log_excerpt=excerpt, exit_code=exit_code, timeline=samples, final_info=final_info,
         max_loop_lag=max(lags, default=0.0),
+        broker=f"port {args.port}" if args.port else args.broker,
     )
 
 
@@ -1069,6 +1182,7 @@ def table(report: Report) -> str:
         f"{quantile(s.connack_persistent_s, 0.99) * 1e3:.1f} / "
         f"{max(s.connack_persistent_s, default=0) * 1e3:,.0f} |",
         f"| generator event-loop lag, max (ms) | {report.max_loop_lag * 1e3:,.0f} |",
+        *broker_timing_rows(report.final_info),
         f"| how wave clients left | {endings} |",
         f"| PUBLISH sent (QoS 0 / 1 / 2) | {s.published[0]:,} / {s.published[1]:,} / {s.published[2]:,} |",
         f"| acknowledged (PUBACK / PUBCOMP) | {s.acked:,} |",
@@ -1084,6 +1198,28 @@ def table(report: Report) -> str:
         f"| broker exit code after SIGTERM | {report.exit_code} |",
     ]
     return "\n".join(rows)
+
+
+def broker_timing_rows(info: dict[str, object] | None) -> list[str]:
+    """The broker's own view of CONNECT → CONNACK (``mqtt_connect_timing`` of /api/info)."""
+    timing = (info or {}).get("mqtt_connect_timing")
+    if not isinstance(timing, dict):
+        return []
+    names = {
+        "read_to_connack_written_ms": "in the broker: CONNECT read → CONNACK written",
+        "persistent_read_to_connack_written_ms": "in the broker, persistent sessions",
+        "read_to_session_open_ms": "in the broker: read → session open",
+        "session_open_to_connack_written_ms": "in the broker: session open → CONNACK written",
+        "of_which_metadata_commit_wait_ms": "in the broker: of which metadata commit (fsync) wait",
+        "event_loop_lag_ms": "broker event-loop lag (20 ms timer lateness)",
+    }
+    rows = []
+    for key, label in names.items():
+        figures = timing.get(key)
+        if isinstance(figures, dict):
+            rows.append(f"| {label} ({int(figures['count']):,}), p50 / p99 / max (ms) | "
+                        f"{figures['p50']:.1f} / {figures['p99']:.1f} / {figures['max']:,.0f} |")
+    return rows
 
 
 def verdict(report: Report) -> list[str]:
@@ -1116,8 +1252,12 @@ def section(report: Report) -> str:
         "until it has no connection and no session, and measured).",
         "",
         f"- Machine: {machine()}.",
-        "- Broker: `python -m shardgate serve` with defaults on a scratch data directory (default "
-        "stream reliable, journaled); RSS is `VmRSS` of its process, fds are `/proc/PID/fd` entries.",
+        ("- Broker: `python -m shardgate serve` with defaults on a scratch data directory (default "
+         "stream reliable, journaled); RSS is `VmRSS` of its process, fds are `/proc/PID/fd` entries."
+         if report.broker == "shardgate" else
+         f"- Broker: {report.broker} (" + ("its defaults, no persistence file; " if report.broker ==
+                                            "mosquitto" else "") + "no admin API: connections and "
+         "sessions not counted)."),
         "- Each wave: clients half MQTT 3.1.1, half 5.0; 40 % persistent sessions (5.0: expiry "
         f"2–{MAX_WAVE_EXPIRY} s; 3.1.1: a pool of {POOL_311} client ids, ended at the end), 15 % with a will; "
         "half subscribe to `soak/load/…`; each publishes 0–40 messages (QoS 0/1/2 = 20/50/30 %, "
@@ -1164,6 +1304,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory and broker log")
     parser.add_argument("--write", action="store_true", help="update the ## Soak section of RESULTS.md")
+    parser.add_argument("--broker", choices=["shardgate", "mosquitto"], default="shardgate",
+                        help="the broker to start and load (default shardgate)")
+    parser.add_argument("--port", type=int, default=0,
+                        help="load a broker already listening on this 127.0.0.1 port instead")
     args = parser.parse_args(argv)
     command = "python bench/soak.py " + " ".join(argv if argv is not None else sys.argv[1:])
     try:
@@ -1193,7 +1337,7 @@ def main(argv: list[str] | None = None) -> int:
                         for s in report.timeline[::10])
     print(f"timeline: {timeline}", file=sys.stderr)
     print(f"final /api/info: {json.dumps(report.final_info)}", file=sys.stderr)
-    if args.write:
+    if args.write and args.broker == "shardgate" and not args.port:
         write_section(text)
     return 1 if report.lost or report.log_tracebacks or report.exit_code != 0 else 0
 

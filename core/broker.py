@@ -485,11 +485,11 @@ class Broker:
                         outcomes[index] = placement.forward(message)
                         continue
                     if (
-                        counted and message.key is None and not message.headers
+                        message.key is None and not message.headers
                         and message.topic[:1] != "$" and message.producer_protocol != "sys"
                         and self._streams[shard.stream].config.schema is Schema.BYTES
                     ):
-                        if plain_count:
+                        if plain_count and counted:
                             self.stats.received(plain_protocol, plain_name, plain_count, plain_bytes)
                         plain_topic, plain_protocol = message.topic, message.producer_protocol
                         plain_shard, plain_name = shard, message.stream
@@ -514,7 +514,7 @@ class Broker:
                     break
                 continue
             steps.append((index, shard, step))
-        if plain_count:
+        if plain_count and counted:
             self.stats.received(plain_protocol, plain_name, plain_count, plain_bytes)
         waiters: dict[Shard, asyncio.Future[None] | None] = {}
         for shard, (indices, group) in appends.items():

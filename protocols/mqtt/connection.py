@@ -36,6 +36,7 @@ from .codec import (
     encode_publish,
 )
 from .session import NEVER_EXPIRES, MqttSession, SubscriptionOptions
+from .timing import clock as timing_clock
 
 if TYPE_CHECKING:
     import asyncio
@@ -133,7 +134,7 @@ class MqttConnection:
         "_throttled_for", "_backlog", "_backlog_error", "_valid_topic", "held", "_hold_timer",
         "_allowed_topic", "_read_ms", "_link_buffered", "_acks_waiting", "_held_subacks",
         "_sent_stream", "_sent_count", "_sent_bytes",
-        "_held_from", "_close_when_sent",
+        "_held_from", "_close_when_sent", "_connect_marks",
     )
 
     def __init__(self, service: MqttService, link: Link, remote: str = "", transport_name: str = "tcp") -> None:
@@ -209,6 +210,9 @@ class MqttConnection:
         # order). Closed while output was held: the link closes once it is sent.
         self._held_from: list[list[Any]] | None = None
         self._close_when_sent = False
+        # CONNECT → CONNACK inside the broker: [read, session open, commit durable] clock
+        # values, until the CONNACK is handed to the link (`timing.ConnectTiming`).
+        self._connect_marks: list[float] | None = None
 
     @property
     def open(self) -> bool:
@@ -252,10 +256,17 @@ class MqttConnection:
             self._out_bytes = 0
             if self.state is not State.CLOSED or data:
                 self.link.write(data)
+                if self._connect_marks is not None:
+                    self._connack_written()
             self._link_buffered = self.link.buffered()
         if self._close_when_sent:
             self._close_when_sent = False
             self.link.close()
+
+    def _connack_written(self) -> None:
+        marks, self._connect_marks = self._connect_marks, None
+        if marks is not None and self.state is State.CONNECTED:
+            self.service.connect_timing.record(marks, timing_clock(), self.session_expiry_at_connect != 0)
 
     def _flush_before(self, held: list[list[Any]]) -> None:
         """Write the output that waits for nothing (before the first hold)."""
@@ -269,6 +280,8 @@ class MqttConnection:
             hold[0] -= cut
         self._out_bytes -= len(data)
         self.link.write(data)
+        if self._connect_marks is not None:
+            self._connack_written()
         self._link_buffered = self.link.buffered()
 
     def hold_output(self, start: int, durable: Future[None]) -> bool:
@@ -286,6 +299,8 @@ class MqttConnection:
     def output_released(self) -> None:
         """A commit that held output is durable: what waited for it goes out now (one write
         per connection per commit, so no need to wait for the turn's batched flush)."""
+        if self._connect_marks is not None and not self._connect_marks[2]:
+            self._connect_marks[2] = timing_clock()
         if self._held_from is not None:
             self.flush()
 
@@ -374,7 +389,9 @@ class MqttConnection:
     def data_received(self, data: bytes) -> None:
         if self.state is State.CLOSED:
             return
-        self.last_received = self._clock()
+        self.last_received = now = self._clock()
+        if self.state is State.AWAIT_CONNECT and self._connect_marks is None:
+            self._connect_marks = [timing_clock(), 0.0, 0.0]
         if self.state is State.AWAIT_CONNECT and data and not self.parser.buffered and data[0] >> 4 != 1:
             # [MQTT-3.1.0-1] the first packet must be CONNECT: no need to wait for the rest.
             log.info("%s: first packet is not CONNECT (first byte 0x%02x)", self.remote, data[0])
@@ -391,7 +408,24 @@ class MqttConnection:
             if error is not None:
                 self._backlog_error = error
             return
+        if packets and self.state is not State.AWAIT_CONNECT and self.service.turn_spent(now):
+            # This loop turn has done its share of reads: the rest waits for the next turn, so
+            # that new connections are accepted and CONNECTs answered meanwhile (a CONNECT
+            # never waits here).
+            self._backlog.extend(packets)
+            if error is not None:
+                self._backlog_error = error
+            self.service.defer(self)
+            return
         self._process(packets, error)
+
+    def run_deferred(self) -> None:
+        """Handle what a turn's read budget left for later (see `MqttService.defer`)."""
+        if self.state is State.CLOSED or self.held or self.state is State.OPENING:
+            return  # a hold or an opening session resumes it in its own time
+        self.link.resume()
+        if self._backlog or self._backlog_error is not None:
+            self._resume_backlog()
 
     def _process(self, packets: list[p.Packet], error: MQTTCodecError | None = None) -> None:
         service = self.service
@@ -648,6 +682,8 @@ class MqttConnection:
         self.state = State.CONNECTED
         session, present = self.service.open_session(self, client_id, clean_start, expiry)
         self.session = session
+        if self._connect_marks is not None:
+            self._connect_marks[1] = timing_clock()
         connack_props = p.Properties()
         if v5:
             connack_props.receive_maximum = settings.receive_maximum

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import ssl
 import sys
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .connection import MqttConnection
 from .service import MqttService
@@ -123,14 +125,108 @@ class MqttProtocol(asyncio.Protocol):
                 pass
 
 
+# Connections accepted per readiness of the listening socket (the listen backlog is 1024).
+ACCEPT_BATCH = 1024
+# After accept fails for lack of file descriptors, listen again after this long.
+ACCEPT_RETRY_S = 1.0
+
+
+class TcpListener:
+    """A listening socket that accepts every pending connection at once.
+
+    uvloop (libuv >= 1.45) accepts one connection per event-loop iteration, so under load,
+    when an iteration takes tens of milliseconds, a burst of a few hundred connections waits
+    seconds in the kernel's accept queue before its CONNECT is even read (mosquitto and
+    asyncio's own loop accept a batch per readiness). This listener accepts up to
+    `ACCEPT_BATCH` at each readiness and hands each socket to the loop's transport
+    (`connect_accepted_socket`, with TLS when configured). It offers what the broker uses of
+    an `asyncio.Server`: `sockets`, `close`, `wait_closed`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                 protocol_factory: Callable[[], asyncio.Protocol],
+                 ssl_context: ssl.SSLContext | None) -> None:
+        self._loop = loop
+        self._sock = sock
+        self._factory = protocol_factory
+        self._ssl = ssl_context
+        self._handshakes: set[asyncio.Task[Any]] = set()
+        self._retry: asyncio.TimerHandle | None = None
+        self._serving = True
+        loop.add_reader(sock.fileno(), self._accept)
+
+    @property
+    def sockets(self) -> tuple[socket.socket, ...]:
+        return (self._sock,) if self._serving else ()
+
+    def is_serving(self) -> bool:
+        return self._serving
+
+    def _accept(self) -> None:
+        for _ in range(ACCEPT_BATCH):
+            try:
+                conn, _address = self._sock.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            except OSError as exc:
+                # Out of file descriptors (EMFILE, ENFILE, ENOBUFS): stop listening a while
+                # rather than spin on a socket that stays readable.
+                log.error("MQTT listener: accept failed (%s); retrying in %.0f s", exc, ACCEPT_RETRY_S)
+                self._loop.remove_reader(self._sock.fileno())
+                self._retry = self._loop.call_later(ACCEPT_RETRY_S, self._listen_again)
+                return
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = self._loop.create_task(
+                self._loop.connect_accepted_socket(self._factory, conn, ssl=self._ssl))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshake_done)
+
+    def _handshake_done(self, task: asyncio.Task[Any]) -> None:
+        self._handshakes.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.info("MQTT listener: connection not established: %s", exc)
+
+    def _listen_again(self) -> None:
+        self._retry = None
+        if self._serving:
+            self._loop.add_reader(self._sock.fileno(), self._accept)
+
+    def close(self) -> None:
+        if not self._serving:
+            return
+        self._serving = False
+        if self._retry is not None:
+            self._retry.cancel()
+        else:
+            self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()
+        for task in self._handshakes:
+            task.cancel()
+
+    async def wait_closed(self) -> None:
+        if self._handshakes:
+            await asyncio.gather(*self._handshakes, return_exceptions=True)
+
+
 async def start_tcp_listener(
     service: MqttService, host: str, port: int, ssl_context: ssl.SSLContext | None = None
-) -> asyncio.Server:
+) -> TcpListener:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(
-        lambda: MqttProtocol(service), host, port, ssl=ssl_context, reuse_address=True, backlog=1024
-    )
-    return server
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _name, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return TcpListener(loop, sock, lambda: MqttProtocol(service), ssl_context)
 
 
 class WebSocketLink:

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
@@ -28,6 +29,7 @@ from . import packets as p
 from .connection import MQTT_V5, MqttConnection, State
 from .session import NEVER_EXPIRES, MqttSession, Outgoing
 from .settings import MqttSettings
+from .timing import ConnectTiming
 
 if TYPE_CHECKING:
     from ...core.ports import MqttSessionPorts
@@ -37,6 +39,8 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 10.0
 CONGESTION_GIVE_UP_S = 5.0
 TICK_S = 0.25
+# Reads a connection has left for the next turn are read again after this at the latest.
+DEFER_MAX_S = 1.0
 
 MQTT_ADMINISTRATIVE_ACTION = p.ReasonCode.ADMINISTRATIVE_ACTION
 VERSION_NAMES = {3: "MQTT 3.1", 4: "MQTT 3.1.1", 5: "MQTT 5.0"}
@@ -92,6 +96,10 @@ class MqttService:
         self._grouping = False
         self._unsaved: dict[str, MqttSession] = {}
         self.store_writes_deferred = 0
+        # Of those, the ones no output waits for (`save_session(acknowledged=False)`), and how
+        # many such writes were made: `store_writes` leaves them out.
+        self._quiet: set[str] = set()
+        self._quiet_writes = 0
         # Connections whose output waits for a metadata commit to be durable, by its future.
         self._held_for_durable: dict[Future[None], list[MqttConnection]] = {}
         # QoS 2 inbound state changes of durable sessions, written in one batch per loop turn.
@@ -108,11 +116,19 @@ class MqttService:
         self.publishing: MqttConnection | None = None
         self._congested: set[MqttSession] = set()
         self._held: list[MqttConnection] = []
+        # Where CONNECTs wait (read → session open → CONNACK written) and the loop's lateness.
+        self.connect_timing = ConnectTiming()
+        # The read budget of a loop turn: when its first read began (0: no read yet), and the
+        # connections whose reads wait for the next turn, oldest first.
+        self._turn_start = 0.0
+        self._turn_scheduled = False
+        self._deferred: deque[MqttConnection] = deque()
         edge.clients.register("mqtt", self)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self._tick_handle = self.scheduler.call_later(TICK_S, self._tick)
+        self.connect_timing.start_probe(self.scheduler)
         if self.settings.sys_interval > 0:
             self._publish_sys()
 
@@ -136,6 +152,7 @@ class MqttService:
         for handle in (self._tick_handle, self._sys_handle):
             if handle is not None:
                 handle.cancel()
+        self.connect_timing.stop_probe()
         for connection in list(self.connections):
             connection.close(reason, "server shutting down")
         self._flush()
@@ -178,8 +195,13 @@ class MqttService:
         """Write, once each, the sessions saved while the group was open (a read with many
         PUBRECs of one session writes it once)."""
         unsaved = self._unsaved
+        quiet = self._quiet
         while unsaved:
-            self._write_session(unsaved.pop(next(iter(unsaved))))
+            session = unsaved.pop(next(iter(unsaved)))
+            self._write_session(session)
+            if quiet and session.client_id in quiet:
+                quiet.discard(session.client_id)
+                self._quiet_writes += 1
 
     def commit_writes(self) -> None:
         """Commit the turn's group; it becomes durable in the store's sync thread, and the
@@ -197,7 +219,7 @@ class MqttService:
         """How many writes the store has taken or will take at the group's end (compared
         before and after handling a read)."""
         store = self.store
-        return 0 if store is None else store.write_count + self.store_writes_deferred
+        return 0 if store is None else store.write_count + self.store_writes_deferred - self._quiet_writes
 
     def hold_output_until_durable(self, connection: MqttConnection, start: int) -> None:
         """`connection` wrote session state while it produced its output from `start` on (a
@@ -224,6 +246,54 @@ class MqttService:
     def _durable_done(self, durable: Future[None]) -> None:
         for connection in self._held_for_durable.pop(durable, ()):
             connection.output_released()
+
+    # ------------------------------------------------------------------ read budget per turn
+    def turn_spent(self, now: float) -> bool:
+        """Whether this loop turn's reads have used their budget (`MqttSettings.read_budget_s`),
+        counted from the turn's first read. One turn handling every socket's read at once
+        (under a fan-out of large messages, hundreds of milliseconds) would keep new
+        connections waiting in the listen queue and CONNACKs unsent for as long."""
+        budget = self.settings.read_budget_s
+        if not budget:
+            return False
+        start = self._turn_start
+        if not start:
+            self._turn_start = now
+            self._schedule_turn()
+            return False
+        return now - start > budget
+
+    def defer(self, connection: MqttConnection) -> None:
+        """`connection` read a chunk that this turn has no budget left for: it is not read
+        again until a later turn has handled that chunk (TCP back-pressure meanwhile)."""
+        connection.link.throttle(DEFER_MAX_S)
+        self._deferred.append(connection)
+        self._schedule_turn()
+
+    def _schedule_turn(self) -> None:
+        if not self._turn_scheduled:
+            self._turn_scheduled = True
+            self.scheduler.call_soon(self._next_turn)
+
+    def _next_turn(self) -> None:
+        """A new turn: handle deferred reads, oldest first, within one budget; what remains
+        waits for the turn after (new sockets are accepted in between)."""
+        self._turn_scheduled = False
+        deferred = self._deferred
+        if not deferred:
+            self._turn_start = 0.0
+            return
+        clock = self.scheduler.time
+        start = self._turn_start = clock()
+        budget = self.settings.read_budget_s
+        while deferred:
+            deferred.popleft().run_deferred()
+            if clock() - start > budget:
+                break
+        if deferred:
+            self._schedule_turn()  # the reads of the coming poll share what is left of it
+        else:
+            self._turn_start = 0.0
 
     # ------------------------------------------------------------------ back-pressure
     def congested(self, session: MqttSession) -> None:
@@ -340,7 +410,9 @@ class MqttService:
         session.expiry_interval = expiry
         session.connection = connection
         session.disconnected_at_ms = None
-        self.save_session(session)
+        # A new persistent session is durable before its CONNACK (a crash right after it keeps
+        # the session); a resumed one already is: its CONNACK does not wait for this write.
+        self.save_session(session, acknowledged=not present)
         if self.on_session_opened is not None:
             self.on_session_opened(client_id)
         return session, present
@@ -393,7 +465,7 @@ class MqttService:
         if expiry == 0:
             self._end_session(session)
             return
-        self.save_session(session)
+        self.save_session(session, acknowledged=False)  # a departure acknowledges nothing
         if expiry != NEVER_EXPIRES:
             self._expiry_timers[session.client_id] = self.scheduler.call_later(
                 expiry, self._expire_session, session.client_id
@@ -448,15 +520,24 @@ class MqttService:
         session.discard()
 
     # ------------------------------------------------------------------ persistence
-    def save_session(self, session: MqttSession) -> None:
+    def save_session(self, session: MqttSession, *, acknowledged: bool = True) -> None:
         """Persist a durable session's subscriptions and expiry (not its messages: those are
         in the journal, and the session's cursors say how far it got). Inside a read's write
-        group the write waits for the group's end, once per session."""
+        group the write waits for the group's end, once per session.
+
+        `acknowledged` False: no output reports this write (a resumed session's new expiry
+        and connection time, a departure's time), so nothing is held until it is durable. It
+        still commits in the group, before any later write's acknowledgement."""
         if not session.durable or self.store is None:
             return
         if self._grouping:
-            self._unsaved[session.client_id] = session
-            self.store_writes_deferred += 1
+            client_id = session.client_id
+            if acknowledged:
+                self._quiet.discard(client_id)
+                self.store_writes_deferred += 1
+            elif client_id not in self._unsaved:
+                self._quiet.add(client_id)
+            self._unsaved[client_id] = session
             return
         self._write_session(session)
 
@@ -488,6 +569,7 @@ class MqttService:
         if self.store is None:
             return
         self._unsaved.pop(client_id, None)
+        self._quiet.discard(client_id)
         try:
             self.store.forget_session(client_id)
         except Exception:

@@ -115,6 +115,8 @@ def info_view(app: Any) -> dict[str, Any]:
             for name in ("passes", "groups", "records", "bytes", "fsyncs", "failures")
         },
         "archive": getattr(app, "archiver", None) is not None,
+        # where CONNECTs wait inside the broker, and the event loop's lateness (ms)
+        "mqtt_connect_timing": mqtt.connect_timing.summary() if mqtt is not None else None,
     }
 
 
@@ -346,6 +348,9 @@ def openapi_document() -> dict[str, Any]:
             streams=_INT, subscriptions=_INT, sessions=_INT, retained=_INT,
             cluster_node={"type": ["string", "null"]},
             journal={"type": ["object", "null"], "additionalProperties": _INT}, archive=_BOOL,
+            # name of a span → {count, p50, p99, max} in ms (protocols/mqtt/timing.py)
+            mqtt_connect_timing={"type": ["object", "null"], "additionalProperties": _object(
+                count=_INT, p50=_NUM, p99=_NUM, max=_NUM)},
         ),
         "Shard": shard,
         "Stream": _object(

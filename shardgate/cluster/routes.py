@@ -54,14 +54,16 @@ class RouteDelta:
 
 
 def local_routes(subscriptions: Iterable[Subscription]) -> set[Route]:
-    """The routes this node's subscriptions hold. A shared subscription counts only while a
-    consumer is attached (so the others are not handed messages nobody here takes)."""
+    """The routes this node's subscriptions hold. A live shared subscription counts only while
+    a consumer is attached (so the others are not handed messages nobody here takes); a
+    durable one always does, with a weight of at least one: its cursors keep what is
+    published while no consumer is attached, for the consumers to come."""
     routes: set[Route] = set()
     for sub in subscriptions:
         if not sub.filters:
             continue
         if sub.type is SubscriptionType.SHARED:
-            members = len(sub.consumers)
+            members = len(sub.consumers) or int(sub.durable)
             if members:
                 routes.update(
                     Route(topic_filter, sub.name, members, sub.durable) for topic_filter in sub.filters

@@ -367,3 +367,29 @@ def test_an_authenticated_consumer_is_relayed_to_the_holder(cluster: Cluster, et
                 await consumer.close()
 
     asyncio.run(scenario())
+
+
+def test_a_shared_subscription_keeps_what_is_published_while_no_consumer_is_attached(
+        cluster: Cluster, etcd: EtcdServer) -> None:
+    """The subscription is held by n1, its topic's shard is owned by n2: what is published while
+    its consumers are away reaches them when one comes back to n1 (the owner pushes to n1 for
+    the durable subscription, consumers or not)."""
+    n1, n2 = cluster(2)
+    spread_stream([n1, n2])
+    topic = topics_of(n2.status(), "away", "away", owner="n2")[0]
+
+    async def scenario() -> None:
+        async with Client(n1.grpc_url) as first:
+            consumer = first.consumer("backlog", ["away/#"], type="shared", durable=True, reconnect=False)
+            await consumer.subscribe()
+            await consumer.close()
+            producer = first.producer()
+            sent = [f"while-away-{number}".encode() for number in range(50)]
+            for payload in sent:
+                await producer.send(topic, payload)
+            back = first.consumer("backlog", ["away/#"], type="shared", durable=True, reconnect=False)
+            await back.subscribe()
+            assert await take(back, len(sent)) == {topic: sent}
+            await back.close()
+
+    asyncio.run(scenario())

@@ -95,6 +95,43 @@ def test_connack_and_suback_wait_for_the_fsync_while_the_broker_serves_others(
     client.close()
 
 
+def test_a_resumed_session_is_not_held_for_the_fsync_of_its_reconnection(
+    broker: ThreadedBroker,
+) -> None:
+    """A resumed session is durable already: its CONNACK (session present) does not wait for
+    the commit of what the reconnection wrote (its expiry, no longer disconnected), while a
+    new persistent session's CONNACK does."""
+    first = Paho(broker.mqtt_port, "resumer", V5, clean=False, session_expiry=3600)
+    first.subscribe("resumed/#", 1)
+    first.disconnect()
+    assert broker.app.metadata is not None
+    db_path = broker.app.metadata.path
+    with _fsync_held(broker):
+        back = RawClient(broker.mqtt_port, version=5)
+        back.send(p.Connect("MQTT", 5, False, 60, "resumer",
+                            properties=p.Properties(session_expiry_interval=7200)))
+        connack = back.receive()
+        assert isinstance(connack, p.Connack) and connack.reason_code == 0
+        assert connack.session_present
+        # ... and a new persistent session, meanwhile, still waits for its fsync.
+        fresh = RawClient(broker.mqtt_port, version=5)
+        fresh.send(p.Connect("MQTT", 5, False, 60, "fresh",
+                             properties=p.Properties(session_expiry_interval=3600)))
+        wait_for(lambda: _committed(db_path, "SELECT 1 FROM sessions WHERE client_id = 'fresh'"))
+        broker.call(lambda: None)
+        assert _nothing_received(fresh), "CONNACK of a new session sent before it was durable"
+    connack = fresh.receive()
+    assert isinstance(connack, p.Connack) and not connack.session_present
+    # The resumed session works as before: its subscription delivers.
+    publisher = Paho(broker.mqtt_port, "resumed-pub", V311)
+    publisher.publish("resumed/x", "after resume", 1)
+    delivered = back.receive()
+    assert isinstance(delivered, p.Publish) and delivered.payload == b"after resume"
+    for client in (back, fresh):
+        client.close()
+    publisher.disconnect()
+
+
 def test_sigkill_right_after_connack_and_suback_keeps_the_session(broker_process) -> None:
     broker = broker_process().start()
     port = broker.mqtt_port

@@ -22,6 +22,14 @@ def test_local_routes_hold_plain_filters_and_shared_groups_with_a_consumer():
     }
 
 
+def test_a_durable_shared_subscription_is_routed_with_no_consumer_attached():
+    """Its cursors keep what is published meanwhile (a durable queue, a durable gRPC Shared
+    subscription whose consumers left): the owner must still push it here."""
+    idle = Subscription("work", SubscriptionType.SHARED, durable=True)
+    idle.filters = {"w/#": None}
+    assert local_routes([idle]) == {Route("w/#", "work", 1, True)}
+
+
 def test_diff_lists_added_and_removed_routes():
     delta = diff({Route("a"), Route("b")}, {Route("b"), Route("c")})
     assert delta.added == [Route("c")] and delta.removed == [Route("a")]

@@ -399,3 +399,17 @@ async def test_an_mqtt311_read_stops_at_the_publish_whose_refusal_closes_it(
         assert connection.inbound_pending == 0
     finally:
         service.stop()
+
+
+async def test_messages_another_node_counted_are_stored_without_being_counted_again(
+    journal: JournalStorage,
+) -> None:
+    """`counted=False` (a batch a cluster peer forwarded here): the messages are stored and
+    delivered in order, and the statistics stay the publishing node's."""
+    broker, recorder = build(journal)
+    messages = [Message("t/same", f"{n}".encode()) for n in range(5)]
+    outcomes = broker.publish_many(messages, counted=False)
+    await settle(outcomes)
+    assert [m.offset for m in messages] == list(range(5))
+    assert [payload for _, payload in recorder.got] == [m.payload for m in messages]
+    assert broker.stats.messages_in == 0 and not broker.stats.in_by_stream
