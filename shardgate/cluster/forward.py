@@ -47,7 +47,7 @@ from .frames import (
     routes_from_update,
     unpack_records,
 )
-from .link import ClusterPortProtocol, LinkClient, PeerEnded
+from .link import ClusterPortProtocol, LinkClient, LinkForgotten, PeerEnded
 from .membership import ClusterView, NodeInfo
 from .received import ReceivedLog
 from .routes import NOBODY, RemoteRoutes, Route, RouteDelta, diff, local_routes
@@ -918,12 +918,21 @@ class DataPlane:
                 if info is None:
                     self.remote.forget(node_id)
                     self._inboxes.pop(node_id, None)
+                    self._end_links_from(node_id)
                     self._read_owner_again(node_id)
                 self.link_state_changed()
         for node_id, info in nodes.items():
             if node_id != self.node_id and node_id not in self.links:
                 self.links[node_id] = PeerLink(self, info)
         self._repoint_cursors()
+
+    def _end_links_from(self, node_id: str) -> None:
+        """End the streams `node_id` opened to this node: its session was forgotten with it (a
+        node frozen past its lease leaves the view, and its stream may stay open), so it
+        dials again and sends what this node did not answer, and its routes, on a new one."""
+        for connection in list(self._connections):
+            if connection.peer == node_id:
+                connection.close()
 
     def _read_owner_again(self, node_id: str) -> None:
         """`node_id` left the view (its lease expired): what it stored but had not pushed here
@@ -1259,7 +1268,11 @@ class DataPlane:
         """Apply one frame from `peer` once per session: routes, then retained messages, then
         pushes, then forwards; answered once every forward is stored (at once without any)."""
         inbox = self._inboxes.get(peer)
-        if inbox is None or inbox.reply is not reply:
+        if inbox is None:
+            # this node forgot the session (the peer left the view): its frames would never be
+            # answered on this stream, so it ends, and the peer resumes on a new one
+            raise LinkForgotten(f"node {peer} left the view; its link session starts again")
+        if inbox.reply is not reply:
             return  # a late frame of a stream the peer replaced: it sends it again on the new one
         if frame.answered_below:
             inbox.forget_below(frame.answered_below)

@@ -60,6 +60,11 @@ class PeerEnded(ConnectionError):
     """The peer closed the link in order (a node stopping): it is redialed, without alarm."""
 
 
+class LinkForgotten(ConnectionError):
+    """The receiving node forgot the peer's link session (the peer left its view while this
+    stream stayed open): the stream ends, and the peer resumes its session on a new one."""
+
+
 class FrameError(ValueError):
     """Bytes on a link that are not frames of this protocol."""
 
@@ -259,6 +264,9 @@ class ClusterPortProtocol(asyncio.Protocol):
                 if not self._peer:
                     raise FrameError("the first frame of a link must name its node")
                 receiver.receive(self._peer, frame, self._reply)
+        except LinkForgotten as exc:
+            log.info("cluster link from %s ended: %s", self._peer, exc)
+            self._abort()
         except (FrameError, DecodeError) as exc:
             log.warning("cluster link from %s refused: %s", self._peer or self._remote(), exc)
             self._abort()
@@ -347,6 +355,11 @@ class ClusterPortProtocol(asyncio.Protocol):
     def _abort(self) -> None:
         if self.transport is not None:
             self.transport.abort()
+
+    @property
+    def peer(self) -> str:
+        """The node whose link this connection carries ("" before its hello, or not a link)."""
+        return self._peer
 
     def close(self) -> None:
         self._abort()

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import re
 import signal
+import time
 import urllib.request
 import zlib
 from collections import Counter
@@ -73,6 +74,21 @@ def forward_latency_count(node: ClusterNodeProcess) -> float:
     series = r"^shardgate_cluster_forward_latency_seconds_count\{[^}]*node=\"" + node.node_id
     found = re.search(series + r"\"[^}]*\} (\S+)$", text, re.M)
     return float(found.group(1)) if found else 0.0
+
+
+def answered(publisher: ContinuousPublisher) -> int:
+    """How many of `publisher`'s publishes got a PUBACK (acknowledged or refused)."""
+    return publisher.count() + publisher.refusals()
+
+
+def assert_publishes_answered_again(publisher: ContinuousPublisher, frozen_s: float) -> None:
+    """A client of the node that was frozen gets its publishes answered (forwarded and
+    acknowledged, or refused retryably) soon after the node continues: none waits for ever.
+    (Its connection may end by keep alive only when the freeze outlasted it.)"""
+    mark = answered(publisher)
+    wait_for(lambda: answered(publisher) >= mark + 5 or publisher.dropped.is_set(), timeout=20)
+    assert not publisher.dropped.is_set() or frozen_s > 60, (
+        f"{publisher.name} was dropped: {publisher.disconnect}")
 
 
 def sequence(payload: str) -> int:
@@ -195,6 +211,7 @@ def test_a_stopped_node_does_not_stop_the_others_and_catches_up_when_it_continue
     rss_before = rss_mib(n1)
     assert n2.proc is not None
     n2.proc.send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
     try:
         at_stop = to_n1.count()
         # n1's own shards keep being served while n2 is frozen ...
@@ -208,8 +225,11 @@ def test_a_stopped_node_does_not_stop_the_others_and_catches_up_when_it_continue
         assert rss_mib(n1) - rss_before < 100, "n1 holds what it cannot send to n2 in bounded memory"
     finally:
         n2.proc.send_signal(signal.SIGCONT)
+    frozen_s = time.monotonic() - stopped_at
     # n2 finds its lease gone, stops acting for its shards, registers again and serves them
     wait_settled(nodes)
+    # its own client's publishes (n1's shards among them) are answered again, within a bound
+    assert_publishes_answered_again(on_n2, frozen_s)
     wait_for(lambda: not n1.status()["unavailable_shards"], timeout=30)
     refused = to_n2.refusals()
     at_return = to_n2.count()
@@ -319,9 +339,13 @@ def test_a_persistent_session_gets_every_message_acknowledged_while_a_node_was_f
     wait_for(lambda: on_n1.count() >= 100 and on_n2.count() >= 100, timeout=60)
     assert n2.proc is not None
     n2.proc.send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
     wait_for(lambda: "n2" not in {e["node_id"] for e in n1.status()["nodes"]}, timeout=30)
     n2.proc.send_signal(signal.SIGCONT)
+    frozen_s = time.monotonic() - stopped_at
     wait_settled(nodes)
+    # n1 forgot n2's link session while n2 was away: n2's forwards are answered again
+    assert_publishes_answered_again(on_n2, frozen_s)
     wait_for(lambda: not n1.status()["unavailable_shards"], timeout=30)
     mark = on_n1.count()
     wait_for(lambda: on_n1.count() >= mark + 50, timeout=30)
