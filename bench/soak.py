@@ -25,6 +25,7 @@ and in time; everything listens and connects on 127.0.0.1 only.
     python bench/soak.py [--minutes 3] [--clients 200] [--write]
     python bench/soak.py --broker mosquitto     # the same load against mosquitto
     python bench/soak.py --port 1883            # ... against a broker already listening
+    python bench/soak.py --probe                # also time CONNECTs outside the generator
 
 With ``--broker mosquitto`` the script starts ``mosquitto`` (from PATH) on a free port with a
 scratch configuration (anonymous, its default limits, no persistence file); with ``--port`` it
@@ -970,6 +971,56 @@ class Report:
     final_info: dict[str, object] | None
     max_loop_lag: float
     broker: str = "shardgate"
+    probe: dict[str, list[float]] = field(default_factory=dict)
+
+
+def probe_connects(port: int, seconds: float, interval: float = 0.05) -> dict[str, list[float]]:
+    """CONNECT → CONNACK seen by one client outside the generator's event loop (run in its own
+    process by ``--probe``): blocking sockets, one connection every `interval`, in turn a clean
+    session (3.1.1), a new persistent session (5.0, expiry 2 s) and a resumed persistent session
+    (3.1.1, the same client id each time, ended at the end)."""
+    def exchange(data: bytes, sock: socket.socket) -> bytes:
+        sock.sendall(data)
+        reply = b""
+        while len(reply) < 4:
+            chunk = sock.recv(4 - len(reply))
+            if not chunk:
+                raise ConnectionError("closed before CONNACK")
+            reply += chunk
+        return reply
+
+    times: dict[str, list[float]] = {"clean": [], "new persistent": [], "resumed persistent": []}
+    deadline = time.monotonic() + seconds
+    for n in itertools.count():
+        if time.monotonic() >= deadline:
+            break
+        kind = ("clean", "new persistent", "resumed persistent")[n % 3]
+        if kind == "clean":
+            connect = encode_connect(f"soak-probe-c{n}", 4, True, 30)
+        elif kind == "new persistent":
+            connect = encode_connect(f"soak-probe-n{n}", 5, False, 30, expiry=2)
+        else:
+            connect = encode_connect("soak-probe-resumed", 4, False, 30)
+        try:
+            with socket.create_connection((HOST, port), timeout=30) as sock:
+                started = time.monotonic()
+                exchange(connect, sock)
+                times[kind].append(time.monotonic() - started)
+                sock.sendall(encode_disconnect(4 if kind != "new persistent" else 5))
+        except OSError:
+            pass
+        time.sleep(interval)
+    with contextlib.suppress(OSError), socket.create_connection((HOST, port), timeout=30) as sock:
+        exchange(encode_connect("soak-probe-resumed", 4, True, 30), sock)  # ends that session
+        sock.sendall(encode_disconnect(4))
+    return times
+
+
+def start_probe(port: int, seconds: float) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "--probe-child", str(port), str(seconds)],
+        stdout=subprocess.PIPE,
+    )
 
 
 async def loop_lag(stop: asyncio.Event, out: list[float]) -> None:
@@ -1057,10 +1108,12 @@ async def scenario(args: argparse.Namespace, command: str) -> Report:
         proc, ports = start_broker(work / "data", log_path)
     stats = Stats()
     lags: list[float] = []
+    probe_times: dict[str, list[float]] = {}
     try:
         monitor = Monitor(proc.pid, ports.get("http"))
         await asyncio.sleep(2)
         baseline = await monitor.sample()
+        probe = start_probe(ports["mqtt"], args.minutes * 60) if args.probe else None
         print(f"baseline: RSS {baseline.rss / 2**20:.1f} MiB, {baseline.fds} fds", file=sys.stderr)
         stop_monitor = asyncio.Event()
         monitor_task = asyncio.create_task(monitor.run(stop_monitor))
@@ -1080,6 +1133,9 @@ async def scenario(args: argparse.Namespace, command: str) -> Report:
             last = after_round[-1]
             print(f"after round {number}: RSS {last.rss / 2**20:.1f} MiB, {last.fds} fds, "
                   f"lost so far {lost}", file=sys.stderr)
+        if probe is not None:
+            out, _ = await asyncio.to_thread(probe.communicate, timeout=120)
+            probe_times = json.loads(out or b"{}")
         stop_monitor.set()
         await monitor_task
         await lag_task
@@ -1109,7 +1165,7 @@ async def scenario(args: argparse.Namespace, command: str) -> Report:
         log_errors=sum(1 for line in lines if " ERROR " in line or " CRITICAL " in line),
         log_warnings=sum(1 for line in lines if " WARNING " in line),
         log_excerpt=excerpt, exit_code=exit_code, timeline=samples, final_info=final_info,
-        max_loop_lag=max(lags, default=0.0),
+        max_loop_lag=max(lags, default=0.0), probe=probe_times,
         broker=f"port {args.port}" if args.port else args.broker,
     )
 
@@ -1183,6 +1239,7 @@ def table(report: Report) -> str:
         f"{max(s.connack_persistent_s, default=0) * 1e3:,.0f} |",
         f"| generator event-loop lag, max (ms) | {report.max_loop_lag * 1e3:,.0f} |",
         *broker_timing_rows(report.final_info),
+        *probe_rows(report.probe),
         f"| how wave clients left | {endings} |",
         f"| PUBLISH sent (QoS 0 / 1 / 2) | {s.published[0]:,} / {s.published[1]:,} / {s.published[2]:,} |",
         f"| acknowledged (PUBACK / PUBCOMP) | {s.acked:,} |",
@@ -1198,6 +1255,17 @@ def table(report: Report) -> str:
         f"| broker exit code after SIGTERM | {report.exit_code} |",
     ]
     return "\n".join(rows)
+
+
+def probe_rows(probe: dict[str, list[float]]) -> list[str]:
+    rows = []
+    everything = [t for times in probe.values() for t in times]
+    for label, times in [("every kind", everything), *probe.items()]:
+        if times:
+            rows.append(f"| probe outside the generator ({label}, {len(times):,}), CONNECT → CONNACK "
+                        f"p50 / p99 / max (ms) | {quantile(times, 0.5) * 1e3:.1f} / "
+                        f"{quantile(times, 0.99) * 1e3:.1f} / {max(times) * 1e3:,.0f} |")
+    return rows
 
 
 def broker_timing_rows(info: dict[str, object] | None) -> list[str]:
@@ -1306,9 +1374,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="update the ## Soak section of RESULTS.md")
     parser.add_argument("--broker", choices=["shardgate", "mosquitto"], default="shardgate",
                         help="the broker to start and load (default shardgate)")
+    parser.add_argument("--probe", action="store_true",
+                        help="also time CONNECT → CONNACK from a separate process with blocking "
+                             "sockets (one connection every 50 ms), outside the generator's loop")
+    parser.add_argument("--probe-child", nargs=2, metavar=("PORT", "SECONDS"), help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0,
                         help="load a broker already listening on this 127.0.0.1 port instead")
     args = parser.parse_args(argv)
+    if args.probe_child:
+        print(json.dumps(probe_connects(int(args.probe_child[0]), float(args.probe_child[1]))))
+        return 0
     command = "python bench/soak.py " + " ".join(argv if argv is not None else sys.argv[1:])
     try:
         import uvloop

@@ -18,12 +18,12 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-_EPHEMERAL_LOW, _EPHEMERAL_HIGH = _ephemeral_range()
+EPHEMERAL_LOW, EPHEMERAL_HIGH = _ephemeral_range()
 # Ports for tests come from below the ephemeral range: the kernel never hands those to a client
 # connection or a bind to port 0, so between the pick and the broker's bind (or across a
 # broker's restart) no other socket on the machine can take one, except another test that
 # picked the same port on purpose, which the random pick and the bind check make rare.
-_PICK_LOW, _PICK_HIGH = (16384, _EPHEMERAL_LOW - 1) if _EPHEMERAL_LOW > 20000 else (0, 0)
+_PICK_LOW, _PICK_HIGH = (16384, EPHEMERAL_LOW - 1) if EPHEMERAL_LOW > 20000 else (0, 0)
 _picker = random.Random(os.getpid() ^ time.monotonic_ns())
 _handed_out: set[int] = set()
 

@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
+from ...core.durable import DurableSubscription
 from ...core.message import Message, now_ms
 from ...core.subscriptions import Subscription, round_robin
 from .routing import Binding
@@ -189,7 +190,7 @@ class Queue:
             return
         if self.checked_filters and not self.accepts(message, filters):
             return
-        self.enqueue(message)
+        self.enqueue(message, subscription.durable and _handed_out_before(subscription, message))
 
     # ------------------------------------------------------------------ bindings
     def accepts(self, message: Message, filters: Iterable[str]) -> bool:
@@ -248,7 +249,9 @@ class Queue:
         return None
 
     # ------------------------------------------------------------------ messages
-    def enqueue(self, message: Message) -> None:
+    def enqueue(self, message: Message, redelivered: bool = False) -> None:
+        """Buffer `message`; `redelivered` when it may have been delivered before (it comes
+        back from the core after a restart)."""
         size = len(message.payload)
         if self.overflow != "drop-head" and self._full_for(size):
             self._refuse(message)
@@ -264,14 +267,14 @@ class Queue:
         if self.max_priority:
             # Higher priority first, arrival order within a priority: both in the position.
             position += (self.max_priority - min(_priority(message), self.max_priority)) << 48
-            entry = QueueEntry(message, expires, False, position)
+            entry = QueueEntry(message, expires, redelivered, position)
             messages = self.messages
             if messages and messages[-1].position > position:
                 bisect.insort(messages, entry, key=_position)
             else:
                 messages.append(entry)
         else:
-            self.messages.append(QueueEntry(message, expires, False, position))
+            self.messages.append(QueueEntry(message, expires, redelivered, position))
         self.ready_bytes += size
         if self.max_length is not None:
             while len(self.messages) > self.max_length:
@@ -446,6 +449,19 @@ class Queue:
             self._dispatching = False
         if self.starved:
             self._refill()
+
+
+def _handed_out_before(subscription: Subscription, message: Message) -> bool:
+    """Whether the core hands a durable queue `message` again: it was unacknowledged when the
+    broker (or, in a cluster, the queue's home node) stopped, so it may have been delivered to
+    a consumer before. As RabbitMQ does, such a message is delivered with `redelivered` set;
+    conservatively, also one that was still waiting in the queue then (nothing records which
+    of the queue's unacknowledged messages had reached a consumer)."""
+    if not isinstance(subscription, DurableSubscription):
+        return False
+    cursor = subscription.cursors.get((message.stream, message.shard))
+    delivery = cursor.unacked.get(message.offset) if cursor is not None else None
+    return delivery is not None and delivery.count > 1
 
 
 def _can_take(consumer: QueueConsumer) -> bool:

@@ -436,6 +436,7 @@ class MqttConnection:
         self._read_ms = now_ms()
         start = len(self._out)
         writes = service.store_writes()
+        connecting = self.state is State.AWAIT_CONNECT
         try:
             self._process_packets(packets, error)
         finally:
@@ -446,6 +447,10 @@ class MqttConnection:
                 # What this read answers may report session state just written (CONNACK's
                 # session present, SUBACK, PUBREC, PUBREL): it waits until that is durable.
                 service.hold_output_until_durable(self, start)
+        if connecting and self.state is State.CONNECTED and self._held_from is None and self._out:
+            # A CONNACK that waits for nothing leaves now, not after the turn's other reads
+            # and the batched flush of every connection's output.
+            self.flush()
 
     def _process_packets(self, packets: list[p.Packet], error: MQTTCodecError | None) -> None:
         connected = State.CONNECTED

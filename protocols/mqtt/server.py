@@ -132,47 +132,50 @@ ACCEPT_RETRY_S = 1.0
 
 
 class TcpListener:
-    """A listening socket that accepts every pending connection at once.
+    """Listening sockets that accept every pending connection at once.
 
     uvloop (libuv >= 1.45) accepts one connection per event-loop iteration, so under load,
     when an iteration takes tens of milliseconds, a burst of a few hundred connections waits
     seconds in the kernel's accept queue before its CONNECT is even read (mosquitto and
     asyncio's own loop accept a batch per readiness). This listener accepts up to
-    `ACCEPT_BATCH` at each readiness and hands each socket to the loop's transport
+    `ACCEPT_BATCH` at each readiness of any of its sockets (one per address the host resolves
+    to, as `asyncio.create_server` binds) and hands each connection to the loop's transport
     (`connect_accepted_socket`, with TLS when configured). It offers what the broker uses of
     an `asyncio.Server`: `sockets`, `close`, `wait_closed`."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
+    def __init__(self, loop: asyncio.AbstractEventLoop, socks: list[socket.socket],
                  protocol_factory: Callable[[], asyncio.Protocol],
                  ssl_context: ssl.SSLContext | None) -> None:
         self._loop = loop
-        self._sock = sock
+        self._socks = socks
         self._factory = protocol_factory
         self._ssl = ssl_context
         self._handshakes: set[asyncio.Task[Any]] = set()
-        self._retry: asyncio.TimerHandle | None = None
+        self._retries: dict[int, asyncio.TimerHandle] = {}
         self._serving = True
-        loop.add_reader(sock.fileno(), self._accept)
+        for sock in socks:
+            loop.add_reader(sock.fileno(), self._accept, sock)
 
     @property
     def sockets(self) -> tuple[socket.socket, ...]:
-        return (self._sock,) if self._serving else ()
+        return tuple(self._socks) if self._serving else ()
 
     def is_serving(self) -> bool:
         return self._serving
 
-    def _accept(self) -> None:
+    def _accept(self, sock: socket.socket) -> None:
         for _ in range(ACCEPT_BATCH):
             try:
-                conn, _address = self._sock.accept()
+                conn, _address = sock.accept()
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):
                 return
             except OSError as exc:
                 # Out of file descriptors (EMFILE, ENFILE, ENOBUFS): stop listening a while
                 # rather than spin on a socket that stays readable.
                 log.error("MQTT listener: accept failed (%s); retrying in %.0f s", exc, ACCEPT_RETRY_S)
-                self._loop.remove_reader(self._sock.fileno())
-                self._retry = self._loop.call_later(ACCEPT_RETRY_S, self._listen_again)
+                self._loop.remove_reader(sock.fileno())
+                self._retries[sock.fileno()] = self._loop.call_later(
+                    ACCEPT_RETRY_S, self._listen_again, sock)
                 return
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -189,20 +192,22 @@ class TcpListener:
         if exc is not None:
             log.info("MQTT listener: connection not established: %s", exc)
 
-    def _listen_again(self) -> None:
-        self._retry = None
+    def _listen_again(self, sock: socket.socket) -> None:
+        self._retries.pop(sock.fileno(), None)
         if self._serving:
-            self._loop.add_reader(self._sock.fileno(), self._accept)
+            self._loop.add_reader(sock.fileno(), self._accept, sock)
 
     def close(self) -> None:
         if not self._serving:
             return
         self._serving = False
-        if self._retry is not None:
-            self._retry.cancel()
-        else:
-            self._loop.remove_reader(self._sock.fileno())
-        self._sock.close()
+        for sock in self._socks:
+            retry = self._retries.pop(sock.fileno(), None)
+            if retry is not None:
+                retry.cancel()
+            else:
+                self._loop.remove_reader(sock.fileno())
+            sock.close()
         for task in self._handshakes:
             task.cancel()
 
@@ -211,22 +216,43 @@ class TcpListener:
             await asyncio.gather(*self._handshakes, return_exceptions=True)
 
 
-async def start_tcp_listener(
-    service: MqttService, host: str, port: int, ssl_context: ssl.SSLContext | None = None
-) -> TcpListener:
-    loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, kind, proto, _name, address = infos[0]
+def _listening_socket(family: int, kind: int, proto: int, address: Any) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            # as asyncio.create_server: the IPv4 address of a dual-stack host gets its own socket
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind(address)
         sock.listen(1024)
         sock.setblocking(False)
     except OSError:
         sock.close()
         raise
-    return TcpListener(loop, sock, lambda: MqttProtocol(service), ssl_context)
+    return sock
+
+
+async def start_tcp_listener(
+    service: MqttService, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+) -> TcpListener:
+    """Listen on every address `host` resolves to (all interfaces for "" or "0.0.0.0" / "::"
+    as given), like `asyncio.create_server`."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    socks: list[socket.socket] = []
+    seen: set[tuple[int, Any]] = set()
+    try:
+        for family, kind, proto, _name, address in infos:
+            if (family, address) in seen:
+                continue
+            seen.add((family, address))
+            socks.append(_listening_socket(family, kind, proto, address))
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    return TcpListener(loop, socks, lambda: MqttProtocol(service), ssl_context)
 
 
 class WebSocketLink:

@@ -135,3 +135,63 @@ def test_durable_exchange_binding_survives_a_restart(broker_process, tmp_path):
         channel.basic_publish("ingress", "payments.eu", b"p-1")
         assert drain(channel, "audit-log") == [b"o-1"]
     node.terminate()
+
+
+def saved_unacked(data_dir, subscription: str) -> int:
+    """How many unacknowledged offsets the saved cursors of `subscription` hold (read-only)."""
+    import sqlite3
+
+    from shardgate.core.durable import decode_cursor_state
+
+    with sqlite3.connect(f"file:{data_dir / 'metadata.db'}?mode=ro", uri=True) as db:
+        rows = db.execute("select acked from cursors where subscription = ?", (subscription,))
+        return sum(len(decode_cursor_state(bytes(row[0]))[1]) for row in rows if row[0])
+
+
+@pytest.mark.parametrize("stop", ["terminate", "kill"])
+async def test_a_message_held_unacknowledged_across_a_restart_comes_back_redelivered(
+        broker_process, tmp_path, stop):
+    """As in RabbitMQ: a message an aio-pika consumer held unacknowledged when the broker
+    stopped (SIGTERM or SIGKILL) is delivered again with `redelivered` set; one published
+    after the restart is a first delivery, without it."""
+    import asyncio
+
+    import aio_pika
+
+    port = free_port()
+    data_dir = tmp_path / "data"
+    node = broker_process(data_dir, extra_args=["--amqp-port", str(port)]).start()
+    url = f"amqp://guest:guest@127.0.0.1:{port}/"
+    conn = await aio_pika.connect(url)
+    try:
+        channel = await conn.channel()
+        await channel.set_qos(prefetch_count=1)
+        queue = await channel.declare_queue("held", durable=True)
+        await channel.default_exchange.publish(
+            aio_pika.Message(b"held-1", delivery_mode=aio_pika.DeliveryMode.PERSISTENT), "held")
+        held: asyncio.Queue[aio_pika.abc.AbstractIncomingMessage] = asyncio.Queue()
+        await queue.consume(held.put)
+        first = await asyncio.wait_for(held.get(), 10)
+        assert (first.body, first.redelivered) == (b"held-1", False)
+        await asyncio.to_thread(wait_for, lambda: saved_unacked(data_dir, "amqp:/:held") == 1)
+        if stop == "kill":
+            node.kill()
+        else:
+            assert node.terminate() == 0
+    finally:
+        await conn.close()
+    node.start()
+    async with await aio_pika.connect(url) as conn:
+        channel = await conn.channel()
+        queue = await channel.declare_queue("held", durable=True)
+        await channel.default_exchange.publish(
+            aio_pika.Message(b"fresh-1", delivery_mode=aio_pika.DeliveryMode.PERSISTENT), "held")
+        got = []
+        async with queue.iterator() as messages:
+            async for message in messages:
+                await message.ack()
+                got.append((message.body, message.redelivered))
+                if len(got) == 2:
+                    break
+        assert got == [(b"held-1", True), (b"fresh-1", False)]
+    node.terminate()

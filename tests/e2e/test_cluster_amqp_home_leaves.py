@@ -2,7 +2,8 @@
 SIGTERM, as README's "Running a cluster" section says, with aiormq against `shardgate serve
 --cluster` processes and a real etcd. RabbitMQ's classic queues behave the same: the queue is
 unavailable (404 "home node ... is down or inaccessible") until its node returns, and then it
-has every message, those its consumers held unacknowledged and those published meanwhile."""
+has every message, those its consumers held unacknowledged (delivered again with the
+`redelivered` flag) and those published meanwhile."""
 
 from __future__ import annotations
 
@@ -101,9 +102,13 @@ async def test_a_durable_queue_whose_node_leaves_is_unavailable_until_it_returns
         for _ in range(4):
             message = await reader.basic_get("orders-q", no_ack=True)
             got[message.body] = message.delivery.redelivered
-        # the one the consumer held comes back too (without the redelivered flag: the node
-        # that restarted does not know it was delivered; RabbitMQ would set it)
+        # the one the consumer held comes back too, with the redelivered flag, as in RabbitMQ
+        # (m1 and m2, waiting in the queue when its node left, may get it too: conservative);
+        # m3, published meanwhile, is a first delivery
         assert sorted(got) == [b"m0", b"m1", b"m2", b"m3"]
+        assert held[0].delivery.redelivered is False
+        assert got[held[0].body] is True
+        assert got[b"m3"] is False
     finally:
         await on_owner.close()
         if not on_home.is_closed:

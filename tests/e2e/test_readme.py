@@ -85,9 +85,9 @@ def shell(tmp_path: Path) -> Iterator[tuple[dict[str, str], list[subprocess.Pope
     background: list[subprocess.Popen[str]] = []
     yield env, background
     for process in reversed(background):
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
+        # the whole group, even when its shell has exited: what it started may still run
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
     for process in reversed(background):
         try:
             process.wait(40)

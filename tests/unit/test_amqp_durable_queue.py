@@ -66,3 +66,34 @@ async def test_unacked_messages_stay_unacked_in_the_core(client: Client) -> None
     assert sum(len(c.unacked) for c in sub.cursors.values()) == 1
     client.send(1, commands.Basic.Ack(delivery_tag=out[0][1].delivery_tag))
     assert sum(len(c.unacked) for c in sub.cursors.values()) == 0
+
+
+async def test_messages_the_core_restores_as_unacknowledged_come_back_redelivered(client: Client) -> None:
+    """After a restart the core hands a durable queue its unacknowledged messages again: they
+    may have been delivered, so basic.get-ok carries redelivered; a new message does not."""
+    from shardgate.core.durable import encode_cursor_state
+
+    client.send(1, commands.Queue.Declare(queue="dq3", durable=True))
+    client.publish(1, "", "dq3", b"before", delivery_mode=2)
+    await settle()
+    queue = client.service.vhosts["/"].queues["dq3"]
+    sub = queue.subscription
+    assert isinstance(sub, DurableSubscription)
+    [(stream, shard)] = [key for key, cursor in sub.cursors.items() if cursor.unacked]
+    cursor = sub.cursors[(stream, shard)]
+    state = encode_cursor_state(cursor.position, sorted(cursor.unacked))
+    # what a restarted broker has: the saved cursor, and an empty queue
+    queue.messages.clear()
+    queue.ready_bytes = 0
+    sub.restore_cursor(stream, shard, state)
+    sub.wake()
+    await settle()
+    client.publish(1, "", "dq3", b"after", delivery_mode=2)
+    await settle()
+    got = []
+    for _ in range(2):
+        out = client.send(1, commands.Basic.Get(queue="dq3"))
+        get_ok = out[0][1]
+        assert isinstance(get_ok, commands.Basic.GetOk), out
+        got.append((out[-1][1].value, get_ok.redelivered))
+    assert got == [(b"before", True), (b"after", False)]
