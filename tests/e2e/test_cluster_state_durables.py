@@ -338,6 +338,14 @@ def test_an_authenticated_consumer_is_relayed_to_the_holder(cluster: Cluster, et
     assert added.returncode == 0, added.stderr
 
     async def known_on_n2() -> bool:
+        # a node that has not yet seen the first user still serves anyone (no users: open), so
+        # what shows n2 knows alice is a wrong password refused, then the right one accepted
+        async with Client(n2.grpc_url, username="alice", password="not-hers") as client:
+            try:
+                await client.producer().send("alice/probe", b"probe")
+                return False
+            except Unauthenticated:
+                pass
         async with Client(n2.grpc_url, username="alice", password="s3cret") as client:
             try:
                 await client.producer().send("alice/probe", b"probe")
