@@ -1,13 +1,14 @@
 """A local cluster for the bench runners: a one-member etcd on loopback and
 `shardgate serve --cluster` nodes, each process logging to a file of the work directory, all
 stopped at the end nodes first (so each node drains and leaves while etcd still answers).
-Imports nothing from shardgate."""
+Also the report of a comparison's medians. Imports nothing from shardgate."""
 
 from __future__ import annotations
 
 import contextlib
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -94,3 +95,13 @@ def two_nodes(workdir: Path, listener: str,
         yield nodes
     finally:
         procs.stop()
+
+
+def print_medians(rates: dict[str, list[float]]) -> None:
+    """Print each label's median msg/s over its runs and its ratio to the first label's."""
+    first = statistics.median(next(iter(rates.values())))
+    width = max(len(label) for label in rates)
+    for label, values in rates.items():
+        median = statistics.median(values)
+        print(f"{label:>{width}}: {median:8.0f} msg/s (runs: {', '.join(f'{v:.0f}' for v in values)}) "
+              f"{median / first:.2f}x")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import statistics
 import tempfile
 import time
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import aio_pika
-from _cluster import two_nodes
+from _cluster import print_medians, two_nodes
 
 
 @contextlib.contextmanager
@@ -92,11 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with cluster() as nodes:
         rates = asyncio.run(measure(nodes, args.messages, args.runs))
-    home = statistics.median(rates["home node"])
-    for label, values in rates.items():
-        median = statistics.median(values)
-        print(f"{label:>10}: {median:8.0f} msg/s (runs: {', '.join(f'{v:.0f}' for v in values)}) "
-              f"{median / home:.2f}x")
+    print_medians(rates)
     return 0
 
 

@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import statistics
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from _cluster import two_nodes
+from _cluster import print_medians, two_nodes
 from shardgate.client import Client
 
 
@@ -93,11 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with cluster() as urls:
         rates = asyncio.run(measure(urls, args.messages, args.runs))
-    local = statistics.median(rates["holder"])
-    for label, values in rates.items():
-        median = statistics.median(values)
-        print(f"{label:>8}: {median:8.0f} msg/s (runs: {', '.join(f'{v:.0f}' for v in values)}) "
-              f"{median / local:.2f}x")
+    print_medians(rates)
     return 0
 
 
