@@ -17,102 +17,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
-import shutil
-import signal
-import socket
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aio_pika
-
-ETCD = shutil.which("etcd") or "/usr/bin/etcd"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_until(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            value = check()
-            if value:
-                return value
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} not ready within {timeout:.0f} s")
-        time.sleep(0.1)
-
-
-def http_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=2) as response:
-        return json.loads(response.read())
+from _cluster import print_medians, two_nodes
 
 
 @contextlib.contextmanager
 def cluster() -> Iterator[dict[str, dict[str, Any]]]:
-    """Yield {node id: {"amqp": port, "http": port}} once both nodes serve and are placed."""
-    with tempfile.TemporaryDirectory(prefix="bench-amqp-cluster-") as tmp:
-        workdir = Path(tmp)
-        procs: list[subprocess.Popen[bytes]] = []
-
-        def start(name: str, args: list[str]) -> None:
-            with open(workdir / f"{name}.log", "wb") as log:
-                procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                              stdin=subprocess.DEVNULL, start_new_session=True))
-
-        try:
-            client, peer = free_port(), free_port()
-            url = f"http://127.0.0.1:{client}"
-            start("etcd", [
-                ETCD, "--name", "bench", "--data-dir", str(workdir / "etcd"),
-                "--listen-client-urls", url, "--advertise-client-urls", url,
-                "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                "--initial-cluster", f"bench=http://127.0.0.1:{peer}",
-            ])
-            wait_until(lambda: http_json(f"{url}/health").get("health") == "true", 30, "etcd")
-            nodes: dict[str, dict[str, Any]] = {}
-            for node_id in ("n1", "n2"):
-                amqp, http = free_port(), free_port()
-                start(node_id, [
-                    sys.executable, "-m", "shardgate", "serve", "--cluster", url, "--node-id", node_id,
-                    "--cluster-port", "0", "--host", "127.0.0.1", "--mqtt-port", str(free_port()),
-                    "--mqtt-ws-port", "0", "--grpc-port", "0", "--amqp-port", str(amqp),
-                    "--http-port", str(http), "--data-dir", str(workdir / node_id),
-                ])
-                nodes[node_id] = {"amqp": amqp, "http": http}
-
-            def placed() -> bool:
-                for info in nodes.values():
-                    status = http_json(f"http://127.0.0.1:{info['http']}/api/cluster")
-                    if len(status["nodes"]) != 2 or "default" not in status["placement"]:
-                        return False
-                    info["status"] = status
-                return True
-
-            wait_until(placed, 60, "the two nodes")
-            yield nodes
-        finally:
-            for proc in reversed(procs):
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            for proc in reversed(procs):
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
+    """Yield {node id: {"amqp": port, "http": port, ...}} once both nodes serve and are placed."""
+    with tempfile.TemporaryDirectory(prefix="bench-amqp-cluster-") as tmp, \
+            two_nodes(Path(tmp), "amqp") as nodes:
+        yield nodes
 
 
 async def fill(url: str, queue: str, count: int) -> None:
@@ -171,11 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with cluster() as nodes:
         rates = asyncio.run(measure(nodes, args.messages, args.runs))
-    home = statistics.median(rates["home node"])
-    for label, values in rates.items():
-        median = statistics.median(values)
-        print(f"{label:>10}: {median:8.0f} msg/s (runs: {', '.join(f'{v:.0f}' for v in values)}) "
-              f"{median / home:.2f}x")
+    print_medians(rates)
     return 0
 
 

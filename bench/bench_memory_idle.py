@@ -15,26 +15,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import resource
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
+from _proc import HOST, start_broker, stop_process
 
 
 def rss_kib(pid: int, field: str = "VmRSS") -> int:
@@ -69,26 +58,6 @@ async def open_idle(port: int, count: int, parallel: int = 200) -> list[asyncio.
     return writers
 
 
-def start_broker(data_dir: Path) -> tuple[subprocess.Popen[bytes], int]:
-    mqtt_port, port_file = free_port(), data_dir.parent / "ports.json"
-    command = [
-        sys.executable, "-m", "shardgate", "serve", "--data-dir", str(data_dir), "--host", HOST,
-        "--mqtt-port", str(mqtt_port), "--mqtt-ws-port", "0", "--grpc-port", "0",
-        "--http-port", "0", "--amqp-port", "0", "--port-file", str(port_file),
-    ]
-    log = (data_dir.parent / "broker.log").open("wb")
-    proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"broker exited with {proc.returncode}")
-        if port_file.exists():
-            return proc, int(json.loads(port_file.read_text())["mqtt"])
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("broker did not write its port file within 60 s")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--connections", type=int, default=5000)
@@ -98,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     if soft < args.connections + 100:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, args.connections + 1000), hard))
     scratch = Path(tempfile.mkdtemp(prefix="sg-idle-"))
-    proc, port = start_broker(scratch / "data")
+    proc, ports = start_broker(scratch / "data", scratch / "broker.log")
+    port = ports["mqtt"]
     try:
         time.sleep(args.settle)
         before = rss_kib(proc.pid)
@@ -123,12 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| load average (1/5/15 min) | {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} |")
         return 0
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_process(proc, grace=30)
         shutil.rmtree(scratch, ignore_errors=True)
 
 

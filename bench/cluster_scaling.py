@@ -30,16 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from run_cluster_bench import (
-    ETCD,
-    LOAD,
-    Processes,
-    free_port,
-    http_json,
-    machine,
-    wait_until,
-    write_section,
-)
+from _cluster import ETCD, Processes, start_etcd
+from _proc import free_port, http_json, wait_until
+from run_cluster_bench import LOAD, machine, write_section
 
 SECTION = "## Cluster: N nodes on N cores"
 CONFIG = """
@@ -72,16 +65,7 @@ def start_single(procs: Processes, workdir: Path) -> list[dict[str, Any]]:
 
 
 def start_cluster(procs: Processes, workdir: Path, count: int) -> list[dict[str, Any]]:
-    client, peer = free_port(), free_port()
-    url = f"http://127.0.0.1:{client}"
-    procs.start("etcd", [
-        ETCD, "--name", "bench", "--data-dir", str(workdir / "etcd"),
-        "--listen-client-urls", url, "--advertise-client-urls", url,
-        "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-        "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-        "--initial-cluster", f"bench=http://127.0.0.1:{peer}",
-    ])
-    wait_until(lambda: http_json(f"{url}/health").get("health") == "true", 30, "etcd")
+    url = start_etcd(procs)
     nodes = []
     for index in range(count):
         name, mqtt, http = f"n{index + 1}", free_port(), free_port()

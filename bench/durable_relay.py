@@ -19,80 +19,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import shutil
-import signal
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-from amqp_remote_queue import free_port, http_json, wait_until
+from _cluster import print_medians, two_nodes
 from shardgate.client import Client
-
-ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 
 
 @contextlib.contextmanager
 def cluster() -> Iterator[dict[str, str]]:
     """Yield the gRPC urls of the holder and the other node once both serve and are placed."""
-    with tempfile.TemporaryDirectory(prefix="bench-durable-relay-") as tmp:
-        workdir = Path(tmp)
-        procs: list[subprocess.Popen[bytes]] = []
-
-        def start(name: str, args: list[str]) -> None:
-            with open(workdir / f"{name}.log", "wb") as log:
-                procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                              stdin=subprocess.DEVNULL, start_new_session=True))
-
-        try:
-            client, peer = free_port(), free_port()
-            url = f"http://127.0.0.1:{client}"
-            start("etcd", [
-                ETCD, "--name", "bench", "--data-dir", str(workdir / "etcd"),
-                "--listen-client-urls", url, "--advertise-client-urls", url,
-                "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                "--initial-cluster", f"bench=http://127.0.0.1:{peer}",
-            ])
-            wait_until(lambda: http_json(f"{url}/health").get("health") == "true", 30, "etcd")
-            nodes: dict[str, dict[str, Any]] = {}
-            for node_id in ("n1", "n2"):
-                grpc_port, http = free_port(), free_port()
-                start(node_id, [
-                    sys.executable, "-m", "shardgate", "serve", "--cluster", url, "--node-id", node_id,
-                    "--cluster-port", "0", "--host", "127.0.0.1", "--mqtt-port", str(free_port()),
-                    "--mqtt-ws-port", "0", "--grpc-port", str(grpc_port), "--amqp-port", "0",
-                    "--http-port", str(http), "--data-dir", str(workdir / node_id),
-                ])
-                nodes[node_id] = {"grpc": f"127.0.0.1:{grpc_port}", "http": http}
-
-            def placed() -> bool:
-                for info in nodes.values():
-                    status = http_json(f"http://127.0.0.1:{info['http']}/api/cluster")
-                    if len(status["nodes"]) != 2 or "default" not in status["placement"]:
-                        return False
-                    info["owner"] = status["placement"]["default"][0][0]
-                return True
-
-            wait_until(placed, 60, "the two nodes")
-            # the holder is the owner of the default stream's shard: only the relay differs
-            owner = nodes["n1"]["owner"]
-            other = next(node for node in nodes if node != owner)
-            yield {"holder": nodes[owner]["grpc"], "other": nodes[other]["grpc"]}
-        finally:
-            for proc in reversed(procs):
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            for proc in reversed(procs):
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
+    with tempfile.TemporaryDirectory(prefix="bench-durable-relay-") as tmp, \
+            two_nodes(Path(tmp), "grpc") as nodes:
+        # the holder is the owner of the default stream's shard: only the relay differs
+        owner = nodes["n1"]["status"]["placement"]["default"][0][0]
+        other = next(node for node in nodes if node != owner)
+        yield {"holder": f"127.0.0.1:{nodes[owner]['grpc']}", "other": f"127.0.0.1:{nodes[other]['grpc']}"}
 
 
 async def run_once(urls: dict[str, str], name: str, drain_on: str, messages: int) -> float:
@@ -148,11 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with cluster() as urls:
         rates = asyncio.run(measure(urls, args.messages, args.runs))
-    local = statistics.median(rates["holder"])
-    for label, values in rates.items():
-        median = statistics.median(values)
-        print(f"{label:>8}: {median:8.0f} msg/s (runs: {', '.join(f'{v:.0f}' for v in values)}) "
-              f"{median / local:.2f}x")
+    print_medians(rates)
     return 0
 
 

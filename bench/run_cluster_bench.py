@@ -26,84 +26,22 @@ import datetime as dt
 import json
 import os
 import platform
-import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from _cluster import ETCD, two_nodes
 
 BENCH = Path(__file__).resolve().parent
 LOAD = BENCH / "mqtt_load.py"
 RESULTS = BENCH / "RESULTS.md"
 SECTION = "## Cluster data path"
-ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 START_TIMEOUT = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_until(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            value = check()
-            if value:
-                return value
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} not ready within {timeout:.0f} s")
-        time.sleep(0.1)
-
-
-def http_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=2) as response:
-        return json.loads(response.read())
-
-
-class Processes:
-    """Everything started, stopped with SIGTERM (then SIGKILL) at the end."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed below
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                cwd=self.workdir, start_new_session=True)
-        log.close()
-        self.procs.append(proc)
-        return proc
-
-    def stop(self) -> None:
-        """Stop the nodes (SIGTERM, then SIGKILL), and etcd (started first) once they are gone:
-        a node drains and leaves while etcd still answers (stopped together, the nodes lost
-        etcd mid-shutdown and logged warnings about it)."""
-        first, rest = self.procs[:1], self.procs[1:]
-        for group in (rest, first):
-            for proc in reversed(group):
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            for proc in reversed(group):
-                self._wait(proc)
-
-    @staticmethod
-    def _wait(proc: subprocess.Popen[bytes]) -> None:
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 @contextlib.contextmanager
@@ -112,41 +50,10 @@ def two_node_cluster(warnings: list[str]) -> Iterator[dict[str, dict[str, Any]]]
     default stream is placed; the nodes' warnings and errors go to `warnings` at the end."""
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
         workdir = Path(tmp)
-        procs = Processes(workdir)
         try:
-            client, peer = free_port(), free_port()
-            url = f"http://127.0.0.1:{client}"
-            procs.start("etcd", [
-                ETCD, "--name", "bench", "--data-dir", str(workdir / "etcd"),
-                "--listen-client-urls", url, "--advertise-client-urls", url,
-                "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                "--initial-cluster", f"bench=http://127.0.0.1:{peer}",
-            ])
-            wait_until(lambda: http_json(f"{url}/health").get("health") == "true", 30, "etcd")
-            nodes: dict[str, dict[str, Any]] = {}
-            for node_id in ("n1", "n2"):
-                mqtt, http = free_port(), free_port()
-                proc = procs.start(node_id, [
-                    sys.executable, "-m", "shardgate", "serve", "--cluster", url, "--node-id", node_id,
-                    "--cluster-port", "0", "--host", "127.0.0.1", "--mqtt-port", str(mqtt),
-                    "--mqtt-ws-port", "0", "--grpc-port", "0", "--amqp-port", "0",
-                    "--http-port", str(http), "--data-dir", str(workdir / node_id),
-                ])
-                nodes[node_id] = {"mqtt": mqtt, "http": http, "pid": proc.pid}
-
-            def placed() -> bool:
-                for info in nodes.values():
-                    status = http_json(f"http://127.0.0.1:{info['http']}/api/cluster")
-                    if len(status["nodes"]) != 2 or "default" not in status["placement"]:
-                        return False
-                    info["status"] = status
-                return True
-
-            wait_until(placed, START_TIMEOUT, "the two nodes")
-            yield nodes
+            with two_nodes(workdir, "mqtt", START_TIMEOUT) as nodes:
+                yield nodes
         finally:
-            procs.stop()
             for node_id in ("n1", "n2"):  # what went wrong, if anything, before the logs go
                 path = workdir / f"{node_id}.log"
                 lines = path.read_text(errors="replace").splitlines() if path.exists() else []

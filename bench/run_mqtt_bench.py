@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -35,6 +34,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from _proc import stop_process
 
 BENCH_DIR = Path(__file__).resolve().parent
 LOAD = BENCH_DIR / "mqtt_load.py"
@@ -263,13 +264,7 @@ def running_broker(spec: BrokerSpec, cpus: set[int] | None) -> Iterator[tuple[in
                 time.sleep(0.1)
             yield port, proc.pid
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
+            stop_process(proc, grace=10)
             log.close()
 
 

@@ -64,6 +64,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from _proc import start_broker
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "RESULTS.md"
 SECTION = "## Soak"
@@ -870,28 +872,6 @@ class Monitor:
                 return
 
 
-def start_broker(data_dir: Path, log_path: Path) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
-    mqtt_port, http_port = free_port(), free_port()
-    port_file = data_dir.parent / "ports.json"
-    command = [
-        sys.executable, "-m", "shardgate", "serve", "--data-dir", str(data_dir), "--host", HOST,
-        "--mqtt-port", str(mqtt_port), "--mqtt-ws-port", "0", "--grpc-port", "0",
-        "--http-port", str(http_port), "--amqp-port", "0", "--port-file", str(port_file),
-    ]
-    log = log_path.open("wb")
-    proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"broker exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        if port_file.exists():
-            ports = json.loads(port_file.read_text())
-            return proc, {k: int(v) for k, v in ports.items()}
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("broker did not write its port file within 60 s")
-
-
 MOSQUITTO_CONF = """\
 listener {port} 127.0.0.1
 allow_anonymous true
@@ -1105,7 +1085,7 @@ async def scenario(args: argparse.Namespace, command: str) -> Report:
     elif args.broker == "mosquitto":
         proc, ports = start_mosquitto(work, log_path)
     else:
-        proc, ports = start_broker(work / "data", log_path)
+        proc, ports = start_broker(work / "data", log_path, http_port=free_port())
     stats = Stats()
     lags: list[float] = []
     probe_times: dict[str, list[float]] = {}

@@ -567,6 +567,8 @@ class DurableSubscription(Subscription):
         assert shard_log is not None
         if not self.has_available():
             return budget
+        if cursor.position < shard_log.low_watermark and not cursor.archived:
+            shard_log = self._read_from_owner(cursor) or shard_log
         self._check_cached_filters()
         # The journal reads in blocks (one buffer, no object per record); other logs per record.
         read_block = shard_log.read_block if isinstance(shard_log, BlockReadable) else None
@@ -625,6 +627,26 @@ class DurableSubscription(Subscription):
                 return 0
             self._dirty.add((cursor.stream, cursor.shard))
         return budget
+
+    def _read_from_owner(self, cursor: ShardCursor) -> ShardLog | None:
+        """In a cluster, a cursor over what this node received of a shard another node owns
+        that fell behind the received window (its consumers out of credit while the owner
+        pushed more than the window holds) reads the owner's journal from its position instead,
+        and the pushes again once caught up: nothing is skipped. None when it cannot."""
+        placement = self.broker.placement
+        if placement is None or placement.serves(cursor.stream, cursor.shard):
+            return None
+        if cursor.log is not placement.received_log(cursor.stream, cursor.shard):
+            return None
+        owner_log = placement.owner_log(cursor.stream, cursor.shard, cursor.position,
+                                        lambda: list(self.filters))
+        if owner_log is None:
+            return None
+        log.info("subscription %s: %s/%d@%d slid out of the received window; reading the owner",
+                 self.name, cursor.stream, cursor.shard, cursor.position)
+        cursor.log = owner_log
+        cursor.ahead = []
+        return owner_log
 
     def _replay_records(self, cursor: ShardCursor, records: list[StoredRecord], budget: int,
                         now: int) -> int:

@@ -4,7 +4,8 @@ The core hands the queue every message matching one of its bindings' filters; th
 the bindings that need an exact check (headers exchanges, mid-key `#`), buffers the message in
 memory (bounded by `x-max-length` / `x-max-length-bytes`: oldest dropped first, or the publish
 refused with `x-overflow` reject-publish), in priority order with `x-max-priority`, expires it
-at the head (`x-message-ttl`, per-message expiration) and hands it to its AMQP consumers
+at the head (`x-message-ttl`, per-message expiration; a TTL of 0 from its arrival in the
+queue: delivered at once to a consumer with room, else expired) and hands it to its AMQP consumers
 round-robin (highest `x-priority` first), each within its own and its channel's prefetch window
 (`basic.qos`). With `x-single-active-consumer` only the first consumer receives; the next one
 takes over when it cancels. A requeued message goes back to its original position. Rejected,
@@ -256,14 +257,26 @@ class Queue:
         if self.overflow != "drop-head" and self._full_for(size):
             self._refuse(message)
             return
+        arrival = now_ms()
         expires = message.expires_at_ms
-        if self.message_ttl is not None:
-            by_queue = now_ms() + self.message_ttl
+        # A TTL of 0 counts from the message's arrival here, whenever its publish was committed:
+        # delivered now if a consumer can take it at once, else expired (RabbitMQ's
+        # rabbit_amqqueue_process deliver_or_enqueue). Not for a message handed out before a
+        # restart: its per-message expiry stays where the publish put it.
+        zero_ttl = (self.message_ttl is not None and self.message_ttl <= 0) or (
+            not redelivered and expires is not None and expires <= message.publish_time_ms
+        )
+        if zero_ttl:
+            expires = arrival
+        elif self.message_ttl is not None:
+            by_queue = arrival + self.message_ttl
             expires = by_queue if expires is None else min(expires, by_queue)
-        elif expires is not None and self.on_timed_message is not None:
+        if self.message_ttl is None and expires is not None and self.on_timed_message is not None:
             self.on_timed_message(self)
         position = self._arrivals
         self._arrivals = position + 1
+        if zero_ttl and self._deliver_on_arrival(message, arrival, redelivered, position):
+            return
         if self.max_priority:
             # Higher priority first, arrival order within a priority: both in the position.
             position += (self.max_priority - min(_priority(message), self.max_priority)) << 48
@@ -283,6 +296,21 @@ class Queue:
             while self.messages and self.ready_bytes > self.max_length_bytes:
                 self._dead_letter(self, self._pop(), "maxlen")
         self.dispatch()
+        if zero_ttl:
+            self.expire(arrival)
+
+    def _deliver_on_arrival(
+        self, message: Message, arrival: int, redelivered: bool, position: int,
+    ) -> bool:
+        """Hand a zero-TTL message straight to a consumer with room, if nothing waits before
+        it; False when it has to be queued (and so expires)."""
+        if self.messages or self._dispatching or not self.consumers:
+            return False
+        consumer = self._next_consumer()
+        if consumer is None:
+            return False
+        consumer.channel.deliver(consumer, self, QueueEntry(message, arrival, redelivered, position))
+        return True
 
     def _full_for(self, size: int) -> bool:
         if self.max_length is not None and len(self.messages) >= self.max_length:
@@ -439,9 +467,8 @@ class Queue:
                 entry = messages.popleft()
                 self.ready_bytes -= len(entry.message.payload)
                 expires = entry.expires_at_ms
-                if expires is not None and expires < now:
-                    # (A message whose TTL runs out this very millisecond, e.g. TTL 0, still
-                    # goes to a consumer ready for it, as in RabbitMQ.)
+                if expires is not None and expires <= now:
+                    # (A zero-TTL message reaches a ready consumer in `_deliver_on_arrival`.)
                     self._dead_letter(self, entry, "expired")
                     continue
                 consumer.channel.deliver(consumer, self, entry)

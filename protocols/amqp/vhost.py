@@ -328,13 +328,8 @@ class VirtualHost:
                     f"access to exchange '{source}' with binding key '{routing_key}' refused",
                     method,
                 )
-        if binding.key in self.exchange_bindings:
-            return
-        self.exchange_bindings[binding.key] = binding
-        self.rederive_all()
-        if self._durable_binding(binding):
-            self.save_topology()
-        self._exchanges_changed()
+        if self.add_exchange_binding(binding):
+            self._exchanges_changed()
 
     def unbind_exchange(
         self, destination: str, source: str, routing_key: str, arguments: dict[str, Any] | None,
@@ -343,14 +338,31 @@ class VirtualHost:
         if destination == "" or source == "":
             raise _err(ReplyCode.ACCESS_REFUSED, DEFAULT_EXCHANGE_REFUSED, method)
         key = ExchangeBinding(source, destination, routing_key, dict(arguments or {})).key
-        binding = self.exchange_bindings.pop(key, None)
-        if binding is None:
+        if self.remove_exchange_binding(key) is None:
             return  # RabbitMQ answers unbind-ok for a binding that does not exist
+        self._exchanges_changed()
+        self._maybe_auto_delete(source)
+
+    def add_exchange_binding(self, binding: ExchangeBinding) -> bool:
+        """Keep `binding`: queues' routes rederived, the topology saved when both its exchanges
+        are durable. False (and nothing done) when it is there already."""
+        if binding.key in self.exchange_bindings:
+            return False
+        self.exchange_bindings[binding.key] = binding
         self.rederive_all()
         if self._durable_binding(binding):
             self.save_topology()
-        self._exchanges_changed()
-        self._maybe_auto_delete(source)
+        return True
+
+    def remove_exchange_binding(self, key: tuple[Any, ...]) -> ExchangeBinding | None:
+        """Drop the exchange binding `key` (routes rederived, the topology saved when it was
+        durable); the binding dropped, None when there was none."""
+        binding = self.exchange_bindings.pop(key, None)
+        if binding is not None:
+            self.rederive_all()
+            if self._durable_binding(binding):
+                self.save_topology()
+        return binding
 
     def _durable_binding(self, binding: ExchangeBinding) -> bool:
         source = self.exchanges.get(binding.source)

@@ -269,12 +269,7 @@ class SharedExchanges:
             str(definition["source"]), str(definition["destination"]),
             str(definition.get("routing_key", "")),
             decode_table(str(definition.get("arguments", ""))))
-        if binding.key in vhost.exchange_bindings:
-            return
-        vhost.exchange_bindings[binding.key] = binding
-        vhost.rederive_all()
-        if vhost._durable_binding(binding):
-            vhost.save_topology()
+        vhost.add_exchange_binding(binding)
 
     @staticmethod
     def _unbind(vhost: Any, name: str) -> None:
@@ -282,10 +277,7 @@ class SharedExchanges:
             wanted = json.loads(name)
         except ValueError:
             return
-        for key, binding in list(vhost.exchange_bindings.items()):
+        for key in list(vhost.exchange_bindings):
             if json.loads(json.dumps(list(key))) == wanted:
-                del vhost.exchange_bindings[key]
-                vhost.rederive_all()
-                if vhost._durable_binding(binding):
-                    vhost.save_topology()
+                vhost.remove_exchange_binding(key)
                 return

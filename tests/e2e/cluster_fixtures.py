@@ -391,3 +391,50 @@ async def read_back(grpc_url: str, filters: list[str], expected: set[str],
             message.ack()
         await consumer.close()
     return got
+
+
+# ---------------------------------------------------------------- shared node sets (additive)
+
+@contextlib.contextmanager
+def settled_nodes(nodes: list[ClusterNodeProcess]) -> Iterator[list[ClusterNodeProcess]]:
+    """Waits until the started `nodes` are settled and linked, gives them, and kills the live
+    ones at the end, whatever happened: `with settled_nodes([...]) as nodes: yield nodes`."""
+    try:
+        wait_settled(nodes)
+        yield nodes
+    finally:
+        for node in nodes:
+            if node.alive():
+                node.kill()
+
+
+def amqp_node(directory: Path, node_id: str, etcd_url: str) -> ClusterNodeProcess:
+    """A cluster node with its AMQP listener on too."""
+    return ClusterNodeProcess(directory / node_id, node_id, etcd_url,
+                              extra_args=["--amqp-port", str(free_port())])
+
+
+def amqp_url(node: ClusterNodeProcess) -> str:
+    return f"amqp://guest:guest@127.0.0.1:{node.ports['amqp']}/"
+
+
+async def amqp_exchange_exists(url: str, name: str) -> bool:
+    """Whether a passive declare of exchange `name` succeeds on the broker at `url`."""
+    import aio_pika
+
+    async with await aio_pika.connect(url) as connection:
+        try:
+            await (await connection.channel()).declare_exchange(name, passive=True)
+            return True
+        except aio_pika.exceptions.ChannelNotFoundEntity:
+            return False
+
+
+async def eventually(check: Callable[[], Any], timeout: float = 20) -> None:
+    """Awaits `check()` every 50 ms until it is true; fails the test after `timeout` seconds."""
+    import asyncio
+
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await check():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)

@@ -18,46 +18,21 @@ import aio_pika
 import aiormq
 import pytest
 
-from tests.conftest import free_port, wait_for
-from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer, linked, settled
+from tests.e2e.cluster_fixtures import (
+    ClusterNodeProcess,
+    EtcdServer,
+    amqp_exchange_exists,
+    amqp_node,
+    amqp_url,
+    eventually,
+    settled_nodes,
+)
 
 
 @pytest.fixture
 def amqp_nodes(etcd: EtcdServer, tmp_path: Path) -> Iterator[list[ClusterNodeProcess]]:
-    nodes: list[ClusterNodeProcess] = []
-    try:
-        for index in (1, 2):
-            nodes.append(ClusterNodeProcess(tmp_path / f"n{index}", f"n{index}", etcd.url,
-                                            extra_args=["--amqp-port", str(free_port())]).start())
-        names = {node.node_id for node in nodes}
-        for node in nodes:
-            wait_for(lambda node=node: settled(node, names), timeout=30, interval=0.05)
-            wait_for(lambda node=node: linked(node) >= names - {node.node_id}, timeout=30, interval=0.05)
+    with settled_nodes([amqp_node(tmp_path, f"n{index}", etcd.url).start() for index in (1, 2)]) as nodes:
         yield nodes
-    finally:
-        for node in nodes:
-            if node.alive():
-                node.kill()
-
-
-def amqp_url(node: ClusterNodeProcess) -> str:
-    return f"amqp://guest:guest@127.0.0.1:{node.ports['amqp']}/"
-
-
-async def exchange_exists(url: str, name: str) -> bool:
-    async with await aio_pika.connect(url) as connection:
-        try:
-            await (await connection.channel()).declare_exchange(name, passive=True)
-            return True
-        except aio_pika.exceptions.ChannelNotFoundEntity:
-            return False
-
-
-async def eventually(check, timeout: float = 20) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await check():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
 
 
 async def publish_until_routed(exchange: aio_pika.abc.AbstractExchange, routing_key: str,
@@ -144,8 +119,8 @@ async def test_exchange_bindings_and_auto_delete_span_the_nodes(
         other = await ch2.declare_queue("", exclusive=True)
         await other.bind("dst-x")
         await queue.unbind("dst-x")
-        assert await exchange_exists(amqp_url(n1), "dst-x")
-        assert await exchange_exists(amqp_url(n2), "dst-x")
+        assert await amqp_exchange_exists(amqp_url(n1), "dst-x")
+        assert await amqp_exchange_exists(amqp_url(n2), "dst-x")
         await other.unbind("dst-x")
         await eventually(lambda: _absent(amqp_url(n1), "dst-x"))
         await eventually(lambda: _absent(amqp_url(n2), "dst-x"))
@@ -196,4 +171,4 @@ async def _ignore(message: aio_pika.abc.AbstractIncomingMessage) -> None:
 
 
 async def _absent(url: str, name: str) -> bool:
-    return not await exchange_exists(url, name)
+    return not await amqp_exchange_exists(url, name)

@@ -19,6 +19,7 @@ from tests.e2e.cluster_fixtures import (
     EtcdServer,
     protocol_node,
     read_back,
+    settled_nodes,
     topics_of,
     wait_settled,
 )
@@ -32,14 +33,8 @@ PRESENCE = '[[streams]]\nname = "presence"\nmode = "non-reliable"\npartitions = 
 
 @pytest.fixture
 def pair(etcd: EtcdServer, tmp_path: Path) -> Iterator[list[ClusterNodeProcess]]:
-    nodes = [protocol_node(tmp_path, name, etcd.url, STREAMS + PRESENCE).start() for name in ("n1", "n2")]
-    try:
-        wait_settled(nodes)
+    with settled_nodes([protocol_node(tmp_path, name, etcd.url, STREAMS + PRESENCE).start() for name in ("n1", "n2")]) as nodes:
         yield nodes
-    finally:
-        for node in nodes:
-            if node.alive():
-                node.kill()
 
 
 def will(topic: str, payload: str, *, retain: bool = False, delay: int | None = None) -> dict:

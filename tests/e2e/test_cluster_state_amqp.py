@@ -13,57 +13,32 @@ import aio_pika
 import aiormq
 import pytest
 
-from tests.conftest import free_port, wait_for
-from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer, linked, settled
+from tests.e2e.cluster_fixtures import (
+    ClusterNodeProcess,
+    EtcdServer,
+    amqp_exchange_exists,
+    amqp_node,
+    amqp_url,
+    eventually,
+    settled_nodes,
+)
 
 
 @pytest.fixture
 def amqp_nodes(etcd: EtcdServer, tmp_path: Path) -> Iterator[list[ClusterNodeProcess]]:
-    nodes = [
-        ClusterNodeProcess(tmp_path / f"n{index}", f"n{index}", etcd.url,
-                           extra_args=["--amqp-port", str(free_port())]).start()
-        for index in (1, 2)
-    ]
-    names = {node.node_id for node in nodes}
-    for node in nodes:
-        wait_for(lambda node=node: settled(node, names), timeout=30, interval=0.05)
-        wait_for(lambda node=node: linked(node) >= names - {node.node_id}, timeout=30, interval=0.05)
-    yield nodes
-    for node in nodes:
-        if node.alive():
-            node.kill()
-
-
-def amqp_url(node: ClusterNodeProcess) -> str:
-    return f"amqp://guest:guest@127.0.0.1:{node.ports['amqp']}/"
-
-
-async def exchange_exists(url: str, name: str) -> bool:
-    async with await aio_pika.connect(url) as connection:
-        channel = await connection.channel()
-        try:
-            await channel.declare_exchange(name, passive=True)
-            return True
-        except aio_pika.exceptions.ChannelNotFoundEntity:
-            return False
-
-
-async def eventually(check, timeout: float = 20) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await check():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.1)
+    with settled_nodes([amqp_node(tmp_path, f"n{index}", etcd.url).start() for index in (1, 2)]) as nodes:
+        yield nodes
 
 
 async def test_an_exchange_declared_on_one_node_is_used_and_deleted_through_another(
         amqp_nodes: list[ClusterNodeProcess]) -> None:
     n1, n2 = amqp_nodes
-    assert not await exchange_exists(amqp_url(n2), "orders-x")
+    assert not await amqp_exchange_exists(amqp_url(n2), "orders-x")
     received: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
     async with await aio_pika.connect(amqp_url(n1)) as c1, await aio_pika.connect(amqp_url(n2)) as c2:
         ch1 = await c1.channel()
         await ch1.declare_exchange("orders-x", aio_pika.ExchangeType.TOPIC, durable=True)
-        await eventually(lambda: exchange_exists(amqp_url(n2), "orders-x"))
+        await eventually(lambda: amqp_exchange_exists(amqp_url(n2), "orders-x"))
 
         # a queue on n2 bound to the exchange n1 declared; a publisher on n1 reaches it
         ch2 = await c2.channel()
@@ -93,7 +68,7 @@ async def test_an_exchange_declared_on_one_node_is_used_and_deleted_through_anot
         # deleted through n2: gone on n1 too
         await queue.unbind("orders-x", "eu.#")
         await (await ch2.get_exchange("orders-x")).delete()
-        await eventually(lambda: _not(exchange_exists(amqp_url(n1), "orders-x")))
+        await eventually(lambda: _not(amqp_exchange_exists(amqp_url(n1), "orders-x")))
 
 
 async def _not(check) -> bool:

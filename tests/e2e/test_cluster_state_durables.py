@@ -338,6 +338,14 @@ def test_an_authenticated_consumer_is_relayed_to_the_holder(cluster: Cluster, et
     assert added.returncode == 0, added.stderr
 
     async def known_on_n2() -> bool:
+        # a node that has not yet seen the first user still serves anyone (no users: open), so
+        # what shows n2 knows alice is a wrong password refused, then the right one accepted
+        async with Client(n2.grpc_url, username="alice", password="not-hers") as client:
+            try:
+                await client.producer().send("alice/probe", b"probe")
+                return False
+            except Unauthenticated:
+                pass
         async with Client(n2.grpc_url, username="alice", password="s3cret") as client:
             try:
                 await client.producer().send("alice/probe", b"probe")
@@ -391,5 +399,68 @@ def test_a_shared_subscription_keeps_what_is_published_while_no_consumer_is_atta
             await back.subscribe()
             assert await take(back, len(sent)) == {topic: sent}
             await back.close()
+
+    asyncio.run(scenario())
+
+
+async def drain_exactly_once(consumers: list, sent: list[bytes], timeout: float = 60) -> None:
+    """Drain `consumers` until every payload of `sent` came, then a little longer: each came
+    once (an ack per message)."""
+    got: list[bytes] = []
+    done = asyncio.Event()
+    wanted = len(sent)
+
+    async def drain(consumer) -> None:
+        async for message in consumer:
+            got.append(message.payload)
+            message.ack()
+            if len(got) >= wanted:
+                done.set()
+
+    tasks = [asyncio.ensure_future(drain(consumer)) for consumer in consumers]
+    try:
+        try:
+            await asyncio.wait_for(done.wait(), timeout)
+        except TimeoutError:
+            pytest.fail(f"{len(got)} of {wanted} messages came (distinct: {len(set(got))})")
+        # Anything delivered twice would come right after the last one.
+        await asyncio.sleep(0.5)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert len(got) == len(set(got)) == wanted
+    assert set(got) == set(sent)
+
+
+async def publish_fast(producer, topic: str, count: int, tag: str) -> list[bytes]:
+    sent = [f"{tag}-{number}".encode() for number in range(count)]
+    await asyncio.gather(*(producer.send_nowait(topic, payload) for payload in sent))
+    return sent
+
+
+@pytest.mark.parametrize("owner", ["n2", "n1"])
+def test_messages_published_while_shared_consumers_are_out_of_credit_all_come_once(
+        cluster: Cluster, etcd: EtcdServer, owner: str) -> None:
+    """The subscription is held by n1; its topic's shard is owned by n2 (pushed to n1 over the
+    cluster port, where n1 keeps a window of 10,000) or by n1 itself. Its two consumers take
+    their small credit windows and stop; 15,000 messages are published meanwhile, more than
+    the pushes' window and a consumer's queue hold: when the consumers read again, every one
+    comes, once (n1 reads what slid out of its window from n2's journal)."""
+    n1, n2 = cluster(2)
+    spread_stream([n1, n2])
+    topic = topics_of(n2.status(), "away", "away", owner=owner)[0]
+
+    async def scenario() -> None:
+        async with Client(n1.grpc_url) as first, Client(n2.grpc_url) as second:
+            consumers = [first.consumer("flood", ["away/#"], type="shared", durable=True,
+                                        reconnect=False, credit=10, name=name) for name in "ab"]
+            for consumer in consumers:
+                await consumer.subscribe()
+            wait_for(lambda: held_by(etcd, "flood") == "n1", timeout=20)
+            sent = await publish_fast(second.producer(), topic, 15_000, "flood")
+            await drain_exactly_once(consumers, sent)
+            for consumer in consumers:
+                await consumer.close()
 
     asyncio.run(scenario())

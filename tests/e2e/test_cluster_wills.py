@@ -16,7 +16,7 @@ import pytest
 
 from shardgate.cluster.wills import CLAIM_PAUSE_ENV
 from tests.conftest import wait_for
-from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer, protocol_node, wait_settled
+from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer, protocol_node, settled_nodes
 from tests.mqtt_clients import V5, Paho
 
 # Non-reliable, so a dead node's shards move to a survivor.
@@ -26,14 +26,9 @@ PRESENCE = '[[streams]]\nname = "presence"\nmode = "non-reliable"\npartitions = 
 @pytest.fixture
 def trio(etcd: EtcdServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[ClusterNodeProcess]]:
     monkeypatch.setenv(CLAIM_PAUSE_ENV, str(tmp_path / "pause-after-will-claim"))
-    nodes = [protocol_node(tmp_path, name, etcd.url, PRESENCE).start() for name in ("n1", "n2", "n3")]
-    try:
-        wait_settled(nodes)
+    names = ("n1", "n2", "n3")
+    with settled_nodes([protocol_node(tmp_path, name, etcd.url, PRESENCE).start() for name in names]) as nodes:
         yield nodes
-    finally:
-        for node in nodes:
-            if node.alive():
-                node.kill()
 
 
 def wills_in_etcd(etcd: EtcdServer) -> dict[str, dict[str, Any]]:

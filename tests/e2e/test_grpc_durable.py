@@ -112,3 +112,38 @@ def test_durable_cursor_survives_sigkill(broker_process):
                 raise
             time.sleep(0.2)
     assert rest == [b"4", b"5", b"6", b"7", b"8", b"9"]
+
+
+async def test_shared_consumers_out_of_credit_get_every_message_once_when_they_read_again(url):
+    """Two consumers of a Shared durable subscription take their small credit windows and stop
+    while 15,000 messages are published, more than a consumer queues: none is queued on a
+    consumer nobody drains; when they read again each message comes once."""
+    async with Client(url) as client:
+        consumers = [client.consumer("flood", ["flood/#"], type="shared", durable=True,
+                                     reconnect=False, credit=10, name=name) for name in "ab"]
+        for consumer in consumers:
+            await consumer.subscribe()
+        producer = client.producer()
+        sent = [f"flood-{number}".encode() for number in range(15_000)]
+        await asyncio.gather(*(producer.send_nowait("flood/x", payload) for payload in sent))
+        got: list[bytes] = []
+        done = asyncio.Event()
+
+        async def drain(consumer) -> None:
+            async for message in consumer:
+                got.append(message.payload)
+                message.ack()
+                if len(got) >= len(sent):
+                    done.set()
+
+        tasks = [asyncio.ensure_future(drain(consumer)) for consumer in consumers]
+        try:
+            await asyncio.wait_for(done.wait(), 60)
+            await asyncio.sleep(0.5)  # anything delivered twice would come right after
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        assert len(got) == len(set(got)) == len(sent)
+        for consumer in consumers:
+            await consumer.close()
