@@ -363,6 +363,11 @@ class ContinuousPublisher:
         with self._lock:
             return len(self.refused)
 
+    def latest_acknowledged(self, count: int) -> list[tuple[str, str]]:
+        """The last `count` (payload, topic) acknowledged, taken while the publisher runs."""
+        with self._lock:
+            return list(self.acknowledged.items())[-count:]
+
     def stop(self) -> ContinuousPublisher:
         self._stop.set()
         self._thread.join(self.ack_timeout_s + 5)

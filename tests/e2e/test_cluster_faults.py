@@ -149,7 +149,7 @@ def test_a_node_killed_mid_publish_returns_with_every_acknowledged_message(
     refused_before = through_n1.refusals()
 
     def n2_shard_acknowledged_again() -> bool:
-        later = [payload for payload, topic in list(through_n1.acknowledged.items())[-len(topics) * 2:]
+        later = [payload for payload, topic in through_n1.latest_acknowledged(len(topics) * 2)
                  if topic in on_n2]
         return bool(later) and through_n1.refusals() == refused_before
 
