@@ -917,7 +917,9 @@ class DataPlane:
                 asyncio.get_running_loop().create_task(link.close())
                 if info is None:
                     self.remote.forget(node_id)
-                    self._inboxes.pop(node_id, None)
+                    # (its inbox stays: a node that comes back with the same link session
+                    # sends again what it had no answer to, and what this node applied of it
+                    # already must be answered, not stored twice; a restart brings a new session)
                     self._end_links_from(node_id)
                     self._read_owner_again(node_id)
                 self.link_state_changed()
@@ -927,7 +929,7 @@ class DataPlane:
         self._repoint_cursors()
 
     def _end_links_from(self, node_id: str) -> None:
-        """End the streams `node_id` opened to this node: its session was forgotten with it (a
+        """End the streams `node_id` opened to this node: its routes were forgotten with it (a
         node frozen past its lease leaves the view, and its stream may stay open), so it
         dials again and sends what this node did not answer, and its routes, on a new one."""
         for connection in list(self._connections):
