@@ -260,13 +260,22 @@ def protocol_node(directory: Path, node_id: str, etcd_url: str, extra_config: st
 
 
 def wait_settled(nodes: list[ClusterNodeProcess], timeout: float = 30) -> None:
-    """Every live node sees exactly the live nodes, a controller, every shard placed, and has
-    its links up to every other live node."""
-    everyone = {node.node_id for node in nodes if node.alive()}
-    for node in (n for n in nodes if n.alive()):
-        wait_for(lambda node=node: settled(node, everyone), timeout=timeout, interval=0.05)
-        wait_for(lambda node=node: linked(node) >= everyone - {node.node_id},
-                 timeout=timeout, interval=0.05)
+    """Every live node sees exactly the live nodes, a controller, every shard placed, can prove
+    its own lease alive, and has its links up to every other live node, all in one round of
+    checks. (A node resumed after a freeze past its lease still looks settled to its peers and
+    answers their links until etcd ends its lease and it registers again: the peers then drop
+    it for a moment. Its `lease_alive` is False meanwhile; checking every node again after
+    that one turns True sees the peers once they took it back.)"""
+    live = [node for node in nodes if node.alive()]
+    everyone = {node.node_id for node in live}
+
+    def node_settled(node: ClusterNodeProcess) -> bool:
+        status = settled(node, everyone)
+        return (status is not None and status["lease_alive"]
+                and linked(node) >= everyone - {node.node_id})
+
+    wait_for(lambda: all(node_settled(node) for node in live), timeout=timeout * len(live),
+             interval=0.05)
 
 
 def topics_of(status: dict[str, Any], stream: str, prefix: str, owner: str | None = None,
