@@ -432,6 +432,13 @@ class DurableSubscription(Subscription):
         return cached
 
     # ------------------------------------------------------------------ acknowledgements
+    def handed_out_before(self, message: Message) -> bool:
+        """Whether `message` is being handed out again (unacknowledged before a restart, nacked,
+        or timed out): protocols mark such a delivery (MQTT DUP, AMQP redelivered)."""
+        cursor = self.cursors.get((message.stream, message.shard))
+        delivery = cursor.unacked.get(message.offset) if cursor is not None else None
+        return delivery is not None and delivery.count > 1
+
     def ack(self, message: Message) -> None:
         cursor = self.cursors.get((message.stream, message.shard))
         if cursor is None:

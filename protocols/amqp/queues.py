@@ -191,7 +191,12 @@ class Queue:
             return
         if self.checked_filters and not self.accepts(message, filters):
             return
-        self.enqueue(message, subscription.durable and _handed_out_before(subscription, message))
+        # handed out again after a restart: redelivered, as RabbitMQ marks it (conservatively,
+        # also what was still waiting in the queue then: nothing records which had reached a
+        # consumer)
+        redelivered = (subscription.durable and isinstance(subscription, DurableSubscription)
+                       and subscription.handed_out_before(message))
+        self.enqueue(message, redelivered)
 
     # ------------------------------------------------------------------ bindings
     def accepts(self, message: Message, filters: Iterable[str]) -> bool:
@@ -476,19 +481,6 @@ class Queue:
             self._dispatching = False
         if self.starved:
             self._refill()
-
-
-def _handed_out_before(subscription: Subscription, message: Message) -> bool:
-    """Whether the core hands a durable queue `message` again: it was unacknowledged when the
-    broker (or, in a cluster, the queue's home node) stopped, so it may have been delivered to
-    a consumer before. As RabbitMQ does, such a message is delivered with `redelivered` set;
-    conservatively, also one that was still waiting in the queue then (nothing records which
-    of the queue's unacknowledged messages had reached a consumer)."""
-    if not isinstance(subscription, DurableSubscription):
-        return False
-    cursor = subscription.cursors.get((message.stream, message.shard))
-    delivery = cursor.unacked.get(message.offset) if cursor is not None else None
-    return delivery is not None and delivery.count > 1
 
 
 def _can_take(consumer: QueueConsumer) -> bool:

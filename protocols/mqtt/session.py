@@ -62,14 +62,6 @@ class Queued:
     source: Subscription | None = None
 
 
-def _handed_out_before(source: DurableSubscription, message: Message) -> bool:
-    """Whether a durable subscription gives out `message` again (unacknowledged before a
-    restart, nacked): its PUBLISH is a re-delivery, with DUP set [MQTT-3.3.1-1]."""
-    cursor = source.cursors.get((message.stream, message.shard))
-    delivery = cursor.unacked.get(message.offset) if cursor is not None else None
-    return delivery is not None and delivery.count > 1
-
-
 class MqttSession:
     def __init__(self, service: MqttService, client_id: str, durable: bool = False) -> None:
         self.service = service
@@ -205,7 +197,7 @@ class MqttSession:
     ) -> None:
         packet_id = self._next_packet_id()
         self.inflight[packet_id] = Outgoing(message, qos, retain, subscription_ids, source)
-        dup = isinstance(source, DurableSubscription) and _handed_out_before(source, message)
+        dup = isinstance(source, DurableSubscription) and source.handed_out_before(message)
         if not connection.send_publish(message, qos, retain, subscription_ids, packet_id, dup):
             # Too large for the client [MQTT-3.1.2-25]: discarded as if delivered.
             del self.inflight[packet_id]
