@@ -61,12 +61,26 @@ def shell(tmp_path: Path) -> Iterator[tuple[dict[str, str], list[subprocess.Pope
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
     for process in reversed(background):
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
+        # the shell may be gone while a node it started is still leaving the cluster (and would
+        # register again with the next test's etcd on the same port): wait for the whole group
+        deadline = time.monotonic() + 30
+        while (process.poll() is None or group_alive(process.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if process.poll() is None or group_alive(process.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait(5)
+            wait_for(lambda process=process: not group_alive(process.pid), timeout=10)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process of the group remains."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
 
 
 def test_readme_cluster_commands_run_as_printed(
