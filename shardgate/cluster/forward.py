@@ -284,7 +284,8 @@ class PeerLink:
             return
         self._shared = None  # QoS 0 publishes from now on share another future
         stats = self.plane.stats
-        while (self._forwards or self._pushes or self._routes or self._retained) and not connection.paused:
+        while ((self._forwards or self._pushes or self._routes or self._retained)
+               and not connection.paused and not connection.closing):
             connection.send(self._next_frame())
             stats.frames_out += 1
 
