@@ -129,6 +129,10 @@ class DurableOptions:
     # Messages of non-reliable shards held while no consumer can take one (no credit, a full
     # window, nobody attached); beyond it the oldest is dropped and counted.
     max_held: int = 10_000
+    # The consumers keep their own bounded queue with its own policy (MQTT sessions:
+    # `max_queued_messages`, QoS 0 not queued offline; bridges: `max_queued`): messages of
+    # non-reliable shards are handed to them as they come instead of being held here.
+    consumers_queue: bool = False
 
 
 class CursorSink(Protocol):
@@ -391,6 +395,11 @@ class DurableSubscription(Subscription):
             # Non-reliable shard: nothing to replay from. A consumer with room takes it now;
             # otherwise it is held here (in order, bounded) until one has room: a consumer
             # without credit is never handed more than it asked for.
+            if self.options.consumers_queue:
+                consumer = self.pick(message.shard)
+                if consumer is not None:
+                    consumer.deliver(message, self, filters)
+                return
             if not self._held:
                 consumer = self.pick_available(message.shard)
                 if consumer is not None:
@@ -463,7 +472,7 @@ class DurableSubscription(Subscription):
 
     def nack(self, message: Message, delay_s: float = 0.0) -> None:
         cursor = self.cursors.get((message.stream, message.shard))
-        if cursor is not None and cursor.log is None:
+        if cursor is not None and cursor.log is None and not self.options.consumers_queue:
             # A message of a non-reliable shard given back (nacked, or its consumer left with
             # it unacknowledged or still queued): held for the next consumer with room.
             self._hold(message, self._filters_for(message.topic) or tuple(self.filters),
