@@ -96,6 +96,7 @@ class Journal:
     # (time, what) of each fault's start and each client's reconnect
     events: list[tuple[float, str]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    fault_times: list[float] = field(default_factory=list)
 
     def acked(self, publisher: str, payload: str, topic: str) -> None:
         with self.lock:
@@ -105,9 +106,11 @@ class Journal:
         with self.lock:
             self.deliveries[subscriber].append(Delivery(payload, time.monotonic(), connection))
 
-    def event(self, what: str) -> None:
+    def event(self, what: str, fault: bool = False) -> None:
         with self.lock:
             self.events.append((time.monotonic(), what))
+            if fault:
+                self.fault_times.append(time.monotonic())
 
     def dump(self, path: Path) -> None:
         """Write what the clients saw as JSON (for looking into a finding)."""
@@ -518,32 +521,32 @@ def apply_fault(rng: random.Random, cluster: Cluster, clients: list[ClientThread
     node = rng.choice(cluster.nodes)
     if kind == "kill":
         what = f"SIGKILL {node.node_id}, start it after {(pause := rng.uniform(0.5, 4)):.1f}s"
-        journal.event(what)
+        journal.event(what, fault=True)
         node.kill()
         time.sleep(pause)
         node.start()
     elif kind == "term":
         what = f"SIGTERM {node.node_id}, start it again"
-        journal.event(what)
+        journal.event(what, fault=True)
         node.terminate(30)
         node.start()
     elif kind == "freeze":
         what = f"SIGSTOP {node.node_id} for {(pause := rng.uniform(1, 6)):.1f}s"
-        journal.event(what)
+        journal.event(what, fault=True)
         assert node.proc is not None
         node.proc.send_signal(signal.SIGSTOP)
         time.sleep(pause)
         node.proc.send_signal(signal.SIGCONT)
     elif kind == "etcd":
         what = f"restart etcd (down {(pause := rng.uniform(0.5, 3)):.1f}s)"
-        journal.event(what)
+        journal.event(what, fault=True)
         cluster.etcd.stop()
         time.sleep(pause)
         cluster.etcd.start()
     else:
         client = rng.choice(clients)
         what = f"move {client.name} to another node"
-        journal.event(what)
+        journal.event(what, fault=True)
         client.move()
     return what
 
@@ -586,7 +589,7 @@ def sequence_of(payload: str) -> int:
 def check(journal: Journal, subscribers: list[ClientThread]) -> Findings:
     findings = Findings(errors=list(journal.errors))
     topic_of = {payload: topic for acked in journal.acknowledged.values() for payload, topic in acked}
-    fault_times = sorted(at for at, what in journal.events)
+    fault_times = sorted(journal.fault_times)
     for subscriber in subscribers:
         deliveries = journal.deliveries[subscriber.name]
         seen = {delivery.payload for delivery in deliveries}
