@@ -17,8 +17,9 @@ from shardgate.protocols.mqtt.connection import MqttConnection
 from shardgate.protocols.mqtt.session import MqttSession
 
 from shardgate import persistence
+from shardgate.protocols.mqtt import packets as p
 from tests.conftest import ThreadedBroker, free_port, make_config, wait_for
-from tests.mqtt_clients import V5, V311, Paho
+from tests.mqtt_clients import V5, V311, Paho, RawClient
 
 
 @pytest.fixture
@@ -59,6 +60,31 @@ def test_closed_connections_and_ended_sessions_are_freed_without_the_collector(
         clean.disconnect()
     wait_for(lambda: not broker.app.mqtt.connections and not broker.app.mqtt.sessions)
     wait_for(lambda: _alive(MqttConnection, earlier) == 0 and _alive(MqttSession, earlier) == 0)
+
+
+def test_an_ended_session_with_unacknowledged_messages_is_freed_without_the_collector(
+    broker: ThreadedBroker, no_cycle_collection: None
+) -> None:
+    """A persistent session ended while messages it was sent are unacknowledged: its durable
+    subscription's record of them must not keep the session (and the messages, whose payloads
+    pin the heap) in a cycle until the next full collection."""
+    port = broker.mqtt_port
+    earlier = {id(thing) for thing in gc.get_objects() if type(thing) is MqttSession}
+    publisher = Paho(port, "publisher", V5)
+    for index in range(3):
+        reader = RawClient(port, version=4)
+        assert reader.connect(f"unacked{index}", clean=False).reason_code == 0
+        reader.send(p.Subscribe(1, [p.SubscriptionRequest("held/#", 1)]))
+        assert isinstance(reader.receive(), p.Suback)
+        publisher.publish("held/x", b"x" * 2048, 1)
+        delivered = reader.receive()
+        assert isinstance(delivered, p.Publish) and delivered.qos == 1  # never acknowledged
+        reader.close()
+        ender = Paho(port, f"unacked{index}", V311, clean=True)  # ends the persistent session
+        ender.disconnect()
+    publisher.disconnect()
+    wait_for(lambda: not broker.app.mqtt.connections and not broker.app.mqtt.sessions)
+    wait_for(lambda: _alive(MqttSession, earlier) == 0)
 
 
 def test_a_stopped_broker_is_freed_after_serving_its_admin_api(tmp_path: Path) -> None:
