@@ -380,6 +380,8 @@ class Shardgate:
         if self.cluster is not None:
             # hand this node's shards over while it still serves, then go on stopping
             await self.cluster.leave()
+            if self.broker is not None:
+                await self.broker.delayed.finish()  # released ones deleted while forwarding works
         for bridge in self.bridges:
             await bridge.stop()
         self.bridges = []
