@@ -130,6 +130,7 @@ class SharedDelayed:
                 f"(this one is {size} bytes encoded)")
         key = f"{self.own_prefix()}{at_ms:013d}-{uuid.uuid4().hex}"
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.add_done_callback(_retrieved)  # a QoS 0 publisher never looks at its outcome
         self._puts.append((key, message, at_ms, done))
         self._kick_writer()
         return done
@@ -364,3 +365,8 @@ class SharedDelayed:
         for task in (self._scanner, self._writer, *self._tasks):
             if task is not None:
                 task.cancel()
+
+
+def _retrieved(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
