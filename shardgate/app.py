@@ -86,7 +86,6 @@ class Shardgate:
         # cluster mode: forwarding, route table and pushes between nodes (`cluster.forward`),
         # started before any client listener so that no publish is stored by a non-owner
         self.data_plane: DataPlane | None = None
-        self._stopped = asyncio.Event()
 
     def _ssl_context(self) -> ssl.SSLContext:
         tls = self.config.tls
@@ -431,7 +430,3 @@ class Shardgate:
             self.metadata.close()
         if self.cluster is not None:
             await self.cluster.stop()
-        self._stopped.set()
-
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
