@@ -1,7 +1,8 @@
 """The AMQP listener: an `asyncio.Protocol` feeding socket bytes to `AmqpConnection`.
 
 This is the only AMQP module with sockets. `start_amqp_listener` is what the composition root
-calls; it returns the `asyncio.Server`.
+calls; it listens through the shared `TcpListener` (every pending connection accepted at each
+readiness) and returns an `AmqpServer`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import ssl
 from typing import TYPE_CHECKING, cast
 
+from ..listener import TcpListener, start_tcp_listener
 from .connection import AmqpConnection
 from .errors import ConnectionException, ReplyCode
 from .service import AmqpService
@@ -92,14 +94,14 @@ class AmqpProtocol(asyncio.Protocol):
 class AmqpServer:
     """The listening socket(s) and the service behind them; shaped like `asyncio.Server`."""
 
-    def __init__(self, server: asyncio.AbstractServer, service: AmqpService, owns_service: bool) -> None:
+    def __init__(self, server: TcpListener, service: AmqpService, owns_service: bool) -> None:
         self.server = server
         self.service = service
         self.owns_service = owns_service
 
     @property
     def sockets(self) -> tuple[object, ...]:
-        return tuple(getattr(self.server, "sockets", ()) or ())
+        return self.server.sockets
 
     def close(self) -> None:
         """Stop accepting; the listener that created the service also closes every client
@@ -129,8 +131,6 @@ async def start_amqp_listener(
         service = AmqpService(edge, settings, scheduler=asyncio.get_running_loop())
         service.start()
     shared = service
-    loop = asyncio.get_running_loop()
-    server = await loop.create_server(
-        lambda: AmqpProtocol(shared), host, port, ssl=ssl_context, reuse_address=True, backlog=1024
-    )
+    name = "AMQP" if ssl_context is None else "AMQPS"
+    server = await start_tcp_listener(lambda: AmqpProtocol(shared), host, port, ssl_context, name=name)
     return AmqpServer(server, service, owns)

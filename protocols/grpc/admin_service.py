@@ -4,6 +4,7 @@ call needs the `admin` action on `admin/<method>`.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -42,7 +43,10 @@ def _unary(method: Callable[..., Any]) -> Callable[..., Any]:
                               + (f"user {user!r}" if user is not None else "an anonymous client")
                               + " does not have")
             with translated():
-                return method(self, request)
+                result = method(self, request)
+                if inspect.isawaitable(result):
+                    result = await result
+                return result
         except Refusal as refusal:
             await abort(context, refusal)
 
@@ -144,7 +148,15 @@ class AdminService(pb_grpc.AdminServicer):
         return sub
 
     @_unary
-    def DescribeSubscription(self, request: pb.SubscriptionName) -> pb.SubscriptionInfo:
+    async def DescribeSubscription(self, request: pb.SubscriptionName) -> pb.SubscriptionInfo:
+        """On any node of a cluster: a durable subscription another node holds is described
+        by that node (its consumers from every node are attached there)."""
+        sub = self.broker.subscriptions.get(request.name)
+        elsewhere = self.server.describe_elsewhere
+        if sub is None and elsewhere is not None:
+            info = await elsewhere(request.name)
+            if info is not None:
+                return info
         return self.server.subscription_info(self._subscription(request.name))
 
     @_unary

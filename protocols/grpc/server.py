@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import socket
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -73,6 +74,9 @@ class GrpcServer:
         # Cluster mode: runs a consumer's stream against the node where its durable
         # subscription is consumed (`cluster.durables.RemoteConsumers`); None on a single node.
         self.consume_remotely: ConsumeRemotely | None = None
+        # Cluster mode: describes a subscription held by another node (None: no node holds
+        # it); None on a single node. `DescribeSubscription` asks it for a name not held here.
+        self.describe_elsewhere: Callable[[str], Awaitable[pb.SubscriptionInfo | None]] | None = None
 
     def allowed(self, action: Action, user: str | None, topic: str) -> bool:
         return self.edge.authorize(principal_of(user), action, topic)

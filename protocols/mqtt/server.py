@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import ssl
 import sys
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
+from ..listener import TcpListener
+from ..listener import start_tcp_listener as listen_tcp
+from ..listener import start_websocket_listener as listen_websocket
 from .connection import MqttConnection
 from .service import MqttService
 
@@ -135,134 +136,12 @@ class MqttProtocol(asyncio.Protocol):
                 pass
 
 
-# Connections accepted per readiness of the listening socket (the listen backlog is 1024).
-ACCEPT_BATCH = 1024
-# After accept fails for lack of file descriptors, listen again after this long.
-ACCEPT_RETRY_S = 1.0
-
-
-class TcpListener:
-    """Listening sockets that accept every pending connection at once.
-
-    uvloop (libuv >= 1.45) accepts one connection per event-loop iteration, so under load,
-    when an iteration takes tens of milliseconds, a burst of a few hundred connections waits
-    seconds in the kernel's accept queue before its CONNECT is even read (mosquitto and
-    asyncio's own loop accept a batch per readiness). This listener accepts up to
-    `ACCEPT_BATCH` at each readiness of any of its sockets (one per address the host resolves
-    to, as `asyncio.create_server` binds) and hands each connection to the loop's transport
-    (`connect_accepted_socket`, with TLS when configured). It offers what the broker uses of
-    an `asyncio.Server`: `sockets`, `close`, `wait_closed`."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, socks: list[socket.socket],
-                 protocol_factory: Callable[[], asyncio.Protocol],
-                 ssl_context: ssl.SSLContext | None) -> None:
-        self._loop = loop
-        self._socks = socks
-        self._factory = protocol_factory
-        self._ssl = ssl_context
-        self._handshakes: set[asyncio.Task[Any]] = set()
-        self._retries: dict[int, asyncio.TimerHandle] = {}
-        self._serving = True
-        for sock in socks:
-            loop.add_reader(sock.fileno(), self._accept, sock)
-
-    @property
-    def sockets(self) -> tuple[socket.socket, ...]:
-        return tuple(self._socks) if self._serving else ()
-
-    def is_serving(self) -> bool:
-        return self._serving
-
-    def _accept(self, sock: socket.socket) -> None:
-        for _ in range(ACCEPT_BATCH):
-            try:
-                conn, _address = sock.accept()
-            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-                return
-            except OSError as exc:
-                # Out of file descriptors (EMFILE, ENFILE, ENOBUFS): stop listening a while
-                # rather than spin on a socket that stays readable.
-                log.error("MQTT listener: accept failed (%s); retrying in %.0f s", exc, ACCEPT_RETRY_S)
-                self._loop.remove_reader(sock.fileno())
-                self._retries[sock.fileno()] = self._loop.call_later(
-                    ACCEPT_RETRY_S, self._listen_again, sock)
-                return
-            conn.setblocking(False)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            task = self._loop.create_task(
-                self._loop.connect_accepted_socket(self._factory, conn, ssl=self._ssl))
-            self._handshakes.add(task)
-            task.add_done_callback(self._handshake_done)
-
-    def _handshake_done(self, task: asyncio.Task[Any]) -> None:
-        self._handshakes.discard(task)
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is not None:
-            log.info("MQTT listener: connection not established: %s", exc)
-
-    def _listen_again(self, sock: socket.socket) -> None:
-        self._retries.pop(sock.fileno(), None)
-        if self._serving:
-            self._loop.add_reader(sock.fileno(), self._accept, sock)
-
-    def close(self) -> None:
-        if not self._serving:
-            return
-        self._serving = False
-        for sock in self._socks:
-            retry = self._retries.pop(sock.fileno(), None)
-            if retry is not None:
-                retry.cancel()
-            else:
-                self._loop.remove_reader(sock.fileno())
-            sock.close()
-        for task in self._handshakes:
-            task.cancel()
-
-    async def wait_closed(self) -> None:
-        if self._handshakes:
-            await asyncio.gather(*self._handshakes, return_exceptions=True)
-
-
-def _listening_socket(family: int, kind: int, proto: int, address: Any) -> socket.socket:
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            # as asyncio.create_server: the IPv4 address of a dual-stack host gets its own socket
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind(address)
-        sock.listen(1024)
-        sock.setblocking(False)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 async def start_tcp_listener(
     service: MqttService, host: str, port: int, ssl_context: ssl.SSLContext | None = None
 ) -> TcpListener:
-    """Listen on every address `host` resolves to (all interfaces for "" or "0.0.0.0" / "::"
-    as given), like `asyncio.create_server`."""
-    loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)
-    socks: list[socket.socket] = []
-    seen: set[tuple[int, Any]] = set()
-    try:
-        for family, kind, proto, _name, address in infos:
-            if (family, address) in seen:
-                continue
-            seen.add((family, address))
-            socks.append(_listening_socket(family, kind, proto, address))
-    except OSError:
-        for sock in socks:
-            sock.close()
-        raise
-    return TcpListener(loop, socks, lambda: MqttProtocol(service), ssl_context)
+    """Listen for MQTT over TCP (TLS with `ssl_context`) on every address `host` resolves to,
+    accepting every pending connection at each readiness (`protocols/listener.py`)."""
+    return await listen_tcp(lambda: MqttProtocol(service), host, port, ssl_context, name="MQTT")
 
 
 class WebSocketLink:
@@ -342,7 +221,6 @@ class _WebSocketServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
 async def start_websocket_listener(
     service: MqttService, host: str, port: int, ssl_context: ssl.SSLContext | None = None
 ) -> object:
-    from websockets.asyncio.server import serve
     from websockets.typing import Subprotocol
 
     async def handler(websocket: object) -> None:
@@ -382,8 +260,8 @@ async def start_websocket_listener(
                 return candidate
         return None
 
-    return await serve(
-        handler, host, port, ssl=ssl_context, subprotocols=offered,
+    return await listen_websocket(
+        handler, host, port, ssl_context, name="MQTT over WebSocket", subprotocols=offered,
         select_subprotocol=select_subprotocol, max_size=service.settings.max_packet_size + 8,
-        compression=None, logger=_WebSocketServerLog(logging.getLogger("websockets.server")),
+        logger=_WebSocketServerLog(logging.getLogger("websockets.server")),
     )

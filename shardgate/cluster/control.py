@@ -352,9 +352,13 @@ class ClusterNode:
         self._running = True
         self._start_lease_keeper()
         kvs, revision = await self.client.get_prefix(self.prefix)
+        before = self._catalog_snapshot()
         self.view.load(self.prefix, kvs, revision)
         self.view.session_changes = []  # joining is not a change of anyone's session
-        self.view.changed()  # nodes that registered since the catalog was read (data plane links)
+        # what changed since the catalog was read (users, ACL, streams, AMQP topology) reaches
+        # the listeners, as the watch's changes will; and nodes that registered meanwhile
+        # reach the data plane's links
+        self._after_change(before)
         self._tasks = [
             asyncio.create_task(self._keep_alive(), name="cluster-lease"),
             asyncio.create_task(self._watch_guard(revision), name="cluster-watch"),

@@ -54,6 +54,7 @@ from ..core.errors import ShardUnavailable
 from ..core.message import now_ms
 from ..core.subscriptions import Subscription, SubscriptionType
 from ..proto import shardgate_pb2 as pb
+from ..protocols.grpc.convert import SUB_TYPES_OUT
 from . import keys
 from .etcd import EtcdError, mod_revision_is, put_op, version_is
 from .sessions import (
@@ -80,6 +81,10 @@ REMOTE_CHECKPOINT_S = 0.2
 # The stream a consumer on another node is relayed through (module docstring).
 CONSUMERS_SERVICE = "shardgate.cluster.v1.DurableConsumers"
 CONSUME = "Consume"
+# A holder's description of a durable subscription (`SubscriptionName` -> `SubscriptionInfo`).
+DESCRIBE = "Describe"
+# How long a holder gets to describe a subscription before the last checkpoint is used.
+DESCRIBE_TIMEOUT_S = 5.0
 # Metadata of a relayed stream: the subscription it is for.
 SUBSCRIPTION_HEADER = "shardgate-subscription"
 # Statuses of a relayed stream that mean "the holder went away": the client retries.
@@ -314,6 +319,7 @@ class DurableHandover:
         their streams; the returned handler goes on the cluster port."""
         self._grpc = grpc_server
         grpc_server.consume_remotely = self.consume_remotely
+        grpc_server.describe_elsewhere = self.describe
 
         async def consume(requests: AsyncIterator[pb.ConsumeRequest],
                           context: grpc.aio.ServicerContext) -> None:
@@ -333,11 +339,62 @@ class DurableHandover:
                     del self._remote[sub.name]
                     self._checkpoint(sub)
 
+        async def describe(request: pb.SubscriptionName,
+                           context: grpc.aio.ServicerContext) -> pb.SubscriptionInfo:
+            sub = self.broker.subscriptions.get(request.name)
+            if sub is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    f"subscription {request.name!r} is not held on node {self.node.node_id}")
+            assert sub is not None
+            return grpc_server.subscription_info(sub)
+
         return grpc.method_handlers_generic_handler(CONSUMERS_SERVICE, {
             CONSUME: grpc.stream_stream_rpc_method_handler(
                 consume, request_deserializer=pb.ConsumeRequest.FromString,
                 response_serializer=pb.ConsumeResponse.SerializeToString),
+            DESCRIBE: grpc.unary_unary_rpc_method_handler(
+                describe, request_deserializer=pb.SubscriptionName.FromString,
+                response_serializer=pb.SubscriptionInfo.SerializeToString),
         })
+
+    async def describe(self, name: str) -> pb.SubscriptionInfo | None:
+        """A durable subscription this node does not hold, as its holder describes it (with
+        the consumers of every node, all attached there); when the holder is down, as its last
+        checkpoint in etcd says, with no consumer. None: no node holds it."""
+        try:
+            kv = await self.node.client.get(self.key(name))
+        except EtcdError as exc:
+            raise ShardUnavailable(
+                f"durable subscription {name!r} cannot be looked up in etcd now ({exc}); retry"
+            ) from exc
+        if kv is None:
+            return None
+        state = keys.decode(kv.value)
+        holder = state.get("node")
+        if "type" not in state or holder == self.node.node_id:
+            return None  # claimed but never defined, or held here after all (looked up first)
+        if holder in self.node.view.nodes():
+            try:
+                channel = self.rpc.channel(str(holder))
+                call = channel.unary_unary(
+                    f"/{CONSUMERS_SERVICE}/{DESCRIBE}",
+                    request_serializer=pb.SubscriptionName.SerializeToString,
+                    response_deserializer=pb.SubscriptionInfo.FromString)
+                info: pb.SubscriptionInfo = await call(pb.SubscriptionName(name=name),
+                                                       timeout=DESCRIBE_TIMEOUT_S)
+                return info
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.NOT_FOUND:
+                    return None  # given up or deleted meanwhile
+                log.info("cluster: node %s did not describe subscription %r (%s); answering "
+                         "from its last checkpoint", holder, name, exc.code().name)
+            except StateCallError as exc:
+                log.info("cluster: cannot reach node %s to describe subscription %r (%s); "
+                         "answering from its last checkpoint", holder, name, exc)
+        owner = state.get("owner") or {}
+        return pb.SubscriptionInfo(
+            name=name, type=SUB_TYPES_OUT[SubscriptionType(state["type"])], durable=True,
+            topic_filters=list(state.get("filters", [])), protocol=str(owner.get("protocol", "grpc")))
 
     async def consume_remotely(self, holder: str, first: pb.ConsumeRequest,
                                requests: AsyncIterator[pb.ConsumeRequest],

@@ -34,7 +34,7 @@ class SharedFiles:
         self.files = files
         # what this node last saw in etcd or wrote there, by name
         self._shared: dict[str, bytes | None] = {}
-        self._mtimes: dict[str, int | None] = {}
+        self._mtimes: dict[str, tuple[int, int, int] | None] = {}
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -89,11 +89,14 @@ class SharedFiles:
                     log.info("cluster: %s changed here; sharing it through etcd", path)
 
 
-def _mtime(path: Path) -> int | None:
+def _mtime(path: Path) -> tuple[int, int, int] | None:
+    """The file's version: modification time, inode and size (two writes within one tick of
+    the file system's clock share a modification time; every writer replaces the file)."""
     try:
-        return path.stat().st_mtime_ns
+        stat = path.stat()
     except OSError:
         return None
+    return stat.st_mtime_ns, stat.st_ino, stat.st_size
 
 
 def _read(path: Path) -> bytes | None:

@@ -338,11 +338,19 @@ class AuthSettings:
     allow_anonymous: bool | None = None
 
 
-def _mtime(path: Path) -> float | None:
+FileVersion = tuple[int, int, int]
+
+
+def _version(path: Path) -> FileVersion | None:
+    """What tells one version of a file from the next: its modification time, inode and size.
+    The time alone is not enough: two writes within one tick of the file system's clock (a
+    few milliseconds) would look the same, and a user removed right after being added would
+    stay. Every writer replaces the file (a new inode)."""
     try:
-        return path.stat().st_mtime_ns
+        stat = path.stat()
     except OSError:
         return None
+    return stat.st_mtime_ns, stat.st_ino, stat.st_size
 
 
 class Security:
@@ -369,8 +377,8 @@ class Security:
         self._clock = clock
         self._users: dict[str, User] = {}
         self._rules: list[AclRule] | None = None
-        self._users_mtime: float | None = None
-        self._acl_mtime: float | None = None
+        self._users_version: FileVersion | None = None
+        self._acl_version: FileVersion | None = None
         self._checked_at = float("-inf")
         self._decisions: dict[tuple[str, str | None, str, str], bool] = {}
         # user -> (stored hash, keyed digest of the password last verified against it).
@@ -383,11 +391,11 @@ class Security:
         """Re-read the files whose modification time changed."""
         self._checked_at = self._clock()
         before = self.allow_anonymous
-        users_mtime = _mtime(self.users_file)
-        if users_mtime != self._users_mtime or (users_mtime is None and self._users):
+        users_version = _version(self.users_file)
+        if users_version != self._users_version or (users_version is None and self._users):
             try:
                 self._users = load_users(self.users_file)
-                self._users_mtime = users_mtime
+                self._users_version = users_version
                 self._verified.clear()
                 self._decisions.clear()
                 log.info("loaded %d users from %s", len(self._users), self.users_file)
@@ -396,11 +404,11 @@ class Security:
                     raise
                 log.exception("keeping the previous users")
         if self.acl_file is not None:
-            acl_mtime = _mtime(self.acl_file)
-            if acl_mtime != self._acl_mtime:
+            acl_version = _version(self.acl_file)
+            if acl_version != self._acl_version:
                 try:
                     self._rules = load_acl(self.acl_file)
-                    self._acl_mtime = acl_mtime
+                    self._acl_version = acl_version
                     self._decisions.clear()
                     if self._rules is not None:
                         log.info("loaded %d ACL rules from %s", len(self._rules), self.acl_file)

@@ -1,5 +1,7 @@
 """Users and ACL rules in a cluster: a user added with `shardgate users add` on one node's
-data directory is allowed, with the right password only, on every node."""
+data directory is allowed, with the right password only, on every node; a node that starts
+while the cluster has users refuses wrong credentials on every protocol from its first
+connection on (it reads them from etcd before it listens), as a single broker does."""
 
 from __future__ import annotations
 
@@ -7,11 +9,20 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from shardgate.protocols.mqtt import packets as p
 
-from tests.conftest import wait_for
-from tests.e2e.cluster_fixtures import ClusterNodeProcess
+from tests.conftest import BrokerProcess, free_port, wait_for
+from tests.e2e.auth_probes import (
+    ACCEPTED,
+    REFUSED,
+    Prober,
+    amqp_attempt,
+    grpc_attempt,
+    mqtt_attempt,
+)
+from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer
 from tests.mqtt_clients import RawClient
 
 Cluster = Callable[..., list[ClusterNodeProcess]]
@@ -43,3 +54,80 @@ def test_a_user_added_on_node_2_is_allowed_and_checked_on_node_1(cluster: Cluste
     assert connect(n1.mqtt_port, "alice", b"s3cret") == 0
     assert connect(n1.mqtt_port, None, None) == p.ReasonCode.NOT_AUTHORIZED
     assert connect(n2.mqtt_port, "alice", b"s3cret") == 0
+
+
+def users_command(data_dir: Path, *args: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDGATE_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "shardgate", "users", *args, "--data-dir", str(data_dir)],
+        capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+
+
+def knock_while_starting(node: BrokerProcess, ports: dict[str, int]) -> None:
+    """Start `node` while every protocol's client connects in a loop with a wrong password (and
+    MQTT also anonymously); none may ever be let in. Each must be refused by the protocol a few
+    times once the node is up, so the loops did reach it."""
+    probes = [
+        Prober("mqtt", lambda: mqtt_attempt(ports["mqtt"], "alice", "wrong")),
+        Prober("mqtt-anonymous", lambda: mqtt_attempt(ports["mqtt"], None, None)),
+        Prober("mqtt-ws", lambda: mqtt_attempt(ports["mqtt-ws"], "alice", "wrong", "websockets")),
+        Prober("amqp", lambda: amqp_attempt(ports["amqp"], "alice", "wrong")),
+        Prober("grpc", lambda: grpc_attempt(ports["grpc"], "alice", "wrong")),
+    ]
+    for probe in probes:
+        probe.start()
+    try:
+        node.start(ports["mqtt"])
+        assert {name: node.ports[name] for name in ports} == ports
+        for probe in probes:
+            probe.mark_ready()
+        wait_for(lambda: all(probe.refused_after_ready >= 3 or probe.errors for probe in probes),
+                 timeout=60, interval=0.05)
+    finally:
+        for probe in probes:
+            probe.stop()
+    for probe in probes:
+        assert not probe.errors, (probe.name, probe.errors)
+        assert probe.outcomes[ACCEPTED] == 0, (probe.name, probe.outcomes)
+        assert probe.outcomes[REFUSED] >= 3, (probe.name, probe.outcomes)
+    # the right password is let in: the refusals were about the credentials
+    assert mqtt_attempt(ports["mqtt"], "alice", "s3cret") == ACCEPTED
+    assert grpc_attempt(ports["grpc"], "alice", "s3cret") == ACCEPTED
+    assert amqp_attempt(ports["amqp"], "alice", "s3cret") == ACCEPTED
+
+
+def listener_ports() -> tuple[dict[str, int], list[str]]:
+    ports = {name: free_port() for name in ("mqtt", "mqtt-ws", "amqp", "grpc")}
+    return ports, ["--mqtt-ws-port", str(ports["mqtt-ws"]), "--amqp-port", str(ports["amqp"]),
+                   "--grpc-port", str(ports["grpc"])]
+
+
+def test_a_node_started_into_a_cluster_with_users_refuses_wrong_credentials_from_the_start(
+        cluster: Cluster, etcd: EtcdServer, tmp_path: Path) -> None:
+    (n1,) = cluster(1)
+    users_command(n1.data_dir, "add", "alice", "--password", "s3cret")
+    users_command(n1.data_dir, "add", "bob", "--password", "hunter2")
+    wait_for(lambda: etcd.keys("auth/users"), timeout=20)
+    ports, args = listener_ports()
+    n2 = ClusterNodeProcess(tmp_path / "n2", "n2", etcd.url, extra_args=args)
+    try:
+        knock_while_starting(n2, ports)
+        # a user removed on node 1 is refused on node 2 once etcd carried the change (bob
+        # stays: with no user left a broker is open, as a single one is)
+        users_command(n1.data_dir, "remove", "alice")
+        wait_for(lambda: mqtt_attempt(ports["mqtt"], "alice", "s3cret") == REFUSED, timeout=20)
+        assert mqtt_attempt(ports["mqtt"], "bob", "hunter2") == ACCEPTED
+    finally:
+        n2.kill()
+
+
+def test_a_single_broker_with_users_refuses_wrong_credentials_from_the_start(tmp_path: Path) -> None:
+    data_dir = tmp_path / "single"
+    users_command(data_dir, "add", "alice", "--password", "s3cret")
+    ports, args = listener_ports()
+    broker = BrokerProcess(data_dir, args)
+    try:
+        knock_while_starting(broker, ports)
+    finally:
+        broker.kill()

@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import pytest
-from shardgate.client import Client, FailedPrecondition, Unauthenticated
+from shardgate.client import Client, FailedPrecondition, NotFound, SubscriptionType, Unauthenticated
 from shardgate.core.message import now_ms
 
 from tests.conftest import wait_for
@@ -464,3 +464,41 @@ def test_messages_published_while_shared_consumers_are_out_of_credit_all_come_on
                 await consumer.close()
 
     asyncio.run(scenario())
+
+
+def test_a_durable_subscription_is_described_on_any_node(cluster: Cluster, etcd: EtcdServer) -> None:
+    """`describe_subscription` on a node that does not hold the subscription answers as its
+    holder does: both consumers (one relayed from the other node), the type and the filters;
+    with its holder SIGKILLed, from the last checkpoint (no consumer); a name nobody holds is
+    NOT_FOUND on every node."""
+    n1, n2 = cluster(2)
+
+    async def scenario() -> None:
+        async with Client(n1.grpc_url) as first, Client(n2.grpc_url) as second:
+            here = first.consumer("audit", ["audit/#"], type="shared", durable=True, reconnect=False, name="a")
+            await here.subscribe()
+            wait_for(lambda: held_by(etcd, "audit") == "n1", timeout=20)
+            there = second.consumer("audit", ["audit/#"], type="shared", durable=True, reconnect=False, name="b")
+            await there.subscribe()
+            on_holder = await first.admin.describe_subscription("audit")
+            elsewhere = await second.admin.describe_subscription("audit")
+            assert elsewhere == on_holder
+            assert elsewhere.durable and elsewhere.type == SubscriptionType.SHARED
+            assert elsewhere.topic_filters == ["audit/#"] and len(elsewhere.consumers) == 2
+            await here.close()
+            await there.close()
+            await asyncio.to_thread(
+                wait_for, lambda: asyncio.run(described_consumers(n2.grpc_url, "audit")) == 0, timeout=20)
+            n1.kill()
+            checkpoint = await second.admin.describe_subscription("audit")
+            assert (checkpoint.name, checkpoint.type, checkpoint.durable, checkpoint.topic_filters,
+                    checkpoint.consumers) == ("audit", SubscriptionType.SHARED, True, ["audit/#"], [])
+            with pytest.raises(NotFound):
+                await second.admin.describe_subscription("nobody-holds-this")
+
+    asyncio.run(scenario())
+
+
+async def described_consumers(url: str, name: str) -> int:
+    async with Client(url) as client:
+        return len((await client.admin.describe_subscription(name)).consumers)

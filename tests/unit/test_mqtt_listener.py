@@ -8,8 +8,9 @@ import socket
 from typing import Any
 
 import pytest
+from shardgate.protocols.listener import TcpListener
 from shardgate.protocols.mqtt import server
-from shardgate.protocols.mqtt.server import TcpListener, start_tcp_listener
+from shardgate.protocols.mqtt.server import start_tcp_listener
 
 
 class Recorder(asyncio.Protocol):
