@@ -11,7 +11,7 @@ import logging
 import ssl
 import sys
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..listener import TcpListener
 from ..listener import start_tcp_listener as listen_tcp
