@@ -353,7 +353,9 @@ class MqttService:
 
     def authenticate(self, username: str | None, password: bytes | None, client_id: str, remote: str) -> str | None:
         edge = self.edge
-        if edge.authenticator is None and username is None and not self.settings.allow_anonymous:
+        # `mqtt.allow_anonymous = false` refuses clients without a user name on MQTT alone,
+        # whatever the security policy (`auth.allow_anonymous`) allows the other protocols.
+        if username is None and not self.settings.allow_anonymous:
             return "not-authorized"
         return edge.authenticate(Principal("mqtt", username, client_id, remote), password)
 
