@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import math
 import operator
 import struct
 import time
@@ -74,7 +75,7 @@ class PumpQueue:
         for _ in range(len(waiting)):
             subscription = waiting.popleft()
             try:
-                subscription._pump()
+                subscription._pump(deadline)
             except Exception:
                 log.exception("replay of subscription %s failed", subscription.name)
             if clock() >= deadline:
@@ -104,6 +105,8 @@ resumes far behind a busy shard whose records it mostly does not want yields to 
 The empty records of offsets a crash skipped (up to a reservation's worth after each crash) are
 not counted: they cost nothing to pass, and a message confirmed behind them must reach its
 queue at once."""
+DEADLINE_EVERY = 16
+"""Deliveries between two looks at the clock during a replay (see `DurableSubscription._pump`)."""
 TURN_PUMP_S = 0.004
 """Replay of every durable subscription together takes at most about this long per event-loop
 turn (then the rest waits for the next turn, after the turn's I/O): with many sessions
@@ -517,7 +520,10 @@ class DurableSubscription(Subscription):
             except RuntimeError:
                 self._pump_scheduled = False
 
-    def _pump(self) -> None:
+    def _pump(self, deadline: float = math.inf) -> None:
+        """Replay within `PUMP_BUDGET` messages, and until `perf_counter()` passes `deadline`
+        (the turn's replay time: one subscription replaying large messages must not hold the
+        loop for tens of milliseconds); what is left waits for a later turn."""
         self._pump_scheduled = False
         budget = PUMP_BUDGET
         if self._held:
@@ -530,7 +536,7 @@ class DurableSubscription(Subscription):
             if cursor.pending_redelivery:
                 budget = self._pump_restored(cursor, budget)
             if not cursor.live and budget > 0:
-                budget = self._pump_cursor(cursor, budget)
+                budget = self._pump_cursor(cursor, budget, deadline)
             if budget <= 0:
                 self.schedule_pump()
                 return
@@ -645,7 +651,7 @@ class DurableSubscription(Subscription):
     def has_available(self) -> bool:
         return any(consumer.available for consumer in self.consumers)
 
-    def _pump_cursor(self, cursor: ShardCursor, budget: int) -> int:
+    def _pump_cursor(self, cursor: ShardCursor, budget: int, deadline: float = math.inf) -> int:
         shard_log = cursor.log
         assert shard_log is not None
         if not self.has_available():
@@ -659,7 +665,7 @@ class DurableSubscription(Subscription):
         scanned = 0
         records: list[StoredRecord] | RecordSpans | None
         while budget > 0:
-            if scanned >= SCAN_BUDGET:
+            if scanned >= SCAN_BUDGET or (scanned and time.perf_counter() >= deadline):
                 self._dirty.add((cursor.stream, cursor.shard))
                 return 0  # the rest on a later turn
             if cursor.archived:
@@ -702,10 +708,10 @@ class DurableSubscription(Subscription):
                 return budget
             if isinstance(records, list):
                 scanned += sum(1 for record in records if record.data)
-                budget = self._replay_records(cursor, records, budget, now)
+                budget = self._replay_records(cursor, records, budget, now, deadline)
             else:
                 scanned += sum(map(operator.ne, records.starts, records.ends))  # not empty
-                budget = self._replay_block(cursor, records, budget, now)
+                budget = self._replay_block(cursor, records, budget, now, deadline)
             if budget <= 0:
                 return 0
             self._dirty.add((cursor.stream, cursor.shard))
@@ -732,7 +738,7 @@ class DurableSubscription(Subscription):
         return owner_log
 
     def _replay_records(self, cursor: ShardCursor, records: list[StoredRecord], budget: int,
-                        now: int) -> int:
+                        now: int, deadline: float = math.inf) -> int:
         """Deliver what `cursor` wants of `records` (read per record: from the archive, or a
         log without blocks) while consumers take it; returns the budget left, 0 when a
         consumer was missing or the budget ran out (the rest kept in `cursor.ahead`)."""
@@ -763,12 +769,13 @@ class DurableSubscription(Subscription):
                 return 0
             self._send(cursor, message, filters, consumer, 1)
             budget -= 1
-            if budget <= 0:
+            if budget <= 0 or (not budget % DEADLINE_EVERY and time.perf_counter() >= deadline):
                 self._keep_ahead(cursor, records, index + 1)
                 return 0
         return budget
 
-    def _replay_block(self, cursor: ShardCursor, block: RecordSpans, budget: int, now: int) -> int:
+    def _replay_block(self, cursor: ShardCursor, block: RecordSpans, budget: int, now: int,
+                      deadline: float = math.inf) -> int:
         """`_replay_records` over a block: each record's topic is looked at in the block's
         buffer and a message is made only for the records this subscription wants."""
         buffer = block.buffer
@@ -821,7 +828,7 @@ class DurableSubscription(Subscription):
                 return 0
             self._send(cursor, message, filters, consumer, 1)
             budget -= 1
-            if budget <= 0:
+            if budget <= 0 or (not budget % DEADLINE_EVERY and time.perf_counter() >= deadline):
                 self._keep_block_ahead(cursor, block, index + 1)
                 return 0
         return budget
