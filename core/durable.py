@@ -899,9 +899,17 @@ class DurableSubscription(Subscription):
             self.sink.save_cursor(self.name, cursor.stream, cursor.shard, cursor.floor, state)
 
     def close(self) -> None:
+        """The subscription is removed: stop its timer and forget what it handed out. Its
+        deliveries hold their consumers (an MQTT session holds the subscription back), so
+        keeping them would leave the session and its messages in a cycle until a full
+        collection of the cycle collector, while the heap grows around them."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        for cursor in self.cursors.values():
+            cursor.unacked.clear()
+        self._redeliver.clear()
+        self._delayed.clear()
 
 
 def is_durable(subscription: Subscription) -> bool:
