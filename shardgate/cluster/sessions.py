@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.durable import DurableSubscription, decode_cursor_state
 from ..core.message import Message, now_ms
 from ..core.records import RecordFormatError, decode_to_message, encode_message
-from ..core.subscriptions import SubscriptionType
+from ..core.subscriptions import Subscription, SubscriptionType
 from ..protocols.mqtt import packets as p
 from ..protocols.mqtt.session import (
     NEVER_EXPIRES,
@@ -273,8 +273,12 @@ class StateWriter:
             await asyncio.sleep(0.02)
 
 
-def snapshot(session: MqttSession, node_id: str) -> dict[str, Any]:
-    """Everything needed to resume `session` on another node (JSON)."""
+def snapshot(session: MqttSession, node_id: str, *, group_messages: bool = False) -> dict[str, Any]:
+    """Everything needed to resume `session` on another node (JSON). With `group_messages`
+    (a handover to a live node), also what its shared subscription groups handed it and it
+    has not acknowledged, in flight or queued: a group's message stays with the member it was
+    given to, as it does on one node while that member is offline [MQTT-4.8.2], so it follows
+    the member to its new node (a live group keeps no cursor of its own to replay it from)."""
     sub = session.subscription
     own = [
         [f, o.qos, o.no_local, o.retain_as_published, o.retain_handling, o.subscription_id]
@@ -291,11 +295,26 @@ def snapshot(session: MqttSession, node_id: str) -> dict[str, Any]:
         for pid, o in session.inflight.items()
         if o.source is sub and o.message.offset >= 0
     ]
-    # queued messages no cursor holds (non-reliable streams): carried as they are
-    queued = []
+    shared_inflight = []
+    if group_messages:
+        for pid, o in session.inflight.items():
+            group = _group_of(session, o.source)
+            if group is not None:
+                message = o.message
+                shared_inflight.append([pid, group, message.stream, message.shard, message.offset,
+                                        o.qos, o.released, o.retain, list(o.subscription_ids),
+                                        _message_data(message)])
+    # queued messages no cursor holds (non-reliable streams, shared groups): carried as they
+    # are, in their order; a group's entry ends with the group's name
+    queued: list[list[Any]] = []
     for item in session.queue:
         if item.source is not None and item.source is not sub:
-            continue  # a shared subscription's: its group's other members take it
+            group = _group_of(session, item.source) if group_messages else None
+            if group is not None:
+                message = item.message
+                queued.append([message.stream, message.shard, message.offset, item.qos, item.retain,
+                               list(item.subscription_ids), _message_data(message), group])
+            continue  # without a handover, the queue of a group dies with this node
         message = item.message
         cursor = sub.cursors.get((message.stream, message.shard)) if isinstance(sub, DurableSubscription) else None
         if cursor is not None and message.offset in cursor.unacked:
@@ -309,7 +328,16 @@ def snapshot(session: MqttSession, node_id: str) -> dict[str, Any]:
         "taken_ms": now_ms(), "subscriptions": own, "shared": shared, "cursors": cursors,
         "messages": messages, "inflight": inflight, "queued": queued,
         "qos2": sorted(session.inbound_qos2),
+        **({"shared_inflight": shared_inflight} if shared_inflight else {}),
     }
+
+
+def _group_of(session: MqttSession, source: Any) -> str | None:
+    """The name of the shared subscription group `source` is, if it is one of `session`'s."""
+    if source is None or source is session.subscription:
+        return None
+    entry = session.shared.get(source.name)
+    return source.name if entry is not None and entry[0] is source else None
 
 
 def expired(state: dict[str, Any], now: int | None = None, holder_gone_ms: int | None = None) -> bool:
@@ -452,10 +480,17 @@ class SessionHandover:
             return  # a connection here made one meanwhile
         if clean_start or state is None or expired(state, holder_gone_ms=self.holder_gone_ms(state.get("node"))):
             return  # a new session: opening it replaces or removes the snapshot (`opened`)
-        self.adopt(state)
+        session = self.adopt(state)
         self.taken_over += 1
         log.info("cluster: session %r taken over from %s", client_id, state.get("node"))
         self.went_offline(client_id)  # etcd now names this node
+        if session.shared:
+            # CONNACK waits (bounded) until the peers know this node is in the session's
+            # groups: a message published after it reaches the group here, as after a SUBACK
+            # (the session's own subscription needs no wait: its cursors replay the owners')
+            ready = self.broker.routes_ready()
+            if ready is not None:
+                await ready
 
     def adopt(self, state: dict[str, Any]) -> MqttSession:
         """Rebuild a session from a snapshot, offline (its connection is about to attach)."""
@@ -483,10 +518,22 @@ class SessionHandover:
                 continue
             session.inflight[int(pid)] = Outgoing(message, qos, retain, tuple(ids), sub, released)
             sub.adopt(message, session)
-        for stream, shard, offset, qos, retain, ids, data in state.get("queued", []):
+        for pid, group, stream, shard, offset, qos, released, retain, ids, data in state.get(
+                "shared_inflight", []):
+            entry = session.shared.get(group)
+            message = _message(data, stream, shard, offset)
+            if entry is not None and message is not None and int(pid) not in session.inflight:
+                session.inflight[int(pid)] = Outgoing(message, qos, retain, tuple(ids), entry[0], released)
+        for stream, shard, offset, qos, retain, ids, data, *group in state.get("queued", []):
+            source: Subscription | None = sub
+            if group:
+                entry = session.shared.get(group[0])
+                if entry is None:
+                    continue
+                source = entry[0]
             message = _message(data, stream, shard, offset)
             if message is not None:
-                session._enqueue(Queued(message, qos, retain, tuple(ids), sub))
+                session._enqueue(Queued(message, qos, retain, tuple(ids), source))
         session.inbound_qos2 = set(state.get("qos2", []))
         if session.inbound_qos2 and service.store is not None:
             service.store.save_qos2([(client_id, packet_id, True) for packet_id in session.inbound_qos2])
@@ -509,7 +556,8 @@ class SessionHandover:
             session.connection = None
             connection.close(p.ReasonCode.SESSION_TAKEN_OVER, f"session taken over on {to}")
         self._cancel_timers(client_id, publish_will=clean_start)
-        state = snapshot(session, self.node.node_id) if session.durable and not clean_start else None
+        state = (snapshot(session, self.node.node_id, group_messages=True)
+                 if session.durable and not clean_start else None)
         self._releasing.add(client_id)
         try:
             if service.sessions.get(client_id) is session:
