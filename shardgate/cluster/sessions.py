@@ -66,6 +66,11 @@ log = logging.getLogger(__name__)
 # How long a CONNECT waits for its session to come from another node before it gets a new one.
 TAKEOVER_TIMEOUT_S = 5.0
 RELEASE_CALL_TIMEOUT_S = 3.0
+# How long a node that handed a session over keeps its shared groups' messages for the new
+# node (`GroupStandIn`) when that node does not collect them (it died meanwhile).
+STAND_IN_TIMEOUT_S = 30.0
+# After the peers applied this node's leaving a group: pushes already on their way here.
+STAND_IN_DRAIN_S = 0.25
 # A cursor the old node did not have for a shard starts this long before the snapshot: that
 # node had received no matching message of the shard, so nothing there is delivered twice.
 NO_CURSOR_MARGIN_MS = 5_000
@@ -356,6 +361,35 @@ def expired(state: dict[str, Any], now: int | None = None, holder_gone_ms: int |
     return disconnected + expiry * 1000 <= (now_ms() if now is None else now)
 
 
+class GroupStandIn:
+    """Stands in, in this node's shared subscription groups, for a session handed over to
+    another node, until that node is in those groups too and collects what they handed the
+    stand-in meanwhile (`SessionHandover.collect`). So a group always has a node for every
+    member while it moves (the owners never find it empty and drop a message), and what was
+    on its way here for the member follows it."""
+
+    def __init__(self, client_id: str, groups: list[Subscription], to: str) -> None:
+        self.client_id = client_id
+        self.groups = groups
+        self.to = to  # the node the session went to: the one that collects
+        self.messages: list[tuple[str, Message]] = []
+        self.timer: asyncio.TimerHandle | None = None
+        # False once the new node collects: no longer a member in this node's routes, it only
+        # takes what the owners had already sent here (`routes.local_routes`)
+        self.in_routes = True
+
+    @property
+    def consumer_id(self) -> str:
+        return self.client_id
+
+    @property
+    def available(self) -> bool:
+        return False  # takes a message only when no member of the group can
+
+    def deliver(self, message: Message, subscription: Subscription, filters: Any) -> None:
+        self.messages.append((subscription.name, message))
+
+
 class SessionHandover:
     """Moves MQTT persistent sessions between this node and the others (module docstring)."""
 
@@ -380,6 +414,9 @@ class SessionHandover:
         self.taken_over = 0
         self.handed_over = 0
         self.swept = 0
+        # sessions handed over whose groups' messages wait here for their new node, by client id
+        self._stand_ins: dict[str, GroupStandIn] = {}
+        self._collecting: set[asyncio.Future[None]] = set()
 
     def key(self, client_id: str) -> str:
         return self.prefix + client_id
@@ -402,6 +439,8 @@ class SessionHandover:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
+        for collecting in list(self._collecting):
+            collecting.cancel()
 
     async def drop_moved(self) -> int:
         """At start: drop sessions restored from this node's store that ended or moved while
@@ -473,9 +512,52 @@ class SessionHandover:
                     holder, {"client_id": client_id, "to": me, "clean_start": clean_start},
                     RELEASE_CALL_TIMEOUT_S)
                 state = reply.get("state")
+                stood_in = bool(reply.get("stand_in"))
             except StateCallError as exc:
                 log.warning("cluster: node %s did not hand session %r over (%s); resuming from "
                             "its last snapshot", holder, client_id, exc)
+                stood_in = False
+            if stood_in:
+                # the holder's stand-in keeps the session's groups there until this node is
+                # in them (adopted, and the peers know), then hands over what it took (in the
+                # background: CONNACK does not wait for it)
+                try:
+                    await self._adopt_taken(client_id, clean_start, state)
+                finally:
+                    collecting = asyncio.ensure_future(self._collect_from(str(holder), client_id))
+                    self._collecting.add(collecting)
+                    collecting.add_done_callback(self._collecting.discard)
+                return
+        await self._adopt_taken(client_id, clean_start, state)
+
+    async def _collect_from(self, holder: str, client_id: str) -> None:
+        """What `holder`'s stand-in took for the session: to the session here (queued for it,
+        as for any offline member), or to nobody when the session did not come here."""
+        try:
+            reply = await self.rpc.release_session(
+                holder, {"client_id": client_id, "to": self.node.node_id, "collect": True},
+                RELEASE_CALL_TIMEOUT_S)
+        except StateCallError as exc:
+            log.warning("cluster: node %s did not hand over the group messages of session %r "
+                        "(%s)", holder, client_id, exc)
+            return
+        session = self.service.sessions.get(client_id)
+        stand_in = self._stand_ins.get(client_id)  # the session moved on meanwhile
+        lost = 0
+        for group, stream, shard, offset, data in reply.get("messages", []):
+            entry = session.shared.get(group) if session is not None else None
+            message = _message(data, stream, shard, offset)
+            if message is not None and session is not None and entry is not None:
+                session.deliver(message, entry[0], ())
+            elif message is not None and stand_in is not None:
+                stand_in.messages.append((group, message))
+            else:
+                lost += 1
+        if lost:
+            log.warning("cluster: %d group messages of session %r had no member to go to here",
+                        lost, client_id)
+
+    async def _adopt_taken(self, client_id: str, clean_start: bool, state: dict[str, Any] | None) -> None:
         if client_id in self.service.sessions:
             return  # a connection here made one meanwhile
         if clean_start or state is None or expired(state, holder_gone_ms=self.holder_gone_ms(state.get("node"))):
@@ -542,9 +624,12 @@ class SessionHandover:
 
     # ------------------------------------------------------------ the old node
     async def release(self, request: dict[str, Any]) -> dict[str, Any]:
-        """A peer took this client's session: end it here and hand its state over."""
+        """A peer took this client's session: end it here and hand its state over. Its
+        shared groups keep a stand-in here until the peer collects (`collect`)."""
         client_id = str(request["client_id"])
         to = str(request.get("to", "another node"))
+        if request.get("collect"):
+            return await self.collect(client_id, to)
         clean_start = bool(request.get("clean_start"))
         service = self.service
         session = service.sessions.get(client_id)
@@ -558,6 +643,19 @@ class SessionHandover:
         self._cancel_timers(client_id, publish_will=clean_start)
         state = (snapshot(session, self.node.node_id, group_messages=True)
                  if session.durable and not clean_start else None)
+        stand_in = None
+        if state is not None and session.shared:
+            stand_in = GroupStandIn(client_id, [sub for sub, _options in session.shared.values()], to)
+            for group in stand_in.groups:
+                self.broker.attach(group, stand_in)  # before the session leaves: no route changes
+            earlier = self._stand_ins.get(client_id)
+            if earlier is not None:  # an earlier move's, not collected yet: what it took goes too
+                stand_in.messages.extend(earlier.messages)
+                earlier.messages.clear()
+                self._drop_stand_in(client_id)
+            stand_in.timer = asyncio.get_running_loop().call_later(
+                STAND_IN_TIMEOUT_S, self._drop_stand_in, client_id)
+            self._stand_ins[client_id] = stand_in
         self._releasing.add(client_id)
         try:
             if service.sessions.get(client_id) is session:
@@ -567,7 +665,51 @@ class SessionHandover:
             self._releasing.discard(client_id)
         self.handed_over += 1
         log.info("cluster: session %r handed over to %s", client_id, to)
-        return {"state": state}
+        return {"state": state, "stand_in": stand_in is not None}
+
+    async def collect(self, client_id: str, to: str) -> dict[str, Any]:
+        """The session's new node `to` is in its groups now: the stand-in leaves them, and once
+        the peers know (and what they pushed meanwhile has arrived), what it took goes there."""
+        stand_in = self._stand_ins.get(client_id)
+        if stand_in is None or stand_in.to != to:
+            return {"messages": []}
+        broker = self.broker
+        stand_in.in_routes = False  # the peers stop sending the groups' messages here
+        if broker.on_routes_changed is not None:
+            broker.on_routes_changed()
+        ready = broker.routes_ready()
+        if ready is not None:
+            await ready
+        # a peer's pushes come on its own link, not the one its answer came on: what it sent
+        # before it applied the change may still be on its way
+        await asyncio.sleep(STAND_IN_DRAIN_S)
+        if self._stand_ins.get(client_id) is stand_in:
+            del self._stand_ins[client_id]
+        if stand_in.timer is not None:
+            stand_in.timer.cancel()
+        self._leave_groups(stand_in)
+        return {"messages": [
+            [group, message.stream, message.shard, message.offset, _message_data(message)]
+            for group, message in stand_in.messages
+        ]}
+
+    def _leave_groups(self, stand_in: GroupStandIn) -> None:
+        broker = self.broker
+        for group in stand_in.groups:
+            broker.detach(group, stand_in)
+            if not group.consumers and broker.subscriptions.get(group.name) is group:
+                broker.remove_subscription(group.name)
+
+    def _drop_stand_in(self, client_id: str) -> None:
+        stand_in = self._stand_ins.pop(client_id, None)
+        if stand_in is None:
+            return
+        if stand_in.timer is not None:
+            stand_in.timer.cancel()
+        self._leave_groups(stand_in)
+        if stand_in.messages:
+            log.warning("cluster: %d group messages kept for session %r were never collected by "
+                        "its new node; dropped", len(stand_in.messages), client_id)
 
     def _cancel_timers(self, client_id: str, *, publish_will: bool) -> None:
         service = self.service

@@ -1,7 +1,8 @@
 """MQTT shared subscription groups (`$share/group/filter`) of persistent sessions in a cluster,
 with paho against real nodes: a member that comes back on another node keeps what its group
 handed it and it had not acknowledged (in flight, resent with DUP; queued while it was away),
-as on one node [MQTT-4.8.2], then receives the group's new messages there."""
+as on one node [MQTT-4.8.2], then receives the group's new messages there; and while the
+group's only member moves back and forth under load, nothing acknowledged is lost."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from tests.conftest import wait_for
-from tests.e2e.cluster_fixtures import ClusterNodeProcess
+from tests.e2e.cluster_fixtures import ClusterNodeProcess, ContinuousPublisher
 from tests.mqtt_clients import V5, Paho
 
 Cluster = Callable[..., list[ClusterNodeProcess]]
@@ -100,3 +101,50 @@ def test_a_group_member_back_on_another_node_gets_what_it_had_not_acknowledged(c
     assert sorted(m.payload for m in back.take(2)) == [b"job-10", b"job-9"]
     assert session_on(n1, "worker-1") is None
     back.leave()
+
+
+def test_a_group_member_moving_between_nodes_loses_nothing_acknowledged(cluster: Cluster) -> None:
+    """The group's only member moves n1 -> n2 -> n1 -> n2 while publishers on both nodes keep
+    publishing QoS 1: every message a PUBACK acknowledged reaches it (at least once)."""
+
+    n1, n2 = cluster(2)
+    received: queue.Queue[bytes] = queue.Queue()
+    member = Member("mover")
+    member.client.on_message = lambda c, u, m: (received.put(m.payload), c.ack(m.mid, m.qos))
+    member.connect(n1.mqtt_port)
+    member.subscribe()
+    publishers = [ContinuousPublisher(node.mqtt_port, f"pub-{node.node_id}", [f"jobs/{node.node_id}/{i}" for i in range(8)],
+                                      pause_s=0.002) for node in (n1, n2)]
+
+    def published_some_more() -> None:
+        target = sum(publisher.count() for publisher in publishers) + 20
+        wait_for(lambda: sum(publisher.count() for publisher in publishers) >= target, timeout=30)
+
+    try:
+        for port in (n2.mqtt_port, n1.mqtt_port, n2.mqtt_port):
+            published_some_more()
+            member.leave()
+            member = Member("mover")
+            member.client.on_message = lambda c, u, m: (received.put(m.payload), c.ack(m.mid, m.qos))
+            assert member.connect(port)
+        published_some_more()
+    finally:
+        for publisher in publishers:
+            publisher.stop()
+    acknowledged = {payload for publisher in publishers for payload in publisher.acknowledged}
+    assert len(acknowledged) >= 80
+    got: set[str] = set()
+
+    def all_arrived() -> bool:
+        while not received.empty():
+            got.add(received.get().decode())
+        return acknowledged <= got
+
+    try:
+        wait_for(all_arrived, timeout=30)
+    except AssertionError:
+        missing = sorted(acknowledged - got, key=lambda p: (p.split("-")[1], int(p.split("-")[2])))
+        raise AssertionError(f"{len(missing)} of {len(acknowledged)} acknowledged messages never "
+                             f"reached the group: {missing[:20]}") from None
+    finally:
+        member.leave()
