@@ -114,6 +114,11 @@ class ExchangeDirectory(Protocol):
         """The auto-delete exchange `name` is unused here: delete it (`vhost.auto_delete`)
         once no other node's queue is bound to it."""
 
+    def deleted(self, vhost: VirtualHost, name: str) -> asyncio.Future[None]:
+        """Done once the deletion of the exchange `name`, just made here, is committed in the
+        cluster and every other live node has applied it (bounded), so that a client told
+        delete-ok finds it gone on any node."""
+
 
 def is_shared(queue: Queue) -> bool:
     """A queue every node of a cluster may use: neither exclusive nor auto-delete (those

@@ -117,9 +117,17 @@ class TopologyMixin(ConnectionBase):
         directory = vhost.exchange_directory
 
         def delete() -> None:
+            known = frame.exchange in vhost.exchanges
             vhost.delete_exchange(frame.exchange, frame.if_unused)
-            if not frame.nowait:
+            if frame.nowait:
+                return
+            if directory is None or not known:
                 self.send_method(channel.number, commands.Exchange.DeleteOk())
+                return
+            # delete-ok once every node has it gone, as RabbitMQ's cluster-wide delete: a
+            # declare or publish on another node right after it sees no old exchange
+            self.hold_until(channel, directory.deleted(vhost, frame.exchange),
+                            lambda _: self.send_method(channel.number, commands.Exchange.DeleteOk()))
 
         exchange = vhost.exchanges.get(frame.exchange)
         if (directory is None or not frame.if_unused or exchange is None

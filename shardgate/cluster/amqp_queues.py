@@ -74,6 +74,10 @@ SERVICE = "shardgate.cluster.v1.AmqpQueues"
 CALL = "Call"
 CONSUME = "Consume"
 CALL_TIMEOUT_S = 10.0
+# `Call` asking a node to answer once its etcd watch has applied a revision, and how long
+# that waits at most (a watch is normally milliseconds behind)
+CAUGHT_UP = "caught_up"
+CAUGHT_UP_S = 3.0
 
 
 def queue_key(vhost: str, name: str) -> str:
@@ -91,6 +95,8 @@ class SharedQueues:
         self.host = QueueHost(amqp)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._live: set[str] = set()
+        # calls waiting until this node's view of etcd reaches a revision
+        self._revision_waiters: list[tuple[int, asyncio.Future[None]]] = []
 
     def install(self, plane: DataPlane) -> None:
         plane.add_service(self.handler())
@@ -101,6 +107,7 @@ class SharedQueues:
         self.resume_remote_cursors(plane)
         self._live = set(self.node.view.nodes())
         self.node.view.on_change(self._view_changed)
+        self.node.document_listeners.append(self._documents_changed)
 
     def resume_remote_cursors(self, plane: DataPlane) -> int:
         """At start: the shared queues restored from this node's store read what they have not
@@ -252,12 +259,61 @@ class SharedQueues:
             self.host.node_gone(gone)
         self._live = live
 
+    # ------------------------------------------------------------ read your writes
+    def caught_up(self, revision: int) -> asyncio.Future[None]:
+        """Done once this node's view of etcd (its watch) has applied `revision`."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.node.view.revision >= revision:
+            future.set_result(None)
+        else:
+            self._revision_waiters.append((revision, future))
+        return future
+
+    def _documents_changed(self, key: str, value: bytes | None) -> None:
+        if not self._revision_waiters:
+            return
+        seen = self.node.view.revision
+        waiting = []
+        for revision, future in self._revision_waiters:
+            if future.done():
+                continue
+            if revision <= seen:
+                future.set_result(None)
+            else:
+                waiting.append((revision, future))
+        self._revision_waiters = waiting
+
+    async def peers_caught_up(self, revision: int) -> None:
+        """Wait (at most `CAUGHT_UP_S`) until every other live node has applied `revision` of
+        etcd: what this node wrote there is then what a client of any node sees."""
+        me = self.node.node_id
+        others = [node for node in self.node.view.nodes() if node != me and self.live(node)]
+        if not others:
+            return
+        calls = [self.call(node, {"op": CAUGHT_UP, "revision": revision}) for node in others]
+        done, pending = await asyncio.wait(calls, timeout=CAUGHT_UP_S)
+        for call in pending:
+            call.cancel()
+        for call in done:
+            if call.exception() is not None:
+                log.debug("cluster: a node did not confirm etcd revision %d: %s", revision, call.exception())
+        if pending:
+            log.warning("cluster: %d nodes had not applied etcd revision %d after %.0f s",
+                        len(pending), revision, CAUGHT_UP_S)
+
     # ------------------------------------------------------------ serving other nodes
     def handler(self) -> grpc.GenericRpcHandler:
         host, broker = self.host, self.broker
 
         async def call(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             asked = json.loads(request)
+            if asked.get("op") == CAUGHT_UP:
+                waiter = self.caught_up(int(asked.get("revision", 0)))
+                try:
+                    await asyncio.wait_for(waiter, CAUGHT_UP_S)
+                except TimeoutError:
+                    return b'{"behind":true}'
+                return b"{}"
             reply = host.handle(asked)
             if asked.get("op") in ("bind", "declare") and "error" not in reply:
                 # answered once the peers know the route (a SUBACK waits the same way)

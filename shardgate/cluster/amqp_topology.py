@@ -21,8 +21,14 @@ right place for them.
 - The queues bound to an exchange are known on their own nodes only, so a delete with
   if-unused, and an auto-delete exchange losing its last binding here, ask the other live
   nodes (`exchange_in_use`, over the queues' call) before deleting.
-- A non-durable exchange stays in etcd until it is deleted (RabbitMQ drops it only when every
-  node of the cluster stops).
+- A delete-ok waits until the deletion is committed in etcd and every other live node's watch
+  has reached its revision (bounded by `CAUGHT_UP_S`), so a client that deletes an exchange on
+  one node and declares or publishes on another right after finds it gone there, as in
+  RabbitMQ, where the deletion is one cluster-wide transaction. A declare-ok needs no wait: a
+  node that does not know a name reads etcd before it answers or routes.
+- A non-durable exchange lives while any node of the cluster does: a node that starts while
+  no other node is registered drops the non-durable exchanges (and their exchange bindings)
+  left in etcd, as RabbitMQ drops them when its last node stops.
 
 A queue lives on the node where it was declared and is used from every node through it
 (`amqp_queues.py`).
@@ -38,7 +44,7 @@ from urllib.parse import quote, unquote
 
 from . import keys
 from .amqp_queues import SharedQueues
-from .etcd import get_op, put_op, version_is
+from .etcd import delete_op, get_op, mod_revision_is, put_op, version_is
 
 if TYPE_CHECKING:
     from ..core.broker import Broker
@@ -89,12 +95,16 @@ class SharedExchanges:
         self._plane = plane
         self._claiming: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        # exchange keys being deleted in etcd: the deletion's revision when done
+        self._deletions: dict[str, asyncio.Future[int]] = {}
 
     def install(self) -> None:
         if self._plane is not None:
             self.queues.install(self._plane)
             self._claiming = asyncio.get_running_loop().create_task(self.queues.claim_restored())
         self.node.document_listeners.append(self._changed_in_etcd)
+        if not [node for node in self.node.view.registrations if node != self.node.node_id]:
+            self._drop_transient()
         # etcd's exchanges into this node, then this node's (declared before it joined) into etcd
         for key, value in list(self.node.view.documents.items()):
             if key.startswith(keys.AMQP):
@@ -103,6 +113,44 @@ class SharedExchanges:
             vhost.exchange_directory = self
             vhost.on_exchanges_changed.append(self._changed_here)
             self._share(vhost, delete=False)
+
+    def _drop_transient(self) -> None:
+        """This node starts a cluster that had stopped entirely: the non-durable exchanges and
+        the exchange-to-exchange bindings of those are gone, as RabbitMQ drops them when its
+        last node stops. (Each key goes only if nobody wrote it again meanwhile.)"""
+        documents = self.node.view.documents
+        dropped: dict[str, bytes] = {}
+        transient: set[tuple[str, str]] = set()
+        for key, value in list(documents.items()):
+            parsed = parse_key(key) if key.startswith(keys.AMQP) else None
+            if parsed is not None and parsed[1] == EXCHANGES and not keys.decode(value).get("durable", True):
+                dropped[key] = value
+                transient.add((parsed[0], parsed[2]))
+        for key, value in list(documents.items()):
+            parsed = parse_key(key) if key.startswith(keys.AMQP) else None
+            if parsed is not None and parsed[1] == XBINDINGS:
+                binding = keys.decode(value)
+                if {(parsed[0], binding.get("source")), (parsed[0], binding.get("destination"))} & transient:
+                    dropped[key] = value
+        if not dropped:
+            return
+        for key in dropped:
+            del documents[key]
+        log.info("cluster: %d non-durable AMQP exchanges and their bindings ended with the "
+                 "cluster's last stop; dropped", len(transient))
+        task = asyncio.get_running_loop().create_task(self._delete_unchanged(dropped))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _delete_unchanged(self, values: dict[str, bytes]) -> None:
+        for key, value in values.items():
+            full = self.node.key(key)
+            try:
+                kv = await self.node.client.get(full)
+                if kv is not None and kv.value == value:
+                    await self.node.client.txn([mod_revision_is(full, kv.mod_revision)], [delete_op(full)])
+            except Exception as exc:  # noqa: BLE001 - the next lone start drops it
+                log.warning("cluster: cannot drop AMQP %s from etcd: %s", key, exc)
 
     # ------------------------------------------------------------ this node -> etcd
     def _changed_here(self, vhost: Any) -> None:
@@ -142,7 +190,23 @@ class SharedExchanges:
                 prefix = f"{keys.AMQP}{quote(vhost.name, safe='')}/{kind}/"
                 for key in [k for k in documents if k.startswith(prefix) and k not in local]:
                     del documents[key]
-                    self.node.submit(key, None)
+                    if kind == EXCHANGES:
+                        self._deletions[key] = asyncio.ensure_future(self._delete_in_etcd(key))
+                    else:
+                        self.node.submit(key, None)
+
+    async def _delete_in_etcd(self, key: str) -> int:
+        """Delete an exchange's key now (not after the node's queued writes: its delete-ok
+        waits for it); the etcd revision of the deletion, 0 when etcd is away (then the
+        queued writer retries it)."""
+        try:
+            return (await self.node.client.txn([], [delete_op(self.node.key(key))])).revision
+        except Exception as exc:  # noqa: BLE001 - retried by the node's writer
+            log.warning("cluster: cannot delete AMQP exchange %s in etcd yet (%s); retrying", key, exc)
+            self.node.submit(key, None)
+            return 0
+        finally:
+            self._deletions.pop(key, None)
 
     # ------------------------------------------------------------ ExchangeDirectory
     def create(self, vhost: Any, name: str, definition: dict[str, Any]) -> asyncio.Future[None]:
@@ -202,6 +266,14 @@ class SharedExchanges:
         task = asyncio.get_running_loop().create_task(check())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def deleted(self, vhost: Any, name: str) -> asyncio.Future[None]:
+        return asyncio.ensure_future(self._deleted(self._deletions.get(exchange_key(vhost.name, name))))
+
+    async def _deleted(self, deletion: asyncio.Future[int] | None) -> None:
+        revision = await deletion if deletion is not None else 0
+        if revision:
+            await self.queues.peers_caught_up(revision)
 
     # ------------------------------------------------------------ etcd -> this node
     def _changed_in_etcd(self, key: str, value: bytes | None) -> None:

@@ -4,8 +4,9 @@ aio-pika against `shardgate serve --cluster` processes and a real etcd.
 Every exchange, durable or not, is the cluster's: declared on one node it is there at once for
 a passive declare on another, a redeclare with other properties is refused with 406 wherever
 it comes from, an exchange-to-exchange binding made on one node routes for every node's
-queues, a delete with if-unused sees the queues of every node, and an auto-delete exchange
-goes only when no node's queue is bound to it. An exclusive queue used from another node's
+queues, a delete with if-unused sees the queues of every node, an auto-delete exchange goes only when
+no node's queue is bound to it, a delete-ok means gone on every node, and a non-durable
+exchange ends with the cluster's last node. An exclusive queue used from another node's
 connection answers 405 RESOURCE_LOCKED, as RabbitMQ does."""
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tests.e2e.cluster_fixtures import (
     amqp_url,
     eventually,
     settled_nodes,
+    wait_settled,
 )
 
 
@@ -124,6 +126,68 @@ async def test_exchange_bindings_and_auto_delete_span_the_nodes(
         await other.unbind("dst-x")
         await eventually(lambda: _absent(amqp_url(n1), "dst-x"))
         await eventually(lambda: _absent(amqp_url(n2), "dst-x"))
+
+
+async def test_after_delete_ok_on_one_node_the_exchange_is_gone_on_the_other(
+        amqp_nodes: list[ClusterNodeProcess]) -> None:
+    """RabbitMQ deletes an exchange cluster-wide before its delete-ok: a client that deletes
+    on n1 and goes straight to n2 finds no old exchange there, for a passive declare, a
+    publish, or a declare of the name with another type."""
+    n1, n2 = amqp_nodes
+    async with await aio_pika.connect(amqp_url(n1)) as c1, await aio_pika.connect(amqp_url(n2)) as c2:
+        for round_ in range(10):
+            name = f"short-lived-{round_}"
+            await (await c1.channel()).declare_exchange(name, aio_pika.ExchangeType.FANOUT, durable=False)
+            await (await c2.channel()).declare_exchange(name, passive=True)  # n2 knows it
+            await (await c1.channel()).exchange_delete(name)
+            with pytest.raises(aiormq.exceptions.ChannelNotFoundEntity,
+                               match=f"no exchange '{name}' in vhost '/'"):
+                await (await c2.channel()).declare_exchange(name, passive=True)
+            publisher = await c2.channel(publisher_confirms=True)
+            with pytest.raises(aiormq.exceptions.ChannelNotFoundEntity,
+                               match=f"no exchange '{name}' in vhost '/'"):
+                await aio_pika.Exchange(publisher, name).publish(aio_pika.Message(b"x"), "")
+            # the name is free: another type is accepted on n2, and n1 then sees that one
+            await (await c2.channel()).declare_exchange(name, aio_pika.ExchangeType.TOPIC, durable=False)
+            with pytest.raises(aiormq.exceptions.ChannelPreconditionFailed,
+                               match="received 'fanout' but current is 'topic'"):
+                await (await c1.channel()).declare_exchange(name, aio_pika.ExchangeType.FANOUT,
+                                                            durable=False)
+            await (await c2.channel()).exchange_delete(name)
+
+
+async def test_non_durable_exchanges_end_with_the_clusters_last_node(
+        amqp_nodes: list[ClusterNodeProcess]) -> None:
+    """As in RabbitMQ: a non-durable exchange outlives any one node's restart, but not a stop
+    of the whole cluster; a durable one and its exchange binding outlive both."""
+    n1, n2 = amqp_nodes
+    async with await aio_pika.connect(amqp_url(n1)) as c1:
+        channel = await c1.channel()
+        await channel.declare_exchange("kept-x", aio_pika.ExchangeType.TOPIC, durable=True)
+        await channel.declare_exchange("also-kept-x", aio_pika.ExchangeType.FANOUT, durable=True)
+        await channel.declare_exchange("fleeting-x", aio_pika.ExchangeType.FANOUT, durable=False)
+        await (await channel.get_exchange("also-kept-x")).bind("kept-x", "a.#")
+        await (await channel.get_exchange("fleeting-x")).bind("kept-x", "b.#")
+    assert n1.terminate() == 0
+    n1.start()
+    wait_settled(amqp_nodes)
+    assert await amqp_exchange_exists(amqp_url(n1), "fleeting-x")  # n2 kept the cluster alive
+    assert n1.terminate() == 0
+    assert n2.terminate() == 0
+    n2.start()
+    assert not await amqp_exchange_exists(amqp_url(n2), "fleeting-x")
+    assert await amqp_exchange_exists(amqp_url(n2), "kept-x")
+    # the durable exchange binding still routes: a queue bound to also-kept-x gets a.1
+    async with await aio_pika.connect(amqp_url(n2)) as c2:
+        channel = await c2.channel(publisher_confirms=True)
+        queue = await channel.declare_queue("", exclusive=True)
+        await queue.bind("also-kept-x")
+        await publish_until_routed(await channel.get_exchange("kept-x"), "a.1", b"a")
+        message = await queue.get(timeout=10, fail=True)
+        assert message is not None and message.body == b"a"
+    n1.start()
+    wait_settled(amqp_nodes)
+    assert not await amqp_exchange_exists(amqp_url(n1), "fleeting-x")
 
 
 async def test_an_exclusive_queue_is_locked_to_other_nodes_connections(

@@ -46,6 +46,11 @@ class ElsewhereDeclared:
     def auto_delete(self, vhost: Any, name: str) -> None:
         vhost.auto_delete(name)
 
+    def deleted(self, vhost: Any, name: str) -> asyncio.Future[None]:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
 
 async def test_an_exchange_declared_elsewhere_is_looked_up_before_a_404() -> None:
     service = AmqpService(Edge(Broker()), AmqpSettings(), scheduler=asyncio.get_running_loop())
