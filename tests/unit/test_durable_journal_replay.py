@@ -5,7 +5,6 @@ duplicate, when the consumer's window fills mid-block and when most records are 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 from shardgate.core.broker import Broker
@@ -17,13 +16,6 @@ from shardgate.storage.journal import JournalStorage
 from shardgate.storage.memory import MemoryStorage
 
 from tests.unit.recording_consumer import Consumer
-
-
-@pytest.fixture
-def journal(tmp_path: Path):
-    storage = JournalStorage(tmp_path / "journal")
-    yield storage
-    storage.close()
 
 
 def reliable(storage: object) -> Broker:
