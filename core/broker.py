@@ -25,7 +25,7 @@ from ..storage.interfaces import (
     StorageError,
     StorageFull,
 )
-from .delayed import DelayedDelivery, deliver_at
+from .delayed import DelayedDelivery, Held, deliver_at
 from .durable import CursorSink, DurableOptions, DurableSubscription
 from .errors import (
     PublishRejected,
@@ -408,8 +408,8 @@ class Broker:
         PublishRejected if the store could not take it. `counted=False`: a message another
         node took from its client and forwarded here (counted there, once)."""
         shard = self._route(message, counted)
-        if shard is None:
-            return None  # held for delayed delivery
+        if isinstance(shard, Held):
+            return shard.receipt  # held for delayed delivery
         placement = self.placement
         if placement is not None and not placement.serves(shard.stream, shard.index):
             return placement.forward(message)
@@ -478,8 +478,9 @@ class Broker:
                     plain_bytes += len(message.payload)
                 else:
                     routed = self._route(message, counted)
-                    if routed is None:
-                        continue  # held for delayed delivery
+                    if isinstance(routed, Held):
+                        outcomes[index] = routed.receipt  # held for delayed delivery
+                        continue
                     shard = routed
                     if placement is not None and not placement.serves(shard.stream, shard.index):
                         outcomes[index] = placement.forward(message)
@@ -561,8 +562,9 @@ class Broker:
             kept.append(message)
         return kept_indices, kept, records
 
-    def _route(self, message: Message, counted: bool) -> Shard | None:
-        """The first steps of a publish: reserved topics refused, delayed messages held (None),
+    def _route(self, message: Message, counted: bool) -> Shard | Held:
+        """The first steps of a publish: reserved topics refused, delayed messages held (Held,
+        with the receipt to acknowledge on),
         the stream's schema checked, the stream and shard chosen (set on the message) and the
         message counted. Raises PublishRejected."""
         topic = message.topic
@@ -575,8 +577,7 @@ class Broker:
                 held_in = self.stream_for_topic(message.topic).config
                 if held_in.schema is not Schema.BYTES:
                     check_payload(held_in.schema, message.payload, held_in.name)
-                self.delayed.hold(message, at_ms)
-                return None
+                return Held(self.delayed.hold(message, at_ms))
             topic = message.topic
         stream = self.stream_for_topic(topic)
         config = stream.config

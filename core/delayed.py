@@ -2,9 +2,12 @@
 
 MQTT clients ask for it with the topic prefix `$delayed/{seconds}/{topic}` (as EMQX and
 RobustMQ do); every protocol can set the header `x-deliver-at` (epoch milliseconds) or
-`x-delay` (milliseconds, as RabbitMQ's delayed-message exchange). Held messages live in a
-`DelayedStore` (the metadata store) so they survive a restart, and one timer per message
-releases them into the normal publish path.
+`x-delay` (milliseconds, as RabbitMQ's delayed-message exchange); those two headers are
+removed from the message it holds, so that its release is not held again. On a single node held
+messages live in a `DelayedStore` (the metadata store) so they survive a restart, and one timer
+per message releases them into the normal publish path. In a cluster a `SharedHold` keeps them
+instead (shardgate/cluster/delayed.py: in etcd, released by any node), and the publish that
+holds a message is acknowledged once the cluster has it (`hold` returns that future).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Callable
+from typing import Protocol
 
 from .errors import PublishRejected
 from .message import Message, now_ms
@@ -23,6 +27,33 @@ log = logging.getLogger(__name__)
 
 DELAYED_PREFIX = "$delayed/"
 MAX_DELAY_S = 42 * 24 * 3600
+# The headers that ask for a delay: removed from a held message (its release is not held again).
+DELAY_HEADERS = frozenset({"x-deliver-at", "x-delay"})
+
+
+class SharedHold(Protocol):
+    """Where a cluster keeps held messages instead of this node's store."""
+
+    def hold(self, message: Message, at_ms: int) -> asyncio.Future[None]:
+        """Keep `message` until `at_ms`; the future resolves once it is durable (fails with
+        PublishRejected if it cannot be kept). Raises PublishRejected when refused at once."""
+
+    def __len__(self) -> int: ...
+
+    async def finish(self) -> None:
+        """Stop holding and releasing; end the releases under way (a node leaving)."""
+
+    def close(self) -> None: ...
+
+
+class Held:
+    """What routing a held message gives: the receipt to acknowledge its publish on (None:
+    durable already)."""
+
+    __slots__ = ("receipt",)
+
+    def __init__(self, receipt: asyncio.Future[None] | None) -> None:
+        self.receipt = receipt
 
 
 def deliver_at(message: Message) -> int | None:
@@ -55,13 +86,21 @@ class DelayedDelivery:
     def __init__(self, store: DelayedStore | None, publish: Callable[[Message], object]) -> None:
         self.store = store
         self.publish = publish
+        # cluster mode: held messages are kept there instead (set by the cluster wiring)
+        self.shared: SharedHold | None = None
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._held: dict[str, Message] = {}
 
     def __len__(self) -> int:
-        return len(self._timers)
+        return len(self._timers) + (len(self.shared) if self.shared is not None else 0)
 
-    def hold(self, message: Message, at_ms: int) -> None:
+    def hold(self, message: Message, at_ms: int) -> asyncio.Future[None] | None:
+        """Keep `message` until `at_ms`. Returns None once it is durable here, or (cluster) the
+        future that resolves when it is. Raises PublishRejected."""
+        if message.headers and any(name in DELAY_HEADERS for name, _value in message.headers):
+            message.headers = [pair for pair in message.headers if pair[0] not in DELAY_HEADERS] or None
+        if self.shared is not None:
+            return self.shared.hold(message, at_ms)
         delivery_id = uuid.uuid4().hex
         if self.store is not None:
             try:
@@ -69,6 +108,7 @@ class DelayedDelivery:
             except Exception as exc:
                 raise PublishRejected(f"could not store the delayed message: {exc}") from exc
         self._schedule(delivery_id, message, at_ms)
+        return None
 
     def _schedule(self, delivery_id: str, message: Message, at_ms: int) -> None:
         loop = asyncio.get_running_loop()
@@ -108,7 +148,15 @@ class DelayedDelivery:
             count += 1
         return count
 
+    async def finish(self) -> None:
+        """A cluster node leaving: stop holding and releasing, and end the releases under way,
+        while its data plane still forwards (held messages stay for the other nodes)."""
+        if self.shared is not None:
+            await self.shared.finish()
+
     def close(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()

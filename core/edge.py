@@ -9,8 +9,8 @@ A protocol adapter turns its frames into core calls through an `Edge` and nothin
   shard) and returns, per message, its receipt or the `PublishRejected` that refused it alone
   (`stop_at_refusal=True`: nothing after the first refused message is processed). Whether
   the shard is stored here or forwarded to its owner node is the broker's placement hook
-  (`core.placement.ShardPlacement`, None on a single node); `use_router` can put another
-  publish path (a `ShardRouter`) in front of the broker for the whole node.
+  (`core.placement.ShardPlacement`, None on a single node); a `ShardRouter` given to the
+  `Edge` puts another publish path in front of the broker for the whole node.
 - `subscription` / `durable_subscription` / `add_filter` / `remove_filter` / `attach` /
   `detach` / `remove_subscription`: subscribe and unsubscribe (a cluster layer hooks filter
   changes here for its route table); acks and nacks go to the durable subscription the
@@ -193,11 +193,6 @@ class Edge:
             router.publish if router is not None else broker.publish
         )
         self.publish_many: PublishMany = broker.publish_many if router is None else self._publish_each
-
-    def use_router(self, router: ShardRouter) -> None:
-        """Send every publish of this node through `router` from now on."""
-        self.publish = router.publish
-        self.publish_many = self._publish_each
 
     def _publish_each(
         self, messages: Sequence[Message], *, stop_at_refusal: bool = False

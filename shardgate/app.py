@@ -86,7 +86,6 @@ class Shardgate:
         # cluster mode: forwarding, route table and pushes between nodes (`cluster.forward`),
         # started before any client listener so that no publish is stored by a non-owner
         self.data_plane: DataPlane | None = None
-        self._stopped = asyncio.Event()
 
     def _ssl_context(self) -> ssl.SSLContext:
         tls = self.config.tls
@@ -299,12 +298,15 @@ class Shardgate:
         except OSError as exc:
             await self.stop()
             what, bound_host, port, setting = starting
-            reason = "the port is already in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
-            raise ConfigError(
-                f"cannot listen for {what} on {bound_host}:{port}: {reason} "
-                f"(another broker running? change {setting} or --{setting.split('.')[1].replace('_', '-')}, "
-                "0 turns the listener off)"
-            ) from exc
+            flag = "--" + setting.split(".")[1].replace("_", "-")
+            if exc.errno == errno.EADDRINUSE:
+                reason = (f"the port is already in use (another broker running? change {setting} "
+                          f"or {flag}, 0 turns the listener off)")
+            else:  # an address this host does not have, a name that does not resolve
+                host_setting = ("listeners.http_host" if setting == "listeners.http_port"
+                                else "listeners.host or --host")
+                reason = f"{exc.strerror or exc} (check {host_setting})"
+            raise ConfigError(f"cannot listen for {what} on {bound_host}:{port}: {reason}") from exc
         for listener in self.listeners.values():
             log.info("listening for %s on %s:%d", listener.name, listener.host, listener.port)
         if self.cluster is not None:
@@ -380,6 +382,8 @@ class Shardgate:
         if self.cluster is not None:
             # hand this node's shards over while it still serves, then go on stopping
             await self.cluster.leave()
+            if self.broker is not None:
+                await self.broker.delayed.finish()  # released ones deleted while forwarding works
         for bridge in self.bridges:
             await bridge.stop()
         self.bridges = []
@@ -428,7 +432,3 @@ class Shardgate:
             self.metadata.close()
         if self.cluster is not None:
             await self.cluster.stop()
-        self._stopped.set()
-
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()

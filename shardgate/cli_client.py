@@ -93,7 +93,8 @@ async def _streams_create(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         _json(info, sys.stdout)
     else:
-        print(f"created stream {info.name} ({info.mode.value}, {info.partitions} partitions, "
+        print(f"created stream {info.name} ({info.mode.value}, {info.partitions} "
+              f"partition{'' if info.partitions == 1 else 's'}, "
               f"schema {info.schema.value}, routes {', '.join(info.routes)})")
     return 0
 
@@ -330,6 +331,17 @@ def _bind(parser: argparse.ArgumentParser, handler: Handler) -> None:
     parser.set_defaults(client_handler=lambda args: run_handler(handler, args))
 
 
+def _positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (a clear usage error, not a traceback)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _common() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", help="broker address HOST:PORT (default $SHARDGATE_URL or "
@@ -349,7 +361,8 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
     streams_sub = streams.add_subparsers(dest="streams_command", required=True)
     create = streams_sub.add_parser("create", parents=[common], help="create a stream")
     create.add_argument("name")
-    create.add_argument("--partitions", type=int, default=1)
+    create.add_argument("--partitions", type=_positive, default=1, metavar="N",
+                        help="shards of the stream (default 1)")
     create.add_argument("--mode", choices=["reliable", "non-reliable"], default=None,
                         help="default: the broker's default_stream_mode (reliable unless configured)")
     create.add_argument("--schema", choices=["bytes", "string", "int64", "json"], default="bytes")

@@ -211,20 +211,36 @@ def _entries(key: str, value: Any, cls: type, path: Path) -> list[Any]:
                 continue
             values[name] = _coerce(raw, known[name].default if known[name].default is not MISSING
                                    else None, f"{label}: {name}", annotation)
-            expected = (int,) if annotation.startswith("int") else (
-                (int, float) if annotation.startswith("float") else
-                (bool,) if annotation == "bool" else (str,) if annotation.startswith("str") else None)
-            if expected and values[name] is not None and (
-                not isinstance(values[name], expected)
-                or (isinstance(values[name], bool) and bool not in expected)
-            ):
-                raise ConfigError(f"{label}: {name} must be {_kind(annotation)}, got {raw!r}")
+            _check_type(values[name], annotation, raw, f"{label}: {name}")
             try:
                 _check_choice(dotted, values[name], label)
             except ConfigError as exc:
                 raise ConfigError(str(exc).replace(f"{dotted} =", f"{name} =")) from None
         entries.append(cls(**values))
     return entries
+
+
+def _check_type(value: Any, annotation: str, raw: Any, name: str) -> None:
+    """Refuse a value of the wrong kind (`mqtt_port = "x"`, `retain_available = 3`): TOML
+    carries types, and a setting must not take one its code does not expect. A setting of
+    several kinds (`cluster.etcd`: a list or one string) is checked by its own section."""
+    if "|" in annotation.replace(" | None", ""):
+        return
+    expected = (int,) if annotation.startswith("int") else (
+        (int, float) if annotation.startswith("float") else
+        (bool,) if annotation == "bool" else (str,) if annotation.startswith("str") else
+        (dict,) if annotation.startswith("dict") else
+        (list, tuple) if annotation.startswith(("list", "tuple")) else None)
+    if expected and value is not None and (
+        not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected)
+    ):
+        raise ConfigError(f"{name} must be {_kind(annotation)}, got {raw!r}")
+
+
+def _check_port(name: str, value: Any) -> None:
+    """A listener port is 0 (off) to 65535: the socket layer would silently take 70000 as 4464."""
+    if isinstance(value, int) and not 0 <= value <= 65535:
+        raise ConfigError(f"{name} = {value} is not a port number (1 to 65535, 0 turns it off)")
 
 
 def _kind(annotation: str) -> str:
@@ -234,6 +250,10 @@ def _kind(annotation: str) -> str:
         return "a number"
     if annotation == "bool":
         return "true or false"
+    if annotation.startswith("dict"):
+        return "a table"
+    if annotation.startswith(("list", "tuple")):
+        return "a list"
     return "a string"
 
 
@@ -248,7 +268,12 @@ def _set(config: Config, path: tuple[str, ...], value: Any, source: str) -> None
     if key not in known:
         raise ConfigError(f"{source}: unknown setting {'.'.join(path)!r}")
     annotation = str(known[key].type)
-    coerced = _coerce(value, getattr(target, key), ".".join(path), annotation)
+    dotted = ".".join(path)
+    name = dotted if source == "command line" else f"{source}: {dotted}"
+    coerced = _coerce(value, getattr(target, key), name, annotation)
+    _check_type(coerced, annotation, value, name)
+    if key == "port" or key.endswith("_port"):
+        _check_port(name, coerced)
     _check_choice(".".join(path), coerced.lower() if path == ("log_level",) and isinstance(coerced, str)
                   else coerced, source)
     setattr(target, key, coerced)

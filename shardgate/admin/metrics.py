@@ -32,7 +32,6 @@ from .. import __version__
 
 if TYPE_CHECKING:
     from ..app import Shardgate
-    from ..protocols.amqp.service import AmqpService
     from ..protocols.grpc.server import GrpcServer
 
 PREFIX = "shardgate"
@@ -51,11 +50,6 @@ _JOURNAL_COUNTERS = (
 
 
 # ---------------------------------------------------------------------------- protocol lookups
-def amqp_service(app: Shardgate) -> AmqpService | None:
-    """The node's `AmqpService`, or None when no AMQP listener runs."""
-    return app.amqp
-
-
 def grpc_server(app: Shardgate) -> GrpcServer | None:
     """The node's `GrpcServer`, or None when no gRPC listener runs."""
     return app.grpc

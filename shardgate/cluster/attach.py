@@ -227,6 +227,10 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
         wills.install()
         wills.start()
     await node.durables.drop_moved()
+    from .delayed import SharedDelayed
+
+    shared_delayed = SharedDelayed(node, broker.publish)
+    broker.delayed.shared = shared_delayed  # delayed messages held from now on live in etcd
     from .floors import CursorFloors
 
     floors = node.floors = CursorFloors(node, broker)
@@ -252,6 +256,7 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     metadata = app.metadata
     placer.replay_restored(metadata.get_cursors if metadata is not None else None)
     floors.start()
+    shared_delayed.start()
     ours = {
         name: stream_definition(stream.config)
         for name, stream in broker.streams.items() if name not in LOCAL_STREAMS

@@ -279,6 +279,13 @@ class EtcdClient:
         reply = await self._unary("Range", "kv", rpc.RangeRequest(key=raw, range_end=prefix_end(raw)))
         return [_kv(kv) for kv in reply.kvs], reply.header.revision  # type: ignore[attr-defined]
 
+    async def get_keys(self, prefix: str) -> list[str]:
+        """The names of every key under `prefix` (no values)."""
+        raw = prefix.encode()
+        reply = await self._unary("Range", "kv", rpc.RangeRequest(
+            key=raw, range_end=prefix_end(raw), keys_only=True))
+        return [kv.key.decode() for kv in reply.kvs]  # type: ignore[attr-defined]
+
     async def latest_modification(self, prefix: str) -> int:
         """The highest mod revision of a key under `prefix` (0: none), a watch's health check.
         (A count_only range ignores min_mod_revision in etcd: it counts every key.)"""

@@ -632,13 +632,11 @@ def install_security(app: Any) -> Security:
     except AuthError as exc:
         raise ConfigError(f"auth: {exc}") from exc
     edge = app.edge
-    mqtt = app.mqtt
 
     def mirror(current: Security) -> None:
-        # Calls without credentials (gRPC, MQTT) read this policy.
+        # Calls without credentials (gRPC, MQTT) read this policy; `mqtt.allow_anonymous` and
+        # `grpc.allow_anonymous` (true by default) can only narrow it for their protocol.
         edge.allow_anonymous = current.allow_anonymous
-        if mqtt is not None:
-            mqtt.settings.allow_anonymous = current.allow_anonymous
 
     security.on_change = mirror
     edge.authenticator = security.authenticate_principal

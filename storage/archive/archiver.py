@@ -39,7 +39,7 @@ from ..allocators import return_freed_memory
 from ..journal import JournalStorage, RecordBlock
 from . import layout
 from .buffer import RecordBuffer, int64_array
-from .columns import build_table, encode_parquet
+from .columns import build_table, encode_parquet, warm_up
 from .settings import ArchiveConfigError, ArchiveSettings, ArchiveUnavailable
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,7 @@ class Archiver:
         here: the task keeps retrying and `status()` shows it."""
         await asyncio.to_thread(self._check_store)
         await self._discover(raise_auth=True)
+        await asyncio.to_thread(_warm_up)
         self._stopping = False
         self._task = asyncio.get_running_loop().create_task(self._run(), name="archiver")
 
@@ -578,6 +579,12 @@ class Archiver:
                 raise
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
             self.fs.pipe_file(path, data)
+
+
+def _warm_up() -> None:
+    """`columns.warm_up` in a worker thread, as files are built, and Arrow's pages freed."""
+    warm_up()
+    pa.default_memory_pool().release_unused()
 
 
 def write_local_atomically(path: str, data: bytes) -> None:

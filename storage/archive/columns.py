@@ -11,6 +11,7 @@ column and converted with `pa.array`, never from per-row dicts. No file or netwo
 from __future__ import annotations
 
 import struct
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ from ...core.records import (
     native_properties_at,
 )
 from ..interfaces import StoredRecord
+from ..journal import RecordBlock
 from .buffer import RecordBuffer
 from .decode import NATIVE_PROPERTIES, PAD_BYTES, decode_spans
 
@@ -338,3 +340,18 @@ def records_from_table(table: pa.Table) -> list[StoredRecord]:
         )
         out.append(StoredRecord(offset, times[i], encode_message(message)))
     return out
+
+
+def warm_up() -> None:
+    """Build and encode a one-row archive file and drop it. pyarrow and numpy import modules
+    and build lookup tables the first time a table is built (`numpy.ma`, `dateutil`, compute
+    function wrappers): done here at start, those long-lived objects are not allocated in the
+    middle of the first file under load, where each would keep a page of the heap from being
+    returned once the load is gone."""
+    data = encode_message(MessageRecord(
+        "warm-up", b"", 0, False, 0, key=b"k", headers=[("h", "v")], content_type="text/plain",
+    ))
+    block = RecordBlock(
+        data, 0, array("q", [0]), array("q", [len(data)]), array("q", [0]),
+    )
+    encode_parquet(build_table("warm-up", 0, "bytes", RecordBuffer([block])))

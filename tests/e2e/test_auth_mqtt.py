@@ -104,6 +104,16 @@ def test_anonymous_allowed_in_loopback_default_without_users(broker: ThreadedBro
     assert raw_connect(broker.mqtt_port, 4, None, None).reason_code == 0
 
 
+def test_mqtt_allow_anonymous_false_refuses_anonymous_mqtt_clients_of_an_open_broker(
+    broker_factory: Callable[..., ThreadedBroker],
+) -> None:
+    broker = broker_factory(mqtt={"allow_anonymous": False})
+    assert broker.app.security.allow_anonymous  # the policy of the other protocols: open
+    assert raw_connect(broker.mqtt_port, 5, None, None).reason_code == p.ReasonCode.NOT_AUTHORIZED
+    assert raw_connect(broker.mqtt_port, 4, None, None).reason_code == p.ConnackCode311.NOT_AUTHORIZED
+    assert raw_connect(broker.mqtt_port, 5, "anyone", b"any").reason_code == 0
+
+
 def test_anonymous_refused_on_a_non_loopback_listener(broker: ThreadedBroker) -> None:
     # The policy reads `listeners.host`; the socket itself stays on loopback for the test.
     broker.app.config.listeners.host = "0.0.0.0"

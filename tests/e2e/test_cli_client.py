@@ -161,3 +161,10 @@ def test_clients_alone_lists_amqp_mqtt_and_grpc_clients(
     finally:
         connection.close()
         device.disconnect()
+
+
+def test_streams_create_refuses_a_partition_count_below_one_as_a_usage_error() -> None:
+    for count in ("0", "-3", "many"):
+        result = run(None, "streams", "create", "orders", "--partitions", count)
+        assert result.returncode == 2, result.stderr
+        assert "--partitions" in result.stderr and "Traceback" not in result.stderr

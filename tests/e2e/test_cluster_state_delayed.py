@@ -1,6 +1,6 @@
-"""Delayed messages in a cluster: held by the node that accepted them (in its metadata store,
-saved before the publisher's acknowledgement), and published when due through the normal path,
-so a subscriber on any node receives them, wherever the target shard lives."""
+"""Delayed messages in a cluster: held in etcd by the node that accepted them (saved before the
+publisher's acknowledgement, shardgate/cluster/delayed.py), and published when due through the
+normal path, so a subscriber on any node receives them, wherever the target shard lives."""
 
 from __future__ import annotations
 

@@ -7,18 +7,22 @@ from __future__ import annotations
 
 import gc
 import json
+import subprocess
+import sys
+import textwrap
 import urllib.request
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from shardgate.protocols.mqtt import packets as p
 from shardgate.protocols.mqtt.connection import MqttConnection
 from shardgate.protocols.mqtt.session import MqttSession
 
 from shardgate import persistence
 from tests.conftest import ThreadedBroker, free_port, make_config, wait_for
-from tests.mqtt_clients import V5, V311, Paho
+from tests.mqtt_clients import V5, V311, Paho, RawClient
 
 
 @pytest.fixture
@@ -61,6 +65,31 @@ def test_closed_connections_and_ended_sessions_are_freed_without_the_collector(
     wait_for(lambda: _alive(MqttConnection, earlier) == 0 and _alive(MqttSession, earlier) == 0)
 
 
+def test_an_ended_session_with_unacknowledged_messages_is_freed_without_the_collector(
+    broker: ThreadedBroker, no_cycle_collection: None
+) -> None:
+    """A persistent session ended while messages it was sent are unacknowledged: its durable
+    subscription's record of them must not keep the session (and the messages, whose payloads
+    pin the heap) in a cycle until the next full collection."""
+    port = broker.mqtt_port
+    earlier = {id(thing) for thing in gc.get_objects() if type(thing) is MqttSession}
+    publisher = Paho(port, "publisher", V5)
+    for index in range(3):
+        reader = RawClient(port, version=4)
+        assert reader.connect(f"unacked{index}", clean=False).reason_code == 0
+        reader.send(p.Subscribe(1, [p.SubscriptionRequest("held/#", 1)]))
+        assert isinstance(reader.receive(), p.Suback)
+        publisher.publish("held/x", b"x" * 2048, 1)
+        delivered = reader.receive()
+        assert isinstance(delivered, p.Publish) and delivered.qos == 1  # never acknowledged
+        reader.close()
+        ender = Paho(port, f"unacked{index}", V311, clean=True)  # ends the persistent session
+        ender.disconnect()
+    publisher.disconnect()
+    wait_for(lambda: not broker.app.mqtt.connections and not broker.app.mqtt.sessions)
+    wait_for(lambda: _alive(MqttSession, earlier) == 0)
+
+
 def test_a_stopped_broker_is_freed_after_serving_its_admin_api(tmp_path: Path) -> None:
     """aiohttp keeps recent applications in a module-level cache; a stopped broker's admin
     application must not keep the broker (its sessions, its journal) alive through it."""
@@ -79,3 +108,40 @@ def test_a_stopped_broker_is_freed_after_serving_its_admin_api(tmp_path: Path) -
     del broker
     gc.collect()
     assert app() is None
+
+
+ARCHIVE_FIRST_FILE = textwrap.dedent("""
+    import asyncio, json, sys, tempfile, time
+    from pathlib import Path
+    from shardgate.core.records import MessageRecord, encode_message
+    from shardgate.storage.archive import Archiver
+    from shardgate.storage.journal import JournalStorage
+
+    async def main():
+        root = Path(tempfile.mkdtemp())
+        journal = JournalStorage(root / "journal")
+        now = int(time.time() * 1000)
+        journal.open_shard("default", 0).append([
+            (now, encode_message(MessageRecord(f"t/{i}", b"x" * i, 1, False, now, headers=[("h", "v")])))
+            for i in range(50)
+        ])
+        journal.flush_sync()
+        archiver = Archiver(journal, f"file://{root}/archive", lambda: [("default", 1, "bytes")])
+        await archiver.start()
+        before = set(sys.modules)
+        await archiver.flush()
+        print(json.dumps(sorted(set(sys.modules) - before)))
+        await archiver.stop(flush=False)
+
+    asyncio.run(main())
+""")
+
+
+def test_the_first_archive_file_under_load_imports_nothing() -> None:
+    """pyarrow and numpy import modules the first time a table is built (numpy.ma, dateutil):
+    the archiver does that when it starts, so the first file written under load allocates no
+    long-lived module objects among the load's short-lived ones (each would keep a page of the
+    heap once the load is gone). A fresh process: no earlier test has imported them."""
+    done = subprocess.run([sys.executable, "-c", ARCHIVE_FIRST_FILE], capture_output=True,
+                          text=True, timeout=120, check=True)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []

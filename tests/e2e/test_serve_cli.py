@@ -87,3 +87,17 @@ def test_a_port_in_use_names_the_listener(tmp_path: Path) -> None:
             assert f"cannot listen for {name} on 127.0.0.1:{port}: the port is already in use" in result.stderr
             assert flag in result.stderr
             assert "add_port.cc" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_address_the_host_does_not_have_names_the_host_setting(tmp_path: Path) -> None:
+    result = serve(tmp_path / "data", "--host", "192.0.2.1", "--mqtt-port", "18999")  # TEST-NET-1
+    assert result.returncode == 2, result.stderr
+    assert "cannot listen for MQTT on 192.0.2.1:18999" in result.stderr
+    assert "listeners.host or --host" in result.stderr and "already in use" not in result.stderr
+
+
+@pytest.mark.parametrize("port", ["70000", "-1"])
+def test_a_port_out_of_range_is_refused_before_anything_listens(tmp_path: Path, port: str) -> None:
+    result = serve(tmp_path / "data", "--grpc-port", port)
+    assert result.returncode == 2, result.stderr
+    assert f"listeners.grpc_port = {port} is not a port number" in result.stderr

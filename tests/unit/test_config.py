@@ -1,0 +1,94 @@
+"""Configuration loading (`shardgate/config.py`): values of the wrong kind or out of range are
+refused with the file and the setting named, and the README's configuration reference lists
+every real setting, each one that loads."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from shardgate.bridges.amqp_bridge import AmqpBridgeSettings
+from shardgate.bridges.bridge import BridgeSettings
+from shardgate.config import SECTIONS, Config, ConfigError, StreamEntry, load_config
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def load_text(tmp_path: Path, text: str) -> Config:
+    path = tmp_path / "shardgate.toml"
+    path.write_text(text)
+    return load_config(path, environ={})
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[listeners]\nmqtt_port = [1]\n", "listeners.mqtt_port must be an integer, got [1]"),
+    ("[mqtt]\nmax_packet_size = 1.5\n", "mqtt.max_packet_size must be an integer"),
+    ('[mqtt]\nmax_packet_size = "big"\n', "mqtt.max_packet_size: expected an integer"),
+    ("[mqtt]\nretain_available = 3\n", "mqtt.retain_available must be true or false"),
+    ("[listeners]\nhost = 5\n", "listeners.host must be a string"),
+    ('[amqp]\nusers = "guest"\n', "amqp.users must be a table"),
+    ('[amqp]\nvhosts = "/"\n', "amqp.vhosts must be a list"),
+    ("[listeners]\nmqtt_port = 70000\n", "listeners.mqtt_port = 70000 is not a port number"),
+    ("[cluster]\nport = -1\n", "cluster.port = -1 is not a port number"),
+])
+def test_a_value_of_the_wrong_kind_or_range_names_the_file_and_the_setting(
+    tmp_path: Path, text: str, message: str,
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        load_text(tmp_path, text)
+    assert str(refused.value).startswith(str(tmp_path / "shardgate.toml") + ": ")
+    assert message in str(refused.value)
+
+
+def test_environment_and_command_line_ports_are_checked_too() -> None:
+    with pytest.raises(ConfigError, match="^SHARDGATE_MQTT_PORT: listeners.mqtt_port = -1 is not"):
+        load_config(environ={"SHARDGATE_MQTT_PORT": "-1"})
+    with pytest.raises(ConfigError, match="^listeners.grpc_port = 65536 is not a port number"):
+        load_config(environ={}, overrides={("listeners", "grpc_port"): 65536})
+    assert load_config(environ={"SHARDGATE_MQTT_PORT": "0"}).listeners.mqtt_port == 0
+
+
+def test_a_setting_of_several_kinds_takes_each() -> None:
+    assert load_config(environ={"SHARDGATE_CLUSTER__ETCD": "http://a:1"}).cluster.etcd == "http://a:1"
+
+
+def readme_config_blocks() -> list[str]:
+    """The README's TOML blocks that are configuration files (not the ACL file's rules)."""
+    blocks = re.findall(r"```toml\n(.*?)```", README.read_text(), re.S)
+    return [block for block in blocks if not block.lstrip().startswith(("[[allow]]", "[[deny]]"))]
+
+
+def test_every_configuration_block_of_the_readme_loads(tmp_path: Path) -> None:
+    blocks = readme_config_blocks()
+    assert len(blocks) >= 4
+    for block in blocks:
+        load_text(tmp_path, block)
+
+
+def test_the_readme_configuration_reference_lists_every_setting() -> None:
+    """Each setting stands in a README block of its section (as a key, or named in the
+    block's comments)."""
+    text_of: dict[str, str] = {}
+    for block in readme_config_blocks():
+        section = ""  # top level, until the block's first table
+        for line in block.splitlines():
+            header = re.match(r"\[\[?(\w+)\]\]?", line)
+            if header:
+                section = header.group(1)
+            text_of[section] = text_of.get(section, "") + line + "\n"
+    classes: dict[str, type] = {
+        **SECTIONS, "streams": StreamEntry, "bridges": BridgeSettings,
+        "amqp_bridges": AmqpBridgeSettings,
+    }
+    missing = []
+    for section, cls in classes.items():
+        for setting in fields(cls):
+            if not re.search(rf"\b{setting.name}\b", text_of.get(section, "")):
+                missing.append(f"{section}.{setting.name}")
+    for setting in fields(Config):
+        if setting.name not in classes and not re.search(rf"^{setting.name} =", text_of[""], re.M):
+            missing.append(setting.name)
+    assert not missing, f"settings the README's configuration reference does not list: {missing}"
