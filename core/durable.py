@@ -302,12 +302,8 @@ class DurableSubscription(Subscription):
             return
         shard_log = self._replay_log(stream, shard, broker_stream.shards[shard].log)
         position, unacked = decode_cursor_state(state)
-        if shard_log is not None and shard_log.next_offset > 0:
+        if shard_log is not None:
             # Saved progress may run ahead of a log that lost its unsynced tail in a crash.
-            # (Not a log that never had a record: in a cluster, the empty local journal of a
-            # shard another node owns, or what was received of it since the start. Clamped to
-            # it, a restarted node's cursor went back to offset 0 and delivered everything
-            # again.)
             position = min(position, shard_log.next_offset)
             unacked = [o for o in unacked if o < position]
         cursor = ShardCursor(stream, shard, shard_log, position)
