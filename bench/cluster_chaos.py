@@ -636,8 +636,10 @@ class Result:
 
 
 def run(workdir: Path, seed: int, seconds: float, *, gap_s: tuple[float, float] = (1.0, 4.0),
-        drain_timeout_s: float = 60.0, report: Callable[[str], None] = log) -> Result:
-    """Start the cluster and the clients, apply faults for `seconds`, settle, check."""
+        drain_timeout_s: float = 60.0, overlap: bool = False,
+        report: Callable[[str], None] = log) -> Result:
+    """Start the cluster and the clients, apply faults for `seconds`, settle, check. Each
+    fault waits for the cluster to settle before the next, unless `overlap`."""
     rng = random.Random(seed)
     journal = Journal()
     cluster = Cluster(workdir)
@@ -669,7 +671,8 @@ def run(workdir: Path, seed: int, seconds: float, *, gap_s: tuple[float, float] 
             time.sleep(rng.uniform(*gap_s))
             faults.append(apply_fault(rng, cluster, clients, journal))
             report(f"fault: {faults[-1]}")
-            cluster.settle()
+            if not overlap:
+                cluster.settle()
         cluster.settle()
         marks = {p.name: p.progress for p in publishers}
         stuck = []
@@ -707,10 +710,12 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where the node and etcd logs go (default: a temporary directory, kept)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="do not wait for the cluster to settle between faults")
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="cluster-chaos-"))
     log(f"work directory {workdir}")
-    result = run(workdir, args.seed, args.minutes * 60)
+    result = run(workdir, args.seed, args.minutes * 60, overlap=args.overlap)
     log(f"faults applied: {len(result.faults)}")
     log(f"acknowledged: {result.acknowledged}")
     log(f"delivered (with duplicates): {result.delivered}; duplicates {dict(result.findings.duplicates)}")
