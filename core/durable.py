@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import math
 import operator
 import struct
 import time
@@ -38,6 +39,7 @@ from ..storage.interfaces import (
     StoredRecord,
 )
 from .message import Message, now_ms
+from .outbox import SLOW_SUBSCRIBER
 from .records import READABLE_VERSIONS, RecordFormatError, decode_to_message, record_topic
 from .subscriptions import Consumer, Subscription, SubscriptionType
 from .topics import filter_matches
@@ -73,7 +75,7 @@ class PumpQueue:
         for _ in range(len(waiting)):
             subscription = waiting.popleft()
             try:
-                subscription._pump()
+                subscription._pump(deadline)
             except Exception:
                 log.exception("replay of subscription %s failed", subscription.name)
             if clock() >= deadline:
@@ -103,6 +105,8 @@ resumes far behind a busy shard whose records it mostly does not want yields to 
 The empty records of offsets a crash skipped (up to a reservation's worth after each crash) are
 not counted: they cost nothing to pass, and a message confirmed behind them must reach its
 queue at once."""
+DEADLINE_EVERY = 16
+"""Deliveries between two looks at the clock during a replay (see `DurableSubscription._pump`)."""
 TURN_PUMP_S = 0.004
 """Replay of every durable subscription together takes at most about this long per event-loop
 turn (then the rest waits for the next turn, after the turn's I/O): with many sessions
@@ -125,6 +129,13 @@ class DurableOptions:
     # Redeliver a leaving consumer's unacknowledged messages to the others. MQTT sessions
     # resend their own in-flight messages instead.
     redeliver_on_leave: bool = True
+    # Messages of non-reliable shards held while no consumer can take one (no credit, a full
+    # window, nobody attached); beyond it the oldest is dropped and counted.
+    max_held: int = 10_000
+    # The consumers keep their own bounded queue with its own policy (MQTT sessions:
+    # `max_queued_messages`, QoS 0 not queued offline; bridges: `max_queued`): messages of
+    # non-reliable shards are handed to them as they come instead of being held here.
+    consumers_queue: bool = False
 
 
 class CursorSink(Protocol):
@@ -201,7 +212,7 @@ class DurableSubscription(Subscription):
     __slots__ = (
         "broker", "options", "cursors", "_redeliver", "_delayed", "_pump_scheduled", "_dirty",
         "sink", "initial_position", "_matching_cache", "_timer", "_raw_matching_cache",
-        "_cached_filters",
+        "_cached_filters", "_held", "_held_returned",
     )
 
     def __init__(
@@ -230,6 +241,11 @@ class DurableSubscription(Subscription):
         # The filters both caches were filled for (they are emptied when the filters change).
         self._cached_filters: tuple[str, ...] = ()
         self._timer: asyncio.TimerHandle | None = None
+        # Messages of non-reliable shards (no log to replay them from) waiting for a consumer
+        # with room, oldest first: see `_hold`.
+        self._held: deque[tuple[Message, tuple[str, ...]]] = deque()
+        # How many of the first held were given back by a consumer (they go before the rest).
+        self._held_returned = 0
 
     # ------------------------------------------------------------------ cursors
     def open_cursors(self, positions: str | int | None = None) -> None:
@@ -379,11 +395,20 @@ class DurableSubscription(Subscription):
             # subscription must still start here, not at the end of the shard.
             self._dirty.add(key)
         if cursor.log is None:
-            # Non-reliable shard: nothing to replay from, so behave as a live subscription and
-            # let the consumer queue what it cannot take now.
-            consumer = self.pick(message.shard)
-            if consumer is not None:
-                consumer.deliver(message, self, filters)
+            # Non-reliable shard: nothing to replay from. A consumer with room takes it now;
+            # otherwise it is held here (in order, bounded) until one has room: a consumer
+            # without credit is never handed more than it asked for.
+            if self.options.consumers_queue:
+                consumer = self.pick(message.shard)
+                if consumer is not None:
+                    consumer.deliver(message, self, filters)
+                return
+            if not self._held:
+                consumer = self.pick_available(message.shard)
+                if consumer is not None:
+                    consumer.deliver(message, self, filters)
+                    return
+            self._hold(message, tuple(filters))
             return
         if message.offset < cursor.position:
             return  # already delivered by replay
@@ -450,6 +475,13 @@ class DurableSubscription(Subscription):
 
     def nack(self, message: Message, delay_s: float = 0.0) -> None:
         cursor = self.cursors.get((message.stream, message.shard))
+        if cursor is not None and cursor.log is None and not self.options.consumers_queue:
+            # A message of a non-reliable shard given back (nacked, or its consumer left with
+            # it unacknowledged or still queued): held for the next consumer with room.
+            self._hold(message, self._filters_for(message.topic) or tuple(self.filters),
+                       returned=True)
+            self.schedule_pump()
+            return
         if cursor is None or message.offset not in cursor.unacked:
             return
         delivery = cursor.unacked[message.offset]
@@ -464,6 +496,8 @@ class DurableSubscription(Subscription):
 
     def detach(self, consumer: Consumer) -> bool:
         removed = super().detach(consumer)
+        if removed and self._held:
+            self.schedule_pump()  # the consumer that now takes over may have room
         if removed and self.options.redeliver_on_leave:
             for cursor in self.cursors.values():
                 for offset, delivery in cursor.unacked.items():
@@ -486,9 +520,14 @@ class DurableSubscription(Subscription):
             except RuntimeError:
                 self._pump_scheduled = False
 
-    def _pump(self) -> None:
+    def _pump(self, deadline: float = math.inf) -> None:
+        """Replay within `PUMP_BUDGET` messages, and until `perf_counter()` passes `deadline`
+        (the turn's replay time: one subscription replaying large messages must not hold the
+        loop for tens of milliseconds); what is left waits for a later turn."""
         self._pump_scheduled = False
         budget = PUMP_BUDGET
+        if self._held:
+            budget = self._pump_held(budget)
         budget = self._pump_redeliveries(budget)
         if budget <= 0:
             self.schedule_pump()
@@ -497,10 +536,53 @@ class DurableSubscription(Subscription):
             if cursor.pending_redelivery:
                 budget = self._pump_restored(cursor, budget)
             if not cursor.live and budget > 0:
-                budget = self._pump_cursor(cursor, budget)
+                budget = self._pump_cursor(cursor, budget, deadline)
             if budget <= 0:
                 self.schedule_pump()
                 return
+
+    def _hold(self, message: Message, filters: tuple[str, ...], returned: bool = False) -> None:
+        """Keep a message of a non-reliable shard until a consumer has room; past
+        `options.max_held` the oldest held is dropped and counted (as a slow subscriber's
+        QoS 0 overflow is)."""
+        held = self._held
+        if returned:
+            # Given back (in the order the consumer had them): before anything newer.
+            held.insert(self._held_returned, (message, filters))
+            self._held_returned += 1
+        else:
+            held.append((message, filters))
+        if len(held) > self.options.max_held:
+            self._take_held()
+            self.broker.stats.drop(SLOW_SUBSCRIBER)
+
+    def _take_held(self) -> tuple[Message, tuple[str, ...]]:
+        if self._held_returned:
+            self._held_returned -= 1
+        return self._held.popleft()
+
+    @property
+    def held(self) -> int:
+        """Messages of non-reliable shards waiting for a consumer with room."""
+        return len(self._held)
+
+    def _pump_held(self, budget: int) -> int:
+        held = self._held
+        now = now_ms()
+        while held and budget > 0:
+            message, filters = held[0]
+            if message.expires_at_ms is not None and message.expires_at_ms <= now:
+                self._take_held()
+                continue
+            consumer = self.pick_available(message.shard)
+            if consumer is None:
+                return budget
+            self._take_held()
+            consumer.deliver(message, self, filters)
+            budget -= 1
+        if held:
+            self.schedule_pump()
+        return budget
 
     def _pump_redeliveries(self, budget: int) -> int:
         max_deliveries = self.options.max_deliveries
@@ -569,7 +651,7 @@ class DurableSubscription(Subscription):
     def has_available(self) -> bool:
         return any(consumer.available for consumer in self.consumers)
 
-    def _pump_cursor(self, cursor: ShardCursor, budget: int) -> int:
+    def _pump_cursor(self, cursor: ShardCursor, budget: int, deadline: float = math.inf) -> int:
         shard_log = cursor.log
         assert shard_log is not None
         if not self.has_available():
@@ -583,7 +665,7 @@ class DurableSubscription(Subscription):
         scanned = 0
         records: list[StoredRecord] | RecordSpans | None
         while budget > 0:
-            if scanned >= SCAN_BUDGET:
+            if scanned >= SCAN_BUDGET or (scanned and time.perf_counter() >= deadline):
                 self._dirty.add((cursor.stream, cursor.shard))
                 return 0  # the rest on a later turn
             if cursor.archived:
@@ -626,10 +708,10 @@ class DurableSubscription(Subscription):
                 return budget
             if isinstance(records, list):
                 scanned += sum(1 for record in records if record.data)
-                budget = self._replay_records(cursor, records, budget, now)
+                budget = self._replay_records(cursor, records, budget, now, deadline)
             else:
                 scanned += sum(map(operator.ne, records.starts, records.ends))  # not empty
-                budget = self._replay_block(cursor, records, budget, now)
+                budget = self._replay_block(cursor, records, budget, now, deadline)
             if budget <= 0:
                 return 0
             self._dirty.add((cursor.stream, cursor.shard))
@@ -656,7 +738,7 @@ class DurableSubscription(Subscription):
         return owner_log
 
     def _replay_records(self, cursor: ShardCursor, records: list[StoredRecord], budget: int,
-                        now: int) -> int:
+                        now: int, deadline: float = math.inf) -> int:
         """Deliver what `cursor` wants of `records` (read per record: from the archive, or a
         log without blocks) while consumers take it; returns the budget left, 0 when a
         consumer was missing or the budget ran out (the rest kept in `cursor.ahead`)."""
@@ -687,12 +769,13 @@ class DurableSubscription(Subscription):
                 return 0
             self._send(cursor, message, filters, consumer, 1)
             budget -= 1
-            if budget <= 0:
+            if budget <= 0 or (not budget % DEADLINE_EVERY and time.perf_counter() >= deadline):
                 self._keep_ahead(cursor, records, index + 1)
                 return 0
         return budget
 
-    def _replay_block(self, cursor: ShardCursor, block: RecordSpans, budget: int, now: int) -> int:
+    def _replay_block(self, cursor: ShardCursor, block: RecordSpans, budget: int, now: int,
+                      deadline: float = math.inf) -> int:
         """`_replay_records` over a block: each record's topic is looked at in the block's
         buffer and a message is made only for the records this subscription wants."""
         buffer = block.buffer
@@ -745,7 +828,7 @@ class DurableSubscription(Subscription):
                 return 0
             self._send(cursor, message, filters, consumer, 1)
             budget -= 1
-            if budget <= 0:
+            if budget <= 0 or (not budget % DEADLINE_EVERY and time.perf_counter() >= deadline):
                 self._keep_block_ahead(cursor, block, index + 1)
                 return 0
         return budget

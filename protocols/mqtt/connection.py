@@ -50,6 +50,8 @@ RC = p.ReasonCode
 MQTT_V5 = 5
 # The longest a publisher is held for a subscriber that does not catch up (see `held`).
 HOLD_MAX_S = 0.5
+# Packets of a deferred read handled per turn (see `run_deferred`).
+DEFERRED_SLICE = 32
 
 
 class Link(Protocol):
@@ -134,7 +136,7 @@ class MqttConnection:
         "_throttled_for", "_backlog", "_backlog_error", "_valid_topic", "held", "_hold_timer",
         "_allowed_topic", "_read_ms", "_link_buffered", "_acks_waiting", "_held_subacks",
         "_sent_stream", "_sent_count", "_sent_bytes",
-        "_held_from", "_close_when_sent", "_connect_marks",
+        "_held_from", "_close_when_sent", "_connect_marks", "_drain_wanted",
     )
 
     def __init__(self, service: MqttService, link: Link, remote: str = "", transport_name: str = "tcp") -> None:
@@ -213,6 +215,9 @@ class MqttConnection:
         # CONNECT → CONNACK inside the broker: [read, session open, commit durable] clock
         # values, until the CONNACK is handed to the link (`timing.ConnectTiming`).
         self._connect_marks: list[float] | None = None
+        # Output passed `output_high_water` while a session wanted to send more (replay, or
+        # live QoS 1/2 messages): the session is told when it has drained.
+        self._drain_wanted = False
 
     @property
     def open(self) -> bool:
@@ -259,6 +264,8 @@ class MqttConnection:
                 if self._connect_marks is not None:
                     self._connack_written()
             self._link_buffered = self.link.buffered()
+        if self._drain_wanted:
+            self.output_drained()
         if self._close_when_sent:
             self._close_when_sent = False
             self.link.close()
@@ -283,6 +290,32 @@ class MqttConnection:
         if self._connect_marks is not None:
             self._connack_written()
         self._link_buffered = self.link.buffered()
+
+    # ------------------------------------------------------------------ output high-water mark
+    def output_room(self) -> bool:
+        """Whether the client is taking what is written to it: the output waiting for it
+        (this turn's and the link's buffer) is below `output_high_water`. When it is not,
+        the session hears of it once the client has read most of it (`output_drained`), so
+        that neither a replay nor a publisher builds a large queue in front of one socket."""
+        if self._out_bytes + self._link_buffered <= self.service.settings.output_high_water:
+            return True
+        self._drain_wanted = True
+        return False
+
+    def output_drained(self) -> None:
+        """The link wrote out what it held, or a flush left no more than the high-water mark:
+        if the session was waiting for room, it may send again (replay resumes, publishers
+        held for this client are released). Above the mark the link's buffer is above it too
+        (the transport paused writing), and the link tells again once it is below a quarter."""
+        if not self._drain_wanted:
+            return
+        self._link_buffered = buffered = self.link.buffered()
+        if self._out_bytes + buffered > self.service.settings.output_high_water:
+            return
+        self._drain_wanted = False
+        session = self.session
+        if session is not None and session.connection is self and self.state is State.CONNECTED:
+            session.output_drained()
 
     def hold_output(self, start: int, durable: Future[None]) -> bool:
         """Output from index `start` of what is pending on waits until `durable` is done;
@@ -370,8 +403,19 @@ class MqttConnection:
                 data = cached
         if self.client_max_packet_size and len(data) > self.client_max_packet_size:
             return False
-        if packet_id is not None and self.session is not None and len(self.session.inflight) <= 1:
-            self.last_ack = self._clock()  # the dead-subscriber clock starts with the window
+        if packet_id is not None and self.session is not None:
+            if len(self.session.inflight) <= 1:
+                self.last_ack = self._clock()  # the dead-subscriber clock starts with the window
+            if (
+                self._link_buffered > self.service.settings.output_high_water
+                and self.service.publishing is not None
+            ):
+                # A QoS 1/2 message to a client whose socket had more than the high-water mark
+                # left to send at the last flush: hold the client publishing it until this one
+                # has read it (this turn's own output alone holds nobody: a fast reader takes
+                # a large turn at once).
+                self._drain_wanted = True
+                self.service.congested(self.session)
         self.messages_out += 1
         if message.producer_protocol != "sys":  # the broker's own $SYS statistics are not messages
             if message.stream != self._sent_stream:
@@ -423,6 +467,17 @@ class MqttConnection:
         """Handle what a turn's read budget left for later (see `MqttService.defer`)."""
         if self.state is State.CLOSED or self.held or self.state is State.OPENING:
             return  # a hold or an opening session resumes it in its own time
+        backlog = self._backlog
+        if len(backlog) > DEFERRED_SLICE:
+            # A long backlog (one read of many packets) is handled a slice per turn, the
+            # socket still unread: one connection's read must not make a turn long either.
+            self._backlog = []
+            self._process(backlog[:DEFERRED_SLICE])
+            held_back = bool(self._backlog)  # held, throttled or opening: resumed by that
+            self._backlog.extend(backlog[DEFERRED_SLICE:])
+            if not held_back and self.state is not State.CLOSED:
+                self.service.defer(self)
+            return
         self.link.resume()
         if self._backlog or self._backlog_error is not None:
             self._resume_backlog()

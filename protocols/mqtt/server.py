@@ -11,7 +11,7 @@ import logging
 import ssl
 import sys
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..listener import TcpListener
 from ..listener import start_tcp_listener as listen_tcp
@@ -59,6 +59,16 @@ class MqttProtocol(asyncio.Protocol):
                 transport.get_extra_info("peercert")
             )
         self.service.connection_made(self.connection)
+        # pause_writing / resume_writing at the connection's output high-water mark.
+        high = self.service.settings.output_high_water
+        transport.set_write_buffer_limits(high=high, low=high >> 2)  # type: ignore[attr-defined]
+
+    def pause_writing(self) -> None:
+        pass  # the connection looks at `buffered()` itself (`MqttConnection.output_room`)
+
+    def resume_writing(self) -> None:
+        if self.connection is not None:
+            self.connection.output_drained()
 
     def data_received(self, data: bytes) -> None:
         connection = self.connection
@@ -150,6 +160,9 @@ class WebSocketLink:
         self.pending_bytes += len(data)
         self.wakeup.set()
 
+    # The connection, told when everything pending has been sent (`output_drained`).
+    drained: Callable[[], None] | None = None
+
     def close(self) -> None:
         self.closing = True
         self.wakeup.set()
@@ -176,6 +189,8 @@ class WebSocketLink:
                 except Exception:
                     self.closing = True
                     break
+            if not self.pending and self.drained is not None and not self.closing:
+                self.drained()
             if self.closing:
                 try:
                     await ws.close()  # type: ignore[attr-defined]
@@ -213,6 +228,7 @@ async def start_websocket_listener(
         remote_address = getattr(websocket, "remote_address", None)
         remote = f"{remote_address[0]}:{remote_address[1]}" if remote_address else "ws"
         connection = MqttConnection(service, link, remote, "ws")
+        link.drained = connection.output_drained
         transport = getattr(websocket, "transport", None)
         if ssl_context is not None and service.use_identity_as_username and transport is not None:
             connection.certificate_identity = certificate_common_name(transport.get_extra_info("peercert"))

@@ -95,6 +95,10 @@ class MqttService:
         # closes (by client id, so that forgetting a session drops its pending save).
         self._grouping = False
         self._unsaved: dict[str, MqttSession] = {}
+        # A new persistent session was saved in the read being handled: its group commits at
+        # the end of that read, not of the turn, so that the fsync its CONNACK waits for
+        # starts at once (and the commit is small: one read's writes).
+        self._commit_at_read_end = False
         self.store_writes_deferred = 0
         # Of those, the ones no output waits for (`save_session(acknowledged=False)`), and how
         # many such writes were made: `store_writes` leaves them out.
@@ -128,7 +132,8 @@ class MqttService:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self._tick_handle = self.scheduler.call_later(TICK_S, self._tick)
-        self.connect_timing.start_probe(self.scheduler)
+        self.connect_timing.start_probe(
+            self.scheduler, lambda: bool(self.connections or self._handshaking))
         if self.settings.sys_interval > 0:
             self._publish_sys()
 
@@ -188,6 +193,9 @@ class MqttService:
             self._grouping = False
             self._save_unsaved()
         store.group_writes(on)
+        if not on and self._commit_at_read_end:
+            self._commit_at_read_end = False
+            self.commit_writes()
         if not on and store.group_pending:
             self.output.schedule()
 
@@ -415,6 +423,8 @@ class MqttService:
         # A new persistent session is durable before its CONNACK (a crash right after it keeps
         # the session); a resumed one already is: its CONNACK does not wait for this write.
         self.save_session(session, acknowledged=not present)
+        if not present and session.durable and self._grouping:
+            self._commit_at_read_end = True
         if self.on_session_opened is not None:
             self.on_session_opened(client_id)
         return session, present
@@ -669,6 +679,7 @@ class MqttService:
 
     def connection_made(self, connection: MqttConnection) -> None:
         self._handshaking.add(connection)
+        self.connect_timing.resume_probe()
 
     def connection_gone(self, connection: MqttConnection) -> None:
         self._handshaking.discard(connection)

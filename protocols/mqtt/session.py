@@ -75,7 +75,7 @@ class MqttSession:
         if durable:
             # Offline messages stay in the journal; the session's cursors replay them.
             self.subscription: Subscription = broker.durable_subscription(
-                name, options=DurableOptions(ack_timeout_s=None, redeliver_on_leave=False), owner=self
+                name, options=DurableOptions(ack_timeout_s=None, redeliver_on_leave=False, consumers_queue=True), owner=self
             )
         else:
             self.subscription = broker.subscription(name, owner=self)
@@ -102,7 +102,7 @@ class MqttSession:
         connection = self.connection
         return (
             connection is not None and not self.queue and len(self.inflight) < connection.send_window
-            and not self.service.draining
+            and not self.service.draining and connection.output_room()
         )
 
     def deliver(self, message: Message, subscription: Subscription, filters: Sequence[str]) -> None:
@@ -257,6 +257,14 @@ class MqttSession:
         if self.congested_since is not None and len(queue) <= self.service.settings.max_queued_messages >> 2:
             self.service.relieved(self)
         if not queue and self.durable:
+            self.subscription.wake()
+
+    def output_drained(self) -> None:
+        """The client read most of its output (see `MqttConnection.output_room`): release the
+        publishers held for it, and resume the replay of its backlog."""
+        if self.congested_since is not None and len(self.queue) <= self.service.settings.max_queued_messages >> 2:
+            self.service.relieved(self)
+        if self.durable:
             self.subscription.wake()
 
     def acknowledge(self, packet_id: int) -> bool:

@@ -26,6 +26,10 @@ class MqttSettings:
     max_client_id_length: int = 65535
     # Outbound bytes buffered for a client beyond which QoS 0 messages are dropped.
     max_outbound_buffer: int = 8 * 1024 * 1024
+    # Outbound bytes waiting for a client (this loop turn's and its socket buffer's) above
+    # which the broker stops replaying its persistent session's backlog to it and holds the
+    # clients publishing QoS 1/2 messages to it, until it has read them (below a quarter).
+    output_high_water: int = 256 * 1024
     # Seconds between $SYS updates; 0 turns them off.
     sys_interval: float = 10.0
     allow_anonymous: bool = True

@@ -10,16 +10,17 @@ the wait for the commit. Beside them, the event loop's lateness: a timer due eve
 
 `summary()` gives percentiles in milliseconds; the admin API shows them under
 `/api/info` (`mqtt_connect_timing`). The cost is a clock read per CONNECT and one timer every
-`LAG_PROBE_S`: nothing per message. Samples are kept as doubles in one array per span, not as
-float objects: thousands of small objects made while clients come and go, and kept until
-replaced, would each keep a page of Python's heap from being returned after the load.
+`LAG_PROBE_S` while any MQTT client is connected (an idle broker does not wake up for it):
+nothing per message. Samples are kept as doubles in one array per span, not as float objects:
+thousands of small objects made while clients come and go, and kept until replaced, would each
+keep a page of Python's heap from being returned after the load.
 """
 
 from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ class ConnectTiming:
     """CONNECT → CONNACK spans inside the broker, and the event loop's lateness."""
 
     __slots__ = ("read_to_open", "open_to_written", "durable_wait", "total", "persistent_total",
-                 "loop_lag", "_probe", "_scheduler", "_due")
+                 "loop_lag", "_probe", "_scheduler", "_due", "_busy")
 
     def __init__(self) -> None:
         self.read_to_open = Samples()
@@ -84,6 +85,8 @@ class ConnectTiming:
         self._probe: Timer | None = None
         self._scheduler: Scheduler | None = None
         self._due = 0.0
+        # Whether there is anything to measure the loop for (clients connected).
+        self._busy: Callable[[], bool] = lambda: True
 
     def record(self, marks: list[float], written: float, persistent: bool) -> None:
         """`marks`: [read, opened, durable (0.0: nothing waited)] clock values."""
@@ -99,12 +102,22 @@ class ConnectTiming:
             self.persistent_total.append(written - read)
 
     # ------------------------------------------------------------------ loop lag probe
-    def start_probe(self, scheduler: Scheduler) -> None:
+    def start_probe(self, scheduler: Scheduler, busy: Callable[[], bool] | None = None) -> None:
+        """Measure the loop's lateness while `busy()` says so; `resume_probe` when it may
+        have become true again."""
         self._scheduler = scheduler
-        self._due = clock() + LAG_PROBE_S
-        self._probe = scheduler.call_later(LAG_PROBE_S, self._tick)
+        if busy is not None:
+            self._busy = busy
+        self.resume_probe()
+
+    def resume_probe(self) -> None:
+        scheduler = self._scheduler
+        if self._probe is None and scheduler is not None:
+            self._due = clock() + LAG_PROBE_S
+            self._probe = scheduler.call_later(LAG_PROBE_S, self._tick)
 
     def stop_probe(self) -> None:
+        self._scheduler = None
         if self._probe is not None:
             self._probe.cancel()
             self._probe = None
@@ -112,8 +125,9 @@ class ConnectTiming:
     def _tick(self) -> None:
         now = clock()
         self.loop_lag.append(max(0.0, now - self._due))
-        self._due = now + LAG_PROBE_S
-        if self._scheduler is not None:
+        self._probe = None
+        if self._scheduler is not None and self._busy():
+            self._due = now + LAG_PROBE_S
             self._probe = self._scheduler.call_later(LAG_PROBE_S, self._tick)
 
     def summary(self) -> dict[str, dict[str, float]]:

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 # Checkpoint the WAL into the database after this many sync batches (a batch is a few pages:
 # SQLite's own default is a checkpoint per 1,000 pages).
 CHECKPOINT_EVERY = 64
+# ... or, while commits keep waiting for their fsync, after at most this many times as many.
+CHECKPOINT_DEFER_MAX = 4
 
 
 def done_future() -> Future[None]:
@@ -125,6 +127,10 @@ class WalSyncer:
     def _maybe_checkpoint(self) -> None:
         self._batches += 1
         if self._batches < CHECKPOINT_EVERY:
+            return
+        if self._waiting and self._batches < CHECKPOINT_DEFER_MAX * CHECKPOINT_EVERY:
+            # Commits already wait for an fsync: they are served first, and the checkpoint
+            # (a copy into the database file and its fsync) waits for a pause, up to a bound.
             return
         self._batches = 0
         try:

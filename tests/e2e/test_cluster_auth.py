@@ -83,7 +83,7 @@ def knock_while_starting(node: BrokerProcess, ports: dict[str, int]) -> None:
         for probe in probes:
             probe.mark_ready()
         wait_for(lambda: all(probe.refused_after_ready >= 3 or probe.errors for probe in probes),
-                 timeout=60, interval=0.05)
+                 timeout=120, interval=0.05)
     finally:
         for probe in probes:
             probe.stop()
