@@ -516,7 +516,7 @@ FAULTS = ("kill", "term", "freeze", "etcd", "move")
 
 
 def apply_fault(rng: random.Random, cluster: Cluster, clients: list[ClientThread],
-                journal: Journal) -> str:
+                journal: Journal, max_freeze_s: float = 6.0) -> str:
     kind = rng.choice(FAULTS)
     node = rng.choice(cluster.nodes)
     if kind == "kill":
@@ -531,7 +531,7 @@ def apply_fault(rng: random.Random, cluster: Cluster, clients: list[ClientThread
         node.terminate(30)
         node.start()
     elif kind == "freeze":
-        what = f"SIGSTOP {node.node_id} for {(pause := rng.uniform(1, 6)):.1f}s"
+        what = f"SIGSTOP {node.node_id} for {(pause := rng.uniform(1, max_freeze_s)):.1f}s"
         journal.event(what, fault=True)
         assert node.proc is not None
         node.proc.send_signal(signal.SIGSTOP)
@@ -636,7 +636,7 @@ class Result:
 
 
 def run(workdir: Path, seed: int, seconds: float, *, gap_s: tuple[float, float] = (1.0, 4.0),
-        drain_timeout_s: float = 60.0, overlap: bool = False,
+        drain_timeout_s: float = 60.0, overlap: bool = False, max_freeze_s: float = 6.0,
         report: Callable[[str], None] = log) -> Result:
     """Start the cluster and the clients, apply faults for `seconds`, settle, check. Each
     fault waits for the cluster to settle before the next, unless `overlap`."""
@@ -669,7 +669,7 @@ def run(workdir: Path, seed: int, seconds: float, *, gap_s: tuple[float, float] 
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             time.sleep(rng.uniform(*gap_s))
-            faults.append(apply_fault(rng, cluster, clients, journal))
+            faults.append(apply_fault(rng, cluster, clients, journal, max_freeze_s))
             report(f"fault: {faults[-1]}")
             if not overlap:
                 cluster.settle()
@@ -712,10 +712,13 @@ def main() -> int:
                         help="where the node and etcd logs go (default: a temporary directory, kept)")
     parser.add_argument("--overlap", action="store_true",
                         help="do not wait for the cluster to settle between faults")
+    parser.add_argument("--max-freeze", type=float, default=6.0,
+                        help="longest SIGSTOP in seconds (past 15 s the clients' keep alive ends)")
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="cluster-chaos-"))
     log(f"work directory {workdir}")
-    result = run(workdir, args.seed, args.minutes * 60, overlap=args.overlap)
+    result = run(workdir, args.seed, args.minutes * 60, overlap=args.overlap,
+                 max_freeze_s=args.max_freeze)
     log(f"faults applied: {len(result.faults)}")
     log(f"acknowledged: {result.acknowledged}")
     log(f"delivered (with duplicates): {result.delivered}; duplicates {dict(result.findings.duplicates)}")
