@@ -3,6 +3,7 @@ second broker on the same data directory, of a bad configuration."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,11 +13,13 @@ import pytest
 from tests.conftest import BrokerProcess
 
 
-def serve(data_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def serve(data_dir: Path, *extra: str, env: dict[str, str] | None = None,
+          ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "shardgate", "serve", "--data-dir", str(data_dir), "--mqtt-port", "0",
          "--mqtt-ws-port", "0", "--grpc-port", "0", "--http-port", "0", "--amqp-port", "0", *extra],
         capture_output=True, text=True, timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("SHARDGATE_")} | (env or {}),
     )
 
 
@@ -101,3 +104,11 @@ def test_a_port_out_of_range_is_refused_before_anything_listens(tmp_path: Path, 
     result = serve(tmp_path / "data", "--grpc-port", port)
     assert result.returncode == 2, result.stderr
     assert f"listeners.grpc_port = {port} is not a port number" in result.stderr
+
+
+def test_shardgate_config_in_the_environment_names_the_configuration_file(tmp_path: Path) -> None:
+    config = tmp_path / "from-env.toml"
+    config.write_text('[journal]\nfsync = "sometimes"\n')
+    result = serve(tmp_path / "data", env={"SHARDGATE_CONFIG": str(config)})
+    assert result.returncode == 2, result.stderr
+    assert f"{config}: journal.fsync = 'sometimes' is not allowed" in result.stderr
