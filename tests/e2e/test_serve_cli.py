@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -84,8 +85,12 @@ def test_a_port_in_use_names_the_listener(tmp_path: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = str(taken.getsockname()[1])
-        for flag, name in (("--grpc-port", "gRPC"), ("--mqtt-port", "MQTT"), ("--http-port", "admin HTTP")):
-            result = serve(tmp_path / "data", flag, port)
+        listeners = (("--grpc-port", "gRPC"), ("--mqtt-port", "MQTT"), ("--http-port", "admin HTTP"))
+        with ThreadPoolExecutor(len(listeners)) as pool:  # three brokers at once: one wait
+            results = list(pool.map(
+                lambda listener: serve(tmp_path / f"data-{listener[0][2:]}", listener[0], port),
+                listeners))
+        for (flag, name), result in zip(listeners, results, strict=True):
             assert result.returncode == 2, result.stderr
             assert f"cannot listen for {name} on 127.0.0.1:{port}: the port is already in use" in result.stderr
             assert flag in result.stderr
