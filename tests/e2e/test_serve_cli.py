@@ -117,3 +117,13 @@ def test_shardgate_config_in_the_environment_names_the_configuration_file(tmp_pa
     result = serve(tmp_path / "data", env={"SHARDGATE_CONFIG": str(config)})
     assert result.returncode == 2, result.stderr
     assert f"{config}: journal.fsync = 'sometimes' is not allowed" in result.stderr
+
+
+def test_a_certificate_that_cannot_be_loaded_names_the_tls_settings(tmp_path: Path) -> None:
+    config = tmp_path / "tls.toml"
+    config.write_text(f'[tls]\ncert_file = "{tmp_path / "missing.crt"}"\n'
+                      f'key_file = "{tmp_path / "missing.key"}"\n')
+    result = serve(tmp_path / "data", "--config", str(config), "--mqtts-port", "18998")
+    assert result.returncode == 2, result.stderr
+    assert "tls.cert_file" in result.stderr and "cannot load a certificate" in result.stderr
+    assert "listeners.host" not in result.stderr and "Traceback" not in result.stderr
