@@ -39,6 +39,7 @@ from ..storage.interfaces import (
     StoredRecord,
 )
 from .message import Message, now_ms
+from .outbox import SLOW_SUBSCRIBER
 from .records import READABLE_VERSIONS, RecordFormatError, decode_to_message, record_topic
 from .subscriptions import Consumer, Subscription, SubscriptionType
 from .topics import filter_matches
@@ -128,6 +129,13 @@ class DurableOptions:
     # Redeliver a leaving consumer's unacknowledged messages to the others. MQTT sessions
     # resend their own in-flight messages instead.
     redeliver_on_leave: bool = True
+    # Messages of non-reliable shards held while no consumer can take one (no credit, a full
+    # window, nobody attached); beyond it the oldest is dropped and counted.
+    max_held: int = 10_000
+    # The consumers keep their own bounded queue with its own policy (MQTT sessions:
+    # `max_queued_messages`, QoS 0 not queued offline; bridges: `max_queued`): messages of
+    # non-reliable shards are handed to them as they come instead of being held here.
+    consumers_queue: bool = False
 
 
 class CursorSink(Protocol):
@@ -204,7 +212,7 @@ class DurableSubscription(Subscription):
     __slots__ = (
         "broker", "options", "cursors", "_redeliver", "_delayed", "_pump_scheduled", "_dirty",
         "sink", "initial_position", "_matching_cache", "_timer", "_raw_matching_cache",
-        "_cached_filters",
+        "_cached_filters", "_held", "_held_returned",
     )
 
     def __init__(
@@ -233,6 +241,11 @@ class DurableSubscription(Subscription):
         # The filters both caches were filled for (they are emptied when the filters change).
         self._cached_filters: tuple[str, ...] = ()
         self._timer: asyncio.TimerHandle | None = None
+        # Messages of non-reliable shards (no log to replay them from) waiting for a consumer
+        # with room, oldest first: see `_hold`.
+        self._held: deque[tuple[Message, tuple[str, ...]]] = deque()
+        # How many of the first held were given back by a consumer (they go before the rest).
+        self._held_returned = 0
 
     # ------------------------------------------------------------------ cursors
     def open_cursors(self, positions: str | int | None = None) -> None:
@@ -382,11 +395,20 @@ class DurableSubscription(Subscription):
             # subscription must still start here, not at the end of the shard.
             self._dirty.add(key)
         if cursor.log is None:
-            # Non-reliable shard: nothing to replay from, so behave as a live subscription and
-            # let the consumer queue what it cannot take now.
-            consumer = self.pick(message.shard)
-            if consumer is not None:
-                consumer.deliver(message, self, filters)
+            # Non-reliable shard: nothing to replay from. A consumer with room takes it now;
+            # otherwise it is held here (in order, bounded) until one has room: a consumer
+            # without credit is never handed more than it asked for.
+            if self.options.consumers_queue:
+                consumer = self.pick(message.shard)
+                if consumer is not None:
+                    consumer.deliver(message, self, filters)
+                return
+            if not self._held:
+                consumer = self.pick_available(message.shard)
+                if consumer is not None:
+                    consumer.deliver(message, self, filters)
+                    return
+            self._hold(message, tuple(filters))
             return
         if message.offset < cursor.position:
             return  # already delivered by replay
@@ -453,6 +475,13 @@ class DurableSubscription(Subscription):
 
     def nack(self, message: Message, delay_s: float = 0.0) -> None:
         cursor = self.cursors.get((message.stream, message.shard))
+        if cursor is not None and cursor.log is None and not self.options.consumers_queue:
+            # A message of a non-reliable shard given back (nacked, or its consumer left with
+            # it unacknowledged or still queued): held for the next consumer with room.
+            self._hold(message, self._filters_for(message.topic) or tuple(self.filters),
+                       returned=True)
+            self.schedule_pump()
+            return
         if cursor is None or message.offset not in cursor.unacked:
             return
         delivery = cursor.unacked[message.offset]
@@ -467,6 +496,8 @@ class DurableSubscription(Subscription):
 
     def detach(self, consumer: Consumer) -> bool:
         removed = super().detach(consumer)
+        if removed and self._held:
+            self.schedule_pump()  # the consumer that now takes over may have room
         if removed and self.options.redeliver_on_leave:
             for cursor in self.cursors.values():
                 for offset, delivery in cursor.unacked.items():
@@ -495,6 +526,8 @@ class DurableSubscription(Subscription):
         loop for tens of milliseconds); what is left waits for a later turn."""
         self._pump_scheduled = False
         budget = PUMP_BUDGET
+        if self._held:
+            budget = self._pump_held(budget)
         budget = self._pump_redeliveries(budget)
         if budget <= 0:
             self.schedule_pump()
@@ -507,6 +540,49 @@ class DurableSubscription(Subscription):
             if budget <= 0:
                 self.schedule_pump()
                 return
+
+    def _hold(self, message: Message, filters: tuple[str, ...], returned: bool = False) -> None:
+        """Keep a message of a non-reliable shard until a consumer has room; past
+        `options.max_held` the oldest held is dropped and counted (as a slow subscriber's
+        QoS 0 overflow is)."""
+        held = self._held
+        if returned:
+            # Given back (in the order the consumer had them): before anything newer.
+            held.insert(self._held_returned, (message, filters))
+            self._held_returned += 1
+        else:
+            held.append((message, filters))
+        if len(held) > self.options.max_held:
+            self._take_held()
+            self.broker.stats.drop(SLOW_SUBSCRIBER)
+
+    def _take_held(self) -> tuple[Message, tuple[str, ...]]:
+        if self._held_returned:
+            self._held_returned -= 1
+        return self._held.popleft()
+
+    @property
+    def held(self) -> int:
+        """Messages of non-reliable shards waiting for a consumer with room."""
+        return len(self._held)
+
+    def _pump_held(self, budget: int) -> int:
+        held = self._held
+        now = now_ms()
+        while held and budget > 0:
+            message, filters = held[0]
+            if message.expires_at_ms is not None and message.expires_at_ms <= now:
+                self._take_held()
+                continue
+            consumer = self.pick_available(message.shard)
+            if consumer is None:
+                return budget
+            self._take_held()
+            consumer.deliver(message, self, filters)
+            budget -= 1
+        if held:
+            self.schedule_pump()
+        return budget
 
     def _pump_redeliveries(self, budget: int) -> int:
         max_deliveries = self.options.max_deliveries

@@ -19,7 +19,7 @@ REJECTED: OutcomeCode
 FAILED: OutcomeCode
 
 class PeerFrame(_message.Message):
-    __slots__ = ("sequence", "from_node", "forwards", "pushes", "routes", "retained", "session", "answered_below", "batches", "heartbeat_ms", "push_batches")
+    __slots__ = ("sequence", "from_node", "forwards", "pushes", "routes", "retained", "session", "answered_below", "batches", "heartbeat_ms", "push_batches", "pushes_lost")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     FROM_NODE_FIELD_NUMBER: _ClassVar[int]
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class PeerFrame(_message.Message):
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
     PUSH_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_LOST_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     from_node: str
     forwards: _containers.RepeatedCompositeFieldContainer[Forward]
@@ -42,7 +43,8 @@ class PeerFrame(_message.Message):
     batches: _containers.RepeatedCompositeFieldContainer[ForwardBatch]
     heartbeat_ms: int
     push_batches: _containers.RepeatedCompositeFieldContainer[PushBatch]
-    def __init__(self, sequence: _Optional[int] = ..., from_node: _Optional[str] = ..., forwards: _Optional[_Iterable[_Union[Forward, _Mapping]]] = ..., pushes: _Optional[_Iterable[_Union[Push, _Mapping]]] = ..., routes: _Optional[_Union[RouteUpdate, _Mapping]] = ..., retained: _Optional[_Iterable[_Union[Retained, _Mapping]]] = ..., session: _Optional[int] = ..., answered_below: _Optional[int] = ..., batches: _Optional[_Iterable[_Union[ForwardBatch, _Mapping]]] = ..., heartbeat_ms: _Optional[int] = ..., push_batches: _Optional[_Iterable[_Union[PushBatch, _Mapping]]] = ...) -> None: ...
+    pushes_lost: bool
+    def __init__(self, sequence: _Optional[int] = ..., from_node: _Optional[str] = ..., forwards: _Optional[_Iterable[_Union[Forward, _Mapping]]] = ..., pushes: _Optional[_Iterable[_Union[Push, _Mapping]]] = ..., routes: _Optional[_Union[RouteUpdate, _Mapping]] = ..., retained: _Optional[_Iterable[_Union[Retained, _Mapping]]] = ..., session: _Optional[int] = ..., answered_below: _Optional[int] = ..., batches: _Optional[_Iterable[_Union[ForwardBatch, _Mapping]]] = ..., heartbeat_ms: _Optional[int] = ..., push_batches: _Optional[_Iterable[_Union[PushBatch, _Mapping]]] = ..., pushes_lost: _Optional[bool] = ...) -> None: ...
 
 class PushBatch(_message.Message):
     __slots__ = ("stream", "shard", "records", "offsets", "share_groups")

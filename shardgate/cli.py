@@ -7,6 +7,7 @@ import asyncio
 import gc
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -37,9 +38,11 @@ def _configure_logging(config: Config) -> None:
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="start the broker")
-    serve.add_argument("--config", type=Path, help="TOML configuration file")
+    serve.add_argument("--config", type=Path, default=os.environ.get("SHARDGATE_CONFIG") or None,
+                       help="TOML configuration file (default $SHARDGATE_CONFIG)")
     serve.add_argument("--data-dir", type=Path, help="data directory (default ./shardgate-data)")
-    serve.add_argument("--host", help="address every listener binds (default 127.0.0.1)")
+    serve.add_argument("--host", help="address the client listeners bind (default 127.0.0.1; "
+                       "the admin API binds listeners.http_host)")
     for name, default in (("mqtt", 1883), ("mqtt-ws", 8083), ("mqtts", 0), ("mqtt-wss", 0),
                           ("amqp", 5672), ("amqps", 0), ("grpc", 6650), ("http", 8080)):
         serve.add_argument(f"--{name}-port", type=int, metavar="N",

@@ -365,9 +365,12 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
                         help="shards of the stream (default 1)")
     create.add_argument("--mode", choices=["reliable", "non-reliable"], default=None,
                         help="default: the broker's default_stream_mode (reliable unless configured)")
-    create.add_argument("--schema", choices=["bytes", "string", "int64", "json"], default="bytes")
-    create.add_argument("--retention-ms", type=int)
-    create.add_argument("--retention-bytes", type=int)
+    create.add_argument("--schema", choices=["bytes", "string", "int64", "json"], default="bytes",
+                        help="payloads that do not fit are refused (default bytes: anything)")
+    create.add_argument("--retention-ms", type=int,
+                        help="journal retention by age (default: the broker's journal.retention_ms)")
+    create.add_argument("--retention-bytes", type=int,
+                        help="journal retention by size per shard (default: journal.retention_bytes)")
     create.add_argument("--route", action="append", metavar="FILTER",
                         help="topic filter routed to the stream (repeatable; default NAME and NAME/#)")
     _bind(create, _streams_create)
@@ -382,15 +385,16 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
     pub = subparsers.add_parser("pub", parents=[common],
                                 help="publish MESSAGE, or one message per line of stdin")
     pub.add_argument("topic")
-    pub.add_argument("message", nargs="?")
-    pub.add_argument("--key")
-    pub.add_argument("--header", action="append", metavar="K=V")
+    pub.add_argument("message", nargs="?", help="the payload (default: one message per stdin line)")
+    pub.add_argument("--key", help="partition key: messages of one key go to one shard, in order")
+    pub.add_argument("--header", action="append", metavar="K=V", help="a header (repeatable)")
     pub.add_argument("--content-type")
     pub.add_argument("--stream", help="the stream the topic must resolve to")
-    pub.add_argument("--ttl-ms", type=int)
+    pub.add_argument("--ttl-ms", type=int, help="expire the message this long after publishing")
     pub.add_argument("--int64", action="store_true",
                      help="send each message as an 8-byte big-endian integer (int64 streams)")
-    pub.add_argument("--producer-name")
+    pub.add_argument("--producer-name", help="producer id the message carries "
+                                             "(default shardgate-cli)")
     _bind(pub, _pub)
 
     sub = subparsers.add_parser("sub", parents=[common], help="consume and print messages")
@@ -399,7 +403,8 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
     sub.add_argument("--stream", action="store_true", help="TOPIC_OR_FILTER names a stream")
     sub.add_argument("--subscription", "-s", default=None,
                      help="subscription name (default: a new one for this command)")
-    sub.add_argument("--type", choices=["exclusive", "shared", "failover"], default="exclusive")
+    sub.add_argument("--type", choices=["exclusive", "shared", "failover"], default="exclusive",
+                     help="subscription type (default exclusive)")
     sub.add_argument("--position", choices=["earliest", "latest"], default="latest",
                      help="where to start: earliest replays what the streams hold (archive, "
                           "journal) before the live tail")
@@ -419,9 +424,11 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
     _bind(sdescribe, _subs_describe)
     reset = subs_sub.add_parser("reset", parents=[common], help="move a durable cursor")
     reset.add_argument("name")
-    reset.add_argument("--position", choices=["earliest", "latest"], default="earliest")
-    reset.add_argument("--offset", type=int)
-    reset.add_argument("--time-ms", type=int)
+    reset.add_argument("--position", choices=["earliest", "latest"], default="earliest",
+                       help="default earliest (unless --offset or --time-ms)")
+    reset.add_argument("--offset", type=int, help="move every shard's cursor to this offset")
+    reset.add_argument("--time-ms", type=int,
+                       help="move to the first message published at or after this epoch ms")
     _bind(reset, _subs_reset)
     sdelete = subs_sub.add_parser("delete", parents=[common], help="delete a subscription")
     sdelete.add_argument("name")

@@ -22,6 +22,8 @@ QUIET_LOGGERS = {
     "fsspec": logging.WARNING,
     "botocore": logging.WARNING,
     "s3fs": logging.WARNING,
+    # "server listening on ..." and "server closing": Shardgate says so itself for every listener
+    "websockets.server": logging.WARNING,
 }
 
 

@@ -87,6 +87,21 @@ class ThreadedBroker:
         return self.app.port("mqtt-ws")
 
 
+def serve_admin(broker: ThreadedBroker) -> Iterator[str]:
+    """The node's admin URL (`for url in serve_admin(broker):`): its own HTTP listener when
+    configured, else one started here for the loop's body."""
+    if "http" in broker.app.listeners:
+        yield f"http://127.0.0.1:{broker.app.port('http')}"
+        return
+    from shardgate.admin.admin_http import start_http_server
+
+    server = broker.call(start_http_server(broker.app, "127.0.0.1", 0))
+    try:
+        yield f"http://127.0.0.1:{server.port}"
+    finally:
+        broker.call(server.wait_closed())
+
+
 def make_config(data_dir: Path, **sections: dict[str, Any]) -> Config:
     config = load_config(environ={})
     config.data_dir = data_dir

@@ -45,6 +45,22 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def settled_confirms(channel: AmqpChannel) -> None:
+    """Move `channel.confirm_ready` up to the highest tag below which every publish is
+    settled, and forget those tags (`unconfirmed` holds tags in publish order)."""
+    unconfirmed = channel.unconfirmed
+    settled: list[int] = []
+    for tag, done in unconfirmed.items():
+        if not done:
+            break
+        settled.append(tag)
+    if settled:
+        for tag in settled:
+            del unconfirmed[tag]
+        if settled[-1] > channel.confirm_ready:
+            channel.confirm_ready = settled[-1]
+
+
 class ConnectionBase:
     """One client connection's protocol state (sans-IO): the shared part."""
 
@@ -186,6 +202,7 @@ class ConnectionBase:
         self.flush_requested = False
         if self._confirm_channels:
             for channel in self._confirm_channels:
+                settled_confirms(channel)
                 if channel.confirm_ready and not channel.closing:
                     self.out.append(encode_ack(channel.number, channel.confirm_ready, True))
                 channel.confirm_ready = 0

@@ -343,7 +343,8 @@ class PublishingMixin(ConnectionBase):
 
     def _confirm(self, channel: AmqpChannel, tag: int, ok: bool) -> None:
         """Publish `tag` is stored (or failed). Acks are merged into one multiple ack per
-        channel and flush; a tag is acked only once every lower tag is settled."""
+        channel and flush; a tag is acked only once every lower tag is settled (the flush
+        finds how far that is, once per channel: `settled_confirms`)."""
         if channel.closing or self.state is not State.OPEN:
             return
         unconfirmed = channel.unconfirmed
@@ -351,21 +352,15 @@ class PublishingMixin(ConnectionBase):
             unconfirmed.pop(tag, None)
             self.send_method(channel.number, commands.Basic.Nack(tag, False, True))
         elif not unconfirmed:
-            channel.confirm_ready = tag
+            if tag > channel.confirm_ready:
+                channel.confirm_ready = tag
         else:
             unconfirmed[tag] = True
-        last = 0
-        for pending_tag, done in unconfirmed.items():
-            if not done:
-                break
-            last = pending_tag
-        if last:
-            for pending_tag in [t for t in unconfirmed if t <= last]:
-                del unconfirmed[pending_tag]
-            channel.confirm_ready = max(channel.confirm_ready, last)
-        if channel.confirm_ready:
-            self._confirm_channels.add(channel)
+        confirming = self._confirm_channels
+        if channel not in confirming:
+            confirming.add(channel)
             self._request_flush()
+
     def _confirm_select(self, channel: AmqpChannel, frame: commands.Confirm.Select) -> None:
         if channel.tx is not None:
             # rabbit_channel: confirm.select on a transactional channel.

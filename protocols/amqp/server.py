@@ -11,6 +11,8 @@ import asyncio
 import ipaddress
 import logging
 import ssl
+import time
+import weakref
 from typing import TYPE_CHECKING, cast
 
 from ..listener import TcpListener, start_tcp_listener
@@ -32,13 +34,59 @@ def _is_loopback(host: str) -> bool:
         return host in ("localhost",)
 
 
+# Reads of one event-loop turn, all connections together, after which a connection that read
+# is not read again before the next turn.
+READ_BUDGET_S = 0.005
+
+
+class ReadTurns:
+    """Gives every socket, and the listener, a share of each event-loop turn.
+
+    libuv reads a readable socket up to 32 times per callback (256 KiB each with uvloop), so
+    one publisher flooding the broker can hold a loop turn for hundreds of milliseconds, turn
+    after turn; the listening socket's readiness then waits seconds (measured: a burst of
+    connections stayed in the accept queue until the flood ended). Once the reads of a turn
+    have taken `READ_BUDGET_S`, a connection that has just read is paused until the next turn
+    (TCP back-pressure meanwhile): each turn still reads every busy socket at least once, and
+    the listener's accept runs between turns."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.started = 0.0  # when this turn's first read began; 0: no read yet this turn
+        self._paused: list[AmqpProtocol] = []
+
+    def begin(self) -> None:
+        if not self.started:
+            self.started = time.perf_counter()
+            self._loop.call_soon(self._next_turn)
+
+    def spent(self) -> bool:
+        return time.perf_counter() - self.started > READ_BUDGET_S
+
+    def pause(self, protocol: AmqpProtocol) -> None:
+        self._paused.append(protocol)
+
+    def _next_turn(self) -> None:
+        self.started = 0.0
+        paused, self._paused = self._paused, []
+        for protocol in paused:
+            protocol.turn_resume()
+
+
+_read_turns: weakref.WeakKeyDictionary[AmqpService, ReadTurns] = weakref.WeakKeyDictionary()
+
+
 class AmqpProtocol(asyncio.Protocol):
     """One TCP connection: bytes in to the state machine, its output to the transport."""
 
-    def __init__(self, service: AmqpService) -> None:
+    def __init__(self, service: AmqpService, turns: ReadTurns | None = None) -> None:
         self.service = service
+        self.turns = turns
         self.transport: asyncio.Transport | None = None
         self.connection: AmqpConnection | None = None
+        # paused by the connection (memory alarm), or until the next loop turn
+        self.held = False
+        self.yielded = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream server's transport has the asyncio.Transport interface; uvloop's are not
@@ -55,11 +103,26 @@ class AmqpProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         connection = self.connection
         assert connection is not None
+        turns = self.turns
+        if turns is not None:
+            turns.begin()
         try:
             connection.data_received(data)
         except Exception:
             log.exception("internal error on AMQP connection %s", connection.remote)
             connection.close(ConnectionException(ReplyCode.INTERNAL_ERROR, "internal error"))
+        if turns is not None and turns.spent() and not self.yielded:
+            transport = self.transport
+            if transport is not None and not transport.is_closing():
+                self.yielded = True
+                transport.pause_reading()
+                turns.pause(self)
+
+    def turn_resume(self) -> None:
+        self.yielded = False
+        transport = self.transport
+        if not self.held and transport is not None and not transport.is_closing():
+            transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.connection is not None:
@@ -83,11 +146,13 @@ class AmqpProtocol(asyncio.Protocol):
             self.transport.close()
 
     def pause_reading(self) -> None:
+        self.held = True
         if self.transport is not None and not self.transport.is_closing():
             self.transport.pause_reading()
 
     def resume_reading(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
+        self.held = False
+        if self.transport is not None and not self.transport.is_closing() and not self.yielded:
             self.transport.resume_reading()
 
 
@@ -132,5 +197,9 @@ async def start_amqp_listener(
         service.start()
     shared = service
     name = "AMQP" if ssl_context is None else "AMQPS"
-    server = await start_tcp_listener(lambda: AmqpProtocol(shared), host, port, ssl_context, name=name)
+    turns = _read_turns.get(shared)
+    if turns is None:
+        turns = _read_turns[shared] = ReadTurns(asyncio.get_running_loop())
+    server = await start_tcp_listener(lambda: AmqpProtocol(shared, turns), host, port, ssl_context,
+                                      name=name)
     return AmqpServer(server, service, owns)

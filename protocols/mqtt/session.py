@@ -75,7 +75,7 @@ class MqttSession:
         if durable:
             # Offline messages stay in the journal; the session's cursors replay them.
             self.subscription: Subscription = broker.durable_subscription(
-                name, options=DurableOptions(ack_timeout_s=None, redeliver_on_leave=False), owner=self
+                name, options=DurableOptions(ack_timeout_s=None, redeliver_on_leave=False, consumers_queue=True), owner=self
             )
         else:
             self.subscription = broker.subscription(name, owner=self)

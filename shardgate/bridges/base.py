@@ -135,7 +135,8 @@ class BridgeBase(Generic[Connection]):
     def start(self) -> None:
         out = self._base_settings.out
         if out:
-            options = DurableOptions(ack_timeout_s=None)
+            # (its outbox keeps messages of non-reliable streams under `max_queued`)
+            options = DurableOptions(ack_timeout_s=None, consumers_queue=True)
             sub = self.edge.durable_subscription(
                 f"${self._id_prefix}/{self.name}", options=options, owner=self,
             )

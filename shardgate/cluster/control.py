@@ -351,19 +351,30 @@ class ClusterNode:
             raise ClusterStartError(f"cannot register with etcd: {exc}") from None
         self._running = True
         self._start_lease_keeper()
+        self._tasks = [asyncio.create_task(self._write_catalog(), name="cluster-catalog-writer")]
+        # this node's own writes queued before it joined go first, or the read below would make
+        # them look undone (as when the watch reads everything again)
+        deadline = time.monotonic() + self.settings.connect_timeout_s
+        while self._pending_writes and self._running and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        written = not self._pending_writes
         kvs, revision = await self.client.get_prefix(self.prefix)
         before = self._catalog_snapshot()
         self.view.load(self.prefix, kvs, revision)
         self.view.session_changes = []  # joining is not a change of anyone's session
-        # what changed since the catalog was read (users, ACL, streams, AMQP topology) reaches
-        # the listeners, as the watch's changes will; and nodes that registered meanwhile
-        # reach the data plane's links
-        self._after_change(before)
-        self._tasks = [
+        if written:
+            # what changed since the catalog was read (users, ACL, streams, AMQP topology)
+            # reaches the listeners, as the watch's changes will; and nodes that registered
+            # meanwhile reach the data plane's links
+            self._after_change(before)
+        else:
+            log.warning("cluster: this node's writes are not all in etcd yet; changes made "
+                        "elsewhere since it started apply at the next change")
+            self.view.changed()
+        self._tasks += [
             asyncio.create_task(self._keep_alive(), name="cluster-lease"),
             asyncio.create_task(self._watch_guard(revision), name="cluster-watch"),
             asyncio.create_task(self._control(), name="cluster-controller"),
-            asyncio.create_task(self._write_catalog(), name="cluster-catalog-writer"),
             asyncio.create_task(self._report_load(), name="cluster-load"),
         ]
         log.info("cluster %s: node %s joined (internal address %s)", self.settings.name,

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import PublishRejected, ShardUnavailable
+from ..core.errors import PublishRejected, ShardUnavailable, StoreFull
 from ..core.message import Message, now_ms
 from ..core.records import decode_to_message, encode_message
 from . import keys
@@ -120,7 +120,7 @@ class SharedDelayed:
         if self._closed:
             raise ShardUnavailable("this node is stopping: publish the delayed message to another node")
         if len(self) >= MAX_HELD:
-            raise PublishRejected(
+            raise StoreFull(
                 f"this node holds {MAX_HELD} delayed messages already (the cluster limit per node); "
                 "try again later or on another node")
         size = len(encode_message(message))

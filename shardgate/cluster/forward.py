@@ -195,6 +195,8 @@ class PeerLink:
         self._retained: list[pb.Retained] = []
         self._in_flight = 0  # forwards queued or not answered
         self._pushes_held = 0  # pushes queued or not answered
+        # Pushes were dropped since the last frame: the next one says so (`pushes_lost`).
+        self._pushes_lost = False
         # The last route generation of this node the peer has applied (SUBACK waits for it).
         self.routes_answered = 0
         self._loop = asyncio.get_running_loop()
@@ -253,6 +255,7 @@ class PeerLink:
         if self._pushes_held >= MAX_PUSHES_QUEUED or not self.reachable:
             self.plane.stats.pushes_dropped += 1
             self.plane.broker.stats.drop("cluster_link_full")
+            self._lost_pushes()
             return
         self._pushes.append((message, groups))
         self._pushes_held += 1
@@ -267,6 +270,13 @@ class PeerLink:
     def send_retained(self, retained: pb.Retained) -> None:
         self._retained.append(retained)
         self._flush_soon()
+
+    def _lost_pushes(self) -> None:
+        """Pushes to the peer were dropped: its durable cursors must read this node's journal
+        again (told on the next frame, sent soon even when nothing else is queued)."""
+        self._pushes_lost = True
+        if not self._flush_scheduled:
+            self._flush_soon()
 
     def _flush_soon(self) -> None:
         """Write what is queued at the end of this loop turn: everything queued meanwhile (one
@@ -284,7 +294,8 @@ class PeerLink:
             return
         self._shared = None  # QoS 0 publishes from now on share another future
         stats = self.plane.stats
-        while (self._forwards or self._pushes or self._routes or self._retained) and not connection.paused:
+        while ((self._forwards or self._pushes or self._routes or self._retained or self._pushes_lost)
+               and not connection.paused and not connection.closing):
             connection.send(self._next_frame())
             stats.frames_out += 1
 
@@ -409,6 +420,9 @@ class PeerLink:
         sequence = self._next_sequence
         frame = pb.PeerFrame(sequence=sequence, answered_below=self._answered_below())
         self._next_sequence = sequence + 1
+        if self._pushes_lost:
+            frame.pushes_lost = True
+            self._pushes_lost = False
         route_generation = 0
         if self._routes:
             routes, self._routes = self._routes, []
@@ -610,10 +624,12 @@ class PeerLink:
             for _message, _epoch, future, shared in self._forwards
         ]
         dropped = len(self._pushes)
+        lost = False
         for sent in self._unanswered.values():
             for batch in sent.batches:
                 waiters += batch.waiters
             dropped += sent.pushes
+            lost = lost or sent.frame.pushes_lost
         self._forwards = []
         self._shared = None
         self._unanswered = {}
@@ -622,6 +638,8 @@ class PeerLink:
         self._pushes = []
         self._pushes_held = 0
         self.plane.stats.pushes_dropped += dropped
+        if dropped or lost:
+            self._lost_pushes()
         for waiter in waiters:
             self._settle_one(waiter, error)
 
@@ -937,10 +955,11 @@ class DataPlane:
                 connection.close()
 
     def _read_owner_again(self, node_id: str) -> None:
-        """`node_id` left the view (its lease expired): what it stored but had not pushed here
-        yet will never be pushed, so durable cursors following the pushes of its shards read
-        its journal from their positions once it is back (`shard_reader.OwnerLog`), then the
-        pushes again. Its reliable shards stay its own meanwhile (their log is on its disk)."""
+        """`node_id` left the view (its lease expired), started a new link session, or said
+        it dropped pushes meant for this node: what it stored but did not push here never
+        will be, so durable cursors following the pushes of its shards read its journal from
+        their positions once it is back (`shard_reader.OwnerLog`), then the pushes again. Its
+        reliable shards stay its own meanwhile (their log is on its disk)."""
         from ..core.durable import DurableSubscription
 
         reader = self.owner_reader
@@ -951,7 +970,8 @@ class DataPlane:
                 continue
             moved = False
             for (stream, shard), cursor in sub.cursors.items():
-                if not isinstance(cursor.log, ReceivedLog):
+                # (an OwnerLog past its hand-off follows the pushes too)
+                if not (isinstance(cursor.log, ReceivedLog) or getattr(cursor.log, "remote_shard", False)):
                     continue
                 assignment = self.view.owner(stream, shard)
                 if assignment is None or assignment.node_id != node_id:
@@ -1264,6 +1284,9 @@ class DataPlane:
         inbox = self._inboxes.get(peer)
         if inbox is None or inbox.session != session:
             inbox = self._inboxes[peer] = _Inbox(session)
+            # A new session (the peer restarted, or dropped its link to this node when this
+            # node left its view): what the old one had not pushed here never will be.
+            self._read_owner_again(peer)
         inbox.reply = reply
 
     def receive(self, peer: str, frame: pb.PeerFrame, reply: Callable[[pb.PeerReply], None]) -> None:
@@ -1297,6 +1320,9 @@ class DataPlane:
                 self.remote.apply(peer, delta)
         if frame.retained:
             self._apply_retained(frame.retained)
+        if frame.pushes_lost:
+            # before this frame's pushes move the cursors past what was lost
+            self._read_owner_again(peer)
         if frame.pushes:
             self._dispatch_pushes(frame.pushes)
         if frame.push_batches:

@@ -144,8 +144,19 @@ class LinkClient(asyncio.Protocol):
         stream.write(LINK_MAGIC)
 
     def send(self, frame: pb.PeerFrame) -> None:
-        assert self.transport is not None
-        self.transport.write(frame_bytes(frame))
+        """Write `frame`. On a connection already ending (the peer's EOF arrives before the
+        link's task has seen the end) nothing is written: the sender keeps every frame until
+        it is answered and sends it again on the next connection of the session."""
+        transport = self.transport
+        assert transport is not None
+        if transport.is_closing():
+            return
+        transport.write(frame_bytes(frame))
+
+    @property
+    def closing(self) -> bool:
+        """The connection is ending (or ended): frames sent now are not written."""
+        return self.transport is None or self.transport.is_closing()
 
     def data_received(self, data: bytes) -> None:
         self._heard_at = self._loop.time()

@@ -63,7 +63,9 @@ def local_routes(subscriptions: Iterable[Subscription]) -> set[Route]:
         if not sub.filters:
             continue
         if sub.type is SubscriptionType.SHARED:
-            members = len(sub.consumers) or int(sub.durable)
+            # a consumer with `in_routes` False only takes what is still on its way here (a
+            # moved session's stand-in, `sessions.GroupStandIn`)
+            members = sum(getattr(consumer, "in_routes", True) for consumer in sub.consumers) or int(sub.durable)
             if members:
                 routes.update(
                     Route(topic_filter, sub.name, members, sub.durable) for topic_filter in sub.filters

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.durable import DurableSubscription, decode_cursor_state
 from ..core.message import Message, now_ms
 from ..core.records import RecordFormatError, decode_to_message, encode_message
-from ..core.subscriptions import SubscriptionType
+from ..core.subscriptions import Subscription, SubscriptionType
 from ..protocols.mqtt import packets as p
 from ..protocols.mqtt.session import (
     NEVER_EXPIRES,
@@ -66,6 +66,11 @@ log = logging.getLogger(__name__)
 # How long a CONNECT waits for its session to come from another node before it gets a new one.
 TAKEOVER_TIMEOUT_S = 5.0
 RELEASE_CALL_TIMEOUT_S = 3.0
+# How long a node that handed a session over keeps its shared groups' messages for the new
+# node (`GroupStandIn`) when that node does not collect them (it died meanwhile).
+STAND_IN_TIMEOUT_S = 30.0
+# After the peers applied this node's leaving a group: pushes already on their way here.
+STAND_IN_DRAIN_S = 0.25
 # A cursor the old node did not have for a shard starts this long before the snapshot: that
 # node had received no matching message of the shard, so nothing there is delivered twice.
 NO_CURSOR_MARGIN_MS = 5_000
@@ -273,8 +278,12 @@ class StateWriter:
             await asyncio.sleep(0.02)
 
 
-def snapshot(session: MqttSession, node_id: str) -> dict[str, Any]:
-    """Everything needed to resume `session` on another node (JSON)."""
+def snapshot(session: MqttSession, node_id: str, *, group_messages: bool = False) -> dict[str, Any]:
+    """Everything needed to resume `session` on another node (JSON). With `group_messages`
+    (a handover to a live node), also what its shared subscription groups handed it and it
+    has not acknowledged, in flight or queued: a group's message stays with the member it was
+    given to, as it does on one node while that member is offline [MQTT-4.8.2], so it follows
+    the member to its new node (a live group keeps no cursor of its own to replay it from)."""
     sub = session.subscription
     own = [
         [f, o.qos, o.no_local, o.retain_as_published, o.retain_handling, o.subscription_id]
@@ -291,11 +300,26 @@ def snapshot(session: MqttSession, node_id: str) -> dict[str, Any]:
         for pid, o in session.inflight.items()
         if o.source is sub and o.message.offset >= 0
     ]
-    # queued messages no cursor holds (non-reliable streams): carried as they are
-    queued = []
+    shared_inflight = []
+    if group_messages:
+        for pid, o in session.inflight.items():
+            group = _group_of(session, o.source)
+            if group is not None:
+                message = o.message
+                shared_inflight.append([pid, group, message.stream, message.shard, message.offset,
+                                        o.qos, o.released, o.retain, list(o.subscription_ids),
+                                        _message_data(message)])
+    # queued messages no cursor holds (non-reliable streams, shared groups): carried as they
+    # are, in their order; a group's entry ends with the group's name
+    queued: list[list[Any]] = []
     for item in session.queue:
         if item.source is not None and item.source is not sub:
-            continue  # a shared subscription's: its group's other members take it
+            group = _group_of(session, item.source) if group_messages else None
+            if group is not None:
+                message = item.message
+                queued.append([message.stream, message.shard, message.offset, item.qos, item.retain,
+                               list(item.subscription_ids), _message_data(message), group])
+            continue  # without a handover, the queue of a group dies with this node
         message = item.message
         cursor = sub.cursors.get((message.stream, message.shard)) if isinstance(sub, DurableSubscription) else None
         if cursor is not None and message.offset in cursor.unacked:
@@ -309,7 +333,16 @@ def snapshot(session: MqttSession, node_id: str) -> dict[str, Any]:
         "taken_ms": now_ms(), "subscriptions": own, "shared": shared, "cursors": cursors,
         "messages": messages, "inflight": inflight, "queued": queued,
         "qos2": sorted(session.inbound_qos2),
+        **({"shared_inflight": shared_inflight} if shared_inflight else {}),
     }
+
+
+def _group_of(session: MqttSession, source: Any) -> str | None:
+    """The name of the shared subscription group `source` is, if it is one of `session`'s."""
+    if source is None or source is session.subscription:
+        return None
+    entry = session.shared.get(source.name)
+    return source.name if entry is not None and entry[0] is source else None
 
 
 def expired(state: dict[str, Any], now: int | None = None, holder_gone_ms: int | None = None) -> bool:
@@ -326,6 +359,35 @@ def expired(state: dict[str, Any], now: int | None = None, holder_gone_ms: int |
             return False
         disconnected = max(disconnected, holder_gone_ms)
     return disconnected + expiry * 1000 <= (now_ms() if now is None else now)
+
+
+class GroupStandIn:
+    """Stands in, in this node's shared subscription groups, for a session handed over to
+    another node, until that node is in those groups too and collects what they handed the
+    stand-in meanwhile (`SessionHandover.collect`). So a group always has a node for every
+    member while it moves (the owners never find it empty and drop a message), and what was
+    on its way here for the member follows it."""
+
+    def __init__(self, client_id: str, groups: list[Subscription], to: str) -> None:
+        self.client_id = client_id
+        self.groups = groups
+        self.to = to  # the node the session went to: the one that collects
+        self.messages: list[tuple[str, Message]] = []
+        self.timer: asyncio.TimerHandle | None = None
+        # False once the new node collects: no longer a member in this node's routes, it only
+        # takes what the owners had already sent here (`routes.local_routes`)
+        self.in_routes = True
+
+    @property
+    def consumer_id(self) -> str:
+        return self.client_id
+
+    @property
+    def available(self) -> bool:
+        return False  # takes a message only when no member of the group can
+
+    def deliver(self, message: Message, subscription: Subscription, filters: Any) -> None:
+        self.messages.append((subscription.name, message))
 
 
 class SessionHandover:
@@ -352,6 +414,9 @@ class SessionHandover:
         self.taken_over = 0
         self.handed_over = 0
         self.swept = 0
+        # sessions handed over whose groups' messages wait here for their new node, by client id
+        self._stand_ins: dict[str, GroupStandIn] = {}
+        self._collecting: set[asyncio.Future[None]] = set()
 
     def key(self, client_id: str) -> str:
         return self.prefix + client_id
@@ -374,6 +439,8 @@ class SessionHandover:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
+        for collecting in list(self._collecting):
+            collecting.cancel()
 
     async def drop_moved(self) -> int:
         """At start: drop sessions restored from this node's store that ended or moved while
@@ -445,17 +512,67 @@ class SessionHandover:
                     holder, {"client_id": client_id, "to": me, "clean_start": clean_start},
                     RELEASE_CALL_TIMEOUT_S)
                 state = reply.get("state")
+                stood_in = bool(reply.get("stand_in"))
             except StateCallError as exc:
                 log.warning("cluster: node %s did not hand session %r over (%s); resuming from "
                             "its last snapshot", holder, client_id, exc)
+                stood_in = False
+            if stood_in:
+                # the holder's stand-in keeps the session's groups there until this node is
+                # in them (adopted, and the peers know), then hands over what it took (in the
+                # background: CONNACK does not wait for it)
+                try:
+                    await self._adopt_taken(client_id, clean_start, state)
+                finally:
+                    collecting = asyncio.ensure_future(self._collect_from(str(holder), client_id))
+                    self._collecting.add(collecting)
+                    collecting.add_done_callback(self._collecting.discard)
+                return
+        await self._adopt_taken(client_id, clean_start, state)
+
+    async def _collect_from(self, holder: str, client_id: str) -> None:
+        """What `holder`'s stand-in took for the session: to the session here (queued for it,
+        as for any offline member), or to nobody when the session did not come here."""
+        try:
+            reply = await self.rpc.release_session(
+                holder, {"client_id": client_id, "to": self.node.node_id, "collect": True},
+                RELEASE_CALL_TIMEOUT_S)
+        except StateCallError as exc:
+            log.warning("cluster: node %s did not hand over the group messages of session %r "
+                        "(%s)", holder, client_id, exc)
+            return
+        session = self.service.sessions.get(client_id)
+        stand_in = self._stand_ins.get(client_id)  # the session moved on meanwhile
+        lost = 0
+        for group, stream, shard, offset, data in reply.get("messages", []):
+            entry = session.shared.get(group) if session is not None else None
+            message = _message(data, stream, shard, offset)
+            if message is not None and session is not None and entry is not None:
+                session.deliver(message, entry[0], ())
+            elif message is not None and stand_in is not None:
+                stand_in.messages.append((group, message))
+            else:
+                lost += 1
+        if lost:
+            log.warning("cluster: %d group messages of session %r had no member to go to here",
+                        lost, client_id)
+
+    async def _adopt_taken(self, client_id: str, clean_start: bool, state: dict[str, Any] | None) -> None:
         if client_id in self.service.sessions:
             return  # a connection here made one meanwhile
         if clean_start or state is None or expired(state, holder_gone_ms=self.holder_gone_ms(state.get("node"))):
             return  # a new session: opening it replaces or removes the snapshot (`opened`)
-        self.adopt(state)
+        session = self.adopt(state)
         self.taken_over += 1
         log.info("cluster: session %r taken over from %s", client_id, state.get("node"))
         self.went_offline(client_id)  # etcd now names this node
+        if session.shared:
+            # CONNACK waits (bounded) until the peers know this node is in the session's
+            # groups: a message published after it reaches the group here, as after a SUBACK
+            # (the session's own subscription needs no wait: its cursors replay the owners')
+            ready = self.broker.routes_ready()
+            if ready is not None:
+                await ready
 
     def adopt(self, state: dict[str, Any]) -> MqttSession:
         """Rebuild a session from a snapshot, offline (its connection is about to attach)."""
@@ -483,10 +600,22 @@ class SessionHandover:
                 continue
             session.inflight[int(pid)] = Outgoing(message, qos, retain, tuple(ids), sub, released)
             sub.adopt(message, session)
-        for stream, shard, offset, qos, retain, ids, data in state.get("queued", []):
+        for pid, group, stream, shard, offset, qos, released, retain, ids, data in state.get(
+                "shared_inflight", []):
+            entry = session.shared.get(group)
+            message = _message(data, stream, shard, offset)
+            if entry is not None and message is not None and int(pid) not in session.inflight:
+                session.inflight[int(pid)] = Outgoing(message, qos, retain, tuple(ids), entry[0], released)
+        for stream, shard, offset, qos, retain, ids, data, *group in state.get("queued", []):
+            source: Subscription | None = sub
+            if group:
+                entry = session.shared.get(group[0])
+                if entry is None:
+                    continue
+                source = entry[0]
             message = _message(data, stream, shard, offset)
             if message is not None:
-                session._enqueue(Queued(message, qos, retain, tuple(ids), sub))
+                session._enqueue(Queued(message, qos, retain, tuple(ids), source))
         session.inbound_qos2 = set(state.get("qos2", []))
         if session.inbound_qos2 and service.store is not None:
             service.store.save_qos2([(client_id, packet_id, True) for packet_id in session.inbound_qos2])
@@ -495,9 +624,12 @@ class SessionHandover:
 
     # ------------------------------------------------------------ the old node
     async def release(self, request: dict[str, Any]) -> dict[str, Any]:
-        """A peer took this client's session: end it here and hand its state over."""
+        """A peer took this client's session: end it here and hand its state over. Its
+        shared groups keep a stand-in here until the peer collects (`collect`)."""
         client_id = str(request["client_id"])
         to = str(request.get("to", "another node"))
+        if request.get("collect"):
+            return await self.collect(client_id, to)
         clean_start = bool(request.get("clean_start"))
         service = self.service
         session = service.sessions.get(client_id)
@@ -509,7 +641,21 @@ class SessionHandover:
             session.connection = None
             connection.close(p.ReasonCode.SESSION_TAKEN_OVER, f"session taken over on {to}")
         self._cancel_timers(client_id, publish_will=clean_start)
-        state = snapshot(session, self.node.node_id) if session.durable and not clean_start else None
+        state = (snapshot(session, self.node.node_id, group_messages=True)
+                 if session.durable and not clean_start else None)
+        stand_in = None
+        if state is not None and session.shared:
+            stand_in = GroupStandIn(client_id, [sub for sub, _options in session.shared.values()], to)
+            for group in stand_in.groups:
+                self.broker.attach(group, stand_in)  # before the session leaves: no route changes
+            earlier = self._stand_ins.get(client_id)
+            if earlier is not None:  # an earlier move's, not collected yet: what it took goes too
+                stand_in.messages.extend(earlier.messages)
+                earlier.messages.clear()
+                self._drop_stand_in(client_id)
+            stand_in.timer = asyncio.get_running_loop().call_later(
+                STAND_IN_TIMEOUT_S, self._drop_stand_in, client_id)
+            self._stand_ins[client_id] = stand_in
         self._releasing.add(client_id)
         try:
             if service.sessions.get(client_id) is session:
@@ -519,7 +665,51 @@ class SessionHandover:
             self._releasing.discard(client_id)
         self.handed_over += 1
         log.info("cluster: session %r handed over to %s", client_id, to)
-        return {"state": state}
+        return {"state": state, "stand_in": stand_in is not None}
+
+    async def collect(self, client_id: str, to: str) -> dict[str, Any]:
+        """The session's new node `to` is in its groups now: the stand-in leaves them, and once
+        the peers know (and what they pushed meanwhile has arrived), what it took goes there."""
+        stand_in = self._stand_ins.get(client_id)
+        if stand_in is None or stand_in.to != to:
+            return {"messages": []}
+        broker = self.broker
+        stand_in.in_routes = False  # the peers stop sending the groups' messages here
+        if broker.on_routes_changed is not None:
+            broker.on_routes_changed()
+        ready = broker.routes_ready()
+        if ready is not None:
+            await ready
+        # a peer's pushes come on its own link, not the one its answer came on: what it sent
+        # before it applied the change may still be on its way
+        await asyncio.sleep(STAND_IN_DRAIN_S)
+        if self._stand_ins.get(client_id) is stand_in:
+            del self._stand_ins[client_id]
+        if stand_in.timer is not None:
+            stand_in.timer.cancel()
+        self._leave_groups(stand_in)
+        return {"messages": [
+            [group, message.stream, message.shard, message.offset, _message_data(message)]
+            for group, message in stand_in.messages
+        ]}
+
+    def _leave_groups(self, stand_in: GroupStandIn) -> None:
+        broker = self.broker
+        for group in stand_in.groups:
+            broker.detach(group, stand_in)
+            if not group.consumers and broker.subscriptions.get(group.name) is group:
+                broker.remove_subscription(group.name)
+
+    def _drop_stand_in(self, client_id: str) -> None:
+        stand_in = self._stand_ins.pop(client_id, None)
+        if stand_in is None:
+            return
+        if stand_in.timer is not None:
+            stand_in.timer.cancel()
+        self._leave_groups(stand_in)
+        if stand_in.messages:
+            log.warning("cluster: %d group messages kept for session %r were never collected by "
+                        "its new node; dropped", len(stand_in.messages), client_id)
 
     def _cancel_timers(self, client_id: str, *, publish_will: bool) -> None:
         service = self.service

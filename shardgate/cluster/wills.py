@@ -24,16 +24,25 @@ controller dies:
 3. delete the key at the claim's revision.
 
 A claim whose claimer is gone (no longer a live node, or a node restarted under the same id
-with a newer lease) is a will not known to be published: the controller claims it again and
-publishes it at once (its delay has run). So a controller that dies between claim and publish
-loses no will; one that dies between publish and delete makes it published twice. A will
+with a newer lease) is a will not known to be published: the controller claims it again and,
+its delay having run, publishes it at once, unless it finds it published already. So a
+controller that dies between claim and publish loses no will. One that dies between publish
+and delete left the will in its shard: the claim records when it was made (`"at"`, the
+claimer's clock, the same clock that stamped the will's publish time), and before publishing
+again the next controller reads the will topic's shard from its owner's journal for a message
+of that client, on that topic, with that payload, published at or after the claim; if there is
+one, it only deletes the claim. That check needs a reliable shard (a journal): a will on a
+non-reliable stream, or one whose shard's owner cannot be read within `PUBLISH_RETRY_S`, is
+published again, so there a will is published at least once (twice if its controller died
+between publishing it and deleting its claim). A will
 whose client is back on a live node by then (the session registry says so) is dropped, as a
 reconnect within the delay cancels it on one node. A node that restarts under the same id
 publishes the wills its previous life left, held or claimed (they name an older lease).
 
-Test hook (tests only, never set in production): when the environment variable
+Test hooks (tests only, never set in production): when the environment variable
 `SG_TEST_PAUSE_AFTER_WILL_CLAIM` names a file, a node that has just claimed a will waits while
-that file exists before publishing it, so that a test can kill it between claim and publish.
+that file exists before publishing it, so that a test can kill it between claim and publish;
+`SG_TEST_PAUSE_AFTER_WILL_PUBLISH` likewise between publish and delete.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ..core.message import now_ms
+from ..core.records import decode_to_message
 from ..protocols.mqtt import packets as p
 from ..protocols.mqtt.service import will_message
 from . import keys
@@ -64,6 +74,13 @@ SCAN_INTERVAL_S = 1.0
 PUBLISH_RETRY_S = 300.0
 # Names a file: while it exists, a node that claimed a will waits before publishing it (tests).
 CLAIM_PAUSE_ENV = "SG_TEST_PAUSE_AFTER_WILL_CLAIM"
+# Names a file: while it exists, a node that published a will waits before deleting its claim.
+PUBLISH_PAUSE_ENV = "SG_TEST_PAUSE_AFTER_WILL_PUBLISH"
+# Where the journal search for an already published will starts, before its claim's time (the
+# journal is found by time; the match itself is exact on the publish time).
+SEARCH_BEFORE_CLAIM_MS = 60_000
+# Records read at a time when looking for an already published will.
+SEARCH_BATCH = 512
 
 
 def _b64(data: bytes | None) -> str | None:
@@ -283,7 +300,8 @@ class WillKeeper:
         if kv.key in self._claiming:
             return
         client_id = str(state.get("client_id", ""))
-        claimed = dict(state, claim={"node": self.node.node_id, "lease": self.node.lease_id})
+        previous = state.get("claim")
+        claimed = dict(state, claim={"node": self.node.node_id, "lease": self.node.lease_id, "at": now_ms()})
         self._claiming.add(kv.key)
         try:
             try:
@@ -294,14 +312,20 @@ class WillKeeper:
                 return
             if not result.succeeded:
                 return  # claimed, replaced or cancelled elsewhere
-            await _pause_for_tests()
+            await _pause_for_tests(CLAIM_PAUSE_ENV)
             holder = self.node.view.sessions.get(client_id)
+            will = will_of(state)
             if holder is not None and holder != state.get("node") and holder in self.node.view.nodes():
                 log.info("cluster: the will of %r is cancelled: its client is back on %s", client_id, holder)
+            elif (isinstance(previous, dict) and isinstance(previous.get("at"), int)
+                  and await self.published_since(client_id, will, previous["at"])):
+                log.info("cluster: the will of %r was published by departed controller %s already",
+                         client_id, previous.get("node"))
             else:
                 log.info("cluster: publishing the will of %r held by departed node %s",
                          client_id, state.get("node"))
-                await self._publish(client_id, will_of(state))
+                await self._publish(client_id, will)
+                await _pause_for_tests(PUBLISH_PAUSE_ENV)
             await self._delete_claim(kv.key, result.revision)
         finally:
             self._claiming.discard(kv.key)
@@ -312,6 +336,62 @@ class WillKeeper:
             await self.node.client.txn([mod_revision_is(key, revision)], [delete_op(key)])
         except Exception as exc:  # noqa: BLE001 - the next scan deletes it
             log.warning("cluster: cannot delete a published will's claim yet: %s", exc)
+
+    async def published_since(self, client_id: str, will: p.Will, since_ms: int) -> bool:
+        """Whether the will's shard holds it already: a message of `client_id` on the will's
+        topic with its payload, published at or after `since_ms` (a departed controller's
+        claim). False when that cannot be known: a non-reliable shard, or its owner not read
+        within PUBLISH_RETRY_S (then the will is published again: at least once)."""
+        stream = self.service.broker.stream_for_topic(will.topic)
+        if not stream.reliable:
+            return False
+        name, index = stream.config.name, stream.shard_for(will.topic, None).index
+
+        def published(data: bytes) -> bool:
+            try:
+                message = decode_to_message(data)
+            except ValueError:
+                return False
+            return (message.topic == will.topic and message.producer_id == client_id
+                    and message.payload == will.payload and message.publish_time_ms >= since_ms)
+
+        start_ms = since_ms - SEARCH_BEFORE_CLAIM_MS
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + PUBLISH_RETRY_S
+        while True:
+            try:
+                owner = self.node.view.owner(name, index)
+                if owner is None or owner.node_id not in self.node.view.nodes():
+                    raise RuntimeError(f"{name}/{index} has no live owner")
+                if owner.node_id == self.node.node_id:
+                    shard_log = self.service.broker.streams[name].shards[index].log
+                    if shard_log is None:
+                        return False
+                    position = shard_log.offset_for_timestamp(start_ms)
+                    while batch := shard_log.read(position, SEARCH_BATCH):
+                        if any(published(record.data) for record in batch):
+                            return True
+                        position = batch[-1].offset + 1
+                    return False
+                position = 0
+                while True:
+                    request = {"stream": name, "shard": index, "from": position, "since_ms": start_ms,
+                               "max": SEARCH_BATCH, "filters": [will.topic], "node": self.node.node_id}
+                    header, records = await self.node.state_rpc.read_shard(owner.node_id, request, 5.0)
+                    if "error" in header:
+                        raise RuntimeError(header["error"])
+                    if any(published(record.data) for record in records):
+                        return True
+                    if header.get("caught_up"):
+                        return False
+                    position = int(header["next"])
+            except Exception as exc:  # noqa: BLE001 - its owner not reachable yet: retried
+                if loop.time() >= give_up:
+                    log.warning("cluster: cannot tell whether the will of %r was published (%s); "
+                                "publishing it", client_id, exc)
+                    return False
+                log.info("cluster: the will of %r waits for its shard to be read (%s)", client_id, exc)
+            await asyncio.sleep(0.5)
 
     async def _publish(self, client_id: str, will: p.Will) -> None:
         """Publish through the normal path, retried while its shard has no live owner (a
@@ -334,9 +414,9 @@ class WillKeeper:
             await asyncio.sleep(0.5)
 
 
-async def _pause_for_tests() -> None:
-    """The test hook of the module docstring: wait while the file named by CLAIM_PAUSE_ENV
+async def _pause_for_tests(variable: str) -> None:
+    """The test hooks of the module docstring: wait while the file named by `variable`
     exists (never set outside tests)."""
-    path = os.environ.get(CLAIM_PAUSE_ENV)
+    path = os.environ.get(variable)
     while path and os.path.exists(path):
         await asyncio.sleep(0.05)

@@ -14,7 +14,7 @@ import paho.mqtt.client as mqtt
 import pika
 import pika.exceptions
 from shardgate.client import Client
-from shardgate.client.errors import PermissionDenied, Unauthenticated, Unavailable
+from shardgate.client.errors import PermissionDenied, ShardgateError, Unauthenticated
 
 # what one attempt got
 NOT_LISTENING = "not listening"  # the connection was refused or closed before any answer
@@ -35,7 +35,7 @@ def mqtt_attempt(port: int, username: str | None, password: str | None,
     except OSError:
         return NOT_LISTENING
     try:
-        for _ in range(50):
+        for _ in range(300):  # a loaded machine checks passwords (scrypt) slowly
             if client.loop(timeout=0.1) != mqtt.MQTT_ERR_SUCCESS:
                 break
             if not answers.empty():
@@ -50,12 +50,13 @@ def mqtt_attempt(port: int, username: str | None, password: str | None,
 def amqp_attempt(port: int, username: str, password: str) -> str:
     parameters = pika.ConnectionParameters(
         "127.0.0.1", port, credentials=pika.PlainCredentials(username, password),
-        connection_attempts=1, socket_timeout=5, blocked_connection_timeout=5)
+        connection_attempts=1, socket_timeout=30, blocked_connection_timeout=30,
+        stack_timeout=30)
     try:
         connection = pika.BlockingConnection(parameters)
     except pika.exceptions.ProbableAuthenticationError:
         return REFUSED
-    except pika.exceptions.AMQPConnectionError as exc:
+    except pika.exceptions.AMQPError as exc:
         text = repr(exc)
         return REFUSED if "ACCESS_REFUSED" in text or "403" in text else NOT_LISTENING
     connection.close()
@@ -64,15 +65,15 @@ def amqp_attempt(port: int, username: str, password: str) -> str:
 
 def grpc_attempt(port: int, username: str, password: str) -> str:
     async def attempt() -> str:
-        client = Client(f"127.0.0.1:{port}", username=username, password=password, timeout=2)
+        client = Client(f"127.0.0.1:{port}", username=username, password=password, timeout=30)
         try:
             await client.admin.list_streams()
         except Unauthenticated:
             return REFUSED
         except PermissionDenied:
             return ACCEPTED  # authenticated, only not allowed this call
-        except Unavailable:
-            return NOT_LISTENING
+        except ShardgateError:
+            return NOT_LISTENING  # not up yet, or no answer in time
         finally:
             await client.close()
         return ACCEPTED
@@ -112,6 +113,7 @@ class Prober:
             self.outcomes[outcome] += 1
             if ready and outcome == REFUSED:
                 self.refused_after_ready += 1
+            self._stop.wait(0.01)  # every refusal costs the broker a password check
 
     def stop(self) -> None:
         self._stop.set()

@@ -15,9 +15,9 @@ import pika
 import pytest
 from shardgate.client import SyncClient
 
-from shardgate.admin.admin_http import create_web_app, start_http_server
+from shardgate.admin.admin_http import create_web_app
 from shardgate.config import StreamEntry
-from tests.conftest import ThreadedBroker, free_port, wait_for
+from tests.conftest import ThreadedBroker, free_port, serve_admin, wait_for
 from tests.mqtt_clients import V311, Paho
 
 MQTT_ADMINISTRATIVE_ACTION = 0x98
@@ -42,18 +42,6 @@ class Node:
         status, _, body = self.request("GET", path)
         assert status == 200, body
         return body
-
-
-def serve_admin(broker: ThreadedBroker) -> Iterator[str]:
-    """The node's admin URL: its own HTTP listener once wired, else one started here."""
-    if "http" in broker.app.listeners:
-        yield f"http://127.0.0.1:{broker.app.port('http')}"
-        return
-    server = broker.call(start_http_server(broker.app, "127.0.0.1", 0))
-    try:
-        yield f"http://127.0.0.1:{server.port}"
-    finally:
-        broker.call(server.wait_closed())
 
 
 @pytest.fixture

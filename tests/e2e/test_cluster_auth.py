@@ -13,6 +13,9 @@ from pathlib import Path
 
 from shardgate.protocols.mqtt import packets as p
 
+from shardgate.cluster.control import ClusterNode
+from shardgate.cluster.settings import ClusterSettings
+from shardgate.cluster.shared_files import SharedFiles
 from tests.conftest import BrokerProcess, free_port, wait_for
 from tests.e2e.auth_probes import (
     ACCEPTED,
@@ -83,7 +86,7 @@ def knock_while_starting(node: BrokerProcess, ports: dict[str, int]) -> None:
         for probe in probes:
             probe.mark_ready()
         wait_for(lambda: all(probe.refused_after_ready >= 3 or probe.errors for probe in probes),
-                 timeout=60, interval=0.05)
+                 timeout=120, interval=0.05)
     finally:
         for probe in probes:
             probe.stop()
@@ -131,3 +134,26 @@ def test_a_single_broker_with_users_refuses_wrong_credentials_from_the_start(tmp
         knock_while_starting(broker, ports)
     finally:
         broker.kill()
+
+
+async def test_users_changed_between_reading_the_catalog_and_joining_reach_the_node(
+        tmp_path: Path, etcd: EtcdServer) -> None:
+    """A node reads the users from etcd before it listens and starts watching only once it has
+    joined (after its listeners are up): a change another node makes in between is applied at
+    join, not left until the next change."""
+    settings = ClusterSettings(etcd=etcd.url, name="gap", lease_ttl_s=3, connect_timeout_s=5)
+    node = ClusterNode(settings, "n1", tmp_path / "n1")
+    await node.connect()
+    users_file = tmp_path / "n1" / "users.json"
+    try:
+        await node.read_catalog()
+        shared = SharedFiles(node, {"users": users_file})
+        await shared.start()  # nothing in etcd yet, nor here
+        assert not users_file.exists()
+        added = b'{"alice": {"password": "scrypt$...", "roles": []}}'
+        await node.client.put(node.key("auth/users"), added)  # on another node, meanwhile
+        await node.join("127.0.0.1:1", {})
+        assert users_file.read_bytes() == added
+        await shared.stop()
+    finally:
+        await node.stop()

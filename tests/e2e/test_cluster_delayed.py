@@ -78,12 +78,12 @@ def test_a_delayed_message_is_held_in_etcd_and_released_once_on_time_on_another_
     publisher = Paho(n1.mqtt_port, "scheduler", V5)
     sent_at = time.monotonic()
     for index in range(4):  # topics on both shards
-        publisher.publish(f"$delayed/3/later/job-{index}", f"job {index}", qos=1)
+        publisher.publish(f"$delayed/5/later/job-{index}", f"job {index}", qos=1)
     # acknowledged: every one is in etcd, held by the node that accepted it
     held = held_in_etcd(etcd)
     assert len(held) == 4 and {key.split("/", 1)[0] for key in held} == {"n1"}
     got = sorted((m.topic, m.payload) for m in watcher.expect_n(4, timeout=30))
-    assert time.monotonic() - sent_at >= 2.9  # not before the delay
+    assert time.monotonic() - sent_at >= 4.9  # not before the delay
     assert got == [(f"later/job-{i}", f"job {i}".encode()) for i in range(4)]
     assert wait_for(lambda: not held_in_etcd(etcd), timeout=10, interval=0.1)
     watcher.expect_none(within=1.5)  # once
@@ -211,7 +211,7 @@ def test_a_delayed_message_too_large_for_etcd_is_refused_with_a_reason(
     raw.send(p.Publish("$delayed/5/later/big", payload, qos=1, packet_id=7))
     ack = raw.receive()
     assert isinstance(ack, p.Puback) and ack.packet_id == 7
-    assert ack.reason_code >= 0x80
+    assert ack.reason_code == 0x80  # unspecified error, with the reason string
     assert "at most" in (ack.properties.reason_string or "")
     raw.send(p.Publish("$delayed/5/later/small", b"fits", qos=1, packet_id=8))
     ack = raw.receive()

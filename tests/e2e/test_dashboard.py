@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from shardgate.admin.admin_http import start_http_server
-from tests.conftest import ThreadedBroker, free_port
+from tests.conftest import ThreadedBroker, free_port, serve_admin
 from tests.mqtt_clients import Paho
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
@@ -24,18 +23,6 @@ MQTT_ADMINISTRATIVE_ACTION = 0x98
 TIMEOUT_MS = 15_000
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium browser installed")
-
-
-def serve_admin(broker: ThreadedBroker) -> Iterator[str]:
-    """The node's admin URL: its own HTTP listener once wired, else one started here."""
-    if "http" in broker.app.listeners:
-        yield f"http://127.0.0.1:{broker.app.port('http')}"
-        return
-    server = broker.call(start_http_server(broker.app, "127.0.0.1", 0))
-    try:
-        yield f"http://127.0.0.1:{server.port}"
-    finally:
-        broker.call(server.wait_closed())
 
 
 @pytest.fixture

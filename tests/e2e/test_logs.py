@@ -43,3 +43,13 @@ def test_bridges_to_a_remote_that_is_down_log_once_and_third_parties_stay_quiet(
     noisy = [line for line in text.splitlines()
              if re.search(r" (INFO|WARNING|ERROR) (transitions|amqtt|aiormq|aio_pika)", line)]
     assert noisy == []
+
+
+def test_serve_says_once_in_its_own_words_that_it_listens_on_a_websocket_port(
+    broker_process: Callable[..., BrokerProcess],
+) -> None:
+    node = broker_process(extra_args=["--mqtt-ws-port", str(free_port())]).start()
+    assert node.terminate() == 0
+    text = node.log_path.read_text()
+    assert text.count("listening for mqtt-ws on 127.0.0.1:") == 1
+    assert "websockets.server" not in text  # its "server listening on" / "server closing"

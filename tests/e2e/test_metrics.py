@@ -12,26 +12,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from shardgate.client import SyncClient, Unauthenticated
 
-from shardgate.admin.admin_http import start_http_server
 from shardgate.bridges.bridge import BridgeSettings, start_bridges, stop_bridges
 from shardgate.config import StreamEntry
 from shardgate.security.auth import User, hash_password, install_security, save_users
-from tests.conftest import ThreadedBroker, free_port, wait_for
+from tests.conftest import ThreadedBroker, free_port, serve_admin, wait_for
 from tests.mqtt_clients import V311, Paho
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def serve_admin(broker: ThreadedBroker) -> Iterator[str]:
-    """The node's admin URL: its own HTTP listener once wired, else one started here."""
-    if "http" in broker.app.listeners:
-        yield f"http://127.0.0.1:{broker.app.port('http')}"
-        return
-    server = broker.call(start_http_server(broker.app, "127.0.0.1", 0))
-    try:
-        yield f"http://127.0.0.1:{server.port}"
-    finally:
-        broker.call(server.wait_closed())
 
 
 def scrape(url: str, auth: tuple[str, str] | None = None) -> tuple[str, Samples]:

@@ -8,7 +8,6 @@ python -m pytest -q`) is what `.ci/run` runs verbatim (running it here would rec
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_for
+from tests.e2e.readme_shell import end_groups, port_free
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -66,16 +66,6 @@ def snippet(start: str) -> str:
     raise AssertionError(f"no Python block starting with {start!r} in the README")
 
 
-def port_free(port: int) -> bool:
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 @pytest.fixture
 def shell(tmp_path: Path) -> Iterator[tuple[dict[str, str], list[subprocess.Popen[str]]]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDGATE_")}
@@ -84,17 +74,7 @@ def shell(tmp_path: Path) -> Iterator[tuple[dict[str, str], list[subprocess.Pope
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     background: list[subprocess.Popen[str]] = []
     yield env, background
-    for process in reversed(background):
-        # the whole group, even when its shell has exited: what it started may still run
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-    for process in reversed(background):
-        try:
-            process.wait(40)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(5)
+    end_groups(background)
 
 
 def wrapped(code: str, timeout_s: float) -> str:

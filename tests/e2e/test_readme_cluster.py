@@ -9,8 +9,6 @@ import contextlib
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_for
+from tests.e2e.readme_shell import end_groups, port_free
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -40,47 +39,13 @@ def ports_in(commands: list[str]) -> list[int]:
     return sorted({2380, *(int(number) for number in numbers)})
 
 
-def port_free(port: int) -> bool:
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 @pytest.fixture
 def shell(tmp_path: Path) -> Iterator[tuple[dict[str, str], list[subprocess.Popen[bytes]]]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDGATE_")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     background: list[subprocess.Popen[bytes]] = []
     yield env, background
-    for process in reversed(background):
-        # the whole group, even when its shell has exited: what it started may still run
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-    for process in reversed(background):
-        # the shell may be gone while a node it started is still leaving the cluster (and would
-        # register again with the next test's etcd on the same port): wait for the whole group
-        deadline = time.monotonic() + 30
-        while (process.poll() is None or group_alive(process.pid)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if process.poll() is None or group_alive(process.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(5)
-            wait_for(lambda process=process: not group_alive(process.pid), timeout=10)
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether a live (not zombie) process of the group remains."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-    return False
+    end_groups(background, timeout=30)
 
 
 def test_readme_cluster_commands_run_as_printed(

@@ -7,7 +7,6 @@ basic.get) sees them stored first, as on RabbitMQ's channel."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,13 +29,6 @@ def publish_frames(channel: int, exchange: str, key: str, body: bytes, **props: 
         header.ContentHeader(0, len(body), commands.Basic.Properties(**props)),
         pbody.ContentBody(body),
     ))
-
-
-@pytest.fixture
-def journal(tmp_path: Path):
-    storage = JournalStorage(tmp_path / "journal")
-    yield storage
-    storage.close()
 
 
 @pytest.fixture

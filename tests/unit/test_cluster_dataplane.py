@@ -640,3 +640,34 @@ async def test_a_silent_peer_fails_the_link_and_its_waiting_forwards_retryably(c
     assert asyncio.get_running_loop().time() - started < 3
     assert not a.plane.links["b"].connected
     silent.close()
+
+
+async def test_pushes_an_owner_dropped_are_read_from_its_journal_by_the_peers_durable_cursors(cluster):
+    """An owner that could not push to a peer (unreachable: frozen, away) says so on its next
+    frame; the peer's durable cursors on its shards read its journal again from their
+    positions, so nothing stored meanwhile is skipped (the randomized fault run, seed 2)."""
+    a, b = cluster["a"], cluster["b"]
+    # in a real cluster an OwnerLog reads the owner's journal over the cluster port
+    a.plane.owner_reader = lambda stream, shard, start, filters, since_ms: b.broker.streams[stream].shards[shard].log
+    keeper = a.broker.durable_subscription("keeper")
+    a.broker.add_filter(keeper, "ledger/#")
+    consumer = Recorder("keeper")
+    a.broker.attach(keeper, consumer)
+    await routes_seen(b, a, 1)
+
+    async def publish(start: int) -> None:
+        for index in range(start, start + 5):
+            pending = b.broker.publish(Message("ledger/x", str(index).encode(), qos=1))
+            if pending is not None:
+                await asyncio.wait_for(pending, 5)
+
+    await publish(0)
+    await until(lambda: len(consumer.got) == 5)
+    link = b.plane.links["a"]
+    link.reachable = False  # as while a is frozen: b drops what it would push to a
+    await publish(5)
+    assert link.reachable is False and b.plane.stats.pushes_dropped >= 5
+    link.reachable = True
+    await publish(10)
+    await until(lambda: len({m.payload for m in consumer.got}) == 15)
+    assert [m.payload for m in consumer.got] == [str(i).encode() for i in range(15)]

@@ -42,13 +42,6 @@ class Recorder:
         self.got.append((message.offset, message.payload))
 
 
-@pytest.fixture
-def journal(tmp_path: Path):
-    storage = JournalStorage(tmp_path / "journal")
-    yield storage
-    storage.close()
-
-
 def reliable_broker(journal: JournalStorage) -> tuple[Broker, Recorder]:
     broker = Broker(storage=journal, default_stream=StreamConfig("default", mode="reliable"))
     sub = broker.subscription("live")

@@ -13,31 +13,7 @@ from shardgate.core.streams import StreamConfig
 from shardgate.core.subscriptions import SubscriptionType
 from shardgate.storage.memory import MemoryStorage
 
-
-class Consumer:
-    def __init__(self, name: str, window: int = 1000, auto_ack: bool = False) -> None:
-        self.consumer_id = name
-        self.window = window
-        self.connected = True
-        self.auto_ack = auto_ack
-        self.got: list[Message] = []
-        self.unacked: list[tuple[object, Message]] = []
-
-    @property
-    def available(self) -> bool:
-        return self.connected and len(self.unacked) < self.window
-
-    def deliver(self, message, subscription, filters):
-        self.got.append(message)
-        if self.auto_ack:
-            subscription.ack(message)
-        else:
-            self.unacked.append((subscription, message))
-
-    def ack_all(self) -> None:
-        pending, self.unacked = self.unacked, []
-        for subscription, message in pending:
-            subscription.ack(message)
+from tests.unit.recording_consumer import Consumer
 
 
 class Sink:

@@ -5,7 +5,6 @@ duplicate, when the consumer's window fills mid-block and when most records are 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 from shardgate.core.broker import Broker
@@ -16,38 +15,7 @@ from shardgate.storage.interfaces import BlockReadable
 from shardgate.storage.journal import JournalStorage
 from shardgate.storage.memory import MemoryStorage
 
-
-class Consumer:
-    def __init__(self, name: str, window: int = 1000, auto_ack: bool = False) -> None:
-        self.consumer_id = name
-        self.window = window
-        self.connected = True
-        self.auto_ack = auto_ack
-        self.got: list[Message] = []
-        self.unacked: list[tuple[object, Message]] = []
-
-    @property
-    def available(self) -> bool:
-        return self.connected and len(self.unacked) < self.window
-
-    def deliver(self, message, subscription, filters):
-        self.got.append(message)
-        if self.auto_ack:
-            subscription.ack(message)
-        else:
-            self.unacked.append((subscription, message))
-
-    def ack_all(self) -> None:
-        pending, self.unacked = self.unacked, []
-        for subscription, message in pending:
-            subscription.ack(message)
-
-
-@pytest.fixture
-def journal(tmp_path: Path):
-    storage = JournalStorage(tmp_path / "journal")
-    yield storage
-    storage.close()
+from tests.unit.recording_consumer import Consumer
 
 
 def reliable(storage: object) -> Broker:

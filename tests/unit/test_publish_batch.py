@@ -73,13 +73,6 @@ def build(journal: JournalStorage, partitions: int = 1) -> tuple[Broker, Recorde
     return broker, recorder
 
 
-@pytest.fixture
-def journal(tmp_path: Path):
-    storage = JournalStorage(tmp_path / "journal")
-    yield storage
-    storage.close()
-
-
 async def settle(outcomes: Sequence[object]) -> None:
     """Wait for every commit future, then one loop turn: a future that was done already when
     awaited has not run its callbacks (the broker's delivery of held messages) yet."""

@@ -4,37 +4,16 @@ the stored messages, as RabbitMQ keeps transient messages out of its message sto
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-from shardgate.core.broker import Broker
 from shardgate.core.message import Message
-from shardgate.core.streams import StreamConfig
 from shardgate.storage.journal import JournalStorage
 
-from tests.unit.test_commit_before_delivery import Recorder
-
-
-@pytest.fixture
-def journal(tmp_path: Path):
-    storage = JournalStorage(tmp_path / "journal")
-    yield storage
-    storage.close()
-
-
-def live_broker(journal: JournalStorage) -> tuple[Broker, Recorder]:
-    broker = Broker(storage=journal, default_stream=StreamConfig("default", mode="reliable"))
-    sub = broker.subscription("live")
-    broker.add_filter(sub, "t/#")
-    recorder = Recorder()
-    broker.attach(sub, recorder)
-    return broker, recorder
+from tests.unit.test_commit_before_delivery import reliable_broker
 
 
 async def test_a_transient_message_waits_behind_stored_messages_held_for_their_commit(
     journal: JournalStorage,
 ) -> None:
-    broker, recorder = live_broker(journal)
+    broker, recorder = reliable_broker(journal)
     # A fresh journal holds its first message until the commit (no reservation yet).
     first = broker.publish(Message("t/1", b"stored"))
     assert first is not None and recorder.got == []
@@ -53,7 +32,7 @@ async def test_a_transient_message_waits_behind_stored_messages_held_for_their_c
 async def test_a_durable_subscription_gets_transient_messages_journaled(
     journal: JournalStorage,
 ) -> None:
-    broker, _ = live_broker(journal)
+    broker, _ = reliable_broker(journal)
     durable = broker.durable_subscription("keeps")
     broker.add_filter(durable, "t/#")
     pending = broker.publish(Message("t/1", b"transient", transient=True))
