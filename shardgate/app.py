@@ -92,9 +92,16 @@ class Shardgate:
         if not tls.cert_file or not tls.key_file:
             raise ConfigError("a TLS listener needs tls.cert_file and tls.key_file")
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(tls.cert_file, tls.key_file)
+        try:
+            context.load_cert_chain(tls.cert_file, tls.key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"tls.cert_file {tls.cert_file!r} / tls.key_file {tls.key_file!r}: "
+                              f"cannot load a certificate and its key ({exc})") from None
         if tls.ca_file:
-            context.load_verify_locations(tls.ca_file)
+            try:
+                context.load_verify_locations(tls.ca_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise ConfigError(f"tls.ca_file {tls.ca_file!r}: cannot load ({exc})") from None
             context.verify_mode = ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_OPTIONAL
         return context
 

@@ -7,6 +7,7 @@ import asyncio
 import gc
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -37,7 +38,8 @@ def _configure_logging(config: Config) -> None:
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="start the broker")
-    serve.add_argument("--config", type=Path, help="TOML configuration file")
+    serve.add_argument("--config", type=Path, default=os.environ.get("SHARDGATE_CONFIG") or None,
+                       help="TOML configuration file (default $SHARDGATE_CONFIG)")
     serve.add_argument("--data-dir", type=Path, help="data directory (default ./shardgate-data)")
     serve.add_argument("--host", help="address the client listeners bind (default 127.0.0.1; "
                        "the admin API binds listeners.http_host)")

@@ -3,8 +3,10 @@ second broker on the same data directory, of a bad configuration."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -12,11 +14,13 @@ import pytest
 from tests.conftest import BrokerProcess
 
 
-def serve(data_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def serve(data_dir: Path, *extra: str, env: dict[str, str] | None = None,
+          ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "shardgate", "serve", "--data-dir", str(data_dir), "--mqtt-port", "0",
          "--mqtt-ws-port", "0", "--grpc-port", "0", "--http-port", "0", "--amqp-port", "0", *extra],
         capture_output=True, text=True, timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("SHARDGATE_")} | (env or {}),
     )
 
 
@@ -81,8 +85,12 @@ def test_a_port_in_use_names_the_listener(tmp_path: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = str(taken.getsockname()[1])
-        for flag, name in (("--grpc-port", "gRPC"), ("--mqtt-port", "MQTT"), ("--http-port", "admin HTTP")):
-            result = serve(tmp_path / "data", flag, port)
+        listeners = (("--grpc-port", "gRPC"), ("--mqtt-port", "MQTT"), ("--http-port", "admin HTTP"))
+        with ThreadPoolExecutor(len(listeners)) as pool:  # three brokers at once: one wait
+            results = list(pool.map(
+                lambda listener: serve(tmp_path / f"data-{listener[0][2:]}", listener[0], port),
+                listeners))
+        for (flag, name), result in zip(listeners, results, strict=True):
             assert result.returncode == 2, result.stderr
             assert f"cannot listen for {name} on 127.0.0.1:{port}: the port is already in use" in result.stderr
             assert flag in result.stderr
@@ -101,3 +109,21 @@ def test_a_port_out_of_range_is_refused_before_anything_listens(tmp_path: Path, 
     result = serve(tmp_path / "data", "--grpc-port", port)
     assert result.returncode == 2, result.stderr
     assert f"listeners.grpc_port = {port} is not a port number" in result.stderr
+
+
+def test_shardgate_config_in_the_environment_names_the_configuration_file(tmp_path: Path) -> None:
+    config = tmp_path / "from-env.toml"
+    config.write_text('[journal]\nfsync = "sometimes"\n')
+    result = serve(tmp_path / "data", env={"SHARDGATE_CONFIG": str(config)})
+    assert result.returncode == 2, result.stderr
+    assert f"{config}: journal.fsync = 'sometimes' is not allowed" in result.stderr
+
+
+def test_a_certificate_that_cannot_be_loaded_names_the_tls_settings(tmp_path: Path) -> None:
+    config = tmp_path / "tls.toml"
+    config.write_text(f'[tls]\ncert_file = "{tmp_path / "missing.crt"}"\n'
+                      f'key_file = "{tmp_path / "missing.key"}"\n')
+    result = serve(tmp_path / "data", "--config", str(config), "--mqtts-port", "18998")
+    assert result.returncode == 2, result.stderr
+    assert "tls.cert_file" in result.stderr and "cannot load a certificate" in result.stderr
+    assert "listeners.host" not in result.stderr and "Traceback" not in result.stderr
