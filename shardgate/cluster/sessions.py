@@ -178,12 +178,19 @@ class CursorPlacer:
                     # from the saved floor: the unacknowledged come again (with what was
                     # acknowledged after the first of them: at least once)
                     saved_position, unacked = decode_cursor_state(record.acked)
-                    position = max(position, min([saved_position, *unacked]))
+                    # Not past it: before this runs, the cursor (clamped to this node's empty
+                    # log of the shard) may have gone live on the pushes and handed out one,
+                    # skipping what was stored between the floor and that push.
+                    position = min([saved_position, *unacked])
                     # all of those were handed out before: again, they are redeliveries (DUP)
                     cursor.resent_below = saved_position
                 cursor.position = position
                 cursor.log = OwnerLog(  # type: ignore[assignment]
                     self.rpc, self.plane, stream, shard, position, self._filters_of(sub))
+                # it replays from there: live pushes wait until it has caught up
+                cursor.live = False
+                cursor.ahead = []
+                sub.schedule_pump()
                 count += 1
         if count:
             log.info("cluster: %d restored cursors replay from their shards' owners", count)

@@ -209,8 +209,12 @@ class OwnerLog:
         try:
             wait = await self._fetch_once()
         except Exception as exc:  # noqa: BLE001 - retried; the cursor waits meanwhile
-            log.warning("cluster: reading %s/%d from its owner failed: %s; retrying",
-                        self.stream, self.shard, exc)
+            # the first failure of a run is a warning; the retries while the owner stays away
+            # (every 0.2 to 2 s per cursor) are debug, until a read succeeds again
+            first = self._retry == RETRY_MIN_S
+            log.log(logging.WARNING if first else logging.DEBUG,
+                    "cluster: reading %s/%d from its owner failed: %s; retrying",
+                    self.stream, self.shard, exc)
             wait = self._retry
             self._retry = min(self._retry * 2, RETRY_MAX_S)
         if wait:

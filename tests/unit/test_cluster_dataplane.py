@@ -701,3 +701,85 @@ async def test_only_a_link_session_that_replaces_an_earlier_one_rereads_the_owne
     assert reads == []
     a.plane.link_opened("b", session + 1, lambda reply: None)  # b's link session replaced
     assert reads == [("ledger", 0, 1)]
+
+
+async def test_a_restored_cursor_that_went_live_on_the_pushes_resumes_at_its_saved_floor(cluster):
+    """A node restarts with a durable subscription (an AMQP queue: its consumer, the queue,
+    takes messages at once) whose cursor on a shard another node owns was saved at offset 1.
+    Restoring clamps the cursor to the node's empty log of that shard; before the start moves it
+    to the owner's journal from the saved floor, a push arrives and the cursor, live on the
+    empty pushes, hands it out. The messages stored between the floor and that push (during
+    the stop) must still come: they are in the owner's journal."""
+    from types import SimpleNamespace
+
+    from shardgate.core.durable import encode_cursor_state
+
+    from shardgate.cluster.sessions import CursorPlacer
+    from shardgate.cluster.shard_reader import OwnerLog, serve_read
+    from shardgate.cluster.state_rpc import StateRpc
+
+    a, b = cluster["a"], cluster["b"]
+    rpcs = []
+    for node in (a, b):
+        rpc = StateRpc(node.view)
+        rpc.on_read = lambda request, node=node: serve_read(node.broker, node.plane, request)
+        node.plane.add_service(rpc.handler())
+        node.plane.owner_reader = (lambda stream, shard, start, filters, since_ms, node=node, rpc=rpc:
+                                   OwnerLog(rpc, node.plane, stream, shard, start, filters, since_ms))
+        rpcs.append(rpc)
+    moved = ShardAssignment("ledger", 0, "a", 2)  # a owns ledger/0; b keeps an empty journal of it
+    for node in (a, b):
+        node.view.assignments[("ledger", 0)] = moved
+        node.view.changed()
+    # stored on a while b's queue was acknowledged up to offset 1 and b was stopping
+    for payload in (b"acked", b"stored-during-stop-1", b"stored-during-stop-2"):
+        await asyncio.wait_for(a.broker.publish(Message("ledger/x", payload, qos=1)), 5)  # type: ignore[arg-type]
+    # b restarts: its subscription is restored before it knows the shard map, its cursor
+    # clamped to b's empty log of the shard
+    b.broker.placement = None
+    sub = b.broker.durable_subscription("keeper")
+    b.broker.add_filter(sub, "ledger/#")
+    saved = encode_cursor_state(1, [])
+    sub.restore_cursor("ledger", 0, saved)
+    queue = Recorder("queue")
+    b.broker.attach(sub, queue)
+    b.broker.placement = b.plane
+    b.view.changed()
+    await routes_seen(a, b, 1)
+    await until(lambda: sub.cursors[("ledger", 0)].live)
+    await asyncio.wait_for(a.broker.publish(Message("ledger/x", b"after-restart", qos=1)), 5)  # type: ignore[arg-type]
+    await until(lambda: [m.payload for m in queue.got] == [b"after-restart"])
+    # then the start moves the restored cursors to the owners' journals from their saved floors
+    placer = CursorPlacer(SimpleNamespace(node_id="b", view=b.view), b.broker, b.plane, rpcs[1])  # type: ignore[arg-type]
+    record = SimpleNamespace(stream="ledger", shard=0, acked=saved)
+    assert placer.replay_restored(lambda name: [record] if name == "keeper" else []) == 1
+    await until(lambda: {b"stored-during-stop-1", b"stored-during-stop-2"} <= {m.payload for m in queue.got})
+    assert b"acked" not in [m.payload for m in queue.got]
+    for rpc in rpcs:
+        await rpc.close()
+
+
+async def test_a_cursor_whose_owner_stays_away_warns_once_until_a_read_succeeds(cluster, monkeypatch, caplog):
+    """Each retry of a read from an owner that is away is logged at debug after the first
+    warning (a fault run logged about 1,000 such lines): one warning per outage."""
+    import logging
+
+    from shardgate.cluster import shard_reader
+    from shardgate.cluster.state_rpc import StateRpc
+
+    monkeypatch.setattr(shard_reader, "RETRY_MIN_S", 0.001)
+    monkeypatch.setattr(shard_reader, "RETRY_MAX_S", 0.004)
+    b = cluster["b"]
+    b.view.assignments[("ledger", 0)] = ShardAssignment("ledger", 0, "gone", 2)  # not a live node
+    rpc = StateRpc(b.view)
+    reader = shard_reader.OwnerLog(rpc, b.plane, "ledger", 0, 0, lambda: ["ledger/#"])
+    caplog.set_level(logging.DEBUG, logger=shard_reader.__name__)
+    for _ in range(5):
+        reader.commit_waiter()
+        waiter = reader.commit_waiter()
+        assert waiter is not None
+        await asyncio.wait_for(waiter, 5)
+    failures = [r for r in caplog.records if "from its owner failed" in r.getMessage()]
+    assert len(failures) == 5
+    assert [r.levelno for r in failures].count(logging.WARNING) == 1
+    await rpc.close()
