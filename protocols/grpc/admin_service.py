@@ -21,7 +21,6 @@ from ...core.topics import validate_topic_filter
 from ...proto import shardgate_pb2 as pb
 from ...proto import shardgate_pb2_grpc as pb_grpc
 from .auth import user_of
-from .consumer import GrpcConsumer
 from .convert import MODES, SCHEMAS, Refusal, abort, seek_to, translated
 
 if TYPE_CHECKING:
@@ -169,13 +168,14 @@ class AdminService(pb_grpc.AdminServicer):
         return self.server.subscription_info(sub)
 
     @_unary
-    def DeleteSubscription(self, request: pb.SubscriptionName) -> pb.Empty:
-        sub = self._subscription(request.name)
-        self.broker.remove_subscription(sub.name)
-        for consumer in list(sub.consumers):
-            if isinstance(consumer, GrpcConsumer):
-                consumer.closed = True
-                consumer.wakeup.set()
+    async def DeleteSubscription(self, request: pb.SubscriptionName) -> pb.Empty:
+        """On any node of a cluster: a durable subscription another node holds is deleted
+        there (or in etcd, when its holder is down)."""
+        elsewhere = self.server.delete_elsewhere
+        if request.name not in self.broker.subscriptions and elsewhere is not None:
+            if await elsewhere(request.name):
+                return pb.Empty()
+        self.server.delete_subscription(self._subscription(request.name))
         return pb.Empty()
 
     @_unary

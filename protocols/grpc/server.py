@@ -77,6 +77,8 @@ class GrpcServer:
         # Cluster mode: describes a subscription held by another node (None: no node holds
         # it); None on a single node. `DescribeSubscription` asks it for a name not held here.
         self.describe_elsewhere: Callable[[str], Awaitable[pb.SubscriptionInfo | None]] | None = None
+        # ... and deletes one there (False: no node holds it).
+        self.delete_elsewhere: Callable[[str], Awaitable[bool]] | None = None
 
     def allowed(self, action: Action, user: str | None, topic: str) -> bool:
         return self.edge.authorize(principal_of(user), action, topic)
@@ -241,6 +243,14 @@ class GrpcServer:
             if isinstance(state, GrpcSubscriptionState) and state.stream == config.name:
                 info.subscriptions.add(name=sub.name, lag=lag_of(sub))
         return info
+
+    def delete_subscription(self, sub: Subscription) -> None:
+        """Remove `sub`; its gRPC consumers' streams end."""
+        self.broker.remove_subscription(sub.name)
+        for consumer in list(sub.consumers):
+            if isinstance(consumer, GrpcConsumer):
+                consumer.closed = True
+                consumer.wakeup.set()
 
     def subscription_info(self, sub: Subscription) -> pb.SubscriptionInfo:
         info = pb.SubscriptionInfo(

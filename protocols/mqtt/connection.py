@@ -50,8 +50,6 @@ RC = p.ReasonCode
 MQTT_V5 = 5
 # The longest a publisher is held for a subscriber that does not catch up (see `held`).
 HOLD_MAX_S = 0.5
-# Packets of a deferred read handled per turn (see `run_deferred`).
-DEFERRED_SLICE = 32
 
 
 class Link(Protocol):
@@ -415,7 +413,7 @@ class MqttConnection:
                 # has read it (this turn's own output alone holds nobody: a fast reader takes
                 # a large turn at once).
                 self._drain_wanted = True
-                self.service.congested(self.session)
+                self.service.congested(self.session, queue=False)
         self.messages_out += 1
         if message.producer_protocol != "sys":  # the broker's own $SYS statistics are not messages
             if message.stream != self._sent_stream:
@@ -467,17 +465,6 @@ class MqttConnection:
         """Handle what a turn's read budget left for later (see `MqttService.defer`)."""
         if self.state is State.CLOSED or self.held or self.state is State.OPENING:
             return  # a hold or an opening session resumes it in its own time
-        backlog = self._backlog
-        if len(backlog) > DEFERRED_SLICE:
-            # A long backlog (one read of many packets) is handled a slice per turn, the
-            # socket still unread: one connection's read must not make a turn long either.
-            self._backlog = []
-            self._process(backlog[:DEFERRED_SLICE])
-            held_back = bool(self._backlog)  # held, throttled or opening: resumed by that
-            self._backlog.extend(backlog[DEFERRED_SLICE:])
-            if not held_back and self.state is not State.CLOSED:
-                self.service.defer(self)
-            return
         self.link.resume()
         if self._backlog or self._backlog_error is not None:
             self._resume_backlog()

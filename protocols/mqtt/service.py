@@ -119,6 +119,8 @@ class MqttService:
         # whose queue is over half full, and the publishers held until those catch up.
         self.publishing: MqttConnection | None = None
         self._congested: set[MqttSession] = set()
+        # ... of which those whose queue (not only their socket's output) is over half full.
+        self._queue_congested: set[MqttSession] = set()
         self._held: list[MqttConnection] = []
         # Where CONNECTs wait (read → session open → CONNACK written) and the loop's lateness.
         self.connect_timing = ConnectTiming()
@@ -304,8 +306,9 @@ class MqttService:
             self._turn_start = 0.0
 
     # ------------------------------------------------------------------ back-pressure
-    def congested(self, session: MqttSession) -> None:
-        """`session` (online) queues more than it reads: hold the client publishing to it, so
+    def congested(self, session: MqttSession, *, queue: bool = True) -> None:
+        """`session` (online) queues more than it reads (`queue`), or its client's socket has
+        more than `output_high_water` left to send: hold the client publishing to it, so
         that QoS 1/2 messages wait in the publisher's socket instead of overflowing the queue.
         A session that has not caught up for CONGESTION_GIVE_UP_S holds nobody any more (a
         subscriber that stopped reading must not stall its publishers): its queue limit then
@@ -317,8 +320,11 @@ class MqttService:
         elif now - session.congested_since > CONGESTION_GIVE_UP_S:
             if session in self._congested:
                 self._congested.discard(session)
+                self._queue_congested.discard(session)
                 self._release_held()
             return
+        if queue:
+            self._queue_congested.add(session)
         publisher = self.publishing
         if publisher is not None and publisher is not session.connection and not publisher.held:
             publisher.hold()
@@ -329,8 +335,10 @@ class MqttService:
         is dispatched whole, and a publisher is held only between batches: a quarter of the
         queue limit keeps a subscriber below half its limit (where it holds publishers) short
         of the limit (where it drops). While a subscriber is congested, one at a time, so
-        that a publisher is held right after the PUBLISH that reached a congested queue."""
-        if self._congested:
+        that a publisher is held right after the PUBLISH that reached a congested queue
+        (a client that is slow to read its socket holds publishers too, but its queue is not
+        at stake: batches stay whole)."""
+        if self._queue_congested:
             return 1
         return max(1, self.settings.max_queued_messages >> 2)
 
@@ -339,6 +347,7 @@ class MqttService:
         congested any more."""
         session.congested_since = None
         self._congested.discard(session)
+        self._queue_congested.discard(session)
         self._release_held()
 
     def _release_held(self) -> None:

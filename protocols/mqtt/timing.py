@@ -11,14 +11,16 @@ the wait for the commit. Beside them, the event loop's lateness: a timer due eve
 `summary()` gives percentiles in milliseconds; the admin API shows them under
 `/api/info` (`mqtt_connect_timing`). The cost is a clock read per CONNECT and one timer every
 `LAG_PROBE_S` while any MQTT client is connected (an idle broker does not wake up for it):
-nothing per message.
+nothing per message. Samples are kept as doubles in one array per span, not as float objects:
+thousands of small objects made while clients come and go, and kept until replaced, would each
+keep a page of Python's heap from being returned after the load.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -30,7 +32,31 @@ LAG_PROBE_S = 0.02
 clock = time.perf_counter
 
 
-def _percentiles(values: deque[float]) -> dict[str, float]:
+class Samples:
+    """The last `size` values appended (a ring of doubles in one array)."""
+
+    __slots__ = ("_values", "_size", "_next")
+
+    def __init__(self, size: int = SAMPLES) -> None:
+        self._values = array("d")
+        self._size = size
+        self._next = 0
+
+    def append(self, value: float) -> None:
+        if len(self._values) < self._size:
+            self._values.append(value)
+        else:
+            self._values[self._next] = value
+            self._next = (self._next + 1) % self._size
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __iter__(self) -> Iterator[float]:
+        return iter(self._values)
+
+
+def _percentiles(values: Samples) -> dict[str, float]:
     if not values:
         return {"count": 0, "p50": 0.0, "p99": 0.0, "max": 0.0}
     ordered = sorted(values)
@@ -50,12 +76,12 @@ class ConnectTiming:
                  "loop_lag", "_probe", "_scheduler", "_due", "_busy")
 
     def __init__(self) -> None:
-        self.read_to_open: deque[float] = deque(maxlen=SAMPLES)
-        self.open_to_written: deque[float] = deque(maxlen=SAMPLES)
-        self.durable_wait: deque[float] = deque(maxlen=SAMPLES)
-        self.total: deque[float] = deque(maxlen=SAMPLES)
-        self.persistent_total: deque[float] = deque(maxlen=SAMPLES)
-        self.loop_lag: deque[float] = deque(maxlen=SAMPLES)
+        self.read_to_open = Samples()
+        self.open_to_written = Samples()
+        self.durable_wait = Samples()
+        self.total = Samples()
+        self.persistent_total = Samples()
+        self.loop_lag = Samples()
         self._probe: Timer | None = None
         self._scheduler: Scheduler | None = None
         self._due = 0.0

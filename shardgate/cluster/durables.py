@@ -56,7 +56,7 @@ from ..core.subscriptions import Subscription, SubscriptionType
 from ..proto import shardgate_pb2 as pb
 from ..protocols.grpc.convert import SUB_TYPES_OUT
 from . import keys
-from .etcd import EtcdError, mod_revision_is, put_op, version_is
+from .etcd import EtcdError, delete_op, mod_revision_is, put_op, version_is
 from .sessions import (
     RELEASE_CALL_TIMEOUT_S,
     TAKEOVER_TIMEOUT_S,
@@ -83,6 +83,8 @@ CONSUMERS_SERVICE = "shardgate.cluster.v1.DurableConsumers"
 CONSUME = "Consume"
 # A holder's description of a durable subscription (`SubscriptionName` -> `SubscriptionInfo`).
 DESCRIBE = "Describe"
+# A holder deletes a durable subscription (`SubscriptionName` -> `Empty`).
+DELETE = "Delete"
 # How long a holder gets to describe a subscription before the last checkpoint is used.
 DESCRIBE_TIMEOUT_S = 5.0
 # Metadata of a relayed stream: the subscription it is for.
@@ -320,6 +322,7 @@ class DurableHandover:
         self._grpc = grpc_server
         grpc_server.consume_remotely = self.consume_remotely
         grpc_server.describe_elsewhere = self.describe
+        grpc_server.delete_elsewhere = self.delete
 
         async def consume(requests: AsyncIterator[pb.ConsumeRequest],
                           context: grpc.aio.ServicerContext) -> None:
@@ -348,7 +351,19 @@ class DurableHandover:
             assert sub is not None
             return grpc_server.subscription_info(sub)
 
+        async def delete(request: pb.SubscriptionName, context: grpc.aio.ServicerContext) -> pb.Empty:
+            sub = self.broker.subscriptions.get(request.name)
+            if sub is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    f"subscription {request.name!r} is not held on node {self.node.node_id}")
+            assert sub is not None
+            grpc_server.delete_subscription(sub)  # its etcd record goes too (`_on_removed`)
+            return pb.Empty()
+
         return grpc.method_handlers_generic_handler(CONSUMERS_SERVICE, {
+            DELETE: grpc.unary_unary_rpc_method_handler(
+                delete, request_deserializer=pb.SubscriptionName.FromString,
+                response_serializer=pb.Empty.SerializeToString),
             CONSUME: grpc.stream_stream_rpc_method_handler(
                 consume, request_deserializer=pb.ConsumeRequest.FromString,
                 response_serializer=pb.ConsumeResponse.SerializeToString),
@@ -356,6 +371,48 @@ class DurableHandover:
                 describe, request_deserializer=pb.SubscriptionName.FromString,
                 response_serializer=pb.SubscriptionInfo.SerializeToString),
         })
+
+    async def delete(self, name: str) -> bool:
+        """Delete a durable subscription this node does not hold: on its holder, or, with the
+        holder down, its record in etcd (the holder drops its copy when it comes back,
+        `drop_moved`). False: no node holds it."""
+        try:
+            kv = await self.node.client.get(self.key(name))
+        except EtcdError as exc:
+            raise ShardUnavailable(
+                f"durable subscription {name!r} cannot be looked up in etcd now ({exc}); retry"
+            ) from exc
+        if kv is None:
+            return False
+        state = keys.decode(kv.value)
+        holder = state.get("node")
+        if "type" not in state or holder == self.node.node_id:
+            return False
+        if holder in self.node.view.nodes():
+            try:
+                call = self.rpc.channel(str(holder)).unary_unary(
+                    f"/{CONSUMERS_SERVICE}/{DELETE}",
+                    request_serializer=pb.SubscriptionName.SerializeToString,
+                    response_deserializer=pb.Empty.FromString)
+                await call(pb.SubscriptionName(name=name), timeout=DESCRIBE_TIMEOUT_S)
+                return True
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.NOT_FOUND:
+                    return False
+                raise ShardUnavailable(f"node {holder}, which holds durable subscription {name!r}, "
+                                       f"did not delete it ({exc.code().name}); retry") from None
+            except StateCallError as exc:
+                raise ShardUnavailable(f"node {holder}, which holds durable subscription {name!r}, "
+                                       f"cannot be reached ({exc}); retry") from None
+        try:
+            deleted = await self.node.client.txn([mod_revision_is(self.key(name), kv.mod_revision)],
+                                                 [delete_op(self.key(name))])
+        except EtcdError as exc:
+            raise ShardUnavailable(f"durable subscription {name!r} cannot be deleted in etcd now "
+                                   f"({exc}); retry") from exc
+        if not deleted.succeeded:
+            raise ShardUnavailable(f"durable subscription {name!r} changed meanwhile; retry")
+        return True
 
     async def describe(self, name: str) -> pb.SubscriptionInfo | None:
         """A durable subscription this node does not hold, as its holder describes it (with

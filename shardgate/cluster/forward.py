@@ -1283,10 +1283,14 @@ class DataPlane:
         """A stream of `peer`'s link `session` began: answers go to it from now on."""
         inbox = self._inboxes.get(peer)
         if inbox is None or inbox.session != session:
+            if inbox is not None:
+                # A new session (the peer restarted, or dropped its link to this node when
+                # this node left its view): what the old one had not pushed here never will
+                # be. (The first session a peer opens to this process needs nothing: cursors
+                # restored at start read the owners' journals from their saved floors,
+                # `sessions.replay_restored` and `amqp_queues.resume_remote_cursors`.)
+                self._read_owner_again(peer)
             inbox = self._inboxes[peer] = _Inbox(session)
-            # A new session (the peer restarted, or dropped its link to this node when this
-            # node left its view): what the old one had not pushed here never will be.
-            self._read_owner_again(peer)
         inbox.reply = reply
 
     def receive(self, peer: str, frame: pb.PeerFrame, reply: Callable[[pb.PeerReply], None]) -> None:

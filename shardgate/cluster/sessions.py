@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.durable import DurableSubscription, decode_cursor_state
 from ..core.message import Message, now_ms
+from ..core.outbox import SLOW_SUBSCRIBER
 from ..core.records import RecordFormatError, decode_to_message, encode_message
 from ..core.subscriptions import Subscription, SubscriptionType
 from ..protocols.mqtt import packets as p
@@ -368,11 +369,15 @@ class GroupStandIn:
     member while it moves (the owners never find it empty and drop a message), and what was
     on its way here for the member follows it."""
 
-    def __init__(self, client_id: str, groups: list[Subscription], to: str) -> None:
+    def __init__(self, client_id: str, groups: list[Subscription], to: str, limit: int) -> None:
         self.client_id = client_id
         self.groups = groups
         self.to = to  # the node the session went to: the one that collects
         self.messages: list[tuple[str, Message]] = []
+        # at most what the session itself would queue (`mqtt.max_queued_messages`); beyond,
+        # the newest are dropped and counted, as a full session queue does
+        self.limit = limit
+        self.dropped = 0
         self.timer: asyncio.TimerHandle | None = None
         # False once the new node collects: no longer a member in this node's routes, it only
         # takes what the owners had already sent here (`routes.local_routes`)
@@ -387,6 +392,9 @@ class GroupStandIn:
         return False  # takes a message only when no member of the group can
 
     def deliver(self, message: Message, subscription: Subscription, filters: Any) -> None:
+        if len(self.messages) >= self.limit:
+            self.dropped += 1
+            return
         self.messages.append((subscription.name, message))
 
 
@@ -645,7 +653,8 @@ class SessionHandover:
                  if session.durable and not clean_start else None)
         stand_in = None
         if state is not None and session.shared:
-            stand_in = GroupStandIn(client_id, [sub for sub, _options in session.shared.values()], to)
+            stand_in = GroupStandIn(client_id, [sub for sub, _options in session.shared.values()], to,
+                                    service.settings.max_queued_messages)
             for group in stand_in.groups:
                 self.broker.attach(group, stand_in)  # before the session leaves: no route changes
             earlier = self._stand_ins.get(client_id)
@@ -688,6 +697,10 @@ class SessionHandover:
         if stand_in.timer is not None:
             stand_in.timer.cancel()
         self._leave_groups(stand_in)
+        if stand_in.dropped:
+            self.broker.stats.drop(SLOW_SUBSCRIBER, stand_in.dropped)
+            log.warning("cluster: %d group messages for session %r were over the queue limit "
+                        "while it moved; dropped", stand_in.dropped, client_id)
         return {"messages": [
             [group, message.stream, message.shard, message.offset, _message_data(message)]
             for group, message in stand_in.messages

@@ -466,15 +466,28 @@ def test_messages_published_while_shared_consumers_are_out_of_credit_all_come_on
     asyncio.run(scenario())
 
 
-def test_a_durable_subscription_is_described_on_any_node(cluster: Cluster, etcd: EtcdServer) -> None:
+def test_a_durable_subscription_is_described_and_deleted_on_any_node(cluster: Cluster, etcd: EtcdServer) -> None:
     """`describe_subscription` on a node that does not hold the subscription answers as its
     holder does: both consumers (one relayed from the other node), the type and the filters;
     with its holder SIGKILLed, from the last checkpoint (no consumer); a name nobody holds is
-    NOT_FOUND on every node."""
+    NOT_FOUND on every node. `delete_subscription` on a node that does not hold it deletes it
+    on its holder (whose consumer's stream ends), or in etcd when the holder is down."""
     n1, n2 = cluster(2)
 
     async def scenario() -> None:
         async with Client(n1.grpc_url) as first, Client(n2.grpc_url) as second:
+            doomed = first.consumer("doomed", ["doomed/#"], durable=True, reconnect=False)
+            await doomed.subscribe()
+            wait_for(lambda: held_by(etcd, "doomed") == "n1", timeout=20)
+            await second.admin.delete_subscription("doomed")
+            with pytest.raises(NotFound):
+                await first.admin.describe_subscription("doomed")
+            with pytest.raises(BaseException) as ended:  # its stream ends (not a timeout)
+                await doomed.receive(timeout=20)
+            assert not isinstance(ended.value, TimeoutError), ended.value
+            with pytest.raises(NotFound):
+                await second.admin.delete_subscription("doomed")
+
             here = first.consumer("audit", ["audit/#"], type="shared", durable=True, reconnect=False, name="a")
             await here.subscribe()
             wait_for(lambda: held_by(etcd, "audit") == "n1", timeout=20)
@@ -495,6 +508,13 @@ def test_a_durable_subscription_is_described_on_any_node(cluster: Cluster, etcd:
                     checkpoint.consumers) == ("audit", SubscriptionType.SHARED, True, ["audit/#"], [])
             with pytest.raises(NotFound):
                 await second.admin.describe_subscription("nobody-holds-this")
+            # once n2 knows n1 is gone (its lease ended), the record in etcd is deleted
+            await asyncio.to_thread(wait_for, lambda: {e["node_id"] for e in n2.status()["nodes"]} == {"n2"},
+                                    timeout=30)
+            await second.admin.delete_subscription("audit")
+            assert held_by(etcd, "audit") is None
+            with pytest.raises(NotFound):
+                await second.admin.describe_subscription("audit")
 
     asyncio.run(scenario())
 

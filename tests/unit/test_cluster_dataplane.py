@@ -671,3 +671,33 @@ async def test_pushes_an_owner_dropped_are_read_from_its_journal_by_the_peers_du
     await publish(10)
     await until(lambda: len({m.payload for m in consumer.got}) == 15)
     assert [m.payload for m in consumer.got] == [str(i).encode() for i in range(15)]
+
+
+async def test_only_a_link_session_that_replaces_an_earlier_one_rereads_the_owners_journal(cluster):
+    """A peer's new link session (it restarted, or dropped its link while this node was out of
+    its view) sends the durable cursors following its pushes to its journal; the first session
+    a peer opens to this process does not (cursors restored at start resume from their saved
+    floors: re-reading from their clamped positions delivered everything again, seed 6)."""
+    a, b = cluster["a"], cluster["b"]
+    reads: list[tuple[str, int, int]] = []
+
+    def owner_log(stream, shard, start, filters, since_ms):  # type: ignore[no-untyped-def]
+        reads.append((stream, shard, start))
+        return b.broker.streams[stream].shards[shard].log
+
+    a.plane.owner_reader = owner_log
+    keeper = a.broker.durable_subscription("keeper")
+    a.broker.add_filter(keeper, "ledger/#")
+    consumer = Recorder("keeper")
+    a.broker.attach(keeper, consumer)
+    await routes_seen(b, a, 1)
+    pending = b.broker.publish(Message("ledger/x", b"0", qos=1))
+    if pending is not None:
+        await asyncio.wait_for(pending, 5)
+    await until(lambda: len(consumer.got) == 1)
+    session = a.plane._inboxes["b"].session
+    del a.plane._inboxes["b"]  # as in a process that never saw b's link
+    a.plane.link_opened("b", session, lambda reply: None)
+    assert reads == []
+    a.plane.link_opened("b", session + 1, lambda reply: None)  # b's link session replaced
+    assert reads == [("ledger", 0, 1)]
