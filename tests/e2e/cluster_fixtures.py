@@ -71,18 +71,26 @@ class EtcdServer:
         return self
 
     def keys(self, containing: str = "") -> list[str]:
-        """Every key in etcd (all Shardgate's start with "/") that contains `containing`."""
+        """Every key in etcd (all Shardgate's start with "/") that contains `containing`. A
+        connection etcd refuses at once (UNAVAILABLE: seen on a loaded machine) is tried again
+        for up to 10 s, as the nodes' own clients do, rather than failing the caller's wait."""
         import asyncio
 
-        from shardgate.cluster.etcd import EtcdClient
+        from shardgate.cluster.etcd import EtcdClient, EtcdUnavailable
 
         async def read() -> list[str]:
-            client = EtcdClient([self.url])
-            try:
-                kvs, _revision = await client.get_prefix("/")
-            finally:
-                await client.close()
-            return [kv.key for kv in kvs if containing in kv.key]
+            deadline = time.monotonic() + 10
+            while True:
+                client = EtcdClient([self.url])
+                try:
+                    kvs, _revision = await client.get_prefix("/")
+                    return [kv.key for kv in kvs if containing in kv.key]
+                except EtcdUnavailable:
+                    if time.monotonic() > deadline:
+                        raise
+                finally:
+                    await client.close()
+                await asyncio.sleep(0.1)  # poll interval of the retry, as wait_for's
 
         return asyncio.run(read())
 

@@ -12,7 +12,8 @@ from shardgate.core.streams import StreamConfig
 from shardgate.core.subscriptions import SubscriptionType
 from shardgate.storage.memory import MemoryStorage
 
-from tests.unit.test_durable import Consumer, payloads, settle
+from tests.unit.recording_consumer import Consumer
+from tests.unit.test_durable import payloads, settle
 
 
 def memory_broker() -> Broker:
