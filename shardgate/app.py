@@ -278,12 +278,27 @@ class Shardgate:
                     self.security.attach_amqp(amqps.service)
                 self.amqp = amqps.service
                 self._add_listener("amqps", amqps)
-            if ports.grpc_port:
-                starting = ("gRPC", host, ports.grpc_port, "listeners.grpc_port")
-                from .protocols.grpc.server import start_grpc_server
+            if ports.grpc_port or ports.grpcs_port:
+                from .protocols.grpc.server import GrpcServer, tls_credentials
 
-                self.grpc = await start_grpc_server(edge, host, ports.grpc_port, None, config.grpc)
-                self._add_listener("grpc", self.grpc)
+                # one server for both ports: the same consumers, producers and subscriptions
+                grpc_server = GrpcServer(edge, config.grpc)
+                if ports.grpc_port:
+                    starting = ("gRPC", host, ports.grpc_port, "listeners.grpc_port")
+                    grpc_server.port = grpc_server.listen(host, ports.grpc_port, None)
+                    self.listeners["grpc"] = Listener("grpc", host, grpc_server.port, grpc_server)
+                if ports.grpcs_port:
+                    starting = ("gRPC over TLS", host, ports.grpcs_port, "listeners.grpcs_port")
+                    self._ssl_context()  # the same checks, and errors, as the other TLS listeners
+                    tls = config.tls
+                    assert tls.cert_file and tls.key_file
+                    credentials = tls_credentials(tls.cert_file, tls.key_file, tls.ca_file or "",
+                                                  tls.require_client_cert)
+                    grpc_server.secure_port = grpc_server.listen(host, ports.grpcs_port, credentials)
+                    self.listeners["grpcs"] = Listener("grpcs", host, grpc_server.secure_port,
+                                                       grpc_server)
+                await grpc_server.serve()
+                self.grpc = grpc_server
             if ports.http_port:
                 starting = ("admin HTTP", ports.http_host, ports.http_port, "listeners.http_port")
                 from .admin.admin_http import start_http_server

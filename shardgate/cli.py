@@ -44,7 +44,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", help="address the client listeners bind (default 127.0.0.1; "
                        "the admin API binds listeners.http_host)")
     for name, default in (("mqtt", 1883), ("mqtt-ws", 8083), ("mqtts", 0), ("mqtt-wss", 0),
-                          ("amqp", 5672), ("amqps", 0), ("grpc", 6650), ("http", 8080)):
+                          ("amqp", 5672), ("amqps", 0), ("grpc", 6650), ("grpcs", 0),
+                          ("http", 8080)):
         serve.add_argument(f"--{name}-port", type=int, metavar="N",
                            help=f"{name} listener port, 0 turns it off (default {default})")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
             ("listeners", "amqp_port"): args.amqp_port,
             ("listeners", "amqps_port"): args.amqps_port,
             ("listeners", "grpc_port"): args.grpc_port,
+            ("listeners", "grpcs_port"): args.grpcs_port,
             ("listeners", "http_port"): args.http_port,
             ("log_level",): args.log_level,
             ("cluster", "etcd"): args.cluster,

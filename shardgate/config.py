@@ -35,6 +35,7 @@ class ListenerConfig:
     amqp_port: int = 5672
     amqps_port: int = 0
     grpc_port: int = 6650
+    grpcs_port: int = 0
     http_port: int = 8080
     # The admin API has no authentication of its own yet: it stays on loopback unless told.
     http_host: str = "127.0.0.1"
@@ -124,6 +125,7 @@ SHORT_ENV = {
     "SHARDGATE_AMQP_PORT": ("listeners", "amqp_port"),
     "SHARDGATE_AMQPS_PORT": ("listeners", "amqps_port"),
     "SHARDGATE_GRPC_PORT": ("listeners", "grpc_port"),
+    "SHARDGATE_GRPCS_PORT": ("listeners", "grpcs_port"),
     "SHARDGATE_HTTP_PORT": ("listeners", "http_port"),
     "SHARDGATE_HTTP_HOST": ("listeners", "http_host"),
     "SHARDGATE_LOG_LEVEL": ("log_level",),

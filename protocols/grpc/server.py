@@ -67,6 +67,8 @@ class GrpcServer:
         self.producers: set[ProducerStreamInfo] = set()
         self.server: grpc.aio.Server | None = None
         self.port = 0
+        # the TLS port (`listeners.grpcs_port`) when the same servicers also listen on one
+        self.secure_port = 0
         self._closing: asyncio.Task[None] | None = None
         self._topic_ok: set[str] = set()
         self._registered = _RegisteredClients(self)
@@ -102,6 +104,36 @@ class GrpcServer:
         return self.edge.broker
 
     async def start(self, host: str, port: int, credentials: grpc.ServerCredentials | None) -> None:
+        """Listen on `host:port` (0 picks a free port; TLS when `credentials`) and serve."""
+        self.port = self.listen(host, port, credentials)
+        await self.serve()
+
+    def listen(self, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
+        """Bind one more port (plaintext, or TLS with `credentials`) before `serve()`; every port
+        serves the same servicers, consumers and producers. Returns the bound port."""
+        if self.server is None:
+            self.server = self._new_server()
+        address = f"{host}:{port}"
+        if port:
+            check_port_free(host, port)
+        try:
+            if credentials is None:
+                bound = self.server.add_insecure_port(address)
+            else:
+                bound = self.server.add_secure_port(address, credentials)
+        except RuntimeError as exc:
+            raise OSError(f"cannot bind gRPC listener on {address}: {exc}") from exc
+        if bound == 0:
+            raise OSError(f"cannot bind gRPC listener on {address}")
+        return bound
+
+    async def serve(self) -> None:
+        """Start serving the ports `listen()` bound."""
+        assert self.server is not None, "listen() first"
+        await self.server.start()
+        self.edge.clients.register("grpc", self._registered)
+
+    def _new_server(self) -> grpc.aio.Server:
         settings = self.settings
         options = [
             ("grpc.max_receive_message_length", settings.max_receive_message_bytes),
@@ -116,22 +148,7 @@ class GrpcServer:
         pb_grpc.add_ProducerServicer_to_server(ProducerService(self), server)
         pb_grpc.add_ConsumerServicer_to_server(self.consumer_service, server)
         pb_grpc.add_AdminServicer_to_server(AdminService(self), server)
-        address = f"{host}:{port}"
-        if port:
-            check_port_free(host, port)
-        try:
-            if credentials is None:
-                bound = server.add_insecure_port(address)
-            else:
-                bound = server.add_secure_port(address, credentials)
-        except RuntimeError as exc:
-            raise OSError(f"cannot bind gRPC listener on {address}: {exc}") from exc
-        if bound == 0:
-            raise OSError(f"cannot bind gRPC listener on {address}")
-        await server.start()
-        self.server = server
-        self.port = bound
-        self.edge.clients.register("grpc", self._registered)
+        return server
 
     def close(self) -> None:
         if self.server is not None and self._closing is None:
