@@ -9,6 +9,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import pytest
 from shardgate.client import Client, Unavailable
 
@@ -19,6 +20,7 @@ from tests.e2e import test_mqtt_tls
 
 TIMEOUT = 5.0
 certificate = test_mqtt_tls.certificate  # the self-signed server certificate fixture
+pki = test_mqtt_tls.pki  # a CA, a server certificate and alice's client certificate
 
 
 @pytest.fixture
@@ -92,3 +94,24 @@ def test_tls_port_without_certificate_is_a_clear_error(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="cert_file"):
         asyncio.run(start())
+
+
+async def test_required_client_certificate(
+    broker_factory: Callable[..., ThreadedBroker], pki: dict[str, Path],
+) -> None:
+    """`tls.ca_file` + `require_client_cert`: as on the MQTT TLS listener, a client without a
+    certificate signed by that CA gets no connection; one with it does."""
+    broker = broker_factory(
+        listeners={"grpc_port": 0, "grpcs_port": free_port()},
+        tls={"cert_file": str(pki["server.crt"]), "key_file": str(pki["server.key"]),
+             "ca_file": str(pki["ca.crt"]), "require_client_cert": True},
+    )
+    target = f"127.0.0.1:{broker.app.port('grpcs')}"
+    ca = pki["ca.crt"].read_bytes()
+    with pytest.raises(Unavailable):
+        async with Client(f"grpcs://{target}", root_certificates=ca, timeout=2.0):
+            pass
+    credentials = grpc.ssl_channel_credentials(ca, pki["alice.key"].read_bytes(),
+                                               pki["alice.crt"].read_bytes())
+    async with grpc.aio.secure_channel(target, credentials) as channel:
+        await asyncio.wait_for(channel.channel_ready(), TIMEOUT)
