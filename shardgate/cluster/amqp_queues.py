@@ -35,7 +35,11 @@ for a passive declare too. A redeclare on another node does not create an empty 
 consumers of the queue on other nodes get basic.cancel, as RabbitMQ cancels them. When the
 node returns, the queue is back with its messages. That includes the persistent messages
 published meanwhile on shards other nodes own: they are in those owners' journals. A restored
-queue reads its cursors on such shards from the owners (`resume_remote_cursors`).
+queue's cursors on such shards read them from the owners once the node has joined, from the
+floors saved in its store, as every restored durable subscription's
+(`sessions.CursorPlacer.replay_restored`): what the queue held before comes again marked
+`redelivered`, and once. (Reading earlier, from the position restoring clamped to this node's
+empty log of the shard, handed those out unmarked before the replay handed them out again.)
 """
 
 from __future__ import annotations
@@ -104,40 +108,9 @@ class SharedQueues:
             vhost.directory = self
             vhost.on_queue_deleted.append(lambda queue, vhost=vhost: self._queue_deleted(vhost, queue))
             self.forget_gone(vhost)
-        self.resume_remote_cursors(plane)
         self._live = set(self.node.view.nodes())
         self.node.view.on_change(self._view_changed)
         self.node.document_listeners.append(self._documents_changed)
-
-    def resume_remote_cursors(self, plane: DataPlane) -> int:
-        """At start: the shared queues restored from this node's store read what they have not
-        had yet of shards other nodes own from those owners' journals (`shard_reader.OwnerLog`),
-        then follow the owners' pushes, as a persistent session that moved here does. Without
-        it a queue would look for that backlog in what this node received since it started."""
-        from ..core.durable import DurableSubscription
-        from .shard_reader import OwnerLog
-
-        rpc = self.node.state_rpc
-        view = self.node.view
-        placed = 0
-        for vhost in self.amqp.vhosts.values():
-            for queue in vhost.queues.values():
-                sub = queue.subscription
-                if not is_shared(queue) or not isinstance(sub, DurableSubscription):
-                    continue
-                for (stream, shard), cursor in list(sub.cursors.items()):
-                    owner = view.owner(stream, shard)
-                    if owner is None or owner.node_id == self.node.node_id or isinstance(cursor.log, OwnerLog):
-                        continue
-                    unacked = sorted(set(cursor.unacked) | set(cursor.pending_redelivery))
-                    # (a ShardLog for reading; the owner's own log does the rest)
-                    owner_log: Any = OwnerLog(rpc, plane, stream, shard, cursor.position, _filters_of(sub))
-                    sub.place_cursor(stream, shard, owner_log, cursor.position, unacked)
-                    placed += 1
-                sub.wake()
-        if placed:
-            log.info("cluster: %d cursors of restored AMQP queues read from their shards' owners", placed)
-        return placed
 
     # ------------------------------------------------------------ records in etcd
     async def claim_restored(self) -> None:
@@ -372,10 +345,6 @@ class SharedQueues:
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close(grace=None)
-
-
-def _filters_of(sub: Any) -> Callable[[], list[str]]:
-    return lambda: list(sub.filters)
 
 
 class ConsumerLink:

@@ -1288,7 +1288,7 @@ class DataPlane:
                 # this node left its view): what the old one had not pushed here never will
                 # be. (The first session a peer opens to this process needs nothing: cursors
                 # restored at start read the owners' journals from their saved floors,
-                # `sessions.replay_restored` and `amqp_queues.resume_remote_cursors`.)
+                # `sessions.replay_restored`.)
                 self._read_owner_again(peer)
             inbox = self._inboxes[peer] = _Inbox(session)
         inbox.reply = reply
