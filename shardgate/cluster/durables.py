@@ -56,7 +56,7 @@ from ..core.subscriptions import Subscription, SubscriptionType
 from ..proto import shardgate_pb2 as pb
 from ..protocols.grpc.convert import SUB_TYPES_OUT
 from . import keys
-from .etcd import EtcdError, delete_op, mod_revision_is, put_op, version_is
+from .etcd import EtcdError, KeyValue, delete_op, mod_revision_is, put_op, version_is
 from .sessions import (
     RELEASE_CALL_TIMEOUT_S,
     TAKEOVER_TIMEOUT_S,
@@ -372,10 +372,10 @@ class DurableHandover:
                 response_serializer=pb.SubscriptionInfo.SerializeToString),
         })
 
-    async def delete(self, name: str) -> bool:
-        """Delete a durable subscription this node does not hold: on its holder, or, with the
-        holder down, its record in etcd (the holder drops its copy when it comes back,
-        `drop_moved`). False: no node holds it."""
+    async def _held_elsewhere(self, name: str) -> tuple[KeyValue, dict[str, Any], str | None] | None:
+        """The etcd record of a durable subscription this node does not hold (its key-value, its
+        state and its holder, if any), or None: no such subscription, claimed but never defined,
+        or held here after all (the caller looked here first)."""
         try:
             kv = await self.node.client.get(self.key(name))
         except EtcdError as exc:
@@ -383,11 +383,21 @@ class DurableHandover:
                 f"durable subscription {name!r} cannot be looked up in etcd now ({exc}); retry"
             ) from exc
         if kv is None:
-            return False
+            return None
         state = keys.decode(kv.value)
         holder = state.get("node")
         if "type" not in state or holder == self.node.node_id:
+            return None
+        return kv, state, None if holder is None else str(holder)
+
+    async def delete(self, name: str) -> bool:
+        """Delete a durable subscription this node does not hold: on its holder, or, with the
+        holder down, its record in etcd (the holder drops its copy when it comes back,
+        `drop_moved`). False: no node holds it."""
+        found = await self._held_elsewhere(name)
+        if found is None:
             return False
+        kv, state, holder = found
         if holder in self.node.view.nodes():
             try:
                 call = self.rpc.channel(str(holder)).unary_unary(
@@ -418,18 +428,10 @@ class DurableHandover:
         """A durable subscription this node does not hold, as its holder describes it (with
         the consumers of every node, all attached there); when the holder is down, as its last
         checkpoint in etcd says, with no consumer. None: no node holds it."""
-        try:
-            kv = await self.node.client.get(self.key(name))
-        except EtcdError as exc:
-            raise ShardUnavailable(
-                f"durable subscription {name!r} cannot be looked up in etcd now ({exc}); retry"
-            ) from exc
-        if kv is None:
+        found = await self._held_elsewhere(name)
+        if found is None:
             return None
-        state = keys.decode(kv.value)
-        holder = state.get("node")
-        if "type" not in state or holder == self.node.node_id:
-            return None  # claimed but never defined, or held here after all (looked up first)
+        _kv, state, holder = found
         if holder in self.node.view.nodes():
             try:
                 channel = self.rpc.channel(str(holder))
