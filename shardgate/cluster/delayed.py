@@ -66,6 +66,7 @@ from ..core.records import decode_to_message, encode_message
 from . import keys
 from .etcd import KeyValue, delete_op, mod_revision_is, put_op
 from .journal_search import shard_holds
+from .view_changes import ViewChanges
 from .wills import pause_for_tests
 
 if TYPE_CHECKING:
@@ -87,7 +88,8 @@ TXN_BYTES = 1024 * 1024
 SCAN_INTERVAL_S = 10.0
 # How long a message held while the node joins waits for its lease before it is refused.
 JOIN_WAIT_S = 10.0
-# How long a release waits before trying again when its shard has no live owner now.
+# How long a release waits at most before trying again when its shard has no live owner now
+# (the view's next change wakes it sooner).
 RETRY_S = 1.0
 # The released copy's release id, by this format name in `Message.native_properties`.
 RELEASE_FORMAT = "shardgate-delayed-release"
@@ -123,6 +125,7 @@ class SharedDelayed:
                  broker: Broker | None = None) -> None:
         self.node = node
         self.publish = publish
+        self.view_changes = ViewChanges(node.view)
         # where a taken-over message's earlier release is looked for (None: never looked for)
         self.broker = broker
         self.prefix = node.settings.prefix.rstrip("/") + ".state/delayed/"
@@ -185,7 +188,8 @@ class SharedDelayed:
         loop = asyncio.get_running_loop()
         joining_until = loop.time() + JOIN_WAIT_S
         while not self.node.lease_id and loop.time() < joining_until:
-            await asyncio.sleep(0.05)  # held while the node is still joining: wait for its lease
+            # held while the node is still joining: its join changes the view
+            await self.view_changes.since(self.view_changes.count, joining_until - loop.time())
         batch: list[tuple[str, Message, int, asyncio.Future[None]]] = []
         ops = []
         size = 0
@@ -244,6 +248,7 @@ class SharedDelayed:
         """Publish a due message (retried while its shard has no live owner), then delete it."""
         logged = False
         while self._held.get(key) is held:
+            seen = self.view_changes.count
             if held.lease != self.node.lease_id:
                 # held under a lease that lapsed: the takeover (ours or the controller's) has it
                 del self._held[key]
@@ -274,7 +279,8 @@ class SharedDelayed:
                     return
             if self._closed:
                 return  # stays in etcd: the takeover releases it
-            await asyncio.sleep(RETRY_S)
+            # a shard's owner coming back, or this node's lease, changes the view
+            await self.view_changes.since(seen, RETRY_S)
 
     async def _released_before(self, held: HeldMessage, release_id: str) -> bool:
         """Whether the topic's shard holds this message's release already (its previous holder

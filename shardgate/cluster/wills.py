@@ -59,6 +59,7 @@ from ..protocols.mqtt.service import will_message
 from . import keys
 from .etcd import KeyValue, delete_op, mod_revision_is, put_op
 from .journal_search import ShardUnreadable, shard_holds
+from .view_changes import ViewChanges
 
 if TYPE_CHECKING:
     from ..protocols.mqtt.service import MqttService
@@ -72,6 +73,9 @@ SCAN_INTERVAL_S = 1.0
 # How long a departed node's will is retried while its shard has no live owner (a reliable
 # shard of the departed node itself waits for that node to come back).
 PUBLISH_RETRY_S = 300.0
+# How long a will waiting for its shard waits at most before trying again (the view's next
+# change wakes it sooner).
+RETRY_S = 0.5
 # Names a file: while it exists, a node that claimed a will waits before publishing it (tests).
 CLAIM_PAUSE_ENV = "SG_TEST_PAUSE_AFTER_WILL_CLAIM"
 # Names a file: while it exists, a node that published a will waits before deleting its claim.
@@ -151,6 +155,7 @@ class WillKeeper:
         self.service = service
         self.writer = writer
         self.prefix = node.settings.prefix.rstrip("/") + ".state/wills/"
+        self.view_changes = ViewChanges(node.view)
         # client ids whose will this node has put in etcd
         self._kept: set[str] = set()
         # wills of dead nodes waiting for their delay: key -> mod revision being waited on
@@ -348,6 +353,7 @@ class WillKeeper:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + PUBLISH_RETRY_S
         while True:
+            seen = self.view_changes.count
             try:
                 held = await shard_holds(self.node, self.service.broker, will.topic,
                                          since_ms - SEARCH_BEFORE_CLAIM_MS, published)
@@ -358,7 +364,7 @@ class WillKeeper:
                                 "publishing it", client_id, exc)
                     return False
                 log.info("cluster: the will of %r waits for its shard to be read (%s)", client_id, exc)
-            await asyncio.sleep(0.5)
+            await self.view_changes.since(seen, RETRY_S)  # its owner back changes the view
 
     async def _publish(self, client_id: str, will: p.Will) -> None:
         """Publish through the normal path, retried while its shard has no live owner (a
@@ -367,6 +373,7 @@ class WillKeeper:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + PUBLISH_RETRY_S
         while True:
+            seen = self.view_changes.count
             try:
                 receipt = self.service.edge.publish(message)
                 if receipt is not None:
@@ -378,7 +385,7 @@ class WillKeeper:
                     log.error("cluster: the will of %r could not be published: %s", client_id, exc)
                     return
                 log.info("cluster: the will of %r waits for its shard (%s)", client_id, exc)
-            await asyncio.sleep(0.5)
+            await self.view_changes.since(seen, RETRY_S)  # its owner back changes the view
 
 
 async def pause_for_tests(variable: str) -> None:
