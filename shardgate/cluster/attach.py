@@ -232,7 +232,7 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     await node.durables.drop_moved()
     from .delayed import SharedDelayed
 
-    shared_delayed = SharedDelayed(node, broker.publish)
+    shared_delayed = SharedDelayed(node, broker.publish, broker)
     broker.delayed.shared = shared_delayed  # delayed messages held from now on live in etcd
     from .floors import CursorFloors
 

@@ -232,6 +232,9 @@ class StateWriter:
         self.node = node
         self._pending: dict[str, Callable[[], Awaitable[None]]] = {}
         self._wake = asyncio.Event()
+        # set while nothing is queued or being written
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -263,6 +266,7 @@ class StateWriter:
     def _queue(self, key: str, write: Callable[[], Awaitable[None]]) -> None:
         self._pending.pop(key, None)
         self._pending[key] = write
+        self._idle.clear()
         self._wake.set()
 
     async def _run(self) -> None:
@@ -278,20 +282,23 @@ class StateWriter:
                     log.warning("cluster: cannot write %s to etcd yet (%s); retrying", key, exc)
                     self._pending.setdefault(key, write)
                     await asyncio.sleep(0.5)
+            self._idle.set()
+
+    async def drain(self, timeout_s: float = 2.0) -> None:
+        """Wait (bounded) until every queued write is made: a graceful stop's last snapshots,
+        before the node's cluster port closes (`SessionHandover._take_now` reads them then)."""
+        if self._task is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), timeout_s)
 
     async def stop(self, drain_s: float = 2.0) -> None:
         if self._task is None:
             return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._drained(), drain_s)  # a graceful stop's last snapshots
+        await self.drain(drain_s)
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         self._task = None
-
-    async def _drained(self) -> None:
-        while self._pending:
-            await asyncio.sleep(0.02)
 
 
 def snapshot(session: MqttSession, node_id: str, *, group_messages: bool = False) -> dict[str, Any]:
@@ -540,6 +547,11 @@ class SessionHandover:
                 log.warning("cluster: node %s did not hand session %r over (%s); resuming from "
                             "its last snapshot", holder, client_id, exc)
                 stood_in = False
+                # read again: a holder that stops gracefully writes its sessions' snapshots
+                # before its cluster port closes, maybe after the claim above read the older
+                # one (its client reconnected here while it was stopping)
+                latest = await node.client.get(self.key(client_id))
+                state = keys.decode(latest.value) if latest is not None else None
             if stood_in:
                 # the holder's stand-in keeps the session's groups there until this node is
                 # in them (adopted, and the peers know), then hands over what it took (in the
