@@ -434,7 +434,7 @@ class MqttConnection:
     def data_received(self, data: bytes) -> None:
         if self.state is State.CLOSED:
             return
-        self.last_received = now = self._clock()
+        self.last_received = self._clock()
         if self.state is State.AWAIT_CONNECT and self._connect_marks is None:
             self._connect_marks = [timing_clock(), 0.0, 0.0]
         if self.state is State.AWAIT_CONNECT and data and not self.parser.buffered and data[0] >> 4 != 1:
@@ -453,7 +453,7 @@ class MqttConnection:
             if error is not None:
                 self._backlog_error = error
             return
-        if packets and self.state is not State.AWAIT_CONNECT and self.service.turn_spent(now):
+        if packets and self.state is not State.AWAIT_CONNECT and self.service.read_budget.spent():
             # This loop turn has done its share of reads: the rest waits for the next turn, so
             # that new connections are accepted and CONNECTs answered meanwhile (a CONNECT
             # never waits here).
