@@ -33,7 +33,7 @@ from ..core.errors import CoreError, PublishRejected, ShardUnavailable
 from ..core.records import encode_message
 from ..core.subscriptions import Subscription, SubscriptionType
 from ..proto import cluster_pb2 as pb
-from ..storage.journal import LatencyHistogram
+from ..storage.interfaces import LatencyHistogram
 from .frames import (
     NO_GROUPS,
     RecordFormatError,
