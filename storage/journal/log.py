@@ -34,7 +34,8 @@ from .block import RecordBlock
 from .commit import GroupCommitter, resolve
 from .config import FsyncPolicy, JournalClosed, JournalConfig
 from .framing import frame_records
-from .record import checksum_function
+from .keyindex import KeyedBlock
+from .record import HEADER_SIZE, checksum_function
 from .reservation import OffsetReservation, read_reservation
 from .segment import (
     Segment,
@@ -53,6 +54,9 @@ RESERVE_BLOCK = 16_384
 most about this many offsets are skipped."""
 RESERVE_AHEAD = RESERVE_BLOCK // 2
 """Renew the reservation once fewer than this many offsets are left in it."""
+KEYED_SEALED_SEGMENTS = 2
+"""Sealed segments that keep their key index (the newest): older ones are read by scanning,
+so the key indexes of a shard hold at most this many segments besides the active one."""
 
 
 @dataclass(slots=True)
@@ -99,6 +103,8 @@ class _Group:
         "future",
         "new_segment",
         "reserve_to",
+        "keys",
+        "key_positions",
     )
 
     def __init__(self, first_offset: int, tail: _Tail, roll: bool) -> None:
@@ -118,6 +124,9 @@ class _Group:
         self.future: asyncio.Future[None] | None = None
         self.new_segment: Segment | None = None
         self.reserve_to = 0
+        # The key and position of each non-empty record, for the segment's key index.
+        self.keys: list[bytes] = []
+        self.key_positions: list[int] = []
 
 
 class JournalShardLog:
@@ -134,6 +143,7 @@ class JournalShardLog:
         self._owns_committer = committer is None
         self._committer = committer or GroupCommitter(self.config)
         self._crc = checksum_function(self.config.checksum)
+        self._key_of = self.config.index_key
         self._closed = False
         self.directory.mkdir(parents=True, exist_ok=True)
         self._segments = self._open_segments()
@@ -175,13 +185,15 @@ class JournalShardLog:
                 bases.append(base)
         bases.sort()
         if not bases:
-            return [Segment.create(self.directory, 0, self._crc)]
+            return [Segment.create(self.directory, 0, self._crc, self._key_of)]
         interval = self.config.index_interval_bytes
         segments = [
             Segment.open_sealed(self.directory, base, next_base, interval, self._crc)
             for base, next_base in zip(bases, bases[1:], strict=False)
         ]
-        segments.append(Segment.recover_active(self.directory, bases[-1], interval, self._crc))
+        segments.append(
+            Segment.recover_active(self.directory, bases[-1], interval, self._crc, self._key_of)
+        )
         return segments
 
     # -- ShardLog -----------------------------------------------------------------------
@@ -249,7 +261,17 @@ class JournalShardLog:
         buf_len = len(buf)
         n_index = len(group.index_offsets)
         n_time = len(group.time_stamps)
+        keys: list[bytes] = []
+        key_positions: list[int] = []
+        key_of = self._key_of
         try:
+            if key_of is not None:  # the key of each record, for the segment's key index
+                at = tail.pos
+                for _timestamp, data in records:
+                    if data:
+                        keys.append(key_of(data))
+                        key_positions.append(at)
+                    at += HEADER_SIZE + len(data)
             pos, last_index_pos, max_ts, last_time_ts = frame_records(
                 buf, records, first, tail.base_offset, tail.pos, tail.last_index_pos,
                 self._index_interval,
@@ -268,6 +290,9 @@ class JournalShardLog:
             if isinstance(exc, struct.error):
                 raise ValueError(f"record not accepted by the journal: {exc}") from exc
             raise
+        if keys:
+            group.keys += keys
+            group.key_positions += key_positions
         offset = first + len(records)
         tail.pos = pos
         tail.last_index_pos = last_index_pos
@@ -345,6 +370,24 @@ class JournalShardLog:
         if i >= len(segments):
             return RecordBlock.empty(start)
         return segments[i].read_block(start, min(max_records, self._committed - start))
+
+    def read_keyed(
+        self, from_offset: int, max_records: int, wants: Callable[[bytes], bool]
+    ) -> KeyedBlock | None:
+        """Published records from `from_offset` (clamped to the low watermark) whose key (see
+        `JournalConfig.index_key`) `wants` accepts, read through the key index of one segment
+        (at most `max_records`; `end_offset` says how far the block covers). None when that
+        segment cannot serve it from an index (see `Segment.read_keyed`): use `read_block`."""
+        start = max(from_offset, self._bases[0])
+        if start >= self._committed or max_records <= 0:
+            return KeyedBlock.empty(start)
+        segments = self._segments
+        i = bisect_right(self._bases, start) - 1
+        while i < len(segments) and start >= segments[i].next_offset:
+            i += 1
+        if i >= len(segments):
+            return KeyedBlock.empty(start)
+        return segments[i].read_keyed(start, min(max_records, self._committed - start), wants)
 
     def offset_for_timestamp(self, timestamp_ms: int) -> int:
         """The first published offset whose timestamp is >= `timestamp_ms`, else the committed
@@ -493,6 +536,8 @@ class JournalShardLog:
                 self._to_seal.append(old)
                 self._segments.append(group.new_segment)
                 self._bases.append(group.new_segment.base_offset)
+                for sealed in self._segments[: -1 - KEYED_SEALED_SEGMENTS]:
+                    sealed.key_index = None
             if synced or self.config.fsync is FsyncPolicy.OS:
                 self._publish_unsynced()
                 self._publish(group)
@@ -518,6 +563,9 @@ class JournalShardLog:
         segment.max_timestamp = group.max_ts
         if segment.first_timestamp is None:
             segment.first_timestamp = group.first_ts
+        keys = segment.key_index
+        if keys is not None and group.keys and not keys.add_all(group.keys, group.key_positions):
+            segment.key_index = None
         self._committed = group.end_offset
         resolve(group.future)
 
@@ -546,7 +594,7 @@ class JournalShardLog:
         if group.roll:
             sync_file(segment.fd)
             segment = self._io_segment = group.new_segment = Segment.create(
-                self.directory, group.first_offset, self._crc
+                self.directory, group.first_offset, self._crc, self._key_of
             )
         if durable:
             write_durably(segment.fd, group.buf, group.start_pos)
