@@ -7,13 +7,15 @@ message's topic (`core/index_keys.py`), so a durable subscription resuming behin
 reads only the records of the topics its filters can match. Empty records (offsets the journal
 skipped) have no key and are in no list.
 
-The index lives in memory only and is never trusted over the data: it is built from the
-records as they are published (the event-loop side of the shard log, with the segment's
-size), rebuilt from the file when the active segment is recovered after a restart (the scan
-that checks every record builds it), and every record read through it has its header and
-checksum verified. Segments opened sealed at start, and sealed segments beyond the newest few,
-have none: readers then scan blocks as before (`read_block`). A segment whose records have
-more than `MAX_KEYS` distinct keys drops its index for the same fallback.
+The index is built by its readers, not by the appends (the publish path does not pay for it):
+it covers a contiguous region of the segment's published records, from where its first reader
+started (an entry of the sparse offset index) to `end`, and each keyed read first extends it
+over what was published since, at most `INDEX_RECORDS` records per read, from the file. It
+lives in memory only and is never trusted over the data: it is made from the records on disk
+(their framing and offsets checked as it goes: a record that breaks them ends the index), and
+every record read through it has its header and checksum verified. A reader starting before
+its region, a segment with more than `MAX_KEYS` distinct keys, and the shard's older sealed
+segments are read by scanning blocks instead, as without an index.
 """
 
 from __future__ import annotations
@@ -32,17 +34,23 @@ KeyFunction = Callable[[bytes | memoryview], bytes]
 
 MAX_KEYS: Final = 4096
 """Distinct keys a segment's index holds; past it the segment is read by scanning."""
+INDEX_RECORDS: Final = 4096
+"""Records a keyed read adds to the index at most (then it serves what is indexed): one read
+never makes the event loop index a whole segment at once."""
 _MAX_POSITION: Final = 2**32 - 1
 
 
 class KeyIndex:
-    """The positions of one segment's published records, per key (see the module docstring)."""
+    """The positions of the records of a region of one segment, per key (see the module
+    docstring): the region starts at byte `start` (offset `start_offset`) and ends at byte
+    `end` (offset `end_offset`), both at record boundaries."""
 
-    __slots__ = ("postings", "records")
+    __slots__ = ("postings", "start", "start_offset", "end", "end_offset")
 
-    def __init__(self) -> None:
+    def __init__(self, start: int, start_offset: int) -> None:
         self.postings: dict[bytes, array[int]] = {}
-        self.records = 0
+        self.start = self.end = start
+        self.start_offset = self.end_offset = start_offset
 
     def add(self, key: bytes, position: int) -> bool:
         """Note the record at byte `position` (after every record already noted). False when
@@ -55,13 +63,6 @@ class KeyIndex:
         if position > _MAX_POSITION:
             return False
         positions.append(position)
-        self.records += 1
-        return True
-
-    def add_all(self, keys: Sequence[bytes], positions: Sequence[int]) -> bool:
-        for key, position in zip(keys, positions, strict=True):
-            if not self.add(key, position):
-                return False
         return True
 
     def select(

@@ -35,7 +35,7 @@ from .commit import GroupCommitter, resolve
 from .config import FsyncPolicy, JournalClosed, JournalConfig
 from .framing import frame_records
 from .keyindex import KeyedBlock
-from .record import HEADER_SIZE, checksum_function
+from .record import checksum_function
 from .reservation import OffsetReservation, read_reservation
 from .segment import (
     Segment,
@@ -55,8 +55,8 @@ most about this many offsets are skipped."""
 RESERVE_AHEAD = RESERVE_BLOCK // 2
 """Renew the reservation once fewer than this many offsets are left in it."""
 KEYED_SEALED_SEGMENTS = 2
-"""Sealed segments that keep their key index (the newest): older ones are read by scanning,
-so the key indexes of a shard hold at most this many segments besides the active one."""
+"""Sealed segments that may have a key index (the newest): older ones are read by scanning,
+so the key indexes of a shard cover at most this many segments besides the active one."""
 
 
 @dataclass(slots=True)
@@ -103,8 +103,6 @@ class _Group:
         "future",
         "new_segment",
         "reserve_to",
-        "keys",
-        "key_positions",
     )
 
     def __init__(self, first_offset: int, tail: _Tail, roll: bool) -> None:
@@ -124,9 +122,6 @@ class _Group:
         self.future: asyncio.Future[None] | None = None
         self.new_segment: Segment | None = None
         self.reserve_to = 0
-        # The key and position of each non-empty record, for the segment's key index.
-        self.keys: list[bytes] = []
-        self.key_positions: list[int] = []
 
 
 class JournalShardLog:
@@ -188,7 +183,7 @@ class JournalShardLog:
             return [Segment.create(self.directory, 0, self._crc, self._key_of)]
         interval = self.config.index_interval_bytes
         segments = [
-            Segment.open_sealed(self.directory, base, next_base, interval, self._crc)
+            Segment.open_sealed(self.directory, base, next_base, interval, self._crc, self._key_of)
             for base, next_base in zip(bases, bases[1:], strict=False)
         ]
         segments.append(
@@ -261,17 +256,7 @@ class JournalShardLog:
         buf_len = len(buf)
         n_index = len(group.index_offsets)
         n_time = len(group.time_stamps)
-        keys: list[bytes] = []
-        key_positions: list[int] = []
-        key_of = self._key_of
         try:
-            if key_of is not None:  # the key of each record, for the segment's key index
-                at = tail.pos
-                for _timestamp, data in records:
-                    if data:
-                        keys.append(key_of(data))
-                        key_positions.append(at)
-                    at += HEADER_SIZE + len(data)
             pos, last_index_pos, max_ts, last_time_ts = frame_records(
                 buf, records, first, tail.base_offset, tail.pos, tail.last_index_pos,
                 self._index_interval,
@@ -290,9 +275,6 @@ class JournalShardLog:
             if isinstance(exc, struct.error):
                 raise ValueError(f"record not accepted by the journal: {exc}") from exc
             raise
-        if keys:
-            group.keys += keys
-            group.key_positions += key_positions
         offset = first + len(records)
         tail.pos = pos
         tail.last_index_pos = last_index_pos
@@ -387,6 +369,8 @@ class JournalShardLog:
             i += 1
         if i >= len(segments):
             return KeyedBlock.empty(start)
+        if i < len(segments) - 1 - KEYED_SEALED_SEGMENTS:
+            return None
         return segments[i].read_keyed(start, min(max_records, self._committed - start), wants)
 
     def offset_for_timestamp(self, timestamp_ms: int) -> int:
@@ -563,9 +547,6 @@ class JournalShardLog:
         segment.max_timestamp = group.max_ts
         if segment.first_timestamp is None:
             segment.first_timestamp = group.first_ts
-        keys = segment.key_index
-        if keys is not None and group.keys and not keys.add_all(group.keys, group.key_positions):
-            segment.key_index = None
         self._committed = group.end_offset
         resolve(group.future)
 

@@ -29,7 +29,7 @@ from typing import Final
 from ..interfaces import CorruptRecord, StoredRecord
 from .block import RecordBlock
 from .framing import SCAN_BAD_CRC, SCAN_BAD_OFFSET, scan_block
-from .keyindex import KeyedBlock, KeyFunction, KeyIndex
+from .keyindex import INDEX_RECORDS, KeyedBlock, KeyFunction, KeyIndex
 from .record import CRC_START, HEADER, HEADER_SIZE, Checksum, checksum
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ class Segment:
         # The key index (`keyindex.py`) of what is published, when the journal keys records;
         # None for a segment opened sealed, or one whose index was dropped.
         self.key_of = key_of
-        self.key_index: KeyIndex | None = KeyIndex() if key_of is not None else None
+        self.key_index: KeyIndex | None = None
         self.base_offset = base_offset
         self.fd = fd
         self.size = 0
@@ -259,11 +259,12 @@ class Segment:
         next_offset: int,
         index_interval_bytes: int,
         crc: Checksum = checksum,
+        key_of: KeyFunction | None = None,
     ) -> Segment:
         """A sealed segment: its indexes come from its index files, rebuilt when missing or
         inconsistent. Its records are not checksummed here (reads do)."""
         fd = os.open(directory / f"{segment_name(base_offset)}{LOG_SUFFIX}", os.O_RDONLY)
-        segment = cls(directory, base_offset, fd, crc)
+        segment = cls(directory, base_offset, fd, crc, key_of)
         try:
             segment.size = os.fstat(fd).st_size
             segment.next_offset = next_offset
@@ -286,8 +287,7 @@ class Segment:
         key_of: KeyFunction | None = None,
     ) -> Segment:
         """The last segment after a restart: every record is checked, a torn or corrupt tail
-        is cut off (the file truncated), and the indexes (the key index too) are rebuilt in
-        memory from the records kept."""
+        is cut off (the file truncated), and the indexes are rebuilt in memory."""
         path = directory / f"{segment_name(base_offset)}{LOG_SUFFIX}"
         fd = os.open(path, os.O_RDWR | os.O_APPEND)
         segment = cls(directory, base_offset, fd, crc, key_of)
@@ -400,14 +400,10 @@ class Segment:
         self.max_timestamp = self.first_timestamp = None
         expected = self.base_offset
         good_end = 0
-        key_of = self.key_of
-        keys = self.key_index = KeyIndex() if key_of is not None and limit is not None else None
         for status, pos, offset, timestamp_ms, data in walk(self.fd, 0, end, crc=self.crc):
             if status != OK or offset != expected:
                 break
             self.note_record(offset - self.base_offset, timestamp_ms, pos, interval)
-            if keys is not None and data and key_of is not None and not keys.add(key_of(data), pos):
-                keys = self.key_index = None
             expected += 1
             good_end = pos + HEADER_SIZE + len(data)
         if limit is not None:
@@ -554,14 +550,12 @@ class Segment:
         self, from_offset: int, max_records: int, wants: Callable[[bytes], bool]
     ) -> KeyedBlock | None:
         """The published records from `from_offset` whose key `wants` accepts (at most
-        `max_records`), read through the key index: only those records are read (runs of them
-        close together in one `pread`), their headers and checksums verified (errors raised as
-        `read` raises them). The block's `end_offset` says how far it covers the segment.
-        None when the segment has no key index, or when so many of its records are wanted
-        that a block scan (`read_block`) costs less."""
-        index = self.key_index
-        if index is None:
-            return None
+        `max_records`), read through the key index (extended first over what was published
+        since: `keyindex.py`): only those records are read (runs of them close together in one
+        `pread`), their headers and checksums verified (errors raised as `read` raises them).
+        The block's `end_offset` says how far it covers the segment. None when the journal has
+        no keys, the index cannot serve `from_offset`, or so many of the records are wanted that
+        a block scan (`read_block`) costs less."""
         end_offset = self.next_offset
         if from_offset >= end_offset or max_records <= 0:
             return KeyedBlock.empty(from_offset)
@@ -569,10 +563,23 @@ class Segment:
         i = bisect_right(self.index_offsets, from_offset - base) - 1
         start_pos = self.index_positions[i] if i >= 0 else 0
         start_offset = base + self.index_offsets[i] if i >= 0 else base
+        index = self.key_index
+        if index is None:
+            if self.key_of is None:
+                return None
+            index = self.key_index = KeyIndex(start_pos, start_offset)
+        if start_pos < index.start:
+            return None
+        if index.end < self.size and not self._extend_index(index):
+            self.key_index = None
+            return None
+        covered = index.end_offset
+        if from_offset >= covered:
+            return None  # the index lags this reader by more than one extension: scan
         chosen, count = index.select(wants, start_pos)
         if not count:
-            return KeyedBlock.empty(end_offset)
-        if count * DENSE_SHARE > end_offset - start_offset:
+            return KeyedBlock.empty(covered)
+        if count * DENSE_SHARE > covered - start_offset:
             return None
         # The positions from the sparse index's entry hold at most `from_offset - start_offset`
         # records below `from_offset`, read and dropped.
@@ -581,8 +588,52 @@ class Segment:
         if count > len(positions) and len(block):
             block.end_offset = block.offsets[-1] + 1  # wanted records remain after these
         else:
-            block.end_offset = end_offset
+            block.end_offset = covered
         return block
+
+    def _extend_index(self, index: KeyIndex) -> bool:
+        """Add the published records after `index.end` to the index, at most `INDEX_RECORDS`;
+        False when a record breaks the framing or the offset sequence, or the index cannot
+        hold a key (the index is then dropped: reads scan, and report what is wrong)."""
+        key_of = self.key_of
+        assert key_of is not None
+        fd = self.fd
+        limit = self.size
+        unpack = HEADER.unpack_from
+        pos = index.end
+        expected = index.end_offset
+        budget = INDEX_RECORDS
+        want = READ_CHUNK
+        while pos < limit and budget > 0:
+            asked = min(want, limit - pos)
+            buf = os.pread(fd, asked, pos)
+            view = memoryview(buf)
+            have = len(buf)
+            p = 0
+            length = 0
+            while p + HEADER_SIZE <= have and budget > 0:
+                length, _crc, offset, _timestamp = unpack(view, p)
+                end = p + HEADER_SIZE + length
+                if end > have:
+                    break
+                if offset != expected:
+                    log.warning("%s: offset %d at byte %d where %d was expected; not indexed",
+                                self.path(), offset, pos + p, expected)
+                    return False
+                if length and not index.add(key_of(view[p + HEADER_SIZE : end]), pos + p):
+                    return False
+                expected += 1
+                budget -= 1
+                p = end
+            if p == 0:
+                if have < asked or asked >= limit - pos:
+                    return False  # the published region ends inside a record
+                want = max(2 * asked, HEADER_SIZE + length)  # one record larger than the read
+                continue
+            pos += p
+            want = READ_CHUNK
+            index.end, index.end_offset = pos, expected
+        return True
 
     def _read_positions(self, positions: list[int], from_offset: int) -> KeyedBlock:
         """The records framed at `positions` (increasing; of this segment's published part),

@@ -1,7 +1,7 @@
 """The journal's key index (`storage/journal/keyindex.py`) keyed by topic prefix
-(`core/index_keys.py`): reads of a few topics' records through it, its rebuild when the active
-segment is recovered (torn tail included), the fallbacks to scanning, and the key matching of
-filters, wildcards included, which must never hide a record a filter matches."""
+(`core/index_keys.py`): reads of a few topics' records through it, built by the reads from the
+records on disk (after a restart and a torn tail too), the fallbacks to scanning, and the key
+matching of filters, wildcards included, which must never hide a record a filter matches."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from shardgate.core.topics import filter_matches
 from shardgate.storage.interfaces import CorruptRecord, KeyedReadable
 from shardgate.storage.journal import JournalStorage
 from shardgate.storage.journal import keyindex as keyindex_module
+from shardgate.storage.journal import segment as segment_module
 from shardgate.storage.journal.log import KEYED_SEALED_SEGMENTS
 from shardgate.storage.journal.record import HEADER_SIZE
 
@@ -74,12 +75,14 @@ def test_the_records_of_the_wanted_topics_are_read_across_segment_rolls(tmp_path
         store.flush_sync()
     segments = shard.segments
     assert len(segments) > KEYED_SEALED_SEGMENTS + 2
-    # The newest sealed segments keep their index; older ones are read by scanning.
-    assert [s.key_index is not None for s in segments] == (
-        [False] * (len(segments) - KEYED_SEALED_SEGMENTS - 1) + [True] * (KEYED_SEALED_SEGMENTS + 1))
+    # Appends build no index: readers do.
+    assert all(s.key_index is None for s in segments)
+    # Older sealed segments than the newest few are read by scanning.
     assert shard.read_keyed(0, 50, wanting("site/7/#")) is None
     first = segments[-1 - KEYED_SEALED_SEGMENTS].base_offset
     assert read_all_keyed(shard, wanting("site/7/#"), first) == expected(first, 2000, "site/7/#")
+    assert [s.key_index is not None for s in segments] == (
+        [False] * (len(segments) - KEYED_SEALED_SEGMENTS - 1) + [True] * (KEYED_SEALED_SEGMENTS + 1))
     # A key stands for every topic under its first levels: the reader gets a superset (the
     # replay checks each record's topic); a filter matching every key's topics is dense.
     assert read_all_keyed(shard, wanting("site/14/dev/1934"), first) == expected(first, 2000, "site/14/#")
@@ -102,7 +105,7 @@ def test_a_topic_nobody_publishes_passes_the_whole_segment_in_one_read(tmp_path:
     store.close()
 
 
-def test_the_index_is_rebuilt_when_the_active_segment_is_recovered(tmp_path: Path) -> None:
+def test_after_a_restart_the_index_is_built_from_the_segments_on_disk(tmp_path: Path) -> None:
     directory = tmp_path / "j"
     store = open_journal(directory, segment_bytes=20_000)
     shard = store.open_shard("s", 0)
@@ -113,28 +116,49 @@ def test_the_index_is_rebuilt_when_the_active_segment_is_recovered(tmp_path: Pat
 
     store = open_journal(directory, segment_bytes=20_000)
     shard = store.open_shard("s", 0)
-    sealed, active = shard.segments[0], shard.segments[-1]
-    # A segment opened sealed has no key index: read by scanning, as without one.
-    assert sealed.key_index is None
-    assert shard.read_keyed(0, 10, wanting("site/7/#")) is None
-    assert read_all_keyed(shard, wanting("site/7/#"), active.base_offset) == expected(
-        active.base_offset, 1000, "site/7/#")
-    # Records appended after the restart join the rebuilt index.
+    first = shard.segments[-1 - KEYED_SEALED_SEGMENTS].base_offset
+    assert read_all_keyed(shard, wanting("site/7/#"), first) == expected(first, 1000, "site/7/#")
+    # Records appended after the restart are added by the next read.
     publish(shard, 1000, 100)
     store.flush_sync()
-    assert read_all_keyed(shard, wanting("site/7/#"), active.base_offset) == expected(
-        active.base_offset, 1100, "site/7/#")
+    assert read_all_keyed(shard, wanting("site/7/#"), first) == expected(first, 1100, "site/7/#")
+    store.close()
+
+
+def test_each_read_indexes_a_bounded_number_of_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(segment_module, "INDEX_RECORDS", 30)
+    store = open_journal(tmp_path / "j")
+    shard = store.open_shard("s", 0)
+    publish(shard, 0, 1000)
+    store.flush_sync()
+    block = shard.read_keyed(0, 50, wanting("site/7/#"))
+    assert block is not None and block.end_offset == 30
+    assert [r.offset for r in block] == [7, 27]
+    assert read_all_keyed(shard, wanting("site/7/#")) == expected(0, 1000, "site/7/#")
+    # A reader behind where the index starts, or beyond where one read can extend it, scans.
+    other = open_journal(tmp_path / "k", index_interval_bytes=100)
+    late = other.open_shard("s", 0)
+    publish(late, 0, 1000)
+    other.flush_sync()
+    assert late.read_keyed(500, 50, wanting("site/7/#")) is not None
+    assert late.read_keyed(0, 50, wanting("site/7/#")) is None
+    assert late.read_keyed(900, 50, wanting("site/7/#")) is None
+    other.close()
     store.close()
 
 
 @pytest.mark.parametrize("cut", ["header", "data"])
-def test_a_torn_tail_is_not_in_the_rebuilt_index(tmp_path: Path, cut: str) -> None:
+def test_a_torn_tail_is_not_in_the_index(tmp_path: Path, cut: str) -> None:
     directory = tmp_path / "j"
     store = open_journal(directory)
     shard = store.open_shard("s", 0)
-    publish(shard, 0, 40, topic=lambda i: "torn/last" if i == 39 else topic_of(i))
+    publish(shard, 0, 39)
     store.flush_sync()
-    last_start = shard.segments[-1].key_index.postings[b"torn/last"][0]  # type: ignore[union-attr]
+    last_start = shard.segments[-1].size
+    publish(shard, 39, 1, topic=lambda i: "torn/last")
+    store.flush_sync()
     store.close()
     log_file = directory / "s" / "0" / "00000000000000000000.log"
     os.truncate(log_file, last_start + (3 if cut == "header" else HEADER_SIZE + 2))
@@ -180,6 +204,7 @@ def test_a_record_damaged_on_disk_is_reported_not_returned(tmp_path: Path) -> No
     shard = store.open_shard("s", 0)
     publish(shard, 0, 100)
     store.flush_sync()
+    assert shard.read_keyed(0, 100, wanting("site/7/#")) is not None
     position = shard.segments[-1].key_index.postings[b"site/7/dev/"][1]  # type: ignore[union-attr]
     with open(directory / "s" / "0" / "00000000000000000000.log", "r+b") as file:
         file.seek(position + HEADER_SIZE + 5)
