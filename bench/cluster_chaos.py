@@ -15,7 +15,9 @@ random generator:
   `chaos/#`;
 - faults: SIGKILL a node and start it again, SIGTERM a node and start it again, SIGSTOP a node
   for a few seconds then SIGCONT (a frozen node, sometimes past its lease), restart etcd, and a
-  client told to reconnect to another node. A client whose connection fails reconnects to the
+  client told to reconnect to another node; with `--mixes` also faults at once (half the
+  faults): two nodes SIGKILLed or SIGTERMed together, etcd down while a node starts again, a
+  node frozen across an etcd restart. A client whose connection fails reconnects to the
   next node (a persistent session resumes there).
 
 At the end every node is running and the cluster settled; the publishers stop, and the checker
@@ -513,13 +515,61 @@ class Cluster:
 
 
 FAULTS = ("kill", "term", "freeze", "etcd", "move")
+# With --mixes: faults at once too (the single ones stay as likely as the mixes together).
+MIXES = ("two-down", "etcd-during-restart", "freeze-across-etcd")
 
 
 def apply_fault(rng: random.Random, cluster: Cluster, clients: list[ClientThread],
-                journal: Journal, max_freeze_s: float = 6.0) -> str:
+                journal: Journal, max_freeze_s: float = 6.0, mixes: bool = False) -> str:
     kind = rng.choice(FAULTS)
+    if mixes and rng.random() < 0.5:
+        kind = rng.choice(MIXES)
     node = rng.choice(cluster.nodes)
-    if kind == "kill":
+    if kind == "two-down":
+        first, second = rng.sample(cluster.nodes, 2)
+        how = rng.choice(("SIGKILL", "SIGTERM"))
+        what = (f"{how} {first.node_id} and {second.node_id} at once, start them after "
+                f"{(pause := rng.uniform(0.5, 4)):.1f}s")
+        journal.event(what, fault=True)
+        for down in (first, second):
+            if how == "SIGKILL":
+                down.kill()
+            else:
+                assert down.proc is not None
+                down.proc.send_signal(signal.SIGTERM)
+        for down in (first, second):
+            if how == "SIGTERM":
+                assert down.proc is not None
+                down.proc.wait(30)
+        time.sleep(pause)
+        for down in (first, second):
+            down.start()
+    elif kind == "etcd-during-restart":
+        how = rng.choice(("SIGKILL", "SIGTERM"))
+        what = f"{how} {node.node_id}, etcd down while it starts again"
+        journal.event(what, fault=True)
+        if how == "SIGKILL":
+            node.kill()
+        else:
+            node.terminate(30)
+        cluster.etcd.stop()
+        starting = threading.Thread(target=node.start, daemon=True)
+        starting.start()  # it waits for etcd to join (at most cluster.connect_timeout_s)
+        time.sleep(rng.uniform(1, 3))
+        cluster.etcd.start()
+        starting.join(120)
+    elif kind == "freeze-across-etcd":
+        what = f"SIGSTOP {node.node_id} across an etcd restart"
+        journal.event(what, fault=True)
+        assert node.proc is not None
+        node.proc.send_signal(signal.SIGSTOP)
+        time.sleep(rng.uniform(0.5, 2))
+        cluster.etcd.stop()
+        time.sleep(rng.uniform(0.5, 3))
+        cluster.etcd.start()
+        time.sleep(rng.uniform(0.5, 2))
+        node.proc.send_signal(signal.SIGCONT)
+    elif kind == "kill":
         what = f"SIGKILL {node.node_id}, start it after {(pause := rng.uniform(0.5, 4)):.1f}s"
         journal.event(what, fault=True)
         node.kill()
@@ -637,7 +687,7 @@ class Result:
 
 def run(workdir: Path, seed: int, seconds: float, *, gap_s: tuple[float, float] = (1.0, 4.0),
         drain_timeout_s: float = 60.0, overlap: bool = False, max_freeze_s: float = 6.0,
-        report: Callable[[str], None] = log) -> Result:
+        mixes: bool = False, report: Callable[[str], None] = log) -> Result:
     """Start the cluster and the clients, apply faults for `seconds`, settle, check. Each
     fault waits for the cluster to settle before the next, unless `overlap`."""
     rng = random.Random(seed)
@@ -669,7 +719,7 @@ def run(workdir: Path, seed: int, seconds: float, *, gap_s: tuple[float, float] 
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             time.sleep(rng.uniform(*gap_s))
-            faults.append(apply_fault(rng, cluster, clients, journal, max_freeze_s))
+            faults.append(apply_fault(rng, cluster, clients, journal, max_freeze_s, mixes))
             report(f"fault: {faults[-1]}")
             if not overlap:
                 cluster.settle()
@@ -714,11 +764,14 @@ def main() -> int:
                         help="do not wait for the cluster to settle between faults")
     parser.add_argument("--max-freeze", type=float, default=6.0,
                         help="longest SIGSTOP in seconds (past 15 s the clients' keep alive ends)")
+    parser.add_argument("--mixes", action="store_true",
+                        help="also faults at once: two nodes down, etcd down while a node "
+                             "restarts, a node frozen across an etcd restart")
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="cluster-chaos-"))
     log(f"work directory {workdir}")
     result = run(workdir, args.seed, args.minutes * 60, overlap=args.overlap,
-                 max_freeze_s=args.max_freeze)
+                 max_freeze_s=args.max_freeze, mixes=args.mixes)
     log(f"faults applied: {len(result.faults)}")
     log(f"acknowledged: {result.acknowledged}")
     log(f"delivered (with duplicates): {result.delivered}; duplicates {dict(result.findings.duplicates)}")

@@ -21,6 +21,7 @@ from .core.streams import DispatchMode, RoutingRule, Schema, StreamConfig
 from .persistence import MetadataTopologySink, Persistence, stream_config
 from .protocols.mqtt.server import start_tcp_listener, start_websocket_listener
 from .protocols.mqtt.service import MqttService
+from .protocols.read_budget import ReadBudget
 from .storage.interfaces import StorageError
 from .storage.journal import JournalStorage
 from .storage.metadata import SqliteMetadataStore
@@ -217,7 +218,11 @@ class Shardgate:
         held = self.broker.delayed.restore()
         if held:
             log.info("restored %d delayed messages", held)
-        self.mqtt = MqttService(edge, config.mqtt, store=stored, scheduler=asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        # One read budget per loop turn for every client listener (protocols/read_budget.py).
+        self.read_budget = ReadBudget(config.listeners.read_budget_s, call_soon=loop.call_soon)
+        self.mqtt = MqttService(edge, config.mqtt, store=stored, scheduler=loop,
+                                read_budget=self.read_budget)
         self.mqtt.use_identity_as_username = config.tls.use_identity_as_username
         from .security.auth import install_security
 
@@ -262,7 +267,8 @@ class Shardgate:
                 starting = ("AMQP", host, ports.amqp_port, "listeners.amqp_port")
                 from .protocols.amqp.server import start_amqp_listener
 
-                amqp = await start_amqp_listener(edge, host, ports.amqp_port, None, config.amqp)
+                amqp = await start_amqp_listener(edge, host, ports.amqp_port, None, config.amqp,
+                                                 read_budget=self.read_budget)
                 self.amqp = amqp.service
                 if self.security is not None:
                     self.security.attach_amqp(amqp.service)
@@ -275,6 +281,7 @@ class Shardgate:
                 amqps = await start_amqp_listener(
                     edge, host, ports.amqps_port, self._ssl_context(), config.amqp,
                     service=plain.server.service if plain is not None else None,
+                    read_budget=self.read_budget,
                 )
                 if self.security is not None and plain is None:
                     self.security.attach_amqp(amqps.service)
@@ -430,6 +437,10 @@ class Shardgate:
                 await asyncio.wait_for(listener.server.wait_closed(), 5)
             except (TimeoutError, Exception):
                 pass
+        if self.cluster is not None and self.cluster.state_writer is not None:
+            # the snapshots of the sessions that went offline above are in etcd before the
+            # cluster port closes: a node their clients reconnect to reads them then
+            await self.cluster.state_writer.drain()
         if self.data_plane is not None:
             # after the clients, before the journal: forwarded publishes still land in it
             await self.data_plane.stop()

@@ -17,6 +17,7 @@ from .cluster.settings import ClusterSettings
 from .protocols.amqp.settings import AmqpSettings
 from .protocols.grpc.settings import GrpcSettings
 from .protocols.mqtt.settings import MqttSettings
+from .protocols.read_budget import DEFAULT_READ_BUDGET_S
 from .security.auth import AuthSettings
 
 
@@ -39,6 +40,11 @@ class ListenerConfig:
     http_port: int = 8080
     # The admin API has no authentication of its own yet: it stays on loopback unless told.
     http_host: str = "127.0.0.1"
+    # Seconds of client reads one event-loop turn handles, every client listener together
+    # (MQTT, MQTT over WebSocket, AMQP, with TLS or not); later reads wait for the next turns
+    # (their sockets are not read meanwhile), so that new connections are accepted and
+    # CONNECTs / connection.opens answered between turns under load. 0: no limit.
+    read_budget_s: float = DEFAULT_READ_BUDGET_S
 
 
 @dataclass(slots=True)
@@ -129,6 +135,10 @@ SHORT_ENV = {
     "SHARDGATE_HTTP_PORT": ("listeners", "http_port"),
     "SHARDGATE_HTTP_HOST": ("listeners", "http_host"),
     "SHARDGATE_LOG_LEVEL": ("log_level",),
+}
+# Former names of settings, still taken: the setting each one now is.
+RENAMED: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("mqtt", "read_budget_s"): ("listeners", "read_budget_s"),  # one budget for every listener
 }
 # SHARDGATE_* variables that are not settings: the CLI's server URL and config file, and
 # SHARDGATE_PURE=1 (run the Python sources instead of compiled builds, core/native.py).
@@ -260,6 +270,8 @@ def _kind(annotation: str) -> str:
 
 
 def _set(config: Config, path: tuple[str, ...], value: Any, source: str) -> None:
+    written = ".".join(path)
+    path = RENAMED.get(path, path)
     target: Any = config
     for part in path[:-1]:
         if not hasattr(target, part):
@@ -271,6 +283,8 @@ def _set(config: Config, path: tuple[str, ...], value: Any, source: str) -> None
         raise ConfigError(f"{source}: unknown setting {'.'.join(path)!r}")
     annotation = str(known[key].type)
     dotted = ".".join(path)
+    if written != dotted:
+        dotted = f"{written} (now {dotted})"
     name = dotted if source == "command line" else f"{source}: {dotted}"
     coerced = _coerce(value, getattr(target, key), name, annotation)
     _check_type(coerced, annotation, value, name)

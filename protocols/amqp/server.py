@@ -2,7 +2,8 @@
 
 This is the only AMQP module with sockets. `start_amqp_listener` is what the composition root
 calls; it listens through the shared `TcpListener` (every pending connection accepted at each
-readiness) and returns an `AmqpServer`.
+readiness) and returns an `AmqpServer`. Reads past the loop turn's read budget
+(`protocols/read_budget.py`, shared with MQTT) wait for a later turn.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ import asyncio
 import ipaddress
 import logging
 import ssl
-import time
-import weakref
 from typing import TYPE_CHECKING, cast
 
 from ..listener import TcpListener, start_tcp_listener
+from ..read_budget import ReadBudget
 from .connection import AmqpConnection
 from .errors import ConnectionException, ReplyCode
+from .frames import State
 from .service import AmqpService
 from .settings import AmqpSettings
 
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from ...core.edge import Edge
 
 log = logging.getLogger(__name__)
+
+OPEN = State.OPEN
 
 
 def _is_loopback(host: str) -> bool:
@@ -34,59 +37,19 @@ def _is_loopback(host: str) -> bool:
         return host in ("localhost",)
 
 
-# Reads of one event-loop turn, all connections together, after which a connection that read
-# is not read again before the next turn.
-READ_BUDGET_S = 0.005
-
-
-class ReadTurns:
-    """Gives every socket, and the listener, a share of each event-loop turn.
-
-    libuv reads a readable socket up to 32 times per callback (256 KiB each with uvloop), so
-    one publisher flooding the broker can hold a loop turn for hundreds of milliseconds, turn
-    after turn; the listening socket's readiness then waits seconds (measured: a burst of
-    connections stayed in the accept queue until the flood ended). Once the reads of a turn
-    have taken `READ_BUDGET_S`, a connection that has just read is paused until the next turn
-    (TCP back-pressure meanwhile): each turn still reads every busy socket at least once, and
-    the listener's accept runs between turns."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self.started = 0.0  # when this turn's first read began; 0: no read yet this turn
-        self._paused: list[AmqpProtocol] = []
-
-    def begin(self) -> None:
-        if not self.started:
-            self.started = time.perf_counter()
-            self._loop.call_soon(self._next_turn)
-
-    def spent(self) -> bool:
-        return time.perf_counter() - self.started > READ_BUDGET_S
-
-    def pause(self, protocol: AmqpProtocol) -> None:
-        self._paused.append(protocol)
-
-    def _next_turn(self) -> None:
-        self.started = 0.0
-        paused, self._paused = self._paused, []
-        for protocol in paused:
-            protocol.turn_resume()
-
-
-_read_turns: weakref.WeakKeyDictionary[AmqpService, ReadTurns] = weakref.WeakKeyDictionary()
-
-
 class AmqpProtocol(asyncio.Protocol):
     """One TCP connection: bytes in to the state machine, its output to the transport."""
 
-    def __init__(self, service: AmqpService, turns: ReadTurns | None = None) -> None:
+    def __init__(self, service: AmqpService) -> None:
         self.service = service
-        self.turns = turns
+        self.budget = service.read_budget  # shared with every client listener of the broker
         self.transport: asyncio.Transport | None = None
         self.connection: AmqpConnection | None = None
-        # paused by the connection (memory alarm), or until the next loop turn
+        # paused by the connection (memory alarm, publishes in flight)
         self.held = False
-        self.yielded = False
+        # what was read once the turn's read budget was spent, handled at a later turn (the
+        # socket is not read meanwhile); None: nothing waits
+        self.deferred: bytes | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream server's transport has the asyncio.Transport interface; uvloop's are not
@@ -103,25 +66,37 @@ class AmqpProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         connection = self.connection
         assert connection is not None
-        turns = self.turns
-        if turns is not None:
-            turns.begin()
+        if self.deferred is not None:  # (a TLS transport may still hand over what it decrypted)
+            self.deferred += data
+            return
+        if connection.state is OPEN and self.budget.spent():
+            # This loop turn has done its share of reads (every listener's together): this
+            # read waits for a later turn, so that new connections are accepted and answered
+            # meanwhile (the handshake up to connection.open-ok never waits here).
+            self.deferred = data
+            transport = self.transport
+            if transport is not None and not transport.is_closing():
+                transport.pause_reading()
+            self.budget.defer(self.run_deferred)
+            return
+        self._handle(data)
+
+    def _handle(self, data: bytes) -> None:
+        connection = self.connection
+        assert connection is not None
         try:
             connection.data_received(data)
         except Exception:
             log.exception("internal error on AMQP connection %s", connection.remote)
             connection.close(ConnectionException(ReplyCode.INTERNAL_ERROR, "internal error"))
-        if turns is not None and turns.spent() and not self.yielded:
-            transport = self.transport
-            if transport is not None and not transport.is_closing():
-                self.yielded = True
-                transport.pause_reading()
-                turns.pause(self)
 
-    def turn_resume(self) -> None:
-        self.yielded = False
+    def run_deferred(self) -> None:
+        """Handle the read the budget left for this turn, then read the socket again."""
+        data, self.deferred = self.deferred, None
+        if data is not None:
+            self._handle(data)  # a closed connection ignores it
         transport = self.transport
-        if not self.held and transport is not None and not transport.is_closing():
+        if self.deferred is None and not self.held and transport is not None and not transport.is_closing():
             transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -152,7 +127,7 @@ class AmqpProtocol(asyncio.Protocol):
 
     def resume_reading(self) -> None:
         self.held = False
-        if self.transport is not None and not self.transport.is_closing() and not self.yielded:
+        if self.transport is not None and not self.transport.is_closing() and self.deferred is None:
             self.transport.resume_reading()
 
 
@@ -187,19 +162,19 @@ async def start_amqp_listener(
     settings: AmqpSettings | None = None,
     *,
     service: AmqpService | None = None,
+    read_budget: ReadBudget | None = None,
 ) -> AmqpServer:
     """Listen for AMQP 0-9-1 clients (AMQPS with `ssl_context`). A second listener (TLS next to
     plain TCP) passes the first one's `service` so that both serve the same exchanges and
-    queues."""
+    queues. `read_budget` is the broker's one budget of reads per loop turn, which the other
+    client listeners share (`protocols/read_budget.py`); without it the service has its own."""
     owns = service is None
     if service is None:
-        service = AmqpService(edge, settings, scheduler=asyncio.get_running_loop())
+        service = AmqpService(edge, settings, scheduler=asyncio.get_running_loop(),
+                              read_budget=read_budget)
         service.start()
     shared = service
     name = "AMQP" if ssl_context is None else "AMQPS"
-    turns = _read_turns.get(shared)
-    if turns is None:
-        turns = _read_turns[shared] = ReadTurns(asyncio.get_running_loop())
-    server = await start_tcp_listener(lambda: AmqpProtocol(shared, turns), host, port, ssl_context,
+    server = await start_tcp_listener(lambda: AmqpProtocol(shared), host, port, ssl_context,
                                       name=name)
     return AmqpServer(server, service, owns)

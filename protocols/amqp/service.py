@@ -18,6 +18,7 @@ from ...core.edge import KICK_REASON, ClientInfo, Edge
 from ...core.message import now_ms
 from ...core.scheduling import Scheduler, Timer
 from ..output import OutputBatcher
+from ..read_budget import ReadBudget
 from .queues import Queue
 from .settings import AmqpSettings
 from .vhost import VirtualHost
@@ -42,6 +43,7 @@ TICK_S = 1.0
 class AmqpService:
     def __init__(
         self, edge: Edge, settings: AmqpSettings | None = None, scheduler: Scheduler | None = None,
+        read_budget: ReadBudget | None = None,
     ) -> None:
         self.edge = edge
         # Time and timers, from the I/O adapter (an asyncio loop is one) or a test's clock.
@@ -62,6 +64,10 @@ class AmqpService:
         self._all: set[ConnectionBase] = set()
         self.output: OutputBatcher[ConnectionBase] = OutputBatcher(
             lambda flush: self.scheduler.call_soon(flush))
+        # The reads one loop turn handles, shared with the broker's other listeners.
+        self.read_budget = read_budget or ReadBudget(
+            call_soon=lambda handle: self.scheduler.call_soon(handle),
+            clock=lambda: self.scheduler.time())
         self._tick_handle: Timer | None = None
         self._sweep_handle: Timer | None = None
         edge.clients.register("amqp", self)

@@ -145,7 +145,9 @@ async def start_tcp_listener(
 
 
 class WebSocketLink:
-    """Link for one MQTT-over-WebSocket connection: writes go out in order through one task."""
+    """Link for one MQTT-over-WebSocket connection: writes go out in order through one task;
+    while throttled (the read budget, a publish rate, a held publisher) its handler reads no
+    frame, until `resume` or the throttle's time runs out."""
 
     def __init__(self, websocket: object) -> None:
         self.websocket = websocket
@@ -153,7 +155,9 @@ class WebSocketLink:
         self.pending_bytes = 0
         self.wakeup = asyncio.Event()
         self.closing = False
-        self.paused_until = 0.0
+        self.readable = asyncio.Event()
+        self.readable.set()
+        self._throttle: asyncio.TimerHandle | None = None
 
     def write(self, data: bytes) -> None:
         self.pending.append(data)
@@ -171,10 +175,16 @@ class WebSocketLink:
         return self.pending_bytes
 
     def throttle(self, seconds: float) -> None:
-        self.paused_until = asyncio.get_running_loop().time() + seconds
+        if self._throttle is not None:
+            self._throttle.cancel()
+        self.readable.clear()
+        self._throttle = asyncio.get_running_loop().call_later(seconds, self.resume)
 
     def resume(self) -> None:
-        self.paused_until = 0.0
+        if self._throttle is not None:
+            self._throttle.cancel()
+            self._throttle = None
+        self.readable.set()
 
     async def run_writer(self) -> None:
         ws = self.websocket
@@ -242,13 +252,13 @@ async def start_websocket_listener(
                 connection.data_received(frame)
                 if not connection.open:
                     break
-                delay = link.paused_until - asyncio.get_running_loop().time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+                if not link.readable.is_set():
+                    await link.readable.wait()
         except Exception as exc:
             log.debug("websocket %s ended: %s", remote, exc)
         finally:
             service.connection_gone(connection)
+            link.resume()
             link.close()
             await writer
 

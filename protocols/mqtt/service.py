@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
@@ -25,6 +24,7 @@ from ...core.edge import KICK_REASON, Action, ClientInfo, Edge, Principal
 from ...core.message import Message, now_ms
 from ...core.scheduling import Scheduler, Timer
 from ..output import OutputBatcher
+from ..read_budget import ReadBudget
 from . import packets as p
 from .connection import MQTT_V5, MqttConnection, State
 from .session import NEVER_EXPIRES, MqttSession, Outgoing
@@ -64,6 +64,7 @@ class MqttService:
     def __init__(
         self, edge: Edge, settings: MqttSettings | None = None,
         store: MqttSessionPorts | None = None, scheduler: Scheduler | None = None,
+        read_budget: ReadBudget | None = None,
     ) -> None:
         self.edge = edge
         # Time and timers, from the I/O adapter (an asyncio loop is one) or a test's clock.
@@ -96,7 +97,8 @@ class MqttService:
         self._grouping = False
         self._unsaved: dict[str, MqttSession] = {}
         # A new persistent session was saved in the read being handled: its group commits at
-        # the end of that read, not of the turn, so that the fsync its CONNACK waits for
+        # the end of that read, not of the turn, so that the session is committed before its
+        # CONNACK is written and the fsync that every later acknowledgement to it waits for
         # starts at once (and the commit is small: one read's writes).
         self._commit_at_read_end = False
         self.store_writes_deferred = 0
@@ -124,11 +126,10 @@ class MqttService:
         self._held: list[MqttConnection] = []
         # Where CONNECTs wait (read → session open → CONNACK written) and the loop's lateness.
         self.connect_timing = ConnectTiming()
-        # The read budget of a loop turn: when its first read began (0: no read yet), and the
-        # connections whose reads wait for the next turn, oldest first.
-        self._turn_start = 0.0
-        self._turn_scheduled = False
-        self._deferred: deque[MqttConnection] = deque()
+        # The reads one loop turn handles, shared with the broker's other listeners.
+        self.read_budget = read_budget or ReadBudget(
+            call_soon=lambda handle: self.scheduler.call_soon(handle),
+            clock=lambda: self.scheduler.time())
         edge.clients.register("mqtt", self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -258,52 +259,12 @@ class MqttService:
             connection.output_released()
 
     # ------------------------------------------------------------------ read budget per turn
-    def turn_spent(self, now: float) -> bool:
-        """Whether this loop turn's reads have used their budget (`MqttSettings.read_budget_s`),
-        counted from the turn's first read. One turn handling every socket's read at once
-        (under a fan-out of large messages, hundreds of milliseconds) would keep new
-        connections waiting in the listen queue and CONNACKs unsent for as long."""
-        budget = self.settings.read_budget_s
-        if not budget:
-            return False
-        start = self._turn_start
-        if not start:
-            self._turn_start = now
-            self._schedule_turn()
-            return False
-        return now - start > budget
-
     def defer(self, connection: MqttConnection) -> None:
-        """`connection` read a chunk that this turn has no budget left for: it is not read
-        again until a later turn has handled that chunk (TCP back-pressure meanwhile)."""
+        """`connection` read a chunk that this turn's read budget (`protocols/read_budget.py`,
+        shared with the other listeners) has no room left for: it is not read again until a
+        later turn has handled that chunk (TCP back-pressure meanwhile)."""
         connection.link.throttle(DEFER_MAX_S)
-        self._deferred.append(connection)
-        self._schedule_turn()
-
-    def _schedule_turn(self) -> None:
-        if not self._turn_scheduled:
-            self._turn_scheduled = True
-            self.scheduler.call_soon(self._next_turn)
-
-    def _next_turn(self) -> None:
-        """A new turn: handle deferred reads, oldest first, within one budget; what remains
-        waits for the turn after (new sockets are accepted in between)."""
-        self._turn_scheduled = False
-        deferred = self._deferred
-        if not deferred:
-            self._turn_start = 0.0
-            return
-        clock = self.scheduler.time
-        start = self._turn_start = clock()
-        budget = self.settings.read_budget_s
-        while deferred:
-            deferred.popleft().run_deferred()
-            if clock() - start > budget:
-                break
-        if deferred:
-            self._schedule_turn()  # the reads of the coming poll share what is left of it
-        else:
-            self._turn_start = 0.0
+        self.read_budget.defer(connection.run_deferred)
 
     # ------------------------------------------------------------------ back-pressure
     def congested(self, session: MqttSession, *, queue: bool = True) -> None:
@@ -429,8 +390,10 @@ class MqttService:
         session.expiry_interval = expiry
         session.connection = connection
         session.disconnected_at_ms = None
-        # A new persistent session is durable before its CONNACK (a crash right after it keeps
-        # the session); a resumed one already is: its CONNACK does not wait for this write.
+        # A new persistent session is committed before its CONNACK is written (a crash of the
+        # process right after it keeps the session) and fsynced before any later
+        # acknowledgement to its client (`MqttConnection._opened`); a resumed one is durable
+        # already: its CONNACK does not wait for this write.
         self.save_session(session, acknowledged=not present)
         if not present and session.durable and self._grouping:
             self._commit_at_read_end = True

@@ -42,8 +42,3 @@ class MqttSettings:
     # while not reading (0: never): such a dead subscriber is disconnected so its messages go
     # back to its session or, for shared subscriptions, to the other members.
     dead_subscriber_timeout: float = 0.0
-    # Seconds of reads one event-loop turn handles; the reads beyond wait for the next turn
-    # (their sockets are not read meanwhile), so that a turn stays short under load and
-    # new connections and CONNECTs are served between turns. 0: no limit (a negative value
-    # leaves every read after a turn's first for later: tests use it to force that path).
-    read_budget_s: float = 0.005

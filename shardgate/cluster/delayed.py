@@ -26,11 +26,28 @@ controller did first. A message held under a lease that is no longer this node's
 lapsed and it registered again) is not released by the old timer: the takeover finds it.
 
 Released once while the cluster is steady: only the holder releases a message, and a holder
-is taken over only once it has left the view. Across the death of the releasing node it is at
-least once: a holder that dies after the owner of the shard acknowledged the release and
-before its delete reached etcd is taken over and the message is released again. A holder
-whose lease lapses (frozen, cut from etcd) while a release is in flight may see its message
-released by the controller too. Nothing is ever deleted before its release was acknowledged.
+is taken over only once it has left the view. Across the death of the releasing node it is
+once too on a reliable stream: a holder can die after the owner of the shard acknowledged the
+release and before its delete reached etcd, so the released copy carries a release id (the
+key's `<deliver-at>-<id>`, in `Message.native_properties` under `RELEASE_FORMAT`, which no
+protocol shows to its clients and the journal keeps), and a node releasing a message it took
+over (from another holder or from its own previous life) first reads the topic's shard from
+its deliver-at time on for that id (`journal_search.py`, as a will's claim is checked); found,
+it only deletes the key. A non-reliable shard keeps no journal: there a takeover releases
+again (at least once). A holder whose lease lapses (frozen, cut from etcd) while a release is
+in flight may see its message released by the controller too, if the controller reads the
+shard before that release reached it. Nothing is ever deleted before its release was
+acknowledged.
+
+On time: a holder releases on its own timer. A message due while its holder is dead (SIGKILL)
+but not yet seen gone waits for the holder's lease to expire (`cluster.lease_ttl_s`) and the
+controller's takeover, so it can be late by up to the lease TTL; releasing it earlier would
+need someone else to act on a message its holder may still be releasing, which is what the
+lease rules out. A holder that leaves with SIGTERM is seen gone at once (it revokes its lease).
+
+Test hook (tests only, never set in production): when the environment variable
+`SG_TEST_PAUSE_BEFORE_DELAYED_DELETE` names a file, a node whose release was acknowledged waits
+while that file exists before it deletes the key, so that a test can kill it in between.
 """
 
 from __future__ import annotations
@@ -48,8 +65,12 @@ from ..core.message import Message, now_ms
 from ..core.records import decode_to_message, encode_message
 from . import keys
 from .etcd import KeyValue, delete_op, mod_revision_is, put_op
+from .journal_search import shard_holds
+from .view_changes import ViewChanges
+from .wills import pause_for_tests
 
 if TYPE_CHECKING:
+    from ..core.broker import Broker
     from .control import ClusterNode
 
 log = logging.getLogger(__name__)
@@ -67,8 +88,16 @@ TXN_BYTES = 1024 * 1024
 SCAN_INTERVAL_S = 10.0
 # How long a message held while the node joins waits for its lease before it is refused.
 JOIN_WAIT_S = 10.0
-# How long a release waits before trying again when its shard has no live owner now.
+# How long a release waits at most before trying again when its shard has no live owner now
+# (the view's next change wakes it sooner).
 RETRY_S = 1.0
+# The released copy's release id, by this format name in `Message.native_properties`.
+RELEASE_FORMAT = "shardgate-delayed-release"
+# Where the search for an earlier release of a taken-over message starts, before its deliver-at
+# time (the journal is found by time; the match itself is exact on the release id).
+SEARCH_BEFORE_DUE_MS = 60_000
+# Names a file: while it exists, a node whose release was acknowledged waits before deleting.
+DELETE_PAUSE_ENV = "SG_TEST_PAUSE_BEFORE_DELAYED_DELETE"
 
 
 @dataclass(slots=True)
@@ -77,6 +106,8 @@ class HeldMessage:
     at_ms: int
     # the lease it is held under here: a release under a lease no longer ours does nothing
     lease: int
+    # taken over from a holder (or this node's previous life) that may have released it
+    inherited: bool = False
     timer: asyncio.TimerHandle | None = None
 
 
@@ -90,9 +121,13 @@ class SharedDelayed:
     """Holds this node's delayed messages in etcd and takes over those of departed nodes
     (module docstring). Installed as `broker.delayed.shared` (core.delayed.SharedHold)."""
 
-    def __init__(self, node: ClusterNode, publish: Callable[[Message], asyncio.Future[None] | None]) -> None:
+    def __init__(self, node: ClusterNode, publish: Callable[[Message], asyncio.Future[None] | None],
+                 broker: Broker | None = None) -> None:
         self.node = node
         self.publish = publish
+        self.view_changes = ViewChanges(node.view)
+        # where a taken-over message's earlier release is looked for (None: never looked for)
+        self.broker = broker
         self.prefix = node.settings.prefix.rstrip("/") + ".state/delayed/"
         self._held: dict[str, HeldMessage] = {}
         # waiting for the next put transaction: (key, message, deliver-at, acknowledgement)
@@ -108,6 +143,8 @@ class SharedDelayed:
         self._closed = False
         self.released = 0
         self.taken_over = 0
+        # taken-over messages found released already by their previous holder
+        self.found_released = 0
 
     def __len__(self) -> int:
         return len(self._held) + len(self._puts)
@@ -151,7 +188,8 @@ class SharedDelayed:
         loop = asyncio.get_running_loop()
         joining_until = loop.time() + JOIN_WAIT_S
         while not self.node.lease_id and loop.time() < joining_until:
-            await asyncio.sleep(0.05)  # held while the node is still joining: wait for its lease
+            # held while the node is still joining: its join changes the view
+            await self.view_changes.since(self.view_changes.count, joining_until - loop.time())
         batch: list[tuple[str, Message, int, asyncio.Future[None]]] = []
         ops = []
         size = 0
@@ -188,11 +226,11 @@ class SharedDelayed:
             self._deletes[:0] = batch
             await asyncio.sleep(RETRY_S)
 
-    def _schedule(self, key: str, message: Message, at_ms: int, lease: int) -> None:
+    def _schedule(self, key: str, message: Message, at_ms: int, lease: int, inherited: bool = False) -> None:
         old = self._held.pop(key, None)
         if old is not None and old.timer is not None:
             old.timer.cancel()
-        held = self._held[key] = HeldMessage(message, at_ms, lease)
+        held = self._held[key] = HeldMessage(message, at_ms, lease, inherited)
         delay = max(0.0, (at_ms - now_ms()) / 1000)
         held.timer = asyncio.get_running_loop().call_later(delay, self._due, key)
 
@@ -210,32 +248,56 @@ class SharedDelayed:
         """Publish a due message (retried while its shard has no live owner), then delete it."""
         logged = False
         while self._held.get(key) is held:
+            seen = self.view_changes.count
             if held.lease != self.node.lease_id:
                 # held under a lease that lapsed: the takeover (ours or the controller's) has it
                 del self._held[key]
                 return
             if self.node.view.lease_alive():
-                message = decode_to_message(encode_message(held.message))  # a fresh copy
-                message.publish_time_ms = now_ms()
+                release_id = key.rsplit("/", 1)[1]
                 try:
-                    receipt = self.publish(message)
-                    if receipt is not None:
-                        await receipt
+                    if held.inherited and await self._released_before(held, release_id):
+                        log.info("cluster: a taken-over delayed message for %r was released by its "
+                                 "previous holder already", held.message.topic)
+                        self.found_released += 1
+                    else:
+                        receipt = self.publish(released_copy(held.message, release_id))
+                        if receipt is not None:
+                            await receipt
+                        self.released += 1
                 except Exception as exc:  # noqa: BLE001 - a shard without live owner: retried
                     if not logged:
                         log.info("cluster: a delayed message for %r waits for its shard (%s)",
                                  held.message.topic, exc)
                         logged = True
                 else:
+                    await pause_for_tests(DELETE_PAUSE_ENV)
                     if self._held.get(key) is held:
                         del self._held[key]
-                    self.released += 1
                     self._deletes.append(key)
                     self._kick_writer()
                     return
             if self._closed:
                 return  # stays in etcd: the takeover releases it
-            await asyncio.sleep(RETRY_S)
+            # a shard's owner coming back, or this node's lease, changes the view
+            await self.view_changes.since(seen, RETRY_S)
+
+    async def _released_before(self, held: HeldMessage, release_id: str) -> bool:
+        """Whether the topic's shard holds this message's release already (its previous holder
+        died after the release and before the delete). False when that cannot be known (a
+        non-reliable stream: released again); raises ShardUnreadable while the shard's owner
+        cannot be read (the release waits for it as a publish would)."""
+        if self.broker is None:
+            return False
+        wanted = release_id.encode()
+
+        def same_release(message: Message) -> bool:
+            native = message.native_properties
+            return native is not None and native.get(RELEASE_FORMAT) == wanted
+
+        found = await shard_holds(self.node, self.broker, held.message.topic,
+                                  held.at_ms - SEARCH_BEFORE_DUE_MS, same_release)
+        return bool(found)
 
     # ------------------------------------------------------------ taking over
     def start(self) -> None:
@@ -321,7 +383,7 @@ class SharedDelayed:
             holder = kv.key[len(self.prefix):].split("/", 1)[0]
             log.info("cluster: took over a delayed message for %r held by %s (due in %.1f s)",
                      message.topic, holder, max(0, at_ms - now_ms()) / 1000)
-            self._schedule(key, message, at_ms, lease)
+            self._schedule(key, message, at_ms, lease, inherited=True)
             taken += 1
         self.taken_over += taken
         return taken
@@ -365,6 +427,14 @@ class SharedDelayed:
         for task in (self._scanner, self._writer, *self._tasks):
             if task is not None:
                 task.cancel()
+
+
+def released_copy(message: Message, release_id: str) -> Message:
+    """The message as released: a fresh copy, stamped now, carrying its release id."""
+    copy = decode_to_message(encode_message(message))
+    copy.publish_time_ms = now_ms()
+    copy.native_properties = {**(copy.native_properties or {}), RELEASE_FORMAT: release_id.encode()}
+    return copy
 
 
 def _retrieved(future: asyncio.Future[None]) -> None:

@@ -304,12 +304,6 @@ class EtcdClient:
         reply = await self._unary("DeleteRange", "kv", rpc.DeleteRangeRequest(key=key.encode()))
         return reply.deleted > 0  # type: ignore[attr-defined]
 
-    async def delete_prefix(self, prefix: str) -> int:
-        raw = prefix.encode()
-        reply = await self._unary("DeleteRange", "kv",
-                                  rpc.DeleteRangeRequest(key=raw, range_end=prefix_end(raw)))
-        return reply.deleted  # type: ignore[attr-defined]
-
     async def txn(
         self,
         compare: Sequence[rpc.Compare],

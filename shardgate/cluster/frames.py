@@ -182,10 +182,6 @@ def record_of(push: pb.Push) -> bytes:
     return push.record or encode_message(message_from_push(push))
 
 
-def frame_size(frame: pb.Forward | pb.Push) -> int:
-    return len(frame.record) + len(frame.payload) + len(frame.topic)
-
-
 def route_update(delta: RouteDelta, reset: bool = False) -> pb.RouteUpdate:
     return pb.RouteUpdate(
         reset=reset,

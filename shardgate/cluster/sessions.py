@@ -35,10 +35,10 @@ import asyncio
 import base64
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from ..core.durable import DurableSubscription, decode_cursor_state
+from ..core.durable import DurableSubscription
 from ..core.message import Message, now_ms
 from ..core.outbox import SLOW_SUBSCRIBER
 from ..core.records import RecordFormatError, decode_to_message, encode_message
@@ -70,8 +70,6 @@ RELEASE_CALL_TIMEOUT_S = 3.0
 # How long a node that handed a session over keeps its shared groups' messages for the new
 # node (`GroupStandIn`) when that node does not collect them (it died meanwhile).
 STAND_IN_TIMEOUT_S = 30.0
-# After the peers applied this node's leaving a group: pushes already on their way here.
-STAND_IN_DRAIN_S = 0.25
 # A cursor the old node did not have for a shard starts this long before the snapshot: that
 # node had received no matching message of the shard, so nothing there is delivered twice.
 NO_CURSOR_MARGIN_MS = 5_000
@@ -119,6 +117,8 @@ class CursorPlacer:
         self.broker = broker
         self.plane = plane
         self.rpc = rpc
+        # Restored cursors still waiting for the shard map to name their shard's owner.
+        self._unplaced_left = False
 
     def place(self, sub: DurableSubscription, cursors: list[list[Any]], messages: list[list[Any]],
               taken_ms: int) -> dict[tuple[str, int, int], Message]:
@@ -152,49 +152,55 @@ class CursorPlacer:
             self.node.floors.report_soon()  # the owners keep what these cursors still need
         return {(m.stream, m.shard, m.offset): m for listed in found.values() for m in listed}
 
-    def replay_restored(self, saved: Callable[[str], Iterable[Any]] | None = None) -> int:
-        """At start: durable cursors this node restored from its own store, on shards another
-        node owns, continue from that owner's journal (what was pushed here before the restart
-        went with the process), then on the pushes. They resume at the floor saved in the store
-        (`saved(name)`: its cursor records; restoring clamped them to this node's empty log of
-        the shard), so unacknowledged messages come again. Returns how many."""
-        me = self.node.node_id
-        count = 0
-        for sub in list(self.broker.subscriptions.values()):
-            if not isinstance(sub, DurableSubscription):
-                continue
-            records: dict[tuple[str, int], Any] | None = None
-            for (stream, shard), cursor in list(sub.cursors.items()):
-                if cursor.log is None:
-                    continue
-                owner = self.node.view.owner(stream, shard)
-                if owner is None or owner.node_id == me:
-                    continue
-                if records is None:
-                    records = {(r.stream, r.shard): r for r in saved(sub.name)} if saved else {}
-                record = records.get((stream, shard))
-                position = cursor.position
-                if record is not None and record.acked:
-                    # from the saved floor: the unacknowledged come again (with what was
-                    # acknowledged after the first of them: at least once)
-                    saved_position, unacked = decode_cursor_state(record.acked)
-                    # Not past it: before this runs, the cursor (clamped to this node's empty
-                    # log of the shard) may have gone live on the pushes and handed out one,
-                    # skipping what was stored between the floor and that push.
-                    position = min([saved_position, *unacked])
-                    # all of those were handed out before: again, they are redeliveries (DUP)
-                    cursor.resent_below = saved_position
-                cursor.position = position
-                cursor.log = OwnerLog(  # type: ignore[assignment]
-                    self.rpc, self.plane, stream, shard, position, self._filters_of(sub))
-                # it replays from there: live pushes wait until it has caught up
-                cursor.live = False
-                cursor.ahead = []
-                sub.schedule_pump()
-                count += 1
+    def replay_restored(self) -> int:
+        """Once the node has joined (the shard map is known): place the durable cursors this
+        node restored from its own store, which waited unplaced until now (neither replaying
+        nor taking pushes: `Broker.restored_cursors_wait`). On shards this node owns they
+        continue over its journal; on shards another node owns they continue from that owner's
+        journal at their saved floor (what was pushed here before the restart went with the
+        process), then on the pushes, so unacknowledged messages come again. A cursor whose
+        shard has no owner yet is placed when the shard map names one. Returns how many were
+        placed on other owners' journals."""
+        self.broker.restored_cursors_wait = False
+        count = self._place_waiting()
         if count:
             log.info("cluster: %d restored cursors replay from their shards' owners", count)
+        if self._unplaced_left:
+            self.node.view.on_change(self._place_when_owned)
         return count
+
+    def _place_when_owned(self) -> None:
+        if self._unplaced_left:
+            self._place_waiting()
+
+    def _waiting(self) -> list[tuple[DurableSubscription, Any]]:
+        return [
+            (sub, cursor)
+            for sub in list(self.broker.subscriptions.values()) if isinstance(sub, DurableSubscription)
+            for cursor in sub.unplaced_cursors()
+        ]
+
+    def _place_waiting(self) -> int:
+        me = self.node.node_id
+        count = 0
+        self._unplaced_left = False
+        for sub, cursor in self._waiting():
+            stream, shard = cursor.stream, cursor.shard
+            owner = self.node.view.owner(stream, shard)
+            if owner is None:
+                self._unplaced_left = True  # placed when the shard map names its owner
+                continue
+            if owner.node_id == me:
+                sub.place_restored(cursor, None)
+                continue
+            sub.place_restored(cursor, self._owner_log(sub, stream, shard))
+            count += 1
+        return count
+
+    def _owner_log(self, sub: DurableSubscription, stream: str, shard: int) -> Callable[[int], Any]:
+        def read_from(start: int) -> Any:
+            return OwnerLog(self.rpc, self.plane, stream, shard, start, self._filters_of(sub))
+        return read_from
 
     @staticmethod
     def _filters_of(sub: DurableSubscription) -> Callable[[], list[str]]:
@@ -224,6 +230,9 @@ class StateWriter:
         self.node = node
         self._pending: dict[str, Callable[[], Awaitable[None]]] = {}
         self._wake = asyncio.Event()
+        # set while nothing is queued or being written
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -255,6 +264,7 @@ class StateWriter:
     def _queue(self, key: str, write: Callable[[], Awaitable[None]]) -> None:
         self._pending.pop(key, None)
         self._pending[key] = write
+        self._idle.clear()
         self._wake.set()
 
     async def _run(self) -> None:
@@ -270,20 +280,23 @@ class StateWriter:
                     log.warning("cluster: cannot write %s to etcd yet (%s); retrying", key, exc)
                     self._pending.setdefault(key, write)
                     await asyncio.sleep(0.5)
+            self._idle.set()
+
+    async def drain(self, timeout_s: float = 2.0) -> None:
+        """Wait (bounded) until every queued write is made: a graceful stop's last snapshots,
+        before the node's cluster port closes (`SessionHandover._take_now` reads them then)."""
+        if self._task is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), timeout_s)
 
     async def stop(self, drain_s: float = 2.0) -> None:
         if self._task is None:
             return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._drained(), drain_s)  # a graceful stop's last snapshots
+        await self.drain(drain_s)
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         self._task = None
-
-    async def _drained(self) -> None:
-        while self._pending:
-            await asyncio.sleep(0.02)
 
 
 def snapshot(session: MqttSession, node_id: str, *, group_messages: bool = False) -> dict[str, Any]:
@@ -532,6 +545,11 @@ class SessionHandover:
                 log.warning("cluster: node %s did not hand session %r over (%s); resuming from "
                             "its last snapshot", holder, client_id, exc)
                 stood_in = False
+                # read again: a holder that stops gracefully writes its sessions' snapshots
+                # before its cluster port closes, maybe after the claim above read the older
+                # one (its client reconnected here while it was stopping)
+                latest = await node.client.get(self.key(client_id))
+                state = keys.decode(latest.value) if latest is not None else None
             if stood_in:
                 # the holder's stand-in keeps the session's groups there until this node is
                 # in them (adopted, and the peers know), then hands over what it took (in the
@@ -693,12 +711,12 @@ class SessionHandover:
         stand_in.in_routes = False  # the peers stop sending the groups' messages here
         if broker.on_routes_changed is not None:
             broker.on_routes_changed()
-        ready = broker.routes_ready()
-        if ready is not None:
-            await ready
-        # a peer's pushes come on its own link, not the one its answer came on: what it sent
-        # before it applied the change may still be on its way
-        await asyncio.sleep(STAND_IN_DRAIN_S)
+        # a peer's pushes come on its own link, not the one its answer to the route change
+        # came on: each peer says on its link, behind what it pushed before, that it applied
+        # the change, so once that arrived nothing for the stand-in is still on its way
+        settled = self.placer.plane.pushes_settled()
+        if settled is not None:
+            await settled
         if self._stand_ins.get(client_id) is stand_in:
             del self._stand_ins[client_id]
         if stand_in.timer is not None:

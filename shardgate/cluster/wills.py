@@ -53,12 +53,13 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from ..core.message import now_ms
-from ..core.records import decode_to_message
+from ..core.message import Message, now_ms
 from ..protocols.mqtt import packets as p
 from ..protocols.mqtt.service import will_message
 from . import keys
 from .etcd import KeyValue, delete_op, mod_revision_is, put_op
+from .journal_search import ShardUnreadable, shard_holds
+from .view_changes import ViewChanges
 
 if TYPE_CHECKING:
     from ..protocols.mqtt.service import MqttService
@@ -72,6 +73,9 @@ SCAN_INTERVAL_S = 1.0
 # How long a departed node's will is retried while its shard has no live owner (a reliable
 # shard of the departed node itself waits for that node to come back).
 PUBLISH_RETRY_S = 300.0
+# How long a will waiting for its shard waits at most before trying again (the view's next
+# change wakes it sooner).
+RETRY_S = 0.5
 # Names a file: while it exists, a node that claimed a will waits before publishing it (tests).
 CLAIM_PAUSE_ENV = "SG_TEST_PAUSE_AFTER_WILL_CLAIM"
 # Names a file: while it exists, a node that published a will waits before deleting its claim.
@@ -79,8 +83,6 @@ PUBLISH_PAUSE_ENV = "SG_TEST_PAUSE_AFTER_WILL_PUBLISH"
 # Where the journal search for an already published will starts, before its claim's time (the
 # journal is found by time; the match itself is exact on the publish time).
 SEARCH_BEFORE_CLAIM_MS = 60_000
-# Records read at a time when looking for an already published will.
-SEARCH_BATCH = 512
 
 
 def _b64(data: bytes | None) -> str | None:
@@ -153,6 +155,7 @@ class WillKeeper:
         self.service = service
         self.writer = writer
         self.prefix = node.settings.prefix.rstrip("/") + ".state/wills/"
+        self.view_changes = ViewChanges(node.view)
         # client ids whose will this node has put in etcd
         self._kept: set[str] = set()
         # wills of dead nodes waiting for their delay: key -> mod revision being waited on
@@ -312,7 +315,7 @@ class WillKeeper:
                 return
             if not result.succeeded:
                 return  # claimed, replaced or cancelled elsewhere
-            await _pause_for_tests(CLAIM_PAUSE_ENV)
+            await pause_for_tests(CLAIM_PAUSE_ENV)
             holder = self.node.view.sessions.get(client_id)
             will = will_of(state)
             if holder is not None and holder != state.get("node") and holder in self.node.view.nodes():
@@ -325,7 +328,7 @@ class WillKeeper:
                 log.info("cluster: publishing the will of %r held by departed node %s",
                          client_id, state.get("node"))
                 await self._publish(client_id, will)
-                await _pause_for_tests(PUBLISH_PAUSE_ENV)
+                await pause_for_tests(PUBLISH_PAUSE_ENV)
             await self._delete_claim(kv.key, result.revision)
         finally:
             self._claiming.discard(kv.key)
@@ -342,56 +345,26 @@ class WillKeeper:
         topic with its payload, published at or after `since_ms` (a departed controller's
         claim). False when that cannot be known: a non-reliable shard, or its owner not read
         within PUBLISH_RETRY_S (then the will is published again: at least once)."""
-        stream = self.service.broker.stream_for_topic(will.topic)
-        if not stream.reliable:
-            return False
-        name, index = stream.config.name, stream.shard_for(will.topic, None).index
 
-        def published(data: bytes) -> bool:
-            try:
-                message = decode_to_message(data)
-            except ValueError:
-                return False
-            return (message.topic == will.topic and message.producer_id == client_id
-                    and message.payload == will.payload and message.publish_time_ms >= since_ms)
+        def published(message: Message) -> bool:
+            return (message.producer_id == client_id and message.payload == will.payload
+                    and message.publish_time_ms >= since_ms)
 
-        start_ms = since_ms - SEARCH_BEFORE_CLAIM_MS
         loop = asyncio.get_running_loop()
         give_up = loop.time() + PUBLISH_RETRY_S
         while True:
+            seen = self.view_changes.count
             try:
-                owner = self.node.view.owner(name, index)
-                if owner is None or owner.node_id not in self.node.view.nodes():
-                    raise RuntimeError(f"{name}/{index} has no live owner")
-                if owner.node_id == self.node.node_id:
-                    shard_log = self.service.broker.streams[name].shards[index].log
-                    if shard_log is None:
-                        return False
-                    position = shard_log.offset_for_timestamp(start_ms)
-                    while batch := shard_log.read(position, SEARCH_BATCH):
-                        if any(published(record.data) for record in batch):
-                            return True
-                        position = batch[-1].offset + 1
-                    return False
-                position = 0
-                while True:
-                    request = {"stream": name, "shard": index, "from": position, "since_ms": start_ms,
-                               "max": SEARCH_BATCH, "filters": [will.topic], "node": self.node.node_id}
-                    header, records = await self.node.state_rpc.read_shard(owner.node_id, request, 5.0)
-                    if "error" in header:
-                        raise RuntimeError(header["error"])
-                    if any(published(record.data) for record in records):
-                        return True
-                    if header.get("caught_up"):
-                        return False
-                    position = int(header["next"])
-            except Exception as exc:  # noqa: BLE001 - its owner not reachable yet: retried
+                held = await shard_holds(self.node, self.service.broker, will.topic,
+                                         since_ms - SEARCH_BEFORE_CLAIM_MS, published)
+                return bool(held)
+            except ShardUnreadable as exc:
                 if loop.time() >= give_up:
                     log.warning("cluster: cannot tell whether the will of %r was published (%s); "
                                 "publishing it", client_id, exc)
                     return False
                 log.info("cluster: the will of %r waits for its shard to be read (%s)", client_id, exc)
-            await asyncio.sleep(0.5)
+            await self.view_changes.since(seen, RETRY_S)  # its owner back changes the view
 
     async def _publish(self, client_id: str, will: p.Will) -> None:
         """Publish through the normal path, retried while its shard has no live owner (a
@@ -400,6 +373,7 @@ class WillKeeper:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + PUBLISH_RETRY_S
         while True:
+            seen = self.view_changes.count
             try:
                 receipt = self.service.edge.publish(message)
                 if receipt is not None:
@@ -411,10 +385,10 @@ class WillKeeper:
                     log.error("cluster: the will of %r could not be published: %s", client_id, exc)
                     return
                 log.info("cluster: the will of %r waits for its shard (%s)", client_id, exc)
-            await asyncio.sleep(0.5)
+            await self.view_changes.since(seen, RETRY_S)  # its owner back changes the view
 
 
-async def _pause_for_tests(variable: str) -> None:
+async def pause_for_tests(variable: str) -> None:
     """The test hooks of the module docstring: wait while the file named by `variable`
     exists (never set outside tests)."""
     path = os.environ.get(variable)

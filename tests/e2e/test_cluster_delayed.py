@@ -1,8 +1,10 @@
 """Delayed messages are cluster state (issue 14): a `$delayed/{s}/{topic}` publish or an
 `x-delay` header accepted by any node is kept in etcd before its publisher is acknowledged, and
 released once, on time, by its holder, or by the node that took it over when its holder died
-(SIGKILL), left (SIGTERM) or the whole cluster restarted (shardgate/cluster/delayed.py). Real
-etcd, real nodes, paho, aio-pika and the gRPC SDK."""
+(SIGKILL), left (SIGTERM) or the whole cluster restarted, also when the holder died between
+its release and the etcd delete (shardgate/cluster/delayed.py; the test hook
+`SG_TEST_PAUSE_BEFORE_DELAYED_DELETE` holds it there). Real etcd, real nodes, paho, aio-pika
+and the gRPC SDK."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import aiormq
 import pytest
 from shardgate.protocols.mqtt import packets as p
 
-from shardgate.cluster.delayed import MAX_RECORD_BYTES
+from shardgate.cluster.delayed import DELETE_PAUSE_ENV, MAX_RECORD_BYTES
 from tests.conftest import wait_for
 from tests.e2e.cluster_fixtures import (
     ClusterNodeProcess,
@@ -27,12 +29,15 @@ from tests.e2e.cluster_fixtures import (
     protocol_node,
     read_back,
     settled_nodes,
+    topics_of,
     wait_settled,
 )
 from tests.mqtt_clients import V5, Paho, RawClient
 
 # Non-reliable, so a dead node's shards move to a survivor at once.
 LATER = '[[streams]]\nname = "later"\nmode = "non-reliable"\npartitions = 2\nroutes = ["later/#"]\n'
+# Reliable (a journal to find a release in), one shard per node.
+TIMED = '[[streams]]\nname = "timed"\nmode = "reliable"\npartitions = 3\nroutes = ["timed/#"]\n'
 
 
 @pytest.fixture
@@ -218,3 +223,37 @@ def test_a_delayed_message_too_large_for_etcd_is_refused_with_a_reason(
     assert isinstance(ack, p.Puback) and (ack.packet_id, ack.reason_code) == (8, 0)
     assert len(held_in_etcd(etcd)) == 1
     raw.close()
+
+
+def test_a_holder_killed_between_its_release_and_the_etcd_delete_is_not_released_again(
+        etcd: EtcdServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pause = tmp_path / "pause-before-delayed-delete"
+    pause.touch()
+    monkeypatch.setenv(DELETE_PAUSE_ENV, str(pause))
+    names = ("n1", "n2", "n3")
+    with settled_nodes([protocol_node(tmp_path, name, etcd.url, TIMED).start() for name in names]) as nodes:
+        controller, _others = by_role(nodes)
+        # the topic's shard is owned by a node that stays up (its journal holds the release);
+        # the holder is another node, not the controller
+        placement = controller.status()["placement"]["timed"]
+        owner = next(node for node in nodes if node.node_id in {owner for owner, _epoch in placement})
+        holder = next(node for node in nodes if node not in (owner, controller))
+        topic = topics_of(owner.status(), "timed", "timed/job", owner=owner.node_id)[0]
+        watcher = Paho(owner.mqtt_port, "watcher", V5)
+        watcher.subscribe("timed/#", 1)
+        publisher = Paho(holder.mqtt_port, "scheduler", V5)
+        publisher.publish(f"$delayed/2/{topic}", "exactly once", qos=1)
+        message = watcher.expect(timeout=30)
+        assert (message.topic, message.payload) == (topic, b"exactly once")
+        # released and acknowledged by the owner; the holder waits before deleting its key
+        assert holders(etcd) == {holder.node_id}
+        holder.kill()
+        pause.unlink()
+        # the controller takes it over once the holder's lease expires, finds the release in
+        # the owner's journal and only deletes the key
+        assert wait_for(lambda: not held_in_etcd(etcd), timeout=40, interval=0.1)
+        watcher.expect_none(within=2)
+        got = asyncio.run(read_back(controller.grpc_url, ["timed/#"], {"exactly once"}, timeout=20))
+        assert got == {"exactly once": 1}
+        watcher.disconnect()
+        publisher.drop()

@@ -20,7 +20,7 @@ def test_reads_left_for_later_turns_lose_and_reorder_nothing(
 ) -> None:
     # A negative budget leaves every read after a turn's first for a later turn: each
     # publisher's reads go through the deferred path again and again.
-    broker = broker_factory(mqtt={"read_budget_s": -1.0})
+    broker = broker_factory(listeners={"read_budget_s": -1.0})
     port = broker.mqtt_port
     subscriber = Paho(port, "fair-sub", V5)
     subscriber.subscribe("fair/#", 1)

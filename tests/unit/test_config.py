@@ -92,3 +92,15 @@ def test_the_readme_configuration_reference_lists_every_setting() -> None:
         if setting.name not in classes and not re.search(rf"^{setting.name} =", text_of[""], re.M):
             missing.append(setting.name)
     assert not missing, f"settings the README's configuration reference does not list: {missing}"
+
+
+def test_the_read_budget_is_one_setting_for_every_listener_and_keeps_its_former_name(
+    tmp_path: Path,
+) -> None:
+    assert load_text(tmp_path, "[listeners]\nread_budget_s = 0.002\n").listeners.read_budget_s == 0.002
+    # mqtt.read_budget_s, in earlier configuration files and the environment, is the same setting
+    assert load_text(tmp_path, "[mqtt]\nread_budget_s = 0.001\n").listeners.read_budget_s == 0.001
+    assert load_config(
+        environ={"SHARDGATE_MQTT__READ_BUDGET_S": "0.003"}).listeners.read_budget_s == 0.003
+    with pytest.raises(ConfigError, match=r"mqtt.read_budget_s \(now listeners.read_budget_s\): expected a number"):
+        load_text(tmp_path, '[mqtt]\nread_budget_s = "fast"\n')

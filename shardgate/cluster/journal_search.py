@@ -1,0 +1,75 @@
+"""Whether a topic's reliable shard already holds a message: the question a node asks before it
+publishes again what a node that died may have published already (a will its claimer died
+after publishing, a delayed message its holder died after releasing).
+
+The shard is read from its owner's journal from the first record at or after a time: here
+when this node owns it, else through the owner's shard reader (`state_rpc.read_shard`, the
+records of that topic only). A non-reliable shard keeps no journal: the answer is then
+"cannot tell" (None), and the caller publishes again (at least once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ..core.message import Message
+from ..core.records import decode_to_message
+
+if TYPE_CHECKING:
+    from ..core.broker import Broker
+    from .control import ClusterNode
+
+# Records read at a time.
+SEARCH_BATCH = 512
+
+
+class ShardUnreadable(Exception):
+    """The shard's owner is not live or did not answer: ask again later."""
+
+
+async def shard_holds(node: ClusterNode, broker: Broker, topic: str, since_ms: int,
+                      match: Callable[[Message], bool], timeout_s: float = 5.0) -> bool | None:
+    """Whether the reliable shard of `topic` holds a message on `topic`, published at or after
+    `since_ms` (by the journal's time index), for which `match` is true. None when it cannot be
+    known (a non-reliable stream); raises ShardUnreadable when its owner cannot be read now."""
+    stream = broker.stream_for_topic(topic)
+    if not stream.reliable:
+        return None
+    name, index = stream.config.name, stream.shard_for(topic, None).index
+
+    def found(data: bytes) -> bool:
+        try:
+            message = decode_to_message(data)
+        except ValueError:
+            return False
+        return message.topic == topic and match(message)
+
+    owner = node.view.owner(name, index)
+    if owner is None or owner.node_id not in node.view.nodes():
+        raise ShardUnreadable(f"{name}/{index} has no live owner")
+    if owner.node_id == node.node_id:
+        shard_log = broker.streams[name].shards[index].log
+        if shard_log is None:
+            return None
+        position = shard_log.offset_for_timestamp(since_ms)
+        while batch := shard_log.read(position, SEARCH_BATCH):
+            if any(found(record.data) for record in batch):
+                return True
+            position = batch[-1].offset + 1
+        return False
+    position = 0
+    while True:
+        request = {"stream": name, "shard": index, "from": position, "since_ms": since_ms,
+                   "max": SEARCH_BATCH, "filters": [topic], "node": node.node_id}
+        try:
+            header, records = await node.state_rpc.read_shard(owner.node_id, request, timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a link down, a timeout: asked again later
+            raise ShardUnreadable(f"{name}/{index} on {owner.node_id}: {exc}") from exc
+        if "error" in header:
+            raise ShardUnreadable(f"{name}/{index} on {owner.node_id}: {header['error']}")
+        if any(found(record.data) for record in records):
+            return True
+        if header.get("caught_up"):
+            return False
+        position = int(header["next"])
