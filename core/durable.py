@@ -5,7 +5,8 @@ per shard, a cursor — the next offset to deliver (`position`) and the offsets 
 yet acknowledged (`unacked`). While a cursor is *live* the subscription takes messages from the
 live dispatch; when no consumer can take one, the cursor falls behind and the subscription
 later replays the shard's log from `position`, filtering by its topic filters, until it has
-caught up and is live again. Replay and live dispatch meet by offset: a live message below
+caught up and is live again (through the journal's key index when it has one: only the records
+of the topics the filters can match are read, `core/index_keys.py`). Replay and live dispatch meet by offset: a live message below
 `position` was already replayed and is dropped, so there is no gap and no duplicate.
 
 Unacknowledged messages are redelivered when a consumer gives them back (nack), when their ack
