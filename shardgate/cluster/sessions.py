@@ -21,6 +21,10 @@ how far it got. Moving a session moves its state, not its messages:
   move, so that snapshot is exact). The new node resumes from it; the dead node's reliable
   shards are read once it is back. A holder that died while its client was connected leaves
   the snapshot of the previous disconnect: messages since are delivered again (at least once).
+- **The holder stops (SIGTERM).** Its clients reconnect elsewhere while it is still stopping:
+  it writes the snapshots of the sessions its stop took offline before its cluster port
+  closes (`StateWriter.drain`), so a node whose `ReleaseSession` is refused reads the
+  snapshot again and resumes where the client left it.
 - **etcd is not the store for cursors in motion.** A connected session moves its cursors with
   every acknowledgement: those stay in the node's own metadata store (as on a single node, saved
   in batches and at stop) and travel only at takeover, over the peer link.
