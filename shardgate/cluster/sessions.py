@@ -84,6 +84,11 @@ SNAPSHOT_VERSION = 1
 LOCAL_STREAMS = frozenset({"sys"})
 
 
+class SessionUnavailable(Exception):
+    """A persistent session held elsewhere could not be brought here now (etcd or its holder
+    not answering): its CONNECT is refused with "server unavailable", never given a new one."""
+
+
 def _message_data(message: Message) -> str:
     return base64.b64encode(encode_message(message)).decode()
 
@@ -513,7 +518,15 @@ class SessionHandover:
         try:
             await asyncio.wait_for(self._take_now(client_id, clean_start), TAKEOVER_TIMEOUT_S)
         except (TimeoutError, EtcdError, StateCallError) as exc:
-            log.warning("cluster: session %r could not be taken over (%s); it starts anew", client_id, exc)
+            if not clean_start:
+                # the session (and the backlog its cursors hold) is not lost for a moment
+                # without etcd: the CONNECT is refused (server unavailable) and tried again
+                log.warning("cluster: session %r could not be taken over (%s); its CONNECT is "
+                            "refused, to be tried again", client_id, exc)
+                raise SessionUnavailable(
+                    f"the session could not be brought to this node now ({exc}); try again") from None
+            log.warning("cluster: session %r could not be ended elsewhere (%s); it starts anew",
+                        client_id, exc)
         except Exception:
             log.exception("cluster: taking session %r over failed", client_id)
 
