@@ -26,6 +26,14 @@ and in time; everything listens and connects on 127.0.0.1 only.
     python bench/soak.py --broker mosquitto     # the same load against mosquitto
     python bench/soak.py --port 1883            # ... against a broker already listening
     python bench/soak.py --probe                # also time CONNECTs outside the generator
+    python bench/soak.py --probe --trace        # ... and split each at the broker's timestamps
+
+Every client reads its CONNACK with the kernel's arrival stamp (``SO_TIMESTAMPNS``), so each
+CONNECT → CONNACK is reported twice: until the client process read it, and until it reached the
+client's socket (the generator's own event loop, or a CPU the probe waited for, left out).
+``--trace`` has the broker record when it accepted each connection, first read it and wrote its
+CONNACK (`bench/connect_trace/`), and splits every client's span at those times
+(`bench/_connect_times.py`).
 
 With ``--broker mosquitto`` the script starts ``mosquitto`` (from PATH) on a free port with a
 scratch configuration (anonymous, its default limits, no persistence file); with ``--port`` it
@@ -64,6 +72,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from _connect_times import (
+    breakdown_rows,
+    join,
+    load_trace,
+    recv_packet,
+    recv_packet_blocking,
+    stamp_arrivals,
+)
 from _proc import start_broker
 
 REPO = Path(__file__).resolve().parent.parent
@@ -257,6 +273,13 @@ class Stats:
     connack_s: list[float] = field(default_factory=list)
     # CONNECT → CONNACK of clients resuming or opening a persistent session (clean 0)
     connack_persistent_s: list[float] = field(default_factory=list)
+    # The same spans up to the CONNACK's arrival at the client's socket (the kernel's stamp),
+    # without the time the generator's loop took to get to it.
+    connack_arrived_s: list[float] = field(default_factory=list)
+    connack_persistent_arrived_s: list[float] = field(default_factory=list)
+    # Per connection: local address, persistent, sent / arrived / read (CLOCK_MONOTONIC), to
+    # join with the broker's trace (`--trace`).
+    connect_records: list[dict[str, object]] = field(default_factory=list)
 
     def note_error(self, text: str) -> None:
         if len(self.errors) < 20:
@@ -307,22 +330,33 @@ class Client:
         will: Will | None = None,
         timeout: float = 15.0,
     ) -> bool:
-        """Connect and wait for CONNACK; returns the session-present flag."""
+        """Connect and wait for CONNACK; returns the session-present flag.
+
+        The CONNACK is read from the socket itself (with the kernel's arrival stamp, see
+        `bench/_connect_times.py`), then the socket becomes the client's stream."""
+        loop = asyncio.get_running_loop()
         started = time.monotonic()
-        self.reader, self.writer = await asyncio.wait_for(
-            asyncio.open_connection(HOST, self.port, limit=1 << 22), timeout
-        )
-        self.stats.tcp_connect_s.append(time.monotonic() - started)
-        started = time.monotonic()  # CONNECT → CONNACK, without the TCP handshake
-        self.writer.write(
-            encode_connect(self.client_id, self.version, clean, keepalive, expiry, receive_maximum, will)
-        )
-        self.packets = PacketReader(self.reader)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
         try:
-            received = await asyncio.wait_for(self.packets.packets(), timeout)
+            await asyncio.wait_for(loop.sock_connect(sock, (HOST, self.port)), timeout)
+            self.stats.tcp_connect_s.append(time.monotonic() - started)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            stamp_arrivals(sock)
+            local = "{}:{}".format(*sock.getsockname()[:2])
+            started = time.monotonic()  # CONNECT → CONNACK, without the TCP handshake
+            await loop.sock_sendall(sock, encode_connect(
+                self.client_id, self.version, clean, keepalive, expiry, receive_maximum, will))
+            data, arrived = await asyncio.wait_for(recv_packet(sock), timeout)
+            read = time.monotonic()
+            stamp_arrivals(sock, False)
+            self.reader, self.writer = await asyncio.open_connection(sock=sock, limit=1 << 22)
         except BaseException:
-            self.abort()
+            sock.close()
             raise
+        self.packets = PacketReader(self.reader)
+        self.packets.buffer += data
+        received = self.packets._parse()
         first, body = received.pop(0)
         self.packets.pending = received  # what came right behind the CONNACK
         if first >> 4 != CONNACK or len(body) < 2:
@@ -332,10 +366,16 @@ class Client:
             self.abort()
             self.stats.refused[body[1]] = self.stats.refused.get(body[1], 0) + 1
             raise ConnectRefused(f"CONNACK code 0x{body[1]:02x}")
-        self.stats.connects += 1
-        self.stats.connack_s.append(time.monotonic() - started)
+        stats = self.stats
+        stats.connects += 1
+        stats.connack_s.append(read - started)
+        arrived = read if arrived is None else arrived
+        stats.connack_arrived_s.append(arrived - started)
         if not clean:
-            self.stats.connack_persistent_s.append(time.monotonic() - started)
+            stats.connack_persistent_s.append(read - started)
+            stats.connack_persistent_arrived_s.append(arrived - started)
+        stats.connect_records.append(
+            {"local": local, "persistent": not clean, "sent": started, "arrived": arrived, "read": read})
         self._task = asyncio.create_task(self._read_loop())
         if keepalive:
             self._ping = asyncio.create_task(self._ping_loop(keepalive / 2))
@@ -951,25 +991,25 @@ class Report:
     final_info: dict[str, object] | None
     max_loop_lag: float
     broker: str = "shardgate"
-    probe: dict[str, list[float]] = field(default_factory=dict)
+    probe: dict[str, object] = field(default_factory=dict)
+    # Per-connection broker timestamps (`--trace`), by client address.
+    trace: dict[str, list[dict[str, float]]] = field(default_factory=dict)
 
 
-def probe_connects(port: int, seconds: float, interval: float = 0.05) -> dict[str, list[float]]:
+def probe_connects(port: int, seconds: float, interval: float = 0.05) -> dict[str, object]:
     """CONNECT → CONNACK seen by one client outside the generator's event loop (run in its own
     process by ``--probe``): blocking sockets, one connection every `interval`, in turn a clean
     session (3.1.1), a new persistent session (5.0, expiry 2 s) and a resumed persistent session
-    (3.1.1, the same client id each time, ended at the end)."""
-    def exchange(data: bytes, sock: socket.socket) -> bytes:
+    (3.1.1, the same client id each time, ended at the end). Each span is taken twice: until
+    this process read the CONNACK (``times``), and until the CONNACK reached its socket (the
+    kernel's stamp, ``arrived``), which leaves out how long this process waited for a CPU."""
+    def exchange(data: bytes, sock: socket.socket) -> tuple[bytes, float | None]:
         sock.sendall(data)
-        reply = b""
-        while len(reply) < 4:
-            chunk = sock.recv(4 - len(reply))
-            if not chunk:
-                raise ConnectionError("closed before CONNACK")
-            reply += chunk
-        return reply
+        return recv_packet_blocking(sock)
 
     times: dict[str, list[float]] = {"clean": [], "new persistent": [], "resumed persistent": []}
+    arrived_times: dict[str, list[float]] = {kind: [] for kind in times}
+    records: list[dict[str, object]] = []
     deadline = time.monotonic() + seconds
     for n in itertools.count():
         if time.monotonic() >= deadline:
@@ -983,9 +1023,17 @@ def probe_connects(port: int, seconds: float, interval: float = 0.05) -> dict[st
             connect = encode_connect("soak-probe-resumed", 4, False, 30)
         try:
             with socket.create_connection((HOST, port), timeout=30) as sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                stamp_arrivals(sock)
                 started = time.monotonic()
-                exchange(connect, sock)
-                times[kind].append(time.monotonic() - started)
+                _reply, arrived = exchange(connect, sock)
+                read = time.monotonic()
+                arrived = read if arrived is None else arrived
+                times[kind].append(read - started)
+                arrived_times[kind].append(arrived - started)
+                records.append({"local": "{}:{}".format(*sock.getsockname()[:2]), "kind": kind,
+                                "persistent": kind != "clean", "sent": started, "arrived": arrived,
+                                "read": read})
                 sock.sendall(encode_disconnect(4 if kind != "new persistent" else 5))
         except OSError:
             pass
@@ -993,7 +1041,7 @@ def probe_connects(port: int, seconds: float, interval: float = 0.05) -> dict[st
     with contextlib.suppress(OSError), socket.create_connection((HOST, port), timeout=30) as sock:
         exchange(encode_connect("soak-probe-resumed", 4, True, 30), sock)  # ends that session
         sock.sendall(encode_disconnect(4))
-    return times
+    return {"times": times, "arrived": arrived_times, "records": records}
 
 
 def start_probe(port: int, seconds: float) -> subprocess.Popen[bytes]:
@@ -1079,16 +1127,32 @@ async def scenario(args: argparse.Namespace, command: str) -> Report:
     work = Path(tempfile.mkdtemp(prefix="shardgate-soak-"))
     log_path = work / "broker.log"
     log_path.touch()
+    trace_path = work / "connect-trace.jsonl"
     proc: subprocess.Popen[bytes] | External
     if args.port:
         proc, ports = External(), {"mqtt": args.port}
     elif args.broker == "mosquitto":
         proc, ports = start_mosquitto(work, log_path)
+    elif args.trace:
+        # Only the broker gets the trace hook (bench/connect_trace/sitecustomize.py).
+        saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "SOAK_CONNECT_TRACE")}
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO / "bench" / "connect_trace"), *filter(None, [saved["PYTHONPATH"]])])
+        os.environ["SOAK_CONNECT_TRACE"] = str(trace_path)
+        try:
+            proc, ports = start_broker(work / "data", log_path, http_port=free_port())
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
     else:
         proc, ports = start_broker(work / "data", log_path, http_port=free_port())
     stats = Stats()
     lags: list[float] = []
-    probe_times: dict[str, list[float]] = {}
+    probe_times: dict[str, object] = {}
+    probe: subprocess.Popen[bytes] | None = None
     try:
         monitor = Monitor(proc.pid, ports.get("http"))
         await asyncio.sleep(2)
@@ -1122,7 +1186,11 @@ async def scenario(args: argparse.Namespace, command: str) -> Report:
         final = after_round[-1] if after_round else await monitor.sample()
         final_info = await monitor.info()
     finally:
+        if probe is not None and probe.poll() is None:
+            probe.kill()  # the run failed before the probe's report was read
+            probe.wait(10)
         exit_code = 0 if isinstance(proc, External) else stop_broker(proc)
+    trace = load_trace(trace_path) if args.trace else {}
     text = log_path.read_text(errors="replace")
     lines = text.splitlines()
     excerpt: list[str] = []
@@ -1145,7 +1213,7 @@ async def scenario(args: argparse.Namespace, command: str) -> Report:
         log_errors=sum(1 for line in lines if " ERROR " in line or " CRITICAL " in line),
         log_warnings=sum(1 for line in lines if " WARNING " in line),
         log_excerpt=excerpt, exit_code=exit_code, timeline=samples, final_info=final_info,
-        max_loop_lag=max(lags, default=0.0), probe=probe_times,
+        max_loop_lag=max(lags, default=0.0), probe=probe_times, trace=trace,
         broker=f"port {args.port}" if args.port else args.broker,
     )
 
@@ -1217,6 +1285,13 @@ def table(report: Report) -> str:
         f"{quantile(s.connack_persistent_s, 0.5) * 1e3:.1f} / "
         f"{quantile(s.connack_persistent_s, 0.99) * 1e3:.1f} / "
         f"{max(s.connack_persistent_s, default=0) * 1e3:,.0f} |",
+        f"| CONNECT → CONNACK at the clients' sockets (kernel stamp), p50 / p99 / max (ms) | "
+        f"{quantile(s.connack_arrived_s, 0.5) * 1e3:.1f} / {quantile(s.connack_arrived_s, 0.99) * 1e3:.1f} / "
+        f"{max(s.connack_arrived_s, default=0) * 1e3:,.0f} |",
+        f"| the same, persistent sessions, p50 / p99 / max (ms) | "
+        f"{quantile(s.connack_persistent_arrived_s, 0.5) * 1e3:.1f} / "
+        f"{quantile(s.connack_persistent_arrived_s, 0.99) * 1e3:.1f} / "
+        f"{max(s.connack_persistent_arrived_s, default=0) * 1e3:,.0f} |",
         f"| generator event-loop lag, max (ms) | {report.max_loop_lag * 1e3:,.0f} |",
         *broker_timing_rows(report.final_info),
         *probe_rows(report.probe),
@@ -1233,18 +1308,40 @@ def table(report: Report) -> str:
         f"| broker log: Traceback / ERROR / WARNING lines | {report.log_tracebacks} / "
         f"{report.log_errors} / {report.log_warnings} |",
         f"| broker exit code after SIGTERM | {report.exit_code} |",
+        *trace_rows(report),
     ]
     return "\n".join(rows)
 
 
-def probe_rows(probe: dict[str, list[float]]) -> list[str]:
+def probe_rows(probe: dict[str, object]) -> list[str]:
     rows = []
-    everything = [t for times in probe.values() for t in times]
-    for label, times in [("every kind", everything), *probe.items()]:
-        if times:
-            rows.append(f"| probe outside the generator ({label}, {len(times):,}), CONNECT → CONNACK "
-                        f"p50 / p99 / max (ms) | {quantile(times, 0.5) * 1e3:.1f} / "
-                        f"{quantile(times, 0.99) * 1e3:.1f} / {max(times) * 1e3:,.0f} |")
+    for key, what in (("times", "read by the probe"), ("arrived", "at the probe's socket")):
+        by_kind = probe.get(key)
+        if not isinstance(by_kind, dict):
+            continue
+        everything = [t for times in by_kind.values() for t in times]
+        for label, times in [("every kind", everything), *by_kind.items()]:
+            if times:
+                rows.append(f"| probe outside the generator ({label}, {len(times):,}), CONNECT → CONNACK "
+                            f"{what}, p50 / p99 / max (ms) | {quantile(times, 0.5) * 1e3:.1f} / "
+                            f"{quantile(times, 0.99) * 1e3:.1f} / {max(times) * 1e3:,.0f} |")
+    return rows
+
+
+def trace_rows(report: Report) -> list[str]:
+    """Each client's CONNECT → CONNACK split at the broker's timestamps (`--trace`)."""
+    if not report.trace:
+        return []
+    rows = ["", "| where CONNECT → CONNACK went (ms) | p50 / p99 | mean of the slowest 1 % |",
+            "|---|---:|---:|"]
+    generator = join(report.stats.connect_records, report.trace)  # type: ignore[arg-type]
+    rows += breakdown_rows("generator, persistent", [j for j in generator if j["persistent"]])
+    rows += breakdown_rows("generator, clean", [j for j in generator if not j["persistent"]])
+    records = report.probe.get("records")
+    if isinstance(records, list):
+        probe = join(records, report.trace)
+        rows += breakdown_rows("probe, persistent", [j for j in probe if j["persistent"]])
+        rows += breakdown_rows("probe, clean", [j for j in probe if not j["persistent"]])
     return rows
 
 
@@ -1358,6 +1455,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time CONNECT → CONNACK from a separate process with blocking "
                              "sockets (one connection every 50 ms), outside the generator's loop")
     parser.add_argument("--probe-child", nargs=2, metavar=("PORT", "SECONDS"), help=argparse.SUPPRESS)
+    parser.add_argument("--trace", action="store_true",
+                        help="record per-connection timestamps in the broker (accept, first read, "
+                             "CONNACK written; bench/connect_trace) and split each client's "
+                             "CONNECT → CONNACK at them")
     parser.add_argument("--port", type=int, default=0,
                         help="load a broker already listening on this 127.0.0.1 port instead")
     args = parser.parse_args(argv)

@@ -185,6 +185,10 @@ class Broker:
         self.placement: ShardPlacement | None = None
         self.fanout: Fanout | None = None
         self.on_routes_changed: Callable[[], None] | None = None
+        # Cluster mode, from the restore until the node knows the shard map: cursors of reliable
+        # shards restored from the store wait unplaced (`ShardCursor.placed`) until the cluster
+        # places them (`DurableSubscription.place_restored`).
+        self.restored_cursors_wait = False
         # Told when a durable subscription is created or its filters change, so that its
         # definition is saved before the protocol confirms it (declare-ok, SUBACK, ...).
         self.on_durable_defined: Callable[[DurableSubscription], None] | None = None

@@ -169,7 +169,7 @@ class Delivery:
 class ShardCursor:
     __slots__ = (
         "stream", "shard", "log", "position", "unacked", "live", "pending_redelivery", "skip",
-        "archived", "fetching", "restored", "ahead", "resent_below",
+        "archived", "fetching", "restored", "ahead", "resent_below", "placed",
     )
 
     def __init__(self, stream: str, shard: int, shard_log: ShardLog | None, position: int) -> None:
@@ -196,6 +196,9 @@ class ShardCursor:
         # Offsets below this were handed out before a restart (a cursor resumed from an older
         # floor): handing them out again is a redelivery.
         self.resent_below = 0
+        # False for a cursor restored in a cluster before the shard map was known: it neither
+        # replays nor takes live messages (its log is not known yet) until it is placed.
+        self.placed = True
 
     @property
     def floor(self) -> int:
@@ -302,13 +305,52 @@ class DurableSubscription(Subscription):
             return
         shard_log = self._replay_log(stream, shard, broker_stream.shards[shard].log)
         position, unacked = decode_cursor_state(state)
-        if shard_log is not None:
+        unplaced = shard_log is not None and self.broker.restored_cursors_wait
+        if shard_log is not None and not unplaced:
             # Saved progress may run ahead of a log that lost its unsynced tail in a crash.
             position = min(position, shard_log.next_offset)
             unacked = [o for o in unacked if o < position]
         cursor = ShardCursor(stream, shard, shard_log, position)
         cursor.pending_redelivery = sorted(unacked)
+        # In a cluster, whose journal holds this shard is known once the node has joined:
+        # until then the cursor keeps its saved state as it is and waits (`place_restored`).
+        cursor.placed = not unplaced
         self.cursors[(stream, shard)] = cursor
+
+    def unplaced_cursors(self) -> list[ShardCursor]:
+        return [cursor for cursor in self.cursors.values() if not cursor.placed]
+
+    def place_restored(self, cursor: ShardCursor, owner_log: Callable[[int], ShardLog] | None) -> None:
+        """Place a cursor restored before the shard map was known. `owner_log` None: this node
+        owns the shard, and the cursor continues over its own journal as on a single node.
+        Otherwise the shard's log is on another node: `owner_log(start)` reads it from there,
+        and the cursor resumes at its saved floor (what was pushed here before the restart went
+        with the process), so what was handed out and not acknowledged comes again, marked as
+        handed out before, with what was acknowledged after the first of it (at least once)."""
+        if cursor.placed or self.cursors.get((cursor.stream, cursor.shard)) is not cursor:
+            return
+        # Handed out before the restart and resent by their consumer itself (`adopt`): the
+        # replay passes over them.
+        held = cursor.unacked
+        if owner_log is None:
+            stream = self.broker.streams.get(cursor.stream)
+            local = stream.shards[cursor.shard].log if stream is not None and cursor.shard < len(stream.shards) else None
+            cursor.log = local
+            if local is not None:
+                cursor.position = min(cursor.position, local.next_offset)
+                cursor.pending_redelivery = [o for o in cursor.pending_redelivery if o < cursor.position]
+        else:
+            start = cursor.floor
+            cursor.resent_below = cursor.position
+            cursor.pending_redelivery = []
+            cursor.position = start
+            cursor.log = owner_log(start)
+        cursor.skip.update(offset for offset in held if offset >= cursor.position)
+        cursor.live = cursor.log is None
+        cursor.ahead = []
+        cursor.placed = True
+        self._dirty.add((cursor.stream, cursor.shard))
+        self.schedule_pump()
 
     def place_cursor(self, stream: str, shard: int, shard_log: ShardLog | None, position: int,
                      unacked: Sequence[int] = (), messages: Sequence[Message] = ()) -> ShardCursor:
@@ -533,6 +575,8 @@ class DurableSubscription(Subscription):
             self.schedule_pump()
             return
         for cursor in list(self.cursors.values()):
+            if not cursor.placed:
+                continue  # restored in a cluster, waiting for the shard map (`place_restored`)
             if cursor.pending_redelivery:
                 budget = self._pump_restored(cursor, budget)
             if not cursor.live and budget > 0:

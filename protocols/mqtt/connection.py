@@ -134,7 +134,7 @@ class MqttConnection:
         "_throttled_for", "_backlog", "_backlog_error", "_valid_topic", "held", "_hold_timer",
         "_allowed_topic", "_read_ms", "_link_buffered", "_acks_waiting", "_held_subacks",
         "_sent_stream", "_sent_count", "_sent_bytes",
-        "_held_from", "_close_when_sent", "_connect_marks", "_drain_wanted",
+        "_held_from", "_close_when_sent", "_connect_marks", "_drain_wanted", "_after_connack",
     )
 
     def __init__(self, service: MqttService, link: Link, remote: str = "", transport_name: str = "tcp") -> None:
@@ -216,6 +216,9 @@ class MqttConnection:
         # Output passed `output_high_water` while a session wanted to send more (replay, or
         # live QoS 1/2 messages): the session is told when it has drained.
         self._drain_wanted = False
+        # A new persistent session's CONNACK was just queued: the index in `_out` after it,
+        # from which output waits for the session's commit to be durable (see `_opened`).
+        self._after_connack: int | None = None
 
     @property
     def open(self) -> bool:
@@ -485,13 +488,15 @@ class MqttConnection:
             service.publishing = outer
             if outer is None:
                 service.group_writes(False)
+            after_connack, self._after_connack = self._after_connack, None
             if service.store_writes() != writes:
-                # What this read answers may report session state just written (CONNACK's
-                # session present, SUBACK, PUBREC, PUBREL): it waits until that is durable.
-                service.hold_output_until_durable(self, start)
-        if connecting and self.state is State.CONNECTED and self._held_from is None and self._out:
-            # A CONNACK that waits for nothing leaves now, not after the turn's other reads
-            # and the batched flush of every connection's output.
+                # What this read answers may report session state just written (SUBACK,
+                # PUBREC, PUBREL): it waits until that is durable. A new persistent session's
+                # CONNACK does not (see `_opened`): what follows it does.
+                service.hold_output_until_durable(self, start if after_connack is None else after_connack)
+        if connecting and self.state is State.CONNECTED and self._out:
+            # A CONNACK leaves now, not after the turn's other reads and the batched flush of
+            # every connection's output (whatever waits for a commit stays behind).
             self.flush()
 
     def _process_packets(self, packets: list[p.Packet], error: MQTTCodecError | None) -> None:
@@ -704,10 +709,11 @@ class MqttConnection:
     def _opened_later(self, fetching: asyncio.Future[None], client_id: str, clean_start: bool, expiry: int,
                       assigned: str | None, server_keep_alive: int | None) -> None:
         """The session came from another node: open it as a read would, its store write in
-        a group committed off the loop, and the CONNACK held until that write is durable (a
-        write outside a group would wait for its fsync on the event loop). A session that
-        could not be brought here now (the future's error) refuses the CONNECT, retryably:
-        a new session would drop the one held elsewhere."""
+        a group committed off the loop, and the CONNACK of a resumed session (and whatever
+        follows a new one's CONNACK) held until that write is durable (a write outside a group
+        would wait for its fsync on the event loop). A session that could not be brought here
+        now (the future's error) refuses the CONNECT, retryably: a new session would drop the
+        one held elsewhere."""
         failure = None if fetching.cancelled() else fetching.exception()
         if failure is not None:
             if self.state is not State.CLOSED:
@@ -724,8 +730,11 @@ class MqttConnection:
         finally:
             if grouping:
                 service.group_writes(False)
+            after_connack, self._after_connack = self._after_connack, None
             if service.store_writes() != writes:
-                service.hold_output_until_durable(self, start)
+                service.hold_output_until_durable(self, start if after_connack is None else after_connack)
+        if self.state is State.CONNECTED and self._out:
+            self.flush()  # the CONNACK, unless it waits for a commit
 
     def _opened(self, client_id: str, clean_start: bool, expiry: int, assigned: str | None,
                 server_keep_alive: int | None) -> None:
@@ -751,6 +760,14 @@ class MqttConnection:
             connack_props.assigned_client_identifier = assigned
             connack_props.server_keep_alive = server_keep_alive
         self._send(encode(p.Connack(present, RC.SUCCESS, connack_props), self.version))
+        if not present and session.durable:
+            # A new persistent session: its CONNACK reports no session (session present 0), so
+            # it need not wait for the fsync of the session's commit (which is committed, into
+            # the metadata WAL, before the CONNACK is written: a crash of the process keeps it).
+            # Everything after the CONNACK (SUBACK, PUBACK, PUBREC, ...) waits for that fsync,
+            # so no acknowledgement leaves before the session record is durable: after a
+            # machine crash the client is told its session is gone, never half of it.
+            self._after_connack = len(self._out)
         log.info("%s: client %r connected (MQTT %s, clean=%s, keepalive=%s)", self.remote, client_id,
                  {3: "3.1", 4: "3.1.1", 5: "5.0"}[self.version], clean_start, self.keep_alive)
         session.resend_inflight()

@@ -97,7 +97,8 @@ class MqttService:
         self._grouping = False
         self._unsaved: dict[str, MqttSession] = {}
         # A new persistent session was saved in the read being handled: its group commits at
-        # the end of that read, not of the turn, so that the fsync its CONNACK waits for
+        # the end of that read, not of the turn, so that the session is committed before its
+        # CONNACK is written and the fsync that every later acknowledgement to it waits for
         # starts at once (and the commit is small: one read's writes).
         self._commit_at_read_end = False
         self.store_writes_deferred = 0
@@ -389,8 +390,10 @@ class MqttService:
         session.expiry_interval = expiry
         session.connection = connection
         session.disconnected_at_ms = None
-        # A new persistent session is durable before its CONNACK (a crash right after it keeps
-        # the session); a resumed one already is: its CONNACK does not wait for this write.
+        # A new persistent session is committed before its CONNACK is written (a crash of the
+        # process right after it keeps the session) and fsynced before any later
+        # acknowledgement to its client (`MqttConnection._opened`); a resumed one is durable
+        # already: its CONNACK does not wait for this write.
         self.save_session(session, acknowledged=not present)
         if not present and session.durable and self._grouping:
             self._commit_at_read_end = True

@@ -38,8 +38,8 @@ published meanwhile on shards other nodes own: they are in those owners' journal
 queue's cursors on such shards read them from the owners once the node has joined, from the
 floors saved in its store, as every restored durable subscription's
 (`sessions.CursorPlacer.replay_restored`): what the queue held before comes again marked
-`redelivered`, and once. (Reading earlier, from the position restoring clamped to this node's
-empty log of the shard, handed those out unmarked before the replay handed them out again.)
+`redelivered`, and once. Until then the restored cursors wait unplaced: pushes that arrive
+before the join are not handed out (they were, then again by the replay from the floor).
 """
 
 from __future__ import annotations

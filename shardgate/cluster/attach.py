@@ -79,6 +79,9 @@ async def share_catalog(app: Shardgate, node: ClusterNode) -> None:
     broker = app.broker
     assert broker is not None
     broker.topology_sink = ClusterTopologySink(broker.topology_sink, node)
+    # cursors restored next wait until the node has joined and knows whose journal holds
+    # their shard (`join`: `CursorPlacer.replay_restored`)
+    broker.restored_cursors_wait = True
     # users and ACL: the same files on every node (before the broker's security reads them)
     from ..security.auth import security_paths
     from .shared_files import SharedFiles
@@ -253,8 +256,7 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     stats = broker.stats
     node.load_probe = lambda: stats.messages_in + stats.messages_out
     await node.join(address, listeners)
-    metadata = app.metadata
-    placer.replay_restored(metadata.get_cursors if metadata is not None else None)
+    placer.replay_restored()  # the cursors restored at start, which waited for the shard map
     floors.start()
     shared_delayed.start()
     ours = {

@@ -39,10 +39,10 @@ import asyncio
 import base64
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from ..core.durable import DurableSubscription, decode_cursor_state
+from ..core.durable import DurableSubscription
 from ..core.message import Message, now_ms
 from ..core.outbox import SLOW_SUBSCRIBER
 from ..core.records import RecordFormatError, decode_to_message, encode_message
@@ -128,6 +128,8 @@ class CursorPlacer:
         self.broker = broker
         self.plane = plane
         self.rpc = rpc
+        # Restored cursors still waiting for the shard map to name their shard's owner.
+        self._unplaced_left = False
 
     def place(self, sub: DurableSubscription, cursors: list[list[Any]], messages: list[list[Any]],
               taken_ms: int) -> dict[tuple[str, int, int], Message]:
@@ -161,49 +163,55 @@ class CursorPlacer:
             self.node.floors.report_soon()  # the owners keep what these cursors still need
         return {(m.stream, m.shard, m.offset): m for listed in found.values() for m in listed}
 
-    def replay_restored(self, saved: Callable[[str], Iterable[Any]] | None = None) -> int:
-        """At start: durable cursors this node restored from its own store, on shards another
-        node owns, continue from that owner's journal (what was pushed here before the restart
-        went with the process), then on the pushes. They resume at the floor saved in the store
-        (`saved(name)`: its cursor records; restoring clamped them to this node's empty log of
-        the shard), so unacknowledged messages come again. Returns how many."""
-        me = self.node.node_id
-        count = 0
-        for sub in list(self.broker.subscriptions.values()):
-            if not isinstance(sub, DurableSubscription):
-                continue
-            records: dict[tuple[str, int], Any] | None = None
-            for (stream, shard), cursor in list(sub.cursors.items()):
-                if cursor.log is None:
-                    continue
-                owner = self.node.view.owner(stream, shard)
-                if owner is None or owner.node_id == me:
-                    continue
-                if records is None:
-                    records = {(r.stream, r.shard): r for r in saved(sub.name)} if saved else {}
-                record = records.get((stream, shard))
-                position = cursor.position
-                if record is not None and record.acked:
-                    # from the saved floor: the unacknowledged come again (with what was
-                    # acknowledged after the first of them: at least once)
-                    saved_position, unacked = decode_cursor_state(record.acked)
-                    # Not past it: before this runs, the cursor (clamped to this node's empty
-                    # log of the shard) may have gone live on the pushes and handed out one,
-                    # skipping what was stored between the floor and that push.
-                    position = min([saved_position, *unacked])
-                    # all of those were handed out before: again, they are redeliveries (DUP)
-                    cursor.resent_below = saved_position
-                cursor.position = position
-                cursor.log = OwnerLog(  # type: ignore[assignment]
-                    self.rpc, self.plane, stream, shard, position, self._filters_of(sub))
-                # it replays from there: live pushes wait until it has caught up
-                cursor.live = False
-                cursor.ahead = []
-                sub.schedule_pump()
-                count += 1
+    def replay_restored(self) -> int:
+        """Once the node has joined (the shard map is known): place the durable cursors this
+        node restored from its own store, which waited unplaced until now (neither replaying
+        nor taking pushes: `Broker.restored_cursors_wait`). On shards this node owns they
+        continue over its journal; on shards another node owns they continue from that owner's
+        journal at their saved floor (what was pushed here before the restart went with the
+        process), then on the pushes, so unacknowledged messages come again. A cursor whose
+        shard has no owner yet is placed when the shard map names one. Returns how many were
+        placed on other owners' journals."""
+        self.broker.restored_cursors_wait = False
+        count = self._place_waiting()
         if count:
             log.info("cluster: %d restored cursors replay from their shards' owners", count)
+        if self._unplaced_left:
+            self.node.view.on_change(self._place_when_owned)
         return count
+
+    def _place_when_owned(self) -> None:
+        if self._unplaced_left:
+            self._place_waiting()
+
+    def _waiting(self) -> list[tuple[DurableSubscription, Any]]:
+        return [
+            (sub, cursor)
+            for sub in list(self.broker.subscriptions.values()) if isinstance(sub, DurableSubscription)
+            for cursor in sub.unplaced_cursors()
+        ]
+
+    def _place_waiting(self) -> int:
+        me = self.node.node_id
+        count = 0
+        self._unplaced_left = False
+        for sub, cursor in self._waiting():
+            stream, shard = cursor.stream, cursor.shard
+            owner = self.node.view.owner(stream, shard)
+            if owner is None:
+                self._unplaced_left = True  # placed when the shard map names its owner
+                continue
+            if owner.node_id == me:
+                sub.place_restored(cursor, None)
+                continue
+            sub.place_restored(cursor, self._owner_log(sub, stream, shard))
+            count += 1
+        return count
+
+    def _owner_log(self, sub: DurableSubscription, stream: str, shard: int) -> Callable[[int], Any]:
+        def read_from(start: int) -> Any:
+            return OwnerLog(self.rpc, self.plane, stream, shard, start, self._filters_of(sub))
+        return read_from
 
     @staticmethod
     def _filters_of(sub: DurableSubscription) -> Callable[[], list[str]]:

@@ -3,7 +3,9 @@ the event loop.
 
 A CONNACK that reports a persistent session, a SUBACK and the like leave only once the metadata
 store's sync thread has fsynced the commit holding that state; meanwhile the broker keeps
-serving other clients. A SIGKILL right after the acknowledgement keeps what it reported."""
+serving other clients. A new persistent session's CONNACK reports no session (session present
+0): it leaves once the session is committed, before the fsync, and everything after it waits
+for that fsync. A SIGKILL right after the acknowledgement keeps what it reported."""
 
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ def _nothing_received(client: RawClient) -> bool:
     return False
 
 
-def test_connack_and_suback_wait_for_the_fsync_while_the_broker_serves_others(
+def test_a_new_sessions_connack_leaves_before_the_fsync_and_what_follows_waits_for_it(
     broker: ThreadedBroker,
 ) -> None:
     assert broker.app.metadata is not None
@@ -71,18 +73,26 @@ def test_connack_and_suback_wait_for_the_fsync_while_the_broker_serves_others(
     with _fsync_held(broker):
         client.send(p.Connect("MQTT", 5, False, 60, "held",
                               properties=p.Properties(session_expiry_interval=3600)))
-        wait_for(lambda: _committed(db_path, "SELECT 1 FROM sessions WHERE client_id = 'held'"))
-        broker.call(lambda: None)  # the loop turn that committed it has flushed its output
-        assert _nothing_received(client), "CONNACK sent before the session was durable"
+        connack = client.receive()
+        assert isinstance(connack, p.Connack) and connack.reason_code == 0
+        assert not connack.session_present
+        # Committed before the CONNACK was written (a crash of the process keeps it) ...
+        assert _committed(db_path, "SELECT 1 FROM sessions WHERE client_id = 'held'")
+        # ... but not fsynced: an acknowledgement after the CONNACK waits for that fsync, even
+        # one that depends on no session state (a QoS 1 PUBACK waits for the journal only).
+        client.send(p.Publish("plain/x", b"m", qos=1, packet_id=7))
+        wait_for(lambda: broker.app.journal.stats.records >= 1)  # in the journal, fsynced
+        for _ in range(3):
+            broker.call(lambda: None)  # the turns that acknowledge it have flushed their output
+        assert _nothing_received(client), "PUBACK sent before the session was durable"
         # The event loop is not waiting for that fsync: another client is served meanwhile.
         other = Paho(broker.mqtt_port, "other", V311)
         other.subscribe("free/#", 0)
         other.publish("free/x", "served", 0)
         assert other.expect().payload == b"served"
         other.disconnect()
-    connack = client.receive()
-    assert isinstance(connack, p.Connack) and connack.reason_code == 0
-    assert not connack.session_present
+    puback = client.receive()
+    assert isinstance(puback, p.Puback) and puback.packet_id == 7
 
     with _fsync_held(broker):
         client.send(p.Subscribe(1, [p.SubscriptionRequest("kept/#", 1)]))
@@ -113,15 +123,21 @@ def test_a_resumed_session_is_not_held_for_the_fsync_of_its_reconnection(
         connack = back.receive()
         assert isinstance(connack, p.Connack) and connack.reason_code == 0
         assert connack.session_present
-        # ... and a new persistent session, meanwhile, still waits for its fsync.
+        # ... nor a new persistent session's (session present 0), committed before it; its
+        # SUBACK waits for the fsync.
         fresh = RawClient(broker.mqtt_port, version=5)
         fresh.send(p.Connect("MQTT", 5, False, 60, "fresh",
                              properties=p.Properties(session_expiry_interval=3600)))
-        wait_for(lambda: _committed(db_path, "SELECT 1 FROM sessions WHERE client_id = 'fresh'"))
+        connack = fresh.receive()
+        assert isinstance(connack, p.Connack) and not connack.session_present
+        assert _committed(db_path, "SELECT 1 FROM sessions WHERE client_id = 'fresh'")
+        fresh.send(p.Subscribe(1, [p.SubscriptionRequest("fresh/#", 1)]))
+        wait_for(lambda: _committed(
+            db_path, "SELECT 1 FROM sessions WHERE client_id = 'fresh' AND CAST(data AS TEXT) LIKE '%fresh/#%'"))
         broker.call(lambda: None)
-        assert _nothing_received(fresh), "CONNACK of a new session sent before it was durable"
-    connack = fresh.receive()
-    assert isinstance(connack, p.Connack) and not connack.session_present
+        assert _nothing_received(fresh), "SUBACK sent before the subscription was durable"
+    suback = fresh.receive()
+    assert isinstance(suback, p.Suback) and list(suback.reason_codes) == [1]
     # The resumed session works as before: its subscription delivers.
     publisher = Paho(broker.mqtt_port, "resumed-pub", V311)
     publisher.publish("resumed/x", "after resume", 1)

@@ -57,6 +57,7 @@ async def test_a_restarted_home_redelivers_what_its_queue_had_handed_out_once_an
     # to b's empty log of the shard.
     saved = encode_cursor_state(3, [0, 1, 2])
     b.broker.placement = None
+    b.broker.restored_cursors_wait = True
     sub = b.broker.durable_subscription("orders-q")
     b.broker.add_filter(sub, "ledger/#")
     sub.restore_cursor("ledger", 0, saved)
@@ -75,8 +76,7 @@ async def test_a_restarted_home_redelivers_what_its_queue_had_handed_out_once_an
     await asyncio.sleep(0.3)
     # ... then the restored cursors replay from their saved floors
     placer = CursorPlacer(node, b.broker, b.plane, rpcs[1])  # type: ignore[arg-type]
-    record = SimpleNamespace(stream="ledger", shard=0, acked=saved)
-    placer.replay_restored(lambda name: [record] if name == "orders-q" else [])
+    placer.replay_restored()
     await asyncio.wait_for(a.broker.publish(Message("ledger/x", b"m3", qos=1)), 5)  # type: ignore[arg-type]
     await until(lambda: (b"m3", False) in queue.got)
     assert sorted(queue.got) == [(b"m0", True), (b"m1", True), (b"m2", True), (b"m3", False)]

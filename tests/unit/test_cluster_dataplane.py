@@ -703,13 +703,13 @@ async def test_only_a_link_session_that_replaces_an_earlier_one_rereads_the_owne
     assert reads == [("ledger", 0, 1)]
 
 
-async def test_a_restored_cursor_that_went_live_on_the_pushes_resumes_at_its_saved_floor(cluster):
+async def test_a_restored_cursor_waits_for_its_placement_and_then_resumes_at_its_saved_floor(cluster):
     """A node restarts with a durable subscription (an AMQP queue: its consumer, the queue,
     takes messages at once) whose cursor on a shard another node owns was saved at offset 1.
-    Restoring clamps the cursor to the node's empty log of that shard; before the start moves it
-    to the owner's journal from the saved floor, a push arrives and the cursor, live on the
-    empty pushes, hands it out. The messages stored between the floor and that push (during
-    the stop) must still come: they are in the owner's journal."""
+    Pushes arrive before the start has placed the cursor: it neither hands them out nor goes
+    live on them (it did, then replayed from its floor: those pushes came twice, after what was
+    stored during the stop). Once placed, it reads the owner's journal from its saved floor:
+    what was stored during the stop, then what came after the restart, once each, in order."""
     from types import SimpleNamespace
 
     from shardgate.core.durable import encode_cursor_state
@@ -734,27 +734,33 @@ async def test_a_restored_cursor_that_went_live_on_the_pushes_resumes_at_its_sav
     # stored on a while b's queue was acknowledged up to offset 1 and b was stopping
     for payload in (b"acked", b"stored-during-stop-1", b"stored-during-stop-2"):
         await asyncio.wait_for(a.broker.publish(Message("ledger/x", payload, qos=1)), 5)  # type: ignore[arg-type]
-    # b restarts: its subscription is restored before it knows the shard map, its cursor
-    # clamped to b's empty log of the shard
+    # b restarts: its subscription is restored before it knows the shard map
     b.broker.placement = None
+    b.broker.restored_cursors_wait = True
     sub = b.broker.durable_subscription("keeper")
     b.broker.add_filter(sub, "ledger/#")
     saved = encode_cursor_state(1, [])
     sub.restore_cursor("ledger", 0, saved)
+    cursor = sub.cursors[("ledger", 0)]
+    assert not cursor.placed and cursor.position == 1  # kept as saved, not clamped to b's empty log
     queue = Recorder("queue")
     b.broker.attach(sub, queue)
     b.broker.placement = b.plane
     b.view.changed()
     await routes_seen(a, b, 1)
-    await until(lambda: sub.cursors[("ledger", 0)].live)
     await asyncio.wait_for(a.broker.publish(Message("ledger/x", b"after-restart", qos=1)), 5)  # type: ignore[arg-type]
-    await until(lambda: [m.payload for m in queue.got] == [b"after-restart"])
-    # then the start moves the restored cursors to the owners' journals from their saved floors
+    await until(lambda: b.plane.received_log("ledger", 0).next_offset == 4)  # pushed to b
+    sub._pump()  # as the loop would replay it: a cursor not placed yet hands out nothing
+    assert queue.got == [] and not cursor.live
+    # then the start places the restored cursors: on the owner's journal from the saved floor
     placer = CursorPlacer(SimpleNamespace(node_id="b", view=b.view), b.broker, b.plane, rpcs[1])  # type: ignore[arg-type]
-    record = SimpleNamespace(stream="ledger", shard=0, acked=saved)
-    assert placer.replay_restored(lambda name: [record] if name == "keeper" else []) == 1
-    await until(lambda: {b"stored-during-stop-1", b"stored-during-stop-2"} <= {m.payload for m in queue.got})
-    assert b"acked" not in [m.payload for m in queue.got]
+    assert placer.replay_restored() == 1
+    assert not b.broker.restored_cursors_wait
+    await until(lambda: len(queue.got) >= 3)
+    await asyncio.wait_for(a.broker.publish(Message("ledger/x", b"later", qos=1)), 5)  # type: ignore[arg-type]
+    await until(lambda: len(queue.got) >= 4)
+    assert [m.payload for m in queue.got] == [b"stored-during-stop-1", b"stored-during-stop-2",
+                                              b"after-restart", b"later"]
     for rpc in rpcs:
         await rpc.close()
 
