@@ -17,6 +17,7 @@ import pytest
 
 from tests.e2e.cluster_fixtures import (
     EtcdServer,
+    eventually,
     protocol_node,
     settled_nodes,
     topics_of,
@@ -124,6 +125,12 @@ def test_a_durable_subscription_whose_node_stops_resumes_elsewhere_without_its_a
                     message = await consumer.receive(20)
                     assert message.text() == f"m{index}"
                     message.ack()
+
+                async def all_acknowledged() -> bool:
+                    info = await first.admin.describe_subscription("billing")
+                    return bool(info.consumers) and all(c.unacked == 0 for c in info.consumers)
+
+                await eventually(all_acknowledged)  # the acks reached n1 before it stops
                 assert n1.proc is not None
                 n1.proc.send_signal(signal.SIGTERM)
                 with pytest.raises(Exception):  # noqa: B017,PT011 - the stream ends, however it says so
