@@ -19,7 +19,7 @@ REJECTED: OutcomeCode
 FAILED: OutcomeCode
 
 class PeerFrame(_message.Message):
-    __slots__ = ("sequence", "from_node", "forwards", "pushes", "routes", "retained", "session", "answered_below", "batches", "heartbeat_ms", "push_batches", "pushes_lost")
+    __slots__ = ("sequence", "from_node", "forwards", "pushes", "routes", "retained", "session", "answered_below", "batches", "heartbeat_ms", "push_batches", "pushes_lost", "routes_applied")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     FROM_NODE_FIELD_NUMBER: _ClassVar[int]
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class PeerFrame(_message.Message):
     HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
     PUSH_BATCHES_FIELD_NUMBER: _ClassVar[int]
     PUSHES_LOST_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_APPLIED_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     from_node: str
     forwards: _containers.RepeatedCompositeFieldContainer[Forward]
@@ -44,7 +45,8 @@ class PeerFrame(_message.Message):
     heartbeat_ms: int
     push_batches: _containers.RepeatedCompositeFieldContainer[PushBatch]
     pushes_lost: bool
-    def __init__(self, sequence: _Optional[int] = ..., from_node: _Optional[str] = ..., forwards: _Optional[_Iterable[_Union[Forward, _Mapping]]] = ..., pushes: _Optional[_Iterable[_Union[Push, _Mapping]]] = ..., routes: _Optional[_Union[RouteUpdate, _Mapping]] = ..., retained: _Optional[_Iterable[_Union[Retained, _Mapping]]] = ..., session: _Optional[int] = ..., answered_below: _Optional[int] = ..., batches: _Optional[_Iterable[_Union[ForwardBatch, _Mapping]]] = ..., heartbeat_ms: _Optional[int] = ..., push_batches: _Optional[_Iterable[_Union[PushBatch, _Mapping]]] = ..., pushes_lost: _Optional[bool] = ...) -> None: ...
+    routes_applied: int
+    def __init__(self, sequence: _Optional[int] = ..., from_node: _Optional[str] = ..., forwards: _Optional[_Iterable[_Union[Forward, _Mapping]]] = ..., pushes: _Optional[_Iterable[_Union[Push, _Mapping]]] = ..., routes: _Optional[_Union[RouteUpdate, _Mapping]] = ..., retained: _Optional[_Iterable[_Union[Retained, _Mapping]]] = ..., session: _Optional[int] = ..., answered_below: _Optional[int] = ..., batches: _Optional[_Iterable[_Union[ForwardBatch, _Mapping]]] = ..., heartbeat_ms: _Optional[int] = ..., push_batches: _Optional[_Iterable[_Union[PushBatch, _Mapping]]] = ..., pushes_lost: _Optional[bool] = ..., routes_applied: _Optional[int] = ...) -> None: ...
 
 class PushBatch(_message.Message):
     __slots__ = ("stream", "shard", "records", "offsets", "share_groups")
@@ -143,14 +145,16 @@ class Push(_message.Message):
     def __init__(self, stream: _Optional[str] = ..., shard: _Optional[int] = ..., offset: _Optional[int] = ..., record: _Optional[bytes] = ..., plain: _Optional[bool] = ..., share_groups: _Optional[_Iterable[str]] = ..., topic: _Optional[str] = ..., payload: _Optional[bytes] = ..., qos: _Optional[int] = ..., retain: _Optional[bool] = ..., publish_time_ms: _Optional[int] = ..., producer_protocol: _Optional[str] = ..., producer_id: _Optional[str] = ...) -> None: ...
 
 class RouteUpdate(_message.Message):
-    __slots__ = ("reset", "added", "removed")
+    __slots__ = ("reset", "added", "removed", "generation")
     RESET_FIELD_NUMBER: _ClassVar[int]
     ADDED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     reset: bool
     added: _containers.RepeatedCompositeFieldContainer[Route]
     removed: _containers.RepeatedCompositeFieldContainer[Route]
-    def __init__(self, reset: _Optional[bool] = ..., added: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., removed: _Optional[_Iterable[_Union[Route, _Mapping]]] = ...) -> None: ...
+    generation: int
+    def __init__(self, reset: _Optional[bool] = ..., added: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., removed: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class Route(_message.Message):
     __slots__ = ("topic_filter", "share_group", "weight", "durable")

@@ -199,6 +199,9 @@ class PeerLink:
         self._pushes_lost = False
         # The last route generation of this node the peer has applied (SUBACK waits for it).
         self.routes_answered = 0
+        # The peer's route generation this node applied, to tell the peer once every push
+        # queued before it has left (`PeerFrame.routes_applied`); 0: nothing to tell.
+        self._routes_mark = 0
         self._loop = asyncio.get_running_loop()
         # The connection frames go to now (None while dialing or broken).
         self._connection: LinkClient | None = None
@@ -267,6 +270,14 @@ class PeerLink:
         self._routes_generation = generation
         self._flush_soon()
 
+    def mark_routes_applied(self, generation: int) -> None:
+        """This node applied the peer's routes up to `generation`: say so on the frame that
+        carries the last push queued before (the peer then knows none under its older routes
+        is still on its way)."""
+        if generation > self._routes_mark:
+            self._routes_mark = generation
+            self._flush_soon()
+
     def send_retained(self, retained: pb.Retained) -> None:
         self._retained.append(retained)
         self._flush_soon()
@@ -294,7 +305,8 @@ class PeerLink:
             return
         self._shared = None  # QoS 0 publishes from now on share another future
         stats = self.plane.stats
-        while ((self._forwards or self._pushes or self._routes or self._retained or self._pushes_lost)
+        while ((self._forwards or self._pushes or self._routes or self._retained or self._pushes_lost
+                or self._routes_mark)
                and not connection.paused and not connection.closing):
             connection.send(self._next_frame())
             stats.frames_out += 1
@@ -446,6 +458,9 @@ class PeerLink:
         pushes = 0
         if self._pushes and count < FRAME_MAX_MESSAGES:
             pushes = self._take_pushes(frame, count, size)
+        if self._routes_mark and not self._pushes:
+            frame.routes_applied = self._routes_mark
+            self._routes_mark = 0
         forwarded = sum(len(batch.messages) for batch in batches)
         self._unanswered[sequence] = _Sent(frame, batches, forwarded, pushes, route_generation)
         return frame
@@ -803,6 +818,10 @@ class DataPlane:
         # Bumped by every route update sent; each link knows the last its peer applied.
         self.route_generation = 0
         self._route_waiters: list[tuple[int, asyncio.Future[None]]] = []
+        # Per peer: the highest route generation of this node it had applied before the pushes
+        # of the frames from it applied so far (`PeerFrame.routes_applied`), and who waits.
+        self._pushes_under: dict[str, int] = {}
+        self._push_waiters: list[tuple[int, asyncio.Future[None]]] = []
         # (deadline, stream, shard, epoch, then): waiting for this node's view to catch up.
         self._epoch_waiters: list[
             tuple[float, str, int, int, Callable[[], None], Callable[[], bool] | None]] = []
@@ -1176,7 +1195,9 @@ class DataPlane:
     # ------------------------------------------------------------ route table
     def route_snapshot(self) -> pb.RouteUpdate:
         """Everything this node's clients hold, as a reset for a new link."""
-        return route_update(RouteDelta(sorted(self._advertised), []), reset=True)
+        update = route_update(RouteDelta(sorted(self._advertised), []), reset=True)
+        update.generation = self.route_generation
+        return update
 
     def _routes_changed(self) -> None:
         """Local subscriptions changed: tell the peers soon (the first change at once, then
@@ -1201,6 +1222,7 @@ class DataPlane:
             return
         self.route_generation += 1
         update = route_update(delta)
+        update.generation = self.route_generation
         for link in self.links.values():
             link.send_routes(update, self.route_generation)
 
@@ -1223,8 +1245,41 @@ class DataPlane:
             target = min(target, self.route_generation)
         return all(link.routes_answered >= target for link in self.links.values() if link.connected)
 
+    def pushes_settled(self) -> asyncio.Future[None] | None:
+        """None when every peer this node is linked to has applied its routes as they are now
+        and every push it chose this node for under older routes has arrived here and been
+        dispatched; else a future that resolves once so (each peer says so on its own link,
+        behind its pushes: `PeerFrame.routes_applied`), or after ROUTE_WAIT_S (a slow peer)."""
+        target = self.route_generation + (1 if self._flush_handle is not None else 0)
+        if self._pushes_reached(target):
+            return None
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        self._push_waiters.append((target, future))
+        loop.call_later(ROUTE_WAIT_S, _resolve, future)
+        return future
+
+    def _pushes_reached(self, target: int) -> bool:
+        if self._flush_handle is None:
+            target = min(target, self.route_generation)
+        under = self._pushes_under
+        return all(under.get(peer, 0) >= target for peer, link in self.links.items() if link.connected)
+
+    def _settle_push_waiters(self) -> None:
+        waiting = []
+        for target, future in self._push_waiters:
+            if future.done():
+                continue
+            if self._pushes_reached(target):
+                future.set_result(None)
+            else:
+                waiting.append((target, future))
+        self._push_waiters = waiting
+
     def link_state_changed(self) -> None:
         """A link came up, went down, or its peer applied routes: settle the route waiters."""
+        if self._push_waiters:
+            self._settle_push_waiters()
         if not self._route_waiters:
             return
         waiting = []
@@ -1290,6 +1345,7 @@ class DataPlane:
                 # restored at start read the owners' journals from their saved floors,
                 # `sessions.replay_restored`.)
                 self._read_owner_again(peer)
+            self._pushes_under.pop(peer, None)  # a new session tells again
             inbox = self._inboxes[peer] = _Inbox(session)
         inbox.reply = reply
 
@@ -1322,6 +1378,12 @@ class DataPlane:
                 self.remote.reset(peer, delta.added)
             else:
                 self.remote.apply(peer, delta)
+            if update.generation:
+                # what this node pushes from now on follows them: tell the peer behind what
+                # it pushed before (`pushes_settled` on its side)
+                back = self.links.get(peer)
+                if back is not None:
+                    back.mark_routes_applied(update.generation)
         if frame.retained:
             self._apply_retained(frame.retained)
         if frame.pushes_lost:
@@ -1331,6 +1393,10 @@ class DataPlane:
             self._dispatch_pushes(frame.pushes)
         if frame.push_batches:
             self._dispatch_push_batches(frame.push_batches)
+        if frame.routes_applied > self._pushes_under.get(peer, 0):
+            self._pushes_under[peer] = frame.routes_applied
+            if self._push_waiters:
+                self._settle_push_waiters()
         if frame.forwards or frame.batches:
             self._store_forwards(sequence, frame.forwards, frame.batches, inbox.answer)
         else:

@@ -74,8 +74,6 @@ RELEASE_CALL_TIMEOUT_S = 3.0
 # How long a node that handed a session over keeps its shared groups' messages for the new
 # node (`GroupStandIn`) when that node does not collect them (it died meanwhile).
 STAND_IN_TIMEOUT_S = 30.0
-# After the peers applied this node's leaving a group: pushes already on their way here.
-STAND_IN_DRAIN_S = 0.25
 # A cursor the old node did not have for a shard starts this long before the snapshot: that
 # node had received no matching message of the shard, so nothing there is delivered twice.
 NO_CURSOR_MARGIN_MS = 5_000
@@ -730,12 +728,12 @@ class SessionHandover:
         stand_in.in_routes = False  # the peers stop sending the groups' messages here
         if broker.on_routes_changed is not None:
             broker.on_routes_changed()
-        ready = broker.routes_ready()
-        if ready is not None:
-            await ready
-        # a peer's pushes come on its own link, not the one its answer came on: what it sent
-        # before it applied the change may still be on its way
-        await asyncio.sleep(STAND_IN_DRAIN_S)
+        # a peer's pushes come on its own link, not the one its answer to the route change
+        # came on: each peer says on its link, behind what it pushed before, that it applied
+        # the change, so once that arrived nothing for the stand-in is still on its way
+        settled = self.placer.plane.pushes_settled()
+        if settled is not None:
+            await settled
         if self._stand_ins.get(client_id) is stand_in:
             del self._stand_ins[client_id]
         if stand_in.timer is not None:

@@ -150,7 +150,8 @@ def test_shared_subscription_spreads_across_nodes_each_message_once(cluster: Clu
     pub = Paho(nodes[0].mqtt_port, "pub", V5)
     for index in range(60):
         pub.publish(f"fast/jobs/{index}", str(index), 1)
-    shares = [drain(member) for member in members]
+    wait_for(lambda: sum(member.messages.qsize() for member in members) >= 60, timeout=30)
+    shares = [drain(member, timeout=0.3) for member in members]
     assert sorted(int(p) for share in shares for p in share) == list(range(60))
     assert sum(1 for share in shares if share) >= 2, f"spread: {[len(s) for s in shares]}"
 

@@ -173,17 +173,12 @@ def test_mqtt_shared_subscription_spreads_across_nodes_once_each(pair):
     pub = Paho(a.mqtt_port, "pub", V5)
     for index in range(40):
         pub.publish(f"jobs/{index}", str(index), 1)
-    got: list[int] = []
-    counts = []
+    wait_for(lambda: sum(member.messages.qsize() for member in members) >= 40, timeout=30)
+    counts = [member.messages.qsize() for member in members]
+    got = [int(member.expect().payload) for member, count in zip(members, counts, strict=True)
+           for _ in range(count)]
     for member in members:
-        count = 0
-        while True:
-            try:
-                got.append(int(member.expect(timeout=1.0).payload))
-                count += 1
-            except Exception:  # noqa: BLE001 - queue.Empty: this member has no more
-                break
-        counts.append(count)
+        member.expect_none()
     assert sorted(got) == list(range(40)), "each message once across the group"
     assert all(counts), f"both nodes' members take messages: {counts}"
     pub.disconnect()

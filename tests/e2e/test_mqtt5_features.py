@@ -10,6 +10,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from shardgate.protocols.mqtt import packets as p
 
+from tests.conftest import wait_for
 from tests.mqtt_clients import Paho, RawClient, publish_props
 
 
@@ -96,17 +97,11 @@ def test_shared_subscription_round_robin(broker):
     for index in range(30):
         pub.publish(f"jobs/{index}", str(index), 1)
     assert len(normal.expect_n(30)) == 30
-    counts = []
-    seen = []
+    wait_for(lambda: sum(member.messages.qsize() for member in members) >= 30)
+    counts = [member.messages.qsize() for member in members]
+    seen = [member.expect().payload for member, count in zip(members, counts, strict=True) for _ in range(count)]
     for member in members:
-        got = []
-        while len(seen) + len(got) < 30:
-            try:
-                got.append(member.expect(timeout=2))
-            except Exception:
-                break
-        counts.append(len(got))
-        seen.extend(m.payload for m in got)
+        member.expect_none()
     assert sorted(seen) == sorted(str(i).encode() for i in range(30))  # each exactly once
     assert counts == [10, 10, 10]
 

@@ -122,14 +122,14 @@ def test_will_delay_shortened_by_session_expiry_mqtt_3_1_3_9(broker):
                    will={"topic": "wd/0", "payload": "now", "qos": 1, "properties": will_props})
     started = time.monotonic()
     at_once.drop()
-    assert watcher.expect(timeout=5).payload == b"now"
-    assert time.monotonic() - started < 2
+    assert watcher.expect(timeout=15).payload == b"now"
+    assert time.monotonic() - started < 15  # at once, not after the 30 s will delay
     soon = Paho(broker.mqtt_port, "wd1", session_expiry=1,
                 will={"topic": "wd/1", "payload": "soon", "qos": 1, "properties": will_props})
     started = time.monotonic()
     soon.drop()
-    assert watcher.expect(timeout=5).payload == b"soon"
-    assert 0.8 <= time.monotonic() - started < 4
+    assert watcher.expect(timeout=15).payload == b"soon"
+    assert 0.8 <= time.monotonic() - started < 15  # the session's end, not the will delay
 
 
 # ---------------------------------------------------------------- client identifiers
@@ -215,12 +215,11 @@ def test_shared_and_plain_subscriptions_together_mqtt_4_8_2(broker):
     assert a.expect().payload == b"to both"
     assert b.expect().payload == b"to both"
     b.publish("sp/x", "to one", 0)
+    b.publish("sp/plain", "after", 0)  # same shard, same publisher: delivered after "to one"
     got = []
     for client in (a, b):
-        try:
-            got.append(client.expect(timeout=1))
-        except Exception:
-            pass
+        while (message := client.expect()).payload != b"after":
+            got.append(message)
     assert [m.payload for m in got] == [b"to one"]
 
 

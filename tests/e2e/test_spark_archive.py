@@ -68,10 +68,18 @@ class Published:
 
 @pytest.fixture(scope="module")
 def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    with pytest.MonkeyPatch.context() as environment:  # for this module's tests only
+        environment.setenv("SPARK_LOCAL_IP", "127.0.0.1")
+        environment.setenv("PYSPARK_PYTHON", os.environ.get("PYSPARK_PYTHON", sys.executable))
+        yield from spark_session(tmp_path_factory)
+
+
+def spark_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A local SparkSession; afterwards its JVM is ended too (`stop()` leaves the gateway
+    process running, some 600 MiB, for the rest of the test run)."""
+    from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     conf_file = tmp_path_factory.mktemp("spark") / "log4j2.properties"
     conf_file.write_text(LOG4J2)
     java_options = f"-Dlog4j2.configurationFile=file:{conf_file}"
@@ -88,8 +96,19 @@ def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         .getOrCreate()
     )
     session.sparkContext.setLogLevel("ERROR")
-    yield session
-    session.stop()
+    try:
+        yield session
+    finally:
+        session.stop()
+        gateway = SparkContext._gateway
+        if gateway is not None:
+            gateway.shutdown()
+            jvm = getattr(gateway, "proc", None)
+            if jvm is not None:
+                jvm.terminate()  # the gateway server exits on its stdin's end anyway
+                jvm.wait(30)
+            SparkContext._gateway = None
+            SparkContext._jvm = None
 
 
 def append_history(root: Path, journal_dir: Path) -> int:

@@ -12,7 +12,15 @@ import pytest
 
 from shardgate.bridges.amqp_bridge import AmqpBridgeSettings
 from shardgate.bridges.bridge import BridgeSettings
-from shardgate.config import SECTIONS, Config, ConfigError, StreamEntry, load_config
+from shardgate.config import (
+    NOT_SETTINGS_ENV,
+    SECTIONS,
+    SHORT_ENV,
+    Config,
+    ConfigError,
+    StreamEntry,
+    load_config,
+)
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -92,6 +100,12 @@ def test_the_readme_configuration_reference_lists_every_setting() -> None:
         if setting.name not in classes and not re.search(rf"^{setting.name} =", text_of[""], re.M):
             missing.append(setting.name)
     assert not missing, f"settings the README's configuration reference does not list: {missing}"
+
+
+def test_the_readme_names_every_environment_variable_the_broker_reads() -> None:
+    text = README.read_text()
+    missing = [name for name in (*SHORT_ENV, *NOT_SETTINGS_ENV) if f"`{name}" not in text]
+    assert not missing, f"environment variables the README does not name: {missing}"
 
 
 def test_the_read_budget_is_one_setting_for_every_listener_and_keeps_its_former_name(
