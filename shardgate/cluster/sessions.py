@@ -808,6 +808,11 @@ class SessionHandover:
             client = self.node.client
             session = self.service.sessions.get(client_id)
             if session is not None and session.durable:
+                holder = self.node.view.sessions.get(client_id)
+                if holder not in (None, self.node.node_id):
+                    # another node took it over (the registry says so) while this one could
+                    # not hand it over (stopping): that node's snapshot is the session now
+                    return
                 await client.put(key, keys.encode(snapshot(session, self.node.node_id)))
                 self._void.pop(client_id, None)
                 return

@@ -60,6 +60,15 @@ def test_a_session_whose_node_stops_resumes_elsewhere_without_its_acknowledged_m
         assert resumed.expect(timeout=20).payload == b"after"  # and the session is the same
         assert n1.proc.wait(30) == 0
         resumed.disconnect()
+        # n1 starts again and the client comes back to it: the session comes from n2 (n1's
+        # last write at its stop did not replace n2's snapshot, so n1 dropped its own copy)
+        n1.start()
+        wait_settled(placed)
+        again = Paho(n1.mqtt_port, "resumer", V5, clean=False, session_expiry=3600, connect=False)
+        flags, _reason, _props = again.connect()
+        assert flags.session_present
+        again.expect_none(within=3)  # not "after" again
+        again.disconnect()
         publisher.disconnect()
 
 
