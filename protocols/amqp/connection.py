@@ -38,10 +38,13 @@ from .channel import AmqpChannel
 from .consuming import ConsumingMixin
 from .errors import ChannelException, ConnectionException, ReplyCode
 from .frames import (
+    CLOSED,
+    CLOSING,
     EXPECTED_BODY,
     EXPECTED_HEADER,
     FRAME_HEADER,
     METHOD_INDEX,
+    OPEN,
     PROTOCOL_HEADER,
     READS_QUEUE,
     Link,
@@ -104,7 +107,7 @@ class AmqpConnection(
 
     # ================================================================== input
     def data_received(self, data: bytes) -> None:
-        if self.state is State.CLOSED:
+        if self.state is CLOSED:
             return
         if self._paused:
             self.buffer += data
@@ -118,7 +121,7 @@ class AmqpConnection(
         pos = 0
         size_limit = self.frame_max
         try:
-            while self.state is not State.CLOSED and not self._paused:
+            while self.state is not CLOSED and not self._paused:
                 available = len(buffer) - pos
                 if available < 7:
                     break
@@ -176,7 +179,7 @@ class AmqpConnection(
                 else:
                     self._frame(frame_type, channel, bytes(buffer[pos:end + 1]))
                     pos = end + 1
-                if self.state is State.CLOSING and self.close_after_flush:
+                if self.close_after_flush and self.state is CLOSING:
                     break
         except ConnectionException as exc:
             self.close(exc)
@@ -199,7 +202,7 @@ class AmqpConnection(
         if frame_type == 2:
             header = decode_content_header(data)
             if header is not None:
-                if self.state is not State.CLOSING:
+                if self.state is not CLOSING:
                     self._header_frame(channel_number, header[0], header[1], data)
                 return
         value: Any = None
@@ -225,11 +228,11 @@ class AmqpConnection(
             raise ConnectionException(ReplyCode.SYNTAX_ERROR, f"malformed frame: {exc}") from None
         state = self.state
         if frame_type == 2:
-            if state is not State.CLOSING:
+            if state is not CLOSING:
                 assert isinstance(value, pheader.ContentHeader)
                 self._header_frame(channel_number, value.body_size, value.properties, data)
             return
-        if state is State.CLOSING:
+        if state is CLOSING:
             if isinstance(value, commands.Connection.CloseOk | commands.Connection.Close):
                 if isinstance(value, commands.Connection.Close):
                     self.send_method(0, commands.Connection.CloseOk())
@@ -239,7 +242,7 @@ class AmqpConnection(
         if channel_number == 0:
             self._connection_method(value)
             return
-        if state is not State.OPEN:
+        if state is not OPEN:
             raise ConnectionException(
                 ReplyCode.COMMAND_INVALID, f"{value.name} before the connection is open", *method_ids(value)
             )

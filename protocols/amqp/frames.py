@@ -39,6 +39,11 @@ class State(Enum):
     CLOSED = "closed"
 
 
+# The states the per-frame path compares with, as plain names: on CPython 3.11 reading a
+# member off its Enum class costs about as much as a function call, several times a frame.
+OPEN, CLOSING, CLOSED = State.OPEN, State.CLOSING, State.CLOSED
+
+
 # Methods that read a queue's contents; they wait for this connection's publishes to land.
 READS_QUEUE = frozenset(
     m.index for m in (

@@ -19,10 +19,12 @@ from .base import ConnectionBase
 from .channel import REPLY_PREFIX, REPLY_TO, ROUTE_KEY, AmqpChannel
 from .errors import ChannelException, ConnectionException, ReplyCode
 from .frames import (
+    CLOSING,
     EXPECTED_BODY,
     EXPECTED_HEADER,
     EXPECTED_METHOD,
     FRAME_HEADER,
+    OPEN,
     State,
     method_ids,
 )
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
     from .vhost import Exchange
 
 log = logging.getLogger(__name__)
+
+PUBLISH = Action.PUBLISH  # (a plain name: an Enum member lookup costs a call on CPython 3.11)
 
 
 def expiration_problem(expiration: object) -> str | None:
@@ -94,7 +98,7 @@ class PublishingMixin(ConnectionBase):
             self._publish_complete(channel)
 
     def _body_frame(self, number: int, payload: bytes) -> None:
-        if self.state is State.CLOSING:
+        if self.state is CLOSING:
             return
         channel = self.channels.get(number)
         if channel is None:
@@ -178,7 +182,7 @@ class PublishingMixin(ConnectionBase):
                 shortstr(frame.exchange) + shortstr(frame.routing_key),
             )
         topic, route = known
-        if not self.service.edge.authorize(self.principal, Action.PUBLISH, topic):
+        if not self.service.edge.authorize(self.principal, PUBLISH, topic):
             raise ChannelException(
                 ReplyCode.ACCESS_REFUSED,
                 f"user '{self.username}' may not publish to exchange '{exchange.name}' with "
@@ -345,7 +349,7 @@ class PublishingMixin(ConnectionBase):
         """Publish `tag` is stored (or failed). Acks are merged into one multiple ack per
         channel and flush; a tag is acked only once every lower tag is settled (the flush
         finds how far that is, once per channel: `settled_confirms`)."""
-        if channel.closing or self.state is not State.OPEN:
+        if channel.closing or self.state is not OPEN:
             return
         unconfirmed = channel.unconfirmed
         if not ok:
@@ -375,7 +379,7 @@ class PublishingMixin(ConnectionBase):
         in one frame (or none), all already buffered, on an open channel. Returns where the
         next frame starts, or 0 to take the frame-by-frame path (which also reports errors)."""
         channel = self.channels.get(number)
-        if channel is None or channel.publish is not None or self.state is not State.OPEN:
+        if channel is None or channel.publish is not None or self.state is not OPEN:
             return 0
         header_at = end + 1
         if len(buffer) - header_at < 7:

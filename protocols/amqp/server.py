@@ -18,7 +18,7 @@ from ..listener import TcpListener, start_tcp_listener
 from ..read_budget import ReadBudget
 from .connection import AmqpConnection
 from .errors import ConnectionException, ReplyCode
-from .frames import State
+from .frames import OPEN
 from .service import AmqpService
 from .settings import AmqpSettings
 
@@ -26,8 +26,6 @@ if TYPE_CHECKING:
     from ...core.edge import Edge
 
 log = logging.getLogger(__name__)
-
-OPEN = State.OPEN
 
 
 def _is_loopback(host: str) -> bool:

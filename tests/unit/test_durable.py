@@ -248,3 +248,17 @@ async def test_a_consumer_with_a_small_window_does_not_make_the_replay_read_each
             break
     assert [int(m.payload) for m in consumer.got] == list(range(600))
     assert len(reads) <= 600 // 256 + 3
+
+
+def test_a_cursor_state_keeps_its_byte_layout_for_any_number_of_unacknowledged_offsets() -> None:
+    """Saved cursor states (SQLite, etcd snapshots) are read back by every version: position
+    and count, then each offset, little-endian; an AMQP queue's backlog can be tens of
+    thousands of them."""
+    import struct
+
+    from shardgate.core.durable import decode_cursor_state, encode_cursor_state
+
+    for unacked in ([], [5], list(range(1_000, 61_000, 2))):
+        state = encode_cursor_state(61_000, unacked)
+        assert state == struct.pack(f"<qI{len(unacked)}q", 61_000, len(unacked), *unacked)
+        assert decode_cursor_state(state) == (61_000, unacked)
