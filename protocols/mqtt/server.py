@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import ssl
 import sys
 from collections import deque
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 # sends for up to this long: closing with unread input makes the kernel send RST, which can
 # destroy the DISCONNECT reason code before the client reads it (e.g. after an oversized packet).
 LINGER_SECONDS = 2.0
+# What a new connection reads at once when it is made (its CONNECT, usually already sent).
+FIRST_READ_BYTES = 65536
 
 
 def certificate_common_name(peercert: dict | None) -> str | None:
@@ -62,6 +65,25 @@ class MqttProtocol(asyncio.Protocol):
         # pause_writing / resume_writing at the connection's output high-water mark.
         high = self.service.settings.output_high_water
         transport.set_write_buffer_limits(high=high, low=high >> 2)  # type: ignore[attr-defined]
+        if not tls:
+            self._read_first(transport)
+
+    def _read_first(self, transport: asyncio.BaseTransport) -> None:
+        """Read what the client has sent already (its CONNECT, written right after its TCP
+        connect) now, not when the loop next polls the socket: that poll comes after the rest
+        of this iteration's callbacks and the reads of every socket polled before it, which
+        under load is tens of milliseconds of the client's CONNECT → CONNACK. Plain TCP only
+        (TLS bytes go through the transport's decryption); what is left stays for the
+        transport, which reads after this in order."""
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return
+        try:
+            data = os.read(sock.fileno(), FIRST_READ_BYTES)
+        except OSError:
+            return  # nothing sent yet (EAGAIN), or an error the transport meets too
+        if data:
+            self.data_received(data)
 
     def pause_writing(self) -> None:
         pass  # the connection looks at `buffered()` itself (`MqttConnection.output_room`)

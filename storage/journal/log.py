@@ -511,10 +511,10 @@ class JournalShardLog:
         assert segment.base_offset == group.segment_base
         segment.size = group.end_pos
         segment.next_offset = group.end_offset
-        segment.index_offsets += group.index_offsets
-        segment.index_positions += group.index_positions
-        segment.time_stamps += group.time_stamps
-        segment.time_offsets += group.time_offsets
+        segment.index_offsets.extend(group.index_offsets)
+        segment.index_positions.extend(group.index_positions)
+        segment.time_stamps.extend(group.time_stamps)
+        segment.time_offsets.extend(group.time_offsets)
         segment.max_timestamp = group.max_ts
         if segment.first_timestamp is None:
             segment.first_timestamp = group.first_ts

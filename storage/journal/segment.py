@@ -20,6 +20,7 @@ import errno
 import logging
 import os
 import struct
+from array import array
 from bisect import bisect_right
 from collections.abc import Iterator
 from pathlib import Path
@@ -203,10 +204,14 @@ class Segment:
         self.fd = fd
         self.size = 0
         self.next_offset = base_offset
-        self.index_offsets: list[int] = []
-        self.index_positions: list[int] = []
-        self.time_stamps: list[int] = []
-        self.time_offsets: list[int] = []
+        # The sparse indexes as arrays of machine integers: a segment keeps them while it
+        # exists, and an int object per entry (tens of thousands, made one by one among a
+        # load's short-lived objects) would keep pages of Python's small-object heap, and
+        # their arenas, once the load has gone.
+        self.index_offsets: array[int] = array("q")
+        self.index_positions: array[int] = array("q")
+        self.time_stamps: array[int] = array("q")
+        self.time_offsets: array[int] = array("q")
         self.max_timestamp: int | None = None
         self.first_timestamp: int | None = None
         self.sealed = False
@@ -356,8 +361,8 @@ class Segment:
             time_offsets.append(rel)
         if span > 0 and not stamps:
             return False
-        self.index_offsets, self.index_positions = offsets, positions
-        self.time_stamps, self.time_offsets = stamps, time_offsets
+        self.index_offsets, self.index_positions = array("q", offsets), array("q", positions)
+        self.time_stamps, self.time_offsets = array("q", stamps), array("q", time_offsets)
         self.max_timestamp = stamps[-1] if stamps else None
         return True
 
@@ -370,8 +375,8 @@ class Segment:
         indexing at such a record; reads will report it as CorruptRecord.
         """
         end = self.size if limit is None else limit
-        self.index_offsets, self.index_positions = [], []
-        self.time_stamps, self.time_offsets = [], []
+        self.index_offsets, self.index_positions = array("q"), array("q")
+        self.time_stamps, self.time_offsets = array("q"), array("q")
         self.max_timestamp = self.first_timestamp = None
         expected = self.base_offset
         good_end = 0

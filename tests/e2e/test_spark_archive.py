@@ -7,6 +7,7 @@ picks up new files. Skipped only when pyspark or Java is missing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -20,6 +21,8 @@ import pytest
 from pamqp import commands
 
 pyspark = pytest.importorskip("pyspark")
+# A local JVM's first jobs: minutes on a loaded 2-core machine (still bounded, to catch a hang)
+pytestmark = pytest.mark.timeout(360)
 if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
     pytest.skip("Java is not installed", allow_module_level=True)
 
@@ -83,32 +86,37 @@ def spark_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     conf_file = tmp_path_factory.mktemp("spark") / "log4j2.properties"
     conf_file.write_text(LOG4J2)
     java_options = f"-Dlog4j2.configurationFile=file:{conf_file}"
-    session = (
-        SparkSession.builder.master("local[1]")
-        .appName("shardgate-archive-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.driver.extraJavaOptions", java_options)
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.sql.maxMetadataStringLength", "2000")  # untruncated scan filters
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
+    session = None
     try:
+        session = (
+            SparkSession.builder.master("local[1]")
+            .appName("shardgate-archive-tests")
+            .config("spark.ui.enabled", "false")
+            .config("spark.ui.showConsoleProgress", "false")
+            .config("spark.sql.shuffle.partitions", "2")
+            .config("spark.sql.session.timeZone", "UTC")
+            .config("spark.driver.extraJavaOptions", java_options)
+            .config("spark.driver.bindAddress", "127.0.0.1")
+            .config("spark.sql.maxMetadataStringLength", "2000")  # untruncated scan filters
+            .getOrCreate()
+        )
+        session.sparkContext.setLogLevel("ERROR")
         yield session
     finally:
-        session.stop()
-        gateway = SparkContext._gateway
-        if gateway is not None:
-            gateway.shutdown()
-            jvm = getattr(gateway, "proc", None)
-            if jvm is not None:
-                jvm.terminate()  # the gateway server exits on its stdin's end anyway
-                jvm.wait(30)
-            SparkContext._gateway = None
-            SparkContext._jvm = None
+        try:
+            if session is not None:
+                session.stop()
+        finally:  # also when the start or a test timed out mid-call (a broken gateway)
+            gateway = SparkContext._gateway
+            if gateway is not None:
+                with contextlib.suppress(Exception):
+                    gateway.shutdown()
+                jvm = getattr(gateway, "proc", None)
+                if jvm is not None:
+                    jvm.terminate()  # the gateway server exits on its stdin's end anyway
+                    jvm.wait(30)
+                SparkContext._gateway = None
+                SparkContext._jvm = None
 
 
 def append_history(root: Path, journal_dir: Path) -> int:
