@@ -435,10 +435,10 @@ class Shardgate:
                 await asyncio.wait_for(listener.server.wait_closed(), 5)
             except (TimeoutError, Exception):
                 pass
-        if self.cluster is not None and self.cluster.state_writer is not None:
-            # the snapshots of the sessions that went offline above are in etcd before the
-            # cluster port closes: a node their clients reconnect to reads them then
-            await self.cluster.state_writer.drain()
+        if self.cluster is not None:
+            # the sessions and durable subscriptions the clients left above are in etcd before
+            # the cluster port closes: a node their clients reconnect to reads them there
+            await self.cluster.write_offline_state()
         if self.data_plane is not None:
             # after the clients, before the journal: forwarded publishes still land in it
             await self.data_plane.stop()
