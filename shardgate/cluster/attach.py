@@ -224,6 +224,7 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
             if session.connection is not None:
                 node.claim_session(client_id)
         handover.start_sweeping()
+        handover.start_checkpointing()
         from .wills import WillKeeper
 
         wills = node.wills = WillKeeper(node, mqtt, writer)

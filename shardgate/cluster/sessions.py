@@ -19,15 +19,21 @@ how far it got. Moving a session moves its state, not its messages:
 - **The holder is dead.** The snapshot is also kept in etcd, written when the session goes
   offline (one write per disconnect, never per message: an offline session's cursors do not
   move, so that snapshot is exact). The new node resumes from it; the dead node's reliable
-  shards are read once it is back. A holder that died while its client was connected leaves
-  the snapshot of the previous disconnect: messages since are delivered again (at least once).
+  shards are read once it is back. While its client is connected, a session whose cursors
+  moved is checkpointed at most every `CHECKPOINT_S` (below): a holder that died leaves the
+  last checkpoint, and what was acknowledged since comes again (at least once, never lost:
+  a checkpoint keeps in-flight messages unacknowledged).
 - **The holder stops (SIGTERM).** Its clients reconnect elsewhere while it is still stopping:
   it writes the snapshots of the sessions its stop took offline before its cluster port
   closes (`StateWriter.drain`), so a node whose `ReleaseSession` is refused reads the
   snapshot again and resumes where the client left it.
 - **etcd is not the store for cursors in motion.** A connected session moves its cursors with
   every acknowledgement: those stay in the node's own metadata store (as on a single node, saved
-  in batches and at stop) and travel only at takeover, over the peer link.
+  in batches and at stop) and travel exactly at takeover, over the peer link. etcd gets a
+  checkpoint of the sessions whose cursors moved every `CHECKPOINT_S`, batched
+  (`StateWriter`: up to `MAX_BATCH_PUTS` snapshots per transaction, one transaction at a
+  time), so a node with S moving sessions costs etcd at most S / `MAX_BATCH_PUTS`
+  transactions per `CHECKPOINT_S` (10,000 sessions: 50 per 2 s).
 
 Snapshots live outside the prefix every node watches (`/shardgate/<cluster>.state/`), so a
 disconnect is one etcd write that no other node is woken for.
@@ -80,6 +86,14 @@ NO_CURSOR_MARGIN_MS = 5_000
 SNAPSHOT_VERSION = 1
 # Streams every node keeps for itself (its $SYS topics): never handed over.
 LOCAL_STREAMS = frozenset({"sys"})
+# How often a connected persistent session whose cursors moved has its snapshot written to
+# etcd (as durable subscriptions' `durables.CHECKPOINT_S`): a holder that dies loses at most
+# this much of its sessions' acknowledgements (those messages come again, never fewer).
+CHECKPOINT_S = 2.0
+# One etcd transaction of the state writer holds at most this many puts (etcd's
+# --max-txn-ops is 128) and this many bytes of values (its request limit is 1.5 MiB).
+MAX_BATCH_PUTS = 100
+MAX_BATCH_BYTES = 1_000_000
 
 
 class SessionUnavailable(Exception):
@@ -230,30 +244,42 @@ class CursorPlacer:
                         lambda: list(sub.filters), since_ms)
 
 
+class _Put:
+    """A queued put whose value is made when it is written (`make`: bytes, or None to skip)."""
+
+    __slots__ = ("make",)
+
+    def __init__(self, make: Callable[[], bytes | None]) -> None:
+        self.make = make
+
+
 class StateWriter:
     """Writes snapshots to etcd in the background, the latest per key, in order, retrying
     while etcd is away. A value is made when it is written (`make` returns the bytes to put,
-    or None to skip), so a burst of changes is one write."""
+    or None to skip), so a burst of changes is one write. Puts queued one after another go
+    to etcd together, up to `MAX_BATCH_PUTS` keys and `MAX_BATCH_BYTES` per transaction, one
+    transaction at a time: a node's writes cost etcd one request per batch."""
 
     def __init__(self, node: ClusterNode) -> None:
         self.node = node
-        self._pending: dict[str, Callable[[], Awaitable[None]]] = {}
+        self._pending: dict[str, _Put | Callable[[], Awaitable[None]]] = {}
         self._wake = asyncio.Event()
         # set while nothing is queued or being written
         self._idle = asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
+        self.batches = 0
 
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
-    def put(self, key: str, make: Callable[[], bytes | None]) -> None:
-        async def write() -> None:
-            value = make()
-            if value is not None:
-                await self.node.client.put(key, value)
-        self._queue(key, write)
+    def put(self, key: str, make: Callable[[], bytes | None], *, replace: bool = True) -> None:
+        """Queue a put of `key`; with `replace` False, a change of `key` already queued (which
+        writes the state of its own moment) stays and this one is dropped."""
+        if not replace and key in self._pending:
+            return
+        self._queue(key, _Put(make))
 
     def delete_if_mine(self, key: str, still_gone: Callable[[], bool]) -> None:
         """Delete `key` if its snapshot names this node (another may hold it by now)."""
@@ -270,19 +296,61 @@ class StateWriter:
         """Queue `write` as the latest change of `key` (it replaces one not yet made)."""
         self._queue(key, write)
 
-    def _queue(self, key: str, write: Callable[[], Awaitable[None]]) -> None:
+    def _queue(self, key: str, write: _Put | Callable[[], Awaitable[None]]) -> None:
         self._pending.pop(key, None)
         self._pending[key] = write
         self._idle.clear()
         self._wake.set()
+
+    def _take_puts(self) -> list[tuple[str, _Put]]:
+        """The puts at the head of the queue, as many as one transaction takes."""
+        taken: list[tuple[str, _Put]] = []
+        for key, write in self._pending.items():
+            if not isinstance(write, _Put) or len(taken) >= MAX_BATCH_PUTS:
+                break
+            taken.append((key, write))
+        for key, _write in taken:
+            del self._pending[key]
+        return taken
+
+    async def _write_puts(self, puts: list[tuple[str, _Put]]) -> None:
+        """Put the values made now, in transactions of at most `MAX_BATCH_BYTES` (one larger
+        value goes alone)."""
+        chunk: list[Any] = []
+        size = 0
+        for key, put in puts:
+            value = put.make()
+            if value is None:
+                continue
+            if chunk and size + len(value) > MAX_BATCH_BYTES:
+                await self.node.client.txn([], chunk)
+                self.batches += 1
+                chunk, size = [], 0
+            chunk.append(put_op(key, value))
+            size += len(value)
+        if chunk:
+            await self.node.client.txn([], chunk)
+            self.batches += 1
 
     async def _run(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self._pending:
+                puts = self._take_puts()
+                if puts:
+                    try:
+                        await self._write_puts(puts)
+                    except Exception as exc:  # noqa: BLE001 - retried while etcd is away
+                        log.warning("cluster: cannot write %d snapshots to etcd yet (%s); retrying",
+                                    len(puts), exc)
+                        for key, put in puts:
+                            self._pending.setdefault(key, put)
+                        await asyncio.sleep(0.5)
+                    continue
                 key = next(iter(self._pending))
                 write = self._pending.pop(key)
+                assert not isinstance(write, _Put)
                 try:
                     await write()
                 except Exception as exc:  # noqa: BLE001 - retried while etcd is away
@@ -454,6 +522,10 @@ class SessionHandover:
         # sessions handed over whose groups' messages wait here for their new node, by client id
         self._stand_ins: dict[str, GroupStandIn] = {}
         self._collecting: set[asyncio.Future[None]] = set()
+        # the cursors each connected session's snapshot in etcd was last queued with
+        self._checkpointed: dict[str, Any] = {}
+        self._checkpointer: asyncio.Task[None] | None = None
+        self.checkpoints = 0
 
     def key(self, client_id: str) -> str:
         return self.prefix + client_id
@@ -472,10 +544,18 @@ class SessionHandover:
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
 
+    def start_checkpointing(self) -> None:
+        """Checkpoint connected persistent sessions whose cursors moved, every `CHECKPOINT_S`."""
+        if self._checkpointer is None:
+            self._checkpointer = asyncio.get_running_loop().create_task(self._checkpoint_loop())
+
     def stop(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
+        if self._checkpointer is not None:
+            self._checkpointer.cancel()
+            self._checkpointer = None
         for collecting in list(self._collecting):
             collecting.cancel()
 
@@ -797,12 +877,66 @@ class SessionHandover:
         if client_id not in self._releasing:
             self._sync(client_id)
 
+    # ------------------------------------------------------------ checkpoints of connected sessions
+    @staticmethod
+    def _cursors_of(session: MqttSession) -> Any:
+        """What a checkpoint is taken for: the session's cursors (position, unacknowledged)."""
+        sub = session.subscription
+        if not isinstance(sub, DurableSubscription):
+            return None
+        return [(key, cursor.position, frozenset(cursor.unacked), frozenset(cursor.pending_redelivery))
+                for key, cursor in sub.cursors.items()]
+
+    async def _checkpoint_loop(self) -> None:
+        while True:
+            await asyncio.sleep(CHECKPOINT_S)
+            try:
+                self.checkpoint()
+            except Exception:  # noqa: BLE001 - the next round tries again
+                log.exception("cluster: checkpointing persistent sessions failed")
+
+    def checkpoint(self) -> int:
+        """Queue a snapshot of every connected persistent session here whose cursors moved
+        since its last one (written by the state writer, batched); returns how many."""
+        queued = 0
+        seen: dict[str, Any] = {}
+        for client_id, session in self.service.sessions.items():
+            if session.connection is None or not session.durable or client_id in self._releasing:
+                continue
+            cursors = self._cursors_of(session)
+            seen[client_id] = cursors
+            if self._checkpointed.get(client_id) == cursors:
+                continue
+            self.writer.put(self.key(client_id), self._checkpoint_of(client_id), replace=False)
+            queued += 1
+        self._checkpointed = seen
+        self.checkpoints += queued
+        return queued
+
+    def _checkpoint_of(self, client_id: str) -> Callable[[], bytes | None]:
+        def make() -> bytes | None:
+            # the session as it is when written; none once it went offline (its own exact
+            # write is queued then) or is being handed over or held elsewhere
+            session = self.service.sessions.get(client_id)
+            if session is None or session.connection is None or not session.durable \
+                    or client_id in self._releasing:
+                return None
+            if self.node.view.sessions.get(client_id) not in (None, self.node.node_id):
+                return None
+            return keys.encode(snapshot(session, self.node.node_id))
+        return make
+
     def _sync(self, client_id: str) -> None:
         """Make etcd's snapshot of `client_id` agree with this node, in the background (what
         is written is the state when it is written): a persistent session here is put; a
         session that started here without persistence voids any earlier snapshot; a session
         that ended here removes its snapshot if that still names this node."""
         key = self.key(client_id)
+        session_now = self.service.sessions.get(client_id)
+        if session_now is not None and session_now.connection is not None:
+            self._checkpointed[client_id] = self._cursors_of(session_now)
+        else:
+            self._checkpointed.pop(client_id, None)
 
         async def write() -> None:
             client = self.node.client
