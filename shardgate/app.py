@@ -16,6 +16,7 @@ from .config import Config, ConfigError
 from .core.broker import Broker
 from .core.edge import Edge
 from .core.errors import CoreError
+from .core.index_keys import record_index_key
 from .core.streams import DispatchMode, RoutingRule, Schema, StreamConfig
 from .persistence import MetadataTopologySink, Persistence, stream_config
 from .protocols.mqtt.server import start_tcp_listener, start_websocket_listener
@@ -117,6 +118,7 @@ class Shardgate:
             segment_ms=journal_config.segment_ms,
             retention_ms=journal_config.retention_ms,
             retention_bytes=journal_config.retention_bytes,
+            index_key=record_index_key,
         )
         self.metadata = SqliteMetadataStore(config.data_dir / "metadata.db")
         default = StreamConfig(
