@@ -266,10 +266,14 @@ class MqttSubscriber(ClientThread):
             refused: list[Any] = []
             connection = self.connection + 1
 
-            def on_connect(_c: Any, _u: Any, _f: Any, reason: Any, _p: Any,
-                           connected: threading.Event = connected, refused: list[Any] = refused) -> None:
+            def on_connect(_c: Any, _u: Any, flags: Any, reason: Any, _p: Any,
+                           connected: threading.Event = connected, refused: list[Any] = refused,
+                           resuming: bool = not first) -> None:
                 if reason.is_failure:
                     refused.append(reason)
+                elif resuming and not flags.session_present:
+                    self.journal.error(f"{self.name}: its session was gone at a resume on "
+                                       f"{self.node.node_id} (CONNACK session present 0)")
                 connected.set()
 
             def on_message(_c: Any, _u: Any, message: Any, connection: int = connection) -> None:

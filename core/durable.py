@@ -5,7 +5,8 @@ per shard, a cursor — the next offset to deliver (`position`) and the offsets 
 yet acknowledged (`unacked`). While a cursor is *live* the subscription takes messages from the
 live dispatch; when no consumer can take one, the cursor falls behind and the subscription
 later replays the shard's log from `position`, filtering by its topic filters, until it has
-caught up and is live again. Replay and live dispatch meet by offset: a live message below
+caught up and is live again (through the journal's key index when it has one: only the records
+of the topics the filters can match are read, `core/index_keys.py`). Replay and live dispatch meet by offset: a live message below
 `position` was already replayed and is dropped, so there is no gap and no duplicate.
 
 Unacknowledged messages are redelivered when a consumer gives them back (nack), when their ack
@@ -27,6 +28,7 @@ import sys
 import time
 import weakref
 from array import array
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,11 +37,14 @@ from typing import TYPE_CHECKING, Protocol
 from ..storage.interfaces import (
     ArchiveSource,
     BlockReadable,
+    KeyedReadable,
+    KeyedSpans,
     RecordSpans,
     ShardLog,
     StorageError,
     StoredRecord,
 )
+from .index_keys import any_may_match
 from .message import Message, now_ms
 from .outbox import SLOW_SUBSCRIBER
 from .records import READABLE_VERSIONS, RecordFormatError, decode_to_message, record_topic
@@ -226,7 +231,7 @@ class DurableSubscription(Subscription):
     __slots__ = (
         "broker", "options", "cursors", "_redeliver", "_delayed", "_pump_scheduled", "_dirty",
         "sink", "initial_position", "_matching_cache", "_timer", "_raw_matching_cache",
-        "_cached_filters", "_held", "_held_returned",
+        "_cached_filters", "_held", "_held_returned", "_key_cache",
     )
 
     def __init__(
@@ -252,6 +257,9 @@ class DurableSubscription(Subscription):
         self._matching_cache: dict[str, tuple[str, ...]] = {}
         # The same by the topic's encoded bytes, for replay reading records from a block.
         self._raw_matching_cache: dict[bytes, tuple[str, ...]] = {}
+        # Whether the filters can match a record of an index key (`core/index_keys.py`), for
+        # replay reading through the journal's key index.
+        self._key_cache: dict[bytes, bool] = {}
         # The filters both caches were filled for (they are emptied when the filters change).
         self._cached_filters: tuple[str, ...] = ()
         self._timer: asyncio.TimerHandle | None = None
@@ -492,6 +500,7 @@ class DurableSubscription(Subscription):
         """Drop the per-topic filter cache (rebuilt on demand): memory back when idle."""
         self._matching_cache = {}
         self._raw_matching_cache = {}
+        self._key_cache = {}
 
     def _check_cached_filters(self) -> None:
         filters = tuple(self.filters)
@@ -499,6 +508,18 @@ class DurableSubscription(Subscription):
             self._cached_filters = filters
             self._matching_cache = {}
             self._raw_matching_cache = {}
+            self._key_cache = {}
+
+    def _wants_key(self, key: bytes) -> bool:
+        """Whether a record of index key `key` may match the filters (the journal's key index
+        asks this of each key of a segment)."""
+        wanted = self._key_cache.get(key)
+        if wanted is None:
+            wanted = any_may_match(self._cached_filters, key)
+            if len(self._key_cache) > 10_000:
+                self._key_cache.clear()
+            self._key_cache[key] = wanted
+        return wanted
 
     def _filters_for(self, topic: str) -> tuple[str, ...]:
         cached = self._matching_cache.get(topic)
@@ -714,11 +735,13 @@ class DurableSubscription(Subscription):
         if cursor.position < shard_log.low_watermark and not cursor.archived:
             shard_log = self._read_from_owner(cursor) or shard_log
         self._check_cached_filters()
-        # The journal reads in blocks (one buffer, no object per record); other logs per record.
+        # The journal reads the records of the topics wanted through its key index, or else in
+        # blocks (one buffer, no object per record); other logs per record.
+        read_keyed = shard_log.read_keyed if isinstance(shard_log, KeyedReadable) else None
         read_block = shard_log.read_block if isinstance(shard_log, BlockReadable) else None
         now = now_ms()
         scanned = 0
-        records: list[StoredRecord] | RecordSpans | None
+        records: list[StoredRecord] | RecordSpans | KeyedSpans | None
         while budget > 0:
             if scanned >= SCAN_BUDGET or (scanned and time.perf_counter() >= deadline):
                 self._dirty.add((cursor.stream, cursor.shard))
@@ -743,6 +766,13 @@ class DurableSubscription(Subscription):
             else:
                 records = None
             try:
+                if records is None and read_keyed is not None:
+                    records = read_keyed(cursor.position, REPLAY_BATCH, self._wants_key)
+                    if records is not None and not len(records):
+                        scanned += 1
+                        if records.end_offset > cursor.position:
+                            self._pass_to(cursor, records.end_offset)  # nothing wanted there
+                            continue
                 if records is None:
                     if read_block is not None:
                         records = read_block(cursor.position, REPLAY_BATCH)
@@ -832,19 +862,27 @@ class DurableSubscription(Subscription):
     def _replay_block(self, cursor: ShardCursor, block: RecordSpans, budget: int, now: int,
                       deadline: float = math.inf) -> int:
         """`_replay_records` over a block: each record's topic is looked at in the block's
-        buffer and a message is made only for the records this subscription wants."""
+        buffer and a message is made only for the records this subscription wants. A block
+        read through the key index (`KeyedSpans`) holds only some offsets: once gone through,
+        the cursor passes to its end."""
         buffer = block.buffer
         starts = block.starts
         ends = block.ends
         first = block.first_offset
+        offsets = block.offsets if isinstance(block, KeyedSpans) else None
         unpack_length = _TOPIC_LENGTH.unpack_from
         raw_cache = self._raw_matching_cache
         skip = cursor.skip
-        for index in range(max(0, cursor.position - first), len(starts)):
+        if offsets is None:
+            begin = max(0, cursor.position - first)
+        else:
+            begin = bisect_left(offsets, cursor.position)
+        for index in range(begin, len(starts)):
+            offset = first + index if offsets is None else offsets[index]
             start = starts[index]
             end = ends[index]
             if start == end:  # an offset the journal skipped
-                cursor.position = first + index + 1
+                cursor.position = offset + 1
                 continue
             try:
                 if buffer[start] not in READABLE_VERSIONS or end - start < _TOPIC_LENGTH_AT + 4:
@@ -862,17 +900,16 @@ class DurableSubscription(Subscription):
                     raw_cache[raw_topic] = filters
                 if not filters:
                     if skip:
-                        skip.discard(first + index)
-                    cursor.position = first + index + 1
+                        skip.discard(offset)
+                    cursor.position = offset + 1
                     continue
                 # Only records this subscription wants are decoded whole.
-                message = decode_to_message(buffer[start:end], cursor.stream, cursor.shard, first + index)
+                message = decode_to_message(buffer[start:end], cursor.stream, cursor.shard, offset)
             except (RecordFormatError, UnicodeDecodeError) as exc:
                 log.error("subscription %s: skipping bad record %s/%d@%d: %s",
-                          self.name, cursor.stream, cursor.shard, first + index, exc)
-                cursor.position = first + index + 1
+                          self.name, cursor.stream, cursor.shard, offset, exc)
+                cursor.position = offset + 1
                 continue
-            offset = first + index
             if message.expired(now) or offset in skip:
                 skip.discard(offset)
                 cursor.position = offset + 1
@@ -886,7 +923,18 @@ class DurableSubscription(Subscription):
             if budget <= 0 or (not budget % DEADLINE_EVERY and time.perf_counter() >= deadline):
                 self._keep_block_ahead(cursor, block, index + 1)
                 return 0
+        if isinstance(block, KeyedSpans):
+            self._pass_to(cursor, block.end_offset)
         return budget
+
+    @staticmethod
+    def _pass_to(cursor: ShardCursor, offset: int) -> None:
+        """Move `cursor` on to `offset` past records it does not want (read through the key
+        index, so never gone through one by one)."""
+        if offset > cursor.position:
+            cursor.position = offset
+            if cursor.skip:
+                cursor.skip = {skipped for skipped in cursor.skip if skipped >= offset}
 
     @staticmethod
     def _keep_ahead(cursor: ShardCursor, records: list[StoredRecord], index: int) -> None:
@@ -905,9 +953,11 @@ class DurableSubscription(Subscription):
             cursor.ahead = rest
         elif sum(rest.ends) - sum(rest.starts) <= AHEAD_BYTES:
             buffer = block.buffer
+            offsets = rest.offsets if isinstance(rest, KeyedSpans) else range(
+                rest.first_offset, rest.first_offset + len(rest))
             cursor.ahead = [
-                StoredRecord(rest.first_offset + i, stamp, buffer[start:end])
-                for i, (start, end, stamp) in enumerate(zip(rest.starts, rest.ends, rest.timestamps, strict=True))
+                StoredRecord(offset, stamp, buffer[start:end])
+                for offset, start, end, stamp in zip(offsets, rest.starts, rest.ends, rest.timestamps, strict=True)
             ]
 
     async def _fetch_archived(self, cursor: ShardCursor, archive: ArchiveSource) -> None:

@@ -136,6 +136,12 @@ def _producer_tail(protocol: str, producer_id: str) -> bytes:
     return tail
 
 
+def forget_producer_tails() -> None:
+    """Empty the producer field cache (see `forget_topic_fields` in the MQTT encoders: an
+    idle broker keeps nothing per producer of the last load)."""
+    _producer_tails.clear()
+
+
 def encode_message(message: Message | MessageRecord) -> bytes:
     if (
         message.key is None and not message.headers and message.content_type is None

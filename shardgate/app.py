@@ -16,6 +16,7 @@ from .config import Config, ConfigError
 from .core.broker import Broker
 from .core.edge import Edge
 from .core.errors import CoreError
+from .core.index_keys import record_index_key
 from .core.streams import DispatchMode, RoutingRule, Schema, StreamConfig
 from .persistence import MetadataTopologySink, Persistence, stream_config
 from .protocols.mqtt.server import start_tcp_listener, start_websocket_listener
@@ -117,6 +118,7 @@ class Shardgate:
             segment_ms=journal_config.segment_ms,
             retention_ms=journal_config.retention_ms,
             retention_bytes=journal_config.retention_bytes,
+            index_key=record_index_key,
         )
         self.metadata = SqliteMetadataStore(config.data_dir / "metadata.db")
         default = StreamConfig(
@@ -435,10 +437,10 @@ class Shardgate:
                 await asyncio.wait_for(listener.server.wait_closed(), 5)
             except (TimeoutError, Exception):
                 pass
-        if self.cluster is not None and self.cluster.state_writer is not None:
-            # the snapshots of the sessions that went offline above are in etcd before the
-            # cluster port closes: a node their clients reconnect to reads them then
-            await self.cluster.state_writer.drain()
+        if self.cluster is not None:
+            # the sessions and durable subscriptions the clients left above are in etcd before
+            # the cluster port closes: a node their clients reconnect to reads them there
+            await self.cluster.write_offline_state()
         if self.data_plane is not None:
             # after the clients, before the journal: forwarded publishes still land in it
             await self.data_plane.stop()

@@ -12,9 +12,10 @@ from typing import Any
 from .core.broker import INTERNAL_PREFIX, Broker
 from .core.durable import DurableSubscription
 from .core.message import Message, now_ms
-from .core.records import decode_to_message, encode_message
+from .core.records import decode_to_message, encode_message, forget_producer_tails
 from .core.streams import DispatchMode, RoutingRule, Schema, StreamConfig
 from .core.subscriptions import SubscriptionType
+from .protocols.mqtt.encoders import forget_topic_fields
 from .storage.allocators import return_freed_memory
 from .storage.metadata import (
     MetadataStore,
@@ -33,9 +34,13 @@ IDLE_CHECK_EVERY_TICKS = 25  # every 5 s: a broker idle for one whole period giv
 
 def release_idle_memory(broker: Broker) -> None:
     """What a burst of load left behind, handed back once the broker is idle: the per-topic
-    caches (rebuilt on demand), unreachable cycles, Arrow's pool and the free pages of glibc's
-    heap (which otherwise keeps what the peak needed for good)."""
+    and per-producer caches (rebuilt on demand), unreachable cycles, Arrow's pool and the free
+    pages of glibc's heap (which otherwise keeps what the peak needed for good). A cache entry
+    made under load and kept would hold a pool of Python's small-object heap, and with it its
+    1 MiB arena, for good."""
     broker.forget_cached_matches()
+    forget_producer_tails()
+    forget_topic_fields()
     gc.collect()
     return_freed_memory()
 

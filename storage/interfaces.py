@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -112,6 +112,31 @@ class BlockReadable(Protocol):
     def read_block(self, from_offset: int, max_records: int = 10_000) -> RecordSpans:
         """Published records from `from_offset` (clamped to the low watermark), possibly fewer
         than `max_records` even when more are published; empty at the committed end."""
+
+
+@runtime_checkable
+class KeyedSpans(RecordSpans, Protocol):
+    """Records of a shard that are not consecutive (the ones a reader wanted, the journal's
+    `KeyedBlock`): record i is at offset `offsets[i]`; every other offset below `end_offset`
+    holds a record the reader did not want."""
+
+    @property
+    def offsets(self) -> Sequence[int]: ...
+
+    @property
+    def end_offset(self) -> int: ...
+
+
+@runtime_checkable
+class KeyedReadable(Protocol):
+    """A shard log that keeps a key per record (the journal given an `index_key`: a prefix of
+    the message's topic) and reads only the records of the keys a reader wants."""
+
+    def read_keyed(
+        self, from_offset: int, max_records: int, wants: Callable[[bytes], bool]
+    ) -> KeyedSpans | None:
+        """Published records from `from_offset` whose key `wants` accepts (at most
+        `max_records`); None when the log cannot serve this from an index (read blocks)."""
 
 
 class ShardStorage(Protocol):

@@ -53,10 +53,11 @@ def _install(path: str) -> None:
     original_received = protocol.data_received
 
     def connection_made(self: mqtt_server.MqttProtocol, transport: object) -> None:
-        now = clock()
+        # Recorded first: making the connection may read and answer its CONNECT at once.
+        peer = transport.get_extra_info("peername")  # type: ignore[attr-defined]
+        if isinstance(peer, tuple):
+            made[f"{peer[0]}:{peer[1]}"] = clock()
         original_made(self, transport)  # type: ignore[arg-type]
-        if self.connection is not None:
-            made[self.connection.remote] = now
 
     def data_received(self: mqtt_server.MqttProtocol, data: bytes) -> None:
         connection = self.connection

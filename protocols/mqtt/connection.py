@@ -701,16 +701,24 @@ class MqttConnection:
             # and every later packet wait until it is here.
             self.state = State.OPENING
             fetching.add_done_callback(
-                lambda _: self._opened_later(client_id, connect.clean_start, expiry, assigned, server_keep_alive))
+                lambda done: self._opened_later(done, client_id, connect.clean_start, expiry, assigned,
+                                                server_keep_alive))
             return
         self._opened(client_id, connect.clean_start, expiry, assigned, server_keep_alive)
 
-    def _opened_later(self, client_id: str, clean_start: bool, expiry: int, assigned: str | None,
-                      server_keep_alive: int | None) -> None:
+    def _opened_later(self, fetching: asyncio.Future[None], client_id: str, clean_start: bool, expiry: int,
+                      assigned: str | None, server_keep_alive: int | None) -> None:
         """The session came from another node: open it as a read would, its store write in
         a group committed off the loop, and the CONNACK of a resumed session (and whatever
         follows a new one's CONNACK) held until that write is durable (a write outside a group
-        would wait for its fsync on the event loop)."""
+        would wait for its fsync on the event loop). A session that could not be brought here
+        now (the future's error) refuses the CONNECT, retryably: a new session would drop the
+        one held elsewhere."""
+        failure = None if fetching.cancelled() else fetching.exception()
+        if failure is not None:
+            if self.state is not State.CLOSED:
+                self._refuse(RC.SERVER_UNAVAILABLE, p.ConnackCode311.SERVER_UNAVAILABLE, str(failure))
+            return
         service = self.service
         grouping = service.publishing is None  # (a callback runs outside any read's group)
         start = len(self._out)

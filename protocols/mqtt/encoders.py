@@ -63,6 +63,12 @@ TOPIC_FIELDS_KEPT = 4096
 _TOPIC_FIELDS: dict[str, bytes] = {}
 
 
+def forget_topic_fields() -> None:
+    """Empty the topic name cache: an idle broker keeps no topic of the last load (each entry
+    made under load would hold its page of the small-object heap)."""
+    _TOPIC_FIELDS.clear()
+
+
 def encode_str_field(text: str) -> bytes:
     """A topic name as its PUBLISH field: two-byte length, then UTF-8 (§1.5.3)."""
     raw = text.encode("utf-8")

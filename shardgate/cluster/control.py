@@ -742,6 +742,16 @@ class ClusterNode:
                     owned.append((spec.stream, spec.shard))
         return owned
 
+    async def write_offline_state(self) -> None:
+        """A graceful stop, once its clients are gone and before its cluster port closes: the
+        durable subscriptions' checkpoints and the snapshots of the sessions the stop took
+        offline are written to etcd (bounded), so a node their clients reconnect to meanwhile,
+        refused by this one, reads them there (`SessionHandover._take_now`, `Durables._find`)."""
+        if self.durables is not None:
+            self.durables.stop()
+        if self.state_writer is not None:
+            await self.state_writer.drain()
+
     async def stop(self) -> None:
         """Stop the loops and end the lease (the node's keys go with it)."""
         if self.durables is not None:

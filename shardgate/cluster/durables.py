@@ -265,6 +265,12 @@ class DurableHandover:
                     log.warning("cluster: node %s did not hand subscription %r over (%s); resuming "
                                 "from its last checkpoint", holder, name, exc)
                     reply = {}
+                    # read again: a holder that stops gracefully writes its last checkpoint
+                    # before its cluster port closes, maybe after the read above
+                    kv = await client.get(key)
+                    if kv is None or keys.decode(kv.value).get("node") != holder:
+                        continue
+                    state = keys.decode(kv.value)
                 if reply.get("holder"):
                     return str(reply["holder"])
                 if reply.get("state") is not None:

@@ -21,6 +21,10 @@ how far it got. Moving a session moves its state, not its messages:
   move, so that snapshot is exact). The new node resumes from it; the dead node's reliable
   shards are read once it is back. A holder that died while its client was connected leaves
   the snapshot of the previous disconnect: messages since are delivered again (at least once).
+- **The holder stops (SIGTERM).** Its clients reconnect elsewhere while it is still stopping:
+  it writes the snapshots of the sessions its stop took offline before its cluster port
+  closes (`StateWriter.drain`), so a node whose `ReleaseSession` is refused reads the
+  snapshot again and resumes where the client left it.
 - **etcd is not the store for cursors in motion.** A connected session moves its cursors with
   every acknowledgement: those stay in the node's own metadata store (as on a single node, saved
   in batches and at stop) and travel only at takeover, over the peer link.
@@ -76,6 +80,11 @@ NO_CURSOR_MARGIN_MS = 5_000
 SNAPSHOT_VERSION = 1
 # Streams every node keeps for itself (its $SYS topics): never handed over.
 LOCAL_STREAMS = frozenset({"sys"})
+
+
+class SessionUnavailable(Exception):
+    """A persistent session held elsewhere could not be brought here now (etcd or its holder
+    not answering): its CONNECT is refused with "server unavailable", never given a new one."""
 
 
 def _message_data(message: Message) -> str:
@@ -515,7 +524,15 @@ class SessionHandover:
         try:
             await asyncio.wait_for(self._take_now(client_id, clean_start), TAKEOVER_TIMEOUT_S)
         except (TimeoutError, EtcdError, StateCallError) as exc:
-            log.warning("cluster: session %r could not be taken over (%s); it starts anew", client_id, exc)
+            if not clean_start:
+                # the session (and the backlog its cursors hold) is not lost for a moment
+                # without etcd: the CONNECT is refused (server unavailable) and tried again
+                log.warning("cluster: session %r could not be taken over (%s); its CONNECT is "
+                            "refused, to be tried again", client_id, exc)
+                raise SessionUnavailable(
+                    f"the session could not be brought to this node now ({exc}); try again") from None
+            log.warning("cluster: session %r could not be ended elsewhere (%s); it starts anew",
+                        client_id, exc)
         except Exception:
             log.exception("cluster: taking session %r over failed", client_id)
 
@@ -791,6 +808,11 @@ class SessionHandover:
             client = self.node.client
             session = self.service.sessions.get(client_id)
             if session is not None and session.durable:
+                holder = self.node.view.sessions.get(client_id)
+                if holder not in (None, self.node.node_id):
+                    # another node took it over (the registry says so) while this one could
+                    # not hand it over (stopping): that node's snapshot is the session now
+                    return
                 await client.put(key, keys.encode(snapshot(session, self.node.node_id)))
                 self._void.pop(client_id, None)
                 return

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from ..interfaces import StorageError
 from .record import DEFAULT_CHECKSUM
@@ -35,6 +36,9 @@ class JournalConfig:
     """Appends beyond this many buffered, not yet written bytes per shard get StorageFull."""
     checksum: str = DEFAULT_CHECKSUM
     """The record checksum (`crc32c`, or `crc32`): set by the journal's version file."""
+    index_key: Callable[[bytes | memoryview], bytes] | None = field(default=None, compare=False)
+    """The key of a record's data for the segments' key indexes (`keyindex.py`); None: no key
+    index, readers scan."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fsync", FsyncPolicy(self.fsync))

@@ -34,6 +34,7 @@ from .block import RecordBlock
 from .commit import GroupCommitter, resolve
 from .config import FsyncPolicy, JournalClosed, JournalConfig
 from .framing import frame_records
+from .keyindex import KeyedBlock
 from .record import checksum_function
 from .reservation import OffsetReservation, read_reservation
 from .segment import (
@@ -53,6 +54,9 @@ RESERVE_BLOCK = 16_384
 most about this many offsets are skipped."""
 RESERVE_AHEAD = RESERVE_BLOCK // 2
 """Renew the reservation once fewer than this many offsets are left in it."""
+KEYED_SEALED_SEGMENTS = 2
+"""Sealed segments that may have a key index (the newest): older ones are read by scanning,
+so the key indexes of a shard cover at most this many segments besides the active one."""
 
 
 @dataclass(slots=True)
@@ -134,6 +138,7 @@ class JournalShardLog:
         self._owns_committer = committer is None
         self._committer = committer or GroupCommitter(self.config)
         self._crc = checksum_function(self.config.checksum)
+        self._key_of = self.config.index_key
         self._closed = False
         self.directory.mkdir(parents=True, exist_ok=True)
         self._segments = self._open_segments()
@@ -175,13 +180,15 @@ class JournalShardLog:
                 bases.append(base)
         bases.sort()
         if not bases:
-            return [Segment.create(self.directory, 0, self._crc)]
+            return [Segment.create(self.directory, 0, self._crc, self._key_of)]
         interval = self.config.index_interval_bytes
         segments = [
-            Segment.open_sealed(self.directory, base, next_base, interval, self._crc)
+            Segment.open_sealed(self.directory, base, next_base, interval, self._crc, self._key_of)
             for base, next_base in zip(bases, bases[1:], strict=False)
         ]
-        segments.append(Segment.recover_active(self.directory, bases[-1], interval, self._crc))
+        segments.append(
+            Segment.recover_active(self.directory, bases[-1], interval, self._crc, self._key_of)
+        )
         return segments
 
     # -- ShardLog -----------------------------------------------------------------------
@@ -346,6 +353,26 @@ class JournalShardLog:
             return RecordBlock.empty(start)
         return segments[i].read_block(start, min(max_records, self._committed - start))
 
+    def read_keyed(
+        self, from_offset: int, max_records: int, wants: Callable[[bytes], bool]
+    ) -> KeyedBlock | None:
+        """Published records from `from_offset` (clamped to the low watermark) whose key (see
+        `JournalConfig.index_key`) `wants` accepts, read through the key index of one segment
+        (at most `max_records`; `end_offset` says how far the block covers). None when that
+        segment cannot serve it from an index (see `Segment.read_keyed`): use `read_block`."""
+        start = max(from_offset, self._bases[0])
+        if start >= self._committed or max_records <= 0:
+            return KeyedBlock.empty(start)
+        segments = self._segments
+        i = bisect_right(self._bases, start) - 1
+        while i < len(segments) and start >= segments[i].next_offset:
+            i += 1
+        if i >= len(segments):
+            return KeyedBlock.empty(start)
+        if i < len(segments) - 1 - KEYED_SEALED_SEGMENTS:
+            return None
+        return segments[i].read_keyed(start, min(max_records, self._committed - start), wants)
+
     def offset_for_timestamp(self, timestamp_ms: int) -> int:
         """The first published offset whose timestamp is >= `timestamp_ms`, else the committed
         offset (where the next published record will be)."""
@@ -493,6 +520,8 @@ class JournalShardLog:
                 self._to_seal.append(old)
                 self._segments.append(group.new_segment)
                 self._bases.append(group.new_segment.base_offset)
+                for sealed in self._segments[: -1 - KEYED_SEALED_SEGMENTS]:
+                    sealed.key_index = None
             if synced or self.config.fsync is FsyncPolicy.OS:
                 self._publish_unsynced()
                 self._publish(group)
@@ -511,10 +540,10 @@ class JournalShardLog:
         assert segment.base_offset == group.segment_base
         segment.size = group.end_pos
         segment.next_offset = group.end_offset
-        segment.index_offsets += group.index_offsets
-        segment.index_positions += group.index_positions
-        segment.time_stamps += group.time_stamps
-        segment.time_offsets += group.time_offsets
+        segment.index_offsets.extend(group.index_offsets)
+        segment.index_positions.extend(group.index_positions)
+        segment.time_stamps.extend(group.time_stamps)
+        segment.time_offsets.extend(group.time_offsets)
         segment.max_timestamp = group.max_ts
         if segment.first_timestamp is None:
             segment.first_timestamp = group.first_ts
@@ -546,7 +575,7 @@ class JournalShardLog:
         if group.roll:
             sync_file(segment.fd)
             segment = self._io_segment = group.new_segment = Segment.create(
-                self.directory, group.first_offset, self._crc
+                self.directory, group.first_offset, self._crc, self._key_of
             )
         if durable:
             write_durably(segment.fd, group.buf, group.start_pos)

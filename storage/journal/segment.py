@@ -20,14 +20,16 @@ import errno
 import logging
 import os
 import struct
+from array import array
 from bisect import bisect_right
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Final
 
 from ..interfaces import CorruptRecord, StoredRecord
 from .block import RecordBlock
 from .framing import SCAN_BAD_CRC, SCAN_BAD_OFFSET, scan_block
+from .keyindex import INDEX_RECORDS, KeyedBlock, KeyFunction, KeyIndex
 from .record import CRC_START, HEADER, HEADER_SIZE, Checksum, checksum
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,17 @@ FETCH_CHUNK: Final = 32 * 1024
 """Bytes per read while serving `read` (a few index intervals: most reads want few records)."""
 BLOCK_CHUNK: Final = 1024 * 1024
 """Bytes per read while serving `read_block` (bulk readers want many records)."""
+
+MERGE_GAP: Final = 16 * 1024
+"""A keyed read reads wanted records at most this many bytes apart in one `pread` (copying a
+gap costs less than another system call)."""
+MERGE_SPAN: Final = 1024 * 1024
+"""At most this many bytes per `pread` of a keyed read."""
+RECORD_GUESS: Final = 4096
+"""Bytes read past the last wanted record of a run (its length is not known before)."""
+DENSE_SHARE: Final = 4
+"""A keyed read falls back to a block scan (returns None) when at least one record in this
+many of the segment's rest is wanted: reading nearly everything, a scan costs less."""
 
 _INDEX_ENTRY: Final = struct.Struct("<II")
 _TIME_ENTRY: Final = struct.Struct("<qI")
@@ -192,21 +205,32 @@ class Segment:
         "first_timestamp",
         "sealed",
         "crc",
+        "key_of",
+        "key_index",
     )
 
     def __init__(
-        self, directory: Path, base_offset: int, fd: int, crc: Checksum = checksum
+        self, directory: Path, base_offset: int, fd: int, crc: Checksum = checksum,
+        key_of: KeyFunction | None = None,
     ) -> None:
         self.directory = directory
         self.crc = crc
+        # The key index (`keyindex.py`) of what is published, when the journal keys records;
+        # None for a segment opened sealed, or one whose index was dropped.
+        self.key_of = key_of
+        self.key_index: KeyIndex | None = None
         self.base_offset = base_offset
         self.fd = fd
         self.size = 0
         self.next_offset = base_offset
-        self.index_offsets: list[int] = []
-        self.index_positions: list[int] = []
-        self.time_stamps: list[int] = []
-        self.time_offsets: list[int] = []
+        # The sparse indexes as arrays of machine integers: a segment keeps them while it
+        # exists, and an int object per entry (tens of thousands, made one by one among a
+        # load's short-lived objects) would keep pages of Python's small-object heap, and
+        # their arenas, once the load has gone.
+        self.index_offsets: array[int] = array("q")
+        self.index_positions: array[int] = array("q")
+        self.time_stamps: array[int] = array("q")
+        self.time_offsets: array[int] = array("q")
         self.max_timestamp: int | None = None
         self.first_timestamp: int | None = None
         self.sealed = False
@@ -217,7 +241,10 @@ class Segment:
         return self.directory / f"{segment_name(self.base_offset)}{suffix}"
 
     @classmethod
-    def create(cls, directory: Path, base_offset: int, crc: Checksum = checksum) -> Segment:
+    def create(
+        cls, directory: Path, base_offset: int, crc: Checksum = checksum,
+        key_of: KeyFunction | None = None,
+    ) -> Segment:
         """A new, empty segment file (durable in its directory when this returns)."""
         path = directory / f"{segment_name(base_offset)}{LOG_SUFFIX}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
@@ -226,7 +253,7 @@ class Segment:
         except BaseException:
             os.close(fd)
             raise
-        return cls(directory, base_offset, fd, crc)
+        return cls(directory, base_offset, fd, crc, key_of)
 
     @classmethod
     def open_sealed(
@@ -236,11 +263,12 @@ class Segment:
         next_offset: int,
         index_interval_bytes: int,
         crc: Checksum = checksum,
+        key_of: KeyFunction | None = None,
     ) -> Segment:
         """A sealed segment: its indexes come from its index files, rebuilt when missing or
         inconsistent. Its records are not checksummed here (reads do)."""
         fd = os.open(directory / f"{segment_name(base_offset)}{LOG_SUFFIX}", os.O_RDONLY)
-        segment = cls(directory, base_offset, fd, crc)
+        segment = cls(directory, base_offset, fd, crc, key_of)
         try:
             segment.size = os.fstat(fd).st_size
             segment.next_offset = next_offset
@@ -259,13 +287,14 @@ class Segment:
 
     @classmethod
     def recover_active(
-        cls, directory: Path, base_offset: int, index_interval_bytes: int, crc: Checksum = checksum
+        cls, directory: Path, base_offset: int, index_interval_bytes: int, crc: Checksum = checksum,
+        key_of: KeyFunction | None = None,
     ) -> Segment:
         """The last segment after a restart: every record is checked, a torn or corrupt tail
         is cut off (the file truncated), and the indexes are rebuilt in memory."""
         path = directory / f"{segment_name(base_offset)}{LOG_SUFFIX}"
         fd = os.open(path, os.O_RDWR | os.O_APPEND)
-        segment = cls(directory, base_offset, fd, crc)
+        segment = cls(directory, base_offset, fd, crc, key_of)
         try:
             file_size = os.fstat(fd).st_size
             good_end = segment._rebuild_indexes(index_interval_bytes, limit=file_size)
@@ -356,8 +385,8 @@ class Segment:
             time_offsets.append(rel)
         if span > 0 and not stamps:
             return False
-        self.index_offsets, self.index_positions = offsets, positions
-        self.time_stamps, self.time_offsets = stamps, time_offsets
+        self.index_offsets, self.index_positions = array("q", offsets), array("q", positions)
+        self.time_stamps, self.time_offsets = array("q", stamps), array("q", time_offsets)
         self.max_timestamp = stamps[-1] if stamps else None
         return True
 
@@ -370,8 +399,8 @@ class Segment:
         indexing at such a record; reads will report it as CorruptRecord.
         """
         end = self.size if limit is None else limit
-        self.index_offsets, self.index_positions = [], []
-        self.time_stamps, self.time_offsets = [], []
+        self.index_offsets, self.index_positions = array("q"), array("q")
+        self.time_stamps, self.time_offsets = array("q"), array("q")
         self.max_timestamp = self.first_timestamp = None
         expected = self.base_offset
         good_end = 0
@@ -520,6 +549,158 @@ class Segment:
             f"{self.path()}: no record for offset {from_offset} before the end of the segment "
             f"(byte {self.size}); offsets up to {self.next_offset - 1} belong here"
         )
+
+    def read_keyed(
+        self, from_offset: int, max_records: int, wants: Callable[[bytes], bool]
+    ) -> KeyedBlock | None:
+        """The published records from `from_offset` whose key `wants` accepts (at most
+        `max_records`), read through the key index (extended first over what was published
+        since: `keyindex.py`): only those records are read (runs of them close together in one
+        `pread`), their headers and checksums verified (errors raised as `read` raises them).
+        The block's `end_offset` says how far it covers the segment. None when the journal has
+        no keys, the index cannot serve `from_offset`, or so many of the records are wanted that
+        a block scan (`read_block`) costs less."""
+        end_offset = self.next_offset
+        if from_offset >= end_offset or max_records <= 0:
+            return KeyedBlock.empty(from_offset)
+        base = self.base_offset
+        i = bisect_right(self.index_offsets, from_offset - base) - 1
+        start_pos = self.index_positions[i] if i >= 0 else 0
+        start_offset = base + self.index_offsets[i] if i >= 0 else base
+        index = self.key_index
+        if index is None:
+            if self.key_of is None:
+                return None
+            index = self.key_index = KeyIndex(start_pos, start_offset)
+        if start_pos < index.start:
+            return None
+        if index.end < self.size and not self._extend_index(index):
+            self.key_index = None
+            return None
+        covered = index.end_offset
+        if from_offset >= covered:
+            return None  # the index lags this reader by more than one extension: scan
+        chosen, count = index.select(wants, start_pos)
+        if not count:
+            return KeyedBlock.empty(covered)
+        if count * DENSE_SHARE > covered - start_offset:
+            return None
+        # The positions from the sparse index's entry hold at most `from_offset - start_offset`
+        # records below `from_offset`, read and dropped.
+        positions = index.merged(chosen, max_records + from_offset - start_offset)
+        block = self._read_positions(positions, from_offset)
+        if count > len(positions) and len(block):
+            block.end_offset = block.offsets[-1] + 1  # wanted records remain after these
+        else:
+            block.end_offset = covered
+        return block
+
+    def _extend_index(self, index: KeyIndex) -> bool:
+        """Add the published records after `index.end` to the index, at most `INDEX_RECORDS`;
+        False when a record breaks the framing or the offset sequence, or the index cannot
+        hold a key (the index is then dropped: reads scan, and report what is wrong)."""
+        key_of = self.key_of
+        assert key_of is not None
+        fd = self.fd
+        limit = self.size
+        unpack = HEADER.unpack_from
+        pos = index.end
+        expected = index.end_offset
+        budget = INDEX_RECORDS
+        want = READ_CHUNK
+        while pos < limit and budget > 0:
+            asked = min(want, limit - pos)
+            buf = os.pread(fd, asked, pos)
+            view = memoryview(buf)
+            have = len(buf)
+            p = 0
+            length = 0
+            while p + HEADER_SIZE <= have and budget > 0:
+                length, _crc, offset, _timestamp = unpack(view, p)
+                end = p + HEADER_SIZE + length
+                if end > have:
+                    break
+                if offset != expected:
+                    log.warning("%s: offset %d at byte %d where %d was expected; not indexed",
+                                self.path(), offset, pos + p, expected)
+                    return False
+                if length and not index.add(key_of(view[p + HEADER_SIZE : end]), pos + p):
+                    return False
+                expected += 1
+                budget -= 1
+                p = end
+            if p == 0:
+                if have < asked or asked >= limit - pos:
+                    return False  # the published region ends inside a record
+                want = max(2 * asked, HEADER_SIZE + length)  # one record larger than the read
+                continue
+            pos += p
+            want = READ_CHUNK
+            index.end, index.end_offset = pos, expected
+        return True
+
+    def _read_positions(self, positions: list[int], from_offset: int) -> KeyedBlock:
+        """The records framed at `positions` (increasing; of this segment's published part),
+        those at or after `from_offset` collected into one block."""
+        fd = self.fd
+        size = self.size
+        crc = self.crc
+        unpack = HEADER.unpack_from
+        parts: list[memoryview] = []
+        offsets: array[int] = array("q")
+        starts: array[int] = array("q")
+        ends: array[int] = array("q")
+        stamps: array[int] = array("q")
+        length_so_far = 0
+        previous = -1
+        count = len(positions)
+        k = 0
+        while k < count:
+            run_start = positions[k]
+            j = k
+            while (
+                j + 1 < count
+                and positions[j + 1] - positions[j] <= MERGE_GAP
+                and positions[j + 1] - run_start < MERGE_SPAN
+            ):
+                j += 1
+            stop = positions[j + 1] if j + 1 < count else size
+            run_end = min(stop, positions[j] + RECORD_GUESS)
+            view_start = run_start
+            view = memoryview(os.pread(fd, run_end - run_start, run_start))
+            for position in positions[k : j + 1]:
+                rel = position - view_start
+                if rel + HEADER_SIZE > len(view):  # the read ended inside this header
+                    view_start, rel = position, 0
+                    view = memoryview(os.pread(fd, max(run_end - position, HEADER_SIZE), position))
+                    if len(view) < HEADER_SIZE:
+                        raise CorruptRecord(f"{self.path()}: truncated record at byte {position}")
+                length, stored_crc, offset, timestamp_ms = unpack(view, rel)
+                end = rel + HEADER_SIZE + length
+                if end > len(view):  # longer than what was read: read it whole
+                    if position + HEADER_SIZE + length > size:
+                        raise CorruptRecord(f"{self.path()}: truncated record at byte {position}")
+                    view_start, rel, end = position, 0, HEADER_SIZE + length
+                    view = memoryview(os.pread(fd, max(run_end - position, end), position))
+                    if len(view) < end:
+                        raise CorruptRecord(f"{self.path()}: truncated record at byte {position}")
+                if offset <= previous or not self.base_offset <= offset < self.next_offset:
+                    raise CorruptRecord(
+                        f"{self.path()}: offset {offset} at byte {position} is out of sequence"
+                    )
+                if crc(view[rel + CRC_START : end]) != stored_crc:
+                    raise CorruptRecord(f"{self.path()}: checksum mismatch at byte {position}")
+                previous = offset
+                if offset < from_offset:
+                    continue
+                parts.append(view[rel + HEADER_SIZE : end])
+                offsets.append(offset)
+                stamps.append(timestamp_ms)
+                starts.append(length_so_far)
+                length_so_far += length
+                ends.append(length_so_far)
+            k = j + 1
+        return KeyedBlock(b"".join(parts), offsets, starts, ends, stamps, self.next_offset)
 
     def offset_for_timestamp(self, timestamp_ms: int) -> int | None:
         """The first published offset in this segment with a timestamp >= `timestamp_ms`."""

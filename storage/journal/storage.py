@@ -4,7 +4,9 @@ The journal root holds `journal.version` (the on-disk format and the record chec
 `journal.lock` (an exclusive flock held while the journal is open, so that two brokers never
 write the same files) and one directory per shard, `<root>/<stream>/<shard>/`, where the stream name is percent-encoded so
 that any name maps to one directory level. All shard logs share one group committer, so one
-worker-thread pass writes and fsyncs every dirty shard.
+worker-thread pass writes and fsyncs every dirty shard. With `index_key` (the key of a
+record's data: the broker gives a topic prefix) each segment keeps a key index in memory
+(`keyindex.py`) for readers that want the records of a few keys (`JournalShardLog.read_keyed`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote, unquote
 
@@ -107,6 +110,7 @@ class JournalStorage:
         retention_bytes: int | None = None,
         retention_ms: int | None = None,
         max_pending_bytes: int = 256 * MIB,
+        index_key: Callable[[bytes | memoryview], bytes] | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -122,6 +126,7 @@ class JournalStorage:
                 retention_ms=retention_ms,
                 max_pending_bytes=max_pending_bytes,
                 checksum=check_version(self.directory),
+                index_key=index_key,
             )
         except BaseException:
             os.close(self._lock_fd)

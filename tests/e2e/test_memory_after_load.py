@@ -1,7 +1,9 @@
 """What a broker holds once clients are gone: closed MQTT connections and ended sessions are
 freed by reference counting as they go, not left in cycles for the garbage collector (under
 load thousands of them piled up between collections, and the heap kept what their peak
-needed). And a stopped broker is freed whole, even after serving its admin API."""
+needed). An idle broker keeps no string of the load that went (a cache entry made under load
+pins a page of Python's small-object heap, and its 1 MiB arena, for good). And a stopped broker
+is freed whole, even after serving its admin API."""
 
 from __future__ import annotations
 
@@ -10,8 +12,11 @@ import json
 import subprocess
 import sys
 import textwrap
+import types
 import urllib.request
+import uuid
 import weakref
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -88,6 +93,60 @@ def test_an_ended_session_with_unacknowledged_messages_is_freed_without_the_coll
     publisher.disconnect()
     wait_for(lambda: not broker.app.mqtt.connections and not broker.app.mqtt.sessions)
     wait_for(lambda: _alive(MqttSession, earlier) == 0)
+
+
+def _strings_held(roots: list[object], marker: str, kept: list[object]) -> list[str]:
+    """Every str or bytes containing `marker` reachable from `roots`, without entering other
+    modules (what a module holds is reached through its own dictionary among the roots) nor
+    the objects in `kept`."""
+    raw = marker.encode()
+    seen = {id(root) for root in roots} | {id(thing) for thing in kept}
+    queue = deque(roots)
+    held: list[str] = []
+    while queue:
+        thing = queue.popleft()
+        if isinstance(thing, (str, bytes)):
+            if (marker in thing) if isinstance(thing, str) else (raw in thing):
+                held.append(repr(thing))
+            continue
+        for inner in gc.get_referents(thing):
+            if id(inner) not in seen and not isinstance(inner, (types.ModuleType, types.FrameType)):
+                seen.add(id(inner))
+                queue.append(inner)
+    return held
+
+
+def test_an_idle_broker_keeps_nothing_of_the_topics_and_clients_of_the_load(broker: ThreadedBroker) -> None:
+    """Topics and client ids of a load (publishers, persistent and clean subscribers, wills,
+    QoS 2, retained set and cleared) are all forgotten once the broker is idle and releases
+    memory: no per-topic or per-producer cache keeps them."""
+    port = broker.mqtt_port
+    marker = f"gone{uuid.uuid4().hex[:12]}"
+    subscribers = [Paho(port, f"{marker}s{index}", V5 if index % 2 else V311, clean=index == 0)
+                   for index in range(3)]
+    for subscriber in subscribers:
+        subscriber.subscribe(f"{marker}/#", 1)
+    for index in range(8):
+        will = {"topic": f"{marker}/will/{index}", "payload": b"w", "qos": 1} if index % 4 == 0 else None
+        publisher = Paho(port, f"{marker}p{index}", V5 if index % 2 else V311, will=will)
+        for qos in (0, 1, 2):
+            publisher.publish(f"{marker}/t/{index}/{qos}", f"{marker}{index}".encode(), qos,
+                              retain=index == 1 and qos == 1)
+        publisher.drop() if will is not None else publisher.disconnect()
+    for subscriber in subscribers:
+        subscriber.expect_n(8 * 3 + 2)  # every publish and both wills
+    subscribers[0].publish(f"{marker}/t/1/1", b"", 1, retain=True)  # clears the retained one
+    for index, subscriber in enumerate(subscribers):
+        subscriber.disconnect()
+        if index:
+            Paho(port, f"{marker}s{index}", V5, clean=True).disconnect()  # ends the session
+    wait_for(lambda: not broker.app.mqtt.connections and not broker.app.mqtt.sessions)
+    broker.call(lambda: persistence.release_idle_memory(broker.app.broker))
+    modules = [vars(module) for name, module in list(sys.modules.items())
+               if name == "shardgate" or name.startswith("shardgate.")]
+    # The journal keeps the load's records (and any index of them) until retention: stored
+    # data, not something held for nothing.
+    assert _strings_held([broker.app, *modules], marker, kept=[broker.app.journal]) == []
 
 
 def test_a_stopped_broker_is_freed_after_serving_its_admin_api(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from shardgate.core.message import Message
 from shardgate.core.streams import StreamConfig
 from shardgate.storage.interfaces import BlockReadable
 from shardgate.storage.journal import JournalStorage
+from shardgate.storage.journal.keyindex import INDEX_RECORDS
 from shardgate.storage.memory import MemoryStorage
 
 from tests.unit.recording_consumer import Consumer
@@ -94,7 +95,12 @@ async def test_a_block_kept_between_turns_is_not_read_again(journal: JournalStor
     assert len(reads) <= 600 // 256 + 3
 
 
-async def test_a_cursor_far_behind_in_the_journal_yields_between_turns(journal: JournalStorage) -> None:
+async def test_a_cursor_far_behind_in_the_journal_yields_between_turns(
+    plain_journal: JournalStorage,
+) -> None:
+    """Without a key index (a segment opened sealed, or a journal without keys) the records
+    are scanned, a bounded number per turn."""
+    journal = plain_journal
     broker = reliable(journal)
     sub = broker.durable_subscription("resuming", initial_position="earliest")
     broker.add_filter(sub, "want/#")
@@ -113,3 +119,33 @@ async def test_a_cursor_far_behind_in_the_journal_yields_between_turns(journal: 
         assert cursor.position - before <= SCAN_BUDGET + 256
     assert [m.payload for m in consumer.got] == [b"wanted"]
     assert turns >= 10_000 // (SCAN_BUDGET + 256)
+
+
+async def test_a_cursor_far_behind_passes_unwanted_records_through_the_key_index(
+    journal: JournalStorage,
+) -> None:
+    """With the key index, the records of other topics are never read in blocks nor decoded:
+    the index passes them (indexing at most `INDEX_RECORDS` per read), and the wanted one is
+    delivered within a few turns."""
+    broker = reliable(journal)
+    sub = broker.durable_subscription("resuming", initial_position="earliest")
+    broker.add_filter(sub, "want/#")
+    for i in range(10_000):
+        broker.publish(Message(f"other/{i % 50}", b"x"))
+    broker.publish(Message("want/1", b"wanted"))
+    await journal.flush()
+    shard_log = broker.stream("default").shards[0].log
+
+    def no_block_reads(from_offset: int, max_records: int = 10_000) -> None:
+        raise AssertionError("scanned a block")
+
+    shard_log.read_block = no_block_reads  # type: ignore[union-attr]
+    consumer = Consumer("c", auto_ack=True)
+    broker.attach(sub, consumer)
+    turns = 0
+    while not consumer.got and turns < 50:
+        await asyncio.sleep(0)
+        turns += 1
+    assert [m.payload for m in consumer.got] == [b"wanted"]
+    assert turns <= 10_001 // INDEX_RECORDS + 2
+    assert sub.cursors[("default", 0)].position == 10_001
