@@ -343,15 +343,10 @@ class JournalShardLog:
         `RecordBlock` (one segment, one read: possibly fewer than `max_records` even when more
         are published; an empty block at the committed end). For bulk readers."""
         start = max(from_offset, self._bases[0])
-        if start >= self._committed or max_records <= 0:
+        i = self._segment_for_read(start, max_records)
+        if i is None:
             return RecordBlock.empty(start)
-        segments = self._segments
-        i = bisect_right(self._bases, start) - 1
-        while i < len(segments) and start >= segments[i].next_offset:
-            i += 1
-        if i >= len(segments):
-            return RecordBlock.empty(start)
-        return segments[i].read_block(start, min(max_records, self._committed - start))
+        return self._segments[i].read_block(start, min(max_records, self._committed - start))
 
     def read_keyed(
         self, from_offset: int, max_records: int, wants: Callable[[bytes], bool]
@@ -361,17 +356,24 @@ class JournalShardLog:
         (at most `max_records`; `end_offset` says how far the block covers). None when that
         segment cannot serve it from an index (see `Segment.read_keyed`): use `read_block`."""
         start = max(from_offset, self._bases[0])
-        if start >= self._committed or max_records <= 0:
+        i = self._segment_for_read(start, max_records)
+        if i is None:
             return KeyedBlock.empty(start)
+        segments = self._segments
+        if i < len(segments) - 1 - KEYED_SEALED_SEGMENTS:
+            return None
+        return segments[i].read_keyed(start, min(max_records, self._committed - start), wants)
+
+    def _segment_for_read(self, start: int, max_records: int) -> int | None:
+        """Index of the segment holding published offset `start`, or None when a bulk read
+        from there has nothing to return (at the committed end, nothing asked for)."""
+        if start >= self._committed or max_records <= 0:
+            return None
         segments = self._segments
         i = bisect_right(self._bases, start) - 1
         while i < len(segments) and start >= segments[i].next_offset:
             i += 1
-        if i >= len(segments):
-            return KeyedBlock.empty(start)
-        if i < len(segments) - 1 - KEYED_SEALED_SEGMENTS:
-            return None
-        return segments[i].read_keyed(start, min(max_records, self._committed - start), wants)
+        return i if i < len(segments) else None
 
     def offset_for_timestamp(self, timestamp_ms: int) -> int:
         """The first published offset whose timestamp is >= `timestamp_ms`, else the committed
