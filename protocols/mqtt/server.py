@@ -28,6 +28,11 @@ log = logging.getLogger(__name__)
 LINGER_SECONDS = 2.0
 # What a new connection reads at once when it is made (its CONNECT, usually already sent).
 FIRST_READ_BYTES = 65536
+# The buffer those first reads go through (the loop is single-threaded and each read is copied
+# out at once): `os.read` would allocate FIRST_READ_BYTES per connection with malloc and shrink
+# it to the CONNECT's size in place, leaving a heap chunk per connection among long-lived
+# objects; a copy of the bytes read is an exact-size (small-object allocator) bytes.
+_FIRST_READ_VIEW = memoryview(bytearray(FIRST_READ_BYTES))
 
 
 def certificate_common_name(peercert: dict | None) -> str | None:
@@ -79,11 +84,11 @@ class MqttProtocol(asyncio.Protocol):
         if sock is None:
             return
         try:
-            data = os.read(sock.fileno(), FIRST_READ_BYTES)
+            count = os.readv(sock.fileno(), (_FIRST_READ_VIEW,))
         except OSError:
             return  # nothing sent yet (EAGAIN), or an error the transport meets too
-        if data:
-            self.data_received(data)
+        if count:
+            self.data_received(bytes(_FIRST_READ_VIEW[:count]))
 
     def pause_writing(self) -> None:
         pass  # the connection looks at `buffered()` itself (`MqttConnection.output_room`)
