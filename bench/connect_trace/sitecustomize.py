@@ -27,6 +27,7 @@ import socket
 import time
 
 _PATH = os.environ.get("SOAK_CONNECT_TRACE")
+_TURNS_PATH = os.environ.get("SOAK_TURN_TRACE")
 
 
 def _install(path: str) -> None:
@@ -105,6 +106,40 @@ def _install(path: str) -> None:
         with open(path, "w") as out:
             for record in records:
                 out.write(json.dumps(record) + "\n")
+
+    atexit.register(dump)
+    if _TURNS_PATH:
+        _trace_turns(_TURNS_PATH)
+
+
+def _trace_turns(path: str) -> None:
+    """With ``SOAK_TURN_TRACE`` set too: the end of every event-loop iteration from the first
+    accept on (a timer due at once that sets itself again: libuv runs it after the iteration's
+    I/O callbacks), as doubles in a file, so iteration lengths can be read off. Diagnostic
+    only: the pending timer makes every poll non-blocking, so the loop spins while idle."""
+    import asyncio
+    from array import array
+
+    ends = array("d")
+    clock = time.perf_counter
+    original_accept = socket.socket.accept
+    started = []
+
+    def tick() -> None:
+        ends.append(clock())
+        asyncio.get_running_loop().call_later(0, tick)
+
+    def accept(self: socket.socket) -> tuple[socket.socket, object]:
+        if not started:
+            started.append(True)
+            asyncio.get_running_loop().call_later(0, tick)
+        return original_accept(self)
+
+    socket.socket.accept = accept  # type: ignore[method-assign]
+
+    def dump() -> None:
+        with open(path, "wb") as out:
+            ends.tofile(out)
 
     atexit.register(dump)
 
