@@ -127,3 +127,40 @@ def test_a_node_frozen_for_less_than_its_lease_delays_clients_but_loses_and_repe
     for (topic, publisher_name), numbers in got.items():
         assert numbers == sorted(numbers), f"{publisher_name} on {topic} out of order"
     reader.disconnect()
+
+
+@pytest.mark.timeout(240)
+def test_a_node_that_loses_etcd_serves_its_shards_for_the_lease_ttl_then_refuses_then_rejoins(
+    spread: list[ClusterNodeProcess], etcd: EtcdServer,
+) -> None:
+    """etcd is killed while a client publishes to n1's own reliable shards: n1 keeps
+    acknowledging them while its lease can still be alive, then refuses them (it can no longer
+    prove it owns them: retryable, with a reason), and acknowledges again once etcd is back and
+    it has registered again. Nothing acknowledged is lost or stored twice."""
+    n1, _n2 = spread
+    own = topics_of(n1.status(), "safe", "safe/etcd", owner="n1", per_shard=2)
+    publisher = ContinuousPublisher(n1.mqtt_port, "own", own)
+    wait_for(lambda: publisher.count() >= 50, timeout=60)
+    etcd.kill()
+    at_kill = publisher.count()
+    wait_for(lambda: publisher.refusals() >= 1, timeout=30)
+    # the first refusal came only after more acknowledgements: n1 served through its lease TTL
+    served_through_ttl = publisher.count() - at_kill
+    assert served_through_ttl > 0, "refused at once: the lease TTL was not used"
+    wait_for(lambda: not n1.status()["lease_alive"], timeout=30)
+    assert {code for code, _reason, _topic in publisher.refused} <= RETRYABLE, publisher.refused[:3]
+    assert all(reason for _code, reason, _topic in publisher.refused), "every refusal says why"
+    etcd.start()
+    wait_settled(spread)
+    # acknowledged again: 50 in a row with no refusal between them
+    mark = [publisher.count(), publisher.refusals()]
+
+    def fifty_in_a_row() -> bool:
+        if publisher.refusals() != mark[1]:
+            mark[:] = [publisher.count(), publisher.refusals()]
+        return publisher.count() >= mark[0] + 50
+
+    wait_for(fifty_in_a_row, timeout=60)
+    publisher.stop()
+    assert not publisher.dropped.is_set(), publisher.disconnect
+    assert_every_acknowledged_message_is_stored_once(spread, [publisher])
