@@ -14,16 +14,6 @@ Each accepted connection's transport is made at once, in the accepting callback
 run it), not by a task that first runs a loop iteration later: its protocol's `connection_made`
 then comes one iteration after the accept, as with the loop's own listener, instead of two,
 and so does the first read of what the client sent (under load an iteration takes tens of ms).
-
-A protocol may take a plain TCP connection before its transport exists: when the factory's
-protocol has a `socket_accepted(sock)` method, the listener calls it with the accepted socket
-at the end of the accepting iteration (after that iteration's reads of the other connections,
-so nothing a new client sends overtakes what others had sent before it connected, and before
-the next iteration's queued callbacks: the output flush, reads left by the read budget), then
-makes the transport (MQTT reads the CONNECT already sent and writes its CONNACK there;
-`connection_made` still follows, an iteration later). A protocol that does so owns the
-socket's bytes until then: once the transport has the socket it only buffers what it writes,
-until `connection_made`.
 """
 
 from __future__ import annotations
@@ -63,10 +53,6 @@ class TcpListener:
         self._name = name
         self._handshakes: set[asyncio.Future[Any]] = set()
         self._retries: dict[int, asyncio.TimerHandle] = {}
-        # Accepted connections whose protocol takes the socket before its transport
-        # (`socket_accepted`), handed it at the end of the accepting iteration.
-        self._early: list[tuple[asyncio.BaseProtocol, socket.socket]] = []
-        self._early_turn_end: asyncio.TimerHandle | None = None
         self._serving = True
         self.largest_batch = 0
         for sock in socks:
@@ -103,46 +89,13 @@ class TcpListener:
                 conn.setblocking(False)
                 if conn.family in (socket.AF_INET, socket.AF_INET6):
                     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                protocol = self._factory()
-                if self._ssl is None and hasattr(protocol, "socket_accepted"):
-                    self._early.append((protocol, conn))
-                    if self._early_turn_end is None:
-                        # A timer due now runs once this iteration's I/O callbacks are done
-                        # (libuv runs timers after the poll phase; asyncio after the reads
-                        # it polled), before the next iteration's queued callbacks.
-                        self._early_turn_end = self._loop.call_later(0, self._take_early)
-                    continue
-                self._make_transport(protocol, conn)
+                task = start_eagerly(
+                    self._loop, self._loop.connect_accepted_socket(self._factory, conn, ssl=self._ssl))
+                self._handshakes.add(task)
+                task.add_done_callback(self._handshake_done)
         finally:
             if accepted > self.largest_batch:
                 self.largest_batch = accepted
-
-    def _make_transport(self, protocol: asyncio.BaseProtocol, conn: socket.socket) -> bool:
-        task = start_eagerly(self._loop, self._loop.connect_accepted_socket(
-            lambda: protocol, conn, ssl=self._ssl))
-        if task.done() and not task.cancelled() and task.exception() is not None:
-            self._handshake_done(task)
-            return False
-        self._handshakes.add(task)
-        task.add_done_callback(self._handshake_done)
-        return True
-
-    def _take_early(self) -> None:
-        """The connections this iteration accepted whose protocol takes a socket early: each
-        gets its socket (`socket_accepted`), then its transport. This runs after the
-        iteration's reads of the other connections, so a new client's first packets are never
-        handled before what the others had sent before it connected."""
-        self._early_turn_end = None
-        batch, self._early = self._early, []
-        for protocol, conn in batch:
-            try:
-                protocol.socket_accepted(conn)  # type: ignore[attr-defined]
-            except Exception:
-                log.exception("%s listener: a new connection failed before its transport", self._name)
-            if not self._make_transport(protocol, conn):
-                # No transport, so no connection_lost will come: it is told here.
-                protocol.connection_lost(None)
-                conn.close()
 
     def _handshake_done(self, task: asyncio.Future[Any]) -> None:
         self._handshakes.discard(task)
@@ -168,12 +121,6 @@ class TcpListener:
             else:
                 self._loop.remove_reader(sock.fileno())
             sock.close()
-        if self._early_turn_end is not None:
-            self._early_turn_end.cancel()
-            self._early_turn_end = None
-        for _protocol, conn in self._early:
-            conn.close()
-        self._early.clear()
         for task in self._handshakes:
             task.cancel()
 

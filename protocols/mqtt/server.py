@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import ssl
 import sys
 from collections import deque
@@ -45,48 +44,10 @@ def certificate_common_name(peercert: dict | None) -> str | None:
     return None
 
 
-class BeforeTransport:
-    """A plain TCP connection's link from when the listener hands it its socket
-    (`MqttProtocol.socket_accepted`) to its transport's `connection_made` (an iteration later,
-    which under load is most of a new client's CONNECT → CONNACK): what the connection writes
-    before the listener makes the transport goes to the socket at once; after that, and
-    whatever the socket would not take, waits here for the transport, in order. A close or a
-    throttle asked meanwhile is applied once it exists."""
-
-    __slots__ = ("sock", "pending", "handed", "closing", "throttle_s", "read")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.pending: list[bytes] = []
-        self.handed = False  # the socket is the transport's now: nothing more is sent here
-        self.closing = False
-        self.throttle_s = 0.0
-        self.read = False  # the first read found the client's bytes
-
-    def write(self, data: bytes) -> None:
-        if self.closing:
-            return
-        if not self.handed and not self.pending:
-            try:
-                sent = self.sock.send(data)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:
-                self.closing = True  # reset by the client: the transport meets it too
-                return
-            if sent == len(data):
-                return
-            data = data[sent:]
-        self.pending.append(data)
-
-    def buffered(self) -> int:
-        return sum(map(len, self.pending))
-
-
 class MqttProtocol(asyncio.Protocol):
     """One TCP connection: bytes in to the state machine, its output to the transport."""
 
-    __slots__ = ("service", "transport", "connection", "linger", "paused", "early")
+    __slots__ = ("service", "transport", "connection", "linger", "paused")
 
     def __init__(self, service: MqttService) -> None:
         self.service = service
@@ -94,41 +55,9 @@ class MqttProtocol(asyncio.Protocol):
         self.connection: MqttConnection | None = None
         self.linger: asyncio.TimerHandle | None = None
         self.paused: asyncio.TimerHandle | None = None
-        # Set from the accept (`socket_accepted`) until `connection_made`.
-        self.early: BeforeTransport | None = None
-
-    def socket_accepted(self, sock: socket.socket) -> None:
-        """Called by the listener with a plain TCP connection it accepted, at the end of the
-        accepting loop iteration, before it makes the transport: the connection is made now
-        and reads what its client already sent (its CONNECT, written right after the TCP
-        handshake), so its CONNACK leaves then, not when the transport's `connection_made`
-        runs, behind the next iteration's queued callbacks (the output flush of every
-        connection, reads the read budget left for later)."""
-        try:
-            peer = sock.getpeername()
-        except OSError:
-            return  # already reset: the transport's connection_made and connection_lost follow
-        self.early = early = BeforeTransport(sock)
-        connection = self.connection = MqttConnection(self.service, self, f"{peer[0]}:{peer[1]}", "tcp")
-        self.service.connection_made(connection)
-        try:
-            count = os.readv(sock.fileno(), (_FIRST_READ_VIEW,))
-        except OSError:
-            count = 0  # nothing sent yet (EAGAIN): the transport reads it
-        if count:
-            early.read = True
-            self.data_received(bytes(_FIRST_READ_VIEW[:count]))
-        early.handed = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        # pause_writing / resume_writing at the connection's output high-water mark.
-        high = self.service.settings.output_high_water
-        transport.set_write_buffer_limits(high=high, low=high >> 2)  # type: ignore[attr-defined]
-        early, self.early = self.early, None
-        if early is not None:
-            self._took_over(transport, early)
-            return
         peer = transport.get_extra_info("peername")
         remote = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         tls = transport.get_extra_info("sslcontext") is not None
@@ -138,23 +67,11 @@ class MqttProtocol(asyncio.Protocol):
                 transport.get_extra_info("peercert")
             )
         self.service.connection_made(self.connection)
+        # pause_writing / resume_writing at the connection's output high-water mark.
+        high = self.service.settings.output_high_water
+        transport.set_write_buffer_limits(high=high, low=high >> 2)  # type: ignore[attr-defined]
         if not tls:
             self._read_first(transport)
-
-    def _took_over(self, transport: asyncio.BaseTransport, early: BeforeTransport) -> None:
-        """The transport of a connection made at its accept: what waited for it is written, and
-        a close or throttle asked meanwhile applied."""
-        if early.pending:
-            transport.write(b"".join(early.pending))  # type: ignore[attr-defined]
-        if early.closing:
-            self.close()
-            return
-        if early.throttle_s:
-            self.throttle(early.throttle_s)
-        elif not early.read:
-            self._read_first(transport)
-        if self.connection is not None:
-            self.connection.output_drained()  # in case it waited for room in `pending`
 
     def _read_first(self, transport: asyncio.BaseTransport) -> None:
         """Read what the client has sent already (its CONNECT, written right after its TCP
@@ -208,13 +125,8 @@ class MqttProtocol(asyncio.Protocol):
     def write(self, data: bytes) -> None:
         if self.linger is None and self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
-        elif self.early is not None:
-            self.early.write(data)
 
     def close(self) -> None:
-        if self.early is not None:
-            self.early.closing = True
-            return
         transport = self.transport
         if transport is None or transport.is_closing() or self.linger is not None:
             return
@@ -229,14 +141,9 @@ class MqttProtocol(asyncio.Protocol):
             pass
 
     def buffered(self) -> int:
-        if self.transport is not None:
-            return self.transport.get_write_buffer_size()
-        return self.early.buffered() if self.early is not None else 0
+        return self.transport.get_write_buffer_size() if self.transport is not None else 0
 
     def throttle(self, seconds: float) -> None:
-        if self.early is not None:
-            self.early.throttle_s = seconds
-            return
         transport = self.transport
         if transport is None or transport.is_closing():
             return
@@ -246,9 +153,6 @@ class MqttProtocol(asyncio.Protocol):
         self.paused = asyncio.get_running_loop().call_later(seconds, self.resume)
 
     def resume(self) -> None:
-        if self.early is not None:
-            self.early.throttle_s = 0.0
-            return
         if self.paused is not None:
             self.paused.cancel()
             self.paused = None
