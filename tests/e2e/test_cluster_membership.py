@@ -94,6 +94,9 @@ def test_a_second_node_with_the_same_id_refuses_to_start_naming_the_first(
     )
     assert result.returncode != 0
     assert "node id 'n1' is already in use" in result.stderr, result.stderr
+    # it names the running node by its internal address, and starts nothing
+    (registered,) = first.status()["nodes"]
+    assert f"(internal address {registered['cluster_address']})" in result.stderr, result.stderr
     assert not port_file.exists()
     # the first node is untouched
     assert [entry["node_id"] for entry in first.status()["nodes"]] == ["n1"]
