@@ -35,7 +35,7 @@ from .codec import (
     encode,
     encode_publish,
 )
-from .session import NEVER_EXPIRES, MqttSession, SubscriptionOptions
+from .session import NEVER_EXPIRES, NO_PACKET_IDS, MqttSession, SubscriptionOptions, open_packet_ids
 from .timing import clock as timing_clock
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ class MqttConnection:
     # than 30 attributes gets no key-sharing dict).
     __slots__ = (
         "service", "link", "remote", "transport_name", "state", "parser", "version", "client_id",
-        "username", "principal", "certificate_identity", "session", "keep_alive", "_clock",
+        "username", "principal", "certificate_identity", "session", "keep_alive",
         "last_received", "connected_at", "send_window", "client_max_packet_size",
         "client_topic_alias_max", "problem_info", "inbound_aliases", "outbound_aliases",
         "inbound_pending", "qos2_open", "will", "session_expiry_at_connect", "_out", "_out_bytes",
@@ -146,8 +146,6 @@ class MqttConnection:
 
     def __init__(self, service: MqttService, link: Link, remote: str = "", transport_name: str = "tcp") -> None:
         self.service = service
-        # Monotonic seconds from the service's scheduler (the adapter's loop, or a test clock).
-        self._clock = service.scheduler.time
         self.link = link
         self.remote = remote
         self.transport_name = transport_name
@@ -163,7 +161,7 @@ class MqttConnection:
         self.certificate_identity: str | None = None
         self.session: MqttSession | None = None
         self.keep_alive = 0
-        self.last_received = self._clock()
+        self.last_received = self.service.clock()
         self.connected_at = time.time()
         self.send_window = service.settings.max_inflight
         self.client_max_packet_size = 0
@@ -175,7 +173,7 @@ class MqttConnection:
         # QoS 1 publishes waiting for the journal, and QoS 2 publishes received on this
         # connection and not yet completed: together they use the Receive Maximum quota.
         self.inbound_pending = 0
-        self.qos2_open: set[int] = set()
+        self.qos2_open: set[int] = NO_PACKET_IDS  # a set of its own from the first
         self.will: p.Will | None = None
         self.session_expiry_at_connect = 0
         self._out: list[bytes] = []
@@ -183,9 +181,9 @@ class MqttConnection:
         self._flush_requested = False
         self.messages_in = 0
         self.messages_out = 0
-        self.last_ack = self._clock()
+        self.last_ack = self.service.clock()
         self._tokens = float(service.settings.max_publish_rate)
-        self._tokens_at = self._clock()
+        self._tokens_at = self.service.clock()
         self._throttled_for = 0.0
         self._backlog: list[p.Packet] = []
         self._backlog_error: MQTTCodecError | None = None
@@ -413,7 +411,7 @@ class MqttConnection:
             return False
         if packet_id is not None and self.session is not None:
             if len(self.session.inflight) <= 1:
-                self.last_ack = self._clock()  # the dead-subscriber clock starts with the window
+                self.last_ack = self.service.clock()  # the dead-subscriber clock starts with the window
             if (
                 self._link_buffered > self.service.settings.output_high_water
                 and self.service.publishing is not None
@@ -441,7 +439,7 @@ class MqttConnection:
     def data_received(self, data: bytes) -> None:
         if self.state is CLOSED:
             return
-        self.last_received = self._clock()
+        self.last_received = self.service.clock()
         if self.state is AWAIT_CONNECT and self._connect_marks is None:
             self._connect_marks = [timing_clock(), 0.0, 0.0]
         if self.state is AWAIT_CONNECT and data and not self.parser.buffered and data[0] >> 4 != 1:
@@ -783,7 +781,7 @@ class MqttConnection:
 
     # ------------------------------------------------------------------ PUBLISH
     def _rate_limit(self, rate: float) -> None:
-        now = self._clock()
+        now = self.service.clock()
         self._tokens = min(rate, self._tokens + (now - self._tokens_at) * rate) - 1
         self._tokens_at = now
         if self._tokens < 0:
@@ -881,7 +879,9 @@ class MqttConnection:
             # Counted against Receive Maximum from now on (until acknowledged or refused).
             self.inbound_pending += 1
         elif qos == 2:
+            session.inbound_qos2 = open_packet_ids(session.inbound_qos2)
             session.inbound_qos2.add(packet_id)  # type: ignore[arg-type]
+            self.qos2_open = open_packet_ids(self.qos2_open)
             self.qos2_open.add(packet_id)  # type: ignore[arg-type]
             self.service.remember_qos2(session, packet_id, True)  # type: ignore[arg-type]
         return message
@@ -1005,12 +1005,12 @@ class MqttConnection:
 
     def _on_puback(self, packet: p.Puback) -> None:
         assert self.session is not None
-        self.last_ack = self._clock()
+        self.last_ack = self.service.clock()
         self.session.acknowledge(packet.packet_id)
 
     def _on_pubrec(self, packet: p.Pubrec) -> None:
         assert self.session is not None
-        self.last_ack = self._clock()
+        self.last_ack = self.service.clock()
         if packet.packet_id not in self.session.inflight:
             if self.version == MQTT_V5:
                 self._send_packet(p.Pubrel(packet.packet_id, RC.PACKET_IDENTIFIER_NOT_FOUND))
@@ -1033,7 +1033,7 @@ class MqttConnection:
 
     def _on_pubcomp(self, packet: p.Pubcomp) -> None:
         assert self.session is not None
-        self.last_ack = self._clock()
+        self.last_ack = self.service.clock()
         self.session.acknowledge(packet.packet_id)
 
     # ------------------------------------------------------------------ SUBSCRIBE

@@ -60,6 +60,10 @@ def will_message(client_id: str, will: p.Will) -> Message:
         producer_protocol="mqtt", producer_id=client_id,
     )
 
+def _no_clock() -> float:
+    raise RuntimeError("MqttService needs a scheduler: the asyncio adapter passes its event loop")
+
+
 class MqttService:
     def __init__(
         self, edge: Edge, settings: MqttSettings | None = None,
@@ -69,6 +73,8 @@ class MqttService:
         self.edge = edge
         # Time and timers, from the I/O adapter (an asyncio loop is one) or a test's clock.
         self._scheduler = scheduler
+        # Monotonic seconds of that scheduler: one bound method for every connection to call.
+        self.clock: Callable[[], float] = scheduler.time if scheduler is not None else _no_clock
         self.broker = edge.broker
         # Where persistent sessions are saved; None keeps them in memory only.
         self.store = store

@@ -29,6 +29,17 @@ NEVER_EXPIRES = 0xFFFFFFFF
 # The queue of every session that never queued anything (an empty deque costs 600 bytes, and
 # most sessions never queue): only `_enqueue` adds, and it gives the session its own first.
 _NO_QUEUE: deque[Queued] = deque()
+# Packet ids of QoS 2 publishes received and not yet released, shared by every session and
+# connection that has none (an empty set is 216 bytes, and most clients never publish at QoS 2):
+# only its reads and removals may reach it (`discard`, `clear`, `in`, `len`); whoever adds
+# takes a set of its own first (`open_packet_ids`).
+NO_PACKET_IDS: set[int] = set()
+
+
+def open_packet_ids(ids: set[int]) -> set[int]:
+    """`ids` itself, or a new set of its own in place of the shared empty `NO_PACKET_IDS`:
+    what to add a packet id to."""
+    return set() if ids is NO_PACKET_IDS else ids
 
 
 @dataclass(slots=True)
@@ -83,7 +94,7 @@ class MqttSession:
         self.shared: dict[str, tuple[Subscription, SubscriptionOptions]] = {}
         self.inflight: dict[int, Outgoing] = {}
         self.queue: deque[Queued] = _NO_QUEUE  # a deque of its own from the first message
-        self.inbound_qos2: set[int] = set()
+        self.inbound_qos2: set[int] = NO_PACKET_IDS  # a set of its own from the first
         self._last_packet_id = 0
         self.dropped = 0
         # When the queue of this online session passed half its limit (back-pressure), if it has.

@@ -14,6 +14,16 @@ counted as a slow subscriber's would be.
 Ownership is the control plane's (`membership.ClusterView`); the owner checks it again for
 every forwarded message and answers `NOT_OWNER` when the map moved, so a message is stored only
 by the node that owns its shard under the current epoch.
+
+An owner can store a message before it knows what every other node's clients hold: it has just
+joined (or restarted) and a peer's route set is still on its way over that peer's link, or a peer
+dialed it before its own view lists that peer (no link to push on yet). Such a message is pushed
+at once to the nodes whose routes are known, and held (`_Unrouted`) for the others: once a
+node's whole route set arrives, and this node links to it, the held messages it wants are pushed
+to it, in order, before anything stored later. Nothing is acknowledged later for it, as a push
+never is. Bounded: a node whose routes do not come within `UNROUTED_WAIT_S` (or past
+`MAX_UNROUTED` held messages), is given up on, counted as dropped pushes and told so
+(`pushes_lost`: its durable cursors read this node's journal again), as for a full link.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import logging
 import random
 import struct
 import time
+from collections import deque
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -83,6 +94,10 @@ RECONCILE_S = 1.0
 # On stop, how long the node waits for its peers to answer what it still sends them: the
 # pushes of messages it stored (a subscriber elsewhere would miss an acknowledged message).
 STOP_DRAIN_S = 3.0
+# A message stored while some node's routes are not known here yet waits this long for them
+# (see the module docstring); at most this many such messages are held.
+UNROUTED_WAIT_S = 10.0
+MAX_UNROUTED = MAX_PUSHES_QUEUED
 # Streams every node keeps for itself, never placed nor forwarded: its own $SYS topics.
 NODE_LOCAL_STREAMS = frozenset({"sys"})
 # Topics whose retained state is the node's own: its $SYS topics, its internal state.
@@ -152,6 +167,20 @@ class _SentBatch:
         self.waiters = waiters
         self.epoch = epoch
         self.unacknowledged = unacknowledged
+
+
+class _Unrouted:
+    """A message stored while the routes of `waiting` (nodes) were not known here: pushed to
+    each of them that wants it once its routes are (`DataPlane._release_unrouted`). `groups`:
+    the share groups it was given to already (or taken by here), never given again."""
+
+    __slots__ = ("message", "waiting", "groups", "held_at")
+
+    def __init__(self, message: Message, waiting: set[str], groups: set[str], held_at: float) -> None:
+        self.message = message
+        self.waiting = waiting
+        self.groups = groups
+        self.held_at = held_at
 
 
 class _Sent:
@@ -842,6 +871,14 @@ class DataPlane:
         self._reconcile: asyncio.Task[None] | None = None
         # What kept retained messages before (the metadata store, through the app).
         self._keep_retained: Callable[[str, Message | None], None] | None = None
+        # Peers whose whole route set this node applied in their current link session.
+        self._routes_known: set[str] = set()
+        # Peers a stored message cannot be routed to yet: in the view with their routes not
+        # known, or with routes known and no link to push on. Empty in a steady cluster.
+        self._unknown: frozenset[str] = frozenset()
+        # Messages stored meanwhile, oldest first, held for those peers (see `_Unrouted`).
+        self._unrouted: deque[_Unrouted] = deque()
+        self._unrouted_timer: asyncio.TimerHandle | None = None
 
     @property
     def node_id(self) -> str:
@@ -886,7 +923,8 @@ class DataPlane:
         self._stopping = True
         deadline = time.monotonic() + STOP_DRAIN_S
         while time.monotonic() < deadline and (
-            self._storing or any(link.holding for link in self.links.values() if link.connected)
+            self._storing or self._unrouted
+            or any(link.holding for link in self.links.values() if link.connected)
         ):
             await asyncio.sleep(0.01)
         self._started = False
@@ -902,6 +940,11 @@ class DataPlane:
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
+        if self._unrouted_timer is not None:
+            self._unrouted_timer.cancel()
+            self._unrouted_timer = None
+        self._unrouted.clear()
+        self._unknown = frozenset()
         links, self.links = list(self.links.values()), {}
         self._forward_routes.clear()
         for link in links:
@@ -954,6 +997,7 @@ class DataPlane:
                 asyncio.get_running_loop().create_task(link.close())
                 if info is None:
                     self.remote.forget(node_id)
+                    self._routes_known.discard(node_id)
                     # (its inbox stays: a node that comes back with the same link session
                     # sends again what it had no answer to, and what this node applied of it
                     # already must be answered, not stored twice; a restart brings a new session)
@@ -963,6 +1007,7 @@ class DataPlane:
         for node_id, info in nodes.items():
             if node_id != self.node_id and node_id not in self.links:
                 self.links[node_id] = PeerLink(self, info)
+        self._refresh_unknown()
         self._repoint_cursors()
 
     def _end_links_from(self, node_id: str) -> None:
@@ -1147,7 +1192,12 @@ class DataPlane:
         self, message: Message, local: list[tuple[Subscription, tuple[str, ...]]]
     ) -> Container[str] | None:
         interest = self.remote.lookup(message.topic)
-        if interest is NOBODY or message.stream in NODE_LOCAL_STREAMS:
+        unknown = self._unknown
+        if message.stream in NODE_LOCAL_STREAMS:
+            return None
+        if interest is NOBODY:
+            if unknown:
+                self._hold_unrouted(message, local, ())
             return None
         targets: dict[str, list[str]] = {node: [] for node in interest.plain}
         allowed: set[str] | None = None
@@ -1166,18 +1216,116 @@ class DataPlane:
                 else:
                     targets.setdefault(chosen, []).append(group)
         links = self.links
+        given: list[str] = []
         for node_id, groups in targets.items():
             link = links.get(node_id)
-            if link is not None:
+            if link is not None and node_id not in unknown:
                 link.push(message, tuple(groups))
                 self.stats.pushed += 1
+                given += groups
+        if unknown:
+            self._hold_unrouted(message, local, given)
         return allowed
 
     def wanted_elsewhere(self, topic: str) -> bool:
         return self.remote.lookup(topic) is not NOBODY
 
     def wanted_durably_elsewhere(self, topic: str) -> bool:
-        return self.remote.lookup(topic).durable
+        # (a node whose routes are not known yet may hold a durable subscription: journaled)
+        return bool(self._unknown) or self.remote.lookup(topic).durable
+
+    # ------------------------------------------------------------ routes not known yet
+    def unrouted_held(self) -> int:
+        """How many stored messages wait for some node's routes (see `_Unrouted`)."""
+        return len(self._unrouted)
+
+    def _refresh_unknown(self) -> None:
+        """Work out which peers a stored message cannot be routed to yet (see `_unknown`), and
+        push the held messages to those that can be now."""
+        nodes = self.view.nodes() if self._started else {}
+        known, links = self._routes_known, self.links
+        unknown = frozenset(
+            [node for node in nodes if node != self.node_id and node not in known]
+            + [node for node in known if node not in links]
+        )
+        if unknown == self._unknown:
+            return
+        before, self._unknown = self._unknown, unknown
+        if self._unrouted and before - unknown:
+            self._release_unrouted()
+
+    def _hold_unrouted(self, message: Message, local: list[tuple[Subscription, tuple[str, ...]]],
+                       given: Sequence[str]) -> None:
+        """Hold `message` for the peers whose routes are not known yet. The share groups
+        matched here, and those given to a known node, are not given again."""
+        groups = {sub.name for sub, _ in local if sub.type is SubscriptionType.SHARED}
+        groups.update(given)
+        unrouted = self._unrouted
+        if len(unrouted) >= MAX_UNROUTED:
+            self._give_up(max(1, MAX_UNROUTED // 10))  # (a tenth at once: one warning each)
+        unrouted.append(_Unrouted(message, set(self._unknown), groups, time.monotonic()))
+        if self._unrouted_timer is None:
+            self._unrouted_timer = asyncio.get_running_loop().call_later(
+                UNROUTED_WAIT_S, self._give_up_late)
+
+    def _release_unrouted(self) -> None:
+        """Push each held message to every peer it waits for that is no longer unknown and
+        wants it (oldest first, so before anything stored after); forget the peers that left."""
+        unknown, links, lookup = self._unknown, self.links, self.remote.lookup
+        kept: deque[_Unrouted] = deque()
+        for held in self._unrouted:
+            ready = [node for node in held.waiting if node not in unknown]
+            for node in ready:
+                held.waiting.discard(node)
+                link = links.get(node)
+                if link is None:
+                    continue  # it left the view: its routes went with it
+                interest = lookup(held.message.topic)
+                groups = tuple(sorted(
+                    group for group, members in interest.groups.items()
+                    if group not in held.groups and any(member == node for member, _ in members)
+                ))
+                if node in interest.plain or groups:
+                    link.push(held.message, groups)
+                    self.stats.pushed += 1
+                    held.groups.update(groups)
+            if held.waiting:
+                kept.append(held)
+        self._unrouted = kept
+        if not kept and self._unrouted_timer is not None:
+            self._unrouted_timer.cancel()
+            self._unrouted_timer = None
+
+    def _give_up_late(self) -> None:
+        """Give up the held messages older than UNROUTED_WAIT_S; look again when the next is."""
+        self._unrouted_timer = None
+        unrouted = self._unrouted
+        limit = time.monotonic() - UNROUTED_WAIT_S
+        late = 0
+        while late < len(unrouted) and unrouted[late].held_at <= limit:
+            late += 1
+        if late:
+            self._give_up(late)
+        if unrouted:
+            self._unrouted_timer = asyncio.get_running_loop().call_later(
+                max(0.0, unrouted[0].held_at + UNROUTED_WAIT_S - time.monotonic()), self._give_up_late)
+
+    def _give_up(self, count: int) -> None:
+        """Drop the `count` oldest held messages, counted as pushes dropped for each node they
+        waited for; those nodes are told (their durable cursors read this journal again)."""
+        unrouted = self._unrouted
+        nodes: dict[str, int] = {}
+        for _ in range(min(count, len(unrouted))):
+            for node in unrouted.popleft().waiting:
+                nodes[node] = nodes.get(node, 0) + 1
+        for node, dropped in nodes.items():
+            self.stats.pushes_dropped += dropped
+            self.broker.stats.drop("cluster_routes_unknown", dropped)
+            link = self.links.get(node)
+            if link is not None:
+                link._lost_pushes()
+            log.warning("cluster: the routes of node %s did not reach this node in time; %d "
+                        "messages stored meanwhile were not pushed to it", node, dropped)
 
     def _choose(self, group: str, members: tuple[tuple[str, int], ...]) -> str:
         """The node that takes the next message of a share group: round robin over the
@@ -1345,6 +1493,11 @@ class DataPlane:
                 # restored at start read the owners' journals from their saved floors,
                 # `sessions.replay_restored`.)
                 self._read_owner_again(peer)
+                # its routes are those of its old session until the new one's arrive: what is
+                # stored meanwhile waits for them
+                self.remote.forget(peer)
+                self._routes_known.discard(peer)
+                self._refresh_unknown()
             self._pushes_under.pop(peer, None)  # a new session tells again
             inbox = self._inboxes[peer] = _Inbox(session)
         inbox.reply = reply
@@ -1376,6 +1529,10 @@ class DataPlane:
             delta = routes_from_update(update)
             if update.reset:
                 self.remote.reset(peer, delta.added)
+                if peer not in self._routes_known:
+                    self._routes_known.add(peer)
+                    # (the held messages it wants go before the answer below says so)
+                    self._refresh_unknown()
             else:
                 self.remote.apply(peer, delta)
             if update.generation:

@@ -28,7 +28,14 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import BrokerProcess, free_port, track_process, wait_for
+from tests.conftest import (
+    BrokerProcess,
+    ThreadedBroker,
+    free_port,
+    make_config,
+    track_process,
+    wait_for,
+)
 
 ETCD = shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None)
 
@@ -460,3 +467,24 @@ async def eventually(check: Callable[[], Any], timeout: float = 20) -> None:
     while not await check():
         assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
         await asyncio.sleep(0.05)
+
+
+def start_with_free_ports(data_dir: Path) -> ThreadedBroker:
+    """An in-process broker (default stream of four journaled shards) with its AMQP and gRPC
+    listeners on free ports, for data-plane tests with a fixed shard map. Another process may
+    take a port between its pick and the bind (0 would turn the listener off): then again."""
+    for attempt in range(3):
+        config = make_config(
+            data_dir, default_stream_partitions=4,
+            listeners={"amqp_port": free_port(), "grpc_port": free_port()},
+        )
+        config.mqtt.sys_interval = 0
+        server = ThreadedBroker(config)
+        try:
+            return server.start()
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                server.stop()
+            if "already in use" not in str(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")

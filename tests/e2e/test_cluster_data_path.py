@@ -12,7 +12,6 @@ node.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,8 @@ from shardgate.protocols.mqtt import packets as p
 
 from shardgate.cluster.forward import DataPlane
 from shardgate.cluster.membership import NodeInfo, ShardAssignment, StaticClusterView
-from tests.conftest import ThreadedBroker, free_port, make_config, wait_for
+from tests.conftest import ThreadedBroker, wait_for
+from tests.e2e.cluster_fixtures import start_with_free_ports
 from tests.mqtt_clients import V5, V311, Paho, RawClient
 
 VERSIONS = [pytest.param(V311, id="3.1.1"), pytest.param(V5, id="5.0")]
@@ -60,26 +60,6 @@ def assignments(streams: dict[str, Stream]) -> dict[tuple[str, int], ShardAssign
         (name, shard.index): ShardAssignment(name, shard.index, owner_of(shard.index), 1)
         for name, stream in streams.items() for shard in stream.shards
     }
-
-
-def start_with_free_ports(data_dir: Path) -> ThreadedBroker:
-    """A broker with its AMQP and gRPC listeners on free ports. Another process may take a
-    port between its pick and the bind (0 would turn the listener off): then again."""
-    for attempt in range(3):
-        config = make_config(
-            data_dir, default_stream_partitions=4,
-            listeners={"amqp_port": free_port(), "grpc_port": free_port()},
-        )
-        config.mqtt.sys_interval = 0
-        server = ThreadedBroker(config)
-        try:
-            return server.start()
-        except Exception as exc:
-            with contextlib.suppress(Exception):
-                server.stop()
-            if "already in use" not in str(exc) or attempt == 2:
-                raise
-    raise AssertionError("unreachable")
 
 
 @pytest.fixture

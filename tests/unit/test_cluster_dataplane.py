@@ -20,10 +20,10 @@ from shardgate.proto import cluster_pb2 as pb
 from shardgate.storage.journal import JournalStorage
 
 from shardgate.cluster.forward import DataPlane
-from shardgate.cluster.frames import pack_records
+from shardgate.cluster.frames import pack_records, route_update
 from shardgate.cluster.link import LINK_MAGIC, FrameReader, frame_bytes
 from shardgate.cluster.membership import NodeInfo, ShardAssignment, StaticClusterView
-from shardgate.cluster.routes import Route
+from shardgate.cluster.routes import Route, RouteDelta
 
 
 class Recorder:
@@ -701,6 +701,32 @@ async def test_only_a_link_session_that_replaces_an_earlier_one_rereads_the_owne
     assert reads == []
     a.plane.link_opened("b", session + 1, lambda reply: None)  # b's link session replaced
     assert reads == [("ledger", 0, 1)]
+
+
+async def test_what_an_owner_stores_before_a_restarted_peers_routes_arrive_reaches_it_after(cluster):
+    """A peer's new link session (it restarted) voids the routes of its old one. What the
+    owner stores until the new session's route set arrives is held, then pushed to the peer
+    before anything stored later: nothing acknowledged meanwhile is routed to no one."""
+    a, b = cluster["a"], cluster["b"]
+    topic = topic_on(a.broker, "orders", 0, "orders")  # a owns orders/0
+
+    async def publish(payload: bytes) -> None:
+        pending = a.broker.publish(Message(topic, payload, qos=1))
+        if pending is not None:
+            await asyncio.wait_for(pending, 5)
+
+    link = await RawLink.open(a.plane.port)
+    link.write(pb.PeerFrame(sequence=0, from_node="b", session=424242))  # b, restarted
+    await until(lambda: a.plane._inboxes["b"].session == 424242)
+    on_b = b.subscribe("orders/#")  # (told over b's old link, which a no longer reads)
+    await publish(b"meanwhile")
+    link.write(pb.PeerFrame(sequence=1, routes=route_update(RouteDelta([Route("orders/#")], []), reset=True)))
+    assert (await link.read()).sequence == 1
+    await publish(b"after")
+    await until(lambda: len(on_b.got) == 2)
+    assert [m.payload for m in on_b.got] == [b"meanwhile", b"after"]
+    assert a.plane.unrouted_held() == 0
+    link.close()
 
 
 async def test_a_restored_cursor_waits_for_its_placement_and_then_resumes_at_its_saved_floor(cluster):

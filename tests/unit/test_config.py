@@ -102,6 +102,43 @@ def test_the_readme_configuration_reference_lists_every_setting() -> None:
     assert not missing, f"settings the README's configuration reference does not list: {missing}"
 
 
+# Settings the README's reference gives an example value for, not the default (its comments say
+# what the default is): a certificate path, "unset by default" retention, a cluster to join.
+README_EXAMPLE_VALUES = {
+    "tls.cert_file", "tls.key_file", "journal.retention_ms", "journal.retention_bytes",
+    "cluster.etcd", "cluster.node_id",
+}
+
+
+def test_the_readme_configuration_reference_gives_each_setting_its_default() -> None:
+    """A value the reference prints is what the broker uses when the setting is left out. An
+    empty string stands for a setting that is unset by default, as does 0 for one that means
+    "no limit" when unset."""
+    import tomllib
+
+    defaults = load_config(environ={})
+    wrong = []
+    for block in readme_config_blocks():
+        for key, value in tomllib.loads(block).items():
+            if isinstance(value, list) and value and isinstance(value[0], dict):
+                continue  # [[streams]], [[bridges]]: examples of entries, not settings
+            items = value.items() if isinstance(value, dict) else [(None, value)]
+            for setting, shown in items:
+                name = f"{key}.{setting}" if setting else key
+                if name in README_EXAMPLE_VALUES:
+                    continue
+                default = getattr(getattr(defaults, key), setting) if setting else getattr(defaults, key)
+                if isinstance(default, Path):
+                    shown = Path(shown)
+                elif isinstance(default, tuple):
+                    default = list(default)
+                if default is None and shown in ("", 0):
+                    continue
+                if shown != default:
+                    wrong.append(f"{name}: README {shown!r}, default {default!r}")
+    assert not wrong, f"the README's configuration reference shows other values: {wrong}"
+
+
 def test_the_readme_names_every_environment_variable_the_broker_reads() -> None:
     text = README.read_text()
     missing = [name for name in (*SHORT_ENV, *NOT_SETTINGS_ENV) if f"`{name}" not in text]

@@ -133,6 +133,35 @@ def test_qos2_publish_is_received_once_even_when_retransmitted() -> None:
     assert not node.service.sessions["sub"].inflight
 
 
+def test_qos2_packet_ids_of_one_client_never_mark_another_clients_publish_as_a_retransmission() -> None:
+    """Sessions and connections with no QoS 2 publish open share one empty set until their
+    first (`NO_PACKET_IDS`): each must take its own, or one client's open packet id would
+    swallow another's publish under the same id."""
+    node = Node()
+    sub, sub_wire = node.connect("sub")
+    first, first_wire = node.connect("first")
+    second, second_wire = node.connect("second")
+    sub_wire.read(), first_wire.read(), second_wire.read()
+    node.send(sub, p.Subscribe(1, [p.SubscriptionRequest("t/#", 1)]))
+    sub_wire.read()
+
+    node.send(first, p.Publish("t/a", b"from first", qos=2, packet_id=9))
+    node.send(second, p.Publish("t/b", b"from second", qos=2, packet_id=9))
+    assert [type(x) for x in first_wire.read()] == [p.Pubrec]
+    assert [type(x) for x in second_wire.read()] == [p.Pubrec]
+    assert sorted(x.payload for x in sub_wire.read()) == [b"from first", b"from second"]
+    assert first.qos2_open == {9} and second.qos2_open == {9}
+    assert first.qos2_open is not second.qos2_open
+
+    node.send(first, p.Pubrel(9))
+    assert [type(x) for x in first_wire.read()] == [p.Pubcomp]
+    assert not first.qos2_open and second.qos2_open == {9}
+    assert node.service.sessions["second"].inbound_qos2 == {9}
+    late, late_wire = node.connect("late")
+    late_wire.read()
+    assert not late.qos2_open and not node.service.sessions["late"].inbound_qos2
+
+
 def test_keepalive_timeout_on_the_manual_clock() -> None:
     node = Node()
     connection, wire = node.connect("sleepy", keep_alive=10)
