@@ -32,7 +32,7 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeGuard
 
 from ..storage.interfaces import (
     ArchiveSource,
@@ -122,6 +122,31 @@ AHEAD_BYTES = 256 * 1024
 """At most this many record bytes are kept per cursor between turns (else read again)."""
 
 _TOPIC_LENGTH = struct.Struct("<I")
+# Whether a class conforms to a runtime-checkable protocol, found once per class: the replay
+# asks it of every shard log and block it reads, and `isinstance` against such a protocol
+# looks up each of its members every time (several microseconds on CPython 3.11).
+_CONFORMS: dict[tuple[type, type], bool] = {}
+
+
+def _conforms(value: object, protocol: type) -> bool:
+    """`isinstance(value, protocol)` for a runtime-checkable protocol whose members are
+    methods or properties of the class (so every instance of a class answers alike)."""
+    known = _CONFORMS.get((type(value), protocol))
+    if known is None:
+        known = _CONFORMS[(type(value), protocol)] = isinstance(value, protocol)
+    return known
+
+
+def _is_keyed(block: object) -> TypeGuard[KeyedSpans]:
+    return _conforms(block, KeyedSpans)
+
+
+def _reads_keyed(shard_log: object) -> TypeGuard[KeyedReadable]:
+    return _conforms(shard_log, KeyedReadable)
+
+
+def _reads_blocks(shard_log: object) -> TypeGuard[BlockReadable]:
+    return _conforms(shard_log, BlockReadable)
 _TOPIC_LENGTH_AT = 12
 """A message record's topic length (u32) sits after its fixed head (version, flags, qos,
 retain, i64 time: see `core/records.py`), the topic's UTF-8 bytes right after it."""
@@ -737,8 +762,8 @@ class DurableSubscription(Subscription):
         self._check_cached_filters()
         # The journal reads the records of the topics wanted through its key index, or else in
         # blocks (one buffer, no object per record); other logs per record.
-        read_keyed = shard_log.read_keyed if isinstance(shard_log, KeyedReadable) else None
-        read_block = shard_log.read_block if isinstance(shard_log, BlockReadable) else None
+        read_keyed = shard_log.read_keyed if _reads_keyed(shard_log) else None
+        read_block = shard_log.read_block if _reads_blocks(shard_log) else None
         now = now_ms()
         scanned = 0
         records: list[StoredRecord] | RecordSpans | KeyedSpans | None
@@ -869,7 +894,7 @@ class DurableSubscription(Subscription):
         starts = block.starts
         ends = block.ends
         first = block.first_offset
-        offsets = block.offsets if isinstance(block, KeyedSpans) else None
+        offsets = block.offsets if _is_keyed(block) else None
         unpack_length = _TOPIC_LENGTH.unpack_from
         raw_cache = self._raw_matching_cache
         skip = cursor.skip
@@ -923,7 +948,7 @@ class DurableSubscription(Subscription):
             if budget <= 0 or (not budget % DEADLINE_EVERY and time.perf_counter() >= deadline):
                 self._keep_block_ahead(cursor, block, index + 1)
                 return 0
-        if isinstance(block, KeyedSpans):
+        if _is_keyed(block):
             self._pass_to(cursor, block.end_offset)
         return budget
 
@@ -953,7 +978,7 @@ class DurableSubscription(Subscription):
             cursor.ahead = rest
         elif sum(rest.ends) - sum(rest.starts) <= AHEAD_BYTES:
             buffer = block.buffer
-            offsets = rest.offsets if isinstance(rest, KeyedSpans) else range(
+            offsets = rest.offsets if _is_keyed(rest) else range(
                 rest.first_offset, rest.first_offset + len(rest))
             cursor.ahead = [
                 StoredRecord(offset, stamp, buffer[start:end])

@@ -3,6 +3,7 @@ retained messages, and streams and routes declared at run time (CLI, gRPC Admin)
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import gc
 import logging
@@ -17,6 +18,7 @@ from .core.streams import DispatchMode, RoutingRule, Schema, StreamConfig
 from .core.subscriptions import SubscriptionType
 from .protocols.mqtt.encoders import forget_topic_fields
 from .storage.allocators import return_freed_memory
+from .storage.interfaces import IdleReleasable
 from .storage.metadata import (
     MetadataStore,
     RouteRecord,
@@ -41,8 +43,31 @@ def release_idle_memory(broker: Broker) -> None:
     broker.forget_cached_matches()
     forget_producer_tails()
     forget_topic_fields()
+    for stream in list(broker.streams.values()):
+        for shard in stream.shards:
+            if isinstance(shard.log, IdleReleasable):
+                shard.log.forget_caches()
+    forget_abc_caches()
     gc.collect()
     return_freed_memory()
+
+
+def forget_abc_caches() -> None:
+    """Empty every abstract base class's isinstance caches (`ABCMeta._abc_caches_clear`; the
+    registrations stay). A type first checked against an ABC under load, such as
+    `isinstance(arg, Mapping)` in every log record, adds a weak reference to the negative cache
+    of that ABC and of each ABC below it: objects made mid-load that would live for good."""
+    pending: list[type] = [object]
+    seen: set[type] = set()
+    while pending:
+        cls = pending.pop()
+        subclasses: list[type] = type.__subclasses__(cls)
+        for sub in subclasses:
+            if sub not in seen:
+                seen.add(sub)
+                pending.append(sub)
+        if isinstance(cls, abc.ABCMeta):
+            cls._abc_caches_clear()  # type: ignore[attr-defined]
 
 
 def stream_record(config: StreamConfig, created_ms: int | None = None) -> StreamRecord:

@@ -78,6 +78,15 @@ class ShardLog(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class IdleReleasable(Protocol):
+    """An engine object that keeps caches it can rebuild from its data (a shard log's key
+    indexes): the broker has it drop them once idle, so that what a load made does not outlive
+    it in memory."""
+
+    def forget_caches(self) -> None: ...
+
+
 class RecordSpans(Protocol):
     """Consecutive records (offsets `first_offset`, `first_offset + 1`, ...) as one buffer and
     arrays of positions, no Python object per record (the journal's `RecordBlock`): record i

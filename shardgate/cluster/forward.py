@@ -119,7 +119,7 @@ class DataPlaneStats:
     forwarded_in: int = 0  # publishes other nodes forwarded here
     pushed: int = 0  # stored messages pushed to other nodes (once per node)
     pushed_in: int = 0  # messages other nodes pushed here for local subscribers
-    pushes_dropped: int = 0  # pushes dropped on a full or broken link
+    pushes_dropped: int = 0  # pushes dropped on a full or broken link, or for unknown routes
     frames_out: int = 0  # frames written to peers (each a batch of forwards and pushes)
     frames_in: int = 0  # frames received from peers
     # Write of a frame of forwards → the owner's answer, once per frame.

@@ -44,7 +44,7 @@ def data_plane_metrics(plane: Any) -> Iterator[Metric]:
     pushed.add_metric(["in"], stats.pushed_in)
     yield pushed
     yield CounterMetricFamily(
-        f"{PREFIX}_pushes_dropped", "Pushes dropped on a full or broken link to a node",
+        f"{PREFIX}_pushes_dropped", "Pushes dropped on a full or broken link to a node, or given up while its routes were unknown",
         value=stats.pushes_dropped,
     )
     frames = CounterMetricFamily(

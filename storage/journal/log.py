@@ -432,6 +432,13 @@ class JournalShardLog:
         if deleted:
             fsync_directory(self.directory)
 
+    def forget_caches(self) -> None:
+        """Drop the segments' key indexes (`keyindex.py`): the next keyed read builds its
+        segment's again from the file. Called once the broker is idle, so the index entries a
+        load made do not stay in memory."""
+        for segment in self._segments:
+            segment.key_index = None
+
     def close(self) -> None:
         """Flush what was appended, then close the files. Idempotent."""
         if self._closed:

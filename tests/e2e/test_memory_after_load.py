@@ -17,7 +17,7 @@ import urllib.request
 import uuid
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -147,6 +147,22 @@ def test_an_idle_broker_keeps_nothing_of_the_topics_and_clients_of_the_load(brok
     # The journal keeps the load's records (and any index of them) until retention: stored
     # data, not something held for nothing.
     assert _strings_held([broker.app, *modules], marker, kept=[broker.app.journal]) == []
+
+
+def test_an_idle_broker_keeps_no_abstract_class_cache_entry_made_under_load(broker: ThreadedBroker) -> None:
+    """A type first checked against an abstract base class under load (as every log record
+    checks its argument against `Mapping`) leaves weak references in the ABCs' caches; the idle
+    release empties those caches (the registrations stay)."""
+
+    class SeenUnderLoad:
+        pass
+
+    unchecked = weakref.getweakrefcount(SeenUnderLoad)  # its base class's list of subclasses
+    assert not isinstance(SeenUnderLoad(), Mapping)
+    assert weakref.getweakrefcount(SeenUnderLoad) > unchecked  # the caches of Mapping and below
+    broker.call(lambda: persistence.release_idle_memory(broker.app.broker))
+    assert weakref.getweakrefcount(SeenUnderLoad) == unchecked
+    assert isinstance({}, Mapping) and not isinstance(SeenUnderLoad(), Mapping)
 
 
 def test_a_stopped_broker_is_freed_after_serving_its_admin_api(tmp_path: Path) -> None:

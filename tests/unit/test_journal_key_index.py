@@ -21,7 +21,7 @@ from shardgate.core.index_keys import (
 from shardgate.core.message import Message
 from shardgate.core.records import encode_message, record_topic
 from shardgate.core.topics import filter_matches
-from shardgate.storage.interfaces import CorruptRecord, KeyedReadable
+from shardgate.storage.interfaces import CorruptRecord, IdleReleasable, KeyedReadable
 from shardgate.storage.journal import JournalStorage
 from shardgate.storage.journal import keyindex as keyindex_module
 from shardgate.storage.journal import segment as segment_module
@@ -92,6 +92,25 @@ def test_the_records_of_the_wanted_topics_are_read_across_segment_rolls(tmp_path
     # Not published yet (appended, not committed): not read.
     publish(shard, 2000, 20)
     assert read_all_keyed(shard, wanting("site/7/#"), 1990) == expected(1990, 2000, "site/7/#")
+    store.close()
+
+
+def test_forgotten_indexes_are_built_again_by_the_next_read(tmp_path: Path) -> None:
+    """An idle broker drops the key indexes (`forget_caches`): nothing of them stays, and the
+    next keyed read gets the same records through an index built again from the file."""
+    store = open_journal(tmp_path / "j", segment_bytes=20_000)
+    shard = store.open_shard("s", 0)
+    assert isinstance(shard, IdleReleasable)
+    for first in range(0, 1000, 100):
+        publish(shard, first, 100)
+        store.flush_sync()
+    first = shard.segments[-1 - KEYED_SEALED_SEGMENTS].base_offset
+    before = read_all_keyed(shard, wanting("site/7/#"), first)
+    assert before == expected(first, 1000, "site/7/#")
+    assert any(s.key_index is not None for s in shard.segments)
+    shard.forget_caches()
+    assert all(s.key_index is None for s in shard.segments)
+    assert read_all_keyed(shard, wanting("site/7/#"), first) == before
     store.close()
 
 
