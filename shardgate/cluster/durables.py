@@ -6,11 +6,13 @@ moves to where its consumers are:
 
 - Its snapshot (definition, holder, cursors with their unacknowledged messages) is kept in
   etcd under `/shardgate/<cluster>.state/durables/<name>`: written when it is defined, when
-  its last consumer leaves, and at most every `CHECKPOINT_S` while its cursors move (the
-  debounced cursor writes Danube makes to its metadata store). A connected consumer acks at
-  message rate; etcd takes about a thousand fsynced writes a second for the whole cluster, so
-  cursors in motion stay in the holder's own metadata store (saved every 200 ms, as on a single
-  node) and etcd gets one write per subscription per interval.
+  its last consumer leaves, and at least every `CHECKPOINT_S` while its cursors move (the
+  debounced cursor writes Danube makes to its metadata store); up to `MAX_BATCH_PUTS` of the
+  moving ones (one etcd transaction) every `SOON_CHECKPOINT_S`, those written longest ago
+  first. A connected consumer acks at message rate; etcd takes about a thousand fsynced
+  writes a second for the whole cluster, so cursors in motion stay in the holder's own
+  metadata store (saved every 200 ms, as on a single node) and etcd gets one write per
+  subscription per interval.
 - A consumer that subscribes on node B to a durable subscription B does not have: B reads the
   snapshot; when the holder is live it asks it over the cluster port (`ReleaseDurable`) for the
   exact state, and the holder gives it up (its cursors stop here, nothing is lost or sent
@@ -43,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -58,6 +61,7 @@ from ..protocols.grpc.convert import SUB_TYPES_OUT
 from . import keys
 from .etcd import EtcdError, KeyValue, delete_op, mod_revision_is, put_op, version_is
 from .sessions import (
+    MAX_BATCH_PUTS,
     RELEASE_CALL_TIMEOUT_S,
     TAKEOVER_TIMEOUT_S,
     CursorPlacer,
@@ -76,6 +80,8 @@ log = logging.getLogger(__name__)
 
 # How often the cursors of a durable subscription that moved are checkpointed to etcd.
 CHECKPOINT_S = 2.0
+# ... and sooner for up to `MAX_BATCH_PUTS` of the moving ones (one more etcd transaction).
+SOON_CHECKPOINT_S = 0.4
 # ... and of one with consumers attached from other nodes (which take it over if this node dies).
 REMOTE_CHECKPOINT_S = 0.2
 # The stream a consumer on another node is relayed through (module docstring).
@@ -112,6 +118,8 @@ class DurableHandover:
         self.prefix = node.settings.prefix.rstrip("/") + ".state/durables/"
         # the cursor state last written, per subscription (to write only what moved)
         self._written: dict[str, Any] = {}
+        # when each subscription's checkpoint was last queued (monotonic seconds)
+        self._written_at: dict[str, float] = {}
         self._releasing: set[str] = set()
         self._defined: Callable[[DurableSubscription], None] | None = None
         self._removed: Callable[[Subscription], None] | None = None
@@ -176,32 +184,50 @@ class DurableHandover:
         if name in self._releasing or not self.shareable(sub):
             return
         self._written.pop(name, None)
+        self._written_at.pop(name, None)
         self.writer.delete_if_mine(self.key(name), lambda: name not in self.broker.subscriptions)
 
-    def _checkpoint(self, sub: DurableSubscription, *, force: bool = False) -> None:
+    def _checkpoint(self, sub: DurableSubscription, *, force: bool = False) -> bool:
+        """Queue `sub`'s snapshot if it changed since the last one (or `force`); whether it was."""
         state = [sorted(sub.filters), cursor_state(sub)[0]]
         if not force and self._written.get(sub.name) == state:
-            return
+            return False
         self._written[sub.name] = state
+        self._written_at[sub.name] = time.monotonic()
 
         def make() -> bytes | None:
             if self.broker.subscriptions.get(sub.name) is not sub:
                 return None
             return keys.encode(self.snapshot(sub))
         self.writer.put(self.key(sub.name), make)
+        return True
 
     async def _checkpoints(self) -> None:
         rounds = 0
         every = max(1, round(CHECKPOINT_S / REMOTE_CHECKPOINT_S))
+        soon_every = max(1, round(SOON_CHECKPOINT_S / REMOTE_CHECKPOINT_S))
         while True:
             await asyncio.sleep(REMOTE_CHECKPOINT_S)
             rounds += 1
             try:
-                for sub in self._shared():
+                shared = self._shared()
+                for sub in shared:
                     if rounds % every == 0 or self._remote[sub.name]:
                         self._checkpoint(sub)
+                if rounds % every and rounds % soon_every == 0:
+                    self._checkpoint_sooner(shared)
             except Exception:  # noqa: BLE001 - the next round tries again
                 log.exception("cluster: checkpointing durable subscriptions failed")
+
+    def _checkpoint_sooner(self, shared: list[DurableSubscription]) -> int:
+        """Queue up to `MAX_BATCH_PUTS` of the moving subscriptions' snapshots, those written
+        longest ago first (one etcd transaction at most); returns how many."""
+        queued = 0
+        for sub in sorted(shared, key=lambda sub: self._written_at.get(sub.name, 0.0)):
+            if queued >= MAX_BATCH_PUTS:
+                break
+            queued += self._checkpoint(sub)
+        return queued
 
     async def drop_moved(self) -> int:
         """At start: drop durable subscriptions restored from this node's store that another
@@ -226,6 +252,7 @@ class DurableHandover:
         try:
             self.broker.remove_subscription(sub.name)
             self._written.pop(sub.name, None)
+            self._written_at.pop(sub.name, None)
         finally:
             self._releasing.discard(sub.name)
 

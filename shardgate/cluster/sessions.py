@@ -20,9 +20,10 @@ how far it got. Moving a session moves its state, not its messages:
   offline (one write per disconnect, never per message: an offline session's cursors do not
   move, so that snapshot is exact). The new node resumes from it; the dead node's reliable
   shards are read once it is back. While its client is connected, a session whose cursors
-  moved is checkpointed at most every `CHECKPOINT_S` (below): a holder that died leaves the
-  last checkpoint, and what was acknowledged since comes again (at least once, never lost:
-  a checkpoint keeps in-flight messages unacknowledged).
+  moved is checkpointed at least every `CHECKPOINT_S` (below), and up to `MAX_BATCH_PUTS` of
+  them every `SOON_CHECKPOINT_S`: a holder that died leaves the last checkpoint, and what was
+  acknowledged since comes again (at least once, never lost: a checkpoint keeps in-flight
+  messages unacknowledged).
 - **The holder stops (SIGTERM).** Its clients reconnect elsewhere while it is still stopping:
   it writes the snapshots of the sessions its stop took offline before its cluster port
   closes (`StateWriter.drain`), so a node whose `ReleaseSession` is refused reads the
@@ -33,7 +34,10 @@ how far it got. Moving a session moves its state, not its messages:
   checkpoint of the sessions whose cursors moved every `CHECKPOINT_S`, batched
   (`StateWriter`: up to `MAX_BATCH_PUTS` snapshots per transaction, one transaction at a
   time), so a node with S moving sessions costs etcd at most S / `MAX_BATCH_PUTS`
-  transactions per `CHECKPOINT_S` (10,000 sessions: 50 per 2 s).
+  transactions per `CHECKPOINT_S` (10,000 sessions: 50 per 2 s). Sooner checkpoints add at
+  most one transaction per `SOON_CHECKPOINT_S` (`MAX_BATCH_PUTS` sessions, those checkpointed
+  longest ago first): with up to that many moving sessions on a node, each is checkpointed
+  every `SOON_CHECKPOINT_S`.
 
 Snapshots live outside the prefix every node watches (`/shardgate/<cluster>.state/`), so a
 disconnect is one etcd write that no other node is woken for.
@@ -45,6 +49,7 @@ import asyncio
 import base64
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -90,10 +95,24 @@ LOCAL_STREAMS = frozenset({"sys"})
 # etcd (as durable subscriptions' `durables.CHECKPOINT_S`): a holder that dies loses at most
 # this much of its sessions' acknowledgements (those messages come again, never fewer).
 CHECKPOINT_S = 2.0
+# ... and sooner for a bounded number of them: every `SOON_CHECKPOINT_S`, up to
+# `MAX_BATCH_PUTS` (one more etcd transaction at most), those checkpointed longest ago first.
+SOON_CHECKPOINT_S = 0.5
 # One etcd transaction of the state writer holds at most this many puts (etcd's
 # --max-txn-ops is 128) and this many bytes of values (its request limit is 1.5 MiB).
 MAX_BATCH_PUTS = 100
 MAX_BATCH_BYTES = 1_000_000
+
+
+def checkpoints_due(moved: dict[str, float], now: float) -> list[str]:
+    """Which of the sessions whose cursors moved (client id -> when its last checkpoint was
+    queued, monotonic seconds) get one now: every one last checkpointed `CHECKPOINT_S` ago or
+    more, and up to `MAX_BATCH_PUTS` more last checkpointed at least `SOON_CHECKPOINT_S` ago,
+    longest ago first (so sooner checkpoints cost etcd one transaction at most)."""
+    due = [client_id for client_id, at in moved.items() if now - at >= CHECKPOINT_S]
+    sooner = sorted((at, client_id) for client_id, at in moved.items()
+                    if SOON_CHECKPOINT_S <= now - at < CHECKPOINT_S)
+    return due + [client_id for _at, client_id in sooner[:MAX_BATCH_PUTS]]
 
 
 class SessionUnavailable(Exception):
@@ -522,8 +541,8 @@ class SessionHandover:
         # sessions handed over whose groups' messages wait here for their new node, by client id
         self._stand_ins: dict[str, GroupStandIn] = {}
         self._collecting: set[asyncio.Future[None]] = set()
-        # the cursors each connected session's snapshot in etcd was last queued with
-        self._checkpointed: dict[str, Any] = {}
+        # the cursors each connected session's snapshot in etcd was last queued with, and when
+        self._checkpointed: dict[str, tuple[Any, float]] = {}
         self._checkpointer: asyncio.Task[None] | None = None
         self.checkpoints = 0
 
@@ -545,7 +564,7 @@ class SessionHandover:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
 
     def start_checkpointing(self) -> None:
-        """Checkpoint connected persistent sessions whose cursors moved, every `CHECKPOINT_S`."""
+        """Checkpoint connected persistent sessions whose cursors moved (`checkpoint`)."""
         if self._checkpointer is None:
             self._checkpointer = asyncio.get_running_loop().create_task(self._checkpoint_loop())
 
@@ -889,29 +908,37 @@ class SessionHandover:
 
     async def _checkpoint_loop(self) -> None:
         while True:
-            await asyncio.sleep(CHECKPOINT_S)
+            await asyncio.sleep(SOON_CHECKPOINT_S)
             try:
                 self.checkpoint()
             except Exception:  # noqa: BLE001 - the next round tries again
                 log.exception("cluster: checkpointing persistent sessions failed")
 
-    def checkpoint(self) -> int:
-        """Queue a snapshot of every connected persistent session here whose cursors moved
-        since its last one (written by the state writer, batched); returns how many."""
-        queued = 0
-        seen: dict[str, Any] = {}
+    def checkpoint(self, now: float | None = None) -> int:
+        """Queue a snapshot of the connected persistent sessions here whose cursors moved since
+        their last one (written by the state writer, batched): every one last checkpointed
+        `CHECKPOINT_S` ago or more, and up to `MAX_BATCH_PUTS` more last checkpointed at least
+        `SOON_CHECKPOINT_S` ago, longest ago first. Returns how many were queued."""
+        now = time.monotonic() if now is None else now
+        seen: dict[str, tuple[Any, float]] = {}
+        moved: dict[str, tuple[Any, float]] = {}
         for client_id, session in self.service.sessions.items():
             if session.connection is None or not session.durable or client_id in self._releasing:
                 continue
             cursors = self._cursors_of(session)
-            seen[client_id] = cursors
-            if self._checkpointed.get(client_id) == cursors:
-                continue
+            last = self._checkpointed.get(client_id)
+            if last is not None:
+                seen[client_id] = last
+                if last[0] == cursors:
+                    continue
+            moved[client_id] = (cursors, last[1] if last is not None else float("-inf"))
+        due = checkpoints_due({client_id: at for client_id, (_cursors, at) in moved.items()}, now)
+        for client_id in due:
             self.writer.put(self.key(client_id), self._checkpoint_of(client_id), replace=False)
-            queued += 1
+            seen[client_id] = (moved[client_id][0], now)
         self._checkpointed = seen
-        self.checkpoints += queued
-        return queued
+        self.checkpoints += len(due)
+        return len(due)
 
     def _checkpoint_of(self, client_id: str) -> Callable[[], bytes | None]:
         def make() -> bytes | None:
@@ -934,7 +961,7 @@ class SessionHandover:
         key = self.key(client_id)
         session_now = self.service.sessions.get(client_id)
         if session_now is not None and session_now.connection is not None:
-            self._checkpointed[client_id] = self._cursors_of(session_now)
+            self._checkpointed[client_id] = (self._cursors_of(session_now), time.monotonic())
         else:
             self._checkpointed.pop(client_id, None)
 

@@ -4,7 +4,7 @@ comes) from a reliable shard another node owns while a publisher goes on; their 
 SIGKILLed mid-stream and they resume on the surviving node from their last checkpoint in etcd.
 
 Every message the publisher had acknowledged reaches them, and what comes twice is only what
-they had already received before the kill (the checkpoint's lag, up to `CHECKPOINT_S`), never a
+they had already received before the kill (the checkpoint's lag), never a
 message they had not seen. A real etcd, two `shardgate serve --cluster` processes, paho MQTT
 5.0, the gRPC SDK and SIGKILL.
 """

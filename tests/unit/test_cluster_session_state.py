@@ -43,3 +43,24 @@ def test_status_shows_the_journal_kept_for_cursors_on_other_nodes() -> None:
     assert render_status(status).splitlines()[-1] == (
         "journal kept here for cursors on other nodes: kept/0 from 17, kept/1 from 0")
     assert "journal kept" not in render_status({**status, "cursor_floors": {}})
+
+
+def test_moved_sessions_are_checkpointed_soon_a_batch_at_a_time_and_all_within_the_bound() -> None:
+    from shardgate.cluster.sessions import (
+        CHECKPOINT_S,
+        MAX_BATCH_PUTS,
+        SOON_CHECKPOINT_S,
+        checkpoints_due,
+    )
+    now = 100.0
+    # a few moving sessions: each checkpointed once SOON_CHECKPOINT_S has passed, not before
+    assert checkpoints_due({"a": now - SOON_CHECKPOINT_S, "b": now - SOON_CHECKPOINT_S / 2}, now) == ["a"]
+    assert checkpoints_due({"new": float("-inf")}, now) == ["new"]
+    # many: one batch of the sooner ones, longest ago first, plus every one past the bound
+    sooner = {f"s{i}": now - SOON_CHECKPOINT_S - i * 0.001 for i in range(MAX_BATCH_PUTS * 3)}
+    overdue = {f"o{i}": now - CHECKPOINT_S for i in range(MAX_BATCH_PUTS * 2)}
+    due = checkpoints_due({**sooner, **overdue}, now)
+    assert set(overdue) <= set(due)
+    taken = [client_id for client_id in due if client_id in sooner]
+    assert len(taken) == MAX_BATCH_PUTS
+    assert taken == [f"s{i}" for i in range(MAX_BATCH_PUTS * 3 - 1, MAX_BATCH_PUTS * 2 - 1, -1)]
