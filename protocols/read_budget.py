@@ -29,8 +29,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-# The default of `listeners.read_budget_s`: seconds of reads one event-loop turn handles.
-DEFAULT_READ_BUDGET_S = 0.005
+# The default of `listeners.read_budget_s`: seconds of reads one event-loop turn handles. A new
+# connection's CONNECT waits, at the poll that reports it, behind the rest of that turn's reads
+# (the listener's readiness comes early in a poll's batch), so the budget is most of the wait:
+# under the soak, 5 ms gave a CONNECT -> CONNACK p99 of 26-30 ms and 2 ms 19-21 ms, at the
+# same throughput (bench/RESULTS.md, 2026-11-24 13:00).
+DEFAULT_READ_BUDGET_S = 0.002
 
 
 class ReadBudget:

@@ -6,7 +6,8 @@ this module at start (as ``sitecustomize``), and it wraps, without changing what
 
 - ``socket.socket.accept`` (what the MQTT listener, `protocols/listener.py`, accepts with):
   when the broker took the connection from the kernel's accept queue;
-- ``MqttProtocol.connection_made``: when its transport was made (a loop iteration later);
+- ``MqttProtocol.socket_accepted`` (when the listener hands it the accepted socket) or, for a
+  connection not made there, ``MqttProtocol.connection_made``: when the connection was made;
 - ``MqttProtocol.data_received``: when the broker first read the connection's bytes;
 - ``MqttConnection._connack_written``: the connection's own marks (read, session open,
   commit durable) and when the CONNACK was handed to the socket.
@@ -26,6 +27,7 @@ import socket
 import time
 
 _PATH = os.environ.get("SOAK_CONNECT_TRACE")
+_TURNS_PATH = os.environ.get("SOAK_TURN_TRACE")
 
 
 def _install(path: str) -> None:
@@ -53,11 +55,25 @@ def _install(path: str) -> None:
     original_received = protocol.data_received
 
     def connection_made(self: mqtt_server.MqttProtocol, transport: object) -> None:
-        # Recorded first: making the connection may read and answer its CONNECT at once.
+        # Recorded first: making the connection may read and answer its CONNECT at once. A
+        # connection made at its accept (`socket_accepted`) was recorded there.
         peer = transport.get_extra_info("peername")  # type: ignore[attr-defined]
-        if isinstance(peer, tuple):
+        if isinstance(peer, tuple) and self.connection is None:
             made[f"{peer[0]}:{peer[1]}"] = clock()
         original_made(self, transport)  # type: ignore[arg-type]
+
+    original_accepted = getattr(protocol, "socket_accepted", None)
+    if original_accepted is not None:
+        def socket_accepted(self: mqtt_server.MqttProtocol, sock: socket.socket) -> None:
+            try:
+                peer = sock.getpeername()
+            except OSError:
+                peer = None
+            if isinstance(peer, tuple):
+                made[f"{peer[0]}:{peer[1]}"] = clock()
+            original_accepted(self, sock)
+
+        protocol.socket_accepted = socket_accepted  # type: ignore[method-assign]
 
     def data_received(self: mqtt_server.MqttProtocol, data: bytes) -> None:
         connection = self.connection
@@ -90,6 +106,40 @@ def _install(path: str) -> None:
         with open(path, "w") as out:
             for record in records:
                 out.write(json.dumps(record) + "\n")
+
+    atexit.register(dump)
+    if _TURNS_PATH:
+        _trace_turns(_TURNS_PATH)
+
+
+def _trace_turns(path: str) -> None:
+    """With ``SOAK_TURN_TRACE`` set too: the end of every event-loop iteration from the first
+    accept on (a timer due at once that sets itself again: libuv runs it after the iteration's
+    I/O callbacks), as doubles in a file, so iteration lengths can be read off. Diagnostic
+    only: the pending timer makes every poll non-blocking, so the loop spins while idle."""
+    import asyncio
+    from array import array
+
+    ends = array("d")
+    clock = time.perf_counter
+    original_accept = socket.socket.accept
+    started = []
+
+    def tick() -> None:
+        ends.append(clock())
+        asyncio.get_running_loop().call_later(0, tick)
+
+    def accept(self: socket.socket) -> tuple[socket.socket, object]:
+        if not started:
+            started.append(True)
+            asyncio.get_running_loop().call_later(0, tick)
+        return original_accept(self)
+
+    socket.socket.accept = accept  # type: ignore[method-assign]
+
+    def dump() -> None:
+        with open(path, "wb") as out:
+            ends.tofile(out)
 
     atexit.register(dump)
 

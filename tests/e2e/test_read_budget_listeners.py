@@ -93,7 +93,7 @@ async def open_amqp(url: str) -> None:
     await connection.close()
 
 
-@pytest.mark.parametrize("budget_s", [0.005, -1.0], ids=["default", "every-read-deferred"])
+@pytest.mark.parametrize("budget_s", [0.002, -1.0], ids=["default", "every-read-deferred"])
 def test_busy_publishers_of_every_listener_progress_and_new_clients_are_answered(
     broker_factory: Callable[..., ThreadedBroker], budget_s: float,
 ) -> None:

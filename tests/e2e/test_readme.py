@@ -178,13 +178,30 @@ def run_snippets(cwd: Path, env: dict[str, str]) -> None:
     result = subprocess.run([sys.executable, "-c", aio_pika], cwd=cwd, env=env,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    sdk = wrapped(snippet("from shardgate.client import"), 10)
-    result = subprocess.run([sys.executable, "-c", sdk], cwd=cwd, env=env,
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert "sensors/t1 b'21.5'" in result.stdout.splitlines()
+    run_sdk_snippet(cwd, env)
     spark = snippet("from datetime import")
     result = subprocess.run([sys.executable, "-c", spark], cwd=cwd, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "sensors/t1" in result.stdout and "count" in result.stdout
+
+
+def run_sdk_snippet(cwd: Path, env: dict[str, str]) -> None:
+    """The SDK snippet, whose consumer loop never ends: it runs until it printed the message it
+    sent (or, failing that, until the timeout given to `wrapped`)."""
+    sdk = wrapped(snippet("from shardgate.client import"), 60)
+    expected = "sensors/t1 b'21.5'"
+    with open(cwd / "sdk-snippet.err", "w+") as errors:
+        process = subprocess.Popen([sys.executable, "-u", "-c", sdk], cwd=cwd, env=env,
+                                   stdout=subprocess.PIPE, stderr=errors, text=True)
+        assert process.stdout is not None
+        printed = []
+        for line in process.stdout:
+            printed.append(line.rstrip("\n"))
+            if printed[-1] == expected:
+                break
+        process.terminate()
+        process.wait(10)
+        process.stdout.close()
+        errors.seek(0)
+        assert expected in printed, f"{printed}\n{errors.read()}"
