@@ -121,7 +121,7 @@ class Persistence:
         self.sink = ports if ports is not None else MetadataPorts(store)
         broker.cursor_sink = self.sink
         self._task: asyncio.Task[None] | None = None
-        self._last_activity: tuple[int, int, int] | None = None
+        self._last_activity: tuple[int, int, int, int] | None = None
         self._released = False
         self._saved: dict[str, tuple[str, tuple[str, ...]]] = {}
         # Set by the composition root when an archiver runs: the journal keeps what it has
@@ -254,9 +254,12 @@ class Persistence:
 
     def check_idle(self) -> bool:
         """Release memory (once) when nothing came in or went out since the last check;
-        returns whether it did."""
+        returns whether it did. An archive file written since counts as activity: the tail of
+        a load is archived up to a minute after it, after the release, and what that write
+        left is handed back by the next one."""
         stats = self.broker.stats
-        activity = (stats.messages_in, stats.messages_out, len(self.broker.subscriptions))
+        activity = (stats.messages_in, stats.messages_out, len(self.broker.subscriptions),
+                    int(getattr(self.archiver, "files_written", 0)))
         idle = activity == self._last_activity
         self._last_activity = activity
         if not idle or self._released:

@@ -249,6 +249,12 @@ class Archiver:
         entry = listed.get(shard)
         return entry[0] if entry else 0
 
+    @property
+    def files_written(self) -> int:
+        """Files written so far, over every shard: background work whose leftovers an idle
+        broker hands back once more (`Persistence.check_idle`) when this changes."""
+        return sum(state.files for state in self._shards.values())
+
     def status(self) -> list[dict[str, Any]]:
         """Per stream and shard: journal range, archived range, lag (records and ms), files,
         bytes, buffered records and the last upload error."""

@@ -1,14 +1,20 @@
 """An idle broker hands back what a burst of load left: its per-topic caches are dropped
-(rebuilt on demand) once per idle period, never while traffic flows."""
+(rebuilt on demand) once per idle period, never while traffic flows, and once more after an
+archive file written while idle."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from shardgate.core.broker import Broker
-from shardgate.core.message import Message
+from shardgate.core.message import Message, now_ms
+from shardgate.core.records import MessageRecord, encode_message
+from shardgate.storage.archive import Archiver, ArchiveSettings
+from shardgate.storage.journal import JournalStorage
 from shardgate.storage.metadata import SqliteMetadataStore
 
+from shardgate import persistence as persistence_module
 from shardgate.persistence import Persistence
 
 
@@ -54,3 +60,39 @@ def test_caches_are_released_once_per_idle_period(tmp_path: Path) -> None:
         assert recorder.got[-1] == "t/1" and len(recorder.got) == 102
     finally:
         store.close()
+
+
+async def test_an_archive_file_written_after_the_idle_release_is_released_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tail of a load is archived up to a minute after it, once the broker is idle and has
+    already released: that write's leftovers are handed back by one more release, while the
+    broker stays idle (a write is activity; nothing came in or went out)."""
+    journal = JournalStorage(tmp_path / "journal", fsync="os")
+    store = SqliteMetadataStore(tmp_path / "meta.db")
+    archiver = Archiver(journal, f"file://{tmp_path / 'archive'}",
+                        lambda: [("default", 1, "bytes")],
+                        ArchiveSettings(poll_interval_s=0.02, max_delay_s=3600))
+    try:
+        persistence = Persistence(Broker(), store)
+        persistence.archiver = archiver
+        releases: list[int] = []
+        monkeypatch.setattr(persistence_module, "release_idle_memory",
+                            lambda broker: releases.append(1))
+        assert not persistence.check_idle()  # first look
+        assert persistence.check_idle() and len(releases) == 1  # idle: released
+        assert not persistence.check_idle()  # once per idle period
+
+        shard_log = journal.open_shard("default", 0)
+        shard_log.append([(now_ms(), encode_message(MessageRecord(
+            topic="t/x", payload=b"x", qos=1, retain=False, publish_time_ms=now_ms(),
+            producer_protocol="mqtt", producer_id="p"))) for _ in range(50)])
+        await shard_log.flush()
+        await archiver.flush()  # the tail of the load, archived after the release
+        assert archiver.files_written == 1
+        assert not persistence.check_idle()  # the write counts as activity
+        assert persistence.check_idle() and len(releases) == 2  # released again
+        assert not persistence.check_idle() and len(releases) == 2
+    finally:
+        await archiver.stop(flush=False)
+        store.close()
+        journal.close()
