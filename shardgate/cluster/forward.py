@@ -370,8 +370,11 @@ class PeerLink:
                 # is away: its clients get retryable errors.
                 self._failed_dials = 0 if self.connected else self._failed_dials + 1
                 # a silent peer is away (frozen): its clients get retryable errors at once
+                was_reachable = self.reachable
                 self.reachable = (self._failed_dials < 2 and not isinstance(exc, PeerSilent)
                                   and not self._closed)
+                if was_reachable and not self.reachable and not self.connected:
+                    self.plane.link_state_changed()  # SUBACKs stop waiting for it
                 oldest = next(iter(self._unanswered.values()), None)
                 if not self.reachable or (
                     oldest is not None and time.perf_counter() - oldest.written_at > RESUME_LIMIT_S
@@ -1375,10 +1378,12 @@ class DataPlane:
             link.send_routes(update, self.route_generation)
 
     def routes_ready(self) -> asyncio.Future[None] | None:
-        """None when every peer this node is linked to has applied its routes as they are
-        now (subscriptions made so far); else a future that resolves once they have, or after
-        ROUTE_WAIT_S (a slow peer). Peers whose link is down are not waited for: they get the
-        whole route set when their link comes back."""
+        """None when every peer in the view has applied this node's routes as they are now
+        (subscriptions made so far); else a future that resolves once they have, or after
+        ROUTE_WAIT_S (a slow peer). A peer whose link is still dialing (a node just joined or
+        restarted) is waited for too, as it may own a shard and store for the subscription
+        before it knows of it; a peer found away (two failed dials, or silent) is not: it gets
+        the whole route set when its link comes back."""
         target = self.route_generation + (1 if self._flush_handle is not None else 0)
         if self._routes_reached(target):
             return None
@@ -1391,7 +1396,8 @@ class DataPlane:
     def _routes_reached(self, target: int) -> bool:
         if self._flush_handle is None:
             target = min(target, self.route_generation)
-        return all(link.routes_answered >= target for link in self.links.values() if link.connected)
+        return all(link.routes_answered >= target for link in self.links.values()
+                   if link.connected or link.reachable)
 
     def pushes_settled(self) -> asyncio.Future[None] | None:
         """None when every peer this node is linked to has applied its routes as they are now
