@@ -11,23 +11,18 @@ once and reaches the subscriber once, in per-topic order.
 
 from __future__ import annotations
 
-import asyncio
 import queue
 import signal
 import time
 from collections import defaultdict
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from shardgate.client import Client
 
 from tests.conftest import wait_for
 from tests.e2e.cluster_fixtures import (
     ClusterNodeProcess,
     ContinuousPublisher,
     EtcdServer,
-    protocol_node,
     topics_of,
     wait_settled,
 )
@@ -35,7 +30,7 @@ from tests.e2e.test_cluster_cross_node import routes_reach
 from tests.e2e.test_cluster_faults import (
     RETRYABLE,
     assert_every_acknowledged_message_is_stored_once,
-    placed_on_both,
+    nodes,  # noqa: F401  (the fixture: n1, n2, stream `safe`)
     sequence,
 )
 from tests.mqtt_clients import V5, Paho
@@ -44,41 +39,21 @@ from tests.mqtt_clients import V5, Paho
 FROZEN_S = 1.5
 
 
-@pytest.fixture
-def spread(etcd: EtcdServer, tmp_path: Path) -> Iterator[list[ClusterNodeProcess]]:
-    """n1 and n2 with every protocol and the reliable stream `safe` (4 shards) on both."""
-    started = [protocol_node(tmp_path, name, etcd.url).start() for name in ("n1", "n2")]
-    try:
-        wait_settled(started)
-
-        async def create() -> None:
-            async with Client(started[0].grpc_url) as client:
-                await client.admin.create_stream("safe", partitions=4, mode="reliable")
-
-        asyncio.run(create())
-        wait_for(lambda: all(placed_on_both(node.status()) for node in started), timeout=30)
-        yield started
-    finally:
-        for node in started:
-            if node.alive():
-                node.kill()
-
-
 def epochs(node: ClusterNodeProcess) -> dict[str, list[list[object]]]:
     return node.status()["placement"]
 
 
 @pytest.mark.timeout(240)
 def test_a_node_frozen_for_less_than_its_lease_delays_clients_but_loses_and_repeats_nothing(
-    spread: list[ClusterNodeProcess],
+    nodes: list[ClusterNodeProcess],  # noqa: F811
 ) -> None:
-    n1, n2 = spread
+    n1, n2 = nodes
     status = n1.status()
     topics = topics_of(status, "safe", "safe/slow", per_shard=2)
     own = topics_of(status, "safe", "safe/own", owner="n1", per_shard=2)
     reader = Paho(n1.mqtt_port, "reader", V5)
     reader.subscribe("safe/#", 1)
-    routes_reach(spread, n1)
+    routes_reach(nodes, n1)
     placement_before = epochs(n1)
     to_n1 = ContinuousPublisher(n1.mqtt_port, "to-n1", own)
     via_n1 = ContinuousPublisher(n1.mqtt_port, "via-n1", topics)
@@ -105,7 +80,7 @@ def test_a_node_frozen_for_less_than_its_lease_delays_clients_but_loses_and_repe
     assert epochs(n1) == placement_before
     assert {entry["node_id"] for entry in n1.status()["nodes"]} == {"n1", "n2"}
     publishers = [to_n1, via_n1, on_n2]
-    assert_every_acknowledged_message_is_stored_once(spread, publishers)
+    assert_every_acknowledged_message_is_stored_once(nodes, publishers)
     # the subscriber on n1 gets every acknowledged message once, each publisher's in order per
     # topic (publishes refused while n2 was frozen were not stored and do not come)
     acknowledged = {payload for p in publishers for payload in p.acknowledged}
@@ -131,13 +106,13 @@ def test_a_node_frozen_for_less_than_its_lease_delays_clients_but_loses_and_repe
 
 @pytest.mark.timeout(240)
 def test_a_node_that_loses_etcd_serves_its_shards_for_the_lease_ttl_then_refuses_then_rejoins(
-    spread: list[ClusterNodeProcess], etcd: EtcdServer,
+    nodes: list[ClusterNodeProcess], etcd: EtcdServer,  # noqa: F811
 ) -> None:
     """etcd is killed while a client publishes to n1's own reliable shards: n1 keeps
     acknowledging them while its lease can still be alive, then refuses them (it can no longer
     prove it owns them: retryable, with a reason), and acknowledges again once etcd is back and
     it has registered again. Nothing acknowledged is lost or stored twice."""
-    n1, _n2 = spread
+    n1, _n2 = nodes
     own = topics_of(n1.status(), "safe", "safe/etcd", owner="n1", per_shard=2)
     publisher = ContinuousPublisher(n1.mqtt_port, "own", own)
     wait_for(lambda: publisher.count() >= 50, timeout=60)
@@ -151,7 +126,7 @@ def test_a_node_that_loses_etcd_serves_its_shards_for_the_lease_ttl_then_refuses
     assert {code for code, _reason, _topic in publisher.refused} <= RETRYABLE, publisher.refused[:3]
     assert all(reason for _code, reason, _topic in publisher.refused), "every refusal says why"
     etcd.start()
-    wait_settled(spread)
+    wait_settled(nodes)
     # acknowledged again: 50 in a row with no refusal between them
     mark = [publisher.count(), publisher.refusals()]
 
@@ -163,4 +138,4 @@ def test_a_node_that_loses_etcd_serves_its_shards_for_the_lease_ttl_then_refuses
     wait_for(fifty_in_a_row, timeout=60)
     publisher.stop()
     assert not publisher.dropped.is_set(), publisher.disconnect
-    assert_every_acknowledged_message_is_stored_once(spread, [publisher])
+    assert_every_acknowledged_message_is_stored_once(nodes, [publisher])
