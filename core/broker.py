@@ -332,6 +332,7 @@ class Broker:
         sub.filters[topic_filter] = options
         if new:
             self._trie.add(topic_filter, sub)
+            sub.filters_changed()
             self._match_cache.clear()
             if self.on_routes_changed is not None:
                 self.on_routes_changed()
@@ -343,6 +344,7 @@ class Broker:
             return False
         del sub.filters[topic_filter]
         self._trie.remove(topic_filter, sub)
+        sub.filters_changed()
         self._match_cache.clear()
         if self.on_routes_changed is not None:
             self.on_routes_changed()
@@ -359,6 +361,7 @@ class Broker:
             for topic_filter in list(sub.filters):
                 self._trie.remove(topic_filter, sub)
             sub.filters.clear()
+            sub.filters_changed()
             self._match_cache.clear()
             if self.on_routes_changed is not None:
                 self.on_routes_changed()

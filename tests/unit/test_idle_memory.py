@@ -48,7 +48,7 @@ def test_caches_are_released_once_per_idle_period(tmp_path: Path) -> None:
         assert not persistence.check_idle()  # first look: traffic since the start
         assert persistence.check_idle()  # nothing since: released
         assert broker._match_cache == {} and broker._topic_stream_cache == {}
-        assert durable._matching_cache == {}
+        assert durable._filter_set is None
         assert not persistence.check_idle()  # once per idle period
 
         broker.publish(Message("t/again", b"x"))
