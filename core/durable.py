@@ -119,9 +119,10 @@ TURN_PUMP_S = 0.002
 turn (then the rest waits for the next turn, after the turn's I/O): with many sessions
 resuming at once, a CONNECT or an acknowledgement never waits behind all of their replays.
 Under the soak the replay is a third of the loop's time, and a new connection waits through
-about two turns' replay slices (the one running as it connects, and the one queued before its
-`connection_made`): 2 ms rather than 4 took the soak's CONNECT -> CONNACK p99 from 26-34 ms
-to about 20 with more waves completed (bench/RESULTS.md, 2026-11-24 16:00)."""
+one or two replay slices (the turn running as it connects, and the slice queued before its
+`connection_made`): 2 ms rather than 4 took the soak's CONNECT -> CONNACK from p50 12-14 /
+p99 24-34 ms to 9 / 20-24 on a loaded machine, with as many waves completed
+(bench/RESULTS.md, 2026-11-24 16:00)."""
 AHEAD_BYTES = 256 * 1024
 """At most this many record bytes are kept per cursor between turns (else read again)."""
 
