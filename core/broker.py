@@ -470,6 +470,9 @@ class Broker:
         plain_protocol = plain_name = ""
         plain_shard: Shard | None = None
         plain_count = plain_bytes = 0
+        # The plain shard's lists in `appends`, once one of its messages is to be stored: the
+        # next ones (neither retained nor transient) join them directly.
+        plain_pending: tuple[list[int], list[Message]] | None = None
         for index, message in enumerate(messages):
             try:
                 if (
@@ -482,6 +485,11 @@ class Broker:
                     message.shard = shard.index
                     plain_count += 1
                     plain_bytes += len(message.payload)
+                    if plain_pending is not None and not message.retain and not message.transient:
+                        plain_pending[0].append(index)
+                        plain_pending[1].append(message)
+                        steps.append((index, shard, _STORED))
+                        continue
                 else:
                     routed = self._route(message, counted)
                     if isinstance(routed, Held):
@@ -501,6 +509,7 @@ class Broker:
                         plain_topic, plain_protocol = message.topic, message.producer_protocol
                         plain_shard, plain_name = shard, message.stream
                         plain_count = plain_bytes = 0
+                        plain_pending = None
                 if shard.log is None:
                     step = _MEMORY
                 elif message.transient and not self._wanted_durably(message.topic):
@@ -512,6 +521,8 @@ class Broker:
                     pending[0].append(index)
                     pending[1].append(message)
                     step = _STORED
+                    if shard is plain_shard:
+                        plain_pending = pending
                 if message.retain:
                     self._retain(message)
             except PublishRejected as exc:
@@ -699,15 +710,17 @@ class Broker:
         if shard in held:
             self._release_reserved(shard, deliverable_end)
         now: list[Message] = []
+        holding = shard in held
         for message, index in zip(group, indices, strict=True):
             if outcomes[index] is not None:
                 continue  # refused by the journal
             outcomes[index] = waiter
-            if message.offset < deliverable_end and shard not in held:
+            if message.offset < deliverable_end and not holding:
                 now.append(message)  # see `_appended`
             else:
                 if not commit_group.messages:
                     held[shard] = held.get(shard, 0) + 1
+                holding = True
                 commit_group.messages.append(message)
                 commit_group.last_offset = message.offset
         if now:
