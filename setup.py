@@ -88,8 +88,22 @@ def _built_in_place(group: str, package: str, modules: tuple[str, ...]) -> bool:
     )
 
 
+METADATA_COMMANDS = {"egg_info", "dist_info"}
+"""What pip's build hooks run before the build itself (the requirements, the metadata): they
+never build an extension, so the modules are not analysed for them (each mypyc analysis takes
+most of a minute)."""
+
+
+def only_metadata(arguments: list[str]) -> bool:
+    return bool(METADATA_COMMANDS.intersection(arguments)) and not any(
+        command in arguments for command in ("build", "build_ext", "bdist_wheel",
+                                             "editable_wheel", "install", "develop"))
+
+
 def compiled_extensions() -> list:
     if os.environ.get("SHARDGATE_PURE") == "1" or platform.python_implementation() != "CPython":
+        return []
+    if only_metadata(sys.argv[1:]):
         return []
     try:
         from mypyc.build import mypycify

@@ -691,9 +691,10 @@ class Result:
 
 def run(workdir: Path, seed: int, seconds: float, *, gap_s: tuple[float, float] = (1.0, 4.0),
         drain_timeout_s: float = 60.0, overlap: bool = False, max_freeze_s: float = 6.0,
-        mixes: bool = False, report: Callable[[str], None] = log) -> Result:
-    """Start the cluster and the clients, apply faults for `seconds`, settle, check. Each
-    fault waits for the cluster to settle before the next, unless `overlap`."""
+        mixes: bool = False, min_faults: int = 0, report: Callable[[str], None] = log) -> Result:
+    """Start the cluster and the clients, apply faults for `seconds` (and until `min_faults`
+    were applied: on a loaded machine each settle takes longer), settle, check. Each fault
+    waits for the cluster to settle before the next, unless `overlap`."""
     rng = random.Random(seed)
     journal = Journal()
     cluster = Cluster(workdir)
@@ -721,7 +722,7 @@ def run(workdir: Path, seed: int, seconds: float, *, gap_s: tuple[float, float] 
         wait_for(lambda: all(p.progress for p in publishers), timeout=60, interval=0.05)
         report(f"seed {seed}: clients running, faults for {seconds:.0f}s")
         end = time.monotonic() + seconds
-        while time.monotonic() < end:
+        while time.monotonic() < end or len(faults) < min_faults:
             time.sleep(rng.uniform(*gap_s))
             faults.append(apply_fault(rng, cluster, clients, journal, max_freeze_s, mixes))
             report(f"fault: {faults[-1]}")

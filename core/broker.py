@@ -162,6 +162,10 @@ class Broker:
         self._streams: dict[str, Stream] = {}
         self._trie: TopicTrie[Subscription] = TopicTrie()
         self._match_cache: dict[str, Matches] = {}
+        # The distinct values of `_match_cache`, so that topics matched by the same filters
+        # share one list (with an id in every topic, most entries would otherwise be a list,
+        # its pairs and their filter tuples of their own).
+        self._match_results: dict[tuple[tuple[Subscription, tuple[str, ...]], ...], Matches] = {}
         self._topic_stream_cache: dict[str, Stream] = {}
         # Told of stream and route changes (the composition root persists them); set once the
         # streams of the configuration exist.
@@ -332,7 +336,8 @@ class Broker:
         sub.filters[topic_filter] = options
         if new:
             self._trie.add(topic_filter, sub)
-            self._match_cache.clear()
+            sub.filters_changed()
+            self._forget_matches()
             if self.on_routes_changed is not None:
                 self.on_routes_changed()
             self._durable_defined(sub)
@@ -343,7 +348,8 @@ class Broker:
             return False
         del sub.filters[topic_filter]
         self._trie.remove(topic_filter, sub)
-        self._match_cache.clear()
+        sub.filters_changed()
+        self._forget_matches()
         if self.on_routes_changed is not None:
             self.on_routes_changed()
         self._durable_defined(sub)
@@ -359,7 +365,8 @@ class Broker:
             for topic_filter in list(sub.filters):
                 self._trie.remove(topic_filter, sub)
             sub.filters.clear()
-            self._match_cache.clear()
+            sub.filters_changed()
+            self._forget_matches()
             if self.on_routes_changed is not None:
                 self.on_routes_changed()
         return sub
@@ -390,10 +397,15 @@ class Broker:
         """Drop the per-topic caches (topic → stream, topic → subscriptions, and each durable
         subscription's), which are rebuilt on demand: an idle broker gives their memory back."""
         self._match_cache = {}
+        self._match_results = {}
         self._topic_stream_cache = {}
         for sub in list(self.subscriptions.values()):
             if isinstance(sub, DurableSubscription):
                 sub.forget_cached_matches()
+
+    def _forget_matches(self) -> None:
+        self._match_cache.clear()
+        self._match_results.clear()
 
     def match(self, topic: str) -> Matches:
         matches = self._match_cache.get(topic)
@@ -402,8 +414,14 @@ class Broker:
             for topic_filter, sub in self._trie.match(topic):
                 grouped.setdefault(sub, []).append(topic_filter)
             matches = [(sub, tuple(filters)) for sub, filters in grouped.items()]
+            found = tuple(matches)
+            shared = self._match_results.get(found)
+            if shared is None:
+                self._match_results[found] = matches
+            else:
+                matches = shared
             if len(self._match_cache) >= MATCH_CACHE_LIMIT:
-                self._match_cache.clear()
+                self._forget_matches()
             self._match_cache[topic] = matches
         return matches
 

@@ -44,12 +44,12 @@ from ..storage.interfaces import (
     StorageError,
     StoredRecord,
 )
+from .filter_sets import FilterSet
 from .index_keys import any_may_match
 from .message import Message, now_ms
 from .outbox import SLOW_SUBSCRIBER
 from .records import READABLE_VERSIONS, RecordFormatError, decode_to_message, record_topic
 from .subscriptions import Consumer, Subscription, SubscriptionType
-from .topics import filter_matches
 
 if TYPE_CHECKING:
     from .broker import Broker
@@ -255,8 +255,8 @@ class ShardCursor:
 class DurableSubscription(Subscription):
     __slots__ = (
         "broker", "options", "cursors", "_redeliver", "_delayed", "_pump_scheduled", "_dirty",
-        "sink", "initial_position", "_matching_cache", "_timer", "_raw_matching_cache",
-        "_cached_filters", "_held", "_held_returned", "_key_cache",
+        "sink", "initial_position", "_filter_set", "_timer", "_held", "_held_returned",
+        "_key_cache",
     )
 
     def __init__(
@@ -279,14 +279,12 @@ class DurableSubscription(Subscription):
         self._dirty: set[tuple[str, int]] = set()
         self.sink = sink
         self.initial_position = initial_position
-        self._matching_cache: dict[str, tuple[str, ...]] = {}
-        # The same by the topic's encoded bytes, for replay reading records from a block.
-        self._raw_matching_cache: dict[bytes, tuple[str, ...]] = {}
+        # The filters compiled for matching topics (`core/filter_sets.py`), made when first
+        # needed after a change of the filters.
+        self._filter_set: FilterSet | None = None
         # Whether the filters can match a record of an index key (`core/index_keys.py`), for
-        # replay reading through the journal's key index.
+        # replay reading through the journal's key index (keys are topic prefixes: few).
         self._key_cache: dict[bytes, bool] = {}
-        # The filters both caches were filled for (they are emptied when the filters change).
-        self._cached_filters: tuple[str, ...] = ()
         self._timer: asyncio.TimerHandle | None = None
         # Messages of non-reliable shards (no log to replay them from) waiting for a consumer
         # with room, oldest first: see `_hold`.
@@ -522,38 +520,33 @@ class DurableSubscription(Subscription):
         consumer.deliver(message, self, filters)
 
     def forget_cached_matches(self) -> None:
-        """Drop the per-topic filter cache (rebuilt on demand): memory back when idle."""
-        self._matching_cache = {}
-        self._raw_matching_cache = {}
+        """Drop what was compiled or cached from the filters (made again on demand): memory
+        back when idle."""
+        self._filter_set = None
         self._key_cache = {}
 
-    def _check_cached_filters(self) -> None:
-        filters = tuple(self.filters)
-        if filters != self._cached_filters:
-            self._cached_filters = filters
-            self._matching_cache = {}
-            self._raw_matching_cache = {}
-            self._key_cache = {}
+    def filters_changed(self) -> None:
+        self.forget_cached_matches()
+
+    def _compiled_filters(self) -> FilterSet:
+        filter_set = self._filter_set
+        if filter_set is None:
+            filter_set = self._filter_set = FilterSet(self.filters)
+        return filter_set
 
     def _wants_key(self, key: bytes) -> bool:
         """Whether a record of index key `key` may match the filters (the journal's key index
         asks this of each key of a segment)."""
         wanted = self._key_cache.get(key)
         if wanted is None:
-            wanted = any_may_match(self._cached_filters, key)
+            wanted = any_may_match(self._compiled_filters().filters, key)
             if len(self._key_cache) > 10_000:
                 self._key_cache.clear()
             self._key_cache[key] = wanted
         return wanted
 
     def _filters_for(self, topic: str) -> tuple[str, ...]:
-        cached = self._matching_cache.get(topic)
-        if cached is None:
-            cached = tuple(f for f in self.filters if filter_matches(f, topic))
-            if len(self._matching_cache) > 10_000:
-                self._matching_cache.clear()
-            self._matching_cache[topic] = cached
-        return cached
+        return self._compiled_filters().matching_name(topic)
 
     # ------------------------------------------------------------------ acknowledgements
     def handed_out_before(self, message: Message) -> bool:
@@ -759,7 +752,6 @@ class DurableSubscription(Subscription):
             return budget
         if cursor.position < shard_log.low_watermark and not cursor.archived:
             shard_log = self._read_from_owner(cursor) or shard_log
-        self._check_cached_filters()
         # The journal reads the records of the topics wanted through its key index, or else in
         # blocks (one buffer, no object per record); other logs per record.
         read_keyed = shard_log.read_keyed if _reads_keyed(shard_log) else None
@@ -896,7 +888,7 @@ class DurableSubscription(Subscription):
         first = block.first_offset
         offsets = block.offsets if _is_keyed(block) else None
         unpack_length = _TOPIC_LENGTH.unpack_from
-        raw_cache = self._raw_matching_cache
+        matching = self._compiled_filters().matching
         skip = cursor.skip
         if offsets is None:
             begin = max(0, cursor.position - first)
@@ -916,13 +908,7 @@ class DurableSubscription(Subscription):
                 topic_end = topic_start + unpack_length(buffer, start + _TOPIC_LENGTH_AT)[0]
                 if topic_end > end:
                     raise RecordFormatError("truncated message record")
-                raw_topic = buffer[topic_start:topic_end]
-                filters = raw_cache.get(raw_topic)
-                if filters is None:
-                    filters = self._filters_for(raw_topic.decode("utf-8"))
-                    if len(raw_cache) > 10_000:
-                        raw_cache.clear()
-                    raw_cache[raw_topic] = filters
+                filters = matching(buffer, topic_start, topic_end)
                 if not filters:
                     if skip:
                         skip.discard(offset)

@@ -92,6 +92,10 @@ class Subscription:
     def __repr__(self) -> str:
         return f"Subscription({self.name!r}, {self.type.value}, filters={list(self.filters)})"
 
+    def filters_changed(self) -> None:
+        """Called by the broker after a filter was added to or removed from `filters`: drop
+        anything made from the filters before."""
+
     def attach(self, consumer: Consumer) -> None:
         if consumer in self.consumers:
             return

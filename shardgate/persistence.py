@@ -17,7 +17,7 @@ from .core.records import decode_to_message, encode_message, forget_producer_tai
 from .core.streams import DispatchMode, RoutingRule, Schema, StreamConfig
 from .core.subscriptions import SubscriptionType
 from .protocols.mqtt.encoders import forget_topic_fields
-from .storage.allocators import return_freed_memory
+from .storage.allocators import release_free_pools, return_freed_memory
 from .storage.interfaces import IdleReleasable
 from .storage.metadata import (
     MetadataStore,
@@ -37,9 +37,10 @@ IDLE_CHECK_EVERY_TICKS = 25  # every 5 s: a broker idle for one whole period giv
 def release_idle_memory(broker: Broker) -> None:
     """What a burst of load left behind, handed back once the broker is idle: the per-topic
     and per-producer caches (rebuilt on demand), unreachable cycles, Arrow's pool and the free
-    pages of glibc's heap (which otherwise keeps what the peak needed for good). A cache entry
-    made under load and kept would hold a pool of Python's small-object heap, and with it its
-    1 MiB arena, for good."""
+    pages of glibc's heap and of pymalloc's free pools (which otherwise keep what the peak
+    needed for good). A cache entry made under load and kept would hold a pool of Python's
+    small-object heap, and with it its 1 MiB arena, for good; the free pools' pages of such an
+    arena are handed back all the same."""
     broker.forget_cached_matches()
     forget_producer_tails()
     forget_topic_fields()
@@ -50,6 +51,12 @@ def release_idle_memory(broker: Broker) -> None:
     forget_abc_caches()
     gc.collect()
     return_freed_memory()
+    try:
+        pools = release_free_pools()
+    except Exception:  # a probe of the allocator's own memory: never worth an idle broker
+        log.exception("releasing the free pools of the small-object heap failed")
+    else:
+        log.debug("idle release: pages of %d free small-object pools handed back", pools)
 
 
 def forget_abc_caches() -> None:

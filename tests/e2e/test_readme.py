@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,6 +135,7 @@ def test_readme_commands_and_snippets_run_as_printed(
     for command in commands():
         if command == TEST_SUITE:
             continue  # what .ci/run runs, see the test above
+        started = time.monotonic()
         if command == "pip install -e .":
             run(command, cwd=ROOT, timeout=300)  # in the checkout, as the README says
         elif command == "shardgate serve":
@@ -165,7 +167,8 @@ def test_readme_commands_and_snippets_run_as_printed(
         else:
             run(command, timeout=300)
         done.append(command)
-        print(command, file=timing, flush=True)
+        # seconds per command (a Spark job, the install): where this test's time goes
+        print(f"{time.monotonic() - started:7.1f} s  {command}", file=timing, flush=True)
     assert "shardgate users list" in done
     assert subscriber is not None
     os.killpg(subscriber.pid, signal.SIGTERM)

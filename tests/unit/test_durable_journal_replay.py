@@ -149,3 +149,53 @@ async def test_a_cursor_far_behind_passes_unwanted_records_through_the_key_index
     assert [m.payload for m in consumer.got] == [b"wanted"]
     assert turns <= 10_001 // INDEX_RECORDS + 2
     assert sub.cursors[("default", 0)].position == 10_001
+
+
+
+async def test_replay_keeps_nothing_per_topic(journal: JournalStorage) -> None:
+    """Topics that rarely repeat (an id in every topic) leave the replaying subscription no
+    state per topic: what it keeps does not grow with the number of distinct topics read."""
+    import gc
+    import tracemalloc
+
+    broker = reliable(journal)
+    count = 3000
+    for i in range(count):
+        wanted = i % 3 == 0
+        broker.publish(Message(f"{'want' if wanted else 'other'}/site/devices/{i}/temperature", b"%d" % i))
+    await journal.flush()
+    tracemalloc.start(1)
+    try:
+        sub = broker.durable_subscription("replayer", initial_position="earliest")
+        broker.add_filter(sub, "want/#")
+        consumer = Consumer("c", window=1000)
+        broker.attach(sub, consumer)
+        got: list[int] = []
+        for _ in range(20_000):
+            await asyncio.sleep(0)
+            consumer.ack_all()
+            got += [int(m.payload) for m in consumer.got]
+            consumer.got.clear()
+            if len(got) >= count // 3:
+                break
+        gc.collect()
+        snapshot = tracemalloc.take_snapshot().filter_traces(
+            [tracemalloc.Filter(True, "*core/durable.py"), tracemalloc.Filter(True, "*core/filter_sets.py")])
+        kept = sum(stat.size for stat in snapshot.statistics("filename"))
+    finally:
+        tracemalloc.stop()
+    assert got == list(range(0, count, 3))
+    assert kept < 30_000, f"{kept} bytes kept by the subscription after reading {count} topics"
+
+
+def test_a_changed_filter_set_is_matched_at_once(journal: JournalStorage) -> None:
+    """Redelivery and replay ask which filters match a topic: a filter added or removed counts
+    from the next question on."""
+    broker = reliable(journal)
+    sub = broker.durable_subscription("changing")
+    broker.add_filter(sub, "a/#")
+    assert sub._filters_for("b/1") == ()
+    broker.add_filter(sub, "b/+")
+    assert sub._filters_for("b/1") == ("b/+",)
+    broker.remove_filter(sub, "a/#")
+    assert sub._filters_for("a/1") == ()

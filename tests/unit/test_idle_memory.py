@@ -48,7 +48,7 @@ def test_caches_are_released_once_per_idle_period(tmp_path: Path) -> None:
         assert not persistence.check_idle()  # first look: traffic since the start
         assert persistence.check_idle()  # nothing since: released
         assert broker._match_cache == {} and broker._topic_stream_cache == {}
-        assert durable._matching_cache == {}
+        assert durable._filter_set is None
         assert not persistence.check_idle()  # once per idle period
 
         broker.publish(Message("t/again", b"x"))
@@ -96,3 +96,20 @@ async def test_an_archive_file_written_after_the_idle_release_is_released_again(
         await archiver.stop(flush=False)
         store.close()
         journal.close()
+
+
+def test_topics_matched_by_the_same_filters_share_one_cached_result() -> None:
+    """An id in every topic must not make the broker's topic -> subscriptions cache keep a list,
+    pairs and filter tuples per topic."""
+    broker = Broker()
+    sub = broker.subscription("devices")
+    broker.add_filter(sub, "devices/+/temperature")
+    recorder = Recorder()
+    broker.attach(sub, recorder)
+    for i in range(500):
+        broker.publish(Message(f"devices/{i}/temperature", b"x"))
+    results = {id(matches) for matches in broker._match_cache.values()}
+    assert len(broker._match_cache) == 500 and len(results) == 1
+    broker.remove_filter(sub, "devices/+/temperature")
+    assert broker._match_cache == {} and broker._match_results == {}  # no removed subscription kept
+    assert len(recorder.got) == 500

@@ -103,3 +103,19 @@ def test_pure_switch_is_not_read_as_a_setting() -> None:
 
     config = load_config(environ={"SHARDGATE_PURE": "1", "SHARDGATE_MQTT_PORT": "1999"})
     assert config.listeners.mqtt_port == 1999
+
+
+def test_only_the_build_commands_analyse_the_compiled_modules() -> None:
+    """pip asks setup.py for the build's requirements (`egg_info`) and the metadata
+    (`dist_info`) before the build: those run no mypyc analysis (most of a minute each), the
+    builds (editable or not) still compile."""
+    import runpy
+    from pathlib import Path
+
+    setup = runpy.run_path(str(Path(__file__).resolve().parents[2] / "setup.py"))
+    only_metadata = setup["only_metadata"]
+    assert only_metadata(["egg_info"])
+    assert only_metadata(["dist_info", "--output-dir", "/tmp/x", "--keep-egg-info"])
+    assert not only_metadata(["editable_wheel", "--dist-info-dir", "/tmp/x"])
+    assert not only_metadata(["bdist_wheel", "--dist-dir", "/tmp/x"])
+    assert not only_metadata(["build_ext", "--inplace"])
