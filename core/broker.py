@@ -488,6 +488,9 @@ class Broker:
         plain_protocol = plain_name = ""
         plain_shard: Shard | None = None
         plain_count = plain_bytes = 0
+        # The plain shard's lists in `appends`, once one of its messages is to be stored: the
+        # next ones (neither retained nor transient) join them directly.
+        plain_pending: tuple[list[int], list[Message]] | None = None
         for index, message in enumerate(messages):
             try:
                 if (
@@ -500,6 +503,11 @@ class Broker:
                     message.shard = shard.index
                     plain_count += 1
                     plain_bytes += len(message.payload)
+                    if plain_pending is not None and not message.retain and not message.transient:
+                        plain_pending[0].append(index)
+                        plain_pending[1].append(message)
+                        steps.append((index, shard, _STORED))
+                        continue
                 else:
                     routed = self._route(message, counted)
                     if isinstance(routed, Held):
@@ -519,6 +527,7 @@ class Broker:
                         plain_topic, plain_protocol = message.topic, message.producer_protocol
                         plain_shard, plain_name = shard, message.stream
                         plain_count = plain_bytes = 0
+                        plain_pending = None
                 if shard.log is None:
                     step = _MEMORY
                 elif message.transient and not self._wanted_durably(message.topic):
@@ -530,6 +539,8 @@ class Broker:
                     pending[0].append(index)
                     pending[1].append(message)
                     step = _STORED
+                    if shard is plain_shard:
+                        plain_pending = pending
                 if message.retain:
                     self._retain(message)
             except PublishRejected as exc:
@@ -716,18 +727,22 @@ class Broker:
         held = self._held
         if shard in held:
             self._release_reserved(shard, deliverable_end)
-        dispatch = self.dispatch
+        now: list[Message] = []
+        holding = shard in held
         for message, index in zip(group, indices, strict=True):
             if outcomes[index] is not None:
                 continue  # refused by the journal
             outcomes[index] = waiter
-            if message.offset < deliverable_end and shard not in held:
-                dispatch(message)  # see `_appended`
+            if message.offset < deliverable_end and not holding:
+                now.append(message)  # see `_appended`
             else:
                 if not commit_group.messages:
                     held[shard] = held.get(shard, 0) + 1
+                holding = True
                 commit_group.messages.append(message)
                 commit_group.last_offset = message.offset
+        if now:
+            self.dispatch_all(now)
 
     def _appended(
         self, shard: Shard, message: Message, waiter: asyncio.Future[None] | None
@@ -776,8 +791,7 @@ class Broker:
                 held[shard] = count
             else:
                 held.pop(shard, None)
-            for message in messages:
-                self.dispatch(message)
+            self.dispatch_all(messages)
 
     def _on_commit(self, waiter: asyncio.Future[None]) -> None:
         group = self._awaiting_commit.pop(waiter, None)
@@ -792,9 +806,7 @@ class Broker:
                 self._held.pop(shard, None)
         if not (waiter.cancelled() or waiter.exception() is not None):
             self.stats.commit_latency.observe(time.perf_counter() - group.first_append)
-            dispatch = self.dispatch
-            for message in group.messages:
-                dispatch(message)
+            self.dispatch_all(group.messages)
             if shard in self._held:  # later groups the reservation covers now go out too
                 assert shard.log is not None
                 self._release_reserved(shard, shard.log.deliverable_end)
@@ -841,6 +853,40 @@ class Broker:
             consumer.deliver(message, sub, filters)
             delivered += 1
         return delivered
+
+    def dispatch_all(self, messages: list[Message]) -> None:
+        """`dispatch` each of `messages`, in order (a commit group, the stored messages of a
+        read): the subscriptions are looked up once per run of messages on one topic.
+
+        A delivery may change the subscriptions (a slow subscriber disconnected): the run's
+        lookup is reused only while the match cache still holds it."""
+        if self.fanout is not None or len(messages) < 2:
+            for message in messages:
+                self.dispatch(message)
+            return
+        stats = self.stats
+        exclusive = EXCLUSIVE
+        topic: str | None = None
+        matches: Matches = []
+        for message in messages:
+            if message.topic != topic or self._match_cache.get(topic) is not matches:
+                topic = message.topic
+                matches = self.match(topic)
+            if not matches:
+                stats.messages_without_subscriber += 1
+                continue
+            for sub, filters in matches:
+                if sub.durable:
+                    sub.offer(message, filters)  # type: ignore[attr-defined]
+                    continue
+                if sub.type is exclusive and sub.consumers:
+                    consumer: Consumer | None = sub.consumers[0]  # `pick`, inline
+                else:
+                    consumer = sub.pick(message.shard)
+                if consumer is None:
+                    stats.drop("no_consumer")  # a live subscription nobody consumes
+                    continue
+                consumer.deliver(message, sub, filters)
 
     def keep_internal(self, message: Message) -> None:
         """Keep `message` as internal state under its topic (which must start with

@@ -114,10 +114,15 @@ not counted: they cost nothing to pass, and a message confirmed behind them must
 queue at once."""
 DEADLINE_EVERY = 16
 """Deliveries between two looks at the clock during a replay (see `DurableSubscription._pump`)."""
-TURN_PUMP_S = 0.004
+TURN_PUMP_S = 0.002
 """Replay of every durable subscription together takes at most about this long per event-loop
 turn (then the rest waits for the next turn, after the turn's I/O): with many sessions
-resuming at once, a CONNECT or an acknowledgement never waits behind all of their replays."""
+resuming at once, a CONNECT or an acknowledgement never waits behind all of their replays.
+Under the soak the replay is a third of the loop's time, and a new connection waits through
+one or two replay slices (the turn running as it connects, and the slice queued before its
+`connection_made`): 2 ms rather than 4 took the soak's CONNECT -> CONNACK from p50 12-14 /
+p99 24-34 ms to 9 / 20-24 on a loaded machine, with as many waves completed
+(bench/RESULTS.md, 2026-11-24 16:00)."""
 AHEAD_BYTES = 256 * 1024
 """At most this many record bytes are kept per cursor between turns (else read again)."""
 

@@ -7,6 +7,7 @@ import abc
 import asyncio
 import gc
 import logging
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,9 +37,9 @@ IDLE_CHECK_EVERY_TICKS = 25  # every 5 s: a broker idle for one whole period giv
 
 def release_idle_memory(broker: Broker) -> None:
     """What a burst of load left behind, handed back once the broker is idle: the per-topic
-    and per-producer caches (rebuilt on demand), unreachable cycles, Arrow's pool and the free
-    pages of glibc's heap and of pymalloc's free pools (which otherwise keep what the peak
-    needed for good). A cache entry made under load and kept would hold a pool of Python's
+    and per-producer caches and `re`'s compiled patterns (rebuilt on demand), unreachable
+    cycles, Arrow's pool and the free pages of glibc's heap and of pymalloc's free pools (which
+    otherwise keep what the peak needed for good). A cache entry made under load and kept would hold a pool of Python's
     small-object heap, and with it its 1 MiB arena, for good; the free pools' pages of such an
     arena are handed back all the same."""
     broker.forget_cached_matches()
@@ -49,6 +50,7 @@ def release_idle_memory(broker: Broker) -> None:
             if isinstance(shard.log, IdleReleasable):
                 shard.log.forget_caches()
     forget_abc_caches()
+    re.purge()  # `re` keeps up to 512 compiled patterns: the load's subscriptions' filters
     gc.collect()
     return_freed_memory()
     try:

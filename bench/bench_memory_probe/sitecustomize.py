@@ -4,8 +4,8 @@ process runs ``serve``).
 
 Once a second it samples pymalloc (`sys.getallocatedblocks()`, arenas current and high-water
 mark from `sys._debugmallocstats()`) and ``RssAnon``. It takes a baseline when the load starts
-(the block count leaves the plateau the started broker settles on): the anonymous mappings
-present then. Once the load is over (the block count has fallen back below 30 % of its rise),
+(the last sample before the broker's open descriptors grow by 20, the first clients): the
+anonymous mappings present then. Once the load is over (the block count has fallen back below 30 % of its rise),
 every 15 s it writes which live objects sit in mappings made after the baseline: pymalloc
 returns a 1 MiB arena only when every block in it is free, so these objects are what keep the
 load's arenas. Objects are found through `gc.get_objects()` and their untracked referents
@@ -28,6 +28,7 @@ from typing import Any
 
 OUT = os.environ.get("BENCH_MEMORY_PROBE_OUT")
 TRACKED_OWNERS = 100  # tracked objects whose holder is looked up (each costs a full scan)
+LOAD_FDS = 20  # more open descriptors than the idle broker's fewest: the load has started
 SMALL = 512  # pymalloc's small-block threshold: larger objects come from malloc
 STATS = ("arenas allocated current", "arenas highwater mark", "bytes in allocated blocks",
          "bytes in available blocks")
@@ -174,10 +175,15 @@ def sample(started: float) -> dict[str, Any]:
             "rss_anon_kib": rss_anon_kib(), **malloc_stats()}
 
 
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
 def run(path: str) -> None:
     started = time.monotonic()
-    history: collections.deque[int] = collections.deque(maxlen=3)
-    plateau = baseline_maps = None
+    before: tuple[dict[str, Any], array] | None = None
+    fewest_fds = 1 << 30
+    baseline_maps = None
     baseline_blocks = peak = 0
     last_census = 0.0
     with open(path, "a") as out:
@@ -189,22 +195,23 @@ def run(path: str) -> None:
             time.sleep(1.0)
             blocks = sys.getallocatedblocks()
             if baseline_maps is None:
-                history.append(blocks)
-                if plateau is None:
-                    if len(history) == 3 and max(history) < min(history) * 1.01:
-                        plateau = (sample(started), anonymous_mappings())
-                elif blocks < plateau[0]["blocks"] * 1.02:
-                    plateau = (sample(started), anonymous_mappings())
-                elif blocks > plateau[0]["blocks"] * 1.03:
-                    record, baseline_maps = plateau
+                # The load starts when the clients come: the last sample before the broker's
+                # open descriptors grow by LOAD_FDS is the baseline.
+                fds = open_fds()
+                if time.monotonic() - started > 2:
+                    fewest_fds = min(fewest_fds, fds)
+                if before is not None and fds >= fewest_fds + LOAD_FDS:
+                    record, baseline_maps = before
                     baseline_blocks = record["blocks"]
                     write({"event": "baseline", **record})
+                else:
+                    before = (sample(started), anonymous_mappings())
                 continue
             peak = max(peak, blocks)
             if int(time.monotonic() - started) % 5 == 0:
                 write(sample(started))
             over = blocks < baseline_blocks + 0.3 * (peak - baseline_blocks)
-            if peak > baseline_blocks * 1.1 and over and time.monotonic() - last_census > 15:
+            if peak > baseline_blocks * 1.05 and over and time.monotonic() - last_census > 15:
                 last_census = time.monotonic()
                 write({"event": "idle", **sample(started), **pinned_objects(baseline_maps)})
 

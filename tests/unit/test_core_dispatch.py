@@ -149,3 +149,29 @@ def test_failover_per_partition_spreads_shards_and_moves_them_when_one_leaves():
     for topic in topics_by_shard.values():
         broker.publish(Message(topic, b""))
     assert len(b.got) == 4  # the standby took over every shard
+
+
+def test_dispatch_all_follows_subscription_changes_within_a_run():
+    """A commit group is dispatched with one subscription lookup per run of one topic; a
+    delivery that changes the subscriptions (a subscriber removed while it is served) is
+    seen by the next message of the run, as separate dispatches would see it."""
+    broker = Broker()
+    leaving = broker.subscription("leaving")
+    staying = broker.subscription("staying")
+    broker.add_filter(leaving, "t/+")
+    broker.add_filter(staying, "t/+")
+
+    class LeavesAfterTwo(Recorder):
+        def deliver(self, message, subscription, filters):
+            super().deliver(message, subscription, filters)
+            if len(self.got) == 2:
+                broker.remove_filter(leaving, "t/+")
+
+    gone, kept = LeavesAfterTwo("gone"), Recorder("kept")
+    broker.attach(leaving, gone)
+    broker.attach(staying, kept)
+    messages = [Message(topic, b"") for topic in ("t/a", "t/a", "t/a", "t/b", "t/a", "u")]
+    broker.dispatch_all(messages)
+    assert [topic for topic, _ in gone.got] == ["t/a", "t/a"]
+    assert [topic for topic, _ in kept.got] == ["t/a", "t/a", "t/a", "t/b", "t/a"]
+    assert broker.stats.messages_without_subscriber == 1

@@ -113,3 +113,14 @@ def test_topics_matched_by_the_same_filters_share_one_cached_result() -> None:
     broker.remove_filter(sub, "devices/+/temperature")
     assert broker._match_cache == {} and broker._match_results == {}  # no removed subscription kept
     assert len(recorder.got) == 500
+
+
+def test_the_idle_release_drops_the_patterns_compiled_under_load() -> None:
+    """`re` caches up to 512 compiled patterns for good; the subscriptions' filters compiled
+    under load were most of the objects left in the load's arenas once idle."""
+    import re
+
+    pattern = re.compile(rb"devices/[^/]*/temperature-idle-release")
+    assert re.compile(rb"devices/[^/]*/temperature-idle-release") is pattern  # cached
+    persistence_module.release_idle_memory(Broker())
+    assert re.compile(rb"devices/[^/]*/temperature-idle-release") is not pattern
