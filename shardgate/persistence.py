@@ -18,7 +18,7 @@ from .core.records import decode_to_message, encode_message, forget_producer_tai
 from .core.streams import DispatchMode, RoutingRule, Schema, StreamConfig
 from .core.subscriptions import SubscriptionType
 from .protocols.mqtt.encoders import forget_topic_fields
-from .storage.allocators import release_free_pools, return_freed_memory
+from .storage.allocators import return_freed_memory
 from .storage.interfaces import IdleReleasable
 from .storage.metadata import (
     MetadataStore,
@@ -38,10 +38,9 @@ IDLE_CHECK_EVERY_TICKS = 25  # every 5 s: a broker idle for one whole period giv
 def release_idle_memory(broker: Broker) -> None:
     """What a burst of load left behind, handed back once the broker is idle: the per-topic
     and per-producer caches and `re`'s compiled patterns (rebuilt on demand), unreachable
-    cycles, Arrow's pool and the free pages of glibc's heap and of pymalloc's free pools (which
-    otherwise keep what the peak needed for good). A cache entry made under load and kept would hold a pool of Python's
-    small-object heap, and with it its 1 MiB arena, for good; the free pools' pages of such an
-    arena are handed back all the same."""
+    cycles, Arrow's pool and the free pages of glibc's heap (which otherwise keep what the peak
+    needed for good). A cache entry made under load and kept would hold a pool of Python's
+    small-object heap, and with it its 1 MiB arena, for good."""
     broker.forget_cached_matches()
     forget_producer_tails()
     forget_topic_fields()
@@ -53,12 +52,9 @@ def release_idle_memory(broker: Broker) -> None:
     re.purge()  # `re` keeps up to 512 compiled patterns: the load's subscriptions' filters
     gc.collect()
     return_freed_memory()
-    try:
-        pools = release_free_pools()
-    except Exception:  # a probe of the allocator's own memory: never worth an idle broker
-        log.exception("releasing the free pools of the small-object heap failed")
-    else:
-        log.debug("idle release: pages of %d free small-object pools handed back", pools)
+    # `release_free_pools` (storage/allocators.py) is not called here: it marks pool headers
+    # while the GIL is released by its madvise call, and a worker thread taking that pool at
+    # the same moment has not been ruled out.
 
 
 def forget_abc_caches() -> None:
