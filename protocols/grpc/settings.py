@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 DEFAULT_PORT = 6650
 
@@ -23,3 +24,14 @@ class GrpcSettings:
     # At most this many messages per MessageBatch pushed to a consumer.
     max_batch_messages: int = 500
     allow_anonymous: bool = True
+
+    # The allowed range of each numeric setting, inclusive (None: no bound), checked by the
+    # configuration loader with the file, the name and the value.
+    RANGES: ClassVar[dict[str, tuple[float | None, float | None]]] = {
+        "max_payload_bytes": (1, None),
+        "max_receive_message_bytes": (1, 2_147_483_647),
+        "max_send_message_bytes": (1, 2_147_483_647),
+        "max_pending_per_consumer": (1, None),
+        "default_credit": (1, None),
+        "max_batch_messages": (1, None),
+    }

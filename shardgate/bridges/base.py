@@ -21,7 +21,7 @@ import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 from urllib.parse import urlparse
 
 from ..core.durable import DurableOptions, DurableSubscription
@@ -57,6 +57,15 @@ class BridgeSettingsBase:
     max_queued: int = 100_000
     reconnect_min_s: float = 0.2
     reconnect_max_s: float = 10.0
+
+    # The allowed range of each numeric setting, inclusive (None: no bound), checked by the
+    # configuration loader with the file, the name and the value.
+    RANGES: ClassVar[dict[str, tuple[float | None, float | None]]] = {
+        "window": (1, 65535),
+        "max_queued": (1, None),
+        "reconnect_min_s": (0.001, None),
+        "reconnect_max_s": (0.001, None),
+    }
 
 
 class BridgeBase(Generic[Connection]):

@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from amqtt.client import MQTTClient
 
@@ -61,6 +61,10 @@ class BridgeSettings(BridgeSettingsBase):
     client_id: str = ""
     keep_alive: int = 30
     ack_timeout_s: float = 10.0
+
+    RANGES: ClassVar[dict[str, tuple[float | None, float | None]]] = {
+        **BridgeSettingsBase.RANGES, "keep_alive": (0, 65535), "ack_timeout_s": (0.001, None),
+    }
 
 
 class Bridge(BridgeBase[MQTTClient]):
