@@ -397,15 +397,8 @@ def load_config(
 
 
 def check_config(config: Config) -> None:
-    """What no single setting shows: settings that must agree, files that must exist. Raises
+    """What no single setting shows: entries named twice, bounds that must agree. Raises
     `ConfigError` naming the settings (called by `serve` and `shardgate config check`)."""
-    tls = config.tls
-    if bool(tls.cert_file) != bool(tls.key_file):
-        raise ConfigError("tls.cert_file and tls.key_file go together: give both or neither")
-    for name in ("cert_file", "key_file", "ca_file"):
-        path = getattr(tls, name)
-        if path and not Path(path).is_file():
-            raise ConfigError(f"tls.{name} = {path!r}: no such file")
     seen: set[str] = set()
     for entry in config.streams:
         if entry.name in seen:
@@ -417,7 +410,25 @@ def check_config(config: Config) -> None:
             if bridge.name in names:
                 raise ConfigError(f"[[{key}]] {bridge.name!r} is defined twice")
             names.add(bridge.name)
+            _check_bridge_filters(key, bridge)
             if bridge.reconnect_min_s > bridge.reconnect_max_s:
                 raise ConfigError(f"[[{key}]] {bridge.name!r}: reconnect_min_s = "
                                   f"{bridge.reconnect_min_s} is more than reconnect_max_s = "
                                   f"{bridge.reconnect_max_s}")
+
+
+def _check_bridge_filters(key: str, bridge: Any) -> None:
+    """A bridge filter outside its side's prefix (`bridges.base.check_filters_under_prefix`)."""
+    import logging
+
+    from .bridges.base import check_filters_under_prefix
+
+    quiet = logging.getLogger("shardgate.config.check")
+    try:
+        check_filters_under_prefix(key[:-1], bridge.name, "out", bridge.out, "local_prefix",
+                                   bridge.local_prefix, quiet)
+        if key == "bridges":
+            check_filters_under_prefix(key[:-1], bridge.name, "inbound", bridge.inbound,
+                                       "remote_prefix", bridge.remote_prefix, quiet)
+    except ValueError as exc:
+        raise ConfigError(f"[[{key}]] {exc}") from None
