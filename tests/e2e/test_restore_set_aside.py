@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pika
 import pytest
-
 from shardgate.core.message import Message
 from shardgate.core.records import encode_message
 from shardgate.storage.metadata import SqliteMetadataStore
 from shardgate.storage.metadata.records import RouteRecord, SessionRecord, SubscriptionRecord
+
 from tests.conftest import BrokerProcess, free_port, wait_for
 from tests.mqtt_clients import V5, Paho
 
