@@ -88,6 +88,8 @@ class Shardgate:
         # cluster mode: forwarding, route table and pushes between nodes (`cluster.forward`),
         # started before any client listener so that no publish is stored by a non-owner
         self.data_plane: DataPlane | None = None
+        # True from the end of `start` to the beginning of `stop`: what /readyz reports.
+        self.ready = False
 
     def _ssl_context(self) -> ssl.SSLContext:
         tls = self.config.tls
@@ -361,6 +363,7 @@ class Shardgate:
             except ValueError as exc:
                 await self.stop()
                 raise ConfigError(str(exc)) from exc
+        self.ready = True
 
     async def _start_archiver(self) -> None:
         archive = self.config.archive
@@ -410,6 +413,7 @@ class Shardgate:
         return self.listeners[name].port
 
     async def stop(self) -> None:
+        self.ready = False
         if self.cluster is not None:
             # hand this node's shards over while it still serves, then go on stopping
             await self.cluster.leave()
