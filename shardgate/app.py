@@ -95,6 +95,11 @@ class Shardgate:
         tls = self.config.tls
         if not tls.cert_file or not tls.key_file:
             raise ConfigError("a TLS listener needs tls.cert_file and tls.key_file")
+        if tls.require_client_cert and not tls.ca_file:
+            # Without a CA there is nothing to verify a client certificate against: the
+            # listener would accept clients with none, the opposite of what was asked.
+            raise ConfigError("tls.require_client_cert = true needs tls.ca_file (the CA that "
+                              "signs client certificates)")
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         try:
             context.load_cert_chain(tls.cert_file, tls.key_file)
