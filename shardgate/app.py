@@ -17,6 +17,7 @@ from .core.broker import Broker
 from .core.edge import Edge
 from .core.errors import CoreError
 from .core.index_keys import record_index_key
+from .core.restoring import set_aside
 from .core.streams import DispatchMode, RoutingRule, Schema, StreamConfig
 from .persistence import MetadataTopologySink, Persistence, stream_config
 from .protocols.mqtt.server import start_tcp_listener, start_websocket_listener
@@ -95,6 +96,11 @@ class Shardgate:
         tls = self.config.tls
         if not tls.cert_file or not tls.key_file:
             raise ConfigError("a TLS listener needs tls.cert_file and tls.key_file")
+        if tls.require_client_cert and not tls.ca_file:
+            # Without a CA there is nothing to verify a client certificate against: the
+            # listener would accept clients with none, the opposite of what was asked.
+            raise ConfigError("tls.require_client_cert = true needs tls.ca_file (the CA that "
+                              "signs client certificates)")
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         try:
             context.load_cert_chain(tls.cert_file, tls.key_file)
@@ -157,12 +163,13 @@ class Shardgate:
                 continue
             try:
                 stored = stream_config(record)
+                existing = broker.streams.get(record.name)
+                if existing is None:
+                    broker.create_stream(stored)
             except (CoreError, ValueError) as exc:
-                log.error("stream %r in the metadata store is unusable (%s); skipped", record.name, exc)
+                set_aside(log, f"stream {record.name!r}", record, exc)
                 continue
-            existing = broker.streams.get(record.name)
             if existing is None:
-                broker.create_stream(stored)
                 log.info("restored stream %r (%s, %d partitions) created at run time",
                          stored.name, stored.mode.value, stored.partitions)
             elif _definition(existing.config) != _definition(stored):
@@ -184,7 +191,10 @@ class Shardgate:
                 log.warning("route %r in the metadata store names stream %r, which does not "
                             "exist; skipped", route.pattern, route.stream)
                 continue
-            broker.add_route(RoutingRule(route.pattern, route.stream))
+            try:
+                broker.add_route(RoutingRule(route.pattern, route.stream))
+            except (CoreError, ValueError) as exc:
+                set_aside(log, f"route {route.pattern!r}", route, exc)
 
     async def start(self) -> None:
         config = self.config
@@ -378,7 +388,9 @@ class Shardgate:
         url = archive.url or f"file://{(self.config.data_dir / 'archive').resolve()}"
         settings = ArchiveSettings(
             target_rows=archive.target_rows, target_bytes=archive.target_bytes,
-            max_delay_s=archive.max_delay_s, endpoint_url=archive.endpoint_url, region=archive.region,
+            max_delay_s=archive.max_delay_s, compaction=archive.compaction,
+            file_target_bytes=archive.file_target_bytes, compact_after_s=archive.compact_after_s,
+            endpoint_url=archive.endpoint_url, region=archive.region,
             access_key_id=archive.access_key_id, secret_access_key=archive.secret_access_key,
             # leave part of the shutdown budget to the journal and the metadata store
             stop_timeout_s=max(1.0, self.config.shutdown_timeout_s * 0.6),
