@@ -99,7 +99,8 @@ class ArchiveConfig:
     secret_access_key: str | None = None
 
     RANGES: ClassVar[dict[str, Range]] = {
-        "target_rows": (1, None), "target_bytes": (1, None), "max_delay_s": (0.001, None),
+        "target_rows": (1, None), "target_bytes": (1, None), "max_delay_s": (0, None),
+        "file_target_bytes": (1, None), "compact_after_s": (0, None),
     }
 
 

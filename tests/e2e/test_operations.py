@@ -137,7 +137,7 @@ def test_config_check_and_serve_refuse_a_setting_out_of_range_naming_file_and_ra
         done = _shardgate(*args, cwd=tmp_path)
         assert done.returncode == 2, done
         assert done.stderr.strip() == (f"shardgate: {config}: archive.max_delay_s = -5 is out of "
-                                       "range (allowed: more than 0)")
+                                       "range (allowed: at least 0)")
         assert "Traceback" not in done.stderr + done.stdout
     assert not (tmp_path / "data").exists()  # refused before anything was created
     config.write_text('[[streams]]\nname = "sensors"\npartitions = 4\nroutes = ["sensors/#"]\n')

@@ -46,7 +46,7 @@ def load_text(tmp_path: Path, text: str) -> Config:
     ("[mqtt]\nreceive_maximum = 0\n", "mqtt.receive_maximum = 0 is out of range (allowed: 1 to 65,535)"),
     ("[mqtt]\nmax_inflight = -1\n", "mqtt.max_inflight = -1 is out of range (allowed: 1 to 65,535)"),
     ("[archive]\ntarget_rows = 0\n", "archive.target_rows = 0 is out of range (allowed: at least 1)"),
-    ("[archive]\nmax_delay_s = -5\n", "archive.max_delay_s = -5 is out of range (allowed: more than 0)"),
+    ("[archive]\nmax_delay_s = -5\n", "archive.max_delay_s = -5 is out of range (allowed: at least 0)"),
     ('[[streams]]\nname = "sensors"\npartitions = 0\n',
      "[[streams]] #1 ('sensors'): partitions = 0 is out of range (allowed: 1 to 1,024)"),
     ("[amqp]\nframe_max = 1000\n", "amqp.frame_max = 1000 is out of range (allowed: 4,096 to 4,294,967,295)"),
