@@ -188,6 +188,9 @@ def main(argv: list[str] | None = None) -> None:
     add_client_commands(sub)
     _archive_parser(sub)
     _config_parser(sub)
+    from .health_cli import add_health_command
+
+    add_health_command(sub)
     from .security.users_cli import add_users_commands
 
     add_users_commands(sub)
@@ -197,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if getattr(args, "cluster_handler", None) is not None:
         sys.exit(args.cluster_handler(args))
+    if getattr(args, "health_handler", None) is not None:
+        sys.exit(args.health_handler(args))
     if getattr(args, "users_handler", None) is not None:
         sys.exit(args.users_handler(args))
     if args.command == "archive":
