@@ -90,7 +90,7 @@ def test_the_test_suite_command_is_what_ci_runs() -> None:
     assert TEST_SUITE in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
-@pytest.mark.timeout(900)  # pip install -e ., three Spark jobs
+@pytest.mark.timeout(1800)  # pip install -e ., four Spark jobs, on a loaded machine
 def test_readme_commands_and_snippets_run_as_printed(
     tmp_path: Path, shell: tuple[dict[str, str], list[subprocess.Popen[str]]],
 ) -> None:
