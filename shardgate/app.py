@@ -90,11 +90,18 @@ class Shardgate:
         # cluster mode: forwarding, route table and pushes between nodes (`cluster.forward`),
         # started before any client listener so that no publish is stored by a non-owner
         self.data_plane: DataPlane | None = None
+        # True from the end of `start` to the beginning of `stop`: what /readyz reports.
+        self.ready = False
 
     def _ssl_context(self) -> ssl.SSLContext:
         tls = self.config.tls
         if not tls.cert_file or not tls.key_file:
             raise ConfigError("a TLS listener needs tls.cert_file and tls.key_file")
+        if tls.require_client_cert and not tls.ca_file:
+            # Without a CA there is nothing to verify a client certificate against: the
+            # listener would accept clients with none, the opposite of what was asked.
+            raise ConfigError("tls.require_client_cert = true needs tls.ca_file (the CA that "
+                              "signs client certificates)")
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         try:
             context.load_cert_chain(tls.cert_file, tls.key_file)
@@ -368,6 +375,7 @@ class Shardgate:
             except ValueError as exc:
                 await self.stop()
                 raise ConfigError(str(exc)) from exc
+        self.ready = True
 
     async def _start_archiver(self) -> None:
         archive = self.config.archive
@@ -417,6 +425,7 @@ class Shardgate:
         return self.listeners[name].port
 
     async def stop(self) -> None:
+        self.ready = False
         if self.cluster is not None:
             # hand this node's shards over while it still serves, then go on stopping
             await self.cluster.leave()

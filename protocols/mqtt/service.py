@@ -460,7 +460,6 @@ class MqttService:
             self._expiry_timers[session.client_id] = self.scheduler.call_later(
                 expiry, self._expire_session, session.client_id
             )
-        log.info("client %r disconnected%s", connection.client_id, "" if normal else " (abnormally)")
 
     @staticmethod
     def _will_delay(connection: MqttConnection, will: p.Will) -> int:
