@@ -21,12 +21,8 @@ def _configure_logging(config: Config) -> None:
     level = getattr(logging, config.log_level.upper(), logging.INFO)
     handler = logging.StreamHandler(sys.stderr)
     if config.log_json:
-        class JsonFormatter(logging.Formatter):
-            def format(self, record: logging.LogRecord) -> str:
-                return json.dumps({
-                    "ts": self.formatTime(record), "level": record.levelname.lower(),
-                    "logger": record.name, "msg": record.getMessage(),
-                })
+        from .logs import JsonFormatter
+
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -164,7 +160,10 @@ def _archive_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="shardgate", description="Shardgate message gateway")
+    parser.add_argument("--version", action="version", version=f"shardgate {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     from .cli_client import add_client_commands, dispatch

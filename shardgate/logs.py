@@ -9,7 +9,9 @@ reconnection. The bridges report the same events once, in Shardgate's words
 
 from __future__ import annotations
 
+import json
 import logging
+from datetime import UTC, datetime
 
 # logger name -> the level it runs at unless Shardgate logs at debug
 QUIET_LOGGERS = {
@@ -25,6 +27,32 @@ QUIET_LOGGERS = {
     # "server listening on ..." and "server closing": Shardgate says so itself for every listener
     "websockets.server": logging.WARNING,
 }
+
+
+# The attributes every LogRecord has: anything else on a record came in through `extra=` and
+# is one of the line's structured fields.
+_RECORD_ATTRIBUTES = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: `ts` (ISO 8601, UTC, milliseconds), `level`, `logger`, `msg`,
+    then the structured fields a call passed with `extra=` (`client_id`, `protocol`, `peer`,
+    `reason`, ...), and `exc` with the traceback when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, object] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
+            .replace("+00:00", "Z"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in _RECORD_ATTRIBUTES and not key.startswith("_"):
+                line[key] = value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        return json.dumps(line)
 
 
 def quiet_third_party_loggers(level: int) -> None:

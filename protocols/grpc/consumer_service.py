@@ -10,6 +10,7 @@ standby and the Exclusive refusal run at the one cursor.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,8 @@ from .convert import (
     status_for,
     translated,
 )
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .server import GrpcServer
@@ -98,13 +101,26 @@ class ConsumerService(pb_grpc.ConsumerServicer):
             return
         server = self.server
         server.consumers.add(consumer)
+        log.info("%s: gRPC consumer %s of %r connected", consumer.peer, consumer.id,
+                 subscribe.subscription,
+                 extra={"event": "client_connected", "protocol": "grpc", "client_id": consumer.id,
+                        "peer": consumer.peer})
+        reason = "stream ended"
         reader = asyncio.ensure_future(self._read(requests, consumer))
         try:
             await self._write(consumer, reader, context)
+        except asyncio.CancelledError:
+            reason = "stream cancelled"
+            raise
         finally:
             reader.cancel()
             server.consumers.discard(consumer)
             self._detach(consumer)
+            if consumer.kicked is not None:
+                reason = f"kicked: {consumer.kicked}"
+            log.info("%s: gRPC consumer %s disconnected: %s", consumer.peer, consumer.id, reason,
+                     extra={"event": "client_disconnected", "protocol": "grpc",
+                            "client_id": consumer.id, "peer": consumer.peer, "reason": reason})
 
     def _attach(self, request: pb.Subscribe, peer: str, user: str | None = None) -> GrpcConsumer:
         server = self.server

@@ -774,7 +774,9 @@ class MqttConnection:
             # machine crash the client is told its session is gone, never half of it.
             self._after_connack = len(self._out)
         log.info("%s: client %r connected (MQTT %s, clean=%s, keepalive=%s)", self.remote, client_id,
-                 {3: "3.1", 4: "3.1.1", 5: "5.0"}[self.version], clean_start, self.keep_alive)
+                 {3: "3.1", 4: "3.1.1", 5: "5.0"}[self.version], clean_start, self.keep_alive,
+                 extra={"event": "client_connected", "protocol": "mqtt", "client_id": client_id,
+                        "peer": self.remote})
         session.resend_inflight()
         if resumed and (self._backlog or self._backlog_error is not None):
             self._resume_backlog()
@@ -1204,7 +1206,15 @@ class MqttConnection:
         else:
             self.link.close()
         if was_connected:
+            self._log_disconnected("client sent DISCONNECT" if normal else (
+                reason or (f"reason code 0x{reason_code:02x}" if reason_code is not None
+                           else "closed by the broker")))
             self.service.connection_closed(self, normal=normal)
+
+    def _log_disconnected(self, reason: str) -> None:
+        log.info("%s: client %r disconnected: %s", self.remote, self.client_id, reason,
+                 extra={"event": "client_disconnected", "protocol": "mqtt",
+                        "client_id": self.client_id, "peer": self.remote, "reason": reason})
 
     def connection_lost(self) -> None:
         """The network connection went away (or the adapter closed it)."""
@@ -1217,4 +1227,5 @@ class MqttConnection:
         self._held_from = None
         self._close_when_sent = False
         if was_connected:
+            self._log_disconnected("connection lost")
             self.service.connection_closed(self, normal=False)
