@@ -9,7 +9,9 @@ import asyncio
 import errno
 import logging
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from .config import Config, ConfigError
@@ -254,7 +256,8 @@ class Shardgate:
                 from .cluster.forward import DataPlane
 
                 self.data_plane = DataPlane(self.broker, self.cluster.view, host, config.cluster.port,
-                                            link_timeout_s=config.cluster.link_timeout_s)
+                                            link_timeout_s=config.cluster.link_timeout_s,
+                                            credentials=self.cluster.credentials)
                 await self.data_plane.start()
             if ports.mqtt_port:
                 starting = ("MQTT", host, ports.mqtt_port, "listeners.mqtt_port")
@@ -303,7 +306,12 @@ class Shardgate:
                 from .protocols.grpc.server import GrpcServer, tls_credentials
 
                 # one server for both ports: the same consumers, producers and subscriptions
-                grpc_server = GrpcServer(edge, config.grpc)
+                status: Callable[[], dict[str, Any]] | None = None
+                if self.cluster is not None:
+                    from .cluster.attach import cluster_status
+
+                    status = partial(cluster_status, self.cluster)
+                grpc_server = GrpcServer(edge, config.grpc, cluster_status=status)
                 if ports.grpc_port:
                     starting = ("gRPC", host, ports.grpc_port, "listeners.grpc_port")
                     grpc_server.port = grpc_server.listen(host, ports.grpc_port, None)
