@@ -3,7 +3,13 @@
 A custom `Collector` walks the broker, the protocol services and the journal only when
 `/metrics` is scraped: nothing here runs on the message hot path, and nothing is registered in
 prometheus-client's global registry (each node gets its own `CollectorRegistry`, so several
-brokers in one process never clash). Every name starts with `shardgate_`.
+brokers in one process never clash). Every name starts with `shardgate_`, but the standard
+`process_*` ones (resident memory, CPU seconds, descriptors). Names follow Prometheus'
+conventions (checked by `promtool check metrics` in the tests): counters end in `_total`,
+durations are in seconds and sizes in bytes, gauges are levels. The number of series is
+bounded by what an operator configures (protocols, streams, shards, subscriptions, bridges),
+never by the number of clients: MQTT sessions (one subscription per client id) are summed up
+in `shardgate_session_*`, not listed one by one.
 
 This module also knows where each protocol service hangs on the composition root
 (`app.mqtt`, `app.amqp` or the AMQP listener, `app.grpc` or the gRPC listener); the admin HTTP
@@ -12,6 +18,7 @@ API uses the same lookups. It must not change broker state.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Iterable, Iterator
@@ -38,6 +45,10 @@ PREFIX = "shardgate"
 # The reasons a bridge drops a message, each direction: every one has a series from the start.
 BRIDGE_DROPS_OUT = ("queue_full", "expired", "outside_prefix")
 BRIDGE_DROPS_IN = ("outside_prefix", "refused_locally")
+# Subscriptions named after an MQTT client id (its session's): not one series each.
+SESSION_PREFIX = "mqtt:"
+# Archiver status fields that only grow: counters.
+ARCHIVE_COUNTERS = frozenset({"failures", "skipped"})
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # The protocol label of messages the broker makes itself (producer protocol "").
 INTERNAL = "internal"
@@ -174,6 +185,7 @@ class ShardgateCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}_retained_messages", "Retained messages held",
                                 value=len(broker.retained))
         yield from self._journal(app)
+        yield from self._host(app)
         yield from self._archive(app)
         yield from self._security(app)
         yield from self._bridges(app)
@@ -332,6 +344,8 @@ class ShardgateCollector(Collector):
             "(an MQTT session's queue, an AMQP queue's ready messages)", labels=["subscription"],
         )
         for sub in subs:
+            if sub.name.startswith(SESSION_PREFIX):
+                continue  # one per MQTT client: summed up in shardgate_session_* instead
             consumers.add_metric([sub.name], len(sub.consumers))
             queue = subscription_queue(sub)
             if queue is not None:
@@ -363,6 +377,15 @@ class ShardgateCollector(Collector):
             f"{PREFIX}_session_inflight_messages", "QoS 1/2 messages in flight to MQTT clients",
             value=sum(len(session.inflight) for session in sessions),
         )
+        lags = [sub.lag() for name, sub in list(app.broker.subscriptions.items())
+                if name.startswith(SESSION_PREFIX) and callable(getattr(sub, "lag", None))]
+        yield GaugeMetricFamily(
+            f"{PREFIX}_session_lag_messages", "Messages stored for MQTT persistent sessions and "
+            "not yet acknowledged by their clients (online or not), all sessions together",
+            value=sum(lags))
+        yield GaugeMetricFamily(
+            f"{PREFIX}_session_lag_max_messages", "The largest lag of one MQTT persistent session",
+            value=max(lags, default=0))
         yield CounterMetricFamily(
             f"{PREFIX}_mqtt_connections_accepted", "MQTT connections accepted since start",
             value=getattr(mqtt, "total_connections", 0),
@@ -384,6 +407,30 @@ class ShardgateCollector(Collector):
                 "journal_fsync_latency_seconds", "Seconds each journal fsync took", latency)
 
     @staticmethod
+    def _host(app: Any) -> Iterator[Metric]:
+        """The data directory's file system and the memory this process may use: what the
+        disk-filling and memory-high alerts compare against."""
+        config = getattr(app, "config", None)
+        if config is not None:
+            try:
+                fs = os.statvfs(config.data_dir)
+            except OSError:
+                pass
+            else:
+                yield GaugeMetricFamily(
+                    f"{PREFIX}_data_dir_free_bytes",
+                    "Bytes free for the broker on the file system of its data directory",
+                    value=fs.f_bavail * fs.f_frsize)
+                yield GaugeMetricFamily(
+                    f"{PREFIX}_data_dir_size_bytes",
+                    "Size of the file system of the data directory", value=fs.f_blocks * fs.f_frsize)
+        limit = memory_limit_bytes()
+        if limit:
+            yield GaugeMetricFamily(
+                f"{PREFIX}_memory_limit_bytes", "Memory this process may use: its cgroup's limit, "
+                "else the machine's physical memory", value=limit)
+
+    @staticmethod
     def _archive(app: Any) -> Iterator[Metric]:
         status = archive_status(app)
         if status is None:
@@ -392,17 +439,41 @@ class ShardgateCollector(Collector):
             if isinstance(value, bool) or not isinstance(value, int | float):
                 continue
             name = _metric_name(str(key))
-            if name:
+            if not name:
+                continue
+            if name.endswith("_ms"):  # base units: seconds
+                yield GaugeMetricFamily(f"{PREFIX}_archive_{name[:-3]}_seconds",
+                                        f"Archiver status field {key}, in seconds", value=value / 1000)
+            elif name in ARCHIVE_COUNTERS:
+                yield CounterMetricFamily(f"{PREFIX}_archive_{name}",
+                                          f"Archiver status field {key} (since start)", value=value)
+            else:
                 yield GaugeMetricFamily(f"{PREFIX}_archive_{name}", f"Archiver status field {key}",
                                         value=value)
+
+
+def memory_limit_bytes() -> int:
+    """The cgroup (v2, then v1) memory limit of this process, else the physical memory."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as file:
+                text = file.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:
+            return int(text)
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
 
 
 def create_registry(app: Any, *, process: bool = True) -> CollectorRegistry:
     """A registry of its own for `app`: the broker collector, plus process memory/CPU/fds."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ShardgateCollector(app))
-    if process:
-        ProcessCollector(namespace=PREFIX, registry=registry)
+    if process:  # the standard names: process_resident_memory_bytes, process_open_fds, ...
+        ProcessCollector(registry=registry)
     return registry
 
 
