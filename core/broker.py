@@ -92,6 +92,9 @@ class BrokerStats:
     bytes_out_by_stream: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
     # Drops counted through `drop` (messages_dropped also holds those counted directly).
     dropped_by_reason: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # Publishes refused before they were stored, by reason ("schema": the payload does not fit
+    # its stream's schema).
+    rejected_by_reason: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
     # Append to durable, once per commit group, from the group's first append (reliable streams).
     commit_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
 
@@ -600,6 +603,15 @@ class Broker:
             kept.append(message)
         return kept_indices, kept, records
 
+    def _check_schema(self, config: StreamConfig, message: Message) -> None:
+        """Raise SchemaMismatch (counted as rejected for "schema") when the payload does not
+        fit the stream's schema."""
+        try:
+            check_payload(config.schema, message.payload, config.name)
+        except PublishRejected:
+            self.stats.rejected_by_reason["schema"] += 1
+            raise
+
     def _route(self, message: Message, counted: bool) -> Shard | Held:
         """The first steps of a publish: reserved topics refused, delayed messages held (Held,
         with the receipt to acknowledge on),
@@ -614,13 +626,13 @@ class Broker:
                 # Refused now if it will not fit its stream's schema when it is due.
                 held_in = self.stream_for_topic(message.topic).config
                 if held_in.schema is not Schema.BYTES:
-                    check_payload(held_in.schema, message.payload, held_in.name)
+                    self._check_schema(held_in, message)
                 return Held(self.delayed.hold(message, at_ms))
             topic = message.topic
         stream = self.stream_for_topic(topic)
         config = stream.config
         if config.schema is not BYTES:
-            check_payload(config.schema, message.payload, config.name)
+            self._check_schema(config, message)
         shard = stream.shard_for(topic, message.key)
         message.stream = name = config.name
         protocol = message.producer_protocol

@@ -277,7 +277,7 @@ class PublishingMixin(ConnectionBase):
                     channel.tx_landing -= 1
                 continue
             if isinstance(pending, PublishRejected):
-                log.warning("publish from %s rejected: %s", self.remote, pending)
+                self.service.refusals.refused(f"AMQP {self.remote}", message.topic, pending)
                 if seq > 0:
                     self._confirm(channel, seq, False)
                 elif seq < 0:

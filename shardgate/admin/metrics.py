@@ -243,6 +243,13 @@ class ShardgateCollector(Collector):
         for reason, count in sorted(reasons.items()):
             family.add_metric([reason], count)
         yield family
+        rejected = CounterMetricFamily(
+            f"{PREFIX}_messages_rejected", "Publishes refused before they were stored, by reason "
+            "(schema: the payload does not fit its stream's schema)", labels=["reason"])
+        for reason, count in sorted((dict.fromkeys(("schema",), 0)
+                                     | dict(getattr(stats, "rejected_by_reason", {}))).items()):
+            rejected.add_metric([reason], count)
+        yield rejected
 
     @staticmethod
     def _histogram(name: str, text: str, histogram: Any) -> Metric:

@@ -144,3 +144,29 @@ def test_config_check_and_serve_refuse_a_setting_out_of_range_naming_file_and_ra
     done = _shardgate("config", "check", str(config), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "configuration is valid" in done.stdout
+
+
+def test_schema_rejections_are_counted_and_logged_without_a_line_per_message(
+    broker_factory: Callable[..., Any], caplog: Any,
+) -> None:
+    """Fifty payloads that do not fit a json stream: each publisher gets its refusal (MQTT 5
+    PUBACK 0x99), the metric counts fifty, the log says it once (then once per 10 s)."""
+    import logging
+
+    from shardgate.config import StreamEntry
+    from tests.conftest import serve_admin
+
+    caplog.set_level(logging.WARNING, logger="shardgate.protocols")
+    broker = broker_factory(listeners={"http_port": free_port()},
+                            streams=[StreamEntry("orders", schema="json", routes=["orders/#"])])
+    client = Paho(broker.mqtt_port, "bad-producer", V5)
+    for _ in range(50):
+        client.client.publish("orders/1", b"not json", qos=1).wait_for_publish(10)
+    client.disconnect()
+    for url in serve_admin(broker):
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+        assert 'shardgate_messages_rejected_total{reason="schema"} 50.0' in text
+    lines = [r for r in caplog.records if "rejected" in r.getMessage()]
+    assert 1 <= len(lines) <= 2, [r.getMessage() for r in lines]
+    assert "bad-producer" in lines[0].getMessage() and "orders/1" in lines[0].getMessage()
