@@ -188,18 +188,26 @@ def subscription_view(sub: Any) -> dict[str, Any]:
         "durable": bool(sub.durable),
         "protocol": _protocol_of(owner),
         "filters": list(sub.filters),
-        "consumers": [
-            {
-                "id": str(consumer.consumer_id),
-                "protocol": _protocol_of(consumer),
-                "active": str(sub.type) == "shared" or consumer is active,
-            }
-            for consumer in list(sub.consumers)
-        ],
+        "consumers": _consumers_view(sub, active),
         "lag": sub.lag() if durable else 0,
         "inflight": inflight,
         "queued": len(queued) if queued is not None else 0,
     }
+
+
+def _consumers_view(sub: Any, active: Any) -> list[dict[str, Any]]:
+    """Who consumes `sub`. An AMQP queue is the subscription's core consumer itself: what is
+    listed are its basic.consume registrations (none: the queue has no consumer)."""
+    out = []
+    for consumer in list(sub.consumers):
+        registrations = getattr(consumer, "consumers", None)
+        if str(getattr(consumer, "consumer_id", "")) == sub.name and isinstance(registrations, list):
+            out.extend({"id": f"{getattr(c, 'tag', '?')}", "protocol": "amqp", "active": True}
+                       for c in registrations)
+            continue
+        out.append({"id": str(consumer.consumer_id), "protocol": _protocol_of(consumer),
+                    "active": str(sub.type) == "shared" or consumer is active})
+    return out
 
 
 def subscriptions_view(app: Any) -> list[dict[str, Any]]:

@@ -162,3 +162,41 @@ def test_chart_draws_the_server_history_on_load_archive_table_and_session_expiry
     expect(archive).to_have_count(1)
     expect(page.locator("#archive-body")).not_to_contain_text('{"')
     assert page.errors == []
+
+
+def test_offline_session_backlog_publisher_only_clients_and_a_queue_without_consumers(
+    broker_factory: Callable[..., ThreadedBroker], page: Any,
+) -> None:
+    """An offline persistent session shows its backlog as Queued (its subscription's lag); a
+    client that only publishes is not a subscription; an AMQP queue nobody consumes has no
+    consumer (the queue is not its own consumer)."""
+    import pika
+
+    from tests.conftest import wait_for
+    from tests.mqtt_clients import V311
+
+    amqp_port = free_port()
+    broker = broker_factory(listeners={"http_port": free_port(), "amqp_port": amqp_port},
+                            archive={"enabled": False})
+    url = f"http://127.0.0.1:{broker.app.port('http')}"
+    away = Paho(broker.mqtt_port, "away-311", V311, clean=False)
+    away.subscribe("backlog/#", 1)
+    away.client.disconnect()
+    wait_for(lambda: broker.app.mqtt.sessions["away-311"].connection is None)
+    talker = Paho(broker.mqtt_port, "only-publishes", V311, clean=False)
+    for i in range(5):
+        talker.publish("backlog/x", str(i), qos=1)
+    talker.client.disconnect()
+    connection = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", amqp_port))
+    connection.channel().queue_declare("idle-queue", durable=True)
+
+    page.goto(url + "/")
+    expect = sync_api.expect
+    session = page.locator("#sessions-body tr[data-client-id='away-311'] td.num").first
+    expect(session).to_have_text("5")
+    expect(page.locator("#subscriptions-body tr[data-subscription='mqtt:away-311']")).to_have_count(1)
+    expect(page.locator("#subscriptions-body tr[data-subscription='mqtt:only-publishes']")).to_have_count(0)
+    queue = page.locator("#subscriptions-body tr[data-subscription='amqp:/:idle-queue']")
+    expect(queue).to_contain_text("none")
+    connection.close()
+    assert page.errors == []

@@ -7,8 +7,10 @@ const INFO_INTERVAL_MS = 1000;
 const DETAIL_INTERVAL_MS = 2000;
 let chartWindowS = 900;      // the server's history span (/api/history), 15 minutes
 
+const RATE_WINDOW_S = 10;    // rates are averaged over the last 10 s, not one poll's instant
 const samples = [];          // {t, in, out} message rates for the chart, oldest first
-let lastInfo = null;         // the previous /api/info, for rates
+let lastInfo = null;         // the previous /api/info
+const recentInfo = [];       // the /api/info answers of the last RATE_WINDOW_S, oldest first
 
 // ------------------------------------------------------------------ helpers
 function $(id) { return document.getElementById(id); }
@@ -87,9 +89,12 @@ function setLinkState(ok, text) {
 function renderInfo(info) {
   $("version").textContent = "v" + info.version;
   $("uptime").textContent = "up " + duration(info.uptime_s);
-  if (lastInfo && info.now > lastInfo.now) {
-    const dt = info.now - lastInfo.now;
-    const rate = (key) => Math.max(0, (info[key] - lastInfo[key]) / dt);
+  recentInfo.push(info);
+  while (recentInfo.length > 2 && recentInfo[0].now < info.now - RATE_WINDOW_S) recentInfo.shift();
+  const oldest = recentInfo[0];
+  if (oldest !== info && info.now > oldest.now && (!lastInfo || info.now > lastInfo.now)) {
+    const dt = info.now - oldest.now;
+    const rate = (key) => Math.max(0, (info[key] - oldest[key]) / dt);
     const sample = { t: info.now, in: rate("messages_in"), out: rate("messages_out") };
     $("rate-in").textContent = num(sample.in);
     $("rate-out").textContent = num(sample.out);
@@ -148,7 +153,7 @@ function drawChart() {
   ctx.clearRect(0, 0, width, height);
   const style = getComputedStyle(document.documentElement);
   const color = (name) => style.getPropertyValue(name).trim();
-  const left = 56, right = 8, top = 10, bottom = 20;
+  const left = 56, right = 8, top = 10, bottom = 22;
   const plotW = width - left - right, plotH = height - top - bottom;
   const peak = Math.max(1, ...samples.map((s) => Math.max(s.in, s.out)));
   const max = niceCeiling(peak);
@@ -167,6 +172,15 @@ function drawChart() {
   if (samples.length < 2) return;
   const newest = samples[samples.length - 1].t;
   const x = (t) => left + plotW - ((newest - t) / windowS) * plotW;
+  // the time axis: five clock times across the window
+  ctx.fillStyle = color("--muted");
+  ctx.textBaseline = "top";
+  for (let i = 0; i <= 4; i++) {
+    const t = newest - windowS + (windowS * i) / 4;
+    ctx.textAlign = i === 0 ? "left" : i === 4 ? "right" : "center";
+    ctx.fillText(new Date(t * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" }),
+                 x(t), top + plotH + 6);
+  }
   const y = (v) => top + plotH - (v / max) * plotH;
   for (const [key, name] of [["in", "--in"], ["out", "--out"]]) {
     ctx.strokeStyle = color(name);
@@ -206,7 +220,8 @@ function renderStreams(streams) {
 }
 
 function renderSubscriptions(subscriptions) {
-  const rows = subscriptions.map((sub) => el("tr", { dataset: { subscription: sub.name } },
+  // A subscription without a filter receives nothing (an MQTT session that only publishes).
+  const rows = subscriptions.filter((sub) => sub.filters.length).map((sub) => el("tr", { dataset: { subscription: sub.name } },
     el("td", {}, el("code", { text: sub.name })),
     cell(sub.type), cell(sub.protocol), cell(sub.durable ? "yes" : "no"),
     el("td", {}, el("code", { text: sub.filters.join(" ") })),
@@ -248,13 +263,17 @@ function renderClients(clients) {
   fillTable($("clients-body"), rows, 9, "No clients connected");
 }
 
-function renderSessions(sessions) {
+function renderSessions(sessions, subscriptions) {
+  // What a session has waiting: its own queue, or (persistent sessions) what its subscription
+  // has not delivered yet, kept in the journal: an offline session's lag is its backlog.
+  const lag = new Map((subscriptions || []).map((sub) => [sub.name, sub.lag || 0]));
   const rows = sessions.map((s) => el("tr", { dataset: { clientId: s.client_id } },
     el("td", {}, el("code", { text: s.client_id })),
     cell(s.connected ? "connected" : "offline" + (s.disconnected_at ? " since " + since(s.disconnected_at) : "")),
     cell(expiry(s.expiry_interval)),
     el("td", {}, el("code", { text: s.filters.concat(s.shared).join(" ") })),
-    cell(num(s.queued), "num"), cell(num(s.inflight), "num"), cell(num(s.dropped), "num")));
+    cell(num(Math.max(s.queued, lag.get("mqtt:" + s.client_id) || 0)), "num"),
+    cell(num(s.inflight), "num"), cell(num(s.dropped), "num")));
   fillTable($("sessions-body"), rows, 7, "No sessions");
 }
 
@@ -345,7 +364,7 @@ async function refreshDetails() {
     renderStreams(streams);
     renderSubscriptions(subscriptions);
     renderClients(clients);
-    renderSessions(sessions);
+    renderSessions(sessions, subscriptions);
     renderArchive(archive);
     await refreshCluster();
   } catch (error) {
