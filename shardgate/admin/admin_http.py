@@ -198,7 +198,7 @@ def subscription_view(sub: Any) -> dict[str, Any]:
 def _consumers_view(sub: Any, active: Any) -> list[dict[str, Any]]:
     """Who consumes `sub`. An AMQP queue is the subscription's core consumer itself: what is
     listed are its basic.consume registrations (none: the queue has no consumer)."""
-    out = []
+    out: list[dict[str, Any]] = []
     for consumer in list(sub.consumers):
         registrations = getattr(consumer, "consumers", None)
         if str(getattr(consumer, "consumer_id", "")) == sub.name and isinstance(registrations, list):
