@@ -81,7 +81,7 @@ class JournalConfig:
 
     RANGES: ClassVar[dict[str, Range]] = {
         "fsync_interval_ms": (1, None), "segment_bytes": (256, None), "segment_ms": (1, None),
-        "retention_ms": (1, None), "retention_bytes": (1, None),
+        "retention_ms": (1, None), "retention_bytes": (1, None), "max_open_files": (16, None),
     }
 
 
