@@ -67,7 +67,7 @@ from ..protocols.mqtt.session import (
     SubscriptionOptions,
 )
 from . import keys
-from .etcd import EtcdError, delete_op, get_op, mod_revision_is, put_op
+from .etcd import EtcdError, delete_op, mod_revision_is, put_op
 from .shard_reader import OwnerLog
 from .state_rpc import StateCallError, StateRpc
 
@@ -614,9 +614,9 @@ class SessionHandover:
 
     # ------------------------------------------------------------ the new node
     def find(self, client_id: str, clean_start: bool) -> asyncio.Future[None] | None:
-        holder = self.node.view.sessions.get(client_id)
-        if clean_start and holder in (None, self.node.node_id):
-            return None  # nothing to resume, and nobody else to end a session on
+        """A CONNECT for a session not held here waits for its claim (every kind of session:
+        the registry orders takeovers) and, when another node held it, for that node to end
+        its connection and hand the session over."""
         return asyncio.ensure_future(self._take(client_id, clean_start))
 
     async def _take(self, client_id: str, clean_start: bool) -> None:
@@ -638,16 +638,10 @@ class SessionHandover:
     async def _take_now(self, client_id: str, clean_start: bool) -> None:
         node = self.node
         me = node.node_id
-        registry = node.key(keys.SESSIONS + client_id)
-        # one round trip: who held it, its last snapshot, and the registry now names this node
-        result = await node.client.txn([], [
-            get_op(registry), get_op(self.key(client_id)),
-            put_op(registry, keys.encode({"node": me}), node.lease_id),
-        ])
-        node.view.sessions[client_id] = me
-        held = result.reads[0]
-        holder = keys.decode(held[0].value).get("node") if held else None
-        saved_kv = result.reads[1]
+        # one transaction (again only when another claim came first): who held it, its last
+        # snapshot, and the registry now names this node
+        holder, reads = await node.claim_session(client_id, also_read=[self.key(client_id)])
+        saved_kv = reads[0]
         saved = keys.decode(saved_kv[0].value) if saved_kv else None
         state = saved
         if holder is not None and holder != me and holder in node.view.nodes():
@@ -882,7 +876,7 @@ class SessionHandover:
         """A session opened here (new, resumed or taken over): the registry names this node;
         etcd's snapshot becomes this session's (online), or goes when the session is not
         persistent (an earlier session's snapshot must not come back elsewhere)."""
-        self.node.claim_session(client_id)
+        self.node.claim_session_soon(client_id)
         session = self.service.sessions.get(client_id)
         if session is not None and not session.durable:
             self._void[client_id] = now_ms()
