@@ -863,6 +863,9 @@ class ClusterNode:
             self.durables.stop()
         if self.state_writer is not None:
             await self.state_writer.drain()
+        if self.handover is not None:
+            # then each persistent session goes to a live node, with what it holds
+            await self.handover.hand_over_offline()
 
     async def stop(self) -> None:
         """Stop the loops and end the lease (the node's keys go with it)."""
