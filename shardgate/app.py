@@ -379,7 +379,9 @@ class Shardgate:
         url = archive.url or f"file://{(self.config.data_dir / 'archive').resolve()}"
         settings = ArchiveSettings(
             target_rows=archive.target_rows, target_bytes=archive.target_bytes,
-            max_delay_s=archive.max_delay_s, endpoint_url=archive.endpoint_url, region=archive.region,
+            max_delay_s=archive.max_delay_s, compaction=archive.compaction,
+            file_target_bytes=archive.file_target_bytes, compact_after_s=archive.compact_after_s,
+            endpoint_url=archive.endpoint_url, region=archive.region,
             access_key_id=archive.access_key_id, secret_access_key=archive.secret_access_key,
             # leave part of the shutdown budget to the journal and the metadata store
             stop_timeout_s=max(1.0, self.config.shutdown_timeout_s * 0.6),
