@@ -13,6 +13,13 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
+from shardgate.core.broker import Broker
+from shardgate.core.errors import PublishRejected, ShardUnavailable
+from shardgate.core.message import Message
+from shardgate.core.streams import StreamConfig
+from shardgate.storage.interfaces import StoredRecord
+from shardgate.storage.journal import JournalShardLog, JournalStorage
+
 from shardgate.cluster.replica_epochs import (
     EpochEndAnswer,
     EpochEndRequest,
@@ -30,12 +37,6 @@ from shardgate.cluster.replica_log import (
     ReplicatedShardLog,
     follow,
 )
-from shardgate.core.broker import Broker
-from shardgate.core.errors import PublishRejected, ShardUnavailable
-from shardgate.core.message import Message
-from shardgate.core.streams import StreamConfig
-from shardgate.storage.interfaces import StoredRecord
-from shardgate.storage.journal import JournalShardLog, JournalStorage
 
 
 class Transport:
