@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from typing import Protocol, cast
+from typing import Protocol
 
 from ..core.errors import ShardUnavailable
 from ..storage.interfaces import StorageFull, StoredRecord
@@ -66,22 +66,12 @@ def refusal(error: ReplicaError, where: str) -> ShardUnavailable:
     return ShardUnavailable(f"{where}: {_REFUSALS.get(error, error.value)}")
 
 
-class EpochLog(Protocol):
-    """What of the journal's shard log replication needs beyond `ShardLog`."""
-
-    @property
-    def leader_epochs(self) -> EpochCache: ...
-
-    def truncate_to(self, offset: int) -> int: ...
-
-
 class ReplicatedShardLog:
     """One replicated shard's journal log on this node (see the module docstring)."""
 
-    def __init__(self, journal_log: JournalShardLog, epochs: EpochCache, clock: Clock,
-                 name: str = "") -> None:
+    def __init__(self, journal_log: JournalShardLog, clock: Clock, name: str = "") -> None:
         self.log = journal_log
-        self.epochs = epochs
+        self.epochs: EpochCache = journal_log.leader_epochs
         self._clock = clock
         self._name = name or str(journal_log.directory)
         self.leader: LeaderReplica[asyncio.Future[None]] | None = None
@@ -222,10 +212,9 @@ class ReplicatedShardLog:
         news = self._news
         if news is None or news.done():
             news = self._news = asyncio.get_running_loop().create_future()
-        try:
-            await asyncio.wait_for(asyncio.shield(news), max_wait_s)
-        except TimeoutError:
-            pass
+        # asyncio.wait, not wait_for: in Python 3.11 wait_for can swallow a cancellation that
+        # comes as the future completes, and a follower's loop would then never stop
+        await asyncio.wait((news,), timeout=max_wait_s)
         return self.serve_fetch(request, max_records)
 
     def serve_epoch_end(self, request: EpochEndRequest) -> EpochEndAnswer | Refused:
@@ -315,7 +304,7 @@ class FollowerLog:
             return
         await self.log.flush()
         if isinstance(action, Truncate):
-            cast(EpochLog, self.log).truncate_to(action.end_offset)
+            self.log.truncate_to(action.end_offset)
             return
         # The leader's retention passed this log's end: the offsets up to its start become
         # empty records here (readers pass over them), and fetching goes on from there.

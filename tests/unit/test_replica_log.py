@@ -23,7 +23,6 @@ from shardgate.storage.journal import JournalShardLog, JournalStorage
 from shardgate.cluster.replica_epochs import (
     EpochEndAnswer,
     EpochEndRequest,
-    EpochHistory,
     FetchRequest,
     FetchResponse,
     Refused,
@@ -98,8 +97,8 @@ class Pair:
     def __init__(self, tmp_path: Path, *, isr: tuple[str, ...] = ("a", "b"), min_insync: int = 2) -> None:
         self.journals = {name: JournalStorage(tmp_path / name) for name in ("a", "b")}
         self.logs: dict[str, JournalShardLog] = {n: j.open_shard("s", 0) for n, j in self.journals.items()}
-        self.history = {name: EpochHistory() for name in ("a", "b")}
-        self.replicated = ReplicatedShardLog(self.logs["a"], self.history["a"], time.monotonic, "a:s/0")
+        self.history = {name: log.leader_epochs for name, log in self.logs.items()}
+        self.replicated = ReplicatedShardLog(self.logs["a"], time.monotonic, "a:s/0")
         self.leader: LeaderReplica[asyncio.Future[None]] = LeaderReplica(
             "a", 1, ("a", "b"), isr, min_insync=min_insync, lag_time_max_s=30.0,
             history=self.history["a"], log_end=0, durable_end=0, high_watermark=0,
@@ -233,3 +232,52 @@ async def test_an_unreachable_leader_is_retried(pair: Pair) -> None:
     assert not future.done()
     pair.transport.cut.clear()
     await asyncio.wait_for(future, 10)
+
+
+async def test_after_a_failover_the_old_leader_cuts_its_unacknowledged_tail_from_its_journal(
+    pair: Pair,
+) -> None:
+    pair.start_following()
+    acknowledged = [pair.broker.publish(Message("t/1", f"ack{i}".encode())) for i in range(5)]
+    await asyncio.wait_for(asyncio.gather(*[f for f in acknowledged if f is not None]), 10)
+    pair.transport.cut.add("a")  # b stops hearing from a: a's next records reach only a's disk
+    lost = [pair.broker.publish(Message("t/1", f"lost{i}".encode())) for i in range(3)]
+    await pair.logs["a"].flush()
+    assert pair.logs["a"].committed_offset == 8
+    assert pair.task is not None
+    pair.task.cancel()
+    await asyncio.gather(pair.task, return_exceptions=True)
+    # the controller makes b the leader of epoch 2 (a's lease ran out); a learns it and resigns
+    pair.replicated.resign()
+    for future in lost:
+        assert future is not None
+        with pytest.raises(ShardUnavailable):
+            await asyncio.wait_for(future, 10)
+    b_log = ReplicatedShardLog(pair.logs["b"], time.monotonic, "b:s/0")
+    b_leader: LeaderReplica[asyncio.Future[None]] = LeaderReplica(
+        "b", 2, ("a", "b"), ("b",), min_insync=1, lag_time_max_s=30.0,
+        history=pair.logs["b"].leader_epochs, log_end=pair.logs["b"].next_offset,
+        durable_end=pair.logs["b"].committed_offset, high_watermark=5, now=time.monotonic())
+    b_log.lead(b_leader)
+    pair.transport.leaders["b"] = b_log
+    b_log.append([(1, b"new-on-b")])
+    waiter = b_log.commit_waiter()
+    assert waiter is not None
+    await asyncio.wait_for(waiter, 10)
+    # a follows b in epoch 2: it asks where epoch 1 ends on b (5) and cuts its journal there
+    a_follower = FollowerReplica("a", "b", 2, history=pair.logs["a"].leader_epochs,
+                                 log_end=pair.logs["a"].next_offset,
+                                 durable_end=pair.logs["a"].committed_offset, high_watermark=5)
+    pair.transport.cut.clear()
+    task = asyncio.get_running_loop().create_task(
+        follow(FollowerLog(pair.logs["a"], a_follower), pair.transport, retry_s=0.01))
+    try:
+        await wait_for(lambda: pair.logs["a"].committed_offset == 6 and b_log.high_watermark == 6)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    a_records = pair.logs["a"].read(0, 100)
+    assert a_records == pair.logs["b"].read(0, 100)
+    assert a_records[5].data == b"new-on-b"
+    assert pair.logs["a"].leader_epochs.entries == pair.logs["b"].leader_epochs.entries
+    assert [e.epoch for e in pair.logs["a"].leader_epochs.entries] == [1, 2]
