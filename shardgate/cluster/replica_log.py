@@ -196,6 +196,7 @@ class ReplicatedShardLog:
         leader = self.leader
         if leader is None:
             return Refused(ReplicaError.NOT_LEADER)
+        leader.retained_from(self.log.low_watermark)  # the journal's retention may have run
         plan = leader.on_fetch(request, self._clock())
         self._settle()
         if isinstance(plan, Refused):

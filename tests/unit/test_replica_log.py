@@ -281,3 +281,26 @@ async def test_after_a_failover_the_old_leader_cuts_its_unacknowledged_tail_from
     assert a_records[5].data == b"new-on-b"
     assert pair.logs["a"].leader_epochs.entries == pair.logs["b"].leader_epochs.entries
     assert [e.epoch for e in pair.logs["a"].leader_epochs.entries] == [1, 2]
+
+
+async def test_a_follower_behind_the_journals_retention_is_told_where_the_log_starts(
+    tmp_path: Path,
+) -> None:
+    journal = JournalStorage(tmp_path / "a", segment_bytes=4096)
+    try:
+        shard_log = journal.open_shard("s", 0)
+        replicated = ReplicatedShardLog(shard_log, time.monotonic, "a:s/0")
+        replicated.lead(LeaderReplica("a", 1, ("a", "b"), ("a",), min_insync=1, lag_time_max_s=30.0,
+                                      history=shard_log.leader_epochs, log_end=0, durable_end=0,
+                                      high_watermark=0, now=time.monotonic()))
+        for _ in range(40):  # a commit per record: segments roll every few records
+            replicated.append([(1, b"x" * 500)])
+            await shard_log.flush()
+        low = shard_log.delete_before(30)  # the journal's own retention, past the wrapper
+        assert 0 < low <= 30
+        assert replicated.serve_fetch(FetchRequest("b", 1, 0, 0)) == Refused(ReplicaError.BEHIND_LOG_START, low)
+        answer = replicated.serve_fetch(FetchRequest("b", 1, low, low))
+        assert not isinstance(answer, Refused)
+        assert answer[0].start == low and answer[1][0].offset == low
+    finally:
+        journal.close()
