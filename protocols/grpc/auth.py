@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from ...core.edge import Principal
+from ...core.edge import Principal, Verdict
 
 if TYPE_CHECKING:
     from .server import GrpcServer
@@ -110,11 +110,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _checked(handler: grpc.RpcMethodHandler,
-             check: Callable[[str], str | None]) -> grpc.RpcMethodHandler:
-    """`handler`, preceded by `check(peer)`: a refusal ends the call with UNAUTHENTICATED."""
+             check: Callable[[str], Verdict]) -> grpc.RpcMethodHandler:
+    """`handler`, preceded by `check(peer)`: a refusal ends the call with UNAUTHENTICATED.
+    A password is hashed off the event loop: the call waits for the verdict."""
 
     async def refused(context: grpc.aio.ServicerContext) -> bool:
         refusal = check(peer_of(context))
+        if refusal is not None and not isinstance(refusal, str):
+            refusal = await refusal
         if refusal is None:
             return False
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"authentication failed: {refusal}")

@@ -122,7 +122,9 @@ class MqttService:
         self._tick_handle: Timer | None = None
         self._sys_handle: Timer | None = None
         self.total_connections = 0
-        self._handshaking: set[MqttConnection] = set()
+        # Connections not yet past CONNECT -> when they were accepted: the CONNECT timeout
+        # runs from accept, whatever the client trickles in meanwhile.
+        self._handshaking: dict[MqttConnection, float] = {}
         # Back-pressure: the connection whose packets are being handled, the online sessions
         # whose queue is over half full, and the publishers held until those catch up.
         self.publishing: MqttConnection | None = None
@@ -327,7 +329,10 @@ class MqttService:
     def assign_client_id(self) -> str:
         return f"sg-{self._id_prefix}-{next(self._client_ids)}"
 
-    def authenticate(self, username: str | None, password: bytes | None, client_id: str, remote: str) -> str | None:
+    def authenticate(
+        self, username: str | None, password: bytes | None, client_id: str, remote: str,
+    ) -> str | None | asyncio.Future[str | None]:
+        """None to accept, a refusal, or a future of either while a password is hashed."""
         edge = self.edge
         # `mqtt.allow_anonymous = false` refuses clients without a user name on MQTT alone,
         # whatever the security policy (`auth.allow_anonymous`) allows the other protocols.
@@ -366,7 +371,7 @@ class MqttService:
         self, connection: MqttConnection, client_id: str, clean_start: bool, expiry: int
     ) -> tuple[MqttSession, bool]:
         self.connections.add(connection)
-        self._handshaking.discard(connection)
+        self._handshaking.pop(connection, None)
         self.total_connections += 1
         existing = self.sessions.get(client_id)
         if existing is not None and existing.connection is not None:
@@ -646,20 +651,22 @@ class MqttService:
                     log.warning("client %r: no acknowledgement for %.0fs; disconnected as dead",
                                 connection.client_id, now - connection.last_ack)
                     connection.close(p.ReasonCode.KEEP_ALIVE_TIMEOUT, "dead subscriber")
-        for connection in list(self._handshaking):
+        for connection, accepted in list(self._handshaking.items()):
             if connection.state is not State.AWAIT_CONNECT:
-                self._handshaking.discard(connection)
-            elif now - connection.last_received > CONNECT_TIMEOUT_S:
-                self._handshaking.discard(connection)
+                del self._handshaking[connection]
+            elif now - accepted > CONNECT_TIMEOUT_S:
+                del self._handshaking[connection]
+                log.info("%s: no CONNECT within %.0f s of accept; closed", connection.remote,
+                         CONNECT_TIMEOUT_S)
                 connection.close()
         self._tick_handle = self.scheduler.call_later(TICK_S, self._tick)
 
     def connection_made(self, connection: MqttConnection) -> None:
-        self._handshaking.add(connection)
+        self._handshaking[connection] = self.scheduler.time()
         self.connect_timing.resume_probe()
 
     def connection_gone(self, connection: MqttConnection) -> None:
-        self._handshaking.discard(connection)
+        self._handshaking.pop(connection, None)
         # What a departure saves (the session, or its removal) acknowledges nothing: it joins
         # the turn's group commit (one fsync for every departure of the turn) instead of
         # committing, and fsyncing on the event loop, once per connection.

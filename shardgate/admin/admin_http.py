@@ -522,7 +522,10 @@ async def _authenticate(
         raise web.HTTPUnauthorized(reason="credentials required (HTTP Basic)",
                                    headers=_UNAUTHORIZED_HEADERS)
     username, password = credentials
-    if security.authenticate(username, password, "http", remote, "http") is not None:
+    verdict = security.authenticate_later(username, password, "http", remote, "http")
+    if verdict is not None and not isinstance(verdict, str):
+        verdict = await verdict  # the password is hashed off the event loop
+    if verdict is not None:
         raise web.HTTPUnauthorized(reason="authentication failed", headers=_UNAUTHORIZED_HEADERS)
     topic = admin_topic(request.path)
     if not security.authorize("admin", username, "http", topic, "http"):
