@@ -27,11 +27,11 @@ from shardgate.protocols.mqtt.codec import encode
 
 from tests.conftest import BrokerProcess, free_port
 
-FLOOD_S = 4.0
-FLOODERS = 4
+FLOOD_S = 8.0
+FLOODERS = 6
 # Without the delay a flooder gets an answer per hash (tens of milliseconds): scores of
-# answers in FLOOD_S. With it, 0.1 + 0.2 + 0.4 + 0.8 + 1.6 s: about five per address.
-MAX_ANSWERS = 15
+# answers in FLOOD_S. With it, one check at a time per address, 0.25, 0.5, 1, 2, 4 s apart.
+MAX_ANSWERS = 12
 
 
 def add_user(data_dir: Path, name: str, password: str, *roles: str) -> None:
@@ -121,24 +121,23 @@ def test_mqtt_password_flood_is_slowed_and_others_keep_their_pace(broker: Broker
         good.subscribe("rt/alice", 1)
         assert subscribed.wait(20)
         baseline = statistics.median(round_trips(good, received, 20))
-        during: list[float] = []
-        login_times: list[float] = []
-
-        def measure() -> None:
-            time.sleep(FLOOD_S / 4)  # the flood is under way
-            start = time.monotonic()
-            assert mqtt_connect(port, "bob", b"bob-pw", source="127.0.0.2") == 0
-            login_times.append(time.monotonic() - start)
-            during.extend(round_trips(good, received, 20))
-
-        measuring = threading.Thread(target=measure, daemon=True)
-        measuring.start()
-        answers = flood(lambda: mqtt_connect(port, "alice", b"wrong") and None)
-        measuring.join(60)
-        print("STATS", answers, baseline, statistics.median(during), login_times, flush=True)
-        assert answers <= MAX_ANSWERS, f"{answers} refusals in {FLOOD_S}s: the flood is not slowed"
-        assert login_times and login_times[0] < 5, login_times
-        assert statistics.median(during) < baseline * 5 + 0.05, (baseline, statistics.median(during))
+        answers: list[int] = []
+        flooding = threading.Thread(
+            target=lambda: answers.append(flood(lambda: mqtt_connect(port, "alice", b"wrong") and None)),
+            daemon=True)
+        flooding.start()
+        time.sleep(0.5)  # the flood is under way (its first hashes run now)
+        during = round_trips(good, received, 20)
+        start = time.monotonic()
+        assert mqtt_connect(port, "bob", b"bob-pw", source="127.0.0.2") == 0
+        login_s = time.monotonic() - start
+        flooding.join(60)
+        assert answers and answers[0] <= MAX_ANSWERS, \
+            f"{answers} refusals in {FLOOD_S}s: the flood is not slowed"
+        # Generous bounds (the machine is loaded): with the hashing on the event loop a round
+        # trip waits for the hashes in front of it (a few hundred ms each).
+        assert login_s < 5, login_s
+        assert statistics.median(during) < max(5 * baseline, 0.1), (baseline, during)
     finally:
         good.loop_stop()
         good.disconnect()
