@@ -333,9 +333,12 @@ class Broker:
     def add_filter(self, sub: Subscription, topic_filter: str, options: object = None) -> bool:
         """Add (or update the options of) a filter; True if the filter is new to `sub`."""
         new = topic_filter not in sub.filters
+        if new:
+            # First: a filter the trie refuses (TopicError) never becomes part of `sub`, so
+            # it is never saved with it either.
+            self._trie.add(topic_filter, sub)
         sub.filters[topic_filter] = options
         if new:
-            self._trie.add(topic_filter, sub)
             sub.filters_changed()
             self._forget_matches()
             if self.on_routes_changed is not None:

@@ -473,3 +473,9 @@ class BrokerInfo(_message.Message):
     subscriptions: int
     clients: int
     def __init__(self, version: _Optional[str] = ..., started_at: _Optional[float] = ..., uptime_s: _Optional[float] = ..., listeners: _Optional[_Iterable[_Union[Listener, _Mapping]]] = ..., messages_in: _Optional[int] = ..., bytes_in: _Optional[int] = ..., messages_out: _Optional[int] = ..., bytes_out: _Optional[int] = ..., messages_dropped: _Optional[int] = ..., streams: _Optional[int] = ..., subscriptions: _Optional[int] = ..., clients: _Optional[int] = ...) -> None: ...
+
+class ClusterStatus(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...

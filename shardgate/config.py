@@ -76,6 +76,11 @@ class ArchiveConfig:
     target_rows: int = 100_000
     target_bytes: int = 32 * 1024 * 1024
     max_delay_s: float = 60.0
+    # compaction (local disks): merge a shard's small files of an hour into files of this size,
+    # compact_after_s after the hour ended
+    compaction: bool = True
+    file_target_bytes: int = 128 * 1024 * 1024
+    compact_after_s: float = 3600.0
     endpoint_url: str | None = None
     region: str | None = None
     access_key_id: str | None = None

@@ -14,6 +14,7 @@ import asyncio
 import errno
 import socket
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 
@@ -60,8 +61,12 @@ def refusal_of(exc: PublishRejected) -> Refusal:
 class GrpcServer:
     """The bound gRPC server; `close()` and `await wait_closed()` stop it."""
 
-    def __init__(self, edge: Edge, settings: GrpcSettings | None = None) -> None:
+    def __init__(self, edge: Edge, settings: GrpcSettings | None = None,
+                 cluster_status: Callable[[], dict[str, Any]] | None = None) -> None:
         self.edge = edge
+        # Cluster mode: the cluster as this node sees it (`Admin.GetClusterStatus`); None on
+        # a single node.
+        self.cluster_status = cluster_status
         self.settings = settings or GrpcSettings()
         self.consumers: set[GrpcConsumer] = set()
         self.producers: set[ProducerStreamInfo] = set()

@@ -21,7 +21,10 @@ from typing import TYPE_CHECKING
 
 from ... import __version__
 from ...core.edge import KICK_REASON, Action, ClientInfo, Edge, Principal
+from ...core.errors import CoreError
 from ...core.message import Message, now_ms
+from ...core.ports import SavedSession
+from ...core.restoring import set_aside
 from ...core.scheduling import Scheduler, Timer
 from ..output import OutputBatcher
 from ..read_budget import ReadBudget
@@ -574,9 +577,6 @@ class MqttService:
         reconnects); returns how many."""
         if self.store is None or self.broker.storage is None:
             return 0
-        from ...core.subscriptions import SubscriptionType
-        from .session import SubscriptionOptions
-
         restored = 0
         now = now_ms()
         for record in self.store.load_sessions():
@@ -584,43 +584,83 @@ class MqttService:
             if record.expiry_interval != NEVER_EXPIRES and disconnected + record.expiry_interval * 1000 <= now:
                 self.forget_session(record.client_id)
                 continue
+            session = None
             try:
-                data = json.loads(record.data)
-            except ValueError:
-                log.error("session %r: unreadable saved state, dropped", record.client_id)
+                session = MqttSession(self, record.client_id, durable=True)
+                self._restore_session(session, record, disconnected, now)
+            except Exception as exc:
+                set_aside(log, f"persistent session {record.client_id!r}", record, exc)
+                if session is not None:
+                    self._drop_restored(session)
                 continue
-            session = MqttSession(self, record.client_id, durable=True)
-            session.expiry_interval = record.expiry_interval
-            session.disconnected_at_ms = disconnected
-            for topic_filter, qos, no_local, rap, handling, sub_id in data.get("subscriptions", []):
-                options = SubscriptionOptions(qos, no_local, rap, handling, sub_id)
-                self.broker.add_filter(session.subscription, topic_filter, options)
-            self.broker.attach(session.subscription, session)
-            for name, sub_type, filters, qos, rap, sub_id in data.get("shared", []):
-                sub = self.broker.subscription(name, SubscriptionType(sub_type))
-                for topic_filter in filters:
-                    self.broker.add_filter(sub, topic_filter)
-                self.broker.attach(sub, session)
-                session.shared[name] = (sub, SubscriptionOptions(qos, False, rap, 0, sub_id))
-            for cursor in self.store.load_cursors(session.subscription.name):
-                if cursor.acked:
-                    session.subscription.restore_cursor(cursor.stream, cursor.shard, cursor.acked)  # type: ignore[attr-defined]
-            durable_sub = session.subscription
-            for pid, stream, shard, offset, qos, released, retain, ids in data.get("inflight", []):
-                message = durable_sub.read_message(stream, shard, offset)  # type: ignore[attr-defined]
-                if message is None:
-                    continue
-                session.inflight[pid] = Outgoing(message, qos, retain, tuple(ids), durable_sub, released)
-                durable_sub.adopt(message, session)  # type: ignore[attr-defined]
-            session.inbound_qos2 = self.store.qos2_inbound(record.client_id)
-            self.sessions[record.client_id] = session
-            if record.expiry_interval != NEVER_EXPIRES:
-                remaining = max(0.0, (disconnected + record.expiry_interval * 1000 - now) / 1000)
-                self._expiry_timers[record.client_id] = self.scheduler.call_later(
-                    remaining, self._expire_session, record.client_id
-                )
             restored += 1
         return restored
+
+    def _drop_restored(self, session: MqttSession) -> None:
+        """Undo what a session that could not be restored left in the broker (the stored
+        session itself stays as it was)."""
+        client_id = session.client_id
+        if self.sessions.get(client_id) is session:
+            del self.sessions[client_id]
+        timer = self._expiry_timers.pop(client_id, None)
+        if timer is not None:
+            timer.cancel()
+        for sub, _options in session.shared.values():
+            self.broker.detach(sub, session)
+        if self.broker.subscriptions.get(session.subscription.name) is session.subscription:
+            removed, self.broker.on_subscription_removed = self.broker.on_subscription_removed, None
+            try:
+                self.broker.remove_subscription(session.subscription.name)
+            finally:
+                self.broker.on_subscription_removed = removed
+
+    def _restore_session(self, session: MqttSession, record: SavedSession, disconnected: int,
+                         now: int) -> None:
+        """Fill the restored `session` from `record`; a filter the topic layer refuses is set
+        aside alone, anything else wrong with the record raises."""
+        from ...core.subscriptions import SubscriptionType
+        from .session import SubscriptionOptions
+
+        store = self.store
+        assert store is not None
+        data = json.loads(record.data)
+        session.expiry_interval = record.expiry_interval
+        session.disconnected_at_ms = disconnected
+        for topic_filter, qos, no_local, rap, handling, sub_id in data.get("subscriptions", []):
+            options = SubscriptionOptions(qos, no_local, rap, handling, sub_id)
+            try:
+                self.broker.add_filter(session.subscription, topic_filter, options)
+            except CoreError as exc:
+                set_aside(log, f"filter of persistent session {record.client_id!r}",
+                          topic_filter, exc)
+        self.broker.attach(session.subscription, session)
+        for name, sub_type, filters, qos, rap, sub_id in data.get("shared", []):
+            sub = self.broker.subscription(name, SubscriptionType(sub_type))
+            for topic_filter in filters:
+                try:
+                    self.broker.add_filter(sub, topic_filter)
+                except CoreError as exc:
+                    set_aside(log, f"shared filter of persistent session {record.client_id!r}",
+                              topic_filter, exc)
+            self.broker.attach(sub, session)
+            session.shared[name] = (sub, SubscriptionOptions(qos, False, rap, 0, sub_id))
+        for cursor in store.load_cursors(session.subscription.name):
+            if cursor.acked:
+                session.subscription.restore_cursor(cursor.stream, cursor.shard, cursor.acked)  # type: ignore[attr-defined]
+        durable_sub = session.subscription
+        for pid, stream, shard, offset, qos, released, retain, ids in data.get("inflight", []):
+            message = durable_sub.read_message(stream, shard, offset)  # type: ignore[attr-defined]
+            if message is None:
+                continue
+            session.inflight[pid] = Outgoing(message, qos, retain, tuple(ids), durable_sub, released)
+            durable_sub.adopt(message, session)  # type: ignore[attr-defined]
+        session.inbound_qos2 = store.qos2_inbound(record.client_id)
+        self.sessions[record.client_id] = session
+        if record.expiry_interval != NEVER_EXPIRES:
+            remaining = max(0.0, (disconnected + record.expiry_interval * 1000 - now) / 1000)
+            self._expiry_timers[record.client_id] = self.scheduler.call_later(
+                remaining, self._expire_session, record.client_id
+            )
 
     def remember_qos2(self, session: MqttSession, packet_id: int, present: bool) -> None:
         if not session.durable or self.store is None:

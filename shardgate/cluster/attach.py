@@ -291,7 +291,7 @@ def cluster_status(node: ClusterNode) -> dict[str, Any]:
         f"{stream}/{index}"
         for stream, shards in view.placement.items()
         for index, placed in enumerate(shards)
-        if placed.node_id not in view.registrations
+        if placed.leader not in view.registrations
     )
     return {
         "cluster": node.settings.name, "node_id": node.node_id, "controller": view.controller_id,
@@ -300,8 +300,14 @@ def cluster_status(node: ClusterNode) -> dict[str, Any]:
         "nodes": nodes, "streams": len(view.streams),
         "shards": sum(len(shards) for shards in view.placement.values()),
         "unavailable_shards": unavailable,
+        # per shard: [leader, leader epoch] (what scripts and tests read) ...
         "placement": {
-            stream: [[placed.node_id, placed.epoch] for placed in shards]
+            stream: [[placed.leader, placed.leader_epoch] for placed in shards]
+            for stream, shards in sorted(view.placement.items())
+        },
+        # ... and the whole placement: leader, replicas, in-sync replicas, leader epoch
+        "replicas": {
+            stream: [placed.to_json() for placed in shards]
             for stream, shards in sorted(view.placement.items())
         },
         # what other nodes' durable cursors still need of this node's shards (retention keeps it)

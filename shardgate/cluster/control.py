@@ -42,7 +42,7 @@ from .etcd import (
     version_is,
 )
 from .membership import NodeInfo, ShardAssignment
-from .placement import Placed, ShardSpec, place
+from .placement import ShardPlacement, ShardSpec, place
 from .settings import ClusterSettings
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class EtcdClusterView:
     def __init__(self, node_id: str) -> None:
         self._node_id = node_id
         self.registrations: dict[str, keys.NodeRegistration] = {}
-        self.placement: dict[str, list[Placed]] = {}
+        self.placement: dict[str, list[ShardPlacement]] = {}
         self.streams: dict[str, dict[str, Any]] = {}
         self.routes: dict[str, dict[str, Any]] = {}
         # the MQTT session registry: client id -> the node its session lives on
@@ -104,18 +104,17 @@ class EtcdClusterView:
     def nodes(self) -> Mapping[str, NodeInfo]:
         return self._node_infos
 
-    def owner(self, stream: str, shard: int) -> ShardAssignment | None:
+    def leader(self, stream: str, shard: int) -> ShardAssignment | None:
         shards = self.placement.get(stream)
         if shards is None or not 0 <= shard < len(shards):
             return None
-        placed = shards[shard]
-        return ShardAssignment(stream, shard, placed.node_id, placed.epoch)
+        return ShardAssignment.of(stream, shard, shards[shard])
 
-    def owns(self, stream: str, shard: int) -> bool:
+    def leads(self, stream: str, shard: int) -> bool:
         shards = self.placement.get(stream)
         if shards is None or not 0 <= shard < len(shards):
             return False
-        return (shards[shard].node_id == self._node_id and self.lease_alive()
+        return (shards[shard].leader == self._node_id and self.lease_alive()
                 and (not self.released or (stream, shard) not in self.released))
 
     def on_change(self, callback: Callable[[], None]) -> None:
@@ -128,14 +127,14 @@ class EtcdClusterView:
 
     def available(self, stream: str, shard: int) -> bool:
         """True when the shard's node is live (a dead node's reliable shards are not)."""
-        assignment = self.owner(stream, shard)
-        return assignment is not None and assignment.node_id in self._node_infos
+        assignment = self.leader(stream, shard)
+        return assignment is not None and assignment.leader in self._node_infos
 
     def shard_counts(self) -> dict[str, int]:
         counts = dict.fromkeys(self.registrations, 0)
         for shards in self.placement.values():
             for placed in shards:
-                counts[placed.node_id] = counts.get(placed.node_id, 0) + 1
+                counts[placed.leader] = counts.get(placed.leader, 0) + 1
         return counts
 
     def shard_specs(self) -> list[ShardSpec]:
@@ -198,8 +197,8 @@ class EtcdClusterView:
                 if value is None:
                     self.placement.pop(stream, None)
                 else:
-                    self.placement[stream] = [Placed(node, int(epoch))
-                                              for node, epoch in keys.decode(value)["shards"]]
+                    self.placement[stream] = [ShardPlacement.from_json(shard)
+                                              for shard in keys.decode(value)["shards"]]
             elif key == keys.PLACEMENT_GUARD:
                 self.guard_revision = 0 if value is None else event.revision
             elif key == keys.CONTROLLER:
@@ -585,7 +584,7 @@ class ClusterNode:
             self.view.controller_revision = result.revision
             log.info("cluster: node %s is the controller", self.node_id)
 
-    def desired_placement(self) -> dict[str, list[Placed]]:
+    def desired_placement(self) -> dict[str, list[ShardPlacement]]:
         view = self.view
         current = {
             (stream, index): placed
@@ -600,10 +599,10 @@ class ClusterNode:
                 for name in registration.released:
                     stream, _, index = name.rpartition("/")
                     if index.isdigit() and current.get((stream, int(index)), None) is not None \
-                            and current[(stream, int(index))].node_id == node:
+                            and current[(stream, int(index))].leader == node:
                         released.add((stream, int(index)))
         placed = place(view.shard_specs(), current, live, load, released)
-        desired: dict[str, list[Placed]] = {}
+        desired: dict[str, list[ShardPlacement]] = {}
         for name, definition in view.streams.items():
             shards = [placed.get((name, index)) for index in range(int(definition.get("partitions", 1)))]
             if all(shard is not None for shard in shards):
@@ -616,7 +615,7 @@ class ClusterNode:
         ops = []
         for name, shards in sorted(desired.items()):
             if view.placement.get(name) != shards:
-                value = keys.encode({"shards": [[p.node_id, p.epoch] for p in shards]})
+                value = keys.encode({"shards": [placed.to_json() for placed in shards]})
                 ops.append(put_op(self.key(keys.PLACEMENT + name), value))
         for name in view.placement.keys() - view.streams.keys():
             ops.append(delete_op(self.key(keys.PLACEMENT + name)))
@@ -707,7 +706,7 @@ class ClusterNode:
             # reliable shards whose log is empty can move with nothing lost: stop acting for
             # them first (publishes get a retryable error), then check they are still empty
             mine = [(spec.stream, spec.shard) for spec in self.view.shard_specs()
-                    if spec.reliable and self.view.owns(spec.stream, spec.shard)]
+                    if spec.reliable and self.view.leads(spec.stream, spec.shard)]
             self.view.released.update(mine)
             empty = set(self.empty_shards(mine))
             self.view.released.intersection_update(empty)
@@ -737,8 +736,8 @@ class ClusterNode:
         owned = []
         for spec in self.view.shard_specs():
             if not spec.reliable or (spec.stream, spec.shard) in self.view.released:
-                assignment = self.view.owner(spec.stream, spec.shard)
-                if assignment is not None and assignment.node_id == self.node_id:
+                assignment = self.view.leader(spec.stream, spec.shard)
+                if assignment is not None and assignment.leader == self.node_id:
                     owned.append((spec.stream, spec.shard))
         return owned
 

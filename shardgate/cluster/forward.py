@@ -1040,8 +1040,8 @@ class DataPlane:
                 # (an OwnerLog past its hand-off follows the pushes too)
                 if not (isinstance(cursor.log, ReceivedLog) or getattr(cursor.log, "remote_shard", False)):
                     continue
-                assignment = self.view.owner(stream, shard)
-                if assignment is None or assignment.node_id != node_id:
+                assignment = self.view.leader(stream, shard)
+                if assignment is None or assignment.leader != node_id:
                     continue
                 cursor.log = reader(stream, shard, cursor.position, _filters_of(sub), None)
                 cursor.live = False
@@ -1063,21 +1063,21 @@ class DataPlane:
             for (stream, shard), cursor in sub.cursors.items():
                 if cursor.log is None:
                     continue
-                assignment = view.owner(stream, shard)
+                assignment = view.leader(stream, shard)
                 if assignment is None:
                     continue
                 # (an OwnerLog of cluster.shard_reader also reads a shard another node owns)
                 received = isinstance(cursor.log, ReceivedLog) or getattr(cursor.log, "remote_shard", False)
-                if assignment.node_id != self.node_id and not received:
+                if assignment.leader != self.node_id and not received:
                     cursor.log = self.received_log(stream, shard)
-                elif assignment.node_id == self.node_id and received:
+                elif assignment.leader == self.node_id and received:
                     local = broker.streams.get(stream)
                     if local is not None and shard < len(local.shards) and local.shards[shard].log:
                         cursor.log = local.shards[shard].log
 
     # ------------------------------------------------------------ ShardPlacement
     def serves(self, stream: str, shard: int) -> bool:
-        return stream in NODE_LOCAL_STREAMS or self.view.owns(stream, shard)
+        return stream in NODE_LOCAL_STREAMS or self.view.leads(stream, shard)
 
     def received_log(self, stream: str, shard: int) -> ReceivedLog:
         key = (stream, shard)
@@ -1096,24 +1096,24 @@ class DataPlane:
         if route is not None:
             self.stats.forwarded += 1
             return route[0].forward(message, route[1])
-        assignment = self.view.owner(message.stream, message.shard)
+        assignment = self.view.leader(message.stream, message.shard)
         link = None
-        if assignment is not None and assignment.node_id != self.node_id:
-            link = self.links.get(assignment.node_id)
+        if assignment is not None and assignment.leader != self.node_id:
+            link = self.links.get(assignment.leader)
         if link is None:
             future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             if assignment is None:
                 reason = f"no node owns {message.stream}/{message.shard} now; retry"
-            elif assignment.node_id == self.node_id:
+            elif assignment.leader == self.node_id:
                 reason = f"this node cannot prove it owns {message.stream}/{message.shard} now; retry"
             else:
-                reason = f"node {assignment.node_id} owning {message.stream}/{message.shard} is not live"
+                reason = f"node {assignment.leader} owning {message.stream}/{message.shard} is not live"
             _fail(future, ShardUnavailable(reason))
             self.stats.forward_failures += 1
             return future
         self.stats.forwarded += 1
-        self._forward_routes[(message.stream, message.shard)] = (link, assignment.epoch)  # type: ignore[union-attr]
-        return link.forward(message, assignment.epoch)  # type: ignore[union-attr]
+        self._forward_routes[(message.stream, message.shard)] = (link, assignment.leader_epoch)  # type: ignore[union-attr]
+        return link.forward(message, assignment.leader_epoch)  # type: ignore[union-attr]
 
     def reroute(
         self, message: Message, future: asyncio.Future[None], refused_epoch: int, owner_epoch: int = 0
@@ -1139,11 +1139,11 @@ class DataPlane:
         return True
 
     def _route_again(self, message: Message, future: asyncio.Future[None], refused_epoch: int) -> bool:
-        assignment = self.view.owner(message.stream, message.shard)
-        if assignment is None or assignment.epoch <= refused_epoch:
+        assignment = self.view.leader(message.stream, message.shard)
+        if assignment is None or assignment.leader_epoch <= refused_epoch:
             return False
-        if assignment.node_id == self.node_id:
-            if not self.view.owns(message.stream, message.shard):
+        if assignment.leader == self.node_id:
+            if not self.view.leads(message.stream, message.shard):
                 return False
             try:
                 stored = self.broker.publish(message, counted=False)  # counted when it came in
@@ -1155,10 +1155,10 @@ class DataPlane:
             else:
                 stored.add_done_callback(lambda done: _settle(future, done))
             return True
-        link = self.links.get(assignment.node_id)
+        link = self.links.get(assignment.leader)
         if link is None:
             return False
-        link.forward(message, assignment.epoch, future)
+        link.forward(message, assignment.leader_epoch, future)
         return True
 
     def _after_epoch(self, stream: str, shard: int, epoch: int, then: Callable[[], None],
@@ -1176,9 +1176,9 @@ class DataPlane:
         due, waiting = [], []
         for waiter in self._epoch_waiters:
             deadline, stream, shard, epoch, then, ready = waiter
-            assignment = view.owner(stream, shard)
+            assignment = view.leader(stream, shard)
             if now >= deadline or (
-                assignment is not None and assignment.epoch >= epoch and (ready is None or ready())
+                assignment is not None and assignment.leader_epoch >= epoch and (ready is None or ready())
             ):
                 due.append(then)
             else:
@@ -1466,7 +1466,7 @@ class DataPlane:
             if topic.startswith(NODE_LOCAL_TOPICS):
                 continue
             stream = broker.stream_for_topic(topic)  # restored messages carry no shard
-            if self.view.owns(stream.name, stream.shard_for(topic, message.key).index):
+            if self.view.leads(stream.name, stream.shard_for(topic, message.key).index):
                 owned.append(_retained_frame(topic, message))
         return owned
 
@@ -1719,7 +1719,7 @@ class DataPlane:
         acknowledged = not batch.unacknowledged
         result.size(len(items))
         broker = self.broker
-        owned = not self._stopping and self.view.owns(stream_name, shard)
+        owned = not self._stopping and self.view.leads(stream_name, shard)
         # topic -> whether this node routes it to the batch's shard (messages without a key)
         here: dict[str, bool] = {}
         direct: list[Message] = []
@@ -1790,9 +1790,9 @@ class DataPlane:
                 later(outcome, message, epoch)
                 return None
             shard = stream.shard_for(message.topic, message.key).index
-            if not view.owns(stream.name, shard):
-                assignment = view.owner(stream.name, shard)
-                known = assignment.epoch if assignment is not None else 0
+            if not view.leads(stream.name, shard):
+                assignment = view.leader(stream.name, shard)
+                known = assignment.leader_epoch if assignment is not None else 0
                 if later is not None and epoch > known:
                     message.stream, message.shard = stream.name, shard
                     later(outcome, message, epoch)

@@ -3,7 +3,8 @@ agrees. Every key lives under `/shardgate/<cluster name>/`; values are JSON.
 
     nodes/<node id>        a live node's registration, under that node's lease
     controller             the elected controller's node id, under its lease
-    placement/<stream>     the stream's shards: [[node id, epoch], ...] (written by the controller)
+    placement/<stream>     the stream's shards: [{leader, replicas, isr, leader_epoch}, ...]
+                           (`placement.ShardPlacement`; written by the controller only)
     placement-guard        bumped with every placement write: the compare-and-swap token
     streams/<name>         a stream's definition (mode, partitions, retention, schema)
     routes/<pattern>       a routing rule: topics matching the pattern go to a stream

@@ -228,11 +228,11 @@ class CursorPlacer:
         self._unplaced_left = False
         for sub, cursor in self._waiting():
             stream, shard = cursor.stream, cursor.shard
-            owner = self.node.view.owner(stream, shard)
-            if owner is None:
+            assignment = self.node.view.leader(stream, shard)
+            if assignment is None:
                 self._unplaced_left = True  # placed when the shard map names its owner
                 continue
-            if owner.node_id == me:
+            if assignment.leader == me:
                 sub.place_restored(cursor, None)
                 continue
             sub.place_restored(cursor, self._owner_log(sub, stream, shard))
@@ -256,8 +256,8 @@ class CursorPlacer:
         local = broker_stream.shards[shard].log
         if local is None:
             return None
-        owner = self.node.view.owner(stream, shard)
-        if owner is None or owner.node_id == self.node.node_id:
+        assignment = self.node.view.leader(stream, shard)
+        if assignment is None or assignment.leader == self.node.node_id:
             return local
         return OwnerLog(self.rpc, self.plane, stream, shard, position or 0,
                         lambda: list(sub.filters), since_ms)

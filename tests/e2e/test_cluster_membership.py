@@ -223,6 +223,38 @@ def test_cluster_status_command_and_metrics_show_every_node(cluster: Cluster) ->
     assert 'shardgate_cluster_lease_alive{node="n1"} 1.0' in metrics
 
 
+def test_cluster_status_finds_the_node_by_shardgate_url_and_takes_credentials(
+    etcd: EtcdServer, tmp_path: Path,
+) -> None:
+    """Like every client command, `cluster status` asks the node at $SHARDGATE_URL (its gRPC
+    listener; no --http-url) and authenticates with --username/--password."""
+    from shardgate.security.auth import User, hash_password, save_users
+
+    node = ClusterNodeProcess(tmp_path / "n1", "n1", etcd.url, extra_config=STREAMS)
+    (tmp_path / "n1").mkdir(parents=True, exist_ok=True)
+    save_users(tmp_path / "n1" / "users.json",
+               {"root": User("root", hash_password("root-pw"), ["admin"])})
+    node.start()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDGATE_")}
+        env["SHARDGATE_URL"] = node.grpc_url
+        command = [sys.executable, "-m", "shardgate", "cluster", "status"]
+
+        def status(*extra: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([*command, *extra], capture_output=True, text=True,
+                                  timeout=60, env=env)
+
+        shown = wait_for(
+            lambda: (done := status("--username", "root", "--password", "root-pw")).returncode == 0
+            and "controller n1" in done.stdout and done, timeout=60, interval=0.2)
+        assert shown.stdout.splitlines()[0] == "cluster test: 1 nodes, controller n1, 9 shards in 3 streams"
+        refused = status()
+        assert refused.returncode == 1
+        assert "--username" in refused.stderr and "Traceback" not in refused.stderr
+    finally:
+        node.kill()
+
+
 def test_nodes_authenticate_to_an_etcd_with_users_and_a_wrong_password_is_a_clear_error(
     etcd: EtcdServer, tmp_path: Path,
 ) -> None:
