@@ -219,11 +219,14 @@ class Archiver:
         that is not done within `timeout` seconds (None: keep trying)."""
         await self.journal.flush()
         deadline = None if timeout is None else time.monotonic() + timeout
+        targets: dict[tuple[str, int], int] = {}
         while True:
             async with self._lock:
                 await self._discover()
-                targets = {key: self._committed(key) for key in self._shards}
-                await self._pass(force=True, ignore_backoff=True)
+                for key in self._shards:  # what is committed when the flush first sees it
+                    if key not in targets:
+                        targets[key] = self._committed(key)
+                await self._pass(force=True, ignore_backoff=True, targets=targets)
                 missing = [
                     state for key, state in self._shards.items()
                     if state.archived_next < targets.get(key, 0)
@@ -456,23 +459,32 @@ class Archiver:
         shard_log = self._open_log(*key)
         return shard_log.committed_offset if shard_log is not None else 0
 
-    async def _pass(self, force: bool, ignore_backoff: bool) -> None:
-        """One round over every shard: read what is new, seal the files that are due."""
-        for state in list(self._shards.values()):
+    async def _pass(self, force: bool, ignore_backoff: bool,
+                    targets: dict[tuple[str, int], int] | None = None) -> None:
+        """One round over every shard: read what is new, seal the files that are due. With
+        `force`, a partial file is sealed too, but only while the shard has not archived up
+        to its offset in `targets` (what was committed when a flush began): records that
+        arrive during the flush's uploads wait for their own file to be due, rather than
+        become one more small file each."""
+        for key, state in list(self._shards.items()):
             if not ignore_backoff and time.monotonic() < state.retry_at:
                 continue
             shard_log = self._open_log(state.stream, state.shard)
             if shard_log is None:
                 continue
-            if not (force or state.buffer or self._file_due_soon(state, shard_log)):
+
+            def forced(state: _ShardState = state, key: tuple[str, int] = key) -> bool:
+                return force and (targets is None or state.archived_next < targets.get(key, 0))
+
+            if not (forced() or state.buffer or self._file_due_soon(state, shard_log)):
                 continue
             while True:
                 await self._fill(state, shard_log)
-                if not self._due(state, force):
+                if not self._due(state, forced()):
                     break
                 if not await self._seal(state, shard_log):
                     break
-                if not (force or state.buffer or self._file_due_soon(state, shard_log)):
+                if not (forced() or state.buffer or self._file_due_soon(state, shard_log)):
                     break
 
     def _file_due_soon(self, state: _ShardState, shard_log: Any) -> bool:

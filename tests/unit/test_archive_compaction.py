@@ -151,3 +151,34 @@ async def test_a_crash_mid_compaction_leaves_nothing_a_reader_sees(journal: Jour
     await restarted.stop()
     assert not leftover.exists()
     assert pq.read_table(root).num_rows == total
+
+
+async def test_a_flush_during_traffic_writes_one_file_per_shard(journal: JournalStorage,
+                                                                tmp_path: Path) -> None:
+    """A flush seals what was committed when it began: records that arrive during its upload
+    wait for their own file, rather than become one more file of a row or two each."""
+    import time
+
+    root = tmp_path / "archive"
+    settings = ArchiveSettings(poll_interval_s=3600, max_delay_s=3600, compaction=False)
+    archiver = Archiver(journal, root.as_uri(), lambda: [("s", 1, "bytes")], settings)
+    log = journal.open_shard("s", 0)
+    stop = asyncio.Event()
+
+    async def publish() -> None:
+        while not stop.is_set():
+            now = int(time.time() * 1000)
+            log.append([(now, encode_message(MessageRecord("s/x", b"x", 1, False, now)))])
+            await log.flush()
+            await asyncio.sleep(0.002)
+
+    producer = asyncio.create_task(publish())
+    try:
+        for flushes in range(1, 6):
+            await asyncio.sleep(0.05)
+            await archiver.flush()
+            files = list_stream_files(archiver.fs, archiver.root, "s")
+            assert len(files) == flushes, [f.last_offset - f.first_offset + 1 for f in files]
+    finally:
+        stop.set()
+        await producer
