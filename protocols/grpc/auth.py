@@ -95,12 +95,21 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         edge = self.server.edge
-        allow_anonymous = self.server.settings.allow_anonymous and edge.allow_anonymous
         credentials = credentials_from_metadata(handler_call_details.invocation_metadata)
         if credentials is None:
-            if allow_anonymous:
+            if not self.server.settings.allow_anonymous:
+                return _refuse(grpc.StatusCode.UNAUTHENTICATED, "credentials required", handler)
+            if edge.authenticator is None:
+                if edge.allow_anonymous:
+                    return handler
+                return _refuse(grpc.StatusCode.UNAUTHENTICATED, "credentials required", handler)
+            # Asked of the security model per call (it notices a user just added or removed).
+            verdict = edge.authenticate(Principal("grpc"), None)
+            if verdict is None:
                 return handler
-            return _refuse(grpc.StatusCode.UNAUTHENTICATED, "credentials required", handler)
+            if isinstance(verdict, str):
+                return _refuse(grpc.StatusCode.UNAUTHENTICATED, "credentials required", handler)
+            return _checked(handler, lambda peer: verdict)
         if edge.authenticator is None:
             return handler
         username, password = credentials

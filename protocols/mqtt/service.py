@@ -373,6 +373,42 @@ class MqttService:
                 return 1
         return 0
 
+    def reauthorize(self) -> int:
+        """Check every connected client's subscriptions again (the users or the ACL rules
+        changed): a filter no longer allowed is removed, as an UNSUBSCRIBE would remove it, so
+        that it stops receiving at once. Nothing is checked per message. Returns how many
+        filters were removed."""
+        removed = 0
+        for connection in list(self.connections):
+            session = connection.session
+            if session is None or connection.state is not State.CONNECTED:
+                continue
+            removed_here = self._reauthorize_session(connection.principal, session)
+            if removed_here:
+                log.info("client %r: %d subscriptions no longer allowed were removed",
+                         connection.client_id, removed_here)
+                self.save_session(session)
+            removed += removed_here
+        return removed
+
+    def _reauthorize_session(self, principal: Principal, session: MqttSession) -> int:
+        edge, broker = self.edge, self.broker
+        removed = 0
+        subscription = session.subscription
+        if subscription is not None:
+            for topic_filter in list(subscription.filters):
+                if not edge.authorize(principal, Action.SUBSCRIBE, topic_filter):
+                    broker.remove_filter(subscription, topic_filter)
+                    removed += 1
+        for name, entry in list(session.shared.items()):
+            if not edge.authorize(principal, Action.SUBSCRIBE, name):
+                session.shared.pop(name, None)
+                broker.detach(entry[0], session)
+                if not entry[0].consumers:
+                    broker.remove_subscription(name)
+                removed += 1
+        return removed
+
     # ------------------------------------------------------------------ sessions
     def open_session(
         self, connection: MqttConnection, client_id: str, clean_start: bool, expiry: int

@@ -532,6 +532,8 @@ async def _authenticate(
     """HTTP Basic with the broker's users and the ACL's `admin` action, unless the broker is
     open (no user, anonymous on), which the composition root allows only on loopback."""
     security = getattr(_app(request), "security", None)
+    if security is not None:
+        security.reload()  # a stat of the files: a user just added or removed counts at once
     if security is None or security.open or request.path in HEALTH_PATHS:
         return await handler(request)
     credentials = _basic_credentials(request)

@@ -384,6 +384,11 @@ class Security:
         self.denials: collections.Counter[tuple[str, str]] = collections.Counter()
         # Called with the new anonymous policy whenever it changes.
         self.on_change: Callable[[Security], None] | None = None
+        # Called after the users or the ACL rules changed (the running broker re-checks who
+        # is connected and what they subscribed to); `removed_users` names who is gone.
+        self.on_rules_change: list[Callable[[Security], None]] = []
+        self.removed_users: frozenset[str] = frozenset()
+        self._watcher: asyncio.TimerHandle | None = None
         self._clock = clock
         self._users: dict[str, User] = {}
         self._rules: list[AclRule] | None = None
@@ -404,10 +409,14 @@ class Security:
         """Re-read the files whose modification time changed."""
         self._checked_at = self._clock()
         before = self.allow_anonymous
+        changed = False
         users_version = _version(self.users_file)
         if users_version != self._users_version or (users_version is None and self._users):
             try:
+                previous = self._users
                 self._users = load_users(self.users_file)
+                self.removed_users = frozenset(previous) - frozenset(self._users)
+                changed = True
                 self._users_version = users_version
                 self._verified.clear()
                 self._decisions.clear()
@@ -423,6 +432,7 @@ class Security:
                     self._rules = load_acl(self.acl_file)
                     self._acl_version = acl_version
                     self._decisions.clear()
+                    changed = True
                     if self._rules is not None:
                         log.info("loaded %d ACL rules from %s", len(self._rules), self.acl_file)
                 except AuthError:
@@ -431,6 +441,30 @@ class Security:
                     log.exception("keeping the previous ACL rules")
         if self.allow_anonymous != before and self.on_change is not None:
             self.on_change(self)
+        if changed and not strict:
+            for listener in list(self.on_rules_change):
+                try:
+                    listener(self)
+                except Exception:
+                    log.exception("applying the changed users or ACL rules failed")
+            self.removed_users = frozenset()
+
+    def watch(self, interval_s: float = RELOAD_INTERVAL_S) -> None:
+        """Check the files every `interval_s` on the running loop, so that a change applies
+        to connected clients even when none of them authenticates or publishes."""
+        self.stop_watching()
+        loop = asyncio.get_running_loop()
+
+        def tick() -> None:
+            self.reload()
+            self._watcher = loop.call_later(interval_s, tick)
+
+        self._watcher = loop.call_later(interval_s, tick)
+
+    def stop_watching(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
 
     def _maybe_reload(self) -> None:
         if self._clock() - self._checked_at >= RELOAD_INTERVAL_S:
@@ -668,6 +702,21 @@ def _amqp_refusal(verdict: str | None) -> str | None:
         "For details see the broker logfile."
 
 
+def apply_rules_change(app: Any, security: Security) -> None:
+    """The users or ACL rules changed on a running broker: the clients of a removed user are
+    disconnected (every protocol), and MQTT subscriptions no longer allowed are removed."""
+    edge = app.edge
+    if security.removed_users:
+        for info in edge.clients.list():
+            if info.username is not None and info.username in security.removed_users and info.kickable:
+                log.info("%s client %s of removed user %r disconnected", info.protocol, info.client_id,
+                         info.username)
+                edge.clients.kick(info.protocol, info.client_id, f"user {info.username!r} removed")
+    mqtt = getattr(app, "mqtt", None)
+    if mqtt is not None:
+        mqtt.reauthorize()
+
+
 def security_paths(data_dir: Path, settings: AuthSettings | None = None) -> tuple[Path, Path]:
     settings = settings or AuthSettings()
     users = Path(settings.users_file) if settings.users_file else data_dir / USERS_FILE
@@ -714,6 +763,14 @@ def install_security(app: Any) -> Security:
         edge.allow_anonymous = current.allow_anonymous
 
     security.on_change = mirror
+    security.on_rules_change.append(lambda current: apply_rules_change(app, current))
+    previous = getattr(app, "security", None)
+    if previous is not None and previous is not security:
+        previous.stop_watching()
+    try:
+        security.watch()
+    except RuntimeError:
+        pass  # no running loop: a model built outside the broker, checked on use only
     edge.authenticator = security.authenticate_principal
     edge.authorizer = security.authorize_principal
     mirror(security)
