@@ -369,7 +369,11 @@ class Shardgate:
         if config.bridges:
             from .bridges.bridge import start_bridges
 
-            start_bridges(self, config.bridges)
+            try:
+                start_bridges(self, config.bridges)
+            except ValueError as exc:
+                await self.stop()
+                raise ConfigError(str(exc)) from exc
         if config.amqp_bridges:
             from .bridges.amqp_bridge import AmqpBridge
 
