@@ -12,6 +12,7 @@ import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .config import Config, ConfigError
@@ -153,6 +154,22 @@ class Shardgate:
         broker.topology_sink = MetadataTopologySink(self.metadata)
         return broker
 
+    def _register_configured_schemas(self) -> None:
+        """Register the `schema_file` of each configured stream (no new version when it is
+        the latest already); a file that cannot be read, an invalid schema or one that breaks
+        the stream's compatibility mode stops the start with the stream named."""
+        assert self.broker is not None
+        for entry in self.config.streams:
+            if not entry.schema_file:
+                continue
+            try:
+                text = Path(entry.schema_file).read_text(encoding="utf-8")
+                self.broker.schemas.register(entry.name, entry.schema_type, text,
+                                             entry.compatibility or None)
+            except (OSError, UnicodeDecodeError, CoreError) as exc:
+                raise ConfigError(f"stream {entry.name!r}: schema_file {entry.schema_file!r}: "
+                                  f"{exc}") from exc
+
     def _restore_runtime_topology(self, broker: Broker, declared_routes: dict[str, str]) -> None:
         """Bring back the streams and routes created at run time (CLI, gRPC Admin), kept in
         the metadata store. The rule when both define the same name: the configuration file
@@ -227,6 +244,7 @@ class Shardgate:
         self.ports = stored = MetadataPorts(self.metadata)
         self.persistence = Persistence(self.broker, self.metadata, stored, edge.owner_factories)
         self.persistence.restore_retained()
+        self._register_configured_schemas()
         self.persistence.restore_subscriptions()
         self.broker.delayed.store = stored
         held = self.broker.delayed.restore()

@@ -96,6 +96,12 @@ class StreamEntry:
     routes: list[str] = field(default_factory=list)
     retention_ms: int | None = None
     retention_bytes: int | None = None
+    # A payload schema registered at start (a new version when the file changed): a JSON
+    # Schema or an Avro schema file, checked under `compatibility` (default: the stream's
+    # mode so far, backward at first)
+    schema_file: str = ""
+    schema_type: str = "json"
+    compatibility: str = ""
 
 
 @dataclass(slots=True)
