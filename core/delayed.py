@@ -58,6 +58,17 @@ class Held:
         self.receipt = receipt
 
 
+def release_topic(topic: str) -> str | None:
+    """The topic a publish to `$delayed/<seconds>/<topic>` is released onto (None: `topic`
+    is not such a topic, and its publish is refused)."""
+    if not topic.startswith(DELAYED_PREFIX):
+        return None
+    seconds_text, _, rest = topic[len(DELAYED_PREFIX):].partition("/")
+    if not seconds_text.isdigit() or not rest:
+        return None
+    return rest
+
+
 def deliver_at(message: Message) -> int | None:
     """The deliver-at time a message asks for (and strips the `$delayed/` prefix), or None."""
     topic = message.topic

@@ -682,9 +682,16 @@ class MqttConnection:
                 "bad user name or password" if bad_credentials else "not authorized",
             )
             return
+        principal = Principal("mqtt", username, client_id, self.remote)
+        if connect.will is not None and not self.service.authorize_will(principal, connect.will.topic):
+            # A will is a publish the client makes at CONNECT (retained or not): the publish
+            # ACL decides, and a will on $SYS is refused as a PUBLISH there is (as mosquitto).
+            self._refuse(RC.NOT_AUTHORIZED, p.ConnackCode311.NOT_AUTHORIZED,
+                         f"will topic {connect.will.topic!r} not authorized")
+            return
         self.client_id = client_id
         self.username = username
-        self.principal = Principal("mqtt", username, client_id, self.remote)
+        self.principal = principal
         self.keep_alive = connect.keep_alive
         server_keep_alive = None
         if v5 and settings.max_keepalive and (self.keep_alive == 0 or self.keep_alive > settings.max_keepalive):

@@ -341,6 +341,10 @@ class MqttService:
     def authorize_publish(self, connection: MqttConnection, topic: str) -> bool:
         return self.edge.authorize(connection.principal, Action.PUBLISH, topic)
 
+    def authorize_will(self, principal: Principal, topic: str) -> bool:
+        """May `principal` leave a will on `topic`: what a PUBLISH there needs (no $SYS)."""
+        return not topic.startswith("$SYS") and self.edge.authorize(principal, Action.PUBLISH, topic)
+
     def authorize_subscribe(self, connection: MqttConnection, topic_filter: str) -> bool:
         return self.edge.authorize(connection.principal, Action.SUBSCRIBE, topic_filter)
 
