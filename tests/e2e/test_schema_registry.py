@@ -19,9 +19,9 @@ import aio_pika
 import fastavro
 import pytest
 from shardgate.client import Client, FailedPrecondition, InvalidArgument
-from shardgate.config import StreamEntry
 from shardgate.protocols.mqtt import packets as p
 
+from shardgate.config import StreamEntry
 from tests.conftest import ThreadedBroker, free_port, make_config
 from tests.mqtt_clients import RawClient
 
