@@ -411,6 +411,7 @@ class Shardgate:
             target_rows=archive.target_rows, target_bytes=archive.target_bytes,
             max_delay_s=archive.max_delay_s, compaction=archive.compaction,
             file_target_bytes=archive.file_target_bytes, compact_after_s=archive.compact_after_s,
+            keep_typed_payload=archive.keep_typed_payload,
             endpoint_url=archive.endpoint_url, region=archive.region,
             access_key_id=archive.access_key_id, secret_access_key=archive.secret_access_key,
             # leave part of the shutdown budget to the journal and the metadata store
@@ -425,9 +426,14 @@ class Shardgate:
                 for stream in broker.streams.values() if stream.reliable
             ]
 
+        def registered_schema(name: str) -> tuple[str, Any, int] | None:
+            latest = broker.schemas.latest(name)
+            return None if latest is None else (latest.type.value, latest.parsed, latest.version)
+
         assert self.journal is not None  # the archive reads the journal's reliable streams
         try:
-            self.archiver = Archiver(self.journal, url, reliable_streams, settings)
+            self.archiver = Archiver(self.journal, url, reliable_streams, settings,
+                                     registered_schema=registered_schema)
             await self.archiver.start()
         except ArchiveConfigError as exc:
             raise ConfigError(f"archive: {exc}") from exc
