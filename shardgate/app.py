@@ -274,7 +274,8 @@ class Shardgate:
                 from .cluster.forward import DataPlane
 
                 self.data_plane = DataPlane(self.broker, self.cluster.view, host, config.cluster.port,
-                                            link_timeout_s=config.cluster.link_timeout_s)
+                                            link_timeout_s=config.cluster.link_timeout_s,
+                                            credentials=self.cluster.credentials)
                 await self.data_plane.start()
             if ports.mqtt_port:
                 starting = ("MQTT", host, ports.mqtt_port, "listeners.mqtt_port")
@@ -386,7 +387,11 @@ class Shardgate:
         if config.bridges:
             from .bridges.bridge import start_bridges
 
-            start_bridges(self, config.bridges)
+            try:
+                start_bridges(self, config.bridges)
+            except ValueError as exc:
+                await self.stop()
+                raise ConfigError(str(exc)) from exc
         if config.amqp_bridges:
             from .bridges.amqp_bridge import AmqpBridge
 
