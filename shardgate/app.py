@@ -256,7 +256,8 @@ class Shardgate:
                 from .cluster.forward import DataPlane
 
                 self.data_plane = DataPlane(self.broker, self.cluster.view, host, config.cluster.port,
-                                            link_timeout_s=config.cluster.link_timeout_s)
+                                            link_timeout_s=config.cluster.link_timeout_s,
+                                            credentials=self.cluster.credentials)
                 await self.data_plane.start()
             if ports.mqtt_port:
                 starting = ("MQTT", host, ports.mqtt_port, "listeners.mqtt_port")

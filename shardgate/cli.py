@@ -50,6 +50,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--node-id", help="this node's id in the cluster (default: the host name)")
     serve.add_argument("--cluster-port", type=int, metavar="N",
                        help="internal node-to-node listener port (default 7001, 0 picks one)")
+    serve.add_argument("--cluster-secret-file", metavar="PATH",
+                       help="file holding the cluster's shared secret, the same on every node "
+                       "(cluster.secret_file)")
+    serve.add_argument("--insecure-cluster", action="store_true", default=None,
+                       help="run the cluster port without node authentication (cluster.insecure)")
     serve.add_argument("--port-file", type=Path,
                        help="write the bound listener ports as JSON to this file once started")
 
@@ -197,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
             ("cluster", "etcd"): args.cluster,
             ("cluster", "node_id"): args.node_id,
             ("cluster", "port"): args.cluster_port,
+            ("cluster", "secret_file"): args.cluster_secret_file,
+            ("cluster", "insecure"): args.insecure_cluster,
         }
         try:
             config = load_config(args.config, overrides=overrides)

@@ -41,6 +41,7 @@ from .etcd import (
     put_op,
     version_is,
 )
+from .link_auth import NodeCredentials, secret_check
 from .membership import NodeInfo, ShardAssignment
 from .placement import ShardPlacement, ShardSpec, place
 from .settings import ClusterSettings
@@ -237,7 +238,7 @@ class EtcdClusterView:
 
     def _refresh_nodes(self) -> None:
         self._node_infos = {
-            node_id: NodeInfo(node_id, registration.cluster_address)
+            node_id: NodeInfo(node_id, registration.cluster_address, registration.instance)
             for node_id, registration in self.registrations.items()
         }
 
@@ -263,6 +264,12 @@ class ClusterNode:
         # the data directory's first start in a cluster (its sessions never had etcd snapshots)
         self.first_cluster_start = not (data_dir / "cluster-instance").exists()
         self.instance = node_instance(data_dir)
+        try:
+            secret = settings.load_secret()
+        except ValueError as exc:
+            raise ClusterStartError(str(exc)) from None
+        # what this node proves to its peers on the cluster port (`link_auth.py`)
+        self.credentials = NodeCredentials(node_id, self.instance, secret)
         self.view = EtcdClusterView(node_id)
         self.client = EtcdClient(
             settings.endpoints, username=settings.username, password=settings.password,
@@ -343,6 +350,7 @@ class ClusterNode:
         self.registration = keys.NodeRegistration(
             node_id=self.node_id, cluster_address=cluster_address, instance=self.instance,
             started_ms=int(time.time() * 1000), listeners=dict(listeners),
+            secret_check=secret_check(self.credentials.secret),
         )
         try:
             await self._register()

@@ -59,6 +59,7 @@ from .frames import (
     unpack_records,
 )
 from .link import ClusterPortProtocol, LinkClient, LinkForgotten, PeerEnded
+from .link_auth import CallAuthenticator, NodeCredentials
 from .membership import ClusterView, NodeInfo
 from .received import ReceivedLog
 from .routes import NOBODY, RemoteRoutes, Route, RouteDelta, diff, local_routes
@@ -397,7 +398,9 @@ class PeerLink:
         host, _, port = self.node.cluster_address.rpartition(":")
         _transport, connection = await asyncio.wait_for(
             self._loop.create_connection(
-                lambda: LinkClient(self._on_reply, self._flush_soon), host.strip("[]"), int(port)),
+                lambda: LinkClient(self._on_reply, self._flush_soon, self.plane.credentials,
+                                   self.node.node_id),
+                host.strip("[]"), int(port)),
             DIAL_TIMEOUT_S,
         )
         try:
@@ -825,8 +828,11 @@ class DataPlane:
         port: int = 0,
         route_debounce_s: float = ROUTE_DEBOUNCE_S,
         link_timeout_s: float = LINK_TIMEOUT_S,
+        credentials: NodeCredentials | None = None,
     ) -> None:
         self.broker = broker
+        # what this node proves to its peers, and checks of them, on the cluster port
+        self.credentials = credentials or NodeCredentials(view.node_id)
         # A peer that sends nothing for this long (no reply, no heartbeat) is given up on:
         # its link breaks, the publishes waiting for it fail retryably, and it is redialed.
         self.link_timeout_s = link_timeout_s
@@ -892,7 +898,8 @@ class DataPlane:
         """Listen on the cluster port, dial the peers and take the core's cluster hooks."""
         # gRPC (the shared-state calls) listens on loopback only: the cluster port passes
         # every connection that is not a peer's link through to it (`link.py`).
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[
+            CallAuthenticator(self.credentials, self.registered)])
         grpc_port = server.add_insecure_port("127.0.0.1:0")
         if not grpc_port:
             raise OSError("cannot listen for the cluster's gRPC calls on 127.0.0.1")
@@ -900,7 +907,8 @@ class DataPlane:
         self._server = server
         try:
             self._listener = await asyncio.get_running_loop().create_server(
-                lambda: ClusterPortProtocol(self, ("127.0.0.1", grpc_port), self._connections),
+                lambda: ClusterPortProtocol(self, ("127.0.0.1", grpc_port), self._connections,
+                                            self.credentials, self.registered),
                 self.host or None, self.port,
             )
         except OSError:
@@ -960,6 +968,12 @@ class DataPlane:
         if self._server is not None:
             await self._server.stop(grace=0.1)
             self._server = None
+
+    def registered(self, node_id: str, instance: str) -> bool:
+        """Whether `node_id` is a live node of the view, registered by `instance`: a peer's
+        link and calls are taken only from such a node (`link_auth.py`)."""
+        info = self.view.nodes().get(node_id)
+        return info is not None and info.instance == instance and node_id != self.node_id
 
     def add_service(self, handler: grpc.GenericRpcHandler) -> None:
         """Serve another service on the cluster port (the shared-state calls, `state_rpc.py`)."""

@@ -16,10 +16,12 @@ from .placement import ShardPlacement
 
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
-    """A live node: its id and the host:port of its internal (cluster) gRPC listener."""
+    """A live node: its id, the host:port of its internal (cluster) gRPC listener, and the
+    instance (data directory identity) that registered it."""
 
     node_id: str
     cluster_address: str
+    instance: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 
 from ..storage.interfaces import StoredRecord
+from .link_auth import NodeCredentials, cluster_channel
 from .membership import ClusterView
 
 SERVICE = "shardgate.cluster.v1.ClusterState"
@@ -78,8 +79,10 @@ class StateRpc:
     """Both ends: `handler()` serves this node's answers; `release_session` and `read_shard`
     call a peer (one channel per peer address, opened on first use)."""
 
-    def __init__(self, view: ClusterView) -> None:
+    def __init__(self, view: ClusterView, credentials: NodeCredentials | None = None) -> None:
         self.view = view
+        # every call proves this node to the peer (`link_auth.py`)
+        self.credentials = credentials or NodeCredentials(view.node_id)
         self.on_release: JsonHandler | None = None
         self.on_release_durable: JsonHandler | None = None
         self.on_read: ReadHandler | None = None
@@ -123,7 +126,7 @@ class StateRpc:
             raise StateCallError(f"node {node_id} is not live")
         channel = self._channels.get(info.cluster_address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(info.cluster_address, options=CHANNEL_OPTIONS)
+            channel = cluster_channel(info.cluster_address, self.credentials, CHANNEL_OPTIONS)
             self._channels[info.cluster_address] = channel
         return channel
 

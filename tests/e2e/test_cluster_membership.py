@@ -20,7 +20,7 @@ import pytest
 from shardgate.client import SyncClient
 
 from tests.conftest import free_port, wait_for
-from tests.e2e.cluster_fixtures import ETCD, ClusterNodeProcess, EtcdServer, settled
+from tests.e2e.cluster_fixtures import CLUSTER_SECRET, ETCD, ClusterNodeProcess, EtcdServer, settled
 
 STREAMS = """
 [[streams]]
@@ -105,7 +105,7 @@ def test_a_second_node_with_the_same_id_refuses_to_start_naming_the_first(
 def test_an_unreachable_etcd_is_a_clear_error_after_a_bounded_wait(tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     config = tmp_path / "c.toml"
-    config.write_text("[cluster]\nconnect_timeout_s = 2\n")
+    config.write_text(f'[cluster]\nconnect_timeout_s = 2\nsecret = "{CLUSTER_SECRET}"\n')
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "shardgate", "serve", "--data-dir", str(tmp_path / "d"),
@@ -307,7 +307,8 @@ def test_nodes_reach_etcd_over_tls_with_the_configured_ca(tmp_path: Path) -> Non
         finally:
             node.kill()
         # without the CA, the certificate is not trusted: a clear error, not a hang
-        (tmp_path / "short.toml").write_text("[cluster]\nconnect_timeout_s = 2\n")
+        (tmp_path / "short.toml").write_text(
+            f'[cluster]\nconnect_timeout_s = 2\nsecret = "{CLUSTER_SECRET}"\n')
         untrusted = subprocess.run(
             [sys.executable, "-m", "shardgate", "serve", "--data-dir", str(tmp_path / "n2"),
              "--cluster", server.url, "--node-id", "n2", "--mqtt-port", "0", "--mqtt-ws-port", "0",

@@ -103,10 +103,12 @@ def test_the_readme_configuration_reference_lists_every_setting() -> None:
 
 
 # Settings the README's reference gives an example value for, not the default (its comments say
-# what the default is): a certificate path, "unset by default" retention, a cluster to join.
+# what the default is): a certificate path, "unset by default" retention, a cluster to join
+# and its secure setup (etcd's TLS files and user, the cluster secret's file).
 README_EXAMPLE_VALUES = {
     "tls.cert_file", "tls.key_file", "journal.retention_ms", "journal.retention_bytes",
-    "cluster.etcd", "cluster.node_id",
+    "cluster.etcd", "cluster.node_id", "cluster.ca_file", "cluster.cert_file",
+    "cluster.key_file", "cluster.username", "cluster.password", "cluster.secret_file",
 }
 
 
