@@ -25,6 +25,7 @@ from ..storage.interfaces import (
     StorageError,
     StorageFull,
 )
+from .backpressure import BackPressure
 from .delayed import DelayedDelivery, Held, deliver_at
 from .durable import CursorSink, DurableOptions, DurableSubscription
 from .errors import (
@@ -153,6 +154,8 @@ class Broker:
     ) -> None:
         self.storage = storage
         self.stats = BrokerStats()
+        # who is publishing now, and the queues that hold publishers (core/backpressure.py)
+        self.back_pressure = BackPressure()
         self.retained: RetainedStore[Message] = RetainedStore()
         # Protocol state the broker keeps for itself (e.g. AMQP's durable topology), by topic
         # under `$internal/`: persisted like retained messages, never delivered or retained for

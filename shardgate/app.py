@@ -128,6 +128,7 @@ class Shardgate:
             segment_ms=journal_config.segment_ms,
             retention_ms=journal_config.retention_ms,
             retention_bytes=journal_config.retention_bytes,
+            max_open_files=journal_config.max_open_files,
             index_key=record_index_key,
         )
         self.metadata = SqliteMetadataStore(config.data_dir / "metadata.db")
@@ -369,7 +370,11 @@ class Shardgate:
         if config.bridges:
             from .bridges.bridge import start_bridges
 
-            start_bridges(self, config.bridges)
+            try:
+                start_bridges(self, config.bridges)
+            except ValueError as exc:
+                await self.stop()
+                raise ConfigError(str(exc)) from exc
         if config.amqp_bridges:
             from .bridges.amqp_bridge import AmqpBridge
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, check_config, load_config
 from .storage.allocators import tune_malloc
 
 
@@ -59,6 +59,20 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                        help="write the bound listener ports as JSON to this file once started")
 
 
+def _raise_descriptor_limit() -> None:
+    """Every client connection takes a descriptor: take the hard limit as the soft one (as Go's
+    runtime does), so the distribution's default of 1,024 does not cap the clients."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ImportError, ValueError, OSError):
+        pass  # not POSIX, or not allowed: keep the limit given
+
+
 async def _serve(config: Config, port_file: Path | None) -> int:
     from .app import Shardgate
 
@@ -95,6 +109,28 @@ async def _serve(config: Config, port_file: Path | None) -> int:
         logger.error("graceful stop took longer than shutdown_timeout_s = %s; exiting now "
                      "(acknowledged messages are in the journal)", config.shutdown_timeout_s)
         return 1
+    return 0
+
+
+def _config_parser(sub: argparse._SubParsersAction) -> None:
+    config = sub.add_parser("config", help="check a configuration file without starting")
+    config.add_argument("action", choices=["check"])
+    config.add_argument("file", nargs="?", type=Path, default=os.environ.get("SHARDGATE_CONFIG") or None,
+                        help="TOML configuration file (default $SHARDGATE_CONFIG; none: the "
+                        "defaults and SHARDGATE_* variables)")
+
+
+def _config_command(args: argparse.Namespace) -> int:
+    """Every setting of the file and the environment, checked as `serve` checks them."""
+    try:
+        config = load_config(args.file)
+        check_config(config)
+    except ConfigError as exc:
+        print(f"shardgate: {exc}", file=sys.stderr)
+        return 2
+    where = args.file or "defaults and environment"
+    print(f"{where}: configuration is valid ({len(config.streams)} streams, "
+          f"{len(config.bridges) + len(config.amqp_bridges)} bridges, data dir {config.data_dir})")
     return 0
 
 
@@ -170,6 +206,10 @@ def main(argv: list[str] | None = None) -> None:
 
     add_client_commands(sub)
     _archive_parser(sub)
+    _config_parser(sub)
+    from .health_cli import add_health_command
+
+    add_health_command(sub)
     from .security.users_cli import add_users_commands
 
     add_users_commands(sub)
@@ -179,10 +219,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if getattr(args, "cluster_handler", None) is not None:
         sys.exit(args.cluster_handler(args))
+    if getattr(args, "health_handler", None) is not None:
+        sys.exit(args.health_handler(args))
     if getattr(args, "users_handler", None) is not None:
         sys.exit(args.users_handler(args))
     if args.command == "archive":
         sys.exit(_archive_command(args))
+    if args.command == "config":
+        sys.exit(_config_command(args))
     if getattr(args, "client_handler", None) is not None:
         sys.exit(dispatch(args))
     if args.command == "serve":
@@ -207,11 +251,13 @@ def main(argv: list[str] | None = None) -> None:
         }
         try:
             config = load_config(args.config, overrides=overrides)
+            check_config(config)
         except ConfigError as exc:
             print(f"shardgate: {exc}", file=sys.stderr)
             sys.exit(2)
         _configure_logging(config)
         tune_malloc()
+        _raise_descriptor_limit()
         try:
             import uvloop
 

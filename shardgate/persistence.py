@@ -6,6 +6,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import gc
+import json
 import logging
 import re
 from collections.abc import Callable, Mapping
@@ -130,7 +131,7 @@ class Persistence:
         self._task: asyncio.Task[None] | None = None
         self._last_activity: tuple[int, int, int, int] | None = None
         self._released = False
-        self._saved: dict[str, tuple[str, tuple[str, ...]]] = {}
+        self._saved: dict[str, tuple[str, tuple[str, ...], str]] = {}
         # Set by the composition root when an archiver runs: the journal keeps what it has
         # not archived yet.
         self.archiver: object | None = None
@@ -196,13 +197,18 @@ class Persistence:
         sub.save()
         self.sink.flush()
 
+    def _signature(self, sub: DurableSubscription) -> tuple[str, tuple[str, ...], str]:
+        """What a saved definition holds: a change of any part saves it again."""
+        return (sub.type.value, tuple(sorted(sub.filters)),
+                json.dumps(self._owner_options(sub), sort_keys=True, default=str))
+
     def _save_definition(self, sub: DurableSubscription) -> None:
         """Save `sub`'s definition if it changed since it was last saved."""
         if sub.name.startswith("mqtt:") or sub.name not in self.broker.subscriptions:
             return
         if getattr(sub.owner, "transient", False):  # a non-durable replay: never saved
             return
-        signature = (sub.type.value, tuple(sorted(sub.filters)))
+        signature = self._signature(sub)
         if self._saved.get(sub.name) == signature:
             return
         record = SubscriptionRecord(
@@ -266,7 +272,7 @@ class Persistence:
                     sub.restore_cursor(cursor.stream, cursor.shard, cursor.acked)
                 except Exception as exc:
                     set_aside(log, f"cursor of durable subscription {record.name!r}", cursor, exc)
-        self._saved[record.name] = (sub.type.value, tuple(sorted(sub.filters)))
+        self._saved[record.name] = self._signature(sub)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())

@@ -179,15 +179,25 @@ class ConsumerService(pb_grpc.ConsumerServicer):
                     "its consumers must subscribe to the same filters or stream",
                 )
             sub = existing
+            if request.max_deliveries and request.max_deliveries != existing.owner.max_deliveries:
+                existing.owner.max_deliveries = request.max_deliveries
+                if isinstance(existing, DurableSubscription) and broker.on_durable_defined is not None:
+                    broker.on_durable_defined(existing)  # saved with it
         else:
             replay = (not request.durable and request.HasField("position")
                       and request.position.WhichOneof("position") not in (None, "latest"))
-            state = GrpcSubscriptionState(stream=stream_name, transient=replay)
+            state = GrpcSubscriptionState(
+                stream=stream_name, transient=replay,
+                max_deliveries=request.max_deliveries or settings.max_deliveries)
             if replay:
                 sub = broker.durable_subscription(name, sub_type, owner=state)
                 sub.sink = None  # its cursors are not saved: it ends with its consumers
+            elif request.durable:
+                sub = broker.durable_subscription(name, sub_type, owner=state)
             else:
-                sub = broker.subscription(name, sub_type, durable=request.durable, owner=state)
+                sub = broker.subscription(name, sub_type, owner=state)
+        if isinstance(sub, DurableSubscription) and isinstance(sub.owner, GrpcSubscriptionState):
+            sub.options.max_deliveries = sub.owner.max_deliveries
         consumer = GrpcConsumer(
             sub, request.consumer_name, peer,
             credit=request.credit or settings.default_credit,

@@ -277,8 +277,11 @@ class GrpcServer:
     def subscription_info(self, sub: Subscription) -> pb.SubscriptionInfo:
         info = pb.SubscriptionInfo(
             name=sub.name, type=SUB_TYPES_OUT[sub.type], durable=sub.durable and not is_transient(sub),
-            topic_filters=list(sub.filters), protocol=protocol_of(sub),
+            topic_filters=list(sub.filters), protocol=protocol_of(sub), lag=lag_of(sub),
         )
+        options = getattr(sub, "options", None)
+        if options is not None:
+            info.max_deliveries = options.max_deliveries
         active = sub.active_consumer
         for consumer in list(sub.consumers):
             entry = info.consumers.add(

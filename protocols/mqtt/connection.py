@@ -414,7 +414,7 @@ class MqttConnection:
                 self.last_ack = self.service.clock()  # the dead-subscriber clock starts with the window
             if (
                 self._link_buffered > self.service.settings.output_high_water
-                and self.service.publishing is not None
+                and self.service.back_pressure.current is not None
             ):
                 # A QoS 1/2 message to a client whose socket had more than the high-water mark
                 # left to send at the last flush: hold the client publishing it until this one
@@ -480,6 +480,8 @@ class MqttConnection:
     def _process(self, packets: list[p.Packet], error: MQTTCodecError | None = None) -> None:
         service = self.service
         outer, service.publishing = service.publishing, self
+        back_pressure = service.back_pressure
+        outer_publisher, back_pressure.current = back_pressure.current, self
         if outer is None:
             service.group_writes(True)
         self._allowed_topic = None
@@ -491,6 +493,7 @@ class MqttConnection:
             self._process_packets(packets, error)
         finally:
             service.publishing = outer
+            back_pressure.current = outer_publisher
             if outer is None:
                 service.group_writes(False)
             after_connack, self._after_connack = self._after_connack, None

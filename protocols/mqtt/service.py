@@ -126,13 +126,15 @@ class MqttService:
         self._sys_handle: Timer | None = None
         self.total_connections = 0
         self._handshaking: set[MqttConnection] = set()
-        # Back-pressure: the connection whose packets are being handled, the online sessions
-        # whose queue is over half full, and the publishers held until those catch up.
+        # The connection whose packets are being handled (its writes are grouped).
         self.publishing: MqttConnection | None = None
+        # Back-pressure (`core/backpressure.py`, shared with every publisher of the broker: a
+        # cluster peer's link too): the online sessions whose queue is over half full hold
+        # the current publisher until they catch up.
+        self.back_pressure = self.broker.back_pressure
         self._congested: set[MqttSession] = set()
         # ... of which those whose queue (not only their socket's output) is over half full.
         self._queue_congested: set[MqttSession] = set()
-        self._held: list[MqttConnection] = []
         # Where CONNECTs wait (read → session open → CONNACK written) and the loop's lateness.
         self.connect_timing = ConnectTiming()
         # The reads one loop turn handles, shared with the broker's other listeners.
@@ -291,14 +293,11 @@ class MqttService:
             if session in self._congested:
                 self._congested.discard(session)
                 self._queue_congested.discard(session)
-                self._release_held()
+                self.back_pressure.relieved(session)
             return
         if queue:
             self._queue_congested.add(session)
-        publisher = self.publishing
-        if publisher is not None and publisher is not session.connection and not publisher.held:
-            publisher.hold()
-            self._held.append(publisher)
+        self.back_pressure.congested(session, own=session.connection)
 
     def publish_batch_limit(self) -> int:
         """How many PUBLISHes of one read a connection may hand to the core at once. A batch
@@ -318,13 +317,7 @@ class MqttService:
         session.congested_since = None
         self._congested.discard(session)
         self._queue_congested.discard(session)
-        self._release_held()
-
-    def _release_held(self) -> None:
-        if not self._congested and self._held:
-            held, self._held = self._held, []
-            for connection in held:
-                connection.release()
+        self.back_pressure.relieved(session)
 
     # ------------------------------------------------------------------ policy hooks
     def assign_client_id(self) -> str:

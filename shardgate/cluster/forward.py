@@ -58,7 +58,7 @@ from .frames import (
     routes_from_update,
     unpack_records,
 )
-from .link import ClusterPortProtocol, LinkClient, LinkForgotten, PeerEnded
+from .link import ClusterPortProtocol, LinkClient, LinkForgotten, LinkReplies, PeerEnded
 from .link_auth import CallAuthenticator, NodeCredentials
 from .membership import ClusterView, NodeInfo
 from .received import ReceivedLog
@@ -73,6 +73,12 @@ log = logging.getLogger(__name__)
 
 MAX_FORWARDS_IN_FLIGHT = 20_000
 MAX_PUSHES_QUEUED = 100_000
+# A link's credit for pushes: past this many pushes queued or not answered, the publisher
+# whose messages are pushed is held (back-pressure) until the peer has answered all but
+# PUSH_LOW_WATER; a peer answers a frame once it dispatched its pushes, so a subscriber behind
+# on the peer holds the publisher here, and QoS >= 1 pushes are not dropped.
+PUSH_HIGH_WATER = 10_000
+PUSH_LOW_WATER = 5_000
 FRAME_MAX_MESSAGES = 2_000
 FRAME_MAX_BYTES = 4 << 20
 MAX_GRPC_MESSAGE = 512 << 20
@@ -225,6 +231,8 @@ class PeerLink:
         self._retained: list[pb.Retained] = []
         self._in_flight = 0  # forwards queued or not answered
         self._pushes_held = 0  # pushes queued or not answered
+        # Whether this link holds publishers (over its credit, see PUSH_HIGH_WATER).
+        self._over_credit = False
         # Pushes were dropped since the last frame: the next one says so (`pushes_lost`).
         self._pushes_lost = False
         # The last route generation of this node the peer has applied (SUBACK waits for it).
@@ -292,8 +300,16 @@ class PeerLink:
             return
         self._pushes.append((message, groups))
         self._pushes_held += 1
+        if self._pushes_held >= PUSH_HIGH_WATER:
+            self._over_credit = True
+            self.plane.broker.back_pressure.congested(self)
         if not self._flush_scheduled:
             self._flush_soon()
+
+    def _credit_returned(self) -> None:
+        if self._over_credit and self._pushes_held <= PUSH_LOW_WATER:
+            self._over_credit = False
+            self.plane.broker.back_pressure.relieved(self)
 
     def send_routes(self, update: pb.RouteUpdate, generation: int) -> None:
         self._routes.append(update)
@@ -603,6 +619,8 @@ class PeerLink:
         if sent is None:
             return
         self._pushes_held -= sent.pushes
+        if self._over_credit:
+            self._credit_returned()
         if sent.route_generation > self.routes_answered:
             self.routes_answered = sent.route_generation
             self.plane.link_state_changed()
@@ -687,6 +705,7 @@ class PeerLink:
         self._in_flight = 0
         self._pushes = []
         self._pushes_held = 0
+        self._credit_returned()
         self.plane.stats.pushes_dropped += dropped
         if dropped or lost:
             self._lost_pushes()
@@ -792,7 +811,8 @@ class _Inbox:
     a session are applied once, in order), and its answers the peer may not have received yet
     (sent again when the peer sends their frame again on a new stream)."""
 
-    __slots__ = ("session", "applied", "answers", "reply", "_forgotten_below")
+    __slots__ = ("session", "applied", "answers", "reply", "_forgotten_below", "publisher",
+                 "backlog")
 
     def __init__(self, session: int) -> None:
         self.session = session
@@ -801,6 +821,10 @@ class _Inbox:
         self._forgotten_below = 1
         # Where answers go now: the session's current stream (None between streams).
         self.reply: Callable[[pb.PeerReply], None] | None = None
+        # The peer as a publisher (back-pressure): held while its pushes fill a queue here;
+        # what it sent meanwhile waits in `backlog`, applied in order once it is released.
+        self.publisher = _PeerPushes(self)
+        self.backlog: deque[Callable[[], None]] = deque()
 
     def answer(self, reply: pb.PeerReply) -> None:
         self.answers[reply.sequence] = reply
@@ -815,6 +839,39 @@ class _Inbox:
             answers.pop(below, None)
             below += 1
         self._forgotten_below = below
+
+
+class _PeerPushes:
+    """A peer's link session as a publisher (`core.backpressure.Publisher`): holding it stops
+    reading its link (TCP holds the peer, whose own publishers are then held by their link's
+    credit, `PUSH_HIGH_WATER`) and keeps the rest of what was read for later."""
+
+    __slots__ = ("inbox", "held", "on_release")
+
+    def __init__(self, inbox: _Inbox) -> None:
+        self.inbox = inbox
+        self.held = False
+        # applies the inbox's backlog (set by the data plane)
+        self.on_release: Callable[[_Inbox], None] | None = None
+
+    def hold(self) -> None:
+        self.held = True
+        self.pause()
+
+    def pause(self) -> None:
+        reply = self.inbox.reply
+        if isinstance(reply, LinkReplies):
+            reply.pause_reading()
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        reply = self.inbox.reply
+        if isinstance(reply, LinkReplies):
+            reply.resume_reading()
+        if self.on_release is not None:
+            self.on_release(self.inbox)
 
 
 class DataPlane:
@@ -1519,8 +1576,14 @@ class DataPlane:
                 self._routes_known.discard(peer)
                 self._refresh_unknown()
             self._pushes_under.pop(peer, None)  # a new session tells again
+            if inbox is not None:
+                inbox.backlog.clear()
+                inbox.publisher.release()
             inbox = self._inboxes[peer] = _Inbox(session)
+            inbox.publisher.on_release = self._apply_backlog
         inbox.reply = reply
+        if inbox.publisher.held:
+            inbox.publisher.pause()  # a new stream of a held session: held too
 
     def receive(self, peer: str, frame: pb.PeerFrame, reply: Callable[[pb.PeerReply], None]) -> None:
         """Apply one frame from `peer` once per session: routes, then retained messages, then
@@ -1544,6 +1607,20 @@ class DataPlane:
             return  # applied already; its answer follows when its forwards are stored
         inbox.applied = sequence
         self.stats.frames_in += 1
+        if inbox.backlog or inbox.publisher.held:
+            # held: applied in order after what waits already (`_apply_backlog`)
+            inbox.backlog.append(lambda: self._apply_frame(peer, inbox, frame))
+            return
+        self._apply_frame(peer, inbox, frame)
+
+    def _apply_backlog(self, inbox: _Inbox) -> None:
+        """A held peer was released: apply what it sent meanwhile, until it is held again."""
+        backlog = inbox.backlog  # (cleared when a new session replaces the inbox)
+        while backlog and not inbox.publisher.held:
+            backlog.popleft()()
+
+    def _apply_frame(self, peer: str, inbox: _Inbox, frame: pb.PeerFrame) -> None:
+        """Apply one frame: routes, retained messages, pushes, then (`_frame_tail`) the rest."""
         if frame.HasField("routes"):
             update = frame.routes
             delta = routes_from_update(update)
@@ -1566,10 +1643,19 @@ class DataPlane:
         if frame.pushes_lost:
             # before this frame's pushes move the cursors past what was lost
             self._read_owner_again(peer)
+        pushed: deque[tuple[Message, frozenset[str], bytes | None]] = deque()
         if frame.pushes:
-            self._dispatch_pushes(frame.pushes)
+            self._decode_pushes(frame.pushes, pushed)
         if frame.push_batches:
-            self._dispatch_push_batches(frame.push_batches)
+            self._decode_push_batches(frame.push_batches, pushed)
+        if pushed:
+            self._dispatch_pushed(inbox, pushed, lambda: self._frame_tail(peer, inbox, frame))
+        else:
+            self._frame_tail(peer, inbox, frame)
+
+    def _frame_tail(self, peer: str, inbox: _Inbox, frame: pb.PeerFrame) -> None:
+        """What a frame says after its pushes (applied once they all are)."""
+        sequence = frame.sequence
         if frame.routes_applied > self._pushes_under.get(peer, 0):
             self._pushes_under[peer] = frame.routes_applied
             if self._push_waiters:
@@ -1586,31 +1672,19 @@ class DataPlane:
         if inbox is not None and inbox.reply is reply:
             inbox.reply = None
 
-    def _dispatch_pushes(self, pushes: list[pb.Push]) -> None:
-        dispatch = self.broker.dispatch
-        received = self._received
+    def _decode_pushes(self, pushes: Sequence[pb.Push],
+                       out: deque[tuple[Message, frozenset[str], bytes | None]]) -> None:
         for push in pushes:
             try:
                 message = message_from_push(push)
             except RecordFormatError as exc:
                 log.warning("dropped a malformed message pushed by a peer: %s", exc)
                 continue
-            self.stats.pushed_in += 1
-            key = (message.stream, message.shard)
-            kept = received.get(key)
-            if kept is not None:
-                kept.add(message.offset, message.publish_time_ms, record_of(push))
             groups = push.share_groups
-            try:
-                dispatch(message, frozenset(groups) if groups else NO_GROUPS)
-            except Exception:  # noqa: BLE001 - one message's failure must not end the link
-                log.exception("dispatching a message pushed by a peer failed")
-            if kept is None and key in received:  # a durable subscription here just began
-                received[key].add(message.offset, message.publish_time_ms, record_of(push))
+            out.append((message, frozenset(groups) if groups else NO_GROUPS, record_of(push)))
 
-    def _dispatch_push_batches(self, batches: Sequence[pb.PushBatch]) -> None:
-        dispatch = self.broker.dispatch
-        received = self._received
+    def _decode_push_batches(self, batches: Sequence[pb.PushBatch],
+                             out: deque[tuple[Message, frozenset[str], bytes | None]]) -> None:
         for batch in batches:
             stream, shard = batch.stream, batch.shard
             items = unpack_records(batch.records, stream, shard)
@@ -1620,22 +1694,42 @@ class DataPlane:
                             "for %d messages", len(offsets), len(items))
                 continue
             groups = frozenset(batch.share_groups) if batch.share_groups else NO_GROUPS
-            key = (stream, shard)
-            self.stats.pushed_in += len(items)
             for item, offset in zip(items, offsets, strict=True):
                 if isinstance(item, RecordFormatError):
                     log.warning("dropped a malformed message pushed by a peer: %s", item)
                     continue
                 item.offset = offset
+                out.append((item, groups, None))
+
+    def _dispatch_pushed(self, inbox: _Inbox,
+                         pending: deque[tuple[Message, frozenset[str], bytes | None]],
+                         then: Callable[[], None]) -> None:
+        """Dispatch pushed messages in order, the peer being the current publisher: when a
+        queue here fills up and holds it, the rest (and `then`) waits in its backlog."""
+        dispatch = self.broker.dispatch
+        received = self._received
+        publisher = inbox.publisher
+        with self.broker.back_pressure.publishing(publisher):
+            while pending:
+                if publisher.held:
+                    inbox.backlog.appendleft(then)
+                    inbox.backlog.appendleft(lambda: self._dispatch_pushed(inbox, pending, then))
+                    return
+                message, groups, record = pending.popleft()
+                self.stats.pushed_in += 1
+                key = (message.stream, message.shard)
                 kept = received.get(key)
                 if kept is not None:
-                    kept.add(offset, item.publish_time_ms, encode_message(item))
+                    kept.add(message.offset, message.publish_time_ms,
+                             record if record is not None else encode_message(message))
                 try:
-                    dispatch(item, groups)
+                    dispatch(message, groups)
                 except Exception:  # noqa: BLE001 - one message's failure must not end the link
                     log.exception("dispatching a message pushed by a peer failed")
                 if kept is None and key in received:  # a durable subscription here just began
-                    received[key].add(offset, item.publish_time_ms, encode_message(item))
+                    received[key].add(message.offset, message.publish_time_ms,
+                                      record if record is not None else encode_message(message))
+        then()
 
     def _store_forwards(
         self, sequence: int, forwards: Sequence[pb.Forward], batches: Sequence[pb.ForwardBatch],

@@ -272,6 +272,30 @@ class LinkReceiver(Protocol):
     def peer_link_ended(self, peer: str, reply: Callable[[pb.PeerReply], None]) -> None: ...
 
 
+class LinkReplies:
+    """Where the replies of one accepted link connection go (`reply(frame)`), and that
+    connection's reading paused and resumed: the data plane holds a peer's link this way
+    while the pushes it carries fill a subscriber's queue (back-pressure)."""
+
+    __slots__ = ("_connection",)
+
+    def __init__(self, connection: ClusterPortProtocol) -> None:
+        self._connection = connection
+
+    def __call__(self, reply: pb.PeerReply) -> None:
+        self._connection._send(reply)
+
+    def pause_reading(self) -> None:
+        transport = self._connection.transport
+        if transport is not None and not transport.is_closing() and transport.is_reading():
+            transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        transport = self._connection.transport
+        if transport is not None and not transport.is_closing() and not transport.is_reading():
+            transport.resume_reading()
+
+
 class ClusterPortProtocol(asyncio.Protocol):
     """One connection accepted on the cluster port: a peer's link (it opens with
     `LINK_MAGIC`, then proves itself: `link_auth.py`), or anything else, passed through to the
@@ -307,7 +331,7 @@ class ClusterPortProtocol(asyncio.Protocol):
         self._heartbeat: asyncio.TimerHandle | None = None
         self._wrote_at = 0.0
         # One object for the whole connection: the data plane compares it by identity.
-        self._reply: Callable[[pb.PeerReply], None] = self._send
+        self._reply = LinkReplies(self)
         # pass-through mode
         self._upstream: asyncio.Transport | None = None
 

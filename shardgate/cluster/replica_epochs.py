@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import bisect
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 UNDEFINED = -1
 """An epoch or offset nobody knows (Kafka's UNDEFINED_EPOCH and UNDEFINED_EPOCH_OFFSET)."""
@@ -31,9 +32,54 @@ class EpochStart:
     start_offset: int
 
 
+class EpochMark(Protocol):
+    """An entry of an epoch cache: `epoch` wrote its first record at `start_offset`."""
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def start_offset(self) -> int: ...
+
+
+class EpochCache(Protocol):
+    """What the replica state machines need of a log's epoch history: `EpochHistory` here,
+    or the journal's checkpoint file, which keeps it on disk."""
+
+    @property
+    def latest_epoch(self) -> int: ...
+
+    @property
+    def entries(self) -> Sequence[EpochMark]: ...
+
+    def assign(self, epoch: int, start_offset: int) -> bool: ...
+
+    def end_offset_for(self, epoch: int, log_end: int) -> tuple[int, int]: ...
+
+    def truncate_from(self, offset: int) -> bool: ...
+
+    def truncate_until(self, offset: int) -> bool: ...
+
+
+def epochs_in(cache: EpochCache, start: int, end: int) -> tuple[EpochStart, ...]:
+    """The epochs of the records in [`start`, `end`): each as (epoch, its first offset in
+    that range). What a leader sends beside the records a follower fetched."""
+    if start >= end:
+        return ()
+    out: list[EpochStart] = []
+    for entry in cache.entries:
+        if entry.start_offset >= end:
+            break
+        if entry.start_offset <= start:
+            out[:] = [EpochStart(entry.epoch, start)]
+        else:
+            out.append(EpochStart(entry.epoch, entry.start_offset))
+    return tuple(out)
+
+
 class EpochHistory:
     """The leader epochs of one log, each with its start offset (epochs and start offsets
-    increase together). Kept in memory; a subclass or wrapper persists it."""
+    increase together), in memory: for tests and logs kept in memory."""
 
     def __init__(self, entries: Iterable[EpochStart] = ()) -> None:
         self._epochs: list[int] = []
@@ -89,34 +135,23 @@ class EpochHistory:
         index = bisect.bisect_right(self._starts, offset)
         return self._epochs[index - 1] if index else UNDEFINED
 
-    def entries_in(self, start: int, end: int) -> tuple[EpochStart, ...]:
-        """The epochs of the records in [`start`, `end`): each as (epoch, its first offset in
-        that range). What a leader sends beside the records a follower fetched."""
-        if start >= end or not self._epochs:
-            return ()
-        first = max(bisect.bisect_right(self._starts, start) - 1, 0)
-        out: list[EpochStart] = []
-        for index in range(first, len(self._epochs)):
-            begin = self._starts[index]
-            if begin >= end:
-                break
-            out.append(EpochStart(self._epochs[index], max(begin, start)))
-        return tuple(out)
-
-    def truncate_from_end(self, end_offset: int) -> None:
+    def truncate_from(self, end_offset: int) -> bool:
         """Forget the epochs that start at or after `end_offset` (the log was cut there)."""
         cut = bisect.bisect_left(self._starts, end_offset)
+        changed = cut < len(self._epochs)
         del self._epochs[cut:]
         del self._starts[cut:]
+        return changed
 
-    def truncate_from_start(self, start_offset: int) -> None:
+    def truncate_until(self, start_offset: int) -> bool:
         """The log now starts at `start_offset` (retention): the epoch holding it starts there."""
         keep = bisect.bisect_right(self._starts, start_offset) - 1
-        if keep < 0:
-            return
+        if keep < 0 or (keep == 0 and self._starts[0] == start_offset):
+            return False
         del self._epochs[:keep]
         del self._starts[:keep]
-        self._starts[0] = max(self._starts[0], start_offset)
+        self._starts[0] = start_offset
+        return True
 
 
 class ReplicaError(enum.Enum):

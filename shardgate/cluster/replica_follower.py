@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 from .replica_epochs import (
     UNDEFINED,
+    EpochCache,
     EpochEndAnswer,
     EpochEndRequest,
-    EpochHistory,
     FetchRequest,
     FetchResponse,
     Refused,
@@ -67,7 +67,7 @@ class FollowerReplica:
         leader: str,
         epoch: int,
         *,
-        history: EpochHistory,
+        history: EpochCache,
         log_end: int,
         durable_end: int,
         high_watermark: int,
@@ -187,7 +187,7 @@ class FollowerReplica:
             return None
         if refused.error is ReplicaError.BEHIND_LOG_START and refused.log_start >= 0:
             self.state = FollowerState.FETCHING
-            self.history.truncate_from_end(0)
+            self.history.truncate_from(0)
             self._log_end = self._durable_end = self._hw = refused.log_start
             return ResetLog(refused.log_start)
         self._retry_state = self.state
@@ -198,7 +198,7 @@ class FollowerReplica:
         if end_offset >= self._log_end:
             return None
         end_offset = max(end_offset, 0)
-        self.history.truncate_from_end(end_offset)
+        self.history.truncate_from(end_offset)
         self._log_end = end_offset
         self._durable_end = min(self._durable_end, end_offset)
         self._hw = min(self._hw, end_offset)

@@ -36,13 +36,14 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from .replica_epochs import (
+    EpochCache,
     EpochEndAnswer,
     EpochEndRequest,
-    EpochHistory,
     FetchPlan,
     FetchRequest,
     Refused,
     ReplicaError,
+    epochs_in,
 )
 
 W = TypeVar("W")
@@ -82,7 +83,7 @@ class LeaderReplica(Generic[W]):
         *,
         min_insync: int,
         lag_time_max_s: float,
-        history: EpochHistory,
+        history: EpochCache,
         log_end: int,
         durable_end: int,
         high_watermark: int,
@@ -190,7 +191,7 @@ class LeaderReplica(Generic[W]):
         starts its log again there (BEHIND_LOG_START)."""
         if log_start > self._log_start:
             self._log_start = log_start
-            self.history.truncate_from_start(log_start)
+            self.history.truncate_until(log_start)
 
     def durable(self, end_offset: int, now: float) -> None:
         """The local log holds every record below `end_offset` under its fsync policy."""
@@ -241,7 +242,7 @@ class LeaderReplica(Generic[W]):
             self._propose(self._isr | {request.replica})
         self._advance(now)
         start = request.fetch_offset
-        return FetchPlan(start, self._log_end, self._hw, self.history.entries_in(start, self._log_end))
+        return FetchPlan(start, self._log_end, self._hw, epochs_in(self.history, start, self._log_end))
 
     def on_epoch_end(self, request: EpochEndRequest) -> EpochEndAnswer | Refused:
         """KIP-101: where `request.epoch` ends in this leader's log."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 
 @dataclass(slots=True)
@@ -49,6 +50,17 @@ class ClusterSettings:
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
+
+    # The allowed range of each numeric setting, inclusive (None: no bound), checked by the
+    # configuration loader with the file, the name and the value.
+    RANGES: ClassVar[dict[str, tuple[float | None, float | None]]] = {
+        "lease_ttl_s": (1, None),
+        "link_timeout_s": (0.001, None),
+        "connect_timeout_s": (0.001, None),
+        "leave_timeout_s": (0, None),
+        "session_sweep_s": (0.001, None),
+        "departed_floors_retention_s": (0, None),
+    }
 
     @property
     def endpoints(self) -> list[str]:

@@ -5,6 +5,7 @@ leaves (MQTT, AMQP, gRPC), and the `/healthz` and `/readyz` probes of the admin 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import urllib.error
@@ -116,3 +117,30 @@ def test_healthz_and_readyz_answer_on_the_admin_port(
     probe.rmdir()
     assert _get(f"{base}/readyz")[0] == 200
     assert node.terminate() == 0
+
+
+def _shardgate(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDGATE_")}
+    return subprocess.run([sys.executable, "-m", "shardgate", *args], capture_output=True,
+                          text=True, timeout=120, cwd=cwd, env=env)
+
+
+def test_config_check_and_serve_refuse_a_setting_out_of_range_naming_file_and_range(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "shardgate.toml"
+    config.write_text("[archive]\nmax_delay_s = -5\n")
+    for args in (["config", "check", str(config)],
+                 ["serve", "--config", str(config), "--data-dir", str(tmp_path / "data"),
+                  "--mqtt-port", "0", "--mqtt-ws-port", "0", "--amqp-port", "0",
+                  "--grpc-port", "0", "--http-port", "0"]):
+        done = _shardgate(*args, cwd=tmp_path)
+        assert done.returncode == 2, done
+        assert done.stderr.strip() == (f"shardgate: {config}: archive.max_delay_s = -5 is out of "
+                                       "range (allowed: at least 0)")
+        assert "Traceback" not in done.stderr + done.stdout
+    assert not (tmp_path / "data").exists()  # refused before anything was created
+    config.write_text('[[streams]]\nname = "sensors"\npartitions = 4\nroutes = ["sensors/#"]\n')
+    done = _shardgate("config", "check", str(config), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "configuration is valid" in done.stdout

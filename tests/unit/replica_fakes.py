@@ -122,7 +122,7 @@ class Shard:
         node = self.nodes[name]
         self.live.discard(name)
         del node.records[node.durable_end:]
-        node.history.truncate_from_end(node.durable_end)
+        node.history.truncate_from(node.durable_end)
         if node.leader is not None:
             node.leader.supersede()
             node.leader.take_completed()  # its clients went with it

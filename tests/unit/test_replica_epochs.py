@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardgate.cluster.replica_epochs import UNDEFINED, EpochHistory, EpochStart
+from shardgate.cluster.replica_epochs import UNDEFINED, EpochHistory, EpochStart, epochs_in
 
 
 def history(*pairs: tuple[int, int]) -> EpochHistory:
@@ -73,26 +73,26 @@ def test_epoch_at_names_the_epoch_a_record_was_written_in() -> None:
     assert history((2, 5)).epoch_at(3) == UNDEFINED
 
 
-def test_truncate_from_end_forgets_epochs_starting_at_or_after_the_cut() -> None:
+def test_truncate_from_forgets_epochs_starting_at_or_after_the_cut() -> None:
     epochs = history((1, 0), (4, 10), (6, 20))
-    epochs.truncate_from_end(20)
+    epochs.truncate_from(20)
     assert epochs.entries == (EpochStart(1, 0), EpochStart(4, 10))
-    epochs.truncate_from_end(5)
+    epochs.truncate_from(5)
     assert epochs.entries == (EpochStart(1, 0),)
-    epochs.truncate_from_end(0)
+    epochs.truncate_from(0)
     assert epochs.latest_epoch == UNDEFINED
 
 
-def test_truncate_from_start_moves_the_epoch_holding_the_new_start() -> None:
+def test_truncate_until_moves_the_epoch_holding_the_new_start() -> None:
     epochs = history((1, 0), (4, 10), (6, 20))
-    epochs.truncate_from_start(15)
+    epochs.truncate_until(15)
     assert epochs.entries == (EpochStart(4, 15), EpochStart(6, 20))
-    epochs.truncate_from_start(3)  # before every epoch still kept: nothing to do
+    epochs.truncate_until(3)  # before every epoch still kept: nothing to do
     assert epochs.entries == (EpochStart(4, 15), EpochStart(6, 20))
 
 
 def test_entries_in_a_range_start_at_the_range() -> None:
     epochs = history((1, 0), (4, 10), (6, 20))
-    assert epochs.entries_in(5, 25) == (EpochStart(1, 5), EpochStart(4, 10), EpochStart(6, 20))
-    assert epochs.entries_in(12, 18) == (EpochStart(4, 12),)
-    assert epochs.entries_in(12, 12) == ()
+    assert epochs_in(epochs, 5, 25) == (EpochStart(1, 5), EpochStart(4, 10), EpochStart(6, 20))
+    assert epochs_in(epochs, 12, 18) == (EpochStart(4, 12),)
+    assert epochs_in(epochs, 12, 12) == ()
