@@ -439,6 +439,8 @@ class Shardgate:
 
     async def stop(self) -> None:
         self.ready = False
+        if self.security is not None:
+            self.security.stop_watching()
         if self.cluster is not None:
             # hand this node's shards over while it still serves, then go on stopping
             await self.cluster.leave()
