@@ -976,8 +976,9 @@ class MqttConnection:
                 elif qos == 2:
                     self.session.inbound_qos2.discard(packet_id)  # type: ignore[union-attr,arg-type]
                     self.qos2_open.discard(packet_id)  # type: ignore[arg-type]
-                log.warning("%s %s: publish to %r rejected: %s", self.remote, self.client_id,
-                            message.topic, outcome)
+                if not isinstance(outcome, SchemaMismatch):  # the broker logs those, rate-limited
+                    log.warning("%s %s: publish to %r rejected: %s", self.remote,
+                                self.client_id, message.topic, outcome)
                 if not v5:
                     self.close()
                     return
