@@ -228,6 +228,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "log_level": ("debug", "info", "warning", "error"),
     "default_stream_mode": ("reliable", "non-reliable"),
     "journal.fsync": ("always", "interval", "os"),
+    "mqtt.session_takeover_by_other_user": ("refuse", "new_session"),
     "streams.mode": ("reliable", "non-reliable"),
     "streams.schema": ("bytes", "string", "int64", "json"),
 }
