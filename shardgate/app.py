@@ -460,6 +460,8 @@ class Shardgate:
         self.ready = False
         if self.alarms is not None:
             self.alarms.stop()
+        if self.security is not None:
+            self.security.stop_watching()
         if self.cluster is not None:
             # hand this node's shards over while it still serves, then go on stopping
             await self.cluster.leave()

@@ -128,7 +128,9 @@ class MqttService:
         self._tick_handle: Timer | None = None
         self._sys_handle: Timer | None = None
         self.total_connections = 0
-        self._handshaking: set[MqttConnection] = set()
+        # Connections not yet past CONNECT -> when they were accepted: the CONNECT timeout
+        # runs from accept, whatever the client trickles in meanwhile.
+        self._handshaking: dict[MqttConnection, float] = {}
         # The connection whose packets are being handled (its writes are grouped).
         self.publishing: MqttConnection | None = None
         # Back-pressure (`core/backpressure.py`, shared with every publisher of the broker: a
@@ -326,7 +328,10 @@ class MqttService:
     def assign_client_id(self) -> str:
         return f"sg-{self._id_prefix}-{next(self._client_ids)}"
 
-    def authenticate(self, username: str | None, password: bytes | None, client_id: str, remote: str) -> str | None:
+    def authenticate(
+        self, username: str | None, password: bytes | None, client_id: str, remote: str,
+    ) -> str | None | asyncio.Future[str | None]:
+        """None to accept, a refusal, or a future of either while a password is hashed."""
         edge = self.edge
         # `mqtt.allow_anonymous = false` refuses clients without a user name on MQTT alone,
         # whatever the security policy (`auth.allow_anonymous`) allows the other protocols.
@@ -364,12 +369,48 @@ class MqttService:
                 return 1
         return 0
 
+    def reauthorize(self) -> int:
+        """Check every connected client's subscriptions again (the users or the ACL rules
+        changed): a filter no longer allowed is removed, as an UNSUBSCRIBE would remove it, so
+        that it stops receiving at once. Nothing is checked per message. Returns how many
+        filters were removed."""
+        removed = 0
+        for connection in list(self.connections):
+            session = connection.session
+            if session is None or connection.state is not State.CONNECTED:
+                continue
+            removed_here = self._reauthorize_session(connection.principal, session)
+            if removed_here:
+                log.info("client %r: %d subscriptions no longer allowed were removed",
+                         connection.client_id, removed_here)
+                self.save_session(session)
+            removed += removed_here
+        return removed
+
+    def _reauthorize_session(self, principal: Principal, session: MqttSession) -> int:
+        edge, broker = self.edge, self.broker
+        removed = 0
+        subscription = session.subscription
+        if subscription is not None:
+            for topic_filter in list(subscription.filters):
+                if not edge.authorize(principal, Action.SUBSCRIBE, topic_filter):
+                    broker.remove_filter(subscription, topic_filter)
+                    removed += 1
+        for name, entry in list(session.shared.items()):
+            if not edge.authorize(principal, Action.SUBSCRIBE, name):
+                session.shared.pop(name, None)
+                broker.detach(entry[0], session)
+                if not entry[0].consumers:
+                    broker.remove_subscription(name)
+                removed += 1
+        return removed
+
     # ------------------------------------------------------------------ sessions
     def open_session(
         self, connection: MqttConnection, client_id: str, clean_start: bool, expiry: int
     ) -> tuple[MqttSession, bool]:
         self.connections.add(connection)
-        self._handshaking.discard(connection)
+        self._handshaking.pop(connection, None)
         self.total_connections += 1
         existing = self.sessions.get(client_id)
         if existing is not None and existing.connection is not None:
@@ -686,20 +727,22 @@ class MqttService:
                     log.warning("client %r: no acknowledgement for %.0fs; disconnected as dead",
                                 connection.client_id, now - connection.last_ack)
                     connection.close(p.ReasonCode.KEEP_ALIVE_TIMEOUT, "dead subscriber")
-        for connection in list(self._handshaking):
+        for connection, accepted in list(self._handshaking.items()):
             if connection.state is not State.AWAIT_CONNECT:
-                self._handshaking.discard(connection)
-            elif now - connection.last_received > CONNECT_TIMEOUT_S:
-                self._handshaking.discard(connection)
+                del self._handshaking[connection]
+            elif now - accepted > CONNECT_TIMEOUT_S:
+                del self._handshaking[connection]
+                log.info("%s: no CONNECT within %.0f s of accept; closed", connection.remote,
+                         CONNECT_TIMEOUT_S)
                 connection.close()
         self._tick_handle = self.scheduler.call_later(TICK_S, self._tick)
 
     def connection_made(self, connection: MqttConnection) -> None:
-        self._handshaking.add(connection)
+        self._handshaking[connection] = self.scheduler.time()
         self.connect_timing.resume_probe()
 
     def connection_gone(self, connection: MqttConnection) -> None:
-        self._handshaking.discard(connection)
+        self._handshaking.pop(connection, None)
         # What a departure saves (the session, or its removal) acknowledges nothing: it joins
         # the turn's group commit (one fsync for every departure of the turn) instead of
         # committing, and fsyncing on the event loop, once per connection.
