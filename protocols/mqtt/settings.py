@@ -51,6 +51,7 @@ class MqttSettings:
     # configuration loader with the file, the name and the value.
     RANGES: ClassVar[dict[str, tuple[float | None, float | None]]] = {
         "max_packet_size": (16, 268_435_455),  # MQTT 5.0 §1.5.5: a Variable Byte Integer
+        "max_packet_size_unauthenticated": (0, 268_435_455),  # 0: max_packet_size
         "receive_maximum": (1, 65535),  # §3.2.2.3.3: 0 is a protocol error
         "max_inflight": (1, 65535),
         "max_queued_messages": (0, None),
