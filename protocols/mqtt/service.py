@@ -67,6 +67,20 @@ def _no_clock() -> float:
     raise RuntimeError("MqttService needs a scheduler: the asyncio adapter passes its event loop")
 
 
+class SessionEvents:
+    """Who is told, by client id, of a session opening here (`opened`: new, resumed or taken
+    over), of a session ending here (`ended`: not merely disconnected) and of a client's will
+    being published, dropped or scheduled here (`will_changed`). Cluster mode adds its
+    listeners; on a single node the lists stay empty."""
+
+    __slots__ = ("opened", "ended", "will_changed")
+
+    def __init__(self) -> None:
+        self.opened: list[Callable[[str], None]] = []
+        self.ended: list[Callable[[str], None]] = []
+        self.will_changed: list[Callable[[str], None]] = []
+
+
 class MqttService:
     # The memory alarm (`shardgate.resources`): connections that publish are not read
     # meanwhile (each looks again every `BLOCKED_RECHECK_S`).
@@ -89,12 +103,9 @@ class MqttService:
         self.connections: set[MqttConnection] = set()
         # Set by a graceful stop: no new PUBLISH goes out (see `finish_in_flight`).
         self.draining = False
-        # Cluster mode: told of every session a client opens here (the session registry).
-        self.on_session_opened: Callable[[str], None] | None = None
-        # ... and of every session that ended here (not merely disconnected).
-        self.on_session_ended: Callable[[str], None] | None = None
-        # ... and whenever a client's will was published, dropped or scheduled here.
-        self.on_will_changed: Callable[[str], None] | None = None
+        # Cluster mode: who is told of sessions opening and ending here and of wills changing
+        # (the session registry, wills kept in etcd), in the order they were added.
+        self.session_events = SessionEvents()
         # Cluster mode: asked at every CONNECT before the session opens; returns an awaitable
         # when the client's session must first come from (or be ended on) another node (it is
         # in `sessions`, offline, once that is done), None when nothing is elsewhere.
@@ -447,8 +458,8 @@ class MqttService:
         self.save_session(session, acknowledged=not present)
         if not present and session.durable and self._grouping:
             self._commit_at_read_end = True
-        if self.on_session_opened is not None:
-            self.on_session_opened(client_id)
+        for opened in self.session_events.opened:
+            opened(client_id)
         return session, present
 
     def session_elsewhere(self, client_id: str, clean_start: bool) -> asyncio.Future[None] | None:
@@ -478,8 +489,8 @@ class MqttService:
             # Taken over: the new connection owns the session now.
             if will is not None and self._will_delay(connection, will) == 0:
                 self._publish_will(connection.client_id, will)
-            if self.on_will_changed is not None:
-                self.on_will_changed(connection.client_id)
+            for will_changed in self.session_events.will_changed:
+                will_changed(connection.client_id)
             return
         session.connection = None
         session.disconnected_at_ms = now_ms()
@@ -494,8 +505,8 @@ class MqttService:
                 delay = min(delay, expiry)
                 handle = self.scheduler.call_later(delay, self._delayed_will, session.client_id, will)
                 self._will_timers[session.client_id] = (handle, will)
-        if self.on_will_changed is not None:
-            self.on_will_changed(session.client_id)
+        for will_changed in self.session_events.will_changed:
+            will_changed(session.client_id)
         if expiry == 0:
             self._end_session(session)
             return
@@ -522,8 +533,8 @@ class MqttService:
             self.edge.publish(message)
         except Exception:
             log.exception("could not publish the will of %r", client_id)
-        if self.on_will_changed is not None:
-            self.on_will_changed(client_id)
+        for will_changed in self.session_events.will_changed:
+            will_changed(client_id)
 
     def _expire_session(self, client_id: str) -> None:
         self._expiry_timers.pop(client_id, None)
@@ -548,8 +559,8 @@ class MqttService:
     def _end_session(self, session: MqttSession) -> None:
         if self.sessions.get(session.client_id) is session:
             del self.sessions[session.client_id]
-            if self.on_session_ended is not None:
-                self.on_session_ended(session.client_id)
+            for ended in self.session_events.ended:
+                ended(session.client_id)
         session.discard()
 
     # ------------------------------------------------------------------ persistence
