@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
     from .cli_client import add_client_commands, dispatch
 
     add_client_commands(sub)
+    from .schemas_cli import add_schemas_commands
+
+    add_schemas_commands(sub)
     _archive_parser(sub)
     _config_parser(sub)
     from .health_cli import add_health_command

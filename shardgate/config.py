@@ -93,6 +93,8 @@ class ArchiveConfig:
     target_rows: int = 100_000
     target_bytes: int = 32 * 1024 * 1024
     max_delay_s: float = 60.0
+    # a stream with a registered schema is archived as typed columns; also keep payload bytes
+    keep_typed_payload: bool = False
     # compaction (local disks): merge a shard's small files of an hour into files of this size,
     # compact_after_s after the hour ended
     compaction: bool = True
@@ -118,6 +120,12 @@ class StreamEntry:
     routes: list[str] = field(default_factory=list)
     retention_ms: int | None = None
     retention_bytes: int | None = None
+    # A payload schema registered at start (a new version when the file changed): a JSON
+    # Schema or an Avro schema file, checked under `compatibility` (default: the stream's
+    # mode so far, backward at first)
+    schema_file: str = ""
+    schema_type: str = "json"
+    compatibility: str = ""
 
     RANGES: ClassVar[dict[str, Range]] = {
         "partitions": (1, 1024), "retention_ms": (1, None), "retention_bytes": (1, None),

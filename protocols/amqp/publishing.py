@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from pamqp import commands
 
 from ...core.edge import Action
-from ...core.errors import PublishRejected
+from ...core.errors import PublishRejected, SchemaMismatch
 from ...core.message import Message
 from .base import ConnectionBase
 from .channel import REPLY_PREFIX, REPLY_TO, ROUTE_KEY, AmqpChannel
@@ -277,7 +277,8 @@ class PublishingMixin(ConnectionBase):
                     channel.tx_landing -= 1
                 continue
             if isinstance(pending, PublishRejected):
-                log.warning("publish from %s rejected: %s", self.remote, pending)
+                if not isinstance(pending, SchemaMismatch):  # the broker logs those, rate-limited
+                    log.warning("publish from %s rejected: %s", self.remote, pending)
                 if seq > 0:
                     self._confirm(channel, seq, False)
                 elif seq < 0:

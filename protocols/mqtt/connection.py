@@ -962,10 +962,12 @@ class MqttConnection:
                 elif qos == 2:
                     self.session.inbound_qos2.discard(packet_id)  # type: ignore[union-attr,arg-type]
                     self.qos2_open.discard(packet_id)  # type: ignore[arg-type]
-                # (a full disk refuses every publish: not a line each)
-                log.log(logging.DEBUG if isinstance(outcome, StoreFull) else logging.WARNING,
-                        "%s %s: publish to %r rejected: %s", self.remote, self.client_id,
-                        message.topic, outcome)
+                # (the broker logs schema refusals, rate-limited; a full disk refuses every
+                # publish: not a line each)
+                if not isinstance(outcome, SchemaMismatch):
+                    log.log(logging.DEBUG if isinstance(outcome, StoreFull) else logging.WARNING,
+                            "%s %s: publish to %r rejected: %s", self.remote, self.client_id,
+                            message.topic, outcome)
                 if not v5:
                     self.close()
                     return
