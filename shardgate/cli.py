@@ -154,7 +154,9 @@ def _archive_command(args: argparse.Namespace) -> int:
 
     base = (args.http_url or os.environ.get("SHARDGATE_HTTP_URL") or "http://127.0.0.1:8080").rstrip("/")
     if args.action == "flush":
-        request = urllib.request.Request(f"{base}/api/archive/flush", method="POST", data=b"")
+        # (a change: the admin API wants a request a cross-site page could not send)
+        request = urllib.request.Request(f"{base}/api/archive/flush", method="POST", data=b"{}",
+                                         headers={"Content-Type": "application/json"})
     else:
         request = urllib.request.Request(f"{base}/api/archive")
     username = args.username or os.environ.get("SHARDGATE_USERNAME")

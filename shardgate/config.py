@@ -45,6 +45,10 @@ class ListenerConfig:
     http_port: int = 8080
     # The admin API has no authentication of its own yet: it stays on loopback unless told.
     http_host: str = "127.0.0.1"
+    # Host names the admin API answers to besides localhost, loopback addresses and the
+    # address a request came in on (DNS rebinding: a page of evil.example resolving its name
+    # to this broker gets 421). "*": any.
+    http_allowed_hosts: list[str] = field(default_factory=list)
     # Seconds of client reads one event-loop turn handles, every client listener together
     # (MQTT, MQTT over WebSocket, AMQP, with TLS or not); later reads wait for the next turns
     # (their sockets are not read meanwhile), so that new connections are accepted and
@@ -232,6 +236,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "log_level": ("debug", "info", "warning", "error"),
     "default_stream_mode": ("reliable", "non-reliable"),
     "journal.fsync": ("always", "interval", "os"),
+    "mqtt.session_takeover_by_other_user": ("refuse", "new_session"),
     "streams.mode": ("reliable", "non-reliable"),
     "streams.schema": ("bytes", "string", "int64", "json"),
 }
