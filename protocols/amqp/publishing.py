@@ -324,11 +324,14 @@ class PublishingMixin(ConnectionBase):
 
     def block(self, reason: str) -> None:
         """The memory alarm went off: tell the client (if it listens) that publishes wait."""
-        if self.state is State.OPEN and self.capabilities.get("connection.blocked"):
+        if (self.state is State.OPEN and self.capabilities.get("connection.blocked")
+                and not self._told_blocked):
+            self._told_blocked = True
             self.send_method(0, commands.Connection.Blocked(reason))
 
     def unblock(self) -> None:
-        if self.state is State.OPEN and self.capabilities.get("connection.blocked"):
+        if self._told_blocked and self.state is State.OPEN:
+            self._told_blocked = False
             self.send_method(0, commands.Connection.Unblocked())
         if self._held_by_alarm:
             self._held_by_alarm = False

@@ -50,6 +50,9 @@ RC = p.ReasonCode
 MQTT_V5 = 5
 # The longest a publisher is held for a subscriber that does not catch up (see `held`).
 HOLD_MAX_S = 0.5
+# While the memory alarm holds publishers, a publishing connection is read again this often
+# (one read's publishes each time), to see whether it cleared.
+BLOCKED_RECHECK_S = 1.0
 
 
 class Link(Protocol):
@@ -958,7 +961,11 @@ class MqttConnection:
         MQTT 3.1.1 has no negative acknowledgement: a refused PUBLISH closes the connection,
         and nothing after it in the batch is handed to the core (see `_forget_unprocessed`)."""
         v5 = self.version == MQTT_V5
-        outcomes = self.service.edge.publish_many(messages, stop_at_refusal=not v5)
+        service = self.service
+        if service.publishers_blocked and self._throttled_for <= 0:
+            # the memory alarm: this publisher's socket is not read for a while (see `_process`)
+            self._throttled_for = BLOCKED_RECHECK_S
+        outcomes = service.edge.publish_many(messages, stop_at_refusal=not v5)
         if len(outcomes) < len(messages):
             self._forget_unprocessed(messages[len(outcomes):], packet_ids[len(outcomes):])
         waiting = self._acks_waiting
@@ -976,9 +983,12 @@ class MqttConnection:
                 elif qos == 2:
                     self.session.inbound_qos2.discard(packet_id)  # type: ignore[union-attr,arg-type]
                     self.qos2_open.discard(packet_id)  # type: ignore[arg-type]
-                if not isinstance(outcome, SchemaMismatch):  # the broker logs those, rate-limited
-                    log.warning("%s %s: publish to %r rejected: %s", self.remote,
-                                self.client_id, message.topic, outcome)
+                # (the broker logs schema refusals, rate-limited; a full disk refuses every
+                # publish: not a line each)
+                if not isinstance(outcome, SchemaMismatch):
+                    log.log(logging.DEBUG if isinstance(outcome, StoreFull) else logging.WARNING,
+                            "%s %s: publish to %r rejected: %s", self.remote, self.client_id,
+                            message.topic, outcome)
                 if not v5:
                     self.close()
                     return

@@ -82,6 +82,9 @@ class SessionEvents:
 
 
 class MqttService:
+    # The memory alarm (`shardgate.resources`): connections that publish are not read
+    # meanwhile (each looks again every `BLOCKED_RECHECK_S`).
+    publishers_blocked = False
     def __init__(
         self, edge: Edge, settings: MqttSettings | None = None,
         store: MqttSessionPorts | None = None, scheduler: Scheduler | None = None,
