@@ -639,8 +639,9 @@ class Broker:
         fit the stream's schema."""
         try:
             check_payload(config.schema, message.payload, config.name)
-        except PublishRejected:
+        except SchemaMismatch as exc:
             self.stats.rejected_by_reason["schema"] += 1
+            self.schemas.refused(config.name, exc)  # logged there, rate-limited
             raise
 
     def _route(self, message: Message, counted: bool) -> Shard | Held:
