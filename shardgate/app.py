@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from .cluster.forward import DataPlane
     from .protocols.amqp.service import AmqpService
     from .protocols.grpc.server import GrpcServer
+    from .resources import ResourceAlarms
     from .security.auth import Security
     from .storage.archive import Archiver, ArchiveReader
 
@@ -84,6 +85,8 @@ class Shardgate:
         self.archiver: Archiver | None = None
         self.security: Security | None = None
         self.bridges: list[BridgeBase[Any]] = []
+        # the memory and disk alarms (`resources.py`), once the listeners are up
+        self.alarms: ResourceAlarms | None = None
         self.archive_reader: ArchiveReader | None = None
         # The AMQP service (shared by the amqp and amqps listeners), once listening.
         self.amqp: AmqpService | None = None
@@ -379,6 +382,13 @@ class Shardgate:
             raise ConfigError(f"cannot listen for {what} on {bound_host}:{port}: {reason}") from exc
         for listener in self.listeners.values():
             log.info("listening for %s on %s:%d", listener.name, listener.host, listener.port)
+        from .resources import ResourceAlarms
+
+        assert self.journal is not None
+        self.alarms = ResourceAlarms(config.data_dir, config.memory_high_watermark,
+                                     config.disk_free_limit, self._memory_alarm,
+                                     self.journal.refuse_appends)
+        self.alarms.start()
         if self.cluster is not None:
             try:
                 await attach.join(self, self.cluster)
@@ -461,8 +471,19 @@ class Shardgate:
     def port(self, name: str) -> int:
         return self.listeners[name].port
 
+    def _memory_alarm(self, blocked: bool) -> None:
+        """Hold every protocol's publishers while the memory alarm is raised."""
+        if self.mqtt is not None:
+            self.mqtt.publishers_blocked = blocked
+        if self.amqp is not None:
+            self.amqp.resource_alarm("memory", blocked)
+        if self.grpc is not None:
+            self.grpc.block_publishers(blocked)
+
     async def stop(self) -> None:
         self.ready = False
+        if self.alarms is not None:
+            self.alarms.stop()
         if self.security is not None:
             self.security.stop_watching()
         if self.cluster is not None:

@@ -145,6 +145,13 @@ class Config:
     # archive what it holds); past it the process exits and the journal keeps the rest.
     shutdown_timeout_s: float = 30.0
     default_stream_mode: str = "reliable"
+    # Above this resident memory publishers are blocked until it falls below 90 % of it
+    # (`shardgate.resources`): a fraction of the machine's (or cgroup's) memory, as RabbitMQ's
+    # vm_memory_high_watermark, or bytes above 1; 0 turns it off.
+    memory_high_watermark: float = 0.4
+    # Below this many free bytes on the data directory's disk, reliable publishes are refused
+    # (MQTT 5 0x97, AMQP nack, gRPC RESOURCE_EXHAUSTED), as RabbitMQ's disk_free_limit; 0 off.
+    disk_free_limit: int = 512 * 1024 * 1024
     default_stream_partitions: int = 1
     listeners: ListenerConfig = field(default_factory=ListenerConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
@@ -161,6 +168,7 @@ class Config:
 
     RANGES: ClassVar[dict[str, Range]] = {
         "shutdown_timeout_s": (0.001, None), "default_stream_partitions": (1, 1024),
+        "memory_high_watermark": (0, None), "disk_free_limit": (0, None),
     }
 
 
@@ -228,6 +236,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "log_level": ("debug", "info", "warning", "error"),
     "default_stream_mode": ("reliable", "non-reliable"),
     "journal.fsync": ("always", "interval", "os"),
+    "mqtt.session_takeover_by_other_user": ("refuse", "new_session"),
     "streams.mode": ("reliable", "non-reliable"),
     "streams.schema": ("bytes", "string", "int64", "json"),
 }

@@ -51,6 +51,10 @@ class MqttSettings:
     # while not reading (0: never): such a dead subscriber is disconnected so its messages go
     # back to its session or, for shared subscriptions, to the other members.
     dead_subscriber_timeout: float = 0.0
+    # A session belongs to the user who made it. Another user's CONNECT with its client id:
+    # "refuse" (CONNACK 0x87, 3.1.1 return code 5) or "new_session" (the old session ends,
+    # the newcomer gets a new one, as with clean start).
+    session_takeover_by_other_user: str = "refuse"
 
     # The allowed range of each numeric setting, inclusive (None: no bound), checked by the
     # configuration loader with the file, the name and the value.
