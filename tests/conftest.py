@@ -25,6 +25,12 @@ from shardgate.config import Config, load_config
 # own copy of this conftest and the tests' `tests.conftest` import share.
 from tests.child_processes import end_process, track_process, tracked_processes
 from tests.local_ports import free_port
+from tests.parallel import (  # noqa: F401  (hooks: marks, groups and orders the tests for xdist)
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_xdist_auto_num_workers,
+)
 
 __all__ = ["end_process", "free_port", "track_process", "wait_for"]
 
@@ -177,6 +183,9 @@ class BrokerProcess:
 
     # A port taken by another socket is waited for this long (same ports) before failing.
     PORT_IN_USE_TIMEOUT = 30.0
+    # How long a start may take until the port file is written (the interpreter's and the
+    # broker's imports: a few seconds alone, far more while the parallel workers start theirs).
+    START_TIMEOUT = 60.0
 
     def start(self, mqtt_port: int | None = None) -> BrokerProcess:
         """Start `shardgate serve` and wait for its port file. A restart keeps the ports it
@@ -240,7 +249,7 @@ class BrokerProcess:
             return port_file.exists()
 
         try:
-            wait_for(ready, timeout=30)
+            wait_for(ready, timeout=self.START_TIMEOUT)
         except AssertionError:
             end_process(self.proc)  # one that never came up is not left running
             raise
