@@ -141,7 +141,8 @@ class DurationRecorder:
         self.seconds: dict[str, float] = {}
 
     def pytest_runtest_logreport(self, report: Any) -> None:
-        self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
+        nodeid = report.nodeid.rpartition("@")[0] or report.nodeid  # (xdist: `id@group`)
+        self.seconds[nodeid] = self.seconds.get(nodeid, 0.0) + report.duration
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         rounded = {nodeid: round(value, 1) for nodeid, value in sorted(self.seconds.items())}
