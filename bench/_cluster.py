@@ -6,6 +6,7 @@ Also the report of a comparison's medians. Imports nothing from shardgate."""
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import statistics
@@ -20,6 +21,16 @@ from _proc import free_port, http_json, stop_process, wait_until
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 
 
+# The nodes a bench starts share this cluster secret (`[cluster] secret`, through the
+# environment): a node without one refuses to start.
+CLUSTER_SECRET = "bench-cluster-secret-0123456789abcdef"
+
+
+def node_env() -> dict[str, str]:
+    """The environment of a bench's processes: this one's, with the cluster secret."""
+    return {**os.environ, "SHARDGATE_CLUSTER__SECRET": CLUSTER_SECRET}
+
+
 class Processes:
     """Everything started, stopped with SIGTERM (then SIGKILL) at the end."""
 
@@ -30,7 +41,7 @@ class Processes:
     def start(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         with open(self.workdir / f"{name}.log", "wb") as log:
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    cwd=self.workdir, start_new_session=True)
+                                    cwd=self.workdir, start_new_session=True, env=node_env())
         self.procs.append(proc)
         return proc
 

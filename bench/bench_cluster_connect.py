@@ -56,7 +56,10 @@ def wait_until(check, timeout: float = 60.0) -> None:  # type: ignore[no-untyped
 @contextlib.contextmanager
 def process(args: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
     with open(log, "ab") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        # (cluster nodes need a cluster secret; the single node ignores it)
+        env = {**os.environ, "SHARDGATE_CLUSTER__SECRET": "bench-cluster-secret-0123456789abcdef"}
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=env)
     try:
         yield proc
     finally:

@@ -18,7 +18,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from shardgate.cluster.placement import Placed, ShardSpec, place
+from shardgate.cluster.placement import ShardPlacement, ShardSpec, place
 
 PARTITIONS = 10
 
@@ -49,7 +49,7 @@ def main() -> None:
     specs = shard_specs(args.shards)
     nodes = [f"node-{index:03d}" for index in range(args.nodes)]
     load = {node: float(index % 7) for index, node in enumerate(nodes)}
-    placed: dict[tuple[str, int], Placed] = place(specs, {}, nodes[:-1], load)
+    placed: dict[tuple[str, int], ShardPlacement] = place(specs, {}, nodes[:-1], load)
     scenarios: dict[str, Callable[[], object]] = {
         "initial (all shards new)": lambda: place(specs, {}, nodes, load),
         "join (one node joins)": lambda: place(specs, placed, nodes, load),

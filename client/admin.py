@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -101,3 +102,10 @@ class Admin:
 
     async def broker_info(self) -> BrokerInfo:
         return BrokerInfo.from_pb(await self._call(self._stub.GetBrokerInfo, pb.Empty()))
+
+    async def cluster_status(self) -> dict[str, Any]:
+        """The cluster as the answering node sees it (the admin API's `/api/cluster`);
+        `FailedPrecondition` from a node not in cluster mode."""
+        response = await self._call(self._stub.GetClusterStatus, pb.Empty())
+        status: dict[str, Any] = json.loads(response.json)
+        return status

@@ -125,10 +125,12 @@ class Client:
         self, subscription: str, topics: list[str] | str | None = None, *, stream: str | None = None,
         type: SubscriptionType | str = SubscriptionType.EXCLUSIVE,
         position: Position | str = "latest", credit: int = 1000, name: str = "",
-        durable: bool = False, reconnect: bool = True,
+        durable: bool = False, reconnect: bool = True, max_deliveries: int = 0,
     ) -> Consumer:
         """A `Consumer` of `subscription` over topic filters or a stream; `await` its
-        `subscribe()` (or iterate it) to start."""
+        `subscribe()` (or iterate it) to start. `max_deliveries` (durable subscriptions):
+        deliveries of a message after which it goes to the dead-letter topic
+        `$dlq/<subscription>` instead (0: the broker's `grpc.max_deliveries`)."""
         if isinstance(topics, str):
             topics = [topics]
         if isinstance(position, str):
@@ -136,6 +138,7 @@ class Client:
         consumer = Consumer(
             self, subscription, topics or [], stream=stream, type=SubscriptionType(type),
             position=position, credit=credit, name=name, durable=durable, reconnect=reconnect,
+            max_deliveries=max_deliveries,
         )
         self._children.add(consumer)
         return consumer

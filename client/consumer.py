@@ -24,11 +24,13 @@ subscriptions, redelivers them). Errors that retrying cannot fix end the iterati
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import random
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Generator
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -58,7 +60,7 @@ class Consumer:
         type: SubscriptionType = SubscriptionType.EXCLUSIVE, position: Position | None = None,
         credit: int = 1000, name: str = "", durable: bool = False, reconnect: bool = True,
         retries: int | None = None, backoff_s: float = 0.1, max_backoff_s: float = 2.0,
-        ack_batch: int = 256, ack_interval_s: float = 0.01,
+        ack_batch: int = 256, ack_interval_s: float = 0.01, max_deliveries: int = 0,
     ) -> None:
         self._client = client
         self.subscription = subscription
@@ -69,6 +71,7 @@ class Consumer:
         self.credit = max(1, credit)
         self.name = name
         self.durable = durable
+        self.max_deliveries = max(0, max_deliveries)
         self.reconnect = reconnect
         self.retries = retries
         self.backoff_s = backoff_s
@@ -86,6 +89,8 @@ class Consumer:
         self._waiter: asyncio.Future[None] | None = None
         self._taken = 0
         self._acks: list[int] = []
+        # Futures of `ack()`/`nack()` calls, resolved once their batch is written.
+        self._settled: list[asyncio.Future[None]] = []
         self._nacks: dict[int, list[int]] = {}
         self._credit_due = 0
         self._flush_timer: asyncio.TimerHandle | None = None
@@ -108,7 +113,7 @@ class Consumer:
         request = pb.Subscribe(
             subscription=self.subscription, type=self.type.to_pb(), topic_filters=self.topics,
             stream=self.stream or "", position=self.position.to_pb(), credit=self.credit,
-            consumer_name=self.name, durable=self.durable,
+            consumer_name=self.name, durable=self.durable, max_deliveries=self.max_deliveries,
         )
         call = self._stub.Subscribe(metadata=self._client.metadata)
         try:
@@ -259,23 +264,36 @@ class Consumer:
         self._active_changed.set()
 
     # ---------------------------------------------------------------- acks, nacks, credit
-    def _settle(self, generation: int, message: ReceivedMessage, ok: bool, delay_s: float) -> None:
+    def _settle(self, generation: int, message: ReceivedMessage, ok: bool,
+                delay_s: float) -> Awaitable[None]:
+        """Queue an ack or nack; the awaitable is done once it is written to the stream."""
         loop = self._loop
         if loop is not None and not _running_on(loop):
-            loop.call_soon_threadsafe(self._settle, generation, message, ok, delay_s)
-            return
+            done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+            def settle_on_loop() -> None:
+                future = self._settle(generation, message, ok, delay_s)
+                asyncio.ensure_future(future).add_done_callback(
+                    lambda f: done.set_exception(f.exception()) if f.exception() else done.set_result(None))
+
+            loop.call_soon_threadsafe(settle_on_loop)
+            return asyncio.wrap_future(done) if _running_loop() is not None else _Ready(done)
+        future: asyncio.Future[None] = (loop or asyncio.get_event_loop()).create_future()
         if generation != self._generation or self._closed and self._call is None:
-            return  # received on a stream that has since broken: the broker redelivers it
+            future.set_result(None)  # received on a stream that has since broken: redelivered
+            return future
+        self._settled.append(future)
         if ok:
             acks = self._acks
             acks.append(message.delivery_id)
             if len(acks) < self.ack_batch:
                 if self._flush_timer is None and loop is not None:
                     self._flush_timer = loop.call_later(self.ack_interval_s, self._flush)
-                return
+                return future
         else:
-            self._nacks.setdefault(int(delay_s * 1000), []).append(message.delivery_id)
+            self._nacks.setdefault(round(delay_s * 1000), []).append(message.delivery_id)
         self._flush()
+        return future
 
     def _flush(self) -> None:
         """Send what is waiting (acks, nacks, credit) from one task, in order."""
@@ -294,14 +312,19 @@ class Consumer:
             acks, self._acks = self._acks, []
             nacks, self._nacks = self._nacks, {}
             credit, self._credit_due = self._credit_due, 0
+            settled, self._settled = self._settled, []
             if call is None or not (acks or nacks or credit):
+                _resolve(settled)
                 return
-            # Acks first, so that a durable subscription's cursor moves before more is pushed.
-            if acks:
-                await self._write(call, pb.ConsumeRequest(ack=pb.Ack(delivery_ids=acks)))
-            for delay_ms, ids in nacks.items():
-                await self._write(call, pb.ConsumeRequest(
-                    nack=pb.Nack(delivery_ids=ids, delay_ms=delay_ms)))
+            try:
+                # Acks first, so that a durable subscription's cursor moves before more is pushed.
+                if acks:
+                    await self._write(call, pb.ConsumeRequest(ack=pb.Ack(delivery_ids=acks)))
+                for delay_ms, ids in nacks.items():
+                    await self._write(call, pb.ConsumeRequest(
+                        nack=pb.Nack(delivery_ids=ids, delay_ms=delay_ms)))
+            finally:
+                _resolve(settled)
             if credit:
                 await self._write(call, pb.ConsumeRequest(credit=pb.Credit(credit=credit)))
 
@@ -387,3 +410,32 @@ def _running_on(loop: asyncio.AbstractEventLoop) -> bool:
 class _Closed(ShardgateError):
     def __init__(self) -> None:
         super().__init__("the consumer is closed", grpc.StatusCode.CANCELLED)
+
+
+def _resolve(futures: list[asyncio.Future[None]]) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_result(None)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+class _Ready:
+    """What `ack()` returns to a thread without an event loop (the sync client): `wait()`
+    blocks until the settlement is written; nothing needs to be done with it."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: concurrent.futures.Future[None]) -> None:
+        self._future = future
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._future.result(timeout)
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return asyncio.wrap_future(self._future).__await__()

@@ -152,6 +152,12 @@ class Producer:
         if futures:
             await asyncio.wait(futures)
 
+    async def __aenter__(self) -> Producer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
     async def close(self) -> None:
         """Flush, then end the stream."""
         if self._closed:

@@ -78,6 +78,12 @@ class SyncProducer(_SyncProxy):
 
         return self._loop.run(run())
 
+    def __enter__(self) -> SyncProducer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 class SyncConsumer(_SyncProxy):
     _target: Consumer

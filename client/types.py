@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -121,11 +121,11 @@ class ReceivedMessage:
     producer_id: str
     redelivery_count: int
     delivery_id: int
-    _settle: Callable[[ReceivedMessage, bool, float], None] | None = field(default=None, repr=False)
+    _settle: Callable[[ReceivedMessage, bool, float], Awaitable[None]] | None = field(default=None, repr=False)
 
     @classmethod
     def from_pb(cls, m: pb.ConsumedMessage,
-                settle: Callable[[ReceivedMessage, bool, float], None] | None) -> ReceivedMessage:
+                settle: Callable[[ReceivedMessage, bool, float], Awaitable[None]] | None) -> ReceivedMessage:
         # Positional, in field order: a third faster than keywords on the consumer's hot path.
         headers = m.headers
         return cls(
@@ -136,15 +136,22 @@ class ReceivedMessage:
             m.redelivery_count, m.delivery_id, settle,
         )
 
-    def ack(self) -> None:
-        """Mark the message processed (sent with the next batch of acks)."""
+    def ack(self) -> Awaitable[None]:
+        """Mark the message processed (sent with the next batch of acks, within the consumer's
+        `ack_interval_s`). Calling it is enough; `await message.ack()` waits until the ack is
+        written to the broker."""
         if self._settle is not None:
-            self._settle(self, True, 0.0)
+            return self._settle(self, True, 0.0)
+        return _DONE
 
-    def nack(self, delay_s: float = 0.0) -> None:
-        """Give the message back; it is redelivered (to this or another consumer) after `delay_s`."""
+    def nack(self, delay_s: float = 0.0) -> Awaitable[None]:
+        """Give the message back; it is redelivered (to this or another consumer) after
+        `delay_s`, with `redelivery_count` one higher (a durable subscription with
+        `max_deliveries` dead-letters it instead once it was delivered that often).
+        Awaitable like `ack()`."""
         if self._settle is not None:
-            self._settle(self, False, delay_s)
+            return self._settle(self, False, delay_s)
+        return _DONE
 
     def header(self, name: str, default: str | None = None) -> str | None:
         for key, value in self.headers:
@@ -211,12 +218,17 @@ class SubscriptionInfo:
     topic_filters: list[str]
     consumers: list[ConsumerInfo]
     protocol: str
+    # Durable: messages stored and not yet acknowledged by it (0 for a live subscription).
+    lag: int = 0
+    # Durable: deliveries before a message is dead-lettered to `$dlq/<name>` (0: never).
+    max_deliveries: int = 0
 
     @classmethod
     def from_pb(cls, s: pb.SubscriptionInfo) -> SubscriptionInfo:
         return cls(
             name=s.name, type=SubscriptionType.from_pb(s.type), durable=s.durable,
-            topic_filters=list(s.topic_filters), protocol=s.protocol,
+            topic_filters=list(s.topic_filters), protocol=s.protocol, lag=s.lag,
+            max_deliveries=s.max_deliveries,
             consumers=[ConsumerInfo(c.consumer_id, c.protocol, c.active, c.unacked, c.credit,
                                     c.delivered) for c in s.consumers],
         )
@@ -263,3 +275,14 @@ class BrokerInfo:
             bytes_out=b.bytes_out, messages_dropped=b.messages_dropped, streams=b.streams,
             subscriptions=b.subscriptions, clients=b.clients,
         )
+
+
+class _Done:
+    """An awaitable that is done already (a message without a consumer to settle with)."""
+
+    def __await__(self) -> Generator[None, None, None]:
+        return
+        yield
+
+
+_DONE = _Done()

@@ -25,6 +25,7 @@ from ..storage.interfaces import (
     StorageError,
     StorageFull,
 )
+from .backpressure import BackPressure
 from .delayed import DelayedDelivery, Held, deliver_at
 from .durable import CursorSink, DurableOptions, DurableSubscription
 from .errors import (
@@ -153,6 +154,8 @@ class Broker:
     ) -> None:
         self.storage = storage
         self.stats = BrokerStats()
+        # who is publishing now, and the queues that hold publishers (core/backpressure.py)
+        self.back_pressure = BackPressure()
         self.retained: RetainedStore[Message] = RetainedStore()
         # Protocol state the broker keeps for itself (e.g. AMQP's durable topology), by topic
         # under `$internal/`: persisted like retained messages, never delivered or retained for
@@ -333,9 +336,12 @@ class Broker:
     def add_filter(self, sub: Subscription, topic_filter: str, options: object = None) -> bool:
         """Add (or update the options of) a filter; True if the filter is new to `sub`."""
         new = topic_filter not in sub.filters
+        if new:
+            # First: a filter the trie refuses (TopicError) never becomes part of `sub`, so
+            # it is never saved with it either.
+            self._trie.add(topic_filter, sub)
         sub.filters[topic_filter] = options
         if new:
-            self._trie.add(topic_filter, sub)
             sub.filters_changed()
             self._forget_matches()
             if self.on_routes_changed is not None:

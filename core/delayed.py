@@ -22,6 +22,8 @@ from .errors import PublishRejected
 from .message import Message, now_ms
 from .ports import DelayedStore
 from .records import decode_to_message, encode_message
+from .restoring import set_aside
+from .topics import validate_topic_name
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,17 @@ class Held:
 
     def __init__(self, receipt: asyncio.Future[None] | None) -> None:
         self.receipt = receipt
+
+
+def release_topic(topic: str) -> str | None:
+    """The topic a publish to `$delayed/<seconds>/<topic>` is released onto (None: `topic`
+    is not such a topic, and its publish is refused)."""
+    if not topic.startswith(DELAYED_PREFIX):
+        return None
+    seconds_text, _, rest = topic[len(DELAYED_PREFIX):].partition("/")
+    if not seconds_text.isdigit() or not rest:
+        return None
+    return rest
 
 
 def deliver_at(message: Message) -> int | None:
@@ -140,11 +153,12 @@ class DelayedDelivery:
         for record in self.store.due_delayed(2**62):
             try:
                 message = decode_to_message(record.data)
-            except ValueError:
-                log.error("delayed message %s is unreadable; dropped", record.id)
-                self.store.delete_delayed(record.id)
+                validate_topic_name(message.topic)
+                self._schedule(record.id, message, record.deliver_at_ms)
+            except Exception as exc:
+                # kept in the store, never released: the log says what it was
+                set_aside(log, f"delayed message {record.id}", record, exc)
                 continue
-            self._schedule(record.id, message, record.deliver_at_ms)
             count += 1
         return count
 

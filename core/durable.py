@@ -105,6 +105,8 @@ log = logging.getLogger(__name__)
 
 REPLAY_BATCH = 256
 PUMP_BUDGET = 512
+# Seconds between checks of the acknowledgement deadlines (a nack's delay has its own timer).
+TIMER_S = 0.5
 SCAN_BUDGET = 1024
 """Records a replaying cursor examines per event-loop turn, delivered or not: a session that
 resumes far behind a busy shard whose records it mostly does not want yields to other work
@@ -260,7 +262,7 @@ class ShardCursor:
 class DurableSubscription(Subscription):
     __slots__ = (
         "broker", "options", "cursors", "_redeliver", "_delayed", "_pump_scheduled", "_dirty",
-        "sink", "initial_position", "_filter_set", "_timer", "_held", "_held_returned",
+        "sink", "initial_position", "_filter_set", "_timer", "_timer_at", "_held", "_held_returned",
         "_key_cache",
     )
 
@@ -291,6 +293,7 @@ class DurableSubscription(Subscription):
         # replay reading through the journal's key index (keys are topic prefixes: few).
         self._key_cache: dict[bytes, bool] = {}
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0  # when `_timer` fires (monotonic)
         # Messages of non-reliable shards (no log to replay them from) waiting for a consumer
         # with room, oldest first: see `_hold`.
         self._held: deque[tuple[Message, tuple[str, ...]]] = deque()
@@ -561,6 +564,12 @@ class DurableSubscription(Subscription):
         delivery = cursor.unacked.get(message.offset) if cursor is not None else None
         return delivery is not None and delivery.count > 1
 
+    def redeliveries(self, message: Message) -> int:
+        """How many times `message` was handed out before this delivery (0 the first time)."""
+        cursor = self.cursors.get((message.stream, message.shard))
+        delivery = cursor.unacked.get(message.offset) if cursor is not None else None
+        return max(0, delivery.count - 1) if delivery is not None else 0
+
     def ack(self, message: Message) -> None:
         cursor = self.cursors.get((message.stream, message.shard))
         if cursor is None:
@@ -585,8 +594,9 @@ class DurableSubscription(Subscription):
         delivery.consumer = None
         delivery.deadline = None
         if delay_s > 0:
-            heapq.heappush(self._delayed, (time.monotonic() + delay_s, message.offset, cursor.stream, cursor.shard))
-            self._arm_timer()
+            due = time.monotonic() + delay_s
+            heapq.heappush(self._delayed, (due, message.offset, cursor.stream, cursor.shard))
+            self._arm_timer(due)
         else:
             self._redeliver.append((cursor, message.offset))
             self.schedule_pump()
@@ -1056,14 +1066,25 @@ class DurableSubscription(Subscription):
             log.exception("subscription %s: dead letter could not be published", self.name)
 
     # ------------------------------------------------------------------ timers and saving
-    def _arm_timer(self) -> None:
-        if self._timer is not None:
-            return
+    def _arm_timer(self, due: float | None = None) -> None:
+        """Check ack deadlines every `TIMER_S`, and wake at `due` (a nack's delay ends: it is
+        redelivered then, not at the next tick)."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
-        self._timer = loop.call_later(0.5, self._on_timer)
+        now = time.monotonic()
+        when = now + TIMER_S
+        if self._delayed:
+            when = min(when, self._delayed[0][0])
+        if due is not None:
+            when = min(when, due)
+        if self._timer is not None:
+            if self._timer_at <= when:
+                return
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = loop.call_later(max(0.0, when - now), self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
+from .delayed import DELAYED_PREFIX, release_topic
 from .errors import PublishRejected
 from .message import Message
 
@@ -224,8 +225,17 @@ class Edge:
         return None
 
     def authorize(self, principal: Principal, action: Action, topic: str) -> bool:
+        """May `principal` do `action` on `topic`. A publish to `$delayed/<s>/<topic>` needs
+        the right to publish to `<topic>` as well: that is where the message goes."""
         authorizer = self.authorizer
-        return authorizer is None or bool(authorizer(principal, action, topic))
+        if authorizer is None:
+            return True
+        if not authorizer(principal, action, topic):
+            return False
+        if action == Action.PUBLISH and topic.startswith(DELAYED_PREFIX):
+            release = release_topic(topic)
+            return release is None or bool(authorizer(principal, action, release))
+        return True
 
     # ------------------------------------------------------------------ subscribing
     def subscription(

@@ -176,6 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     spark = local_spark("sensor-aggregates", args.master)
     try:
         frame = read_archive(spark, url, stream=args.stream, start=args.start, end=args.end)
+        if not frame.limit(1).count():
+            print(f"no readings of stream {args.stream!r} in {url}: create it first "
+                  f"(shardgate streams create {args.stream} --schema json --route "
+                  f"'sensors/+/reading'), publish readings to it (--publish N), or name the "
+                  "stream that has them with --stream", file=sys.stderr)
+            return 1
         per_device_aggregates(frame).show(100, truncate=False)
     finally:
         spark.stop()

@@ -201,3 +201,51 @@ class Outcome(_message.Message):
     epoch: int
     index: int
     def __init__(self, code: _Optional[_Union[OutcomeCode, str]] = ..., offset: _Optional[int] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+
+class ReplicaRequest(_message.Message):
+    __slots__ = ("id", "stream", "shard", "replica", "leader_epoch", "fetch_offset", "durable_end", "epoch_end", "epoch")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FETCH_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_END_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_END_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    stream: str
+    shard: int
+    replica: str
+    leader_epoch: int
+    fetch_offset: int
+    durable_end: int
+    epoch_end: bool
+    epoch: int
+    def __init__(self, id: _Optional[int] = ..., stream: _Optional[str] = ..., shard: _Optional[int] = ..., replica: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., fetch_offset: _Optional[int] = ..., durable_end: _Optional[int] = ..., epoch_end: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class ReplicaAnswer(_message.Message):
+    __slots__ = ("id", "error", "log_start", "leader_epoch", "start", "end", "high_watermark", "epochs", "records", "epoch", "end_offset")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOG_START_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    HIGH_WATERMARK_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    END_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    error: str
+    log_start: int
+    leader_epoch: int
+    start: int
+    end: int
+    high_watermark: int
+    epochs: _containers.RepeatedScalarFieldContainer[int]
+    records: bytes
+    epoch: int
+    end_offset: int
+    def __init__(self, id: _Optional[int] = ..., error: _Optional[str] = ..., log_start: _Optional[int] = ..., leader_epoch: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., high_watermark: _Optional[int] = ..., epochs: _Optional[_Iterable[int]] = ..., records: _Optional[bytes] = ..., epoch: _Optional[int] = ..., end_offset: _Optional[int] = ...) -> None: ...

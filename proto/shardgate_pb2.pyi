@@ -127,7 +127,7 @@ class StartPosition(_message.Message):
     def __init__(self, latest: _Optional[bool] = ..., earliest: _Optional[bool] = ..., offset: _Optional[int] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
 
 class Subscribe(_message.Message):
-    __slots__ = ("subscription", "type", "topic_filters", "stream", "position", "credit", "consumer_name", "durable")
+    __slots__ = ("subscription", "type", "topic_filters", "stream", "position", "credit", "consumer_name", "durable", "max_deliveries")
     SUBSCRIPTION_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     TOPIC_FILTERS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class Subscribe(_message.Message):
     CREDIT_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_NAME_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
+    MAX_DELIVERIES_FIELD_NUMBER: _ClassVar[int]
     subscription: str
     type: SubscriptionType
     topic_filters: _containers.RepeatedScalarFieldContainer[str]
@@ -144,7 +145,8 @@ class Subscribe(_message.Message):
     credit: int
     consumer_name: str
     durable: bool
-    def __init__(self, subscription: _Optional[str] = ..., type: _Optional[_Union[SubscriptionType, str]] = ..., topic_filters: _Optional[_Iterable[str]] = ..., stream: _Optional[str] = ..., position: _Optional[_Union[StartPosition, _Mapping]] = ..., credit: _Optional[int] = ..., consumer_name: _Optional[str] = ..., durable: _Optional[bool] = ...) -> None: ...
+    max_deliveries: int
+    def __init__(self, subscription: _Optional[str] = ..., type: _Optional[_Union[SubscriptionType, str]] = ..., topic_filters: _Optional[_Iterable[str]] = ..., stream: _Optional[str] = ..., position: _Optional[_Union[StartPosition, _Mapping]] = ..., credit: _Optional[int] = ..., consumer_name: _Optional[str] = ..., durable: _Optional[bool] = ..., max_deliveries: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("delivery_ids",)
@@ -375,20 +377,24 @@ class ConsumerInfo(_message.Message):
     def __init__(self, consumer_id: _Optional[str] = ..., protocol: _Optional[str] = ..., active: _Optional[bool] = ..., unacked: _Optional[int] = ..., credit: _Optional[int] = ..., delivered: _Optional[int] = ...) -> None: ...
 
 class SubscriptionInfo(_message.Message):
-    __slots__ = ("name", "type", "durable", "topic_filters", "consumers", "protocol")
+    __slots__ = ("name", "type", "durable", "topic_filters", "consumers", "protocol", "lag", "max_deliveries")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
     TOPIC_FILTERS_FIELD_NUMBER: _ClassVar[int]
     CONSUMERS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    LAG_FIELD_NUMBER: _ClassVar[int]
+    MAX_DELIVERIES_FIELD_NUMBER: _ClassVar[int]
     name: str
     type: SubscriptionType
     durable: bool
     topic_filters: _containers.RepeatedScalarFieldContainer[str]
     consumers: _containers.RepeatedCompositeFieldContainer[ConsumerInfo]
     protocol: str
-    def __init__(self, name: _Optional[str] = ..., type: _Optional[_Union[SubscriptionType, str]] = ..., durable: _Optional[bool] = ..., topic_filters: _Optional[_Iterable[str]] = ..., consumers: _Optional[_Iterable[_Union[ConsumerInfo, _Mapping]]] = ..., protocol: _Optional[str] = ...) -> None: ...
+    lag: int
+    max_deliveries: int
+    def __init__(self, name: _Optional[str] = ..., type: _Optional[_Union[SubscriptionType, str]] = ..., durable: _Optional[bool] = ..., topic_filters: _Optional[_Iterable[str]] = ..., consumers: _Optional[_Iterable[_Union[ConsumerInfo, _Mapping]]] = ..., protocol: _Optional[str] = ..., lag: _Optional[int] = ..., max_deliveries: _Optional[int] = ...) -> None: ...
 
 class SubscriptionName(_message.Message):
     __slots__ = ("name",)
@@ -473,3 +479,9 @@ class BrokerInfo(_message.Message):
     subscriptions: int
     clients: int
     def __init__(self, version: _Optional[str] = ..., started_at: _Optional[float] = ..., uptime_s: _Optional[float] = ..., listeners: _Optional[_Iterable[_Union[Listener, _Mapping]]] = ..., messages_in: _Optional[int] = ..., bytes_in: _Optional[int] = ..., messages_out: _Optional[int] = ..., bytes_out: _Optional[int] = ..., messages_dropped: _Optional[int] = ..., streams: _Optional[int] = ..., subscriptions: _Optional[int] = ..., clients: _Optional[int] = ...) -> None: ...
+
+class ClusterStatus(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...

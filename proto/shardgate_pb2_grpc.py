@@ -297,6 +297,11 @@ class AdminStub:
                 request_serializer=shardgate__pb2.Empty.SerializeToString,
                 response_deserializer=shardgate__pb2.BrokerInfo.FromString,
                 _registered_method=True)
+        self.GetClusterStatus = channel.unary_unary(
+                '/shardgate.v1.Admin/GetClusterStatus',
+                request_serializer=shardgate__pb2.Empty.SerializeToString,
+                response_deserializer=shardgate__pb2.ClusterStatus.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -387,6 +392,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetClusterStatus(self, request, context):
+        """Cluster mode: the cluster as this node sees it (FAILED_PRECONDITION on a single node).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -459,6 +471,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetBrokerInfo,
                     request_deserializer=shardgate__pb2.Empty.FromString,
                     response_serializer=shardgate__pb2.BrokerInfo.SerializeToString,
+            ),
+            'GetClusterStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetClusterStatus,
+                    request_deserializer=shardgate__pb2.Empty.FromString,
+                    response_serializer=shardgate__pb2.ClusterStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -839,6 +856,33 @@ class Admin:
             '/shardgate.v1.Admin/GetBrokerInfo',
             shardgate__pb2.Empty.SerializeToString,
             shardgate__pb2.BrokerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetClusterStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardgate.v1.Admin/GetClusterStatus',
+            shardgate__pb2.Empty.SerializeToString,
+            shardgate__pb2.ClusterStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,7 +9,9 @@ import asyncio
 import errno
 import logging
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from .config import Config, ConfigError
@@ -17,6 +19,7 @@ from .core.broker import Broker
 from .core.edge import Edge
 from .core.errors import CoreError
 from .core.index_keys import record_index_key
+from .core.restoring import set_aside
 from .core.streams import DispatchMode, RoutingRule, Schema, StreamConfig
 from .persistence import MetadataTopologySink, Persistence, stream_config
 from .protocols.mqtt.server import start_tcp_listener, start_websocket_listener
@@ -88,11 +91,18 @@ class Shardgate:
         # cluster mode: forwarding, route table and pushes between nodes (`cluster.forward`),
         # started before any client listener so that no publish is stored by a non-owner
         self.data_plane: DataPlane | None = None
+        # True from the end of `start` to the beginning of `stop`: what /readyz reports.
+        self.ready = False
 
     def _ssl_context(self) -> ssl.SSLContext:
         tls = self.config.tls
         if not tls.cert_file or not tls.key_file:
             raise ConfigError("a TLS listener needs tls.cert_file and tls.key_file")
+        if tls.require_client_cert and not tls.ca_file:
+            # Without a CA there is nothing to verify a client certificate against: the
+            # listener would accept clients with none, the opposite of what was asked.
+            raise ConfigError("tls.require_client_cert = true needs tls.ca_file (the CA that "
+                              "signs client certificates)")
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         try:
             context.load_cert_chain(tls.cert_file, tls.key_file)
@@ -155,12 +165,13 @@ class Shardgate:
                 continue
             try:
                 stored = stream_config(record)
+                existing = broker.streams.get(record.name)
+                if existing is None:
+                    broker.create_stream(stored)
             except (CoreError, ValueError) as exc:
-                log.error("stream %r in the metadata store is unusable (%s); skipped", record.name, exc)
+                set_aside(log, f"stream {record.name!r}", record, exc)
                 continue
-            existing = broker.streams.get(record.name)
             if existing is None:
-                broker.create_stream(stored)
                 log.info("restored stream %r (%s, %d partitions) created at run time",
                          stored.name, stored.mode.value, stored.partitions)
             elif _definition(existing.config) != _definition(stored):
@@ -182,7 +193,10 @@ class Shardgate:
                 log.warning("route %r in the metadata store names stream %r, which does not "
                             "exist; skipped", route.pattern, route.stream)
                 continue
-            broker.add_route(RoutingRule(route.pattern, route.stream))
+            try:
+                broker.add_route(RoutingRule(route.pattern, route.stream))
+            except (CoreError, ValueError) as exc:
+                set_aside(log, f"route {route.pattern!r}", route, exc)
 
     async def start(self) -> None:
         config = self.config
@@ -242,7 +256,8 @@ class Shardgate:
                 from .cluster.forward import DataPlane
 
                 self.data_plane = DataPlane(self.broker, self.cluster.view, host, config.cluster.port,
-                                            link_timeout_s=config.cluster.link_timeout_s)
+                                            link_timeout_s=config.cluster.link_timeout_s,
+                                            credentials=self.cluster.credentials)
                 await self.data_plane.start()
             if ports.mqtt_port:
                 starting = ("MQTT", host, ports.mqtt_port, "listeners.mqtt_port")
@@ -291,7 +306,12 @@ class Shardgate:
                 from .protocols.grpc.server import GrpcServer, tls_credentials
 
                 # one server for both ports: the same consumers, producers and subscriptions
-                grpc_server = GrpcServer(edge, config.grpc)
+                status: Callable[[], dict[str, Any]] | None = None
+                if self.cluster is not None:
+                    from .cluster.attach import cluster_status
+
+                    status = partial(cluster_status, self.cluster)
+                grpc_server = GrpcServer(edge, config.grpc, cluster_status=status)
                 if ports.grpc_port:
                     starting = ("gRPC", host, ports.grpc_port, "listeners.grpc_port")
                     grpc_server.port = grpc_server.listen(host, ports.grpc_port, None)
@@ -349,7 +369,11 @@ class Shardgate:
         if config.bridges:
             from .bridges.bridge import start_bridges
 
-            start_bridges(self, config.bridges)
+            try:
+                start_bridges(self, config.bridges)
+            except ValueError as exc:
+                await self.stop()
+                raise ConfigError(str(exc)) from exc
         if config.amqp_bridges:
             from .bridges.amqp_bridge import AmqpBridge
 
@@ -361,6 +385,7 @@ class Shardgate:
             except ValueError as exc:
                 await self.stop()
                 raise ConfigError(str(exc)) from exc
+        self.ready = True
 
     async def _start_archiver(self) -> None:
         archive = self.config.archive
@@ -371,7 +396,9 @@ class Shardgate:
         url = archive.url or f"file://{(self.config.data_dir / 'archive').resolve()}"
         settings = ArchiveSettings(
             target_rows=archive.target_rows, target_bytes=archive.target_bytes,
-            max_delay_s=archive.max_delay_s, endpoint_url=archive.endpoint_url, region=archive.region,
+            max_delay_s=archive.max_delay_s, compaction=archive.compaction,
+            file_target_bytes=archive.file_target_bytes, compact_after_s=archive.compact_after_s,
+            endpoint_url=archive.endpoint_url, region=archive.region,
             access_key_id=archive.access_key_id, secret_access_key=archive.secret_access_key,
             # leave part of the shutdown budget to the journal and the metadata store
             stop_timeout_s=max(1.0, self.config.shutdown_timeout_s * 0.6),
@@ -410,6 +437,7 @@ class Shardgate:
         return self.listeners[name].port
 
     async def stop(self) -> None:
+        self.ready = False
         if self.cluster is not None:
             # hand this node's shards over while it still serves, then go on stopping
             await self.cluster.leave()

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, check_config, load_config
 from .storage.allocators import tune_malloc
 
 
@@ -21,12 +21,8 @@ def _configure_logging(config: Config) -> None:
     level = getattr(logging, config.log_level.upper(), logging.INFO)
     handler = logging.StreamHandler(sys.stderr)
     if config.log_json:
-        class JsonFormatter(logging.Formatter):
-            def format(self, record: logging.LogRecord) -> str:
-                return json.dumps({
-                    "ts": self.formatTime(record), "level": record.levelname.lower(),
-                    "logger": record.name, "msg": record.getMessage(),
-                })
+        from .logs import JsonFormatter
+
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -54,6 +50,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--node-id", help="this node's id in the cluster (default: the host name)")
     serve.add_argument("--cluster-port", type=int, metavar="N",
                        help="internal node-to-node listener port (default 7001, 0 picks one)")
+    serve.add_argument("--cluster-secret-file", metavar="PATH",
+                       help="file holding the cluster's shared secret, the same on every node "
+                       "(cluster.secret_file)")
+    serve.add_argument("--insecure-cluster", action="store_true", default=None,
+                       help="run the cluster port without node authentication (cluster.insecure)")
     serve.add_argument("--port-file", type=Path,
                        help="write the bound listener ports as JSON to this file once started")
 
@@ -94,6 +95,28 @@ async def _serve(config: Config, port_file: Path | None) -> int:
         logger.error("graceful stop took longer than shutdown_timeout_s = %s; exiting now "
                      "(acknowledged messages are in the journal)", config.shutdown_timeout_s)
         return 1
+    return 0
+
+
+def _config_parser(sub: argparse._SubParsersAction) -> None:
+    config = sub.add_parser("config", help="check a configuration file without starting")
+    config.add_argument("action", choices=["check"])
+    config.add_argument("file", nargs="?", type=Path, default=os.environ.get("SHARDGATE_CONFIG") or None,
+                        help="TOML configuration file (default $SHARDGATE_CONFIG; none: the "
+                        "defaults and SHARDGATE_* variables)")
+
+
+def _config_command(args: argparse.Namespace) -> int:
+    """Every setting of the file and the environment, checked as `serve` checks them."""
+    try:
+        config = load_config(args.file)
+        check_config(config)
+    except ConfigError as exc:
+        print(f"shardgate: {exc}", file=sys.stderr)
+        return 2
+    where = args.file or "defaults and environment"
+    print(f"{where}: configuration is valid ({len(config.streams)} streams, "
+          f"{len(config.bridges) + len(config.amqp_bridges)} bridges, data dir {config.data_dir})")
     return 0
 
 
@@ -159,13 +182,20 @@ def _archive_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="shardgate", description="Shardgate message gateway")
+    parser.add_argument("--version", action="version", version=f"shardgate {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     from .cli_client import add_client_commands, dispatch
 
     add_client_commands(sub)
     _archive_parser(sub)
+    _config_parser(sub)
+    from .health_cli import add_health_command
+
+    add_health_command(sub)
     from .security.users_cli import add_users_commands
 
     add_users_commands(sub)
@@ -175,10 +205,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if getattr(args, "cluster_handler", None) is not None:
         sys.exit(args.cluster_handler(args))
+    if getattr(args, "health_handler", None) is not None:
+        sys.exit(args.health_handler(args))
     if getattr(args, "users_handler", None) is not None:
         sys.exit(args.users_handler(args))
     if args.command == "archive":
         sys.exit(_archive_command(args))
+    if args.command == "config":
+        sys.exit(_config_command(args))
     if getattr(args, "client_handler", None) is not None:
         sys.exit(dispatch(args))
     if args.command == "serve":
@@ -198,9 +232,12 @@ def main(argv: list[str] | None = None) -> None:
             ("cluster", "etcd"): args.cluster,
             ("cluster", "node_id"): args.node_id,
             ("cluster", "port"): args.cluster_port,
+            ("cluster", "secret_file"): args.cluster_secret_file,
+            ("cluster", "insecure"): args.insecure_cluster,
         }
         try:
             config = load_config(args.config, overrides=overrides)
+            check_config(config)
         except ConfigError as exc:
             print(f"shardgate: {exc}", file=sys.stderr)
             sys.exit(2)

@@ -200,10 +200,12 @@ async def _sub(client: Client, args: argparse.Namespace) -> int:
     credit = max(1, min(args.count or 1000, 1000))
     if args.stream:
         consumer = client.consumer(name, stream=args.target, type=args.type, position=position,
-                                   credit=credit, durable=args.durable)
+                                   credit=credit, durable=args.durable,
+                                   max_deliveries=args.max_deliveries)
     else:
         consumer = client.consumer(name, [args.target], type=args.type, position=position,
-                                   credit=credit, durable=args.durable)
+                                   credit=credit, durable=args.durable,
+                                   max_deliveries=args.max_deliveries)
     await consumer.subscribe()
     received = 0
     try:
@@ -232,8 +234,8 @@ async def _subs_list(client: Client, args: argparse.Namespace) -> int:
         _json(subs, sys.stdout)
     else:
         _table([[s.name, s.type.value, s.protocol, "yes" if s.durable else "no",
-                 ",".join(s.topic_filters), len(s.consumers)] for s in subs],
-               ["name", "type", "protocol", "durable", "filters", "consumers"], sys.stdout)
+                 ",".join(s.topic_filters), len(s.consumers), s.lag] for s in subs],
+               ["name", "type", "protocol", "durable", "filters", "consumers", "lag"], sys.stdout)
     return 0
 
 
@@ -243,8 +245,8 @@ async def _subs_describe(client: Client, args: argparse.Namespace) -> int:
         _json(info, sys.stdout)
         return 0
     _table([[info.name, info.type.value, info.protocol, "yes" if info.durable else "no",
-             ",".join(info.topic_filters)]],
-           ["name", "type", "protocol", "durable", "filters"], sys.stdout)
+             ",".join(info.topic_filters), info.lag, info.max_deliveries or "-"]],
+           ["name", "type", "protocol", "durable", "filters", "lag", "max deliveries"], sys.stdout)
     print(file=sys.stdout)
     _table([[c.consumer_id, c.protocol, "yes" if c.active else "no", c.delivered, c.unacked,
              c.credit] for c in info.consumers],
@@ -411,6 +413,9 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
     sub.add_argument("--durable", action="store_true",
                      help="keep the subscription and its position after this command exits; "
                           "the next `sub` with the same --subscription resumes from there")
+    sub.add_argument("--max-deliveries", type=int, default=0, metavar="N",
+                     help="with --durable: dead-letter a message to $dlq/<subscription> after N "
+                     "deliveries (default: the broker's grpc.max_deliveries)")
     sub.add_argument("--count", "-n", type=int, help="exit after N messages")
     sub.add_argument("--timeout", type=float, help="exit after this many idle seconds")
     sub.add_argument("--int64", action="store_true", help="print 8-byte payloads as integers")

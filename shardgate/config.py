@@ -11,7 +11,7 @@ import os
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from .cluster.settings import ClusterSettings
 from .protocols.amqp.settings import AmqpSettings
@@ -23,6 +23,11 @@ from .security.auth import AuthSettings
 
 class ConfigError(Exception):
     pass
+
+
+# A setting's allowed range, inclusive; None: no bound. Each settings class says its own in a
+# `RANGES` class attribute (setting name -> range), checked wherever the setting is given.
+Range = tuple[float | None, float | None]
 
 
 @dataclass(slots=True)
@@ -46,6 +51,8 @@ class ListenerConfig:
     # CONNECTs / connection.opens answered between turns under load. 0: no limit.
     read_budget_s: float = DEFAULT_READ_BUDGET_S
 
+    RANGES: ClassVar[dict[str, Range]] = {"read_budget_s": (0, None)}
+
 
 @dataclass(slots=True)
 class TlsConfig:
@@ -67,6 +74,11 @@ class JournalConfig:
     retention_ms: int | None = None
     retention_bytes: int | None = None
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        "fsync_interval_ms": (1, None), "segment_bytes": (256, None), "segment_ms": (1, None),
+        "retention_ms": (1, None), "retention_bytes": (1, None),
+    }
+
 
 @dataclass(slots=True)
 class ArchiveConfig:
@@ -76,10 +88,20 @@ class ArchiveConfig:
     target_rows: int = 100_000
     target_bytes: int = 32 * 1024 * 1024
     max_delay_s: float = 60.0
+    # compaction (local disks): merge a shard's small files of an hour into files of this size,
+    # compact_after_s after the hour ended
+    compaction: bool = True
+    file_target_bytes: int = 128 * 1024 * 1024
+    compact_after_s: float = 3600.0
     endpoint_url: str | None = None
     region: str | None = None
     access_key_id: str | None = None
     secret_access_key: str | None = None
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "target_rows": (1, None), "target_bytes": (1, None), "max_delay_s": (0, None),
+        "file_target_bytes": (1, None), "compact_after_s": (0, None),
+    }
 
 
 @dataclass(slots=True)
@@ -91,6 +113,10 @@ class StreamEntry:
     routes: list[str] = field(default_factory=list)
     retention_ms: int | None = None
     retention_bytes: int | None = None
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "partitions": (1, 1024), "retention_ms": (1, None), "retention_bytes": (1, None),
+    }
 
 
 @dataclass(slots=True)
@@ -115,6 +141,10 @@ class Config:
     bridges: list[Any] = field(default_factory=list)
     amqp_bridges: list[Any] = field(default_factory=list)
     streams: list[StreamEntry] = field(default_factory=list)
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "shutdown_timeout_s": (0.001, None), "default_stream_partitions": (1, 1024),
+    }
 
 
 SECTIONS = {
@@ -224,6 +254,7 @@ def _entries(key: str, value: Any, cls: type, path: Path) -> list[Any]:
             values[name] = _coerce(raw, known[name].default if known[name].default is not MISSING
                                    else None, f"{label}: {name}", annotation)
             _check_type(values[name], annotation, raw, f"{label}: {name}")
+            _check_range(cls, name, values[name], f"{label}: {name}", raw)
             try:
                 _check_choice(dotted, values[name], label)
             except ConfigError as exc:
@@ -249,6 +280,28 @@ def _check_type(value: Any, annotation: str, raw: Any, name: str) -> None:
         raise ConfigError(f"{name} must be {_kind(annotation)}, got {raw!r}")
 
 
+def _bound(value: float) -> str:
+    return f"{value:,}" if isinstance(value, int) or float(value).is_integer() and abs(value) >= 1 \
+        else f"{value:g}"
+
+
+def _check_range(cls: type, key: str, value: Any, name: str, raw: Any = None) -> None:
+    """Refuse a number outside its setting's range (`RANGES` of its settings class), saying
+    the range: `mqtt.receive_maximum = 0 is out of range (allowed: 1 to 65,535)`."""
+    low, high = getattr(cls, "RANGES", {}).get(key, (None, None))
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return
+    if (low is not None and value < low) or (high is not None and value > high):
+        if low is not None and high is not None:
+            allowed = f"{_bound(low)} to {_bound(high)}"
+        elif low is not None:
+            allowed = f"at least {_bound(low)}" if low not in (0.001,) else "more than 0"
+        else:
+            allowed = f"at most {_bound(high)}"  # type: ignore[arg-type]
+        shown = raw if isinstance(raw, int | float | str) else value
+        raise ConfigError(f"{name} = {shown!r} is out of range (allowed: {allowed})")
+
+
 def _check_port(name: str, value: Any) -> None:
     """A listener port is 0 (off) to 65535: the socket layer would silently take 70000 as 4464."""
     if isinstance(value, int) and not 0 <= value <= 65535:
@@ -269,7 +322,9 @@ def _kind(annotation: str) -> str:
     return "a string"
 
 
-def _set(config: Config, path: tuple[str, ...], value: Any, source: str) -> None:
+def _set(config: Config, path: tuple[str, ...], value: Any, source: str, typed: bool = False) -> None:
+    """Set one setting from `source`; `typed`: the source carries types (a TOML file), so a
+    string is not taken for a number or a flag (`mqtt_port = "21884"`)."""
     written = ".".join(path)
     path = RENAMED.get(path, path)
     target: Any = config
@@ -287,9 +342,15 @@ def _set(config: Config, path: tuple[str, ...], value: Any, source: str) -> None
         dotted = f"{written} (now {dotted})"
     name = dotted if source == "command line" else f"{source}: {dotted}"
     coerced = _coerce(value, getattr(target, key), name, annotation)
+    if typed and isinstance(value, str):
+        try:
+            _check_type(value, annotation, value, name)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (a string: write the value without quotes)") from None
     _check_type(coerced, annotation, value, name)
     if key == "port" or key.endswith("_port"):
         _check_port(name, coerced)
+    _check_range(type(target), key, coerced, name, value)
     _check_choice(".".join(path), coerced.lower() if path == ("log_level",) and isinstance(coerced, str)
                   else coerced, source)
     setattr(target, key, coerced)
@@ -323,9 +384,9 @@ def load_config(
                 if not isinstance(value, dict):
                     raise ConfigError(f"{key} must be a table")
                 for inner, inner_value in value.items():
-                    _set(config, (key, inner), inner_value, str(path))
+                    _set(config, (key, inner), inner_value, str(path), typed=True)
             else:
-                _set(config, (key,), value, str(path))
+                _set(config, (key,), value, str(path), typed=True)
     env = os.environ if environ is None else environ
     for name, value in env.items():
         if not name.startswith("SHARDGATE_") or name in NOT_SETTINGS_ENV:
@@ -339,3 +400,41 @@ def load_config(
         if value is not None:
             _set(config, key_path, value, "command line")
     return config
+
+
+def check_config(config: Config) -> None:
+    """What no single setting shows: entries named twice, bounds that must agree. Raises
+    `ConfigError` naming the settings (called by `serve` and `shardgate config check`)."""
+    seen: set[str] = set()
+    for entry in config.streams:
+        if entry.name in seen:
+            raise ConfigError(f"[[streams]] {entry.name!r} is defined twice")
+        seen.add(entry.name)
+    for key in ("bridges", "amqp_bridges"):
+        names: set[str] = set()
+        for bridge in getattr(config, key):
+            if bridge.name in names:
+                raise ConfigError(f"[[{key}]] {bridge.name!r} is defined twice")
+            names.add(bridge.name)
+            _check_bridge_filters(key, bridge)
+            if bridge.reconnect_min_s > bridge.reconnect_max_s:
+                raise ConfigError(f"[[{key}]] {bridge.name!r}: reconnect_min_s = "
+                                  f"{bridge.reconnect_min_s} is more than reconnect_max_s = "
+                                  f"{bridge.reconnect_max_s}")
+
+
+def _check_bridge_filters(key: str, bridge: Any) -> None:
+    """A bridge filter outside its side's prefix (`bridges.base.check_filters_under_prefix`)."""
+    import logging
+
+    from .bridges.base import check_filters_under_prefix
+
+    quiet = logging.getLogger("shardgate.config.check")
+    try:
+        check_filters_under_prefix(key[:-1], bridge.name, "out", bridge.out, "local_prefix",
+                                   bridge.local_prefix, quiet)
+        if key == "bridges":
+            check_filters_under_prefix(key[:-1], bridge.name, "inbound", bridge.inbound,
+                                       "remote_prefix", bridge.remote_prefix, quiet)
+    except ValueError as exc:
+        raise ConfigError(f"[[{key}]] {exc}") from None

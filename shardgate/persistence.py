@@ -6,6 +6,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import gc
+import json
 import logging
 import re
 from collections.abc import Callable, Mapping
@@ -13,8 +14,10 @@ from typing import Any
 
 from .core.broker import INTERNAL_PREFIX, Broker
 from .core.durable import DurableSubscription
+from .core.errors import CoreError
 from .core.message import Message, now_ms
 from .core.records import decode_to_message, encode_message, forget_producer_tails
+from .core.restoring import set_aside
 from .core.streams import DispatchMode, RoutingRule, Schema, StreamConfig
 from .core.subscriptions import SubscriptionType
 from .protocols.mqtt.encoders import forget_topic_fields
@@ -128,7 +131,7 @@ class Persistence:
         self._task: asyncio.Task[None] | None = None
         self._last_activity: tuple[int, int, int, int] | None = None
         self._released = False
-        self._saved: dict[str, tuple[str, tuple[str, ...]]] = {}
+        self._saved: dict[str, tuple[str, tuple[str, ...], str]] = {}
         # Set by the composition root when an archiver runs: the journal keeps what it has
         # not archived yet.
         self.archiver: object | None = None
@@ -141,13 +144,13 @@ class Persistence:
         for topic, data in self.store.list_retained():
             try:
                 message = decode_to_message(data)
-            except ValueError:
-                log.error("retained message for %r is unreadable; dropped", topic)
+                if topic.startswith(INTERNAL_PREFIX):
+                    self.broker.internal_state[topic] = message
+                    continue
+                self.broker.retained.set(topic, message)
+            except Exception as exc:
+                set_aside(log, f"retained message of {topic!r}", data, exc)
                 continue
-            if topic.startswith(INTERNAL_PREFIX):
-                self.broker.internal_state[topic] = message
-                continue
-            self.broker.retained.set(topic, message)
             count += 1
         self.broker.on_retained_change = self._retained_changed
         return count
@@ -194,13 +197,18 @@ class Persistence:
         sub.save()
         self.sink.flush()
 
+    def _signature(self, sub: DurableSubscription) -> tuple[str, tuple[str, ...], str]:
+        """What a saved definition holds: a change of any part saves it again."""
+        return (sub.type.value, tuple(sorted(sub.filters)),
+                json.dumps(self._owner_options(sub), sort_keys=True, default=str))
+
     def _save_definition(self, sub: DurableSubscription) -> None:
         """Save `sub`'s definition if it changed since it was last saved."""
         if sub.name.startswith("mqtt:") or sub.name not in self.broker.subscriptions:
             return
         if getattr(sub.owner, "transient", False):  # a non-durable replay: never saved
             return
-        signature = (sub.type.value, tuple(sorted(sub.filters)))
+        signature = self._signature(sub)
         if self._saved.get(sub.name) == signature:
             return
         record = SubscriptionRecord(
@@ -227,21 +235,44 @@ class Persistence:
         for record in self.store.list_subscriptions():
             if record.name.startswith("mqtt:") or not record.durable:
                 continue
-            owner = None
-            factory = self.owner_factories.get(str(record.options.get("protocol", "")))
-            if factory is not None:
-                owner = factory(record.options)
-            sub = self.broker.durable_subscription(record.name, SubscriptionType(record.type), owner=owner)
-            for topic_filter in record.filters:
-                self.broker.add_filter(sub, topic_filter)
-            for cursor in self.store.get_cursors(record.name):
-                if cursor.acked:
-                    sub.restore_cursor(cursor.stream, cursor.shard, cursor.acked)
-            self._saved[record.name] = (sub.type.value, tuple(sorted(sub.filters)))
+            try:
+                self._restore_subscription(record)
+            except Exception as exc:
+                set_aside(log, f"durable subscription {record.name!r}", record, exc)
+                # not restored: gone from the broker (the stored record stays where it is)
+                removed, self.broker.on_subscription_removed = self.broker.on_subscription_removed, None
+                try:
+                    self.broker.remove_subscription(record.name)
+                finally:
+                    self.broker.on_subscription_removed = removed
+                continue
             count += 1
         self.broker.on_subscription_removed = self._subscription_removed
         self.broker.on_durable_defined = self.subscription_defined
         return count
+
+    def _restore_subscription(self, record: SubscriptionRecord) -> None:
+        """One saved durable subscription back, with its cursors. A filter the topic layer
+        refuses is set aside alone (the subscription, and the messages its cursors keep, come
+        back without it); anything else wrong with the record sets it all aside."""
+        kind = SubscriptionType(record.type)
+        owner = None
+        factory = self.owner_factories.get(str(record.options.get("protocol", "")))
+        if factory is not None:
+            owner = factory(record.options)
+        sub = self.broker.durable_subscription(record.name, kind, owner=owner)
+        for topic_filter in record.filters:
+            try:
+                self.broker.add_filter(sub, topic_filter)
+            except CoreError as exc:
+                set_aside(log, f"filter of durable subscription {record.name!r}", topic_filter, exc)
+        for cursor in self.store.get_cursors(record.name):
+            if cursor.acked:
+                try:
+                    sub.restore_cursor(cursor.stream, cursor.shard, cursor.acked)
+                except Exception as exc:
+                    set_aside(log, f"cursor of durable subscription {record.name!r}", cursor, exc)
+        self._saved[record.name] = self._signature(sub)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())

@@ -1,7 +1,8 @@
 """Spark helpers for the Parquet archive: open it as a DataFrame with partition pruning.
 
-The archive is plain Hive-partitioned Parquet (`stream=<name>/date=YYYY-MM-DD/hour=HH/`), so
-`spark.read.parquet(url)` works on its own; `read_archive` adds what is easy to get wrong:
+The archive is plain Hive-partitioned Parquet (`stream=<name>/date=YYYY-MM-DD/hour=H/`, each
+shard's files in a `shardNNNN/` directory below, which is no partition), so
+`spark.read.parquet(url)` works on its own, with no option and no warning; `read_archive` adds what is easy to get wrong:
 an explicit schema (so that partition values are never type-inferred and a stream named
 `007` stays the string "007"), reading only the stream's directory, and filters on the
 `stream`, `date` and `hour` partition columns that Spark turns into PartitionFilters before
@@ -36,8 +37,9 @@ ISO 8601 string."""
 
 
 def archive_schema() -> StructType:
-    """The Spark schema of the archive: the Parquet columns, then the `date` (DateType) and
-    `hour` (IntegerType) partition columns; `stream` is both, a string."""
+    """The Spark schema of the archive: `stream` (the partition directory, a string), the
+    Parquet columns, then the `date` (DateType) and `hour` (IntegerType) partition columns.
+    (Files of format 2 and older also held a `stream` column, of the same value.)"""
     from pyspark.sql import types as T
 
     def field(name: str, data_type: Any) -> Any:
@@ -150,12 +152,17 @@ def read_archive_stream(spark: SparkSession, url: str, stream: str | None = None
                         max_files_per_trigger: int | None = None) -> DataFrame:
     """The archive as a Structured Streaming source: each new Parquet file is picked up
     once (files are renamed or uploaded whole, so a file is never read half-written).
+    Files that compaction merged (`*.c.parquet`) are skipped: their rows arrived in the files
+    they replace, which compaction only merges `compact_after_s` (an hour) after their hour
+    ended, so a query must run at least that often.
 
     The file source discovers partitions from the archive root (it ignores `basePath`), so
     a stream is selected with a filter on the `stream` partition column."""
     from pyspark.sql import functions as F
 
-    reader = spark.readStream.schema(archive_schema())
+    from .archive.layout import WRITTEN_GLOB
+
+    reader = spark.readStream.schema(archive_schema()).option("pathGlobFilter", WRITTEN_GLOB)
     if max_files_per_trigger is not None:
         reader = reader.option("maxFilesPerTrigger", max_files_per_trigger)
     frame = reader.parquet(spark_path(url))

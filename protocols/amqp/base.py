@@ -75,6 +75,8 @@ class ConnectionBase:
         self.remote = remote
         self.loopback = loopback
         self.id = f"amqp-{next(self._numbers)}"
+        # Why the connection ended, for the log line of its departure (None while it is open).
+        self.close_reason: str | None = None
         self.state = State.AWAIT_HEADER
         self.buffer = bytearray()
         self.out: list[bytes] = []
@@ -245,6 +247,8 @@ class ConnectionBase:
         if self.state in (State.CLOSING, State.CLOSED):
             return
         log.info("closing AMQP connection %s: %s", self.remote, exc.reply_text)
+        if self.close_reason is None:
+            self.close_reason = f"closed by the broker: {exc.code} {exc.reply_text}"
         self._release_all()
         if self.state is State.AWAIT_HEADER:
             self.state = State.CLOSED
@@ -274,6 +278,8 @@ class ConnectionBase:
         self._request_flush()
 
     def connection_lost(self) -> None:
+        if self.close_reason is None:
+            self.close_reason = "connection lost"
         self.state = State.CLOSED
         self._release_all()
         self.out.clear()

@@ -12,7 +12,7 @@ from pamqp import commands
 from .base import ConnectionBase
 from .channel import REPLY_TO, AmqpChannel, Delivery, route_names, route_of
 from .errors import ChannelException, ConnectionException, ReplyCode
-from .frames import State, method_ids
+from .frames import State, method_ids, unchecked
 from .queues import Queue, QueueConsumer, QueueEntry
 from .remote import (
     ConsumerProxy,
@@ -203,7 +203,7 @@ class ConsumingMixin(ConnectionBase):
         else:
             channel.unacked[tag] = Delivery(queue, entry, None)
         exchange, routing_key = route_names(route_of(entry.message))
-        self.send_content(channel.number, commands.Basic.GetOk(
+        self.send_content(channel.number, unchecked(commands.Basic.GetOk,
             tag, entry.redelivered, exchange, routing_key, len(queue.messages)
         ), entry.message)
         self.sent(entry.message)
@@ -225,7 +225,7 @@ class ConsumingMixin(ConnectionBase):
             if not frame.no_ack:
                 channel.unacked[tag] = Delivery(remote, entry, None)
             exchange, routing_key = route_names(route_of(message))
-            self.send_content(channel.number, commands.Basic.GetOk(
+            self.send_content(channel.number, unchecked(commands.Basic.GetOk,
                 tag, redelivered, exchange, routing_key, int(reply["count"])
             ), message)
             self.sent(message)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import struct
 from enum import Enum
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from pamqp import commands, constants
 from pamqp import frame as pframe
@@ -50,6 +50,26 @@ READS_QUEUE = frozenset(
         commands.Basic.Get, commands.Queue.Declare, commands.Queue.Purge, commands.Queue.Delete,
     )
 )
+
+
+M = TypeVar("M", bound=commands.base.Frame)
+_UNCHECKED: dict[type[Any], type[Any]] = {}
+
+
+def unchecked(method: type[M], *args: Any) -> M:
+    """The server's reply `method(*args)` without pamqp's client-side check of queue and
+    exchange names (only letters, digits and `-_.:@#,/+ `): a broker takes any short string
+    as a name, as RabbitMQ does, so a queue named `bad name!` must get its declare-ok."""
+    cls = _UNCHECKED.get(method)
+    if cls is None:
+        # No __slots__ of its own: marshalling walks the method's fields (`self.__slots__`).
+        cls = _UNCHECKED[method] = type(method.__name__, (method,), {"validate": _no_check})
+    frame: M = cls(*args)
+    return frame
+
+
+def _no_check(self: commands.base.Frame) -> None:
+    """A reply's fields are the server's own (see `unchecked`)."""
 
 
 def frame_bytes(frame_type: int, channel: int, payload: bytes) -> bytes:

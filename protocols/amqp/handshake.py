@@ -84,6 +84,8 @@ class HandshakeMixin(ConnectionBase):
     def _connection_method(self, value: commands.base.Frame) -> None:
         state = self.state
         if isinstance(value, commands.Connection.Close):
+            if self.close_reason is None:
+                self.close_reason = "client sent connection.close"
             self.send_method(0, commands.Connection.CloseOk())
             self.state = State.CLOSING
             self.close_after_flush = True

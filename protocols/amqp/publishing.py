@@ -27,6 +27,7 @@ from .frames import (
     OPEN,
     State,
     method_ids,
+    unchecked,
 )
 from .hotpath import BasicProperties, decode_content_header, decode_publish, shortstr
 from .properties import message_from_properties
@@ -233,7 +234,8 @@ class PublishingMixin(ConnectionBase):
             # verifies a message won't route to any queue (returns an empty list of queues). If
             # the message is also published as mandatory, the basic.return is sent to the client
             # before basic.ack.")
-            method = commands.Basic.Return(
+            method = unchecked(
+                commands.Basic.Return,
                 int(ReplyCode.NO_ROUTE), "NO_ROUTE", frame.exchange, frame.routing_key
             )
             self.send_content(channel.number, method, message)

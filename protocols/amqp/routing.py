@@ -17,7 +17,11 @@ filters are the queue's bindings. The mapping:
   - fanout: publish like direct, a binding is `$amqp/E/#`;
   - topic exchanges: `$amqp/E/<word>/<word>...` (each word percent-escaped), bindings converted
     as for `amq.topic`.
-  Escaping (`%` `/` `+` `#` as `%25` `%2F` `%2B` `%23`) keeps any routing key a valid topic.
+  Escaping (`%` `/` `+` `#` U+0000 as `%25` `%2F` `%2B` `%23` `%00`) keeps any routing key,
+  exchange name and queue name a valid topic level: the exchange `dave-x/#` is the level
+  `dave-x%2F%23`, so its topics stay inside `$amqp/dave-x%2F%23/` and an ACL granting
+  `$amqp/dave-x/#` never covers them, and a queue or exchange name holding any character
+  RabbitMQ accepts maps onto the core losslessly (`exchange_and_key` reverses it).
 - A binding a topic filter cannot express exactly (a `#` that is not the last word, headers
   matching) is the widest filter that covers it plus a `Binding.accepts` check run by the queue.
 
@@ -38,37 +42,54 @@ DEFAULT_EXCHANGE_TOPIC = "amq.default"
 PREFIX = "$amqp/"
 
 _SWAP = str.maketrans("./", "/.")
-_ESCAPES = {"%": "%25", "/": "%2F", "+": "%2B", "#": "%23"}
+# What the topic layer gives a meaning to or refuses (core/topics.py), and `%` itself.
+_ESCAPES = {"%": "%25", "/": "%2F", "+": "%2B", "#": "%23", "\x00": "%00"}
+_UNESCAPES = {v: k for k, v in _ESCAPES.items()}
 
 
 def escape(word: str) -> str:
-    if "%" not in word and "/" not in word and "+" not in word and "#" not in word:
+    """One topic level holding `word` (a routing key word, an exchange or queue name) as it
+    is: never a wildcard, never a separator, never a character a topic may not hold."""
+    if (
+        "%" not in word and "/" not in word and "+" not in word and "#" not in word
+        and "\x00" not in word
+    ):
         return word
     return "".join(_ESCAPES.get(c, c) for c in word)
 
 
 def unescape(level: str) -> str:
+    """The word `escape` made `level` of (a `%` not starting an escape stays as it is)."""
     if "%" not in level:
         return level
-    return (
-        level.replace("%2F", "/").replace("%2B", "+").replace("%23", "#").replace("%25", "%")
-    )
+    parts = level.split("%")
+    out = [parts[0]]
+    for part in parts[1:]:
+        original = _UNESCAPES.get("%" + part[:2])
+        out.append(original + part[2:] if original is not None else "%" + part)
+    return "".join(out)
+
+
+def exchange_level(exchange: str) -> str:
+    """The topic level of exchange `exchange` under `$amqp/` (the default exchange's is
+    `amq.default`)."""
+    return escape(exchange) if exchange else DEFAULT_EXCHANGE_TOPIC
 
 
 def topic_for_routing_key(routing_key: str) -> str:
     """The core topic of an `amq.topic` routing key (RabbitMQ's MQTT convention: `.` and `/`
     swap; a `+` or `#` in the key is escaped, never a wildcard in a topic name)."""
     topic = routing_key.translate(_SWAP)
-    if "+" in topic or "#" in topic:
-        topic = topic.replace("+", "%2B").replace("#", "%23")
+    if "+" in topic or "#" in topic or "\x00" in topic:
+        topic = topic.replace("+", "%2B").replace("#", "%23").replace("\x00", "%00")
     return topic
 
 
 def routing_key_for_topic(topic: str) -> str:
     """The `amq.topic` routing key of a core topic: the inverse of `topic_for_routing_key`."""
     key = topic.translate(_SWAP)
-    if "%2" in key:
-        key = key.replace("%2B", "+").replace("%23", "#")
+    if "%2" in key or "%00" in key:
+        key = key.replace("%2B", "+").replace("%23", "#").replace("%00", "\x00")
     return key
 
 
@@ -76,10 +97,15 @@ def publish_topic(exchange: str, exchange_type: str, routing_key: str) -> str:
     """The core topic a message published to `exchange` with `routing_key` goes to."""
     if exchange == AMQ_TOPIC:
         return topic_for_routing_key(routing_key)
-    name = exchange or DEFAULT_EXCHANGE_TOPIC
+    name = exchange_level(exchange)
     if exchange_type == "topic":
         return PREFIX + name + "/" + "/".join(escape(w) for w in routing_key.split("."))
     return PREFIX + name + "/" + escape(routing_key)
+
+
+def exchange_filter(exchange: str) -> str:
+    """The filter of every topic exchange `exchange` publishes to."""
+    return PREFIX + exchange_level(exchange) + "/#"
 
 
 def queue_topic(queue: str) -> str:
@@ -93,8 +119,7 @@ def exchange_and_key(topic: str) -> tuple[str, str]:
         return AMQ_TOPIC, routing_key_for_topic(topic)
     rest = topic[len(PREFIX):]
     name, _, key = rest.partition("/")
-    if name == DEFAULT_EXCHANGE_TOPIC:
-        name = ""
+    name = "" if name == DEFAULT_EXCHANGE_TOPIC else unescape(name)
     return name, ".".join(unescape(level) for level in key.split("/"))
 
 
@@ -121,16 +146,16 @@ def binding_for(
     """Translate an AMQP binding into a core topic filter (and a check if needed)."""
     args = tuple(sorted((str(k), header_value(v)) for k, v in (arguments or {}).items()))
     if exchange_type == "fanout":
-        return Binding(exchange, routing_key, args, PREFIX + exchange + "/#")
+        return Binding(exchange, routing_key, args, exchange_filter(exchange))
     if exchange_type == "headers":
         return Binding(
-            exchange, routing_key, args, PREFIX + exchange + "/#", headers_check(arguments or {})
+            exchange, routing_key, args, exchange_filter(exchange), headers_check(arguments or {})
         )
     if exchange_type == "direct":
         return Binding(exchange, routing_key, args, publish_topic(exchange, "direct", routing_key))
     # topic
     words = routing_key.split(".")
-    prefix = "" if exchange == AMQ_TOPIC else PREFIX + exchange + "/"
+    prefix = "" if exchange == AMQ_TOPIC else PREFIX + exchange_level(exchange) + "/"
     check: HeaderCheck | None = None
     if "#" in words[:-1]:
         # A '#' before the end: filter on the words before it, check the whole pattern.
@@ -145,7 +170,7 @@ def binding_for(
         elif word == "#":
             levels.append("#")
         elif exchange == AMQ_TOPIC:
-            levels.append(word.replace("/", "."))
+            levels.append(topic_for_routing_key(word))  # one word: no `.` in it
         else:
             levels.append(escape(word))
     return Binding(exchange, routing_key, args, prefix + "/".join(levels), check)

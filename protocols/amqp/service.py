@@ -153,6 +153,10 @@ class AmqpService:
 
     def connection_opened(self, connection: ConnectionBase) -> None:
         self.connections.add(connection)
+        log.info("%s: AMQP connection %s opened (user %r, vhost %r)", connection.remote, connection.id,
+                 connection.username, connection.vhost.name if connection.vhost else None,
+                 extra={"event": "client_connected", "protocol": "amqp", "client_id": connection.id,
+                        "peer": connection.remote})
 
     def connection_closed(self, connection: ConnectionBase, touched: Iterable[Queue]) -> None:
         """The connection released its channels: drop what it owned."""
@@ -161,7 +165,12 @@ class AmqpService:
         if vhost is not None:
             for queue in [q for q in vhost.queues.values() if q.exclusive_owner is connection]:
                 vhost.delete_queue(queue)
-        self.connections.discard(connection)
+        if connection in self.connections:
+            self.connections.discard(connection)
+            reason = connection.close_reason or "closed"
+            log.info("%s: AMQP connection %s closed: %s", connection.remote, connection.id, reason,
+                     extra={"event": "client_disconnected", "protocol": "amqp",
+                            "client_id": connection.id, "peer": connection.remote, "reason": reason})
 
     def connection_gone(self, connection: ConnectionBase) -> None:
         connection.connection_lost()

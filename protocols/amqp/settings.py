@@ -8,6 +8,7 @@ connect from the loopback interface.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 
 @dataclass(slots=True)
@@ -32,3 +33,15 @@ class AmqpSettings:
     # Largest message body accepted on publish.
     max_message_size: int = 128 * 1024 * 1024
     product: str = "Shardgate"
+
+    # The allowed range of each numeric setting, inclusive (None: no bound), checked by the
+    # configuration loader with the file, the name and the value.
+    RANGES: ClassVar[dict[str, tuple[float | None, float | None]]] = {
+        "frame_max": (4096, 4_294_967_295),  # AMQP 0-9-1 §4.2.3: at least 4096
+        "channel_max": (1, 65535),
+        "heartbeat": (0, 65535),
+        "handshake_timeout": (0.001, None),
+        "max_outbound_buffer": (1, None),
+        "memory_high_watermark": (0, None),
+        "max_message_size": (1, None),
+    }

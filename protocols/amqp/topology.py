@@ -14,7 +14,7 @@ from ...core.edge import Action
 from .base import ConnectionBase
 from .channel import REPLY_TO, AmqpChannel
 from .errors import ChannelException, ReplyCode
-from .frames import method_ids
+from .frames import method_ids, unchecked
 from .queues import Queue
 from .remote import RemoteQueue, encode_table, home_down, is_shared, refusal
 from .routing import binding_for
@@ -220,7 +220,7 @@ class TopologyMixin(ConnectionBase):
         if frame.queue == REPLY_TO:
             # The pseudo-queue always "exists" (rabbit_channel declare_fast_reply_to).
             if not frame.nowait:
-                self.send_method(channel.number, commands.Queue.DeclareOk(REPLY_TO, 0, 1))
+                self.send_method(channel.number, unchecked(commands.Queue.DeclareOk, REPLY_TO, 0, 1))
             return
         self._at_home(channel, frame.queue, lambda: self._declare_here(channel, frame),
                       lambda node: self._declare_there(channel, frame, node))
@@ -235,7 +235,7 @@ class TopologyMixin(ConnectionBase):
                 return
             channel.last_queue = str(reply["queue"])
             if not frame.nowait:
-                self.send_method(channel.number, commands.Queue.DeclareOk(
+                self.send_method(channel.number, unchecked(commands.Queue.DeclareOk,
                     str(reply["queue"]), int(reply["messages"]), int(reply["consumers"])))
 
         self._ask_home(channel, node, frame.queue, commands.Queue.Declare, {
@@ -253,7 +253,7 @@ class TopologyMixin(ConnectionBase):
         reply = None
         if not frame.nowait:
             queue.expire()
-            reply = commands.Queue.DeclareOk(queue.name, len(queue.messages), len(queue.consumers))
+            reply = unchecked(commands.Queue.DeclareOk, queue.name, len(queue.messages), len(queue.consumers))
         directory = vhost.directory
         if new and directory is not None and queue.exclusive_owner is not None and claim and not frame.queue:
             # A server-named exclusive queue: its name is new to the cluster, so it is

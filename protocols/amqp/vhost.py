@@ -31,6 +31,7 @@ from ...core.broker import INTERNAL_PREFIX
 from ...core.durable import DurableOptions, DurableSubscription
 from ...core.errors import PublishRejected, SubscriptionBusy
 from ...core.message import Message, now_ms
+from ...core.restoring import set_aside
 from ...core.subscriptions import Subscription, SubscriptionType
 from .errors import ChannelException, ConnectionException, ReplyCode
 from .frames import method_ids
@@ -698,19 +699,34 @@ class VirtualHost:
         if record is not None and record.payload:
             try:
                 saved = json.loads(record.payload)
-            except ValueError:
-                log.error("unreadable AMQP topology for vhost %r", self.name)
-        for entry in saved.get("exchanges", []):
-            if entry.get("type") in EXCHANGE_TYPES and entry["name"] not in self.exchanges:
-                self.exchanges[entry["name"]] = Exchange(
-                    entry["name"], entry["type"], True, bool(entry.get("auto_delete")),
-                    bool(entry.get("internal")), dict(entry.get("arguments") or {}),
-                )
-        for source, destination, key, args in saved.get("exchange_bindings", []):
-            if source in self.exchanges and destination in self.exchanges:
-                exchange_binding = ExchangeBinding(source, destination, key, dict(args or {}))
-                self.exchange_bindings[exchange_binding.key] = exchange_binding
-        queues = {entry["name"]: entry for entry in saved.get("queues", [])}
+                if not isinstance(saved, dict):
+                    raise ValueError(f"a JSON object expected, got {type(saved).__name__}")
+            except ValueError as exc:
+                set_aside(log, f"AMQP topology of vhost {self.name!r}", record.payload, exc)
+                saved = {}
+        for entry in _entries(saved, "exchanges"):
+            try:
+                if entry.get("type") in EXCHANGE_TYPES and entry["name"] not in self.exchanges:
+                    self.exchanges[str(entry["name"])] = Exchange(
+                        str(entry["name"]), entry["type"], True, bool(entry.get("auto_delete")),
+                        bool(entry.get("internal")), dict(entry.get("arguments") or {}),
+                    )
+            except Exception as exc:
+                set_aside(log, f"exchange of vhost {self.name!r}", entry, exc)
+        for entry in _entries(saved, "exchange_bindings"):
+            try:
+                source, destination, key, args = entry
+                if source in self.exchanges and destination in self.exchanges:
+                    exchange_binding = ExchangeBinding(source, destination, key, dict(args or {}))
+                    self.exchange_bindings[exchange_binding.key] = exchange_binding
+            except Exception as exc:
+                set_aside(log, f"exchange binding of vhost {self.name!r}", entry, exc)
+        queues: dict[str, Any] = {}
+        for entry in _entries(saved, "queues"):
+            try:
+                queues[str(entry["name"])] = entry
+            except Exception as exc:
+                set_aside(log, f"queue of vhost {self.name!r}", entry, exc)
         prefix = self._subscription_name("")
         count = 0
         for sub in list(self.broker.subscriptions.values()):
@@ -720,19 +736,22 @@ class VirtualHost:
             if name in self.queues:
                 continue
             entry = queues.get(name, {})
-            queue = self._make_queue(
-                name, sub, durable=True, exclusive_owner=None,
-                auto_delete=bool(entry.get("auto_delete")),
-                arguments=dict(entry.get("arguments") or {}),
-            )
-            for exchange_name, key, args in entry.get("bindings", []):
-                exchange = self.exchanges.get(exchange_name)
-                if exchange is None:
-                    continue
-                binding = binding_for(exchange.name, exchange.type, key, dict(args))
-                queue.add_binding(binding)
-                self.edge.add_filter(sub, binding.topic_filter)
-                exchange.bound[name] = exchange.bound.get(name, 0) + 1
+            try:
+                queue = self._make_queue(
+                    name, sub, durable=True, exclusive_owner=None,
+                    auto_delete=bool(entry.get("auto_delete")),
+                    arguments=dict(entry.get("arguments") or {}),
+                )
+            except Exception as exc:
+                set_aside(log, f"queue {name!r} of vhost {self.name!r}", entry, exc)
+                continue
+            for binding_entry in entry.get("bindings", []):
+                try:
+                    self._restore_binding(queue, binding_entry)
+                except Exception as exc:
+                    set_aside(log, f"binding of queue {name!r} of vhost {self.name!r}",
+                              binding_entry, exc)
+            # filters saved by an earlier version (or refused now) that no binding asks for
             for stale in [f for f in sub.filters if f not in queue.by_filter]:
                 self.edge.remove_filter(sub, stale)
             if self.exchange_bindings:
@@ -740,6 +759,16 @@ class VirtualHost:
             sub.wake()
             count += 1
         return count
+
+    def _restore_binding(self, queue: Queue, entry: Any) -> None:
+        exchange_name, key, args = entry
+        exchange = self.exchanges.get(exchange_name)
+        if exchange is None:
+            return
+        binding = binding_for(exchange.name, exchange.type, key, dict(args))
+        self.edge.add_filter(queue.subscription, binding.topic_filter)
+        queue.add_binding(binding)
+        exchange.bound[queue.name] = exchange.bound.get(queue.name, 0) + 1
 
     def delete_checked(self, name: str, owner: object, if_unused: bool, if_empty: bool) -> int:
         """queue.delete with RabbitMQ's checks; a missing queue is deleted already (0)."""
@@ -909,6 +938,15 @@ class VirtualHost:
             self.edge.publish(message)
         except PublishRejected:
             pass
+
+
+def _entries(saved: dict[str, Any], part: str) -> list[Any]:
+    """The list `part` of a saved topology (a part that is not a list is set aside)."""
+    entries = saved.get(part, [])
+    if isinstance(entries, list):
+        return entries
+    set_aside(log, f"{part} of an AMQP topology", entries, ValueError("not a list"))
+    return []
 
 
 def _deaths(raw: bytes) -> tuple[set[str], bool]:

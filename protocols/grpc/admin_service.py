@@ -5,6 +5,7 @@ call needs the `admin` action on `admin/<method>`.
 from __future__ import annotations
 
 import inspect
+import json
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -199,3 +200,11 @@ class AdminService(pb_grpc.AdminServicer):
             streams=len(broker.streams), subscriptions=len(broker.subscriptions),
             clients=len(self.server.clients()),
         )
+
+    @_unary
+    def GetClusterStatus(self, request: pb.Empty) -> pb.ClusterStatus:
+        status = self.server.cluster_status
+        if status is None:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          "this node is not in cluster mode (serve --cluster)")
+        return pb.ClusterStatus(json=json.dumps(status(), default=str))

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...core.durable import DurableSubscription
 from ...core.edge import KICK_REASON
 from ...core.message import Message, now_ms
 from ...core.subscriptions import Subscription, SubscriptionType
@@ -42,6 +43,8 @@ class GrpcSubscriptionState:
     # time): it replays through cursors (archive, journal, live tail) like a durable one, but
     # nothing of it is saved and it ends when its last consumer leaves.
     transient: bool = False
+    # Durable: deliveries before a message goes to `$dlq/<subscription>` (0: never).
+    max_deliveries: int = 0
 
     # The kind under which a saved subscription finds its owner again after a restart
     # (`Edge.owner_factories`).
@@ -49,12 +52,15 @@ class GrpcSubscriptionState:
 
     def saved_options(self) -> dict[str, object]:
         """What a restart needs to rebuild this owner (saved with the subscription)."""
-        return {"protocol": self.OWNER_KIND, "stream": self.stream}
+        return {"protocol": self.OWNER_KIND, "stream": self.stream,
+                "max_deliveries": self.max_deliveries}
 
     @classmethod
     def restored(cls, options: Mapping[str, object]) -> GrpcSubscriptionState:
         stream = options.get("stream")
-        return cls(stream=stream if isinstance(stream, str) else None)
+        limit = options.get("max_deliveries")
+        return cls(stream=stream if isinstance(stream, str) else None,
+                   max_deliveries=limit if isinstance(limit, int) and limit > 0 else 0)
 
 
 def add_consumed(messages: Any, message: Message, delivery_id: int,
@@ -150,7 +156,9 @@ class GrpcConsumer:
     def deliver(self, message: Message, subscription: Subscription, filters: Sequence[str]) -> None:
         if self._stream is not None and message.stream != self._stream:
             return
-        self.enqueue(message, 0)
+        # a durable subscription counts its own deliveries (nacks, ack timeouts, restarts)
+        self.enqueue(message, subscription.redeliveries(message)
+                     if isinstance(subscription, DurableSubscription) else 0)
 
     # ---------------------------------------------------------------- queueing
     def enqueue(self, message: Message, redeliveries: int) -> None:

@@ -10,6 +10,7 @@ standby and the Exclusive refusal run at the one cursor.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,8 @@ from .convert import (
     status_for,
     translated,
 )
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .server import GrpcServer
@@ -98,13 +101,26 @@ class ConsumerService(pb_grpc.ConsumerServicer):
             return
         server = self.server
         server.consumers.add(consumer)
+        log.info("%s: gRPC consumer %s of %r connected", consumer.peer, consumer.id,
+                 subscribe.subscription,
+                 extra={"event": "client_connected", "protocol": "grpc", "client_id": consumer.id,
+                        "peer": consumer.peer})
+        reason = "stream ended"
         reader = asyncio.ensure_future(self._read(requests, consumer))
         try:
             await self._write(consumer, reader, context)
+        except asyncio.CancelledError:
+            reason = "stream cancelled"
+            raise
         finally:
             reader.cancel()
             server.consumers.discard(consumer)
             self._detach(consumer)
+            if consumer.kicked is not None:
+                reason = f"kicked: {consumer.kicked}"
+            log.info("%s: gRPC consumer %s disconnected: %s", consumer.peer, consumer.id, reason,
+                     extra={"event": "client_disconnected", "protocol": "grpc",
+                            "client_id": consumer.id, "peer": consumer.peer, "reason": reason})
 
     def _attach(self, request: pb.Subscribe, peer: str, user: str | None = None) -> GrpcConsumer:
         server = self.server
@@ -163,15 +179,25 @@ class ConsumerService(pb_grpc.ConsumerServicer):
                     "its consumers must subscribe to the same filters or stream",
                 )
             sub = existing
+            if request.max_deliveries and request.max_deliveries != existing.owner.max_deliveries:
+                existing.owner.max_deliveries = request.max_deliveries
+                if isinstance(existing, DurableSubscription) and broker.on_durable_defined is not None:
+                    broker.on_durable_defined(existing)  # saved with it
         else:
             replay = (not request.durable and request.HasField("position")
                       and request.position.WhichOneof("position") not in (None, "latest"))
-            state = GrpcSubscriptionState(stream=stream_name, transient=replay)
+            state = GrpcSubscriptionState(
+                stream=stream_name, transient=replay,
+                max_deliveries=request.max_deliveries or settings.max_deliveries)
             if replay:
                 sub = broker.durable_subscription(name, sub_type, owner=state)
                 sub.sink = None  # its cursors are not saved: it ends with its consumers
+            elif request.durable:
+                sub = broker.durable_subscription(name, sub_type, owner=state)
             else:
-                sub = broker.subscription(name, sub_type, durable=request.durable, owner=state)
+                sub = broker.subscription(name, sub_type, owner=state)
+        if isinstance(sub, DurableSubscription) and isinstance(sub.owner, GrpcSubscriptionState):
+            sub.options.max_deliveries = sub.owner.max_deliveries
         consumer = GrpcConsumer(
             sub, request.consumer_name, peer,
             credit=request.credit or settings.default_credit,

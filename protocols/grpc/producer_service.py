@@ -88,6 +88,10 @@ class ProducerService(pb_grpc.ProducerServicer):
         server = self.server
         info = ProducerStreamInfo(peer=peer_of(context), name="", username=user_of(context))
         server.producers.add(info)
+        log.info("%s: gRPC producer connected", info.peer,
+                 extra={"event": "client_connected", "protocol": "grpc", "client_id": info.peer,
+                        "peer": info.peer})
+        reason = "stream ended"
         queue: asyncio.Queue[
             tuple[pb.PublishAck, list[tuple[pb.PublishResult, asyncio.Future[None]]]] | None
         ] = (
@@ -117,9 +121,18 @@ class ProducerService(pb_grpc.ProducerServicer):
                 exc = reader.exception()
                 if not isinstance(exc, asyncio.CancelledError | grpc.aio.AbortError):
                     log.debug("publish stream from %s ended: %r", info.peer, exc)
+        except asyncio.CancelledError:
+            reason = "stream cancelled"
+            raise
         finally:
             reader.cancel()
             server.producers.discard(info)
+            if info.kicked is not None:
+                reason = f"kicked: {info.kicked}"
+            client_id = info.name or info.peer
+            log.info("%s: gRPC producer %s disconnected: %s", info.peer, client_id, reason,
+                     extra={"event": "client_disconnected", "protocol": "grpc",
+                            "client_id": client_id, "peer": info.peer, "reason": reason})
 
     def _publish_batch(
         self, batch: pb.PublishBatch, info: ProducerStreamInfo

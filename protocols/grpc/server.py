@@ -14,6 +14,7 @@ import asyncio
 import errno
 import socket
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 
@@ -60,8 +61,12 @@ def refusal_of(exc: PublishRejected) -> Refusal:
 class GrpcServer:
     """The bound gRPC server; `close()` and `await wait_closed()` stop it."""
 
-    def __init__(self, edge: Edge, settings: GrpcSettings | None = None) -> None:
+    def __init__(self, edge: Edge, settings: GrpcSettings | None = None,
+                 cluster_status: Callable[[], dict[str, Any]] | None = None) -> None:
         self.edge = edge
+        # Cluster mode: the cluster as this node sees it (`Admin.GetClusterStatus`); None on
+        # a single node.
+        self.cluster_status = cluster_status
         self.settings = settings or GrpcSettings()
         self.consumers: set[GrpcConsumer] = set()
         self.producers: set[ProducerStreamInfo] = set()
@@ -272,8 +277,11 @@ class GrpcServer:
     def subscription_info(self, sub: Subscription) -> pb.SubscriptionInfo:
         info = pb.SubscriptionInfo(
             name=sub.name, type=SUB_TYPES_OUT[sub.type], durable=sub.durable and not is_transient(sub),
-            topic_filters=list(sub.filters), protocol=protocol_of(sub),
+            topic_filters=list(sub.filters), protocol=protocol_of(sub), lag=lag_of(sub),
         )
+        options = getattr(sub, "options", None)
+        if options is not None:
+            info.max_deliveries = options.max_deliveries
         active = sub.active_consumer
         for consumer in list(sub.consumers):
             entry = info.consumers.add(

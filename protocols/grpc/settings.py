@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 DEFAULT_PORT = 6650
 
@@ -23,3 +24,19 @@ class GrpcSettings:
     # At most this many messages per MessageBatch pushed to a consumer.
     max_batch_messages: int = 500
     allow_anonymous: bool = True
+    # Durable subscriptions that do not ask for their own (`Subscribe.max_deliveries`):
+    # deliveries of a message before it goes to the dead-letter topic `$dlq/<subscription>`
+    # (0: never dead-letter).
+    max_deliveries: int = 0
+
+    # The allowed range of each numeric setting, inclusive (None: no bound), checked by the
+    # configuration loader with the file, the name and the value.
+    RANGES: ClassVar[dict[str, tuple[float | None, float | None]]] = {
+        "max_payload_bytes": (1, None),
+        "max_receive_message_bytes": (1, 2_147_483_647),
+        "max_send_message_bytes": (1, 2_147_483_647),
+        "max_pending_per_consumer": (1, None),
+        "default_credit": (1, None),
+        "max_batch_messages": (1, None),
+        "max_deliveries": (0, 1000),
+    }

@@ -414,7 +414,7 @@ class MqttConnection:
                 self.last_ack = self.service.clock()  # the dead-subscriber clock starts with the window
             if (
                 self._link_buffered > self.service.settings.output_high_water
-                and self.service.publishing is not None
+                and self.service.back_pressure.current is not None
             ):
                 # A QoS 1/2 message to a client whose socket had more than the high-water mark
                 # left to send at the last flush: hold the client publishing it until this one
@@ -480,6 +480,8 @@ class MqttConnection:
     def _process(self, packets: list[p.Packet], error: MQTTCodecError | None = None) -> None:
         service = self.service
         outer, service.publishing = service.publishing, self
+        back_pressure = service.back_pressure
+        outer_publisher, back_pressure.current = back_pressure.current, self
         if outer is None:
             service.group_writes(True)
         self._allowed_topic = None
@@ -491,6 +493,7 @@ class MqttConnection:
             self._process_packets(packets, error)
         finally:
             service.publishing = outer
+            back_pressure.current = outer_publisher
             if outer is None:
                 service.group_writes(False)
             after_connack, self._after_connack = self._after_connack, None
@@ -682,9 +685,16 @@ class MqttConnection:
                 "bad user name or password" if bad_credentials else "not authorized",
             )
             return
+        principal = Principal("mqtt", username, client_id, self.remote)
+        if connect.will is not None and not self.service.authorize_will(principal, connect.will.topic):
+            # A will is a publish the client makes at CONNECT (retained or not): the publish
+            # ACL decides, and a will on $SYS is refused as a PUBLISH there is (as mosquitto).
+            self._refuse(RC.NOT_AUTHORIZED, p.ConnackCode311.NOT_AUTHORIZED,
+                         f"will topic {connect.will.topic!r} not authorized")
+            return
         self.client_id = client_id
         self.username = username
-        self.principal = Principal("mqtt", username, client_id, self.remote)
+        self.principal = principal
         self.keep_alive = connect.keep_alive
         server_keep_alive = None
         if v5 and settings.max_keepalive and (self.keep_alive == 0 or self.keep_alive > settings.max_keepalive):
@@ -774,7 +784,9 @@ class MqttConnection:
             # machine crash the client is told its session is gone, never half of it.
             self._after_connack = len(self._out)
         log.info("%s: client %r connected (MQTT %s, clean=%s, keepalive=%s)", self.remote, client_id,
-                 {3: "3.1", 4: "3.1.1", 5: "5.0"}[self.version], clean_start, self.keep_alive)
+                 {3: "3.1", 4: "3.1.1", 5: "5.0"}[self.version], clean_start, self.keep_alive,
+                 extra={"event": "client_connected", "protocol": "mqtt", "client_id": client_id,
+                        "peer": self.remote})
         session.resend_inflight()
         if resumed and (self._backlog or self._backlog_error is not None):
             self._resume_backlog()
@@ -1204,7 +1216,15 @@ class MqttConnection:
         else:
             self.link.close()
         if was_connected:
+            self._log_disconnected("client sent DISCONNECT" if normal else (
+                reason or (f"reason code 0x{reason_code:02x}" if reason_code is not None
+                           else "closed by the broker")))
             self.service.connection_closed(self, normal=normal)
+
+    def _log_disconnected(self, reason: str) -> None:
+        log.info("%s: client %r disconnected: %s", self.remote, self.client_id, reason,
+                 extra={"event": "client_disconnected", "protocol": "mqtt",
+                        "client_id": self.client_id, "peer": self.remote, "reason": reason})
 
     def connection_lost(self) -> None:
         """The network connection went away (or the adapter closed it)."""
@@ -1217,4 +1237,5 @@ class MqttConnection:
         self._held_from = None
         self._close_when_sent = False
         if was_connected:
+            self._log_disconnected("connection lost")
             self.service.connection_closed(self, normal=False)

@@ -21,7 +21,10 @@ from typing import TYPE_CHECKING
 
 from ... import __version__
 from ...core.edge import KICK_REASON, Action, ClientInfo, Edge, Principal
+from ...core.errors import CoreError
 from ...core.message import Message, now_ms
+from ...core.ports import SavedSession
+from ...core.restoring import set_aside
 from ...core.scheduling import Scheduler, Timer
 from ..output import OutputBatcher
 from ..read_budget import ReadBudget
@@ -123,13 +126,15 @@ class MqttService:
         self._sys_handle: Timer | None = None
         self.total_connections = 0
         self._handshaking: set[MqttConnection] = set()
-        # Back-pressure: the connection whose packets are being handled, the online sessions
-        # whose queue is over half full, and the publishers held until those catch up.
+        # The connection whose packets are being handled (its writes are grouped).
         self.publishing: MqttConnection | None = None
+        # Back-pressure (`core/backpressure.py`, shared with every publisher of the broker: a
+        # cluster peer's link too): the online sessions whose queue is over half full hold
+        # the current publisher until they catch up.
+        self.back_pressure = self.broker.back_pressure
         self._congested: set[MqttSession] = set()
         # ... of which those whose queue (not only their socket's output) is over half full.
         self._queue_congested: set[MqttSession] = set()
-        self._held: list[MqttConnection] = []
         # Where CONNECTs wait (read → session open → CONNACK written) and the loop's lateness.
         self.connect_timing = ConnectTiming()
         # The reads one loop turn handles, shared with the broker's other listeners.
@@ -288,14 +293,11 @@ class MqttService:
             if session in self._congested:
                 self._congested.discard(session)
                 self._queue_congested.discard(session)
-                self._release_held()
+                self.back_pressure.relieved(session)
             return
         if queue:
             self._queue_congested.add(session)
-        publisher = self.publishing
-        if publisher is not None and publisher is not session.connection and not publisher.held:
-            publisher.hold()
-            self._held.append(publisher)
+        self.back_pressure.congested(session, own=session.connection)
 
     def publish_batch_limit(self) -> int:
         """How many PUBLISHes of one read a connection may hand to the core at once. A batch
@@ -315,13 +317,7 @@ class MqttService:
         session.congested_since = None
         self._congested.discard(session)
         self._queue_congested.discard(session)
-        self._release_held()
-
-    def _release_held(self) -> None:
-        if not self._congested and self._held:
-            held, self._held = self._held, []
-            for connection in held:
-                connection.release()
+        self.back_pressure.relieved(session)
 
     # ------------------------------------------------------------------ policy hooks
     def assign_client_id(self) -> str:
@@ -337,6 +333,10 @@ class MqttService:
 
     def authorize_publish(self, connection: MqttConnection, topic: str) -> bool:
         return self.edge.authorize(connection.principal, Action.PUBLISH, topic)
+
+    def authorize_will(self, principal: Principal, topic: str) -> bool:
+        """May `principal` leave a will on `topic`: what a PUBLISH there needs (no $SYS)."""
+        return not topic.startswith("$SYS") and self.edge.authorize(principal, Action.PUBLISH, topic)
 
     def authorize_subscribe(self, connection: MqttConnection, topic_filter: str) -> bool:
         return self.edge.authorize(connection.principal, Action.SUBSCRIBE, topic_filter)
@@ -460,7 +460,6 @@ class MqttService:
             self._expiry_timers[session.client_id] = self.scheduler.call_later(
                 expiry, self._expire_session, session.client_id
             )
-        log.info("client %r disconnected%s", connection.client_id, "" if normal else " (abnormally)")
 
     @staticmethod
     def _will_delay(connection: MqttConnection, will: p.Will) -> int:
@@ -570,9 +569,6 @@ class MqttService:
         reconnects); returns how many."""
         if self.store is None or self.broker.storage is None:
             return 0
-        from ...core.subscriptions import SubscriptionType
-        from .session import SubscriptionOptions
-
         restored = 0
         now = now_ms()
         for record in self.store.load_sessions():
@@ -580,43 +576,83 @@ class MqttService:
             if record.expiry_interval != NEVER_EXPIRES and disconnected + record.expiry_interval * 1000 <= now:
                 self.forget_session(record.client_id)
                 continue
+            session = None
             try:
-                data = json.loads(record.data)
-            except ValueError:
-                log.error("session %r: unreadable saved state, dropped", record.client_id)
+                session = MqttSession(self, record.client_id, durable=True)
+                self._restore_session(session, record, disconnected, now)
+            except Exception as exc:
+                set_aside(log, f"persistent session {record.client_id!r}", record, exc)
+                if session is not None:
+                    self._drop_restored(session)
                 continue
-            session = MqttSession(self, record.client_id, durable=True)
-            session.expiry_interval = record.expiry_interval
-            session.disconnected_at_ms = disconnected
-            for topic_filter, qos, no_local, rap, handling, sub_id in data.get("subscriptions", []):
-                options = SubscriptionOptions(qos, no_local, rap, handling, sub_id)
-                self.broker.add_filter(session.subscription, topic_filter, options)
-            self.broker.attach(session.subscription, session)
-            for name, sub_type, filters, qos, rap, sub_id in data.get("shared", []):
-                sub = self.broker.subscription(name, SubscriptionType(sub_type))
-                for topic_filter in filters:
-                    self.broker.add_filter(sub, topic_filter)
-                self.broker.attach(sub, session)
-                session.shared[name] = (sub, SubscriptionOptions(qos, False, rap, 0, sub_id))
-            for cursor in self.store.load_cursors(session.subscription.name):
-                if cursor.acked:
-                    session.subscription.restore_cursor(cursor.stream, cursor.shard, cursor.acked)  # type: ignore[attr-defined]
-            durable_sub = session.subscription
-            for pid, stream, shard, offset, qos, released, retain, ids in data.get("inflight", []):
-                message = durable_sub.read_message(stream, shard, offset)  # type: ignore[attr-defined]
-                if message is None:
-                    continue
-                session.inflight[pid] = Outgoing(message, qos, retain, tuple(ids), durable_sub, released)
-                durable_sub.adopt(message, session)  # type: ignore[attr-defined]
-            session.inbound_qos2 = self.store.qos2_inbound(record.client_id)
-            self.sessions[record.client_id] = session
-            if record.expiry_interval != NEVER_EXPIRES:
-                remaining = max(0.0, (disconnected + record.expiry_interval * 1000 - now) / 1000)
-                self._expiry_timers[record.client_id] = self.scheduler.call_later(
-                    remaining, self._expire_session, record.client_id
-                )
             restored += 1
         return restored
+
+    def _drop_restored(self, session: MqttSession) -> None:
+        """Undo what a session that could not be restored left in the broker (the stored
+        session itself stays as it was)."""
+        client_id = session.client_id
+        if self.sessions.get(client_id) is session:
+            del self.sessions[client_id]
+        timer = self._expiry_timers.pop(client_id, None)
+        if timer is not None:
+            timer.cancel()
+        for sub, _options in session.shared.values():
+            self.broker.detach(sub, session)
+        if self.broker.subscriptions.get(session.subscription.name) is session.subscription:
+            removed, self.broker.on_subscription_removed = self.broker.on_subscription_removed, None
+            try:
+                self.broker.remove_subscription(session.subscription.name)
+            finally:
+                self.broker.on_subscription_removed = removed
+
+    def _restore_session(self, session: MqttSession, record: SavedSession, disconnected: int,
+                         now: int) -> None:
+        """Fill the restored `session` from `record`; a filter the topic layer refuses is set
+        aside alone, anything else wrong with the record raises."""
+        from ...core.subscriptions import SubscriptionType
+        from .session import SubscriptionOptions
+
+        store = self.store
+        assert store is not None
+        data = json.loads(record.data)
+        session.expiry_interval = record.expiry_interval
+        session.disconnected_at_ms = disconnected
+        for topic_filter, qos, no_local, rap, handling, sub_id in data.get("subscriptions", []):
+            options = SubscriptionOptions(qos, no_local, rap, handling, sub_id)
+            try:
+                self.broker.add_filter(session.subscription, topic_filter, options)
+            except CoreError as exc:
+                set_aside(log, f"filter of persistent session {record.client_id!r}",
+                          topic_filter, exc)
+        self.broker.attach(session.subscription, session)
+        for name, sub_type, filters, qos, rap, sub_id in data.get("shared", []):
+            sub = self.broker.subscription(name, SubscriptionType(sub_type))
+            for topic_filter in filters:
+                try:
+                    self.broker.add_filter(sub, topic_filter)
+                except CoreError as exc:
+                    set_aside(log, f"shared filter of persistent session {record.client_id!r}",
+                              topic_filter, exc)
+            self.broker.attach(sub, session)
+            session.shared[name] = (sub, SubscriptionOptions(qos, False, rap, 0, sub_id))
+        for cursor in store.load_cursors(session.subscription.name):
+            if cursor.acked:
+                session.subscription.restore_cursor(cursor.stream, cursor.shard, cursor.acked)  # type: ignore[attr-defined]
+        durable_sub = session.subscription
+        for pid, stream, shard, offset, qos, released, retain, ids in data.get("inflight", []):
+            message = durable_sub.read_message(stream, shard, offset)  # type: ignore[attr-defined]
+            if message is None:
+                continue
+            session.inflight[pid] = Outgoing(message, qos, retain, tuple(ids), durable_sub, released)
+            durable_sub.adopt(message, session)  # type: ignore[attr-defined]
+        session.inbound_qos2 = store.qos2_inbound(record.client_id)
+        self.sessions[record.client_id] = session
+        if record.expiry_interval != NEVER_EXPIRES:
+            remaining = max(0.0, (disconnected + record.expiry_interval * 1000 - now) / 1000)
+            self._expiry_timers[record.client_id] = self.scheduler.call_later(
+                remaining, self._expire_session, record.client_id
+            )
 
     def remember_qos2(self, session: MqttSession, packet_id: int, present: bool) -> None:
         if not session.durable or self.store is None:

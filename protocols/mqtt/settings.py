@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 @dataclass(slots=True)
@@ -42,3 +43,23 @@ class MqttSettings:
     # while not reading (0: never): such a dead subscriber is disconnected so its messages go
     # back to its session or, for shared subscriptions, to the other members.
     dead_subscriber_timeout: float = 0.0
+
+    # The allowed range of each numeric setting, inclusive (None: no bound), checked by the
+    # configuration loader with the file, the name and the value.
+    RANGES: ClassVar[dict[str, tuple[float | None, float | None]]] = {
+        "max_packet_size": (16, 268_435_455),  # MQTT 5.0 §1.5.5: a Variable Byte Integer
+        "receive_maximum": (1, 65535),  # §3.2.2.3.3: 0 is a protocol error
+        "max_inflight": (1, 65535),
+        "max_queued_messages": (0, None),
+        "topic_alias_maximum": (0, 65535),
+        "maximum_qos": (0, 2),
+        "max_keepalive": (0, 65535),
+        "persistent_session_expiry": (0, 4_294_967_295),
+        "max_client_id_length": (23, 65535),  # §3.1.3.1: at least 23 must be allowed
+        "max_outbound_buffer": (1, None),
+        "output_high_water": (1, None),
+        "sys_interval": (0, None),
+        "max_connections": (0, None),
+        "max_publish_rate": (0, None),
+        "dead_subscriber_timeout": (0, None),
+    }

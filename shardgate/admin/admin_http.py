@@ -28,6 +28,7 @@ from aiohttp import web
 
 from .. import __version__
 from ..core.edge import KICK_REASON
+from .health import HEALTH_PATHS, healthz, readyz_handler
 from .history import TrafficHistory
 from .metrics import (
     CONTENT_TYPE,
@@ -513,7 +514,7 @@ async def _authenticate(
     """HTTP Basic with the broker's users and the ACL's `admin` action, unless the broker is
     open (no user, anonymous on), which the composition root allows only on loopback."""
     security = getattr(_app(request), "security", None)
-    if security is None or security.open:
+    if security is None or security.open or request.path in HEALTH_PATHS:
         return await handler(request)
     credentials = _basic_credentials(request)
     remote = request.remote or ""
@@ -683,6 +684,8 @@ def create_web_app(app: Any, middlewares: list[Any] | None = None) -> web.Applic
     router.add_get("/api/cluster", _cluster)
     router.add_get("/api/openapi.json", _openapi)
     router.add_get("/metrics", _metrics)
+    router.add_get("/healthz", healthz)
+    router.add_get("/readyz", readyz_handler(_app))
     router.add_get("/", _index)
     router.add_static("/dashboard/", DASHBOARD_DIR, show_index=False, follow_symlinks=False)
     web_app.on_response_prepare.append(_dashboard_headers)

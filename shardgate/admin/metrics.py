@@ -35,6 +35,9 @@ if TYPE_CHECKING:
     from ..protocols.grpc.server import GrpcServer
 
 PREFIX = "shardgate"
+# The reasons a bridge drops a message, each direction: every one has a series from the start.
+BRIDGE_DROPS_OUT = ("queue_full", "expired", "outside_prefix")
+BRIDGE_DROPS_IN = ("outside_prefix", "refused_locally")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # The protocol label of messages the broker makes itself (producer protocol "").
 INTERNAL = "internal"
@@ -265,8 +268,11 @@ class ShardgateCollector(Collector):
             f"{PREFIX}_bridge_forwarded", "Messages a bridge forwarded, out to its remote or in from it",
             labels=["bridge", "direction"],
         )
-        dropped = CounterMetricFamily(f"{PREFIX}_bridge_dropped",
-                                      "Messages a bridge dropped: its queue full, expired, or outside its local_prefix", labels=["bridge"])
+        dropped = CounterMetricFamily(
+            f"{PREFIX}_bridge_dropped",
+            "Messages a bridge dropped, by direction and reason: out queue_full (non-reliable "
+            "streams beyond max_queued), expired, outside_prefix; in outside_prefix, "
+            "refused_locally", labels=["bridge", "direction", "reason"])
         connects = CounterMetricFamily(f"{PREFIX}_bridge_connects",
                                        "Connections a bridge made to its remote", labels=["bridge"])
         for bridge in bridges:
@@ -276,7 +282,11 @@ class ShardgateCollector(Collector):
             queued.add_metric(name, status.get("queued", 0))
             forwarded.add_metric([*name, "out"], status.get("forwarded_out", 0))
             forwarded.add_metric([*name, "in"], status.get("forwarded_in", 0))
-            dropped.add_metric(name, status.get("dropped", 0))
+            for direction, key, reasons in (("out", "drops", BRIDGE_DROPS_OUT),
+                                            ("in", "drops_in", BRIDGE_DROPS_IN)):
+                counts = status.get(key, {})
+                for reason in sorted({*reasons, *counts}):
+                    dropped.add_metric([*name, direction, reason], counts.get(reason, 0))
             connects.add_metric(name, status.get("connects", 0))
         yield from (connected, queued, forwarded, dropped, connects)
 

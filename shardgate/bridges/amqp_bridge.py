@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..core.message import Message
 from ..protocols.amqp.properties import message_from_properties, typed_properties
@@ -79,6 +79,10 @@ class AmqpBridgeSettings(BridgeSettingsBase):
     topic: str = ""
     prefetch: int = 256
     confirm_timeout_s: float = 10.0
+
+    RANGES: ClassVar[dict[str, tuple[float | None, float | None]]] = {
+        **BridgeSettingsBase.RANGES, "prefetch": (0, 65535), "confirm_timeout_s": (0.001, None),
+    }
 
 
 # The one mapping of `amq.topic` routing keys, both ways (the AMQP listener's).

@@ -19,15 +19,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 from urllib.parse import urlparse
 
 from ..core.durable import DurableOptions, DurableSubscription
 from ..core.message import Message
 from ..core.outbox import EXPIRED, QUEUE_FULL, Outbox, OutboxEntry
-from ..logs import ReconnectReport
+from ..logs import DropReport, ReconnectReport
 
 if TYPE_CHECKING:
     from ..core.edge import Edge
@@ -35,8 +36,12 @@ if TYPE_CHECKING:
 
 Connection = TypeVar("Connection")
 
-# Outbox entries whose topic is outside `local_prefix`: acknowledged, not sent.
+# Outbox entries whose topic is outside `local_prefix`, or messages from the remote whose topic
+# is outside `remote_prefix`: acknowledged, not forwarded.
 OUTSIDE_PREFIX = "outside_prefix"
+# Messages from the remote that the local core refused (an ACL, a schema, a full disk) after
+# the remote was told they had arrived.
+REFUSED_LOCALLY = "refused_locally"
 # How long the sender waits for the outbox before it checks the connection again.
 IDLE_CHECK_S = 1.0
 CLOSE_TIMEOUT_S = 2.0
@@ -57,6 +62,15 @@ class BridgeSettingsBase:
     max_queued: int = 100_000
     reconnect_min_s: float = 0.2
     reconnect_max_s: float = 10.0
+
+    # The allowed range of each numeric setting, inclusive (None: no bound), checked by the
+    # configuration loader with the file, the name and the value.
+    RANGES: ClassVar[dict[str, tuple[float | None, float | None]]] = {
+        "window": (1, 65535),
+        "max_queued": (1, None),
+        "reconnect_min_s": (0.001, None),
+        "reconnect_max_s": (0.001, None),
+    }
 
 
 class BridgeBase(Generic[Connection]):
@@ -84,6 +98,11 @@ class BridgeBase(Generic[Connection]):
         self._base_settings = settings
         self.outbox = Outbox(settings.max_queued, self._reliable, edge.broker.stats,
                              on_drop=self._dropped)
+        # Messages from the remote that were not brought in, by reason.
+        self.drops_in: Counter[str] = Counter()
+        self._drop_report = DropReport(self.log, f"{self.kind} {settings.name}")
+        check_filters_under_prefix(self.kind, settings.name, "out", settings.out,
+                                   "local_prefix", settings.local_prefix, self.log)
         self.connected = False
         # Counters for the admin API and metrics.
         self.forwarded_out = 0
@@ -100,7 +119,7 @@ class BridgeBase(Generic[Connection]):
 
     @property
     def dropped(self) -> int:
-        return self.outbox.dropped
+        return self.outbox.dropped + sum(self.drops_in.values())
 
     @property
     def _id_prefix(self) -> str:
@@ -128,8 +147,18 @@ class BridgeBase(Generic[Connection]):
         return stream is not None and stream.reliable and message.offset >= 0
 
     def _dropped(self, reason: str, total: int) -> None:
-        if reason == QUEUE_FULL and (total == 1 or total % 1000 == 0):
-            self.log.warning("%s %s: queue full, %d messages dropped", self.kind, self.name, total)
+        """An outgoing message dropped (counted by the outbox): logged, rate-limited."""
+        detail = ("messages of non-reliable streams beyond max_queued" if reason == QUEUE_FULL
+                  else "not under local_prefix" if reason == OUTSIDE_PREFIX else "")
+        self._drop_report.dropped("out", reason, None, detail)
+
+    def dropped_in(self, reason: str, topic: str, detail: str = "") -> None:
+        """A message from the remote not brought in: counted by reason (the broker's statistics
+        and `status()["drops_in"]`, the metric `shardgate_bridge_dropped_messages_total`) and
+        logged, rate-limited."""
+        self.drops_in[reason] += 1
+        self.broker.stats.drop(reason)
+        self._drop_report.dropped("in", reason, topic, detail)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -185,7 +214,7 @@ class BridgeBase(Generic[Connection]):
         return {
             "name": self.name, "remote": urlparse(self._base_settings.remote).hostname,
             "connected": self.connected, "queued": self.backlog, "dropped": self.dropped,
-            "drops": dict(self.outbox.drops),
+            "drops": dict(self.outbox.drops), "drops_in": dict(self.drops_in),
             "forwarded_out": self.forwarded_out, "forwarded_in": self.forwarded_in,
             "connects": self.connects,
         }
@@ -288,3 +317,45 @@ def rewrite_topic(topic: str, strip: str, add: str) -> str | None:
             return None
         topic = topic[len(strip):]
     return add + topic
+
+
+def check_filters_under_prefix(kind: str, name: str, direction: str, filters: Sequence[str],
+                               setting: str, prefix: str, log: logging.Logger) -> None:
+    """Each direction's filters name topics of the side its messages are read from, prefix
+    included (`out`: local topics under `local_prefix`; `inbound`: remote topics under
+    `remote_prefix`). A filter that can match nothing under the prefix is refused; one with
+    wildcards that reaches beyond it is taken with a warning (what falls outside is dropped,
+    counted and logged)."""
+    if not prefix:
+        return
+    for topic_filter in filters:
+        if topic_filter.startswith(prefix):
+            continue
+        if not _may_match_under(topic_filter, prefix):
+            raise ValueError(
+                f"{kind} {name!r}: {direction} filter {topic_filter!r} is not under {setting} "
+                f"{prefix!r}, so nothing it matches could be forwarded; {direction} filters name "
+                f"topics as they are on that side, prefix included: write "
+                f"{prefix + topic_filter!r}")
+        log.warning("%s %s: %s filter %r reaches beyond %s %r; messages outside it are dropped "
+                    "(counted as outside_prefix)", kind, name, direction, topic_filter, setting, prefix)
+
+
+def _may_match_under(topic_filter: str, prefix: str) -> bool:
+    """Whether `topic_filter` can match some topic that starts with `prefix`."""
+    *whole, partial = prefix.split("/")
+    levels = topic_filter.split("/")
+    for index, level in enumerate([*whole, partial]):
+        if index >= len(levels):
+            return False
+        wanted = levels[index]
+        if wanted == "#":
+            return True
+        if wanted == "+":
+            continue
+        if index < len(whole):
+            if wanted != level:
+                return False
+        elif not wanted.startswith(level):
+            return False
+    return True

@@ -15,7 +15,13 @@ One `Bridge` per remote broker, run inside a Shardgate node:
 
 The remote side speaks MQTT 3.1.1 through amqtt's client (`amqtt.client.MQTTClient`), one fresh
 client per connection attempt, with exponential back-off between attempts. Topics may be
-rewritten with `local_prefix` / `remote_prefix` (stripped from one side, added on the other).
+rewritten with `local_prefix` / `remote_prefix`, the same way in both directions: each
+direction's filters name topics as they are on the side its messages are read from, that side's
+prefix included (`out` local topics under `local_prefix`, `inbound` remote topics under
+`remote_prefix`); the prefix of the source side is stripped and the other side's added. A
+filter outside its side's prefix is refused at start; a message that is not forwarded all the
+same (outside the prefix under a wildcard filter, refused locally) is counted by reason and
+logged (`BridgeBase.dropped_in`).
 Messages the bridge itself brought in are never sent back out; out and in filters that overlap
 on the remote side still make a loop through the remote, which this module cannot see (MQTT
 3.1.1 has no "no local" option): keep them disjoint.
@@ -31,12 +37,19 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from amqtt.client import MQTTClient
 
 from ..core.message import Message
-from .base import BridgeBase, BridgeSettingsBase, rewrite_topic
+from .base import (
+    OUTSIDE_PREFIX,
+    REFUSED_LOCALLY,
+    BridgeBase,
+    BridgeSettingsBase,
+    check_filters_under_prefix,
+    rewrite_topic,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -62,6 +75,10 @@ class BridgeSettings(BridgeSettingsBase):
     keep_alive: int = 30
     ack_timeout_s: float = 10.0
 
+    RANGES: ClassVar[dict[str, tuple[float | None, float | None]]] = {
+        **BridgeSettingsBase.RANGES, "keep_alive": (0, 65535), "ack_timeout_s": (0.001, None),
+    }
+
 
 class Bridge(BridgeBase[MQTTClient]):
     """A running MQTT bridge: `start()` on the node's loop, `await stop()`; the core calls
@@ -75,6 +92,8 @@ class Bridge(BridgeBase[MQTTClient]):
 
     def __init__(self, edge: Edge, settings: BridgeSettings) -> None:
         super().__init__(edge, settings)
+        check_filters_under_prefix(self.kind, settings.name, "inbound", settings.inbound,
+                                   "remote_prefix", settings.remote_prefix, log)
         self.settings = settings
         self.client_id = settings.client_id or f"shardgate-bridge-{settings.name}"
 
@@ -161,6 +180,8 @@ class Bridge(BridgeBase[MQTTClient]):
                 continue
             topic = rewrite_topic(received.topic, settings.remote_prefix, settings.local_prefix)
             if topic is None:
+                self.dropped_in(OUTSIDE_PREFIX, received.topic, f"not under remote_prefix "
+                                f"{settings.remote_prefix!r}")
                 continue
             message = Message(
                 topic, bytes(received.data), qos=QOS_1, retain=bool(received.retain),
@@ -168,8 +189,8 @@ class Bridge(BridgeBase[MQTTClient]):
             )
             try:
                 await self._publish_in(message)
-            except Exception as exc:
-                log.warning("bridge %s: message on %r not accepted locally: %s", self.name, topic, exc)
+            except Exception as exc:  # the remote has its PUBACK already: the message is lost
+                self.dropped_in(REFUSED_LOCALLY, topic, str(exc) or type(exc).__name__)
 
 
 def start_bridges(app: Any, entries: Sequence[BridgeSettings]) -> list[Bridge]:

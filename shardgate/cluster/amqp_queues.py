@@ -65,6 +65,7 @@ from ..protocols.amqp.remote import (
 )
 from . import keys
 from .etcd import get_op, mod_revision_is, put_op, version_is
+from .link_auth import cluster_channel
 from .state_rpc import CHANNEL_OPTIONS
 
 if TYPE_CHECKING:
@@ -211,7 +212,7 @@ class SharedQueues:
             raise ConnectionError(f"node {node} is not live")
         channel = self._channels.get(info.cluster_address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(info.cluster_address, options=CHANNEL_OPTIONS)
+            channel = cluster_channel(info.cluster_address, self.node.credentials, CHANNEL_OPTIONS)
             self._channels[info.cluster_address] = channel
         return channel
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from . import keys
 from .control import ClusterNode, ClusterStartError
 from .etcd import EtcdError
+from .link_auth import secret_matches
 
 if TYPE_CHECKING:
     from ..app import Shardgate
@@ -60,6 +61,18 @@ async def connect(app: Shardgate) -> ClusterNode:
         raise ClusterStartError(
             f"node id {node_id!r} is already in use by a running node (internal address "
             f"{existing.cluster_address}); give this node another --node-id")
+    for other in sorted(view.registrations.values(), key=lambda registration: registration.node_id):
+        if other.node_id != node_id and not secret_matches(node.credentials.secret, other.secret_check):
+            await node.client.close()
+            raise ClusterStartError(
+                f"running node {other.node_id!r} runs a version without node authentication: "
+                "stop it first" if not other.secret_check else
+                f"running node {other.node_id!r} has another cluster secret than this node: "
+                "they could not link; give every node the same cluster.secret_file")
+    if not node.credentials.authenticated:
+        log.warning("cluster: NODE AUTHENTICATION IS OFF (cluster.insecure): any process that "
+                    "reaches the cluster port can join as a node, read and inject messages; "
+                    "set cluster.secret_file on every node")
     return node
 
 
@@ -176,7 +189,7 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     plane = app.data_plane  # the app starts it before its client listeners
     if plane is None:
         plane = DataPlane(broker, node.view, host=host, port=settings.port,
-                          link_timeout_s=settings.link_timeout_s)
+                          link_timeout_s=settings.link_timeout_s, credentials=node.credentials)
         try:
             await plane.start()
         except (OSError, RuntimeError) as exc:
@@ -189,7 +202,7 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     from .shard_reader import OwnerLog, serve_read
     from .state_rpc import StateRpc
 
-    rpc = StateRpc(node.view)
+    rpc = StateRpc(node.view, node.credentials)
     rpc.on_read = lambda request: serve_read(broker, plane, request)
     plane.add_service(rpc.handler())
     node.state_rpc = rpc
@@ -222,7 +235,7 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
         node.session_listeners.append(mqtt.session_taken_elsewhere)
         for client_id, session in mqtt.sessions.items():
             if session.connection is not None:
-                node.claim_session(client_id)
+                node.claim_session_soon(client_id)
         handover.start_sweeping()
         handover.start_checkpointing()
         from .wills import WillKeeper
@@ -291,7 +304,7 @@ def cluster_status(node: ClusterNode) -> dict[str, Any]:
         f"{stream}/{index}"
         for stream, shards in view.placement.items()
         for index, placed in enumerate(shards)
-        if placed.node_id not in view.registrations
+        if placed.leader not in view.registrations
     )
     return {
         "cluster": node.settings.name, "node_id": node.node_id, "controller": view.controller_id,
@@ -300,8 +313,14 @@ def cluster_status(node: ClusterNode) -> dict[str, Any]:
         "nodes": nodes, "streams": len(view.streams),
         "shards": sum(len(shards) for shards in view.placement.values()),
         "unavailable_shards": unavailable,
+        # per shard: [leader, leader epoch] (what scripts and tests read) ...
         "placement": {
-            stream: [[placed.node_id, placed.epoch] for placed in shards]
+            stream: [[placed.leader, placed.leader_epoch] for placed in shards]
+            for stream, shards in sorted(view.placement.items())
+        },
+        # ... and the whole placement: leader, replicas, in-sync replicas, leader epoch
+        "replicas": {
+            stream: [placed.to_json() for placed in shards]
             for stream, shards in sorted(view.placement.items())
         },
         # what other nodes' durable cursors still need of this node's shards (retention keeps it)

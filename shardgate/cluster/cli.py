@@ -1,13 +1,21 @@
-"""`shardgate cluster status`: the cluster as one node's admin API sees it (`/api/cluster`).
+"""`shardgate cluster status`: the cluster as one node sees it.
 
 Prints the nodes (id, internal address, client listeners, shards led), which node is the
 controller, the shards whose node is not live (unavailable until it returns), and from which
 offset the answering node keeps its shards' journals for durable cursors on other nodes.
+
+Like every client command it finds the node with `--url HOST:PORT`, else `SHARDGATE_URL`,
+else 127.0.0.1:6650, and asks its gRPC Admin service (`GetClusterStatus`) with `--username`
+and `--password`. `--http-url URL` (or `SHARDGATE_HTTP_URL` when neither `--url` nor
+`SHARDGATE_URL` is given) asks a node's admin HTTP API (`/api/cluster`) instead, with the same
+credentials as HTTP basic authentication.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import base64
 import json
 import os
 import sys
@@ -16,33 +24,90 @@ import urllib.request
 from datetime import UTC, datetime
 from typing import Any
 
+CONNECT_TIMEOUT_S = 5.0
+
+
+class StatusError(Exception):
+    """The status could not be read: the message says why (printed, exit code 1)."""
+
 
 def add_cluster_commands(sub: argparse._SubParsersAction) -> None:
-    cluster = sub.add_parser("cluster", help="cluster status (admin HTTP API of any node)")
+    cluster = sub.add_parser("cluster", help="cluster status (any node of the cluster)")
     cluster.add_argument("action", choices=["status"])
+    cluster.add_argument("--url", default=None,
+                         help="a node's gRPC address HOST:PORT (default $SHARDGATE_URL or "
+                              "127.0.0.1:6650)")
     cluster.add_argument("--http-url", default=None,
-                         help="a node's admin API (default $SHARDGATE_HTTP_URL or http://127.0.0.1:8080)")
+                         help="ask a node's admin HTTP API instead (default $SHARDGATE_HTTP_URL "
+                              "when neither --url nor $SHARDGATE_URL is given)")
+    cluster.add_argument("--username", default=None,
+                         help="authenticate as this user (an admin; default $SHARDGATE_USERNAME)")
+    cluster.add_argument("--password", default=None,
+                         help="the user's password (default $SHARDGATE_PASSWORD)")
     cluster.add_argument("--json", action="store_true", help="print JSON")
     cluster.set_defaults(cluster_handler=run_cluster_command)
 
 
 def run_cluster_command(args: argparse.Namespace) -> int:
-    base = (args.http_url or os.environ.get("SHARDGATE_HTTP_URL") or "http://127.0.0.1:8080").rstrip("/")
+    username = args.username or os.environ.get("SHARDGATE_USERNAME")
+    password = args.password or os.environ.get("SHARDGATE_PASSWORD") or ""
+    http_url = args.http_url
+    if http_url is None and args.url is None and not os.environ.get("SHARDGATE_URL"):
+        http_url = os.environ.get("SHARDGATE_HTTP_URL")
     try:
-        with urllib.request.urlopen(f"{base}/api/cluster", timeout=10) as response:
-            status = json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        detail = json.loads(exc.read() or b"{}").get("error", exc.reason)
-        print(f"shardgate: {detail}", file=sys.stderr)
+        if http_url is not None:
+            status = _status_over_http(http_url.rstrip("/"), username, password)
+        else:
+            status = asyncio.run(_status_over_grpc(args.url, username, password))
+    except StatusError as exc:
+        print(f"shardgate: {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:
-        print(f"shardgate: cannot reach the admin API at {base}: {exc}", file=sys.stderr)
-        return 1
+    except KeyboardInterrupt:
+        return 130
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
     print(render_status(status))
     return 0
+
+
+async def _status_over_grpc(url: str | None, username: str | None, password: str) -> dict[str, Any]:
+    from ..client import Client, PermissionDenied, ShardgateError, Unauthenticated, Unavailable
+
+    client = Client(url, username=username, password=password if username else None)
+    try:
+        await client.connect(CONNECT_TIMEOUT_S)
+        return await client.admin.cluster_status()
+    except Unavailable as exc:
+        raise StatusError(f"cannot reach the broker at {client.target}: {exc.details}. Is it "
+                          "running? Use --url HOST:PORT or SHARDGATE_URL.") from None
+    except (PermissionDenied, Unauthenticated) as exc:
+        raise StatusError(f"{exc}; give --username and --password of an admin user") from None
+    except ShardgateError as exc:
+        raise StatusError(str(exc)) from None
+    finally:
+        await client.close()
+
+
+def _status_over_http(base: str, username: str | None, password: str) -> dict[str, Any]:
+    request = urllib.request.Request(f"{base}/api/cluster")
+    if username:
+        token = base64.b64encode(f"{username}:{password}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            status: dict[str, Any] = json.loads(response.read())
+            return status
+    except urllib.error.HTTPError as exc:
+        try:
+            detail = json.loads(exc.read() or b"{}").get("error", exc.reason)
+        except ValueError:
+            detail = exc.reason
+        if exc.code == 401:
+            detail = f"{detail}; give --username and --password of an admin user"
+        raise StatusError(str(detail)) from None
+    except OSError as exc:
+        raise StatusError(f"cannot reach the admin API at {base}: {exc}") from None
 
 
 def _utc(ms: int) -> str:

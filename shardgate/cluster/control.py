@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,9 @@ from .etcd import (
     put_op,
     version_is,
 )
+from .link_auth import NodeCredentials, secret_check
 from .membership import NodeInfo, ShardAssignment
-from .placement import Placed, ShardSpec, place
+from .placement import ShardPlacement, ShardSpec, place
 from .settings import ClusterSettings
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,10 @@ MAX_TXN_OPS = 100
 LOAD_INTERVAL_S = 5.0
 # how often the watch's health is checked against etcd (see `_watch_guard`)
 WATCH_CHECK_S = 2.0
+# a session claim that loses to other claims this many times in a row fails
+CLAIM_ATTEMPTS = 5
+# a background registry write (claim, release) is tried this many times while etcd fails
+REGISTRY_WRITE_ATTEMPTS = 20
 
 
 class ClusterStartError(Exception):
@@ -77,13 +83,18 @@ class EtcdClusterView:
     def __init__(self, node_id: str) -> None:
         self._node_id = node_id
         self.registrations: dict[str, keys.NodeRegistration] = {}
-        self.placement: dict[str, list[Placed]] = {}
+        self.placement: dict[str, list[ShardPlacement]] = {}
         self.streams: dict[str, dict[str, Any]] = {}
         self.routes: dict[str, dict[str, Any]] = {}
         # the MQTT session registry: client id -> the node its session lives on
         self.sessions: dict[str, str] = {}
         # registry entries changed by the last events applied: (client id, node or None)
         self.session_changes: list[tuple[str, str | None]] = []
+        # the etcd revision of each registry entry known here (the claim a new claim compares
+        # on), and of entries deleted lately: the watch may deliver events older than what this
+        # node wrote itself, which must not undo it (applied by revision, see `note_session`)
+        self.session_revisions: dict[str, int] = {}
+        self._session_tombstones: dict[str, int] = {}
         # whole documents kept as bytes (auth/users, auth/acl), by key
         self.documents: dict[str, bytes] = {}
         self.controller_id: str | None = None
@@ -104,18 +115,17 @@ class EtcdClusterView:
     def nodes(self) -> Mapping[str, NodeInfo]:
         return self._node_infos
 
-    def owner(self, stream: str, shard: int) -> ShardAssignment | None:
+    def leader(self, stream: str, shard: int) -> ShardAssignment | None:
         shards = self.placement.get(stream)
         if shards is None or not 0 <= shard < len(shards):
             return None
-        placed = shards[shard]
-        return ShardAssignment(stream, shard, placed.node_id, placed.epoch)
+        return ShardAssignment.of(stream, shard, shards[shard])
 
-    def owns(self, stream: str, shard: int) -> bool:
+    def leads(self, stream: str, shard: int) -> bool:
         shards = self.placement.get(stream)
         if shards is None or not 0 <= shard < len(shards):
             return False
-        return (shards[shard].node_id == self._node_id and self.lease_alive()
+        return (shards[shard].leader == self._node_id and self.lease_alive()
                 and (not self.released or (stream, shard) not in self.released))
 
     def on_change(self, callback: Callable[[], None]) -> None:
@@ -128,14 +138,14 @@ class EtcdClusterView:
 
     def available(self, stream: str, shard: int) -> bool:
         """True when the shard's node is live (a dead node's reliable shards are not)."""
-        assignment = self.owner(stream, shard)
-        return assignment is not None and assignment.node_id in self._node_infos
+        assignment = self.leader(stream, shard)
+        return assignment is not None and assignment.leader in self._node_infos
 
     def shard_counts(self) -> dict[str, int]:
         counts = dict.fromkeys(self.registrations, 0)
         for shards in self.placement.values():
             for placed in shards:
-                counts[placed.node_id] = counts.get(placed.node_id, 0) + 1
+                counts[placed.leader] = counts.get(placed.leader, 0) + 1
         return counts
 
     def shard_specs(self) -> list[ShardSpec]:
@@ -151,6 +161,13 @@ class EtcdClusterView:
         """Replace the whole state with what etcd holds at `revision`; registry entries that
         differ from before are left in `session_changes`."""
         sessions_before = dict(self.sessions)
+        # what this node learnt after `revision` (its own claims) stays
+        newer = {client_id: (sessions_before.get(client_id), known)
+                 for client_id, known in (*self.session_revisions.items(),
+                                          *self._session_tombstones.items())
+                 if known > revision}
+        self.session_revisions.clear()
+        self._session_tombstones.clear()
         self.registrations.clear()
         self.placement.clear()
         self.streams.clear()
@@ -162,6 +179,8 @@ class EtcdClusterView:
         self.guard_revision = 0
         for kv in kvs:
             self._apply(prefix, WatchEvent(kv.key, kv.value, kv.mod_revision, kv.create_revision))
+        for client_id, (holder, known) in newer.items():
+            self.note_session(client_id, holder, known)
         self.revision = revision
         self._refresh_nodes()
         self.session_changes = [
@@ -179,9 +198,38 @@ class EtcdClusterView:
             self.revision = max(self.revision, event.revision)
             key = event.key[len(prefix):]
             relevant = relevant or not key.startswith((keys.SESSIONS, keys.DOCUMENTS, keys.AMQP))
+        if self._session_tombstones:
+            # every event up to the watch's revision has come: no older one can undo them
+            for client_id, deleted in list(self._session_tombstones.items()):
+                if deleted <= self.revision:
+                    del self._session_tombstones[client_id]
         if relevant:
             self._refresh_nodes()
         return relevant
+
+    def session_revision(self, client_id: str) -> int:
+        """The revision of `client_id`'s registry entry as known here; 0 when there is none
+        (etcd compares an absent key's modification revision as 0)."""
+        return self.session_revisions.get(client_id, 0) if client_id in self.sessions else 0
+
+    def note_session(self, client_id: str, holder: str | None, revision: int) -> bool:
+        """Record that at `revision` the registry named `holder` for `client_id` (None:
+        no entry), unless a later revision is known already. Whether it was recorded. (Not
+        a change for the session listeners: this node's own claims, and what a failed claim
+        read, which the watch brings again.)"""
+        known = max(self.session_revisions.get(client_id, 0),
+                    self._session_tombstones.get(client_id, 0))
+        if revision <= known:
+            return False
+        if holder is None:
+            self.sessions.pop(client_id, None)
+            self.session_revisions.pop(client_id, None)
+            self._session_tombstones[client_id] = revision
+        else:
+            self.sessions[client_id] = holder
+            self.session_revisions[client_id] = revision
+            self._session_tombstones.pop(client_id, None)
+        return True
 
     def _apply(self, prefix: str, event: WatchEvent) -> None:
         key = event.key[len(prefix):]
@@ -198,8 +246,8 @@ class EtcdClusterView:
                 if value is None:
                     self.placement.pop(stream, None)
                 else:
-                    self.placement[stream] = [Placed(node, int(epoch))
-                                              for node, epoch in keys.decode(value)["shards"]]
+                    self.placement[stream] = [ShardPlacement.from_json(shard)
+                                              for shard in keys.decode(value)["shards"]]
             elif key == keys.PLACEMENT_GUARD:
                 self.guard_revision = 0 if value is None else event.revision
             elif key == keys.CONTROLLER:
@@ -215,11 +263,8 @@ class EtcdClusterView:
             elif key.startswith(keys.SESSIONS):
                 client_id = key[len(keys.SESSIONS):]
                 holder = None if value is None else str(keys.decode(value)["node"])
-                if self.sessions.get(client_id) != holder:
-                    if holder is None:
-                        self.sessions.pop(client_id, None)
-                    else:
-                        self.sessions[client_id] = holder
+                before = self.sessions.get(client_id)
+                if self.note_session(client_id, holder, event.revision) and before != holder:
                     self.session_changes.append((client_id, holder))
             elif key.startswith((keys.DOCUMENTS, keys.AMQP)):
                 if value is None:
@@ -238,7 +283,7 @@ class EtcdClusterView:
 
     def _refresh_nodes(self) -> None:
         self._node_infos = {
-            node_id: NodeInfo(node_id, registration.cluster_address)
+            node_id: NodeInfo(node_id, registration.cluster_address, registration.instance)
             for node_id, registration in self.registrations.items()
         }
 
@@ -264,6 +309,12 @@ class ClusterNode:
         # the data directory's first start in a cluster (its sessions never had etcd snapshots)
         self.first_cluster_start = not (data_dir / "cluster-instance").exists()
         self.instance = node_instance(data_dir)
+        try:
+            secret = settings.load_secret()
+        except ValueError as exc:
+            raise ClusterStartError(str(exc)) from None
+        # what this node proves to its peers on the cluster port (`link_auth.py`)
+        self.credentials = NodeCredentials(node_id, self.instance, secret)
         self.view = EtcdClusterView(node_id)
         self.client = EtcdClient(
             settings.endpoints, username=settings.username, password=settings.password,
@@ -280,7 +331,8 @@ class ClusterNode:
         # told (on the event loop) about catalog changes seen in etcd: (kind, name, definition)
         self.catalog_listeners: list[Callable[[str, str, dict[str, Any] | None], None]] = []
         # catalog writes made on this node, sent to etcd in order by one task (see `submit`)
-        self._writes: asyncio.Queue[tuple[str, bytes | None, bool]] = asyncio.Queue()
+        self._writes: asyncio.Queue[
+            tuple[str, bytes | None, bool] | Callable[[], Awaitable[None]]] = asyncio.Queue()
         self._pending_writes = 0
         # which of the given reliable shards hold no message here (graceful leave hands them over)
         self.empty_shards: Callable[[list[tuple[str, int]]], list[tuple[str, int]]] | None = None
@@ -344,6 +396,7 @@ class ClusterNode:
         self.registration = keys.NodeRegistration(
             node_id=self.node_id, cluster_address=cluster_address, instance=self.instance,
             started_ms=int(time.time() * 1000), listeners=dict(listeners),
+            secret_check=secret_check(self.credentials.secret),
         )
         try:
             await self._register()
@@ -585,7 +638,7 @@ class ClusterNode:
             self.view.controller_revision = result.revision
             log.info("cluster: node %s is the controller", self.node_id)
 
-    def desired_placement(self) -> dict[str, list[Placed]]:
+    def desired_placement(self) -> dict[str, list[ShardPlacement]]:
         view = self.view
         current = {
             (stream, index): placed
@@ -600,10 +653,10 @@ class ClusterNode:
                 for name in registration.released:
                     stream, _, index = name.rpartition("/")
                     if index.isdigit() and current.get((stream, int(index)), None) is not None \
-                            and current[(stream, int(index))].node_id == node:
+                            and current[(stream, int(index))].leader == node:
                         released.add((stream, int(index)))
         placed = place(view.shard_specs(), current, live, load, released)
-        desired: dict[str, list[Placed]] = {}
+        desired: dict[str, list[ShardPlacement]] = {}
         for name, definition in view.streams.items():
             shards = [placed.get((name, index)) for index in range(int(definition.get("partitions", 1)))]
             if all(shard is not None for shard in shards):
@@ -616,7 +669,7 @@ class ClusterNode:
         ops = []
         for name, shards in sorted(desired.items()):
             if view.placement.get(name) != shards:
-                value = keys.encode({"shards": [[p.node_id, p.epoch] for p in shards]})
+                value = keys.encode({"shards": [placed.to_json() for placed in shards]})
                 ops.append(put_op(self.key(keys.PLACEMENT + name), value))
         for name in view.placement.keys() - view.streams.keys():
             ops.append(delete_op(self.key(keys.PLACEMENT + name)))
@@ -659,19 +712,67 @@ class ClusterNode:
                                       self.lease_id)
 
     # ---------------------------------------------------------------- session registry
-    def claim_session(self, client_id: str) -> None:
-        """A client opened its session here: record it in the registry (unless it already
-        names this node), so the node that held it before ends its connection there."""
+    async def claim_session(self, client_id: str,
+                            also_read: Sequence[str] = ()) -> tuple[str | None, list[list[KeyValue]]]:
+        """Make the registry name this node for `client_id`, for any kind of session: one etcd
+        transaction that puts the entry only if it is still the claim this node knows (compared
+        on its revision); when another claim came first, what it wrote is read in the same
+        transaction and the claim is made again on top of it. So claims are ordered by etcd:
+        the last one wins everywhere, and each node applies them by revision (`note_session`).
+        Returns the holder before this claim and the values of the etcd keys `also_read`
+        (full keys), read in the transaction that won. Raises
+        EtcdError when etcd fails or others keep claiming."""
+        key = self.key(keys.SESSIONS + client_id)
+        view = self.view
+        value = keys.encode({"node": self.node_id})
+        for _attempt in range(CLAIM_ATTEMPTS):
+            known = view.session_revision(client_id)
+            previous = view.sessions.get(client_id) if known else None
+            result = await self.client.txn(
+                [mod_revision_is(key, known)],
+                [*(get_op(read) for read in also_read), put_op(key, value, self.lease_id)],
+                [get_op(key)])
+            if result.succeeded:
+                view.note_session(client_id, self.node_id, result.revision)
+                return previous, result.reads
+            current = result.reads[0]
+            if current:
+                view.note_session(client_id, str(keys.decode(current[0].value).get("node")),
+                                  current[0].mod_revision)
+            else:
+                view.note_session(client_id, None, result.revision)
+        raise EtcdError(f"the session of {client_id!r} was claimed by other nodes "
+                        f"{CLAIM_ATTEMPTS} times in a row")
+
+    def claim_session_soon(self, client_id: str) -> None:
+        """A session opened here without a claim (the client's session was here already):
+        claim it in the background unless the registry names this node already."""
         if self.view.sessions.get(client_id) == self.node_id:
             return
-        self.view.sessions[client_id] = self.node_id
-        self.submit(keys.SESSIONS + client_id, keys.encode({"node": self.node_id}), under_lease=True)
+        self._registry_write(functools.partial(self._claim_in_background, client_id))
+
+    async def _claim_in_background(self, client_id: str) -> None:
+        if self.view.sessions.get(client_id) != self.node_id:
+            await self.claim_session(client_id)
 
     def release_session(self, client_id: str) -> None:
-        """The client's session ended here: drop its registry entry (if still this node's)."""
+        """The client's session ended here: drop its registry entry, in the background, only
+        if it is still this node's claim (a claim made since on another node stays)."""
         if self.view.sessions.get(client_id) == self.node_id:
-            del self.view.sessions[client_id]
-            self.submit(keys.SESSIONS + client_id, None)
+            self._registry_write(functools.partial(
+                self._release, client_id, self.view.session_revision(client_id)))
+
+    async def _release(self, client_id: str, claimed: int) -> None:
+        key = self.key(keys.SESSIONS + client_id)
+        result = await self.client.txn([mod_revision_is(key, claimed)], [delete_op(key)])
+        if result.succeeded:
+            self.view.note_session(client_id, None, result.revision)
+
+    def _registry_write(self, write: Callable[[], Awaitable[None]]) -> None:
+        """Run a registry write in the background, after the catalog writes queued before it
+        (one writer keeps this node's writes in order); etcd errors are retried there."""
+        self._pending_writes += 1
+        self._writes.put_nowait(write)
 
     # ---------------------------------------------------------------- catalog writes
     def submit(self, suffix: str, value: bytes | None, *, under_lease: bool = False) -> None:
@@ -683,7 +784,11 @@ class ClusterNode:
 
     async def _write_catalog(self) -> None:
         while self._running:
-            suffix, value, under_lease = await self._writes.get()
+            item = await self._writes.get()
+            if not isinstance(item, tuple):
+                await self._run_registry_write(item)
+                continue
+            suffix, value, under_lease = item
             while self._running:
                 try:
                     if value is None:
@@ -697,6 +802,21 @@ class ClusterNode:
                     log.warning("cluster: cannot write %s to etcd yet (%s); retrying", suffix, exc)
                     await asyncio.sleep(0.5)
 
+    async def _run_registry_write(self, write: Callable[[], Awaitable[None]]) -> None:
+        """One registry write (a claim or a release); tried again (bounded) while etcd fails."""
+        try:
+            for attempt in range(REGISTRY_WRITE_ATTEMPTS):
+                try:
+                    await write()
+                    return
+                except Exception as exc:
+                    if attempt == REGISTRY_WRITE_ATTEMPTS - 1 or not self._running:
+                        log.warning("cluster: session registry write failed: %s", exc)
+                        return
+                await asyncio.sleep(0.5)
+        finally:
+            self._pending_writes -= 1
+
     # ---------------------------------------------------------------- leave
     async def leave(self) -> None:
         """SIGTERM: ask the controller to move this node's shards, wait (bounded) until it has."""
@@ -707,7 +827,7 @@ class ClusterNode:
             # reliable shards whose log is empty can move with nothing lost: stop acting for
             # them first (publishes get a retryable error), then check they are still empty
             mine = [(spec.stream, spec.shard) for spec in self.view.shard_specs()
-                    if spec.reliable and self.view.owns(spec.stream, spec.shard)]
+                    if spec.reliable and self.view.leads(spec.stream, spec.shard)]
             self.view.released.update(mine)
             empty = set(self.empty_shards(mine))
             self.view.released.intersection_update(empty)
@@ -737,8 +857,8 @@ class ClusterNode:
         owned = []
         for spec in self.view.shard_specs():
             if not spec.reliable or (spec.stream, spec.shard) in self.view.released:
-                assignment = self.view.owner(spec.stream, spec.shard)
-                if assignment is not None and assignment.node_id == self.node_id:
+                assignment = self.view.leader(spec.stream, spec.shard)
+                if assignment is not None and assignment.leader == self.node_id:
                     owned.append((spec.stream, spec.shard))
         return owned
 
@@ -751,6 +871,9 @@ class ClusterNode:
             self.durables.stop()
         if self.state_writer is not None:
             await self.state_writer.drain()
+        if self.handover is not None:
+            # then each persistent session goes to a live node, with what it holds
+            await self.handover.hand_over_offline()
 
     async def stop(self) -> None:
         """Stop the loops and end the lease (the node's keys go with it)."""

@@ -84,8 +84,8 @@ class CursorFloors:
             for (stream, shard), cursor in sub.cursors.items():
                 if cursor.log is None:
                     continue  # a stream kept in memory: no journal to retain
-                owner = view.owner(stream, shard)
-                if owner is None or owner.node_id == me:
+                assignment = view.leader(stream, shard)
+                if assignment is None or assignment.leader == me:
                     continue
                 name = f"{stream}/{shard}"
                 floor = cursor.floor
@@ -173,8 +173,8 @@ class CursorFloors:
                 stream, _, index = name.rpartition("/")
                 if not index.isdigit():
                     continue
-                owner = view.owner(stream, int(index))
-                if owner is None or owner.node_id != self.node.node_id:
+                assignment = view.leader(stream, int(index))
+                if assignment is None or assignment.leader != self.node.node_id:
                     continue
                 key = (stream, int(index))
                 if floor < needs.get(key, floor + 1):

@@ -58,7 +58,8 @@ from .frames import (
     routes_from_update,
     unpack_records,
 )
-from .link import ClusterPortProtocol, LinkClient, LinkForgotten, PeerEnded
+from .link import ClusterPortProtocol, LinkClient, LinkForgotten, LinkReplies, PeerEnded
+from .link_auth import CallAuthenticator, NodeCredentials
 from .membership import ClusterView, NodeInfo
 from .received import ReceivedLog
 from .routes import NOBODY, RemoteRoutes, Route, RouteDelta, diff, local_routes
@@ -72,6 +73,12 @@ log = logging.getLogger(__name__)
 
 MAX_FORWARDS_IN_FLIGHT = 20_000
 MAX_PUSHES_QUEUED = 100_000
+# A link's credit for pushes: past this many pushes queued or not answered, the publisher
+# whose messages are pushed is held (back-pressure) until the peer has answered all but
+# PUSH_LOW_WATER; a peer answers a frame once it dispatched its pushes, so a subscriber behind
+# on the peer holds the publisher here, and QoS >= 1 pushes are not dropped.
+PUSH_HIGH_WATER = 10_000
+PUSH_LOW_WATER = 5_000
 FRAME_MAX_MESSAGES = 2_000
 FRAME_MAX_BYTES = 4 << 20
 MAX_GRPC_MESSAGE = 512 << 20
@@ -224,6 +231,8 @@ class PeerLink:
         self._retained: list[pb.Retained] = []
         self._in_flight = 0  # forwards queued or not answered
         self._pushes_held = 0  # pushes queued or not answered
+        # Whether this link holds publishers (over its credit, see PUSH_HIGH_WATER).
+        self._over_credit = False
         # Pushes were dropped since the last frame: the next one says so (`pushes_lost`).
         self._pushes_lost = False
         # The last route generation of this node the peer has applied (SUBACK waits for it).
@@ -291,8 +300,16 @@ class PeerLink:
             return
         self._pushes.append((message, groups))
         self._pushes_held += 1
+        if self._pushes_held >= PUSH_HIGH_WATER:
+            self._over_credit = True
+            self.plane.broker.back_pressure.congested(self)
         if not self._flush_scheduled:
             self._flush_soon()
+
+    def _credit_returned(self) -> None:
+        if self._over_credit and self._pushes_held <= PUSH_LOW_WATER:
+            self._over_credit = False
+            self.plane.broker.back_pressure.relieved(self)
 
     def send_routes(self, update: pb.RouteUpdate, generation: int) -> None:
         self._routes.append(update)
@@ -397,7 +414,9 @@ class PeerLink:
         host, _, port = self.node.cluster_address.rpartition(":")
         _transport, connection = await asyncio.wait_for(
             self._loop.create_connection(
-                lambda: LinkClient(self._on_reply, self._flush_soon), host.strip("[]"), int(port)),
+                lambda: LinkClient(self._on_reply, self._flush_soon, self.plane.credentials,
+                                   self.node.node_id),
+                host.strip("[]"), int(port)),
             DIAL_TIMEOUT_S,
         )
         try:
@@ -600,6 +619,8 @@ class PeerLink:
         if sent is None:
             return
         self._pushes_held -= sent.pushes
+        if self._over_credit:
+            self._credit_returned()
         if sent.route_generation > self.routes_answered:
             self.routes_answered = sent.route_generation
             self.plane.link_state_changed()
@@ -684,6 +705,7 @@ class PeerLink:
         self._in_flight = 0
         self._pushes = []
         self._pushes_held = 0
+        self._credit_returned()
         self.plane.stats.pushes_dropped += dropped
         if dropped or lost:
             self._lost_pushes()
@@ -789,7 +811,8 @@ class _Inbox:
     a session are applied once, in order), and its answers the peer may not have received yet
     (sent again when the peer sends their frame again on a new stream)."""
 
-    __slots__ = ("session", "applied", "answers", "reply", "_forgotten_below")
+    __slots__ = ("session", "applied", "answers", "reply", "_forgotten_below", "publisher",
+                 "backlog")
 
     def __init__(self, session: int) -> None:
         self.session = session
@@ -798,6 +821,10 @@ class _Inbox:
         self._forgotten_below = 1
         # Where answers go now: the session's current stream (None between streams).
         self.reply: Callable[[pb.PeerReply], None] | None = None
+        # The peer as a publisher (back-pressure): held while its pushes fill a queue here;
+        # what it sent meanwhile waits in `backlog`, applied in order once it is released.
+        self.publisher = _PeerPushes(self)
+        self.backlog: deque[Callable[[], None]] = deque()
 
     def answer(self, reply: pb.PeerReply) -> None:
         self.answers[reply.sequence] = reply
@@ -814,6 +841,39 @@ class _Inbox:
         self._forgotten_below = below
 
 
+class _PeerPushes:
+    """A peer's link session as a publisher (`core.backpressure.Publisher`): holding it stops
+    reading its link (TCP holds the peer, whose own publishers are then held by their link's
+    credit, `PUSH_HIGH_WATER`) and keeps the rest of what was read for later."""
+
+    __slots__ = ("inbox", "held", "on_release")
+
+    def __init__(self, inbox: _Inbox) -> None:
+        self.inbox = inbox
+        self.held = False
+        # applies the inbox's backlog (set by the data plane)
+        self.on_release: Callable[[_Inbox], None] | None = None
+
+    def hold(self) -> None:
+        self.held = True
+        self.pause()
+
+    def pause(self) -> None:
+        reply = self.inbox.reply
+        if isinstance(reply, LinkReplies):
+            reply.pause_reading()
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        reply = self.inbox.reply
+        if isinstance(reply, LinkReplies):
+            reply.resume_reading()
+        if self.on_release is not None:
+            self.on_release(self.inbox)
+
+
 class DataPlane:
     """Forwarding, fanout and the route table of one node (see the module docstring)."""
 
@@ -825,8 +885,11 @@ class DataPlane:
         port: int = 0,
         route_debounce_s: float = ROUTE_DEBOUNCE_S,
         link_timeout_s: float = LINK_TIMEOUT_S,
+        credentials: NodeCredentials | None = None,
     ) -> None:
         self.broker = broker
+        # what this node proves to its peers, and checks of them, on the cluster port
+        self.credentials = credentials or NodeCredentials(view.node_id)
         # A peer that sends nothing for this long (no reply, no heartbeat) is given up on:
         # its link breaks, the publishes waiting for it fail retryably, and it is redialed.
         self.link_timeout_s = link_timeout_s
@@ -892,7 +955,8 @@ class DataPlane:
         """Listen on the cluster port, dial the peers and take the core's cluster hooks."""
         # gRPC (the shared-state calls) listens on loopback only: the cluster port passes
         # every connection that is not a peer's link through to it (`link.py`).
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[
+            CallAuthenticator(self.credentials, self.registered)])
         grpc_port = server.add_insecure_port("127.0.0.1:0")
         if not grpc_port:
             raise OSError("cannot listen for the cluster's gRPC calls on 127.0.0.1")
@@ -900,7 +964,8 @@ class DataPlane:
         self._server = server
         try:
             self._listener = await asyncio.get_running_loop().create_server(
-                lambda: ClusterPortProtocol(self, ("127.0.0.1", grpc_port), self._connections),
+                lambda: ClusterPortProtocol(self, ("127.0.0.1", grpc_port), self._connections,
+                                            self.credentials, self.registered),
                 self.host or None, self.port,
             )
         except OSError:
@@ -960,6 +1025,12 @@ class DataPlane:
         if self._server is not None:
             await self._server.stop(grace=0.1)
             self._server = None
+
+    def registered(self, node_id: str, instance: str) -> bool:
+        """Whether `node_id` is a live node of the view, registered by `instance`: a peer's
+        link and calls are taken only from such a node (`link_auth.py`)."""
+        info = self.view.nodes().get(node_id)
+        return info is not None and info.instance == instance and node_id != self.node_id
 
     def add_service(self, handler: grpc.GenericRpcHandler) -> None:
         """Serve another service on the cluster port (the shared-state calls, `state_rpc.py`)."""
@@ -1040,8 +1111,8 @@ class DataPlane:
                 # (an OwnerLog past its hand-off follows the pushes too)
                 if not (isinstance(cursor.log, ReceivedLog) or getattr(cursor.log, "remote_shard", False)):
                     continue
-                assignment = self.view.owner(stream, shard)
-                if assignment is None or assignment.node_id != node_id:
+                assignment = self.view.leader(stream, shard)
+                if assignment is None or assignment.leader != node_id:
                     continue
                 cursor.log = reader(stream, shard, cursor.position, _filters_of(sub), None)
                 cursor.live = False
@@ -1063,21 +1134,21 @@ class DataPlane:
             for (stream, shard), cursor in sub.cursors.items():
                 if cursor.log is None:
                     continue
-                assignment = view.owner(stream, shard)
+                assignment = view.leader(stream, shard)
                 if assignment is None:
                     continue
                 # (an OwnerLog of cluster.shard_reader also reads a shard another node owns)
                 received = isinstance(cursor.log, ReceivedLog) or getattr(cursor.log, "remote_shard", False)
-                if assignment.node_id != self.node_id and not received:
+                if assignment.leader != self.node_id and not received:
                     cursor.log = self.received_log(stream, shard)
-                elif assignment.node_id == self.node_id and received:
+                elif assignment.leader == self.node_id and received:
                     local = broker.streams.get(stream)
                     if local is not None and shard < len(local.shards) and local.shards[shard].log:
                         cursor.log = local.shards[shard].log
 
     # ------------------------------------------------------------ ShardPlacement
     def serves(self, stream: str, shard: int) -> bool:
-        return stream in NODE_LOCAL_STREAMS or self.view.owns(stream, shard)
+        return stream in NODE_LOCAL_STREAMS or self.view.leads(stream, shard)
 
     def received_log(self, stream: str, shard: int) -> ReceivedLog:
         key = (stream, shard)
@@ -1096,24 +1167,24 @@ class DataPlane:
         if route is not None:
             self.stats.forwarded += 1
             return route[0].forward(message, route[1])
-        assignment = self.view.owner(message.stream, message.shard)
+        assignment = self.view.leader(message.stream, message.shard)
         link = None
-        if assignment is not None and assignment.node_id != self.node_id:
-            link = self.links.get(assignment.node_id)
+        if assignment is not None and assignment.leader != self.node_id:
+            link = self.links.get(assignment.leader)
         if link is None:
             future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             if assignment is None:
                 reason = f"no node owns {message.stream}/{message.shard} now; retry"
-            elif assignment.node_id == self.node_id:
+            elif assignment.leader == self.node_id:
                 reason = f"this node cannot prove it owns {message.stream}/{message.shard} now; retry"
             else:
-                reason = f"node {assignment.node_id} owning {message.stream}/{message.shard} is not live"
+                reason = f"node {assignment.leader} owning {message.stream}/{message.shard} is not live"
             _fail(future, ShardUnavailable(reason))
             self.stats.forward_failures += 1
             return future
         self.stats.forwarded += 1
-        self._forward_routes[(message.stream, message.shard)] = (link, assignment.epoch)  # type: ignore[union-attr]
-        return link.forward(message, assignment.epoch)  # type: ignore[union-attr]
+        self._forward_routes[(message.stream, message.shard)] = (link, assignment.leader_epoch)  # type: ignore[union-attr]
+        return link.forward(message, assignment.leader_epoch)  # type: ignore[union-attr]
 
     def reroute(
         self, message: Message, future: asyncio.Future[None], refused_epoch: int, owner_epoch: int = 0
@@ -1139,11 +1210,11 @@ class DataPlane:
         return True
 
     def _route_again(self, message: Message, future: asyncio.Future[None], refused_epoch: int) -> bool:
-        assignment = self.view.owner(message.stream, message.shard)
-        if assignment is None or assignment.epoch <= refused_epoch:
+        assignment = self.view.leader(message.stream, message.shard)
+        if assignment is None or assignment.leader_epoch <= refused_epoch:
             return False
-        if assignment.node_id == self.node_id:
-            if not self.view.owns(message.stream, message.shard):
+        if assignment.leader == self.node_id:
+            if not self.view.leads(message.stream, message.shard):
                 return False
             try:
                 stored = self.broker.publish(message, counted=False)  # counted when it came in
@@ -1155,10 +1226,10 @@ class DataPlane:
             else:
                 stored.add_done_callback(lambda done: _settle(future, done))
             return True
-        link = self.links.get(assignment.node_id)
+        link = self.links.get(assignment.leader)
         if link is None:
             return False
-        link.forward(message, assignment.epoch, future)
+        link.forward(message, assignment.leader_epoch, future)
         return True
 
     def _after_epoch(self, stream: str, shard: int, epoch: int, then: Callable[[], None],
@@ -1176,9 +1247,9 @@ class DataPlane:
         due, waiting = [], []
         for waiter in self._epoch_waiters:
             deadline, stream, shard, epoch, then, ready = waiter
-            assignment = view.owner(stream, shard)
+            assignment = view.leader(stream, shard)
             if now >= deadline or (
-                assignment is not None and assignment.epoch >= epoch and (ready is None or ready())
+                assignment is not None and assignment.leader_epoch >= epoch and (ready is None or ready())
             ):
                 due.append(then)
             else:
@@ -1466,7 +1537,7 @@ class DataPlane:
             if topic.startswith(NODE_LOCAL_TOPICS):
                 continue
             stream = broker.stream_for_topic(topic)  # restored messages carry no shard
-            if self.view.owns(stream.name, stream.shard_for(topic, message.key).index):
+            if self.view.leads(stream.name, stream.shard_for(topic, message.key).index):
                 owned.append(_retained_frame(topic, message))
         return owned
 
@@ -1505,8 +1576,14 @@ class DataPlane:
                 self._routes_known.discard(peer)
                 self._refresh_unknown()
             self._pushes_under.pop(peer, None)  # a new session tells again
+            if inbox is not None:
+                inbox.backlog.clear()
+                inbox.publisher.release()
             inbox = self._inboxes[peer] = _Inbox(session)
+            inbox.publisher.on_release = self._apply_backlog
         inbox.reply = reply
+        if inbox.publisher.held:
+            inbox.publisher.pause()  # a new stream of a held session: held too
 
     def receive(self, peer: str, frame: pb.PeerFrame, reply: Callable[[pb.PeerReply], None]) -> None:
         """Apply one frame from `peer` once per session: routes, then retained messages, then
@@ -1530,6 +1607,20 @@ class DataPlane:
             return  # applied already; its answer follows when its forwards are stored
         inbox.applied = sequence
         self.stats.frames_in += 1
+        if inbox.backlog or inbox.publisher.held:
+            # held: applied in order after what waits already (`_apply_backlog`)
+            inbox.backlog.append(lambda: self._apply_frame(peer, inbox, frame))
+            return
+        self._apply_frame(peer, inbox, frame)
+
+    def _apply_backlog(self, inbox: _Inbox) -> None:
+        """A held peer was released: apply what it sent meanwhile, until it is held again."""
+        backlog = inbox.backlog  # (cleared when a new session replaces the inbox)
+        while backlog and not inbox.publisher.held:
+            backlog.popleft()()
+
+    def _apply_frame(self, peer: str, inbox: _Inbox, frame: pb.PeerFrame) -> None:
+        """Apply one frame: routes, retained messages, pushes, then (`_frame_tail`) the rest."""
         if frame.HasField("routes"):
             update = frame.routes
             delta = routes_from_update(update)
@@ -1552,10 +1643,19 @@ class DataPlane:
         if frame.pushes_lost:
             # before this frame's pushes move the cursors past what was lost
             self._read_owner_again(peer)
+        pushed: deque[tuple[Message, frozenset[str], bytes | None]] = deque()
         if frame.pushes:
-            self._dispatch_pushes(frame.pushes)
+            self._decode_pushes(frame.pushes, pushed)
         if frame.push_batches:
-            self._dispatch_push_batches(frame.push_batches)
+            self._decode_push_batches(frame.push_batches, pushed)
+        if pushed:
+            self._dispatch_pushed(inbox, pushed, lambda: self._frame_tail(peer, inbox, frame))
+        else:
+            self._frame_tail(peer, inbox, frame)
+
+    def _frame_tail(self, peer: str, inbox: _Inbox, frame: pb.PeerFrame) -> None:
+        """What a frame says after its pushes (applied once they all are)."""
+        sequence = frame.sequence
         if frame.routes_applied > self._pushes_under.get(peer, 0):
             self._pushes_under[peer] = frame.routes_applied
             if self._push_waiters:
@@ -1572,31 +1672,19 @@ class DataPlane:
         if inbox is not None and inbox.reply is reply:
             inbox.reply = None
 
-    def _dispatch_pushes(self, pushes: list[pb.Push]) -> None:
-        dispatch = self.broker.dispatch
-        received = self._received
+    def _decode_pushes(self, pushes: Sequence[pb.Push],
+                       out: deque[tuple[Message, frozenset[str], bytes | None]]) -> None:
         for push in pushes:
             try:
                 message = message_from_push(push)
             except RecordFormatError as exc:
                 log.warning("dropped a malformed message pushed by a peer: %s", exc)
                 continue
-            self.stats.pushed_in += 1
-            key = (message.stream, message.shard)
-            kept = received.get(key)
-            if kept is not None:
-                kept.add(message.offset, message.publish_time_ms, record_of(push))
             groups = push.share_groups
-            try:
-                dispatch(message, frozenset(groups) if groups else NO_GROUPS)
-            except Exception:  # noqa: BLE001 - one message's failure must not end the link
-                log.exception("dispatching a message pushed by a peer failed")
-            if kept is None and key in received:  # a durable subscription here just began
-                received[key].add(message.offset, message.publish_time_ms, record_of(push))
+            out.append((message, frozenset(groups) if groups else NO_GROUPS, record_of(push)))
 
-    def _dispatch_push_batches(self, batches: Sequence[pb.PushBatch]) -> None:
-        dispatch = self.broker.dispatch
-        received = self._received
+    def _decode_push_batches(self, batches: Sequence[pb.PushBatch],
+                             out: deque[tuple[Message, frozenset[str], bytes | None]]) -> None:
         for batch in batches:
             stream, shard = batch.stream, batch.shard
             items = unpack_records(batch.records, stream, shard)
@@ -1606,22 +1694,42 @@ class DataPlane:
                             "for %d messages", len(offsets), len(items))
                 continue
             groups = frozenset(batch.share_groups) if batch.share_groups else NO_GROUPS
-            key = (stream, shard)
-            self.stats.pushed_in += len(items)
             for item, offset in zip(items, offsets, strict=True):
                 if isinstance(item, RecordFormatError):
                     log.warning("dropped a malformed message pushed by a peer: %s", item)
                     continue
                 item.offset = offset
+                out.append((item, groups, None))
+
+    def _dispatch_pushed(self, inbox: _Inbox,
+                         pending: deque[tuple[Message, frozenset[str], bytes | None]],
+                         then: Callable[[], None]) -> None:
+        """Dispatch pushed messages in order, the peer being the current publisher: when a
+        queue here fills up and holds it, the rest (and `then`) waits in its backlog."""
+        dispatch = self.broker.dispatch
+        received = self._received
+        publisher = inbox.publisher
+        with self.broker.back_pressure.publishing(publisher):
+            while pending:
+                if publisher.held:
+                    inbox.backlog.appendleft(then)
+                    inbox.backlog.appendleft(lambda: self._dispatch_pushed(inbox, pending, then))
+                    return
+                message, groups, record = pending.popleft()
+                self.stats.pushed_in += 1
+                key = (message.stream, message.shard)
                 kept = received.get(key)
                 if kept is not None:
-                    kept.add(offset, item.publish_time_ms, encode_message(item))
+                    kept.add(message.offset, message.publish_time_ms,
+                             record if record is not None else encode_message(message))
                 try:
-                    dispatch(item, groups)
+                    dispatch(message, groups)
                 except Exception:  # noqa: BLE001 - one message's failure must not end the link
                     log.exception("dispatching a message pushed by a peer failed")
                 if kept is None and key in received:  # a durable subscription here just began
-                    received[key].add(offset, item.publish_time_ms, encode_message(item))
+                    received[key].add(message.offset, message.publish_time_ms,
+                                      record if record is not None else encode_message(message))
+        then()
 
     def _store_forwards(
         self, sequence: int, forwards: Sequence[pb.Forward], batches: Sequence[pb.ForwardBatch],
@@ -1719,7 +1827,7 @@ class DataPlane:
         acknowledged = not batch.unacknowledged
         result.size(len(items))
         broker = self.broker
-        owned = not self._stopping and self.view.owns(stream_name, shard)
+        owned = not self._stopping and self.view.leads(stream_name, shard)
         # topic -> whether this node routes it to the batch's shard (messages without a key)
         here: dict[str, bool] = {}
         direct: list[Message] = []
@@ -1790,9 +1898,9 @@ class DataPlane:
                 later(outcome, message, epoch)
                 return None
             shard = stream.shard_for(message.topic, message.key).index
-            if not view.owns(stream.name, shard):
-                assignment = view.owner(stream.name, shard)
-                known = assignment.epoch if assignment is not None else 0
+            if not view.leads(stream.name, shard):
+                assignment = view.leader(stream.name, shard)
+                known = assignment.leader_epoch if assignment is not None else 0
                 if later is not None and epoch > known:
                     message.stream, message.shard = stream.name, shard
                     later(outcome, message, epoch)

@@ -45,10 +45,10 @@ async def shard_holds(node: ClusterNode, broker: Broker, topic: str, since_ms: i
             return False
         return message.topic == topic and match(message)
 
-    owner = node.view.owner(name, index)
-    if owner is None or owner.node_id not in node.view.nodes():
+    assignment = node.view.leader(name, index)
+    if assignment is None or assignment.leader not in node.view.nodes():
         raise ShardUnreadable(f"{name}/{index} has no live owner")
-    if owner.node_id == node.node_id:
+    if assignment.leader == node.node_id:
         shard_log = broker.streams[name].shards[index].log
         if shard_log is None:
             return None
@@ -63,11 +63,11 @@ async def shard_holds(node: ClusterNode, broker: Broker, topic: str, since_ms: i
         request = {"stream": name, "shard": index, "from": position, "since_ms": since_ms,
                    "max": SEARCH_BATCH, "filters": [topic], "node": node.node_id}
         try:
-            header, records = await node.state_rpc.read_shard(owner.node_id, request, timeout_s)
+            header, records = await node.state_rpc.read_shard(assignment.leader, request, timeout_s)
         except Exception as exc:  # noqa: BLE001 - a link down, a timeout: asked again later
-            raise ShardUnreadable(f"{name}/{index} on {owner.node_id}: {exc}") from exc
+            raise ShardUnreadable(f"{name}/{index} on {assignment.leader}: {exc}") from exc
         if "error" in header:
-            raise ShardUnreadable(f"{name}/{index} on {owner.node_id}: {header['error']}")
+            raise ShardUnreadable(f"{name}/{index} on {assignment.leader}: {header['error']}")
         if any(found(record.data) for record in records):
             return True
         if header.get("caught_up"):

@@ -3,7 +3,8 @@ agrees. Every key lives under `/shardgate/<cluster name>/`; values are JSON.
 
     nodes/<node id>        a live node's registration, under that node's lease
     controller             the elected controller's node id, under its lease
-    placement/<stream>     the stream's shards: [[node id, epoch], ...] (written by the controller)
+    placement/<stream>     the stream's shards: [{leader, replicas, isr, leader_epoch}, ...]
+                           (`placement.ShardPlacement`; written by the controller only)
     placement-guard        bumped with every placement write: the compare-and-swap token
     streams/<name>         a stream's definition (mode, partitions, retention, schema)
     routes/<pattern>       a routing rule: topics matching the pattern go to a stream
@@ -61,13 +62,16 @@ class NodeRegistration:
     load: float = 0.0
     # leaving: reliable shards ("stream/shard") with an empty log it no longer writes to
     released: list[str] = field(default_factory=list)
+    # proves the node's cluster secret without showing it (`link_auth.secret_check`): a node
+    # started with another secret sees the mismatch and refuses to start
+    secret_check: str = ""
 
     def to_json(self) -> bytes:
         return encode({
             "node_id": self.node_id, "cluster_address": self.cluster_address,
             "instance": self.instance, "started_ms": self.started_ms,
             "listeners": self.listeners, "leaving": self.leaving, "load": self.load,
-            "released": self.released,
+            "released": self.released, "secret_check": self.secret_check,
         })
 
     @classmethod
@@ -78,4 +82,5 @@ class NodeRegistration:
             instance=data.get("instance", ""), started_ms=int(data.get("started_ms", 0)),
             listeners=dict(data.get("listeners", {})), leaving=bool(data.get("leaving", False)),
             load=float(data.get("load", 0.0)), released=list(data.get("released", [])),
+            secret_check=str(data.get("secret_check", "")),
         )

@@ -1,6 +1,6 @@
-"""What the data plane may ask of the control plane: who is in the cluster, who owns a shard.
+"""What the data plane may ask of the control plane: who is in the cluster, who leads a shard.
 
-The control plane (etcd: node leases, the controller's placement, epochs) implements
+The control plane (etcd: node leases, the controller's placement, leader epochs) implements
 `ClusterView`; the data plane (forwarding, route table) only reads it. `StaticClusterView`
 is a fixed view for unit tests of the data plane and for a single node.
 """
@@ -11,23 +11,46 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from .placement import ShardPlacement
+
 
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
-    """A live node: its id and the host:port of its internal (cluster) gRPC listener."""
+    """A live node: its id, the host:port of its internal (cluster) gRPC listener, and the
+    instance (data directory identity) that registered it."""
 
     node_id: str
     cluster_address: str
+    instance: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class ShardAssignment:
-    """The node that leads `stream`/`shard`, under `epoch` (bumped on every change of leader)."""
+    """The node that leads `stream`/`shard`, under `leader_epoch` (bumped on every change of
+    leader), and the shard's replicas and in-sync replicas (both `(leader,)` when not given:
+    one replica, as every shard has today)."""
 
     stream: str
     shard: int
-    node_id: str
-    epoch: int
+    leader: str
+    leader_epoch: int
+    replicas: tuple[str, ...] = ()
+    isr: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.replicas:
+            object.__setattr__(self, "replicas", (self.leader,))
+        if not self.isr:
+            object.__setattr__(self, "isr", (self.leader,))
+
+    @classmethod
+    def of(cls, stream: str, shard: int, placement: ShardPlacement) -> ShardAssignment:
+        return cls(stream, shard, placement.leader, placement.leader_epoch, placement.replicas,
+                   placement.isr)
+
+    @property
+    def placement(self) -> ShardPlacement:
+        return ShardPlacement(self.leader, self.replicas, self.isr, self.leader_epoch)
 
 
 class ClusterView(Protocol):
@@ -40,11 +63,11 @@ class ClusterView(Protocol):
         """Live nodes by id (those whose lease is alive), this node included."""
         ...
 
-    def owner(self, stream: str, shard: int) -> ShardAssignment | None:
+    def leader(self, stream: str, shard: int) -> ShardAssignment | None:
         """Who leads the shard now, or None while it is unassigned (publishes are refused)."""
         ...
 
-    def owns(self, stream: str, shard: int) -> bool:
+    def leads(self, stream: str, shard: int) -> bool:
         """True when this node leads the shard under the current epoch and its lease is live."""
         ...
 
@@ -65,12 +88,12 @@ class StaticClusterView:
     def nodes(self) -> Mapping[str, NodeInfo]:
         return self.node_infos
 
-    def owner(self, stream: str, shard: int) -> ShardAssignment | None:
+    def leader(self, stream: str, shard: int) -> ShardAssignment | None:
         return self.assignments.get((stream, shard))
 
-    def owns(self, stream: str, shard: int) -> bool:
+    def leads(self, stream: str, shard: int) -> bool:
         assignment = self.assignments.get((stream, shard))
-        return assignment is not None and assignment.node_id == self.node_id
+        return assignment is not None and assignment.leader == self.node_id
 
     def on_change(self, callback: Callable[[], None]) -> None:
         self._callbacks.append(callback)

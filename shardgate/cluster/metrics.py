@@ -100,7 +100,7 @@ def control_plane_metrics(node: Any) -> Iterator[Metric]:
     yield shards
     unavailable = sum(
         1 for placed in (p for shards_ in view.placement.values() for p in shards_)
-        if placed.node_id not in view.registrations
+        if placed.leader not in view.registrations
     )
     yield GaugeMetricFamily(f"{PREFIX}_unavailable_shards",
                             "Shards whose node is not live (reliable shards of a dead node)",

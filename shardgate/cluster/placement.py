@@ -1,4 +1,11 @@
-"""Placement: which node leads each stream shard. A pure function the controller runs.
+"""Placement: which nodes hold each stream shard and which one leads it. A pure function the
+controller runs, and the value it writes to etcd.
+
+A shard's placement is a `ShardPlacement`: its leader, its replicas (the leader first), the
+in-sync replicas (those that hold everything the leader acknowledged) and the leader epoch,
+bumped on every change of leader (Kafka's partition state). Today every shard has one replica,
+its leader; the controller writes the whole placement of a stream as one value, with every
+changed stream in one etcd transaction (`control.py`).
 
 Rules, in order:
 - a shard stays where it is while its node is live (no needless moves);
@@ -11,7 +18,7 @@ Rules, in order:
   (their log is empty and it has stopped taking writes for them) move like non-reliable ones;
 - then non-reliable shards move from the fullest to the emptiest live node until shard
   counts differ by at most one (a joining node takes its fair share).
-Every change of a shard's node bumps that shard's epoch.
+Every change of a shard's leader bumps that shard's leader epoch.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
+from typing import Any
 
 ShardKey = tuple[str, int]
 
@@ -31,34 +39,68 @@ class ShardSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class Placed:
-    node_id: str
-    epoch: int
+class ShardPlacement:
+    """Who holds a shard: `leader` takes its writes under `leader_epoch`; `replicas` hold its
+    log (the leader first); `isr`, a subset of `replicas`, are in sync with the leader."""
+
+    leader: str
+    replicas: tuple[str, ...]
+    isr: tuple[str, ...]
+    leader_epoch: int
+
+    def __post_init__(self) -> None:
+        if not self.leader:
+            raise ValueError("a shard placement needs a leader")
+        if self.leader not in self.replicas:
+            raise ValueError(f"leader {self.leader!r} is not one of the replicas {self.replicas}")
+        if not set(self.isr) <= set(self.replicas):
+            raise ValueError(f"in-sync replicas {self.isr} are not all replicas {self.replicas}")
+        if self.leader_epoch < 0:
+            raise ValueError(f"leader epoch {self.leader_epoch} is negative")
+
+    @classmethod
+    def single(cls, leader: str, leader_epoch: int) -> ShardPlacement:
+        """One replica, the leader, in sync (every shard today)."""
+        return cls(leader, (leader,), (leader,), leader_epoch)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"leader": self.leader, "replicas": list(self.replicas), "isr": list(self.isr),
+                "leader_epoch": self.leader_epoch}
+
+    @classmethod
+    def from_json(cls, value: Any) -> ShardPlacement:
+        """From `to_json()`'s form, or the `[node id, epoch]` pair of earlier versions.
+        Raises ValueError (or KeyError, TypeError) on anything else."""
+        if isinstance(value, list):
+            leader, epoch = value
+            return cls.single(str(leader), int(epoch))
+        return cls(str(value["leader"]), tuple(map(str, value["replicas"])),
+                   tuple(map(str, value["isr"])), int(value["leader_epoch"]))
 
 
 def place(
     shards: Iterable[ShardSpec],
-    current: Mapping[ShardKey, Placed],
+    current: Mapping[ShardKey, ShardPlacement],
     live_nodes: Iterable[str],
     load: Mapping[str, float] | None = None,
     released: Set[ShardKey] = frozenset(),
-) -> dict[ShardKey, Placed]:
+) -> dict[ShardKey, ShardPlacement]:
     """The new assignment of every shard in `shards` (shards not listed are dropped).
-    With no live node, non-reliable shards without a live owner are left out (unassigned)."""
+    With no live node, non-reliable shards without a live leader are left out (unassigned)."""
     live = sorted(set(live_nodes))
     load = load or {}
-    result: dict[ShardKey, Placed] = {}
+    result: dict[ShardKey, ShardPlacement] = {}
     count = dict.fromkeys(live, 0)
     movable: dict[str, list[ShardKey]] = {node: [] for node in live}
     homeless: list[ShardSpec] = []
     for spec in shards:
         key = (spec.stream, spec.shard)
         placed = current.get(key)
-        if placed is not None and placed.node_id in count:
+        if placed is not None and placed.leader in count:
             result[key] = placed
-            count[placed.node_id] += 1
+            count[placed.leader] += 1
             if not spec.reliable:
-                movable[placed.node_id].append(key)
+                movable[placed.leader].append(key)
         elif placed is not None and spec.reliable and key not in released:
             result[key] = placed  # sticky: its log is on that node
         else:
@@ -72,7 +114,7 @@ def place(
         shard_count, node_load, node = heapq.heappop(heap)
         key = (spec.stream, spec.shard)
         previous = current.get(key)
-        result[key] = Placed(node, previous.epoch + 1 if previous is not None else 1)
+        result[key] = ShardPlacement.single(node, previous.leader_epoch + 1 if previous is not None else 1)
         count[node] = shard_count + 1
         if not spec.reliable:
             movable[node].append(key)
@@ -82,7 +124,7 @@ def place(
 
 
 def _balance(
-    result: dict[ShardKey, Placed],
+    result: dict[ShardKey, ShardPlacement],
     count: dict[str, int],
     movable: dict[str, list[ShardKey]],
     load: Mapping[str, float],
@@ -111,7 +153,7 @@ def _balance(
             heapq.heappop(high)
             continue
         key = movable[fullest].pop()
-        result[key] = Placed(emptiest, result[key].epoch + 1)
+        result[key] = ShardPlacement.single(emptiest, result[key].leader_epoch + 1)
         movable[emptiest].append(key)
         count[fullest] -= 1
         count[emptiest] += 1

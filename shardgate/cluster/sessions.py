@@ -67,7 +67,7 @@ from ..protocols.mqtt.session import (
     SubscriptionOptions,
 )
 from . import keys
-from .etcd import EtcdError, delete_op, get_op, mod_revision_is, put_op
+from .etcd import EtcdError, delete_op, mod_revision_is, put_op
 from .shard_reader import OwnerLog
 from .state_rpc import StateCallError, StateRpc
 
@@ -82,6 +82,10 @@ log = logging.getLogger(__name__)
 # How long a CONNECT waits for its session to come from another node before it gets a new one.
 TAKEOVER_TIMEOUT_S = 5.0
 RELEASE_CALL_TIMEOUT_S = 3.0
+# A graceful stop hands its persistent sessions to live nodes within this long, this many at
+# a time (`SessionHandover.hand_over_offline`).
+HAND_OVER_S = 10.0
+HAND_OVER_PARALLEL = 16
 # How long a node that handed a session over keeps its shared groups' messages for the new
 # node (`GroupStandIn`) when that node does not collect them (it died meanwhile).
 STAND_IN_TIMEOUT_S = 30.0
@@ -228,11 +232,11 @@ class CursorPlacer:
         self._unplaced_left = False
         for sub, cursor in self._waiting():
             stream, shard = cursor.stream, cursor.shard
-            owner = self.node.view.owner(stream, shard)
-            if owner is None:
+            assignment = self.node.view.leader(stream, shard)
+            if assignment is None:
                 self._unplaced_left = True  # placed when the shard map names its owner
                 continue
-            if owner.node_id == me:
+            if assignment.leader == me:
                 sub.place_restored(cursor, None)
                 continue
             sub.place_restored(cursor, self._owner_log(sub, stream, shard))
@@ -256,8 +260,8 @@ class CursorPlacer:
         local = broker_stream.shards[shard].log
         if local is None:
             return None
-        owner = self.node.view.owner(stream, shard)
-        if owner is None or owner.node_id == self.node.node_id:
+        assignment = self.node.view.leader(stream, shard)
+        if assignment is None or assignment.leader == self.node.node_id:
             return local
         return OwnerLog(self.rpc, self.plane, stream, shard, position or 0,
                         lambda: list(sub.filters), since_ms)
@@ -554,6 +558,7 @@ class SessionHandover:
         self.service.find_session_elsewhere = self.find
         self.service.store = SnapshottingStore(self.service.store, self)  # type: ignore[assignment]
         self.rpc.on_release = self.release
+        self.rpc.on_take = self.take_for_peer
         self.node.view.on_change(self._note_departures)
         self._note_departures()
 
@@ -614,9 +619,9 @@ class SessionHandover:
 
     # ------------------------------------------------------------ the new node
     def find(self, client_id: str, clean_start: bool) -> asyncio.Future[None] | None:
-        holder = self.node.view.sessions.get(client_id)
-        if clean_start and holder in (None, self.node.node_id):
-            return None  # nothing to resume, and nobody else to end a session on
+        """A CONNECT for a session not held here waits for its claim (every kind of session:
+        the registry orders takeovers) and, when another node held it, for that node to end
+        its connection and hand the session over."""
         return asyncio.ensure_future(self._take(client_id, clean_start))
 
     async def _take(self, client_id: str, clean_start: bool) -> None:
@@ -638,16 +643,10 @@ class SessionHandover:
     async def _take_now(self, client_id: str, clean_start: bool) -> None:
         node = self.node
         me = node.node_id
-        registry = node.key(keys.SESSIONS + client_id)
-        # one round trip: who held it, its last snapshot, and the registry now names this node
-        result = await node.client.txn([], [
-            get_op(registry), get_op(self.key(client_id)),
-            put_op(registry, keys.encode({"node": me}), node.lease_id),
-        ])
-        node.view.sessions[client_id] = me
-        held = result.reads[0]
-        holder = keys.decode(held[0].value).get("node") if held else None
-        saved_kv = result.reads[1]
+        # one transaction (again only when another claim came first): who held it, its last
+        # snapshot, and the registry now names this node
+        holder, reads = await node.claim_session(client_id, also_read=[self.key(client_id)])
+        saved_kv = reads[0]
         saved = keys.decode(saved_kv[0].value) if saved_kv else None
         state = saved
         if holder is not None and holder != me and holder in node.view.nodes():
@@ -678,6 +677,59 @@ class SessionHandover:
                     collecting.add_done_callback(self._collecting.discard)
                 return
         await self._adopt_taken(client_id, clean_start, state)
+
+    async def take_for_peer(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A leaving node asks this one to take a persistent session over (offline): as if its
+        client connected here, but no connection attaches."""
+        client_id = str(request["client_id"])
+        if client_id in self.service.sessions:
+            return {"taken": False}
+        try:
+            await self._take(client_id, clean_start=False)
+        except SessionUnavailable as exc:
+            return {"taken": False, "error": str(exc)}
+        return {"taken": client_id in self.service.sessions}
+
+    async def hand_over_offline(self, timeout_s: float = HAND_OVER_S) -> int:
+        """A graceful stop, once its clients are gone and before its cluster port closes: every
+        persistent session held here goes to a live node that is not leaving (spread over
+        them), with what it holds, so that what is published for it from now on is kept there
+        until its client comes back (a node that keeps no session for it would let non-reliable
+        messages go). Bounded by `timeout_s`; what is not handed over stays in its etcd
+        snapshot, as before. Returns how many were handed over."""
+        me = self.node.node_id
+        targets = sorted(node for node, registration in self.node.view.registrations.items()
+                         if node != me and not registration.leaving)
+        clients = [client_id for client_id, session in self.service.sessions.items()
+                   if session.durable and session.connection is None]
+        if not targets or not clients:
+            return 0
+        limit = asyncio.Semaphore(HAND_OVER_PARALLEL)
+        handed = 0
+
+        async def one(index: int, client_id: str) -> None:
+            nonlocal handed
+            target = targets[index % len(targets)]
+            async with limit:
+                if client_id not in self.service.sessions:
+                    return  # its client took it elsewhere meanwhile
+                try:
+                    reply = await self.rpc.take_session(target, {"client_id": client_id},
+                                                        TAKEOVER_TIMEOUT_S)
+                except StateCallError as exc:
+                    log.warning("cluster: node %s did not take session %r over: %s", target,
+                                client_id, exc)
+                    return
+                if reply.get("taken"):
+                    handed += 1
+
+        tasks = [asyncio.ensure_future(one(index, client_id)) for index, client_id in enumerate(clients)]
+        done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+        log.info("cluster: %d of %d persistent sessions handed over to live nodes", handed,
+                 len(clients))
+        return handed
 
     async def _collect_from(self, holder: str, client_id: str) -> None:
         """What `holder`'s stand-in took for the session: to the session here (queued for it,
@@ -882,7 +934,7 @@ class SessionHandover:
         """A session opened here (new, resumed or taken over): the registry names this node;
         etcd's snapshot becomes this session's (online), or goes when the session is not
         persistent (an earlier session's snapshot must not come back elsewhere)."""
-        self.node.claim_session(client_id)
+        self.node.claim_session_soon(client_id)
         session = self.service.sessions.get(client_id)
         if session is not None and not session.durable:
             self._void[client_id] = now_ms()

@@ -7,6 +7,8 @@ Cluster mode is on when `etcd` names at least one endpoint; otherwise none of
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
 
 
 @dataclass(slots=True)
@@ -34,11 +36,31 @@ class ClusterSettings:
     session_sweep_s: float = 30.0
     # how long the cursor floors of a node that left the view still keep owners' journals
     departed_floors_retention_s: float = 86400.0
+    # The cluster's shared secret: every node proves it to every other on the cluster port
+    # (`link_auth.py`). Prefer `secret_file` (a file only the broker's user reads); at least
+    # 16 bytes, e.g. `openssl rand -hex 32`. Every node of a cluster has the same one.
+    secret: str | None = None
+    secret_file: str | None = None
+    # Run the cluster port without node authentication (a node without a secret refuses to
+    # start otherwise): only on a network no one else reaches.
+    insecure: bool = False
+    # etcd's own credentials and TLS (`https://` endpoints)
     username: str | None = None
     password: str | None = None
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
+
+    # The allowed range of each numeric setting, inclusive (None: no bound), checked by the
+    # configuration loader with the file, the name and the value.
+    RANGES: ClassVar[dict[str, tuple[float | None, float | None]]] = {
+        "lease_ttl_s": (1, None),
+        "link_timeout_s": (0.001, None),
+        "connect_timeout_s": (0.001, None),
+        "leave_timeout_s": (0, None),
+        "session_sweep_s": (0.001, None),
+        "departed_floors_retention_s": (0, None),
+    }
 
     @property
     def endpoints(self) -> list[str]:
@@ -53,3 +75,31 @@ class ClusterSettings:
     @property
     def prefix(self) -> str:
         return f"/shardgate/{self.name}/"
+
+    def load_secret(self) -> bytes:
+        """The cluster secret (`secret`, or the contents of `secret_file` less surrounding
+        white space); b"" with `insecure`. ValueError when neither, or when it is too short."""
+        from .link_auth import MIN_SECRET_BYTES
+
+        if self.secret and self.secret_file:
+            raise ValueError("set one of cluster.secret and cluster.secret_file, not both")
+        if self.secret_file:
+            try:
+                secret = Path(self.secret_file).read_bytes().strip()
+            except OSError as exc:
+                raise ValueError(f"cannot read cluster.secret_file: {exc}") from None
+            source = f"cluster.secret_file {self.secret_file}"
+        else:
+            secret = (self.secret or "").encode()
+            source = "cluster.secret"
+        if not secret:
+            if self.insecure:
+                return b""
+            raise ValueError(
+                "no cluster secret: any process that reaches the cluster port could join as a "
+                "node. Give every node the same secret (cluster.secret_file, --cluster-secret-file "
+                "or SHARDGATE_CLUSTER__SECRET; e.g. `openssl rand -hex 32 > cluster.secret`), or "
+                "run with --insecure-cluster (cluster.insecure = true) on a closed network")
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"{source} is {len(secret)} bytes: at least {MIN_SECRET_BYTES}")
+        return secret

@@ -224,8 +224,8 @@ class OwnerLog:
 
     async def _fetch_once(self) -> float:
         """One ReadShard call; returns how long to wait before the cursor reads again."""
-        owner = self.plane.view.owner(self.stream, self.shard)
-        if owner is None or owner.node_id == self.plane.node_id:
+        assignment = self.plane.view.leader(self.stream, self.shard)
+        if assignment is None or assignment.leader == self.plane.node_id:
             return RETRY_MIN_S  # unplaced, or moving here (the data plane repoints the cursor)
         filters = list(self.filters())
         if not filters:
@@ -237,7 +237,7 @@ class OwnerLog:
         if self.since_ms is not None:
             request["since_ms"] = self.since_ms
         try:
-            header, records = await self.rpc.read_shard(owner.node_id, request, FETCH_TIMEOUT_S)
+            header, records = await self.rpc.read_shard(assignment.leader, request, FETCH_TIMEOUT_S)
         except StateCallError as exc:
             raise RuntimeError(str(exc)) from None
         if "error" in header:

@@ -6,6 +6,10 @@ data plane's `PeerLink` stream (`DataPlane.add_service`).
   (`sessions.py`).
 - `ReleaseDurable`: the same for a durable subscription (`durables.py`) whose consumer came
   here; refused while consumers are attached there.
+- `TakeSession`: "I am leaving: take this persistent session of mine" — the peer takes it
+  over as if its client had connected there (it claims the session and calls
+  `ReleaseSession` back), so that a session whose node stops keeps living, offline, on a
+  live node (`sessions.SessionHandover.hand_over_offline`).
 - `ReadShard`: "give me the records of your shard from this offset that match these filters" —
   how a node replays a reliable shard it does not own for a durable cursor that resumed here
   (`shard_reader.py`); the owner also says whether this node's routes already cover the
@@ -26,12 +30,14 @@ from typing import Any
 import grpc
 
 from ..storage.interfaces import StoredRecord
+from .link_auth import NodeCredentials, cluster_channel
 from .membership import ClusterView
 
 SERVICE = "shardgate.cluster.v1.ClusterState"
 RELEASE_SESSION = "ReleaseSession"
 RELEASE_DURABLE = "ReleaseDurable"
 READ_SHARD = "ReadShard"
+TAKE_SESSION = "TakeSession"
 _RECORD = struct.Struct("<qqI")
 _HEADER = struct.Struct("<I")
 MAX_MESSAGE = 64 << 20
@@ -78,9 +84,12 @@ class StateRpc:
     """Both ends: `handler()` serves this node's answers; `release_session` and `read_shard`
     call a peer (one channel per peer address, opened on first use)."""
 
-    def __init__(self, view: ClusterView) -> None:
+    def __init__(self, view: ClusterView, credentials: NodeCredentials | None = None) -> None:
         self.view = view
+        # every call proves this node to the peer (`link_auth.py`)
+        self.credentials = credentials or NodeCredentials(view.node_id)
         self.on_release: JsonHandler | None = None
+        self.on_take: JsonHandler | None = None
         self.on_release_durable: JsonHandler | None = None
         self.on_read: ReadHandler | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -92,6 +101,12 @@ class StateRpc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "this node has no MQTT service")
             assert self.on_release is not None
             return _json(await self.on_release(json.loads(request)))
+
+        async def take(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            if self.on_take is None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "this node has no MQTT service")
+            assert self.on_take is not None
+            return _json(await self.on_take(json.loads(request)))
 
         async def release_durable(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             if self.on_release_durable is None:
@@ -108,6 +123,7 @@ class StateRpc:
 
         return grpc.method_handlers_generic_handler(SERVICE, {
             RELEASE_SESSION: grpc.unary_unary_rpc_method_handler(release),
+            TAKE_SESSION: grpc.unary_unary_rpc_method_handler(take),
             RELEASE_DURABLE: grpc.unary_unary_rpc_method_handler(release_durable),
             READ_SHARD: grpc.unary_unary_rpc_method_handler(read),
         })
@@ -123,7 +139,7 @@ class StateRpc:
             raise StateCallError(f"node {node_id} is not live")
         channel = self._channels.get(info.cluster_address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(info.cluster_address, options=CHANNEL_OPTIONS)
+            channel = cluster_channel(info.cluster_address, self.credentials, CHANNEL_OPTIONS)
             self._channels[info.cluster_address] = channel
         return channel
 
@@ -136,6 +152,9 @@ class StateRpc:
 
     async def release_session(self, node_id: str, request: dict[str, Any], timeout: float) -> dict[str, Any]:
         return json.loads(await self._call(node_id, RELEASE_SESSION, request, timeout))  # type: ignore[no-any-return]
+
+    async def take_session(self, node_id: str, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        return json.loads(await self._call(node_id, TAKE_SESSION, request, timeout))  # type: ignore[no-any-return]
 
     async def release_durable(self, node_id: str, request: dict[str, Any], timeout: float) -> dict[str, Any]:
         return json.loads(await self._call(node_id, RELEASE_DURABLE, request, timeout))  # type: ignore[no-any-return]

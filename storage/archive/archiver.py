@@ -39,7 +39,7 @@ from fsspec import AbstractFileSystem
 
 from ..allocators import return_freed_memory
 from ..journal import JournalStorage, RecordBlock
-from . import layout
+from . import compaction, layout, upgrade
 from .buffer import RecordBuffer, int64_array
 from .columns import build_table, encode_parquet, warm_up
 from .settings import ArchiveConfigError, ArchiveSettings, ArchiveUnavailable
@@ -168,6 +168,11 @@ class Archiver:
         self._list_errors: dict[str, str] = {}
         self._invalid: set[str] = set()
         """Streams whose names cannot be archived (reported in status, never retried)."""
+        self._upgraded: set[str] = set()
+        """Streams whose older-format files are rewritten (`upgrade.py`), in this process."""
+        self._upgrade_failed: set[str] = set()
+        self._compaction = self.settings.compaction and self._local
+        self._next_compaction = 0.0
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -181,6 +186,8 @@ class Archiver:
         bucket), then archive in a background task. An unreachable store is not an error
         here: the task keeps retrying and `status()` shows it."""
         await asyncio.to_thread(self._check_store)
+        if self._compaction:
+            await asyncio.to_thread(compaction.clear_staging, self.root)
         await self._discover(raise_auth=True)
         await self._workers.run(warm_up)
         await self._workers.release()
@@ -212,11 +219,14 @@ class Archiver:
         that is not done within `timeout` seconds (None: keep trying)."""
         await self.journal.flush()
         deadline = None if timeout is None else time.monotonic() + timeout
+        targets: dict[tuple[str, int], int] = {}
         while True:
             async with self._lock:
                 await self._discover()
-                targets = {key: self._committed(key) for key in self._shards}
-                await self._pass(force=True, ignore_backoff=True)
+                for key in self._shards:  # what is committed when the flush first sees it
+                    if key not in targets:
+                        targets[key] = self._committed(key)
+                await self._pass(force=True, ignore_backoff=True, targets=targets)
                 missing = [
                     state for key, state in self._shards.items()
                     if state.archived_next < targets.get(key, 0)
@@ -305,6 +315,10 @@ class Archiver:
                 async with self._lock:
                     await self._discover()
                     await self._pass(force=False, ignore_backoff=False)
+                await self.upgrade()
+                if self._compaction and time.monotonic() >= self._next_compaction:
+                    self._next_compaction = time.monotonic() + self.settings.compact_interval_s
+                    await self.compact()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -312,6 +326,58 @@ class Archiver:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval)
             self._wake.clear()
+
+    async def upgrade(self) -> int:
+        """Rewrite the older-format files of every stream listed so far (once per stream and
+        process; see `upgrade.py`); returns how many files were rewritten."""
+        rewritten = 0
+        for name in list(self._listed):
+            if name in self._upgraded:
+                continue
+            try:
+                rewritten += await self._workers.run(
+                    upgrade.upgrade_stream, self.fs, self.root, name, self._put,
+                    self.settings.compression_level)
+            except Exception as exc:
+                if name not in self._upgrade_failed:  # retried each pass, logged once
+                    log.warning("archive of stream %s: older files not rewritten yet: %s",
+                                name, _describe(exc))
+                self._upgrade_failed.add(name)
+                continue
+            self._upgraded.add(name)
+        return rewritten
+
+    async def compact(self, now_ms: int | None = None) -> int:
+        """Merge small files of every listed stream whose hour ended `compact_after_s` ago
+        (`compaction.py`; local disks only); returns how many files were replaced. Each shard
+        directory is compacted under the archiver's lock, so no file of it is written
+        meanwhile."""
+        if not self._compaction:
+            return 0
+        settings = self.settings
+        replaced = 0
+        for name in list(self._listed):
+            files = await self._workers.run(layout.list_stream_files, self.fs, self.root, name)
+            for directory, entries in compaction.shard_directories(files).items():
+                end = compaction.hour_end_ms(directory)
+                now = int(time.time() * 1000) if now_ms is None else now_ms
+                if end is None or end + settings.compact_after_s * 1000 > now or len(entries) < 2:
+                    continue
+                if not compaction.plan(entries, settings.file_target_bytes):
+                    continue
+                async with self._lock:
+                    try:
+                        replaced += await self._workers.run(
+                            compaction.compact_directory, self.root, name, directory, entries,
+                            settings.file_target_bytes, settings.compression_level,
+                            settings.row_group_rows)
+                    except compaction.CompactionUnsupported as exc:
+                        log.warning("archive compaction is off: %s", exc)
+                        self._compaction = False
+                        return replaced
+                    except FileNotFoundError:
+                        continue  # listed before a change: the next round lists again
+        return replaced
 
     def _wanted_streams_with_shards(self) -> list[tuple[str, int, str]]:
         return [(name, int(count), str(schema)) for name, count, schema in self._streams()]
@@ -393,23 +459,32 @@ class Archiver:
         shard_log = self._open_log(*key)
         return shard_log.committed_offset if shard_log is not None else 0
 
-    async def _pass(self, force: bool, ignore_backoff: bool) -> None:
-        """One round over every shard: read what is new, seal the files that are due."""
-        for state in list(self._shards.values()):
+    async def _pass(self, force: bool, ignore_backoff: bool,
+                    targets: dict[tuple[str, int], int] | None = None) -> None:
+        """One round over every shard: read what is new, seal the files that are due. With
+        `force`, a partial file is sealed too, but only while the shard has not archived up
+        to its offset in `targets` (what was committed when a flush began): records that
+        arrive during the flush's uploads wait for their own file to be due, rather than
+        become one more small file each."""
+        for key, state in list(self._shards.items()):
             if not ignore_backoff and time.monotonic() < state.retry_at:
                 continue
             shard_log = self._open_log(state.stream, state.shard)
             if shard_log is None:
                 continue
-            if not (force or state.buffer or self._file_due_soon(state, shard_log)):
+
+            def forced(state: _ShardState = state, key: tuple[str, int] = key) -> bool:
+                return force and (targets is None or state.archived_next < targets.get(key, 0))
+
+            if not (forced() or state.buffer or self._file_due_soon(state, shard_log)):
                 continue
             while True:
                 await self._fill(state, shard_log)
-                if not self._due(state, force):
+                if not self._due(state, forced()):
                     break
                 if not await self._seal(state, shard_log):
                     break
-                if not (force or state.buffer or self._file_due_soon(state, shard_log)):
+                if not (forced() or state.buffer or self._file_due_soon(state, shard_log)):
                     break
 
     def _file_due_soon(self, state: _ShardState, shard_log: Any) -> bool:
@@ -529,7 +604,7 @@ class Archiver:
         records = state.buffer
         saved = (records, state.buffer_bytes, state.hour_closed)
         first, last = records[0].offset, records[-1].offset
-        directory = layout.partition_dir(self.root, state.stream, records[0].timestamp_ms)
+        directory = layout.shard_dir(self.root, state.stream, state.shard, records[0].timestamp_ms)
         path = f"{directory}/{layout.file_name(state.shard, first, last)}"
         prebuilt, state.prebuilt = state.prebuilt, None
         state.uploading = records

@@ -1,7 +1,9 @@
 """The archive's Arrow schema and the conversion between journal records and Arrow tables.
 
 Every file has the same columns, so `spark.read.parquet` over many streams needs no schema
-merging. The three decoded payload columns are filled only for a stream with that schema
+merging. The stream's name is not a column: it is the `stream=` directory (a Hive partition),
+and a column of the same name made pyarrow and pandas refuse the archive root (`string` vs the
+partition's `dictionary`) and Spark warn `COLUMN_ALREADY_EXISTS`. The three decoded payload columns are filled only for a stream with that schema
 (`string`, `int64` as 8-byte big-endian, `json` as its text) and null elsewhere. Every message
 field is kept, so that `records_from_table` rebuilds the journal's record bytes exactly (tiered
 replay serves them as if the journal still held them). Columns are built as one list per
@@ -39,13 +41,14 @@ from ..journal import RecordBlock
 from .buffer import RecordBuffer
 from .decode import NATIVE_PROPERTIES, PAD_BYTES, decode_spans
 
-FORMAT_VERSION = "2"
-"""2 added the `native_properties` column; files of format 1 lack it (read as null)."""
+FORMAT_VERSION = "3"
+"""2 added the `native_properties` column (files of format 1 lack it); 3 dropped the `stream`
+column (the `stream=` partition carries it). `upgrade_table` turns an older file's table into
+this format."""
 TIMESTAMP = pa.timestamp("ms", tz="UTC")
 HEADERS = pa.map_(pa.string(), pa.string())
 
 ARROW_SCHEMA = pa.schema([
-    pa.field("stream", pa.string()),
     pa.field("shard", pa.int32()),
     pa.field("offset", pa.int64()),
     pa.field("publish_time", TIMESTAMP),
@@ -234,7 +237,6 @@ def build_table(
     elif schema == "int64":
         decoded["payload_int64"] = _as_int64(payloads)
     arrays = [
-        pa.repeat(pa.scalar(stream, pa.string()), count),
         pa.repeat(pa.scalar(shard, pa.int32()), count),
         offsets,
         stamps.cast(TIMESTAMP),
@@ -281,7 +283,7 @@ PARQUET_OPTIONS: dict[str, Any] = {
     "compression": "zstd",
     # Dictionary pages only where values repeat (names, topics): a payload never does, and
     # trying costs an encoding that Parquet then throws away.
-    "use_dictionary": ["stream", "topic", "content_type", "producer_protocol", "producer_id"],
+    "use_dictionary": ["topic", "content_type", "producer_protocol", "producer_id"],
     "write_statistics": True,
 }
 """The `pq.write_table` options of every archive file besides the compression level and row
@@ -355,3 +357,16 @@ def warm_up() -> None:
         data, 0, array("q", [0]), array("q", [len(data)]), array("q", [0]),
     )
     build_table("warm-up", 0, "bytes", RecordBuffer([block]))
+
+
+def upgrade_table(table: pa.Table) -> pa.Table:
+    """An archive table of an older format (1 or 2) in this format: the `stream` column
+    dropped, `native_properties` added as nulls where missing. None of the rows change."""
+    if "stream" in table.column_names:
+        table = table.drop_columns(["stream"])
+    arrays = [
+        table.column(field.name) if field.name in table.column_names
+        else pa.nulls(table.num_rows, field.type)
+        for field in ARROW_SCHEMA
+    ]
+    return pa.Table.from_arrays(arrays, schema=ARROW_SCHEMA)

@@ -1,11 +1,18 @@
 """Where archive files live: the fsspec filesystem of an archive URL, the Hive-partitioned
-paths (`stream=<name>/date=YYYY-MM-DD/hour=HH/`), the file names that carry a shard and an
-offset range, and the listing that rebuilds what the archive holds from those names alone.
+paths (`stream=<name>/date=YYYY-MM-DD/hour=H/shard0003/`), the file names that carry a shard
+and an offset range, and the listing that rebuilds what the archive holds from those names
+alone.
 
 File names are the archive's only bookkeeping: `shard0003-<first>-<last>.parquet` with
-20-digit zero-padded offsets (both inclusive). Files still being written locally are
-dot-named, so Spark, pyarrow and the listing here skip them. This module does no Parquet
-encoding and keeps no state.
+20-digit zero-padded offsets (both inclusive). Each shard's files of an hour sit in a
+directory of their own (`shard0003/`, not a `key=value` name, so no reader takes it for a
+partition): compaction replaces that directory's content in one atomic exchange
+(`compaction.py`). The hour is written without a leading zero (`hour=7`), so that every reader
+that infers partition types (DuckDB keeps `07` as text) reads an integer; archives written
+before hold `hour=07` directories too, and files directly in the hour directory, which are
+read the same way. Files still being written locally are dot-named and end in `.tmp`, so
+Spark, pyarrow, DuckDB's `**/*.parquet` and the listing here skip them. This module does no
+Parquet encoding and keeps no state.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ from fsspec.implementations.local import LocalFileSystem
 from .settings import ArchiveConfigError, ArchiveSettings
 
 STREAM_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
-FILE_NAME = re.compile(r"^shard(\d{4,})-(\d{20})-(\d{20})\.parquet$")
+FILE_NAME = re.compile(r"^shard(\d{4,})-(\d{20})-(\d{20})(?:\.c)?\.parquet$")
+WRITTEN_GLOB = "shard*[0-9].parquet"
+"""The names of the files the archiver writes, not those compaction merged (`.c.parquet`)."""
 HOUR_MS = 3_600_000
 OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "az", "adl", "oss"})
 
@@ -53,6 +62,11 @@ def file_name(shard: int, first_offset: int, last_offset: int) -> str:
     return f"shard{shard:04d}-{first_offset:020d}-{last_offset:020d}.parquet"
 
 
+def merged_file_name(shard: int, first_offset: int, last_offset: int) -> str:
+    """The name of a file compaction merged (`compaction.py`)."""
+    return f"shard{shard:04d}-{first_offset:020d}-{last_offset:020d}.c.parquet"
+
+
 def parse_file_name(name: str) -> tuple[int, int, int] | None:
     """(shard, first offset, last offset) of an archive file name; None for anything else."""
     match = FILE_NAME.match(name)
@@ -69,7 +83,16 @@ def stream_dir(root: str, stream: str) -> str:
 def partition_dir(root: str, stream: str, timestamp_ms: int) -> str:
     """The `date=/hour=` directory (UTC) of a record published at `timestamp_ms`."""
     stamp = time.gmtime(timestamp_ms // 1000)
-    return f"{stream_dir(root, stream)}/date={stamp.tm_year:04d}-{stamp.tm_mon:02d}-{stamp.tm_mday:02d}/hour={stamp.tm_hour:02d}"
+    return f"{stream_dir(root, stream)}/date={stamp.tm_year:04d}-{stamp.tm_mon:02d}-{stamp.tm_mday:02d}/hour={stamp.tm_hour}"
+
+
+def shard_dir_name(shard: int) -> str:
+    return f"shard{shard:04d}"
+
+
+def shard_dir(root: str, stream: str, shard: int, timestamp_ms: int) -> str:
+    """The directory of `shard`'s files of the hour of `timestamp_ms`."""
+    return f"{partition_dir(root, stream, timestamp_ms)}/{shard_dir_name(shard)}"
 
 
 def hour_of(timestamp_ms: int) -> int:
@@ -170,6 +193,9 @@ def list_stream_files(fs: AbstractFileSystem, root: str, stream: str) -> list[Ar
         return []
     files = []
     for path, info in found.items():
+        relative = path[len(directory):]
+        if "/." in relative or "/_" in relative:
+            continue  # hidden: a temporary, a directory being built
         name = path.rsplit("/", 1)[-1]
         parsed = parse_file_name(name)
         if parsed is None:
@@ -187,5 +213,6 @@ def stale_temporaries(fs: AbstractFileSystem, root: str, stream: str) -> list[st
     directory = stream_dir(root, stream)
     stale = []
     for dirpath, _dirnames, filenames in os.walk(directory):
-        stale += [os.path.join(dirpath, name) for name in filenames if name.startswith(".shard")]
+        stale += [os.path.join(dirpath, name) for name in filenames
+                  if name.startswith(".shard") and name.endswith(".tmp")]
     return stale

@@ -71,6 +71,13 @@ class ArchiveReader:
         files = self.files(stream, shard)
         if not files or files[-1].last_offset < from_offset:
             files = self.files(stream, shard, refresh=True)
+        try:
+            return self._read(files, from_offset, max_records)
+        except FileNotFoundError:  # compaction replaced files since the listing
+            return self._read(self.files(stream, shard, refresh=True), from_offset, max_records)
+
+    def _read(self, files: list[layout.ArchiveFile], from_offset: int, max_records: int
+              ) -> list[StoredRecord]:
         lasts = [entry.last_offset for entry in files]
         out: list[StoredRecord] = []
         for entry in files[bisect_left(lasts, from_offset):]:

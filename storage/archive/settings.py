@@ -41,6 +41,16 @@ class ArchiveSettings:
     compression_level: int = 3
     """zstd level."""
     row_group_rows: int = 64 * 1024
+    compaction: bool = True
+    """Merge a shard's small files of an hour into files of `file_target_bytes` (local disks;
+    see `compaction.py`)."""
+    file_target_bytes: int = 128 * MIB
+    """The Parquet file size compaction aims at (the size of the written files, zstd)."""
+    compact_after_s: float = 3600.0
+    """Compact an hour's files once the hour ended this long ago (a Spark Structured Streaming
+    query over the archive must run at least this often: it reads files as they appear)."""
+    compact_interval_s: float = 60.0
+    """How often the archiver looks for files to compact."""
     retry_initial_s: float = 0.5
     retry_max_s: float = 30.0
     stop_timeout_s: float = 30.0
@@ -59,5 +69,8 @@ class ArchiveSettings:
             raise ValueError("target_rows, target_bytes and read_batch must be positive")
         if self.max_delay_s < 0 or self.poll_interval_s <= 0:
             raise ValueError("max_delay_s must not be negative and poll_interval_s positive")
+        if self.file_target_bytes <= 0 or self.compact_after_s < 0 or self.compact_interval_s <= 0:
+            raise ValueError("file_target_bytes and compact_interval_s must be positive and "
+                             "compact_after_s not negative")
         if self.retry_initial_s <= 0 or self.retry_max_s < self.retry_initial_s:
             raise ValueError("retry_initial_s must be positive and at most retry_max_s")

@@ -3,7 +3,9 @@
 `JournalStorage` implements `ShardStorage` and `JournalShardLog` implements `ShardLog` (see
 `shardgate.storage.interfaces`): per shard, segment files of checksummed records with sparse
 offset and time indexes, group commit under an fsync policy, recovery that cuts a torn tail,
-and retention bounded by what consumers still need.
+and retention bounded by what consumers still need. For replicas: `truncate_to(offset)`
+cuts a shard log back, and its `leader_epochs` (`LeaderEpochCache`) keeps the leader-epoch
+checkpoint of Kafka's KIP-101.
 """
 
 # ruff: noqa: E402 - the compiled build is chosen before any module imports `framing`
@@ -19,11 +21,13 @@ from .block import RecordBlock
 from .commit import CommitStats, GroupCommitter
 from .config import (
     FsyncPolicy,
+    JournalBusy,
     JournalClosed,
     JournalConfig,
     JournalLocked,
     JournalVersionError,
 )
+from .epochs import CorruptCheckpoint, EpochEndOffset, EpochEntry, LeaderEpochCache
 from .log import JournalShardLog
 from .record import DEFAULT_CHECKSUM
 from .storage import FORMAT_VERSION, VERSION_FILE, JournalStorage
@@ -34,8 +38,12 @@ __all__ = [
     "LATENCY_BUCKETS",
     "VERSION_FILE",
     "CommitStats",
+    "CorruptCheckpoint",
+    "EpochEndOffset",
+    "EpochEntry",
     "FsyncPolicy",
     "GroupCommitter",
+    "JournalBusy",
     "JournalClosed",
     "JournalConfig",
     "JournalLocked",
@@ -44,4 +52,5 @@ __all__ = [
     "RecordBlock",
     "JournalVersionError",
     "LatencyHistogram",
+    "LeaderEpochCache",
 ]

@@ -108,6 +108,12 @@ class GroupCommitter:
 
     # -- registration -------------------------------------------------------------------
 
+    @property
+    def io_lock(self) -> threading.Lock:
+        """Held by the worker while it writes: a log changing its files outside a commit pass
+        (`JournalShardLog.truncate_to`) holds it too."""
+        return self._io_lock
+
     def register(self, shard_log: JournalShardLog) -> None:
         self._logs[shard_log] = None
 

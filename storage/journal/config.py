@@ -58,3 +58,7 @@ class JournalLocked(StorageError):
 
 class JournalClosed(StorageError):
     """The shard log or the journal was closed."""
+
+
+class JournalBusy(StorageError):
+    """The shard log cannot do this while appended records wait for the disk (flush first)."""

@@ -32,12 +32,15 @@ from pathlib import Path
 from ..interfaces import StorageFull, StoredRecord
 from .block import RecordBlock
 from .commit import GroupCommitter, resolve
-from .config import FsyncPolicy, JournalClosed, JournalConfig
+from .config import FsyncPolicy, JournalBusy, JournalClosed, JournalConfig
+from .epochs import LeaderEpochCache
 from .framing import frame_records
 from .keyindex import KeyedBlock
 from .record import checksum_function
 from .reservation import OffsetReservation, read_reservation
 from .segment import (
+    INDEX_SUFFIX,
+    TIMEINDEX_SUFFIX,
     Segment,
     fsync_directory,
     parse_segment_name,
@@ -167,6 +170,9 @@ class JournalShardLog:
         self._broken: OSError | None = None
         self._max_pending = self.config.max_pending_bytes
         self._index_interval = self.config.index_interval_bytes
+        # Which leader epoch wrote which part of the log (KIP-101); empty until a replicated
+        # shard's leader assigns one.
+        self.leader_epochs = LeaderEpochCache(self.directory)
         self._committer.register(self)
 
     def _open_segments(self) -> list[Segment]:
@@ -419,6 +425,85 @@ class JournalShardLog:
         self._delete_while(expired)
         return self._bases[0]
 
+    def truncate_to(self, offset: int) -> int:
+        """Remove every record at `offset` and after: the next append gets `offset`. Returns
+        the new end. For a replica whose log diverged from its leader's (the leader-epoch
+        checkpoint says where, `epochs.py`): the caller guarantees that no reader saw those
+        records (readers of a replicated shard stay below its high watermark), so unlike a
+        failed commit their offsets are handed out again. Epochs starting at or after
+        `offset` leave the checkpoint.
+
+        An `offset` at or past the end changes nothing; one at or below the low watermark
+        empties the log, which then starts at `offset`. Only published records can be
+        truncated: raises JournalBusy while appended records wait for the disk (`await
+        flush()` first), JournalClosed once closed. A crash during the call leaves the log
+        ending anywhere between `offset` and the old end (and an emptied log empty, with its
+        offsets below `offset` read as empty records): truncate again after the restart."""
+        if self._closed:
+            raise JournalClosed(f"{self.directory} is closed")
+        if self._pending is not None or self._inflight is not None or self._unsynced:
+            raise JournalBusy(f"{self.directory}: appended records wait for the disk; "
+                              "flush before truncating")
+        if offset < 0:
+            raise ValueError(f"cannot truncate {self.directory} to offset {offset}")
+        if offset >= self._next:
+            return self._next
+        with self._committer.io_lock:
+            # No offset at or above `offset` is handed out any more: lower the reservation
+            # first, so that a crash from here on never skips past the new end.
+            self._reservation.lower(offset)
+            self._reserved = self._reserve_target = offset
+            self._hole_from = None
+            if offset > self._committed:
+                # only a hole is cut (offsets handed out but never written)
+                self._hole_from = self._committed
+                self._next = offset
+                return offset
+            self._cut_segments(offset)
+        self._next = self._committed = offset
+        self._tail = _Tail.of(self._segments[-1])
+        self.leader_epochs.truncate_from(offset)
+        return offset
+
+    def _cut_segments(self, offset: int) -> None:
+        """Delete the segments at or after `offset`, newest first (a crash leaves a prefix),
+        cut the one holding it and reopen it as the active segment (I/O lock held)."""
+        everything = offset <= self._bases[0]
+        while self._segments and (everything or self._segments[-1].base_offset >= offset):
+            segment = self._segments.pop()
+            self._bases.pop()
+            if segment in self._to_seal:
+                self._to_seal.remove(segment)
+            segment.delete_files()
+        if self._io_segment not in self._segments:
+            self._io_segment.close()
+        if everything:
+            fsync_directory(self.directory)
+            active = Segment.create(self.directory, offset, self._crc, self._key_of)
+        else:
+            last = self._segments.pop()
+            self._bases.pop()
+            if last in self._to_seal:
+                self._to_seal.remove(last)
+            cut = last.size
+            if offset < last.next_offset:
+                cut = last.position_of(offset)
+            last.close()
+            for suffix in (INDEX_SUFFIX, TIMEINDEX_SUFFIX):
+                last.path(suffix).unlink(missing_ok=True)
+            os.truncate(last.path(), cut)
+            fd = os.open(last.path(), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            fsync_directory(self.directory)
+            active = Segment.recover_active(self.directory, last.base_offset,
+                                            self._index_interval, self._crc, self._key_of)
+        self._segments.append(active)
+        self._bases.append(active.base_offset)
+        self._io_segment = active
+
     def _delete_while(self, condition: Callable[[Segment], bool]) -> None:
         deleted = False
         while len(self._segments) > 1:
@@ -431,6 +516,8 @@ class JournalShardLog:
             deleted = True
         if deleted:
             fsync_directory(self.directory)
+            if self.leader_epochs.entries:
+                self.leader_epochs.truncate_until(self._bases[0])
 
     def forget_caches(self) -> None:
         """Drop the segments' key indexes (`keyindex.py`): the next keyed read builds its

@@ -439,6 +439,18 @@ class Segment:
         i = bisect_right(self.index_offsets, offset - self.base_offset) - 1
         return self.index_positions[i] if i >= 0 else 0
 
+    def position_of(self, offset: int) -> int:
+        """The byte position where the published record `offset` starts (scanned from the
+        index entry before it). Raises CorruptRecord when the file does not hold it there."""
+        for status, pos, found, _timestamp, _data in walk(
+            self.fd, self.position_for(offset), self.size, FETCH_CHUNK, self.crc
+        ):
+            if status != OK:
+                break
+            if found == offset:
+                return pos
+        raise CorruptRecord(f"{self.path()}: record {offset} not found")
+
     def read(self, from_offset: int, max_records: int, out: list[StoredRecord]) -> None:
         """Append to `out` the published records from `from_offset` until `max_records` are
         in `out` or the segment ends.

@@ -19,13 +19,14 @@ connection, for checkpoints only). It knows nothing of `shardgate.core` or the p
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from shardgate.storage.metadata.durability import WalSyncer, done_future
 from shardgate.storage.metadata.interface import MetadataError, SchemaVersionError
@@ -39,6 +40,8 @@ from shardgate.storage.metadata.records import (
     UserRecord,
 )
 from shardgate.storage.metadata.schema import MIGRATIONS, SCHEMA_VERSION, VERSION_TABLE
+
+log = logging.getLogger(__name__)
 
 Synchronous = Literal["FULL", "EXTRA", "NORMAL"]
 
@@ -87,6 +90,24 @@ def _chain(done: Future[None], future: Future[None]) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
+
+
+R = TypeVar("R")
+
+
+def _readable(rows: Iterable[tuple[Any, ...]], decode: Callable[[tuple[Any, ...]], R],
+              what: str) -> list[R]:
+    """The records of `rows`; a row that cannot be read is logged with what it holds and set
+    aside (left in the table), so that one bad row never hides the others, nor stops a
+    start."""
+    records = []
+    for row in rows:
+        try:
+            records.append(decode(row))
+        except (TypeError, ValueError) as exc:
+            log.error("%s record cannot be restored, set aside (%s: %s); stored as %.500r",
+                      what, type(exc).__name__, exc, row)
+    return records
 
 
 def _stream(row: tuple[Any, ...]) -> StreamRecord:
@@ -407,10 +428,9 @@ class SqliteMetadataStore:
         return None if row is None else _stream(row)
 
     def list_streams(self) -> list[StreamRecord]:
-        return [
-            _stream(r)
-            for r in self._rows(f"SELECT {_STREAM_COLUMNS} FROM streams ORDER BY name", ())
-        ]
+        return _readable(
+            self._rows(f"SELECT {_STREAM_COLUMNS} FROM streams ORDER BY name", ()), _stream, "stream"
+        )
 
     def delete_stream(self, name: str) -> bool:
         return bool(
@@ -432,7 +452,7 @@ class SqliteMetadataStore:
         rows = self._rows(
             "SELECT pattern, stream, priority FROM routes ORDER BY priority DESC, pattern", ()
         )
-        return [RouteRecord(*r) for r in rows]
+        return _readable(rows, lambda r: RouteRecord(*r), "route")
 
     def delete_route(self, pattern: str) -> bool:
         return bool(self._write("DELETE FROM routes WHERE pattern = ?", (pattern,)))
@@ -466,7 +486,7 @@ class SqliteMetadataStore:
             "ORDER BY name",
             (),
         )
-        return [_subscription(r) for r in rows]
+        return _readable(rows, _subscription, "subscription")
 
     def delete_subscription(self, name: str) -> bool:
         return bool(
@@ -530,7 +550,7 @@ class SqliteMetadataStore:
             "ORDER BY client_id",
             (),
         )
-        return [_session(r) for r in rows]
+        return _readable(rows, _session, "session")
 
     def delete_session(self, client_id: str) -> bool:
         return bool(
@@ -591,7 +611,7 @@ class SqliteMetadataStore:
             "ORDER BY deliver_at_ms, id LIMIT ?",
             (now_ms, -1 if limit is None else limit),
         )
-        return [DelayedRecord(i, at, bytes(data)) for i, at, data in rows]
+        return _readable(rows, lambda r: DelayedRecord(r[0], r[1], bytes(r[2])), "delayed message")
 
     def delete_delayed(self, id: str) -> bool:
         return bool(self._write("DELETE FROM delayed WHERE id = ?", (id,)))

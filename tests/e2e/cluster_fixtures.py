@@ -38,6 +38,8 @@ from tests.conftest import (
 )
 
 ETCD = shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None)
+# Every fixture node proves this cluster secret to the others (`[cluster] secret`).
+CLUSTER_SECRET = "test-cluster-secret-7f3a9c2e5b1d"
 
 
 class EtcdServer:
@@ -137,6 +139,7 @@ class ClusterNodeProcess(BrokerProcess):
         config.parent.mkdir(parents=True, exist_ok=True)
         config.write_text(
             f'[cluster]\nname = "{cluster_name}"\nlease_ttl_s = {lease_ttl_s}\n'
+            f'secret = "{CLUSTER_SECRET}"\n'
             f"connect_timeout_s = 5\nleave_timeout_s = 10\n\n{extra_config}")
         super().__init__(
             data_dir,

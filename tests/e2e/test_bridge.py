@@ -151,3 +151,66 @@ def test_store_and_forward_survives_a_restart_of_this_node_on_a_reliable_stream(
     watcher.expect_none(0.5)
     watcher.disconnect()
     assert edge.terminate() == 0
+
+
+def test_inbound_filters_name_remote_topics_under_remote_prefix_and_drops_are_counted_and_logged(
+    broker_factory: Callable[..., ThreadedBroker], caplog,
+) -> None:
+    """Both directions alike: a filter names topics of the side read from, prefix included.
+    A filter outside its prefix is refused at once, naming the filter to write; a message a
+    wildcard filter brings from outside the prefix is dropped, counted by reason and logged."""
+    import logging
+
+    import pytest
+
+    remote = broker_factory()
+    local = broker_factory()
+    settings = BridgeSettings(name="edge", remote=f"mqtt://127.0.0.1:{remote.mqtt_port}",
+                              inbound=["commands/#"], remote_prefix="edge1/")
+    with pytest.raises(ValueError, match=r"inbound filter 'commands/#' is not under remote_prefix "
+                                         r"'edge1/'.*write 'edge1/commands/#'"):
+        local.call(lambda: Bridge(local.app.edge, settings))
+
+    caplog.set_level(logging.WARNING, logger="shardgate.bridges")
+    bridge = start_bridge(local, remote, inbound=["edge1/commands/#", "+/alarms/#"],
+                          remote_prefix="edge1/", out=["status/#"])
+    try:
+        device = Paho(local.mqtt_port, "device", V5)
+        device.subscribe("#", qos=1)
+        controller = Paho(remote.mqtt_port, "controller", V5)
+        controller.publish("edge1/commands/reboot", b"now", qos=1)
+        command = device.expect()
+        assert (command.topic, command.payload) == ("commands/reboot", b"now")
+        controller.publish("edge2/alarms/fire", b"x", qos=1)  # matched by +/alarms/#, not edge1/
+        wait_for(lambda: local.call(lambda: bridge.drops_in.get("outside_prefix")) == 1)
+        device.expect_none()
+        status = local.call(bridge.status)
+        assert status["drops_in"] == {"outside_prefix": 1} and status["forwarded_in"] == 1
+        # out: a local topic goes out with remote_prefix added, the same rule the other way
+        watcher = Paho(remote.mqtt_port, "watcher", V5)
+        watcher.subscribe("edge1/status/#", qos=1)
+        device.publish("status/up", b"1", qos=1)
+        assert watcher.expect().topic == "edge1/status/up"
+        for client in (device, controller, watcher):
+            client.disconnect()
+    finally:
+        local.call(bridge.stop())
+    warnings = [r.getMessage() for r in caplog.records if "dropped a message" in r.getMessage()]
+    assert warnings == ["bridge edge: dropped a message coming in on 'edge2/alarms/fire': outside "
+                        "prefix (not under remote_prefix 'edge1/')"]
+    assert any("'+/alarms/#' reaches beyond remote_prefix 'edge1/'" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_config_check_refuses_a_bridge_filter_outside_its_prefix(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    config = tmp_path / "edge.toml"
+    config.write_text('[[bridges]]\nname = "cloud"\nremote = "mqtt://127.0.0.1:1"\n'
+                      'remote_prefix = "edge1/"\ninbound = ["commands/#"]\n')
+    done = subprocess.run([sys.executable, "-m", "shardgate", "config", "check", str(config)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "inbound filter 'commands/#' is not under remote_prefix 'edge1/'" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -20,7 +20,7 @@ import pytest
 from shardgate.client import SyncClient
 
 from tests.conftest import free_port, wait_for
-from tests.e2e.cluster_fixtures import ETCD, ClusterNodeProcess, EtcdServer, settled
+from tests.e2e.cluster_fixtures import CLUSTER_SECRET, ETCD, ClusterNodeProcess, EtcdServer, settled
 
 STREAMS = """
 [[streams]]
@@ -105,7 +105,7 @@ def test_a_second_node_with_the_same_id_refuses_to_start_naming_the_first(
 def test_an_unreachable_etcd_is_a_clear_error_after_a_bounded_wait(tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     config = tmp_path / "c.toml"
-    config.write_text("[cluster]\nconnect_timeout_s = 2\n")
+    config.write_text(f'[cluster]\nconnect_timeout_s = 2\nsecret = "{CLUSTER_SECRET}"\n')
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "shardgate", "serve", "--data-dir", str(tmp_path / "d"),
@@ -223,6 +223,38 @@ def test_cluster_status_command_and_metrics_show_every_node(cluster: Cluster) ->
     assert 'shardgate_cluster_lease_alive{node="n1"} 1.0' in metrics
 
 
+def test_cluster_status_finds_the_node_by_shardgate_url_and_takes_credentials(
+    etcd: EtcdServer, tmp_path: Path,
+) -> None:
+    """Like every client command, `cluster status` asks the node at $SHARDGATE_URL (its gRPC
+    listener; no --http-url) and authenticates with --username/--password."""
+    from shardgate.security.auth import User, hash_password, save_users
+
+    node = ClusterNodeProcess(tmp_path / "n1", "n1", etcd.url, extra_config=STREAMS)
+    (tmp_path / "n1").mkdir(parents=True, exist_ok=True)
+    save_users(tmp_path / "n1" / "users.json",
+               {"root": User("root", hash_password("root-pw"), ["admin"])})
+    node.start()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDGATE_")}
+        env["SHARDGATE_URL"] = node.grpc_url
+        command = [sys.executable, "-m", "shardgate", "cluster", "status"]
+
+        def status(*extra: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([*command, *extra], capture_output=True, text=True,
+                                  timeout=60, env=env)
+
+        shown = wait_for(
+            lambda: (done := status("--username", "root", "--password", "root-pw")).returncode == 0
+            and "controller n1" in done.stdout and done, timeout=60, interval=0.2)
+        assert shown.stdout.splitlines()[0] == "cluster test: 1 nodes, controller n1, 9 shards in 3 streams"
+        refused = status()
+        assert refused.returncode == 1
+        assert "--username" in refused.stderr and "Traceback" not in refused.stderr
+    finally:
+        node.kill()
+
+
 def test_nodes_authenticate_to_an_etcd_with_users_and_a_wrong_password_is_a_clear_error(
     etcd: EtcdServer, tmp_path: Path,
 ) -> None:
@@ -275,7 +307,8 @@ def test_nodes_reach_etcd_over_tls_with_the_configured_ca(tmp_path: Path) -> Non
         finally:
             node.kill()
         # without the CA, the certificate is not trusted: a clear error, not a hang
-        (tmp_path / "short.toml").write_text("[cluster]\nconnect_timeout_s = 2\n")
+        (tmp_path / "short.toml").write_text(
+            f'[cluster]\nconnect_timeout_s = 2\nsecret = "{CLUSTER_SECRET}"\n')
         untrusted = subprocess.run(
             [sys.executable, "-m", "shardgate", "serve", "--data-dir", str(tmp_path / "n2"),
              "--cluster", server.url, "--node-id", "n2", "--mqtt-port", "0", "--mqtt-ws-port", "0",

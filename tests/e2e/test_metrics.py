@@ -348,5 +348,8 @@ def check_bridge_metrics(local: ThreadedBroker, remote: ThreadedBroker, url: str
     assert value(samples, "shardgate_bridge_connected", bridge="edge") == 1
     assert value(samples, "shardgate_bridge_forwarded_total", bridge="edge", direction="in") == 0
     assert value(samples, "shardgate_bridge_queued", bridge="edge") == 0
-    assert value(samples, "shardgate_bridge_dropped_total", bridge="edge") == 0
+    for direction, reason in (("out", "queue_full"), ("out", "expired"), ("out", "outside_prefix"),
+                              ("in", "outside_prefix"), ("in", "refused_locally")):
+        assert value(samples, "shardgate_bridge_dropped_total", bridge="edge",
+                     direction=direction, reason=reason) == 0
     assert value(samples, "shardgate_bridge_connects_total", bridge="edge") == 1

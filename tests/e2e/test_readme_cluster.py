@@ -1,11 +1,11 @@
 """README "Running a cluster" and "Multi-core on one host": every command of each section's
-shell blocks, run exactly as printed (in a temporary directory): etcd, the nodes (three;
-two pinned one per core), `shardgate cluster status`, a stream created on the first node, a
-subscriber on the last node that gets a message published on the first."""
+shell blocks, run exactly as printed, in order, once each (in a temporary directory): etcd, the
+nodes (three; two pinned one per core), `shardgate health --wait`, `shardgate cluster status`, a
+stream created on the first node, a persistent subscriber on the last node that gets a message
+published on the first."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_for
 from tests.e2e.readme_shell import end_groups, port_free
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -82,38 +81,26 @@ def run_as_printed(
         return subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=60)
 
-    subscriber: subprocess.Popen[bytes] | None = None
+    # Each command once, as pasted, in order: no retry and no wait the README does not show
+    # (its `shardgate health --wait` is the readiness step).
+    published = None
     for command in commands:
         if command.endswith("&"):
-            process = subprocess.Popen(
-                command[:-1], shell=True, cwd=tmp_path, env=env, start_new_session=True,
-                stdout=subprocess.PIPE if command.startswith("mosquitto_sub") else log,
-                stderr=log)
-            background.append(process)
-            if command.startswith("mosquitto_sub"):
-                subscriber = process
-        elif command.startswith("shardgate cluster status"):
-            shown = wait_for(lambda command=command: (r := run(command)).returncode == 0
-                             and f"{len(node_ids)} nodes" in r.stdout and r, timeout=60, interval=0.2)
+            background.append(subprocess.Popen(command[:-1], shell=True, cwd=tmp_path, env=env,
+                                               start_new_session=True, stdout=log, stderr=log))
+            continue
+        result = run(command)
+        log.write(f"$ {command}\n{result.stdout}{result.stderr}".encode())
+        assert result.returncode == 0, f"{command}\n{result.stdout}\n{result.stderr}"
+        if command.startswith("shardgate cluster status"):
+            assert f"{len(node_ids)} nodes" in result.stdout, result.stdout
             for node in node_ids:
-                assert f"\n{node} " in shown.stdout, shown.stdout
+                assert f"\n{node} " in result.stdout, result.stdout
         elif command.startswith("mosquitto_pub"):
-            assert subscriber is not None
-            # until the subscription has reached the other nodes, a publish finds nobody:
-            # publish again until the subscriber (-C 1) got one message and exited
-            started = time.monotonic()
-            while subscriber.poll() is None:
-                published = run(command)
-                assert published.returncode == 0, published.stderr
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    subscriber.wait(0.3)
-                assert time.monotonic() - started < 30, "the subscriber on the last node got nothing"
-            assert subscriber.stdout is not None
             sent = re.search(r" -m (\S+)", command)
             assert sent is not None
-            assert subscriber.stdout.read().decode().strip() == sent.group(1)
-        else:
-            result = wait_for(lambda command=command: (r := run(command)).returncode == 0 and r,
-                              timeout=30, interval=0.2)
-            assert result.returncode == 0
+            published = sent.group(1)
+        elif command.startswith("mosquitto_sub") and " -C " in command:
+            assert published is not None and result.stdout.strip() == published, result.stdout
+    assert published is not None
     log.close()

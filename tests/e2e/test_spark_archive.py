@@ -199,6 +199,39 @@ def test_plain_read_parquet_counts_every_acknowledged_message(spark: Any, publis
     assert live.select("stream", "shard", "offset").distinct().count() == published.acked
 
 
+def test_every_reader_opens_the_root_with_no_options(spark: Any, published: Published) -> None:
+    """Spark, pyarrow, pandas, DuckDB and polars on the same root: the `stream` column once
+    (the partition), every acknowledged message once."""
+    import warnings
+
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    live = ("sensors", "default")
+    frame = spark.read.parquet(published.url)
+    names = [field.name for field in frame.schema.fields]
+    assert len(names) == len(set(names)) and "stream" in names
+    assert frame.where(F.col("stream").isin(*live)).count() == published.acked
+    everything = published.acked + published.history + 1  # the history and `007` streams
+    assert frame.count() == everything
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        table = pq.read_table(published.root)
+        assert table.num_rows == everything
+        pandas = pd.read_parquet(published.root)
+        assert len(pandas[pandas["stream"].isin(live)]) == published.acked
+        assert len(pd.read_parquet(published.root / "stream=sensors")) == len(published.sensors)
+    duckdb = pytest.importorskip("duckdb")
+    [(count, distinct)] = duckdb.sql(
+        "select count(*), count(distinct (stream, shard, \"offset\")) from "
+        f"read_parquet('{published.root}/**/*.parquet', hive_partitioning=true) "
+        "where stream in ('sensors', 'default')").fetchall()
+    assert count == distinct == published.acked
+    polars = pytest.importorskip("polars")
+    lazy = polars.scan_parquet(f"{published.root}/**/*.parquet", hive_partitioning=True)
+    assert lazy.filter(polars.col("stream").is_in(live)).collect().height == published.acked
+
+
 def test_every_column_keeps_its_type_and_value(spark: Any, published: Published) -> None:
     frame = spark.read.parquet(published.url)
     types = {field.name: field.dataType for field in frame.schema.fields}

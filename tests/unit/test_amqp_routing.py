@@ -67,3 +67,34 @@ def test_headers_match_all_and_any():
     one = Message("t", b"", headers=[("a", "1")])
     assert all_(both) and not all_(one)
     assert any_(both) and any_(one) and not any_(Message("t", b""))
+
+
+@pytest.mark.parametrize("name", ["#x", "dave-x/#", "a+b", "50%", "nul\x00", "bad name!", "%23"])
+@pytest.mark.parametrize("kind", ["direct", "fanout", "topic", "headers"])
+def test_any_exchange_name_is_one_escaped_level(name: str, kind: str) -> None:
+    from shardgate.core.topics import validate_topic_filter, validate_topic_name
+
+    topic = publish_topic(name, kind, "k.+.#")
+    validate_topic_name(topic)
+    assert topic.split("/")[1] not in ("+", "#") and topic.count("/") >= 2
+    assert exchange_and_key(topic) == (name, "k.+.#")
+    binding = binding_for(name, kind, "k.*.#" if kind == "topic" else "k.+.#", None)
+    validate_topic_filter(binding.topic_filter)
+    assert filter_matches(binding.topic_filter, topic)
+    # a name never widens a grant on another exchange's subtree
+    assert not filter_matches("$amqp/dave-x/#", topic)
+
+
+@pytest.mark.parametrize("name", ["bad name!", "q/+#", "nul\x00", "%2F"])
+def test_any_queue_name_round_trips(name: str) -> None:
+    from shardgate.core.topics import validate_topic_name
+
+    topic = queue_topic(name)
+    validate_topic_name(topic)
+    assert exchange_and_key(topic) == ("", name)
+
+
+def test_amq_topic_binding_words_escape_wildcards_as_published_keys_do() -> None:
+    binding = binding_for("amq.topic", "topic", "a+b.*.c#", None)
+    assert binding.topic_filter == "a%2Bb/+/c%23"
+    assert filter_matches(binding.topic_filter, publish_topic("amq.topic", "topic", "a+b.x.c#"))

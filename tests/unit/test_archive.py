@@ -91,9 +91,9 @@ async def test_flush_writes_hive_partitions_and_files_named_by_offset_range(
 
     names = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
     assert names == [
-        "stream=default/date=2023-11-14/hour=22/shard0000-00000000000000000000-00000000000000000099.parquet",
-        "stream=default/date=2023-11-14/hour=22/shard0000-00000000000000000100-00000000000000000199.parquet",
-        "stream=default/date=2023-11-14/hour=23/shard0000-00000000000000000200-00000000000000000249.parquet",
+        "stream=default/date=2023-11-14/hour=22/shard0000/shard0000-00000000000000000000-00000000000000000099.parquet",
+        "stream=default/date=2023-11-14/hour=22/shard0000/shard0000-00000000000000000100-00000000000000000199.parquet",
+        "stream=default/date=2023-11-14/hour=23/shard0000/shard0000-00000000000000000200-00000000000000000249.parquet",
     ]
     table = read_rows(root, "default")
     assert table.schema.equals(ARROW_SCHEMA)
@@ -122,7 +122,7 @@ async def test_every_message_field_round_trips_through_parquet(
     await archiver.flush()
 
     row = read_rows(root, "default").to_pylist()[0]
-    assert row["stream"] == "default" and row["shard"] == 0 and row["offset"] == 0
+    assert row["shard"] == 0 and row["offset"] == 0
     assert row["topic"] == topic and row["payload"] == b"payload-0" and row["key"] == b"\x00key"
     assert row["headers"] == [("unit", "°C"), ("site", "b/2")]
     assert row["publish_time"].timestamp() * 1000 == T0 and row["publish_time"].tzinfo is not None

@@ -104,7 +104,7 @@ async def test_archive_to_s3_and_read_back_without_duplicates_after_restart(
                           aws_access_key_id="testing", aws_secret_access_key="testing")
     keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"])
     assert keys == [
-        "shardgate/archive/stream=sensors/date=2023-11-14/hour=22/"
+        "shardgate/archive/stream=sensors/date=2023-11-14/hour=22/shard0000/"
         f"shard0000-{a:020d}-{b:020d}.parquet" for a, b in ((0, 39), (40, 79), (80, 99))
     ]
 

@@ -21,7 +21,13 @@ from shardgate.storage.journal import JournalStorage
 
 from shardgate.cluster.forward import DataPlane
 from shardgate.cluster.frames import pack_records, route_update
-from shardgate.cluster.link import LINK_MAGIC, FrameReader, frame_bytes
+from shardgate.cluster.link import MAX_FRAME_BYTES, FrameReader, frame_bytes
+from shardgate.cluster.link_auth import (
+    HANDSHAKE_MAX_BYTES,
+    LINK_MAGIC,
+    DialerHandshake,
+    NodeCredentials,
+)
 from shardgate.cluster.membership import NodeInfo, ShardAssignment, StaticClusterView
 from shardgate.cluster.routes import Route, RouteDelta
 
@@ -436,10 +442,27 @@ class RawLink:
         self.replies: list[bytes] = []
 
     @classmethod
-    async def open(cls, port: int) -> RawLink:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(LINK_MAGIC)
-        return cls(reader, writer)
+    async def open(cls, node: Node, as_node: str) -> RawLink:
+        """A link to `node` from `as_node`, which proves itself (registered in `node`'s view
+        first if it is not there: a node id etcd does not know is refused)."""
+        if as_node not in node.view.node_infos:
+            node.view.node_infos[as_node] = NodeInfo(as_node, "127.0.0.1:9")
+        reader, writer = await asyncio.open_connection("127.0.0.1", node.plane.port)
+        handshake = DialerHandshake(NodeCredentials(as_node), node.node_id)
+        writer.write(LINK_MAGIC + handshake.hello())
+        link = cls(reader, writer)
+        link.frames.limit = HANDSHAKE_MAX_BYTES
+        writer.write(handshake.answer(await link.read_raw()))
+        handshake.accepted(await link.read_raw())
+        link.frames.limit = MAX_FRAME_BYTES
+        return link
+
+    async def read_raw(self) -> bytes:
+        while not self.replies:
+            data = await asyncio.wait_for(self.reader.read(65536), 5)
+            assert data, "the node closed the link"
+            self.replies += self.frames.feed(data, 1)
+        return self.replies.pop(0)
 
     def write(self, frame: pb.PeerFrame) -> None:
         self.writer.write(frame_bytes(frame))
@@ -457,7 +480,7 @@ class RawLink:
 
 async def test_malformed_frames_from_a_peer_are_refused_per_message_and_the_link_lives(cluster):
     b = cluster["b"]
-    link = await RawLink.open(b.plane.port)
+    link = await RawLink.open(b, "intruder")
     link.write(pb.PeerFrame(sequence=1, from_node="intruder", forwards=[
         pb.Forward(stream="orders", shard=2, record=b"\x07garbage"),
         pb.Forward(stream="orders", shard=2, topic=topic_on(b.broker, "orders", 2, "orders"), payload=b"ok"),
@@ -474,7 +497,7 @@ async def test_malformed_frames_from_a_peer_are_refused_per_message_and_the_link
 
 async def test_bytes_that_are_not_frames_end_that_link_only(cluster):
     a, b = cluster["a"], cluster["b"]
-    link = await RawLink.open(b.plane.port)
+    link = await RawLink.open(b, "c")
     link.writer.write(b"\xff\xff\xff\xff not a frame")
     assert await asyncio.wait_for(link.reader.read(), 5) == b"", "the node ends that connection"
     link.close()
@@ -486,9 +509,12 @@ async def test_bytes_that_are_not_frames_end_that_link_only(cluster):
     assert [m.payload for m in on_b.got] == [b"still"]
 
 
-async def test_the_cluster_port_still_serves_grpc_calls(cluster):
-    """The shared-state gRPC calls reach the node on the same port as the links."""
+async def test_the_cluster_port_still_serves_grpc_calls_of_registered_nodes_only(cluster):
+    """The shared-state gRPC calls reach the node on the same port as the links, when they
+    come from a node of the view that proves the cluster secret; others are UNAUTHENTICATED."""
     import grpc
+
+    from shardgate.cluster.link_auth import cluster_channel
 
     b = cluster["b"]
     calls = []
@@ -499,9 +525,17 @@ async def test_the_cluster_port_still_serves_grpc_calls(cluster):
 
     b.plane.add_service(grpc.method_handlers_generic_handler(
         "test.Echo", {"Say": grpc.unary_unary_rpc_method_handler(hello)}))
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{b.plane.port}") as channel:
+    address = f"127.0.0.1:{b.plane.port}"
+    async with cluster_channel(address, NodeCredentials("a"), []) as channel:
         say = channel.unary_unary("/test.Echo/Say")
         assert await asyncio.wait_for(say(b"there"), 5) == b"hi there"
+    for channel in (grpc.aio.insecure_channel(address),  # no credentials
+                    cluster_channel(address, NodeCredentials("a", secret=b"x" * 16), []),  # another secret
+                    cluster_channel(address, NodeCredentials("stranger"), [])):  # not in the view
+        async with channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await asyncio.wait_for(channel.unary_unary("/test.Echo/Say")(b"sneaky"), 5)
+            assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
     assert calls == [b"there"]
 
 
@@ -514,7 +548,7 @@ async def test_a_frame_sent_again_on_a_new_stream_of_its_session_is_applied_once
 
     async def send(session: int) -> pb.PeerReply:
         """A new connection of `session` (as after a break) carrying frame 1 again."""
-        link = await RawLink.open(b.plane.port)
+        link = await RawLink.open(b, "c")
         link.write(pb.PeerFrame(sequence=0, from_node="c", session=session))
         link.write(frame)
         reply = await link.read()
@@ -573,7 +607,7 @@ async def test_a_packed_batch_is_stored_in_one_pass_with_its_offsets_and_bad_rec
     topic = topic_on(b.broker, "orders", 2, "orders")  # b owns orders/2
     good = [Message(topic, f"m{i}".encode(), qos=1) for i in range(3)]
     records = pack_records(good[:2]) + struct.pack("<I", 3) + b"\x07xx" + pack_records(good[2:])
-    link = await RawLink.open(b.plane.port)
+    link = await RawLink.open(b, "c")
     link.write(pb.PeerFrame(sequence=0, from_node="c", session=1, heartbeat_ms=60_000))
     assert (await link.read()).heartbeat, "the hello is answered at once"
     link.write(pb.PeerFrame(sequence=1, batches=[
@@ -596,7 +630,7 @@ async def test_an_unacknowledged_batch_is_answered_without_offsets(cluster):
     b = cluster["b"]
     on_b = b.subscribe("orders/#")
     topic = topic_on(b.broker, "orders", 2, "orders")
-    link = await RawLink.open(b.plane.port)
+    link = await RawLink.open(b, "c")
     link.write(pb.PeerFrame(sequence=0, from_node="c", session=2))
     link.write(pb.PeerFrame(sequence=1, batches=[pb.ForwardBatch(
         stream="orders", shard=2, epoch=1, unacknowledged=True,
@@ -715,7 +749,7 @@ async def test_what_an_owner_stores_before_a_restarted_peers_routes_arrive_reach
         if pending is not None:
             await asyncio.wait_for(pending, 5)
 
-    link = await RawLink.open(a.plane.port)
+    link = await RawLink.open(a, "b")
     link.write(pb.PeerFrame(sequence=0, from_node="b", session=424242))  # b, restarted
     await until(lambda: a.plane._inboxes["b"].session == 424242)
     on_b = b.subscribe("orders/#")  # (told over b's old link, which a no longer reads)

@@ -41,6 +41,20 @@ def load_text(tmp_path: Path, text: str) -> Config:
     ('[amqp]\nvhosts = "/"\n', "amqp.vhosts must be a list"),
     ("[listeners]\nmqtt_port = 70000\n", "listeners.mqtt_port = 70000 is not a port number"),
     ("[cluster]\nport = -1\n", "cluster.port = -1 is not a port number"),
+    ('[listeners]\nmqtt_port = "21884"\n',
+     "listeners.mqtt_port must be an integer, got '21884' (a string: write the value without quotes)"),
+    ("[mqtt]\nreceive_maximum = 0\n", "mqtt.receive_maximum = 0 is out of range (allowed: 1 to 65,535)"),
+    ("[mqtt]\nmax_inflight = -1\n", "mqtt.max_inflight = -1 is out of range (allowed: 1 to 65,535)"),
+    ("[archive]\ntarget_rows = 0\n", "archive.target_rows = 0 is out of range (allowed: at least 1)"),
+    ("[archive]\nmax_delay_s = -5\n", "archive.max_delay_s = -5 is out of range (allowed: at least 0)"),
+    ('[[streams]]\nname = "sensors"\npartitions = 0\n',
+     "[[streams]] #1 ('sensors'): partitions = 0 is out of range (allowed: 1 to 1,024)"),
+    ("[amqp]\nframe_max = 1000\n", "amqp.frame_max = 1000 is out of range (allowed: 4,096 to 4,294,967,295)"),
+    ("[grpc]\ndefault_credit = 0\n", "grpc.default_credit = 0 is out of range (allowed: at least 1)"),
+    ("[journal]\nsegment_bytes = 0\n", "journal.segment_bytes = 0 is out of range"),
+    ("[cluster]\nlease_ttl_s = 0\n", "cluster.lease_ttl_s = 0 is out of range (allowed: at least 1)"),
+    ('[[bridges]]\nname = "b"\nremote = "mqtt://h:1"\nwindow = 0\n',
+     "[[bridges]] #1 ('b'): window = 0 is out of range (allowed: 1 to 65,535)"),
 ])
 def test_a_value_of_the_wrong_kind_or_range_names_the_file_and_the_setting(
     tmp_path: Path, text: str, message: str,
@@ -49,6 +63,28 @@ def test_a_value_of_the_wrong_kind_or_range_names_the_file_and_the_setting(
         load_text(tmp_path, text)
     assert str(refused.value).startswith(str(tmp_path / "shardgate.toml") + ": ")
     assert message in str(refused.value)
+
+
+def test_every_numeric_setting_has_a_range_its_default_is_inside() -> None:
+    """No number goes unchecked: each section says the allowed range of each of its numbers."""
+    for section in (Config, *SECTIONS.values(), StreamEntry, BridgeSettings, AmqpBridgeSettings):
+        ranges = getattr(section, "RANGES", {})
+        for field in fields(section):
+            kind = str(field.type)
+            if not kind.startswith(("int", "float")) or field.name.endswith("port"):
+                continue
+            assert field.name in ranges, f"{section.__name__}.{field.name} has no range"
+            default = field.default
+            low, high = ranges[field.name]
+            if isinstance(default, int | float):
+                assert (low is None or default >= low) and (high is None or default <= high)
+
+
+def test_ranges_apply_to_environment_variables_too() -> None:
+    with pytest.raises(ConfigError, match="^SHARDGATE_MQTT__RECEIVE_MAXIMUM: mqtt.receive_maximum "
+                                          "= '0' is out of range"):
+        load_config(environ={"SHARDGATE_MQTT__RECEIVE_MAXIMUM": "0"})
+    assert load_config(environ={"SHARDGATE_MQTT__RECEIVE_MAXIMUM": "10"}).mqtt.receive_maximum == 10
 
 
 def test_environment_and_command_line_ports_are_checked_too() -> None:
@@ -103,10 +139,12 @@ def test_the_readme_configuration_reference_lists_every_setting() -> None:
 
 
 # Settings the README's reference gives an example value for, not the default (its comments say
-# what the default is): a certificate path, "unset by default" retention, a cluster to join.
+# what the default is): a certificate path, "unset by default" retention, a cluster to join
+# and its secure setup (etcd's TLS files and user, the cluster secret's file).
 README_EXAMPLE_VALUES = {
     "tls.cert_file", "tls.key_file", "journal.retention_ms", "journal.retention_bytes",
-    "cluster.etcd", "cluster.node_id",
+    "cluster.etcd", "cluster.node_id", "cluster.ca_file", "cluster.cert_file",
+    "cluster.key_file", "cluster.username", "cluster.password", "cluster.secret_file",
 }
 
 

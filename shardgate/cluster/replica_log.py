@@ -1,0 +1,398 @@
+"""A replicated shard's journal log on this node: the leader's side as the core sees it, the
+follower's side as the fetcher fills it (the I/O around `replica_leader` and
+`replica_follower`).
+
+`ReplicatedShardLog` stands where the core expects a `ShardLog` (the broker appends to it,
+durable cursors and the archiver read it). While this node leads the shard
+(`lead`), an append goes to the journal and its commit future resolves when the high
+watermark passes it, not when the local fsync is done; it fails with `ShardUnavailable`
+when this leadership ends first or the in-sync set fell below the minimum. Readers see only
+what is below the high watermark (`deliverable_end`, `committed_offset`, `read`,
+`read_block`): a record above it may still be cut by a failover, so nobody may have seen it.
+Appends are refused (`NotEnoughReplicas`, `NotLeader`: both `StorageFull`, which the core
+answers with its retryable "store full") while the leader cannot take them. A shard of one
+replica, and every shard on a single node, never gets here.
+
+The same object answers followers' fetches (`serve_fetch`, `serve_epoch_end`: records of
+the journal below its published end, never what is not durable here yet), and, while this
+node follows, takes the fetched records (`FollowerLog`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from ..core.errors import ShardUnavailable
+from ..storage.interfaces import StorageFull, StoredRecord
+from ..storage.journal import JournalShardLog, RecordBlock
+from .replica_epochs import (
+    EpochCache,
+    EpochEndAnswer,
+    EpochEndRequest,
+    FetchPlan,
+    FetchRequest,
+    FetchResponse,
+    Refused,
+    ReplicaError,
+)
+from .replica_follower import FollowerReplica, FollowerState, ResetLog, Truncate
+from .replica_leader import LeaderReplica
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+class NotLeader(StorageFull):
+    """This node does not lead the shard now (a failover is under way): retry."""
+
+
+class NotEnoughReplicas(StorageFull):
+    """Fewer replicas than `min_insync_replicas` are in sync: retry later."""
+
+
+_REFUSALS: dict[ReplicaError, str] = {
+    ReplicaError.NOT_LEADER: "this node no longer leads the shard",
+    ReplicaError.NOT_ENOUGH_REPLICAS: "fewer replicas than min_insync_replicas are in sync",
+    ReplicaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND:
+        "the in-sync replicas fell below min_insync_replicas before the message was committed",
+}
+
+
+def refusal(error: ReplicaError, where: str) -> ShardUnavailable:
+    return ShardUnavailable(f"{where}: {_REFUSALS.get(error, error.value)}")
+
+
+class ReplicatedShardLog:
+    """One replicated shard's journal log on this node (see the module docstring)."""
+
+    def __init__(self, journal_log: JournalShardLog, clock: Clock, name: str = "") -> None:
+        self.log = journal_log
+        self.epochs: EpochCache = journal_log.leader_epochs
+        self._clock = clock
+        self._name = name or str(journal_log.directory)
+        self.leader: LeaderReplica[asyncio.Future[None]] | None = None
+        self._follower_hw = 0
+        self._watched: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._waiter_end = -1
+        self._news: asyncio.Future[None] | None = None
+
+    # -- leadership ---------------------------------------------------------------------------
+
+    def lead(self, leader: LeaderReplica[asyncio.Future[None]]) -> None:
+        """This node leads the shard from now on, in `leader`'s epoch."""
+        self.resign()
+        self.leader = leader
+        self._settle()
+
+    def resign(self) -> None:
+        """This node stops leading (a newer epoch, or it follows now): what waits fails."""
+        leader = self.leader
+        if leader is None:
+            return
+        self._follower_hw = leader.high_watermark
+        leader.supersede()
+        self._settle()
+        self.leader = None
+        self._waiter = None
+        self._waiter_end = -1
+        self._wake()
+
+    @property
+    def high_watermark(self) -> int:
+        leader = self.leader
+        return leader.high_watermark if leader is not None else self._follower_hw
+
+    @high_watermark.setter
+    def high_watermark(self, value: int) -> None:
+        """A follower's high watermark (what its leader said, bounded by its own end)."""
+        self._follower_hw = value
+
+    # -- ShardLog -----------------------------------------------------------------------------
+
+    @property
+    def low_watermark(self) -> int:
+        return self.log.low_watermark
+
+    @property
+    def next_offset(self) -> int:
+        return self.log.next_offset
+
+    @property
+    def committed_offset(self) -> int:
+        return min(self.log.committed_offset, self.high_watermark)
+
+    @property
+    def deliverable_end(self) -> int:
+        return self.committed_offset
+
+    def append(self, records: Sequence[tuple[int, bytes]]) -> int:
+        leader = self.leader
+        if leader is None:
+            raise NotLeader(f"{self._name}: this node does not lead the shard")
+        error = leader.check_append(self._clock())
+        if error is ReplicaError.NOT_ENOUGH_REPLICAS:
+            raise NotEnoughReplicas(f"{self._name}: {_REFUSALS[error]}")
+        if error is not None:
+            raise NotLeader(f"{self._name}: {_REFUSALS.get(error, error.value)}")
+        first = self.log.append(records)
+        leader.appended(self.log.next_offset)
+        self._watch_commit()
+        return first
+
+    def commit_waiter(self) -> asyncio.Future[None] | None:
+        """A future resolved once the high watermark passes every record appended so far
+        (failed with `ShardUnavailable` when it cannot); None when it already has."""
+        leader = self.leader
+        end = self.log.next_offset
+        if leader is None:
+            return None if end <= self._follower_hw else self._failed(ReplicaError.NOT_LEADER)
+        if leader.high_watermark >= end:
+            return None
+        if self._waiter is not None and self._waiter_end == end and not self._waiter.done():
+            return self._waiter
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiter, self._waiter_end = waiter, end
+        leader.await_commit(end, waiter, self._clock())
+        self._settle()
+        return waiter
+
+    def read(self, from_offset: int, max_records: int = 1000) -> list[StoredRecord]:
+        end = self.committed_offset
+        if from_offset >= end:
+            return []
+        return self.log.read(from_offset, min(max_records, end - max(from_offset, self.low_watermark)))
+
+    def read_block(self, from_offset: int, max_records: int = 10_000) -> RecordBlock:
+        end = self.committed_offset
+        block = self.log.read_block(from_offset, max(0, min(max_records, end - from_offset)))
+        if block.end_offset > end:
+            return block[:max(0, end - block.first_offset)]
+        return block
+
+    def offset_for_timestamp(self, timestamp_ms: int) -> int:
+        return min(self.log.offset_for_timestamp(timestamp_ms), self.committed_offset)
+
+    def delete_before(self, offset: int) -> int:
+        low = self.log.delete_before(min(offset, self.committed_offset))
+        if self.leader is not None:
+            self.leader.retained_from(low)
+        return low
+
+    def close(self) -> None:
+        self.resign()
+        self.log.close()
+
+    # -- the leader's side of the peer link ---------------------------------------------------
+
+    def serve_fetch(self, request: FetchRequest, max_records: int = 1000
+                    ) -> tuple[FetchResponse, list[StoredRecord]] | Refused:
+        """A follower's fetch: the records to send it (only what is durable here), with
+        their epochs and the high watermark; or why not."""
+        leader = self.leader
+        if leader is None:
+            return Refused(ReplicaError.NOT_LEADER)
+        leader.retained_from(self.log.low_watermark)  # the journal's retention may have run
+        plan = leader.on_fetch(request, self._clock())
+        self._settle()
+        if isinstance(plan, Refused):
+            return plan
+        return self._response(leader.epoch, plan, max_records)
+
+    async def fetch(self, request: FetchRequest, max_records: int = 1000, max_wait_s: float = 0.5
+                    ) -> tuple[FetchResponse, list[StoredRecord]] | Refused:
+        """`serve_fetch`, held up to `max_wait_s` while there is nothing to send (a long
+        poll: a follower at the end is answered as soon as something is committed here)."""
+        answer = self.serve_fetch(request, max_records)
+        if isinstance(answer, Refused) or answer[1]:
+            return answer
+        news = self._news
+        if news is None or news.done():
+            news = self._news = asyncio.get_running_loop().create_future()
+        # asyncio.wait, not wait_for: in Python 3.11 wait_for can swallow a cancellation that
+        # comes as the future completes, and a follower's loop would then never stop
+        await asyncio.wait((news,), timeout=max_wait_s)
+        return self.serve_fetch(request, max_records)
+
+    def serve_epoch_end(self, request: EpochEndRequest) -> EpochEndAnswer | Refused:
+        leader = self.leader
+        if leader is None:
+            return Refused(ReplicaError.NOT_LEADER)
+        return leader.on_epoch_end(request)
+
+    def _response(self, epoch: int, plan: FetchPlan, max_records: int
+                  ) -> tuple[FetchResponse, list[StoredRecord]]:
+        published = min(plan.end, self.log.committed_offset)
+        records = self.log.read(plan.start, min(max_records, published - plan.start)) if published > plan.start else []
+        end = plan.start + len(records)
+        epochs = tuple(entry for entry in plan.epochs if entry.start_offset < end)
+        return FetchResponse(epoch, plan.start, end, plan.high_watermark, epochs), records
+
+    # -- commits ------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Let the leader look at its followers' lag (call every second or so)."""
+        if self.leader is not None:
+            self.leader.tick(self._clock())
+            self._settle()
+
+    def _watch_commit(self) -> None:
+        waiter = self.log.commit_waiter()
+        if waiter is not None and waiter is not self._watched:
+            self._watched = waiter
+            waiter.add_done_callback(self._on_durable)
+
+    def _on_durable(self, waiter: asyncio.Future[None]) -> None:
+        leader = self.leader
+        if waiter.cancelled() or waiter.exception() is not None:
+            # The journal rolled back what it had not written: those offsets will be filled
+            # with empty records, which the followers would copy and count. This leader must
+            # not acknowledge them: it resigns (the controller moves the shard).
+            if leader is not None:
+                log.error("%s: journal commit failed (%s); this node stops leading the shard",
+                          self._name, "cancelled" if waiter.cancelled() else waiter.exception())
+                self.resign()
+            return
+        if leader is not None:
+            leader.durable(self.log.committed_offset, self._clock())
+            self._settle()
+        self._wake()
+        if self.log.commit_waiter() is not None:
+            self._watch_commit()
+
+    def _settle(self) -> None:
+        leader = self.leader
+        if leader is None:
+            return
+        for waiter, error in leader.take_completed():
+            if waiter.done():
+                continue
+            if error is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(refusal(error, self._name))
+
+    def _failed(self, error: ReplicaError) -> asyncio.Future[None]:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiter.set_exception(refusal(error, self._name))
+        return waiter
+
+    def _wake(self) -> None:
+        news, self._news = self._news, None
+        if news is not None and not news.done():
+            news.set_result(None)
+
+
+class FollowerLog:
+    """The follower's side of one shard: fetched records into the journal at the leader's
+    offsets, truncation, and the durability that the next fetch reports."""
+
+    def __init__(self, journal_log: JournalShardLog, follower: FollowerReplica,
+                 replicated: ReplicatedShardLog | None = None) -> None:
+        self.log = journal_log
+        self.follower = follower
+        self._replicated = replicated
+        self._watched: asyncio.Future[None] | None = None
+        self.durable_changed = asyncio.Event()
+
+    async def apply(self, action: Truncate | ResetLog | None) -> None:
+        """Carry out on the journal what the follower decided (its state moved already)."""
+        if action is None:
+            return
+        await self.log.flush()
+        if isinstance(action, Truncate):
+            self.log.truncate_to(action.end_offset)
+            return
+        # The leader's retention passed this log's end: the offsets up to its start become
+        # empty records here (readers pass over them), and fetching goes on from there.
+        gap = action.start_offset - self.log.next_offset
+        while gap > 0:
+            count = min(gap, 10_000)
+            self.log.append([(0, b"")] * count)
+            gap -= count
+        await self.log.flush()
+        self.follower.durable(self.log.committed_offset)
+
+    def take(self, response: FetchResponse, records: Sequence[StoredRecord]) -> None:
+        """The records of a fetch answer: append them where the leader has them."""
+        follower = self.follower
+        if not follower.accepts(response) or len(records) != response.end - response.start:
+            follower.on_fetch(response)  # stale: dropped
+            return
+        if records:
+            if self.log.next_offset != response.start:
+                raise ValueError(f"{self.log.directory}: fetched records start at "
+                                 f"{response.start}, the log ends at {self.log.next_offset}")
+            self.log.append([(record.timestamp_ms, record.data) for record in records])
+        follower.on_fetch(response)
+        if self._replicated is not None:
+            self._replicated.high_watermark = follower.high_watermark
+        self._watch_commit()
+
+    def refused(self, refusal: Refused) -> Truncate | ResetLog | None:
+        return self.follower.on_fetch(refusal)
+
+    def _watch_commit(self) -> None:
+        waiter = self.log.commit_waiter()
+        if waiter is None:
+            self._durable()
+        elif waiter is not self._watched:
+            self._watched = waiter
+            waiter.add_done_callback(lambda _w: self._durable())
+
+    def _durable(self) -> None:
+        self.follower.durable(self.log.committed_offset)
+        self.durable_changed.set()
+        if self.log.commit_waiter() is not None:
+            self._watch_commit()
+
+
+class ReplicaTransport(Protocol):
+    """How a follower reaches its leader (the peer link; in tests, direct calls). A request
+    that cannot be answered raises `ConnectionError` or `TimeoutError`."""
+
+    async def epoch_end(self, leader: str, request: EpochEndRequest) -> EpochEndAnswer | Refused: ...
+
+    async def fetch(self, leader: str, request: FetchRequest
+                    ) -> tuple[FetchResponse, Sequence[StoredRecord]] | Refused: ...
+
+
+async def follow(follower_log: FollowerLog, transport: ReplicaTransport, *,
+                 retry_s: float = 0.2) -> None:
+    """Follow one shard's leader until cancelled: truncate, then fetch, one request at a
+    time, each sent once what the previous one brought is durable here."""
+    follower = follower_log.follower
+    unreachable = Refused(ReplicaError.NOT_LEADER)
+    while True:
+        follower_log.durable_changed.clear()
+        step = follower.next_request()
+        if step is None:
+            if follower.state is FollowerState.WAITING:
+                await asyncio.sleep(retry_s)
+                follower.retry()
+            else:
+                await follower_log.durable_changed.wait()
+            continue
+        if isinstance(step, Truncate):
+            await follower_log.apply(step)
+        elif isinstance(step, EpochEndRequest):
+            try:
+                answer: EpochEndAnswer | Refused = await transport.epoch_end(follower.leader, step)
+            except (ConnectionError, TimeoutError) as exc:
+                log.debug("epoch end from %s: %s", follower.leader, exc)
+                answer = unreachable
+            await follower_log.apply(follower.on_epoch_end(answer))
+        else:
+            try:
+                fetched = await transport.fetch(follower.leader, step)
+            except (ConnectionError, TimeoutError) as exc:
+                log.debug("fetch from %s: %s", follower.leader, exc)
+                fetched = unreachable
+            if isinstance(fetched, Refused):
+                await follower_log.apply(follower_log.refused(fetched))
+            else:
+                follower_log.take(*fetched)

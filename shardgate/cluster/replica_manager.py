@@ -1,0 +1,250 @@
+"""Which replicated shards this node leads or follows, kept in step with the placement (after
+Kafka's `ReplicaManager`).
+
+For every shard with more than one replica that names this node, the placement (leader,
+replicas, in-sync set, leader epoch; `membership.ShardAssignment`) says what this node is:
+- the leader: its `ReplicatedShardLog` leads under that epoch (a `LeaderReplica` built from the
+  journal: its end, what is durable, the high watermark it knew as a follower); a changed
+  in-sync set of the same epoch is applied to it;
+- a follower: the log resigns any leadership (waiting publishes fail, retryable) and a `follow`
+  task fetches from the leader, first cutting what diverged (KIP-101);
+- neither (no longer a replica): it stops both.
+A change of role waits for the journal to have written what it holds, then cuts the tail a
+crash left unwritten (offsets reserved but never written: nobody saw them, readers stay
+below the high watermark), so the log ends at its last durable record. Changes of one shard
+run one after the other, the latest placement winning.
+
+Every `tick_s` the leaders look at their followers' lag; an in-sync set change they propose
+goes to `propose` (the controller writes it in etcd; the leader applies it when the placement
+shows it). The lease deadline (`lease_deadline`) fences leaders that cannot prove their lease
+is alive. Nothing here opens a socket: followers reach leaders through a `ReplicaTransport`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..storage.journal import JournalStorage
+from .membership import ClusterView, ShardAssignment
+from .replica_follower import FollowerReplica
+from .replica_leader import IsrProposal, LeaderReplica
+from .replica_log import FollowerLog, ReplicatedShardLog, ReplicaTransport, follow
+
+log = logging.getLogger(__name__)
+
+ShardKey = tuple[str, int]
+Propose = Callable[[str, int, IsrProposal], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Role:
+    """What this node is for one shard under one placement."""
+
+    leader: str
+    epoch: int
+    replicas: tuple[str, ...]
+    isr: tuple[str, ...]
+
+
+class _Shard:
+    __slots__ = ("log", "role", "wanted", "task", "follower_task", "changing")
+
+    def __init__(self, shard_log: ReplicatedShardLog) -> None:
+        self.log = shard_log
+        self.role: Role | None = None
+        self.wanted: Role | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.follower_task: asyncio.Task[None] | None = None
+        self.changing = False
+
+
+class ReplicaManager:
+    """This node's replicated shards (see the module docstring)."""
+
+    def __init__(
+        self,
+        node_id: str,
+        view: ClusterView,
+        journal: JournalStorage,
+        transport: ReplicaTransport,
+        *,
+        min_insync: Callable[[str], int],
+        lag_time_max_s: float = 10.0,
+        tick_s: float = 0.5,
+        propose: Propose | None = None,
+        lease_deadline: Callable[[], float] = lambda: math.inf,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.node_id = node_id
+        self.view = view
+        self.journal = journal
+        self.transport = transport
+        self.min_insync = min_insync
+        self.lag_time_max_s = lag_time_max_s
+        self.tick_s = tick_s
+        self.propose = propose
+        self.lease_deadline = lease_deadline
+        self.clock = clock
+        self._shards: dict[ShardKey, _Shard] = {}
+        self._ticker: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # -- what the core and the peer link use ------------------------------------------------
+
+    def shard_log(self, stream: str, shard: int) -> ReplicatedShardLog:
+        """The replicated log of a shard (the core's `ShardLog` for it on this node)."""
+        entry = self._shards.get((stream, shard))
+        if entry is None:
+            journal_log = self.journal.open_shard(stream, shard)
+            replicated = ReplicatedShardLog(journal_log, self.clock, f"{stream}/{shard}")
+            entry = self._shards[(stream, shard)] = _Shard(replicated)
+        return entry.log
+
+    def leading(self, stream: str, shard: int) -> ReplicatedShardLog | None:
+        """The shard's log when this node leads it now (answers fetches), else None."""
+        entry = self._shards.get((stream, shard))
+        return entry.log if entry is not None and entry.log.leader is not None else None
+
+    def role(self, stream: str, shard: int) -> Role | None:
+        entry = self._shards.get((stream, shard))
+        return entry.role if entry is not None else None
+
+    # -- following the placement -------------------------------------------------------------
+
+    def start(self) -> None:
+        self.view.on_change(self.apply_view)
+        self._ticker = asyncio.get_running_loop().create_task(self._tick())
+
+    def watch(self, stream: str, shard: int) -> None:
+        """Take `stream`/`shard` into account (a stream's shards, when it is known)."""
+        self.shard_log(stream, shard)
+        self._apply(stream, shard)
+
+    def apply_view(self) -> None:
+        """Bring every known shard in step with the view (called on every view change)."""
+        if self._closed:
+            return
+        for stream, shard in list(self._shards):
+            self._apply(stream, shard)
+
+    def _apply(self, stream: str, shard: int) -> None:
+        entry = self._shards[(stream, shard)]
+        assignment = self.view.leader(stream, shard)
+        entry.wanted = self._role_of(assignment)
+        if entry.wanted == entry.role or entry.changing:
+            return
+        if (entry.role is not None and entry.wanted is not None
+                and entry.role.leader == entry.wanted.leader == self.node_id
+                and entry.role.epoch == entry.wanted.epoch):
+            self._isr_changed(entry, entry.wanted)  # the same leadership, a new in-sync set
+            return
+        entry.changing = True
+        entry.task = asyncio.get_running_loop().create_task(self._converge(stream, shard, entry))
+
+    def _role_of(self, assignment: ShardAssignment | None) -> Role | None:
+        if assignment is None or len(assignment.replicas) < 2 or self.node_id not in assignment.replicas:
+            return None
+        return Role(assignment.leader, assignment.leader_epoch, assignment.replicas, assignment.isr)
+
+    def _isr_changed(self, entry: _Shard, role: Role) -> None:
+        leader = entry.log.leader
+        if leader is not None:
+            leader.isr_changed(role.isr, leader.isr_version + 1, self.clock())
+            entry.log.tick()
+        entry.role = role
+
+    async def _converge(self, stream: str, shard: int, entry: _Shard) -> None:
+        try:
+            while not self._closed and entry.wanted != entry.role:
+                wanted = entry.wanted
+                await self._stop_role(entry)
+                if wanted is not None:
+                    await self._cut_unwritten(entry)
+                    if wanted.leader == self.node_id:
+                        self._lead(stream, shard, entry, wanted)
+                    else:
+                        self._follow(entry, wanted)
+                entry.role = wanted
+        except Exception:
+            log.exception("%s/%d: changing its replica role failed; retried at the next "
+                          "placement change", stream, shard)
+            entry.role = None
+        finally:
+            entry.changing = False
+
+    async def _stop_role(self, entry: _Shard) -> None:
+        entry.log.resign()
+        task, entry.follower_task = entry.follower_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _cut_unwritten(self, entry: _Shard) -> None:
+        journal_log = entry.log.log
+        await journal_log.flush()
+        if journal_log.next_offset > journal_log.committed_offset:
+            journal_log.truncate_to(journal_log.committed_offset)
+
+    def _lead(self, stream: str, shard: int, entry: _Shard, role: Role) -> None:
+        journal_log = entry.log.log
+        now = self.clock()
+        leader: LeaderReplica[asyncio.Future[None]] = LeaderReplica(
+            self.node_id, role.epoch, role.replicas, role.isr,
+            min_insync=min(self.min_insync(stream), len(role.replicas)),
+            lag_time_max_s=self.lag_time_max_s, history=journal_log.leader_epochs,
+            log_end=journal_log.next_offset, durable_end=journal_log.committed_offset,
+            high_watermark=entry.log.high_watermark, now=now,
+            lease_deadline=self.lease_deadline())
+        entry.log.lead(leader)
+        log.info("%s/%d: leading in epoch %d (in sync: %s)", stream, shard, role.epoch,
+                 ", ".join(role.isr))
+
+    def _follow(self, entry: _Shard, role: Role) -> None:
+        journal_log = entry.log.log
+        follower = FollowerReplica(
+            self.node_id, role.leader, role.epoch, history=journal_log.leader_epochs,
+            log_end=journal_log.next_offset, durable_end=journal_log.committed_offset,
+            high_watermark=entry.log.high_watermark)
+        follower_log = FollowerLog(journal_log, follower, entry.log)
+        entry.follower_task = asyncio.get_running_loop().create_task(
+            follow(follower_log, self.transport))
+
+    # -- time ---------------------------------------------------------------------------------
+
+    async def _tick(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.tick_s)
+            self.tick()
+
+    def tick(self) -> None:
+        """Renew the leaders' lease deadline, let them check their followers' lag and send
+        what they propose to the controller."""
+        deadline = self.lease_deadline()
+        now = self.clock()
+        for (stream, shard), entry in self._shards.items():
+            leader = entry.log.leader
+            if leader is None:
+                continue
+            leader.renew_lease(deadline, now)
+            entry.log.tick()
+            proposal = leader.take_proposal()
+            if proposal is not None and self.propose is not None:
+                self.propose(stream, shard, proposal)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+        for entry in self._shards.values():
+            if entry.task is not None:
+                entry.task.cancel()
+                await asyncio.gather(entry.task, return_exceptions=True)
+            await self._stop_role(entry)

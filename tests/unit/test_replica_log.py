@@ -1,0 +1,306 @@
+"""Replication between two real journals in one process: the leader's `ReplicatedShardLog`
+under the core's `Broker`, a follower fetching from it with `follow` over a direct-call
+transport. A publish is acknowledged, and delivered to subscribers, only once the follower
+holds it durably; readers stay below the high watermark; the follower's journal ends up with
+the same records at the same offsets; below the in-sync minimum, or after the leader
+resigned, nothing is acknowledged."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import pytest
+from shardgate.core.broker import Broker
+from shardgate.core.errors import PublishRejected, ShardUnavailable
+from shardgate.core.message import Message
+from shardgate.core.streams import StreamConfig
+from shardgate.storage.interfaces import StoredRecord
+from shardgate.storage.journal import JournalShardLog, JournalStorage
+
+from shardgate.cluster.replica_epochs import (
+    EpochEndAnswer,
+    EpochEndRequest,
+    FetchRequest,
+    FetchResponse,
+    Refused,
+    ReplicaError,
+)
+from shardgate.cluster.replica_follower import FollowerReplica
+from shardgate.cluster.replica_leader import LeaderReplica
+from shardgate.cluster.replica_log import (
+    FollowerLog,
+    NotEnoughReplicas,
+    ReplicatedShardLog,
+    follow,
+)
+
+
+class Transport:
+    """The peer link, as direct calls to the leaders' logs; `cut` makes a leader unreachable."""
+
+    def __init__(self) -> None:
+        self.leaders: dict[str, ReplicatedShardLog] = {}
+        self.cut: set[str] = set()
+
+    async def epoch_end(self, leader: str, request: EpochEndRequest) -> EpochEndAnswer | Refused:
+        if leader in self.cut:
+            raise ConnectionError(f"{leader} is unreachable")
+        return self.leaders[leader].serve_epoch_end(request)
+
+    async def fetch(self, leader: str, request: FetchRequest
+                    ) -> tuple[FetchResponse, Sequence[StoredRecord]] | Refused:
+        if leader in self.cut:
+            raise ConnectionError(f"{leader} is unreachable")
+        return await self.leaders[leader].fetch(request, max_wait_s=0.05)
+
+
+class OneShardStorage:
+    """The broker's storage: the leader's replicated log for shard 0 of stream `s`."""
+
+    def __init__(self, shard_log: ReplicatedShardLog) -> None:
+        self.shard_log = shard_log
+
+    def open_shard(self, stream: str, shard: int) -> ReplicatedShardLog:
+        assert (stream, shard) == ("s", 0)
+        return self.shard_log
+
+    def list_shards(self) -> list[tuple[str, int]]:
+        return [("s", 0)]
+
+    def delete_shard(self, stream: str, shard: int) -> None:
+        raise AssertionError("not in these tests")
+
+    async def flush(self) -> None:
+        await self.shard_log.log.flush()
+
+    def close(self) -> None:
+        pass
+
+
+class Recorder:
+    consumer_id = "recorder"
+    available = True
+
+    def __init__(self) -> None:
+        self.got: list[tuple[int, bytes]] = []
+
+    def deliver(self, message: Message, subscription: object, filters: tuple[str, ...]) -> None:
+        self.got.append((message.offset, message.payload))
+
+
+class Pair:
+    """Node a leads shard s/0 (replicas a, b); node b follows it."""
+
+    def __init__(self, tmp_path: Path, *, isr: tuple[str, ...] = ("a", "b"), min_insync: int = 2) -> None:
+        self.journals = {name: JournalStorage(tmp_path / name) for name in ("a", "b")}
+        self.logs: dict[str, JournalShardLog] = {n: j.open_shard("s", 0) for n, j in self.journals.items()}
+        self.history = {name: log.leader_epochs for name, log in self.logs.items()}
+        self.replicated = ReplicatedShardLog(self.logs["a"], time.monotonic, "a:s/0")
+        self.leader: LeaderReplica[asyncio.Future[None]] = LeaderReplica(
+            "a", 1, ("a", "b"), isr, min_insync=min_insync, lag_time_max_s=30.0,
+            history=self.history["a"], log_end=0, durable_end=0, high_watermark=0,
+            now=time.monotonic())
+        self.replicated.lead(self.leader)
+        self.transport = Transport()
+        self.transport.leaders["a"] = self.replicated
+        self.follower = FollowerReplica("b", "a", 1, history=self.history["b"], log_end=0,
+                                        durable_end=0, high_watermark=0)
+        self.follower_log = FollowerLog(self.logs["b"], self.follower)
+        self.task: asyncio.Task[None] | None = None
+        self.broker = Broker(storage=OneShardStorage(self.replicated),  # type: ignore[arg-type]
+                             default_stream=StreamConfig("s", mode="reliable"))
+        sub = self.broker.subscription("live")
+        self.broker.add_filter(sub, "t/#")
+        self.recorder = Recorder()
+        self.broker.attach(sub, self.recorder)
+
+    def start_following(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(follow(self.follower_log, self.transport,
+                                                                  retry_s=0.01))
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        for journal in self.journals.values():
+            journal.close()
+
+
+@pytest.fixture
+async def pair(tmp_path: Path) -> AsyncIterator[Pair]:
+    made = Pair(tmp_path)
+    yield made
+    await made.stop()
+
+
+async def wait_for(condition: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
+async def test_a_publish_is_acknowledged_and_delivered_only_once_the_follower_holds_it(pair: Pair) -> None:
+    future = pair.broker.publish(Message("t/1", b"one"))
+    assert future is not None
+    await pair.logs["a"].flush()  # durable on the leader...
+    await asyncio.sleep(0.05)
+    assert not future.done()  # ...but not acknowledged: b has not fetched
+    assert pair.recorder.got == []  # nor seen by any subscriber
+    assert pair.replicated.read(0) == [] and pair.replicated.deliverable_end == 0
+    pair.start_following()
+    await asyncio.wait_for(future, 10)
+    assert pair.recorder.got == [(0, b"one")]
+    assert pair.logs["b"].committed_offset == 1
+    assert pair.follower_log.follower.high_watermark <= 1
+
+
+async def test_the_followers_journal_holds_the_same_records_at_the_same_offsets(pair: Pair) -> None:
+    pair.start_following()
+    futures = [pair.broker.publish(Message(f"t/{i % 3}", b"x" * i)) for i in range(200)]
+    await asyncio.wait_for(asyncio.gather(*[f for f in futures if f is not None]), 20)
+    assert pair.replicated.high_watermark == 200
+    await wait_for(lambda: pair.logs["b"].committed_offset == 200)
+    assert pair.logs["b"].read(0, 500) == pair.logs["a"].read(0, 500)
+    assert pair.history["b"].entries == pair.history["a"].entries
+    assert [offset for offset, _ in pair.recorder.got] == list(range(200))
+
+
+async def test_readers_see_only_what_is_below_the_high_watermark(pair: Pair) -> None:
+    pair.start_following()
+    first = pair.broker.publish(Message("t/1", b"one"))
+    assert first is not None
+    await asyncio.wait_for(first, 10)
+    pair.transport.cut.add("a")  # b cannot fetch any more
+    second = pair.broker.publish(Message("t/1", b"two"))
+    assert second is not None
+    await pair.logs["a"].flush()
+    assert pair.logs["a"].committed_offset == 2
+    assert [r.offset for r in pair.replicated.read(0)] == [0]
+    assert pair.replicated.committed_offset == 1
+    assert len(pair.replicated.read_block(0)) == 1
+    assert not second.done()
+    pair.transport.cut.clear()
+    await asyncio.wait_for(second, 10)
+    assert [r.offset for r in pair.replicated.read(0)] == [0, 1]
+
+
+async def test_below_min_insync_a_publish_is_refused_and_never_stored(tmp_path: Path) -> None:
+    pair = Pair(tmp_path, isr=("a",), min_insync=2)
+    try:
+        with pytest.raises(PublishRejected, match="fewer replicas than min_insync_replicas"):
+            pair.broker.publish(Message("t/1", b"one"))
+        assert pair.logs["a"].next_offset == 0
+        with pytest.raises(NotEnoughReplicas):
+            pair.replicated.append([(0, b"x")])
+    finally:
+        await pair.stop()
+
+
+async def test_a_resigning_leader_fails_what_waits_with_a_retryable_error(pair: Pair) -> None:
+    future = pair.broker.publish(Message("t/1", b"one"))
+    assert future is not None
+    pair.replicated.resign()  # a newer epoch exists
+    with pytest.raises(ShardUnavailable, match="no longer leads"):
+        await asyncio.wait_for(future, 10)
+    assert pair.recorder.got == []
+    assert pair.replicated.serve_fetch(FetchRequest("b", 1, 0, 0)) == Refused(ReplicaError.NOT_LEADER)
+
+
+async def test_a_fetch_at_the_end_is_held_until_something_is_committed(pair: Pair) -> None:
+    pending = asyncio.ensure_future(pair.replicated.fetch(FetchRequest("b", 1, 0, 0), max_wait_s=5.0))
+    await asyncio.sleep(0.05)
+    assert not pending.done()
+    started = time.monotonic()
+    pair.broker.publish(Message("t/1", b"one"))
+    answer = await asyncio.wait_for(pending, 10)
+    assert time.monotonic() - started < 4.0
+    assert not isinstance(answer, Refused)
+    response, records = answer
+    assert (response.start, response.end, [r.data != b"" for r in records]) == (0, 1, [True])
+
+
+async def test_an_unreachable_leader_is_retried(pair: Pair) -> None:
+    pair.transport.cut.add("a")
+    pair.start_following()
+    future = pair.broker.publish(Message("t/1", b"one"))
+    assert future is not None
+    await asyncio.sleep(0.1)
+    assert not future.done()
+    pair.transport.cut.clear()
+    await asyncio.wait_for(future, 10)
+
+
+async def test_after_a_failover_the_old_leader_cuts_its_unacknowledged_tail_from_its_journal(
+    pair: Pair,
+) -> None:
+    pair.start_following()
+    acknowledged = [pair.broker.publish(Message("t/1", f"ack{i}".encode())) for i in range(5)]
+    await asyncio.wait_for(asyncio.gather(*[f for f in acknowledged if f is not None]), 10)
+    pair.transport.cut.add("a")  # b stops hearing from a: a's next records reach only a's disk
+    lost = [pair.broker.publish(Message("t/1", f"lost{i}".encode())) for i in range(3)]
+    await pair.logs["a"].flush()
+    assert pair.logs["a"].committed_offset == 8
+    assert pair.task is not None
+    pair.task.cancel()
+    await asyncio.gather(pair.task, return_exceptions=True)
+    # the controller makes b the leader of epoch 2 (a's lease ran out); a learns it and resigns
+    pair.replicated.resign()
+    for future in lost:
+        assert future is not None
+        with pytest.raises(ShardUnavailable):
+            await asyncio.wait_for(future, 10)
+    b_log = ReplicatedShardLog(pair.logs["b"], time.monotonic, "b:s/0")
+    b_leader: LeaderReplica[asyncio.Future[None]] = LeaderReplica(
+        "b", 2, ("a", "b"), ("b",), min_insync=1, lag_time_max_s=30.0,
+        history=pair.logs["b"].leader_epochs, log_end=pair.logs["b"].next_offset,
+        durable_end=pair.logs["b"].committed_offset, high_watermark=5, now=time.monotonic())
+    b_log.lead(b_leader)
+    pair.transport.leaders["b"] = b_log
+    b_log.append([(1, b"new-on-b")])
+    waiter = b_log.commit_waiter()
+    assert waiter is not None
+    await asyncio.wait_for(waiter, 10)
+    # a follows b in epoch 2: it asks where epoch 1 ends on b (5) and cuts its journal there
+    a_follower = FollowerReplica("a", "b", 2, history=pair.logs["a"].leader_epochs,
+                                 log_end=pair.logs["a"].next_offset,
+                                 durable_end=pair.logs["a"].committed_offset, high_watermark=5)
+    pair.transport.cut.clear()
+    task = asyncio.get_running_loop().create_task(
+        follow(FollowerLog(pair.logs["a"], a_follower), pair.transport, retry_s=0.01))
+    try:
+        await wait_for(lambda: pair.logs["a"].committed_offset == 6 and b_log.high_watermark == 6)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    a_records = pair.logs["a"].read(0, 100)
+    assert a_records == pair.logs["b"].read(0, 100)
+    assert a_records[5].data == b"new-on-b"
+    assert pair.logs["a"].leader_epochs.entries == pair.logs["b"].leader_epochs.entries
+    assert [e.epoch for e in pair.logs["a"].leader_epochs.entries] == [1, 2]
+
+
+async def test_a_follower_behind_the_journals_retention_is_told_where_the_log_starts(
+    tmp_path: Path,
+) -> None:
+    journal = JournalStorage(tmp_path / "a", segment_bytes=4096)
+    try:
+        shard_log = journal.open_shard("s", 0)
+        replicated = ReplicatedShardLog(shard_log, time.monotonic, "a:s/0")
+        replicated.lead(LeaderReplica("a", 1, ("a", "b"), ("a",), min_insync=1, lag_time_max_s=30.0,
+                                      history=shard_log.leader_epochs, log_end=0, durable_end=0,
+                                      high_watermark=0, now=time.monotonic()))
+        for _ in range(40):  # a commit per record: segments roll every few records
+            replicated.append([(1, b"x" * 500)])
+            await shard_log.flush()
+        low = shard_log.delete_before(30)  # the journal's own retention, past the wrapper
+        assert 0 < low <= 30
+        assert replicated.serve_fetch(FetchRequest("b", 1, 0, 0)) == Refused(ReplicaError.BEHIND_LOG_START, low)
+        answer = replicated.serve_fetch(FetchRequest("b", 1, low, low))
+        assert not isinstance(answer, Refused)
+        assert answer[0].start == low and answer[1][0].offset == low
+    finally:
+        journal.close()

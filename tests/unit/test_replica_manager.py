@@ -1,0 +1,183 @@
+"""Three nodes' `ReplicaManager`s in one process, each with its own journal, following one
+placement (a `StaticClusterView` per node over shared assignments) and reaching each other's
+leaders by direct calls: roles follow the placement, publishes are acknowledged by the
+in-sync set, a failover to another in-sync replica with a new epoch keeps every acknowledged
+message, and the old leader comes back as a follower with the same log as the new leader."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+
+import pytest
+from shardgate.core.errors import ShardUnavailable
+from shardgate.storage.interfaces import StoredRecord
+from shardgate.storage.journal import JournalStorage
+
+from shardgate.cluster.membership import ShardAssignment, StaticClusterView
+from shardgate.cluster.replica_epochs import (
+    EpochEndAnswer,
+    EpochEndRequest,
+    FetchRequest,
+    FetchResponse,
+    Refused,
+    ReplicaError,
+)
+from shardgate.cluster.replica_leader import IsrProposal
+from shardgate.cluster.replica_manager import ReplicaManager
+
+NODES = ("a", "b", "c")
+KEY = ("s", 0)
+
+
+class Cluster:
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.assignments: dict[tuple[str, int], ShardAssignment] = {}
+        self.views: dict[str, StaticClusterView] = {}
+        self.journals: dict[str, JournalStorage] = {}
+        self.managers: dict[str, ReplicaManager] = {}
+        self.down: set[str] = set()
+        self.proposals: list[IsrProposal] = []
+        self.fetching = 0
+
+    def start(self, node: str) -> ReplicaManager:
+        self.down.discard(node)
+        self.views[node] = StaticClusterView(node, assignments=self.assignments)
+        self.journals[node] = JournalStorage(self.tmp_path / node)
+        manager = ReplicaManager(
+            node, self.views[node], self.journals[node], Transport(self), min_insync=lambda _s: 2,
+            lag_time_max_s=0.5, tick_s=0.05,
+            propose=lambda _stream, _shard, proposal: self.proposals.append(proposal))
+        manager.start()
+        manager.watch(*KEY)
+        self.managers[node] = manager
+        return manager
+
+    async def stop(self, node: str) -> None:
+        """The node's process ends (what its journal wrote stays on its disk)."""
+        self.down.add(node)
+        manager = self.managers.pop(node)
+        await manager.close()
+        self.journals.pop(node).close()
+
+    def place(self, leader: str, epoch: int, isr: Sequence[str]) -> None:
+        self.assignments[KEY] = ShardAssignment("s", 0, leader, epoch, NODES, tuple(isr))
+        for node, view in self.views.items():
+            if node not in self.down:
+                view.changed()
+
+    def publish(self, node: str, payload: bytes) -> asyncio.Future[None] | None:
+        shard_log = self.managers[node].shard_log(*KEY)
+        shard_log.append([(int(time.time() * 1000), payload)])
+        return shard_log.commit_waiter()
+
+    def records(self, node: str) -> list[bytes]:
+        return [r.data for r in self.journals[node].open_shard(*KEY).read(0, 10_000)]
+
+
+class Transport:
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    def _leading(self, leader: str):  # type: ignore[no-untyped-def]
+        if leader in self.cluster.down or leader not in self.cluster.managers:
+            raise ConnectionError(f"{leader} is down")
+        return self.cluster.managers[leader].leading(*KEY)
+
+    async def epoch_end(self, leader: str, request: EpochEndRequest) -> EpochEndAnswer | Refused:
+        shard_log = self._leading(leader)
+        return Refused(ReplicaError.NOT_LEADER) if shard_log is None else shard_log.serve_epoch_end(request)
+
+    async def fetch(self, leader: str, request: FetchRequest
+                    ) -> tuple[FetchResponse, Sequence[StoredRecord]] | Refused:
+        shard_log = self._leading(leader)
+        if shard_log is None:
+            return Refused(ReplicaError.NOT_LEADER)
+        self.cluster.fetching += 1
+        try:
+            return await shard_log.fetch(request, max_wait_s=0.05)
+        finally:
+            self.cluster.fetching -= 1
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    made = Cluster(tmp_path)
+    yield made
+    for node in list(made.managers):
+        await made.stop(node)
+
+
+async def wait_for(condition: Callable[[], bool], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_roles_follow_the_placement_and_publishes_are_acknowledged_by_the_in_sync_set(
+    cluster: Cluster,
+) -> None:
+    for node in NODES:
+        cluster.start(node)
+    cluster.place("a", 1, NODES)
+    await wait_for(lambda: cluster.managers["a"].leading(*KEY) is not None)
+    futures = [cluster.publish("a", f"m{i}".encode()) for i in range(50)]
+    await asyncio.wait_for(asyncio.gather(*[f for f in futures if f is not None]), 15)
+    for node in NODES:
+        await wait_for(lambda node=node: len(cluster.records(node)) == 50)  # type: ignore[misc]
+    assert cluster.records("b") == cluster.records("a") == [f"m{i}".encode() for i in range(50)]
+    assert cluster.managers["b"].leading(*KEY) is None
+
+
+async def test_a_dead_follower_is_proposed_out_of_the_in_sync_set(cluster: Cluster) -> None:
+    for node in NODES:
+        cluster.start(node)
+    cluster.place("a", 1, NODES)
+    await wait_for(lambda: cluster.managers["a"].leading(*KEY) is not None)
+    await cluster.stop("c")
+    future = cluster.publish("a", b"m0")
+    await wait_for(lambda: any(p.isr == {"a", "b"} for p in cluster.proposals))
+    assert future is not None and not future.done()  # c counts until the controller writes it
+    cluster.place("a", 1, ("a", "b"))  # the controller wrote the proposal
+    await asyncio.wait_for(future, 15)
+
+
+async def test_failover_keeps_every_acknowledged_message_and_the_old_leader_rejoins_as_follower(
+    cluster: Cluster,
+) -> None:
+    for node in NODES:
+        cluster.start(node)
+    cluster.place("a", 1, NODES)
+    await wait_for(lambda: cluster.managers["a"].leading(*KEY) is not None)
+    acknowledged = [cluster.publish("a", f"ack{i}".encode()) for i in range(20)]
+    await asyncio.wait_for(asyncio.gather(*[f for f in acknowledged if f is not None]), 15)
+    # a is cut off from b and c (they see it down), and takes more publishes alone
+    cluster.down.add("a")
+    await wait_for(lambda: cluster.fetching == 0)  # fetches already under way are answered
+    unacknowledged = [cluster.publish("a", f"lost{i}".encode()) for i in range(5)]
+    await cluster.journals["a"].open_shard(*KEY).flush()
+    await cluster.stop("a")
+    for future in unacknowledged:
+        assert future is not None
+        with pytest.raises(ShardUnavailable):
+            await asyncio.wait_for(future, 15)
+    # the controller elects b from the in-sync set, with epoch 2
+    cluster.place("b", 2, ("b", "c"))
+    await wait_for(lambda: cluster.managers["b"].leading(*KEY) is not None)
+    after = [cluster.publish("b", f"after{i}".encode()) for i in range(10)]
+    await asyncio.wait_for(asyncio.gather(*[f for f in after if f is not None]), 15)
+    expected = [f"ack{i}".encode() for i in range(20)] + [f"after{i}".encode() for i in range(10)]
+    assert cluster.records("b") == expected
+    # a restarts: its journal still ends with the 5 records nobody acknowledged
+    cluster.start("a")
+    assert cluster.records("a")[-1] == b"lost4"
+    cluster.place("b", 2, ("b", "c"))
+    await wait_for(lambda: cluster.records("a") == expected)
+    await wait_for(lambda: any(p.isr == {"a", "b", "c"} for p in cluster.proposals))
+    epochs = cluster.journals["a"].open_shard(*KEY).leader_epochs.entries
+    assert epochs == cluster.journals["b"].open_shard(*KEY).leader_epochs.entries
+    assert [entry.epoch for entry in epochs] == [1, 2]
