@@ -191,19 +191,22 @@ class BrokerProcess:
         """Start `shardgate serve` and wait for its port file. A restart keeps the ports it
         had (clients come back to the same address). If a port is in use (a socket of the
         killed process not yet released, or another process), the start is retried with the
-        same ports until PORT_IN_USE_TIMEOUT."""
+        same ports until PORT_IN_USE_TIMEOUT after the first refusal (a start itself can take
+        long on a loaded machine)."""
         port = mqtt_port or self.ports.get("mqtt") or free_port()
-        deadline = time.monotonic() + self.PORT_IN_USE_TIMEOUT
+        deadline: float | None = None
         while True:
             try:
                 return self._start_once(port)  # any other failure is raised as it is
             except PortInUse:
-                if time.monotonic() > deadline:
+                if deadline is None:
+                    deadline = time.monotonic() + self.PORT_IN_USE_TIMEOUT
+                elif time.monotonic() > deadline:
                     raise
             # start again as soon as every port can be bound (polled; then one last try)
+            left = deadline - time.monotonic()
             with contextlib.suppress(AssertionError):
-                wait_for(lambda: self._ports_bindable(port),
-                         timeout=max(0.1, deadline - time.monotonic()), interval=0.05)
+                wait_for(lambda: self._ports_bindable(port), timeout=max(0.1, left), interval=0.05)
 
     def _ports_bindable(self, mqtt_port: int) -> bool:
         """Whether every fixed port this broker is given can be bound now."""
