@@ -65,16 +65,8 @@ def snippet(start: str) -> str:
 
 @pytest.fixture
 def shell(tmp_path: Path) -> Iterator[tuple[dict[str, str], list[subprocess.Popen[str]]]]:
-    """The environment the README's commands run in: a virtual environment of their own
-    (seeing the installed dependencies), so that its `pip install -e .` installs there and
-    does not replace, for a moment, the package that tests running beside it start
-    (`python -m shardgate` in another xdist worker)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDGATE_")}
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
-                   check=True, capture_output=True, timeout=300)
-    env["VIRTUAL_ENV"] = str(venv)
-    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["SPARK_LOCAL_IP"] = "127.0.0.1"
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     background: list[subprocess.Popen[str]] = []
