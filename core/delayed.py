@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable
 from typing import Protocol
 
-from .errors import PublishRejected
+from .errors import InvalidMessage, PublishRejected
 from .message import Message, now_ms
 from .ports import DelayedStore
 from .records import decode_to_message, encode_message
@@ -75,21 +75,30 @@ def deliver_at(message: Message) -> int | None:
     if topic.startswith(DELAYED_PREFIX):
         seconds_text, _, rest = topic[len(DELAYED_PREFIX):].partition("/")
         if not seconds_text.isdigit() or not rest:
-            raise PublishRejected(f"delayed topic must be $delayed/<seconds>/<topic>, got {topic!r}")
+            raise InvalidMessage(f"delayed topic must be $delayed/<seconds>/<topic>, got {topic!r}")
         seconds = int(seconds_text)
         if seconds > MAX_DELAY_S:
-            raise PublishRejected(f"delay of {seconds}s is longer than the maximum {MAX_DELAY_S}s")
+            raise InvalidMessage(f"delay of {seconds}s is longer than the maximum {MAX_DELAY_S}s")
         message.topic = rest
         return message.publish_time_ms + seconds * 1000
     if message.headers:
+        latest = message.publish_time_ms + MAX_DELAY_S * 1000
         for name, value in message.headers:
+            if name not in DELAY_HEADERS:
+                continue
             try:
-                if name == "x-deliver-at":
-                    return int(value)
-                if name == "x-delay":
-                    return message.publish_time_ms + int(value)
+                number = int(value)
             except ValueError:
-                raise PublishRejected(f"header {name} must be an integer, got {value!r}") from None
+                raise InvalidMessage(f"header {name} must be an integer, got {value!r}") from None
+            # Out of range is refused, never clamped: the publisher learns of its mistake.
+            if name == "x-deliver-at":
+                if not 0 <= number <= latest:
+                    raise InvalidMessage(f"header x-deliver-at {number} is not a time (epoch ms) "
+                                         f"within {MAX_DELAY_S}s from now")
+                return number
+            if not 0 <= number <= MAX_DELAY_S * 1000:
+                raise InvalidMessage(f"header x-delay {number} is outside 0..{MAX_DELAY_S * 1000} ms")
+            return message.publish_time_ms + number
     return None
 
 

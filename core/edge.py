@@ -80,11 +80,15 @@ class Principal:
     remote: str = ""
 
 
-class Authenticator(Protocol):
-    """`authenticate(principal, password)` -> None to accept, else the refusal
-    ("bad-credentials" or "not-authorized")."""
+# What authentication answers: None to accept, else the refusal ("bad-credentials" or
+# "not-authorized"); or a future of that while a password is checked off the event loop.
+Verdict = str | None | asyncio.Future[str | None]
 
-    def __call__(self, principal: Principal, password: bytes | str | None, /) -> str | None: ...
+
+class Authenticator(Protocol):
+    """`authenticate(principal, password)` -> a `Verdict`."""
+
+    def __call__(self, principal: Principal, password: bytes | str | None, /) -> Verdict: ...
 
 
 class Authorizer(Protocol):
@@ -215,8 +219,9 @@ class Edge:
         return self.broker.stats
 
     # ------------------------------------------------------------------ security
-    def authenticate(self, principal: Principal, password: bytes | str | None) -> str | None:
-        """None to accept `principal`, else the refusal ("bad-credentials", "not-authorized")."""
+    def authenticate(self, principal: Principal, password: bytes | str | None) -> Verdict:
+        """None to accept `principal`, else the refusal ("bad-credentials", "not-authorized"),
+        or a future of either (a password hashed off the event loop): callers handle both."""
         authenticator = self.authenticator
         if authenticator is not None:
             return authenticator(principal, password)

@@ -29,6 +29,11 @@ class PublishRejected(CoreError):
     """The message cannot be accepted (schema mismatch, storage failure, too large)."""
 
 
+class InvalidMessage(PublishRejected):
+    """The message itself is malformed (a delay header or a time to live out of range): the
+    client's error, not to be retried as it is."""
+
+
 class SchemaMismatch(PublishRejected):
     """The payload does not fit the stream's schema."""
 

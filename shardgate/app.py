@@ -128,6 +128,7 @@ class Shardgate:
             segment_ms=journal_config.segment_ms,
             retention_ms=journal_config.retention_ms,
             retention_bytes=journal_config.retention_bytes,
+            max_open_files=journal_config.max_open_files,
             index_key=record_index_key,
         )
         self.metadata = SqliteMetadataStore(config.data_dir / "metadata.db")
@@ -438,6 +439,8 @@ class Shardgate:
 
     async def stop(self) -> None:
         self.ready = False
+        if self.security is not None:
+            self.security.stop_watching()
         if self.cluster is not None:
             # hand this node's shards over while it still serves, then go on stopping
             await self.cluster.leave()

@@ -59,6 +59,20 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                        help="write the bound listener ports as JSON to this file once started")
 
 
+def _raise_descriptor_limit() -> None:
+    """Every client connection takes a descriptor: take the hard limit as the soft one (as Go's
+    runtime does), so the distribution's default of 1,024 does not cap the clients."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ImportError, ValueError, OSError):
+        pass  # not POSIX, or not allowed: keep the limit given
+
+
 async def _serve(config: Config, port_file: Path | None) -> int:
     from .app import Shardgate
 
@@ -243,6 +257,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(2)
         _configure_logging(config)
         tune_malloc()
+        _raise_descriptor_limit()
         try:
             import uvloop
 

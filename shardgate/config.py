@@ -71,12 +71,17 @@ class JournalConfig:
     fsync_interval_ms: int = 50
     segment_bytes: int = 64 * 1024 * 1024
     segment_ms: int = 3_600_000
-    retention_ms: int | None = None
+    # By default a shard keeps 7 days (Kafka's default), less what no durable cursor and no
+    # archiver still needs; None keeps everything.
+    retention_ms: int | None = 7 * 24 * 3_600_000
     retention_bytes: int | None = None
+    # Segment and reservation files open at once, every shard together: the journal opens the
+    # others when used and closes the least recently used (a descriptor per file otherwise).
+    max_open_files: int = 1024
 
     RANGES: ClassVar[dict[str, Range]] = {
         "fsync_interval_ms": (1, None), "segment_bytes": (256, None), "segment_ms": (1, None),
-        "retention_ms": (1, None), "retention_bytes": (1, None),
+        "retention_ms": (1, None), "retention_bytes": (1, None), "max_open_files": (16, None),
     }
 
 

@@ -295,7 +295,9 @@ class ConnectionBase:
                 self.link.close()
             return
         if state is not State.OPEN:
-            if now - self.opened_at > self.settings.handshake_timeout and state is not State.AWAIT_OPEN:
+            # From accept to connection.open-ok, whatever the client sent meanwhile: a
+            # handshake that stalls anywhere (after tune-ok too) ends here.
+            if now - self.opened_at > self.settings.handshake_timeout:
                 log.info("AMQP handshake timeout for %s", self.remote)
                 self.state = State.CLOSED
                 self.link.close()

@@ -4,6 +4,7 @@ connection.close on channel 0. The server properties and capabilities are Rabbit
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import struct
 
@@ -130,10 +131,31 @@ class HandshakeMixin(ConnectionBase):
                 ReplyCode.ACCESS_REFUSED,
                 f"unsupported authentication mechanism '{frame.mechanism}'", *method_ids(frame),
             )
-        refusal = self.service.authenticate(user, password, self.loopback)
+        refusal = self.service.authenticate(user, password, self.loopback, self.remote)
+        if isinstance(refusal, asyncio.Future):
+            # A password is being hashed off the event loop: read no further frames until
+            # the verdict is in (the handshake timeout still runs).
+            self.hold()
+            mechanism = str(frame.mechanism)
+            refusal.add_done_callback(lambda done: self._login_checked(done, mechanism, user))
+            return
+        self._logged_in(refusal, str(frame.mechanism), user)
+
+    def _login_checked(self, done: asyncio.Future[str | None], mechanism: str, user: str | None) -> None:
+        self._holds -= 1
+        if self.state is not State.AWAIT_START_OK:
+            return  # closed meanwhile
+        try:
+            self._logged_in(done.result(), mechanism, user)
+        except ConnectionException as exc:
+            self.close(exc)
+        self._request_flush()
+        self.resume_reading()
+
+    def _logged_in(self, refusal: str | None, mechanism: str, user: str | None) -> None:
         if refusal is not None:
             # rabbit_reader:auth_fail/5 names the mechanism the client used; class and method 0.
-            refusal = refusal.replace("mechanism PLAIN or AMQPLAIN", f"mechanism {frame.mechanism}")
+            refusal = refusal.replace("mechanism PLAIN or AMQPLAIN", f"mechanism {mechanism}")
             raise ConnectionException(ReplyCode.ACCESS_REFUSED, refusal)
         self.username = str(user)
         # ACL rules see AMQP clients by user only (no client id for `client =` or `%c`).

@@ -8,6 +8,7 @@ deletes exclusive queues with their connection and auto-delete queues with their
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -103,8 +104,11 @@ class AmqpService:
         self.output.flush()
 
     # ------------------------------------------------------------------ policy
-    def authenticate(self, user: str | None, password: str | None, loopback: bool) -> str | None:
-        """None to accept, else the refusal text for connection.close 403. With an
+    def authenticate(self, user: str | None, password: str | None, loopback: bool,
+                     remote: str = "") -> str | None | asyncio.Future[str | None]:
+        """None to accept, else the refusal text for connection.close 403 (or, from the
+        composition root's replacement, a future of either while a password is hashed off the
+        event loop; `remote` is the client's address for its throttling). With an
         `authenticator` (Shardgate's user store, set by the composition root) it decides;
         otherwise `settings.users`. `settings.loopback_users` apply either way."""
         settings = self.settings

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from ...core.edge import Principal
+from ...core.edge import Principal, Verdict
 
 if TYPE_CHECKING:
     from .server import GrpcServer
@@ -95,12 +95,21 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         edge = self.server.edge
-        allow_anonymous = self.server.settings.allow_anonymous and edge.allow_anonymous
         credentials = credentials_from_metadata(handler_call_details.invocation_metadata)
         if credentials is None:
-            if allow_anonymous:
+            if not self.server.settings.allow_anonymous:
+                return _refuse(grpc.StatusCode.UNAUTHENTICATED, "credentials required", handler)
+            if edge.authenticator is None:
+                if edge.allow_anonymous:
+                    return handler
+                return _refuse(grpc.StatusCode.UNAUTHENTICATED, "credentials required", handler)
+            # Asked of the security model per call (it notices a user just added or removed).
+            verdict = edge.authenticate(Principal("grpc"), None)
+            if verdict is None:
                 return handler
-            return _refuse(grpc.StatusCode.UNAUTHENTICATED, "credentials required", handler)
+            if isinstance(verdict, str):
+                return _refuse(grpc.StatusCode.UNAUTHENTICATED, "credentials required", handler)
+            return _checked(handler, lambda peer: verdict)
         if edge.authenticator is None:
             return handler
         username, password = credentials
@@ -110,11 +119,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _checked(handler: grpc.RpcMethodHandler,
-             check: Callable[[str], str | None]) -> grpc.RpcMethodHandler:
-    """`handler`, preceded by `check(peer)`: a refusal ends the call with UNAUTHENTICATED."""
+             check: Callable[[str], Verdict]) -> grpc.RpcMethodHandler:
+    """`handler`, preceded by `check(peer)`: a refusal ends the call with UNAUTHENTICATED.
+    A password is hashed off the event loop: the call waits for the verdict."""
 
     async def refused(context: grpc.aio.ServicerContext) -> bool:
         refusal = check(peer_of(context))
+        if refusal is not None and not isinstance(refusal, str):
+            refusal = await refusal
         if refusal is None:
             return False
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"authentication failed: {refusal}")

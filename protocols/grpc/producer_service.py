@@ -80,7 +80,10 @@ class ProducerService(pb_grpc.ProducerServicer):
         except Refusal as refusal:
             await abort(context, refusal)
             raise  # unreachable: abort raises
-        return pb.PublishResponse(stream=message.stream, shard=message.shard, offset=message.offset)
+        response = pb.PublishResponse(stream=message.stream, shard=message.shard)
+        if message.offset >= 0:  # (a delayed message is held: it has no offset yet)
+            response.offset = message.offset
+        return response
 
     async def PublishStream(
         self, request_iterator: AsyncIterator[pb.PublishBatch], context: grpc.aio.ServicerContext

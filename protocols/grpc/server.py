@@ -21,6 +21,7 @@ import grpc
 from ...core.broker import Broker
 from ...core.edge import KICK_REASON, Action, ClientInfo, Edge, Receipt
 from ...core.errors import (
+    InvalidMessage,
     PublishRejected,
     SchemaMismatch,
 )
@@ -44,16 +45,22 @@ from .convert import (
     lag_of,
     protocol_of,
 )
+from .malformed import MalformedRequestInterceptor
 from .producer_service import ProducerService, ProducerStreamInfo
 from .settings import DEFAULT_PORT, GrpcSettings
 
 __all__ = ["DEFAULT_PORT", "GrpcServer", "start_grpc_server"]
 
 
+# The longest time to live a message may ask for (100 years): its expiry, in epoch
+# milliseconds, must fit the record's signed 64-bit field.
+MAX_TTL_MS = 100 * 365 * 24 * 3600 * 1000
+
+
 def refusal_of(exc: PublishRejected) -> Refusal:
     """The status a publish the core refused gets: a schema mismatch is the client's error
     (INVALID_ARGUMENT), any other refusal (storage failure, store full) is UNAVAILABLE."""
-    if isinstance(exc, SchemaMismatch):
+    if isinstance(exc, SchemaMismatch | InvalidMessage):
         return Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     return Refusal(grpc.StatusCode.UNAVAILABLE, str(exc))
 
@@ -149,7 +156,8 @@ class GrpcServer:
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             ("grpc.so_reuseport", 0),
         ]
-        server = grpc.aio.server(options=options, interceptors=[AuthInterceptor(self)])
+        server = grpc.aio.server(options=options,
+                                 interceptors=[AuthInterceptor(self), MalformedRequestInterceptor()])
         pb_grpc.add_ProducerServicer_to_server(ProducerService(self), server)
         pb_grpc.add_ConsumerServicer_to_server(self.consumer_service, server)
         pb_grpc.add_AdminServicer_to_server(AdminService(self), server)
@@ -225,6 +233,9 @@ class GrpcServer:
             check_text("reply_to", request.reply_to)
             message.reply_to = request.reply_to
         if request.ttl_ms:
+            if request.ttl_ms > MAX_TTL_MS:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"ttl_ms {request.ttl_ms} is longer than the maximum {MAX_TTL_MS}")
             message.expires_at_ms = message.publish_time_ms + request.ttl_ms
         return message
 

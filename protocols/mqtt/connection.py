@@ -142,6 +142,7 @@ class MqttConnection:
         "_allowed_topic", "_read_ms", "_link_buffered", "_acks_waiting", "_held_subacks",
         "_sent_stream", "_sent_count", "_sent_bytes",
         "_held_from", "_close_when_sent", "_connect_marks", "_drain_wanted", "_after_connack",
+        "_checked",
     )
 
     def __init__(self, service: MqttService, link: Link, remote: str = "", transport_name: str = "tcp") -> None:
@@ -150,7 +151,10 @@ class MqttConnection:
         self.remote = remote
         self.transport_name = transport_name
         self.state = State.AWAIT_CONNECT
-        self.parser = PacketParser(max_packet_size=service.settings.max_packet_size)
+        settings = service.settings
+        # Until it has authenticated, a client may send no more than a small CONNECT.
+        self.parser = PacketParser(max_packet_size=min(
+            settings.max_packet_size, settings.max_packet_size_unauthenticated or settings.max_packet_size))
         self.version = 4
         self.client_id = ""
         self.username: str | None = None
@@ -159,6 +163,8 @@ class MqttConnection:
         # Set by the adapter from a verified client certificate when the listener maps
         # certificate identities to users.
         self.certificate_identity: str | None = None
+        # The verdict of a password checked off the event loop, for the CONNECT handled again.
+        self._checked: tuple[str | None] | None = None
         self.session: MqttSession | None = None
         self.keep_alive = 0
         self.last_received = self.service.clock()
@@ -672,11 +678,21 @@ class MqttConnection:
             self._refuse(RC.SERVER_BUSY, p.ConnackCode311.SERVER_UNAVAILABLE, "too many connections")
             return
         username = connect.username
+        verdict: str | None
         if self.certificate_identity is not None:
             # The TLS layer verified a client certificate that names the user: no password.
             username, verdict = self.certificate_identity, None
+        elif self._checked is not None:
+            verdict, self._checked = self._checked[0], None  # checked off the loop (below)
         else:
-            verdict = self.service.authenticate(connect.username, connect.password, client_id, self.remote)
+            answer = self.service.authenticate(connect.username, connect.password, client_id, self.remote)
+            if answer is not None and not isinstance(answer, str):  # a future of the verdict
+                # A password is being hashed off the event loop: nothing else of this client
+                # is handled until the verdict is in; then the CONNECT is handled again.
+                self.state = State.OPENING
+                answer.add_done_callback(lambda done: self._authenticated_later(connect, done))
+                return
+            verdict = answer
         if verdict is not None:
             bad_credentials = verdict == "bad-credentials"
             self._refuse(
@@ -692,6 +708,7 @@ class MqttConnection:
             self._refuse(RC.NOT_AUTHORIZED, p.ConnackCode311.NOT_AUTHORIZED,
                          f"will topic {connect.will.topic!r} not authorized")
             return
+        self.parser.max_packet_size = settings.max_packet_size  # logged in: the full limit
         self.client_id = client_id
         self.username = username
         self.principal = principal
@@ -720,6 +737,21 @@ class MqttConnection:
                                                 server_keep_alive))
             return
         self._opened(client_id, connect.clean_start, expiry, assigned, server_keep_alive)
+
+    def _authenticated_later(self, connect: p.Connect, done: asyncio.Future[str | None]) -> None:
+        """The password check of `connect` is done: handle the CONNECT with its verdict, then
+        whatever the client sent meanwhile, as one read."""
+        if self.state is not State.OPENING:
+            return  # the client left meanwhile
+        self.state = State.AWAIT_CONNECT
+        verdict = "bad-credentials" if done.cancelled() or done.exception() is not None else done.result()
+        self._checked = (verdict,)
+        packets: list[p.Packet] = [connect, *self._backlog]
+        self._backlog.clear()
+        error, self._backlog_error = self._backlog_error, None
+        self._process(packets, error)
+        if self.state is State.CLOSED:
+            self._checked = None
 
     def _opened_later(self, fetching: asyncio.Future[None], client_id: str, clean_start: bool, expiry: int,
                       assigned: str | None, server_keep_alive: int | None) -> None:

@@ -67,6 +67,20 @@ def _no_clock() -> float:
     raise RuntimeError("MqttService needs a scheduler: the asyncio adapter passes its event loop")
 
 
+class SessionEvents:
+    """Who is told, by client id, of a session opening here (`opened`: new, resumed or taken
+    over), of a session ending here (`ended`: not merely disconnected) and of a client's will
+    being published, dropped or scheduled here (`will_changed`). Cluster mode adds its
+    listeners; on a single node the lists stay empty."""
+
+    __slots__ = ("opened", "ended", "will_changed")
+
+    def __init__(self) -> None:
+        self.opened: list[Callable[[str], None]] = []
+        self.ended: list[Callable[[str], None]] = []
+        self.will_changed: list[Callable[[str], None]] = []
+
+
 class MqttService:
     def __init__(
         self, edge: Edge, settings: MqttSettings | None = None,
@@ -86,12 +100,9 @@ class MqttService:
         self.connections: set[MqttConnection] = set()
         # Set by a graceful stop: no new PUBLISH goes out (see `finish_in_flight`).
         self.draining = False
-        # Cluster mode: told of every session a client opens here (the session registry).
-        self.on_session_opened: Callable[[str], None] | None = None
-        # ... and of every session that ended here (not merely disconnected).
-        self.on_session_ended: Callable[[str], None] | None = None
-        # ... and whenever a client's will was published, dropped or scheduled here.
-        self.on_will_changed: Callable[[str], None] | None = None
+        # Cluster mode: who is told of sessions opening and ending here and of wills changing
+        # (the session registry, wills kept in etcd), in the order they were added.
+        self.session_events = SessionEvents()
         # Cluster mode: asked at every CONNECT before the session opens; returns an awaitable
         # when the client's session must first come from (or be ended on) another node (it is
         # in `sessions`, offline, once that is done), None when nothing is elsewhere.
@@ -125,7 +136,9 @@ class MqttService:
         self._tick_handle: Timer | None = None
         self._sys_handle: Timer | None = None
         self.total_connections = 0
-        self._handshaking: set[MqttConnection] = set()
+        # Connections not yet past CONNECT -> when they were accepted: the CONNECT timeout
+        # runs from accept, whatever the client trickles in meanwhile.
+        self._handshaking: dict[MqttConnection, float] = {}
         # The connection whose packets are being handled (its writes are grouped).
         self.publishing: MqttConnection | None = None
         # Back-pressure (`core/backpressure.py`, shared with every publisher of the broker: a
@@ -323,7 +336,10 @@ class MqttService:
     def assign_client_id(self) -> str:
         return f"sg-{self._id_prefix}-{next(self._client_ids)}"
 
-    def authenticate(self, username: str | None, password: bytes | None, client_id: str, remote: str) -> str | None:
+    def authenticate(
+        self, username: str | None, password: bytes | None, client_id: str, remote: str,
+    ) -> str | None | asyncio.Future[str | None]:
+        """None to accept, a refusal, or a future of either while a password is hashed."""
         edge = self.edge
         # `mqtt.allow_anonymous = false` refuses clients without a user name on MQTT alone,
         # whatever the security policy (`auth.allow_anonymous`) allows the other protocols.
@@ -361,12 +377,48 @@ class MqttService:
                 return 1
         return 0
 
+    def reauthorize(self) -> int:
+        """Check every connected client's subscriptions again (the users or the ACL rules
+        changed): a filter no longer allowed is removed, as an UNSUBSCRIBE would remove it, so
+        that it stops receiving at once. Nothing is checked per message. Returns how many
+        filters were removed."""
+        removed = 0
+        for connection in list(self.connections):
+            session = connection.session
+            if session is None or connection.state is not State.CONNECTED:
+                continue
+            removed_here = self._reauthorize_session(connection.principal, session)
+            if removed_here:
+                log.info("client %r: %d subscriptions no longer allowed were removed",
+                         connection.client_id, removed_here)
+                self.save_session(session)
+            removed += removed_here
+        return removed
+
+    def _reauthorize_session(self, principal: Principal, session: MqttSession) -> int:
+        edge, broker = self.edge, self.broker
+        removed = 0
+        subscription = session.subscription
+        if subscription is not None:
+            for topic_filter in list(subscription.filters):
+                if not edge.authorize(principal, Action.SUBSCRIBE, topic_filter):
+                    broker.remove_filter(subscription, topic_filter)
+                    removed += 1
+        for name, entry in list(session.shared.items()):
+            if not edge.authorize(principal, Action.SUBSCRIBE, name):
+                session.shared.pop(name, None)
+                broker.detach(entry[0], session)
+                if not entry[0].consumers:
+                    broker.remove_subscription(name)
+                removed += 1
+        return removed
+
     # ------------------------------------------------------------------ sessions
     def open_session(
         self, connection: MqttConnection, client_id: str, clean_start: bool, expiry: int
     ) -> tuple[MqttSession, bool]:
         self.connections.add(connection)
-        self._handshaking.discard(connection)
+        self._handshaking.pop(connection, None)
         self.total_connections += 1
         existing = self.sessions.get(client_id)
         if existing is not None and existing.connection is not None:
@@ -403,8 +455,8 @@ class MqttService:
         self.save_session(session, acknowledged=not present)
         if not present and session.durable and self._grouping:
             self._commit_at_read_end = True
-        if self.on_session_opened is not None:
-            self.on_session_opened(client_id)
+        for opened in self.session_events.opened:
+            opened(client_id)
         return session, present
 
     def session_elsewhere(self, client_id: str, clean_start: bool) -> asyncio.Future[None] | None:
@@ -434,8 +486,8 @@ class MqttService:
             # Taken over: the new connection owns the session now.
             if will is not None and self._will_delay(connection, will) == 0:
                 self._publish_will(connection.client_id, will)
-            if self.on_will_changed is not None:
-                self.on_will_changed(connection.client_id)
+            for will_changed in self.session_events.will_changed:
+                will_changed(connection.client_id)
             return
         session.connection = None
         session.disconnected_at_ms = now_ms()
@@ -450,8 +502,8 @@ class MqttService:
                 delay = min(delay, expiry)
                 handle = self.scheduler.call_later(delay, self._delayed_will, session.client_id, will)
                 self._will_timers[session.client_id] = (handle, will)
-        if self.on_will_changed is not None:
-            self.on_will_changed(session.client_id)
+        for will_changed in self.session_events.will_changed:
+            will_changed(session.client_id)
         if expiry == 0:
             self._end_session(session)
             return
@@ -478,8 +530,8 @@ class MqttService:
             self.edge.publish(message)
         except Exception:
             log.exception("could not publish the will of %r", client_id)
-        if self.on_will_changed is not None:
-            self.on_will_changed(client_id)
+        for will_changed in self.session_events.will_changed:
+            will_changed(client_id)
 
     def _expire_session(self, client_id: str) -> None:
         self._expiry_timers.pop(client_id, None)
@@ -504,8 +556,8 @@ class MqttService:
     def _end_session(self, session: MqttSession) -> None:
         if self.sessions.get(session.client_id) is session:
             del self.sessions[session.client_id]
-            if self.on_session_ended is not None:
-                self.on_session_ended(session.client_id)
+            for ended in self.session_events.ended:
+                ended(session.client_id)
         session.discard()
 
     # ------------------------------------------------------------------ persistence
@@ -683,20 +735,22 @@ class MqttService:
                     log.warning("client %r: no acknowledgement for %.0fs; disconnected as dead",
                                 connection.client_id, now - connection.last_ack)
                     connection.close(p.ReasonCode.KEEP_ALIVE_TIMEOUT, "dead subscriber")
-        for connection in list(self._handshaking):
+        for connection, accepted in list(self._handshaking.items()):
             if connection.state is not State.AWAIT_CONNECT:
-                self._handshaking.discard(connection)
-            elif now - connection.last_received > CONNECT_TIMEOUT_S:
-                self._handshaking.discard(connection)
+                del self._handshaking[connection]
+            elif now - accepted > CONNECT_TIMEOUT_S:
+                del self._handshaking[connection]
+                log.info("%s: no CONNECT within %.0f s of accept; closed", connection.remote,
+                         CONNECT_TIMEOUT_S)
                 connection.close()
         self._tick_handle = self.scheduler.call_later(TICK_S, self._tick)
 
     def connection_made(self, connection: MqttConnection) -> None:
-        self._handshaking.add(connection)
+        self._handshaking[connection] = self.scheduler.time()
         self.connect_timing.resume_probe()
 
     def connection_gone(self, connection: MqttConnection) -> None:
-        self._handshaking.discard(connection)
+        self._handshaking.pop(connection, None)
         # What a departure saves (the session, or its removal) acknowledges nothing: it joins
         # the turn's group commit (one fsync for every departure of the turn) instead of
         # committing, and fsyncing on the event loop, once per connection.

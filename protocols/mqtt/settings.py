@@ -10,6 +10,9 @@ from typing import ClassVar
 class MqttSettings:
     # The largest packet the server accepts (MQTT 5 Maximum Packet Size in CONNACK).
     max_packet_size: int = 1024 * 1024
+    # The largest first packet (CONNECT) of a client not yet authenticated, as RabbitMQ's
+    # mqtt.max_packet_size_unauthenticated: a stranger holds little memory. 0: max_packet_size.
+    max_packet_size_unauthenticated: int = 65536
     # How many QoS 1/2 publishes a client may have unacknowledged towards the server.
     receive_maximum: int = 1024
     # Outbound in-flight window for 3.1.1 clients (5.0 clients set theirs in CONNECT).

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from .. import __version__
 from ..core.edge import KICK_REASON
@@ -40,6 +41,23 @@ from .metrics import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class _MalformedRequests(logging.Filter):
+    """A request that is not valid HTTP is the client's error: aiohttp answers 400 and would
+    log an ERROR with a traceback for it; it gets one debug line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            log.debug("malformed HTTP request: %s", str(exc).replace("\n", " ")[:300])
+            return False
+        return True
+
+
+# The admin server's own logger (aiohttp's request handler logs there).
+_server_log = logging.getLogger(f"{__name__}.server")
+_server_log.addFilter(_MalformedRequests())
 
 DASHBOARD_DIR = Path(__file__).with_name("dashboard")
 RETAINED_LIMIT = 1000
@@ -514,6 +532,8 @@ async def _authenticate(
     """HTTP Basic with the broker's users and the ACL's `admin` action, unless the broker is
     open (no user, anonymous on), which the composition root allows only on loopback."""
     security = getattr(_app(request), "security", None)
+    if security is not None:
+        security.reload()  # a stat of the files: a user just added or removed counts at once
     if security is None or security.open or request.path in HEALTH_PATHS:
         return await handler(request)
     credentials = _basic_credentials(request)
@@ -522,7 +542,10 @@ async def _authenticate(
         raise web.HTTPUnauthorized(reason="credentials required (HTTP Basic)",
                                    headers=_UNAUTHORIZED_HEADERS)
     username, password = credentials
-    if security.authenticate(username, password, "http", remote, "http") is not None:
+    verdict = security.authenticate_later(username, password, "http", remote, "http")
+    if verdict is not None and not isinstance(verdict, str):
+        verdict = await verdict  # the password is hashed off the event loop
+    if verdict is not None:
         raise web.HTTPUnauthorized(reason="authentication failed", headers=_UNAUTHORIZED_HEADERS)
     topic = admin_topic(request.path)
     if not security.authorize("admin", username, "http", topic, "http"):
@@ -720,7 +743,8 @@ class HttpServer:
 async def start_http_server(app: Any, host: str, port: int) -> HttpServer:
     """Serve the admin API, `/metrics` and the dashboard for `app` on `host:port` (0: any port),
     on the running event loop. Raises `OSError` if the port cannot be bound."""
-    runner = web.AppRunner(create_web_app(app), access_log=None, shutdown_timeout=2.0)
+    runner = web.AppRunner(create_web_app(app), access_log=None, shutdown_timeout=2.0,
+                           logger=_server_log)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     try:

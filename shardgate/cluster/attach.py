@@ -230,8 +230,8 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
         await handover.drop_moved()
         # the MQTT session registry: a client connecting here takes its session over from
         # the node it was on, which ends that connection with DISCONNECT 0x8E
-        mqtt.on_session_opened = handover.opened
-        mqtt.on_session_ended = node.release_session
+        mqtt.session_events.opened.append(handover.opened)
+        mqtt.session_events.ended.append(node.release_session)
         node.session_listeners.append(mqtt.session_taken_elsewhere)
         for client_id, session in mqtt.sessions.items():
             if session.connection is not None:

@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import keys
 from .etcd import (
@@ -46,6 +46,14 @@ from .link_auth import NodeCredentials, secret_check
 from .membership import NodeInfo, ShardAssignment
 from .placement import ShardPlacement, ShardSpec, place
 from .settings import ClusterSettings
+
+if TYPE_CHECKING:
+    from .durables import DurableHandover
+    from .floors import CursorFloors
+    from .sessions import SessionHandover, StateWriter
+    from .shared_files import SharedFiles
+    from .state_rpc import StateRpc
+    from .wills import WillKeeper
 
 log = logging.getLogger(__name__)
 
@@ -339,23 +347,23 @@ class ClusterNode:
         # messages this node has handled so far (in + out); its rate is the load it reports
         self.load_probe: Callable[[], int] | None = None
         # the users and ACL files kept equal on every node (shared_files.SharedFiles)
-        self.shared_files: Any = None
+        self.shared_files: SharedFiles | None = None
         # told when a client's session moved to another node: (client id, node id)
         self.session_listeners: list[Callable[[str, str], object]] = []
         # told about changes of whole documents (auth/...) seen in etcd: (key, value)
         self.document_listeners: list[Callable[[str, bytes | None], None]] = []
         # MQTT sessions moving between nodes (sessions.SessionHandover) and the calls between
         # nodes it and remote cursors make (state_rpc.StateRpc); set by `attach.join`
-        self.handover: Any = None
-        self.state_rpc: Any = None
+        self.handover: SessionHandover | None = None
+        self.state_rpc: StateRpc | None = None
         # wills kept in etcd and published for departed nodes (wills.WillKeeper)
-        self.wills: Any = None
+        self.wills: WillKeeper | None = None
         # durable subscriptions shared through etcd (durables.DurableHandover) and the writer
         # of the snapshots both keep there (sessions.StateWriter)
-        self.durables: Any = None
-        self.state_writer: Any = None
+        self.durables: DurableHandover | None = None
+        self.state_writer: StateWriter | None = None
         # this node's durable cursors' floors for other owners' retention (floors.CursorFloors)
-        self.floors: Any = None
+        self.floors: CursorFloors | None = None
 
     def key(self, suffix: str) -> str:
         return self.prefix + suffix

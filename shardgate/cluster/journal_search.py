@@ -58,12 +58,15 @@ async def shard_holds(node: ClusterNode, broker: Broker, topic: str, since_ms: i
                 return True
             position = batch[-1].offset + 1
         return False
+    rpc = node.state_rpc
+    if rpc is None:
+        raise ShardUnreadable(f"{name}/{index}: this node cannot call its peers yet")
     position = 0
     while True:
         request = {"stream": name, "shard": index, "from": position, "since_ms": since_ms,
                    "max": SEARCH_BATCH, "filters": [topic], "node": node.node_id}
         try:
-            header, records = await node.state_rpc.read_shard(assignment.leader, request, timeout_s)
+            header, records = await rpc.read_shard(assignment.leader, request, timeout_s)
         except Exception as exc:  # noqa: BLE001 - a link down, a timeout: asked again later
             raise ShardUnreadable(f"{name}/{index} on {assignment.leader}: {exc}") from exc
         if "error" in header:

@@ -172,16 +172,9 @@ class WillKeeper:
 
     # ------------------------------------------------------------ wiring
     def install(self) -> None:
-        service = self.service
-        opened = service.on_session_opened
-
-        def on_opened(client_id: str) -> None:
-            if opened is not None:
-                opened(client_id)
-            self.opened(client_id)
-
-        service.on_session_opened = on_opened
-        service.on_will_changed = self.changed
+        events = self.service.session_events
+        events.opened.append(self.opened)  # after the session registry's (attach.py)
+        events.will_changed.append(self.changed)
 
     def start(self) -> None:
         if self._scanner is None:

@@ -56,6 +56,7 @@ through their hooks and turn a refusal into their own reply.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import collections
@@ -77,6 +78,7 @@ from typing import Any
 
 from ..core.edge import Principal
 from ..core.topics import filter_covers, filter_matches, filters_overlap
+from .login_guard import LoginGuard
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,14 @@ class Action(StrEnum):
     SUBSCRIBE = "subscribe"
     ADMIN = "admin"
     CONNECT = "connect"
+
+
+# What `_precheck` answers when only a hash can decide.
+_HASH = object()
+
+
+def _secret(password: bytes | str | None) -> bytes:
+    return password.encode("utf-8") if isinstance(password, str) else (password or b"")
 
 
 class Refusal(StrEnum):
@@ -374,6 +384,11 @@ class Security:
         self.denials: collections.Counter[tuple[str, str]] = collections.Counter()
         # Called with the new anonymous policy whenever it changes.
         self.on_change: Callable[[Security], None] | None = None
+        # Called after the users or the ACL rules changed (the running broker re-checks who
+        # is connected and what they subscribed to); `removed_users` names who is gone.
+        self.on_rules_change: list[Callable[[Security], None]] = []
+        self.removed_users: frozenset[str] = frozenset()
+        self._watcher: asyncio.TimerHandle | None = None
         self._clock = clock
         self._users: dict[str, User] = {}
         self._rules: list[AclRule] | None = None
@@ -384,6 +399,9 @@ class Security:
         # user -> (stored hash, keyed digest of the password last verified against it).
         self._verified: dict[str, tuple[str, bytes]] = {}
         self._cache_key = secrets.token_bytes(32)
+        # Password checks in a thread pool, throttled per source address.
+        self.guard = LoginGuard()
+        _dummy_hash()  # computed at start, not on the first unknown user's check
         self.reload(strict=True)
 
     # ------------------------------------------------------------------ files
@@ -391,10 +409,14 @@ class Security:
         """Re-read the files whose modification time changed."""
         self._checked_at = self._clock()
         before = self.allow_anonymous
+        changed = False
         users_version = _version(self.users_file)
         if users_version != self._users_version or (users_version is None and self._users):
             try:
+                previous = self._users
                 self._users = load_users(self.users_file)
+                self.removed_users = frozenset(previous) - frozenset(self._users)
+                changed = True
                 self._users_version = users_version
                 self._verified.clear()
                 self._decisions.clear()
@@ -410,6 +432,7 @@ class Security:
                     self._rules = load_acl(self.acl_file)
                     self._acl_version = acl_version
                     self._decisions.clear()
+                    changed = True
                     if self._rules is not None:
                         log.info("loaded %d ACL rules from %s", len(self._rules), self.acl_file)
                 except AuthError:
@@ -418,6 +441,30 @@ class Security:
                     log.exception("keeping the previous ACL rules")
         if self.allow_anonymous != before and self.on_change is not None:
             self.on_change(self)
+        if changed and not strict:
+            for listener in list(self.on_rules_change):
+                try:
+                    listener(self)
+                except Exception:
+                    log.exception("applying the changed users or ACL rules failed")
+            self.removed_users = frozenset()
+
+    def watch(self, interval_s: float = RELOAD_INTERVAL_S) -> None:
+        """Check the files every `interval_s` on the running loop, so that a change applies
+        to connected clients even when none of them authenticates or publishes."""
+        self.stop_watching()
+        loop = asyncio.get_running_loop()
+
+        def tick() -> None:
+            self.reload()
+            self._watcher = loop.call_later(interval_s, tick)
+
+        self._watcher = loop.call_later(interval_s, tick)
+
+    def stop_watching(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
 
     def _maybe_reload(self) -> None:
         if self._clock() - self._checked_at >= RELOAD_INTERVAL_S:
@@ -447,36 +494,84 @@ class Security:
         self, username: str | None, password: bytes | str | None, client_id: str = "",
         remote: str = "", protocol: str = "mqtt",
     ) -> str | None:
-        """None to accept, else a `Refusal` value ("bad-credentials" or "not-authorized")."""
+        """None to accept, else a `Refusal` value ("bad-credentials" or "not-authorized"). Hashes
+        on the calling thread: the protocols call `authenticate_later` instead."""
         self.reload()  # a stat of each file per connection: a user just added can log in
-        refusal = self._check_credentials(username, password)
-        if refusal is not None:
-            self.denials[(protocol, Action.CONNECT.value)] += 1
-            log.info("%s %s %s: %s refused: %s", protocol, remote or "-", client_id or "-",
-                     f"user {username!r}" if username is not None else "anonymous client", refusal.value)
-            return refusal.value
-        return None
+        refusal = self._precheck(username, password)
+        if refusal is _HASH:
+            user, secret = self._users.get(str(username)), _secret(password)
+            ok = verify_password(secret, user.password_hash if user is not None else _dummy_hash())
+            refusal = self._after_hash(username, password, user, secret, ok)
+        return self._conclude(refusal, username, client_id, remote, protocol)
 
-    def _check_credentials(self, username: str | None, password: bytes | str | None) -> Refusal | None:
+    def authenticate_later(
+        self, username: str | None, password: bytes | str | None, client_id: str = "",
+        remote: str = "", protocol: str = "mqtt",
+    ) -> str | None | asyncio.Future[str | None]:
+        """As `authenticate`, with the password hashed off the event loop and throttled per
+        source address (`LoginGuard`): the verdict at once when no hash is needed (an open
+        broker, an anonymous client, the password verified before), else a future of it. An
+        unknown user and a known user without a password take the same path as a wrong
+        password (a hash is computed), so that timing tells no user names apart."""
+        self.reload()
+        refusal = self._precheck(username, password)
+        if refusal is not _HASH:
+            return self._conclude(refusal, username, client_id, remote, protocol)
+        user, secret = self._users.get(str(username)), _secret(password)
+        encoded = user.password_hash if user is not None else _dummy_hash()
+        checking = self.guard.check(remote, lambda: verify_password(secret, encoded))
+        verdict: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+
+        def checked(done: asyncio.Future[bool | None]) -> None:
+            ok = False
+            if done.cancelled():
+                log.debug("password check of %s cancelled", remote or "-")
+            elif done.exception() is not None:
+                log.debug("password check of %s failed: %r", remote or "-", done.exception())
+            else:
+                ok = bool(done.result())
+            result = self._after_hash(username, password, user, secret, ok)
+            if not verdict.done():
+                verdict.set_result(self._conclude(result, username, client_id, remote, protocol))
+
+        checking.add_done_callback(checked)
+        return verdict
+
+    def _precheck(self, username: str | None, password: bytes | str | None) -> Refusal | None | object:
+        """The verdict when no hash is needed, else `_HASH`."""
         if self.open:
             return None  # nobody to check against: an open broker, as Mosquitto without a password_file
         if username is None:
             if password is not None:
                 return Refusal.BAD_CREDENTIALS  # a token or a password without a user name
             return None if self.allow_anonymous else Refusal.NOT_AUTHORIZED
-        secret = password.encode("utf-8") if isinstance(password, str) else (password or b"")
         user = self._users.get(username)
-        if user is None:
-            verify_password(secret, _dummy_hash())
+        if user is not None and password is not None:
+            keyed = hmac.new(self._cache_key, _secret(password), hashlib.sha256).digest()
+            cached = self._verified.get(username)
+            if cached is not None and cached[0] == user.password_hash and hmac.compare_digest(cached[1], keyed):
+                return None
+        return _HASH
+
+    def _after_hash(self, username: str | None, password: bytes | str | None, user: User | None,
+                    secret: bytes, ok: bool) -> Refusal | None:
+        if not ok or user is None or password is None or username is None:
             return Refusal.BAD_CREDENTIALS
         keyed = hmac.new(self._cache_key, secret, hashlib.sha256).digest()
-        cached = self._verified.get(username)
-        if cached is not None and cached[0] == user.password_hash and hmac.compare_digest(cached[1], keyed):
-            return None
-        if password is None or not verify_password(secret, user.password_hash):
-            return Refusal.BAD_CREDENTIALS
+        if len(self._verified) >= MAX_CACHED_DECISIONS:
+            self._verified.clear()
         self._verified[username] = (user.password_hash, keyed)
         return None
+
+    def _conclude(self, refusal: Refusal | None | object, username: str | None, client_id: str,
+                  remote: str, protocol: str) -> str | None:
+        if refusal is None:
+            return None
+        assert isinstance(refusal, Refusal)
+        self.denials[(protocol, Action.CONNECT.value)] += 1
+        log.info("%s %s %s: %s refused: %s", protocol, remote or "-", client_id or "-",
+                 f"user {username!r}" if username is not None else "anonymous client", refusal.value)
+        return refusal.value
 
     # ------------------------------------------------------------------ authorization
     def authorize(
@@ -540,9 +635,12 @@ class Security:
         return user is not None and "admin" in user.roles
 
     # ------------------------------------------------------------------ front-door hooks
-    def authenticate_principal(self, principal: Principal, password: bytes | str | None) -> str | None:
-        """`Edge.authenticator`: check a principal's credentials, counted under its protocol."""
-        return self.authenticate(
+    def authenticate_principal(
+        self, principal: Principal, password: bytes | str | None,
+    ) -> str | None | asyncio.Future[str | None]:
+        """`Edge.authenticator`: check a principal's credentials, counted under its protocol
+        (a future when a password must be hashed: see `authenticate_later`)."""
+        return self.authenticate_later(
             principal.username, password, principal.client_id, principal.remote, principal.protocol
         )
 
@@ -559,8 +657,10 @@ class Security:
     def amqp_authenticate(
         self, user: str | None, password: str | None, loopback: bool,
         builtin: Callable[[str | None, str | None, bool], str | None] | None = None,
-    ) -> str | None:
-        """Shaped like `AmqpService.authenticate`: None or the text of a connection.close 403.
+        remote: str = "",
+    ) -> str | None | asyncio.Future[str | None]:
+        """Shaped like `AmqpService.authenticate`: None or the text of a connection.close 403,
+        or a future of it while a password is hashed (see `authenticate_later`).
 
         On an open broker (no user defined, anonymous access on) the AMQP layer's own built-in
         login (`builtin`: guest/guest from loopback, as RabbitMQ out of the box) still decides,
@@ -570,13 +670,12 @@ class Security:
             if refusal is not None:
                 self.denials[("amqp", Action.CONNECT.value)] += 1
             return refusal
-        verdict = self.authenticate(user, password, "", "", "amqp")
-        if verdict is None:
-            return None
-        if verdict == Refusal.NOT_AUTHORIZED.value:
-            return "anonymous login refused"
-        return "Login was refused using authentication mechanism PLAIN or AMQPLAIN. " \
-            "For details see the broker logfile."
+        verdict = self.authenticate_later(user, password, "", remote, "amqp")
+        if not isinstance(verdict, asyncio.Future):
+            return _amqp_refusal(verdict)
+        text: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        verdict.add_done_callback(lambda done: text.set_result(_amqp_refusal(done.result())))
+        return text
 
     def attach_amqp(self, service: Any) -> None:
         """Make an `AmqpService` log in through this model (its built-in users only serve an
@@ -585,12 +684,37 @@ class Security:
         # Installed twice (a restart of the security model): wrap the AMQP layer's own login.
         builtin = getattr(current, "builtin_login", current)
 
-        def authenticate(user: str | None, password: str | None, loopback: bool) -> str | None:
+        def authenticate(user: str | None, password: str | None, loopback: bool,
+                         remote: str = "") -> str | None | asyncio.Future[str | None]:
             self.reload()
-            return self.amqp_authenticate(user, password, loopback, builtin)
+            return self.amqp_authenticate(user, password, loopback, builtin, remote)
 
         authenticate.builtin_login = builtin  # type: ignore[attr-defined]
         service.authenticate = authenticate
+
+
+def _amqp_refusal(verdict: str | None) -> str | None:
+    if verdict is None:
+        return None
+    if verdict == Refusal.NOT_AUTHORIZED.value:
+        return "anonymous login refused"
+    return "Login was refused using authentication mechanism PLAIN or AMQPLAIN. " \
+        "For details see the broker logfile."
+
+
+def apply_rules_change(app: Any, security: Security) -> None:
+    """The users or ACL rules changed on a running broker: the clients of a removed user are
+    disconnected (every protocol), and MQTT subscriptions no longer allowed are removed."""
+    edge = app.edge
+    if security.removed_users:
+        for info in edge.clients.list():
+            if info.username is not None and info.username in security.removed_users and info.kickable:
+                log.info("%s client %s of removed user %r disconnected", info.protocol, info.client_id,
+                         info.username)
+                edge.clients.kick(info.protocol, info.client_id, f"user {info.username!r} removed")
+    mqtt = getattr(app, "mqtt", None)
+    if mqtt is not None:
+        mqtt.reauthorize()
 
 
 def security_paths(data_dir: Path, settings: AuthSettings | None = None) -> tuple[Path, Path]:
@@ -639,6 +763,14 @@ def install_security(app: Any) -> Security:
         edge.allow_anonymous = current.allow_anonymous
 
     security.on_change = mirror
+    security.on_rules_change.append(lambda current: apply_rules_change(app, current))
+    previous = getattr(app, "security", None)
+    if previous is not None and previous is not security:
+        previous.stop_watching()
+    try:
+        security.watch()
+    except RuntimeError:
+        pass  # no running loop: a model built outside the broker, checked on use only
     edge.authenticator = security.authenticate_principal
     edge.authorizer = security.authorize_principal
     mirror(security)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from ..interfaces import LatencyHistogram, StorageFull
 from .config import FsyncPolicy, JournalConfig
+from .handles import OpenFiles
 
 if TYPE_CHECKING:
     from .log import JournalShardLog, _Group
@@ -91,6 +92,8 @@ class GroupCommitter:
 
     def __init__(self, config: JournalConfig) -> None:
         self.policy = config.fsync
+        # the open files of the journal's shard logs, at most `max_open_files` (`handles.py`)
+        self.files = OpenFiles(config.max_open_files)
         self.interval = config.fsync_interval_ms / 1000
         self.stats = CommitStats()
         self._logs: dict[JournalShardLog, None] = {}

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..interfaces import StorageError
+from .handles import DEFAULT_OPEN_FILES
 from .record import DEFAULT_CHECKSUM
 
 MIB = 1024 * 1024
@@ -33,6 +34,8 @@ class JournalConfig:
     retention_bytes: int | None = None
     retention_ms: int | None = None
     max_pending_bytes: int = 256 * MIB
+    max_open_files: int = DEFAULT_OPEN_FILES
+    """Segment and reservation files open at once, every shard together (`handles.py`)."""
     """Appends beyond this many buffered, not yet written bytes per shard get StorageFull."""
     checksum: str = DEFAULT_CHECKSUM
     """The record checksum (`crc32c`, or `crc32`): set by the journal's version file."""
@@ -46,6 +49,8 @@ class JournalConfig:
             raise ValueError("segment_bytes and index_interval_bytes must be positive")
         if self.fsync_interval_ms <= 0 or self.segment_ms <= 0:
             raise ValueError("fsync_interval_ms and segment_ms must be positive")
+        if self.max_open_files < 1:
+            raise ValueError("max_open_files must be at least 1")
 
 
 class JournalVersionError(StorageError):

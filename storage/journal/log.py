@@ -140,6 +140,8 @@ class JournalShardLog:
         self.config = config or JournalConfig()
         self._owns_committer = committer is None
         self._committer = committer or GroupCommitter(self.config)
+        # the journal's table of open files (`handles.py`), shared by its shard logs
+        self._files = self._committer.files
         self._crc = checksum_function(self.config.checksum)
         self._key_of = self.config.index_key
         self._closed = False
@@ -150,7 +152,7 @@ class JournalShardLog:
         self._next = self._committed = active.next_offset
         # Offsets below `_reserved` (durable in the reservation file) may be seen before they
         # are durable; `_reserve_target` is what the next commit pass makes durable.
-        self._reservation = OffsetReservation(self.directory)
+        self._reservation = OffsetReservation(self.directory, self._files)
         self._reserved = read_reservation(self.directory)
         self._reserve_target = self._reserved
         # Offsets from `_hole_from` to `_next` were handed out but their records are gone (a
@@ -186,14 +188,16 @@ class JournalShardLog:
                 bases.append(base)
         bases.sort()
         if not bases:
-            return [Segment.create(self.directory, 0, self._crc, self._key_of)]
+            return [Segment.create(self.directory, 0, self._crc, self._key_of, self._files)]
         interval = self.config.index_interval_bytes
         segments = [
-            Segment.open_sealed(self.directory, base, next_base, interval, self._crc, self._key_of)
+            Segment.open_sealed(self.directory, base, next_base, interval, self._crc, self._key_of,
+                                self._files)
             for base, next_base in zip(bases, bases[1:], strict=False)
         ]
         segments.append(
-            Segment.recover_active(self.directory, bases[-1], interval, self._crc, self._key_of)
+            Segment.recover_active(self.directory, bases[-1], interval, self._crc, self._key_of,
+                                   self._files)
         )
         return segments
 
@@ -479,7 +483,7 @@ class JournalShardLog:
             self._io_segment.close()
         if everything:
             fsync_directory(self.directory)
-            active = Segment.create(self.directory, offset, self._crc, self._key_of)
+            active = Segment.create(self.directory, offset, self._crc, self._key_of, self._files)
         else:
             last = self._segments.pop()
             self._bases.pop()
@@ -499,7 +503,8 @@ class JournalShardLog:
                 os.close(fd)
             fsync_directory(self.directory)
             active = Segment.recover_active(self.directory, last.base_offset,
-                                            self._index_interval, self._crc, self._key_of)
+                                            self._index_interval, self._crc, self._key_of,
+                                            self._files)
         self._segments.append(active)
         self._bases.append(active.base_offset)
         self._io_segment = active
@@ -669,17 +674,20 @@ class JournalShardLog:
             self._reservation.write(group.reserve_to)
         segment = self._io_segment
         if group.roll:
-            sync_file(segment.fd)
+            with segment.file as fd:
+                sync_file(fd)
             segment = self._io_segment = group.new_segment = Segment.create(
-                self.directory, group.first_offset, self._crc, self._key_of
+                self.directory, group.first_offset, self._crc, self._key_of, self._files
             )
-        if durable:
-            write_durably(segment.fd, group.buf, group.start_pos)
-        else:
-            write_all(segment.fd, group.buf)
+        with segment.file as fd:
+            if durable:
+                write_durably(fd, group.buf, group.start_pos)
+            else:
+                write_all(fd, group.buf)
 
     def _io_sync(self) -> None:
-        sync_file(self._io_segment.fd)
+        with self._io_segment.file as fd:
+            sync_file(fd)
 
     def _io_undo(self) -> None:
         """Cut the files back to the last published state after a failed write or fsync."""
@@ -689,7 +697,8 @@ class JournalShardLog:
                 self._io_segment.delete_files()
                 fsync_directory(self.directory)
                 self._io_segment = durable
-            os.ftruncate(durable.fd, durable.size)
+            with durable.file as fd:
+                os.ftruncate(fd, durable.size)
         except OSError as exc:
             # Unpublished records stay in the file: writing the reused offsets after them
             # would let recovery prefer them to acknowledged ones. Refuse appends instead.

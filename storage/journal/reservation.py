@@ -23,6 +23,7 @@ import zlib
 from pathlib import Path
 from typing import Final
 
+from .handles import FileHandle, OpenFiles, default_files
 from .segment import fsync_directory, sync_file, write_durably
 
 RESERVATION_FILE: Final = "offsets.reserved"
@@ -54,41 +55,48 @@ class OffsetReservation:
     """Writes the reservation file of one shard log (from the committer's worker thread, or
     its synchronous caller)."""
 
-    __slots__ = ("directory", "_fd", "_writes")
+    __slots__ = ("directory", "_file", "_files", "_writes")
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, files: OpenFiles | None = None) -> None:
         self.directory = directory
-        self._fd = -1
+        self._files = files if files is not None else default_files()
+        # open while used or recently used (`handles.py`); None until the file exists
+        self._file: FileHandle | None = None
         self._writes = 0
 
-    def _open(self) -> int:
-        if self._fd < 0:
+    def _open(self) -> FileHandle:
+        if self._file is None:
             path = self.directory / RESERVATION_FILE
             created = not path.exists()
-            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            if created:
-                fsync_directory(self.directory)
-        return self._fd
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                if created:
+                    fsync_directory(self.directory)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._file = self._files.handle(path, os.O_RDWR, fd)
+        return self._file
 
     def write(self, value: int) -> None:
         """Make `value` the durable reservation (one slot, then fdatasync)."""
-        fd = self._open()
-        slot = self._writes & 1
-        write_durably(fd, _slot(value), slot * _SLOT.size, appending=False)
+        with self._open() as fd:
+            slot = self._writes & 1
+            write_durably(fd, _slot(value), slot * _SLOT.size, appending=False)
         self._writes += 1
 
     def lower(self, value: int) -> None:
         """Set both slots to `value`: only when every offset below it is durable and nothing
         at or above it was handed out (a clean close)."""
-        fd = self._open()
-        os.pwrite(fd, _slot(value) * 2, 0)
-        sync_file(fd)
+        with self._open() as fd:
+            os.pwrite(fd, _slot(value) * 2, 0)
+            sync_file(fd)
 
     @property
     def exists(self) -> bool:
-        return self._fd >= 0 or (self.directory / RESERVATION_FILE).exists()
+        return self._file is not None or (self.directory / RESERVATION_FILE).exists()
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -23,12 +23,14 @@ import struct
 from array import array
 from bisect import bisect_right
 from collections.abc import Callable, Iterator
+from functools import wraps
 from pathlib import Path
-from typing import Final
+from typing import Any, Final, TypeVar
 
 from ..interfaces import CorruptRecord, StoredRecord
 from .block import RecordBlock
 from .framing import SCAN_BAD_CRC, SCAN_BAD_OFFSET, scan_block
+from .handles import FileHandle, OpenFiles, default_files
 from .keyindex import INDEX_RECORDS, KeyedBlock, KeyFunction, KeyIndex
 from .record import CRC_START, HEADER, HEADER_SIZE, Checksum, checksum
 
@@ -188,13 +190,28 @@ def walk(
         pos += p
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _pinned(method: _F) -> _F:
+    """Run `method` with the segment's file open and pinned (`handles.py`): `self.fd` is
+    valid inside it."""
+    @wraps(method)
+    def run(self: Segment, *args: Any, **kwargs: Any) -> Any:
+        with self.file:
+            return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
 class Segment:
-    """A segment file and its published state (see the module docstring)."""
+    """A segment file and its published state (see the module docstring). Its file is open
+    only while used or recently used (`handles.py`): `fd` is valid inside `with self.file`."""
 
     __slots__ = (
         "directory",
         "base_offset",
-        "fd",
+        "file",
         "size",
         "next_offset",
         "index_offsets",
@@ -210,7 +227,7 @@ class Segment:
     )
 
     def __init__(
-        self, directory: Path, base_offset: int, fd: int, crc: Checksum = checksum,
+        self, directory: Path, base_offset: int, file: FileHandle, crc: Checksum = checksum,
         key_of: KeyFunction | None = None,
     ) -> None:
         self.directory = directory
@@ -220,7 +237,7 @@ class Segment:
         self.key_of = key_of
         self.key_index: KeyIndex | None = None
         self.base_offset = base_offset
-        self.fd = fd
+        self.file = file
         self.size = 0
         self.next_offset = base_offset
         # The sparse indexes as arrays of machine integers: a segment keeps them while it
@@ -237,13 +254,18 @@ class Segment:
 
     # -- files --------------------------------------------------------------------------
 
+    @property
+    def fd(self) -> int:
+        """The file's descriptor: valid while the file is pinned (`with self.file`)."""
+        return self.file.fd
+
     def path(self, suffix: str = LOG_SUFFIX) -> Path:
         return self.directory / f"{segment_name(self.base_offset)}{suffix}"
 
     @classmethod
     def create(
         cls, directory: Path, base_offset: int, crc: Checksum = checksum,
-        key_of: KeyFunction | None = None,
+        key_of: KeyFunction | None = None, files: OpenFiles | None = None,
     ) -> Segment:
         """A new, empty segment file (durable in its directory when this returns)."""
         path = directory / f"{segment_name(base_offset)}{LOG_SUFFIX}"
@@ -253,7 +275,8 @@ class Segment:
         except BaseException:
             os.close(fd)
             raise
-        return cls(directory, base_offset, fd, crc, key_of)
+        file = (default_files() if files is None else files).handle(path, os.O_RDWR | os.O_APPEND, fd)
+        return cls(directory, base_offset, file, crc, key_of)
 
     @classmethod
     def open_sealed(
@@ -264,13 +287,16 @@ class Segment:
         index_interval_bytes: int,
         crc: Checksum = checksum,
         key_of: KeyFunction | None = None,
+        files: OpenFiles | None = None,
     ) -> Segment:
         """A sealed segment: its indexes come from its index files, rebuilt when missing or
-        inconsistent. Its records are not checksummed here (reads do)."""
-        fd = os.open(directory / f"{segment_name(base_offset)}{LOG_SUFFIX}", os.O_RDONLY)
-        segment = cls(directory, base_offset, fd, crc, key_of)
+        inconsistent. Its records are not checksummed here (reads do). Its file is opened
+        when first read."""
+        path = directory / f"{segment_name(base_offset)}{LOG_SUFFIX}"
+        file = (default_files() if files is None else files).handle(path, os.O_RDONLY)
+        segment = cls(directory, base_offset, file, crc, key_of)
         try:
-            segment.size = os.fstat(fd).st_size
+            segment.size = os.stat(path).st_size
             segment.next_offset = next_offset
             segment.sealed = True
             if not segment._load_indexes():
@@ -281,36 +307,37 @@ class Segment:
                 except OSError as exc:  # the in-memory indexes are enough to serve reads
                     log.warning("could not write indexes of %s: %s", segment.path(), exc)
         except BaseException:
-            os.close(fd)
+            file.close()
             raise
         return segment
 
     @classmethod
     def recover_active(
         cls, directory: Path, base_offset: int, index_interval_bytes: int, crc: Checksum = checksum,
-        key_of: KeyFunction | None = None,
+        key_of: KeyFunction | None = None, files: OpenFiles | None = None,
     ) -> Segment:
         """The last segment after a restart: every record is checked, a torn or corrupt tail
         is cut off (the file truncated), and the indexes are rebuilt in memory."""
         path = directory / f"{segment_name(base_offset)}{LOG_SUFFIX}"
-        fd = os.open(path, os.O_RDWR | os.O_APPEND)
-        segment = cls(directory, base_offset, fd, crc, key_of)
+        file = (default_files() if files is None else files).handle(path, os.O_RDWR | os.O_APPEND)
+        segment = cls(directory, base_offset, file, crc, key_of)
         try:
-            file_size = os.fstat(fd).st_size
-            good_end = segment._rebuild_indexes(index_interval_bytes, limit=file_size)
-            if good_end < file_size:
-                log.warning(
-                    "%s: cutting %d bytes of torn or corrupt tail at byte %d",
-                    path,
-                    file_size - good_end,
-                    good_end,
-                )
-                os.ftruncate(fd, good_end)
-                os.fsync(fd)
+            with file as fd:
+                file_size = os.fstat(fd).st_size
+                good_end = segment._rebuild_indexes(index_interval_bytes, limit=file_size)
+                if good_end < file_size:
+                    log.warning(
+                        "%s: cutting %d bytes of torn or corrupt tail at byte %d",
+                        path,
+                        file_size - good_end,
+                        good_end,
+                    )
+                    os.ftruncate(fd, good_end)
+                    os.fsync(fd)
             for suffix in (INDEX_SUFFIX, TIMEINDEX_SUFFIX):
                 segment.path(suffix).unlink(missing_ok=True)
         except BaseException:
-            os.close(fd)
+            file.close()
             raise
         return segment
 
@@ -345,9 +372,7 @@ class Segment:
             self.time_offsets.append(self.next_offset - 1 - self.base_offset)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self.file.close()
 
     def delete_files(self) -> None:
         self.close()
@@ -390,6 +415,7 @@ class Segment:
         self.max_timestamp = stamps[-1] if stamps else None
         return True
 
+    @_pinned
     def _rebuild_indexes(self, interval: int, limit: int | None = None) -> int:
         """Scan the records from byte 0, rebuilding the indexes, size and next offset.
 
@@ -439,6 +465,7 @@ class Segment:
         i = bisect_right(self.index_offsets, offset - self.base_offset) - 1
         return self.index_positions[i] if i >= 0 else 0
 
+    @_pinned
     def position_of(self, offset: int) -> int:
         """The byte position where the published record `offset` starts (scanned from the
         index entry before it). Raises CorruptRecord when the file does not hold it there."""
@@ -451,6 +478,7 @@ class Segment:
                 return pos
         raise CorruptRecord(f"{self.path()}: record {offset} not found")
 
+    @_pinned
     def read(self, from_offset: int, max_records: int, out: list[StoredRecord]) -> None:
         """Append to `out` the published records from `from_offset` until `max_records` are
         in `out` or the segment ends.
@@ -512,6 +540,7 @@ class Segment:
             f"{self.next_offset - 1} belong here"
         )
 
+    @_pinned
     def read_block(self, from_offset: int, max_records: int, chunk: int = BLOCK_CHUNK) -> RecordBlock:
         """The published records from `from_offset` (at most `max_records`) that one read of
         about `chunk` bytes holds (more when a single record is larger), as one buffer and
@@ -562,6 +591,7 @@ class Segment:
             f"(byte {self.size}); offsets up to {self.next_offset - 1} belong here"
         )
 
+    @_pinned
     def read_keyed(
         self, from_offset: int, max_records: int, wants: Callable[[bytes], bool]
     ) -> KeyedBlock | None:
@@ -714,6 +744,7 @@ class Segment:
             k = j + 1
         return KeyedBlock(b"".join(parts), offsets, starts, ends, stamps, self.next_offset)
 
+    @_pinned
     def offset_for_timestamp(self, timestamp_ms: int) -> int | None:
         """The first published offset in this segment with a timestamp >= `timestamp_ms`."""
         if self.max_timestamp is None or self.max_timestamp < timestamp_ms:

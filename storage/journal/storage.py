@@ -27,6 +27,7 @@ from .config import (
     JournalLocked,
     JournalVersionError,
 )
+from .handles import DEFAULT_OPEN_FILES
 from .log import JournalShardLog
 from .record import DEFAULT_CHECKSUM, checksum_function
 from .segment import fsync_directory, write_all
@@ -110,6 +111,7 @@ class JournalStorage:
         retention_bytes: int | None = None,
         retention_ms: int | None = None,
         max_pending_bytes: int = 256 * MIB,
+        max_open_files: int = DEFAULT_OPEN_FILES,
         index_key: Callable[[bytes | memoryview], bytes] | None = None,
     ) -> None:
         self.directory = Path(directory)
@@ -125,6 +127,7 @@ class JournalStorage:
                 retention_bytes=retention_bytes,
                 retention_ms=retention_ms,
                 max_pending_bytes=max_pending_bytes,
+                max_open_files=max_open_files,
                 checksum=check_version(self.directory),
                 index_key=index_key,
             )

@@ -193,3 +193,10 @@ def test_the_read_budget_is_one_setting_for_every_listener_and_keeps_its_former_
         environ={"SHARDGATE_MQTT__READ_BUDGET_S": "0.003"}).listeners.read_budget_s == 0.003
     with pytest.raises(ConfigError, match=r"mqtt.read_budget_s \(now listeners.read_budget_s\): expected a number"):
         load_text(tmp_path, '[mqtt]\nread_budget_s = "fast"\n')
+
+
+def test_the_journal_keeps_seven_days_by_default_and_bounds_its_open_files() -> None:
+    """A QoS 0 flood into a default broker no longer keeps its journal forever (issue 26, 10)."""
+    journal = load_config(environ={}).journal
+    assert journal.retention_ms == 7 * 24 * 3_600_000
+    assert journal.max_open_files == 1024

@@ -1,0 +1,138 @@
+"""Changes of users and ACL rules apply at once to a running `shardgate serve`, on every surface:
+`shardgate users add NAME --role admin` closes the admin HTTP API and gRPC to anonymous clients
+at the next request (no MQTT or gRPC client needs to connect first), removing the last user
+opens both again, a removed user's connected clients are disconnected, and a subscription the
+changed ACL no longer allows stops receiving."""
+
+from __future__ import annotations
+
+import http.client
+import queue
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+
+from tests.conftest import BrokerProcess, free_port, wait_for
+from tests.e2e.test_login_flood import add_user
+
+
+def users(data_dir: Path, *args: str) -> None:
+    subprocess.run([sys.executable, "-m", "shardgate", "users", *args, "--data-dir", str(data_dir)],
+                   check=True, capture_output=True, timeout=60)
+
+
+def http_status(port: int, method: str, path: str) -> int:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    try:
+        connection.request(method, path, headers={"Content-Type": "application/json",
+                                                  "X-Requested-With": "shardgate"})
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+def grpc_anonymous_ok(port: int) -> bool:
+    from shardgate.client import SyncClient, Unauthenticated
+
+    client = SyncClient(f"127.0.0.1:{port}")
+    try:
+        client.producer().publish("open/x", b"1")
+        return True
+    except Unauthenticated:
+        return False
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> BrokerProcess:
+    process = BrokerProcess(tmp_path / "data", ["--grpc-port", str(free_port()),
+                                                "--http-port", str(free_port())])
+    process.start()
+    yield process
+    process.terminate()
+
+
+def test_adding_and_removing_the_admin_applies_at_once_to_http_and_grpc(broker: BrokerProcess) -> None:
+    http_port, grpc_port = broker.ports["http"], broker.ports["grpc"]
+    assert http_status(http_port, "POST", "/api/archive/flush") == 200
+    assert grpc_anonymous_ok(grpc_port)
+    users(broker.data_dir, "add", "root", "--role", "admin", "--password", "root-pw")
+    # At once: no other client connected in between.
+    assert http_status(http_port, "POST", "/api/archive/flush") == 401
+    assert http_status(http_port, "DELETE", "/api/clients/mqtt/nobody") == 401
+    assert not grpc_anonymous_ok(grpc_port)
+    users(broker.data_dir, "remove", "root")
+    assert http_status(http_port, "POST", "/api/archive/flush") == 200
+    assert grpc_anonymous_ok(grpc_port)
+
+
+class Subscriber:
+    def __init__(self, port: int, user: str, password: str) -> None:
+        self.messages: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self.disconnected = threading.Event()
+        subscribed = threading.Event()
+        connected = threading.Event()
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{user}-sub",
+                                  protocol=mqtt.MQTTv5)
+        self.client.username_pw_set(user, password)
+        self.client.on_message = lambda c, u, m: self.messages.put((m.topic, m.payload))
+        self.client.on_connect = lambda *args: connected.set()
+        self.client.on_subscribe = lambda *args: subscribed.set()
+        self.client.on_disconnect = lambda *args: self.disconnected.set()
+        self.client.connect("127.0.0.1", port)
+        self.client.loop_start()
+        assert connected.wait(20)
+        self.client.subscribe([("a/#", 1), ("b/#", 1)])
+        assert subscribed.wait(20)
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def publish(port: int, topic: str, payload: bytes) -> None:
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="pub", protocol=mqtt.MQTTv311)
+    client.username_pw_set("publisher", "pub-pw")
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    try:
+        client.publish(topic, payload, qos=1).wait_for_publish(20)
+    finally:
+        client.loop_stop()
+        client.disconnect()
+
+
+def test_changed_acl_stops_a_subscription_and_a_removed_user_is_disconnected(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    add_user(data_dir, "alice", "alice-pw")
+    add_user(data_dir, "publisher", "pub-pw")
+    acl = data_dir / "acl.toml"
+    acl.write_text('[[allow]]\nactions = ["publish", "subscribe"]\ntopics = ["a/#", "b/#"]\n')
+    broker = BrokerProcess(data_dir).start()
+    try:
+        alice = Subscriber(broker.mqtt_port, "alice", "alice-pw")
+        publish(broker.mqtt_port, "a/1", b"before")
+        assert alice.messages.get(timeout=20) == ("a/1", b"before")
+        # alice may no longer read a/#; the publisher still may publish there.
+        acl.write_text('[[allow]]\nactions = ["publish", "subscribe"]\ntopics = ["b/#"]\n'
+                       '[[allow]]\nuser = "publisher"\nactions = "publish"\ntopics = ["a/#"]\n')
+        log = broker.log_path
+
+        def removed() -> bool:
+            return "subscriptions no longer allowed were removed" in log.read_text(errors="replace")
+
+        wait_for(removed, timeout=20)
+        publish(broker.mqtt_port, "a/2", b"after")
+        publish(broker.mqtt_port, "b/2", b"still allowed")
+        # One shard, in order: a/2, had it been delivered, would have come first.
+        assert alice.messages.get(timeout=20) == ("b/2", b"still allowed")
+        users(data_dir, "remove", "alice")
+        assert alice.disconnected.wait(20), "a removed user stays connected"
+        alice.close()
+    finally:
+        broker.terminate()
