@@ -1,6 +1,6 @@
-"""How the suite runs in parallel: pytest-xdist workers (`-n auto --dist loadgroup`, in
-pyproject's addopts), each its own process with its own session fixtures (one RabbitMQ node
-per worker that needs one) and its own temporary directory.
+"""How the suite runs in parallel: pytest-xdist workers (`python -m pytest -n auto`; pyproject's
+addopts add `--dist loadgroup --no-loadscope-reorder`), each its own process with its own
+session fixtures (one RabbitMQ node per worker that needs one) and its own temporary directory.
 
 Each test is a unit of work a worker takes when it has little left, except the tests that must
 stay together on one worker, which get an `xdist_group` here:
