@@ -41,6 +41,7 @@ from .types import (
     Receipt,
     ReceivedMessage,
     Schema,
+    SchemaInfo,
     ShardInfo,
     StreamInfo,
     SubscriptionInfo,
@@ -51,7 +52,7 @@ __all__ = [
     "DEFAULT_URL", "Admin", "AlreadyExists", "BrokerInfo", "Client", "ClientInfo", "Consumer",
     "ConsumerInfo", "FailedPrecondition", "InvalidArgument", "Mode", "NotFound", "OutOfRange",
     "PermissionDenied", "Position", "Producer", "Receipt", "ReceivedMessage", "ResourceExhausted", "Schema",
-    "ShardInfo", "ShardgateError", "StreamInfo", "SubscriptionInfo", "SubscriptionType",
+    "SchemaInfo", "ShardInfo", "ShardgateError", "StreamInfo", "SubscriptionInfo", "SubscriptionType",
     "SyncClient", "SyncConsumer", "SyncProducer", "Unauthenticated", "Unavailable", "resolve_url",
     "schemas",
 ]

@@ -11,7 +11,16 @@ import grpc
 from ..proto import shardgate_pb2 as pb
 from ..proto import shardgate_pb2_grpc as pb_grpc
 from .errors import from_rpc_error
-from .types import BrokerInfo, ClientInfo, Mode, Position, Schema, StreamInfo, SubscriptionInfo
+from .types import (
+    BrokerInfo,
+    ClientInfo,
+    Mode,
+    Position,
+    Schema,
+    SchemaInfo,
+    StreamInfo,
+    SubscriptionInfo,
+)
 
 T = TypeVar("T")
 
@@ -30,6 +39,31 @@ class Admin:
             return await method(request, metadata=self._metadata, timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
+
+    # ---------------------------------------------------------------- schemas
+    async def register_schema(
+        self, stream: str, definition: str | dict[str, Any], *, type: str = "json",
+        compatibility: str | None = None,
+    ) -> SchemaInfo:
+        """Register a version of `stream`'s payload schema: a JSON Schema (`type="json"`) or an
+        Avro schema (`"avro"`), as text or a parsed document. `compatibility` (backward,
+        forward, full, none) defaults to the stream's mode so far (backward at first).
+        `InvalidArgument` for an invalid schema, `FailedPrecondition` for one that breaks the
+        compatibility mode; registering the latest schema again returns it unchanged."""
+        text = definition if isinstance(definition, str) else json.dumps(definition)
+        request = pb.RegisterSchemaRequest(stream=stream, type=type, definition=text,
+                                           compatibility=compatibility or "")
+        return SchemaInfo.from_pb(await self._call(self._stub.RegisterSchema, request))
+
+    async def list_schemas(self) -> list[SchemaInfo]:
+        """The latest schema version of each stream that has one."""
+        response = await self._call(self._stub.ListSchemas, pb.Empty())
+        return [SchemaInfo.from_pb(s) for s in response.schemas]
+
+    async def schemas(self, stream: str) -> list[SchemaInfo]:
+        """Every schema version of `stream`, oldest first (empty: none registered)."""
+        response = await self._call(self._stub.GetSchemas, pb.StreamName(name=stream))
+        return [SchemaInfo.from_pb(s) for s in response.versions]
 
     # ---------------------------------------------------------------- streams
     async def create_stream(

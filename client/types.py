@@ -201,6 +201,28 @@ class StreamInfo:
 
 
 @dataclass(slots=True)
+class SchemaInfo:
+    """A version of a stream's registered payload schema."""
+
+    stream: str
+    version: int
+    type: str
+    """`json` (JSON Schema) or `avro`."""
+    definition: str
+    """The schema as canonical JSON text (`json.loads` gives the document)."""
+    compatibility: str
+    registered_ms: int
+    rejected: int
+    """Payloads the stream refused since the broker started."""
+
+    @classmethod
+    def from_pb(cls, s: pb.SchemaInfo) -> SchemaInfo:
+        return cls(stream=s.stream, version=s.version, type=s.type, definition=s.definition,
+                   compatibility=s.compatibility, registered_ms=s.registered_ms,
+                   rejected=s.rejected)
+
+
+@dataclass(slots=True)
 class ConsumerInfo:
     consumer_id: str
     protocol: str

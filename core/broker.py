@@ -11,6 +11,7 @@ commit future to hold its acknowledgement on (acknowledged means durable).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import struct
 import time
@@ -30,6 +31,7 @@ from .delayed import DelayedDelivery, Held, deliver_at
 from .durable import CursorSink, DurableOptions, DurableSubscription
 from .errors import (
     PublishRejected,
+    SchemaMismatch,
     StoreFull,
     StreamExists,
     StreamNotFound,
@@ -40,6 +42,7 @@ from .message import Message, now_ms
 from .placement import Fanout, ShardPlacement
 from .records import encode_message, encode_records
 from .retained import RetainedStore
+from .schema_registry import SchemaRegistry, SchemaVersion
 from .schemas import check_payload
 from .streams import (
     DispatchMode,
@@ -60,6 +63,7 @@ BYTES = Schema.BYTES  # (a plain name: an Enum member lookup costs a call on CPy
 
 MATCH_CACHE_LIMIT = 50_000
 INTERNAL_PREFIX = "$internal/"
+SCHEMAS_PREFIX = INTERNAL_PREFIX + "schemas/"
 
 # What `publish_many` returns per message: None (stored and dispatched, or held for later), the
 # commit future to wait on before acknowledging, or the error that refused the message.
@@ -161,6 +165,9 @@ class Broker:
         # under `$internal/`: persisted like retained messages, never delivered or retained for
         # clients, never journaled.
         self.internal_state: dict[str, Message] = {}
+        # Registered schemas per stream (`schema_registry.py`), persisted as internal state
+        # under `$internal/schemas/<stream>`; `restore_schemas` reads them back.
+        self.schemas = SchemaRegistry(on_change=self._schemas_changed)
         self.subscriptions: dict[str, Subscription] = {}
         self._streams: dict[str, Stream] = {}
         self._trie: TopicTrie[Subscription] = TopicTrie()
@@ -251,10 +258,31 @@ class Broker:
             self.topology_sink.stream_saved(stream.config)
         return stream
 
+    def _schemas_changed(self, stream: str, versions: list[SchemaVersion]) -> None:
+        payload = json.dumps([v.to_dict() for v in versions]).encode() if versions else b""
+        self.keep_internal(Message(f"{SCHEMAS_PREFIX}{stream}", payload))
+
+    def restore_schemas(self) -> int:
+        """Load the registered schemas kept as internal state (at start, after the store's
+        internal state is back); returns how many streams have one. A record that does not
+        load is logged and skipped."""
+        count = 0
+        for topic, message in list(self.internal_state.items()):
+            if not topic.startswith(SCHEMAS_PREFIX):
+                continue
+            try:
+                versions = [SchemaVersion.from_dict(v) for v in json.loads(message.payload)]
+                self.schemas.load(topic[len(SCHEMAS_PREFIX):], versions)
+                count += 1
+            except Exception as exc:  # noqa: BLE001 - one bad record must not stop the start
+                log.error("registered schemas of %r not loaded: %s", topic, exc)
+        return count
+
     def delete_stream(self, name: str) -> None:
         if name == self.router.default_stream:
             raise StreamExists("the default stream cannot be deleted")
         stream = self.stream(name)
+        self.schemas.delete(name)
         del self._streams[name]
         self.router.remove_stream(name)
         self._topic_stream_cache.clear()
@@ -618,12 +646,15 @@ class Broker:
                 held_in = self.stream_for_topic(message.topic).config
                 if held_in.schema is not Schema.BYTES:
                     check_payload(held_in.schema, message.payload, held_in.name)
+                self._check_registered(held_in.name, message.payload)
                 return Held(self.delayed.hold(message, at_ms))
             topic = message.topic
         stream = self.stream_for_topic(topic)
         config = stream.config
         if config.schema is not BYTES:
             check_payload(config.schema, message.payload, config.name)
+        if self.schemas.checks:
+            self._check_registered(config.name, message.payload)
         shard = stream.shard_for(topic, message.key)
         message.stream = name = config.name
         protocol = message.producer_protocol
@@ -638,6 +669,18 @@ class Broker:
             stats.bytes_in_by_stream[name] += size
         message.shard = shard.index
         return shard
+
+    def _check_registered(self, stream: str, payload: bytes) -> None:
+        """Refuse a payload that the stream's registered schema does not accept (counted,
+        logged rate-limited)."""
+        check = self.schemas.checks.get(stream)
+        if check is None:
+            return
+        try:
+            check(payload)
+        except SchemaMismatch as exc:
+            self.schemas.refused(stream, exc)
+            raise
 
     def _wanted_durably(self, topic: str) -> bool:
         """Whether a durable subscription (one that replays the journal) matches `topic`.

@@ -103,7 +103,7 @@ def flush_archive(http_url: str, username: str | None, password: str | None) -> 
     import urllib.request
 
     request = urllib.request.Request(http_url.rstrip("/") + "/api/archive/flush", method="POST",
-                                     data=b"")
+                                     data=b"{}", headers={"Content-Type": "application/json"})
     if username:
         token = base64.b64encode(f"{username}:{password or ''}".encode()).decode()
         request.add_header("Authorization", f"Basic {token}")

@@ -485,3 +485,45 @@ class ClusterStatus(_message.Message):
     JSON_FIELD_NUMBER: _ClassVar[int]
     json: str
     def __init__(self, json: _Optional[str] = ...) -> None: ...
+
+class SchemaInfo(_message.Message):
+    __slots__ = ("stream", "version", "type", "definition", "compatibility", "registered_ms", "rejected")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    DEFINITION_FIELD_NUMBER: _ClassVar[int]
+    COMPATIBILITY_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_MS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    version: int
+    type: str
+    definition: str
+    compatibility: str
+    registered_ms: int
+    rejected: int
+    def __init__(self, stream: _Optional[str] = ..., version: _Optional[int] = ..., type: _Optional[str] = ..., definition: _Optional[str] = ..., compatibility: _Optional[str] = ..., registered_ms: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
+
+class RegisterSchemaRequest(_message.Message):
+    __slots__ = ("stream", "type", "definition", "compatibility")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    DEFINITION_FIELD_NUMBER: _ClassVar[int]
+    COMPATIBILITY_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    type: str
+    definition: str
+    compatibility: str
+    def __init__(self, stream: _Optional[str] = ..., type: _Optional[str] = ..., definition: _Optional[str] = ..., compatibility: _Optional[str] = ...) -> None: ...
+
+class ListSchemasResponse(_message.Message):
+    __slots__ = ("schemas",)
+    SCHEMAS_FIELD_NUMBER: _ClassVar[int]
+    schemas: _containers.RepeatedCompositeFieldContainer[SchemaInfo]
+    def __init__(self, schemas: _Optional[_Iterable[_Union[SchemaInfo, _Mapping]]] = ...) -> None: ...
+
+class SchemaVersions(_message.Message):
+    __slots__ = ("versions",)
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedCompositeFieldContainer[SchemaInfo]
+    def __init__(self, versions: _Optional[_Iterable[_Union[SchemaInfo, _Mapping]]] = ...) -> None: ...

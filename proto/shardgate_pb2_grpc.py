@@ -227,6 +227,21 @@ class AdminStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.RegisterSchema = channel.unary_unary(
+                '/shardgate.v1.Admin/RegisterSchema',
+                request_serializer=shardgate__pb2.RegisterSchemaRequest.SerializeToString,
+                response_deserializer=shardgate__pb2.SchemaInfo.FromString,
+                _registered_method=True)
+        self.ListSchemas = channel.unary_unary(
+                '/shardgate.v1.Admin/ListSchemas',
+                request_serializer=shardgate__pb2.Empty.SerializeToString,
+                response_deserializer=shardgate__pb2.ListSchemasResponse.FromString,
+                _registered_method=True)
+        self.GetSchemas = channel.unary_unary(
+                '/shardgate.v1.Admin/GetSchemas',
+                request_serializer=shardgate__pb2.StreamName.SerializeToString,
+                response_deserializer=shardgate__pb2.SchemaVersions.FromString,
+                _registered_method=True)
         self.CreateStream = channel.unary_unary(
                 '/shardgate.v1.Admin/CreateStream',
                 request_serializer=shardgate__pb2.StreamSpec.SerializeToString,
@@ -306,6 +321,25 @@ class AdminStub:
 
 class AdminServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def RegisterSchema(self, request, context):
+        """Payload schemas per stream: a payload the latest version does not accept is refused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSchemas(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSchemas(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def CreateStream(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -402,6 +436,21 @@ class AdminServicer:
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'RegisterSchema': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterSchema,
+                    request_deserializer=shardgate__pb2.RegisterSchemaRequest.FromString,
+                    response_serializer=shardgate__pb2.SchemaInfo.SerializeToString,
+            ),
+            'ListSchemas': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSchemas,
+                    request_deserializer=shardgate__pb2.Empty.FromString,
+                    response_serializer=shardgate__pb2.ListSchemasResponse.SerializeToString,
+            ),
+            'GetSchemas': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSchemas,
+                    request_deserializer=shardgate__pb2.StreamName.FromString,
+                    response_serializer=shardgate__pb2.SchemaVersions.SerializeToString,
+            ),
             'CreateStream': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateStream,
                     request_deserializer=shardgate__pb2.StreamSpec.FromString,
@@ -487,6 +536,87 @@ def add_AdminServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Admin:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def RegisterSchema(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardgate.v1.Admin/RegisterSchema',
+            shardgate__pb2.RegisterSchemaRequest.SerializeToString,
+            shardgate__pb2.SchemaInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSchemas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardgate.v1.Admin/ListSchemas',
+            shardgate__pb2.Empty.SerializeToString,
+            shardgate__pb2.ListSchemasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSchemas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardgate.v1.Admin/GetSchemas',
+            shardgate__pb2.StreamName.SerializeToString,
+            shardgate__pb2.SchemaVersions.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def CreateStream(request,

@@ -212,6 +212,7 @@ async def start_websocket_listener(
     subprotocols: Sequence[Any] | None = None,
     select_subprotocol: Callable[[Any, Sequence[Any]], Any] | None = None,
     max_size: int | None = 2**20, logger: Any = None,
+    process_request: Callable[[Any, Any], Any] | None = None,
 ) -> Any:
     """A `websockets` server (`websockets.asyncio.server.Server`, no compression) whose TCP
     side is a `TcpListener`: `serve()` would listen through `loop.create_server`, which accepts
@@ -220,7 +221,7 @@ async def start_websocket_listener(
     from websockets.asyncio.server import Server, ServerConnection
     from websockets.server import ServerProtocol
 
-    server = Server(handler, logger=logger)
+    server = Server(handler, logger=logger, process_request=process_request)
 
     def connection_factory() -> ServerConnection:
         def choose(protocol: ServerProtocol, offered: Sequence[Any]) -> Any:

@@ -12,6 +12,7 @@ import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .config import Config, ConfigError
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from .cluster.forward import DataPlane
     from .protocols.amqp.service import AmqpService
     from .protocols.grpc.server import GrpcServer
+    from .resources import ResourceAlarms
     from .security.auth import Security
     from .storage.archive import Archiver, ArchiveReader
 
@@ -83,6 +85,8 @@ class Shardgate:
         self.archiver: Archiver | None = None
         self.security: Security | None = None
         self.bridges: list[BridgeBase[Any]] = []
+        # the memory and disk alarms (`resources.py`), once the listeners are up
+        self.alarms: ResourceAlarms | None = None
         self.archive_reader: ArchiveReader | None = None
         # The AMQP service (shared by the amqp and amqps listeners), once listening.
         self.amqp: AmqpService | None = None
@@ -153,6 +157,22 @@ class Shardgate:
         # From here on, every stream and route change is written to the metadata store.
         broker.topology_sink = MetadataTopologySink(self.metadata)
         return broker
+
+    def _register_configured_schemas(self) -> None:
+        """Register the `schema_file` of each configured stream (no new version when it is
+        the latest already); a file that cannot be read, an invalid schema or one that breaks
+        the stream's compatibility mode stops the start with the stream named."""
+        assert self.broker is not None
+        for entry in self.config.streams:
+            if not entry.schema_file:
+                continue
+            try:
+                text = Path(entry.schema_file).read_text(encoding="utf-8")
+                self.broker.schemas.register(entry.name, entry.schema_type, text,
+                                             entry.compatibility or None)
+            except (OSError, UnicodeDecodeError, CoreError) as exc:
+                raise ConfigError(f"stream {entry.name!r}: schema_file {entry.schema_file!r}: "
+                                  f"{exc}") from exc
 
     def _restore_runtime_topology(self, broker: Broker, declared_routes: dict[str, str]) -> None:
         """Bring back the streams and routes created at run time (CLI, gRPC Admin), kept in
@@ -228,6 +248,7 @@ class Shardgate:
         self.ports = stored = MetadataPorts(self.metadata)
         self.persistence = Persistence(self.broker, self.metadata, stored, edge.owner_factories)
         self.persistence.restore_retained()
+        self._register_configured_schemas()
         self.persistence.restore_subscriptions()
         self.broker.delayed.store = stored
         held = self.broker.delayed.restore()
@@ -361,6 +382,13 @@ class Shardgate:
             raise ConfigError(f"cannot listen for {what} on {bound_host}:{port}: {reason}") from exc
         for listener in self.listeners.values():
             log.info("listening for %s on %s:%d", listener.name, listener.host, listener.port)
+        from .resources import ResourceAlarms
+
+        assert self.journal is not None
+        self.alarms = ResourceAlarms(config.data_dir, config.memory_high_watermark,
+                                     config.disk_free_limit, self._memory_alarm,
+                                     self.journal.refuse_appends)
+        self.alarms.start()
         if self.cluster is not None:
             try:
                 await attach.join(self, self.cluster)
@@ -399,6 +427,7 @@ class Shardgate:
             target_rows=archive.target_rows, target_bytes=archive.target_bytes,
             max_delay_s=archive.max_delay_s, compaction=archive.compaction,
             file_target_bytes=archive.file_target_bytes, compact_after_s=archive.compact_after_s,
+            keep_typed_payload=archive.keep_typed_payload,
             endpoint_url=archive.endpoint_url, region=archive.region,
             access_key_id=archive.access_key_id, secret_access_key=archive.secret_access_key,
             # leave part of the shutdown budget to the journal and the metadata store
@@ -413,9 +442,14 @@ class Shardgate:
                 for stream in broker.streams.values() if stream.reliable
             ]
 
+        def registered_schema(name: str) -> tuple[str, Any, int] | None:
+            latest = broker.schemas.latest(name)
+            return None if latest is None else (latest.type.value, latest.parsed, latest.version)
+
         assert self.journal is not None  # the archive reads the journal's reliable streams
         try:
-            self.archiver = Archiver(self.journal, url, reliable_streams, settings)
+            self.archiver = Archiver(self.journal, url, reliable_streams, settings,
+                                     registered_schema=registered_schema)
             await self.archiver.start()
         except ArchiveConfigError as exc:
             raise ConfigError(f"archive: {exc}") from exc
@@ -437,8 +471,19 @@ class Shardgate:
     def port(self, name: str) -> int:
         return self.listeners[name].port
 
+    def _memory_alarm(self, blocked: bool) -> None:
+        """Hold every protocol's publishers while the memory alarm is raised."""
+        if self.mqtt is not None:
+            self.mqtt.publishers_blocked = blocked
+        if self.amqp is not None:
+            self.amqp.resource_alarm("memory", blocked)
+        if self.grpc is not None:
+            self.grpc.block_publishers(blocked)
+
     async def stop(self) -> None:
         self.ready = False
+        if self.alarms is not None:
+            self.alarms.stop()
         if self.security is not None:
             self.security.stop_watching()
         if self.cluster is not None:

@@ -154,7 +154,9 @@ def _archive_command(args: argparse.Namespace) -> int:
 
     base = (args.http_url or os.environ.get("SHARDGATE_HTTP_URL") or "http://127.0.0.1:8080").rstrip("/")
     if args.action == "flush":
-        request = urllib.request.Request(f"{base}/api/archive/flush", method="POST", data=b"")
+        # (a change: the admin API wants a request a cross-site page could not send)
+        request = urllib.request.Request(f"{base}/api/archive/flush", method="POST", data=b"{}",
+                                         headers={"Content-Type": "application/json"})
     else:
         request = urllib.request.Request(f"{base}/api/archive")
     username = args.username or os.environ.get("SHARDGATE_USERNAME")
@@ -205,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     from .cli_client import add_client_commands, dispatch
 
     add_client_commands(sub)
+    from .schemas_cli import add_schemas_commands
+
+    add_schemas_commands(sub)
     _archive_parser(sub)
     _config_parser(sub)
     from .health_cli import add_health_command

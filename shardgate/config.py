@@ -45,6 +45,10 @@ class ListenerConfig:
     http_port: int = 8080
     # The admin API has no authentication of its own yet: it stays on loopback unless told.
     http_host: str = "127.0.0.1"
+    # Host names the admin API answers to besides localhost, loopback addresses and the
+    # address a request came in on (DNS rebinding: a page of evil.example resolving its name
+    # to this broker gets 421). "*": any.
+    http_allowed_hosts: list[str] = field(default_factory=list)
     # Seconds of client reads one event-loop turn handles, every client listener together
     # (MQTT, MQTT over WebSocket, AMQP, with TLS or not); later reads wait for the next turns
     # (their sockets are not read meanwhile), so that new connections are accepted and
@@ -93,6 +97,8 @@ class ArchiveConfig:
     target_rows: int = 100_000
     target_bytes: int = 32 * 1024 * 1024
     max_delay_s: float = 60.0
+    # a stream with a registered schema is archived as typed columns; also keep payload bytes
+    keep_typed_payload: bool = False
     # compaction (local disks): merge a shard's small files of an hour into files of this size,
     # compact_after_s after the hour ended
     compaction: bool = True
@@ -118,6 +124,12 @@ class StreamEntry:
     routes: list[str] = field(default_factory=list)
     retention_ms: int | None = None
     retention_bytes: int | None = None
+    # A payload schema registered at start (a new version when the file changed): a JSON
+    # Schema or an Avro schema file, checked under `compatibility` (default: the stream's
+    # mode so far, backward at first)
+    schema_file: str = ""
+    schema_type: str = "json"
+    compatibility: str = ""
 
     RANGES: ClassVar[dict[str, Range]] = {
         "partitions": (1, 1024), "retention_ms": (1, None), "retention_bytes": (1, None),
@@ -133,6 +145,13 @@ class Config:
     # archive what it holds); past it the process exits and the journal keeps the rest.
     shutdown_timeout_s: float = 30.0
     default_stream_mode: str = "reliable"
+    # Above this resident memory publishers are blocked until it falls below 90 % of it
+    # (`shardgate.resources`): a fraction of the machine's (or cgroup's) memory, as RabbitMQ's
+    # vm_memory_high_watermark, or bytes above 1; 0 turns it off.
+    memory_high_watermark: float = 0.4
+    # Below this many free bytes on the data directory's disk, reliable publishes are refused
+    # (MQTT 5 0x97, AMQP nack, gRPC RESOURCE_EXHAUSTED), as RabbitMQ's disk_free_limit; 0 off.
+    disk_free_limit: int = 512 * 1024 * 1024
     default_stream_partitions: int = 1
     listeners: ListenerConfig = field(default_factory=ListenerConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
@@ -149,6 +168,7 @@ class Config:
 
     RANGES: ClassVar[dict[str, Range]] = {
         "shutdown_timeout_s": (0.001, None), "default_stream_partitions": (1, 1024),
+        "memory_high_watermark": (0, None), "disk_free_limit": (0, None),
     }
 
 
@@ -216,6 +236,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "log_level": ("debug", "info", "warning", "error"),
     "default_stream_mode": ("reliable", "non-reliable"),
     "journal.fsync": ("always", "interval", "os"),
+    "mqtt.session_takeover_by_other_user": ("refuse", "new_session"),
     "streams.mode": ("reliable", "non-reliable"),
     "streams.schema": ("bytes", "string", "int64", "json"),
 }

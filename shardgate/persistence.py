@@ -152,6 +152,7 @@ class Persistence:
                 set_aside(log, f"retained message of {topic!r}", data, exc)
                 continue
             count += 1
+        self.broker.restore_schemas()
         self.broker.on_retained_change = self._retained_changed
         return count
 

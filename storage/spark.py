@@ -72,6 +72,35 @@ def archive_schema() -> StructType:
     ])
 
 
+def typed_fields(spark: SparkSession, url: str, stream: str) -> list[Any]:
+    """The typed columns of `stream` (its registered schema's fields, `storage.archive.typed`)
+    over every schema version, as Spark's `mergeSchema` finds them in the files' footers;
+    empty for a stream without files or without a schema."""
+    from pyspark.errors import AnalysisException
+
+    try:
+        inferred = (spark.read.option("mergeSchema", "true")
+                    .parquet(f"{spark_path(url)}/stream={stream}").schema)
+    except AnalysisException:
+        return []
+    known = set(archive_schema().fieldNames())
+    return [field for field in inferred.fields if field.name not in known]
+
+
+def stream_schema(spark: SparkSession, url: str, stream: str | None) -> StructType:
+    """`archive_schema()`, with the typed columns of `stream` before the partition columns."""
+    from pyspark.sql import types as T
+
+    schema = archive_schema()
+    if stream is None:
+        return schema
+    extra = typed_fields(spark, url, stream)
+    if not extra:
+        return schema
+    fields = schema.fields
+    return T.StructType([*fields[:-2], *extra, *fields[-2:]])
+
+
 def spark_path(url: str) -> str:
     """The archive URL as Hadoop names it: `s3://` becomes `s3a://`, a bare path `file://`."""
     url = url.rstrip("/")
@@ -118,15 +147,16 @@ def read_archive(
     start: TimeBound = None,
     end: TimeBound = None,
 ) -> DataFrame:
-    """The archive at `url` as a DataFrame (schema: `archive_schema()`), optionally one
-    stream and the records published in [start, end). Pruned by partition: only the
+    """The archive at `url` as a DataFrame (schema: `archive_schema()`, and for one stream
+    with a registered schema its typed columns, over every version: `stream_schema`),
+    optionally one stream and the records published in [start, end). Pruned by partition: only the
     matching `stream=/date=/hour=` directories are read. An archive (or stream) with no
     files yet gives an empty DataFrame."""
     from pyspark.errors import AnalysisException
     from pyspark.sql import functions as F
 
     base = spark_path(url)
-    schema = archive_schema()
+    schema = stream_schema(spark, url, stream)
     reader = spark.read.schema(schema).option("basePath", base)
     path = base if stream is None else f"{base}/stream={stream}"
     try:
@@ -149,7 +179,8 @@ def read_archive(
 
 
 def read_archive_stream(spark: SparkSession, url: str, stream: str | None = None,
-                        max_files_per_trigger: int | None = None) -> DataFrame:
+                        max_files_per_trigger: int | None = None,
+                        schema: StructType | None = None) -> DataFrame:
     """The archive as a Structured Streaming source: each new Parquet file is picked up
     once (files are renamed or uploaded whole, so a file is never read half-written).
     Files that compaction merged (`*.c.parquet`) are skipped: their rows arrived in the files
@@ -157,12 +188,16 @@ def read_archive_stream(spark: SparkSession, url: str, stream: str | None = None
     ended, so a query must run at least that often.
 
     The file source discovers partitions from the archive root (it ignores `basePath`), so
-    a stream is selected with a filter on the `stream` partition column."""
+    a stream is selected with a filter on the `stream` partition column. `schema` defaults
+    to `stream_schema`: the stream's typed columns as its files have them when the query
+    starts (pass one to take in columns of a later schema version)."""
     from pyspark.sql import functions as F
 
     from .archive.layout import WRITTEN_GLOB
 
-    reader = spark.readStream.schema(archive_schema()).option("pathGlobFilter", WRITTEN_GLOB)
+    if schema is None:  # a stream's typed columns as its files have them when the query starts
+        schema = stream_schema(spark, url, stream)
+    reader = spark.readStream.schema(schema).option("pathGlobFilter", WRITTEN_GLOB)
     if max_files_per_trigger is not None:
         reader = reader.option("maxFilesPerTrigger", max_files_per_trigger)
     frame = reader.parquet(spark_path(url))

@@ -109,6 +109,8 @@ class ConnectionBase:
         self._confirm_channels: set[AmqpChannel] = set()
         self._paused = False
         self._held_by_alarm = False
+        # connection.blocked was sent and connection.unblocked not yet
+        self._told_blocked = False
         # Replies waiting on something outside this connection (a bind-ok until the cluster's
         # other nodes know the route, a queue operation on the node that holds the queue):
         # no further frame is read until they are sent, so replies keep the client's order.

@@ -156,7 +156,9 @@ class AmqpConnection(
                     self.service.blocked and frame_type == 1 and size >= 4
                     and METHOD_INDEX.unpack_from(buffer, pos + 7)[0] == PUBLISH_INDEX
                 ):
-                    # Memory alarm: hold this publisher (stop reading) until it clears.
+                    # Memory alarm: hold this publisher (stop reading) until it clears; one
+                    # that connected during the alarm learns it now, as from RabbitMQ.
+                    self.block("low on memory")
                     self._paused = True
                     self._held_by_alarm = True
                     pause = getattr(self.link, "pause_reading", None)

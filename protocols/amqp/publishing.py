@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from pamqp import commands
 
 from ...core.edge import Action
-from ...core.errors import PublishRejected
+from ...core.errors import PublishRejected, SchemaMismatch
 from ...core.message import Message
 from .base import ConnectionBase
 from .channel import REPLY_PREFIX, REPLY_TO, ROUTE_KEY, AmqpChannel
@@ -277,7 +277,8 @@ class PublishingMixin(ConnectionBase):
                     channel.tx_landing -= 1
                 continue
             if isinstance(pending, PublishRejected):
-                log.warning("publish from %s rejected: %s", self.remote, pending)
+                if not isinstance(pending, SchemaMismatch):  # the broker logs those, rate-limited
+                    log.warning("publish from %s rejected: %s", self.remote, pending)
                 if seq > 0:
                     self._confirm(channel, seq, False)
                 elif seq < 0:
@@ -297,7 +298,9 @@ class PublishingMixin(ConnectionBase):
     ) -> None:
         """A message its exchange cannot route goes to the exchange's alternate exchange
         (https://www.rabbitmq.com/docs/ae), and on to that one's alternate if it cannot route
-        it either; consumers still see the exchange it was published to."""
+        it either; consumers still see the exchange it was published to. The publisher must
+        be allowed to publish to the topic the alternate exchange gives it (the publish ACL),
+        else it stays unroutable."""
         vhost = self.vhost
         assert vhost is not None
         seen = {exchange.name}
@@ -306,21 +309,29 @@ class PublishingMixin(ConnectionBase):
             if alternate is None or alternate.name in seen:
                 return
             seen.add(alternate.name)
+            topic = publish_topic(alternate.name, alternate.type, frame.routing_key)
+            if not self.service.edge.authorize(self.principal, PUBLISH, topic):
+                log.info("AMQP %s: alternate exchange %r of %r refused: user %r may not publish "
+                         "to %r", self.remote, alternate.name, exchange.name, self.username, topic)
+                return
             if message.encoded is None:
                 message.encoded = {}
             message.encoded.setdefault(
                 ROUTE_KEY, shortstr(frame.exchange) + shortstr(frame.routing_key)
             )
-            message.topic = publish_topic(alternate.name, alternate.type, frame.routing_key)
+            message.topic = topic
             exchange = alternate
 
     def block(self, reason: str) -> None:
         """The memory alarm went off: tell the client (if it listens) that publishes wait."""
-        if self.state is State.OPEN and self.capabilities.get("connection.blocked"):
+        if (self.state is State.OPEN and self.capabilities.get("connection.blocked")
+                and not self._told_blocked):
+            self._told_blocked = True
             self.send_method(0, commands.Connection.Blocked(reason))
 
     def unblock(self) -> None:
-        if self.state is State.OPEN and self.capabilities.get("connection.blocked"):
+        if self._told_blocked and self.state is State.OPEN:
+            self._told_blocked = False
             self.send_method(0, commands.Connection.Unblocked())
         if self._held_by_alarm:
             self._held_by_alarm = False

@@ -133,6 +133,9 @@ class Queue:
         self.dead_letter_exchange: str | None = None if dlx is None else str(dlx)
         dlrk = arguments.get("x-dead-letter-routing-key")
         self.dead_letter_routing_key: str | None = None if dlrk is None else str(dlrk)
+        # The user who declared the queue: its dead-lettered messages are published as theirs
+        # (the publish ACL decides on each dead-letter topic; None: an anonymous client).
+        self.writer: str | None = None
         self.single_active = bool(arguments.get("x-single-active-consumer", False))
         self.messages: deque[QueueEntry] = deque()
         self.ready_bytes = 0  # payload bytes of `messages`, for the memory alarm

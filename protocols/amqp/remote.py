@@ -555,7 +555,8 @@ class QueueHost:
             vhost = self._vhost(request, commands.Queue.Declare)
             if name not in vhost.queues and (frame.exclusive or frame.auto_delete) and not frame.passive:
                 return {"absent": True}  # a connection's own queue is made on its node
-            queue, new = vhost.declare_queue(frame, self.peer)
+            user = request.get("user")
+            queue, new = vhost.declare_queue(frame, self.peer, None if user is None else str(user))
             queue.expire()
             return {"queue": queue.name, "messages": len(queue.messages),
                     "consumers": len(queue.consumers), "new": new}

@@ -59,6 +59,9 @@ class AmqpService:
         self.authenticator: Authenticator | None = None
         # Memory alarm raised: publishers are held (connection.blocked) until it clears.
         self.blocked = False
+        # the alarms raised: "queues" (ready bytes of this service's queues), "memory" (the
+        # process's resident memory, `shardgate.resources`)
+        self._alarms: set[str] = set()
         self.connections: set[ConnectionBase] = set()
         # Direct reply-to: token -> the channel whose reply consumer it names.
         self.reply_channels: dict[str, AmqpChannel] = {}
@@ -202,15 +205,27 @@ class AmqpService:
     def _check_memory(self) -> None:
         high = self.settings.memory_high_watermark
         held = self.ready_bytes()
-        if not self.blocked and held > high:
+        if "queues" not in self._alarms and held > high:
             log.warning("AMQP memory alarm: %d bytes of ready messages; blocking publishers", held)
-            self.blocked = True
-            for connection in list(self.connections):
-                connection.block("low on memory")
-        elif self.blocked and held <= high // 2:
+            self.resource_alarm("queues", True)
+        elif "queues" in self._alarms and held <= high // 2:
             log.info("AMQP memory alarm cleared (%d bytes); unblocking publishers", held)
-            self.blocked = False
-            for connection in list(self.connections):
+            self.resource_alarm("queues", False)
+
+    def resource_alarm(self, name: str, raised: bool) -> None:
+        """Raise or clear one memory alarm; publishers are held while any is raised."""
+        was = bool(self._alarms)
+        if raised:
+            self._alarms.add(name)
+        else:
+            self._alarms.discard(name)
+        if bool(self._alarms) == was:
+            return
+        self.blocked = bool(self._alarms)
+        for connection in list(self.connections):
+            if self.blocked:
+                connection.block("low on memory")
+            else:
                 connection.unblock()
 
     # ------------------------------------------------------------------ timers

@@ -17,7 +17,7 @@ from .errors import ChannelException, ReplyCode
 from .frames import method_ids, unchecked
 from .queues import Queue
 from .remote import RemoteQueue, encode_table, home_down, is_shared, refusal
-from .routing import binding_for
+from .routing import AMQ_TOPIC, binding_for, header_value, publish_topic
 from .vhost import EXCHANGE_TYPES, PREDECLARED
 
 
@@ -36,6 +36,29 @@ class TopologyMixin(ConnectionBase):
             return edge.authorize(principal, Action.SUBSCRIBE, topic_filter)
 
         return allowed
+
+    def _check_write(self, target: Any, routing_key: Any,
+                     method: type[commands.base.Frame]) -> None:
+        """The declaring user's right to write to `target`, a dead-letter or alternate
+        exchange, as RabbitMQ checks it at declare (403 ACCESS_REFUSED): the publish ACL on
+        the topic a message sent there with `routing_key` goes to (with no key: the exchange's
+        topic of the empty key; `amq.topic` without a key is checked per message instead)."""
+        edge = self.service.edge
+        vhost = self.vhost
+        if edge.authorizer is None or target is None or vhost is None:
+            return
+        name = header_value(target)
+        exchange = vhost.exchanges.get(name)
+        kind = exchange.type if exchange is not None else PREDECLARED.get(name, "direct")
+        if routing_key is None and name == AMQ_TOPIC:
+            return
+        topic = publish_topic(name, kind, "" if routing_key is None else header_value(routing_key))
+        if not edge.authorize(self.principal, Action.PUBLISH, topic):
+            raise ChannelException(
+                ReplyCode.ACCESS_REFUSED,
+                f"write access to exchange '{name}' in vhost '{vhost.name}' refused for user "
+                f"'{self.username}'", *method_ids(method),
+            )
 
     def _reply_when_routed(self, channel: AmqpChannel, reply: commands.base.Frame) -> None:
         """Send `reply` once the cluster's other nodes know this node's routes as they are
@@ -72,6 +95,9 @@ class TopologyMixin(ConnectionBase):
                 self.send_method(channel.number, commands.Exchange.DeclareOk())
 
         name = frame.exchange
+        if not frame.passive and frame.arguments:
+            self._check_write(frame.arguments.get("alternate-exchange"), None,
+                              commands.Exchange.Declare)
         if directory is None or not name or name in vhost.exchanges or name.startswith("amq."):
             declare()
         elif frame.passive:
@@ -222,6 +248,10 @@ class TopologyMixin(ConnectionBase):
             if not frame.nowait:
                 self.send_method(channel.number, unchecked(commands.Queue.DeclareOk, REPLY_TO, 0, 1))
             return
+        if not frame.passive and frame.arguments:
+            self._check_write(frame.arguments.get("x-dead-letter-exchange"),
+                              frame.arguments.get("x-dead-letter-routing-key"),
+                              commands.Queue.Declare)
         self._at_home(channel, frame.queue, lambda: self._declare_here(channel, frame),
                       lambda node: self._declare_there(channel, frame, node))
 
@@ -241,14 +271,14 @@ class TopologyMixin(ConnectionBase):
         self._ask_home(channel, node, frame.queue, commands.Queue.Declare, {
             "op": "declare", "passive": bool(frame.passive), "durable": bool(frame.durable),
             "exclusive": bool(frame.exclusive), "auto_delete": bool(frame.auto_delete),
-            "arguments": encode_table(frame.arguments),
+            "arguments": encode_table(frame.arguments), "user": self.principal.username,
         }, None, declared)
 
     def _declare_here(self, channel: AmqpChannel, frame: commands.Queue.Declare, *,
                       claim: bool = True) -> None:
         vhost = self.vhost
         assert vhost is not None
-        queue, new = vhost.declare_queue(frame, self)
+        queue, new = vhost.declare_queue(frame, self, self.principal.username)
         channel.last_queue = queue.name
         reply = None
         if not frame.nowait:

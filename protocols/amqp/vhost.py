@@ -29,6 +29,7 @@ from pamqp.common import FieldArray, FieldTable
 
 from ...core.broker import INTERNAL_PREFIX
 from ...core.durable import DurableOptions, DurableSubscription
+from ...core.edge import Action, Principal
 from ...core.errors import PublishRejected, SubscriptionBusy
 from ...core.message import Message, now_ms
 from ...core.restoring import set_aside
@@ -477,8 +478,11 @@ class VirtualHost:
             method,
         )
 
-    def declare_queue(self, frame: commands.Queue.Declare, owner: object) -> tuple[Queue, bool]:
-        """Declare (or find, when passive) a queue; returns it and whether it is new."""
+    def declare_queue(self, frame: commands.Queue.Declare, owner: object,
+                      writer: str | None = None) -> tuple[Queue, bool]:
+        """Declare (or find, when passive) a queue; returns it and whether it is new. `writer`
+        is the declaring user, whose right to publish each dead-lettered message's topic is
+        checked when it is dead-lettered."""
         method = commands.Queue.Declare
         name = frame.queue
         if frame.passive:
@@ -607,6 +611,7 @@ class VirtualHost:
             )
         except SubscriptionBusy:  # pragma: no cover - the subscription is new
             raise _err(ReplyCode.RESOURCE_LOCKED, f"queue '{name}' is busy", method) from None
+        queue.writer = writer
         if frame.durable and not frame.exclusive:
             self.save_topology()
         return queue, True
@@ -665,6 +670,7 @@ class VirtualHost:
         ]
         queues = [
             {"name": q.name, "auto_delete": q.auto_delete, "arguments": q.arguments,
+             "writer": q.writer,
              "bindings": [[b.exchange, b.routing_key, list(b.arguments)]
                           for b in q.bindings.values() if b.exchange]}
             for q in self.queues.values() if q.durable and q.exclusive_owner is None
@@ -745,6 +751,8 @@ class VirtualHost:
             except Exception as exc:
                 set_aside(log, f"queue {name!r} of vhost {self.name!r}", entry, exc)
                 continue
+            writer = entry.get("writer")
+            queue.writer = None if writer is None else str(writer)
             for binding_entry in entry.get("bindings", []):
                 try:
                     self._restore_binding(queue, binding_entry)
@@ -934,6 +942,13 @@ class VirtualHost:
         message.native_properties = {NATIVE_FORMAT: dead_lettered_properties(
             raw, reason, queue.name, old_exchange, old_key, first
         )}
+        if not self.edge.authorize(Principal("amqp", queue.writer, "", "dead-lettering"),
+                                   Action.PUBLISH, message.topic):
+            # As if the dead-letter exchange routed it nowhere: dropped, and said so.
+            log.info("queue %r in vhost %r: dead-lettering to exchange %r refused, user %r may "
+                     "not publish to %r; message dropped", queue.name, self.name, exchange.name,
+                     queue.writer, message.topic)
+            return
         try:
             self.edge.publish(message)
         except PublishRejected:

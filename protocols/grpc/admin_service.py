@@ -16,6 +16,7 @@ from ... import __version__
 from ...core.broker import Broker
 from ...core.durable import DurableSubscription
 from ...core.edge import Action
+from ...core.schema_registry import SchemaVersion
 from ...core.streams import DispatchMode, RoutingRule, StreamConfig
 from ...core.subscriptions import Subscription
 from ...core.topics import validate_topic_filter
@@ -62,6 +63,39 @@ class AdminService(pb_grpc.AdminServicer):
     @property
     def broker(self) -> Broker:
         return self.server.broker
+
+    # -- schemas ------------------------------------------------------------------------
+
+    def _schema_info(self, version: SchemaVersion) -> pb.SchemaInfo:
+        return pb.SchemaInfo(
+            stream=version.stream, version=version.version, type=version.type.value,
+            definition=version.definition, compatibility=version.compatibility.value,
+            registered_ms=version.registered_ms,
+            rejected=self.broker.schemas.rejected.get(version.stream, 0))
+
+    @_unary
+    def RegisterSchema(self, request: pb.RegisterSchemaRequest) -> pb.SchemaInfo:
+        self.broker.stream(request.stream)  # NOT_FOUND for an unknown stream
+        version = self.broker.schemas.register(
+            request.stream, request.type or "json", request.definition,
+            request.compatibility or None)
+        return self._schema_info(version)
+
+    @_unary
+    def ListSchemas(self, request: pb.Empty) -> pb.ListSchemasResponse:
+        registry = self.broker.schemas
+        return pb.ListSchemasResponse(schemas=[
+            self._schema_info(latest) for name in registry.streams()
+            if (latest := registry.latest(name)) is not None
+        ])
+
+    @_unary
+    def GetSchemas(self, request: pb.StreamName) -> pb.SchemaVersions:
+        self.broker.stream(request.name)
+        return pb.SchemaVersions(versions=[
+            self._schema_info(v) for v in self.broker.schemas.versions(request.name)])
+
+    # -- streams ------------------------------------------------------------------------
 
     @_unary
     def CreateStream(self, request: pb.StreamSpec) -> pb.StreamInfo:

@@ -20,6 +20,7 @@ from ...core.errors import (
     CoreError,
     InvalidStreamConfig,
     PublishRejected,
+    StoreFull,
     StreamExists,
     StreamNotFound,
     SubscriptionBusy,
@@ -73,6 +74,8 @@ def status_for(exc: CoreError) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, SubscriptionBusy):
         return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, StoreFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, PublishRejected):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.FAILED_PRECONDITION

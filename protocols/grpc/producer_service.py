@@ -68,6 +68,8 @@ class ProducerService(pb_grpc.ProducerServicer):
 
     async def Publish(self, request: pb.PublishRequest, context: grpc.aio.ServicerContext) -> pb.PublishResponse:
         server = self.server
+        if not server.publishing.is_set():  # the memory alarm: wait (the deadline bounds it)
+            await server.publishing.wait()
         try:
             message = server.message_from(request, peer_of(context), user_of(context))
             waiter = server.publish(message)
@@ -104,6 +106,8 @@ class ProducerService(pb_grpc.ProducerServicer):
         async def read() -> None:
             try:
                 async for batch in request_iterator:
+                    if not server.publishing.is_set():  # the memory alarm: read no more meanwhile
+                        await server.publishing.wait()
                     await queue.put(self._publish_batch(batch, info))
             finally:
                 await queue.put(None)

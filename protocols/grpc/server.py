@@ -24,6 +24,7 @@ from ...core.errors import (
     InvalidMessage,
     PublishRejected,
     SchemaMismatch,
+    StoreFull,
 )
 from ...core.message import Message
 from ...core.streams import Stream
@@ -62,6 +63,8 @@ def refusal_of(exc: PublishRejected) -> Refusal:
     (INVALID_ARGUMENT), any other refusal (storage failure, store full) is UNAVAILABLE."""
     if isinstance(exc, SchemaMismatch | InvalidMessage):
         return Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, StoreFull):  # a quota: the disk alarm, the journal's pending bytes
+        return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
     return Refusal(grpc.StatusCode.UNAVAILABLE, str(exc))
 
 
@@ -82,6 +85,10 @@ class GrpcServer:
         # the TLS port (`listeners.grpcs_port`) when the same servicers also listen on one
         self.secure_port = 0
         self._closing: asyncio.Task[None] | None = None
+        # Cleared while the memory alarm blocks publishers (`shardgate.resources`): producers
+        # wait for it before their next message or batch.
+        self.publishing = asyncio.Event()
+        self.publishing.set()
         self._topic_ok: set[str] = set()
         self._registered = _RegisteredClients(self)
         self.consumer_service = ConsumerService(self)
@@ -238,6 +245,13 @@ class GrpcServer:
                               f"ttl_ms {request.ttl_ms} is longer than the maximum {MAX_TTL_MS}")
             message.expires_at_ms = message.publish_time_ms + request.ttl_ms
         return message
+
+    def block_publishers(self, blocked: bool) -> None:
+        """The memory alarm went off (or cleared): producers wait meanwhile."""
+        if blocked:
+            self.publishing.clear()
+        else:
+            self.publishing.set()
 
     def publish(self, message: Message) -> Receipt:
         try:

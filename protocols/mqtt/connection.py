@@ -50,6 +50,9 @@ RC = p.ReasonCode
 MQTT_V5 = 5
 # The longest a publisher is held for a subscriber that does not catch up (see `held`).
 HOLD_MAX_S = 0.5
+# While the memory alarm holds publishers, a publishing connection is read again this often
+# (one read's publishes each time), to see whether it cleared.
+BLOCKED_RECHECK_S = 1.0
 
 
 class Link(Protocol):
@@ -708,6 +711,11 @@ class MqttConnection:
             self._refuse(RC.NOT_AUTHORIZED, p.ConnackCode311.NOT_AUTHORIZED,
                          f"will topic {connect.will.topic!r} not authorized")
             return
+        clean_start = connect.clean_start
+        if self.service.owned_by_other(client_id, username):
+            if self._refuse_other_user(client_id):
+                return
+            clean_start = True  # a new session for the newcomer
         self.parser.max_packet_size = settings.max_packet_size  # logged in: the full limit
         self.client_id = client_id
         self.username = username
@@ -727,16 +735,27 @@ class MqttConnection:
             expiry = 0 if connect.clean_start else (settings.persistent_session_expiry or NEVER_EXPIRES)
         self.session_expiry_at_connect = expiry
         self.will = connect.will
-        fetching = self.service.session_elsewhere(client_id, connect.clean_start)
+        fetching = self.service.session_elsewhere(client_id, clean_start)
         if fetching is not None:
             # Cluster: the session lives on (or must be ended on) another node first; CONNACK
             # and every later packet wait until it is here.
             self.state = State.OPENING
             fetching.add_done_callback(
-                lambda done: self._opened_later(done, client_id, connect.clean_start, expiry, assigned,
+                lambda done: self._opened_later(done, client_id, clean_start, expiry, assigned,
                                                 server_keep_alive))
             return
-        self._opened(client_id, connect.clean_start, expiry, assigned, server_keep_alive)
+        self._opened(client_id, clean_start, expiry, assigned, server_keep_alive)
+
+    def _refuse_other_user(self, client_id: str) -> bool:
+        """`client_id`'s session belongs to another user: True when the CONNECT is refused
+        (`mqtt.session_takeover_by_other_user = "refuse"`), False when it gets a new session."""
+        if self.service.settings.session_takeover_by_other_user != "refuse":
+            log.info("%s: client %r has a session of another user; it starts anew", self.remote,
+                     client_id)
+            return False
+        self._refuse(RC.NOT_AUTHORIZED, p.ConnackCode311.NOT_AUTHORIZED,
+                     f"client identifier {client_id!r} has a session of another user")
+        return True
 
     def _authenticated_later(self, connect: p.Connect, done: asyncio.Future[str | None]) -> None:
         """The password check of `connect` is done: handle the CONNECT with its verdict, then
@@ -767,6 +786,11 @@ class MqttConnection:
                 self._refuse(RC.SERVER_UNAVAILABLE, p.ConnackCode311.SERVER_UNAVAILABLE, str(failure))
             return
         service = self.service
+        if service.owned_by_other(client_id, self.username):
+            # the session came from another node, made by another user
+            if self._refuse_other_user(client_id):
+                return
+            clean_start = True
         grouping = service.publishing is None  # (a callback runs outside any read's group)
         start = len(self._out)
         writes = service.store_writes()
@@ -937,7 +961,11 @@ class MqttConnection:
         MQTT 3.1.1 has no negative acknowledgement: a refused PUBLISH closes the connection,
         and nothing after it in the batch is handed to the core (see `_forget_unprocessed`)."""
         v5 = self.version == MQTT_V5
-        outcomes = self.service.edge.publish_many(messages, stop_at_refusal=not v5)
+        service = self.service
+        if service.publishers_blocked and self._throttled_for <= 0:
+            # the memory alarm: this publisher's socket is not read for a while (see `_process`)
+            self._throttled_for = BLOCKED_RECHECK_S
+        outcomes = service.edge.publish_many(messages, stop_at_refusal=not v5)
         if len(outcomes) < len(messages):
             self._forget_unprocessed(messages[len(outcomes):], packet_ids[len(outcomes):])
         waiting = self._acks_waiting
@@ -955,7 +983,11 @@ class MqttConnection:
                 elif qos == 2:
                     self.session.inbound_qos2.discard(packet_id)  # type: ignore[union-attr,arg-type]
                     self.qos2_open.discard(packet_id)  # type: ignore[arg-type]
-                log.warning("%s %s: publish to %r rejected: %s", self.remote, self.client_id,
+                # (the broker logs schema refusals, rate-limited; a full disk refuses every
+                # publish: not a line each)
+                if not isinstance(outcome, SchemaMismatch):
+                    log.log(logging.DEBUG if isinstance(outcome, StoreFull) else logging.WARNING,
+                            "%s %s: publish to %r rejected: %s", self.remote, self.client_id,
                             message.topic, outcome)
                 if not v5:
                     self.close()

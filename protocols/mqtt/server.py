@@ -13,6 +13,9 @@ import ssl
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
+from http import HTTPStatus
+from typing import Any
+from urllib.parse import urlsplit
 
 from ..listener import TcpListener
 from ..listener import start_tcp_listener as listen_tcp
@@ -21,6 +24,36 @@ from .connection import MqttConnection
 from .service import MqttService
 
 log = logging.getLogger(__name__)
+
+
+def origin_allowed(origin: str | None, host: str | None, allowed: Sequence[str]) -> bool:
+    """May a WebSocket handshake with this `Origin` go on? No Origin (not a browser): yes. An
+    origin listed in `allowed` (or "*" there): yes. With an empty list, a page of the same host
+    name as the request's `Host` (any port): yes. Anything else: no."""
+    if origin is None:
+        return True
+    if "*" in allowed or origin.rstrip("/") in (entry.rstrip("/") for entry in allowed):
+        return True
+    if allowed or not host:
+        return False
+    try:
+        origin_host = urlsplit(origin).hostname
+        own_host = urlsplit(f"//{host}").hostname
+    except ValueError:
+        return False
+    return origin_host is not None and origin_host == own_host
+
+
+def _check_origin(allowed: Sequence[str]) -> Callable[[Any, Any], Any]:
+    def process_request(connection: Any, request: Any) -> Any:
+        origin = request.headers.get("Origin")
+        if origin_allowed(origin, request.headers.get("Host"), allowed):
+            return None
+        log.info("%s: WebSocket from origin %r refused (mqtt.ws_allowed_origins)",
+                 getattr(connection, "remote_address", "-"), origin)
+        return connection.respond(HTTPStatus.FORBIDDEN, "origin not allowed\n")
+
+    return process_request
 
 # After the server ends a connection it half-closes (FIN) and discards what the client still
 # sends for up to this long: closing with unread input makes the kernel send RST, which can
@@ -300,5 +333,6 @@ async def start_websocket_listener(
     return await listen_websocket(
         handler, host, port, ssl_context, name="MQTT over WebSocket", subprotocols=offered,
         select_subprotocol=select_subprotocol, max_size=service.settings.max_packet_size + 8,
+        process_request=_check_origin(list(service.settings.ws_allowed_origins)),
         logger=_WebSocketServerLog(logging.getLogger("websockets.server")),
     )

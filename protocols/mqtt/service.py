@@ -82,6 +82,9 @@ class SessionEvents:
 
 
 class MqttService:
+    # The memory alarm (`shardgate.resources`): connections that publish are not read
+    # meanwhile (each looks again every `BLOCKED_RECHECK_S`).
+    publishers_blocked = False
     def __init__(
         self, edge: Edge, settings: MqttSettings | None = None,
         store: MqttSessionPorts | None = None, scheduler: Scheduler | None = None,
@@ -445,6 +448,8 @@ class MqttService:
                 existing.discard()
             durable = expiry > 0 and self.store is not None and self.broker.storage is not None
             session = self.sessions[client_id] = MqttSession(self, client_id, durable)
+        if not session.owned:
+            session.owner, session.owned = connection.username, True
         session.expiry_interval = expiry
         session.connection = connection
         session.disconnected_at_ms = None
@@ -458,6 +463,11 @@ class MqttService:
         for opened in self.session_events.opened:
             opened(client_id)
         return session, present
+
+    def owned_by_other(self, client_id: str, username: str | None) -> bool:
+        """Whether `client_id` has a session here that another user made."""
+        session = self.sessions.get(client_id)
+        return session is not None and session.owned and session.owner != username
 
     def session_elsewhere(self, client_id: str, clean_start: bool) -> asyncio.Future[None] | None:
         """What a CONNECT waits for before its session opens (see `find_session_elsewhere`)."""
@@ -598,7 +608,10 @@ class MqttService:
             for pid, o in session.inflight.items()
             if o.source is session.subscription and o.message.offset >= 0
         ]
-        data = json.dumps({"subscriptions": own, "shared": shared, "inflight": inflight}).encode()
+        state: dict[str, object] = {"subscriptions": own, "shared": shared, "inflight": inflight}
+        if session.owned:
+            state["owner"] = session.owner
+        data = json.dumps(state).encode()
         try:
             self.store.save_session(
                 session.client_id, session.expiry_interval, session.disconnected_at_ms, data
@@ -668,6 +681,9 @@ class MqttService:
         store = self.store
         assert store is not None
         data = json.loads(record.data)
+        if "owner" in data:
+            owner = data["owner"]
+            session.owner, session.owned = None if owner is None else str(owner), True
         session.expiry_interval = record.expiry_interval
         session.disconnected_at_ms = disconnected
         for topic_filter, qos, no_local, rap, handling, sub_id in data.get("subscriptions", []):

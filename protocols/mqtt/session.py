@@ -81,6 +81,11 @@ class MqttSession:
         self.expiry_interval = 0
         self.disconnected_at_ms: int | None = None
         self.durable = durable
+        # The user who made the session (None: an anonymous client), once known: another
+        # user's CONNECT with this client id does not get it (`MqttService.owned_by_other`).
+        # A session saved before owners were kept is claimed by the first user to resume it.
+        self.owner: str | None = None
+        self.owned = False
         name = f"mqtt:{client_id}"
         broker = service.broker
         if durable:

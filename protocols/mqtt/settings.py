@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 
@@ -13,6 +13,11 @@ class MqttSettings:
     # The largest first packet (CONNECT) of a client not yet authenticated, as RabbitMQ's
     # mqtt.max_packet_size_unauthenticated: a stranger holds little memory. 0: max_packet_size.
     max_packet_size_unauthenticated: int = 65536
+    # Origins (`https://app.example.com`, or "*" for any) whose pages may open MQTT over
+    # WebSocket. Empty: only pages of the listener's own host name (the Host header's), and
+    # clients that send no Origin (not browsers). A browser page of any other origin could
+    # otherwise use the broker with the rights of an anonymous client.
+    ws_allowed_origins: list[str] = field(default_factory=list)
     # How many QoS 1/2 publishes a client may have unacknowledged towards the server.
     receive_maximum: int = 1024
     # Outbound in-flight window for 3.1.1 clients (5.0 clients set theirs in CONNECT).
@@ -46,11 +51,16 @@ class MqttSettings:
     # while not reading (0: never): such a dead subscriber is disconnected so its messages go
     # back to its session or, for shared subscriptions, to the other members.
     dead_subscriber_timeout: float = 0.0
+    # A session belongs to the user who made it. Another user's CONNECT with its client id:
+    # "refuse" (CONNACK 0x87, 3.1.1 return code 5) or "new_session" (the old session ends,
+    # the newcomer gets a new one, as with clean start).
+    session_takeover_by_other_user: str = "refuse"
 
     # The allowed range of each numeric setting, inclusive (None: no bound), checked by the
     # configuration loader with the file, the name and the value.
     RANGES: ClassVar[dict[str, tuple[float | None, float | None]]] = {
         "max_packet_size": (16, 268_435_455),  # MQTT 5.0 §1.5.5: a Variable Byte Integer
+        "max_packet_size_unauthenticated": (0, 268_435_455),  # 0: max_packet_size
         "receive_maximum": (1, 65535),  # §3.2.2.3.3: 0 is a protocol error
         "max_inflight": (1, 65535),
         "max_queued_messages": (0, None),

@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -525,6 +526,68 @@ def admin_topic(path: str) -> str:
     return topic
 
 
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def _host_allowed(request: web.Request, allowed: list[str]) -> bool:
+    """The request's Host names this listener: localhost, a loopback address, the address the
+    request came in on, or a name of `listeners.http_allowed_hosts`."""
+    try:
+        name = urlsplit(f"//{request.host}").hostname
+    except ValueError:
+        return False
+    if name is None:
+        return False
+    if name in _LOOPBACK_NAMES or name.endswith(".localhost") or name.startswith("127.") or "*" in allowed:
+        return True
+    if name in (entry.lower() for entry in allowed):
+        return True
+    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    own = str(sockname[0]).split("%")[0].lower() if sockname else None
+    return own is not None and name == own
+
+
+def _same_origin(request: web.Request, origin: str) -> bool:
+    try:
+        return urlsplit(origin).hostname == urlsplit(f"//{request.host}").hostname
+    except ValueError:
+        return False
+
+
+@web.middleware
+async def _check_host(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """DNS rebinding: a request whose Host is not this listener's is refused (421)."""
+    listeners = getattr(getattr(_app(request), "config", None), "listeners", None)
+    allowed = list(getattr(listeners, "http_allowed_hosts", None) or [])
+    if not _host_allowed(request, allowed):
+        log.info("admin API: Host %r refused (listeners.http_allowed_hosts)", request.host)
+        raise web.HTTPMisdirectedRequest(reason="host not allowed (listeners.http_allowed_hosts)")
+    return await handler(request)
+
+
+@web.middleware
+async def _check_change(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """A request that changes something (not GET, HEAD, OPTIONS) must not come from a page of
+    another origin, and must be one a browser only sends after a CORS preflight (which this
+    API never grants): `Content-Type: application/json` or an `X-Requested-With` header. A
+    form or a simple cross-site fetch cannot cause a change."""
+    if request.method in _SAFE_METHODS or request.match_info.http_exception is not None:
+        return await handler(request)  # (no such route or method: its 404 or 405)
+    origin = request.headers.get("Origin")
+    if origin is not None and not _same_origin(request, origin):
+        raise web.HTTPForbidden(reason="cross-origin request refused")
+    content_type = request.headers.get("Content-Type", "").split(";")[0].strip().lower()
+    if content_type != "application/json" and "X-Requested-With" not in request.headers:
+        raise web.HTTPForbidden(
+            reason="a change needs Content-Type: application/json or an X-Requested-With header")
+    return await handler(request)
+
+
 @web.middleware
 async def _authenticate(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -685,7 +748,8 @@ async def _dashboard_headers(request: web.Request, response: web.StreamResponse)
 def create_web_app(app: Any, middlewares: list[Any] | None = None) -> web.Application:
     """The aiohttp application for `app` (a `Shardgate`); extra `middlewares` (authentication)
     run inside the JSON error translation, so their HTTP errors reach clients as JSON too."""
-    web_app = web.Application(middlewares=[_json_errors, _authenticate, *(middlewares or [])])
+    web_app = web.Application(middlewares=[_json_errors, _check_host, _authenticate, _check_change,
+                                           *(middlewares or [])])
     web_app[SERVED_KEY] = Served(
         app, create_registry(app), TrafficHistory(lambda: _traffic_counters(app))
     )

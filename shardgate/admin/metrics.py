@@ -162,6 +162,7 @@ class ShardgateCollector(Collector):
 
         yield from self._traffic(stats, connection_counts(app), broker.streams)
         yield from self._drops(stats)
+        yield from self._schema_rejections(broker)
         yield self._histogram(
             "publish_durable_latency_seconds",
             "Seconds from the first append of a commit group on a reliable stream to the group "
@@ -230,6 +231,17 @@ class ShardgateCollector(Collector):
                                      labels=["reason"])
         for reason, count in sorted(reasons.items()):
             family.add_metric([reason], count)
+        yield family
+
+    @staticmethod
+    def _schema_rejections(broker: Any) -> Iterator[Metric]:
+        """Payloads refused by a stream's registered schema, per stream with a schema."""
+        registry = broker.schemas
+        family = CounterMetricFamily(
+            f"{PREFIX}_schema_rejected", "Payloads refused by the stream's registered schema",
+            labels=["stream"])
+        for stream in sorted(set(registry.streams()) | set(registry.rejected)):
+            family.add_metric([stream], registry.rejected.get(stream, 0))
         yield family
 
     @staticmethod

@@ -138,10 +138,10 @@ class FollowerReplica:
             self.state = FollowerState.FETCHING
             return self._truncate(min(answer.end_offset, self._log_end))
         # the leader never had our latest epoch (KIP-279): cut to where the epoch it did have
-        # ends here, and ask again about what is left
-        _epoch, own_end = self.history.end_offset_for(answer.epoch, self._log_end)
-        if own_end == UNDEFINED:
-            own_end = self._log_end
+        # ends here (where our first later epoch starts: computed from the entries, whatever
+        # the cache answers for an epoch below its first), and ask again about what is left
+        own_end = next((entry.start_offset for entry in self.history.entries
+                        if entry.epoch > answer.epoch), self._log_end)
         action = self._truncate(min(answer.end_offset, own_end))
         if self.history.latest_epoch in (answer.epoch, UNDEFINED):
             self.state = FollowerState.FETCHING

@@ -368,6 +368,7 @@ async def follow(follower_log: FollowerLog, transport: ReplicaTransport, *,
     follower = follower_log.follower
     unreachable = Refused(ReplicaError.NOT_LEADER)
     while True:
+        await asyncio.sleep(0)  # an answer that came at once must not starve the loop
         follower_log.durable_changed.clear()
         step = follower.next_request()
         if step is None:

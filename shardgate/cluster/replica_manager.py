@@ -16,7 +16,8 @@ run one after the other, the latest placement winning.
 
 Every `tick_s` the leaders look at their followers' lag; an in-sync set change they propose
 goes to `propose` (the controller writes it in etcd; the leader applies it when the placement
-shows it). The lease deadline (`lease_deadline`) fences leaders that cannot prove their lease
+shows it; one the placement has not shown after `proposal_timeout_s` counts as refused, and
+the leader may propose again). The lease deadline (`lease_deadline`) fences leaders that cannot prove their lease
 is alive. Nothing here opens a socket: followers reach leaders through a `ReplicaTransport`.
 """
 
@@ -53,7 +54,7 @@ class Role:
 
 
 class _Shard:
-    __slots__ = ("log", "role", "wanted", "task", "follower_task", "changing")
+    __slots__ = ("log", "role", "wanted", "task", "follower_task", "changing", "proposed_at")
 
     def __init__(self, shard_log: ReplicatedShardLog) -> None:
         self.log = shard_log
@@ -62,6 +63,7 @@ class _Shard:
         self.task: asyncio.Task[None] | None = None
         self.follower_task: asyncio.Task[None] | None = None
         self.changing = False
+        self.proposed_at = math.inf
 
 
 class ReplicaManager:
@@ -77,6 +79,7 @@ class ReplicaManager:
         min_insync: Callable[[str], int],
         lag_time_max_s: float = 10.0,
         tick_s: float = 0.5,
+        proposal_timeout_s: float = 5.0,
         propose: Propose | None = None,
         lease_deadline: Callable[[], float] = lambda: math.inf,
         clock: Callable[[], float] = time.monotonic,
@@ -88,6 +91,7 @@ class ReplicaManager:
         self.min_insync = min_insync
         self.lag_time_max_s = lag_time_max_s
         self.tick_s = tick_s
+        self.proposal_timeout_s = proposal_timeout_s
         self.propose = propose
         self.lease_deadline = lease_deadline
         self.clock = clock
@@ -232,9 +236,15 @@ class ReplicaManager:
             if leader is None:
                 continue
             leader.renew_lease(deadline, now)
+            if leader.pending_proposal is None:
+                entry.proposed_at = math.inf
+            elif now - entry.proposed_at > self.proposal_timeout_s:
+                leader.proposal_failed()  # the controller did not write it
+                entry.proposed_at = math.inf
             entry.log.tick()
             proposal = leader.take_proposal()
             if proposal is not None and self.propose is not None:
+                entry.proposed_at = now
                 self.propose(stream, shard, proposal)
 
     async def close(self) -> None:

@@ -455,6 +455,8 @@ def snapshot(session: MqttSession, node_id: str, *, group_messages: bool = False
         "messages": messages, "inflight": inflight, "queued": queued,
         "qos2": sorted(session.inbound_qos2),
         **({"shared_inflight": shared_inflight} if shared_inflight else {}),
+        # the user who made it goes with it: another user's CONNECT does not get it anywhere
+        **({"owner": session.owner} if session.owned else {}),
     }
 
 
@@ -782,6 +784,9 @@ class SessionHandover:
         session = MqttSession(service, client_id, durable=True)
         session.expiry_interval = int(state.get("expiry", 0))
         session.disconnected_at_ms = state.get("disconnected_ms")
+        if "owner" in state:
+            owner = state["owner"]
+            session.owner, session.owned = None if owner is None else str(owner), True
         sub = session.subscription
         assert isinstance(sub, DurableSubscription)
         handed = self.placer.place(sub, state.get("cursors", []), state.get("messages", []),

@@ -41,13 +41,17 @@ from ..allocators import return_freed_memory
 from ..journal import JournalStorage, RecordBlock
 from . import compaction, layout, upgrade
 from .buffer import RecordBuffer, int64_array
-from .columns import build_table, encode_parquet, warm_up
+from .columns import RESERVED, build_table, encode_parquet, warm_up
 from .settings import ArchiveConfigError, ArchiveSettings, ArchiveUnavailable
+from .typed import TypedSchema
 
 log = logging.getLogger(__name__)
 
 StreamList = Callable[[], list[tuple[str, int, str]]]
 """What the archiver archives: (stream name, shard count, schema) of every reliable stream."""
+RegisteredSchema = Callable[[str], tuple[str, Any, int] | None]
+"""A stream's registered schema, if any: (type `json` or `avro`, the schema document, version);
+its fields become typed columns (`typed.py`)."""
 
 _AUTH_ERRORS = (
     "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "NoSuchBucket",
@@ -153,8 +157,11 @@ class Archiver:
         settings: ArchiveSettings | None = None,
         *,
         filesystem: AbstractFileSystem | None = None,
+        registered_schema: RegisteredSchema | None = None,
     ) -> None:
         self.journal = journal
+        self._registered_schema = registered_schema
+        self._typed: dict[str, TypedSchema] = {}
         self.url = url
         self.settings = settings or ArchiveSettings()
         fs, root = layout.open_filesystem(url, self.settings)
@@ -244,6 +251,26 @@ class Archiver:
                 errors += [f"{name}: {self._list_errors.get(name)}" for name in unknown]
                 raise ArchiveUnavailable("archive flush did not complete: " + "; ".join(errors))
             await asyncio.sleep(wait)
+
+    def _typed_for(self, stream: str) -> TypedSchema | None:
+        """The typed columns of `stream`'s latest registered schema (built once per version);
+        None without one, or when it cannot be mapped (logged; the file is then untyped)."""
+        if self._registered_schema is None:
+            return None
+        registered = self._registered_schema(stream)
+        if registered is None:
+            return None
+        kind, document, version = registered
+        typed = self._typed.get(stream)
+        if typed is None or typed.version != version or typed.kind != kind:
+            try:
+                typed = TypedSchema(kind, document, version, RESERVED)
+            except Exception as exc:  # noqa: BLE001 - an unmappable schema: archive untyped
+                log.warning("stream %s: schema version %d gives no typed columns: %s",
+                            stream, version, _describe(exc))
+                return None
+            self._typed[stream] = typed
+        return typed
 
     # -- what the rest of the broker asks -------------------------------------------------
 
@@ -616,7 +643,8 @@ class Archiver:
             else:
                 _forget(prebuilt)
                 table = await self._workers.run(
-                    build_table, state.stream, state.shard, state.schema, records
+                    build_table, state.stream, state.shard, state.schema, records,
+                    self._typed_for(state.stream), self.settings.keep_typed_payload,
                 )
             upload = asyncio.ensure_future(self._workers.run(
                 self._write_file, path, state.stream, state.shard, table, first, last
@@ -626,7 +654,8 @@ class Archiver:
                     await self._fill(state, shard_log)
                 if self._full(state):  # build the next file's table while this one uploads
                     state.prebuilt = (state.buffer, len(state.buffer), self._workers.run(
-                        build_table, state.stream, state.shard, state.schema, state.buffer
+                        build_table, state.stream, state.shard, state.schema, state.buffer,
+                        self._typed_for(state.stream), self.settings.keep_typed_payload,
                     ))
             size = await upload
             del table, prebuilt  # the built-ahead future held the table too

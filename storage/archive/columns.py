@@ -40,6 +40,7 @@ from ..interfaces import StoredRecord
 from ..journal import RecordBlock
 from .buffer import RecordBuffer
 from .decode import NATIVE_PROPERTIES, PAD_BYTES, decode_spans
+from .typed import TypedSchema
 
 FORMAT_VERSION = "3"
 """2 added the `native_properties` column (files of format 1 lack it); 3 dropped the `stream`
@@ -72,6 +73,8 @@ ARROW_SCHEMA = pa.schema([
 ])
 
 DECODED_COLUMN = {"string": "payload_string", "int64": "payload_int64", "json": "payload_json"}
+RESERVED = frozenset([*ARROW_SCHEMA.names, "stream", "date", "hour"])
+"""Column names a typed field cannot take (the archive's own and its partitions)."""
 
 
 def _as_text(payloads: pa.Array) -> pa.Array:
@@ -199,13 +202,18 @@ def _decode_columns(
 
 
 def build_table(
-    stream: str, shard: int, schema: str, records: Sequence[StoredRecord] | RecordBuffer
+    stream: str, shard: int, schema: str, records: Sequence[StoredRecord] | RecordBuffer,
+    typed: TypedSchema | None = None, keep_payload: bool = False,
 ) -> pa.Table:
     """The archive table of `records` (one shard, offset order): a `RecordBuffer` of journal
     blocks is decoded in bulk, with no Python object per record. The publish_time column is
     the journal record's timestamp, which is the message's publish time, so that the
     `date=/hour=` partition of a file and its rows always agree. Empty records (offsets
-    the journal skipped) have no row."""
+    the journal skipped) have no row.
+
+    With `typed` (the stream's registered schema), the payloads' fields are columns after the
+    archive's own, and the payload bytes of the rows they decoded from are not kept (unless
+    `keep_payload`): tiered replay rebuilds them (`records_from_table`)."""
     if isinstance(records, RecordBuffer):
         buffer, starts, ends, offsets, stamps = records.joined(pad=PAD_BYTES)
     else:
@@ -236,6 +244,13 @@ def build_table(
         decoded[DECODED_COLUMN[schema]] = _as_text(payloads)
     elif schema == "int64":
         decoded["payload_int64"] = _as_int64(payloads)
+    typed_arrays: list[pa.Array] = []
+    if typed is not None:
+        typed_arrays, decodable = typed.columns(payloads.to_pylist())
+        decoded["payload_json"] = pa.nulls(count, pa.string())  # the typed columns hold it
+        if not keep_payload:
+            payloads = pc.if_else(pa.array(decodable, pa.bool_()), pa.nulls(count, pa.binary()),
+                                  payloads)
     arrays = [
         pa.repeat(pa.scalar(shard, pa.int32()), count),
         offsets,
@@ -258,7 +273,10 @@ def build_table(
         decoded["payload_json"],
         columns["native_properties"],
     ]
-    return pa.Table.from_arrays(arrays, schema=ARROW_SCHEMA)
+    if typed is None:
+        return pa.Table.from_arrays(arrays, schema=ARROW_SCHEMA)
+    table_schema = pa.schema([*ARROW_SCHEMA, *typed.fields], metadata=typed.metadata())
+    return pa.Table.from_arrays([*arrays, *typed_arrays], schema=table_schema)
 
 
 def _decode_lists(records: Sequence[StoredRecord]) -> dict[str, pa.Array]:
@@ -296,8 +314,10 @@ def encode_parquet(
 ) -> bytes:
     """The whole Parquet file (zstd) as bytes, ready for one atomic upload."""
     if metadata:
+        kept = {key.decode(): value.decode() for key, value in (table.schema.metadata or {}).items()
+                if key.startswith(b"shardgate.schema.")}
         table = table.replace_schema_metadata(
-            {**{"shardgate.archive.format": FORMAT_VERSION}, **metadata}
+            {**kept, "shardgate.archive.format": FORMAT_VERSION, **metadata}
         )
     sink = pa.BufferOutputStream()  # an Arrow sink: no Python call (and GIL) per page written
     pq.write_table(
@@ -321,6 +341,13 @@ def records_from_table(table: pa.Table) -> list[StoredRecord]:
     )
     times = table.column("publish_time").cast(pa.int64()).to_pylist()
     expiries = table.column("expires_at").cast(pa.int64()).to_pylist()
+    typed = TypedSchema.from_metadata(table.schema.metadata or {}, RESERVED)
+    if typed is not None and None in columns["payload"]:
+        typed_rows = table.select([f.name for f in typed.fields]).to_pylist()
+        columns["payload"] = [
+            payload if payload is not None else typed.encode(typed_rows[i])
+            for i, payload in enumerate(columns["payload"])
+        ]
     out: list[StoredRecord] = []
     for i, offset in enumerate(columns["offset"]):
         message = MessageRecord(

@@ -96,14 +96,19 @@ def hour_end_ms(directory: str) -> int | None:
     return (calendar.timegm((year, month, day, hour, 0, 0)) + 3600) * 1000
 
 
-def plan(files: list[layout.ArchiveFile], target_bytes: int) -> list[list[layout.ArchiveFile]]:
+def plan(files: list[layout.ArchiveFile], target_bytes: int,
+         versions: list[bytes | None] | None = None) -> list[list[layout.ArchiveFile]]:
     """Runs of consecutive files (offset order) to merge: at least two each, their sizes
-    adding up to at most `target_bytes`; a file of the target size or more stays alone."""
+    adding up to at most `target_bytes`, of one schema version each (`versions`, per file: a
+    file's rows are rebuilt into payloads with the schema in its footer); a file of the target
+    size or more stays alone."""
     runs: list[list[layout.ArchiveFile]] = []
     current: list[layout.ArchiveFile] = []
     size = 0
-    for entry in files:
-        if current and (size + entry.size > target_bytes or entry.size >= target_bytes):
+    for index, entry in enumerate(files):
+        other_version = bool(current) and versions is not None and versions[index] != versions[index - 1]
+        if current and (size + entry.size > target_bytes or entry.size >= target_bytes
+                        or other_version):
             if len(current) > 1:
                 runs.append(current)
             current, size = [], 0
@@ -114,6 +119,15 @@ def plan(files: list[layout.ArchiveFile], target_bytes: int) -> list[list[layout
     if len(current) > 1:
         runs.append(current)
     return runs
+
+
+def schema_versions(files: list[layout.ArchiveFile]) -> list[bytes | None]:
+    """The registered schema version in each file's footer (None: an untyped file)."""
+    out = []
+    for entry in files:
+        metadata = pq.read_metadata(entry.path).metadata or {}
+        out.append(metadata.get(b"shardgate.schema.version"))
+    return out
 
 
 def shard_directories(files: Iterable[layout.ArchiveFile]) -> dict[str, list[layout.ArchiveFile]]:
@@ -149,7 +163,9 @@ def compact_directory(root: str, stream: str, directory: str,
                       compression_level: int = 3, row_group_rows: int = 64 * 1024) -> int:
     """Merge the small files of one shard directory (see the module docstring); returns how
     many files were replaced (0: nothing to do)."""
-    runs = plan(files, target_bytes)
+    if not plan(files, target_bytes):
+        return 0
+    runs = plan(files, target_bytes, schema_versions(files))
     if not runs:
         return 0
     staging = staging_root(root)

@@ -41,6 +41,10 @@ class ArchiveSettings:
     compression_level: int = 3
     """zstd level."""
     row_group_rows: int = 64 * 1024
+    keep_typed_payload: bool = False
+    """A stream with a registered schema is archived as typed columns; also keep each
+    payload's bytes (tiered replay then gives the exact bytes back; without them it rebuilds
+    them: exact for Avro, the same JSON document, compact, for JSON Schema)."""
     compaction: bool = True
     """Merge a shard's small files of an hour into files of `file_target_bytes` (local disks;
     see `compaction.py`)."""

@@ -94,6 +94,8 @@ class GroupCommitter:
         self.policy = config.fsync
         # the open files of the journal's shard logs, at most `max_open_files` (`handles.py`)
         self.files = OpenFiles(config.max_open_files)
+        # why every shard log refuses appends now (the disk alarm), or None
+        self.refusing: str | None = None
         self.interval = config.fsync_interval_ms / 1000
         self.stats = CommitStats()
         self._logs: dict[JournalShardLog, None] = {}

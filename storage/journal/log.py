@@ -232,6 +232,9 @@ class JournalShardLog:
             raise StorageFull(f"{self.directory}: unusable until reopened: {self._broken}")
         if not records:
             return self._next
+        refusing = self._committer.refusing
+        if refusing is not None:
+            raise StorageFull(refusing)
         if self._hole_from is not None:
             self._fill_hole(records[0][0])
         first = self._frame(records)

@@ -182,6 +182,11 @@ class JournalStorage:
         """Wait until everything appended to any shard so far is durable."""
         await self._committer.flush()
 
+    def refuse_appends(self, reason: str | None) -> None:
+        """Refuse every append (StorageFull with `reason`) until called with None: the node's
+        disk is nearly full (`shardgate.resources`)."""
+        self._committer.refusing = reason
+
     def flush_sync(self) -> None:
         """Write and fsync everything appended so far, synchronously (no event loop needed)."""
         self._committer.flush_sync()

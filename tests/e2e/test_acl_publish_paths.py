@@ -8,12 +8,15 @@ Users and rules as the README sets them up: a users file and `acl.toml` in the d
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+import pika
+import pika.exceptions
 import pytest
 from shardgate.protocols.mqtt import packets as p
 
 from shardgate.security.auth import User, hash_password, install_security, save_users
-from tests.conftest import ThreadedBroker
+from tests.conftest import ThreadedBroker, free_port, wait_for
 from tests.mqtt_clients import V5, V311, Paho, RawClient
 
 USERS = {"mallory": "mallory-pw", "carol": "carol-pw", "watcher": "watcher-pw"}
@@ -22,6 +25,11 @@ ACL = """
 user = "mallory"                     # may publish only under public/ and hold delayed messages
 actions = ["publish", "subscribe"]
 topics = ["public/#", "$delayed/#", "$amqp/#", "amq-topic-ok/#"]
+
+[[deny]]
+user = "mallory"
+actions = ["publish"]
+topics = ["$amqp/locked/#"]
 
 [[allow]]
 user = "carol"                       # may also publish what she delays
@@ -37,7 +45,7 @@ topics = ["#", "$SYS/#"]
 
 @pytest.fixture
 def secured(broker_factory: Callable[..., ThreadedBroker]) -> ThreadedBroker:
-    broker = broker_factory()
+    broker = broker_factory(listeners={"amqp_port": free_port()})
     data_dir = broker.config.data_dir
     save_users(data_dir / "users.json", {
         name: User(name, hash_password(password)) for name, password in USERS.items()})
@@ -130,3 +138,85 @@ def test_delayed_publish_needs_the_right_to_publish_its_release_topic(
     assert (message.topic, message.payload) == ("secret/ok", b"released")
     for client in (watcher, mallory, carol):
         client.disconnect()
+
+
+# ---------------------------------------------------------------------------- item 3: AMQP
+def amqp_channel(broker: ThreadedBroker, user: str = "mallory") -> tuple[pika.BlockingConnection, Any]:
+    connection = pika.BlockingConnection(pika.ConnectionParameters(
+        "127.0.0.1", broker.app.port("amqp"), credentials=pika.PlainCredentials(user, USERS[user]),
+        connection_attempts=1, socket_timeout=30, stack_timeout=30))
+    return connection, connection.channel()
+
+
+@pytest.mark.parametrize(("arguments", "what"), [
+    ({"x-dead-letter-exchange": "amq.topic", "x-dead-letter-routing-key": "secret.dlx"}, "queue"),
+    ({"x-dead-letter-exchange": "locked"}, "queue"),
+    ({"alternate-exchange": "locked"}, "exchange"),
+])
+def test_declaring_a_dead_letter_or_alternate_exchange_needs_write_access(
+        secured: ThreadedBroker, arguments: dict[str, Any], what: str) -> None:
+    connection, channel = amqp_channel(secured)
+    channel.exchange_declare("locked", "fanout")  # declaring is not writing
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as refused:
+        if what == "queue":
+            channel.queue_declare("dl-refused", arguments=arguments)
+        else:
+            channel.exchange_declare("ae-refused", "direct", arguments=arguments)
+    assert refused.value.reply_code == 403
+    assert "ACCESS_REFUSED" in refused.value.reply_text
+    channel = connection.channel()
+    if what == "queue":
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as missing:
+            channel.queue_declare("dl-refused", passive=True)
+    else:
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as missing:
+            channel.exchange_declare("ae-refused", passive=True)
+    assert missing.value.reply_code == 404  # nothing was declared
+    connection.close()
+
+
+@pytest.mark.parametrize("how", ["ttl", "reject"])
+def test_dead_lettering_publishes_only_where_the_declaring_user_may(
+        secured: ThreadedBroker, how: str) -> None:
+    watcher = watch(secured.mqtt_port, "secret/#")
+    allowed = watch(secured.mqtt_port, "amq-topic-ok/#")
+    connection, channel = amqp_channel(secured)
+    ttl = {"x-message-ttl": 0} if how == "ttl" else {}
+    # no dead-letter routing key: the message's own key (the queue's name) decides, so the
+    # dead-letter topic is known only when a message dies, and it is checked then
+    for queue in ("secret.dl", "amq-topic-ok.dl"):
+        channel.queue_declare(queue, arguments={"x-dead-letter-exchange": "amq.topic", **ttl})
+        channel.basic_publish("", queue, f"died in {queue}".encode())
+        if how == "reject":
+            def got(name: str = queue) -> Any:
+                return channel.basic_get(name)[0]
+            method = wait_for(got, timeout=30)
+            channel.basic_reject(method.delivery_tag, requeue=False)
+    # allowed: amq-topic-ok/dl receives its dead letter ...
+    message = allowed.expect()
+    assert (message.topic, message.payload) == ("amq-topic-ok/dl", b"died in amq-topic-ok.dl")
+    # ... and nothing reached secret/ before a marker published after both died
+    watcher.publish("secret/marker", b"marker", qos=1)
+    first = watcher.expect()
+    assert (first.topic, first.payload) == ("secret/marker", b"marker")
+    connection.close()
+    watcher.disconnect()
+    allowed.disconnect()
+
+
+def test_alternate_exchange_routes_only_where_the_publisher_may(secured: ThreadedBroker) -> None:
+    watcher = watch(secured.mqtt_port, "secret/#")
+    allowed = watch(secured.mqtt_port, "amq-topic-ok/#")
+    connection, channel = amqp_channel(secured)
+    channel.exchange_declare("with-ae", "direct", arguments={"alternate-exchange": "amq.topic"})
+    channel.confirm_delivery()
+    channel.basic_publish("with-ae", "secret.ae", b"smuggled")
+    channel.basic_publish("with-ae", "amq-topic-ok.ae", b"through the alternate")
+    message = allowed.expect()
+    assert (message.topic, message.payload) == ("amq-topic-ok/ae", b"through the alternate")
+    watcher.publish("secret/marker", b"marker", qos=1)
+    first = watcher.expect()
+    assert (first.topic, first.payload) == ("secret/marker", b"marker")
+    connection.close()
+    watcher.disconnect()
+    allowed.disconnect()

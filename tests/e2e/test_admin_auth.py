@@ -21,6 +21,8 @@ from tests.conftest import ThreadedBroker, free_port, make_config
 
 def get(url: str, user: str | None = None, password: str = "", method: str = "GET") -> tuple[int, dict, bytes]:
     request = urllib.request.Request(url, method=method)
+    if method not in ("GET", "HEAD"):
+        request.add_header("X-Requested-With", "test")  # what the API wants of a change
     if user is not None:
         token = base64.b64encode(f"{user}:{password}".encode()).decode()
         request.add_header("Authorization", f"Basic {token}")

@@ -30,6 +30,8 @@ class Node:
 
     def request(self, method: str, path: str) -> tuple[int, dict[str, str], Any]:
         request = urllib.request.Request(self.url + path, method=method)
+        if method not in ("GET", "HEAD"):
+            request.add_header("X-Requested-With", "test")  # what the API wants of a change
         try:
             with urllib.request.urlopen(request, timeout=10) as response:
                 status, headers, body = response.status, dict(response.headers), response.read()

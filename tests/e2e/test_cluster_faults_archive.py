@@ -27,7 +27,8 @@ from tests.mqtt_clients import RawClient
 
 def flush(node: ClusterNodeProcess) -> None:
     request = urllib.request.Request(f"http://127.0.0.1:{node.ports['http']}/api/archive/flush",
-                                     method="POST", data=b"")
+                                     method="POST", data=b"{}",
+                                     headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=150) as reply:
         json.loads(reply.read())
 

@@ -139,11 +139,11 @@ async def test_the_next_files_table_is_built_while_a_file_uploads(
         second_build = threading.Event()
         real_build = archiver_module.build_table
 
-        def build_table(stream: str, shard: int, schema: str, records: Any) -> Any:
+        def build_table(stream: str, shard: int, schema: str, records: Any, *rest: Any) -> Any:
             builds.append(records[0].offset)
             if len(builds) == 2:
                 second_build.set()
-            return real_build(stream, shard, schema, records)
+            return real_build(stream, shard, schema, records, *rest)
 
         monkeypatch.setattr(archiver_module, "build_table", build_table)
         root = tmp_path / "archive"

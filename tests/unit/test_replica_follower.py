@@ -157,3 +157,13 @@ def test_a_log_behind_the_leaders_retention_starts_again_at_the_leaders_start() 
     assert replica.on_fetch(Refused(ReplicaError.BEHIND_LOG_START, 50)) == ResetLog(50)
     assert (replica.log_end, replica.durable_end, len(replica.history)) == (50, 50, 0)
     assert replica.next_request() == FetchRequest("b", 5, 50, 50)
+
+
+def test_epochs_below_the_answer_are_cut_where_the_followers_first_later_epoch_starts() -> None:
+    # b knows only epoch 3 (from offset 10); the leader's largest epoch at or below 3 is 2,
+    # ending at 12: everything b wrote in epoch 3 goes, whatever its cache says of epoch 2
+    replica = follower((3, 10), log_end=14, hw=10)
+    assert replica.next_request() == EpochEndRequest("b", 5, 3)
+    assert replica.on_epoch_end(EpochEndAnswer(2, 12)) == Truncate(10)
+    assert replica.state is FollowerState.FETCHING
+    assert replica.next_request() == FetchRequest("b", 5, 10, 10)

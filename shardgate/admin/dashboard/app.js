@@ -221,7 +221,11 @@ async function kick(button, client) {
   const status = $("kick-status");
   try {
     const path = `/api/clients/${encodeURIComponent(client.protocol)}/${encodeURIComponent(client.client_id)}`;
-    const response = await fetch(path, { method: "DELETE", headers: { Accept: "application/json" } });
+    // A change: sent with X-Requested-With, which the admin API requires of every change (a
+    // page of another origin cannot send it without a CORS preflight the API never grants).
+    const response = await fetch(path, {
+      method: "DELETE", headers: { Accept: "application/json", "X-Requested-With": "shardgate-dashboard" },
+    });
     const body = await response.json().catch(() => ({}));
     if (!response.ok) throw new Error(body.error || `${response.status} ${response.statusText}`);
     status.textContent = `Kicked ${client.protocol} client ${client.client_id}`;

@@ -1,0 +1,239 @@
+"""Typed columns: the archive of a stream with a registered schema (a JSON Schema or an Avro
+schema) holds one column per field of its payloads, so that queries filter on them with
+Parquet statistics and pushdown instead of parsing a payload per row.
+
+`TypedSchema` maps the registered schema onto Arrow: objects and records become structs,
+arrays lists, Avro maps maps; JSON `integer` is int64, `number` float64; a field that may hold
+several types (other than null) is kept as its JSON text. Every typed column is nullable, so a
+later schema version that adds fields only adds columns (Spark `mergeSchema`, pyarrow
+`unify_schemas`). A field whose name is an archive column (`offset`, `topic`, ...) is stored
+as `value_<name>`.
+
+`TypedSchema.columns` decodes the payloads of a file into those columns; a payload that does
+not decode (published before the schema was registered) has nulls there and keeps its bytes.
+`TypedSchema.encode` turns a row's typed values back into a payload for tiered replay when the
+bytes were not kept: byte for byte for Avro (its binary encoding has one form per datum), the
+same document in compact JSON for JSON Schema. This module knows no broker type.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+_JSON_SCALARS = {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(),
+                 "boolean": pa.bool_()}
+_AVRO_SCALARS = {"string": pa.string(), "int": pa.int32(), "long": pa.int64(),
+                 "float": pa.float32(), "double": pa.float64(), "boolean": pa.bool_(),
+                 "bytes": pa.binary(), "enum": pa.string()}
+_TEXT = pa.string()
+"""A value of several types, kept as its JSON text."""
+
+
+def json_arrow_type(schema: Any) -> tuple[pa.DataType, bool]:
+    """(Arrow type, whether values are kept as JSON text) of a JSON Schema."""
+    if not isinstance(schema, dict):
+        return _TEXT, True
+    declared = schema.get("type")
+    kinds = [declared] if isinstance(declared, str) else list(declared or ())
+    kinds = [kind for kind in kinds if kind != "null"]
+    if not kinds:
+        if "properties" in schema:
+            kinds = ["object"]
+        elif "items" in schema:
+            kinds = ["array"]
+    if kinds == ["integer", "number"] or kinds == ["number", "integer"]:
+        kinds = ["number"]
+    if len(kinds) != 1:
+        return _TEXT, True
+    kind = kinds[0]
+    if kind in _JSON_SCALARS:
+        return _JSON_SCALARS[kind], False
+    if kind == "object" and schema.get("properties"):
+        fields = []
+        for name, sub in schema["properties"].items():
+            sub_type, text = json_arrow_type(sub)
+            if text:
+                return _TEXT, True  # nested free-form values: the object as text
+            fields.append(pa.field(name, sub_type))
+        return pa.struct(fields), False
+    if kind == "array" and isinstance(schema.get("items"), dict):
+        item, text = json_arrow_type(schema["items"])
+        return (pa.list_(item), False) if not text else (_TEXT, True)
+    return _TEXT, True
+
+
+def avro_arrow_type(schema: Any) -> tuple[pa.DataType, bool]:
+    """(Arrow type, whether values are kept as JSON text) of a parsed Avro schema."""
+    if isinstance(schema, list):
+        branches = [b for b in schema if b != "null"]
+        return avro_arrow_type(branches[0]) if len(branches) == 1 else (_TEXT, True)
+    if isinstance(schema, str):
+        return (_AVRO_SCALARS[schema], False) if schema in _AVRO_SCALARS else (_TEXT, True)
+    kind = schema.get("type")
+    logical = schema.get("logicalType")
+    if logical == "timestamp-millis":
+        return pa.timestamp("ms", tz="UTC"), False
+    if logical == "timestamp-micros":
+        return pa.timestamp("us", tz="UTC"), False
+    if isinstance(kind, dict | list):
+        return avro_arrow_type(kind)
+    if kind == "record":
+        fields = []
+        for entry in schema["fields"]:
+            sub_type, text = avro_arrow_type(entry["type"])
+            if text:
+                return _TEXT, True
+            fields.append(pa.field(entry["name"], sub_type))
+        return pa.struct(fields), False
+    if kind == "array":
+        item, text = avro_arrow_type(schema["items"])
+        return (pa.list_(item), False) if not text else (_TEXT, True)
+    if kind == "map":
+        value, text = avro_arrow_type(schema["values"])
+        return (pa.map_(pa.string(), value), False) if not text else (_TEXT, True)
+    if kind == "fixed":
+        return pa.binary(), False
+    if kind in _AVRO_SCALARS:
+        return _AVRO_SCALARS[kind], False
+    return _TEXT, True
+
+
+@dataclass(slots=True)
+class TypedSchema:
+    """The typed columns of one stream's registered schema (see the module docstring)."""
+
+    kind: str
+    """`json` or `avro`."""
+    document: Any
+    version: int
+    reserved: frozenset[str] = frozenset()
+    """Names of the archive's own columns (a field of that name gets the `value_` prefix)."""
+    fields: list[pa.Field] = field(default_factory=list)
+    text_fields: set[str] = field(default_factory=set)
+    """Fields kept as JSON text (several types allowed)."""
+    names: dict[str, str] = field(default_factory=dict)
+    """Field name → column name."""
+    _parsed: Any = None
+
+    def __post_init__(self) -> None:
+        if self.kind == "avro":
+            import fastavro
+
+            self._parsed = fastavro.parse_schema(self.document)
+            expanded = fastavro.parse_schema(self.document, expand=True, _write_hint=False)
+            if isinstance(expanded, dict) and expanded.get("type") == "record":
+                top = [(f["name"], avro_arrow_type(f["type"])) for f in expanded["fields"]]
+            else:
+                top = [("value", avro_arrow_type(expanded))]
+        else:
+            properties = self.document.get("properties") if isinstance(self.document, dict) else None
+            if properties:
+                top = [(name, json_arrow_type(sub)) for name, sub in properties.items()]
+            else:
+                top = [("value", json_arrow_type(self.document))]
+        for name, (arrow_type, text) in top:
+            column = f"value_{name}" if name in self.reserved else name
+            self.names[name] = column
+            self.fields.append(pa.field(column, arrow_type, nullable=True))
+            if text:
+                self.text_fields.add(name)
+
+    @property
+    def whole_value(self) -> bool:
+        """The payload is not an object or record: one `value` column holds it."""
+        return list(self.names) == ["value"] and not self._has_top_fields()
+
+    def _has_top_fields(self) -> bool:
+        if self.kind == "avro":
+            return isinstance(self.document, dict) and self.document.get("type") == "record"
+        return isinstance(self.document, dict) and bool(self.document.get("properties"))
+
+    def decode(self, payload: bytes) -> Any:
+        if self.kind == "avro":
+            import fastavro
+
+            source = io.BytesIO(payload)
+            value = fastavro.schemaless_reader(source, self._parsed, None)
+            if source.tell() != len(payload):
+                raise ValueError("bytes after the Avro datum")
+            return value
+        return json.loads(payload)
+
+    def _row(self, value: Any) -> dict[str, Any]:
+        if self.whole_value:
+            value = {"value": value}
+        if not isinstance(value, dict):
+            raise ValueError("not an object")
+        row = {}
+        for name, column in self.names.items():
+            item = value.get(name)
+            if name in self.text_fields and item is not None:
+                item = json.dumps(item, separators=(",", ":"), sort_keys=True)
+            row[column] = item
+        return row
+
+    def columns(self, payloads: list[bytes | None]) -> tuple[list[pa.Array], list[bool]]:
+        """The typed columns of `payloads`, and per payload whether it decoded (a payload that
+        did not has nulls in every typed column)."""
+        struct = pa.struct(self.fields)
+        rows: list[dict[str, Any] | None] = []
+        decoded: list[bool] = []
+        for payload in payloads:
+            try:
+                rows.append(self._row(self.decode(payload)) if payload is not None else None)
+                decoded.append(payload is not None)
+            except Exception:  # noqa: BLE001 - any payload the schema does not read
+                rows.append(None)
+                decoded.append(False)
+        try:
+            array = pa.array(rows, struct)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, ValueError):
+            checked = []
+            for index, row in enumerate(rows):
+                try:
+                    pa.array([row], struct)
+                    checked.append(row)
+                except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, ValueError):
+                    checked.append(None)
+                    decoded[index] = False
+            array = pa.array(checked, struct)
+        return array.flatten(), decoded  # a null row is null in every column
+
+    def encode(self, row: dict[str, Any]) -> bytes:
+        """A payload from a row's typed values (tiered replay of a file without payloads)."""
+        value: dict[str, Any] = {}
+        for name, column in self.names.items():
+            item = row.get(column)
+            if name in self.text_fields and item is not None:
+                item = json.loads(item)
+            value[name] = item
+        datum: Any = value["value"] if self.whole_value else value
+        if self.kind == "avro":
+            import fastavro
+
+            out = io.BytesIO()
+            fastavro.schemaless_writer(out, self._parsed, datum)
+            return out.getvalue()
+        if isinstance(datum, dict):
+            datum = {k: v for k, v in datum.items() if v is not None}
+        return json.dumps(datum, separators=(",", ":")).encode()
+
+    def metadata(self) -> dict[str, str]:
+        """The file footer entries that let a reader rebuild payloads from this file."""
+        return {"shardgate.schema.type": self.kind,
+                "shardgate.schema.version": str(self.version),
+                "shardgate.schema.definition": json.dumps(self.document, sort_keys=True)}
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[bytes, bytes], reserved: frozenset[str]
+                      ) -> TypedSchema | None:
+        kind = metadata.get(b"shardgate.schema.type")
+        if kind is None:
+            return None
+        return cls(kind.decode(), json.loads(metadata[b"shardgate.schema.definition"]),
+                   int(metadata[b"shardgate.schema.version"]), reserved)
