@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SWEEP_S = 0.05
+# The unacknowledged bytes (one pass over every channel's deliveries) are summed every this
+# many sweeps (once a second), the ready bytes every sweep.
+UNACKED_SWEEPS = 20
 REFUSED = (
     "Login was refused using authentication mechanism PLAIN or AMQPLAIN. "
     "For details see the broker logfile."
@@ -62,6 +65,8 @@ class AmqpService:
         # the alarms raised: "queues" (ready bytes of this service's queues), "memory" (the
         # process's resident memory, `shardgate.resources`)
         self._alarms: set[str] = set()
+        self._sweeps = 0
+        self._unacked_bytes = 0
         self.connections: set[ConnectionBase] = set()
         # Direct reply-to: token -> the channel whose reply consumer it names.
         self.reply_channels: dict[str, AmqpChannel] = {}
@@ -202,11 +207,23 @@ class AmqpService:
     def ready_bytes(self) -> int:
         return sum(q.ready_bytes for vhost in self.vhosts.values() for q in vhost.queues.values())
 
+    def unacked_bytes(self) -> int:
+        """Payload bytes delivered and not acknowledged yet: they stay in memory until settled
+        (700 deliveries of 1 MB with prefetch 0 held 700 MB the watermark did not count)."""
+        return sum(len(delivery.entry.message.payload)
+                   for connection in self.connections
+                   for channel in connection.channels.values()
+                   for delivery in channel.unacked.values())
+
     def _check_memory(self) -> None:
         high = self.settings.memory_high_watermark
-        held = self.ready_bytes()
+        self._sweeps += 1
+        if self._sweeps % UNACKED_SWEEPS == 0:
+            self._unacked_bytes = self.unacked_bytes()
+        held = self.ready_bytes() + self._unacked_bytes
         if "queues" not in self._alarms and held > high:
-            log.warning("AMQP memory alarm: %d bytes of ready messages; blocking publishers", held)
+            log.warning("AMQP memory alarm: %d bytes of ready and unacknowledged messages; "
+                        "blocking publishers", held)
             self.resource_alarm("queues", True)
         elif "queues" in self._alarms and held <= high // 2:
             log.info("AMQP memory alarm cleared (%d bytes); unblocking publishers", held)

@@ -29,6 +29,7 @@ class AmqpSettings:
     max_outbound_buffer: int = 4 * 1024 * 1024
     # Memory alarm: when the ready messages of all queues hold more payload bytes than this,
     # publishing connections are blocked (connection.blocked) until they drop below half of it.
+    # (Ready and delivered but unacknowledged messages both count.)
     memory_high_watermark: int = 512 * 1024 * 1024
     # Largest message body accepted on publish.
     max_message_size: int = 128 * 1024 * 1024
