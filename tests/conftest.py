@@ -25,6 +25,12 @@ from shardgate.config import Config, load_config
 # own copy of this conftest and the tests' `tests.conftest` import share.
 from tests.child_processes import end_process, track_process, tracked_processes
 from tests.local_ports import free_port
+from tests.parallel import (  # noqa: F401  (hooks: marks, groups and orders the tests for xdist)
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_xdist_auto_num_workers,
+)
 
 __all__ = ["end_process", "free_port", "track_process", "wait_for"]
 
@@ -177,24 +183,30 @@ class BrokerProcess:
 
     # A port taken by another socket is waited for this long (same ports) before failing.
     PORT_IN_USE_TIMEOUT = 30.0
+    # How long a start may take until the port file is written (the interpreter's and the
+    # broker's imports: a few seconds alone, far more while the parallel workers start theirs).
+    START_TIMEOUT = 60.0
 
     def start(self, mqtt_port: int | None = None) -> BrokerProcess:
         """Start `shardgate serve` and wait for its port file. A restart keeps the ports it
         had (clients come back to the same address). If a port is in use (a socket of the
         killed process not yet released, or another process), the start is retried with the
-        same ports until PORT_IN_USE_TIMEOUT."""
+        same ports until PORT_IN_USE_TIMEOUT after the first refusal (a start itself can take
+        long on a loaded machine)."""
         port = mqtt_port or self.ports.get("mqtt") or free_port()
-        deadline = time.monotonic() + self.PORT_IN_USE_TIMEOUT
+        deadline: float | None = None
         while True:
             try:
                 return self._start_once(port)  # any other failure is raised as it is
             except PortInUse:
-                if time.monotonic() > deadline:
+                if deadline is None:
+                    deadline = time.monotonic() + self.PORT_IN_USE_TIMEOUT
+                elif time.monotonic() > deadline:
                     raise
             # start again as soon as every port can be bound (polled; then one last try)
+            left = deadline - time.monotonic()
             with contextlib.suppress(AssertionError):
-                wait_for(lambda: self._ports_bindable(port),
-                         timeout=max(0.1, deadline - time.monotonic()), interval=0.05)
+                wait_for(lambda: self._ports_bindable(port), timeout=max(0.1, left), interval=0.05)
 
     def _ports_bindable(self, mqtt_port: int) -> bool:
         """Whether every fixed port this broker is given can be bound now."""
@@ -240,7 +252,7 @@ class BrokerProcess:
             return port_file.exists()
 
         try:
-            wait_for(ready, timeout=30)
+            wait_for(ready, timeout=self.START_TIMEOUT)
         except AssertionError:
             end_process(self.proc)  # one that never came up is not left running
             raise

@@ -24,6 +24,22 @@ EPHEMERAL_LOW, EPHEMERAL_HIGH = _ephemeral_range()
 # broker's restart) no other socket on the machine can take one, except another test that
 # picked the same port on purpose, which the random pick and the bind check make rare.
 _PICK_LOW, _PICK_HIGH = (16384, EPHEMERAL_LOW - 1) if EPHEMERAL_LOW > 20000 else (0, 0)
+
+
+def _worker_slice(low: int, high: int) -> tuple[int, int]:
+    """The part of [low, high] for this pytest-xdist worker (`gw<N>` of PYTEST_XDIST_WORKER_COUNT,
+    which xdist sets in each worker): workers never pick each other's ports. The whole range
+    outside xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if not (high and worker.startswith("gw") and worker[2:].isdigit() and count > 1):
+        return low, high
+    size = (high - low + 1) // count
+    index = int(worker[2:]) % count
+    return low + index * size, low + (index + 1) * size - 1
+
+
+_PICK_LOW, _PICK_HIGH = _worker_slice(_PICK_LOW, _PICK_HIGH)
 _picker = random.Random(os.getpid() ^ time.monotonic_ns())
 _handed_out: set[int] = set()
 

@@ -19,7 +19,10 @@ def test_the_topic_read_alone_is_the_one_decode_finds(topic: str) -> None:
     assert record_topic(memoryview(data)) == topic
 
 
-@pytest.mark.parametrize("data", [b"", b"\x02\x00", b"\x07" + bytes(20), encode_message(Message("abc", b""))[:15]])
+@pytest.mark.parametrize(
+    "data", [b"", b"\x02\x00", b"\x07" + bytes(20), encode_message(Message("abc", b""))[:15]],
+    ids=["empty", "short-header", "unknown-version", "truncated-topic"])  # (the last holds the
+    # time it was made: an id made from it would differ between xdist workers)
 def test_a_malformed_record_is_a_record_format_error(data: bytes) -> None:
     with pytest.raises(RecordFormatError):
         record_topic(data)
