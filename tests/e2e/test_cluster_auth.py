@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from shardgate.protocols.mqtt import packets as p
 
 from shardgate.cluster.control import ClusterNode
@@ -27,6 +28,11 @@ from tests.e2e.auth_probes import (
 )
 from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer
 from tests.mqtt_clients import RawClient
+
+# The login guard delays each wrong password from one address (0.25 s doubling to 5 s), and these
+# tests knock from 127.0.0.1 on every protocol while a node starts: they take longer than the
+# suite's default 120 s on a loaded machine.
+pytestmark = pytest.mark.timeout(400)
 
 Cluster = Callable[..., list[ClusterNodeProcess]]
 
