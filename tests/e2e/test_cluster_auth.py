@@ -26,7 +26,7 @@ from tests.e2e.auth_probes import (
     grpc_attempt,
     mqtt_attempt,
 )
-from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer
+from tests.e2e.cluster_fixtures import CLUSTER_SECRET, ClusterNodeProcess, EtcdServer
 from tests.mqtt_clients import RawClient
 
 # The login guard delays each wrong password from one address (0.25 s doubling to 5 s), and these
@@ -147,7 +147,8 @@ async def test_users_changed_between_reading_the_catalog_and_joining_reach_the_n
     """A node reads the users from etcd before it listens and starts watching only once it has
     joined (after its listeners are up): a change another node makes in between is applied at
     join, not left until the next change."""
-    settings = ClusterSettings(etcd=etcd.url, name="gap", lease_ttl_s=3, connect_timeout_s=5)
+    settings = ClusterSettings(etcd=etcd.url, name="gap", lease_ttl_s=3, connect_timeout_s=5,
+                               secret=CLUSTER_SECRET)
     node = ClusterNode(settings, "n1", tmp_path / "n1")
     await node.connect()
     users_file = tmp_path / "n1" / "users.json"

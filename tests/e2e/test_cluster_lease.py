@@ -17,7 +17,7 @@ from aetcd import rpc
 
 from shardgate.cluster.control import ClusterNode
 from shardgate.cluster.settings import ClusterSettings
-from tests.e2e.cluster_fixtures import EtcdServer
+from tests.e2e.cluster_fixtures import CLUSTER_SECRET, EtcdServer
 
 TTL_S = 2
 
@@ -31,7 +31,8 @@ def lease_ttl_in_etcd(etcd: EtcdServer, lease_id: int) -> int:
 
 
 async def joined_node(tmp_path: Path, etcd: EtcdServer) -> ClusterNode:
-    settings = ClusterSettings(etcd=etcd.url, name="lease", lease_ttl_s=TTL_S, connect_timeout_s=5)
+    settings = ClusterSettings(etcd=etcd.url, name="lease", lease_ttl_s=TTL_S, connect_timeout_s=5,
+                               secret=CLUSTER_SECRET)
     node = ClusterNode(settings, "n1", tmp_path / "n1")
     await node.connect()
     await node.join("127.0.0.1:1", {})
