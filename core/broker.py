@@ -25,6 +25,7 @@ from ..storage.interfaces import (
     ShardStorage,
     StorageError,
     StorageFull,
+    StorageUnavailable,
 )
 from .backpressure import BackPressure
 from .delayed import DelayedDelivery, Held, deliver_at
@@ -32,6 +33,7 @@ from .durable import CursorSink, DurableOptions, DurableSubscription
 from .errors import (
     PublishRejected,
     SchemaMismatch,
+    ShardUnavailable,
     StoreFull,
     StreamExists,
     StreamNotFound,
@@ -724,6 +726,8 @@ class Broker:
         assert shard_log is not None
         try:
             message.offset = shard_log.append([(message.publish_time_ms, encode_message(message))])
+        except StorageUnavailable as exc:
+            raise ShardUnavailable(f"the shard cannot take the message now: {exc}") from exc
         except StorageFull as exc:
             raise StoreFull(f"the journal refused the message: {exc}") from exc
         except StorageError as exc:
@@ -751,6 +755,8 @@ class Broker:
             for message, record, index in zip(group, records, indices, strict=True):
                 try:
                     message.offset = shard_log.append([record])
+                except StorageUnavailable as exc:
+                    outcomes[index] = ShardUnavailable(f"the shard cannot take the message now: {exc}")
                 except StorageFull as exc:
                     outcomes[index] = StoreFull(f"the journal refused the message: {exc}")
                 except StorageError as exc:

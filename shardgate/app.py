@@ -525,6 +525,8 @@ class Shardgate:
         if self.data_plane is not None:
             # after the clients, before the journal: forwarded publishes still land in it
             await self.data_plane.stop()
+        if self.cluster is not None and self.cluster.replicas is not None:
+            await self.cluster.replicas.close()  # before the journal: followers append to it
         if self.journal is not None:
             try:
                 await asyncio.wait_for(self.journal.flush(), 10)

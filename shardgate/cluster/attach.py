@@ -208,6 +208,13 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     rpc.on_read = lambda request: serve_read(broker, plane, request)
     plane.add_service(rpc.handler())
     node.state_rpc = rpc
+    # replicated reliable shards: followers fetch from leaders over the same port
+    from .replicated_shards import ReplicatedShards
+
+    assert app.journal is not None
+    replicas = node.replicas = ReplicatedShards(node, broker, app.journal)
+    plane.add_service(replicas.service.handler())
+    replicas.start()
     # a subscription opened here at an earlier position reads other nodes' shards from them
     plane.owner_reader = lambda stream, shard, start, filters, since_ms: OwnerLog(
         rpc, plane, stream, shard, start, filters, since_ms)

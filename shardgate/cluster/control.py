@@ -50,6 +50,7 @@ from .settings import ClusterSettings
 if TYPE_CHECKING:
     from .durables import DurableHandover
     from .floors import CursorFloors
+    from .replicated_shards import ReplicatedShards
     from .sessions import SessionHandover, StateWriter
     from .shared_files import SharedFiles
     from .state_rpc import StateRpc
@@ -364,6 +365,8 @@ class ClusterNode:
         self.state_writer: StateWriter | None = None
         # this node's durable cursors' floors for other owners' retention (floors.CursorFloors)
         self.floors: CursorFloors | None = None
+        # the replicated shards this node leads or follows (replicated_shards.ReplicatedShards)
+        self.replicas: ReplicatedShards | None = None
 
     def key(self, suffix: str) -> str:
         return self.prefix + suffix

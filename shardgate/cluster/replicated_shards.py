@@ -1,0 +1,126 @@
+"""Replicated reliable shards in `shardgate serve`: joins the `ReplicaManager` to the broker,
+the cluster view and the peer link (`attach.join` builds one per node).
+
+- Which shards: every shard whose placement names several replicas, this node among them,
+  is handed to the manager (`watch`) as the view shows it; the manager keeps its role
+  (leader, follower) in step with the placement.
+- What the core sees: for such a shard the broker's `Shard.log` is the manager's
+  `ReplicatedShardLog` (over the same journal log), so a publish stored here is acknowledged
+  once the high watermark passes it, refused (`ShardUnavailable`, retryable) while this node
+  cannot lead it or fewer than `min_insync_replicas` replicas are in sync, and local readers
+  (durable cursors, live dispatch) see only what is below the high watermark. A shard back to
+  one replica gets its plain journal log again.
+- The peer link: `ReplicaService` answers followers' fetches for the shards this node leads
+  and carries this node's own fetches, on the cluster port, authenticated as every call there.
+- Fencing: a leader acknowledges only while this node's etcd lease is known alive
+  (`lease_valid_until`, renewed by the keepalive).
+- The in-sync set: the leaders' proposals go to `propose` (the controller's etcd
+  transaction); with none set, a lagging follower stays in the set and holds the high
+  watermark back (safe, not available) until the controller writes proposals.
+
+It never writes etcd itself and touches no protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .replica_manager import Propose, ReplicaManager
+from .replica_rpc import ReplicaService
+from .replication import stream_replication
+
+if TYPE_CHECKING:
+    from ..core.broker import Broker
+    from ..storage.journal import JournalStorage
+    from .control import ClusterNode
+
+log = logging.getLogger(__name__)
+
+
+class ReplicatedShards:
+    """This node's replicated shards, wired into serve (see the module docstring)."""
+
+    def __init__(self, node: ClusterNode, broker: Broker, journal: JournalStorage, *,
+                 lag_time_max_s: float = 10.0, propose: Propose | None = None) -> None:
+        self.node = node
+        self.view = view = node.view
+        self.broker = broker
+        self.journal = journal
+        self.service = ReplicaService(view, self._leading, node.credentials)
+        self.manager = ReplicaManager(
+            node.node_id, view, journal, self.service.transport,
+            min_insync=self._min_insync, lag_time_max_s=lag_time_max_s, propose=propose,
+            lease_deadline=lambda: view.lease_valid_until, on_role=self._role_changed)
+        self._started = False
+
+    def _leading(self, stream: str, shard: int) -> Any:
+        return self.manager.leading(stream, shard)
+
+    def _min_insync(self, stream: str) -> int:
+        return stream_replication(self.view.streams.get(stream, {})).min_insync
+
+    def start(self) -> None:
+        self._started = True
+        self.manager.start()
+        self.view.on_change(self.sync)
+        self.sync()
+
+    def sync(self) -> None:
+        """Hand the manager every replicated shard of this node, and give the broker the
+        right log for each shard the manager knows."""
+        if not self._started:
+            return
+        manager, node_id = self.manager, self.node.node_id
+        for stream, shards in list(self.view.placement.items()):
+            for index, placed in enumerate(shards):
+                if manager.knows(stream, index):
+                    continue
+                if len(placed.replicas) > 1 and node_id in placed.replicas:
+                    try:
+                        manager.watch(stream, index)
+                    except Exception:
+                        log.exception("%s/%d: cannot open the replicated shard's log", stream, index)
+        for stream, shards in list(self.view.placement.items()):
+            for index in range(len(shards)):
+                if manager.knows(stream, index):
+                    self._install(stream, index)
+
+    def _install(self, stream: str, index: int) -> None:
+        """The broker's `Shard.log` for one shard: the replicated log while the placement
+        makes this node one of several replicas, else the plain journal log."""
+        local = self.broker.streams.get(stream)
+        if local is None or index >= len(local.shards) or local.shards[index].log is None:
+            return
+        shard = local.shards[index]
+        replicated = self.manager.shard_log(stream, index)
+        target: Any = replicated if self.manager.replicated(stream, index) else replicated.log
+        previous = shard.log
+        if previous is target:
+            return
+        shard.log = target
+        shard.next_offset = target.next_offset
+        self._repoint_cursors(stream, index, previous, target)
+
+    def _repoint_cursors(self, stream: str, index: int, previous: Any, target: Any) -> None:
+        from ..core.durable import DurableSubscription
+
+        for sub in list(self.broker.subscriptions.values()):
+            if not isinstance(sub, DurableSubscription):
+                continue
+            cursor = sub.cursors.get((stream, index))
+            if cursor is not None and cursor.log is previous:
+                cursor.log = target
+
+    def _role_changed(self, stream: str, index: int) -> None:
+        local = self.broker.streams.get(stream)
+        if local is not None and index < len(local.shards):
+            shard = local.shards[index]
+            if shard.log is not None:
+                shard.next_offset = shard.log.next_offset
+        self._install(stream, index)
+
+    async def close(self) -> None:
+        self._started = False
+        await self.manager.close()
+        await self.service.close()
