@@ -83,10 +83,10 @@ class ReplicaPlacer:
         proposals = proposals or {}
         leaders: dict[str, int] = dict.fromkeys(nodes.placeable, 0)
         holding: dict[str, int] = dict.fromkeys(nodes.placeable, 0)
-        for placed in current.values():
-            if placed.leader in leaders:
-                leaders[placed.leader] += 1
-            for replica in placed.replicas:
+        for held in current.values():
+            if held.leader in leaders:
+                leaders[held.leader] += 1
+            for replica in held.replicas:
                 if replica in holding:
                     holding[replica] += 1
         result: dict[ShardKey, ShardPlacement] = {}
