@@ -1,0 +1,144 @@
+"""Replicated reliable shards in `shardgate serve` (issue 28's data path): three nodes and a
+real etcd on loopback, a stream of three replicas whose shard's followers fetch from its
+leader over the authenticated cluster port.
+
+What these prove: a QoS 1 publish on one node is acknowledged once the in-sync replicas hold
+it, and a persistent subscriber on another node gets every acknowledged message in order; the
+followers' journals end byte-identical to the leader's; while an in-sync follower is down
+nothing more is acknowledged (the controller does not yet take it out of the in-sync set, so
+the leader waits: safe, not available), and once it is back, having caught up, the waiting
+PUBACK comes; a follower restarted with an empty data directory re-replicates the whole log.
+
+The controller does not place several replicas yet (issue 28's control part): the test
+writes the stream's placement in etcd as the controller would (leader, replicas, in-sync set,
+a new epoch); the controller keeps a placement whose leader is live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from shardgate.client import SyncClient
+
+from tests.conftest import wait_for
+from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer
+from tests.mqtt_clients import Paho
+
+STREAM = "orders"
+
+
+def _placement(node: ClusterNodeProcess) -> dict[str, Any] | None:
+    try:
+        shards = node.status()["replicas"].get(STREAM)
+    except OSError:
+        return None
+    return shards[0] if shards else None
+
+
+def _write_placement(etcd: EtcdServer, placement: dict[str, Any]) -> None:
+    from shardgate.cluster.etcd import EtcdClient
+
+    [key] = [key for key in etcd.keys("/placement/") if key.endswith("/placement/" + STREAM)]
+
+    async def write() -> None:
+        client = EtcdClient([etcd.url])
+        try:
+            await client.put(key, json.dumps({"shards": [placement]}).encode())
+        finally:
+            await client.close()
+
+    asyncio.run(write())
+
+
+def _segments(node: ClusterNodeProcess) -> bytes:
+    shard_dir = Path(node.data_dir) / "journal" / STREAM / "0"
+    return b"".join(path.read_bytes() for path in sorted(shard_dir.glob("*.log")))
+
+
+def _replicate(nodes: list[ClusterNodeProcess], etcd: EtcdServer) -> dict[str, Any]:
+    with SyncClient(nodes[0].grpc_url) as client:
+        client.admin.create_stream(STREAM, mode="reliable", replicas=3, min_insync_replicas=2)
+    placed = wait_for(lambda: _placement(nodes[0]), timeout=30, interval=0.1)
+    leader = placed["leader"]
+    replicas = [leader] + sorted(n.node_id for n in nodes if n.node_id != leader)
+    wanted = {"leader": leader, "replicas": replicas, "isr": replicas,
+              "leader_epoch": placed["leader_epoch"] + 1, "isr_version": 0}
+    _write_placement(etcd, wanted)
+    for node in nodes:
+        wait_for(lambda node=node: (_placement(node) or {}).get("replicas") == replicas,
+                 timeout=30, interval=0.1)
+    return wanted
+
+
+def _received(subscriber: Paho, count: int, timeout: float = 60) -> list[str]:
+    return [message.payload.decode() for message in subscriber.expect_n(count, timeout)]
+
+
+def _nodes_seen(node: ClusterNodeProcess) -> set[str]:
+    try:
+        return {entry["node_id"] for entry in node.status()["nodes"]}
+    except OSError:
+        return set()
+
+
+@pytest.mark.timeout(400)
+def test_replicated_stream_acknowledges_at_the_in_sync_replicas_and_followers_catch_up(
+    cluster: Any, etcd: EtcdServer,
+) -> None:
+    nodes = cluster(3)
+    placed = _replicate(nodes, etcd)
+    by_id = {node.node_id: node for node in nodes}
+    leader = by_id[placed["leader"]]
+    first, second = (by_id[name] for name in placed["replicas"][1:])
+    # a QoS 1 publisher on a follower (its publishes are forwarded to the leader), persistent
+    # subscribers on that follower (pushed to by the leader) and on the leader
+    publisher = Paho(first.mqtt_port, "replica-writer")
+    readers = [Paho(node.mqtt_port, f"replica-reader-{node.node_id}", clean=False,
+                    session_expiry=600) for node in (first, leader)]
+    for reader in readers:
+        reader.subscribe(f"{STREAM}/#", qos=1)
+    sent = [f"m{i}" for i in range(200)]
+    for payload in sent:
+        publisher.publish(f"{STREAM}/a", payload, qos=1)  # waits for its PUBACK
+    for reader in readers:
+        assert _received(reader, len(sent)) == sent
+    # the followers' journals end byte-identical to the leader's
+    wait_for(lambda: _segments(first) == _segments(second) == _segments(leader) != b"",
+             timeout=30, interval=0.2)
+
+    # an in-sync follower down: the leader cannot acknowledge (the in-sync set still names it)
+    second.kill()
+    waiting = publisher.publish(f"{STREAM}/a", "while-down", qos=1, wait=False)
+    time.sleep(3)
+    assert not waiting.is_published(), "acknowledged while an in-sync replica lacked it"
+    for reader in readers:
+        reader.expect_none(0.1)  # readers see only what the in-sync replicas hold
+    second.start()
+    waiting.wait_for_publish(60)
+    assert waiting.is_published()
+    for reader in readers:
+        assert _received(reader, 1) == ["while-down"]
+    wait_for(lambda: _segments(second) == _segments(leader), timeout=30, interval=0.2)
+
+    # a follower restarted with an empty data directory re-replicates the whole log
+    second.kill()
+    shutil.rmtree(second.data_dir)
+    wait_for(lambda: second.node_id not in _nodes_seen(leader), timeout=30, interval=0.2)
+    second.start()
+    wait_for(lambda: _segments(second) == _segments(leader), timeout=60, interval=0.2)
+    after = [f"after{i}" for i in range(20)]
+    for payload in after:
+        publisher.publish(f"{STREAM}/a", payload, qos=1)
+    for reader in readers:
+        assert _received(reader, len(after)) == after
+    wait_for(lambda: _segments(first) == _segments(second) == _segments(leader), timeout=30,
+             interval=0.2)
+    publisher.disconnect()
+    for reader in readers:
+        reader.disconnect()
