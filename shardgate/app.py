@@ -465,8 +465,18 @@ class Shardgate:
 
         assert self.journal is not None  # the archive reads the journal's reliable streams
         try:
+            journal = self.journal
+
+            def archived_log(stream: str, shard: int) -> Any:
+                # a replicated shard: its leader archives what is below the high watermark
+                cluster = self.cluster
+                if cluster is not None and cluster.replicas is not None:
+                    return cluster.replicas.archived_log(stream, shard)
+                return journal.open_shard(stream, shard)
+
             self.archiver = Archiver(self.journal, url, reliable_streams, settings,
-                                     registered_schema=registered_schema)
+                                     registered_schema=registered_schema,
+                                     shard_log=archived_log if self.cluster is not None else None)
             await self.archiver.start()
         except ArchiveConfigError as exc:
             raise ConfigError(f"archive: {exc}") from exc

@@ -12,6 +12,8 @@ the cluster view and the peer link (`attach.join` builds one per node).
   one replica gets its plain journal log again.
 - The peer link: `ReplicaService` answers followers' fetches for the shards this node leads
   and carries this node's own fetches, on the cluster port, authenticated as every call there.
+- The archive: a replicated shard is archived by its leader only, from below the high
+  watermark (`archived_log`, the archiver's reader in cluster mode).
 - Fencing: a leader acknowledges only while this node's etcd lease is known alive
   (`lease_valid_until`, renewed by the keepalive).
 - The in-sync set: the leaders' proposals go to `propose` (the controller's etcd
@@ -56,6 +58,13 @@ class ReplicatedShards:
 
     def _leading(self, stream: str, shard: int) -> Any:
         return self.manager.leading(stream, shard)
+
+    def archived_log(self, stream: str, shard: int) -> Any:
+        """What the archiver reads of a shard: a replicated one only where this node leads it
+        (below the high watermark; None elsewhere), any other the journal's log."""
+        if self.manager.replicated(stream, shard):
+            return self.manager.leading(stream, shard)
+        return self.journal.open_shard(stream, shard)
 
     def _min_insync(self, stream: str) -> int:
         return stream_replication(self.view.streams.get(stream, {})).min_insync

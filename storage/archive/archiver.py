@@ -158,8 +158,13 @@ class Archiver:
         *,
         filesystem: AbstractFileSystem | None = None,
         registered_schema: RegisteredSchema | None = None,
+        shard_log: Callable[[str, int], Any] | None = None,
     ) -> None:
         self.journal = journal
+        # where a shard is read (default: the journal's log); in a cluster, a replicated
+        # shard's log below its high watermark where this node leads it, None elsewhere (a
+        # follower's copy is not archived: its leader archives it)
+        self._shard_log = shard_log
         self._registered_schema = registered_schema
         self._typed: dict[str, TypedSchema] = {}
         self.url = url
@@ -478,6 +483,8 @@ class Archiver:
 
     def _open_log(self, stream: str, shard: int) -> Any:
         try:
+            if self._shard_log is not None:
+                return self._shard_log(stream, shard)
             return self.journal.open_shard(stream, shard)
         except Exception:  # a closed journal, a deleted stream
             return None
