@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from shardgate.core.broker import Broker
-from shardgate.core.errors import PublishRejected, ShardUnavailable
+from shardgate.core.errors import ShardUnavailable
 from shardgate.core.message import Message
 from shardgate.core.streams import StreamConfig
 from shardgate.storage.interfaces import StoredRecord
