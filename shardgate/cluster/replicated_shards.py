@@ -12,6 +12,11 @@ the cluster view and the peer link (`attach.join` builds one per node).
   one replica gets its plain journal log again.
 - The peer link: `ReplicaService` answers followers' fetches for the shards this node leads
   and carries this node's own fetches, on the cluster port, authenticated as every call there.
+- A new leader hands on what it inherited: the records it holds from its time as a follower
+  go out to subscribers (here and, through the fanout, on other nodes) once its high
+  watermark passes them, from up to `REDISPATCH_RECORDS` below the high watermark it knew,
+  since the old leader may have died before its pushes of them arrived (durable cursors drop
+  what they already have; a live subscriber may get such a message twice: at least once).
 - The archive: a replicated shard is archived by its leader only, from below the high
   watermark (`archived_log`, the archiver's reader in cluster mode).
 - Fencing: a leader acknowledges only while this node's etcd lease is known alive
@@ -25,9 +30,11 @@ It never writes etcd itself and touches no protocol.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
+from ..core.records import decode_to_message
 from .replica_manager import Propose, ReplicaManager
 from .replica_rpc import ReplicaService
 from .replication import stream_replication
@@ -38,6 +45,12 @@ if TYPE_CHECKING:
     from .control import ClusterNode
 
 log = logging.getLogger(__name__)
+
+# How far below the high watermark it knew a new leader dispatches again what it inherited:
+# the most pushes a peer link holds unanswered (`PUSH_HIGH_WATER`), which the old leader's
+# death may have lost.
+REDISPATCH_RECORDS = 10_000
+REDISPATCH_BATCH = 2_000
 
 
 class ReplicatedShards:
@@ -55,6 +68,7 @@ class ReplicatedShards:
             min_insync=self._min_insync, lag_time_max_s=lag_time_max_s, propose=propose,
             lease_deadline=lambda: view.lease_valid_until, on_role=self._role_changed)
         self._started = False
+        self._led: set[tuple[str, int]] = set()
 
     def _leading(self, stream: str, shard: int) -> Any:
         return self.manager.leading(stream, shard)
@@ -128,6 +142,50 @@ class ReplicatedShards:
             if shard.log is not None:
                 shard.next_offset = shard.log.next_offset
         self._install(stream, index)
+        key = (stream, index)
+        leading = self.manager.leading(stream, index)
+        if leading is None:
+            self._led.discard(key)
+        elif key not in self._led:
+            self._led.add(key)
+            self._hand_on(stream, index, leading)
+
+    def _hand_on(self, stream: str, index: int, shard_log: Any) -> None:
+        """Dispatch what this new leader inherited once its high watermark passes it (see
+        the module docstring). Done in the commit's callback, before any message this leader
+        stores itself is dispatched (those wait for their own, later, commit): per shard, the
+        subscribers see the offsets in order."""
+        end = shard_log.next_offset
+        start = max(shard_log.low_watermark, shard_log.high_watermark - REDISPATCH_RECORDS)
+        if start >= end:
+            return
+        leader = shard_log.leader
+
+        def committed(waiter: asyncio.Future[None] | None) -> None:
+            if waiter is not None and (waiter.cancelled() or waiter.exception() is not None):
+                return  # this leadership ended first: the next leader hands them on
+            if shard_log.leader is not leader:
+                return
+            count = 0
+            offset = start
+            while offset < end:
+                records = shard_log.read(offset, min(REDISPATCH_BATCH, end - offset))
+                if not records:
+                    break
+                for record in records:
+                    if record.data:  # an empty record holds a skipped offset
+                        self.broker.dispatch(decode_to_message(
+                            bytes(record.data), stream, index, record.offset))
+                        count += 1
+                offset = records[-1].offset + 1
+            log.info("%s/%d: new leader, dispatched %d inherited messages (offsets %d to %d)",
+                     stream, index, count, start, end - 1)
+
+        waiter = shard_log.commit_waiter()
+        if waiter is None:
+            committed(None)
+        else:
+            waiter.add_done_callback(committed)
 
     async def close(self) -> None:
         self._started = False

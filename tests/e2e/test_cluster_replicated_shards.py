@@ -27,7 +27,7 @@ import pytest
 from shardgate.client import SyncClient
 
 from tests.conftest import wait_for
-from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer
+from tests.e2e.cluster_fixtures import ClusterNodeProcess, ContinuousPublisher, EtcdServer
 from tests.mqtt_clients import Paho
 
 STREAM = "orders"
@@ -65,6 +65,11 @@ def _replicate(nodes: list[ClusterNodeProcess], etcd: EtcdServer) -> dict[str, A
     with SyncClient(nodes[0].grpc_url) as client:
         client.admin.create_stream(STREAM, mode="reliable", replicas=3, min_insync_replicas=2)
     placed = wait_for(lambda: _placement(nodes[0]), timeout=30, interval=0.1)
+    if len(placed["replicas"]) == 3:  # the controller placed the replicas itself
+        for node in nodes:
+            wait_for(lambda node=node: len((_placement(node) or {}).get("replicas", ())) == 3,
+                     timeout=30, interval=0.1)
+        return placed
     leader = placed["leader"]
     replicas = [leader] + sorted(n.node_id for n in nodes if n.node_id != leader)
     wanted = {"leader": leader, "replicas": replicas, "isr": replicas,
@@ -142,3 +147,53 @@ def test_replicated_stream_acknowledges_at_the_in_sync_replicas_and_followers_ca
     publisher.disconnect()
     for reader in readers:
         reader.disconnect()
+
+
+def _sequence(payload: str) -> int:
+    return int(payload.rsplit("-", 1)[1])
+
+
+@pytest.mark.timeout(500)
+def test_a_killed_leader_loses_no_acknowledged_message_and_catches_up_when_restarted(
+    cluster: Any, etcd: EtcdServer,
+) -> None:
+    nodes = cluster(3)
+    placed = _replicate(nodes, etcd)
+    by_id = {node.node_id: node for node in nodes}
+    leader = by_id[placed["leader"]]
+    first, second = (node for node in nodes if node is not leader)
+    reader = Paho(second.mqtt_port, "failover-reader", clean=False, session_expiry=600)
+    reader.subscribe(f"{STREAM}/#", qos=1)
+    publisher = ContinuousPublisher(first.mqtt_port, "failover-writer", [f"{STREAM}/a"])
+    wait_for(lambda: publisher.count() >= 200, timeout=60, interval=0.05)
+    leader.kill()  # SIGKILL mid-stream
+    at_kill = publisher.count()
+    # the controller elects an in-sync follower; the new leader acknowledges again
+    wait_for(lambda: (_placement(first) or {}).get("leader") not in (None, leader.node_id),
+             timeout=60, interval=0.1)
+    wait_for(lambda: publisher.count() >= at_kill + 200, timeout=60, interval=0.05)
+    publisher.stop()
+    acknowledged = set(publisher.acknowledged)
+    assert not publisher.dropped.is_set()
+    # every acknowledged message reaches the persistent subscriber, at least once, in order
+    got: list[str] = []
+    deadline = time.monotonic() + 90
+    while not acknowledged <= set(got):
+        assert time.monotonic() < deadline, (
+            f"{len(acknowledged - set(got))} acknowledged messages never arrived, e.g. "
+            f"{sorted(acknowledged - set(got), key=_sequence)[:5]}")
+        got.append(reader.expect(timeout=max(0.1, deadline - time.monotonic())).payload.decode())
+    firsts = list(dict.fromkeys(got))
+    assert [_sequence(p) for p in firsts] == sorted(_sequence(p) for p in firsts)
+    new_leader = by_id[(_placement(first) or {})["leader"]]
+
+    # the killed node, restarted, catches up byte-identical (its unacknowledged tail cut)
+    leader.start()
+    wait_for(lambda: _segments(leader) == _segments(new_leader), timeout=90, interval=0.2)
+    # and, restarted again with an empty data directory, re-replicates the whole log
+    leader.kill()
+    shutil.rmtree(leader.data_dir)
+    wait_for(lambda: leader.node_id not in _nodes_seen(new_leader), timeout=30, interval=0.2)
+    leader.start()
+    wait_for(lambda: _segments(leader) == _segments(new_leader), timeout=90, interval=0.2)
+    reader.disconnect()
