@@ -23,13 +23,14 @@ def nodes(alive: set[str] | frozenset[str] = ABC, **kw: frozenset[str]) -> Nodes
 
 
 def test_stream_replication_reads_the_definition_with_defaults_and_caps() -> None:
-    assert stream_replication({"mode": "reliable"}) == Replication(1, 1)
-    assert stream_replication({"mode": "reliable", "replicas": 3}) == Replication(3, 2)
+    assert stream_replication({"mode": "reliable"}) == Replication(3, 2)
+    assert stream_replication({"mode": "reliable", "replicas": None}) == Replication(3, 2)
+    assert stream_replication({"mode": "reliable", "replicas": 1}) == Replication(1, 1)
     assert stream_replication({"mode": "reliable", "replicas": 3, "min_insync_replicas": 5}) \
         == Replication(3, 3)
     assert stream_replication({"mode": "non-reliable", "replicas": 3}) == Replication(1, 1)
-    assert stream_replication({"replicas": "x", "min_insync_replicas": 0}).replicas == 1
-    assert stream_replication({"replicas": 3}).replicated
+    assert stream_replication({"replicas": "x", "min_insync_replicas": 0}) == Replication(3, 2)
+    assert not stream_replication({"replicas": 1}).replicated
 
 
 def test_new_shards_get_every_replica_in_sync_with_leaders_spread_evenly() -> None:
