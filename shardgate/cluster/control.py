@@ -51,6 +51,7 @@ from .membership import NodeInfo, ShardAssignment
 from .placement import ShardPlacement, ShardSpec, place
 from .replica_leader import IsrProposal
 from .replica_placement import Nodes, ReplicaPlacer, ReplicatedSpec
+from .replica_status import Leading
 from .replication import stream_replication
 from .settings import ClusterSettings
 
@@ -394,6 +395,10 @@ class ClusterNode:
         # this node runs the replication data path (set before `join`; its registration says
         # so, and only such nodes receive replicas: `replication.py`)
         self.replication = False
+        # this node's leaderships of replicated shards (`ReplicaManager.leading(...).leader`,
+        # set by the data path): their high watermark and followers' lag in `cluster status`
+        # and the metrics (`replica_status.py`)
+        self.replica_leading: Leading | None = None
         # the controller's replica placement state, and the lease of each node's registration
         # it last saw (a new lease: the node registered again, `replica_placement.Nodes.rejoined`)
         self.replica_placer = ReplicaPlacer(settings.re_replicate_after_s,
