@@ -716,8 +716,8 @@ class ClusterNode:
         # (moved by copying), are the replica placer's; the others `place()`'s
         settings = {name: stream_replication(definition) for name, definition in view.streams.items()}
         replicated: list[ReplicatedSpec] = []
-        single: list[ShardSpec] = []
-        for spec in view.shard_specs():
+        specs = view.shard_specs()
+        for spec in specs:
             key = (spec.stream, spec.shard)
             placed = current.get(key)
             wanted = settings[spec.stream].replicas
@@ -726,9 +726,9 @@ class ClusterNode:
                     or (placed is not None and (len(placed.replicas) > 1
                                                 or any(r in draining for r in placed.replicas)))):
                 replicated.append(ReplicatedSpec(spec.stream, spec.shard, wanted))
-            else:
-                single.append(spec)
-        placed_now = place(single, current, live, load, released)
+        # `place()` sees every shard (its balance counts them all); the replica placer's
+        # decisions then replace its own for the replicated ones
+        placed_now = place(specs, current, live, load, released)
         # the lease each node is registered under; -1 for a leader seen dead, so that its
         # return counts as registering again even for a controller that never saw its lease
         leases = {placed.leader: -1 for placed in current.values()
