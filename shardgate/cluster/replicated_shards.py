@@ -73,6 +73,12 @@ class ReplicatedShards:
     def _leading(self, stream: str, shard: int) -> Any:
         return self.manager.leading(stream, shard)
 
+    def leading_figures(self, stream: str, shard: int) -> Any:
+        """The shard's leadership here (high watermark, log end, lag), for cluster status and
+        the metrics (`replica_status.Leading`); None where this node does not lead it."""
+        shard_log = self.manager.leading(stream, shard)
+        return shard_log.leader if shard_log is not None else None
+
     def archived_log(self, stream: str, shard: int) -> Any:
         """What the archiver reads of a shard: a replicated one only where this node leads it
         (below the high watermark; None elsewhere), any other the journal's log."""
