@@ -20,13 +20,9 @@ from .topics import filter_matches, validate_topic_filter
 
 STREAM_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 
-#: A reliable stream's replicas in a cluster when it does not say (capped by the live node
-#: count when the controller places it; a single node always keeps one copy, at no cost).
-DEFAULT_REPLICAS = 3
-#: How many replicas must hold a message before it is acknowledged, when the stream does not
-#: say (capped by the stream's replica count), as Kafka's `min.insync.replicas`. Both are read
-#: in one place, `shardgate/cluster/replication.py`.
-DEFAULT_MIN_INSYNC_REPLICAS = 2
+#: The most replicas a stream may ask for. What a stream without the settings gets, and how the
+#: live node count caps them, is the cluster's (`shardgate/cluster/replication.py`): a single
+#: node keeps one copy whatever the stream says.
 MAX_REPLICAS = 16
 
 

@@ -309,24 +309,6 @@ class LeaderReplica(Generic[W]):
         self._proposal_sent = False
         self._advance(now)
 
-    def replicas_changed(self, replicas: Sequence[str], now: float) -> None:
-        """The controller changed the shard's replicas in this epoch (a new replica while
-        one is re-replicated or a node drained, one removed): a new one is a follower not in
-        sync until it has caught up; a removed one leaves the in-sync set."""
-        wanted = tuple(replicas)
-        if self.node_id not in wanted:
-            self.supersede()
-            return
-        for replica in wanted:
-            if replica != self.node_id and replica not in self._followers:
-                self._followers[replica] = FollowerProgress(None, -math.inf)
-        for replica in list(self._followers):
-            if replica not in wanted:
-                del self._followers[replica]
-        self.replicas = wanted
-        self._isr = self._isr & (set(self._followers) | {self.node_id})
-        self._advance(now)
-
     def renew_lease(self, deadline: float, now: float) -> None:
         """This node's lease is known alive until `deadline` (the last keep-alive's send time
         plus its TTL). A new lease is not a renewal: its node lost the old one, so the

@@ -162,8 +162,7 @@ class ReplicaManager:
         if (entry.role is not None and entry.wanted is not None
                 and entry.role.leader == entry.wanted.leader == self.node_id
                 and entry.role.epoch == entry.wanted.epoch):
-            # the same leadership, a new in-sync set (or replicas)
-            self._isr_changed(entry, entry.wanted)
+            self._isr_changed(entry, entry.wanted)  # the same leadership, a new in-sync set
             return
         entry.changing = True
         entry.task = asyncio.get_running_loop().create_task(self._converge(stream, shard, entry))
@@ -176,8 +175,6 @@ class ReplicaManager:
 
     def _isr_changed(self, entry: _Shard, role: Role) -> None:
         leader = entry.log.leader
-        if leader is not None and leader.replicas != role.replicas:
-            leader.replicas_changed(role.replicas, self.clock())
         if leader is not None:
             # the controller's version (`ShardPlacement.isr_version`), which proposals name
             leader.isr_changed(role.isr, max(role.isr_version, leader.isr_version + 1), self.clock())

@@ -257,22 +257,3 @@ def test_a_follower_behind_the_leaders_retention_is_told_where_the_log_starts() 
     replica.retained_from(4)
     assert fetch(replica, "b", 2) == Refused(ReplicaError.BEHIND_LOG_START, 4)
     assert fetch(replica, "b", 4) == FetchPlan(4, 6, 0, (EpochStart(3, 4),))
-
-
-def test_a_replica_added_in_the_same_epoch_is_served_and_one_removed_leaves_the_set() -> None:
-    """The controller re-replicates (a node joined, one drained) without a new epoch: the
-    leader serves the new replica's fetches and reports its lag; it enters the in-sync set
-    only by a proposal once caught up. A replica removed no longer holds the watermark."""
-    replica = leader(isr=("a", "b", "c"))
-    append(replica, 4)
-    fetch(replica, "b", 4)
-    assert replica.high_watermark == 0  # c is in sync and has not fetched
-    replica.replicas_changed(("a", "b", "d"), 1.0)
-    assert replica.isr == frozenset({"a", "b"})
-    assert replica.high_watermark == 4  # c left the set
-    assert replica.lag("d") == 4 and replica.lag("c") == 4  # (c unknown now: all of it)
-    assert fetch(replica, "d", 0) == FetchPlan(0, 4, 4, (EpochStart(3, 0),))
-    fetch(replica, "d", 4)
-    replica.tick(2.0)
-    proposal = replica.take_proposal()
-    assert proposal is not None and proposal.isr == frozenset({"a", "b", "d"})
