@@ -213,7 +213,8 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     from .replicated_shards import ReplicatedShards
 
     assert app.journal is not None
-    replicas = node.replicas = ReplicatedShards(node, broker, app.journal)
+    replicas = node.replicas = ReplicatedShards(node, broker, app.journal,
+                                                propose=node.propose_isr)
     plane.add_service(replicas.service.handler())
     replicas.start()
     node.replication = True  # its registration says so: the controller may place replicas here

@@ -21,9 +21,9 @@ the cluster view and the peer link (`attach.join` builds one per node).
   watermark (`archived_log`, the archiver's reader in cluster mode).
 - Fencing: a leader acknowledges only while this node's etcd lease is known alive
   (`lease_valid_until`, renewed by the keepalive).
-- The in-sync set: the leaders' proposals go to `propose` (the controller's etcd
-  transaction); with none set, a lagging follower stays in the set and holds the high
-  watermark back (safe, not available) until the controller writes proposals.
+- The in-sync set: the leaders' proposals go to `propose` (`ClusterNode.propose_isr`: the
+  controller writes them); with none, a lagging follower would stay in the set and hold the
+  high watermark back (safe, not available).
 
 It never writes etcd itself and touches no protocol.
 """
