@@ -3,15 +3,16 @@ real etcd on loopback, a stream of three replicas whose shard's followers fetch 
 leader over the authenticated cluster port.
 
 What these prove: a QoS 1 publish on one node is acknowledged once the in-sync replicas hold
-it, and a persistent subscriber on another node gets every acknowledged message in order; the
-followers' journals end byte-identical to the leader's; while an in-sync follower is down
-nothing more is acknowledged (the controller does not yet take it out of the in-sync set, so
-the leader waits: safe, not available), and once it is back, having caught up, the waiting
-PUBACK comes; a follower restarted with an empty data directory re-replicates the whole log.
+it, and persistent subscribers on the leader and on a follower get every acknowledged message
+in order; the followers' journals end byte-identical to the leader's; with one follower down
+the in-sync set shrinks to the minimum and publishes go on, with both down they are refused
+with the retryable error (PUBACK 0x80) and never acknowledged, and once the followers are back
+and caught up they are acknowledged again; a follower restarted with an empty data directory
+re-replicates the whole log; a SIGKILLed leader is replaced from the in-sync set with no
+acknowledged message lost, and catches up when it returns (with its data, and empty).
 
-The controller does not place several replicas yet (issue 28's control part): the test
-writes the stream's placement in etcd as the controller would (leader, replicas, in-sync set,
-a new epoch); the controller keeps a placement whose leader is live.
+A placement the controller did not make with three replicas (an older controller) is
+written in etcd as the controller would (leader, replicas, in-sync set, a new epoch).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from shardgate.client import SyncClient
 
 from tests.conftest import wait_for
 from tests.e2e.cluster_fixtures import ClusterNodeProcess, ContinuousPublisher, EtcdServer
-from tests.mqtt_clients import Paho
+from tests.mqtt_clients import Paho, RawClient
 
 STREAM = "orders"
 
@@ -85,6 +86,23 @@ def _received(subscriber: Paho, count: int, timeout: float = 60) -> list[str]:
     return [message.payload.decode() for message in subscriber.expect_n(count, timeout)]
 
 
+def _publish(raw: RawClient, payload: str, packet_id: int) -> int:
+    """A QoS 1 publish's PUBACK reason code (it may wait while the in-sync set changes)."""
+    from shardgate.protocols.mqtt import packets as p
+
+    raw.send(p.Publish(f"{STREAM}/a", payload.encode(), 1, packet_id=packet_id))
+    puback = raw.receive(60)
+    assert isinstance(puback, p.Puback), puback
+    return int(puback.reason_code)
+
+
+def _until(reader: Paho, last: str, timeout: float = 60) -> list[Any]:
+    got = []
+    while not got or got[-1].payload.decode() != last:
+        got.append(reader.expect(timeout))
+    return got
+
+
 def _nodes_seen(node: ClusterNodeProcess) -> set[str]:
     try:
         return {entry["node_id"] for entry in node.status()["nodes"]}
@@ -117,19 +135,36 @@ def test_replicated_stream_acknowledges_at_the_in_sync_replicas_and_followers_ca
     wait_for(lambda: _segments(first) == _segments(second) == _segments(leader) != b"",
              timeout=30, interval=0.2)
 
-    # an in-sync follower down: the leader cannot acknowledge (the in-sync set still names it)
+    # one follower down: the in-sync set shrinks to two, the minimum, and publishes go on
+    publisher.disconnect()
+    readers[0].disconnect()
+    reader = readers[1]  # on the leader, which stays up
+    raw = RawClient(leader.mqtt_port, version=5)
+    raw.connect("replica-gate")
     second.kill()
-    waiting = publisher.publish(f"{STREAM}/a", "while-down", qos=1, wait=False)
-    time.sleep(3)
-    assert not waiting.is_published(), "acknowledged while an in-sync replica lacked it"
-    for reader in readers:
-        reader.expect_none(0.1)  # readers see only what the in-sync replicas hold
+    assert _publish(raw, "one-down", 1) == 0
+    # both down: below the minimum, refused with the retryable error, never acknowledged
+    first.kill()
+    refusal = _publish(raw, "both-down", 2)
+    assert refusal == 0x80, refusal
+    assert _publish(raw, "still-down", 3) == 0x80
+    first.start()
     second.start()
-    waiting.wait_for_publish(60)
-    assert waiting.is_published()
-    for reader in readers:
-        assert _received(reader, 1) == ["while-down"]
-    wait_for(lambda: _segments(second) == _segments(leader), timeout=30, interval=0.2)
+    # back and caught up, the followers rejoin the in-sync set: acknowledged again
+    packet_id = 4
+    deadline = time.monotonic() + 90
+    while _publish(raw, "back", packet_id) != 0:
+        assert time.monotonic() < deadline, "never acknowledged again"
+        packet_id += 1
+        time.sleep(0.2)
+    got = [message.payload.decode() for message in _until(reader, "back")]
+    assert got[0] == "one-down" and got[-1] == "back"
+    assert set(got) <= {"one-down", "both-down", "still-down", "back"}  # refused: at most stored
+    raw.close()
+    wait_for(lambda: _segments(first) == _segments(second) == _segments(leader), timeout=60,
+             interval=0.2)
+    publisher = Paho(leader.mqtt_port, "replica-writer-2")
+    readers = [reader]
 
     # a follower restarted with an empty data directory re-replicates the whole log
     second.kill()
