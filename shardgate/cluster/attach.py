@@ -237,7 +237,7 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
         node.session_listeners.append(mqtt.session_taken_elsewhere)
         for client_id, session in mqtt.sessions.items():
             if session.connection is not None:
-                node.claim_session_soon(client_id)
+                node.claim_session_soon(client_id, session.owner, session.owned)
         handover.start_sweeping()
         handover.start_checkpointing()
         from .wills import WillKeeper
