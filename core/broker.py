@@ -39,7 +39,7 @@ from .errors import (
     SubscriptionNotFound,
 )
 from .message import Message, now_ms
-from .placement import Fanout, ShardPlacement
+from .placement import DurableWatcher, Fanout, ShardPlacement
 from .records import encode_message, encode_records
 from .retained import RetainedStore
 from .schema_registry import SchemaRegistry, SchemaVersion
@@ -158,6 +158,8 @@ class Broker:
         self,
         storage: ShardStorage | None = None,
         default_stream: StreamConfig | None = None,
+        *,
+        restored_cursors_wait: bool = False,
     ) -> None:
         self.storage = storage
         self.stats = BrokerStats()
@@ -206,11 +208,15 @@ class Broker:
         self.on_routes_changed: Callable[[], None] | None = None
         # Cluster mode, from the restore until the node knows the shard map: cursors of reliable
         # shards restored from the store wait unplaced (`ShardCursor.placed`) until the cluster
-        # places them (`DurableSubscription.place_restored`).
-        self.restored_cursors_wait = False
+        # places them (`DurableSubscription.place_restored`) and says so
+        # (`restored_cursors_placed`). False on a single node.
+        self.restored_cursors_wait = restored_cursors_wait
         # Told when a durable subscription is created or its filters change, so that its
         # definition is saved before the protocol confirms it (declare-ok, SUBACK, ...).
         self.on_durable_defined: Callable[[DurableSubscription], None] | None = None
+        # Told after `on_durable_defined` / `on_subscription_removed` (a cluster's handover of
+        # durable subscriptions: `watch_durables`).
+        self._durable_watchers: list[DurableWatcher] = []
 
     # ---------------------------------------------------------------- streams and routing
     @property
@@ -361,8 +367,20 @@ class Broker:
         return sub
 
     def _durable_defined(self, sub: Subscription) -> None:
-        if self.on_durable_defined is not None and isinstance(sub, DurableSubscription):
-            self.on_durable_defined(sub)
+        if isinstance(sub, DurableSubscription):
+            if self.on_durable_defined is not None:
+                self.on_durable_defined(sub)
+            for watcher in self._durable_watchers:
+                watcher.durable_defined(sub)
+
+    def watch_durables(self, watcher: DurableWatcher) -> None:
+        """Tell `watcher` of every durable subscription defined, changed or removed from now
+        on, after the store was told (`on_durable_defined`, `on_subscription_removed`)."""
+        self._durable_watchers.append(watcher)
+
+    def restored_cursors_placed(self) -> None:
+        """The cluster knows the shard map: restored cursors no longer wait to be placed."""
+        self.restored_cursors_wait = False
 
     def add_filter(self, sub: Subscription, topic_filter: str, options: object = None) -> bool:
         """Add (or update the options of) a filter; True if the filter is new to `sub`."""
@@ -398,6 +416,8 @@ class Broker:
             sub.close()
             if self.on_subscription_removed is not None:
                 self.on_subscription_removed(sub)
+            for watcher in self._durable_watchers:
+                watcher.durable_removed(sub)
         if sub is not None:
             for topic_filter in list(sub.filters):
                 self._trie.remove(topic_filter, sub)

@@ -108,10 +108,16 @@ class DelayedDelivery:
     def __init__(self, store: DelayedStore | None, publish: Callable[[Message], object]) -> None:
         self.store = store
         self.publish = publish
-        # cluster mode: held messages are kept there instead (set by the cluster wiring)
+        # cluster mode: held messages are kept there instead, from when the node has joined
+        # (`share`)
         self.shared: SharedHold | None = None
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._held: dict[str, Message] = {}
+
+    def share(self, shared: SharedHold) -> None:
+        """Cluster mode, once the node has joined: messages held from now on are kept by
+        `shared` (the cluster's store), not here."""
+        self.shared = shared
 
     def __len__(self) -> int:
         return len(self._timers) + (len(self.shared) if self.shared is not None else 0)

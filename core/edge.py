@@ -38,6 +38,7 @@ from .message import Message
 if TYPE_CHECKING:
     from .broker import Broker, BrokerStats
     from .durable import DurableOptions, DurableSubscription
+    from .placement import RemoteDurables
     from .subscriptions import Consumer, Subscription, SubscriptionType
 
 # What `publish` returns: None when the message is stored and dispatched already, else a
@@ -175,7 +176,8 @@ class ListenerInfo(Protocol):
 class Edge:
     """The front door into one broker node (see the module docstring)."""
 
-    def __init__(self, broker: Broker, router: ShardRouter | None = None) -> None:
+    def __init__(self, broker: Broker, router: ShardRouter | None = None, *,
+                 remote_durables: RemoteDurables | None = None) -> None:
         self.broker = broker
         self.clients = ClientRegistry()
         self.authenticator: Authenticator | None = None
@@ -189,10 +191,10 @@ class Edge:
         # back with the right owner after a restart (`"grpc"` -> its state factory).
         self.owner_factories: dict[str, Callable[[Mapping[str, object]], object]] = {}
         # Cluster mode: awaited before a consumer attaches here to a durable subscription this
-        # node does not have; it brings the subscription over from the node that holds it
-        # (None), or names the node where it is consumed now (its consumers attach there); it
-        # raises a CoreError (as ShardUnavailable) when it cannot look now. None on one node.
-        self.find_durable_elsewhere: Callable[[str], Awaitable[str | None]] | None = None
+        # node does not have (`core.placement.RemoteDurables.find`). None on one node.
+        self.find_durable_elsewhere: Callable[[str], Awaitable[str | None]] | None = (
+            None if remote_durables is None else remote_durables.find
+        )
         # Bound once: publishing costs one call, no attribute walk per message.
         self.publish: Callable[[Message], Receipt] = (
             router.publish if router is not None else broker.publish

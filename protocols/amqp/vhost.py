@@ -177,7 +177,8 @@ def _err(code: ReplyCode, text: str, method: type[commands.base.Frame] | None) -
 
 
 class VirtualHost:
-    def __init__(self, name: str, edge: Edge) -> None:
+    def __init__(self, name: str, edge: Edge, *, queue_directory: QueueDirectory | None = None,
+                 exchange_directory: ExchangeDirectory | None = None) -> None:
         self.name = name
         self.edge = edge
         self.broker = edge.broker
@@ -192,13 +193,28 @@ class VirtualHost:
         self.timed_queues: set[Queue] = set()
         # Called with each deleted queue so that channels can cancel its consumers.
         self.on_queue_deleted: list[Any] = []
-        # In a cluster: where the shared queues of other nodes live (`remote.QueueDirectory`).
+        # In a cluster (the ports the virtual host is built with, each in use once the node
+        # has joined: `use_queue_directory`, `use_exchange_directory`; None until then and on
+        # a single node): where the shared queues of other nodes live
+        # (`remote.QueueDirectory`), and the exchanges every node shares
+        # (`remote.ExchangeDirectory`), told of each change of this node's exchanges and
+        # exchange bindings through `on_exchanges_changed` (not while it applies another
+        # node's change).
+        self._queue_directory = queue_directory
+        self._exchange_directory = exchange_directory
         self.directory: QueueDirectory | None = None
-        # In a cluster: the exchanges every node shares (`remote.ExchangeDirectory`), told of
-        # each change of this node's exchanges and exchange bindings through
-        # `on_exchanges_changed` (not while it applies another node's change).
         self.exchange_directory: ExchangeDirectory | None = None
         self.on_exchanges_changed: list[Any] = []
+
+    def use_queue_directory(self) -> None:
+        """The node has joined its cluster: queues of other nodes are found through the
+        directory this virtual host was built with from now on."""
+        self.directory = self._queue_directory
+
+    def use_exchange_directory(self) -> None:
+        """The node has joined its cluster: exchanges are shared through the directory this
+        virtual host was built with from now on."""
+        self.exchange_directory = self._exchange_directory
 
     def _exchanges_changed(self) -> None:
         for callback in self.on_exchanges_changed:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import errno
 import socket
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
 
 import grpc
 
@@ -68,11 +68,29 @@ def refusal_of(exc: PublishRejected) -> Refusal:
     return Refusal(grpc.StatusCode.UNAVAILABLE, str(exc))
 
 
+class RemoteSubscriptions(Protocol):
+    """Cluster mode: durable subscriptions held by other nodes, as the gRPC API reaches them
+    (`shardgate.cluster.durables.DurableHandover`); a single node has none (None)."""
+
+    async def consume_remotely(self, holder: str, first: pb.ConsumeRequest,
+                               requests: AsyncIterator[pb.ConsumeRequest],
+                               context: grpc.aio.ServicerContext, user: str | None) -> None:
+        """Run a consumer's stream against `holder`, where its subscription is consumed."""
+
+    async def describe(self, name: str) -> pb.SubscriptionInfo | None:
+        """A subscription another node holds, as that node describes it (None: no node holds
+        it). `DescribeSubscription` asks for a name not held here."""
+
+    async def delete(self, name: str) -> bool:
+        """Delete a subscription another node holds (False: no node holds it)."""
+
+
 class GrpcServer:
     """The bound gRPC server; `close()` and `await wait_closed()` stop it."""
 
     def __init__(self, edge: Edge, settings: GrpcSettings | None = None,
-                 cluster_status: Callable[[], dict[str, Any]] | None = None) -> None:
+                 cluster_status: Callable[[], dict[str, Any]] | None = None, *,
+                 remote: RemoteSubscriptions | None = None) -> None:
         self.edge = edge
         # Cluster mode: the cluster as this node sees it (`Admin.GetClusterStatus`); None on
         # a single node.
@@ -92,14 +110,14 @@ class GrpcServer:
         self._topic_ok: set[str] = set()
         self._registered = _RegisteredClients(self)
         self.consumer_service = ConsumerService(self)
-        # Cluster mode: runs a consumer's stream against the node where its durable
-        # subscription is consumed (`cluster.durables.RemoteConsumers`); None on a single node.
-        self.consume_remotely: ConsumeRemotely | None = None
-        # Cluster mode: describes a subscription held by another node (None: no node holds
-        # it); None on a single node. `DescribeSubscription` asks it for a name not held here.
-        self.describe_elsewhere: Callable[[str], Awaitable[pb.SubscriptionInfo | None]] | None = None
-        # ... and deletes one there (False: no node holds it).
-        self.delete_elsewhere: Callable[[str], Awaitable[bool]] | None = None
+        # Cluster mode (`RemoteSubscriptions`, bound once; None on a single node): runs a
+        # consumer's stream against the node where its durable subscription is consumed,
+        # describes and deletes a subscription held by another node.
+        self.consume_remotely: ConsumeRemotely | None = None if remote is None else remote.consume_remotely
+        self.describe_elsewhere: Callable[[str], Awaitable[pb.SubscriptionInfo | None]] | None = (
+            None if remote is None else remote.describe)
+        self.delete_elsewhere: Callable[[str], Awaitable[bool]] | None = (
+            None if remote is None else remote.delete)
 
     def allowed(self, action: Action, user: str | None, topic: str) -> bool:
         return self.edge.authorize(principal_of(user), action, topic)

@@ -93,20 +93,24 @@ class SharedQueues:
     """This node's queue records in etcd, its answers to other nodes' calls, and the
     `QueueDirectory` its virtual hosts use to reach other nodes' queues (module docstring)."""
 
-    def __init__(self, node: ClusterNode, broker: Broker, amqp: Any) -> None:
+    def __init__(self, node: ClusterNode, broker: Broker) -> None:
         self.node = node
         self.broker = broker
-        self.amqp = amqp
-        self.host = QueueHost(amqp)
+        # the AMQP service, whose virtual hosts are built with this object as their queue
+        # directory, and its queues as other nodes reach them: once `install`ed
+        self.amqp: Any = None
+        self.host: QueueHost | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._live: set[str] = set()
         # calls waiting until this node's view of etcd reaches a revision
         self._revision_waiters: list[tuple[int, asyncio.Future[None]]] = []
 
-    def install(self, plane: DataPlane) -> None:
+    def install(self, plane: DataPlane, amqp: Any) -> None:
+        self.amqp = amqp
+        self.host = QueueHost(amqp)
         plane.add_service(self.handler())
         for vhost in self.amqp.vhosts.values():
-            vhost.directory = self
+            vhost.use_queue_directory()
             vhost.on_queue_deleted.append(lambda queue, vhost=vhost: self._queue_deleted(vhost, queue))
             self.forget_gone(vhost)
         self._live = set(self.node.view.nodes())
@@ -229,6 +233,7 @@ class SharedQueues:
 
     def _view_changed(self) -> None:
         live = set(self.node.view.nodes())
+        assert self.host is not None  # watched once installed
         for gone in self._live - live:
             self.host.node_gone(gone)
         self._live = live
@@ -278,6 +283,7 @@ class SharedQueues:
     # ------------------------------------------------------------ serving other nodes
     def handler(self) -> grpc.GenericRpcHandler:
         host, broker = self.host, self.broker
+        assert host is not None, "served once installed"
 
         async def call(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             asked = json.loads(request)

@@ -84,23 +84,26 @@ class SharedExchanges:
     """Keeps every node's AMQP exchanges equal through etcd (module docstring); the
     `remote.ExchangeDirectory` of this node's virtual hosts."""
 
-    def __init__(self, node: ClusterNode, broker: Broker, amqp: Any,
-                 plane: DataPlane | None = None) -> None:
+    def __init__(self, node: ClusterNode, broker: Broker, plane: DataPlane | None = None) -> None:
         self.node = node
         self.broker = broker
-        self.amqp = amqp
+        # the AMQP service, whose virtual hosts are built with this object as their exchange
+        # directory (and `queues` as their queue directory): once `install`ed
+        self.amqp: Any = None
         self._applying = False
         # the queues: where each lives, and the calls that reach it from other nodes
-        self.queues = SharedQueues(node, broker, amqp)
+        self.queues = SharedQueues(node, broker)
         self._plane = plane
         self._claiming: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         # exchange keys being deleted in etcd: the deletion's revision when done
         self._deletions: dict[str, asyncio.Future[int]] = {}
 
-    def install(self) -> None:
+    def install(self, amqp: Any) -> None:
+        """The node has joined: take part for `amqp`'s virtual hosts."""
+        self.amqp = amqp
         if self._plane is not None:
-            self.queues.install(self._plane)
+            self.queues.install(self._plane, amqp)
             self._claiming = asyncio.get_running_loop().create_task(self.queues.claim_restored())
         self.node.document_listeners.append(self._changed_in_etcd)
         if not [node for node in self.node.view.registrations if node != self.node.node_id]:
@@ -110,7 +113,7 @@ class SharedExchanges:
             if key.startswith(keys.AMQP):
                 self._changed_in_etcd(key, value)
         for vhost in self.amqp.vhosts.values():
-            vhost.exchange_directory = self
+            vhost.use_exchange_directory()
             vhost.on_exchanges_changed.append(self._changed_here)
             self._share(vhost, delete=False)
 

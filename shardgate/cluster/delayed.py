@@ -57,7 +57,7 @@ import base64
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import PublishRejected, ShardUnavailable, StoreFull
@@ -432,9 +432,8 @@ class SharedDelayed:
 def released_copy(message: Message, release_id: str) -> Message:
     """The message as released: a fresh copy, stamped now, carrying its release id."""
     copy = decode_to_message(encode_message(message))
-    copy.publish_time_ms = now_ms()
-    copy.native_properties = {**(copy.native_properties or {}), RELEASE_FORMAT: release_id.encode()}
-    return copy
+    return replace(copy, publish_time_ms=now_ms(),
+                   native_properties={**(copy.native_properties or {}), RELEASE_FORMAT: release_id.encode()})
 
 
 def _retrieved(future: asyncio.Future[None]) -> None:

@@ -110,15 +110,14 @@ def will_state(client_id: str, will: p.Will, *, node: str, lease: int, delay: in
 
 
 def will_of(state: dict[str, Any]) -> p.Will:
-    props = p.Properties()
-    props.message_expiry_interval = state.get("message_expiry_interval")
-    props.content_type = state.get("content_type")
-    props.correlation_data = _unb64(state.get("correlation_data"))
-    props.response_topic = state.get("response_topic")
-    props.payload_format_indicator = state.get("payload_format_indicator")
-    user = [(str(k), str(v)) for k, v in state.get("user_properties") or []]
-    if user:
-        props.user_properties = user
+    props = p.Properties(
+        message_expiry_interval=state.get("message_expiry_interval"),
+        content_type=state.get("content_type"),
+        correlation_data=_unb64(state.get("correlation_data")),
+        response_topic=state.get("response_topic"),
+        payload_format_indicator=state.get("payload_format_indicator"),
+        user_properties=[(str(k), str(v)) for k, v in state.get("user_properties") or []],
+    )
     return p.Will(str(state["topic"]), _unb64(state.get("payload")) or b"", int(state.get("qos", 0)),
                   bool(state.get("retain", False)), props)
 

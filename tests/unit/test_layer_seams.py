@@ -1,0 +1,141 @@
+"""The layer rules of issue 27, read from the source: the cluster layer sets no attribute of a
+core or protocol object (it reaches them through the typed ports they are built with and the
+Edge), and protocols, bridges and admin code reach the broker through the Edge, not
+`edge.broker`.
+
+Each rule keeps a short list of what is still left: an entry may go, none may be added.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Names under which cluster code holds core and protocol objects.
+CORE_AND_PROTOCOL_NAMES = frozenset({
+    "broker", "edge", "service", "mqtt", "amqp", "vhost", "grpc", "grpc_server", "server",
+    "session", "cursor", "sub", "subscription", "delayed", "persistence", "placement", "fanout",
+    "connection", "queue",
+})
+
+# Assignments still made by the cluster layer (issue 27, left for later), as `name.attribute`
+# of the assigned target. Remove an entry once its assignment is gone; never add one.
+STILL_ASSIGNED = frozenset({
+    # the data plane takes the broker's placement and fan-out when it starts (forward.py)
+    "broker.placement", "broker.fanout", "broker.on_routes_changed", "broker.on_retained_change",
+    # re-pointing a durable cursor onto another shard log (forward.py)
+    "cursor.log", "cursor.live", "cursor.ahead",
+    # MQTT session handover (sessions.py)
+    "service.find_session_elsewhere", "service.store",
+    "session.expiry_interval", "session.disconnected_at_ms", "session.owner", "session.owned",
+    "session.connection", "session.inbound_qos2",
+})
+
+
+def _base_name(node: ast.expr) -> str | None:
+    """The object an attribute is set on, by the name cluster code holds it under: `broker`
+    in `broker.x = ...` and in `self.broker.x = ...`."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return node.attr
+    return None
+
+
+def _assigned_attributes(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        else:
+            continue
+        for target in targets:
+            for part in ast.walk(target):
+                if isinstance(part, ast.Attribute) and isinstance(part.ctx, ast.Store):
+                    name = _base_name(part.value)
+                    if name in CORE_AND_PROTOCOL_NAMES:
+                        found.append((node.lineno, f"{name}.{part.attr}"))
+    return found
+
+
+def test_the_cluster_layer_sets_no_attribute_of_a_core_or_protocol_object() -> None:
+    offending = [
+        f"{path.relative_to(ROOT)}:{line}: {target} = ..."
+        for path in sorted((ROOT / "shardgate" / "cluster").rglob("*.py"))
+        for line, target in _assigned_attributes(path)
+        if target not in STILL_ASSIGNED
+    ]
+    assert not offending, (
+        "the cluster layer must reach the core and the protocols through their ports and the "
+        "Edge, not by setting their attributes:\n" + "\n".join(offending))
+
+
+def test_the_rule_sees_an_assignment_it_forbids(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text("def f(broker, self):\n    broker.hook = 1\n    self.vhost.directory = 2\n"
+                      "    self.own = 3\n    plane.port = 4\n")
+    assert _assigned_attributes(sample) == [(2, "broker.hook"), (3, "vhost.directory")]
+
+
+# Where the broker is still reached past the Edge (`.broker` read), per file: counts may go
+# down, never up. Outside the core, only the composition root (`shardgate/app.py`,
+# `shardgate/persistence.py`) and the cluster layer hold the broker itself.
+BROKER_READS_LEFT: dict[str, int] = {
+    "protocols/amqp/base.py": 1,
+    "protocols/amqp/consuming.py": 1,
+    "protocols/amqp/service.py": 1,
+    "protocols/amqp/topology.py": 1,
+    "protocols/amqp/vhost.py": 13,
+    "protocols/grpc/admin_service.py": 25,
+    "protocols/grpc/consumer_service.py": 6,
+    "protocols/grpc/server.py": 4,
+    "protocols/mqtt/connection.py": 5,
+    "protocols/mqtt/service.py": 19,
+    "protocols/mqtt/session.py": 3,
+    "shardgate/admin/admin_http.py": 8,
+    "shardgate/admin/metrics.py": 1,
+    "shardgate/bridges/base.py": 4,
+}
+EDGE_CLIENTS = ("protocols", "shardgate/admin", "shardgate/bridges", "shardgate/security")
+
+
+def _broker_reads(path: Path) -> int:
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    return sum(
+        1 for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr == "broker" and isinstance(node.ctx, ast.Load)
+    )
+
+
+def test_protocols_bridges_and_admin_reach_the_broker_only_through_the_edge() -> None:
+    counts: Counter[str] = Counter()
+    for folder in EDGE_CLIENTS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            reads = _broker_reads(path)
+            if reads:
+                counts[str(path.relative_to(ROOT))] = reads
+    grown = {
+        name: (count, BROKER_READS_LEFT.get(name, 0))
+        for name, count in counts.items() if count > BROKER_READS_LEFT.get(name, 0)
+    }
+    assert not grown, (
+        "protocols, bridges and admin code reach the core through the Edge (`core/edge.py`: "
+        "add the method they need there), not `edge.broker`; (reads, allowed) per file: "
+        f"{grown}")
+
+
+def test_nothing_outside_the_core_names_edge_broker() -> None:
+    offending = []
+    for folder in ("protocols", "shardgate", "client"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            name = str(path.relative_to(ROOT))
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if "edge.broker" in line and name not in BROKER_READS_LEFT:
+                    offending.append(f"{name}:{number}: {line.strip()}")
+    assert not offending, "\n".join(offending)
