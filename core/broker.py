@@ -373,6 +373,11 @@ class Broker:
             for watcher in self._durable_watchers:
                 watcher.durable_defined(sub)
 
+    def durable_changed(self, sub: DurableSubscription) -> None:
+        """`sub`'s definition changed in a way only its owner knows (its options): saved again,
+        as when its filters change."""
+        self._durable_defined(sub)
+
     def watch_durables(self, watcher: DurableWatcher) -> None:
         """Tell `watcher` of every durable subscription defined, changed or removed from now
         on, after the store was told (`on_durable_defined`, `on_subscription_removed`)."""
@@ -410,13 +415,16 @@ class Broker:
         self._durable_defined(sub)
         return True
 
-    def remove_subscription(self, name: str) -> Subscription | None:
+    def remove_subscription(self, name: str, *, forget: bool = True) -> Subscription | None:
+        """Remove subscription `name`; a durable one is forgotten by its store and watchers
+        too, unless `forget` is False (one that was never fully restored: its stored record
+        stays as it was)."""
         sub = self.subscriptions.pop(name, None)
         if isinstance(sub, DurableSubscription):
             sub.close()
-            if self.on_subscription_removed is not None:
+            if forget and self.on_subscription_removed is not None:
                 self.on_subscription_removed(sub)
-            for watcher in self._durable_watchers:
+            for watcher in self._durable_watchers if forget else ():
                 watcher.durable_removed(sub)
         if sub is not None:
             for topic_filter in list(sub.filters):
@@ -981,6 +989,10 @@ class Broker:
             return
         if self.on_retained_change is not None:
             self.on_retained_change(message.topic, message if message.payload else None)
+
+    def forget_retained(self, topic: str) -> None:
+        """Remove the retained message of `topic`, if any (its store is told)."""
+        self._retain(Message(topic, b""))
 
     def _retain(self, message: Message) -> None:
         if message.payload:

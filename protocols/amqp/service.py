@@ -60,7 +60,6 @@ class AmqpService:
         self.refusals = RefusalLog(logging.getLogger("shardgate.protocols.amqp.publishing"))
         # Time and timers, from the I/O adapter (an asyncio loop is one) or a test's clock.
         self._scheduler = scheduler
-        self.broker = edge.broker
         self.settings = settings or AmqpSettings()
         self.vhosts: dict[str, VirtualHost] = {}
         for name in self.settings.vhosts:

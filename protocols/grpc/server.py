@@ -18,7 +18,6 @@ from typing import Any, Protocol
 
 import grpc
 
-from ...core.broker import Broker
 from ...core.edge import KICK_REASON, Action, ClientInfo, Edge, Receipt
 from ...core.errors import (
     InvalidMessage,
@@ -136,10 +135,6 @@ class GrpcServer:
                 kicked += 1
         return kicked
 
-    @property
-    def broker(self) -> Broker:
-        return self.edge.broker
-
     async def start(self, host: str, port: int, credentials: grpc.ServerCredentials | None) -> None:
         """Listen on `host:port` (0 picks a free port; TLS when `credentials`) and serve."""
         self.port = self.listen(host, port, credentials)
@@ -230,10 +225,10 @@ class GrpcServer:
                 f"payload of {len(payload)} bytes exceeds the limit of "
                 f"{self.settings.max_payload_bytes} bytes",
             )
-        broker = self.broker
-        stream: Stream = broker.stream_for_topic(topic)
+        edge = self.edge
+        stream: Stream = edge.stream_for_topic(topic)
         if request.stream and stream.config.name != request.stream:
-            if request.stream not in broker.streams:
+            if request.stream not in edge.streams:
                 raise Refusal(grpc.StatusCode.NOT_FOUND, f"stream {request.stream!r} does not exist")
             raise Refusal(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -287,23 +282,23 @@ class GrpcServer:
 
     # ---------------------------------------------------------------- admin views
     def stream_info(self, stream: Stream) -> pb.StreamInfo:
-        broker = self.broker
+        edge = self.edge
         config = stream.config
         info = pb.StreamInfo(
             name=config.name,
             mode=MODES_OUT[config.mode],
             partitions=config.partitions,
             schema=SCHEMAS_OUT[config.schema],
-            routes=[rule.topic_filter for rule in broker.router.rules if rule.stream == config.name],
+            routes=[rule.topic_filter for rule in edge.routes if rule.stream == config.name],
             shards=[pb.ShardInfo(index=shard.index, next_offset=shard.next_offset)
                     for shard in stream.shards],
-            is_default=config.name == broker.router.default_stream,
+            is_default=config.name == edge.default_stream,
         )
         if config.retention_ms is not None:
             info.retention_ms = config.retention_ms
         if config.retention_bytes is not None:
             info.retention_bytes = config.retention_bytes
-        for sub in list(broker.subscriptions.values()):
+        for sub in list(edge.subscriptions.values()):
             state = sub.owner
             if isinstance(state, GrpcSubscriptionState) and state.stream == config.name:
                 info.subscriptions.add(name=sub.name, lag=lag_of(sub))
@@ -311,7 +306,7 @@ class GrpcServer:
 
     def delete_subscription(self, sub: Subscription) -> None:
         """Remove `sub`; its gRPC consumers' streams end."""
-        self.broker.remove_subscription(sub.name)
+        self.edge.remove_subscription(sub.name)
         for consumer in list(sub.consumers):
             if isinstance(consumer, GrpcConsumer):
                 consumer.closed = True

@@ -273,7 +273,7 @@ async def join(app: Shardgate, node: ClusterNode, parts: ClusterParts) -> None:
         handover.start_checkpointing()
         from .wills import WillKeeper
 
-        wills = node.wills = WillKeeper(node, mqtt, writer)
+        wills = node.wills = WillKeeper(node, mqtt, writer, broker)
         wills.install()
         wills.start()
     await node.durables.drop_moved()

@@ -62,6 +62,7 @@ from .journal_search import ShardUnreadable, shard_holds
 from .view_changes import ViewChanges
 
 if TYPE_CHECKING:
+    from ..core.broker import Broker
     from ..protocols.mqtt.service import MqttService
     from .control import ClusterNode
     from .sessions import StateWriter
@@ -149,9 +150,11 @@ def publish_at_ms(state: dict[str, Any], noticed_ms: int) -> int:
 class WillKeeper:
     """Keeps this node's wills in etcd and publishes those of dead nodes (module docstring)."""
 
-    def __init__(self, node: ClusterNode, service: MqttService, writer: StateWriter) -> None:
+    def __init__(self, node: ClusterNode, service: MqttService, writer: StateWriter,
+                 broker: Broker) -> None:
         self.node = node
         self.service = service
+        self.broker = broker
         self.writer = writer
         self.prefix = node.settings.prefix.rstrip("/") + ".state/wills/"
         self.view_changes = ViewChanges(node.view)
@@ -347,7 +350,7 @@ class WillKeeper:
         while True:
             seen = self.view_changes.count
             try:
-                held = await shard_holds(self.node, self.service.broker, will.topic,
+                held = await shard_holds(self.node, self.broker, will.topic,
                                          since_ms - SEARCH_BEFORE_CLAIM_MS, published)
                 return bool(held)
             except ShardUnreadable as exc:
