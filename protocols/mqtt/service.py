@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
 CONGESTION_GIVE_UP_S = 5.0
+# Seconds between two log lines about messages dropped from full session queues, per reason.
+DROP_LOG_INTERVAL_S = 10.0
 TICK_S = 0.25
 # Reads a connection has left for the next turn are read again after this at the latest.
 DEFER_MAX_S = 1.0
@@ -153,6 +155,9 @@ class MqttService:
         self._congested: set[MqttSession] = set()
         # ... of which those whose queue (not only their socket's output) is over half full.
         self._queue_congested: set[MqttSession] = set()
+        # Drops of a full session queue, by reason -> (when the last line was logged, drops
+        # since): logged at most once per DROP_LOG_INTERVAL_S per reason.
+        self._drop_log: dict[str, tuple[float, int]] = {}
         # Where CONNECTs wait (read → session open → CONNACK written) and the loop's lateness.
         self.connect_timing = ConnectTiming()
         # The reads one loop turn handles, shared with the broker's other listeners.
@@ -296,6 +301,27 @@ class MqttService:
         self.read_budget.defer(connection.run_deferred)
 
     # ------------------------------------------------------------------ back-pressure
+    def dropped(self, session: MqttSession, reason: str) -> None:
+        """A message dropped because `session`'s queue is at its limit (`reason`:
+        "slow_subscriber" for `max_queued_messages`, "queue_bytes" for `max_queued_bytes`):
+        counted by the broker (`shardgate_messages_dropped_by_reason_total`) and logged, the
+        first at once, then at most one line per DROP_LOG_INTERVAL_S per reason with the
+        count since, so that a flood of drops writes a few lines."""
+        self.edge.stats.drop(reason)
+        now = self.scheduler.time()
+        last = self._drop_log.get(reason)
+        if last is not None and now - last[0] < DROP_LOG_INTERVAL_S:
+            self._drop_log[reason] = (last[0], last[1] + 1)
+            return
+        self._drop_log[reason] = (now, 0)
+        since = f" ({last[1]} more dropped since the last report)" if last is not None and last[1] else ""
+        settings = self.settings
+        limit = (f"max_queued_bytes = {settings.max_queued_bytes}" if reason == "queue_bytes"
+                 else f"max_queued_messages = {settings.max_queued_messages}")
+        log.warning("session %r: queue full (%d messages, %d bytes; %s): a message was dropped%s",
+                    session.client_id, len(session.queue), session.queued_bytes, limit, since,
+                    extra={"event": "session_queue_full", "reason": reason})
+
     def congested(self, session: MqttSession, *, queue: bool = True) -> None:
         """`session` (online) queues more than it reads (`queue`), or its client's socket has
         more than `output_high_water` left to send: hold the client publishing to it, so

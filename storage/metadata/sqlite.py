@@ -46,13 +46,15 @@ log = logging.getLogger(__name__)
 Synchronous = Literal["FULL", "EXTRA", "NORMAL"]
 
 _PUT_STREAM = """INSERT INTO streams (name, mode, partitions, retention_ms, retention_bytes,
-    schema, schema_definition, created_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+    schema, schema_definition, created_ms, replicas, min_insync_replicas)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
     ON CONFLICT (name) DO UPDATE SET mode = excluded.mode, partitions = excluded.partitions,
     retention_ms = excluded.retention_ms, retention_bytes = excluded.retention_bytes,
     schema = excluded.schema, schema_definition = excluded.schema_definition,
-    created_ms = excluded.created_ms"""
+    created_ms = excluded.created_ms, replicas = excluded.replicas,
+    min_insync_replicas = excluded.min_insync_replicas"""
 _STREAM_COLUMNS = """name, mode, partitions, retention_ms, retention_bytes, schema,
-    schema_definition, created_ms"""
+    schema_definition, created_ms, replicas, min_insync_replicas"""
 _PUT_ROUTE = """INSERT INTO routes (pattern, stream, priority) VALUES (?, ?, ?)
     ON CONFLICT (pattern) DO UPDATE SET stream = excluded.stream, priority = excluded.priority"""
 _PUT_SUBSCRIPTION = """INSERT INTO subscriptions (name, type, filters, durable, options,
@@ -420,6 +422,8 @@ class SqliteMetadataStore:
                 stream.schema,
                 stream.schema_definition,
                 stream.created_ms,
+                stream.replicas,
+                stream.min_insync_replicas,
             ),
         )
 
@@ -615,6 +619,11 @@ class SqliteMetadataStore:
 
     def delete_delayed(self, id: str) -> bool:
         return bool(self._write("DELETE FROM delayed WHERE id = ?", (id,)))
+
+    def delayed_summary(self, before_ms: int) -> tuple[int, int | None]:
+        count = self._row("SELECT COUNT(*) FROM delayed", ())
+        earliest = self._row("SELECT MIN(deliver_at_ms) FROM delayed WHERE deliver_at_ms < ?", (before_ms,))
+        return (count[0] if count else 0), (earliest[0] if earliest else None)
 
     # ---------------------------------------------------------------- users
 
