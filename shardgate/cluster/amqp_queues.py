@@ -64,7 +64,6 @@ from ..protocols.amqp.remote import (
     unpack_frames,
 )
 from . import keys
-from .etcd import get_op, mod_revision_is, put_op, version_is
 from .link_auth import cluster_channel
 from .state_rpc import CHANNEL_OPTIONS
 
@@ -190,15 +189,14 @@ class SharedQueues:
         key = queue_key(vhost, queue)
         full = self.node.key(key)
         value = keys.encode({"node": self.node.node_id, "durable": durable})
-        compare = version_is(full, 0)
+        at = 0  # the revision the record must be at: absent first
         for _ in range(3):
-            result = await self.node.client.txn([compare], [put_op(full, value)], [get_op(full)])
-            if result.succeeded:
+            created, current = await self.node.client.put_at(full, at, value)
+            if created:
                 self.node.view.documents[key] = value
                 return None
-            current = result.reads[0][0] if result.reads and result.reads[0] else None
             if current is None:
-                compare = version_is(full, 0)
+                at = 0
                 continue
             if keys.decode(current.value).get("node") == self.node.node_id:
                 self.node.view.documents[key] = value
@@ -207,7 +205,7 @@ class SharedQueues:
             if home is not None:
                 return home
             # a non-durable queue of a node that is gone: its record is stale, replace it
-            compare = mod_revision_is(full, current.mod_revision)
+            at = current.mod_revision
         raise RuntimeError(f"the record of AMQP queue {queue!r} keeps changing")
 
     def _channel(self, node: str) -> grpc.aio.Channel:

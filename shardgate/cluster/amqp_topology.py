@@ -44,7 +44,6 @@ from urllib.parse import quote, unquote
 
 from . import keys
 from .amqp_queues import SharedQueues
-from .etcd import delete_op, get_op, mod_revision_is, put_op, version_is
 
 if TYPE_CHECKING:
     from ..core.broker import Broker
@@ -151,7 +150,7 @@ class SharedExchanges:
             try:
                 kv = await self.node.client.get(full)
                 if kv is not None and kv.value == value:
-                    await self.node.client.txn([mod_revision_is(full, kv.mod_revision)], [delete_op(full)])
+                    await self.node.client.delete_unchanged(full, kv.mod_revision)
             except Exception as exc:  # noqa: BLE001 - the next lone start drops it
                 log.warning("cluster: cannot drop AMQP %s from etcd: %s", key, exc)
 
@@ -203,7 +202,7 @@ class SharedExchanges:
         waits for it); the etcd revision of the deletion, 0 when etcd is away (then the
         queued writer retries it)."""
         try:
-            return (await self.node.client.txn([], [delete_op(self.node.key(key))])).revision
+            return await self.node.client.write(deletes=[self.node.key(key)]) or 0
         except Exception as exc:  # noqa: BLE001 - retried by the node's writer
             log.warning("cluster: cannot delete AMQP exchange %s in etcd yet (%s); retrying", key, exc)
             self.node.submit(key, None)
@@ -221,13 +220,12 @@ class SharedExchanges:
         value = keys.encode(exchange_definition(
             definition["type"], definition["durable"], definition["auto_delete"],
             definition["internal"], definition["arguments"]))
-        result = await self.node.client.txn([version_is(full, 0)], [put_op(full, value)], [get_op(full)])
-        if result.succeeded:
+        created, current = await self.node.client.create(full, value)
+        if created:
             # this declare defines it: the caller declares it here, and `_share` finds the
             # key already written
             self.node.view.documents[key] = value
             return
-        current = result.reads[0][0] if result.reads and result.reads[0] else None
         if current is not None:
             self._learn(key, current.value)
 

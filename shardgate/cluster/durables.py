@@ -59,7 +59,7 @@ from ..core.subscriptions import Subscription, SubscriptionType
 from ..proto import shardgate_pb2 as pb
 from ..protocols.grpc.convert import SUB_TYPES_OUT
 from . import keys
-from .etcd import EtcdError, KeyValue, delete_op, mod_revision_is, put_op, version_is
+from .etcd import EtcdError, KeyValue
 from .sessions import (
     MAX_BATCH_PUTS,
     RELEASE_CALL_TIMEOUT_S,
@@ -280,7 +280,7 @@ class DurableHandover:
                 # a new subscription: claimed with a create-if-absent transaction, so that of
                 # two nodes defining it at once one holds it and the other relays to it
                 claim = keys.encode({"node": me, "name": name, "taken_ms": now_ms()})
-                if (await client.txn([version_is(key, 0)], [put_op(key, claim)])).succeeded:
+                if (await client.create(key, claim))[0]:
                     return None
                 continue
             state = keys.decode(kv.value)
@@ -308,7 +308,7 @@ class DurableHandover:
                 # take it with a transaction on the revision read: of two nodes taking over a
                 # dead holder's subscription, one holds it and the other relays to it
                 claim = keys.encode(dict(state, node=me, taken_ms=state.get("taken_ms", now_ms())))
-                if not (await client.txn([mod_revision_is(key, kv.mod_revision)], [put_op(key, claim)])).succeeded:
+                if not await client.replace_unchanged(key, kv.mod_revision, claim):
                     continue
                 if name in self.broker.subscriptions:
                     return None
@@ -448,12 +448,11 @@ class DurableHandover:
                 raise ShardUnavailable(f"node {holder}, which holds durable subscription {name!r}, "
                                        f"cannot be reached ({exc}); retry") from None
         try:
-            deleted = await self.node.client.txn([mod_revision_is(self.key(name), kv.mod_revision)],
-                                                 [delete_op(self.key(name))])
+            deleted = await self.node.client.delete_unchanged(self.key(name), kv.mod_revision)
         except EtcdError as exc:
             raise ShardUnavailable(f"durable subscription {name!r} cannot be deleted in etcd now "
                                    f"({exc}); retry") from exc
-        if not deleted.succeeded:
+        if not deleted:
             raise ShardUnavailable(f"durable subscription {name!r} changed meanwhile; retry")
         return True
 

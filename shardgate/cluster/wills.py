@@ -57,7 +57,7 @@ from ..core.message import Message, now_ms
 from ..protocols.mqtt import packets as p
 from ..protocols.mqtt.service import will_message
 from . import keys
-from .etcd import KeyValue, delete_op, mod_revision_is, put_op
+from .etcd import KeyValue
 from .journal_search import ShardUnreadable, shard_holds
 from .view_changes import ViewChanges
 
@@ -237,7 +237,7 @@ class WillKeeper:
                 return
             kv = await client.get(key)
             if kv is not None and keys.decode(kv.value).get("node") == self.node.node_id:
-                await client.txn([mod_revision_is(key, kv.mod_revision)], [delete_op(key)])
+                await client.delete_unchanged(key, kv.mod_revision)
 
         self.writer.run(key, write)
 
@@ -303,12 +303,12 @@ class WillKeeper:
         self._claiming.add(kv.key)
         try:
             try:
-                result = await self.node.client.txn([mod_revision_is(kv.key, kv.mod_revision)],
-                                                    [put_op(kv.key, keys.encode(claimed))])
+                taken = await self.node.client.write([(kv.key, keys.encode(claimed))],
+                                                     if_at=(kv.key, kv.mod_revision))
             except Exception as exc:  # noqa: BLE001 - the next scan finds it again
                 log.warning("cluster: cannot claim the will of %r yet: %s", client_id, exc)
                 return
-            if not result.succeeded:
+            if taken is None:
                 return  # claimed, replaced or cancelled elsewhere
             await pause_for_tests(CLAIM_PAUSE_ENV)
             holder = self.node.view.sessions.get(client_id)
@@ -324,14 +324,14 @@ class WillKeeper:
                          client_id, state.get("node"))
                 await self._publish(client_id, will)
                 await pause_for_tests(PUBLISH_PAUSE_ENV)
-            await self._delete_claim(kv.key, result.revision)
+            await self._delete_claim(kv.key, taken)
         finally:
             self._claiming.discard(kv.key)
 
     async def _delete_claim(self, key: str, revision: int) -> None:
         """Delete a will this node claimed and published (or cancelled), unless it changed."""
         try:
-            await self.node.client.txn([mod_revision_is(key, revision)], [delete_op(key)])
+            await self.node.client.delete_unchanged(key, revision)
         except Exception as exc:  # noqa: BLE001 - the next scan deletes it
             log.warning("cluster: cannot delete a published will's claim yet: %s", exc)
 
