@@ -48,7 +48,7 @@ from .amqp_queues import SharedQueues
 if TYPE_CHECKING:
     from ..core.broker import Broker
     from .control import ClusterNode
-    from .forward import DataPlane
+    from .data_plane import DataPlane
 
 log = logging.getLogger(__name__)
 

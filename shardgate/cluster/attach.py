@@ -26,9 +26,9 @@ if TYPE_CHECKING:
     from ..app import Shardgate
     from ..core.streams import StreamConfig
     from .amqp_topology import SharedExchanges
+    from .data_plane import DataPlane
     from .durables import DurableHandover
     from .floors import CursorFloors
-    from .forward import DataPlane
     from .sessions import CursorPlacer, StateWriter
     from .state_rpc import StateRpc
 
@@ -131,9 +131,9 @@ def assemble(app: Shardgate, node: ClusterNode) -> ClusterParts:
     """Build the cluster's parts for `app`'s broker (which exists), before the Edge and the
     protocols, which are built with them."""
     from .amqp_topology import SharedExchanges
+    from .data_plane import DataPlane
     from .durables import DurableHandover
     from .floors import CursorFloors
-    from .forward import DataPlane
     from .sessions import CursorPlacer, StateWriter
     from .state_rpc import StateRpc
 
