@@ -201,11 +201,13 @@ class Broker:
         # Told when a subscription is removed (the composition root forgets durable ones).
         self.on_subscription_removed: Callable[[Subscription], None] | None = None
         self.delayed = DelayedDelivery(None, self.publish)
-        # Cluster mode only (None on a single node): where shards are served, which other
-        # nodes want a stored message, and who is told when local subscriptions change.
+        # Cluster mode only, while the node's data plane takes part (`join_cluster`; None on a
+        # single node): where shards are served, which other nodes want a stored message, who
+        # is told when local subscriptions change and when a retained message changes here.
         self.placement: ShardPlacement | None = None
         self.fanout: Fanout | None = None
         self.on_routes_changed: Callable[[], None] | None = None
+        self._cluster_retained: Callable[[str, Message | None], None] | None = None
         # Cluster mode, from the restore until the node knows the shard map: cursors of reliable
         # shards restored from the store wait unplaced (`ShardCursor.placed`) until the cluster
         # places them (`DurableSubscription.place_restored`) and says so
@@ -1004,3 +1006,38 @@ class Broker:
             changed = None
         if self.on_retained_change is not None:
             self.on_retained_change(message.topic, changed)
+        if self._cluster_retained is not None:
+            self._cluster_retained(message.topic, changed)
+
+    def retain_from_peer(self, topic: str, message: Message | None) -> None:
+        """Cluster mode: another node set (or cleared, None) the retained message of `topic`;
+        kept here and stored, not told back to the cluster."""
+        if message is not None:
+            self.retained.set(topic, message)
+        elif not self.retained.delete(topic):
+            return
+        if self.on_retained_change is not None:
+            self.on_retained_change(topic, message)
+
+    def join_cluster(self, placement: ShardPlacement, fanout: Fanout, *,
+                     routes_changed: Callable[[], None],
+                     retained_changed: Callable[[str, Message | None], None]) -> None:
+        """Cluster mode: the node's data plane takes part from now on. Publishes consult
+        `placement` (stored here or forwarded to the shard's owner), stored messages go through
+        `fanout` to the other nodes that want them, `routes_changed` is told after each change
+        of the local subscriptions and `retained_changed` after each retained message set or
+        cleared here (after the store)."""
+        self.placement = placement
+        self.fanout = fanout
+        self.on_routes_changed = routes_changed
+        self._cluster_retained = retained_changed
+
+    def leave_cluster(self, placement: ShardPlacement) -> None:
+        """The data plane that joined as `placement` stopped: the node behaves as a single
+        node again (every shard stored here; nothing pushed)."""
+        if self.placement is not placement:
+            return
+        self.placement = None
+        self.fanout = None
+        self.on_routes_changed = None
+        self._cluster_retained = None

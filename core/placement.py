@@ -3,8 +3,10 @@ other nodes want a stored message, and where a durable subscription not held her
 
 A single node has none of them (`Broker.placement` and `Broker.fanout` stay None, the `Edge`
 gets no `RemoteDurables`, and the core behaves as it always did). In a cluster the
-composition root hands the cluster layer's implementations (`shardgate.cluster`) to the core
-when it builds it: the core only calls them, and knows nothing of peers, links or etcd.
+composition root hands the cluster layer's `RemoteDurables` to the `Edge` when it builds it,
+and the data plane joins the broker as its placement and fan-out while it runs
+(`Broker.join_cluster`, `leave_cluster`): the core only calls them, and knows nothing of
+peers, links or etcd.
 """
 
 from __future__ import annotations

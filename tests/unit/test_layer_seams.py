@@ -24,10 +24,6 @@ CORE_AND_PROTOCOL_NAMES = frozenset({
 # Assignments still made by the cluster layer (issue 27, left for later), as `name.attribute`
 # of the assigned target. Remove an entry once its assignment is gone; never add one.
 STILL_ASSIGNED = frozenset({
-    # the data plane takes the broker's placement and fan-out when it starts (forward.py)
-    "broker.placement", "broker.fanout", "broker.on_routes_changed", "broker.on_retained_change",
-    # re-pointing a durable cursor onto another shard log (forward.py)
-    "cursor.log", "cursor.live", "cursor.ahead",
     # MQTT session handover (sessions.py)
     "service.find_session_elsewhere", "service.store",
     "session.expiry_interval", "session.disconnected_at_ms", "session.owner", "session.owned",
