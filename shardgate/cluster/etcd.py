@@ -6,7 +6,7 @@ the older `etcd3`/`aioetcd3` stubs do not), but its `Client` speaks to one plain
 only and hides watch revisions and compaction. So Shardgate uses aetcd's stubs over
 `grpc.aio` directly (no generated code of our own, no grpcio-tools at build time) and adds
 what a cluster member needs: several endpoints with fail-over, TLS and user/password, a
-lease kept alive on one bidirectional stream, and a watch that reports the revision it is at
+lease kept alive on one bidirectional stream (or from a thread: `etcd_lease.py`), and a watch that reports the revision it is at
 and fails loudly on compaction so the caller re-reads and resumes.
 
 Nothing here knows what Shardgate stores in etcd (see `keys.py` and `control.py`).
@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import grpc
 from aetcd import rpc
+
+if TYPE_CHECKING:
+    from .etcd_lease import LeaseKeeper
 
 log = logging.getLogger(__name__)
 
@@ -298,11 +300,11 @@ class EtcdClient:
 
     async def put(self, key: str, value: bytes, lease: int = 0) -> int:
         reply = await self._unary("Put", "kv", rpc.PutRequest(key=key.encode(), value=value, lease=lease))
-        return reply.header.revision  # type: ignore[attr-defined]
+        return int(reply.header.revision)  # type: ignore[attr-defined]
 
     async def delete(self, key: str) -> bool:
         reply = await self._unary("DeleteRange", "kv", rpc.DeleteRangeRequest(key=key.encode()))
-        return reply.deleted > 0  # type: ignore[attr-defined]
+        return bool(reply.deleted > 0)  # type: ignore[attr-defined]
 
     async def txn(
         self,
@@ -319,12 +321,52 @@ class EtcdClient:
         ]
         return TxnResult(reply.succeeded, reply.header.revision, reads)  # type: ignore[attr-defined]
 
+    # ---------------------------------------------------------------- conditional writes
+    # The transactions of the cluster's modules, named by what they mean: the session
+    # registry, elections and placement are `control.py`'s; every other module writes
+    # through these and builds no compare or op of its own.
+    async def create(self, key: str, value: bytes, lease: int = 0) -> tuple[bool, KeyValue | None]:
+        """Write `value` at `key` unless the key exists (one transaction): (True, None) when
+        written, else (False, what the key holds now, None when it went meanwhile)."""
+        return await self.put_at(key, 0, value, lease)
+
+    async def put_at(self, key: str, mod_revision: int, value: bytes,
+                     lease: int = 0) -> tuple[bool, KeyValue | None]:
+        """Write `value` at `key` only while the key is at `mod_revision` (0: absent), in one
+        transaction: (True, None) when written, else (False, what the key holds now)."""
+        compare = version_is(key, 0) if mod_revision == 0 else mod_revision_is(key, mod_revision)
+        result = await self.txn([compare], [put_op(key, value, lease)], [get_op(key)])
+        if result.succeeded:
+            return True, None
+        return False, result.reads[0][0] if result.reads and result.reads[0] else None
+
+    async def write(
+        self, puts: Iterable[tuple[str, bytes]] = (), deletes: Iterable[str] = (), *,
+        if_at: tuple[str, int] | None = None, lease: int = 0,
+    ) -> int | None:
+        """Delete `deletes` and write `puts` (under `lease`) in one transaction; with `if_at`
+        (a key and its mod revision), only while that key is still at that revision. The
+        revision written, or None when `if_at` no longer held."""
+        compare = [] if if_at is None else [mod_revision_is(*if_at)]
+        ops = [delete_op(key) for key in deletes]
+        ops += [put_op(key, value, lease) for key, value in puts]
+        result = await self.txn(compare, ops)
+        return result.revision if result.succeeded else None
+
+    async def delete_unchanged(self, key: str, mod_revision: int) -> bool:
+        """Delete `key` only while it is still at `mod_revision`; True when deleted."""
+        return await self.write(deletes=[key], if_at=(key, mod_revision)) is not None
+
+    async def replace_unchanged(self, key: str, mod_revision: int, value: bytes, lease: int = 0) -> bool:
+        """Write `value` at `key` only while it is still at `mod_revision`; True when written."""
+        return await self.write([(key, value)], if_at=(key, mod_revision), lease=lease) is not None
+
     # ---------------------------------------------------------------- leases
     async def grant(self, ttl: int) -> int:
         reply = await self._unary("LeaseGrant", "lease", rpc.LeaseGrantRequest(TTL=ttl))
         if reply.error:  # type: ignore[attr-defined]
             raise EtcdError(f"lease grant: {reply.error}")  # type: ignore[attr-defined]
-        return reply.ID  # type: ignore[attr-defined]
+        return int(reply.ID)  # type: ignore[attr-defined]
 
     async def revoke(self, lease_id: int) -> None:
         try:
@@ -361,6 +403,8 @@ class EtcdClient:
                      refreshed: Callable[[int, float, int], None]) -> LeaseKeeper:
         """A thread that keeps `lease_id` alive whatever the event loop is doing (see
         LeaseKeeper); same endpoints, TLS and credentials as this client."""
+        from .etcd_lease import LeaseKeeper
+
         return LeaseKeeper(self, lease_id, interval, refreshed)
 
     # ---------------------------------------------------------------- watches
@@ -403,115 +447,3 @@ class EtcdClient:
             raise EtcdUnavailable(f"watch stream ended: {exc!r}") from None
         finally:
             call.cancel()
-
-
-class LeaseKeeper:
-    """Refreshes one lease every `interval` seconds from a daemon thread with its own
-    synchronous gRPC channel, so a saturated event loop (a flood of QoS 0 publishes, a long
-    synchronous step) cannot let the lease run out while the node is alive.
-
-    After each answer it calls `refreshed(lease_id, sent, ttl)` on the thread: `sent` is the
-    `time.monotonic()` the refresh was sent at, `ttl` what etcd granted (0: the lease is gone).
-    The caller hands that to its event loop (`loop.call_soon_threadsafe`); fencing stays
-    correct because the lease is only counted valid until `sent + ttl`, so a thread that
-    cannot reach etcd makes the node stop acting for its shards once the TTL has passed.
-    `lease_id` may be replaced (a new registration) while the thread runs.
-    """
-
-    def __init__(self, client: EtcdClient, lease_id: int, interval: float,
-                 refreshed: Callable[[int, float, int], None]) -> None:
-        self.client = client
-        self.lease_id = lease_id
-        self.interval = interval
-        self.refreshed = refreshed
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._index = client._index
-        self._channel: grpc.Channel | None = None
-        self._metadata: tuple[tuple[str, str], ...] | None = None
-        self._thread = threading.Thread(target=self._run, name="etcd-lease-keeper", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def refresh_now(self) -> None:
-        """Refresh at once (a new lease id was set)."""
-        self._wake.set()
-
-    def stop(self, timeout: float | None = None) -> None:
-        """Ask the thread to end and wait (up to `timeout`) until it has; does not revoke."""
-        self._stop.set()
-        self._wake.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-
-    def _open(self) -> None:
-        self._close()
-        client = self.client
-        endpoint = client.endpoints[self._index]
-        if endpoint.secure or client._credentials is not None:
-            assert client._credentials is not None
-            channel = grpc.secure_channel(endpoint.target, client._credentials,
-                                          options=client._options)
-        else:
-            channel = grpc.insecure_channel(endpoint.target, options=client._options)
-        metadata = None
-        try:
-            if client.username:
-                reply = rpc.AuthStub(channel).Authenticate(
-                    rpc.AuthenticateRequest(name=client.username, password=client.password or ""),
-                    timeout=client.timeout)
-                metadata = (("token", reply.token),)
-        except BaseException:
-            channel.close()
-            raise
-        self._channel, self._metadata = channel, metadata
-
-    def _close(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
-
-    def _refresh(self, lease_id: int) -> int:
-        if self._channel is None:
-            self._open()
-        assert self._channel is not None
-        call = rpc.LeaseStub(self._channel).LeaseKeepAlive(
-            iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]), timeout=self.client.timeout,
-            metadata=self._metadata)
-        try:
-            for reply in call:
-                return int(reply.TTL)
-        finally:
-            call.cancel()
-        raise EtcdUnavailable("etcd closed the lease keep-alive stream")
-
-    def _run(self) -> None:
-        failing = False
-        while not self._stop.is_set():
-            lease_id = self.lease_id
-            sent = time.monotonic()
-            wait = self.interval
-            try:
-                granted = self._refresh(lease_id)
-            except (grpc.RpcError, EtcdError, OSError) as exc:
-                (log.debug if failing else log.warning)(
-                    "cluster: cannot refresh the lease at %s (%s); shards are served until "
-                    "the last refresh's TTL runs out", self.client.endpoints[self._index].target,
-                    exc)
-                failing = True
-                # the next endpoint (and a fresh token) on the next try
-                self._close()
-                self._index = (self._index + 1) % len(self.client.endpoints)
-                wait = min(self.interval, 0.5)
-            else:
-                failing = False
-                if self._stop.is_set():
-                    break
-                try:
-                    self.refreshed(lease_id, sent, granted)
-                except RuntimeError:  # the event loop is closed: nothing left to keep alive
-                    break
-            self._wake.wait(wait)
-            self._wake.clear()
-        self._close()
