@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from ..storage.interfaces import (
     ArchiveSource,
     LatencyHistogram,
+    ShardLog,
     ShardStorage,
     StorageError,
     StorageFull,
@@ -237,6 +238,26 @@ class Broker:
             return self._streams[name]
         except KeyError:
             raise StreamNotFound(f"stream {name!r} does not exist") from None
+
+    def swap_shard_log(self, stream: str, index: int, shard_log: ShardLog) -> None:
+        """Give a reliable shard another log over the same records (in a cluster, the
+        replicated log of a shard placed on several nodes, or its plain journal log again):
+        from now on appends and reads go to it, and durable cursors that read the old one
+        read it instead. Also takes the shard's next offset from the log (its records may
+        have come from elsewhere meanwhile: a follower's fetches)."""
+        shard = self.stream(stream).shards[index]
+        previous = shard.log
+        if previous is None:
+            raise PublishRejected(f"{stream}/{index} is not a reliable shard")
+        shard.log = shard_log
+        shard.next_offset = shard_log.next_offset
+        if previous is shard_log:
+            return
+        for sub in list(self.subscriptions.values()):
+            if isinstance(sub, DurableSubscription):
+                cursor = sub.cursors.get((stream, index))
+                if cursor is not None and cursor.log is previous:
+                    cursor.log = shard_log
 
     def create_stream(self, config: StreamConfig, routes: list[str] | None = None) -> Stream:
         if config.name in self._streams:

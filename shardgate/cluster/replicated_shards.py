@@ -116,38 +116,23 @@ class ReplicatedShards:
                     self._install(stream, index)
 
     def _install(self, stream: str, index: int) -> None:
-        """The broker's `Shard.log` for one shard: the replicated log while the placement
-        makes this node one of several replicas, else the plain journal log."""
+        """The broker's log of one shard: the replicated log while the placement makes this
+        node one of several replicas, else the plain journal log."""
         local = self.broker.streams.get(stream)
         if local is None or index >= len(local.shards) or local.shards[index].log is None:
             return
-        shard = local.shards[index]
         replicated = self.manager.shard_log(stream, index)
         target: Any = replicated if self.manager.replicated(stream, index) else replicated.log
-        previous = shard.log
-        if previous is target:
-            return
-        shard.log = target
-        shard.next_offset = target.next_offset
-        self._repoint_cursors(stream, index, previous, target)
-
-    def _repoint_cursors(self, stream: str, index: int, previous: Any, target: Any) -> None:
-        from ..core.durable import DurableSubscription
-
-        for sub in list(self.broker.subscriptions.values()):
-            if not isinstance(sub, DurableSubscription):
-                continue
-            cursor = sub.cursors.get((stream, index))
-            if cursor is not None and cursor.log is previous:
-                cursor.log = target
+        if local.shards[index].log is not target:
+            self.broker.swap_shard_log(stream, index, target)
 
     def _role_changed(self, stream: str, index: int) -> None:
+        self._install(stream, index)
         local = self.broker.streams.get(stream)
         if local is not None and index < len(local.shards):
-            shard = local.shards[index]
-            if shard.log is not None:
-                shard.next_offset = shard.log.next_offset
-        self._install(stream, index)
+            shard_log = local.shards[index].log
+            if shard_log is not None:  # its end moved while this node followed
+                self.broker.swap_shard_log(stream, index, shard_log)
         key = (stream, index)
         leading = self.manager.leading(stream, index)
         if leading is None:
