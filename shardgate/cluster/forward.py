@@ -59,7 +59,7 @@ from .frames import (
     unpack_records,
 )
 from .link import ClusterPortProtocol, LinkClient, LinkForgotten, LinkReplies, PeerEnded
-from .link_auth import CallAuthenticator, NodeCredentials
+from .link_auth import HANDSHAKE_TIMEOUT_S, CallAuthenticator, NodeCredentials
 from .membership import ClusterView, NodeInfo
 from .received import ReceivedLog
 from .routes import NOBODY, RemoteRoutes, Route, RouteDelta, diff, local_routes
@@ -412,11 +412,15 @@ class PeerLink:
         """One connection of the link session: dial, say hello, send again what the last
         connection left unanswered, then the route set; return (raise) when it ends."""
         host, _, port = self.node.cluster_address.rpartition(":")
+        host = host.strip("[]")
+        tls = self.plane.credentials.tls
         _transport, connection = await asyncio.wait_for(
             self._loop.create_connection(
                 lambda: LinkClient(self._on_reply, self._flush_soon, self.plane.credentials,
                                    self.node.node_id),
-                host.strip("[]"), int(port)),
+                host, int(port),
+                ssl=tls.client_context if tls is not None else None,
+                server_hostname=tls.dial_name(host) if tls is not None else None),
             DIAL_TIMEOUT_S,
         )
         try:
@@ -963,10 +967,14 @@ class DataPlane:
         await server.start()
         self._server = server
         try:
+            tls = self.credentials.tls
             self._listener = await asyncio.get_running_loop().create_server(
                 lambda: ClusterPortProtocol(self, ("127.0.0.1", grpc_port), self._connections,
                                             self.credentials, self.registered),
                 self.host or None, self.port,
+                # TLS (`link_tls.py`) ends here: the protocol reads what the peer said
+                ssl=tls.server_context if tls is not None else None,
+                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if tls is not None else None,
             )
         except OSError:
             await server.stop(grace=None)
