@@ -116,6 +116,9 @@ class MqttService:
         # when the client's session must first come from (or be ended on) another node (it is
         # in `sessions`, offline, once that is done), None when nothing is elsewhere.
         self.find_session_elsewhere: Callable[[str, bool], asyncio.Future[None] | None] | None = None
+        # Cluster mode, while the node starts: done once it has joined its cluster (see
+        # `hold_sessions_until`); until then every CONNECT waits before its session opens.
+        self._joined: asyncio.Future[None] | None = None
         # TLS listeners: a verified client certificate's subject CN is the user name.
         self.use_identity_as_username = False
         # Output of a loop turn leaves after the session state it acknowledges is committed.
@@ -517,11 +520,36 @@ class MqttService:
         session = self.sessions.get(client_id)
         return session is not None and session.owned and session.owner != username
 
+    def hold_sessions_until(self, joined: asyncio.Future[None]) -> None:
+        """Cluster mode, at start (before the listeners): no session opens before `joined` is
+        done, since only then does this node know which sessions it holds (those restored from
+        its store may have moved or ended while it was away; one it handed over at its last
+        stop is elsewhere). A CONNECT that comes earlier waits, then opens as any other; had it
+        opened at once, a client whose session lives on another node would get a new, empty
+        one here. A `joined` that fails or is cancelled refuses the waiting CONNECTs
+        (server unavailable)."""
+        self._joined = joined
+
     def session_elsewhere(self, client_id: str, clean_start: bool) -> asyncio.Future[None] | None:
-        """What a CONNECT waits for before its session opens (see `find_session_elsewhere`)."""
+        """What a CONNECT waits for before its session opens (see `find_session_elsewhere`
+        and `hold_sessions_until`)."""
+        joined = self._joined
+        if joined is not None and not joined.done():
+            return asyncio.ensure_future(self._after_joining(joined, client_id, clean_start))
         if self.find_session_elsewhere is None or client_id in self.sessions:
             return None
         return self.find_session_elsewhere(client_id, clean_start)
+
+    async def _after_joining(self, joined: asyncio.Future[None], client_id: str, clean_start: bool) -> None:
+        try:
+            await asyncio.shield(joined)
+        except asyncio.CancelledError:
+            raise ConnectionRefusedError("the node stopped before it joined its cluster") from None
+        except Exception as exc:  # noqa: BLE001 - the CONNECT is refused with it
+            raise ConnectionRefusedError(f"the node could not join its cluster: {exc}") from None
+        fetching = self.session_elsewhere(client_id, clean_start)
+        if fetching is not None:
+            await fetching
 
     def session_taken_elsewhere(self, client_id: str, where: str) -> bool:
         """Cluster mode: the client connected to another node; end its connection here with

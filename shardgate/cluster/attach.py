@@ -182,7 +182,7 @@ def apply_catalog_change(app: Shardgate, kind: str, name: str, definition: dict[
 async def join(app: Shardgate, node: ClusterNode) -> None:
     """Start the data plane on the internal port, register under a lease with its address,
     then declare this node's configured streams."""
-    from .forward import DataPlane
+    from .data_plane import DataPlane
 
     settings = app.config.cluster
     host = app.config.listeners.host

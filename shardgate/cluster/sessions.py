@@ -75,7 +75,7 @@ if TYPE_CHECKING:
     from ..core.broker import Broker
     from ..protocols.mqtt.service import MqttService
     from .control import ClusterNode
-    from .forward import DataPlane
+    from .data_plane import DataPlane
 
 log = logging.getLogger(__name__)
 
