@@ -39,7 +39,7 @@ def started(etcd: EtcdServer) -> Iterator[list[ClusterNodeProcess]]:
             node.kill()
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)  # three restarts and ~20,000 messages per session on a loaded machine
 def test_a_rolling_restart_loses_no_acknowledged_message_of_persistent_sessions(
     started: list[ClusterNodeProcess], etcd: EtcdServer, tmp_path: Path,
 ) -> None:
