@@ -69,7 +69,8 @@ from ..protocols.mqtt.session import (
 )
 from . import keys
 from .control import ClaimRefused
-from .etcd import EtcdError, delete_op, mod_revision_is, put_op
+from .etcd import EtcdError, KeyValue, delete_op, mod_revision_is, put_op
+from .set_aside import UNREADABLE, SetAside, decode_record
 from .shard_reader import OwnerLog
 from .state_rpc import StateCallError, StateRpc
 
@@ -315,7 +316,7 @@ class StateWriter:
             if not still_gone():
                 return
             kv = await self.node.client.get(key)
-            if kv is None or keys.decode(kv.value).get("node") != self.node.node_id:
+            if kv is None or _holder_in(kv.value) != self.node.node_id:
                 return
             await self.node.client.txn([mod_revision_is(key, kv.mod_revision)], [delete_op(key)])
         self._queue(key, delete)
@@ -508,6 +509,14 @@ def in_shard_order(session: MqttSession, start: int, reliable: Callable[[str], b
     return len(window) - len(kept)
 
 
+def _holder_in(raw: bytes) -> Any:
+    """The node a session snapshot names; None when it cannot be read."""
+    try:
+        return decode_record(raw).get("node")
+    except ValueError:
+        return None
+
+
 def _group_of(session: MqttSession, source: Any) -> str | None:
     """The name of the shared subscription group `source` is, if it is one of `session`'s."""
     if source is None or source is session.subscription:
@@ -607,6 +616,8 @@ class SessionHandover:
         # sessions taken over from a stand-in: how long their queue was when adopted (what came
         # after is put in shard order once the stand-in's messages are in, `in_shard_order`)
         self._window: dict[str, int] = {}
+        # snapshots in etcd that cannot be restored: logged once each, left where they are
+        self.set_aside = SetAside(log)
         self._collecting: set[asyncio.Future[None]] = set()
         # the cursors each connected session's snapshot in etcd was last queued with, and when
         self._checkpointed: dict[str, tuple[Any, float]] = {}
@@ -660,7 +671,12 @@ class SessionHandover:
             except EtcdError as exc:
                 log.warning("cluster: cannot check where session %r lives: %s", client_id, exc)
                 continue
-            holder = keys.decode(kv.value).get("node") if kv is not None else None
+            try:
+                holder = decode_record(kv.value).get("node") if kv is not None else None
+            except ValueError as exc:
+                # kept here as it is: the snapshot says nothing of where the session lives
+                self.set_aside(f"the snapshot of MQTT session {client_id!r}", kv, exc)
+                continue
             if holder is None and self.node.first_cluster_start:
                 self.went_offline(client_id)  # a single node's session joining the cluster
                 continue
@@ -721,9 +737,9 @@ class SessionHandover:
         if kv is None:
             return False
         try:
-            state = keys.decode(kv.value)
+            state = decode_record(kv.value)
         except ValueError:
-            return False
+            return False  # set aside when it is taken (`_snapshot_in`)
         if "owner" not in state or state["owner"] == username:
             return False
         return not expired(state, holder_gone_ms=self.holder_gone_ms(state.get("node")))
@@ -744,8 +760,7 @@ class SessionHandover:
         except ClaimRefused as exc:
             raise SessionOfAnotherUser(str(exc)) from None
         saved_kv = reads[0]
-        saved = keys.decode(saved_kv[0].value) if saved_kv else None
-        state = saved
+        state = self._snapshot_in(client_id, saved_kv[0] if saved_kv else None)
         if holder is not None and holder != me and holder in node.view.nodes():
             try:
                 reply = await self.rpc.release_session(
@@ -760,8 +775,7 @@ class SessionHandover:
                 # read again: a holder that stops gracefully writes its sessions' snapshots
                 # before its cluster port closes, maybe after the claim above read the older
                 # one (its client reconnected here while it was stopping)
-                latest = await node.client.get(self.key(client_id))
-                state = keys.decode(latest.value) if latest is not None else None
+                state = self._snapshot_in(client_id, await node.client.get(self.key(client_id)))
             if stood_in:
                 # the holder's stand-in takes the session's messages there until this node
                 # serves its routes (adopted, and the peers know), then hands over what it
@@ -777,6 +791,17 @@ class SessionHandover:
                     await asyncio.wait_for(asyncio.shield(collecting), COLLECT_WAIT_S)
                 return
         await self._adopt_taken(client_id, clean_start, state)
+
+    def _snapshot_in(self, client_id: str, kv: KeyValue | None) -> dict[str, Any] | None:
+        """The session snapshot `kv` holds; None (and set aside: the client gets a new
+        session, as for a session a single node cannot restore) when it cannot be read."""
+        if kv is None:
+            return None
+        try:
+            return decode_record(kv.value)
+        except ValueError as exc:
+            self.set_aside(f"the snapshot of MQTT session {client_id!r}", kv, exc)
+            return None
 
     async def take_for_peer(self, request: dict[str, Any]) -> dict[str, Any]:
         """A leaving node asks this one to take a persistent session over (offline): as if its
@@ -882,7 +907,12 @@ class SessionHandover:
             return  # a connection here made one meanwhile
         if clean_start or state is None or expired(state, holder_gone_ms=self.holder_gone_ms(state.get("node"))):
             return  # a new session: opening it replaces or removes the snapshot (`opened`)
-        session = self.adopt(state)
+        try:
+            session = self.adopt(state)
+        except UNREADABLE as exc:
+            # the client gets a new session, as for a session a single node cannot restore
+            self.set_aside(f"the snapshot of MQTT session {client_id!r}", None, exc, state)
+            return
         if stood_in:
             # what comes from here on (the stand-in's, then the pushes) is put in shard order
             self._window[client_id] = len(session.queue)
@@ -900,9 +930,20 @@ class SessionHandover:
 
     def adopt(self, state: dict[str, Any]) -> MqttSession:
         """Rebuild a session from a snapshot, offline (its connection is about to attach)."""
-        service, broker = self.service, self.broker
+        service = self.service
         client_id = str(state["client_id"])
         session = MqttSession(service, client_id, durable=True)
+        try:
+            self._rebuild(session, state)
+        except BaseException:
+            session.discard()  # what was made of it leaves the broker
+            raise
+        service.sessions[client_id] = session
+        return session
+
+    def _rebuild(self, session: MqttSession, state: dict[str, Any]) -> None:
+        service, broker = self.service, self.broker
+        client_id = session.client_id
         session.expiry_interval = int(state.get("expiry", 0))
         session.disconnected_at_ms = state.get("disconnected_ms")
         if "owner" in state:
@@ -946,8 +987,6 @@ class SessionHandover:
         session.inbound_qos2 = set(state.get("qos2", []))
         if session.inbound_qos2 and service.store is not None:
             service.store.save_qos2([(client_id, packet_id, True) for packet_id in session.inbound_qos2])
-        service.sessions[client_id] = session
-        return session
 
     # ------------------------------------------------------------ the old node
     async def release(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -1179,8 +1218,8 @@ class SessionHandover:
                 return
             kv = await client.get(key)
             voided = self._void.get(client_id)
-            if kv is not None:
-                state = keys.decode(kv.value)
+            state = self._snapshot_in(client_id, kv)
+            if kv is not None and state is not None:
                 if (voided is not None and int(state.get("taken_ms", 0)) <= voided) or (
                         session is None and state.get("node") == self.node.node_id):
                     await client.txn([mod_revision_is(key, kv.mod_revision)], [delete_op(key)])
@@ -1225,10 +1264,12 @@ class SessionHandover:
         swept = 0
         for kv in kvs:
             try:
-                state = keys.decode(kv.value)
-            except ValueError:
+                state = decode_record(kv.value)
+                gone = expired(state, now, self.holder_gone_ms(state.get("node")))
+            except UNREADABLE as exc:
+                self.set_aside("an MQTT session snapshot", kv, exc)
                 continue
-            if not expired(state, now, self.holder_gone_ms(state.get("node"))):
+            if not gone:
                 continue
             result = await client.txn([mod_revision_is(kv.key, kv.mod_revision)], [delete_op(kv.key)])
             if result.succeeded:
