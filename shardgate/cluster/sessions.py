@@ -213,7 +213,7 @@ class CursorPlacer:
         process), then on the pushes, so unacknowledged messages come again. A cursor whose
         shard has no owner yet is placed when the shard map names one. Returns how many were
         placed on other owners' journals."""
-        self.broker.restored_cursors_wait = False
+        self.broker.restored_cursors_placed()
         count = self._place_waiting()
         if count:
             log.info("cluster: %d restored cursors replay from their shards' owners", count)
@@ -630,7 +630,7 @@ class SessionHandover:
     # ------------------------------------------------------------ wiring
     def install(self) -> None:
         self.service.find_session_elsewhere = self.find
-        self.service.store = SnapshottingStore(self.service.store, self)  # type: ignore[assignment]
+        self.service.store = SnapshottingStore(self.service.store, self)
         self.rpc.on_release = self.release
         self.rpc.on_take = self.take_for_peer
         self.node.view.on_change(self._note_departures)
