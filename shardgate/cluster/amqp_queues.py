@@ -64,8 +64,8 @@ from ..protocols.amqp.remote import (
     unpack_frames,
 )
 from . import keys
-from .etcd import get_op, mod_revision_is, put_op, version_is
 from .link_auth import cluster_channel
+from .set_aside import SetAside, decode_record
 from .state_rpc import CHANNEL_OPTIONS
 
 if TYPE_CHECKING:
@@ -93,20 +93,26 @@ class SharedQueues:
     """This node's queue records in etcd, its answers to other nodes' calls, and the
     `QueueDirectory` its virtual hosts use to reach other nodes' queues (module docstring)."""
 
-    def __init__(self, node: ClusterNode, broker: Broker, amqp: Any) -> None:
+    def __init__(self, node: ClusterNode, broker: Broker) -> None:
         self.node = node
         self.broker = broker
-        self.amqp = amqp
-        self.host = QueueHost(amqp)
+        # the AMQP service, whose virtual hosts are built with this object as their queue
+        # directory, and its queues as other nodes reach them: once `install`ed
+        self.amqp: Any = None
+        self.host: QueueHost | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._live: set[str] = set()
         # calls waiting until this node's view of etcd reaches a revision
         self._revision_waiters: list[tuple[int, asyncio.Future[None]]] = []
+        # records in etcd that cannot be restored: logged once each, left where they are
+        self.set_aside = SetAside(log)
 
-    def install(self, plane: DataPlane) -> None:
+    def install(self, plane: DataPlane, amqp: Any) -> None:
+        self.amqp = amqp
+        self.host = QueueHost(amqp)
         plane.add_service(self.handler())
         for vhost in self.amqp.vhosts.values():
-            vhost.directory = self
+            vhost.use_queue_directory()
             vhost.on_queue_deleted.append(lambda queue, vhost=vhost: self._queue_deleted(vhost, queue))
             self.forget_gone(vhost)
         self._live = set(self.node.view.nodes())
@@ -136,7 +142,7 @@ class SharedQueues:
         me = self.node.node_id
         prefix = queue_key(vhost.name, "")
         for key, value in list(self.node.view.documents.items()):
-            if key.startswith(prefix) and keys.decode(value).get("node") == me:
+            if key.startswith(prefix) and self._node_in(key, value) == me:
                 queue = vhost.queues.get(unquote(key[len(prefix):]))
                 if queue is None or not is_shared(queue):
                     self._forget(key)
@@ -144,8 +150,16 @@ class SharedQueues:
     def _queue_deleted(self, vhost: Any, queue: Any) -> None:
         key = queue_key(vhost.name, queue.name)
         value = self.node.view.documents.get(key)
-        if value is not None and keys.decode(value).get("node") == self.node.node_id:
+        if value is not None and self._node_in(key, value) == self.node.node_id:
             self._forget(key)
+
+    def _node_in(self, key: str, value: bytes) -> Any:
+        """The node a queue's record names; None (set aside) when it cannot be read."""
+        try:
+            return decode_record(value).get("node")
+        except ValueError as exc:
+            self.set_aside(f"the home of AMQP queue record {key!r}", None, exc, value)
+            return None
 
     def _forget(self, key: str) -> None:
         del self.node.view.documents[key]
@@ -157,7 +171,12 @@ class SharedQueues:
         queue whose node is down no longer exists (as in RabbitMQ)."""
         if value is None:
             return None
-        record = keys.decode(value)
+        try:
+            record = decode_record(value)
+        except ValueError as exc:
+            # as if no node had it: this node's queue of that name serves its clients
+            self.set_aside("the home of an AMQP queue", None, exc, value)
+            return None
         node = record.get("node")
         if node is None or node == self.node.node_id:
             return None
@@ -186,24 +205,23 @@ class SharedQueues:
         key = queue_key(vhost, queue)
         full = self.node.key(key)
         value = keys.encode({"node": self.node.node_id, "durable": durable})
-        compare = version_is(full, 0)
+        at = 0  # the revision the record must be at: absent first
         for _ in range(3):
-            result = await self.node.client.txn([compare], [put_op(full, value)], [get_op(full)])
-            if result.succeeded:
+            created, current = await self.node.client.put_at(full, at, value)
+            if created:
                 self.node.view.documents[key] = value
                 return None
-            current = result.reads[0][0] if result.reads and result.reads[0] else None
             if current is None:
-                compare = version_is(full, 0)
+                at = 0
                 continue
-            if keys.decode(current.value).get("node") == self.node.node_id:
+            if self._node_in(full, current.value) == self.node.node_id:
                 self.node.view.documents[key] = value
                 return None
             home = self._home_in(current.value)
             if home is not None:
                 return home
             # a non-durable queue of a node that is gone: its record is stale, replace it
-            compare = mod_revision_is(full, current.mod_revision)
+            at = current.mod_revision
         raise RuntimeError(f"the record of AMQP queue {queue!r} keeps changing")
 
     def _channel(self, node: str) -> grpc.aio.Channel:
@@ -229,6 +247,7 @@ class SharedQueues:
 
     def _view_changed(self) -> None:
         live = set(self.node.view.nodes())
+        assert self.host is not None  # watched once installed
         for gone in self._live - live:
             self.host.node_gone(gone)
         self._live = live
@@ -278,6 +297,7 @@ class SharedQueues:
     # ------------------------------------------------------------ serving other nodes
     def handler(self) -> grpc.GenericRpcHandler:
         host, broker = self.host, self.broker
+        assert host is not None, "served once installed"
 
         async def call(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             asked = json.loads(request)

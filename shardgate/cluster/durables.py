@@ -47,7 +47,7 @@ import base64
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -59,7 +59,7 @@ from ..core.subscriptions import Subscription, SubscriptionType
 from ..proto import shardgate_pb2 as pb
 from ..protocols.grpc.convert import SUB_TYPES_OUT
 from . import keys
-from .etcd import EtcdError, KeyValue, delete_op, mod_revision_is, put_op, version_is
+from .etcd import EtcdError, KeyValue
 from .sessions import (
     MAX_BATCH_PUTS,
     RELEASE_CALL_TIMEOUT_S,
@@ -68,6 +68,7 @@ from .sessions import (
     StateWriter,
     cursor_state,
 )
+from .set_aside import UNREADABLE, SetAside, decode_record
 from .state_rpc import StateCallError, StateRpc
 
 if TYPE_CHECKING:
@@ -107,22 +108,24 @@ class DurableHandover:
     """Keeps this node's shareable durable subscriptions in etcd and moves them (module
     docstring)."""
 
-    def __init__(self, node: ClusterNode, edge: Edge, broker: Broker, placer: CursorPlacer,
+    def __init__(self, node: ClusterNode, broker: Broker, placer: CursorPlacer,
                  rpc: StateRpc, writer: StateWriter) -> None:
         self.node = node
-        self.edge = edge
+        # the front door, once `install`ed (the Edge is built with this object as its
+        # `RemoteDurables`: until the node has joined, every durable subscription is local)
+        self.edge: Edge | None = None
         self.broker = broker
         self.placer = placer
         self.rpc = rpc
         self.writer = writer
         self.prefix = node.settings.prefix.rstrip("/") + ".state/durables/"
+        # records in etcd that cannot be restored: logged once each, left where they are
+        self.set_aside = SetAside(log)
         # the cursor state last written, per subscription (to write only what moved)
         self._written: dict[str, Any] = {}
         # when each subscription's checkpoint was last queued (monotonic seconds)
         self._written_at: dict[str, float] = {}
         self._releasing: set[str] = set()
-        self._defined: Callable[[DurableSubscription], None] | None = None
-        self._removed: Callable[[Subscription], None] | None = None
         self._task: asyncio.Task[None] | None = None
         self.taken_over = 0
         # relayed streams from other nodes being served here, per subscription
@@ -133,12 +136,12 @@ class DurableHandover:
         return self.prefix + name
 
     # ------------------------------------------------------------ wiring
-    def install(self) -> None:
-        broker = self.broker
-        self.edge.find_durable_elsewhere = self.find
+    def install(self, edge: Edge) -> None:
+        """The node has joined: take part (the core and the gRPC server were built with this
+        object as their port for durable subscriptions held elsewhere)."""
+        self.edge = edge
         self.rpc.on_release_durable = self.release
-        self._defined, broker.on_durable_defined = broker.on_durable_defined, self._on_defined
-        self._removed, broker.on_subscription_removed = broker.on_subscription_removed, self._on_removed
+        self.broker.watch_durables(self)
         self._task = asyncio.get_running_loop().create_task(self._checkpoints())
 
     def stop(self) -> None:
@@ -163,7 +166,7 @@ class DurableHandover:
 
     def snapshot(self, sub: DurableSubscription) -> dict[str, Any]:
         cursors, messages = cursor_state(sub)
-        owner_options = sub.owner.saved_options()  # type: ignore[union-attr]
+        owner_options = sub.owner.saved_options()
         return {
             "node": self.node.node_id, "name": sub.name, "type": sub.type.value,
             "filters": sorted(sub.filters), "owner": owner_options, "cursors": cursors,
@@ -171,15 +174,12 @@ class DurableHandover:
         }
 
     # ------------------------------------------------------------ writing to etcd
-    def _on_defined(self, sub: DurableSubscription) -> None:
-        if self._defined is not None:
-            self._defined(sub)
+    def durable_defined(self, sub: DurableSubscription) -> None:
+        """`core.placement.DurableWatcher`: told after the local store."""
         if self.shareable(sub):
             self._checkpoint(sub, force=True)
 
-    def _on_removed(self, sub: Subscription) -> None:
-        if self._removed is not None:
-            self._removed(sub)
+    def durable_removed(self, sub: Subscription) -> None:
         name = sub.name
         if name in self._releasing or not self.shareable(sub):
             return
@@ -239,7 +239,12 @@ class DurableHandover:
             except Exception as exc:  # noqa: BLE001 - kept; checked again at its next move
                 log.warning("cluster: cannot check where subscription %r lives: %s", sub.name, exc)
                 continue
-            holder = keys.decode(kv.value).get("node") if kv is not None else None
+            try:
+                holder = decode_record(kv.value).get("node") if kv is not None else None
+            except ValueError as exc:
+                # kept here as it is: the record says nothing of where it lives
+                self.set_aside(f"durable subscription {sub.name!r}", kv, exc)
+                continue
             if holder is not None and holder != self.node.node_id and not sub.consumers:
                 self._give_up(sub)
                 dropped += 1
@@ -258,7 +263,10 @@ class DurableHandover:
 
     # ------------------------------------------------------------ the consumer's node
     async def find(self, name: str) -> str | None:
-        """Bring subscription `name` here (None), or name the node where it is consumed now."""
+        """Bring subscription `name` here (None), or name the node where it is consumed now
+        (`core.placement.RemoteDurables`). Before the node has joined, it is local (None)."""
+        if self.edge is None:
+            return None
         try:
             return await asyncio.wait_for(self._find(name), TAKEOVER_TIMEOUT_S)
         except TimeoutError:
@@ -280,14 +288,20 @@ class DurableHandover:
                 # a new subscription: claimed with a create-if-absent transaction, so that of
                 # two nodes defining it at once one holds it and the other relays to it
                 claim = keys.encode({"node": me, "name": name, "taken_ms": now_ms()})
-                if (await client.txn([version_is(key, 0)], [put_op(key, claim)])).succeeded:
+                if (await client.create(key, claim))[0]:
                     return None
                 continue
-            state = keys.decode(kv.value)
+            try:
+                state = decode_record(kv.value)
+            except ValueError as exc:
+                self.set_aside(f"durable subscription {name!r}", kv, exc)
+                raise ShardUnavailable(f"durable subscription {name!r} cannot be restored from "
+                                       f"its record in etcd ({exc}); it is set aside") from None
             holder = state.get("node")
             if holder != me and holder in self.node.view.nodes():
                 try:
-                    reply = await self.rpc.release_durable(holder, {"name": name, "to": me}, RELEASE_CALL_TIMEOUT_S)
+                    reply = await self.rpc.release_durable(str(holder), {"name": name, "to": me},
+                                                           RELEASE_CALL_TIMEOUT_S)
                 except StateCallError as exc:
                     log.warning("cluster: node %s did not hand subscription %r over (%s); resuming "
                                 "from its last checkpoint", holder, name, exc)
@@ -295,9 +309,12 @@ class DurableHandover:
                     # read again: a holder that stops gracefully writes its last checkpoint
                     # before its cluster port closes, maybe after the read above
                     kv = await client.get(key)
-                    if kv is None or keys.decode(kv.value).get("node") != holder:
+                    try:
+                        state = decode_record(kv.value) if kv is not None else {}
+                    except ValueError:
+                        continue  # set aside at the next turn of the loop
+                    if kv is None or state.get("node") != holder:
                         continue
-                    state = keys.decode(kv.value)
                 if reply.get("holder"):
                     return str(reply["holder"])
                 if reply.get("state") is not None:
@@ -308,13 +325,18 @@ class DurableHandover:
                 # take it with a transaction on the revision read: of two nodes taking over a
                 # dead holder's subscription, one holds it and the other relays to it
                 claim = keys.encode(dict(state, node=me, taken_ms=state.get("taken_ms", now_ms())))
-                if not (await client.txn([mod_revision_is(key, kv.mod_revision)], [put_op(key, claim)])).succeeded:
+                if not await client.replace_unchanged(key, kv.mod_revision, claim):
                     continue
                 if name in self.broker.subscriptions:
                     return None
             if "type" not in state:
                 return None  # claimed but never defined (its first consumer was refused)
-            self.adopt(state)
+            try:
+                self.adopt(state)
+            except UNREADABLE as exc:
+                self.set_aside(f"durable subscription {name!r}", kv, exc, state)
+                raise ShardUnavailable(f"durable subscription {name!r} cannot be restored from "
+                                       f"its record in etcd ({exc}); it is set aside") from None
             self.taken_over += 1
             log.info("cluster: durable subscription %r taken over from %s", name, holder)
             return None
@@ -323,13 +345,18 @@ class DurableHandover:
     def adopt(self, state: dict[str, Any]) -> DurableSubscription:
         broker = self.broker
         options = dict(state.get("owner") or {})
+        assert self.edge is not None, "adopted only once installed"
         factory = self.edge.owner_factories.get(str(options.get("protocol", "")))
         owner = factory(options) if factory is not None else None
         sub = broker.durable_subscription(state["name"], SubscriptionType(state["type"]), owner=owner)
-        self.placer.place(sub, state.get("cursors", []), state.get("messages", []),
-                          int(state.get("taken_ms", now_ms())))
-        for topic_filter in state.get("filters", []):
-            broker.add_filter(sub, topic_filter)
+        try:
+            self.placer.place(sub, state.get("cursors", []), state.get("messages", []),
+                              int(state.get("taken_ms", now_ms())))
+            for topic_filter in state.get("filters", []):
+                broker.add_filter(sub, topic_filter)
+        except BaseException:
+            self._give_up(sub)  # what was made of it leaves the broker
+            raise
         self._checkpoint(sub, force=True)  # etcd names this node now
         return sub
 
@@ -353,9 +380,6 @@ class DurableHandover:
         """Relay consumers from other nodes (module docstring): this node's gRPC server takes
         their streams; the returned handler goes on the cluster port."""
         self._grpc = grpc_server
-        grpc_server.consume_remotely = self.consume_remotely
-        grpc_server.describe_elsewhere = self.describe
-        grpc_server.delete_elsewhere = self.delete
 
         async def consume(requests: AsyncIterator[pb.ConsumeRequest],
                           context: grpc.aio.ServicerContext) -> None:
@@ -390,7 +414,7 @@ class DurableHandover:
                 await context.abort(grpc.StatusCode.NOT_FOUND,
                                     f"subscription {request.name!r} is not held on node {self.node.node_id}")
             assert sub is not None
-            grpc_server.delete_subscription(sub)  # its etcd record goes too (`_on_removed`)
+            grpc_server.delete_subscription(sub)  # its etcd record goes too (`durable_removed`)
             return pb.Empty()
 
         return grpc.method_handlers_generic_handler(CONSUMERS_SERVICE, {
@@ -417,7 +441,11 @@ class DurableHandover:
             ) from exc
         if kv is None:
             return None
-        state = keys.decode(kv.value)
+        try:
+            state = decode_record(kv.value)
+        except ValueError as exc:
+            self.set_aside(f"durable subscription {name!r}", kv, exc)
+            return None
         holder = state.get("node")
         if "type" not in state or holder == self.node.node_id:
             return None
@@ -426,7 +454,9 @@ class DurableHandover:
     async def delete(self, name: str) -> bool:
         """Delete a durable subscription this node does not hold: on its holder, or, with the
         holder down, its record in etcd (the holder drops its copy when it comes back,
-        `drop_moved`). False: no node holds it."""
+        `drop_moved`). False: no node holds it (nor any before the node has joined)."""
+        if self.edge is None:
+            return False
         found = await self._held_elsewhere(name)
         if found is None:
             return False
@@ -448,19 +478,21 @@ class DurableHandover:
                 raise ShardUnavailable(f"node {holder}, which holds durable subscription {name!r}, "
                                        f"cannot be reached ({exc}); retry") from None
         try:
-            deleted = await self.node.client.txn([mod_revision_is(self.key(name), kv.mod_revision)],
-                                                 [delete_op(self.key(name))])
+            deleted = await self.node.client.delete_unchanged(self.key(name), kv.mod_revision)
         except EtcdError as exc:
             raise ShardUnavailable(f"durable subscription {name!r} cannot be deleted in etcd now "
                                    f"({exc}); retry") from exc
-        if not deleted.succeeded:
+        if not deleted:
             raise ShardUnavailable(f"durable subscription {name!r} changed meanwhile; retry")
         return True
 
     async def describe(self, name: str) -> pb.SubscriptionInfo | None:
         """A durable subscription this node does not hold, as its holder describes it (with
         the consumers of every node, all attached there); when the holder is down, as its last
-        checkpoint in etcd says, with no consumer. None: no node holds it."""
+        checkpoint in etcd says, with no consumer. None: no node holds it (nor any before the
+        node has joined)."""
+        if self.edge is None:
+            return None
         found = await self._held_elsewhere(name)
         if found is None:
             return None
