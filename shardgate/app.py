@@ -15,7 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .config import Config, ConfigError
+from .config import Config, ConfigError, check_cluster_archive
 from .core.broker import Broker
 from .core.edge import Edge
 from .core.errors import CoreError
@@ -230,6 +230,11 @@ class Shardgate:
                 self.cluster = await attach.connect(self)
             except ClusterStartError as exc:
                 raise ConfigError(f"cluster: {exc}") from exc
+            try:  # one archive for the cluster, unless said otherwise (once etcd answered)
+                check_cluster_archive(config)
+            except ConfigError:
+                await self.cluster.client.close()
+                raise
         try:
             self.broker = self._build_broker()
         except (StorageError, CoreError, ValueError) as exc:
