@@ -70,9 +70,13 @@ class Admin:
         self, name: str, *, partitions: int = 1, mode: Mode | str | None = None,
         schema: Schema | str = Schema.BYTES, retention_ms: int | None = None,
         retention_bytes: int | None = None, routes: list[str] | None = None,
+        replicas: int | None = None, min_insync_replicas: int | None = None,
     ) -> StreamInfo:
         """Create a stream; it receives topic `name` and `name/#` unless `routes` say otherwise.
-        Without `mode` the broker's `default_stream_mode` applies (reliable unless configured)."""
+        Without `mode` the broker's `default_stream_mode` applies (reliable unless configured).
+        In a cluster a reliable stream keeps `replicas` copies of each shard (default 3,
+        capped by the live nodes) and acknowledges a message once `min_insync_replicas`
+        (default 2) hold it; a single node keeps one."""
         spec = pb.StreamSpec(name=name, partitions=partitions,
                              mode=Mode(mode).to_pb() if mode is not None else pb.DISPATCH_MODE_UNSPECIFIED,
                              schema=Schema(schema).to_pb(), routes=routes or [])
@@ -80,6 +84,10 @@ class Admin:
             spec.retention_ms = retention_ms
         if retention_bytes is not None:
             spec.retention_bytes = retention_bytes
+        if replicas is not None:
+            spec.replicas = replicas
+        if min_insync_replicas is not None:
+            spec.min_insync_replicas = min_insync_replicas
         return StreamInfo.from_pb(await self._call(self._stub.CreateStream, spec))
 
     async def list_streams(self) -> list[StreamInfo]:

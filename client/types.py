@@ -187,6 +187,10 @@ class StreamInfo:
     shards: list[ShardInfo]
     subscriptions: dict[str, int]
     is_default: bool
+    replicas: int | None = None
+    """As created (None: the default, 3 in a cluster capped by the live nodes)."""
+    min_insync_replicas: int | None = None
+    """As created (None: the default, 2)."""
 
     @classmethod
     def from_pb(cls, s: pb.StreamInfo) -> StreamInfo:
@@ -197,6 +201,8 @@ class StreamInfo:
             retention_bytes=s.retention_bytes if s.HasField("retention_bytes") else None,
             routes=list(s.routes), shards=[ShardInfo(x.index, x.next_offset) for x in s.shards],
             subscriptions={x.name: x.lag for x in s.subscriptions}, is_default=s.is_default,
+            replicas=s.replicas if s.HasField("replicas") else None,
+            min_insync_replicas=s.min_insync_replicas if s.HasField("min_insync_replicas") else None,
         )
 
 

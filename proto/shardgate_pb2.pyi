@@ -265,7 +265,7 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class StreamSpec(_message.Message):
-    __slots__ = ("name", "mode", "partitions", "schema", "retention_ms", "retention_bytes", "routes")
+    __slots__ = ("name", "mode", "partitions", "schema", "retention_ms", "retention_bytes", "routes", "replicas", "min_insync_replicas")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     PARTITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +273,8 @@ class StreamSpec(_message.Message):
     RETENTION_MS_FIELD_NUMBER: _ClassVar[int]
     RETENTION_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROUTES_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MIN_INSYNC_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     name: str
     mode: DispatchMode
     partitions: int
@@ -280,7 +282,9 @@ class StreamSpec(_message.Message):
     retention_ms: int
     retention_bytes: int
     routes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., mode: _Optional[_Union[DispatchMode, str]] = ..., partitions: _Optional[int] = ..., schema: _Optional[_Union[Schema, str]] = ..., retention_ms: _Optional[int] = ..., retention_bytes: _Optional[int] = ..., routes: _Optional[_Iterable[str]] = ...) -> None: ...
+    replicas: int
+    min_insync_replicas: int
+    def __init__(self, name: _Optional[str] = ..., mode: _Optional[_Union[DispatchMode, str]] = ..., partitions: _Optional[int] = ..., schema: _Optional[_Union[Schema, str]] = ..., retention_ms: _Optional[int] = ..., retention_bytes: _Optional[int] = ..., routes: _Optional[_Iterable[str]] = ..., replicas: _Optional[int] = ..., min_insync_replicas: _Optional[int] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
     __slots__ = ("index", "next_offset")
@@ -299,7 +303,7 @@ class StreamSubscriptionInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., lag: _Optional[int] = ...) -> None: ...
 
 class StreamInfo(_message.Message):
-    __slots__ = ("name", "mode", "partitions", "schema", "retention_ms", "retention_bytes", "routes", "shards", "subscriptions", "is_default")
+    __slots__ = ("name", "mode", "partitions", "schema", "retention_ms", "retention_bytes", "routes", "shards", "subscriptions", "is_default", "replicas", "min_insync_replicas")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     PARTITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +314,8 @@ class StreamInfo(_message.Message):
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIPTIONS_FIELD_NUMBER: _ClassVar[int]
     IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MIN_INSYNC_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     name: str
     mode: DispatchMode
     partitions: int
@@ -320,7 +326,9 @@ class StreamInfo(_message.Message):
     shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
     subscriptions: _containers.RepeatedCompositeFieldContainer[StreamSubscriptionInfo]
     is_default: bool
-    def __init__(self, name: _Optional[str] = ..., mode: _Optional[_Union[DispatchMode, str]] = ..., partitions: _Optional[int] = ..., schema: _Optional[_Union[Schema, str]] = ..., retention_ms: _Optional[int] = ..., retention_bytes: _Optional[int] = ..., routes: _Optional[_Iterable[str]] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., subscriptions: _Optional[_Iterable[_Union[StreamSubscriptionInfo, _Mapping]]] = ..., is_default: _Optional[bool] = ...) -> None: ...
+    replicas: int
+    min_insync_replicas: int
+    def __init__(self, name: _Optional[str] = ..., mode: _Optional[_Union[DispatchMode, str]] = ..., partitions: _Optional[int] = ..., schema: _Optional[_Union[Schema, str]] = ..., retention_ms: _Optional[int] = ..., retention_bytes: _Optional[int] = ..., routes: _Optional[_Iterable[str]] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., subscriptions: _Optional[_Iterable[_Union[StreamSubscriptionInfo, _Mapping]]] = ..., is_default: _Optional[bool] = ..., replicas: _Optional[int] = ..., min_insync_replicas: _Optional[int] = ...) -> None: ...
 
 class StreamName(_message.Message):
     __slots__ = ("name",)

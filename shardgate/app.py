@@ -52,6 +52,10 @@ def _definition(config: StreamConfig) -> str:
         parts.append(f"retention_ms {config.retention_ms}")
     if config.retention_bytes is not None:
         parts.append(f"retention_bytes {config.retention_bytes}")
+    if config.replicas is not None:
+        parts.append(f"replicas {config.replicas}")
+    if config.min_insync_replicas is not None:
+        parts.append(f"min_insync_replicas {config.min_insync_replicas}")
     return "(" + ", ".join(parts) + ")"
 
 
@@ -149,6 +153,7 @@ class Shardgate:
                 entry.name, mode=DispatchMode(entry.mode), partitions=entry.partitions,
                 schema=Schema(entry.schema),
                 retention_ms=entry.retention_ms, retention_bytes=entry.retention_bytes,
+                replicas=entry.replicas, min_insync_replicas=entry.min_insync_replicas,
             )
             routes = entry.routes or [entry.name, f"{entry.name}/#"]
             broker.create_stream(declared, routes=routes)

@@ -88,7 +88,7 @@ async def _streams_create(client: Client, args: argparse.Namespace) -> int:
     info = await client.admin.create_stream(
         args.name, partitions=args.partitions, mode=args.mode, schema=args.schema,
         retention_ms=args.retention_ms, retention_bytes=args.retention_bytes,
-        routes=args.route or None,
+        routes=args.route or None, replicas=args.replicas, min_insync_replicas=args.min_insync,
     )
     if args.json:
         _json(info, sys.stdout)
@@ -373,6 +373,12 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
                         help="journal retention by age (default: the broker's journal.retention_ms)")
     create.add_argument("--retention-bytes", type=int,
                         help="journal retention by size per shard (default: journal.retention_bytes)")
+    create.add_argument("--replicas", type=_positive, default=None, metavar="N",
+                        help="in a cluster, copies of each shard of a reliable stream "
+                             "(default 3, capped by the live nodes; a single node keeps one)")
+    create.add_argument("--min-insync", type=_positive, default=None, metavar="N",
+                        help="replicas that must hold a message before it is acknowledged "
+                             "(default 2, at most --replicas)")
     create.add_argument("--route", action="append", metavar="FILTER",
                         help="topic filter routed to the stream (repeatable; default NAME and NAME/#)")
     _bind(create, _streams_create)

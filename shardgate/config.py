@@ -127,6 +127,10 @@ class StreamEntry:
     routes: list[str] = field(default_factory=list)
     retention_ms: int | None = None
     retention_bytes: int | None = None
+    # In a cluster: copies of each shard of a reliable stream (default 3, capped by the live
+    # nodes) and how many must hold a message before it is acknowledged (default 2)
+    replicas: int | None = None
+    min_insync_replicas: int | None = None
     # A payload schema registered at start (a new version when the file changed): a JSON
     # Schema or an Avro schema file, checked under `compatibility` (default: the stream's
     # mode so far, backward at first)
@@ -136,7 +140,16 @@ class StreamEntry:
 
     RANGES: ClassVar[dict[str, Range]] = {
         "partitions": (1, 1024), "retention_ms": (1, None), "retention_bytes": (1, None),
+        "replicas": (1, 16), "min_insync_replicas": (1, 16),
     }
+
+    def problem(self) -> str:
+        """What is wrong with the entry as a whole ("" when nothing)."""
+        if (self.replicas is not None and self.min_insync_replicas is not None
+                and self.min_insync_replicas > self.replicas):
+            return (f"min_insync_replicas ({self.min_insync_replicas}) cannot exceed "
+                    f"replicas ({self.replicas})")
+        return ""
 
 
 @dataclass(slots=True)
@@ -288,7 +301,11 @@ def _entries(key: str, value: Any, cls: type, path: Path) -> list[Any]:
                 _check_choice(dotted, values[name], label)
             except ConfigError as exc:
                 raise ConfigError(str(exc).replace(f"{dotted} =", f"{name} =")) from None
-        entries.append(cls(**values))
+        built = cls(**values)
+        problem = getattr(built, "problem", None)
+        if problem is not None and problem():
+            raise ConfigError(f"{label}: {problem()}")
+        entries.append(built)
     return entries
 
 

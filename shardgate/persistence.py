@@ -82,6 +82,7 @@ def stream_record(config: StreamConfig, created_ms: int | None = None) -> Stream
     return StreamRecord(
         config.name, config.mode.value, config.partitions, config.retention_ms,
         config.retention_bytes, config.schema.value, None, created_ms or now_ms(),
+        config.replicas, config.min_insync_replicas,
     )
 
 
@@ -90,6 +91,7 @@ def stream_config(record: StreamRecord) -> StreamConfig:
         record.name, mode=DispatchMode(record.mode), partitions=record.partitions,
         schema=Schema(record.schema),
         retention_ms=record.retention_ms, retention_bytes=record.retention_bytes,
+        replicas=record.replicas, min_insync_replicas=record.min_insync_replicas,
     )
 
 

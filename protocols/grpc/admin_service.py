@@ -110,6 +110,9 @@ class AdminService(pb_grpc.AdminServicer):
             request.name, mode=mode, partitions=request.partitions or 1, schema=schema,
             retention_ms=request.retention_ms if request.HasField("retention_ms") else None,
             retention_bytes=request.retention_bytes if request.HasField("retention_bytes") else None,
+            replicas=request.replicas if request.HasField("replicas") else None,
+            min_insync_replicas=(request.min_insync_replicas
+                                 if request.HasField("min_insync_replicas") else None),
         )
         routes = list(request.routes) or [request.name, f"{request.name}/#"]
         for route in routes:

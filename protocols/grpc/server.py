@@ -285,6 +285,10 @@ class GrpcServer:
             info.retention_ms = config.retention_ms
         if config.retention_bytes is not None:
             info.retention_bytes = config.retention_bytes
+        if config.replicas is not None:
+            info.replicas = config.replicas
+        if config.min_insync_replicas is not None:
+            info.min_insync_replicas = config.min_insync_replicas
         for sub in list(broker.subscriptions.values()):
             state = sub.owner
             if isinstance(state, GrpcSubscriptionState) and state.stream == config.name:

@@ -164,6 +164,8 @@ def stream_view(app: Any, stream: Any, *, detail: bool = False) -> dict[str, Any
         "schema": str(config.schema),
         "retention_ms": config.retention_ms,
         "retention_bytes": config.retention_bytes,
+        "replicas": config.replicas,
+        "min_insync_replicas": config.min_insync_replicas,
         "default": config.name == broker.router.default_stream,
         "routes": [rule.topic_filter for rule in broker.router.rules if rule.stream == config.name],
         "messages": sum(shard.next_offset for shard in stream.shards),
@@ -384,6 +386,7 @@ def openapi_document() -> dict[str, Any]:
         "Stream": _object(
             name=_STR, mode={"enum": ["reliable", "non-reliable"]}, partitions=_INT, schema=_STR,
             retention_ms={"type": ["integer", "null"]}, retention_bytes={"type": ["integer", "null"]},
+            replicas={"type": ["integer", "null"]}, min_insync_replicas={"type": ["integer", "null"]},
             default=_BOOL, routes=_STRS, messages=_INT,
             shards={"type": "array", "items": _ref("Shard")},
         ),

@@ -33,6 +33,7 @@ def stream_definition(config: StreamConfig) -> dict[str, Any]:
     return {
         "mode": str(config.mode), "partitions": config.partitions, "schema": str(config.schema),
         "retention_ms": config.retention_ms, "retention_bytes": config.retention_bytes,
+        "replicas": config.replicas, "min_insync_replicas": config.min_insync_replicas,
     }
 
 
@@ -43,6 +44,7 @@ def stream_config(name: str, definition: dict[str, Any]) -> StreamConfig:
         name, mode=definition.get("mode", "reliable"), partitions=int(definition.get("partitions", 1)),
         schema=definition.get("schema", "bytes"), retention_ms=definition.get("retention_ms"),
         retention_bytes=definition.get("retention_bytes"),
+        replicas=definition.get("replicas"), min_insync_replicas=definition.get("min_insync_replicas"),
     )
 
 

@@ -36,6 +36,7 @@ class ShardAssignment:
     leader_epoch: int
     replicas: tuple[str, ...] = ()
     isr: tuple[str, ...] = ()
+    isr_version: int = 0
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -46,11 +47,12 @@ class ShardAssignment:
     @classmethod
     def of(cls, stream: str, shard: int, placement: ShardPlacement) -> ShardAssignment:
         return cls(stream, shard, placement.leader, placement.leader_epoch, placement.replicas,
-                   placement.isr)
+                   placement.isr, placement.isr_version)
 
     @property
     def placement(self) -> ShardPlacement:
-        return ShardPlacement(self.leader, self.replicas, self.isr, self.leader_epoch)
+        return ShardPlacement(self.leader, self.replicas, self.isr, self.leader_epoch,
+                              self.isr_version)
 
 
 class ClusterView(Protocol):

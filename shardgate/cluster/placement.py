@@ -1,11 +1,13 @@
 """Placement: which nodes hold each stream shard and which one leads it. A pure function the
 controller runs, and the value it writes to etcd.
 
-A shard's placement is a `ShardPlacement`: its leader, its replicas (the leader first), the
-in-sync replicas (those that hold everything the leader acknowledged) and the leader epoch,
-bumped on every change of leader (Kafka's partition state). Today every shard has one replica,
-its leader; the controller writes the whole placement of a stream as one value, with every
-changed stream in one etcd transaction (`control.py`).
+A shard's placement is a `ShardPlacement`: its leader, its replicas (in preference order: a
+new shard's leader first), the in-sync replicas (those that hold everything the leader
+acknowledged) and the leader epoch, bumped on every change of leader (Kafka's partition
+state). A shard of a stream with one replica (`replication.py`) has its leader alone, placed
+by `place()` here; shards of replicated streams are placed by `replica_placement.py`. The
+controller writes the whole placement of a stream as one value, with every changed stream in
+one etcd transaction (`control.py`).
 
 Rules, in order:
 - a shard stays where it is while its node is live (no needless moves);
@@ -41,12 +43,15 @@ class ShardSpec:
 @dataclass(frozen=True, slots=True)
 class ShardPlacement:
     """Who holds a shard: `leader` takes its writes under `leader_epoch`; `replicas` hold its
-    log (the leader first); `isr`, a subset of `replicas`, are in sync with the leader."""
+    log (in preference order); `isr`, a subset of `replicas`, are in sync with the leader;
+    `isr_version` counts the controller's changes of `isr` (a leader's proposal names the
+    version it was made against, `replica_control.apply_proposal`)."""
 
     leader: str
     replicas: tuple[str, ...]
     isr: tuple[str, ...]
     leader_epoch: int
+    isr_version: int = 0
 
     def __post_init__(self) -> None:
         if not self.leader:
@@ -65,7 +70,7 @@ class ShardPlacement:
 
     def to_json(self) -> dict[str, Any]:
         return {"leader": self.leader, "replicas": list(self.replicas), "isr": list(self.isr),
-                "leader_epoch": self.leader_epoch}
+                "leader_epoch": self.leader_epoch, "isr_version": self.isr_version}
 
     @classmethod
     def from_json(cls, value: Any) -> ShardPlacement:
@@ -75,7 +80,8 @@ class ShardPlacement:
             leader, epoch = value
             return cls.single(str(leader), int(epoch))
         return cls(str(value["leader"]), tuple(map(str, value["replicas"])),
-                   tuple(map(str, value["isr"])), int(value["leader_epoch"]))
+                   tuple(map(str, value["isr"])), int(value["leader_epoch"]),
+                   int(value.get("isr_version", 0)))
 
 
 def place(

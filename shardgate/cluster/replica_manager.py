@@ -51,6 +51,7 @@ class Role:
     epoch: int
     replicas: tuple[str, ...]
     isr: tuple[str, ...]
+    isr_version: int = 0
 
 
 class _Shard:
@@ -154,12 +155,14 @@ class ReplicaManager:
     def _role_of(self, assignment: ShardAssignment | None) -> Role | None:
         if assignment is None or len(assignment.replicas) < 2 or self.node_id not in assignment.replicas:
             return None
-        return Role(assignment.leader, assignment.leader_epoch, assignment.replicas, assignment.isr)
+        return Role(assignment.leader, assignment.leader_epoch, assignment.replicas, assignment.isr,
+                    assignment.isr_version)
 
     def _isr_changed(self, entry: _Shard, role: Role) -> None:
         leader = entry.log.leader
         if leader is not None:
-            leader.isr_changed(role.isr, leader.isr_version + 1, self.clock())
+            # the controller's version (`ShardPlacement.isr_version`), which proposals name
+            leader.isr_changed(role.isr, max(role.isr_version, leader.isr_version + 1), self.clock())
             entry.log.tick()
         entry.role = role
 
@@ -204,7 +207,7 @@ class ReplicaManager:
             lag_time_max_s=self.lag_time_max_s, history=journal_log.leader_epochs,
             log_end=journal_log.next_offset, durable_end=journal_log.committed_offset,
             high_watermark=entry.log.high_watermark, now=now,
-            lease_deadline=self.lease_deadline())
+            isr_version=role.isr_version, lease_deadline=self.lease_deadline())
         entry.log.lead(leader)
         log.info("%s/%d: leading in epoch %d (in sync: %s)", stream, shard, role.epoch,
                  ", ".join(role.isr))

@@ -37,6 +37,8 @@ class StreamRecord:
     schema: StreamSchema
     schema_definition: str | None
     created_ms: int
+    replicas: int | None = None
+    min_insync_replicas: int | None = None
 
     def __post_init__(self) -> None:
         _check_choice("stream mode", self.mode, StreamMode)

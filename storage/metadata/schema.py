@@ -71,6 +71,11 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
             roles TEXT NOT NULL
         )""",
     ),
+    # replicated reliable streams: copies per shard and the in-sync minimum (NULL: default)
+    2: (
+        "ALTER TABLE streams ADD COLUMN replicas INTEGER",
+        "ALTER TABLE streams ADD COLUMN min_insync_replicas INTEGER",
+    ),
 }
 
 SCHEMA_VERSION = max(MIGRATIONS)

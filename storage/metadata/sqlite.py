@@ -46,13 +46,15 @@ log = logging.getLogger(__name__)
 Synchronous = Literal["FULL", "EXTRA", "NORMAL"]
 
 _PUT_STREAM = """INSERT INTO streams (name, mode, partitions, retention_ms, retention_bytes,
-    schema, schema_definition, created_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+    schema, schema_definition, created_ms, replicas, min_insync_replicas)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
     ON CONFLICT (name) DO UPDATE SET mode = excluded.mode, partitions = excluded.partitions,
     retention_ms = excluded.retention_ms, retention_bytes = excluded.retention_bytes,
     schema = excluded.schema, schema_definition = excluded.schema_definition,
-    created_ms = excluded.created_ms"""
+    created_ms = excluded.created_ms, replicas = excluded.replicas,
+    min_insync_replicas = excluded.min_insync_replicas"""
 _STREAM_COLUMNS = """name, mode, partitions, retention_ms, retention_bytes, schema,
-    schema_definition, created_ms"""
+    schema_definition, created_ms, replicas, min_insync_replicas"""
 _PUT_ROUTE = """INSERT INTO routes (pattern, stream, priority) VALUES (?, ?, ?)
     ON CONFLICT (pattern) DO UPDATE SET stream = excluded.stream, priority = excluded.priority"""
 _PUT_SUBSCRIPTION = """INSERT INTO subscriptions (name, type, filters, durable, options,
@@ -420,6 +422,8 @@ class SqliteMetadataStore:
                 stream.schema,
                 stream.schema_definition,
                 stream.created_ms,
+                stream.replicas,
+                stream.min_insync_replicas,
             ),
         )
 

@@ -108,3 +108,28 @@ def test_one_default_stream_mode_for_cli_sdk_and_unrouted_topics(
     rows = stream_rows(url)
     assert rows["cli-made"][1] == rows["sdk-made"][1] == rows["default"][1] == "reliable"
     assert process.terminate() == 0
+
+
+def test_replica_settings_given_to_the_cli_are_kept_across_a_restart(
+    broker_process: Callable[..., BrokerProcess],
+) -> None:
+    grpc_port = free_port()
+    url = f"127.0.0.1:{grpc_port}"
+    process = broker_process(extra_args=["--grpc-port", str(grpc_port)]).start()
+    created = shardgate(url, "streams", "create", "orders", "--replicas", "3", "--min-insync", "2")
+    assert created.returncode == 0, created.stderr
+    refused = shardgate(url, "streams", "create", "bad", "--replicas", "2", "--min-insync", "3")
+    assert refused.returncode != 0
+    assert "min_insync_replicas (3) cannot exceed replicas (2)" in refused.stderr
+    # a single node keeps one copy at no cost: a publish is acknowledged as before
+    published = shardgate(url, "pub", "orders/a", "x")
+    assert published.stdout.startswith("published to orders shard"), published.stderr
+    assert process.terminate() == 0
+
+    process.start()
+    with SyncClient(url) as client:
+        info = client.admin.describe_stream("orders")
+        default = client.admin.describe_stream("default")
+    assert (info.replicas, info.min_insync_replicas) == (3, 2)
+    assert (default.replicas, default.min_insync_replicas) == (None, None)
+    assert process.terminate() == 0

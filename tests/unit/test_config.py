@@ -200,3 +200,17 @@ def test_the_journal_keeps_seven_days_by_default_and_bounds_its_open_files() -> 
     journal = load_config(environ={}).journal
     assert journal.retention_ms == 7 * 24 * 3_600_000
     assert journal.max_open_files == 1024
+
+
+def test_a_stream_entry_refuses_more_in_sync_replicas_than_replicas(tmp_path: Path) -> None:
+    path = tmp_path / "shardgate.toml"
+    path.write_text('[[streams]]\nname = "orders"\nreplicas = 2\nmin_insync_replicas = 3\n')
+    with pytest.raises(ConfigError, match=r"\('orders'\): min_insync_replicas \(3\) cannot "
+                                          r"exceed replicas \(2\)"):
+        load_config(path, environ={})
+    path.write_text('[[streams]]\nname = "orders"\nreplicas = 17\n')
+    with pytest.raises(ConfigError, match="replicas = 17 is out of range"):
+        load_config(path, environ={})
+    path.write_text('[[streams]]\nname = "orders"\nreplicas = 3\n')
+    entry = load_config(path, environ={}).streams[0]
+    assert (entry.replicas, entry.min_insync_replicas) == (3, None)

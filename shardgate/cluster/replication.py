@@ -1,0 +1,60 @@
+"""A stream's replication settings as the cluster reads them from its definition in etcd
+(`streams/<name>`, `attach.stream_definition`): how many replicas each shard of the stream
+has, and how many of them must be in sync for a publish to be acknowledged.
+
+One function, `stream_replication`, that the controller (placing replicas, `replica_placement`)
+and the data path (acknowledging at the in-sync minimum, `replica_manager`) both use, so the
+two never read the settings differently. Only reliable streams are replicated: a
+non-reliable stream lives in memory and has one replica, its leader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# The definition's keys (the stream settings `replicas` and `min_insync_replicas`).
+REPLICAS = "replicas"
+MIN_INSYNC = "min_insync_replicas"
+# What a reliable stream without the setting gets. One replica until the replication data
+# path runs in `shardgate serve`: a stream placed on several nodes before then would move its
+# leadership to a node that never received its log.
+DEFAULT_REPLICAS = 1
+DEFAULT_MIN_INSYNC = 2
+MAX_REPLICAS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Replication:
+    """`replicas`: the nodes that hold each shard's log (capped by the live nodes when the
+    controller places them); `min_insync`: how many of them must be in sync to acknowledge
+    (never more than `replicas`)."""
+
+    replicas: int
+    min_insync: int
+
+    @property
+    def replicated(self) -> bool:
+        return self.replicas > 1
+
+
+def stream_replication(definition: Mapping[str, Any]) -> Replication:
+    """The replication of the stream with this etcd definition; a malformed setting counts as
+    the default (the definition was checked when it was made: this only guards old values)."""
+    if definition.get("mode", "reliable") != "reliable":
+        return Replication(1, 1)
+    replicas = _positive(definition.get(REPLICAS), DEFAULT_REPLICAS)
+    replicas = min(replicas, MAX_REPLICAS)
+    min_insync = min(_positive(definition.get(MIN_INSYNC), DEFAULT_MIN_INSYNC), replicas)
+    return Replication(replicas, min_insync)
+
+
+def _positive(value: Any, default: int) -> int:
+    if value is None or isinstance(value, bool):
+        return default
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        return default
+    return number if number >= 1 else default

@@ -1,0 +1,121 @@
+"""The controller's placement rules for replicated shards (`replica_placement.py`), pure: new
+shards spread, failover from the in-sync set, no unclean election, rejoin, proposals, drain and
+re-replication; and a stream's replication settings (`replication.py`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from shardgate.cluster.placement import ShardPlacement
+from shardgate.cluster.replica_leader import IsrProposal
+from shardgate.cluster.replica_placement import Nodes, ReplicaPlacer, ReplicatedSpec
+from shardgate.cluster.replication import Replication, stream_replication
+
+ABC = frozenset({"a", "b", "c"})
+KEY = ("s", 0)
+SPEC = [ReplicatedSpec("s", 0, 3)]
+
+
+def nodes(alive: set[str] | frozenset[str] = ABC, **kw: frozenset[str]) -> Nodes:
+    draining = kw.get("draining", frozenset())
+    return Nodes(frozenset(alive), frozenset(alive) - draining, kw.get("rejoined", frozenset()),
+                 draining)
+
+
+def test_stream_replication_reads_the_definition_with_defaults_and_caps() -> None:
+    assert stream_replication({"mode": "reliable"}) == Replication(1, 1)
+    assert stream_replication({"mode": "reliable", "replicas": 3}) == Replication(3, 2)
+    assert stream_replication({"mode": "reliable", "replicas": 3, "min_insync_replicas": 5}) \
+        == Replication(3, 3)
+    assert stream_replication({"mode": "non-reliable", "replicas": 3}) == Replication(1, 1)
+    assert stream_replication({"replicas": "x", "min_insync_replicas": 0}).replicas == 1
+    assert stream_replication({"replicas": 3}).replicated
+
+
+def test_new_shards_get_every_replica_in_sync_with_leaders_spread_evenly() -> None:
+    specs = [ReplicatedSpec("s", index, 3) for index in range(6)]
+    placed = ReplicaPlacer().place(specs, {}, nodes(), now=0.0)
+    assert len(placed) == 6
+    for shard in placed.values():
+        assert len(set(shard.replicas)) == 3 and set(shard.isr) == ABC
+        assert shard.replicas[0] == shard.leader and shard.leader_epoch == 1
+    assert Counter(shard.leader for shard in placed.values()) == {"a": 2, "b": 2, "c": 2}
+
+
+def test_replicas_are_capped_by_the_live_nodes_then_grow_when_nodes_join() -> None:
+    placer = ReplicaPlacer()
+    placed = placer.place(SPEC, {}, nodes({"a"}), now=0.0)
+    assert placed[KEY] == ShardPlacement("a", ("a",), ("a",), 1)
+    grown = placer.place(SPEC, placed, nodes(), now=1.0)[KEY]
+    assert grown.leader == "a" and grown.replicas == ("a", "b", "c") and grown.isr == ("a",)
+    assert grown.leader_epoch == 1  # no new leader: the same epoch
+
+
+def test_a_dead_leader_is_replaced_by_a_live_in_sync_replica_in_a_new_epoch() -> None:
+    current = {KEY: ShardPlacement("a", ("a", "b", "c"), ("a", "c"), 4, 2)}
+    placed = ReplicaPlacer().place(SPEC, current, nodes({"b", "c"}), now=0.0)[KEY]
+    # b is live but was not in sync: never elected
+    assert placed == ShardPlacement("c", ("a", "b", "c"), ("c",), 5, 3)
+
+
+def test_no_live_in_sync_replica_leaves_the_record_and_the_shard_unavailable() -> None:
+    current = {KEY: ShardPlacement("a", ("a", "b", "c"), ("a",), 4, 2)}
+    placer = ReplicaPlacer()
+    assert placer.place(SPEC, current, nodes({"b", "c"}), now=0.0)[KEY] is current[KEY]
+    # unless unclean election is allowed
+    unclean = ReplicaPlacer(unclean=True).place(SPEC, current, nodes({"b", "c"}), now=0.0)[KEY]
+    assert unclean.leader == "b" and unclean.isr == ("b",) and unclean.leader_epoch == 5
+
+
+def test_a_leader_registered_again_leads_in_a_new_epoch() -> None:
+    current = {KEY: ShardPlacement("a", ("a", "b", "c"), ("a", "b", "c"), 4)}
+    placed = ReplicaPlacer().place(SPEC, current, nodes(rejoined=frozenset({"a"})), now=0.0)[KEY]
+    assert placed.leader == "a" and placed.leader_epoch == 5
+    # a follower registered again changes nothing
+    same = ReplicaPlacer().place(SPEC, current, nodes(rejoined=frozenset({"b"})), now=0.0)[KEY]
+    assert same is current[KEY]
+
+
+def test_a_proposal_is_applied_only_against_the_current_epoch_and_version() -> None:
+    current = {KEY: ShardPlacement("a", ("a", "b", "c"), ("a", "b", "c"), 4, 7)}
+    shrink = IsrProposal("a", 4, 7, frozenset({"a", "b"}))
+    placed = ReplicaPlacer().place(SPEC, current, nodes(), now=0.0, proposals={KEY: shrink})[KEY]
+    assert placed.isr == ("a", "b") and placed.isr_version == 8 and placed.leader_epoch == 4
+    stale = IsrProposal("a", 4, 6, frozenset({"a", "b"}))
+    assert ReplicaPlacer().place(SPEC, current, nodes(), now=0.0,
+                                 proposals={KEY: stale})[KEY] is current[KEY]
+
+
+def test_a_dead_follower_is_replaced_only_after_the_re_replication_delay() -> None:
+    four = frozenset({"a", "b", "c", "d"})
+    current = {KEY: ShardPlacement("a", ("a", "b", "c"), ("a", "b", "c"), 1)}
+    placer = ReplicaPlacer(re_replicate_after_s=30.0)
+    first = placer.place(SPEC, current, nodes(four - {"c"}), now=100.0)[KEY]
+    assert first.replicas == ("a", "b", "c") and first.isr == ("a", "b")
+    waiting = placer.place(SPEC, {KEY: first}, nodes(four - {"c"}), now=120.0)[KEY]
+    assert waiting is first
+    moved = placer.place(SPEC, {KEY: first}, nodes(four - {"c"}), now=131.0)[KEY]
+    assert moved.replicas == ("a", "b", "d") and moved.isr == ("a", "b")
+    assert placer.under_replicated_since == {}
+
+
+def test_drain_adds_a_replica_then_moves_leadership_once_it_caught_up() -> None:
+    four = frozenset({"a", "b", "c", "d"})
+    current = {KEY: ShardPlacement("a", ("a", "b", "c"), ("a", "b", "c"), 3, 1)}
+    draining = nodes(four, draining=frozenset({"a"}))
+    placer = ReplicaPlacer()
+    step1 = placer.place(SPEC, current, draining, now=0.0)[KEY]
+    assert step1.replicas == ("a", "b", "c", "d") and step1.leader == "a"
+    assert step1.isr == ("a", "b", "c")
+    # not caught up yet: nothing moves
+    assert placer.place(SPEC, {KEY: step1}, draining, now=1.0)[KEY] is step1
+    caught_up = IsrProposal("a", 3, 1, frozenset({"a", "b", "c", "d"}))
+    step2 = placer.place(SPEC, {KEY: step1}, draining, now=2.0, proposals={KEY: caught_up})[KEY]
+    assert step2.replicas == ("b", "c", "d") and step2.isr == ("b", "c", "d")
+    assert step2.leader == "b" and step2.leader_epoch == 4
+
+
+def test_drain_without_a_spare_node_shrinks_the_replicas() -> None:
+    current = {KEY: ShardPlacement("b", ("a", "b", "c"), ("a", "b", "c"), 3, 1)}
+    placed = ReplicaPlacer().place(SPEC, current, nodes(draining=frozenset({"a"})), now=0.0)[KEY]
+    assert placed.replicas == ("b", "c") and placed.leader == "b" and placed.leader_epoch == 3
