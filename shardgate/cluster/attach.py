@@ -264,7 +264,12 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
         empty = []
         for name, index in shards:
             stream = broker.streams.get(name)
-            if stream is not None and index < len(stream.shards) and stream.shards[index].next_offset == 0:
+            if stream is None or index >= len(stream.shards):
+                continue
+            shard = stream.shards[index]
+            # no record ever published here (a log may start past 0: after the archive's files)
+            held = getattr(shard.log, "holds_records", shard.next_offset > 0)
+            if not held and shard.log is not None and shard.next_offset == shard.log.next_offset:
                 empty.append((name, index))
         return empty
 
