@@ -102,7 +102,7 @@ class ArchiveConfig:
     max_delay_s: float = 60.0
     # a stream with a registered schema is archived as typed columns; also keep payload bytes
     keep_typed_payload: bool = False
-    # compaction (local disks): merge a shard's small files of an hour into files of this size,
+    # compaction: merge a shard's small files of an hour into files of this size,
     # compact_after_s after the hour ended
     compaction: bool = True
     file_target_bytes: int = 128 * 1024 * 1024

@@ -190,7 +190,7 @@ class Archiver:
         self._upgraded: set[str] = set()
         """Streams whose older-format files are rewritten (`upgrade.py`), in this process."""
         self._upgrade_failed: set[str] = set()
-        self._compaction = self.settings.compaction and self._local
+        self._compaction = self.settings.compaction and (self._local or self._object_store)
         self._next_compaction = 0.0
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
@@ -205,7 +205,7 @@ class Archiver:
         bucket), then archive in a background task. An unreachable store is not an error
         here: the task keeps retrying and `status()` shows it."""
         await asyncio.to_thread(self._check_store)
-        if self._compaction:
+        if self._compaction and self._local:
             await asyncio.to_thread(compaction.clear_staging, self.root)
         await self._discover(raise_auth=True)
         await self._workers.run(warm_up)
@@ -392,14 +392,17 @@ class Archiver:
 
     async def compact(self, now_ms: int | None = None) -> int:
         """Merge small files of every listed stream whose hour ended `compact_after_s` ago
-        (`compaction.py`; local disks only); returns how many files were replaced. Each shard
-        directory is compacted under the archiver's lock, so no file of it is written
-        meanwhile."""
+        (`compaction.py`: local disks and object stores); returns how many files were
+        replaced. Each shard directory is compacted under the archiver's lock, so no file of
+        it is written meanwhile."""
         if not self._compaction:
             return 0
         settings = self.settings
         replaced = 0
         for name in list(self._listed):
+            if not self._local:  # inputs a compaction that stopped half-way left behind
+                async with self._lock:
+                    await self._workers.run(compaction.remove_superseded, self.fs, self.root, name)
             files = await self._workers.run(layout.list_stream_files, self.fs, self.root, name)
             for directory, entries in compaction.shard_directories(files).items():
                 end = compaction.hour_end_ms(directory)
@@ -410,6 +413,12 @@ class Archiver:
                     continue
                 async with self._lock:
                     try:
+                        if not self._local:
+                            replaced += await self._workers.run(
+                                compaction.compact_object_store, self.fs, name, entries,
+                                settings.file_target_bytes, settings.compression_level,
+                                settings.row_group_rows)
+                            continue
                         replaced += await self._workers.run(
                             compaction.compact_directory, self.root, name, directory, entries,
                             settings.file_target_bytes, settings.compression_level,

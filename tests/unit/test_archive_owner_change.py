@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fsspec.implementations.local import LocalFileSystem
-from shardgate.storage.archive import ArchiveSettings, Archiver, list_stream_files
+from shardgate.storage.archive import Archiver, ArchiveSettings, list_stream_files
 from shardgate.storage.journal import JournalBusy, JournalStorage
 
 from tests.unit.test_archive import T0, append, read_rows, streams
