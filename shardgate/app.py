@@ -96,6 +96,8 @@ class Shardgate:
         self.amqp: AmqpService | None = None
         # cluster mode (`[cluster]` / `--cluster`): this node's membership; None on a single node
         self.cluster: ClusterNode | None = None
+        # cluster mode: done once the node has joined (MQTT sessions open from then on)
+        self._joined: asyncio.Future[None] | None = None
         # cluster mode: forwarding, route table and pushes between nodes (`cluster.forward`),
         # started before any client listener so that no publish is stored by a non-owner
         self.data_plane: DataPlane | None = None
@@ -270,6 +272,11 @@ class Shardgate:
         self.mqtt = MqttService(edge, config.mqtt, store=stored, scheduler=loop,
                                 read_budget=self.read_budget)
         self.mqtt.use_identity_as_username = config.tls.use_identity_as_username
+        # cluster mode: sessions open once the node has joined (it knows then which it holds)
+        joined: asyncio.Future[None] = loop.create_future()
+        self._joined = joined
+        if self.cluster is not None:
+            self.mqtt.hold_sessions_until(joined)
         from .security.auth import install_security
 
         install_security(self)
@@ -403,8 +410,13 @@ class Shardgate:
             try:
                 await attach.join(self, self.cluster)
             except ClusterStartError as exc:
+                joined.cancel()
                 await self.stop()
                 raise ConfigError(f"cluster: {exc}") from exc
+            except BaseException:
+                joined.cancel()
+                raise
+            joined.set_result(None)
         if config.bridges:
             from .bridges.bridge import start_bridges
 
@@ -520,6 +532,8 @@ class Shardgate:
 
     async def stop(self) -> None:
         self.ready = False
+        if self._joined is not None and not self._joined.done():
+            self._joined.cancel()  # CONNECTs still waiting for the join are refused
         if self.alarms is not None:
             self.alarms.stop()
         if self.security is not None:

@@ -65,8 +65,17 @@ def snippet(start: str) -> str:
 
 @pytest.fixture
 def shell(tmp_path: Path) -> Iterator[tuple[dict[str, str], list[subprocess.Popen[str]]]]:
+    """The environment the README's commands run in: a virtual environment of its own (on top
+    of this interpreter's packages), so that the README's `pip install -e .` installs there and
+    never replaces the package that the other tests (other xdist workers) import meanwhile."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
+                   check=True, capture_output=True, timeout=300)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDGATE_")}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.pop("PYTHONHOME", None)
+    env["VIRTUAL_ENV"] = str(venv)
+    env["PATH"] = os.pathsep.join(
+        [str(venv / "bin"), str(Path(sys.executable).parent), env.get("PATH", "")])
     env["SPARK_LOCAL_IP"] = "127.0.0.1"
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     background: list[subprocess.Popen[str]] = []
