@@ -356,6 +356,16 @@ class SchemaRegistry:
         self.checks[stream] = compile_check(stream, latest.type, latest.parsed)
         self._versions[stream] = versions
 
+    def replace(self, stream: str, versions: list[SchemaVersion]) -> None:
+        """Take a stream's versions as another registry holds them (a cluster's: every node's
+        registry follows etcd's), and hand them to `on_change` as a registration does."""
+        if not versions:
+            self.delete(stream)
+            return
+        self.load(stream, versions)
+        if self.on_change is not None:
+            self.on_change(stream, self.versions(stream))
+
     def streams(self) -> list[str]:
         return sorted(self._versions)
 

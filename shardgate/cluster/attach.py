@@ -188,6 +188,10 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     host = app.config.listeners.host
     broker = app.broker
     assert broker is not None
+    from .schemas import SharedSchemas
+
+    # the registered schemas of etcd into the broker, this node's missing ones into etcd
+    SharedSchemas(node, broker.schemas).install()
     plane = app.data_plane  # the app starts it before its client listeners
     if plane is None:
         plane = DataPlane(broker, node.view, host=host, port=settings.port,

@@ -103,7 +103,7 @@ class EtcdClusterView:
         # node wrote itself, which must not undo it (applied by revision, see `note_session`)
         self.session_revisions: dict[str, int] = {}
         self._session_tombstones: dict[str, int] = {}
-        # whole documents kept as bytes (auth/users, auth/acl), by key
+        # whole documents kept as bytes (auth/users, auth/acl, amqp/..., schemas/...), by key
         self.documents: dict[str, bytes] = {}
         self.controller_id: str | None = None
         self.controller_revision = 0
@@ -205,7 +205,8 @@ class EtcdClusterView:
             self._apply(prefix, event)
             self.revision = max(self.revision, event.revision)
             key = event.key[len(prefix):]
-            relevant = relevant or not key.startswith((keys.SESSIONS, keys.DOCUMENTS, keys.AMQP))
+            relevant = relevant or not key.startswith((keys.SESSIONS, keys.DOCUMENTS, keys.AMQP,
+                                                       keys.SCHEMAS))
         if self._session_tombstones:
             # every event up to the watch's revision has come: no older one can undo them
             for client_id, deleted in list(self._session_tombstones.items()):
@@ -274,7 +275,7 @@ class EtcdClusterView:
                 before = self.sessions.get(client_id)
                 if self.note_session(client_id, holder, event.revision) and before != holder:
                     self.session_changes.append((client_id, holder))
-            elif key.startswith((keys.DOCUMENTS, keys.AMQP)):
+            elif key.startswith((keys.DOCUMENTS, keys.AMQP, keys.SCHEMAS)):
                 if value is None:
                     self.documents.pop(key, None)
                 else:

@@ -35,6 +35,8 @@ ROUTES = "routes/"
 DOCUMENTS = "auth/"
 # Kept whole like documents (view.documents), watched, told to document listeners.
 AMQP = "amqp/"
+# Each stream's registered schema versions (`schemas.py`), kept and told like documents.
+SCHEMAS = "schemas/"
 SESSIONS = "sessions/"
 
 
