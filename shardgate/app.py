@@ -34,7 +34,7 @@ from .storage.metadata.ports import MetadataPorts
 if TYPE_CHECKING:
     from .bridges.base import BridgeBase
     from .cluster.control import ClusterNode
-    from .cluster.forward import DataPlane
+    from .cluster.data_plane import DataPlane
     from .protocols.amqp.service import AmqpService
     from .protocols.grpc.server import GrpcServer
     from .resources import ResourceAlarms
@@ -98,7 +98,7 @@ class Shardgate:
         self.cluster: ClusterNode | None = None
         # cluster mode: done once the node has joined (MQTT sessions open from then on)
         self._joined: asyncio.Future[None] | None = None
-        # cluster mode: forwarding, route table and pushes between nodes (`cluster.forward`),
+        # cluster mode: forwarding, route table and pushes between nodes (`cluster.data_plane`),
         # started before any client listener so that no publish is stored by a non-owner
         self.data_plane: DataPlane | None = None
         # True from the end of `start` to the beginning of `stop`: what /readyz reports.
@@ -292,7 +292,7 @@ class Shardgate:
         try:
             if self.cluster is not None:
                 # before any client listener: a publish for another node's shard is forwarded
-                from .cluster.forward import DataPlane
+                from .cluster.data_plane import DataPlane
 
                 self.data_plane = DataPlane(self.broker, self.cluster.view, host, config.cluster.port,
                                             link_timeout_s=config.cluster.link_timeout_s,

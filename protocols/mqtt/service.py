@@ -114,7 +114,8 @@ class MqttService:
         # Cluster mode: asked at every CONNECT before the session opens; returns an awaitable
         # when the client's session must first come from (or be ended on) another node (it is
         # in `sessions`, offline, once that is done), None when nothing is elsewhere.
-        self.find_session_elsewhere: Callable[[str, bool], asyncio.Future[None] | None] | None = None
+        # (client id, clean start, the connecting user)
+        self.find_session_elsewhere: Callable[[str, bool, str | None], asyncio.Future[None] | None] | None = None
         # Cluster mode, while the node starts: done once it has joined its cluster (see
         # `hold_sessions_until`); until then every CONNECT waits before its session opens.
         self._joined: asyncio.Future[None] | None = None
@@ -511,24 +512,26 @@ class MqttService:
         (server unavailable)."""
         self._joined = joined
 
-    def session_elsewhere(self, client_id: str, clean_start: bool) -> asyncio.Future[None] | None:
+    def session_elsewhere(self, client_id: str, clean_start: bool,
+                          username: str | None = None) -> asyncio.Future[None] | None:
         """What a CONNECT waits for before its session opens (see `find_session_elsewhere`
         and `hold_sessions_until`)."""
         joined = self._joined
         if joined is not None and not joined.done():
-            return asyncio.ensure_future(self._after_joining(joined, client_id, clean_start))
+            return asyncio.ensure_future(self._after_joining(joined, client_id, clean_start, username))
         if self.find_session_elsewhere is None or client_id in self.sessions:
             return None
-        return self.find_session_elsewhere(client_id, clean_start)
+        return self.find_session_elsewhere(client_id, clean_start, username)
 
-    async def _after_joining(self, joined: asyncio.Future[None], client_id: str, clean_start: bool) -> None:
+    async def _after_joining(self, joined: asyncio.Future[None], client_id: str, clean_start: bool,
+                             username: str | None) -> None:
         try:
             await asyncio.shield(joined)
         except asyncio.CancelledError:
             raise ConnectionRefusedError("the node stopped before it joined its cluster") from None
         except Exception as exc:  # noqa: BLE001 - the CONNECT is refused with it
             raise ConnectionRefusedError(f"the node could not join its cluster: {exc}") from None
-        fetching = self.session_elsewhere(client_id, clean_start)
+        fetching = self.session_elsewhere(client_id, clean_start, username)
         if fetching is not None:
             await fetching
 

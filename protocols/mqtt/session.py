@@ -73,6 +73,11 @@ class Queued:
     source: Subscription | None = None
 
 
+class SessionOfAnotherUser(Exception):
+    """Cluster mode: the client id's session, held on another node, belongs to another user;
+    the CONNECT is refused as on the holder (`mqtt.session_takeover_by_other_user`)."""
+
+
 class MqttSession:
     def __init__(self, service: MqttService, client_id: str, durable: bool = False) -> None:
         self.service = service

@@ -10,8 +10,13 @@ agrees. Every key lives under `/shardgate/<cluster name>/`; values are JSON.
     routes/<pattern>       a routing rule: topics matching the pattern go to a stream
     auth/users, auth/acl   the users file and the ACL file, whole (see shared_files.py)
     sessions/<client id>   the node an MQTT client's session lives on (under that node's lease)
+                           and the user who made it (`SessionEntry`)
     amqp/<vhost>/exchanges/<name>   a durable AMQP exchange (type, flags, arguments)
     amqp/<vhost>/queues/<name>      the node a shared AMQP queue lives on (amqp_queues.py)
+    drain/<node id>        `shardgate cluster drain`: the controller moves every replica and
+                           leadership off that node (deleted by `--cancel`)
+    isr/<stream>/<shard>   a replicated shard's leader's in-sync set proposal (under the
+                           leader's lease); the controller applies or refuses it, then deletes it
 
 Outside that prefix, under `/shardgate/<cluster name>.state/` (read on demand, never watched):
     sessions/<client id>   an MQTT persistent session's last snapshot (sessions.py)
@@ -38,6 +43,8 @@ AMQP = "amqp/"
 # Each stream's registered schema versions (`schemas.py`), kept and told like documents.
 SCHEMAS = "schemas/"
 SESSIONS = "sessions/"
+DRAIN = "drain/"
+ISR_PROPOSALS = "isr/"
 
 
 def encode(value: Any) -> bytes:
@@ -67,6 +74,12 @@ class NodeRegistration:
     # proves the node's cluster secret without showing it (`link_auth.secret_check`): a node
     # started with another secret sees the mismatch and refuses to start
     secret_check: str = ""
+    # the lease this registration is under: a new one means the node registered again (a new
+    # process, or the same one after its lease ran out), so a shard it leads gets a new epoch
+    lease: int = 0
+    # the node runs the replication data path (follows leaders, answers fetches): only such
+    # nodes receive replicas of replicated shards (`replication.py`)
+    replication: bool = False
 
     def to_json(self) -> bytes:
         return encode({
@@ -74,6 +87,7 @@ class NodeRegistration:
             "instance": self.instance, "started_ms": self.started_ms,
             "listeners": self.listeners, "leaving": self.leaving, "load": self.load,
             "released": self.released, "secret_check": self.secret_check,
+            "lease": self.lease, "replication": self.replication,
         })
 
     @classmethod
@@ -85,4 +99,31 @@ class NodeRegistration:
             listeners=dict(data.get("listeners", {})), leaving=bool(data.get("leaving", False)),
             load=float(data.get("load", 0.0)), released=list(data.get("released", [])),
             secret_check=str(data.get("secret_check", "")),
+            lease=int(data.get("lease", 0)), replication=bool(data.get("replication", False)),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEntry:
+    """What the registry says of an MQTT client's session in `sessions/<client id>`: the node
+    it lives on and, once known (`owned`), the user who made it (None: an anonymous client).
+    Another user's CONNECT with that client id is refused on every node as on the holder
+    (`mqtt.session_takeover_by_other_user`); an entry without an owner (written before owners
+    were kept) is anyone's."""
+
+    node: str
+    owner: str | None = None
+    owned: bool = False
+
+    def to_json(self) -> bytes:
+        return encode({"node": self.node, **({"owner": self.owner} if self.owned else {})})
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> SessionEntry:
+        data = decode(raw)
+        owner = data.get("owner")
+        return cls(str(data["node"]), None if owner is None else str(owner), "owner" in data)
+
+    def refuses(self, username: str | None) -> bool:
+        """Whether the session is another user's than `username`'s."""
+        return self.owned and self.owner != username

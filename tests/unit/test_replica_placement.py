@@ -23,13 +23,14 @@ def nodes(alive: set[str] | frozenset[str] = ABC, **kw: frozenset[str]) -> Nodes
 
 
 def test_stream_replication_reads_the_definition_with_defaults_and_caps() -> None:
-    assert stream_replication({"mode": "reliable"}) == Replication(1, 1)
-    assert stream_replication({"mode": "reliable", "replicas": 3}) == Replication(3, 2)
+    assert stream_replication({"mode": "reliable"}) == Replication(3, 2)
+    assert stream_replication({"mode": "reliable", "replicas": None}) == Replication(3, 2)
+    assert stream_replication({"mode": "reliable", "replicas": 1}) == Replication(1, 1)
     assert stream_replication({"mode": "reliable", "replicas": 3, "min_insync_replicas": 5}) \
         == Replication(3, 3)
     assert stream_replication({"mode": "non-reliable", "replicas": 3}) == Replication(1, 1)
-    assert stream_replication({"replicas": "x", "min_insync_replicas": 0}).replicas == 1
-    assert stream_replication({"replicas": 3}).replicated
+    assert stream_replication({"replicas": "x", "min_insync_replicas": 0}) == Replication(3, 2)
+    assert not stream_replication({"replicas": 1}).replicated
 
 
 def test_new_shards_get_every_replica_in_sync_with_leaders_spread_evenly() -> None:
@@ -119,3 +120,39 @@ def test_drain_without_a_spare_node_shrinks_the_replicas() -> None:
     current = {KEY: ShardPlacement("b", ("a", "b", "c"), ("a", "b", "c"), 3, 1)}
     placed = ReplicaPlacer().place(SPEC, current, nodes(draining=frozenset({"a"})), now=0.0)[KEY]
     assert placed.replicas == ("b", "c") and placed.leader == "b" and placed.leader_epoch == 3
+
+
+class _Registration:
+    replication = True
+
+
+class _Leading:
+    high_watermark = 40
+    log_end = 42
+
+    def lag(self, replica: str) -> int:
+        return {"b": 2, "c": 30}[replica]
+
+
+def test_status_shows_each_replicated_shard_with_its_leaders_figures_and_renders_them() -> None:
+    from shardgate.cluster.cli import render_status
+    from shardgate.cluster.replica_status import shard_status
+
+    placement = {"s": [ShardPlacement("a", ("a", "b", "c"), ("a", "b"), 3, 1),
+                       ShardPlacement("b", ("b", "c", "a"), ("b", "c", "a"), 1)],
+                 "plain": [ShardPlacement.single("a", 1)]}
+    streams = {"s": {"mode": "reliable", "replicas": 3}, "plain": {"mode": "non-reliable"}}
+    live = {node: _Registration() for node in "abc"}
+    status = shard_status(placement, streams, live,
+                          lambda stream, shard: _Leading() if (stream, shard) == ("s", 0) else None)
+    assert set(status) == {"s/0", "s/1"}
+    assert status["s/0"]["under_replicated"] and not status["s/1"]["under_replicated"]
+    assert status["s/0"]["high_watermark"] == 40 and status["s/0"]["lag"] == {"b": 2, "c": 30}
+    assert "high_watermark" not in status["s/1"]
+    # no node runs the replication data path: nothing is counted under-replicated
+    assert shard_status({"s": [ShardPlacement.single("a", 1)]}, streams, {"a": object()}, None) == {}
+    text = render_status({"cluster": "c", "controller": "a", "shards": 3, "streams": 2,
+                          "nodes": [], "replicated_shards": status,
+                          "under_replicated_shards": ["s/0"], "draining": {"c": ["s/0"]}})
+    assert "s/0    a       3      a,b,c     a,b      40              b:2,c:30" in text
+    assert "under-replicated: s/0" in text and "draining c: still holds s/0" in text
