@@ -37,7 +37,6 @@ from .etcd import (
     EtcdError,
     EtcdUnavailable,
     KeyValue,
-    LeaseKeeper,
     WatchEvent,
     create_revision_is,
     delete_op,
@@ -46,6 +45,7 @@ from .etcd import (
     put_op,
     version_is,
 )
+from .etcd_lease import LeaseKeeper
 from .link_auth import NodeCredentials, secret_check
 from .membership import NodeInfo, ShardAssignment
 from .placement import ShardPlacement, ShardSpec, place
@@ -526,7 +526,7 @@ class ClusterNode:
 
     # ---------------------------------------------------------------- background loops
     def _start_lease_keeper(self) -> None:
-        """Keep the lease alive from a thread of its own (etcd.LeaseKeeper), so a busy event
+        """Keep the lease alive from a thread of its own (etcd_lease.LeaseKeeper), so a busy event
         loop cannot let it expire; its answers reach the fencing view through the loop."""
         loop = asyncio.get_running_loop()
         self._lease_lost = asyncio.Event()

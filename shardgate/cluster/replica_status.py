@@ -83,7 +83,13 @@ def shard_status(placement: Mapping[str, list[ShardPlacement]],
         if figures is not None:
             entry["high_watermark"] = figures.high_watermark
             entry["log_end"] = figures.log_end
-            entry["lag"] = {replica: figures.lag(replica)
-                            for replica in placed.replicas if replica != placed.leader}
+            entry["lag"] = lag = {}
+            for replica in placed.replicas:
+                if replica == placed.leader:
+                    continue
+                try:
+                    lag[replica] = figures.lag(replica)
+                except KeyError:
+                    pass  # not (yet) one of this leadership's followers: the placement moved on
         status[f"{stream}/{index}"] = entry
     return status

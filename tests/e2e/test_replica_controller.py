@@ -161,6 +161,7 @@ async def test_drain_moves_replicas_and_leadership_off_a_node_once_the_new_repli
         await until(lambda: "d" in a.view.placement[STREAM][0].replicas)
         added = (await placement_in_etcd(a))[0]
         assert added.leader == shard.leader and "d" not in added.isr
+        assert added.leader_epoch == shard.leader_epoch + 1  # the leader learns its new follower
         await asyncio.sleep(1.0)
         assert (await placement_in_etcd(a))[0] == added
         # the leader says it caught up: leadership and the replica leave the drained node
