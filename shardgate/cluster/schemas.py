@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..core.schema_registry import SchemaRegistry, SchemaVersion
@@ -29,9 +28,6 @@ if TYPE_CHECKING:
     from .control import ClusterNode
 
 log = logging.getLogger(__name__)
-
-SchemasChanged = Callable[[str, list[SchemaVersion]], None]
-
 
 def encode(versions: list[SchemaVersion]) -> bytes:
     return json.dumps([version.to_dict() for version in versions], sort_keys=True).encode()
@@ -47,14 +43,12 @@ class SharedSchemas:
     def __init__(self, node: ClusterNode, registry: SchemaRegistry) -> None:
         self.node = node
         self.registry = registry
-        self._local: SchemasChanged | None = None
         self._from_etcd = False
 
     def install(self) -> None:
         """etcd's schemas into the registry, this node's missing ones into etcd; from then on
         changes go both ways."""
-        self._local = self.registry.on_change
-        self.registry.on_change = self._changed_here
+        self.registry.add_listener(self._changed_here)
         self.node.document_listeners.append(self._changed_in_etcd)
         held = {key[len(keys.SCHEMAS):]: value for key, value in self.node.view.documents.items()
                 if key.startswith(keys.SCHEMAS)}
@@ -65,8 +59,7 @@ class SharedSchemas:
                 self.node.submit(keys.SCHEMAS + stream, encode(self.registry.versions(stream)))
 
     def _changed_here(self, stream: str, versions: list[SchemaVersion]) -> None:
-        if self._local is not None:
-            self._local(stream, versions)  # the node's metadata store, as on a single node
+        # (the registry's own `on_change` has kept them in this node's metadata store)
         if self._from_etcd:
             return
         key = keys.SCHEMAS + stream
