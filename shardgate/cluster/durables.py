@@ -163,7 +163,7 @@ class DurableHandover:
 
     def snapshot(self, sub: DurableSubscription) -> dict[str, Any]:
         cursors, messages = cursor_state(sub)
-        owner_options = sub.owner.saved_options()  # type: ignore[union-attr]
+        owner_options = sub.owner.saved_options()
         return {
             "node": self.node.node_id, "name": sub.name, "type": sub.type.value,
             "filters": sorted(sub.filters), "owner": owner_options, "cursors": cursors,

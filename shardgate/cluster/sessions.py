@@ -560,7 +560,7 @@ class SessionHandover:
     # ------------------------------------------------------------ wiring
     def install(self) -> None:
         self.service.find_session_elsewhere = self.find
-        self.service.store = SnapshottingStore(self.service.store, self)  # type: ignore[assignment]
+        self.service.store = SnapshottingStore(self.service.store, self)
         self.rpc.on_release = self.release
         self.rpc.on_take = self.take_for_peer
         self.node.view.on_change(self._note_departures)
