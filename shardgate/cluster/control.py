@@ -47,6 +47,7 @@ from .etcd import (
 )
 from .etcd_lease import LeaseKeeper
 from .link_auth import NodeCredentials, secret_check
+from .link_tls import ClusterTlsError, load_cluster_tls
 from .membership import NodeInfo, ShardAssignment
 from .placement import ShardPlacement, ShardSpec, place
 from .replica_leader import IsrProposal
@@ -361,8 +362,14 @@ class ClusterNode:
             secret = settings.load_secret()
         except ValueError as exc:
             raise ClusterStartError(str(exc)) from None
-        # what this node proves to its peers on the cluster port (`link_auth.py`)
-        self.credentials = NodeCredentials(node_id, self.instance, secret)
+        try:
+            tls = load_cluster_tls(settings.tls_cert_file, settings.tls_key_file,
+                                   settings.tls_ca_file, settings.tls_server_name)
+        except ClusterTlsError as exc:
+            raise ClusterStartError(str(exc)) from None
+        # what this node proves to its peers on the cluster port (`link_auth.py`), and how it
+        # encrypts what it says there (`link_tls.py`)
+        self.credentials = NodeCredentials(node_id, self.instance, secret, tls)
         self.view = EtcdClusterView(node_id)
         self.client = EtcdClient(
             settings.endpoints, username=settings.username, password=settings.password,
