@@ -119,7 +119,7 @@ class EtcdClusterView:
         # node wrote itself, which must not undo it (applied by revision, see `note_session`)
         self.session_revisions: dict[str, int] = {}
         self._session_tombstones: dict[str, int] = {}
-        # whole documents kept as bytes (auth/users, auth/acl), by key
+        # whole documents kept as bytes (auth/users, auth/acl, amqp/..., schemas/...), by key
         self.documents: dict[str, bytes] = {}
         self.controller_id: str | None = None
         self.controller_revision = 0
@@ -229,7 +229,8 @@ class EtcdClusterView:
             self._apply(prefix, event)
             self.revision = max(self.revision, event.revision)
             key = event.key[len(prefix):]
-            relevant = relevant or not key.startswith((keys.SESSIONS, keys.DOCUMENTS, keys.AMQP))
+            relevant = relevant or not key.startswith((keys.SESSIONS, keys.DOCUMENTS, keys.AMQP,
+                                                       keys.SCHEMAS))
         if self._session_tombstones:
             # every event up to the watch's revision has come: no older one can undo them
             for client_id, deleted in list(self._session_tombstones.items()):
@@ -315,7 +316,7 @@ class EtcdClusterView:
                     proposal = IsrProposal(str(data["leader"]), int(data["leader_epoch"]),
                                            int(data["isr_version"]), frozenset(map(str, data["isr"])))
                     self.proposals[(stream, int(index))] = (proposal, event.revision)
-            elif key.startswith((keys.DOCUMENTS, keys.AMQP)):
+            elif key.startswith((keys.DOCUMENTS, keys.AMQP, keys.SCHEMAS)):
                 if value is None:
                     self.documents.pop(key, None)
                 else:
