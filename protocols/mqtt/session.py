@@ -286,6 +286,15 @@ class MqttSession:
             self.queue = kept
         return dropped
 
+    def replace_queued_from(self, start: int, kept: Sequence[Queued]) -> None:
+        """Replace the queued messages from position `start` on with `kept` (some of them,
+        reordered), keeping the queue's byte count true."""
+        queue = self.queue
+        for _ in range(len(queue) - start):
+            self.queued_bytes -= len(queue.pop().message.payload)
+        queue.extend(kept)
+        self.queued_bytes += sum(len(item.message.payload) for item in kept)
+
     def _next_packet_id(self) -> int:
         packet_id = self._last_packet_id
         for _ in range(65535):

@@ -483,13 +483,11 @@ def in_shard_order(session: MqttSession, start: int, reliable: Callable[[str], b
     window = list(queue)[start:]
     seen: set[tuple[str, int, int, int, str]] = set()
     kept: list[Queued] = []
-    dropped_bytes = 0
     for item in window:
         message = item.message
         if message.offset >= 0 and not reliable(message.stream):
             identity = _identity(message)
             if identity in seen:
-                dropped_bytes += len(message.payload)
                 continue
             seen.add(identity)
         kept.append(item)
@@ -502,10 +500,7 @@ def in_shard_order(session: MqttSession, start: int, reliable: Callable[[str], b
         ordered = sorted((kept[index] for index in indexes), key=lambda item: item.message.offset)
         for index, item in zip(indexes, ordered, strict=True):
             kept[index] = item
-    for _ in range(len(window)):
-        queue.pop()
-    queue.extend(kept)
-    session.queued_bytes -= dropped_bytes
+    session.replace_queued_from(start, kept)
     return len(window) - len(kept)
 
 

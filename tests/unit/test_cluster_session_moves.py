@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 from shardgate.core.message import Message
-from shardgate.protocols.mqtt.session import Queued
+from shardgate.protocols.mqtt.session import MqttSession, Queued
 
 from shardgate.cluster import keys
 from shardgate.cluster.control import EtcdClusterView
@@ -46,6 +46,9 @@ class QueueOf:
 
     queue: deque[Queued] = field(default_factory=deque)
     queued_bytes: int = 0
+
+    # the session's own method, which reads and writes only these two fields
+    replace_queued_from = MqttSession.replace_queued_from
 
     def add(self, shard: int, offset: int, stream: str = "fast") -> None:
         message = Message(f"t/{shard}", f"{shard}@{offset}".encode(), stream=stream, shard=shard,
