@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from .bridges.base import BridgeBase
     from .cluster.control import ClusterNode
     from .cluster.forward import DataPlane
+    from .cluster.views import ClusterViews
     from .protocols.amqp.service import AmqpService
     from .protocols.grpc.server import GrpcServer
     from .resources import ResourceAlarms
@@ -96,6 +97,9 @@ class Shardgate:
         self.amqp: AmqpService | None = None
         # cluster mode (`[cluster]` / `--cluster`): this node's membership; None on a single node
         self.cluster: ClusterNode | None = None
+        # cluster mode: the cluster-wide listings of streams, subscriptions and clients that
+        # the admin HTTP API and gRPC Admin give (`cluster.views`); None on a single node
+        self.cluster_views: ClusterViews | None = None
         # cluster mode: forwarding, route table and pushes between nodes (`cluster.forward`),
         # started before any client listener so that no publish is stored by a non-owner
         self.data_plane: DataPlane | None = None
@@ -244,6 +248,11 @@ class Shardgate:
                 await attach.share_catalog(self, self.cluster)
             except ClusterStartError as exc:
                 raise ConfigError(f"cluster: {exc}") from exc
+            from .admin.local_listings import local_view
+            from .cluster.views import ClusterViews
+
+            self.cluster_views = ClusterViews(self.cluster.view, self.cluster.credentials,
+                                              local_view(self))
         assert self.metadata is not None
         self.edge = edge = Edge(self.broker)
         edge.listeners = self.listeners
@@ -338,7 +347,12 @@ class Shardgate:
                     from .cluster.attach import cluster_status
 
                     status = partial(cluster_status, self.cluster)
-                grpc_server = GrpcServer(edge, config.grpc, cluster_status=status)
+                listing = None
+                if self.cluster_views is not None:
+                    from .cluster.views import listing as cluster_listing
+
+                    listing = partial(cluster_listing, self.cluster_views)
+                grpc_server = GrpcServer(edge, config.grpc, cluster_status=status, listing=listing)
                 if ports.grpc_port:
                     starting = ("gRPC", host, ports.grpc_port, "listeners.grpc_port")
                     grpc_server.port = grpc_server.listen(host, ports.grpc_port, None)
@@ -546,5 +560,7 @@ class Shardgate:
             self.journal.close()
         if self.metadata is not None:
             self.metadata.close()
+        if self.cluster_views is not None:
+            await self.cluster_views.close()
         if self.cluster is not None:
             await self.cluster.stop()

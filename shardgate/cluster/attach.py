@@ -208,6 +208,8 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     rpc.on_read = lambda request: serve_read(broker, plane, request)
     plane.add_service(rpc.handler())
     node.state_rpc = rpc
+    if app.cluster_views is not None:  # this node's part of the cluster-wide listings
+        plane.add_service(app.cluster_views.handler())
     # a subscription opened here at an earlier position reads other nodes' shards from them
     plane.owner_reader = lambda stream, shard, start, filters, since_ms: OwnerLog(
         rpc, plane, stream, shard, start, filters, since_ms)
