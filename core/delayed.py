@@ -4,8 +4,9 @@ MQTT clients ask for it with the topic prefix `$delayed/{seconds}/{topic}` (as E
 RobustMQ do); every protocol can set the header `x-deliver-at` (epoch milliseconds) or
 `x-delay` (milliseconds, as RabbitMQ's delayed-message exchange); those two headers are
 removed from the message it holds, so that its release is not held again. On a single node held
-messages live in a `DelayedStore` (the metadata store) so they survive a restart, and one timer
-per message releases them into the normal publish path. In a cluster a `SharedHold` keeps them
+messages live only in a `DelayedStore` (the metadata store, on disk): they survive a restart
+and a flood of them cannot exhaust memory; one timer, for the earliest due, releases them into
+the normal publish path. In a cluster a `SharedHold` keeps them
 instead (shardgate/cluster/delayed.py: in etcd, released by any node), and the publish that
 holds a message is acknowledged once the cluster has it (`hold` returns that future).
 """
@@ -103,18 +104,38 @@ def deliver_at(message: Message) -> int | None:
 
 
 class DelayedDelivery:
-    """Holds delayed messages and publishes each when its time comes."""
+    """Holds delayed messages and publishes each when its time comes.
+
+    With a store (a broker with a data directory) held messages live only there: memory keeps
+    their count and one timer, for the earliest one due, so a flood of delayed messages costs
+    disk, never memory (the store refuses beyond the free-disk limit like any write), and a
+    restart reads none of them before it is due. When the timer fires, the due ones are read
+    in batches of `RELEASE_BATCH`, earliest first, published and deleted. Without a store
+    (a broker in memory only) they are kept in memory, one timer each.
+    """
+
+    # Due messages read and released per loop turn.
+    RELEASE_BATCH = 256
+    # Where a stored record that cannot be read is moved (never due, still kept): set aside.
+    SET_ASIDE_AT_MS = 2**62
+    # The pause before looking again when the earliest due row cannot be read at all.
+    UNREADABLE_RETRY_S = 60.0
 
     def __init__(self, store: DelayedStore | None, publish: Callable[[Message], object]) -> None:
         self.store = store
         self.publish = publish
         # cluster mode: held messages are kept there instead (set by the cluster wiring)
         self.shared: SharedHold | None = None
+        # without a store: one timer and the message per held message
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._held: dict[str, Message] = {}
+        # with a store: how many it holds, and the one timer for the earliest due
+        self._stored = 0
+        self._wake: asyncio.TimerHandle | None = None
+        self._wake_at_ms: int | None = None
 
     def __len__(self) -> int:
-        return len(self._timers) + (len(self.shared) if self.shared is not None else 0)
+        return len(self._timers) + self._stored + (len(self.shared) if self.shared is not None else 0)
 
     def hold(self, message: Message, at_ms: int) -> asyncio.Future[None] | None:
         """Keep `message` until `at_ms`. Returns None once it is durable here, or (cluster) the
@@ -124,14 +145,18 @@ class DelayedDelivery:
         if self.shared is not None:
             return self.shared.hold(message, at_ms)
         delivery_id = uuid.uuid4().hex
-        if self.store is not None:
-            try:
-                self.store.put_delayed(delivery_id, at_ms, encode_message(message))
-            except Exception as exc:
-                raise PublishRejected(f"could not store the delayed message: {exc}") from exc
-        self._schedule(delivery_id, message, at_ms)
+        if self.store is None:
+            self._schedule(delivery_id, message, at_ms)
+            return None
+        try:
+            self.store.put_delayed(delivery_id, at_ms, encode_message(message))
+        except Exception as exc:
+            raise PublishRejected(f"could not store the delayed message: {exc}") from exc
+        self._stored += 1
+        self._wake_for(at_ms)
         return None
 
+    # ------------------------------------------------------------------ held in memory
     def _schedule(self, delivery_id: str, message: Message, at_ms: int) -> None:
         loop = asyncio.get_running_loop()
         delay = max(0.0, (at_ms - now_ms()) / 1000)
@@ -141,35 +166,89 @@ class DelayedDelivery:
     def _release(self, delivery_id: str) -> None:
         self._timers.pop(delivery_id, None)
         message = self._held.pop(delivery_id, None)
-        if message is None:
-            return
+        if message is not None:
+            self._publish(message)
+
+    def _publish(self, message: Message) -> None:
         message.publish_time_ms = now_ms()
         try:
             self.publish(message)
         except Exception:
             log.exception("delayed message for %r could not be published", message.topic)
-        if self.store is not None:
-            try:
-                self.store.delete_delayed(delivery_id)
-            except Exception:
-                log.exception("could not forget delayed message %s", delivery_id)
 
-    def restore(self) -> int:
-        """Reschedule what an earlier run held (due ones are released at once)."""
-        if self.store is None:
-            return 0
-        count = 0
-        for record in self.store.due_delayed(2**62):
+    # ------------------------------------------------------------------ held in the store
+    def _wake_for(self, at_ms: int, delay_s: float | None = None) -> None:
+        """Make sure the timer fires by `at_ms` (or after `delay_s`)."""
+        if self._wake_at_ms is not None and self._wake_at_ms <= at_ms and delay_s is None:
+            return
+        if self._wake is not None:
+            self._wake.cancel()
+        if delay_s is None:
+            delay_s = max(0.0, (at_ms - now_ms()) / 1000)
+        self._wake_at_ms = at_ms
+        self._wake = asyncio.get_running_loop().call_later(delay_s, self._release_due)
+
+    def _release_due(self) -> None:
+        """Publish (and forget) a batch of the stored messages that are due, then wait for
+        the next."""
+        self._wake = None
+        self._wake_at_ms = None
+        store = self.store
+        if store is None:
+            return
+        now = now_ms()
+        try:
+            records = store.due_delayed(now, self.RELEASE_BATCH)
+        except Exception:
+            log.exception("could not read the delayed messages due")
+            self._wake_for(now, self.UNREADABLE_RETRY_S)
+            return
+        for record in records:
             try:
                 message = decode_to_message(record.data)
                 validate_topic_name(message.topic)
-                self._schedule(record.id, message, record.deliver_at_ms)
             except Exception as exc:
                 # kept in the store, never released: the log says what it was
                 set_aside(log, f"delayed message {record.id}", record, exc)
+                try:
+                    store.put_delayed(record.id, self.SET_ASIDE_AT_MS, record.data)
+                except Exception:
+                    log.exception("could not set aside delayed message %s", record.id)
                 continue
-            count += 1
-        return count
+            self._publish(message)
+            try:
+                if store.delete_delayed(record.id):
+                    self._stored -= 1
+            except Exception:
+                log.exception("could not forget delayed message %s", record.id)
+        if len(records) >= self.RELEASE_BATCH:
+            self._wake_for(now, 0.0)  # more are due: the next batch at the next loop turn
+            return
+        self._wake_next(released=bool(records))
+
+    def _wake_next(self, released: bool = True) -> None:
+        assert self.store is not None
+        try:
+            self._stored, earliest = self.store.delayed_summary(self.SET_ASIDE_AT_MS)
+        except Exception:
+            log.exception("could not read the delayed messages")
+            self._wake_for(now_ms(), self.UNREADABLE_RETRY_S)
+            return
+        if earliest is None:
+            return
+        if earliest <= now_ms() and not released:
+            # due but not readable (the store logged the row and left it): look again later
+            self._wake_for(earliest, self.UNREADABLE_RETRY_S)
+            return
+        self._wake_for(earliest)
+
+    def restore(self) -> int:
+        """Wait for what an earlier run held (due ones are released at once): only their
+        count and the earliest time are read now, each message when it is due."""
+        if self.store is None:
+            return 0
+        self._wake_next()
+        return self._stored
 
     async def finish(self) -> None:
         """A cluster node leaving: stop holding and releasing, and end the releases under way,
@@ -180,6 +259,10 @@ class DelayedDelivery:
     def close(self) -> None:
         if self.shared is not None:
             self.shared.close()
+        if self._wake is not None:
+            self._wake.cancel()
+            self._wake = None
+            self._wake_at_ms = None
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 QUEUE_FULL = "queue_full"
 EXPIRED = "expired"
 SLOW_SUBSCRIBER = "slow_subscriber"
+# A client's queue at its byte bound (an MQTT session's `max_queued_bytes`).
+QUEUE_BYTES = "queue_bytes"
 
 
 @dataclass(slots=True, eq=False)

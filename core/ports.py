@@ -106,6 +106,10 @@ class DelayedStore(Protocol):
 
     def delete_delayed(self, id: str) -> bool: ...
 
+    def delayed_summary(self, before_ms: int) -> tuple[int, int | None]:
+        """How many are stored, and the earliest deliver-at time below `before_ms` (None:
+        none), without reading their data."""
+
 
 class WriteGroups(Protocol):
     """Group commit: while a group is open, writes join one transaction that `commit_group`

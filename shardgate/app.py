@@ -34,7 +34,7 @@ from .storage.metadata.ports import MetadataPorts
 if TYPE_CHECKING:
     from .bridges.base import BridgeBase
     from .cluster.control import ClusterNode
-    from .cluster.forward import DataPlane
+    from .cluster.data_plane import DataPlane
     from .cluster.views import ClusterViews
     from .protocols.amqp.service import AmqpService
     from .protocols.grpc.server import GrpcServer
@@ -100,7 +100,9 @@ class Shardgate:
         # cluster mode: the cluster-wide listings of streams, subscriptions and clients that
         # the admin HTTP API and gRPC Admin give (`cluster.views`); None on a single node
         self.cluster_views: ClusterViews | None = None
-        # cluster mode: forwarding, route table and pushes between nodes (`cluster.forward`),
+        # cluster mode: done once the node has joined (MQTT sessions open from then on)
+        self._joined: asyncio.Future[None] | None = None
+        # cluster mode: forwarding, route table and pushes between nodes (`cluster.data_plane`),
         # started before any client listener so that no publish is stored by a non-owner
         self.data_plane: DataPlane | None = None
         # True from the end of `start` to the beginning of `stop`: what /readyz reports.
@@ -274,6 +276,11 @@ class Shardgate:
         self.mqtt = MqttService(edge, config.mqtt, store=stored, scheduler=loop,
                                 read_budget=self.read_budget)
         self.mqtt.use_identity_as_username = config.tls.use_identity_as_username
+        # cluster mode: sessions open once the node has joined (it knows then which it holds)
+        joined: asyncio.Future[None] = loop.create_future()
+        self._joined = joined
+        if self.cluster is not None:
+            self.mqtt.hold_sessions_until(joined)
         from .security.auth import install_security
 
         install_security(self)
@@ -289,7 +296,7 @@ class Shardgate:
         try:
             if self.cluster is not None:
                 # before any client listener: a publish for another node's shard is forwarded
-                from .cluster.forward import DataPlane
+                from .cluster.data_plane import DataPlane
 
                 self.data_plane = DataPlane(self.broker, self.cluster.view, host, config.cluster.port,
                                             link_timeout_s=config.cluster.link_timeout_s,
@@ -412,8 +419,13 @@ class Shardgate:
             try:
                 await attach.join(self, self.cluster)
             except ClusterStartError as exc:
+                joined.cancel()
                 await self.stop()
                 raise ConfigError(f"cluster: {exc}") from exc
+            except BaseException:
+                joined.cancel()
+                raise
+            joined.set_result(None)
         if config.bridges:
             from .bridges.bridge import start_bridges
 
@@ -501,6 +513,8 @@ class Shardgate:
 
     async def stop(self) -> None:
         self.ready = False
+        if self._joined is not None and not self._joined.done():
+            self._joined.cancel()  # CONNECTs still waiting for the join are refused
         if self.alarms is not None:
             self.alarms.stop()
         if self.security is not None:

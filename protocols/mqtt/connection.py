@@ -35,7 +35,14 @@ from .codec import (
     encode,
     encode_publish,
 )
-from .session import NEVER_EXPIRES, NO_PACKET_IDS, MqttSession, SubscriptionOptions, open_packet_ids
+from .session import (
+    NEVER_EXPIRES,
+    NO_PACKET_IDS,
+    MqttSession,
+    SessionOfAnotherUser,
+    SubscriptionOptions,
+    open_packet_ids,
+)
 from .timing import clock as timing_clock
 
 if TYPE_CHECKING:
@@ -735,7 +742,7 @@ class MqttConnection:
             expiry = 0 if connect.clean_start else (settings.persistent_session_expiry or NEVER_EXPIRES)
         self.session_expiry_at_connect = expiry
         self.will = connect.will
-        fetching = self.service.session_elsewhere(client_id, clean_start)
+        fetching = self.service.session_elsewhere(client_id, clean_start, username)
         if fetching is not None:
             # Cluster: the session lives on (or must be ended on) another node first; CONNACK
             # and every later packet wait until it is here.
@@ -781,6 +788,12 @@ class MqttConnection:
         now (the future's error) refuses the CONNECT, retryably: a new session would drop the
         one held elsewhere."""
         failure = None if fetching.cancelled() else fetching.exception()
+        if isinstance(failure, SessionOfAnotherUser):
+            # held on another node by another user: refused there, nothing ended anywhere
+            if self.state is not State.CLOSED:
+                self._refuse(RC.NOT_AUTHORIZED, p.ConnackCode311.NOT_AUTHORIZED,
+                             f"client identifier {client_id!r} has a session of another user")
+            return
         if failure is not None:
             if self.state is not State.CLOSED:
                 self._refuse(RC.SERVER_UNAVAILABLE, p.ConnackCode311.SERVER_UNAVAILABLE, str(failure))

@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
 CONGESTION_GIVE_UP_S = 5.0
+# Seconds between two log lines about messages dropped from full session queues, per reason.
+DROP_LOG_INTERVAL_S = 10.0
 TICK_S = 0.25
 # Reads a connection has left for the next turn are read again after this at the latest.
 DEFER_MAX_S = 1.0
@@ -109,7 +111,11 @@ class MqttService:
         # Cluster mode: asked at every CONNECT before the session opens; returns an awaitable
         # when the client's session must first come from (or be ended on) another node (it is
         # in `sessions`, offline, once that is done), None when nothing is elsewhere.
-        self.find_session_elsewhere: Callable[[str, bool], asyncio.Future[None] | None] | None = None
+        # (client id, clean start, the connecting user)
+        self.find_session_elsewhere: Callable[[str, bool, str | None], asyncio.Future[None] | None] | None = None
+        # Cluster mode, while the node starts: done once it has joined its cluster (see
+        # `hold_sessions_until`); until then every CONNECT waits before its session opens.
+        self._joined: asyncio.Future[None] | None = None
         # TLS listeners: a verified client certificate's subject CN is the user name.
         self.use_identity_as_username = False
         # Output of a loop turn leaves after the session state it acknowledges is committed.
@@ -151,6 +157,9 @@ class MqttService:
         self._congested: set[MqttSession] = set()
         # ... of which those whose queue (not only their socket's output) is over half full.
         self._queue_congested: set[MqttSession] = set()
+        # Drops of a full session queue, by reason -> (when the last line was logged, drops
+        # since): logged at most once per DROP_LOG_INTERVAL_S per reason.
+        self._drop_log: dict[str, tuple[float, int]] = {}
         # Where CONNECTs wait (read → session open → CONNACK written) and the loop's lateness.
         self.connect_timing = ConnectTiming()
         # The reads one loop turn handles, shared with the broker's other listeners.
@@ -294,6 +303,27 @@ class MqttService:
         self.read_budget.defer(connection.run_deferred)
 
     # ------------------------------------------------------------------ back-pressure
+    def dropped(self, session: MqttSession, reason: str) -> None:
+        """A message dropped because `session`'s queue is at its limit (`reason`:
+        "slow_subscriber" for `max_queued_messages`, "queue_bytes" for `max_queued_bytes`):
+        counted by the broker (`shardgate_messages_dropped_by_reason_total`) and logged, the
+        first at once, then at most one line per DROP_LOG_INTERVAL_S per reason with the
+        count since, so that a flood of drops writes a few lines."""
+        self.broker.stats.drop(reason)
+        now = self.scheduler.time()
+        last = self._drop_log.get(reason)
+        if last is not None and now - last[0] < DROP_LOG_INTERVAL_S:
+            self._drop_log[reason] = (last[0], last[1] + 1)
+            return
+        self._drop_log[reason] = (now, 0)
+        since = f" ({last[1]} more dropped since the last report)" if last is not None and last[1] else ""
+        settings = self.settings
+        limit = (f"max_queued_bytes = {settings.max_queued_bytes}" if reason == "queue_bytes"
+                 else f"max_queued_messages = {settings.max_queued_messages}")
+        log.warning("session %r: queue full (%d messages, %d bytes; %s): a message was dropped%s",
+                    session.client_id, len(session.queue), session.queued_bytes, limit, since,
+                    extra={"event": "session_queue_full", "reason": reason})
+
     def congested(self, session: MqttSession, *, queue: bool = True) -> None:
         """`session` (online) queues more than it reads (`queue`), or its client's socket has
         more than `output_high_water` left to send: hold the client publishing to it, so
@@ -469,11 +499,38 @@ class MqttService:
         session = self.sessions.get(client_id)
         return session is not None and session.owned and session.owner != username
 
-    def session_elsewhere(self, client_id: str, clean_start: bool) -> asyncio.Future[None] | None:
-        """What a CONNECT waits for before its session opens (see `find_session_elsewhere`)."""
+    def hold_sessions_until(self, joined: asyncio.Future[None]) -> None:
+        """Cluster mode, at start (before the listeners): no session opens before `joined` is
+        done, since only then does this node know which sessions it holds (those restored from
+        its store may have moved or ended while it was away; one it handed over at its last
+        stop is elsewhere). A CONNECT that comes earlier waits, then opens as any other; had it
+        opened at once, a client whose session lives on another node would get a new, empty
+        one here. A `joined` that fails or is cancelled refuses the waiting CONNECTs
+        (server unavailable)."""
+        self._joined = joined
+
+    def session_elsewhere(self, client_id: str, clean_start: bool,
+                          username: str | None = None) -> asyncio.Future[None] | None:
+        """What a CONNECT waits for before its session opens (see `find_session_elsewhere`
+        and `hold_sessions_until`)."""
+        joined = self._joined
+        if joined is not None and not joined.done():
+            return asyncio.ensure_future(self._after_joining(joined, client_id, clean_start, username))
         if self.find_session_elsewhere is None or client_id in self.sessions:
             return None
-        return self.find_session_elsewhere(client_id, clean_start)
+        return self.find_session_elsewhere(client_id, clean_start, username)
+
+    async def _after_joining(self, joined: asyncio.Future[None], client_id: str, clean_start: bool,
+                             username: str | None) -> None:
+        try:
+            await asyncio.shield(joined)
+        except asyncio.CancelledError:
+            raise ConnectionRefusedError("the node stopped before it joined its cluster") from None
+        except Exception as exc:  # noqa: BLE001 - the CONNECT is refused with it
+            raise ConnectionRefusedError(f"the node could not join its cluster: {exc}") from None
+        fetching = self.session_elsewhere(client_id, clean_start, username)
+        if fetching is not None:
+            await fetching
 
     def session_taken_elsewhere(self, client_id: str, where: str) -> bool:
         """Cluster mode: the client connected to another node; end its connection here with

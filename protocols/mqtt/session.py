@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from ...core.durable import DurableOptions, DurableSubscription
 from ...core.message import Message, now_ms
-from ...core.outbox import SLOW_SUBSCRIBER
+from ...core.outbox import QUEUE_BYTES, SLOW_SUBSCRIBER
 from ...core.subscriptions import Subscription
 
 if TYPE_CHECKING:
@@ -73,6 +73,11 @@ class Queued:
     source: Subscription | None = None
 
 
+class SessionOfAnotherUser(Exception):
+    """Cluster mode: the client id's session, held on another node, belongs to another user;
+    the CONNECT is refused as on the holder (`mqtt.session_takeover_by_other_user`)."""
+
+
 class MqttSession:
     def __init__(self, service: MqttService, client_id: str, durable: bool = False) -> None:
         self.service = service
@@ -99,6 +104,8 @@ class MqttSession:
         self.shared: dict[str, tuple[Subscription, SubscriptionOptions]] = {}
         self.inflight: dict[int, Outgoing] = {}
         self.queue: deque[Queued] = _NO_QUEUE  # a deque of its own from the first message
+        # The payload bytes of `queue` (`mqtt.max_queued_bytes` bounds them).
+        self.queued_bytes = 0
         self.inbound_qos2: set[int] = NO_PACKET_IDS  # a set of its own from the first
         self._last_packet_id = 0
         self.dropped = 0
@@ -222,19 +229,32 @@ class MqttSession:
 
     def _enqueue(self, item: Queued) -> None:
         queued = len(self.queue)
-        limit = self.service.settings.max_queued_messages
-        if queued >= limit >> 1 and self.connection is not None:
+        settings = self.service.settings
+        limit = settings.max_queued_messages
+        byte_limit = settings.max_queued_bytes
+        queued_bytes = self.queued_bytes
+        if self.connection is not None and (
+                queued >= limit >> 1 or (byte_limit and queued_bytes >= byte_limit >> 1)):
             # Online but behind: hold the publisher rather than drop beyond the limit.
             self.service.congested(self)
-        if queued >= limit:
+        if queued >= limit or (byte_limit and queued_bytes >= byte_limit):
+            # The first limit reached applies (mosquitto's max_queued_messages / _bytes).
             self.dropped += 1
-            self.service.broker.stats.drop(SLOW_SUBSCRIBER)
+            self.service.dropped(self, SLOW_SUBSCRIBER if queued >= limit else QUEUE_BYTES)
             if item.source is not None:
                 item.source.ack(item.message)
             return
         if self.queue is _NO_QUEUE:
             self.queue = deque()
         self.queue.append(item)
+        self.queued_bytes = queued_bytes + len(item.message.payload)
+
+    def caught_up(self) -> bool:
+        """Whether the queue is back below a quarter of both its limits (where the publishers
+        held for it are released)."""
+        settings = self.service.settings
+        return len(self.queue) <= settings.max_queued_messages >> 2 and (
+            not settings.max_queued_bytes or self.queued_bytes <= settings.max_queued_bytes >> 2)
 
     def _next_packet_id(self) -> int:
         packet_id = self._last_packet_id
@@ -256,6 +276,7 @@ class MqttSession:
         now = now_ms()
         while queue and (queue[0].qos == 0 or len(self.inflight) < window):
             item = queue.popleft()
+            self.queued_bytes -= len(item.message.payload)
             if item.message.expired(now):
                 if item.source is not None:
                     item.source.ack(item.message)
@@ -270,7 +291,7 @@ class MqttSession:
                 )
             if not connection.open:
                 return
-        if self.congested_since is not None and len(queue) <= self.service.settings.max_queued_messages >> 2:
+        if self.congested_since is not None and self.caught_up():
             self.service.relieved(self)
         if not queue and self.durable:
             self.subscription.wake()
@@ -278,7 +299,7 @@ class MqttSession:
     def output_drained(self) -> None:
         """The client read most of its output (see `MqttConnection.output_room`): release the
         publishers held for it, and resume the replay of its backlog."""
-        if self.congested_since is not None and len(self.queue) <= self.service.settings.max_queued_messages >> 2:
+        if self.congested_since is not None and self.caught_up():
             self.service.relieved(self)
         if self.durable:
             self.subscription.wake()
@@ -342,6 +363,7 @@ class MqttSession:
         if self.durable:
             self.service.forget_session(self.client_id)
         self.queue.clear()
+        self.queued_bytes = 0
         self.inbound_qos2.clear()
         # No cycle left between the session and its (removed) subscription: both are freed
         # at once by reference counting, not left for the cycle collector.

@@ -24,6 +24,12 @@ class MqttSettings:
     max_inflight: int = 100
     # Messages queued per session while offline or while the in-flight window is full.
     max_queued_messages: int = 1000
+    # Payload bytes queued per session (0: no bound), beside the message count: whichever
+    # limit is reached first applies, as mosquitto's max_queued_bytes. A message that finds
+    # the queue at its limit is dropped (QoS 1/2 too, as mosquitto does), counted under the
+    # reason "queue_bytes" and logged, rate-limited. Messages in flight are not counted
+    # (`max_inflight` / the client's Receive Maximum bound them).
+    max_queued_bytes: int = 64 * 1024 * 1024
     queue_qos0_offline: bool = False
     topic_alias_maximum: int = 65535
     maximum_qos: int = 2
@@ -64,6 +70,7 @@ class MqttSettings:
         "receive_maximum": (1, 65535),  # §3.2.2.3.3: 0 is a protocol error
         "max_inflight": (1, 65535),
         "max_queued_messages": (0, None),
+        "max_queued_bytes": (0, None),
         "topic_alias_maximum": (0, 65535),
         "maximum_qos": (0, 2),
         "max_keepalive": (0, 65535),

@@ -71,7 +71,7 @@ from .state_rpc import CHANNEL_OPTIONS
 if TYPE_CHECKING:
     from ..core.broker import Broker
     from .control import ClusterNode
-    from .forward import DataPlane
+    from .data_plane import DataPlane
 
 log = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ from .etcd import delete_op, get_op, mod_revision_is, put_op, version_is
 if TYPE_CHECKING:
     from ..core.broker import Broker
     from .control import ClusterNode
-    from .forward import DataPlane
+    from .data_plane import DataPlane
 
 log = logging.getLogger(__name__)
 

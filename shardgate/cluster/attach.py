@@ -182,7 +182,7 @@ def apply_catalog_change(app: Shardgate, kind: str, name: str, definition: dict[
 async def join(app: Shardgate, node: ClusterNode) -> None:
     """Start the data plane on the internal port, register under a lease with its address,
     then declare this node's configured streams."""
-    from .forward import DataPlane
+    from .data_plane import DataPlane
 
     settings = app.config.cluster
     host = app.config.listeners.host
@@ -239,7 +239,7 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
         node.session_listeners.append(mqtt.session_taken_elsewhere)
         for client_id, session in mqtt.sessions.items():
             if session.connection is not None:
-                node.claim_session_soon(client_id)
+                node.claim_session_soon(client_id, session.owner, session.owned)
         handover.start_sweeping()
         handover.start_checkpointing()
         from .wills import WillKeeper

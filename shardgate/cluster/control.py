@@ -69,6 +69,10 @@ CLAIM_ATTEMPTS = 5
 REGISTRY_WRITE_ATTEMPTS = 20
 
 
+class ClaimRefused(Exception):
+    """A session claim refused: the registry names another user as the session's owner."""
+
+
 class ClusterStartError(Exception):
     """The node cannot join: etcd unreachable, node id taken, bad settings."""
 
@@ -96,6 +100,8 @@ class EtcdClusterView:
         self.routes: dict[str, dict[str, Any]] = {}
         # the MQTT session registry: client id -> the node its session lives on
         self.sessions: dict[str, str] = {}
+        # ... and the whole entry (the node and the user who made the session), by client id
+        self.session_entries: dict[str, keys.SessionEntry] = {}
         # registry entries changed by the last events applied: (client id, node or None)
         self.session_changes: list[tuple[str, str | None]] = []
         # the etcd revision of each registry entry known here (the claim a new claim compares
@@ -169,8 +175,9 @@ class EtcdClusterView:
         """Replace the whole state with what etcd holds at `revision`; registry entries that
         differ from before are left in `session_changes`."""
         sessions_before = dict(self.sessions)
+        entries_before = dict(self.session_entries)
         # what this node learnt after `revision` (its own claims) stays
-        newer = {client_id: (sessions_before.get(client_id), known)
+        newer = {client_id: (entries_before.get(client_id), known)
                  for client_id, known in (*self.session_revisions.items(),
                                           *self._session_tombstones.items())
                  if known > revision}
@@ -182,13 +189,14 @@ class EtcdClusterView:
         self.routes.clear()
         self.documents.clear()
         self.sessions.clear()
+        self.session_entries.clear()
         self.controller_id = None
         self.controller_revision = 0
         self.guard_revision = 0
         for kv in kvs:
             self._apply(prefix, WatchEvent(kv.key, kv.value, kv.mod_revision, kv.create_revision))
-        for client_id, (holder, known) in newer.items():
-            self.note_session(client_id, holder, known)
+        for client_id, (entry, known) in newer.items():
+            self.note_session(client_id, entry, known)
         self.revision = revision
         self._refresh_nodes()
         self.session_changes = [
@@ -220,21 +228,23 @@ class EtcdClusterView:
         (etcd compares an absent key's modification revision as 0)."""
         return self.session_revisions.get(client_id, 0) if client_id in self.sessions else 0
 
-    def note_session(self, client_id: str, holder: str | None, revision: int) -> bool:
-        """Record that at `revision` the registry named `holder` for `client_id` (None:
-        no entry), unless a later revision is known already. Whether it was recorded. (Not
+    def note_session(self, client_id: str, entry: keys.SessionEntry | None, revision: int) -> bool:
+        """Record that at `revision` the registry held `entry` for `client_id` (None: no
+        entry), unless a later revision is known already. Whether it was recorded. (Not
         a change for the session listeners: this node's own claims, and what a failed claim
         read, which the watch brings again.)"""
         known = max(self.session_revisions.get(client_id, 0),
                     self._session_tombstones.get(client_id, 0))
         if revision <= known:
             return False
-        if holder is None:
+        if entry is None:
             self.sessions.pop(client_id, None)
+            self.session_entries.pop(client_id, None)
             self.session_revisions.pop(client_id, None)
             self._session_tombstones[client_id] = revision
         else:
-            self.sessions[client_id] = holder
+            self.sessions[client_id] = entry.node
+            self.session_entries[client_id] = entry
             self.session_revisions[client_id] = revision
             self._session_tombstones.pop(client_id, None)
         return True
@@ -270,9 +280,10 @@ class EtcdClusterView:
                 self._set(self.routes, key[len(keys.ROUTES):], value)
             elif key.startswith(keys.SESSIONS):
                 client_id = key[len(keys.SESSIONS):]
-                holder = None if value is None else str(keys.decode(value)["node"])
+                entry = None if value is None else keys.SessionEntry.from_json(value)
+                holder = None if entry is None else entry.node
                 before = self.sessions.get(client_id)
-                if self.note_session(client_id, holder, event.revision) and before != holder:
+                if self.note_session(client_id, entry, event.revision) and before != holder:
                     self.session_changes.append((client_id, holder))
             elif key.startswith((keys.DOCUMENTS, keys.AMQP)):
                 if value is None:
@@ -720,48 +731,60 @@ class ClusterNode:
                                       self.lease_id)
 
     # ---------------------------------------------------------------- session registry
-    async def claim_session(self, client_id: str,
-                            also_read: Sequence[str] = ()) -> tuple[str | None, list[list[KeyValue]]]:
+    async def claim_session(self, client_id: str, also_read: Sequence[str] = (), *,
+                            owner: str | None = None, owned: bool = False,
+                            refuse_other_user: bool = False,
+                            ) -> tuple[str | None, list[list[KeyValue]]]:
         """Make the registry name this node for `client_id`, for any kind of session: one etcd
         transaction that puts the entry only if it is still the claim this node knows (compared
         on its revision); when another claim came first, what it wrote is read in the same
         transaction and the claim is made again on top of it. So claims are ordered by etcd:
         the last one wins everywhere, and each node applies them by revision (`note_session`).
         Returns the holder before this claim and the values of the etcd keys `also_read`
-        (full keys), read in the transaction that won. Raises
-        EtcdError when etcd fails or others keep claiming."""
+        (full keys), read in the transaction that won. The entry names `owner` as the user who
+        made the session when `owned`. With `refuse_other_user`, a session the registry names
+        another user for (at the revision the claim compares on) is not claimed:
+        ClaimRefused is raised, and nothing changes anywhere. Raises EtcdError when etcd
+        fails or others keep claiming."""
         key = self.key(keys.SESSIONS + client_id)
         view = self.view
-        value = keys.encode({"node": self.node_id})
+        entry = keys.SessionEntry(self.node_id, owner, owned)
+        value = entry.to_json()
         for _attempt in range(CLAIM_ATTEMPTS):
             known = view.session_revision(client_id)
             previous = view.sessions.get(client_id) if known else None
+            held = view.session_entries.get(client_id) if known else None
+            if refuse_other_user and held is not None and held.refuses(owner):
+                raise ClaimRefused(f"client identifier {client_id!r} has a session of "
+                                           f"another user (on {held.node})")
             result = await self.client.txn(
                 [mod_revision_is(key, known)],
                 [*(get_op(read) for read in also_read), put_op(key, value, self.lease_id)],
                 [get_op(key)])
             if result.succeeded:
-                view.note_session(client_id, self.node_id, result.revision)
+                view.note_session(client_id, entry, result.revision)
                 return previous, result.reads
             current = result.reads[0]
             if current:
-                view.note_session(client_id, str(keys.decode(current[0].value).get("node")),
+                view.note_session(client_id, keys.SessionEntry.from_json(current[0].value),
                                   current[0].mod_revision)
             else:
                 view.note_session(client_id, None, result.revision)
         raise EtcdError(f"the session of {client_id!r} was claimed by other nodes "
                         f"{CLAIM_ATTEMPTS} times in a row")
 
-    def claim_session_soon(self, client_id: str) -> None:
-        """A session opened here without a claim (the client's session was here already):
-        claim it in the background unless the registry names this node already."""
-        if self.view.sessions.get(client_id) == self.node_id:
+    def claim_session_soon(self, client_id: str, owner: str | None = None, owned: bool = False) -> None:
+        """A session opened here without a claim (the client's session was here already, or
+        was made by another user here): claim it in the background unless the registry names
+        this node and this owner already."""
+        entry = keys.SessionEntry(self.node_id, owner, owned)
+        if self.view.session_entries.get(client_id) == entry:
             return
-        self._registry_write(functools.partial(self._claim_in_background, client_id))
+        self._registry_write(functools.partial(self._claim_in_background, entry, client_id))
 
-    async def _claim_in_background(self, client_id: str) -> None:
-        if self.view.sessions.get(client_id) != self.node_id:
-            await self.claim_session(client_id)
+    async def _claim_in_background(self, entry: keys.SessionEntry, client_id: str) -> None:
+        if self.view.session_entries.get(client_id) != entry:
+            await self.claim_session(client_id, owner=entry.owner, owned=entry.owned)
 
     def release_session(self, client_id: str) -> None:
         """The client's session ended here: drop its registry entry, in the background, only

@@ -10,6 +10,7 @@ agrees. Every key lives under `/shardgate/<cluster name>/`; values are JSON.
     routes/<pattern>       a routing rule: topics matching the pattern go to a stream
     auth/users, auth/acl   the users file and the ACL file, whole (see shared_files.py)
     sessions/<client id>   the node an MQTT client's session lives on (under that node's lease)
+                           and the user who made it (`SessionEntry`)
     amqp/<vhost>/exchanges/<name>   a durable AMQP exchange (type, flags, arguments)
     amqp/<vhost>/queues/<name>      the node a shared AMQP queue lives on (amqp_queues.py)
 
@@ -84,3 +85,29 @@ class NodeRegistration:
             load=float(data.get("load", 0.0)), released=list(data.get("released", [])),
             secret_check=str(data.get("secret_check", "")),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEntry:
+    """What the registry says of an MQTT client's session in `sessions/<client id>`: the node
+    it lives on and, once known (`owned`), the user who made it (None: an anonymous client).
+    Another user's CONNECT with that client id is refused on every node as on the holder
+    (`mqtt.session_takeover_by_other_user`); an entry without an owner (written before owners
+    were kept) is anyone's."""
+
+    node: str
+    owner: str | None = None
+    owned: bool = False
+
+    def to_json(self) -> bytes:
+        return encode({"node": self.node, **({"owner": self.owner} if self.owned else {})})
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> SessionEntry:
+        data = decode(raw)
+        owner = data.get("owner")
+        return cls(str(data["node"]), None if owner is None else str(owner), "owner" in data)
+
+    def refuses(self, username: str | None) -> bool:
+        """Whether the session is another user's than `username`'s."""
+        return self.owned and self.owner != username

@@ -21,10 +21,10 @@ A peer whose process is frozen (SIGSTOP, a stalled VM) keeps its connections ope
 even accepts new ones. So a dialing node asks for heartbeats in its hello (`heartbeat_ms`):
 the accepting end answers the hello at once and writes a heartbeat reply whenever it has
 written nothing for a third of that time, and the dialing end gives the connection up when it
-has heard nothing for the whole time (`LinkClient.silent_for`; `forward.PeerLink` decides).
+has heard nothing for the whole time (`LinkClient.silent_for`; `peer_link.PeerLink` decides).
 
 `FrameReader` and `frame_bytes` are sans-IO; the protocols below only move bytes and call
-back into the data plane (`forward.py`), which owns every decision.
+back into the data plane (`data_plane.py` and its pieces), which owns every decision.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from .link_auth import (
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct(">I")
-# A frame holds at most a few MiB of messages (forward.py bounds it) but one message, or the
+# A frame holds at most a few MiB of messages (outbox.py bounds it) but one message, or the
 # retained messages sent when a link opens, may be big; beyond this the peer is not one of ours.
 MAX_FRAME_BYTES = 512 << 20
 # Above this many bytes waiting in the transport a link stops writing frames (and its
@@ -263,7 +263,7 @@ class LinkClient(asyncio.Protocol):
 
 
 class LinkReceiver(Protocol):
-    """What the receiving end calls (the data plane, `forward.DataPlane`)."""
+    """What the receiving end calls (the data plane's `inbox.Inboxes`)."""
 
     def link_opened(self, peer: str, session: int, reply: Callable[[pb.PeerReply], None]) -> None: ...
 

@@ -64,9 +64,11 @@ from ..protocols.mqtt.session import (
     MqttSession,
     Outgoing,
     Queued,
+    SessionOfAnotherUser,
     SubscriptionOptions,
 )
 from . import keys
+from .control import ClaimRefused
 from .etcd import EtcdError, delete_op, mod_revision_is, put_op
 from .shard_reader import OwnerLog
 from .state_rpc import StateCallError, StateRpc
@@ -75,7 +77,7 @@ if TYPE_CHECKING:
     from ..core.broker import Broker
     from ..protocols.mqtt.service import MqttService
     from .control import ClusterNode
-    from .forward import DataPlane
+    from .data_plane import DataPlane
 
 log = logging.getLogger(__name__)
 
@@ -620,15 +622,22 @@ class SessionHandover:
         return dropped
 
     # ------------------------------------------------------------ the new node
-    def find(self, client_id: str, clean_start: bool) -> asyncio.Future[None] | None:
+    def find(self, client_id: str, clean_start: bool, username: str | None = None) -> asyncio.Future[None] | None:
         """A CONNECT for a session not held here waits for its claim (every kind of session:
         the registry orders takeovers) and, when another node held it, for that node to end
-        its connection and hand the session over."""
-        return asyncio.ensure_future(self._take(client_id, clean_start))
+        its connection and hand the session over. A session another user made is neither
+        claimed nor ended (with `mqtt.session_takeover_by_other_user = "refuse"`): the future
+        fails with SessionOfAnotherUser, and the CONNECT is refused as on the holder."""
+        return asyncio.ensure_future(self._take(client_id, clean_start, username, owned=True))
 
-    async def _take(self, client_id: str, clean_start: bool) -> None:
+    async def _take(self, client_id: str, clean_start: bool, username: str | None, *,
+                    owned: bool, check_owner: bool = True) -> None:
         try:
-            await asyncio.wait_for(self._take_now(client_id, clean_start), TAKEOVER_TIMEOUT_S)
+            await asyncio.wait_for(
+                self._take_now(client_id, clean_start, username, owned=owned, check_owner=check_owner),
+                TAKEOVER_TIMEOUT_S)
+        except SessionOfAnotherUser:
+            raise
         except (TimeoutError, EtcdError, StateCallError) as exc:
             if not clean_start:
                 # the session (and the backlog its cursors hold) is not lost for a moment
@@ -642,12 +651,39 @@ class SessionHandover:
         except Exception:
             log.exception("cluster: taking session %r over failed", client_id)
 
-    async def _take_now(self, client_id: str, clean_start: bool) -> None:
+    async def _refuses(self, client_id: str, username: str | None) -> bool:
+        """Whether the session of `client_id` is another user's than `username`'s, by its
+        last snapshot in etcd, when the registry names no node for it (its holder is gone: the
+        registry entry went with that node's lease; a live holder's entry says who owns it,
+        `ClusterNode.claim_session`)."""
+        if self.node.view.sessions.get(client_id) is not None:
+            return False
+        kv = await self.node.client.get(self.key(client_id))
+        if kv is None:
+            return False
+        try:
+            state = keys.decode(kv.value)
+        except ValueError:
+            return False
+        if "owner" not in state or state["owner"] == username:
+            return False
+        return not expired(state, holder_gone_ms=self.holder_gone_ms(state.get("node")))
+
+    async def _take_now(self, client_id: str, clean_start: bool, username: str | None, *,
+                        owned: bool, check_owner: bool) -> None:
         node = self.node
         me = node.node_id
+        refuse = check_owner and self.service.settings.session_takeover_by_other_user == "refuse"
+        if refuse and await self._refuses(client_id, username):
+            raise SessionOfAnotherUser(f"client identifier {client_id!r} has a session of another user")
         # one transaction (again only when another claim came first): who held it, its last
-        # snapshot, and the registry now names this node
-        holder, reads = await node.claim_session(client_id, also_read=[self.key(client_id)])
+        # snapshot, and the registry now names this node (and the user claiming it)
+        try:
+            holder, reads = await node.claim_session(
+                client_id, also_read=[self.key(client_id)], owner=username, owned=owned,
+                refuse_other_user=refuse)
+        except ClaimRefused as exc:
+            raise SessionOfAnotherUser(str(exc)) from None
         saved_kv = reads[0]
         saved = keys.decode(saved_kv[0].value) if saved_kv else None
         state = saved
@@ -686,8 +722,11 @@ class SessionHandover:
         client_id = str(request["client_id"])
         if client_id in self.service.sessions:
             return {"taken": False}
+        owner = request.get("owner")
         try:
-            await self._take(client_id, clean_start=False)
+            # the registry names the session's own owner (the leaving node's), as it did there
+            await self._take(client_id, False, None if owner is None else str(owner),
+                             owned="owner" in request, check_owner=False)
         except SessionUnavailable as exc:
             return {"taken": False, "error": str(exc)}
         return {"taken": client_id in self.service.sessions}
@@ -715,9 +754,14 @@ class SessionHandover:
             async with limit:
                 if client_id not in self.service.sessions:
                     return  # its client took it elsewhere meanwhile
+                session = self.service.sessions.get(client_id)
+                if session is None:
+                    return  # its client took it elsewhere meanwhile
+                request: dict[str, Any] = {"client_id": client_id}
+                if session.owned:
+                    request["owner"] = session.owner
                 try:
-                    reply = await self.rpc.take_session(target, {"client_id": client_id},
-                                                        TAKEOVER_TIMEOUT_S)
+                    reply = await self.rpc.take_session(target, request, TAKEOVER_TIMEOUT_S)
                 except StateCallError as exc:
                     log.warning("cluster: node %s did not take session %r over: %s", target,
                                 client_id, exc)
@@ -939,8 +983,11 @@ class SessionHandover:
         """A session opened here (new, resumed or taken over): the registry names this node;
         etcd's snapshot becomes this session's (online), or goes when the session is not
         persistent (an earlier session's snapshot must not come back elsewhere)."""
-        self.node.claim_session_soon(client_id)
         session = self.service.sessions.get(client_id)
+        if session is not None:
+            self.node.claim_session_soon(client_id, session.owner, session.owned)
+        else:
+            self.node.claim_session_soon(client_id)
         if session is not None and not session.durable:
             self._void[client_id] = now_ms()
         self._sync(client_id)

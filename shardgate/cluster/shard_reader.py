@@ -35,7 +35,7 @@ from .state_rpc import StateCallError, StateRpc
 
 if TYPE_CHECKING:
     from ..core.broker import Broker
-    from .forward import DataPlane
+    from .data_plane import DataPlane
     from .received import ReceivedLog
 
 log = logging.getLogger(__name__)

@@ -126,6 +126,10 @@ class MetadataStore(Protocol):
 
     def delete_delayed(self, id: str) -> bool: ...
 
+    def delayed_summary(self, before_ms: int) -> tuple[int, int | None]:
+        """How many delayed messages are stored, and the earliest deliver-at time below
+        `before_ms` (None: none), without reading their data."""
+
     # users
     def put_user(self, user: UserRecord) -> None: ...
 

@@ -111,3 +111,6 @@ class MetadataPorts:
 
     def delete_delayed(self, id: str) -> bool:
         return self.store.delete_delayed(id)
+
+    def delayed_summary(self, before_ms: int) -> tuple[int, int | None]:
+        return self.store.delayed_summary(before_ms)

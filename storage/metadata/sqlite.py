@@ -620,6 +620,11 @@ class SqliteMetadataStore:
     def delete_delayed(self, id: str) -> bool:
         return bool(self._write("DELETE FROM delayed WHERE id = ?", (id,)))
 
+    def delayed_summary(self, before_ms: int) -> tuple[int, int | None]:
+        count = self._row("SELECT COUNT(*) FROM delayed", ())
+        earliest = self._row("SELECT MIN(deliver_at_ms) FROM delayed WHERE deliver_at_ms < ?", (before_ms,))
+        return (count[0] if count else 0), (earliest[0] if earliest else None)
+
     # ---------------------------------------------------------------- users
 
     def put_user(self, user: UserRecord) -> None:

@@ -23,7 +23,7 @@ from shardgate.client import Client, Unavailable
 from shardgate.core.streams import Stream
 from shardgate.protocols.mqtt import packets as p
 
-from shardgate.cluster.forward import DataPlane
+from shardgate.cluster.data_plane import DataPlane
 from shardgate.cluster.membership import NodeInfo, ShardAssignment, StaticClusterView
 from tests.conftest import ThreadedBroker, wait_for
 from tests.e2e.cluster_fixtures import start_with_free_ports

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from shardgate.protocols.mqtt import packets as p
 
-from shardgate.cluster.forward import DataPlane
+from shardgate.cluster.data_plane import DataPlane
 from shardgate.cluster.membership import NodeInfo, ShardAssignment, StaticClusterView
 from tests.conftest import ThreadedBroker, wait_for
 from tests.e2e.cluster_fixtures import start_with_free_ports
@@ -123,9 +123,9 @@ def test_the_owner_holds_the_unknown_nodes_messages_bounded_and_counts_what_it_g
     """A node in the view whose routes never come (it cannot dial the owner): the owner keeps
     acknowledging publishes, and after the bound gives the held messages up, counted as
     dropped pushes, instead of holding them for ever."""
-    import shardgate.cluster.forward as forward
+    import shardgate.cluster.unrouted as unrouted
 
-    monkeypatch.setattr(forward, "UNROUTED_WAIT_S", 0.2)
+    monkeypatch.setattr(unrouted, "UNROUTED_WAIT_S", 0.2)
     c = trio["c"]
     client = RawClient(c.server.mqtt_port, version=5)
     client.connect("publisher")

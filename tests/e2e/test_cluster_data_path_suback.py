@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 from shardgate.protocols.mqtt import packets as p
 
-import shardgate.cluster.forward as forward
+import shardgate.cluster.route_sync as route_sync
 from shardgate.cluster.membership import NodeInfo
 from tests.conftest import wait_for
 from tests.e2e.test_cluster_data_path_join import Node, publish_acknowledged, trio  # noqa: F401
@@ -88,7 +88,7 @@ def test_a_suback_waits_for_a_node_whose_link_is_still_dialing(
     trio: dict[str, Node], held_link: HeldLink, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
 ) -> None:
     # long bounds, so only c applying the routes can release the SUBACK within the test
-    monkeypatch.setattr(forward, "ROUTE_WAIT_S", 30.0)
+    monkeypatch.setattr(route_sync, "ROUTE_WAIT_S", 30.0)
     a, c = trio["a"], trio["c"]
     a.server.call(lambda: setattr(a.plane, "link_timeout_s", 30.0))
     a.view.node_infos["c"] = NodeInfo("c", f"127.0.0.1:{held_link.port}")
@@ -121,7 +121,7 @@ def test_a_suback_does_not_wait_for_a_node_that_cannot_be_dialed(
 ) -> None:
     """A node in the view that is down: once its link gives up dialing, the SUBACK goes (it
     gets the route set when its link comes back), well before the per-peer time limit."""
-    monkeypatch.setattr(forward, "ROUTE_WAIT_S", 60.0)
+    monkeypatch.setattr(route_sync, "ROUTE_WAIT_S", 60.0)
     a = trio["a"]
     with socket.create_server(("127.0.0.1", 0)) as closed:
         down_port = closed.getsockname()[1]

@@ -19,7 +19,7 @@ from shardgate.core.subscriptions import SubscriptionType
 from shardgate.proto import cluster_pb2 as pb
 from shardgate.storage.journal import JournalStorage
 
-from shardgate.cluster.forward import DataPlane
+from shardgate.cluster.data_plane import DataPlane
 from shardgate.cluster.frames import pack_records, route_update
 from shardgate.cluster.link import MAX_FRAME_BYTES, FrameReader, frame_bytes
 from shardgate.cluster.link_auth import (
@@ -204,9 +204,9 @@ async def test_shared_subscription_spreads_across_nodes_without_duplicates(clust
 
 
 async def test_publish_refused_with_a_retryable_error_when_the_owner_disagrees(cluster, monkeypatch):
-    from shardgate.cluster import forward
+    from shardgate.cluster import forwarding
 
-    monkeypatch.setattr(forward, "VIEW_CATCH_UP_S", 0.2)
+    monkeypatch.setattr(forwarding, "VIEW_CATCH_UP_S", 0.2)
     a, b = cluster["a"], cluster["b"]
     topic = topic_on(a.broker, "orders", 2, "orders")
     # b handed orders/2 over to a, and a never hears of it
@@ -225,7 +225,7 @@ async def test_a_sender_behind_the_owner_waits_for_its_view_then_follows_the_sha
     b.view.assignments[("orders", 2)] = moved  # b knows first; a's watch is slower
     pending = a.broker.publish(Message(topic, b"late view", qos=1))
     assert pending is not None
-    await until(lambda: a.plane._epoch_waiters)  # refused by b, waiting for a's view
+    await until(lambda: a.plane.forwarding._epoch_waiters)  # refused by b, waiting for a's view
     a.view.assignments[("orders", 2)] = moved
     a.view.changed()
     await asyncio.wait_for(pending, 5)
@@ -245,7 +245,7 @@ async def test_an_owner_behind_the_sender_waits_for_its_view_instead_of_refusing
     a.view.assignments[("orders", 0)] = moved  # a (the controller) moved it to b
     pending = a.broker.publish(Message(topic, b"early", qos=1))
     assert pending is not None, "forwarded to b"
-    await until(lambda: b.plane._epoch_waiters)  # b holds it: its view is behind
+    await until(lambda: b.plane.forwarding._epoch_waiters)  # b holds it: its view is behind
     assert not pending.done()
     b.view.assignments[("orders", 0)] = moved
     b.view.changed()
@@ -381,10 +381,10 @@ async def test_a_node_that_dials_in_gets_the_retained_messages_of_the_shards_a_p
 
 
 async def test_forwards_past_the_link_bound_are_refused_retryably_not_queued(cluster, monkeypatch):
-    from shardgate.cluster import forward
+    from shardgate.cluster import peer_link
 
     a = cluster["a"]
-    monkeypatch.setattr(forward, "MAX_FORWARDS_IN_FLIGHT", 3)
+    monkeypatch.setattr(peer_link, "MAX_FORWARDS_IN_FLIGHT", 3)
     topic = topic_on(a.broker, "orders", 2, "orders")
     pending = [a.broker.publish(Message(topic, str(i).encode(), qos=1)) for i in range(5)]
     refused = [f for f in pending if f is not None and f.done()]
@@ -729,11 +729,11 @@ async def test_only_a_link_session_that_replaces_an_earlier_one_rereads_the_owne
     if pending is not None:
         await asyncio.wait_for(pending, 5)
     await until(lambda: len(consumer.got) == 1)
-    session = a.plane._inboxes["b"].session
-    del a.plane._inboxes["b"]  # as in a process that never saw b's link
-    a.plane.link_opened("b", session, lambda reply: None)
+    session = a.plane.inboxes._inboxes["b"].session
+    del a.plane.inboxes._inboxes["b"]  # as in a process that never saw b's link
+    a.plane.inboxes.link_opened("b", session, lambda reply: None)
     assert reads == []
-    a.plane.link_opened("b", session + 1, lambda reply: None)  # b's link session replaced
+    a.plane.inboxes.link_opened("b", session + 1, lambda reply: None)  # b's link session replaced
     assert reads == [("ledger", 0, 1)]
 
 
@@ -751,7 +751,7 @@ async def test_what_an_owner_stores_before_a_restarted_peers_routes_arrive_reach
 
     link = await RawLink.open(a, "b")
     link.write(pb.PeerFrame(sequence=0, from_node="b", session=424242))  # b, restarted
-    await until(lambda: a.plane._inboxes["b"].session == 424242)
+    await until(lambda: a.plane.inboxes._inboxes["b"].session == 424242)
     on_b = b.subscribe("orders/#")  # (told over b's old link, which a no longer reads)
     await publish(b"meanwhile")
     link.write(pb.PeerFrame(sequence=1, routes=route_update(RouteDelta([Route("orders/#")], []), reset=True)))

@@ -11,13 +11,13 @@ import asyncio
 import pytest
 from shardgate.core.message import Message
 
-from shardgate.cluster import forward
+from shardgate.cluster import route_sync
 from tests.unit.test_cluster_dataplane import cluster, routes_seen, topic_on  # noqa: F401 - fixture
 
 
 async def test_pushes_sent_before_the_peer_applied_new_routes_arrive_before_it_is_settled(
         cluster, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
-    monkeypatch.setattr(forward, "ROUTE_WAIT_S", 30.0)  # the bound for a dead peer: not reached here
+    monkeypatch.setattr(route_sync, "ROUTE_WAIT_S", 30.0)  # the bound for a dead peer: not reached here
     a, b = cluster["a"], cluster["b"]
     topic = topic_on(a.broker, "orders", 0, "orders")  # a owns orders/0: it pushes to b
     got = b.subscribe("orders/#")

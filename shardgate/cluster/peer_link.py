@@ -1,0 +1,502 @@
+"""This node's outgoing link to one peer (`PeerLink`): the forwarded publishes and pushes it
+queues, the frames it writes, and the link session it keeps across broken connections.
+
+A link is a TCP connection carrying numbered frames (`proto/cluster.proto`, framed by
+`link.py`). It writes everything queued during one loop turn as one frame, at the end of that
+turn (no timer, no task and no await per message); while the peer is behind reading, the
+transport pauses and messages gather into bigger frames (`outbox.py` packs them). It is
+bounded: past `MAX_FORWARDS_IN_FLIGHT` forwarded publishes waiting for their owner, further
+ones are refused with `ShardUnavailable` (the client's retryable error); past
+`MAX_PUSHES_QUEUED` queued pushes, pushes are dropped and counted as a slow subscriber's would
+be. A broken connection is redialed and the session resumed: the frames not answered are sent
+again, and the peer applies each frame of a session once (`inbox.py`).
+
+It decides no route: a publish its owner refused as not its own goes back to the data plane
+(`forwarding.Forwarding.reroute`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from ..core.errors import PublishRejected, ShardUnavailable
+from ..proto import cluster_pb2 as pb
+from .link import LinkClient, PeerEnded
+from .membership import NodeInfo
+from .outbox import (
+    FRAME_MAX_MESSAGES,
+    Queued,
+    SentBatch,
+    SentFrame,
+    Shared,
+    Waiter,
+    fail,
+    refusal,
+    seen,
+    take_batches,
+    take_pushes,
+)
+
+if TYPE_CHECKING:
+    from ..core.message import Message
+    from .data_plane import DataPlane
+
+log = logging.getLogger(__name__)
+
+MAX_FORWARDS_IN_FLIGHT = 20_000
+MAX_PUSHES_QUEUED = 100_000
+# A link's credit for pushes: past this many pushes queued or not answered, the publisher
+# whose messages are pushed is held (back-pressure) until the peer has answered all but
+# PUSH_LOW_WATER; a peer answers a frame once it dispatched its pushes, so a subscriber behind
+# on the peer holds the publisher here, and QoS >= 1 pushes are not dropped.
+PUSH_HIGH_WATER = 10_000
+PUSH_LOW_WATER = 5_000
+DIAL_TIMEOUT_S = 5.0
+# A peer silent for this long (frozen: SIGSTOP, a stalled VM) is given up on (see PeerSilent).
+LINK_TIMEOUT_S = 3.0
+RECONNECT_MIN_S = 0.05
+RECONNECT_MAX_S = 1.0
+# A broken stream is resumed (its unanswered frames sent again) while its oldest unanswered
+# frame is younger than this; older, their publishes fail retryably instead of waiting on.
+RESUME_LIMIT_S = 10.0
+
+
+class PeerSilent(ConnectionError):
+    """The peer said nothing (no reply, no heartbeat) for the link's timeout: it is frozen or
+    cut off, though its connection may look open."""
+
+
+class PeerLink:
+    """This node's outgoing link to one peer: one `Link` stream at a time, batched, bounded,
+    redialed, and resumed after a break (the frames not answered are sent again)."""
+
+    def __init__(self, plane: DataPlane, node: NodeInfo) -> None:
+        self.plane = plane
+        self.node = node
+        # Frames are numbered within this session, across the streams it opens.
+        self.session = random.getrandbits(62) + 1
+        self._next_sequence = 1
+        self._unanswered: dict[int, SentFrame] = {}
+        self._answered_floor = 1  # every frame below it was answered
+        # Publishes to forward: (message, epoch, its future or None, the shared future of
+        # the QoS 0 ones or None).
+        self._forwards: list[Queued] = []
+        self._shared: Shared | None = None
+        # Stored messages to push, with the share groups chosen here for each.
+        self._pushes: list[tuple[Message, tuple[str, ...]]] = []
+        self._routes: list[pb.RouteUpdate] = []
+        self._routes_generation = 0
+        self._retained: list[pb.Retained] = []
+        self._in_flight = 0  # forwards queued or not answered
+        self._pushes_held = 0  # pushes queued or not answered
+        # Whether this link holds publishers (over its credit, see PUSH_HIGH_WATER).
+        self._over_credit = False
+        # Pushes were dropped since the last frame: the next one says so (`pushes_lost`).
+        self._pushes_lost = False
+        # The last route generation of this node the peer has applied (SUBACK waits for it).
+        self.routes_answered = 0
+        # The peer's route generation this node applied, to tell the peer once every push
+        # queued before it has left (`PeerFrame.routes_applied`); 0: nothing to tell.
+        self._routes_mark = 0
+        self._loop = asyncio.get_running_loop()
+        # The connection frames go to now (None while dialing or broken).
+        self._connection: LinkClient | None = None
+        self._flush_scheduled = False
+        self._closed = False
+        self.connected = False
+        # False after two failed dials in a row, until a dial succeeds: forwards fail fast
+        # meanwhile.
+        self.reachable = True
+        self._failed_dials = 0
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"link-{node.node_id}")
+
+    def __repr__(self) -> str:
+        return f"PeerLink({self.node.node_id} at {self.node.cluster_address})"
+
+    @property
+    def holding(self) -> bool:
+        """Whether anything is queued for the peer or sent and not answered yet."""
+        return bool(self._forwards or self._pushes or self._unanswered)
+
+    # ------------------------------------------------------------ called on the hot path
+    def forward(
+        self, message: Message, epoch: int, future: asyncio.Future[None] | None = None
+    ) -> asyncio.Future[None]:
+        """Queue `message` for the peer (the owner under `epoch`); `future` is the one to
+        resolve when the message is re-routed after a refusal. A QoS 0 message gets the
+        future it shares with the other QoS 0 messages of this write (see `Shared`)."""
+        if not self.reachable or self._in_flight >= MAX_FORWARDS_IN_FLIGHT:
+            if future is None:
+                future = self._loop.create_future()
+            fail(future, ShardUnavailable(
+                f"node {self.node.node_id} owning {message.stream}/{message.shard} is unreachable"
+                if not self.reachable else
+                f"too many publishes waiting for node {self.node.node_id}; retry"
+            ))
+            self.plane.stats.forward_failures += 1
+            return future
+        self._in_flight += 1
+        if not self._flush_scheduled:
+            self._flush_soon()
+        if future is None and not message.qos:
+            shared = self._shared
+            if shared is None:
+                shared = self._shared = Shared(self._loop.create_future())
+            shared.pending += 1
+            self._forwards.append((message, epoch, None, shared))
+            return shared.future
+        if future is None:
+            future = self._loop.create_future()
+        self._forwards.append((message, epoch, future, None))
+        return future
+
+    def push(self, message: Message, groups: tuple[str, ...] = ()) -> None:
+        if self._pushes_held >= MAX_PUSHES_QUEUED or not self.reachable:
+            self.plane.stats.pushes_dropped += 1
+            self.plane.broker.stats.drop("cluster_link_full")
+            self.lost_pushes()
+            return
+        self._pushes.append((message, groups))
+        self._pushes_held += 1
+        if self._pushes_held >= PUSH_HIGH_WATER:
+            self._over_credit = True
+            self.plane.broker.back_pressure.congested(self)
+        if not self._flush_scheduled:
+            self._flush_soon()
+
+    def _credit_returned(self) -> None:
+        if self._over_credit and self._pushes_held <= PUSH_LOW_WATER:
+            self._over_credit = False
+            self.plane.broker.back_pressure.relieved(self)
+
+    def send_routes(self, update: pb.RouteUpdate, generation: int) -> None:
+        self._routes.append(update)
+        self._routes_generation = generation
+        self._flush_soon()
+
+    def mark_routes_applied(self, generation: int) -> None:
+        """This node applied the peer's routes up to `generation`: say so on the frame that
+        carries the last push queued before (the peer then knows none under its older routes
+        is still on its way)."""
+        if generation > self._routes_mark:
+            self._routes_mark = generation
+            self._flush_soon()
+
+    def send_retained(self, retained: pb.Retained) -> None:
+        self._retained.append(retained)
+        self._flush_soon()
+
+    def lost_pushes(self) -> None:
+        """Pushes to the peer were dropped: its durable cursors must read this node's journal
+        again (told on the next frame, sent soon even when nothing else is queued)."""
+        self._pushes_lost = True
+        if not self._flush_scheduled:
+            self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        """Write what is queued at the end of this loop turn: everything queued meanwhile (one
+        socket read's publishes, say) leaves as one frame, with no timer."""
+        if not self._flush_scheduled and self._connection is not None:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Write everything queued as frames, unless the peer is behind reading (the transport
+        is paused): then the messages gather into bigger frames until it catches up."""
+        self._flush_scheduled = False
+        connection = self._connection
+        if connection is None:
+            return
+        self._shared = None  # QoS 0 publishes from now on share another future
+        stats = self.plane.stats
+        while ((self._forwards or self._pushes or self._routes or self._retained or self._pushes_lost
+                or self._routes_mark)
+               and not connection.paused and not connection.closing):
+            connection.send(self._next_frame())
+            stats.frames_out += 1
+
+    # ------------------------------------------------------------ the link's task
+    async def close(self) -> None:
+        self._closed = True
+        if self._connection is not None:
+            self._connection.close()
+        self._task.cancel()
+        try:
+            await self._task
+        except (asyncio.CancelledError, Exception):
+            pass
+        self._fail_all(ShardUnavailable(f"node {self.node.node_id} left the cluster"))
+
+    async def _run(self) -> None:
+        backoff = RECONNECT_MIN_S
+        while not self._closed:
+            try:
+                await self._serve()
+                backoff = RECONNECT_MIN_S
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a broken link is redialed, never fatal
+                if (self.connected or self.reachable) and not self._closed:
+                    # (a peer that stops ends its links in order: not a fault)
+                    level = logging.INFO if isinstance(exc, PeerEnded) else logging.WARNING
+                    log.log(level, "cluster link to %s lost: %s", self, _short(exc))
+                # A stream that broke is resumed on the next (its frames are sent again), as is
+                # one broken again while it opened; a peer that cannot be dialed twice in a row
+                # is away: its clients get retryable errors.
+                self._failed_dials = 0 if self.connected else self._failed_dials + 1
+                # a silent peer is away (frozen): its clients get retryable errors at once
+                was_reachable = self.reachable
+                self.reachable = (self._failed_dials < 2 and not isinstance(exc, PeerSilent)
+                                  and not self._closed)
+                if was_reachable and not self.reachable and not self.connected:
+                    self.plane.route_sync.link_state_changed()  # SUBACKs stop waiting for it
+                oldest = next(iter(self._unanswered.values()), None)
+                if not self.reachable or (
+                    oldest is not None and time.perf_counter() - oldest.written_at > RESUME_LIMIT_S
+                ):
+                    self._fail_all(ShardUnavailable(
+                        f"link to node {self.node.node_id} lost before it answered; retry"
+                    ))
+            finally:
+                if self.connected:
+                    self.connected = False
+                    self.plane.route_sync.link_state_changed()
+            if self._closed:
+                return
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, RECONNECT_MAX_S)
+
+    async def _serve(self) -> None:
+        """One connection of the link session: dial, say hello, send again what the last
+        connection left unanswered, then the route set; return (raise) when it ends."""
+        host, _, port = self.node.cluster_address.rpartition(":")
+        _transport, connection = await asyncio.wait_for(
+            self._loop.create_connection(
+                lambda: LinkClient(self._on_reply, self._flush_soon, self.plane.credentials,
+                                   self.node.node_id),
+                host.strip("[]"), int(port)),
+            DIAL_TIMEOUT_S,
+        )
+        try:
+            timeout = self.plane.link_timeout_s
+            connection.send(pb.PeerFrame(
+                sequence=0, from_node=self.plane.node_id, session=self.session,
+                heartbeat_ms=round(timeout * 1000)))
+            # A frozen peer's kernel accepts the connection: the link is up once the peer
+            # itself answers the hello.
+            await asyncio.wait((connection.answered, connection.closed), timeout=timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if connection.closed.done():
+                raise connection.closed.result()
+            if not connection.answered.done():
+                raise PeerSilent(f"no answer to the hello within {timeout:g} s")
+            # What the last connection left unanswered goes again, in order (the peer skips
+            # what it applied already and answers it again).
+            for _sequence, sent in list(self._unanswered.items()):
+                sent.frame.answered_below = self._answered_below()
+                connection.send(sent.frame)
+            # Then everything this node's clients hold now (the peer may be a new process),
+            # and the retained messages of its shards.
+            self._routes = [self.plane.route_sync.snapshot()]
+            self._routes_generation = self.plane.route_sync.generation
+            self._retained = self._retained + self.plane.retained_sync.snapshot()
+            self._connection = connection
+            if not self.connected:
+                self.connected = self.reachable = True
+                log.info("cluster link to %s up", self)
+                self.plane.route_sync.link_state_changed()
+            self._flush()
+            raise await self._watch(connection, timeout)
+        finally:
+            self._connection = None
+            connection.close()
+
+    async def _watch(self, connection: LinkClient, timeout: float) -> BaseException:
+        """Wait for the connection to end, or for the peer to fall silent for `timeout` (it
+        sends heartbeats while it has nothing else to say): what ended it."""
+        closed = connection.closed
+        while True:
+            silent = connection.silent_for()
+            if silent >= timeout:
+                # (this node's own loop may have been the one stalled, with the peer's bytes
+                # waiting in the socket: let them be read first)
+                await asyncio.sleep(min(0.05, timeout / 10))
+                silent = connection.silent_for()
+                if silent >= timeout:
+                    return PeerSilent(f"nothing heard from the peer for {silent:.1f} s")
+            try:
+                return await asyncio.wait_for(asyncio.shield(closed), timeout - silent)
+            except TimeoutError:
+                continue
+
+    def _answered_below(self) -> int:
+        """The lowest sequence not answered yet (each sequence is passed once: O(1) a frame)."""
+        floor, unanswered, end = self._answered_floor, self._unanswered, self._next_sequence
+        while floor < end and floor not in unanswered:
+            floor += 1
+        self._answered_floor = floor
+        return floor
+
+    def _next_frame(self) -> pb.PeerFrame:
+        sequence = self._next_sequence
+        frame = pb.PeerFrame(sequence=sequence, answered_below=self._answered_below())
+        self._next_sequence = sequence + 1
+        if self._pushes_lost:
+            frame.pushes_lost = True
+            self._pushes_lost = False
+        route_generation = 0
+        if self._routes:
+            routes, self._routes = self._routes, []
+            merged = routes[0]
+            for later in routes[1:]:
+                if later.reset:
+                    merged = later
+                else:
+                    merged.added.extend(later.added)
+                    merged.removed.extend(later.removed)
+            frame.routes.CopyFrom(merged)
+            route_generation = self._routes_generation
+        if self._retained:
+            frame.retained.extend(self._retained)
+            self._retained = []
+        size = 0
+        count = 0
+        batches: list[SentBatch] = []
+        if self._forwards:
+            batches, count, size = take_batches(self._forwards, frame, self._refuse_unpackable)
+        pushes = 0
+        if self._pushes and count < FRAME_MAX_MESSAGES:
+            pushes = take_pushes(self._pushes, frame, count, size)
+        if self._routes_mark and not self._pushes:
+            frame.routes_applied = self._routes_mark
+            self._routes_mark = 0
+        forwarded = sum(len(batch.messages) for batch in batches)
+        self._unanswered[sequence] = SentFrame(frame, batches, forwarded, pushes, route_generation)
+        return frame
+
+    def _refuse_unpackable(self, waiter: Waiter, error: PublishRejected) -> None:
+        """A queued publish a record cannot hold: refused here, never sent."""
+        self._in_flight -= 1
+        self._settle_one(waiter, error)
+
+    def _settle_one(self, waiter: Waiter, error: PublishRejected | None) -> None:
+        if error is not None:
+            self.plane.stats.forward_failures += 1
+        if isinstance(waiter, Shared):
+            waiter.settle(1, error)
+        elif not waiter.done():
+            if error is None:
+                waiter.set_result(None)
+            else:
+                fail(waiter, error)
+
+    def _on_reply(self, reply: pb.PeerReply) -> None:
+        """The peer answered a frame: settle its forwards (stored, re-routed or refused)."""
+        sent = self._unanswered.pop(reply.sequence, None)
+        if sent is None:
+            return
+        self._pushes_held -= sent.pushes
+        if self._over_credit:
+            self._credit_returned()
+        if sent.route_generation > self.routes_answered:
+            self.routes_answered = sent.route_generation
+            self.plane.route_sync.link_state_changed()
+        if not sent.batches:
+            return
+        self.plane.stats.forward_latency.observe(time.perf_counter() - sent.written_at)
+        self._in_flight -= sent.forwarded
+        results = reply.batches
+        for index, batch in enumerate(sent.batches):
+            self._settle_batch(batch, results[index] if index < len(results) else None)
+
+    def _settle_batch(self, batch: SentBatch, result: pb.BatchOutcome | None) -> None:
+        """The owner answered a batch: resolve its publishers' futures (stored), re-route the
+        messages it did not own, fail the ones it refused."""
+        messages, waiters = batch.messages, batch.waiters
+        if result is None:  # the owner answered the frame without this batch
+            for waiter in waiters:
+                self._settle_one(waiter, refusal(self.node.node_id, None))
+            return
+        refused: dict[int, pb.Outcome] = {}
+        if result.refused:
+            refused = {outcome.index: outcome for outcome in result.refused}
+        if batch.unacknowledged:
+            if not refused and waiters:
+                # the common case: every message taken; count them down per shared future
+                first = waiters[0]
+                if waiters[-1] is first:
+                    first.settle(len(waiters))  # type: ignore[union-attr]
+                    return
+            for index, waiter in enumerate(waiters):
+                outcome = refused.get(index) if refused else None
+                if outcome is None:
+                    waiter.settle(1)  # type: ignore[union-attr]
+                elif self._rerouted(messages[index], None, batch.epoch, outcome):
+                    waiter.settle(1)  # type: ignore[union-attr]
+                else:
+                    self._settle_one(waiter, refusal(self.node.node_id, outcome))
+            return
+        offsets = list(result.offsets)
+        known = len(offsets)
+        for index, message in enumerate(messages):
+            future = waiters[index]
+            if future.done():  # type: ignore[union-attr]
+                continue
+            outcome = refused.get(index) if refused else None
+            if outcome is None and index < known:
+                message.offset = offsets[index]
+                future.set_result(None)  # type: ignore[union-attr]
+            elif outcome is None or not self._rerouted(message, future, batch.epoch, outcome):  # type: ignore[arg-type]
+                self._settle_one(future, refusal(self.node.node_id, outcome))
+
+    def _rerouted(self, message: Message, future: asyncio.Future[None] | None, epoch: int,
+                  outcome: pb.Outcome) -> bool:
+        """Send a message the owner refused as not its own where the shard is now, when the
+        view has moved on (see `DataPlane.reroute`)."""
+        if outcome.code != pb.NOT_OWNER:
+            return False
+        if future is None:  # a QoS 0 message: its own future, which nobody waits on
+            future = self._loop.create_future()
+            future.add_done_callback(seen)
+        return self.plane.forwarding.reroute(message, future, epoch, outcome.epoch)
+
+    def _fail_all(self, error: PublishRejected) -> None:
+        """Fail every forward not yet answered and drop the pushes: the owner may or may not
+        have stored them, so the clients get a retryable error (at least once, never
+        acknowledged and lost). Used when the peer is away, not when a stream merely broke."""
+        waiters: list[Waiter] = [
+            future if future is not None else shared  # type: ignore[misc]
+            for _message, _epoch, future, shared in self._forwards
+        ]
+        dropped = len(self._pushes)
+        lost = False
+        for sent in self._unanswered.values():
+            for batch in sent.batches:
+                waiters += batch.waiters
+            dropped += sent.pushes
+            lost = lost or sent.frame.pushes_lost
+        self._forwards = []
+        self._shared = None
+        self._unanswered = {}
+        self._answered_floor = self._next_sequence
+        self._in_flight = 0
+        self._pushes = []
+        self._pushes_held = 0
+        self._credit_returned()
+        self.plane.stats.pushes_dropped += dropped
+        if dropped or lost:
+            self.lost_pushes()
+        for waiter in waiters:
+            self._settle_one(waiter, error)
+
+
+def _short(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc) or type(exc).__name__

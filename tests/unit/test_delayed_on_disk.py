@@ -1,0 +1,86 @@
+"""Delayed messages of a single node live in the metadata store, not in memory
+(core/delayed.py): a flood of them costs disk, a restart reads none before it is due, and
+they are released in deliver-at order, in batches."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import tracemalloc
+from pathlib import Path
+
+from shardgate.core.delayed import DelayedDelivery
+from shardgate.core.message import Message, now_ms
+from shardgate.storage.metadata.ports import MetadataPorts
+from shardgate.storage.metadata.sqlite import SqliteMetadataStore
+
+
+async def test_a_flood_of_delayed_messages_is_kept_on_disk_not_in_memory(tmp_path: Path) -> None:
+    store = SqliteMetadataStore(tmp_path / "meta.db")
+    released: list[Message] = []
+    delivery = DelayedDelivery(MetadataPorts(store), released.append)
+    payload = bytes(1024 * 1024)
+    later = now_ms() + 3_600_000
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for number in range(60):
+            delivery.hold(Message(f"jobs/{number}", payload + bytes([number])), later + number)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+        delivery.close()
+    assert len(delivery) == 60
+    # 60 MiB held: memory keeps a count and one timer, not the payloads
+    assert grown < 8 * 1024 * 1024, grown
+    assert released == []
+    store.close()
+
+
+async def test_held_messages_survive_a_restart_and_are_released_in_order_in_batches(
+        tmp_path: Path) -> None:
+    store = SqliteMetadataStore(tmp_path / "meta.db")
+    first = DelayedDelivery(MetadataPorts(store), lambda message: None)
+    soon = now_ms() + 300
+    count = DelayedDelivery.RELEASE_BATCH * 2 + 5
+    for number in range(count):
+        # held out of order: released by deliver-at time
+        first.hold(Message(f"jobs/{number}", str(number).encode()), soon + (count - number) % 7)
+    first.close()  # the run ends before any is due
+    store.close()
+
+    store = SqliteMetadataStore(tmp_path / "meta.db")
+    released: list[Message] = []
+    everything = asyncio.get_running_loop().create_future()
+
+    def publish(message: Message) -> None:
+        released.append(message)
+        if len(released) == count:
+            everything.set_result(None)
+
+    second = DelayedDelivery(MetadataPorts(store), publish)
+    assert second.restore() == count and released == []
+    await asyncio.wait_for(everything, 30)
+    assert sorted(int(m.payload) for m in released) == list(range(count))
+    due = [soon + (count - int(m.payload)) % 7 for m in released]
+    assert due == sorted(due)
+    assert len(second) == 0 and store.delayed_summary(2**62) == (0, None)
+    second.close()
+    store.close()
+
+
+async def test_a_record_that_cannot_be_read_is_set_aside_and_the_rest_released(tmp_path: Path) -> None:
+    store = SqliteMetadataStore(tmp_path / "meta.db")
+    store.put_delayed("garbage", 1, b"\x00not a record")
+    released = asyncio.get_running_loop().create_future()
+    delivery = DelayedDelivery(MetadataPorts(store), released.set_result)
+    assert delivery.restore() == 1
+    delivery.hold(Message("jobs/good", b"good"), now_ms() + 50)
+    message = await asyncio.wait_for(released, 30)
+    assert message.payload == b"good"
+    # kept in the store, never due
+    assert store.delayed_summary(DelayedDelivery.SET_ASIDE_AT_MS) == (1, None)
+    delivery.close()
+    store.close()
