@@ -18,8 +18,9 @@ from .admin_http import clients_view, stream_view, streams_view, subscriptions_v
 
 
 def as_dict(message: Message) -> dict[str, Any]:
-    return MessageToDict(message, preserving_proto_field_name=True,
-                         always_print_fields_with_no_presence=True)
+    value: dict[str, Any] = MessageToDict(message, preserving_proto_field_name=True,
+                                          always_print_fields_with_no_presence=True)
+    return value
 
 
 def local_view(app: Any) -> Callable[[str, str, dict[str, Any]], Any]:
