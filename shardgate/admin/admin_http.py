@@ -464,6 +464,23 @@ def openapi_document() -> dict[str, Any]:
             "responses": {"200": _json({"type": "object"}),
                           "404": _json(_ref("Error"), "Not in cluster mode")},
         }},
+        "/api/cluster/drain/{node}": {
+            "post": {
+                "parameters": [_path_param("node", "a node id")],
+                "summary": "Cluster mode: move every replica and leadership off a node (the "
+                           "controller copies each replica elsewhere first), so it can be removed",
+                "responses": {"200": _json({"type": "object"}, "The cluster status"),
+                              "404": _json(_ref("Error"), "Not in cluster mode, or no such node"),
+                              "503": _json(_ref("Error"), "etcd unreachable")},
+            },
+            "delete": {
+                "parameters": [_path_param("node", "a node id")],
+                "summary": "Cluster mode: stop draining a node",
+                "responses": {"200": _json({"type": "object"}, "The cluster status"),
+                              "404": _json(_ref("Error"), "Not in cluster mode"),
+                              "503": _json(_ref("Error"), "etcd unreachable")},
+            },
+        },
         "/api/openapi.json": _get("This document", {"type": "object"}),
     }
     for item in paths.values():
@@ -744,6 +761,28 @@ async def _cluster(request: web.Request) -> web.Response:
     return web.json_response(cluster_status(node), dumps=_dumps)
 
 
+async def _drain(request: web.Request) -> web.Response:
+    """Cluster mode: ask the controller to move every replica and leadership off a node
+    (POST), or to stop (DELETE); answers the cluster status."""
+    node = getattr(_app(request), "cluster", None)
+    if node is None:
+        return _error(404, "this node is not in cluster mode (serve --cluster)")
+    from ..cluster.attach import cluster_status
+    from ..cluster.etcd import EtcdError
+
+    drained = request.match_info["node"]
+    cancel = request.method == "DELETE"
+    if not cancel and drained not in node.view.registrations:
+        return _error(404, f"no live node {drained!r} in the cluster")
+    try:
+        await node.drain(drained, cancel=cancel)
+    except EtcdError as exc:
+        return _error(503, f"cannot reach etcd: {exc}")
+    log.info("administrator %s draining node %r (from %s)", "stopped" if cancel else "started",
+             drained, request.remote)
+    return web.json_response(cluster_status(node), dumps=_dumps)
+
+
 async def _openapi(request: web.Request) -> web.Response:
     return web.json_response(request.app[_OPENAPI_KEY])
 
@@ -815,6 +854,8 @@ def create_web_app(app: Any, middlewares: list[Any] | None = None) -> web.Applic
     router.add_get("/api/history", _history)
     router.add_post("/api/archive/flush", _archive_flush)
     router.add_get("/api/cluster", _cluster)
+    router.add_post("/api/cluster/drain/{node}", _drain)
+    router.add_delete("/api/cluster/drain/{node}", _drain)
     router.add_get("/api/openapi.json", _openapi)
     router.add_get("/metrics", _metrics)
     router.add_get("/healthz", healthz)

@@ -18,6 +18,7 @@ from . import keys
 from .control import ClusterNode, ClusterStartError
 from .etcd import EtcdError
 from .link_auth import secret_matches
+from .replica_status import shard_status
 
 if TYPE_CHECKING:
     from ..app import Shardgate
@@ -304,6 +305,8 @@ def cluster_status(node: ClusterNode) -> dict[str, Any]:
             "sessions": sessions.get(node_id, 0),
             "started_ms": registration.started_ms,
         })
+    replicated = shard_status(view.placement, view.streams, view.registrations,
+                              node.replica_leading)
     unavailable = sorted(
         f"{stream}/{index}"
         for stream, shards in view.placement.items()
@@ -326,6 +329,17 @@ def cluster_status(node: ClusterNode) -> dict[str, Any]:
         "replicas": {
             stream: [placed.to_json() for placed in shards]
             for stream, shards in sorted(view.placement.items())
+        },
+        # per replicated shard: leader, replicas, in-sync set, epoch, under-replicated, and for
+        # the shards this node leads, the high watermark, log end and each follower's lag
+        "replicated_shards": replicated,
+        "under_replicated_shards": sorted(
+            name for name, shard in replicated.items() if shard["under_replicated"]),
+        # nodes `shardgate cluster drain` named, and whether each still holds a replica
+        "draining": {
+            drained: sorted(f"{stream}/{index}" for stream, shards in view.placement.items()
+                            for index, placed in enumerate(shards) if drained in placed.replicas)
+            for drained in sorted(view.draining)
         },
         # what other nodes' durable cursors still need of this node's shards (retention keeps it)
         "cursor_floors": node.floors.status() if node.floors is not None else {},

@@ -1,8 +1,16 @@
-"""`shardgate cluster status`: the cluster as one node sees it.
+"""`shardgate cluster status`: the cluster as one node sees it; `shardgate cluster drain NODE`.
 
-Prints the nodes (id, internal address, client listeners, shards led), which node is the
-controller, the shards whose node is not live (unavailable until it returns), and from which
-offset the answering node keeps its shards' journals for durable cursors on other nodes.
+`status` prints the nodes (id, internal address, client listeners, shards led), which node is
+the controller, the shards whose node is not live (unavailable until it returns), per
+replicated shard its leader, epoch, replicas, in-sync set and (for the shards the answering
+node leads) high watermark and followers' lag, the under-replicated shards, the nodes being
+drained, and from which offset the answering node keeps its shards' journals for durable
+cursors on other nodes.
+
+`drain NODE` asks the controller to move every replica and leadership off NODE (each replica
+is copied to another node and caught up first), so that the node can be removed once
+`status` shows it holds nothing; `drain NODE --cancel` stops that. It asks a node's admin HTTP
+API (`POST /api/cluster/drain/NODE`): `--http-url URL` or `SHARDGATE_HTTP_URL`.
 
 Like every client command it finds the node with `--url HOST:PORT`, else `SHARDGATE_URL`,
 else 127.0.0.1:6650, and asks its gRPC Admin service (`GetClusterStatus`) with `--username`
@@ -24,6 +32,7 @@ import json
 import os
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from datetime import UTC, datetime
 from typing import Any
@@ -37,8 +46,10 @@ class StatusError(Exception):
 
 
 def add_cluster_commands(sub: argparse._SubParsersAction) -> None:
-    cluster = sub.add_parser("cluster", help="cluster status (any node of the cluster)")
-    cluster.add_argument("action", choices=["status"])
+    cluster = sub.add_parser("cluster", help="cluster status, drain a node (any node of the cluster)")
+    cluster.add_argument("action", choices=["status", "drain"])
+    cluster.add_argument("node", nargs="?", default=None, help="drain: the node to empty")
+    cluster.add_argument("--cancel", action="store_true", help="drain: stop draining the node")
     cluster.add_argument("--url", default=None,
                          help="a node's gRPC address HOST:PORT (default $SHARDGATE_URL or "
                               "127.0.0.1:6650)")
@@ -60,7 +71,16 @@ def run_cluster_command(args: argparse.Namespace) -> int:
     if http_url is None and args.url is None and not os.environ.get("SHARDGATE_URL"):
         http_url = os.environ.get("SHARDGATE_HTTP_URL")
     try:
-        if http_url is not None:
+        if args.action == "drain":
+            http_url = args.http_url or os.environ.get("SHARDGATE_HTTP_URL")
+            if not args.node:
+                raise StatusError("cluster drain needs the node to drain: shardgate cluster drain NODE")
+            if http_url is None:
+                raise StatusError("cluster drain asks a node's admin API: give --http-url URL "
+                                  "(or SHARDGATE_HTTP_URL)")
+            status = _drain_over_http(http_url.rstrip("/"), args.node, args.cancel, username,
+                                      password)
+        elif http_url is not None:
             status = _status_over_http(http_url.rstrip("/"), username, password)
         else:
             status = asyncio.run(_status_over_grpc(args.url, username, password))
@@ -94,8 +114,20 @@ async def _status_over_grpc(url: str | None, username: str | None, password: str
         await client.close()
 
 
+def _drain_over_http(base: str, node: str, cancel: bool, username: str | None,
+                     password: str) -> dict[str, Any]:
+    request = urllib.request.Request(
+        f"{base}/api/cluster/drain/{urllib.parse.quote(node, safe='')}", data=b"{}",
+        method="DELETE" if cancel else "POST", headers={"Content-Type": "application/json"})
+    return _ask_over_http(request, base, username, password)
+
+
 def _status_over_http(base: str, username: str | None, password: str) -> dict[str, Any]:
-    request = urllib.request.Request(f"{base}/api/cluster")
+    return _ask_over_http(urllib.request.Request(f"{base}/api/cluster"), base, username, password)
+
+
+def _ask_over_http(request: urllib.request.Request, base: str, username: str | None,
+                   password: str) -> dict[str, Any]:
     if username:
         token = base64.b64encode(f"{username}:{password}".encode()).decode()
         request.add_header("Authorization", f"Basic {token}")
@@ -141,6 +173,7 @@ def render_status(status: dict[str, Any]) -> str:
     unavailable = status.get("unavailable_shards", [])
     if unavailable:
         lines.append(f"unavailable (their node is not live): {', '.join(unavailable)}")
+    lines.extend(_render_replicated(status))
     floors = status.get("cursor_floors", {})
     if floors:
         kept = ", ".join(f"{shard} from {offset}" for shard, offset in floors.items())
@@ -155,3 +188,34 @@ def render_status(status: dict[str, Any]) -> str:
             state = "kept"
         lines.append(f"cursor floors of departed node {node_id} ({shards}): {state}")
     return "\n".join(lines)
+
+
+def _render_replicated(status: dict[str, Any]) -> list[str]:
+    """The replicated shards' table, the under-replicated ones and the draining nodes."""
+    lines: list[str] = []
+    shards = status.get("replicated_shards", {})
+    if shards:
+        header = ("shard", "leader", "epoch", "replicas", "in sync", "high watermark", "lag")
+        rows = []
+        for name, shard in sorted(shards.items()):
+            leader = shard["leader"] if shard.get("leader_live", True) else f"{shard['leader']} (down)"
+            lag = shard.get("lag")
+            rows.append((
+                name, leader, str(shard["leader_epoch"]), ",".join(shard["replicas"]),
+                ",".join(shard["isr"]),
+                str(shard["high_watermark"]) if "high_watermark" in shard else "-",
+                ",".join(f"{replica}:{records}" for replica, records in lag.items())
+                if lag else "-",
+            ))
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+        lines.append("replicated shards (high watermark and lag: on the node that leads them):")
+        for row in (header, *rows):
+            lines.append("  " + "  ".join(cell.ljust(width)
+                                          for cell, width in zip(row, widths, strict=True)).rstrip())
+    under = status.get("under_replicated_shards", [])
+    if under:
+        lines.append(f"under-replicated: {', '.join(under)}")
+    for node, holding in status.get("draining", {}).items():
+        state = f"still holds {', '.join(holding)}" if holding else "holds no replica: it may be removed"
+        lines.append(f"draining {node}: {state}")
+    return lines

@@ -7,9 +7,13 @@ cluster kept fresh by one etcd watch, controller election and placement writes.
 - The view (`EtcdClusterView`, the `ClusterView` of `membership.py`) is read once, then kept
   by a watch on the whole cluster prefix; a broken or compacted watch re-reads and resumes.
 - Election: the first node to create `controller` under its lease is the controller until its
-  lease ends. Only the controller writes placement, with a compare-and-swap on the revision of
-  `placement-guard` it last saw and on its own election revision, so a deposed controller's
-  write fails.
+  lease ends (then the others campaign again). Only the controller writes placement, with a
+  compare-and-swap on the revision of `placement-guard` it last saw and on its own election
+  revision, so a deposed controller's write fails.
+- Replicated shards (`replica_placement.py`): the controller places their replicas, elects a
+  new leader from the in-sync set when one dies (a new epoch), applies the in-sync set changes
+  leaders propose (`isr/<stream>/<shard>`, deleted in the same transaction), and drains the
+  nodes named under `drain/`.
 - Fencing: `owns()` is true only while this node's lease is known to be alive (the last
   successful keep-alive plus the TTL); a node cut off from etcd stops acting for its shards
   when that runs out, and registers again (a new lease) when etcd is back.
@@ -33,7 +37,6 @@ from .etcd import (
     EtcdError,
     EtcdUnavailable,
     KeyValue,
-    LeaseKeeper,
     WatchEvent,
     create_revision_is,
     delete_op,
@@ -42,9 +45,14 @@ from .etcd import (
     put_op,
     version_is,
 )
+from .etcd_lease import LeaseKeeper
 from .link_auth import NodeCredentials, secret_check
 from .membership import NodeInfo, ShardAssignment
 from .placement import ShardPlacement, ShardSpec, place
+from .replica_leader import IsrProposal
+from .replica_placement import Nodes, ReplicaPlacer, ReplicatedSpec
+from .replica_status import Leading
+from .replication import stream_replication
 from .settings import ClusterSettings
 
 if TYPE_CHECKING:
@@ -118,6 +126,10 @@ class EtcdClusterView:
         self.lease_valid_until = 0.0
         # shards this node stopped acting for before handing them over (graceful leave)
         self.released: set[tuple[str, int]] = set()
+        # nodes `shardgate cluster drain` named (their replicas move off them)
+        self.draining: set[str] = set()
+        # in-sync set proposals of replicated shards' leaders, with their etcd key's revision
+        self.proposals: dict[tuple[str, int], tuple[IsrProposal, int]] = {}
         self._callbacks: list[Callable[[], None]] = []
         self._node_infos: dict[str, NodeInfo] = {}
 
@@ -190,6 +202,8 @@ class EtcdClusterView:
         self.documents.clear()
         self.sessions.clear()
         self.session_entries.clear()
+        self.draining.clear()
+        self.proposals.clear()
         self.controller_id = None
         self.controller_revision = 0
         self.guard_revision = 0
@@ -285,6 +299,20 @@ class EtcdClusterView:
                 before = self.sessions.get(client_id)
                 if self.note_session(client_id, entry, event.revision) and before != holder:
                     self.session_changes.append((client_id, holder))
+            elif key.startswith(keys.DRAIN):
+                if value is None:
+                    self.draining.discard(key[len(keys.DRAIN):])
+                else:
+                    self.draining.add(key[len(keys.DRAIN):])
+            elif key.startswith(keys.ISR_PROPOSALS):
+                stream, _, index = key[len(keys.ISR_PROPOSALS):].rpartition("/")
+                if value is None:
+                    self.proposals.pop((stream, int(index)), None)
+                else:
+                    data = keys.decode(value)
+                    proposal = IsrProposal(str(data["leader"]), int(data["leader_epoch"]),
+                                           int(data["isr_version"]), frozenset(map(str, data["isr"])))
+                    self.proposals[(stream, int(index))] = (proposal, event.revision)
             elif key.startswith((keys.DOCUMENTS, keys.AMQP)):
                 if value is None:
                     self.documents.pop(key, None)
@@ -375,6 +403,18 @@ class ClusterNode:
         self.state_writer: StateWriter | None = None
         # this node's durable cursors' floors for other owners' retention (floors.CursorFloors)
         self.floors: CursorFloors | None = None
+        # this node runs the replication data path (set before `join`; its registration says
+        # so, and only such nodes receive replicas: `replication.py`)
+        self.replication = False
+        # this node's leaderships of replicated shards (`ReplicaManager.leading(...).leader`,
+        # set by the data path): their high watermark and followers' lag in `cluster status`
+        # and the metrics (`replica_status.py`)
+        self.replica_leading: Leading | None = None
+        # the controller's replica placement state, and the lease of each node's registration
+        # it last saw (a new lease: the node registered again, `replica_placement.Nodes.rejoined`)
+        self.replica_placer = ReplicaPlacer(settings.re_replicate_after_s,
+                                            settings.unclean_leader_election)
+        self._leases_seen: dict[str, int] = {}
 
     def key(self, suffix: str) -> str:
         return self.prefix + suffix
@@ -415,7 +455,7 @@ class ClusterNode:
         self.registration = keys.NodeRegistration(
             node_id=self.node_id, cluster_address=cluster_address, instance=self.instance,
             started_ms=int(time.time() * 1000), listeners=dict(listeners),
-            secret_check=secret_check(self.credentials.secret),
+            secret_check=secret_check(self.credentials.secret), replication=self.replication,
         )
         try:
             await self._register()
@@ -458,6 +498,7 @@ class ClusterNode:
         ttl = self.settings.lease_ttl_s
         sent = time.monotonic()
         lease = await self.client.grant(ttl)
+        self.registration.lease = lease
         result = await self.client.txn(
             [version_is(key, 0)], [put_op(key, self.registration.to_json(), lease)], [get_op(key)])
         if not result.succeeded:
@@ -484,7 +525,7 @@ class ClusterNode:
 
     # ---------------------------------------------------------------- background loops
     def _start_lease_keeper(self) -> None:
-        """Keep the lease alive from a thread of its own (etcd.LeaseKeeper), so a busy event
+        """Keep the lease alive from a thread of its own (etcd_lease.LeaseKeeper), so a busy event
         loop cannot let it expire; its answers reach the fencing view through the loop."""
         loop = asyncio.get_running_loop()
         self._lease_lost = asyncio.Event()
@@ -658,33 +699,76 @@ class ClusterNode:
             log.info("cluster: node %s is the controller", self.node_id)
 
     def desired_placement(self) -> dict[str, list[ShardPlacement]]:
+        return self._desired()[0]
+
+    def _desired(self) -> tuple[dict[str, list[ShardPlacement]], dict[str, int]]:
+        """The placement every stream should have, and the leases of the nodes it was made for
+        (`_write_placement` remembers them once it is written)."""
         view = self.view
         current = {
             (stream, index): placed
             for stream, shards in view.placement.items()
             for index, placed in enumerate(shards)
         }
-        live = [node for node, reg in view.registrations.items() if not reg.leaving]
-        load = {node: reg.load for node, reg in view.registrations.items()}
+        registrations = view.registrations
+        draining = {node for node in view.draining if node in registrations}
+        draining |= {node for node, reg in registrations.items() if reg.leaving}
+        live = [node for node in registrations if node not in draining]
+        load = {node: reg.load for node, reg in registrations.items()}
         released = set()
-        for node, registration in view.registrations.items():
+        for node, registration in registrations.items():
             if registration.leaving:
                 for name in registration.released:
                     stream, _, index = name.rpartition("/")
                     if index.isdigit() and current.get((stream, int(index)), None) is not None \
                             and current[(stream, int(index))].leader == node:
                         released.add((stream, int(index)))
-        placed = place(view.shard_specs(), current, live, load, released)
+        # shards of replicated streams, and reliable shards with a replica on a draining node
+        # (moved by copying), are the replica placer's; the others `place()`'s
+        settings = {name: stream_replication(definition) for name, definition in view.streams.items()}
+        replicated: list[ReplicatedSpec] = []
+        specs = view.shard_specs()
+        for spec in specs:
+            key = (spec.stream, spec.shard)
+            placed = current.get(key)
+            wanted = settings[spec.stream].replicas
+            if spec.reliable and key not in released and (
+                    (wanted > 1 and (placed is not None or self._replica_nodes(draining)))
+                    or (placed is not None and (len(placed.replicas) > 1
+                                                or any(r in draining for r in placed.replicas)))):
+                replicated.append(ReplicatedSpec(spec.stream, spec.shard, wanted))
+        # `place()` sees every shard (its balance counts them all); the replica placer's
+        # decisions then replace its own for the replicated ones
+        placed_now = place(specs, current, live, load, released)
+        # the lease each node is registered under; -1 for a leader seen dead, so that its
+        # return counts as registering again even for a controller that never saw its lease
+        leases = {placed.leader: -1 for placed in current.values()
+                  if placed.leader not in registrations}
+        leases.update((node, reg.lease) for node, reg in registrations.items())
+        nodes = Nodes(
+            alive=frozenset(registrations), placeable=frozenset(self._replica_nodes(draining)),
+            rejoined=frozenset(node for node, lease in leases.items()
+                               if node in self._leases_seen and self._leases_seen[node] != lease),
+            draining=frozenset(draining))
+        proposals = {key: proposal for key, (proposal, _) in view.proposals.items()}
+        placed_now.update(self.replica_placer.place(
+            replicated, current, nodes, time.monotonic(), proposals))
         desired: dict[str, list[ShardPlacement]] = {}
         for name, definition in view.streams.items():
-            shards = [placed.get((name, index)) for index in range(int(definition.get("partitions", 1)))]
+            shards = [placed_now.get((name, index)) for index in range(int(definition.get("partitions", 1)))]
             if all(shard is not None for shard in shards):
                 desired[name] = shards  # type: ignore[assignment]
-        return desired
+        return desired, leases
+
+    def _replica_nodes(self, draining: set[str]) -> list[str]:
+        """The live nodes that may receive replicas: they run the replication data path and
+        are neither leaving nor draining."""
+        return [node for node, reg in self.view.registrations.items()
+                if reg.replication and node not in draining]
 
     async def _write_placement(self) -> None:
         view = self.view
-        desired = self.desired_placement()
+        desired, leases = self._desired()
         ops = []
         for name, shards in sorted(desired.items()):
             if view.placement.get(name) != shards:
@@ -692,22 +776,54 @@ class ClusterNode:
                 ops.append(put_op(self.key(keys.PLACEMENT + name), value))
         for name in view.placement.keys() - view.streams.keys():
             ops.append(delete_op(self.key(keys.PLACEMENT + name)))
+        # the proposals read are answered (applied above, or refused) by deleting them in the
+        # same transaction; one made again since is compared out and read at the next pass
+        answered = [(self.key(f"{keys.ISR_PROPOSALS}{stream}/{index}"), revision)
+                    for (stream, index), (_, revision) in sorted(view.proposals.items())]
         guard = self.key(keys.PLACEMENT_GUARD)
-        for start in range(0, len(ops), MAX_TXN_OPS):
-            chunk = ops[start:start + MAX_TXN_OPS]
+        chunks = [ops[start:start + MAX_TXN_OPS] for start in range(0, len(ops), MAX_TXN_OPS)]
+        if answered and not chunks:
+            chunks = [[]]
+        for number, chunk in enumerate(chunks):
+            compares = [create_revision_is(self.key(keys.CONTROLLER), view.controller_revision),
+                        mod_revision_is(guard, view.guard_revision)]
+            if number == 0:
+                compares += [mod_revision_is(key, revision) for key, revision in answered[:20]]
+                chunk = chunk + [delete_op(key) for key, _ in answered[:20]]
             result = await self.client.txn(
-                [create_revision_is(self.key(keys.CONTROLLER), view.controller_revision),
-                 mod_revision_is(guard, view.guard_revision)],
-                [put_op(guard, keys.encode({"controller": self.node_id}))] + chunk)
+                compares, [put_op(guard, keys.encode({"controller": self.node_id}))] + chunk)
             if not result.succeeded:
                 return  # the view was stale or another controller won: the watch catches up
             view.guard_revision = result.revision
+            if number == 0:
+                for (stream, index), (_, revision) in list(view.proposals.items()):
+                    if (self.key(f"{keys.ISR_PROPOSALS}{stream}/{index}"), revision) in answered[:20]:
+                        del view.proposals[(stream, index)]
+        self._leases_seen.update(leases)
         if ops:
             for name, shards in desired.items():
                 view.placement[name] = shards
             for name in list(view.placement.keys() - view.streams.keys()):
                 del view.placement[name]
             log.info("cluster: placement written (%d streams changed)", len(ops))
+
+    # ---------------------------------------------------------------- replication control
+    def propose_isr(self, stream: str, shard: int, proposal: IsrProposal) -> None:
+        """`ReplicaManager`'s `propose`: this node leads the shard and asks the controller to
+        write another in-sync set (put under this node's lease, in order with its other
+        writes; the controller answers by writing the placement, or not, and deleting it)."""
+        value = keys.encode({"leader": proposal.leader, "leader_epoch": proposal.leader_epoch,
+                             "isr_version": proposal.isr_version, "isr": sorted(proposal.isr)})
+        self.submit(f"{keys.ISR_PROPOSALS}{stream}/{shard}", value, under_lease=True)
+
+    async def drain(self, node_id: str, *, cancel: bool = False) -> None:
+        """`shardgate cluster drain NODE`: ask the controller to move every replica and
+        leadership off `node_id` (or, with `cancel`, to stop). Raises EtcdError."""
+        key = self.key(keys.DRAIN + node_id)
+        if cancel:
+            await self.client.delete(key)
+        else:
+            await self.client.put(key, keys.encode({"since_ms": int(time.time() * 1000)}))
 
     async def _report_load(self) -> None:
         """Every LOAD_INTERVAL_S, put this node's message rate in its registration when it moved
@@ -887,10 +1003,13 @@ class ClusterNode:
     def _movable_owned(self) -> list[tuple[str, int]]:
         owned = []
         for spec in self.view.shard_specs():
-            if not spec.reliable or (spec.stream, spec.shard) in self.view.released:
-                assignment = self.view.leader(spec.stream, spec.shard)
-                if assignment is not None and assignment.leader == self.node_id:
-                    owned.append((spec.stream, spec.shard))
+            assignment = self.view.leader(spec.stream, spec.shard)
+            if assignment is None or assignment.leader != self.node_id:
+                continue
+            # a replicated shard's leadership moves to an in-sync replica
+            if (not spec.reliable or (spec.stream, spec.shard) in self.view.released
+                    or len(assignment.isr) > 1):
+                owned.append((spec.stream, spec.shard))
         return owned
 
     async def write_offline_state(self) -> None:

@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING
 import grpc
 
 from ..storage.interfaces import LatencyHistogram
+from .cluster_port import ClusterPortProtocol
 from .cursor_sources import CursorSources
 from .fanout import PushFanout
 from .forwarding import NODE_LOCAL_STREAMS, Forwarding
 from .inbox import Inboxes
-from .link import ClusterPortProtocol
 from .link_auth import CallAuthenticator, NodeCredentials
 from .membership import ClusterView
 from .owner_store import ForwardStore

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from ..core.records import encode_message
 from ..proto import cluster_pb2 as pb
+from .cluster_port import LinkReplies
 from .frames import (
     NO_GROUPS,
     RecordFormatError,
@@ -27,7 +28,7 @@ from .frames import (
     routes_from_update,
     unpack_records,
 )
-from .link import LinkForgotten, LinkReplies
+from .link import LinkForgotten
 
 if TYPE_CHECKING:
     from ..core.message import Message
@@ -106,7 +107,7 @@ class _PeerPushes:
 
 class Inboxes:
     """What this node applied of each peer's link session (one per data plane; the
-    `link.LinkReceiver` of the cluster port)."""
+    `cluster_port.LinkReceiver`)."""
 
     def __init__(self, plane: DataPlane) -> None:
         self.plane = plane

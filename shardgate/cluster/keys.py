@@ -13,6 +13,10 @@ agrees. Every key lives under `/shardgate/<cluster name>/`; values are JSON.
                            and the user who made it (`SessionEntry`)
     amqp/<vhost>/exchanges/<name>   a durable AMQP exchange (type, flags, arguments)
     amqp/<vhost>/queues/<name>      the node a shared AMQP queue lives on (amqp_queues.py)
+    drain/<node id>        `shardgate cluster drain`: the controller moves every replica and
+                           leadership off that node (deleted by `--cancel`)
+    isr/<stream>/<shard>   a replicated shard's leader's in-sync set proposal (under the
+                           leader's lease); the controller applies or refuses it, then deletes it
 
 Outside that prefix, under `/shardgate/<cluster name>.state/` (read on demand, never watched):
     sessions/<client id>   an MQTT persistent session's last snapshot (sessions.py)
@@ -37,6 +41,8 @@ DOCUMENTS = "auth/"
 # Kept whole like documents (view.documents), watched, told to document listeners.
 AMQP = "amqp/"
 SESSIONS = "sessions/"
+DRAIN = "drain/"
+ISR_PROPOSALS = "isr/"
 
 
 def encode(value: Any) -> bytes:
@@ -66,6 +72,12 @@ class NodeRegistration:
     # proves the node's cluster secret without showing it (`link_auth.secret_check`): a node
     # started with another secret sees the mismatch and refuses to start
     secret_check: str = ""
+    # the lease this registration is under: a new one means the node registered again (a new
+    # process, or the same one after its lease ran out), so a shard it leads gets a new epoch
+    lease: int = 0
+    # the node runs the replication data path (follows leaders, answers fetches): only such
+    # nodes receive replicas of replicated shards (`replication.py`)
+    replication: bool = False
 
     def to_json(self) -> bytes:
         return encode({
@@ -73,6 +85,7 @@ class NodeRegistration:
             "instance": self.instance, "started_ms": self.started_ms,
             "listeners": self.listeners, "leaving": self.leaving, "load": self.load,
             "released": self.released, "secret_check": self.secret_check,
+            "lease": self.lease, "replication": self.replication,
         })
 
     @classmethod
@@ -84,6 +97,7 @@ class NodeRegistration:
             listeners=dict(data.get("listeners", {})), leaving=bool(data.get("leaving", False)),
             load=float(data.get("load", 0.0)), released=list(data.get("released", [])),
             secret_check=str(data.get("secret_check", "")),
+            lease=int(data.get("lease", 0)), replication=bool(data.get("replication", False)),
         )
 
 

@@ -105,3 +105,34 @@ def control_plane_metrics(node: Any) -> Iterator[Metric]:
     yield GaugeMetricFamily(f"{PREFIX}_unavailable_shards",
                             "Shards whose node is not live (reliable shards of a dead node)",
                             value=unavailable)
+    yield from replication_metrics(node)
+
+
+def replication_metrics(node: Any) -> Iterator[Metric]:
+    """Replicated shards as this node sees them: the followers' lag of the shards it leads
+    (only the leader knows it), and how many of the shards it leads are under-replicated (in
+    sync fewer than their replicas, or fewer replicas than wanted), as Kafka's
+    UnderReplicatedPartitions: summed over the nodes, each shard is counted once."""
+    from .replica_status import shard_status
+
+    view = node.view
+    me = node.node_id
+    status = shard_status(view.placement, view.streams, view.registrations, node.replica_leading)
+    lag = GaugeMetricFamily(
+        "shardgate_replica_lag_records",
+        "Records a follower lacks of its leader's log, per replicated shard this node leads",
+        labels=["node", "stream", "shard", "replica"])
+    under = 0
+    for name, shard in sorted(status.items()):
+        stream, _, index = name.rpartition("/")
+        for replica, records in sorted(shard.get("lag", {}).items()):
+            lag.add_metric([me, stream, index, replica], records)
+        if shard["leader"] == me and shard["under_replicated"]:
+            under += 1
+    yield lag
+    under_replicated = GaugeMetricFamily(
+        "shardgate_under_replicated_shards",
+        "Replicated shards this node leads with fewer in-sync replicas than replicas, or fewer "
+        "replicas than their stream wants", labels=["node"])
+    under_replicated.add_metric([me], under)
+    yield under_replicated

@@ -146,7 +146,8 @@ class ReplicaManager:
             return
         if (entry.role is not None and entry.wanted is not None
                 and entry.role.leader == entry.wanted.leader == self.node_id
-                and entry.role.epoch == entry.wanted.epoch):
+                and entry.role.epoch == entry.wanted.epoch
+                and entry.role.replicas == entry.wanted.replicas):
             self._isr_changed(entry, entry.wanted)  # the same leadership, a new in-sync set
             return
         entry.changing = True
@@ -162,7 +163,7 @@ class ReplicaManager:
         leader = entry.log.leader
         if leader is not None:
             # the controller's version (`ShardPlacement.isr_version`), which proposals name
-            leader.isr_changed(role.isr, max(role.isr_version, leader.isr_version + 1), self.clock())
+            leader.isr_changed(role.isr, role.isr_version, self.clock())
             entry.log.tick()
         entry.role = role
 

@@ -173,12 +173,18 @@ def _record(placed: ShardPlacement) -> ReplicaSet:
 
 
 def _placement(record: ReplicaSet, placed: ShardPlacement) -> ShardPlacement:
-    """The record as a `ShardPlacement`: `placed` itself when nothing changed (no write)."""
-    if record.leader is None:
+    """The record as a `ShardPlacement`: `placed` itself when nothing changed (no write). A
+    change of the replicas under the same leader comes with a new epoch too, so the leader
+    leads again knowing its new followers (and fetches of the old set are refused)."""
+    leader = record.leader
+    if leader is None:
         return placed
+    epoch = record.epoch
+    if record.replicas != placed.replicas and epoch == placed.leader_epoch:
+        epoch += 1
     # the replicas keep their order (the first live in-sync one leads after a failover)
     isr = tuple(r for r in record.replicas if r in record.isr)
-    new = ShardPlacement(record.leader, record.replicas, isr, record.epoch, record.isr_version)
+    new = ShardPlacement(leader, record.replicas, isr, epoch, record.isr_version)
     return placed if new == placed else new
 
 

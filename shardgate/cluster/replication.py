@@ -4,8 +4,14 @@ has, and how many of them must be in sync for a publish to be acknowledged.
 
 One function, `stream_replication`, that the controller (placing replicas, `replica_placement`)
 and the data path (acknowledging at the in-sync minimum, `replica_manager`) both use, so the
-two never read the settings differently. Only reliable streams are replicated: a
-non-reliable stream lives in memory and has one replica, its leader.
+two never read the settings differently; the defaults are decided here (a stream keeps only
+its settings and their bounds, `core/streams.py`).
+Only reliable streams are replicated: a non-reliable stream lives in memory and has one
+replica, its leader.
+
+The controller places more than one replica only on nodes that run the replication data path
+(their registration says `replication`, `keys.NodeRegistration`): a node without it never
+fetches, so a failover to it would lose the log.
 """
 
 from __future__ import annotations
@@ -14,15 +20,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.streams import MAX_REPLICAS
+
+# What a reliable stream without the settings gets in a cluster: one replica for now (issue 28
+# wants three, capped by the nodes that may hold them: to be raised once the whole cluster test
+# suite runs with every reliable stream replicated); two in sync to acknowledge (capped by the
+# replica count), as Kafka's `min.insync.replicas`. A single node keeps one copy.
+DEFAULT_REPLICAS = 1
+DEFAULT_MIN_INSYNC_REPLICAS = 2
+
 # The definition's keys (the stream settings `replicas` and `min_insync_replicas`).
 REPLICAS = "replicas"
 MIN_INSYNC = "min_insync_replicas"
-# What a reliable stream without the setting gets. One replica until the replication data
-# path runs in `shardgate serve`: a stream placed on several nodes before then would move its
-# leadership to a node that never received its log.
-DEFAULT_REPLICAS = 1
-DEFAULT_MIN_INSYNC = 2
-MAX_REPLICAS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +55,7 @@ def stream_replication(definition: Mapping[str, Any]) -> Replication:
         return Replication(1, 1)
     replicas = _positive(definition.get(REPLICAS), DEFAULT_REPLICAS)
     replicas = min(replicas, MAX_REPLICAS)
-    min_insync = min(_positive(definition.get(MIN_INSYNC), DEFAULT_MIN_INSYNC), replicas)
+    min_insync = min(_positive(definition.get(MIN_INSYNC), DEFAULT_MIN_INSYNC_REPLICAS), replicas)
     return Replication(replicas, min_insync)
 
 

@@ -32,6 +32,13 @@ class ClusterSettings:
     connect_timeout_s: float = 10.0
     # how long a SIGTERM'd node waits for its shards to be handed over before it exits
     leave_timeout_s: float = 10.0
+    # a replicated shard that lacks a live replica (its node dead) this long gets a new
+    # replica on another node, copied from its leader
+    re_replicate_after_s: float = 30.0
+    # let a replica that was not in sync lead when no in-sync one is live (Kafka's
+    # unclean.leader.election.enable): the shard is available again, but records acknowledged
+    # by the lost replicas may be gone. Off: the shard waits for an in-sync replica
+    unclean_leader_election: bool = False
     # how often the controller removes expired MQTT sessions' snapshots from etcd
     session_sweep_s: float = 30.0
     # how long the cursor floors of a node that left the view still keep owners' journals
@@ -58,6 +65,7 @@ class ClusterSettings:
         "link_timeout_s": (0.001, None),
         "connect_timeout_s": (0.001, None),
         "leave_timeout_s": (0, None),
+        "re_replicate_after_s": (0, None),
         "session_sweep_s": (0.001, None),
         "departed_floors_retention_s": (0, None),
     }

@@ -1,6 +1,6 @@
 """A cluster node's lease outlives a saturated event loop, and fencing still ends with it.
 
-The lease is refreshed from a thread of its own (etcd.LeaseKeeper): an event loop that is
+The lease is refreshed from a thread of its own (etcd_lease.LeaseKeeper): an event loop that is
 busy for longer than the TTL (a QoS 0 flood, a long synchronous step) must not cost a live
 node its registration and its shards. When etcd cannot be reached the node must still stop
 acting for its shards once the TTL has run out.

@@ -9,7 +9,7 @@ from collections import Counter
 from shardgate.cluster.placement import ShardPlacement
 from shardgate.cluster.replica_leader import IsrProposal
 from shardgate.cluster.replica_placement import Nodes, ReplicaPlacer, ReplicatedSpec
-from shardgate.cluster.replication import Replication, stream_replication
+from shardgate.cluster.replication import DEFAULT_REPLICAS, Replication, stream_replication
 
 ABC = frozenset({"a", "b", "c"})
 KEY = ("s", 0)
@@ -23,13 +23,16 @@ def nodes(alive: set[str] | frozenset[str] = ABC, **kw: frozenset[str]) -> Nodes
 
 
 def test_stream_replication_reads_the_definition_with_defaults_and_caps() -> None:
-    assert stream_replication({"mode": "reliable"}) == Replication(1, 1)
+    default = Replication(DEFAULT_REPLICAS, min(2, DEFAULT_REPLICAS))
+    assert stream_replication({"mode": "reliable"}) == default
+    assert stream_replication({"mode": "reliable", "replicas": None}) == default
     assert stream_replication({"mode": "reliable", "replicas": 3}) == Replication(3, 2)
+    assert stream_replication({"mode": "reliable", "replicas": 1}) == Replication(1, 1)
     assert stream_replication({"mode": "reliable", "replicas": 3, "min_insync_replicas": 5}) \
         == Replication(3, 3)
     assert stream_replication({"mode": "non-reliable", "replicas": 3}) == Replication(1, 1)
-    assert stream_replication({"replicas": "x", "min_insync_replicas": 0}).replicas == 1
-    assert stream_replication({"replicas": 3}).replicated
+    assert stream_replication({"replicas": "x", "min_insync_replicas": 0}) == default
+    assert not stream_replication({"replicas": 1}).replicated
 
 
 def test_new_shards_get_every_replica_in_sync_with_leaders_spread_evenly() -> None:
@@ -48,7 +51,7 @@ def test_replicas_are_capped_by_the_live_nodes_then_grow_when_nodes_join() -> No
     assert placed[KEY] == ShardPlacement("a", ("a",), ("a",), 1)
     grown = placer.place(SPEC, placed, nodes(), now=1.0)[KEY]
     assert grown.leader == "a" and grown.replicas == ("a", "b", "c") and grown.isr == ("a",)
-    assert grown.leader_epoch == 1  # no new leader: the same epoch
+    assert grown.leader_epoch == 2  # new replicas: the leader leads again knowing them
 
 
 def test_a_dead_leader_is_replaced_by_a_live_in_sync_replica_in_a_new_epoch() -> None:
@@ -96,6 +99,7 @@ def test_a_dead_follower_is_replaced_only_after_the_re_replication_delay() -> No
     assert waiting is first
     moved = placer.place(SPEC, {KEY: first}, nodes(four - {"c"}), now=131.0)[KEY]
     assert moved.replicas == ("a", "b", "d") and moved.isr == ("a", "b")
+    assert moved.leader_epoch == 2
     assert placer.under_replicated_since == {}
 
 
@@ -106,16 +110,52 @@ def test_drain_adds_a_replica_then_moves_leadership_once_it_caught_up() -> None:
     placer = ReplicaPlacer()
     step1 = placer.place(SPEC, current, draining, now=0.0)[KEY]
     assert step1.replicas == ("a", "b", "c", "d") and step1.leader == "a"
-    assert step1.isr == ("a", "b", "c")
+    assert step1.isr == ("a", "b", "c") and step1.leader_epoch == 4
     # not caught up yet: nothing moves
     assert placer.place(SPEC, {KEY: step1}, draining, now=1.0)[KEY] is step1
-    caught_up = IsrProposal("a", 3, 1, frozenset({"a", "b", "c", "d"}))
+    caught_up = IsrProposal("a", 4, 1, frozenset({"a", "b", "c", "d"}))
     step2 = placer.place(SPEC, {KEY: step1}, draining, now=2.0, proposals={KEY: caught_up})[KEY]
     assert step2.replicas == ("b", "c", "d") and step2.isr == ("b", "c", "d")
-    assert step2.leader == "b" and step2.leader_epoch == 4
+    assert step2.leader == "b" and step2.leader_epoch == 5
 
 
 def test_drain_without_a_spare_node_shrinks_the_replicas() -> None:
     current = {KEY: ShardPlacement("b", ("a", "b", "c"), ("a", "b", "c"), 3, 1)}
     placed = ReplicaPlacer().place(SPEC, current, nodes(draining=frozenset({"a"})), now=0.0)[KEY]
-    assert placed.replicas == ("b", "c") and placed.leader == "b" and placed.leader_epoch == 3
+    assert placed.replicas == ("b", "c") and placed.leader == "b" and placed.leader_epoch == 4
+
+
+class _Registration:
+    replication = True
+
+
+class _Leading:
+    high_watermark = 40
+    log_end = 42
+
+    def lag(self, replica: str) -> int:
+        return {"b": 2, "c": 30}[replica]
+
+
+def test_status_shows_each_replicated_shard_with_its_leaders_figures_and_renders_them() -> None:
+    from shardgate.cluster.cli import render_status
+    from shardgate.cluster.replica_status import shard_status
+
+    placement = {"s": [ShardPlacement("a", ("a", "b", "c"), ("a", "b"), 3, 1),
+                       ShardPlacement("b", ("b", "c", "a"), ("b", "c", "a"), 1)],
+                 "plain": [ShardPlacement.single("a", 1)]}
+    streams = {"s": {"mode": "reliable", "replicas": 3}, "plain": {"mode": "non-reliable"}}
+    live = {node: _Registration() for node in "abc"}
+    status = shard_status(placement, streams, live,
+                          lambda stream, shard: _Leading() if (stream, shard) == ("s", 0) else None)
+    assert set(status) == {"s/0", "s/1"}
+    assert status["s/0"]["under_replicated"] and not status["s/1"]["under_replicated"]
+    assert status["s/0"]["high_watermark"] == 40 and status["s/0"]["lag"] == {"b": 2, "c": 30}
+    assert "high_watermark" not in status["s/1"]
+    # no node runs the replication data path: nothing is counted under-replicated
+    assert shard_status({"s": [ShardPlacement.single("a", 1)]}, streams, {"a": object()}, None) == {}
+    text = render_status({"cluster": "c", "controller": "a", "shards": 3, "streams": 2,
+                          "nodes": [], "replicated_shards": status,
+                          "under_replicated_shards": ["s/0"], "draining": {"c": ["s/0"]}})
+    assert "s/0    a       3      a,b,c     a,b      40              b:2,c:30" in text
+    assert "under-replicated: s/0" in text and "draining c: still holds s/0" in text
