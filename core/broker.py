@@ -39,7 +39,7 @@ from .errors import (
     SubscriptionNotFound,
 )
 from .message import Message, now_ms
-from .placement import Fanout, ShardPlacement
+from .placement import DurableWatcher, Fanout, ShardPlacement
 from .records import encode_message, encode_records
 from .retained import RetainedStore
 from .schema_registry import SchemaRegistry, SchemaVersion
@@ -158,6 +158,8 @@ class Broker:
         self,
         storage: ShardStorage | None = None,
         default_stream: StreamConfig | None = None,
+        *,
+        restored_cursors_wait: bool = False,
     ) -> None:
         self.storage = storage
         self.stats = BrokerStats()
@@ -199,18 +201,24 @@ class Broker:
         # Told when a subscription is removed (the composition root forgets durable ones).
         self.on_subscription_removed: Callable[[Subscription], None] | None = None
         self.delayed = DelayedDelivery(None, self.publish)
-        # Cluster mode only (None on a single node): where shards are served, which other
-        # nodes want a stored message, and who is told when local subscriptions change.
+        # Cluster mode only, while the node's data plane takes part (`join_cluster`; None on a
+        # single node): where shards are served, which other nodes want a stored message, who
+        # is told when local subscriptions change and when a retained message changes here.
         self.placement: ShardPlacement | None = None
         self.fanout: Fanout | None = None
         self.on_routes_changed: Callable[[], None] | None = None
+        self._cluster_retained: Callable[[str, Message | None], None] | None = None
         # Cluster mode, from the restore until the node knows the shard map: cursors of reliable
         # shards restored from the store wait unplaced (`ShardCursor.placed`) until the cluster
-        # places them (`DurableSubscription.place_restored`).
-        self.restored_cursors_wait = False
+        # places them (`DurableSubscription.place_restored`) and says so
+        # (`restored_cursors_placed`). False on a single node.
+        self.restored_cursors_wait = restored_cursors_wait
         # Told when a durable subscription is created or its filters change, so that its
         # definition is saved before the protocol confirms it (declare-ok, SUBACK, ...).
         self.on_durable_defined: Callable[[DurableSubscription], None] | None = None
+        # Told after `on_durable_defined` / `on_subscription_removed` (a cluster's handover of
+        # durable subscriptions: `watch_durables`).
+        self._durable_watchers: list[DurableWatcher] = []
 
     # ---------------------------------------------------------------- streams and routing
     @property
@@ -361,8 +369,25 @@ class Broker:
         return sub
 
     def _durable_defined(self, sub: Subscription) -> None:
-        if self.on_durable_defined is not None and isinstance(sub, DurableSubscription):
-            self.on_durable_defined(sub)
+        if isinstance(sub, DurableSubscription):
+            if self.on_durable_defined is not None:
+                self.on_durable_defined(sub)
+            for watcher in self._durable_watchers:
+                watcher.durable_defined(sub)
+
+    def durable_changed(self, sub: DurableSubscription) -> None:
+        """`sub`'s definition changed in a way only its owner knows (its options): saved again,
+        as when its filters change."""
+        self._durable_defined(sub)
+
+    def watch_durables(self, watcher: DurableWatcher) -> None:
+        """Tell `watcher` of every durable subscription defined, changed or removed from now
+        on, after the store was told (`on_durable_defined`, `on_subscription_removed`)."""
+        self._durable_watchers.append(watcher)
+
+    def restored_cursors_placed(self) -> None:
+        """The cluster knows the shard map: restored cursors no longer wait to be placed."""
+        self.restored_cursors_wait = False
 
     def add_filter(self, sub: Subscription, topic_filter: str, options: object = None) -> bool:
         """Add (or update the options of) a filter; True if the filter is new to `sub`."""
@@ -392,12 +417,17 @@ class Broker:
         self._durable_defined(sub)
         return True
 
-    def remove_subscription(self, name: str) -> Subscription | None:
+    def remove_subscription(self, name: str, *, forget: bool = True) -> Subscription | None:
+        """Remove subscription `name`; a durable one is forgotten by its store and watchers
+        too, unless `forget` is False (one that was never fully restored: its stored record
+        stays as it was)."""
         sub = self.subscriptions.pop(name, None)
         if isinstance(sub, DurableSubscription):
             sub.close()
-            if self.on_subscription_removed is not None:
+            if forget and self.on_subscription_removed is not None:
                 self.on_subscription_removed(sub)
+            for watcher in self._durable_watchers if forget else ():
+                watcher.durable_removed(sub)
         if sub is not None:
             for topic_filter in list(sub.filters):
                 self._trie.remove(topic_filter, sub)
@@ -962,6 +992,10 @@ class Broker:
         if self.on_retained_change is not None:
             self.on_retained_change(message.topic, message if message.payload else None)
 
+    def forget_retained(self, topic: str) -> None:
+        """Remove the retained message of `topic`, if any (its store is told)."""
+        self._retain(Message(topic, b""))
+
     def _retain(self, message: Message) -> None:
         if message.payload:
             self.retained.set(message.topic, message)
@@ -972,3 +1006,38 @@ class Broker:
             changed = None
         if self.on_retained_change is not None:
             self.on_retained_change(message.topic, changed)
+        if self._cluster_retained is not None:
+            self._cluster_retained(message.topic, changed)
+
+    def retain_from_peer(self, topic: str, message: Message | None) -> None:
+        """Cluster mode: another node set (or cleared, None) the retained message of `topic`;
+        kept here and stored, not told back to the cluster."""
+        if message is not None:
+            self.retained.set(topic, message)
+        elif not self.retained.delete(topic):
+            return
+        if self.on_retained_change is not None:
+            self.on_retained_change(topic, message)
+
+    def join_cluster(self, placement: ShardPlacement, fanout: Fanout, *,
+                     routes_changed: Callable[[], None],
+                     retained_changed: Callable[[str, Message | None], None]) -> None:
+        """Cluster mode: the node's data plane takes part from now on. Publishes consult
+        `placement` (stored here or forwarded to the shard's owner), stored messages go through
+        `fanout` to the other nodes that want them, `routes_changed` is told after each change
+        of the local subscriptions and `retained_changed` after each retained message set or
+        cleared here (after the store)."""
+        self.placement = placement
+        self.fanout = fanout
+        self.on_routes_changed = routes_changed
+        self._cluster_retained = retained_changed
+
+    def leave_cluster(self, placement: ShardPlacement) -> None:
+        """The data plane that joined as `placement` stopped: the node behaves as a single
+        node again (every shard stored here; nothing pushed)."""
+        if self.placement is not placement:
+            return
+        self.placement = None
+        self.fanout = None
+        self.on_routes_changed = None
+        self._cluster_retained = None

@@ -124,7 +124,8 @@ class DelayedDelivery:
     def __init__(self, store: DelayedStore | None, publish: Callable[[Message], object]) -> None:
         self.store = store
         self.publish = publish
-        # cluster mode: held messages are kept there instead (set by the cluster wiring)
+        # cluster mode: held messages are kept there instead, from when the node has joined
+        # (`share`)
         self.shared: SharedHold | None = None
         # without a store: one timer and the message per held message
         self._timers: dict[str, asyncio.TimerHandle] = {}
@@ -133,6 +134,11 @@ class DelayedDelivery:
         self._stored = 0
         self._wake: asyncio.TimerHandle | None = None
         self._wake_at_ms: int | None = None
+
+    def share(self, shared: SharedHold) -> None:
+        """Cluster mode, once the node has joined: messages held from now on are kept by
+        `shared` (the cluster's store), not here."""
+        self.shared = shared
 
     def __len__(self) -> int:
         return len(self._timers) + self._stored + (len(self.shared) if self.shared is not None else 0)

@@ -248,6 +248,17 @@ class ShardCursor:
         # replays nor takes live messages (its log is not known yet) until it is placed.
         self.placed = True
 
+    def repoint(self, shard_log: ShardLog, *, replay: bool = False) -> None:
+        """Read the shard from `shard_log` from now on (in a cluster, where the shard's
+        records are found moved: its owner's journal, what was pushed here, this node's own
+        journal). With `replay`, the cursor reads it again from its position (it stops taking
+        live messages and forgets what it had read ahead), its subscription's pump brings it
+        back to live."""
+        self.log = shard_log
+        if replay:
+            self.live = False
+            self.ahead = []
+
     @property
     def floor(self) -> int:
         """The lowest offset this cursor still needs."""

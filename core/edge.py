@@ -26,7 +26,7 @@ This module knows no protocol and no storage engine.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
@@ -36,8 +36,12 @@ from .errors import PublishRejected
 from .message import Message
 
 if TYPE_CHECKING:
-    from .broker import Broker, BrokerStats
+    from .backpressure import BackPressure
+    from .broker import Broker, BrokerStats, Matches
     from .durable import DurableOptions, DurableSubscription
+    from .placement import RemoteDurables
+    from .schema_registry import SchemaRegistry
+    from .streams import RoutingRule, Stream, StreamConfig
     from .subscriptions import Consumer, Subscription, SubscriptionType
 
 # What `publish` returns: None when the message is stored and dispatched already, else a
@@ -175,9 +179,12 @@ class ListenerInfo(Protocol):
 class Edge:
     """The front door into one broker node (see the module docstring)."""
 
-    def __init__(self, broker: Broker, router: ShardRouter | None = None) -> None:
+    def __init__(self, broker: Broker, router: ShardRouter | None = None, *,
+                 remote_durables: RemoteDurables | None = None) -> None:
         self.broker = broker
         self.clients = ClientRegistry()
+        # The broker's statistics (one object for the broker's life): every protocol counts in it.
+        self.stats: BrokerStats = broker.stats
         self.authenticator: Authenticator | None = None
         self.authorizer: Authorizer | None = None
         # Anonymous access when no authenticator is installed, and the policy the security
@@ -189,15 +196,17 @@ class Edge:
         # back with the right owner after a restart (`"grpc"` -> its state factory).
         self.owner_factories: dict[str, Callable[[Mapping[str, object]], object]] = {}
         # Cluster mode: awaited before a consumer attaches here to a durable subscription this
-        # node does not have; it brings the subscription over from the node that holds it
-        # (None), or names the node where it is consumed now (its consumers attach there); it
-        # raises a CoreError (as ShardUnavailable) when it cannot look now. None on one node.
-        self.find_durable_elsewhere: Callable[[str], Awaitable[str | None]] | None = None
+        # node does not have (`core.placement.RemoteDurables.find`). None on one node.
+        self.find_durable_elsewhere: Callable[[str], Awaitable[str | None]] | None = (
+            None if remote_durables is None else remote_durables.find
+        )
         # Bound once: publishing costs one call, no attribute walk per message.
         self.publish: Callable[[Message], Receipt] = (
             router.publish if router is not None else broker.publish
         )
         self.publish_many: PublishMany = broker.publish_many if router is None else self._publish_each
+        # The subscriptions a topic reaches here, each with the filters it matched (bound once).
+        self.match: Callable[[str], Matches] = broker.match
 
     def _publish_each(
         self, messages: Sequence[Message], *, stop_at_refusal: bool = False
@@ -214,9 +223,111 @@ class Edge:
                     break
         return outcomes
 
+    # ------------------------------------------------------------------ what the core holds
+    # Read by protocols, bridges and admin surfaces (bind what a hot path needs once).
     @property
-    def stats(self) -> BrokerStats:
-        return self.broker.stats
+    def back_pressure(self) -> BackPressure:
+        """The queues that hold publishers (`core/backpressure.py`), shared by every protocol."""
+        return self.broker.back_pressure
+
+    @property
+    def stores_messages(self) -> bool:
+        """True when the node has a journal: durable subscriptions and reliable streams keep
+        their messages across a restart."""
+        return self.broker.storage is not None
+
+    @property
+    def subscriptions(self) -> Mapping[str, Subscription]:
+        """Every subscription by name (read only: change them through the calls below)."""
+        return self.broker.subscriptions
+
+    @property
+    def subscription_count(self) -> int:
+        return self.broker.subscription_count
+
+    @property
+    def retained_count(self) -> int:
+        return len(self.broker.retained)
+
+    def retained_message(self, topic: str) -> Message | None:
+        return self.broker.retained.get(topic)
+
+    def retained_messages(self) -> Iterator[tuple[str, Message]]:
+        """Every retained (topic, message) pair, in the order the topics were first retained."""
+        return self.broker.retained.items()
+
+    def retained_matching(self, topic_filter: str) -> list[Message]:
+        """Every retained message whose topic matches `topic_filter` (raises `TopicError`)."""
+        return self.broker.retained.match(topic_filter)
+
+    def forget_retained(self, topic: str) -> None:
+        """Remove the retained message of `topic`, if any."""
+        self.broker.forget_retained(topic)
+
+    def wanted_elsewhere(self, topic: str) -> bool:
+        """True when a subscription on another node of a cluster matches `topic`."""
+        fanout = self.broker.fanout
+        return fanout is not None and fanout.wanted_elsewhere(topic)
+
+    def routes_ready(self) -> asyncio.Future[None] | None:
+        """None when every node that may store a message for a subscription made here knows
+        it; else a future resolving once they do (`Broker.routes_ready`)."""
+        return self.broker.routes_ready()
+
+    def flush_cursors(self) -> None:
+        """Write every durable cursor saved so far now (before an acknowledgement that
+        promises them)."""
+        sink = self.broker.cursor_sink
+        if sink is not None:
+            sink.flush()
+
+    def keep_internal(self, message: Message) -> None:
+        """Keep a protocol's own state as `message` under `$internal/...` (`Broker.internal_state`)."""
+        self.broker.keep_internal(message)
+
+    def internal_state(self, topic: str) -> Message | None:
+        return self.broker.internal_state.get(topic)
+
+    # ------------------------------------------------------------------ streams and routes
+    @property
+    def streams(self) -> Mapping[str, Stream]:
+        return self.broker.streams
+
+    def stream(self, name: str) -> Stream:
+        """The stream `name`; raises `StreamNotFound`."""
+        return self.broker.stream(name)
+
+    def stream_for_topic(self, topic: str) -> Stream:
+        return self.broker.stream_for_topic(topic)
+
+    @property
+    def default_stream(self) -> str:
+        return self.broker.router.default_stream
+
+    @property
+    def routes(self) -> list[RoutingRule]:
+        """The routing rules, most specific first."""
+        return self.broker.router.rules
+
+    def create_stream(self, config: StreamConfig, routes: list[str] | None = None) -> Stream:
+        return self.broker.create_stream(config, routes=routes)
+
+    def update_stream(self, name: str, **changes: int | None) -> Stream:
+        return self.broker.update_stream(name, **changes)
+
+    def delete_stream(self, name: str) -> None:
+        self.broker.delete_stream(name)
+
+    def add_route(self, rule: RoutingRule) -> None:
+        self.broker.add_route(rule)
+
+    def remove_route(self, topic_filter: str) -> bool:
+        return self.broker.remove_route(topic_filter)
+
+    @property
+    def schemas(self) -> SchemaRegistry:
+        """Registered schemas per stream (`core/schema_registry.py`)."""
+        return self.broker.schemas
 
     # ------------------------------------------------------------------ security
     def authenticate(self, principal: Principal, password: bytes | str | None) -> Verdict:
@@ -271,8 +382,13 @@ class Edge:
     def remove_filter(self, sub: Subscription, topic_filter: str) -> bool:
         return self.broker.remove_filter(sub, topic_filter)
 
-    def remove_subscription(self, name: str) -> Subscription | None:
-        return self.broker.remove_subscription(name)
+    def durable_changed(self, sub: DurableSubscription) -> None:
+        """The owner changed what it saves with `sub`: it is saved again."""
+        self.broker.durable_changed(sub)
+
+    def remove_subscription(self, name: str, *, forget: bool = True) -> Subscription | None:
+        """Remove subscription `name` (`forget` False: its stored record stays as it was)."""
+        return self.broker.remove_subscription(name, forget=forget)
 
     def attach(self, sub: Subscription, consumer: Consumer) -> None:
         self.broker.attach(sub, consumer)

@@ -1,9 +1,12 @@
-"""What the core asks of a cluster, when it runs in one: where a shard is served, and which
-other nodes want a stored message.
+"""What the core asks of a cluster, when it runs in one: where a shard is served, which
+other nodes want a stored message, and where a durable subscription not held here lives.
 
-A single node has neither (`Broker.placement` and `Broker.fanout` stay None and the core
-behaves as it always did). In a cluster the data plane (`shardgate.cluster`) implements both:
-the core only calls them, and knows nothing of peers, links or etcd.
+A single node has none of them (`Broker.placement` and `Broker.fanout` stay None, the `Edge`
+gets no `RemoteDurables`, and the core behaves as it always did). In a cluster the
+composition root hands the cluster layer's `RemoteDurables` to the `Edge` when it builds it,
+and the data plane joins the broker as its placement and fan-out while it runs
+(`Broker.join_cluster`, `leave_cluster`): the core only calls them, and knows nothing of
+peers, links or etcd.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from ..storage.interfaces import ShardLog
+    from .durable import DurableSubscription
     from .message import Message
     from .subscriptions import Subscription
 
@@ -72,3 +76,22 @@ class Fanout(Protocol):
         for long). A SUBACK waits for it, so a publish on another node right after the
         SUBACK reaches the new subscription."""
         ...
+
+
+class RemoteDurables(Protocol):
+    """Durable subscriptions that live on other nodes (a cluster's handover of them)."""
+
+    async def find(self, name: str) -> str | None:
+        """Before a consumer attaches here to durable subscription `name`, which this node does
+        not have: bring it over from the node that holds it (None: attach here), or name the
+        node where it is consumed now (the consumer attaches there). Raises a `CoreError` (as
+        `ShardUnavailable`) when it cannot look now."""
+        ...
+
+
+class DurableWatcher(Protocol):
+    """Told of every durable subscription defined, changed or removed (`Broker.watch_durables`)."""
+
+    def durable_defined(self, sub: DurableSubscription) -> None: ...
+
+    def durable_removed(self, sub: Subscription) -> None: ...

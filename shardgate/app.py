@@ -33,6 +33,7 @@ from .storage.metadata.ports import MetadataPorts
 
 if TYPE_CHECKING:
     from .bridges.base import BridgeBase
+    from .cluster.attach import ClusterParts
     from .cluster.control import ClusterNode
     from .cluster.data_plane import DataPlane
     from .cluster.views import ClusterViews
@@ -150,7 +151,10 @@ class Shardgate:
             "default", mode=DispatchMode(config.default_stream_mode),
             partitions=config.default_stream_partitions,
         )
-        broker = Broker(storage=self.journal, default_stream=default)
+        # cluster mode: cursors restored from the store wait unplaced until the node has
+        # joined and knows whose journal holds their shard (`CursorPlacer.replay_restored`)
+        broker = Broker(storage=self.journal, default_stream=default,
+                        restored_cursors_wait=self.cluster is not None)
         broker.create_stream(StreamConfig(SYS_STREAM, mode=DispatchMode.NON_RELIABLE))
         broker.add_route(RoutingRule("$SYS/#", SYS_STREAM))
         declared_routes: dict[str, str] = {}
@@ -245,24 +249,34 @@ class Shardgate:
             self.broker = self._build_broker()
         except (StorageError, CoreError, ValueError) as exc:
             raise ConfigError(str(exc)) from exc
+        parts: ClusterParts | None = None
         if self.cluster is not None:
             try:
                 await attach.share_catalog(self, self.cluster)
             except ClusterStartError as exc:
                 raise ConfigError(f"cluster: {exc}") from exc
+            # stream and route changes made here go to etcd too, from now on
+            self.broker.topology_sink = attach.ClusterTopologySink(self.broker.topology_sink,
+                                                                   self.cluster)
+            # the cluster's parts, handed to the Edge and the protocols as they are built
+            parts = attach.assemble(self, self.cluster)
+            self.data_plane = parts.plane
             from .admin.local_listings import local_view
             from .cluster.views import ClusterViews
 
             self.cluster_views = ClusterViews(self.cluster.view, self.cluster.credentials,
                                               local_view(self))
         assert self.metadata is not None
-        self.edge = edge = Edge(self.broker)
+        self.edge = edge = Edge(self.broker,
+                                remote_durables=parts.durables if parts is not None else None)
         edge.listeners = self.listeners
         from .protocols.grpc.consumer import GrpcSubscriptionState
 
         edge.owner_factories[GrpcSubscriptionState.OWNER_KIND] = GrpcSubscriptionState.restored
         self.ports = stored = MetadataPorts(self.metadata)
-        self.persistence = Persistence(self.broker, self.metadata, stored, edge.owner_factories)
+        self.persistence = Persistence(
+            self.broker, self.metadata, stored, edge.owner_factories,
+            remote_needs=parts.floors.remote_needs if parts is not None else None)
         self.persistence.restore_retained()
         self._register_configured_schemas()
         self.persistence.restore_subscriptions()
@@ -294,14 +308,10 @@ class Shardgate:
         ports = config.listeners
         starting: tuple[str, str, int, str] = ("", host, 0, "")
         try:
-            if self.cluster is not None:
+            if parts is not None:
                 # before any client listener: a publish for another node's shard is forwarded
-                from .cluster.data_plane import DataPlane
-
-                self.data_plane = DataPlane(self.broker, self.cluster.view, host, config.cluster.port,
-                                            link_timeout_s=config.cluster.link_timeout_s,
-                                            credentials=self.cluster.credentials)
-                await self.data_plane.start()
+                starting = ("the cluster", host, config.cluster.port, "cluster.port")
+                await parts.plane.start()
             if ports.mqtt_port:
                 starting = ("MQTT", host, ports.mqtt_port, "listeners.mqtt_port")
                 server = await start_tcp_listener(self.mqtt, host, ports.mqtt_port)
@@ -325,8 +335,10 @@ class Shardgate:
                 starting = ("AMQP", host, ports.amqp_port, "listeners.amqp_port")
                 from .protocols.amqp.server import start_amqp_listener
 
-                amqp = await start_amqp_listener(edge, host, ports.amqp_port, None, config.amqp,
-                                                 read_budget=self.read_budget)
+                amqp = await start_amqp_listener(
+                    edge, host, ports.amqp_port, None, config.amqp, read_budget=self.read_budget,
+                    queue_directory=parts.exchanges.queues if parts is not None else None,
+                    exchange_directory=parts.exchanges if parts is not None else None)
                 self.amqp = amqp.service
                 if self.security is not None:
                     self.security.attach_amqp(amqp.service)
@@ -340,6 +352,8 @@ class Shardgate:
                     edge, host, ports.amqps_port, self._ssl_context(), config.amqp,
                     service=plain.server.service if plain is not None else None,
                     read_budget=self.read_budget,
+                    queue_directory=parts.exchanges.queues if parts is not None else None,
+                    exchange_directory=parts.exchanges if parts is not None else None,
                 )
                 if self.security is not None and plain is None:
                     self.security.attach_amqp(amqps.service)
@@ -359,7 +373,9 @@ class Shardgate:
                     from .cluster.views import listing as cluster_listing
 
                     listing = partial(cluster_listing, self.cluster_views)
-                grpc_server = GrpcServer(edge, config.grpc, cluster_status=status, listing=listing)
+                grpc_server = GrpcServer(edge, config.grpc, cluster_status=status,
+                                         remote=parts.durables if parts is not None else None,
+                                         listing=listing)
                 if ports.grpc_port:
                     starting = ("gRPC", host, ports.grpc_port, "listeners.grpc_port")
                     grpc_server.port = grpc_server.listen(host, ports.grpc_port, None)
@@ -397,7 +413,7 @@ class Shardgate:
         except OSError as exc:
             await self.stop()
             what, bound_host, port, setting = starting
-            flag = "--" + setting.split(".")[1].replace("_", "-")
+            flag = "--" + setting.replace("listeners.", "").replace(".", "-").replace("_", "-")
             if exc.errno == errno.EADDRINUSE:
                 reason = (f"the port is already in use (another broker running? change {setting} "
                           f"or {flag}, 0 turns the listener off)")
@@ -416,8 +432,9 @@ class Shardgate:
                                      self.journal.refuse_appends)
         self.alarms.start()
         if self.cluster is not None:
+            assert parts is not None
             try:
-                await attach.join(self, self.cluster)
+                await attach.join(self, self.cluster, parts)
             except ClusterStartError as exc:
                 joined.cancel()
                 await self.stop()

@@ -122,6 +122,7 @@ class Persistence:
     def __init__(
         self, broker: Broker, store: MetadataStore, ports: MetadataPorts | None = None,
         owner_factories: Mapping[str, Callable[[Mapping[str, object]], object]] | None = None,
+        *, remote_needs: Callable[[], Mapping[tuple[str, int], int]] | None = None,
     ) -> None:
         self.broker = broker
         self.store = store
@@ -139,7 +140,7 @@ class Persistence:
         self.archiver: object | None = None
         # cursors kept elsewhere (a cluster's other nodes): per shard, the lowest offset they
         # still need, counted by retention as local cursors are
-        self.remote_needs: Callable[[], Mapping[tuple[str, int], int]] | None = None
+        self.remote_needs = remote_needs
 
     def restore_retained(self) -> int:
         count = 0

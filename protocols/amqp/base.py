@@ -229,7 +229,7 @@ class ConnectionBase:
     def sent(self, message: Message) -> None:
         """Count one message delivered to this client (basic.deliver or basic.get-ok)."""
         self.messages_out += 1
-        self.service.broker.stats.sent("amqp", message)
+        self.service.edge.stats.sent("amqp", message)
 
     def set_writable(self, writable: bool) -> None:
         """The transport paused or resumed writing."""

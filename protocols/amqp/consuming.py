@@ -47,7 +47,7 @@ class ConsumingMixin(ConnectionBase):
     def _basic_consume(self, channel: AmqpChannel, frame: commands.Basic.Consume) -> None:
         # In a cluster, first wait (bounded) until the other nodes know this node's routes as
         # they are now (a bind sent with nowait just before, say), as a SUBACK waits.
-        ready = self.service.broker.routes_ready()
+        ready = self.service.edge.routes_ready()
         if ready is None:
             self._consume(channel, frame)
         else:

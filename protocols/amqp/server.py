@@ -24,6 +24,7 @@ from .settings import AmqpSettings
 
 if TYPE_CHECKING:
     from ...core.edge import Edge
+    from .remote import ExchangeDirectory, QueueDirectory
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,8 @@ async def start_amqp_listener(
     *,
     service: AmqpService | None = None,
     read_budget: ReadBudget | None = None,
+    queue_directory: QueueDirectory | None = None,
+    exchange_directory: ExchangeDirectory | None = None,
 ) -> AmqpServer:
     """Listen for AMQP 0-9-1 clients (AMQPS with `ssl_context`). A second listener (TLS next to
     plain TCP) passes the first one's `service` so that both serve the same exchanges and
@@ -169,7 +172,8 @@ async def start_amqp_listener(
     owns = service is None
     if service is None:
         service = AmqpService(edge, settings, scheduler=asyncio.get_running_loop(),
-                              read_budget=read_budget)
+                              read_budget=read_budget, queue_directory=queue_directory,
+                              exchange_directory=exchange_directory)
         service.start()
     shared = service
     name = "AMQP" if ssl_context is None else "AMQPS"

@@ -27,6 +27,7 @@ from .vhost import VirtualHost
 if TYPE_CHECKING:
     from .base import ConnectionBase
     from .channel import AmqpChannel
+    from .remote import ExchangeDirectory, QueueDirectory
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +48,20 @@ TICK_S = 1.0
 class AmqpService:
     def __init__(
         self, edge: Edge, settings: AmqpSettings | None = None, scheduler: Scheduler | None = None,
-        read_budget: ReadBudget | None = None,
+        read_budget: ReadBudget | None = None, *, queue_directory: QueueDirectory | None = None,
+        exchange_directory: ExchangeDirectory | None = None,
     ) -> None:
+        """`queue_directory` and `exchange_directory`: a cluster's shared queues and exchanges
+        (`remote.py`) for every virtual host, used once the node has joined; None on a single
+        node."""
         self.edge = edge
         # Time and timers, from the I/O adapter (an asyncio loop is one) or a test's clock.
         self._scheduler = scheduler
-        self.broker = edge.broker
         self.settings = settings or AmqpSettings()
         self.vhosts: dict[str, VirtualHost] = {}
         for name in self.settings.vhosts:
-            vhost = VirtualHost(name, edge)
+            vhost = VirtualHost(name, edge, queue_directory=queue_directory,
+                                exchange_directory=exchange_directory)
             vhost.on_queue_deleted.append(self._queue_deleted)
             self.vhosts[name] = vhost
         self.authenticator: Authenticator | None = None

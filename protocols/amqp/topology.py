@@ -64,7 +64,7 @@ class TopologyMixin(ConnectionBase):
         """Send `reply` once the cluster's other nodes know this node's routes as they are
         now (bounded, as a SUBACK waits), so a publish on another node right after it reaches
         the queue; at once on a single node or when nothing changed."""
-        ready = self.service.broker.routes_ready()
+        ready = self.service.edge.routes_ready()
         if ready is None:
             self.send_method(channel.number, reply)
         else:

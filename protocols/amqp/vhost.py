@@ -177,10 +177,10 @@ def _err(code: ReplyCode, text: str, method: type[commands.base.Frame] | None) -
 
 
 class VirtualHost:
-    def __init__(self, name: str, edge: Edge) -> None:
+    def __init__(self, name: str, edge: Edge, *, queue_directory: QueueDirectory | None = None,
+                 exchange_directory: ExchangeDirectory | None = None) -> None:
         self.name = name
         self.edge = edge
-        self.broker = edge.broker
         self.exchanges: dict[str, Exchange] = {
             n: Exchange(n, t) for n, t in PREDECLARED.items()
         }
@@ -192,13 +192,28 @@ class VirtualHost:
         self.timed_queues: set[Queue] = set()
         # Called with each deleted queue so that channels can cancel its consumers.
         self.on_queue_deleted: list[Any] = []
-        # In a cluster: where the shared queues of other nodes live (`remote.QueueDirectory`).
+        # In a cluster (the ports the virtual host is built with, each in use once the node
+        # has joined: `use_queue_directory`, `use_exchange_directory`; None until then and on
+        # a single node): where the shared queues of other nodes live
+        # (`remote.QueueDirectory`), and the exchanges every node shares
+        # (`remote.ExchangeDirectory`), told of each change of this node's exchanges and
+        # exchange bindings through `on_exchanges_changed` (not while it applies another
+        # node's change).
+        self._queue_directory = queue_directory
+        self._exchange_directory = exchange_directory
         self.directory: QueueDirectory | None = None
-        # In a cluster: the exchanges every node shares (`remote.ExchangeDirectory`), told of
-        # each change of this node's exchanges and exchange bindings through
-        # `on_exchanges_changed` (not while it applies another node's change).
         self.exchange_directory: ExchangeDirectory | None = None
         self.on_exchanges_changed: list[Any] = []
+
+    def use_queue_directory(self) -> None:
+        """The node has joined its cluster: queues of other nodes are found through the
+        directory this virtual host was built with from now on."""
+        self.directory = self._queue_directory
+
+    def use_exchange_directory(self) -> None:
+        """The node has joined its cluster: exchanges are shared through the directory this
+        virtual host was built with from now on."""
+        self.exchange_directory = self._exchange_directory
 
     def _exchanges_changed(self) -> None:
         for callback in self.on_exchanges_changed:
@@ -586,10 +601,10 @@ class VirtualHost:
                         f"invalid property '{problem}' for queue '{name}' in vhost '{self.name}'",
                         method,
                     )
-        broker, edge = self.broker, self.edge
+        edge = self.edge
         sub_name = self._subscription_name(name)
-        keeps_messages = frame.durable and not frame.exclusive and broker.storage is not None
-        old = broker.subscriptions.get(sub_name)
+        keeps_messages = frame.durable and not frame.exclusive and edge.stores_messages
+        old = edge.subscriptions.get(sub_name)
         if old is not None and not (keeps_messages and isinstance(old, DurableSubscription)):
             edge.remove_subscription(sub_name)
         if keeps_messages:
@@ -661,7 +676,7 @@ class VirtualHost:
     def save_topology(self) -> None:
         """Record durable exchanges, durable queues and their bindings as a retained message,
         which the composition root persists with the other retained messages."""
-        if self.broker.storage is None:
+        if not self.edge.stores_messages:
             return  # nothing survives a restart anyway
         exchanges = [
             {"name": e.name, "type": e.type, "auto_delete": e.auto_delete, "internal": e.internal,
@@ -683,7 +698,7 @@ class VirtualHost:
             {"exchanges": exchanges, "queues": queues, "exchange_bindings": exchange_bindings},
             default=str,
         ).encode()
-        self.broker.keep_internal(Message(
+        self.edge.keep_internal(Message(
             self.topology_topic, payload, qos=1, content_type="application/json",
             producer_protocol="amqp",
         ))
@@ -692,16 +707,14 @@ class VirtualHost:
         """Bring back durable exchanges and queues (with their bindings) after a restart; the
         queues' messages come back from their durable subscriptions' cursors."""
         saved: dict[str, Any] = {"exchanges": [], "queues": []}
-        record = self.broker.internal_state.get(self.topology_topic)
+        record = self.edge.internal_state(self.topology_topic)
         legacy_topic = LEGACY_TOPOLOGY_PREFIX + escape(self.name)
-        legacy = self.broker.retained.get(legacy_topic)
+        legacy = self.edge.retained_message(legacy_topic)
         if legacy is not None:
             # Move it out of the retained messages clients can see.
             if record is None:
                 record = legacy
-            self.broker.retained.delete(legacy_topic)
-            if self.broker.on_retained_change is not None:
-                self.broker.on_retained_change(legacy_topic, None)
+            self.edge.forget_retained(legacy_topic)
         if record is not None and record.payload:
             try:
                 saved = json.loads(record.payload)
@@ -735,7 +748,7 @@ class VirtualHost:
                 set_aside(log, f"queue of vhost {self.name!r}", entry, exc)
         prefix = self._subscription_name("")
         count = 0
-        for sub in list(self.broker.subscriptions.values()):
+        for sub in list(self.edge.subscriptions.values()):
             if not sub.name.startswith(prefix) or not isinstance(sub, DurableSubscription):
                 continue
             name = sub.name[len(prefix):]
@@ -870,7 +883,7 @@ class VirtualHost:
     # ------------------------------------------------------------------ routing
     def routed(self, message: Message) -> bool:
         """True if some subscription (an AMQP queue's bindings or any other) takes `message`."""
-        for sub, filters in self.broker.match(message.topic):
+        for sub, filters in self.edge.match(message.topic):
             owner = sub.owner
             if isinstance(owner, Queue):
                 if not owner.checked_filters or owner.accepts(message, filters):
@@ -878,8 +891,7 @@ class VirtualHost:
             else:
                 return True
         # In a cluster, a queue or subscription on another node may take it.
-        fanout = self.broker.fanout
-        return fanout is not None and fanout.wanted_elsewhere(message.topic)
+        return self.edge.wanted_elsewhere(message.topic)
 
     def _dead_letter_cycle(self, message: Message, raw: bytes, queue: str) -> bool:
         """True if every queue `message` would reach has dead-lettered it before, with no
@@ -887,7 +899,7 @@ class VirtualHost:
         messages that reach the same queue twice) will be dropped if there was no rejections
         in the entire cycle", https://www.rabbitmq.com/docs/dlx#routing)."""
         targets = [
-            sub.owner.name for sub, filters in self.broker.match(message.topic)
+            sub.owner.name for sub, filters in self.edge.match(message.topic)
             if isinstance(sub.owner, Queue)
             and (not sub.owner.checked_filters or sub.owner.accepts(message, filters))
         ]

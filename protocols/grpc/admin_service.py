@@ -19,9 +19,8 @@ import grpc
 from google.protobuf.json_format import ParseDict
 
 from ... import __version__
-from ...core.broker import Broker
 from ...core.durable import DurableSubscription
-from ...core.edge import Action
+from ...core.edge import Action, Edge
 from ...core.schema_registry import SchemaVersion
 from ...core.streams import DispatchMode, RoutingRule, StreamConfig
 from ...core.subscriptions import Subscription
@@ -71,8 +70,8 @@ class AdminService(pb_grpc.AdminServicer):
         self.server = server
 
     @property
-    def broker(self) -> Broker:
-        return self.server.broker
+    def edge(self) -> Edge:
+        return self.server.edge
 
     # -- schemas ------------------------------------------------------------------------
 
@@ -81,19 +80,19 @@ class AdminService(pb_grpc.AdminServicer):
             stream=version.stream, version=version.version, type=version.type.value,
             definition=version.definition, compatibility=version.compatibility.value,
             registered_ms=version.registered_ms,
-            rejected=self.broker.schemas.rejected.get(version.stream, 0))
+            rejected=self.edge.schemas.rejected.get(version.stream, 0))
 
     @_unary
     def RegisterSchema(self, request: pb.RegisterSchemaRequest) -> pb.SchemaInfo:
-        self.broker.stream(request.stream)  # NOT_FOUND for an unknown stream
-        version = self.broker.schemas.register(
+        self.edge.stream(request.stream)  # NOT_FOUND for an unknown stream
+        version = self.edge.schemas.register(
             request.stream, request.type or "json", request.definition,
             request.compatibility or None)
         return self._schema_info(version)
 
     @_unary
     def ListSchemas(self, request: pb.Empty) -> pb.ListSchemasResponse:
-        registry = self.broker.schemas
+        registry = self.edge.schemas
         return pb.ListSchemasResponse(schemas=[
             self._schema_info(latest) for name in registry.streams()
             if (latest := registry.latest(name)) is not None
@@ -101,9 +100,9 @@ class AdminService(pb_grpc.AdminServicer):
 
     @_unary
     def GetSchemas(self, request: pb.StreamName) -> pb.SchemaVersions:
-        self.broker.stream(request.name)
+        self.edge.stream(request.name)
         return pb.SchemaVersions(versions=[
-            self._schema_info(v) for v in self.broker.schemas.versions(request.name)])
+            self._schema_info(v) for v in self.edge.schemas.versions(request.name)])
 
     # -- streams ------------------------------------------------------------------------
 
@@ -112,7 +111,7 @@ class AdminService(pb_grpc.AdminServicer):
         mode = MODES.get(request.mode)
         if request.mode == pb.DISPATCH_MODE_UNSPECIFIED:
             # One default everywhere: the broker's `default_stream_mode`, the default stream's.
-            mode = self.broker.stream(self.broker.router.default_stream).config.mode
+            mode = self.edge.stream(self.edge.default_stream).config.mode
         schema = SCHEMAS.get(request.schema)
         if mode is None or schema is None:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "unknown dispatch mode or schema")
@@ -127,10 +126,10 @@ class AdminService(pb_grpc.AdminServicer):
         routes = list(request.routes) or [request.name, f"{request.name}/#"]
         for route in routes:
             validate_topic_filter(route)
-        if mode is DispatchMode.RELIABLE and self.broker.storage is None:
+        if mode is DispatchMode.RELIABLE and not self.edge.stores_messages:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                           "reliable streams need a journal and this broker has none configured")
-        stream = self.broker.create_stream(config, routes=routes)
+        stream = self.edge.create_stream(config, routes=routes)
         return self.server.stream_info(stream)
 
     @_unary
@@ -140,7 +139,7 @@ class AdminService(pb_grpc.AdminServicer):
             streams, unanswered = await listing("streams", "proto", None)
             return ParseDict({"streams": streams, "unanswered": unanswered},
                              pb.ListStreamsResponse())
-        streams = sorted(self.broker.streams.values(), key=lambda s: s.config.name)
+        streams = sorted(self.edge.streams.values(), key=lambda s: s.config.name)
         return pb.ListStreamsResponse(streams=[self.server.stream_info(s) for s in streams])
 
     @_unary
@@ -152,15 +151,15 @@ class AdminService(pb_grpc.AdminServicer):
             except LookupError as exc:
                 raise Refusal(grpc.StatusCode.NOT_FOUND, str(exc)) from None
             return ParseDict(dict(stream, unanswered=unanswered), pb.StreamInfo())
-        return self.server.stream_info(self.broker.stream(request.name))
+        return self.server.stream_info(self.edge.stream(request.name))
 
     @_unary
     def UpdateStream(self, request: pb.UpdateStreamRequest) -> pb.StreamInfo:
-        stream = self.broker.stream(request.name)
+        stream = self.edge.stream(request.name)
         for route in request.add_routes:
-            self.broker.add_route(RoutingRule(route, request.name))
+            self.edge.add_route(RoutingRule(route, request.name))
         if request.HasField("retention_ms") or request.HasField("retention_bytes"):
-            stream = self.broker.update_stream(
+            stream = self.edge.update_stream(
                 request.name,
                 retention_ms=request.retention_ms if request.HasField("retention_ms") else None,
                 retention_bytes=request.retention_bytes if request.HasField("retention_bytes") else None,
@@ -169,21 +168,21 @@ class AdminService(pb_grpc.AdminServicer):
 
     @_unary
     def DeleteStream(self, request: pb.StreamName) -> pb.Empty:
-        broker = self.broker
-        broker.stream(request.name)
-        if request.name == broker.router.default_stream:
+        edge = self.edge
+        edge.stream(request.name)
+        if request.name == edge.default_stream:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "the default stream cannot be deleted")
-        broker.delete_stream(request.name)
+        edge.delete_stream(request.name)
         return pb.Empty()
 
     @_unary
     def AddRoute(self, request: pb.Route) -> pb.Empty:
-        self.broker.add_route(RoutingRule(request.topic_filter, request.stream))
+        self.edge.add_route(RoutingRule(request.topic_filter, request.stream))
         return pb.Empty()
 
     @_unary
     def RemoveRoute(self, request: pb.Route) -> pb.Empty:
-        if not self.broker.remove_route(request.topic_filter):
+        if not self.edge.remove_route(request.topic_filter):
             raise Refusal(grpc.StatusCode.NOT_FOUND, f"no route for {request.topic_filter!r}")
         return pb.Empty()
 
@@ -191,7 +190,7 @@ class AdminService(pb_grpc.AdminServicer):
     def ListRoutes(self, request: pb.Empty) -> pb.ListRoutesResponse:
         return pb.ListRoutesResponse(routes=[
             pb.Route(topic_filter=rule.topic_filter, stream=rule.stream)
-            for rule in self.broker.router.rules
+            for rule in self.edge.routes
         ])
 
     @_unary
@@ -201,12 +200,12 @@ class AdminService(pb_grpc.AdminServicer):
             rows, unanswered = await listing("subscriptions", "proto", None)
             return ParseDict({"subscriptions": rows, "unanswered": unanswered},
                              pb.ListSubscriptionsResponse())
-        subs = sorted(self.broker.subscriptions.values(), key=lambda s: s.name)
+        subs = sorted(self.edge.subscriptions.values(), key=lambda s: s.name)
         return pb.ListSubscriptionsResponse(
             subscriptions=[self.server.subscription_info(sub) for sub in subs])
 
     def _subscription(self, name: str) -> Subscription:
-        sub = self.broker.subscriptions.get(name)
+        sub = self.edge.subscriptions.get(name)
         if sub is None:
             raise Refusal(grpc.StatusCode.NOT_FOUND, f"subscription {name!r} does not exist")
         return sub
@@ -215,7 +214,7 @@ class AdminService(pb_grpc.AdminServicer):
     async def DescribeSubscription(self, request: pb.SubscriptionName) -> pb.SubscriptionInfo:
         """On any node of a cluster: a durable subscription another node holds is described
         by that node (its consumers from every node are attached there)."""
-        sub = self.broker.subscriptions.get(request.name)
+        sub = self.edge.subscriptions.get(request.name)
         elsewhere = self.server.describe_elsewhere
         if sub is None and elsewhere is not None:
             info = await elsewhere(request.name)
@@ -237,7 +236,7 @@ class AdminService(pb_grpc.AdminServicer):
         """On any node of a cluster: a durable subscription another node holds is deleted
         there (or in etcd, when its holder is down)."""
         elsewhere = self.server.delete_elsewhere
-        if request.name not in self.broker.subscriptions and elsewhere is not None:
+        if request.name not in self.edge.subscriptions and elsewhere is not None:
             if await elsewhere(request.name):
                 return pb.Empty()
         self.server.delete_subscription(self._subscription(request.name))
@@ -253,8 +252,8 @@ class AdminService(pb_grpc.AdminServicer):
 
     @_unary
     def GetBrokerInfo(self, request: pb.Empty) -> pb.BrokerInfo:
-        broker = self.broker
-        stats = broker.stats
+        edge = self.edge
+        stats = edge.stats
         listeners = self.server.edge.listeners
         return pb.BrokerInfo(
             version=__version__,
@@ -265,7 +264,7 @@ class AdminService(pb_grpc.AdminServicer):
             messages_in=stats.messages_in, bytes_in=stats.bytes_in,
             messages_out=stats.messages_out, bytes_out=stats.bytes_out,
             messages_dropped=stats.messages_dropped,
-            streams=len(broker.streams), subscriptions=len(broker.subscriptions),
+            streams=len(edge.streams), subscriptions=len(edge.subscriptions),
             clients=len(self.server.clients()),
         )
 

@@ -78,7 +78,7 @@ class ConsumerService(pb_grpc.ConsumerServicer):
         subscribe = first.subscribe
         find_elsewhere = self.server.edge.find_durable_elsewhere
         if find_elsewhere is not None and subscribe.durable and subscribe.subscription \
-                and subscribe.subscription not in self.server.broker.subscriptions:
+                and subscribe.subscription not in self.server.edge.subscriptions:
             # cluster: the durable subscription (its cursors) may live on another node
             try:
                 holder = await find_elsewhere(subscribe.subscription)
@@ -124,7 +124,7 @@ class ConsumerService(pb_grpc.ConsumerServicer):
 
     def _attach(self, request: pb.Subscribe, peer: str, user: str | None = None) -> GrpcConsumer:
         server = self.server
-        broker = server.broker
+        edge = server.edge
         settings = server.settings
         name = request.subscription
         if not name:
@@ -147,15 +147,15 @@ class ConsumerService(pb_grpc.ConsumerServicer):
         stream_name = request.stream or None
         if stream_name is not None:
             with translated():
-                stream = broker.stream(stream_name)
-            if stream_name == broker.router.default_stream:
+                stream = edge.stream(stream_name)
+            if stream_name == edge.default_stream:
                 filters = ["#"]
             else:
-                filters = [rule.topic_filter for rule in broker.router.rules
+                filters = [rule.topic_filter for rule in edge.routes
                            if rule.stream == stream_name] or [stream_name, f"{stream_name}/#"]
             self._check_position(request.position, [stream])
         else:
-            self._check_position(request.position, list(broker.streams.values()))
+            self._check_position(request.position, list(edge.streams.values()))
         for topic_filter in filters:
             if not server.allowed(Action.SUBSCRIBE, user, topic_filter):
                 raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
@@ -164,7 +164,7 @@ class ConsumerService(pb_grpc.ConsumerServicer):
         sub_type = SUB_TYPES.get(request.type)
         if sub_type is None:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"unknown subscription type {request.type}")
-        existing = broker.subscriptions.get(name)
+        existing = edge.subscriptions.get(name)
         if existing is not None:
             if not isinstance(existing.owner, GrpcSubscriptionState):
                 raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
@@ -181,8 +181,8 @@ class ConsumerService(pb_grpc.ConsumerServicer):
             sub = existing
             if request.max_deliveries and request.max_deliveries != existing.owner.max_deliveries:
                 existing.owner.max_deliveries = request.max_deliveries
-                if isinstance(existing, DurableSubscription) and broker.on_durable_defined is not None:
-                    broker.on_durable_defined(existing)  # saved with it
+                if isinstance(existing, DurableSubscription):
+                    edge.durable_changed(existing)  # saved with it
         else:
             replay = (not request.durable and request.HasField("position")
                       and request.position.WhichOneof("position") not in (None, "latest"))
@@ -190,12 +190,12 @@ class ConsumerService(pb_grpc.ConsumerServicer):
                 stream=stream_name, transient=replay,
                 max_deliveries=request.max_deliveries or settings.max_deliveries)
             if replay:
-                sub = broker.durable_subscription(name, sub_type, owner=state)
+                sub = edge.durable_subscription(name, sub_type, owner=state)
                 sub.sink = None  # its cursors are not saved: it ends with its consumers
             elif request.durable:
-                sub = broker.durable_subscription(name, sub_type, owner=state)
+                sub = edge.durable_subscription(name, sub_type, owner=state)
             else:
-                sub = broker.subscription(name, sub_type, owner=state)
+                sub = edge.subscription(name, sub_type, owner=state)
         if isinstance(sub, DurableSubscription) and isinstance(sub.owner, GrpcSubscriptionState):
             sub.options.max_deliveries = sub.owner.max_deliveries
         consumer = GrpcConsumer(
@@ -204,17 +204,17 @@ class ConsumerService(pb_grpc.ConsumerServicer):
             max_pending=settings.max_pending_per_consumer,
             max_batch=settings.max_batch_messages,
             on_drop=self._count_drop,
-            on_sent=broker.stats.sent,
+            on_sent=edge.stats.sent,
         )
         try:
-            broker.attach(sub, consumer)
+            edge.attach(sub, consumer)
         except SubscriptionBusy as exc:
             if existing is None and not sub.consumers:
-                broker.remove_subscription(name)
+                edge.remove_subscription(name)
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
         if existing is None:
             for topic_filter in filters:
-                broker.add_filter(sub, topic_filter)
+                edge.add_filter(sub, topic_filter)
         # The initial position applies when the subscription is created; an existing durable
         # subscription resumes from its cursors (reset them with ResetCursor).
         if isinstance(sub, DurableSubscription) and existing is None and request.HasField("position"):
@@ -236,7 +236,7 @@ class ConsumerService(pb_grpc.ConsumerServicer):
 
     def _count_drop(self, count: int) -> None:
         # Past `max_pending` the oldest pending message of a live-only subscription is dropped.
-        self.server.broker.stats.drop(SLOW_SUBSCRIBER, count)
+        self.server.edge.stats.drop(SLOW_SUBSCRIBER, count)
 
     async def _read(self, requests: AsyncIterator[pb.ConsumeRequest], consumer: GrpcConsumer) -> None:
         try:
@@ -266,7 +266,7 @@ class ConsumerService(pb_grpc.ConsumerServicer):
                      context: grpc.aio.ServicerContext) -> None:
         # In a cluster, Subscribed waits (bounded) until the other nodes know the subscription,
         # so a message published anywhere after it reaches this consumer.
-        ready = self.server.broker.routes_ready()
+        ready = self.server.edge.routes_ready()
         if ready is not None:
             await ready
         active = consumer.active
@@ -288,7 +288,7 @@ class ConsumerService(pb_grpc.ConsumerServicer):
                 # Nothing more is pushed: what is pending goes to other consumers on detach.
                 if consumer.kicked is not None:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, consumer.kicked)
-                if consumer.subscription.name not in self.server.broker.subscriptions:
+                if consumer.subscription.name not in self.server.edge.subscriptions:
                     await context.abort(grpc.StatusCode.NOT_FOUND,
                                         f"subscription {consumer.subscription.name!r} was deleted")
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
@@ -301,16 +301,16 @@ class ConsumerService(pb_grpc.ConsumerServicer):
                 return
 
     def _detach(self, consumer: GrpcConsumer) -> None:
-        broker = self.server.broker
+        edge = self.server.edge
         sub = consumer.subscription
         left = consumer.close()
-        broker.detach(sub, consumer)
+        edge.detach(sub, consumer)
         if sub.consumers:
             hand_over(sub, left)
             for other in list(sub.consumers):
                 if isinstance(other, GrpcConsumer):
                     other.wakeup.set()  # a Failover standby may be active now
-        elif (not sub.durable or is_transient(sub)) and broker.subscriptions.get(sub.name) is sub:
-            broker.remove_subscription(sub.name)
+        elif (not sub.durable or is_transient(sub)) and edge.subscriptions.get(sub.name) is sub:
+            edge.remove_subscription(sub.name)
         elif sub.durable:
             hand_over(sub, left)

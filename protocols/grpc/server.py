@@ -13,12 +13,11 @@ from __future__ import annotations
 import asyncio
 import errno
 import socket
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
 
 import grpc
 
-from ...core.broker import Broker
 from ...core.edge import KICK_REASON, Action, ClientInfo, Edge, Receipt
 from ...core.errors import (
     InvalidMessage,
@@ -68,11 +67,29 @@ def refusal_of(exc: PublishRejected) -> Refusal:
     return Refusal(grpc.StatusCode.UNAVAILABLE, str(exc))
 
 
+class RemoteSubscriptions(Protocol):
+    """Cluster mode: durable subscriptions held by other nodes, as the gRPC API reaches them
+    (`shardgate.cluster.durables.DurableHandover`); a single node has none (None)."""
+
+    async def consume_remotely(self, holder: str, first: pb.ConsumeRequest,
+                               requests: AsyncIterator[pb.ConsumeRequest],
+                               context: grpc.aio.ServicerContext, user: str | None) -> None:
+        """Run a consumer's stream against `holder`, where its subscription is consumed."""
+
+    async def describe(self, name: str) -> pb.SubscriptionInfo | None:
+        """A subscription another node holds, as that node describes it (None: no node holds
+        it). `DescribeSubscription` asks for a name not held here."""
+
+    async def delete(self, name: str) -> bool:
+        """Delete a subscription another node holds (False: no node holds it)."""
+
+
 class GrpcServer:
     """The bound gRPC server; `close()` and `await wait_closed()` stop it."""
 
     def __init__(self, edge: Edge, settings: GrpcSettings | None = None,
-                 cluster_status: Callable[[], dict[str, Any]] | None = None,
+                 cluster_status: Callable[[], dict[str, Any]] | None = None, *,
+                 remote: RemoteSubscriptions | None = None,
                  listing: Listing | None = None) -> None:
         self.edge = edge
         # Cluster mode: the cluster as this node sees it (`Admin.GetClusterStatus`); None on
@@ -96,14 +113,14 @@ class GrpcServer:
         self._topic_ok: set[str] = set()
         self._registered = _RegisteredClients(self)
         self.consumer_service = ConsumerService(self)
-        # Cluster mode: runs a consumer's stream against the node where its durable
-        # subscription is consumed (`cluster.durables.RemoteConsumers`); None on a single node.
-        self.consume_remotely: ConsumeRemotely | None = None
-        # Cluster mode: describes a subscription held by another node (None: no node holds
-        # it); None on a single node. `DescribeSubscription` asks it for a name not held here.
-        self.describe_elsewhere: Callable[[str], Awaitable[pb.SubscriptionInfo | None]] | None = None
-        # ... and deletes one there (False: no node holds it).
-        self.delete_elsewhere: Callable[[str], Awaitable[bool]] | None = None
+        # Cluster mode (`RemoteSubscriptions`, bound once; None on a single node): runs a
+        # consumer's stream against the node where its durable subscription is consumed,
+        # describes and deletes a subscription held by another node.
+        self.consume_remotely: ConsumeRemotely | None = None if remote is None else remote.consume_remotely
+        self.describe_elsewhere: Callable[[str], Awaitable[pb.SubscriptionInfo | None]] | None = (
+            None if remote is None else remote.describe)
+        self.delete_elsewhere: Callable[[str], Awaitable[bool]] | None = (
+            None if remote is None else remote.delete)
 
     def allowed(self, action: Action, user: str | None, topic: str) -> bool:
         return self.edge.authorize(principal_of(user), action, topic)
@@ -121,10 +138,6 @@ class GrpcServer:
                 producer.kick(reason)
                 kicked += 1
         return kicked
-
-    @property
-    def broker(self) -> Broker:
-        return self.edge.broker
 
     async def start(self, host: str, port: int, credentials: grpc.ServerCredentials | None) -> None:
         """Listen on `host:port` (0 picks a free port; TLS when `credentials`) and serve."""
@@ -216,10 +229,10 @@ class GrpcServer:
                 f"payload of {len(payload)} bytes exceeds the limit of "
                 f"{self.settings.max_payload_bytes} bytes",
             )
-        broker = self.broker
-        stream: Stream = broker.stream_for_topic(topic)
+        edge = self.edge
+        stream: Stream = edge.stream_for_topic(topic)
         if request.stream and stream.config.name != request.stream:
-            if request.stream not in broker.streams:
+            if request.stream not in edge.streams:
                 raise Refusal(grpc.StatusCode.NOT_FOUND, f"stream {request.stream!r} does not exist")
             raise Refusal(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -273,17 +286,17 @@ class GrpcServer:
 
     # ---------------------------------------------------------------- admin views
     def stream_info(self, stream: Stream) -> pb.StreamInfo:
-        broker = self.broker
+        edge = self.edge
         config = stream.config
         info = pb.StreamInfo(
             name=config.name,
             mode=MODES_OUT[config.mode],
             partitions=config.partitions,
             schema=SCHEMAS_OUT[config.schema],
-            routes=[rule.topic_filter for rule in broker.router.rules if rule.stream == config.name],
+            routes=[rule.topic_filter for rule in edge.routes if rule.stream == config.name],
             shards=[pb.ShardInfo(index=shard.index, next_offset=shard.next_offset)
                     for shard in stream.shards],
-            is_default=config.name == broker.router.default_stream,
+            is_default=config.name == edge.default_stream,
         )
         if config.retention_ms is not None:
             info.retention_ms = config.retention_ms
@@ -293,7 +306,7 @@ class GrpcServer:
             info.replicas = config.replicas
         if config.min_insync_replicas is not None:
             info.min_insync_replicas = config.min_insync_replicas
-        for sub in list(broker.subscriptions.values()):
+        for sub in list(edge.subscriptions.values()):
             state = sub.owner
             if isinstance(state, GrpcSubscriptionState) and state.stream == config.name:
                 info.subscriptions.add(name=sub.name, lag=lag_of(sub))
@@ -301,7 +314,7 @@ class GrpcServer:
 
     def delete_subscription(self, sub: Subscription) -> None:
         """Remove `sub`; its gRPC consumers' streams end."""
-        self.broker.remove_subscription(sub.name)
+        self.edge.remove_subscription(sub.name)
         for consumer in list(sub.consumers):
             if isinstance(consumer, GrpcConsumer):
                 consumer.closed = True

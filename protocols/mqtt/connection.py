@@ -262,7 +262,7 @@ class MqttConnection:
     def _count_sent(self) -> None:
         """Add the messages sent since the last count to the broker's statistics."""
         if self._sent_count:
-            self.service.broker.stats.sent_many("mqtt", self._sent_stream, self._sent_count, self._sent_bytes)
+            self.service.edge.stats.sent_many("mqtt", self._sent_stream, self._sent_count, self._sent_bytes)
             self._sent_count = self._sent_bytes = 0
 
     def flush(self) -> None:
@@ -376,7 +376,7 @@ class MqttConnection:
             # Over the bound, which may be stale: ask the link what it really still holds.
             self._link_buffered = self.link.buffered()
             if self._out_bytes + self._link_buffered > self.service.settings.max_outbound_buffer:
-                self.service.broker.stats.drop(SLOW_SUBSCRIBER)
+                self.service.edge.stats.drop(SLOW_SUBSCRIBER)
                 return False
         version = self.version
         personal = version == MQTT_V5 and (
@@ -1130,7 +1130,7 @@ class MqttConnection:
         session = self.session
         assert session is not None
         settings = self.service.settings
-        broker = self.service.broker
+        edge = self.service.edge
         v5 = self.version == MQTT_V5
         subscription_id = None
         if v5 and packet.properties.subscription_identifiers:
@@ -1157,17 +1157,17 @@ class MqttConnection:
                 granted, request.no_local, request.retain_as_published, request.retain_handling, subscription_id
             )
             if shared is None:
-                new = broker.add_filter(session.subscription, topic_filter, options)
-                broker.attach(session.subscription, session)
+                new = edge.add_filter(session.subscription, topic_filter, options)
+                edge.attach(session.subscription, session)
                 handling = request.retain_handling
                 if handling == 0 or (handling == 1 and new):
-                    for message in broker.retained.match(topic_filter):
+                    for message in edge.retained_matching(topic_filter):
                         retained.append((message, granted))
             else:
                 name = f"$share/{shared.group}/{shared.topic_filter}"
-                sub = broker.subscription(name, SubscriptionType.SHARED)
-                broker.add_filter(sub, shared.topic_filter, None)
-                broker.attach(sub, session)
+                sub = edge.subscription(name, SubscriptionType.SHARED)
+                edge.add_filter(sub, shared.topic_filter, None)
+                edge.attach(sub, session)
                 session.shared[name] = (sub, options)
             codes.append(granted)
         if session.durable:
@@ -1176,13 +1176,11 @@ class MqttConnection:
             subscription = session.subscription
             subscription.open_cursors("latest")  # type: ignore[attr-defined]
             subscription.save()  # type: ignore[attr-defined]
-            sink = self.service.broker.cursor_sink
-            if sink is not None:
-                sink.flush()
+            edge.flush_cursors()
         self.service.save_session(session)
         # In a cluster, SUBACK waits (bounded) until the other nodes know the subscription,
         # so a publish anywhere after the SUBACK reaches it; SUBACKs keep their order.
-        ready = broker.routes_ready()
+        ready = edge.routes_ready()
         if ready is None and not self._held_subacks:
             self._subscribed(packet.packet_id, codes, retained, subscription_id)
             return
@@ -1218,7 +1216,7 @@ class MqttConnection:
     def _on_unsubscribe(self, packet: p.Unsubscribe) -> None:
         session = self.session
         assert session is not None
-        broker = self.service.broker
+        edge = self.service.edge
         codes: list[int] = []
         for topic_filter in packet.topic_filters:
             found = False
@@ -1231,11 +1229,11 @@ class MqttConnection:
                 entry = session.shared.pop(name, None)
                 if entry is not None:
                     found = True
-                    broker.detach(entry[0], session)
+                    edge.detach(entry[0], session)
                     if not entry[0].consumers:
-                        broker.remove_subscription(name)
+                        edge.remove_subscription(name)
             else:
-                found = broker.remove_filter(session.subscription, topic_filter)
+                found = edge.remove_filter(session.subscription, topic_filter)
             codes.append(RC.SUCCESS if found else RC.NO_SUBSCRIPTION_EXISTED)
         self.service.save_session(session)
         self._send_packet(p.Unsuback(packet.packet_id, codes))

@@ -97,7 +97,6 @@ class MqttService:
         self._scheduler = scheduler
         # Monotonic seconds of that scheduler: one bound method for every connection to call.
         self.clock: Callable[[], float] = scheduler.time if scheduler is not None else _no_clock
-        self.broker = edge.broker
         # Where persistent sessions are saved; None keeps them in memory only.
         self.store = store
         self.settings = settings or MqttSettings()
@@ -153,7 +152,7 @@ class MqttService:
         # Back-pressure (`core/backpressure.py`, shared with every publisher of the broker: a
         # cluster peer's link too): the online sessions whose queue is over half full hold
         # the current publisher until they catch up.
-        self.back_pressure = self.broker.back_pressure
+        self.back_pressure = edge.back_pressure
         self._congested: set[MqttSession] = set()
         # ... of which those whose queue (not only their socket's output) is over half full.
         self._queue_congested: set[MqttSession] = set()
@@ -309,7 +308,7 @@ class MqttService:
         counted by the broker (`shardgate_messages_dropped_by_reason_total`) and logged, the
         first at once, then at most one line per DROP_LOG_INTERVAL_S per reason with the
         count since, so that a flood of drops writes a few lines."""
-        self.broker.stats.drop(reason)
+        self.edge.stats.drop(reason)
         now = self.scheduler.time()
         last = self._drop_log.get(reason)
         if last is not None and now - last[0] < DROP_LOG_INTERVAL_S:
@@ -429,20 +428,20 @@ class MqttService:
         return removed
 
     def _reauthorize_session(self, principal: Principal, session: MqttSession) -> int:
-        edge, broker = self.edge, self.broker
+        edge = self.edge
         removed = 0
         subscription = session.subscription
         if subscription is not None:
             for topic_filter in list(subscription.filters):
                 if not edge.authorize(principal, Action.SUBSCRIBE, topic_filter):
-                    broker.remove_filter(subscription, topic_filter)
+                    edge.remove_filter(subscription, topic_filter)
                     removed += 1
         for name, entry in list(session.shared.items()):
             if not edge.authorize(principal, Action.SUBSCRIBE, name):
                 session.shared.pop(name, None)
-                broker.detach(entry[0], session)
+                edge.detach(entry[0], session)
                 if not entry[0].consumers:
-                    broker.remove_subscription(name)
+                    edge.remove_subscription(name)
                 removed += 1
         return removed
 
@@ -476,7 +475,7 @@ class MqttService:
         else:
             if existing is not None:
                 existing.discard()
-            durable = expiry > 0 and self.store is not None and self.broker.storage is not None
+            durable = expiry > 0 and self.store is not None and self.edge.stores_messages
             session = self.sessions[client_id] = MqttSession(self, client_id, durable)
         if not session.owned:
             session.owner, session.owned = connection.username, True
@@ -689,7 +688,7 @@ class MqttService:
     def restore_sessions(self) -> int:
         """Bring back persistent sessions saved by an earlier run (offline until their client
         reconnects); returns how many."""
-        if self.store is None or self.broker.storage is None:
+        if self.store is None or not self.edge.stores_messages:
             return 0
         restored = 0
         now = now_ms()
@@ -720,13 +719,9 @@ class MqttService:
         if timer is not None:
             timer.cancel()
         for sub, _options in session.shared.values():
-            self.broker.detach(sub, session)
-        if self.broker.subscriptions.get(session.subscription.name) is session.subscription:
-            removed, self.broker.on_subscription_removed = self.broker.on_subscription_removed, None
-            try:
-                self.broker.remove_subscription(session.subscription.name)
-            finally:
-                self.broker.on_subscription_removed = removed
+            self.edge.detach(sub, session)
+        if self.edge.subscriptions.get(session.subscription.name) is session.subscription:
+            self.edge.remove_subscription(session.subscription.name, forget=False)
 
     def _restore_session(self, session: MqttSession, record: SavedSession, disconnected: int,
                          now: int) -> None:
@@ -746,20 +741,20 @@ class MqttService:
         for topic_filter, qos, no_local, rap, handling, sub_id in data.get("subscriptions", []):
             options = SubscriptionOptions(qos, no_local, rap, handling, sub_id)
             try:
-                self.broker.add_filter(session.subscription, topic_filter, options)
+                self.edge.add_filter(session.subscription, topic_filter, options)
             except CoreError as exc:
                 set_aside(log, f"filter of persistent session {record.client_id!r}",
                           topic_filter, exc)
-        self.broker.attach(session.subscription, session)
+        self.edge.attach(session.subscription, session)
         for name, sub_type, filters, qos, rap, sub_id in data.get("shared", []):
-            sub = self.broker.subscription(name, SubscriptionType(sub_type))
+            sub = self.edge.subscription(name, SubscriptionType(sub_type))
             for topic_filter in filters:
                 try:
-                    self.broker.add_filter(sub, topic_filter)
+                    self.edge.add_filter(sub, topic_filter)
                 except CoreError as exc:
                     set_aside(log, f"shared filter of persistent session {record.client_id!r}",
                               topic_filter, exc)
-            self.broker.attach(sub, session)
+            self.edge.attach(sub, session)
             session.shared[name] = (sub, SubscriptionOptions(qos, False, rap, 0, sub_id))
         for cursor in store.load_cursors(session.subscription.name):
             if cursor.acked:
@@ -834,7 +829,7 @@ class MqttService:
             self.group_writes(False)
 
     def sys_values(self) -> dict[str, str]:
-        stats = self.broker.stats
+        stats = self.edge.stats
         return {
             "version": f"shardgate {__version__}",
             "uptime": f"{int(time.time() - stats.started_at)} seconds",
@@ -847,8 +842,8 @@ class MqttService:
             "messages/dropped": str(stats.messages_dropped),
             "bytes/received": str(stats.bytes_in),
             "bytes/sent": str(stats.bytes_out),
-            "subscriptions/count": str(self.broker.subscription_count),
-            "retained messages/count": str(len(self.broker.retained)),
+            "subscriptions/count": str(self.edge.subscription_count),
+            "retained messages/count": str(self.edge.retained_count),
         }
 
     def _publish_sys(self) -> None:

@@ -92,14 +92,14 @@ class MqttSession:
         self.owner: str | None = None
         self.owned = False
         name = f"mqtt:{client_id}"
-        broker = service.broker
+        edge = service.edge
         if durable:
             # Offline messages stay in the journal; the session's cursors replay them.
-            self.subscription: Subscription = broker.durable_subscription(
+            self.subscription: Subscription = edge.durable_subscription(
                 name, options=DurableOptions(ack_timeout_s=None, redeliver_on_leave=False, consumers_queue=True), owner=self
             )
         else:
-            self.subscription = broker.subscription(name, owner=self)
+            self.subscription = edge.subscription(name, owner=self)
         # Shared subscription name -> (subscription, this member's options).
         self.shared: dict[str, tuple[Subscription, SubscriptionOptions]] = {}
         self.inflight: dict[int, Outgoing] = {}
@@ -352,12 +352,12 @@ class MqttSession:
     # ------------------------------------------------------------------ lifecycle
     def discard(self) -> None:
         """End the session: leave every subscription, forget queued and in-flight messages."""
-        broker = self.service.broker
-        broker.remove_subscription(self.subscription.name)
+        edge = self.service.edge
+        edge.remove_subscription(self.subscription.name)
         for subscription, _ in self.shared.values():
-            broker.detach(subscription, self)
+            edge.detach(subscription, self)
             if not subscription.consumers:
-                broker.remove_subscription(subscription.name)
+                edge.remove_subscription(subscription.name)
         self.shared.clear()
         self.inflight.clear()
         if self.durable:

@@ -102,8 +102,8 @@ def _protocol_of(thing: object) -> str:
 
 
 def info_view(app: Any) -> dict[str, Any]:
-    broker = app.broker
-    stats = broker.stats
+    edge = app.edge
+    stats = edge.stats
     now = time.time()
     mqtt = getattr(app, "mqtt", None)
     journal = getattr(app, "journal", None)
@@ -124,10 +124,10 @@ def info_view(app: Any) -> dict[str, Any]:
         "messages_dropped": stats.messages_dropped,
         "messages_without_subscriber": stats.messages_without_subscriber,
         "connections": connection_counts(app),
-        "streams": len(broker.streams),
-        "subscriptions": len(broker.subscriptions),
+        "streams": len(edge.streams),
+        "subscriptions": len(edge.subscriptions),
         "sessions": len(mqtt.sessions) if mqtt is not None else 0,
-        "retained": len(broker.retained),
+        "retained": edge.retained_count,
         # cluster mode: this node's id (its cluster is at /api/cluster); None on a single node
         "cluster_node": getattr(getattr(app, "cluster", None), "node_id", None),
         "journal": None if commit is None else {
@@ -155,7 +155,7 @@ def _shard_view(shard: Any) -> dict[str, Any]:
 
 
 def stream_view(app: Any, stream: Any, *, detail: bool = False) -> dict[str, Any]:
-    broker = app.broker
+    edge = app.edge
     config = stream.config
     view: dict[str, Any] = {
         "name": config.name,
@@ -166,15 +166,15 @@ def stream_view(app: Any, stream: Any, *, detail: bool = False) -> dict[str, Any
         "retention_bytes": config.retention_bytes,
         "replicas": config.replicas,
         "min_insync_replicas": config.min_insync_replicas,
-        "default": config.name == broker.router.default_stream,
-        "routes": [rule.topic_filter for rule in broker.router.rules if rule.stream == config.name],
+        "default": config.name == edge.default_stream,
+        "routes": [rule.topic_filter for rule in edge.routes if rule.stream == config.name],
         "messages": sum(shard.next_offset for shard in stream.shards),
         "shards": [_shard_view(shard) for shard in stream.shards],
     }
     if detail:
         by_shard: dict[int, list[dict[str, Any]]] = {shard.index: [] for shard in stream.shards}
         ends = {shard.index: shard.next_offset for shard in stream.shards}
-        for sub in list(broker.subscriptions.values()):
+        for sub in list(edge.subscriptions.values()):
             for (name, index), cursor in list(getattr(sub, "cursors", {}).items()):
                 if name != config.name or index not in by_shard:
                     continue
@@ -191,7 +191,7 @@ def stream_view(app: Any, stream: Any, *, detail: bool = False) -> dict[str, Any
 
 
 def streams_view(app: Any) -> list[dict[str, Any]]:
-    return [stream_view(app, stream) for _, stream in sorted(app.broker.streams.items())]
+    return [stream_view(app, stream) for _, stream in sorted(app.edge.streams.items())]
 
 
 def subscription_view(sub: Any) -> dict[str, Any]:
@@ -232,7 +232,7 @@ def _consumers_view(sub: Any, active: Any) -> list[dict[str, Any]]:
 
 
 def subscriptions_view(app: Any) -> list[dict[str, Any]]:
-    subs = sorted(app.broker.subscriptions.values(), key=lambda sub: sub.name)
+    subs = sorted(app.edge.subscriptions.values(), key=lambda sub: sub.name)
     return [subscription_view(sub) for sub in subs]
 
 
@@ -300,7 +300,7 @@ def _payload_preview(payload: bytes) -> dict[str, Any]:
 
 def retained_view(app: Any, prefix: str = "", limit: int = RETAINED_LIMIT) -> dict[str, Any]:
     items = sorted(
-        (topic, message) for topic, message in app.broker.retained.items() if topic.startswith(prefix)
+        (topic, message) for topic, message in app.edge.retained_messages() if topic.startswith(prefix)
     )
     out = []
     for topic, message in items[:limit]:
@@ -684,7 +684,7 @@ async def _stream(request: web.Request) -> web.Response:
     cluster_wide = await _cluster_listing(request, "stream", {"name": name})
     if cluster_wide is not None:
         return cluster_wide
-    stream = app.broker.streams.get(name)
+    stream = app.edge.streams.get(name)
     if stream is None:
         raise NotFound(f"stream {name!r} does not exist")
     return web.json_response(stream_view(app, stream, detail=True))
@@ -699,7 +699,7 @@ async def _subscriptions(request: web.Request) -> web.Response:
 
 async def _subscription(request: web.Request) -> web.Response:
     name = request.match_info["name"]
-    sub = _app(request).broker.subscriptions.get(name)
+    sub = _app(request).edge.subscriptions.get(name)
     if sub is None:
         raise NotFound(f"subscription {name!r} does not exist")
     return web.json_response(subscription_view(sub))
@@ -806,7 +806,7 @@ _OPENAPI_KEY: web.AppKey[dict[str, Any]] = web.AppKey("openapi", dict)
 
 
 def _traffic_counters(app: Any) -> dict[str, Any]:
-    stats = app.broker.stats
+    stats = app.edge.stats
     return {
         "messages_in": stats.messages_in, "messages_out": stats.messages_out,
         "bytes_in": stats.bytes_in, "bytes_out": stats.bytes_out,

@@ -64,11 +64,11 @@ def readiness(app: Any) -> dict[str, tuple[bool, str]]:
         alive = bool(view.lease_alive())
         checks["cluster"] = (joined and alive, "joined" if joined and alive else
                              "lease not alive" if joined else "not joined")
-        checks["placement"] = placement_served(app.broker, view)
+        checks["placement"] = placement_served(getattr(app, "edge", None), view)
     return checks
 
 
-def placement_served(broker: Any, view: Any) -> tuple[bool, str]:
+def placement_served(edge: Any, view: Any) -> tuple[bool, str]:
     """Whether this node serves every shard the placement gives it (see the module)."""
     if view.controller_id is None:
         return False, "no controller elected"
@@ -82,7 +82,7 @@ def placement_served(broker: Any, view: Any) -> tuple[bool, str]:
             if placed.leader != view.node_id:
                 continue
             mine += 1
-            stream = broker.streams.get(name) if broker is not None else None
+            stream = edge.streams.get(name) if edge is not None else None
             if not view.leads(name, index):
                 missing.append(f"{name}/{index} (not led here)")
             elif stream is None or index >= len(stream.shards):

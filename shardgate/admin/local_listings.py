@@ -28,7 +28,7 @@ def local_view(app: Any) -> Callable[[str, str, dict[str, Any]], Any]:
 
     def stream_of(arguments: dict[str, Any]) -> Any:
         name = str(arguments.get("name", ""))
-        stream = app.broker.streams.get(name)
+        stream = app.edge.streams.get(name)
         if stream is None:
             raise LookupError(f"stream {name!r} does not exist")
         return stream
@@ -46,12 +46,12 @@ def local_view(app: Any) -> Callable[[str, str, dict[str, Any]], Any]:
         if grpc is None:
             raise LookupError("this node has no gRPC service")
         if kind == "streams":
-            streams = sorted(app.broker.streams.values(), key=lambda s: s.config.name)
+            streams = sorted(app.edge.streams.values(), key=lambda s: s.config.name)
             return [as_dict(grpc.stream_info(stream)) for stream in streams]
         if kind == "stream":
             return as_dict(grpc.stream_info(stream_of(arguments)))
         if kind == "subscriptions":
-            subs = sorted(app.broker.subscriptions.values(), key=lambda sub: sub.name)
+            subs = sorted(app.edge.subscriptions.values(), key=lambda sub: sub.name)
             return [as_dict(grpc.subscription_info(sub)) for sub in subs]
         return [as_dict(client) for client in grpc.clients()]
 

@@ -144,10 +144,10 @@ class ShardgateCollector(Collector):
         info = GaugeMetricFamily(f"{PREFIX}_info", "Shardgate version", labels=["version"])
         info.add_metric([__version__], 1)
         yield info
-        broker = getattr(app, "broker", None)
-        if broker is None:
+        edge = getattr(app, "edge", None)
+        if edge is None:
             return
-        stats = broker.stats
+        stats = edge.stats
         yield GaugeMetricFamily(f"{PREFIX}_start_time_seconds", "When the broker started (Unix time)",
                                 value=stats.started_at)
         yield GaugeMetricFamily(f"{PREFIX}_uptime_seconds", "Seconds since the broker started",
@@ -171,20 +171,20 @@ class ShardgateCollector(Collector):
         ):
             yield CounterMetricFamily(f"{PREFIX}_{name}", text, value=value)
 
-        yield from self._traffic(stats, connection_counts(app), broker.streams)
+        yield from self._traffic(stats, connection_counts(app), edge.streams)
         yield from self._drops(stats)
-        yield from self._schema_rejections(broker)
+        yield from self._schema_rejections(edge)
         yield self._histogram(
             "publish_durable_latency_seconds",
             "Seconds from the first append of a commit group on a reliable stream to the group "
             "being durable, when its acknowledgements may go out (one observation per group)",
             stats.commit_latency,
         )
-        yield from self._streams(broker)
-        yield from self._subscriptions(broker)
+        yield from self._streams(edge)
+        yield from self._subscriptions(edge)
         yield from self._sessions(app)
         yield GaugeMetricFamily(f"{PREFIX}_retained_messages", "Retained messages held",
-                                value=len(broker.retained))
+                                value=edge.retained_count)
         yield from self._journal(app)
         yield from self._host(app)
         yield from self._archive(app)
@@ -253,9 +253,9 @@ class ShardgateCollector(Collector):
         yield rejected
 
     @staticmethod
-    def _schema_rejections(broker: Any) -> Iterator[Metric]:
+    def _schema_rejections(edge: Any) -> Iterator[Metric]:
         """Payloads refused by a stream's registered schema, per stream with a schema."""
-        registry = broker.schemas
+        registry = edge.schemas
         family = CounterMetricFamily(
             f"{PREFIX}_schema_rejected", "Payloads refused by the stream's registered schema",
             labels=["stream"])
@@ -322,8 +322,8 @@ class ShardgateCollector(Collector):
         yield from (connected, queued, forwarded, dropped, connects)
 
     @staticmethod
-    def _streams(broker: Any) -> Iterator[Metric]:
-        streams = broker.streams
+    def _streams(edge: Any) -> Iterator[Metric]:
+        streams = edge.streams
         yield GaugeMetricFamily(f"{PREFIX}_streams", "Streams defined", value=len(streams))
         offsets = GaugeMetricFamily(
             f"{PREFIX}_stream_offset", "Next offset of each shard (messages appended since creation)",
@@ -343,8 +343,8 @@ class ShardgateCollector(Collector):
         yield low
 
     @staticmethod
-    def _subscriptions(broker: Any) -> Iterator[Metric]:
-        subs = list(broker.subscriptions.values())
+    def _subscriptions(edge: Any) -> Iterator[Metric]:
+        subs = list(edge.subscriptions.values())
         yield GaugeMetricFamily(f"{PREFIX}_subscriptions", "Subscriptions defined", value=len(subs))
         lag = GaugeMetricFamily(
             f"{PREFIX}_subscription_lag", "Messages a durable subscription has yet to consume",
@@ -396,7 +396,7 @@ class ShardgateCollector(Collector):
             f"{PREFIX}_session_inflight_messages", "QoS 1/2 messages in flight to MQTT clients",
             value=sum(len(session.inflight) for session in sessions),
         )
-        lags = [sub.lag() for name, sub in list(app.broker.subscriptions.items())
+        lags = [sub.lag() for name, sub in list(app.edge.subscriptions.items())
                 if name.startswith(SESSION_PREFIX) and callable(getattr(sub, "lag", None))]
         yield GaugeMetricFamily(
             f"{PREFIX}_session_lag_messages", "Messages stored for MQTT persistent sessions and "

@@ -93,10 +93,9 @@ class BridgeBase(Generic[Connection]):
                              f"{self.schemes[0]}:// URL")
         # The front door: publishes and subscriptions go through it.
         self.edge = edge
-        self.broker = edge.broker
         self.name = settings.name
         self._base_settings = settings
-        self.outbox = Outbox(settings.max_queued, self._reliable, edge.broker.stats,
+        self.outbox = Outbox(settings.max_queued, self._reliable, edge.stats,
                              on_drop=self._dropped)
         # Messages from the remote that were not brought in, by reason.
         self.drops_in: Counter[str] = Counter()
@@ -143,7 +142,7 @@ class BridgeBase(Generic[Connection]):
             self._wakeup.set()
 
     def _reliable(self, message: Message) -> bool:
-        stream = self.broker.streams.get(message.stream)
+        stream = self.edge.streams.get(message.stream)
         return stream is not None and stream.reliable and message.offset >= 0
 
     def _dropped(self, reason: str, total: int) -> None:
@@ -157,7 +156,7 @@ class BridgeBase(Generic[Connection]):
         and `status()["drops_in"]`, the metric `shardgate_bridge_dropped_messages_total`) and
         logged, rate-limited."""
         self.drops_in[reason] += 1
-        self.broker.stats.drop(reason)
+        self.edge.stats.drop(reason)
         self._drop_report.dropped("in", reason, topic, detail)
 
     # ------------------------------------------------------------------ lifecycle

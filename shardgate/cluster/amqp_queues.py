@@ -64,7 +64,6 @@ from ..protocols.amqp.remote import (
     unpack_frames,
 )
 from . import keys
-from .etcd import get_op, mod_revision_is, put_op, version_is
 from .link_auth import cluster_channel
 from .state_rpc import CHANNEL_OPTIONS
 
@@ -93,20 +92,24 @@ class SharedQueues:
     """This node's queue records in etcd, its answers to other nodes' calls, and the
     `QueueDirectory` its virtual hosts use to reach other nodes' queues (module docstring)."""
 
-    def __init__(self, node: ClusterNode, broker: Broker, amqp: Any) -> None:
+    def __init__(self, node: ClusterNode, broker: Broker) -> None:
         self.node = node
         self.broker = broker
-        self.amqp = amqp
-        self.host = QueueHost(amqp)
+        # the AMQP service, whose virtual hosts are built with this object as their queue
+        # directory, and its queues as other nodes reach them: once `install`ed
+        self.amqp: Any = None
+        self.host: QueueHost | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._live: set[str] = set()
         # calls waiting until this node's view of etcd reaches a revision
         self._revision_waiters: list[tuple[int, asyncio.Future[None]]] = []
 
-    def install(self, plane: DataPlane) -> None:
+    def install(self, plane: DataPlane, amqp: Any) -> None:
+        self.amqp = amqp
+        self.host = QueueHost(amqp)
         plane.add_service(self.handler())
         for vhost in self.amqp.vhosts.values():
-            vhost.directory = self
+            vhost.use_queue_directory()
             vhost.on_queue_deleted.append(lambda queue, vhost=vhost: self._queue_deleted(vhost, queue))
             self.forget_gone(vhost)
         self._live = set(self.node.view.nodes())
@@ -186,15 +189,14 @@ class SharedQueues:
         key = queue_key(vhost, queue)
         full = self.node.key(key)
         value = keys.encode({"node": self.node.node_id, "durable": durable})
-        compare = version_is(full, 0)
+        at = 0  # the revision the record must be at: absent first
         for _ in range(3):
-            result = await self.node.client.txn([compare], [put_op(full, value)], [get_op(full)])
-            if result.succeeded:
+            created, current = await self.node.client.put_at(full, at, value)
+            if created:
                 self.node.view.documents[key] = value
                 return None
-            current = result.reads[0][0] if result.reads and result.reads[0] else None
             if current is None:
-                compare = version_is(full, 0)
+                at = 0
                 continue
             if keys.decode(current.value).get("node") == self.node.node_id:
                 self.node.view.documents[key] = value
@@ -203,7 +205,7 @@ class SharedQueues:
             if home is not None:
                 return home
             # a non-durable queue of a node that is gone: its record is stale, replace it
-            compare = mod_revision_is(full, current.mod_revision)
+            at = current.mod_revision
         raise RuntimeError(f"the record of AMQP queue {queue!r} keeps changing")
 
     def _channel(self, node: str) -> grpc.aio.Channel:
@@ -229,6 +231,7 @@ class SharedQueues:
 
     def _view_changed(self) -> None:
         live = set(self.node.view.nodes())
+        assert self.host is not None  # watched once installed
         for gone in self._live - live:
             self.host.node_gone(gone)
         self._live = live
@@ -278,6 +281,7 @@ class SharedQueues:
     # ------------------------------------------------------------ serving other nodes
     def handler(self) -> grpc.GenericRpcHandler:
         host, broker = self.host, self.broker
+        assert host is not None, "served once installed"
 
         async def call(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             asked = json.loads(request)

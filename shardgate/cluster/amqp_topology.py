@@ -44,7 +44,6 @@ from urllib.parse import quote, unquote
 
 from . import keys
 from .amqp_queues import SharedQueues
-from .etcd import delete_op, get_op, mod_revision_is, put_op, version_is
 
 if TYPE_CHECKING:
     from ..core.broker import Broker
@@ -84,23 +83,26 @@ class SharedExchanges:
     """Keeps every node's AMQP exchanges equal through etcd (module docstring); the
     `remote.ExchangeDirectory` of this node's virtual hosts."""
 
-    def __init__(self, node: ClusterNode, broker: Broker, amqp: Any,
-                 plane: DataPlane | None = None) -> None:
+    def __init__(self, node: ClusterNode, broker: Broker, plane: DataPlane | None = None) -> None:
         self.node = node
         self.broker = broker
-        self.amqp = amqp
+        # the AMQP service, whose virtual hosts are built with this object as their exchange
+        # directory (and `queues` as their queue directory): once `install`ed
+        self.amqp: Any = None
         self._applying = False
         # the queues: where each lives, and the calls that reach it from other nodes
-        self.queues = SharedQueues(node, broker, amqp)
+        self.queues = SharedQueues(node, broker)
         self._plane = plane
         self._claiming: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         # exchange keys being deleted in etcd: the deletion's revision when done
         self._deletions: dict[str, asyncio.Future[int]] = {}
 
-    def install(self) -> None:
+    def install(self, amqp: Any) -> None:
+        """The node has joined: take part for `amqp`'s virtual hosts."""
+        self.amqp = amqp
         if self._plane is not None:
-            self.queues.install(self._plane)
+            self.queues.install(self._plane, amqp)
             self._claiming = asyncio.get_running_loop().create_task(self.queues.claim_restored())
         self.node.document_listeners.append(self._changed_in_etcd)
         if not [node for node in self.node.view.registrations if node != self.node.node_id]:
@@ -110,7 +112,7 @@ class SharedExchanges:
             if key.startswith(keys.AMQP):
                 self._changed_in_etcd(key, value)
         for vhost in self.amqp.vhosts.values():
-            vhost.exchange_directory = self
+            vhost.use_exchange_directory()
             vhost.on_exchanges_changed.append(self._changed_here)
             self._share(vhost, delete=False)
 
@@ -148,7 +150,7 @@ class SharedExchanges:
             try:
                 kv = await self.node.client.get(full)
                 if kv is not None and kv.value == value:
-                    await self.node.client.txn([mod_revision_is(full, kv.mod_revision)], [delete_op(full)])
+                    await self.node.client.delete_unchanged(full, kv.mod_revision)
             except Exception as exc:  # noqa: BLE001 - the next lone start drops it
                 log.warning("cluster: cannot drop AMQP %s from etcd: %s", key, exc)
 
@@ -200,7 +202,7 @@ class SharedExchanges:
         waits for it); the etcd revision of the deletion, 0 when etcd is away (then the
         queued writer retries it)."""
         try:
-            return (await self.node.client.txn([], [delete_op(self.node.key(key))])).revision
+            return await self.node.client.write(deletes=[self.node.key(key)]) or 0
         except Exception as exc:  # noqa: BLE001 - retried by the node's writer
             log.warning("cluster: cannot delete AMQP exchange %s in etcd yet (%s); retrying", key, exc)
             self.node.submit(key, None)
@@ -218,13 +220,12 @@ class SharedExchanges:
         value = keys.encode(exchange_definition(
             definition["type"], definition["durable"], definition["auto_delete"],
             definition["internal"], definition["arguments"]))
-        result = await self.node.client.txn([version_is(full, 0)], [put_op(full, value)], [get_op(full)])
-        if result.succeeded:
+        created, current = await self.node.client.create(full, value)
+        if created:
             # this declare defines it: the caller declares it here, and `_share` finds the
             # key already written
             self.node.view.documents[key] = value
             return
-        current = result.reads[0][0] if result.reads and result.reads[0] else None
         if current is not None:
             self._learn(key, current.value)
 

@@ -2,15 +2,18 @@
 
 `connect()` runs first in `Shardgate.start()` (fail fast: etcd unreachable, node id taken),
 `share_catalog()` once the broker exists (streams and routes of etcd into the broker, this
-node's configured streams into etcd), `join()` once the listeners are bound (registration,
-keep-alive, watch, controller). Catalog changes seen later in etcd are applied to the broker
-as they come.
+node's configured streams into etcd), `assemble()` next: the cluster's parts, which the
+composition root hands to the Edge and the protocols as it builds them (their typed ports;
+nothing here sets an attribute of a core or protocol object), and `join()` once the listeners
+are bound (registration, keep-alive, watch, controller; the parts take part from then on).
+Catalog changes seen later in etcd are applied to the broker as they come.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +26,12 @@ from .replica_status import shard_status
 if TYPE_CHECKING:
     from ..app import Shardgate
     from ..core.streams import StreamConfig
+    from .amqp_topology import SharedExchanges
+    from .data_plane import DataPlane
+    from .durables import DurableHandover
+    from .floors import CursorFloors
+    from .sessions import CursorPlacer, StateWriter
+    from .state_rpc import StateRpc
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +101,6 @@ async def share_catalog(app: Shardgate, node: ClusterNode) -> None:
     for pattern, definition in view.routes.items():
         apply_catalog_change(app, "route", pattern, definition)
     node.catalog_listeners.append(lambda kind, name, value: apply_catalog_change(app, kind, name, value))
-    broker = app.broker
-    assert broker is not None
-    broker.topology_sink = ClusterTopologySink(broker.topology_sink, node)
-    # cursors restored next wait until the node has joined and knows whose journal holds
-    # their shard (`join`: `CursorPlacer.replay_restored`)
-    broker.restored_cursors_wait = True
     # users and ACL: the same files on every node (before the broker's security reads them)
     from ..security.auth import security_paths
     from .shared_files import SharedFiles
@@ -105,6 +108,47 @@ async def share_catalog(app: Shardgate, node: ClusterNode) -> None:
     users_file, acl_file = security_paths(Path(app.config.data_dir), app.config.auth)
     node.shared_files = SharedFiles(node, {"users": users_file, "acl": acl_file})
     await node.shared_files.start()
+
+
+@dataclass(slots=True)
+class ClusterParts:
+    """The cluster's collaborators the composition root hands to the core and the protocols
+    when it builds them (their typed ports), made before them by `assemble`; each takes part
+    once the node has joined (`join`), and answers as a single node would until then."""
+
+    plane: DataPlane
+    rpc: StateRpc
+    writer: StateWriter
+    placer: CursorPlacer
+    # the Edge's `core.placement.RemoteDurables`, the gRPC server's `RemoteSubscriptions`
+    durables: DurableHandover
+    # the AMQP virtual hosts' `ExchangeDirectory` (and its `queues`, their `QueueDirectory`)
+    exchanges: SharedExchanges
+    # what other nodes' cursors need of this node's shards (`Persistence`'s retention)
+    floors: CursorFloors
+
+
+def assemble(app: Shardgate, node: ClusterNode) -> ClusterParts:
+    """Build the cluster's parts for `app`'s broker (which exists), before the Edge and the
+    protocols, which are built with them."""
+    from .amqp_topology import SharedExchanges
+    from .data_plane import DataPlane
+    from .durables import DurableHandover
+    from .floors import CursorFloors
+    from .sessions import CursorPlacer, StateWriter
+    from .state_rpc import StateRpc
+
+    settings = app.config.cluster
+    broker = app.broker
+    assert broker is not None
+    plane = DataPlane(broker, node.view, app.config.listeners.host, settings.port,
+                      link_timeout_s=settings.link_timeout_s, credentials=node.credentials)
+    rpc = StateRpc(node.view, node.credentials)
+    writer = StateWriter(node)
+    placer = CursorPlacer(node, broker, plane, rpc)
+    return ClusterParts(plane, rpc, writer, placer,
+                        DurableHandover(node, broker, placer, rpc, writer),
+                        SharedExchanges(node, broker, plane), CursorFloors(node, broker))
 
 
 class ClusterTopologySink:
@@ -180,32 +224,22 @@ def apply_catalog_change(app: Shardgate, kind: str, name: str, definition: dict[
         log.warning("cluster: cannot apply %s %s from etcd: %s", kind, name, exc)
 
 
-async def join(app: Shardgate, node: ClusterNode) -> None:
-    """Start the data plane on the internal port, register under a lease with its address,
-    then declare this node's configured streams."""
-    from .data_plane import DataPlane
-
+async def join(app: Shardgate, node: ClusterNode, parts: ClusterParts) -> None:
+    """Register under a lease with the data plane's address (the app starts the plane before
+    its client listeners), put the parts to work, then declare this node's configured
+    streams."""
     settings = app.config.cluster
     host = app.config.listeners.host
     broker = app.broker
     assert broker is not None
-    plane = app.data_plane  # the app starts it before its client listeners
-    if plane is None:
-        plane = DataPlane(broker, node.view, host=host, port=settings.port,
-                          link_timeout_s=settings.link_timeout_s, credentials=node.credentials)
-        try:
-            await plane.start()
-        except (OSError, RuntimeError) as exc:
-            raise ClusterStartError(f"cannot listen on the cluster port {host}:{settings.port}: {exc}") from None
-        app.data_plane = plane
+    plane = parts.plane
     address = settings.advertise_address or f"{host}:{plane.port}"
     listeners = {name: f"{listener.host}:{listener.port}" for name, listener in app.listeners.items()}
     listeners["cluster"] = f"{host}:{plane.port}"
     # shared-state calls between nodes on the same port: session handover, remote shard reads
     from .shard_reader import OwnerLog, serve_read
-    from .state_rpc import StateRpc
 
-    rpc = StateRpc(node.view, node.credentials)
+    rpc = parts.rpc
     rpc.on_read = lambda request: serve_read(broker, plane, request)
     plane.add_service(rpc.handler())
     node.state_rpc = rpc
@@ -214,17 +248,16 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
     # a subscription opened here at an earlier position reads other nodes' shards from them
     plane.owner_reader = lambda stream, shard, start, filters, since_ms: OwnerLog(
         rpc, plane, stream, shard, start, filters, since_ms)
-    from .durables import DurableHandover
-    from .sessions import CursorPlacer, SessionHandover, StateWriter
+    from .sessions import SessionHandover
 
-    writer = StateWriter(node)
+    writer = parts.writer
     writer.start()
     node.state_writer = writer
-    placer = CursorPlacer(node, broker, plane, rpc)
+    placer = parts.placer
     edge = app.edge
     assert edge is not None
-    node.durables = DurableHandover(node, edge, broker, placer, rpc, writer)
-    node.durables.install()
+    node.durables = parts.durables
+    node.durables.install(edge)
     if app.grpc is not None:  # consumers of this node's durable subscriptions on other nodes
         plane.add_service(node.durables.serve_consumers(app.grpc))
     mqtt = app.mqtt
@@ -245,23 +278,17 @@ async def join(app: Shardgate, node: ClusterNode) -> None:
         handover.start_checkpointing()
         from .wills import WillKeeper
 
-        wills = node.wills = WillKeeper(node, mqtt, writer)
+        wills = node.wills = WillKeeper(node, mqtt, writer, broker)
         wills.install()
         wills.start()
     await node.durables.drop_moved()
     from .delayed import SharedDelayed
 
     shared_delayed = SharedDelayed(node, broker.publish, broker)
-    broker.delayed.shared = shared_delayed  # delayed messages held from now on live in etcd
-    from .floors import CursorFloors
-
-    floors = node.floors = CursorFloors(node, broker)
-    if app.persistence is not None:
-        app.persistence.remote_needs = floors.remote_needs
+    broker.delayed.share(shared_delayed)  # delayed messages held from now on live in etcd
+    floors = node.floors = parts.floors
     if app.amqp is not None:
-        from .amqp_topology import SharedExchanges
-
-        SharedExchanges(node, broker, app.amqp, plane).install()
+        parts.exchanges.install(app.amqp)
 
     def empty_shards(shards: list[tuple[str, int]]) -> list[tuple[str, int]]:
         empty = []

@@ -65,9 +65,8 @@ class CursorSources:
                 assignment = self.plane.view.leader(stream, shard)
                 if assignment is None or assignment.leader != node_id:
                     continue
-                cursor.log = reader(stream, shard, cursor.position, _filters_of(sub), None)
-                cursor.live = False
-                cursor.ahead = []
+                cursor.repoint(reader(stream, shard, cursor.position, _filters_of(sub), None),
+                               replay=True)
                 moved = True
             if moved:
                 sub.schedule_pump()
@@ -91,11 +90,12 @@ class CursorSources:
                 # (an OwnerLog of cluster.shard_reader also reads a shard another node owns)
                 received = isinstance(cursor.log, ReceivedLog) or getattr(cursor.log, "remote_shard", False)
                 if assignment.leader != self.plane.node_id and not received:
-                    cursor.log = self.received_log(stream, shard)
+                    cursor.repoint(self.received_log(stream, shard))
                 elif assignment.leader == self.plane.node_id and received:
                     local = broker.streams.get(stream)
-                    if local is not None and shard < len(local.shards) and local.shards[shard].log:
-                        cursor.log = local.shards[shard].log
+                    own = local.shards[shard].log if local is not None and shard < len(local.shards) else None
+                    if own:
+                        cursor.repoint(own)
 
 
 def _filters_of(sub: Subscription) -> Callable[[], Sequence[str]]:

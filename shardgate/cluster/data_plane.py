@@ -163,12 +163,8 @@ class DataPlane:
         self.port = self._listener.sockets[0].getsockname()[1]
         self.started = True
         self.route_sync.start()
-        broker = self.broker
-        broker.placement = self
-        broker.fanout = self
-        broker.on_routes_changed = self.route_sync.changed
-        self.retained_sync.keep = broker.on_retained_change
-        broker.on_retained_change = self.retained_sync.changed
+        self.broker.join_cluster(self, self, routes_changed=self.route_sync.changed,
+                                 retained_changed=self.retained_sync.changed)
         self.view.on_change(self._view_changed)
         self._view_changed()
         self._reconcile = asyncio.get_running_loop().create_task(self._reconcile_links())
@@ -187,12 +183,7 @@ class DataPlane:
         if self._reconcile is not None:
             self._reconcile.cancel()
             self._reconcile = None
-        broker = self.broker
-        if broker.placement is self:
-            broker.placement = None
-            broker.fanout = None
-            broker.on_routes_changed = None
-            broker.on_retained_change = self.retained_sync.keep
+        self.broker.leave_cluster(self)
         self.route_sync.stop()
         self.unrouted.clear()
         links = list(self.links.values())

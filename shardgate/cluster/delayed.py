@@ -57,14 +57,14 @@ import base64
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import PublishRejected, ShardUnavailable, StoreFull
 from ..core.message import Message, now_ms
 from ..core.records import decode_to_message, encode_message
 from . import keys
-from .etcd import KeyValue, delete_op, mod_revision_is, put_op
+from .etcd import KeyValue
 from .journal_search import shard_holds
 from .view_changes import ViewChanges
 from .wills import pause_for_tests
@@ -191,19 +191,19 @@ class SharedDelayed:
             # held while the node is still joining: its join changes the view
             await self.view_changes.since(self.view_changes.count, joining_until - loop.time())
         batch: list[tuple[str, Message, int, asyncio.Future[None]]] = []
-        ops = []
+        puts: list[tuple[str, bytes]] = []
         size = 0
         node_id, lease = self.node.node_id, self.node.lease_id
         while self._puts and len(batch) < TXN_OPS and size < TXN_BYTES:
             key, message, at_ms, done = self._puts.pop(0)
             value = record(message, at_ms, node_id, lease)
             size += len(value)
-            ops.append(put_op(key, value))
+            puts.append((key, value))
             batch.append((key, message, at_ms, done))
         try:
             if not lease or not self.node.view.lease_alive():
                 raise ShardUnavailable("this node cannot prove its cluster membership now")
-            await self.node.client.txn([], ops)
+            await self.node.client.write(puts)
         except Exception as exc:  # noqa: BLE001 - the publishers are told, retryably
             refusal = exc if isinstance(exc, PublishRejected) else ShardUnavailable(
                 f"the delayed message could not be stored in etcd: {exc}")
@@ -219,7 +219,7 @@ class SharedDelayed:
     async def _delete_batch(self) -> None:
         batch, self._deletes = self._deletes[:TXN_OPS], self._deletes[TXN_OPS:]
         try:
-            await self.node.client.txn([], [delete_op(key) for key in batch])
+            await self.node.client.write(deletes=batch)
         except Exception as exc:  # noqa: BLE001 - kept; deleted with the next batch
             log.warning("cluster: cannot delete %d released delayed messages from etcd yet: %s",
                         len(batch), exc)
@@ -367,18 +367,17 @@ class SharedDelayed:
                 at_ms = int(state["at"])
             except (ValueError, KeyError, TypeError):
                 log.error("cluster: delayed message %s in etcd is unreadable; dropped", kv.key)
-                await self.node.client.txn([mod_revision_is(kv.key, kv.mod_revision)], [delete_op(kv.key)])
+                await self.node.client.delete_unchanged(kv.key, kv.mod_revision)
                 continue
             if not self._orphaned(kv, state):
                 continue
             lease = self.node.lease_id
             name = kv.key.rsplit("/", 1)[1]
             key = f"{self.own_prefix()}{name}"
-            ops = [put_op(key, record(message, at_ms, self.node.node_id, lease))]
-            if key != kv.key:
-                ops.insert(0, delete_op(kv.key))
-            result = await self.node.client.txn([mod_revision_is(kv.key, kv.mod_revision)], ops)
-            if not result.succeeded:
+            moved = await self.node.client.write(
+                [(key, record(message, at_ms, self.node.node_id, lease))],
+                deletes=[kv.key] if key != kv.key else [], if_at=(kv.key, kv.mod_revision))
+            if moved is None:
                 continue  # released, or taken by another node meanwhile
             holder = kv.key[len(self.prefix):].split("/", 1)[0]
             log.info("cluster: took over a delayed message for %r held by %s (due in %.1f s)",
@@ -432,9 +431,8 @@ class SharedDelayed:
 def released_copy(message: Message, release_id: str) -> Message:
     """The message as released: a fresh copy, stamped now, carrying its release id."""
     copy = decode_to_message(encode_message(message))
-    copy.publish_time_ms = now_ms()
-    copy.native_properties = {**(copy.native_properties or {}), RELEASE_FORMAT: release_id.encode()}
-    return copy
+    return replace(copy, publish_time_ms=now_ms(),
+                   native_properties={**(copy.native_properties or {}), RELEASE_FORMAT: release_id.encode()})
 
 
 def _retrieved(future: asyncio.Future[None]) -> None:

@@ -47,7 +47,7 @@ import base64
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -59,7 +59,7 @@ from ..core.subscriptions import Subscription, SubscriptionType
 from ..proto import shardgate_pb2 as pb
 from ..protocols.grpc.convert import SUB_TYPES_OUT
 from . import keys
-from .etcd import EtcdError, KeyValue, delete_op, mod_revision_is, put_op, version_is
+from .etcd import EtcdError, KeyValue
 from .sessions import (
     MAX_BATCH_PUTS,
     RELEASE_CALL_TIMEOUT_S,
@@ -107,10 +107,12 @@ class DurableHandover:
     """Keeps this node's shareable durable subscriptions in etcd and moves them (module
     docstring)."""
 
-    def __init__(self, node: ClusterNode, edge: Edge, broker: Broker, placer: CursorPlacer,
+    def __init__(self, node: ClusterNode, broker: Broker, placer: CursorPlacer,
                  rpc: StateRpc, writer: StateWriter) -> None:
         self.node = node
-        self.edge = edge
+        # the front door, once `install`ed (the Edge is built with this object as its
+        # `RemoteDurables`: until the node has joined, every durable subscription is local)
+        self.edge: Edge | None = None
         self.broker = broker
         self.placer = placer
         self.rpc = rpc
@@ -121,8 +123,6 @@ class DurableHandover:
         # when each subscription's checkpoint was last queued (monotonic seconds)
         self._written_at: dict[str, float] = {}
         self._releasing: set[str] = set()
-        self._defined: Callable[[DurableSubscription], None] | None = None
-        self._removed: Callable[[Subscription], None] | None = None
         self._task: asyncio.Task[None] | None = None
         self.taken_over = 0
         # relayed streams from other nodes being served here, per subscription
@@ -133,12 +133,12 @@ class DurableHandover:
         return self.prefix + name
 
     # ------------------------------------------------------------ wiring
-    def install(self) -> None:
-        broker = self.broker
-        self.edge.find_durable_elsewhere = self.find
+    def install(self, edge: Edge) -> None:
+        """The node has joined: take part (the core and the gRPC server were built with this
+        object as their port for durable subscriptions held elsewhere)."""
+        self.edge = edge
         self.rpc.on_release_durable = self.release
-        self._defined, broker.on_durable_defined = broker.on_durable_defined, self._on_defined
-        self._removed, broker.on_subscription_removed = broker.on_subscription_removed, self._on_removed
+        self.broker.watch_durables(self)
         self._task = asyncio.get_running_loop().create_task(self._checkpoints())
 
     def stop(self) -> None:
@@ -171,15 +171,12 @@ class DurableHandover:
         }
 
     # ------------------------------------------------------------ writing to etcd
-    def _on_defined(self, sub: DurableSubscription) -> None:
-        if self._defined is not None:
-            self._defined(sub)
+    def durable_defined(self, sub: DurableSubscription) -> None:
+        """`core.placement.DurableWatcher`: told after the local store."""
         if self.shareable(sub):
             self._checkpoint(sub, force=True)
 
-    def _on_removed(self, sub: Subscription) -> None:
-        if self._removed is not None:
-            self._removed(sub)
+    def durable_removed(self, sub: Subscription) -> None:
         name = sub.name
         if name in self._releasing or not self.shareable(sub):
             return
@@ -258,7 +255,10 @@ class DurableHandover:
 
     # ------------------------------------------------------------ the consumer's node
     async def find(self, name: str) -> str | None:
-        """Bring subscription `name` here (None), or name the node where it is consumed now."""
+        """Bring subscription `name` here (None), or name the node where it is consumed now
+        (`core.placement.RemoteDurables`). Before the node has joined, it is local (None)."""
+        if self.edge is None:
+            return None
         try:
             return await asyncio.wait_for(self._find(name), TAKEOVER_TIMEOUT_S)
         except TimeoutError:
@@ -280,7 +280,7 @@ class DurableHandover:
                 # a new subscription: claimed with a create-if-absent transaction, so that of
                 # two nodes defining it at once one holds it and the other relays to it
                 claim = keys.encode({"node": me, "name": name, "taken_ms": now_ms()})
-                if (await client.txn([version_is(key, 0)], [put_op(key, claim)])).succeeded:
+                if (await client.create(key, claim))[0]:
                     return None
                 continue
             state = keys.decode(kv.value)
@@ -308,7 +308,7 @@ class DurableHandover:
                 # take it with a transaction on the revision read: of two nodes taking over a
                 # dead holder's subscription, one holds it and the other relays to it
                 claim = keys.encode(dict(state, node=me, taken_ms=state.get("taken_ms", now_ms())))
-                if not (await client.txn([mod_revision_is(key, kv.mod_revision)], [put_op(key, claim)])).succeeded:
+                if not await client.replace_unchanged(key, kv.mod_revision, claim):
                     continue
                 if name in self.broker.subscriptions:
                     return None
@@ -323,6 +323,7 @@ class DurableHandover:
     def adopt(self, state: dict[str, Any]) -> DurableSubscription:
         broker = self.broker
         options = dict(state.get("owner") or {})
+        assert self.edge is not None, "adopted only once installed"
         factory = self.edge.owner_factories.get(str(options.get("protocol", "")))
         owner = factory(options) if factory is not None else None
         sub = broker.durable_subscription(state["name"], SubscriptionType(state["type"]), owner=owner)
@@ -353,9 +354,6 @@ class DurableHandover:
         """Relay consumers from other nodes (module docstring): this node's gRPC server takes
         their streams; the returned handler goes on the cluster port."""
         self._grpc = grpc_server
-        grpc_server.consume_remotely = self.consume_remotely
-        grpc_server.describe_elsewhere = self.describe
-        grpc_server.delete_elsewhere = self.delete
 
         async def consume(requests: AsyncIterator[pb.ConsumeRequest],
                           context: grpc.aio.ServicerContext) -> None:
@@ -390,7 +388,7 @@ class DurableHandover:
                 await context.abort(grpc.StatusCode.NOT_FOUND,
                                     f"subscription {request.name!r} is not held on node {self.node.node_id}")
             assert sub is not None
-            grpc_server.delete_subscription(sub)  # its etcd record goes too (`_on_removed`)
+            grpc_server.delete_subscription(sub)  # its etcd record goes too (`durable_removed`)
             return pb.Empty()
 
         return grpc.method_handlers_generic_handler(CONSUMERS_SERVICE, {
@@ -426,7 +424,9 @@ class DurableHandover:
     async def delete(self, name: str) -> bool:
         """Delete a durable subscription this node does not hold: on its holder, or, with the
         holder down, its record in etcd (the holder drops its copy when it comes back,
-        `drop_moved`). False: no node holds it."""
+        `drop_moved`). False: no node holds it (nor any before the node has joined)."""
+        if self.edge is None:
+            return False
         found = await self._held_elsewhere(name)
         if found is None:
             return False
@@ -448,19 +448,21 @@ class DurableHandover:
                 raise ShardUnavailable(f"node {holder}, which holds durable subscription {name!r}, "
                                        f"cannot be reached ({exc}); retry") from None
         try:
-            deleted = await self.node.client.txn([mod_revision_is(self.key(name), kv.mod_revision)],
-                                                 [delete_op(self.key(name))])
+            deleted = await self.node.client.delete_unchanged(self.key(name), kv.mod_revision)
         except EtcdError as exc:
             raise ShardUnavailable(f"durable subscription {name!r} cannot be deleted in etcd now "
                                    f"({exc}); retry") from exc
-        if not deleted.succeeded:
+        if not deleted:
             raise ShardUnavailable(f"durable subscription {name!r} changed meanwhile; retry")
         return True
 
     async def describe(self, name: str) -> pb.SubscriptionInfo | None:
         """A durable subscription this node does not hold, as its holder describes it (with
         the consumers of every node, all attached there); when the holder is down, as its last
-        checkpoint in etcd says, with no consumer. None: no node holds it."""
+        checkpoint in etcd says, with no consumer. None: no node holds it (nor any before the
+        node has joined)."""
+        if self.edge is None:
+            return None
         found = await self._held_elsewhere(name)
         if found is None:
             return None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -320,6 +320,46 @@ class EtcdClient:
             if response.WhichOneof("response") == "response_range"
         ]
         return TxnResult(reply.succeeded, reply.header.revision, reads)  # type: ignore[attr-defined]
+
+    # ---------------------------------------------------------------- conditional writes
+    # The transactions of the cluster's modules, named by what they mean: the session
+    # registry, elections and placement are `control.py`'s; every other module writes
+    # through these and builds no compare or op of its own.
+    async def create(self, key: str, value: bytes, lease: int = 0) -> tuple[bool, KeyValue | None]:
+        """Write `value` at `key` unless the key exists (one transaction): (True, None) when
+        written, else (False, what the key holds now, None when it went meanwhile)."""
+        return await self.put_at(key, 0, value, lease)
+
+    async def put_at(self, key: str, mod_revision: int, value: bytes,
+                     lease: int = 0) -> tuple[bool, KeyValue | None]:
+        """Write `value` at `key` only while the key is at `mod_revision` (0: absent), in one
+        transaction: (True, None) when written, else (False, what the key holds now)."""
+        compare = version_is(key, 0) if mod_revision == 0 else mod_revision_is(key, mod_revision)
+        result = await self.txn([compare], [put_op(key, value, lease)], [get_op(key)])
+        if result.succeeded:
+            return True, None
+        return False, result.reads[0][0] if result.reads and result.reads[0] else None
+
+    async def write(
+        self, puts: Iterable[tuple[str, bytes]] = (), deletes: Iterable[str] = (), *,
+        if_at: tuple[str, int] | None = None, lease: int = 0,
+    ) -> int | None:
+        """Delete `deletes` and write `puts` (under `lease`) in one transaction; with `if_at`
+        (a key and its mod revision), only while that key is still at that revision. The
+        revision written, or None when `if_at` no longer held."""
+        compare = [] if if_at is None else [mod_revision_is(*if_at)]
+        ops = [delete_op(key) for key in deletes]
+        ops += [put_op(key, value, lease) for key, value in puts]
+        result = await self.txn(compare, ops)
+        return result.revision if result.succeeded else None
+
+    async def delete_unchanged(self, key: str, mod_revision: int) -> bool:
+        """Delete `key` only while it is still at `mod_revision`; True when deleted."""
+        return await self.write(deletes=[key], if_at=(key, mod_revision)) is not None
+
+    async def replace_unchanged(self, key: str, mod_revision: int, value: bytes, lease: int = 0) -> bool:
+        """Write `value` at `key` only while it is still at `mod_revision`; True when written."""
+        return await self.write([(key, value)], if_at=(key, mod_revision), lease=lease) is not None
 
     # ---------------------------------------------------------------- leases
     async def grant(self, ttl: int) -> int:

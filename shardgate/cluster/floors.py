@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 from ..core.durable import DurableSubscription
 from ..core.message import now_ms
 from . import keys
-from .etcd import EtcdError, put_op, version_is
+from .etcd import EtcdError
 
 if TYPE_CHECKING:
     from ..core.broker import Broker
@@ -137,9 +137,8 @@ class CursorFloors:
         for node_id in reports:
             if node_id not in live and node_id not in departed:
                 key, since = self.departed_prefix + node_id, now_ms()
-                result = await self.node.client.txn(
-                    [version_is(key, 0)], [put_op(key, keys.encode({"since_ms": since}))])
-                if result.succeeded:
+                created, _current = await self.node.client.create(key, keys.encode({"since_ms": since}))
+                if created:
                     departed[node_id] = since
                     log.info("cluster: node %s left with cursor floors; they count for %.0f s more",
                              node_id, self.departed_retention_ms / 1000)

@@ -7,7 +7,6 @@ messages of the whole cluster from its own copy.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..proto import cluster_pb2 as pb
@@ -30,14 +29,10 @@ class RetainedSync:
     def __init__(self, plane: DataPlane) -> None:
         self.plane = plane
         self.links = plane.links
-        # What kept retained messages before (the metadata store, through the app).
-        self.keep: Callable[[str, Message | None], None] | None = None
 
     def changed(self, topic: str, message: Message | None) -> None:
-        """A retained message was set or cleared here (the owner of its shard): keep it, and
+        """A retained message was set or cleared here (the owner of its shard), and stored:
         tell every other node."""
-        if self.keep is not None:
-            self.keep(topic, message)
         if topic.startswith(NODE_LOCAL_TOPICS):
             return
         update = retained_frame(topic, message)
@@ -57,7 +52,7 @@ class RetainedSync:
         return owned
 
     def apply(self, updates: list[pb.Retained]) -> None:
-        retained = self.plane.broker.retained
+        broker = self.plane.broker
         for update in updates:
             message: Message | None = None
             if update.present:
@@ -67,11 +62,7 @@ class RetainedSync:
                     log.warning("dropped a malformed retained message from a peer: %s", exc)
                     continue
                 message.retain = True
-                retained.set(update.topic, message)
-            elif not retained.delete(update.topic):
-                continue
-            if self.keep is not None:
-                self.keep(update.topic, message)
+            broker.retain_from_peer(update.topic, message)
 
 
 def retained_frame(topic: str, message: Message | None) -> pb.Retained:

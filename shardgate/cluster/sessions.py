@@ -209,7 +209,7 @@ class CursorPlacer:
         process), then on the pushes, so unacknowledged messages come again. A cursor whose
         shard has no owner yet is placed when the shard map names one. Returns how many were
         placed on other owners' journals."""
-        self.broker.restored_cursors_wait = False
+        self.broker.restored_cursors_placed()
         count = self._place_waiting()
         if count:
             log.info("cluster: %d restored cursors replay from their shards' owners", count)

@@ -57,11 +57,12 @@ from ..core.message import Message, now_ms
 from ..protocols.mqtt import packets as p
 from ..protocols.mqtt.service import will_message
 from . import keys
-from .etcd import KeyValue, delete_op, mod_revision_is, put_op
+from .etcd import KeyValue
 from .journal_search import ShardUnreadable, shard_holds
 from .view_changes import ViewChanges
 
 if TYPE_CHECKING:
+    from ..core.broker import Broker
     from ..protocols.mqtt.service import MqttService
     from .control import ClusterNode
     from .sessions import StateWriter
@@ -110,15 +111,14 @@ def will_state(client_id: str, will: p.Will, *, node: str, lease: int, delay: in
 
 
 def will_of(state: dict[str, Any]) -> p.Will:
-    props = p.Properties()
-    props.message_expiry_interval = state.get("message_expiry_interval")
-    props.content_type = state.get("content_type")
-    props.correlation_data = _unb64(state.get("correlation_data"))
-    props.response_topic = state.get("response_topic")
-    props.payload_format_indicator = state.get("payload_format_indicator")
-    user = [(str(k), str(v)) for k, v in state.get("user_properties") or []]
-    if user:
-        props.user_properties = user
+    props = p.Properties(
+        message_expiry_interval=state.get("message_expiry_interval"),
+        content_type=state.get("content_type"),
+        correlation_data=_unb64(state.get("correlation_data")),
+        response_topic=state.get("response_topic"),
+        payload_format_indicator=state.get("payload_format_indicator"),
+        user_properties=[(str(k), str(v)) for k, v in state.get("user_properties") or []],
+    )
     return p.Will(str(state["topic"]), _unb64(state.get("payload")) or b"", int(state.get("qos", 0)),
                   bool(state.get("retain", False)), props)
 
@@ -150,9 +150,11 @@ def publish_at_ms(state: dict[str, Any], noticed_ms: int) -> int:
 class WillKeeper:
     """Keeps this node's wills in etcd and publishes those of dead nodes (module docstring)."""
 
-    def __init__(self, node: ClusterNode, service: MqttService, writer: StateWriter) -> None:
+    def __init__(self, node: ClusterNode, service: MqttService, writer: StateWriter,
+                 broker: Broker) -> None:
         self.node = node
         self.service = service
+        self.broker = broker
         self.writer = writer
         self.prefix = node.settings.prefix.rstrip("/") + ".state/wills/"
         self.view_changes = ViewChanges(node.view)
@@ -235,7 +237,7 @@ class WillKeeper:
                 return
             kv = await client.get(key)
             if kv is not None and keys.decode(kv.value).get("node") == self.node.node_id:
-                await client.txn([mod_revision_is(key, kv.mod_revision)], [delete_op(key)])
+                await client.delete_unchanged(key, kv.mod_revision)
 
         self.writer.run(key, write)
 
@@ -301,12 +303,12 @@ class WillKeeper:
         self._claiming.add(kv.key)
         try:
             try:
-                result = await self.node.client.txn([mod_revision_is(kv.key, kv.mod_revision)],
-                                                    [put_op(kv.key, keys.encode(claimed))])
+                taken = await self.node.client.write([(kv.key, keys.encode(claimed))],
+                                                     if_at=(kv.key, kv.mod_revision))
             except Exception as exc:  # noqa: BLE001 - the next scan finds it again
                 log.warning("cluster: cannot claim the will of %r yet: %s", client_id, exc)
                 return
-            if not result.succeeded:
+            if taken is None:
                 return  # claimed, replaced or cancelled elsewhere
             await pause_for_tests(CLAIM_PAUSE_ENV)
             holder = self.node.view.sessions.get(client_id)
@@ -322,14 +324,14 @@ class WillKeeper:
                          client_id, state.get("node"))
                 await self._publish(client_id, will)
                 await pause_for_tests(PUBLISH_PAUSE_ENV)
-            await self._delete_claim(kv.key, result.revision)
+            await self._delete_claim(kv.key, taken)
         finally:
             self._claiming.discard(kv.key)
 
     async def _delete_claim(self, key: str, revision: int) -> None:
         """Delete a will this node claimed and published (or cancelled), unless it changed."""
         try:
-            await self.node.client.txn([mod_revision_is(key, revision)], [delete_op(key)])
+            await self.node.client.delete_unchanged(key, revision)
         except Exception as exc:  # noqa: BLE001 - the next scan deletes it
             log.warning("cluster: cannot delete a published will's claim yet: %s", exc)
 
@@ -348,7 +350,7 @@ class WillKeeper:
         while True:
             seen = self.view_changes.count
             try:
-                held = await shard_holds(self.node, self.service.broker, will.topic,
+                held = await shard_holds(self.node, self.broker, will.topic,
                                          since_ms - SEARCH_BEFORE_CLAIM_MS, published)
                 return bool(held)
             except ShardUnreadable as exc:

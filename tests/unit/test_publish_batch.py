@@ -272,7 +272,7 @@ def test_a_read_larger_than_a_slow_subscribers_queue_loses_nothing() -> None:
             node.send(sub, p.Puback(packet.packet_id), 4)
         node.clock.run_soon()
     assert received == [str(i).encode() for i in range(200)]
-    assert node.service.broker.stats.messages_dropped == 0
+    assert node.service.edge.stats.messages_dropped == 0
     acks = pub_wire.read()
     assert sorted(a.packet_id for a in acks) == list(range(1, 201))  # type: ignore[attr-defined]
 
