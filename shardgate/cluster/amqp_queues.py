@@ -65,6 +65,7 @@ from ..protocols.amqp.remote import (
 )
 from . import keys
 from .link_auth import cluster_channel
+from .set_aside import SetAside, decode_record
 from .state_rpc import CHANNEL_OPTIONS
 
 if TYPE_CHECKING:
@@ -103,6 +104,8 @@ class SharedQueues:
         self._live: set[str] = set()
         # calls waiting until this node's view of etcd reaches a revision
         self._revision_waiters: list[tuple[int, asyncio.Future[None]]] = []
+        # records in etcd that cannot be restored: logged once each, left where they are
+        self.set_aside = SetAside(log)
 
     def install(self, plane: DataPlane, amqp: Any) -> None:
         self.amqp = amqp
@@ -139,7 +142,7 @@ class SharedQueues:
         me = self.node.node_id
         prefix = queue_key(vhost.name, "")
         for key, value in list(self.node.view.documents.items()):
-            if key.startswith(prefix) and keys.decode(value).get("node") == me:
+            if key.startswith(prefix) and self._node_in(key, value) == me:
                 queue = vhost.queues.get(unquote(key[len(prefix):]))
                 if queue is None or not is_shared(queue):
                     self._forget(key)
@@ -147,8 +150,16 @@ class SharedQueues:
     def _queue_deleted(self, vhost: Any, queue: Any) -> None:
         key = queue_key(vhost.name, queue.name)
         value = self.node.view.documents.get(key)
-        if value is not None and keys.decode(value).get("node") == self.node.node_id:
+        if value is not None and self._node_in(key, value) == self.node.node_id:
             self._forget(key)
+
+    def _node_in(self, key: str, value: bytes) -> Any:
+        """The node a queue's record names; None (set aside) when it cannot be read."""
+        try:
+            return decode_record(value).get("node")
+        except ValueError as exc:
+            self.set_aside(f"the home of AMQP queue record {key!r}", None, exc, value)
+            return None
 
     def _forget(self, key: str) -> None:
         del self.node.view.documents[key]
@@ -160,7 +171,12 @@ class SharedQueues:
         queue whose node is down no longer exists (as in RabbitMQ)."""
         if value is None:
             return None
-        record = keys.decode(value)
+        try:
+            record = decode_record(value)
+        except ValueError as exc:
+            # as if no node had it: this node's queue of that name serves its clients
+            self.set_aside("the home of an AMQP queue", None, exc, value)
+            return None
         node = record.get("node")
         if node is None or node == self.node.node_id:
             return None
@@ -198,7 +214,7 @@ class SharedQueues:
             if current is None:
                 at = 0
                 continue
-            if keys.decode(current.value).get("node") == self.node.node_id:
+            if self._node_in(full, current.value) == self.node.node_id:
                 self.node.view.documents[key] = value
                 return None
             home = self._home_in(current.value)

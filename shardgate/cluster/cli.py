@@ -45,7 +45,7 @@ class StatusError(Exception):
     """The status could not be read: the message says why (printed, exit code 1)."""
 
 
-def add_cluster_commands(sub: argparse._SubParsersAction) -> None:
+def add_cluster_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cluster = sub.add_parser("cluster", help="cluster status, drain a node (any node of the cluster)")
     cluster.add_argument("action", choices=["status", "drain"])
     cluster.add_argument("node", nargs="?", default=None, help="drain: the node to empty")

@@ -66,6 +66,7 @@ from ..core.records import decode_to_message, encode_message
 from . import keys
 from .etcd import KeyValue
 from .journal_search import shard_holds
+from .set_aside import UNREADABLE, SetAside, decode_record
 from .view_changes import ViewChanges
 from .wills import pause_for_tests
 
@@ -129,6 +130,8 @@ class SharedDelayed:
         # where a taken-over message's earlier release is looked for (None: never looked for)
         self.broker = broker
         self.prefix = node.settings.prefix.rstrip("/") + ".state/delayed/"
+        # records in etcd that cannot be restored: logged once each, left where they are
+        self.set_aside = SetAside(log)
         self._held: dict[str, HeldMessage] = {}
         # waiting for the next put transaction: (key, message, deliver-at, acknowledgement)
         self._puts: list[tuple[str, Message, int, asyncio.Future[None]]] = []
@@ -362,12 +365,11 @@ class SharedDelayed:
         taken = 0
         for kv in kvs:
             try:
-                state = keys.decode(kv.value)
+                state = decode_record(kv.value)
                 message = decode_to_message(base64.b64decode(state["data"]))
                 at_ms = int(state["at"])
-            except (ValueError, KeyError, TypeError):
-                log.error("cluster: delayed message %s in etcd is unreadable; dropped", kv.key)
-                await self.node.client.delete_unchanged(kv.key, kv.mod_revision)
+            except UNREADABLE as exc:  # (RecordFormatError is a ValueError)
+                self.set_aside("a delayed message", kv, exc)
                 continue
             if not self._orphaned(kv, state):
                 continue

@@ -68,6 +68,7 @@ from .sessions import (
     StateWriter,
     cursor_state,
 )
+from .set_aside import UNREADABLE, SetAside, decode_record
 from .state_rpc import StateCallError, StateRpc
 
 if TYPE_CHECKING:
@@ -118,6 +119,8 @@ class DurableHandover:
         self.rpc = rpc
         self.writer = writer
         self.prefix = node.settings.prefix.rstrip("/") + ".state/durables/"
+        # records in etcd that cannot be restored: logged once each, left where they are
+        self.set_aside = SetAside(log)
         # the cursor state last written, per subscription (to write only what moved)
         self._written: dict[str, Any] = {}
         # when each subscription's checkpoint was last queued (monotonic seconds)
@@ -163,7 +166,7 @@ class DurableHandover:
 
     def snapshot(self, sub: DurableSubscription) -> dict[str, Any]:
         cursors, messages = cursor_state(sub)
-        owner_options = sub.owner.saved_options()  # type: ignore[union-attr]
+        owner_options = sub.owner.saved_options()
         return {
             "node": self.node.node_id, "name": sub.name, "type": sub.type.value,
             "filters": sorted(sub.filters), "owner": owner_options, "cursors": cursors,
@@ -236,7 +239,12 @@ class DurableHandover:
             except Exception as exc:  # noqa: BLE001 - kept; checked again at its next move
                 log.warning("cluster: cannot check where subscription %r lives: %s", sub.name, exc)
                 continue
-            holder = keys.decode(kv.value).get("node") if kv is not None else None
+            try:
+                holder = decode_record(kv.value).get("node") if kv is not None else None
+            except ValueError as exc:
+                # kept here as it is: the record says nothing of where it lives
+                self.set_aside(f"durable subscription {sub.name!r}", kv, exc)
+                continue
             if holder is not None and holder != self.node.node_id and not sub.consumers:
                 self._give_up(sub)
                 dropped += 1
@@ -283,11 +291,17 @@ class DurableHandover:
                 if (await client.create(key, claim))[0]:
                     return None
                 continue
-            state = keys.decode(kv.value)
+            try:
+                state = decode_record(kv.value)
+            except ValueError as exc:
+                self.set_aside(f"durable subscription {name!r}", kv, exc)
+                raise ShardUnavailable(f"durable subscription {name!r} cannot be restored from "
+                                       f"its record in etcd ({exc}); it is set aside") from None
             holder = state.get("node")
             if holder != me and holder in self.node.view.nodes():
                 try:
-                    reply = await self.rpc.release_durable(holder, {"name": name, "to": me}, RELEASE_CALL_TIMEOUT_S)
+                    reply = await self.rpc.release_durable(str(holder), {"name": name, "to": me},
+                                                           RELEASE_CALL_TIMEOUT_S)
                 except StateCallError as exc:
                     log.warning("cluster: node %s did not hand subscription %r over (%s); resuming "
                                 "from its last checkpoint", holder, name, exc)
@@ -295,9 +309,12 @@ class DurableHandover:
                     # read again: a holder that stops gracefully writes its last checkpoint
                     # before its cluster port closes, maybe after the read above
                     kv = await client.get(key)
-                    if kv is None or keys.decode(kv.value).get("node") != holder:
+                    try:
+                        state = decode_record(kv.value) if kv is not None else {}
+                    except ValueError:
+                        continue  # set aside at the next turn of the loop
+                    if kv is None or state.get("node") != holder:
                         continue
-                    state = keys.decode(kv.value)
                 if reply.get("holder"):
                     return str(reply["holder"])
                 if reply.get("state") is not None:
@@ -314,7 +331,12 @@ class DurableHandover:
                     return None
             if "type" not in state:
                 return None  # claimed but never defined (its first consumer was refused)
-            self.adopt(state)
+            try:
+                self.adopt(state)
+            except UNREADABLE as exc:
+                self.set_aside(f"durable subscription {name!r}", kv, exc, state)
+                raise ShardUnavailable(f"durable subscription {name!r} cannot be restored from "
+                                       f"its record in etcd ({exc}); it is set aside") from None
             self.taken_over += 1
             log.info("cluster: durable subscription %r taken over from %s", name, holder)
             return None
@@ -327,10 +349,14 @@ class DurableHandover:
         factory = self.edge.owner_factories.get(str(options.get("protocol", "")))
         owner = factory(options) if factory is not None else None
         sub = broker.durable_subscription(state["name"], SubscriptionType(state["type"]), owner=owner)
-        self.placer.place(sub, state.get("cursors", []), state.get("messages", []),
-                          int(state.get("taken_ms", now_ms())))
-        for topic_filter in state.get("filters", []):
-            broker.add_filter(sub, topic_filter)
+        try:
+            self.placer.place(sub, state.get("cursors", []), state.get("messages", []),
+                              int(state.get("taken_ms", now_ms())))
+            for topic_filter in state.get("filters", []):
+                broker.add_filter(sub, topic_filter)
+        except BaseException:
+            self._give_up(sub)  # what was made of it leaves the broker
+            raise
         self._checkpoint(sub, force=True)  # etcd names this node now
         return sub
 
@@ -415,7 +441,11 @@ class DurableHandover:
             ) from exc
         if kv is None:
             return None
-        state = keys.decode(kv.value)
+        try:
+            state = decode_record(kv.value)
+        except ValueError as exc:
+            self.set_aside(f"durable subscription {name!r}", kv, exc)
+            return None
         holder = state.get("node")
         if "type" not in state or holder == self.node.node_id:
             return None

@@ -300,11 +300,11 @@ class EtcdClient:
 
     async def put(self, key: str, value: bytes, lease: int = 0) -> int:
         reply = await self._unary("Put", "kv", rpc.PutRequest(key=key.encode(), value=value, lease=lease))
-        return reply.header.revision  # type: ignore[attr-defined]
+        return int(reply.header.revision)  # type: ignore[attr-defined]
 
     async def delete(self, key: str) -> bool:
         reply = await self._unary("DeleteRange", "kv", rpc.DeleteRangeRequest(key=key.encode()))
-        return reply.deleted > 0  # type: ignore[attr-defined]
+        return bool(reply.deleted > 0)  # type: ignore[attr-defined]
 
     async def txn(
         self,
@@ -366,7 +366,7 @@ class EtcdClient:
         reply = await self._unary("LeaseGrant", "lease", rpc.LeaseGrantRequest(TTL=ttl))
         if reply.error:  # type: ignore[attr-defined]
             raise EtcdError(f"lease grant: {reply.error}")  # type: ignore[attr-defined]
-        return reply.ID  # type: ignore[attr-defined]
+        return int(reply.ID)  # type: ignore[attr-defined]
 
     async def revoke(self, lease_id: int) -> None:
         try:

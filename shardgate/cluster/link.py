@@ -77,7 +77,7 @@ class LinkRefused(ConnectionError):
 
 def frame_bytes(message: pb.PeerFrame | pb.PeerReply) -> bytes:
     """One frame on the wire: its length (4 bytes, big endian), then the message."""
-    data = message.SerializeToString()
+    data: bytes = message.SerializeToString()
     return _HEADER.pack(len(data)) + data
 
 

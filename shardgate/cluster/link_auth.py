@@ -284,22 +284,22 @@ class _CallSigner:
 
 
 # (grpc.aio files an interceptor under the first of the four kinds it is: one class per kind)
-class _SignUnaryUnary(_CallSigner, grpc.aio.UnaryUnaryClientInterceptor):
+class _SignUnaryUnary(_CallSigner, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]  # (grpc: no stubs)
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self.details(details), request)
 
 
-class _SignUnaryStream(_CallSigner, grpc.aio.UnaryStreamClientInterceptor):
+class _SignUnaryStream(_CallSigner, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]  # (grpc: no stubs)
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self.details(details), request)
 
 
-class _SignStreamUnary(_CallSigner, grpc.aio.StreamUnaryClientInterceptor):
+class _SignStreamUnary(_CallSigner, grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]  # (grpc: no stubs)
     async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(self.details(details), requests)
 
 
-class _SignStreamStream(_CallSigner, grpc.aio.StreamStreamClientInterceptor):
+class _SignStreamStream(_CallSigner, grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]  # (grpc: no stubs)
     async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(self.details(details), requests)
 
@@ -312,7 +312,7 @@ def cluster_channel(address: str, credentials: NodeCredentials,
                                      interceptors=[kind(credentials) for kind in kinds])
 
 
-class CallAuthenticator(grpc.aio.ServerInterceptor):
+class CallAuthenticator(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # (grpc: no stubs)
     """The internal gRPC server's gate: a call goes to its handler only when it carries a
     valid `call_metadata` of a registered node (`registered(node, instance)`)."""
 

@@ -60,7 +60,8 @@ def data_plane_metrics(plane: Any) -> Iterator[Metric]:
         f"{PREFIX}_forward_latency_seconds",
         "Seconds from writing a batch of forwarded publishes to the owner's answer (the owner "
         "holds them under the stream's durability policy); one observation per batch",
-        buckets=[(floatToGoString(bound), count) for bound, count in buckets], sum_value=total,
+        buckets=[(floatToGoString(bound), count)  # type: ignore[no-untyped-call]
+                 for bound, count in buckets], sum_value=total,
     )
     up = GaugeMetricFamily(f"{PREFIX}_link_up", "1 while this node's link to a peer is up",
                            labels=["peer"])

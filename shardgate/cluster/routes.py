@@ -70,7 +70,9 @@ def local_routes(subscriptions: Iterable[Subscription]) -> set[Route]:
                 routes.update(
                     Route(topic_filter, sub.name, members, sub.durable) for topic_filter in sub.filters
                 )
-        else:
+        elif not sub.consumers or any(getattr(consumer, "in_routes", True) for consumer in sub.consumers):
+            # (a plain subscription whose one consumer is a moved session's stand-in that its
+            # new node collects takes only what is on its way here: out of the routes)
             routes.update(Route(topic_filter, durable=sub.durable) for topic_filter in sub.filters)
     return routes
 

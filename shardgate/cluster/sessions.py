@@ -69,7 +69,8 @@ from ..protocols.mqtt.session import (
 )
 from . import keys
 from .control import ClaimRefused
-from .etcd import EtcdError, delete_op, mod_revision_is, put_op
+from .etcd import EtcdError, KeyValue, delete_op, mod_revision_is, put_op
+from .set_aside import UNREADABLE, SetAside, decode_record
 from .shard_reader import OwnerLog
 from .state_rpc import StateCallError, StateRpc
 
@@ -87,6 +88,9 @@ RELEASE_CALL_TIMEOUT_S = 3.0
 # A graceful stop hands its persistent sessions to live nodes within this long, this many at
 # a time (`SessionHandover.hand_over_offline`).
 HAND_OVER_S = 10.0
+# How long a takeover (CONNACK, a leaving node's handover) waits for what the old node's
+# stand-in took for the session while it moved (then it comes in the background).
+COLLECT_WAIT_S = 2.0
 HAND_OVER_PARALLEL = 16
 # How long a node that handed a session over keeps its shared groups' messages for the new
 # node (`GroupStandIn`) when that node does not collect them (it died meanwhile).
@@ -312,7 +316,7 @@ class StateWriter:
             if not still_gone():
                 return
             kv = await self.node.client.get(key)
-            if kv is None or keys.decode(kv.value).get("node") != self.node.node_id:
+            if kv is None or _holder_in(kv.value) != self.node.node_id:
                 return
             await self.node.client.txn([mod_revision_is(key, kv.mod_revision)], [delete_op(key)])
         self._queue(key, delete)
@@ -462,6 +466,57 @@ def snapshot(session: MqttSession, node_id: str, *, group_messages: bool = False
     }
 
 
+def _identity(message: Message) -> tuple[str, int, int, int, str]:
+    return (message.stream, message.shard, message.offset, message.publish_time_ms, message.topic)
+
+
+def in_shard_order(session: MqttSession, start: int, reliable: Callable[[str], bool]) -> int:
+    """Put the messages of non-reliable streams queued for `session` from position `start` on
+    (those a moving session got from its old node's stand-in and, meanwhile, from the owners
+    directly) in the order their shards gave them, each once: while the session moved, both
+    nodes were in the owners' routes for a moment, and the stand-in's came last. Each shard's
+    messages keep the places its messages held in the queue. Returns how many duplicates
+    were dropped."""
+    queue = session.queue
+    if len(queue) <= start:
+        return 0
+    window = list(queue)[start:]
+    seen: set[tuple[str, int, int, int, str]] = set()
+    kept: list[Queued] = []
+    dropped_bytes = 0
+    for item in window:
+        message = item.message
+        if message.offset >= 0 and not reliable(message.stream):
+            identity = _identity(message)
+            if identity in seen:
+                dropped_bytes += len(message.payload)
+                continue
+            seen.add(identity)
+        kept.append(item)
+    places: dict[tuple[str, int], list[int]] = {}
+    for index, item in enumerate(kept):
+        message = item.message
+        if message.offset >= 0 and not reliable(message.stream):
+            places.setdefault((message.stream, message.shard), []).append(index)
+    for indexes in places.values():
+        ordered = sorted((kept[index] for index in indexes), key=lambda item: item.message.offset)
+        for index, item in zip(indexes, ordered, strict=True):
+            kept[index] = item
+    for _ in range(len(window)):
+        queue.pop()
+    queue.extend(kept)
+    session.queued_bytes -= dropped_bytes
+    return len(window) - len(kept)
+
+
+def _holder_in(raw: bytes) -> Any:
+    """The node a session snapshot names; None when it cannot be read."""
+    try:
+        return decode_record(raw).get("node")
+    except ValueError:
+        return None
+
+
 def _group_of(session: MqttSession, source: Any) -> str | None:
     """The name of the shared subscription group `source` is, if it is one of `session`'s."""
     if source is None or source is session.subscription:
@@ -487,17 +542,24 @@ def expired(state: dict[str, Any], now: int | None = None, holder_gone_ms: int |
 
 
 class GroupStandIn:
-    """Stands in, in this node's shared subscription groups, for a session handed over to
-    another node, until that node is in those groups too and collects what they handed the
-    stand-in meanwhile (`SessionHandover.collect`). So a group always has a node for every
-    member while it moves (the owners never find it empty and drop a message), and what was
-    on its way here for the member follows it."""
+    """Stands in for a session handed over to another node, until that node serves the
+    session's routes and collects what the stand-in took meanwhile (`SessionHandover.collect`):
+    in this node's shared subscription groups (so a group always has a node for every member
+    while it moves, and the owners never find it empty and drop a message), and for the
+    session's own filters (`own`: a plain subscription with the same filters, which takes the
+    messages of non-reliable streams; the session's cursors carry the reliable ones). So what
+    was on its way here for the session when it left follows it: a graceful handover carries
+    everything it holds."""
 
-    def __init__(self, client_id: str, groups: list[Subscription], to: str, limit: int) -> None:
+    def __init__(self, client_id: str, groups: list[Subscription], to: str, limit: int,
+                 own: Subscription | None = None, reliable: Callable[[str], bool] | None = None) -> None:
         self.client_id = client_id
-        self.groups = groups
+        self.groups = groups  # the session's groups here, and `own` (left together)
+        self.own = own
+        self._reliable = reliable or (lambda stream: True)
         self.to = to  # the node the session went to: the one that collects
-        self.messages: list[tuple[str, Message]] = []
+        # (group name, or "" for the session's own filters; the message; the filters it matched)
+        self.messages: list[tuple[str, Message, tuple[str, ...]]] = []
         # at most what the session itself would queue (`mqtt.max_queued_messages`); beyond,
         # the newest are dropped and counted, as a full session queue does
         self.limit = limit
@@ -516,10 +578,13 @@ class GroupStandIn:
         return False  # takes a message only when no member of the group can
 
     def deliver(self, message: Message, subscription: Subscription, filters: Any) -> None:
+        own = subscription is self.own
+        if own and self._reliable(message.stream):
+            return  # in a journal: the session's cursors read it on its new node
         if len(self.messages) >= self.limit:
             self.dropped += 1
             return
-        self.messages.append((subscription.name, message))
+        self.messages.append(("" if own else subscription.name, message, tuple(filters or ())))
 
 
 class SessionHandover:
@@ -546,8 +611,13 @@ class SessionHandover:
         self.taken_over = 0
         self.handed_over = 0
         self.swept = 0
-        # sessions handed over whose groups' messages wait here for their new node, by client id
+        # sessions handed over whose messages wait here for their new node, by client id
         self._stand_ins: dict[str, GroupStandIn] = {}
+        # sessions taken over from a stand-in: how long their queue was when adopted (what came
+        # after is put in shard order once the stand-in's messages are in, `in_shard_order`)
+        self._window: dict[str, int] = {}
+        # snapshots in etcd that cannot be restored: logged once each, left where they are
+        self.set_aside = SetAside(log)
         self._collecting: set[asyncio.Future[None]] = set()
         # the cursors each connected session's snapshot in etcd was last queued with, and when
         self._checkpointed: dict[str, tuple[Any, float]] = {}
@@ -560,7 +630,7 @@ class SessionHandover:
     # ------------------------------------------------------------ wiring
     def install(self) -> None:
         self.service.find_session_elsewhere = self.find
-        self.service.store = SnapshottingStore(self.service.store, self)  # type: ignore[assignment]
+        self.service.store = SnapshottingStore(self.service.store, self)
         self.rpc.on_release = self.release
         self.rpc.on_take = self.take_for_peer
         self.node.view.on_change(self._note_departures)
@@ -601,7 +671,12 @@ class SessionHandover:
             except EtcdError as exc:
                 log.warning("cluster: cannot check where session %r lives: %s", client_id, exc)
                 continue
-            holder = keys.decode(kv.value).get("node") if kv is not None else None
+            try:
+                holder = decode_record(kv.value).get("node") if kv is not None else None
+            except ValueError as exc:
+                # kept here as it is: the snapshot says nothing of where the session lives
+                self.set_aside(f"the snapshot of MQTT session {client_id!r}", kv, exc)
+                continue
             if holder is None and self.node.first_cluster_start:
                 self.went_offline(client_id)  # a single node's session joining the cluster
                 continue
@@ -662,9 +737,9 @@ class SessionHandover:
         if kv is None:
             return False
         try:
-            state = keys.decode(kv.value)
+            state = decode_record(kv.value)
         except ValueError:
-            return False
+            return False  # set aside when it is taken (`_snapshot_in`)
         if "owner" not in state or state["owner"] == username:
             return False
         return not expired(state, holder_gone_ms=self.holder_gone_ms(state.get("node")))
@@ -685,8 +760,7 @@ class SessionHandover:
         except ClaimRefused as exc:
             raise SessionOfAnotherUser(str(exc)) from None
         saved_kv = reads[0]
-        saved = keys.decode(saved_kv[0].value) if saved_kv else None
-        state = saved
+        state = self._snapshot_in(client_id, saved_kv[0] if saved_kv else None)
         if holder is not None and holder != me and holder in node.view.nodes():
             try:
                 reply = await self.rpc.release_session(
@@ -701,20 +775,33 @@ class SessionHandover:
                 # read again: a holder that stops gracefully writes its sessions' snapshots
                 # before its cluster port closes, maybe after the claim above read the older
                 # one (its client reconnected here while it was stopping)
-                latest = await node.client.get(self.key(client_id))
-                state = keys.decode(latest.value) if latest is not None else None
+                state = self._snapshot_in(client_id, await node.client.get(self.key(client_id)))
             if stood_in:
-                # the holder's stand-in keeps the session's groups there until this node is
-                # in them (adopted, and the peers know), then hands over what it took (in the
-                # background: CONNACK does not wait for it)
+                # the holder's stand-in takes the session's messages there until this node
+                # serves its routes (adopted, and the peers know), then hands over what it
+                # took: CONNACK (and a leaving node's handover) waits for that, bounded by
+                # COLLECT_WAIT_S (then it comes in the background)
                 try:
-                    await self._adopt_taken(client_id, clean_start, state)
+                    await self._adopt_taken(client_id, clean_start, state, stood_in=True)
                 finally:
                     collecting = asyncio.ensure_future(self._collect_from(str(holder), client_id))
                     self._collecting.add(collecting)
                     collecting.add_done_callback(self._collecting.discard)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(collecting), COLLECT_WAIT_S)
                 return
         await self._adopt_taken(client_id, clean_start, state)
+
+    def _snapshot_in(self, client_id: str, kv: KeyValue | None) -> dict[str, Any] | None:
+        """The session snapshot `kv` holds; None (and set aside: the client gets a new
+        session, as for a session a single node cannot restore) when it cannot be read."""
+        if kv is None:
+            return None
+        try:
+            return decode_record(kv.value)
+        except ValueError as exc:
+            self.set_aside(f"the snapshot of MQTT session {client_id!r}", kv, exc)
+            return None
 
     async def take_for_peer(self, request: dict[str, Any]) -> dict[str, Any]:
         """A leaving node asks this one to take a persistent session over (offline): as if its
@@ -790,42 +877,73 @@ class SessionHandover:
             return
         session = self.service.sessions.get(client_id)
         stand_in = self._stand_ins.get(client_id)  # the session moved on meanwhile
+        start = self._window.pop(client_id, None)
         lost = 0
-        for group, stream, shard, offset, data in reply.get("messages", []):
-            entry = session.shared.get(group) if session is not None else None
+        for group, stream, shard, offset, data, *matched in reply.get("messages", []):
             message = _message(data, stream, shard, offset)
-            if message is not None and session is not None and entry is not None:
-                session.deliver(message, entry[0], ())
-            elif message is not None and stand_in is not None:
-                stand_in.messages.append((group, message))
+            filters = tuple(matched[0]) if matched else ()
+            if message is None:
+                lost += 1
+            elif session is not None and not group:
+                own = session.subscription
+                wanted = [topic_filter for topic_filter in filters if topic_filter in own.filters]
+                if wanted:  # (none: the session unsubscribed meanwhile)
+                    session.deliver(message, own, wanted)
+            elif session is not None and group in session.shared:
+                session.deliver(message, session.shared[group][0], ())
+            elif stand_in is not None:
+                stand_in.messages.append((group, message, filters))
             else:
                 lost += 1
+        if session is not None and start is not None:
+            in_shard_order(session, start, self._reliable)
         if lost:
-            log.warning("cluster: %d group messages of session %r had no member to go to here",
-                        lost, client_id)
+            log.warning("cluster: %d messages taken for session %r while it moved had nowhere to "
+                        "go here", lost, client_id)
 
-    async def _adopt_taken(self, client_id: str, clean_start: bool, state: dict[str, Any] | None) -> None:
+    async def _adopt_taken(self, client_id: str, clean_start: bool, state: dict[str, Any] | None,
+                           *, stood_in: bool = False) -> None:
         if client_id in self.service.sessions:
             return  # a connection here made one meanwhile
         if clean_start or state is None or expired(state, holder_gone_ms=self.holder_gone_ms(state.get("node"))):
             return  # a new session: opening it replaces or removes the snapshot (`opened`)
-        session = self.adopt(state)
+        try:
+            session = self.adopt(state)
+        except UNREADABLE as exc:
+            # the client gets a new session, as for a session a single node cannot restore
+            self.set_aside(f"the snapshot of MQTT session {client_id!r}", None, exc, state)
+            return
+        if stood_in:
+            # what comes from here on (the stand-in's, then the pushes) is put in shard order
+            self._window[client_id] = len(session.queue)
         self.taken_over += 1
         log.info("cluster: session %r taken over from %s", client_id, state.get("node"))
         self.went_offline(client_id)  # etcd now names this node
-        if session.shared:
-            # CONNACK waits (bounded) until the peers know this node is in the session's
-            # groups: a message published after it reaches the group here, as after a SUBACK
-            # (the session's own subscription needs no wait: its cursors replay the owners')
+        if session.shared or stood_in:
+            # CONNACK waits (bounded) until the peers know this node serves the session's
+            # routes: a message published after it reaches the session here, as after a
+            # SUBACK, and the old node's stand-in can leave (its cursors replay the owners'
+            # reliable shards in any case)
             ready = self.broker.routes_ready()
             if ready is not None:
                 await ready
 
     def adopt(self, state: dict[str, Any]) -> MqttSession:
         """Rebuild a session from a snapshot, offline (its connection is about to attach)."""
-        service, broker = self.service, self.broker
+        service = self.service
         client_id = str(state["client_id"])
         session = MqttSession(service, client_id, durable=True)
+        try:
+            self._rebuild(session, state)
+        except BaseException:
+            session.discard()  # what was made of it leaves the broker
+            raise
+        service.sessions[client_id] = session
+        return session
+
+    def _rebuild(self, session: MqttSession, state: dict[str, Any]) -> None:
+        service, broker = self.service, self.broker
+        client_id = session.client_id
         session.expiry_interval = int(state.get("expiry", 0))
         session.disconnected_at_ms = state.get("disconnected_ms")
         if "owner" in state:
@@ -869,8 +987,6 @@ class SessionHandover:
         session.inbound_qos2 = set(state.get("qos2", []))
         if session.inbound_qos2 and service.store is not None:
             service.store.save_qos2([(client_id, packet_id, True) for packet_id in session.inbound_qos2])
-        service.sessions[client_id] = session
-        return session
 
     # ------------------------------------------------------------ the old node
     async def release(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -894,16 +1010,19 @@ class SessionHandover:
         state = (snapshot(session, self.node.node_id, group_messages=True)
                  if session.durable and not clean_start else None)
         stand_in = None
-        if state is not None and session.shared:
-            stand_in = GroupStandIn(client_id, [sub for sub, _options in session.shared.values()], to,
-                                    service.settings.max_queued_messages)
+        if state is not None:
+            earlier = self._stand_ins.get(client_id)
+            taken: list[tuple[str, Message, tuple[str, ...]]] = []
+            if earlier is not None:  # an earlier move's, not collected yet: what it took goes too
+                taken, earlier.messages = earlier.messages, []
+                self._drop_stand_in(client_id)
+            own = self._own_stand_in_subscription(session)
+            groups = [sub for sub, _options in session.shared.values()]
+            stand_in = GroupStandIn(client_id, [*groups, *([own] if own is not None else [])], to,
+                                    service.settings.max_queued_messages, own, self._reliable)
+            stand_in.messages.extend(taken)
             for group in stand_in.groups:
                 self.broker.attach(group, stand_in)  # before the session leaves: no route changes
-            earlier = self._stand_ins.get(client_id)
-            if earlier is not None:  # an earlier move's, not collected yet: what it took goes too
-                stand_in.messages.extend(earlier.messages)
-                earlier.messages.clear()
-                self._drop_stand_in(client_id)
             stand_in.timer = asyncio.get_running_loop().call_later(
                 STAND_IN_TIMEOUT_S, self._drop_stand_in, client_id)
             self._stand_ins[client_id] = stand_in
@@ -917,6 +1036,22 @@ class SessionHandover:
         self.handed_over += 1
         log.info("cluster: session %r handed over to %s", client_id, to)
         return {"state": state, "stand_in": stand_in is not None}
+
+    def _reliable(self, stream: str) -> bool:
+        broker_stream = self.broker.streams.get(stream)
+        return broker_stream is None or broker_stream.reliable
+
+    def _own_stand_in_subscription(self, session: MqttSession) -> Subscription | None:
+        """A plain subscription with `session`'s own filters, for its stand-in (made while the
+        session still holds them: the node's routes do not change)."""
+        filters = session.subscription.filters
+        if not filters:
+            return None
+        broker = self.broker
+        own = broker.subscription(f"mqtt:{session.client_id}:moving")
+        for topic_filter, options in filters.items():
+            broker.add_filter(own, topic_filter, options)
+        return own
 
     async def collect(self, client_id: str, to: str) -> dict[str, Any]:
         """The session's new node `to` is in its groups now: the stand-in leaves them, and once
@@ -944,8 +1079,8 @@ class SessionHandover:
             log.warning("cluster: %d group messages for session %r were over the queue limit "
                         "while it moved; dropped", stand_in.dropped, client_id)
         return {"messages": [
-            [group, message.stream, message.shard, message.offset, _message_data(message)]
-            for group, message in stand_in.messages
+            [group, message.stream, message.shard, message.offset, _message_data(message), list(filters)]
+            for group, message, filters in stand_in.messages
         ]}
 
     def _leave_groups(self, stand_in: GroupStandIn) -> None:
@@ -1083,8 +1218,8 @@ class SessionHandover:
                 return
             kv = await client.get(key)
             voided = self._void.get(client_id)
-            if kv is not None:
-                state = keys.decode(kv.value)
+            state = self._snapshot_in(client_id, kv)
+            if kv is not None and state is not None:
                 if (voided is not None and int(state.get("taken_ms", 0)) <= voided) or (
                         session is None and state.get("node") == self.node.node_id):
                     await client.txn([mod_revision_is(key, kv.mod_revision)], [delete_op(key)])
@@ -1129,10 +1264,12 @@ class SessionHandover:
         swept = 0
         for kv in kvs:
             try:
-                state = keys.decode(kv.value)
-            except ValueError:
+                state = decode_record(kv.value)
+                gone = expired(state, now, self.holder_gone_ms(state.get("node")))
+            except UNREADABLE as exc:
+                self.set_aside("an MQTT session snapshot", kv, exc)
                 continue
-            if not expired(state, now, self.holder_gone_ms(state.get("node"))):
+            if not gone:
                 continue
             result = await client.txn([mod_revision_is(kv.key, kv.mod_revision)], [delete_op(kv.key)])
             if result.succeeded:

@@ -59,6 +59,7 @@ from ..protocols.mqtt.service import will_message
 from . import keys
 from .etcd import KeyValue
 from .journal_search import ShardUnreadable, shard_holds
+from .set_aside import UNREADABLE, SetAside, decode_record
 from .view_changes import ViewChanges
 
 if TYPE_CHECKING:
@@ -68,6 +69,14 @@ if TYPE_CHECKING:
     from .sessions import StateWriter
 
 log = logging.getLogger(__name__)
+
+
+def _node_in(raw: bytes) -> Any:
+    """The node a will's record names; None when it cannot be read."""
+    try:
+        return decode_record(raw).get("node")
+    except ValueError:
+        return None
 
 # How often the controller looks for wills of nodes that are gone.
 SCAN_INTERVAL_S = 1.0
@@ -157,6 +166,8 @@ class WillKeeper:
         self.broker = broker
         self.writer = writer
         self.prefix = node.settings.prefix.rstrip("/") + ".state/wills/"
+        # wills in etcd that cannot be restored: logged once each, left where they are
+        self.set_aside = SetAside(log)
         self.view_changes = ViewChanges(node.view)
         # client ids whose will this node has put in etcd
         self._kept: set[str] = set()
@@ -236,7 +247,7 @@ class WillKeeper:
                 await client.delete(key)
                 return
             kv = await client.get(key)
-            if kv is not None and keys.decode(kv.value).get("node") == self.node.node_id:
+            if kv is not None and _node_in(kv.value) == self.node.node_id:
                 await client.delete_unchanged(key, kv.mod_revision)
 
         self.writer.run(key, write)
@@ -270,18 +281,22 @@ class WillKeeper:
         now = now_ms()
         for kv in kvs:
             try:
-                state = keys.decode(kv.value)
-            except ValueError:
+                state = decode_record(kv.value)
+                claimed_here = self._claimed_here(state)
+                orphaned = self._orphaned(state)
+                publish_at = publish_at_ms(state, now)
+            except UNREADABLE as exc:
+                self.set_aside("an MQTT will", kv, exc)
                 continue
-            if self._claimed_here(state):
+            if claimed_here:
                 if kv.key not in self._claiming:  # published, but its delete failed: again
                     await self._delete_claim(kv.key, kv.mod_revision)
                 continue
-            if not self._orphaned(state) or self._due.get(kv.key) == kv.mod_revision:
+            if not orphaned or self._due.get(kv.key) == kv.mod_revision:
                 continue
             found += 1
             self._due[kv.key] = kv.mod_revision
-            wait_s = max(0.0, (publish_at_ms(state, now) - now) / 1000)
+            wait_s = max(0.0, (publish_at - now) / 1000)
             asyncio.get_running_loop().call_later(wait_s, self._claim_later, kv, state)
         return found
 
