@@ -27,8 +27,10 @@ CLUSTER_SECRET = "bench-cluster-secret-0123456789abcdef"
 
 
 def node_env() -> dict[str, str]:
-    """The environment of a bench's processes: this one's, with the cluster secret."""
-    return {**os.environ, "SHARDGATE_CLUSTER__SECRET": CLUSTER_SECRET}
+    """The environment of a bench's processes: this one's, with the cluster secret (and an
+    archive per node, which a cluster otherwise refuses)."""
+    return {**os.environ, "SHARDGATE_CLUSTER__SECRET": CLUSTER_SECRET,
+            "SHARDGATE_ARCHIVE__PER_NODE": "true"}  # each node's own archive is fine here
 
 
 class Processes:

@@ -57,7 +57,8 @@ def wait_until(check, timeout: float = 60.0) -> None:  # type: ignore[no-untyped
 def process(args: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
     with open(log, "ab") as out:
         # (cluster nodes need a cluster secret; the single node ignores it)
-        env = {**os.environ, "SHARDGATE_CLUSTER__SECRET": "bench-cluster-secret-0123456789abcdef"}
+        env = {**os.environ, "SHARDGATE_CLUSTER__SECRET": "bench-cluster-secret-0123456789abcdef",
+               "SHARDGATE_ARCHIVE__PER_NODE": "true"}
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=env)
     try:

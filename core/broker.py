@@ -22,9 +22,11 @@ from dataclasses import dataclass, field
 from ..storage.interfaces import (
     ArchiveSource,
     LatencyHistogram,
+    ShardLog,
     ShardStorage,
     StorageError,
     StorageFull,
+    StorageUnavailable,
 )
 from .backpressure import BackPressure
 from .delayed import DelayedDelivery, Held, deliver_at
@@ -32,6 +34,7 @@ from .durable import CursorSink, DurableOptions, DurableSubscription
 from .errors import (
     PublishRejected,
     SchemaMismatch,
+    ShardUnavailable,
     StoreFull,
     StreamExists,
     StreamNotFound,
@@ -235,6 +238,26 @@ class Broker:
             return self._streams[name]
         except KeyError:
             raise StreamNotFound(f"stream {name!r} does not exist") from None
+
+    def swap_shard_log(self, stream: str, index: int, shard_log: ShardLog) -> None:
+        """Give a reliable shard another log over the same records (in a cluster, the
+        replicated log of a shard placed on several nodes, or its plain journal log again):
+        from now on appends and reads go to it, and durable cursors that read the old one
+        read it instead. Also takes the shard's next offset from the log (its records may
+        have come from elsewhere meanwhile: a follower's fetches)."""
+        shard = self.stream(stream).shards[index]
+        previous = shard.log
+        if previous is None:
+            raise PublishRejected(f"{stream}/{index} is not a reliable shard")
+        shard.log = shard_log
+        shard.next_offset = shard_log.next_offset
+        if previous is shard_log:
+            return
+        for sub in list(self.subscriptions.values()):
+            if isinstance(sub, DurableSubscription):
+                cursor = sub.cursors.get((stream, index))
+                if cursor is not None and cursor.log is previous:
+                    cursor.log = shard_log
 
     def create_stream(self, config: StreamConfig, routes: list[str] | None = None) -> Stream:
         if config.name in self._streams:
@@ -754,6 +777,8 @@ class Broker:
         assert shard_log is not None
         try:
             message.offset = shard_log.append([(message.publish_time_ms, encode_message(message))])
+        except StorageUnavailable as exc:
+            raise ShardUnavailable(f"the shard cannot take the message now: {exc}") from exc
         except StorageFull as exc:
             raise StoreFull(f"the journal refused the message: {exc}") from exc
         except StorageError as exc:
@@ -781,6 +806,8 @@ class Broker:
             for message, record, index in zip(group, records, indices, strict=True):
                 try:
                     message.offset = shard_log.append([record])
+                except StorageUnavailable as exc:
+                    outcomes[index] = ShardUnavailable(f"the shard cannot take the message now: {exc}")
                 except StorageFull as exc:
                     outcomes[index] = StoreFull(f"the journal refused the message: {exc}")
                 except StorageError as exc:

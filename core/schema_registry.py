@@ -339,6 +339,7 @@ class SchemaRegistry:
     def __init__(self, on_change: Callable[[str, list[SchemaVersion]], None] | None = None,
                  clock_ms: Callable[[], int] | None = None) -> None:
         self.on_change = on_change
+        self._listeners: list[Callable[[str, list[SchemaVersion]], None]] = []
         self._clock_ms = clock_ms or (lambda: int(time.time() * 1000))
         self._versions: dict[str, list[SchemaVersion]] = {}
         self.checks: dict[str, Check] = {}
@@ -355,6 +356,26 @@ class SchemaRegistry:
         latest = versions[-1]
         self.checks[stream] = compile_check(stream, latest.type, latest.parsed)
         self._versions[stream] = versions
+
+    def add_listener(self, listener: Callable[[str, list[SchemaVersion]], None]) -> None:
+        """Also tell `listener` of every change, after `on_change` (a cluster shares them)."""
+        self._listeners.append(listener)
+
+    def _changed(self, stream: str) -> None:
+        versions = self.versions(stream)
+        if self.on_change is not None:
+            self.on_change(stream, versions)
+        for listener in self._listeners:
+            listener(stream, versions)
+
+    def replace(self, stream: str, versions: list[SchemaVersion]) -> None:
+        """Take a stream's versions as another registry holds them (a cluster's: every node's
+        registry follows etcd's), and hand them to `on_change` as a registration does."""
+        if not versions:
+            self.delete(stream)
+            return
+        self.load(stream, versions)
+        self._changed(stream)
 
     def streams(self) -> list[str]:
         return sorted(self._versions)
@@ -401,16 +422,14 @@ class SchemaRegistry:
                                 self._clock_ms())
         self._versions.setdefault(stream, []).append(version)
         self.checks[stream] = check
-        if self.on_change is not None:
-            self.on_change(stream, self.versions(stream))
+        self._changed(stream)
         return version
 
     def delete(self, stream: str) -> None:
         """Forget a stream's schemas (the stream was deleted)."""
         if self._versions.pop(stream, None) is not None:
             self.checks.pop(stream, None)
-            if self.on_change is not None:
-                self.on_change(stream, [])
+            self._changed(stream)
 
     def refused(self, stream: str, exc: SchemaMismatch) -> None:
         """Count a refused payload and log it, rate-limited."""

@@ -20,12 +20,9 @@ from .topics import filter_matches, validate_topic_filter
 
 STREAM_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 
-#: A reliable stream's replicas in a cluster when it does not say (capped by the live node
-#: count when the controller places it; a single node always keeps one copy, at no cost).
-DEFAULT_REPLICAS = 3
-#: How many replicas must hold a message before it is acknowledged, when the stream does not
-#: say (capped by the stream's replica count), as Kafka's `min.insync.replicas`.
-DEFAULT_MIN_INSYNC_REPLICAS = 2
+#: The most replicas a stream may ask for. What a stream without the settings gets, and how the
+#: live node count caps them, is the cluster's (`shardgate/cluster/replication.py`): a single
+#: node keeps one copy whatever the stream says.
 MAX_REPLICAS = 16
 
 
@@ -49,7 +46,7 @@ class StreamConfig:
     schema: Schema = Schema.BYTES
     retention_ms: int | None = None
     retention_bytes: int | None = None
-    # None: the defaults above (replication is a cluster's: a single node ignores both)
+    # None: the cluster's defaults (a single node ignores both)
     replicas: int | None = None
     min_insync_replicas: int | None = None
 
@@ -72,22 +69,6 @@ class StreamConfig:
                     f"replicas ({self.replicas})")
         self.mode = DispatchMode(self.mode)
         self.schema = Schema(self.schema)
-
-    def replica_count(self, live_nodes: int) -> int:
-        """How many replicas a shard of this stream gets in a cluster of `live_nodes` live
-        nodes: 1 for a non-reliable stream (nothing to copy), else the setting (default
-        `DEFAULT_REPLICAS`), never more than the live nodes."""
-        if self.mode is not DispatchMode.RELIABLE:
-            return 1
-        wanted = self.replicas if self.replicas is not None else DEFAULT_REPLICAS
-        return max(1, min(wanted, live_nodes))
-
-    def min_insync(self, replicas: int) -> int:
-        """How many in-sync replicas an acknowledgement needs for a shard of `replicas`
-        replicas: the setting (default `DEFAULT_MIN_INSYNC_REPLICAS`), at most `replicas`."""
-        wanted = (self.min_insync_replicas if self.min_insync_replicas is not None
-                  else DEFAULT_MIN_INSYNC_REPLICAS)
-        return max(1, min(wanted, replicas))
 
 
 @dataclass(slots=True)

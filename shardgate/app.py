@@ -15,7 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .config import Config, ConfigError
+from .config import Config, ConfigError, check_cluster_archive
 from .core.broker import Broker
 from .core.edge import Edge
 from .core.errors import CoreError
@@ -245,6 +245,11 @@ class Shardgate:
                 self.cluster = await attach.connect(self)
             except ClusterStartError as exc:
                 raise ConfigError(f"cluster: {exc}") from exc
+            try:  # one archive for the cluster, unless said otherwise (once etcd answered)
+                check_cluster_archive(config)
+            except ConfigError:
+                await self.cluster.client.close()
+                raise
         try:
             self.broker = self._build_broker()
         except (StorageError, CoreError, ValueError) as exc:
@@ -494,11 +499,49 @@ class Shardgate:
             latest = broker.schemas.latest(name)
             return None if latest is None else (latest.type.value, latest.parsed, latest.version)
 
+        def continue_log(name: str, index: int, offset: int) -> bool:
+            """A shard log that holds no record continues at `offset`, its broker shard too."""
+            stream = broker.streams.get(name)
+            if stream is None or not 0 <= index < len(stream.shards):
+                return False
+            shard = stream.shards[index]
+            start_at = getattr(shard.log, "start_at", None)
+            if start_at is None or shard.log is None or shard.next_offset != shard.log.next_offset:
+                return False
+            try:
+                shard.next_offset = start_at(offset)
+            except StorageError as exc:
+                log.error("%s/%d: the archive holds offsets up to %d, the journal fewer, and it "
+                          "cannot continue after them: %s", name, index, offset - 1, exc)
+                return False
+            return True
+
+        leads = None
+        if self.cluster is not None:  # only a shard's leader archives it
+            view, node_id = self.cluster.view, self.cluster.node_id
+
+            def leads(name: str, index: int) -> bool:
+                assignment = view.leader(name, index)
+                return assignment is not None and assignment.leader == node_id
+
         assert self.journal is not None  # the archive reads the journal's reliable streams
         try:
+            journal = self.journal
+
+            def archived_log(stream: str, shard: int) -> Any:
+                # a replicated shard: its leader archives what is below the high watermark
+                cluster = self.cluster
+                if cluster is not None and cluster.replicas is not None:
+                    return cluster.replicas.archived_log(stream, shard)
+                return journal.open_shard(stream, shard)
+
             self.archiver = Archiver(self.journal, url, reliable_streams, settings,
-                                     registered_schema=registered_schema)
+                                     registered_schema=registered_schema, leads=leads,
+                                     continue_log=continue_log,
+                                     shard_log=archived_log if self.cluster is not None else None)
             await self.archiver.start()
+            if self.cluster is not None:  # a shard this node starts to lead: at once
+                self.cluster.view.on_change(self.archiver.wake)
         except ArchiveConfigError as exc:
             raise ConfigError(f"archive: {exc}") from exc
         self.archive_reader = ArchiveReader(url, settings)
@@ -570,6 +613,8 @@ class Shardgate:
         if self.data_plane is not None:
             # after the clients, before the journal: forwarded publishes still land in it
             await self.data_plane.stop()
+        if self.cluster is not None and self.cluster.replicas is not None:
+            await self.cluster.replicas.close()  # before the journal: followers append to it
         if self.journal is not None:
             try:
                 await asyncio.wait_for(self.journal.flush(), 10)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import Config, ConfigError, check_config, load_config
+from .config import Config, ConfigError, check_cluster_archive, check_config, load_config
 from .storage.allocators import tune_malloc
 
 
@@ -55,6 +55,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                        "(cluster.secret_file)")
     serve.add_argument("--insecure-cluster", action="store_true", default=None,
                        help="run the cluster port without node authentication (cluster.insecure)")
+    serve.add_argument("--archive-url", metavar="URL",
+                       help="where reliable streams are archived as Parquet (archive.url; in a "
+                       "cluster, the same URL on every node)")
     serve.add_argument("--port-file", type=Path,
                        help="write the bound listener ports as JSON to this file once started")
 
@@ -125,6 +128,7 @@ def _config_command(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.file)
         check_config(config)
+        check_cluster_archive(config)
     except ConfigError as exc:
         print(f"shardgate: {exc}", file=sys.stderr)
         return 2
@@ -253,6 +257,7 @@ def main(argv: list[str] | None = None) -> None:
             ("cluster", "port"): args.cluster_port,
             ("cluster", "secret_file"): args.cluster_secret_file,
             ("cluster", "insecure"): args.insecure_cluster,
+            ("archive", "url"): args.archive_url,
         }
         try:
             config = load_config(args.config, overrides=overrides)

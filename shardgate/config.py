@@ -94,12 +94,15 @@ class ArchiveConfig:
     enabled: bool = True
     # fsspec URL; empty: file://<data_dir>/archive. s3://bucket/prefix needs s3fs.
     url: str = ""
+    # a cluster refuses an archive in each node's data directory (the archive would be split
+    # across machines) unless this says it is meant
+    per_node: bool = False
     target_rows: int = 100_000
     target_bytes: int = 32 * 1024 * 1024
     max_delay_s: float = 60.0
     # a stream with a registered schema is archived as typed columns; also keep payload bytes
     keep_typed_payload: bool = False
-    # compaction (local disks): merge a shard's small files of an hour into files of this size,
+    # compaction: merge a shard's small files of an hour into files of this size,
     # compact_after_s after the hour ended
     compaction: bool = True
     file_target_bytes: int = 128 * 1024 * 1024
@@ -464,6 +467,34 @@ def check_config(config: Config) -> None:
                 raise ConfigError(f"[[{key}]] {bridge.name!r}: reconnect_min_s = "
                                   f"{bridge.reconnect_min_s} is more than reconnect_max_s = "
                                   f"{bridge.reconnect_max_s}")
+
+
+def check_cluster_archive(config: Config) -> None:
+    """A cluster archives into one table only if every node is given the same URL: refuse an
+    archive in each node's own data directory (the default) unless `per_node` says so. Called
+    by `serve` once etcd has answered (so that a node that cannot join says why first) and by
+    `shardgate config check`."""
+    archive = config.archive
+    if not archive.enabled or archive.per_node or not config.cluster.enabled:
+        return
+    url = archive.url
+    if url:
+        scheme, sep, rest = url.partition("://")
+        if "::" in url or (sep and scheme not in ("file", "local")):
+            return  # object storage, a chained URL: one place every node reaches
+        path = Path(rest if sep else url).resolve()
+    else:
+        path = (Path(config.data_dir) / "archive").resolve()
+    data_dir = Path(config.data_dir).resolve()
+    if path != data_dir and data_dir not in path.parents:
+        return  # a directory outside the data directory: taken as one every node mounts
+    shown = f"archive.url = {url!r}" if url else "archive.url is not set"
+    raise ConfigError(
+        f"{shown}: in a cluster each node would archive into its own data directory "
+        f"({path}), so the archive would be split across machines; give every node the same "
+        "archive URL (object storage such as s3://bucket/prefix, or a directory every node "
+        "mounts: --archive-url, [archive] url), or set [archive] per_node = true if a "
+        "separate archive per node is meant")
 
 
 def _check_bridge_filters(key: str, bridge: Any) -> None:

@@ -23,6 +23,11 @@ class StorageFull(StorageError):
     """The engine could not write: disk full, quota, I/O error. Nothing was accepted."""
 
 
+class StorageUnavailable(StorageError):
+    """The log cannot take writes now, and may soon: a replicated shard whose leadership is
+    changing or whose in-sync replicas are below the minimum. Nothing was accepted; retry."""
+
+
 class CorruptRecord(StorageError):
     """A record failed its checksum in the middle of a segment (not a torn tail)."""
 

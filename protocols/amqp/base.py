@@ -164,6 +164,8 @@ class ConnectionBase:
 
         def queue_deleted(self, queue: Queue) -> None: ...
 
+        def reauthorize_consumers(self) -> int: ...
+
     # ================================================================== output
     @property
     def writable(self) -> bool:

@@ -4,11 +4,13 @@ consumer), cancel, get, and settling deliveries with ack, nack, reject and recov
 from __future__ import annotations
 
 import base64
+import logging
 import secrets
 from typing import Any
 
 from pamqp import commands
 
+from ...core.edge import Action
 from .base import ConnectionBase
 from .channel import REPLY_TO, AmqpChannel, Delivery, route_names, route_of
 from .errors import ChannelException, ConnectionException, ReplyCode
@@ -23,6 +25,8 @@ from .remote import (
     home_down,
     refusal,
 )
+
+log = logging.getLogger(__name__)
 
 
 class ConsumingMixin(ConnectionBase):
@@ -75,6 +79,7 @@ class ConsumingMixin(ConnectionBase):
         assert self.vhost is not None
         method = commands.Basic.Consume
         queue = self.vhost.queue(name, self, method)
+        self._check_read(queue, method)
         tag = self._consumer_tag(channel, frame)
         if queue.consumers and (frame.exclusive or any(c.exclusive for c in queue.consumers)):
             raise ChannelException(
@@ -182,6 +187,64 @@ class ConsumingMixin(ConnectionBase):
             self._wake_queues.add(consumer.queue)
 
 
+    def _unreadable(self, queue: object) -> str | None:
+        """The filter of a binding of `queue` this connection's user may not subscribe to
+        (reading the queue reads what that binding brings), or None: it may read the queue."""
+        edge = self.service.edge
+        if edge.authorizer is None:
+            return None
+        bindings = getattr(queue, "bindings", None)  # a remote queue's are checked at its node
+        if not bindings:
+            return None
+        principal = self.principal
+        for binding in bindings.values():
+            if not binding.exchange:
+                continue  # the default exchange's binding: what is sent to the queue by name
+            if not edge.authorize(principal, Action.SUBSCRIBE, binding.topic_filter):
+                return str(binding.topic_filter)
+        return None
+
+    def _check_read(self, queue: Queue, method: type[commands.base.Frame]) -> None:
+        """basic.consume / basic.get: 403 ACCESS_REFUSED when the user may not read `queue`."""
+        denied = self._unreadable(queue)
+        if denied is not None:
+            assert self.vhost is not None
+            raise ChannelException(
+                ReplyCode.ACCESS_REFUSED,
+                f"read access to queue '{queue.name}' in vhost '{self.vhost.name}' refused for user "
+                f"'{self.username}' (a binding brings {denied!r})", *method_ids(method))
+
+    def reauthorize_consumers(self) -> int:
+        """The users or the ACL rules changed: a consumer on a queue with a binding whose
+        filter this connection's user may no longer subscribe to (the check `queue.bind`
+        makes) is cancelled with basic.cancel, as for a deleted queue, or, for a client
+        without the consumer_cancel_notify capability, its channel is closed with 403
+        ACCESS_REFUSED. Its unacknowledged deliveries stay on the channel. Returns how many
+        consumers ended."""
+        notify = bool(self.capabilities.get("consumer_cancel_notify"))
+        ended = 0
+        for channel in list(self.channels.values()):
+            for tag, consumer in list(channel.consumers.items()):
+                queue = consumer.queue
+                denied = self._unreadable(queue)
+                if denied is None:
+                    continue
+                ended += 1
+                log.info("%s: consumer %r on queue %r ended: user %r may no longer read %r",
+                         self.remote, tag, queue.name, self.username, denied)
+                if not notify:
+                    self._close_channel(channel, ChannelException(
+                        ReplyCode.ACCESS_REFUSED,
+                        f"read access to queue '{queue.name}' refused for user '{self.username}'",
+                        *method_ids(commands.Basic.Consume)))
+                    break
+                del channel.consumers[tag]
+                queue.remove_consumer(consumer)
+                self.send_method(channel.number, commands.Basic.Cancel(tag, nowait=True))
+                self.service.queues_released(self, [queue])
+                self._wake_queues.add(queue)
+        return ended
+
     def _basic_get(self, channel: AmqpChannel, frame: commands.Basic.Get) -> None:
         assert self.vhost is not None
         method = commands.Basic.Get
@@ -192,6 +255,7 @@ class ConsumingMixin(ConnectionBase):
     def _get_here(self, channel: AmqpChannel, frame: commands.Basic.Get, name: str) -> None:
         assert self.vhost is not None
         queue = self.vhost.queue(name, self, commands.Basic.Get)
+        self._check_read(queue, commands.Basic.Get)
         entry = queue.take()
         if entry is None:
             self.send_method(channel.number, commands.Basic.GetEmpty())

@@ -153,6 +153,13 @@ class AmqpService:
             ))
         return out
 
+    def reauthorize(self) -> int:
+        """The users or the ACL rules changed: end the consumers whose user may no longer
+        read their queue (`reauthorize_consumers`). Returns how many ended."""
+        if self.edge.authorizer is None:
+            return 0
+        return sum(connection.reauthorize_consumers() for connection in list(self.connections))
+
     def kick(self, client_id: str, reason: str = KICK_REASON) -> int:
         """Close `client_id` (a connection id) with connection.close 320 CONNECTION_FORCED."""
         for connection in list(self.connections):

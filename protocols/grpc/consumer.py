@@ -129,6 +129,10 @@ class GrpcConsumer:
         self.closed = False
         # Set by `kick`: the stream ends with UNAVAILABLE and this message.
         self.kicked: str | None = None
+        # The user the stream authenticated as (None: anonymous), whose rights it reads with.
+        self.user: str | None = None
+        # Set by `deny`: the stream ends with PERMISSION_DENIED and this message.
+        self.denied: str | None = None
         self.delivered = 0
         self.acked = 0
         self._on_drop = on_drop
@@ -269,6 +273,14 @@ class GrpcConsumer:
         subscription's other consumers (or back to the cursor of a durable subscription)."""
         if self.kicked is None:
             self.kicked = reason
+        self.closed = True
+        self.wakeup.set()
+
+    def deny(self, reason: str) -> None:
+        """Its user may no longer read what it subscribed to (the rules changed): as `kick`,
+        but the stream ends with PERMISSION_DENIED and `reason`."""
+        if self.denied is None:
+            self.denied = reason
         self.closed = True
         self.wakeup.set()
 

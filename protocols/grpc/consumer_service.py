@@ -100,6 +100,7 @@ class ConsumerService(pb_grpc.ConsumerServicer):
             await abort(context, refusal)
             return
         server = self.server
+        consumer.user = user_of(context)
         server.consumers.add(consumer)
         log.info("%s: gRPC consumer %s of %r connected", consumer.peer, consumer.id,
                  subscribe.subscription,
@@ -116,7 +117,9 @@ class ConsumerService(pb_grpc.ConsumerServicer):
             reader.cancel()
             server.consumers.discard(consumer)
             self._detach(consumer)
-            if consumer.kicked is not None:
+            if consumer.denied is not None:
+                reason = f"permission denied: {consumer.denied}"
+            elif consumer.kicked is not None:
                 reason = f"kicked: {consumer.kicked}"
             log.info("%s: gRPC consumer %s disconnected: %s", consumer.peer, consumer.id, reason,
                      extra={"event": "client_disconnected", "protocol": "grpc",
@@ -286,6 +289,8 @@ class ConsumerService(pb_grpc.ConsumerServicer):
                 await context.write(pb.ConsumeResponse(status=pb.ConsumerStatus(active=active)))
             if consumer.closed:
                 # Nothing more is pushed: what is pending goes to other consumers on detach.
+                if consumer.denied is not None:
+                    await context.abort(grpc.StatusCode.PERMISSION_DENIED, consumer.denied)
                 if consumer.kicked is not None:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, consumer.kicked)
                 if consumer.subscription.name not in self.server.edge.subscriptions:

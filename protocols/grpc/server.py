@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
@@ -48,6 +49,8 @@ from .convert import (
 from .malformed import MalformedRequestInterceptor
 from .producer_service import ProducerService, ProducerStreamInfo
 from .settings import DEFAULT_PORT, GrpcSettings
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_PORT", "GrpcServer", "start_grpc_server"]
 
@@ -124,6 +127,26 @@ class GrpcServer:
 
     def allowed(self, action: Action, user: str | None, topic: str) -> bool:
         return self.edge.authorize(principal_of(user), action, topic)
+
+    def reauthorize(self) -> int:
+        """Check every consumer stream's subscription again (the users or the ACL rules
+        changed): a stream whose user may no longer subscribe to one of its filters is ended
+        with PERMISSION_DENIED (its unacknowledged messages go back to the subscription).
+        Nothing is checked per message. Returns how many streams were ended."""
+        ended = 0
+        for consumer in list(self.consumers):
+            if consumer.closed:
+                continue
+            for topic_filter in list(consumer.subscription.filters):
+                if not self.allowed(Action.SUBSCRIBE, consumer.user, topic_filter):
+                    who = f"user {consumer.user!r}" if consumer.user is not None else "anonymous clients"
+                    reason = f"{who} may no longer subscribe to {topic_filter!r}"
+                    log.info("%s: gRPC consumer %s of %r ended: %s", consumer.peer, consumer.id,
+                             consumer.subscription.name, reason)
+                    consumer.deny(reason)
+                    ended += 1
+                    break
+        return ended
 
     def kick(self, client_id: str, reason: str = KICK_REASON) -> int:
         """Disconnect the gRPC streams of `client_id` (a consumer id, or a producer's id, name or

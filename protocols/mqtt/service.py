@@ -26,6 +26,7 @@ from ...core.message import Message, now_ms
 from ...core.ports import SavedSession
 from ...core.restoring import set_aside
 from ...core.scheduling import Scheduler, Timer
+from ...core.subscriptions import Subscription
 from ..output import OutputBatcher
 from ..read_budget import ReadBudget
 from . import packets as p
@@ -410,19 +411,28 @@ class MqttService:
         return 0
 
     def reauthorize(self) -> int:
-        """Check every connected client's subscriptions again (the users or the ACL rules
-        changed): a filter no longer allowed is removed, as an UNSUBSCRIBE would remove it, so
-        that it stops receiving at once. Nothing is checked per message. Returns how many
-        filters were removed."""
+        """Check every session's subscriptions again (the users or the ACL rules changed),
+        online or offline: a filter no longer allowed is removed, as an UNSUBSCRIBE would
+        remove it, so that it stops receiving at once, and the messages it queued are dropped.
+        An offline session is checked as its owner; one whose owner is not known yet (saved
+        before owners were kept) is checked when it resumes (`open_session`). Nothing is
+        checked per message. Returns how many filters were removed."""
         removed = 0
-        for connection in list(self.connections):
-            session = connection.session
-            if session is None or connection.state is not State.CONNECTED:
+        for session in list(self.sessions.values()):
+            connection = session.connection
+            if connection is not None:
+                if connection.state is not State.CONNECTED:
+                    continue
+                principal = connection.principal
+            elif session.owned:
+                principal = Principal("mqtt", session.owner, session.client_id, "")
+            else:
                 continue
-            removed_here = self._reauthorize_session(connection.principal, session)
+            removed_here = self._reauthorize_session(principal, session)
             if removed_here:
-                log.info("client %r: %d subscriptions no longer allowed were removed",
-                         connection.client_id, removed_here)
+                log.info("client %r%s: %d subscriptions no longer allowed were removed",
+                         session.client_id, "" if connection is not None else " (offline)",
+                         removed_here)
                 self.save_session(session)
             removed += removed_here
         return removed
@@ -436,13 +446,17 @@ class MqttService:
                 if not edge.authorize(principal, Action.SUBSCRIBE, topic_filter):
                     edge.remove_filter(subscription, topic_filter)
                     removed += 1
+        gone: list[Subscription] = []
         for name, entry in list(session.shared.items()):
             if not edge.authorize(principal, Action.SUBSCRIBE, name):
                 session.shared.pop(name, None)
+                gone.append(entry[0])
                 edge.detach(entry[0], session)
                 if not entry[0].consumers:
                     edge.remove_subscription(name)
                 removed += 1
+        if removed:
+            session.forget_queued(gone)
         return removed
 
     # ------------------------------------------------------------------ sessions
@@ -472,6 +486,11 @@ class MqttService:
         if existing is not None and not clean_start:
             session = existing
             present = True
+            # The rules may have changed while it was away (and an offline session whose
+            # owner was not known could not be checked then).
+            if self._reauthorize_session(connection.principal, session):
+                log.info("client %r: subscriptions no longer allowed were removed on resume",
+                         client_id)
         else:
             if existing is not None:
                 existing.discard()

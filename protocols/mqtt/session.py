@@ -18,6 +18,7 @@ from ...core.durable import DurableOptions, DurableSubscription
 from ...core.message import Message, now_ms
 from ...core.outbox import QUEUE_BYTES, SLOW_SUBSCRIBER
 from ...core.subscriptions import Subscription
+from ...core.topics import filter_matches
 
 if TYPE_CHECKING:
     from .connection import MqttConnection
@@ -255,6 +256,35 @@ class MqttSession:
         settings = self.service.settings
         return len(self.queue) <= settings.max_queued_messages >> 2 and (
             not settings.max_queued_bytes or self.queued_bytes <= settings.max_queued_bytes >> 2)
+
+    def forget_queued(self, gone: Sequence[Subscription] = ()) -> int:
+        """Drop the queued messages that no filter of this session takes any more (filters
+        removed, shared subscriptions in `gone` left): they are acknowledged to their
+        subscription, never sent. Returns how many were dropped."""
+        if not self.queue:
+            return 0
+        own = self.subscription
+        filters = list(own.filters)
+        kept: deque[Queued] = deque()
+        dropped = 0
+        for item in self.queue:
+            source = item.source
+            if source is not None and source in gone:
+                wanted = False
+            elif source is None or source is own:
+                wanted = any(filter_matches(f, item.message.topic) for f in filters)
+            else:
+                wanted = True
+            if wanted:
+                kept.append(item)
+                continue
+            dropped += 1
+            self.queued_bytes -= len(item.message.payload)
+            if source is not None:
+                source.ack(item.message)
+        if dropped:
+            self.queue = kept
+        return dropped
 
     def _next_packet_id(self) -> int:
         packet_id = self._last_packet_id

@@ -232,6 +232,10 @@ async def join(app: Shardgate, node: ClusterNode, parts: ClusterParts) -> None:
     host = app.config.listeners.host
     broker = app.broker
     assert broker is not None
+    from .schemas import SharedSchemas
+
+    # the registered schemas of etcd into the broker, this node's missing ones into etcd
+    SharedSchemas(node, broker.schemas).install()
     plane = parts.plane
     address = settings.advertise_address or f"{host}:{plane.port}"
     listeners = {name: f"{listener.host}:{listener.port}" for name, listener in app.listeners.items()}
@@ -245,6 +249,16 @@ async def join(app: Shardgate, node: ClusterNode, parts: ClusterParts) -> None:
     node.state_rpc = rpc
     if app.cluster_views is not None:  # this node's part of the cluster-wide listings
         plane.add_service(app.cluster_views.handler())
+    # replicated reliable shards: followers fetch from leaders over the same port
+    from .replicated_shards import ReplicatedShards
+
+    assert app.journal is not None
+    replicas = node.replicas = ReplicatedShards(node, broker, app.journal,
+                                                propose=node.propose_isr)
+    plane.add_service(replicas.service.handler())
+    replicas.start()
+    node.replication = True  # its registration says so: the controller may place replicas here
+    node.replica_leading = replicas.leading_figures
     # a subscription opened here at an earlier position reads other nodes' shards from them
     plane.owner_reader = lambda stream, shard, start, filters, since_ms: OwnerLog(
         rpc, plane, stream, shard, start, filters, since_ms)
@@ -294,7 +308,12 @@ async def join(app: Shardgate, node: ClusterNode, parts: ClusterParts) -> None:
         empty = []
         for name, index in shards:
             stream = broker.streams.get(name)
-            if stream is not None and index < len(stream.shards) and stream.shards[index].next_offset == 0:
+            if stream is None or index >= len(stream.shards):
+                continue
+            shard = stream.shards[index]
+            # no record ever published here (a log may start past 0: after the archive's files)
+            held = getattr(shard.log, "holds_records", shard.next_offset > 0)
+            if not held and shard.log is not None and shard.next_offset == shard.log.next_offset:
                 empty.append((name, index))
         return empty
 

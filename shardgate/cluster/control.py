@@ -47,6 +47,7 @@ from .etcd import (
 )
 from .etcd_lease import LeaseKeeper
 from .link_auth import NodeCredentials, secret_check
+from .link_tls import ClusterTlsError, load_cluster_tls
 from .membership import NodeInfo, ShardAssignment
 from .placement import ShardPlacement, ShardSpec, place
 from .replica_leader import IsrProposal
@@ -58,6 +59,7 @@ from .settings import ClusterSettings
 if TYPE_CHECKING:
     from .durables import DurableHandover
     from .floors import CursorFloors
+    from .replicated_shards import ReplicatedShards
     from .sessions import SessionHandover, StateWriter
     from .shared_files import SharedFiles
     from .state_rpc import StateRpc
@@ -117,7 +119,7 @@ class EtcdClusterView:
         # node wrote itself, which must not undo it (applied by revision, see `note_session`)
         self.session_revisions: dict[str, int] = {}
         self._session_tombstones: dict[str, int] = {}
-        # whole documents kept as bytes (auth/users, auth/acl), by key
+        # whole documents kept as bytes (auth/users, auth/acl, amqp/..., schemas/...), by key
         self.documents: dict[str, bytes] = {}
         self.controller_id: str | None = None
         self.controller_revision = 0
@@ -227,7 +229,8 @@ class EtcdClusterView:
             self._apply(prefix, event)
             self.revision = max(self.revision, event.revision)
             key = event.key[len(prefix):]
-            relevant = relevant or not key.startswith((keys.SESSIONS, keys.DOCUMENTS, keys.AMQP))
+            relevant = relevant or not key.startswith((keys.SESSIONS, keys.DOCUMENTS, keys.AMQP,
+                                                       keys.SCHEMAS))
         if self._session_tombstones:
             # every event up to the watch's revision has come: no older one can undo them
             for client_id, deleted in list(self._session_tombstones.items()):
@@ -313,7 +316,7 @@ class EtcdClusterView:
                     proposal = IsrProposal(str(data["leader"]), int(data["leader_epoch"]),
                                            int(data["isr_version"]), frozenset(map(str, data["isr"])))
                     self.proposals[(stream, int(index))] = (proposal, event.revision)
-            elif key.startswith((keys.DOCUMENTS, keys.AMQP)):
+            elif key.startswith((keys.DOCUMENTS, keys.AMQP, keys.SCHEMAS)):
                 if value is None:
                     self.documents.pop(key, None)
                 else:
@@ -360,8 +363,14 @@ class ClusterNode:
             secret = settings.load_secret()
         except ValueError as exc:
             raise ClusterStartError(str(exc)) from None
-        # what this node proves to its peers on the cluster port (`link_auth.py`)
-        self.credentials = NodeCredentials(node_id, self.instance, secret)
+        try:
+            tls = load_cluster_tls(settings.tls_cert_file, settings.tls_key_file,
+                                   settings.tls_ca_file, settings.tls_server_name)
+        except ClusterTlsError as exc:
+            raise ClusterStartError(str(exc)) from None
+        # what this node proves to its peers on the cluster port (`link_auth.py`), and how it
+        # encrypts what it says there (`link_tls.py`)
+        self.credentials = NodeCredentials(node_id, self.instance, secret, tls)
         self.view = EtcdClusterView(node_id)
         self.client = EtcdClient(
             settings.endpoints, username=settings.username, password=settings.password,
@@ -403,6 +412,8 @@ class ClusterNode:
         self.state_writer: StateWriter | None = None
         # this node's durable cursors' floors for other owners' retention (floors.CursorFloors)
         self.floors: CursorFloors | None = None
+        # the replicated shards this node leads or follows (replicated_shards.ReplicatedShards)
+        self.replicas: ReplicatedShards | None = None
         # this node runs the replication data path (set before `join`; its registration says
         # so, and only such nodes receive replicas: `replication.py`)
         self.replication = False

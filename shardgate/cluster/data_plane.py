@@ -34,7 +34,7 @@ from .cursor_sources import CursorSources
 from .fanout import PushFanout
 from .forwarding import NODE_LOCAL_STREAMS, Forwarding
 from .inbox import Inboxes
-from .link_auth import CallAuthenticator, NodeCredentials
+from .link_auth import HANDSHAKE_TIMEOUT_S, CallAuthenticator, NodeCredentials
 from .membership import ClusterView
 from .owner_store import ForwardStore
 from .peer_link import LINK_TIMEOUT_S, PeerLink
@@ -150,11 +150,15 @@ class DataPlane:
             raise OSError("cannot listen for the cluster's gRPC calls on 127.0.0.1")
         await server.start()
         self._server = server
+        tls = self.credentials.tls
         try:
             self._listener = await asyncio.get_running_loop().create_server(
                 lambda: ClusterPortProtocol(self.inboxes, ("127.0.0.1", grpc_port),
                                             self._connections, self.credentials, self.registered),
                 self.host or None, self.port,
+                # TLS (`link_tls.py`) ends here: the protocol reads what the peer said
+                ssl=tls.server_context if tls is not None else None,
+                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if tls is not None else None,
             )
         except OSError:
             await server.stop(grace=None)

@@ -40,6 +40,8 @@ ROUTES = "routes/"
 DOCUMENTS = "auth/"
 # Kept whole like documents (view.documents), watched, told to document listeners.
 AMQP = "amqp/"
+# Each stream's registered schema versions (`schemas.py`), kept and told like documents.
+SCHEMAS = "schemas/"
 SESSIONS = "sessions/"
 DRAIN = "drain/"
 ISR_PROPOSALS = "isr/"

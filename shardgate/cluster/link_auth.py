@@ -49,6 +49,8 @@ from typing import Any
 
 import grpc
 
+from .link_tls import ClusterTls
+
 # The first bytes a dialing node sends on the cluster port (an HTTP/2 client sends "PRI * ").
 # Version 2: the authenticated handshake follows (version 1 had none).
 LINK_MAGIC = b"SGLINK2\n"
@@ -81,6 +83,8 @@ class NodeCredentials:
     node_id: str
     instance: str = ""
     secret: bytes = b""
+    # TLS on the cluster port (`link_tls.py`), or None: authenticated, not encrypted
+    tls: ClusterTls | None = None
 
     @property
     def key(self) -> bytes:
@@ -308,8 +312,14 @@ def cluster_channel(address: str, credentials: NodeCredentials,
                     options: list[tuple[str, Any]]) -> grpc.aio.Channel:
     """A channel to a peer's cluster port whose every call is authenticated."""
     kinds = (_SignUnaryUnary, _SignUnaryStream, _SignStreamUnary, _SignStreamStream)
-    return grpc.aio.insecure_channel(address, options=options,
-                                     interceptors=[kind(credentials) for kind in kinds])
+    interceptors = [kind(credentials) for kind in kinds]
+    tls = credentials.tls
+    if tls is not None:
+        host = address.rpartition(":")[0].strip("[]")
+        return grpc.aio.secure_channel(address, tls.channel_credentials,
+                                       options=[*options, *tls.channel_options(host)],
+                                       interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
 class CallAuthenticator(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # (grpc: no stubs)

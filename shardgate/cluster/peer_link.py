@@ -276,11 +276,15 @@ class PeerLink:
         """One connection of the link session: dial, say hello, send again what the last
         connection left unanswered, then the route set; return (raise) when it ends."""
         host, _, port = self.node.cluster_address.rpartition(":")
+        host = host.strip("[]")
+        tls = self.plane.credentials.tls
         _transport, connection = await asyncio.wait_for(
             self._loop.create_connection(
                 lambda: LinkClient(self._on_reply, self._flush_soon, self.plane.credentials,
                                    self.node.node_id),
-                host.strip("[]"), int(port)),
+                host, int(port),
+                ssl=tls.client_context if tls is not None else None,
+                server_hostname=tls.dial_name(host) if tls is not None else None),
             DIAL_TIMEOUT_S,
         )
         try:

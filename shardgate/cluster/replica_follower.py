@@ -142,7 +142,13 @@ class FollowerReplica:
         # the cache answers for an epoch below its first), and ask again about what is left
         own_end = next((entry.start_offset for entry in self.history.entries
                         if entry.epoch > answer.epoch), self._log_end)
-        action = self._truncate(min(answer.end_offset, own_end))
+        cut = min(answer.end_offset, own_end)
+        action = self._truncate(cut)
+        if action is None:
+            # no record to cut (the later epochs began at this log's end and hold nothing),
+            # but those epochs go all the same: else the same question would come back with
+            # the same answer forever, and this follower never fetch again
+            self.history.truncate_from(cut)
         if self.history.latest_epoch in (answer.epoch, UNDEFINED):
             self.state = FollowerState.FETCHING
         return action

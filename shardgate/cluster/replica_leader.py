@@ -164,7 +164,8 @@ class LeaderReplica(Generic[W]):
 
     def lag(self, replica: str) -> int:
         """Records the follower lacks of the leader's log (all of it before its first fetch)."""
-        end = self._followers[replica].durable_end
+        progress = self._followers.get(replica)
+        end = progress.durable_end if progress is not None else None
         return self._log_end - (end if end is not None else 0)
 
     def lease_alive(self, now: float) -> bool:

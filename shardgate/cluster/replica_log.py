@@ -9,8 +9,8 @@ watermark passes it, not when the local fsync is done; it fails with `ShardUnava
 when this leadership ends first or the in-sync set fell below the minimum. Readers see only
 what is below the high watermark (`deliverable_end`, `committed_offset`, `read`,
 `read_block`): a record above it may still be cut by a failover, so nobody may have seen it.
-Appends are refused (`NotEnoughReplicas`, `NotLeader`: both `StorageFull`, which the core
-answers with its retryable "store full") while the leader cannot take them. A shard of one
+Appends are refused (`NotEnoughReplicas`, `NotLeader`: both `StorageUnavailable`, which the
+core answers with its retryable `ShardUnavailable`) while the leader cannot take them. A shard of one
 replica, and every shard on a single node, never gets here.
 
 The same object answers followers' fetches (`serve_fetch`, `serve_epoch_end`: records of
@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from ..core.errors import ShardUnavailable
-from ..storage.interfaces import StorageFull, StoredRecord
+from ..storage.interfaces import StorageUnavailable, StoredRecord
 from ..storage.journal import JournalShardLog, RecordBlock
 from .replica_epochs import (
     EpochCache,
@@ -46,11 +46,11 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 
 
-class NotLeader(StorageFull):
+class NotLeader(StorageUnavailable):
     """This node does not lead the shard now (a failover is under way): retry."""
 
 
-class NotEnoughReplicas(StorageFull):
+class NotEnoughReplicas(StorageUnavailable):
     """Fewer replicas than `min_insync_replicas` are in sync: retry later."""
 
 

@@ -75,7 +75,7 @@ class ReplicaManager:
         node_id: str,
         view: ClusterView,
         journal: JournalStorage,
-        transport: ReplicaTransport,
+        transport: Callable[[str, int], ReplicaTransport],
         *,
         min_insync: Callable[[str], int],
         lag_time_max_s: float = 10.0,
@@ -84,10 +84,13 @@ class ReplicaManager:
         propose: Propose | None = None,
         lease_deadline: Callable[[], float] = lambda: math.inf,
         clock: Callable[[], float] = time.monotonic,
+        on_role: Callable[[str, int], None] | None = None,
     ) -> None:
         self.node_id = node_id
         self.view = view
         self.journal = journal
+        # makes a shard's transport (its requests name the shard:
+        # `replica_rpc.ReplicaService.transport`)
         self.transport = transport
         self.min_insync = min_insync
         self.lag_time_max_s = lag_time_max_s
@@ -96,6 +99,9 @@ class ReplicaManager:
         self.propose = propose
         self.lease_deadline = lease_deadline
         self.clock = clock
+        # told after each change of a shard's role took effect (the log is cut and led or
+        # followed from then on)
+        self.on_role = on_role
         self._shards: dict[ShardKey, _Shard] = {}
         self._ticker: asyncio.Task[None] | None = None
         self._closed = False
@@ -115,6 +121,15 @@ class ReplicaManager:
         """The shard's log when this node leads it now (answers fetches), else None."""
         entry = self._shards.get((stream, shard))
         return entry.log if entry is not None and entry.log.leader is not None else None
+
+    def replicated(self, stream: str, shard: int) -> bool:
+        """True when the placement makes this node a replica of a shard of several replicas
+        (the core's log of it is then `shard_log`, even while its role is changing)."""
+        entry = self._shards.get((stream, shard))
+        return entry is not None and entry.wanted is not None
+
+    def knows(self, stream: str, shard: int) -> bool:
+        return (stream, shard) in self._shards
 
     def role(self, stream: str, shard: int) -> Role | None:
         entry = self._shards.get((stream, shard))
@@ -177,8 +192,10 @@ class ReplicaManager:
                     if wanted.leader == self.node_id:
                         self._lead(stream, shard, entry, wanted)
                     else:
-                        self._follow(entry, wanted)
+                        self._follow(stream, shard, entry, wanted)
                 entry.role = wanted
+                if self.on_role is not None:
+                    self.on_role(stream, shard)
         except Exception:
             log.exception("%s/%d: changing its replica role failed; retried at the next "
                           "placement change", stream, shard)
@@ -213,7 +230,7 @@ class ReplicaManager:
         log.info("%s/%d: leading in epoch %d (in sync: %s)", stream, shard, role.epoch,
                  ", ".join(role.isr))
 
-    def _follow(self, entry: _Shard, role: Role) -> None:
+    def _follow(self, stream: str, shard: int, entry: _Shard, role: Role) -> None:
         journal_log = entry.log.log
         follower = FollowerReplica(
             self.node_id, role.leader, role.epoch, history=journal_log.leader_epochs,
@@ -221,7 +238,7 @@ class ReplicaManager:
             high_watermark=entry.log.high_watermark)
         follower_log = FollowerLog(journal_log, follower, entry.log)
         entry.follower_task = asyncio.get_running_loop().create_task(
-            follow(follower_log, self.transport))
+            follow(follower_log, self.transport(stream, shard)))
 
     # -- time ---------------------------------------------------------------------------------
 

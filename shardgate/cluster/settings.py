@@ -51,6 +51,15 @@ class ClusterSettings:
     # Run the cluster port without node authentication (a node without a secret refuses to
     # start otherwise): only on a network no one else reaches.
     insecure: bool = False
+    # TLS on the cluster port (`link_tls.py`): this node's certificate and key, and the
+    # cluster's CA that signed every node's certificate. All three, or none (then the port is
+    # authenticated by the secret but not encrypted: keep it on a private network). A dialing
+    # node checks that a peer's certificate names the host of its advertised address, or
+    # `tls_server_name` when set (one name every node's certificate carries).
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None
+    tls_server_name: str | None = None
     # etcd's own credentials and TLS (`https://` endpoints)
     username: str | None = None
     password: str | None = None

@@ -704,7 +704,10 @@ def _amqp_refusal(verdict: str | None) -> str | None:
 
 def apply_rules_change(app: Any, security: Security) -> None:
     """The users or ACL rules changed on a running broker: the clients of a removed user are
-    disconnected (every protocol), and MQTT subscriptions no longer allowed are removed."""
+    disconnected (every protocol); MQTT subscriptions no longer allowed are removed (of
+    offline persistent sessions too); gRPC consumer streams that may no longer read are ended
+    with PERMISSION_DENIED; AMQP consumers on a queue bound to what their user may no longer
+    read get basic.cancel."""
     edge = app.edge
     if security.removed_users:
         for info in edge.clients.list():
@@ -712,9 +715,9 @@ def apply_rules_change(app: Any, security: Security) -> None:
                 log.info("%s client %s of removed user %r disconnected", info.protocol, info.client_id,
                          info.username)
                 edge.clients.kick(info.protocol, info.client_id, f"user {info.username!r} removed")
-    mqtt = getattr(app, "mqtt", None)
-    if mqtt is not None:
-        mqtt.reauthorize()
+    for service in (getattr(app, "mqtt", None), getattr(app, "grpc", None), getattr(app, "amqp", None)):
+        if service is not None:
+            service.reauthorize()
 
 
 def security_paths(data_dir: Path, settings: AuthSettings | None = None) -> tuple[Path, Path]:

@@ -49,6 +49,11 @@ log = logging.getLogger(__name__)
 
 StreamList = Callable[[], list[tuple[str, int, str]]]
 """What the archiver archives: (stream name, shard count, schema) of every reliable stream."""
+Leads = Callable[[str, int], bool]
+"""Whether this node leads a shard (in a cluster only the leader archives it)."""
+ContinueLog = Callable[[str, int, int], bool]
+"""Make a shard's log, which holds no record, continue at an offset (the archive's next): the
+composition root moves the journal log and the broker's shard together; False if it could not."""
 RegisteredSchema = Callable[[str], tuple[str, Any, int] | None]
 """A stream's registered schema, if any: (type `json` or `avro`, the schema document, version);
 its fields become typed columns (`typed.py`)."""
@@ -158,8 +163,17 @@ class Archiver:
         *,
         filesystem: AbstractFileSystem | None = None,
         registered_schema: RegisteredSchema | None = None,
+        shard_log: Callable[[str, int], Any] | None = None,
+        leads: Leads | None = None,
+        continue_log: ContinueLog | None = None,
     ) -> None:
         self.journal = journal
+        # where a shard is read (default: the journal's log); in a cluster, a replicated
+        # shard's log below its high watermark where this node leads it, None elsewhere (a
+        # follower's copy is not archived: its leader archives it)
+        self._shard_log = shard_log
+        self._leads = leads
+        self._continue_log = continue_log
         self._registered_schema = registered_schema
         self._typed: dict[str, TypedSchema] = {}
         self.url = url
@@ -172,13 +186,16 @@ class Archiver:
         self._streams = streams
         self._shards: dict[tuple[str, int], _ShardState] = {}
         self._listed: dict[str, dict[int, tuple[int, int, int]]] = {}
+        self._listed_at: dict[str, float] = {}
+        """When each stream was listed (monotonic): a shard this node starts to lead is listed
+        again, since its previous leader wrote files meanwhile."""
         self._list_errors: dict[str, str] = {}
         self._invalid: set[str] = set()
         """Streams whose names cannot be archived (reported in status, never retried)."""
         self._upgraded: set[str] = set()
         """Streams whose older-format files are rewritten (`upgrade.py`), in this process."""
         self._upgrade_failed: set[str] = set()
-        self._compaction = self.settings.compaction and self._local
+        self._compaction = self.settings.compaction and (self._local or self._object_store)
         self._next_compaction = 0.0
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
@@ -193,13 +210,17 @@ class Archiver:
         bucket), then archive in a background task. An unreachable store is not an error
         here: the task keeps retrying and `status()` shows it."""
         await asyncio.to_thread(self._check_store)
-        if self._compaction:
+        if self._compaction and self._local:
             await asyncio.to_thread(compaction.clear_staging, self.root)
         await self._discover(raise_auth=True)
         await self._workers.run(warm_up)
         await self._workers.release()
         self._stopping = False
         self._task = asyncio.get_running_loop().create_task(self._run(), name="archiver")
+
+    def wake(self) -> None:
+        """Run the next pass now (the shards this node leads may have changed)."""
+        self._wake.set()
 
     async def stop(self, flush: bool = True) -> None:
         """Stop the background task; with `flush`, first archive everything committed (trying
@@ -376,14 +397,17 @@ class Archiver:
 
     async def compact(self, now_ms: int | None = None) -> int:
         """Merge small files of every listed stream whose hour ended `compact_after_s` ago
-        (`compaction.py`; local disks only); returns how many files were replaced. Each shard
-        directory is compacted under the archiver's lock, so no file of it is written
-        meanwhile."""
+        (`compaction.py`: local disks and object stores); returns how many files were
+        replaced. Each shard directory is compacted under the archiver's lock, so no file of
+        it is written meanwhile."""
         if not self._compaction:
             return 0
         settings = self.settings
         replaced = 0
         for name in list(self._listed):
+            if not self._local:  # inputs a compaction that stopped half-way left behind
+                async with self._lock:
+                    await self._workers.run(compaction.remove_superseded, self.fs, self.root, name)
             files = await self._workers.run(layout.list_stream_files, self.fs, self.root, name)
             for directory, entries in compaction.shard_directories(files).items():
                 end = compaction.hour_end_ms(directory)
@@ -394,6 +418,12 @@ class Archiver:
                     continue
                 async with self._lock:
                     try:
+                        if not self._local:
+                            replaced += await self._workers.run(
+                                compaction.compact_object_store, self.fs, name, entries,
+                                settings.file_target_bytes, settings.compression_level,
+                                settings.row_group_rows)
+                            continue
                         replaced += await self._workers.run(
                             compaction.compact_directory, self.root, name, directory, entries,
                             settings.file_target_bytes, settings.compression_level,
@@ -413,12 +443,16 @@ class Archiver:
         return [name for name, _count, _schema in self._wanted_streams_with_shards()]
 
     async def _discover(self, raise_auth: bool = False) -> None:
-        """List the archive for every stream not listed yet, and register its shards."""
+        """List the archive for every stream not listed yet, and register the shards this node
+        leads (all of them outside a cluster); a shard it no longer leads is forgotten, and one
+        it starts to lead is listed anew and its log continues after the archive's files."""
+        began = time.monotonic()
         for name, shard_count, schema in self._wanted_streams_with_shards():
             if name not in self._listed:
                 try:
                     layout.check_stream_name(name)
                     self._listed[name] = await asyncio.to_thread(self._list_stream, name)
+                    self._listed_at[name] = time.monotonic()
                     self._list_errors.pop(name, None)
                 except ValueError as exc:
                     self._list_errors[name] = str(exc)
@@ -433,15 +467,47 @@ class Archiver:
                     self._list_errors[name] = _describe(exc)
                     log.warning("cannot list archive of stream %s: %s", name, _describe(exc))
                     continue
-            listed = self._listed[name]
             for shard in range(shard_count):
                 key = (name, shard)
                 state = self._shards.get(key)
-                if state is None:
-                    archived_next, files, size = listed.get(shard, (0, 0, 0))
-                    self._shards[key] = _ShardState(name, shard, schema, archived_next, files, size)
-                else:
+                if self._leads is not None and not self._leads(name, shard):
+                    if state is not None:  # another node archives it from now on
+                        del self._shards[key]
+                        _forget(state.prebuilt)
+                    continue
+                if state is not None:
                     state.schema = schema
+                    continue
+                if self._leads is not None and self._listed_at.get(name, 0.0) < began:
+                    try:  # its previous leader may have written files since the last listing
+                        self._listed[name] = await asyncio.to_thread(self._list_stream, name)
+                        self._listed_at[name] = time.monotonic()
+                    except Exception as exc:
+                        self._list_errors[name] = _describe(exc)
+                        log.warning("cannot list archive of stream %s: %s", name, _describe(exc))
+                        break
+                archived_next, files, size = self._listed[name].get(shard, (0, 0, 0))
+                state = self._shards[key] = _ShardState(name, shard, schema, archived_next,
+                                                        files, size)
+                self._continue_after_archive(state)
+
+    def _continue_after_archive(self, state: _ShardState) -> None:
+        """A log that holds no record but ends before the archive's files (a new owner of the
+        shard, or this node after losing its disk) continues at the archive's next offset, so
+        that an offset never names two messages and the files' sequence goes on. A log that
+        holds records and ends before them is reported (its records there are not archived)."""
+        stream, shard, archived_next = state.stream, state.shard, state.archived_next
+        shard_log = self._open_log(stream, shard)
+        if shard_log is None or shard_log.next_offset >= archived_next:
+            return
+        if self._continue_log is not None and self._continue_log(stream, shard, archived_next):
+            log.info("%s/%d: the journal holds no record; it continues after the archive, at "
+                     "offset %d", stream, shard, archived_next)
+            return
+        state.last_error = (
+            f"the archive holds offsets up to {archived_next - 1} but the journal ends at "
+            f"{shard_log.next_offset - 1}: another journal wrote to this archive URL?")
+        log.error("%s/%d: %s", stream, shard, state.last_error)
 
     def _check_store(self) -> None:
         """Refuse a missing bucket or refused credentials now, with a clear message; an
@@ -478,6 +544,8 @@ class Archiver:
 
     def _open_log(self, stream: str, shard: int) -> Any:
         try:
+            if self._shard_log is not None:
+                return self._shard_log(stream, shard)
             return self.journal.open_shard(stream, shard)
         except Exception:  # a closed journal, a deleted stream
             return None

@@ -18,9 +18,17 @@ Merged files are named `shard0003-<first>-<last>.c.parquet`: the offset range of
 Streaming query, which remembers files by path, can skip them (`storage.spark`); an hour is
 compacted only `compact_after_s` after it ended, and a streaming query must run more often.
 
-Only local disks (Linux, a filesystem with RENAME_EXCHANGE) are compacted: an object store
-has no atomic way to replace several objects, and plain readers that list it would see both
-for a moment; there compaction is off and the file size comes from the archiver's own targets.
+An object store (S3) has no atomic way to replace several objects. There the merged file is
+the commit mark: it is uploaded whole (one PUT: it appears complete or not at all) and names
+the offset range it holds, so the listing every reader of this project uses
+(`layout.list_stream_files`: the archiver's progress, tiered replay) hides the files that
+range covers from the moment it exists; then the inputs are deleted in one request. A crash
+between the two leaves inputs that are hidden, deleted by the next round (`remove_superseded`).
+A tool that lists the bucket itself (pyarrow, DuckDB, Spark on the root) sees the merged file
+beside its inputs between the upload and the delete (one DeleteObjects call), so there it can
+count those rows twice for that moment; compaction only touches hours that ended
+`compact_after_s` ago, which such queries rarely read while it runs.
+
 Runs in a worker thread, under the archiver's lock (no file of the shard is written meanwhile).
 """
 
@@ -38,6 +46,7 @@ from collections.abc import Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from fsspec import AbstractFileSystem
 
 from . import layout
 from .columns import encode_parquet
@@ -121,11 +130,12 @@ def plan(files: list[layout.ArchiveFile], target_bytes: int,
     return runs
 
 
-def schema_versions(files: list[layout.ArchiveFile]) -> list[bytes | None]:
+def schema_versions(files: list[layout.ArchiveFile],
+                    fs: AbstractFileSystem | None = None) -> list[bytes | None]:
     """The registered schema version in each file's footer (None: an untyped file)."""
     out = []
     for entry in files:
-        metadata = pq.read_metadata(entry.path).metadata or {}
+        metadata = pq.read_metadata(entry.path, filesystem=fs).metadata or {}
         out.append(metadata.get(b"shardgate.schema.version"))
     return out
 
@@ -144,9 +154,9 @@ def shard_directories(files: Iterable[layout.ArchiveFile]) -> dict[str, list[lay
 
 
 def merge(run: list[layout.ArchiveFile], stream: str, compression_level: int,
-          row_group_rows: int) -> bytes:
+          row_group_rows: int, fs: AbstractFileSystem | None = None) -> bytes:
     """One Parquet file holding the rows of `run`, in offset order."""
-    tables = [pq.read_table(entry.path) for entry in run]
+    tables = [pq.read_table(entry.path, filesystem=fs) for entry in run]
     table = pa.concat_tables(tables, promote_options="default")
     return encode_parquet(table, compression_level=compression_level,
                           row_group_rows=row_group_rows, metadata={
@@ -189,6 +199,35 @@ def compact_directory(root: str, stream: str, directory: str,
     finally:
         shutil.rmtree(building, ignore_errors=True)  # after the exchange: the old files
     return len(merged)
+
+
+def compact_object_store(fs: AbstractFileSystem, stream: str, files: list[layout.ArchiveFile],
+                         target_bytes: int, compression_level: int = 3,
+                         row_group_rows: int = 64 * 1024) -> int:
+    """Merge the small files of one shard directory on an object store: upload each merged
+    file, then delete its inputs (see the module docstring); returns how many files were
+    replaced."""
+    if not plan(files, target_bytes):
+        return 0
+    runs = plan(files, target_bytes, schema_versions(files, fs))
+    replaced = 0
+    for run in runs:
+        directory = run[0].path.rsplit("/", 1)[0]
+        name = layout.merged_file_name(run[0].shard, run[0].first_offset, run[-1].last_offset)
+        fs.pipe_file(f"{directory}/{name}",
+                     merge(run, stream, compression_level, row_group_rows, fs))
+        fs.rm([entry.path for entry in run])
+        replaced += len(run)
+    return replaced
+
+
+def remove_superseded(fs: AbstractFileSystem, root: str, stream: str) -> int:
+    """Delete the files a merged file supersedes (left by a compaction that stopped between
+    its upload and its delete); returns how many."""
+    hidden = layout.superseded(layout.list_stream_files(fs, root, stream, include_superseded=True))
+    if hidden:
+        fs.rm([entry.path for entry in hidden])
+    return len(hidden)
 
 
 def _write(path: str, data: bytes) -> None:

@@ -179,9 +179,37 @@ def is_object_store(fs: AbstractFileSystem) -> bool:
     return any(protocol in OBJECT_STORE_PROTOCOLS for protocol in _protocols(fs))
 
 
-def list_stream_files(fs: AbstractFileSystem, root: str, stream: str) -> list[ArchiveFile]:
+def is_merged(entry: ArchiveFile) -> bool:
+    """A file compaction wrote (`...<last>.c.parquet`)."""
+    return entry.path.endswith(".c.parquet")
+
+
+def superseded(files: list[ArchiveFile]) -> list[ArchiveFile]:
+    """The files (of `files`, sorted) whose offsets a merged file of their shard holds: on an
+    object store compaction uploads the merged file first, then deletes its inputs, so a
+    merged file is the commit mark of its compaction and hides what its name covers."""
+    merged: dict[int, list[tuple[int, int]]] = {}
+    for entry in files:
+        if is_merged(entry):
+            merged.setdefault(entry.shard, []).append((entry.first_offset, entry.last_offset))
+    if not merged:
+        return []
+    out = []
+    for entry in files:
+        own = (entry.first_offset, entry.last_offset) if is_merged(entry) else None
+        for first, last in merged.get(entry.shard, ()):
+            # (a merged file is hidden by a larger one: a compaction that merged it again)
+            if (first, last) != own and first <= entry.first_offset and entry.last_offset <= last:
+                out.append(entry)
+                break
+    return out
+
+
+def list_stream_files(fs: AbstractFileSystem, root: str, stream: str,
+                      include_superseded: bool = False) -> list[ArchiveFile]:
     """Every finished archive file of `stream`, sorted by (shard, first offset). Files whose
-    name is not an archive file name (dot-named temporaries included) are ignored."""
+    name is not an archive file name (dot-named temporaries included) are ignored, and so are
+    files a merged file supersedes (`superseded`) unless `include_superseded`."""
     directory = stream_dir(root, stream)
     try:
         fs.invalidate_cache(directory)
@@ -203,7 +231,10 @@ def list_stream_files(fs: AbstractFileSystem, root: str, stream: str) -> list[Ar
         shard, first, last = parsed
         files.append(ArchiveFile(shard, first, last, path, int(info.get("size") or 0)))
     files.sort()
-    return files
+    if include_superseded:
+        return files
+    hidden = set(superseded(files))
+    return [entry for entry in files if entry not in hidden] if hidden else files
 
 
 def stale_temporaries(fs: AbstractFileSystem, root: str, stream: str) -> list[str]:

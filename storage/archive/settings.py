@@ -46,8 +46,8 @@ class ArchiveSettings:
     payload's bytes (tiered replay then gives the exact bytes back; without them it rebuilds
     them: exact for Avro, the same JSON document, compact, for JSON Schema)."""
     compaction: bool = True
-    """Merge a shard's small files of an hour into files of `file_target_bytes` (local disks;
-    see `compaction.py`)."""
+    """Merge a shard's small files of an hour into files of `file_target_bytes` (local disks
+    and object stores; see `compaction.py`)."""
     file_target_bytes: int = 128 * MIB
     """The Parquet file size compaction aims at (the size of the written files, zstd)."""
     compact_after_s: float = 3600.0

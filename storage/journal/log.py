@@ -472,6 +472,46 @@ class JournalShardLog:
         self.leader_epochs.truncate_from(offset)
         return offset
 
+    @property
+    def holds_records(self) -> bool:
+        """Whether the log holds a record, or has handed out an offset (appended records not
+        yet written included): false for a new log, and for one whose every record
+        retention deleted."""
+        return self._next > self._bases[0] or len(self._segments) > 1
+
+    def start_at(self, offset: int) -> int:
+        """A log that holds no record continues at `offset`: the next append gets it. For a
+        shard whose earlier records are elsewhere (the archive a previous owner, or this node
+        before it lost its disk, wrote): its offsets never name two records. Returns the next
+        offset; a log already at or past `offset` is left as it is. Raises JournalBusy when the
+        log holds records or appended ones wait for the disk. A crash during the call leaves
+        the log empty, at its old start or at `offset`."""
+        if self._closed:
+            raise JournalClosed(f"{self.directory} is closed")
+        if offset <= self._next:
+            return self._next
+        if self.holds_records or self._pending is not None or self._inflight is not None:
+            raise JournalBusy(f"{self.directory}: holds records; it cannot start at {offset}")
+        with self._committer.io_lock:
+            for segment in self._segments:
+                if segment in self._to_seal:
+                    self._to_seal.remove(segment)
+                segment.delete_files()
+            if self._io_segment not in self._segments:
+                self._io_segment.close()
+            fsync_directory(self.directory)
+            active = Segment.create(self.directory, offset, self._crc, self._key_of, self._files)
+            self._segments = [active]
+            self._bases = [offset]
+            self._io_segment = active
+            # nothing below `offset` is this log's, nothing at or above it was handed out
+            self._reservation.lower(offset)
+            self._reserved = self._reserve_target = offset
+            self._hole_from = None
+        self._next = self._committed = offset
+        self._tail = _Tail.of(active)
+        return offset
+
     def _cut_segments(self, offset: int) -> None:
         """Delete the segments at or after `offset`, newest first (a crash leaves a prefix),
         cut the one holding it and reopen it as the active segment (I/O lock held)."""

@@ -140,7 +140,10 @@ class ClusterNodeProcess(BrokerProcess):
         config.write_text(
             f'[cluster]\nname = "{cluster_name}"\nlease_ttl_s = {lease_ttl_s}\n'
             f'secret = "{CLUSTER_SECRET}"\n'
-            f"connect_timeout_s = 5\nleave_timeout_s = 10\n\n{extra_config}")
+            f"connect_timeout_s = 5\nleave_timeout_s = 10\n\n{extra_config}"
+            # a cluster refuses an archive in each node's data directory unless told so: the
+            # tests that look at the archive give their nodes one shared URL
+            + ("" if "[archive]" in extra_config else "\n[archive]\nper_node = true\n"))
         super().__init__(
             data_dir,
             ["--cluster", etcd_url, "--node-id", node_id, "--cluster-port", "0",

@@ -104,3 +104,6 @@ def run_as_printed(
             assert published is not None and result.stdout.strip() == published, result.stdout
     assert published is not None
     log.close()
+    # the nodes share one archive directory, none keeps one in its data directory
+    assert (tmp_path / "archive").is_dir()
+    assert not [node for node in node_ids if (tmp_path / node / "archive").exists()]

@@ -4,6 +4,7 @@ start with a clear error."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import socket
 import subprocess
@@ -68,10 +69,11 @@ def bucket(moto_endpoint: str, request: pytest.FixtureRequest) -> str:
 
 
 def settings(endpoint: str, **overrides: object) -> ArchiveSettings:
+    values: dict[str, object] = {"target_rows": 40, **overrides}
     return ArchiveSettings(
         endpoint_url=endpoint, region="us-east-1", access_key_id="testing",
-        secret_access_key="testing", target_rows=40, retry_initial_s=0.05, retry_max_s=0.2,
-        **overrides,  # type: ignore[arg-type]
+        secret_access_key="testing", retry_initial_s=0.05, retry_max_s=0.2,
+        **values,  # type: ignore[arg-type]
     )
 
 
@@ -146,3 +148,93 @@ async def test_unreachable_endpoint_does_not_fail_start_and_shows_in_status(
     [status] = archiver.status()
     assert status["archived_next"] is None and status["last_error"]
     assert archiver.archived_offset("sensors", 0) == 0
+
+
+async def test_compaction_on_s3_merges_small_files_and_readers_never_count_twice(
+        journal: JournalStorage, moto_endpoint: str, bucket: str) -> None:
+    """On an object store the merged file is uploaded first and hides the files its name
+    covers from the project's listing (the archiver, tiered replay) at once; then the inputs
+    are deleted. A reader counting through that listing in a loop never counts a row twice."""
+    import threading
+
+    import pyarrow.parquet as pq
+    from shardgate.storage.archive import compaction, list_stream_files
+
+    url = f"s3://{bucket}/archive"
+    data = await append(journal, 60)
+    small = settings(moto_endpoint, target_rows=4, compact_after_s=0, compact_interval_s=3600)
+    archiver = Archiver(journal, url, lambda: [("sensors", 1, "bytes")], small)
+    await archiver.start()
+    await archiver.flush()
+    assert len(list_stream_files(archiver.fs, archiver.root, "sensors")) == 15
+
+    counts: list[int] = []
+    misses: list[BaseException] = []
+    stop = threading.Event()
+    reader = ArchiveReader(url, small)
+
+    def count_in_a_loop() -> None:
+        while not stop.is_set():
+            try:
+                files = list_stream_files(reader.fs, reader.root, "sensors")
+                counts.append(sum(pq.read_metadata(f.path, filesystem=reader.fs).num_rows
+                                  for f in files))
+            except FileNotFoundError as exc:
+                misses.append(exc)  # listed before a delete, opened after: list again
+
+    thread = threading.Thread(target=count_in_a_loop)
+    thread.start()
+    try:
+        # runs of five files first (several uploads and deletes while the reader counts)
+        files = list_stream_files(archiver.fs, archiver.root, "sensors")
+        replaced = 0
+        for start in range(0, 15, 5):
+            run = files[start:start + 5]
+            replaced += await asyncio.to_thread(
+                compaction.compact_object_store, archiver.fs, "sensors", run,
+                sum(f.size for f in run) + 1)
+        assert replaced == 15
+        # the archiver's own round merges the three merged files into one
+        assert await archiver.compact() == 3
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join, 60)
+    await archiver.stop(flush=True)
+    assert counts and set(counts) == {60}, (sorted(set(counts)), misses[:3])
+    client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]]
+    assert [key.rsplit("/", 1)[-1] for key in keys] == [
+        f"shard0000-{0:020d}-{59:020d}.c.parquet"]
+    assert [r.data for r in ArchiveReader(url, small).read("sensors", 0, 0, 100)] == data
+    # progress after a restart comes from the merged file's name
+    again = Archiver(journal, url, lambda: [("sensors", 1, "bytes")], small)
+    await again.start()
+    assert again.archived_offset("sensors", 0) == 60
+    await again.stop(flush=False)
+
+
+async def test_a_compaction_stopped_between_upload_and_delete_is_finished_later(
+        journal: JournalStorage, moto_endpoint: str, bucket: str) -> None:
+    from shardgate.storage.archive import compaction, list_stream_files
+    from shardgate.storage.archive.layout import merged_file_name
+
+    url = f"s3://{bucket}/archive"
+    await append(journal, 12)
+    small = settings(moto_endpoint, target_rows=4, compact_after_s=0, compact_interval_s=3600)
+    archiver = Archiver(journal, url, lambda: [("sensors", 1, "bytes")], small)
+    await archiver.start()
+    await archiver.flush()
+    files = list_stream_files(archiver.fs, archiver.root, "sensors")
+    directory = files[0].path.rsplit("/", 1)[0]
+    # the merged file of the first two uploaded, its inputs not deleted (a crash in between)
+    archiver.fs.pipe_file(f"{directory}/{merged_file_name(0, 0, 7)}",
+                          compaction.merge(files[:2], "sensors", 3, 1000, archiver.fs))
+    listed = list_stream_files(archiver.fs, archiver.root, "sensors")
+    assert [(f.first_offset, f.last_offset) for f in listed] == [(0, 7), (8, 11)]
+    assert len(list_stream_files(archiver.fs, archiver.root, "sensors", include_superseded=True)) == 4
+    assert compaction.remove_superseded(archiver.fs, archiver.root, "sensors") == 2
+    assert len(list_stream_files(archiver.fs, archiver.root, "sensors", include_superseded=True)) == 2
+    reader = ArchiveReader(url, small)
+    assert [r.offset for r in reader.read("sensors", 0, 0, 100)] == list(range(12))
+    await archiver.stop(flush=False)

@@ -145,6 +145,7 @@ README_EXAMPLE_VALUES = {
     "tls.cert_file", "tls.key_file", "journal.retention_ms", "journal.retention_bytes",
     "cluster.etcd", "cluster.node_id", "cluster.ca_file", "cluster.cert_file",
     "cluster.key_file", "cluster.username", "cluster.password", "cluster.secret_file",
+    "cluster.tls_cert_file", "cluster.tls_key_file", "cluster.tls_ca_file",
 }
 
 

@@ -209,3 +209,26 @@ def test_a_damaged_checkpoint_is_a_clear_error(tmp_path: Path, content: str) -> 
     (tmp_path / CHECKPOINT_FILE).write_text(content)
     with pytest.raises(CorruptCheckpoint, match=CHECKPOINT_FILE):
         LeaderEpochCache(tmp_path)
+
+
+# -- start_at ---------------------------------------------------------------------------------
+
+
+def test_an_empty_log_starts_at_an_offset_and_keeps_it_across_a_reopen(tmp_path: Path) -> None:
+    store = JournalStorage(tmp_path, segment_bytes=2048, index_interval_bytes=128)
+    shard = store.open_shard("s", 0)
+    assert not shard.holds_records
+    assert shard.start_at(0) == 0  # at or before its end: nothing changes
+    assert shard.start_at(700) == 700
+    assert (shard.low_watermark, shard.next_offset, shard.committed_offset) == (700, 700, 700)
+    assert shard.append(records(700, 3, "new")) == 700
+    store.flush_sync()
+    assert datas(shard, 0) == [f"new-{i}".encode() for i in range(700, 703)]
+    assert shard.holds_records
+    with pytest.raises(JournalBusy):
+        shard.start_at(2000)  # it holds records now
+    store.close()
+    reopened = JournalStorage(tmp_path, segment_bytes=2048, index_interval_bytes=128)
+    shard = reopened.open_shard("s", 0)
+    assert (shard.low_watermark, shard.next_offset) == (700, 703)
+    reopened.close()

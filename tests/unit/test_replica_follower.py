@@ -167,3 +167,17 @@ def test_epochs_below_the_answer_are_cut_where_the_followers_first_later_epoch_s
     assert replica.on_epoch_end(EpochEndAnswer(2, 12)) == Truncate(10)
     assert replica.state is FollowerState.FETCHING
     assert replica.next_request() == FetchRequest("b", 5, 10, 10)
+
+
+def test_an_empty_epoch_the_leader_never_had_is_dropped_and_not_asked_about_again() -> None:
+    """A node that led epoch 3 without a record (its epoch began at its log end), follows in
+    epoch 5 a leader that never had epoch 3: the answer cuts no record, but epoch 3 goes, and
+    the next question is about epoch 1 (before, epoch 3 was asked about forever)."""
+    replica = follower((1, 0), (3, 1), log_end=1, hw=0)
+    assert replica.next_request() == EpochEndRequest("b", 5, 3)
+    assert replica.on_epoch_end(EpochEndAnswer(2, 8)) is None
+    assert replica.history.entries == (EpochStart(1, 0),)
+    assert replica.next_request() == EpochEndRequest("b", 5, 1)
+    assert replica.on_epoch_end(EpochEndAnswer(1, 5)) is None
+    assert replica.state is FollowerState.FETCHING
+    assert replica.next_request() == FetchRequest("b", 5, 1, 1)

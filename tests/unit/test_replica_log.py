@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from shardgate.core.broker import Broker
-from shardgate.core.errors import PublishRejected, ShardUnavailable
+from shardgate.core.errors import ShardUnavailable
 from shardgate.core.message import Message
 from shardgate.core.streams import StreamConfig
 from shardgate.storage.interfaces import StoredRecord
@@ -191,8 +191,12 @@ async def test_readers_see_only_what_is_below_the_high_watermark(pair: Pair) -> 
 async def test_below_min_insync_a_publish_is_refused_and_never_stored(tmp_path: Path) -> None:
     pair = Pair(tmp_path, isr=("a",), min_insync=2)
     try:
-        with pytest.raises(PublishRejected, match="fewer replicas than min_insync_replicas"):
+        # retryable "unavailable" (MQTT 0x80 with the reason, AMQP nack, gRPC UNAVAILABLE),
+        # not the publisher's own quota (StoreFull: MQTT 0x97, gRPC RESOURCE_EXHAUSTED)
+        with pytest.raises(ShardUnavailable, match="fewer replicas than min_insync_replicas"):
             pair.broker.publish(Message("t/1", b"one"))
+        outcomes = pair.broker.publish_many([Message("t/1", b"two"), Message("t/2", b"three")])
+        assert all(isinstance(outcome, ShardUnavailable) for outcome in outcomes)
         assert pair.logs["a"].next_offset == 0
         with pytest.raises(NotEnoughReplicas):
             pair.replicated.append([(0, b"x")])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from shardgate.core.errors import ShardUnavailable
-from shardgate.storage.interfaces import StorageFull, StoredRecord
+from shardgate.storage.interfaces import StorageUnavailable, StoredRecord
 from shardgate.storage.journal import JournalStorage
 
 from shardgate.cluster.membership import ShardAssignment, StaticClusterView
@@ -51,7 +51,8 @@ class Cluster:
         self.views[node] = StaticClusterView(node, assignments=self.assignments)
         self.journals[node] = JournalStorage(self.tmp_path / node)
         manager = ReplicaManager(
-            node, self.views[node], self.journals[node], Transport(self), min_insync=lambda _s: 2,
+            node, self.views[node], self.journals[node], lambda _s, _i: Transport(self),
+            min_insync=lambda _s: 2,
             lag_time_max_s=0.5, tick_s=0.05, proposal_timeout_s=0.5,
             propose=lambda _stream, _shard, proposal: self.proposals.append(proposal))
         manager.start()
@@ -186,10 +187,7 @@ async def test_failover_keeps_every_acknowledged_message_and_the_old_leader_rejo
     assert [entry.epoch for entry in epochs] == [1, 2]
 
 
-@pytest.mark.skip(reason="open: in about one run of six, a follower stays behind after the "
-                         "heal (seen once: b at 1 record while a and c had 19, in sync a and "
-                         "c); not yet explained")
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(10))
 async def test_a_random_run_of_stops_restarts_and_elections_keeps_every_acknowledged_message(
     cluster: Cluster, seed: int,
 ) -> None:
@@ -219,7 +217,7 @@ async def test_a_random_run_of_stops_restarts_and_elections_keeps_every_acknowle
                 payload = f"m{step}".encode()
                 try:
                     outcomes[payload] = cluster.publish(record.leader, payload)
-                except StorageFull:
+                except StorageUnavailable:
                     pass  # refused: below the in-sync minimum, or not leading yet
         elif roll < 0.65 and len(live) == len(NODES):
             victim = rng.choice(NODES)

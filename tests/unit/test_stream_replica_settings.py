@@ -12,20 +12,20 @@ from shardgate.storage.metadata.sqlite import SqliteMetadataStore
 
 from shardgate.cluster.attach import stream_config as from_definition
 from shardgate.cluster.attach import stream_definition
+from shardgate.cluster.replication import Replication, stream_replication
 from shardgate.persistence import stream_config, stream_record
 
 
-def test_a_reliable_stream_gets_three_replicas_capped_by_the_live_nodes() -> None:
-    config = StreamConfig("orders", mode=DispatchMode.RELIABLE)
-    assert [config.replica_count(live) for live in (1, 2, 3, 5)] == [1, 2, 3, 3]
-    assert [config.min_insync(replicas) for replicas in (1, 2, 3)] == [1, 2, 2]
-    five = StreamConfig("five", mode=DispatchMode.RELIABLE, replicas=5, min_insync_replicas=3)
-    assert five.replica_count(4) == 4 and five.min_insync(4) == 3
-
-
-def test_a_non_reliable_stream_has_one_replica_whatever_it_asks() -> None:
-    config = StreamConfig("metrics", mode=DispatchMode.NON_RELIABLE, replicas=3)
-    assert config.replica_count(3) == 1
+def test_the_cluster_reads_the_settings_and_caps_the_in_sync_minimum() -> None:
+    definition = stream_definition(
+        StreamConfig("five", mode=DispatchMode.RELIABLE, replicas=5, min_insync_replicas=3))
+    assert stream_replication(definition) == Replication(5, 3)
+    two = stream_definition(StreamConfig("two", mode=DispatchMode.RELIABLE, replicas=2))
+    assert stream_replication(two).min_insync == 2
+    one = stream_definition(StreamConfig("one", mode=DispatchMode.RELIABLE, replicas=1))
+    assert stream_replication(one) == Replication(1, 1)
+    metrics = stream_definition(StreamConfig("m", mode=DispatchMode.NON_RELIABLE, replicas=3))
+    assert stream_replication(metrics) == Replication(1, 1)
 
 
 @pytest.mark.parametrize(("replicas", "min_insync", "message"), [

@@ -1,0 +1,284 @@
+"""The archive as a typed table (issue 29), in one bounded run:
+
+1. **typed rows/s**: a journal of N JSON readings (`{"device", "temp", "site"}`) on a stream with
+   a registered JSON Schema, archived by `Archiver.flush()` into typed columns (one column per
+   field), against pyarrow writing the very table the archiver wrote (read back) with the
+   archiver's Parquet options: the ratio is the goal of issue 29 (≥ 1×, the archiver may use
+   both cores). Wall clock and process CPU time (all threads), best of `--repeat`.
+2. **files per shard per day at 1 msg/s**: a day of one reading a second, archived as a live
+   broker does (a file each `max_delay_s`, 60 s: one flush per simulated minute), then
+   compacted (`compact_after_s = 0`): file count and sizes before and after. `--day-hours`
+   shortens the day; the count is scaled to 24 h and says so.
+3. **Spark** (when pyspark and a JVM are there): `count(*) where temp > 30` over the typed
+   archive (`storage.spark.read_archive`: Parquet filter pushdown on the column) against the
+   same rows archived untyped and filtered on `from_json(payload_json)`; best of `--repeat`,
+   and whether the plan shows the pushed filter (each query runs once untimed first, for the
+   JVM's warm-up).
+
+Every phase checks the `--max-seconds` deadline (default 900 s) and is skipped or cut short
+past it (a phase's first measurement, and Spark's warm-up, always complete); the run always prints what it measured (markdown, and JSON with `--json`). Do not
+take figures from a loaded machine.
+
+    python bench/bench_archive_table.py [--rows 200000] [--day-hours 24] [--repeat 3]
+                                        [--no-spark] [--max-seconds 900] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+from shardgate.core.records import MessageRecord, encode_message
+from shardgate.storage.archive import Archiver, ArchiveSettings, list_stream_files
+from shardgate.storage.archive.columns import PARQUET_OPTIONS
+from shardgate.storage.journal import JournalStorage
+
+HOUR_MS = 3_600_000
+T0 = 1_700_000_000_000 - 1_700_000_000_000 % (24 * HOUR_MS)  # a UTC midnight
+SCHEMA = {
+    "type": "object",
+    "properties": {"device": {"type": "string"}, "temp": {"type": "number"},
+                   "site": {"type": "string"}},
+    "required": ["device", "temp"],
+}
+
+
+class Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def passed(self) -> bool:
+        return time.monotonic() >= self.end
+
+
+def reading(i: int, ts: int) -> bytes:
+    payload = json.dumps({"device": f"dev-{i % 500:04d}", "temp": (i * 7919 % 600) / 10,
+                          "site": f"site-{i % 7}"}).encode()
+    return encode_message(MessageRecord(f"sensors/dev-{i % 500:04d}", payload, 1, False, ts,
+                                        producer_protocol="mqtt", producer_id=f"dev-{i % 500:04d}"))
+
+
+def fill(journal: JournalStorage, stream: str, count: int, step_ms: int = 1, start: int = 0) -> None:
+    log = journal.open_shard(stream, 0)
+    for first in range(start, start + count, 10_000):
+        last = min(start + count, first + 10_000)
+        log.append([(T0 + i * step_ms, reading(i, T0 + i * step_ms)) for i in range(first, last)])
+        journal.flush_sync()
+
+
+def typed(kind: str = "json") -> Any:
+    return lambda _stream: (kind, SCHEMA, 1)
+
+
+def cpu() -> float:
+    return time.process_time()
+
+
+def typed_throughput(work: Path, rows: int, repeat: int, deadline: Deadline) -> dict[str, Any]:
+    journal = JournalStorage(work / "journal-typed", fsync="os")
+    try:
+        fill(journal, "readings", rows)
+        best: dict[str, float] = {}
+        table = None
+        for attempt in range(repeat):
+            if deadline.passed() and best:
+                break
+            out = work / f"typed-{attempt}"
+            settings = ArchiveSettings(target_rows=rows, max_delay_s=3600, compaction=False)
+            archiver = Archiver(journal, out.as_uri(), lambda: [("readings", 1, "json")],
+                                settings, registered_schema=typed())
+            wall, used = time.perf_counter(), cpu()
+            asyncio.run(archiver.flush())
+            wall, used = time.perf_counter() - wall, cpu() - used
+            best["archiver_wall_s"] = min(best.get("archiver_wall_s", wall), wall)
+            best["archiver_cpu_s"] = min(best.get("archiver_cpu_s", used), used)
+            if table is None:
+                table = pq.read_table([f.path for f in list_stream_files(
+                    archiver.fs, archiver.root, "readings")])
+            shutil.rmtree(out, ignore_errors=True)
+        assert table is not None and table.num_rows == rows, "the archive holds every row"
+        for attempt in range(repeat):
+            if deadline.passed() and "pyarrow_wall_s" in best:
+                break
+            target = work / f"pyarrow-{attempt}.parquet"
+            wall, used = time.perf_counter(), cpu()
+            pq.write_table(table, target, **PARQUET_OPTIONS)
+            wall, used = time.perf_counter() - wall, cpu() - used
+            best["pyarrow_wall_s"] = min(best.get("pyarrow_wall_s", wall), wall)
+            best["pyarrow_cpu_s"] = min(best.get("pyarrow_cpu_s", used), used)
+            target.unlink()
+        columns = [name for name in table.column_names if name in SCHEMA["properties"]]
+        return {
+            "rows": rows, "typed_columns": columns,
+            "archiver_rows_per_s": round(rows / best["archiver_wall_s"]),
+            "pyarrow_rows_per_s": round(rows / best["pyarrow_wall_s"]),
+            "ratio_wall": round(best["pyarrow_wall_s"] / best["archiver_wall_s"], 2),
+            "ratio_cpu": round(best["pyarrow_cpu_s"] / max(best["archiver_cpu_s"], 1e-9), 2),
+            **{key: round(value, 3) for key, value in best.items()},
+        }
+    finally:
+        journal.close()
+
+
+def day_of_files(work: Path, hours: int, deadline: Deadline) -> dict[str, Any]:
+    """One reading a second, one flush per simulated minute (a live broker's `max_delay_s`)."""
+    journal = JournalStorage(work / "journal-day", fsync="os")
+    out = work / "day"
+    settings = ArchiveSettings(max_delay_s=60, compact_after_s=0, compact_interval_s=3600)
+    archiver = Archiver(journal, out.as_uri(), lambda: [("readings", 1, "json")], settings,
+                        registered_schema=typed())
+
+    async def run() -> dict[str, Any]:
+        minutes = 0
+        for minute in range(hours * 60):
+            if deadline.passed():
+                break
+            fill(journal, "readings", 60, step_ms=1000, start=minute * 60)
+            await archiver.flush()
+            minutes += 1
+        before = list_stream_files(archiver.fs, archiver.root, "readings")
+        wall = time.perf_counter()
+        replaced = await archiver.compact()
+        wall = time.perf_counter() - wall
+        after = list_stream_files(archiver.fs, archiver.root, "readings")
+        scale = 24 * 60 / max(minutes, 1)
+        return {
+            "simulated_minutes": minutes, "scaled_to_24h_by": round(scale, 2),
+            "files_before": len(before), "files_after": len(after),
+            "files_per_day_before": round(len(before) * scale),
+            "files_per_day_after": round(len(after) * scale),
+            "mean_bytes_before": round(sum(f.size for f in before) / max(len(before), 1)),
+            "mean_bytes_after": round(sum(f.size for f in after) / max(len(after), 1)),
+            "replaced": replaced, "compaction_s": round(wall, 3),
+            "rows": sum(pq.read_metadata(f.path).num_rows for f in after),
+        }
+
+    try:
+        return asyncio.run(run())
+    finally:
+        journal.close()
+
+
+SPARK_QUERY = "count(*) where temp > 30"
+
+
+def spark_queries(work: Path, rows: int, repeat: int, deadline: Deadline) -> dict[str, Any]:
+    try:
+        import pyspark  # noqa: F401
+    except ImportError:
+        return {"skipped": "pyspark is not installed"}
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        return {"skipped": "no JVM (java) found"}
+    journal = JournalStorage(work / "journal-spark", fsync="os")
+    try:
+        fill(journal, "readings", rows)
+        settings = ArchiveSettings(target_rows=max(rows // 8, 1), max_delay_s=3600, compaction=False)
+        typed_url, json_url = (work / "spark-typed").as_uri(), (work / "spark-json").as_uri()
+        asyncio.run(Archiver(journal, typed_url, lambda: [("readings", 1, "json")], settings,
+                             registered_schema=typed()).flush())
+        asyncio.run(Archiver(journal, json_url, lambda: [("readings", 1, "json")],
+                             settings).flush())
+    finally:
+        journal.close()
+    if deadline.passed():
+        return {"skipped": "the deadline passed before Spark"}
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import DoubleType, StringType, StructField, StructType
+    from shardgate.storage.spark import read_archive
+
+    spark = (SparkSession.builder.master("local[2]").appName("shardgate-archive-bench")
+             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+             .config("spark.sql.session.timeZone", "UTC")
+             .config("spark.driver.bindAddress", "127.0.0.1").getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    fields = StructType([StructField("device", StringType()), StructField("temp", DoubleType()),
+                         StructField("site", StringType())])
+    try:
+        def pushed() -> Any:
+            return read_archive(spark, typed_url, stream="readings").where(F.col("temp") > 30)
+
+        def parsed() -> Any:
+            frame = read_archive(spark, json_url, stream="readings")
+            return (frame.withColumn("reading", F.from_json("payload_json", fields))
+                    .where(F.col("reading.temp") > 30))
+
+        result: dict[str, Any] = {"query": SPARK_QUERY, "rows": rows}
+        counts = {}
+        for build in (pushed, parsed):  # untimed: the JVM's warm-up goes to neither
+            build().count()
+        for name, build in (("typed_pushdown", pushed), ("json_parse", parsed)):
+            best = None
+            for _ in range(repeat):
+                if deadline.passed() and best is not None:
+                    break
+                wall = time.perf_counter()
+                counts[name] = build().count()
+                wall = time.perf_counter() - wall
+                best = wall if best is None else min(best, wall)
+            result[f"{name}_s"] = round(best or 0.0, 3)
+        plan = pushed()._jdf.queryExecution().executedPlan().toString()
+        result["pushed_filter_in_plan"] = "GreaterThan(temp" in plan
+        result["same_count"] = counts.get("typed_pushdown") == counts.get("json_parse")
+        if result.get("typed_pushdown_s"):
+            result["speedup"] = round(result["json_parse_s"] / result["typed_pushdown_s"], 2)
+        return result
+    finally:
+        spark.stop()
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = ["## Archive as a typed table", ""]
+    for phase, values in results.items():
+        lines.append(f"### {phase}")
+        lines.append("")
+        lines.append("| measure | value |")
+        lines.append("|---|---|")
+        lines += [f"| {key} | {value} |" for key, value in values.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--day-hours", type=int, default=24)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--no-spark", action="store_true")
+    parser.add_argument("--max-seconds", type=float, default=900.0)
+    parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp dir)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    args = parser.parse_args(argv)
+    deadline = Deadline(args.max_seconds)
+    work = Path(tempfile.mkdtemp(prefix="shardgate-archive-table-", dir=args.dir))
+    results: dict[str, Any] = {}
+    try:
+        results["typed rows per second"] = typed_throughput(work, args.rows, args.repeat, deadline)
+        if not deadline.passed():
+            results["files per shard per day at 1 msg/s"] = day_of_files(work, args.day_hours,
+                                                                         deadline)
+        if args.no_spark:
+            results["spark"] = {"skipped": "--no-spark"}
+        elif deadline.passed():
+            results["spark"] = {"skipped": "the deadline passed"}
+        else:
+            results["spark"] = spark_queries(work, args.rows, args.repeat, deadline)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(results, indent=2) if args.json else markdown(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""The replica protocol on the peer link: a follower's fetches and epoch-end questions to its
+shard's leader, as authenticated gRPC calls on the cluster port (`link_auth.cluster_channel`
+to call, the data plane's internal server, behind its `CallAuthenticator`, to answer).
+
+Both ends live here: `ReplicaService.handler()` answers for the shards this node leads
+(`ReplicaManager.leading`), and `ReplicaService` itself is the followers' `ReplicaTransport`.
+A request and its answer are `ReplicaRequest` / `ReplicaAnswer` of `proto/cluster.proto`
+(`replica_frames.py`), one unary call each: a follower has one request in flight per shard,
+and a fetch is a long poll (the leader holds it up to `FETCH_WAIT_S` while it has nothing
+new), so a call per fetch costs little beside the records it carries. An answer carries at
+most `FETCH_MAX_RECORDS` records and about `FETCH_MAX_BYTES` (always at least one record).
+
+A shard this node does not lead is answered `not_leader`; a leader whose journal no longer
+holds the asked offset answers `behind_log_start` with its first offset, and the follower
+then starts there (the offsets before become empty records: what retention removed from the
+leader is not fetched from the archive yet). A call that fails on the wire raises
+`ConnectionError` (the follower retries).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from ..proto import cluster_pb2 as pb
+from ..storage.interfaces import StoredRecord
+from .link_auth import NodeCredentials, cluster_channel
+from .membership import ClusterView
+from .replica_epochs import (
+    EpochEndAnswer,
+    EpochEndRequest,
+    FetchRequest,
+    FetchResponse,
+    Refused,
+    ReplicaError,
+)
+from .replica_frames import (
+    ReplicaFrameError,
+    epoch_end_answer,
+    epoch_end_answer_from,
+    fetch_answer,
+    fetch_answer_from,
+    request_from,
+    request_message,
+)
+from .replica_log import ReplicatedShardLog
+
+log = logging.getLogger(__name__)
+
+SERVICE = "shardgate.cluster.v1.Replica"
+FETCH = "Fetch"
+EPOCH_END = "EpochEnd"
+FETCH_WAIT_S = 0.5
+FETCH_MAX_RECORDS = 2_000
+FETCH_MAX_BYTES = 8 << 20
+# A call is given up on (and retried) after the leader's wait and this much more.
+CALL_MARGIN_S = 5.0
+MAX_MESSAGE = 64 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+]
+
+Leading = Callable[[str, int], ReplicatedShardLog | None]
+
+
+class ReplicaService:
+    """Both ends of the replica protocol on this node (see the module docstring)."""
+
+    def __init__(self, view: ClusterView, leading: Leading,
+                 credentials: NodeCredentials | None = None, *,
+                 fetch_wait_s: float = FETCH_WAIT_S) -> None:
+        self.view = view
+        self.leading = leading
+        self.credentials = credentials or NodeCredentials(view.node_id)
+        self.fetch_wait_s = fetch_wait_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._next_id = 0
+
+    # ------------------------------------------------------------ the leader's side
+    def handler(self) -> grpc.GenericRpcHandler:
+        async def fetch(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            message = self._parse(request)
+            if message is None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a malformed replica request")
+            assert message is not None
+            try:
+                asked = request_from(message)
+            except ReplicaFrameError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                raise
+            if not isinstance(asked, FetchRequest):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an epoch-end request sent as a fetch")
+            assert isinstance(asked, FetchRequest)
+            shard_log = self.leading(message.stream, message.shard)
+            answer: tuple[FetchResponse, Sequence[StoredRecord]] | Refused
+            if shard_log is None:
+                answer = Refused(ReplicaError.NOT_LEADER)
+            else:
+                answer = await shard_log.fetch(asked, FETCH_MAX_RECORDS, self.fetch_wait_s)
+                if not isinstance(answer, Refused):
+                    answer = _bounded(*answer)
+            return bytes(fetch_answer(message.id, answer).SerializeToString())
+
+        async def epoch_end(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            message = self._parse(request)
+            if message is None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a malformed replica request")
+            assert message is not None
+            try:
+                asked = request_from(message)
+            except ReplicaFrameError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                raise
+            if not isinstance(asked, EpochEndRequest):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a fetch sent as an epoch-end request")
+            assert isinstance(asked, EpochEndRequest)
+            shard_log = self.leading(message.stream, message.shard)
+            answer = (Refused(ReplicaError.NOT_LEADER) if shard_log is None
+                      else shard_log.serve_epoch_end(asked))
+            return bytes(epoch_end_answer(message.id, answer).SerializeToString())
+
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            FETCH: grpc.unary_unary_rpc_method_handler(fetch),
+            EPOCH_END: grpc.unary_unary_rpc_method_handler(epoch_end),
+        })
+
+    @staticmethod
+    def _parse(request: bytes) -> pb.ReplicaRequest | None:
+        message = pb.ReplicaRequest()
+        try:
+            message.ParseFromString(request)
+        except Exception:  # protobuf's DecodeError
+            return None
+        return message
+
+    # ------------------------------------------------------------ the follower's side
+    def transport(self, stream: str, shard: int) -> ShardTransport:
+        """The `ReplicaTransport` of one shard (its requests name the shard)."""
+        return ShardTransport(self, stream, shard)
+
+    async def call(self, leader: str, method: str, message: pb.ReplicaRequest,
+                   timeout: float) -> pb.ReplicaAnswer:
+        info = self.view.nodes().get(leader)
+        if info is None:
+            raise ConnectionError(f"leader {leader} is not live")
+        channel = self._channels.get(info.cluster_address)
+        if channel is None:
+            channel = cluster_channel(info.cluster_address, self.credentials, CHANNEL_OPTIONS)
+            self._channels[info.cluster_address] = channel
+        call = channel.unary_unary(f"/{SERVICE}/{method}")
+        try:
+            data = await call(message.SerializeToString(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise ConnectionError(f"{method} on {leader}: {exc.code().name} {exc.details()}") from None
+        answer = pb.ReplicaAnswer()
+        try:
+            answer.ParseFromString(data)
+        except Exception:  # protobuf's DecodeError
+            raise ConnectionError(f"{method} on {leader}: an answer that does not decode") from None
+        return answer
+
+    def request_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close(grace=None)
+
+
+class ShardTransport:
+    """`ReplicaTransport` for one shard over `ReplicaService`'s channels."""
+
+    def __init__(self, service: ReplicaService, stream: str, shard: int) -> None:
+        self.service = service
+        self.stream = stream
+        self.shard = shard
+
+    async def epoch_end(self, leader: str, request: EpochEndRequest) -> EpochEndAnswer | Refused:
+        service = self.service
+        message = request_message(service.request_id(), self.stream, self.shard, request)
+        answer = await service.call(leader, EPOCH_END, message, CALL_MARGIN_S)
+        try:
+            return epoch_end_answer_from(answer)
+        except ReplicaFrameError as exc:
+            raise ConnectionError(f"epoch end from {leader}: {exc}") from None
+
+    async def fetch(self, leader: str, request: FetchRequest
+                    ) -> tuple[FetchResponse, Sequence[StoredRecord]] | Refused:
+        service = self.service
+        message = request_message(service.request_id(), self.stream, self.shard, request)
+        answer = await service.call(leader, FETCH, message, service.fetch_wait_s + CALL_MARGIN_S)
+        try:
+            return fetch_answer_from(answer)
+        except ReplicaFrameError as exc:
+            raise ConnectionError(f"fetch from {leader}: {exc}") from None
+
+
+def _bounded(response: FetchResponse, records: Sequence[StoredRecord]
+             ) -> tuple[FetchResponse, Sequence[StoredRecord]]:
+    """At most about `FETCH_MAX_BYTES` of records (at least one): the rest comes next fetch."""
+    size = 0
+    for count, record in enumerate(records):
+        size += len(record.data) + 12
+        if size > FETCH_MAX_BYTES and count > 0:
+            end = response.start + count
+            epochs = tuple(entry for entry in response.epochs if entry.start_offset < end)
+            return (FetchResponse(response.leader_epoch, response.start, end,
+                                  response.high_watermark, epochs), records[:count])
+    return response, records

@@ -1,0 +1,73 @@
+"""The schema registry of a cluster (issue 29): a schema registered on one node checks publishes
+on every node (MQTT 5 PUBACK 0x99 on the other node too), a version registered on the other
+node comes back to the first, and a node that joins later gets them all."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from shardgate.client import Client
+from shardgate.protocols.mqtt import packets as p
+
+from tests.conftest import wait_for
+from tests.e2e.cluster_fixtures import ClusterNodeProcess
+from tests.mqtt_clients import RawClient
+
+STREAMS = '[[streams]]\nname = "sensors"\nroutes = ["sensors/#"]\npartitions = 2\n'
+REQUIRED = {"type": "object", "properties": {"device": {"type": "string"},
+                                              "temp": {"type": "number"}},
+            "required": ["device", "temp"]}
+WIDENED = {"type": "object", "properties": {"device": {"type": "string"},
+                                             "temp": {"type": "number"},
+                                             "site": {"type": "string"}},
+           "required": ["device", "temp"]}
+
+
+def versions_on(node: ClusterNodeProcess) -> list[int]:
+    async def read() -> list[int]:
+        async with Client(node.grpc_url) as client:
+            return [info.version for info in await client.admin.schemas("sensors")]
+
+    return asyncio.run(read())
+
+
+def register(node: ClusterNodeProcess, schema: dict[str, object]) -> int:
+    async def call() -> int:
+        async with Client(node.grpc_url) as client:
+            return (await client.admin.register_schema("sensors", schema)).version
+
+    return asyncio.run(call())
+
+
+def pubacks(node: ClusterNodeProcess, payloads: list[bytes]) -> list[int]:
+    client = RawClient(node.mqtt_port, version=5)
+    client.connect(f"schema-check-{node.node_id}")
+    codes = []
+    for index, payload in enumerate(payloads, start=1):
+        client.send(p.Publish(f"sensors/d{index}", payload, 1, packet_id=index))
+        ack = client.receive()
+        assert isinstance(ack, p.Puback)
+        codes.append(ack.reason_code)
+    client.close()
+    return codes
+
+
+def test_a_schema_registered_on_one_node_checks_publishes_on_every_node(
+    cluster: Callable[..., list[ClusterNodeProcess]],
+) -> None:
+    n1, n2 = cluster(2, extra_config=STREAMS)
+    assert register(n1, REQUIRED) == 1
+    wait_for(lambda: versions_on(n2) == [1], timeout=30)
+    good, bad = b'{"device": "d1", "temp": 21.5}', b'{"device": "d1", "temp": "hot"}'
+    assert pubacks(n2, [good, bad]) == [0, 0x99]
+    assert pubacks(n1, [bad]) == [0x99]
+    # a version registered on n2 reaches n1, and both check against it
+    assert register(n2, WIDENED) == 2
+    wait_for(lambda: versions_on(n1) == [1, 2], timeout=30)
+    widened_bad = b'{"device": "d1", "temp": 3, "site": 7}'
+    assert pubacks(n1, [widened_bad]) == [0x99]
+    # a node joining later gets every version
+    (n3,) = cluster(1, first=3, extra_config=STREAMS)
+    wait_for(lambda: versions_on(n3) == [1, 2], timeout=30)
+    assert pubacks(n3, [good, widened_bad]) == [0, 0x99]

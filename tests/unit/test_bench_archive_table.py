@@ -1,0 +1,22 @@
+"""`bench/bench_archive_table.py` runs with one command and stays within its time bound: a tiny
+run (no Spark) measures every phase and counts every row."""
+
+from __future__ import annotations
+
+import time
+
+from bench.bench_archive_table import main
+
+
+def test_a_tiny_run_measures_each_phase_within_its_bound() -> None:
+    started = time.monotonic()
+    results = main(["--rows", "2000", "--day-hours", "1", "--repeat", "1", "--no-spark",
+                    "--max-seconds", "120", "--json"])
+    assert time.monotonic() - started < 240
+    typed = results["typed rows per second"]
+    assert typed["rows"] == 2000 and typed["typed_columns"] == ["device", "temp", "site"]
+    assert typed["archiver_rows_per_s"] > 0 and typed["pyarrow_rows_per_s"] > 0
+    day = results["files per shard per day at 1 msg/s"]
+    assert day["simulated_minutes"] == 60 and day["files_before"] == 60
+    assert day["files_after"] == 1 and day["rows"] == 3600
+    assert results["spark"] == {"skipped": "--no-spark"}
