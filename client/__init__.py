@@ -36,6 +36,7 @@ from .types import (
     BrokerInfo,
     ClientInfo,
     ConsumerInfo,
+    Listing,
     Mode,
     Position,
     Receipt,
@@ -50,7 +51,7 @@ from .types import (
 
 __all__ = [
     "DEFAULT_URL", "Admin", "AlreadyExists", "BrokerInfo", "Client", "ClientInfo", "Consumer",
-    "ConsumerInfo", "FailedPrecondition", "InvalidArgument", "Mode", "NotFound", "OutOfRange",
+    "ConsumerInfo", "FailedPrecondition", "InvalidArgument", "Listing", "Mode", "NotFound", "OutOfRange",
     "PermissionDenied", "Position", "Producer", "Receipt", "ReceivedMessage", "ResourceExhausted", "Schema",
     "SchemaInfo", "ShardInfo", "ShardgateError", "StreamInfo", "SubscriptionInfo", "SubscriptionType",
     "SyncClient", "SyncConsumer", "SyncProducer", "Unauthenticated", "Unavailable", "resolve_url",

@@ -14,6 +14,7 @@ from .errors import from_rpc_error
 from .types import (
     BrokerInfo,
     ClientInfo,
+    Listing,
     Mode,
     Position,
     Schema,
@@ -90,9 +91,12 @@ class Admin:
             spec.min_insync_replicas = min_insync_replicas
         return StreamInfo.from_pb(await self._call(self._stub.CreateStream, spec))
 
-    async def list_streams(self) -> list[StreamInfo]:
+    async def list_streams(self) -> Listing[StreamInfo]:
+        """Every stream; in a cluster each shard's figures come from its owner (whichever node
+        is asked), and `unanswered` names the nodes that did not answer."""
         response = await self._call(self._stub.ListStreams, pb.Empty())
-        return [StreamInfo.from_pb(s) for s in response.streams]
+        return Listing([StreamInfo.from_pb(s) for s in response.streams],
+                       {x.node: x.reason for x in response.unanswered})
 
     async def describe_stream(self, name: str) -> StreamInfo:
         return StreamInfo.from_pb(await self._call(self._stub.DescribeStream, pb.StreamName(name=name)))
@@ -122,9 +126,11 @@ class Admin:
         return [(r.topic_filter, r.stream) for r in response.routes]
 
     # ---------------------------------------------------------------- subscriptions
-    async def list_subscriptions(self) -> list[SubscriptionInfo]:
+    async def list_subscriptions(self) -> Listing[SubscriptionInfo]:
+        """Every subscription; in a cluster every node's, each with its `node`."""
         response = await self._call(self._stub.ListSubscriptions, pb.Empty())
-        return [SubscriptionInfo.from_pb(s) for s in response.subscriptions]
+        return Listing([SubscriptionInfo.from_pb(s) for s in response.subscriptions],
+                       {x.node: x.reason for x in response.unanswered})
 
     async def describe_subscription(self, name: str) -> SubscriptionInfo:
         response = await self._call(self._stub.DescribeSubscription, pb.SubscriptionName(name=name))
@@ -138,9 +144,11 @@ class Admin:
         await self._call(self._stub.DeleteSubscription, pb.SubscriptionName(name=name))
 
     # ---------------------------------------------------------------- clients and broker
-    async def list_clients(self) -> list[ClientInfo]:
+    async def list_clients(self) -> Listing[ClientInfo]:
+        """Every connected client; in a cluster every node's, each with its `node`."""
         response = await self._call(self._stub.ListClients, pb.Empty())
-        return [ClientInfo.from_pb(c) for c in response.clients]
+        return Listing([ClientInfo.from_pb(c) for c in response.clients],
+                       {x.node: x.reason for x in response.unanswered})
 
     async def broker_info(self) -> BrokerInfo:
         return BrokerInfo.from_pb(await self._call(self._stub.GetBrokerInfo, pb.Empty()))

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 from ..proto import shardgate_pb2 as pb
 from . import schemas
+
+T = TypeVar("T")
 
 
 class SubscriptionType(StrEnum):
@@ -173,6 +175,21 @@ class ReceivedMessage:
 class ShardInfo:
     index: int
     next_offset: int
+    owner: str = ""
+    """In a cluster: the node that leads the shard ("" on a single node)."""
+    unavailable: bool = False
+    """In a cluster: its owner did not answer (`next_offset` is then unknown, 0)."""
+
+
+class Listing(list[T]):
+    """A listing (a list) that, in a cluster, also says which nodes did not answer:
+    `unanswered` maps each such node to why; what they hold is missing from the list."""
+
+    unanswered: dict[str, str]
+
+    def __init__(self, items: Iterable[T] = (), unanswered: dict[str, str] | None = None) -> None:
+        super().__init__(items)
+        self.unanswered = dict(unanswered or {})
 
 
 @dataclass(slots=True)
@@ -191,6 +208,8 @@ class StreamInfo:
     """As created (None: the default, 3 in a cluster capped by the live nodes)."""
     min_insync_replicas: int | None = None
     """As created (None: the default, 2)."""
+    unanswered: dict[str, str] = field(default_factory=dict)
+    """In a cluster: the nodes that did not answer, and why (their shards are `unavailable`)."""
 
     @classmethod
     def from_pb(cls, s: pb.StreamInfo) -> StreamInfo:
@@ -199,10 +218,12 @@ class StreamInfo:
             schema=Schema.from_pb(s.schema),
             retention_ms=s.retention_ms if s.HasField("retention_ms") else None,
             retention_bytes=s.retention_bytes if s.HasField("retention_bytes") else None,
-            routes=list(s.routes), shards=[ShardInfo(x.index, x.next_offset) for x in s.shards],
+            routes=list(s.routes),
+            shards=[ShardInfo(x.index, x.next_offset, x.owner, x.unavailable) for x in s.shards],
             subscriptions={x.name: x.lag for x in s.subscriptions}, is_default=s.is_default,
             replicas=s.replicas if s.HasField("replicas") else None,
             min_insync_replicas=s.min_insync_replicas if s.HasField("min_insync_replicas") else None,
+            unanswered={x.node: x.reason for x in s.unanswered},
         )
 
 
@@ -250,13 +271,15 @@ class SubscriptionInfo:
     lag: int = 0
     # Durable: deliveries before a message is dead-lettered to `$dlq/<name>` (0: never).
     max_deliveries: int = 0
+    # In a cluster's listing: the node that holds it.
+    node: str = ""
 
     @classmethod
     def from_pb(cls, s: pb.SubscriptionInfo) -> SubscriptionInfo:
         return cls(
             name=s.name, type=SubscriptionType.from_pb(s.type), durable=s.durable,
             topic_filters=list(s.topic_filters), protocol=s.protocol, lag=s.lag,
-            max_deliveries=s.max_deliveries,
+            max_deliveries=s.max_deliveries, node=s.node,
             consumers=[ConsumerInfo(c.consumer_id, c.protocol, c.active, c.unacked, c.credit,
                                     c.delivered) for c in s.consumers],
         )
@@ -272,11 +295,13 @@ class ClientInfo:
     messages_in: int
     messages_out: int
     detail: str
+    node: str = ""
+    """In a cluster's listing: the node it is connected to."""
 
     @classmethod
     def from_pb(cls, c: pb.ClientInfo) -> ClientInfo:
         return cls(c.protocol, c.client_id, c.username, c.remote, c.connected_at,
-                   c.messages_in, c.messages_out, c.detail)
+                   c.messages_in, c.messages_out, c.detail, c.node)
 
 
 @dataclass(slots=True)

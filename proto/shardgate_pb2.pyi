@@ -287,12 +287,24 @@ class StreamSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., mode: _Optional[_Union[DispatchMode, str]] = ..., partitions: _Optional[int] = ..., schema: _Optional[_Union[Schema, str]] = ..., retention_ms: _Optional[int] = ..., retention_bytes: _Optional[int] = ..., routes: _Optional[_Iterable[str]] = ..., replicas: _Optional[int] = ..., min_insync_replicas: _Optional[int] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("index", "next_offset")
+    __slots__ = ("index", "next_offset", "owner", "unavailable")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NEXT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     index: int
     next_offset: int
-    def __init__(self, index: _Optional[int] = ..., next_offset: _Optional[int] = ...) -> None: ...
+    owner: str
+    unavailable: bool
+    def __init__(self, index: _Optional[int] = ..., next_offset: _Optional[int] = ..., owner: _Optional[str] = ..., unavailable: _Optional[bool] = ...) -> None: ...
+
+class UnansweredNode(_message.Message):
+    __slots__ = ("node", "reason")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    reason: str
+    def __init__(self, node: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StreamSubscriptionInfo(_message.Message):
     __slots__ = ("name", "lag")
@@ -303,7 +315,7 @@ class StreamSubscriptionInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., lag: _Optional[int] = ...) -> None: ...
 
 class StreamInfo(_message.Message):
-    __slots__ = ("name", "mode", "partitions", "schema", "retention_ms", "retention_bytes", "routes", "shards", "subscriptions", "is_default", "replicas", "min_insync_replicas")
+    __slots__ = ("name", "mode", "partitions", "schema", "retention_ms", "retention_bytes", "routes", "shards", "subscriptions", "is_default", "replicas", "min_insync_replicas", "unanswered")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     PARTITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +328,7 @@ class StreamInfo(_message.Message):
     IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     MIN_INSYNC_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    UNANSWERED_FIELD_NUMBER: _ClassVar[int]
     name: str
     mode: DispatchMode
     partitions: int
@@ -328,7 +341,8 @@ class StreamInfo(_message.Message):
     is_default: bool
     replicas: int
     min_insync_replicas: int
-    def __init__(self, name: _Optional[str] = ..., mode: _Optional[_Union[DispatchMode, str]] = ..., partitions: _Optional[int] = ..., schema: _Optional[_Union[Schema, str]] = ..., retention_ms: _Optional[int] = ..., retention_bytes: _Optional[int] = ..., routes: _Optional[_Iterable[str]] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., subscriptions: _Optional[_Iterable[_Union[StreamSubscriptionInfo, _Mapping]]] = ..., is_default: _Optional[bool] = ..., replicas: _Optional[int] = ..., min_insync_replicas: _Optional[int] = ...) -> None: ...
+    unanswered: _containers.RepeatedCompositeFieldContainer[UnansweredNode]
+    def __init__(self, name: _Optional[str] = ..., mode: _Optional[_Union[DispatchMode, str]] = ..., partitions: _Optional[int] = ..., schema: _Optional[_Union[Schema, str]] = ..., retention_ms: _Optional[int] = ..., retention_bytes: _Optional[int] = ..., routes: _Optional[_Iterable[str]] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., subscriptions: _Optional[_Iterable[_Union[StreamSubscriptionInfo, _Mapping]]] = ..., is_default: _Optional[bool] = ..., replicas: _Optional[int] = ..., min_insync_replicas: _Optional[int] = ..., unanswered: _Optional[_Iterable[_Union[UnansweredNode, _Mapping]]] = ...) -> None: ...
 
 class StreamName(_message.Message):
     __slots__ = ("name",)
@@ -337,10 +351,12 @@ class StreamName(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class ListStreamsResponse(_message.Message):
-    __slots__ = ("streams",)
+    __slots__ = ("streams", "unanswered")
     STREAMS_FIELD_NUMBER: _ClassVar[int]
+    UNANSWERED_FIELD_NUMBER: _ClassVar[int]
     streams: _containers.RepeatedCompositeFieldContainer[StreamInfo]
-    def __init__(self, streams: _Optional[_Iterable[_Union[StreamInfo, _Mapping]]] = ...) -> None: ...
+    unanswered: _containers.RepeatedCompositeFieldContainer[UnansweredNode]
+    def __init__(self, streams: _Optional[_Iterable[_Union[StreamInfo, _Mapping]]] = ..., unanswered: _Optional[_Iterable[_Union[UnansweredNode, _Mapping]]] = ...) -> None: ...
 
 class UpdateStreamRequest(_message.Message):
     __slots__ = ("name", "retention_ms", "retention_bytes", "add_routes")
@@ -385,7 +401,7 @@ class ConsumerInfo(_message.Message):
     def __init__(self, consumer_id: _Optional[str] = ..., protocol: _Optional[str] = ..., active: _Optional[bool] = ..., unacked: _Optional[int] = ..., credit: _Optional[int] = ..., delivered: _Optional[int] = ...) -> None: ...
 
 class SubscriptionInfo(_message.Message):
-    __slots__ = ("name", "type", "durable", "topic_filters", "consumers", "protocol", "lag", "max_deliveries")
+    __slots__ = ("name", "type", "durable", "topic_filters", "consumers", "protocol", "lag", "max_deliveries", "node")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
@@ -394,6 +410,7 @@ class SubscriptionInfo(_message.Message):
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     LAG_FIELD_NUMBER: _ClassVar[int]
     MAX_DELIVERIES_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     name: str
     type: SubscriptionType
     durable: bool
@@ -402,7 +419,8 @@ class SubscriptionInfo(_message.Message):
     protocol: str
     lag: int
     max_deliveries: int
-    def __init__(self, name: _Optional[str] = ..., type: _Optional[_Union[SubscriptionType, str]] = ..., durable: _Optional[bool] = ..., topic_filters: _Optional[_Iterable[str]] = ..., consumers: _Optional[_Iterable[_Union[ConsumerInfo, _Mapping]]] = ..., protocol: _Optional[str] = ..., lag: _Optional[int] = ..., max_deliveries: _Optional[int] = ...) -> None: ...
+    node: str
+    def __init__(self, name: _Optional[str] = ..., type: _Optional[_Union[SubscriptionType, str]] = ..., durable: _Optional[bool] = ..., topic_filters: _Optional[_Iterable[str]] = ..., consumers: _Optional[_Iterable[_Union[ConsumerInfo, _Mapping]]] = ..., protocol: _Optional[str] = ..., lag: _Optional[int] = ..., max_deliveries: _Optional[int] = ..., node: _Optional[str] = ...) -> None: ...
 
 class SubscriptionName(_message.Message):
     __slots__ = ("name",)
@@ -411,10 +429,12 @@ class SubscriptionName(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class ListSubscriptionsResponse(_message.Message):
-    __slots__ = ("subscriptions",)
+    __slots__ = ("subscriptions", "unanswered")
     SUBSCRIPTIONS_FIELD_NUMBER: _ClassVar[int]
+    UNANSWERED_FIELD_NUMBER: _ClassVar[int]
     subscriptions: _containers.RepeatedCompositeFieldContainer[SubscriptionInfo]
-    def __init__(self, subscriptions: _Optional[_Iterable[_Union[SubscriptionInfo, _Mapping]]] = ...) -> None: ...
+    unanswered: _containers.RepeatedCompositeFieldContainer[UnansweredNode]
+    def __init__(self, subscriptions: _Optional[_Iterable[_Union[SubscriptionInfo, _Mapping]]] = ..., unanswered: _Optional[_Iterable[_Union[UnansweredNode, _Mapping]]] = ...) -> None: ...
 
 class ResetCursorRequest(_message.Message):
     __slots__ = ("subscription", "position")
@@ -425,7 +445,7 @@ class ResetCursorRequest(_message.Message):
     def __init__(self, subscription: _Optional[str] = ..., position: _Optional[_Union[StartPosition, _Mapping]] = ...) -> None: ...
 
 class ClientInfo(_message.Message):
-    __slots__ = ("protocol", "client_id", "username", "remote", "connected_at", "messages_in", "messages_out", "detail")
+    __slots__ = ("protocol", "client_id", "username", "remote", "connected_at", "messages_in", "messages_out", "detail", "node")
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     USERNAME_FIELD_NUMBER: _ClassVar[int]
@@ -434,6 +454,7 @@ class ClientInfo(_message.Message):
     MESSAGES_IN_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_OUT_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     protocol: str
     client_id: str
     username: str
@@ -442,13 +463,16 @@ class ClientInfo(_message.Message):
     messages_in: int
     messages_out: int
     detail: str
-    def __init__(self, protocol: _Optional[str] = ..., client_id: _Optional[str] = ..., username: _Optional[str] = ..., remote: _Optional[str] = ..., connected_at: _Optional[float] = ..., messages_in: _Optional[int] = ..., messages_out: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+    node: str
+    def __init__(self, protocol: _Optional[str] = ..., client_id: _Optional[str] = ..., username: _Optional[str] = ..., remote: _Optional[str] = ..., connected_at: _Optional[float] = ..., messages_in: _Optional[int] = ..., messages_out: _Optional[int] = ..., detail: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
 
 class ListClientsResponse(_message.Message):
-    __slots__ = ("clients",)
+    __slots__ = ("clients", "unanswered")
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    UNANSWERED_FIELD_NUMBER: _ClassVar[int]
     clients: _containers.RepeatedCompositeFieldContainer[ClientInfo]
-    def __init__(self, clients: _Optional[_Iterable[_Union[ClientInfo, _Mapping]]] = ...) -> None: ...
+    unanswered: _containers.RepeatedCompositeFieldContainer[UnansweredNode]
+    def __init__(self, clients: _Optional[_Iterable[_Union[ClientInfo, _Mapping]]] = ..., unanswered: _Optional[_Iterable[_Union[UnansweredNode, _Mapping]]] = ...) -> None: ...
 
 class Listener(_message.Message):
     __slots__ = ("name", "host", "port")

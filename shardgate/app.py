@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from .cluster.attach import ClusterParts
     from .cluster.control import ClusterNode
     from .cluster.data_plane import DataPlane
+    from .cluster.views import ClusterViews
     from .protocols.amqp.service import AmqpService
     from .protocols.grpc.server import GrpcServer
     from .resources import ResourceAlarms
@@ -97,6 +98,9 @@ class Shardgate:
         self.amqp: AmqpService | None = None
         # cluster mode (`[cluster]` / `--cluster`): this node's membership; None on a single node
         self.cluster: ClusterNode | None = None
+        # cluster mode: the cluster-wide listings of streams, subscriptions and clients that
+        # the admin HTTP API and gRPC Admin give (`cluster.views`); None on a single node
+        self.cluster_views: ClusterViews | None = None
         # cluster mode: done once the node has joined (MQTT sessions open from then on)
         self._joined: asyncio.Future[None] | None = None
         # cluster mode: forwarding, route table and pushes between nodes (`cluster.data_plane`),
@@ -262,6 +266,11 @@ class Shardgate:
             # the cluster's parts, handed to the Edge and the protocols as they are built
             parts = attach.assemble(self, self.cluster)
             self.data_plane = parts.plane
+            from .admin.local_listings import local_view
+            from .cluster.views import ClusterViews
+
+            self.cluster_views = ClusterViews(self.cluster.view, self.cluster.credentials,
+                                              local_view(self))
         assert self.metadata is not None
         self.edge = edge = Edge(self.broker,
                                 remote_durables=parts.durables if parts is not None else None)
@@ -364,8 +373,14 @@ class Shardgate:
                     from .cluster.attach import cluster_status
 
                     status = partial(cluster_status, self.cluster)
+                listing = None
+                if self.cluster_views is not None:
+                    from .cluster.views import listing as cluster_listing
+
+                    listing = partial(cluster_listing, self.cluster_views)
                 grpc_server = GrpcServer(edge, config.grpc, cluster_status=status,
-                                         remote=parts.durables if parts is not None else None)
+                                         remote=parts.durables if parts is not None else None,
+                                         listing=listing)
                 if ports.grpc_port:
                     starting = ("gRPC", host, ports.grpc_port, "listeners.grpc_port")
                     grpc_server.port = grpc_server.listen(host, ports.grpc_port, None)
@@ -621,5 +636,7 @@ class Shardgate:
             self.journal.close()
         if self.metadata is not None:
             self.metadata.close()
+        if self.cluster_views is not None:
+            await self.cluster_views.close()
         if self.cluster is not None:
             await self.cluster.stop()

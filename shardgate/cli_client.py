@@ -50,8 +50,18 @@ def _plain(value: Any) -> Any:
 
 
 def _stream_row(s: Any) -> list[Any]:
-    return [s.name, s.mode.value, s.partitions, s.schema.value,
-            sum(shard.next_offset for shard in s.shards), ",".join(s.routes) or "-"]
+    messages = str(sum(shard.next_offset for shard in s.shards))
+    if any(shard.unavailable for shard in s.shards):
+        messages += "+?"  # a cluster node that owns some of its shards did not answer
+    return [s.name, s.mode.value, s.partitions, s.schema.value, messages,
+            ",".join(s.routes) or "-"]
+
+
+def _warn_unanswered(unanswered: dict[str, str], what: str) -> None:
+    """A cluster listing's nodes that did not answer: said on stderr, never left out silently."""
+    for node, reason in sorted(unanswered.items()):
+        print(f"shardgate: node {node} did not answer ({reason}): its {what} are missing",
+              file=sys.stderr)
 
 
 def _payload_text(payload: bytes) -> str:
@@ -106,6 +116,7 @@ async def _streams_list(client: Client, args: argparse.Namespace) -> int:
     else:
         _table([_stream_row(s) for s in streams],
                ["name", "mode", "partitions", "schema", "messages", "routes"], sys.stdout)
+    _warn_unanswered(streams.unanswered, "shards' figures")
     return 0
 
 
@@ -117,11 +128,18 @@ async def _streams_describe(client: Client, args: argparse.Namespace) -> int:
     _table([_stream_row(info)], ["name", "mode", "partitions", "schema", "messages", "routes"],
            sys.stdout)
     print(file=sys.stdout)
-    _table([[shard.index, shard.next_offset] for shard in info.shards], ["shard", "next offset"],
-           sys.stdout)
+    if any(shard.owner for shard in info.shards):  # a cluster: the node leading each shard
+        _table([[shard.index, shard.owner,
+                 "?" if shard.unavailable else shard.next_offset,
+                 "no answer" if shard.unavailable else "available"] for shard in info.shards],
+               ["shard", "owner", "next offset", "status"], sys.stdout)
+    else:
+        _table([[shard.index, shard.next_offset] for shard in info.shards],
+               ["shard", "next offset"], sys.stdout)
     if info.subscriptions:
         print(file=sys.stdout)
         _table(sorted(info.subscriptions.items()), ["subscription", "lag"], sys.stdout)
+    _warn_unanswered(info.unanswered, "shards' figures")
     return 0
 
 
@@ -233,9 +251,13 @@ async def _subs_list(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         _json(subs, sys.stdout)
     else:
+        nodes = any(s.node for s in subs)  # a cluster: the node holding each
         _table([[s.name, s.type.value, s.protocol, "yes" if s.durable else "no",
-                 ",".join(s.topic_filters), len(s.consumers), s.lag] for s in subs],
-               ["name", "type", "protocol", "durable", "filters", "consumers", "lag"], sys.stdout)
+                 ",".join(s.topic_filters), len(s.consumers), s.lag] + ([s.node] if nodes else [])
+                for s in subs],
+               ["name", "type", "protocol", "durable", "filters", "consumers", "lag"]
+               + (["node"] if nodes else []), sys.stdout)
+    _warn_unanswered(subs.unanswered, "subscriptions")
     return 0
 
 
@@ -283,9 +305,12 @@ async def _clients_list(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         _json(clients, sys.stdout)
     else:
+        nodes = any(c.node for c in clients)  # a cluster: the node each is connected to
         _table([[c.protocol, c.client_id, c.username or "-", c.remote, c.detail, c.messages_in,
-                 c.messages_out] for c in clients],
-               ["protocol", "client", "user", "remote", "detail", "in", "out"], sys.stdout)
+                 c.messages_out] + ([c.node] if nodes else []) for c in clients],
+               ["protocol", "client", "user", "remote", "detail", "in", "out"]
+               + (["node"] if nodes else []), sys.stdout)
+    _warn_unanswered(clients.unanswered, "clients")
     return 0
 
 

@@ -20,7 +20,6 @@ from ...core.message import now_ms
 from ...core.scheduling import Scheduler, Timer
 from ..output import OutputBatcher
 from ..read_budget import ReadBudget
-from ..refusal_log import RefusalLog
 from .queues import Queue
 from .settings import AmqpSettings
 from .vhost import VirtualHost
@@ -56,8 +55,6 @@ class AmqpService:
         (`remote.py`) for every virtual host, used once the node has joined; None on a single
         node."""
         self.edge = edge
-        # refused publishes, logged without a line per message
-        self.refusals = RefusalLog(logging.getLogger("shardgate.protocols.amqp.publishing"))
         # Time and timers, from the I/O adapter (an asyncio loop is one) or a test's clock.
         self._scheduler = scheduler
         self.settings = settings or AmqpSettings()

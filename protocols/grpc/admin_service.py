@@ -1,5 +1,10 @@
 """The `Admin` servicer: streams, routes, subscriptions, clients and broker information; every
 call needs the `admin` action on `admin/<method>`.
+
+In a cluster, the listings (`ListStreams`, `DescribeStream`, `ListSubscriptions`,
+`ListClients`) are cluster-wide, whichever node is asked: the server's `listing` (handed in by
+the composition root) asks every node and merges their answers (each shard from its owner,
+every node's subscriptions and clients with their node), naming the nodes that did not answer.
 """
 
 from __future__ import annotations
@@ -7,10 +12,11 @@ from __future__ import annotations
 import inspect
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf.json_format import ParseDict
 
 from ... import __version__
 from ...core.durable import DurableSubscription
@@ -26,6 +32,10 @@ from .convert import MODES, SCHEMAS, Refusal, abort, seek_to, translated
 
 if TYPE_CHECKING:
     from .server import GrpcServer
+
+Listing = Callable[[str, str, Mapping[str, Any] | None], Awaitable[tuple[Any, list[dict[str, str]]]]]
+"""Cluster mode: `(kind, "proto", arguments) -> (listing as dicts, unanswered nodes)`, the
+cluster-wide listing of `streams`, `stream` (`{"name": ...}`), `subscriptions` or `clients`."""
 
 
 
@@ -123,12 +133,24 @@ class AdminService(pb_grpc.AdminServicer):
         return self.server.stream_info(stream)
 
     @_unary
-    def ListStreams(self, request: pb.Empty) -> pb.ListStreamsResponse:
+    async def ListStreams(self, request: pb.Empty) -> pb.ListStreamsResponse:
+        listing = self.server.listing
+        if listing is not None:
+            streams, unanswered = await listing("streams", "proto", None)
+            return ParseDict({"streams": streams, "unanswered": unanswered},
+                             pb.ListStreamsResponse())
         streams = sorted(self.edge.streams.values(), key=lambda s: s.config.name)
         return pb.ListStreamsResponse(streams=[self.server.stream_info(s) for s in streams])
 
     @_unary
-    def DescribeStream(self, request: pb.StreamName) -> pb.StreamInfo:
+    async def DescribeStream(self, request: pb.StreamName) -> pb.StreamInfo:
+        listing = self.server.listing
+        if listing is not None:
+            try:
+                stream, unanswered = await listing("stream", "proto", {"name": request.name})
+            except LookupError as exc:
+                raise Refusal(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+            return ParseDict(dict(stream, unanswered=unanswered), pb.StreamInfo())
         return self.server.stream_info(self.edge.stream(request.name))
 
     @_unary
@@ -172,7 +194,12 @@ class AdminService(pb_grpc.AdminServicer):
         ])
 
     @_unary
-    def ListSubscriptions(self, request: pb.Empty) -> pb.ListSubscriptionsResponse:
+    async def ListSubscriptions(self, request: pb.Empty) -> pb.ListSubscriptionsResponse:
+        listing = self.server.listing
+        if listing is not None:
+            rows, unanswered = await listing("subscriptions", "proto", None)
+            return ParseDict({"subscriptions": rows, "unanswered": unanswered},
+                             pb.ListSubscriptionsResponse())
         subs = sorted(self.edge.subscriptions.values(), key=lambda s: s.name)
         return pb.ListSubscriptionsResponse(
             subscriptions=[self.server.subscription_info(sub) for sub in subs])
@@ -216,7 +243,11 @@ class AdminService(pb_grpc.AdminServicer):
         return pb.Empty()
 
     @_unary
-    def ListClients(self, request: pb.Empty) -> pb.ListClientsResponse:
+    async def ListClients(self, request: pb.Empty) -> pb.ListClientsResponse:
+        listing = self.server.listing
+        if listing is not None:
+            rows, unanswered = await listing("clients", "proto", None)
+            return ParseDict({"clients": rows, "unanswered": unanswered}, pb.ListClientsResponse())
         return pb.ListClientsResponse(clients=self.server.clients())
 
     @_unary

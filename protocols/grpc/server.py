@@ -32,7 +32,7 @@ from ...core.subscriptions import Subscription, SubscriptionType
 from ...core.topics import TopicError, validate_topic_name
 from ...proto import shardgate_pb2 as pb
 from ...proto import shardgate_pb2_grpc as pb_grpc
-from .admin_service import AdminService
+from .admin_service import AdminService, Listing
 from .auth import AuthInterceptor, principal_of
 from .consumer import GrpcConsumer, GrpcSubscriptionState
 from .consumer_service import ConsumeRemotely, ConsumerService
@@ -92,11 +92,15 @@ class GrpcServer:
 
     def __init__(self, edge: Edge, settings: GrpcSettings | None = None,
                  cluster_status: Callable[[], dict[str, Any]] | None = None, *,
-                 remote: RemoteSubscriptions | None = None) -> None:
+                 remote: RemoteSubscriptions | None = None,
+                 listing: Listing | None = None) -> None:
         self.edge = edge
         # Cluster mode: the cluster as this node sees it (`Admin.GetClusterStatus`); None on
         # a single node.
         self.cluster_status = cluster_status
+        # Cluster mode: the cluster-wide listings of streams, subscriptions and clients
+        # (`shardgate.cluster.views.listing`, in the `proto` shape); None on a single node.
+        self.listing = listing
         self.settings = settings or GrpcSettings()
         self.consumers: set[GrpcConsumer] = set()
         self.producers: set[ProducerStreamInfo] = set()

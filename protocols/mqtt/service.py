@@ -29,7 +29,6 @@ from ...core.scheduling import Scheduler, Timer
 from ...core.subscriptions import Subscription
 from ..output import OutputBatcher
 from ..read_budget import ReadBudget
-from ..refusal_log import RefusalLog
 from . import packets as p
 from .connection import MQTT_V5, MqttConnection, State
 from .session import NEVER_EXPIRES, MqttSession, Outgoing
@@ -95,8 +94,6 @@ class MqttService:
         read_budget: ReadBudget | None = None,
     ) -> None:
         self.edge = edge
-        # refused publishes, logged without a line per message
-        self.refusals = RefusalLog(logging.getLogger("shardgate.protocols.mqtt.connection"))
         # Time and timers, from the I/O adapter (an asyncio loop is one) or a test's clock.
         self._scheduler = scheduler
         # Monotonic seconds of that scheduler: one bound method for every connection to call.

@@ -648,13 +648,42 @@ async def _info(request: web.Request) -> web.Response:
     return web.json_response(info_view(_app(request)))
 
 
+UNANSWERED_HEADER = "Shardgate-Unanswered-Nodes"
+
+
+async def _cluster_listing(request: web.Request, kind: str,
+                           arguments: dict[str, Any] | None = None) -> web.Response | None:
+    """In a cluster, the cluster-wide listing (`shardgate.cluster.views`): every node's part,
+    with the nodes that did not answer in the `Shardgate-Unanswered-Nodes` header (JSON) and,
+    for one stream, its `unanswered` field. None on a single node."""
+    views = getattr(_app(request), "cluster_views", None)
+    if views is None:
+        return None
+    from ..cluster.views import listing
+
+    try:
+        value, unanswered = await listing(views, kind, "json", arguments)
+    except LookupError as exc:
+        raise NotFound(str(exc)) from None
+    if kind == "stream":
+        value = dict(value, unanswered=unanswered)
+    headers = {UNANSWERED_HEADER: json.dumps(unanswered)} if unanswered else None
+    return web.json_response(value, headers=headers)
+
+
 async def _streams(request: web.Request) -> web.Response:
+    cluster_wide = await _cluster_listing(request, "streams")
+    if cluster_wide is not None:
+        return cluster_wide
     return web.json_response(streams_view(_app(request)))
 
 
 async def _stream(request: web.Request) -> web.Response:
     app = _app(request)
     name = request.match_info["name"]
+    cluster_wide = await _cluster_listing(request, "stream", {"name": name})
+    if cluster_wide is not None:
+        return cluster_wide
     stream = app.edge.streams.get(name)
     if stream is None:
         raise NotFound(f"stream {name!r} does not exist")
@@ -662,6 +691,9 @@ async def _stream(request: web.Request) -> web.Response:
 
 
 async def _subscriptions(request: web.Request) -> web.Response:
+    cluster_wide = await _cluster_listing(request, "subscriptions")
+    if cluster_wide is not None:
+        return cluster_wide
     return web.json_response(subscriptions_view(_app(request)))
 
 
@@ -674,6 +706,9 @@ async def _subscription(request: web.Request) -> web.Response:
 
 
 async def _clients(request: web.Request) -> web.Response:
+    cluster_wide = await _cluster_listing(request, "clients")
+    if cluster_wide is not None:
+        return cluster_wide
     return web.json_response(clients_view(_app(request)))
 
 

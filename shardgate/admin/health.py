@@ -3,7 +3,10 @@
 `/healthz`: the process is alive and its event loop answers (always 200 while it does).
 `/readyz`: the node takes clients: start-up finished and not stopping, every configured
 listener bound, the journal directory writable (a probe file is written, fsynced and removed)
-and, in a cluster, the node registered in the view with a live lease. 200 with `{"ready": true,
+and, in a cluster, the node registered in the view with a live lease, a controller known, every
+stream of the catalog placed, and every shard the placement gives this node served here (led
+under a live lease, not released by a drain, the stream known to the broker with the shard's
+journal open when it is reliable). 200 with `{"ready": true,
 "checks": {...}}`, else 503 with the checks that failed. Neither needs credentials: they say
 nothing but ok or not, and probes carry none. Nothing here runs per message.
 """
@@ -61,7 +64,34 @@ def readiness(app: Any) -> dict[str, tuple[bool, str]]:
         alive = bool(view.lease_alive())
         checks["cluster"] = (joined and alive, "joined" if joined and alive else
                              "lease not alive" if joined else "not joined")
+        checks["placement"] = placement_served(getattr(app, "edge", None), view)
     return checks
+
+
+def placement_served(edge: Any, view: Any) -> tuple[bool, str]:
+    """Whether this node serves every shard the placement gives it (see the module)."""
+    if view.controller_id is None:
+        return False, "no controller elected"
+    unplaced = sorted(name for name in view.streams if name not in view.placement)
+    if unplaced:
+        return False, f"streams not placed yet: {', '.join(unplaced[:5])}"
+    mine = 0
+    missing: list[str] = []
+    for name, shards in sorted(view.placement.items()):
+        for index, placed in enumerate(shards):
+            if placed.leader != view.node_id:
+                continue
+            mine += 1
+            stream = edge.streams.get(name) if edge is not None else None
+            if not view.leads(name, index):
+                missing.append(f"{name}/{index} (not led here)")
+            elif stream is None or index >= len(stream.shards):
+                missing.append(f"{name}/{index} (stream not open)")
+            elif str(stream.config.mode) == "reliable" and stream.shards[index].log is None:
+                missing.append(f"{name}/{index} (journal not open)")
+    if missing:
+        return False, f"not serving {len(missing)} of its {mine} shards: {', '.join(missing[:5])}"
+    return True, f"serves its {mine} shards"
 
 
 async def healthz(request: web.Request) -> web.Response:

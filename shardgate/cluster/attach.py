@@ -247,6 +247,8 @@ async def join(app: Shardgate, node: ClusterNode, parts: ClusterParts) -> None:
     rpc.on_read = lambda request: serve_read(broker, plane, request)
     plane.add_service(rpc.handler())
     node.state_rpc = rpc
+    if app.cluster_views is not None:  # this node's part of the cluster-wide listings
+        plane.add_service(app.cluster_views.handler())
     # replicated reliable shards: followers fetch from leaders over the same port
     from .replicated_shards import ReplicatedShards
 

@@ -17,6 +17,10 @@ else 127.0.0.1:6650, and asks its gRPC Admin service (`GetClusterStatus`) with `
 and `--password`. `--http-url URL` (or `SHARDGATE_HTTP_URL` when neither `--url` nor
 `SHARDGATE_URL` is given) asks a node's admin HTTP API (`/api/cluster`) instead, with the same
 credentials as HTTP basic authentication.
+
+Exit codes: 0 when every shard is available, `EXIT_UNAVAILABLE` (3) while some shard's node is
+not live (the status is printed all the same: scripts and probes can wait on it), 1 when the
+status could not be read.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 CONNECT_TIMEOUT_S = 5.0
+EXIT_UNAVAILABLE = 3
 
 
 class StatusError(Exception):
@@ -86,9 +91,9 @@ def run_cluster_command(args: argparse.Namespace) -> int:
         return 130
     if args.json:
         print(json.dumps(status, indent=2))
-        return 0
-    print(render_status(status))
-    return 0
+    else:
+        print(render_status(status))
+    return EXIT_UNAVAILABLE if status.get("unavailable_shards") else 0
 
 
 async def _status_over_grpc(url: str | None, username: str | None, password: str) -> dict[str, Any]:

@@ -24,12 +24,14 @@ def shardgate(url: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def stored(nodes: list[ClusterNodeProcess], stream: str) -> int:
-    """Messages the stream holds, summed over the nodes (each shard is stored by its owner)."""
-    total = 0
+    """Messages the stream holds (each shard is stored by its owner): every node gives the
+    cluster's figures, each shard's from its owner, so every node says the same."""
+    totals = set()
     for node in nodes:
         with SyncClient(node.grpc_url) as client:
-            total += sum(shard.next_offset for shard in client.admin.describe_stream(stream).shards)
-    return total
+            totals.add(sum(shard.next_offset for shard in client.admin.describe_stream(stream).shards))
+    assert len(totals) == 1, totals
+    return totals.pop()
 
 
 def test_a_stream_created_on_node_1_is_used_on_node_3(cluster: Cluster) -> None:

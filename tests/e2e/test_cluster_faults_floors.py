@@ -25,10 +25,13 @@ CONFIG = f"departed_floors_retention_s = {BOUND_S}\n{SMALL_JOURNAL}"
 
 
 def cluster_status(node: ClusterNodeProcess) -> str:
-    return subprocess.run(
+    """The command's output; it exits 3 while shards are unavailable (a departed node's)."""
+    shown = subprocess.run(
         [sys.executable, "-m", "shardgate", "cluster", "status", "--http-url",
          f"http://127.0.0.1:{node.ports['http']}"],
-        capture_output=True, text=True, timeout=60, check=True).stdout
+        capture_output=True, text=True, timeout=60)
+    assert shown.returncode in (0, 3), shown.stderr
+    return shown.stdout
 
 
 def test_a_departed_nodes_cursor_floors_stop_pinning_the_owners_journal_after_the_bound(

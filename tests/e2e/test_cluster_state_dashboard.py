@@ -59,6 +59,11 @@ def test_the_dashboard_lists_every_node_with_its_addresses_controller_and_shards
     expect(controller).to_contain_text("controller")
     expect(page.locator("#cluster-body tr[data-node='n2']")).to_contain_text("this node")
     expect(page.locator("#cluster-summary")).to_contain_text("3 nodes")
+    # the streams table is the cluster's: each shard with the node that owns it
+    for stream, shards in status["placement"].items():
+        for index, (leader, _epoch) in enumerate(shards):
+            shard = page.locator(f"#streams-body tr[data-stream='{stream}'][data-shard='{index}']")
+            expect(shard.locator("td.owner")).to_have_text(leader)
     assert page.errors == []
 
 

@@ -200,3 +200,58 @@ def test_offline_session_backlog_publisher_only_clients_and_a_queue_without_cons
     expect(queue).to_contain_text("none")
     connection.close()
     assert page.errors == []
+
+
+# Records what the chart writes on its canvas (the time axis is drawn text, not DOM).
+RECORD_CANVAS_TEXT = """
+    window.canvasTexts = [];
+    const fillText = CanvasRenderingContext2D.prototype.fillText;
+    CanvasRenderingContext2D.prototype.fillText = function (text, x, y, ...rest) {
+        window.canvasTexts.push({text: String(text), x, y, baseline: this.textBaseline});
+        return fillText.call(this, text, x, y, ...rest);
+    };
+"""
+
+
+def test_rate_cards_average_ten_seconds_and_the_chart_has_a_time_axis(
+    node: tuple[ThreadedBroker, str], page: Any,
+) -> None:
+    """The broker's /api/info answers go through the page unchanged but for their clock and
+    message counter: each poll is 2 s later, and 100 messages arrive at once every 10 s. The
+    rate cards show the 10 s average, 10/s, at every poll (a one-poll instant would show 50
+    and 0); the chart's time axis writes five clock times across its 15-minute window, the
+    newest at the right."""
+    import time
+
+    _broker, url = node
+    base = time.time()
+    polls: list[float] = []
+
+    def info(route: Any) -> None:
+        answer = route.fetch().json()
+        k = len(polls)
+        answer["now"] = base + 2 * k
+        answer["messages_in"] = 100 * ((2 * k) // 10)
+        polls.append(answer["now"])
+        route.fulfill(json=answer)
+
+    page.add_init_script(RECORD_CANVAS_TEXT)
+    page.route("**/api/info", info)
+    page.goto(url + "/")
+    shown = []
+    for k in range(6, 12):  # from the first poll whose 10 s window is full
+        page.wait_for_function(f"() => recentInfo.length && recentInfo.at(-1).now >= {base + 2 * k}")
+        shown.append(page.locator("#rate-in").text_content())
+    assert shown == ["10"] * len(shown)
+
+    newest = page.evaluate("() => samples.at(-1).t")
+    page.evaluate("() => { window.canvasTexts = []; drawChart(); }")
+    labels = [entry["text"] for entry in page.evaluate("() => window.canvasTexts")
+              if entry["baseline"] == "top"]
+    clock = page.evaluate(
+        """(ts) => ts.map((t) => new Date(t * 1000).toLocaleTimeString(
+               [], {hour: "2-digit", minute: "2-digit"}))""",
+        [newest - 900 + 225 * i for i in range(5)])
+    assert labels == clock and len(set(labels)) == 5, labels
+    sync_api.expect(page.locator("#chart-window")).to_have_text("15m 0s")
+    assert page.errors == []

@@ -62,10 +62,15 @@ function since(unixSeconds) {
   return new Date(unixSeconds * 1000).toLocaleTimeString();
 }
 
+// Cluster nodes that did not answer the last cluster-wide listings (their part is missing).
+const unanswered = new Map();
+
 async function getJSON(path) {
   const response = await fetch(path, { headers: { Accept: "application/json" }, cache: "no-store" });
   const body = await response.json().catch(() => ({}));
   if (!response.ok) throw new Error(body.error || `${response.status} ${response.statusText}`);
+  const missing = response.headers.get("Shardgate-Unanswered-Nodes");
+  if (missing) for (const { node, reason } of JSON.parse(missing)) unanswered.set(node, reason);
   return body;
 }
 
@@ -209,14 +214,15 @@ function renderStreams(streams) {
         cell(first ? stream.mode : ""),
         cell(first ? stream.schema : ""),
         cell(shard.index, "num"),
-        cell(shard.low_watermark === undefined ? "memory" : num(shard.low_watermark), "num"),
-        cell(num(shard.next_offset), "num"),
+        cell(shard.owner || "", shard.unavailable ? "owner lagging" : "owner"),
+        cell(shard.low_watermark === undefined ? (shard.unavailable ? "" : "memory") : num(shard.low_watermark), "num"),
+        cell(shard.unavailable ? "no answer" : num(shard.next_offset), "num"),
         cell(shard.segments === undefined ? "" : num(shard.segments), "num"),
         cell(shard.size_bytes === undefined ? "" : bytes(shard.size_bytes), "num"),
         el("td", {}, first ? el("code", { text: stream.routes.join(" ") }) : "")));
     });
   }
-  fillTable($("streams-body"), rows, 9, "No streams");
+  fillTable($("streams-body"), rows, 10, "No streams");
 }
 
 function renderSubscriptions(subscriptions) {
@@ -227,8 +233,8 @@ function renderSubscriptions(subscriptions) {
     el("td", {}, el("code", { text: sub.filters.join(" ") })),
     cell(sub.consumers.map((c) => c.id + (c.active ? "" : " (standby)")).join(", ") || "none"),
     cell(num(sub.lag), "num" + (sub.lag > 0 ? " lagging" : "")),
-    cell(num(sub.inflight), "num"), cell(num(sub.queued), "num")));
-  fillTable($("subscriptions-body"), rows, 9, "No subscriptions");
+    cell(num(sub.inflight), "num"), cell(num(sub.queued), "num"), cell(sub.node || "", "node")));
+  fillTable($("subscriptions-body"), rows, 10, "No subscriptions");
 }
 
 async function kick(button, client) {
@@ -262,9 +268,9 @@ function renderClients(clients) {
       el("td", {}, el("code", { className: "client-id", text: client.client_id })),
       cell(client.username || ""), cell(client.remote), cell(since(client.connected_at)),
       cell(num(client.messages_in), "num"), cell(num(client.messages_out), "num"),
-      cell(client.detail), el("td", {}, button));
+      cell(client.detail), cell(client.node || "", "node"), el("td", {}, button));
   });
-  fillTable($("clients-body"), rows, 9, "No clients connected");
+  fillTable($("clients-body"), rows, 10, "No clients connected");
 }
 
 function renderSessions(sessions, subscriptions) {
@@ -326,7 +332,9 @@ function renderCluster(cluster) {
     `Cluster ${cluster.cluster}: ${cluster.nodes.length} nodes, ${num(cluster.shards)} shards of ` +
     `${num(cluster.streams)} streams; this page is served by ${cluster.node_id}` +
     (cluster.lease_alive ? "" : " (its lease is not alive: it serves no shards)") +
-    (unavailable.length ? `; unavailable: ${unavailable.join(", ")}` : "");
+    (unavailable.length ? `; unavailable: ${unavailable.join(", ")}` : "") +
+    (unanswered.size ? "; did not answer (their streams' figures, subscriptions and clients are " +
+      `missing below): ${[...unanswered].map(([node, reason]) => `${node} (${reason})`).join(", ")}` : "");
   const rows = cluster.nodes.map((n) => {
     const roles = [];
     if (n.controller) roles.push("controller");
@@ -363,6 +371,7 @@ async function refreshDetails() {
   if (detailsRunning) return;
   detailsRunning = true;
   try {
+    unanswered.clear();
     const [streams, subscriptions, clients, sessions, archive] = await Promise.all(
       ["/api/streams", "/api/subscriptions", "/api/clients", "/api/sessions", "/api/archive"].map(getJSON));
     renderStreams(streams);

@@ -1,0 +1,257 @@
+"""Cluster-wide listings: the streams, subscriptions and clients a user reads as "the broker",
+the same whichever node is asked.
+
+Each node answers for what it holds (the shards it leads, its subscriptions, its connected
+clients) on the cluster port (`LocalView`, a signed call as every call between nodes,
+`link_auth.py`); the node that was asked asks every registered node at once, then merges:
+
+- streams: each shard's figures come from the node that leads it (the placement in etcd), with
+  that node as the shard's `owner`; a shard whose owner did not answer is `unavailable` (its
+  offsets unknown); durable cursors on a shard come from every node that holds one, their lag
+  measured against the owner's end of the shard;
+- subscriptions and clients: every node's rows, each with its `node`.
+
+A node that does not answer within `ANSWER_TIMEOUT_S` (or is registered but not live) is
+named in the listing's `unanswered` with the reason, never silently left out. Two shapes are
+merged alike: the admin HTTP API's JSON (`shardgate.admin.admin_http`) and the gRPC Admin
+messages (as dicts, `google.protobuf.json_format`). This is an operator's call, not a hot
+path: one unary call per node per listing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from .link_auth import NodeCredentials, cluster_channel
+from .membership import ClusterView
+
+log = logging.getLogger(__name__)
+
+SERVICE = "shardgate.cluster.v1.ClusterViews"
+LOCAL_VIEW = "LocalView"
+ANSWER_TIMEOUT_S = 5.0
+# the listings a node answers: `streams`, `stream` (one, with cursors: `name`),
+# `subscriptions`, `clients`; each in the `json` (admin HTTP) or `proto` (gRPC Admin) shape
+KINDS = frozenset({"streams", "stream", "subscriptions", "clients"})
+SHAPES = frozenset({"json", "proto"})
+# node-local streams ($SYS): every node has its own, never placed; the asked node's is shown
+LOCAL_STREAMS = frozenset({"sys"})
+
+LocalView = Callable[[str, str, dict[str, Any]], Any]
+"""(kind, shape, arguments) -> this node's listing, JSON-able; raises LookupError for a
+stream or subscription it does not have."""
+
+
+@dataclass(slots=True)
+class Answers:
+    """Each node's listing (node id -> its JSON value), and the nodes that gave none."""
+
+    by_node: dict[str, Any] = field(default_factory=dict)
+    unanswered: dict[str, str] = field(default_factory=dict)
+
+    def unanswered_list(self) -> list[dict[str, str]]:
+        return [{"node": node, "reason": reason} for node, reason in sorted(self.unanswered.items())]
+
+
+class ClusterViews:
+    """Both ends of `LocalView`: `handler()` serves this node's listings to its peers;
+    `gather()` asks every node (this one directly) and the merge functions combine them."""
+
+    def __init__(self, view: ClusterView, credentials: NodeCredentials, local: LocalView) -> None:
+        self.view = view
+        self.credentials = credentials
+        self.local = local
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    @property
+    def node_id(self) -> str:
+        return self.view.node_id
+
+    # ------------------------------------------------------------ serving
+    def handler(self) -> grpc.GenericRpcHandler:
+        async def local_view(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            try:
+                asked = json.loads(request)
+                kind, shape = str(asked["kind"]), str(asked["shape"])
+                arguments = dict(asked.get("arguments") or {})
+            except (ValueError, KeyError, TypeError):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a LocalView request is "
+                                    "JSON with kind, shape and arguments")
+                raise AssertionError("unreachable") from None
+            if kind not in KINDS or shape not in SHAPES:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"no listing {kind!r} in shape {shape!r}")
+            try:
+                value = self.local(kind, shape, arguments)
+            except LookupError as exc:
+                await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            return json.dumps(value, separators=(",", ":"), default=str).encode()
+
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            LOCAL_VIEW: grpc.unary_unary_rpc_method_handler(local_view),
+        })
+
+    # ------------------------------------------------------------ asking
+    async def gather(self, kind: str, shape: str, arguments: Mapping[str, Any] | None = None,
+                     timeout: float = ANSWER_TIMEOUT_S) -> Answers:
+        """Every registered node's listing; this node's own is computed here. A node that
+        does not have the named stream answers nothing for it (not an error)."""
+        args = dict(arguments or {})
+        answers = Answers()
+        try:
+            answers.by_node[self.node_id] = self.local(kind, shape, args)
+        except LookupError:
+            pass  # not here (a stream another node created a moment ago): the others say
+        live = self.view.nodes()
+        # also those whose lease lapsed: still registered, or still leading shards
+        known = set(getattr(self.view, "registrations", {})) | set(live)
+        known |= {placed.leader for shards in getattr(self.view, "placement", {}).values()
+                  for placed in shards}
+        peers = sorted(node for node in known if node != self.node_id)
+        request = json.dumps({"kind": kind, "shape": shape, "arguments": args}).encode()
+
+        async def ask(node: str) -> None:
+            info = live.get(node)
+            if info is None:
+                answers.unanswered[node] = "not live (its lease expired)"
+                return
+            channel = self._channels.get(info.cluster_address)
+            if channel is None:
+                channel = cluster_channel(info.cluster_address, self.credentials, [])
+                self._channels[info.cluster_address] = channel
+            call = channel.unary_unary(f"/{SERVICE}/{LOCAL_VIEW}")
+            try:
+                answers.by_node[node] = json.loads(await call(request, timeout=timeout))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.NOT_FOUND:
+                    return  # it has no such thing: nothing to add
+                answers.unanswered[node] = f"{exc.code().name}: {exc.details()}"
+            except ValueError as exc:
+                answers.unanswered[node] = f"an answer that is not JSON: {exc}"
+
+        await asyncio.gather(*(ask(node) for node in peers))
+        if answers.unanswered:
+            log.warning("cluster-wide %s listing without node(s) %s", kind,
+                        ", ".join(f"{node} ({reason})" for node, reason in answers.unanswered.items()))
+        return answers
+
+    def owner(self, stream: str, shard: int) -> str:
+        """The node leading the shard, as placed in etcd ("" while it is unassigned)."""
+        assignment = self.view.leader(stream, shard)
+        return "" if assignment is None else assignment.leader
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close(grace=None)
+
+
+# ---------------------------------------------------------------- merging
+def _int(value: Any) -> int:
+    """A count as either shape carries it (the proto JSON writes 64-bit integers as text)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+Owner = Callable[[str, int], str]
+
+
+def merge_stream(name: str, answers: Answers, owner_of: Owner, here: str) -> dict[str, Any] | None:
+    """One stream, cluster-wide: its definition as this node has it (the catalog is the same on
+    every node), each shard from its owner, cursors from every node. None if no node has it."""
+    mine = answers.by_node.get(here)
+    base = mine if mine is not None else next(iter(answers.by_node.values()), None)
+    if base is None:
+        return None
+    merged = dict(base)
+    if name in LOCAL_STREAMS:
+        merged["shards"] = [dict(shard, owner=here) for shard in base.get("shards", [])]
+        return merged
+    shards = []
+    for shard in base.get("shards", []):
+        index = _int(shard.get("index"))
+        owner = owner_of(name, index)
+        source = answers.by_node.get(owner)
+        theirs = None
+        if source is not None:
+            theirs = next((s for s in source.get("shards", []) if _int(s.get("index")) == index), None)
+        if theirs is None:
+            shards.append({"index": index, "next_offset": None if "messages" in base else 0,
+                           "owner": owner, "unavailable": True})
+            continue
+        shard_view = dict(theirs, owner=owner, unavailable=False)
+        if "cursors" in base:  # detail: every node's cursors on this shard, lag from its end
+            end = _int(theirs.get("next_offset"))
+            cursors = []
+            for node, answer in sorted(answers.by_node.items()):
+                for other in answer.get("shards", []):
+                    if _int(other.get("index")) != index:
+                        continue
+                    for cursor in other.get("cursors", []):
+                        cursors.append(dict(cursor, node=node,
+                                            lag=max(0, end - _int(cursor.get("floor")))))
+            shard_view["cursors"] = cursors
+        shards.append(shard_view)
+    merged["shards"] = shards
+    if "messages" in base:  # the admin HTTP shape: the sum of what the shards hold
+        merged["messages"] = sum(_int(s.get("next_offset")) for s in shards)
+        merged["complete"] = not any(s.get("unavailable") for s in shards)
+    return merged
+
+
+def merge_streams(answers: Answers, owner_of: Owner, here: str) -> list[dict[str, Any]]:
+    """Every stream any node listed, cluster-wide (see `merge_stream`), by name."""
+    names = sorted({stream["name"] for listing in answers.by_node.values() for stream in listing})
+    merged = []
+    for name in names:
+        per_node = Answers({node: next(s for s in listing if s["name"] == name)
+                            for node, listing in answers.by_node.items()
+                            if any(s["name"] == name for s in listing)}, answers.unanswered)
+        stream = merge_stream(name, per_node, owner_of, here)
+        if stream is not None:
+            merged.append(stream)
+    return merged
+
+
+def merge_rows(answers: Answers, sort_key: Callable[[dict[str, Any]], Any]) -> list[dict[str, Any]]:
+    """Every node's rows (subscriptions, clients), each with its `node`."""
+    rows = [dict(row, node=node) for node, listing in answers.by_node.items() for row in listing]
+    rows.sort(key=lambda row: (sort_key(row), row["node"]))
+    return rows
+
+
+async def listing(views: ClusterViews, kind: str, shape: str,
+                  arguments: Mapping[str, Any] | None = None) -> tuple[Any, list[dict[str, str]]]:
+    """The cluster-wide listing of `kind` and the nodes that did not answer. `stream` raises
+    LookupError when no node has the stream."""
+    answers = await views.gather(kind, shape, arguments)
+    here = views.node_id
+    if kind == "streams":
+        return merge_streams(answers, views.owner, here), answers.unanswered_list()
+    if kind == "stream":
+        name = str((arguments or {})["name"])
+        stream = merge_stream(name, answers, views.owner, here)
+        if stream is None:
+            raise LookupError(f"stream {name!r} does not exist")
+        return stream, answers.unanswered_list()
+    if kind == "subscriptions":
+        return merge_rows(answers, lambda row: str(row.get("name", ""))), answers.unanswered_list()
+    return merge_rows(answers, lambda row: (str(row.get("protocol", "")),
+                                            str(row.get("client_id", "")))), answers.unanswered_list()
+
+
+Listing = Callable[[str, str, Mapping[str, Any] | None], Awaitable[tuple[Any, list[dict[str, str]]]]]
+"""What the admin surfaces are handed in cluster mode: `listing` bound to the node's views."""
+
+
+__all__ = ["ANSWER_TIMEOUT_S", "Answers", "ClusterViews", "Listing", "Owner", "listing",
+           "merge_rows", "merge_stream", "merge_streams"]
