@@ -19,6 +19,8 @@ import asyncio
 import base64
 import json
 import logging
+import os
+import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -137,6 +139,51 @@ def info_view(app: Any) -> dict[str, Any]:
         "archive": getattr(app, "archiver", None) is not None,
         # where CONNECTs wait inside the broker, and the event loop's lateness (ms)
         "mqtt_connect_timing": mqtt.connect_timing.summary() if mqtt is not None else None,
+        "node": node_view(app),
+    }
+
+
+def _open_descriptors() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
+
+
+def node_view(app: Any) -> dict[str, Any]:
+    """This process's resources, as RabbitMQ's node overview: resident memory against the
+    memory watermark, open file descriptors against their limit, free disk of the data
+    directory against `disk_free_limit`, and the resource alarms in force (`resources.py`).
+    Read when asked (a stat, a directory listing), never per message."""
+    from ..resources import resident_bytes
+
+    alarms = getattr(app, "alarms", None)
+    data_dir = getattr(getattr(app, "config", None), "data_dir", None)
+    try:
+        disk_free = shutil.disk_usage(data_dir).free if data_dir is not None else None
+    except OSError:
+        disk_free = None
+    try:
+        import resource
+
+        descriptor_limit: int | None = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        descriptor_limit = None
+    active = []
+    if alarms is not None and alarms.memory_alarm:
+        active.append("memory")
+    if alarms is not None and alarms.disk_alarm:
+        active.append("disk")
+    return {
+        "pid": os.getpid(),
+        "rss_bytes": resident_bytes(),
+        "memory_limit_bytes": alarms.memory_limit if alarms is not None else None,
+        "open_descriptors": _open_descriptors(),
+        "descriptor_limit": descriptor_limit,
+        "data_dir": None if data_dir is None else str(data_dir),
+        "disk_free_bytes": disk_free,
+        "disk_free_limit_bytes": alarms.disk_free_limit if alarms is not None else None,
+        "alarms": active,
     }
 
 
@@ -381,6 +428,13 @@ def openapi_document() -> dict[str, Any]:
             # name of a span → {count, p50, p99, max} in ms (protocols/mqtt/timing.py)
             mqtt_connect_timing={"type": ["object", "null"], "additionalProperties": _object(
                 count=_INT, p50=_NUM, p99=_NUM, max=_NUM)},
+            node=_object(
+                pid=_INT, rss_bytes=_INT, memory_limit_bytes={"type": ["integer", "null"]},
+                open_descriptors={"type": ["integer", "null"]},
+                descriptor_limit={"type": ["integer", "null"]}, data_dir={"type": ["string", "null"]},
+                disk_free_bytes={"type": ["integer", "null"]},
+                disk_free_limit_bytes={"type": ["integer", "null"]},
+                alarms={"type": "array", "items": {"enum": ["memory", "disk"]}}),
         ),
         "Shard": shard,
         "Stream": _object(
@@ -420,7 +474,8 @@ def openapi_document() -> dict[str, Any]:
     }
     array = lambda name: {"type": "array", "items": _ref(name)}  # noqa: E731
     paths = {
-        "/api/info": _get("Broker version, listeners, counters and counts", _ref("Info")),
+        "/api/info": _get("Broker version, listeners, counters, counts, and this node's memory, descriptors, "
+                          "free disk and resource alarms", _ref("Info")),
         "/api/streams": _get("Streams with their shards and offsets", array("Stream")),
         "/api/streams/{name}": _get(
             "One stream, with the durable cursors on each shard", _ref("Stream"),

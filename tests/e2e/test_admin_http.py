@@ -76,6 +76,23 @@ def test_info_reports_version_listeners_and_message_counters(node: Node) -> None
         client.client.disconnect()
 
 
+def test_info_reports_the_nodes_memory_descriptors_disk_and_alarms(
+    node: Node, broker_factory: Callable[..., ThreadedBroker],
+) -> None:
+    resources = node.get("/api/info")["node"]
+    assert resources["rss_bytes"] > 1 << 20
+    assert 3 <= resources["open_descriptors"] <= resources["descriptor_limit"]
+    assert resources["disk_free_bytes"] > 0
+    assert resources["data_dir"] == str(node.broker.app.config.data_dir)
+    assert resources["alarms"] == []
+    # a node whose disk is below disk_free_limit names the disk alarm
+    full = broker_factory(disk_free_limit=1 << 60)
+    for url in serve_admin(full):
+        alarmed = Node(full, url)
+        wait_for(lambda: alarmed.get("/api/info")["node"]["alarms"] == ["disk"])  # noqa: B023
+        assert alarmed.get("/api/info")["node"]["disk_free_limit_bytes"] == 1 << 60
+
+
 def test_stream_shows_each_shard_with_its_offsets(node: Node) -> None:
     client = Paho(node.broker.mqtt_port, "producer")
     try:

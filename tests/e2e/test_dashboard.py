@@ -74,6 +74,11 @@ def test_dashboard_loads_with_overview_streams_and_live_chart(
         expect(page.locator("#streams-body tr[data-stream='default']")).to_have_count(1)
         expect(page.locator("#connections")).to_have_text("1")
         expect(page.locator("#archive-body")).to_contain_text("not configured")
+        # this node's resources: resident memory, descriptors, free disk, no alarm
+        expect(page.locator("#node-memory")).to_contain_text("MiB")
+        expect(page.locator("#node-descriptors")).not_to_have_text("–")
+        expect(page.locator("#node-disk")).to_contain_text("B")
+        expect(page.locator("#node-alarms")).to_have_text("none")
         # Rates need two samples; the chart is drawn on a canvas with some non-blank pixels.
         expect(page.locator("#rate-in")).not_to_have_text("–")
         page.wait_for_function(
@@ -254,4 +259,17 @@ def test_rate_cards_average_ten_seconds_and_the_chart_has_a_time_axis(
         [newest - 900 + 225 * i for i in range(5)])
     assert labels == clock and len(set(labels)) == 5, labels
     sync_api.expect(page.locator("#chart-window")).to_have_text("15m 0s")
+    assert page.errors == []
+
+
+def test_overview_shows_an_active_disk_alarm(
+    broker_factory: Callable[..., ThreadedBroker], page: Any,
+) -> None:
+    broker = broker_factory(listeners={"http_port": free_port()}, archive={"enabled": False},
+                            disk_free_limit=1 << 60)
+    page.goto(f"http://127.0.0.1:{broker.app.port('http')}/")
+    alarms = page.locator("#node-alarms")
+    sync_api.expect(alarms).to_have_text("disk")
+    sync_api.expect(alarms).to_have_class("value lagging")
+    sync_api.expect(page.locator("#node-disk-limit")).to_contain_text("limit")
     assert page.errors == []

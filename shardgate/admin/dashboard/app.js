@@ -119,6 +119,23 @@ function renderInfo(info) {
   $("count-retained").textContent = num(info.retained);
   $("listeners").textContent = "Listeners: " +
     info.listeners.map((l) => `${l.name} ${l.host}:${l.port}`).join(", ");
+  if (info.node) renderNode(info.node);
+}
+
+// This node's resources and alarms (resources.py): memory against the high watermark, open
+// descriptors against their limit, free disk against disk_free_limit.
+function renderNode(node) {
+  $("node-memory").textContent = bytes(node.rss_bytes);
+  $("node-memory-limit").textContent = node.memory_limit_bytes ? `watermark ${bytes(node.memory_limit_bytes)}` : "no watermark";
+  $("node-descriptors").textContent = num(node.open_descriptors);
+  $("node-descriptor-limit").textContent = node.descriptor_limit ? `limit ${num(node.descriptor_limit)}` : "";
+  $("node-disk").textContent = bytes(node.disk_free_bytes);
+  $("node-disk-limit").textContent = node.disk_free_limit_bytes ? `limit ${bytes(node.disk_free_limit_bytes)}` : "no limit";
+  const alarms = node.alarms || [];
+  const value = $("node-alarms");
+  value.textContent = alarms.length ? alarms.join(", ") : "none";
+  value.className = "value" + (alarms.length ? " lagging" : "");
+  value.dataset.alarms = alarms.join(" ");
 }
 
 function addSample(sample) {
