@@ -273,3 +273,54 @@ def test_overview_shows_an_active_disk_alarm(
     sync_api.expect(alarms).to_have_class("value lagging")
     sync_api.expect(page.locator("#node-disk-limit")).to_contain_text("limit")
     assert page.errors == []
+
+
+def test_clients_table_searches_and_pages_fifty_at_a_time(
+    node: tuple[ThreadedBroker, str], page: Any,
+) -> None:
+    """One real client among 120 more the page is told of (the broker's /api/clients answer,
+    lengthened on its way): 50 a page, the search box keeps those whose id, user, protocol or
+    remote hold every word typed."""
+    broker, url = node
+    needle = Paho(broker.mqtt_port, "needle-in-haystack")
+    made_up = [
+        {"protocol": "amqp" if i % 2 else "grpc", "client_id": f"hay-{i:03d}",
+         "username": "alice" if i % 3 == 0 else None, "remote": f"10.0.0.{i}:5000",
+         "transport": "tcp", "connected_at": 0, "messages_in": 0, "messages_out": 0,
+         "detail": "", "kickable": False}
+        for i in range(120)
+    ]
+
+    def clients(route: Any) -> None:
+        route.fulfill(json=route.fetch().json() + made_up)
+
+    try:
+        page.route("**/api/clients", clients)
+        page.goto(url + "/")
+        expect = sync_api.expect
+        rows = page.locator("#clients-body tr")
+        status = page.locator("#clients-page")
+        expect(status).to_have_text("1–50 of 121")
+        expect(rows).to_have_count(50)
+        expect(page.locator("#clients-prev")).to_be_disabled()
+        page.locator("#clients-next").click()
+        expect(status).to_have_text("51–100 of 121")
+        page.locator("#clients-next").click()
+        expect(status).to_have_text("101–121 of 121")
+        expect(rows).to_have_count(21)
+        expect(page.locator("#clients-next")).to_be_disabled()
+
+        search = page.locator("#client-search")
+        search.fill("needle")
+        expect(status).to_have_text("1–1 of 1 (121 connected)")
+        expect(rows).to_have_count(1)
+        expect(rows.first).to_have_attribute("data-client-id", "needle-in-haystack")
+        search.fill("alice amqp")  # every word: i odd and a multiple of 3, 20 of them
+        expect(status).to_have_text("1–20 of 20 (121 connected)")
+        search.fill("nobody-by-this-name")
+        expect(rows).to_have_text("No client matches")
+        search.fill("")
+        expect(status).to_have_text("1–50 of 121")
+    finally:
+        needle.client.disconnect()
+    assert page.errors == []

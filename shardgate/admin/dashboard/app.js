@@ -274,8 +274,35 @@ async function kick(button, client) {
   refreshDetails();
 }
 
+// The clients table shows one page of the clients matching the search box.
+const CLIENTS_PER_PAGE = 50;
+let allClients = [];
+let clientsPage = 0;
+
+function matchingClients() {
+  const words = $("client-search").value.trim().toLowerCase().split(/\s+/).filter(Boolean);
+  if (!words.length) return allClients;
+  return allClients.filter((client) => {
+    const text = [client.client_id, client.username || "", client.protocol, client.remote || "",
+                  client.node || ""].join(" ").toLowerCase();
+    return words.every((word) => text.includes(word));
+  });
+}
+
 function renderClients(clients) {
-  const rows = clients.map((client) => {
+  if (clients !== undefined) allClients = clients;
+  const matching = matchingClients();
+  const pages = Math.max(1, Math.ceil(matching.length / CLIENTS_PER_PAGE));
+  clientsPage = Math.min(clientsPage, pages - 1);
+  const first = clientsPage * CLIENTS_PER_PAGE;
+  const shown = matching.slice(first, first + CLIENTS_PER_PAGE);
+  $("clients-page").textContent = matching.length
+    ? `${num(first + 1)}–${num(first + shown.length)} of ${num(matching.length)}` +
+      (matching.length < allClients.length ? ` (${num(allClients.length)} connected)` : "")
+    : `0 of ${num(allClients.length)}`;
+  $("clients-prev").disabled = clientsPage === 0;
+  $("clients-next").disabled = clientsPage >= pages - 1;
+  const rows = shown.map((client) => {
     const button = client.kickable
       ? el("button", { type: "button", className: "kick", title: "Disconnect this client", text: "Kick" })
       : null;
@@ -287,7 +314,7 @@ function renderClients(clients) {
       cell(num(client.messages_in), "num"), cell(num(client.messages_out), "num"),
       cell(client.detail), cell(client.node || "", "node"), el("td", {}, button));
   });
-  fillTable($("clients-body"), rows, 10, "No clients connected");
+  fillTable($("clients-body"), rows, 10, allClients.length ? "No client matches" : "No clients connected");
 }
 
 function renderSessions(sessions, subscriptions) {
@@ -414,5 +441,8 @@ document.addEventListener("DOMContentLoaded", () => {
   every(INFO_INTERVAL_MS, refreshInfo);
   every(DETAIL_INTERVAL_MS, refreshDetails);
   window.addEventListener("resize", drawChart);
+  $("client-search").addEventListener("input", () => { clientsPage = 0; renderClients(); });
+  $("clients-prev").addEventListener("click", () => { clientsPage = Math.max(0, clientsPage - 1); renderClients(); });
+  $("clients-next").addEventListener("click", () => { clientsPage += 1; renderClients(); });
   drawChart();
 });
