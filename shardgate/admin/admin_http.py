@@ -2,7 +2,9 @@
 
 It runs on the broker's own event loop, so every handler reads broker state between awaits and
 never races the hot path; views are built only when asked, nothing here runs per message. The
-only write is kicking a client. Unknown paths and bad requests under `/api/` answer with a JSON
+writes are kicking a client, moving a durable subscription's cursors (reset to the earliest,
+the latest, an offset or a time; purge: to the end), flushing the archive and draining a
+cluster node. Unknown paths and bad requests under `/api/` answer with a JSON
 `{"error": ..., "status": ...}` body. No CORS headers are sent, so other web origins cannot call
 the state-changing `DELETE` from a browser.
 
@@ -315,6 +317,56 @@ def kick_client(app: Any, protocol: str, client_id: str) -> None:
         raise NotFound(f"no {protocol} client {client_id!r} is connected")
 
 
+class Conflict(Exception):
+    """The request cannot apply to the thing it names (a live-only subscription has no
+    cursor); answered with 409."""
+
+
+class BadRequest(Exception):
+    """The request's body or parameters are wrong; answered with 400."""
+
+
+def _durable_subscription(app: Any, name: str) -> Any:
+    from ..core.durable import DurableSubscription
+
+    sub = app.edge.subscriptions.get(name)
+    if sub is None:
+        raise NotFound(f"subscription {name!r} does not exist on this node")
+    if not sub.durable or not isinstance(sub, DurableSubscription):
+        raise Conflict(f"subscription {name!r} is live-only: it has no cursor to move")
+    return sub
+
+
+def cursor_position(body: Any) -> tuple[str, int | None]:
+    """The position a reset-cursor body names: `{"position": "earliest" | "latest"}`,
+    `{"offset": N}` (on every shard) or `{"timestamp_ms": T}` (the first message at or after
+    T); raises `BadRequest` otherwise."""
+    if not isinstance(body, dict):
+        raise BadRequest('expected a JSON object: {"position": "earliest" | "latest"}, '
+                         '{"offset": N} or {"timestamp_ms": T}')
+    given = [key for key in ("position", "offset", "timestamp_ms") if key in body]
+    if len(given) != 1:
+        raise BadRequest("name exactly one of position, offset and timestamp_ms")
+    key = given[0]
+    value = body[key]
+    if key == "position":
+        if value not in ("earliest", "latest"):
+            raise BadRequest('position must be "earliest" or "latest"')
+        return value, None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BadRequest(f"{key} must be a non-negative integer")
+    return key, value
+
+
+def reset_cursor(app: Any, name: str, kind: str, value: int | None = None) -> dict[str, Any]:
+    """Move every cursor of the durable subscription `name` (kind as `cursor_position`'s);
+    answers the subscription's view. What was in flight is forgotten: an acknowledgement of
+    it afterwards changes nothing."""
+    sub = _durable_subscription(app, name)
+    sub.seek(kind, value)
+    return subscription_view(sub)
+
+
 def sessions_view(app: Any) -> list[dict[str, Any]]:
     mqtt = getattr(app, "mqtt", None)
     sessions = sorted((getattr(mqtt, "sessions", None) or {}).values(), key=lambda s: s.client_id)
@@ -487,6 +539,24 @@ def openapi_document() -> dict[str, Any]:
             "One subscription", _ref("Subscription"),
             parameters=[_path_param("name", "subscription name")], responses={
                 "200": _json(_ref("Subscription")), "404": _NOT_FOUND}),
+        "/api/subscriptions/{name}/cursor": {"post": {
+            "summary": "Move every cursor of a durable subscription (on this node): to the "
+                       "earliest or latest message, an offset on every shard, or a time",
+            "parameters": [_path_param("name", "subscription name")],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "oneOf": [_object(position={"enum": ["earliest", "latest"]}),
+                          _object(offset={"type": "integer", "minimum": 0}),
+                          _object(timestamp_ms={"type": "integer", "minimum": 0})]}}}},
+            "responses": {"200": _json(_ref("Subscription")), "400": _json(_ref("Error"), "Bad body"),
+                          "404": _NOT_FOUND, "409": _json(_ref("Error"), "Live-only subscription")},
+        }},
+        "/api/subscriptions/{name}/purge": {"post": {
+            "summary": "Drop a durable subscription's backlog (on this node): its cursors move "
+                       "to the end of every shard",
+            "parameters": [_path_param("name", "subscription name")],
+            "responses": {"200": _json(_object(purged=_INT, subscription=_ref("Subscription"))),
+                          "404": _NOT_FOUND, "409": _json(_ref("Error"), "Live-only subscription")},
+        }},
         "/api/clients": _get("Connected clients of every protocol", array("Client")),
         "/api/clients/{protocol}/{client_id}": {"delete": {
             "summary": "Disconnect a client (MQTT 5 DISCONNECT 0x98, AMQP connection.close 320, "
@@ -563,6 +633,10 @@ async def _json_errors(
         return await handler(request)
     except NotFound as exc:
         return _error(404, str(exc))
+    except Conflict as exc:
+        return _error(409, str(exc))
+    except BadRequest as exc:
+        return _error(400, str(exc))
     except web.HTTPException as exc:
         if not request.path.startswith("/api/") or exc.status < 400:
             raise
@@ -760,6 +834,30 @@ async def _subscription(request: web.Request) -> web.Response:
     return web.json_response(subscription_view(sub))
 
 
+async def _reset_cursor(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    try:
+        body = await request.json()
+    except ValueError:
+        raise BadRequest("the body is not JSON") from None
+    kind, value = cursor_position(body)
+    view = reset_cursor(_app(request), name, kind, value)
+    log.info("administrator moved the cursors of subscription %r to %s%s (from %s)", name, kind,
+             "" if value is None else f" {value}", request.remote)
+    return web.json_response(view)
+
+
+async def _purge(request: web.Request) -> web.Response:
+    """Drop a durable subscription's backlog: its cursors move to the end of every shard."""
+    name = request.match_info["name"]
+    app = _app(request)
+    before = _durable_subscription(app, name).lag()
+    view = reset_cursor(app, name, "latest")
+    log.info("administrator purged subscription %r: %d messages skipped (from %s)", name, before,
+             request.remote)
+    return web.json_response({"purged": before, "subscription": view})
+
+
 async def _clients(request: web.Request) -> web.Response:
     cluster_wide = await _cluster_listing(request, "clients")
     if cluster_wide is not None:
@@ -901,6 +999,8 @@ def create_web_app(app: Any, middlewares: list[Any] | None = None) -> web.Applic
     router.add_get("/api/streams/{name}", _stream)
     router.add_get("/api/subscriptions", _subscriptions)
     router.add_get("/api/subscriptions/{name}", _subscription)
+    router.add_post("/api/subscriptions/{name}/cursor", _reset_cursor)
+    router.add_post("/api/subscriptions/{name}/purge", _purge)
     router.add_get("/api/clients", _clients)
     router.add_delete("/api/clients/{protocol}/{client_id:.+}", _kick)
     router.add_get("/api/sessions", _sessions)

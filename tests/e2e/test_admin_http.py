@@ -28,9 +28,14 @@ class Node:
     broker: ThreadedBroker
     url: str
 
-    def request(self, method: str, path: str) -> tuple[int, dict[str, str], Any]:
-        request = urllib.request.Request(self.url + path, method=method)
-        if method not in ("GET", "HEAD"):
+    def request(self, method: str, path: str, body: Any = None,
+                headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
+        data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+        request = urllib.request.Request(self.url + path, method=method, data=data)
+        if headers is not None:
+            for name, value in headers.items():
+                request.add_header(name, value)
+        elif method not in ("GET", "HEAD"):
             request.add_header("X-Requested-With", "test")  # what the API wants of a change
         try:
             with urllib.request.urlopen(request, timeout=10) as response:
@@ -159,6 +164,113 @@ def test_offline_persistent_session_shows_lag_on_its_subscription(node: Node) ->
     assert status == 404 and "missing" in body["error"]
 
 
+def test_purge_and_reset_cursor_move_a_durable_subscriptions_cursors(node: Node) -> None:
+    subscriber = Paho(node.broker.mqtt_port, "backlogged", session_expiry=3600)
+    subscriber.subscribe("telemetry/#", qos=1)
+    subscriber.client.disconnect()
+    subscriber.client.loop_stop()
+    publisher = Paho(node.broker.mqtt_port, "feeder")
+    try:
+        for i in range(5):
+            publisher.publish("telemetry/x", f"old-{i}", qos=1)
+        wait_for(lambda: node.get("/api/subscriptions/mqtt:backlogged")["lag"] == 5)
+
+        status, _, body = node.request("POST", "/api/subscriptions/mqtt:backlogged/purge")
+        assert status == 200, body
+        assert body["purged"] == 5 and body["subscription"]["lag"] == 0
+        publisher.publish("telemetry/x", "new", qos=1)
+        wait_for(lambda: node.get("/api/subscriptions/mqtt:backlogged")["lag"] == 1)
+
+        # to the earliest: the purged messages are there again
+        path = "/api/subscriptions/mqtt:backlogged/cursor"
+        status, _, body = node.request("POST", path, {"position": "earliest"},
+                                       {"Content-Type": "application/json"})
+        assert status == 200 and body["lag"] == 6, body
+        # to a time after the last message: nothing left; to offset 0: everything again
+        status, _, body = node.request("POST", path, {"timestamp_ms": 2 ** 62})
+        assert status == 200 and body["lag"] == 0, body
+        status, _, body = node.request("POST", path, {"offset": 0})
+        assert status == 200 and body["lag"] == 6, body
+        status, _, body = node.request("POST", "/api/subscriptions/mqtt:backlogged/purge")
+        assert status == 200 and body["purged"] == 6
+        publisher.publish("telemetry/x", "after", qos=1)
+    finally:
+        publisher.client.disconnect()
+    # the resumed session gets only what came after the purge
+    resumed = Paho(node.broker.mqtt_port, "backlogged", session_expiry=3600, clean=False)
+    try:
+        assert resumed.expect().payload == b"after"
+    finally:
+        resumed.client.disconnect()
+
+
+@pytest.mark.parametrize("body", [
+    b"not json", [], {}, {"position": "middle"}, {"offset": -1}, {"offset": "3"},
+    {"offset": True}, {"position": "earliest", "offset": 3},
+])
+def test_reset_cursor_refuses_a_bad_body_with_400(node: Node, body: Any) -> None:
+    subscriber = Paho(node.broker.mqtt_port, "steady", session_expiry=3600)
+    try:
+        subscriber.subscribe("telemetry/#", qos=1)
+        status, _, answer = node.request("POST", "/api/subscriptions/mqtt:steady/cursor", body)
+        assert status == 400 and answer["status"] == 400 and answer["error"], answer
+    finally:
+        subscriber.client.disconnect()
+
+
+def test_purge_refuses_unknown_live_only_and_unprotected_requests(node: Node) -> None:
+    status, _, body = node.request("POST", "/api/subscriptions/nothing-here/purge")
+    assert status == 404 and "nothing-here" in body["error"]
+    live = Paho(node.broker.mqtt_port, "live-only")  # MQTT 5, session expiry 0: no cursor
+    try:
+        live.subscribe("telemetry/#", qos=1)
+        status, _, body = node.request("POST", "/api/subscriptions/mqtt:live-only/purge")
+        assert status == 409 and "live-only" in body["error"], body
+        status, _, body = node.request("POST", "/api/subscriptions/mqtt:live-only/cursor",
+                                       {"position": "earliest"})
+        assert status == 409, body
+    finally:
+        live.client.disconnect()
+    # a change a form or a simple cross-site fetch could send is refused
+    status, _, body = node.request("POST", "/api/subscriptions/nothing-here/purge", headers={})
+    assert status == 403, body
+    status, _, body = node.request("POST", "/api/subscriptions/nothing-here/purge",
+                                   headers={"X-Requested-With": "x", "Origin": "http://evil.example"})
+    assert status == 403, body
+
+
+def test_purge_and_reset_cursor_need_the_admin_role(tmp_path: Path) -> None:
+    import base64
+
+    from shardgate.security.auth import User, hash_password, save_users
+    from tests.conftest import make_config
+
+    data = tmp_path / "secured"
+    data.mkdir()
+    (data / "acl.toml").write_text(
+        '[[allow]]\nuser = "alice"\nactions = ["publish", "subscribe"]\ntopics = ["#"]\n')
+    save_users(data / "users.json", {
+        "root": User("root", hash_password("root-pw"), ["admin"]),
+        "alice": User("alice", hash_password("alice-pw")),
+    })
+    broker = ThreadedBroker(make_config(data, listeners={"http_port": free_port()},
+                                        archive={"enabled": False})).start()
+    try:
+        secured = Node(broker, f"http://127.0.0.1:{broker.app.port('http')}")
+
+        def as_user(user: str, password: str) -> dict[str, str]:
+            token = base64.b64encode(f"{user}:{password}".encode()).decode()
+            return {"Authorization": f"Basic {token}", "Content-Type": "application/json"}
+
+        for path, body in (("/api/subscriptions/any/purge", None),
+                           ("/api/subscriptions/any/cursor", {"position": "earliest"})):
+            assert secured.request("POST", path, body, {"X-Requested-With": "t"})[0] == 401
+            assert secured.request("POST", path, body, as_user("alice", "alice-pw"))[0] == 403
+            assert secured.request("POST", path, body, as_user("root", "root-pw"))[0] == 404
+    finally:
+        broker.stop()
+
+
 def test_mqtt_client_is_listed_and_kicked_with_administrative_action(node: Node) -> None:
     client = Paho(node.broker.mqtt_port, "device/with spaces&odd?chars")
     legacy = Paho(node.broker.mqtt_port, "legacy-311", protocol=V311)
@@ -277,7 +389,7 @@ def test_openapi_document_describes_every_api_route(node: Node) -> None:
         path = info.get("path") or info.get("formatter") or ""
         if path.startswith("/api/") and route.method != "HEAD":
             served.add((route.method, path.replace("{client_id:.+}", "{client_id}")))
-    assert served == documented and len(served) == 16
+    assert served == documented and len(served) == 18
     for path, item in document["paths"].items():
         for operation in item.values():
             for ref in json.dumps(operation).split('"$ref": "')[1:]:

@@ -324,3 +324,67 @@ def test_clients_table_searches_and_pages_fifty_at_a_time(
     finally:
         needle.client.disconnect()
     assert page.errors == []
+
+
+def test_purge_and_replay_buttons_move_a_durable_subscriptions_cursors(
+    node: tuple[ThreadedBroker, str], page: Any,
+) -> None:
+    """An offline persistent session has 5 messages waiting: Purge (confirmed) skips them,
+    Replay brings them back; a dismissed confirmation changes nothing; a live-only
+    subscription has no buttons."""
+    from tests.conftest import wait_for
+    from tests.mqtt_clients import V311
+
+    broker, url = node
+    away = Paho(broker.mqtt_port, "away-purge", V311, clean=False)
+    away.subscribe("purge/#", 1)
+    away.client.disconnect()
+    wait_for(lambda: broker.app.mqtt.sessions["away-purge"].connection is None)
+    live = Paho(broker.mqtt_port, "live-watcher")  # MQTT 5, session expiry 0: live-only
+    live.subscribe("purge/#", 1)
+    for i in range(5):
+        live.publish("purge/x", str(i), qos=1)
+    answers: list[bool] = []
+    questions: list[str] = []
+
+    def on_dialog(dialog: Any) -> None:
+        questions.append(dialog.message)
+        if answers.pop(0):
+            dialog.accept()
+        else:
+            dialog.dismiss()
+
+    page.on("dialog", on_dialog)
+    try:
+        page.goto(url + "/")
+        expect = sync_api.expect
+        row = page.locator("#subscriptions-body tr[data-subscription='mqtt:away-purge']")
+        lag = row.locator("td.num").first
+        expect(lag).to_have_text("5")
+        live_row = page.locator("#subscriptions-body tr[data-subscription='mqtt:live-watcher']")
+        expect(live_row).to_have_count(1)
+        expect(live_row.get_by_role("button")).to_have_count(0)
+
+        answers.append(False)
+        row.get_by_role("button", name="Purge").click()
+        wait_for(lambda: questions)
+        assert "5 waiting messages" in questions[0]
+        assert broker.call(_lag(broker, "mqtt:away-purge")) == 5
+
+        answers.append(True)
+        row.get_by_role("button", name="Purge").click()
+        expect(page.locator("#subscription-status")).to_have_text(
+            "Purged mqtt:away-purge: 5 messages skipped")
+        expect(lag).to_have_text("0")
+
+        answers.append(True)
+        row.get_by_role("button", name="Replay").click()
+        expect(page.locator("#subscription-status")).to_contain_text("Replaying mqtt:away-purge")
+        expect(lag).to_have_text("5")
+    finally:
+        live.client.disconnect()
+    assert page.errors == []
+
+
+async def _lag(broker: ThreadedBroker, name: str) -> int:
+    return int(broker.app.edge.subscriptions[name].lag())

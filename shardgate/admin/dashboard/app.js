@@ -242,6 +242,52 @@ function renderStreams(streams) {
   fillTable($("streams-body"), rows, 10, "No streams");
 }
 
+// A change: a JSON POST (the admin API wants Content-Type: application/json or an
+// X-Requested-With header of every change; a page of another origin cannot send either
+// without a CORS preflight the API never grants).
+async function postJSON(path, body) {
+  const response = await fetch(path, {
+    method: "POST", body: JSON.stringify(body || {}),
+    headers: { Accept: "application/json", "Content-Type": "application/json" },
+  });
+  const answer = await response.json().catch(() => ({}));
+  if (!response.ok) throw new Error(answer.error || `${response.status} ${response.statusText}`);
+  return answer;
+}
+
+// Purge (cursors to the end: the backlog is skipped) or replay (cursors to the earliest
+// message) a durable subscription; both ask first.
+async function moveCursors(button, sub, action) {
+  const question = action === "purge"
+    ? `Purge subscription ${sub.name}? Its ${sub.lag} waiting messages are skipped.`
+    : `Replay subscription ${sub.name} from the earliest message kept?`;
+  if (!window.confirm(question)) return;
+  button.disabled = true;
+  const status = $("subscription-status");
+  const path = `/api/subscriptions/${encodeURIComponent(sub.name)}/` + (action === "purge" ? "purge" : "cursor");
+  try {
+    const answer = await postJSON(path, action === "purge" ? {} : { position: "earliest" });
+    status.textContent = action === "purge"
+      ? `Purged ${sub.name}: ${num(answer.purged)} messages skipped`
+      : `Replaying ${sub.name} from the earliest message: lag ${num(answer.lag)}`;
+  } catch (error) {
+    status.textContent = `Could not ${action} ${sub.name}: ${error.message}`;
+  }
+  button.disabled = false;
+  refreshDetails();
+}
+
+function subscriptionActions(sub) {
+  // Only a durable subscription has cursors; in a cluster, only this node's can be moved here.
+  const here = !sub.node || !lastInfo || sub.node === lastInfo.cluster_node;
+  if (!sub.durable || !here) return el("td", {});
+  const purge = el("button", { type: "button", className: "kick", title: "Skip the backlog: cursors to the end", text: "Purge" });
+  const replay = el("button", { type: "button", className: "action", title: "Cursors to the earliest message kept", text: "Replay" });
+  purge.addEventListener("click", () => moveCursors(purge, sub, "purge"));
+  replay.addEventListener("click", () => moveCursors(replay, sub, "replay"));
+  return el("td", { className: "actions" }, replay, purge);
+}
+
 function renderSubscriptions(subscriptions) {
   // A subscription without a filter receives nothing (an MQTT session that only publishes).
   const rows = subscriptions.filter((sub) => sub.filters.length).map((sub) => el("tr", { dataset: { subscription: sub.name } },
@@ -250,8 +296,9 @@ function renderSubscriptions(subscriptions) {
     el("td", {}, el("code", { text: sub.filters.join(" ") })),
     cell(sub.consumers.map((c) => c.id + (c.active ? "" : " (standby)")).join(", ") || "none"),
     cell(num(sub.lag), "num" + (sub.lag > 0 ? " lagging" : "")),
-    cell(num(sub.inflight), "num"), cell(num(sub.queued), "num"), cell(sub.node || "", "node")));
-  fillTable($("subscriptions-body"), rows, 10, "No subscriptions");
+    cell(num(sub.inflight), "num"), cell(num(sub.queued), "num"), cell(sub.node || "", "node"),
+    subscriptionActions(sub)));
+  fillTable($("subscriptions-body"), rows, 11, "No subscriptions");
 }
 
 async function kick(button, client) {
