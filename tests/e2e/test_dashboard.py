@@ -3,6 +3,7 @@ it loads, lists a client connected with paho, and its kick button disconnects th
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -388,3 +389,37 @@ def test_purge_and_replay_buttons_move_a_durable_subscriptions_cursors(
 
 async def _lag(broker: ThreadedBroker, name: str) -> int:
     return int(broker.app.edge.subscriptions[name].lag())
+
+
+def test_retained_browser_lists_payload_previews_under_a_prefix(
+    node: tuple[ThreadedBroker, str], page: Any,
+) -> None:
+    broker, url = node
+    publisher = Paho(broker.mqtt_port, "retainer")
+    try:
+        publisher.publish("sensors/kitchen/temp", "21.5", qos=1, retain=True)
+        publisher.publish("sensors/hall/temp", "<b>19</b>", qos=1, retain=True)
+        publisher.publish("status/gateway", bytes([0xff, 0x00, 0xfe]), qos=1, retain=True)
+        page.goto(url + "/")
+        expect = sync_api.expect
+        rows = page.locator("#retained-body tr")
+        # every retained topic, the broker's own $SYS ones too
+        expect(page.locator("#retained-body tr[data-topic^='$SYS/']").first).to_be_attached()
+        expect(page.locator("#retained-count")).to_have_text(re.compile(r"^\d+ retained$"))
+        kitchen = page.locator("#retained-body tr[data-topic='sensors/kitchen/temp']")
+        expect(kitchen).to_contain_text("21.5")
+        hall = page.locator("#retained-body tr[data-topic='sensors/hall/temp'] code.payload")
+        expect(hall).to_have_text("<b>19</b>")  # shown as text, never parsed as HTML
+        expect(page.locator("#retained-body b")).to_have_count(0)
+        gateway = page.locator("#retained-body tr[data-topic='status/gateway']")
+        expect(gateway).to_contain_text("/wD+")
+        expect(gateway).to_contain_text("(base64)")
+
+        page.locator("#retained-prefix").fill("sensors/")
+        expect(rows).to_have_count(2)
+        expect(page.locator("#retained-count")).to_have_text("2 retained")
+        page.locator("#retained-prefix").fill("nothing/")
+        expect(rows).to_have_text("No retained message under this prefix")
+    finally:
+        publisher.client.disconnect()
+    assert page.errors == []

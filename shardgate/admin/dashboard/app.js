@@ -378,6 +378,25 @@ function renderSessions(sessions, subscriptions) {
   fillTable($("sessions-body"), rows, 7, "No sessions");
 }
 
+// Retained messages whose topic starts with the prefix typed, the first RETAINED_SHOWN of
+// them; a payload that is not UTF-8 is shown as base64, marked so.
+const RETAINED_SHOWN = 100;
+
+async function refreshRetained() {
+  const prefix = $("retained-prefix").value;
+  const answer = await getJSON(`/api/retained?limit=${RETAINED_SHOWN}&prefix=${encodeURIComponent(prefix)}`);
+  if (prefix !== $("retained-prefix").value) return;  // typed on meanwhile: a newer answer comes
+  const messages = answer.messages || [];
+  $("retained-count").textContent = answer.total > messages.length
+    ? `first ${num(messages.length)} of ${num(answer.total)}` : `${num(answer.total)} retained`;
+  const rows = messages.map((m) => el("tr", { dataset: { topic: m.topic } },
+    el("td", {}, el("code", { text: m.topic })), cell(m.qos, "num"), cell(bytes(m.size), "num"),
+    cell(m.content_type || ""), cell(since(m.publish_time)), cell(m.stream),
+    el("td", {}, el("code", { className: "payload", text: m.payload + (m.truncated ? "…" : "") }),
+       m.payload_encoding === "base64" ? el("span", { className: "muted", text: " (base64)" }) : null)));
+  fillTable($("retained-body"), rows, 7, prefix ? "No retained message under this prefix" : "No retained messages");
+}
+
 // MQTT 5.0 §3.1.2.11.2: 0xFFFFFFFF (and a 3.1.1 persistent session) never expires.
 const NEVER_EXPIRES = 0xFFFFFFFF;
 
@@ -470,6 +489,7 @@ async function refreshDetails() {
     renderClients(clients);
     renderSessions(sessions, subscriptions);
     renderArchive(archive);
+    await refreshRetained();
     await refreshCluster();
   } catch (error) {
     setLinkState(false, "broker unreachable");
@@ -489,6 +509,7 @@ document.addEventListener("DOMContentLoaded", () => {
   every(DETAIL_INTERVAL_MS, refreshDetails);
   window.addEventListener("resize", drawChart);
   $("client-search").addEventListener("input", () => { clientsPage = 0; renderClients(); });
+  $("retained-prefix").addEventListener("input", () => refreshRetained().catch(() => {}));
   $("clients-prev").addEventListener("click", () => { clientsPage = Math.max(0, clientsPage - 1); renderClients(); });
   $("clients-next").addEventListener("click", () => { clientsPage += 1; renderClients(); });
   drawChart();
