@@ -423,3 +423,27 @@ def test_retained_browser_lists_payload_previews_under_a_prefix(
     finally:
         publisher.client.disconnect()
     assert page.errors == []
+
+
+def test_each_stream_shows_its_message_rate(node: tuple[ThreadedBroker, str], page: Any) -> None:
+    """The broker's /api/streams answers go through the page with the default stream's
+    message count growing 10 a second of real time: its rate reads about 10/s."""
+    import time
+
+    _broker, url = node
+    base = time.time()
+
+    def streams(route: Any) -> None:
+        answer = route.fetch().json()
+        for stream in answer:
+            if stream["name"] == "default":
+                stream["messages"] = int(10 * (time.time() - base))
+        route.fulfill(json=answer)
+
+    page.route("**/api/streams", streams)
+    page.goto(url + "/")
+    rate = page.locator("#streams-body tr[data-stream='default'] td.rate")
+    sync_api.expect(rate).not_to_have_text("–")
+    page.wait_for_function("() => (streamCounts.get('default') || []).length >= 4")
+    assert 7 <= float(rate.text_content() or "0") <= 13, rate.text_content()
+    assert page.errors == []

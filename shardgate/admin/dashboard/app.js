@@ -220,9 +220,28 @@ function niceCeiling(value) {
 }
 
 // ------------------------------------------------------------------ tables
+// Each stream's messages per second, averaged over the last RATE_WINDOW_S of polls: the
+// growth of its message count (the sum of its shards' next offsets).
+const streamCounts = new Map();  // name → [{t, messages}], oldest first
+
+function streamRate(stream, now) {
+  if (typeof stream.messages !== "number") return null;
+  const counts = streamCounts.get(stream.name) || [];
+  counts.push({ t: now, messages: stream.messages });
+  while (counts.length > 2 && counts[0].t < now - RATE_WINDOW_S) counts.shift();
+  streamCounts.set(stream.name, counts);
+  const oldest = counts[0];
+  if (counts.length < 2 || now <= oldest.t) return null;
+  return Math.max(0, (stream.messages - oldest.messages) / (now - oldest.t));
+}
+
 function renderStreams(streams) {
   const rows = [];
+  const now = Date.now() / 1000;
+  const names = new Set(streams.map((stream) => stream.name));
+  for (const name of [...streamCounts.keys()]) if (!names.has(name)) streamCounts.delete(name);
   for (const stream of streams) {
+    const rate = streamRate(stream, now);
     stream.shards.forEach((shard, i) => {
       const first = i === 0;
       rows.push(el("tr", { className: first ? "" : "sub-row", dataset: { stream: stream.name, shard: shard.index } },
@@ -230,6 +249,7 @@ function renderStreams(streams) {
            first && stream.default ? el("span", { className: "muted", text: " (default)" }) : null),
         cell(first ? stream.mode : ""),
         cell(first ? stream.schema : ""),
+        cell(first ? num(rate) : "", "num rate"),
         cell(shard.index, "num"),
         cell(shard.owner || "", shard.unavailable ? "owner lagging" : "owner"),
         cell(shard.low_watermark === undefined ? (shard.unavailable ? "" : "memory") : num(shard.low_watermark), "num"),
@@ -239,7 +259,7 @@ function renderStreams(streams) {
         el("td", {}, first ? el("code", { text: stream.routes.join(" ") }) : "")));
     });
   }
-  fillTable($("streams-body"), rows, 10, "No streams");
+  fillTable($("streams-body"), rows, 11, "No streams");
 }
 
 // A change: a JSON POST (the admin API wants Content-Type: application/json or an
