@@ -12,7 +12,7 @@ the cluster view and the peer link (`attach.join` builds one per node).
   one replica gets its plain journal log again.
 - The peer link: `ReplicaService` answers followers' fetches for the shards this node leads
   and carries this node's own fetches, on the cluster port, authenticated as every call there.
-- A new leader hands on what it inherited: the records it holds from its time as a follower
+- A new leader whose predecessor is gone (its lease expired) hands on what it inherited: the records it holds from its time as a follower
   go out to subscribers (here and, through the fanout, on other nodes) once its high
   watermark passes them, from up to `REDISPATCH_RECORDS` below the high watermark it knew,
   since the old leader may have died before its pushes of them arrived (durable cursors drop
@@ -69,6 +69,8 @@ class ReplicatedShards:
             lease_deadline=lambda: view.lease_valid_until, on_role=self._role_changed)
         self._started = False
         self._led: set[tuple[str, int]] = set()
+        # the leader each shard had while this node followed it (see `_role_changed`)
+        self._followed: dict[tuple[str, int], str] = {}
 
     def _leading(self, stream: str, shard: int) -> Any:
         return self.manager.leading(stream, shard)
@@ -137,9 +139,18 @@ class ReplicatedShards:
         leading = self.manager.leading(stream, index)
         if leading is None:
             self._led.discard(key)
+            role = self.manager.role(stream, index)
+            if role is not None:
+                self._followed[key] = role.leader
         elif key not in self._led:
             self._led.add(key)
-            self._hand_on(stream, index, leading)
+            previous = self._followed.pop(key, None)
+            # Only a leader that is gone may have died before its pushes arrived. One that still
+            # holds its lease handed leadership over (a drain, a graceful leave) after pushing
+            # what it stored, and a shard this node already held alone (now given replicas)
+            # was dispatched here: handing those on again would repeat them to live subscribers.
+            if previous is not None and previous not in self.view.registrations:
+                self._hand_on(stream, index, leading)
 
     def _hand_on(self, stream: str, index: int, shard_log: Any) -> None:
         """Dispatch what this new leader inherited once its high watermark passes it (see
