@@ -128,7 +128,7 @@ def plant(data_dir: Path) -> None:
     with sqlite3.connect(data_dir / "metadata.db") as db:
         db.execute("INSERT INTO subscriptions VALUES ('unreadable', 'exclusive', '{', 1, '{}', 1)")
         db.execute("INSERT INTO subscriptions VALUES ('amqp:/:odd', 'no-such-type', '[]', 1, '{}', 1)")
-        db.execute("INSERT INTO streams VALUES ('odd', 'no-such-mode', 1, NULL, NULL, 'bytes', NULL, 1)")
+        db.execute("INSERT INTO streams VALUES ('odd', 'no-such-mode', 1, NULL, NULL, 'bytes', NULL, 1, NULL, NULL)")
 
 
 @pytest.mark.timeout(240)
