@@ -185,13 +185,15 @@ class DelayedDelivery:
     # ------------------------------------------------------------------ held in the store
     def _wake_for(self, at_ms: int, delay_s: float | None = None) -> None:
         """Make sure the timer fires by `at_ms` (or after `delay_s`)."""
-        if self._wake_at_ms is not None and self._wake_at_ms <= at_ms and delay_s is None:
+        if delay_s is None:
+            delay_s = max(0.0, (at_ms - now_ms()) / 1000)
+        fires_at_ms = now_ms() + int(delay_s * 1000)
+        if self._wake_at_ms is not None and self._wake_at_ms <= fires_at_ms:
             return
         if self._wake is not None:
             self._wake.cancel()
-        if delay_s is None:
-            delay_s = max(0.0, (at_ms - now_ms()) / 1000)
-        self._wake_at_ms = at_ms
+        # the time the timer really fires (a retry fires later than the row is due)
+        self._wake_at_ms = fires_at_ms
         self._wake = asyncio.get_running_loop().call_later(delay_s, self._release_due)
 
     def _release_due(self) -> None:
@@ -230,9 +232,11 @@ class DelayedDelivery:
         if len(records) >= self.RELEASE_BATCH:
             self._wake_for(now, 0.0)  # more are due: the next batch at the next loop turn
             return
-        self._wake_next(released=bool(records))
+        self._wake_next(now if not records else None)
 
-    def _wake_next(self, released: bool = True) -> None:
+    def _wake_next(self, read_at_ms: int | None = None) -> None:
+        """Set the timer for the earliest held message. `read_at_ms`: the time of a read
+        that returned nothing; a row due by then was there and could not be read."""
         assert self.store is not None
         try:
             self._stored, earliest = self.store.delayed_summary(self.SET_ASIDE_AT_MS)
@@ -242,7 +246,7 @@ class DelayedDelivery:
             return
         if earliest is None:
             return
-        if earliest <= now_ms() and not released:
+        if read_at_ms is not None and earliest <= read_at_ms:
             # due but not readable (the store logged the row and left it): look again later
             self._wake_for(earliest, self.UNREADABLE_RETRY_S)
             return

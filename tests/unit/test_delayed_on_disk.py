@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 import tracemalloc
 from pathlib import Path
 
+import pytest
+from shardgate.core import delayed as delayed_module
 from shardgate.core.delayed import DelayedDelivery
 from shardgate.core.message import Message, now_ms
 from shardgate.storage.metadata.ports import MetadataPorts
@@ -82,5 +85,40 @@ async def test_a_record_that_cannot_be_read_is_set_aside_and_the_rest_released(t
     assert message.payload == b"good"
     # kept in the store, never due
     assert store.delayed_summary(DelayedDelivery.SET_ASIDE_AT_MS) == (1, None)
+    delivery.close()
+    store.close()
+
+
+
+class _SlowReads:
+    """The metadata store, whose reads of due rows take 30 ms (a busy disk)."""
+
+    def __init__(self, ports: MetadataPorts) -> None:
+        self.ports = ports
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.ports, name)
+
+    def due_delayed(self, now: int, limit: int | None = None) -> list:
+        records = self.ports.due_delayed(now, limit)
+        time.sleep(0.03)
+        return records
+
+
+async def test_a_timer_that_fires_before_the_wall_clock_due_time_still_releases_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The loop's timer runs on the monotonic clock, deliver-at times on the wall clock: the two
+    # drift, so the timer can fire when the wall clock is just short of the due time, and the row
+    # is due a moment later. That must not pass for a row that cannot be read (looked at again
+    # only after a minute): here the wall clock steps back 10 ms after the hold.
+    offset_ms = [10]
+    monkeypatch.setattr(delayed_module, "now_ms", lambda: now_ms() + offset_ms[0])
+    store = SqliteMetadataStore(tmp_path / "meta.db")
+    released = asyncio.get_running_loop().create_future()
+    delivery = DelayedDelivery(_SlowReads(MetadataPorts(store)), released.set_result)  # type: ignore[arg-type]
+    delivery.hold(Message("jobs/soon", b"soon"), delayed_module.now_ms() + 5)
+    offset_ms[0] = 0
+    message = await asyncio.wait_for(released, 5)
+    assert message.payload == b"soon"
     delivery.close()
     store.close()
