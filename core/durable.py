@@ -127,6 +127,9 @@ p99 24-34 ms to 9 / 20-24 on a loaded machine, with as many waves completed
 (bench/RESULTS.md, 2026-11-24 16:00)."""
 AHEAD_BYTES = 256 * 1024
 """At most this many record bytes are kept per cursor between turns (else read again)."""
+RESTORED_RETRY_S = 0.1
+"""How soon a restored unacknowledged message that cannot be read yet is looked at again when
+its log has no commit pending to wait on (see `_pump_restored`)."""
 
 _TOPIC_LENGTH = struct.Struct("<I")
 # Whether a class conforms to a runtime-checkable protocol, found once per class: the replay
@@ -274,7 +277,7 @@ class DurableSubscription(Subscription):
     __slots__ = (
         "broker", "options", "cursors", "_redeliver", "_delayed", "_pump_scheduled", "_dirty",
         "sink", "initial_position", "_filter_set", "_timer", "_timer_at", "_held", "_held_returned",
-        "_key_cache",
+        "_key_cache", "_retry_armed",
     )
 
     def __init__(
@@ -310,6 +313,8 @@ class DurableSubscription(Subscription):
         self._held: deque[tuple[Message, tuple[str, ...]]] = deque()
         # How many of the first held were given back by a consumer (they go before the rest).
         self._held_returned = 0
+        # A pump is due once a restored unacknowledged message can be read (`_pump_after_commit`).
+        self._retry_armed = False
 
     # ------------------------------------------------------------------ cursors
     def open_cursors(self, positions: str | int | None = None) -> None:
@@ -741,9 +746,16 @@ class DurableSubscription(Subscription):
                         asyncio.get_running_loop().create_task(
                             self._fetch_restored(cursor, archive))
                     return budget
-            cursor.pending_redelivery.pop(0)
             if message is None:
                 message = self._read_one(cursor, offset)
+                if message is None and self._not_readable_yet(cursor, offset):
+                    # Stored, but not readable here yet: a commit is still to come (a
+                    # replicated shard's new leader below its high watermark, a journal write
+                    # not yet durable). It waits, as a replay does: dropped, it would be lost
+                    # for good (the cursor's position is past it).
+                    self._pump_after_commit(cursor)
+                    return budget
+            cursor.pending_redelivery.pop(0)
             if message is None:
                 continue
             filters = self._filters_for(message.topic)
@@ -751,6 +763,34 @@ class DurableSubscription(Subscription):
                 self._send(cursor, message, filters, consumer, 2)
                 budget -= 1
         return budget
+
+    @staticmethod
+    def _not_readable_yet(cursor: ShardCursor, offset: int) -> bool:
+        """Whether `offset` is in the cursor's log (below its end) but reads nothing yet."""
+        shard_log = cursor.log
+        if shard_log is None or offset >= shard_log.next_offset:
+            return False
+        try:
+            return not shard_log.read(offset, 1)
+        except StorageError:
+            return False  # `_read_one` says why
+
+    def _pump_after_commit(self, cursor: ShardCursor) -> None:
+        """Pump again once the cursor's log has committed what it holds; where no commit is
+        pending (a replicated shard between two leaderships), a moment later."""
+        assert cursor.log is not None
+        if self._retry_armed:
+            return
+        self._retry_armed = True
+        waiter = cursor.log.commit_waiter()
+        if waiter is not None and not waiter.done():
+            waiter.add_done_callback(lambda _: self._retry())
+        else:
+            asyncio.get_running_loop().call_later(RESTORED_RETRY_S, self._retry)
+
+    def _retry(self) -> None:
+        self._retry_armed = False
+        self.schedule_pump()
 
     def _read_one(self, cursor: ShardCursor, offset: int) -> Message | None:
         if cursor.log is None:
