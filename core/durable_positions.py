@@ -32,11 +32,12 @@ class CursorPositions(Subscription):
     _dirty: set[tuple[str, int]]
     _redeliver: deque[tuple[ShardCursor, int]]
 
-    def schedule_pump(self) -> None:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # provided by the other parts of DurableSubscription (`core/durable.py`)
+        def schedule_pump(self) -> None:
+            raise NotImplementedError
 
-    def _read_one(self, cursor: ShardCursor, offset: int) -> Message | None:
-        raise NotImplementedError
+        def _read_one(self, cursor: ShardCursor, offset: int) -> Message | None:
+            raise NotImplementedError
 
     def open_cursors(self, positions: str | int | None = None) -> None:
         """Create cursors on every shard of every reliable stream (for `earliest`, an offset

@@ -93,21 +93,22 @@ class ShardReplay(Subscription):
     broker: Broker
     _dirty: set[tuple[str, int]]
 
-    def schedule_pump(self) -> None:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # provided by the other parts of DurableSubscription (`core/durable.py`)
+        def schedule_pump(self) -> None:
+            raise NotImplementedError
 
-    def _send(self, cursor: ShardCursor, message: Message, filters: Sequence[str],
-              consumer: Consumer, count: int) -> None:
-        raise NotImplementedError
+        def _send(self, cursor: ShardCursor, message: Message, filters: Sequence[str],
+                  consumer: Consumer, count: int) -> None:
+            raise NotImplementedError
 
-    def _compiled_filters(self) -> FilterSet:
-        raise NotImplementedError
+        def _compiled_filters(self) -> FilterSet:
+            raise NotImplementedError
 
-    def _wants_key(self, key: bytes) -> bool:
-        raise NotImplementedError
+        def _wants_key(self, key: bytes) -> bool:
+            raise NotImplementedError
 
-    def _filters_for(self, topic: str) -> tuple[str, ...]:
-        raise NotImplementedError
+        def _filters_for(self, topic: str) -> tuple[str, ...]:
+            raise NotImplementedError
 
     def _pump_restored(self, cursor: ShardCursor, budget: int) -> int:
         while cursor.pending_redelivery and budget > 0:
