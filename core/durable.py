@@ -63,13 +63,16 @@ log = logging.getLogger(__name__)
 PUMP_BUDGET = 512
 # Seconds between checks of the acknowledgement deadlines (a nack's delay has its own timer).
 TIMER_S = 0.5
+RESTORED_RETRY_S = 0.1
+"""How soon a restored unacknowledged message that cannot be read yet is looked at again when
+its log has no commit pending to wait on (see `_pump_restored`)."""
 
 
 class DurableSubscription(CursorPositions, ShardReplay):
     __slots__ = (
         "broker", "options", "cursors", "_redeliver", "_delayed", "_pump_scheduled", "_dirty",
         "sink", "initial_position", "_filter_set", "_timer", "_timer_at", "_held", "_held_returned",
-        "_key_cache",
+        "_key_cache", "_retry_armed",
     )
 
     def __init__(
@@ -105,6 +108,8 @@ class DurableSubscription(CursorPositions, ShardReplay):
         self._held: deque[tuple[Message, tuple[str, ...]]] = deque()
         # How many of the first held were given back by a consumer (they go before the rest).
         self._held_returned = 0
+        # A pump is due once a restored unacknowledged message can be read (`_pump_after_commit`).
+        self._retry_armed = False
 
     # ------------------------------------------------------------------ live path
     def offer(self, message: Message, filters: Sequence[str]) -> None:
@@ -284,6 +289,23 @@ class DurableSubscription(CursorPositions, ShardReplay):
             if budget <= 0:
                 self.schedule_pump()
                 return
+
+    def _pump_after_commit(self, cursor: ShardCursor) -> None:
+        """Pump again once the cursor's log has committed what it holds; where no commit is
+        pending (a replicated shard between two leaderships), a moment later."""
+        assert cursor.log is not None
+        if self._retry_armed:
+            return
+        self._retry_armed = True
+        waiter = cursor.log.commit_waiter()
+        if waiter is not None and not waiter.done():
+            waiter.add_done_callback(lambda _: self._retry())
+        else:
+            asyncio.get_running_loop().call_later(RESTORED_RETRY_S, self._retry)
+
+    def _retry(self) -> None:
+        self._retry_armed = False
+        self.schedule_pump()
 
     def _hold(self, message: Message, filters: tuple[str, ...], returned: bool = False) -> None:
         """Keep a message of a non-reliable shard until a consumer has room; past

@@ -110,6 +110,9 @@ class ShardReplay(Subscription):
         def _filters_for(self, topic: str) -> tuple[str, ...]:
             raise NotImplementedError
 
+        def _pump_after_commit(self, cursor: ShardCursor) -> None:
+            raise NotImplementedError
+
     def _pump_restored(self, cursor: ShardCursor, budget: int) -> int:
         while cursor.pending_redelivery and budget > 0:
             consumer = self.pick_available(cursor.shard)
@@ -126,9 +129,16 @@ class ShardReplay(Subscription):
                         asyncio.get_running_loop().create_task(
                             self._fetch_restored(cursor, archive))
                     return budget
-            cursor.pending_redelivery.pop(0)
             if message is None:
                 message = self._read_one(cursor, offset)
+                if message is None and self._not_readable_yet(cursor, offset):
+                    # Stored, but not readable here yet: a commit is still to come (a
+                    # replicated shard's new leader below its high watermark, a journal write
+                    # not yet durable). It waits, as a replay does: dropped, it would be lost
+                    # for good (the cursor's position is past it).
+                    self._pump_after_commit(cursor)
+                    return budget
+            cursor.pending_redelivery.pop(0)
             if message is None:
                 continue
             filters = self._filters_for(message.topic)
@@ -136,6 +146,17 @@ class ShardReplay(Subscription):
                 self._send(cursor, message, filters, consumer, 2)
                 budget -= 1
         return budget
+
+    @staticmethod
+    def _not_readable_yet(cursor: ShardCursor, offset: int) -> bool:
+        """Whether `offset` is in the cursor's log (below its end) but reads nothing yet."""
+        shard_log = cursor.log
+        if shard_log is None or offset >= shard_log.next_offset:
+            return False
+        try:
+            return not shard_log.read(offset, 1)
+        except StorageError:
+            return False  # `_read_one` says why
 
     def _read_one(self, cursor: ShardCursor, offset: int) -> Message | None:
         if cursor.log is None:
