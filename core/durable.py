@@ -455,6 +455,12 @@ class DurableSubscription(Subscription):
         shard) or "timestamp" (value: epoch milliseconds)."""
         if kind in ("offset", "timestamp", "timestamp_ms", "time") and value is None:
             raise TypeError(f"seek to {kind!r} needs a value")
+        # What a consumer took and has not handed to a client yet (an AMQP queue's ready
+        # messages) goes too: the new position alone decides what comes next.
+        for consumer in list(self.consumers):
+            forget_ready = getattr(consumer, "forget_ready", None)
+            if forget_ready is not None:
+                forget_ready()
         if kind in (None, "", "latest"):
             self.reset("latest")
         elif kind == "earliest":

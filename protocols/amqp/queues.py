@@ -395,6 +395,16 @@ class Queue:
             self._refill()
         return count
 
+    def forget_ready(self) -> int:
+        """The subscription's cursors moved (an administrator's purge or replay): the ready
+        messages are dropped without an acknowledgement, since the new position decides what
+        comes (again); delivered, unacknowledged ones stay with their consumers."""
+        count = len(self.messages)
+        self.messages.clear()
+        self.ready_bytes = 0
+        self.starved = False
+        return count
+
     def expire(self, at_ms: int | None = None) -> None:
         """Drop (dead-letter) expired messages from the head, as RabbitMQ does."""
         messages = self.messages
