@@ -25,7 +25,7 @@ from .properties import (
     properties_from_message,
 )
 from .queues import Queue, QueueEntry
-from .routing import exchange_and_key, publish_topic
+from .routing import exchange_and_key, publish_topic, queue_topic
 
 if TYPE_CHECKING:
     from ...core.edge import Edge
@@ -102,8 +102,15 @@ class DeadLettering:
         message.native_properties = {NATIVE_FORMAT: dead_lettered_properties(
             raw, reason, queue.name, old_exchange, old_key, first
         )}
-        if not self.edge.authorize(Principal("amqp", queue.writer, "", "dead-lettering"),
-                                   Action.PUBLISH, message.topic):
+        writer = Principal("amqp", queue.writer, "", "dead-lettering")
+        if original.topic != queue_topic(queue.name) and not self.edge.authorize(
+                writer, Action.SUBSCRIBE, original.topic):
+            # Dead-lettering reads the message out of the queue as its declaring user: what
+            # that user may not (or no longer) read does not leave through it.
+            log.info("queue %r in vhost %r: dead-lettering refused, user %r may not read %r; "
+                     "message dropped", queue.name, self.name, queue.writer, original.topic)
+            return
+        if not self.edge.authorize(writer, Action.PUBLISH, message.topic):
             # As if the dead-letter exchange routed it nowhere: dropped, and said so.
             log.info("queue %r in vhost %r: dead-lettering to exchange %r refused, user %r may "
                      "not publish to %r; message dropped", queue.name, self.name, exchange.name,

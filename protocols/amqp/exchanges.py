@@ -81,6 +81,7 @@ class ExchangeGraph:
     exchange_bindings: dict[tuple[str, str, str, tuple[tuple[str, str], ...]], ExchangeBinding]
     exchange_directory: ExchangeDirectory | None
     on_exchanges_changed: list[Any]
+    on_exchange_bound: list[Any]
 
     if TYPE_CHECKING:  # provided by the other parts of VirtualHost (`vhost.py`)
         def save_topology(self) -> None: ...
@@ -238,6 +239,8 @@ class ExchangeGraph:
             return False
         self.exchange_bindings[binding.key] = binding
         self.rederive_all()
+        for callback in self.on_exchange_bound:  # queues may bring more: their readers checked
+            callback()
         if self._durable_binding(binding):
             self.save_topology()
         return True

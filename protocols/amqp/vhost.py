@@ -97,6 +97,8 @@ class VirtualHost(ExchangeGraph, TopologyRecord, DeadLettering):
         self.directory: QueueDirectory | None = None
         self.exchange_directory: ExchangeDirectory | None = None
         self.on_exchanges_changed: list[Any] = []
+        # Told after an exchange binding is added (here or on another node of the cluster).
+        self.on_exchange_bound: list[Any] = []
 
     def use_queue_directory(self) -> None:
         """The node has joined its cluster: queues of other nodes are found through the
