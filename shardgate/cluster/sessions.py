@@ -61,7 +61,7 @@ from ..core.message import Message
 from ..protocols.mqtt.session import SessionOfAnotherUser
 from ..protocols.mqtt.snapshot import UNREADABLE, SessionSnapshot, rebuild, record_message
 from .control import ClaimRefused
-from .etcd import EtcdError
+from .etcd import EtcdError, KeyValue
 from .session_cursors import CursorPlacer
 from .session_release import SessionRelease, in_shard_order
 from .session_snapshots import SessionSnapshots
