@@ -862,10 +862,10 @@ async def _act(request: web.Request, action: str, arguments: dict[str, Any]) -> 
     app = _app(request)
     views = getattr(app, "cluster_views", None)
     if views is None:
-        from .local_listings import local_action
-
-        value: dict[str, Any] = local_action(app)(action, arguments)
-        return value
+        name = str(arguments["name"])
+        if action == "purge":
+            return purge_subscription(app, name)
+        return reset_cursor(app, name, arguments["kind"], arguments["value"])
     from ..cluster.views import Refused, Unreached
 
     try:
