@@ -211,6 +211,16 @@ class Queue:
                     return True
         return False
 
+    def unreadable(self, may_subscribe: Callable[[str], bool]) -> str | None:
+        """The filter of a binding whose messages a reader who `may_subscribe` only to some
+        filters may not have, or None: reading the queue reads what every binding brings, its
+        own and those reached through exchange-to-exchange bindings (`derived`). The default
+        exchange's binding brings what is sent to the queue by name, and is not checked."""
+        for binding in (*self.bindings.values(), *self.derived.values()):
+            if binding.exchange and not may_subscribe(binding.topic_filter):
+                return str(binding.topic_filter)
+        return None
+
     def add_binding(self, binding: Binding) -> bool:
         """Record `binding`; True if its filter is new to this queue (the core must add it)."""
         key = (binding.exchange, binding.routing_key, binding.arguments)
