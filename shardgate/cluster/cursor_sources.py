@@ -105,7 +105,17 @@ class CursorSources:
                 before = self._leaders.get((stream, shard), leader)
                 # (an OwnerLog of cluster.shard_reader also reads a shard another node owns)
                 received = isinstance(cursor.log, ReceivedLog) or getattr(cursor.log, "remote_shard", False)
-                if leader != me and not received:
+                reader = self.plane.owner_reader
+                if (leader != me and (before != leader or not received) and cursor.placed
+                        and reader is not None):
+                    # the new leader's journal from the position (a cursor over this node's
+                    # own log: it led the shard until now): it holds what the old leader stored
+                    # (this node included), and what the new one pushed here before this
+                    # node's view showed it the leader
+                    cursor.repoint(reader(stream, shard, cursor.position, _filters_of(sub), None),
+                                   replay=True)
+                    moved = True
+                elif leader != me and not received:
                     cursor.repoint(self.received_log(stream, shard))
                 elif leader == me and received:
                     local = broker.streams.get(stream)
@@ -114,12 +124,6 @@ class CursorSources:
                         # from the position on, this node's log holds what the old leader
                         # stored (a copy, or what it fetched as a follower)
                         cursor.repoint(own, replay=True)
-                        moved = True
-                elif leader != me and before not in (leader, me) and cursor.placed:
-                    reader = self.plane.owner_reader
-                    if reader is not None:
-                        cursor.repoint(reader(stream, shard, cursor.position, _filters_of(sub), None),
-                                       replay=True)
                         moved = True
             if moved:
                 sub.schedule_pump()
