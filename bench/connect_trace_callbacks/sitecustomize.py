@@ -7,7 +7,7 @@ then times the loop callbacks that can make a turn long, and writes, when it exi
 object: for each callback its calls, total seconds, and the calls (and their seconds) longer
 than 2 ms and 5 ms. Other processes (the soak's generator) are left alone.
 
-``CALLBACK_TRACE_TURN_PUMP_S`` (seconds) also sets `core.durable.TURN_PUMP_S`, the replay time
+``CALLBACK_TRACE_TURN_PUMP_S`` (seconds) also sets `core.replay_turns.TURN_PUMP_S`, the replay time
 per turn, for A/B runs of one checkout:
 
     PYTHONPATH=bench/connect_trace_callbacks CALLBACK_TRACE=/tmp/callbacks.json \\
@@ -86,6 +86,6 @@ if _is_broker():
     if _PATH:
         _install(_PATH)
     if _TURN_PUMP_S:
-        from shardgate.core import durable
+        from shardgate.core import replay_turns
 
-        durable.TURN_PUMP_S = float(_TURN_PUMP_S)
+        replay_turns.TURN_PUMP_S = float(_TURN_PUMP_S)

@@ -139,6 +139,7 @@ class ConsumingMixin(ConnectionBase):
             "no_ack": bool(frame.no_ack), "exclusive": bool(frame.exclusive),
             # a channel-wide limit (global qos) counts as this consumer's on the home node
             "prefetch": channel.consumer_prefetch or channel.prefetch, "priority": priority,
+            "user": self.principal.username,  # the home node checks what the queue brings
         }, proxy.receive)
 
     def _remote_queue_gone(self, remote: RemoteQueue) -> None:
@@ -189,20 +190,14 @@ class ConsumingMixin(ConnectionBase):
 
     def _unreadable(self, queue: object) -> str | None:
         """The filter of a binding of `queue` this connection's user may not subscribe to
-        (reading the queue reads what that binding brings), or None: it may read the queue."""
+        (reading the queue reads what that binding brings), or None: it may read the queue
+        (`Queue.unreadable`)."""
         edge = self.service.edge
-        if edge.authorizer is None:
-            return None
-        bindings = getattr(queue, "bindings", None)  # a remote queue's are checked at its node
-        if not bindings:
-            return None
+        if edge.authorizer is None or not isinstance(queue, Queue):
+            return None  # a remote queue's are checked at its node
         principal = self.principal
-        for binding in bindings.values():
-            if not binding.exchange:
-                continue  # the default exchange's binding: what is sent to the queue by name
-            if not edge.authorize(principal, Action.SUBSCRIBE, binding.topic_filter):
-                return str(binding.topic_filter)
-        return None
+        return queue.unreadable(
+            lambda topic_filter: edge.authorize(principal, Action.SUBSCRIBE, topic_filter))
 
     def _check_read(self, queue: Queue, method: type[commands.base.Frame]) -> None:
         """basic.consume / basic.get: 403 ACCESS_REFUSED when the user may not read `queue`."""
@@ -295,7 +290,8 @@ class ConsumingMixin(ConnectionBase):
             self.sent(message)
 
         self._ask_home(channel, home, name, commands.Basic.Get,
-                       {"op": "get", "no_ack": bool(frame.no_ack)}, None, got)
+                       {"op": "get", "no_ack": bool(frame.no_ack), "user": self.principal.username},
+                       None, got)
 
     def _basic_ack(self, channel: AmqpChannel, frame: commands.Basic.Ack) -> None:
         if channel.tx is not None:

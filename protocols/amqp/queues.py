@@ -211,6 +211,16 @@ class Queue:
                     return True
         return False
 
+    def unreadable(self, may_subscribe: Callable[[str], bool]) -> str | None:
+        """The filter of a binding whose messages a reader who `may_subscribe` only to some
+        filters may not have, or None: reading the queue reads what every binding brings, its
+        own and those reached through exchange-to-exchange bindings (`derived`). The default
+        exchange's binding brings what is sent to the queue by name, and is not checked."""
+        for binding in (*self.bindings.values(), *self.derived.values()):
+            if binding.exchange and not may_subscribe(binding.topic_filter):
+                return str(binding.topic_filter)
+        return None
+
     def add_binding(self, binding: Binding) -> bool:
         """Record `binding`; True if its filter is new to this queue (the core must add it)."""
         key = (binding.exchange, binding.routing_key, binding.arguments)
@@ -383,6 +393,16 @@ class Queue:
             self.settle(entry)
         if self.starved:
             self._refill()
+        return count
+
+    def forget_ready(self) -> int:
+        """The subscription's cursors moved (an administrator's purge or replay): the ready
+        messages are dropped without an acknowledgement, since the new position decides what
+        comes (again); delivered, unacknowledged ones stay with their consumers."""
+        count = len(self.messages)
+        self.messages.clear()
+        self.ready_bytes = 0
+        self.starved = False
         return count
 
     def expire(self, at_ms: int | None = None) -> None:

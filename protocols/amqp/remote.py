@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from pamqp import commands, decode, encode
 
+from ...core.edge import Action, Principal
 from ...core.message import Message
 from ...core.subscriptions import Subscription
 from .errors import ChannelException, ConnectionException, ReplyCode
@@ -431,6 +432,7 @@ class HostedConsumer:
         self.vhost = vhost
         self.queue = queue
         self.send = send
+        self.user = request.get("user")  # whose consumer it is (its read access is checked)
         prefetch = int(request.get("prefetch") or 0)
         self.consumer = QueueConsumer(
             self, str(request.get("tag", "")), queue, bool(request.get("no_ack")),
@@ -526,6 +528,7 @@ class QueueHost:
         self._get_ids = itertools.count(1)
         for vhost in service.vhosts.values():
             vhost.on_queue_deleted.append(self._queue_deleted)
+        service.on_reauthorize.append(self.reauthorize)
 
     def _vhost(self, request: dict[str, Any], method: type[commands.base.Frame]) -> VirtualHost:
         vhost = self.service.vhosts.get(str(request.get("vhost")))
@@ -591,9 +594,47 @@ class QueueHost:
             return {}
         raise ChannelException(ReplyCode.COMMAND_INVALID, f"unknown queue operation {op!r}")
 
+    def _unreadable(self, queue: Queue, user: Any) -> str | None:
+        """The filter of a binding of `queue` the user of a request (a consumer's on another
+        node) may not subscribe to, as `Queue.unreadable`; None when it may read the queue."""
+        edge = self.service.edge
+        if edge.authorizer is None:
+            return None
+        principal = Principal("amqp", None if user is None else str(user), "", "cluster")
+        return queue.unreadable(
+            lambda topic_filter: edge.authorize(principal, Action.SUBSCRIBE, topic_filter))
+
+    def _check_read(self, queue: Queue, vhost: VirtualHost, request: dict[str, Any],
+                    method: type[commands.base.Frame]) -> None:
+        """basic.consume / basic.get from another node: 403 ACCESS_REFUSED, as on this node,
+        when the requesting user may not read what `queue`'s bindings bring."""
+        denied = self._unreadable(queue, request.get("user"))
+        if denied is not None:
+            raise ChannelException(
+                ReplyCode.ACCESS_REFUSED,
+                f"read access to queue '{queue.name}' in vhost '{vhost.name}' refused for user "
+                f"'{request.get('user') or ''}' (a binding brings {denied!r})", *method_ids(method))
+
+    def reauthorize(self) -> int:
+        """The users or the ACL rules changed: a consumer of another node whose user may no
+        longer read its queue here ends, as for a deleted queue (its node sends basic.cancel);
+        what it held goes back to the queue. Returns how many ended."""
+        ended = 0
+        for hosted in list(self.consumers):
+            denied = self._unreadable(hosted.queue, hosted.user)
+            if denied is None:
+                continue
+            log.info("consumer of queue %r for user %r on another node ended: it may no longer "
+                     "read %r", hosted.queue.name, hosted.user, denied)
+            hosted.send(DELETED)
+            hosted.close()
+            ended += 1
+        return ended
+
     def _get(self, request: dict[str, Any]) -> dict[str, Any]:
         vhost = self._vhost(request, commands.Basic.Get)
         queue = vhost.queue(str(request.get("queue", "")), self.peer, commands.Basic.Get)
+        self._check_read(queue, vhost, request, commands.Basic.Get)
         entry = queue.take()
         if entry is None:
             return {"empty": True}
@@ -630,6 +671,7 @@ class QueueHost:
             vhost = self._vhost(request, method)
             name = str(request.get("queue", ""))
             queue = vhost.queue(name, self.peer, method)
+            self._check_read(queue, vhost, request, method)
             if queue.consumers and (request.get("exclusive") or any(c.exclusive for c in queue.consumers)):
                 raise ChannelException(
                     ReplyCode.ACCESS_REFUSED, f"queue '{name}' in vhost '{vhost.name}' in exclusive use",

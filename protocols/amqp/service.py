@@ -63,8 +63,12 @@ class AmqpService:
             vhost = VirtualHost(name, edge, queue_directory=queue_directory,
                                 exchange_directory=exchange_directory)
             vhost.on_queue_deleted.append(self._queue_deleted)
+            vhost.on_exchange_bound.append(self.reauthorize)
             self.vhosts[name] = vhost
         self.authenticator: Authenticator | None = None
+        # Other checks `reauthorize` runs (the consumers of other nodes on this node's queues,
+        # `remote.QueueHost`); each returns how many consumers it ended.
+        self.on_reauthorize: list[Callable[[], int]] = []
         # Memory alarm raised: publishers are held (connection.blocked) until it clears.
         self.blocked = False
         # the alarms raised: "queues" (ready bytes of this service's queues), "memory" (the
@@ -158,7 +162,8 @@ class AmqpService:
         read their queue (`reauthorize_consumers`). Returns how many ended."""
         if self.edge.authorizer is None:
             return 0
-        return sum(connection.reauthorize_consumers() for connection in list(self.connections))
+        ended = sum(connection.reauthorize_consumers() for connection in list(self.connections))
+        return ended + sum(check() for check in self.on_reauthorize)
 
     def kick(self, client_id: str, reason: str = KICK_REASON) -> int:
         """Close `client_id` (a connection id) with connection.close 320 CONNECTION_FORCED."""

@@ -204,6 +204,8 @@ class VirtualHost:
         self.directory: QueueDirectory | None = None
         self.exchange_directory: ExchangeDirectory | None = None
         self.on_exchanges_changed: list[Any] = []
+        # Told after an exchange binding is added (here or on another node of the cluster).
+        self.on_exchange_bound: list[Any] = []
 
     def use_queue_directory(self) -> None:
         """The node has joined its cluster: queues of other nodes are found through the
@@ -367,6 +369,8 @@ class VirtualHost:
             return False
         self.exchange_bindings[binding.key] = binding
         self.rederive_all()
+        for callback in self.on_exchange_bound:  # queues may bring more: their readers checked
+            callback()
         if self._durable_binding(binding):
             self.save_topology()
         return True
@@ -954,8 +958,15 @@ class VirtualHost:
         message.native_properties = {NATIVE_FORMAT: dead_lettered_properties(
             raw, reason, queue.name, old_exchange, old_key, first
         )}
-        if not self.edge.authorize(Principal("amqp", queue.writer, "", "dead-lettering"),
-                                   Action.PUBLISH, message.topic):
+        writer = Principal("amqp", queue.writer, "", "dead-lettering")
+        if original.topic != queue_topic(queue.name) and not self.edge.authorize(
+                writer, Action.SUBSCRIBE, original.topic):
+            # Dead-lettering reads the message out of the queue as its declaring user: what
+            # that user may not (or no longer) read does not leave through it.
+            log.info("queue %r in vhost %r: dead-lettering refused, user %r may not read %r; "
+                     "message dropped", queue.name, self.name, queue.writer, original.topic)
+            return
+        if not self.edge.authorize(writer, Action.PUBLISH, message.topic):
             # As if the dead-letter exchange routed it nowhere: dropped, and said so.
             log.info("queue %r in vhost %r: dead-lettering to exchange %r refused, user %r may "
                      "not publish to %r; message dropped", queue.name, self.name, exchange.name,

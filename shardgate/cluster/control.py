@@ -861,6 +861,7 @@ class ClusterNode:
     async def claim_session(self, client_id: str, also_read: Sequence[str] = (), *,
                             owner: str | None = None, owned: bool = False,
                             refuse_other_user: bool = False,
+                            vacant_refuses: tuple[str, Callable[[KeyValue | None], bool]] | None = None,
                             ) -> tuple[str | None, list[list[KeyValue]]]:
         """Make the registry name this node for `client_id`, for any kind of session: one etcd
         transaction that puts the entry only if it is still the claim this node knows (compared
@@ -871,8 +872,13 @@ class ClusterNode:
         (full keys), read in the transaction that won. The entry names `owner` as the user who
         made the session when `owned`. With `refuse_other_user`, a session the registry names
         another user for (at the revision the claim compares on) is not claimed:
-        ClaimRefused is raised, and nothing changes anywhere. Raises EtcdError when etcd
-        fails or others keep claiming."""
+        ClaimRefused is raised, and nothing changes anywhere. When the registry names no node
+        (the holder is gone, its entry with its lease), `vacant_refuses` judges instead: the
+        full key of the session's last snapshot and whether that snapshot is another user's.
+        The snapshot is read before the transaction, which compares its revision as well, so
+        a snapshot written between that judgement and the claim (the dying holder's last one)
+        makes the claim look again rather than hand one user's session to another. Raises
+        EtcdError when etcd fails or others keep claiming."""
         key = self.key(keys.SESSIONS + client_id)
         view = self.view
         entry = keys.SessionEntry(self.node_id, owner, owned)
@@ -884,8 +890,17 @@ class ClusterNode:
             if refuse_other_user and held is not None and held.refuses(owner):
                 raise ClaimRefused(f"client identifier {client_id!r} has a session of "
                                            f"another user (on {held.node})")
+            guards = [mod_revision_is(key, known)]
+            if refuse_other_user and vacant_refuses is not None and previous is None:
+                snapshot_key, refuses = vacant_refuses
+                snapshot = await self.client.get(snapshot_key)
+                if refuses(snapshot):
+                    raise ClaimRefused(f"client identifier {client_id!r} has a session of "
+                                       "another user (its holder is gone)")
+                guards.append(mod_revision_is(
+                    snapshot_key, 0 if snapshot is None else snapshot.mod_revision))
             result = await self.client.txn(
-                [mod_revision_is(key, known)],
+                guards,
                 [*(get_op(read) for read in also_read), put_op(key, value, self.lease_id)],
                 [get_op(key)])
             if result.succeeded:

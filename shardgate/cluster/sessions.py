@@ -721,14 +721,11 @@ class SessionHandover:
         except Exception:
             log.exception("cluster: taking session %r over failed", client_id)
 
-    async def _refuses(self, client_id: str, username: str | None) -> bool:
-        """Whether the session of `client_id` is another user's than `username`'s, by its
-        last snapshot in etcd, when the registry names no node for it (its holder is gone: the
-        registry entry went with that node's lease; a live holder's entry says who owns it,
-        `ClusterNode.claim_session`)."""
-        if self.node.view.sessions.get(client_id) is not None:
-            return False
-        kv = await self.node.client.get(self.key(client_id))
+    def _refuses(self, kv: KeyValue | None, username: str | None) -> bool:
+        """Whether the session snapshot `kv` is another user's than `username`'s: asked by
+        `ClusterNode.claim_session` when the registry names no node for the session (its
+        holder is gone: the registry entry went with that node's lease; a live holder's entry
+        says who owns it), in step with the claim's transaction."""
         if kv is None:
             return False
         try:
@@ -744,14 +741,13 @@ class SessionHandover:
         node = self.node
         me = node.node_id
         refuse = check_owner and self.service.settings.session_takeover_by_other_user == "refuse"
-        if refuse and await self._refuses(client_id, username):
-            raise SessionOfAnotherUser(f"client identifier {client_id!r} has a session of another user")
         # one transaction (again only when another claim came first): who held it, its last
         # snapshot, and the registry now names this node (and the user claiming it)
         try:
             holder, reads = await node.claim_session(
                 client_id, also_read=[self.key(client_id)], owner=username, owned=owned,
-                refuse_other_user=refuse)
+                refuse_other_user=refuse,
+                vacant_refuses=(self.key(client_id), lambda kv: self._refuses(kv, username)))
         except ClaimRefused as exc:
             raise SessionOfAnotherUser(str(exc)) from None
         saved_kv = reads[0]

@@ -27,11 +27,6 @@ longer, the run goes on past its 30 s until they were applied."""
 
 @pytest.mark.chaos
 @pytest.mark.timeout(420)
-@pytest.mark.xfail(strict=False, reason=(
-    "known regression of this round, open: since the replication data path and its controller "
-    "landed together (the bisection ends between 2493946 and 1f871a0), an AMQP consumer misses "
-    "a few acknowledged messages in this fault run (3 of its gRPC-published ones in one run); "
-    "passed at 7d5e204"))
 def test_a_short_fault_run_loses_no_acknowledged_message(tmp_path: Path) -> None:
     if ETCD is None:
         pytest.skip("etcd is not installed (apt-get install etcd-server)")

@@ -70,7 +70,7 @@ async def test_a_restarted_home_redelivers_what_its_queue_had_handed_out_once_an
     node = SimpleNamespace(node_id="b", view=b.view, state_rpc=rpcs[1], document_listeners=[])
     vhost = SimpleNamespace(name="/", queues={"orders-q": queue}, on_queue_deleted=[], directory=None,
                             use_queue_directory=lambda: None)
-    SharedQueues(node, b.broker).install(b.plane, SimpleNamespace(vhosts={"/": vhost}))  # type: ignore[arg-type]
+    SharedQueues(node, b.broker).install(b.plane, SimpleNamespace(vhosts={"/": vhost}, on_reauthorize=[]))  # type: ignore[arg-type]
     # ... the node joins: its awaits let the owner answer reads meanwhile (the join's time
     # modelled by a fixed pause: nothing to wait on, the test is about what happens in it) ...
     await routes_seen(a, b, 1)
