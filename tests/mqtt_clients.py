@@ -27,8 +27,9 @@ class Paho:
                  session_expiry: int | None = None, keepalive: int = 60, will: dict | None = None,
                  connect_properties: dict[str, Any] | None = None, transport: str = "tcp",
                  username: str | None = None, password: str | None = None,
-                 connect: bool = True, tls: dict | None = None) -> None:
+                 connect: bool = True, tls: dict | None = None, host: str = "127.0.0.1") -> None:
         self.protocol = protocol
+        self.host = host
         self.client = mqtt.Client(
             mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=protocol,
             transport=transport, clean_session=None if protocol == V5 else clean,
@@ -69,7 +70,7 @@ class Paho:
                 setattr(props, key, value)
             kwargs["properties"] = props
             kwargs["clean_start"] = clean
-        self.client.connect("127.0.0.1", self.port, **kwargs)
+        self.client.connect(self.host, self.port, **kwargs)
         self.client.loop_start()
         result = self.connack.get(timeout=TIMEOUT)
         return result
