@@ -266,11 +266,11 @@ class Shardgate:
             # the cluster's parts, handed to the Edge and the protocols as they are built
             parts = attach.assemble(self, self.cluster)
             self.data_plane = parts.plane
-            from .admin.local_listings import local_view
+            from .admin.local_listings import local_action, local_view
             from .cluster.views import ClusterViews
 
             self.cluster_views = ClusterViews(self.cluster.view, self.cluster.credentials,
-                                              local_view(self))
+                                              local_view(self), local_action(self))
         assert self.metadata is not None
         self.edge = edge = Edge(self.broker,
                                 remote_durables=parts.durables if parts is not None else None)
@@ -374,13 +374,16 @@ class Shardgate:
 
                     status = partial(cluster_status, self.cluster)
                 listing = None
+                reset_anywhere = None
                 if self.cluster_views is not None:
+                    from .admin.local_listings import grpc_reset_anywhere
                     from .cluster.views import listing as cluster_listing
 
                     listing = partial(cluster_listing, self.cluster_views)
+                    reset_anywhere = grpc_reset_anywhere(self.cluster_views)
                 grpc_server = GrpcServer(edge, config.grpc, cluster_status=status,
                                          remote=parts.durables if parts is not None else None,
-                                         listing=listing)
+                                         listing=listing, reset_anywhere=reset_anywhere)
                 if ports.grpc_port:
                     starting = ("gRPC", host, ports.grpc_port, "listeners.grpc_port")
                     grpc_server.port = grpc_server.listen(host, ports.grpc_port, None)

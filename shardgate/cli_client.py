@@ -287,7 +287,7 @@ async def _subs_reset(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         _json(info, sys.stdout)
     else:
-        print(f"reset subscription {info.name}")
+        print(f"reset subscription {info.name}" + (f" on node {info.node}" if info.node else ""))
     return 0
 
 

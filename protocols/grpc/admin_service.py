@@ -37,6 +37,10 @@ Listing = Callable[[str, str, Mapping[str, Any] | None], Awaitable[tuple[Any, li
 """Cluster mode: `(kind, "proto", arguments) -> (listing as dicts, unanswered nodes)`, the
 cluster-wide listing of `streams`, `stream` (`{"name": ...}`), `subscriptions` or `clients`."""
 
+ResetAnywhere = Callable[[str, pb.StartPosition], Awaitable[pb.SubscriptionInfo]]
+"""Cluster mode: move the cursors of a durable subscription on the node that holds it; its
+answer names that node. Raises `Refusal` (NOT_FOUND, FAILED_PRECONDITION, UNAVAILABLE)."""
+
 
 
 
@@ -223,7 +227,11 @@ class AdminService(pb_grpc.AdminServicer):
         return self.server.subscription_info(self._subscription(request.name))
 
     @_unary
-    def ResetCursor(self, request: pb.ResetCursorRequest) -> pb.SubscriptionInfo:
+    async def ResetCursor(self, request: pb.ResetCursorRequest) -> pb.SubscriptionInfo:
+        """In a cluster, on the node that holds the subscription, named in the answer's `node`."""
+        reset_anywhere = self.server.reset_anywhere
+        if reset_anywhere is not None:
+            return await reset_anywhere(request.subscription, request.position)
         sub = self._subscription(request.subscription)
         if not sub.durable or not isinstance(sub, DurableSubscription):
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,

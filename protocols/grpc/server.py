@@ -32,7 +32,7 @@ from ...core.subscriptions import Subscription, SubscriptionType
 from ...core.topics import TopicError, validate_topic_name
 from ...proto import shardgate_pb2 as pb
 from ...proto import shardgate_pb2_grpc as pb_grpc
-from .admin_service import AdminService, Listing
+from .admin_service import AdminService, Listing, ResetAnywhere
 from .auth import AuthInterceptor, principal_of
 from .consumer import GrpcConsumer, GrpcSubscriptionState
 from .consumer_service import ConsumeRemotely, ConsumerService
@@ -93,7 +93,8 @@ class GrpcServer:
     def __init__(self, edge: Edge, settings: GrpcSettings | None = None,
                  cluster_status: Callable[[], dict[str, Any]] | None = None, *,
                  remote: RemoteSubscriptions | None = None,
-                 listing: Listing | None = None) -> None:
+                 listing: Listing | None = None,
+                 reset_anywhere: ResetAnywhere | None = None) -> None:
         self.edge = edge
         # Cluster mode: the cluster as this node sees it (`Admin.GetClusterStatus`); None on
         # a single node.
@@ -101,6 +102,9 @@ class GrpcServer:
         # Cluster mode: the cluster-wide listings of streams, subscriptions and clients
         # (`shardgate.cluster.views.listing`, in the `proto` shape); None on a single node.
         self.listing = listing
+        # Cluster mode: `Admin.ResetCursor` on the node holding the subscription; None on a
+        # single node.
+        self.reset_anywhere = reset_anywhere
         self.settings = settings or GrpcSettings()
         self.consumers: set[GrpcConsumer] = set()
         self.producers: set[ProducerStreamInfo] = set()

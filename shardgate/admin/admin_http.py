@@ -326,6 +326,10 @@ class BadRequest(Exception):
     """The request's body or parameters are wrong; answered with 400."""
 
 
+class Unavailable(Exception):
+    """In a cluster, the node that would answer cannot be reached now; answered with 503."""
+
+
 def _durable_subscription(app: Any, name: str) -> Any:
     from ..core.durable import DurableSubscription
 
@@ -365,6 +369,16 @@ def reset_cursor(app: Any, name: str, kind: str, value: int | None = None) -> di
     sub = _durable_subscription(app, name)
     sub.seek(kind, value)
     return subscription_view(sub)
+
+
+def purge_subscription(app: Any, name: str) -> dict[str, Any]:
+    """Drop a durable subscription's backlog: its cursors move to the end of every shard (and
+    an AMQP queue's ready messages go). Answers how many messages were skipped and the
+    subscription's view."""
+    sub = _durable_subscription(app, name)
+    before = sub.lag()
+    sub.seek("latest")
+    return {"purged": before, "subscription": subscription_view(sub)}
 
 
 def sessions_view(app: Any) -> list[dict[str, Any]]:
@@ -540,22 +554,28 @@ def openapi_document() -> dict[str, Any]:
             parameters=[_path_param("name", "subscription name")], responses={
                 "200": _json(_ref("Subscription")), "404": _NOT_FOUND}),
         "/api/subscriptions/{name}/cursor": {"post": {
-            "summary": "Move every cursor of a durable subscription (on this node): to the "
-                       "earliest or latest message, an offset on every shard, or a time",
+            "summary": "Move every cursor of a durable subscription: to the earliest or latest "
+                       "message, an offset on every shard, or a time. In a cluster the node that "
+                       "holds the subscription acts, and `node` names it",
             "parameters": [_path_param("name", "subscription name")],
             "requestBody": {"required": True, "content": {"application/json": {"schema": {
                 "oneOf": [_object(position={"enum": ["earliest", "latest"]}),
                           _object(offset={"type": "integer", "minimum": 0}),
                           _object(timestamp_ms={"type": "integer", "minimum": 0})]}}}},
             "responses": {"200": _json(_ref("Subscription")), "400": _json(_ref("Error"), "Bad body"),
-                          "404": _NOT_FOUND, "409": _json(_ref("Error"), "Live-only subscription")},
+                          "404": _NOT_FOUND, "409": _json(_ref("Error"), "Live-only subscription"),
+                          "503": _json(_ref("Error"), "Cluster: a node that may hold it did not answer")},
         }},
         "/api/subscriptions/{name}/purge": {"post": {
-            "summary": "Drop a durable subscription's backlog (on this node): its cursors move "
-                       "to the end of every shard",
+            "summary": "Drop a durable subscription's backlog: its cursors move to the end of "
+                       "every shard, and an AMQP queue's ready messages go (not its unacknowledged "
+                       "ones). In a cluster the node that holds the subscription acts, and `node` "
+                       "names it",
             "parameters": [_path_param("name", "subscription name")],
-            "responses": {"200": _json(_object(purged=_INT, subscription=_ref("Subscription"))),
-                          "404": _NOT_FOUND, "409": _json(_ref("Error"), "Live-only subscription")},
+            "responses": {"200": _json(_object(purged=_INT, subscription=_ref("Subscription"),
+                                               node={"type": "string"})),
+                          "404": _NOT_FOUND, "409": _json(_ref("Error"), "Live-only subscription"),
+                          "503": _json(_ref("Error"), "Cluster: a node that may hold it did not answer")},
         }},
         "/api/clients": _get("Connected clients of every protocol", array("Client")),
         "/api/clients/{protocol}/{client_id}": {"delete": {
@@ -637,6 +657,8 @@ async def _json_errors(
         return _error(409, str(exc))
     except BadRequest as exc:
         return _error(400, str(exc))
+    except Unavailable as exc:
+        return _error(503, str(exc))
     except web.HTTPException as exc:
         if not request.path.startswith("/api/") or exc.status < 400:
             raise
@@ -834,6 +856,35 @@ async def _subscription(request: web.Request) -> web.Response:
     return web.json_response(subscription_view(sub))
 
 
+async def _act(request: web.Request, action: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """Take `action` (`shardgate.cluster.views.ACTIONS`) on the subscription `arguments["name"]`
+    here, or in a cluster on the node that holds it; the answer names that node (`node`)."""
+    app = _app(request)
+    views = getattr(app, "cluster_views", None)
+    if views is None:
+        name = str(arguments["name"])
+        if action == "purge":
+            return purge_subscription(app, name)
+        return reset_cursor(app, name, arguments["kind"], arguments["value"])
+    from ..cluster.views import Refused, Unreached
+
+    try:
+        acted = await views.act(action, arguments)
+    except LookupError as exc:
+        raise NotFound(str(exc)) from None
+    except Refused as exc:
+        raise Conflict(str(exc)) from None
+    except Unreached as exc:
+        raise Unavailable(str(exc)) from None
+    first = acted[0]
+    answer = dict(first.value, node=first.node)
+    if len(acted) > 1:  # held on two nodes for a moment (a handover): each acted
+        answer["nodes"] = [done.node for done in acted]
+        if "purged" in answer:
+            answer["purged"] = sum(int(done.value.get("purged", 0)) for done in acted)
+    return answer
+
+
 async def _reset_cursor(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     try:
@@ -841,21 +892,24 @@ async def _reset_cursor(request: web.Request) -> web.Response:
     except ValueError:
         raise BadRequest("the body is not JSON") from None
     kind, value = cursor_position(body)
-    view = reset_cursor(_app(request), name, kind, value)
-    log.info("administrator moved the cursors of subscription %r to %s%s (from %s)", name, kind,
-             "" if value is None else f" {value}", request.remote)
+    view = await _act(request, "cursor", {"name": name, "kind": kind, "value": value})
+    log.info("administrator moved the cursors of subscription %r to %s%s%s (from %s)", name, kind,
+             "" if value is None else f" {value}", _on_node(view), request.remote)
     return web.json_response(view)
 
 
 async def _purge(request: web.Request) -> web.Response:
     """Drop a durable subscription's backlog: its cursors move to the end of every shard."""
     name = request.match_info["name"]
-    app = _app(request)
-    before = _durable_subscription(app, name).lag()
-    view = reset_cursor(app, name, "latest")
-    log.info("administrator purged subscription %r: %d messages skipped (from %s)", name, before,
-             request.remote)
-    return web.json_response({"purged": before, "subscription": view})
+    answer = await _act(request, "purge", {"name": name})
+    log.info("administrator purged subscription %r%s: %d messages skipped (from %s)", name,
+             _on_node(answer), answer["purged"], request.remote)
+    return web.json_response(answer)
+
+
+def _on_node(answer: dict[str, Any]) -> str:
+    node = answer.get("node")
+    return "" if node is None else f" on node {node}"
 
 
 async def _clients(request: web.Request) -> web.Response:

@@ -3,18 +3,30 @@ gives its peers when they build a cluster-wide listing (`shardgate.cluster.views
 
 Two shapes: `json`, the admin HTTP API's (`admin_http.streams_view` and the rest), and
 `proto`, the gRPC Admin messages as dicts (`google.protobuf.json_format`), which the asking
-node turns back into messages. Nothing here is on a message's path.
+node turns back into messages. `local_action` is this node's side of an administrator's
+action on a subscription it holds (purge, cursor moves), which the cluster forwards to the
+holder (`ClusterViews.act`). Nothing here is on a message's path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from google.protobuf.json_format import MessageToDict
+from google.protobuf.json_format import MessageToDict, ParseDict
 from google.protobuf.message import Message
+from grpc import StatusCode
 
-from .admin_http import clients_view, stream_view, streams_view, subscriptions_view
+from .admin_http import (
+    Conflict,
+    NotFound,
+    clients_view,
+    purge_subscription,
+    reset_cursor,
+    stream_view,
+    streams_view,
+    subscriptions_view,
+)
 
 
 def as_dict(message: Message) -> dict[str, Any]:
@@ -56,3 +68,69 @@ def local_view(app: Any) -> Callable[[str, str, dict[str, Any]], Any]:
         return [as_dict(client) for client in grpc.clients()]
 
     return view
+
+
+def local_action(app: Any) -> Callable[[str, dict[str, Any]], Any]:
+    """`(action, arguments) -> what was done` on a subscription `app`'s node holds (see
+    `cluster.views.LocalAction`): `purge` and `cursor` answer as the admin HTTP API, `reset`
+    (gRPC Admin ResetCursor, `position` a `StartPosition` as a dict) as gRPC Admin."""
+    from ..cluster.views import Refused
+
+    def act(action: str, arguments: dict[str, Any]) -> Any:
+        name = str(arguments.get("name", ""))
+        try:
+            if action == "purge":
+                return purge_subscription(app, name)
+            if action == "cursor":
+                value = arguments.get("value")
+                return reset_cursor(app, name, str(arguments.get("kind", "latest")),
+                                    None if value is None else int(value))
+            if action == "reset":
+                return _grpc_reset(app, name, arguments.get("position") or {})
+        except NotFound as exc:
+            raise LookupError(str(exc)) from None
+        except Conflict as exc:
+            raise Refused(str(exc)) from None
+        raise ValueError(f"no action {action!r}")
+
+    return act
+
+
+def _grpc_reset(app: Any, name: str, position: dict[str, Any]) -> dict[str, Any]:
+    from ..core.durable import DurableSubscription
+    from ..proto import shardgate_pb2 as pb
+    from ..protocols.grpc.convert import seek_to
+
+    grpc = getattr(app, "grpc", None)
+    if grpc is None:
+        raise LookupError("this node has no gRPC service")
+    sub = app.edge.subscriptions.get(name)
+    if sub is None:
+        raise NotFound(f"subscription {name!r} does not exist on this node")
+    if not sub.durable or not isinstance(sub, DurableSubscription):
+        raise Conflict(f"subscription {name!r} is live-only: it has no cursor to reset")
+    seek_to(sub, ParseDict(position, pb.StartPosition()))
+    return as_dict(grpc.subscription_info(sub))
+
+
+def grpc_reset_anywhere(views: Any) -> Callable[[str, Any], Awaitable[Any]]:
+    """gRPC Admin `ResetCursor` in a cluster (`protocols.grpc.admin_service.ResetAnywhere`):
+    on the node that holds the subscription (`ClusterViews.act`), which its answer names."""
+    from ..cluster.views import Refused, Unreached
+    from ..proto import shardgate_pb2 as pb
+    from ..protocols.grpc.convert import Refusal
+
+    async def reset(name: str, position: Any) -> Any:
+        try:
+            acted = await views.act("reset", {"name": name, "position": as_dict(position)})
+        except LookupError as exc:
+            raise Refusal(StatusCode.NOT_FOUND, str(exc)) from None
+        except Refused as exc:
+            raise Refusal(StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        except Unreached as exc:
+            raise Refusal(StatusCode.UNAVAILABLE, str(exc)) from None
+        info = ParseDict(acted[0].value, pb.SubscriptionInfo(), ignore_unknown_fields=True)
+        info.node = acted[0].node
+        return info
+
+    return reset

@@ -12,7 +12,13 @@ clients) on the cluster port (`LocalView`, a signed call as every call between n
 - subscriptions and clients: every node's rows, each with its `node`.
 
 A node that does not answer within `ANSWER_TIMEOUT_S` (or is registered but not live) is
-named in the listing's `unanswered` with the reason, never silently left out. Two shapes are
+named in the listing's `unanswered` with the reason, never silently left out.
+
+The same service carries an administrator's actions on a subscription (`LocalAction`: purge,
+move the cursors): a subscription lives on one node at a time (its holder: the MQTT session's
+node, an AMQP queue's home, a gRPC durable subscription's holder), so the asked node acts if it
+holds it and otherwise asks every live node, and the node that held it acts and is named in
+the answer (`act`). Two shapes are
 merged alike: the admin HTTP API's JSON (`shardgate.admin.admin_http`) and the gRPC Admin
 messages (as dicts, `google.protobuf.json_format`). This is an operator's call, not a hot
 path: one unary call per node per listing.
@@ -48,6 +54,32 @@ LocalView = Callable[[str, str, dict[str, Any]], Any]
 """(kind, shape, arguments) -> this node's listing, JSON-able; raises LookupError for a
 stream or subscription it does not have."""
 
+LOCAL_ACTION = "LocalAction"
+# the actions a node takes on a subscription it holds: `purge` (admin HTTP), `cursor` (admin
+# HTTP, a `cursor_position` body), `reset` (gRPC Admin ResetCursor, its position as a dict)
+ACTIONS = frozenset({"purge", "cursor", "reset"})
+
+LocalAction = Callable[[str, dict[str, Any]], Any]
+"""(action, arguments) -> what this node did, JSON-able; raises LookupError when it does not
+hold the subscription and `Refused` when it holds it but cannot act on it."""
+
+
+class Refused(Exception):
+    """The node holding the subscription refuses the action (a live-only subscription has no
+    cursor to move); the message says why."""
+
+
+class Unreached(Exception):
+    """No node that answered holds the subscription, and some nodes did not answer."""
+
+
+@dataclass(slots=True)
+class Acted:
+    """What the node that held the subscription did."""
+
+    node: str
+    value: Any
+
 
 @dataclass(slots=True)
 class Answers:
@@ -64,10 +96,12 @@ class ClusterViews:
     """Both ends of `LocalView`: `handler()` serves this node's listings to its peers;
     `gather()` asks every node (this one directly) and the merge functions combine them."""
 
-    def __init__(self, view: ClusterView, credentials: NodeCredentials, local: LocalView) -> None:
+    def __init__(self, view: ClusterView, credentials: NodeCredentials, local: LocalView,
+                 act: LocalAction | None = None) -> None:
         self.view = view
         self.credentials = credentials
         self.local = local
+        self.local_action = act
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     @property
@@ -94,8 +128,29 @@ class ClusterViews:
                 await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
             return json.dumps(value, separators=(",", ":"), default=str).encode()
 
+        async def local_action(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            try:
+                asked = json.loads(request)
+                action = str(asked["action"])
+                arguments = dict(asked.get("arguments") or {})
+            except (ValueError, KeyError, TypeError):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a LocalAction request is "
+                                    "JSON with action and arguments")
+                raise AssertionError("unreachable") from None
+            if action not in ACTIONS or self.local_action is None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no action {action!r}")
+            assert self.local_action is not None
+            try:
+                value = self.local_action(action, arguments)
+            except LookupError as exc:
+                await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            except Refused as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            return json.dumps(value, separators=(",", ":"), default=str).encode()
+
         return grpc.method_handlers_generic_handler(SERVICE, {
             LOCAL_VIEW: grpc.unary_unary_rpc_method_handler(local_view),
+            LOCAL_ACTION: grpc.unary_unary_rpc_method_handler(local_action),
         })
 
     # ------------------------------------------------------------ asking
@@ -122,11 +177,7 @@ class ClusterViews:
             if info is None:
                 answers.unanswered[node] = "not live (its lease expired)"
                 return
-            channel = self._channels.get(info.cluster_address)
-            if channel is None:
-                channel = cluster_channel(info.cluster_address, self.credentials, [])
-                self._channels[info.cluster_address] = channel
-            call = channel.unary_unary(f"/{SERVICE}/{LOCAL_VIEW}")
+            call = self._channel(info.cluster_address).unary_unary(f"/{SERVICE}/{LOCAL_VIEW}")
             try:
                 answers.by_node[node] = json.loads(await call(request, timeout=timeout))
             except grpc.aio.AioRpcError as exc:
@@ -141,6 +192,59 @@ class ClusterViews:
             log.warning("cluster-wide %s listing without node(s) %s", kind,
                         ", ".join(f"{node} ({reason})" for node, reason in answers.unanswered.items()))
         return answers
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = cluster_channel(address, self.credentials, [])
+            self._channels[address] = channel
+        return channel
+
+    async def act(self, action: str, arguments: Mapping[str, Any],
+                  timeout: float = ANSWER_TIMEOUT_S) -> list[Acted]:
+        """Take `action` on the node(s) holding the subscription `arguments["name"]`: here if
+        it is held here, else on every live node that holds it (one, but for a moment of
+        handover). Raises LookupError when no node holds it, `Refused` when its holder
+        refuses, and `Unreached` when none that answered holds it and some did not answer."""
+        if self.local_action is None:
+            raise Refused("this node takes no action on subscriptions")
+        args = dict(arguments)
+        try:
+            return [Acted(self.node_id, self.local_action(action, args))]
+        except LookupError:
+            pass
+        live = self.view.nodes()
+        request = json.dumps({"action": action, "arguments": args}).encode()
+        acted: list[Acted] = []
+        refused: list[str] = []
+        unanswered: dict[str, str] = {}
+
+        async def ask(node: str, address: str) -> None:
+            call = self._channel(address).unary_unary(f"/{SERVICE}/{LOCAL_ACTION}")
+            try:
+                acted.append(Acted(node, json.loads(await call(request, timeout=timeout))))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.NOT_FOUND:
+                    return
+                if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
+                    refused.append(str(exc.details()))
+                    return
+                unanswered[node] = f"{exc.code().name}: {exc.details()}"
+            except ValueError as exc:
+                unanswered[node] = f"an answer that is not JSON: {exc}"
+
+        await asyncio.gather(*(ask(node, info.cluster_address) for node, info in sorted(live.items())
+                               if node != self.node_id))
+        acted.sort(key=lambda done: done.node)
+        if acted:
+            return acted
+        name = args.get("name", "")
+        if refused:
+            raise Refused(refused[0])
+        if unanswered:
+            raise Unreached(f"no node that answered holds subscription {name!r}; not answered: "
+                            + ", ".join(f"{node} ({reason})" for node, reason in sorted(unanswered.items())))
+        raise LookupError(f"subscription {name!r} does not exist on any node")
 
     def owner(self, stream: str, shard: int) -> str:
         """The node leading the shard, as placed in etcd ("" while it is unassigned)."""
@@ -253,5 +357,5 @@ Listing = Callable[[str, str, Mapping[str, Any] | None], Awaitable[tuple[Any, li
 """What the admin surfaces are handed in cluster mode: `listing` bound to the node's views."""
 
 
-__all__ = ["ANSWER_TIMEOUT_S", "Answers", "ClusterViews", "Listing", "Owner", "listing",
-           "merge_rows", "merge_stream", "merge_streams"]
+__all__ = ["ANSWER_TIMEOUT_S", "Acted", "Answers", "ClusterViews", "Listing", "LocalAction", "Owner",
+           "Refused", "Unreached", "listing", "merge_rows", "merge_stream", "merge_streams"]

@@ -287,9 +287,11 @@ async function moveCursors(button, sub, action) {
   const path = `/api/subscriptions/${encodeURIComponent(sub.name)}/` + (action === "purge" ? "purge" : "cursor");
   try {
     const answer = await postJSON(path, action === "purge" ? {} : { position: "earliest" });
+    // in a cluster, the node that holds the subscription acted: named
+    const where = answer.node ? ` on node ${answer.node}` : "";
     status.textContent = action === "purge"
-      ? `Purged ${sub.name}: ${num(answer.purged)} messages skipped`
-      : `Replaying ${sub.name} from the earliest message: lag ${num(answer.lag)}`;
+      ? `Purged ${sub.name}${where}: ${num(answer.purged)} messages skipped`
+      : `Replaying ${sub.name}${where} from the earliest message: lag ${num(answer.lag)}`;
   } catch (error) {
     status.textContent = `Could not ${action} ${sub.name}: ${error.message}`;
   }
