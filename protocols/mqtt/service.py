@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import os
 import time
@@ -31,8 +30,10 @@ from ..output import OutputBatcher
 from ..read_budget import ReadBudget
 from . import packets as p
 from .connection import MQTT_V5, MqttConnection, State
+from .remote import NO_REMOTE_SESSIONS, RemoteSessions
 from .session import NEVER_EXPIRES, MqttSession, Outgoing
 from .settings import MqttSettings
+from .snapshot import SessionSnapshot, capture
 from .timing import ConnectTiming
 
 if TYPE_CHECKING:
@@ -108,11 +109,9 @@ class MqttService:
         # Cluster mode: who is told of sessions opening and ending here and of wills changing
         # (the session registry, wills kept in etcd), in the order they were added.
         self.session_events = SessionEvents()
-        # Cluster mode: asked at every CONNECT before the session opens; returns an awaitable
-        # when the client's session must first come from (or be ended on) another node (it is
-        # in `sessions`, offline, once that is done), None when nothing is elsewhere.
-        # (client id, clean start, the connecting user)
-        self.find_session_elsewhere: Callable[[str, bool, str | None], asyncio.Future[None] | None] | None = None
+        # Sessions held on other nodes (`remote.py`): a cluster's, given once at its join
+        # (`join_cluster`); on a single node, nothing is elsewhere.
+        self._remote: RemoteSessions = NO_REMOTE_SESSIONS
         # Cluster mode, while the node starts: done once it has joined its cluster (see
         # `hold_sessions_until`); until then every CONNECT waits before its session opens.
         self._joined: asyncio.Future[None] | None = None
@@ -474,14 +473,8 @@ class MqttService:
             # A session that lasted only as long as that connection (expiry 0, or clean
             # session on 3.1.1) has just ended with it: nothing is left to resume.
             existing = self.sessions.get(client_id)
-        pending_will = self._will_timers.pop(client_id, None)
-        if pending_will is not None:
-            pending_will[0].cancel()
-            if clean_start:
-                self._publish_will(client_id, pending_will[1])  # the old session ends now
-        timer = self._expiry_timers.pop(client_id, None)
-        if timer is not None:
-            timer.cancel()
+        # a clean start ends the old session now: its pending will goes
+        self.stop_timers(client_id, publish_will=clean_start)
         present = False
         if existing is not None and not clean_start:
             session = existing
@@ -527,16 +520,23 @@ class MqttService:
         (server unavailable)."""
         self._joined = joined
 
+    def join_cluster(self, remote: RemoteSessions) -> None:
+        """Cluster mode, once, as the node joins: where sessions held on other nodes are
+        reached from now on (`remote.py`)."""
+        if self._remote is not NO_REMOTE_SESSIONS:
+            raise RuntimeError("the MQTT service has joined a cluster already")
+        self._remote = remote
+
     def session_elsewhere(self, client_id: str, clean_start: bool,
                           username: str | None = None) -> asyncio.Future[None] | None:
-        """What a CONNECT waits for before its session opens (see `find_session_elsewhere`
-        and `hold_sessions_until`)."""
+        """What a CONNECT waits for before its session opens (`RemoteSessions.find` and
+        `hold_sessions_until`)."""
         joined = self._joined
         if joined is not None and not joined.done():
             return asyncio.ensure_future(self._after_joining(joined, client_id, clean_start, username))
-        if self.find_session_elsewhere is None or client_id in self.sessions:
+        if client_id in self.sessions:
             return None
-        return self.find_session_elsewhere(client_id, clean_start, username)
+        return self._remote.find(client_id, clean_start, username)
 
     async def _after_joining(self, joined: asyncio.Future[None], client_id: str, clean_start: bool,
                              username: str | None) -> None:
@@ -559,6 +559,35 @@ class MqttService:
         log.info("client %r taken over by a connection to %s", client_id, where)
         session.connection.close(p.ReasonCode.SESSION_TAKEN_OVER, f"session taken over on {where}")
         return True
+
+    def release_for_takeover(self, client_id: str, where: str, *,
+                             clean_start: bool) -> MqttSession | None:
+        """Cluster mode: another node took the client's session over. Its connection here
+        ends with DISCONNECT 0x8E and no longer owns the session (its will goes as at a
+        takeover), and the session's timers stop (a pending will is published when the new
+        session starts clean). Returns the session, still here for its state to be taken
+        (the caller then removes it); None when there is none."""
+        session = self.sessions.get(client_id)
+        if session is None:
+            return None
+        connection = session.connection
+        if connection is not None:
+            session.connection = None
+            connection.close(p.ReasonCode.SESSION_TAKEN_OVER, f"session taken over on {where}")
+        self.stop_timers(client_id, publish_will=clean_start)
+        return session
+
+    def stop_timers(self, client_id: str, *, publish_will: bool) -> None:
+        """Stop the session's expiry timer and its pending will's (publishing the will now
+        with `publish_will`)."""
+        pending_will = self._will_timers.pop(client_id, None)
+        if pending_will is not None:
+            pending_will[0].cancel()
+            if publish_will:
+                self._publish_will(client_id, pending_will[1])
+        timer = self._expiry_timers.pop(client_id, None)
+        if timer is not None:
+            timer.cancel()
 
     def connection_closed(self, connection: MqttConnection, *, normal: bool) -> None:
         self.connections.discard(connection)
@@ -669,28 +698,12 @@ class MqttService:
 
     def _write_session(self, session: MqttSession) -> None:
         assert self.store is not None
-        own = [
-            [f, o.qos, o.no_local, o.retain_as_published, o.retain_handling, o.subscription_id]
-            for f, o in session.subscription.filters.items()
-        ]
-        shared = [
-            [name, sub.type.value, list(sub.filters), o.qos, o.retain_as_published, o.subscription_id]
-            for name, (sub, o) in session.shared.items()
-        ]
-        inflight = [
-            [pid, o.message.stream, o.message.shard, o.message.offset, o.qos, o.released, o.retain,
-             list(o.subscription_ids)]
-            for pid, o in session.inflight.items()
-            if o.source is session.subscription and o.message.offset >= 0
-        ]
-        state: dict[str, object] = {"subscriptions": own, "shared": shared, "inflight": inflight}
-        if session.owned:
-            state["owner"] = session.owner
-        data = json.dumps(state).encode()
+        data = capture(session, local=True).encode()
         try:
             self.store.save_session(
                 session.client_id, session.expiry_interval, session.disconnected_at_ms, data
             )
+            self._remote.saved(session.client_id, offline=session.disconnected_at_ms is not None)
         except Exception:
             log.exception("could not save session %r", session.client_id)
 
@@ -701,6 +714,7 @@ class MqttService:
         self._quiet.discard(client_id)
         try:
             self.store.forget_session(client_id)
+            self._remote.forgotten(client_id)
         except Exception:
             log.exception("could not delete session %r", client_id)
 
@@ -751,39 +765,41 @@ class MqttService:
 
         store = self.store
         assert store is not None
-        data = json.loads(record.data)
-        if "owner" in data:
-            owner = data["owner"]
-            session.owner, session.owned = None if owner is None else str(owner), True
+        # any version written so far (`snapshot.py`: this store's records before it are read too)
+        data = SessionSnapshot.decode(record.data)
+        if data.owned:
+            session.owner, session.owned = data.owner, True
         session.expiry_interval = record.expiry_interval
         session.disconnected_at_ms = disconnected
-        for topic_filter, qos, no_local, rap, handling, sub_id in data.get("subscriptions", []):
-            options = SubscriptionOptions(qos, no_local, rap, handling, sub_id)
+        for own in data.subscriptions:
             try:
-                self.edge.add_filter(session.subscription, topic_filter, options)
+                self.edge.add_filter(session.subscription, own.topic_filter, own.options)
             except CoreError as exc:
                 set_aside(log, f"filter of persistent session {record.client_id!r}",
-                          topic_filter, exc)
+                          own.topic_filter, exc)
         self.edge.attach(session.subscription, session)
-        for name, sub_type, filters, qos, rap, sub_id in data.get("shared", []):
-            sub = self.edge.subscription(name, SubscriptionType(sub_type))
-            for topic_filter in filters:
+        for group in data.shared:
+            sub = self.edge.subscription(group.name, SubscriptionType(group.type))
+            for topic_filter in group.filters:
                 try:
                     self.edge.add_filter(sub, topic_filter)
                 except CoreError as exc:
                     set_aside(log, f"shared filter of persistent session {record.client_id!r}",
                               topic_filter, exc)
             self.edge.attach(sub, session)
-            session.shared[name] = (sub, SubscriptionOptions(qos, False, rap, 0, sub_id))
+            session.shared[group.name] = (sub, SubscriptionOptions(
+                group.qos, False, group.retain_as_published, 0, group.subscription_id))
         for cursor in store.load_cursors(session.subscription.name):
             if cursor.acked:
                 session.subscription.restore_cursor(cursor.stream, cursor.shard, cursor.acked)  # type: ignore[attr-defined]
         durable_sub = session.subscription
-        for pid, stream, shard, offset, qos, released, retain, ids in data.get("inflight", []):
-            message = durable_sub.read_message(stream, shard, offset)  # type: ignore[attr-defined]
+        for flight in data.inflight:
+            message = durable_sub.read_message(flight.stream, flight.shard, flight.offset)  # type: ignore[attr-defined]
             if message is None:
                 continue
-            session.inflight[pid] = Outgoing(message, qos, retain, tuple(ids), durable_sub, released)
+            session.inflight[flight.packet_id] = Outgoing(
+                message, flight.qos, flight.retain, tuple(flight.subscription_ids), durable_sub,
+                flight.released)
             durable_sub.adopt(message, session)  # type: ignore[attr-defined]
         session.inbound_qos2 = store.qos2_inbound(record.client_id)
         self.sessions[record.client_id] = session

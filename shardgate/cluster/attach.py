@@ -30,8 +30,9 @@ if TYPE_CHECKING:
     from .data_plane import DataPlane
     from .durables import DurableHandover
     from .floors import CursorFloors
-    from .sessions import CursorPlacer, StateWriter
+    from .session_cursors import CursorPlacer
     from .state_rpc import StateRpc
+    from .state_writer import StateWriter
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +136,9 @@ def assemble(app: Shardgate, node: ClusterNode) -> ClusterParts:
     from .data_plane import DataPlane
     from .durables import DurableHandover
     from .floors import CursorFloors
-    from .sessions import CursorPlacer, StateWriter
+    from .session_cursors import CursorPlacer
     from .state_rpc import StateRpc
+    from .state_writer import StateWriter
 
     settings = app.config.cluster
     broker = app.broker
@@ -288,8 +290,7 @@ async def join(app: Shardgate, node: ClusterNode, parts: ClusterParts) -> None:
         for client_id, session in mqtt.sessions.items():
             if session.connection is not None:
                 node.claim_session_soon(client_id, session.owner, session.owned)
-        handover.start_sweeping()
-        handover.start_checkpointing()
+        handover.start()  # sweeping expired snapshots, checkpointing moving sessions
         from .wills import WillKeeper
 
         wills = node.wills = WillKeeper(node, mqtt, writer, broker)

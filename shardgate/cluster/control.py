@@ -60,9 +60,10 @@ if TYPE_CHECKING:
     from .durables import DurableHandover
     from .floors import CursorFloors
     from .replicated_shards import ReplicatedShards
-    from .sessions import SessionHandover, StateWriter
+    from .sessions import SessionHandover
     from .shared_files import SharedFiles
     from .state_rpc import StateRpc
+    from .state_writer import StateWriter
     from .wills import WillKeeper
 
 log = logging.getLogger(__name__)
@@ -407,7 +408,7 @@ class ClusterNode:
         # wills kept in etcd and published for departed nodes (wills.WillKeeper)
         self.wills: WillKeeper | None = None
         # durable subscriptions shared through etcd (durables.DurableHandover) and the writer
-        # of the snapshots both keep there (sessions.StateWriter)
+        # of the snapshots both keep there (state_writer.StateWriter)
         self.durables: DurableHandover | None = None
         self.state_writer: StateWriter | None = None
         # this node's durable cursors' floors for other owners' retention (floors.CursorFloors)

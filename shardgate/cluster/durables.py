@@ -60,16 +60,11 @@ from ..proto import shardgate_pb2 as pb
 from ..protocols.grpc.convert import SUB_TYPES_OUT
 from . import keys
 from .etcd import EtcdError, KeyValue
-from .sessions import (
-    MAX_BATCH_PUTS,
-    RELEASE_CALL_TIMEOUT_S,
-    TAKEOVER_TIMEOUT_S,
-    CursorPlacer,
-    StateWriter,
-    cursor_state,
-)
+from .session_cursors import CursorPlacer, cursor_state, placed_from
+from .sessions import RELEASE_CALL_TIMEOUT_S, TAKEOVER_TIMEOUT_S
 from .set_aside import UNREADABLE, SetAside, decode_record
 from .state_rpc import StateCallError, StateRpc
+from .state_writer import MAX_BATCH_PUTS, StateWriter
 
 if TYPE_CHECKING:
     from ..core.broker import Broker
@@ -350,8 +345,8 @@ class DurableHandover:
         owner = factory(options) if factory is not None else None
         sub = broker.durable_subscription(state["name"], SubscriptionType(state["type"]), owner=owner)
         try:
-            self.placer.place(sub, state.get("cursors", []), state.get("messages", []),
-                              int(state.get("taken_ms", now_ms())))
+            cursors, messages = placed_from(state.get("cursors", []), state.get("messages", []))
+            self.placer.place(sub, cursors, messages, int(state.get("taken_ms", now_ms())))
             for topic_filter in state.get("filters", []):
                 broker.add_filter(sub, topic_filter)
         except BaseException:

@@ -64,7 +64,7 @@ def local_routes(subscriptions: Iterable[Subscription]) -> set[Route]:
             continue
         if sub.type is SubscriptionType.SHARED:
             # a consumer with `in_routes` False only takes what is still on its way here (a
-            # moved session's stand-in, `sessions.GroupStandIn`)
+            # moved session's stand-in, `session_release.GroupStandIn`)
             members = sum(getattr(consumer, "in_routes", True) for consumer in sub.consumers) or int(sub.durable)
             if members:
                 routes.update(

@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from ..core.broker import Broker
     from ..protocols.mqtt.service import MqttService
     from .control import ClusterNode
-    from .sessions import StateWriter
+    from .state_writer import StateWriter
 
 log = logging.getLogger(__name__)
 

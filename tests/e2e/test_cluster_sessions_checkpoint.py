@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from shardgate.protocols.mqtt import packets as p
+from shardgate.protocols.mqtt.snapshot import SessionSnapshot
 
 from tests.conftest import wait_for
 from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer
@@ -24,9 +25,9 @@ def acknowledged_in_etcd(etcd: EtcdServer, client_id: str, stream: str, shard: i
     state = etcd_get(etcd, SNAPSHOT + client_id) or {}
     if not state.get("online"):
         return False
-    for cursor_stream, cursor_shard, position, unacked in state.get("cursors", []):
-        if (cursor_stream, cursor_shard) == (stream, shard):
-            return position >= count and len(unacked) == unacked_left
+    for cursor in SessionSnapshot.decode(state).cursors:
+        if (cursor.stream, cursor.shard) == (stream, shard):
+            return cursor.position >= count and len(cursor.unacked) == unacked_left
     return False
 
 

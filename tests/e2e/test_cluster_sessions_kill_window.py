@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import pytest
 from shardgate.client import Client
+from shardgate.protocols.mqtt.snapshot import CursorState
 
 from tests.conftest import wait_for
 from tests.e2e.cluster_fixtures import (
@@ -38,9 +39,12 @@ def alone(node: ClusterNodeProcess) -> bool:
 
 def checkpointed_past(etcd: EtcdServer, key: str, stream: str, count: int) -> bool:
     """Whether etcd's checkpoint at `key` has read at least `count` messages of `stream`,
-    acknowledged or not (its cursors: stream, shard, position, unacknowledged)."""
+    acknowledged or not (its cursors: a session snapshot's, `SessionSnapshot`, or a durable
+    subscription's, [stream, shard, position, unacknowledged])."""
     state = etcd_get(etcd, f"/shardgate/test.state/{key}") or {}
-    return sum(cursor[2] for cursor in state.get("cursors", []) if cursor[0] == stream) >= count
+    version = int(state.get("version", 0))
+    cursors = [CursorState.decode(entry, version) for entry in state.get("cursors", [])]
+    return sum(cursor.position for cursor in cursors if cursor.stream == stream) >= count
 
 
 def assert_at_least_once(acknowledged: set[str], before_kill: list[str], after_resume: list[str]

@@ -13,7 +13,7 @@ from shardgate.core.message import Message
 
 from shardgate.cluster.amqp_queues import SharedQueues
 from shardgate.cluster.membership import ShardAssignment
-from shardgate.cluster.sessions import CursorPlacer
+from shardgate.cluster.session_cursors import CursorPlacer
 from shardgate.cluster.shard_reader import OwnerLog, serve_read
 from shardgate.cluster.state_rpc import StateRpc
 from tests.unit.test_cluster_dataplane import cluster, routes_seen, until  # noqa: F401 - fixture

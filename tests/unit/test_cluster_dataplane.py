@@ -774,7 +774,7 @@ async def test_a_restored_cursor_waits_for_its_placement_and_then_resumes_at_its
 
     from shardgate.core.durable import encode_cursor_state
 
-    from shardgate.cluster.sessions import CursorPlacer
+    from shardgate.cluster.session_cursors import CursorPlacer
     from shardgate.cluster.shard_reader import OwnerLog, serve_read
     from shardgate.cluster.state_rpc import StateRpc
 

@@ -16,7 +16,7 @@ from shardgate.protocols.mqtt.session import MqttSession, Queued
 from shardgate.cluster import keys
 from shardgate.cluster.control import EtcdClusterView
 from shardgate.cluster.etcd import KeyValue
-from shardgate.cluster.sessions import in_shard_order
+from shardgate.cluster.session_release import in_shard_order
 from shardgate.cluster.set_aside import SetAside, decode_record
 
 

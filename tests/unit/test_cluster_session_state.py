@@ -1,35 +1,36 @@
-"""When an MQTT session's snapshot in etcd counts as expired (`cluster.sessions.expired`), and
+"""When an MQTT session's snapshot in etcd counts as expired (`cluster.session_snapshots.expired`), and
 how `shardgate cluster status` shows the journal an owner keeps for other nodes' cursors."""
 
 from __future__ import annotations
 
 from shardgate.protocols.mqtt.session import NEVER_EXPIRES
+from shardgate.protocols.mqtt.snapshot import SessionSnapshot
 
 from shardgate.cluster.cli import render_status
-from shardgate.cluster.sessions import expired
+from shardgate.cluster.session_snapshots import expired
 
 NOW = 1_000_000
 
 
 def test_an_offline_snapshot_expires_its_expiry_after_the_disconnect() -> None:
-    state = {"expiry": 10, "disconnected_ms": NOW - 10_000, "online": False}
+    state = SessionSnapshot(expiry=10, disconnected_ms=NOW - 10_000, online=False)
     assert expired(state, NOW)
-    assert not expired({**state, "disconnected_ms": NOW - 9_999}, NOW)
+    assert not expired(SessionSnapshot(expiry=10, disconnected_ms=NOW - 9_999), NOW)
 
 
 def test_a_session_that_never_expires_never_does() -> None:
-    assert not expired({"expiry": NEVER_EXPIRES, "disconnected_ms": 0}, NOW)
+    assert not expired(SessionSnapshot(expiry=NEVER_EXPIRES, disconnected_ms=0), NOW)
 
 
 def test_an_online_snapshot_expires_only_after_its_node_is_gone_for_the_expiry() -> None:
-    state = {"expiry": 10, "disconnected_ms": NOW - 3_600_000, "online": True}
+    state = SessionSnapshot(expiry=10, disconnected_ms=NOW - 3_600_000, online=True)
     assert not expired(state, NOW)  # its node is alive: that node's timer decides
     assert not expired(state, NOW, holder_gone_ms=NOW - 9_000)
     assert expired(state, NOW, holder_gone_ms=NOW - 10_000)
 
 
 def test_an_offline_snapshot_of_a_dead_node_keeps_its_own_disconnect_time() -> None:
-    state = {"expiry": 10, "disconnected_ms": NOW - 10_000, "online": False}
+    state = SessionSnapshot(expiry=10, disconnected_ms=NOW - 10_000, online=False)
     assert expired(state, NOW, holder_gone_ms=NOW - 1_000)
 
 
@@ -46,7 +47,7 @@ def test_status_shows_the_journal_kept_for_cursors_on_other_nodes() -> None:
 
 
 def test_moved_sessions_are_checkpointed_soon_a_batch_at_a_time_and_all_within_the_bound() -> None:
-    from shardgate.cluster.sessions import (
+    from shardgate.cluster.session_snapshots import (
         CHECKPOINT_S,
         MAX_BATCH_PUTS,
         SOON_CHECKPOINT_S,

@@ -1,0 +1,50 @@
+"""`RemoteSessions`: the port through which the MQTT service reaches sessions held on other
+nodes of a cluster, and `NO_REMOTE_SESSIONS`, the single node's (nothing is elsewhere).
+
+The service is given one at start (`MqttService.join_cluster`, once) and calls it at the
+points where a session's life concerns the other nodes: a CONNECT whose session may be
+elsewhere (`find`), a persistent session saved (`saved`) or forgotten (`forgotten`) here.
+What the cluster does to a session held here (ending its connection for a takeover, taking
+its snapshot, making one from a snapshot) goes through the service's own methods
+(`MqttService.release_for_takeover`, `snapshot.capture`, `snapshot.rebuild`). This module
+knows no cluster: it only names what the service asks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+
+class RemoteSessions(Protocol):
+    def find(self, client_id: str, clean_start: bool,
+             username: str | None) -> asyncio.Future[None] | None:
+        """Asked at every CONNECT for a session not held here, before it opens: an awaitable
+        when the client's session must first come from (or be ended on) another node (it is
+        in `MqttService.sessions`, offline, once that is done), None when nothing is
+        elsewhere. It may fail with `SessionOfAnotherUser` (the CONNECT is refused as on the
+        holder) or another error (refused with "server unavailable")."""
+
+    def saved(self, client_id: str, *, offline: bool) -> None:
+        """A persistent session was written to this node's store: as it went offline
+        (`offline`), or while connected (its subscriptions may have changed)."""
+
+    def forgotten(self, client_id: str) -> None:
+        """A persistent session was removed from this node's store (it ended or moved)."""
+
+
+class _NoRemoteSessions:
+    """A single node: every session is here."""
+
+    def find(self, client_id: str, clean_start: bool,
+             username: str | None) -> asyncio.Future[None] | None:
+        return None
+
+    def saved(self, client_id: str, *, offline: bool) -> None:
+        pass
+
+    def forgotten(self, client_id: str) -> None:
+        pass
+
+
+NO_REMOTE_SESSIONS: RemoteSessions = _NoRemoteSessions()
