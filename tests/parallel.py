@@ -19,6 +19,11 @@ Units start longest first, by the seconds recorded in tests/durations.json (setu
 teardown per test; a test not in it counts DEFAULT_SECONDS). `--record-durations` writes that
 file from a run (a full run: it replaces the file).
 
+Workers share the cores, so a test takes longer in a parallel run than alone: a test with no
+time limit of its own gets SLOWDOWN times its recorded seconds when that is more than the
+suite's limit (pyproject's `timeout`), so that a long property test or cluster test is not
+cut off by the run's load alone (a limit a test sets itself is left as it is).
+
 `-n auto` starts WORKERS_PER_CORE workers per core the process may use: the tests mostly wait.
 This module must not change what a test asserts, only where and when it runs.
 """
@@ -39,15 +44,24 @@ WORKERS_PER_CORE = 2
 # marked `processes`
 PROCESS_FIXTURES = frozenset({"etcd", "cluster", "broker_process"})
 PROCESS_GROUPS = 2
+# in a parallel run, a test's time limit is at least this many times its recorded seconds
+SLOWDOWN = 3.0
 # modules that start server processes without those fixtures, or on the README's fixed ports
 README_MODULES = frozenset({"tests/e2e/test_readme.py", "tests/e2e/test_readme_cluster.py"})
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
+def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
     parser.addoption(
         "--record-durations", action="store_true", default=False,
         help="write the seconds of each test (setup, call, teardown) to tests/durations.json; "
              "the scheduling of parallel runs reads it (longest first)")
+    if not pluginmanager.has_plugin("xdist"):
+        # `-p no:xdist` (or no pytest-xdist): pyproject's addopts still name xdist's options,
+        # which mean nothing then; accepted here so that the run starts
+        group = parser.getgroup("xdist-absent", "pytest-xdist's options, without pytest-xdist")
+        group.addoption("--dist", dest="dist", default="no", help="(ignored)")
+        group.addoption("--no-loadscope-reorder", dest="loadscopereorder", action="store_false",
+                        default=True, help="(ignored)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -128,9 +142,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         first.setdefault(unit, index)
         if id(item) in groups and hasattr(config, "workerinput"):
             item.add_marker(pytest.mark.xdist_group(unit))
+    if hasattr(config, "workerinput"):
+        widen_time_limits(config, items, cost)
     if hasattr(config, "workerinput"):  # the order xdist hands out units: longest first, a
         # unit's tests together and in their order
         items.sort(key=lambda item: (-weights[u := groups.get(id(item), item.nodeid)], first[u]))
+
+
+def widen_time_limits(config: pytest.Config, items: list[pytest.Item],
+                      cost: Any) -> None:
+    """Give a test without a timeout mark SLOWDOWN times its recorded seconds, where that is
+    more than the suite's limit (see the module's docstring)."""
+    try:  # `--timeout`, else pyproject's
+        limit = float(config.getoption("timeout", None) or config.getini("timeout") or 0)
+    except (ValueError, TypeError):
+        return
+    if limit <= 0:
+        return
+    for item in items:
+        wanted = SLOWDOWN * cost(item)
+        if wanted > limit and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(int(wanted) + 1))
 
 
 class DurationRecorder:
