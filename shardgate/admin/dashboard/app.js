@@ -337,7 +337,9 @@ function renderSubscriptions(subscriptions) {
     el("td", {}, el("code", { text: sub.name })),
     cell(sub.type), cell(sub.protocol), cell(sub.durable ? "yes" : "no"),
     el("td", {}, el("code", { text: sub.filters.join(" ") })),
-    cell(sub.consumers.map((c) => c.id + (c.active ? "" : " (standby)")).join(", ") || "none"),
+    // a subscription spread over several nodes (an MQTT share group): each consumer's node
+    cell(sub.consumers.map((c) => c.id + ((sub.nodes || []).length > 1 && c.node ? ` on ${c.node}` : "")
+      + (c.active ? "" : " (standby)")).join(", ") || "none"),
     cell(num(sub.lag), "num" + (sub.lag > 0 ? " lagging" : "")),
     cell(num(sub.inflight), "num"), cell(num(sub.queued), "num"), cell(sub.node || "", "node"),
     subscriptionActions(sub)));
