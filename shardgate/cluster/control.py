@@ -1025,16 +1025,26 @@ class ClusterNode:
                 log.info("cluster: node %s handed its shards over", self.node_id)
                 return
             await asyncio.sleep(0.05)
-        log.warning("cluster: shards not handed over within %.1f s", self.settings.leave_timeout_s)
+        log.warning("cluster: shards not handed over within %.1f s (still leading: %s); they "
+                    "stay this node's until it is back", self.settings.leave_timeout_s,
+                    ", ".join(f"{stream}/{shard}" for stream, shard in self._movable_owned()))
 
     def _movable_owned(self) -> list[tuple[str, int]]:
+        """The shards this node leads that the controller moves off it while it leaves:
+        non-reliable ones, the empty reliable ones it released, replicated ones (leadership
+        goes to an in-sync replica) and, where another live node runs the replication data
+        path, the reliable ones holding messages too: the controller copies each to that node
+        (`replica_placement._drain`) and moves it only once the copy is in sync, so a graceful
+        leave moves its data rather than leaving the shard unavailable until it is back."""
+        copied = self.replication and any(
+            registration.replication and not registration.leaving and node not in self.view.draining
+            for node, registration in self.view.registrations.items() if node != self.node_id)
         owned = []
         for spec in self.view.shard_specs():
             assignment = self.view.leader(spec.stream, spec.shard)
             if assignment is None or assignment.leader != self.node_id:
                 continue
-            # a replicated shard's leadership moves to an in-sync replica
-            if (not spec.reliable or (spec.stream, spec.shard) in self.view.released
+            if (not spec.reliable or copied or (spec.stream, spec.shard) in self.view.released
                     or len(assignment.isr) > 1):
                 owned.append((spec.stream, spec.shard))
         return owned

@@ -7,6 +7,14 @@ the pushes, a bounded window) or from its owner's journal (`shard_reader.OwnerLo
 node, the cursors following its shards read its journal again from their positions; when a
 reliable shard's ownership moves, its cursors switch between the shard's own log and the
 received one.
+
+When a reliable shard's leader changes (a graceful leave or a drain moved it by copying, a
+failover), the cursors here that followed the old leader's pushes read the shard again from
+their positions in the new leader's log (their own, where this node leads it now; else the
+new leader's journal through `OwnerLog`), then the pushes: the old leader may have stored and
+acknowledged a message whose push had not arrived here when the new leader's first messages
+did, and a cursor taking those live would pass over it for good (a late push below a cursor's
+position counts as delivered). Replay and pushes meet by offset, so nothing comes twice.
 """
 
 from __future__ import annotations
@@ -30,6 +38,9 @@ class CursorSources:
         self.plane = plane
         # Shards other nodes own that a durable subscription here follows.
         self.received: dict[tuple[str, int], ReceivedLog] = {}
+        # The leader each shard a durable cursor here follows had at the last look (see
+        # `repoint_cursors`).
+        self._leaders: dict[tuple[str, int], str] = {}
 
     def received_log(self, stream: str, shard: int) -> ReceivedLog:
         key = (stream, shard)
@@ -78,24 +89,41 @@ class CursorSources:
         from ..core.durable import DurableSubscription
 
         broker, view = self.plane.broker, self.plane.view
+        me = self.plane.node_id
+        leaders: dict[tuple[str, int], str] = {}
         for sub in broker.subscriptions.values():
             if not isinstance(sub, DurableSubscription):
                 continue
+            moved = False
             for (stream, shard), cursor in sub.cursors.items():
                 if cursor.log is None:
                     continue
                 assignment = view.leader(stream, shard)
                 if assignment is None:
                     continue
+                leader = leaders[(stream, shard)] = assignment.leader
+                before = self._leaders.get((stream, shard), leader)
                 # (an OwnerLog of cluster.shard_reader also reads a shard another node owns)
                 received = isinstance(cursor.log, ReceivedLog) or getattr(cursor.log, "remote_shard", False)
-                if assignment.leader != self.plane.node_id and not received:
+                if leader != me and not received:
                     cursor.repoint(self.received_log(stream, shard))
-                elif assignment.leader == self.plane.node_id and received:
+                elif leader == me and received:
                     local = broker.streams.get(stream)
                     own = local.shards[shard].log if local is not None and shard < len(local.shards) else None
                     if own:
-                        cursor.repoint(own)
+                        # from the position on, this node's log holds what the old leader
+                        # stored (a copy, or what it fetched as a follower)
+                        cursor.repoint(own, replay=True)
+                        moved = True
+                elif leader != me and before not in (leader, me) and cursor.placed:
+                    reader = self.plane.owner_reader
+                    if reader is not None:
+                        cursor.repoint(reader(stream, shard, cursor.position, _filters_of(sub), None),
+                                       replay=True)
+                        moved = True
+            if moved:
+                sub.schedule_pump()
+        self._leaders.update(leaders)
 
 
 def _filters_of(sub: Subscription) -> Callable[[], Sequence[str]]:

@@ -22,6 +22,9 @@ Per shard, in order:
   and stayed away `re_replicate_after_s`, or when it was placed while fewer nodes were live)
   gets a replica on another node in place of a dead one; the new replica is not in sync until
   the leader says it caught up.
+- shrink: a shard with more replicas than its setting wants while none drains (a leaving
+  node's drain cut short: the node stopped before the copy was in sync, then came back) drops
+  the surplus, its leader kept (dead replicas first, then those out of sync).
 Nothing here changes a shard whose record is as it should be: the same object is returned, so
 the controller writes only what changed.
 """
@@ -109,6 +112,7 @@ class ReplicaPlacer:
                 record = apply_proposal(record, proposal, nodes.alive) or record
             record = _drain(record, spec.replicas, nodes, holding)
             record = self._re_replicate(key, record, spec.replicas, nodes, holding, now)
+            record = _shrink(record, spec.replicas, nodes)
             result[key] = _placement(record, placed)
         for key in list(self.under_replicated_since):
             if key not in wanted_keys:
@@ -239,6 +243,24 @@ def _drain(record: ReplicaSet, wanted: int, nodes: Nodes, holding: dict[str, int
     remaining = tuple(replica for replica in replicas if replica not in nodes.draining)
     isr = frozenset(replica for replica in record.isr if replica in remaining)
     return ReplicaSet(leader, remaining, isr, epoch, record.isr_version + 1)
+
+
+def _shrink(record: ReplicaSet, wanted: int, nodes: Nodes) -> ReplicaSet:
+    """A shard holding more replicas than its stream wants while none of them drains (a
+    leaving node's drain cut short: it stopped before the copy was in sync, then came back)
+    goes back to `wanted`, its leader kept: dead replicas go first, then those out of sync,
+    then the last in order."""
+    surplus = len(record.replicas) - wanted
+    if (surplus <= 0 or record.leader is None or record.leader not in nodes.alive
+            or any(replica in nodes.draining for replica in record.replicas)):
+        return record
+    others = [replica for replica in record.replicas if replica != record.leader]
+    others.sort(key=lambda replica: (replica in nodes.alive, replica in record.isr,
+                                     -record.replicas.index(replica)))
+    dropped = set(others[:surplus])
+    remaining = tuple(replica for replica in record.replicas if replica not in dropped)
+    isr = frozenset(replica for replica in record.isr if replica in remaining)
+    return ReplicaSet(record.leader, remaining, isr, record.epoch, record.isr_version + 1)
 
 
 def placed_nodes(placement: Mapping[ShardKey, ShardPlacement], node: str) -> list[ShardKey]:

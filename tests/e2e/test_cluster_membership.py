@@ -5,6 +5,7 @@ for it, and bad starts (same node id, no etcd) fail clearly."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -20,7 +21,14 @@ import pytest
 from shardgate.client import SyncClient
 
 from tests.conftest import free_port, wait_for
-from tests.e2e.cluster_fixtures import CLUSTER_SECRET, ETCD, ClusterNodeProcess, EtcdServer, settled
+from tests.e2e.cluster_fixtures import (
+    CLUSTER_SECRET,
+    ETCD,
+    ClusterNodeProcess,
+    EtcdServer,
+    read_back,
+    settled,
+)
 
 STREAMS = """
 [[streams]]
@@ -343,7 +351,7 @@ def test_when_the_controller_dies_another_node_takes_over_within_the_ttl(cluster
     assert set(owners(status, "fast")) <= {node.node_id for node in survivors}
 
 
-def test_sigterm_hands_over_empty_reliable_shards_and_keeps_the_ones_with_messages(
+def test_sigterm_hands_over_empty_reliable_shards_and_moves_the_ones_with_messages_by_copying(
     cluster: Cluster,
 ) -> None:
     n1, n2 = cluster(2, extra_config=STREAMS)
@@ -353,9 +361,16 @@ def test_sigterm_hands_over_empty_reliable_shards_and_keeps_the_ones_with_messag
     with SyncClient(n1.grpc_url) as client:
         kept = client.producer().send("safe/a", b"acknowledged").shard
     assert n1.terminate() == 0
+    # n1's leave waited (within leave_timeout_s) for both reliable shards to move: the empty
+    # one handed over, the one holding the acknowledged message copied to n2 first and moved
+    # once the copy was in sync; so nothing is unavailable while n1 is away, and the message
+    # is there to read on n2
+    assert "n1 handed its shards over" in n1.log_path.read_text()
     status = n2.status()
-    # the shard holding a message stays with n1 (unavailable until it returns, never moved to
-    # an empty log); the empty one was handed over before n1 exited
-    assert owners(status, "safe")[kept] == "n1"
-    assert owners(status, "safe")[1 - kept] == "n2"
-    assert status["unavailable_shards"] == [f"safe/{kept}"]
+    assert owners(status, "safe") == ["n2", "n2"]
+    assert status["unavailable_shards"] == []
+    got = asyncio.run(read_back(n2.grpc_url, ["safe/#"], {"acknowledged"}, timeout=30))
+    assert got == {"acknowledged": 1}
+    # publishes to that shard go on there (n1's journal is no longer its log)
+    with SyncClient(n2.grpc_url) as client:
+        assert client.producer().send("safe/a", b"after the leave").shard == kept

@@ -159,3 +159,24 @@ def test_status_shows_each_replicated_shard_with_its_leaders_figures_and_renders
                           "under_replicated_shards": ["s/0"], "draining": {"c": ["s/0"]}})
     assert "s/0    a       3      a,b,c     a,b      40              b:2,c:30" in text
     assert "under-replicated: s/0" in text and "draining c: still holds s/0" in text
+
+
+def test_a_drain_cut_short_by_the_leaving_nodes_return_goes_back_to_the_replicas_wanted() -> None:
+    one = [ReplicatedSpec("s", 0, 1)]
+    # a left with a reliable shard of a one-replica stream: the drain gave it a replica on b
+    current = {KEY: ShardPlacement("a", ("a",), ("a",), 3)}
+    placer = ReplicaPlacer()
+    copying = placer.place(one, current, nodes(draining=frozenset({"a"})), now=0.0)[KEY]
+    assert copying.replicas == ("a", "b") and copying.isr == ("a",) and copying.leader == "a"
+    # a stopped before b was in sync and came back (no longer leaving): b's copy is dropped
+    # rather than kept as a second replica nobody asked for
+    back = placer.place(one, {KEY: copying}, nodes(), now=1.0)[KEY]
+    assert back.replicas == ("a",) and back.isr == ("a",) and back.leader == "a"
+    assert back.leader_epoch == copying.leader_epoch + 1
+    # while it still drains, the copy stays
+    assert placer.place(one, {KEY: copying}, nodes(draining=frozenset({"a"})), now=2.0)[KEY] is copying
+    # a three-replica shard with a fourth (out of sync, or dead) drops that one
+    four = frozenset({"a", "b", "c", "d"})
+    extra = {KEY: ShardPlacement("b", ("a", "b", "c", "d"), ("a", "b", "c"), 5, 2)}
+    shrunk = placer.place(SPEC, extra, nodes(four), now=3.0)[KEY]
+    assert shrunk.replicas == ("a", "b", "c") and shrunk.isr == ("a", "b", "c") and shrunk.leader == "b"
