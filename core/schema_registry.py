@@ -17,7 +17,9 @@ enums; keywords outside those (patterns, bounds, `oneOf`) are not compared.
 
 The registry keeps no files: `on_change` hands each stream's versions to the caller to persist
 (the broker keeps them as internal state), and `load` gives them back at start. No protocol,
-no I/O.
+no I/O. Where registrations must be ordered across processes (a cluster), the caller sets a
+`registrar`: `register_ordered` goes through it, and it checks each new version with
+`prepare` against the latest version it holds (see `shardgate.cluster.schemas`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import io
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -54,6 +56,11 @@ class SchemaInvalid(InvalidStreamConfig):
 
 class SchemaIncompatible(CoreError):
     """A new version breaks the stream's compatibility mode."""
+
+
+class SchemaRegistryUnavailable(CoreError):
+    """The registry that orders registrations (a cluster's, in etcd) cannot take one now:
+    the caller may retry."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -333,6 +340,11 @@ class RejectionLog:
         return True
 
 
+Registrar = Callable[[str, "SchemaType | str", "str | dict[str, Any]", "Compatibility | str | None"],
+                     Awaitable["SchemaVersion"]]
+"""Registers a version elsewhere first (a cluster's etcd), then in this registry."""
+
+
 class SchemaRegistry:
     """Schema versions per stream (see the module docstring)."""
 
@@ -347,6 +359,8 @@ class SchemaRegistry:
         self.rejected: dict[str, int] = {}
         """Payloads refused, per stream."""
         self.rejections = RejectionLog()
+        self.registrar: Registrar | None = None
+        """Where `register_ordered` registers (None: here, with `register`)."""
 
     def load(self, stream: str, versions: list[SchemaVersion]) -> None:
         """Restore a stream's versions (at start); the latest becomes its check."""
@@ -387,11 +401,13 @@ class SchemaRegistry:
         versions = self._versions.get(stream)
         return versions[-1] if versions else None
 
-    def register(self, stream: str, kind: SchemaType | str, definition: str | dict[str, Any],
-                 compatibility: Compatibility | str | None = None) -> SchemaVersion:
-        """Add a version; the same schema as the latest is not a new version (the latest is
-        returned). `compatibility` None keeps the stream's mode (backward for a first
-        version). Raises SchemaInvalid or SchemaIncompatible."""
+    def prepare(self, stream: str, kind: SchemaType | str, definition: str | dict[str, Any],
+                compatibility: Compatibility | str | None = None,
+                versions: list[SchemaVersion] | None = None) -> SchemaVersion:
+        """The version a registration would add after `versions` (default: this registry's),
+        without adding it: the latest itself when the schema and mode are the latest's.
+        `compatibility` None keeps the stream's mode (backward for a first version). Raises
+        SchemaInvalid or SchemaIncompatible."""
         try:
             kind = SchemaType(kind)
         except ValueError:
@@ -403,9 +419,10 @@ class SchemaRegistry:
                 f"unknown compatibility {compatibility!r} (backward, forward, full, none)"
             ) from None
         schema = canonical(definition)
-        check = compile_check(stream, kind, schema)
+        compile_check(stream, kind, schema)
         text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
-        latest = self.latest(stream)
+        held = self._versions.get(stream, []) if versions is None else versions
+        latest = held[-1] if held else None
         if mode is None:
             mode = latest.compatibility if latest is not None else Compatibility.BACKWARD
         if latest is not None:
@@ -418,12 +435,29 @@ class SchemaRegistry:
                     raise SchemaIncompatible(
                         f"stream {stream!r}: the schema breaks {mode.value} compatibility with "
                         f"version {latest.version}: " + "; ".join(problems))
-        version = SchemaVersion(stream, (latest.version + 1) if latest else 1, kind, text, mode,
-                                self._clock_ms())
+        return SchemaVersion(stream, (latest.version + 1) if latest else 1, kind, text, mode,
+                             self._clock_ms())
+
+    def register(self, stream: str, kind: SchemaType | str, definition: str | dict[str, Any],
+                 compatibility: Compatibility | str | None = None) -> SchemaVersion:
+        """Add a version (`prepare`); the same schema as the latest is not a new version (the
+        latest is returned). Raises SchemaInvalid or SchemaIncompatible."""
+        version = self.prepare(stream, kind, definition, compatibility)
+        if version is self.latest(stream):
+            return version
         self._versions.setdefault(stream, []).append(version)
-        self.checks[stream] = check
+        self.checks[stream] = compile_check(stream, version.type, version.parsed)
         self._changed(stream)
         return version
+
+    async def register_ordered(self, stream: str, kind: SchemaType | str,
+                               definition: str | dict[str, Any],
+                               compatibility: Compatibility | str | None = None) -> SchemaVersion:
+        """`register`, through the `registrar` when one is set (a cluster's, which orders
+        registrations made on several nodes at once); raises SchemaRegistryUnavailable too."""
+        if self.registrar is None:
+            return self.register(stream, kind, definition, compatibility)
+        return await self.registrar(stream, kind, definition, compatibility)
 
     def delete(self, stream: str) -> None:
         """Forget a stream's schemas (the stream was deleted)."""

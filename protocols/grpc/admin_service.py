@@ -87,9 +87,9 @@ class AdminService(pb_grpc.AdminServicer):
             rejected=self.edge.schemas.rejected.get(version.stream, 0))
 
     @_unary
-    def RegisterSchema(self, request: pb.RegisterSchemaRequest) -> pb.SchemaInfo:
+    async def RegisterSchema(self, request: pb.RegisterSchemaRequest) -> pb.SchemaInfo:
         self.edge.stream(request.stream)  # NOT_FOUND for an unknown stream
-        version = self.edge.schemas.register(
+        version = await self.edge.schemas.register_ordered(
             request.stream, request.type or "json", request.definition,
             request.compatibility or None)
         return self._schema_info(version)

@@ -25,6 +25,7 @@ from ...core.errors import (
     StreamNotFound,
     SubscriptionBusy,
 )
+from ...core.schema_registry import SchemaRegistryUnavailable
 from ...core.streams import DispatchMode, Schema
 from ...core.subscriptions import Subscription, SubscriptionType
 from ...core.topics import TopicError
@@ -76,7 +77,7 @@ def status_for(exc: CoreError) -> grpc.StatusCode:
         return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, StoreFull):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, PublishRejected):
+    if isinstance(exc, PublishRejected | SchemaRegistryUnavailable):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.FAILED_PRECONDITION
 

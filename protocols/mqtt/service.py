@@ -33,7 +33,8 @@ from .connection import MQTT_V5, MqttConnection, State
 from .remote import NO_REMOTE_SESSIONS, RemoteSessions
 from .session import NEVER_EXPIRES, MqttSession, Outgoing
 from .settings import MqttSettings
-from .snapshot import SessionSnapshot, capture
+from .snapshot import SessionSnapshot
+from .snapshotting import capture
 from .timing import ConnectTiming
 
 if TYPE_CHECKING:
@@ -598,7 +599,7 @@ class MqttService:
         connection.will = None
         if session.connection is not connection:
             # Taken over: the new connection owns the session now.
-            if will is not None and self._will_delay(connection, will) == 0:
+            if will is not None and self.will_delay(connection, will) == 0:
                 self._publish_will(connection.client_id, will)
             for will_changed in self.session_events.will_changed:
                 will_changed(connection.client_id)
@@ -609,7 +610,7 @@ class MqttService:
             self.relieved(session)  # offline, its queue limit applies as it always did
         expiry = session.expiry_interval
         if will is not None:
-            delay = self._will_delay(connection, will)
+            delay = self.will_delay(connection, will)
             if delay == 0 or expiry == 0:
                 self._publish_will(session.client_id, will)
             else:
@@ -627,8 +628,14 @@ class MqttService:
                 expiry, self._expire_session, session.client_id
             )
 
+    def pending_will(self, client_id: str) -> p.Will | None:
+        """The will of `client_id`'s offline session whose delay is running here, if any."""
+        pending = self._will_timers.get(client_id)
+        return None if pending is None else pending[1]
+
     @staticmethod
-    def _will_delay(connection: MqttConnection, will: p.Will) -> int:
+    def will_delay(connection: MqttConnection, will: p.Will) -> int:
+        """How long `connection`'s will waits after it ends (MQTT 5's will delay interval)."""
         if connection.version != MQTT_V5:
             return 0
         return will.properties.will_delay_interval or 0

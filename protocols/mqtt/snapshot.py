@@ -6,32 +6,38 @@ QoS 2 state have their own columns and tables there) and, in a cluster, etcd and
 `ReleaseSession` answer (everything another node needs to resume it: also its cursors, the
 unacknowledged messages themselves, what it had queued, its QoS 2 receive state). Both are a
 `SessionSnapshot`, taken by `capture`, turned into bytes by `encode` and back by `decode`,
-and made into a session again by `rebuild` (the cluster) or `MqttService.restore_sessions`.
+and made into a session again by `rebuild` (the cluster) or `MqttService.restore_sessions`
+(`capture` and `rebuild` are in `snapshotting.py`).
 
-The encoding is JSON, version `SNAPSHOT_VERSION` (2): every entry names its fields. `decode`
-also reads what earlier versions wrote, so a restart with old data and a rolling upgrade
-work: version 1 (the cluster's snapshots, entries as positional arrays) and the metadata
-store's unversioned records (the same positional arrays, fewer keys). A record of a later
-version, or one that is not what was written, raises one of `UNREADABLE`: the caller sets
-it aside. Sans-IO: nothing here reads or writes a store.
+The encoding is JSON, version `SNAPSHOT_VERSION` (2): every entry names its fields, a
+message's or cursor's stream, shard and offset together as its `place`, a filter's options
+together as `options`. `decode` also reads what earlier versions wrote, so a restart with old
+data and a rolling upgrade work: version 1 (the cluster's snapshots, entries as positional
+arrays) and the metadata store's unversioned records (the same positional arrays, fewer
+keys). A record of a later version, or one that is not what was written, raises one of
+`UNREADABLE`: the caller sets it aside.
+
+Nodes of earlier versions read version 1 only. No entry of version 2 has as many fields as
+its positional form had, so such a node, handed a version 2 snapshot during a rolling
+upgrade, fails to unpack it and sets it aside (its client gets a new session there, as for
+any snapshot it cannot restore) rather than misreading it; the session's state is lost only
+if its client resumes on a node not yet upgraded. Sans-IO: nothing here reads or writes a
+store.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ...core.durable import DurableSubscription
-from ...core.message import Message, now_ms
+from ...core.message import Message
 from ...core.records import RecordFormatError, decode_to_message, encode_message
-from ...core.subscriptions import Subscription, SubscriptionType
-from .session import MqttSession, Outgoing, Queued, SubscriptionOptions
+from .session import SubscriptionOptions
 
 if TYPE_CHECKING:
-    from .service import MqttService
+    pass
 
 SNAPSHOT_VERSION = 2
 # What decoding or rebuilding a snapshot raises when it is not what was written.
@@ -57,6 +63,19 @@ def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
+def _place(stream: str, shard: int, offset: int | None = None) -> dict[str, Any]:
+    """Where a message or a cursor is: its stream and shard (and the message's offset)."""
+    place: dict[str, Any] = {"stream": stream, "shard": shard}
+    if offset is not None:
+        place["offset"] = offset
+    return place
+
+
+def _at(entry: Any) -> tuple[Any, Any, Any]:
+    place = entry["place"]
+    return place["stream"], place["shard"], place.get("offset")
+
+
 @dataclass(slots=True)
 class OwnFilter:
     """A topic filter of the session's own subscription, with its options."""
@@ -66,16 +85,18 @@ class OwnFilter:
 
     def encode(self) -> dict[str, Any]:
         o = self.options
-        return {"filter": self.topic_filter, "qos": o.qos, "no_local": o.no_local,
-                "rap": o.retain_as_published, "handling": o.retain_handling, "id": o.subscription_id}
+        return {"filter": self.topic_filter, "options": {
+            "qos": o.qos, "no_local": o.no_local, "rap": o.retain_as_published,
+            "handling": o.retain_handling, "id": o.subscription_id}}
 
     @classmethod
     def decode(cls, entry: Any, version: int) -> OwnFilter:
         if version < 2:
             topic_filter, qos, no_local, rap, handling, sub_id = entry
         else:
-            topic_filter, qos, no_local = entry["filter"], entry["qos"], entry["no_local"]
-            rap, handling, sub_id = entry["rap"], entry["handling"], entry["id"]
+            topic_filter, options = entry["filter"], entry["options"]
+            qos, no_local, rap = options["qos"], options["no_local"], options["rap"]
+            handling, sub_id = options["handling"], options["id"]
         return cls(str(topic_filter), SubscriptionOptions(
             int(qos), bool(no_local), bool(rap), int(handling), _optional_int(sub_id)))
 
@@ -92,16 +113,16 @@ class SharedMembership:
     subscription_id: int | None
 
     def encode(self) -> dict[str, Any]:
-        return {"name": self.name, "type": self.type, "filters": self.filters, "qos": self.qos,
-                "rap": self.retain_as_published, "id": self.subscription_id}
+        return {"name": self.name, "type": self.type, "filters": self.filters, "options": {
+            "qos": self.qos, "rap": self.retain_as_published, "id": self.subscription_id}}
 
     @classmethod
     def decode(cls, entry: Any, version: int) -> SharedMembership:
         if version < 2:
             name, sub_type, filters, qos, rap, sub_id = entry
         else:
-            name, sub_type, filters = entry["name"], entry["type"], entry["filters"]
-            qos, rap, sub_id = entry["qos"], entry["rap"], entry["id"]
+            name, sub_type, filters, options = entry["name"], entry["type"], entry["filters"], entry["options"]
+            qos, rap, sub_id = options["qos"], options["rap"], options["id"]
         return cls(str(name), str(sub_type), [str(f) for f in filters], int(qos), bool(rap),
                    _optional_int(sub_id))
 
@@ -117,7 +138,7 @@ class CursorState:
     unacked: list[int]
 
     def encode(self) -> dict[str, Any]:
-        return {"stream": self.stream, "shard": self.shard, "position": self.position,
+        return {"place": _place(self.stream, self.shard), "position": self.position,
                 "unacked": self.unacked}
 
     @classmethod
@@ -125,7 +146,7 @@ class CursorState:
         if version < 2:
             stream, shard, position, unacked = entry
         else:
-            stream, shard = entry["stream"], entry["shard"]
+            stream, shard, _offset = _at(entry)
             position, unacked = entry["position"], entry["unacked"]
         return cls(str(stream), int(shard), int(position), _ids(unacked))
 
@@ -140,15 +161,14 @@ class CarriedMessage:
     record: str
 
     def encode(self) -> dict[str, Any]:
-        return {"stream": self.stream, "shard": self.shard, "offset": self.offset,
-                "record": self.record}
+        return {"place": _place(self.stream, self.shard, self.offset), "record": self.record}
 
     @classmethod
     def decode(cls, entry: Any, version: int) -> CarriedMessage:
         if version < 2:
             stream, shard, offset, record = entry
         else:
-            stream, shard, offset, record = entry["stream"], entry["shard"], entry["offset"], entry["record"]
+            (stream, shard, offset), record = _at(entry), entry["record"]
         return cls(str(stream), int(shard), int(offset), str(record))
 
 
@@ -170,9 +190,9 @@ class InFlight:
     record: str | None = None
 
     def encode(self) -> dict[str, Any]:
-        encoded = {"pid": self.packet_id, "stream": self.stream, "shard": self.shard,
-                   "offset": self.offset, "qos": self.qos, "released": self.released,
-                   "retain": self.retain, "ids": self.subscription_ids}
+        encoded = {"pid": self.packet_id, "place": _place(self.stream, self.shard, self.offset),
+                   "qos": self.qos, "released": self.released, "retain": self.retain,
+                   "ids": self.subscription_ids}
         if self.group is not None:
             encoded.update(group=self.group, record=self.record)
         return encoded
@@ -186,7 +206,7 @@ class InFlight:
             else:
                 pid, stream, shard, offset, qos, released, retain, ids = entry
         else:
-            pid, stream, shard, offset = entry["pid"], entry["stream"], entry["shard"], entry["offset"]
+            pid, (stream, shard, offset) = entry["pid"], _at(entry)
             qos, released, retain, ids = entry["qos"], entry["released"], entry["retain"], entry["ids"]
             group, record = entry.get("group"), entry.get("record")
         return cls(int(pid), str(stream), int(shard), int(offset), int(qos), bool(released),
@@ -209,9 +229,8 @@ class QueuedEntry:
     group: str | None = None
 
     def encode(self) -> dict[str, Any]:
-        encoded = {"stream": self.stream, "shard": self.shard, "offset": self.offset,
-                   "qos": self.qos, "retain": self.retain, "ids": self.subscription_ids,
-                   "record": self.record}
+        encoded = {"place": _place(self.stream, self.shard, self.offset), "qos": self.qos,
+                   "retain": self.retain, "ids": self.subscription_ids, "record": self.record}
         if self.group is not None:
             encoded["group"] = self.group
         return encoded
@@ -222,7 +241,7 @@ class QueuedEntry:
             stream, shard, offset, qos, retain, ids, record, *rest = entry
             group = rest[0] if rest else None
         else:
-            stream, shard, offset = entry["stream"], entry["shard"], entry["offset"]
+            stream, shard, offset = _at(entry)
             qos, retain, ids, record = entry["qos"], entry["retain"], entry["ids"], entry["record"]
             group = entry.get("group")
         return cls(str(stream), int(shard), int(offset), int(qos), bool(retain), _ids(ids),
@@ -305,189 +324,3 @@ class SessionSnapshot:
             owner=None if owner is None else str(owner),
             owned="owner" in state,
         )
-
-
-# ------------------------------------------------------------ taking one
-def cursor_entries(sub: DurableSubscription) -> tuple[list[CursorState], list[CarriedMessage]]:
-    """A durable subscription's cursors and the unacknowledged messages themselves."""
-    cursors = []
-    messages = []
-    for (stream, shard), cursor in sub.cursors.items():
-        unacked = sorted(set(cursor.unacked) | set(cursor.pending_redelivery))
-        cursors.append(CursorState(stream, shard, cursor.position, unacked))
-        for offset in unacked:
-            delivery = cursor.unacked.get(offset)
-            message = delivery.message if delivery is not None else cursor.restored.get(offset)
-            if message is None:
-                message = sub.read_message(stream, shard, offset)
-            if message is not None:
-                messages.append(CarriedMessage(stream, shard, offset, message_record(message)))
-    return cursors, messages
-
-
-def group_of(session: MqttSession, source: Subscription | None) -> str | None:
-    """The name of the shared subscription group `source` is, if it is one of `session`'s."""
-    if source is None or source is session.subscription:
-        return None
-    entry = session.shared.get(source.name)
-    return source.name if entry is not None and entry[0] is source else None
-
-
-def capture(session: MqttSession, node: str | None = None, *, group_messages: bool = False,
-            local: bool = False) -> SessionSnapshot:
-    """The snapshot of `session`. `local`: what the node's own store keeps (subscriptions,
-    groups, in-flight packet ids, owner; the store has the rest). With `group_messages` (a
-    handover to a live node), also what its shared subscription groups handed it and it has
-    not acknowledged, in flight or queued: a group's message stays with the member it was
-    given to, as it does on one node while that member is offline [MQTT-4.8.2], so it follows
-    the member to its new node (a live group keeps no cursor of its own to replay it from)."""
-    sub = session.subscription
-    snapshot = SessionSnapshot(
-        client_id=session.client_id, node=node, online=session.connection is not None,
-        expiry=session.expiry_interval, disconnected_ms=session.disconnected_at_ms,
-        taken_ms=now_ms(), owner=session.owner, owned=session.owned,
-        subscriptions=[OwnFilter(f, o) for f, o in sub.filters.items()],
-        shared=[SharedMembership(name, shared_sub.type.value, list(shared_sub.filters), o.qos,
-                                 o.retain_as_published, o.subscription_id)
-                for name, (shared_sub, o) in session.shared.items()],
-        inflight=[InFlight(pid, o.message.stream, o.message.shard, o.message.offset, o.qos,
-                           o.released, o.retain, list(o.subscription_ids))
-                  for pid, o in session.inflight.items()
-                  if o.source is sub and o.message.offset >= 0],
-    )
-    if local:
-        return snapshot
-    if snapshot.disconnected_ms is None:
-        snapshot.disconnected_ms = now_ms()
-    if isinstance(sub, DurableSubscription):
-        snapshot.cursors, snapshot.messages = cursor_entries(sub)
-    if group_messages:
-        for pid, o in session.inflight.items():
-            group = group_of(session, o.source)
-            if group is not None:
-                message = o.message
-                snapshot.shared_inflight.append(InFlight(
-                    pid, message.stream, message.shard, message.offset, o.qos, o.released,
-                    o.retain, list(o.subscription_ids), group, message_record(message)))
-    # queued messages no cursor holds (non-reliable streams, shared groups): carried as they
-    # are, in their order
-    for item in session.queue:
-        message = item.message
-        if item.source is not None and item.source is not sub:
-            group = group_of(session, item.source) if group_messages else None
-            if group is not None:
-                snapshot.queued.append(QueuedEntry(
-                    message.stream, message.shard, message.offset, item.qos, item.retain,
-                    list(item.subscription_ids), message_record(message), group))
-            continue  # without a handover, the queue of a group dies with this node
-        cursor = sub.cursors.get((message.stream, message.shard)) if isinstance(sub, DurableSubscription) else None
-        if cursor is not None and message.offset in cursor.unacked:
-            continue
-        snapshot.queued.append(QueuedEntry(
-            message.stream, message.shard, message.offset, item.qos, item.retain,
-            list(item.subscription_ids), message_record(message)))
-    snapshot.qos2 = sorted(session.inbound_qos2)
-    return snapshot
-
-
-# ------------------------------------------------------------ resuming one
-# Puts a snapshot's cursors on the session's durable subscription (before its filters are
-# added); returns the carried messages by (stream, shard, offset).
-PlaceCursors = Callable[[DurableSubscription, SessionSnapshot], dict[tuple[str, int, int], Message]]
-
-
-def rebuild(service: MqttService, snapshot: SessionSnapshot, place: PlaceCursors,
-            unreadable: Callable[[CarriedMessage | InFlight | QueuedEntry, Exception], None]
-            ) -> MqttSession:
-    """A session of `service` made again from a snapshot another node took, offline (its
-    connection is about to attach), and kept in `service.sessions`. A carried message that
-    cannot be read is told to `unreadable` and left out; a snapshot that is not what was
-    written raises one of `UNREADABLE`, and nothing of it is left in the broker."""
-    client_id = snapshot.client_id
-    session = MqttSession(service, client_id, durable=True)
-    try:
-        _fill(service, session, snapshot, place, unreadable)
-    except BaseException:
-        session.discard()  # what was made of it leaves the broker
-        raise
-    service.sessions[client_id] = session
-    return session
-
-
-def _read(entry: CarriedMessage | InFlight | QueuedEntry,
-          unreadable: Callable[[CarriedMessage | InFlight | QueuedEntry, Exception], None]
-          ) -> Message | None:
-    if entry.record is None:
-        return None
-    try:
-        return record_message(entry.record, entry.stream, entry.shard, entry.offset)
-    except (RecordFormatError, ValueError) as exc:
-        unreadable(entry, exc)
-        return None
-
-
-def _fill(service: MqttService, session: MqttSession, snapshot: SessionSnapshot,
-          place: PlaceCursors,
-          unreadable: Callable[[CarriedMessage | InFlight | QueuedEntry, Exception], None]) -> None:
-    edge = service.edge
-    session.expiry_interval = snapshot.expiry
-    session.disconnected_at_ms = snapshot.disconnected_ms
-    if snapshot.owned:
-        session.owner, session.owned = snapshot.owner, True
-    sub = session.subscription
-    assert isinstance(sub, DurableSubscription)
-    handed = place(sub, snapshot)
-    for own in snapshot.subscriptions:
-        edge.add_filter(sub, own.topic_filter, own.options)
-    edge.attach(sub, session)
-    for group in snapshot.shared:
-        shared_sub = edge.subscription(group.name, SubscriptionType(group.type))
-        for topic_filter in group.filters:
-            edge.add_filter(shared_sub, topic_filter)
-        edge.attach(shared_sub, session)
-        session.shared[group.name] = (shared_sub, SubscriptionOptions(
-            group.qos, False, group.retain_as_published, 0, group.subscription_id))
-    for flight in snapshot.inflight:
-        message = handed.get((flight.stream, flight.shard, flight.offset))
-        if message is None:
-            continue
-        session.inflight[flight.packet_id] = Outgoing(
-            message, flight.qos, flight.retain, tuple(flight.subscription_ids), sub, flight.released)
-        sub.adopt(message, session)
-    for flight in snapshot.shared_inflight:
-        entry = session.shared.get(flight.group or "")
-        message = _read(flight, unreadable)
-        if entry is not None and message is not None and flight.packet_id not in session.inflight:
-            session.inflight[flight.packet_id] = Outgoing(
-                message, flight.qos, flight.retain, tuple(flight.subscription_ids), entry[0],
-                flight.released)
-    for queued in snapshot.queued:
-        source: Subscription | None = sub
-        if queued.group is not None:
-            entry = session.shared.get(queued.group)
-            if entry is None:
-                continue
-            source = entry[0]
-        message = _read(queued, unreadable)
-        if message is not None:
-            session._enqueue(Queued(message, queued.qos, queued.retain,
-                                    tuple(queued.subscription_ids), source))
-    session.inbound_qos2 = set(snapshot.qos2)
-    if session.inbound_qos2 and service.store is not None:
-        service.store.save_qos2([(snapshot.client_id, packet_id, True)
-                                 for packet_id in session.inbound_qos2])
-
-
-def carried_by_place(messages: Iterable[CarriedMessage],
-                     unreadable: Callable[[CarriedMessage, Exception], None]
-                     ) -> dict[tuple[str, int], list[Message]]:
-    """The carried messages that can be read, by (stream, shard), in their order."""
-    found: dict[tuple[str, int], list[Message]] = {}
-    for entry in messages:
-        try:
-            message = record_message(entry.record, entry.stream, entry.shard, entry.offset)
-        except (RecordFormatError, ValueError) as exc:
-            unreadable(entry, exc)
-            continue
-        found.setdefault((entry.stream, entry.shard), []).append(message)
-    return found

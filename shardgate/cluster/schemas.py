@@ -3,31 +3,44 @@
 on one node checks publishes on every node, and the archive of every node types its columns
 alike.
 
-A registration is made on the node that received it (its registry checks validity and
-compatibility against the latest version it knows, which the watch keeps equal to etcd's),
-kept in its metadata store as on a single node, and put in etcd; the other nodes' watches load
-it into their registries (and their metadata stores). Changes that came from etcd are not
-written back. At join, etcd's schemas are loaded, then this node's streams whose schemas etcd
-does not hold yet (registered while it ran alone, or from its configuration file) are put there.
+A registration through the gRPC Admin service, the CLI or the SDK (`register_ordered`) is a
+compare-and-set in etcd: the node reads `schemas/<stream>` and its mod revision, checks the
+new version against the latest version etcd holds (validity, compatibility) and writes the
+versions with it only while the key is still at that revision. When another node registered
+meanwhile, the write is refused and the node checks again against the new latest: a schema
+compatible with it becomes the next version (as a registry that orders registrations one at a
+time would have it), one that is not is refused (SchemaIncompatible); never does a version
+silently replace another. Once in etcd, the version is loaded into this node's registry (and
+kept in its metadata store); the other nodes' watches load it into theirs. Changes that came
+from etcd are not written back.
 
-Not covered: two nodes registering a new version of one stream at the same moment both
-succeed and the later put wins in etcd (each node then loads the winner); registrations are
-administrator actions, rare enough for that.
+At join, etcd's schemas are loaded, then this node's streams whose schemas etcd does not hold
+yet (registered while it ran alone, or from its configuration file) are put there; a
+registration made with the registry's synchronous `register` on a cluster node (the
+configuration file at start) is put in etcd as it is.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ..core.schema_registry import SchemaRegistry, SchemaVersion
+from ..core.schema_registry import (
+    Compatibility,
+    SchemaRegistry,
+    SchemaRegistryUnavailable,
+    SchemaType,
+    SchemaVersion,
+)
 from . import keys
 
 if TYPE_CHECKING:
     from .control import ClusterNode
 
 log = logging.getLogger(__name__)
+REGISTER_ATTEMPTS = 5
+"""Compare-and-set rounds of one registration before it is refused as busy."""
 
 def encode(versions: list[SchemaVersion]) -> bytes:
     return json.dumps([version.to_dict() for version in versions], sort_keys=True).encode()
@@ -47,7 +60,8 @@ class SharedSchemas:
 
     def install(self) -> None:
         """etcd's schemas into the registry, this node's missing ones into etcd; from then on
-        changes go both ways."""
+        changes go both ways, and registrations are ordered by etcd (`register`)."""
+        self.registry.registrar = self.register
         self.registry.add_listener(self._changed_here)
         self.node.document_listeners.append(self._changed_in_etcd)
         held = {key[len(keys.SCHEMAS):]: value for key, value in self.node.view.documents.items()
@@ -57,6 +71,58 @@ class SharedSchemas:
         for stream in self.registry.streams():
             if stream not in held:
                 self.node.submit(keys.SCHEMAS + stream, encode(self.registry.versions(stream)))
+
+    async def register(self, stream: str, kind: SchemaType | str,
+                       definition: str | dict[str, Any],
+                       compatibility: Compatibility | str | None = None) -> SchemaVersion:
+        """Register a version in etcd by compare-and-set, then here (see the module
+        docstring). Raises SchemaInvalid, SchemaIncompatible, or SchemaRegistryUnavailable
+        when etcd cannot be reached or other registrations keep winning."""
+        key = self.node.key(keys.SCHEMAS + stream)
+        for _attempt in range(REGISTER_ATTEMPTS):
+            try:
+                held_kv = await self.node.client.get(key)
+            except Exception as exc:
+                raise SchemaRegistryUnavailable(
+                    f"stream {stream!r}: the cluster's schema registry (etcd) cannot be read: "
+                    f"{exc}") from exc
+            try:
+                held = decode(held_kv.value) if held_kv is not None and held_kv.value else []
+            except (ValueError, KeyError, TypeError) as exc:
+                raise SchemaRegistryUnavailable(
+                    f"stream {stream!r}: the schemas etcd holds cannot be read: {exc}") from exc
+            version = self.registry.prepare(stream, kind, definition, compatibility, held)
+            if held and version is held[-1]:
+                self._load(stream, held)
+                return version
+            value = encode([*held, version])
+            try:
+                written, _now = await self.node.client.put_at(
+                    key, held_kv.mod_revision if held_kv is not None else 0, value)
+            except Exception as exc:
+                raise SchemaRegistryUnavailable(
+                    f"stream {stream!r}: the cluster's schema registry (etcd) cannot be "
+                    f"written: {exc}") from exc
+            if written:
+                self._load(stream, [*held, version])
+                return version
+            log.info("cluster: schemas of stream %r changed while registering; checking "
+                     "against the new latest version", stream)
+        raise SchemaRegistryUnavailable(
+            f"stream {stream!r}: other schema registrations kept changing the stream's versions; "
+            "try again")
+
+    def _load(self, stream: str, versions: list[SchemaVersion]) -> None:
+        """Versions as etcd holds them into this registry (not written back)."""
+        value = encode(versions)
+        self.node.view.documents[keys.SCHEMAS + stream] = value
+        if versions == self.registry.versions(stream):
+            return
+        self._from_etcd = True
+        try:
+            self.registry.replace(stream, versions)
+        finally:
+            self._from_etcd = False
 
     def _changed_here(self, stream: str, versions: list[SchemaVersion]) -> None:
         # (the registry's own `on_change` has kept them in this node's metadata store)

@@ -13,13 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.durable import DurableSubscription
 from ..core.message import Message, now_ms
-from ..protocols.mqtt.snapshot import (
-    CarriedMessage,
-    CursorState,
-    SessionSnapshot,
-    carried_by_place,
-    cursor_entries,
-)
+from ..protocols.mqtt.snapshot import CarriedMessage, CursorState, SessionSnapshot
+from ..protocols.mqtt.snapshotting import carried_by_place, cursor_entries
 from .shard_reader import OwnerLog
 from .state_rpc import StateRpc
 

@@ -17,7 +17,8 @@ from ..core.message import Message
 from ..core.outbox import SLOW_SUBSCRIBER
 from ..core.subscriptions import Subscription
 from ..protocols.mqtt.session import MqttSession, Queued
-from ..protocols.mqtt.snapshot import capture, message_record
+from ..protocols.mqtt.snapshot import message_record
+from ..protocols.mqtt.snapshotting import capture
 
 if TYPE_CHECKING:
     from ..core.broker import Broker

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 from ..core.durable import DurableSubscription
 from ..core.message import now_ms
 from ..protocols.mqtt.session import NEVER_EXPIRES, MqttSession
-from ..protocols.mqtt.snapshot import UNREADABLE, SessionSnapshot, capture
+from ..protocols.mqtt.snapshot import UNREADABLE, SessionSnapshot
+from ..protocols.mqtt.snapshotting import capture
 from .etcd import EtcdError, KeyValue
 from .set_aside import SetAside, decode_record
 from .state_writer import MAX_BATCH_PUTS, StateWriter

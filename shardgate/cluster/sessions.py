@@ -59,7 +59,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.message import Message
 from ..protocols.mqtt.session import SessionOfAnotherUser
-from ..protocols.mqtt.snapshot import UNREADABLE, SessionSnapshot, rebuild, record_message
+from ..protocols.mqtt.snapshot import UNREADABLE, SessionSnapshot, record_message
+from ..protocols.mqtt.snapshotting import rebuild
 from .control import ClaimRefused
 from .etcd import EtcdError, KeyValue
 from .session_cursors import CursorPlacer

@@ -220,13 +220,13 @@ class WillKeeper:
             if connection.will is None:
                 return None
             return will_state(client_id, connection.will, node=node_id, lease=lease,
-                              delay=service._will_delay(connection, connection.will),
+                              delay=service.will_delay(connection, connection.will),
                               expiry=connection.session_expiry_at_connect, disconnected_ms=None)
-        pending = service._will_timers.get(client_id)
+        pending = service.pending_will(client_id)
         if pending is None or session is None:
             return None
-        delay = pending[1].properties.will_delay_interval or 0
-        return will_state(client_id, pending[1], node=node_id, lease=lease, delay=delay,
+        delay = pending.properties.will_delay_interval or 0
+        return will_state(client_id, pending, node=node_id, lease=lease, delay=delay,
                           expiry=session.expiry_interval, disconnected_ms=session.disconnected_at_ms)
 
     def _sync(self, client_id: str, *, opened: bool) -> None:

@@ -405,9 +405,9 @@ class Archiver:
         settings = self.settings
         replaced = 0
         for name in list(self._listed):
-            if not self._local:  # inputs a compaction that stopped half-way left behind
+            if not self._local:  # what a compaction that stopped half-way left behind
                 async with self._lock:
-                    await self._workers.run(compaction.remove_superseded, self.fs, self.root, name)
+                    await self._workers.run(compaction.finish_compactions, self.fs, self.root, name)
             files = await self._workers.run(layout.list_stream_files, self.fs, self.root, name)
             for directory, entries in compaction.shard_directories(files).items():
                 end = compaction.hour_end_ms(directory)
@@ -416,11 +416,13 @@ class Archiver:
                     continue
                 if not compaction.plan(entries, settings.file_target_bytes):
                     continue
+                if self._leads is not None and not self._leads(name, entries[0].shard):
+                    continue  # in a cluster a shard's leader compacts it, as it archives it
                 async with self._lock:
                     try:
                         if not self._local:
                             replaced += await self._workers.run(
-                                compaction.compact_object_store, self.fs, name, entries,
+                                compaction.compact_object_store, self.fs, self.root, name, entries,
                                 settings.file_target_bytes, settings.compression_level,
                                 settings.row_group_rows)
                             continue

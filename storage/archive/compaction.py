@@ -18,16 +18,22 @@ Merged files are named `shard0003-<first>-<last>.c.parquet`: the offset range of
 Streaming query, which remembers files by path, can skip them (`storage.spark`); an hour is
 compacted only `compact_after_s` after it ended, and a streaming query must run more often.
 
-An object store (S3) has no atomic way to replace several objects. There the merged file is
-the commit mark: it is uploaded whole (one PUT: it appears complete or not at all) and names
-the offset range it holds, so the listing every reader of this project uses
-(`layout.list_stream_files`: the archiver's progress, tiered replay) hides the files that
-range covers from the moment it exists; then the inputs are deleted in one request. A crash
-between the two leaves inputs that are hidden, deleted by the next round (`remove_superseded`).
-A tool that lists the bucket itself (pyarrow, DuckDB, Spark on the root) sees the merged file
-beside its inputs between the upload and the delete (one DeleteObjects call), so there it can
-count those rows twice for that moment; compaction only touches hours that ended
-`compact_after_s` ago, which such queries rarely read while it runs.
+An object store (S3) has no atomic way to replace several objects, and no rename. There a
+reader must never see a merged file beside its inputs, so the merged file is first uploaded
+whole (one PUT: complete or absent) to the staging area beside the root
+(`<parent>/.<root name>.compacting/stream=.../shard0003/<merged name>`, `layout.staging_root`),
+where no reader of the root looks; then the inputs are deleted (one DeleteObjects request);
+then the staged file is copied into its place (one server-side CopyObject: the object appears
+whole) and the staged copy deleted. The staged file is the commit mark: the listing every
+reader of this project uses (`layout.list_stream_files`: the archiver's progress, tiered
+replay, `ArchiveReader`) lists it and hides the inputs it covers from the moment it exists,
+so these readers see every row exactly once throughout. A tool that lists the root itself
+(pyarrow, pandas, polars, DuckDB, Spark) sees the inputs, then, between the delete and the
+copy (two requests), neither the inputs nor the merged file: for that moment a count is short
+of those rows, never above; then the merged file. A crash at any step leaves a staged file
+that the next round finishes (`finish_compactions`: delete the inputs, copy, delete the staged
+file). A root with no parent inside its bucket (`s3://bucket`) has no place beside it: there
+compaction is off (`layout.staging_root` is None).
 
 Runs in a worker thread, under the archiver's lock (no file of the shard is written meanwhile).
 """
@@ -87,6 +93,7 @@ def exchange(first: str, second: str) -> None:
 
 
 def staging_root(root: str) -> str:
+    """The local staging directory (`layout.staging_root`)."""
     parent, name = os.path.split(root.rstrip("/"))
     return os.path.join(parent, f".{name}.compacting")
 
@@ -145,6 +152,8 @@ def shard_directories(files: Iterable[layout.ArchiveFile]) -> dict[str, list[lay
     directory, are left alone)."""
     out: dict[str, list[layout.ArchiveFile]] = {}
     for entry in files:
+        if entry.staged:
+            continue
         directory, _name = entry.path.rsplit("/", 1)
         if directory.rsplit("/", 1)[-1] == layout.shard_dir_name(entry.shard):
             out.setdefault(directory, []).append(entry)
@@ -201,12 +210,18 @@ def compact_directory(root: str, stream: str, directory: str,
     return len(merged)
 
 
-def compact_object_store(fs: AbstractFileSystem, stream: str, files: list[layout.ArchiveFile],
-                         target_bytes: int, compression_level: int = 3,
-                         row_group_rows: int = 64 * 1024) -> int:
-    """Merge the small files of one shard directory on an object store: upload each merged
-    file, then delete its inputs (see the module docstring); returns how many files were
-    replaced."""
+def compact_object_store(fs: AbstractFileSystem, root: str, stream: str,
+                         files: list[layout.ArchiveFile], target_bytes: int,
+                         compression_level: int = 3, row_group_rows: int = 64 * 1024) -> int:
+    """Merge the small files of one shard directory on an object store: stage each merged
+    file, delete its inputs, copy it into place (see the module docstring); returns how many
+    files were replaced."""
+    staging = layout.staging_root(root)
+    if staging is None:
+        raise CompactionUnsupported(errno.ENOTSUP, f"the archive root {root!r} has no parent "
+                                    "directory to stage merged files in (use a prefix, e.g. "
+                                    "s3://bucket/archive)")
+    files = [entry for entry in files if not entry.staged]
     if not plan(files, target_bytes):
         return 0
     runs = plan(files, target_bytes, schema_versions(files, fs))
@@ -214,20 +229,41 @@ def compact_object_store(fs: AbstractFileSystem, stream: str, files: list[layout
     for run in runs:
         directory = run[0].path.rsplit("/", 1)[0]
         name = layout.merged_file_name(run[0].shard, run[0].first_offset, run[-1].last_offset)
-        fs.pipe_file(f"{directory}/{name}",
-                     merge(run, stream, compression_level, row_group_rows, fs))
+        staged = f"{staging}{directory[len(root):]}/{name}"
+        fs.pipe_file(staged, merge(run, stream, compression_level, row_group_rows, fs))
         fs.rm([entry.path for entry in run])
+        fs.copy(staged, f"{directory}/{name}")
+        fs.rm_file(staged)
         replaced += len(run)
     return replaced
 
 
-def remove_superseded(fs: AbstractFileSystem, root: str, stream: str) -> int:
-    """Delete the files a merged file supersedes (left by a compaction that stopped between
-    its upload and its delete); returns how many."""
-    hidden = layout.superseded(layout.list_stream_files(fs, root, stream, include_superseded=True))
+def finish_compactions(fs: AbstractFileSystem, root: str, stream: str) -> int:
+    """Finish what compactions that stopped half-way left (see the module docstring): each
+    staged file's inputs deleted, the file copied into place (unless it is there already) and
+    the staged copy deleted; files a merged file in place covers deleted. Returns how many
+    files were deleted."""
+    files = layout.list_stream_files(fs, root, stream, include_superseded=True)
+    removed = 0
+    for entry in files:
+        if not entry.staged:
+            continue
+        inside = any(f.shard == entry.shard and f.first_offset <= entry.first_offset
+                     and entry.last_offset <= f.last_offset for f in files
+                     if layout.is_merged(f) and not f.staged)
+        if not inside:  # (in place already, or merged again since: only the staged copy goes)
+            covered = [f.path for f in files if not f.staged and f.shard == entry.shard
+                       and entry.first_offset <= f.first_offset and f.last_offset <= entry.last_offset]
+            if covered:
+                fs.rm(covered)
+                removed += len(covered)
+            fs.copy(entry.path, layout.placed_path(root, entry))
+        fs.rm_file(entry.path)
+    files = layout.list_stream_files(fs, root, stream, include_superseded=True)
+    hidden = layout.superseded([entry for entry in files if not entry.staged])
     if hidden:
         fs.rm([entry.path for entry in hidden])
-    return len(hidden)
+    return removed + len(hidden)
 
 
 def _write(path: str, data: bytes) -> None:

@@ -47,6 +47,9 @@ class ArchiveFile:
     last_offset: int
     path: str
     size: int = 0
+    staged: bool = False
+    """A merged file in the staging area beside the root (`staging_root`), not yet copied to
+    its place: compaction on an object store (`compaction.py`)."""
 
 
 def check_stream_name(stream: str) -> str:
@@ -74,6 +77,16 @@ def parse_file_name(name: str) -> tuple[int, int, int] | None:
         return None
     shard, first, last = (int(group) for group in match.groups())
     return (shard, first, last) if first <= last else None
+
+
+def staging_root(root: str) -> str | None:
+    """Where compaction stages its files: beside the root (`<parent>/.<root name>.compacting`),
+    where no reader of the root looks (polars and DuckDB read dot- and underscore-named files
+    inside it); None for a root with no parent (a bare bucket)."""
+    parent, _sep, name = root.rstrip("/").rpartition("/")
+    if not parent or not name:
+        return None
+    return f"{parent}/.{name}.compacting"
 
 
 def stream_dir(root: str, stream: str) -> str:
@@ -186,16 +199,23 @@ def is_merged(entry: ArchiveFile) -> bool:
 
 def superseded(files: list[ArchiveFile]) -> list[ArchiveFile]:
     """The files (of `files`, sorted) whose offsets a merged file of their shard holds: on an
-    object store compaction uploads the merged file first, then deletes its inputs, so a
-    merged file is the commit mark of its compaction and hides what its name covers."""
+    object store compaction stages the merged file first, then deletes its inputs, then copies
+    it into place, so a merged file (staged or in place) is the commit mark of its compaction
+    and hides what its name covers; a staged file is hidden by its copy in place."""
     merged: dict[int, list[tuple[int, int]]] = {}
+    in_place: set[tuple[int, int, int]] = set()
     for entry in files:
         if is_merged(entry):
             merged.setdefault(entry.shard, []).append((entry.first_offset, entry.last_offset))
+            if not entry.staged:
+                in_place.add((entry.shard, entry.first_offset, entry.last_offset))
     if not merged:
         return []
     out = []
     for entry in files:
+        if entry.staged and (entry.shard, entry.first_offset, entry.last_offset) in in_place:
+            out.append(entry)
+            continue
         own = (entry.first_offset, entry.last_offset) if is_merged(entry) else None
         for first, last in merged.get(entry.shard, ()):
             # (a merged file is hidden by a larger one: a compaction that merged it again)
@@ -209,8 +229,22 @@ def list_stream_files(fs: AbstractFileSystem, root: str, stream: str,
                       include_superseded: bool = False) -> list[ArchiveFile]:
     """Every finished archive file of `stream`, sorted by (shard, first offset). Files whose
     name is not an archive file name (dot-named temporaries included) are ignored, and so are
-    files a merged file supersedes (`superseded`) unless `include_superseded`."""
-    directory = stream_dir(root, stream)
+    files a merged file supersedes (`superseded`) unless `include_superseded`. On an object
+    store the merged files compaction staged (`staging_root`) are listed too (`staged`): they
+    hold rows whose inputs may be deleted already."""
+    files = _find_files(fs, stream_dir(root, stream))
+    staging = None if is_local(fs) else staging_root(root)
+    if staging is not None:
+        files += [entry for entry in _find_files(fs, stream_dir(staging, stream), staged=True)
+                  if is_merged(entry)]
+    files.sort()
+    if include_superseded:
+        return files
+    hidden = set(superseded(files))
+    return [entry for entry in files if entry not in hidden] if hidden else files
+
+
+def _find_files(fs: AbstractFileSystem, directory: str, staged: bool = False) -> list[ArchiveFile]:
     try:
         fs.invalidate_cache(directory)
     except Exception:  # noqa: BLE001 - caching is an optimisation of some filesystems only
@@ -229,12 +263,16 @@ def list_stream_files(fs: AbstractFileSystem, root: str, stream: str,
         if parsed is None:
             continue
         shard, first, last = parsed
-        files.append(ArchiveFile(shard, first, last, path, int(info.get("size") or 0)))
-    files.sort()
-    if include_superseded:
-        return files
-    hidden = set(superseded(files))
-    return [entry for entry in files if entry not in hidden] if hidden else files
+        files.append(ArchiveFile(shard, first, last, path, int(info.get("size") or 0), staged))
+    return files
+
+
+def placed_path(root: str, entry: ArchiveFile) -> str:
+    """Where a staged merged file goes (its path under the root)."""
+    staging = staging_root(root)
+    if not entry.staged or staging is None or not entry.path.startswith(staging + "/"):
+        return entry.path
+    return root + entry.path[len(staging):]
 
 
 def stale_temporaries(fs: AbstractFileSystem, root: str, stream: str) -> list[str]:

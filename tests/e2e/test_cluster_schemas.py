@@ -5,6 +5,7 @@ node comes back to the first, and a node that joins later gets them all."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 
 from shardgate.client import Client
@@ -71,3 +72,35 @@ def test_a_schema_registered_on_one_node_checks_publishes_on_every_node(
     (n3,) = cluster(1, first=3, extra_config=STREAMS)
     wait_for(lambda: versions_on(n3) == [1, 2], timeout=30)
     assert pubacks(n3, [good, widened_bad]) == [0, 0x99]
+
+
+def test_registrations_on_two_nodes_at_once_are_ordered_none_lost(
+    cluster: Callable[..., list[ClusterNodeProcess]],
+) -> None:
+    """Two nodes register a version of one stream at the same moment, several times: etcd
+    orders them (compare-and-set), so every registration gets its own version number, each
+    checked against the one before it, and both nodes end with every version."""
+    n1, n2 = cluster(2, extra_config=STREAMS)
+
+    def variant(name: str) -> dict[str, object]:
+        return {"type": "object", "properties": {"device": {"type": "string"},
+                                                 name: {"type": "number"}},
+                "required": ["device"]}
+
+    async def at_once(round_: int) -> list[int]:
+        async with Client(n1.grpc_url) as c1, Client(n2.grpc_url) as c2:
+            infos = await asyncio.gather(
+                c1.admin.register_schema("sensors", variant(f"a{round_}")),
+                c2.admin.register_schema("sensors", variant(f"b{round_}")))
+            return [info.version for info in infos]
+
+    numbers = [number for round_ in range(4) for number in asyncio.run(at_once(round_))]
+    assert sorted(numbers) == list(range(1, 9)), numbers
+    wait_for(lambda: versions_on(n1) == versions_on(n2) == list(range(1, 9)), timeout=30)
+
+    async def fields() -> set[str]:
+        async with Client(n2.grpc_url) as client:
+            return {name for info in await client.admin.schemas("sensors")
+                    for name in json.loads(info.definition)["properties"]} - {"device"}
+
+    assert asyncio.run(fields()) == {f"{side}{round_}" for side in "ab" for round_ in range(4)}

@@ -5,18 +5,23 @@ start with a clear error."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import shutil
 import socket
 import subprocess
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("s3fs")
 boto3 = pytest.importorskip("boto3")
 
+from fsspec import AbstractFileSystem  # noqa: E402
 from shardgate.core.records import MessageRecord, encode_message  # noqa: E402
 from shardgate.storage.archive import (  # noqa: E402
     ArchiveConfigError,
@@ -27,6 +32,7 @@ from shardgate.storage.archive import (  # noqa: E402
 from shardgate.storage.journal import JournalStorage  # noqa: E402
 
 T0 = 1_700_000_000_000
+BUCKETS = itertools.count()
 
 
 def free_port() -> int:
@@ -61,7 +67,8 @@ def moto_endpoint() -> Iterator[str]:
 
 @pytest.fixture
 def bucket(moto_endpoint: str, request: pytest.FixtureRequest) -> str:
-    name = "archive-" + request.node.name.replace("_", "-")[:40].lower().strip("-")
+    name = ("archive-" + request.node.name.replace("_", "-")[:40].lower().strip("-")
+            + f"-{next(BUCKETS)}")  # (parametrized tests share the start of their names)
     client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1",
                           aws_access_key_id="testing", aws_secret_access_key="testing")
     client.create_bucket(Bucket=name)
@@ -150,91 +157,220 @@ async def test_unreachable_endpoint_does_not_fail_start_and_shows_in_status(
     assert archiver.archived_offset("sensors", 0) == 0
 
 
-async def test_compaction_on_s3_merges_small_files_and_readers_never_count_twice(
-        journal: JournalStorage, moto_endpoint: str, bucket: str) -> None:
-    """On an object store the merged file is uploaded first and hides the files its name
-    covers from the project's listing (the archiver, tiered replay) at once; then the inputs
-    are deleted. A reader counting through that listing in a loop never counts a row twice."""
-    import threading
+def plain_readers(endpoint: str, bucket: str) -> list[tuple[str, Callable[[], int]]]:
+    """Tools that list the root themselves, with no knowledge of the project's layout:
+    pyarrow's own S3 filesystem and pandas through s3fs."""
+    import pandas as pd
+    import pyarrow.dataset as ds
+    from pyarrow import fs as pafs
 
-    import pyarrow.parquet as pq
+    s3 = pafs.S3FileSystem(access_key="testing", secret_key="testing", region="us-east-1",
+                           endpoint_override=endpoint.removeprefix("http://"), scheme="http")
+    options = {"key": "testing", "secret": "testing",
+               "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+               "use_listings_cache": False}
+    return [
+        ("pyarrow.dataset", lambda: ds.dataset(f"{bucket}/archive", filesystem=s3,
+                                               partitioning="hive").count_rows()),
+        ("pandas", lambda: len(pd.read_parquet(f"s3://{bucket}/archive", columns=["offset"],
+                                               storage_options=options))),
+    ]
+
+
+class CountingReaders:
+    """Readers that count the archive's rows in a loop on a thread, each as it lists it: the
+    project's listing, and the plain tools (`plain_readers`). A file deleted between a listing
+    and its read is a miss: the reader lists again."""
+
+    def __init__(self, url: str, small: ArchiveSettings, endpoint: str, bucket: str) -> None:
+        import pyarrow.parquet as pq
+        from shardgate.storage.archive import list_stream_files
+
+        reader = ArchiveReader(url, small)
+
+        def project() -> int:
+            files = list_stream_files(reader.fs, reader.root, "sensors")
+            return sum(pq.read_metadata(f.path, filesystem=reader.fs).num_rows for f in files)
+
+        self.readers = [("project", project), *plain_readers(endpoint, bucket)]
+        self.root = f"{bucket}/archive"
+        self.counts: dict[str, list[int]] = {name: [] for name, _read in self.readers}
+        self.misses: list[BaseException] = []
+        self.steps = 0
+        self._generation = 0
+        """Incremented at each step; each reader notes it when it begins to count."""
+        self._latest = {name: -1 for name, _read in self.readers}
+        self._counted = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop)
+
+    def _loop(self) -> None:
+        import pyarrow as pa
+
+        while not self._stop.is_set():
+            for name, read in self.readers:
+                generation = self._generation
+                try:
+                    count = read()
+                except FileNotFoundError as exc:
+                    if str(exc).rstrip("/") != self.root:
+                        self.misses.append(exc)
+                        continue
+                    count = 0  # no object left under the root: it is not there at all
+                except (OSError, pa.ArrowException) as exc:
+                    self.misses.append(exc)
+                    continue
+                with self._counted:
+                    self.counts[name].append(count)
+                    self._latest[name] = generation
+                    self._counted.notify_all()
+
+    def seen_by_all(self) -> None:
+        """Wait until every reader has counted from a listing begun after this call."""
+        with self._counted:
+            self._generation += 1
+            assert self._counted.wait_for(
+                lambda: min(self._latest.values()) >= self._generation, timeout=120
+            ), "the readers stopped counting"
+
+    @contextlib.contextmanager
+    def at_every_step(self, fs: AbstractFileSystem) -> Iterator[None]:
+        """Each change `fs` makes (an upload, a delete, a copy) waits until every reader has
+        counted what the archive holds after it: every state a compaction passes through
+        is counted by every reader."""
+        steps = ("pipe_file", "rm", "rm_file", "copy")
+
+        def pausing(method: Callable[..., Any]) -> Callable[..., Any]:
+            def step(*args: Any, **kwargs: Any) -> Any:
+                result = method(*args, **kwargs)
+                self.steps += 1
+                self.seen_by_all()
+                return result
+            return step
+
+        own = {name: fs.__dict__[name] for name in steps if name in fs.__dict__}
+        for name in steps:  # (fsspec makes an async filesystem's sync methods per instance)
+            setattr(fs, name, pausing(getattr(fs, name)))
+        try:
+            yield
+        finally:
+            for name in steps:
+                if name in own:
+                    setattr(fs, name, own[name])
+                else:
+                    delattr(fs, name)
+
+    def __enter__(self) -> CountingReaders:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+
+@pytest.mark.timeout(600)  # every reader counts after each of 12 steps, on a loaded machine
+async def test_compaction_on_s3_never_shows_a_row_twice_to_any_reader(
+        journal: JournalStorage, moto_endpoint: str, bucket: str) -> None:
+    """On an object store the merged file is staged beside the root first (the project's
+    listing lists it and hides its inputs at once), then the inputs are deleted, then it is
+    copied into place. Readers counting in a loop, the project's and plain tools listing the
+    root (pyarrow, pandas), never count more rows than were archived; the project's always
+    counts all of them; at the end every reader counts all of them."""
     from shardgate.storage.archive import compaction, list_stream_files
 
     url = f"s3://{bucket}/archive"
-    data = await append(journal, 60)
+    data = await append(journal, 40)
     small = settings(moto_endpoint, target_rows=4, compact_after_s=0, compact_interval_s=3600)
     archiver = Archiver(journal, url, lambda: [("sensors", 1, "bytes")], small)
-    await archiver.start()
-    await archiver.flush()
-    assert len(list_stream_files(archiver.fs, archiver.root, "sensors")) == 15
+    await archiver.flush()  # (not started: no compaction of its own in the background)
+    assert len(list_stream_files(archiver.fs, archiver.root, "sensors")) == 10
 
-    counts: list[int] = []
-    misses: list[BaseException] = []
-    stop = threading.Event()
-    reader = ArchiveReader(url, small)
-
-    def count_in_a_loop() -> None:
-        while not stop.is_set():
-            try:
-                files = list_stream_files(reader.fs, reader.root, "sensors")
-                counts.append(sum(pq.read_metadata(f.path, filesystem=reader.fs).num_rows
-                                  for f in files))
-            except FileNotFoundError as exc:
-                misses.append(exc)  # listed before a delete, opened after: list again
-
-    thread = threading.Thread(target=count_in_a_loop)
-    thread.start()
-    try:
-        # runs of five files first (several uploads and deletes while the reader counts)
+    with (CountingReaders(url, small, moto_endpoint, bucket) as readers,
+          readers.at_every_step(archiver.fs)):
+        # runs of five files first (several uploads, deletes and copies while readers count)
         files = list_stream_files(archiver.fs, archiver.root, "sensors")
         replaced = 0
-        for start in range(0, 15, 5):
+        for start in range(0, 10, 5):
             run = files[start:start + 5]
             replaced += await asyncio.to_thread(
-                compaction.compact_object_store, archiver.fs, "sensors", run,
+                compaction.compact_object_store, archiver.fs, archiver.root, "sensors", run,
                 sum(f.size for f in run) + 1)
-        assert replaced == 15
-        # the archiver's own round merges the three merged files into one
-        assert await archiver.compact() == 3
-    finally:
-        stop.set()
-        await asyncio.to_thread(thread.join, 60)
+        assert replaced == 10
+        # the archiver's own round merges the two merged files into one
+        assert await archiver.compact() == 2
+    assert readers.steps == 3 * 4
     await archiver.stop(flush=True)
-    assert counts and set(counts) == {60}, (sorted(set(counts)), misses[:3])
+    for name, counts in readers.counts.items():
+        assert counts and max(counts) <= 40, (name, sorted(set(counts)), readers.misses[:3])
+        assert counts[-1] == 40, (name, counts[-5:])
+    assert set(readers.counts["project"]) == {40}
     client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1",
                           aws_access_key_id="testing", aws_secret_access_key="testing")
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]]
-    assert [key.rsplit("/", 1)[-1] for key in keys] == [
-        f"shard0000-{0:020d}-{59:020d}.c.parquet"]
+    assert keys == ["archive/stream=sensors/date=2023-11-14/hour=22/shard0000/"
+                    f"shard0000-{0:020d}-{39:020d}.c.parquet"]  # nothing left staged
     assert [r.data for r in ArchiveReader(url, small).read("sensors", 0, 0, 100)] == data
     # progress after a restart comes from the merged file's name
     again = Archiver(journal, url, lambda: [("sensors", 1, "bytes")], small)
     await again.start()
-    assert again.archived_offset("sensors", 0) == 60
+    assert again.archived_offset("sensors", 0) == 40
     await again.stop(flush=False)
 
 
-async def test_a_compaction_stopped_between_upload_and_delete_is_finished_later(
-        journal: JournalStorage, moto_endpoint: str, bucket: str) -> None:
+@pytest.mark.parametrize("stopped_after", ["staged", "inputs deleted", "copied"])
+async def test_a_compaction_stopped_half_way_is_finished_later(
+        journal: JournalStorage, moto_endpoint: str, bucket: str, stopped_after: str) -> None:
+    """A compaction that stopped after any of its steps: the project's readers see every row
+    once meanwhile, plain readers never more; the next round finishes it."""
     from shardgate.storage.archive import compaction, list_stream_files
-    from shardgate.storage.archive.layout import merged_file_name
+    from shardgate.storage.archive.layout import merged_file_name, staging_root
 
     url = f"s3://{bucket}/archive"
     await append(journal, 12)
     small = settings(moto_endpoint, target_rows=4, compact_after_s=0, compact_interval_s=3600)
     archiver = Archiver(journal, url, lambda: [("sensors", 1, "bytes")], small)
-    await archiver.start()
-    await archiver.flush()
-    files = list_stream_files(archiver.fs, archiver.root, "sensors")
+    await archiver.flush()  # (not started: no compaction of its own in the background)
+    fs, root = archiver.fs, archiver.root
+    files = list_stream_files(fs, root, "sensors")
     directory = files[0].path.rsplit("/", 1)[0]
-    # the merged file of the first two uploaded, its inputs not deleted (a crash in between)
-    archiver.fs.pipe_file(f"{directory}/{merged_file_name(0, 0, 7)}",
-                          compaction.merge(files[:2], "sensors", 3, 1000, archiver.fs))
-    listed = list_stream_files(archiver.fs, archiver.root, "sensors")
-    assert [(f.first_offset, f.last_offset) for f in listed] == [(0, 7), (8, 11)]
-    assert len(list_stream_files(archiver.fs, archiver.root, "sensors", include_superseded=True)) == 4
-    assert compaction.remove_superseded(archiver.fs, archiver.root, "sensors") == 2
-    assert len(list_stream_files(archiver.fs, archiver.root, "sensors", include_superseded=True)) == 2
+    name = merged_file_name(0, 0, 7)
+    staged = f"{staging_root(root)}{directory[len(root):]}/{name}"
+    # the steps of `compact_object_store` for the first two files, up to `stopped_after`
+    fs.pipe_file(staged, compaction.merge(files[:2], "sensors", 3, 1000, fs))
+    if stopped_after != "staged":
+        fs.rm([f.path for f in files[:2]])
+    if stopped_after == "copied":
+        fs.copy(staged, f"{directory}/{name}")
+    listed = list_stream_files(fs, root, "sensors")
+    assert [(f.first_offset, f.last_offset, f.staged) for f in listed] == [
+        (0, 7, stopped_after != "copied"), (8, 11, False)]
     reader = ArchiveReader(url, small)
     assert [r.offset for r in reader.read("sensors", 0, 0, 100)] == list(range(12))
+    plain = {name: read() for name, read in plain_readers(moto_endpoint, bucket)}
+    expected = {"staged": 12, "inputs deleted": 4, "copied": 12}[stopped_after]
+    assert plain == {"pyarrow.dataset": expected, "pandas": expected}
+
+    await archiver.compact()  # finishes it first (then merges the rest: 0-7 with 8-11)
+    assert not fs.find(staging_root(root))
+    assert [(f.first_offset, f.last_offset) for f in list_stream_files(
+        fs, root, "sensors", include_superseded=True)] == [(0, 11)]
+    assert {name: read() for name, read in plain_readers(moto_endpoint, bucket)} == {
+        "pyarrow.dataset": 12, "pandas": 12}
+    assert [r.offset for r in ArchiveReader(url, small).read("sensors", 0, 0, 100)] == list(range(12))
+    await archiver.stop(flush=False)
+
+
+async def test_a_bare_bucket_root_is_archived_without_compaction(
+        journal: JournalStorage, moto_endpoint: str, bucket: str) -> None:
+    """A root with no parent in its bucket has no place to stage merged files beside it:
+    compaction is off there (logged), archiving goes on."""
+    from shardgate.storage.archive import list_stream_files
+
+    await append(journal, 12)
+    small = settings(moto_endpoint, target_rows=4, compact_after_s=0, compact_interval_s=3600)
+    archiver = Archiver(journal, f"s3://{bucket}", lambda: [("sensors", 1, "bytes")], small)
+    await archiver.flush()  # (not started: no compaction of its own in the background)
+    assert await archiver.compact() == 0
+    assert len(list_stream_files(archiver.fs, archiver.root, "sensors")) == 3
     await archiver.stop(flush=False)

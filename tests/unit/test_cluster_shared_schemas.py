@@ -4,12 +4,19 @@ in etcd is loaded and persisted locally but not written back."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardgate.core.schema_registry import SchemaRegistry
+import pytest
+from shardgate.core.schema_registry import (
+    SchemaIncompatible,
+    SchemaRegistry,
+    SchemaRegistryUnavailable,
+)
 
 from shardgate.cluster import keys
+from shardgate.cluster.etcd import KeyValue
 from shardgate.cluster.schemas import SharedSchemas, decode, encode
 
 SCHEMA = {"type": "object", "properties": {"t": {"type": "number"}}, "required": ["t"]}
@@ -66,3 +73,103 @@ def test_schemas_follow_etcd_and_registrations_go_there_once() -> None:
     for listener in node.document_listeners:
         listener(keys.SCHEMAS + "mine", None)
     assert registry.versions("mine") == [] and not node.submitted
+
+
+class Etcd:
+    """An in-process stand-in of etcd's key space: values with mod revisions, and the
+    compare-and-set `put_at`. `before_put` runs once before the next `put_at` (another node
+    registering between this node's read and its write)."""
+
+    def __init__(self) -> None:
+        self.revision = 0
+        self.data: dict[str, tuple[bytes, int]] = {}
+        self.before_put: Callable[[], Awaitable[None]] | None = None
+
+    async def get(self, key: str) -> KeyValue | None:
+        if key not in self.data:
+            return None
+        value, revision = self.data[key]
+        return KeyValue(key, value, revision, revision, 0)
+
+    async def put_at(self, key: str, mod_revision: int, value: bytes,
+                     lease: int = 0) -> tuple[bool, KeyValue | None]:
+        if self.before_put is not None:
+            hook, self.before_put = self.before_put, None
+            await hook()
+        if self.data.get(key, (b"", 0))[1] != mod_revision:
+            return False, await self.get(key)
+        self.revision += 1
+        self.data[key] = (value, self.revision)
+        return True, None
+
+
+@dataclass
+class EtcdNode(Node):
+    client: Etcd = field(default_factory=Etcd)
+
+    def key(self, suffix: str) -> str:
+        return "/sg/" + suffix
+
+
+def two_nodes() -> tuple[SharedSchemas, SharedSchemas]:
+    etcd = Etcd()
+    shared = []
+    for _ in range(2):
+        shared.append(SharedSchemas(EtcdNode(client=etcd), SchemaRegistry()))  # type: ignore[arg-type]
+        shared[-1].install()
+    return shared[0], shared[1]
+
+
+async def test_a_registration_that_loses_the_race_is_checked_against_the_winner() -> None:
+    """Two nodes register a version of one stream at once: etcd takes the first write; the
+    other node's compare-and-set is refused and it checks its schema again against the
+    version that won, which it extends (version 2, not a second version 1 replacing it)."""
+    first, second = two_nodes()
+    etcd = first.node.client
+    assert (await first.registry.register_ordered("s", "json", SCHEMA)).version == 1
+
+    async def meanwhile() -> None:  # n2 registers between n1's read and n1's write
+        assert (await second.registry.register_ordered("s", "json", WIDER)).version == 2
+
+    etcd.before_put = meanwhile
+    widest = {**WIDER, "properties": {**WIDER["properties"], "v": {"type": "string"}}}
+    version = await first.registry.register_ordered("s", "json", widest)
+    assert version.version == 3
+    held = decode(etcd.data["/sg/" + keys.SCHEMAS + "s"][0])
+    assert [(v.version, v.parsed) for v in held] == [(1, SCHEMA), (2, WIDER), (3, widest)]
+    assert first.registry.versions("s") == held  # loaded here at once, not written back
+    assert not first.node.submitted and not second.node.submitted
+
+
+async def test_a_registration_incompatible_with_the_winner_is_refused() -> None:
+    first, second = two_nodes()
+    etcd = first.node.client
+    await first.registry.register_ordered("s", "json", SCHEMA)
+    closed = {**WIDER, "additionalProperties": False}
+
+    async def meanwhile() -> None:
+        await second.registry.register_ordered("s", "json", closed)
+
+    etcd.before_put = meanwhile
+    # backward from version 2 (closed): a reader of 3 must read what 2 accepted; 3 drops "u"
+    # from the properties and closes them too, so a payload with "u" is no longer accepted
+    narrower = {"type": "object", "properties": {"t": {"type": "number"}},
+                "required": ["t"], "additionalProperties": False}
+    with pytest.raises(SchemaIncompatible, match="version 2"):
+        await first.registry.register_ordered("s", "json", narrower)
+    held = decode(etcd.data["/sg/" + keys.SCHEMAS + "s"][0])
+    assert [v.version for v in held] == [1, 2]
+
+
+async def test_a_registry_that_keeps_losing_says_so() -> None:
+    first, _second = two_nodes()
+    etcd = first.node.client
+
+    async def put_at(key: str, mod_revision: int, value: bytes,
+                     lease: int = 0) -> tuple[bool, KeyValue | None]:
+        return False, None
+
+    etcd.put_at = put_at  # type: ignore[method-assign]
+    with pytest.raises(SchemaRegistryUnavailable, match="try again"):
+        await first.registry.register_ordered("s", "json", SCHEMA)
+    assert first.registry.versions("s") == []

@@ -68,6 +68,35 @@ def test_the_cluster_layer_sets_no_attribute_of_a_core_or_protocol_object() -> N
         "Edge, not by setting their attributes:\n" + "\n".join(offending))
 
 
+def _private_reads(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    return sorted(
+        (node.lineno, f"{name}.{node.attr}")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and (name := _base_name(node.value)) in CORE_AND_PROTOCOL_NAMES
+    )
+
+
+def test_the_cluster_layer_uses_no_private_member_of_a_core_or_protocol_object() -> None:
+    offending = [
+        f"{path.relative_to(ROOT)}:{line}: {target}"
+        for path in sorted((ROOT / "shardgate" / "cluster").rglob("*.py"))
+        for line, target in _private_reads(path)
+    ]
+    assert not offending, (
+        "the cluster layer calls what the core and the protocols offer (their ports, the Edge, "
+        "public methods), not their private members:\n" + "\n".join(offending))
+
+
+def test_the_rule_sees_a_private_read(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text("def f(service, self):\n    service._timers.pop(1)\n"
+                      "    self.session._enqueue(2)\n    self._own = 3\n    self.__class__\n")
+    assert _private_reads(sample) == [(2, "service._timers"), (3, "session._enqueue")]
+
+
 def test_the_rule_sees_an_assignment_it_forbids(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text("def f(broker, self):\n    broker.hook = 1\n    self.vhost.directory = 2\n"

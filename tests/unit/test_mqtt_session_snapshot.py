@@ -72,9 +72,12 @@ def test_a_snapshot_comes_back_equal_from_its_encoding_and_names_its_fields() ->
     assert SessionSnapshot.decode(encoded) == EXPECTED
     state = json.loads(encoded)
     assert state["version"] == SNAPSHOT_VERSION == 2
-    assert state["subscriptions"][0] == {"filter": "a/#", "qos": 1, "no_local": False,
-                                         "rap": True, "handling": 2, "id": 7}
-    assert state["cursors"] == [{"stream": "events", "shard": 0, "position": 12, "unacked": [10, 11]}]
+    assert state["subscriptions"][0] == {"filter": "a/#", "options": {
+        "qos": 1, "no_local": False, "rap": True, "handling": 2, "id": 7}}
+    assert state["cursors"] == [{"place": {"stream": "events", "shard": 0}, "position": 12,
+                                 "unacked": [10, 11]}]
+    assert state["messages"] == [{"place": {"stream": "events", "shard": 0, "offset": 10},
+                                  "record": RECORD}]
     # the top-level keys other readers look at keep their names and meaning
     assert (state["node"], state["online"], state["owner"]) == ("n1", False, "alice")
 
@@ -97,7 +100,7 @@ def test_an_unowned_snapshot_writes_no_owner() -> None:
 
 @pytest.mark.parametrize("raw", [
     b"{not json", b'"a string"', b'{"subscriptions": [["a filter alone"]]}',
-    b'{"version": 2, "cursors": [{"stream": "s"}]}', b'{"version": 1, "qos2": ["x"]}',
+    b'{"version": 2, "cursors": [{"place": {"stream": "s"}}]}', b'{"version": 1, "qos2": ["x"]}',
 ])
 def test_what_is_not_a_snapshot_is_refused_as_unreadable(raw: bytes) -> None:
     with pytest.raises(UNREADABLE):
@@ -113,3 +116,15 @@ def test_a_carried_message_keeps_its_content_and_place() -> None:
     message = record_message(RECORD, "events", 0, 10)
     assert (message.topic, message.payload, message.qos) == ("a/b", b"payload", 1)
     assert (message.stream, message.shard, message.offset) == ("events", 0, 10)
+
+
+def test_no_entry_of_version_2_unpacks_as_its_version_1_array() -> None:
+    """A node of an earlier version unpacks each entry as its positional array: handed a
+    version 2 snapshot, it fails on any entry (and sets the snapshot aside) rather than
+    misread it."""
+    encoded = EXPECTED.to_dict()
+    for key, entries in VERSION_1.items():
+        if key in ("qos2",) or not isinstance(entries, list):
+            continue
+        for old, new in zip(entries, encoded[key], strict=True):
+            assert len(new) < len(old), (key, new)
