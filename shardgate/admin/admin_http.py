@@ -480,6 +480,13 @@ def openapi_document() -> dict[str, Any]:
         cursors={"type": "array", "items": _object(
             subscription=_STR, position=_INT, floor=_INT, unacked=_INT, lag=_INT)},
     )
+    node_resources = _object(
+        pid=_INT, rss_bytes=_INT, memory_limit_bytes={"type": ["integer", "null"]},
+        open_descriptors={"type": ["integer", "null"]},
+        descriptor_limit={"type": ["integer", "null"]}, data_dir={"type": ["string", "null"]},
+        disk_free_bytes={"type": ["integer", "null"]},
+        disk_free_limit_bytes={"type": ["integer", "null"]},
+        alarms={"type": "array", "items": {"enum": ["memory", "disk"]}})
     schemas = {
         "Error": _object(error=_STR, status=_INT),
         "Info": _object(
@@ -494,14 +501,16 @@ def openapi_document() -> dict[str, Any]:
             # name of a span → {count, p50, p99, max} in ms (protocols/mqtt/timing.py)
             mqtt_connect_timing={"type": ["object", "null"], "additionalProperties": _object(
                 count=_INT, p50=_NUM, p99=_NUM, max=_NUM)},
-            node=_object(
-                pid=_INT, rss_bytes=_INT, memory_limit_bytes={"type": ["integer", "null"]},
-                open_descriptors={"type": ["integer", "null"]},
-                descriptor_limit={"type": ["integer", "null"]}, data_dir={"type": ["string", "null"]},
-                disk_free_bytes={"type": ["integer", "null"]},
-                disk_free_limit_bytes={"type": ["integer", "null"]},
-                alarms={"type": "array", "items": {"enum": ["memory", "disk"]}}),
+            node=_ref("NodeResources"),
         ),
+        "NodeResources": node_resources,
+        # one node's resources in the cluster-wide table: `node` its id (null on a single
+        # node), `connections` by protocol; a node that did not answer has only `node` and
+        # `unanswered` (why)
+        "Node": {"type": "object", "properties": dict(
+            node_resources["properties"], node={"type": ["string", "null"]},
+            connections={"type": "object", "additionalProperties": _INT},
+            unanswered=_STR)},
         "Shard": shard,
         "Stream": _object(
             name=_STR, mode={"enum": ["reliable", "non-reliable"]}, partitions=_INT, schema=_STR,
@@ -542,6 +551,9 @@ def openapi_document() -> dict[str, Any]:
     paths = {
         "/api/info": _get("Broker version, listeners, counters, counts, and this node's memory, descriptors, "
                           "free disk and resource alarms", _ref("Info")),
+        "/api/nodes": _get("Every node's memory, descriptors, free disk, resource alarms and "
+                           "connections: in a cluster one row per node, whichever node is asked",
+                           array("Node")),
         "/api/streams": _get("Streams with their shards and offsets", array("Stream")),
         "/api/streams/{name}": _get(
             "One stream, with the durable cursors on each shard", _ref("Stream"),
@@ -822,6 +834,20 @@ async def _cluster_listing(request: web.Request, kind: str,
     return web.json_response(value, headers=headers)
 
 
+def nodes_view(app: Any) -> list[dict[str, Any]]:
+    """This node's row of the node-resource table: its resources (`node_view`), its open
+    connections by protocol, and its cluster node id (None on a single node)."""
+    node_id = getattr(getattr(app, "cluster", None), "node_id", None)
+    return [dict(node_view(app), node=node_id, connections=connection_counts(app))]
+
+
+async def _nodes(request: web.Request) -> web.Response:
+    cluster_wide = await _cluster_listing(request, "nodes")
+    if cluster_wide is not None:
+        return cluster_wide
+    return web.json_response(nodes_view(_app(request)))
+
+
 async def _streams(request: web.Request) -> web.Response:
     cluster_wide = await _cluster_listing(request, "streams")
     if cluster_wide is not None:
@@ -1049,6 +1075,7 @@ def create_web_app(app: Any, middlewares: list[Any] | None = None) -> web.Applic
     web_app.on_cleanup.append(_forget_served)
     router = web_app.router
     router.add_get("/api/info", _info)
+    router.add_get("/api/nodes", _nodes)
     router.add_get("/api/streams", _streams)
     router.add_get("/api/streams/{name}", _stream)
     router.add_get("/api/subscriptions", _subscriptions)

@@ -21,6 +21,7 @@ from .admin_http import (
     Conflict,
     NotFound,
     clients_view,
+    nodes_view,
     purge_subscription,
     reset_cursor,
     stream_view,
@@ -46,6 +47,8 @@ def local_view(app: Any) -> Callable[[str, str, dict[str, Any]], Any]:
         return stream
 
     def view(kind: str, shape: str, arguments: dict[str, Any]) -> Any:
+        if kind == "nodes":  # one shape: the admin HTTP API's
+            return nodes_view(app)
         if shape == "json":
             if kind == "streams":
                 return streams_view(app)

@@ -9,7 +9,12 @@ clients) on the cluster port (`LocalView`, a signed call as every call between n
   that node as the shard's `owner`; a shard whose owner did not answer is `unavailable` (its
   offsets unknown); durable cursors on a shard come from every node that holds one, their lag
   measured against the owner's end of the shard;
-- subscriptions and clients: every node's rows, each with its `node`.
+- subscriptions: one row per cluster subscription. A name held on several nodes with the same
+  protocol and type is one subscription spread over them (an MQTT share group has members on
+  every node): its row lists them in `node` (comma-separated) and, in the admin HTTP shape,
+  `nodes`, each consumer with its `node`; its counts are the sum of the nodes';
+- clients: every node's rows, each with its `node`;
+- nodes: every node's resource row, and a row naming each node that did not answer.
 
 A node that does not answer within `ANSWER_TIMEOUT_S` (or is registered but not live) is
 named in the listing's `unanswered` with the reason, never silently left out.
@@ -44,8 +49,9 @@ SERVICE = "shardgate.cluster.v1.ClusterViews"
 LOCAL_VIEW = "LocalView"
 ANSWER_TIMEOUT_S = 5.0
 # the listings a node answers: `streams`, `stream` (one, with cursors: `name`),
-# `subscriptions`, `clients`; each in the `json` (admin HTTP) or `proto` (gRPC Admin) shape
-KINDS = frozenset({"streams", "stream", "subscriptions", "clients"})
+# `subscriptions`, `clients`; each in the `json` (admin HTTP) or `proto` (gRPC Admin) shape;
+# and `nodes` (each node's resources: memory, descriptors, disk, alarms, connections), json only
+KINDS = frozenset({"streams", "stream", "subscriptions", "clients", "nodes"})
 SHAPES = frozenset({"json", "proto"})
 # node-local streams ($SYS): every node has its own, never placed; the asked node's is shown
 LOCAL_STREAMS = frozenset({"sys"})
@@ -333,6 +339,48 @@ def merge_rows(answers: Answers, sort_key: Callable[[dict[str, Any]], Any]) -> l
     return rows
 
 
+def merge_subscriptions(answers: Answers, shape: str) -> list[dict[str, Any]]:
+    """One row per subscription, cluster-wide (module docstring): the rows of one name, protocol
+    and type on several nodes merged, their consumers together, their counts summed."""
+    merged: dict[tuple[str, str, str], dict[str, Any]] = {}
+    out: list[dict[str, Any]] = []
+    json_shape = shape == "json"
+    for row in merge_rows(answers, lambda row: str(row.get("name", ""))):
+        node = str(row["node"])
+        key = (str(row.get("name", "")), str(row.get("protocol", "")), str(row.get("type", "")))
+        consumers = [dict(c, node=node) if json_shape else dict(c) for c in row.get("consumers", [])]
+        first = merged.get(key)
+        if first is None:
+            first = dict(row, consumers=consumers)
+            if json_shape:
+                first["nodes"] = [node]
+            merged[key] = first
+            out.append(first)
+            continue
+        first["node"] = f"{first['node']},{node}"
+        if json_shape:
+            first["nodes"].append(node)
+        first["consumers"] = first["consumers"] + consumers
+        first["durable"] = bool(first.get("durable")) or bool(row.get("durable"))
+        for count in ("lag", "inflight", "queued"):
+            if count in first or count in row:
+                first[count] = _int(first.get(count)) + _int(row.get(count))
+        for filters in ("filters", "topic_filters"):
+            if filters in row:
+                have = list(first.get(filters, []))
+                first[filters] = have + [f for f in row[filters] if f not in have]
+    return out
+
+
+def merge_nodes(answers: Answers) -> list[dict[str, Any]]:
+    """The node-resource table: each node's row, and one naming each node that did not answer
+    (`unanswered`: why), by node id."""
+    rows = merge_rows(answers, lambda row: "")
+    rows += [{"node": node, "unanswered": reason} for node, reason in answers.unanswered.items()]
+    rows.sort(key=lambda row: str(row["node"]))
+    return rows
+
+
 async def listing(views: ClusterViews, kind: str, shape: str,
                   arguments: Mapping[str, Any] | None = None) -> tuple[Any, list[dict[str, str]]]:
     """The cluster-wide listing of `kind` and the nodes that did not answer. `stream` raises
@@ -348,7 +396,9 @@ async def listing(views: ClusterViews, kind: str, shape: str,
             raise LookupError(f"stream {name!r} does not exist")
         return stream, answers.unanswered_list()
     if kind == "subscriptions":
-        return merge_rows(answers, lambda row: str(row.get("name", ""))), answers.unanswered_list()
+        return merge_subscriptions(answers, shape), answers.unanswered_list()
+    if kind == "nodes":
+        return merge_nodes(answers), answers.unanswered_list()
     return merge_rows(answers, lambda row: (str(row.get("protocol", "")),
                                             str(row.get("client_id", "")))), answers.unanswered_list()
 
@@ -358,4 +408,5 @@ Listing = Callable[[str, str, Mapping[str, Any] | None], Awaitable[tuple[Any, li
 
 
 __all__ = ["ANSWER_TIMEOUT_S", "Acted", "Answers", "ClusterViews", "Listing", "LocalAction", "Owner",
-           "Refused", "Unreached", "listing", "merge_rows", "merge_stream", "merge_streams"]
+           "Refused", "Unreached", "listing", "merge_nodes", "merge_rows", "merge_stream",
+           "merge_streams", "merge_subscriptions"]

@@ -164,6 +164,18 @@ def test_offline_persistent_session_shows_lag_on_its_subscription(node: Node) ->
     assert status == 404 and "missing" in body["error"]
 
 
+def test_nodes_lists_this_nodes_resources_and_connections(node: Node) -> None:
+    client = Paho(node.broker.mqtt_port, "resources")
+    try:
+        (row,) = node.get("/api/nodes")
+        assert row["node"] is None  # a single node: no cluster node id
+        assert row["rss_bytes"] > 0 and row["open_descriptors"] > 0
+        assert row["disk_free_bytes"] > 0 and row["alarms"] == []
+        assert row["connections"]["mqtt"] == 1
+    finally:
+        client.client.disconnect()
+
+
 def test_purge_and_reset_cursor_move_a_durable_subscriptions_cursors(node: Node) -> None:
     subscriber = Paho(node.broker.mqtt_port, "backlogged", session_expiry=3600)
     subscriber.subscribe("telemetry/#", qos=1)
@@ -389,7 +401,7 @@ def test_openapi_document_describes_every_api_route(node: Node) -> None:
         path = info.get("path") or info.get("formatter") or ""
         if path.startswith("/api/") and route.method != "HEAD":
             served.add((route.method, path.replace("{client_id:.+}", "{client_id}")))
-    assert served == documented and len(served) == 18
+    assert served == documented and len(served) == 19
     for path, item in document["paths"].items():
         for operation in item.values():
             for ref in json.dumps(operation).split('"$ref": "')[1:]:

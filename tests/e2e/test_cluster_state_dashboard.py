@@ -4,7 +4,9 @@ section."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -59,6 +61,17 @@ def test_the_dashboard_lists_every_node_with_its_addresses_controller_and_shards
     expect(controller).to_contain_text("controller")
     expect(page.locator("#cluster-body tr[data-node='n2']")).to_contain_text("this node")
     expect(page.locator("#cluster-summary")).to_contain_text("3 nodes")
+    # every node's resources, from n2's page and its admin API
+    expect(page.locator("#nodes-body tr")).to_have_count(3)
+    for node in nodes:
+        row = page.locator(f"#nodes-body tr[data-node='{node.node_id}']")
+        expect(row).to_contain_text("MiB")
+        expect(row).to_have_attribute("data-alarms", "")
+    with urllib.request.urlopen(f"http://127.0.0.1:{nodes[0].ports['http']}/api/nodes",
+                                timeout=30) as response:
+        table = json.loads(response.read())
+    assert [row["node"] for row in table] == ["n1", "n2", "n3"]
+    assert all(row["rss_bytes"] > 0 and row["alarms"] == [] for row in table), table
     # the streams table is the cluster's: each shard with the node that owns it
     for stream, shards in status["placement"].items():
         for index, (leader, _epoch) in enumerate(shards):

@@ -140,3 +140,36 @@ def test_purge_and_replay_act_on_the_node_holding_the_subscription(cluster: Clus
     finally:
         publisher.disconnect()
         publisher.loop_stop()
+
+
+@pytest.mark.timeout(600)
+def test_a_share_group_on_two_nodes_is_one_subscription_row(cluster: Cluster) -> None:
+    n1, n2 = cluster(2)
+    group = "$share/workers/jobs/#"
+    members = []
+    for node, client_id in ((n1, "w1"), (n2, "w2")):
+        member = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id)
+        subscribed: list[bool] = []
+        member.on_subscribe = lambda *args, subscribed=subscribed: subscribed.append(True)
+        member.connect("127.0.0.1", node.ports["mqtt"])
+        member.loop_start()
+        member.subscribe(group, qos=1)
+        wait_for(lambda subscribed=subscribed: subscribed, timeout=30)
+        members.append(member)
+    try:
+        for node in (n1, n2):
+            with urllib.request.urlopen(f"http://127.0.0.1:{node.ports['http']}/api/subscriptions",
+                                        timeout=60) as response:
+                rows = [row for row in json.loads(response.read()) if row["name"] == group]
+            assert len(rows) == 1, rows
+            (row,) = rows
+            assert row["node"] == "n1,n2" and row["nodes"] == ["n1", "n2"], row
+            assert sorted((c["id"], c["node"]) for c in row["consumers"]) == [
+                ("w1", "n1"), ("w2", "n2")], row
+            listed = cli(node, "subs", "list", "--json")
+            assert listed.returncode == 0, listed.stderr
+            assert [s["node"] for s in json.loads(listed.stdout) if s["name"] == group] == ["n1,n2"]
+    finally:
+        for member in members:
+            member.disconnect()
+            member.loop_stop()

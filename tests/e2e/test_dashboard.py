@@ -273,6 +273,10 @@ def test_overview_shows_an_active_disk_alarm(
     sync_api.expect(alarms).to_have_text("disk")
     sync_api.expect(alarms).to_have_class("value lagging")
     sync_api.expect(page.locator("#node-disk-limit")).to_contain_text("limit")
+    # the node table too: its one row (a single node) shows the alarm
+    row = page.locator("#nodes-body tr[data-node='this node']")
+    sync_api.expect(row).to_have_attribute("data-alarms", "disk")
+    sync_api.expect(row).to_contain_text("MiB")
     assert page.errors == []
 
 

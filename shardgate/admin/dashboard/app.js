@@ -138,6 +138,28 @@ function renderNode(node) {
   value.dataset.alarms = alarms.join(" ");
 }
 
+// Every node's resources (/api/nodes: in a cluster one row per node, whichever node serves
+// the page); a node that did not answer says so.
+function renderNodes(nodes) {
+  const against = (value, limit, format) => format(value) + (limit ? ` / ${format(limit)}` : "");
+  const rows = nodes.map((node) => {
+    const name = node.node || "this node";
+    if (node.unanswered) {
+      return el("tr", { dataset: { node: name } }, cell(name),
+        el("td", { className: "lagging", colspan: 5, text: `no answer: ${node.unanswered}` }));
+    }
+    const alarms = node.alarms || [];
+    const connections = Object.values(node.connections || {}).reduce((total, n) => total + n, 0);
+    return el("tr", { dataset: { node: name, alarms: alarms.join(" ") } }, cell(name),
+      cell(against(node.rss_bytes, node.memory_limit_bytes, bytes), "num"),
+      cell(against(node.open_descriptors, node.descriptor_limit, num), "num"),
+      cell(against(node.disk_free_bytes, node.disk_free_limit_bytes, bytes), "num"),
+      cell(alarms.length ? alarms.join(", ") : "none", alarms.length ? "lagging" : ""),
+      cell(num(connections), "num"));
+  });
+  fillTable($("nodes-body"), rows, 6, "No nodes");
+}
+
 function addSample(sample) {
   samples.push(sample);
   while (samples.length && samples[0].t < sample.t - chartWindowS) samples.shift();
@@ -300,9 +322,8 @@ async function moveCursors(button, sub, action) {
 }
 
 function subscriptionActions(sub) {
-  // Only a durable subscription has cursors; in a cluster, only this node's can be moved here.
-  const here = !sub.node || !lastInfo || sub.node === lastInfo.cluster_node;
-  if (!sub.durable || !here) return el("td", {});
+  // Only a durable subscription has cursors; in a cluster, the node holding it moves them.
+  if (!sub.durable) return el("td", {});
   const purge = el("button", { type: "button", className: "kick", title: "Skip the backlog: cursors to the end", text: "Purge" });
   const replay = el("button", { type: "button", className: "action", title: "Cursors to the earliest message kept", text: "Replay" });
   purge.addEventListener("click", () => moveCursors(purge, sub, "purge"));
@@ -316,7 +337,9 @@ function renderSubscriptions(subscriptions) {
     el("td", {}, el("code", { text: sub.name })),
     cell(sub.type), cell(sub.protocol), cell(sub.durable ? "yes" : "no"),
     el("td", {}, el("code", { text: sub.filters.join(" ") })),
-    cell(sub.consumers.map((c) => c.id + (c.active ? "" : " (standby)")).join(", ") || "none"),
+    // a subscription spread over several nodes (an MQTT share group): each consumer's node
+    cell(sub.consumers.map((c) => c.id + ((sub.nodes || []).length > 1 && c.node ? ` on ${c.node}` : "")
+      + (c.active ? "" : " (standby)")).join(", ") || "none"),
     cell(num(sub.lag), "num" + (sub.lag > 0 ? " lagging" : "")),
     cell(num(sub.inflight), "num"), cell(num(sub.queued), "num"), cell(sub.node || "", "node"),
     subscriptionActions(sub)));
@@ -504,8 +527,10 @@ async function refreshDetails() {
   detailsRunning = true;
   try {
     unanswered.clear();
-    const [streams, subscriptions, clients, sessions, archive] = await Promise.all(
-      ["/api/streams", "/api/subscriptions", "/api/clients", "/api/sessions", "/api/archive"].map(getJSON));
+    const [streams, subscriptions, clients, sessions, archive, nodes] = await Promise.all(
+      ["/api/streams", "/api/subscriptions", "/api/clients", "/api/sessions", "/api/archive",
+       "/api/nodes"].map(getJSON));
+    renderNodes(nodes);
     renderStreams(streams);
     renderSubscriptions(subscriptions);
     renderClients(clients);
