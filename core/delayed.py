@@ -185,9 +185,10 @@ class DelayedDelivery:
     # ------------------------------------------------------------------ held in the store
     def _wake_for(self, at_ms: int, delay_s: float | None = None) -> None:
         """Make sure the timer fires by `at_ms` (or after `delay_s`)."""
+        now = now_ms()
         if delay_s is None:
-            delay_s = max(0.0, (at_ms - now_ms()) / 1000)
-        fires_at_ms = now_ms() + int(delay_s * 1000)
+            delay_s = max(0.0, (at_ms - now) / 1000)
+        fires_at_ms = now + int(delay_s * 1000)
         if self._wake_at_ms is not None and self._wake_at_ms <= fires_at_ms:
             return
         if self._wake is not None:
