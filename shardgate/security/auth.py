@@ -52,71 +52,66 @@ ACL rules
 Denials are counted per (protocol, action) in `Security.denials`, action being "connect",
 "publish", "subscribe" or "admin". This module knows no protocol: the protocol layers call it
 through their hooks and turn a refusal into their own reply.
+
+This module holds the model (`Security`: files re-read on change, authentication, decisions);
+its parts are `passwords.py` (scrypt hashes), `users.py` (the users file), `acl.py` (the ACL
+file and its rules), `settings.py` (the `[auth]` section), `install.py` (hooking the model into
+a running broker) and `errors.py`. Their names are importable from here as before.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import collections
-import functools
 import hashlib
 import hmac
-import ipaddress
-import json
 import logging
-import os
 import secrets
 import time
-import tomllib
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from ..core.edge import Principal
 from ..core.topics import filter_covers, filter_matches, filters_overlap
+from .acl import ACL_FILE, ALL_ACTIONS, AclRule, Action, load_acl, parse_acl, strip_share
+from .errors import AuthError
+from .install import apply_rules_change, install_security
 from .login_guard import LoginGuard
+from .passwords import (
+    MAX_SCRYPT_MEMORY,
+    SALT_BYTES,
+    SCRYPT_DKLEN,
+    SCRYPT_N,
+    SCRYPT_P,
+    SCRYPT_R,
+    dummy_hash,
+    hash_password,
+    secret_bytes,
+    verify_password,
+)
+from .settings import AuthSettings, anonymous_setting, is_loopback_host, security_paths
+from .users import USERS_FILE, User, load_users, save_users, validate_user_name
+
+__all__ = [
+    "ACL_FILE", "ALL_ACTIONS", "MAX_CACHED_DECISIONS", "MAX_SCRYPT_MEMORY", "RELOAD_INTERVAL_S",
+    "SALT_BYTES", "SCRYPT_DKLEN", "SCRYPT_N", "SCRYPT_P", "SCRYPT_R", "USERS_FILE", "AclRule",
+    "Action", "AuthError", "AuthSettings", "Refusal", "Security", "User", "anonymous_setting",
+    "apply_rules_change", "hash_password", "install_security", "is_loopback_host", "load_acl",
+    "load_users", "parse_acl", "save_users", "security_paths", "validate_user_name",
+    "verify_password",
+]
 
 log = logging.getLogger(__name__)
-
-USERS_FILE = "users.json"
-ACL_FILE = "acl.toml"
-
-# scrypt cost: N=2^14, r=8, p=1 takes 16 MiB and some tens of milliseconds; successful checks
-# are cached (see `Security._verified`) so a reconnecting client does not pay it again.
-SCRYPT_N = 2**14
-SCRYPT_R = 8
-SCRYPT_P = 1
-SCRYPT_DKLEN = 32
-SALT_BYTES = 16
-# Bounds on parameters read from a users file, so a bad entry cannot exhaust memory.
-MAX_SCRYPT_MEMORY = 256 * 1024 * 1024
 
 # How often (seconds) the users and ACL files are checked for changes.
 RELOAD_INTERVAL_S = 1.0
 MAX_CACHED_DECISIONS = 65536
 
 
-class AuthError(Exception):
-    """A users or ACL file that cannot be read or a user that cannot be stored."""
-
-
-class Action(StrEnum):
-    PUBLISH = "publish"
-    SUBSCRIBE = "subscribe"
-    ADMIN = "admin"
-    CONNECT = "connect"
-
-
 # What `_precheck` answers when only a hash can decide.
 _HASH = object()
-
-
-def _secret(password: bytes | str | None) -> bytes:
-    return password.encode("utf-8") if isinstance(password, str) else (password or b"")
 
 
 class Refusal(StrEnum):
@@ -124,228 +119,6 @@ class Refusal(StrEnum):
 
     BAD_CREDENTIALS = "bad-credentials"
     NOT_AUTHORIZED = "not-authorized"
-
-
-# ---------------------------------------------------------------------------- password hashing
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def hash_password(password: str | bytes, *, n: int = SCRYPT_N, r: int = SCRYPT_R, p: int = SCRYPT_P) -> str:
-    """`scrypt$N$r$p$salt$hash` with a fresh random salt (base64 salt and hash)."""
-    secret = password.encode("utf-8") if isinstance(password, str) else password
-    salt = os.urandom(SALT_BYTES)
-    digest = hashlib.scrypt(secret, salt=salt, n=n, r=r, p=p, dklen=SCRYPT_DKLEN,
-                            maxmem=MAX_SCRYPT_MEMORY)
-    return f"scrypt${n}${r}${p}${_b64(salt)}${_b64(digest)}"
-
-
-def _parse_hash(encoded: str) -> tuple[int, int, int, bytes, bytes]:
-    parts = encoded.split("$")
-    if len(parts) != 6 or parts[0] != "scrypt":
-        raise ValueError("not an scrypt$N$r$p$salt$hash string")
-    n, r, p = int(parts[1]), int(parts[2]), int(parts[3])
-    if n < 2 or n & (n - 1) or r < 1 or p < 1 or 128 * r * n > MAX_SCRYPT_MEMORY // 2 or p > 16:
-        raise ValueError("scrypt parameters out of bounds")
-    try:
-        salt = base64.b64decode(parts[4], validate=True)
-        digest = base64.b64decode(parts[5], validate=True)
-    except binascii.Error as exc:
-        raise ValueError(f"bad base64: {exc}") from exc
-    if not salt or not digest:
-        raise ValueError("empty salt or hash")
-    return n, r, p, salt, digest
-
-
-def verify_password(password: str | bytes, encoded: str) -> bool:
-    """True when `password` hashes to `encoded`; False for a wrong password or a bad string."""
-    secret = password.encode("utf-8") if isinstance(password, str) else password
-    try:
-        n, r, p, salt, expected = _parse_hash(encoded)
-    except ValueError:
-        return False
-    actual = hashlib.scrypt(secret, salt=salt, n=n, r=r, p=p, dklen=len(expected),
-                            maxmem=MAX_SCRYPT_MEMORY)
-    return hmac.compare_digest(actual, expected)
-
-
-@functools.cache
-def _dummy_hash() -> str:
-    """A hash of nothing anyone knows: unknown users cost as much time as known ones."""
-    return hash_password(secrets.token_bytes(16))
-
-
-# ---------------------------------------------------------------------------- users file
-@dataclass(slots=True)
-class User:
-    name: str
-    password_hash: str
-    roles: list[str] = field(default_factory=list)
-
-
-def validate_user_name(name: str) -> None:
-    if not name or len(name.encode("utf-8")) > 65535:
-        raise AuthError("a user name is 1 to 65535 bytes of UTF-8")
-    if any(ch in name for ch in "\x00+#/") or any(ord(ch) < 0x20 for ch in name):
-        raise AuthError("a user name cannot hold control characters, '+', '#' or '/'")
-
-
-def load_users(path: Path) -> dict[str, User]:
-    """The users of a users file; an absent file holds none."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return {}
-    except OSError as exc:
-        raise AuthError(f"cannot read {path}: {exc}") from exc
-    try:
-        document = json.loads(text) if text.strip() else {}
-    except json.JSONDecodeError as exc:
-        raise AuthError(f"{path} is not valid JSON: {exc}") from exc
-    entries = document.get("users", {}) if isinstance(document, dict) else None
-    if not isinstance(entries, dict):
-        raise AuthError(f"{path}: expected an object with a 'users' object")
-    users: dict[str, User] = {}
-    for name, entry in entries.items():
-        if not isinstance(entry, dict) or not isinstance(entry.get("password"), str):
-            raise AuthError(f"{path}: user {name!r} needs a 'password' string")
-        roles = entry.get("roles", [])
-        if not isinstance(roles, list) or not all(isinstance(role, str) for role in roles):
-            raise AuthError(f"{path}: user {name!r}: 'roles' is a list of strings")
-        users[name] = User(name, entry["password"], list(roles))
-    return users
-
-
-def save_users(path: Path, users: dict[str, User]) -> None:
-    """Write the users file atomically, readable by its owner only."""
-    document = {
-        "version": 1,
-        "users": {
-            name: {"password": user.password_hash, "roles": user.roles}
-            for name, user in sorted(users.items())
-        },
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump(document, handle, indent=2)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
-# ---------------------------------------------------------------------------- topic filters
-def _strip_share(topic_filter: str) -> str:
-    if topic_filter.startswith("$share/"):
-        parts = topic_filter.split("/", 2)
-        return parts[2] if len(parts) == 3 else ""
-    return topic_filter
-
-
-# ---------------------------------------------------------------------------- ACL rules
-ALL_ACTIONS = frozenset({Action.PUBLISH.value, Action.SUBSCRIBE.value, Action.ADMIN.value})
-
-
-@dataclass(slots=True)
-class AclRule:
-    allow: bool
-    actions: frozenset[str]
-    topics: tuple[str, ...]
-    user: str | None = None
-    client: str | None = None
-
-    def applies_to(self, username: str | None, client_id: str) -> bool:
-        if self.user is not None and self.user != username:
-            return False
-        return self.client is None or self.client == client_id
-
-    def filters_for(self, username: str | None, client_id: str) -> Iterable[str]:
-        for pattern in self.topics:
-            if "%u" in pattern:
-                if username is None or (self.allow and _unsafe(username)):
-                    continue
-                pattern = pattern.replace("%u", username)
-            if "%c" in pattern:
-                if self.allow and _unsafe(client_id):
-                    continue
-                pattern = pattern.replace("%c", client_id)
-            yield pattern
-
-
-def _unsafe(value: str) -> bool:
-    return not value or any(ch in value for ch in "+#/")
-
-
-def parse_acl(document: dict[str, Any], source: str = "ACL") -> list[AclRule]:
-    rules: list[AclRule] = []
-    for kind in ("deny", "allow"):
-        entries = document.get(kind, [])
-        if not isinstance(entries, list):
-            raise AuthError(f"{source}: '{kind}' must be an array of tables ([[{kind}]])")
-        for number, entry in enumerate(entries, 1):
-            where = f"{source}: [[{kind}]] #{number}"
-            if not isinstance(entry, dict):
-                raise AuthError(f"{where}: expected a table")
-            unknown = set(entry) - {"user", "client", "actions", "topics"}
-            if unknown:
-                raise AuthError(f"{where}: unknown keys {sorted(unknown)}")
-            actions = entry.get("actions", "all")
-            actions = [actions] if isinstance(actions, str) else actions
-            if not isinstance(actions, list) or not actions:
-                raise AuthError(f"{where}: 'actions' is a string or a list of strings")
-            expanded: set[str] = set()
-            for action in actions:
-                if action == "all":
-                    expanded |= ALL_ACTIONS
-                elif action in ALL_ACTIONS:
-                    expanded.add(action)
-                else:
-                    raise AuthError(f"{where}: unknown action {action!r}")
-            topics = entry.get("topics")
-            if isinstance(topics, str):
-                topics = [topics]
-            if not isinstance(topics, list) or not topics or not all(isinstance(t, str) and t for t in topics):
-                raise AuthError(f"{where}: 'topics' is a non-empty list of topic filters")
-            user, client = entry.get("user"), entry.get("client")
-            if user is not None and not isinstance(user, str) or client is not None and not isinstance(client, str):
-                raise AuthError(f"{where}: 'user' and 'client' are strings")
-            rules.append(AclRule(kind == "allow", frozenset(expanded), tuple(topics), user, client))
-    return rules
-
-
-def load_acl(path: Path) -> list[AclRule] | None:
-    """The rules of an ACL file, or None when there is no such file."""
-    try:
-        with path.open("rb") as handle:
-            document = tomllib.load(handle)
-    except FileNotFoundError:
-        return None
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise AuthError(f"cannot read {path}: {exc}") from exc
-    return parse_acl(document, str(path))
-
-
-def is_loopback_host(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.split("%")[0].strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-# ---------------------------------------------------------------------------- the model
-@dataclass(slots=True)
-class AuthSettings:
-    """The `[auth]` configuration section."""
-
-    # Empty: <data_dir>/users.json and <data_dir>/acl.toml.
-    users_file: str = ""
-    acl_file: str = ""
-    # None: anonymous only on a loopback listener with no user defined (see the module doc).
-    allow_anonymous: bool | None = None
 
 
 FileVersion = tuple[int, int, int]
@@ -401,7 +174,7 @@ class Security:
         self._cache_key = secrets.token_bytes(32)
         # Password checks in a thread pool, throttled per source address.
         self.guard = LoginGuard()
-        _dummy_hash()  # computed at start, not on the first unknown user's check
+        dummy_hash()  # computed at start, not on the first unknown user's check
         self.reload(strict=True)
 
     # ------------------------------------------------------------------ files
@@ -499,8 +272,8 @@ class Security:
         self.reload()  # a stat of each file per connection: a user just added can log in
         refusal = self._precheck(username, password)
         if refusal is _HASH:
-            user, secret = self._users.get(str(username)), _secret(password)
-            ok = verify_password(secret, user.password_hash if user is not None else _dummy_hash())
+            user, secret = self._users.get(str(username)), secret_bytes(password)
+            ok = verify_password(secret, user.password_hash if user is not None else dummy_hash())
             refusal = self._after_hash(username, password, user, secret, ok)
         return self._conclude(refusal, username, client_id, remote, protocol)
 
@@ -517,8 +290,8 @@ class Security:
         refusal = self._precheck(username, password)
         if refusal is not _HASH:
             return self._conclude(refusal, username, client_id, remote, protocol)
-        user, secret = self._users.get(str(username)), _secret(password)
-        encoded = user.password_hash if user is not None else _dummy_hash()
+        user, secret = self._users.get(str(username)), secret_bytes(password)
+        encoded = user.password_hash if user is not None else dummy_hash()
         checking = self.guard.check(remote, lambda: verify_password(secret, encoded))
         verdict: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
 
@@ -547,7 +320,7 @@ class Security:
             return None if self.allow_anonymous else Refusal.NOT_AUTHORIZED
         user = self._users.get(username)
         if user is not None and password is not None:
-            keyed = hmac.new(self._cache_key, _secret(password), hashlib.sha256).digest()
+            keyed = hmac.new(self._cache_key, secret_bytes(password), hashlib.sha256).digest()
             cached = self._verified.get(username)
             if cached is not None and cached[0] == user.password_hash and hmac.compare_digest(cached[1], keyed):
                 return None
@@ -603,7 +376,7 @@ class Security:
 
     def _decide(self, action: str, username: str | None, client_id: str, topic: str) -> bool:
         subscribing = action == Action.SUBSCRIBE.value
-        wanted = _strip_share(topic) if subscribing else topic
+        wanted = strip_share(topic) if subscribing else topic
         if not wanted:
             return False
         rules = self._rules
@@ -701,89 +474,3 @@ def _amqp_refusal(verdict: str | None) -> str | None:
     return "Login was refused using authentication mechanism PLAIN or AMQPLAIN. " \
         "For details see the broker logfile."
 
-
-def apply_rules_change(app: Any, security: Security) -> None:
-    """The users or ACL rules changed on a running broker: the clients of a removed user are
-    disconnected (every protocol); MQTT subscriptions no longer allowed are removed (of
-    offline persistent sessions too); gRPC consumer streams that may no longer read are ended
-    with PERMISSION_DENIED; AMQP consumers on a queue bound to what their user may no longer
-    read get basic.cancel."""
-    edge = app.edge
-    if security.removed_users:
-        for info in edge.clients.list():
-            if info.username is not None and info.username in security.removed_users and info.kickable:
-                log.info("%s client %s of removed user %r disconnected", info.protocol, info.client_id,
-                         info.username)
-                edge.clients.kick(info.protocol, info.client_id, f"user {info.username!r} removed")
-    for service in (getattr(app, "mqtt", None), getattr(app, "grpc", None), getattr(app, "amqp", None)):
-        if service is not None:
-            service.reauthorize()
-
-
-def security_paths(data_dir: Path, settings: AuthSettings | None = None) -> tuple[Path, Path]:
-    settings = settings or AuthSettings()
-    users = Path(settings.users_file) if settings.users_file else data_dir / USERS_FILE
-    acl = Path(settings.acl_file) if settings.acl_file else data_dir / ACL_FILE
-    return users, acl
-
-
-def anonymous_setting(value: Any) -> bool | None:
-    """`auth.allow_anonymous` as configured: a bool, or None / "auto" (also from an env string)."""
-    if value is None or isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("", "auto", "none", "null"):
-        return None
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise AuthError(f"auth.allow_anonymous: expected true, false or auto, got {value!r}")
-
-
-def install_security(app: Any) -> Security:
-    """Hook one `Security` into a started-or-starting `Shardgate`: the front door's
-    `authenticator` and `authorizer` (every protocol asks there), the AMQP login if its listener
-    is up, and `app.security` for the admin API and metrics.
-    A users or ACL file that cannot be read raises `ConfigError`."""
-    from ..config import ConfigError
-
-    config = app.config
-    settings = getattr(config, "auth", None) or AuthSettings()
-    users_file, acl_file = security_paths(Path(config.data_dir), settings)
-    try:
-        security = Security(
-            users_file, acl_file, allow_anonymous=anonymous_setting(settings.allow_anonymous),
-            listener_host=config.listeners.host,
-        )
-    except AuthError as exc:
-        raise ConfigError(f"auth: {exc}") from exc
-    edge = app.edge
-
-    def mirror(current: Security) -> None:
-        # Calls without credentials (gRPC, MQTT) read this policy; `mqtt.allow_anonymous` and
-        # `grpc.allow_anonymous` (true by default) can only narrow it for their protocol.
-        edge.allow_anonymous = current.allow_anonymous
-
-    security.on_change = mirror
-    security.on_rules_change.append(lambda current: apply_rules_change(app, current))
-    previous = getattr(app, "security", None)
-    if previous is not None and previous is not security:
-        previous.stop_watching()
-    try:
-        security.watch()
-    except RuntimeError:
-        pass  # no running loop: a model built outside the broker, checked on use only
-    edge.authenticator = security.authenticate_principal
-    edge.authorizer = security.authorize_principal
-    mirror(security)
-    listeners = getattr(app, "listeners", {})
-    listener = listeners.get("amqp") or listeners.get("amqps")  # both share one service
-    service = getattr(getattr(listener, "server", None), "service", None)
-    if service is not None:
-        security.attach_amqp(service)
-    app.security = security
-    log.info("security: %d users, %s, anonymous access %s", len(security.users),
-             f"{len(security.rules)} ACL rules" if security.rules is not None else "no ACL file",
-             "on" if security.allow_anonymous else "off")
-    return security
