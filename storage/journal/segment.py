@@ -12,6 +12,12 @@ A `Segment` holds only what is *published* (durable and visible to readers): its
 `next_offset` and index lists change only through `publish`, on the thread that reads. The
 commit machinery writes bytes ahead of that (see `log.py`). This module never decides when to
 roll, fsync or delete: the shard log does.
+
+`Segment` is assembled from parts over `SegmentState` (`segment_state.py`: its slots and
+files): `segment_indexes.py` (the index files), `segment_keyed.py` (keyed reads);
+`segment_files.py` names the files, walks their records and holds the plain writes
+(`write_all`, `fsync_directory`). The durable write of the commit path (`write_durably`,
+`sync_file`) is here. Every name is importable from here as before.
 """
 
 from __future__ import annotations
@@ -19,76 +25,49 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import struct
 from array import array
 from bisect import bisect_right
-from collections.abc import Callable, Iterator
-from functools import wraps
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Final
 
 from ..interfaces import CorruptRecord, StoredRecord
 from .block import RecordBlock
 from .framing import SCAN_BAD_CRC, SCAN_BAD_OFFSET, scan_block
-from .handles import FileHandle, OpenFiles, default_files
-from .keyindex import INDEX_RECORDS, KeyedBlock, KeyFunction, KeyIndex
+from .handles import OpenFiles, default_files
+from .keyindex import INDEX_RECORDS, KeyFunction, KeyIndex
 from .record import CRC_START, HEADER, HEADER_SIZE, Checksum, checksum
+from .segment_files import (
+    BAD_CRC,
+    INDEX_SUFFIX,
+    LOG_SUFFIX,
+    OFFSET_DIGITS,
+    OK,
+    READ_CHUNK,
+    TIMEINDEX_SUFFIX,
+    TRUNCATED,
+    fsync_directory,
+    parse_segment_name,
+    pinned,
+    segment_name,
+    walk,
+    write_all,
+)
+from .segment_indexes import SegmentIndexFiles
+from .segment_keyed import DENSE_SHARE, MERGE_GAP, MERGE_SPAN, RECORD_GUESS, KeyedReads
+
+__all__ = [
+    "BAD_CRC", "BLOCK_CHUNK", "DENSE_SHARE", "FETCH_CHUNK", "INDEX_SUFFIX", "LOG_SUFFIX",
+    "MERGE_GAP", "MERGE_SPAN", "OFFSET_DIGITS", "OK", "READ_CHUNK", "RECORD_GUESS",
+    "TIMEINDEX_SUFFIX", "TRUNCATED", "Segment", "fsync_directory", "parse_segment_name",
+    "segment_name", "sync_file", "walk", "write_all", "write_durably",
+]
 
 log = logging.getLogger(__name__)
 
-OFFSET_DIGITS: Final = 20
-LOG_SUFFIX: Final = ".log"
-INDEX_SUFFIX: Final = ".index"
-TIMEINDEX_SUFFIX: Final = ".timeindex"
-READ_CHUNK: Final = 256 * 1024
-"""Bytes per read while scanning a whole segment (recovery, index rebuild)."""
 FETCH_CHUNK: Final = 32 * 1024
 """Bytes per read while serving `read` (a few index intervals: most reads want few records)."""
 BLOCK_CHUNK: Final = 1024 * 1024
 """Bytes per read while serving `read_block` (bulk readers want many records)."""
-
-MERGE_GAP: Final = 16 * 1024
-"""A keyed read reads wanted records at most this many bytes apart in one `pread` (copying a
-gap costs less than another system call)."""
-MERGE_SPAN: Final = 1024 * 1024
-"""At most this many bytes per `pread` of a keyed read."""
-RECORD_GUESS: Final = 4096
-"""Bytes read past the last wanted record of a run (its length is not known before)."""
-DENSE_SHARE: Final = 4
-"""A keyed read falls back to a block scan (returns None) when at least one record in this
-many of the segment's rest is wanted: reading nearly everything, a scan costs less."""
-
-_INDEX_ENTRY: Final = struct.Struct("<II")
-_TIME_ENTRY: Final = struct.Struct("<qI")
-
-OK: Final = 0
-TRUNCATED: Final = 1
-BAD_CRC: Final = 2
-
-_EMPTY: Final = memoryview(b"")
-
-
-def segment_name(base_offset: int) -> str:
-    return f"{base_offset:0{OFFSET_DIGITS}d}"
-
-
-def parse_segment_name(filename: str) -> int | None:
-    """The base offset of a `.log` file name, or None if it is not a segment file."""
-    if not filename.endswith(LOG_SUFFIX):
-        return None
-    stem = filename[: -len(LOG_SUFFIX)]
-    if len(stem) != OFFSET_DIGITS or not stem.isdigit():
-        return None
-    return int(stem)
-
-
-def fsync_directory(directory: Path) -> None:
-    """Make a file creation, rename or removal in `directory` durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def sync_file(fd: int) -> None:
@@ -97,14 +76,6 @@ def sync_file(fd: int) -> None:
         os.fdatasync(fd)
     else:  # pragma: no cover - macOS
         os.fsync(fd)
-
-
-def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
-    """os.write until every byte is written (a short write is retried, an error raised)."""
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
 
 
 _RWF_DSYNC: Final = getattr(os, "RWF_DSYNC", 0)
@@ -146,121 +117,11 @@ def write_durably(
     sync_file(fd)
 
 
-def walk(
-    fd: int, start: int, limit: int, chunk: int = READ_CHUNK, crc: Checksum = checksum
-) -> Iterator[tuple[int, int, int, int, memoryview]]:
-    """The records of the file between byte `start` and `limit`, in order.
-
-    Yields (status, position, offset, timestamp_ms, data). Status OK for a record whose
-    checksum holds; the walk ends after yielding TRUNCATED (the file or `limit` ends inside a
-    record) or BAD_CRC (a complete record whose checksum fails). `data` is a view into a read
-    buffer, valid until the walk is resumed.
-    """
-    pos = start
-    want = chunk
-    unpack = HEADER.unpack_from
-    while pos < limit:
-        asked = min(want, limit - pos)
-        buf = os.pread(fd, asked, pos)
-        have = len(buf)
-        view = memoryview(buf)
-        p = 0
-        length = 0
-        while p + HEADER_SIZE <= have:
-            length, stored_crc, offset, timestamp_ms = unpack(view, p)
-            end = p + HEADER_SIZE + length
-            if end > have:
-                break
-            if crc(view[p + CRC_START : end]) != stored_crc:
-                yield BAD_CRC, pos + p, offset, timestamp_ms, _EMPTY
-                return
-            yield OK, pos + p, offset, timestamp_ms, view[p + HEADER_SIZE : end]
-            p = end
-        if p == have and have == asked:
-            pos += p
-            want = chunk
-            continue
-        if have < asked or pos + have >= limit:
-            # The file, or the region asked for, ends inside this record.
-            yield TRUNCATED, pos + p, -1, 0, _EMPTY
-            return
-        # A record straddles the chunk: read again from its start, large enough to hold it.
-        if p == 0:
-            want = max(2 * asked, HEADER_SIZE + length)
-        pos += p
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _pinned(method: _F) -> _F:
-    """Run `method` with the segment's file open and pinned (`handles.py`): `self.fd` is
-    valid inside it."""
-    @wraps(method)
-    def run(self: Segment, *args: Any, **kwargs: Any) -> Any:
-        with self.file:
-            return method(self, *args, **kwargs)
-
-    return run  # type: ignore[return-value]
-
-
-class Segment:
+class Segment(SegmentIndexFiles, KeyedReads):
     """A segment file and its published state (see the module docstring). Its file is open
     only while used or recently used (`handles.py`): `fd` is valid inside `with self.file`."""
 
-    __slots__ = (
-        "directory",
-        "base_offset",
-        "file",
-        "size",
-        "next_offset",
-        "index_offsets",
-        "index_positions",
-        "time_stamps",
-        "time_offsets",
-        "max_timestamp",
-        "first_timestamp",
-        "sealed",
-        "crc",
-        "key_of",
-        "key_index",
-    )
-
-    def __init__(
-        self, directory: Path, base_offset: int, file: FileHandle, crc: Checksum = checksum,
-        key_of: KeyFunction | None = None,
-    ) -> None:
-        self.directory = directory
-        self.crc = crc
-        # The key index (`keyindex.py`) of what is published, when the journal keys records;
-        # None for a segment opened sealed, or one whose index was dropped.
-        self.key_of = key_of
-        self.key_index: KeyIndex | None = None
-        self.base_offset = base_offset
-        self.file = file
-        self.size = 0
-        self.next_offset = base_offset
-        # The sparse indexes as arrays of machine integers: a segment keeps them while it
-        # exists, and an int object per entry (tens of thousands, made one by one among a
-        # load's short-lived objects) would keep pages of Python's small-object heap, and
-        # their arenas, once the load has gone.
-        self.index_offsets: array[int] = array("q")
-        self.index_positions: array[int] = array("q")
-        self.time_stamps: array[int] = array("q")
-        self.time_offsets: array[int] = array("q")
-        self.max_timestamp: int | None = None
-        self.first_timestamp: int | None = None
-        self.sealed = False
-
-    # -- files --------------------------------------------------------------------------
-
-    @property
-    def fd(self) -> int:
-        """The file's descriptor: valid while the file is pinned (`with self.file`)."""
-        return self.file.fd
-
-    def path(self, suffix: str = LOG_SUFFIX) -> Path:
-        return self.directory / f"{segment_name(self.base_offset)}{suffix}"
+    __slots__ = ()
 
     @classmethod
     def create(
@@ -341,27 +202,6 @@ class Segment:
             raise
         return segment
 
-    def write_indexes(self) -> None:
-        """Write the `.index` and `.timeindex` files atomically (temp file, fsync, rename)."""
-        index = b"".join(
-            _INDEX_ENTRY.pack(o, p)
-            for o, p in zip(self.index_offsets, self.index_positions, strict=True)
-        )
-        times = b"".join(
-            _TIME_ENTRY.pack(t, o) for t, o in zip(self.time_stamps, self.time_offsets, strict=True)
-        )
-        for suffix, content in ((INDEX_SUFFIX, index), (TIMEINDEX_SUFFIX, times)):
-            final = self.path(suffix)
-            temp = final.with_name(final.name + ".tmp")
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                write_all(fd, content)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(temp, final)
-        fsync_directory(self.directory)
-
     def seal(self) -> None:
         """Mark the segment sealed and close its time index with its largest timestamp."""
         self.sealed = True
@@ -381,41 +221,7 @@ class Segment:
 
     # -- indexes ------------------------------------------------------------------------
 
-    def _load_indexes(self) -> bool:
-        try:
-            index = self.path(INDEX_SUFFIX).read_bytes()
-            times = self.path(TIMEINDEX_SUFFIX).read_bytes()
-        except FileNotFoundError:
-            return False
-        if len(index) % _INDEX_ENTRY.size or len(times) % _TIME_ENTRY.size:
-            return False
-        offsets: list[int] = []
-        positions: list[int] = []
-        span = self.next_offset - self.base_offset
-        for rel, pos in _INDEX_ENTRY.iter_unpack(index):
-            if (
-                (offsets and (rel <= offsets[-1] or pos <= positions[-1]))
-                or rel >= span
-                or pos >= self.size
-            ):
-                return False
-            offsets.append(rel)
-            positions.append(pos)
-        stamps: list[int] = []
-        time_offsets: list[int] = []
-        for stamp, rel in _TIME_ENTRY.iter_unpack(times):
-            if (stamps and stamp <= stamps[-1]) or rel >= span:
-                return False
-            stamps.append(stamp)
-            time_offsets.append(rel)
-        if span > 0 and not stamps:
-            return False
-        self.index_offsets, self.index_positions = array("q", offsets), array("q", positions)
-        self.time_stamps, self.time_offsets = array("q", stamps), array("q", time_offsets)
-        self.max_timestamp = stamps[-1] if stamps else None
-        return True
-
-    @_pinned
+    @pinned
     def _rebuild_indexes(self, interval: int, limit: int | None = None) -> int:
         """Scan the records from byte 0, rebuilding the indexes, size and next offset.
 
@@ -465,7 +271,7 @@ class Segment:
         i = bisect_right(self.index_offsets, offset - self.base_offset) - 1
         return self.index_positions[i] if i >= 0 else 0
 
-    @_pinned
+    @pinned
     def position_of(self, offset: int) -> int:
         """The byte position where the published record `offset` starts (scanned from the
         index entry before it). Raises CorruptRecord when the file does not hold it there."""
@@ -478,7 +284,7 @@ class Segment:
                 return pos
         raise CorruptRecord(f"{self.path()}: record {offset} not found")
 
-    @_pinned
+    @pinned
     def read(self, from_offset: int, max_records: int, out: list[StoredRecord]) -> None:
         """Append to `out` the published records from `from_offset` until `max_records` are
         in `out` or the segment ends.
@@ -540,7 +346,7 @@ class Segment:
             f"{self.next_offset - 1} belong here"
         )
 
-    @_pinned
+    @pinned
     def read_block(self, from_offset: int, max_records: int, chunk: int = BLOCK_CHUNK) -> RecordBlock:
         """The published records from `from_offset` (at most `max_records`) that one read of
         about `chunk` bytes holds (more when a single record is larger), as one buffer and
@@ -591,51 +397,23 @@ class Segment:
             f"(byte {self.size}); offsets up to {self.next_offset - 1} belong here"
         )
 
-    @_pinned
-    def read_keyed(
-        self, from_offset: int, max_records: int, wants: Callable[[bytes], bool]
-    ) -> KeyedBlock | None:
-        """The published records from `from_offset` whose key `wants` accepts (at most
-        `max_records`), read through the key index (extended first over what was published
-        since: `keyindex.py`): only those records are read (runs of them close together in one
-        `pread`), their headers and checksums verified (errors raised as `read` raises them).
-        The block's `end_offset` says how far it covers the segment. None when the journal has
-        no keys, the index cannot serve `from_offset`, or so many of the records are wanted that
-        a block scan (`read_block`) costs less."""
-        end_offset = self.next_offset
-        if from_offset >= end_offset or max_records <= 0:
-            return KeyedBlock.empty(from_offset)
-        base = self.base_offset
-        i = bisect_right(self.index_offsets, from_offset - base) - 1
-        start_pos = self.index_positions[i] if i >= 0 else 0
-        start_offset = base + self.index_offsets[i] if i >= 0 else base
-        index = self.key_index
-        if index is None:
-            if self.key_of is None:
-                return None
-            index = self.key_index = KeyIndex(start_pos, start_offset)
-        if start_pos < index.start:
+    @pinned
+    def offset_for_timestamp(self, timestamp_ms: int) -> int | None:
+        """The first published offset in this segment with a timestamp >= `timestamp_ms`."""
+        if self.max_timestamp is None or self.max_timestamp < timestamp_ms:
             return None
-        if index.end < self.size and not self._extend_index(index):
-            self.key_index = None
-            return None
-        covered = index.end_offset
-        if from_offset >= covered:
-            return None  # the index lags this reader by more than one extension: scan
-        chosen, count = index.select(wants, start_pos)
-        if not count:
-            return KeyedBlock.empty(covered)
-        if count * DENSE_SHARE > covered - start_offset:
-            return None
-        # The positions from the sparse index's entry hold at most `from_offset - start_offset`
-        # records below `from_offset`, read and dropped.
-        positions = index.merged(chosen, max_records + from_offset - start_offset)
-        block = self._read_positions(positions, from_offset)
-        if count > len(positions) and len(block):
-            block.end_offset = block.offsets[-1] + 1  # wanted records remain after these
-        else:
-            block.end_offset = covered
-        return block
+        i = bisect_right(self.time_stamps, timestamp_ms - 1) - 1
+        start = self.base_offset + (self.time_offsets[i] + 1 if i >= 0 else 0)
+        position = self.position_for(start)
+        for status, pos, offset, stamp, _data in walk(
+            self.fd, position, self.size, FETCH_CHUNK, self.crc
+        ):
+            if status != OK:
+                reason = "checksum mismatch" if status == BAD_CRC else "truncated record"
+                raise CorruptRecord(f"{self.path()}: {reason} at byte {pos}")
+            if offset >= start and stamp >= timestamp_ms:
+                return offset
+        return None
 
     def _extend_index(self, index: KeyIndex) -> bool:
         """Add the published records after `index.end` to the index, at most `INDEX_RECORDS`;
@@ -680,84 +458,3 @@ class Segment:
             want = READ_CHUNK
             index.end, index.end_offset = pos, expected
         return True
-
-    def _read_positions(self, positions: list[int], from_offset: int) -> KeyedBlock:
-        """The records framed at `positions` (increasing; of this segment's published part),
-        those at or after `from_offset` collected into one block."""
-        fd = self.fd
-        size = self.size
-        crc = self.crc
-        unpack = HEADER.unpack_from
-        parts: list[memoryview] = []
-        offsets: array[int] = array("q")
-        starts: array[int] = array("q")
-        ends: array[int] = array("q")
-        stamps: array[int] = array("q")
-        length_so_far = 0
-        previous = -1
-        count = len(positions)
-        k = 0
-        while k < count:
-            run_start = positions[k]
-            j = k
-            while (
-                j + 1 < count
-                and positions[j + 1] - positions[j] <= MERGE_GAP
-                and positions[j + 1] - run_start < MERGE_SPAN
-            ):
-                j += 1
-            stop = positions[j + 1] if j + 1 < count else size
-            run_end = min(stop, positions[j] + RECORD_GUESS)
-            view_start = run_start
-            view = memoryview(os.pread(fd, run_end - run_start, run_start))
-            for position in positions[k : j + 1]:
-                rel = position - view_start
-                if rel + HEADER_SIZE > len(view):  # the read ended inside this header
-                    view_start, rel = position, 0
-                    view = memoryview(os.pread(fd, max(run_end - position, HEADER_SIZE), position))
-                    if len(view) < HEADER_SIZE:
-                        raise CorruptRecord(f"{self.path()}: truncated record at byte {position}")
-                length, stored_crc, offset, timestamp_ms = unpack(view, rel)
-                end = rel + HEADER_SIZE + length
-                if end > len(view):  # longer than what was read: read it whole
-                    if position + HEADER_SIZE + length > size:
-                        raise CorruptRecord(f"{self.path()}: truncated record at byte {position}")
-                    view_start, rel, end = position, 0, HEADER_SIZE + length
-                    view = memoryview(os.pread(fd, max(run_end - position, end), position))
-                    if len(view) < end:
-                        raise CorruptRecord(f"{self.path()}: truncated record at byte {position}")
-                if offset <= previous or not self.base_offset <= offset < self.next_offset:
-                    raise CorruptRecord(
-                        f"{self.path()}: offset {offset} at byte {position} is out of sequence"
-                    )
-                if crc(view[rel + CRC_START : end]) != stored_crc:
-                    raise CorruptRecord(f"{self.path()}: checksum mismatch at byte {position}")
-                previous = offset
-                if offset < from_offset:
-                    continue
-                parts.append(view[rel + HEADER_SIZE : end])
-                offsets.append(offset)
-                stamps.append(timestamp_ms)
-                starts.append(length_so_far)
-                length_so_far += length
-                ends.append(length_so_far)
-            k = j + 1
-        return KeyedBlock(b"".join(parts), offsets, starts, ends, stamps, self.next_offset)
-
-    @_pinned
-    def offset_for_timestamp(self, timestamp_ms: int) -> int | None:
-        """The first published offset in this segment with a timestamp >= `timestamp_ms`."""
-        if self.max_timestamp is None or self.max_timestamp < timestamp_ms:
-            return None
-        i = bisect_right(self.time_stamps, timestamp_ms - 1) - 1
-        start = self.base_offset + (self.time_offsets[i] + 1 if i >= 0 else 0)
-        position = self.position_for(start)
-        for status, pos, offset, stamp, _data in walk(
-            self.fd, position, self.size, FETCH_CHUNK, self.crc
-        ):
-            if status != OK:
-                reason = "checksum mismatch" if status == BAD_CRC else "truncated record"
-                raise CorruptRecord(f"{self.path()}: {reason} at byte {pos}")
-            if offset >= start and stamp >= timestamp_ms:
-                return offset
-        return None
