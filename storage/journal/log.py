@@ -15,6 +15,9 @@ records* (no data) by the next append: readers skip records whose data is empty.
 
 Segment layout, recovery and reads are in `segment.py`; this module owns offsets, rolling,
 retention and the hand-over of groups between the event loop and the worker thread.
+`JournalShardLog` is assembled from parts over `LogState` (`log_state.py`): `log_ends.py`
+(retention, deletion, truncation, a new start) and `log_handover.py` (the hand-over's
+event-loop side); appends, reads and the worker thread's I/O are here.
 """
 
 from __future__ import annotations
@@ -23,24 +26,23 @@ import asyncio
 import logging
 import os
 import struct
-import time
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..interfaces import StorageFull, StoredRecord
 from .block import RecordBlock
 from .commit import GroupCommitter, resolve
-from .config import FsyncPolicy, JournalBusy, JournalClosed, JournalConfig
+from .config import JournalClosed, JournalConfig
 from .epochs import LeaderEpochCache
 from .framing import frame_records
 from .keyindex import KeyedBlock
+from .log_ends import LogEnds
+from .log_handover import CommitHandover
+from .log_state import KEYED_SEALED_SEGMENTS, LogState, _Group, _Tail
 from .record import checksum_function
 from .reservation import OffsetReservation, read_reservation
 from .segment import (
-    INDEX_SUFFIX,
-    TIMEINDEX_SUFFIX,
     Segment,
     fsync_directory,
     parse_segment_name,
@@ -48,6 +50,8 @@ from .segment import (
     write_all,
     write_durably,
 )
+
+__all__ = ["KEYED_SEALED_SEGMENTS", "JournalShardLog", "LogState", "_Group", "_Tail"]
 
 log = logging.getLogger(__name__)
 
@@ -57,77 +61,8 @@ RESERVE_BLOCK = 16_384
 most about this many offsets are skipped."""
 RESERVE_AHEAD = RESERVE_BLOCK // 2
 """Renew the reservation once fewer than this many offsets are left in it."""
-KEYED_SEALED_SEGMENTS = 2
-"""Sealed segments that may have a key index (the newest): older ones are read by scanning,
-so the key indexes of a shard cover at most this many segments besides the active one."""
 
-
-@dataclass(slots=True)
-class _Tail:
-    """Where the next appended record will land: the projected end of the active segment,
-    counting groups that are buffered or in flight, and its index state there."""
-
-    base_offset: int
-    pos: int
-    last_index_pos: int
-    max_ts: int | None
-    last_time_ts: int | None
-    first_ts: int | None
-
-    @classmethod
-    def of(cls, segment: Segment) -> _Tail:
-        return cls(
-            segment.base_offset,
-            segment.size,
-            segment.index_positions[-1] if segment.index_positions else 0,
-            segment.max_timestamp,
-            segment.time_stamps[-1] if segment.time_stamps else None,
-            segment.first_timestamp,
-        )
-
-
-class _Group:
-    """Records appended between two commit passes, framed and ready to write."""
-
-    __slots__ = (
-        "first_offset",
-        "end_offset",
-        "buf",
-        "start_pos",
-        "end_pos",
-        "segment_base",
-        "roll",
-        "index_offsets",
-        "index_positions",
-        "time_stamps",
-        "time_offsets",
-        "max_ts",
-        "first_ts",
-        "future",
-        "new_segment",
-        "reserve_to",
-    )
-
-    def __init__(self, first_offset: int, tail: _Tail, roll: bool) -> None:
-        self.first_offset = first_offset
-        self.end_offset = first_offset
-        self.buf = bytearray()
-        self.start_pos = tail.pos
-        self.end_pos = tail.pos
-        self.segment_base = tail.base_offset
-        self.roll = roll
-        self.index_offsets: list[int] = []
-        self.index_positions: list[int] = []
-        self.time_stamps: list[int] = []
-        self.time_offsets: list[int] = []
-        self.max_ts: int | None = tail.max_ts
-        self.first_ts: int | None = tail.first_ts
-        self.future: asyncio.Future[None] | None = None
-        self.new_segment: Segment | None = None
-        self.reserve_to = 0
-
-
-class JournalShardLog:
+class JournalShardLog(LogEnds, CommitHandover):
     """A shard log on local disk (implements `ShardLog`; see the module docstring)."""
 
     def __init__(
@@ -397,176 +332,6 @@ class JournalShardLog:
                 return found
         return self._committed
 
-    def delete_before(self, offset: int) -> int:
-        """Delete the sealed segments whose records are all below `offset`; returns the new
-        low watermark. The active segment is never deleted."""
-        self._delete_while(lambda segment: segment.next_offset <= offset)
-        return self._bases[0]
-
-    def apply_retention(self, min_needed_offset: int, now_ms: int | None = None) -> int:
-        """Delete the oldest sealed segments while the shard exceeds `retention_bytes` or their
-        newest record is older than `retention_ms`, but never a segment holding an offset at
-        or above `min_needed_offset` (what a durable cursor or the archiver still needs).
-        Returns the new low watermark."""
-        config = self.config
-        if config.retention_bytes is None and config.retention_ms is None:
-            return self._bases[0]
-        now = int(time.time() * 1000) if now_ms is None else now_ms
-        total = sum(segment.size for segment in self._segments)
-
-        def expired(segment: Segment) -> bool:
-            nonlocal total
-            if segment.next_offset > min_needed_offset:
-                return False
-            by_size = config.retention_bytes is not None and total > config.retention_bytes
-            by_age = (
-                config.retention_ms is not None
-                and segment.max_timestamp is not None
-                and segment.max_timestamp < now - config.retention_ms
-            )
-            if by_size or by_age:
-                total -= segment.size
-                return True
-            return False
-
-        self._delete_while(expired)
-        return self._bases[0]
-
-    def truncate_to(self, offset: int) -> int:
-        """Remove every record at `offset` and after: the next append gets `offset`. Returns
-        the new end. For a replica whose log diverged from its leader's (the leader-epoch
-        checkpoint says where, `epochs.py`): the caller guarantees that no reader saw those
-        records (readers of a replicated shard stay below its high watermark), so unlike a
-        failed commit their offsets are handed out again. Epochs starting at or after
-        `offset` leave the checkpoint.
-
-        An `offset` at or past the end changes nothing; one at or below the low watermark
-        empties the log, which then starts at `offset`. Only published records can be
-        truncated: raises JournalBusy while appended records wait for the disk (`await
-        flush()` first), JournalClosed once closed. A crash during the call leaves the log
-        ending anywhere between `offset` and the old end (and an emptied log empty, with its
-        offsets below `offset` read as empty records): truncate again after the restart."""
-        if self._closed:
-            raise JournalClosed(f"{self.directory} is closed")
-        if self._pending is not None or self._inflight is not None or self._unsynced:
-            raise JournalBusy(f"{self.directory}: appended records wait for the disk; "
-                              "flush before truncating")
-        if offset < 0:
-            raise ValueError(f"cannot truncate {self.directory} to offset {offset}")
-        if offset >= self._next:
-            return self._next
-        with self._committer.io_lock:
-            # No offset at or above `offset` is handed out any more: lower the reservation
-            # first, so that a crash from here on never skips past the new end.
-            self._reservation.lower(offset)
-            self._reserved = self._reserve_target = offset
-            self._hole_from = None
-            if offset > self._committed:
-                # only a hole is cut (offsets handed out but never written)
-                self._hole_from = self._committed
-                self._next = offset
-                return offset
-            self._cut_segments(offset)
-        self._next = self._committed = offset
-        self._tail = _Tail.of(self._segments[-1])
-        self.leader_epochs.truncate_from(offset)
-        return offset
-
-    @property
-    def holds_records(self) -> bool:
-        """Whether the log holds a record, or has handed out an offset (appended records not
-        yet written included): false for a new log, and for one whose every record
-        retention deleted."""
-        return self._next > self._bases[0] or len(self._segments) > 1
-
-    def start_at(self, offset: int) -> int:
-        """A log that holds no record continues at `offset`: the next append gets it. For a
-        shard whose earlier records are elsewhere (the archive a previous owner, or this node
-        before it lost its disk, wrote): its offsets never name two records. Returns the next
-        offset; a log already at or past `offset` is left as it is. Raises JournalBusy when the
-        log holds records or appended ones wait for the disk. A crash during the call leaves
-        the log empty, at its old start or at `offset`."""
-        if self._closed:
-            raise JournalClosed(f"{self.directory} is closed")
-        if offset <= self._next:
-            return self._next
-        if self.holds_records or self._pending is not None or self._inflight is not None:
-            raise JournalBusy(f"{self.directory}: holds records; it cannot start at {offset}")
-        with self._committer.io_lock:
-            for segment in self._segments:
-                if segment in self._to_seal:
-                    self._to_seal.remove(segment)
-                segment.delete_files()
-            if self._io_segment not in self._segments:
-                self._io_segment.close()
-            fsync_directory(self.directory)
-            active = Segment.create(self.directory, offset, self._crc, self._key_of, self._files)
-            self._segments = [active]
-            self._bases = [offset]
-            self._io_segment = active
-            # nothing below `offset` is this log's, nothing at or above it was handed out
-            self._reservation.lower(offset)
-            self._reserved = self._reserve_target = offset
-            self._hole_from = None
-        self._next = self._committed = offset
-        self._tail = _Tail.of(active)
-        return offset
-
-    def _cut_segments(self, offset: int) -> None:
-        """Delete the segments at or after `offset`, newest first (a crash leaves a prefix),
-        cut the one holding it and reopen it as the active segment (I/O lock held)."""
-        everything = offset <= self._bases[0]
-        while self._segments and (everything or self._segments[-1].base_offset >= offset):
-            segment = self._segments.pop()
-            self._bases.pop()
-            if segment in self._to_seal:
-                self._to_seal.remove(segment)
-            segment.delete_files()
-        if self._io_segment not in self._segments:
-            self._io_segment.close()
-        if everything:
-            fsync_directory(self.directory)
-            active = Segment.create(self.directory, offset, self._crc, self._key_of, self._files)
-        else:
-            last = self._segments.pop()
-            self._bases.pop()
-            if last in self._to_seal:
-                self._to_seal.remove(last)
-            cut = last.size
-            if offset < last.next_offset:
-                cut = last.position_of(offset)
-            last.close()
-            for suffix in (INDEX_SUFFIX, TIMEINDEX_SUFFIX):
-                last.path(suffix).unlink(missing_ok=True)
-            os.truncate(last.path(), cut)
-            fd = os.open(last.path(), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            fsync_directory(self.directory)
-            active = Segment.recover_active(self.directory, last.base_offset,
-                                            self._index_interval, self._crc, self._key_of,
-                                            self._files)
-        self._segments.append(active)
-        self._bases.append(active.base_offset)
-        self._io_segment = active
-
-    def _delete_while(self, condition: Callable[[Segment], bool]) -> None:
-        deleted = False
-        while len(self._segments) > 1:
-            segment = self._segments[0]
-            if segment in self._to_seal or not condition(segment):
-                break
-            del self._segments[0]
-            del self._bases[0]
-            segment.delete_files()
-            deleted = True
-        if deleted:
-            fsync_directory(self.directory)
-            if self.leader_epochs.entries:
-                self.leader_epochs.truncate_until(self._bases[0])
-
     def forget_caches(self) -> None:
         """Drop the segments' key indexes (`keyindex.py`): the next keyed read builds its
         segment's again from the file. Called once the broker is idle, so the index entries a
@@ -634,79 +399,6 @@ class JournalShardLog:
     def segments(self) -> list[Segment]:
         """The published segments, oldest first (for tools and tests)."""
         return list(self._segments)
-
-    # -- hand-over with the committer (event-loop side) ---------------------------------
-
-    def _take_pending(self) -> _Group | None:
-        group = self._pending
-        if group is not None:
-            self._pending = None
-            self._inflight = group
-            if self._reserve_target > self._reserved:
-                group.reserve_to = self._reserve_target
-        return group
-
-    def _complete(self, group: _Group | None, synced: bool, error: OSError | None) -> None:
-        if self._closed:
-            return
-        if error is not None:
-            self._rollback(error, group)
-            return
-        if group is not None:
-            self._inflight = None
-            if group.reserve_to > self._reserved:
-                self._reserved = group.reserve_to
-            if group.new_segment is not None:
-                # The roll fsynced the old segment: its unsynced groups are durable.
-                self._publish_unsynced()
-                old = self._segments[-1]
-                old.seal()
-                self._to_seal.append(old)
-                self._segments.append(group.new_segment)
-                self._bases.append(group.new_segment.base_offset)
-                for sealed in self._segments[: -1 - KEYED_SEALED_SEGMENTS]:
-                    sealed.key_index = None
-            if synced or self.config.fsync is FsyncPolicy.OS:
-                self._publish_unsynced()
-                self._publish(group)
-            else:
-                self._unsynced.append(group)
-        elif synced:
-            self._publish_unsynced()
-
-    def _publish_unsynced(self) -> None:
-        for group in self._unsynced:
-            self._publish(group)
-        self._unsynced = []
-
-    def _publish(self, group: _Group) -> None:
-        segment = self._segments[-1]
-        assert segment.base_offset == group.segment_base
-        segment.size = group.end_pos
-        segment.next_offset = group.end_offset
-        segment.index_offsets.extend(group.index_offsets)
-        segment.index_positions.extend(group.index_positions)
-        segment.time_stamps.extend(group.time_stamps)
-        segment.time_offsets.extend(group.time_offsets)
-        segment.max_timestamp = group.max_ts
-        if segment.first_timestamp is None:
-            segment.first_timestamp = group.first_ts
-        self._committed = group.end_offset
-        resolve(group.future)
-
-    def _rollback(self, error: OSError, group: _Group | None) -> None:
-        failure = StorageFull(f"journal write failed in {self.directory}: {error}")
-        failed = [*self._unsynced, group, self._pending]
-        self._unsynced, self._inflight, self._pending = [], None, None
-        self._committer.discard_dirty(self)
-        # The failed offsets may have been seen: they are never handed out again but filled
-        # with empty records by the next append.
-        if self._next > self._committed:
-            self._hole_from = self._committed
-        self._tail = _Tail.of(self._segments[-1])
-        for failed_group in failed:
-            if failed_group is not None:
-                resolve(failed_group.future, failure)
 
     # -- I/O (worker thread, or flush_sync's caller; the committer's I/O lock is held) ----
 
