@@ -1,6 +1,8 @@
 """Assembling a broker from a `Config`: storage engines, the core, protocol listeners.
 
 This is the composition root: the only place that knows which engines and protocols exist.
+What it starts with is in `topology.py` (streams, routes and schemas), `archiving.py` (the
+archiver) and `tls.py` (the listeners' TLS context).
 """
 
 from __future__ import annotations
@@ -12,17 +14,16 @@ import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .archiving import start_archiver
 from .config import Config, ConfigError, check_cluster_archive
 from .core.broker import Broker
 from .core.edge import Edge
 from .core.errors import CoreError
 from .core.index_keys import record_index_key
-from .core.restoring import set_aside
-from .core.streams import DispatchMode, RoutingRule, Schema, StreamConfig
-from .persistence import MetadataTopologySink, Persistence, stream_config
+from .core.streams import DispatchMode, StreamConfig
+from .persistence import MetadataTopologySink, Persistence
 from .protocols.mqtt.server import start_tcp_listener, start_websocket_listener
 from .protocols.mqtt.service import MqttService
 from .protocols.read_budget import ReadBudget
@@ -30,6 +31,13 @@ from .storage.interfaces import StorageError
 from .storage.journal import JournalStorage
 from .storage.metadata import SqliteMetadataStore
 from .storage.metadata.ports import MetadataPorts
+from .tls import server_ssl_context
+from .topology import (
+    SYS_STREAM,
+    declare_configured_streams,
+    register_configured_schemas,
+    restore_runtime_topology,
+)
 
 if TYPE_CHECKING:
     from .bridges.base import BridgeBase
@@ -43,22 +51,9 @@ if TYPE_CHECKING:
     from .security.auth import Security
     from .storage.archive import Archiver, ArchiveReader
 
+__all__ = ["IN_FLIGHT_DRAIN_S", "SYS_STREAM", "Listener", "Shardgate"]
+
 log = logging.getLogger(__name__)
-
-SYS_STREAM = "sys"
-
-
-def _definition(config: StreamConfig) -> str:
-    parts = [config.mode.value, f"{config.partitions} partitions", f"schema {config.schema.value}"]
-    if config.retention_ms is not None:
-        parts.append(f"retention_ms {config.retention_ms}")
-    if config.retention_bytes is not None:
-        parts.append(f"retention_bytes {config.retention_bytes}")
-    if config.replicas is not None:
-        parts.append(f"replicas {config.replicas}")
-    if config.min_insync_replicas is not None:
-        parts.append(f"min_insync_replicas {config.min_insync_replicas}")
-    return "(" + ", ".join(parts) + ")"
 
 
 IN_FLIGHT_DRAIN_S = 2.0
@@ -110,27 +105,7 @@ class Shardgate:
         self.ready = False
 
     def _ssl_context(self) -> ssl.SSLContext:
-        tls = self.config.tls
-        if not tls.cert_file or not tls.key_file:
-            raise ConfigError("a TLS listener needs tls.cert_file and tls.key_file")
-        if tls.require_client_cert and not tls.ca_file:
-            # Without a CA there is nothing to verify a client certificate against: the
-            # listener would accept clients with none, the opposite of what was asked.
-            raise ConfigError("tls.require_client_cert = true needs tls.ca_file (the CA that "
-                              "signs client certificates)")
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        try:
-            context.load_cert_chain(tls.cert_file, tls.key_file)
-        except (OSError, ssl.SSLError) as exc:
-            raise ConfigError(f"tls.cert_file {tls.cert_file!r} / tls.key_file {tls.key_file!r}: "
-                              f"cannot load a certificate and its key ({exc})") from None
-        if tls.ca_file:
-            try:
-                context.load_verify_locations(tls.ca_file)
-            except (OSError, ssl.SSLError) as exc:
-                raise ConfigError(f"tls.ca_file {tls.ca_file!r}: cannot load ({exc})") from None
-            context.verify_mode = ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_OPTIONAL
-        return context
+        return server_ssl_context(self.config.tls)
 
     def _build_broker(self) -> Broker:
         config = self.config
@@ -155,84 +130,12 @@ class Shardgate:
         # joined and knows whose journal holds their shard (`CursorPlacer.replay_restored`)
         broker = Broker(storage=self.journal, default_stream=default,
                         restored_cursors_wait=self.cluster is not None)
-        broker.create_stream(StreamConfig(SYS_STREAM, mode=DispatchMode.NON_RELIABLE))
-        broker.add_route(RoutingRule("$SYS/#", SYS_STREAM))
-        declared_routes: dict[str, str] = {}
-        for entry in config.streams:
-            declared = StreamConfig(
-                entry.name, mode=DispatchMode(entry.mode), partitions=entry.partitions,
-                schema=Schema(entry.schema),
-                retention_ms=entry.retention_ms, retention_bytes=entry.retention_bytes,
-                replicas=entry.replicas, min_insync_replicas=entry.min_insync_replicas,
-            )
-            routes = entry.routes or [entry.name, f"{entry.name}/#"]
-            broker.create_stream(declared, routes=routes)
-            declared_routes.update(dict.fromkeys(routes, entry.name))
-        self._restore_runtime_topology(broker, declared_routes)
+        declared_routes = declare_configured_streams(broker, config.streams)
+        assert self.metadata is not None
+        restore_runtime_topology(broker, self.metadata, declared_routes)
         # From here on, every stream and route change is written to the metadata store.
         broker.topology_sink = MetadataTopologySink(self.metadata)
         return broker
-
-    def _register_configured_schemas(self) -> None:
-        """Register the `schema_file` of each configured stream (no new version when it is
-        the latest already); a file that cannot be read, an invalid schema or one that breaks
-        the stream's compatibility mode stops the start with the stream named."""
-        assert self.broker is not None
-        for entry in self.config.streams:
-            if not entry.schema_file:
-                continue
-            try:
-                text = Path(entry.schema_file).read_text(encoding="utf-8")
-                self.broker.schemas.register(entry.name, entry.schema_type, text,
-                                             entry.compatibility or None)
-            except (OSError, UnicodeDecodeError, CoreError) as exc:
-                raise ConfigError(f"stream {entry.name!r}: schema_file {entry.schema_file!r}: "
-                                  f"{exc}") from exc
-
-    def _restore_runtime_topology(self, broker: Broker, declared_routes: dict[str, str]) -> None:
-        """Bring back the streams and routes created at run time (CLI, gRPC Admin), kept in
-        the metadata store. The rule when both define the same name: the configuration file
-        wins for the streams and route patterns it declares; the stored definition is set
-        aside (and kept in the store) with a warning."""
-        assert self.metadata is not None
-        builtin = {broker.router.default_stream, SYS_STREAM}
-        for record in self.metadata.list_streams():
-            if record.name in builtin:
-                continue
-            try:
-                stored = stream_config(record)
-                existing = broker.streams.get(record.name)
-                if existing is None:
-                    broker.create_stream(stored)
-            except (CoreError, ValueError) as exc:
-                set_aside(log, f"stream {record.name!r}", record, exc)
-                continue
-            if existing is None:
-                log.info("restored stream %r (%s, %d partitions) created at run time",
-                         stored.name, stored.mode.value, stored.partitions)
-            elif _definition(existing.config) != _definition(stored):
-                log.warning(
-                    "stream %r is declared in the configuration file and was also created or "
-                    "changed at run time; the configuration file wins: using %s, not the stored %s",
-                    record.name, _definition(existing.config), _definition(stored),
-                )
-        for route in self.metadata.list_routes():
-            owner = declared_routes.get(route.pattern)
-            if owner is not None:
-                if owner != route.stream:
-                    log.warning(
-                        "route %r goes to stream %r in the configuration file and to %r at run "
-                        "time; the configuration file wins", route.pattern, owner, route.stream,
-                    )
-                continue
-            if route.stream not in broker.streams:
-                log.warning("route %r in the metadata store names stream %r, which does not "
-                            "exist; skipped", route.pattern, route.stream)
-                continue
-            try:
-                broker.add_route(RoutingRule(route.pattern, route.stream))
-            except (CoreError, ValueError) as exc:
-                set_aside(log, f"route {route.pattern!r}", route, exc)
 
     async def start(self) -> None:
         config = self.config
@@ -283,7 +186,8 @@ class Shardgate:
             self.broker, self.metadata, stored, edge.owner_factories,
             remote_needs=parts.floors.remote_needs if parts is not None else None)
         self.persistence.restore_retained()
-        self._register_configured_schemas()
+        assert self.broker is not None
+        register_configured_schemas(self.broker, self.config.streams)
         self.persistence.restore_subscriptions()
         self.broker.delayed.store = stored
         held = self.broker.delayed.restore()
@@ -306,7 +210,7 @@ class Shardgate:
         restored = self.mqtt.restore_sessions()
         if restored:
             log.info("restored %d persistent MQTT sessions", restored)
-        await self._start_archiver()
+        await start_archiver(self)
         self.persistence.start()
         self.mqtt.start()
         host = config.listeners.host
@@ -471,87 +375,6 @@ class Shardgate:
                 await self.stop()
                 raise ConfigError(str(exc)) from exc
         self.ready = True
-
-    async def _start_archiver(self) -> None:
-        archive = self.config.archive
-        if not archive.enabled:
-            return
-        from .storage.archive import ArchiveConfigError, Archiver, ArchiveReader, ArchiveSettings
-
-        url = archive.url or f"file://{(self.config.data_dir / 'archive').resolve()}"
-        settings = ArchiveSettings(
-            target_rows=archive.target_rows, target_bytes=archive.target_bytes,
-            max_delay_s=archive.max_delay_s, compaction=archive.compaction,
-            file_target_bytes=archive.file_target_bytes, compact_after_s=archive.compact_after_s,
-            keep_typed_payload=archive.keep_typed_payload,
-            endpoint_url=archive.endpoint_url, region=archive.region,
-            access_key_id=archive.access_key_id, secret_access_key=archive.secret_access_key,
-            # leave part of the shutdown budget to the journal and the metadata store
-            stop_timeout_s=max(1.0, self.config.shutdown_timeout_s * 0.6),
-        )
-        broker = self.broker
-        assert broker is not None
-
-        def reliable_streams() -> list[tuple[str, int, str]]:
-            return [
-                (stream.name, len(stream.shards), stream.config.schema.value)
-                for stream in broker.streams.values() if stream.reliable
-            ]
-
-        def registered_schema(name: str) -> tuple[str, Any, int] | None:
-            latest = broker.schemas.latest(name)
-            return None if latest is None else (latest.type.value, latest.parsed, latest.version)
-
-        def continue_log(name: str, index: int, offset: int) -> bool:
-            """A shard log that holds no record continues at `offset`, its broker shard too."""
-            stream = broker.streams.get(name)
-            if stream is None or not 0 <= index < len(stream.shards):
-                return False
-            shard = stream.shards[index]
-            start_at = getattr(shard.log, "start_at", None)
-            if start_at is None or shard.log is None or shard.next_offset != shard.log.next_offset:
-                return False
-            try:
-                shard.next_offset = start_at(offset)
-            except StorageError as exc:
-                log.error("%s/%d: the archive holds offsets up to %d, the journal fewer, and it "
-                          "cannot continue after them: %s", name, index, offset - 1, exc)
-                return False
-            return True
-
-        leads = None
-        if self.cluster is not None:  # only a shard's leader archives it
-            view, node_id = self.cluster.view, self.cluster.node_id
-
-            def leads(name: str, index: int) -> bool:
-                assignment = view.leader(name, index)
-                return assignment is not None and assignment.leader == node_id
-
-        assert self.journal is not None  # the archive reads the journal's reliable streams
-        try:
-            journal = self.journal
-
-            def archived_log(stream: str, shard: int) -> Any:
-                # a replicated shard: its leader archives what is below the high watermark
-                cluster = self.cluster
-                if cluster is not None and cluster.replicas is not None:
-                    return cluster.replicas.archived_log(stream, shard)
-                return journal.open_shard(stream, shard)
-
-            self.archiver = Archiver(self.journal, url, reliable_streams, settings,
-                                     registered_schema=registered_schema, leads=leads,
-                                     continue_log=continue_log,
-                                     shard_log=archived_log if self.cluster is not None else None)
-            await self.archiver.start()
-            if self.cluster is not None:  # a shard this node starts to lead: at once
-                self.cluster.view.on_change(self.archiver.wake)
-        except ArchiveConfigError as exc:
-            raise ConfigError(f"archive: {exc}") from exc
-        self.archive_reader = ArchiveReader(url, settings)
-        broker.archive = self.archive_reader
-        assert self.persistence is not None
-        self.persistence.archiver = self.archiver
-        log.info("archiving reliable streams to %s", url)
 
     def _add_listener(self, name: str, server: Any) -> None:
         port = getattr(server, "port", None)
