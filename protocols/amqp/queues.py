@@ -11,7 +11,9 @@ round-robin (highest `x-priority` first), each within its own and its channel's 
 takes over when it cancels. A requeued message goes back to its original position. Rejected,
 expired and overflowing messages go to the dead-letter exchange when one is set.
 
-No I/O here: consumers are reached through their channel (`connection.AmqpChannel`).
+No I/O here: consumers are reached through their channel (`connection.AmqpChannel`). What a
+queue holds and who consumes it (`QueueEntry`, `QueueConsumer`, `ConsumerChannel`) are in
+`queue_entries.py`, importable from here as before.
 """
 
 from __future__ import annotations
@@ -20,75 +22,21 @@ import bisect
 import heapq
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from ...core.durable import DurableSubscription
 from ...core.message import Message, now_ms
 from ...core.subscriptions import Subscription, round_robin
+from .queue_entries import (
+    ConsumerChannel,
+    QueueConsumer,
+    QueueEntry,
+    entry_position,
+    message_priority,
+)
 from .routing import Binding
 
-
-class QueueEntry:
-    """A message waiting in (or delivered from) a queue; `position` is its place in the queue's
-    order of arrival, which a requeued message goes back to."""
-
-    __slots__ = ("message", "redelivered", "expires_at_ms", "position")
-
-    def __init__(
-        self, message: Message, expires_at_ms: int | None, redelivered: bool = False,
-        position: int = 0,
-    ) -> None:
-        self.message = message
-        self.expires_at_ms = expires_at_ms
-        self.redelivered = redelivered
-        self.position = position
-
-
-def _position(entry: QueueEntry) -> int:
-    return entry.position
-
-
-def _priority(message: Message) -> int:
-    """The AMQP priority property of `message` (0 when it has none)."""
-    for name, value in message.headers or ():
-        if name == "amqp-priority":
-            try:
-                return max(0, int(value))
-            except ValueError:
-                return 0
-    return 0
-
-
-class ConsumerChannel(Protocol):
-    """What a queue needs from the channel of one of its consumers."""
-
-    def deliver(self, consumer: QueueConsumer, queue: Queue, entry: QueueEntry) -> None: ...
-
-    def can_deliver(self, consumer: QueueConsumer) -> bool: ...
-
-
-class QueueConsumer:
-    """One basic.consume registration on a queue."""
-
-    __slots__ = (
-        "channel", "tag", "queue", "no_ack", "exclusive", "prefetch", "unacked", "priority",
-    )
-
-    def __init__(
-        self, channel: ConsumerChannel, tag: str, queue: Queue, no_ack: bool, exclusive: bool,
-        prefetch: int, priority: int = 0,
-    ) -> None:
-        self.channel = channel
-        self.tag = tag
-        self.queue = queue
-        self.no_ack = no_ack
-        self.exclusive = exclusive
-        self.prefetch = prefetch
-        self.unacked = 0
-        # x-priority (https://www.rabbitmq.com/docs/consumer-priority): higher first, while
-        # they have room; round-robin among equals.
-        self.priority = priority
-
+__all__ = ["READY_LIMIT", "ConsumerChannel", "DeadLetter", "Queue", "QueueConsumer", "QueueEntry"]
 
 # Messages a durable queue holds in memory; beyond that they wait in the journal.
 READY_LIMIT = 100_000
@@ -297,11 +245,11 @@ class Queue:
             return
         if self.max_priority:
             # Higher priority first, arrival order within a priority: both in the position.
-            position += (self.max_priority - min(_priority(message), self.max_priority)) << 48
+            position += (self.max_priority - min(message_priority(message), self.max_priority)) << 48
             entry = QueueEntry(message, expires, redelivered, position)
             messages = self.messages
             if messages and messages[-1].position > position:
-                bisect.insort(messages, entry, key=_position)
+                bisect.insort(messages, entry, key=entry_position)
             else:
                 messages.append(entry)
         else:
@@ -358,7 +306,7 @@ class Queue:
         ready one except those requeued before, so only the head is merged."""
         if self.deleted or not entries:
             return
-        returning = sorted(entries, key=_position)
+        returning = sorted(entries, key=entry_position)
         messages = self.messages
         last = returning[-1].position
         older: list[QueueEntry] = []
@@ -367,7 +315,7 @@ class Queue:
         for entry in returning:
             entry.redelivered = True
             self.ready_bytes += len(entry.message.payload)
-        merged = list(heapq.merge(older, returning, key=_position)) if older else returning
+        merged = list(heapq.merge(older, returning, key=entry_position)) if older else returning
         messages.extendleft(reversed(merged))
         self.dispatch()
 
