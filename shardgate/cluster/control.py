@@ -32,19 +32,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import keys
-from .etcd import (
-    EtcdClient,
-    EtcdError,
-    EtcdUnavailable,
-    KeyValue,
-    WatchEvent,
-    create_revision_is,
-    delete_op,
-    get_op,
-    mod_revision_is,
-    put_op,
-    version_is,
+from .control_store import (
+    AnsweredProposal,
+    ControlStore,
+    PlacementChange,
+    decode_placement,
+    decode_proposal,
+    encode_proposal,
 )
+from .etcd import EtcdClient, EtcdError, EtcdUnavailable, KeyValue, WatchEvent
 from .etcd_lease import LeaseKeeper
 from .link_auth import NodeCredentials, secret_check
 from .link_tls import ClusterTlsError, load_cluster_tls
@@ -68,8 +64,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# etcd allows 128 operations per transaction by default; the guard takes one
-MAX_TXN_OPS = 100
 # how often a node measures its message rate (and reports it when it moved)
 LOAD_INTERVAL_S = 5.0
 # how often the watch's health is checked against etcd (see `_watch_guard`)
@@ -282,8 +276,7 @@ class EtcdClusterView:
                 if value is None:
                     self.placement.pop(stream, None)
                 else:
-                    self.placement[stream] = [ShardPlacement.from_json(shard)
-                                              for shard in keys.decode(value)["shards"]]
+                    self.placement[stream] = decode_placement(value)
             elif key == keys.PLACEMENT_GUARD:
                 self.guard_revision = 0 if value is None else event.revision
             elif key == keys.CONTROLLER:
@@ -313,10 +306,7 @@ class EtcdClusterView:
                 if value is None:
                     self.proposals.pop((stream, int(index)), None)
                 else:
-                    data = keys.decode(value)
-                    proposal = IsrProposal(str(data["leader"]), int(data["leader_epoch"]),
-                                           int(data["isr_version"]), frozenset(map(str, data["isr"])))
-                    self.proposals[(stream, int(index))] = (proposal, event.revision)
+                    self.proposals[(stream, int(index))] = (decode_proposal(value), event.revision)
             elif key.startswith((keys.DOCUMENTS, keys.AMQP, keys.SCHEMAS)):
                 if value is None:
                     self.documents.pop(key, None)
@@ -378,6 +368,8 @@ class ClusterNode:
             ca_file=settings.ca_file, cert_file=settings.cert_file, key_file=settings.key_file,
             timeout=max(1.0, min(5.0, settings.lease_ttl_s / 2)),
         )
+        # every etcd write and transaction of the control plane (`control_store.py`)
+        self.store = ControlStore(self.client, self.prefix)
         self.registration: keys.NodeRegistration | None = None
         self.lease_id = 0
         self._lease_keeper: LeaseKeeper | None = None
@@ -452,15 +444,14 @@ class ClusterNode:
 
     async def read_catalog(self) -> EtcdClusterView:
         """Read the whole cluster state once (before the watch starts)."""
-        kvs, revision = await self.client.get_prefix(self.prefix)
+        kvs, revision = await self.store.read_all()
         self.view.load(self.prefix, kvs, revision)
         return self.view
 
     async def publish_streams(self, definitions: Mapping[str, dict[str, Any]]) -> None:
         """Declare streams this node was configured with, unless the cluster already has them."""
         for name, definition in definitions.items():
-            key = self.key(keys.STREAMS + name)
-            await self.client.txn([version_is(key, 0)], [put_op(key, keys.encode(definition))])
+            await self.store.declare_stream(name, definition)
 
     async def join(self, cluster_address: str, listeners: Mapping[str, str]) -> None:
         """Register under a new lease; start the keep-alive, the watch and the controller."""
@@ -482,7 +473,7 @@ class ClusterNode:
         while self._pending_writes and self._running and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         written = not self._pending_writes
-        kvs, revision = await self.client.get_prefix(self.prefix)
+        kvs, revision = await self.store.read_all()
         before = self._catalog_snapshot()
         self.view.load(self.prefix, kvs, revision)
         self.view.session_changes = []  # joining is not a change of anyone's session
@@ -506,29 +497,23 @@ class ClusterNode:
 
     async def _register(self) -> None:
         assert self.registration is not None
-        key = self.key(keys.NODES + self.node_id)
+        store = self.store
         ttl = self.settings.lease_ttl_s
         sent = time.monotonic()
-        lease = await self.client.grant(ttl)
+        lease = await store.grant_lease(ttl)
         self.registration.lease = lease
-        result = await self.client.txn(
-            [version_is(key, 0)], [put_op(key, self.registration.to_json(), lease)], [get_op(key)])
-        if not result.succeeded:
-            existing = result.reads[0][0] if result.reads and result.reads[0] else None
-            other = keys.NodeRegistration.from_json(existing.value) if existing else None
-            if existing is not None and other is not None and other.instance == self.instance:
+        created, held = await store.register(self.registration, lease)
+        if not created:
+            if held is not None and held.registration.instance == self.instance:
                 # the same node restarting before its previous lease ran out: take the key over
-                taken = await self.client.txn(
-                    [mod_revision_is(key, existing.mod_revision)],
-                    [put_op(key, self.registration.to_json(), lease)])
-                if taken.succeeded:
-                    await self.client.revoke(existing.lease)
+                if await store.take_over_registration(self.registration, lease, held):
+                    await store.revoke_lease(held.lease)
                 else:
-                    await self.client.revoke(lease)
+                    await store.revoke_lease(lease)
                     raise ClusterStartError(f"node id {self.node_id!r} changed hands during start")
             else:
-                await self.client.revoke(lease)
-                address = other.cluster_address if other else "?"
+                await store.revoke_lease(lease)
+                address = held.registration.cluster_address if held else "?"
                 raise ClusterStartError(
                     f"node id {self.node_id!r} is already in use by a running node "
                     f"(internal address {address}); give this node another --node-id")
@@ -591,7 +576,7 @@ class ClusterNode:
                 await asyncio.sleep(WATCH_CHECK_S)
                 seen = self.view.revision
                 try:
-                    behind = await self.client.latest_modification(self.prefix) > seen
+                    behind = await self.store.latest_modification() > seen
                 except Exception:
                     continue  # etcd away: the watch loop itself deals with that
                 if not behind:
@@ -620,13 +605,12 @@ class ClusterNode:
                     # This node's own writes still queued go first, or they would look undone.
                     while self._pending_writes and self._running:
                         await asyncio.sleep(0.05)
-                    kvs, revision = await self.client.get_prefix(self.prefix)
+                    kvs, revision = await self.store.read_all()
                     before = self._catalog_snapshot()
                     self.view.load(self.prefix, kvs, revision)
                     self._after_change(before)
                     log.info("cluster: watching etcd again from revision %d", revision)
-                async with contextlib.aclosing(
-                        self.client.watch_prefix(self.prefix, revision + 1)) as changes:
+                async with contextlib.aclosing(self.store.watch(revision + 1)) as changes:
                     async for events in changes:
                         before = self._catalog_snapshot()
                         relevant = self.view.apply(self.prefix, events)
@@ -701,13 +685,10 @@ class ClusterNode:
         return self.view.controller_id == self.node_id and self.view.lease_alive()
 
     async def _campaign(self) -> None:
-        key = self.key(keys.CONTROLLER)
-        result = await self.client.txn(
-            [version_is(key, 0)],
-            [put_op(key, keys.encode({"node_id": self.node_id}), self.lease_id)])
-        if result.succeeded:
+        elected = await self.store.campaign(self.node_id, self.lease_id)
+        if elected is not None:
             self.view.controller_id = self.node_id
-            self.view.controller_revision = result.revision
+            self.view.controller_revision = elected
             log.info("cluster: node %s is the controller", self.node_id)
 
     def desired_placement(self) -> dict[str, list[ShardPlacement]]:
@@ -781,61 +762,47 @@ class ClusterNode:
     async def _write_placement(self) -> None:
         view = self.view
         desired, leases = self._desired()
-        ops = []
-        for name, shards in sorted(desired.items()):
-            if view.placement.get(name) != shards:
-                value = keys.encode({"shards": [placed.to_json() for placed in shards]})
-                ops.append(put_op(self.key(keys.PLACEMENT + name), value))
-        for name in view.placement.keys() - view.streams.keys():
-            ops.append(delete_op(self.key(keys.PLACEMENT + name)))
-        # the proposals read are answered (applied above, or refused) by deleting them in the
-        # same transaction; one made again since is compared out and read at the next pass
-        answered = [(self.key(f"{keys.ISR_PROPOSALS}{stream}/{index}"), revision)
-                    for (stream, index), (_, revision) in sorted(view.proposals.items())]
-        guard = self.key(keys.PLACEMENT_GUARD)
-        chunks = [ops[start:start + MAX_TXN_OPS] for start in range(0, len(ops), MAX_TXN_OPS)]
-        if answered and not chunks:
-            chunks = [[]]
-        for number, chunk in enumerate(chunks):
-            compares = [create_revision_is(self.key(keys.CONTROLLER), view.controller_revision),
-                        mod_revision_is(guard, view.guard_revision)]
-            if number == 0:
-                compares += [mod_revision_is(key, revision) for key, revision in answered[:20]]
-                chunk = chunk + [delete_op(key) for key, _ in answered[:20]]
-            result = await self.client.txn(
-                compares, [put_op(guard, keys.encode({"controller": self.node_id}))] + chunk)
-            if not result.succeeded:
-                return  # the view was stale or another controller won: the watch catches up
-            view.guard_revision = result.revision
-            if number == 0:
-                for (stream, index), (_, revision) in list(view.proposals.items()):
-                    if (self.key(f"{keys.ISR_PROPOSALS}{stream}/{index}"), revision) in answered[:20]:
-                        del view.proposals[(stream, index)]
+        change = PlacementChange(
+            controller=self.node_id, controller_revision=view.controller_revision,
+            guard_revision=view.guard_revision,
+            put={name: shards for name, shards in sorted(desired.items())
+                 if view.placement.get(name) != shards},
+            removed=sorted(view.placement.keys() - view.streams.keys()),
+            # the proposals read are answered (applied above, or refused) by deleting them in
+            # the same transaction; one made again since is compared out, read at the next pass
+            answered=[AnsweredProposal(stream, index, revision)
+                      for (stream, index), (_, revision) in sorted(view.proposals.items())])
+        written = await self.store.write_placement(change)
+        view.guard_revision = written.guard_revision
+        for answered in written.answered:
+            if view.proposals.get((answered.stream, answered.shard), (None, -1))[1] == answered.revision:
+                del view.proposals[(answered.stream, answered.shard)]
+        if not written.complete:
+            return  # the view was stale or another controller won: the watch catches up
         self._leases_seen.update(leases)
-        if ops:
+        if change.put or change.removed:
             for name, shards in desired.items():
                 view.placement[name] = shards
             for name in list(view.placement.keys() - view.streams.keys()):
                 del view.placement[name]
-            log.info("cluster: placement written (%d streams changed)", len(ops))
+            log.info("cluster: placement written (%d streams changed)",
+                     len(change.put) + len(change.removed))
 
     # ---------------------------------------------------------------- replication control
     def propose_isr(self, stream: str, shard: int, proposal: IsrProposal) -> None:
         """`ReplicaManager`'s `propose`: this node leads the shard and asks the controller to
         write another in-sync set (put under this node's lease, in order with its other
         writes; the controller answers by writing the placement, or not, and deleting it)."""
-        value = keys.encode({"leader": proposal.leader, "leader_epoch": proposal.leader_epoch,
-                             "isr_version": proposal.isr_version, "isr": sorted(proposal.isr)})
-        self.submit(f"{keys.ISR_PROPOSALS}{stream}/{shard}", value, under_lease=True)
+        self.submit(f"{keys.ISR_PROPOSALS}{stream}/{shard}", encode_proposal(proposal),
+                    under_lease=True)
 
     async def drain(self, node_id: str, *, cancel: bool = False) -> None:
         """`shardgate cluster drain NODE`: ask the controller to move every replica and
         leadership off `node_id` (or, with `cancel`, to stop). Raises EtcdError."""
-        key = self.key(keys.DRAIN + node_id)
         if cancel:
-            await self.client.delete(key)
+            await self.store.clear_drain(node_id)
         else:
-            await self.client.put(key, keys.encode({"since_ms": int(time.time() * 1000)}))
+            await self.store.set_drain(node_id, int(time.time() * 1000))
 
     async def _report_load(self) -> None:
         """Every LOAD_INTERVAL_S, put this node's message rate in its registration when it moved
@@ -855,8 +822,7 @@ class ClusterNode:
                 continue
             registration.load = round(rate, 1)
             with contextlib.suppress(Exception):
-                await self.client.put(self.key(keys.NODES + self.node_id), registration.to_json(),
-                                      self.lease_id)
+                await self.store.put_registration(registration, self.lease_id)
 
     # ---------------------------------------------------------------- session registry
     async def claim_session(self, client_id: str, also_read: Sequence[str] = (), *,
@@ -880,10 +846,8 @@ class ClusterNode:
         a snapshot written between that judgement and the claim (the dying holder's last one)
         makes the claim look again rather than hand one user's session to another. Raises
         EtcdError when etcd fails or others keep claiming."""
-        key = self.key(keys.SESSIONS + client_id)
         view = self.view
         entry = keys.SessionEntry(self.node_id, owner, owned)
-        value = entry.to_json()
         for _attempt in range(CLAIM_ATTEMPTS):
             known = view.session_revision(client_id)
             previous = view.sessions.get(client_id) if known else None
@@ -891,28 +855,26 @@ class ClusterNode:
             if refuse_other_user and held is not None and held.refuses(owner):
                 raise ClaimRefused(f"client identifier {client_id!r} has a session of "
                                            f"another user (on {held.node})")
-            guards = [mod_revision_is(key, known)]
+            snapshot_guard = None
             if refuse_other_user and vacant_refuses is not None and previous is None:
                 snapshot_key, refuses = vacant_refuses
-                snapshot = await self.client.get(snapshot_key)
+                snapshot = await self.store.get(snapshot_key)
                 if refuses(snapshot):
                     raise ClaimRefused(f"client identifier {client_id!r} has a session of "
                                        "another user (its holder is gone)")
-                guards.append(mod_revision_is(
-                    snapshot_key, 0 if snapshot is None else snapshot.mod_revision))
-            result = await self.client.txn(
-                guards,
-                [*(get_op(read) for read in also_read), put_op(key, value, self.lease_id)],
-                [get_op(key)])
-            if result.succeeded:
-                view.note_session(client_id, entry, result.revision)
-                return previous, result.reads
-            current = result.reads[0]
-            if current:
-                view.note_session(client_id, keys.SessionEntry.from_json(current[0].value),
-                                  current[0].mod_revision)
+                snapshot_guard = (snapshot_key, 0 if snapshot is None else snapshot.mod_revision)
+            outcome = await self.store.claim_session(
+                client_id, entry, self.lease_id, known_revision=known, also_read=also_read,
+                snapshot=snapshot_guard)
+            if outcome.succeeded:
+                view.note_session(client_id, entry, outcome.revision)
+                return previous, outcome.reads
+            current = outcome.current
+            if current is not None:
+                view.note_session(client_id, keys.SessionEntry.from_json(current.value),
+                                  current.mod_revision)
             else:
-                view.note_session(client_id, None, result.revision)
+                view.note_session(client_id, None, outcome.revision)
         raise EtcdError(f"the session of {client_id!r} was claimed by other nodes "
                         f"{CLAIM_ATTEMPTS} times in a row")
 
@@ -937,10 +899,9 @@ class ClusterNode:
                 self._release, client_id, self.view.session_revision(client_id)))
 
     async def _release(self, client_id: str, claimed: int) -> None:
-        key = self.key(keys.SESSIONS + client_id)
-        result = await self.client.txn([mod_revision_is(key, claimed)], [delete_op(key)])
-        if result.succeeded:
-            self.view.note_session(client_id, None, result.revision)
+        deleted = await self.store.release_session(client_id, claimed)
+        if deleted is not None:
+            self.view.note_session(client_id, None, deleted)
 
     def _registry_write(self, write: Callable[[], Awaitable[None]]) -> None:
         """Run a registry write in the background, after the catalog writes queued before it
@@ -966,10 +927,9 @@ class ClusterNode:
             while self._running:
                 try:
                     if value is None:
-                        await self.client.delete(self.key(suffix))
+                        await self.store.delete(suffix)
                     else:
-                        await self.client.put(self.key(suffix), value,
-                                              self.lease_id if under_lease else 0)
+                        await self.store.put(suffix, value, self.lease_id if under_lease else 0)
                     self._pending_writes -= 1
                     break
                 except Exception as exc:
@@ -1007,9 +967,8 @@ class ClusterNode:
             self.view.released.intersection_update(empty)
             self.registration.released = sorted(f"{stream}/{shard}" for stream, shard in empty)
         self.registration.leaving = True
-        key = self.key(keys.NODES + self.node_id)
         try:
-            announced = await self.client.put(key, self.registration.to_json(), self.lease_id)
+            announced = await self.store.put_registration(self.registration, self.lease_id)
         except EtcdError as exc:
             log.warning("cluster: cannot announce leaving: %s", exc)
             return
@@ -1090,7 +1049,7 @@ class ClusterNode:
             self._lease_keeper = None
         if self.lease_id:
             with contextlib.suppress(EtcdError):
-                await self.client.revoke(self.lease_id)
+                await self.store.revoke_lease(self.lease_id)
             self.lease_id = 0
         self.view.lease_valid_until = 0.0
         await self.client.close()
