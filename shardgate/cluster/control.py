@@ -20,7 +20,8 @@ their own, which `ClusterNode` builds and runs:
 - Leave (SIGTERM): the node says it is leaving and waits (bounded) until the controller has
   moved what it leads (`controller.movable_led`).
 
-The names other modules import from here (`EtcdClusterView`, `ClaimRefused`) stay importable.
+The names other modules import from here (`EtcdClusterView`, `ClaimRefused`, `SessionMovedOn`)
+stay importable.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from .placement import ShardPlacement
 from .replica_leader import IsrProposal
 from .replica_placement import ReplicaPlacer
 from .replica_status import Leading
-from .session_registry import ClaimRefused, SessionRegistry
+from .session_registry import ClaimRefused, SessionMovedOn, SessionRegistry
 from .settings import ClusterSettings
 from .view_watch import ViewWatch
 
@@ -61,7 +62,8 @@ if TYPE_CHECKING:
     from .state_writer import StateWriter
     from .wills import WillKeeper
 
-__all__ = ["ClaimRefused", "ClusterNode", "ClusterStartError", "EtcdClusterView", "node_instance"]
+__all__ = ["ClaimRefused", "ClusterNode", "ClusterStartError", "EtcdClusterView", "SessionMovedOn",
+           "node_instance"]
 
 log = logging.getLogger(__name__)
 
@@ -376,11 +378,12 @@ class ClusterNode:
                             owner: str | None = None, owned: bool = False,
                             refuse_other_user: bool = False,
                             vacant_refuses: tuple[str, Callable[[KeyValue | None], bool]] | None = None,
+                            held_by: str | None = None,
                             ) -> tuple[str | None, list[list[KeyValue]]]:
         """`SessionRegistry.claim`: make the registry name this node for `client_id`."""
         return await self.session_registry.claim(
             client_id, also_read, owner=owner, owned=owned, refuse_other_user=refuse_other_user,
-            vacant_refuses=vacant_refuses)
+            vacant_refuses=vacant_refuses, held_by=held_by)
 
     def claim_session_soon(self, client_id: str, owner: str | None = None, owned: bool = False) -> None:
         """`SessionRegistry.claim_soon`: claim a session opened here, in the background."""
