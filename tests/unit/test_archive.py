@@ -27,11 +27,11 @@ from shardgate.storage.archive import (
     ArchiveUnavailable,
     build_table,
     list_stream_files,
+    local_files,
     open_filesystem,
     parse_file_name,
     records_from_table,
 )
-from shardgate.storage.archive import archiver as archiver_module
 from shardgate.storage.interfaces import StoredRecord
 from shardgate.storage.journal import JournalStorage
 
@@ -258,14 +258,14 @@ async def test_a_write_that_fails_midway_leaves_no_visible_file(
         seen.append([p.name for p in root.rglob("*") if p.is_file()])
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(archiver_module.os, "fsync", failing_fsync)
+    monkeypatch.setattr(local_files.os, "fsync", failing_fsync)
     with pytest.raises(ArchiveUnavailable):
         await archiver.flush(timeout=0.1)
     assert seen and all(name.startswith(".shard") for names in seen for name in names)
     assert [p for p in root.rglob("*") if p.is_file()] == []  # the temporary was removed
     assert list_stream_files(LocalFileSystem(), str(root), "default") == []
 
-    monkeypatch.setattr(archiver_module.os, "fsync", real_fsync)
+    monkeypatch.setattr(local_files.os, "fsync", real_fsync)
     await archiver.flush(timeout=5)
     assert read_rows(root, "default").column("offset").to_pylist() == list(range(20))
 
