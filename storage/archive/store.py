@@ -202,7 +202,7 @@ class ArchiveStore:
     def _put(self, path: str, data: bytes) -> None:
         """Make `data` visible at `path` all at once (replacing a previous upload)."""
         if self._local:
-            write_local_atomically(path, data)
+            write_local_atomically(path, data, layout.writing_root(self.root))
             return
         try:
             self.fs.pipe_file(path, data)

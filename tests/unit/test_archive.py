@@ -285,6 +285,50 @@ async def test_stale_temporaries_are_invisible_and_removed_at_start(
     assert read_rows(root, "default").num_rows == 10
 
 
+async def test_polars_reads_the_root_while_a_file_is_being_written(
+        journal: JournalStorage, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The temporary of a file being written lies outside the root: polars, which refuses a
+    directory holding a `.tmp` beside `.parquet` files, reads the root meanwhile."""
+    import polars as pl
+
+    await append(journal, "default", 0, 10)
+    archiver = Archiver(journal, f"file://{root}", streams(("default", 1, "bytes")), FAST)
+    await archiver.flush(timeout=5)
+    real_fsync = os.fsync
+    counts: list[int] = []
+
+    def fsync_after_a_read(fd: int) -> None:
+        if not counts:  # the temporary is written, not yet renamed into place
+            counts.append(pl.read_parquet(str(root), hive_partitioning=True).height)
+        real_fsync(fd)
+
+    await append(journal, "default", 0, 5, ts=T0 + 10)
+    monkeypatch.setattr(local_files.os, "fsync", fsync_after_a_read)
+    await archiver.flush(timeout=5)
+    monkeypatch.setattr(local_files.os, "fsync", real_fsync)
+    assert counts == [10]
+    assert pl.read_parquet(str(root), hive_partitioning=True).height == 15
+    assert [p for p in root.parent.rglob("*.tmp")] == []
+
+
+async def test_stale_temporaries_beside_the_root_are_removed_once_an_hour_old(
+        journal: JournalStorage, root: Path) -> None:
+    writing = root.parent / f".{root.name}.writing"
+    writing.mkdir(parents=True)
+    name = ".shard0000-00000000000000000000-00000000000000000009.parquet.{}.tmp"
+    stale, young = writing / name.format("old"), writing / name.format("new")
+    for path in (stale, young):
+        path.write_bytes(b"PAR1 half a file")
+    hour_ago = time.time() - 3700
+    os.utime(stale, (hour_ago, hour_ago))
+    await append(journal, "default", 0, 10)
+    archiver = Archiver(journal, f"file://{root}", streams(("default", 1, "bytes")), FAST)
+    await archiver.start()
+    await archiver.stop()
+    assert not stale.exists() and young.exists()  # another node may be writing the young one
+    assert read_rows(root, "default").num_rows == 10
+
+
 async def test_max_delay_seals_a_partial_file_without_flush(
         journal: JournalStorage, root: Path) -> None:
     archiver = Archiver(journal, f"file://{root}", streams(("default", 2, "bytes")),
