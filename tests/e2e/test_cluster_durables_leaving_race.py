@@ -4,9 +4,11 @@ being published: the consumer goes on from where it was, nothing lost, nothing i
 acknowledged (and the holder had taken) sent again; only what was in flight may come again
 (at least once). And the subscription is the new node's afterwards: the leaving node's last
 checkpoint does not name it again in etcd. The counterpart of
-`test_cluster_sessions_leaving_race.py` for durable subscriptions (whose handover is pulled by
-the consumer's node from the holder, never pushed by a leaving node to a third one). Real etcd,
-three `shardgate serve` nodes, the gRPC SDK."""
+`test_cluster_sessions_leaving_race.py` for durable subscriptions: there a leaving node pushed
+its offline sessions to a third node, racing their clients; a durable subscription is only
+ever pulled, by its consumer's node from the holder (`ReleaseDurable`, which the holder
+answers by giving it up at once), so that race has no counterpart here, and these tests guard
+the moves that remain. Real etcd, three `shardgate serve` nodes, the gRPC SDK."""
 
 from __future__ import annotations
 
@@ -120,10 +122,10 @@ def test_a_durable_subscription_resumed_elsewhere_while_its_node_stops_loses_and
 def test_a_shared_subscription_consumed_on_two_nodes_moves_whole_when_its_holder_stops(
         etcd: EtcdServer, tmp_path: Path) -> None:
     """Shared, with a consumer on n2 (its holder) and one on n3 (relayed to n2): n2 stops, its
-    consumer comes to n3 at once, while the one on n3 is still relayed to n2. A relay that
-    reached n2 after its clients were sent away was served there until its cluster port
-    closed: acknowledged there after n2's last checkpoint (so sent again from it), and n2's
-    final checkpoint named n2 again in etcd after n3 had taken the subscription over."""
+    consumer comes to n3 at once while the one on n3 still is, or was just, relayed to n2 (the
+    relay ends; the SDK subscribes again on n3). Every message reaches one of them, nothing
+    acknowledged on n2 comes again, and etcd names n3 afterwards (n2's last checkpoint, written
+    as it stops, does not name n2 again after n3 took the subscription over)."""
     nodes = [protocol_node(tmp_path, name, etcd.url, WORK).start() for name in ("n1", "n2", "n3")]
     with settled_nodes(nodes) as (n1, n2, n3):
 
