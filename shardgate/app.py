@@ -36,6 +36,7 @@ from .topology import (
     SYS_STREAM,
     declare_configured_streams,
     register_configured_schemas,
+    register_configured_schemas_ordered,
     restore_runtime_topology,
 )
 
@@ -187,7 +188,8 @@ class Shardgate:
             remote_needs=parts.floors.remote_needs if parts is not None else None)
         self.persistence.restore_retained()
         assert self.broker is not None
-        register_configured_schemas(self.broker, self.config.streams)
+        register_configured_schemas(self.broker, self.config.streams,
+                                    in_cluster=self.cluster is not None)
         self.persistence.restore_subscriptions()
         self.broker.delayed.store = stored
         held = self.broker.delayed.restore()
@@ -347,10 +349,15 @@ class Shardgate:
             assert parts is not None
             try:
                 await attach.join(self, self.cluster, parts)
+                await register_configured_schemas_ordered(self.broker, self.config.streams)
             except ClusterStartError as exc:
                 joined.cancel()
                 await self.stop()
                 raise ConfigError(f"cluster: {exc}") from exc
+            except ConfigError:
+                joined.cancel()
+                await self.stop()
+                raise
             except BaseException:
                 joined.cancel()
                 raise

@@ -57,17 +57,41 @@ def declare_configured_streams(broker: Broker, streams: list[StreamEntry]) -> di
     return declared_routes
 
 
-def register_configured_schemas(broker: Broker, streams: list[StreamEntry]) -> None:
+def register_configured_schemas(broker: Broker, streams: list[StreamEntry], *,
+                                in_cluster: bool = False) -> None:
     """Register the `schema_file` of each configured stream (no new version when it is
     the latest already); a file that cannot be read, an invalid schema or one that breaks
-    the stream's compatibility mode stops the start with the stream named."""
+    the stream's compatibility mode stops the start with the stream named. In a cluster
+    (`in_cluster`) the files are only read and checked here: they are registered once the
+    node has joined (`register_configured_schemas_ordered`)."""
     for entry in streams:
         if not entry.schema_file:
             continue
         try:
             text = Path(entry.schema_file).read_text(encoding="utf-8")
+            if in_cluster:
+                broker.schemas.prepare(entry.name, entry.schema_type, text,
+                                       entry.compatibility or None)
+                continue
             broker.schemas.register(entry.name, entry.schema_type, text,
                                     entry.compatibility or None)
+        except (OSError, UnicodeDecodeError, CoreError) as exc:
+            raise ConfigError(f"stream {entry.name!r}: schema_file {entry.schema_file!r}: "
+                              f"{exc}") from exc
+
+
+async def register_configured_schemas_ordered(broker: Broker, streams: list[StreamEntry]) -> None:
+    """In a cluster, once joined: register each configured `schema_file` through the
+    cluster's compare-and-set in etcd (`register_ordered`), as the gRPC Admin service
+    does, checked against the latest version etcd holds; a schema that breaks the
+    stream's compatibility with it, or an etcd out of reach, stops the start."""
+    for entry in streams:
+        if not entry.schema_file:
+            continue
+        try:
+            text = Path(entry.schema_file).read_text(encoding="utf-8")
+            await broker.schemas.register_ordered(entry.name, entry.schema_type, text,
+                                                  entry.compatibility or None)
         except (OSError, UnicodeDecodeError, CoreError) as exc:
             raise ConfigError(f"stream {entry.name!r}: schema_file {entry.schema_file!r}: "
                               f"{exc}") from exc
