@@ -737,7 +737,9 @@ class ClusterNode:
                         released.add((stream, int(index)))
         # shards of replicated streams, and reliable shards with a replica on a draining node
         # (moved by copying), are the replica placer's; the others `place()`'s
-        settings = {name: stream_replication(definition) for name, definition in view.streams.items()}
+        defaults = self.settings.replication_defaults
+        settings = {name: stream_replication(definition, defaults)
+                    for name, definition in view.streams.items()}
         replicated: list[ReplicatedSpec] = []
         specs = view.shard_specs()
         for spec in specs:
