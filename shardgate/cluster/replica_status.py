@@ -80,6 +80,7 @@ def shard_status(placement: Mapping[str, list[ShardPlacement]],
             "leader": placed.leader, "leader_live": placed.leader in live,
             "replicas": list(placed.replicas), "isr": list(placed.isr),
             "leader_epoch": placed.leader_epoch, "wanted_replicas": wanted,
+            "adding": list(placed.adding),
             "under_replicated": under_replicated(placed, wanted, live, capacity),
         }
         figures = leading(stream, index) if leading is not None else None
