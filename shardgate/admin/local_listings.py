@@ -1,7 +1,7 @@
 """What this node holds, as the listings of the admin surfaces: the answer a cluster node
 gives its peers when they build a cluster-wide listing (`shardgate.cluster.views`).
 
-Two shapes: `json`, the admin HTTP API's (`admin_http.streams_view` and the rest), and
+Two shapes: `json`, the admin HTTP API's (`views.streams_view` and the rest), and
 `proto`, the gRPC Admin messages as dicts (`google.protobuf.json_format`), which the asking
 node turns back into messages. `local_action` is this node's side of an administrator's
 action on a subscription it holds (purge, cursor moves), which the cluster forwards to the
@@ -17,17 +17,9 @@ from google.protobuf.json_format import MessageToDict, ParseDict
 from google.protobuf.message import Message
 from grpc import StatusCode
 
-from .admin_http import (
-    Conflict,
-    NotFound,
-    clients_view,
-    nodes_view,
-    purge_subscription,
-    reset_cursor,
-    stream_view,
-    streams_view,
-    subscriptions_view,
-)
+from .actions import purge_subscription, reset_cursor
+from .errors import Conflict, NotFound
+from .views import clients_view, nodes_view, stream_view, streams_view, subscriptions_view
 
 
 def as_dict(message: Message) -> dict[str, Any]:
