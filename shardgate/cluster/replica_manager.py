@@ -172,6 +172,17 @@ class ReplicaManager:
             # the same leadership, a new in-sync set
             self._isr_changed(stream, entry, entry.wanted)
             return
+        wanted = entry.wanted
+        if (entry.role is None and wanted is not None and wanted.leader == self.node_id
+                and entry.log.leader is None and entry.follower_task is None
+                and entry.log.log.next_offset == entry.log.log.committed_offset):
+            # a first leadership with nothing to stop and nothing unwritten to cut (a new
+            # shard): lead at once, so a publish right after the placement is not refused
+            self._lead(stream, shard, entry, wanted)
+            entry.role = wanted
+            if self.on_role is not None:
+                self.on_role(stream, shard)
+            return
         entry.changing = True
         entry.task = asyncio.get_running_loop().create_task(self._converge(stream, shard, entry))
 
