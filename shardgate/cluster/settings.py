@@ -44,8 +44,9 @@ class ClusterSettings:
     # What a reliable stream without its own `replicas` / `min_insync_replicas` gets: this many
     # replicas per shard (capped by the live nodes that may hold them), and this many of them in
     # sync to acknowledge a publish (capped by the replicas the shard has). Give every node the
-    # same values. 1 and 1: one copy per shard, lost with its node's disk
-    default_replicas: int = 3
+    # same values. 1: one copy per shard, lost with its node's disk (the default for now;
+    # issue 28's is 3)
+    default_replicas: int = 1
     default_min_insync_replicas: int = 2
     # how often the controller removes expired MQTT sessions' snapshots from etcd
     session_sweep_s: float = 30.0

@@ -1,6 +1,7 @@
 """Replication by default in a cluster (issue 28): a reliable stream created with no replica
-settings gets `[cluster] default_replicas` (3) replicas per shard, capped by the live nodes,
-and `default_min_insync_replicas` (2), capped by the replicas the shard has. Real
+settings gets `[cluster] default_replicas` replicas per shard (here 3, as the issue asks; the
+built-in default is still 1, see docs/OPERATIONS.md), capped by the live nodes, and
+`default_min_insync_replicas` (2), capped by the replicas the shard has. Real
 `shardgate serve` nodes and a real etcd on loopback, MQTT clients and the gRPC SDK.
 
 - Three nodes: the stream's shard has three replicas, all in sync; SIGKILL of its leader
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,12 +31,43 @@ from tests.e2e.cluster_fixtures import (
     ClusterNodeProcess,
     ContinuousPublisher,
     EtcdServer,
+    linked,
     read_back,
+    settled,
     topics_of,
 )
 from tests.mqtt_clients import RawClient
 
 STREAM = "plain"
+DEFAULTS = "default_replicas = 3\ndefault_min_insync_replicas = 2\n"
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, etcd: EtcdServer) -> Iterator[Callable[..., list[ClusterNodeProcess]]]:
+    """Nodes n<first>.. with the issue's cluster defaults (three replicas, two in sync)."""
+    started: list[ClusterNodeProcess] = []
+
+    def start(count: int, *, first: int = 1) -> list[ClusterNodeProcess]:
+        nodes = []
+        for index in range(first, first + count):
+            node = ClusterNodeProcess(tmp_path / f"n{index}", f"n{index}", etcd.url)
+            assert node.config_file is not None
+            text = node.config_file.read_text()
+            node.config_file.write_text(text.replace("[cluster]\n", "[cluster]\n" + DEFAULTS, 1))
+            started.append(node)
+            nodes.append(node.start())
+        everyone = {n.node_id for n in started if n.alive()}
+        for node in nodes:
+            wait_for(lambda node=node: settled(node, everyone), timeout=30, interval=0.05)
+        for node in (n for n in started if n.alive()):
+            wait_for(lambda node=node: linked(node) >= everyone - {node.node_id},
+                     timeout=30, interval=0.05)
+        return nodes
+
+    yield start
+    for node in started:
+        if node.alive():
+            node.kill()
 
 
 def shard(node: ClusterNodeProcess) -> dict[str, Any] | None:
