@@ -421,11 +421,8 @@ def test_suback_is_not_held_long_by_a_node_that_does_not_answer(cluster: Cluster
         assert sub.subscribe("+/stopped/#", 1)[0].value == 1  # the helper waits 10 s at most
         pub = Paho(n1.mqtt_port, "pub", V5)
         placement = n1.status()["placement"]
-        # a non-reliable shard of n1's: a reliable one is replicated on n2 too (the default
-        # in a cluster), so with n2 frozen it cannot commit, and with two nodes it refuses
-        # once n2 left its in-sync set (test_cluster_replication_default.py)
-        topic = next(topic for topic in (f"fast/stopped/{i}" for i in range(50))
-                     if placement["fast"][zlib.crc32(topic.encode()) % 4][0] == "n1")
+        topic = next(topic for topic in (f"{stream}/stopped/{i}" for i in range(50) for stream in ("fast", "safe"))
+                     if placement[topic.split("/")[0]][zlib.crc32(topic.encode()) % 4][0] == "n1")
         pub.publish(topic, "here", 1)
         assert sub.expect().payload == b"here"
     finally:
