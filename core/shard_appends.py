@@ -244,7 +244,12 @@ class ShardAppends:
                 self._release_reserved(shard, shard.log.deliverable_end)
             return
         error = "cancelled" if waiter.cancelled() else waiter.exception()
-        log.error("journal commit failed on %s/%d: %s; %d held messages not delivered",
-                  shard.stream, shard.index, error, len(group.messages))
+        # a replicated shard whose leadership moved (a graceful move, a failover) refuses what
+        # it had not committed with a retryable error: expected, its publishers try again
+        retryable = isinstance(error, (ShardUnavailable, StorageUnavailable))
+        log.log(logging.WARNING if retryable else logging.ERROR,
+                "journal commit %s on %s/%d: %s; %d held messages not delivered",
+                "refused (retryable)" if retryable else "failed", shard.stream, shard.index,
+                error, len(group.messages))
         # The failed offsets are not handed out again (the log skips them), so what a
         # subscriber already saw is never contradicted; publishers got no acknowledgement.

@@ -84,6 +84,10 @@ class ClaimRefused(Exception):
     """A session claim refused: the registry names another user as the session's owner."""
 
 
+class SessionMovedOn(Exception):
+    """A claim `held_by` a node refused: the registry names another node (or none) now."""
+
+
 class ClusterStartError(Exception):
     """The node cannot join: etcd unreachable, node id taken, bad settings."""
 
@@ -865,6 +869,7 @@ class ClusterNode:
                             owner: str | None = None, owned: bool = False,
                             refuse_other_user: bool = False,
                             vacant_refuses: tuple[str, Callable[[KeyValue | None], bool]] | None = None,
+                            held_by: str | None = None,
                             ) -> tuple[str | None, list[list[KeyValue]]]:
         """Make the registry name this node for `client_id`, for any kind of session: one etcd
         transaction that puts the entry only if it is still the claim this node knows (compared
@@ -880,8 +885,10 @@ class ClusterNode:
         full key of the session's last snapshot and whether that snapshot is another user's.
         The snapshot is read before the transaction, which compares its revision as well, so
         a snapshot written between that judgement and the claim (the dying holder's last one)
-        makes the claim look again rather than hand one user's session to another. Raises
-        EtcdError when etcd fails or others keep claiming."""
+        makes the claim look again rather than hand one user's session to another. With
+        `held_by`, the claim is made only while the registry names that node (a leaving node's
+        handover, which must not take a session its client resumed elsewhere meanwhile): else
+        SessionMovedOn. Raises EtcdError when etcd fails or others keep claiming."""
         key = self.key(keys.SESSIONS + client_id)
         view = self.view
         entry = keys.SessionEntry(self.node_id, owner, owned)
@@ -893,6 +900,8 @@ class ClusterNode:
             if refuse_other_user and held is not None and held.refuses(owner):
                 raise ClaimRefused(f"client identifier {client_id!r} has a session of "
                                            f"another user (on {held.node})")
+            if held_by is not None and previous != held_by:
+                raise SessionMovedOn(f"the session of {client_id!r} is on {previous} now")
             guards = [mod_revision_is(key, known)]
             if refuse_other_user and vacant_refuses is not None and previous is None:
                 snapshot_key, refuses = vacant_refuses

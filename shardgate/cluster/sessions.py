@@ -61,7 +61,7 @@ from ..core.message import Message
 from ..protocols.mqtt.session import SessionOfAnotherUser
 from ..protocols.mqtt.snapshot import UNREADABLE, SessionSnapshot, record_message
 from ..protocols.mqtt.snapshotting import rebuild
-from .control import ClaimRefused
+from .control import ClaimRefused, SessionMovedOn
 from .etcd import EtcdError, KeyValue
 from .session_cursors import CursorPlacer
 from .session_release import SessionRelease, in_shard_order
@@ -79,6 +79,9 @@ log = logging.getLogger(__name__)
 # How long a CONNECT waits for its session to come from another node before it gets a new one.
 TAKEOVER_TIMEOUT_S = 5.0
 RELEASE_CALL_TIMEOUT_S = 3.0
+# How long a `ReleaseSession` waits for the session it asks for to arrive here, when this node
+# claimed it earlier and is still bringing it (within the caller's RELEASE_CALL_TIMEOUT_S).
+ADOPTION_WAIT_S = 2.0
 # A graceful stop hands its persistent sessions to live nodes within this long, this many at
 # a time (`SessionHandover.hand_over_offline`).
 HAND_OVER_S = 10.0
@@ -113,6 +116,9 @@ class SessionHandover:
         # after is put in shard order once the stand-in's messages are in, `in_shard_order`)
         self._window: dict[str, int] = {}
         self._collecting: set[asyncio.Future[None]] = set()
+        # sessions this node claimed and is bringing here, done once each is adopted (or not):
+        # a later claim's `ReleaseSession` waits for it (`_release`)
+        self._adopting: dict[str, asyncio.Future[None]] = {}
 
     def key(self, client_id: str) -> str:
         return self.snapshots.key(client_id)
@@ -120,7 +126,7 @@ class SessionHandover:
     # ------------------------------------------------------------ wiring
     def install(self) -> None:
         self.service.join_cluster(self)
-        self.rpc.on_release = self.releaser.release
+        self.rpc.on_release = self._release
         self.rpc.on_take = self.take_for_peer
         self.snapshots.install()
 
@@ -156,10 +162,11 @@ class SessionHandover:
 
     # ------------------------------------------------------------ the new node
     async def _take(self, client_id: str, clean_start: bool, username: str | None, *,
-                    owned: bool, check_owner: bool = True) -> None:
+                    owned: bool, check_owner: bool = True, held_by: str | None = None) -> None:
         try:
             await asyncio.wait_for(
-                self._take_now(client_id, clean_start, username, owned=owned, check_owner=check_owner),
+                self._take_now(client_id, clean_start, username, owned=owned,
+                               check_owner=check_owner, held_by=held_by),
                 TAKEOVER_TIMEOUT_S)
         except SessionOfAnotherUser:
             raise
@@ -192,7 +199,34 @@ class SessionHandover:
         return not self.snapshots.expired(state)
 
     async def _take_now(self, client_id: str, clean_start: bool, username: str | None, *,
-                        owned: bool, check_owner: bool) -> None:
+                        owned: bool, check_owner: bool, held_by: str | None) -> None:
+        adopted = asyncio.get_running_loop().create_future()
+        earlier = self._adopting.get(client_id)
+        self._adopting[client_id] = adopted
+        try:
+            if earlier is not None:  # this node's earlier claim of it comes first
+                await asyncio.wait([earlier], timeout=TAKEOVER_TIMEOUT_S)
+            await self._claim_and_adopt(client_id, clean_start, username, owned=owned,
+                                        check_owner=check_owner, held_by=held_by, adopted=adopted)
+        finally:
+            if self._adopting.get(client_id) is adopted:
+                del self._adopting[client_id]
+            if not adopted.done():
+                adopted.set_result(None)
+
+    async def _release(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A peer's `ReleaseSession`: a session this node claimed before that peer and is
+        still bringing here is handed on once it is here (claims are ordered by etcd, each
+        waits only for an earlier one), not answered with "no session" while it is on its
+        way (that peer's client would get a new, empty session)."""
+        adopting = self._adopting.get(str(request["client_id"]))
+        if adopting is not None and not request.get("collect"):
+            await asyncio.wait([adopting], timeout=ADOPTION_WAIT_S)
+        return await self.releaser.release(request)
+
+    async def _claim_and_adopt(self, client_id: str, clean_start: bool, username: str | None, *,
+                               owned: bool, check_owner: bool, held_by: str | None,
+                               adopted: asyncio.Future[None]) -> None:
         node = self.node
         me = node.node_id
         refuse = check_owner and self.service.settings.session_takeover_by_other_user == "refuse"
@@ -202,9 +236,15 @@ class SessionHandover:
             holder, reads = await node.claim_session(
                 client_id, also_read=[self.key(client_id)], owner=username, owned=owned,
                 refuse_other_user=refuse,
-                vacant_refuses=(self.key(client_id), lambda kv: self._refuses(kv, username)))
+                vacant_refuses=(self.key(client_id), lambda kv: self._refuses(kv, username)),
+                held_by=held_by)
         except ClaimRefused as exc:
             raise SessionOfAnotherUser(str(exc)) from None
+        except SessionMovedOn as exc:
+            # a leaving node's handover of a session whose client resumed it elsewhere
+            # meanwhile: that node has it (taking it from there would take it from its client)
+            log.info("cluster: session %r not taken over from %s: %s", client_id, held_by, exc)
+            return
         saved_kv = reads[0]
         state = self.snapshots.read(client_id, saved_kv[0] if saved_kv else None)
         if holder is not None and holder != me and holder in node.view.nodes():
@@ -231,6 +271,7 @@ class SessionHandover:
                 try:
                     await self._adopt_taken(client_id, clean_start, state, stood_in=True)
                 finally:
+                    adopted.set_result(None)
                     collecting = asyncio.ensure_future(self._collect_from(str(holder), client_id))
                     self._collecting.add(collecting)
                     collecting.add_done_callback(self._collecting.discard)
@@ -257,9 +298,13 @@ class SessionHandover:
             return {"taken": False}
         owner = request.get("owner")
         try:
-            # the registry names the session's own owner (the leaving node's), as it did there
+            # the registry names the session's own owner (the leaving node's), as it did there;
+            # taken only while the registry names the leaving node (`from`): a client that
+            # resumed its session elsewhere meanwhile keeps it there
+            held_by = request.get("from")
             await self._take(client_id, False, None if owner is None else str(owner),
-                             owned="owner" in request, check_owner=False)
+                             owned="owner" in request, check_owner=False,
+                             held_by=None if held_by is None else str(held_by))
         except SessionUnavailable as exc:
             return {"taken": False, "error": str(exc)}
         return {"taken": client_id in self.service.sessions}
@@ -288,7 +333,7 @@ class SessionHandover:
                 session = self.service.sessions.get(client_id)
                 if session is None:
                     return  # its client took it elsewhere meanwhile
-                request: dict[str, Any] = {"client_id": client_id}
+                request: dict[str, Any] = {"client_id": client_id, "from": me}
                 if session.owned:
                     request["owner"] = session.owner
                 try:

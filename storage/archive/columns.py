@@ -17,6 +17,7 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -91,11 +92,20 @@ def _as_text(payloads: pa.Array) -> pa.Array:
 
 
 def _as_int64(payloads: pa.Array) -> pa.Array:
-    return pa.array(
-        [int.from_bytes(p, "big", signed=True) if len(p) == 8 else None
-         for p in payloads.to_pylist()],
-        pa.int64(),
-    )
+    """The 8-byte payloads as big-endian int64, null for other lengths (one numpy gather)."""
+    count = len(payloads)
+    if count == 0:
+        return pa.array([], pa.int64())
+    binary = payloads.cast(pa.binary())
+    eight = pc.fill_null(pc.equal(pc.binary_length(binary), 8), False).to_numpy(
+        zero_copy_only=False)
+    values = np.zeros(count, ">i8")
+    if eight.any():
+        offsets = np.frombuffer(binary.buffers()[1], np.int32)[binary.offset:binary.offset + count]
+        data = np.frombuffer(binary.buffers()[2], np.uint8)
+        at = offsets[eight].astype(np.int64)[:, None] + np.arange(8)
+        values[eight] = data[at].view(">i8").ravel()
+    return pa.array(values.astype(np.int64), pa.int64(), mask=~eight)
 
 
 _HEAD = struct.Struct("<BBBBq")
@@ -246,11 +256,10 @@ def build_table(
         decoded["payload_int64"] = _as_int64(payloads)
     typed_arrays: list[pa.Array] = []
     if typed is not None:
-        typed_arrays, decodable = typed.columns(payloads.to_pylist())
+        typed_arrays, decodable = typed.columns_of(payloads)
         decoded["payload_json"] = pa.nulls(count, pa.string())  # the typed columns hold it
         if not keep_payload:
-            payloads = pc.if_else(pa.array(decodable, pa.bool_()), pa.nulls(count, pa.binary()),
-                                  payloads)
+            payloads = pc.if_else(decodable, pa.nulls(count, pa.binary()), payloads)
     arrays = [
         pa.repeat(pa.scalar(shard, pa.int32()), count),
         offsets,

@@ -10,13 +10,16 @@ partition): compaction replaces that directory's content in one atomic exchange
 (`compaction.py`). The hour is written without a leading zero (`hour=7`), so that every reader
 that infers partition types (DuckDB keeps `07` as text) reads an integer; archives written
 before hold `hour=07` directories too, and files directly in the hour directory, which are
-read the same way. Files still being written locally are dot-named and end in `.tmp`, so
-Spark, pyarrow, DuckDB's `**/*.parquet` and the listing here skip them. This module does no
+read the same way. Files still being written locally are dot-named, end in `.tmp` and lie
+outside the root (`writing_root`, beside it), so no reader of the root meets them (polars
+refuses a directory holding a `.tmp` beside `.parquet` files); older archivers wrote them
+inside, which the listing here skips and `stale_temporaries` removes. This module does no
 Parquet encoding and keeps no state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -87,6 +90,20 @@ def staging_root(root: str) -> str | None:
     if not parent or not name:
         return None
     return f"{parent}/.{name}.compacting"
+
+
+def writing_root(root: str) -> str | None:
+    """Where a local archive's files are written before they are renamed into place: beside
+    the root (`<parent>/.<root name>.writing`); None for a root with no parent."""
+    parent, _sep, name = root.rstrip("/").rpartition("/")
+    if not parent or not name:
+        return None
+    return f"{parent}/.{name}.writing"
+
+
+STALE_WRITING_S = 3600.0
+"""A temporary in `writing_root` this old was left by a writer that crashed (another node
+sharing the root may be writing the younger ones)."""
 
 
 def stream_dir(root: str, stream: str) -> str:
@@ -276,7 +293,8 @@ def placed_path(root: str, entry: ArchiveFile) -> str:
 
 
 def stale_temporaries(fs: AbstractFileSystem, root: str, stream: str) -> list[str]:
-    """Dot-named temporary files left in a local archive by a writer that crashed."""
+    """Dot-named temporary files left in a local archive by a writer that crashed: in the
+    stream's directories (older archivers) and, an hour old, in `writing_root`."""
     if not is_local(fs):
         return []
     directory = stream_dir(root, stream)
@@ -284,4 +302,13 @@ def stale_temporaries(fs: AbstractFileSystem, root: str, stream: str) -> list[st
     for dirpath, _dirnames, filenames in os.walk(directory):
         stale += [os.path.join(dirpath, name) for name in filenames
                   if name.startswith(".shard") and name.endswith(".tmp")]
+    writing = writing_root(root)
+    if writing is not None and os.path.isdir(writing):
+        old = time.time() - STALE_WRITING_S
+        for name in os.listdir(writing):
+            path = os.path.join(writing, name)
+            with contextlib.suppress(OSError):
+                if (name.startswith(".shard") and name.endswith(".tmp")
+                        and os.stat(path).st_mtime < old):
+                    stale.append(path)
     return stale

@@ -9,8 +9,11 @@ later schema version that adds fields only adds columns (Spark `mergeSchema`, py
 `unify_schemas`). A field whose name is an archive column (`offset`, `topic`, ...) is stored
 as `value_<name>`.
 
-`TypedSchema.columns` decodes the payloads of a file into those columns; a payload that does
-not decode (published before the schema was registered) has nulls there and keeps its bytes.
+`TypedSchema.columns` decodes the payloads of a file into those columns, row by row; a payload
+that does not decode (published before the schema was registered) has nulls there and keeps
+its bytes. `TypedSchema.columns_of` gives the same columns from an Arrow array of payloads, JSON
+ones read in bulk by Arrow's JSON reader (`typed_json.py`), only the rows it cannot vouch for
+going row by row.
 `TypedSchema.encode` turns a row's typed values back into a payload for tiered replay when the
 bytes were not kept: byte for byte for Avro (its binary encoding has one form per datum), the
 same document in compact JSON for JSON Schema. This module knows no broker type.
@@ -23,7 +26,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+
+from . import typed_json
 
 _JSON_SCALARS = {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(),
                  "boolean": pa.bool_()}
@@ -65,6 +72,19 @@ def json_arrow_type(schema: Any) -> tuple[pa.DataType, bool]:
         item, text = json_arrow_type(schema["items"])
         return (pa.list_(item), False) if not text else (_TEXT, True)
     return _TEXT, True
+
+
+def _holds_float(arrow_type: pa.DataType) -> bool:
+    """Whether a type is or holds a float64 (inside structs, lists and maps)."""
+    if arrow_type == pa.float64():
+        return True
+    if pa.types.is_struct(arrow_type):
+        return any(_holds_float(arrow_type.field(i).type) for i in range(arrow_type.num_fields))
+    if pa.types.is_list(arrow_type):
+        return _holds_float(arrow_type.value_type)
+    if pa.types.is_map(arrow_type):
+        return _holds_float(arrow_type.item_type)
+    return False
 
 
 def avro_arrow_type(schema: Any) -> tuple[pa.DataType, bool]:
@@ -193,16 +213,67 @@ class TypedSchema:
         try:
             array = pa.array(rows, struct)
         except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, ValueError):
-            checked = []
+            # Row by row: how pa.array reads a value can depend on the rows beside it (an
+            # empty list passes for a struct alone, not after a dict), so each row stands alone.
+            pieces = []
             for index, row in enumerate(rows):
                 try:
-                    pa.array([row], struct)
-                    checked.append(row)
+                    pieces.append(pa.array([row], struct))
                 except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, ValueError):
-                    checked.append(None)
+                    pieces.append(pa.nulls(1, struct))
                     decoded[index] = False
-            array = pa.array(checked, struct)
+            array = pa.concat_arrays(pieces)
         return array.flatten(), decoded  # a null row is null in every column
+
+    @property
+    def bulk_readable(self) -> bool:
+        """Whether Arrow's JSON reader decodes these payloads in bulk (`typed_json.py`)."""
+        return self.kind == "json" and not self.text_fields and not self.whole_value
+
+    def columns_of(self, payloads: pa.Array) -> tuple[list[pa.Array], pa.Array]:
+        """`columns` of a binary array of payloads, the decoded flags as a boolean array: in
+        bulk where the schema allows it (`typed_json.py`), else row by row."""
+        if not self.bulk_readable:
+            arrays, flags = self.columns(payloads.to_pylist())
+            return arrays, pa.array(flags, pa.bool_())
+        count = len(payloads)
+        nested_number = any(_holds_float(f.type) for f in self.fields if f.type != pa.float64())
+        candidates = typed_json.bulk_candidates(payloads, nested_number)
+        every = pc.all(candidates).as_py() or count == 0
+        chosen = (np.arange(count, dtype=np.int64) if every
+                  else pc.indices_nonzero(candidates).to_numpy().astype(np.int64))
+        json_schema = pa.schema([pa.field(name, column.type)
+                                 for name, column in zip(self.names, self.fields, strict=True)])
+        parts, left = typed_json.read_parts(payloads if every else pc.take(payloads, chosen),
+                                            json_schema)
+        slow_parts = [chosen[np.array(left, np.int64)]]
+        if not every:
+            others = pc.and_(pc.invert(candidates), pc.is_valid(payloads))
+            slow_parts.append(pc.indices_nonzero(others).to_numpy().astype(np.int64))
+        for start, table in parts:
+            rounded = typed_json.rounded_rows(table)
+            if rounded is not None:
+                slow_parts.append(chosen[start + rounded.to_numpy().astype(np.int64)])
+        slow = np.sort(np.concatenate(slow_parts))
+        schema = pa.schema(self.fields)
+        tables = [table.rename_columns(schema.names).cast(schema) for _start, table in parts]
+        if every and not len(slow) and len(tables) == 1:  # the usual file: one bulk read
+            return ([column.combine_chunks() for column in tables[0].columns],
+                    pa.repeat(pa.scalar(True), count))
+        slow_arrays, slow_decoded = self.columns(pc.take(payloads, slow).to_pylist())
+        tables.append(pa.Table.from_arrays(slow_arrays, schema=schema))
+        where = np.full(count, -1, np.int64)
+        decoded = np.zeros(count, np.bool_)
+        base = 0
+        for start, table in parts:
+            rows = chosen[start:start + table.num_rows]
+            where[rows] = np.arange(base, base + table.num_rows)
+            decoded[rows] = True
+            base += table.num_rows
+        where[slow] = np.arange(base, base + len(slow))  # rounded rows: the per-row result
+        decoded[slow] = slow_decoded
+        picked = pa.concat_tables(tables).take(pa.array(where, mask=where < 0))
+        return [column.combine_chunks() for column in picked.columns], pa.array(decoded)
 
     def encode(self, row: dict[str, Any]) -> bytes:
         """A payload from a row's typed values (tiered replay of a file without payloads)."""

@@ -27,11 +27,11 @@ from shardgate.storage.archive import (
     ArchiveUnavailable,
     build_table,
     list_stream_files,
+    local_files,
     open_filesystem,
     parse_file_name,
     records_from_table,
 )
-from shardgate.storage.archive import archiver as archiver_module
 from shardgate.storage.interfaces import StoredRecord
 from shardgate.storage.journal import JournalStorage
 
@@ -258,14 +258,14 @@ async def test_a_write_that_fails_midway_leaves_no_visible_file(
         seen.append([p.name for p in root.rglob("*") if p.is_file()])
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(archiver_module.os, "fsync", failing_fsync)
+    monkeypatch.setattr(local_files.os, "fsync", failing_fsync)
     with pytest.raises(ArchiveUnavailable):
         await archiver.flush(timeout=0.1)
     assert seen and all(name.startswith(".shard") for names in seen for name in names)
     assert [p for p in root.rglob("*") if p.is_file()] == []  # the temporary was removed
     assert list_stream_files(LocalFileSystem(), str(root), "default") == []
 
-    monkeypatch.setattr(archiver_module.os, "fsync", real_fsync)
+    monkeypatch.setattr(local_files.os, "fsync", real_fsync)
     await archiver.flush(timeout=5)
     assert read_rows(root, "default").column("offset").to_pylist() == list(range(20))
 
@@ -282,6 +282,50 @@ async def test_stale_temporaries_are_invisible_and_removed_at_start(
     await archiver.start()
     await archiver.stop()
     assert not stale.exists()
+    assert read_rows(root, "default").num_rows == 10
+
+
+async def test_polars_reads_the_root_while_a_file_is_being_written(
+        journal: JournalStorage, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The temporary of a file being written lies outside the root: polars, which refuses a
+    directory holding a `.tmp` beside `.parquet` files, reads the root meanwhile."""
+    import polars as pl
+
+    await append(journal, "default", 0, 10)
+    archiver = Archiver(journal, f"file://{root}", streams(("default", 1, "bytes")), FAST)
+    await archiver.flush(timeout=5)
+    real_fsync = os.fsync
+    counts: list[int] = []
+
+    def fsync_after_a_read(fd: int) -> None:
+        if not counts:  # the temporary is written, not yet renamed into place
+            counts.append(pl.read_parquet(str(root), hive_partitioning=True).height)
+        real_fsync(fd)
+
+    await append(journal, "default", 0, 5, ts=T0 + 10)
+    monkeypatch.setattr(local_files.os, "fsync", fsync_after_a_read)
+    await archiver.flush(timeout=5)
+    monkeypatch.setattr(local_files.os, "fsync", real_fsync)
+    assert counts == [10]
+    assert pl.read_parquet(str(root), hive_partitioning=True).height == 15
+    assert [p for p in root.parent.rglob("*.tmp")] == []
+
+
+async def test_stale_temporaries_beside_the_root_are_removed_once_an_hour_old(
+        journal: JournalStorage, root: Path) -> None:
+    writing = root.parent / f".{root.name}.writing"
+    writing.mkdir(parents=True)
+    name = ".shard0000-00000000000000000000-00000000000000000009.parquet.{}.tmp"
+    stale, young = writing / name.format("old"), writing / name.format("new")
+    for path in (stale, young):
+        path.write_bytes(b"PAR1 half a file")
+    hour_ago = time.time() - 3700
+    os.utime(stale, (hour_ago, hour_ago))
+    await append(journal, "default", 0, 10)
+    archiver = Archiver(journal, f"file://{root}", streams(("default", 1, "bytes")), FAST)
+    await archiver.start()
+    await archiver.stop()
+    assert not stale.exists() and young.exists()  # another node may be writing the young one
     assert read_rows(root, "default").num_rows == 10
 
 

@@ -8,6 +8,7 @@ resigned, nothing is acknowledged."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -348,3 +349,20 @@ async def test_a_restored_cursors_unacknowledged_messages_wait_for_a_new_leaders
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     assert queue.got == [(0, b"m0"), (1, b"m1"), (2, b"m2")]
+
+
+async def test_a_publish_refused_as_leadership_moves_is_a_warning_not_an_error(
+        pair: Pair, caplog: pytest.LogCaptureFixture) -> None:
+    # a graceful shard move refuses what the old leader had not committed with a retryable
+    # error: expected, and the publisher retries; an ERROR in the log would say otherwise
+    future = pair.broker.publish(Message("t/1", b"one"))
+    assert future is not None
+    with caplog.at_level(logging.WARNING, logger="shardgate.core"):
+        pair.replicated.resign()
+        with pytest.raises(ShardUnavailable):
+            await asyncio.wait_for(future, 10)
+        await asyncio.sleep(0)
+    refused = [record for record in caplog.records if "no longer leads" in record.getMessage()]
+    assert refused, "the refused commit is logged"
+    assert all(record.levelno == logging.WARNING for record in refused), [
+        (record.levelname, record.getMessage()) for record in refused]
