@@ -9,7 +9,7 @@ what a cluster member needs: several endpoints with fail-over, TLS and user/pass
 lease kept alive on one bidirectional stream (or from a thread: `etcd_lease.py`), and a watch that reports the revision it is at
 and fails loudly on compaction so the caller re-reads and resumes.
 
-Nothing here knows what Shardgate stores in etcd (see `keys.py` and `control.py`).
+Nothing here knows what Shardgate stores in etcd (see `keys.py` and `control_store.py`).
 """
 
 from __future__ import annotations
@@ -323,8 +323,8 @@ class EtcdClient:
 
     # ---------------------------------------------------------------- conditional writes
     # The transactions of the cluster's modules, named by what they mean: the session
-    # registry, elections and placement are `control.py`'s; every other module writes
-    # through these and builds no compare or op of its own.
+    # registry, elections and placement are the control plane's store's (`control_store.py`);
+    # every other module writes through these and builds no compare or op of its own.
     async def create(self, key: str, value: bytes, lease: int = 0) -> tuple[bool, KeyValue | None]:
         """Write `value` at `key` unless the key exists (one transaction): (True, None) when
         written, else (False, what the key holds now, None when it went meanwhile)."""

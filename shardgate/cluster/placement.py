@@ -7,7 +7,7 @@ acknowledged) and the leader epoch, bumped on every change of leader (Kafka's pa
 state). A shard of a stream with one replica (`replication.py`) has its leader alone, placed
 by `place()` here; shards of replicated streams are placed by `replica_placement.py`. The
 controller writes the whole placement of a stream as one value, with every changed stream in
-one etcd transaction (`control.py`).
+one etcd transaction (`controller.py`, written by `control_store.py`).
 
 Rules, in order:
 - a shard stays where it is while its node is live (no needless moves);

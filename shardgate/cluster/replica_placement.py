@@ -1,7 +1,7 @@
 """Where the replicas of replicated shards go, and who leads them: the controller's rules for
 shards of streams with more than one replica (`replication.stream_replication`), as one pure
 function it runs at every pass. Every change it makes is written by the controller in one etcd
-transaction (`control.py`); the decisions on one record are `replica_control`'s.
+transaction (`controller.py`, `control_store.py`); the decisions on one record are `replica_control`'s.
 
 Per shard, in order:
 - a new shard gets `replicas` nodes (capped by the nodes that may take replicas: live, not
