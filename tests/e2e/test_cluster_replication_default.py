@@ -155,6 +155,7 @@ def test_one_node_keeps_one_copy_and_two_nodes_need_both_in_sync(
         cluster: Callable[..., list[ClusterNodeProcess]], etcd: EtcdServer) -> None:
     [first] = cluster(1)
     create_without_replica_settings(first)
+    wait_for(lambda: STREAM in first.status()["placement"], timeout=30, interval=0.05)
     raw = RawClient(first.mqtt_port, version=5)
     raw.connect("default-gate")
     # alone: one replica, nothing replicated, acknowledged at once
