@@ -176,15 +176,38 @@ class Shardgate:
     def _register_configured_schemas(self) -> None:
         """Register the `schema_file` of each configured stream (no new version when it is
         the latest already); a file that cannot be read, an invalid schema or one that breaks
-        the stream's compatibility mode stops the start with the stream named."""
+        the stream's compatibility mode stops the start with the stream named. In a cluster
+        the files are only read and checked here: they are registered once the node has
+        joined (`_register_configured_schemas_ordered`)."""
         assert self.broker is not None
         for entry in self.config.streams:
             if not entry.schema_file:
                 continue
             try:
                 text = Path(entry.schema_file).read_text(encoding="utf-8")
+                if self.cluster is not None:
+                    self.broker.schemas.prepare(entry.name, entry.schema_type, text,
+                                                entry.compatibility or None)
+                    continue
                 self.broker.schemas.register(entry.name, entry.schema_type, text,
                                              entry.compatibility or None)
+            except (OSError, UnicodeDecodeError, CoreError) as exc:
+                raise ConfigError(f"stream {entry.name!r}: schema_file {entry.schema_file!r}: "
+                                  f"{exc}") from exc
+
+    async def _register_configured_schemas_ordered(self) -> None:
+        """In a cluster, once joined: register each configured `schema_file` through the
+        cluster's compare-and-set in etcd (`register_ordered`), as the gRPC Admin service
+        does, checked against the latest version etcd holds; a schema that breaks the
+        stream's compatibility with it, or an etcd out of reach, stops the start."""
+        assert self.broker is not None
+        for entry in self.config.streams:
+            if not entry.schema_file:
+                continue
+            try:
+                text = Path(entry.schema_file).read_text(encoding="utf-8")
+                await self.broker.schemas.register_ordered(entry.name, entry.schema_type, text,
+                                                           entry.compatibility or None)
             except (OSError, UnicodeDecodeError, CoreError) as exc:
                 raise ConfigError(f"stream {entry.name!r}: schema_file {entry.schema_file!r}: "
                                   f"{exc}") from exc
@@ -443,10 +466,15 @@ class Shardgate:
             assert parts is not None
             try:
                 await attach.join(self, self.cluster, parts)
+                await self._register_configured_schemas_ordered()
             except ClusterStartError as exc:
                 joined.cancel()
                 await self.stop()
                 raise ConfigError(f"cluster: {exc}") from exc
+            except ConfigError:
+                joined.cancel()
+                await self.stop()
+                raise
             except BaseException:
                 joined.cancel()
                 raise

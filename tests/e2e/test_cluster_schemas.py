@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from pathlib import Path
 
 from shardgate.client import Client
 from shardgate.protocols.mqtt import packets as p
@@ -104,3 +105,19 @@ def test_registrations_on_two_nodes_at_once_are_ordered_none_lost(
                     for name in json.loads(info.definition)["properties"]} - {"device"}
 
     assert asyncio.run(fields()) == {f"{side}{round_}" for side in "ab" for round_ in range(4)}
+
+
+def test_a_configured_schema_file_is_registered_after_the_versions_etcd_holds(
+    cluster: Callable[..., list[ClusterNodeProcess]], tmp_path: Path,
+) -> None:
+    """A node starting with `schema_file` registers it through the same compare-and-set as
+    the gRPC Admin service, once joined: after the version another node registered, not
+    over it (before, etcd's versions replaced the file's at the join, which was lost)."""
+    (n1,) = cluster(1, extra_config=STREAMS)
+    assert register(n1, REQUIRED) == 1
+    schema_file = tmp_path / "widened.json"
+    schema_file.write_text(json.dumps(WIDENED))
+    (n2,) = cluster(1, first=2, extra_config=STREAMS + f'schema_file = "{schema_file}"\n')
+    wait_for(lambda: versions_on(n2) == [1, 2], timeout=30)
+    wait_for(lambda: versions_on(n1) == [1, 2], timeout=30)
+    assert pubacks(n1, [b'{"device": "d1", "temp": 3, "site": 7}']) == [0x99]
