@@ -400,10 +400,12 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
                         help="journal retention by size per shard (default: journal.retention_bytes)")
     create.add_argument("--replicas", type=_positive, default=None, metavar="N",
                         help="in a cluster, copies of each shard of a reliable stream "
-                             "(default 3, capped by the live nodes; a single node keeps one)")
+                             "(default: [cluster] default_replicas, 3, capped by the live "
+                             "nodes; a single node keeps one)")
     create.add_argument("--min-insync", type=_positive, default=None, metavar="N",
                         help="replicas that must hold a message before it is acknowledged "
-                             "(default 2, at most --replicas)")
+                             "(default: [cluster] default_min_insync_replicas, 2, at most "
+                             "the replicas)")
     create.add_argument("--route", action="append", metavar="FILTER",
                         help="topic filter routed to the stream (repeatable; default NAME and NAME/#)")
     _bind(create, _streams_create)

@@ -353,7 +353,7 @@ def cluster_status(node: ClusterNode) -> dict[str, Any]:
             "started_ms": registration.started_ms,
         })
     replicated = shard_status(view.placement, view.streams, view.registrations,
-                              node.replica_leading)
+                              node.replica_leading, node.settings.replication_defaults)
     unavailable = sorted(
         f"{stream}/{index}"
         for stream, shards in view.placement.items()

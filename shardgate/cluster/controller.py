@@ -25,7 +25,7 @@ from .control_store import AnsweredProposal, ControlStore, PlacementChange
 from .etcd_view import EtcdClusterView
 from .placement import ShardPlacement, place
 from .replica_placement import Nodes, ReplicaPlacer, ReplicatedSpec
-from .replication import stream_replication
+from .replication import DEFAULTS, Replication, stream_replication
 from .settings import ClusterSettings
 
 log = logging.getLogger(__name__)
@@ -39,10 +39,12 @@ def replica_nodes(view: EtcdClusterView, draining: set[str]) -> list[str]:
 
 
 def desired_placement(view: EtcdClusterView, placer: ReplicaPlacer, leases_seen: dict[str, int],
-                      now: float) -> tuple[dict[str, list[ShardPlacement]], dict[str, int]]:
+                      now: float, defaults: Replication = DEFAULTS,
+                      ) -> tuple[dict[str, list[ShardPlacement]], dict[str, int]]:
     """The placement every stream should have, and the leases of the nodes it was made for
     (the controller remembers them, as `leases_seen`, once it is written: a node seen under
-    another lease since registered again)."""
+    another lease since registered again). A stream without replica settings gets
+    `defaults` (`[cluster] default_replicas`, `default_min_insync_replicas`)."""
     current = {
         (stream, index): placed
         for stream, shards in view.placement.items()
@@ -63,7 +65,8 @@ def desired_placement(view: EtcdClusterView, placer: ReplicaPlacer, leases_seen:
                     released.add((stream, int(index)))
     # shards of replicated streams, and reliable shards with a replica on a draining node
     # (moved by copying), are the replica placer's; the others `place()`'s
-    settings = {name: stream_replication(definition) for name, definition in view.streams.items()}
+    settings = {name: stream_replication(definition, defaults)
+                for name, definition in view.streams.items()}
     replicated: list[ReplicatedSpec] = []
     specs = view.shard_specs()
     for spec in specs:
@@ -149,6 +152,7 @@ class Controller:
         self.replica_placer = ReplicaPlacer(settings.re_replicate_after_s,
                                             settings.unclean_leader_election)
         self.leases_seen: dict[str, int] = {}
+        self.replication_defaults = settings.replication_defaults
 
     @property
     def elected(self) -> bool:
@@ -173,7 +177,7 @@ class Controller:
 
     def desired(self) -> tuple[dict[str, list[ShardPlacement]], dict[str, int]]:
         return desired_placement(self.view, self.replica_placer, self.leases_seen,
-                                 time.monotonic())
+                                 time.monotonic(), self.replication_defaults)
 
     async def write_placement(self) -> None:
         view = self.view

@@ -37,6 +37,7 @@ class ShardAssignment:
     replicas: tuple[str, ...] = ()
     isr: tuple[str, ...] = ()
     isr_version: int = 0
+    adding: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -47,12 +48,12 @@ class ShardAssignment:
     @classmethod
     def of(cls, stream: str, shard: int, placement: ShardPlacement) -> ShardAssignment:
         return cls(stream, shard, placement.leader, placement.leader_epoch, placement.replicas,
-                   placement.isr, placement.isr_version)
+                   placement.isr, placement.isr_version, placement.adding)
 
     @property
     def placement(self) -> ShardPlacement:
         return ShardPlacement(self.leader, self.replicas, self.isr, self.leader_epoch,
-                              self.isr_version)
+                              self.isr_version, self.adding)
 
 
 class ClusterView(Protocol):

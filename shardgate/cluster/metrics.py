@@ -118,7 +118,8 @@ def replication_metrics(node: Any) -> Iterator[Metric]:
 
     view = node.view
     me = node.node_id
-    status = shard_status(view.placement, view.streams, view.registrations, node.replica_leading)
+    status = shard_status(view.placement, view.streams, view.registrations, node.replica_leading,
+                          node.settings.replication_defaults)
     lag = GaugeMetricFamily(
         "shardgate_replica_lag_records",
         "Records a follower lacks of its leader's log, per replicated shard this node leads",

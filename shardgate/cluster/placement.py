@@ -45,13 +45,16 @@ class ShardPlacement:
     """Who holds a shard: `leader` takes its writes under `leader_epoch`; `replicas` hold its
     log (in preference order); `isr`, a subset of `replicas`, are in sync with the leader;
     `isr_version` counts the controller's changes of `isr` (a leader's proposal names the
-    version it was made against, `replica_control.apply_proposal`)."""
+    version it was made against, `replica_control.apply_proposal`); `adding`, replicas the
+    controller added that have not been in sync yet (KIP-455's adding replicas): they do not
+    count towards the replicas that cap `min_insync_replicas` until they caught up."""
 
     leader: str
     replicas: tuple[str, ...]
     isr: tuple[str, ...]
     leader_epoch: int
     isr_version: int = 0
+    adding: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.leader:
@@ -60,6 +63,8 @@ class ShardPlacement:
             raise ValueError(f"leader {self.leader!r} is not one of the replicas {self.replicas}")
         if not set(self.isr) <= set(self.replicas):
             raise ValueError(f"in-sync replicas {self.isr} are not all replicas {self.replicas}")
+        if not set(self.adding) <= set(self.replicas) - set(self.isr):
+            raise ValueError(f"adding replicas {self.adding} are not all replicas out of sync")
         if self.leader_epoch < 0:
             raise ValueError(f"leader epoch {self.leader_epoch} is negative")
 
@@ -68,9 +73,17 @@ class ShardPlacement:
         """One replica, the leader, in sync (every shard today)."""
         return cls(leader, (leader,), (leader,), leader_epoch)
 
+    @property
+    def counted(self) -> int:
+        """The replicas that cap the in-sync minimum: all but those still being added."""
+        return len(self.replicas) - len(self.adding)
+
     def to_json(self) -> dict[str, Any]:
-        return {"leader": self.leader, "replicas": list(self.replicas), "isr": list(self.isr),
-                "leader_epoch": self.leader_epoch, "isr_version": self.isr_version}
+        value = {"leader": self.leader, "replicas": list(self.replicas), "isr": list(self.isr),
+                 "leader_epoch": self.leader_epoch, "isr_version": self.isr_version}
+        if self.adding:
+            value["adding"] = list(self.adding)
+        return value
 
     @classmethod
     def from_json(cls, value: Any) -> ShardPlacement:
@@ -81,7 +94,7 @@ class ShardPlacement:
             return cls.single(str(leader), int(epoch))
         return cls(str(value["leader"]), tuple(map(str, value["replicas"])),
                    tuple(map(str, value["isr"])), int(value["leader_epoch"]),
-                   int(value.get("isr_version", 0)))
+                   int(value.get("isr_version", 0)), tuple(map(str, value.get("adding", ()))))
 
 
 def place(

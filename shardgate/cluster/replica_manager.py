@@ -52,6 +52,12 @@ class Role:
     replicas: tuple[str, ...]
     isr: tuple[str, ...]
     isr_version: int = 0
+    adding: tuple[str, ...] = ()
+
+    @property
+    def counted(self) -> int:
+        """The replicas that cap the in-sync minimum (those still being added do not)."""
+        return max(1, len(self.replicas) - len(self.adding))
 
 
 class _Shard:
@@ -163,7 +169,19 @@ class ReplicaManager:
                 and entry.role.leader == entry.wanted.leader == self.node_id
                 and entry.role.epoch == entry.wanted.epoch
                 and entry.role.replicas == entry.wanted.replicas):
-            self._isr_changed(entry, entry.wanted)  # the same leadership, a new in-sync set
+            # the same leadership, a new in-sync set
+            self._isr_changed(stream, entry, entry.wanted)
+            return
+        wanted = entry.wanted
+        if (entry.role is None and wanted is not None and wanted.leader == self.node_id
+                and entry.log.leader is None and entry.follower_task is None
+                and entry.log.log.next_offset == entry.log.log.committed_offset):
+            # a first leadership with nothing to stop and nothing unwritten to cut (a new
+            # shard): lead at once, so a publish right after the placement is not refused
+            self._lead(stream, shard, entry, wanted)
+            entry.role = wanted
+            if self.on_role is not None:
+                self.on_role(stream, shard)
             return
         entry.changing = True
         entry.task = asyncio.get_running_loop().create_task(self._converge(stream, shard, entry))
@@ -172,12 +190,13 @@ class ReplicaManager:
         if assignment is None or len(assignment.replicas) < 2 or self.node_id not in assignment.replicas:
             return None
         return Role(assignment.leader, assignment.leader_epoch, assignment.replicas, assignment.isr,
-                    assignment.isr_version)
+                    assignment.isr_version, assignment.adding)
 
-    def _isr_changed(self, entry: _Shard, role: Role) -> None:
+    def _isr_changed(self, stream: str, entry: _Shard, role: Role) -> None:
         leader = entry.log.leader
         if leader is not None:
             # the controller's version (`ShardPlacement.isr_version`), which proposals name
+            leader.min_insync = min(self.min_insync(stream), role.counted)
             leader.isr_changed(role.isr, role.isr_version, self.clock())
             entry.log.tick()
         entry.role = role
@@ -221,7 +240,7 @@ class ReplicaManager:
         now = self.clock()
         leader: LeaderReplica[asyncio.Future[None]] = LeaderReplica(
             self.node_id, role.epoch, role.replicas, role.isr,
-            min_insync=min(self.min_insync(stream), len(role.replicas)),
+            min_insync=min(self.min_insync(stream), role.counted),
             lag_time_max_s=self.lag_time_max_s, history=journal_log.leader_epochs,
             log_end=journal_log.next_offset, durable_end=journal_log.committed_offset,
             high_watermark=entry.log.high_watermark, now=now,

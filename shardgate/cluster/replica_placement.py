@@ -18,6 +18,9 @@ Per shard, in order:
   every other replica is in sync (the new one caught up), leadership moves off the draining
   node (next epoch) and its replica is removed. With no node to take its place, it is removed
   once the others are in sync;
+- a replica added by the rules below is `adding` until it is first in sync: until then it does
+  not count towards the replicas that cap the in-sync minimum, so a shard that grows from
+  one replica to two goes on acknowledging while the new one copies the log;
 - re-replication: a shard with fewer live replicas than its setting wants (after a node died
   and stayed away `re_replicate_after_s`, or when it was placed while fewer nodes were live)
   gets a replica on another node in place of a dead one; the new replica is not in sync until
@@ -188,7 +191,11 @@ def _placement(record: ReplicaSet, placed: ShardPlacement) -> ShardPlacement:
         epoch += 1
     # the replicas keep their order (the first live in-sync one leads after a failover)
     isr = tuple(r for r in record.replicas if r in record.isr)
-    new = ShardPlacement(leader, record.replicas, isr, epoch, record.isr_version)
+    # a replica added now, or added before and not in sync since, is still being added
+    added = set(record.replicas) - set(placed.replicas)
+    adding = tuple(r for r in record.replicas
+                   if (r in added or r in placed.adding) and r not in record.isr)
+    new = ShardPlacement(leader, record.replicas, isr, epoch, record.isr_version, adding)
     return placed if new == placed else new
 
 

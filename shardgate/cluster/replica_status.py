@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from .placement import ShardPlacement
-from .replication import stream_replication
+from .replication import DEFAULTS, Replication, stream_replication
 
 
 class LeaderFigures(Protocol):
@@ -53,12 +53,13 @@ def replica_capacity(live: Mapping[str, object]) -> int:
 
 
 def replicated_shards(placement: Mapping[str, list[ShardPlacement]],
-                      streams: Mapping[str, Mapping[str, Any]],
-                      capacity: int) -> Iterator[tuple[str, int, ShardPlacement, int]]:
+                      streams: Mapping[str, Mapping[str, Any]], capacity: int,
+                      defaults: Replication = DEFAULTS,
+                      ) -> Iterator[tuple[str, int, ShardPlacement, int]]:
     """(stream, shard, placement, wanted replicas) of every shard of a replicated stream (when
     nodes may hold its replicas), or with more than one replica."""
     for stream, shards in sorted(placement.items()):
-        wanted = stream_replication(streams.get(stream, {})).replicas
+        wanted = stream_replication(streams.get(stream, {}), defaults).replicas
         for index, placed in enumerate(shards):
             if (wanted > 1 and capacity > 1) or len(placed.replicas) > 1:
                 yield stream, index, placed, wanted
@@ -66,17 +67,20 @@ def replicated_shards(placement: Mapping[str, list[ShardPlacement]],
 
 def shard_status(placement: Mapping[str, list[ShardPlacement]],
                  streams: Mapping[str, Mapping[str, Any]], live: Mapping[str, object],
-                 leading: Leading | None) -> dict[str, dict[str, Any]]:
+                 leading: Leading | None,
+                 defaults: Replication = DEFAULTS) -> dict[str, dict[str, Any]]:
     """Per replicated shard ("stream/shard"): its placement, `under_replicated`, and where this
     node leads it, `high_watermark`, `log_end` and `lag` (records behind the leader's end, per
     follower)."""
     status: dict[str, dict[str, Any]] = {}
     capacity = replica_capacity(live)
-    for stream, index, placed, wanted in replicated_shards(placement, streams, capacity):
+    for stream, index, placed, wanted in replicated_shards(placement, streams, capacity,
+                                                           defaults):
         entry: dict[str, Any] = {
             "leader": placed.leader, "leader_live": placed.leader in live,
             "replicas": list(placed.replicas), "isr": list(placed.isr),
             "leader_epoch": placed.leader_epoch, "wanted_replicas": wanted,
+            "adding": list(placed.adding),
             "under_replicated": under_replicated(placed, wanted, live, capacity),
         }
         figures = leading(stream, index) if leading is not None else None

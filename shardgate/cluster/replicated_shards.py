@@ -89,7 +89,8 @@ class ReplicatedShards:
         return self.journal.open_shard(stream, shard)
 
     def _min_insync(self, stream: str) -> int:
-        return stream_replication(self.view.streams.get(stream, {})).min_insync
+        return stream_replication(self.view.streams.get(stream, {}),
+                                  self.node.settings.replication_defaults).min_insync
 
     def start(self) -> None:
         self._started = True

@@ -5,7 +5,9 @@ has, and how many of them must be in sync for a publish to be acknowledged.
 One function, `stream_replication`, that the controller (placing replicas, `replica_placement`)
 and the data path (acknowledging at the in-sync minimum, `replica_manager`) both use, so the
 two never read the settings differently; the defaults are decided here (a stream keeps only
-its settings and their bounds, `core/streams.py`).
+its settings and their bounds, `core/streams.py`), or by the cluster's configuration
+(`[cluster] default_replicas`, `default_min_insync_replicas`: give every node the same values,
+as Kafka's brokers share `default.replication.factor` and `min.insync.replicas`).
 Only reliable streams are replicated: a non-reliable stream lives in memory and has one
 replica, its leader.
 
@@ -22,10 +24,14 @@ from typing import Any
 
 from ..core.streams import MAX_REPLICAS
 
-# What a reliable stream without the settings gets in a cluster: one replica for now (issue 28
-# wants three, capped by the nodes that may hold them: to be raised once the whole cluster test
-# suite runs with every reliable stream replicated); two in sync to acknowledge (capped by the
-# replica count), as Kafka's `min.insync.replicas`. A single node keeps one copy.
+# What a reliable stream without the settings gets in a cluster (`[cluster] default_replicas`,
+# `default_min_insync_replicas`): one replica for now (issue 28 wants three, capped by the
+# nodes that may hold them: to be raised once every cluster test file passes with it; those
+# run so far do), two in sync to acknowledge (capped by the replicas the shard has, not
+# counting one still being added), as Kafka's `min.insync.replicas`. So a shard placed on two
+# nodes refuses publishes while one of them is dead, as a Kafka topic of replication factor 2
+# and `min.insync.replicas` 2 does: an acknowledged message is on two disks or is not
+# acknowledged. A single node (no cluster) keeps one copy and none of this runs.
 DEFAULT_REPLICAS = 1
 DEFAULT_MIN_INSYNC_REPLICAS = 2
 
@@ -48,14 +54,19 @@ class Replication:
         return self.replicas > 1
 
 
-def stream_replication(definition: Mapping[str, Any]) -> Replication:
-    """The replication of the stream with this etcd definition; a malformed setting counts as
-    the default (the definition was checked when it was made: this only guards old values)."""
+DEFAULTS = Replication(DEFAULT_REPLICAS, DEFAULT_MIN_INSYNC_REPLICAS)
+
+
+def stream_replication(definition: Mapping[str, Any],
+                       defaults: Replication = DEFAULTS) -> Replication:
+    """The replication of the stream with this etcd definition; a setting the stream does not
+    have is the cluster's default (`defaults`), and a malformed one counts as unset (the
+    definition was checked when it was made: this only guards old values)."""
     if definition.get("mode", "reliable") != "reliable":
         return Replication(1, 1)
-    replicas = _positive(definition.get(REPLICAS), DEFAULT_REPLICAS)
+    replicas = _positive(definition.get(REPLICAS), defaults.replicas)
     replicas = min(replicas, MAX_REPLICAS)
-    min_insync = min(_positive(definition.get(MIN_INSYNC), DEFAULT_MIN_INSYNC_REPLICAS), replicas)
+    min_insync = min(_positive(definition.get(MIN_INSYNC), defaults.min_insync), replicas)
     return Replication(replicas, min_insync)
 
 

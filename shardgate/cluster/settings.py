@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from .replication import Replication
+
 
 @dataclass(slots=True)
 class ClusterSettings:
@@ -39,6 +41,13 @@ class ClusterSettings:
     # unclean.leader.election.enable): the shard is available again, but records acknowledged
     # by the lost replicas may be gone. Off: the shard waits for an in-sync replica
     unclean_leader_election: bool = False
+    # What a reliable stream without its own `replicas` / `min_insync_replicas` gets: this many
+    # replicas per shard (capped by the live nodes that may hold them), and this many of them in
+    # sync to acknowledge a publish (capped by the replicas the shard has). Give every node the
+    # same values. 1: one copy per shard, lost with its node's disk (the default for now;
+    # issue 28's is 3)
+    default_replicas: int = 1
+    default_min_insync_replicas: int = 2
     # how often the controller removes expired MQTT sessions' snapshots from etcd
     session_sweep_s: float = 30.0
     # how long the cursor floors of a node that left the view still keep owners' journals
@@ -75,6 +84,8 @@ class ClusterSettings:
         "connect_timeout_s": (0.001, None),
         "leave_timeout_s": (0, None),
         "re_replicate_after_s": (0, None),
+        "default_replicas": (1, 16),
+        "default_min_insync_replicas": (1, 16),
         "session_sweep_s": (0.001, None),
         "departed_floors_retention_s": (0, None),
     }
@@ -88,6 +99,12 @@ class ClusterSettings:
     @property
     def enabled(self) -> bool:
         return bool(self.endpoints)
+
+    @property
+    def replication_defaults(self) -> Replication:
+        """What a reliable stream without the replica settings gets (`replication.py`)."""
+        return Replication(self.default_replicas,
+                           min(self.default_min_insync_replicas, self.default_replicas))
 
     @property
     def prefix(self) -> str:

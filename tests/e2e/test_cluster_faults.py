@@ -45,14 +45,18 @@ RETRYABLE = {0x80, 0x97}  # MQTT 5: unspecified error, quota exceeded (both say 
 @pytest.fixture
 def nodes(etcd: EtcdServer, tmp_path: Path) -> Iterator[list[ClusterNodeProcess]]:
     """n1 and n2 with every protocol, and a reliable stream `safe` (4 shards) created once
-    both are members, so that each of them owns some of its shards."""
+    both are members, so that each of them owns some of its shards. One copy per shard
+    (`replicas=1`): these faults are those of a shard whose only node fails; replicated shards
+    (the default in a cluster) are `test_cluster_replicated_shards.py`,
+    `test_replica_failover.py` and `test_cluster_replication_default.py`."""
     started = [protocol_node(tmp_path, name, etcd.url).start() for name in ("n1", "n2")]
     try:
         wait_settled(started)
 
         async def create() -> None:
             async with Client(started[0].grpc_url) as client:
-                await client.admin.create_stream("safe", partitions=4, mode="reliable")
+                await client.admin.create_stream("safe", partitions=4, mode="reliable",
+                                                 replicas=1)
 
         asyncio.run(create())
         wait_for(lambda: all(placed_on_both(node.status()) for node in started), timeout=30)

@@ -1,6 +1,6 @@
 """Cluster membership and placement against a real etcd: nodes register under leases, one
 controller places every shard, joins take a fair share, a SIGTERM'd node hands its shards
-over, a dead node's non-reliable shards move within the lease TTL while its reliable ones wait
+over, a dead node's non-reliable shards move within the lease TTL while its one-copy reliable ones wait
 for it, and bad starts (same node id, no etcd) fail clearly."""
 
 from __future__ import annotations
@@ -162,8 +162,10 @@ def test_a_dead_node_loses_its_non_reliable_shards_within_the_ttl_and_keeps_its_
     cluster: Cluster,
 ) -> None:
     (n1,) = cluster(1, extra_config=STREAMS)
-    # a reliable stream first declared by n2 once it is a member: some of its shards go to n2
-    late = '\n[[streams]]\nname = "late"\nmode = "reliable"\npartitions = 4\n'
+    # a reliable stream first declared by n2 once it is a member: some of its shards go to n2;
+    # one copy of each (`replicas = 1`: a replicated shard's leadership moves instead, see
+    # test_cluster_replication_default.py)
+    late = '\n[[streams]]\nname = "late"\nmode = "reliable"\npartitions = 4\nreplicas = 1\n'
     (n2,) = cluster(1, first=2, extra_config=STREAMS + late)
 
     def late_placed() -> dict[str, Any] | None:
@@ -221,7 +223,7 @@ def test_cluster_status_command_and_metrics_show_every_node(cluster: Cluster) ->
     lines = shown.stdout.splitlines()
     controller = n1.status()["controller"]
     assert lines[0] == f"cluster test: 2 nodes, controller {controller}, 9 shards in 3 streams"
-    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    rows = {line.split()[0]: line.split() for line in lines[2:4]}
     assert set(rows) == {"n1", "n2"}
     assert rows["n1"][2] == f"127.0.0.1:{n1.mqtt_port}"
     assert sorted(int(row[-2]) for row in rows.values()) == [4, 5]

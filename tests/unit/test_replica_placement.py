@@ -54,6 +54,37 @@ def test_replicas_are_capped_by_the_live_nodes_then_grow_when_nodes_join() -> No
     assert grown.leader_epoch == 2  # new replicas: the leader leads again knowing them
 
 
+def test_a_replica_added_counts_towards_the_in_sync_minimum_only_once_it_caught_up() -> None:
+    placer = ReplicaPlacer()
+    placed = placer.place([ReplicatedSpec("s", 0, 2)], {}, nodes({"a"}), now=0.0)
+    assert placed[KEY].counted == 1
+    # b joins: the shard grows, b is being added (not counted: a alone still acknowledges)
+    grown = placer.place([ReplicatedSpec("s", 0, 2)], placed, nodes({"a", "b"}), now=1.0)[KEY]
+    assert grown.replicas == ("a", "b") and grown.isr == ("a",) and grown.adding == ("b",)
+    assert grown.counted == 1
+    assert ShardPlacement.from_json(grown.to_json()) == grown
+    # the leader proposes b once it caught up: in sync, counted from now on
+    caught_up = IsrProposal("a", grown.leader_epoch, grown.isr_version, frozenset({"a", "b"}))
+    synced = placer.place([ReplicatedSpec("s", 0, 2)], {KEY: grown}, nodes({"a", "b"}), now=2.0,
+                          proposals={KEY: caught_up})[KEY]
+    assert synced.isr == ("a", "b") and synced.adding == () and synced.counted == 2
+    assert "adding" not in synced.to_json()
+    # out of sync again (dead): still counted, so the minimum of 2 refuses, as Kafka's
+    dead = placer.place([ReplicatedSpec("s", 0, 2)], {KEY: synced}, nodes({"a"}), now=3.0)[KEY]
+    assert dead.isr == ("a",) and dead.adding == () and dead.counted == 2
+
+
+def test_a_replica_added_after_a_death_or_for_a_drain_is_adding_until_in_sync() -> None:
+    four = frozenset({"a", "b", "c", "d"})
+    current = {KEY: ShardPlacement("a", ("a", "b", "c"), ("a", "b"), 1)}
+    placer = ReplicaPlacer(re_replicate_after_s=0.0)
+    moved = placer.place(SPEC, current, nodes(four - {"c"}), now=0.0)[KEY]
+    assert moved.replicas == ("a", "b", "d") and moved.adding == ("d",) and moved.counted == 2
+    # a placement of an earlier version has no `adding`
+    assert ShardPlacement.from_json({"leader": "a", "replicas": ["a", "b"], "isr": ["a"],
+                                     "leader_epoch": 1}).adding == ()
+
+
 def test_a_dead_leader_is_replaced_by_a_live_in_sync_replica_in_a_new_epoch() -> None:
     current = {KEY: ShardPlacement("a", ("a", "b", "c"), ("a", "c"), 4, 2)}
     placed = ReplicaPlacer().place(SPEC, current, nodes({"b", "c"}), now=0.0)[KEY]
