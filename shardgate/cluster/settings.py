@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from .replication import Replication
+from .replication import DEFAULT_MIN_INSYNC_REPLICAS, DEFAULT_REPLICAS, Replication
 
 
 @dataclass(slots=True)
@@ -44,10 +44,10 @@ class ClusterSettings:
     # What a reliable stream without its own `replicas` / `min_insync_replicas` gets: this many
     # replicas per shard (capped by the live nodes that may hold them), and this many of them in
     # sync to acknowledge a publish (capped by the replicas the shard has). Give every node the
-    # same values. 1: one copy per shard, lost with its node's disk (the default for now;
-    # issue 28's is 3)
-    default_replicas: int = 1
-    default_min_insync_replicas: int = 2
+    # same values. The defaults are `replication.DEFAULT_REPLICAS` (1: one copy per shard, lost
+    # with its node's disk) and `DEFAULT_MIN_INSYNC_REPLICAS`
+    default_replicas: int = DEFAULT_REPLICAS
+    default_min_insync_replicas: int = DEFAULT_MIN_INSYNC_REPLICAS
     # how often the controller removes expired MQTT sessions' snapshots from etcd
     session_sweep_s: float = 30.0
     # how long the cursor floors of a node that left the view still keep owners' journals
