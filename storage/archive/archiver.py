@@ -12,8 +12,9 @@ blocks (one buffer and arrays of positions each: no Python object per record) in
 buffer, but only once a file is due (enough rows committed, the oldest
 record `max_delay_s` old, or `flush`): until then the records stay in the journal, not in
 memory. A buffer becomes a file when it reaches the row or byte target, at an hour boundary
-(each file lies in one `date=/hour=` partition), or when it holds all that is due. Decoding, Parquet encoding and uploads run in a
-worker thread. A failing store is retried with exponential backoff while the lag grows in
+(each file lies in one `date=/hour=` partition), or when it holds all that is due. Decoding, Parquet encoding and uploads run in
+worker threads: a file's row groups are decoded two at a time while those already decoded are
+encoded (`_build_and_write`). A failing store is retried with exponential backoff while the lag grows in
 `status()`. This module never deletes journal data: the caller feeds `archived_offset` to the
 journal's retention.
 
