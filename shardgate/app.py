@@ -288,7 +288,7 @@ class Shardgate:
                     listing = partial(cluster_listing, self.cluster_views)
                     reset_anywhere = grpc_reset_anywhere(self.cluster_views)
                 grpc_server = GrpcServer(edge, config.grpc, cluster_status=status,
-                                         remote=parts.durables if parts is not None else None,
+                                         remote=parts.durable_consumers if parts is not None else None,
                                          listing=listing, reset_anywhere=reset_anywhere)
                 if ports.grpc_port:
                     starting = ("gRPC", host, ports.grpc_port, "listeners.grpc_port")

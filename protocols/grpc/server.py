@@ -72,7 +72,7 @@ def refusal_of(exc: PublishRejected) -> Refusal:
 
 class RemoteSubscriptions(Protocol):
     """Cluster mode: durable subscriptions held by other nodes, as the gRPC API reaches them
-    (`shardgate.cluster.durables.DurableHandover`); a single node has none (None)."""
+    (`shardgate.cluster.durable_consumers.DurableConsumers`); a single node has none (None)."""
 
     async def consume_remotely(self, holder: str, first: pb.ConsumeRequest,
                                requests: AsyncIterator[pb.ConsumeRequest],

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from ..core.streams import StreamConfig
     from .amqp_topology import SharedExchanges
     from .data_plane import DataPlane
+    from .durable_consumers import DurableConsumers
     from .durables import DurableHandover
     from .floors import CursorFloors
     from .session_cursors import CursorPlacer
@@ -121,8 +122,10 @@ class ClusterParts:
     rpc: StateRpc
     writer: StateWriter
     placer: CursorPlacer
-    # the Edge's `core.placement.RemoteDurables`, the gRPC server's `RemoteSubscriptions`
+    # the Edge's `core.placement.RemoteDurables`
     durables: DurableHandover
+    # the gRPC server's `RemoteSubscriptions` (consumers relayed to a subscription's holder)
+    durable_consumers: DurableConsumers
     # the AMQP virtual hosts' `ExchangeDirectory` (and its `queues`, their `QueueDirectory`)
     exchanges: SharedExchanges
     # what other nodes' cursors need of this node's shards (`Persistence`'s retention)
@@ -134,6 +137,7 @@ def assemble(app: Shardgate, node: ClusterNode) -> ClusterParts:
     protocols, which are built with them."""
     from .amqp_topology import SharedExchanges
     from .data_plane import DataPlane
+    from .durable_consumers import DurableConsumers
     from .durables import DurableHandover
     from .floors import CursorFloors
     from .session_cursors import CursorPlacer
@@ -148,8 +152,8 @@ def assemble(app: Shardgate, node: ClusterNode) -> ClusterParts:
     rpc = StateRpc(node.view, node.credentials)
     writer = StateWriter(node)
     placer = CursorPlacer(node, broker, plane, rpc)
-    return ClusterParts(plane, rpc, writer, placer,
-                        DurableHandover(node, broker, placer, rpc, writer),
+    durables = DurableHandover(node, broker, placer, rpc, writer)
+    return ClusterParts(plane, rpc, writer, placer, durables, DurableConsumers(durables),
                         SharedExchanges(node, broker, plane), CursorFloors(node, broker))
 
 
@@ -275,7 +279,7 @@ async def join(app: Shardgate, node: ClusterNode, parts: ClusterParts) -> None:
     node.durables = parts.durables
     node.durables.install(edge)
     if app.grpc is not None:  # consumers of this node's durable subscriptions on other nodes
-        plane.add_service(node.durables.serve_consumers(app.grpc))
+        plane.add_service(parts.durable_consumers.serve(app.grpc))
     mqtt = app.mqtt
     if mqtt is not None:
         handover = SessionHandover(node, mqtt, broker, placer, rpc, writer)
