@@ -319,3 +319,7 @@ class ConsumerService(pb_grpc.ConsumerServicer):
             edge.remove_subscription(sub.name)
         elif sub.durable:
             hand_over(sub, left)
+            # its last consumer left: saved again at once, so a cluster writes its checkpoint
+            # now (another node takes it over from there if this one dies), not a round later
+            if isinstance(sub, DurableSubscription):
+                edge.durable_changed(sub)

@@ -13,9 +13,18 @@ Appends are refused (`NotEnoughReplicas`, `NotLeader`: both `StorageUnavailable`
 core answers with its retryable `ShardUnavailable`) while the leader cannot take them. A shard of one
 replica, and every shard on a single node, never gets here.
 
-The same object answers followers' fetches (`serve_fetch`, `serve_epoch_end`: records of
-the journal below its published end, never what is not durable here yet), and, while this
-node follows, takes the fetched records (`FollowerLog`).
+The same object answers followers' fetches (`serve_fetch`, `serve_epoch_end`), and, while
+this node follows, takes the fetched records (`FollowerLog`). As Kafka's leader, it sends
+followers what it appended before its own fsync is done: the records the journal has
+published are read from it, the newer ones from `_unsynced` (the records this leader appended
+and the journal has not made durable yet, kept in memory until it has). The leader's fsync
+and its followers' then run side by side, instead of one after the other. Nothing is
+acknowledged earlier for it: the high watermark is still the lowest durable end over the
+in-sync set, this leader's own included. A fetch that finds nothing new is parked (`fetch`)
+and answered at the next append. Should the journal fail a commit, this node resigns before
+anything else is appended (`append` checks it too, not only the commit's callback): the
+offsets it may have sent are then cut from its log at the role change, never written here
+with other (empty) records under the same epoch.
 """
 
 from __future__ import annotations
@@ -80,6 +89,10 @@ class ReplicatedShardLog:
         self._waiter: asyncio.Future[None] | None = None
         self._waiter_end = -1
         self._news: asyncio.Future[None] | None = None
+        # what this leader appended and the journal has not published yet: the records
+        # from `_unsynced_start` on, in offset order (see the module docstring)
+        self._unsynced: list[StoredRecord] = []
+        self._unsynced_start = 0
 
     # -- leadership ---------------------------------------------------------------------------
 
@@ -87,6 +100,8 @@ class ReplicatedShardLog:
         """This node leads the shard from now on, in `leader`'s epoch."""
         self.resign()
         self.leader = leader
+        self._unsynced = []
+        self._unsynced_start = self.log.next_offset
         self._settle()
 
     def resign(self) -> None:
@@ -100,6 +115,7 @@ class ReplicatedShardLog:
         self.leader = None
         self._waiter = None
         self._waiter_end = -1
+        self._unsynced = []
         self._wake()
 
     @property
@@ -139,9 +155,25 @@ class ReplicatedShardLog:
             raise NotEnoughReplicas(f"{self._name}: {_REFUSALS[error]}")
         if error is not None:
             raise NotLeader(f"{self._name}: {_REFUSALS.get(error, error.value)}")
+        watched = self._watched
+        if watched is not None and watched.done() and (
+                watched.cancelled() or watched.exception() is not None):
+            # the journal failed a commit and its callback has not run yet: resign now, before
+            # this append fills the failed offsets with empty records
+            self._on_durable(watched)
+            raise NotLeader(f"{self._name}: {_REFUSALS[ReplicaError.NOT_LEADER]}")
         first = self.log.append(records)
+        unsynced = self._unsynced
+        if first != self._unsynced_start + len(unsynced):
+            # not contiguous with what is kept (it never is while this node leads, but then
+            # the records before are read from the journal once published)
+            unsynced.clear()
+            self._unsynced_start = first
+        unsynced.extend(StoredRecord(offset, timestamp_ms, data)
+                        for offset, (timestamp_ms, data) in enumerate(records, first))
         leader.appended(self.log.next_offset)
         self._watch_commit()
+        self._wake()
         return first
 
     def commit_waiter(self) -> asyncio.Future[None] | None:
@@ -206,7 +238,7 @@ class ReplicatedShardLog:
     async def fetch(self, request: FetchRequest, max_records: int = 1000, max_wait_s: float = 0.5
                     ) -> tuple[FetchResponse, list[StoredRecord]] | Refused:
         """`serve_fetch`, held up to `max_wait_s` while there is nothing to send (a long
-        poll: a follower at the end is answered as soon as something is committed here)."""
+        poll: a follower at the end is answered as soon as something is appended here)."""
         answer = self.serve_fetch(request, max_records)
         if isinstance(answer, Refused) or answer[1]:
             return answer
@@ -229,6 +261,13 @@ class ReplicatedShardLog:
         published = min(plan.end, self.log.committed_offset)
         records = self.log.read(plan.start, min(max_records, published - plan.start)) if published > plan.start else []
         end = plan.start + len(records)
+        if end >= published and len(records) < max_records:
+            # the rest from what is appended but not published yet (when kept from there on)
+            unsynced, first = self._unsynced, self._unsynced_start
+            if first <= end < first + len(unsynced):
+                upto = min(plan.end, first + len(unsynced), end + max_records - len(records))
+                records.extend(unsynced[end - first:upto - first])
+                end = plan.start + len(records)
         epochs = tuple(entry for entry in plan.epochs if entry.start_offset < end)
         return FetchResponse(epoch, plan.start, end, plan.high_watermark, epochs), records
 
@@ -249,6 +288,8 @@ class ReplicatedShardLog:
     def _on_durable(self, waiter: asyncio.Future[None]) -> None:
         leader = self.leader
         if waiter.cancelled() or waiter.exception() is not None:
+            if waiter is self._watched:
+                self._watched = None
             # The journal rolled back what it had not written: those offsets will be filled
             # with empty records, which the followers would copy and count. This leader must
             # not acknowledge them: it resigns (the controller moves the shard).
@@ -258,9 +299,13 @@ class ReplicatedShardLog:
                 self.resign()
             return
         if leader is not None:
-            leader.durable(self.log.committed_offset, self._clock())
+            published = self.log.committed_offset
+            unsynced = self._unsynced
+            if published > self._unsynced_start:
+                del unsynced[:published - self._unsynced_start]
+                self._unsynced_start = published if unsynced else self.log.next_offset
+            leader.durable(published, self._clock())
             self._settle()
-        self._wake()
         if self.log.commit_waiter() is not None:
             self._watch_commit()
 

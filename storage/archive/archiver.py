@@ -12,8 +12,9 @@ blocks (one buffer and arrays of positions each: no Python object per record) in
 buffer, but only once a file is due (enough rows committed, the oldest
 record `max_delay_s` old, or `flush`): until then the records stay in the journal, not in
 memory. A buffer becomes a file when it reaches the row or byte target, at an hour boundary
-(each file lies in one `date=/hour=` partition), or when it holds all that is due. Decoding, Parquet encoding and uploads run in a
-worker thread. A failing store is retried with exponential backoff while the lag grows in
+(each file lies in one `date=/hour=` partition), or when it holds all that is due. Decoding, Parquet encoding and uploads run in
+worker threads: a file's row groups are decoded two at a time while those already decoded are
+encoded (`_build_and_write`). A failing store is retried with exponential backoff while the lag grows in
 `status()`. This module never deletes journal data: the caller feeds `archived_offset` to the
 journal's retention.
 
@@ -26,18 +27,20 @@ worker threads `workers.py`'s, a shard's state `shard_state.py`'s and the atomic
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import random
 import time
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..allocators import return_freed_memory
 from ..journal import RecordBlock
 from . import compaction, layout
 from .buffer import RecordBuffer, int64_array
-from .columns import build_table, warm_up
+from .columns import FileEncoder, build_table, warm_up
 from .local_files import write_local_atomically
 from .maintenance import ArchiveMaintenance
 from .settings import ArchiveUnavailable
@@ -46,6 +49,15 @@ from .store import ContinueLog, Leads, RegisteredSchema, StreamList, log
 
 __all__ = ["ContinueLog", "Leads", "RegisteredSchema", "StreamList", "Archiver",
            "write_local_atomically"]
+
+BUILDS_AHEAD = 2
+"""Row groups of a file being built at once (the workers' other thread encodes)."""
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Take a dropped future's outcome, so that its failure is not reported as lost."""
+    if not future.cancelled():
+        future.exception()
 
 
 class Archiver(ArchiveMaintenance):
@@ -253,6 +265,54 @@ class Archiver(ArchiveMaintenance):
         buffer.extend(batch[:take] if take < len(batch) else batch)
         state.buffer_bytes += sizes[take - 1].as_py() if take else 0
 
+    async def _build_and_write(self, state: ShardState, records: RecordBuffer, path: str) -> int:
+        """Build the table of `records` and write it as the file `path`; returns its size.
+        A file of several row groups is built a row group's records at a time, `BUILDS_AHEAD`
+        parts at once, and each part is encoded as soon as it and those before it are built:
+        decoding and Parquet encoding overlap on the worker threads, and the Parquet file is
+        the one `encode_parquet` writes of the whole table."""
+        settings = self.settings
+        stream, shard = state.stream, state.shard
+        first, last = records[0].offset, records[-1].offset
+        typed = self._typed_for(stream)
+        parts = records.split(settings.row_group_rows)
+        if len(parts) == 1:
+            table = await self._workers.run(build_table, stream, shard, state.schema, records,
+                                            typed, settings.keep_typed_payload)
+            return await self._workers.run(self._write_file, path, stream, shard, table,
+                                           first, last)
+        encoder = FileEncoder(compression_level=settings.compression_level,
+                              row_group_rows=settings.row_group_rows,
+                              metadata=self._file_metadata(stream, shard, first, last))
+        upcoming = iter(parts)
+        builds: collections.deque[asyncio.Future[pa.Table]] = collections.deque()
+        encoding: asyncio.Future[None] | None = None
+
+        def build_next() -> None:
+            part = next(upcoming, None)
+            if part is not None:
+                builds.append(self._workers.run(build_table, stream, shard, state.schema, part,
+                                                typed, settings.keep_typed_payload))
+
+        try:
+            for _ in range(BUILDS_AHEAD):
+                build_next()
+            while builds:
+                table = await builds.popleft()
+                build_next()
+                if encoding is not None:
+                    await encoding
+                encoding = self._workers.run(encoder.write, table)
+                del table
+            if encoding is not None:
+                await encoding
+            data = await self._workers.run(encoder.finish)
+            await self._workers.run(self._put, path, data)
+            return len(data)
+        finally:
+            for build in builds:  # a failed or cancelled file: what still runs is dropped
+                build.add_done_callback(_retrieve)
+
     def _full(self, state: ShardState) -> bool:
         """Whether the buffer is a whole file: no more records will join it."""
         settings = self.settings
@@ -279,11 +339,11 @@ class Archiver(ArchiveMaintenance):
     async def _seal(self, state: ShardState, shard_log: Any = None) -> bool:
         """Upload the buffer as one file; on failure schedule a retry. True if uploaded.
 
-        The work runs in a worker thread, in two steps: decoding the records into an Arrow
-        table (short compute kernels, each taking the GIL back: the event loop waits rather
-        than contend), then Parquet encoding and the write (long calls without the GIL),
-        during which the buffer, emptied, reads ahead from `shard_log`; when what it read is
-        a whole file, its table is built meanwhile too, for the next seal. Files of a shard are
+        The work runs in worker threads (`_build_and_write`): decoding the records into
+        Arrow tables, a row group's records at a time, two at once, while the row groups
+        already built are Parquet-encoded in order (long calls without the GIL), then the
+        write. Meanwhile the buffer, emptied, reads ahead from `shard_log`; when what it read
+        is a whole file, its table is built too, for the next seal. Files of a shard are
         still uploaded one after the other, in offset order (progress is the highest offset
         among the files). If the upload fails or is cancelled, what was read ahead is dropped
         and the file's records become the buffer again."""
@@ -299,15 +359,13 @@ class Archiver(ArchiveMaintenance):
         try:
             if prebuilt is not None and prebuilt[0] is records and prebuilt[1] == len(records):
                 table = await prebuilt[2]
+                upload = asyncio.ensure_future(self._workers.run(
+                    self._write_file, path, state.stream, state.shard, table, first, last
+                ))
             else:
                 forget_prebuilt(prebuilt)
-                table = await self._workers.run(
-                    build_table, state.stream, state.shard, state.schema, records,
-                    self._typed_for(state.stream), self.settings.keep_typed_payload,
-                )
-            upload = asyncio.ensure_future(self._workers.run(
-                self._write_file, path, state.stream, state.shard, table, first, last
-            ))
+                table = None
+                upload = asyncio.ensure_future(self._build_and_write(state, records, path))
             if shard_log is not None:
                 with contextlib.suppress(Exception):  # a read error shows on the next pass
                     await self._fill(state, shard_log)

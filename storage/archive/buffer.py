@@ -59,6 +59,25 @@ class RecordBuffer:
             self.blocks.append(block)
             self.count += len(block)
 
+    def split(self, rows: int) -> list[RecordBuffer]:
+        """The records in consecutive buffers of `rows` records (the last one may hold fewer),
+        sharing this buffer's blocks (a block cut in two is sliced, not copied)."""
+        parts: list[RecordBuffer] = []
+        current: list[RecordBlock] = []
+        room = rows
+        for block in self.blocks:
+            while len(block):
+                piece = block if len(block) <= room else block[:room]
+                current.append(piece)
+                room -= len(piece)
+                block = block[len(piece):] if piece is not block else block[:0]
+                if room == 0:
+                    parts.append(RecordBuffer(current))
+                    current, room = [], rows
+        if current:
+            parts.append(RecordBuffer(current))
+        return parts
+
     def joined(self, pad: int = 0) -> tuple[bytes, pa.Array, pa.Array, pa.Array, pa.Array]:
         """(buffer, starts, ends, offsets, timestamps): record i is buffer[starts[i]:ends[i]]
         (int64 arrays), the blocks' buffers joined into one (one copy), followed by `pad`

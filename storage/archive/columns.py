@@ -250,7 +250,7 @@ def build_table(
         ])
     payloads = columns["payload"]
     decoded = {name: pa.nulls(count, ARROW_SCHEMA.field(name).type) for name in DECODED_COLUMN.values()}
-    if schema in ("string", "json"):
+    if schema == "string" or (schema == "json" and typed is None):  # else typed columns
         decoded[DECODED_COLUMN[schema]] = _as_text(payloads)
     elif schema == "int64":
         decoded["payload_int64"] = _as_int64(payloads)
@@ -259,7 +259,8 @@ def build_table(
         typed_arrays, decodable = typed.columns_of(payloads)
         decoded["payload_json"] = pa.nulls(count, pa.string())  # the typed columns hold it
         if not keep_payload:
-            payloads = pc.if_else(decodable, pa.nulls(count, pa.binary()), payloads)
+            payloads = (pa.nulls(count, pa.binary()) if pc.all(decodable).as_py() is not False
+                        else pc.if_else(decodable, pa.nulls(count, pa.binary()), payloads))
     arrays = [
         pa.repeat(pa.scalar(shard, pa.int32()), count),
         offsets,
@@ -317,23 +318,67 @@ PARQUET_OPTIONS: dict[str, Any] = {
 group size (the benchmark writes its pyarrow baseline with the same ones)."""
 
 
+def _file_schema(schema: pa.Schema, metadata: dict[str, str] | None) -> pa.Schema:
+    """The schema a file is written with: with `metadata`, its footer entries (the typed
+    schema's kept, the archive format, then `metadata`)."""
+    if not metadata:
+        return schema
+    kept = {key.decode(): value.decode() for key, value in (schema.metadata or {}).items()
+            if key.startswith(b"shardgate.schema.")}
+    return schema.with_metadata({**kept, "shardgate.archive.format": FORMAT_VERSION, **metadata})
+
+
 def encode_parquet(
     table: pa.Table, *, compression_level: int = 3, row_group_rows: int = 64 * 1024,
     metadata: dict[str, str] | None = None,
 ) -> bytes:
     """The whole Parquet file (zstd) as bytes, ready for one atomic upload."""
     if metadata:
-        kept = {key.decode(): value.decode() for key, value in (table.schema.metadata or {}).items()
-                if key.startswith(b"shardgate.schema.")}
-        table = table.replace_schema_metadata(
-            {**kept, "shardgate.archive.format": FORMAT_VERSION, **metadata}
-        )
+        table = table.replace_schema_metadata(_file_schema(table.schema, metadata).metadata)
     sink = pa.BufferOutputStream()  # an Arrow sink: no Python call (and GIL) per page written
     pq.write_table(
         table, sink, compression_level=compression_level, row_group_size=row_group_rows,
         **PARQUET_OPTIONS,
     )
     return sink.getvalue().to_pybytes()
+
+
+class FileEncoder:
+    """One Parquet file encoded a part at a time (the tables of consecutive rows, all of one
+    schema), with `encode_parquet`'s options and footer: the archiver encodes a file's first
+    row groups while the next ones are still being built. Not thread-safe: one thread at a
+    time calls `write` and `finish`, in order."""
+
+    def __init__(self, *, compression_level: int = 3, row_group_rows: int = 64 * 1024,
+                 metadata: dict[str, str] | None = None) -> None:
+        self._options = {"compression_level": compression_level, **PARQUET_OPTIONS}
+        self._row_group_rows = row_group_rows
+        self._metadata = metadata
+        self._sink = pa.BufferOutputStream()
+        self._writer: pq.ParquetWriter | None = None
+        self._empty: pa.Table | None = None
+
+    def write(self, table: pa.Table) -> None:
+        """Encode the next rows (a table without rows adds no row group)."""
+        if self._writer is None:
+            if not table.num_rows:
+                self._empty = table
+                return
+            self._writer = pq.ParquetWriter(
+                self._sink, _file_schema(table.schema, self._metadata), **self._options)
+        if table.num_rows:
+            self._writer.write_table(table, row_group_size=self._row_group_rows)
+
+    def finish(self) -> bytes:
+        """The whole file's bytes (a file of no rows, as `encode_parquet` writes one, if every
+        part was empty)."""
+        if self._writer is None:
+            if self._empty is None:
+                raise ValueError("a file encoder was given no table")
+            return encode_parquet(self._empty, compression_level=self._options[
+                "compression_level"], row_group_rows=self._row_group_rows, metadata=self._metadata)
+        self._writer.close()
+        return self._sink.getvalue().to_pybytes()
 
 
 def records_from_table(table: pa.Table) -> list[StoredRecord]:

@@ -189,15 +189,20 @@ class ArchiveStore:
             table,
             compression_level=self.settings.compression_level,
             row_group_rows=self.settings.row_group_rows,
-            metadata={
-                "shardgate.stream": stream,
-                "shardgate.shard": str(shard),
-                "shardgate.first_offset": str(first),
-                "shardgate.last_offset": str(last),
-            },
+            metadata=self._file_metadata(stream, shard, first, last),
         )
         self._put(path, data)
         return len(data)
+
+    @staticmethod
+    def _file_metadata(stream: str, shard: int, first: int, last: int) -> dict[str, str]:
+        """The footer entries of an archive file of a shard's offsets `first..last`."""
+        return {
+            "shardgate.stream": stream,
+            "shardgate.shard": str(shard),
+            "shardgate.first_offset": str(first),
+            "shardgate.last_offset": str(last),
+        }
 
     def _put(self, path: str, data: bytes) -> None:
         """Make `data` visible at `path` all at once (replacing a previous upload)."""

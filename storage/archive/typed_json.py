@@ -33,8 +33,9 @@ import pyarrow.json as pj
 PER_ROW_BELOW = 16
 """A failing part of fewer rows than this is decoded row by row."""
 BLOCK_BYTES = 1 << 20
-"""The reader's block (parsed in parallel); a block holds whole lines, so it grows to fit the
-longest payload."""
+"""The reader's block; a block holds whole lines, so it grows to fit the longest payload. The
+reader runs on the calling thread (`use_threads=False`): the archiver builds a file's row
+groups in parallel already, and Arrow's thread pool only added CPU time on top."""
 _NEWLINE = pa.scalar(b"\n", pa.binary())
 _EMPTY = pa.scalar(b"", pa.binary())
 _LONG_NUMBER = rb"[0-9]{16,}"
@@ -88,7 +89,7 @@ def read_lines(payloads: pa.Array, schema: pa.Schema) -> pa.Table | None:
     try:
         table = pj.read_json(
             pa.BufferReader(data.slice(first, size)),
-            read_options=pj.ReadOptions(block_size=block),
+            read_options=pj.ReadOptions(block_size=block, use_threads=False),
             parse_options=pj.ParseOptions(explicit_schema=schema,
                                           unexpected_field_behavior="ignore"),
         )

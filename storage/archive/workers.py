@@ -13,9 +13,9 @@ from typing import Any, TypeVar
 import pyarrow as pa
 
 T = TypeVar("T")
-ARCHIVE_THREADS = 2
-"""An archiver's worker threads: one builds the next file's table while another encodes and
-writes the current one."""
+ARCHIVE_THREADS = 3
+"""An archiver's worker threads: two build a file's row groups (or the next file's table)
+while the third encodes and writes those already built."""
 RELEASE_WAIT_S = 1.0
 
 

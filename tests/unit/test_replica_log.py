@@ -19,7 +19,7 @@ from shardgate.core.durable import encode_cursor_state
 from shardgate.core.errors import ShardUnavailable
 from shardgate.core.message import Message
 from shardgate.core.streams import StreamConfig
-from shardgate.storage.interfaces import StoredRecord
+from shardgate.storage.interfaces import StorageUnavailable, StoredRecord
 from shardgate.storage.journal import JournalShardLog, JournalStorage
 
 from shardgate.cluster.replica_epochs import (
@@ -41,7 +41,8 @@ from shardgate.cluster.replica_log import (
 
 
 class Transport:
-    """The peer link, as direct calls to the leaders' logs; `cut` makes a leader unreachable."""
+    """The peer link, as direct calls to the leaders' logs; `cut` makes a leader unreachable
+    (a fetch parked there when the link is cut gets no answer either)."""
 
     def __init__(self) -> None:
         self.leaders: dict[str, ReplicatedShardLog] = {}
@@ -56,7 +57,10 @@ class Transport:
                     ) -> tuple[FetchResponse, Sequence[StoredRecord]] | Refused:
         if leader in self.cut:
             raise ConnectionError(f"{leader} is unreachable")
-        return await self.leaders[leader].fetch(request, max_wait_s=0.05)
+        answer = await self.leaders[leader].fetch(request, max_wait_s=0.05)
+        if leader in self.cut:  # cut while the fetch was parked: its answer is lost
+            raise ConnectionError(f"{leader} is unreachable")
+        return answer
 
 
 class OneShardStorage:
@@ -366,3 +370,85 @@ async def test_a_publish_refused_as_leadership_moves_is_a_warning_not_an_error(
     assert refused, "the refused commit is logged"
     assert all(record.levelno == logging.WARNING for record in refused), [
         (record.levelname, record.getMessage()) for record in refused]
+
+
+def _leading(tmp_path: Path, *, fsync: str = "always", fsync_interval_ms: int = 50
+             ) -> tuple[JournalStorage, ReplicatedShardLog, LeaderReplica[asyncio.Future[None]]]:
+    journal = JournalStorage(tmp_path / "leader", fsync=fsync, fsync_interval_ms=fsync_interval_ms)
+    shard_log = journal.open_shard("s", 0)
+    replicated = ReplicatedShardLog(shard_log, time.monotonic, "a:s/0")
+    leader: LeaderReplica[asyncio.Future[None]] = LeaderReplica(
+        "a", 1, ("a", "b"), ("a", "b"), min_insync=2, lag_time_max_s=30.0,
+        history=shard_log.leader_epochs, log_end=0, durable_end=0, high_watermark=0,
+        now=time.monotonic())
+    replicated.lead(leader)
+    return journal, replicated, leader
+
+
+async def test_a_parked_fetch_is_answered_the_moment_the_leader_appends(tmp_path: Path) -> None:
+    # the leader fsyncs once a minute: the answer cannot be waiting for its fsync
+    journal, replicated, _leader = _leading(tmp_path, fsync="interval", fsync_interval_ms=60_000)
+    try:
+        # a follower at the leader's end: its fetch parks (for up to a minute)
+        parked = asyncio.get_running_loop().create_task(
+            replicated.fetch(FetchRequest("b", 1, 0, 0), max_wait_s=60.0))
+        await asyncio.sleep(0)
+        assert not parked.done()
+        replicated.append([(1, b"one"), (2, b"two")])
+        answer = await asyncio.wait_for(parked, 10)  # not the minute: the append woke it
+        assert not isinstance(answer, Refused)
+        response, records = answer
+        assert (response.start, response.end) == (0, 2)
+        assert [record.data for record in records] == [b"one", b"two"]
+    finally:
+        journal.close()
+
+
+async def test_the_leader_sends_what_is_not_durable_yet_but_acknowledges_only_once_durable_everywhere(
+    tmp_path: Path,
+) -> None:
+    # the leader fsyncs once a minute: what it appends is not durable here until a flush
+    journal, replicated, leader = _leading(tmp_path, fsync="interval", fsync_interval_ms=60_000)
+    try:
+        replicated.append([(1, b"one")])
+        waiter = replicated.commit_waiter()
+        assert waiter is not None
+        answer = replicated.serve_fetch(FetchRequest("b", 1, 0, 0))
+        assert not isinstance(answer, Refused)
+        assert [record.data for record in answer[1]] == [b"one"]  # sent before the leader's fsync
+        assert replicated.log.committed_offset == 0
+        # the follower holds it durably: still not acknowledged, the leader's own fsync is missing
+        answer = replicated.serve_fetch(FetchRequest("b", 1, 1, 1))
+        assert not isinstance(answer, Refused) and answer[1] == []
+        assert leader.high_watermark == 0 and not waiter.done()
+        assert replicated.read(0) == []
+        await journal.flush()  # the leader's fsync, at once: now both hold it
+        await asyncio.wait_for(waiter, 10)
+        assert leader.high_watermark == 1
+        assert [record.data for record in replicated.read(0)] == [b"one"]
+    finally:
+        journal.close()
+
+
+async def test_a_leader_whose_journal_failed_a_commit_resigns_before_the_next_append(
+    tmp_path: Path,
+) -> None:
+    journal, replicated, _leader = _leading(tmp_path)
+    try:
+        replicated.append([(1, b"sent")])
+        waiter = replicated.commit_waiter()
+        assert waiter is not None
+        # the journal rolls the record back (as after a failed write); the commit's callback
+        # has not run yet when the next publish comes
+        written = replicated.log.commit_waiter()
+        assert written is not None
+        replicated.log._rollback(OSError(28, "No space left on device"), None)
+        assert written.done()
+        with pytest.raises(StorageUnavailable):
+            replicated.append([(2, b"would fill the failed offset with an empty record")])
+        assert replicated.leader is None
+        assert replicated.log.next_offset == 1  # nothing appended: the failed offset stays a hole
+        with pytest.raises(ShardUnavailable):
+            await waiter
+    finally:
+        journal.close()

@@ -1,0 +1,168 @@
+"""A file of several row groups is built a row group's records at a time, in parallel, while
+the row groups already built are encoded: the file holds what the whole table written at once
+holds (rows, row groups, footer), its first row group is encoded before its last is built, and
+a part that cannot be built fails the file as a whole, which is retried."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from fsspec.implementations.local import LocalFileSystem
+from shardgate.core.records import MessageRecord, encode_message
+from shardgate.storage.archive import Archiver, ArchiveSettings, list_stream_files
+from shardgate.storage.archive import archiver as archiver_module
+from shardgate.storage.archive.buffer import RecordBuffer
+from shardgate.storage.archive.columns import RESERVED, FileEncoder, build_table, encode_parquet
+from shardgate.storage.archive.typed import TypedSchema
+from shardgate.storage.journal import JournalStorage
+
+T0 = 1_700_000_000_000 - 1_700_000_000_000 % 3_600_000
+SCHEMA = {"type": "object", "properties": {"device": {"type": "string"},
+                                           "temp": {"type": "number"}}}
+ROWS = 1000
+GROUP = 128
+
+
+def payload(i: int) -> bytes:
+    if i % 97 == 5:
+        return b"not json"  # no typed columns: its bytes are kept
+    return json.dumps({"device": f"d{i % 7}", "temp": i / 4}).encode()
+
+
+def fill(journal: JournalStorage, count: int = ROWS) -> None:
+    log = journal.open_shard("s", 0)
+    log.append([(T0 + i, encode_message(MessageRecord(
+        f"t/{i % 5}", payload(i), 1, False, T0 + i, producer_id="me"))) for i in range(count)])
+    journal.flush_sync()
+
+
+def archiver(journal: JournalStorage, root: Path, **settings: Any) -> Archiver:
+    return Archiver(journal, root.as_uri(), lambda: [("s", 1, "json")],
+                    ArchiveSettings(target_rows=ROWS, row_group_rows=GROUP, max_delay_s=3600,
+                                    compaction=False, retry_initial_s=0.01, retry_max_s=0.02,
+                                    **settings),
+                    registered_schema=lambda _s: ("json", SCHEMA, 1))
+
+
+def only_file(root: Path) -> Any:
+    entries = list_stream_files(LocalFileSystem(), str(root), "s")
+    assert len(entries) == 1
+    return entries[0]
+
+
+async def test_a_file_built_in_parts_is_the_file_of_the_whole_table(tmp_path: Path) -> None:
+    journal = JournalStorage(tmp_path / "journal", fsync="os")
+    try:
+        fill(journal)
+        await archiver(journal, tmp_path / "archive").flush(timeout=30)
+        entry = only_file(tmp_path / "archive")
+        assert (entry.first_offset, entry.last_offset) == (0, ROWS - 1)
+        written = pq.ParquetFile(entry.path)
+
+        records = RecordBuffer([journal.open_shard("s", 0).read_block(0, ROWS)])
+        whole = build_table("s", 0, "json", records, TypedSchema("json", SCHEMA, 1, RESERVED))
+        expected = pq.ParquetFile(pa.BufferReader(encode_parquet(
+            whole, row_group_rows=GROUP, metadata=Archiver._file_metadata("s", 0, 0, ROWS - 1))))
+
+        assert written.metadata.num_row_groups == -(-ROWS // GROUP)
+        assert [written.metadata.row_group(i).num_rows for i in range(written.metadata.num_row_groups)] \
+            == [expected.metadata.row_group(i).num_rows for i in range(expected.metadata.num_row_groups)]
+        assert written.schema_arrow == expected.schema_arrow
+        assert written.schema_arrow.metadata == expected.schema_arrow.metadata
+        assert written.read().equals(expected.read())
+        table = written.read()
+        assert table.column("offset").to_pylist() == list(range(ROWS))
+        kept = [i for i, p in enumerate(table.column("payload").to_pylist()) if p is not None]
+        assert kept == [i for i in range(ROWS) if i % 97 == 5]
+    finally:
+        journal.close()
+
+
+async def test_the_first_row_group_is_encoded_before_the_last_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[str] = []
+    lock = threading.Lock()
+    real_build, real_write = archiver_module.build_table, FileEncoder.write
+
+    def build_table_logged(stream: str, shard: int, schema: str, records: Any, *rest: Any) -> Any:
+        with lock:
+            events.append(f"build {records[0].offset}")
+        return real_build(stream, shard, schema, records, *rest)
+
+    def write_logged(self: FileEncoder, table: pa.Table) -> None:
+        with lock:
+            events.append(f"encode {table.column('offset')[0].as_py()}")
+        real_write(self, table)
+
+    monkeypatch.setattr(archiver_module, "build_table", build_table_logged)
+    monkeypatch.setattr(FileEncoder, "write", write_logged)
+    journal = JournalStorage(tmp_path / "journal", fsync="os")
+    try:
+        fill(journal)
+        await archiver(journal, tmp_path / "archive").flush(timeout=30)
+    finally:
+        journal.close()
+    parts = list(range(0, ROWS, GROUP))
+    assert sorted(e for e in events if e.startswith("build")) == sorted(f"build {p}" for p in parts)
+    assert [e for e in events if e.startswith("encode")] == [f"encode {p}" for p in parts]
+    assert events.index("encode 0") < events.index(f"build {parts[3]}"), events
+
+
+async def test_a_part_that_fails_to_build_fails_the_file_which_is_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_build = archiver_module.build_table
+    failures: list[int] = []
+
+    def build_table_failing_once(stream: str, shard: int, schema: str, records: Any,
+                                 *rest: Any) -> Any:
+        if records[0].offset == 2 * GROUP and not failures:
+            failures.append(records[0].offset)
+            raise MemoryError("a part could not be built")
+        return real_build(stream, shard, schema, records, *rest)
+
+    monkeypatch.setattr(archiver_module, "build_table", build_table_failing_once)
+    journal = JournalStorage(tmp_path / "journal", fsync="os")
+    try:
+        fill(journal)
+        archive = archiver(journal, tmp_path / "archive")
+        await archive.flush(timeout=30)
+    finally:
+        journal.close()
+    assert failures == [2 * GROUP]
+    entry = only_file(tmp_path / "archive")
+    assert pq.read_table(entry.path).column("offset").to_pylist() == list(range(ROWS))
+    assert archive.status()[0]["files"] == 1
+
+
+def test_a_record_buffer_splits_at_row_group_boundaries_inside_blocks(tmp_path: Path) -> None:
+    journal = JournalStorage(tmp_path / "journal", fsync="os")
+    try:
+        fill(journal, 300)
+        log = journal.open_shard("s", 0)
+        buffer = RecordBuffer()
+        for start in range(0, 300, 70):  # blocks of 70 records, cut by parts of 128
+            buffer.extend(log.read_block(start, min(70, 300 - start)))
+        parts = buffer.split(GROUP)
+        assert [len(p) for p in parts] == [128, 128, 44]
+        assert [r.offset for p in parts for r in p] == list(range(300))
+        assert [r.data for p in parts for r in p] == [r.data for r in buffer]
+    finally:
+        journal.close()
+
+
+def test_a_file_encoder_given_only_empty_parts_writes_the_empty_file() -> None:
+    empty = build_table("s", 0, "bytes", [])
+    encoder = FileEncoder(metadata={"shardgate.stream": "s"})
+    encoder.write(empty)
+    encoder.write(empty)
+    data = encoder.finish()
+    assert data == encode_parquet(empty, metadata={"shardgate.stream": "s"})
+    assert pq.read_table(pa.BufferReader(data)).num_rows == 0
