@@ -5,14 +5,15 @@ the lowest offset not yet acknowledged). In a cluster a reliable shard's journal
 owner, while the cursors reading it can be anywhere: a persistent MQTT session or a durable
 gRPC subscription held by another node, whose backlog is read from the owner's journal when
 it resumes (`shard_reader.OwnerLog`). So every node reports the floors of its durable cursors
-on shards other nodes own, and every owner counts the reports for its shards:
+on shards other nodes hold (a replicated shard's followers as well as its leader), and every
+node counts the reports for the shards it holds:
 
 - each node writes `/shardgate/<cluster>.state/floors/<node id>` = {"stream/shard": floor},
   when it changed, at most every `REPORT_INTERVAL_S`, and at once when cursors came here from
   another node (a session taken over). Not under the node's lease: a dead node's sessions
   still need their backlog when it returns or when they resume elsewhere;
 - every node reads all reports every `REFRESH_INTERVAL_S` and gives retention
-  (`Persistence.remote_needs`) the lowest floor per shard it owns. Until it has read them once,
+  (`Persistence.remote_needs`) the lowest floor per shard it holds. Until it has read them once,
   it keeps every shard's journal whole.
 
 A floor only rises while a cursor moves, so a report that is a little old asks to keep more,
@@ -74,7 +75,8 @@ class CursorFloors:
     # ------------------------------------------------------------ this node's cursors
     def local_floors(self) -> dict[str, int]:
         """The lowest floor of this node's durable cursors per reliable shard another node
-        owns ("stream/shard")."""
+        holds a replica of ("stream/shard"): its leader, or its followers, which may lead it
+        after a failover."""
         view = self.node.view
         me = self.node.node_id
         floors: dict[str, int] = {}
@@ -85,8 +87,8 @@ class CursorFloors:
                 if cursor.log is None:
                     continue  # a stream kept in memory: no journal to retain
                 assignment = view.leader(stream, shard)
-                if assignment is None or assignment.leader == me:
-                    continue
+                if assignment is None or assignment.replicas == (me,):
+                    continue  # its only copy is here: this node's retention counts it
                 name = f"{stream}/{shard}"
                 floor = cursor.floor
                 if floor < floors.get(name, floor + 1):
@@ -154,8 +156,9 @@ class CursorFloors:
                 and now_ms() - since >= self.departed_retention_ms)
 
     def remote_needs(self) -> Mapping[tuple[str, int], int]:
-        """For retention: per shard this node owns, the lowest offset another node's cursor
-        still needs; before the reports were read once, every shard's current start."""
+        """For retention: per shard this node holds a replica of (its leader or a follower:
+        either may lead it after a failover), the lowest offset another node's cursor still
+        needs; before the reports were read once, every shard's current start."""
         reports = self._reports
         needs: dict[tuple[str, int], int] = {}
         if reports is None:
@@ -173,7 +176,7 @@ class CursorFloors:
                 if not index.isdigit():
                     continue
                 assignment = view.leader(stream, int(index))
-                if assignment is None or assignment.leader != self.node.node_id:
+                if assignment is None or self.node.node_id not in assignment.replicas:
                     continue
                 key = (stream, int(index))
                 if floor < needs.get(key, floor + 1):

@@ -215,6 +215,16 @@ class ReplicatedShardLog:
             self.leader.retained_from(low)
         return low
 
+    def apply_retention(self, min_needed_offset: int) -> int:
+        """The journal's retention (`retention_bytes`, `retention_ms`), run by the node's
+        periodic pass on leaders and followers alike, never past the high watermark (what is
+        above it may still be cut by a failover) nor `min_needed_offset`. Returns the new low
+        watermark (a follower behind it resumes from there, `ResetLog`)."""
+        low = self.log.apply_retention(min(min_needed_offset, self.committed_offset))
+        if self.leader is not None:
+            self.leader.retained_from(low)
+        return low
+
     def close(self) -> None:
         self.resign()
         self.log.close()

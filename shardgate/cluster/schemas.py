@@ -14,10 +14,14 @@ silently replace another. Once in etcd, the version is loaded into this node's r
 kept in its metadata store); the other nodes' watches load it into theirs. Changes that came
 from etcd are not written back.
 
-At join, etcd's schemas are loaded, then this node's streams whose schemas etcd does not hold
-yet (registered while it ran alone, or from its configuration file) are put there; a
-registration made with the registry's synchronous `register` on a cluster node (the
-configuration file at start) is put in etcd as it is.
+At join (`install`), etcd's schemas are loaded, then the streams whose schemas this node holds
+and etcd does not (registered while the node ran alone) are put there as they are, without a
+compare: two nodes that registered one stream's schemas while each ran alone and join at the
+same moment can still overwrite each other's versions (the last write then holds on every
+node). A configured `schema_file` is not written at start in a cluster: it is registered once
+the node has joined, through the compare-and-set above (`register_configured_schemas_ordered`
+in `shardgate/topology.py`). A change made in this node's registry other than through
+`register` (a delete, the registry's synchronous `register`) is put in etcd as it is.
 """
 
 from __future__ import annotations

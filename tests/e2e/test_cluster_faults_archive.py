@@ -74,7 +74,10 @@ def test_every_node_archives_its_shards_to_one_url_exactly_once_across_owner_cha
 
         async def create() -> None:
             async with Client(n1.grpc_url) as client:
-                await client.admin.create_stream("safe", partitions=4, mode="reliable")
+                # one copy per shard: on two nodes a replicated shard (2 replicas, both in
+                # sync to acknowledge) refuses publishes while either node is away, and here
+                # publishes go on while n2 is away (replicated shards: the test below)
+                await client.admin.create_stream("safe", partitions=4, mode="reliable", replicas=1)
 
         asyncio.run(create())
         # (both nodes must know the new stream: an owner that has not learned it yet refuses a
@@ -134,6 +137,88 @@ def test_every_node_archives_its_shards_to_one_url_exactly_once_across_owner_cha
             overlapping = [(a, b) for a, b in zip(spans, spans[1:], strict=False) if b[0] <= a[1]]
             assert not overlapping, f"shard {shard}: {overlapping}"
         assert Counter(payload.split("-")[0] for payload in by_payload)["first"] == 3 * 30
+    finally:
+        for node in nodes:
+            if node.alive():
+                node.kill()
+
+
+def replicated(node: ClusterNodeProcess) -> dict[int, dict] | None:
+    """The shards of `safe` as `cluster status` shows replicated shards, when all are."""
+    found = {int(name.rsplit("/", 1)[1]): entry
+             for name, entry in node.status()["replicated_shards"].items() if name.startswith("safe/")}
+    return found if len(found) == 4 else None
+
+
+def all_in_sync(node: ClusterNodeProcess, replicas: set[str]) -> bool:
+    shards = replicated(node)
+    return shards is not None and all(set(entry["isr"]) == replicas for entry in shards.values())
+
+
+@pytest.mark.timeout(300)
+def test_a_replicated_shards_archive_goes_on_after_its_leaders_sigkill_with_no_duplicate_and_no_gap(
+    etcd: EtcdServer, tmp_path: Path,
+) -> None:
+    """Three nodes, three replicas per shard, one archive URL: only a shard's leader archives
+    it, and after the SIGKILL of a leader its successor goes on from where the archive stopped,
+    so pyarrow reads every acknowledged message once, each shard's offsets one sequence."""
+    archive = tmp_path / "shared-archive"
+    config = f'[archive]\nurl = "file://{archive}"\nmax_delay_s = 0.2\n'
+    nodes = [protocol_node(tmp_path, f"n{index}", etcd.url, config).start() for index in (1, 2, 3)]
+    n1, n2, n3 = nodes
+    everyone = {"n1", "n2", "n3"}
+    try:
+        wait_settled(nodes)
+
+        async def create() -> None:
+            async with Client(n1.grpc_url) as client:
+                await client.admin.create_stream("safe", partitions=4, mode="reliable", replicas=3)
+
+        asyncio.run(create())
+        wait_for(lambda: all(all_in_sync(node, everyone) for node in nodes), timeout=60)
+        acknowledged = publish(n3, list(range(4)), 20, "first")
+        for node in nodes:
+            flush(node)
+        # the leader of shard 0 dies; another in-sync replica leads it in a higher epoch
+        before = replicated(n3)
+        assert before is not None
+        leader = next(node for node in nodes if node.node_id == before[0]["leader"])
+        others = [node for node in nodes if node is not leader]
+        leader.kill()
+        wait_for(lambda: (now := replicated(others[0])) is not None
+                 and now[0]["leader"] != leader.node_id
+                 and now[0]["leader_epoch"] > before[0]["leader_epoch"]
+                 and not others[0].status()["unavailable_shards"], timeout=60)
+        wait_settled(others)
+        acknowledged |= publish(others[0], list(range(4)), 20, "after-kill")
+        leader.start()
+        wait_settled(nodes)
+        wait_for(lambda: all(all_in_sync(node, everyone) for node in nodes), timeout=60)
+        acknowledged |= publish(leader, list(range(4)), 20, "back")
+        for node in nodes:
+            flush(node)
+
+        def rows() -> list[tuple[int, int, str]] | None:
+            if not list(archive.rglob("*.parquet")):
+                return None
+            table = ds.dataset(str(archive / "stream=safe"), format="parquet",
+                               partitioning="hive").to_table(columns=["shard", "offset", "payload"])
+            found = [(shard, offset, bytes(payload).decode()) for shard, offset, payload in zip(
+                table.column("shard").to_pylist(), table.column("offset").to_pylist(),
+                table.column("payload").to_pylist(), strict=True)]
+            return found if acknowledged <= {payload for _s, _o, payload in found} else None
+
+        archived = wait_for(rows, timeout=60, interval=0.5)
+        counted = Counter(payload for _shard, _offset, payload in archived)
+        assert not [payload for payload, times in counted.items() if times > 1], "archived twice"
+        assert set(counted) == acknowledged, "only what was acknowledged, and all of it"
+        offsets: dict[int, list[int]] = defaultdict(list)
+        for shard, offset, _payload in archived:
+            offsets[shard].append(offset)
+        assert {shard: sorted(found) for shard, found in offsets.items()} == {
+            shard: list(range(60)) for shard in range(4)}
+        for node in nodes:
+            assert "Traceback" not in node.log_path.read_text()
     finally:
         for node in nodes:
             if node.alive():

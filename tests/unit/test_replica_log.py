@@ -316,6 +316,34 @@ async def test_a_follower_behind_the_journals_retention_is_told_where_the_log_st
         journal.close()
 
 
+async def test_the_journals_retention_runs_on_a_replicated_shard_and_stops_at_the_high_watermark(
+    tmp_path: Path,
+) -> None:
+    """The node's periodic retention pass calls `apply_retention` on every shard log that has
+    it: a replicated shard's too (it had none, and its journal grew for ever), never past
+    what a failover may still cut (the high watermark) nor what a cursor still needs."""
+    journal = JournalStorage(tmp_path / "a", segment_bytes=4096, retention_bytes=1)
+    try:
+        shard_log = journal.open_shard("s", 0)
+        replicated = ReplicatedShardLog(shard_log, time.monotonic, "a:s/0")
+        replicated.lead(LeaderReplica("a", 1, ("a", "b"), ("a", "b"), min_insync=1, lag_time_max_s=30.0,
+                                      history=shard_log.leader_epochs, log_end=0, durable_end=0,
+                                      high_watermark=0, now=time.monotonic()))
+        for _ in range(80):  # a commit per record: segments roll every few records
+            replicated.append([(1, b"x" * 500)])
+            await shard_log.flush()
+        assert replicated.high_watermark == 0, "b holds nothing yet"
+        assert replicated.apply_retention(10**9) == 0
+        assert not isinstance(replicated.serve_fetch(FetchRequest("b", 1, 60, 60)), Refused)
+        assert replicated.high_watermark == 60
+        assert 0 < replicated.apply_retention(20) <= 20, "a cursor needs offset 20"
+        low = replicated.apply_retention(10**9)
+        assert 20 < low <= 60, "nothing at or above the high watermark goes"
+        assert replicated.low_watermark == low and replicated.read(0, 1)[0].offset == low
+    finally:
+        journal.close()
+
+
 async def test_a_restored_cursors_unacknowledged_messages_wait_for_a_new_leaders_high_watermark(
     pair: Pair,
 ) -> None:
