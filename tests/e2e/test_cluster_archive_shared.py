@@ -145,15 +145,23 @@ def test_a_new_owner_of_a_shard_continues_the_archive_with_no_duplicate_and_no_g
         for node in nodes:
             flush(node)
         assert len(archived_rows(archive)) == 60
-        # n2 loses its disk: killed, its data directory gone, started again with a new journal
-        # that owns its shard (placement keeps a reliable shard on its node)
+        # n2 loses its disk: killed, its data directory gone, started again with a new journal.
+        # With one copy per shard it owns its shard again (placement keeps a reliable shard on
+        # its node); replicated, n1 leads it now, and n2 copies the log back before the shard
+        # (both replicas needed in sync) takes publishes again
         n2.kill()
         shutil.rmtree(n2.data_dir)
         wait_for(lambda: not etcd.keys("/nodes/n2"), timeout=60)  # its registration expired
         n2.start()
         wait_settled(nodes)
-        wait_for(lambda: not n1.status()["unavailable_shards"] and owners(n1)[on_n2] == "n2",
-                 timeout=60)
+
+        def n2_holds_its_shard_again() -> bool:
+            status = n1.status()
+            replicated = status.get("replicated_shards", {}).get(f"safe/{on_n2}")
+            holders = replicated["isr"] if replicated else [owners(n1)[on_n2]]
+            return not status["unavailable_shards"] and "n2" in holders
+
+        wait_for(n2_holds_its_shard_again, timeout=60)
         acknowledged |= publish(n1, 30, "second")
         for node in nodes:
             flush(node)

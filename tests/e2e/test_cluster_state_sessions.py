@@ -335,9 +335,11 @@ def topic_on(node: ClusterNodeProcess, stream: str, owner: str) -> tuple[str, in
     raise AssertionError(f"no shard of {stream} on {owner}")
 
 
-def create_spread(through: ClusterNodeProcess, nodes: list[ClusterNodeProcess], name: str) -> None:
+def create_spread(through: ClusterNodeProcess, nodes: list[ClusterNodeProcess], name: str,
+                  replicas: int | None = None) -> None:
     with SyncClient(through.grpc_url) as client:
-        client.admin.create_stream(name, mode="reliable", partitions=6, routes=[f"{name}/#"])
+        client.admin.create_stream(name, mode="reliable", partitions=6, routes=[f"{name}/#"],
+                                   replicas=replicas)
     for node in nodes:
         wait_for(lambda node=node: len(node.status()["placement"].get(name, [])) == 6, timeout=20)
 

@@ -8,7 +8,8 @@ waiting on the condition for at most the failover goal (5 s after SIGKILL) plus 
 the loaded test machine:
 
 - a persistent MQTT 5 session subscribed QoS 1, offline while messages were acknowledged for
-  it, resumes on B with every one of them;
+  it, resumes on B with every one of them; one connected with messages in flight (not yet
+  acknowledged by its client) gets them again;
 - the session's QoS 2 exactly-once state: a PUBLISH whose PUBREC the client never saw, sent
   again on B, is delivered once;
 - a durable AMQP queue: another node serves it, the unacknowledged deliveries come again with
@@ -158,6 +159,33 @@ def test_a_persistent_mqtt_session_resumes_on_another_node_with_every_acknowledg
     publisher.publish(f"{STREAM}/a", "after", qos=1)
     assert _take_until(resumed, {"after"}, time.monotonic() + WITHIN_S)[-1] == "after"
     publisher.disconnect()
+    resumed.disconnect()
+
+
+@pytest.mark.timeout(300)
+def test_the_in_flight_messages_of_a_connected_session_whose_node_died_come_again(
+        nodes: Nodes) -> None:
+    reader = RawClient(nodes.home.mqtt_port, version=5)
+    connack = reader.connect("inflight-reader", clean=False,
+                             properties=p.Properties(session_expiry_interval=600))
+    assert connack.reason_code == 0
+    reader.send(p.Subscribe(1, [p.SubscriptionRequest(f"{STREAM}/#", 1)]))
+    assert isinstance(reader.receive(30), p.Suback)
+    publisher = Paho(nodes.other.mqtt_port, "inflight-writer", V5)
+    sent = [f"inflight-{index:02d}" for index in range(10)]
+    for payload in sent:
+        publisher.publish(f"{STREAM}/a", payload, qos=1)
+    publisher.disconnect()
+    # the client gets them all and acknowledges none: in flight when its node dies
+    received = [reader.receive(30) for _ in sent]
+    assert [packet.payload.decode() for packet in received] == sent
+
+    deadline = nodes.kill_home() + WITHIN_S
+    reader.close()
+    resumed, flags = _resume(nodes.third.mqtt_port, "inflight-reader", deadline)
+    assert flags.session_present, "the session was lost with its home node"
+    got = _take_until(resumed, set(sent), deadline)
+    assert list(dict.fromkeys(got)) == sent
     resumed.disconnect()
 
 
