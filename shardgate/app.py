@@ -152,7 +152,7 @@ class Shardgate:
             try:  # one archive for the cluster, unless said otherwise (once etcd answered)
                 check_cluster_archive(config)
             except ConfigError:
-                await self.cluster.client.close()
+                await self.cluster.disconnect()
                 raise
         try:
             self.broker = self._build_broker()

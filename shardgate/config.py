@@ -20,14 +20,11 @@ from .protocols.mqtt.settings import MqttSettings
 from .protocols.read_budget import DEFAULT_READ_BUDGET_S
 from .security.auth import AuthSettings
 
-
-class ConfigError(Exception):
-    pass
-
-
-# A setting's allowed range, inclusive; None: no bound. Each settings class says its own in a
-# `RANGES` class attribute (setting name -> range), checked wherever the setting is given.
-Range = tuple[float | None, float | None]
+# one setting's value, coerced and checked (old import paths keep working)
+from .setting_values import CHOICES as CHOICES
+from .setting_values import ConfigError as ConfigError
+from .setting_values import Range as Range
+from .setting_values import check_choice, check_port, check_range, check_type, coerce
 
 
 @dataclass(slots=True)
@@ -216,54 +213,6 @@ RENAMED: dict[tuple[str, ...], tuple[str, ...]] = {
 NOT_SETTINGS_ENV = ("SHARDGATE_URL", "SHARDGATE_CONFIG", "SHARDGATE_PURE")
 
 
-def _coerce(value: Any, current: Any, name: str, annotation: str) -> Any:
-    if isinstance(value, str):
-        text = value.strip()
-        if isinstance(current, bool) or annotation == "bool":
-            if text.lower() in ("1", "true", "yes", "on"):
-                return True
-            if text.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ConfigError(f"{name}: expected true or false, got {value!r}")
-        if isinstance(current, int) or annotation.startswith("int"):
-            try:
-                return int(text)
-            except ValueError:
-                raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
-        if isinstance(current, float) or annotation.startswith("float"):
-            try:
-                return float(text)
-            except ValueError:
-                raise ConfigError(f"{name}: expected a number, got {value!r}") from None
-        if isinstance(current, Path):
-            return Path(text)
-        if text.lower() in ("", "none", "null") and "None" in annotation:
-            return None
-        return text
-    if isinstance(current, Path):
-        return Path(value)
-    if isinstance(current, float) and isinstance(value, int):
-        return float(value)
-    return value
-
-
-# Settings that take one of a few words: dotted name -> allowed values.
-CHOICES: dict[str, tuple[str, ...]] = {
-    "log_level": ("debug", "info", "warning", "error"),
-    "default_stream_mode": ("reliable", "non-reliable"),
-    "journal.fsync": ("always", "interval", "os"),
-    "mqtt.session_takeover_by_other_user": ("refuse", "new_session"),
-    "streams.mode": ("reliable", "non-reliable"),
-    "streams.schema": ("bytes", "string", "int64", "json"),
-}
-
-
-def _check_choice(name: str, value: Any, source: str) -> None:
-    allowed = CHOICES.get(name)
-    if allowed is not None and value not in allowed:
-        raise ConfigError(f"{source}: {name} = {value!r} is not allowed; use one of {' | '.join(allowed)}")
-
-
 def _entries(key: str, value: Any, cls: type, path: Path) -> list[Any]:
     """The `[[key]]` array of tables of a config file as `cls` instances, every mistake named
     by the setting, the entry and the file, with the allowed names or values."""
@@ -293,12 +242,12 @@ def _entries(key: str, value: Any, cls: type, path: Path) -> list[Any]:
                     raise ConfigError(f"{label}: {name} must be a list of strings, got {raw!r}")
                 values[name] = raw
                 continue
-            values[name] = _coerce(raw, known[name].default if known[name].default is not MISSING
+            values[name] = coerce(raw, known[name].default if known[name].default is not MISSING
                                    else None, f"{label}: {name}", annotation)
-            _check_type(values[name], annotation, raw, f"{label}: {name}")
-            _check_range(cls, name, values[name], f"{label}: {name}", raw)
+            check_type(values[name], annotation, raw, f"{label}: {name}")
+            check_range(cls, name, values[name], f"{label}: {name}", raw)
             try:
-                _check_choice(dotted, values[name], label)
+                check_choice(dotted, values[name], label)
             except ConfigError as exc:
                 raise ConfigError(str(exc).replace(f"{dotted} =", f"{name} =")) from None
         built = cls(**values)
@@ -307,65 +256,6 @@ def _entries(key: str, value: Any, cls: type, path: Path) -> list[Any]:
             raise ConfigError(f"{label}: {problem()}")
         entries.append(built)
     return entries
-
-
-def _check_type(value: Any, annotation: str, raw: Any, name: str) -> None:
-    """Refuse a value of the wrong kind (`mqtt_port = "x"`, `retain_available = 3`): TOML
-    carries types, and a setting must not take one its code does not expect. A setting of
-    several kinds (`cluster.etcd`: a list or one string) is checked by its own section."""
-    if "|" in annotation.replace(" | None", ""):
-        return
-    expected = (int,) if annotation.startswith("int") else (
-        (int, float) if annotation.startswith("float") else
-        (bool,) if annotation == "bool" else (str,) if annotation.startswith("str") else
-        (dict,) if annotation.startswith("dict") else
-        (list, tuple) if annotation.startswith(("list", "tuple")) else None)
-    if expected and value is not None and (
-        not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected)
-    ):
-        raise ConfigError(f"{name} must be {_kind(annotation)}, got {raw!r}")
-
-
-def _bound(value: float) -> str:
-    return f"{value:,}" if isinstance(value, int) or float(value).is_integer() and abs(value) >= 1 \
-        else f"{value:g}"
-
-
-def _check_range(cls: type, key: str, value: Any, name: str, raw: Any = None) -> None:
-    """Refuse a number outside its setting's range (`RANGES` of its settings class), saying
-    the range: `mqtt.receive_maximum = 0 is out of range (allowed: 1 to 65,535)`."""
-    low, high = getattr(cls, "RANGES", {}).get(key, (None, None))
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return
-    if (low is not None and value < low) or (high is not None and value > high):
-        if low is not None and high is not None:
-            allowed = f"{_bound(low)} to {_bound(high)}"
-        elif low is not None:
-            allowed = f"at least {_bound(low)}" if low not in (0.001,) else "more than 0"
-        else:
-            allowed = f"at most {_bound(high)}"  # type: ignore[arg-type]
-        shown = raw if isinstance(raw, int | float | str) else value
-        raise ConfigError(f"{name} = {shown!r} is out of range (allowed: {allowed})")
-
-
-def _check_port(name: str, value: Any) -> None:
-    """A listener port is 0 (off) to 65535: the socket layer would silently take 70000 as 4464."""
-    if isinstance(value, int) and not 0 <= value <= 65535:
-        raise ConfigError(f"{name} = {value} is not a port number (1 to 65535, 0 turns it off)")
-
-
-def _kind(annotation: str) -> str:
-    if annotation.startswith("int"):
-        return "an integer"
-    if annotation.startswith("float"):
-        return "a number"
-    if annotation == "bool":
-        return "true or false"
-    if annotation.startswith("dict"):
-        return "a table"
-    if annotation.startswith(("list", "tuple")):
-        return "a list"
-    return "a string"
 
 
 def _set(config: Config, path: tuple[str, ...], value: Any, source: str, typed: bool = False) -> None:
@@ -387,17 +277,17 @@ def _set(config: Config, path: tuple[str, ...], value: Any, source: str, typed: 
     if written != dotted:
         dotted = f"{written} (now {dotted})"
     name = dotted if source == "command line" else f"{source}: {dotted}"
-    coerced = _coerce(value, getattr(target, key), name, annotation)
+    coerced = coerce(value, getattr(target, key), name, annotation)
     if typed and isinstance(value, str):
         try:
-            _check_type(value, annotation, value, name)
+            check_type(value, annotation, value, name)
         except ConfigError as exc:
             raise ConfigError(f"{exc} (a string: write the value without quotes)") from None
-    _check_type(coerced, annotation, value, name)
+    check_type(coerced, annotation, value, name)
     if key == "port" or key.endswith("_port"):
-        _check_port(name, coerced)
-    _check_range(type(target), key, coerced, name, value)
-    _check_choice(".".join(path), coerced.lower() if path == ("log_level",) and isinstance(coerced, str)
+        check_port(name, coerced)
+    check_range(type(target), key, coerced, name, value)
+    check_choice(".".join(path), coerced.lower() if path == ("log_level",) and isinstance(coerced, str)
                   else coerced, source)
     setattr(target, key, coerced)
 

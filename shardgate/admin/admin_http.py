@@ -37,7 +37,8 @@ from .errors import BadRequest, Conflict, NotFound, Unavailable
 from .guards import admin_topic, authenticate, check_change, check_host, error_response, json_errors
 from .health import healthz, readyz_handler
 from .history import TrafficHistory
-from .metrics import CONTENT_TYPE, connection_counts, create_registry, render
+from .metrics import CONTENT_TYPE, create_registry, render
+from .node_readings import connection_counts
 from .openapi import openapi_document
 from .served import SERVED_KEY, Served, served_app
 from .views import (

@@ -11,9 +11,9 @@ bounded by what an operator configures (protocols, streams, shards, subscription
 never by the number of clients: MQTT sessions (one subscription per client id) are summed up
 in `shardgate_session_*`, not listed one by one.
 
-This module also knows where each protocol service hangs on the composition root
-(`app.mqtt`, `app.amqp` or the AMQP listener, `app.grpc` or the gRPC listener); the admin HTTP
-API uses the same lookups. It must not change broker state.
+What it reads off the composition root (connections per protocol, a subscription's queue, the
+archiver's totals) it shares with the admin HTTP API (`node_readings.py`). It must not change
+broker state.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import os
 import re
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -37,9 +37,11 @@ from prometheus_client.utils import floatToGoString
 
 from .. import __version__
 
-if TYPE_CHECKING:
-    from ..app import Shardgate
-    from ..protocols.grpc.server import GrpcServer
+# read off the composition root, once in this module (old import paths keep working)
+from .node_readings import archive_status as archive_status
+from .node_readings import connection_counts as connection_counts
+from .node_readings import grpc_server as grpc_server
+from .node_readings import subscription_queue as subscription_queue
 
 PREFIX = "shardgate"
 # The reasons a bridge drops a message, each direction: every one has a series from the start.
@@ -61,54 +63,6 @@ _JOURNAL_COUNTERS = (
     ("fsyncs", "fsync calls made by the journal"),
     ("failures", "Journal commit passes that failed with an I/O error"),
 )
-
-
-# ---------------------------------------------------------------------------- protocol lookups
-def grpc_server(app: Shardgate) -> GrpcServer | None:
-    """The node's `GrpcServer`, or None when no gRPC listener runs."""
-    return app.grpc
-
-
-def connection_counts(app: Shardgate) -> dict[str, int]:
-    """Open client connections (or client streams, for gRPC) by protocol."""
-    counts: dict[str, int] = {}
-    if app.mqtt is not None:
-        counts["mqtt"] = len(app.mqtt.connections)
-    if app.amqp is not None:
-        counts["amqp"] = len(app.amqp.connections)
-    if app.grpc is not None:
-        counts["grpc"] = len(app.grpc.consumers) + len(app.grpc.producers)
-    return counts
-
-
-def subscription_queue(sub: Any) -> Any:
-    """What holds a subscription's waiting messages, if anything: an MQTT session's queue or an
-    AMQP queue's ready messages (both belong to the subscription's owner)."""
-    owner = sub.owner
-    queue = getattr(owner, "queue", None)
-    if queue is None:
-        queue = getattr(owner, "messages", None)
-    return queue if hasattr(queue, "__len__") else None
-
-
-def archive_status(app: Shardgate) -> dict[str, Any] | None:
-    """The archiver's status, totals for the gauges and the shards as they are for the API;
-    None when no archiver runs."""
-    if app.archiver is None:
-        return None
-    status: Any = app.archiver.status()  # one entry per stream and shard
-    if isinstance(status, dict):  # an archiver that reports totals itself
-        return dict(status)
-    totals: dict[str, Any] = {}
-    for shard in status:
-        for key in ("lag_records", "files", "bytes", "buffered", "failures", "skipped"):
-            value = shard.get(key)
-            if isinstance(value, int | float):
-                totals[key] = totals.get(key, 0) + value
-    lag_ms = [lag for s in status if isinstance(lag := s.get("lag_ms"), int | float)]
-    totals["lag_ms"] = max(lag_ms, default=0)
-    totals["shards"] = status
-    return totals
 
 
 # ---------------------------------------------------------------------------- the collector

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from .. import __version__
-from .metrics import archive_status, connection_counts, subscription_queue
+from .node_readings import archive_status, connection_counts, subscription_queue
 
 RETAINED_LIMIT = 1000
 PREVIEW_BYTES = 256

@@ -195,7 +195,7 @@ class SharedQueues:
         return asyncio.ensure_future(self._lookup(vhost, queue))
 
     async def _lookup(self, vhost: str, queue: str) -> str | None:
-        kv = await self.node.client.get(self.node.key(queue_key(vhost, queue)))
+        kv = await self.node.state_store.get(self.node.key(queue_key(vhost, queue)))
         return self._home_in(kv.value if kv is not None else None)
 
     def claim(self, vhost: str, queue: str, durable: bool) -> asyncio.Future[str | None]:
@@ -207,7 +207,7 @@ class SharedQueues:
         value = keys.encode({"node": self.node.node_id, "durable": durable})
         at = 0  # the revision the record must be at: absent first
         for _ in range(3):
-            created, current = await self.node.client.put_at(full, at, value)
+            created, current = await self.node.state_store.put_at(full, at, value)
             if created:
                 self.node.view.documents[key] = value
                 return None

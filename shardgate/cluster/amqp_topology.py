@@ -148,9 +148,9 @@ class SharedExchanges:
         for key, value in values.items():
             full = self.node.key(key)
             try:
-                kv = await self.node.client.get(full)
+                kv = await self.node.state_store.get(full)
                 if kv is not None and kv.value == value:
-                    await self.node.client.delete_unchanged(full, kv.mod_revision)
+                    await self.node.state_store.delete_unchanged(full, kv.mod_revision)
             except Exception as exc:  # noqa: BLE001 - the next lone start drops it
                 log.warning("cluster: cannot drop AMQP %s from etcd: %s", key, exc)
 
@@ -202,7 +202,7 @@ class SharedExchanges:
         waits for it); the etcd revision of the deletion, 0 when etcd is away (then the
         queued writer retries it)."""
         try:
-            return await self.node.client.write(deletes=[self.node.key(key)]) or 0
+            return await self.node.state_store.write(deletes=[self.node.key(key)]) or 0
         except Exception as exc:  # noqa: BLE001 - retried by the node's writer
             log.warning("cluster: cannot delete AMQP exchange %s in etcd yet (%s); retrying", key, exc)
             self.node.submit(key, None)
@@ -220,7 +220,7 @@ class SharedExchanges:
         value = keys.encode(exchange_definition(
             definition["type"], definition["durable"], definition["auto_delete"],
             definition["internal"], definition["arguments"]))
-        created, current = await self.node.client.create(full, value)
+        created, current = await self.node.state_store.create(full, value)
         if created:
             # this declare defines it: the caller declares it here, and `_share` finds the
             # key already written
@@ -235,7 +235,7 @@ class SharedExchanges:
     async def _lookup(self, vhost: Any, names: list[str]) -> None:
         for name in names:
             key = exchange_key(vhost.name, name)
-            kv = await self.node.client.get(self.node.key(key))
+            kv = await self.node.state_store.get(self.node.key(key))
             if kv is not None and name not in vhost.exchanges:
                 self._learn(key, kv.value)
 

@@ -71,13 +71,13 @@ async def connect(app: Shardgate) -> ClusterNode:
         raise ClusterStartError(f"cannot read the cluster state from etcd: {exc}") from None
     existing = view.registrations.get(node_id)
     if existing is not None and existing.instance != node.instance:
-        await node.client.close()
+        await node.disconnect()
         raise ClusterStartError(
             f"node id {node_id!r} is already in use by a running node (internal address "
             f"{existing.cluster_address}); give this node another --node-id")
     for other in sorted(view.registrations.values(), key=lambda registration: registration.node_id):
         if other.node_id != node_id and not secret_matches(node.credentials.secret, other.secret_check):
-            await node.client.close()
+            await node.disconnect()
             raise ClusterStartError(
                 f"running node {other.node_id!r} runs a version without node authentication: "
                 "stop it first" if not other.secret_check else

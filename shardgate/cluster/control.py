@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from .sessions import SessionHandover
     from .shared_files import SharedFiles
     from .state_rpc import StateRpc
+    from .state_store import StateStore
     from .state_writer import StateWriter
     from .wills import WillKeeper
 
@@ -121,6 +122,8 @@ class ClusterNode:
         )
         # every etcd write and transaction of the control plane (`control_store.py`)
         self.store = ControlStore(self.client, self.prefix)
+        # the plain reads and writes of the other cluster state modules (`state_store.py`)
+        self.state_store: StateStore = self.client
         self.registration: keys.NodeRegistration | None = None
         self.lease_id = 0
         self._lease_keeper: LeaseKeeper | None = None
@@ -175,6 +178,10 @@ class ClusterNode:
         return self.prefix + suffix
 
     # ---------------------------------------------------------------- start
+    async def disconnect(self) -> None:
+        """Close the etcd connection of a node that will not join (it holds no lease)."""
+        await self.client.close()
+
     async def connect(self) -> None:
         """Reach etcd within `connect_timeout_s`, or raise ClusterStartError saying why."""
         deadline = time.monotonic() + self.settings.connect_timeout_s

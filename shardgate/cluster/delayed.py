@@ -206,7 +206,7 @@ class SharedDelayed:
         try:
             if not lease or not self.node.view.lease_alive():
                 raise ShardUnavailable("this node cannot prove its cluster membership now")
-            await self.node.client.write(puts)
+            await self.node.state_store.write(puts)
         except Exception as exc:  # noqa: BLE001 - the publishers are told, retryably
             refusal = exc if isinstance(exc, PublishRejected) else ShardUnavailable(
                 f"the delayed message could not be stored in etcd: {exc}")
@@ -222,7 +222,7 @@ class SharedDelayed:
     async def _delete_batch(self) -> None:
         batch, self._deletes = self._deletes[:TXN_OPS], self._deletes[TXN_OPS:]
         try:
-            await self.node.client.write(deletes=batch)
+            await self.node.state_store.write(deletes=batch)
         except Exception as exc:  # noqa: BLE001 - kept; deleted with the next batch
             log.warning("cluster: cannot delete %d released delayed messages from etcd yet: %s",
                         len(batch), exc)
@@ -342,7 +342,7 @@ class SharedDelayed:
         live = self.node.view.nodes()
         departed = {
             name[len(self.prefix):].split("/", 1)[0]
-            for name in await self.node.client.get_keys(self.prefix)
+            for name in await self.node.state_store.get_keys(self.prefix)
         } - set(live) - {self.node.node_id}
         taken = 0
         for holder in sorted(departed):
@@ -361,7 +361,7 @@ class SharedDelayed:
         docstring); returns how many were taken."""
         if not self.node.lease_id or not self.node.view.lease_alive():
             return 0
-        kvs, _revision = await self.node.client.get_prefix(prefix)
+        kvs, _revision = await self.node.state_store.get_prefix(prefix)
         taken = 0
         for kv in kvs:
             try:
@@ -376,7 +376,7 @@ class SharedDelayed:
             lease = self.node.lease_id
             name = kv.key.rsplit("/", 1)[1]
             key = f"{self.own_prefix()}{name}"
-            moved = await self.node.client.write(
+            moved = await self.node.state_store.write(
                 [(key, record(message, at_ms, self.node.node_id, lease))],
                 deletes=[kv.key] if key != kv.key else [], if_at=(kv.key, kv.mod_revision))
             if moved is None:

@@ -125,7 +125,7 @@ class DurableConsumers:
         state and its holder, if any), or None: no such subscription, claimed but never defined,
         or held here after all (the caller looked here first)."""
         try:
-            kv = await self.node.client.get(self.handover.key(name))
+            kv = await self.node.state_store.get(self.handover.key(name))
         except EtcdError as exc:
             raise ShardUnavailable(
                 f"durable subscription {name!r} cannot be looked up in etcd now ({exc}); retry"
@@ -169,7 +169,7 @@ class DurableConsumers:
                 raise ShardUnavailable(f"node {holder}, which holds durable subscription {name!r}, "
                                        f"cannot be reached ({exc}); retry") from None
         try:
-            deleted = await self.node.client.delete_unchanged(self.handover.key(name), kv.mod_revision)
+            deleted = await self.node.state_store.delete_unchanged(self.handover.key(name), kv.mod_revision)
         except EtcdError as exc:
             raise ShardUnavailable(f"durable subscription {name!r} cannot be deleted in etcd now "
                                    f"({exc}); retry") from exc

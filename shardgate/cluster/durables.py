@@ -228,7 +228,7 @@ class DurableHandover:
         dropped = 0
         for sub in self._shared():
             try:
-                kv = await self.node.client.get(self.key(sub.name))
+                kv = await self.node.state_store.get(self.key(sub.name))
             except Exception as exc:  # noqa: BLE001 - kept; checked again at its next move
                 log.warning("cluster: cannot check where subscription %r lives: %s", sub.name, exc)
                 continue
@@ -273,7 +273,7 @@ class DurableHandover:
 
     async def _find(self, name: str) -> str | None:
         me = self.node.node_id
-        client = self.node.client
+        client = self.node.state_store
         key = self.key(name)
         for _ in range(5):
             kv = await client.get(key)

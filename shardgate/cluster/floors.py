@@ -104,13 +104,13 @@ class CursorFloors:
         floors = self.local_floors()
         if floors == self._reported:
             return False
-        await self.node.client.put(self.prefix + self.node.node_id, keys.encode(floors))
+        await self.node.state_store.put(self.prefix + self.node.node_id, keys.encode(floors))
         self._reported = floors
         return True
 
     # ------------------------------------------------------------ the owners' side
     async def refresh(self) -> None:
-        client = self.node.client
+        client = self.node.state_store
         kvs, _revision = await client.get_prefix(self.prefix)
         reports: dict[str, dict[str, int]] = {}
         for kv in kvs:
@@ -139,14 +139,14 @@ class CursorFloors:
         for node_id in reports:
             if node_id not in live and node_id not in departed:
                 key, since = self.departed_prefix + node_id, now_ms()
-                created, _current = await self.node.client.create(key, keys.encode({"since_ms": since}))
+                created, _current = await self.node.state_store.create(key, keys.encode({"since_ms": since}))
                 if created:
                     departed[node_id] = since
                     log.info("cluster: node %s left with cursor floors; they count for %.0f s more",
                              node_id, self.departed_retention_ms / 1000)
         for node_id in list(departed):
             if node_id in live or node_id not in reports:
-                await self.node.client.delete(self.departed_prefix + node_id)
+                await self.node.state_store.delete(self.departed_prefix + node_id)
                 del departed[node_id]
 
     def ignored(self, node_id: str) -> bool:

@@ -1,5 +1,6 @@
-"""What a peer link has written and not had answered yet, and how queued messages are packed
-into a frame: the pieces of `peer_link.PeerLink` that hold no connection.
+"""What a peer link has written and not had answered yet, how queued messages are packed
+into a frame, and what the peer's answer settles: the pieces of `peer_link.PeerLink` that hold
+no connection.
 
 A frame carries the forwarded publishes as packed `ForwardBatch`es and the pushes as packed
 `PushBatch`es (one per run of messages of one shard, in queue order), bounded by
@@ -54,6 +55,10 @@ class Shared:
 
 # What a forwarded publish's sender waits on: its own future, or the `Shared` one of its write.
 Waiter = asyncio.Future[None] | Shared
+# Settles one waiter: stored (None) or refused with the error.
+SettleOne = Callable[[Waiter, PublishRejected | None], None]
+# Re-routes a message its owner refused as not its own (`PeerLink._rerouted`): whether it did.
+Reroute = Callable[["Message", "asyncio.Future[None] | None", int, pb.Outcome], bool]
 # A publish queued for the peer: (message, epoch, its future or None, the shared future of
 # the QoS 0 ones or None).
 Queued = tuple["Message", int, asyncio.Future[None] | None, Shared | None]
@@ -181,6 +186,48 @@ def _packable(batch: SentBatch, refuse: Callable[[Waiter, PublishRejected], None
     batch.messages[:] = kept
     batch.waiters[:] = kept_waiters
     return pack_records(kept)
+
+
+def settle_batch(batch: SentBatch, result: pb.BatchOutcome | None, node_id: str,
+                 settle_one: SettleOne, rerouted: Reroute) -> None:
+    """The owner `node_id` answered a batch: resolve its publishers' futures (stored),
+    re-route the messages it did not own, fail the ones it refused."""
+    messages, waiters = batch.messages, batch.waiters
+    if result is None:  # the owner answered the frame without this batch
+        for waiter in waiters:
+            settle_one(waiter, refusal(node_id, None))
+        return
+    refused: dict[int, pb.Outcome] = {}
+    if result.refused:
+        refused = {outcome.index: outcome for outcome in result.refused}
+    if batch.unacknowledged:
+        if not refused and waiters:
+            # the common case: every message taken; count them down per shared future
+            first = waiters[0]
+            if waiters[-1] is first:
+                first.settle(len(waiters))  # type: ignore[union-attr]
+                return
+        for index, waiter in enumerate(waiters):
+            outcome = refused.get(index) if refused else None
+            if outcome is None:
+                waiter.settle(1)  # type: ignore[union-attr]
+            elif rerouted(messages[index], None, batch.epoch, outcome):
+                waiter.settle(1)  # type: ignore[union-attr]
+            else:
+                settle_one(waiter, refusal(node_id, outcome))
+        return
+    offsets = list(result.offsets)
+    known = len(offsets)
+    for index, message in enumerate(messages):
+        future = waiters[index]
+        if future.done():  # type: ignore[union-attr]
+            continue
+        outcome = refused.get(index) if refused else None
+        if outcome is None and index < known:
+            message.offset = offsets[index]
+            future.set_result(None)  # type: ignore[union-attr]
+        elif outcome is None or not rerouted(message, future, batch.epoch, outcome):  # type: ignore[arg-type]
+            settle_one(future, refusal(node_id, outcome))
 
 
 def seen(future: asyncio.Future[None]) -> None:

@@ -37,8 +37,8 @@ from .outbox import (
     Shared,
     Waiter,
     fail,
-    refusal,
     seen,
+    settle_batch,
     take_batches,
     take_pushes,
 )
@@ -416,48 +416,10 @@ class PeerLink:
         self.plane.stats.forward_latency.observe(time.perf_counter() - sent.written_at)
         self._in_flight -= sent.forwarded
         results = reply.batches
+        node_id, settle_one, rerouted = self.node.node_id, self._settle_one, self._rerouted
         for index, batch in enumerate(sent.batches):
-            self._settle_batch(batch, results[index] if index < len(results) else None)
-
-    def _settle_batch(self, batch: SentBatch, result: pb.BatchOutcome | None) -> None:
-        """The owner answered a batch: resolve its publishers' futures (stored), re-route the
-        messages it did not own, fail the ones it refused."""
-        messages, waiters = batch.messages, batch.waiters
-        if result is None:  # the owner answered the frame without this batch
-            for waiter in waiters:
-                self._settle_one(waiter, refusal(self.node.node_id, None))
-            return
-        refused: dict[int, pb.Outcome] = {}
-        if result.refused:
-            refused = {outcome.index: outcome for outcome in result.refused}
-        if batch.unacknowledged:
-            if not refused and waiters:
-                # the common case: every message taken; count them down per shared future
-                first = waiters[0]
-                if waiters[-1] is first:
-                    first.settle(len(waiters))  # type: ignore[union-attr]
-                    return
-            for index, waiter in enumerate(waiters):
-                outcome = refused.get(index) if refused else None
-                if outcome is None:
-                    waiter.settle(1)  # type: ignore[union-attr]
-                elif self._rerouted(messages[index], None, batch.epoch, outcome):
-                    waiter.settle(1)  # type: ignore[union-attr]
-                else:
-                    self._settle_one(waiter, refusal(self.node.node_id, outcome))
-            return
-        offsets = list(result.offsets)
-        known = len(offsets)
-        for index, message in enumerate(messages):
-            future = waiters[index]
-            if future.done():  # type: ignore[union-attr]
-                continue
-            outcome = refused.get(index) if refused else None
-            if outcome is None and index < known:
-                message.offset = offsets[index]
-                future.set_result(None)  # type: ignore[union-attr]
-            elif outcome is None or not self._rerouted(message, future, batch.epoch, outcome):  # type: ignore[arg-type]
-                self._settle_one(future, refusal(self.node.node_id, outcome))
+            settle_batch(batch, results[index] if index < len(results) else None, node_id,
+                         settle_one, rerouted)
 
     def _rerouted(self, message: Message, future: asyncio.Future[None] | None, epoch: int,
                   outcome: pb.Outcome) -> bool:

@@ -85,7 +85,7 @@ class SharedSchemas:
         key = self.node.key(keys.SCHEMAS + stream)
         for _attempt in range(REGISTER_ATTEMPTS):
             try:
-                held_kv = await self.node.client.get(key)
+                held_kv = await self.node.state_store.get(key)
             except Exception as exc:
                 raise SchemaRegistryUnavailable(
                     f"stream {stream!r}: the cluster's schema registry (etcd) cannot be read: "
@@ -101,7 +101,7 @@ class SharedSchemas:
                 return version
             value = encode([*held, version])
             try:
-                written, _now = await self.node.client.put_at(
+                written, _now = await self.node.state_store.put_at(
                     key, held_kv.mod_revision if held_kv is not None else 0, value)
             except Exception as exc:
                 raise SchemaRegistryUnavailable(

@@ -148,7 +148,7 @@ class SessionSnapshots:
             if session.connection is not None or not session.durable:
                 continue
             try:
-                kv = await self.node.client.get(self.key(client_id))
+                kv = await self.node.state_store.get(self.key(client_id))
             except EtcdError as exc:
                 log.warning("cluster: cannot check where session %r lives: %s", client_id, exc)
                 continue
@@ -283,7 +283,7 @@ class SessionSnapshots:
             self._checkpointed.pop(client_id, None)
 
         async def write() -> None:
-            client = self.node.client
+            client = self.node.state_store
             session = self.service.sessions.get(client_id)
             if session is not None and session.durable:
                 holder = self.node.view.sessions.get(client_id)
@@ -339,7 +339,7 @@ class SessionSnapshots:
 
     async def sweep(self) -> int:
         """Delete the snapshots of expired sessions; returns how many."""
-        client = self.node.client
+        client = self.node.state_store
         kvs, _revision = await client.get_prefix(self.prefix)
         now = now_ms()
         swept = 0

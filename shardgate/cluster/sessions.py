@@ -262,7 +262,7 @@ class SessionHandover:
                 # read again: a holder that stops gracefully writes its sessions' snapshots
                 # before its cluster port closes, maybe after the claim above read the older
                 # one (its client reconnected here while it was stopping)
-                state = self.snapshots.read(client_id, await node.client.get(self.key(client_id)))
+                state = self.snapshots.read(client_id, await node.state_store.get(self.key(client_id)))
             if stood_in:
                 # the holder's stand-in takes the session's messages there until this node
                 # serves its routes (adopted, and the peers know), then hands over what it

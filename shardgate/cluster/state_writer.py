@@ -4,8 +4,8 @@ key, in order, batched, retried while etcd is away.
 
 Puts queued one after another go to etcd together, up to `MAX_BATCH_PUTS` keys and
 `MAX_BATCH_BYTES` per transaction, one transaction at a time: a node's writes cost etcd one
-request per batch. Every write goes through `EtcdClient`'s named writes; this module decides
-nothing about what is written.
+request per batch. Every write goes through the node's `StateStore` (`state_store.py`); this
+module decides nothing about what is written.
 """
 
 from __future__ import annotations
@@ -80,10 +80,10 @@ class StateWriter:
         async def delete() -> None:
             if not still_gone():
                 return
-            kv = await self.node.client.get(key)
+            kv = await self.node.state_store.get(key)
             if kv is None or holder_in(kv.value) != self.node.node_id:
                 return
-            await self.node.client.delete_unchanged(key, kv.mod_revision)
+            await self.node.state_store.delete_unchanged(key, kv.mod_revision)
         self._queue(key, delete)
 
     def run(self, key: str, write: Callable[[], Awaitable[None]]) -> None:
@@ -117,13 +117,13 @@ class StateWriter:
             if value is None:
                 continue
             if chunk and size + len(value) > MAX_BATCH_BYTES:
-                await self.node.client.write(chunk)
+                await self.node.state_store.write(chunk)
                 self.batches += 1
                 chunk, size = [], 0
             chunk.append((key, value))
             size += len(value)
         if chunk:
-            await self.node.client.write(chunk)
+            await self.node.state_store.write(chunk)
             self.batches += 1
 
     async def _run(self) -> None:

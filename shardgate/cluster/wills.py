@@ -236,7 +236,7 @@ class WillKeeper:
         key = self.key(client_id)
 
         async def write() -> None:
-            client = self.node.client
+            client = self.node.state_store
             state = self._current(client_id)
             if state is not None:
                 self._kept.add(client_id)
@@ -276,7 +276,7 @@ class WillKeeper:
 
     async def scan(self) -> int:
         """Schedule every will whose holder (or claimer) is gone; returns how many were found."""
-        kvs, _revision = await self.node.client.get_prefix(self.prefix)
+        kvs, _revision = await self.node.state_store.get_prefix(self.prefix)
         found = 0
         now = now_ms()
         for kv in kvs:
@@ -318,7 +318,7 @@ class WillKeeper:
         self._claiming.add(kv.key)
         try:
             try:
-                taken = await self.node.client.write([(kv.key, keys.encode(claimed))],
+                taken = await self.node.state_store.write([(kv.key, keys.encode(claimed))],
                                                      if_at=(kv.key, kv.mod_revision))
             except Exception as exc:  # noqa: BLE001 - the next scan finds it again
                 log.warning("cluster: cannot claim the will of %r yet: %s", client_id, exc)
@@ -346,7 +346,7 @@ class WillKeeper:
     async def _delete_claim(self, key: str, revision: int) -> None:
         """Delete a will this node claimed and published (or cancelled), unless it changed."""
         try:
-            await self.node.client.delete_unchanged(key, revision)
+            await self.node.state_store.delete_unchanged(key, revision)
         except Exception as exc:  # noqa: BLE001 - the next scan deletes it
             log.warning("cluster: cannot delete a published will's claim yet: %s", exc)
 

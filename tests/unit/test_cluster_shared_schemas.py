@@ -105,7 +105,7 @@ class Etcd:
 
 @dataclass
 class EtcdNode(Node):
-    client: Etcd = field(default_factory=Etcd)
+    state_store: Etcd = field(default_factory=Etcd)
 
     def key(self, suffix: str) -> str:
         return "/sg/" + suffix
@@ -115,7 +115,7 @@ def two_nodes() -> tuple[SharedSchemas, SharedSchemas]:
     etcd = Etcd()
     shared = []
     for _ in range(2):
-        shared.append(SharedSchemas(EtcdNode(client=etcd), SchemaRegistry()))  # type: ignore[arg-type]
+        shared.append(SharedSchemas(EtcdNode(state_store=etcd), SchemaRegistry()))  # type: ignore[arg-type]
         shared[-1].install()
     return shared[0], shared[1]
 
@@ -125,7 +125,7 @@ async def test_a_registration_that_loses_the_race_is_checked_against_the_winner(
     other node's compare-and-set is refused and it checks its schema again against the
     version that won, which it extends (version 2, not a second version 1 replacing it)."""
     first, second = two_nodes()
-    etcd = first.node.client
+    etcd = first.node.state_store
     assert (await first.registry.register_ordered("s", "json", SCHEMA)).version == 1
 
     async def meanwhile() -> None:  # n2 registers between n1's read and n1's write
@@ -143,7 +143,7 @@ async def test_a_registration_that_loses_the_race_is_checked_against_the_winner(
 
 async def test_a_registration_incompatible_with_the_winner_is_refused() -> None:
     first, second = two_nodes()
-    etcd = first.node.client
+    etcd = first.node.state_store
     await first.registry.register_ordered("s", "json", SCHEMA)
     closed = {**WIDER, "additionalProperties": False}
 
@@ -163,7 +163,7 @@ async def test_a_registration_incompatible_with_the_winner_is_refused() -> None:
 
 async def test_a_registry_that_keeps_losing_says_so() -> None:
     first, _second = two_nodes()
-    etcd = first.node.client
+    etcd = first.node.state_store
 
     async def put_at(key: str, mod_revision: int, value: bytes,
                      lease: int = 0) -> tuple[bool, KeyValue | None]:

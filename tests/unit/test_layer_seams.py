@@ -179,3 +179,54 @@ def test_etcd_transactions_are_built_in_one_place() -> None:
         "etcd transactions go through `cluster/etcd.py` (`EtcdClient.create`, `put_at`, `write`, "
         "`delete_unchanged`, `replace_unchanged`) or, for the control plane, "
         f"`cluster/control_store.py`, not built in other modules: {offending}")
+
+
+# The modules that hold the etcd client itself: the client (`etcd.py`, with its lease keeper
+# `etcd_lease.py`), the node that owns it, its leases and its watch (`control.py`), and the
+# control plane's store (`control_store.py`). Every other module reads and writes etcd through
+# `ClusterNode.store` (the control plane's transactions) or `ClusterNode.state_store` (the
+# plain reads and writes of cluster state: `cluster/state_store.py`).
+ETCD_CLIENT_HOLDERS = frozenset({"etcd.py", "etcd_lease.py", "control.py", "control_store.py"})
+# Names under which code outside them holds the node (`ClusterNode`), whose `client` it must
+# not reach for.
+NODE_NAMES = frozenset({"node", "cluster"})
+
+
+def _etcd_client_uses(path: Path) -> list[tuple[int, str]]:
+    """Where a module names `EtcdClient` or reaches a node's `client` (`node.client`,
+    `self.node.client`, `self.cluster.client`)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            found += [(node.lineno, alias.name) for alias in node.names if alias.name == "EtcdClient"]
+        elif isinstance(node, ast.Name) and node.id == "EtcdClient":
+            found.append((node.lineno, "EtcdClient"))
+        elif (isinstance(node, ast.Attribute) and node.attr == "client"
+              and (name := _base_name(node.value)) in NODE_NAMES):
+            found.append((node.lineno, f"{name}.client"))
+    return sorted(set(found))
+
+
+def test_only_the_etcd_modules_hold_the_etcd_client() -> None:
+    offending = [
+        f"{path.relative_to(ROOT)}:{line}: {use}"
+        for folder in ("shardgate", "core", "protocols", "storage")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if not (path.parent.name == "cluster" and path.name in ETCD_CLIENT_HOLDERS)
+        for line, use in _etcd_client_uses(path)
+    ]
+    assert not offending, (
+        "cluster state is read and written through `ClusterNode.state_store` "
+        "(`cluster/state_store.py`) or the control plane's `ClusterNode.store` "
+        "(`cluster/control_store.py`), not the etcd client:\n" + "\n".join(offending))
+
+
+def test_the_rule_sees_a_use_of_the_etcd_client(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text("from .etcd import EtcdClient, KeyValue\n"
+                      "async def f(node, self):\n    await node.client.get('k')\n"
+                      "    client = self.node.client\n    await self.cluster.client.close()\n"
+                      "    await self.node.state_store.get('k')\n    self.client = 1\n")
+    assert _etcd_client_uses(sample) == [(1, "EtcdClient"), (3, "node.client"),
+                                         (4, "node.client"), (5, "cluster.client")]
