@@ -8,6 +8,7 @@ shard is placed; `node.status()` is the node's `/api/cluster`. Tests skip when e
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -494,3 +495,18 @@ def start_with_free_ports(data_dir: Path) -> ThreadedBroker:
             if "already in use" not in str(exc) or attempt == 2:
                 raise
     raise AssertionError("unreachable")
+
+
+def wills_in_etcd(etcd: EtcdServer) -> dict[str, dict[str, Any]]:
+    """Every will etcd keeps, by client id."""
+    from shardgate.cluster.etcd import EtcdClient
+
+    async def read() -> dict[str, dict[str, Any]]:
+        client = EtcdClient([etcd.url])
+        try:
+            kvs, _revision = await client.get_prefix("/")
+        finally:
+            await client.close()
+        return {kv.key.rsplit("/", 1)[1]: json.loads(kv.value) for kv in kvs if ".state/wills/" in kv.key}
+
+    return asyncio.run(read())

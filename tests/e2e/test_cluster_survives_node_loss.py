@@ -41,6 +41,7 @@ from tests.e2e.cluster_fixtures import (
     amqp_url,
     protocol_node,
     settled_nodes,
+    wills_in_etcd,
 )
 from tests.mqtt_clients import V5, Paho, RawClient
 
@@ -443,12 +444,14 @@ def test_a_delayed_message_accepted_by_the_killed_node_is_released_by_another(
 
 @pytest.mark.timeout(300)
 def test_the_will_of_a_client_of_the_killed_node_is_published_by_another(
-        nodes: Nodes) -> None:
+        nodes: Nodes, etcd: EtcdServer) -> None:
     watcher = Paho(nodes.other.mqtt_port, "will-watcher", V5)
     watcher.subscribe(f"{STREAM}/#", qos=1)
     device = Paho(nodes.home.mqtt_port, "will-device", V5, clean=False, session_expiry=600,
                   will={"topic": f"{STREAM}/status/will-device", "payload": "gone", "qos": 1})
-    # the will is in etcd once the CONNACK went out; the device is connected when A dies
+    # The CONNACK does not wait for the will's etcd write (one write per CONNECT with a will,
+    # made just after): A dies once its will is there, with the device still connected.
+    assert wait_for(lambda: "will-device" in wills_in_etcd(etcd), timeout=10, interval=0.05)
     killed_at = nodes.kill_home()
     got = _take_until(watcher, {"gone"}, killed_at + WITHIN_S)
     assert got == ["gone"]

@@ -8,10 +8,8 @@ held there by the test hooks `SG_TEST_PAUSE_AFTER_WILL_CLAIM` / `..._PUBLISH`.""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -23,6 +21,7 @@ from tests.e2e.cluster_fixtures import (
     protocol_node,
     settled_nodes,
     topics_of,
+    wills_in_etcd,
 )
 from tests.mqtt_clients import V5, Paho
 
@@ -38,21 +37,6 @@ def trio(etcd: EtcdServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> I
     with settled_nodes([protocol_node(tmp_path, name, etcd.url, PRESENCE).start()
                         for name in names]) as nodes:
         yield nodes
-
-
-def wills_in_etcd(etcd: EtcdServer) -> dict[str, dict[str, Any]]:
-    """Every will etcd keeps, by client id."""
-    from shardgate.cluster.etcd import EtcdClient
-
-    async def read() -> dict[str, dict[str, Any]]:
-        client = EtcdClient([etcd.url])
-        try:
-            kvs, _revision = await client.get_prefix("/")
-        finally:
-            await client.close()
-        return {kv.key.rsplit("/", 1)[1]: json.loads(kv.value) for kv in kvs if ".state/wills/" in kv.key}
-
-    return asyncio.run(read())
 
 
 def test_a_will_claimed_by_a_controller_killed_before_publishing_it_is_published_by_the_next(
