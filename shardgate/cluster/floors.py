@@ -110,8 +110,7 @@ class CursorFloors:
 
     # ------------------------------------------------------------ the owners' side
     async def refresh(self) -> None:
-        client = self.node.state_store
-        kvs, _revision = await client.get_prefix(self.prefix)
+        kvs, _revision = await self.node.state_store.get_prefix(self.prefix)
         reports: dict[str, dict[str, int]] = {}
         for kv in kvs:
             node_id = kv.key[len(self.prefix):]
@@ -121,7 +120,7 @@ class CursorFloors:
                 reports[node_id] = {str(name): int(floor) for name, floor in keys.decode(kv.value).items()}
             except (ValueError, AttributeError, TypeError):
                 log.warning("cluster: ignoring an unreadable cursor report of node %s", node_id)
-        stamps, _revision = await client.get_prefix(self.departed_prefix)
+        stamps, _revision = await self.node.state_store.get_prefix(self.departed_prefix)
         departed: dict[str, int] = {}
         for kv in stamps:
             try:

@@ -210,17 +210,18 @@ class ReplicatedShardLog:
         return min(self.log.offset_for_timestamp(timestamp_ms), self.committed_offset)
 
     def delete_before(self, offset: int) -> int:
-        low = self.log.delete_before(min(offset, self.committed_offset))
-        if self.leader is not None:
-            self.leader.retained_from(low)
-        return low
+        return self._retained_from(self.log.delete_before(min(offset, self.committed_offset)))
 
     def apply_retention(self, min_needed_offset: int) -> int:
         """The journal's retention (`retention_bytes`, `retention_ms`), run by the node's
         periodic pass on leaders and followers alike, never past the high watermark (what is
         above it may still be cut by a failover) nor `min_needed_offset`. Returns the new low
         watermark (a follower behind it resumes from there, `ResetLog`)."""
-        low = self.log.apply_retention(min(min_needed_offset, self.committed_offset))
+        return self._retained_from(
+            self.log.apply_retention(min(min_needed_offset, self.committed_offset)))
+
+    def _retained_from(self, low: int) -> int:
+        """The journal now starts at `low`: a leader tells its followers' state machine."""
         if self.leader is not None:
             self.leader.retained_from(low)
         return low
