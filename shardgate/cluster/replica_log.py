@@ -102,7 +102,59 @@ class ReplicatedShardLog:
         self.leader = leader
         self._unsynced = []
         self._unsynced_start = self.log.next_offset
+        self._watch_commit()  # appends still on their way to the disk count when written
         self._settle()
+
+    def lead_again(self, leader: LeaderReplica[asyncio.Future[None]]) -> None:
+        """This node, leading now, leads the shard again in `leader`'s newer epoch (the
+        controller changed its replicas): done at once, so no publish is refused meanwhile,
+        and what waits for its commit carries over to the new epoch, acknowledged once its
+        high watermark passes it (the log is the same log: nothing is cut)."""
+        old = self.leader
+        if old is None:
+            self.lead(leader)
+            return
+        carried = old.hand_over()
+        self._settle()
+        self.leader = leader
+        now = self._clock()
+        for end, waiter in carried:
+            leader.await_commit(end, waiter, now)
+        self._watch_commit()
+        self._settle()
+        self._wake()
+
+    def hold_alone(self) -> None:
+        """This node, leading now, holds the shard alone from now on (the controller left it
+        one replica, this one): the broker gets the plain journal log back; what waits for
+        its commit is acknowledged once the journal has it durable, as on a shard of one
+        replica (nothing is refused: the record is in the log and stays there)."""
+        old = self.leader
+        if old is None:
+            return
+        carried = old.hand_over()
+        self.resign()
+        if not carried:
+            return
+        journal_waiter = self.log.commit_waiter()
+
+        def settle(done: asyncio.Future[None] | None) -> None:
+            error = None
+            if done is not None and (done.cancelled() or done.exception() is not None):
+                error = (StorageUnavailable(f"{self._name}: the journal commit was cancelled")
+                         if done.cancelled() else done.exception())
+            for _end, waiter in carried:
+                if waiter.done():
+                    continue
+                if error is None:
+                    waiter.set_result(None)
+                else:
+                    waiter.set_exception(error)
+
+        if journal_waiter is None:
+            settle(None)
+        else:
+            journal_waiter.add_done_callback(settle)
 
     def resign(self) -> None:
         """This node stops leading (a newer epoch, or it follows now): what waits fails."""
