@@ -139,7 +139,6 @@ class SessionHandover:
 
     # ------------------------------------------------------------ wiring
     def install(self) -> None:
-        self.state_log.ensure()
         self.service.join_cluster(self)
         self.rpc.on_release = self._release
         self.rpc.on_take = self.take_for_peer
