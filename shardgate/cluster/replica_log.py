@@ -313,13 +313,18 @@ class ReplicatedShardLog:
         answer = self.serve_fetch(request, max_records)
         if isinstance(answer, Refused) or answer[1]:
             return answer
+        await self.wait_for_news(max_wait_s)
+        return self.serve_fetch(request, max_records)
+
+    async def wait_for_news(self, max_wait_s: float) -> None:
+        """Return once something is appended here (or this node stops leading), or after
+        `max_wait_s`: a fetch that found nothing to send waits so (a long poll)."""
         news = self._news
         if news is None or news.done():
             news = self._news = asyncio.get_running_loop().create_future()
         # asyncio.wait, not wait_for: in Python 3.11 wait_for can swallow a cancellation that
         # comes as the future completes, and a follower's loop would then never stop
         await asyncio.wait((news,), timeout=max_wait_s)
-        return self.serve_fetch(request, max_records)
 
     def serve_epoch_end(self, request: EpochEndRequest) -> EpochEndAnswer | Refused:
         leader = self.leader
