@@ -232,8 +232,9 @@ def test_a_holder_killed_between_its_release_and_the_etcd_delete_is_not_released
     pause = tmp_path / "pause-before-delayed-delete"
     pause.touch()
     monkeypatch.setenv(DELETE_PAUSE_ENV, str(pause))
-    names = ("n1", "n2", "n3")
-    with settled_nodes([protocol_node(tmp_path, name, etcd.url, TIMED).start() for name in names]) as nodes:
+    started = [protocol_node(tmp_path, name, etcd.url, TIMED) for name in ("n1", "n2", "n3")]
+    start_together(started)
+    with settled_nodes(started) as nodes:
         controller, _others = by_role(nodes)
         # the topic's shard is owned by a node that stays up (its journal holds the release);
         # the holder is another node, not the controller
