@@ -29,6 +29,7 @@ from tests.e2e.cluster_fixtures import (
     protocol_node,
     read_back,
     settled_nodes,
+    start_together,
     topics_of,
     wait_settled,
 )
@@ -42,8 +43,9 @@ TIMED = '[[streams]]\nname = "timed"\nmode = "reliable"\npartitions = 3\nroutes 
 
 @pytest.fixture
 def trio(etcd: EtcdServer, tmp_path: Path) -> Iterator[list[ClusterNodeProcess]]:
-    names = ("n1", "n2", "n3")
-    with settled_nodes([protocol_node(tmp_path, name, etcd.url, LATER).start() for name in names]) as nodes:
+    nodes = [protocol_node(tmp_path, name, etcd.url, LATER) for name in ("n1", "n2", "n3")]
+    start_together(nodes)
+    with settled_nodes(nodes):
         yield nodes
 
 
