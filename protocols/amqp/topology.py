@@ -24,12 +24,10 @@ from .vhost import EXCHANGE_TYPES, PREDECLARED
 class TopologyMixin(ConnectionBase):
     """exchange.* and queue.* methods."""
 
-    def _may_bind(self) -> Callable[[str], bool] | None:
-        """The front door's check of a binding's core filter (a subscribe), or None when
-        nothing is checked."""
+    def _may_bind(self) -> Callable[[str], bool]:
+        """The front door's check of a binding's core filter (a subscribe): made even on an
+        open broker, which still refuses the broker's own `$internal/` topics."""
         edge = self.service.edge
-        if edge.authorizer is None:
-            return None
         principal = self.principal
 
         def allowed(topic_filter: str) -> bool:
@@ -335,7 +333,7 @@ class TopologyMixin(ConnectionBase):
         method = commands.Queue.Bind
         exchange = self.vhost.exchange(frame.exchange, method)
         allowed = self._may_bind()
-        if exchange.name and allowed is not None:
+        if exchange.name:
             binding = binding_for(exchange.name, exchange.type, frame.routing_key, frame.arguments)
             if not allowed(binding.topic_filter):
                 raise ChannelException(
