@@ -299,13 +299,6 @@ async def _redelivered_elsewhere(url: str, queue_name: str, wanted: set[bytes],
     return got
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a durable AMQP queue lives on one fixed home node, as a RabbitMQ classic queue "
-    "(amqp_queues.py: the home recorded in etcd at declare; the queue's cursors, "
-    "unacknowledged deliveries and consumers in the home's SQLite store and memory, nothing "
-    "of them replicated): while the home is down every other node answers 404 \"home node "
-    "... of durable queue 'orders' ... is down or inaccessible\" and no node takes the "
-    "queue over"))
 @pytest.mark.timeout(300)
 def test_a_durable_amqp_queue_is_served_by_another_node_with_its_unacknowledged_redelivered(
         nodes: Nodes) -> None:
