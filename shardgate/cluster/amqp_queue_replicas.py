@@ -88,6 +88,7 @@ REFRESH_S = 600.0
 # How long a reply waits at most for the state to be committed (a state shard with no leader
 # for a moment): then the reply goes, and the state is written when it can be.
 SETTLED_S = 5.0
+SETTLE_RETRY_S = 0.05
 STATE_REPLICAS = 3
 # Retrying a takeover (the state shard's leader died with the home: its successor comes
 # within the failover time).
@@ -137,7 +138,6 @@ class QueueReplicas:
 
     def install(self, amqp: Any) -> None:
         self.amqp = amqp
-        self.ensure_stream()
         self._task = asyncio.get_running_loop().create_task(self._writes())
 
     def stop(self) -> None:
@@ -148,8 +148,8 @@ class QueueReplicas:
             task.cancel()
 
     def ensure_stream(self) -> None:
-        """The state stream and its route, made here unless the cluster has them (every node
-        makes the same: the writes are equal)."""
+        """The state stream and its route, made here unless the cluster has them, when a
+        first durable queue is homed here (every node makes the same: the writes are equal)."""
         broker = self.broker
         try:
             if STATE_STREAM not in broker.streams:
@@ -217,6 +217,8 @@ class QueueReplicas:
             return  # fenced: a node that cannot prove its lease may have lost the queue
         self._written[key] = signature
         self._written_at[key] = time.monotonic()
+        if STATE_STREAM not in self.broker.streams:
+            self.ensure_stream()
         state = self.state_of(vhost, queue, record)
         message = Message(state_topic(vhost.name, queue.name), encode_state(state), qos=1,
                           producer_protocol=STATE_PRODUCER, producer_id=self.node.node_id)
@@ -224,6 +226,7 @@ class QueueReplicas:
             commit = self.broker.publish(message, counted=False)
         except PublishRejected as exc:
             self._written.pop(key, None)  # written again at the next round
+            self._commits.pop(key, None)
             log.debug("cluster: the state of AMQP queue %r not written now: %s", queue.name, exc)
             return
         if commit is None:
@@ -254,10 +257,39 @@ class QueueReplicas:
         if not isinstance(queue.subscription, DurableSubscription):
             return None
         self._write(host, queue, record)
-        commit = self._commits.get((vhost, name))
-        if commit is None or commit.done():
+        if self._committed(host, queue):
             return None
-        return asyncio.ensure_future(_settled(commit, SETTLED_S))
+        return asyncio.ensure_future(self._settle(host, queue, SETTLED_S))
+
+    def _committed(self, vhost: Any, queue: Any) -> bool:
+        """Whether the queue's state as it is now is committed."""
+        key = (vhost.name, queue.name)
+        commit = self._commits.get(key)
+        return (commit is not None and commit.done() and not commit.cancelled()
+                and commit.exception() is None and self._written.get(key) == self._signature(queue))
+
+    async def _settle(self, vhost: Any, queue: Any, within: float) -> None:
+        """Write the queue's state until the state as it is now is committed (a first write
+        may find the state stream not placed yet), for at most `within` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        key = (vhost.name, queue.name)
+        while not self._committed(vhost, queue):
+            record = self._record(vhost.name, queue.name)
+            if record is None or record.get("node") != self.node.node_id or queue.deleted:
+                return
+            self._write(vhost, queue, record)
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                log.warning("cluster: the state of AMQP queue %r is not replicated yet; answering "
+                            "anyway", queue.name)
+                return
+            commit = self._commits.get(key)
+            if commit is not None and not commit.done():
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(commit), remaining)
+            else:
+                await asyncio.sleep(min(SETTLE_RETRY_S, remaining))
 
     async def _writes(self) -> None:
         while True:
@@ -439,7 +471,3 @@ class QueueReplicas:
         return queue
 
 
-async def _settled(commit: asyncio.Future[None], within: float) -> None:
-    """Wait for `commit` (at most `within` seconds); never fails."""
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(asyncio.shield(commit), within)
