@@ -11,11 +11,10 @@ from .message import Message
 from .retained import RetainedStore
 
 INTERNAL_PREFIX = "$internal/"
-# The producer of the broker's own records that are stored in a stream under `$internal/` (in
-# a cluster: the replicated state of durable AMQP queues). No protocol gives a client this
-# producer; a message of any other producer under `$internal/` is refused, and no
-# subscription is handed one.
-STATE_PRODUCER = "broker-state"
+# The producer protocol of the records the broker itself publishes under `$internal/` (a
+# cluster's replicated internal state, `shardgate/cluster/state_log.py`): the only messages on
+# those topics the broker stores; a client's publish there is refused.
+INTERNAL_PRODUCER = "internal"
 
 
 class KeptState:

@@ -49,7 +49,7 @@ from urllib.parse import unquote
 
 from ..core.durable import DurableSubscription
 from ..core.errors import CoreError, PublishRejected
-from ..core.kept_state import STATE_PRODUCER
+from ..core.kept_state import INTERNAL_PRODUCER
 from ..core.message import Message, now_ms
 from ..core.records import RecordFormatError, decode_to_message
 from ..core.streams import DispatchMode, RoutingRule, StreamConfig
@@ -221,7 +221,7 @@ class QueueReplicas:
             self.ensure_stream()
         state = self.state_of(vhost, queue, record)
         message = Message(state_topic(vhost.name, queue.name), encode_state(state), qos=1,
-                          producer_protocol=STATE_PRODUCER, producer_id=self.node.node_id)
+                          producer_protocol=INTERNAL_PRODUCER, producer_id=self.node.node_id)
         try:
             commit = self.broker.publish(message, counted=False)
         except PublishRejected as exc:

@@ -412,7 +412,7 @@ async def test_the_brokers_own_state_records_are_stored_but_handed_to_no_subscri
         journal: JournalStorage) -> None:
     # the replicated state of a cluster's durable AMQP queues: stored under `$internal/` by
     # the broker itself (its producer), never by a client, never delivered to anyone
-    from shardgate.core.kept_state import STATE_PRODUCER
+    from shardgate.core.kept_state import INTERNAL_PRODUCER
 
     broker, recorder = build(journal)
     snooper = broker.subscription("snooper")
@@ -422,7 +422,7 @@ async def test_the_brokers_own_state_records_are_stored_but_handed_to_no_subscri
     with pytest.raises(PublishRejected, match="reserved for the broker"):
         broker.publish(Message("$internal/amqp-queues/q", b"forged", producer_protocol="mqtt"))
     stored = broker.publish(Message("$internal/amqp-queues/q", b"state",
-                                    producer_protocol=STATE_PRODUCER))
+                                    producer_protocol=INTERNAL_PRODUCER))
     await settle([stored])
     log = broker.stream("default").shards[0].log
     assert log is not None
