@@ -19,7 +19,7 @@ REJECTED: OutcomeCode
 FAILED: OutcomeCode
 
 class PeerFrame(_message.Message):
-    __slots__ = ("sequence", "from_node", "forwards", "pushes", "routes", "retained", "session", "answered_below", "batches", "heartbeat_ms", "push_batches", "pushes_lost", "routes_applied")
+    __slots__ = ("sequence", "from_node", "forwards", "pushes", "routes", "retained", "session", "answered_below", "batches", "heartbeat_ms", "push_batches", "pushes_lost", "routes_applied", "replica")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     FROM_NODE_FIELD_NUMBER: _ClassVar[int]
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class PeerFrame(_message.Message):
     PUSH_BATCHES_FIELD_NUMBER: _ClassVar[int]
     PUSHES_LOST_FIELD_NUMBER: _ClassVar[int]
     ROUTES_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     from_node: str
     forwards: _containers.RepeatedCompositeFieldContainer[Forward]
@@ -46,7 +47,8 @@ class PeerFrame(_message.Message):
     push_batches: _containers.RepeatedCompositeFieldContainer[PushBatch]
     pushes_lost: bool
     routes_applied: int
-    def __init__(self, sequence: _Optional[int] = ..., from_node: _Optional[str] = ..., forwards: _Optional[_Iterable[_Union[Forward, _Mapping]]] = ..., pushes: _Optional[_Iterable[_Union[Push, _Mapping]]] = ..., routes: _Optional[_Union[RouteUpdate, _Mapping]] = ..., retained: _Optional[_Iterable[_Union[Retained, _Mapping]]] = ..., session: _Optional[int] = ..., answered_below: _Optional[int] = ..., batches: _Optional[_Iterable[_Union[ForwardBatch, _Mapping]]] = ..., heartbeat_ms: _Optional[int] = ..., push_batches: _Optional[_Iterable[_Union[PushBatch, _Mapping]]] = ..., pushes_lost: _Optional[bool] = ..., routes_applied: _Optional[int] = ...) -> None: ...
+    replica: _containers.RepeatedCompositeFieldContainer[ReplicaRequest]
+    def __init__(self, sequence: _Optional[int] = ..., from_node: _Optional[str] = ..., forwards: _Optional[_Iterable[_Union[Forward, _Mapping]]] = ..., pushes: _Optional[_Iterable[_Union[Push, _Mapping]]] = ..., routes: _Optional[_Union[RouteUpdate, _Mapping]] = ..., retained: _Optional[_Iterable[_Union[Retained, _Mapping]]] = ..., session: _Optional[int] = ..., answered_below: _Optional[int] = ..., batches: _Optional[_Iterable[_Union[ForwardBatch, _Mapping]]] = ..., heartbeat_ms: _Optional[int] = ..., push_batches: _Optional[_Iterable[_Union[PushBatch, _Mapping]]] = ..., pushes_lost: _Optional[bool] = ..., routes_applied: _Optional[int] = ..., replica: _Optional[_Iterable[_Union[ReplicaRequest, _Mapping]]] = ...) -> None: ...
 
 class PushBatch(_message.Message):
     __slots__ = ("stream", "shard", "records", "offsets", "share_groups")
@@ -169,16 +171,18 @@ class Route(_message.Message):
     def __init__(self, topic_filter: _Optional[str] = ..., share_group: _Optional[str] = ..., weight: _Optional[int] = ..., durable: _Optional[bool] = ...) -> None: ...
 
 class PeerReply(_message.Message):
-    __slots__ = ("sequence", "outcomes", "batches", "heartbeat")
+    __slots__ = ("sequence", "outcomes", "batches", "heartbeat", "replica")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     outcomes: _containers.RepeatedCompositeFieldContainer[Outcome]
     batches: _containers.RepeatedCompositeFieldContainer[BatchOutcome]
     heartbeat: bool
-    def __init__(self, sequence: _Optional[int] = ..., outcomes: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ..., batches: _Optional[_Iterable[_Union[BatchOutcome, _Mapping]]] = ..., heartbeat: _Optional[bool] = ...) -> None: ...
+    replica: _containers.RepeatedCompositeFieldContainer[ReplicaAnswer]
+    def __init__(self, sequence: _Optional[int] = ..., outcomes: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ..., batches: _Optional[_Iterable[_Union[BatchOutcome, _Mapping]]] = ..., heartbeat: _Optional[bool] = ..., replica: _Optional[_Iterable[_Union[ReplicaAnswer, _Mapping]]] = ...) -> None: ...
 
 class BatchOutcome(_message.Message):
     __slots__ = ("offsets", "refused")

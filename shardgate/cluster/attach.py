@@ -260,8 +260,9 @@ async def join(app: Shardgate, node: ClusterNode, parts: ClusterParts) -> None:
 
     assert app.journal is not None
     replicas = node.replicas = ReplicatedShards(node, broker, app.journal,
-                                                propose=node.propose_isr)
-    plane.add_service(replicas.service.handler())
+                                                propose=node.propose_isr, links=plane.links)
+    plane.add_service(replicas.service.handler())  # (for nodes that still call by gRPC)
+    plane.replica_server = replicas.service.serve_link
     replicas.start()
     node.replication = True  # its registration says so: the controller may place replicas here
     node.replica_leading = replicas.leading_figures

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from ..proto import cluster_pb2 as pb
 from ..storage.interfaces import LatencyHistogram
 from .cluster_port import ClusterPortProtocol
 from .cursor_sources import CursorSources
@@ -68,6 +69,9 @@ SERVER_OPTIONS = [
 # Makes a log reading a shard another node owns from its owner's journal:
 # (stream, shard, start, filters, since_ms) -> the log (see `shard_reader.OwnerLog`).
 OwnerReader = Callable[[str, int, int, Callable[[], Sequence[str]], "int | None"], "ShardLog"]
+# Answers a peer's replica requests, each once, through the reply callable of the stream
+# they came by: (peer, requests, reply) (see `replica_rpc.ReplicaService.serve_link`).
+ReplicaServer = Callable[[str, Sequence[pb.ReplicaRequest], Callable[[pb.PeerReply], None]], None]
 
 
 @dataclass(slots=True)
@@ -119,6 +123,9 @@ class DataPlane:
         # makes a log reading a shard another node owns from its owner's journal (set by
         # `attach.py` once the shard-reading calls are served; see `shard_reader.OwnerLog`)
         self.owner_reader: OwnerReader | None = None
+        # answers the replica requests peers' followers send on their links (set by
+        # `attach.py`: `replica_rpc.ReplicaService.serve_link`); None: every one is refused
+        self.replica_server: ReplicaServer | None = None
         self.forwarding = Forwarding(self)
         self.unrouted = UnroutedHold(self)
         self.fanout = PushFanout(self)

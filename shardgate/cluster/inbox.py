@@ -150,6 +150,9 @@ class Inboxes:
             # this node forgot the session (the peer left the view): its frames would never be
             # answered on this stream, so it ends, and the peer resumes on a new one
             raise LinkForgotten(f"node {peer} left the view; its link session starts again")
+        if frame.replica:
+            # (unnumbered, answered on the stream they came by: see `replica_rpc.py`)
+            self._replica(peer, frame.replica, reply)
         if inbox.reply is not reply:
             return  # a late frame of a stream the peer replaced: it sends it again on the new one
         if frame.answered_below:
@@ -169,6 +172,15 @@ class Inboxes:
             inbox.backlog.append(lambda: self._apply_frame(peer, inbox, frame))
             return
         self._apply_frame(peer, inbox, frame)
+
+    def _replica(self, peer: str, requests: Sequence[pb.ReplicaRequest],
+                 reply: Callable[[pb.PeerReply], None]) -> None:
+        serve = self.plane.replica_server
+        if serve is None:  # no replicated shard is led here
+            reply(pb.PeerReply(replica=[pb.ReplicaAnswer(id=request.id, error="not_leader")
+                                        for request in requests]))
+            return
+        serve(peer, requests, reply)
 
     def _apply_backlog(self, inbox: _Inbox) -> None:
         """A held peer was released: apply what it sent meanwhile, until it is held again."""

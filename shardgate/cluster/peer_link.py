@@ -11,6 +11,11 @@ ones are refused with `ShardUnavailable` (the client's retryable error); past
 be. A broken connection is redialed and the session resumed: the frames not answered are sent
 again, and the peer applies each frame of a session once (`inbox.py`).
 
+It also carries the replica protocol's requests of this node's followers to the shards the
+peer leads (`replica_call`): unnumbered frames on the connection open now, never sent again
+(a request whose connection breaks fails with `ConnectionError`, and its follower asks
+again), answered on the same connection by their request's id.
+
 It decides no route: a publish its owner refused as not its own goes back to the data plane
 (`forwarding.Forwarding.reroute`).
 """
@@ -93,6 +98,9 @@ class PeerLink:
         self._routes: list[pb.RouteUpdate] = []
         self._routes_generation = 0
         self._retained: list[pb.Retained] = []
+        # Replica requests to send, and those sent on the current connection not answered yet.
+        self._replica_out: list[pb.ReplicaRequest] = []
+        self._replica_waiting: dict[int, asyncio.Future[pb.ReplicaAnswer]] = {}
         self._in_flight = 0  # forwards queued or not answered
         self._pushes_held = 0  # pushes queued or not answered
         # Whether this link holds publishers (over its credit, see PUSH_HIGH_WATER).
@@ -199,6 +207,37 @@ class PeerLink:
         if not self._flush_scheduled:
             self._flush_soon()
 
+    def replica_call(self, request: pb.ReplicaRequest) -> asyncio.Future[pb.ReplicaAnswer]:
+        """Send a replica request (its `id` unique on this link) at the end of this loop turn,
+        with the others of the turn in one frame; the future fails with `ConnectionError` when
+        the link is not up, or when its connection ends before the answer."""
+        future: asyncio.Future[pb.ReplicaAnswer] = self._loop.create_future()
+        connection = self._connection
+        if connection is None or connection.closing:
+            future.set_exception(ConnectionError(f"no link to node {self.node.node_id} now"))
+            return future
+        key = request.id
+        waiting = self._replica_waiting
+        waiting[key] = future
+
+        def done(_future: asyncio.Future[pb.ReplicaAnswer]) -> None:
+            if waiting.get(key) is _future:  # (given up on: a late answer finds nothing)
+                del waiting[key]
+
+        future.add_done_callback(done)
+        self._replica_out.append(request)
+        self._flush_soon()
+        return future
+
+    def _replica_ended(self) -> None:
+        """The connection ended: the replica requests sent on it will never be answered."""
+        self._replica_out = []
+        waiting, self._replica_waiting = self._replica_waiting, {}
+        for future in waiting.values():
+            if not future.done():
+                future.set_exception(ConnectionError(
+                    f"the link to node {self.node.node_id} broke before it answered"))
+
     def _flush_soon(self) -> None:
         """Write what is queued at the end of this loop turn: everything queued meanwhile (one
         socket read's publishes, say) leaves as one frame, with no timer."""
@@ -214,6 +253,10 @@ class PeerLink:
         if connection is None:
             return
         self._shared = None  # QoS 0 publishes from now on share another future
+        if self._replica_out and not connection.closing:
+            # small, and waited on by followers: sent even while the peer is behind reading
+            requests, self._replica_out = self._replica_out, []
+            connection.send(pb.PeerFrame(sequence=0, replica=requests))
         stats = self.plane.stats
         while ((self._forwards or self._pushes or self._routes or self._retained or self._pushes_lost
                 or self._routes_mark)
@@ -320,6 +363,7 @@ class PeerLink:
         finally:
             self._connection = None
             connection.close()
+            self._replica_ended()
 
     async def _watch(self, connection: LinkClient, timeout: float) -> BaseException:
         """Wait for the connection to end, or for the peer to fall silent for `timeout` (it
@@ -401,7 +445,14 @@ class PeerLink:
                 fail(waiter, error)
 
     def _on_reply(self, reply: pb.PeerReply) -> None:
-        """The peer answered a frame: settle its forwards (stored, re-routed or refused)."""
+        """The peer answered a frame: settle its forwards (stored, re-routed or refused); or
+        it answered replica requests."""
+        if reply.replica:
+            waiting = self._replica_waiting
+            for answer in reply.replica:
+                future = waiting.pop(answer.id, None)
+                if future is not None and not future.done():
+                    future.set_result(answer)
         sent = self._unanswered.pop(reply.sequence, None)
         if sent is None:
             return

@@ -327,6 +327,21 @@ class LeaderReplica(Generic[W]):
             _end, _seq, waiter = heapq.heappop(self._waiting)
             self._done.append((waiter, ReplicaError.NOT_LEADER))
 
+    def hand_over(self) -> list[tuple[int, W]]:
+        """This leadership ends while this node's log stays the shard's log (the controller
+        changed the replicas: this node leads again in a newer epoch, or holds the shard
+        alone): fenced as by `supersede`, but what waits is handed back, not refused, as
+        (log end it waits for, waiter), for what comes next to acknowledge (as Kafka's
+        delayed produce outlives a leader epoch bump on the same broker)."""
+        if self._fenced:
+            return []
+        self._fenced = True
+        self._proposal = None
+        self._proposal_sent = False
+        waiting = [(end, waiter) for end, _seq, waiter in sorted(self._waiting, key=lambda w: w[:2])]
+        self._waiting = []
+        return waiting
+
     # -- the high watermark -----------------------------------------------------------------
 
     def _maximal_isr(self) -> frozenset[str]:

@@ -102,7 +102,59 @@ class ReplicatedShardLog:
         self.leader = leader
         self._unsynced = []
         self._unsynced_start = self.log.next_offset
+        self._watch_commit()  # appends still on their way to the disk count when written
         self._settle()
+
+    def lead_again(self, leader: LeaderReplica[asyncio.Future[None]]) -> None:
+        """This node, leading now, leads the shard again in `leader`'s newer epoch (the
+        controller changed its replicas): done at once, so no publish is refused meanwhile,
+        and what waits for its commit carries over to the new epoch, acknowledged once its
+        high watermark passes it (the log is the same log: nothing is cut)."""
+        old = self.leader
+        if old is None:
+            self.lead(leader)
+            return
+        carried = old.hand_over()
+        self._settle()
+        self.leader = leader
+        now = self._clock()
+        for end, waiter in carried:
+            leader.await_commit(end, waiter, now)
+        self._watch_commit()
+        self._settle()
+        self._wake()
+
+    def hold_alone(self) -> None:
+        """This node, leading now, holds the shard alone from now on (the controller left it
+        one replica, this one): the broker gets the plain journal log back; what waits for
+        its commit is acknowledged once the journal has it durable, as on a shard of one
+        replica (nothing is refused: the record is in the log and stays there)."""
+        old = self.leader
+        if old is None:
+            return
+        carried = old.hand_over()
+        self.resign()
+        if not carried:
+            return
+        journal_waiter = self.log.commit_waiter()
+
+        def settle(done: asyncio.Future[None] | None) -> None:
+            error = None
+            if done is not None and (done.cancelled() or done.exception() is not None):
+                error = (StorageUnavailable(f"{self._name}: the journal commit was cancelled")
+                         if done.cancelled() else done.exception())
+            for _end, waiter in carried:
+                if waiter.done():
+                    continue
+                if error is None:
+                    waiter.set_result(None)
+                else:
+                    waiter.set_exception(error)
+
+        if journal_waiter is None:
+            settle(None)
+        else:
+            journal_waiter.add_done_callback(settle)
 
     def resign(self) -> None:
         """This node stops leading (a newer epoch, or it follows now): what waits fails."""
@@ -253,13 +305,18 @@ class ReplicatedShardLog:
         answer = self.serve_fetch(request, max_records)
         if isinstance(answer, Refused) or answer[1]:
             return answer
+        await self.wait_for_news(max_wait_s)
+        return self.serve_fetch(request, max_records)
+
+    async def wait_for_news(self, max_wait_s: float) -> None:
+        """Return once something is appended here (or this node stops leading), or after
+        `max_wait_s`: a fetch that found nothing to send waits so (a long poll)."""
         news = self._news
         if news is None or news.done():
             news = self._news = asyncio.get_running_loop().create_future()
         # asyncio.wait, not wait_for: in Python 3.11 wait_for can swallow a cancellation that
         # comes as the future completes, and a follower's loop would then never stop
         await asyncio.wait((news,), timeout=max_wait_s)
-        return self.serve_fetch(request, max_records)
 
     def serve_epoch_end(self, request: EpochEndRequest) -> EpochEndAnswer | Refused:
         leader = self.leader

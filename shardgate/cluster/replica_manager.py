@@ -173,11 +173,31 @@ class ReplicaManager:
             self._isr_changed(stream, entry, entry.wanted)
             return
         wanted = entry.wanted
+        if self._leading_live(entry) and (
+                (wanted is not None and wanted.leader == self.node_id
+                 and entry.role is not None and wanted.epoch > entry.role.epoch)
+                or (wanted is None and assignment is not None
+                    and assignment.replicas == (self.node_id,))):
+            # This node leads and goes on holding the log it leads (its replicas changed: it
+            # leads again in a newer epoch, or holds the shard alone): no role to stop and
+            # nothing to cut, so at once, and what waits for its commit carries over instead
+            # of being refused (its record is in the log and would be delivered all the same).
+            if wanted is None:
+                entry.log.hold_alone()
+            else:
+                self._lead(stream, shard, entry, wanted, again=True)
+            entry.role = wanted
+            if self.on_role is not None:
+                self.on_role(stream, shard)
+            return
         if (entry.role is None and wanted is not None and wanted.leader == self.node_id
                 and entry.log.leader is None and entry.follower_task is None
-                and entry.log.log.next_offset == entry.log.log.committed_offset):
-            # a first leadership with nothing to stop and nothing unwritten to cut (a new
-            # shard): lead at once, so a publish right after the placement is not refused
+                and (entry.log.log.next_offset == entry.log.log.committed_offset
+                     or entry.log.log.commit_waiter() is not None)):
+            # a first leadership with nothing to stop and nothing unwritten to cut: a new
+            # shard, or one this node held alone (what it appended is on its way to the
+            # disk, not a tail a crash left): lead at once, so a publish right after the
+            # placement is not refused
             self._lead(stream, shard, entry, wanted)
             entry.role = wanted
             if self.on_role is not None:
@@ -235,7 +255,15 @@ class ReplicaManager:
         if journal_log.next_offset > journal_log.committed_offset:
             journal_log.truncate_to(journal_log.committed_offset)
 
-    def _lead(self, stream: str, shard: int, entry: _Shard, role: Role) -> None:
+    def _leading_live(self, entry: _Shard) -> bool:
+        """This node leads the shard now, in the role it was given, and may acknowledge."""
+        leader = entry.log.leader
+        return (entry.role is not None and entry.role.leader == self.node_id
+                and leader is not None and not leader.fenced
+                and leader.lease_alive(self.clock()) and entry.follower_task is None)
+
+    def _lead(self, stream: str, shard: int, entry: _Shard, role: Role, *,
+              again: bool = False) -> None:
         journal_log = entry.log.log
         now = self.clock()
         leader: LeaderReplica[asyncio.Future[None]] = LeaderReplica(
@@ -245,7 +273,10 @@ class ReplicaManager:
             log_end=journal_log.next_offset, durable_end=journal_log.committed_offset,
             high_watermark=entry.log.high_watermark, now=now,
             isr_version=role.isr_version, lease_deadline=self.lease_deadline())
-        entry.log.lead(leader)
+        if again:
+            entry.log.lead_again(leader)
+        else:
+            entry.log.lead(leader)
         log.info("%s/%d: leading in epoch %d (in sync: %s)", stream, shard, role.epoch,
                  ", ".join(role.isr))
 

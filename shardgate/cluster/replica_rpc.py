@@ -1,26 +1,37 @@
-"""The replica protocol on the peer link: a follower's fetches and epoch-end questions to its
-shard's leader, as authenticated gRPC calls on the cluster port (`link_auth.cluster_channel`
-to call, the data plane's internal server, behind its `CallAuthenticator`, to answer).
+"""The replica protocol between nodes: a follower's fetches and epoch-end questions to its
+shard's leader, and their answers.
 
-Both ends live here: `ReplicaService.handler()` answers for the shards this node leads
+They travel on the peer links (`peer_link.PeerLink.replica_call`), the node-to-node TCP
+connections already authenticated by the cluster port's handshake: a request leaves at the end
+of the loop turn that made it, with the others of that turn, and the leader's event loop reads
+it and answers it on the same connection (`ReplicaService.serve_link`), with no thread
+hand-off on either side. (They were first gRPC calls through the cluster port, passed through
+to the node's gRPC server: several thread hand-offs each way, a few milliseconds each under
+load, for every fetch; an acknowledgement waits for two of them. `handler()` still answers
+such calls, from nodes of that version, and a `ReplicaService` made without links calls so.)
+
+Both ends live here: the leader's side answers for the shards this node leads
 (`ReplicaManager.leading`), and `ReplicaService` itself is the followers' `ReplicaTransport`.
 A request and its answer are `ReplicaRequest` / `ReplicaAnswer` of `proto/cluster.proto`
-(`replica_frames.py`), one unary call each: a follower has one request in flight per shard,
-and a fetch is a long poll (the leader holds it up to `FETCH_WAIT_S` while it has nothing
-new), so a call per fetch costs little beside the records it carries. An answer carries at
-most `FETCH_MAX_RECORDS` records and about `FETCH_MAX_BYTES` (always at least one record).
+(`replica_frames.py`): a follower has one request in flight per shard, and a fetch is a long
+poll (the leader holds it up to `FETCH_WAIT_S` while it has nothing new). An answer carries at
+most `FETCH_MAX_RECORDS` records and about `FETCH_MAX_BYTES` (always at least one record). A
+request naming another replica than the node whose link it came by is refused
+(`unknown_replica`).
 
 A shard this node does not lead is answered `not_leader`; a leader whose journal no longer
 holds the asked offset answers `behind_log_start` with its first offset, and the follower
 then starts there (the offsets before become empty records: what retention removed from the
-leader is not fetched from the archive yet). A call that fails on the wire raises
-`ConnectionError` (the follower retries).
+leader is not fetched from the archive yet). A request whose link is down or breaks before
+its answer, or that is not answered in time, raises `ConnectionError` (the follower retries).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -47,6 +58,9 @@ from .replica_frames import (
 )
 from .replica_log import ReplicatedShardLog
 
+if TYPE_CHECKING:
+    from .peer_link import PeerLink
+
 log = logging.getLogger(__name__)
 
 SERVICE = "shardgate.cluster.v1.Replica"
@@ -71,13 +85,63 @@ class ReplicaService:
 
     def __init__(self, view: ClusterView, leading: Leading,
                  credentials: NodeCredentials | None = None, *,
-                 fetch_wait_s: float = FETCH_WAIT_S) -> None:
+                 fetch_wait_s: float = FETCH_WAIT_S,
+                 links: Mapping[str, PeerLink] | None = None) -> None:
         self.view = view
         self.leading = leading
         self.credentials = credentials or NodeCredentials(view.node_id)
         self.fetch_wait_s = fetch_wait_s
+        # this node's links to its peers (the data plane's): requests go there; None: gRPC
+        self.links = links
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._next_id = 0
+        # the fetches answered after a long poll, until they are
+        self._parked: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------ the leader's side, on a link
+    def serve_link(self, peer: str, requests: Sequence[pb.ReplicaRequest],
+                   reply: Callable[[pb.PeerReply], None]) -> None:
+        """Answer the replica requests `peer` sent on one of its links, through `reply` (that
+        link's stream): at once together, but a fetch with nothing to send yet after its
+        long poll."""
+        answers: list[pb.ReplicaAnswer] = []
+        for message in requests:
+            answer = self._link_answer(peer, message, reply)
+            if answer is not None:
+                answers.append(answer)
+        if answers:
+            reply(pb.PeerReply(replica=answers))
+
+    def _link_answer(self, peer: str, message: pb.ReplicaRequest,
+                     reply: Callable[[pb.PeerReply], None]) -> pb.ReplicaAnswer | None:
+        try:
+            asked = request_from(message)
+        except ReplicaFrameError as exc:
+            log.warning("a malformed replica request from node %s: %s", peer, exc)
+            return pb.ReplicaAnswer(id=message.id, error=f"malformed: {exc}")
+        if asked.replica != peer:
+            log.warning("node %s sent a replica request as node %s: refused", peer, asked.replica)
+            return pb.ReplicaAnswer(id=message.id, error=ReplicaError.UNKNOWN_REPLICA.value)
+        shard_log = self.leading(message.stream, message.shard)
+        if isinstance(asked, EpochEndRequest):
+            return epoch_end_answer(message.id, Refused(ReplicaError.NOT_LEADER) if shard_log is None
+                                    else shard_log.serve_epoch_end(asked))
+        if shard_log is None:
+            return fetch_answer(message.id, Refused(ReplicaError.NOT_LEADER))
+        answer = shard_log.serve_fetch(asked, FETCH_MAX_RECORDS)
+        if isinstance(answer, Refused) or answer[1] or self.fetch_wait_s <= 0:
+            return fetch_answer(message.id, _bounded_answer(answer))
+        task = asyncio.get_running_loop().create_task(
+            self._parked_fetch(shard_log, message, asked, reply))
+        self._parked.add(task)
+        task.add_done_callback(self._parked.discard)
+        return None
+
+    async def _parked_fetch(self, shard_log: ReplicatedShardLog, message: pb.ReplicaRequest,
+                            asked: FetchRequest, reply: Callable[[pb.PeerReply], None]) -> None:
+        await shard_log.wait_for_news(self.fetch_wait_s)
+        answer = shard_log.serve_fetch(asked, FETCH_MAX_RECORDS)
+        reply(pb.PeerReply(replica=[fetch_answer(message.id, _bounded_answer(answer))]))
 
     # ------------------------------------------------------------ the leader's side
     def handler(self) -> grpc.GenericRpcHandler:
@@ -146,6 +210,14 @@ class ReplicaService:
         info = self.view.nodes().get(leader)
         if info is None:
             raise ConnectionError(f"leader {leader} is not live")
+        if self.links is not None:
+            link = self.links.get(leader)
+            if link is None:
+                raise ConnectionError(f"no link to the leader {leader}")
+            try:
+                return await asyncio.wait_for(link.replica_call(message), timeout)
+            except TimeoutError:
+                raise ConnectionError(f"{method} on {leader}: no answer in {timeout:g} s") from None
         channel = self._channels.get(info.cluster_address)
         if channel is None:
             channel = cluster_channel(info.cluster_address, self.credentials, CHANNEL_OPTIONS)
@@ -167,6 +239,8 @@ class ReplicaService:
         return self._next_id
 
     async def close(self) -> None:
+        for task in list(self._parked):
+            task.cancel()
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close(grace=None)
@@ -198,6 +272,11 @@ class ShardTransport:
             return fetch_answer_from(answer)
         except ReplicaFrameError as exc:
             raise ConnectionError(f"fetch from {leader}: {exc}") from None
+
+
+def _bounded_answer(answer: tuple[FetchResponse, Sequence[StoredRecord]] | Refused
+                    ) -> tuple[FetchResponse, Sequence[StoredRecord]] | Refused:
+    return answer if isinstance(answer, Refused) else _bounded(*answer)
 
 
 def _bounded(response: FetchResponse, records: Sequence[StoredRecord]

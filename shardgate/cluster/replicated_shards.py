@@ -11,7 +11,8 @@ the cluster view and the peer link (`attach.join` builds one per node).
   (durable cursors, live dispatch) see only what is below the high watermark. A shard back to
   one replica gets its plain journal log again.
 - The peer link: `ReplicaService` answers followers' fetches for the shards this node leads
-  and carries this node's own fetches, on the cluster port, authenticated as every call there.
+  and carries this node's own fetches, on the data plane's peer links (`links`; without
+  them, as gRPC calls on the cluster port), authenticated as everything there.
 - A new leader whose predecessor is gone (its lease expired) hands on what it inherited: the records it holds from its time as a follower
   go out to subscribers (here and, through the fanout, on other nodes) once its high
   watermark passes them, from up to `REDISPATCH_RECORDS` below the high watermark it knew,
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..core.records import decode_to_message
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from ..core.broker import Broker
     from ..storage.journal import JournalStorage
     from .control import ClusterNode
+    from .peer_link import PeerLink
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +60,13 @@ class ReplicatedShards:
     """This node's replicated shards, wired into serve (see the module docstring)."""
 
     def __init__(self, node: ClusterNode, broker: Broker, journal: JournalStorage, *,
-                 lag_time_max_s: float = 10.0, propose: Propose | None = None) -> None:
+                 lag_time_max_s: float = 10.0, propose: Propose | None = None,
+                 links: Mapping[str, PeerLink] | None = None) -> None:
         self.node = node
         self.view = view = node.view
         self.broker = broker
         self.journal = journal
-        self.service = ReplicaService(view, self._leading, node.credentials)
+        self.service = ReplicaService(view, self._leading, node.credentials, links=links)
         self.manager = ReplicaManager(
             node.node_id, view, journal, self.service.transport,
             min_insync=self._min_insync, lag_time_max_s=lag_time_max_s, propose=propose,

@@ -267,3 +267,80 @@ async def test_a_random_run_of_stops_restarts_and_elections_keeps_every_acknowle
     assert acknowledged, "the run acknowledged nothing"
     for payload in acknowledged:
         assert final.count(payload) == 1, f"acknowledged {payload!r} lost or doubled"
+
+
+def place_replicas(cluster: Cluster, leader: str, epoch: int, replicas: Sequence[str],
+                   isr: Sequence[str], adding: Sequence[str] = ()) -> None:
+    """The controller writes `replicas` (not all three nodes: a drain, a grow, a shrink)."""
+    cluster.assignments[KEY] = ShardAssignment("s", 0, leader, epoch, tuple(replicas), tuple(isr),
+                                               adding=tuple(adding))
+    for node, view in cluster.views.items():
+        if node not in cluster.down:
+            view.changed()
+
+
+async def test_a_leader_given_new_replicas_keeps_leading_and_acknowledges_what_waited(
+    cluster: Cluster,
+) -> None:
+    """The controller drops a dead replica (the leader's replicas change, so its epoch too):
+    the publish that waited for that replica is acknowledged in the new epoch, not refused
+    (its record is in the leader's log and stays there), and a publish right after the change
+    is taken (no moment without a leader)."""
+    for node in NODES:
+        cluster.start(node)
+    cluster.place("a", 1, NODES)
+    await wait_for(lambda: cluster.managers["a"].leading(*KEY) is not None)
+    await cluster.stop("c")
+    waiting = cluster.publish("a", b"m0")
+    assert waiting is not None
+    await asyncio.sleep(0.1)
+    assert not waiting.done()  # c is still in the in-sync set
+    place_replicas(cluster, "a", 2, ("a", "b"), ("a", "b"))
+    after = cluster.publish("a", b"m1")  # raises NotLeader when the leader stepped down
+    await asyncio.wait_for(waiting, 15)
+    assert after is not None
+    await asyncio.wait_for(after, 15)
+    await wait_for(lambda: cluster.records("b") == [b"m0", b"m1"])
+
+
+async def test_a_leader_left_alone_acknowledges_what_waited_once_its_journal_has_it(
+    cluster: Cluster,
+) -> None:
+    """The controller leaves the leader as the shard's only replica (the others drained
+    away): the publish that waited for them is acknowledged once durable here, not refused,
+    and the shard is no longer replicated here."""
+    for node in NODES:
+        cluster.start(node)
+    cluster.place("a", 1, NODES)
+    await wait_for(lambda: cluster.managers["a"].leading(*KEY) is not None)
+    await cluster.stop("b")
+    await cluster.stop("c")
+    waiting = cluster.publish("a", b"m0")
+    assert waiting is not None
+    await asyncio.sleep(0.1)
+    assert not waiting.done()
+    place_replicas(cluster, "a", 2, ("a",), ("a",))
+    await asyncio.wait_for(waiting, 15)
+    manager = cluster.managers["a"]
+    assert not manager.replicated(*KEY)
+    assert cluster.records("a") == [b"m0"]
+
+
+async def test_a_shard_held_alone_takes_publishes_at_once_when_given_replicas(
+    cluster: Cluster,
+) -> None:
+    """A shard this node held alone, with appends still on their way to the disk, is given
+    two more replicas with this node leading: it leads at once (a publish right after the
+    change is taken), and the followers copy the whole log."""
+    for node in NODES:
+        cluster.start(node)
+    place_replicas(cluster, "a", 1, ("a",), ("a",))
+    plain = cluster.journals["a"].open_shard(*KEY)
+    plain.append([(int(time.time() * 1000), b"alone")])
+    assert plain.commit_waiter() is not None  # not durable yet
+    place_replicas(cluster, "a", 2, NODES, ("a",), adding=("b", "c"))
+    waiting = cluster.publish("a", b"replicated")  # raises NotLeader while it converges
+    assert waiting is not None
+    await asyncio.wait_for(waiting, 15)
+    for node in ("b", "c"):
+        await wait_for(lambda node=node: cluster.records(node) == [b"alone", b"replicated"])  # type: ignore[misc]
