@@ -174,7 +174,6 @@ class Security:
         self._cache_key = secrets.token_bytes(32)
         # Password checks in a thread pool, throttled per source address.
         self.guard = LoginGuard()
-        dummy_hash()  # computed at start, not on the first unknown user's check
         self.reload(strict=True)
 
     # ------------------------------------------------------------------ files
@@ -212,6 +211,10 @@ class Security:
                     if strict:
                         raise
                     log.exception("keeping the previous ACL rules")
+        if not self.open:
+            # computed once passwords may be checked (at start, or when the first users are
+            # loaded), not on the first unknown user's check; an open broker never needs it
+            dummy_hash()
         if self.allow_anonymous != before and self.on_change is not None:
             self.on_change(self)
         if changed and not strict:
