@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
+from dataclasses import replace
 
 from .control_store import AnsweredProposal, ControlStore, PlacementChange
 from .etcd_view import EtcdClusterView
+from .keys import NodeRegistration
 from .placement import ShardPlacement, place
 from .replica_placement import Nodes, ReplicaPlacer, ReplicatedSpec
 from .replication import DEFAULTS, Replication, stream_replication
@@ -36,6 +39,18 @@ def replica_nodes(view: EtcdClusterView, draining: set[str]) -> list[str]:
     neither leaving nor draining."""
     return [node for node, reg in view.registrations.items()
             if reg.replication and node not in draining]
+
+
+def _with_leader_lease(placed: ShardPlacement, before: ShardPlacement | None,
+                       registrations: Mapping[str, NodeRegistration]) -> ShardPlacement:
+    """`placed` with the lease its leader was named under: the one it had when the leader
+    and epoch stay, else the leader's lease now."""
+    if before is not None and (before.leader, before.leader_epoch) == (placed.leader, placed.leader_epoch):
+        lease = before.leader_lease
+    else:
+        registration = registrations.get(placed.leader)
+        lease = registration.lease if registration is not None else 0
+    return placed if placed.leader_lease == lease else replace(placed, leader_lease=lease)
 
 
 def desired_placement(view: EtcdClusterView, placer: ReplicaPlacer, leases_seen: dict[str, int],
@@ -86,13 +101,19 @@ def desired_placement(view: EtcdClusterView, placer: ReplicaPlacer, leases_seen:
     leases = {placed.leader: -1 for placed in current.values()
               if placed.leader not in registrations}
     leases.update((node, reg.lease) for node, reg in registrations.items())
+    rejoined = {node for node, lease in leases.items()
+                if node in leases_seen and leases_seen[node] != lease}
+    # a leader registered under another lease than the one it was named under (a controller
+    # that took over after the node restarted never saw its old lease)
+    rejoined.update(placed.leader for placed in current.values()
+                    if placed.leader_lease and placed.leader in registrations
+                    and registrations[placed.leader].lease != placed.leader_lease)
     nodes = Nodes(
         alive=frozenset(registrations), placeable=frozenset(replica_nodes(view, draining)),
-        rejoined=frozenset(node for node, lease in leases.items()
-                           if node in leases_seen and leases_seen[node] != lease),
-        draining=frozenset(draining))
+        rejoined=frozenset(rejoined), draining=frozenset(draining))
     proposals = {key: proposal for key, (proposal, _) in view.proposals.items()}
-    placed_now.update(placer.place(replicated, current, nodes, now, proposals))
+    for key, placed in placer.place(replicated, current, nodes, now, proposals).items():
+        placed_now[key] = _with_leader_lease(placed, current.get(key), registrations)
     desired: dict[str, list[ShardPlacement]] = {}
     for name, definition in view.streams.items():
         shards = [placed_now.get((name, index)) for index in range(int(definition.get("partitions", 1)))]

@@ -47,7 +47,11 @@ class ShardPlacement:
     `isr_version` counts the controller's changes of `isr` (a leader's proposal names the
     version it was made against, `replica_control.apply_proposal`); `adding`, replicas the
     controller added that have not been in sync yet (KIP-455's adding replicas): they do not
-    count towards the replicas that cap `min_insync_replicas` until they caught up."""
+    count towards the replicas that cap `min_insync_replicas` until they caught up.
+    `leader_lease`, the etcd lease the leader was registered under when it was named in this
+    epoch (0: not known, as in placements written before it was kept): a leader registered
+    under another lease since is a new process, named again in a new epoch by any controller
+    (`controller.desired_placement`)."""
 
     leader: str
     replicas: tuple[str, ...]
@@ -55,6 +59,7 @@ class ShardPlacement:
     leader_epoch: int
     isr_version: int = 0
     adding: tuple[str, ...] = ()
+    leader_lease: int = 0
 
     def __post_init__(self) -> None:
         if not self.leader:
@@ -83,6 +88,8 @@ class ShardPlacement:
                  "leader_epoch": self.leader_epoch, "isr_version": self.isr_version}
         if self.adding:
             value["adding"] = list(self.adding)
+        if self.leader_lease:
+            value["leader_lease"] = self.leader_lease
         return value
 
     @classmethod
@@ -94,7 +101,8 @@ class ShardPlacement:
             return cls.single(str(leader), int(epoch))
         return cls(str(value["leader"]), tuple(map(str, value["replicas"])),
                    tuple(map(str, value["isr"])), int(value["leader_epoch"]),
-                   int(value.get("isr_version", 0)), tuple(map(str, value.get("adding", ()))))
+                   int(value.get("isr_version", 0)), tuple(map(str, value.get("adding", ()))),
+                   int(value.get("leader_lease", 0)))
 
 
 def place(

@@ -9,6 +9,14 @@ replicas, in-sync set, leader epoch; `membership.ShardAssignment`) says what thi
 - a follower: the log resigns any leadership (waiting publishes fail, retryable) and a `follow`
   task fetches from the leader, first cutting what diverged (KIP-101);
 - neither (no longer a replica): it stops both.
+A node leads only in an epoch its log has not seen, or that this process itself led: a
+placement naming it leader in an epoch its log already holds was made for an earlier run of
+this node (only a leader starts an epoch), whose followers may hold records that run sent
+them before they were durable on its disk and lost with it. Leading that epoch again could
+give one offset two records in one epoch, which truncation by epochs cannot see; so it waits,
+neither leading nor following, for the controller, which names a node registered again in a
+new epoch (`placement.ShardPlacement.leader_lease`).
+
 A change of role waits for the journal to have written what it holds, then cuts the tail a
 crash left unwritten (offsets reserved but never written: nobody saw them, readers stay
 below the high watermark), so the log ends at its last durable record. Changes of one shard
@@ -61,7 +69,8 @@ class Role:
 
 
 class _Shard:
-    __slots__ = ("log", "role", "wanted", "task", "follower_task", "changing", "proposed_at")
+    __slots__ = ("log", "role", "wanted", "task", "follower_task", "changing", "proposed_at",
+                 "led_epoch")
 
     def __init__(self, shard_log: ReplicatedShardLog) -> None:
         self.log = shard_log
@@ -71,6 +80,8 @@ class _Shard:
         self.follower_task: asyncio.Task[None] | None = None
         self.changing = False
         self.proposed_at = math.inf
+        # the last epoch this process led the shard in (-1: none)
+        self.led_epoch = -1
 
 
 class ReplicaManager:
@@ -191,6 +202,7 @@ class ReplicaManager:
                 self.on_role(stream, shard)
             return
         if (entry.role is None and wanted is not None and wanted.leader == self.node_id
+                and self._may_lead(entry, wanted)
                 and entry.log.leader is None and entry.follower_task is None
                 and (entry.log.log.next_offset == entry.log.log.committed_offset
                      or entry.log.log.commit_waiter() is not None)):
@@ -228,10 +240,14 @@ class ReplicaManager:
                 await self._stop_role(entry)
                 if wanted is not None:
                     await self._cut_unwritten(entry)
-                    if wanted.leader == self.node_id:
+                    if wanted.leader != self.node_id:
+                        self._follow(stream, shard, entry, wanted)
+                    elif self._may_lead(entry, wanted):
                         self._lead(stream, shard, entry, wanted)
                     else:
-                        self._follow(stream, shard, entry, wanted)
+                        log.info("%s/%d: placed as leader in epoch %d, which an earlier run "
+                                 "of this node led; waiting for a new epoch", stream, shard,
+                                 wanted.epoch)
                 entry.role = wanted
                 if self.on_role is not None:
                     self.on_role(stream, shard)
@@ -262,6 +278,12 @@ class ReplicaManager:
                 and leader is not None and not leader.fenced
                 and leader.lease_alive(self.clock()) and entry.follower_task is None)
 
+    @staticmethod
+    def _may_lead(entry: _Shard, role: Role) -> bool:
+        """Whether this process may lead in `role.epoch` (see the module docstring)."""
+        return (role.epoch > entry.log.log.leader_epochs.latest_epoch
+                or role.epoch == entry.led_epoch)
+
     def _lead(self, stream: str, shard: int, entry: _Shard, role: Role, *,
               again: bool = False) -> None:
         journal_log = entry.log.log
@@ -277,6 +299,7 @@ class ReplicaManager:
             entry.log.lead_again(leader)
         else:
             entry.log.lead(leader)
+        entry.led_epoch = role.epoch
         log.info("%s/%d: leading in epoch %d (in sync: %s)", stream, shard, role.epoch,
                  ", ".join(role.isr))
 

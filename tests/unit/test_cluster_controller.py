@@ -112,6 +112,33 @@ def test_a_leader_registered_again_under_a_new_lease_leads_in_a_new_epoch() -> N
     assert again["r"][0].leader == "a" and again["r"][0].leader_epoch == 5
 
 
+def test_a_leader_restarted_before_a_new_controller_took_over_leads_in_a_new_epoch() -> None:
+    """The placement keeps the lease its leader was named under: a controller that never saw
+    that lease (the old one died with the leader) still sees the leader registered again."""
+    three = ShardPlacement("a", ("a", "b", "c"), ("a", "b", "c"), 4, leader_lease=1)
+    entries = {**{f"nodes/{n}": registration(n, lease=1, replication=True) for n in "abc"},
+               "streams/r": stream(1, replicas=3), "placement/r": encode_placement([three])}
+    entries["nodes/a"] = registration("a", lease=2, replication=True)
+    desired, leases = desired_placement(view_of(entries), ReplicaPlacer(), {}, time.monotonic())
+    assert (desired["r"][0].leader, desired["r"][0].leader_epoch) == ("a", 5)
+    assert desired["r"][0].leader_lease == 2
+    # written so, it stays so: the next pass names nobody again
+    entries["placement/r"] = encode_placement(desired["r"])
+    again, _ = desired_placement(view_of(entries), ReplicaPlacer(), leases, time.monotonic())
+    assert again["r"] == desired["r"]
+
+
+def test_a_leader_named_in_a_new_epoch_is_stamped_with_its_lease() -> None:
+    three = ShardPlacement("a", ("a", "b", "c"), ("a", "b", "c"), 4)
+    entries = {**{f"nodes/{n}": registration(n, lease=7, replication=True) for n in "bc"},
+               "streams/r": stream(1, replicas=3), "placement/r": encode_placement([three])}
+    desired, _ = desired_placement(view_of(entries), ReplicaPlacer(), {}, time.monotonic())
+    elected = desired["r"][0]
+    assert elected.leader in ("b", "c") and elected.leader_epoch == 5
+    assert elected.leader_lease == 7
+    assert ShardPlacement.from_json(elected.to_json()) == elected
+
+
 def test_every_proposal_read_is_answered_in_order_compared_on_its_revision() -> None:
     proposal = IsrProposal("a", 0, 0, frozenset({"a"}))
     view = view_of({"nodes/a": registration("a"), "isr/s/1": encode_proposal(proposal),

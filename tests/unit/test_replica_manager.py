@@ -344,3 +344,32 @@ async def test_a_shard_held_alone_takes_publishes_at_once_when_given_replicas(
     await asyncio.wait_for(waiting, 15)
     for node in ("b", "c"):
         await wait_for(lambda node=node: cluster.records(node) == [b"alone", b"replicated"])  # type: ignore[misc]
+
+
+async def test_a_leader_restarted_while_placed_in_its_old_epoch_waits_for_a_new_one(
+    cluster: Cluster,
+) -> None:
+    """Its followers may hold records its earlier run sent before they were durable there:
+    leading that epoch again could put two records at one offset in one epoch."""
+    for node in NODES:
+        cluster.start(node)
+    cluster.place("a", 1, NODES)
+    await wait_for(lambda: cluster.managers["a"].leading(*KEY) is not None)
+    first = cluster.publish("a", b"m0")
+    assert first is not None
+    await asyncio.wait_for(first, 15)
+    await cluster.stop("a")
+    manager = cluster.start("a")  # the placement still names a, in epoch 1
+    await wait_for(lambda: manager.role(*KEY) is not None)
+    assert manager.leading(*KEY) is None
+    with pytest.raises(StorageUnavailable):
+        cluster.publish("a", b"refused")
+    cluster.place("a", 2, NODES)  # the controller: a registered again, so a new epoch
+    await wait_for(lambda: manager.leading(*KEY) is not None)
+    second = cluster.publish("a", b"m1")
+    assert second is not None
+    await asyncio.wait_for(second, 15)
+    for node in NODES:
+        await wait_for(lambda node=node: cluster.records(node) == [b"m0", b"m1"])  # type: ignore[misc]
+    epochs = cluster.journals["b"].open_shard(*KEY).leader_epochs.entries
+    assert [entry.epoch for entry in epochs] == [1, 2]
