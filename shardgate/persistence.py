@@ -315,7 +315,7 @@ class Persistence:
         for sub in list(self.broker.subscriptions.values()):
             if isinstance(sub, DurableSubscription):
                 for key, cursor in sub.cursors.items():
-                    floor = cursor.floor
+                    floor = cursor.retention_floor()
                     if floor < needs.get(key, floor + 1):
                         needs[key] = floor
         if self.remote_needs is not None:

@@ -90,7 +90,7 @@ class CursorFloors:
                 if assignment is None or assignment.replicas == (me,):
                     continue  # its only copy is here: this node's retention counts it
                 name = f"{stream}/{shard}"
-                floor = cursor.floor
+                floor = cursor.retention_floor()
                 if floor < floors.get(name, floor + 1):
                     floors[name] = floor
         return floors

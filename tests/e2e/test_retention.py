@@ -85,3 +85,29 @@ def test_tiered_replay_reads_the_archive_then_the_journal_then_live(broker_facto
     received = [back.expect().payload for _ in range(201)]
     assert received == [f"{i:04d}".encode() for i in range(200)] + [b"live"]
     back.expect_none()
+
+
+def test_a_session_whose_filters_never_match_a_stream_does_not_hold_its_journal(broker_factory):
+    """Every durable subscription has a cursor on every reliable shard; one whose filters match
+    nothing there must not keep the journal from the offset where it opened. A connected
+    persistent session on `other/#` while `ret/x` fills the same stream: retention still runs.
+    Then a message it does match still reaches it."""
+    broker = broker_factory(journal={"segment_bytes": 4096, "retention_bytes": 8192}, archive={"enabled": False})
+    elsewhere = Paho(broker.mqtt_port, "elsewhere", V5, clean=False, session_expiry=600)
+    elsewhere.subscribe("other/#", 1)
+    pub = Paho(broker.mqtt_port, "pub", V5)
+    for index in range(300):
+        pub.publish("ret/x", f"{index:04d}" + "x" * 100, 1, wait=index % 50 == 49)
+    pub.publish("ret/x", "end", 1)
+
+    def low_watermark() -> int:
+        broker.app.persistence.flush()
+        broker.app.persistence.apply_retention()
+        return broker.app.broker.stream("default").shards[0].log.low_watermark
+
+    from tests.conftest import wait_for
+
+    assert wait_for(lambda: broker.call(low_watermark) > 0, timeout=10)
+    pub.publish("other/y", "for you", 1)
+    assert elsewhere.expect().payload == b"for you"
+    elsewhere.expect_none(0.3)
