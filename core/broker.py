@@ -26,7 +26,7 @@ from .broker_stats import BrokerStats
 from .delayed import DelayedDelivery, Held, deliver_at
 from .durable import CursorSink, DurableSubscription
 from .errors import PublishRejected
-from .kept_state import INTERNAL_PREFIX, KeptState
+from .kept_state import INTERNAL_PREFIX, INTERNAL_PRODUCER, KeptState
 from .message import Message, now_ms
 from .placement import DurableWatcher, Fanout, ShardPlacement
 from .records import encode_records
@@ -278,7 +278,7 @@ class Broker(StreamCatalog, SubscriptionRegistry, ShardAppends, KeptState):
         message counted. Raises PublishRejected."""
         topic = message.topic
         if topic[:1] == "$" or message.headers:
-            if topic.startswith(INTERNAL_PREFIX):
+            if topic.startswith(INTERNAL_PREFIX) and message.producer_protocol != INTERNAL_PRODUCER:
                 raise PublishRejected(f"{INTERNAL_PREFIX} topics are reserved for the broker")
             at_ms = deliver_at(message)
             if at_ms is not None and at_ms > now_ms():

@@ -11,6 +11,10 @@ from .message import Message
 from .retained import RetainedStore
 
 INTERNAL_PREFIX = "$internal/"
+# The producer protocol of the records the broker itself publishes under `$internal/` (a
+# cluster's replicated internal state, `shardgate/cluster/state_log.py`): the only messages on
+# those topics the broker stores; a client's publish there is refused.
+INTERNAL_PRODUCER = "internal"
 
 
 class KeptState:

@@ -68,9 +68,13 @@ async def start_archiver(app: Shardgate) -> None:
 
     leads = None
     if app.cluster is not None:  # only a shard's leader archives it
+        from .cluster.state_log import INTERNAL_STREAM
+
         view, node_id = app.cluster.view, app.cluster.node_id
 
         def leads(name: str, index: int) -> bool:
+            if name == INTERNAL_STREAM:
+                return False  # the broker's own replicated state, not messages to keep
             assignment = view.leader(name, index)
             return assignment is not None and assignment.leader == node_id
 

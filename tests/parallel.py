@@ -43,7 +43,9 @@ WORKERS_PER_CORE = 2
 # fixtures that start server processes: a test using one (directly or through another) is
 # marked `processes`
 PROCESS_FIXTURES = frozenset({"etcd", "cluster", "broker_process"})
-PROCESS_GROUPS = 2
+# (2 made the process groups the run's longest path: by tests/durations.json they hold more than
+# half of the suite's seconds, so two workers ran them while the others ran out of work)
+PROCESS_GROUPS = 3
 # in a parallel run, a test's time limit is at least this many times its recorded seconds
 SLOWDOWN = 3.0
 # modules that start server processes without those fixtures, or on the README's fixed ports

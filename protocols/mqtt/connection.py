@@ -103,14 +103,18 @@ class MqttConnection(Outbound, ConnectHandling, PublishHandling, SubscribeHandli
         finally:
             service.publishing = outer
             back_pressure.current = outer_publisher
+            replicated = None
             if outer is None:
                 service.group_writes(False)
+                replicated = service.take_replicated()
             after_connack, self._after_connack = self._after_connack, None
-            if service.store_writes() != writes:
+            if service.store_writes() != writes or replicated is not None:
                 # What this read answers may report session state just written (SUBACK,
-                # PUBREC, PUBREL): it waits until that is durable. A new persistent session's
-                # CONNACK does not (see `_opened`): what follows it does.
-                service.hold_output_until_durable(self, start if after_connack is None else after_connack)
+                # PUBREC, PUBREL): it waits until that is durable (and, in a cluster, QoS 2
+                # state replicated). A new persistent session's CONNACK does not (see
+                # `_opened`): what follows it does.
+                service.hold_output_until_durable(self, start if after_connack is None else after_connack,
+                                                  replicated)
         if connecting and self.state is CONNECTED and self._out:
             # A CONNACK leaves now, not after the turn's other reads and the batched flush of
             # every connection's output (whatever waits for a commit stays behind).

@@ -88,8 +88,12 @@ class PublishHandling(ConnectionState):
         assert session is not None
         packet_id = packet.packet_id
         if qos == 2 and packet_id in session.inbound_qos2:
-            # A retransmission of a QoS 2 message already accepted [MQTT-4.3.3-9].
-            self._send_packet(p.Pubrec(packet_id))
+            # A retransmission of a QoS 2 message already accepted [MQTT-4.3.3-9]: PUBREC
+            # again, once its message is committed (while it is not, its own PUBREC comes
+            # then) and, in a cluster, once another node would know it (`exactly_once_changed`).
+            if packet_id not in session.qos2_committing:
+                self.service.exactly_once_changed(session)
+                self._send_packet(p.Pubrec(packet_id))
             return None
         if qos and self.inbound_pending + len(self.qos2_open) >= settings.receive_maximum:
             raise ProtocolViolation(RC.RECEIVE_MAXIMUM_EXCEEDED, "receive maximum exceeded")  # [MQTT-3.3.4-9]
@@ -160,6 +164,9 @@ class PublishHandling(ConnectionState):
                 if qos:
                     if qos == 1:
                         self.inbound_pending -= 1
+                    elif self.session is not None:  # (see `_on_durable`)
+                        self.service.hold_output_until(
+                            self, len(self._out), self.service.replicate_committed(self.session))  # type: ignore[arg-type]
                     self._ack(qos, packet_id, SUCCESS)
                 continue
             if isinstance(outcome, PublishRejected):
@@ -194,6 +201,11 @@ class PublishHandling(ConnectionState):
                 acks = waiting[outcome] = []
                 outcome.add_done_callback(self._on_durable)
             acks.append((qos, packet_id))  # type: ignore[arg-type]
+            if qos == 2:
+                session = self.session
+                assert session is not None
+                session.qos2_committing = open_packet_ids(session.qos2_committing)
+                session.qos2_committing.add(packet_id)  # type: ignore[arg-type]
 
     def _forget_unprocessed(self, messages: list[Message], packet_ids: list[int | None]) -> None:
         """PUBLISHes after a refusal that closes the connection: the core never saw them,
@@ -215,10 +227,23 @@ class PublishHandling(ConnectionState):
         acks = waiting.pop(fut, None) if waiting is not None else None
         if not acks:
             return
+        session = self.session
+        committed = not (fut.cancelled() or fut.exception() is not None)
+        qos2 = False
+        if session is not None and session.qos2_committing:
+            for qos, packet_id in acks:
+                if qos == 2:
+                    session.qos2_committing.discard(packet_id)
+                    qos2 = True
         if self.state is CLOSED:
             self.inbound_pending -= sum(1 for qos, _ in acks if qos == 1)
             return
-        if not (fut.cancelled() or fut.exception() is not None):
+        if committed:
+            if qos2 and session is not None:
+                # In a cluster the PUBRECs leave once a node resuming the session would know
+                # their packet ids (only ids of committed messages are told, `capture`).
+                self.service.hold_output_until(
+                    self, len(self._out), self.service.replicate_committed(session))  # type: ignore[arg-type]
             # Success without properties: each PUBACK or PUBREC is four bytes (see `_ack`),
             # written together.
             out = bytearray()
@@ -287,6 +312,9 @@ class PublishHandling(ConnectionState):
         if packet.packet_id in self.session.inbound_qos2:
             self.session.inbound_qos2.discard(packet.packet_id)
             self.service.remember_qos2(self.session, packet.packet_id, False)
+            # (in a cluster the PUBCOMP waits until a node resuming the session would know
+            # the id is free again: the client may use it for a new message after it)
+            self.service.exactly_once_changed(self.session)
             self._send_packet(p.Pubcomp(packet.packet_id))
         else:
             reason = RC.PACKET_IDENTIFIER_NOT_FOUND if self.version == MQTT_V5 else RC.SUCCESS

@@ -11,7 +11,7 @@ from ...core.message import Message
 from ...core.outbox import SLOW_SUBSCRIBER
 from . import packets as p
 from .codec import encode, encode_publish
-from .connection_state import CLOSED, CONNECTED, MQTT_V5, ConnectionState, State
+from .connection_state import CLOSED, CONNECTED, MQTT_V5, RC, ConnectionState, State, log
 from .timing import clock as timing_clock
 
 
@@ -51,6 +51,7 @@ def _packet_id_position(packet: bytes, topic_length: int) -> int:
     return index + 1 + 2 + topic_length
 
 if TYPE_CHECKING:
+    import asyncio
     from concurrent.futures import Future
 
 
@@ -151,7 +152,7 @@ class Outbound(ConnectionState):
         if session is not None and session.connection is self and self.state is State.CONNECTED:
             session.output_drained()
 
-    def hold_output(self, start: int, durable: Future[None]) -> bool:
+    def hold_output(self, start: int, durable: Future[None] | asyncio.Future[None]) -> bool:
         """Output from index `start` of what is pending on waits until `durable` is done;
         False when it already waits for that future."""
         held = self._held_from
@@ -162,6 +163,24 @@ class Outbound(ConnectionState):
             return False  # the same commit: the earlier start covers it
         held.append([start, durable])
         return True
+
+    def refuse_held(self, durable: Any, reason: str) -> None:
+        """What was held for `durable` (and after it) must not go out, since what it reports
+        could not be kept: it is dropped and the connection closed (DISCONNECT 0x80 on 5.0);
+        the client sends again what it was not answered."""
+        held = self._held_from
+        if held is None:
+            return
+        index = next((at for at, hold in enumerate(held) if hold[1] is durable), None)
+        if index is None:
+            return
+        start = held[index][0]
+        out = self._out
+        del out[start:]
+        self._out_bytes = sum(len(data) for data in out)
+        self._held_from = held[:index] or None
+        log.warning("%s %s: %s; closing the connection", self.remote, self.client_id, reason)
+        self.close(RC.UNSPECIFIED_ERROR, reason)
 
     def output_released(self) -> None:
         """A commit that held output is durable: what waited for it goes out now (one write

@@ -13,7 +13,10 @@ knows no cluster: it only names what the service asks.
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from .session import MqttSession
 
 
 class RemoteSessions(Protocol):
@@ -32,6 +35,13 @@ class RemoteSessions(Protocol):
     def forgotten(self, client_id: str) -> None:
         """A persistent session was removed from this node's store (it ended or moved)."""
 
+    def exactly_once(self, session: MqttSession) -> asyncio.Future[None] | None:
+        """A persistent session's QoS 2 state changed (a packet id it is to answer PUBREC for,
+        one released by PUBREL, a PUBREL it is to send): a future done once a node resuming
+        the session after this one's crash would know it (the output that reports it waits
+        for that; failed: it could not be kept), None when nothing more than this node's
+        store is needed. Called at most once per session per read; no await."""
+
 
 class _NoRemoteSessions:
     """A single node: every session is here."""
@@ -45,6 +55,9 @@ class _NoRemoteSessions:
 
     def forgotten(self, client_id: str) -> None:
         pass
+
+    def exactly_once(self, session: MqttSession) -> asyncio.Future[None] | None:
+        return None
 
 
 NO_REMOTE_SESSIONS: RemoteSessions = _NoRemoteSessions()

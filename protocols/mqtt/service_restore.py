@@ -76,6 +76,7 @@ class SessionRestore(ServiceState):
         data = SessionSnapshot.decode(record.data)
         if data.owned:
             session.owner, session.owned = data.owner, True
+        session.generation = data.generation
         session.expiry_interval = record.expiry_interval
         session.disconnected_at_ms = disconnected
         for own in data.subscriptions:

@@ -104,7 +104,10 @@ class ServiceState:
         self._quiet: set[str] = set()
         self._quiet_writes = 0
         # Connections whose output waits for a metadata commit to be durable, by its future.
-        self._held_for_durable: dict[Future[None], list[MqttConnection]] = {}
+        self._held_for_durable: dict[Future[None] | asyncio.Future[None], list[MqttConnection]] = {}
+        # Cluster mode: persistent sessions whose QoS 2 state the read being handled changed
+        # (`exactly_once_changed`), told to `_remote.exactly_once` as the read ends.
+        self._exactly_once: dict[str, MqttSession] = {}
         # QoS 2 inbound state changes of durable sessions, written in one batch per loop turn.
         self._will_timers: dict[str, tuple[Timer, p.Will]] = {}
         self._expiry_timers: dict[str, Timer] = {}

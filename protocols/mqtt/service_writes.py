@@ -7,10 +7,13 @@ event loop waiting for the fsync. Messages themselves are in the journal, never 
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
+from .remote import NO_REMOTE_SESSIONS
 from .service_state import ServiceState
 from .session import MqttSession
 from .snapshotting import capture
@@ -73,12 +76,24 @@ class SessionWrites(ServiceState):
         store = self.store
         return 0 if store is None else store.write_count + self.store_writes_deferred - self._quiet_writes
 
-    def hold_output_until_durable(self, connection: MqttConnection, start: int) -> None:
+    def hold_output_until_durable(self, connection: MqttConnection, start: int,
+                                  replicated: asyncio.Future[None] | None = None) -> None:
         """`connection` wrote session state while it produced its output from `start` on (a
         CONNACK reporting a session, a SUBACK, a PUBREC, a PUBREL...): that output leaves
-        once the writes are durable, without the event loop waiting for the fsync."""
+        once the writes are durable, without the event loop waiting for the fsync. In a
+        cluster, output reporting QoS 2 state also waits for `replicated` (`take_replicated`);
+        if that fails, the connection is closed instead (`_durable_done`)."""
         store = self.store
-        durable = store.durable_waiter() if store is not None else None
+        waiter = store.durable_waiter() if store is not None else None
+        if replicated is None:
+            self.hold_output_until(connection, start, waiter)
+        else:
+            self.hold_output_until(connection, start,
+                                   replicated if waiter is None else self._both(waiter, replicated))
+
+    def hold_output_until(self, connection: MqttConnection, start: int,
+                          durable: Future[None] | asyncio.Future[None] | None) -> None:
+        """`connection`'s output from `start` on leaves once `durable` is done."""
         if durable is None or not connection.hold_output(start, durable):
             return
         waiting = self._held_for_durable.get(durable)
@@ -87,7 +102,33 @@ class SessionWrites(ServiceState):
             durable.add_done_callback(self._durable_in_sync_thread)
         waiting.append(connection)
 
-    def _durable_in_sync_thread(self, durable: Future[None]) -> None:
+    def _both(self, durable: Future[None], replicated: asyncio.Future[None]) -> asyncio.Future[None]:
+        """Done (on the loop) once the store's commit is durable and `replicated` is done;
+        failed as `replicated` failed."""
+        both: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def check(_done: object = None) -> None:
+            if both.done() or not (durable.done() and replicated.done()):
+                return
+            error = replicated.exception() if not replicated.cancelled() else RuntimeError("cancelled")
+            if error is not None:
+                both.set_exception(error)
+                both.exception()  # retrieved: `_durable_done` reads it
+            else:
+                both.set_result(None)
+
+        durable.add_done_callback(lambda _f: self._durable_in_sync_thread_call(check))
+        replicated.add_done_callback(check)
+        return both
+
+    def _durable_in_sync_thread_call(self, call_back: Callable[[], None]) -> None:
+        call = getattr(self.scheduler, "call_soon_threadsafe", None) or self.scheduler.call_soon
+        try:
+            call(call_back)
+        except RuntimeError:
+            pass  # the event loop is closed: the broker has stopped
+
+    def _durable_in_sync_thread(self, durable: Future[None] | asyncio.Future[None]) -> None:
         # Runs in the store's sync thread (or here, when already done): back to the loop.
         call = getattr(self.scheduler, "call_soon_threadsafe", None) or self.scheduler.call_soon
         try:
@@ -95,9 +136,45 @@ class SessionWrites(ServiceState):
         except RuntimeError:
             pass  # the event loop is closed: the broker has stopped
 
-    def _durable_done(self, durable: Future[None]) -> None:
-        for connection in self._held_for_durable.pop(durable, ()):
+    def _durable_done(self, durable: Future[None] | asyncio.Future[None]) -> None:
+        connections = self._held_for_durable.pop(durable, ())
+        if isinstance(durable, asyncio.Future) and (durable.cancelled() or durable.exception()):
+            # QoS 2 state another node would need could not be kept: what reports it is not
+            # sent; the client sends its PUBLISH or PUBREL again on its next connection
+            reason = f"the session's QoS 2 state could not be replicated: {durable.exception() if not durable.cancelled() else 'cancelled'}"
+            for connection in connections:
+                connection.refuse_held(durable, reason)
+            return
+        for connection in connections:
             connection.output_released()
+
+    # ------------------------------------------------------------------ QoS 2 state in a cluster
+    def exactly_once_changed(self, session: MqttSession) -> None:
+        """A persistent session's QoS 2 state changed while a read is handled: told to the
+        cluster as the read ends (`take_replicated`), once per session."""
+        if session.durable and self._remote is not NO_REMOTE_SESSIONS:
+            if self._grouping:
+                self._exactly_once[session.client_id] = session
+            else:
+                self._remote.exactly_once(session)
+
+    def take_replicated(self) -> asyncio.Future[None] | None:
+        """As a read ends: the future the output reporting its QoS 2 changes waits for (None:
+        none changed, or a single node)."""
+        changed = self._exactly_once
+        if not changed:
+            return None
+        replicated = None
+        for session in changed.values():
+            replicated = self._remote.exactly_once(session) or replicated
+        changed.clear()
+        return replicated
+
+    def replicate_committed(self, session: MqttSession) -> asyncio.Future[None] | None:
+        """A QoS 2 message of `session` is committed: the future its PUBREC waits for."""
+        if not session.durable or self._remote is NO_REMOTE_SESSIONS:
+            return None
+        return self._remote.exactly_once(session)
 
     # ------------------------------------------------------------------ persistence
     def save_session(self, session: MqttSession, *, acknowledged: bool = True) -> None:

@@ -108,6 +108,12 @@ class MqttSession:
         # The payload bytes of `queue` (`mqtt.max_queued_bytes` bounds them).
         self.queued_bytes = 0
         self.inbound_qos2: set[int] = NO_PACKET_IDS  # a set of its own from the first
+        # Of those, the ones whose message waits for its commit: not yet to be told to another
+        # node as received (`snapshotting.capture`), since the commit may fail.
+        self.qos2_committing: set[int] = NO_PACKET_IDS
+        # How many times the session moved to another node (`snapshotting.rebuild`): orders
+        # its snapshots and replicated records, whoever's clock took them.
+        self.generation = 0
         self._last_packet_id = 0
         self.dropped = 0
         # When the queue of this online session passed half its limit (back-pressure), if it has.
@@ -369,6 +375,7 @@ class MqttSession:
             # Saved before PUBREL goes out: after a restart this message is only ever
             # released, never published again [MQTT-4.3.3], so QoS 2 stays exactly once.
             self.service.save_session(self)
+            self.service.exactly_once_changed(self)
         return True
 
     def resend_inflight(self) -> None:
@@ -404,6 +411,7 @@ class MqttSession:
         self.queue.clear()
         self.queued_bytes = 0
         self.inbound_qos2.clear()
+        self.qos2_committing.clear()
         # No cycle left between the session and its (removed) subscription: both are freed
         # at once by reference counting, not left for the cycle collector.
         subscription = self.subscription

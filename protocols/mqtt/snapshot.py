@@ -269,6 +269,14 @@ class SessionSnapshot:
     qos2: list[int] = field(default_factory=list)
     owner: str | None = None
     owned: bool = False
+    # How many times the session moved between nodes (`MqttSession.generation`): of two
+    # snapshots of one session, the one of the higher generation is the newer, and within a
+    # generation (one holder, one clock) the later `taken_ms`.
+    generation: int = 0
+
+    def newer_than(self, other: SessionSnapshot) -> bool:
+        """Whether this snapshot of a session was taken after `other` (see `generation`)."""
+        return (self.generation, self.taken_ms) > (other.generation, other.taken_ms)
 
     # ------------------------------------------------------------ encoding
     def to_dict(self) -> dict[str, Any]:
@@ -285,6 +293,8 @@ class SessionSnapshot:
             "queued": [entry.encode() for entry in self.queued],
             "qos2": self.qos2,
         }
+        if self.generation:
+            encoded["generation"] = self.generation
         if self.owned:  # the user who made it goes with it
             encoded["owner"] = self.owner
         return encoded
@@ -323,4 +333,5 @@ class SessionSnapshot:
             qos2=_ids(state.get("qos2", [])),
             owner=None if owner is None else str(owner),
             owned="owner" in state,
+            generation=int(state.get("generation") or 0),
         )

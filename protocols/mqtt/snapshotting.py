@@ -70,6 +70,7 @@ def capture(session: MqttSession, node: str | None = None, *, group_messages: bo
         client_id=session.client_id, node=node, online=session.connection is not None,
         expiry=session.expiry_interval, disconnected_ms=session.disconnected_at_ms,
         taken_ms=now_ms(), owner=session.owner, owned=session.owned,
+        generation=session.generation,
         subscriptions=[OwnFilter(f, o) for f, o in sub.filters.items()],
         shared=[SharedMembership(name, shared_sub.type.value, list(shared_sub.filters), o.qos,
                                  o.retain_as_published, o.subscription_id)
@@ -110,7 +111,10 @@ def capture(session: MqttSession, node: str | None = None, *, group_messages: bo
         snapshot.queued.append(QueuedEntry(
             message.stream, message.shard, message.offset, item.qos, item.retain,
             list(item.subscription_ids), message_record(message)))
-    snapshot.qos2 = sorted(session.inbound_qos2)
+    # the QoS 2 ids whose message is committed (one still waiting for its commit may fail: it
+    # is a new message if its client sends it again)
+    committing = session.qos2_committing
+    snapshot.qos2 = sorted(session.inbound_qos2 - committing if committing else session.inbound_qos2)
     return snapshot
 
 
@@ -156,6 +160,7 @@ def _fill(service: MqttService, session: MqttSession, snapshot: SessionSnapshot,
     edge = service.edge
     session.expiry_interval = snapshot.expiry
     session.disconnected_at_ms = snapshot.disconnected_ms
+    session.generation = snapshot.generation + 1  # a move: later than anything taken before
     if snapshot.owned:
         session.owner, session.owned = snapshot.owner, True
     sub = session.subscription

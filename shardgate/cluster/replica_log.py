@@ -180,6 +180,14 @@ class ReplicatedShardLog:
         """A follower's high watermark (what its leader said, bounded by its own end)."""
         self._follower_hw = value
 
+    @property
+    def settled(self) -> bool:
+        """Whether this node leads the shard and its high watermark reached the end the log
+        had when its epoch began: every record an earlier leader may have acknowledged is
+        readable here (a new leader's high watermark starts where it last heard it)."""
+        leader = self.leader
+        return leader is not None and leader.high_watermark >= leader.epoch_start
+
     # -- ShardLog -----------------------------------------------------------------------------
 
     @property

@@ -216,12 +216,17 @@ class SessionSnapshots:
     # ------------------------------------------------------------ checkpoints of connected sessions
     @staticmethod
     def _cursors_of(session: MqttSession) -> Any:
-        """What a checkpoint is taken for: the session's cursors (position, unacknowledged)."""
+        """What a checkpoint is taken for: the session's cursors (position, unacknowledged)
+        and its QoS 2 state (the packet ids it answered PUBREC for, those it sent PUBREL for:
+        the replicated internal stream holds their changes first, `sessions.exactly_once`,
+        and the checkpoint makes etcd's snapshot newer again within `CHECKPOINT_S`)."""
         sub = session.subscription
+        qos2 = (frozenset(session.inbound_qos2 - session.qos2_committing),
+                frozenset(pid for pid, o in session.inflight.items() if o.released))
         if not isinstance(sub, DurableSubscription):
-            return None
+            return qos2
         return [(key, cursor.position, frozenset(cursor.unacked), frozenset(cursor.pending_redelivery))
-                for key, cursor in sub.cursors.items()]
+                for key, cursor in sub.cursors.items()], qos2
 
     async def _checkpoint_loop(self) -> None:
         while True:

@@ -23,7 +23,10 @@ how far it got. Moving a session moves its state, not its messages:
   moved is checkpointed at least every `CHECKPOINT_S` (below), and up to `MAX_BATCH_PUTS` of
   them every `SOON_CHECKPOINT_S`: a holder that died leaves the last checkpoint, and what was
   acknowledged since comes again (at least once, never lost: a checkpoint keeps in-flight
-  messages unacknowledged).
+  messages unacknowledged). Its QoS 2 state is newer than that when it changed since: each
+  change is replicated in the internal stream (`state_log.StateLog`) before the PUBREC,
+  PUBCOMP or PUBREL reporting it leaves (`exactly_once`), and the new node resumes the newer
+  of the two (`_newest`).
 - **The holder stops (SIGTERM).** Its clients reconnect elsewhere while it is still stopping:
   it writes the snapshots of the sessions its stop took offline before its cluster port
   closes (`StateWriter.drain`), so a node whose `ReleaseSession` is refused reads the
@@ -46,8 +49,9 @@ The modules: this one is the new node's side (`SessionHandover`, the MQTT servic
 `RemoteSessions` port); `session_release.py` the old node's (ending the session, its
 stand-in); `session_snapshots.py` the snapshots in etcd (writes, checkpoints, expiry, sweep);
 `session_cursors.py` cursors placed from another node; `state_writer.py` the batched etcd
-writer. A snapshot is a `protocols.mqtt.snapshot.SessionSnapshot`: the cluster reaches the
-MQTT service only through that port and the service's own methods, never its attributes.
+writer; `state_log.py` the replicated internal stream the QoS 2 state goes to. A snapshot is
+a `protocols.mqtt.snapshot.SessionSnapshot`: the cluster reaches the MQTT service only
+through that port and the service's own methods, never its attributes.
 """
 
 from __future__ import annotations
@@ -60,18 +64,21 @@ from typing import TYPE_CHECKING, Any
 from ..core.message import Message
 from ..protocols.mqtt.session import SessionOfAnotherUser
 from ..protocols.mqtt.snapshot import UNREADABLE, SessionSnapshot, record_message
-from ..protocols.mqtt.snapshotting import rebuild
+from ..protocols.mqtt.snapshotting import capture, rebuild
 from .control import ClaimRefused, SessionMovedOn
 from .etcd import EtcdError, KeyValue
+from .journal_search import ShardUnreadable
 from .session_cursors import CursorPlacer
 from .session_release import SessionRelease, in_shard_order
 from .session_snapshots import SessionSnapshots
+from .state_log import StateLog
 from .state_rpc import StateCallError, StateRpc
 from .state_writer import StateWriter
 
 if TYPE_CHECKING:
     from ..core.broker import Broker
     from ..protocols.mqtt.service import MqttService
+    from ..protocols.mqtt.session import MqttSession
     from .control import ClusterNode
 
 log = logging.getLogger(__name__)
@@ -89,6 +96,11 @@ HAND_OVER_PARALLEL = 16
 # How long a takeover (CONNACK, a leaving node's handover) waits for what the old node's
 # stand-in took for the session while it moved (then it comes in the background).
 COLLECT_WAIT_S = 2.0
+# The sessions' QoS 2 state in the replicated internal stream (`state_log.StateLog`), and how
+# far before a snapshot's time its records are read (the nodes' clocks may differ by this
+# much: as much as the cluster port's signatures allow, `link_auth`).
+EXACTLY_ONCE_KIND = "mqtt-sessions"
+CLOCK_SKEW_MS = 120_000
 
 
 class SessionUnavailable(Exception):
@@ -110,6 +122,8 @@ class SessionHandover:
         # client ids being handed to another node (their local forget is not an end)
         releasing: set[str] = set()
         self.snapshots = SessionSnapshots(node, service, writer, releasing)
+        self.state_log = StateLog(node, broker, EXACTLY_ONCE_KIND)
+        self.resumed_from_log = 0
         self.releaser = SessionRelease(node, service, broker, placer.plane, releasing)
         self.taken_over = 0
         # sessions taken over from a stand-in: how long their queue was when adopted (what came
@@ -151,6 +165,49 @@ class SessionHandover:
 
     def forgotten(self, client_id: str) -> None:
         self.snapshots.forgotten(client_id)
+
+    def exactly_once(self, session: MqttSession) -> asyncio.Future[None]:
+        """The session's QoS 2 state changed: its snapshot goes to the replicated internal
+        stream in this turn's batch, taken as the batch is written (module docstring of
+        `state_log.py`); the future is done once it is committed there."""
+        client_id = session.client_id
+        me = self.node.node_id
+        releasing = self.snapshots.releasing
+
+        def value() -> bytes | None:
+            if self.service.sessions.get(client_id) is not session or client_id in releasing:
+                return None  # ended or moved meanwhile: the node it went to has it
+            return capture(session, me).encode()
+
+        return self.state_log.put(client_id, value)
+
+    async def _newest(self, client_id: str, state: SessionSnapshot | None) -> SessionSnapshot | None:
+        """The session as its last holder left it, when that holder is gone: `state` (its
+        etcd snapshot) or, when newer, what the holder replicated as its QoS 2 state changed
+        (`exactly_once`): that is what the holder acknowledged PUBRECs, PUBCOMPs and PUBRELs
+        by. Raises StateCallError when the internal stream cannot be read now (the CONNECT is
+        refused and tried again, never resumed without what it may hold)."""
+        if state is None:
+            return None
+        since = max(0, state.taken_ms - CLOCK_SKEW_MS) if state.taken_ms else 0
+        try:
+            data = await self.state_log.latest(client_id, since)
+        except ShardUnreadable as exc:
+            raise StateCallError(f"the QoS 2 state of session {client_id!r}: {exc}") from None
+        if data is None:
+            return state
+        try:
+            replicated = SessionSnapshot.decode(data)
+        except UNREADABLE as exc:
+            self.snapshots.set_aside(f"the replicated state of MQTT session {client_id!r}", None,
+                                     exc, data.decode(errors="replace"))
+            return state
+        if replicated.client_id != client_id or not replicated.newer_than(state):
+            return state
+        self.resumed_from_log += 1
+        log.info("cluster: session %r resumes from the state %s replicated (newer than its "
+                 "etcd snapshot)", client_id, replicated.node)
+        return replicated
 
     def find(self, client_id: str, clean_start: bool, username: str | None = None) -> asyncio.Future[None] | None:
         """A CONNECT for a session not held here waits for its claim (every kind of session:
@@ -263,6 +320,8 @@ class SessionHandover:
                 # before its cluster port closes, maybe after the claim above read the older
                 # one (its client reconnected here while it was stopping)
                 state = self.snapshots.read(client_id, await node.state_store.get(self.key(client_id)))
+                if not clean_start:
+                    state = await self._newest(client_id, state)
             if stood_in:
                 # the holder's stand-in takes the session's messages there until this node
                 # serves its routes (adopted, and the peers know), then hands over what it
@@ -278,6 +337,9 @@ class SessionHandover:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(collecting), COLLECT_WAIT_S)
                 return
+        elif holder != me and not clean_start and client_id not in self.service.sessions:
+            # its holder is gone: its last snapshot, or the newer state it replicated
+            state = await self._newest(client_id, state)
         await self._adopt_taken(client_id, clean_start, state)
 
     def _released(self, client_id: str, released: Any) -> SessionSnapshot | None:

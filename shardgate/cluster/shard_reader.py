@@ -106,7 +106,11 @@ async def serve_read(broker: Broker, plane: DataPlane, request: dict[str, Any]) 
                 records.append(record)
                 if len(records) >= limit:
                     break
-    return {"next": position, "caught_up": caught_up, "routed": routed}, records
+    header = {"next": position, "caught_up": caught_up, "routed": routed}
+    if caught_up:
+        # a replicated shard's leader that has not committed what earlier epochs held yet
+        header["settled"] = bool(getattr(shard_log, "settled", True))
+    return header, records
 
 
 class OwnerLog:

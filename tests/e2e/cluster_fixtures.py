@@ -24,6 +24,7 @@ import urllib.request
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +214,20 @@ def linked(node: ClusterNodeProcess) -> set[str]:
     return set(re.findall(r'^shardgate_cluster_link_up\{[^}]*peer="([^"]+)"[^}]*\} 1', text, re.M))
 
 
+def start_together(nodes: list[ClusterNodeProcess]) -> None:
+    """Start `nodes`: the first alone, so that it registers first (the controller of a new
+    cluster, as when they start one after another), then the others at once. A start is mostly
+    the interpreter's and the broker's imports, which run on every core this way. Raises the
+    first failure once every start has ended (the caller kills the nodes that did start)."""
+    if not nodes:
+        return
+    nodes[0].start()
+    if len(nodes) > 1:
+        with ThreadPoolExecutor(len(nodes) - 1) as pool:
+            for future in [pool.submit(node.start) for node in nodes[1:]]:
+                future.result()
+
+
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
     if ETCD is None:
@@ -228,12 +243,11 @@ def cluster(tmp_path: Path, etcd: EtcdServer) -> Iterator[Callable[..., list[Clu
 
     def start(count: int, *, lease_ttl_s: int = 3, first: int = 1,
               extra_config: str = "") -> list[ClusterNodeProcess]:
-        nodes = []
-        for index in range(first, first + count):
-            node = ClusterNodeProcess(tmp_path / f"n{index}", f"n{index}", etcd.url,
-                                      lease_ttl_s=lease_ttl_s, extra_config=extra_config)
-            started.append(node)
-            nodes.append(node.start())
+        nodes = [ClusterNodeProcess(tmp_path / f"n{index}", f"n{index}", etcd.url,
+                                    lease_ttl_s=lease_ttl_s, extra_config=extra_config)
+                 for index in range(first, first + count)]
+        started.extend(nodes)
+        start_together(nodes)
         everyone = {n.node_id for n in started if n.alive()}
         for node in nodes:
             wait_for(lambda node=node: settled(node, everyone), timeout=30, interval=0.05)

@@ -32,7 +32,13 @@ from shardgate.client import Client
 from shardgate.protocols.mqtt import packets as p
 
 from tests.conftest import free_port, wait_for
-from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer, linked, settled
+from tests.e2e.cluster_fixtures import (
+    ClusterNodeProcess,
+    EtcdServer,
+    linked,
+    settled,
+    start_together,
+)
 from tests.mqtt_clients import V5, V311, Paho, RawClient
 
 Cluster = Callable[..., list[ClusterNodeProcess]]
@@ -57,13 +63,11 @@ TOPICS = 12
 def with_every_protocol(etcd: EtcdServer, tmp_path: Path, count: int) -> list[ClusterNodeProcess]:
     """`count` nodes with their AMQP and gRPC listeners on too (the `cluster` fixture's nodes
     serve MQTT and HTTP only)."""
-    nodes = []
-    for index in range(1, count + 1):
-        node = ClusterNodeProcess(
-            tmp_path / f"n{index}", f"n{index}", etcd.url, extra_config=STREAMS,
-            extra_args=["--amqp-port", str(free_port()), "--grpc-port", str(free_port())],
-        )
-        nodes.append(node.start())
+    nodes = [ClusterNodeProcess(
+        tmp_path / f"n{index}", f"n{index}", etcd.url, extra_config=STREAMS,
+        extra_args=["--amqp-port", str(free_port()), "--grpc-port", str(free_port())],
+    ) for index in range(1, count + 1)]
+    start_together(nodes)
     names = {node.node_id for node in nodes}
     for node in nodes:
         wait_for(lambda node=node: settled(node, names), timeout=30, interval=0.05)

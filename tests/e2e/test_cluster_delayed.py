@@ -29,6 +29,7 @@ from tests.e2e.cluster_fixtures import (
     protocol_node,
     read_back,
     settled_nodes,
+    start_together,
     topics_of,
     wait_settled,
 )
@@ -42,8 +43,9 @@ TIMED = '[[streams]]\nname = "timed"\nmode = "reliable"\npartitions = 3\nroutes 
 
 @pytest.fixture
 def trio(etcd: EtcdServer, tmp_path: Path) -> Iterator[list[ClusterNodeProcess]]:
-    names = ("n1", "n2", "n3")
-    with settled_nodes([protocol_node(tmp_path, name, etcd.url, LATER).start() for name in names]) as nodes:
+    nodes = [protocol_node(tmp_path, name, etcd.url, LATER) for name in ("n1", "n2", "n3")]
+    start_together(nodes)
+    with settled_nodes(nodes):
         yield nodes
 
 
@@ -230,8 +232,9 @@ def test_a_holder_killed_between_its_release_and_the_etcd_delete_is_not_released
     pause = tmp_path / "pause-before-delayed-delete"
     pause.touch()
     monkeypatch.setenv(DELETE_PAUSE_ENV, str(pause))
-    names = ("n1", "n2", "n3")
-    with settled_nodes([protocol_node(tmp_path, name, etcd.url, TIMED).start() for name in names]) as nodes:
+    started = [protocol_node(tmp_path, name, etcd.url, TIMED) for name in ("n1", "n2", "n3")]
+    start_together(started)
+    with settled_nodes(started) as nodes:
         controller, _others = by_role(nodes)
         # the topic's shard is owned by a node that stays up (its journal holds the release);
         # the holder is another node, not the controller

@@ -20,6 +20,7 @@ from tests.e2e.cluster_fixtures import (
     EtcdServer,
     protocol_node,
     settled_nodes,
+    start_together,
     topics_of,
     wills_in_etcd,
 )
@@ -33,9 +34,9 @@ PRESENCE = '[[streams]]\nname = "presence"\nmode = "non-reliable"\npartitions = 
 def trio(etcd: EtcdServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[ClusterNodeProcess]]:
     monkeypatch.setenv(CLAIM_PAUSE_ENV, str(tmp_path / "pause-after-will-claim"))
     monkeypatch.setenv(PUBLISH_PAUSE_ENV, str(tmp_path / "pause-after-will-publish"))
-    names = ("n1", "n2", "n3")
-    with settled_nodes([protocol_node(tmp_path, name, etcd.url, PRESENCE).start()
-                        for name in names]) as nodes:
+    nodes = [protocol_node(tmp_path, name, etcd.url, PRESENCE) for name in ("n1", "n2", "n3")]
+    start_together(nodes)
+    with settled_nodes(nodes):
         yield nodes
 
 
