@@ -241,7 +241,7 @@ async def join(app: Shardgate, node: ClusterNode, parts: ClusterParts) -> None:
     from .schemas import SharedSchemas
 
     # the registered schemas of etcd into the broker, this node's missing ones into etcd
-    SharedSchemas(node, broker.schemas).install()
+    await SharedSchemas(node, broker.schemas).install()
     plane = parts.plane
     address = settings.advertise_address or f"{host}:{plane.port}"
     listeners = {name: f"{listener.host}:{listener.port}" for name, listener in app.listeners.items()}

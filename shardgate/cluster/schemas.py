@@ -15,10 +15,12 @@ kept in its metadata store); the other nodes' watches load it into theirs. Chang
 from etcd are not written back.
 
 At join (`install`), etcd's schemas are loaded, then the streams whose schemas this node holds
-and etcd does not (registered while the node ran alone) are put there as they are, without a
-compare: two nodes that registered one stream's schemas while each ran alone and join at the
-same moment can still overwrite each other's versions (the last write then holds on every
-node). A configured `schema_file` is not written at start in a cluster: it is registered once
+and etcd does not (registered while the node ran alone) are created there as they are, only
+while etcd holds no versions of that stream (a compare-and-set on the key's absence). Where
+another node created them first (two nodes that each ran alone joining at once), its versions
+hold: this node loads them and registers its own after them, one by one, through the
+compare-and-set above, so each becomes the next version or, incompatible with the latest, is
+refused and logged; neither node's versions silently replace the other's. A configured `schema_file` is not written at start in a cluster: it is registered once
 the node has joined, through the compare-and-set above (`register_configured_schemas_ordered`
 in `shardgate/topology.py`). A change made in this node's registry other than through
 `register` (a delete, the registry's synchronous `register`) is put in etcd as it is.
@@ -30,6 +32,7 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
+from ..core.errors import CoreError
 from ..core.schema_registry import (
     Compatibility,
     SchemaRegistry,
@@ -62,9 +65,10 @@ class SharedSchemas:
         self.registry = registry
         self._from_etcd = False
 
-    def install(self) -> None:
-        """etcd's schemas into the registry, this node's missing ones into etcd; from then on
-        changes go both ways, and registrations are ordered by etcd (`register`)."""
+    async def install(self) -> None:
+        """etcd's schemas into the registry, this node's missing ones into etcd (created only
+        where etcd holds none: `_put_missing`); from then on changes go both ways, and
+        registrations are ordered by etcd (`register`)."""
         self.registry.registrar = self.register
         self.registry.add_listener(self._changed_here)
         self.node.document_listeners.append(self._changed_in_etcd)
@@ -74,7 +78,34 @@ class SharedSchemas:
             self._changed_in_etcd(keys.SCHEMAS + stream, value)
         for stream in self.registry.streams():
             if stream not in held:
-                self.node.submit(keys.SCHEMAS + stream, encode(self.registry.versions(stream)))
+                await self._put_missing(stream, self.registry.versions(stream))
+
+    async def _put_missing(self, stream: str, versions: list[SchemaVersion]) -> None:
+        """Create the stream's versions in etcd while it holds none; when another node's came
+        first, load them and register this node's after them (see the module docstring)."""
+        suffix = keys.SCHEMAS + stream
+        value = encode(versions)
+        try:
+            created, now = await self.node.state_store.create(self.node.key(suffix), value)
+        except Exception as exc:  # noqa: BLE001 - etcd away: written once it is back
+            log.warning("cluster: schemas of stream %r not created in etcd (%s); writing them "
+                        "when it is reachable", stream, exc)
+            self.node.view.documents[suffix] = value
+            self.node.submit(suffix, value)
+            return
+        if created:
+            self.node.view.documents[suffix] = value
+            return
+        log.info("cluster: another node registered schemas of stream %r first; registering "
+                 "this node's %d version(s) after them", stream, len(versions))
+        self._changed_in_etcd(suffix, now.value if now is not None else None)
+        for version in versions:
+            try:
+                await self.register(stream, version.type, version.definition,
+                                    version.compatibility)
+            except CoreError as exc:  # incompatible with the winner's, or etcd away
+                log.warning("cluster: version %d of stream %r, registered on this node alone, "
+                            "is not kept: %s", version.version, stream, exc)
 
     async def register(self, stream: str, kind: SchemaType | str,
                        definition: str | dict[str, Any],

@@ -13,8 +13,9 @@ buffer, but only once a file is due (enough rows committed, the oldest
 record `max_delay_s` old, or `flush`): until then the records stay in the journal, not in
 memory. A buffer becomes a file when it reaches the row or byte target, at an hour boundary
 (each file lies in one `date=/hour=` partition), or when it holds all that is due. Decoding, Parquet encoding and uploads run in
-worker threads: a file's row groups are decoded two at a time while those already decoded are
-encoded (`_build_and_write`). A failing store is retried with exponential backoff while the lag grows in
+worker threads: a buffer's row groups are built (decoded) as soon as their records are read,
+two at a time, and at the seal those still missing, while the row groups already built are
+encoded (`_build_ahead`, `_build_and_write`). A failing store is retried with exponential backoff while the lag grows in
 `status()`. This module never deletes journal data: the caller feeds `archived_offset` to the
 journal's retention.
 
@@ -44,14 +45,15 @@ from .columns import FileEncoder, build_table, warm_up
 from .local_files import write_local_atomically
 from .maintenance import ArchiveMaintenance
 from .settings import ArchiveUnavailable
-from .shard_state import ShardState, describe, forget_prebuilt
+from .shard_state import Ahead, ShardState, describe, forget_ahead
 from .store import ContinueLog, Leads, RegisteredSchema, StreamList, log
 
 __all__ = ["ContinueLog", "Leads", "RegisteredSchema", "StreamList", "Archiver",
            "write_local_atomically"]
 
 BUILDS_AHEAD = 2
-"""Row groups of a file being built at once (the workers' other thread encodes)."""
+"""Row groups of a file being built at once (the workers' other thread encodes), and at most
+as many started ahead while a buffer fills."""
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
@@ -100,8 +102,7 @@ class Archiver(ArchiveMaintenance):
             except ArchiveUnavailable as exc:
                 log.error("archive not complete at stop (the journal keeps the rest): %s", exc)
         for state in self._shards.values():  # tables built ahead for files not sealed
-            forget_prebuilt(state.prebuilt)
-            state.prebuilt = None
+            forget_ahead(state.buffer)
         self._workers.close()
 
     async def flush(self, timeout: float | None = None) -> None:
@@ -239,6 +240,7 @@ class Archiver(ArchiveMaintenance):
                 )
                 state.archived_next = batch.first_offset
             self._take(state, batch)
+            self._build_ahead(state)
             await asyncio.sleep(0)
 
     def _take(self, state: ShardState, batch: RecordBlock) -> None:
@@ -265,10 +267,54 @@ class Archiver(ArchiveMaintenance):
         buffer.extend(batch[:take] if take < len(batch) else batch)
         state.buffer_bytes += sizes[take - 1].as_py() if take else 0
 
+    def _build_key(self, state: ShardState) -> tuple[Any, ...]:
+        """What a table of the shard's records is built with now (see `Ahead.key`)."""
+        return (state.schema, self._typed_for(state.stream), self.settings.keep_typed_payload)
+
+    def _build_ahead(self, state: ShardState, last: bool = False) -> None:
+        """Start building the buffer's row groups that are whole (`row_group_rows` records)
+        and not started yet, at most `BUILDS_AHEAD` unfinished at once; with `last` (the
+        buffer is a whole file: no record will join it), its last part too. A file's table is
+        then mostly built while its records are still being read, or while the file before
+        it is uploaded. The seal uses what was built (`_build_and_write`)."""
+        buffer = state.buffer
+        rows = self.settings.row_group_rows
+        key = self._build_key(state)
+        if buffer.ahead and buffer.ahead[0].key != key:  # a new schema version meanwhile
+            forget_ahead(buffer)
+        started = sum(entry.rows for entry in buffer.ahead)
+        if started == len(buffer) or (buffer.ahead and buffer.ahead[-1].rows < rows):
+            return  # all built, or the last part is (a buffer that was a whole file)
+        if len(buffer) - started < rows and not last:
+            return
+        parts = buffer.split(rows)[len(buffer.ahead):]
+        for part in parts:
+            if len(part) < rows and not last:
+                break
+            if sum(not entry.table.done() for entry in buffer.ahead) >= BUILDS_AHEAD:
+                break
+            buffer.ahead.append(Ahead(len(part), key, self._workers.run(
+                build_table, state.stream, state.shard, state.schema, part, key[1], key[2])))
+
+    def _built_ahead(self, state: ShardState, records: RecordBuffer,
+                     parts: list[RecordBuffer]) -> list[asyncio.Future[pa.Table]]:
+        """The tables built ahead of the first `parts` of `records`, as long as they were
+        built as a table of them would be now (the rest are forgotten)."""
+        key = self._build_key(state)
+        usable = []
+        for entry, part in zip(records.ahead, parts, strict=False):
+            if entry.key != key or entry.rows != len(part):
+                break
+            usable.append(entry)
+        forget_ahead(records, len(usable))
+        records.ahead = []  # the seal holds them now, and drops each once it is encoded
+        return [entry.table for entry in usable]
+
     async def _build_and_write(self, state: ShardState, records: RecordBuffer, path: str) -> int:
         """Build the table of `records` and write it as the file `path`; returns its size.
         A file of several row groups is built a row group's records at a time, `BUILDS_AHEAD`
-        parts at once, and each part is encoded as soon as it and those before it are built:
+        parts at once (those built ahead, `_build_ahead`, are taken as they are), and each
+        part is encoded as soon as it and those before it are built:
         decoding and Parquet encoding overlap on the worker threads, and the Parquet file is
         the one `encode_parquet` writes of the whole table."""
         settings = self.settings
@@ -276,16 +322,22 @@ class Archiver(ArchiveMaintenance):
         first, last = records[0].offset, records[-1].offset
         typed = self._typed_for(stream)
         parts = records.split(settings.row_group_rows)
+        built = self._built_ahead(state, records, parts)
+        builds: collections.deque[asyncio.Future[pa.Table]] = collections.deque(built)
         if len(parts) == 1:
-            table = await self._workers.run(build_table, stream, shard, state.schema, records,
-                                            typed, settings.keep_typed_payload)
+            try:
+                table = await (builds.popleft() if builds else self._workers.run(
+                    build_table, stream, shard, state.schema, records, typed,
+                    settings.keep_typed_payload))
+            finally:
+                for build in builds:
+                    build.add_done_callback(_retrieve)
             return await self._workers.run(self._write_file, path, stream, shard, table,
                                            first, last)
         encoder = FileEncoder(compression_level=settings.compression_level,
                               row_group_rows=settings.row_group_rows,
                               metadata=self._file_metadata(stream, shard, first, last))
-        upcoming = iter(parts)
-        builds: collections.deque[asyncio.Future[pa.Table]] = collections.deque()
+        upcoming = iter(parts[len(built):])
         encoding: asyncio.Future[None] | None = None
 
         def build_next() -> None:
@@ -295,7 +347,7 @@ class Archiver(ArchiveMaintenance):
                                                 typed, settings.keep_typed_payload))
 
         try:
-            for _ in range(BUILDS_AHEAD):
+            for _ in range(BUILDS_AHEAD - sum(not build.done() for build in builds)):
                 build_next()
             while builds:
                 table = await builds.popleft()
@@ -342,8 +394,10 @@ class Archiver(ArchiveMaintenance):
         The work runs in worker threads (`_build_and_write`): decoding the records into
         Arrow tables, a row group's records at a time, two at once, while the row groups
         already built are Parquet-encoded in order (long calls without the GIL), then the
-        write. Meanwhile the buffer, emptied, reads ahead from `shard_log`; when what it read
-        is a whole file, its table is built too, for the next seal. Files of a shard are
+        write; the parts built ahead while the buffer filled (`_build_ahead`) are not built
+        again. Meanwhile the buffer, emptied, reads ahead from `shard_log`, building its row
+        groups ahead too, and its last part when what it read is a whole file, for the next
+        seal. Files of a shard are
         still uploaded one after the other, in offset order (progress is the highest offset
         among the files). If the upload fails or is cancelled, what was read ahead is dropped
         and the file's records become the buffer again."""
@@ -352,35 +406,21 @@ class Archiver(ArchiveMaintenance):
         first, last = records[0].offset, records[-1].offset
         directory = layout.shard_dir(self.root, state.stream, state.shard, records[0].timestamp_ms)
         path = f"{directory}/{layout.file_name(state.shard, first, last)}"
-        prebuilt, state.prebuilt = state.prebuilt, None
         state.uploading = records
         state.buffer, state.buffer_bytes, state.hour_closed = RecordBuffer(), 0, False
         upload: asyncio.Future[int] | None = None
         try:
-            if prebuilt is not None and prebuilt[0] is records and prebuilt[1] == len(records):
-                table = await prebuilt[2]
-                upload = asyncio.ensure_future(self._workers.run(
-                    self._write_file, path, state.stream, state.shard, table, first, last
-                ))
-            else:
-                forget_prebuilt(prebuilt)
-                table = None
-                upload = asyncio.ensure_future(self._build_and_write(state, records, path))
+            upload = asyncio.ensure_future(self._build_and_write(state, records, path))
             if shard_log is not None:
                 with contextlib.suppress(Exception):  # a read error shows on the next pass
                     await self._fill(state, shard_log)
-                if self._full(state):  # build the next file's table while this one uploads
-                    state.prebuilt = (state.buffer, len(state.buffer), self._workers.run(
-                        build_table, state.stream, state.shard, state.schema, state.buffer,
-                        self._typed_for(state.stream), self.settings.keep_typed_payload,
-                    ))
+                if self._full(state):  # build the next file's last part while this one uploads
+                    self._build_ahead(state, last=True)
             size = await upload
-            del table, prebuilt  # the built-ahead future held the table too
             await self._workers.release()
             return_freed_memory()
         except BaseException as exc:
-            forget_prebuilt(state.prebuilt)
-            state.prebuilt = None
+            forget_ahead(state.buffer)
             state.buffer, state.buffer_bytes, state.hour_closed = saved
             if not isinstance(exc, Exception):
                 if upload is not None:
@@ -410,7 +450,6 @@ class Archiver(ArchiveMaintenance):
         if state.buffer and not self._due(state, False):
             # What was read ahead during the upload goes back to the journal until a file is
             # due: a broker idle after a burst holds no records in memory meanwhile.
-            forget_prebuilt(state.prebuilt)
-            state.prebuilt = None
+            forget_ahead(state.buffer)
             state.buffer, state.buffer_bytes, state.hour_closed = RecordBuffer(), 0, False
         return True

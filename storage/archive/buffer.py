@@ -2,13 +2,15 @@
 record blocks (buffers plus position arrays) rather than one object per record.
 
 It reads as a sequence of records where the archiver needs one (`buffer[0]`, `buffer[-1]`,
-`len`), and `joined` gives the Arrow view that `build_table` decodes in bulk.
+`len`), and `joined` gives the Arrow view that `build_table` decodes in bulk. It also carries
+what the archiver built ahead from its first records (`ahead`), which lives and dies with it.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -28,11 +30,14 @@ def int64_array(values: array[int]) -> pa.Array:
 class RecordBuffer:
     """Record blocks in offset order (see the module docstring)."""
 
-    __slots__ = ("blocks", "count")
+    __slots__ = ("ahead", "blocks", "count")
 
     def __init__(self, blocks: list[RecordBlock] | None = None) -> None:
         self.blocks: list[RecordBlock] = blocks or []
         self.count = sum(len(block) for block in self.blocks)
+        self.ahead: list[Any] = []
+        """The archiver's tables of this buffer's first row groups, built while it filled
+        (`archiver.Ahead`): a buffer only grows at its end, so they stay its first rows."""
 
     def __len__(self) -> int:
         return self.count

@@ -12,7 +12,7 @@ from typing import Any
 
 from . import compaction, layout, upgrade
 from .settings import ArchiveConfigError
-from .shard_state import ShardState, describe, forget_prebuilt, is_auth_error
+from .shard_state import ShardState, describe, forget_ahead, is_auth_error
 from .store import ArchiveStore, log
 
 
@@ -154,7 +154,7 @@ class ArchiveMaintenance(ArchiveStore):
                 if self._leads is not None and not self._leads(name, shard):
                     if state is not None:  # another node archives it from now on
                         del self._shards[key]
-                        forget_prebuilt(state.prebuilt)
+                        forget_ahead(state.buffer)
                     continue
                 if state is not None:
                     state.schema = schema

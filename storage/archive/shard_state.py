@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 import pyarrow as pa
 
@@ -39,16 +40,28 @@ class ShardState:
     skipped: int = 0
     """Records the journal had dropped before they could be archived (never archivable)."""
     last_upload_ms: int | None = None
-    prebuilt: tuple[RecordBuffer, int, asyncio.Future[pa.Table]] | None = None
-    """The table of the buffer (as it was at that length), built while the file before it
-    was being uploaded; used by the next seal if the buffer is still the same."""
 
 
-def forget_prebuilt(prebuilt: tuple[RecordBuffer, int, asyncio.Future[pa.Table]] | None) -> None:
-    """Forget a table built ahead (its buffer was dropped or changed)."""
-    if prebuilt is not None:
+@dataclass(slots=True, frozen=True)
+class Ahead:
+    """The table of one part of a buffer (the records after the parts before it), built
+    before the buffer is sealed: a whole row group as soon as it is read, or the last part
+    once the buffer is a whole file."""
+
+    rows: int
+    key: tuple[Any, ...]
+    """What the table was built with (the payload schema, the typed columns, whether payload
+    bytes are kept): a seal uses it only while these are the same."""
+    table: asyncio.Future[pa.Table]
+
+
+def forget_ahead(buffer: RecordBuffer, keep: int = 0) -> None:
+    """Forget the tables built ahead from `buffer` after its first `keep` (the buffer is
+    dropped, or those tables no longer fit it)."""
+    for entry in buffer.ahead[keep:]:
         # Retrieve its outcome once done, so that a failed build is not reported as lost.
-        prebuilt[2].add_done_callback(lambda f: f.cancelled() or f.exception())
+        entry.table.add_done_callback(lambda f: f.cancelled() or f.exception())
+    del buffer.ahead[keep:]
 
 
 def describe(exc: BaseException) -> str:

@@ -1,7 +1,9 @@
 """A file of several row groups is built a row group's records at a time, in parallel, while
 the row groups already built are encoded: the file holds what the whole table written at once
 holds (rows, row groups, footer), its first row group is encoded before its last is built, and
-a part that cannot be built fails the file as a whole, which is retried."""
+a part that cannot be built fails the file as a whole, which is retried. Whole row groups are
+built as soon as their records are read, before the file is sealed, each once; a part built
+with a schema version that is no longer the latest at the seal is built again."""
 
 from __future__ import annotations
 
@@ -113,6 +115,69 @@ async def test_the_first_row_group_is_encoded_before_the_last_is_built(
     assert sorted(e for e in events if e.startswith("build")) == sorted(f"build {p}" for p in parts)
     assert [e for e in events if e.startswith("encode")] == [f"encode {p}" for p in parts]
     assert events.index("encode 0") < events.index(f"build {parts[3]}"), events
+
+
+async def test_row_groups_are_built_while_the_file_is_still_being_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[str] = []
+    real_build, real_seal = archiver_module.build_table, Archiver._seal
+
+    def build_table_logged(stream: str, shard: int, schema: str, records: Any, *rest: Any) -> Any:
+        events.append(f"build {records[0].offset}")
+        return real_build(stream, shard, schema, records, *rest)
+
+    async def seal_logged(self: Archiver, *args: Any) -> bool:
+        events.append("seal")
+        return await real_seal(self, *args)
+
+    monkeypatch.setattr(archiver_module, "build_table", build_table_logged)
+    monkeypatch.setattr(Archiver, "_seal", seal_logged)
+    journal = JournalStorage(tmp_path / "journal", fsync="os")
+    try:
+        fill(journal)
+        # journal reads of 100 records: the first row groups are whole long before the file
+        await archiver(journal, tmp_path / "archive", read_batch=100).flush(timeout=30)
+    finally:
+        journal.close()
+    assert events.index("build 0") < events.index("seal"), events
+    parts = list(range(0, ROWS, GROUP))
+    assert sorted(e for e in events if e.startswith("build")) == sorted(f"build {p}" for p in parts)
+    table = pq.read_table(only_file(tmp_path / "archive").path)
+    assert table.column("offset").to_pylist() == list(range(ROWS))
+
+
+async def test_parts_built_before_a_new_schema_version_are_built_again_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A version registered between a part's early build and the seal: the file is typed by
+    the version the seal sees, in every row group, at the first attempt (parts of two
+    versions would not make one file)."""
+    wider = {"type": "object", "properties": {**SCHEMA["properties"], "site": {"type": "string"}}}
+    registered = {"version": ("json", SCHEMA, 1)}
+    real_seal = Archiver._seal
+
+    async def seal_after_registering(self: Archiver, *args: Any) -> bool:
+        registered["version"] = ("json", wider, 2)
+        return await real_seal(self, *args)
+
+    monkeypatch.setattr(Archiver, "_seal", seal_after_registering)
+    journal = JournalStorage(tmp_path / "journal", fsync="os")
+    try:
+        fill(journal)
+        archive = Archiver(journal, (tmp_path / "archive").as_uri(), lambda: [("s", 1, "json")],
+                           ArchiveSettings(target_rows=ROWS, row_group_rows=GROUP,
+                                           max_delay_s=3600, compaction=False, read_batch=100),
+                           registered_schema=lambda _s: registered["version"])
+        await archive.flush(timeout=30)
+    finally:
+        journal.close()
+    written = pq.ParquetFile(only_file(tmp_path / "archive").path)
+    assert written.schema_arrow.metadata[b"shardgate.schema.version"] == b"2"
+    table = written.read()
+    assert "site" in table.column_names and table.column("offset").to_pylist() == list(range(ROWS))
+    assert table.column("device").null_count == ROWS // 97 + 1  # the "not json" payloads only
+    assert "failed" not in caplog.text and archive.status()[0]["files"] == 1
 
 
 async def test_a_part_that_fails_to_build_fails_the_file_which_is_retried(

@@ -39,20 +39,63 @@ class Node:
         self.submitted.append((suffix, value))
 
 
-def test_schemas_follow_etcd_and_registrations_go_there_once() -> None:
+class Etcd:
+    """An in-process stand-in of etcd's key space: values with mod revisions, and the
+    compare-and-set `put_at`. `before_put` runs once before the next `put_at` (another node
+    registering between this node's read and its write)."""
+
+    def __init__(self) -> None:
+        self.revision = 0
+        self.data: dict[str, tuple[bytes, int]] = {}
+        self.before_put: Callable[[], Awaitable[None]] | None = None
+
+    async def get(self, key: str) -> KeyValue | None:
+        if key not in self.data:
+            return None
+        value, revision = self.data[key]
+        return KeyValue(key, value, revision, revision, 0)
+
+    async def create(self, key: str, value: bytes,
+                     lease: int = 0) -> tuple[bool, KeyValue | None]:
+        return await self.put_at(key, 0, value, lease)
+
+    async def put_at(self, key: str, mod_revision: int, value: bytes,
+                     lease: int = 0) -> tuple[bool, KeyValue | None]:
+        if self.before_put is not None:
+            hook, self.before_put = self.before_put, None
+            await hook()
+        if self.data.get(key, (b"", 0))[1] != mod_revision:
+            return False, await self.get(key)
+        self.revision += 1
+        self.data[key] = (value, self.revision)
+        return True, None
+
+
+@dataclass
+class EtcdNode(Node):
+    state_store: Etcd = field(default_factory=Etcd)
+
+    def key(self, suffix: str) -> str:
+        return "/sg/" + suffix
+
+
+async def test_schemas_follow_etcd_and_registrations_go_there_once() -> None:
     persisted: list[tuple[str, int]] = []
     other = SchemaRegistry()
     other.register("held", "json", SCHEMA)
-    node = Node()
+    node = EtcdNode()
     node.view.documents[keys.SCHEMAS + "held"] = encode(other.versions("held"))
     registry = SchemaRegistry(on_change=lambda stream, versions: persisted.append(
         (stream, len(versions))))
     registry.register("mine", "json", SCHEMA)  # registered before the node joined
     persisted.clear()
-    SharedSchemas(node, registry).install()  # type: ignore[arg-type]
+    await SharedSchemas(node, registry).install()  # type: ignore[arg-type]
     assert registry.versions("held") == other.versions("held")
     assert persisted == [("held", 1)]  # kept in the node's own store too
-    assert [suffix for suffix, _value in node.submitted] == [keys.SCHEMAS + "mine"]
+    # the stream etcd lacked is created there (a compare-and-set, not a blind put)
+    assert decode(node.state_store.data["/sg/" + keys.SCHEMAS + "mine"][0]) == \
+        registry.versions("mine")
+    assert not node.submitted
 
     # a registration here goes to etcd, once
     node.submitted.clear()
@@ -75,48 +118,12 @@ def test_schemas_follow_etcd_and_registrations_go_there_once() -> None:
     assert registry.versions("mine") == [] and not node.submitted
 
 
-class Etcd:
-    """An in-process stand-in of etcd's key space: values with mod revisions, and the
-    compare-and-set `put_at`. `before_put` runs once before the next `put_at` (another node
-    registering between this node's read and its write)."""
-
-    def __init__(self) -> None:
-        self.revision = 0
-        self.data: dict[str, tuple[bytes, int]] = {}
-        self.before_put: Callable[[], Awaitable[None]] | None = None
-
-    async def get(self, key: str) -> KeyValue | None:
-        if key not in self.data:
-            return None
-        value, revision = self.data[key]
-        return KeyValue(key, value, revision, revision, 0)
-
-    async def put_at(self, key: str, mod_revision: int, value: bytes,
-                     lease: int = 0) -> tuple[bool, KeyValue | None]:
-        if self.before_put is not None:
-            hook, self.before_put = self.before_put, None
-            await hook()
-        if self.data.get(key, (b"", 0))[1] != mod_revision:
-            return False, await self.get(key)
-        self.revision += 1
-        self.data[key] = (value, self.revision)
-        return True, None
-
-
-@dataclass
-class EtcdNode(Node):
-    state_store: Etcd = field(default_factory=Etcd)
-
-    def key(self, suffix: str) -> str:
-        return "/sg/" + suffix
-
-
-def two_nodes() -> tuple[SharedSchemas, SharedSchemas]:
+async def two_nodes() -> tuple[SharedSchemas, SharedSchemas]:
     etcd = Etcd()
     shared = []
     for _ in range(2):
         shared.append(SharedSchemas(EtcdNode(state_store=etcd), SchemaRegistry()))  # type: ignore[arg-type]
-        shared[-1].install()
+        await shared[-1].install()
     return shared[0], shared[1]
 
 
@@ -124,7 +131,7 @@ async def test_a_registration_that_loses_the_race_is_checked_against_the_winner(
     """Two nodes register a version of one stream at once: etcd takes the first write; the
     other node's compare-and-set is refused and it checks its schema again against the
     version that won, which it extends (version 2, not a second version 1 replacing it)."""
-    first, second = two_nodes()
+    first, second = await two_nodes()
     etcd = first.node.state_store
     assert (await first.registry.register_ordered("s", "json", SCHEMA)).version == 1
 
@@ -142,7 +149,7 @@ async def test_a_registration_that_loses_the_race_is_checked_against_the_winner(
 
 
 async def test_a_registration_incompatible_with_the_winner_is_refused() -> None:
-    first, second = two_nodes()
+    first, second = await two_nodes()
     etcd = first.node.state_store
     await first.registry.register_ordered("s", "json", SCHEMA)
     closed = {**WIDER, "additionalProperties": False}
@@ -162,7 +169,7 @@ async def test_a_registration_incompatible_with_the_winner_is_refused() -> None:
 
 
 async def test_a_registry_that_keeps_losing_says_so() -> None:
-    first, _second = two_nodes()
+    first, _second = await two_nodes()
     etcd = first.node.state_store
 
     async def put_at(key: str, mod_revision: int, value: bytes,
@@ -173,3 +180,54 @@ async def test_a_registry_that_keeps_losing_says_so() -> None:
     with pytest.raises(SchemaRegistryUnavailable, match="try again"):
         await first.registry.register_ordered("s", "json", SCHEMA)
     assert first.registry.versions("s") == []
+
+
+async def test_two_nodes_that_ran_alone_join_at_once_and_keep_each_others_versions() -> None:
+    """Each node registered a schema of one stream while it ran alone; both join at once, each
+    reading etcd before either writes. etcd takes the first node's versions as they are; the
+    second's create is refused, it loads the first's and registers its own after them
+    (version 2), so both nodes and etcd end with both schemas, neither replacing the other."""
+    etcd = Etcd()
+    nodes = [EtcdNode(state_store=etcd), EtcdNode(state_store=etcd)]
+    registries = [SchemaRegistry(), SchemaRegistry()]
+    registries[0].register("s", "json", SCHEMA)
+    registries[1].register("s", "json", WIDER)
+    shared = [SharedSchemas(node, registry)  # type: ignore[arg-type]
+              for node, registry in zip(nodes, registries, strict=True)]
+
+    async def meanwhile() -> None:  # node 1 joins between node 2's read of etcd and its write
+        await shared[0].install()
+
+    etcd.before_put = meanwhile
+    await shared[1].install()
+    held = decode(etcd.data["/sg/" + keys.SCHEMAS + "s"][0])
+    assert [(v.version, v.parsed) for v in held] == [(1, SCHEMA), (2, WIDER)]
+    assert registries[1].versions("s") == held  # the loser loaded the winner's, then its own
+    for listener in nodes[0].document_listeners:  # the winner hears of version 2 by its watch
+        listener(keys.SCHEMAS + "s", etcd.data["/sg/" + keys.SCHEMAS + "s"][0])
+    assert registries[0].versions("s") == held
+    assert not nodes[0].submitted and not nodes[1].submitted
+
+
+async def test_a_version_registered_alone_that_breaks_the_winners_is_refused_not_written(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    etcd = Etcd()
+    nodes = [EtcdNode(state_store=etcd), EtcdNode(state_store=etcd)]
+    registries = [SchemaRegistry(), SchemaRegistry()]
+    registries[0].register("s", "json", WIDER)
+    closed = {"type": "object", "properties": {"t": {"type": "number"}}, "required": ["t"],
+              "additionalProperties": False}
+    registries[1].register("s", "json", closed)  # backward from WIDER: a "u" is refused
+    shared = [SharedSchemas(node, registry)  # type: ignore[arg-type]
+              for node, registry in zip(nodes, registries, strict=True)]
+
+    async def meanwhile() -> None:
+        await shared[0].install()
+
+    etcd.before_put = meanwhile
+    await shared[1].install()
+    held = decode(etcd.data["/sg/" + keys.SCHEMAS + "s"][0])
+    assert [(v.version, v.parsed) for v in held] == [(1, WIDER)]
+    assert registries[1].versions("s") == held
+    assert "is not kept" in caplog.text and "version 1" in caplog.text
