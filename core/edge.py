@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from .delayed import DELAYED_PREFIX, release_topic
 from .errors import PublishRejected
+from .kept_state import INTERNAL_PREFIX
 from .message import Message
 
 if TYPE_CHECKING:
@@ -342,7 +343,12 @@ class Edge:
 
     def authorize(self, principal: Principal, action: Action, topic: str) -> bool:
         """May `principal` do `action` on `topic`. A publish to `$delayed/<s>/<topic>` needs
-        the right to publish to `<topic>` as well: that is where the message goes."""
+        the right to publish to `<topic>` as well: that is where the message goes. No client
+        subscribes under `$internal/`, whatever the ACL says, even on an open broker: the
+        broker's own state is kept there (in a cluster, persistent sessions' snapshots and
+        queues' states, with the messages they hold)."""
+        if action == Action.SUBSCRIBE and topic.startswith(INTERNAL_PREFIX):
+            return False
         authorizer = self.authorizer
         if authorizer is None:
             return True

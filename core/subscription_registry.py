@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, cast
 
 from .durable import CursorSink, DurableOptions, DurableSubscription
 from .errors import SubscriptionBusy, SubscriptionNotFound
+from .kept_state import INTERNAL_PREFIX
 from .placement import DurableWatcher, Fanout
 from .streams import Stream
 from .subscriptions import Consumer, Subscription, SubscriptionType
@@ -192,7 +193,9 @@ class SubscriptionRegistry:
         matches = self._match_cache.get(topic)
         if matches is None:
             grouped: dict[Subscription, list[str]] = {}
-            for topic_filter, sub in self._trie.match(topic):
+            # the broker's own records (`$internal/`) go to no subscription
+            found_filters = () if topic.startswith(INTERNAL_PREFIX) else self._trie.match(topic)
+            for topic_filter, sub in found_filters:
                 grouped.setdefault(sub, []).append(topic_filter)
             matches = [(sub, tuple(filters)) for sub, filters in grouped.items()]
             found = tuple(matches)

@@ -103,6 +103,12 @@ class QueueDirectory(Protocol):
         """Record this node as the home of a queue just declared here; the answer is the
         node that recorded it first when that is another one (this declare then gives way)."""
 
+    def replicated(self, vhost: str, queue: str) -> asyncio.Future[None] | None:
+        """For a durable queue homed here: done once the cluster holds its state as it is now
+        (its definition, cursors and acknowledgements: what a node taking it over reads); it
+        never fails (bounded: a state the cluster cannot take now is written later). None
+        when there is nothing to wait for."""
+
     def call(self, node: str, request: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
         """Run `request` (a `QueueHost.handle` request) on `node`."""
 

@@ -24,12 +24,10 @@ from .vhost import EXCHANGE_TYPES, PREDECLARED
 class TopologyMixin(ConnectionBase):
     """exchange.* and queue.* methods."""
 
-    def _may_bind(self) -> Callable[[str], bool] | None:
-        """The front door's check of a binding's core filter (a subscribe), or None when
-        nothing is checked."""
+    def _may_bind(self) -> Callable[[str], bool]:
+        """The front door's check of a binding's core filter (a subscribe): made even on an
+        open broker, which still refuses the broker's own `$internal/` topics."""
         edge = self.service.edge
-        if edge.authorizer is None:
-            return None
         principal = self.principal
 
         def allowed(topic_filter: str) -> bool:
@@ -69,6 +67,21 @@ class TopologyMixin(ConnectionBase):
             self.send_method(channel.number, reply)
         else:
             self.hold_until(channel, ready, lambda _: self.send_method(channel.number, reply))
+
+    def _when_replicated(self, channel: AmqpChannel, queue: Queue, then: Callable[[], None]) -> None:
+        """Run `then()` (which sends a reply) once the cluster holds `queue`'s state as it is
+        now, when it is a durable queue of a cluster (its state replicated: a node that takes
+        it over after this reply starts from there, with every acknowledgement read before);
+        at once otherwise."""
+        vhost = self.vhost
+        directory = vhost.directory if vhost is not None else None
+        replicated = None
+        if directory is not None and vhost is not None and queue.durable and is_shared(queue):
+            replicated = directory.replicated(vhost.name, queue.name)
+        if replicated is None:
+            then()
+        else:
+            self.hold_until(channel, replicated, lambda _: then())
 
     # ------------------------------------------------------------ exchanges (cluster-wide)
     def _knowing(self, channel: AmqpChannel, names: list[str], then: Callable[[], None]) -> None:
@@ -303,14 +316,16 @@ class TopologyMixin(ConnectionBase):
                     vhost.delete_queue(queue)
                     self._declare_there(channel, frame, home)
                 elif reply is not None:
-                    self._reply_when_routed(channel, reply)
+                    self._when_replicated(channel, queue, lambda: self._reply_when_routed(channel, reply))
+                else:
+                    self._when_replicated(channel, queue, lambda: None)
 
             self.hold_until(channel, directory.claim(vhost.name, queue.name, queue.durable), claimed)
         elif reply is not None:
             if new:  # its default-exchange binding is a new route
                 self._reply_when_routed(channel, reply)
             else:
-                self.send_method(channel.number, reply)
+                self._when_replicated(channel, queue, lambda: self.send_method(channel.number, reply))
 
     def _queue_bind(self, channel: AmqpChannel, frame: commands.Queue.Bind) -> None:
         name = self._queue_name(channel, frame.queue, commands.Queue.Bind)
@@ -326,7 +341,8 @@ class TopologyMixin(ConnectionBase):
             self._may_bind(),
         )
         if not frame.nowait:
-            self._reply_when_routed(channel, commands.Queue.BindOk())
+            self._when_replicated(channel, queue,
+                                  lambda: self._reply_when_routed(channel, commands.Queue.BindOk()))
 
     def _bind_there(self, channel: AmqpChannel, frame: commands.Queue.Bind, name: str, node: str) -> None:
         # The exchange and the authorizer's verdict are this node's; the binding is made on
@@ -335,7 +351,7 @@ class TopologyMixin(ConnectionBase):
         method = commands.Queue.Bind
         exchange = self.vhost.exchange(frame.exchange, method)
         allowed = self._may_bind()
-        if exchange.name and allowed is not None:
+        if exchange.name:
             binding = binding_for(exchange.name, exchange.type, frame.routing_key, frame.arguments)
             if not allowed(binding.topic_filter):
                 raise ChannelException(
@@ -363,7 +379,8 @@ class TopologyMixin(ConnectionBase):
             return
         queue = self.vhost.queue(name, self, commands.Queue.Unbind)
         self.vhost.unbind(queue, frame.exchange, frame.routing_key, frame.arguments, commands.Queue.Unbind)
-        self.send_method(channel.number, commands.Queue.UnbindOk())
+        self._when_replicated(channel, queue,
+                              lambda: self.send_method(channel.number, commands.Queue.UnbindOk()))
 
     def _queue_purge(self, channel: AmqpChannel, frame: commands.Queue.Purge) -> None:
         name = self._queue_name(channel, frame.queue, commands.Queue.Purge)
@@ -377,7 +394,8 @@ class TopologyMixin(ConnectionBase):
         queue = self.vhost.queue(name, self, commands.Queue.Purge)
         count = queue.purge()
         if not frame.nowait:
-            self.send_method(channel.number, commands.Queue.PurgeOk(count))
+            self._when_replicated(channel, queue,
+                                  lambda: self.send_method(channel.number, commands.Queue.PurgeOk(count)))
 
     def _queue_delete(self, channel: AmqpChannel, frame: commands.Queue.Delete) -> None:
         name = self._queue_name(channel, frame.queue, commands.Queue.Delete)

@@ -69,13 +69,8 @@ class TopologyRecord:
              "arguments": e.arguments}
             for e in self.exchanges.values() if e.durable and e.name not in PREDECLARED
         ]
-        queues = [
-            {"name": q.name, "auto_delete": q.auto_delete, "arguments": q.arguments,
-             "writer": q.writer,
-             "bindings": [[b.exchange, b.routing_key, list(b.arguments)]
-                          for b in q.bindings.values() if b.exchange]}
-            for q in self.queues.values() if q.durable and q.exclusive_owner is None
-        ]
+        queues = [self.queue_entry(q) for q in self.queues.values()
+                  if q.durable and q.exclusive_owner is None]
         exchange_bindings = [
             [b.source, b.destination, b.routing_key, b.arguments]
             for b in self.exchange_bindings.values() if self._durable_binding(b)
@@ -88,6 +83,46 @@ class TopologyRecord:
             self.topology_topic, payload, qos=1, content_type="application/json",
             producer_protocol="amqp",
         ))
+
+    @staticmethod
+    def queue_entry(queue: Queue) -> dict[str, Any]:
+        """A durable queue's definition as saved (its name, arguments, bindings, declaring
+        user): what `restore` and `adopt_queue` rebuild it from."""
+        return {"name": queue.name, "auto_delete": queue.auto_delete, "arguments": queue.arguments,
+                "writer": queue.writer,
+                "bindings": [[b.exchange, b.routing_key, list(b.arguments)]
+                             for b in queue.bindings.values() if b.exchange]}
+
+    def adopt_queue(self, entry: dict[str, Any], sub: DurableSubscription) -> Queue:
+        """Make the durable queue `entry` (a `queue_entry`, JSON-decoded) here over `sub`, its
+        durable subscription with its cursors already placed: a queue another node of a
+        cluster served, taken over. Saved with the topology."""
+        name = str(entry["name"])
+        queue = self._restore_queue(name, sub, entry)
+        self.save_topology()
+        return queue
+
+    def _restore_queue(self, name: str, sub: DurableSubscription, entry: dict[str, Any]) -> Queue:
+        queue = self._make_queue(
+            name, sub, durable=True, exclusive_owner=None,
+            auto_delete=bool(entry.get("auto_delete")),
+            arguments=dict(entry.get("arguments") or {}),
+        )
+        writer = entry.get("writer")
+        queue.writer = None if writer is None else str(writer)
+        for binding_entry in entry.get("bindings", []):
+            try:
+                self._restore_binding(queue, binding_entry)
+            except Exception as exc:
+                set_aside(log, f"binding of queue {name!r} of vhost {self.name!r}",
+                          binding_entry, exc)
+        # filters saved by an earlier version (or refused now) that no binding asks for
+        for stale in [f for f in sub.filters if f not in queue.by_filter]:
+            self.edge.remove_filter(sub, stale)
+        if self.exchange_bindings:
+            self.rederive(queue)
+        sub.wake()
+        return queue
 
     def restore(self) -> int:
         """Bring back durable exchanges and queues (with their bindings) after a restart; the
@@ -142,28 +177,10 @@ class TopologyRecord:
                 continue
             entry = queues.get(name, {})
             try:
-                queue = self._make_queue(
-                    name, sub, durable=True, exclusive_owner=None,
-                    auto_delete=bool(entry.get("auto_delete")),
-                    arguments=dict(entry.get("arguments") or {}),
-                )
+                self._restore_queue(name, sub, entry)
             except Exception as exc:
                 set_aside(log, f"queue {name!r} of vhost {self.name!r}", entry, exc)
                 continue
-            writer = entry.get("writer")
-            queue.writer = None if writer is None else str(writer)
-            for binding_entry in entry.get("bindings", []):
-                try:
-                    self._restore_binding(queue, binding_entry)
-                except Exception as exc:
-                    set_aside(log, f"binding of queue {name!r} of vhost {self.name!r}",
-                              binding_entry, exc)
-            # filters saved by an earlier version (or refused now) that no binding asks for
-            for stale in [f for f in sub.filters if f not in queue.by_filter]:
-                self.edge.remove_filter(sub, stale)
-            if self.exchange_bindings:
-                self.rederive(queue)
-            sub.wake()
             count += 1
         return count
 

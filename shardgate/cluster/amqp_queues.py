@@ -64,12 +64,14 @@ from ..protocols.amqp.remote import (
     unpack_frames,
 )
 from . import keys
+from .amqp_queue_replicas import new_incarnation, queue_name_of
 from .link_auth import cluster_channel
 from .set_aside import SetAside, decode_record
 from .state_rpc import CHANNEL_OPTIONS
 
 if TYPE_CHECKING:
     from ..core.broker import Broker
+    from .amqp_queue_replicas import QueueReplicas
     from .control import ClusterNode
     from .data_plane import DataPlane
 
@@ -83,6 +85,8 @@ CALL_TIMEOUT_S = 10.0
 # that waits at most (a watch is normally milliseconds behind)
 CAUGHT_UP = "caught_up"
 CAUGHT_UP_S = 3.0
+# queue operations whose reply waits until the queue's state is replicated
+REPLICATED_OPS = frozenset({"declare", "bind", "unbind", "purge"})
 
 
 def queue_key(vhost: str, name: str) -> str:
@@ -93,9 +97,12 @@ class SharedQueues:
     """This node's queue records in etcd, its answers to other nodes' calls, and the
     `QueueDirectory` its virtual hosts use to reach other nodes' queues (module docstring)."""
 
-    def __init__(self, node: ClusterNode, broker: Broker) -> None:
+    def __init__(self, node: ClusterNode, broker: Broker, replicas: QueueReplicas | None = None) -> None:
         self.node = node
         self.broker = broker
+        # the replicated state of the durable queues homed here, and their takeover when
+        # their home dies (`amqp_queue_replicas.py`); None: a queue lives and dies with its home
+        self.replicas = replicas
         # the AMQP service, whose virtual hosts are built with this object as their queue
         # directory, and its queues as other nodes reach them: once `install`ed
         self.amqp: Any = None
@@ -118,6 +125,9 @@ class SharedQueues:
         self._live = set(self.node.view.nodes())
         self.node.view.on_change(self._view_changed)
         self.node.document_listeners.append(self._documents_changed)
+        if self.replicas is not None:
+            self.replicas.install(amqp)
+            self.replicas.consider()  # homes that died while this node was away
 
     # ------------------------------------------------------------ records in etcd
     async def claim_restored(self) -> None:
@@ -132,7 +142,12 @@ class SharedQueues:
                 except Exception as exc:  # noqa: BLE001 - the next declare claims it again
                     log.warning("cluster: cannot record AMQP queue %r in etcd: %s", name, exc)
                     continue
-                if home is not None:
+                if home is not None and self._taken_over(vhost.name, name):
+                    # taken over while this node was away: its copy here is stale
+                    log.info("cluster: AMQP queue %r of vhost %r moved to node %s while this node "
+                             "was away; its copy here is dropped", name, vhost.name, home)
+                    vhost.delete_queue(queue)
+                elif home is not None:
                     log.warning("cluster: AMQP queue %r of vhost %r also lives on node %s; clients "
                                 "of other nodes use that one", name, vhost.name, home)
 
@@ -147,7 +162,36 @@ class SharedQueues:
                 if queue is None or not is_shared(queue):
                     self._forget(key)
 
+    def _taken_over(self, vhost: str, name: str) -> bool:
+        """Whether the queue's record names another node by a takeover (a later epoch)."""
+        value = self.node.view.documents.get(queue_key(vhost, name))
+        if value is None:
+            return False
+        try:
+            record = decode_record(value)
+        except ValueError:
+            return False
+        return record.get("node") not in (None, self.node.node_id) and int(record.get("epoch", 0) or 0) > 0
+
+    def _moved_away(self, vhost_name: str, name: str) -> None:
+        """A queue this node has was taken over by another node (this node was paused or cut
+        off past its lease, or came back): drop the stale copy here. Its consumers are
+        cancelled; its state is never written again from here."""
+        if self.amqp is None or not self._taken_over(vhost_name, name):
+            return
+        vhost = self.amqp.vhosts.get(vhost_name)
+        queue = vhost.queues.get(name) if vhost is not None else None
+        if queue is None or not queue.durable or not is_shared(queue):
+            return
+        log.warning("cluster: AMQP queue %r of vhost %r was taken over by another node; its copy "
+                    "here is dropped", name, vhost_name)
+        vhost.delete_queue(queue)
+        if self.replicas is not None:
+            self.replicas.forget(vhost_name, name)
+
     def _queue_deleted(self, vhost: Any, queue: Any) -> None:
+        if self.replicas is not None:
+            self.replicas.forget(vhost.name, queue.name)
         key = queue_key(vhost.name, queue.name)
         value = self.node.view.documents.get(key)
         if value is not None and self._node_in(key, value) == self.node.node_id:
@@ -204,7 +248,9 @@ class SharedQueues:
     async def _claim(self, vhost: str, queue: str, durable: bool) -> str | None:
         key = queue_key(vhost, queue)
         full = self.node.key(key)
-        value = keys.encode({"node": self.node.node_id, "durable": durable})
+        # a new queue's incarnation, and the epoch its takeovers count (`amqp_queue_replicas`)
+        value = keys.encode({"node": self.node.node_id, "durable": durable,
+                             "incarnation": new_incarnation(), "epoch": 0})
         at = 0  # the revision the record must be at: absent first
         for _ in range(3):
             created, current = await self.node.state_store.put_at(full, at, value)
@@ -234,6 +280,9 @@ class SharedQueues:
             self._channels[info.cluster_address] = channel
         return channel
 
+    def replicated(self, vhost: str, queue: str) -> asyncio.Future[None] | None:
+        return self.replicas.replicated(vhost, queue) if self.replicas is not None else None
+
     def call(self, node: str, request: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
         return asyncio.ensure_future(self._call(node, {**request, "node": self.node.node_id}))
 
@@ -251,6 +300,8 @@ class SharedQueues:
         for gone in self._live - live:
             self.host.node_gone(gone)
         self._live = live
+        if self.replicas is not None:
+            self.replicas.consider()
 
     # ------------------------------------------------------------ read your writes
     def caught_up(self, revision: int) -> asyncio.Future[None]:
@@ -263,6 +314,11 @@ class SharedQueues:
         return future
 
     def _documents_changed(self, key: str, value: bytes | None) -> None:
+        if self.replicas is not None and queue_name_of(key) is not None:
+            vhost_name, name = queue_name_of(key)  # type: ignore[misc]
+            if value is not None:
+                self._moved_away(vhost_name, name)
+            self.replicas.consider()
         if not self._revision_waiters:
             return
         seen = self.node.view.revision
@@ -309,6 +365,11 @@ class SharedQueues:
                     return b'{"behind":true}'
                 return b"{}"
             reply = host.handle(asked)
+            if asked.get("op") in REPLICATED_OPS and "error" not in reply and self.replicas is not None:
+                # answered once the queue's state as it is now is replicated
+                replicated = self.replicas.replicated(str(asked.get("vhost", "")), str(asked.get("queue", "")))
+                if replicated is not None:
+                    await replicated
             if asked.get("op") in ("bind", "declare") and "error" not in reply:
                 # answered once the peers know the route (a SUBACK waits the same way)
                 ready = broker.routes_ready()

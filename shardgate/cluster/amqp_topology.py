@@ -47,6 +47,7 @@ from .amqp_queues import SharedQueues
 
 if TYPE_CHECKING:
     from ..core.broker import Broker
+    from .amqp_queue_replicas import QueueReplicas
     from .control import ClusterNode
     from .data_plane import DataPlane
 
@@ -83,7 +84,8 @@ class SharedExchanges:
     """Keeps every node's AMQP exchanges equal through etcd (module docstring); the
     `remote.ExchangeDirectory` of this node's virtual hosts."""
 
-    def __init__(self, node: ClusterNode, broker: Broker, plane: DataPlane | None = None) -> None:
+    def __init__(self, node: ClusterNode, broker: Broker, plane: DataPlane | None = None,
+                 replicas: QueueReplicas | None = None) -> None:
         self.node = node
         self.broker = broker
         # the AMQP service, whose virtual hosts are built with this object as their exchange
@@ -91,7 +93,7 @@ class SharedExchanges:
         self.amqp: Any = None
         self._applying = False
         # the queues: where each lives, and the calls that reach it from other nodes
-        self.queues = SharedQueues(node, broker)
+        self.queues = SharedQueues(node, broker, replicas)
         self._plane = plane
         self._claiming: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()

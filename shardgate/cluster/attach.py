@@ -135,6 +135,7 @@ class ClusterParts:
 def assemble(app: Shardgate, node: ClusterNode) -> ClusterParts:
     """Build the cluster's parts for `app`'s broker (which exists), before the Edge and the
     protocols, which are built with them."""
+    from .amqp_queue_replicas import QueueReplicas
     from .amqp_topology import SharedExchanges
     from .data_plane import DataPlane
     from .durable_consumers import DurableConsumers
@@ -154,7 +155,8 @@ def assemble(app: Shardgate, node: ClusterNode) -> ClusterParts:
     placer = CursorPlacer(node, broker, plane, rpc)
     durables = DurableHandover(node, broker, placer, rpc, writer)
     return ClusterParts(plane, rpc, writer, placer, durables, DurableConsumers(durables),
-                        SharedExchanges(node, broker, plane), CursorFloors(node, broker))
+                        SharedExchanges(node, broker, plane, QueueReplicas(node, broker, plane, placer, rpc)),
+                        CursorFloors(node, broker))
 
 
 class ClusterTopologySink:

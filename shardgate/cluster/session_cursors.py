@@ -75,11 +75,16 @@ class CursorPlacer:
         placed: set[tuple[str, int]] = set()
         for cursor in cursors:
             stream, shard = cursor.stream, cursor.shard
-            shard_log = self._log_for(sub, stream, shard, cursor.position)
+            carried = found.get((stream, shard), ())
+            # unacknowledged offsets whose messages are not carried (an AMQP queue's state) are
+            # read back from the shard: another owner's log is read from the lowest of them
+            carried_offsets = {message.offset for message in carried}
+            start = min([cursor.position, *(offset for offset in cursor.unacked
+                                            if offset not in carried_offsets)])
+            shard_log = self._log_for(sub, stream, shard, start)
             if shard_log is None and stream not in broker.streams:
                 continue
-            sub.place_cursor(stream, shard, shard_log, cursor.position, cursor.unacked,
-                             found.get((stream, shard), ()))
+            sub.place_cursor(stream, shard, shard_log, cursor.position, cursor.unacked, carried)
             placed.add((stream, shard))
         since = taken_ms - NO_CURSOR_MARGIN_MS
         for broker_stream in broker.streams.values():

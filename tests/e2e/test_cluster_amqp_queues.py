@@ -4,14 +4,13 @@ and basic.consume with acks, nacks and requeues, purge, unbind, delete), with re
 and pika clients against `shardgate serve --cluster` processes and a real etcd.
 
 The queue lives on the node where it was declared (its home, recorded in etcd); the other
-nodes reach it over the cluster port. Exclusive queues stay on their connection's node. While
-the home node is down, the other nodes answer as RabbitMQ does for a durable queue whose node
-is down, and the queue is back with its messages when the node returns."""
+nodes reach it over the cluster port. Exclusive queues stay on their connection's node. When
+the home node leaves, another node takes a durable queue over from its replicated state, as
+RabbitMQ moves a quorum queue's leader, with its messages."""
 
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -303,12 +302,13 @@ async def test_exclusive_queues_stay_on_their_node_and_non_durable_ones_end_with
     assert await message_count(amqp_url(n1), "transient-q") == 0  # n2's now, seen from n1
 
 
-async def test_a_durable_queue_whose_node_left_gives_rabbitmq_errors_and_comes_back_with_its_messages(
+async def test_a_durable_queue_whose_node_left_is_served_by_the_other_node_and_stays_there(
         amqp_nodes: list[ClusterNodeProcess]) -> None:
     """The queue's home (the node that also owns the default stream's reliable shard) leaves
-    with SIGTERM: the other node does not pretend the queue is gone or make an empty twin; it
-    answers RabbitMQ's 404 "home node ... is down or inaccessible", its consumer of the queue
-    gets basic.cancel. The node returns: the queue is there with every message."""
+    with SIGTERM: its consumer on the other node gets basic.cancel, and the other node takes
+    the queue over from its replicated state, as RabbitMQ moves a quorum queue's leader, with
+    every message. The old home returns: it drops its copy, and its clients use the queue
+    where it lives now."""
     home, other = by_shard_owner(amqp_nodes)
     url_home, url_other = amqp_url(home), amqp_url(other)
     async with await aio_pika.connect(url_home) as connection:
@@ -327,27 +327,29 @@ async def test_a_durable_queue_whose_node_left_gives_rabbitmq_errors_and_comes_b
     assert held[0].body == b"m0"
 
     assert home.terminate() == 0
-    down = re.escape(f"home node '{home.node_id}' of durable queue 'kept-q' in vhost '/' is down or inaccessible")
-    async with await aio_pika.connect(url_other) as c2:
-        for declare in ({"passive": True}, {"durable": True}):
-            with pytest.raises(aio_pika.exceptions.ChannelNotFoundEntity, match=down):
-                await (await c2.channel()).declare_queue("kept-q", **declare)
-        with pytest.raises(aio_pika.exceptions.ChannelNotFoundEntity, match=down):
-            q = await (await c2.channel()).get_queue("kept-q", ensure=False)
-            await q.consume(lambda message: None)
-    assert not watcher.is_closed
+    # taken over: every message, m0 (unacknowledged by the consumer, cancelled) too
+    await eventually(lambda: _equals(_count_or_none(url_other, "kept-q"), 5), timeout=30)
+    assert not watcher.is_closed  # the consumer's channel stays open
     await watcher.close()
 
     home.start()
     wait_joined(amqp_nodes)
-    # every message is back (m0, unacked by the cancelled consumer, too)
-    await eventually(lambda: _equals(message_count(url_other, "kept-q"), 5), timeout=30)
-    async with await aio_pika.connect(url_other) as c2:
+    assert await message_count(url_home, "kept-q") == 5  # the other node's, seen from the old home
+    async with await aio_pika.connect(url_home) as c2:
         q = await (await c2.channel()).declare_queue("kept-q", passive=True)
         bodies = []
         while (message := await q.get(no_ack=True, fail=False)) is not None:
             bodies.append(message.body)
         assert sorted(bodies) == [f"m{i}".encode() for i in range(5)]
+    assert await message_count(url_other, "kept-q") == 0
+
+
+async def _count_or_none(url: str, queue: str) -> int | None:
+    """The queue's message count, or None while no node serves it (404)."""
+    try:
+        return await message_count(url, queue)
+    except aio_pika.exceptions.ChannelNotFoundEntity:
+        return None
 
 
 async def _true(value: bool) -> bool:

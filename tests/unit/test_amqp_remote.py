@@ -81,6 +81,9 @@ class InMemoryDirectory:
     def claim(self, vhost: str, queue: str, durable: bool) -> asyncio.Future[str | None]:
         return self._later(None)
 
+    def replicated(self, vhost: str, queue: str) -> asyncio.Future[None] | None:
+        return None
+
     def call(self, node: str, request: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
         reply = self.host.handle(json.loads(json.dumps({**request, "node": "away"})))
         return self._later(json.loads(json.dumps(reply)))

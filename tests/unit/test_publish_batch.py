@@ -406,3 +406,25 @@ async def test_messages_another_node_counted_are_stored_without_being_counted_ag
     assert [m.offset for m in messages] == list(range(5))
     assert [payload for _, payload in recorder.got] == [m.payload for m in messages]
     assert broker.stats.messages_in == 0 and not broker.stats.in_by_stream
+
+
+async def test_the_brokers_own_state_records_are_stored_but_handed_to_no_subscriber(
+        journal: JournalStorage) -> None:
+    # the replicated state of a cluster's durable AMQP queues: stored under `$internal/` by
+    # the broker itself (its producer), never by a client, never delivered to anyone
+    from shardgate.core.kept_state import INTERNAL_PRODUCER
+
+    broker, recorder = build(journal)
+    snooper = broker.subscription("snooper")
+    broker.add_filter(snooper, "$internal/#")
+    snooped = Recorder()
+    broker.attach(snooper, snooped)
+    with pytest.raises(PublishRejected, match="reserved for the broker"):
+        broker.publish(Message("$internal/amqp-queues/q", b"forged", producer_protocol="mqtt"))
+    stored = broker.publish(Message("$internal/amqp-queues/q", b"state",
+                                    producer_protocol=INTERNAL_PRODUCER))
+    await settle([stored])
+    log = broker.stream("default").shards[0].log
+    assert log is not None
+    assert [record.offset for record in log.read(0)] == [0]
+    assert snooped.got == [] and recorder.got == []
