@@ -265,6 +265,7 @@ async def join(app: Shardgate, node: ClusterNode, parts: ClusterParts) -> None:
                                                 propose=node.propose_isr, links=plane.links)
     plane.add_service(replicas.service.handler())  # (for nodes that still call by gRPC)
     plane.replica_server = replicas.service.serve_link
+    plane.peer_gone = node.peer_gone  # a dead peer's lease ends at once: its shards fail over
     replicas.start()
     node.replication = True  # its registration says so: the controller may place replicas here
     node.replica_leading = replicas.leading_figures

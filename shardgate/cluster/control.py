@@ -43,6 +43,7 @@ from .etcd_lease import LeaseKeeper
 from .etcd_view import EtcdClusterView
 from .link_auth import NodeCredentials, secret_check
 from .link_tls import ClusterTlsError, load_cluster_tls
+from .membership import NodeInfo
 from .node_writes import NodeWrites
 from .placement import ShardPlacement
 from .replica_leader import IsrProposal
@@ -129,6 +130,8 @@ class ClusterNode:
         self._lease_keeper: LeaseKeeper | None = None
         self._lease_lost = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        # the leases of dead peers this node ended (`peer_gone`), each once
+        self._leases_ended: set[int] = set()
         self._wake = asyncio.Event()
         self._running = False
         # this node's writes, sent to etcd in order by one task (see `submit`)
@@ -343,6 +346,30 @@ class ClusterNode:
 
     def desired_placement(self) -> dict[str, list[ShardPlacement]]:
         return self.controller.desired()[0]
+
+    # ---------------------------------------------------------------- a dead peer
+    def peer_gone(self, info: NodeInfo, refused_since: float) -> None:
+        """The data plane's links found `info`'s cluster port refusing every dial since
+        `refused_since` (wall clock): its process is gone (a frozen or cut-off node's does not
+        refuse; a node stopping in order says `leaving` first). Its lease is revoked, so that
+        the controller fails its shards over now instead of when the lease runs out. Only the
+        registration of a process started before the refusals began, at that address."""
+        registration = self.view.registrations.get(info.node_id)
+        if (registration is None or info.node_id == self.node_id or registration.leaving
+                or not registration.lease or registration.lease in self._leases_ended
+                or registration.cluster_address != info.cluster_address
+                or registration.started_ms >= refused_since * 1000):
+            return
+        self._leases_ended.add(registration.lease)
+        log.warning("cluster: node %s refuses connections at %s: its process is gone; its "
+                    "lease is ended so that its shards fail over now", info.node_id,
+                    info.cluster_address)
+
+        async def revoke() -> None:
+            with contextlib.suppress(EtcdError):
+                await self.store.revoke_lease(registration.lease)
+
+        self._tasks.append(asyncio.get_running_loop().create_task(revoke(), name="cluster-peer-gone"))
 
     # ---------------------------------------------------------------- replication control
     def propose_isr(self, stream: str, shard: int, proposal: IsrProposal) -> None:

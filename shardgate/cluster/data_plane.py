@@ -36,7 +36,7 @@ from .fanout import PushFanout
 from .forwarding import NODE_LOCAL_STREAMS, Forwarding
 from .inbox import Inboxes
 from .link_auth import HANDSHAKE_TIMEOUT_S, CallAuthenticator, NodeCredentials
-from .membership import ClusterView
+from .membership import ClusterView, NodeInfo
 from .owner_store import ForwardStore
 from .peer_link import LINK_TIMEOUT_S, PeerLink
 from .received import ReceivedLog
@@ -126,6 +126,10 @@ class DataPlane:
         # answers the replica requests peers' followers send on their links (set by
         # `attach.py`: `replica_rpc.ReplicaService.serve_link`); None: every one is refused
         self.replica_server: ReplicaServer | None = None
+        # told of a peer whose cluster port refused every dial for a while, with the wall
+        # clock time the refusals began (`peer_link.PEER_GONE_AFTER_S`; set by `attach.py`:
+        # `ClusterNode.peer_gone`)
+        self.peer_gone: Callable[[NodeInfo, float], None] | None = None
         self.forwarding = Forwarding(self)
         self.unrouted = UnroutedHold(self)
         self.fanout = PushFanout(self)

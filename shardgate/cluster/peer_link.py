@@ -11,6 +11,11 @@ ones are refused with `ShardUnavailable` (the client's retryable error); past
 be. A broken connection is redialed and the session resumed: the frames not answered are sent
 again, and the peer applies each frame of a session once (`inbox.py`).
 
+A peer whose cluster port refuses connections dial after dial for `PEER_GONE_AFTER_S` (its
+process is gone: a frozen or cut-off one does not refuse) is reported to the data plane's
+`peer_gone` once per run of refusals (the control plane ends its lease, so that its shards
+fail over without waiting for the lease to run out).
+
 It also carries the replica protocol's requests of this node's followers to the shards the
 peer leads (`replica_call`): unnumbered frames on the connection open now, never sent again
 (a request whose connection breaks fails with `ConnectionError`, and its follower asks
@@ -70,6 +75,8 @@ RECONNECT_MAX_S = 1.0
 # A broken stream is resumed (its unanswered frames sent again) while its oldest unanswered
 # frame is younger than this; older, their publishes fail retryably instead of waiting on.
 RESUME_LIMIT_S = 10.0
+# Dials refused this long in a row: the peer's process is gone (see the module docstring).
+PEER_GONE_AFTER_S = 0.25
 
 
 class PeerSilent(ConnectionError):
@@ -122,6 +129,9 @@ class PeerLink:
         # meanwhile.
         self.reachable = True
         self._failed_dials = 0
+        # when the dials began to be refused (monotonic, wall clock), and whether told so
+        self._refused_since: tuple[float, float] | None = None
+        self._gone_told = False
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"link-{node.node_id}")
 
     def __repr__(self) -> str:
@@ -293,6 +303,10 @@ class PeerLink:
                 # one broken again while it opened; a peer that cannot be dialed twice in a row
                 # is away: its clients get retryable errors.
                 self._failed_dials = 0 if self.connected else self._failed_dials + 1
+                if isinstance(exc, ConnectionRefusedError) and not self.connected:
+                    self._note_refused()
+                else:
+                    self._refused_since = None
                 # a silent peer is away (frozen): its clients get retryable errors at once
                 was_reachable = self.reachable
                 self.reachable = (self._failed_dials < 2 and not isinstance(exc, PeerSilent)
@@ -314,6 +328,19 @@ class PeerLink:
                 return
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, RECONNECT_MAX_S)
+
+    def _note_refused(self) -> None:
+        """A dial was refused: past `PEER_GONE_AFTER_S` of refusals, tell the data plane once."""
+        now = time.monotonic()
+        if self._refused_since is None:
+            self._refused_since = (now, time.time())
+            self._gone_told = False
+            return
+        if not self._gone_told and now - self._refused_since[0] >= PEER_GONE_AFTER_S:
+            self._gone_told = True
+            gone = self.plane.peer_gone
+            if gone is not None:
+                gone(self.node, self._refused_since[1])
 
     async def _serve(self) -> None:
         """One connection of the link session: dial, say hello, send again what the last
@@ -354,6 +381,7 @@ class PeerLink:
             self._routes_generation = self.plane.route_sync.generation
             self._retained = self._retained + self.plane.retained_sync.snapshot()
             self._connection = connection
+            self._refused_since = None
             if not self.connected:
                 self.connected = self.reachable = True
                 log.info("cluster link to %s up", self)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -849,3 +850,20 @@ async def test_a_cursor_whose_owner_stays_away_warns_once_until_a_read_succeeds(
     assert len(failures) == 5
     assert [r.levelno for r in failures].count(logging.WARNING) == 1
     await rpc.close()
+
+
+async def test_a_peer_whose_port_refuses_every_dial_is_reported_gone_once(cluster):
+    """A refused dial means nothing listens there any more (a frozen process's kernel still
+    accepts): past `PEER_GONE_AFTER_S` of refusals the plane's `peer_gone` hears of it once,
+    with when the refusals began."""
+    a, b = cluster["a"], cluster["b"]
+    gone: list[tuple[str, float]] = []
+    a.plane.peer_gone = lambda info, since: gone.append((info.node_id, since))
+    before = time.time()
+    await b.plane.stop()
+    await until(lambda: gone, timeout=10)
+    link = a.plane.links["b"]
+    await until(lambda: link._failed_dials >= 6, timeout=10)  # refused on and on: told once
+    assert len(gone) == 1
+    assert gone[0][0] == "b" and gone[0][1] >= before - 1
+    assert a.plane.links["b"]._refused_since is not None
