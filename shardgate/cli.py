@@ -15,6 +15,7 @@ from typing import Any
 
 from .config import Config, ConfigError, check_cluster_archive, check_config, load_config
 from .storage.allocators import tune_malloc
+from .storage.arrow_pandas import hide_pandas
 
 
 def _configure_logging(config: Config) -> None:
@@ -267,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(2)
         _configure_logging(config)
         tune_malloc()
+        # pyarrow would import pandas, where installed, at the archive's first conversion
+        hide_pandas()
         _raise_descriptor_limit()
         try:
             import uvloop

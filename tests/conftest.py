@@ -165,10 +165,6 @@ def _end_processes_left_running() -> Iterator[None]:
     del tracked_processes[first:]
 
 
-# First on the PYTHONPATH of `shardgate serve` processes: its sitecustomize hides pandas.
-BROKER_SITE = Path(__file__).with_name("broker_site")
-
-
 class PortInUse(AssertionError):
     """`shardgate serve` exited because a port it was given is in use."""
 
@@ -238,8 +234,6 @@ class BrokerProcess:
         if self.config_file is not None:
             args += ["--config", str(self.config_file)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDGATE_")}
-        # without pandas, as installed without the test extras (BROKER_SITE's module says why)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BROKER_SITE), env.get("PYTHONPATH")]))
         log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         log_file = open(self.log_path, "ab")  # noqa: SIM115
         self.proc = track_process(
