@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from .durable_consumers import DurableConsumers
     from .durables import DurableHandover
     from .floors import CursorFloors
+    from .peer_link import PeerLink
+    from .replicated_shards import ReplicatedShards
     from .session_cursors import CursorPlacer
     from .state_rpc import StateRpc
     from .state_writer import StateWriter
@@ -120,6 +122,8 @@ class ClusterParts:
 
     plane: DataPlane
     rpc: StateRpc
+    # replicated reliable shards: followers fetch from leaders on the plane's links
+    replicas: ReplicatedShards
     writer: StateWriter
     placer: CursorPlacer
     # the Edge's `core.placement.RemoteDurables`
@@ -141,20 +145,30 @@ def assemble(app: Shardgate, node: ClusterNode) -> ClusterParts:
     from .durable_consumers import DurableConsumers
     from .durables import DurableHandover
     from .floors import CursorFloors
+    from .replicated_shards import ReplicatedShards
     from .session_cursors import CursorPlacer
+    from .shard_reader import OwnerLogs
     from .state_rpc import StateRpc
     from .state_writer import StateWriter
 
     settings = app.config.cluster
     broker = app.broker
-    assert broker is not None
-    plane = DataPlane(broker, node.view, app.config.listeners.host, settings.port,
-                      link_timeout_s=settings.link_timeout_s, credentials=node.credentials)
+    assert broker is not None and app.journal is not None
     rpc = StateRpc(node.view, node.credentials)
+    # the plane's links, which the replicas' requests travel on too
+    links: dict[str, PeerLink] = {}
+    replicas = ReplicatedShards(node, broker, app.journal, propose=node.propose_isr, links=links)
+    plane = DataPlane(broker, node.view, app.config.listeners.host, settings.port,
+                      link_timeout_s=settings.link_timeout_s, credentials=node.credentials,
+                      # a subscription opened here at an earlier position reads other nodes'
+                      # shards from them; the replica requests of peers' followers; a dead
+                      # peer's lease ends at once, so its shards fail over
+                      owner_reads=OwnerLogs(rpc), replicas=replicas.service, peers=node,
+                      links=links)
     writer = StateWriter(node)
     placer = CursorPlacer(node, broker, plane, rpc)
     durables = DurableHandover(node, broker, placer, rpc, writer)
-    return ClusterParts(plane, rpc, writer, placer, durables, DurableConsumers(durables),
+    return ClusterParts(plane, rpc, replicas, writer, placer, durables, DurableConsumers(durables),
                         SharedExchanges(node, broker, plane, QueueReplicas(node, broker, plane, placer, rpc)),
                         CursorFloors(node, broker))
 
@@ -249,7 +263,7 @@ async def join(app: Shardgate, node: ClusterNode, parts: ClusterParts) -> None:
     listeners = {name: f"{listener.host}:{listener.port}" for name, listener in app.listeners.items()}
     listeners["cluster"] = f"{host}:{plane.port}"
     # shared-state calls between nodes on the same port: session handover, remote shard reads
-    from .shard_reader import OwnerLog, serve_read
+    from .shard_reader import serve_read
 
     rpc = parts.rpc
     rpc.on_read = lambda request: serve_read(broker, plane, request)
@@ -258,20 +272,11 @@ async def join(app: Shardgate, node: ClusterNode, parts: ClusterParts) -> None:
     if app.cluster_views is not None:  # this node's part of the cluster-wide listings
         plane.add_service(app.cluster_views.handler())
     # replicated reliable shards: followers fetch from leaders over the same port
-    from .replicated_shards import ReplicatedShards
-
-    assert app.journal is not None
-    replicas = node.replicas = ReplicatedShards(node, broker, app.journal,
-                                                propose=node.propose_isr, links=plane.links)
+    replicas = node.replicas = parts.replicas
     plane.add_service(replicas.service.handler())  # (for nodes that still call by gRPC)
-    plane.replica_server = replicas.service.serve_link
-    plane.peer_gone = node.peer_gone  # a dead peer's lease ends at once: its shards fail over
     replicas.start()
     node.replication = True  # its registration says so: the controller may place replicas here
     node.replica_leading = replicas.leading_figures
-    # a subscription opened here at an earlier position reads other nodes' shards from them
-    plane.owner_reader = lambda stream, shard, start, filters, since_ms: OwnerLog(
-        rpc, plane, stream, shard, start, filters, since_ms)
     from .sessions import SessionHandover
 
     writer = parts.writer

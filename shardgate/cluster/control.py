@@ -348,17 +348,19 @@ class ClusterNode:
         return self.controller.desired()[0]
 
     # ---------------------------------------------------------------- a dead peer
-    def peer_gone(self, info: NodeInfo, refused_since: float) -> None:
-        """The data plane's links found `info`'s cluster port refusing every dial since
-        `refused_since` (wall clock): its process is gone (a frozen or cut-off node's does not
-        refuse; a node stopping in order says `leaving` first). Its lease is revoked, so that
-        the controller fails its shards over now instead of when the lease runs out. Only the
-        registration of a process started before the refusals began, at that address."""
+    def peer_gone(self, info: NodeInfo) -> None:
+        """The data plane's `PeerWatch`: its links found `info`'s cluster port refusing every
+        dial for a while: its process is gone (a frozen or cut-off node's does not refuse; a
+        node stopping in order says `leaving` first). Its lease is revoked, so that the
+        controller fails its shards over now instead of when the lease runs out. Only the
+        registration the refusals were seen against: `info` is the node as the view showed
+        it when they began, and a registration under another lease is a later process (no
+        clock is compared: those of two machines may disagree)."""
         registration = self.view.registrations.get(info.node_id)
         if (registration is None or info.node_id == self.node_id or registration.leaving
                 or not registration.lease or registration.lease in self._leases_ended
                 or registration.cluster_address != info.cluster_address
-                or registration.started_ms >= refused_since * 1000):
+                or registration.lease != info.lease):
             return
         self._leases_ended.add(registration.lease)
         log.warning("cluster: node %s refuses connections at %s: its process is gone; its "

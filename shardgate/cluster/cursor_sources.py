@@ -3,7 +3,7 @@ re-pointing the cursors when ownership moves or pushes were lost.
 
 A shard another node owns is read from what this node received of it (`received.ReceivedLog`,
 the pushes, a bounded window) or from its owner's journal (`shard_reader.OwnerLog`, through
-`DataPlane.owner_reader`). When the owner leaves, restarts or says it dropped pushes for this
+the data plane's `OwnerReads`). When the owner leaves, restarts or says it dropped pushes for this
 node, the cursors following its shards read its journal again from their positions; when a
 reliable shard's ownership moves, its cursors switch between the shard's own log and the
 received one.
@@ -51,8 +51,7 @@ class CursorSources:
 
     def owner_log(self, stream: str, shard: int, start: int, filters: Callable[[], Sequence[str]],
                   since_ms: int | None = None) -> ShardLog | None:
-        reader = self.plane.owner_reader
-        return None if reader is None else reader(stream, shard, start, filters, since_ms)
+        return self.plane.owner_reads.owner_log(self.plane, stream, shard, start, filters, since_ms)
 
     def read_owner_again(self, node_id: str) -> None:
         """`node_id` left the view (its lease expired), started a new link session, or said
@@ -62,9 +61,6 @@ class CursorSources:
         reliable shards stay its own meanwhile (their log is on its disk)."""
         from ..core.durable import DurableSubscription
 
-        reader = self.plane.owner_reader
-        if reader is None:
-            return
         for sub in self.plane.broker.subscriptions.values():
             if not isinstance(sub, DurableSubscription):
                 continue
@@ -76,8 +72,10 @@ class CursorSources:
                 assignment = self.plane.view.leader(stream, shard)
                 if assignment is None or assignment.leader != node_id:
                     continue
-                cursor.repoint(reader(stream, shard, cursor.position, _filters_of(sub), None),
-                               replay=True)
+                owner = self.owner_log(stream, shard, cursor.position, _filters_of(sub))
+                if owner is None:
+                    continue  # this node reads no other node's journal
+                cursor.repoint(owner, replay=True)
                 moved = True
             if moved:
                 sub.schedule_pump()
@@ -105,15 +103,15 @@ class CursorSources:
                 before = self._leaders.get((stream, shard), leader)
                 # (an OwnerLog of cluster.shard_reader also reads a shard another node owns)
                 received = isinstance(cursor.log, ReceivedLog) or getattr(cursor.log, "remote_shard", False)
-                reader = self.plane.owner_reader
-                if (leader != me and (before != leader or not received) and cursor.placed
-                        and reader is not None):
+                owner = None
+                if leader != me and (before != leader or not received) and cursor.placed:
                     # the new leader's journal from the position (a cursor over this node's
                     # own log: it led the shard until now): it holds what the old leader stored
                     # (this node included), and what the new one pushed here before this
-                    # node's view showed it the leader
-                    cursor.repoint(reader(stream, shard, cursor.position, _filters_of(sub), None),
-                                   replay=True)
+                    # node's view showed it the leader (None: this node reads no other's)
+                    owner = self.owner_log(stream, shard, cursor.position, _filters_of(sub))
+                if owner is not None:
+                    cursor.repoint(owner, replay=True)
                     moved = True
                 elif leader != me and not received:
                     cursor.repoint(self.received_log(stream, shard))

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from ..proto import cluster_pb2 as pb
 from ..storage.interfaces import LatencyHistogram
 from .cluster_port import ClusterPortProtocol
 from .cursor_sources import CursorSources
@@ -36,9 +35,17 @@ from .fanout import PushFanout
 from .forwarding import NODE_LOCAL_STREAMS, Forwarding
 from .inbox import Inboxes
 from .link_auth import HANDSHAKE_TIMEOUT_S, CallAuthenticator, NodeCredentials
-from .membership import ClusterView, NodeInfo
+from .membership import ClusterView
 from .owner_store import ForwardStore
 from .peer_link import LINK_TIMEOUT_S, PeerLink
+from .plane_ports import (
+    NoOwnerReads,
+    NoPeerWatch,
+    NoReplicas,
+    OwnerReads,
+    PeerWatch,
+    ReplicaRequests,
+)
 from .received import ReceivedLog
 from .retained_sync import RetainedSync
 from .route_sync import ROUTE_DEBOUNCE_S, RouteSync
@@ -65,14 +72,6 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
-
-# Makes a log reading a shard another node owns from its owner's journal:
-# (stream, shard, start, filters, since_ms) -> the log (see `shard_reader.OwnerLog`).
-OwnerReader = Callable[[str, int, int, Callable[[], Sequence[str]], "int | None"], "ShardLog"]
-# Answers a peer's replica requests, each once, through the reply callable of the stream
-# they came by: (peer, requests, reply) (see `replica_rpc.ReplicaService.serve_link`).
-ReplicaServer = Callable[[str, Sequence[pb.ReplicaRequest], Callable[[pb.PeerReply], None]], None]
-
 
 @dataclass(slots=True)
 class DataPlaneStats:
@@ -102,6 +101,11 @@ class DataPlane:
         route_debounce_s: float = ROUTE_DEBOUNCE_S,
         link_timeout_s: float = LINK_TIMEOUT_S,
         credentials: NodeCredentials | None = None,
+        *,
+        owner_reads: OwnerReads | None = None,
+        replicas: ReplicaRequests | None = None,
+        peers: PeerWatch | None = None,
+        links: dict[str, PeerLink] | None = None,
     ) -> None:
         self.broker = broker
         # what this node proves to its peers, and checks of them, on the cluster port
@@ -115,21 +119,19 @@ class DataPlane:
         self.stats = DataPlaneStats()
         self.remote = RemoteRoutes()
         # One link per other live node (the same dict for the life of the plane: the pieces
-        # below hold it).
-        self.links: dict[str, PeerLink] = {}
+        # below hold it; given, when another part sends on the links too: the replicas').
+        self.links: dict[str, PeerLink] = links if links is not None else {}
         self.started = False
         # Stopping: forwarded publishes are refused (retryably) while the links drain.
         self.stopping = False
-        # makes a log reading a shard another node owns from its owner's journal (set by
-        # `attach.py` once the shard-reading calls are served; see `shard_reader.OwnerLog`)
-        self.owner_reader: OwnerReader | None = None
-        # answers the replica requests peers' followers send on their links (set by
-        # `attach.py`: `replica_rpc.ReplicaService.serve_link`); None: every one is refused
-        self.replica_server: ReplicaServer | None = None
-        # told of a peer whose cluster port refused every dial for a while, with the wall
-        # clock time the refusals began (`peer_link.PEER_GONE_AFTER_S`; set by `attach.py`:
-        # `ClusterNode.peer_gone`)
-        self.peer_gone: Callable[[NodeInfo, float], None] | None = None
+        # reads a shard another node owns from its owner's journal (`shard_reader.OwnerLogs`)
+        self.owner_reads: OwnerReads = owner_reads or NoOwnerReads()
+        # answers the replica requests peers' followers send on their links
+        # (`replica_rpc.ReplicaService`); a node without one leads no replicated shard
+        self.replicas: ReplicaRequests = replicas or NoReplicas()
+        # told of a peer whose cluster port refused every dial for a while
+        # (`peer_link.PEER_GONE_AFTER_S`; `ClusterNode`, which ends its lease)
+        self.peers: PeerWatch = peers or NoPeerWatch()
         self.forwarding = Forwarding(self)
         self.unrouted = UnroutedHold(self)
         self.fanout = PushFanout(self)

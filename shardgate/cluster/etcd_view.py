@@ -254,7 +254,8 @@ class EtcdClusterView:
 
     def _refresh_nodes(self) -> None:
         self._node_infos = {
-            node_id: NodeInfo(node_id, registration.cluster_address, registration.instance)
+            node_id: NodeInfo(node_id, registration.cluster_address, registration.instance,
+                              registration.lease)
             for node_id, registration in self.registrations.items()
         }
 

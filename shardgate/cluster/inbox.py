@@ -175,12 +175,7 @@ class Inboxes:
 
     def _replica(self, peer: str, requests: Sequence[pb.ReplicaRequest],
                  reply: Callable[[pb.PeerReply], None]) -> None:
-        serve = self.plane.replica_server
-        if serve is None:  # no replicated shard is led here
-            reply(pb.PeerReply(replica=[pb.ReplicaAnswer(id=request.id, error="not_leader")
-                                        for request in requests]))
-            return
-        serve(peer, requests, reply)
+        self.plane.replicas.serve_link(peer, requests, reply)
 
     def _apply_backlog(self, inbox: _Inbox) -> None:
         """A held peer was released: apply what it sent meanwhile, until it is held again."""

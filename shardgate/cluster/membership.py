@@ -16,12 +16,15 @@ from .placement import ShardPlacement
 
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
-    """A live node: its id, the host:port of its internal (cluster) gRPC listener, and the
-    instance (data directory identity) that registered it."""
+    """A live node: its id, the host:port of its internal (cluster) gRPC listener, the
+    instance (data directory identity) that registered it, and the etcd lease its registration
+    is under (0: not known; a new lease is a new registration: another process, or the same
+    one after its lease ran out). Two infos are equal by id, address and instance."""
 
     node_id: str
     cluster_address: str
     instance: str = ""
+    lease: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

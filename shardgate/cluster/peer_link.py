@@ -13,8 +13,9 @@ again, and the peer applies each frame of a session once (`inbox.py`).
 
 A peer whose cluster port refuses connections dial after dial for `PEER_GONE_AFTER_S` (its
 process is gone: a frozen or cut-off one does not refuse) is reported to the data plane's
-`peer_gone` once per run of refusals (the control plane ends its lease, so that its shards
-fail over without waiting for the lease to run out).
+`PeerWatch` once per run of refusals, as the view showed it when they began (the control
+plane ends that registration's lease, so that its shards fail over without waiting for the
+lease to run out; a later registration, a new process, keeps its own).
 
 It also carries the replica protocol's requests of this node's followers to the shards the
 peer leads (`replica_call`): unnumbered frames on the connection open now, never sent again
@@ -129,8 +130,9 @@ class PeerLink:
         # meanwhile.
         self.reachable = True
         self._failed_dials = 0
-        # when the dials began to be refused (monotonic, wall clock), and whether told so
-        self._refused_since: tuple[float, float] | None = None
+        # when the dials began to be refused (monotonic) and the peer as the view showed it
+        # then (None: out of the view), and whether told so
+        self._refused_since: tuple[float, NodeInfo | None] | None = None
         self._gone_told = False
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"link-{node.node_id}")
 
@@ -333,14 +335,17 @@ class PeerLink:
         """A dial was refused: past `PEER_GONE_AFTER_S` of refusals, tell the data plane once."""
         now = time.monotonic()
         if self._refused_since is None:
-            self._refused_since = (now, time.time())
+            # the peer as the view shows it now (its registration's lease): the refusals are
+            # seen against that registration, not a later one (a new process)
+            seen = self.plane.view.nodes().get(self.node.node_id)
+            self._refused_since = (now, seen)
             self._gone_told = False
             return
         if not self._gone_told and now - self._refused_since[0] >= PEER_GONE_AFTER_S:
             self._gone_told = True
-            gone = self.plane.peer_gone
-            if gone is not None:
-                gone(self.node, self._refused_since[1])
+            seen = self._refused_since[1]
+            if seen is not None:
+                self.plane.peers.peer_gone(seen)
 
     async def _serve(self) -> None:
         """One connection of the link session: dial, say hello, send again what the last

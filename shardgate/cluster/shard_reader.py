@@ -113,6 +113,18 @@ async def serve_read(broker: Broker, plane: DataPlane, request: dict[str, Any]) 
     return header, records
 
 
+class OwnerLogs:
+    """The data plane's `plane_ports.OwnerReads` over the shared-state calls: an `OwnerLog`
+    for each cursor that reads a shard another node owns."""
+
+    def __init__(self, rpc: StateRpc) -> None:
+        self.rpc = rpc
+
+    def owner_log(self, plane: DataPlane, stream: str, shard: int, start: int,
+                  filters: Callable[[], Sequence[str]], since_ms: int | None) -> OwnerLog:
+        return OwnerLog(self.rpc, plane, stream, shard, start, filters, since_ms)
+
+
 class OwnerLog:
     """A read-only `ShardLog` over a shard another node owns, for one durable cursor (see the
     module docstring). `since_ms`: start at the owner's first record at or after that time

@@ -14,7 +14,7 @@ from shardgate.core.message import Message
 from shardgate.cluster.amqp_queues import SharedQueues
 from shardgate.cluster.membership import ShardAssignment
 from shardgate.cluster.session_cursors import CursorPlacer
-from shardgate.cluster.shard_reader import OwnerLog, serve_read
+from shardgate.cluster.shard_reader import OwnerLogs, serve_read
 from shardgate.cluster.state_rpc import StateRpc
 from tests.unit.test_cluster_dataplane import cluster, routes_seen, until  # noqa: F401 - fixture
 
@@ -43,8 +43,7 @@ async def test_a_restarted_home_redelivers_what_its_queue_had_handed_out_once_an
         rpc = StateRpc(node.view)
         rpc.on_read = lambda request, node=node: serve_read(node.broker, node.plane, request)
         node.plane.add_service(rpc.handler())
-        node.plane.owner_reader = (lambda stream, shard, start, filters, since_ms, node=node, rpc=rpc:
-                                   OwnerLog(rpc, node.plane, stream, shard, start, filters, since_ms))
+        node.owner_reads.reads = OwnerLogs(rpc)
         rpcs.append(rpc)
     moved = ShardAssignment("ledger", 0, "a", 2)  # a owns ledger/0; b (the home) keeps an empty journal of it
     for node in (a, b):

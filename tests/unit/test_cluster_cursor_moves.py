@@ -12,7 +12,7 @@ from shardgate.core.message import Message
 from shardgate.core.records import encode_message
 
 from shardgate.cluster.membership import ShardAssignment
-from shardgate.cluster.shard_reader import OwnerLog, serve_read
+from shardgate.cluster.shard_reader import OwnerLogs, serve_read
 from shardgate.cluster.state_rpc import StateRpc
 from tests.unit.test_cluster_dataplane import Recorder, cluster, routes_seen, until  # noqa: F401 - fixture
 
@@ -54,8 +54,7 @@ async def test_a_cursor_on_the_old_leader_reads_what_the_new_one_pushed_before_i
         rpc = StateRpc(node.view)
         rpc.on_read = lambda request, node=node: serve_read(node.broker, node.plane, request)
         node.plane.add_service(rpc.handler())
-        node.plane.owner_reader = (lambda stream, shard, start, filters, since_ms, node=node, rpc=rpc:
-                                   OwnerLog(rpc, node.plane, stream, shard, start, filters, since_ms))
+        node.owner_reads.reads = OwnerLogs(rpc)
     sub = b.broker.durable_subscription("orders-q")
     b.broker.add_filter(sub, "ledger/#")
     queue = Recorder("queue")

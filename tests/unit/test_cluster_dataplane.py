@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import struct
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from shardgate.cluster.link_auth import (
     NodeCredentials,
 )
 from shardgate.cluster.membership import NodeInfo, ShardAssignment, StaticClusterView
+from shardgate.cluster.plane_ports import NoOwnerReads, OwnerReads
 from shardgate.cluster.routes import Route, RouteDelta
 
 
@@ -43,6 +43,39 @@ class Recorder:
 
     def deliver(self, message, subscription, filters):  # type: ignore[no-untyped-def]
         self.got.append(message)
+
+
+class OwnerReadsOfTest:
+    """The planes' `OwnerReads` here: none (as a plane alone) until a test gives one (`reads`)."""
+
+    def __init__(self) -> None:
+        self.reads: OwnerReads = NoOwnerReads()
+
+    def owner_log(self, plane, stream, shard, start, filters, since_ms):  # type: ignore[no-untyped-def]
+        return self.reads.owner_log(plane, stream, shard, start, filters, since_ms)
+
+
+class JournalOf:
+    """`OwnerReads` reading the owner's journal in process (in a real cluster an `OwnerLog`
+    reads it over the cluster port); keeps what it was asked for."""
+
+    def __init__(self, owner: Broker) -> None:
+        self.owner = owner
+        self.asked: list[tuple[str, int, int]] = []
+
+    def owner_log(self, plane, stream, shard, start, filters, since_ms):  # type: ignore[no-untyped-def]
+        self.asked.append((stream, shard, start))
+        return self.owner.streams[stream].shards[shard].log
+
+
+class GoneRecorder:
+    """The planes' `PeerWatch` here: keeps the peers it is told are gone."""
+
+    def __init__(self) -> None:
+        self.gone: list[NodeInfo] = []
+
+    def peer_gone(self, info: NodeInfo) -> None:
+        self.gone.append(info)
 
 
 async def until(condition: Callable[[], object], timeout: float = 5.0) -> None:
@@ -59,6 +92,8 @@ class Node:
     broker: Broker
     view: StaticClusterView
     plane: DataPlane
+    owner_reads: OwnerReadsOfTest
+    peers: GoneRecorder
 
     def subscribe(self, topic_filter: str, name: str | None = None, shared: bool = False) -> Recorder:
         kind = SubscriptionType.SHARED if shared else SubscriptionType.EXCLUSIVE
@@ -90,9 +125,10 @@ async def cluster(tmp_path: Path) -> AsyncIterator[dict[str, Node]]:
     for node_id in ("a", "b"):
         broker = make_broker(tmp_path / node_id)
         view = StaticClusterView(node_id, {}, dict(assignments))
-        plane = DataPlane(broker, view)
+        owner_reads, peers = OwnerReadsOfTest(), GoneRecorder()
+        plane = DataPlane(broker, view, owner_reads=owner_reads, peers=peers)
         await plane.start()
-        nodes[node_id] = Node(node_id, broker, view, plane)
+        nodes[node_id] = Node(node_id, broker, view, plane, owner_reads, peers)
     infos = {n.node_id: NodeInfo(n.node_id, f"127.0.0.1:{n.plane.port}") for n in nodes.values()}
     for node in nodes.values():
         node.view.node_infos = dict(infos)
@@ -682,8 +718,7 @@ async def test_pushes_an_owner_dropped_are_read_from_its_journal_by_the_peers_du
     frame; the peer's durable cursors on its shards read its journal again from their
     positions, so nothing stored meanwhile is skipped (the randomized fault run, seed 2)."""
     a, b = cluster["a"], cluster["b"]
-    # in a real cluster an OwnerLog reads the owner's journal over the cluster port
-    a.plane.owner_reader = lambda stream, shard, start, filters, since_ms: b.broker.streams[stream].shards[shard].log
+    a.owner_reads.reads = JournalOf(b.broker)
     keeper = a.broker.durable_subscription("keeper")
     a.broker.add_filter(keeper, "ledger/#")
     consumer = Recorder("keeper")
@@ -714,13 +749,8 @@ async def test_only_a_link_session_that_replaces_an_earlier_one_rereads_the_owne
     a peer opens to this process does not (cursors restored at start resume from their saved
     floors: re-reading from their clamped positions delivered everything again, seed 6)."""
     a, b = cluster["a"], cluster["b"]
-    reads: list[tuple[str, int, int]] = []
-
-    def owner_log(stream, shard, start, filters, since_ms):  # type: ignore[no-untyped-def]
-        reads.append((stream, shard, start))
-        return b.broker.streams[stream].shards[shard].log
-
-    a.plane.owner_reader = owner_log
+    a.owner_reads.reads = journal = JournalOf(b.broker)
+    reads = journal.asked
     keeper = a.broker.durable_subscription("keeper")
     a.broker.add_filter(keeper, "ledger/#")
     consumer = Recorder("keeper")
@@ -776,7 +806,7 @@ async def test_a_restored_cursor_waits_for_its_placement_and_then_resumes_at_its
     from shardgate.core.durable import encode_cursor_state
 
     from shardgate.cluster.session_cursors import CursorPlacer
-    from shardgate.cluster.shard_reader import OwnerLog, serve_read
+    from shardgate.cluster.shard_reader import OwnerLogs, serve_read
     from shardgate.cluster.state_rpc import StateRpc
 
     a, b = cluster["a"], cluster["b"]
@@ -785,8 +815,7 @@ async def test_a_restored_cursor_waits_for_its_placement_and_then_resumes_at_its
         rpc = StateRpc(node.view)
         rpc.on_read = lambda request, node=node: serve_read(node.broker, node.plane, request)
         node.plane.add_service(rpc.handler())
-        node.plane.owner_reader = (lambda stream, shard, start, filters, since_ms, node=node, rpc=rpc:
-                                   OwnerLog(rpc, node.plane, stream, shard, start, filters, since_ms))
+        node.owner_reads.reads = OwnerLogs(rpc)
         rpcs.append(rpc)
     moved = ShardAssignment("ledger", 0, "a", 2)  # a owns ledger/0; b keeps an empty journal of it
     for node in (a, b):
@@ -854,16 +883,17 @@ async def test_a_cursor_whose_owner_stays_away_warns_once_until_a_read_succeeds(
 
 async def test_a_peer_whose_port_refuses_every_dial_is_reported_gone_once(cluster):
     """A refused dial means nothing listens there any more (a frozen process's kernel still
-    accepts): past `PEER_GONE_AFTER_S` of refusals the plane's `peer_gone` hears of it once,
-    with when the refusals began."""
+    accepts): past `PEER_GONE_AFTER_S` of refusals the plane's `PeerWatch` hears of it once,
+    as the view showed the peer when the refusals began (its registration's lease: the node
+    ends that lease, not a later process's)."""
     a, b = cluster["a"], cluster["b"]
-    gone: list[tuple[str, float]] = []
-    a.plane.peer_gone = lambda info, since: gone.append((info.node_id, since))
-    before = time.time()
+    seen = NodeInfo("b", f"127.0.0.1:{b.plane.port}", lease=7)
+    a.view.node_infos["b"] = seen
+    a.view.changed()
     await b.plane.stop()
-    await until(lambda: gone, timeout=10)
+    await until(lambda: a.peers.gone, timeout=10)
     link = a.plane.links["b"]
     await until(lambda: link._failed_dials >= 6, timeout=10)  # refused on and on: told once
-    assert len(gone) == 1
-    assert gone[0][0] == "b" and gone[0][1] >= before - 1
+    assert len(a.peers.gone) == 1
+    assert a.peers.gone[0] is seen and a.peers.gone[0].lease == 7
     assert a.plane.links["b"]._refused_since is not None

@@ -1,10 +1,11 @@
 """The layer rules of issue 27, read from the source: the cluster layer sets no attribute of a
-core or protocol object (it reaches them through the typed ports they are built with and the
-Edge), and protocols, bridges and admin code reach the broker through the Edge, not
-`edge.broker`.
+core or protocol object, nor of its own data plane (they reach each other through the typed
+ports they are built with and the Edge), and protocols, bridges and admin code reach the
+broker through the Edge, not `edge.broker`.
 
-What the cluster layer still sets is listed (`STILL_ASSIGNED`): an entry may go, none may be
-added.
+What the cluster layer still sets is listed (`STILL_ASSIGNED`), and what the composition root
+still sets on the core and the protocols after building them (`ROOT_STILL_ASSIGNS`): an entry
+may go, none may be added.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ CORE_AND_PROTOCOL_NAMES = frozenset({
     "session", "cursor", "sub", "subscription", "delayed", "persistence", "placement", "fanout",
     "connection", "queue",
 })
+# Names under which code holds the cluster's data plane, which gets its collaborators at
+# construction too (`cluster/plane_ports.py`: owner reads, replica requests, the peer watch).
+DATA_PLANE_NAMES = frozenset({"plane", "data_plane"})
+BUILT_WITH_PORTS = CORE_AND_PROTOCOL_NAMES | DATA_PLANE_NAMES
 
 # Assignments still made by the cluster layer, as `name.attribute` of the assigned target:
 # none since the MQTT session handover reaches the service through its `RemoteSessions` port
@@ -51,7 +56,7 @@ def _assigned_attributes(path: Path) -> list[tuple[int, str]]:
             for part in ast.walk(target):
                 if isinstance(part, ast.Attribute) and isinstance(part.ctx, ast.Store):
                     name = _base_name(part.value)
-                    if name in CORE_AND_PROTOCOL_NAMES:
+                    if name in BUILT_WITH_PORTS:
                         found.append((node.lineno, f"{name}.{part.attr}"))
     return found
 
@@ -100,8 +105,42 @@ def test_the_rule_sees_a_private_read(tmp_path: Path) -> None:
 def test_the_rule_sees_an_assignment_it_forbids(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text("def f(broker, self):\n    broker.hook = 1\n    self.vhost.directory = 2\n"
-                      "    self.own = 3\n    plane.port = 4\n")
-    assert _assigned_attributes(sample) == [(2, "broker.hook"), (3, "vhost.directory")]
+                      "    self.own = 3\n    plane.peer_gone = 4\n    self.plane.stats.frames = 5\n"
+                      "    link.port = 6\n")
+    assert _assigned_attributes(sample) == [(2, "broker.hook"), (3, "vhost.directory"),
+                                            (5, "plane.peer_gone")]
+
+
+# What the composition root (`shardgate/` outside the cluster layer) still sets on a core or
+# protocol object after building it, by file: each is a collaborator, hook or setting it could
+# be built with instead. An entry may go; never add one (give the object a constructor
+# argument, a typed port).
+ROOT_STILL_ASSIGNS: dict[str, frozenset[str]] = {
+    "shardgate/app.py": frozenset({
+        "broker.topology_sink", "edge.listeners", "mqtt.use_identity_as_username",
+        "mqtt.publishers_blocked", "grpc_server.port", "grpc_server.secure_port"}),
+    "shardgate/archiving.py": frozenset({"broker.archive"}),
+    "shardgate/bridges/base.py": frozenset({"sub.owner", "sub.options"}),
+    "shardgate/persistence.py": frozenset({
+        "broker.cursor_sink", "broker.on_retained_change", "broker.on_subscription_removed",
+        "broker.on_durable_defined"}),
+    "shardgate/security/auth.py": frozenset({"service.authenticate"}),
+    "shardgate/security/install.py": frozenset({
+        "edge.authenticator", "edge.authorizer", "edge.allow_anonymous"}),
+}
+
+
+def test_the_composition_root_sets_no_new_attribute_of_a_core_protocol_or_cluster_object() -> None:
+    cluster = ROOT / "shardgate" / "cluster"
+    offending = [
+        f"{name}:{line}: {target} = ..."
+        for path in sorted((ROOT / "shardgate").rglob("*.py")) if cluster not in path.parents
+        for line, target in _assigned_attributes(path)
+        if target not in ROOT_STILL_ASSIGNS.get(name := str(path.relative_to(ROOT)), frozenset())
+    ]
+    assert not offending, (
+        "build the object with its collaborator (a constructor argument, a typed port) instead "
+        "of setting it afterwards:\n" + "\n".join(offending))
 
 
 # Outside the core, only the composition root (`shardgate/app.py`, `shardgate/persistence.py`)

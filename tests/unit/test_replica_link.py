@@ -20,6 +20,7 @@ from shardgate.storage.journal import JournalStorage
 from shardgate.cluster.data_plane import DataPlane
 from shardgate.cluster.link_auth import NodeCredentials
 from shardgate.cluster.membership import NodeInfo, ShardAssignment, StaticClusterView
+from shardgate.cluster.peer_link import PeerLink
 from shardgate.cluster.replica_epochs import FetchRequest
 from shardgate.cluster.replica_manager import ReplicaManager
 from shardgate.cluster.replica_rpc import ReplicaService
@@ -36,10 +37,11 @@ class Node:
         self.credentials = NodeCredentials(name, f"{name}-instance", SECRET)
         self.journal = JournalStorage(directory)
         self.broker = Broker(storage=self.journal)
-        self.plane = DataPlane(self.broker, self.view, credentials=self.credentials)
+        links: dict[str, PeerLink] = {}  # the plane's, which the replica requests travel on
         self.service = ReplicaService(self.view, lambda s, i: self.manager.leading(s, i),
-                                      self.credentials, fetch_wait_s=0.2, links=self.plane.links)
-        self.plane.replica_server = self.service.serve_link
+                                      self.credentials, fetch_wait_s=0.2, links=links)
+        self.plane = DataPlane(self.broker, self.view, credentials=self.credentials,
+                               replicas=self.service, links=links)
         self.manager = ReplicaManager(name, self.view, self.journal, self.service.transport,
                                       min_insync=lambda _s: 2, tick_s=0.05)
 
