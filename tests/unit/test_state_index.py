@@ -117,3 +117,35 @@ def test_a_record_without_a_stamp_is_of_epoch_zero_and_entries_past_retention_go
     index._prune()
     assert index.chosen("a/b", None) == (1, b"kept")
     assert index.chosen("gone", None) is None
+
+
+async def test_a_node_that_does_not_lead_the_stream_reads_its_leader_through_the_shard_reader(
+        tmp_path: Path) -> None:
+    from shardgate.cluster.shard_reader import serve_read
+
+    leader_broker = Broker(JournalStorage(tmp_path / "n1"))
+    writer = StateLog(_node(), leader_broker, "queues")  # type: ignore[arg-type]
+    await asyncio.wait_for(asyncio.gather(writer.put("q", b"home 1", 1), writer.put("r", b"r", 0)), 5)
+    await _put(writer, "q", b"zombie 0", epoch=0)
+    plane = SimpleNamespace(serves=lambda name, index: True,
+                            remote=SimpleNamespace(routes_of=lambda node: set()))
+    requests: list[dict[str, object]] = []
+
+    async def read_shard(node_id: str, request: dict[str, object], timeout_s: float) -> object:
+        assert node_id == "n1"
+        requests.append(request)
+        return await serve_read(leader_broker, plane, request)  # type: ignore[arg-type]
+
+    reader = _node()
+    reader.node_id = "n2"
+    reader.view.nodes = lambda: {"n1", "n2"}
+    reader.state_rpc = SimpleNamespace(read_shard=read_shard)
+    here = Broker(JournalStorage(tmp_path / "n2"))
+    log = StateLog(reader, here, "queues", indexed=True)  # type: ignore[arg-type]
+    assert log.ensure()  # the stream is known here (a follower, or not a replica at all)
+    assert await log.latest("q", 0, max_epoch=1) == b"home 1"
+    assert requests[0]["filters"] == ["$internal/queues/#"]
+    await _put(writer, "q", b"home 1 again", epoch=1)
+    assert await log.latest("q", 0, max_epoch=1) == b"home 1 again"
+    assert requests[-1]["from"] == 3  # only what was appended since
+    assert log.index is not None and log.index.records_read == 4
