@@ -14,10 +14,10 @@ names `$internal/` itself (a leading wildcard never matches a `$` topic, MQTT-4.
 
 The API (`kind` names the user of the log, e.g. `mqtt-sessions`; keys are any strings):
 
-- `StateLog(node, broker, kind, indexed=False)`: nothing is created until the first `put` (a cluster whose
-  users never write has no such stream); then the stream and the kind's route are made here
-  (`ensure`, through the broker's topology sink, so etcd and every node get them), and the
-  batch waits (at most `RETRY_S`) until the controller has placed the shard.
+- `StateLog(node, broker, kind, indexed=False)`: nothing is created until the first `put`
+  (a cluster whose users never write has no such stream); then the stream and the kind's
+  route are made here (`ensure`, through the broker's topology sink, so etcd and every node
+  get them), and the batch waits (at most `RETRY_S`) until the controller has placed the shard.
 - `put(key, value, epoch=None) -> asyncio.Future[None]`: `value` is bytes, or a callable
   made into bytes when the batch is written (the state as it is then; None: nothing to
   write). With an `epoch` (its owner's, e.g. a queue home's), the record is stamped with it
