@@ -247,6 +247,12 @@ class SessionHandover:
         except SessionOfAnotherUser:
             raise
         except (TimeoutError, EtcdError, StateCallError) as exc:
+            if isinstance(exc, TimeoutError) and client_id in self.service.sessions:
+                # it came here; only what the old node kept for it while it moved is still on
+                # its way (`_collect_from`, in the background): the CONNECT goes on with it
+                log.info("cluster: session %r taken over; what it took while it moved comes "
+                         "in the background", client_id)
+                return
             if not clean_start:
                 # the session (and the backlog its cursors hold) is not lost for a moment
                 # without etcd: the CONNECT is refused (server unavailable) and tried again
@@ -551,7 +557,9 @@ class SessionHandover:
                     holder, request, max(1.0, min(COLLECT_CALL_TIMEOUT_S, deadline - loop.time())))
                 break
             except StateCallError as exc:
-                if loop.time() >= deadline or holder not in self.node.view.nodes():
+                # (also while the holder is out of the view: a loaded holder whose lease ran
+                # out registers again, and its stand-in waits for this node until then)
+                if loop.time() >= deadline:
                     log.warning("cluster: node %s did not hand over the messages it took for "
                                 "session %r while it moved (%s)", holder, client_id, exc)
                     return
