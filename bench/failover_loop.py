@@ -32,8 +32,26 @@ import threading
 import time
 from pathlib import Path
 
-from _proc import http_json, wait_until
-from bench_replication import Cluster, load
+from _cluster import Processes, start_etcd
+from _proc import free_port, http_json, wait_until
+from bench_replication import Cluster, load, stream_config
+
+
+class LoopCluster(Cluster):
+    """The bench's cluster of three nodes and 3 replicas, not waited for here: the loop waits,
+    and keeps what it finds when it never settles."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir, self.replicas = workdir, 3
+        self.procs = Processes(workdir)
+        self.etcd = start_etcd(self.procs)
+        config = workdir / "streams.toml"
+        config.write_text(stream_config(3))
+        self.nodes = {}
+        for index in range(3):
+            name = f"n{index + 1}"
+            self.nodes[name] = {"mqtt": free_port(), "http": free_port(), "config": config}
+            self.start(name)
 
 
 class TracedPublisher(threading.Thread):
@@ -89,6 +107,13 @@ class TracedPublisher(threading.Thread):
 
 def dump(cluster: Cluster, keep: Path, publisher: TracedPublisher, killed_at: float,
          leader: str) -> None:
+    dump_state(cluster, keep, skip=leader)
+    lines = [f"{t - killed_at:+9.3f} {text}" for t, text in list(publisher.events)]
+    (keep / "publisher.log").write_text(f"killed {leader} at 0\n" + "\n".join(lines) + "\n")
+
+
+def dump_state(cluster: Cluster, keep: Path, skip: str | None = None) -> None:
+    """etcd's keys and each live node's /api/cluster, into `keep`."""
     keep.mkdir(parents=True, exist_ok=True)
     etcdctl = shutil.which("etcdctl") or "/usr/bin/etcdctl"
     for fmt, name in (("simple", "etcd-dump.txt"), ("json", "etcd-dump.json")):
@@ -96,15 +121,13 @@ def dump(cluster: Cluster, keep: Path, publisher: TracedPublisher, killed_at: fl
                              capture_output=True, timeout=30)
         (keep / name).write_bytes(out.stdout + out.stderr)
     for name in cluster.nodes:
-        if name == leader:
+        if name == skip:
             continue
         try:
             status = http_json(f"http://127.0.0.1:{cluster.nodes[name]['http']}/api/cluster")
         except (OSError, ValueError) as exc:
             status = {"error": repr(exc)}
         (keep / f"status-{name}.json").write_text(json.dumps(status, indent=1))
-    lines = [f"{t - killed_at:+9.3f} {text}" for t, text in list(publisher.events)]
-    (keep / "publisher.log").write_text(f"killed {leader} at 0\n" + "\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for round_ in range(args.rounds):
         workdir = Path(tempfile.mkdtemp(prefix="failover-loop-"))
-        cluster = Cluster(workdir, 3)
         caught = False
+        cluster = LoopCluster(workdir)
         try:
             leader = wait_until(cluster.settled, 120, "the cluster")
             if args.load:
@@ -170,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
                     publisher.stop()
                 proc.wait(10)
                 cluster.start(leader)
+        except (RuntimeError, OSError, ValueError) as exc:
+            # a cluster that never settled (or a kill's restart that never caught up) is kept too
+            caught = True
+            return_keep = Path(args.keep) / f"{time.strftime('%H%M%S')}-r{round_}-stuck"
+            log(f"round {round_ + 1}: {exc!r}: keeping {return_keep}")
+            return_keep.mkdir(parents=True, exist_ok=True)
+            dump_state(cluster, return_keep / "at-error")
         finally:
             cluster.stop()
             if caught:

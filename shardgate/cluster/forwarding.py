@@ -26,6 +26,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 from ..core.errors import PublishRejected, ShardUnavailable
@@ -317,8 +318,7 @@ class HeldForwards:
             if stored is None:
                 future.set_result(None)
             else:
-                stored.add_done_callback(
-                    lambda done, m=message, f=future, e=error: self._stored_here(m, f, e, done))
+                stored.add_done_callback(partial(self._stored_here, message, future, error))
         if self._congested and len(self._held) <= HOLD_LOW_WATER:
             self._congested = False
             plane.broker.back_pressure.relieved(self)

@@ -14,7 +14,10 @@ from shardgate.core.message import Message
 
 from shardgate.cluster import forwarding
 from shardgate.cluster.membership import ShardAssignment
-from tests.unit.test_cluster_dataplane import Node, cluster, topic_on, until  # noqa: F401 (fixture)
+from tests.unit import test_cluster_dataplane as dataplane
+from tests.unit.test_cluster_dataplane import Node, topic_on, until
+
+cluster = dataplane.cluster  # the fixture: nodes a and b
 
 
 async def owner_gone(a: Node, b: Node) -> None:
