@@ -8,12 +8,13 @@ stay together on one worker, which get an `xdist_group` here:
 - `readme`: the README tests run `shardgate serve`, etcd and cluster nodes on the fixed ports
   the README prints, so they run one after another;
 - the tests of a module (or class) whose fixture is module- (or class-) scoped: a Spark
-  session, a browser, a moto server start once, on one worker;
+  session, a browser, a moto server, a cluster its tests share start once, on one worker;
 - tests that start server processes (a fixture in PROCESS_FIXTURES in their closure: etcd,
   cluster nodes, `shardgate serve`) are marked `processes`. They compute while they start
   (an interpreter and the broker's imports per node), so they are spread over PROCESS_GROUPS
-  groups, balanced by their recorded seconds: at most that many run at once, beside workers
-  running the tests that wait on sockets rather than compute.
+  groups, balanced by their recorded seconds, a module's tests in one group (so a module's
+  shared cluster too): at most that many run at once, beside workers running the tests that
+  wait on sockets rather than compute.
 
 Units start longest first, by the seconds recorded in tests/durations.json (setup, call and
 teardown per test; a test not in it counts DEFAULT_SECONDS). `--record-durations` writes that
@@ -42,7 +43,7 @@ DEFAULT_SECONDS = 1.0
 WORKERS_PER_CORE = 2
 # fixtures that start server processes: a test using one (directly or through another) is
 # marked `processes`
-PROCESS_FIXTURES = frozenset({"etcd", "cluster", "broker_process"})
+PROCESS_FIXTURES = frozenset({"etcd", "module_etcd", "cluster", "broker_process"})
 # (2 made the process groups the run's longest path: by tests/durations.json they hold more than
 # half of the suite's seconds, so two workers ran them while the others ran out of work)
 PROCESS_GROUPS = 3
@@ -118,12 +119,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         module = item.nodeid.split("::", 1)[0]
         if module in README_MODULES:
             groups[id(item)] = "readme"
+        elif starts_processes(item):
+            # into a process group below, with the rest of its module: a module- or
+            # class-scoped fixture (a cluster its tests share) still starts once there
+            process_items.append(item)
         elif (owner := scoped_fixture_owner(item)) is not None:
             groups[id(item)] = owner
         if starts_processes(item):
             item.add_marker(pytest.mark.processes)
-            if id(item) not in groups:
-                process_items.append(item)
     # process tests: longest first onto the group with the fewest seconds so far; a module's
     # tests stay together in one group (they share helpers and often a kind of cluster)
     by_module: dict[str, list[pytest.Item]] = {}

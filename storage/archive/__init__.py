@@ -2,12 +2,20 @@
 moves committed journal records into Hive-partitioned Parquet files exactly once, and the
 `ArchiveReader` that serves them back for tiered replay.
 
-Layout: `<url>/stream=<name>/date=YYYY-MM-DD/hour=HH/shard0003-<first>-<last>.parquet`.
+Layout: `<url>/stream=<name>/date=YYYY-MM-DD/hour=H/shard0003/shard0003-<first>-<last>.parquet`
+(`layout`); `archive_files` names the files that hold each row once at any moment.
 """
 
 from .archiver import Archiver, StreamList, write_local_atomically
 from .columns import ARROW_SCHEMA, DECODED_COLUMN, build_table, records_from_table
-from .layout import ArchiveFile, file_name, list_stream_files, open_filesystem, parse_file_name
+from .layout import (
+    ArchiveFile,
+    archive_files,
+    file_name,
+    list_stream_files,
+    open_filesystem,
+    parse_file_name,
+)
 from .reader import ArchiveReader
 from .settings import ArchiveConfigError, ArchiveError, ArchiveSettings, ArchiveUnavailable
 
@@ -21,6 +29,7 @@ __all__ = [
     "ArchiveSettings",
     "ArchiveUnavailable",
     "Archiver",
+    "archive_files",
     "StreamList",
     "build_table",
     "file_name",

@@ -261,6 +261,31 @@ def list_stream_files(fs: AbstractFileSystem, root: str, stream: str,
     return [entry for entry in files if entry not in hidden] if hidden else files
 
 
+def archive_files(url: str, stream: str | None = None,
+                  settings: ArchiveSettings | None = None) -> list[str]:
+    """The URLs of the files that hold every archived row of `stream` (None: of every
+    stream) once, at this moment, compactions included: the listing the project's readers
+    use (`list_stream_files`). A tool given these paths counts exactly where one that lists
+    the root itself may, during a compaction on an object store, count short for a moment
+    (`compaction.py`). Hive partitions are read from the paths (`stream=`, `date=`, `hour=`;
+    a merged file not yet in place is listed in the staging area beside the root, under the
+    same partition directories). A path can vanish before it is read (compacted meanwhile):
+    ask again."""
+    fs, root = open_filesystem(url, settings)
+    if stream is not None:
+        streams = [stream]
+    else:
+        try:
+            entries = fs.ls(root, detail=False)
+        except FileNotFoundError:
+            entries = []
+        streams = sorted(name.rstrip("/").rsplit("/", 1)[-1][len("stream="):] for name in entries
+                         if name.rstrip("/").rsplit("/", 1)[-1].startswith("stream="))
+    paths = [entry.path for name in streams if STREAM_NAME.match(name)
+             for entry in list_stream_files(fs, root, name)]
+    return paths if is_local(fs) else [fs.unstrip_protocol(path) for path in paths]
+
+
 def _find_files(fs: AbstractFileSystem, directory: str, staged: bool = False) -> list[ArchiveFile]:
     try:
         fs.invalidate_cache(directory)

@@ -228,13 +228,29 @@ def start_together(nodes: list[ClusterNodeProcess]) -> None:
                 future.result()
 
 
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+@contextlib.contextmanager
+def running_etcd(directory: Path) -> Iterator[EtcdServer]:
+    """An etcd in `directory` for the block's body (the test skips when etcd is absent)."""
     if ETCD is None:
         pytest.skip("etcd is not installed (apt-get install etcd-server)")
-    server = EtcdServer(tmp_path / "etcd").start()
-    yield server
-    server.stop()
+    server = EtcdServer(directory).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    with running_etcd(tmp_path / "etcd") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def module_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One etcd for the tests of a module that share a cluster (see `shared_cluster`)."""
+    with running_etcd(tmp_path_factory.mktemp("etcd")) as server:
+        yield server
 
 
 @pytest.fixture
@@ -456,6 +472,33 @@ def settled_nodes(nodes: list[ClusterNodeProcess]) -> Iterator[list[ClusterNodeP
         for node in nodes:
             if node.alive():
                 node.kill()
+
+
+@contextlib.contextmanager
+def shared_cluster(nodes: list[ClusterNodeProcess]) -> Iterator[list[ClusterNodeProcess]]:
+    """Starts `nodes` (the first alone, then the others together), waits until they are
+    settled and linked, gives them to the tests of a module (a module-scoped fixture: one
+    start for every test that leaves the cluster as it found it), and kills them at the end.
+    Those tests name their clients, topics, queues and subscriptions uniquely, and take the
+    nodes through `ready_shared` so that a test never starts on a cluster an earlier one
+    broke."""
+    try:
+        start_together(nodes)
+        wait_settled(nodes)
+        yield nodes
+    finally:
+        for node in nodes:
+            if node.alive():
+                node.kill()
+
+
+def ready_shared(nodes: list[ClusterNodeProcess]) -> list[ClusterNodeProcess]:
+    """`nodes` of a `shared_cluster`, once every one is alive, settled and linked (an earlier
+    test of the module left them so, or this one fails at its start, saying so)."""
+    dead = [node.node_id for node in nodes if not node.alive()]
+    assert not dead, f"the module's shared cluster lost {dead} in an earlier test"
+    wait_settled(nodes)
+    return nodes
 
 
 def amqp_node(directory: Path, node_id: str, etcd_url: str) -> ClusterNodeProcess:

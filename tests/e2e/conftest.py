@@ -24,7 +24,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
-from tests.e2e.cluster_fixtures import cluster, etcd  # noqa: F401  (a real etcd, cluster nodes)
+from tests.e2e.cluster_fixtures import (  # noqa: F401  (a real etcd, cluster nodes)
+    cluster,
+    etcd,
+    module_etcd,
+)
 
 RABBITMQ_SCRIPT = "/usr/lib/rabbitmq/bin/rabbitmq-server"
 RABBITMQ_START_TIMEOUT = 60.0

@@ -7,7 +7,10 @@ it comes from, an exchange-to-exchange binding made on one node routes for every
 queues, a delete with if-unused sees the queues of every node, an auto-delete exchange goes only when
 no node's queue is bound to it, a delete-ok means gone on every node, and a non-durable
 exchange ends with the cluster's last node. An exclusive queue used from another node's
-connection answers 405 RESOURCE_LOCKED, as RabbitMQ does."""
+connection answers 405 RESOURCE_LOCKED, as RabbitMQ does.
+
+The tests that leave the nodes running share one pair of nodes (`shared_nodes`, each test with
+exchange and queue names of its own); the one that restarts them starts its own."""
 
 from __future__ import annotations
 
@@ -26,7 +29,9 @@ from tests.e2e.cluster_fixtures import (
     amqp_node,
     amqp_url,
     eventually,
+    ready_shared,
     settled_nodes,
+    shared_cluster,
     wait_settled,
 )
 
@@ -35,6 +40,20 @@ from tests.e2e.cluster_fixtures import (
 def amqp_nodes(etcd: EtcdServer, tmp_path: Path) -> Iterator[list[ClusterNodeProcess]]:
     with settled_nodes([amqp_node(tmp_path, f"n{index}", etcd.url).start() for index in (1, 2)]) as nodes:
         yield nodes
+
+
+@pytest.fixture(scope="module")
+def module_amqp_nodes(module_etcd: EtcdServer, tmp_path_factory: pytest.TempPathFactory,
+                      ) -> Iterator[list[ClusterNodeProcess]]:
+    directory = tmp_path_factory.mktemp("amqp-exchanges")
+    with shared_cluster([amqp_node(directory, f"n{index}", module_etcd.url) for index in (1, 2)]) as nodes:
+        yield nodes
+
+
+@pytest.fixture
+def shared_nodes(module_amqp_nodes: list[ClusterNodeProcess]) -> list[ClusterNodeProcess]:
+    """Two nodes shared by the module's tests that neither stop nor restart them."""
+    return ready_shared(module_amqp_nodes)
 
 
 async def publish_until_routed(exchange: aio_pika.abc.AbstractExchange, routing_key: str,
@@ -47,8 +66,8 @@ async def publish_until_routed(exchange: aio_pika.abc.AbstractExchange, routing_
         assert asyncio.get_running_loop().time() < deadline, "never routed"
 
 
-async def test_a_non_durable_exchange_is_the_clusters(amqp_nodes: list[ClusterNodeProcess]) -> None:
-    n1, n2 = amqp_nodes
+async def test_a_non_durable_exchange_is_the_clusters(shared_nodes: list[ClusterNodeProcess]) -> None:
+    n1, n2 = shared_nodes
     async with await aio_pika.connect(amqp_url(n1)) as c1, await aio_pika.connect(amqp_url(n2)) as c2:
         await (await c1.channel()).declare_exchange("events-x", aio_pika.ExchangeType.TOPIC,
                                                     durable=False)
@@ -98,8 +117,8 @@ async def test_a_non_durable_exchange_is_the_clusters(amqp_nodes: list[ClusterNo
 
 
 async def test_exchange_bindings_and_auto_delete_span_the_nodes(
-        amqp_nodes: list[ClusterNodeProcess]) -> None:
-    n1, n2 = amqp_nodes
+        shared_nodes: list[ClusterNodeProcess]) -> None:
+    n1, n2 = shared_nodes
     async with await aio_pika.connect(amqp_url(n1)) as c1, await aio_pika.connect(amqp_url(n2)) as c2:
         ch1, ch2 = await c1.channel(), await c2.channel()
         source = await ch1.declare_exchange("src-x", aio_pika.ExchangeType.TOPIC, durable=True)
@@ -129,11 +148,11 @@ async def test_exchange_bindings_and_auto_delete_span_the_nodes(
 
 
 async def test_after_delete_ok_on_one_node_the_exchange_is_gone_on_the_other(
-        amqp_nodes: list[ClusterNodeProcess]) -> None:
+        shared_nodes: list[ClusterNodeProcess]) -> None:
     """RabbitMQ deletes an exchange cluster-wide before its delete-ok: a client that deletes
     on n1 and goes straight to n2 finds no old exchange there, for a passive declare, a
     publish, or a declare of the name with another type."""
-    n1, n2 = amqp_nodes
+    n1, n2 = shared_nodes
     async with await aio_pika.connect(amqp_url(n1)) as c1, await aio_pika.connect(amqp_url(n2)) as c2:
         for round_ in range(10):
             name = f"short-lived-{round_}"
@@ -191,8 +210,8 @@ async def test_non_durable_exchanges_end_with_the_clusters_last_node(
 
 
 async def test_an_exclusive_queue_is_locked_to_other_nodes_connections(
-        amqp_nodes: list[ClusterNodeProcess]) -> None:
-    n1, n2 = amqp_nodes
+        shared_nodes: list[ClusterNodeProcess]) -> None:
+    n1, n2 = shared_nodes
     locked = ("cannot obtain exclusive access to locked queue 'private-q' in vhost '/'")
     async with await aio_pika.connect(amqp_url(n1)) as c1, await aio_pika.connect(amqp_url(n2)) as c2:
         mine = await (await c1.channel()).declare_queue("private-q", exclusive=True)

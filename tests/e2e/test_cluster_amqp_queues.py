@@ -6,7 +6,10 @@ and pika clients against `shardgate serve --cluster` processes and a real etcd.
 The queue lives on the node where it was declared (its home, recorded in etcd); the other
 nodes reach it over the cluster port. Exclusive queues stay on their connection's node. When
 the home node leaves, another node takes a durable queue over from its replicated state, as
-RabbitMQ moves a quorum queue's leader, with its messages."""
+RabbitMQ moves a quorum queue's leader, with its messages.
+
+The tests that neither stop nor restart a node share one pair of nodes (`shared_nodes`: one
+start for the module), each with queue names and routing keys of its own."""
 
 from __future__ import annotations
 
@@ -20,7 +23,14 @@ import pika
 import pytest
 
 from tests.conftest import free_port, wait_for
-from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer, linked, settled
+from tests.e2e.cluster_fixtures import (
+    ClusterNodeProcess,
+    EtcdServer,
+    linked,
+    ready_shared,
+    settled,
+    shared_cluster,
+)
 
 
 @pytest.fixture
@@ -35,6 +45,23 @@ def amqp_nodes(etcd: EtcdServer, tmp_path: Path) -> Iterator[list[ClusterNodePro
     for node in nodes:
         if node.alive():
             node.kill()
+
+
+@pytest.fixture(scope="module")
+def module_amqp_nodes(module_etcd: EtcdServer, tmp_path_factory: pytest.TempPathFactory,
+                      ) -> Iterator[list[ClusterNodeProcess]]:
+    directory = tmp_path_factory.mktemp("amqp-queues")
+    with shared_cluster([ClusterNodeProcess(directory / f"n{index}", f"n{index}", module_etcd.url,
+                                            extra_args=["--amqp-port", str(free_port())])
+                         for index in (1, 2)]) as nodes:
+        yield nodes
+
+
+@pytest.fixture
+def shared_nodes(module_amqp_nodes: list[ClusterNodeProcess]) -> list[ClusterNodeProcess]:
+    """Two nodes (as `amqp_nodes`) shared by the module's tests that neither stop nor restart
+    them."""
+    return ready_shared(module_amqp_nodes)
 
 
 def wait_joined(nodes: list[ClusterNodeProcess]) -> None:
@@ -83,8 +110,8 @@ async def publish_all(url: str, routing_keys_and_bodies: list[tuple[str, bytes]]
 
 
 async def test_a_queue_declared_and_bound_on_one_node_is_used_from_another(
-        amqp_nodes: list[ClusterNodeProcess]) -> None:
-    n1, n2 = amqp_nodes
+        shared_nodes: list[ClusterNodeProcess]) -> None:
+    n1, n2 = shared_nodes
     url1, url2 = amqp_url(n1), amqp_url(n2)
     async with await aio_pika.connect(url1) as c1, await aio_pika.connect(url2) as c2:
         ch1 = await c1.channel()
@@ -154,11 +181,11 @@ async def _equals(value, expected) -> bool:
 
 
 def test_pika_consumer_on_another_node_acks_rejects_and_requeues(
-        amqp_nodes: list[ClusterNodeProcess]) -> None:
+        shared_nodes: list[ClusterNodeProcess]) -> None:
     """pika's blocking client on n2, the queue on n1: a requeued delivery comes back (to a
     consumer on n1 as well), a rejected one goes to the dead-letter exchange, acks settle,
     and a consumer whose connection closes gives its unacked messages back."""
-    n1, n2 = amqp_nodes
+    n1, n2 = shared_nodes
     home = pika.BlockingConnection(pika.URLParameters(amqp_url(n1)))
     away = pika.BlockingConnection(pika.URLParameters(amqp_url(n2)))
     try:
@@ -213,11 +240,11 @@ def test_pika_consumer_on_another_node_acks_rejects_and_requeues(
 
 
 async def test_bind_ok_and_consume_ok_come_once_every_node_routes_to_the_queue(
-        amqp_nodes: list[ClusterNodeProcess]) -> None:
+        shared_nodes: list[ClusterNodeProcess]) -> None:
     """Right after queue.bind-ok (on the queue's node or through another one) a mandatory
     publish on the other node is routed, never returned; after basic.consume-ok the same,
     when the bind went with nowait."""
-    n1, n2 = amqp_nodes
+    n1, n2 = shared_nodes
     async with await aio_pika.connect(amqp_url(n1)) as c1, await aio_pika.connect(amqp_url(n2)) as c2:
         ch1 = await c1.channel()
         out2 = await c2.channel(publisher_confirms=True)
@@ -382,10 +409,10 @@ async def test_what_is_published_while_a_queues_node_is_away_reaches_it_when_it_
 
 
 async def test_a_no_ack_consumer_on_another_node_gets_every_message(
-        amqp_nodes: list[ClusterNodeProcess]) -> None:
+        shared_nodes: list[ClusterNodeProcess]) -> None:
     """More messages than the home node sends ahead of a no-ack consumer's client: the rest
     follow as the client takes them, in order."""
-    n1, n2 = amqp_nodes
+    n1, n2 = shared_nodes
     async with await aio_pika.connect(amqp_url(n1)) as connection:
         await (await connection.channel()).declare_queue("firehose-q", durable=True)
     sent = [f"f{i}".encode() for i in range(1500)]

@@ -5,6 +5,11 @@ QoS 0/1/2, aio-pika, the gRPC SDK) and for shared subscriptions spread across no
 Which node owns a shard is the controller's choice; the tests publish to topics of every shard
 of a partitioned stream, so both data paths run: a publish forwarded to the shard's owner, and
 a stored message pushed by the owner to the subscriber's node.
+
+The tests that leave the cluster as they found them share one cluster of three nodes (the
+`shared` fixture: one start for the module); each names its clients, topics and subscriptions
+uniquely, and ends with its clients' routes gone from every node. The tests that kill, freeze
+or cut a node start their own.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import urllib.request
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aio_pika
@@ -36,8 +42,9 @@ from tests.e2e.cluster_fixtures import (
     ClusterNodeProcess,
     EtcdServer,
     linked,
+    ready_shared,
     settled,
-    start_together,
+    shared_cluster,
 )
 from tests.mqtt_clients import V5, V311, Paho, RawClient
 
@@ -60,27 +67,49 @@ routes = ["safe/#"]
 TOPICS = 12
 
 
-def with_every_protocol(etcd: EtcdServer, tmp_path: Path, count: int) -> list[ClusterNodeProcess]:
-    """`count` nodes with their AMQP and gRPC listeners on too (the `cluster` fixture's nodes
-    serve MQTT and HTTP only)."""
-    nodes = [ClusterNodeProcess(
-        tmp_path / f"n{index}", f"n{index}", etcd.url, extra_config=STREAMS,
+@pytest.fixture(scope="module")
+def every_protocol_cluster(module_etcd: EtcdServer, tmp_path_factory: pytest.TempPathFactory,
+                           ) -> Iterator[list[ClusterNodeProcess]]:
+    """Three nodes with their AMQP and gRPC listeners on too (the `cluster` fixture's nodes
+    serve MQTT and HTTP only), shared by the module's tests that leave them as they found
+    them."""
+    directory = tmp_path_factory.mktemp("cross-node")
+    with shared_cluster([ClusterNodeProcess(
+        directory / f"n{index}", f"n{index}", module_etcd.url, extra_config=STREAMS,
         extra_args=["--amqp-port", str(free_port()), "--grpc-port", str(free_port())],
-    ) for index in range(1, count + 1)]
-    start_together(nodes)
-    names = {node.node_id for node in nodes}
-    for node in nodes:
-        wait_for(lambda node=node: settled(node, names), timeout=30, interval=0.05)
-    return nodes
+    ) for index in range(1, 4)]) as nodes:
+        yield nodes
+
+
+@dataclass
+class Shared:
+    """The module's shared nodes for one test, and the MQTT clients it opened there."""
+
+    nodes: list[ClusterNodeProcess]
+    test: str
+    clients: list[Paho] = field(default_factory=list)
+
+    def mqtt(self, node: ClusterNodeProcess, name: str, version: int = V5) -> Paho:
+        """A paho client on `node`, its client id unique to this test, disconnected at its end."""
+        client = Paho(node.mqtt_port, f"{self.test}-{name}", version)
+        self.clients.append(client)
+        return client
 
 
 @pytest.fixture
-def protocol_nodes(etcd: EtcdServer, tmp_path: Path) -> Iterator[list[ClusterNodeProcess]]:
-    nodes = with_every_protocol(etcd, tmp_path, 2)
-    yield nodes
-    for node in nodes:
-        if node.alive():
-            node.kill()
+def shared(every_protocol_cluster: list[ClusterNodeProcess], request: pytest.FixtureRequest,
+           ) -> Iterator[Shared]:
+    """The shared cluster, settled; at the test's end its clients are gone and every node's
+    view of its peers' routes is as it was at the start (so the next test starts from the
+    same routes, and `routes_reach` counts from there)."""
+    nodes = ready_shared(every_protocol_cluster)
+    routes = peer_routes(nodes)
+    test = Shared(nodes, request.node.name.removeprefix("test_")[:24])
+    yield test
+    for client in test.clients:
+        with contextlib.suppress(Exception):
+            client.disconnect()
+    wait_for(lambda: peer_routes(nodes) == routes, timeout=30, interval=0.05)
 
 
 def retained_total(node: ClusterNodeProcess, prefix: str) -> int:
@@ -101,12 +130,26 @@ def metric(of: ClusterNodeProcess, name: str, **labels: str) -> float:
     return 0.0
 
 
-def routes_reach(nodes: list[ClusterNodeProcess], of: ClusterNodeProcess, count: int = 1) -> None:
-    """Wait until every other node knows `count` topic filters of node `of`'s clients."""
+def peer_routes(nodes: list[ClusterNodeProcess]) -> dict[tuple[str, str], float]:
+    """(node, peer) -> how many topic filters of the peer's clients the node knows."""
+    return {(node.node_id, peer.node_id): metric(node, "shardgate_cluster_peer_routes",
+                                                 peer=peer.node_id)
+            for node in nodes for peer in nodes if peer is not node}
+
+
+def routes_reach(nodes: list[ClusterNodeProcess], of: ClusterNodeProcess, count: int = 1,
+                 since: dict[tuple[str, str], float] | None = None) -> None:
+    """Wait until every other node knows `count` topic filters of node `of`'s clients (more
+    than it knew at `since`, a `peer_routes` reading, when given)."""
     wait_for(lambda: all(
-        metric(node, "shardgate_cluster_peer_routes", peer=of.node_id) >= count
+        metric(node, "shardgate_cluster_peer_routes", peer=of.node_id)
+        >= count + (since or {}).get((node.node_id, of.node_id), 0)
         for node in nodes if node is not of
     ), timeout=15)
+
+
+def metric_sum(nodes: list[ClusterNodeProcess], name: str, **labels: str) -> float:
+    return sum(metric(node, name, **labels) for node in nodes)
 
 
 def drain(client: Paho, timeout: float = 1.0) -> list[bytes]:
@@ -118,16 +161,19 @@ def drain(client: Paho, timeout: float = 1.0) -> list[bytes]:
             return got
 
 
-def test_mqtt_publish_on_one_node_reaches_a_subscriber_on_another_at_every_qos(cluster: Cluster) -> None:
-    n1, n2, n3 = cluster(3, extra_config=STREAMS)
+def test_mqtt_publish_on_one_node_reaches_a_subscriber_on_another_at_every_qos(shared: Shared) -> None:
+    n1, n2, n3 = shared.nodes
+    paths = ("shardgate_cluster_forwarded_messages_total", "shardgate_cluster_pushed_messages_total")
+    before = [metric_sum(shared.nodes, name, direction="out") for name in paths]
     for version in (V311, V5):
         for qos in (0, 1, 2):
             tag = f"v{version}q{qos}"
-            sub = Paho(n2.mqtt_port, f"sub-{tag}", version)
+            routes = peer_routes(shared.nodes)
+            sub = shared.mqtt(n2, f"sub-{tag}", version)
             sub.subscribe(f"fast/{tag}/#", qos)
             sub.subscribe(f"safe/{tag}/#", qos)
-            routes_reach([n1, n2, n3], n2, 2)
-            pub = Paho(n1.mqtt_port, f"pub-{tag}", version)
+            routes_reach([n1, n2, n3], n2, 2, since=routes)
+            pub = shared.mqtt(n1, f"pub-{tag}", version)
             sent = [f"{stream}/{tag}/{i}" for stream in ("fast", "safe") for i in range(TOPICS)]
             for topic in sent:
                 pub.publish(topic, topic, qos)  # QoS 1/2: returns once acknowledged
@@ -137,21 +183,22 @@ def test_mqtt_publish_on_one_node_reaches_a_subscriber_on_another_at_every_qos(c
             sub.expect_none()
             pub.disconnect()
             sub.disconnect()
-    forwarded = sum(metric(node, "shardgate_cluster_forwarded_messages_total", direction="out")
-                    for node in (n1, n2, n3))
-    pushed = sum(metric(node, "shardgate_cluster_pushed_messages_total", direction="out")
-                 for node in (n1, n2, n3))
+            # (gone from every node before the next round counts its routes)
+            wait_for(lambda routes=routes: peer_routes(shared.nodes) == routes, timeout=30)
+    forwarded, pushed = (metric_sum(shared.nodes, name, direction="out") - was
+                         for name, was in zip(paths, before, strict=True))
     assert forwarded and pushed, "both data paths ran"
 
 
-def test_shared_subscription_spreads_across_nodes_each_message_once(cluster: Cluster) -> None:
-    nodes = cluster(3, extra_config=STREAMS)
-    members = [Paho(node.mqtt_port, f"worker-{node.node_id}", V5) for node in nodes]
+def test_shared_subscription_spreads_across_nodes_each_message_once(shared: Shared) -> None:
+    nodes = shared.nodes
+    routes = peer_routes(nodes)
+    members = [shared.mqtt(node, f"worker-{node.node_id}") for node in nodes]
     for member in members:
         member.subscribe("$share/workers/fast/jobs/#", 1)
     for node in nodes:
-        routes_reach(nodes, node)
-    pub = Paho(nodes[0].mqtt_port, "pub", V5)
+        routes_reach(nodes, node, since=routes)
+    pub = shared.mqtt(nodes[0], "pub")
     for index in range(60):
         pub.publish(f"fast/jobs/{index}", str(index), 1)
     wait_for(lambda: sum(member.messages.qsize() for member in members) >= 60, timeout=30)
@@ -160,22 +207,21 @@ def test_shared_subscription_spreads_across_nodes_each_message_once(cluster: Clu
     assert sum(1 for share in shares if share) >= 2, f"spread: {[len(s) for s in shares]}"
 
 
-async def test_amqp_publisher_confirmed_on_one_node_reaches_a_queue_on_another(
-    protocol_nodes: list[ClusterNodeProcess],
-) -> None:
-    n1, n2 = protocol_nodes
+async def test_amqp_publisher_confirmed_on_one_node_reaches_a_queue_on_another(shared: Shared) -> None:
+    n1, n2, _n3 = shared.nodes
+    routes = await asyncio.to_thread(peer_routes, shared.nodes)
     received: asyncio.Queue[bytes] = asyncio.Queue()
     async with await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:{n2.ports['amqp']}/") as c2, \
             await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:{n1.ports['amqp']}/") as c1:
         channel = await c2.channel()
         queue_ = await channel.declare_queue("", exclusive=True)
-        await queue_.bind("amq.topic", "safe.#")
+        await queue_.bind("amq.topic", "safe.orders.#")
 
         async def take(message: aio_pika.abc.AbstractIncomingMessage) -> None:
             received.put_nowait(message.body)
 
         await queue_.consume(take, no_ack=True)
-        await asyncio.to_thread(routes_reach, [n1, n2], n2, 2)
+        await asyncio.to_thread(routes_reach, shared.nodes, n2, 2, routes)
         out = await c1.channel(publisher_confirms=True)
         exchange = await out.get_exchange("amq.topic")
         keys = [f"safe.orders.{i}" for i in range(TOPICS)]
@@ -185,14 +231,13 @@ async def test_amqp_publisher_confirmed_on_one_node_reaches_a_queue_on_another(
         assert sorted(got) == sorted(key.encode() for key in keys)
 
 
-async def test_grpc_sdk_publish_on_one_node_reaches_a_consumer_on_another(
-    protocol_nodes: list[ClusterNodeProcess],
-) -> None:
-    n1, n2 = protocol_nodes
+async def test_grpc_sdk_publish_on_one_node_reaches_a_consumer_on_another(shared: Shared) -> None:
+    n1, n2, _n3 = shared.nodes
+    routes = await asyncio.to_thread(peer_routes, shared.nodes)
     async with Client(f"127.0.0.1:{n2.ports['grpc']}") as c2, Client(f"127.0.0.1:{n1.ports['grpc']}") as c1:
-        consumer = c2.consumer("cross", ["safe/#"])
+        consumer = c2.consumer("cross", ["safe/grpc/#"])
         await consumer.subscribe()
-        await asyncio.to_thread(routes_reach, [n1, n2], n2)
+        await asyncio.to_thread(routes_reach, shared.nodes, n2, 1, routes)
         producer = c1.producer()
         topics = [f"safe/grpc/{i}" for i in range(TOPICS)]
         receipts = [await producer.send(topic, topic) for topic in topics]
@@ -201,16 +246,16 @@ async def test_grpc_sdk_publish_on_one_node_reaches_a_consumer_on_another(
         assert sorted(got) == sorted(topics)
 
 
-def test_retained_message_set_on_one_node_is_read_on_another(cluster: Cluster) -> None:
-    n1, n2 = cluster(2, extra_config=STREAMS)
-    pub = Paho(n1.mqtt_port, "pub", V5)
+def test_retained_message_set_on_one_node_is_read_on_another(shared: Shared) -> None:
+    n1, n2, _n3 = shared.nodes
+    pub = shared.mqtt(n1, "pub")
     topics = [f"fast/status/{i}" for i in range(TOPICS)]
     for topic in topics:
         pub.publish(topic, topic, 1, retain=True)
     # the retained messages reach n2 shortly after each PUBACK: a subscriber may have to wait
     # (counted under the topics' prefix: the node also retains its own $SYS topics)
     wait_for(lambda: retained_total(n2, "fast/status/") >= len(topics), timeout=15)
-    late = Paho(n2.mqtt_port, "late", V311)
+    late = shared.mqtt(n2, "late", V311)
     late.subscribe("fast/status/#", 1)
     got = late.expect_n(len(topics))
     assert sorted(m.payload.decode() for m in got) == sorted(topics)
@@ -388,13 +433,13 @@ def test_messages_in_flight_when_a_link_breaks_are_neither_lost_nor_duplicated(
                 node.kill()
 
 
-def test_a_publish_on_another_node_right_after_suback_reaches_the_subscriber(cluster: Cluster) -> None:
+def test_a_publish_on_another_node_right_after_suback_reaches_the_subscriber(shared: Shared) -> None:
     """No waiting for routes: the SUBACK itself means every node knows the subscription."""
-    n1, n2 = cluster(2, extra_config=STREAMS)
+    n1, n2, _n3 = shared.nodes
     sub = RawClient(n2.mqtt_port, version=5)
-    sub.connect("sub")
+    sub.connect(f"{shared.test}-sub")
     pub = RawClient(n1.mqtt_port, version=5)
-    pub.connect("pub")
+    pub.connect(f"{shared.test}-pub")
     placement = n1.status()["placement"]
     # topics of the shards n1 owns: stored there, and pushed to n2 only if n1 knows the route
     topics = [t for t in (f"{stream}/right-after/{i}" for i in range(200) for stream in ("fast", "safe"))
@@ -480,26 +525,40 @@ def test_a_frozen_owner_is_given_up_on_after_the_link_timeout_and_used_again_onc
     assert sub.expect().payload == b"through the link again"
 
 
-def test_metrics_carry_the_node_and_count_a_forwarded_publish_once(cluster: Cluster) -> None:
-    n1, n2 = cluster(2, extra_config=STREAMS)
-    pub = Paho(n1.mqtt_port, "pub", V5)
+def test_metrics_carry_the_node_and_count_a_forwarded_publish_once(shared: Shared) -> None:
+    """(Counted from the test's start: the cluster is the module's.)"""
+    nodes = shared.nodes
+    n1 = nodes[0]
+
+    def counters() -> dict[str, float]:
+        found = {f"{node.node_id} in": metric(node, "shardgate_cluster_forwarded_messages_total",
+                                              direction="in", node=node.node_id) for node in nodes}
+        found["n1 out"] = metric(n1, "shardgate_cluster_forwarded_messages_total",
+                                 direction="out", node="n1")
+        found |= {f"{node.node_id} received": metric(node, "shardgate_messages_received_total",
+                                                     node=node.node_id) for node in nodes}
+        found["n1 mqtt"] = metric(n1, "shardgate_protocol_messages_received_total",
+                                  protocol="mqtt", node="n1")
+        return found
+
+    before = counters()
+    pub = shared.mqtt(n1, "pub")
     topics = [f"{stream}/counted/{i}" for stream in ("fast", "safe") for i in range(TOPICS)]
     for topic in topics:
         pub.publish(topic, topic, 1)
-    forwarded = metric(n1, "shardgate_cluster_forwarded_messages_total", direction="out", node="n1")
-    assert forwarded and metric(n2, "shardgate_cluster_forwarded_messages_total", direction="in",
-                                node="n2") == forwarded, "some went to n2's shards"
-    received = {node.node_id: metric(node, "shardgate_messages_received_total", node=node.node_id)
-                for node in (n1, n2)}
-    assert received == {"n1": len(topics), "n2": 0}, "counted by the node the client used, once"
-    by_protocol = metric(n1, "shardgate_protocol_messages_received_total", protocol="mqtt", node="n1")
-    assert by_protocol == len(topics)
+    now = counters()
+    added = {name: now[name] - before[name] for name in now}
+    forwarded = added["n1 out"]
+    assert forwarded and added["n2 in"] + added["n3 in"] == forwarded, "some went to the others' shards"
+    received = {node.node_id: added[f"{node.node_id} received"] for node in nodes}
+    assert received == {"n1": len(topics), "n2": 0, "n3": 0}, "counted by the node the client used, once"
+    assert added["n1 mqtt"] == len(topics)
 
 
 async def test_a_grpc_publish_on_another_node_right_after_subscribed_reaches_the_consumer(
-    protocol_nodes: list[ClusterNodeProcess],
+    shared: Shared,
 ) -> None:
-    n1, n2 = protocol_nodes
+    n1, n2, _n3 = shared.nodes
     placement = n1.status()["placement"]
     topics = [t for t in (f"{stream}/grpc-after/{i}" for i in range(200) for stream in ("fast", "safe"))
               if placement[t.split("/")[0]][zlib.crc32(t.encode()) % 4][0] == "n1"][:15]

@@ -1,7 +1,10 @@
 """Durable subscriptions shared by the nodes of a cluster, with the gRPC SDK against a real etcd
 and `shardgate serve --cluster` processes: a durable subscription consumed on one node is
 consumed later on another from where it stopped, with what was published meanwhile; consumers
-on several nodes share one cursor on the node that holds it (Shared, Failover, Exclusive)."""
+on several nodes share one cursor on the node that holds it (Shared, Failover, Exclusive).
+
+The tests that neither stop a node nor change its users or streams share one pair of nodes
+(`pair`: one start for the module), each with subscription names and topics of its own."""
 
 from __future__ import annotations
 
@@ -11,17 +14,39 @@ import subprocess
 import sys
 import zlib
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 from shardgate.client import Client, FailedPrecondition, NotFound, SubscriptionType, Unauthenticated
 from shardgate.core.message import now_ms
 
 from tests.conftest import wait_for
-from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer, topics_of
+from tests.e2e.cluster_fixtures import (
+    ClusterNodeProcess,
+    EtcdServer,
+    ready_shared,
+    shared_cluster,
+    topics_of,
+)
 from tests.e2e.test_cluster_state_sessions import TOPICS, etcd_get, spread_stream
 
 Cluster = Callable[..., list[ClusterNodeProcess]]
+
+
+@pytest.fixture(scope="module")
+def module_pair(module_etcd: EtcdServer, tmp_path_factory: pytest.TempPathFactory,
+                ) -> Iterator[list[ClusterNodeProcess]]:
+    directory = tmp_path_factory.mktemp("durables")
+    with shared_cluster([ClusterNodeProcess(directory / name, name, module_etcd.url)
+                         for name in ("n1", "n2")]) as nodes:
+        yield nodes
+
+
+@pytest.fixture
+def pair(module_pair: list[ClusterNodeProcess]) -> list[ClusterNodeProcess]:
+    """Two nodes (as `cluster(2)` starts them) shared by the module's tests that leave them as
+    they found them."""
+    return ready_shared(module_pair)
 
 
 async def take(consumer, count: int, *, ack: int | None = None, timeout: float = 30) -> dict[str, list[bytes]]:
@@ -95,8 +120,10 @@ def test_a_durable_subscription_moves_to_the_node_its_consumer_comes_back_to(
     asyncio.run(scenario())
 
 
-def test_an_exclusive_subscription_refuses_a_consumer_on_another_node(cluster: Cluster, etcd: EtcdServer) -> None:
-    n1, n2 = cluster(2)
+def test_an_exclusive_subscription_refuses_a_consumer_on_another_node(
+        pair: list[ClusterNodeProcess], module_etcd: EtcdServer) -> None:
+    n1, n2 = pair
+    etcd = module_etcd
 
     async def scenario() -> None:
         async with Client(n1.grpc_url) as first, Client(n2.grpc_url) as second:
@@ -140,11 +167,13 @@ async def take_from(consumers: list, count: int, timeout: float = 30) -> list[li
     return got
 
 
-def test_a_shared_subscription_spreads_over_consumers_on_two_nodes(cluster: Cluster, etcd: EtcdServer) -> None:
+def test_a_shared_subscription_spreads_over_consumers_on_two_nodes(
+        pair: list[ClusterNodeProcess], module_etcd: EtcdServer) -> None:
     """Consumers of one Shared durable subscription on n1 and on n2: every message reaches one
     of them, once, and both get some; acks from n2 move the one cursor (nothing comes again
     when the n1 consumer leaves)."""
-    n1, n2 = cluster(2)
+    n1, n2 = pair
+    etcd = module_etcd
 
     async def scenario() -> None:
         async with Client(n1.grpc_url) as first, Client(n2.grpc_url) as second:
@@ -171,10 +200,11 @@ def test_a_shared_subscription_spreads_over_consumers_on_two_nodes(cluster: Clus
 
 
 def test_a_failover_standby_on_another_node_takes_over_when_the_active_consumer_closes(
-        cluster: Cluster, etcd: EtcdServer) -> None:
+        pair: list[ClusterNodeProcess], module_etcd: EtcdServer) -> None:
     """The active consumer on n1 leaves with messages it did not acknowledge: the standby on n2
     becomes active and gets those again, then the rest; what n1 acknowledged never comes back."""
-    n1, n2 = cluster(2)
+    n1, n2 = pair
+    etcd = module_etcd
 
     async def scenario() -> None:
         async with Client(n1.grpc_url) as first, Client(n2.grpc_url) as second:
@@ -301,11 +331,13 @@ def test_a_failover_standby_on_another_node_takes_over_when_the_active_node_leav
     asyncio.run(scenario())
 
 
-def test_consumers_defining_a_subscription_on_two_nodes_at_once_share_one(cluster: Cluster, etcd: EtcdServer) -> None:
+def test_consumers_defining_a_subscription_on_two_nodes_at_once_share_one(
+        pair: list[ClusterNodeProcess], module_etcd: EtcdServer) -> None:
     """Two consumers create the same new Shared subscription at the same moment on n1 and n2:
     one node holds it (a create-if-absent claim in etcd), the other relays to it, so each
     message is delivered once, not once per node."""
-    n1, n2 = cluster(2)
+    n1, n2 = pair
+    etcd = module_etcd
 
     async def scenario() -> None:
         async with Client(n1.grpc_url) as first, Client(n2.grpc_url) as second:

@@ -4,6 +4,9 @@ client was away: a real etcd, `shardgate serve --cluster` processes and paho cli
 The messages go to a reliable stream of six shards spread over the three nodes, so a resumed
 session replays shards it now owns, shards another node owns (read from that node's journal)
 and shards the node it left owns.
+
+The tests that neither stop a node nor change it share three nodes (`trio`: one start for the
+module), each with a stream, topics and client ids of its own.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import json
 import urllib.request
 import zlib
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,7 @@ from shardgate.client import SyncClient
 from shardgate.protocols.mqtt import packets as p
 
 from tests.conftest import BrokerProcess, wait_for
-from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer
+from tests.e2e.cluster_fixtures import ClusterNodeProcess, EtcdServer, ready_shared, shared_cluster
 from tests.mqtt_clients import V5, V311, Paho, RawClient
 
 Cluster = Callable[..., list[ClusterNodeProcess]]
@@ -29,30 +32,54 @@ Cluster = Callable[..., list[ClusterNodeProcess]]
 TOPICS = [f"away/device-{index}" for index in range(12)]
 
 
-def spread_stream(nodes: list[ClusterNodeProcess], replicas: int | None = None) -> None:
-    """The reliable stream `away` (six shards), created once every node is up so that its
-    shards are led by all of them (a reliable shard stays where it was placed); `replicas`
-    copies of each (the cluster's default without it)."""
+@pytest.fixture(scope="module")
+def module_trio(module_etcd: EtcdServer, tmp_path_factory: pytest.TempPathFactory,
+                ) -> Iterator[list[ClusterNodeProcess]]:
+    directory = tmp_path_factory.mktemp("sessions")
+    with shared_cluster([ClusterNodeProcess(directory / name, name, module_etcd.url)
+                         for name in ("n1", "n2", "n3")]) as nodes:
+        yield nodes
+
+
+@pytest.fixture
+def trio(module_trio: list[ClusterNodeProcess]) -> list[ClusterNodeProcess]:
+    """Three nodes (as `cluster(3)` starts them) shared by the module's tests that leave them
+    as they found them; each test publishes to a stream of its own (`spread_stream(name=)`)."""
+    return ready_shared(module_trio)
+
+
+def topics_under(stream: str) -> list[str]:
+    """The twelve topics of TOPICS, under the stream `stream`'s own prefix."""
+    return [topic.replace("away/", f"{stream}/", 1) for topic in TOPICS]
+
+
+def spread_stream(nodes: list[ClusterNodeProcess], replicas: int | None = None,
+                  name: str = "away") -> None:
+    """The reliable stream `away` (or `name`, routed `name/#`; six shards), created once every
+    node is up so that its shards are led by all of them (a reliable shard stays where it was
+    placed); `replicas` copies of each (the cluster's default without it)."""
     with SyncClient(nodes[0].grpc_url) as client:
-        client.admin.create_stream("away", mode="reliable", partitions=6, routes=["away/#"],
+        client.admin.create_stream(name, mode="reliable", partitions=6, routes=[f"{name}/#"],
                                    replicas=replicas)
     for node in nodes:
-        wait_for(lambda node=node: len(node.status()["placement"].get("away", [])) == 6, timeout=20)
-    assert len(shards_per_node(nodes[0])) == len(nodes)
+        wait_for(lambda node=node: len(node.status()["placement"].get(name, [])) == 6, timeout=20)
+    assert len(shards_per_node(nodes[0], name)) == len(nodes)
 
 
-def shards_per_node(node: ClusterNodeProcess) -> dict[str, int]:
+def shards_per_node(node: ClusterNodeProcess, stream: str = "away") -> dict[str, int]:
     counts: dict[str, int] = defaultdict(int)
-    for owner, _epoch in node.status()["placement"]["away"]:
+    for owner, _epoch in node.status()["placement"][stream]:
         counts[owner] += 1
     return counts
 
 
-def publish_round(publisher: Paho, count: int, qos: int, tag: str) -> dict[str, list[bytes]]:
-    """`count` messages per topic, acknowledged; what each topic was sent, in order."""
+def publish_round(publisher: Paho, count: int, qos: int, tag: str,
+                  topics: list[str] = TOPICS) -> dict[str, list[bytes]]:
+    """`count` messages per topic (of `topics`), acknowledged; what each topic was sent, in
+    order."""
     sent: dict[str, list[bytes]] = defaultdict(list)
     for sequence in range(count):
-        for topic in TOPICS:
+        for topic in topics:
             payload = f"{tag}-{topic}-{sequence}".encode()
             publisher.publish(topic, payload, qos=qos)
             sent[topic].append(payload)
@@ -69,17 +96,18 @@ def received_by_topic(client: Paho, total: int) -> dict[str, list[bytes]]:
 @pytest.mark.parametrize("qos", [1, 2])
 @pytest.mark.parametrize("protocol", [pytest.param(V5, id="5.0"), pytest.param(V311, id="3.1.1")])
 def test_a_persistent_session_resumes_on_another_node_with_what_was_published_while_away(
-        cluster: Cluster, qos: int, protocol: int) -> None:
-    n1, n2, n3 = cluster(3)
-    spread_stream([n1, n2, n3])
+        trio: list[ClusterNodeProcess], qos: int, protocol: int) -> None:
+    n1, n2, n3 = trio
     client_id = f"roamer-{qos}-{protocol}"
+    spread_stream([n1, n2, n3], name=client_id)
+    topics = topics_under(client_id)
     away = Paho(n1.mqtt_port, client_id, protocol, clean=False, session_expiry=3600)
-    granted = away.subscribe("away/#", qos=qos)[0]
+    granted = away.subscribe(f"{client_id}/#", qos=qos)[0]
     assert getattr(granted, "value", granted) == qos
     away.disconnect()
 
-    publisher = Paho(n3.mqtt_port, "publisher", V5)
-    sent = publish_round(publisher, 5, qos, "away")
+    publisher = Paho(n3.mqtt_port, f"publisher-{client_id}", V5)
+    sent = publish_round(publisher, 5, qos, "away", topics)
 
     back = Paho(n2.mqtt_port, client_id, protocol, clean=False, session_expiry=3600, connect=False)
     flags, _rc, _props = back.connect()
@@ -89,7 +117,7 @@ def test_a_persistent_session_resumes_on_another_node_with_what_was_published_wh
     back.expect_none(within=0.5)
 
     # the subscription came along: live messages reach the client on its new node
-    live = publish_round(publisher, 2, qos, "live")
+    live = publish_round(publisher, 2, qos, "live", topics)
     assert received_by_topic(back, sum(len(v) for v in live.values())) == live
     back.expect_none(within=0.5)
     back.disconnect()
@@ -97,19 +125,19 @@ def test_a_persistent_session_resumes_on_another_node_with_what_was_published_wh
 
 
 def test_taking_over_a_connected_session_resends_its_unacknowledged_messages_with_dup(
-        cluster: Cluster) -> None:
+        trio: list[ClusterNodeProcess]) -> None:
     """The client is still connected to n1 with QoS 1 messages it has not acknowledged when it
     connects to n2: n1 ends that connection with 0x8E, and n2 sends the same messages again,
     under the same packet ids, marked DUP, then the rest of the backlog."""
-    n1, n2, n3 = cluster(3)
-    spread_stream([n1, n2, n3])
+    n1, n2, n3 = trio
+    spread_stream([n1, n2, n3], name="slow-reader")
     expiry = p.Properties(session_expiry_interval=3600, receive_maximum=4)
     old = RawClient(n1.mqtt_port, version=5)
     assert old.connect("slow-reader", clean=False, properties=expiry).reason_code == 0
-    old.send(p.Subscribe(1, [p.SubscriptionRequest("away/#", 1)]))
+    old.send(p.Subscribe(1, [p.SubscriptionRequest("slow-reader/#", 1)]))
     assert isinstance(old.receive(), p.Suback)
-    publisher = Paho(n3.mqtt_port, "publisher", V5)
-    sent = publish_round(publisher, 2, 1, "held")
+    publisher = Paho(n3.mqtt_port, "publisher-slow-reader", V5)
+    sent = publish_round(publisher, 2, 1, "held", topics_under("slow-reader"))
     unacked = [old.receive() for _ in range(4)]  # the client's receive maximum: no more
     assert all(isinstance(packet, p.Publish) and not packet.dup for packet in unacked)
 
@@ -217,10 +245,11 @@ def snapshot_of(etcd: EtcdServer, client_id: str) -> dict | None:
 
 
 def leave_offline_session(node: ClusterNodeProcess, etcd: EtcdServer, client_id: str,
-                          protocol: int = V5, expiry: int = 3600) -> None:
-    """A persistent session subscribed to away/#, offline on `node`, its snapshot in etcd."""
+                          protocol: int = V5, expiry: int = 3600, stream: str = "away") -> None:
+    """A persistent session subscribed to away/# (`stream`/#), offline on `node`, its snapshot
+    in etcd."""
     client = Paho(node.mqtt_port, client_id, protocol, clean=False, session_expiry=expiry)
-    client.subscribe("away/#", qos=1)
+    client.subscribe(f"{stream}/#", qos=1)
     client.disconnect()
     wait_for(lambda: (snapshot_of(etcd, client_id) or {}).get("node") == node.node_id
              and not snapshot_of(etcd, client_id).get("online"), timeout=20)
@@ -228,21 +257,23 @@ def leave_offline_session(node: ClusterNodeProcess, etcd: EtcdServer, client_id:
 
 @pytest.mark.parametrize("protocol", [pytest.param(V5, id="5.0"), pytest.param(V311, id="3.1.1")])
 def test_a_clean_start_on_another_node_ends_the_old_session_everywhere(
-        cluster: Cluster, etcd: EtcdServer, protocol: int) -> None:
+        trio: list[ClusterNodeProcess], module_etcd: EtcdServer, protocol: int) -> None:
     """Clean session (3.1.1) / clean start without expiry (5.0) on n2 discards the session n1
     held: its snapshot leaves etcd, and a later resume on n3 finds no session and gets nothing
     of what the old session's subscription would have matched."""
-    n1, n2, n3 = cluster(3)
-    spread_stream([n1, n2, n3])
-    leave_offline_session(n1, etcd, "fresh-start", protocol)
+    n1, n2, n3 = trio
+    etcd = module_etcd
+    client_id = f"fresh-start-{protocol}"
+    spread_stream([n1, n2, n3], name=client_id)
+    leave_offline_session(n1, etcd, client_id, protocol, stream=client_id)
 
-    clean = Paho(n2.mqtt_port, "fresh-start", protocol, clean=True)
+    clean = Paho(n2.mqtt_port, client_id, protocol, clean=True)
     clean.disconnect()
-    wait_for(lambda: snapshot_of(etcd, "fresh-start") is None, timeout=20)
+    wait_for(lambda: snapshot_of(etcd, client_id) is None, timeout=20)
 
-    publisher = Paho(n3.mqtt_port, "publisher", V5)
-    publish_round(publisher, 1, 1, "after")
-    later = Paho(n3.mqtt_port, "fresh-start", protocol, clean=False, session_expiry=3600, connect=False)
+    publisher = Paho(n3.mqtt_port, f"publisher-{client_id}", V5)
+    publish_round(publisher, 1, 1, "after", topics_under(client_id))
+    later = Paho(n3.mqtt_port, client_id, protocol, clean=False, session_expiry=3600, connect=False)
     flags, _rc, _props = later.connect()
     assert not flags.session_present
     later.expect_none(within=0.5)

@@ -18,6 +18,7 @@ from shardgate.storage.archive import (
     Archiver,
     ArchiveReader,
     ArchiveSettings,
+    archive_files,
     compaction,
     list_stream_files,
 )
@@ -73,6 +74,10 @@ async def test_small_files_of_an_hour_become_one_file(journal: JournalStorage,
     after = list_stream_files(archiver.fs, archiver.root, "s")
     assert len(after) == 4 and all(e.path.endswith(".c.parquet") for e in after)
     assert pq.read_table(root).num_rows == total
+    # The files the listing names, for any tool: the merged ones, of every stream or of one.
+    assert archive_files(root.as_uri()) == archive_files(root.as_uri(), "s") == [
+        e.path for e in after]
+    assert archive_files(root.as_uri(), "other") == []
     assert await archiver.compact() == 0  # nothing small left
     assert not os.listdir(compaction.staging_root(str(root)))
 
@@ -189,3 +194,27 @@ async def test_a_flush_during_traffic_writes_one_file_per_shard(journal: Journal
     finally:
         stop.set()
         await producer
+
+
+async def test_the_readme_snippet_reads_the_files_archive_files_names(
+        journal: JournalStorage, tmp_path: Path) -> None:
+    """The README's snippet for counting exactly at any moment runs as printed (in a directory
+    holding `shardgate-data/archive`): pyarrow and DuckDB count every row once."""
+    import subprocess
+    import sys
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("```python\nfrom pathlib import Path\nimport duckdb\n")
+    code = readme[start + len("```python\n"):readme.index("```\n", start + 10)]
+    root = tmp_path / "shardgate-data" / "archive"
+    log = journal.open_shard("default", 0)
+    log.append([(T0 + i, encode_message(MessageRecord("d", b"x", 1, False, T0 + i)))
+                for i in range(7)])
+    await journal.flush()
+    archiver = Archiver(journal, root.as_uri(), lambda: [("default", 1, "bytes")], SMALL)
+    await archiver.flush()
+    assert await archiver.compact() == 3  # (files of 3, 3 and 1 rows become one)
+    done = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", code], cwd=tmp_path,
+                                   capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["7", "7"]

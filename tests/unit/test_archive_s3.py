@@ -179,7 +179,8 @@ def plain_readers(endpoint: str, bucket: str) -> list[tuple[str, Callable[[], in
 
 class CountingReaders:
     """Readers that count the archive's rows in a loop on a thread, each as it lists it: the
-    project's listing, and the plain tools (`plain_readers`). A file deleted between a listing
+    project's listing, pyarrow reading the files `archive_files` names, and the plain tools
+    (`plain_readers`). A file deleted between a listing
     and its read is a miss: the reader lists again."""
 
     def __init__(self, url: str, small: ArchiveSettings, endpoint: str, bucket: str) -> None:
@@ -192,11 +193,20 @@ class CountingReaders:
             files = list_stream_files(reader.fs, reader.root, "sensors")
             return sum(pq.read_metadata(f.path, filesystem=reader.fs).num_rows for f in files)
 
-        self.readers = [("project", project), *plain_readers(endpoint, bucket)]
+        def listed() -> int:  # a plain tool given the files the project's listing names
+            import pyarrow.dataset as ds
+            from shardgate.storage.archive import archive_files
+
+            return ds.dataset(archive_files(url, "sensors", small), filesystem=reader.fs,
+                              partitioning="hive").count_rows()
+
+        self.readers = [("project", project), ("archive_files", listed),
+                        *plain_readers(endpoint, bucket)]
         self.root = f"{bucket}/archive"
         self.counts: dict[str, list[int]] = {name: [] for name, _read in self.readers}
         self.misses: list[BaseException] = []
         self.steps = 0
+        self.calls: list[str] = []
         self._generation = 0
         """Incremented at each step; each reader notes it when it begins to count."""
         self._latest = {name: -1 for name, _read in self.readers}
@@ -235,14 +245,19 @@ class CountingReaders:
 
     @contextlib.contextmanager
     def at_every_step(self, fs: AbstractFileSystem) -> Iterator[None]:
-        """Each change `fs` makes (an upload, a delete, a copy) waits until every reader has
-        counted what the archive holds after it: every state a compaction passes through
-        is counted by every reader."""
-        steps = ("pipe_file", "rm", "rm_file", "copy")
+        """Each change `fs` makes that a listing can see (an upload, a delete, a copy, the
+        completion of a multipart upload) waits until every reader has counted what the
+        archive holds after it: every state a compaction passes through is counted by every
+        reader. `calls` notes each of them, and the S3 requests of multipart uploads."""
+        steps = ("pipe_file", "rm", "rm_file", "copy", "call_s3")
 
-        def pausing(method: Callable[..., Any]) -> Callable[..., Any]:
+        def pausing(method: Callable[..., Any], name: str) -> Callable[..., Any]:
             def step(*args: Any, **kwargs: Any) -> Any:
                 result = method(*args, **kwargs)
+                request = args[0] if name == "call_s3" else name
+                self.calls.append(request)
+                if name == "call_s3" and request != "complete_multipart_upload":
+                    return result  # (nothing a listing sees)
                 self.steps += 1
                 self.seen_by_all()
                 return result
@@ -250,7 +265,7 @@ class CountingReaders:
 
         own = {name: fs.__dict__[name] for name in steps if name in fs.__dict__}
         for name in steps:  # (fsspec makes an async filesystem's sync methods per instance)
-            setattr(fs, name, pausing(getattr(fs, name)))
+            setattr(fs, name, pausing(getattr(fs, name), name))
         try:
             yield
         finally:
@@ -273,10 +288,11 @@ class CountingReaders:
 async def test_compaction_on_s3_never_shows_a_row_twice_to_any_reader(
         journal: JournalStorage, moto_endpoint: str, bucket: str) -> None:
     """On an object store the merged file is staged beside the root first (the project's
-    listing lists it and hides its inputs at once), then the inputs are deleted, then it is
-    copied into place. Readers counting in a loop, the project's and plain tools listing the
-    root (pyarrow, pandas), never count more rows than were archived; the project's always
-    counts all of them; at the end every reader counts all of them."""
+    listing lists it and hides its inputs at once), then a multipart upload to its place is
+    made ready, then the inputs are deleted, then the upload is completed. Readers counting
+    in a loop, the project's, pyarrow given `archive_files`, and plain tools listing the root
+    (pyarrow, pandas), never count more rows than were archived; the first two always count
+    all of them; at the end every reader counts all of them."""
     from shardgate.storage.archive import compaction, list_stream_files
 
     url = f"s3://{bucket}/archive"
@@ -300,11 +316,17 @@ async def test_compaction_on_s3_never_shows_a_row_twice_to_any_reader(
         # the archiver's own round merges the two merged files into one
         assert await archiver.compact() == 2
     assert readers.steps == 3 * 4
+    # Between the deletion of a run's inputs and its merged file's appearance (the moment a
+    # plain reader counts short) lies one request that moves no data, whatever the size.
+    assert [call for call in readers.calls if call != "list_multipart_uploads"] == 3 * [
+        "pipe_file", "create_multipart_upload", "upload_part_copy", "rm",
+        "complete_multipart_upload", "rm_file"]
     await archiver.stop(flush=True)
     for name, counts in readers.counts.items():
         assert counts and max(counts) <= 40, (name, sorted(set(counts)), readers.misses[:3])
         assert counts[-1] == 40, (name, counts[-5:])
     assert set(readers.counts["project"]) == {40}
+    assert set(readers.counts["archive_files"]) == {40}
     client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1",
                           aws_access_key_id="testing", aws_secret_access_key="testing")
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]]
@@ -318,7 +340,7 @@ async def test_compaction_on_s3_never_shows_a_row_twice_to_any_reader(
     await again.stop(flush=False)
 
 
-@pytest.mark.parametrize("stopped_after", ["staged", "inputs deleted", "copied"])
+@pytest.mark.parametrize("stopped_after", ["staged", "upload begun", "inputs deleted", "copied"])
 async def test_a_compaction_stopped_half_way_is_finished_later(
         journal: JournalStorage, moto_endpoint: str, bucket: str, stopped_after: str) -> None:
     """A compaction that stopped after any of its steps: the project's readers see every row
@@ -338,7 +360,10 @@ async def test_a_compaction_stopped_half_way_is_finished_later(
     staged = f"{staging_root(root)}{directory[len(root):]}/{name}"
     # the steps of `compact_object_store` for the first two files, up to `stopped_after`
     fs.pipe_file(staged, compaction.merge(files[:2], "sensors", 3, 1000, fs))
-    if stopped_after != "staged":
+    if stopped_after == "upload begun":  # (its place made ready: a multipart upload begun)
+        assert compaction.Placement.prepare(fs, staged, f"{directory}/{name}",
+                                            fs.size(staged)).upload is not None
+    elif stopped_after != "staged":
         fs.rm([f.path for f in files[:2]])
     if stopped_after == "copied":
         fs.copy(staged, f"{directory}/{name}")
@@ -348,7 +373,7 @@ async def test_a_compaction_stopped_half_way_is_finished_later(
     reader = ArchiveReader(url, small)
     assert [r.offset for r in reader.read("sensors", 0, 0, 100)] == list(range(12))
     plain = {name: read() for name, read in plain_readers(moto_endpoint, bucket)}
-    expected = {"staged": 12, "inputs deleted": 4, "copied": 12}[stopped_after]
+    expected = {"staged": 12, "upload begun": 12, "inputs deleted": 4, "copied": 12}[stopped_after]
     assert plain == {"pyarrow.dataset": expected, "pandas": expected}
 
     await archiver.compact()  # finishes it first (then merges the rest: 0-7 with 8-11)
@@ -358,6 +383,39 @@ async def test_a_compaction_stopped_half_way_is_finished_later(
     assert {name: read() for name, read in plain_readers(moto_endpoint, bucket)} == {
         "pyarrow.dataset": 12, "pandas": 12}
     assert [r.offset for r in ArchiveReader(url, small).read("sensors", 0, 0, 100)] == list(range(12))
+    await archiver.stop(flush=False)
+
+
+async def test_an_upload_a_stopped_compaction_began_is_aborted_once_old(
+        journal: JournalStorage, moto_endpoint: str, bucket: str) -> None:
+    """S3 keeps (and bills) the parts of a multipart upload never completed: the next rounds
+    abort those of merged files once an hour old (younger ones may be another node's
+    compaction at work); what readers see does not change."""
+    from shardgate.storage.archive import compaction, list_stream_files
+    from shardgate.storage.archive.layout import merged_file_name, staging_root
+
+    await append(journal, 8)
+    small = settings(moto_endpoint, target_rows=4, compact_after_s=0, compact_interval_s=3600)
+    archiver = Archiver(journal, f"s3://{bucket}/archive", lambda: [("sensors", 1, "bytes")],
+                        small)
+    await archiver.flush()  # (not started: no compaction of its own in the background)
+    fs, root = archiver.fs, archiver.root
+    files = list_stream_files(fs, root, "sensors")
+    directory = files[0].path.rsplit("/", 1)[0]
+    staged = f"{staging_root(root)}{directory[len(root):]}/{merged_file_name(0, 0, 7)}"
+    fs.pipe_file(staged, compaction.merge(files, "sensors", 3, 1000, fs))
+    compaction.Placement.prepare(fs, staged, f"{directory}/{merged_file_name(0, 0, 7)}",
+                                 fs.size(staged))
+    fs.rm_file(staged)  # (the compaction stopped there; nothing of it is left but the upload)
+    client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    assert len(client.list_multipart_uploads(Bucket=bucket)["Uploads"]) == 1
+    # (moto dates every upload in 2010, so that younger ones are not left alone is not seen)
+    assert compaction.abort_stale_uploads(fs, root, "other", older_than_s=0) == 0
+    assert compaction.abort_stale_uploads(fs, root, "sensors", older_than_s=0) == 1
+    assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")
+    assert {name: read() for name, read in plain_readers(moto_endpoint, bucket)} == {
+        "pyarrow.dataset": 8, "pandas": 8}
     await archiver.stop(flush=False)
 
 
