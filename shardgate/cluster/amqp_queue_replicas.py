@@ -6,9 +6,12 @@ from it (`amqp_queues.py` says where a queue lives and how other nodes reach it)
 their stream says. What lived only on its home is the queue itself: its definition and its
 durable cursors (per shard, the next offset to take and the offsets taken and not yet
 acknowledged). The home writes that, whole, as one record (`queue_state.QueueState`) to the
-internal stream `_amqp-queue-state` (one shard, three replicas capped by the live nodes, one in
-sync at least: as Kafka keeps consumer offsets in a topic, not in ZooKeeper). It writes it at
-most every `WRITE_S` while the queue changes, and again every `REFRESH_S` while it does not.
+cluster's internal state stream through `state_log.StateLog` (kind `queue_state.QUEUE_KIND`,
+keyed by vhost, queue and incarnation, stamped with the queue's epoch; one shard, three
+replicas capped by the live nodes, two in sync: as Kafka keeps consumer offsets in a topic, not
+in ZooKeeper). It writes it at most every `WRITE_S` while the queue changes, and again every
+`REFRESH_S` while it does not (the stream keeps an hour). The state is taken when the batch is
+written, and not written once this node no longer holds the queue.
 Before it answers a declare (passive too), bind, unbind or purge of the queue, the home waits
 (bounded, `SETTLED_S`) until the state as it is then is committed there (`replicated`): what a
 client saw answered is what a takeover starts from. An acknowledgement is a basic.ack with no
@@ -18,7 +21,10 @@ reply: one made less than `WRITE_S` before the home dies may come again (at leas
 `incarnation` (a random id from its declare) and an `epoch` (0 at the declare). When the home
 is gone from the view (its lease expired), one live node running AMQP, chosen by rendezvous
 hashing over the live nodes (`queue_state.taker`), reads the queue's latest state of that
-incarnation and of an epoch up to the record's, and replaces the record with itself and the
+incarnation and of the highest epoch up to the record's (`StateLog.latest(max_epoch=)`,
+through the kind's index: a node taking over many queues reads the stream once, and each
+later takeover only what was written since; the part older than `RECENT_S` only when the
+recent part has no state of the record's epoch), and replaces the record with itself and the
 next epoch in one compare-and-set on the revision it read: of several nodes trying, one
 wins. It then makes the queue here from the state: its cursors are placed as a session's are
 (`CursorPlacer.place`: over this node's journal, or the leader's, for every shard), the
@@ -48,29 +54,25 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 from ..core.durable import DurableSubscription
-from ..core.errors import CoreError, PublishRejected
-from ..core.kept_state import INTERNAL_PRODUCER
-from ..core.message import Message, now_ms
-from ..core.records import RecordFormatError, decode_to_message
-from ..core.streams import DispatchMode, RoutingRule, StreamConfig
+from ..core.message import now_ms
 from ..core.subscriptions import SubscriptionType
 from ..protocols.amqp.remote import is_shared
 from ..protocols.mqtt.snapshot import CursorState
 from . import keys
 from .queue_state import (
-    STATE_ROUTE,
-    STATE_STREAM,
+    LEGACY_STATE_STREAM,
+    QUEUE_KIND,
     CursorEntry,
     QueueState,
     QueueStateError,
     decode_state,
     encode_state,
-    latest,
     record_fields,
-    state_topic,
+    state_key,
     taker,
 )
 from .set_aside import decode_record
+from .state_log import INTERNAL_STREAM, StateLog
 
 if TYPE_CHECKING:
     from ..core.broker import Broker
@@ -89,15 +91,17 @@ REFRESH_S = 600.0
 # for a moment): then the reply goes, and the state is written when it can be.
 SETTLED_S = 5.0
 SETTLE_RETRY_S = 0.05
-STATE_REPLICAS = 3
 # Retrying a takeover (the state shard's leader died with the home: its successor comes
 # within the failover time).
 RETRY_MIN_S = 0.2
 RETRY_MAX_S = 2.0
-READ_RECORDS = 512
 READ_TIMEOUT_S = 5.0
+# A takeover first reads the states written this long ago and since (a live home writes each
+# of its queues at least every REFRESH_S), and older ones only when those hold none of the
+# record's epoch (its home died before writing one, or long ago).
+RECENT_S = 2 * REFRESH_S
 # Streams whose cursors are not part of a queue's state (every node's own; the state itself).
-NOT_CARRIED = frozenset({"sys", STATE_STREAM})
+NOT_CARRIED = frozenset({"sys", INTERNAL_STREAM, LEGACY_STATE_STREAM})
 
 
 def new_incarnation() -> str:
@@ -125,13 +129,14 @@ class QueueReplicas:
         self.plane = plane
         self.placer = placer
         self.rpc = rpc
+        self.states = StateLog(node, broker, QUEUE_KIND, indexed=True)
         self.amqp: Any = None
         # per queue (vhost, name): what its last written state looked like, when, and the
         # commit of the latest write
         self._written: dict[tuple[str, str], tuple[Any, ...]] = {}
         self._written_at: dict[tuple[str, str], float] = {}
         self._commits: dict[tuple[str, str], asyncio.Future[None]] = {}
-        self._seq = time.time_ns()
+        self._seq = time.time_ns()  # the state's own `seq` (the log's stamp is `StateLog`'s)
         self._taking: dict[str, asyncio.Task[None]] = {}
         self._task: asyncio.Task[None] | None = None
         self.taken_over = 0
@@ -146,20 +151,6 @@ class QueueReplicas:
             self._task = None
         for task in list(self._taking.values()):
             task.cancel()
-
-    def ensure_stream(self) -> None:
-        """The state stream and its route, made here unless the cluster has them, when a
-        first durable queue is homed here (every node makes the same: the writes are equal)."""
-        broker = self.broker
-        try:
-            if STATE_STREAM not in broker.streams:
-                broker.create_stream(StreamConfig(
-                    STATE_STREAM, mode=DispatchMode.RELIABLE, partitions=1, replicas=STATE_REPLICAS,
-                    min_insync_replicas=1))
-            if not any(rule.topic_filter == STATE_ROUTE for rule in broker.router.rules):
-                broker.add_route(RoutingRule(STATE_ROUTE, STATE_STREAM))
-        except (CoreError, ValueError) as exc:
-            log.warning("cluster: cannot make the stream of AMQP queue states: %s", exc)
 
     # ------------------------------------------------------------ the home's writes
     def _record(self, vhost: str, name: str) -> dict[str, Any] | None:
@@ -217,20 +208,22 @@ class QueueReplicas:
             return  # fenced: a node that cannot prove its lease may have lost the queue
         self._written[key] = signature
         self._written_at[key] = time.monotonic()
-        if STATE_STREAM not in self.broker.streams:
-            self.ensure_stream()
-        state = self.state_of(vhost, queue, record)
-        message = Message(state_topic(vhost.name, queue.name), encode_state(state), qos=1,
-                          producer_protocol=INTERNAL_PRODUCER, producer_id=self.node.node_id)
-        try:
-            commit = self.broker.publish(message, counted=False)
-        except PublishRejected as exc:
-            self._written.pop(key, None)  # written again at the next round
-            self._commits.pop(key, None)
-            log.debug("cluster: the state of AMQP queue %r not written now: %s", queue.name, exc)
-            return
-        if commit is None:
-            return
+        incarnation, epoch = record_fields(record)
+        me = self.node.node_id
+
+        def value() -> bytes | None:
+            # taken as the batch is written (or written again): the state as it is then, unless
+            # the queue left this node meanwhile
+            current = self._record(vhost.name, queue.name)
+            if (queue.deleted or current is None or current.get("node") != me
+                    or record_fields(current) != (incarnation, epoch)
+                    or not self.node.view.lease_alive()):
+                if self._written.get(key) == signature:
+                    self._written.pop(key, None)
+                return None
+            return encode_state(self.state_of(vhost, queue, current))
+
+        commit = self.states.put(state_key(vhost.name, queue.name, incarnation), value, epoch)
 
         def landed(done: asyncio.Future[None]) -> None:
             if done.cancelled() or done.exception() is not None:
@@ -420,35 +413,25 @@ class QueueReplicas:
         return True
 
     async def read_latest(self, vhost: str, name: str, incarnation: str, max_epoch: int) -> QueueState | None:
-        """The queue's latest committed state in the state stream (read from its leader)."""
-        from .shard_reader import serve_read
-
-        topic = state_topic(vhost, name)
-        states: list[QueueState] = []
-        position = 0
-        while True:
-            assignment = self.node.view.leader(STATE_STREAM, 0)
-            if assignment is None:
-                raise RuntimeError("the stream of AMQP queue states has no leader yet")
-            request = {"stream": STATE_STREAM, "shard": 0, "from": position, "max": READ_RECORDS,
-                       "filters": [topic], "node": self.node.node_id}
-            if assignment.leader == self.node.node_id:
-                header, records = await serve_read(self.broker, self.plane, request)
-            else:
-                header, records = await self.rpc.read_shard(assignment.leader, request, READ_TIMEOUT_S)
-            if "error" in header:
-                raise RuntimeError(str(header["error"]))
-            for record in records:
-                try:
-                    message = decode_to_message(bytes(record.data))
-                    if message.topic == topic:
-                        states.append(decode_state(message.payload))
-                except (RecordFormatError, QueueStateError) as exc:
-                    log.warning("cluster: an unreadable state of AMQP queue %r at offset %d: %s",
-                                name, record.offset, exc)
-            position = max(position, int(header["next"]))
-            if header.get("caught_up"):
-                return latest(states, incarnation, max_epoch)
+        """The queue's latest committed state of `incarnation` and of the highest epoch up to
+        `max_epoch` (module docstring); raises `ShardUnreadable` while that cannot be read."""
+        key = state_key(vhost, name, incarnation)
+        state = None
+        for since_ms in (now_ms() - int(RECENT_S * 1000), 0):
+            data = await self.states.latest(key, since_ms, READ_TIMEOUT_S, max_epoch=max_epoch)
+            if data is None:
+                continue
+            try:
+                state = decode_state(data)
+            except QueueStateError as exc:
+                log.warning("cluster: an unreadable state of AMQP queue %r: %s", name, exc)
+                state = None
+                continue
+            if state.epoch == max_epoch:
+                break
+        if state is None or state.incarnation != incarnation or state.epoch > max_epoch:
+            return None
+        return state
 
     def adopt(self, vhost: Any, state: QueueState) -> Any:
         """Make the queue here from `state`: its durable subscription with the cursors placed,

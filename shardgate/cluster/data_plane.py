@@ -313,6 +313,10 @@ class DataPlane:
         """See `RouteSync.pushes_settled` (a session moving here waits for it)."""
         return self.route_sync.pushes_settled()
 
+    def pushes_flushed(self, timeout_s: float) -> asyncio.Future[None] | None:
+        """See `RouteSync.pushes_flushed` (a session's stand-in waits for it before it leaves)."""
+        return self.route_sync.pushes_flushed(timeout_s)
+
     def unrouted_held(self) -> int:
         """How many stored messages wait for some node's routes (`unrouted.py`)."""
         return self.unrouted.held()

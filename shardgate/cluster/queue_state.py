@@ -13,8 +13,13 @@ all of that at one moment, stamped with
 - the `epoch` of its etcd record (0 at the declare, one more at each takeover): a record
   written by a home that lost the queue (a paused process that resumes, a node cut off) has an
   older epoch and is never read as the queue's state,
-- `seq`, growing with every state its writer writes: of one epoch, the latest write wins even
-  if the log holds it before an older one (a forward re-routed after a leader change).
+- `seq`, growing with every state its writer writes.
+
+The records go to the cluster's one internal state stream through `state_log.StateLog` (kind
+`QUEUE_KIND`), keyed by vhost, queue and incarnation (`state_key`), stamped with the epoch:
+`StateLog.latest(max_epoch=)` gives the newest of the highest epoch up to the record's, the
+latest written within an epoch by its writer's sequence number even if the log holds it
+before an older one (a forward re-routed after a leader change).
 
 Any state a home wrote is a true past state of the queue: reading an older one than the latest
 only delivers again what was acknowledged since (at least once), never loses a message.
@@ -30,12 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
-# The internal stream every node's durable queues write their state to (one shard, replicated
-# on up to three nodes), and the topic prefix routed to it: `$internal/` topics are the
-# broker's own, refused to clients and delivered to no subscription.
-STATE_STREAM = "_amqp-queue-state"
-STATE_TOPIC_PREFIX = "$internal/amqp-queues/"
-STATE_ROUTE = STATE_TOPIC_PREFIX + "#"
+# The `StateLog` kind of the queues' states (topics `$internal/amqp-queue-states/<key>` of the
+# internal state stream), and the stream a first version kept them in (its cursors are not
+# part of a queue's state where a cluster still has it).
+QUEUE_KIND = "amqp-queue-states"
+LEGACY_STATE_STREAM = "_amqp-queue-state"
 FORMAT = 1
 
 
@@ -43,9 +47,10 @@ class QueueStateError(ValueError):
     """A state record that cannot be read."""
 
 
-def state_topic(vhost: str, queue: str) -> str:
-    """The topic of `queue`'s state records (one topic level each for vhost and queue)."""
-    return f"{STATE_TOPIC_PREFIX}{quote(vhost, safe='')}/{quote(queue, safe='')}"
+def state_key(vhost: str, queue: str, incarnation: str) -> str:
+    """The `StateLog` key of one incarnation of `queue` (a queue declared again is another
+    key: it never reads its predecessor's state)."""
+    return "/".join(quote(part, safe="") for part in (vhost, queue, incarnation))
 
 
 @dataclass(slots=True)
@@ -121,19 +126,6 @@ def decode_state(payload: bytes) -> QueueState:
         raise
     except (zlib.error, ValueError, TypeError, KeyError) as exc:
         raise QueueStateError(f"unreadable queue state: {exc}") from None
-
-
-def latest(states: Iterable[QueueState], incarnation: str, max_epoch: int) -> QueueState | None:
-    """The queue's state to resume from: of those of `incarnation` and of an epoch up to
-    `max_epoch` (its etcd record's: no home writes past it), the one of the highest epoch, and
-    in it the latest written."""
-    best: QueueState | None = None
-    for state in states:
-        if state.incarnation != incarnation or state.epoch > max_epoch:
-            continue
-        if state.newer_than(best):
-            best = state
-    return best
 
 
 def taker(queue_key: str, candidates: Iterable[str]) -> str | None:

@@ -41,6 +41,9 @@ class RouteSync:
         # of the frames from it applied so far (`PeerFrame.routes_applied`), and who waits.
         self.pushes_under: dict[str, int] = {}
         self._push_waiters: list[tuple[int, asyncio.Future[None]]] = []
+        # The next route update goes out (with a new generation) even with nothing in it
+        # (`pushes_flushed`).
+        self._barrier = False
 
     def start(self) -> None:
         """Take what this node's clients hold now as what the peers are told first."""
@@ -83,7 +86,8 @@ class RouteSync:
         now = local_routes(self.plane.broker.subscriptions.values())
         delta = diff(self._advertised, now)
         self._advertised = now
-        if not delta:
+        barrier, self._barrier = self._barrier, False
+        if not delta and not barrier:
             self.link_state_changed()  # nothing new to wait for
             return
         self.generation += 1
@@ -126,6 +130,28 @@ class RouteSync:
         future: asyncio.Future[None] = loop.create_future()
         self._push_waiters.append((target, future))
         loop.call_later(ROUTE_WAIT_S, _resolve, future)
+        return future
+
+    def pushes_flushed(self, timeout_s: float = ROUTE_WAIT_S) -> asyncio.Future[None] | None:
+        """As `pushes_settled`, but also when this node's routes did not change: every push a
+        peer chose this node for before now has arrived here and been dispatched. A session
+        handed over from here waits for this before its stand-in leaves (`SessionRelease.
+        collect`): the node's routes stay the same when other sessions here hold the same
+        filters, yet a peer may have pushed a message for the session just before it learnt
+        of the session's new node. An update with nothing in it (a new generation) goes to
+        every peer, each answers it behind its pushes. None when no peer is linked; else the
+        future resolves once so, or after `timeout_s` (a slow peer)."""
+        if not any(link.connected for link in self.links.values()):
+            return None
+        self._barrier = True
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+        self._flush_routes()
+        target = self.generation
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        self._push_waiters.append((target, future))
+        loop.call_later(timeout_s, _resolve, future)
         return future
 
     def _pushes_reached(self, target: int) -> bool:

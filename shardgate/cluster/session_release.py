@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from ..core.message import Message
 from ..core.outbox import SLOW_SUBSCRIBER
 from ..core.subscriptions import Subscription
 from ..protocols.mqtt.session import MqttSession, Queued
-from ..protocols.mqtt.snapshot import message_record
+from ..protocols.mqtt.snapshot import SessionSnapshot, message_record
 from ..protocols.mqtt.snapshotting import capture
 
 if TYPE_CHECKING:
@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 # How long a node that handed a session over keeps its shared groups' messages for the new
 # node (`GroupStandIn`) when that node does not collect them (it died meanwhile).
 STAND_IN_TIMEOUT_S = 30.0
+# How long a collect waits for the peers to say every push they chose this node for has
+# arrived (`DataPlane.pushes_flushed`): a peer slower than this is taken as gone.
+FLUSH_WAIT_S = 10.0
 
 
 def _identity(message: Message) -> tuple[str, int, int, int, str]:
@@ -98,6 +101,12 @@ class GroupStandIn:
         # False once the new node collects: no longer a member in this node's routes, it only
         # takes what the owners had already sent here (`routes.local_routes`)
         self.in_routes = True
+        # the answer to the new node's collect, once asked (kept for its retries until `timer`)
+        self.collected: asyncio.Future[dict[str, Any]] | None = None
+        # the session as it left here, until the new node collects (a sign it has it): asked
+        # again when its first call failed, written to etcd when never collected
+        self.state: SessionSnapshot | None = None
+        self.left = False  # it left its groups
 
     @property
     def consumer_id(self) -> str:
@@ -123,8 +132,13 @@ class SessionRelease:
     `SessionSnapshots`: their local forget is not an end)."""
 
     def __init__(self, node: ClusterNode, service: MqttService, broker: Broker, plane: DataPlane,
-                 releasing: set[str]) -> None:
+                 releasing: set[str],
+                 keep: Callable[[SessionSnapshot], Awaitable[None]] | None = None) -> None:
         self.node = node
+        # writes a session's state to etcd when its new node never collected it
+        self.keep = keep
+        self._keeping: set[asyncio.Task[None]] = set()
+        self._keeping_by_client: dict[str, asyncio.Task[None]] = {}
         self.service = service
         self.broker = broker
         self.plane = plane
@@ -149,12 +163,23 @@ class SessionRelease:
         # a takeover: the new connection owns the session now (a will without delay goes)
         session = service.release_for_takeover(client_id, to, clean_start=clean_start)
         if session is None:
+            keeping = self._keeping_by_client.get(client_id)
+            if keeping is not None:  # its snapshot is on its way to etcd: read it there after
+                await asyncio.wait([keeping], timeout=5.0)
+            stand_in = self.stand_ins.get(client_id)
+            if (stand_in is not None and stand_in.to == to and stand_in.state is not None
+                    and stand_in.collected is None):
+                # `to` asks again: its call timed out, or its answer was lost. The session
+                # left here already; what it took with it is kept until `to` collects
+                return {"state": stand_in.state.to_dict(), "stand_in": True}
             return {"state": None}
-        state = (capture(session, self.node.node_id, group_messages=True).to_dict()
-                 if session.durable and not clean_start else None)
+        snapshot = (capture(session, self.node.node_id, group_messages=True)
+                    if session.durable and not clean_start else None)
+        state = None if snapshot is None else snapshot.to_dict()
         stand_in = None
-        if state is not None:
+        if snapshot is not None:
             stand_in = self._stand_in(session, to)
+            stand_in.state = snapshot
         self.releasing.add(client_id)
         try:
             if service.sessions.get(client_id) is session:
@@ -170,8 +195,9 @@ class SessionRelease:
         client_id = session.client_id
         earlier = self.stand_ins.get(client_id)
         taken: list[tuple[str, Message, tuple[str, ...]]] = []
-        if earlier is not None:  # an earlier move's, not collected yet: what it took goes too
-            taken, earlier.messages = earlier.messages, []
+        if earlier is not None:  # an earlier move's: what it took goes too, unless collected
+            if earlier.collected is None:
+                taken, earlier.messages = earlier.messages, []
             self.drop_stand_in(client_id)
         own = self._own_stand_in_subscription(session)
         groups = [sub for sub, _options in session.shared.values()]
@@ -199,35 +225,44 @@ class SessionRelease:
 
     async def collect(self, client_id: str, to: str) -> dict[str, Any]:
         """The session's new node `to` is in its groups now: the stand-in leaves them, and once
-        the peers know (and what they pushed meanwhile has arrived), what it took goes there."""
+        every push a peer chose this node for before is here (`DataPlane.pushes_flushed`: the
+        node's routes may not change at all, when other sessions here hold the same filters),
+        what it took goes there. The answer is kept until the stand-in's time is up: a new
+        node whose call timed out asks again and gets the same messages, never none."""
         stand_in = self.stand_ins.get(client_id)
         if stand_in is None or stand_in.to != to:
             return {"messages": []}
+        if stand_in.collected is None:
+            stand_in.collected = asyncio.ensure_future(self._collect(client_id, stand_in))
+        return await asyncio.shield(stand_in.collected)
+
+    async def _collect(self, client_id: str, stand_in: GroupStandIn) -> dict[str, Any]:
         broker = self.broker
         stand_in.in_routes = False  # the peers stop sending the groups' messages here
         if broker.on_routes_changed is not None:
             broker.on_routes_changed()
         # a peer's pushes come on its own link, not the one its answer to the route change
         # came on: each peer says on its link, behind what it pushed before, that it applied
-        # the change, so once that arrived nothing for the stand-in is still on its way
-        settled = self.plane.pushes_settled()
-        if settled is not None:
-            await settled
-        if self.stand_ins.get(client_id) is stand_in:
-            del self.stand_ins[client_id]
-        if stand_in.timer is not None:
-            stand_in.timer.cancel()
+        # this node's routes as they are now, so once that arrived nothing for the stand-in is
+        # still on its way
+        flushed = self.plane.pushes_flushed(FLUSH_WAIT_S)
+        if flushed is not None:
+            await flushed
         self._leave_groups(stand_in)
         if stand_in.dropped:
             self.broker.stats.drop(SLOW_SUBSCRIBER, stand_in.dropped)
             log.warning("cluster: %d group messages for session %r were over the queue limit "
                         "while it moved; dropped", stand_in.dropped, client_id)
+        taken, stand_in.messages = stand_in.messages, []
         return {"messages": [
             [group, message.stream, message.shard, message.offset, message_record(message), list(filters)]
-            for group, message, filters in stand_in.messages
+            for group, message, filters in taken
         ]}
 
     def _leave_groups(self, stand_in: GroupStandIn) -> None:
+        if stand_in.left:
+            return
+        stand_in.left = True
         broker = self.broker
         for group in stand_in.groups:
             broker.detach(group, stand_in)
@@ -241,6 +276,31 @@ class SessionRelease:
         if stand_in.timer is not None:
             stand_in.timer.cancel()
         self._leave_groups(stand_in)
+        if stand_in.collected is not None:
+            return
         if stand_in.messages:
             log.warning("cluster: %d group messages kept for session %r were never collected by "
                         "its new node; dropped", len(stand_in.messages), client_id)
+        if stand_in.state is not None and self.keep is not None:
+            task = asyncio.ensure_future(self._keep(stand_in.state))
+            self._keeping.add(task)
+            self._keeping_by_client[client_id] = task
+            task.add_done_callback(self._keeping.discard)
+            task.add_done_callback(lambda _task: self._keeping_by_client.pop(client_id, None))
+
+    async def _keep(self, state: SessionSnapshot) -> None:
+        assert self.keep is not None
+        try:
+            await self.keep(state)
+        except Exception as exc:  # noqa: BLE001 - etcd away: the older snapshot stays
+            log.warning("cluster: cannot write the snapshot of session %r, handed over and never "
+                        "collected, to etcd: %s", state.client_id, exc)
+
+    async def keep_uncollected(self) -> None:
+        """A graceful stop: every session handed over whose new node has not collected it goes
+        to etcd as it left here (`keep`), before the cluster port closes."""
+        for client_id in [client_id for client_id, stand_in in self.stand_ins.items()
+                          if stand_in.collected is None]:
+            self.drop_stand_in(client_id)
+        if self._keeping:
+            await asyncio.wait(list(self._keeping), timeout=5.0)

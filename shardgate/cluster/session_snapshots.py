@@ -13,6 +13,8 @@ through the `StateWriter`, batched; reads decode a `SessionSnapshot` of any vers
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -40,6 +42,9 @@ CHECKPOINT_S = 2.0
 # ... and sooner for a bounded number of them: every `SOON_CHECKPOINT_S`, up to
 # `MAX_BATCH_PUTS` (one more etcd transaction at most), those checkpointed longest ago first.
 SOON_CHECKPOINT_S = 0.5
+# The largest session snapshot written to etcd (`etcd_value`): one value alone in a
+# transaction of the state writer (`state_writer.MAX_BATCH_BYTES`).
+MAX_SNAPSHOT_BYTES = 1_000_000
 
 
 def checkpoints_due(moved: dict[str, float], now: float) -> list[str]:
@@ -51,6 +56,30 @@ def checkpoints_due(moved: dict[str, float], now: float) -> list[str]:
     sooner = sorted((at, client_id) for client_id, at in moved.items()
                     if SOON_CHECKPOINT_S <= now - at < CHECKPOINT_S)
     return due + [client_id for _at, client_id in sooner[:MAX_BATCH_PUTS]]
+
+
+def etcd_value(state: SessionSnapshot, limit: int = MAX_SNAPSHOT_BYTES) -> bytes:
+    """`state` as written to etcd: whole when it fits in `limit` bytes; else without the
+    newest of the messages queued for it that no cursor holds (a non-reliable stream's, or a
+    shared group's), as a full session queue drops the newest, logged. etcd refuses a larger
+    request at all (its default limit is 1.5 MiB), and would refuse every later write of it.
+    This snapshot serves only when its holder dies: a move between live nodes carries the
+    whole session over the cluster port (`SessionRelease`)."""
+    value = state.encode()
+    if len(value) <= limit or not state.queued:
+        return value
+    sizes = [len(json.dumps(entry.encode(), separators=(",", ":"))) + 1 for entry in state.queued]
+    excess = len(value) - limit
+    keep = len(sizes)
+    while keep and excess > 0:
+        keep -= 1
+        excess -= sizes[keep]
+    trimmed = dataclasses.replace(state, queued=state.queued[:keep])
+    log.warning("cluster: the snapshot of MQTT session %r is %d bytes, over the %d etcd takes: "
+                "it is written there without the newest %d of its %d queued messages (they move "
+                "with the session between live nodes, and are lost only if its node dies)",
+                state.client_id, len(value), limit, len(sizes) - keep, len(sizes))
+    return trimmed.encode()
 
 
 def expired(state: SessionSnapshot, now: int | None = None, holder_gone_ms: int | None = None) -> bool:
@@ -136,6 +165,26 @@ class SessionSnapshots:
         except UNREADABLE as exc:
             self.set_aside(what, None, exc, record)
             return None
+
+    async def keep_released(self, state: SessionSnapshot) -> None:
+        """A session this node handed over that its new node never collected (it may not have
+        it: its call's answer was lost, then it gave up): etcd's snapshot becomes `state`,
+        unless etcd holds a newer one (the new node's, `SessionSnapshot.newer_than`), so a
+        later claim resumes it from there rather than from an older snapshot."""
+        key = self.key(state.client_id)
+        for _attempt in range(3):
+            kv = await self.node.state_store.get(key)
+            revision = 0
+            if kv is not None:
+                held = self.read(state.client_id, kv)
+                if held is not None and held.newer_than(state):
+                    return
+                revision = kv.mod_revision
+            written, _now = await self.node.state_store.put_at(key, revision, etcd_value(state))
+            if written:
+                log.info("cluster: session %r handed over and never collected: its snapshot "
+                         "in etcd is the one it left with", state.client_id)
+                return
 
     async def drop_moved(self) -> int:
         """At start: drop sessions restored from this node's store that ended or moved while
@@ -272,7 +321,7 @@ class SessionSnapshots:
                 return None
             if self.node.view.sessions.get(client_id) not in (None, self.node.node_id):
                 return None
-            return capture(session, self.node.node_id).encode()
+            return etcd_value(capture(session, self.node.node_id))
         return make
 
     def _sync(self, client_id: str) -> None:
@@ -296,7 +345,7 @@ class SessionSnapshots:
                     # another node took it over (the registry says so) while this one could
                     # not hand it over (stopping): that node's snapshot is the session now
                     return
-                await client.put(key, capture(session, self.node.node_id).encode())
+                await client.put(key, etcd_value(capture(session, self.node.node_id)))
                 self._void.pop(client_id, None)
                 return
             kv = await client.get(key)

@@ -15,7 +15,13 @@ how far it got. Moving a session moves its state, not its messages:
   streams) and drops it. This node rebuilds the session from the snapshot; cursors of shards
   it owns replay its own journal, the others read the owner's journal (`shard_reader.OwnerLog`)
   until they meet the live pushes. Unacknowledged messages are resent with DUP, as after a
-  restart; QoS 2 releases stay releases.
+  restart; QoS 2 releases stay releases. A `ReleaseSession` whose answer does not come in
+  time (the holder may have ended the session already) is asked again while the holder is
+  live, and the holder keeps what it handed over until this node collects it: this node never
+  resumes from an older snapshot then (`_release_from`, `_in_doubt`). The holder's stand-in
+  (`session_release.GroupStandIn`) takes the session's messages that were on their way to it
+  until this node serves its routes and every peer's earlier pushes have arrived there
+  (`RouteSync.pushes_flushed`), then hands them over.
 - **The holder is dead.** The snapshot is also kept in etcd, written when the session goes
   offline (one write per disconnect, never per message: an offline session's cursors do not
   move, so that snapshot is exact). The new node resumes from it; the dead node's reliable
@@ -86,6 +92,9 @@ log = logging.getLogger(__name__)
 # How long a CONNECT waits for its session to come from another node before it gets a new one.
 TAKEOVER_TIMEOUT_S = 5.0
 RELEASE_CALL_TIMEOUT_S = 3.0
+# How long a node keeps trying to bring a session whose holder may have handed it over
+# without the answer arriving (`SessionHandover._settle_doubt`).
+SETTLE_DOUBT_S = 60.0
 # How long a `ReleaseSession` waits for the session it asks for to arrive here, when this node
 # claimed it earlier and is still bringing it (within the caller's RELEASE_CALL_TIMEOUT_S).
 ADOPTION_WAIT_S = 2.0
@@ -96,6 +105,11 @@ HAND_OVER_PARALLEL = 16
 # How long a takeover (CONNACK, a leaving node's handover) waits for what the old node's
 # stand-in took for the session while it moved (then it comes in the background).
 COLLECT_WAIT_S = 2.0
+# How long the new node keeps trying to collect what the old node's stand-in took (within the
+# stand-in's own STAND_IN_TIMEOUT_S), and how long one call may take (the old node waits for
+# its peers' pushes, up to `session_release.FLUSH_WAIT_S`).
+COLLECT_S = 25.0
+COLLECT_CALL_TIMEOUT_S = 12.0
 # The sessions' QoS 2 state in the replicated internal stream (`state_log.StateLog`), and how
 # far before a snapshot's time its records are read (the nodes' clocks may differ by this
 # much: as much as the cluster port's signatures allow, `link_auth`).
@@ -124,7 +138,8 @@ class SessionHandover:
         self.snapshots = SessionSnapshots(node, service, writer, releasing)
         self.state_log = StateLog(node, broker, EXACTLY_ONCE_KIND)
         self.resumed_from_log = 0
-        self.releaser = SessionRelease(node, service, broker, placer.plane, releasing)
+        self.releaser = SessionRelease(node, service, broker, placer.plane, releasing,
+                                       self.snapshots.keep_released)
         self.taken_over = 0
         # sessions taken over from a stand-in: how long their queue was when adopted (what came
         # after is put in shard order once the stand-in's messages are in, `in_shard_order`)
@@ -133,6 +148,10 @@ class SessionHandover:
         # sessions this node claimed and is bringing here, done once each is adopted (or not):
         # a later claim's `ReleaseSession` waits for it (`_release`)
         self._adopting: dict[str, asyncio.Future[None]] = {}
+        # sessions this node claimed whose holder's `ReleaseSession` answer never came (the
+        # holder may have handed them over): the holder, and the claim's user and `owned`
+        self._in_doubt: dict[str, tuple[str, str | None, bool]] = {}
+        self._settling: dict[str, asyncio.Task[None]] = {}
 
     def key(self, client_id: str) -> str:
         return self.snapshots.key(client_id)
@@ -150,7 +169,7 @@ class SessionHandover:
 
     def stop(self) -> None:
         self.snapshots.stop()
-        for collecting in list(self._collecting):
+        for collecting in [*self._collecting, *self._settling.values()]:
             collecting.cancel()
 
     async def drop_moved(self) -> int:
@@ -228,6 +247,12 @@ class SessionHandover:
         except SessionOfAnotherUser:
             raise
         except (TimeoutError, EtcdError, StateCallError) as exc:
+            if isinstance(exc, TimeoutError) and client_id in self.service.sessions:
+                # it came here; only what the old node kept for it while it moved is still on
+                # its way (`_collect_from`, in the background): the CONNECT goes on with it
+                log.info("cluster: session %r taken over; what it took while it moved comes "
+                         "in the background", client_id)
+                return
             if not clean_start:
                 # the session (and the backlog its cursors hold) is not lost for a moment
                 # without etcd: the CONNECT is refused (server unavailable) and tried again
@@ -276,9 +301,16 @@ class SessionHandover:
         still bringing here is handed on once it is here (claims are ordered by etcd, each
         waits only for an earlier one), not answered with "no session" while it is on its
         way (that peer's client would get a new, empty session)."""
-        adopting = self._adopting.get(str(request["client_id"]))
+        client_id = str(request["client_id"])
+        adopting = self._adopting.get(client_id)
         if adopting is not None and not request.get("collect"):
             await asyncio.wait([adopting], timeout=ADOPTION_WAIT_S)
+        if (not request.get("collect") and client_id in self._in_doubt
+                and client_id not in self.service.sessions):
+            # this node claimed it and does not know yet whether its holder handed it over:
+            # "no session" would give the asking node's client a new, empty one
+            self._settle_soon(client_id)
+            return {"in_doubt": True}
         return await self.releaser.release(request)
 
     async def _claim_and_adopt(self, client_id: str, clean_start: bool, username: str | None, *,
@@ -304,24 +336,35 @@ class SessionHandover:
             return
         saved_kv = reads[0]
         state = self.snapshots.read(client_id, saved_kv[0] if saved_kv else None)
+        doubt = self._in_doubt.get(client_id)
+        if doubt is not None and (holder is None or holder == me):
+            if client_id in self.service.sessions:
+                self._in_doubt.pop(client_id, None)  # it came here after all
+            else:
+                holder = doubt[0]  # an earlier claim here asked it and never heard back
         if holder is not None and holder != me and holder in node.view.nodes():
+            stood_in = False
             try:
-                reply = await self.rpc.release_session(
-                    holder, {"client_id": client_id, "to": me, "clean_start": clean_start},
-                    RELEASE_CALL_TIMEOUT_S)
+                reply = await self._release_from(str(holder), client_id, clean_start,
+                                                 (username, owned))
                 released = reply.get("state")
                 state = None if released is None else self._released(client_id, released)
                 stood_in = bool(reply.get("stand_in"))
+                if released is None and doubt is not None and not clean_start:
+                    # asked again after an answer that never came: the holder's stand-in is
+                    # gone, and what it kept is in etcd (`SessionRelease.drop_stand_in`)
+                    state = await self._newest(client_id, self.snapshots.read(
+                        client_id, await node.state_store.get(self.key(client_id))))
             except StateCallError as exc:
                 log.warning("cluster: node %s did not hand session %r over (%s); resuming from "
                             "its last snapshot", holder, client_id, exc)
-                stood_in = False
                 # read again: a holder that stops gracefully writes its sessions' snapshots
-                # before its cluster port closes, maybe after the claim above read the older
-                # one (its client reconnected here while it was stopping)
+                # (also those it handed over and that were never collected) before its
+                # cluster port closes, maybe after the claim above read the older one
                 state = self.snapshots.read(client_id, await node.state_store.get(self.key(client_id)))
                 if not clean_start:
                     state = await self._newest(client_id, state)
+            self._in_doubt.pop(client_id, None)
             if stood_in:
                 # the holder's stand-in takes the session's messages there until this node
                 # serves its routes (adopted, and the peers know), then hands over what it
@@ -340,7 +383,71 @@ class SessionHandover:
         elif holder != me and not clean_start and client_id not in self.service.sessions:
             # its holder is gone: its last snapshot, or the newer state it replicated
             state = await self._newest(client_id, state)
+        self._in_doubt.pop(client_id, None)
         await self._adopt_taken(client_id, clean_start, state)
+
+    async def _release_from(self, holder: str, client_id: str, clean_start: bool,
+                            claimant: tuple[str | None, bool]) -> dict[str, Any]:
+        """`holder`'s `ReleaseSession` answer. A call whose outcome is unknown (it timed out:
+        the holder may have ended the session and kept it for this node, `SessionRelease`)
+        is made again while the holder is live: resuming from an older snapshot then would
+        lose what the holder handed over. While unknown, a later claim here asks the holder
+        again (`_in_doubt`), and this node settles it in the background when no client does
+        (`_settle_doubt`). Raises StateCallError when the holder did not do it (refused, or
+        its cluster port is closed: a stopping holder wrote what it kept to etcd before)."""
+        request = {"client_id": client_id, "to": self.node.node_id, "clean_start": clean_start}
+        if clean_start:
+            return await self.rpc.release_session(holder, request, RELEASE_CALL_TIMEOUT_S)
+        self._in_doubt[client_id] = (holder, *claimant)
+        settled = False
+        try:
+            while True:
+                try:
+                    reply = await self.rpc.release_session(holder, request, RELEASE_CALL_TIMEOUT_S)
+                except StateCallError as exc:
+                    if not exc.outcome_unknown or holder not in self.node.view.nodes():
+                        settled = True
+                        raise
+                    log.info("cluster: asking node %s again for session %r (%s)", holder,
+                             client_id, exc)
+                    await asyncio.sleep(0.1)
+                    continue
+                if reply.get("in_doubt"):  # the holder is waiting on its own earlier holder
+                    await asyncio.sleep(0.2)
+                    continue
+                settled = True
+                return reply
+        finally:
+            if not settled:  # (cancelled: this CONNECT's time is up) settled later
+                self._settle_soon(client_id)
+
+    def _settle_soon(self, client_id: str) -> None:
+        if client_id in self._settling:
+            return
+        task = asyncio.ensure_future(self._settle_doubt(client_id))
+        self._settling[client_id] = task
+        task.add_done_callback(lambda _task: self._settling.pop(client_id, None))
+
+    async def _settle_doubt(self, client_id: str) -> None:
+        """Bring here a session whose holder may have handed it to this node without the
+        answer arriving (`_release_from`), when no client claims it meanwhile: the registry
+        names this node, so until then no other node could resume it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SETTLE_DOUBT_S
+        while loop.time() < deadline:
+            await asyncio.sleep(0.5)
+            doubt = self._in_doubt.get(client_id)
+            if doubt is None or client_id in self.service.sessions:
+                self._in_doubt.pop(client_id, None)
+                return
+            if client_id in self._adopting:
+                continue  # a claim here is under way
+            _holder, username, owned = doubt
+            with contextlib.suppress(SessionUnavailable):
+                await self._take(client_id, False, username, owned=owned, check_owner=False)
+        if self._in_doubt.pop(client_id, None) is not None:
+            log.warning("cluster: session %r: whether its last holder handed it over stays "
+                        "unknown", client_id)
 
     def _released(self, client_id: str, released: Any) -> SessionSnapshot | None:
         """The snapshot a holder's `ReleaseSession` answer carries; None (set aside: the
@@ -413,21 +520,56 @@ class SessionHandover:
             task.cancel()
         log.info("cluster: %d of %d persistent sessions handed over to live nodes", handed,
                  len(clients))
+        await self._stand_ins_collected(timeout_s)
         return handed
+
+    async def _stand_ins_collected(self, timeout_s: float) -> None:
+        """Wait (bounded) until the new nodes have collected what this node's stand-ins took
+        for the sessions handed over: the stand-ins need this node's links and cluster port."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        stand_ins = self.releaser.stand_ins
+        while loop.time() < deadline:
+            waiting = [stand_in for stand_in in stand_ins.values()
+                       if stand_in.collected is None or not stand_in.collected.done()]
+            if not waiting:
+                return
+            await asyncio.sleep(0.05)
+        log.warning("cluster: %d sessions handed over did not collect what was kept for them "
+                    "here while they moved", sum(1 for stand_in in stand_ins.values()
+                                                 if stand_in.collected is None))
+        await self.releaser.keep_uncollected()
 
     async def _collect_from(self, holder: str, client_id: str) -> None:
         """What `holder`'s stand-in took for the session: to the session here (queued for it,
-        as for any offline member), or to nobody when the session did not come here."""
-        try:
-            reply = await self.rpc.release_session(
-                holder, {"client_id": client_id, "to": self.node.node_id, "collect": True},
-                RELEASE_CALL_TIMEOUT_S)
-        except StateCallError as exc:
-            log.warning("cluster: node %s did not hand over the group messages of session %r "
-                        "(%s)", holder, client_id, exc)
-            return
+        as for any offline member), or to nobody when the session did not come here. Asked
+        once every peer serves this node's routes for the session (the stand-in leaves then:
+        a peer that still knew only the holder would send the session's messages nowhere),
+        and asked again when a call fails (the holder keeps its answer for the retries)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + COLLECT_S
+        while (ready := self.placer.plane.routes_ready()) is not None and loop.time() < deadline:
+            await ready
+        request = {"client_id": client_id, "to": self.node.node_id, "collect": True}
+        while True:
+            try:
+                reply = await self.rpc.release_session(
+                    holder, request, max(1.0, min(COLLECT_CALL_TIMEOUT_S, deadline - loop.time())))
+                break
+            except StateCallError as exc:
+                # (also while the holder is out of the view: a loaded holder whose lease ran
+                # out registers again, and its stand-in waits for this node until then)
+                if loop.time() >= deadline:
+                    log.warning("cluster: node %s did not hand over the messages it took for "
+                                "session %r while it moved (%s)", holder, client_id, exc)
+                    return
+                log.info("cluster: asking node %s again for the messages of session %r (%s)",
+                         holder, client_id, exc)
+                await asyncio.sleep(0.2)
         session = self.service.sessions.get(client_id)
         stand_in = self.releaser.stand_ins.get(client_id)  # the session moved on meanwhile
+        if stand_in is not None and stand_in.collected is not None:
+            stand_in = None  # (and its new node collected already)
         start = self._window.pop(client_id, None)
         lost = 0
         for group, stream, shard, offset, data, *matched in reply.get("messages", []):

@@ -14,12 +14,14 @@ names `$internal/` itself (a leading wildcard never matches a `$` topic, MQTT-4.
 
 The API (`kind` names the user of the log, e.g. `mqtt-sessions`; keys are any strings):
 
-- `StateLog(node, broker, kind)`: nothing is created until the first `put` (a cluster whose
-  users never write has no such stream); then the stream and the kind's route are made here
-  (`ensure`, through the broker's topology sink, so etcd and every node get them), and the
-  batch waits (at most `RETRY_S`) until the controller has placed the shard.
-- `put(key, value) -> asyncio.Future[None]`: `value` is bytes, or a callable made into
-  bytes when the batch is written (the state as it is then; None: nothing to write). Every
+- `StateLog(node, broker, kind, indexed=False)`: nothing is created until the first `put`
+  (a cluster whose users never write has no such stream); then the stream and the kind's
+  route are made here (`ensure`, through the broker's topology sink, so etcd and every node
+  get them), and the batch waits (at most `RETRY_S`) until the controller has placed the shard.
+- `put(key, value, epoch=None) -> asyncio.Future[None]`: `value` is bytes, or a callable
+  made into bytes when the batch is written (the state as it is then; None: nothing to
+  write). With an `epoch` (its owner's, e.g. a queue home's), the record is stamped with it
+  and the writer's sequence number (`state_index.stamp`), which `latest(max_epoch=)` reads. Every
   put of one loop turn goes in one `publish_many` (one append per shard, forwarded to its
   leader when another node leads it), a key once per turn; the future (shared by the turn's
   puts) is done once every record of the batch is committed (below the high watermark, on
@@ -30,18 +32,28 @@ The API (`kind` names the user of the log, e.g. `mqtt-sessions`; keys are any st
   `since_ms` on (the journal's time index; the writer's clock), read from the shard's leader
   (here or through `ReadShard`) once that leader has committed everything earlier epochs
   held (`settled`); raises `journal_search.ShardUnreadable` when that cannot be known now.
+  With `max_epoch`: the newest value of the highest epoch up to `max_epoch` (so never a
+  later record of an earlier owner: a zombie home's), the newest by its writer's sequence
+  number within an epoch (`state_index.py`).
+- `indexed=True`: `latest` reads through a `state_index.StateIndex` kept in memory (the
+  newest record of each key and epoch of this kind): the first `latest` reads the stream
+  from `since_ms`, each later one only what was appended since, so a node taking over many
+  queues reads the stream once, not once per queue.
 
 Compaction is the user's: the log keeps records for `RETENTION_MS` (an hour), and a user
-that needs a key longer writes it elsewhere within that time (the MQTT sessions' etcd
-checkpoints, every 0.5 to 2 s). It must not: keep anything in memory per key beyond a
-turn's batch, or read the stream at start.
+that needs a key longer writes it again within that time (the MQTT sessions' etcd
+checkpoints, every 0.5 to 2 s; the AMQP queues' refresh, every 10 minutes). It must not:
+keep anything in memory per key beyond a turn's batch (besides an indexed kind's index), or
+read the stream at start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
@@ -50,6 +62,7 @@ from ..core.kept_state import INTERNAL_PREFIX, INTERNAL_PRODUCER
 from ..core.message import Message
 from ..core.streams import DispatchMode, RoutingRule, StreamConfig
 from .journal_search import ShardUnreadable, latest_on_topic
+from .state_index import StateIndex, stamp
 
 if TYPE_CHECKING:
     from ..core.broker import Broker
@@ -66,7 +79,19 @@ RETENTION_MS = 3_600_000
 RETRY_S = 10.0
 RETRY_CHECK_S = 0.05
 
-Value = bytes | Callable[[], bytes | None]
+
+Payload = bytes | Callable[[], bytes | None]
+
+
+@dataclass(slots=True, frozen=True)
+class Stamped:
+    """A put's value with the epoch its record is stamped with."""
+
+    value: Payload
+    epoch: int
+
+
+Value = Payload | Stamped
 
 
 def state_topic(kind: str, key: str) -> str:
@@ -84,11 +109,13 @@ def internal_stream_config() -> StreamConfig:
 class StateLog:
     """One kind of keyed state in the replicated internal stream (module docstring)."""
 
-    def __init__(self, node: ClusterNode, broker: Broker, kind: str) -> None:
+    def __init__(self, node: ClusterNode, broker: Broker, kind: str, *, indexed: bool = False) -> None:
         self.node = node
         self.broker = broker
         self.kind = kind
         self.route = f"{INTERNAL_PREFIX}{kind}/#"
+        self.index = self._new_index() if indexed else None
+        self._seq = time.time_ns()
         self._pending: dict[str, Value] = {}
         self._ensured = False
         # futures of earlier batches that failed and ride on the pending one, and when the
@@ -114,9 +141,9 @@ class StateLog:
         return True
 
     # ------------------------------------------------------------ writing
-    def put(self, key: str, value: Value) -> asyncio.Future[None]:
+    def put(self, key: str, value: Payload, epoch: int | None = None) -> asyncio.Future[None]:
         """Write `key`'s value in this turn's batch; the batch's future (module docstring)."""
-        self._pending[key] = value
+        self._pending[key] = value if epoch is None else Stamped(value, epoch)
         batch = self._batch
         if batch is None:
             loop = asyncio.get_running_loop()
@@ -149,11 +176,16 @@ class StateLog:
         self._batch, self._carried = None, []
         messages = []
         for key, value in pending.items():
+            headers = None
+            if isinstance(value, Stamped):
+                self._seq = max(self._seq + 1, time.time_ns())
+                headers = stamp(value.epoch, self._seq)
+                value = value.value
             data = value() if callable(value) else value
             if data is not None:
                 # QoS 1: a forwarded QoS 0 message is answered once the leader has it, not
                 # once it is committed
-                messages.append(Message(state_topic(self.kind, key), data, qos=1,
+                messages.append(Message(state_topic(self.kind, key), data, qos=1, headers=headers,
                                         producer_protocol=INTERNAL_PRODUCER,
                                         producer_id=self.node.node_id))
         if not messages:
@@ -218,14 +250,24 @@ class StateLog:
         _settle(futures, error)
 
     # ------------------------------------------------------------ reading
-    async def latest(self, key: str, since_ms: int, timeout_s: float = 5.0) -> bytes | None:
-        """The newest value of `key` written from `since_ms` on (module docstring)."""
+    def _new_index(self) -> StateIndex:
+        return StateIndex(self.node, self.broker, INTERNAL_STREAM, f"{INTERNAL_PREFIX}{self.kind}/",
+                          RETENTION_MS)
+
+    async def latest(self, key: str, since_ms: int, timeout_s: float = 5.0, *,
+                     max_epoch: int | None = None) -> bytes | None:
+        """The newest value of `key` written from `since_ms` on; with `max_epoch`, of the
+        highest epoch up to it (module docstring)."""
         if INTERNAL_STREAM not in self.broker.streams:
             if INTERNAL_STREAM in self.node.view.streams:
                 raise ShardUnreadable(f"{INTERNAL_STREAM} is not known here yet")
             return None  # never written in this cluster
         if not self._ensured:
             self._ensured = self.ensure()
+        if self.index is not None or max_epoch is not None:
+            index = self.index if self.index is not None else self._new_index()
+            found = await index.latest(key, since_ms, max_epoch, timeout_s)
+            return None if found is None else found[1]
         message = await latest_on_topic(self.node, self.broker, state_topic(self.kind, key),
                                         since_ms, timeout_s, settled=True)
         return None if message is None else message.payload

@@ -51,7 +51,18 @@ ReadHandler = Callable[[dict[str, Any]], Awaitable[tuple[dict[str, Any], list[St
 
 
 class StateCallError(Exception):
-    """A call to a peer failed (unreachable, not in the view, or it answered an error)."""
+    """A call to a peer failed (unreachable, not in the view, or it answered an error).
+    `outcome_unknown`: the peer may have done what it was asked (the call timed out or broke
+    after it was sent), as opposed to refused or never reached."""
+
+    def __init__(self, message: str, *, outcome_unknown: bool = False) -> None:
+        super().__init__(message)
+        self.outcome_unknown = outcome_unknown
+
+
+# The statuses of a call that may have been carried out by the peer all the same.
+_OUTCOME_UNKNOWN = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                              grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
 
 
 def encode_records(header: dict[str, Any], records: list[StoredRecord]) -> bytes:
@@ -148,7 +159,8 @@ class StateRpc:
         try:
             return await call(_json(request), timeout=timeout)  # type: ignore[no-any-return]
         except grpc.aio.AioRpcError as exc:
-            raise StateCallError(f"{method} on node {node_id}: {exc.code().name} {exc.details()}") from None
+            raise StateCallError(f"{method} on node {node_id}: {exc.code().name} {exc.details()}",
+                                 outcome_unknown=exc.code() in _OUTCOME_UNKNOWN) from None
 
     async def release_session(self, node_id: str, request: dict[str, Any], timeout: float) -> dict[str, Any]:
         return json.loads(await self._call(node_id, RELEASE_SESSION, request, timeout))  # type: ignore[no-any-return]

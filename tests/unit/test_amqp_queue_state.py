@@ -1,5 +1,6 @@
 """The replicated state of a durable AMQP queue (`shardgate/cluster/queue_state.py`): its byte
-form, which of several records a taker resumes from, and which node takes a queue over."""
+form, its key in the internal state stream, and which node takes a queue over (which of
+several records a taker resumes from: `test_state_index.py`)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,8 @@ from shardgate.cluster.queue_state import (
     QueueStateError,
     decode_state,
     encode_state,
-    latest,
     record_fields,
-    state_topic,
+    state_key,
     taker,
 )
 
@@ -55,26 +55,6 @@ def test_an_unreadable_state_is_refused_with_a_clear_error(payload: bytes) -> No
         decode_state(payload)
 
 
-def test_the_latest_state_is_of_the_highest_epoch_then_the_latest_written() -> None:
-    states = [state(epoch=0, seq=5), state(epoch=1, seq=2), state(epoch=1, seq=3), state(epoch=0, seq=9)]
-    # a later-written state of an older epoch (a home that lost the queue wrote it) loses
-    chosen = latest(states, "i1", max_epoch=1)
-    assert chosen is not None and (chosen.epoch, chosen.seq) == (1, 3)
-
-
-def test_a_state_logged_out_of_order_does_not_win_over_a_later_write() -> None:
-    # a forward re-routed after a leader change can land after the next write
-    assert latest([state(seq=8), state(seq=7)], "i1", max_epoch=0) == state(seq=8)
-
-
-def test_states_of_another_incarnation_or_a_later_epoch_are_never_read() -> None:
-    # a queue deleted and declared again is another queue; no home writes past the record
-    states = [state(incarnation="old", epoch=4, seq=50), state(epoch=3, seq=1), state(epoch=0, seq=2)]
-    chosen = latest(states, "i1", max_epoch=2)
-    assert chosen is not None and (chosen.epoch, chosen.seq) == (0, 2)
-    assert latest(states, "gone", max_epoch=9) is None
-
-
 def test_every_node_picks_the_same_taker_among_the_live_nodes() -> None:
     key = queue_key("/", "orders")
     live = ["n1", "n2", "n3"]
@@ -102,4 +82,6 @@ def test_a_queue_records_key_names_its_vhost_and_queue_whatever_they_hold() -> N
         assert queue_name_of(queue_key(vhost, name)) == (vhost, name)
     assert queue_name_of("amqp/%2F/exchanges/x") is None
     assert queue_name_of("streams/default") is None
-    assert state_topic("a/b", "q/1").count("/") == 3  # one topic level each
+    # one state key per vhost, queue and incarnation, whatever they hold
+    assert state_key("a/b", "q", "i1") != state_key("a", "b/q", "i1")
+    assert state_key("/", "q", "i1") != state_key("/", "q", "i2")

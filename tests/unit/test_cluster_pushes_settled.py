@@ -12,7 +12,7 @@ import pytest
 from shardgate.core.message import Message
 
 from shardgate.cluster import route_sync
-from tests.unit.test_cluster_dataplane import cluster, routes_seen, topic_on  # noqa: F401 - fixture
+from tests.unit.test_cluster_dataplane import cluster, routes_seen, topic_on, until  # noqa: F401 - fixture
 
 
 async def test_pushes_sent_before_the_peer_applied_new_routes_arrive_before_it_is_settled(
@@ -53,3 +53,34 @@ async def test_without_a_route_change_pushes_are_settled_at_once(cluster) -> Non
     if settled is not None:  # the subscription's own update: a says so behind its pushes
         await asyncio.wait_for(settled, 5)
     assert b.plane.pushes_settled() is None
+
+
+async def test_pushes_flushed_waits_for_pushes_on_their_way_although_no_route_changed(
+        cluster) -> None:  # noqa: F811
+    """A session handed over from b while another session there holds the same filter: b's
+    routes stay as they were, yet a's pushes chosen for it before a knew its new node may still
+    be on their way (issue 27, bug 3: the stand-in left before one arrived)."""
+    a, b = cluster["a"], cluster["b"]
+    topic = topic_on(a.broker, "orders", 0, "orders")
+    got = b.subscribe("orders/#")
+    await routes_seen(a, b, 1)
+    settled = b.plane.pushes_settled()
+    if settled is not None:
+        await asyncio.wait_for(settled, 5)
+    connection = a.plane.links["b"]._connection
+    assert connection is not None
+    connection.pause_writing()
+    payloads = [f"m{index}".encode() for index in range(5)]
+    for payload in payloads:
+        assert a.broker.publish(Message(topic, payload)) is None
+    assert b.plane.pushes_settled() is None  # no route changed: says nothing of the pushes
+    flushed = b.plane.pushes_flushed(30.0)
+    assert flushed is not None
+    sync = b.plane.route_sync
+    # a applied b's (empty) update and answered it
+    await until(lambda: b.plane.links["a"].routes_answered >= sync.generation)
+    assert not flushed.done()
+    assert got.got == []
+    connection.resume_writing()
+    await asyncio.wait_for(flushed, 5)
+    assert [message.payload for message in got.got] == payloads
