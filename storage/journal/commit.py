@@ -189,7 +189,8 @@ class GroupCommitter:
             return
         self._sync_requested = True
         self._kick()
-        await asyncio.gather(*waiters)
+        # shielded: a cancelled flush must not cancel the groups' futures others wait on
+        await asyncio.shield(asyncio.gather(*waiters))
 
     # -- passes ---------------------------------------------------------------------------
 

@@ -261,10 +261,12 @@ class JournalShardLog(LogEnds, CommitHandover):
         return group.future
 
     async def flush(self) -> None:
-        """Wait until every record appended so far is durable (see `commit_waiter`)."""
+        """Wait until every record appended so far is durable (see `commit_waiter`). A flush
+        cancelled meanwhile leaves the group's future alone: its other appenders wait on it
+        (a replica leading the log next would otherwise take the group for a failed one)."""
         waiter = self.commit_waiter()
         if waiter is not None:
-            await waiter
+            await asyncio.shield(waiter)
 
     def flush_sync(self) -> None:
         """Write and fsync everything appended so far, without an event loop (this flushes

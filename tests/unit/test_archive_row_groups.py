@@ -114,7 +114,10 @@ async def test_the_first_row_group_is_encoded_before_the_last_is_built(
     parts = list(range(0, ROWS, GROUP))
     assert sorted(e for e in events if e.startswith("build")) == sorted(f"build {p}" for p in parts)
     assert [e for e in events if e.startswith("encode")] == [f"encode {p}" for p in parts]
-    assert events.index("encode 0") < events.index(f"build {parts[3]}"), events
+    # Up to BUILDS_AHEAD parts built ahead plus as many more may be queued before the first
+    # encode; the last part is submitted only after that encode has finished, whatever the
+    # threads' timing (a loaded machine started parts[3] first).
+    assert events.index("encode 0") < events.index(f"build {parts[-1]}"), events
 
 
 async def test_row_groups_are_built_while_the_file_is_still_being_read(
