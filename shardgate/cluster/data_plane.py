@@ -205,7 +205,7 @@ class DataPlane:
         self.unrouted.clear()
         links = list(self.links.values())
         self.links.clear()
-        self.forwarding.stop()
+        self.forwarding.forget_routes()
         for link in links:
             await link.close()
         if self._listener is not None:
