@@ -73,13 +73,12 @@ from .queue_state import (
 )
 from .set_aside import decode_record
 from .state_log import INTERNAL_STREAM, StateLog
+from .waits import wait_within
 
 if TYPE_CHECKING:
     from ..core.broker import Broker
     from .control import ClusterNode
-    from .data_plane import DataPlane
     from .session_cursors import CursorPlacer
-    from .state_rpc import StateRpc
 
 log = logging.getLogger(__name__)
 
@@ -122,13 +121,10 @@ class QueueReplicas:
     """Writes the state of the durable queues homed here, and takes over those whose home
     died (module docstring)."""
 
-    def __init__(self, node: ClusterNode, broker: Broker, plane: DataPlane,
-                 placer: CursorPlacer, rpc: StateRpc) -> None:
+    def __init__(self, node: ClusterNode, broker: Broker, placer: CursorPlacer) -> None:
         self.node = node
         self.broker = broker
-        self.plane = plane
         self.placer = placer
-        self.rpc = rpc
         self.states = StateLog(node, broker, QUEUE_KIND, indexed=True)
         self.amqp: Any = None
         # per queue (vhost, name): what its last written state looked like, when, and the
@@ -280,7 +276,7 @@ class QueueReplicas:
             commit = self._commits.get(key)
             if commit is not None and not commit.done():
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.shield(commit), remaining)
+                    await wait_within(asyncio.shield(commit), remaining)
             else:
                 await asyncio.sleep(min(SETTLE_RETRY_S, remaining))
 
