@@ -205,7 +205,7 @@ class DataPlane:
         self.unrouted.clear()
         links = list(self.links.values())
         self.links.clear()
-        self.forwarding.forget_routes()
+        self.forwarding.stop()
         for link in links:
             await link.close()
         if self._listener is not None:

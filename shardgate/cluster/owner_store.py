@@ -100,16 +100,19 @@ class ForwardStore:
         def landed(future: asyncio.Future[None]) -> None:
             failed = future.cancelled() or future.exception() is not None
             error = ("cancelled" if future.cancelled() else future.exception()) if failed else None
+            # a shard whose leadership changed while the message waited for its replicas: the
+            # sender may send it again to the next leader (NOT_OWNER), as one never taken
+            code = pb.NOT_OWNER if isinstance(error, ShardUnavailable) else pb.FAILED
             for outcome, message in waiting.pop(future, ()):
                 if failed:
-                    outcome.code = pb.FAILED
+                    outcome.code = code
                     outcome.reason = f"the owner could not store the message: {error}"
                 else:
                     outcome.offset = message.offset
             if failed:
                 for batch, indices in waiting_batches.pop(future, ()):
                     for index in indices:
-                        batch.refuse(index, pb.FAILED, f"the owner could not store the message: {error}")
+                        batch.refuse(index, code, f"the owner could not store the message: {error}")
             settled()
 
         def wait_for(future: asyncio.Future[None]) -> None:
