@@ -13,11 +13,11 @@ leader died and no other is named yet, its link broke before it answered, or it 
 message as not its own while this node's view names it still) is held here (`HeldForwards`)
 and sent again, in order, once the view names a leader this node can reach: its client sees a
 pause, not an error, as Kafka's producer retries within its delivery timeout. A held message is
-refused (retryably) only `FORWARD_HOLD_S` after it was first held, or past `MAX_HELD`; past
-`HOLD_HIGH_WATER` held messages, their publishers are held (back-pressure). Held messages are
-tried again at every view change and every `HOLD_RETRY_S` (one timer for all of them, no task
-per message). Resent, a message its old leader had stored may be stored twice (at least once,
-as a client's own retry would).
+refused (retryably) only `FORWARD_HOLD_S` (`[cluster] forward_hold_s`) after it was first
+held, or past `MAX_HELD`; past `HOLD_HIGH_WATER` held messages, their publishers are held
+(back-pressure). Held messages are tried again at every view change and every `HOLD_RETRY_S`
+(one timer for all of them, no task per message). Resent, a message is stored once: it carries
+the identity this node gave it, and its leader looks for it in its log first (`forward_ids.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from ..core.errors import PublishRejected, ShardUnavailable
+from .forward_ids import ForwardIds, ResendCheck, is_resent, mark_resent
 from .outbox import fail
 
 if TYPE_CHECKING:
@@ -60,8 +61,10 @@ class Forwarding:
     """Sends publishes to their shard's owner and re-routes the refused ones (one per data
     plane; see the module docstring)."""
 
-    def __init__(self, plane: DataPlane) -> None:
+    def __init__(self, plane: DataPlane, hold_s: float | None = None) -> None:
         self.plane = plane
+        # how long a held publish waits for a next leader (None: `FORWARD_HOLD_S`)
+        self.hold_s = hold_s
         self.view = plane.view
         self.stats = plane.stats
         self.links = plane.links
@@ -74,10 +77,15 @@ class Forwarding:
         self._epoch_waiters: list[
             tuple[float, str, int, int, Callable[[], None], Callable[[], bool] | None]] = []
         self.held = HeldForwards(self)
+        # the identity of the publishes forwarded from here, and (as a leader) the check of
+        # those sent again (`forward_ids.py`)
+        self.ids = ForwardIds(self.node_id)
+        self.resends = ResendCheck(plane.broker)
 
     def view_changed(self) -> None:
         """The view moved: forget the owners asked so far, and settle who waited for it."""
         self._forward_routes.clear()
+        self.resends.forget()
         if self._epoch_waiters:
             self._check_epoch_waiters()
         if self.held.count:
@@ -95,6 +103,8 @@ class Forwarding:
         return self.held.hold(message, future, error)
 
     def forward(self, message: Message) -> asyncio.Future[None]:
+        if message.qos:
+            self.ids.tag(message)  # (may be held and sent again: stored once, `forward_ids`)
         key = (message.stream, message.shard)
         if self.held.count and key in self.held.shards:
             # behind the held messages of its shard (its publisher's order is kept)
@@ -128,6 +138,9 @@ class Forwarding:
         resolve `future` from there. When the refusing node knows a newer epoch
         (`owner_epoch`) than this node's view, wait (bounded) for the view to catch up first.
         False to let the client have the retryable error. Bounded: epochs only grow."""
+        # (a refusal after its append, its leadership lost before the commit, may leave it in
+        # the log the next leader has: that one looks for it first)
+        mark_resent(message)
         if self._route_again(message, future, refused_epoch):
             return True
         if owner_epoch <= refused_epoch:
@@ -156,9 +169,12 @@ class Forwarding:
             if not self.view.leads(message.stream, message.shard):
                 return False
             try:
-                stored = self.plane.broker.publish(message, counted=False)  # counted when it came in
+                stored = self.publish_here(message)
             except PublishRejected as exc:
-                fail(future, exc)
+                if isinstance(exc, ShardUnavailable) and message.qos:
+                    self.held.hold(message, future, exc)  # (its new log not settled yet)
+                else:
+                    fail(future, exc)
                 return True
             if stored is None:
                 future.set_result(None)
@@ -170,6 +186,14 @@ class Forwarding:
             return False
         link.forward(message, assignment.leader_epoch, future)
         return True
+
+    def publish_here(self, message: Message) -> asyncio.Future[None] | None:
+        """Store a forwarded `message` here, its shard's leader now (counted when it came
+        in); one that its earlier leader may have stored is looked for in the log first and
+        acknowledged where it is (`forward_ids.py`)."""
+        if is_resent(message) and self.resends.stored_at(message, message.stream, message.shard) is not None:
+            return None
+        return self.plane.broker.publish(message, counted=False)
 
     def after_epoch(self, stream: str, shard: int, epoch: int, then: Callable[[], None],
                      ready: Callable[[], bool] | None = None) -> None:
@@ -241,8 +265,10 @@ class HeldForwards:
             fail(future, error)
             return future
         if deadline is None:
-            self._deadlines[future] = now + FORWARD_HOLD_S
+            hold_s = self.forwarding.hold_s
+            self._deadlines[future] = now + (FORWARD_HOLD_S if hold_s is None else hold_s)
             future.add_done_callback(self._settled)
+        mark_resent(message)  # (its leader may have stored it before its answer was lost)
         self._held.append((message, future, error))
         key = (message.stream, message.shard)
         self.shards[key] = self.shards.get(key, 0) + 1
@@ -304,7 +330,7 @@ class HeldForwards:
                 link.forward(message, epoch, future)
                 continue
             try:  # this node leads the shard now
-                stored = plane.broker.publish(message, counted=False)  # counted when it came in
+                stored = forwarding.publish_here(message)
             except ShardUnavailable:
                 # named leader, but its replicated log is not ready yet: a moment more
                 plane.stats.forwarded -= 1

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..core.errors import CoreError, PublishRejected, ShardUnavailable
 from ..proto import cluster_pb2 as pb
+from .forward_ids import is_resent
 from .frames import RecordFormatError, message_from_forward, unpack_records
 
 if TYPE_CHECKING:
@@ -194,7 +195,7 @@ class ForwardStore:
                     routed = False
                 if item.key is None:
                     here[item.topic] = routed
-            if owned and routed:
+            if owned and routed and not is_resent(item):
                 direct.append(item)
                 direct_indices.append(index)
             else:
@@ -255,6 +256,13 @@ class ForwardStore:
                 outcome.epoch = known
                 outcome.reason = f"node {self.node_id} does not own {stream.name}/{shard} now; retry"
                 return None
+            if is_resent(message):
+                # sent again after a failover: stored already (its earlier leader's record
+                # replicated here) is acknowledged where it is (`forward_ids.py`)
+                offset = self.plane.forwarding.resends.stored_at(message, stream.name, shard)
+                if offset is not None:
+                    outcome.offset = offset
+                    return None
             # counted once, by the node its client published to
             future = broker.publish(message, counted=False)
         except PublishRejected as exc:

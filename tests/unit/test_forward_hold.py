@@ -11,8 +11,10 @@ import asyncio
 import pytest
 from shardgate.core.errors import ShardUnavailable
 from shardgate.core.message import Message
+from shardgate.core.records import decode_to_message
 
 from shardgate.cluster import forwarding
+from shardgate.cluster.forward_ids import FORWARD_ID, RESENT_ID
 from shardgate.cluster.membership import ShardAssignment
 from tests.unit import test_cluster_dataplane as dataplane
 from tests.unit.test_cluster_dataplane import Node, topic_on, until
@@ -105,3 +107,32 @@ async def test_a_stopping_node_refuses_what_it_holds(cluster):
     with pytest.raises(ShardUnavailable, match="stopping"):
         await asyncio.wait_for(future, 5)
 
+
+
+async def test_a_resent_publish_its_leader_holds_already_is_acknowledged_not_stored_again(cluster):
+    """The answer to a forwarded publish was lost (its leader died after storing it, say): held
+    and sent again, it is found by its identity in the log (`forward_ids.py`) and acknowledged
+    at the offset it has; a resent one the leader does not hold is stored once."""
+    a, b = cluster["a"], cluster["b"]
+    topic = "ledger/x"
+    first = Message(topic, b"stored before the failover", qos=1)
+    await asyncio.wait_for(a.broker.publish(first), 5)  # type: ignore[arg-type]
+    assert first.native_properties is not None and FORWARD_ID in first.native_properties
+    log = b.broker.streams["ledger"].shards[0].log
+    assert log is not None and log.next_offset == 1
+    # a's link dropped the answer: held (marked as possibly stored) and sent again
+    again = a.plane.forwarding.hold(first, None, ShardUnavailable("lost answer"))
+    await asyncio.wait_for(again, 5)
+    assert log.next_offset == 1, "not stored twice"
+    assert b.plane.forwarding.resends.duplicates == 1
+    # a resent publish its leader never stored is stored, once
+    second = Message(topic, b"never reached the old leader", qos=1)
+    second.stream, second.shard = "ledger", 0
+    a.plane.forwarding.ids.tag(second)
+    await asyncio.wait_for(a.plane.forwarding.hold(second, None, ShardUnavailable("x")), 5)
+    assert log.next_offset == 2
+    stored = [decode_to_message(record.data) for record in log.read(0, 10)]
+    assert [m.payload for m in stored] == [b"stored before the failover", b"never reached the old leader"]
+    assert all(m.native_properties is not None and RESENT_ID not in m.native_properties
+               and FORWARD_ID in m.native_properties for m in stored)
+    assert len({m.native_properties[FORWARD_ID] for m in stored}) == 2  # type: ignore[index]
