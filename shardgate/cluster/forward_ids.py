@@ -13,7 +13,9 @@ own log, from a little before the message's publish time (the journal's time ind
 the message is acknowledged at the offset it has; not found, it is stored (under `FORWARD_ID`
 again). A new leader answers only once it has settled (its high watermark reached the end of
 the log it began its epoch with, every record an earlier leader may have stored readable);
-before, the resend is refused retryably and held again. What a leader read is kept per shard
+before, the resend is refused retryably and held again, as is one found above the high
+watermark (a resend to the same leader whose first copy waits for its replicas), until it is
+committed there. What a leader read is kept per shard
 (`ResendCheck`) until the view changes, so a failover's resends read the log once.
 """
 
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from ..core.errors import ShardUnavailable
 from ..core.records import F_NATIVE, RecordFormatError, decode_message
+from .replica_log import ReplicatedShardLog
 
 if TYPE_CHECKING:
     from ..core.broker import Broker
@@ -111,8 +114,14 @@ class ResendCheck:
         if shard_log is None:  # a shard that keeps no log: at least once
             self._unmark(message)
             return None
-        if not getattr(shard_log, "settled", True):
-            raise ShardUnavailable(f"the new leader of {stream}/{shard} is not settled yet; retry")
+        committed_end = None
+        if isinstance(shard_log, ReplicatedShardLog):
+            if not shard_log.settled:
+                raise ShardUnavailable(f"the new leader of {stream}/{shard} is not settled yet; retry")
+            # read past the high watermark too: a resend to the same leader (its link broke)
+            # may find its first copy still waiting for the replicas
+            committed_end = shard_log.committed_offset
+            shard_log = shard_log.log
         since = shard_log.offset_for_timestamp(message.publish_time_ms - SEARCH_BEFORE_MS)
         key = (stream, shard)
         read = self._read.get(key)
@@ -139,6 +148,9 @@ class ResendCheck:
             budget -= len(batch)
         read.end = position
         offset = ids.get(forward_id)
+        if offset is not None and committed_end is not None and offset >= committed_end:
+            raise ShardUnavailable(f"{stream}/{shard} holds the message, not yet on enough "
+                                   "replicas; retry")
         if offset is not None:
             self.duplicates += 1
             message.offset = offset
