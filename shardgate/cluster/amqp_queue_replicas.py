@@ -73,6 +73,7 @@ from .queue_state import (
 )
 from .set_aside import decode_record
 from .state_log import INTERNAL_STREAM, StateLog
+from .waits import wait_within
 
 if TYPE_CHECKING:
     from ..core.broker import Broker
@@ -280,7 +281,7 @@ class QueueReplicas:
             commit = self._commits.get(key)
             if commit is not None and not commit.done():
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.shield(commit), remaining)
+                    await wait_within(asyncio.shield(commit), remaining)
             else:
                 await asyncio.sleep(min(SETTLE_RETRY_S, remaining))
 

@@ -68,6 +68,7 @@ from .amqp_queue_replicas import new_incarnation, queue_name_of
 from .link_auth import cluster_channel
 from .set_aside import SetAside, decode_record
 from .state_rpc import CHANNEL_OPTIONS
+from .waits import wait_within
 
 if TYPE_CHECKING:
     from ..core.broker import Broker
@@ -360,7 +361,7 @@ class SharedQueues:
             if asked.get("op") == CAUGHT_UP:
                 waiter = self.caught_up(int(asked.get("revision", 0)))
                 try:
-                    await asyncio.wait_for(waiter, CAUGHT_UP_S)
+                    await wait_within(waiter, CAUGHT_UP_S)
                 except TimeoutError:
                     return b'{"behind":true}'
                 return b"{}"

@@ -52,6 +52,7 @@ from .replica_status import Leading
 from .session_registry import ClaimRefused, SessionMovedOn, SessionRegistry
 from .settings import ClusterSettings
 from .view_watch import ViewWatch
+from .waits import wait_within
 
 if TYPE_CHECKING:
     from .durables import DurableHandover
@@ -334,7 +335,7 @@ class ClusterNode:
             except Exception as exc:
                 log.warning("cluster controller step failed: %s", exc)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 1.0)
+                await wait_within(self._wake.wait(), 1.0)
 
     @property
     def is_controller(self) -> bool:

@@ -68,6 +68,7 @@ from .etcd import KeyValue
 from .journal_search import shard_holds
 from .set_aside import UNREADABLE, SetAside, decode_record
 from .view_changes import ViewChanges
+from .waits import wait_within
 from .wills import pause_for_tests
 
 if TYPE_CHECKING:
@@ -332,7 +333,7 @@ class SharedDelayed:
                 log.warning("cluster: looking for delayed messages of departed nodes failed: %s", exc)
             self._wake_scan.clear()
             try:
-                await asyncio.wait_for(self._wake_scan.wait(), SCAN_INTERVAL_S)
+                await wait_within(self._wake_scan.wait(), SCAN_INTERVAL_S)
             except TimeoutError:
                 pass
 

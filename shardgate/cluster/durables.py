@@ -68,6 +68,7 @@ from .sessions import RELEASE_CALL_TIMEOUT_S, TAKEOVER_TIMEOUT_S
 from .set_aside import UNREADABLE, SetAside, decode_record
 from .state_rpc import StateCallError, StateRpc
 from .state_writer import MAX_BATCH_PUTS, StateWriter
+from .waits import wait_within
 
 if TYPE_CHECKING:
     from ..core.broker import Broker
@@ -261,7 +262,7 @@ class DurableHandover:
         if self.edge is None:
             return None
         try:
-            return await asyncio.wait_for(self._find(name), TAKEOVER_TIMEOUT_S)
+            return await wait_within(self._find(name), TAKEOVER_TIMEOUT_S)
         except TimeoutError:
             raise ShardUnavailable(
                 f"durable subscription {name!r} could not be brought to this node in time; retry"

@@ -24,6 +24,8 @@ from urllib.parse import urlsplit
 import grpc
 from aetcd import rpc
 
+from .waits import wait_within
+
 if TYPE_CHECKING:
     from .etcd_lease import LeaseKeeper
 
@@ -385,7 +387,7 @@ class EtcdClient:
         try:
             while True:
                 await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
-                reply = await asyncio.wait_for(call.read(), self.timeout)
+                reply = await wait_within(call.read(), self.timeout)
                 if reply is grpc.aio.EOF:
                     raise EtcdUnavailable("etcd closed the lease keep-alive stream")
                 yield reply.TTL

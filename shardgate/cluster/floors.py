@@ -42,6 +42,7 @@ from ..core.durable import DurableSubscription
 from ..core.message import now_ms
 from . import keys
 from .etcd import EtcdError
+from .waits import wait_within
 
 if TYPE_CHECKING:
     from ..core.broker import Broker
@@ -214,7 +215,7 @@ class CursorFloors:
     async def _report_loop(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._report_now.wait(), REPORT_INTERVAL_S)
+                await wait_within(self._report_now.wait(), REPORT_INTERVAL_S)
             self._report_now.clear()
             try:
                 await self.report()
@@ -237,4 +238,4 @@ class CursorFloors:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         with contextlib.suppress(EtcdError, TimeoutError):
-            await asyncio.wait_for(self.report(), 2.0)  # the last floors, before the lease ends
+            await wait_within(self.report(), 2.0)  # the last floors, before the lease ends

@@ -54,6 +54,7 @@ from .outbox import (
     take_batches,
     take_pushes,
 )
+from .waits import wait_within
 
 if TYPE_CHECKING:
     from ..core.message import Message
@@ -355,7 +356,7 @@ class PeerLink:
         host, _, port = self.node.cluster_address.rpartition(":")
         host = host.strip("[]")
         tls = self.plane.credentials.tls
-        _transport, connection = await asyncio.wait_for(
+        _transport, connection = await wait_within(
             self._loop.create_connection(
                 lambda: LinkClient(self._on_reply, self._flush_soon, self.plane.credentials,
                                    self.node.node_id),
@@ -414,7 +415,7 @@ class PeerLink:
                 if silent >= timeout:
                     return PeerSilent(f"nothing heard from the peer for {silent:.1f} s")
             try:
-                return await asyncio.wait_for(asyncio.shield(closed), timeout - silent)
+                return await wait_within(asyncio.shield(closed), timeout - silent)
             except TimeoutError:
                 continue
 

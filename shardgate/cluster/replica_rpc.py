@@ -57,6 +57,7 @@ from .replica_frames import (
     request_message,
 )
 from .replica_log import ReplicatedShardLog
+from .waits import wait_within
 
 if TYPE_CHECKING:
     from .peer_link import PeerLink
@@ -214,23 +215,15 @@ class ReplicaService:
             link = self.links.get(leader)
             if link is None:
                 raise ConnectionError(f"no link to the leader {leader}")
-            # asyncio.wait, not wait_for: in Python 3.11 wait_for returns (or raises) the
-            # future's outcome when a cancellation comes as that future completes, swallowing
-            # the cancellation. A request to a leader whose link is down fails at once, so a
-            # follower stopped then (its leader died and the placement names another: its
-            # role changes) went on following the dead leader forever, and the role change
-            # awaiting its end never ended: the node never followed the new leader, whose high
-            # watermark then never moved (the rare failover that never acknowledged again).
-            answer = link.replica_call(message)
+            # wait_within, not asyncio.wait_for (waits.py): a request to a leader whose link is
+            # down fails at once, and a follower stopped then (its leader died and the
+            # placement names another: its role changes) went on following the dead leader
+            # forever when wait_for swallowed that cancellation; the role change awaiting its
+            # end never ended (the rare failover that never acknowledged again).
             try:
-                done, _ = await asyncio.wait((answer,), timeout=timeout)
-            except asyncio.CancelledError:
-                answer.cancel()
-                raise
-            if not done:
-                answer.cancel()
-                raise ConnectionError(f"{method} on {leader}: no answer in {timeout:g} s")
-            return answer.result()
+                return await wait_within(link.replica_call(message), timeout)
+            except TimeoutError:
+                raise ConnectionError(f"{method} on {leader}: no answer in {timeout:g} s") from None
         channel = self._channels.get(info.cluster_address)
         if channel is None:
             channel = cluster_channel(info.cluster_address, self.credentials, CHANNEL_OPTIONS)

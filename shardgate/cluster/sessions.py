@@ -80,6 +80,7 @@ from .session_snapshots import SessionSnapshots
 from .state_log import StateLog
 from .state_rpc import StateCallError, StateRpc
 from .state_writer import StateWriter
+from .waits import wait_within
 
 if TYPE_CHECKING:
     from ..core.broker import Broker
@@ -240,7 +241,7 @@ class SessionHandover:
     async def _take(self, client_id: str, clean_start: bool, username: str | None, *,
                     owned: bool, check_owner: bool = True, held_by: str | None = None) -> None:
         try:
-            await asyncio.wait_for(
+            await wait_within(
                 self._take_now(client_id, clean_start, username, owned=owned,
                                check_owner=check_owner, held_by=held_by),
                 TAKEOVER_TIMEOUT_S)
@@ -378,7 +379,7 @@ class SessionHandover:
                     self._collecting.add(collecting)
                     collecting.add_done_callback(self._collecting.discard)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(collecting), COLLECT_WAIT_S)
+                    await wait_within(asyncio.shield(collecting), COLLECT_WAIT_S)
                 return
         elif holder != me and not clean_start and client_id not in self.service.sessions:
             # its holder is gone: its last snapshot, or the newer state it replicated

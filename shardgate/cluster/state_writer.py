@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from .set_aside import decode_record
+from .waits import wait_within
 
 if TYPE_CHECKING:
     from .control import ClusterNode
@@ -158,7 +159,7 @@ class StateWriter:
         before the node's cluster port closes (`SessionHandover._take_now` reads them then)."""
         if self._task is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._idle.wait(), timeout_s)
+                await wait_within(self._idle.wait(), timeout_s)
 
     async def stop(self, drain_s: float = 2.0) -> None:
         if self._task is None:

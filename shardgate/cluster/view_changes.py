@@ -14,6 +14,8 @@ import contextlib
 from collections.abc import Callable
 from typing import Protocol
 
+from .waits import wait_within
+
 
 class ChangingView(Protocol):
     def on_change(self, callback: Callable[[], None]) -> None: ...
@@ -42,4 +44,4 @@ class ViewChanges:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(waiter, timeout_s)
+            await wait_within(waiter, timeout_s)
