@@ -181,7 +181,8 @@ class Edge:
     """The front door into one broker node (see the module docstring)."""
 
     def __init__(self, broker: Broker, router: ShardRouter | None = None, *,
-                 remote_durables: RemoteDurables | None = None) -> None:
+                 remote_durables: RemoteDurables | None = None,
+                 listeners: Mapping[str, ListenerInfo] | None = None) -> None:
         self.broker = broker
         self.clients = ClientRegistry()
         # The broker's statistics (one object for the broker's life): every protocol counts in it.
@@ -191,8 +192,9 @@ class Edge:
         # Anonymous access when no authenticator is installed, and the policy the security
         # model currently has (it mirrors its own here when it changes).
         self.allow_anonymous = True
-        # Bound listeners by name (the composition root fills it), for broker info views.
-        self.listeners: Mapping[str, ListenerInfo] = {}
+        # Bound listeners by name (the composition root's, filled as they bind), for broker
+        # info views.
+        self.listeners: Mapping[str, ListenerInfo] = {} if listeners is None else listeners
         # Durable subscription owners by kind, so that subscriptions saved by a protocol come
         # back with the right owner after a restart (`"grpc"` -> its state factory).
         self.owner_factories: dict[str, Callable[[Mapping[str, object]], object]] = {}

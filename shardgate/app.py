@@ -177,8 +177,8 @@ class Shardgate:
                                               local_view(self), local_action(self))
         assert self.metadata is not None
         self.edge = edge = Edge(self.broker,
-                                remote_durables=parts.durables if parts is not None else None)
-        edge.listeners = self.listeners
+                                remote_durables=parts.durables if parts is not None else None,
+                                listeners=self.listeners)
         from .protocols.grpc.consumer import GrpcSubscriptionState
 
         edge.owner_factories[GrpcSubscriptionState.OWNER_KIND] = GrpcSubscriptionState.restored
@@ -199,8 +199,8 @@ class Shardgate:
         # One read budget per loop turn for every client listener (protocols/read_budget.py).
         self.read_budget = ReadBudget(config.listeners.read_budget_s, call_soon=loop.call_soon)
         self.mqtt = MqttService(edge, config.mqtt, store=stored, scheduler=loop,
-                                read_budget=self.read_budget)
-        self.mqtt.use_identity_as_username = config.tls.use_identity_as_username
+                                read_budget=self.read_budget,
+                                use_identity_as_username=config.tls.use_identity_as_username)
         # cluster mode: sessions open once the node has joined (it knows then which it holds)
         joined: asyncio.Future[None] = loop.create_future()
         self._joined = joined

@@ -61,9 +61,10 @@ class MqttService(SessionWrites, SessionLifetimes, SessionRestore, ClusterSessio
     def __init__(
         self, edge: Edge, settings: MqttSettings | None = None,
         store: MqttSessionPorts | None = None, scheduler: Scheduler | None = None,
-        read_budget: ReadBudget | None = None,
+        read_budget: ReadBudget | None = None, *, use_identity_as_username: bool = False,
     ) -> None:
-        super().__init__(edge, settings, store, scheduler, read_budget)
+        super().__init__(edge, settings, store, scheduler, read_budget,
+                         use_identity_as_username=use_identity_as_username)
         edge.clients.register("mqtt", self)
 
     # ------------------------------------------------------------------ lifecycle

@@ -61,7 +61,7 @@ class ServiceState:
     def __init__(
         self, edge: Edge, settings: MqttSettings | None = None,
         store: MqttSessionPorts | None = None, scheduler: Scheduler | None = None,
-        read_budget: ReadBudget | None = None,
+        read_budget: ReadBudget | None = None, *, use_identity_as_username: bool = False,
     ) -> None:
         self.edge = edge
         # Time and timers, from the I/O adapter (an asyncio loop is one) or a test's clock.
@@ -85,7 +85,7 @@ class ServiceState:
         # `hold_sessions_until`); until then every CONNECT waits before its session opens.
         self._joined: asyncio.Future[None] | None = None
         # TLS listeners: a verified client certificate's subject CN is the user name.
-        self.use_identity_as_username = False
+        self.use_identity_as_username = use_identity_as_username
         # Output of a loop turn leaves after the session state it acknowledges is committed.
         self.output: OutputBatcher[MqttConnection] = OutputBatcher(
             lambda flush: self.scheduler.call_soon(flush), before_flush=self.commit_writes)

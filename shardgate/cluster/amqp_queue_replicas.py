@@ -78,9 +78,7 @@ from .waits import wait_within
 if TYPE_CHECKING:
     from ..core.broker import Broker
     from .control import ClusterNode
-    from .data_plane import DataPlane
     from .session_cursors import CursorPlacer
-    from .state_rpc import StateRpc
 
 log = logging.getLogger(__name__)
 
@@ -123,13 +121,10 @@ class QueueReplicas:
     """Writes the state of the durable queues homed here, and takes over those whose home
     died (module docstring)."""
 
-    def __init__(self, node: ClusterNode, broker: Broker, plane: DataPlane,
-                 placer: CursorPlacer, rpc: StateRpc) -> None:
+    def __init__(self, node: ClusterNode, broker: Broker, placer: CursorPlacer) -> None:
         self.node = node
         self.broker = broker
-        self.plane = plane
         self.placer = placer
-        self.rpc = rpc
         self.states = StateLog(node, broker, QUEUE_KIND, indexed=True)
         self.amqp: Any = None
         # per queue (vhost, name): what its last written state looked like, when, and the

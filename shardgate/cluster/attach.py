@@ -170,7 +170,7 @@ def assemble(app: Shardgate, node: ClusterNode) -> ClusterParts:
     placer = CursorPlacer(node, broker, plane, rpc)
     durables = DurableHandover(node, broker, placer, rpc, writer)
     return ClusterParts(plane, rpc, replicas, writer, placer, durables, DurableConsumers(durables),
-                        SharedExchanges(node, broker, plane, QueueReplicas(node, broker, plane, placer, rpc)),
+                        SharedExchanges(node, broker, plane, QueueReplicas(node, broker, placer)),
                         CursorFloors(node, broker))
 
 

@@ -348,15 +348,17 @@ class Placement:
 
 
 def abort_stale_uploads(fs: AbstractFileSystem, root: str, stream: str,
-                        older_than_s: float = STALE_UPLOAD_S) -> int:
+                        older_than_s: float = STALE_UPLOAD_S, now: float | None = None) -> int:
     """Abort the multipart uploads of merged files that a compaction stopped half-way left
-    (S3 keeps and bills their parts until then); younger ones may belong to a compaction
-    running now on another node. Returns how many were aborted."""
+    (S3 keeps and bills their parts until then) once `older_than_s` old: the store's
+    `Initiated` time of the upload against `now` (seconds since the epoch; default the
+    clock's). Younger ones may belong to a compaction running now on another node. Returns
+    how many were aborted."""
     call = getattr(fs, "call_s3", None)
     if call is None or not callable(getattr(fs, "split_path", None)):
         return 0
     bucket, prefix, _version = fs.split_path(layout.stream_dir(root, stream) + "/")
-    oldest = time.time() - older_than_s
+    oldest = (time.time() if now is None else now) - older_than_s
     aborted = 0
     try:
         listing = call("list_multipart_uploads", Bucket=bucket, Prefix=prefix)

@@ -147,8 +147,9 @@ def test_a_new_owner_of_a_shard_continues_the_archive_with_no_duplicate_and_no_g
         assert len(archived_rows(archive)) == 60
         # n2 loses its disk: killed, its data directory gone, started again with a new journal.
         # With one copy per shard it owns its shard again (placement keeps a reliable shard on
-        # its node); replicated, n1 leads it now, and n2 copies the log back before the shard
-        # (both replicas needed in sync) takes publishes again
+        # its node); replicated (the default: here two replicas per shard, n1 and n2), n1 leads
+        # it now, and n2 copies the log of every shard back before each shard (both replicas
+        # needed in sync) takes publishes again
         n2.kill()
         shutil.rmtree(n2.data_dir)
         wait_for(lambda: not etcd.keys("/nodes/n2"), timeout=60)  # its registration expired
@@ -159,7 +160,11 @@ def test_a_new_owner_of_a_shard_continues_the_archive_with_no_duplicate_and_no_g
             status = n1.status()
             replicated = status.get("replicated_shards", {}).get(f"safe/{on_n2}")
             holders = replicated["isr"] if replicated else [owners(n1)[on_n2]]
-            return not status["unavailable_shards"] and "n2" in holders
+            # every replicated shard of the stream with all its replicas in sync again
+            in_sync = all(set(shard["replicas"]) <= set(shard["isr"])
+                          for name, shard in status.get("replicated_shards", {}).items()
+                          if name.startswith("safe/"))
+            return not status["unavailable_shards"] and "n2" in holders and in_sync
 
         wait_for(n2_holds_its_shard_again, timeout=60)
         acknowledged |= publish(n1, 30, "second")

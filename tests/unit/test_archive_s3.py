@@ -389,8 +389,10 @@ async def test_a_compaction_stopped_half_way_is_finished_later(
 async def test_an_upload_a_stopped_compaction_began_is_aborted_once_old(
         journal: JournalStorage, moto_endpoint: str, bucket: str) -> None:
     """S3 keeps (and bills) the parts of a multipart upload never completed: the next rounds
-    abort those of merged files once an hour old (younger ones may be another node's
-    compaction at work); what readers see does not change."""
+    abort those of merged files once an hour old by the store's own `Initiated` time (younger
+    ones may be another node's compaction at work), never an upload of another object; what
+    readers see does not change. (moto dates every upload in 2010, so the clock that the age
+    is taken against is the test's: `now`.)"""
     from shardgate.storage.archive import compaction, list_stream_files
     from shardgate.storage.archive.layout import merged_file_name, staging_root
 
@@ -409,11 +411,28 @@ async def test_an_upload_a_stopped_compaction_began_is_aborted_once_old(
     fs.rm_file(staged)  # (the compaction stopped there; nothing of it is left but the upload)
     client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1",
                           aws_access_key_id="testing", aws_secret_access_key="testing")
-    assert len(client.list_multipart_uploads(Bucket=bucket)["Uploads"]) == 1
-    # (moto dates every upload in 2010, so that younger ones are not left alone is not seen)
-    assert compaction.abort_stale_uploads(fs, root, "other", older_than_s=0) == 0
-    assert compaction.abort_stale_uploads(fs, root, "sensors", older_than_s=0) == 1
-    assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")
+    # an upload of an object that is not a merged file, under the same stream: never aborted
+    other_key = directory.split("/", 1)[1] + "/shard0000-not-merged.parquet"
+    client.create_multipart_upload(Bucket=bucket, Key=other_key)
+
+    def uploads() -> dict[str, float]:
+        listed = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+        return {upload["Key"].rsplit("/", 1)[1]: upload["Initiated"].timestamp()
+                for upload in listed}
+
+    initiated = uploads()[merged_file_name(0, 0, 7)]
+    hour = compaction.STALE_UPLOAD_S
+    assert hour == 3600
+    # a minute short of an hour (and a second): another node's compaction may be at work
+    for age in (hour - 60, hour - 1):
+        assert compaction.abort_stale_uploads(fs, root, "sensors", now=initiated + age) == 0
+        assert set(uploads()) == {merged_file_name(0, 0, 7), "shard0000-not-merged.parquet"}
+    assert compaction.abort_stale_uploads(fs, root, "other", now=initiated + hour) == 0
+    # an hour old: aborted, the other object's upload left alone
+    assert compaction.abort_stale_uploads(fs, root, "sensors", now=initiated + hour) == 1
+    assert set(uploads()) == {"shard0000-not-merged.parquet"}
+    assert compaction.abort_stale_uploads(fs, root, "sensors", now=initiated + 10 * hour) == 0
+    assert set(uploads()) == {"shard0000-not-merged.parquet"}
     assert {name: read() for name, read in plain_readers(moto_endpoint, bucket)} == {
         "pyarrow.dataset": 8, "pandas": 8}
     await archiver.stop(flush=False)

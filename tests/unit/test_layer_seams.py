@@ -117,8 +117,8 @@ def test_the_rule_sees_an_assignment_it_forbids(tmp_path: Path) -> None:
 # argument, a typed port).
 ROOT_STILL_ASSIGNS: dict[str, frozenset[str]] = {
     "shardgate/app.py": frozenset({
-        "broker.topology_sink", "edge.listeners", "mqtt.use_identity_as_username",
-        "mqtt.publishers_blocked", "grpc_server.port", "grpc_server.secure_port"}),
+        "broker.topology_sink", "mqtt.publishers_blocked", "grpc_server.port",
+        "grpc_server.secure_port"}),
     "shardgate/archiving.py": frozenset({"broker.archive"}),
     "shardgate/bridges/base.py": frozenset({"sub.owner", "sub.options"}),
     "shardgate/persistence.py": frozenset({
