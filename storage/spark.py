@@ -6,7 +6,8 @@ shard's files in a `shardNNNN/` directory below, which is no partition), so
 an explicit schema (so that partition values are never type-inferred and a stream named
 `007` stays the string "007"), reading only the stream's directory, and filters on the
 `stream`, `date` and `hour` partition columns that Spark turns into PartitionFilters before
-the exact filter on `publish_time`.
+the exact filter on `publish_time`. `read_archive_files` reads exactly the files
+`storage.archive.archive_files` names (every row once while an object-store compaction runs).
 
 For `s3://` archives Spark needs the hadoop-aws connector (not shipped with pyspark):
 
@@ -176,6 +177,70 @@ def read_archive(
     if upper is not None:
         frame = frame.where(F.col("publish_time") < F.lit(upper))
     return frame
+
+
+def read_archive_files(
+    spark: SparkSession,
+    url: str,
+    stream: str | None = None,
+    settings: Any = None,
+    files: list[str] | None = None,
+) -> DataFrame:
+    """Exactly the files `storage.archive.archive_files` names (or `files`, such a list), as
+    a DataFrame of `read_archive`'s columns: every row once at any moment, also while a
+    compaction runs on an object store, where `read_archive` (which lists the root) may count
+    short for a moment (`storage.archive.compaction`). `settings`: the archive's
+    `ArchiveSettings` (an object store's credentials and endpoint).
+
+    `spark.read.parquet(*files)` cannot read that list as it is: a merged file not yet in
+    place lies in the staging area beside the root (`<parent>/.<root name>.compacting/`,
+    under the same `stream=/date=/hour=` directories), and Spark refuses paths outside the
+    one `basePath` that partition discovery needs. So the files under the root and those
+    staged are read each with their own `basePath`, with the same explicit schema (typed
+    columns included, from these files' footers), and unioned by name. A file can vanish
+    between the listing and the read (compacted meanwhile): call again."""
+    from pyspark.sql import functions as F
+
+    from .archive.layout import archive_files, is_local, open_filesystem, staging_root
+
+    fs, root = open_filesystem(url, settings)
+    if files is None:
+        files = archive_files(url, stream, settings)
+
+    def spark_url(path: str) -> str:
+        return spark_path(path if is_local(fs) else fs.unstrip_protocol(path))
+
+    bases = [spark_url(root)]
+    staging = staging_root(root)
+    if staging is not None:
+        bases.append(spark_url(staging))
+    groups: dict[str, list[str]] = {}
+    for path in files:
+        located = spark_path(path)
+        base = next((b for b in bases[1:] if located.startswith(b + "/")), bases[0])
+        groups.setdefault(base, []).append(located)
+    schema = archive_schema()
+    if stream is not None:
+        known = set(schema.fieldNames())
+        typed: dict[str, Any] = {}
+        for base, paths in groups.items():
+            merged = spark.read.option("mergeSchema", "true").option("basePath", base)
+            for field in merged.parquet(*paths).schema.fields:
+                if field.name not in known:
+                    typed.setdefault(field.name, field)
+        if typed:
+            from pyspark.sql import types as T
+
+            fields = schema.fields
+            schema = T.StructType([*fields[:-2], *typed.values(), *fields[-2:]])
+    frames = [spark.read.schema(schema).option("basePath", base).parquet(*paths)
+              for base, paths in groups.items()]
+    if not frames:
+        return spark.createDataFrame([], schema)
+    frame = frames[0]
+    for other in frames[1:]:
+        frame = frame.unionByName(other)
+    return frame if stream is None else frame.where(F.col("stream") == F.lit(stream))
 
 
 def read_archive_stream(spark: SparkSession, url: str, stream: str | None = None,

@@ -19,6 +19,7 @@ from ..core.subscriptions import Subscription
 from ..protocols.mqtt.session import MqttSession, Queued
 from ..protocols.mqtt.snapshot import SessionSnapshot, message_record
 from ..protocols.mqtt.snapshotting import capture
+from .waits import wait_within
 
 if TYPE_CHECKING:
     from ..core.broker import Broker
@@ -145,6 +146,9 @@ class SessionRelease:
         self.releasing = releasing
         # sessions handed over whose messages wait here for their new node, by client id
         self.stand_ins: dict[str, GroupStandIn] = {}
+        # set while every stand-in here has been collected (or there is none)
+        self._all_collected = asyncio.Event()
+        self._all_collected.set()
         self.handed_over = 0
 
     def reliable(self, stream: str) -> bool:
@@ -209,6 +213,7 @@ class SessionRelease:
         stand_in.timer = asyncio.get_running_loop().call_later(
             STAND_IN_TIMEOUT_S, self.drop_stand_in, client_id)
         self.stand_ins[client_id] = stand_in
+        self._all_collected.clear()
         return stand_in
 
     def _own_stand_in_subscription(self, session: MqttSession) -> Subscription | None:
@@ -234,7 +239,21 @@ class SessionRelease:
             return {"messages": []}
         if stand_in.collected is None:
             stand_in.collected = asyncio.ensure_future(self._collect(client_id, stand_in))
+            stand_in.collected.add_done_callback(lambda _collected: self._note_collected())
         return await asyncio.shield(stand_in.collected)
+
+    def _note_collected(self) -> None:
+        if all(stand_in.collected is not None and stand_in.collected.done()
+               for stand_in in self.stand_ins.values()):
+            self._all_collected.set()
+
+    async def collected_within(self, timeout_s: float) -> bool:
+        """Whether every stand-in here is collected (or dropped) within `timeout_s`."""
+        try:
+            await wait_within(self._all_collected.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     async def _collect(self, client_id: str, stand_in: GroupStandIn) -> dict[str, Any]:
         broker = self.broker
@@ -273,6 +292,7 @@ class SessionRelease:
         stand_in = self.stand_ins.pop(client_id, None)
         if stand_in is None:
             return
+        self._note_collected()
         if stand_in.timer is not None:
             stand_in.timer.cancel()
         self._leave_groups(stand_in)

@@ -58,15 +58,20 @@ def checkpoints_due(moved: dict[str, float], now: float) -> list[str]:
     return due + [client_id for _at, client_id in sooner[:MAX_BATCH_PUTS]]
 
 
-def etcd_value(state: SessionSnapshot, limit: int = MAX_SNAPSHOT_BYTES) -> bytes:
+def etcd_value(state: SessionSnapshot, limit: int = MAX_SNAPSHOT_BYTES,
+               trimmed: set[str] | None = None) -> bytes:
     """`state` as written to etcd: whole when it fits in `limit` bytes; else without the
     newest of the messages queued for it that no cursor holds (a non-reliable stream's, or a
     shared group's), as a full session queue drops the newest, logged. etcd refuses a larger
     request at all (its default limit is 1.5 MiB), and would refuse every later write of it.
     This snapshot serves only when its holder dies: a move between live nodes carries the
-    whole session over the cluster port (`SessionRelease`)."""
+    whole session over the cluster port (`SessionRelease`). `trimmed`: the client ids whose
+    trimming was logged already (a connected session's checkpoints would log it every
+    write); a session that fits again leaves it, and is logged again if it grows over."""
     value = state.encode()
     if len(value) <= limit or not state.queued:
+        if trimmed is not None:
+            trimmed.discard(state.client_id)
         return value
     sizes = [len(json.dumps(entry.encode(), separators=(",", ":"))) + 1 for entry in state.queued]
     excess = len(value) - limit
@@ -74,12 +79,16 @@ def etcd_value(state: SessionSnapshot, limit: int = MAX_SNAPSHOT_BYTES) -> bytes
     while keep and excess > 0:
         keep -= 1
         excess -= sizes[keep]
-    trimmed = dataclasses.replace(state, queued=state.queued[:keep])
+    kept = dataclasses.replace(state, queued=state.queued[:keep])
+    if trimmed is not None:
+        if state.client_id in trimmed:
+            return kept.encode()
+        trimmed.add(state.client_id)
     log.warning("cluster: the snapshot of MQTT session %r is %d bytes, over the %d etcd takes: "
                 "it is written there without the newest %d of its %d queued messages (they move "
                 "with the session between live nodes, and are lost only if its node dies)",
                 state.client_id, len(value), limit, len(sizes) - keep, len(sizes))
-    return trimmed.encode()
+    return kept.encode()
 
 
 def expired(state: SessionSnapshot, now: int | None = None, holder_gone_ms: int | None = None) -> bool:
@@ -121,6 +130,8 @@ class SessionSnapshots:
         # what each online session's snapshot last held of its subscriptions: saves that change
         # nothing of them (a QoS 2 release) write nothing to etcd
         self._subscribed: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+        # sessions whose snapshot is over etcd's limit, logged once (`etcd_value`)
+        self._trimmed: set[str] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._checkpointer: asyncio.Task[None] | None = None
         self.checkpoints = 0
@@ -180,7 +191,7 @@ class SessionSnapshots:
                 if held is not None and held.newer_than(state):
                     return
                 revision = kv.mod_revision
-            written, _now = await self.node.state_store.put_at(key, revision, etcd_value(state))
+            written, _now = await self.node.state_store.put_at(key, revision, etcd_value(state, trimmed=self._trimmed))
             if written:
                 log.info("cluster: session %r handed over and never collected: its snapshot "
                          "in etcd is the one it left with", state.client_id)
@@ -242,6 +253,7 @@ class SessionSnapshots:
 
     def forgotten(self, client_id: str) -> None:
         self._subscribed.pop(client_id, None)
+        self._trimmed.discard(client_id)
         if client_id not in self.releasing:
             self._sync(client_id)
 
@@ -321,7 +333,7 @@ class SessionSnapshots:
                 return None
             if self.node.view.sessions.get(client_id) not in (None, self.node.node_id):
                 return None
-            return etcd_value(capture(session, self.node.node_id))
+            return etcd_value(capture(session, self.node.node_id), trimmed=self._trimmed)
         return make
 
     def _sync(self, client_id: str) -> None:
@@ -345,7 +357,7 @@ class SessionSnapshots:
                     # another node took it over (the registry says so) while this one could
                     # not hand it over (stopping): that node's snapshot is the session now
                     return
-                await client.put(key, etcd_value(capture(session, self.node.node_id)))
+                await client.put(key, etcd_value(capture(session, self.node.node_id), trimmed=self._trimmed))
                 self._void.pop(client_id, None)
                 return
             kv = await client.get(key)

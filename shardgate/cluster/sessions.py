@@ -527,15 +527,9 @@ class SessionHandover:
     async def _stand_ins_collected(self, timeout_s: float) -> None:
         """Wait (bounded) until the new nodes have collected what this node's stand-ins took
         for the sessions handed over: the stand-ins need this node's links and cluster port."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        if await self.releaser.collected_within(timeout_s):
+            return
         stand_ins = self.releaser.stand_ins
-        while loop.time() < deadline:
-            waiting = [stand_in for stand_in in stand_ins.values()
-                       if stand_in.collected is None or not stand_in.collected.done()]
-            if not waiting:
-                return
-            await asyncio.sleep(0.05)
         log.warning("cluster: %d sessions handed over did not collect what was kept for them "
                     "here while they moved", sum(1 for stand_in in stand_ins.values()
                                                  if stand_in.collected is None))

@@ -47,7 +47,9 @@ shows some rows twice (merged file first) or not at all (inputs first). Compacti
 second: such a tool sees the inputs, then, between the deletion of the inputs and the
 completion of the upload (about two requests' time, whatever the file's size), neither the
 inputs nor the merged file (short of those rows, never above), then the merged file. A tool
-that must count exactly at any moment reads the files `layout.archive_files` names. A root
+that must count exactly at any moment reads the files `layout.archive_files` names (Spark:
+`storage.spark.read_archive_files`, which reads the staged ones with a `basePath` of their
+own). A root
 with no parent inside its bucket (`s3://bucket`) has no place beside it: there compaction is
 off (`layout.staging_root` is None).
 

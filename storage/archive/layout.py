@@ -269,8 +269,8 @@ def archive_files(url: str, stream: str | None = None,
     the root itself may, during a compaction on an object store, count short for a moment
     (`compaction.py`). Hive partitions are read from the paths (`stream=`, `date=`, `hour=`;
     a merged file not yet in place is listed in the staging area beside the root, under the
-    same partition directories). A path can vanish before it is read (compacted meanwhile):
-    ask again."""
+    same partition directories; Spark reads them with `storage.spark.read_archive_files`).
+    A path can vanish before it is read (compacted meanwhile): ask again."""
     fs, root = open_filesystem(url, settings)
     if stream is not None:
         streams = [stream]

@@ -438,25 +438,56 @@ async def read_back(grpc_url: str, filters: list[str], expected: set[str],
                     timeout: float = 60, durable: bool = False) -> Counter[str]:
     """Every message under `filters` from the earliest offset, through the gRPC SDK on one
     node (shards owned elsewhere are read from their owners): the payloads and how often each
-    came, once `expected` were all seen or nothing more came within a few seconds after the
-    timeout."""
+    came, once `expected` were all seen and then either every shard they came from was read
+    to its end (the last offset the stream reports for it came, and a shard's messages come in
+    offset order), or nothing more came within a few seconds (a shard whose last messages are
+    under other topics), or after the timeout."""
     from shardgate.client import Client
     got: Counter[str] = Counter()
+    last: dict[tuple[str, int], int] = {}  # (stream, shard) -> the highest offset received
     deadline = time.monotonic() + timeout
     async with Client(grpc_url) as client:
         consumer = client.consumer(f"read-back-{next(_READS)}", filters, position="earliest",
                                    durable=durable)
         await consumer.subscribe()
+        ends: dict[tuple[str, int], int] | None = None  # the shards' last offsets, once asked
         while time.monotonic() < deadline:
+            if expected <= set(got):
+                if ends is None:
+                    ends = await _last_offsets(client, {stream for stream, _ in last})
+                if ends and all(last.get(shard, -1) >= end for shard, end in ends.items()):
+                    break
             quiet = 3.0 if expected <= set(got) else max(0.1, deadline - time.monotonic())
             try:
                 message = await consumer.receive(quiet)
             except TimeoutError:
                 break
             got[message.text()] += 1
+            shard = (message.stream, message.shard)
+            last[shard] = max(last.get(shard, -1), message.offset)
             message.ack()
         await consumer.close()
     return got
+
+
+async def _last_offsets(client: Any, streams: set[str]) -> dict[tuple[str, int], int]:
+    """The last offset of each non-empty shard of `streams`, as their owners report it; {}
+    (so: wait for a quiet spell instead) when an owner did not answer."""
+    from shardgate.client import ShardgateError
+    ends: dict[tuple[str, int], int] = {}
+    for stream in streams:
+        try:
+            info = await client.admin.describe_stream(stream)
+        except ShardgateError:
+            return {}
+        if info.unanswered:
+            return {}
+        for shard in info.shards:
+            if shard.unavailable:
+                return {}
+            if shard.next_offset > 0:
+                ends[(stream, shard.index)] = shard.next_offset - 1
+    return ends
 
 
 # ---------------------------------------------------------------- shared node sets (additive)

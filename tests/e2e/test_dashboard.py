@@ -55,6 +55,9 @@ def page(browser: Any, node: tuple[ThreadedBroker, str]) -> Iterator[Any]:
         page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
         page.errors = errors
         yield page
+        # a route handler still running (the page polls while the test ends) would otherwise
+        # run on after the context closed, and raise in the next test's call to the browser
+        page.unroute_all(behavior="wait")
     finally:
         context.close()
 

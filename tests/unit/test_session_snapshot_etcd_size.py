@@ -1,9 +1,12 @@
 """`session_snapshots.etcd_value`: a session snapshot too large for one etcd request is written
 there without the newest of its queued messages (etcd refuses the whole value otherwise, and
-every later write of it: the rolling restart's 2.7 MB session), the oldest kept in order."""
+every later write of it: the rolling restart's 2.7 MB session), the oldest kept in order, and logged once per session while it stays over the limit."""
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 from shardgate.protocols.mqtt.snapshot import QueuedEntry, SessionSnapshot
 
 from shardgate.cluster.session_snapshots import etcd_value
@@ -29,3 +32,21 @@ def test_a_snapshot_over_the_limit_keeps_its_oldest_queued_messages_within_it() 
     assert 0 < len(offsets) < 1_000
     assert offsets == list(range(len(offsets)))  # the oldest, in order
     assert len(state.queued) == 1_000  # the snapshot itself is left whole
+
+
+def test_the_trimming_is_logged_once_per_session_until_it_fits_again(caplog: pytest.LogCaptureFixture) -> None:
+    trimmed: set[str] = set()
+    big, small = _snapshot(1_000), _snapshot(10)
+
+    def warnings() -> int:
+        return sum("over the 50000 etcd takes" in record.getMessage() for record in caplog.records)
+
+    with caplog.at_level(logging.WARNING, logger="shardgate.cluster.session_snapshots"):
+        for _write in range(3):  # a connected session's checkpoints
+            assert len(etcd_value(big, limit=50_000, trimmed=trimmed)) <= 50_000
+        assert warnings() == 1
+        etcd_value(small, limit=50_000, trimmed=trimmed)  # back under the limit
+        etcd_value(big, limit=50_000, trimmed=trimmed)  # and over it again
+        assert warnings() == 2
+        etcd_value(big, limit=50_000)  # (without a record of what was logged: every time)
+        assert warnings() == 3
