@@ -72,6 +72,8 @@ log = logging.getLogger(__name__)
 
 # how often a node measures its message rate (and reports it when it moved)
 LOAD_INTERVAL_S = 5.0
+# how long `drain` waits for the watch to bring its own write back into the view
+DRAIN_SEEN_S = 5.0
 
 
 class ClusterStartError(Exception):
@@ -384,11 +386,16 @@ class ClusterNode:
 
     async def drain(self, node_id: str, *, cancel: bool = False) -> None:
         """`shardgate cluster drain NODE`: ask the controller to move every replica and
-        leadership off `node_id` (or, with `cancel`, to stop). Raises EtcdError."""
+        leadership off `node_id` (or, with `cancel`, to stop). Raises EtcdError. Returns once
+        this node's view shows it (at most DRAIN_SEEN_S later), so that the status the caller
+        answers with says it: the view learns of the write from the watch, not from the write."""
         if cancel:
             await self.store.clear_drain(node_id)
         else:
             await self.store.set_drain(node_id, int(time.time() * 1000))
+        deadline = time.monotonic() + DRAIN_SEEN_S
+        while (node_id in self.view.draining) == cancel and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
     async def _report_load(self) -> None:
         """Every LOAD_INTERVAL_S, put this node's message rate in its registration when it moved

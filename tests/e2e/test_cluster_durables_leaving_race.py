@@ -24,6 +24,7 @@ from tests.e2e.cluster_fixtures import (
     eventually,
     protocol_node,
     settled_nodes,
+    wait_in_sync,
     wait_settled,
 )
 from tests.e2e.test_cluster_state_sessions import etcd_get
@@ -42,6 +43,10 @@ def test_a_durable_subscription_resumed_elsewhere_while_its_node_stops_loses_and
         etcd: EtcdServer, tmp_path: Path) -> None:
     nodes = [protocol_node(tmp_path, name, etcd.url, WORK).start() for name in ("n1", "n2", "n3")]
     with settled_nodes(nodes) as (n1, n2, n3):
+        # every shard on all three nodes first: with n2 leaving while a shard had only n1 and
+        # n2 in sync (n3 still catching up), the shard keeps one, below the two it needs, and
+        # refuses publishes (retryably: the producer sends them again, a second copy)
+        wait_in_sync(nodes, "work")
 
         async def scenario() -> None:
             async with Client(n1.grpc_url) as publishing, Client(n2.grpc_url) as leaving, \
@@ -128,6 +133,7 @@ def test_a_shared_subscription_consumed_on_two_nodes_moves_whole_when_its_holder
     as it stops, does not name n2 again after n3 took the subscription over)."""
     nodes = [protocol_node(tmp_path, name, etcd.url, WORK).start() for name in ("n1", "n2", "n3")]
     with settled_nodes(nodes) as (n1, n2, n3):
+        wait_in_sync(nodes, "work")  # as above
 
         async def scenario() -> None:
             async with Client(n1.grpc_url) as publishing, Client(n2.grpc_url) as leaving, \
