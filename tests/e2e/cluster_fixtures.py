@@ -330,25 +330,6 @@ def wait_settled(nodes: list[ClusterNodeProcess], timeout: float = 30) -> None:
              interval=0.05)
 
 
-def wait_in_sync(nodes: list[ClusterNodeProcess], stream: str, timeout: float = 60) -> None:
-    """Every shard of `stream` is led by a live node and has all its replicas in sync, as the
-    nodes leading them say (a node shows only the replicated shards it leads). A cluster just
-    started is settled before its new replicas have caught up: a test that stops a node then
-    may leave a shard fewer in-sync replicas than it needs, and its publishes refused."""
-    live = [node for node in nodes if node.alive()]
-
-    def in_sync() -> bool:
-        shards: dict[str, Any] = {}
-        for node in live:
-            shards.update(node.status().get("replicated_shards", {}))
-        placement = live[0].status()["placement"].get(stream, [])
-        mine = {name: shard for name, shard in shards.items() if name.startswith(f"{stream}/")}
-        return (bool(placement) and len(mine) == len(placement)
-                and all(set(shard["replicas"]) <= set(shard["isr"]) for shard in mine.values()))
-
-    wait_for(in_sync, timeout=timeout, interval=0.1)
-
-
 def topics_of(status: dict[str, Any], stream: str, prefix: str, owner: str | None = None,
               per_shard: int = 1) -> list[str]:
     """Topics `prefix/<i>` that land on the shards of `stream` (crc32 of the topic, as

@@ -24,12 +24,16 @@ from tests.e2e.cluster_fixtures import (
     eventually,
     protocol_node,
     settled_nodes,
-    wait_in_sync,
     wait_settled,
 )
 from tests.e2e.test_cluster_state_sessions import etcd_get
 
-WORK = '[[streams]]\nname = "work"\nmode = "reliable"\npartitions = 3\nroutes = ["work/#"]\n'
+# One copy per shard: these tests are about the subscription's move, and count every message a
+# consumer gets twice. With replicated shards (the default in a cluster), the leader of a shard
+# whose replica leaves can refuse a publish it had already appended, retryably; the producer
+# sends it again and the stream holds it twice (at least once), which is not what is tested here.
+WORK = ('[[streams]]\nname = "work"\nmode = "reliable"\npartitions = 3\nroutes = ["work/#"]\n'
+        'replicas = 1\n')
 KEY = "/shardgate/test.state/durables/ledger"
 BEFORE = 20  # acknowledged on the leaving node, and known there to be: never sent again
 DURING = 60  # published while the leaving node stops and the consumer moves
@@ -43,10 +47,6 @@ def test_a_durable_subscription_resumed_elsewhere_while_its_node_stops_loses_and
         etcd: EtcdServer, tmp_path: Path) -> None:
     nodes = [protocol_node(tmp_path, name, etcd.url, WORK).start() for name in ("n1", "n2", "n3")]
     with settled_nodes(nodes) as (n1, n2, n3):
-        # every shard on all three nodes first: with n2 leaving while a shard had only n1 and
-        # n2 in sync (n3 still catching up), the shard keeps one, below the two it needs, and
-        # refuses publishes (retryably: the producer sends them again, a second copy)
-        wait_in_sync(nodes, "work")
 
         async def scenario() -> None:
             async with Client(n1.grpc_url) as publishing, Client(n2.grpc_url) as leaving, \
@@ -133,7 +133,6 @@ def test_a_shared_subscription_consumed_on_two_nodes_moves_whole_when_its_holder
     as it stops, does not name n2 again after n3 took the subscription over)."""
     nodes = [protocol_node(tmp_path, name, etcd.url, WORK).start() for name in ("n1", "n2", "n3")]
     with settled_nodes(nodes) as (n1, n2, n3):
-        wait_in_sync(nodes, "work")  # as above
 
         async def scenario() -> None:
             async with Client(n1.grpc_url) as publishing, Client(n2.grpc_url) as leaving, \
