@@ -1,20 +1,24 @@
 """A replica's disk fills up (issue 28, "disk full on one replica"): three `shardgate serve`
 nodes and a real etcd on loopback, each node's data directory on its own tmpfs, a reliable
 stream of three replicas of which two must be in sync. A tmpfs is shrunk to a little more
-than it holds to fill that node's disk, and grown again to give the room back. The disk alarm
-(`disk_free_limit`) is off: the journal's writes themselves fail with ENOSPC, as when a disk
-fills faster than the alarm's check or the alarm is turned off.
+than it holds to fill that node's disk, and grown again to give the room back. With the disk
+alarm off (`disk_free_limit = 0`) the journal's writes themselves fail with ENOSPC, as when a
+disk fills faster than the alarm's check; with it on (1 MiB here) the node refuses to store
+once less is free.
 
-- A follower's disk fills under QoS 1 publishing: its process stays up, the leader drops it
-  from the in-sync set (`/api/cluster`) and acknowledges with the other in-sync replica;
-  once the disk has room again the follower fetches what it missed, is back in the in-sync
-  set, and its journal is byte-identical to the leader's; every acknowledged message is in
-  the shard.
-- The leader's disk fills: no publish it could not store is acknowledged; it gives up the
-  shard's leadership (as a Kafka broker whose log directory fails), the controller elects an
-  in-sync replica with room in a newer epoch, and publishes are acknowledged again; once the
-  old leader's disk has room it catches up as a follower and rejoins the in-sync set, byte-
-  identical; every acknowledged message is in the shard.
+- A follower's disk fills under QoS 1 publishing (ENOSPC, and the alarm): its process stays
+  up, the leader drops it from the in-sync set (`/api/cluster`) and acknowledges with the
+  other in-sync replica; once the disk has room again the follower fetches what it missed, is
+  back in the in-sync set, and its journal is byte-identical to the leader's; every
+  acknowledged message is in the shard.
+- The leader's disk fills (ENOSPC): no publish it could not store is acknowledged; it gives up
+  the shard's leadership (as a Kafka broker whose log directory fails), the controller elects
+  an in-sync replica with room in a newer epoch, and publishes are acknowledged again; once
+  the old leader's disk has room it catches up as a follower and rejoins the in-sync set,
+  byte-identical; every acknowledged message is in the shard.
+- The leader's disk alarm is raised: it keeps the shard and refuses publishes with the quota
+  error (MQTT 5 PUBACK 0x97), acknowledging none, until the alarm clears; then publishes are
+  acknowledged again, and nothing acknowledged is lost.
 
 Mounting needs root (CAP_SYS_ADMIN): the tests skip when a mount is refused.
 """
@@ -47,6 +51,7 @@ CONFIG = (f'[[streams]]\nname = "{STREAM}"\nmode = "reliable"\npartitions = 1\nr
           "min_insync_replicas = 2\n")
 ROOMY = 64 << 20  # each data directory's tmpfs, in bytes
 FILL_LEFT = 192 << 10  # room left on a disk that is made to fill, in bytes
+ALARM = 1 << 20  # disk_free_limit of the tests with the disk alarm on, in bytes
 
 
 def _mount(directory: Path, size: int) -> None:
@@ -62,11 +67,11 @@ def _resize(directory: Path, size: int) -> None:
                    capture_output=True)
 
 
-def _fill(directory: Path) -> None:
-    """Shrink `directory`'s tmpfs to what it holds plus FILL_LEFT: it fills soon."""
+def _fill(directory: Path, left: int = FILL_LEFT) -> None:
+    """Shrink `directory`'s tmpfs to what it holds plus `left` bytes: it fills soon."""
     used = os.statvfs(directory)
     held = (used.f_blocks - used.f_bfree) * used.f_frsize
-    _resize(directory, held + FILL_LEFT)
+    _resize(directory, held + left)
 
 
 def _free(directory: Path) -> int:
@@ -76,19 +81,21 @@ def _free(directory: Path) -> int:
 
 @pytest.fixture
 def tmpfs_cluster(tmp_path: Path, etcd: EtcdServer
-                  ) -> Iterator[Callable[[], dict[str, ClusterNodeProcess]]]:
+                  ) -> Iterator[Callable[..., dict[str, ClusterNodeProcess]]]:
     """Starts three nodes, each data directory on a tmpfs of ROOMY bytes, with the disk alarm
-    off; kills them, then unmounts every tmpfs, whatever happened."""
+    at `disk_free_limit` (0: off); kills them, then unmounts every tmpfs, whatever
+    happened."""
     nodes: list[ClusterNodeProcess] = []
     mounted: list[Path] = []
 
-    def start() -> dict[str, ClusterNodeProcess]:
+    def start(disk_free_limit: int = 0) -> dict[str, ClusterNodeProcess]:
         for index in (1, 2, 3):
             node = ClusterNodeProcess(tmp_path / f"n{index}", f"n{index}", etcd.url,
                                       extra_config=CONFIG)
             assert node.config_file is not None
             # a top-level setting: before the file's first table
-            node.config_file.write_text("disk_free_limit = 0\n" + node.config_file.read_text())
+            node.config_file.write_text(f"disk_free_limit = {disk_free_limit}\n"
+                                        + node.config_file.read_text())
             _mount(node.data_dir, ROOMY)
             mounted.append(node.data_dir)
             nodes.append(node)
@@ -141,9 +148,10 @@ def _identical(nodes: list[ClusterNodeProcess]) -> bool:
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("disk_free_limit", [0, ALARM], ids=["enospc", "alarm"])
 def test_a_follower_whose_disk_fills_leaves_the_in_sync_set_and_rejoins_once_it_has_room(
-        tmpfs_cluster: Callable[[], dict[str, ClusterNodeProcess]]) -> None:
-    nodes = tmpfs_cluster()
+        tmpfs_cluster: Callable[..., dict[str, ClusterNodeProcess]], disk_free_limit: int) -> None:
+    nodes = tmpfs_cluster(disk_free_limit)
     placed = wait_for(lambda: _fully_in_sync(nodes["n1"]), timeout=60, interval=0.1)
     leader = nodes[placed["leader"]]
     full, other = (nodes[name] for name in placed["replicas"] if name != leader.node_id)
@@ -152,9 +160,13 @@ def test_a_follower_whose_disk_fills_leaves_the_in_sync_set_and_rejoins_once_it_
                                     ack_timeout_s=60)
     wait_for(lambda: publisher.count() >= 100, timeout=60)
 
-    _fill(full.data_dir)
-    # the follower's disk fills; the leader drops it from the in-sync set and goes on with two
-    wait_for(lambda: _free(full.data_dir) < 16 << 10, timeout=120, interval=0.1)
+    if disk_free_limit:
+        _fill(full.data_dir, ALARM // 2)  # below the limit: the follower's alarm is raised
+    else:
+        _fill(full.data_dir)
+        wait_for(lambda: _free(full.data_dir) < 16 << 10, timeout=120, interval=0.1)
+    # the follower cannot store what it fetches: the leader drops it from the in-sync set and
+    # goes on with two
     wait_for(lambda: full.node_id not in (_shard(leader) or {"isr": [full.node_id]})["isr"],
              timeout=90, interval=0.1)
     shown = _shard(leader)
@@ -180,7 +192,7 @@ def test_a_follower_whose_disk_fills_leaves_the_in_sync_set_and_rejoins_once_it_
 
 @pytest.mark.timeout(400)
 def test_a_leader_whose_disk_fills_gives_up_the_shard_and_acknowledges_nothing_it_did_not_store(
-        tmpfs_cluster: Callable[[], dict[str, ClusterNodeProcess]]) -> None:
+        tmpfs_cluster: Callable[..., dict[str, ClusterNodeProcess]]) -> None:
     nodes = tmpfs_cluster()
     placed = wait_for(lambda: _fully_in_sync(nodes["n1"]), timeout=60, interval=0.1)
     full = nodes[placed["leader"]]
@@ -229,3 +241,38 @@ def test_a_leader_whose_disk_fills_gives_up_the_shard_and_acknowledges_nothing_i
     _all_stored(new_leader, on_leader, elsewhere)
     wait_for(lambda: _identical([new_leader, full, first if new_leader is second else second]),
              timeout=90, interval=0.2)
+
+
+@pytest.mark.timeout(400)
+def test_a_leader_under_the_disk_alarm_keeps_the_shard_and_refuses_with_the_quota_error(
+        tmpfs_cluster: Callable[..., dict[str, ClusterNodeProcess]]) -> None:
+    nodes = tmpfs_cluster(ALARM)
+    placed = wait_for(lambda: _fully_in_sync(nodes["n1"]), timeout=60, interval=0.1)
+    full = nodes[placed["leader"]]
+    followers = [nodes[name] for name in placed["replicas"] if name != full.node_id]
+    topics = topics_of(full.status(), STREAM, f"{STREAM}/a")
+    publisher = ContinuousPublisher(full.mqtt_port, "leader-alarm-writer", topics,
+                                    ack_timeout_s=60)
+    wait_for(lambda: publisher.count() >= 100, timeout=60)
+
+    _fill(full.data_dir, ALARM // 2)
+    # refused with the quota error (the alarm is checked every second), acknowledging nothing
+    wait_for(lambda: any(code == 0x97 for code, _reason, _topic in list(publisher.refused)),
+             timeout=30, interval=0.05)
+    refused_at, acknowledged_at = publisher.refusals(), publisher.count()
+    wait_for(lambda: publisher.refusals() >= refused_at + 50, timeout=30)
+    assert publisher.count() == acknowledged_at
+    shown = _shard(full)
+    assert shown is not None and shown["leader"] == full.node_id
+    assert shown["leader_epoch"] == placed["leader_epoch"]
+
+    _resize(full.data_dir, ROOMY)  # the alarm clears: acknowledged again, by the same leader
+    wait_for(lambda: publisher.count() >= acknowledged_at + 100, timeout=30)
+    publisher.stop()
+    assert not publisher.dropped.is_set(), publisher.disconnect
+    codes = {code for code, _reason, _topic in publisher.refused}
+    assert codes <= {0x80, 0x97}, publisher.refused[:5]
+    print(f"{publisher.count()} acknowledged, {publisher.refusals()} refused {sorted(codes)}")
+    assert (_shard(full) or {}).get("leader") == full.node_id
+    _all_stored(full, publisher)
+    wait_for(lambda: _identical([full, *followers]), timeout=90, interval=0.2)
