@@ -24,7 +24,9 @@ in-sync set, this leader's own included. A fetch that finds nothing new is parke
 and answered at the next append. Should the journal fail a commit, this node resigns before
 anything else is appended (`append` checks it too, not only the commit's callback): the
 offsets it may have sent are then cut from its log at the role change, never written here
-with other (empty) records under the same epoch.
+with other (empty) records under the same epoch; and it tells `gave_up` (the replica manager
+asks the controller to move the shard). A follower whose journal fails a write (a full disk)
+cuts its log back to its durable end and fetches again after a pause (`follow`).
 """
 
 from __future__ import annotations

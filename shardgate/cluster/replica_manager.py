@@ -25,8 +25,12 @@ run one after the other, the latest placement winning.
 Every `tick_s` the leaders look at their followers' lag; an in-sync set change they propose
 goes to `propose` (the controller writes it in etcd; the leader applies it when the placement
 shows it; one the placement has not shown after `proposal_timeout_s` counts as refused, and
-the leader may propose again). The lease deadline (`lease_deadline`) fences leaders that cannot prove their lease
-is alive. Nothing here opens a socket: followers reach leaders through a `ReplicaTransport`.
+the leader may propose again). A leader whose journal failed a commit resigned
+(`ReplicatedShardLog`) and gives the shard up: it proposes the in-sync set without itself
+(`gives_up`), again every `proposal_timeout_s` until the placement moves on, and the
+controller elects another in-sync replica in a new epoch. The lease deadline
+(`lease_deadline`) fences leaders that cannot prove their lease is alive. Nothing here opens
+a socket: followers reach leaders through a `ReplicaTransport`.
 """
 
 from __future__ import annotations
