@@ -161,6 +161,10 @@ class ReplicaError(enum.Enum):
     """This node does not lead the shard in that epoch (never did, or was superseded)."""
     FENCED_EPOCH = "fenced_epoch"
     """The requester's epoch is older than the leader's: it must learn the new placement."""
+    UNKNOWN_LEADER_EPOCH = "unknown_leader_epoch"
+    """The requester names a newer epoch than this leader's: its view of the placement is
+    ahead (it names this node the leader of that epoch, or it would not ask here); retry
+    once this node has seen it too (Kafka's UNKNOWN_LEADER_EPOCH)."""
     UNKNOWN_REPLICA = "unknown_replica"
     """The requester is not one of the shard's replicas."""
     OUT_OF_RANGE = "out_of_range"

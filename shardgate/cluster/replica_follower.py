@@ -12,7 +12,8 @@ durable, so the leader always learns its durable end. Every answer names what th
 must do (`Truncate`, `ResetLog`) or is applied here (records appended, epochs recorded).
 
 A refusal names why: an older epoch than the leader's (`FENCED_EPOCH`: wait for the new
-placement), a leader that no longer leads (`NOT_LEADER`: wait, then retry), a fetch past the
+placement), a leader that no longer leads (`NOT_LEADER`: wait, then retry) or has not seen
+this follower's newer epoch yet (`UNKNOWN_LEADER_EPOCH`: the same), a fetch past the
 leader's end (`OUT_OF_RANGE`: find the truncation point again), a log the leader's retention
 has passed (`BEHIND_LOG_START`: start the log again at the leader's first offset).
 """

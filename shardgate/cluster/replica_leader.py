@@ -17,10 +17,15 @@ each fetch saying how far the follower holds the log durably. From that the lead
   leader applies it when it reads it back (`isr_changed`). While a change is in flight the
   high watermark counts the larger set (Kafka's "maximal ISR"), so it never counts a follower
   out before the controller did;
-- **fencing**: a request naming a newer epoch, or the controller's placement (`supersede`),
-  ends this leadership: every waiting publish is refused (NOT_LEADER) and nothing more is
-  acknowledged. While this node's etcd lease is not known to be alive (`renew_lease`), it
-  acknowledges nothing and takes no publish.
+- **fencing**: the controller's placement (`supersede`) ends this leadership: every waiting
+  publish is refused (NOT_LEADER) and nothing more is acknowledged. While this node's etcd
+  lease is not known to be alive (`renew_lease`), it acknowledges nothing and takes no publish.
+  A request naming a newer epoch does not fence: a follower asks only the leader its own view
+  names, so such a request means this node leads that epoch too and the follower saw the
+  placement first. It is refused, retryable (UNKNOWN_LEADER_EPOCH), and the placement, once
+  seen here, makes this node lead again (`hand_over`: what waits carries over). Nothing is
+  acknowledged meanwhile that the newer epoch's followers do not hold: only fetches naming
+  this leader's own epoch move its high watermark.
 
 Time is given by the caller (`now`, monotonic seconds); acknowledgements are handed back as
 (waiter, error or None) pairs by `take_completed`, so the I/O side resolves its own futures.
@@ -259,8 +264,9 @@ class LeaderReplica(Generic[W]):
         if self._fenced:
             return Refused(ReplicaError.NOT_LEADER)
         if leader_epoch > self.epoch:
-            self.supersede()  # a newer leader exists: this one is over
-            return Refused(ReplicaError.NOT_LEADER)
+            # the requester's view names this node the leader of a newer epoch, which this
+            # node has not seen yet: not a newer leader elsewhere (see the module docstring)
+            return Refused(ReplicaError.UNKNOWN_LEADER_EPOCH)
         if leader_epoch < self.epoch:
             return Refused(ReplicaError.FENCED_EPOCH)
         if replica not in self._followers:

@@ -202,14 +202,43 @@ def test_fetches_of_older_epochs_and_unknown_replicas_are_refused() -> None:
     assert not replica.fenced
 
 
-def test_a_request_of_a_newer_epoch_fences_the_leader_and_refuses_what_waits() -> None:
+def test_a_request_of_a_newer_epoch_is_refused_retryably_and_fences_nothing() -> None:
+    """A follower asks only the leader its own view names: a request naming epoch 4 here
+    means this node leads epoch 4 too, and the follower saw that placement first. What waits
+    stays waiting, and is carried over to epoch 4 (`hand_over`), acknowledged there."""
     replica = leader()
     append(replica, 2)
-    assert fetch(replica, "b", 2, epoch=4) == Refused(ReplicaError.NOT_LEADER)
+    assert fetch(replica, "b", 2, epoch=4) == Refused(ReplicaError.UNKNOWN_LEADER_EPOCH)
+    assert replica.on_epoch_end(EpochEndRequest("c", 4, 3)) == Refused(ReplicaError.UNKNOWN_LEADER_EPOCH)
+    assert not replica.fenced
+    assert replica.take_completed() == []
+    assert replica.high_watermark == 0  # a refused fetch moves nothing
+    assert replica.check_append(0.0) is None
+    carried = replica.hand_over()  # this node's view now shows epoch 4: it leads again
+    assert carried == [(1, "m0"), (2, "m1")]
+    assert replica.fenced
+    again = LeaderReplica(
+        "a", 4, ("a", "b", "c"), ("a", "b", "c"), min_insync=2, lag_time_max_s=10.0,
+        history=replica.history, log_end=2, durable_end=2, high_watermark=replica.high_watermark,
+        now=0.0)
+    for end, waiter in carried:
+        again.await_commit(end, waiter, 0.0)
+    assert again.take_completed() == []
+    fetch(again, "b", 2, epoch=4)
+    fetch(again, "c", 2, epoch=4)
+    assert again.take_completed() == [("m0", None), ("m1", None)]
+
+
+def test_a_superseded_leader_refuses_what_waits_and_every_request() -> None:
+    replica = leader()
+    append(replica, 2)
+    replica.supersede()  # the placement names another leader
     assert replica.fenced
     assert replica.take_completed() == [("m0", ReplicaError.NOT_LEADER), ("m1", ReplicaError.NOT_LEADER)]
     assert replica.check_append(0.0) is ReplicaError.NOT_LEADER
-    assert fetch(replica, "c", 2) == Refused(ReplicaError.NOT_LEADER)
+    for epoch in (3, 4):
+        assert fetch(replica, "c", 2, epoch=epoch) == Refused(ReplicaError.NOT_LEADER)
+    assert replica.high_watermark == 0
     replica.await_commit(3, "late", 0.0)
     assert replica.take_completed() == [("late", ReplicaError.NOT_LEADER)]
 

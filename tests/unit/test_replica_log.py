@@ -220,6 +220,37 @@ async def test_a_resigning_leader_fails_what_waits_with_a_retryable_error(pair: 
     assert pair.replicated.serve_fetch(FetchRequest("b", 1, 0, 0)) == Refused(ReplicaError.NOT_LEADER)
 
 
+async def test_a_fetch_naming_the_next_epoch_keeps_what_waits_for_the_leader_of_that_epoch(
+    pair: Pair,
+) -> None:
+    """The follower saw the placement of epoch 2 (a leads it again, its replicas changed)
+    before the leader did: its fetch naming epoch 2 is refused, retryably, and the publish
+    that waited is neither refused nor delivered until the leader leads epoch 2
+    (`lead_again`), then acknowledged and delivered once (no resend, so no duplicate)."""
+    future = pair.broker.publish(Message("t/1", b"one"))
+    assert future is not None
+    ahead = FollowerReplica("b", "a", 2, history=pair.history["b"], log_end=0, durable_end=0,
+                            high_watermark=0)
+    follower_log = FollowerLog(pair.logs["b"], ahead)
+    pair.task = asyncio.get_running_loop().create_task(
+        follow(follower_log, pair.transport, retry_s=0.01))
+    await wait_for(lambda: ahead.last_refusal is ReplicaError.UNKNOWN_LEADER_EPOCH)
+    await asyncio.sleep(0.05)  # refused again and again meanwhile
+    assert not future.done()
+    assert not pair.leader.fenced
+    assert pair.recorder.got == []
+    again: LeaderReplica[asyncio.Future[None]] = LeaderReplica(
+        "a", 2, ("a", "b"), ("a", "b"), min_insync=2, lag_time_max_s=30.0,
+        history=pair.history["a"], log_end=pair.logs["a"].next_offset,
+        durable_end=pair.logs["a"].committed_offset, high_watermark=pair.replicated.high_watermark,
+        now=time.monotonic())
+    pair.replicated.lead_again(again)
+    await asyncio.wait_for(future, 10)
+    await wait_for(lambda: pair.recorder.got == [(0, b"one")])
+    assert [r.data for r in pair.logs["b"].read(0, 10)] == [r.data for r in pair.logs["a"].read(0, 10)]
+    assert pair.logs["b"].next_offset == 1
+
+
 async def test_a_fetch_at_the_end_is_held_until_something_is_committed(pair: Pair) -> None:
     pending = asyncio.ensure_future(pair.replicated.fetch(FetchRequest("b", 1, 0, 0), max_wait_s=5.0))
     await asyncio.sleep(0.05)

@@ -45,6 +45,7 @@ class Cluster:
         self.down: set[str] = set()
         self.proposals: list[IsrProposal] = []
         self.fetching = 0
+        self.refusals: list[tuple[str, ReplicaError]] = []
 
     def start(self, node: str) -> ReplicaManager:
         self.down.discard(node)
@@ -102,9 +103,12 @@ class Transport:
             return Refused(ReplicaError.NOT_LEADER)
         self.cluster.fetching += 1
         try:
-            return await shard_log.fetch(request, max_wait_s=0.05)
+            answer = await shard_log.fetch(request, max_wait_s=0.05)
         finally:
             self.cluster.fetching -= 1
+        if isinstance(answer, Refused):
+            self.cluster.refusals.append((request.replica, answer.error))
+        return answer
 
 
 @pytest.fixture
@@ -332,6 +336,35 @@ async def test_a_leader_given_new_replicas_keeps_leading_and_acknowledges_what_w
     place_replicas(cluster, "a", 2, ("a", "b"), ("a", "b"))
     after = cluster.publish("a", b"m1")  # raises NotLeader when the leader stepped down
     await asyncio.wait_for(waiting, 15)
+    assert after is not None
+    await asyncio.wait_for(after, 15)
+    await wait_for(lambda: cluster.records("b") == [b"m0", b"m1"])
+
+
+async def test_a_leader_whose_follower_saw_its_new_epoch_first_acknowledges_what_waited(
+    cluster: Cluster,
+) -> None:
+    """The controller drops a dead replica, and the remaining follower learns the new epoch
+    before the leader does (etcd watches are not in step across nodes): its fetch names an
+    epoch the leader has not seen. That is not a newer leader elsewhere (a follower fetches
+    from the leader its view names), so the publish that waited is not refused: the leader
+    carries it over once its own view shows the epoch, and it is acknowledged there."""
+    for node in NODES:
+        cluster.start(node)
+    cluster.place("a", 1, NODES)
+    await wait_for(lambda: cluster.managers["a"].leading(*KEY) is not None)
+    await cluster.stop("c")
+    waiting = cluster.publish("a", b"m0")
+    assert waiting is not None
+    cluster.assignments[KEY] = ShardAssignment("s", 0, "a", 2, ("a", "b"), ("a", "b"))
+    cluster.views["b"].changed()  # only b has seen epoch 2 yet
+    await wait_for(lambda: ("b", ReplicaError.UNKNOWN_LEADER_EPOCH) in cluster.refusals)
+    assert not waiting.done()
+    leading = cluster.managers["a"].leading(*KEY)
+    assert leading is not None and leading.leader is not None and not leading.leader.fenced
+    cluster.views["a"].changed()
+    await asyncio.wait_for(waiting, 15)
+    after = cluster.publish("a", b"m1")
     assert after is not None
     await asyncio.wait_for(after, 15)
     await wait_for(lambda: cluster.records("b") == [b"m0", b"m1"])

@@ -143,10 +143,16 @@ def test_a_deposed_leader_that_still_runs_acknowledges_nothing_more() -> None:
     old.await_commit(2, "late", shard.now)
     shard.live.discard("a")  # its lease ran out (paused); the controller elects b
     shard.elect()
-    shard.live.add("a")
-    # b's fetch of the new epoch reaches a: a learns it was superseded
-    from shardgate.cluster.replica_epochs import FetchRequest
-    assert old.on_fetch(FetchRequest("b", shard.record.epoch, 1, 1), shard.now).error is ReplicaError.NOT_LEADER  # type: ignore[union-attr]
+    shard.live.add("a")  # running again, it has not seen the new placement yet
+    shard.pump()  # the followers fetch from b now: no fetch of a's epoch reaches a
+    assert old.take_completed() == []
+    # a request naming the new epoch (a follower asks only the leader its view names, so
+    # none comes here) would move nothing either
+    from shardgate.cluster.replica_epochs import FetchRequest, Refused
+    assert old.on_fetch(FetchRequest("c", shard.record.epoch, 1, 1), shard.now) == Refused(
+        ReplicaError.UNKNOWN_LEADER_EPOCH)
+    assert old.take_completed() == [] and old.high_watermark == 1
+    old.supersede()  # the placement reaches a
     assert old.take_completed() == [("late", ReplicaError.NOT_LEADER)]
 
 
