@@ -142,9 +142,10 @@ class SharedExchanges:
             del documents[key]
         log.info("cluster: %d non-durable AMQP exchanges and their bindings ended with the "
                  "cluster's last stop; dropped", len(transient))
-        task = asyncio.get_running_loop().create_task(self._delete_unchanged(dropped))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        # one of this node's writes: joining lets them reach etcd before it reads the whole
+        # state again, which would otherwise bring the dropped keys back (and the exchanges
+        # with them, until the deletion's watch event) when etcd was slow to delete them
+        self.node.writes.run_later(lambda: self._delete_unchanged(dropped))
 
     async def _delete_unchanged(self, values: dict[str, bytes]) -> None:
         for key, value in values.items():

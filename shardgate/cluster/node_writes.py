@@ -1,6 +1,7 @@
 """This node's background writes to etcd, in the order they were asked for: catalog keys put
 or deleted by synchronous code (the broker's topology sink, the MQTT service, in-sync set
-proposals) and session registry claims and releases, run one at a time by one task.
+proposals), session registry claims and releases, and the deletion of the non-durable AMQP
+exchanges a lone start drops (`amqp_topology.py`), run one at a time by one task.
 
 A catalog write is retried until etcd takes it; a registry write is tried a bounded number
 of times. `pending` counts what is queued or running: the node lets its own writes reach
@@ -40,7 +41,8 @@ class NodeWrites:
         self._queue.put_nowait((suffix, value, under_lease))
 
     def run_later(self, write: Callable[[], Awaitable[None]]) -> None:
-        """Run a registry write after the writes queued before it; etcd errors are retried."""
+        """Run an async write (a registry claim or release, say) after the writes queued before
+        it; etcd errors it raises are retried (bounded)."""
         self.pending += 1
         self._queue.put_nowait(write)
 

@@ -148,7 +148,7 @@ class Security:
     def __init__(
         self, users_file: Path, acl_file: Path | None = None, *,
         allow_anonymous: bool | None = None, listener_host: str = "127.0.0.1",
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, guard: LoginGuard | None = None,
     ) -> None:
         self.users_file = users_file
         self.acl_file = acl_file
@@ -173,7 +173,7 @@ class Security:
         self._verified: dict[str, tuple[str, bytes]] = {}
         self._cache_key = secrets.token_bytes(32)
         # Password checks in a thread pool, throttled per source address.
-        self.guard = LoginGuard()
+        self.guard = guard if guard is not None else LoginGuard()
         self.reload(strict=True)
 
     # ------------------------------------------------------------------ files

@@ -46,6 +46,7 @@ def install_security(app: Any) -> Security:
     A users or ACL file that cannot be read raises `ConfigError`."""
     from ..config import ConfigError
     from .auth import Security
+    from .login_guard import LoginGuard
 
     config = app.config
     settings = getattr(config, "auth", None) or AuthSettings()
@@ -54,6 +55,8 @@ def install_security(app: Any) -> Security:
         security = Security(
             users_file, acl_file, allow_anonymous=anonymous_setting(settings.allow_anonymous),
             listener_host=config.listeners.host,
+            guard=LoginGuard(base_delay_s=settings.login_delay_s,
+                             max_delay_s=settings.login_max_delay_s),
         )
     except AuthError as exc:
         raise ConfigError(f"auth: {exc}") from exc

@@ -8,8 +8,9 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from ..setting_values import Range
 from .acl import ACL_FILE
 from .errors import AuthError
 from .users import USERS_FILE
@@ -34,6 +35,16 @@ class AuthSettings:
     acl_file: str = ""
     # None: anonymous only on a loopback listener with no user defined (see the module doc).
     allow_anonymous: bool | None = None
+    # The login guard (`login_guard.py`): after a source address's first wrong password its
+    # next check waits `login_delay_s`, doubling with each further failure, at most
+    # `login_max_delay_s`; 0 for both turns the delay off (checks stay one at a time per
+    # address).
+    login_delay_s: float = 0.25
+    login_max_delay_s: float = 5.0
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "login_delay_s": (0, None), "login_max_delay_s": (0, None),
+    }
 
 
 def security_paths(data_dir: Path, settings: AuthSettings | None = None) -> tuple[Path, Path]:

@@ -311,19 +311,39 @@ def protocol_node(directory: Path, node_id: str, etcd_url: str, extra_config: st
     )
 
 
+def replicas_caught_up(status: dict[str, Any], live: set[str]) -> bool:
+    """In `status` (a node's `/api/cluster`), every replicated shard is led by a live node, has
+    as many replicas on live nodes as its stream wants (as far as the live nodes that are not
+    draining allow), and each of those placed replicas is in the in-sync set. Counting the
+    placement's replicas matters: a cluster that has just started places its new replicas out
+    of sync (`adding`), and a shard placed while only one node was up is in sync with one
+    replica until the others are added."""
+    capacity = len(live - set(status.get("draining", {})))
+    for shard in status["replicated_shards"].values():
+        placed = [replica for replica in shard["replicas"] if replica in live]
+        if (shard["leader"] not in live or not set(placed) <= set(shard["isr"])
+                or len(placed) < min(shard["wanted_replicas"], capacity)):
+            return False
+    return True
+
+
 def wait_settled(nodes: list[ClusterNodeProcess], timeout: float = 30) -> None:
     """Every live node sees exactly the live nodes, a controller, every shard placed, can prove
-    its own lease alive, and has its links up to every other live node, all in one round of
-    checks. (A node resumed after a freeze past its lease still looks settled to its peers and
+    its own lease alive, has its links up to every other live node, and sees every replicated
+    shard's replicas on live nodes in sync (`replicas_caught_up`), all in one round of checks.
+    (A node resumed after a freeze past its lease still looks settled to its peers and
     answers their links until etcd ends its lease and it registers again: the peers then drop
     it for a moment. Its `lease_alive` is False meanwhile; checking every node again after
-    that one turns True sees the peers once they took it back.)"""
+    that one turns True sees the peers once they took it back.) Without the replicas' wait, a
+    test that stops a node just after a start could leave a shard whose other replicas were
+    still catching up below `min_insync_replicas`, and its publishes refused."""
     live = [node for node in nodes if node.alive()]
     everyone = {node.node_id for node in live}
 
     def node_settled(node: ClusterNodeProcess) -> bool:
         status = settled(node, everyone)
         return (status is not None and status["lease_alive"]
+                and replicas_caught_up(status, everyone)
                 and linked(node) >= everyone - {node.node_id})
 
     wait_for(lambda: all(node_settled(node) for node in live), timeout=timeout * len(live),

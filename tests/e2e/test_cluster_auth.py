@@ -11,7 +11,6 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 from shardgate.protocols.mqtt import packets as p
 
 from shardgate.cluster.control import ClusterNode
@@ -29,10 +28,11 @@ from tests.e2e.auth_probes import (
 from tests.e2e.cluster_fixtures import CLUSTER_SECRET, ClusterNodeProcess, EtcdServer
 from tests.mqtt_clients import RawClient
 
-# The login guard delays each wrong password from one address (0.25 s doubling to 5 s), and these
-# tests knock from 127.0.0.1 on every protocol while a node starts: they take longer than the
-# suite's default 120 s on a loaded machine.
-pytestmark = pytest.mark.timeout(400)
+# These tests knock with wrong passwords from 127.0.0.1 on every protocol while a node starts.
+# They are about refusing wrong credentials, not about the login guard (test_login_flood.py):
+# their nodes turn its delay off, which would otherwise slow each next check of 127.0.0.1 up
+# to 5 s (the two tests took 107-171 s each in a parallel run).
+NO_LOGIN_DELAY = "[auth]\nlogin_delay_s = 0\nlogin_max_delay_s = 0\n"
 
 Cluster = Callable[..., list[ClusterNodeProcess]]
 
@@ -119,7 +119,8 @@ def test_a_node_started_into_a_cluster_with_users_refuses_wrong_credentials_from
     users_command(n1.data_dir, "add", "bob", "--password", "hunter2")
     wait_for(lambda: etcd.keys("auth/users"), timeout=20)
     ports, args = listener_ports()
-    n2 = ClusterNodeProcess(tmp_path / "n2", "n2", etcd.url, extra_args=args)
+    n2 = ClusterNodeProcess(tmp_path / "n2", "n2", etcd.url, extra_args=args,
+                            extra_config=NO_LOGIN_DELAY)
     try:
         knock_while_starting(n2, ports)
         # a user removed on node 1 is refused on node 2 once etcd carried the change (bob
@@ -135,7 +136,9 @@ def test_a_single_broker_with_users_refuses_wrong_credentials_from_the_start(tmp
     data_dir = tmp_path / "single"
     users_command(data_dir, "add", "alice", "--password", "s3cret")
     ports, args = listener_ports()
-    broker = BrokerProcess(data_dir, args)
+    config = tmp_path / "single.toml"
+    config.write_text(NO_LOGIN_DELAY)
+    broker = BrokerProcess(data_dir, args, config_file=config)
     try:
         knock_while_starting(broker, ports)
     finally:

@@ -184,3 +184,32 @@ def test_grpc_password_flood_is_slowed(broker: BrokerProcess) -> None:
 
     answers = flood(attempt)
     assert answers <= MAX_ANSWERS, f"{answers} refusals in {FLOOD_S}s: the flood is not slowed"
+
+
+# 0.25 + 0.5 + 1 + 2 + 4 s, then 5 s each: the default delay makes these many wrong passwords in
+# a row from one address take over 100 s; without it each is one hash (well under 1 s each even
+# on a loaded machine)
+IN_A_ROW = 24
+IN_A_ROW_WAIT_S = 60.0
+
+
+def test_the_delay_is_the_auth_login_delay_setting_and_zero_turns_it_off(tmp_path: Path) -> None:
+    """`[auth] login_delay_s = 0` and `login_max_delay_s = 0`: wrong passwords from one address
+    are answered one after another without the growing wait (what tests that knock with wrong
+    passwords set), and the right one is still let in."""
+    data_dir = tmp_path / "data"
+    add_user(data_dir, "alice", "alice-pw")
+    config = tmp_path / "shardgate.toml"
+    config.write_text("[auth]\nlogin_delay_s = 0\nlogin_max_delay_s = 0\n")
+    process = BrokerProcess(data_dir, config_file=config).start()
+    try:
+        refused = 0
+        deadline = time.monotonic() + IN_A_ROW_WAIT_S
+        while refused < IN_A_ROW and time.monotonic() < deadline:
+            code = mqtt_connect(process.mqtt_port, "alice", b"wrong", timeout=IN_A_ROW_WAIT_S)
+            assert code == p.ConnackCode311.BAD_USERNAME_OR_PASSWORD, code
+            refused += 1
+        assert refused == IN_A_ROW, f"{refused} wrong passwords answered in {IN_A_ROW_WAIT_S} s"
+        assert mqtt_connect(process.mqtt_port, "alice", b"alice-pw") == 0
+    finally:
+        process.terminate()

@@ -55,6 +55,21 @@ class OwnerReadsOfTest:
         return self.reads.owner_log(plane, stream, shard, start, filters, since_ms)
 
 
+class OwnerJournal:
+    """The owner's own shard log, read in process, marked as a remote shard's log as
+    `shard_reader.OwnerLog` is: a cursor on it is read from the owner again at the owner's
+    next word of dropped pushes (without the mark, a cursor that had read it to its end was
+    left there, and pushes dropped after that were skipped)."""
+
+    remote_shard = True
+
+    def __init__(self, log: object) -> None:
+        self._log = log
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._log, name)
+
+
 class JournalOf:
     """`OwnerReads` reading the owner's journal in process (in a real cluster an `OwnerLog`
     reads it over the cluster port); keeps what it was asked for."""
@@ -65,7 +80,7 @@ class JournalOf:
 
     def owner_log(self, plane, stream, shard, start, filters, since_ms):  # type: ignore[no-untyped-def]
         self.asked.append((stream, shard, start))
-        return self.owner.streams[stream].shards[shard].log
+        return OwnerJournal(self.owner.streams[stream].shards[shard].log)
 
 
 class GoneRecorder:

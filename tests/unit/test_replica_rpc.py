@@ -103,6 +103,47 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
         await made.stop(name)
 
 
+def described(cluster: Cluster) -> str:
+    """Each node's side of the shard: what the leader knows of its followers (in sync, how
+    far each holds the log durably) and each follower's task, for a wait that timed out."""
+    lines = []
+    for name, node in cluster.nodes.items():
+        entry = node.manager._shards.get(KEY)
+        if entry is None:
+            lines.append(f"{name}: no shard")
+            continue
+        leader = entry.log.leader
+        task = entry.follower_task
+        ended = (None if task is None or not task.done()
+                 else "cancelled" if task.cancelled() else repr(task.exception()))
+        line = (f"{name}: role {entry.role}, wanted {entry.wanted}, changing {entry.changing}, "
+                f"log end {entry.log.log.next_offset}, committed {entry.log.log.committed_offset}, "
+                f"follower task {'none' if task is None else 'ended: ' + str(ended) if ended else 'running'}")
+        if leader is not None:
+            followers = {replica: leader.follower(replica).durable_end
+                         for replica in NODES if replica != name}
+            line += (f"; leads epoch {leader.epoch}: in sync {sorted(leader.isr)}, high watermark "
+                     f"{leader.high_watermark}, durable end {leader.durable_end}, fenced "
+                     f"{leader.fenced}, followers' durable ends {followers}, proposal "
+                     f"{leader.pending_proposal}")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+async def acknowledged(cluster: Cluster, futures: list[asyncio.Future[None] | None],
+                       timeout: float = 60.0) -> None:
+    """Wait until every publish is acknowledged; on a timeout, say where each node stands."""
+    waiting = [future for future in futures if future is not None]
+    if not waiting:
+        return
+    done, _pending = await asyncio.wait(waiting, timeout=timeout)
+    if len(done) < len(waiting):
+        raise AssertionError(f"{len(waiting) - len(done)} of {len(waiting)} publishes not "
+                             f"acknowledged in {timeout:g} s:\n{described(cluster)}")
+    for future in done:
+        future.result()
+
+
 async def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -119,7 +160,7 @@ async def test_followers_fetch_over_grpc_and_end_byte_identical_to_the_leader(
     leader = cluster.nodes["a"]
     await wait_for(lambda: leader.manager.leading(*KEY) is not None)
     futures = [leader.publish(f"m{i}".encode() * 50) for i in range(300)]
-    await asyncio.wait_for(asyncio.gather(*[f for f in futures if f is not None]), 60)
+    await acknowledged(cluster, futures)
     expected = [f"m{i}".encode() * 50 for i in range(300)]
     for name in ("b", "c"):
         await wait_for(lambda name=name: cluster.nodes[name].records() == expected)  # type: ignore[misc]
@@ -134,11 +175,11 @@ async def test_a_follower_restarted_with_an_empty_data_dir_catches_up(cluster: C
     leader = cluster.nodes["a"]
     await wait_for(lambda: leader.manager.leading(*KEY) is not None)
     first = [leader.publish(f"x{i}".encode()) for i in range(100)]
-    await asyncio.wait_for(asyncio.gather(*[f for f in first if f is not None]), 60)
+    await acknowledged(cluster, first)
     await cluster.stop("c")
     cluster.place("a", 1, ("a", "b"))  # the controller took c out of the in-sync set
     more = [leader.publish(f"y{i}".encode()) for i in range(100)]
-    await asyncio.wait_for(asyncio.gather(*[f for f in more if f is not None]), 60)
+    await acknowledged(cluster, more)
     await cluster.start("c", directory="c-empty")
     cluster.place("a", 1, ("a", "b"))
     await wait_for(lambda: cluster.nodes["c"].records() == leader.records())
