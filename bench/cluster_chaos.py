@@ -469,14 +469,19 @@ class SdkConsumer(AsyncClientThread):
 # ---------------------------------------------------------------- the cluster and the faults
 
 class Cluster:
-    def __init__(self, workdir: Path) -> None:
+    """etcd and three nodes; `replicas` (when given) is each node's `[cluster] default_replicas`,
+    so the stream `chaos`, the AMQP queue and every other replicated shard get that many copies."""
+
+    def __init__(self, workdir: Path, replicas: int | None = None) -> None:
         self.workdir = workdir
         self.etcd = EtcdServer(workdir / "etcd")
         self.nodes: list[ProtocolNode] = []
+        self.extra_config = "" if replicas is None else f"default_replicas = {replicas}\n"
 
     def start(self) -> None:
         self.etcd.start()
-        self.nodes = [protocol_node(self.workdir, f"n{i}", self.etcd.url).start() for i in (1, 2, 3)]
+        self.nodes = [protocol_node(self.workdir, f"n{i}", self.etcd.url, extra_config=self.extra_config).start()
+                      for i in (1, 2, 3)]
         self.settle()
 
         async def create() -> None:
@@ -691,13 +696,15 @@ class Result:
 
 def run(workdir: Path, seed: int, seconds: float, *, gap_s: tuple[float, float] = (1.0, 4.0),
         drain_timeout_s: float = 60.0, overlap: bool = False, max_freeze_s: float = 6.0,
-        mixes: bool = False, min_faults: int = 0, report: Callable[[str], None] = log) -> Result:
+        mixes: bool = False, min_faults: int = 0, replicas: int | None = None,
+        report: Callable[[str], None] = log) -> Result:
     """Start the cluster and the clients, apply faults for `seconds` (and until `min_faults`
     were applied: on a loaded machine each settle takes longer), settle, check. Each fault
-    waits for the cluster to settle before the next, unless `overlap`."""
+    waits for the cluster to settle before the next, unless `overlap`. `replicas` sets the
+    nodes' `[cluster] default_replicas` (the nodes' own default when None)."""
     rng = random.Random(seed)
     journal = Journal()
-    cluster = Cluster(workdir)
+    cluster = Cluster(workdir, replicas)
     clients: list[ClientThread] = []
     faults: list[str] = []
     try:
@@ -772,11 +779,14 @@ def main() -> int:
     parser.add_argument("--mixes", action="store_true",
                         help="also faults at once: two nodes down, etcd down while a node "
                              "restarts, a node frozen across an etcd restart")
+    parser.add_argument("--replicas", type=int, default=None, metavar="N",
+                        help="the nodes' [cluster] default_replicas: copies of each shard of the "
+                             "stream and of the AMQP queue (default: the nodes' default)")
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="cluster-chaos-"))
     log(f"work directory {workdir}")
     result = run(workdir, args.seed, args.minutes * 60, overlap=args.overlap,
-                 max_freeze_s=args.max_freeze, mixes=args.mixes)
+                 max_freeze_s=args.max_freeze, mixes=args.mixes, replicas=args.replicas)
     log(f"faults applied: {len(result.faults)}")
     log(f"acknowledged: {result.acknowledged}")
     log(f"delivered (with duplicates): {result.delivered}; duplicates {dict(result.findings.duplicates)}")

@@ -131,17 +131,25 @@ class ShardCursor:
             lowest = min(lowest, self.pending_redelivery[0])
         return lowest
 
-    def retention_floor(self) -> int:
+    def retention_floor(self, held_from: int | None = None) -> int:
         """The lowest offset journal retention must keep for this cursor. Its `floor`, except
         for a live cursor with nothing in hand: every record its log has shown subscribers was
         offered to it live and either taken and acknowledged or not matched by its filters, so
         it needs none of them, and its position moves there (a later replay starts there, not
         below the journal's start). Without this, a cursor on a shard whose records its filters
         never match (every durable subscription has one on every reliable shard) would hold the
-        journal at the offset where it opened, forever."""
+        journal at the offset where it opened, forever.
+
+        `held_from` is the first offset of the shard the broker still holds for its commit
+        (`Broker.held_offsets`): below the log's deliverable end, but not offered live yet. The
+        position stops there: past it, the live offer of that message would count as already
+        delivered by a replay, and the cursor would never deliver it."""
         shard_log = self.log
         if (shard_log is None or not self.live or self.unacked or self.pending_redelivery
                 or self.ahead or self.archived or self.restored or not self.placed):
             return self.floor
-        self.position = max(self.position, min(shard_log.deliverable_end, shard_log.next_offset))
+        end = min(shard_log.deliverable_end, shard_log.next_offset)
+        if held_from is not None:
+            end = min(end, held_from)
+        self.position = max(self.position, end)
         return self.position

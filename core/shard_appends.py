@@ -206,6 +206,27 @@ class ShardAppends:
             group.last_offset = message.offset
         return waiter
 
+    def held_offsets(self) -> dict[tuple[str, int], int]:
+        """Per (stream, shard), the offset of the first stored message held in a commit group,
+        not dispatched live yet. The log's deliverable end may have passed it already: a group
+        goes out once all of it is committed (a replicated shard's high watermark moves record
+        by record), and only when its commit callback runs, a loop turn after the commit. What
+        moves a live cursor up to the deliverable end must stop here, or the cursor passes
+        over the message when it comes (`ShardCursor.retention_floor`)."""
+        held: dict[tuple[str, int], int] = {}
+        if not self._held:
+            return held
+        for group in self._awaiting_commit.values():
+            shard = group.shard
+            key = (shard.stream, shard.index)
+            if not group.messages or key in held:
+                continue  # groups come in append order: the first one holding is the lowest
+            for message in group.messages:
+                if message.offset >= 0:  # (a transient message held behind has none)
+                    held[key] = message.offset
+                    break
+        return held
+
     def _release_reserved(self, shard: Shard, deliverable_end: int) -> None:
         """Dispatch now, oldest first, the held messages of `shard` that the log's durable
         reservation has come to cover (all below `deliverable_end`), as if they had been

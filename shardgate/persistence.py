@@ -312,10 +312,11 @@ class Persistence:
     def needed_offsets(self) -> dict[tuple[str, int], int]:
         """Per shard, the lowest offset a durable cursor or the archiver still needs."""
         needs: dict[tuple[str, int], int] = {}
+        held = self.broker.held_offsets()
         for sub in list(self.broker.subscriptions.values()):
             if isinstance(sub, DurableSubscription):
                 for key, cursor in sub.cursors.items():
-                    floor = cursor.retention_floor()
+                    floor = cursor.retention_floor(held.get(key))
                     if floor < needs.get(key, floor + 1):
                         needs[key] = floor
         if self.remote_needs is not None:

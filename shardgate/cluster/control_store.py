@@ -111,14 +111,17 @@ def decode_placement(value: bytes) -> list[ShardPlacement]:
 
 
 def encode_proposal(proposal: IsrProposal) -> bytes:
-    return keys.encode({"leader": proposal.leader, "leader_epoch": proposal.leader_epoch,
-                        "isr_version": proposal.isr_version, "isr": sorted(proposal.isr)})
+    data = {"leader": proposal.leader, "leader_epoch": proposal.leader_epoch,
+            "isr_version": proposal.isr_version, "isr": sorted(proposal.isr)}
+    if proposal.gives_up:
+        data["gives_up"] = True
+    return keys.encode(data)
 
 
 def decode_proposal(value: bytes) -> IsrProposal:
     data = keys.decode(value)
     return IsrProposal(str(data["leader"]), int(data["leader_epoch"]), int(data["isr_version"]),
-                       frozenset(map(str, data["isr"])))
+                       frozenset(map(str, data["isr"])), bool(data.get("gives_up", False)))
 
 
 class ControlStore:

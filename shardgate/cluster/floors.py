@@ -81,6 +81,7 @@ class CursorFloors:
         view = self.node.view
         me = self.node.node_id
         floors: dict[str, int] = {}
+        held = self.broker.held_offsets()
         for sub in list(self.broker.subscriptions.values()):
             if not isinstance(sub, DurableSubscription):
                 continue
@@ -91,7 +92,7 @@ class CursorFloors:
                 if assignment is None or assignment.replicas == (me,):
                     continue  # its only copy is here: this node's retention counts it
                 name = f"{stream}/{shard}"
-                floor = cursor.retention_floor()
+                floor = cursor.retention_floor(held.get((stream, shard)))
                 if floor < floors.get(name, floor + 1):
                     floors[name] = floor
         return floors

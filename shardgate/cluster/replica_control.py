@@ -13,7 +13,11 @@ what its previous life appended but had not made durable may be on followers, an
 otherwise write other records at those offsets in the same epoch.
 A leader's proposal to change the in-sync set is written only if it was made in the current
 epoch against the current in-sync set version, keeps the leader, stays within the replicas
-and adds only live ones.
+and adds only live ones. A leader may also give the shard up (`gives_up`: its journal could
+not write, a full disk; Kafka moves leaders off a failed log directory so): the first live
+replica of the in-sync set it proposes (the current one without it) leads in the next epoch,
+and the old leader leaves the in-sync set; with no such replica the same leader leads again in
+a new epoch (it holds every acknowledged record, and it tries its disk again).
 """
 
 from __future__ import annotations
@@ -67,6 +71,12 @@ def apply_proposal(current: ReplicaSet, proposal: IsrProposal, live: Set[str]) -
             or proposal.isr_version != current.isr_version):
         return None
     new = proposal.isr
+    if proposal.gives_up:
+        candidates = [r for r in current.replicas if r in new and r in current.isr and r in live]
+        if not candidates:
+            return replace(current, epoch=current.epoch + 1)
+        return ReplicaSet(candidates[0], current.replicas, frozenset(candidates),
+                          current.epoch + 1, current.isr_version + 1)
     if proposal.leader not in new or not new <= set(current.replicas):
         return None
     if not (new - current.isr) <= live:

@@ -182,6 +182,14 @@ class FollowerReplica:
         if end_offset > self._durable_end:
             self._durable_end = min(end_offset, self._log_end)
 
+    def rewind(self, end_offset: int) -> None:
+        """The local log could not keep what was fetched (a write failed: a full disk) and
+        now ends at `end_offset`, its durable end: find where it agrees with the leader's
+        again and fetch from there (whatever request was in flight is forgotten)."""
+        self._in_flight = False
+        self._truncate(end_offset)
+        self.state = FollowerState.TRUNCATING
+
     def retry(self) -> None:
         """After a refusal's pause: ask the leader again, from the step it refused."""
         if self.state is FollowerState.WAITING:

@@ -74,6 +74,8 @@ class IsrProposal:
     leader_epoch: int
     isr_version: int
     isr: frozenset[str]
+    # the leader gives the shard up (its journal cannot write): `isr` is the set without it
+    gives_up: bool = False
 
 
 class LeaderReplica(Generic[W]):

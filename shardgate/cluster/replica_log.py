@@ -24,18 +24,21 @@ in-sync set, this leader's own included. A fetch that finds nothing new is parke
 and answered at the next append. Should the journal fail a commit, this node resigns before
 anything else is appended (`append` checks it too, not only the commit's callback): the
 offsets it may have sent are then cut from its log at the role change, never written here
-with other (empty) records under the same epoch.
+with other (empty) records under the same epoch; and it tells `gave_up` (the replica manager
+asks the controller to move the shard). A follower whose journal fails a write (a full disk)
+cuts its log back to its durable end and fetches again after a pause (`follow`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from ..core.errors import ShardUnavailable
-from ..storage.interfaces import StorageUnavailable, StoredRecord
+from ..storage.interfaces import StorageError, StorageUnavailable, StoredRecord
 from ..storage.journal import JournalShardLog, RecordBlock
 from .replica_epochs import (
     EpochCache,
@@ -93,6 +96,9 @@ class ReplicatedShardLog:
         # from `_unsynced_start` on, in offset order (see the module docstring)
         self._unsynced: list[StoredRecord] = []
         self._unsynced_start = 0
+        # told the leadership this node gave up after its journal failed a commit (a full
+        # disk), once it resigned: the replica manager asks the controller to move the shard
+        self.gave_up: Callable[[LeaderReplica[asyncio.Future[None]]], None] | None = None
 
     # -- leadership ---------------------------------------------------------------------------
 
@@ -373,6 +379,8 @@ class ReplicatedShardLog:
                 log.error("%s: journal commit failed (%s); this node stops leading the shard",
                           self._name, "cancelled" if waiter.cancelled() else waiter.exception())
                 self.resign()
+                if self.gave_up is not None:
+                    self.gave_up(leader)
             return
         if leader is not None:
             published = self.log.committed_offset
@@ -422,6 +430,9 @@ class FollowerLog:
         self._replicated = replicated
         self._watched: asyncio.Future[None] | None = None
         self.durable_changed = asyncio.Event()
+        # why the journal could not keep what was fetched (a full disk), until `recover`
+        self.failed: BaseException | None = None
+        self.failures = 0  # failed writes in a row
 
     async def apply(self, action: Truncate | ResetLog | None) -> None:
         """Carry out on the journal what the follower decided (its state moved already)."""
@@ -466,7 +477,28 @@ class FollowerLog:
             self._durable()
         elif waiter is not self._watched:
             self._watched = waiter
-            waiter.add_done_callback(lambda _w: self._durable())
+            waiter.add_done_callback(self._committed)
+
+    def _committed(self, waiter: asyncio.Future[None]) -> None:
+        if waiter.cancelled() or waiter.exception() is not None:
+            # the journal rolled back what it could not write: `follow` fetches it again
+            self.failed = (waiter.exception() if not waiter.cancelled()
+                           else StorageUnavailable(f"{self.log.directory}: commit cancelled"))
+            self.durable_changed.set()
+            return
+        self.failures = 0
+        self._durable()
+
+    async def recover(self) -> None:
+        """After a failed write: cut the log back to what it holds durably (the offsets the
+        journal handed out and did not write included: here they are the leader's records,
+        never empty ones) and fetch from there again."""
+        with contextlib.suppress(StorageError):
+            await self.log.flush()  # anything still appended is written or rolled back
+        end = self.log.committed_offset
+        self.log.truncate_to(end)
+        self.follower.rewind(end)
+        self.failed = None
 
     def _durable(self) -> None:
         self.follower.durable(self.log.committed_offset)
@@ -486,38 +518,62 @@ class ReplicaTransport(Protocol):
 
 
 async def follow(follower_log: FollowerLog, transport: ReplicaTransport, *,
-                 retry_s: float = 0.2) -> None:
+                 retry_s: float = 0.2, max_retry_s: float = 10.0) -> None:
     """Follow one shard's leader until cancelled: truncate, then fetch, one request at a
-    time, each sent once what the previous one brought is durable here."""
-    follower = follower_log.follower
-    unreachable = Refused(ReplicaError.NOT_LEADER)
+    time, each sent once what the previous one brought is durable here. When the journal
+    cannot write what was fetched (a full disk), the log is cut back to its durable end and
+    fetched again after a pause that doubles at each failure in a row, up to `max_retry_s`:
+    the follower drops out of the in-sync set meanwhile, and is back once it caught up."""
     while True:
         await asyncio.sleep(0)  # an answer that came at once must not starve the loop
-        follower_log.durable_changed.clear()
-        step = follower.next_request()
-        if step is None:
-            if follower.state is FollowerState.WAITING:
-                await asyncio.sleep(retry_s)
-                follower.retry()
-            else:
-                await follower_log.durable_changed.wait()
+        if follower_log.failed is not None:
+            follower_log.failures += 1
+            pause = min(retry_s * 2 ** follower_log.failures, max_retry_s)
+            log.warning("%s: could not write the records fetched from %s (%s); fetching them "
+                        "again in %.1f s", follower_log.log.directory, follower_log.follower.leader,
+                        follower_log.failed, pause)
+            await asyncio.sleep(pause)
+            try:
+                await follower_log.recover()
+            except (StorageError, OSError) as exc:
+                follower_log.failed = exc
             continue
-        if isinstance(step, Truncate):
-            await follower_log.apply(step)
-        elif isinstance(step, EpochEndRequest):
-            try:
-                answer: EpochEndAnswer | Refused = await transport.epoch_end(follower.leader, step)
-            except (ConnectionError, TimeoutError) as exc:
-                log.debug("epoch end from %s: %s", follower.leader, exc)
-                answer = unreachable
-            await follower_log.apply(follower.on_epoch_end(answer))
+        try:
+            await _follow_step(follower_log, transport, retry_s)
+        except (StorageError, OSError) as exc:
+            follower_log.failed = exc
+
+
+async def _follow_step(follower_log: FollowerLog, transport: ReplicaTransport,
+                       retry_s: float) -> None:
+    """One step of `follow`: wait, or one request and what its answer asks of the log."""
+    follower = follower_log.follower
+    unreachable = Refused(ReplicaError.NOT_LEADER)
+    follower_log.durable_changed.clear()
+    step = follower.next_request()
+    if step is None:
+        if follower.state is FollowerState.WAITING:
+            await asyncio.sleep(retry_s)
+            follower.retry()
         else:
-            try:
-                fetched = await transport.fetch(follower.leader, step)
-            except (ConnectionError, TimeoutError) as exc:
-                log.debug("fetch from %s: %s", follower.leader, exc)
-                fetched = unreachable
-            if isinstance(fetched, Refused):
-                await follower_log.apply(follower_log.refused(fetched))
-            else:
-                follower_log.take(*fetched)
+            await follower_log.durable_changed.wait()
+        return
+    if isinstance(step, Truncate):
+        await follower_log.apply(step)
+    elif isinstance(step, EpochEndRequest):
+        try:
+            answer: EpochEndAnswer | Refused = await transport.epoch_end(follower.leader, step)
+        except (ConnectionError, TimeoutError) as exc:
+            log.debug("epoch end from %s: %s", follower.leader, exc)
+            answer = unreachable
+        await follower_log.apply(follower.on_epoch_end(answer))
+    else:
+        try:
+            fetched = await transport.fetch(follower.leader, step)
+        except (ConnectionError, TimeoutError) as exc:
+            log.debug("fetch from %s: %s", follower.leader, exc)
+            fetched = unreachable
+        if isinstance(fetched, Refused):
+            await follower_log.apply(follower_log.refused(fetched))
+        else:
+            follower_log.take(*fetched)

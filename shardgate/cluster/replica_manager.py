@@ -25,8 +25,12 @@ run one after the other, the latest placement winning.
 Every `tick_s` the leaders look at their followers' lag; an in-sync set change they propose
 goes to `propose` (the controller writes it in etcd; the leader applies it when the placement
 shows it; one the placement has not shown after `proposal_timeout_s` counts as refused, and
-the leader may propose again). The lease deadline (`lease_deadline`) fences leaders that cannot prove their lease
-is alive. Nothing here opens a socket: followers reach leaders through a `ReplicaTransport`.
+the leader may propose again). A leader whose journal failed a commit resigned
+(`ReplicatedShardLog`) and gives the shard up: it proposes the in-sync set without itself
+(`gives_up`), again every `proposal_timeout_s` until the placement moves on, and the
+controller elects another in-sync replica in a new epoch. The lease deadline
+(`lease_deadline`) fences leaders that cannot prove their lease is alive. Nothing here opens
+a socket: followers reach leaders through a `ReplicaTransport`.
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ class Role:
 
 class _Shard:
     __slots__ = ("log", "role", "wanted", "task", "follower_task", "changing", "proposed_at",
-                 "led_epoch")
+                 "led_epoch", "gave_up")
 
     def __init__(self, shard_log: ReplicatedShardLog) -> None:
         self.log = shard_log
@@ -82,6 +86,8 @@ class _Shard:
         self.proposed_at = math.inf
         # the last epoch this process led the shard in (-1: none)
         self.led_epoch = -1
+        # the epoch whose leadership this node gave up after a failed journal write (-1: none)
+        self.gave_up = -1
 
 
 class ReplicaManager:
@@ -132,6 +138,8 @@ class ReplicaManager:
             journal_log = self.journal.open_shard(stream, shard)
             replicated = ReplicatedShardLog(journal_log, self.clock, f"{stream}/{shard}")
             entry = self._shards[(stream, shard)] = _Shard(replicated)
+            replicated.gave_up = lambda leader, entry=entry: self._gave_up(
+                stream, shard, entry, leader.epoch)
         return entry.log
 
     def leading(self, stream: str, shard: int) -> ReplicatedShardLog | None:
@@ -313,6 +321,27 @@ class ReplicaManager:
         entry.follower_task = asyncio.get_running_loop().create_task(
             follow(follower_log, self.transport(stream, shard)))
 
+    def _gave_up(self, stream: str, shard: int, entry: _Shard, epoch: int) -> None:
+        """The journal failed a commit while this node led in `epoch`, and it resigned: ask
+        the controller to move the leadership to another in-sync replica (`replica_control.
+        apply_proposal`); asked again at the ticks until the placement moves on."""
+        entry.gave_up = epoch
+        entry.proposed_at = -math.inf
+        self._propose_give_up(stream, shard, entry, self.clock())
+
+    def _propose_give_up(self, stream: str, shard: int, entry: _Shard, now: float) -> None:
+        role = entry.role
+        if (self.propose is None or role is None or role.leader != self.node_id
+                or role.epoch != entry.gave_up or entry.log.leader is not None
+                or now - entry.proposed_at <= self.proposal_timeout_s):
+            return
+        entry.proposed_at = now
+        log.warning("%s/%d: giving up the leadership of epoch %d (its journal cannot write)",
+                    stream, shard, role.epoch)
+        self.propose(stream, shard, IsrProposal(self.node_id, role.epoch, role.isr_version,
+                                                frozenset(role.isr) - {self.node_id},
+                                                gives_up=True))
+
     # -- time ---------------------------------------------------------------------------------
 
     async def _tick(self) -> None:
@@ -328,6 +357,7 @@ class ReplicaManager:
         for (stream, shard), entry in self._shards.items():
             leader = entry.log.leader
             if leader is None:
+                self._propose_give_up(stream, shard, entry, now)
                 continue
             leader.renew_lease(deadline, now)
             if leader.pending_proposal is None:

@@ -13,6 +13,7 @@ from shardgate.cluster.control_store import (
     AnsweredProposal,
     PlacementChange,
     PlacementWritten,
+    decode_proposal,
     encode_placement,
     encode_proposal,
 )
@@ -145,6 +146,12 @@ def test_every_proposal_read_is_answered_in_order_compared_on_its_revision() -> 
                     "isr/s/0": encode_proposal(proposal)})
     change = placement_change(view, "a", {})
     assert list(change.answered) == [AnsweredProposal("s", 0, 3), AnsweredProposal("s", 1, 2)]
+
+
+def test_a_proposal_that_gives_the_shard_up_says_so_in_etcd() -> None:
+    for proposal in (IsrProposal("a", 3, 2, frozenset({"b"}), gives_up=True),
+                     IsrProposal("a", 3, 2, frozenset({"a", "b"}))):
+        assert decode_proposal(encode_proposal(proposal)) == proposal
 
 
 class RecordingStore:

@@ -50,6 +50,9 @@ class Broker:
     subscriptions: dict[str, Any] = {}
     streams: dict[str, Any] = {}
 
+    def held_offsets(self) -> dict[tuple[str, int], int]:
+        return {}
+
 
 async def test_a_stop_at_any_loop_turn_after_a_wake_up_ends_the_report_loop() -> None:
     for turns in range(TURNS):

@@ -275,6 +275,36 @@ async def test_an_unreachable_leader_is_retried(pair: Pair) -> None:
     await asyncio.wait_for(future, 10)
 
 
+async def test_a_follower_whose_journal_fails_a_write_fetches_the_records_again_and_catches_up(
+    pair: Pair,
+) -> None:
+    # the follower's disk is full: its journal's writes fail (and roll back) until it has room
+    follower_log = pair.logs["b"]
+    real_write = follower_log._io_write
+    full = True
+
+    def write(group: object, durable: bool = False) -> None:
+        if full:
+            raise OSError(28, "No space left on device")
+        real_write(group, durable)  # type: ignore[arg-type]
+
+    follower_log._io_write = write  # type: ignore[method-assign]
+    pair.start_following()
+    sent = [pair.broker.publish(Message("t/1", f"m{i}".encode())) for i in range(3)]
+    await wait_for(lambda: pair.follower_log.failures >= 2)
+    assert not any(future is not None and future.done() for future in sent)
+    assert follower_log.committed_offset == 0
+    full = False  # room again: the follower fetches from its durable end and catches up
+    for future in sent:
+        assert future is not None
+        await asyncio.wait_for(future, 10)
+    await wait_for(lambda: follower_log.committed_offset == 3)
+    # the leader's records at the leader's offsets, never an empty record for a failed write
+    assert [r.data for r in follower_log.read(0)] == [r.data for r in pair.logs["a"].read(0)]
+    assert follower_log.next_offset == 3
+    assert pair.follower_log.failures == 0 and pair.follower_log.failed is None
+
+
 async def test_after_a_failover_the_old_leader_cuts_its_unacknowledged_tail_from_its_journal(
     pair: Pair,
 ) -> None:

@@ -23,6 +23,8 @@ from shardgate.cluster.replica_rpc import ReplicaService
 NODES = ("a", "b", "c")
 KEY = ("s", 0)
 SECRET = b"a cluster secret of the test"
+# how long a restarted node waits for its earlier port to be free again
+PORT_WAIT_S = 10.0
 
 
 class Node:
@@ -40,10 +42,23 @@ class Node:
         self.server: grpc.aio.Server | None = None
 
     async def start(self, port: int = 0) -> int:
-        server = grpc.aio.server(interceptors=[
-            CallAuthenticator(self.credentials, lambda node, instance: instance == f"{node}-instance")])
-        server.add_generic_rpc_handlers((self.service.handler(),))
-        port = server.add_insecure_port(f"127.0.0.1:{port}")
+        """Serve on `port` (0: a free one). A node restarted on its earlier port may find it
+        still held for a moment by the stopped server's socket (grpc closes it after `stop`
+        returns): the bind is tried again until it is free (at most `PORT_WAIT_S`)."""
+        deadline = time.monotonic() + PORT_WAIT_S
+        while True:
+            server = grpc.aio.server(interceptors=[
+                CallAuthenticator(self.credentials, lambda node, instance: instance == f"{node}-instance")])
+            server.add_generic_rpc_handlers((self.service.handler(),))
+            try:
+                bound = server.add_insecure_port(f"127.0.0.1:{port}")
+                break
+            except RuntimeError:  # "Failed to bind": the port is in use
+                await server.stop(grace=None)
+                if port == 0 or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+        port = bound
         await server.start()
         self.server = server
         self.manager.start()

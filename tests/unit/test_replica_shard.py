@@ -192,6 +192,26 @@ def test_the_controller_refuses_stale_or_invalid_proposals() -> None:
     assert apply_proposal(shrunk, IsrProposal("a", 4, 7, frozenset({"a", "c"})), {"a", "b"}) is None
 
 
+def test_a_leader_that_gives_the_shard_up_is_replaced_by_an_in_sync_replica_in_a_new_epoch() -> None:
+    record = ReplicaSet("a", ("a", "b", "c"), frozenset({"a", "b", "c"}), 4, 7)
+    live = {"a", "b", "c"}
+    # its journal cannot write (a full disk): the first live in-sync replica leads, without it
+    gives_up = IsrProposal("a", 4, 7, frozenset({"b", "c"}), gives_up=True)
+    assert apply_proposal(record, gives_up, live) == ReplicaSet(
+        "b", ("a", "b", "c"), frozenset({"b", "c"}), 5, 8)
+    assert apply_proposal(record, gives_up, {"a", "c"}) == ReplicaSet(
+        "c", ("a", "b", "c"), frozenset({"c"}), 5, 8)
+    # made against an older in-sync set or epoch: refused, as any proposal
+    assert apply_proposal(record, IsrProposal("a", 4, 6, frozenset({"b", "c"}), gives_up=True),
+                          live) is None
+    assert apply_proposal(record, IsrProposal("a", 3, 7, frozenset({"b", "c"}), gives_up=True),
+                          live) is None
+    # no other in-sync replica: the same leader leads again, in a new epoch
+    alone = ReplicaSet("a", ("a", "b", "c"), frozenset({"a"}), 4, 7)
+    assert apply_proposal(alone, IsrProposal("a", 4, 7, frozenset(), gives_up=True), live) == (
+        ReplicaSet("a", ("a", "b", "c"), frozenset({"a"}), 5, 7))
+
+
 def test_election_prefers_replica_order_among_live_in_sync_replicas() -> None:
     record = ReplicaSet("a", ("a", "b", "c"), frozenset({"a", "c"}), 1)
     assert elect(record, {"a", "b", "c"}) is record
