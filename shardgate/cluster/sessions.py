@@ -151,7 +151,8 @@ class SessionHandover:
         self._adopting: dict[str, asyncio.Future[None]] = {}
         # sessions this node claimed whose holder's `ReleaseSession` answer never came (the
         # holder may have handed them over): the holder, and the claim's user and `owned`
-        self._in_doubt: dict[str, tuple[str, str | None, bool]] = {}
+        # (holder None: it was gone, and its state could not be read yet)
+        self._in_doubt: dict[str, tuple[str | None, str | None, bool]] = {}
         self._settling: dict[str, asyncio.Task[None]] = {}
 
     def key(self, client_id: str) -> str:
@@ -383,7 +384,15 @@ class SessionHandover:
                 return
         elif holder != me and not clean_start and client_id not in self.service.sessions:
             # its holder is gone: its last snapshot, or the newer state it replicated
-            state = await self._newest(client_id, state)
+            try:
+                state = await self._newest(client_id, state)
+            except StateCallError:
+                # The registry names this node now, and the session is not here: a peer
+                # asking for it (its client resumes there) must wait, not hear "no session"
+                # and give the client a new, empty one. This node brings it in the background.
+                self._in_doubt[client_id] = (holder, username, owned)
+                self._settle_soon(client_id)
+                raise
         self._in_doubt.pop(client_id, None)
         await self._adopt_taken(client_id, clean_start, state)
 
