@@ -408,6 +408,9 @@ class ReplicatedShardLog:
     def _failed(self, error: ReplicaError) -> asyncio.Future[None]:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         waiter.set_exception(refusal(error, self._name))
+        # marked as seen: a reader that only waits on it (a durable cursor between two
+        # leaderships) drops it, and asyncio would log it as an error never retrieved
+        waiter.exception()
         return waiter
 
     def _wake(self) -> None:

@@ -13,11 +13,21 @@ the cluster view and the peer link (`attach.join` builds one per node).
 - The peer link: `ReplicaService` answers followers' fetches for the shards this node leads
   and carries this node's own fetches, on the data plane's peer links (`links`; without
   them, as gRPC calls on the cluster port), authenticated as everything there.
-- A new leader whose predecessor is gone (its lease expired) hands on what it inherited: the records it holds from its time as a follower
-  go out to subscribers (here and, through the fanout, on other nodes) once its high
-  watermark passes them, from up to `REDISPATCH_RECORDS` below the high watermark it knew,
-  since the old leader may have died before its pushes of them arrived (durable cursors drop
-  what they already have; a live subscriber may get such a message twice: at least once).
+- A new leader hands on what it inherited: the records it holds from an earlier epoch go out
+  to subscribers (here and, through the fanout, on other nodes) once its high watermark
+  passes them, before anything it stores itself, since nobody may have dispatched them:
+  - the old leader's process is gone (its lease ended, or it registered again under a new
+    one: a restarted process, maybe this node's own earlier run): from up to
+    `REDISPATCH_RECORDS` below the high watermark this node knew (below the log end where it
+    knew none), since that process may have died before its pushes arrived;
+  - the old leader still runs under the lease it led with (a drain, a graceful leave): from
+    the high watermark this node knew. It dispatched what it committed; what it had not
+    committed when it stopped leading was refused to its publishers and never dispatched,
+    and this node commits it now;
+  - a shard this node held alone before it was given replicas is not handed on: it was
+    dispatched here.
+  Durable cursors drop what they already have; a live subscriber may get such a message
+  twice (at least once).
 - The archive: a replicated shard is archived by its leader only, from below the high
   watermark (`archived_log`, the archiver's reader in cluster mode).
 - Fencing: a leader acknowledges only while this node's etcd lease is known alive
@@ -56,6 +66,27 @@ REDISPATCH_RECORDS = 10_000
 REDISPATCH_BATCH = 2_000
 
 
+def inherited_from(previous: tuple[str, int | None] | None, *, node_id: str,
+                   registrations: Mapping[str, Any], held_alone: bool, high_watermark: int,
+                   log_end: int) -> int | None:
+    """Where a node that has just begun to lead a shard starts handing on what it inherited
+    (None: nothing to hand on; see the module docstring). `previous` is the leader it followed
+    and the etcd lease that leader's process led under (None: not known, or `node_id`'s own
+    earlier run); `registrations` are the registered nodes (each with its `lease`);
+    `high_watermark` is the one this node knew as it took over."""
+    if previous is None:
+        if held_alone:
+            return None  # its records were stored and dispatched here
+        return log_end - REDISPATCH_RECORDS  # nothing known of who stored them
+    leader, lease = previous
+    registration = registrations.get(leader)
+    if lease is not None and registration is not None and registration.lease == lease:
+        # the old leader's process still runs: it dispatched what it committed
+        return high_watermark
+    known = high_watermark if leader != node_id and high_watermark > 0 else log_end
+    return known - REDISPATCH_RECORDS
+
+
 class ReplicatedShards:
     """This node's replicated shards, wired into serve (see the module docstring)."""
 
@@ -73,8 +104,12 @@ class ReplicatedShards:
             lease_deadline=lambda: view.lease_valid_until, on_role=self._role_changed)
         self._started = False
         self._led: set[tuple[str, int]] = set()
-        # the leader each shard had while this node followed it (see `_role_changed`)
-        self._followed: dict[tuple[str, int], str] = {}
+        # the leader each shard had while this node followed it, and the etcd lease that
+        # leader's process led under (None: not known, or an earlier run of this node; see
+        # `_take_over`)
+        self._followed: dict[tuple[str, int], tuple[str, int | None]] = {}
+        # the shards this process held alone (one replica, this node): dispatched here
+        self._held_alone: set[tuple[str, int]] = set()
 
     def _leading(self, stream: str, shard: int) -> Any:
         return self.manager.leading(stream, shard)
@@ -110,6 +145,10 @@ class ReplicatedShards:
         manager, node_id = self.manager, self.node.node_id
         for stream, shards in list(self.view.placement.items()):
             for index, placed in enumerate(shards):
+                if placed.replicas == (node_id,):
+                    self._held_alone.add((stream, index))
+                elif len(placed.replicas) == 1:
+                    self._held_alone.discard((stream, index))
                 if manager.knows(stream, index):
                     continue
                 if len(placed.replicas) > 1 and node_id in placed.replicas:
@@ -146,32 +185,50 @@ class ReplicatedShards:
             self._led.discard(key)
             role = self.manager.role(stream, index)
             if role is not None:
-                self._followed[key] = role.leader
+                self._followed[key] = (role.leader, self._leader_lease(stream, index, role.leader))
         elif key not in self._led:
             self._led.add(key)
-            previous = self._followed.pop(key, None)
-            # Only a leader that is gone may have died before its pushes arrived. One that still
-            # holds its lease handed leadership over (a drain, a graceful leave) after pushing
-            # what it stored, and a shard this node already held alone (now given replicas)
-            # was dispatched here: handing those on again would repeat them to live subscribers.
-            if previous is not None and previous not in self.view.registrations:
-                self._hand_on(stream, index, leading)
+            self._take_over(stream, index, leading, self._followed.pop(key, None))
 
-    def _hand_on(self, stream: str, index: int, shard_log: Any) -> None:
-        """Dispatch what this new leader inherited once its high watermark passes it (see
-        the module docstring). Done in the commit's callback, before any message this leader
-        stores itself is dispatched (those wait for their own, later, commit): per shard, the
-        subscribers see the offsets in order."""
+    def _leader_lease(self, stream: str, index: int, leader: str) -> int | None:
+        """The etcd lease of the process that leads the shard as this node's view shows it
+        (None: not known, or an earlier run of this node: placed as leader in an epoch that
+        run led, this process waits for a new one)."""
+        if leader == self.node.node_id:
+            return None
+        shards = self.view.placement.get(stream)
+        placed = shards[index] if shards is not None and index < len(shards) else None
+        if placed is not None and placed.leader == leader and placed.leader_lease:
+            return placed.leader_lease
+        registration = self.view.registrations.get(leader)
+        return registration.lease if registration is not None and registration.lease else None
+
+    def _take_over(self, stream: str, index: int, shard_log: Any,
+                   previous: tuple[str, int | None] | None) -> None:
+        """This node has just begun to lead the shard (not again in a newer epoch: what
+        waited carried over then): hand on what it inherited (see the module docstring)."""
+        start = inherited_from(
+            previous, node_id=self.node.node_id, registrations=self.view.registrations,
+            held_alone=(stream, index) in self._held_alone,
+            high_watermark=shard_log.high_watermark, log_end=shard_log.next_offset)
+        if start is not None:
+            self._hand_on(stream, index, shard_log, start)
+
+    def _hand_on(self, stream: str, index: int, shard_log: Any, start: int) -> None:
+        """Dispatch the records from `start` to the log's end now once this new leader's
+        high watermark passes them (see the module docstring). Done in the commit's
+        callback, before any message this leader stores itself is dispatched (those wait for
+        their own, later, commit): per shard, the subscribers see the offsets in order."""
         end = shard_log.next_offset
-        start = max(shard_log.low_watermark, shard_log.high_watermark - REDISPATCH_RECORDS)
+        start = max(start, shard_log.low_watermark)
         if start >= end:
             return
-        leader = shard_log.leader
 
-        def committed(waiter: asyncio.Future[None] | None) -> None:
-            if waiter is not None and (waiter.cancelled() or waiter.exception() is not None):
-                return  # this leadership ended first: the next leader hands them on
-            if shard_log.leader is not leader:
+        def committed(_waiter: asyncio.Future[None] | None) -> None:
+            # Refused or not (the in-sync set may have fallen below the minimum as the mark
+            # passed), what is below the high watermark is in the shard for good. Else this
+            # leadership ended first, and the next leader hands them on.
+            if shard_log.leader is None or shard_log.high_watermark < end:
                 return
             count = 0
             offset = start

@@ -1,0 +1,46 @@
+"""Where a node that has just begun to lead a replicated shard starts handing on what it
+inherited (`replicated_shards.inherited_from`): the records of an earlier epoch that nobody may
+have dispatched to live subscribers. From its known high watermark when the old leader's
+process still runs (it dispatched what it committed), from further back when that process is
+gone or was started again (it may have died before its pushes arrived), from before the log's
+end when nothing is known of it (this process started since), and nothing for a shard this
+process held alone (it dispatched it)."""
+
+from __future__ import annotations
+
+from shardgate.cluster.keys import NodeRegistration
+from shardgate.cluster.replicated_shards import REDISPATCH_RECORDS, inherited_from
+
+HW, END = 50_000, 50_010
+
+
+def registered(**leases: int) -> dict[str, NodeRegistration]:
+    return {node: NodeRegistration(node, "127.0.0.1:1", "instance", 0, lease=lease)
+            for node, lease in leases.items()}
+
+
+def start(previous: tuple[str, int | None] | None, registrations: dict[str, NodeRegistration],
+          *, held_alone: bool = False, high_watermark: int = HW) -> int | None:
+    return inherited_from(previous, node_id="n2", registrations=registrations,
+                          held_alone=held_alone, high_watermark=high_watermark, log_end=END)
+
+
+def test_a_leader_that_still_runs_under_its_lease_is_handed_on_from_the_known_high_watermark() -> None:
+    assert start(("n1", 7), registered(n1=7, n2=9)) == HW
+
+
+def test_a_leader_gone_or_started_again_is_handed_on_from_further_back() -> None:
+    assert start(("n1", 7), registered(n2=9)) == HW - REDISPATCH_RECORDS
+    assert start(("n1", 7), registered(n1=8, n2=9)) == HW - REDISPATCH_RECORDS  # a new process
+    assert start(("n1", None), registered(n1=8, n2=9)) == HW - REDISPATCH_RECORDS  # lease not known
+
+
+def test_where_no_high_watermark_is_known_the_margin_is_taken_below_the_logs_end() -> None:
+    assert start(("n1", 7), registered(n2=9), high_watermark=0) == END - REDISPATCH_RECORDS
+    # placed as leader in an epoch this node's earlier run led: that run is gone
+    assert start(("n2", None), registered(n2=9)) == END - REDISPATCH_RECORDS
+
+
+def test_with_no_leader_followed_only_a_shard_held_alone_here_is_not_handed_on() -> None:
+    assert start(None, registered(n2=9), held_alone=True) is None
+    assert start(None, registered(n2=9)) == END - REDISPATCH_RECORDS
