@@ -15,8 +15,11 @@ A protocol adapter turns its frames into core calls through an `Edge` and nothin
   `detach` / `remove_subscription`: subscribe and unsubscribe (a cluster layer hooks filter
   changes here for its route table); acks and nacks go to the durable subscription the
   consumer was handed.
-- `authenticate(principal, password)` and `authorize(principal, action, topic)`: the one hook
-  shape for every protocol; a `Principal` says who asks (protocol, user, client id, peer).
+- `authenticate(principal, password)` and `authorize(principal, action, topic)`: one shape
+  for every protocol; a `Principal` says who asks (protocol, user, client id, peer). Both ask
+  the `SecurityPolicy` installed in the Edge's `SecurityPort` (`security`), which the Edge is
+  built with; installing another policy on a running broker is one swap in that port, so
+  every connected client's next check asks the new one.
 - `clients`: the registry of connected clients of every protocol (list, kick), read by the
   admin HTTP API and by gRPC `ListClients` alike.
 
@@ -90,17 +93,49 @@ class Principal:
 Verdict = str | None | asyncio.Future[str | None]
 
 
-class Authenticator(Protocol):
-    """`authenticate(principal, password)` -> a `Verdict`."""
+class SecurityPolicy(Protocol):
+    """Who may connect and what they may do: the one security model every protocol asks
+    through the Edge (`shardgate.security.auth.Security` is the product's)."""
 
-    def __call__(self, principal: Principal, password: bytes | str | None, /) -> Verdict: ...
+    @property
+    def allow_anonymous(self) -> bool:
+        """Clients without credentials are accepted (a protocol's own setting may narrow it)."""
+
+    def checks_credentials(self) -> bool:
+        """False while the policy checks no credentials at all (no user defined and anonymous
+        access on): a protocol whose clients always send credentials (AMQP) then applies its
+        own built-in logins. Asked once per login, with the policy's files re-read."""
+
+    def authenticate_principal(self, principal: Principal, password: bytes | str | None, /) -> Verdict:
+        """None to accept, else the refusal ("bad-credentials", "not-authorized"), or a future
+        of either while a password is hashed off the event loop."""
+
+    def authorize_principal(self, principal: Principal, action: Action, topic: str, /) -> bool:
+        """May `principal` do `action` on `topic` (a topic name for publish, a filter for
+        subscribe)? Asked once per message: keep it cheap."""
+
+    def count_denial(self, principal: Principal, action: Action, /) -> None:
+        """Count a refusal a protocol decided by itself (AMQP's built-in login)."""
 
 
-class Authorizer(Protocol):
-    """`authorize(principal, action, topic)` -> may it? `topic` is a topic name for publish,
-    a filter for subscribe."""
+class SecurityPort:
+    """The Edge's security collaborator: the installed `SecurityPolicy`, or None (every client
+    accepted, every action allowed but the core's own rules in `Edge.authorize`).
 
-    def __call__(self, principal: Principal, action: Action, topic: str, /) -> bool: ...
+    The policy is one reference, replaced whole by `install`: a client never sees half of an
+    old policy and half of a new one, and every check after the swap asks the new policy.
+    Nothing else assigns it."""
+
+    __slots__ = ("policy",)
+
+    def __init__(self, policy: SecurityPolicy | None = None) -> None:
+        self.policy: SecurityPolicy | None = policy
+
+    def install(self, policy: SecurityPolicy | None) -> SecurityPolicy | None:
+        """Make `policy` the one every later check asks; returns the one it replaces."""
+        previous = self.policy
+        self.policy = policy
+        return previous
 
 
 class ShardRouter(Protocol):
@@ -182,16 +217,15 @@ class Edge:
 
     def __init__(self, broker: Broker, router: ShardRouter | None = None, *,
                  remote_durables: RemoteDurables | None = None,
-                 listeners: Mapping[str, ListenerInfo] | None = None) -> None:
+                 listeners: Mapping[str, ListenerInfo] | None = None,
+                 security: SecurityPort | None = None) -> None:
         self.broker = broker
         self.clients = ClientRegistry()
         # The broker's statistics (one object for the broker's life): every protocol counts in it.
         self.stats: BrokerStats = broker.stats
-        self.authenticator: Authenticator | None = None
-        self.authorizer: Authorizer | None = None
-        # Anonymous access when no authenticator is installed, and the policy the security
-        # model currently has (it mirrors its own here when it changes).
-        self.allow_anonymous = True
+        # Who may connect and do what: the port's policy is swapped whole when the security
+        # model is installed again; this reference stays for the Edge's life.
+        self.security: SecurityPort = SecurityPort() if security is None else security
         # Bound listeners by name (the composition root's, filled as they bind), for broker
         # info views.
         self.listeners: Mapping[str, ListenerInfo] = {} if listeners is None else listeners
@@ -333,15 +367,19 @@ class Edge:
         return self.broker.schemas
 
     # ------------------------------------------------------------------ security
+    @property
+    def secured(self) -> bool:
+        """A security policy is installed (without one every client is accepted and only the
+        core's own rules of `authorize` refuse)."""
+        return self.security.policy is not None
+
     def authenticate(self, principal: Principal, password: bytes | str | None) -> Verdict:
         """None to accept `principal`, else the refusal ("bad-credentials", "not-authorized"),
         or a future of either (a password hashed off the event loop): callers handle both."""
-        authenticator = self.authenticator
-        if authenticator is not None:
-            return authenticator(principal, password)
-        if principal.username is None and not self.allow_anonymous:
-            return "not-authorized"
-        return None
+        policy = self.security.policy
+        if policy is None:
+            return None
+        return policy.authenticate_principal(principal, password)
 
     def authorize(self, principal: Principal, action: Action, topic: str) -> bool:
         """May `principal` do `action` on `topic`. A publish to `$delayed/<s>/<topic>` needs
@@ -351,14 +389,14 @@ class Edge:
         queues' states, with the messages they hold)."""
         if action == Action.SUBSCRIBE and topic.startswith(INTERNAL_PREFIX):
             return False
-        authorizer = self.authorizer
-        if authorizer is None:
+        policy = self.security.policy  # read once: one policy decides the whole call
+        if policy is None:
             return True
-        if not authorizer(principal, action, topic):
+        if not policy.authorize_principal(principal, action, topic):
             return False
         if action == Action.PUBLISH and topic.startswith(DELAYED_PREFIX):
             release = release_topic(topic)
-            return release is None or bool(authorizer(principal, action, release))
+            return release is None or bool(policy.authorize_principal(principal, action, release))
         return True
 
     # ------------------------------------------------------------------ subscribing

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from .archiving import start_archiver
 from .config import Config, ConfigError, check_cluster_archive
 from .core.broker import Broker
-from .core.edge import Edge
+from .core.edge import Edge, SecurityPort
 from .core.errors import CoreError
 from .core.index_keys import record_index_key
 from .core.streams import DispatchMode, StreamConfig
@@ -176,9 +176,11 @@ class Shardgate:
             self.cluster_views = ClusterViews(self.cluster.view, self.cluster.credentials,
                                               local_view(self), local_action(self))
         assert self.metadata is not None
+        # Security: the port every protocol asks through the Edge; `install_security` below
+        # (and again on a running broker) swaps the policy in it.
         self.edge = edge = Edge(self.broker,
                                 remote_durables=parts.durables if parts is not None else None,
-                                listeners=self.listeners)
+                                listeners=self.listeners, security=SecurityPort())
         from .protocols.grpc.consumer import GrpcSubscriptionState
 
         edge.owner_factories[GrpcSubscriptionState.OWNER_KIND] = GrpcSubscriptionState.restored
@@ -251,8 +253,6 @@ class Shardgate:
                     queue_directory=parts.exchanges.queues if parts is not None else None,
                     exchange_directory=parts.exchanges if parts is not None else None)
                 self.amqp = amqp.service
-                if self.security is not None:
-                    self.security.attach_amqp(amqp.service)
                 self._add_listener("amqp", amqp)
             if ports.amqps_port:
                 starting = ("AMQP over TLS", host, ports.amqps_port, "listeners.amqps_port")
@@ -266,8 +266,6 @@ class Shardgate:
                     queue_directory=parts.exchanges.queues if parts is not None else None,
                     exchange_directory=parts.exchanges if parts is not None else None,
                 )
-                if self.security is not None and plain is None:
-                    self.security.attach_amqp(amqps.service)
                 self.amqp = amqps.service
                 self._add_listener("amqps", amqps)
             if ports.grpc_port or ports.grpcs_port:

@@ -193,7 +193,7 @@ class ConsumingMixin(ConnectionBase):
         (reading the queue reads what that binding brings), or None: it may read the queue
         (`Queue.unreadable`)."""
         edge = self.service.edge
-        if edge.authorizer is None or not isinstance(queue, Queue):
+        if not edge.secured or not isinstance(queue, Queue):
             return None  # a remote queue's are checked at its node
         principal = self.principal
         return queue.unreadable(

@@ -221,7 +221,7 @@ class QueueHost:
         """The filter of a binding of `queue` the user of a request (a consumer's on another
         node) may not subscribe to, as `Queue.unreadable`; None when it may read the queue."""
         edge = self.service.edge
-        if edge.authorizer is None:
+        if not edge.secured:
             return None
         principal = Principal("amqp", None if user is None else str(user), "", "cluster")
         return queue.unreadable(

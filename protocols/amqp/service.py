@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from ...core.edge import KICK_REASON, ClientInfo, Edge
+from ...core.edge import KICK_REASON, Action, ClientInfo, Edge, Principal, SecurityPort
 from ...core.message import now_ms
 from ...core.scheduling import Scheduler, Timer
 from ..output import OutputBatcher
@@ -39,6 +39,7 @@ REFUSED = (
     "Login was refused using authentication mechanism PLAIN or AMQPLAIN. "
     "For details see the broker logfile."
 )
+ANONYMOUS_REFUSED = "anonymous login refused"
 
 # authenticator(username, password) -> None to accept, or the refusal text.
 Authenticator = Callable[[str, str], str | None]
@@ -55,6 +56,9 @@ class AmqpService:
         (`remote.py`) for every virtual host, used once the node has joined; None on a single
         node."""
         self.edge = edge
+        # The broker's security policy, asked at each login (the Edge's port: a policy
+        # installed later, or again, is the one the next login asks).
+        self.security: SecurityPort = edge.security
         # Time and timers, from the I/O adapter (an asyncio loop is one) or a test's clock.
         self._scheduler = scheduler
         self.settings = settings or AmqpSettings()
@@ -123,11 +127,26 @@ class AmqpService:
     # ------------------------------------------------------------------ policy
     def authenticate(self, user: str | None, password: str | None, loopback: bool,
                      remote: str = "") -> str | None | asyncio.Future[str | None]:
-        """None to accept, else the refusal text for connection.close 403 (or, from the
-        composition root's replacement, a future of either while a password is hashed off the
-        event loop; `remote` is the client's address for its throttling). With an
-        `authenticator` (Shardgate's user store, set by the composition root) it decides;
-        otherwise `settings.users`. `settings.loopback_users` apply either way."""
+        """None to accept, else the refusal text for connection.close 403, or a future of
+        either while a password is hashed off the event loop (`remote`, the client's address,
+        throttles those). The broker's security policy decides once it checks credentials;
+        on an open broker (or with no policy) the built-in logins do, as RabbitMQ out of the
+        box: `settings.users` (guest/guest) or the `authenticator` hook, and
+        `settings.loopback_users` only from loopback."""
+        policy = self.security.policy
+        if policy is not None and policy.checks_credentials():
+            verdict = policy.authenticate_principal(Principal("amqp", user, "", remote), password)
+            if not isinstance(verdict, asyncio.Future):
+                return _refusal_text(verdict)
+            text: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+            verdict.add_done_callback(lambda done: text.set_result(_refusal_text(done.result())))
+            return text
+        refusal = self._builtin_login(user, password, loopback)
+        if refusal is not None and policy is not None:
+            policy.count_denial(Principal("amqp", user, "", remote), Action.CONNECT)
+        return refusal
+
+    def _builtin_login(self, user: str | None, password: str | None, loopback: bool) -> str | None:
         settings = self.settings
         if user is None or password is None:
             return REFUSED
@@ -160,7 +179,7 @@ class AmqpService:
     def reauthorize(self) -> int:
         """The users or the ACL rules changed: end the consumers whose user may no longer
         read their queue (`reauthorize_consumers`). Returns how many ended."""
-        if self.edge.authorizer is None:
+        if not self.edge.secured:
             return 0
         ended = sum(connection.reauthorize_consumers() for connection in list(self.connections))
         return ended + sum(check() for check in self.on_reauthorize)
@@ -286,3 +305,10 @@ class AmqpService:
                     and now - queue.last_used_ms >= queue.expires
                 ):
                     vhost.delete_queue(queue)
+
+
+def _refusal_text(verdict: str | None) -> str | None:
+    """The connection.close text of the security policy's verdict."""
+    if verdict is None:
+        return None
+    return ANONYMOUS_REFUSED if verdict == "not-authorized" else REFUSED

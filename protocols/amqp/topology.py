@@ -43,7 +43,7 @@ class TopologyMixin(ConnectionBase):
         topic of the empty key; `amq.topic` without a key is checked per message instead)."""
         edge = self.service.edge
         vhost = self.vhost
-        if edge.authorizer is None or target is None or vhost is None:
+        if not edge.secured or target is None or vhost is None:
             return
         name = header_value(target)
         exchange = vhost.exchanges.get(name)

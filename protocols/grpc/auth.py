@@ -99,10 +99,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if credentials is None:
             if not self.server.settings.allow_anonymous:
                 return _refuse(grpc.StatusCode.UNAUTHENTICATED, "credentials required", handler)
-            if edge.authenticator is None:
-                if edge.allow_anonymous:
-                    return handler
-                return _refuse(grpc.StatusCode.UNAUTHENTICATED, "credentials required", handler)
+            if not edge.secured:
+                return handler
             # Asked of the security model per call (it notices a user just added or removed).
             verdict = edge.authenticate(Principal("grpc"), None)
             if verdict is None:
@@ -110,7 +108,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             if isinstance(verdict, str):
                 return _refuse(grpc.StatusCode.UNAUTHENTICATED, "credentials required", handler)
             return _checked(handler, lambda peer: verdict)
-        if edge.authenticator is None:
+        if not edge.secured:
             return handler
         username, password = credentials
         return _checked(

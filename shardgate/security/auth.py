@@ -50,8 +50,9 @@ ACL rules
     on); the `admin` role grants `admin` everywhere unless a deny rule says otherwise.
 
 Denials are counted per (protocol, action) in `Security.denials`, action being "connect",
-"publish", "subscribe" or "admin". This module knows no protocol: the protocol layers call it
-through their hooks and turn a refusal into their own reply.
+"publish", "subscribe" or "admin". This module knows no protocol: `Security` is the front
+door's `SecurityPolicy` (`core/edge.py`), which every protocol asks through the Edge and whose
+refusals it turns into its own reply.
 
 This module holds the model (`Security`: files re-read on change, authentication, decisions);
 its parts are `passwords.py` (scrypt hashes), `users.py` (the users file), `acl.py` (the ACL
@@ -71,7 +72,6 @@ import time
 from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
 
 from ..core.edge import Principal
 from ..core.topics import filter_covers, filter_matches, filters_overlap
@@ -155,8 +155,6 @@ class Security:
         self.allow_anonymous_setting = allow_anonymous
         self.loopback_listener = is_loopback_host(listener_host)
         self.denials: collections.Counter[tuple[str, str]] = collections.Counter()
-        # Called with the new anonymous policy whenever it changes.
-        self.on_change: Callable[[Security], None] | None = None
         # Called after the users or the ACL rules changed (the running broker re-checks who
         # is connected and what they subscribed to); `removed_users` names who is gone.
         self.on_rules_change: list[Callable[[Security], None]] = []
@@ -180,7 +178,6 @@ class Security:
     def reload(self, *, strict: bool = False) -> None:
         """Re-read the files whose modification time changed."""
         self._checked_at = self._clock()
-        before = self.allow_anonymous
         changed = False
         users_version = _version(self.users_file)
         if users_version != self._users_version or (users_version is None and self._users):
@@ -215,8 +212,6 @@ class Security:
             # computed once passwords may be checked (at start, or when the first users are
             # loaded), not on the first unknown user's check; an open broker never needs it
             dummy_hash()
-        if self.allow_anonymous != before and self.on_change is not None:
-            self.on_change(self)
         if changed and not strict:
             for listener in list(self.on_rules_change):
                 try:
@@ -410,18 +405,25 @@ class Security:
         user = self._users.get(username) if username is not None else None
         return user is not None and "admin" in user.roles
 
-    # ------------------------------------------------------------------ front-door hooks
+    # ------------------------------------------------------------------ the front door's policy
+    # `core.edge.SecurityPolicy`: what the Edge asks for every protocol.
+    def checks_credentials(self) -> bool:
+        """False on an open broker (no user defined, anonymous access on), with the files
+        re-read first: a user just added closes the broker to the next login."""
+        self.reload()
+        return not self.open
+
     def authenticate_principal(
         self, principal: Principal, password: bytes | str | None,
     ) -> str | None | asyncio.Future[str | None]:
-        """`Edge.authenticator`: check a principal's credentials, counted under its protocol
-        (a future when a password must be hashed: see `authenticate_later`)."""
+        """Check a principal's credentials, counted under its protocol (a future when a
+        password must be hashed: see `authenticate_later`)."""
         return self.authenticate_later(
             principal.username, password, principal.client_id, principal.remote, principal.protocol
         )
 
     def authorize_principal(self, principal: Principal, action: str, topic: str) -> bool:
-        """`Edge.authorizer`: one shape for every protocol."""
+        """`authorize` in the front door's shape, one for every protocol."""
         if self._rules is None and action == "publish" and topic:
             self._maybe_reload()  # an ACL file may have appeared
             if self._rules is None:
@@ -430,50 +432,6 @@ class Security:
             str(action), principal.username, principal.client_id, topic, principal.protocol
         )
 
-    def amqp_authenticate(
-        self, user: str | None, password: str | None, loopback: bool,
-        builtin: Callable[[str | None, str | None, bool], str | None] | None = None,
-        remote: str = "",
-    ) -> str | None | asyncio.Future[str | None]:
-        """Shaped like `AmqpService.authenticate`: None or the text of a connection.close 403,
-        or a future of it while a password is hashed (see `authenticate_later`).
-
-        On an open broker (no user defined, anonymous access on) the AMQP layer's own built-in
-        login (`builtin`: guest/guest from loopback, as RabbitMQ out of the box) still decides,
-        since AMQP clients always send credentials."""
-        if builtin is not None and self.open:
-            refusal = builtin(user, password, loopback)
-            if refusal is not None:
-                self.denials[("amqp", Action.CONNECT.value)] += 1
-            return refusal
-        verdict = self.authenticate_later(user, password, "", remote, "amqp")
-        if not isinstance(verdict, asyncio.Future):
-            return _amqp_refusal(verdict)
-        text: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
-        verdict.add_done_callback(lambda done: text.set_result(_amqp_refusal(done.result())))
-        return text
-
-    def attach_amqp(self, service: Any) -> None:
-        """Make an `AmqpService` log in through this model (its built-in users only serve an
-        open broker)."""
-        current = service.authenticate
-        # Installed twice (a restart of the security model): wrap the AMQP layer's own login.
-        builtin = getattr(current, "builtin_login", current)
-
-        def authenticate(user: str | None, password: str | None, loopback: bool,
-                         remote: str = "") -> str | None | asyncio.Future[str | None]:
-            self.reload()
-            return self.amqp_authenticate(user, password, loopback, builtin, remote)
-
-        authenticate.builtin_login = builtin  # type: ignore[attr-defined]
-        service.authenticate = authenticate
-
-
-def _amqp_refusal(verdict: str | None) -> str | None:
-    if verdict is None:
-        return None
-    if verdict == Refusal.NOT_AUTHORIZED.value:
-        return "anonymous login refused"
-    return "Login was refused using authentication mechanism PLAIN or AMQPLAIN. " \
-        "For details see the broker logfile."
-
+    def count_denial(self, principal: Principal, action: str) -> None:
+        """A refusal the protocol decided itself (AMQP's built-in login on an open broker)."""
+        self.denials[(principal.protocol, str(action))] += 1

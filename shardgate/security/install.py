@@ -1,8 +1,9 @@
 """Wiring the security model into a running broker: `install_security` builds one `Security`
-from the configuration and hooks it into the front door (`Edge.authenticator`,
-`Edge.authorizer`), the AMQP login and `app.security`; `apply_rules_change` is what a change of
-the users or ACL files does to connected clients (kicks, removed subscriptions, ended
-streams). Decisions themselves are `auth.py`'s.
+from the configuration and installs it in the front door's security port (`Edge.security`,
+which the Edge and the protocols were built with: one swap, so every connected client's next
+check asks it) and as `app.security`; `apply_rules_change` is what a change of the users or ACL
+files does to connected clients (kicks, removed subscriptions, ended streams). Decisions
+themselves are `auth.py`'s.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from .errors import AuthError
 from .settings import AuthSettings, anonymous_setting, security_paths
 
 if TYPE_CHECKING:
+    from ..core.edge import SecurityPort
     from .auth import Security
 
 # The security model's logger, as before this module was split from it.
@@ -40,9 +42,10 @@ def apply_rules_change(app: Any, security: Security) -> None:
 
 
 def install_security(app: Any) -> Security:
-    """Hook one `Security` into a started-or-starting `Shardgate`: the front door's
-    `authenticator` and `authorizer` (every protocol asks there), the AMQP login if its listener
-    is up, and `app.security` for the admin API and metrics.
+    """Install one `Security` in a started-or-starting `Shardgate`: as the policy of the front
+    door's security port (every protocol asks there, AMQP's login included), replacing the
+    previous one whole, and as `app.security` for the admin API and metrics. Runs again on a
+    running broker (the model is then built anew from the files).
     A users or ACL file that cannot be read raises `ConfigError`."""
     from ..config import ConfigError
     from .auth import Security
@@ -60,14 +63,6 @@ def install_security(app: Any) -> Security:
         )
     except AuthError as exc:
         raise ConfigError(f"auth: {exc}") from exc
-    edge = app.edge
-
-    def mirror(current: Security) -> None:
-        # Calls without credentials (gRPC, MQTT) read this policy; `mqtt.allow_anonymous` and
-        # `grpc.allow_anonymous` (true by default) can only narrow it for their protocol.
-        edge.allow_anonymous = current.allow_anonymous
-
-    security.on_change = mirror
     security.on_rules_change.append(lambda current: apply_rules_change(app, current))
     previous = getattr(app, "security", None)
     if previous is not None and previous is not security:
@@ -76,15 +71,20 @@ def install_security(app: Any) -> Security:
         security.watch()
     except RuntimeError:
         pass  # no running loop: a model built outside the broker, checked on use only
-    edge.authenticator = security.authenticate_principal
-    edge.authorizer = security.authorize_principal
-    mirror(security)
-    listeners = getattr(app, "listeners", {})
-    listener = listeners.get("amqp") or listeners.get("amqps")  # both share one service
-    service = getattr(getattr(listener, "server", None), "service", None)
-    if service is not None:
-        security.attach_amqp(service)
+    # The one swap: from here on every check, of a client connected before too, asks `security`.
+    port: SecurityPort = app.edge.security
+    port.install(security)
     app.security = security
+    if previous is not None and previous is not security:
+        # What clients hold already (subscriptions, consumers, sessions of users gone) is
+        # checked again under the new model, as after a change of its files.
+        security.removed_users = frozenset(previous.users) - frozenset(security.users)
+        try:
+            apply_rules_change(app, security)
+        except Exception:
+            log.exception("applying the reinstalled users or ACL rules failed")
+        finally:
+            security.removed_users = frozenset()
     log.info("security: %d users, %s, anonymous access %s", len(security.users),
              f"{len(security.rules)} ACL rules" if security.rules is not None else "no ACL file",
              "on" if security.allow_anonymous else "off")

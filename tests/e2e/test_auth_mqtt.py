@@ -208,3 +208,41 @@ def test_anonymous_clients_get_no_user_substitution(broker: ThreadedBroker) -> N
     anonymous = Paho(broker.mqtt_port, "anon-1", V5)
     codes: list[Any] = anonymous.subscribe([("devices/None/#", 1), ("clients/anon-1/#", 1)])
     assert [code.value for code in codes] == [0x87, 1]
+
+
+# alice's grant on devices/alice/# is gone; a client "feeder" may publish under devices/
+NARROWER_ACL = ACL.replace('"devices/%u/#", "clients/%c/#"', '"clients/%c/#"') + """
+[[allow]]
+client = "feeder"
+actions = "publish"
+topics = ["devices/#"]
+"""
+
+
+def test_security_installed_again_decides_for_clients_already_connected(secured: ThreadedBroker) -> None:
+    """`install_security` on a running broker replaces the whole model at once: an MQTT client
+    connected under the old one is decided by the new one at its next publish and subscribe,
+    and a subscription the new rules no longer allow is removed."""
+    watcher = monitor(secured)
+    alice = Paho(secured.mqtt_port, "alice-1", V5, username="alice", password="alice-pw")
+    acks: queue.Queue[int] = queue.Queue()
+    alice.client.on_publish = lambda c, u, mid, rc, props: acks.put(rc.value)
+    assert [code.value for code in alice.subscribe("devices/alice/#", qos=1)] == [1]
+    alice.publish("devices/alice/temp", b"20", qos=1)
+    assert acks.get(timeout=5) == 0
+    assert alice.expect().payload == b"20" and watcher.expect().payload == b"20"
+    previous = secured.app.security
+    installed = secure(secured, None, NARROWER_ACL)
+    assert installed is not previous and secured.app.edge.security.policy is installed
+    alice.publish("devices/alice/temp", b"21", qos=1)  # the topic allowed a moment ago
+    assert acks.get(timeout=5) == 0x87
+    assert [code.value for code in alice.subscribe("devices/alice/#", qos=1)] == [0x87]
+    assert installed.denials[("mqtt", "publish")] == 1
+    # the subscription alice made under the old rules is gone: the feeder's message there
+    # reaches the monitor only
+    feeder = Paho(secured.mqtt_port, "feeder", V5, username="bob", password="bob-pw")
+    feeder.publish("devices/alice/temp", b"22", qos=1)
+    assert watcher.expect().payload == b"22"
+    alice.expect_none(1.0)
+    for client in (feeder, alice, watcher):
+        client.disconnect()

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 from shardgate.client import Client, PermissionDenied, Unauthenticated, Unavailable
-from shardgate.core.edge import Principal
+from shardgate.core.edge import Principal, Verdict
 
 from shardgate.security.auth import User, hash_password, install_security, save_users
 from tests.conftest import ThreadedBroker, free_port, wait_for
@@ -45,7 +45,7 @@ def secured(broker_factory: Callable[..., ThreadedBroker]) -> ThreadedBroker:
                {name: User(name, hash_password(password)) for name, password in USERS.items()})
     (data_dir / "acl.toml").write_text(ACL)
     broker.call(lambda: install_security(broker.app))
-    assert broker.app.edge.authorizer is not None
+    assert broker.app.edge.security.policy is broker.app.security
     return broker
 
 
@@ -118,11 +118,19 @@ async def test_authenticator_gets_the_peer_address(secured: ThreadedBroker) -> N
     seen: list[tuple[str | None, str]] = []
     security = secured.app.security
 
-    def authenticator(principal: Principal, password: bytes | str | None) -> str | None:
-        seen.append((principal.username, principal.remote))
-        return security.authenticate_principal(principal, password)
+    class Recording:
+        """The broker's policy, recording who authenticates from where."""
 
-    secured.app.edge.authenticator = authenticator
+        allow_anonymous = security.allow_anonymous
+        checks_credentials = security.checks_credentials
+        authorize_principal = security.authorize_principal
+        count_denial = security.count_denial
+
+        def authenticate_principal(self, principal: Principal, password: bytes | str | None) -> Verdict:
+            seen.append((principal.username, principal.remote))
+            return security.authenticate_principal(principal, password)
+
+    secured.call(lambda: secured.app.edge.security.install(Recording()))
     async with client_for(secured, "alice") as client:
         await client.producer().publish("devices/alice/x", b"1")
     async with Client(url_of(secured), username="alice", password="nope") as client:

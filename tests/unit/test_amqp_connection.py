@@ -541,6 +541,57 @@ def test_authenticator_hook_decides_logins(service: AmqpService) -> None:
     assert close_of(out).reply_code == 403
 
 
+class SecretRefused:
+    """A security policy that leaves logins to the AMQP layer's built-in users and refuses
+    every topic under `secret`."""
+
+    allow_anonymous = True
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str | None, str]] = []
+
+    def checks_credentials(self) -> bool:
+        return False
+
+    def authenticate_principal(self, principal: Principal, password: bytes | str | None) -> str | None:
+        return None
+
+    def authorize_principal(self, principal: Principal, action: Action, topic: str) -> bool:
+        self.calls.append((action, principal.username, topic))
+        return not topic.startswith("secret")
+
+    def count_denial(self, principal: Principal, action: Action) -> None:
+        pass
+
+
+class UsersOnly(SecretRefused):
+    """A policy that checks credentials: only app / s3cret logs in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.denied: list[Action] = []
+
+    def checks_credentials(self) -> bool:
+        return True
+
+    def authenticate_principal(self, principal: Principal, password: bytes | str | None) -> str | None:
+        return None if (principal.username, password) == ("app", "s3cret") else "bad-credentials"
+
+
+def test_a_policy_that_checks_credentials_decides_logins_instead_of_the_built_in_users(
+        service: AmqpService) -> None:
+    service.edge.security.install(UsersOnly())
+    ok = Client(service, loopback=False)
+    ok.handshake("app", "s3cret")
+    guest = Client(service)  # the built-in guest/guest no longer logs in
+    guest.feed(PROTOCOL_HEADER)
+    out = guest.send(0, commands.Connection.StartOk(mechanism="PLAIN", response="\0guest\0guest"))
+    assert close_of(out).reply_code == 403
+    # installed again (a policy that checks none): the built-in users decide the next login
+    service.edge.security.install(SecretRefused())
+    Client(service).handshake("guest", "guest")
+
+
 def test_memory_alarm_blocks_publishers_until_queues_drain(service: AmqpService, client: Client) -> None:
     service.settings.memory_high_watermark = 1000
     declare(client, "mem")
@@ -564,13 +615,9 @@ def test_memory_alarm_blocks_publishers_until_queues_drain(service: AmqpService,
 
 
 def test_authorizer_refuses_publish_and_bind_with_403(service: AmqpService, client: Client) -> None:
-    calls = []
-
-    def authorizer(principal: Principal, action: Action, topic: str) -> bool:
-        calls.append((action, principal.username, topic))
-        return not topic.startswith("secret")
-
-    service.edge.authorizer = authorizer
+    policy = SecretRefused()
+    service.edge.security.install(policy)  # after the client logged in: it asks this one
+    calls = policy.calls
     declare(client, "az")
     close = close_of(client.send(1, commands.Queue.Bind(queue="az", exchange="amq.topic",
                                                         routing_key="secret.#")))

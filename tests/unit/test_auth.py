@@ -229,3 +229,45 @@ def test_users_cli_add_list_remove(tmp_path: Path, capsys: pytest.CaptureFixture
     assert users_main(["users", "remove", "bob", "--data-dir", data]) == 2
     assert users_main(["users", "add", "a/b", "--password", "x", "--data-dir", data]) == 2
     assert set(load_users(tmp_path / "users.json")) == {"alice"}
+
+
+def test_a_policy_installed_again_decides_the_next_check_of_every_principal(tmp_path: Path) -> None:
+    """The front door's security port: one swap replaces the whole policy, and the Edge reads
+    it at each check, so a client connected under the old one is decided by the new one."""
+    from shardgate.core.broker import Broker
+    from shardgate.core.edge import Action, Edge, Principal, SecurityPort
+
+    save_users(tmp_path / "users.json", {"alice": User("alice", hash_password("pw"))})
+    (tmp_path / "acl.toml").write_text(
+        '[[allow]]\nuser = "alice"\nactions = ["publish", "subscribe"]\ntopics = ["a/#"]\n')
+    port = SecurityPort()
+    edge = Edge(Broker(), security=port)
+    alice = Principal("mqtt", "alice", "c1", "127.0.0.1")
+    assert not edge.secured and edge.authenticate(alice, "wrong") is None
+    assert edge.authorize(alice, Action.PUBLISH, "b/1")
+    first = Security(tmp_path / "users.json", tmp_path / "acl.toml")
+    assert port.install(first) is None
+    assert edge.secured and edge.security is port
+    assert edge.authorize(alice, Action.PUBLISH, "a/1")
+    assert not edge.authorize(alice, Action.PUBLISH, "b/1")
+    # $delayed: the release topic is asked of the same policy
+    assert not edge.authorize(alice, Action.PUBLISH, "$delayed/5/b/1")
+    (tmp_path / "narrow.toml").write_text(
+        '[[allow]]\nuser = "alice"\nactions = ["subscribe"]\ntopics = ["a/#"]\n')
+    second = Security(tmp_path / "users.json", tmp_path / "narrow.toml")
+    assert port.install(second) is first
+    assert not edge.authorize(alice, Action.PUBLISH, "a/1")  # the grant is gone at once
+    assert edge.authorize(alice, Action.SUBSCRIBE, "a/#")
+    assert first.denials[("mqtt", "publish")] == 2 and second.denials[("mqtt", "publish")] == 1
+    assert not edge.authorize(alice, Action.SUBSCRIBE, "$internal/x")  # the core's own rule
+
+
+def test_security_is_the_front_doors_policy(tmp_path: Path) -> None:
+    from shardgate.core.edge import Action, Principal, SecurityPolicy
+
+    security: SecurityPolicy = Security(tmp_path / "users.json")
+    assert not security.checks_credentials()  # no user, loopback: open
+    save_users(tmp_path / "users.json", {"alice": User("alice", hash_password("pw"))})
+    assert security.checks_credentials()  # the first user closes it at the next login
+    security.count_denial(Principal("amqp", "guest"), Action.CONNECT)
+    assert isinstance(security, Security) and security.denials[("amqp", "connect")] == 1

@@ -124,9 +124,6 @@ ROOT_STILL_ASSIGNS: dict[str, frozenset[str]] = {
     "shardgate/persistence.py": frozenset({
         "broker.cursor_sink", "broker.on_retained_change", "broker.on_subscription_removed",
         "broker.on_durable_defined"}),
-    "shardgate/security/auth.py": frozenset({"service.authenticate"}),
-    "shardgate/security/install.py": frozenset({
-        "edge.authenticator", "edge.authorizer", "edge.allow_anonymous"}),
 }
 
 
