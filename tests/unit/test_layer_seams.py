@@ -118,7 +118,6 @@ def test_the_rule_sees_an_assignment_it_forbids(tmp_path: Path) -> None:
 ROOT_STILL_ASSIGNS: dict[str, frozenset[str]] = {
     "shardgate/app.py": frozenset({"broker.topology_sink"}),
     "shardgate/archiving.py": frozenset({"broker.archive"}),
-    "shardgate/bridges/base.py": frozenset({"sub.owner", "sub.options"}),
     "shardgate/persistence.py": frozenset({
         "broker.cursor_sink", "broker.on_retained_change", "broker.on_subscription_removed",
         "broker.on_durable_defined"}),
