@@ -154,8 +154,8 @@ def publish_props(**values: Any) -> Properties:
 class RawClient:
     """Bytes on a socket, packets decoded with the project's codec (server direction)."""
 
-    def __init__(self, port: int, version: int = 4) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+    def __init__(self, port: int, version: int = 4, host: str = "127.0.0.1") -> None:
+        self.sock = socket.create_connection((host, port), timeout=TIMEOUT)
         self.parser = PacketParser()
         self.parser.version = version
         self.version = version
