@@ -160,6 +160,7 @@ def assemble(app: Shardgate, node: ClusterNode) -> ClusterParts:
     replicas = ReplicatedShards(node, broker, app.journal, propose=node.propose_isr, links=links)
     plane = DataPlane(broker, node.view, app.config.listeners.host, settings.port,
                       link_timeout_s=settings.link_timeout_s, credentials=node.credentials,
+                      forward_hold_s=settings.forward_hold_s,
                       # a subscription opened here at an earlier position reads other nodes'
                       # shards from them; the replica requests of peers' followers; a dead
                       # peer's lease ends at once, so its shards fail over

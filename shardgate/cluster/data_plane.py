@@ -106,6 +106,7 @@ class DataPlane:
         replicas: ReplicaRequests | None = None,
         peers: PeerWatch | None = None,
         links: dict[str, PeerLink] | None = None,
+        forward_hold_s: float | None = None,
     ) -> None:
         self.broker = broker
         # what this node proves to its peers, and checks of them, on the cluster port
@@ -132,7 +133,7 @@ class DataPlane:
         # told of a peer whose cluster port refused every dial for a while
         # (`peer_link.PEER_GONE_AFTER_S`; `ClusterNode`, which ends its lease)
         self.peers: PeerWatch = peers or NoPeerWatch()
-        self.forwarding = Forwarding(self)
+        self.forwarding = Forwarding(self, forward_hold_s)
         self.unrouted = UnroutedHold(self)
         self.fanout = PushFanout(self)
         self.route_sync = RouteSync(self, route_debounce_s)
@@ -205,7 +206,7 @@ class DataPlane:
         self.unrouted.clear()
         links = list(self.links.values())
         self.links.clear()
-        self.forwarding.forget_routes()
+        self.forwarding.stop()
         for link in links:
             await link.close()
         if self._listener is not None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..core.errors import CoreError, PublishRejected, ShardUnavailable
 from ..proto import cluster_pb2 as pb
+from .forward_ids import is_resent
 from .frames import RecordFormatError, message_from_forward, unpack_records
 
 if TYPE_CHECKING:
@@ -100,16 +101,19 @@ class ForwardStore:
         def landed(future: asyncio.Future[None]) -> None:
             failed = future.cancelled() or future.exception() is not None
             error = ("cancelled" if future.cancelled() else future.exception()) if failed else None
+            # a shard whose leadership changed while the message waited for its replicas: the
+            # sender may send it again to the next leader (NOT_OWNER), as one never taken
+            code = pb.NOT_OWNER if isinstance(error, ShardUnavailable) else pb.FAILED
             for outcome, message in waiting.pop(future, ()):
                 if failed:
-                    outcome.code = pb.FAILED
+                    outcome.code = code
                     outcome.reason = f"the owner could not store the message: {error}"
                 else:
                     outcome.offset = message.offset
             if failed:
                 for batch, indices in waiting_batches.pop(future, ()):
                     for index in indices:
-                        batch.refuse(index, pb.FAILED, f"the owner could not store the message: {error}")
+                        batch.refuse(index, code, f"the owner could not store the message: {error}")
             settled()
 
         def wait_for(future: asyncio.Future[None]) -> None:
@@ -191,7 +195,7 @@ class ForwardStore:
                     routed = False
                 if item.key is None:
                     here[item.topic] = routed
-            if owned and routed:
+            if owned and routed and not is_resent(item):
                 direct.append(item)
                 direct_indices.append(index)
             else:
@@ -252,6 +256,13 @@ class ForwardStore:
                 outcome.epoch = known
                 outcome.reason = f"node {self.node_id} does not own {stream.name}/{shard} now; retry"
                 return None
+            if is_resent(message):
+                # sent again after a failover: stored already (its earlier leader's record
+                # replicated here) is acknowledged where it is (`forward_ids.py`)
+                offset = self.plane.forwarding.resends.stored_at(message, stream.name, shard)
+                if offset is not None:
+                    outcome.offset = offset
+                    return None
             # counted once, by the node its client published to
             future = broker.publish(message, counted=False)
         except PublishRejected as exc:

@@ -6,7 +6,8 @@ A link is a TCP connection carrying numbered frames (`proto/cluster.proto`, fram
 turn (no timer, no task and no await per message); while the peer is behind reading, the
 transport pauses and messages gather into bigger frames (`outbox.py` packs them). It is
 bounded: past `MAX_FORWARDS_IN_FLIGHT` forwarded publishes waiting for their owner, further
-ones are refused with `ShardUnavailable` (the client's retryable error); past
+ones are refused with `ShardUnavailable` (the client's retryable error; while the peer is
+unreachable, they are held for the shard's next leader by `forwarding.HeldForwards`); past
 `MAX_PUSHES_QUEUED` queued pushes, pushes are dropped and counted as a slow subscriber's would
 be. A broken connection is redialed and the session resumed: the frames not answered are sent
 again, and the peer applies each frame of a session once (`inbox.py`).
@@ -152,14 +153,15 @@ class PeerLink:
         """Queue `message` for the peer (the owner under `epoch`); `future` is the one to
         resolve when the message is re-routed after a refusal. A QoS 0 message gets the
         future it shares with the other QoS 0 messages of this write (see `Shared`)."""
-        if not self.reachable or self._in_flight >= MAX_FORWARDS_IN_FLIGHT:
+        if not self.reachable:
+            # (a failover, most likely: held for the shard's next leader)
+            return self.plane.forwarding.hold(message, future, ShardUnavailable(
+                f"node {self.node.node_id} owning {message.stream}/{message.shard} is unreachable"))
+        if self._in_flight >= MAX_FORWARDS_IN_FLIGHT:
             if future is None:
                 future = self._loop.create_future()
             fail(future, ShardUnavailable(
-                f"node {self.node.node_id} owning {message.stream}/{message.shard} is unreachable"
-                if not self.reachable else
-                f"too many publishes waiting for node {self.node.node_id}; retry"
-            ))
+                f"too many publishes waiting for node {self.node.node_id}; retry"))
             self.plane.stats.forward_failures += 1
             return future
         self._in_flight += 1
@@ -518,18 +520,26 @@ class PeerLink:
         return self.plane.forwarding.reroute(message, future, epoch, outcome.epoch)
 
     def _fail_all(self, error: PublishRejected) -> None:
-        """Fail every forward not yet answered and drop the pushes: the owner may or may not
-        have stored them, so the clients get a retryable error (at least once, never
-        acknowledged and lost). Used when the peer is away, not when a stream merely broke."""
-        waiters: list[Waiter] = [
-            future if future is not None else shared  # type: ignore[misc]
-            for _message, _epoch, future, shared in self._forwards
-        ]
+        """Give up on every forward not yet answered and drop the pushes: the owner may or
+        may not have stored them. A publish with its own future is held for the shard's next
+        leader (`forwarding.HeldForwards`: sent again, so at least once, never acknowledged
+        and lost); the others' clients get a retryable error. Used when the peer is away, not
+        when a stream merely broke."""
+        waiters: list[Waiter] = []
+        held: list[tuple[Message, asyncio.Future[None]]] = []
+        for message, _epoch, future, shared in self._forwards:
+            if future is not None:
+                held.append((message, future))
+            else:
+                waiters.append(shared)  # type: ignore[arg-type]
         dropped = len(self._pushes)
         lost = False
         for sent in self._unanswered.values():
             for batch in sent.batches:
-                waiters += batch.waiters
+                if batch.unacknowledged:
+                    waiters += batch.waiters
+                else:
+                    held += zip(batch.messages, batch.waiters, strict=True)  # type: ignore[arg-type]
             dropped += sent.pushes
             lost = lost or sent.frame.pushes_lost
         self._forwards = []
@@ -545,6 +555,9 @@ class PeerLink:
             self.lost_pushes()
         for waiter in waiters:
             self._settle_one(waiter, error)
+        hold = self.plane.forwarding.hold
+        for message, future in held:
+            hold(message, future, error)
 
 
 def _short(exc: BaseException) -> str:

@@ -30,6 +30,10 @@ class ClusterSettings:
     # a peer that sends nothing on its link for this long (frozen) is given up on: publishes
     # waiting for it fail retryably, and its link is redialed until it answers again
     link_timeout_s: float = 3.0
+    # a publish (QoS >= 1) forwarded for a client of this node while its shard fails over is
+    # held this long for the shard's next leader before it is refused retryably
+    # (`forwarding.HeldForwards`)
+    forward_hold_s: float = 10.0
     # how long `serve` waits for etcd at start before giving up with an error
     connect_timeout_s: float = 10.0
     # how long a SIGTERM'd node waits for its shards to be handed over before it exits
@@ -81,6 +85,7 @@ class ClusterSettings:
     RANGES: ClassVar[dict[str, tuple[float | None, float | None]]] = {
         "lease_ttl_s": (1, None),
         "link_timeout_s": (0.001, None),
+        "forward_hold_s": (0, None),
         "connect_timeout_s": (0.001, None),
         "leave_timeout_s": (0, None),
         "re_replicate_after_s": (0, None),

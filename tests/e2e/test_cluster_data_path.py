@@ -23,6 +23,7 @@ from shardgate.client import Client, Unavailable
 from shardgate.core.streams import Stream
 from shardgate.protocols.mqtt import packets as p
 
+from shardgate.cluster import forwarding
 from shardgate.cluster.data_plane import DataPlane
 from shardgate.cluster.membership import NodeInfo, ShardAssignment, StaticClusterView
 from tests.conftest import ThreadedBroker, wait_for
@@ -218,7 +219,10 @@ async def test_grpc_sdk_publish_on_one_node_reaches_consumer_on_the_other(pair):
         assert texts == sorted(topics)
 
 
-def test_publish_while_the_owner_is_gone_gets_a_retryable_error(pair):
+def test_publish_while_the_owner_is_gone_gets_a_retryable_error(pair, monkeypatch):
+    # a forwarded publish is held for a next leader first (FORWARD_HOLD_S, shortened here: no
+    # other node ever leads in this static view), then refused retryably
+    monkeypatch.setattr(forwarding, "FORWARD_HOLD_S", 0.3)
     a, b = pair["a"], pair["b"]
     topic = topic_for(a, "b")
     b.server.call(b.plane.stop())
@@ -234,7 +238,10 @@ def test_publish_while_the_owner_is_gone_gets_a_retryable_error(pair):
     raw.close()
 
 
-async def test_grpc_publish_while_the_owner_is_gone_is_unavailable(pair):
+async def test_grpc_publish_while_the_owner_is_gone_is_unavailable(pair, monkeypatch):
+    # a forwarded publish is held for a next leader first (FORWARD_HOLD_S, shortened here: no
+    # other node ever leads in this static view), then refused retryably
+    monkeypatch.setattr(forwarding, "FORWARD_HOLD_S", 0.3)
     a, b = pair["a"], pair["b"]
     b.server.call(b.plane.stop())
     async with Client(f"127.0.0.1:{a.port('grpc')}") as client_a:
@@ -278,7 +285,10 @@ def test_retained_message_set_on_one_node_is_read_on_the_other(pair, owner):
     late.disconnect()
 
 
-async def test_amqp_publish_while_the_owner_is_gone_is_nacked(pair):
+async def test_amqp_publish_while_the_owner_is_gone_is_nacked(pair, monkeypatch):
+    # a forwarded publish is held for a next leader first (FORWARD_HOLD_S, shortened here: no
+    # other node ever leads in this static view), then refused retryably
+    monkeypatch.setattr(forwarding, "FORWARD_HOLD_S", 0.3)
     a, b = pair["a"], pair["b"]
     b.server.call(b.plane.stop())
     async with await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:{a.port('amqp')}/") as conn:

@@ -259,6 +259,7 @@ async def test_publish_refused_with_a_retryable_error_when_the_owner_disagrees(c
     from shardgate.cluster import forwarding
 
     monkeypatch.setattr(forwarding, "VIEW_CATCH_UP_S", 0.2)
+    monkeypatch.setattr(forwarding, "FORWARD_HOLD_S", 0.3)  # (held for a new leader until then)
     a, b = cluster["a"], cluster["b"]
     topic = topic_on(a.broker, "orders", 2, "orders")
     # b handed orders/2 over to a, and a never hears of it
@@ -315,7 +316,11 @@ async def test_publish_to_an_unassigned_shard_is_refused_at_once(cluster):
         pending.result()
 
 
-async def test_forwards_in_flight_fail_retryably_when_the_owner_goes_away(cluster):
+async def test_forwards_in_flight_fail_retryably_when_the_owner_goes_away(cluster, monkeypatch):
+    from shardgate.cluster import forwarding
+
+    # (held for the shard's next leader first: `test_forward_hold.py`)
+    monkeypatch.setattr(forwarding, "FORWARD_HOLD_S", 0.3)
     a, b = cluster["a"], cluster["b"]
     topic = topic_on(a.broker, "orders", 2, "orders")
     await b.plane.stop()
@@ -710,7 +715,11 @@ async def test_qos0_publishes_of_one_write_share_a_future_and_qos1_get_their_off
 async def test_a_silent_peer_fails_the_link_and_its_waiting_forwards_retryably(cluster, monkeypatch):
     """A peer that accepts the connection and reads but never answers (as a frozen process's
     kernel does): the forwards waiting for it fail with the retryable error after the link
-    timeout, and the link is redialed."""
+    timeout (and the hold for a next leader, `test_forward_hold.py`), and the link is
+    redialed."""
+    from shardgate.cluster import forwarding
+
+    monkeypatch.setattr(forwarding, "FORWARD_HOLD_S", 0.3)
     a = cluster["a"]
     silent = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)
     port = silent.sockets[0].getsockname()[1]
