@@ -74,6 +74,9 @@ log = logging.getLogger(__name__)
 LOAD_INTERVAL_S = 5.0
 # how long `drain` waits for the watch to bring its own write back into the view
 DRAIN_SEEN_S = 5.0
+# at most how long a leaving node waits for the followers of the shards it leads to know
+# where it ends (`ReplicatedShards.quiesce`; at most a third of `leave_timeout_s`)
+QUIESCE_S = 3.0
 
 
 class ClusterStartError(Exception):
@@ -459,6 +462,10 @@ class ClusterNode:
             empty = set(self.empty_shards(mine))
             self.view.released.intersection_update(empty)
             self.registration.released = sorted(f"{stream}/{shard}" for stream, shard in empty)
+        if others and self.replicas is not None:
+            # the replicated shards it leads take no more publishes, and their followers learn
+            # where its dispatching ends before the controller moves them (no message twice)
+            await self.replicas.quiesce(min(QUIESCE_S, self.settings.leave_timeout_s / 3))
         self.registration.leaving = True
         try:
             announced = await self.store.put_registration(self.registration, self.lease_id)
