@@ -250,9 +250,10 @@ class EtcdClient:
             await self._connect_locked()
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
+        # no longer the current channel while it closes: a call it cancels is not asked again
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
 
     async def _unary(self, method: str, stub_name: str, request: object) -> object:
         """Call a unary RPC, failing over to the next endpoint once on UNAVAILABLE and
@@ -272,7 +273,7 @@ class EtcdClient:
                     raise
                 # another call moved this client to a new channel and closed this one: a read
                 # is asked again there; a write may have been applied, so the caller decides
-                if method == "Range" and attempt == 0:
+                if method == "Range" and attempt == 0 and self._channel not in (None, channel):
                     continue
                 raise EtcdUnavailable(f"etcd at {self.endpoint}: the call's channel was closed "
                                       "(the client reconnected)") from None
