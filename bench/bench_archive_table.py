@@ -16,6 +16,9 @@
    and whether the plan shows the pushed filter (each query runs once untimed first, for the
    JVM's warm-up).
 
+The first phase also prints the load average at its start and end, and whether the journal's
+record scan ran compiled.
+
 Every phase checks the `--max-seconds` deadline (default 900 s) and is skipped or cut short
 past it (a phase's first measurement, and Spark's warm-up, always complete); the run always prints what it measured (markdown, and JSON with `--json`). Do not
 take figures from a loaded machine.
@@ -84,7 +87,20 @@ def cpu() -> float:
     return time.process_time()
 
 
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages: the ratio is only comparable on a quiet machine."""
+    return ", ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+def compiled_scan() -> bool:
+    """Whether the journal's record scan runs compiled (mypyc), as a release build's does."""
+    from shardgate.core.native import compiled_in_use
+
+    return compiled_in_use().get("shardgate.storage.journal.framing_native", False)
+
+
 def typed_throughput(work: Path, rows: int, repeat: int, deadline: Deadline) -> dict[str, Any]:
+    load_at_start = load_average()
     journal = JournalStorage(work / "journal-typed", fsync="os")
     try:
         fill(journal, "readings", rows)
@@ -120,7 +136,8 @@ def typed_throughput(work: Path, rows: int, repeat: int, deadline: Deadline) -> 
             target.unlink()
         columns = [name for name in table.column_names if name in SCHEMA["properties"]]
         return {
-            "rows": rows, "typed_columns": columns,
+            "rows": rows, "typed_columns": columns, "load_average_at_start": load_at_start,
+            "load_average_at_end": load_average(), "compiled_journal_scan": compiled_scan(),
             "archiver_rows_per_s": round(rows / best["archiver_wall_s"]),
             "pyarrow_rows_per_s": round(rows / best["pyarrow_wall_s"]),
             "ratio_wall": round(best["pyarrow_wall_s"] / best["archiver_wall_s"], 2),

@@ -111,6 +111,13 @@ class DurableSubscription(CursorPositions, ShardReplay):
         # A pump is due once a restored unacknowledged message can be read (`_pump_after_commit`).
         self._retry_armed = False
 
+    def take_over(self, owner: object, options: DurableOptions) -> None:
+        """`owner` holds this subscription from now on, with `options`: one restored from the
+        store after a restart (its owner rebuilt from what was saved, or none) goes on as the
+        subscription of the one that made it (a bridge's), as it asks for it again."""
+        self.owner = owner
+        self.options = options
+
     # ------------------------------------------------------------------ live path
     def offer(self, message: Message, filters: Sequence[str]) -> None:
         """A message dispatched live (after it was stored)."""

@@ -290,8 +290,8 @@ class Shardgate:
                                          listing=listing, reset_anywhere=reset_anywhere)
                 if ports.grpc_port:
                     starting = ("gRPC", host, ports.grpc_port, "listeners.grpc_port")
-                    grpc_server.port = grpc_server.listen(host, ports.grpc_port, None)
-                    self.listeners["grpc"] = Listener("grpc", host, grpc_server.port, grpc_server)
+                    bound = grpc_server.listen(host, ports.grpc_port, None)
+                    self.listeners["grpc"] = Listener("grpc", host, bound, grpc_server)
                 if ports.grpcs_port:
                     starting = ("gRPC over TLS", host, ports.grpcs_port, "listeners.grpcs_port")
                     self._ssl_context()  # the same checks, and errors, as the other TLS listeners
@@ -299,9 +299,8 @@ class Shardgate:
                     assert tls.cert_file and tls.key_file
                     credentials = tls_credentials(tls.cert_file, tls.key_file, tls.ca_file or "",
                                                   tls.require_client_cert)
-                    grpc_server.secure_port = grpc_server.listen(host, ports.grpcs_port, credentials)
-                    self.listeners["grpcs"] = Listener("grpcs", host, grpc_server.secure_port,
-                                                       grpc_server)
+                    bound = grpc_server.listen(host, ports.grpcs_port, credentials)
+                    self.listeners["grpcs"] = Listener("grpcs", host, bound, grpc_server)
                 await grpc_server.serve()
                 self.grpc = grpc_server
             if ports.http_port:
@@ -396,7 +395,7 @@ class Shardgate:
     def _memory_alarm(self, blocked: bool) -> None:
         """Hold every protocol's publishers while the memory alarm is raised."""
         if self.mqtt is not None:
-            self.mqtt.publishers_blocked = blocked
+            self.mqtt.block_publishers(blocked)
         if self.amqp is not None:
             self.amqp.resource_alarm("memory", blocked)
         if self.grpc is not None:

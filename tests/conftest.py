@@ -181,6 +181,9 @@ class BrokerProcess:
         self.ports: dict[str, int] = {}
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
 
+    # What the command is run with, e.g. `ip netns exec NS` (which execs it: the process is
+    # the broker's own, as without one).
+    command_prefix: tuple[str, ...] = ()
     # A port taken by another socket is waited for this long (same ports) before failing.
     PORT_IN_USE_TIMEOUT = 30.0
     # How long a start may take until the port file is written (the interpreter's and the
@@ -226,6 +229,7 @@ class BrokerProcess:
         if port_file.exists():
             port_file.unlink()
         args = [
+            *self.command_prefix,
             sys.executable, "-m", "shardgate", "serve", "--data-dir", str(self.data_dir),
             "--host", "127.0.0.1", "--mqtt-port", str(mqtt_port),
             "--mqtt-ws-port", "0", "--grpc-port", "0", "--amqp-port", "0", "--http-port", "0",

@@ -27,12 +27,14 @@ class Paho:
                  session_expiry: int | None = None, keepalive: int = 60, will: dict | None = None,
                  connect_properties: dict[str, Any] | None = None, transport: str = "tcp",
                  username: str | None = None, password: str | None = None,
-                 connect: bool = True, tls: dict | None = None, host: str = "127.0.0.1") -> None:
+                 connect: bool = True, tls: dict | None = None, host: str = "127.0.0.1",
+                 reconnect: bool = True) -> None:
         self.protocol = protocol
         self.host = host
         self.client = mqtt.Client(
             mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=protocol,
             transport=transport, clean_session=None if protocol == V5 else clean,
+            reconnect_on_failure=reconnect,
         )
         self.port = port
         self.messages: queue.Queue[mqtt.MQTTMessage] = queue.Queue()
@@ -152,8 +154,8 @@ def publish_props(**values: Any) -> Properties:
 class RawClient:
     """Bytes on a socket, packets decoded with the project's codec (server direction)."""
 
-    def __init__(self, port: int, version: int = 4) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+    def __init__(self, port: int, version: int = 4, host: str = "127.0.0.1") -> None:
+        self.sock = socket.create_connection((host, port), timeout=TIMEOUT)
         self.parser = PacketParser()
         self.parser.version = version
         self.version = version

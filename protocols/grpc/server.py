@@ -168,12 +168,13 @@ class GrpcServer:
 
     async def start(self, host: str, port: int, credentials: grpc.ServerCredentials | None) -> None:
         """Listen on `host:port` (0 picks a free port; TLS when `credentials`) and serve."""
-        self.port = self.listen(host, port, credentials)
+        self.listen(host, port, credentials)
         await self.serve()
 
     def listen(self, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
         """Bind one more port (plaintext, or TLS with `credentials`) before `serve()`; every port
-        serves the same servicers, consumers and producers. Returns the bound port."""
+        serves the same servicers, consumers and producers. Returns the bound port, which is
+        also `port` (plaintext) or `secure_port` (TLS) from then on."""
         if self.server is None:
             self.server = self._new_server()
         address = f"{host}:{port}"
@@ -188,6 +189,10 @@ class GrpcServer:
             raise OSError(f"cannot bind gRPC listener on {address}: {exc}") from exc
         if bound == 0:
             raise OSError(f"cannot bind gRPC listener on {address}")
+        if credentials is None:
+            self.port = bound
+        else:
+            self.secure_port = bound
         return bound
 
     async def serve(self) -> None:

@@ -129,6 +129,7 @@ class ConnectHandling(ConnectionState):
             # Cluster: the session lives on (or must be ended on) another node first; CONNACK
             # and every later packet wait until it is here.
             self.state = State.OPENING
+            self.service.await_session(self)  # type: ignore[arg-type]
             fetching.add_done_callback(
                 lambda done: self._opened_later(done, client_id, clean_start, expiry, assigned,
                                                 server_keep_alive))
@@ -170,6 +171,13 @@ class ConnectHandling(ConnectionState):
         now (the future's error) refuses the CONNECT, retryably: a new session would drop the
         one held elsewhere."""
         failure = None if fetching.cancelled() else fetching.exception()
+        overtaken_on = self.service.session_awaited(self)  # type: ignore[arg-type]
+        if failure is None and overtaken_on is not None:
+            # a later CONNECT on another node took the session while this one waited
+            if self.state is not State.CLOSED:
+                self._refuse(RC.SERVER_UNAVAILABLE, p.ConnackCode311.SERVER_UNAVAILABLE,
+                             f"session taken over on {overtaken_on} while this CONNECT waited")
+            return
         if isinstance(failure, SessionOfAnotherUser):
             # held on another node by another user: refused there, nothing ended anywhere
             if self.state is not State.CLOSED:

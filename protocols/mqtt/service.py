@@ -75,6 +75,11 @@ class MqttService(SessionWrites, SessionLifetimes, SessionRestore, ClusterSessio
         if self.settings.sys_interval > 0:
             self._publish_sys()
 
+    def block_publishers(self, blocked: bool) -> None:
+        """The memory alarm went off (or cleared): publishing connections are not read
+        meanwhile (`publishers_blocked`)."""
+        self.publishers_blocked = blocked
+
     async def finish_in_flight(self, timeout_s: float) -> int:
         """A graceful stop's first step: send no new PUBLISH to any client, and wait up to
         `timeout_s` for the acknowledgements (PUBACK, PUBREC, PUBCOMP) of those in flight, so

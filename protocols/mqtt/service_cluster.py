@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from . import packets as p
 from .remote import NO_REMOTE_SESSIONS, RemoteSessions
 from .service_state import ServiceState
 from .session import MqttSession
+
+if TYPE_CHECKING:
+    from .connection import MqttConnection
 
 # The service's logger, as before this part had a module of its own.
 log = logging.getLogger("shardgate.protocols.mqtt.service")
@@ -69,6 +73,22 @@ class ClusterSessions(ServiceState):
         session.connection.close(p.ReasonCode.SESSION_TAKEN_OVER, f"session taken over on {where}")
         return True
 
+    def await_session(self, connection: MqttConnection) -> None:
+        """`connection`'s CONNECT waits for its session (`session_elsewhere`)."""
+        self._awaiting_session.setdefault(connection.client_id, set()).add(connection)
+
+    def session_awaited(self, connection: MqttConnection) -> str | None:
+        """`connection` waits no more (its session came, or it closed): the node whose later
+        CONNECT took the session over meanwhile, if one did. Such a CONNECT must not open a
+        new, empty session here beside the one that moved on: it is refused, retryably, as
+        a takeover on one node ends the earlier connection."""
+        waiting = self._awaiting_session.get(connection.client_id)
+        if waiting is not None:
+            waiting.discard(connection)
+            if not waiting:
+                del self._awaiting_session[connection.client_id]
+        return self._overtaken.pop(connection, None)
+
     def release_for_takeover(self, client_id: str, where: str, *,
                              clean_start: bool) -> MqttSession | None:
         """Cluster mode: another node took the client's session over. Its connection here
@@ -76,6 +96,9 @@ class ClusterSessions(ServiceState):
         takeover), and the session's timers stop (a pending will is published when the new
         session starts clean). Returns the session, still here for its state to be taken
         (the caller then removes it); None when there is none."""
+        for waiting in self._awaiting_session.get(client_id, ()):
+            # a CONNECT here still waits for this session: `where`'s claim came after its own
+            self._overtaken[waiting] = where
         session = self.sessions.get(client_id)
         if session is None:
             return None

@@ -169,8 +169,7 @@ class BridgeBase(Generic[Connection]):
                 f"${self._id_prefix}/{self.name}", options=options, owner=self,
             )
             # Restored from the metadata store after a restart: take it over.
-            sub.owner = self
-            sub.options = options
+            sub.take_over(self, options)
             for topic_filter in list(sub.filters):
                 if topic_filter not in out:
                     self.edge.remove_filter(sub, topic_filter)

@@ -264,8 +264,13 @@ class SessionHandover:
                     f"the session could not be brought to this node now ({exc}); try again") from None
             log.warning("cluster: session %r could not be ended elsewhere (%s); it starts anew",
                         client_id, exc)
-        except Exception:
+        except Exception as exc:
             log.exception("cluster: taking session %r over failed", client_id)
+            if not clean_start:
+                # as without etcd above: never a new, empty session in place of one that
+                # may still be held elsewhere
+                raise SessionUnavailable(
+                    f"the session could not be brought to this node now ({exc}); try again") from None
 
     def _refuses(self, kv: KeyValue | None, username: str | None) -> bool:
         """Whether the session snapshot `kv` is another user's than `username`'s: asked by

@@ -12,8 +12,9 @@ as `value_<name>`.
 `TypedSchema.columns` decodes the payloads of a file into those columns, row by row; a payload
 that does not decode (published before the schema was registered) has nulls there and keeps
 its bytes. `TypedSchema.columns_of` gives the same columns from an Arrow array of payloads, JSON
-ones read in bulk by Arrow's JSON reader (`typed_json.py`), only the rows it cannot vouch for
-going row by row.
+ones read in bulk: those of a schema of flat scalar fields by their byte layout
+(`typed_layout.py`), the others by Arrow's JSON reader (`typed_json.py`), only the rows neither
+can vouch for going row by row.
 `TypedSchema.encode` turns a row's typed values back into a payload for tiered replay when the
 bytes were not kept: byte for byte for Avro (its binary encoding has one form per datum), the
 same document in compact JSON for JSON Schema. This module knows no broker type.
@@ -30,13 +31,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import typed_json
+from . import typed_json, typed_layout
 
 _JSON_SCALARS = {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(),
                  "boolean": pa.bool_()}
 _AVRO_SCALARS = {"string": pa.string(), "int": pa.int32(), "long": pa.int64(),
                  "float": pa.float32(), "double": pa.float64(), "boolean": pa.bool_(),
                  "bytes": pa.binary(), "enum": pa.string()}
+LAYOUTS = 3
+"""Byte layouts of payloads that `TypedSchema.columns_of` tries in one file (one per
+serializer writing to the stream, typically one)."""
 _TEXT = pa.string()
 """A value of several types, kept as its JSON text."""
 
@@ -232,10 +236,63 @@ class TypedSchema:
 
     def columns_of(self, payloads: pa.Array) -> tuple[list[pa.Array], pa.Array]:
         """`columns` of a binary array of payloads, the decoded flags as a boolean array: in
-        bulk where the schema allows it (`typed_json.py`), else row by row."""
+        bulk where the schema allows it (the payloads of a known byte layout first,
+        `typed_layout.py`, then Arrow's JSON reader, `typed_json.py`), else row by row."""
         if not self.bulk_readable:
             arrays, flags = self.columns(payloads.to_pylist())
             return arrays, pa.array(flags, pa.bool_())
+        if self.layout_readable and len(payloads):
+            return self._columns_by_layout(payloads)
+        return self._columns_read(payloads)
+
+    @property
+    def layout_readable(self) -> bool:
+        """Whether every field is a flat scalar that `typed_layout.py` reads."""
+        return self.bulk_readable and all(f.type in typed_layout.KINDS for f in self.fields)
+
+    def _columns_by_layout(self, payloads: pa.Array) -> tuple[list[pa.Array], pa.Array]:
+        """`columns_of` for a schema of flat scalar fields: the payloads laid out as the
+        first one not yet read (up to `LAYOUTS` layouts, while each reads at least half of
+        the rows left) are read by `typed_layout.read_layout`, the others by `_columns_read`."""
+        schema = pa.schema([pa.field(name, column.type)
+                            for name, column in zip(self.names, self.fields, strict=True)])
+        names = list(self.names)
+        kinds = [typed_layout.KINDS[f.type] for f in self.fields]
+        count = len(payloads)
+        left = np.arange(count, dtype=np.int64)
+        pieces: list[tuple[np.ndarray, list[pa.Array]]] = []
+        for _ in range(LAYOUTS):
+            subset = payloads if len(left) == count else pc.take(payloads, left)
+            first = subset[0].as_py()
+            layout = None if first is None else typed_layout.layout_of(first, names, kinds)
+            read = None if layout is None else typed_layout.read_layout(subset, layout, schema)
+            if read is None:
+                break
+            arrays, taken = read
+            pieces.append((left[taken], arrays))
+            left = left[~taken]
+            if not len(left) or 2 * int(taken.sum()) < len(taken):
+                break
+        if not pieces:
+            return self._columns_read(payloads)
+        if len(pieces) == 1 and not len(left):
+            return pieces[0][1], pa.repeat(pa.scalar(True), count)
+        decoded = np.ones(count, np.bool_)
+        rows = [rows for rows, _ in pieces]
+        tables = [pa.Table.from_arrays(arrays, schema=pa.schema(self.fields))
+                  for _, arrays in pieces]
+        if len(left):
+            rest, rest_decoded = self._columns_read(pc.take(payloads, left))
+            tables.append(pa.Table.from_arrays(rest, schema=pa.schema(self.fields)))
+            rows.append(left)
+            decoded[left] = rest_decoded.to_numpy(zero_copy_only=False)
+        where = np.empty(count, np.int64)
+        where[np.concatenate(rows)] = np.arange(count, dtype=np.int64)
+        picked = pa.concat_tables(tables).take(pa.array(where))
+        return [column.combine_chunks() for column in picked.columns], pa.array(decoded)
+
+    def _columns_read(self, payloads: pa.Array) -> tuple[list[pa.Array], pa.Array]:
+        """`columns_of` by Arrow's JSON reader, and row by row for what it cannot vouch for."""
         count = len(payloads)
         nested_number = any(_holds_float(f.type) for f in self.fields if f.type != pa.float64())
         candidates = typed_json.bulk_candidates(payloads, nested_number)

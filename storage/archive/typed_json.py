@@ -1,7 +1,9 @@
 """JSON payloads into typed columns in bulk: Arrow's own JSON reader (C++, on Arrow's thread
 pool) parses a file's payloads joined by newlines against the registered schema's fields, so a
 row costs no Python object; only the rows it cannot vouch for go through the per-row path of
-`TypedSchema.columns`, which decides what they hold, exactly as before.
+`TypedSchema.columns`, which decides what they hold, exactly as before. (A schema of flat
+scalar fields first has its payloads read by their byte layout, `typed_layout.py`, faster
+still: this reader gets the rows of no common layout.)
 
 The reader and the per-row path (`json.loads`, then `pa.array`) agree on every payload the
 reader accepts, except where the reader is more lenient, and those payloads never reach it:

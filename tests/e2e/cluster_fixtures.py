@@ -48,10 +48,12 @@ class EtcdServer:
     """One etcd member on loopback: `start()`, `stop()` (SIGTERM), `kill()`, `start()` again
     (same data directory and ports, as an etcd restart)."""
 
-    def __init__(self, directory: Path, tls: tuple[Path, Path] | None = None) -> None:
+    def __init__(self, directory: Path, tls: tuple[Path, Path] | None = None,
+                 host: str = "127.0.0.1") -> None:
         self.directory = directory
         # (certificate, key): clients must use https:// and trust the certificate
         self.tls = tls
+        self.host = host  # the address clients reach it at
         self.client_port = free_port()
         self.peer_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -60,7 +62,7 @@ class EtcdServer:
     @property
     def url(self) -> str:
         scheme = "https" if self.tls else "http"
-        return f"{scheme}://127.0.0.1:{self.client_port}"
+        return f"{scheme}://{self.host}:{self.client_port}"
 
     def start(self) -> EtcdServer:
         assert ETCD is not None
@@ -176,9 +178,13 @@ class ClusterNodeProcess(BrokerProcess):
 
     def status(self) -> dict[str, Any]:
         """This node's `/api/cluster`."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.ports['http']}/api/cluster",
+        return json.loads(self.http_get("/api/cluster"))
+
+    def http_get(self, path: str) -> bytes:
+        """The body of GET `path` from this node's admin API (OSError if it fails)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ports['http']}{path}",
                                     timeout=5) as response:
-            return json.loads(response.read())
+            return response.read()
 
     @property
     def grpc_url(self) -> str:
@@ -206,9 +212,7 @@ def settled(node: ClusterNodeProcess, nodes: set[str]) -> dict[str, Any] | None:
 def linked(node: ClusterNodeProcess) -> set[str]:
     """The peers `node`'s links are up to (its metrics)."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{node.ports['http']}/metrics",
-                                    timeout=5) as response:
-            text = response.read().decode()
+        text = node.http_get("/metrics").decode()
     except (OSError, urllib.error.URLError):
         return set()
     return set(re.findall(r'^shardgate_cluster_link_up\{[^}]*peer="([^"]+)"[^}]*\} 1', text, re.M))
@@ -377,7 +381,7 @@ class ContinuousPublisher:
     on a dropped connection (`dropped` is set)."""
 
     def __init__(self, port: int, name: str, topics: list[str], *, pause_s: float = 0.0,
-                 ack_timeout_s: float = 30.0) -> None:
+                 ack_timeout_s: float = 30.0, host: str = "127.0.0.1") -> None:
         from tests.mqtt_clients import RawClient  # (tests.mqtt_clients imports paho)
         self.name = name
         self.topics = list(topics)
@@ -391,7 +395,7 @@ class ContinuousPublisher:
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self.client = RawClient(port, version=5)
+        self.client = RawClient(port, version=5, host=host)
         self.client.connect(name)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()

@@ -1,7 +1,8 @@
-"""JSON payloads decoded into typed columns in bulk (Arrow's JSON reader, `typed_json.py`) give
-the very columns and decoded flags of the per-row path (`json.loads`, then `pa.array`), for
-valid payloads and for every kind of payload the two read differently, alone or mixed into
-a file of good rows in any order; and the 8-byte payloads of an `int64` stream are read as
+"""JSON payloads decoded into typed columns in bulk (Arrow's JSON reader, `typed_json.py`, and
+for flat scalar fields their byte layout, `typed_layout.py`) give the very columns and decoded
+flags of the per-row path (`json.loads`, then `pa.array`), for valid payloads and for every kind
+of payload the paths read differently, alone or mixed into a file of good rows in any order
+(for the layout path: any value, key, separator or end of a row changed from its layout); and the 8-byte payloads of an `int64` stream are read as
 before, without a loop per row."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 from shardgate.core.records import MessageRecord, encode_message
-from shardgate.storage.archive import build_table
+from shardgate.storage.archive import build_table, typed_layout
 from shardgate.storage.archive.columns import RESERVED
 from shardgate.storage.archive.typed import TypedSchema
 from shardgate.storage.interfaces import StoredRecord
@@ -112,3 +113,93 @@ def test_a_row_pa_array_reads_only_alone_does_not_fail_the_whole_file() -> None:
     assert decoded == [False, True, True]
     assert arrays[[f.name for f in typed.fields].index("loc")].to_pylist() == [
         None, {"lat": 1.0, "tags": None}, {"lat": None, "tags": None}]
+
+
+SCALARS = {"type": "object", "properties": {
+    "device": {"type": "string"}, "temp": {"type": "number"}, "n": {"type": "integer"},
+    "ok": {"type": "boolean"}, "offset": {"type": "integer"}}}
+NUMBER_TEXTS = ["0", "-0", "-0.0", "1", "-12", "3.25", "1e3", "1E+3", "2.5e-3", "01", "1.",
+                ".5", "+1", "1e", "9007199254740992", "9007199254740993", "-9007199254740993",
+                "123456789012345678", "1234567890123456789", "9223372036854775808", "1e400",
+                "-1e400", "NaN", "Infinity", "0.1", "1.7976931348623157e308", "5e-324", "1.0",
+                "true", "null", '"1"', "0x10", "1_000", "١"]
+STRING_TEXTS = ['"dev-1"', '""', '"é"', '"\\u00e9"', '"a\\"b"', '"tab\there"', '"\\n"', '"😀"',
+                '"a/b"', '"\\/"', "5", "null", '"x\\u0000"', '"\x7f"', '"ʼ"']
+
+
+def layout_payload(rng: random.Random, spaced: bool) -> bytes:
+    """A flat payload of one of two serializers' layouts, most of them well formed, some with
+    a value, a key, a separator or the end of the row changed."""
+    comma, colon = (", ", ": ") if spaced else (",", ":")
+    fields = [("device", json.dumps(f"d{rng.randint(0, 9)}")),
+              ("temp", repr(rng.randint(-500, 500) / 8)), ("n", str(rng.randint(-5, 5))),
+              ("ok", rng.choice(["true", "false"])), ("offset", str(rng.randint(0, 99)))]
+    change = rng.random()
+    if change < 0.3:
+        index = rng.randrange(len(fields))
+        name = fields[index][0]
+        texts = STRING_TEXTS if name == "device" else NUMBER_TEXTS
+        fields[index] = (name, rng.choice(texts + ["true", "false", "TRUE", "null"]))
+    elif change < 0.35:
+        fields.pop(rng.randrange(len(fields)))
+    elif change < 0.4:
+        fields.insert(rng.randrange(len(fields)), ("extra", "1"))
+    elif change < 0.45:
+        fields.insert(rng.randrange(len(fields)), fields[rng.randrange(len(fields))])
+    elif change < 0.5:
+        rng.shuffle(fields)
+    body = comma.join(f'"{name}"{colon}{value}' for name, value in fields)
+    text = "{" + body + "}"
+    if change > 0.97:
+        text = rng.choice([" " + text, text + " ", text + "\n", text[:-1], text + "}",
+                           text.replace('"', "'", 2), text.replace(colon, colon + " ", 1)])
+    return text.encode()
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_payloads_of_a_byte_layout_decode_as_row_by_row(seed: int) -> None:
+    """The layout path (`typed_layout.py`) takes exactly the rows it reads as the per-row
+    path does, whatever a row changes in the layout of the others (a value, a key, the end)."""
+    rng = random.Random(seed)
+    typed = TypedSchema("json", SCALARS, 1, RESERVED)
+    assert typed.layout_readable
+    spaced = seed % 2 == 0
+    payloads = [layout_payload(rng, spaced) for _ in range(rng.randint(1, 600))]
+    if seed % 4 == 1:  # a second serializer's layout mixed in
+        payloads += [layout_payload(rng, not spaced) for _ in range(rng.randint(1, 200))]
+        rng.shuffle(payloads)
+    if seed % 4 == 3:
+        payloads += rng.sample(ODD_PAYLOADS, 8)
+        rng.shuffle(payloads)
+    check(typed, payloads)
+
+
+def test_each_value_text_in_a_layout_row_decodes_as_row_by_row() -> None:
+    typed = TypedSchema("json", SCALARS, 1, RESERVED)
+    values = {"device": '"a"', "temp": "1.5", "n": "2", "ok": "true"}
+
+    def row(changed: dict[str, str]) -> bytes:
+        fields = {**values, **changed}
+        return ("{" + ", ".join(f'"{k}": {v}' for k, v in fields.items()) + "}").encode()
+
+    for name, texts in (("temp", NUMBER_TEXTS), ("n", NUMBER_TEXTS), ("device", STRING_TEXTS),
+                        ("ok", ["true", "false", "True", "1", "null", '"true"'])):
+        for text in texts:
+            check(typed, [row({}), row({name: text})])
+            check(typed, [row({name: text}), row({}), row({name: text})])
+
+
+def test_a_file_of_one_layout_is_read_by_its_layout() -> None:
+    typed = TypedSchema("json", SCALARS, 1, RESERVED)
+    payloads = [json.dumps({"device": f"d{i}", "temp": i / 3, "n": i, "ok": i % 2 == 0,
+                            "offset": -i}).encode() for i in range(500)]
+    schema = pa.schema([pa.field(name, f.type) for name, f in zip(typed.names, typed.fields, strict=True)])
+    layout = typed_layout.layout_of(payloads[0], list(typed.names),
+                                    [typed_layout.KINDS[f.type] for f in typed.fields])
+    assert layout is not None
+    read = typed_layout.read_layout(pa.array(payloads, pa.binary()), layout, schema)
+    assert read is not None and read[1].all()
+    check(typed, payloads)
+    sliced = typed.columns_of(pa.array(payloads, pa.binary()).slice(123, 200))
+    assert sliced[0][0].to_pylist() == [f"d{i}" for i in range(123, 323)]
+    assert sliced[1].to_pylist() == [True] * 200
