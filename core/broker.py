@@ -62,6 +62,7 @@ class Broker(StreamCatalog, SubscriptionRegistry, ShardAppends, KeptState):
         cursor_sink: CursorSink | None = None,
         keeper: PortSlot[StateKeeper] | None = None,
         topology: PortSlot[TopologySink] | None = None,
+        archive: PortSlot[ArchiveSource] | None = None,
     ) -> None:
         self.storage = storage
         self.stats = BrokerStats()
@@ -93,8 +94,8 @@ class Broker(StreamCatalog, SubscriptionRegistry, ShardAppends, KeptState):
         self.keeper: PortSlot[StateKeeper] = keeper if keeper is not None else PortSlot()
         # Where durable subscriptions save their cursors (None: nowhere).
         self.cursor_sink = cursor_sink
-        # Where tiered replay reads what the journal no longer holds (set when archiving).
-        self.archive: ArchiveSource | None = None
+        # Where tiered replay reads what the journal no longer holds (filled when archiving).
+        self.archive_source: PortSlot[ArchiveSource] = archive if archive is not None else PortSlot()
         default = default_stream or StreamConfig("default")
         self.router = StreamRouter(default.name)
         self.create_stream(default)
@@ -118,6 +119,11 @@ class Broker(StreamCatalog, SubscriptionRegistry, ShardAppends, KeptState):
         # Told after the keeper of durable subscriptions defined and removed (a cluster's
         # handover of durable subscriptions: `watch_durables`).
         self._durable_watchers: list[DurableWatcher] = []
+
+    @property
+    def archive(self) -> ArchiveSource | None:
+        """Where tiered replay reads what the journal no longer holds; None when not archiving."""
+        return self.archive_source.current
 
     # ---------------------------------------------------------------- publish
     def publish(self, message: Message, *, counted: bool = True) -> asyncio.Future[None] | None:

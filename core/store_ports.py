@@ -1,12 +1,13 @@
-"""What the broker tells the stores that keep it across restarts: collaborators the broker is
-built with (`Broker(keeper=..., topology=...)`), each in a `PortSlot` that starts empty (a
-single node with nothing kept: the default) and that the composition root fills once the
-collaborator exists.
+"""What the broker tells the stores that keep it across restarts, and where it reads what left
+its journal: collaborators the broker is built with (`Broker(keeper=..., topology=...,
+archive=...)`), each in a `PortSlot` that starts empty (a single node with nothing kept: the
+default) and that the composition root fills once the collaborator exists.
 
 | slot | holds | filled by |
 |---|---|---|
 | `Broker.keeper` | `StateKeeper`: retained messages, internal state, durable definitions | `shardgate/persistence.py` |
 | `Broker.topology` | `streams.TopologySink`: streams and routes changed at run time | `shardgate/app.py` (metadata, then the cluster too) |
+| `Broker.archive_source` | `storage.interfaces.ArchiveSource`: tiered replay | `shardgate/archiving.py` |
 
 A slot is needed where the collaborator is made after the broker (the store's keeper reads
 the broker to restore it), or only from a point of the start on (the topology sink, once the

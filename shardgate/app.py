@@ -134,10 +134,11 @@ class Shardgate:
         # cluster mode: cursors restored from the store wait unplaced until the node has
         # joined and knows whose journal holds their shard (`CursorPlacer.replay_restored`).
         # What it keeps across restarts is filled in below (the topology sink) and by the
-        # persistence as it starts (`core/store_ports.py`).
+        # persistence and the archiver as they start (`core/store_ports.py`).
         broker = Broker(storage=self.journal, default_stream=default,
                         restored_cursors_wait=self.cluster is not None,
-                        cursor_sink=self.ports, keeper=PortSlot(), topology=PortSlot())
+                        cursor_sink=self.ports, keeper=PortSlot(), topology=PortSlot(),
+                        archive=PortSlot())
         declared_routes = declare_configured_streams(broker, config.streams)
         assert self.metadata is not None
         restore_runtime_topology(broker, self.metadata, declared_routes)
