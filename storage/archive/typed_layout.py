@@ -202,6 +202,9 @@ def read_layout(payloads: pa.Array, layout: Layout, schema: pa.Schema
             return None
         ok &= good
         columns[index] = column
+    if ok.all():
+        return [column if column is not None else pa.nulls(count, field.type)
+                for column, field in zip(columns, schema, strict=True)], ok
     chosen = pa.array(ok)
     arrays = [
         pc.filter(column, chosen) if column is not None else pa.nulls(int(ok.sum()), field.type)
