@@ -202,8 +202,10 @@ def test_a_leader_cut_from_its_peers_acknowledges_nothing_below_min_insync_and_l
             wait_for(lambda: not linked(leader), timeout=30, interval=0.1)
             acknowledged_at_shrink = publisher.count()
             # below min_insync_replicas: refused, never acknowledged
-            wait_for(lambda: publisher.refusals() >= 20, timeout=60)
-            assert publisher.count() == acknowledged_at_shrink, "acknowledged below min_insync"
+            wait_for(lambda: (publisher.refusals() >= 20
+                              or publisher.count() > acknowledged_at_shrink), timeout=60)
+            assert publisher.count() == acknowledged_at_shrink, (
+                f"{publisher.count() - acknowledged_at_shrink} acknowledged by the leader alone")
             # every acknowledged message is in a follower's journal (no follower can fetch
             # now: their journals stay as they are)
             acknowledged = set(publisher.latest_acknowledged(publisher.count()))
