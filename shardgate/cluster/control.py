@@ -256,8 +256,24 @@ class ClusterNode:
             asyncio.create_task(self._control(), name="cluster-controller"),
             asyncio.create_task(self._report_load(), name="cluster-load"),
         ]
+        for task in self._tasks:
+            task.add_done_callback(self._task_ended)
         log.info("cluster %s: node %s joined (internal address %s)", self.settings.name,
                  self.node_id, cluster_address)
+
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        """Say so when one of the control plane's loops ends while the node runs: each is
+        meant to run until `stop`, and one that ended quietly (the watch, say) leaves the
+        node's view of the cluster stale for good."""
+        if not self._running:
+            return
+        if task.cancelled():
+            log.error("cluster: %s was cancelled while the node runs", task.get_name())
+        elif task.exception() is not None:
+            log.error("cluster: %s failed while the node runs", task.get_name(),
+                      exc_info=task.exception())
+        else:
+            log.error("cluster: %s ended while the node runs", task.get_name())
 
     async def _register(self) -> None:
         assert self.registration is not None
