@@ -29,6 +29,7 @@ from .errors import PublishRejected
 from .kept_state import INTERNAL_PREFIX, INTERNAL_PRODUCER, KeptState
 from .message import Message, now_ms
 from .placement import DurableWatcher, Fanout, ShardPlacement
+from .ports import DelayedStore
 from .records import encode_records
 from .retained import RetainedStore
 from .schema_registry import SchemaRegistry
@@ -63,6 +64,7 @@ class Broker(StreamCatalog, SubscriptionRegistry, ShardAppends, KeptState):
         keeper: PortSlot[StateKeeper] | None = None,
         topology: PortSlot[TopologySink] | None = None,
         archive: PortSlot[ArchiveSource] | None = None,
+        delayed_store: DelayedStore | None = None,
     ) -> None:
         self.storage = storage
         self.stats = BrokerStats()
@@ -103,7 +105,9 @@ class Broker(StreamCatalog, SubscriptionRegistry, ShardAppends, KeptState):
         self._awaiting_commit: dict[asyncio.Future[None], CommitGroup] = {}
         # Shards with messages held until their commit (later ones must not overtake them).
         self._held: dict[Shard, int] = {}
-        self.delayed = DelayedDelivery(None, self.publish)
+        # Delayed messages held in `delayed_store` (None: in memory), read back by
+        # `delayed.restore()` at start.
+        self.delayed = DelayedDelivery(delayed_store, self.publish)
         # Cluster mode only, while the node's data plane takes part (`join_cluster`; None on a
         # single node): where shards are served, which other nodes want a stored message, who
         # is told when local subscriptions change and when a retained message changes here.

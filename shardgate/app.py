@@ -124,8 +124,8 @@ class Shardgate:
             index_key=record_index_key,
         )
         self.metadata = SqliteMetadataStore(config.data_dir / "metadata.db")
-        # The metadata store's ports: durable cursors (the broker saves them there), sessions,
-        # QoS 2 state and delayed messages (the protocols').
+        # The metadata store's ports: durable cursors and delayed messages (the broker keeps
+        # them there), sessions and QoS 2 state (the MQTT service's).
         self.ports = MetadataPorts(self.metadata)
         default = StreamConfig(
             "default", mode=DispatchMode(config.default_stream_mode),
@@ -138,7 +138,7 @@ class Shardgate:
         broker = Broker(storage=self.journal, default_stream=default,
                         restored_cursors_wait=self.cluster is not None,
                         cursor_sink=self.ports, keeper=PortSlot(), topology=PortSlot(),
-                        archive=PortSlot())
+                        archive=PortSlot(), delayed_store=self.ports)
         declared_routes = declare_configured_streams(broker, config.streams)
         assert self.metadata is not None
         restore_runtime_topology(broker, self.metadata, declared_routes)
@@ -202,7 +202,6 @@ class Shardgate:
         register_configured_schemas(self.broker, self.config.streams,
                                     in_cluster=self.cluster is not None)
         self.persistence.restore_subscriptions()
-        self.broker.delayed.store = stored
         held = self.broker.delayed.restore()
         if held:
             log.info("restored %d delayed messages", held)
@@ -224,7 +223,7 @@ class Shardgate:
         if restored:
             log.info("restored %d persistent MQTT sessions", restored)
         await start_archiver(self)
-        self.persistence.start()
+        self.persistence.start(self.archiver)
         self.mqtt.start()
         host = config.listeners.host
         ports = config.listeners

@@ -100,6 +100,4 @@ async def start_archiver(app: Shardgate) -> None:
         raise ConfigError(f"archive: {exc}") from exc
     app.archive_reader = ArchiveReader(url, settings)
     broker.archive_source.install(app.archive_reader)
-    assert app.persistence is not None
-    app.persistence.archiver = app.archiver
     log.info("archiving reliable streams to %s", url)

@@ -146,8 +146,7 @@ class Persistence:
         self._last_activity: tuple[int, int, int, int] | None = None
         self._released = False
         self._saved: dict[str, tuple[str, tuple[str, ...], str]] = {}
-        # Set by the composition root when an archiver runs: the journal keeps what it has
-        # not archived yet.
+        # The archiver, when one runs (`start`): the journal keeps what it has not archived yet.
         self.archiver: object | None = None
         # cursors kept elsewhere (a cluster's other nodes): per shard, the lowest offset they
         # still need, counted by retention as local cursors are
@@ -289,7 +288,11 @@ class Persistence:
                     set_aside(log, f"cursor of durable subscription {record.name!r}", cursor, exc)
         self._saved[record.name] = self._signature(sub)
 
-    def start(self) -> None:
+    def start(self, archiver: object | None = None) -> None:
+        """Save cursors and apply retention periodically from now on; `archiver`: the archiver
+        that runs, if any (retention keeps what it has not archived, and what it writes counts
+        as activity)."""
+        self.archiver = archiver
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
