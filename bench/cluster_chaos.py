@@ -36,6 +36,11 @@ waits until each subscriber has everything acknowledged (or a quiet timeout), th
     python bench/cluster_chaos.py --seed 7 --minutes 5
 
 prints the faults it applied, the counts and the findings, and exits 1 if a check failed.
+`--faults etcd,term` draws only those single faults (to chase one kind). With
+`--dump-on-hang`, a cluster that does not settle after a fault is examined before anything is
+stopped: `hang/` in the work directory gets each node's thread stacks (`py-spy dump`, with
+`--locals`), its `/api/cluster` status and its metrics, and etcd's keys; the run then ends as
+HUNG (exit 2) instead of with the settle's traceback.
 Uses the test fixtures' process classes (it needs the repository's `tests/` on the path).
 """
 
@@ -47,7 +52,9 @@ import contextlib
 import json
 import random
 import re
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -504,6 +511,39 @@ class Cluster:
     def settle(self, timeout: float = 60) -> None:
         wait_settled(self.nodes, timeout=timeout)
 
+    def examine(self, into: Path, report: Callable[[str], None] = log) -> None:
+        """What a hung cluster's processes are doing, into `into`: per node, its thread stacks
+        (py-spy, when installed), its cluster status and its metrics; etcd's keys."""
+        into.mkdir(parents=True, exist_ok=True)
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        if not Path(spy).exists():
+            report("py-spy is not installed: no thread stacks in the hang's dump")
+        for node in self.nodes:
+            name = node.node_id
+            if node.proc is None or node.proc.poll() is not None:
+                (into / f"{name}.txt").write_text("not running\n")
+                continue
+            if Path(spy).exists():
+                for flags, suffix in ((["--locals"], "stacks"), (["--native"], "native")):
+                    try:
+                        done = subprocess.run([spy, "dump", "--pid", str(node.proc.pid), *flags],
+                                              capture_output=True, text=True, timeout=60)
+                        text = done.stdout + done.stderr
+                    except (OSError, subprocess.TimeoutExpired) as exc:
+                        text = f"py-spy failed: {exc!r}"
+                    (into / f"{name}.{suffix}.txt").write_text(text)
+            for what, fetch in (("status.json", lambda n=node: json.dumps(n.status(), indent=1)),
+                                ("metrics.txt", lambda n=node: _metrics(n))):
+                try:
+                    (into / f"{name}.{what}").write_text(fetch())
+                except Exception as exc:  # a hung node may not answer: say so
+                    (into / f"{name}.{what}").write_text(f"no answer: {exc!r}\n")
+        try:
+            (into / "etcd-keys.txt").write_text("\n".join(self.etcd.keys()) + "\n")
+        except Exception as exc:
+            (into / "etcd-keys.txt").write_text(f"no answer: {exc!r}\n")
+        report(f"hang examined: {into}")
+
     def stop(self) -> None:
         for node in self.nodes:
             if node.proc is not None and node.proc.poll() is None:
@@ -523,14 +563,26 @@ class Cluster:
         return found
 
 
+def _metrics(node: ProtocolNode) -> str:
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.ports['http']}/metrics",
+                                timeout=5) as response:
+        return str(response.read().decode())
+
+
+class ClusterHung(Exception):
+    """The cluster did not settle after a fault (see `--dump-on-hang`)."""
+
+
 FAULTS = ("kill", "term", "freeze", "etcd", "move")
 # With --mixes: faults at once too (the single ones stay as likely as the mixes together).
 MIXES = ("two-down", "etcd-during-restart", "freeze-across-etcd")
 
 
 def apply_fault(rng: random.Random, cluster: Cluster, clients: list[ClientThread],
-                journal: Journal, max_freeze_s: float = 6.0, mixes: bool = False) -> str:
-    kind = rng.choice(FAULTS)
+                journal: Journal, max_freeze_s: float = 6.0, mixes: bool = False,
+                kinds: tuple[str, ...] = FAULTS) -> str:
+    kind = rng.choice(kinds)
     if mixes and rng.random() < 0.5:
         kind = rng.choice(MIXES)
     node = rng.choice(cluster.nodes)
@@ -697,16 +749,31 @@ class Result:
 def run(workdir: Path, seed: int, seconds: float, *, gap_s: tuple[float, float] = (1.0, 4.0),
         drain_timeout_s: float = 60.0, overlap: bool = False, max_freeze_s: float = 6.0,
         mixes: bool = False, min_faults: int = 0, replicas: int | None = None,
+        kinds: tuple[str, ...] = FAULTS, dump_on_hang: bool = False,
         report: Callable[[str], None] = log) -> Result:
     """Start the cluster and the clients, apply faults for `seconds` (and until `min_faults`
     were applied: on a loaded machine each settle takes longer), settle, check. Each fault
     waits for the cluster to settle before the next, unless `overlap`. `replicas` sets the
-    nodes' `[cluster] default_replicas` (the nodes' own default when None)."""
+    nodes' `[cluster] default_replicas` (the nodes' own default when None); `kinds` are the
+    single faults drawn from. With `dump_on_hang`, a settle that fails examines the cluster
+    (`Cluster.examine`, into `workdir/hang`) and raises ClusterHung."""
     rng = random.Random(seed)
     journal = Journal()
     cluster = Cluster(workdir, replicas)
     clients: list[ClientThread] = []
     faults: list[str] = []
+
+    def settle() -> None:
+        try:
+            cluster.settle()
+        except AssertionError as exc:
+            if not dump_on_hang:
+                raise
+            after = faults[-1] if faults else "the start"
+            report(f"HUNG: the cluster did not settle after {after} ({exc}); examining it")
+            cluster.examine(workdir / "hang", report)
+            raise ClusterHung(f"the cluster did not settle after {after}") from None
+
     try:
         cluster.start()
         nodes = cluster.nodes
@@ -731,11 +798,11 @@ def run(workdir: Path, seed: int, seconds: float, *, gap_s: tuple[float, float] 
         end = time.monotonic() + seconds
         while time.monotonic() < end or len(faults) < min_faults:
             time.sleep(rng.uniform(*gap_s))
-            faults.append(apply_fault(rng, cluster, clients, journal, max_freeze_s, mixes))
+            faults.append(apply_fault(rng, cluster, clients, journal, max_freeze_s, mixes, kinds))
             report(f"fault: {faults[-1]}")
             if not overlap:
-                cluster.settle()
-        cluster.settle()
+                settle()
+        settle()
         marks = {p.name: p.progress for p in publishers}
         stuck = []
         try:
@@ -782,11 +849,26 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, default=None, metavar="N",
                         help="the nodes' [cluster] default_replicas: copies of each shard of the "
                              "stream and of the AMQP queue (default: the nodes' default)")
+    parser.add_argument("--faults", default=",".join(FAULTS),
+                        help="the single faults to draw from, comma-separated "
+                             f"(default: all of {','.join(FAULTS)})")
+    parser.add_argument("--dump-on-hang", action="store_true",
+                        help="when the cluster does not settle after a fault, write each node's "
+                             "py-spy stacks, status and metrics and etcd's keys into "
+                             "WORKDIR/hang before stopping, and exit 2")
     args = parser.parse_args()
+    kinds = tuple(kind.strip() for kind in args.faults.split(",") if kind.strip())
+    if not kinds or set(kinds) - set(FAULTS):
+        parser.error(f"--faults: choose from {','.join(FAULTS)}")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="cluster-chaos-"))
     log(f"work directory {workdir}")
-    result = run(workdir, args.seed, args.minutes * 60, overlap=args.overlap,
-                 max_freeze_s=args.max_freeze, mixes=args.mixes, replicas=args.replicas)
+    try:
+        result = run(workdir, args.seed, args.minutes * 60, overlap=args.overlap,
+                     max_freeze_s=args.max_freeze, mixes=args.mixes, replicas=args.replicas,
+                     kinds=kinds, dump_on_hang=args.dump_on_hang)
+    except ClusterHung as exc:
+        log(f"HUNG: {exc}; see {workdir / 'hang'}")
+        return 2
     log(f"faults applied: {len(result.faults)}")
     log(f"acknowledged: {result.acknowledged}")
     log(f"delivered (with duplicates): {result.delivered}; duplicates {dict(result.findings.duplicates)}")

@@ -24,15 +24,17 @@ from ..storage.interfaces import ArchiveSource, ShardStorage
 from .backpressure import BackPressure
 from .broker_stats import BrokerStats
 from .delayed import DelayedDelivery, Held, deliver_at
-from .durable import CursorSink, DurableSubscription
+from .durable import CursorSink
 from .errors import PublishRejected
 from .kept_state import INTERNAL_PREFIX, INTERNAL_PRODUCER, KeptState
 from .message import Message, now_ms
 from .placement import DurableWatcher, Fanout, ShardPlacement
+from .ports import DelayedStore
 from .records import encode_records
 from .retained import RetainedStore
 from .schema_registry import SchemaRegistry
 from .shard_appends import CommitGroup, PublishOutcome, ShardAppends
+from .store_ports import PortSlot, StateKeeper
 from .stream_catalog import StreamCatalog
 from .streams import Schema, Shard, Stream, StreamConfig, StreamRouter, TopologySink
 from .subscription_registry import MATCH_CACHE_LIMIT, Matches, SubscriptionRegistry
@@ -58,6 +60,11 @@ class Broker(StreamCatalog, SubscriptionRegistry, ShardAppends, KeptState):
         default_stream: StreamConfig | None = None,
         *,
         restored_cursors_wait: bool = False,
+        cursor_sink: CursorSink | None = None,
+        keeper: PortSlot[StateKeeper] | None = None,
+        topology: PortSlot[TopologySink] | None = None,
+        archive: PortSlot[ArchiveSource] | None = None,
+        delayed_store: DelayedStore | None = None,
     ) -> None:
         self.storage = storage
         self.stats = BrokerStats()
@@ -80,9 +87,17 @@ class Broker(StreamCatalog, SubscriptionRegistry, ShardAppends, KeptState):
         # its pairs and their filter tuples of their own).
         self._match_results: dict[tuple[tuple[Subscription, tuple[str, ...]], ...], Matches] = {}
         self._topic_stream_cache: dict[str, Stream] = {}
-        # Told of stream and route changes (the composition root persists them); set once the
-        # streams of the configuration exist.
-        self.topology_sink: TopologySink | None = None
+        # Told of stream and route changes (the composition root persists them); filled once
+        # the streams of the configuration exist (`core/store_ports.py`).
+        self.topology: PortSlot[TopologySink] = topology if topology is not None else PortSlot()
+        # Told of every change of a retained message or internal state, and of durable
+        # subscriptions defined, changed and removed, to keep them across a restart (the
+        # composition root's store fills it once it has restored them: `core/store_ports.py`).
+        self.keeper: PortSlot[StateKeeper] = keeper if keeper is not None else PortSlot()
+        # Where durable subscriptions save their cursors (None: nowhere).
+        self.cursor_sink = cursor_sink
+        # Where tiered replay reads what the journal no longer holds (filled when archiving).
+        self.archive_source: PortSlot[ArchiveSource] = archive if archive is not None else PortSlot()
         default = default_stream or StreamConfig("default")
         self.router = StreamRouter(default.name)
         self.create_stream(default)
@@ -90,15 +105,9 @@ class Broker(StreamCatalog, SubscriptionRegistry, ShardAppends, KeptState):
         self._awaiting_commit: dict[asyncio.Future[None], CommitGroup] = {}
         # Shards with messages held until their commit (later ones must not overtake them).
         self._held: dict[Shard, int] = {}
-        # Told of every change of a retained message (the composition root persists them).
-        self.on_retained_change: Callable[[str, Message | None], None] | None = None
-        # Where durable subscriptions save their cursors.
-        self.cursor_sink: CursorSink | None = None
-        # Where tiered replay reads what the journal no longer holds (set when archiving).
-        self.archive: ArchiveSource | None = None
-        # Told when a subscription is removed (the composition root forgets durable ones).
-        self.on_subscription_removed: Callable[[Subscription], None] | None = None
-        self.delayed = DelayedDelivery(None, self.publish)
+        # Delayed messages held in `delayed_store` (None: in memory), read back by
+        # `delayed.restore()` at start.
+        self.delayed = DelayedDelivery(delayed_store, self.publish)
         # Cluster mode only, while the node's data plane takes part (`join_cluster`; None on a
         # single node): where shards are served, which other nodes want a stored message, who
         # is told when local subscriptions change and when a retained message changes here.
@@ -111,12 +120,14 @@ class Broker(StreamCatalog, SubscriptionRegistry, ShardAppends, KeptState):
         # places them (`DurableSubscription.place_restored`) and says so
         # (`restored_cursors_placed`). False on a single node.
         self.restored_cursors_wait = restored_cursors_wait
-        # Told when a durable subscription is created or its filters change, so that its
-        # definition is saved before the protocol confirms it (declare-ok, SUBACK, ...).
-        self.on_durable_defined: Callable[[DurableSubscription], None] | None = None
-        # Told after `on_durable_defined` / `on_subscription_removed` (a cluster's handover of
-        # durable subscriptions: `watch_durables`).
+        # Told after the keeper of durable subscriptions defined and removed (a cluster's
+        # handover of durable subscriptions: `watch_durables`).
         self._durable_watchers: list[DurableWatcher] = []
+
+    @property
+    def archive(self) -> ArchiveSource | None:
+        """Where tiered replay reads what the journal no longer holds; None when not archiving."""
+        return self.archive_source.current
 
     # ---------------------------------------------------------------- publish
     def publish(self, message: Message, *, counted: bool = True) -> asyncio.Future[None] | None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from .message import Message
 from .retained import RetainedStore
+from .store_ports import PortSlot, StateKeeper
 
 INTERNAL_PREFIX = "$internal/"
 # The producer protocol of the records the broker itself publishes under `$internal/` (a
@@ -22,20 +23,20 @@ class KeptState:
 
     _cluster_retained: Callable[[str, Message | None], None] | None
     internal_state: dict[str, Message]
-    on_retained_change: Callable[[str, Message | None], None] | None
+    keeper: PortSlot[StateKeeper]
     retained: RetainedStore[Message]
 
     def keep_internal(self, message: Message) -> None:
         """Keep `message` as internal state under its topic (which must start with
-        `$internal/`); an empty payload removes it. Persisted through `on_retained_change`."""
+        `$internal/`); an empty payload removes it. Persisted by the keeper (`retained_changed`)."""
         if not message.topic.startswith(INTERNAL_PREFIX):
             raise ValueError(f"internal state lives under {INTERNAL_PREFIX}, not {message.topic!r}")
         if message.payload:
             self.internal_state[message.topic] = message
         elif self.internal_state.pop(message.topic, None) is None:
             return
-        if self.on_retained_change is not None:
-            self.on_retained_change(message.topic, message if message.payload else None)
+        if (keeper := self.keeper.current) is not None:
+            keeper.retained_changed(message.topic, message if message.payload else None)
 
     def forget_retained(self, topic: str) -> None:
         """Remove the retained message of `topic`, if any (its store is told)."""
@@ -49,8 +50,8 @@ class KeptState:
             if not self.retained.delete(message.topic):
                 return
             changed = None
-        if self.on_retained_change is not None:
-            self.on_retained_change(message.topic, changed)
+        if (keeper := self.keeper.current) is not None:
+            keeper.retained_changed(message.topic, changed)
         if self._cluster_retained is not None:
             self._cluster_retained(message.topic, changed)
 
@@ -61,5 +62,5 @@ class KeptState:
             self.retained.set(topic, message)
         elif not self.retained.delete(topic):
             return
-        if self.on_retained_change is not None:
-            self.on_retained_change(topic, message)
+        if (keeper := self.keeper.current) is not None:
+            keeper.retained_changed(topic, message)

@@ -17,6 +17,7 @@ from .kept_state import INTERNAL_PREFIX
 from .message import Message
 from .schema_registry import SchemaRegistry, SchemaVersion
 from .schemas import check_payload
+from .store_ports import PortSlot
 from .streams import (
     DispatchMode,
     RoutingRule,
@@ -45,7 +46,7 @@ class StreamCatalog:
     stats: BrokerStats
     storage: ShardStorage | None
     subscriptions: dict[str, Subscription]
-    topology_sink: TopologySink | None
+    topology: PortSlot[TopologySink]
 
     if TYPE_CHECKING:  # provided by the other parts of Broker (`core/broker.py`)
         def keep_internal(self, message: Message) -> None: ...
@@ -98,8 +99,8 @@ class StreamCatalog:
             shards.append(Shard(config.name, index, shard_log))
         stream = Stream(config, shards)
         self._streams[config.name] = stream
-        if self.topology_sink is not None:
-            self.topology_sink.stream_saved(config)
+        if (sink := self.topology.current) is not None:
+            sink.stream_saved(config)
         for pattern in routes or ():
             self.add_route(RoutingRule(pattern, config.name))
         self._topic_stream_cache.clear()
@@ -114,8 +115,8 @@ class StreamCatalog:
             stream.config.retention_ms = retention_ms or None
         if retention_bytes is not None:
             stream.config.retention_bytes = retention_bytes or None
-        if self.topology_sink is not None:
-            self.topology_sink.stream_saved(stream.config)
+        if (sink := self.topology.current) is not None:
+            sink.stream_saved(stream.config)
         return stream
 
     def _schemas_changed(self, stream: str, versions: list[SchemaVersion]) -> None:
@@ -146,8 +147,8 @@ class StreamCatalog:
         del self._streams[name]
         self.router.remove_stream(name)
         self._topic_stream_cache.clear()
-        if self.topology_sink is not None:
-            self.topology_sink.stream_deleted(name)
+        if (sink := self.topology.current) is not None:
+            sink.stream_deleted(name)
         if self.storage is not None and stream.reliable:
             for shard in stream.shards:
                 self.storage.delete_shard(name, shard.index)
@@ -156,15 +157,15 @@ class StreamCatalog:
         self.stream(rule.stream)
         self.router.add_rule(rule)
         self._topic_stream_cache.clear()
-        if self.topology_sink is not None:
-            self.topology_sink.route_saved(rule)
+        if (sink := self.topology.current) is not None:
+            sink.route_saved(rule)
 
     def remove_route(self, topic_filter: str) -> bool:
         """Remove the routing rule of `topic_filter`; whether there was one."""
         removed = self.router.remove_rule(topic_filter)
         self._topic_stream_cache.clear()
-        if removed and self.topology_sink is not None:
-            self.topology_sink.route_removed(topic_filter)
+        if removed and (sink := self.topology.current) is not None:
+            sink.route_removed(topic_filter)
         return removed
 
     def stream_for_topic(self, topic: str) -> Stream:

@@ -13,6 +13,7 @@ from .durable import CursorSink, DurableOptions, DurableSubscription
 from .errors import SubscriptionBusy, SubscriptionNotFound
 from .kept_state import INTERNAL_PREFIX
 from .placement import DurableWatcher, Fanout
+from .store_ports import PortSlot, StateKeeper
 from .streams import Stream
 from .subscriptions import Consumer, Subscription, SubscriptionType
 from .trie import TopicTrie
@@ -37,9 +38,8 @@ class SubscriptionRegistry:
     _trie: TopicTrie[Subscription]
     cursor_sink: CursorSink | None
     fanout: Fanout | None
-    on_durable_defined: Callable[[DurableSubscription], None] | None
+    keeper: PortSlot[StateKeeper]
     on_routes_changed: Callable[[], None] | None
-    on_subscription_removed: Callable[[Subscription], None] | None
     restored_cursors_wait: bool
     subscriptions: dict[str, Subscription]
 
@@ -85,8 +85,8 @@ class SubscriptionRegistry:
 
     def _durable_defined(self, sub: Subscription) -> None:
         if isinstance(sub, DurableSubscription):
-            if self.on_durable_defined is not None:
-                self.on_durable_defined(sub)
+            if (keeper := self.keeper.current) is not None:
+                keeper.durable_defined(sub)
             for watcher in self._durable_watchers:
                 watcher.durable_defined(sub)
 
@@ -97,7 +97,7 @@ class SubscriptionRegistry:
 
     def watch_durables(self, watcher: DurableWatcher) -> None:
         """Tell `watcher` of every durable subscription defined, changed or removed from now
-        on, after the store was told (`on_durable_defined`, `on_subscription_removed`)."""
+        on, after the store was told (the keeper's `durable_defined`, `subscription_removed`)."""
         self._durable_watchers.append(watcher)
 
     def restored_cursors_placed(self) -> None:
@@ -139,8 +139,8 @@ class SubscriptionRegistry:
         sub = self.subscriptions.pop(name, None)
         if isinstance(sub, DurableSubscription):
             sub.close()
-            if forget and self.on_subscription_removed is not None:
-                self.on_subscription_removed(sub)
+            if forget and (keeper := self.keeper.current) is not None:
+                keeper.subscription_removed(sub)
             for watcher in self._durable_watchers if forget else ():
                 watcher.durable_removed(sub)
         if sub is not None:

@@ -207,7 +207,7 @@ class Outcome(_message.Message):
     def __init__(self, code: _Optional[_Union[OutcomeCode, str]] = ..., offset: _Optional[int] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
 
 class ReplicaRequest(_message.Message):
-    __slots__ = ("id", "stream", "shard", "replica", "leader_epoch", "fetch_offset", "durable_end", "epoch_end", "epoch")
+    __slots__ = ("id", "stream", "shard", "replica", "leader_epoch", "fetch_offset", "durable_end", "epoch_end", "epoch", "high_watermark")
     ID_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,7 @@ class ReplicaRequest(_message.Message):
     DURABLE_END_FIELD_NUMBER: _ClassVar[int]
     EPOCH_END_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HIGH_WATERMARK_FIELD_NUMBER: _ClassVar[int]
     id: int
     stream: str
     shard: int
@@ -226,7 +227,8 @@ class ReplicaRequest(_message.Message):
     durable_end: int
     epoch_end: bool
     epoch: int
-    def __init__(self, id: _Optional[int] = ..., stream: _Optional[str] = ..., shard: _Optional[int] = ..., replica: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., fetch_offset: _Optional[int] = ..., durable_end: _Optional[int] = ..., epoch_end: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+    high_watermark: int
+    def __init__(self, id: _Optional[int] = ..., stream: _Optional[str] = ..., shard: _Optional[int] = ..., replica: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., fetch_offset: _Optional[int] = ..., durable_end: _Optional[int] = ..., epoch_end: _Optional[bool] = ..., epoch: _Optional[int] = ..., high_watermark: _Optional[int] = ...) -> None: ...
 
 class ReplicaAnswer(_message.Message):
     __slots__ = ("id", "error", "log_start", "leader_epoch", "start", "end", "high_watermark", "epochs", "records", "epoch", "end_offset")

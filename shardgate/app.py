@@ -22,6 +22,7 @@ from .core.broker import Broker
 from .core.edge import Edge, SecurityPort
 from .core.errors import CoreError
 from .core.index_keys import record_index_key
+from .core.store_ports import PortSlot
 from .core.streams import DispatchMode, StreamConfig
 from .persistence import MetadataTopologySink, Persistence
 from .protocols.mqtt.server import start_tcp_listener, start_websocket_listener
@@ -123,19 +124,26 @@ class Shardgate:
             index_key=record_index_key,
         )
         self.metadata = SqliteMetadataStore(config.data_dir / "metadata.db")
+        # The metadata store's ports: durable cursors and delayed messages (the broker keeps
+        # them there), sessions and QoS 2 state (the MQTT service's).
+        self.ports = MetadataPorts(self.metadata)
         default = StreamConfig(
             "default", mode=DispatchMode(config.default_stream_mode),
             partitions=config.default_stream_partitions,
         )
         # cluster mode: cursors restored from the store wait unplaced until the node has
-        # joined and knows whose journal holds their shard (`CursorPlacer.replay_restored`)
+        # joined and knows whose journal holds their shard (`CursorPlacer.replay_restored`).
+        # What it keeps across restarts is filled in below (the topology sink) and by the
+        # persistence and the archiver as they start (`core/store_ports.py`).
         broker = Broker(storage=self.journal, default_stream=default,
-                        restored_cursors_wait=self.cluster is not None)
+                        restored_cursors_wait=self.cluster is not None,
+                        cursor_sink=self.ports, keeper=PortSlot(), topology=PortSlot(),
+                        archive=PortSlot(), delayed_store=self.ports)
         declared_routes = declare_configured_streams(broker, config.streams)
         assert self.metadata is not None
         restore_runtime_topology(broker, self.metadata, declared_routes)
         # From here on, every stream and route change is written to the metadata store.
-        broker.topology_sink = MetadataTopologySink(self.metadata)
+        broker.topology.install(MetadataTopologySink(self.metadata))
         return broker
 
     async def start(self) -> None:
@@ -165,8 +173,8 @@ class Shardgate:
             except ClusterStartError as exc:
                 raise ConfigError(f"cluster: {exc}") from exc
             # stream and route changes made here go to etcd too, from now on
-            self.broker.topology_sink = attach.ClusterTopologySink(self.broker.topology_sink,
-                                                                   self.cluster)
+            topology = self.broker.topology
+            topology.install(attach.ClusterTopologySink(topology.current, self.cluster))
             # the cluster's parts, handed to the Edge and the protocols as they are built
             parts = attach.assemble(self, self.cluster)
             self.data_plane = parts.plane
@@ -184,7 +192,8 @@ class Shardgate:
         from .protocols.grpc.consumer import GrpcSubscriptionState
 
         edge.owner_factories[GrpcSubscriptionState.OWNER_KIND] = GrpcSubscriptionState.restored
-        self.ports = stored = MetadataPorts(self.metadata)
+        stored = self.ports
+        assert stored is not None
         self.persistence = Persistence(
             self.broker, self.metadata, stored, edge.owner_factories,
             remote_needs=parts.floors.remote_needs if parts is not None else None)
@@ -193,7 +202,6 @@ class Shardgate:
         register_configured_schemas(self.broker, self.config.streams,
                                     in_cluster=self.cluster is not None)
         self.persistence.restore_subscriptions()
-        self.broker.delayed.store = stored
         held = self.broker.delayed.restore()
         if held:
             log.info("restored %d delayed messages", held)
@@ -215,7 +223,7 @@ class Shardgate:
         if restored:
             log.info("restored %d persistent MQTT sessions", restored)
         await start_archiver(self)
-        self.persistence.start()
+        self.persistence.start(self.archiver)
         self.mqtt.start()
         host = config.listeners.host
         ports = config.listeners

@@ -99,7 +99,5 @@ async def start_archiver(app: Shardgate) -> None:
     except ArchiveConfigError as exc:
         raise ConfigError(f"archive: {exc}") from exc
     app.archive_reader = ArchiveReader(url, settings)
-    broker.archive = app.archive_reader
-    assert app.persistence is not None
-    app.persistence.archiver = app.archiver
+    broker.archive_source.install(app.archive_reader)
     log.info("archiving reliable streams to %s", url)

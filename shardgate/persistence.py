@@ -1,5 +1,6 @@
-"""Wiring the core's persistence hooks to the metadata store: cursors saved in batches,
-retained messages, and streams and routes declared at run time (CLI, gRPC Admin)."""
+"""The broker's state kept in the metadata store: cursors saved in batches, retained messages
+and internal state, durable subscriptions (`Persistence`, the broker's `StateKeeper`), and
+streams and routes declared at run time (CLI, gRPC Admin: `MetadataTopologySink`)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from .core.message import Message, now_ms
 from .core.records import decode_to_message, encode_message, forget_producer_tails
 from .core.restoring import set_aside
 from .core.streams import DispatchMode, RoutingRule, Schema, StreamConfig
-from .core.subscriptions import SubscriptionType
+from .core.subscriptions import Subscription, SubscriptionType
 from .protocols.mqtt.encoders import forget_topic_fields
 from .storage.allocators import return_freed_memory
 from .storage.interfaces import IdleReleasable
@@ -117,7 +118,14 @@ class MetadataTopologySink:
 
 
 class Persistence:
-    """Periodic saving of cursors, and retained messages kept in the metadata store."""
+    """Periodic saving of cursors, and what the broker keeps across restarts in the metadata
+    store: retained messages, internal state and durable subscriptions. It is the broker's
+    keeper (`core.store_ports.StateKeeper`) from its construction on; it saves what it is told
+    once what was saved before is restored (retained messages after `restore_retained`, durable
+    subscriptions after `restore_subscriptions`), so that restoring writes nothing back.
+
+    The broker is built with the same cursor sink (`Broker(cursor_sink=ports)`) whose queued
+    cursors `flush` writes."""
 
     def __init__(
         self, broker: Broker, store: MetadataStore, ports: MetadataPorts | None = None,
@@ -130,13 +138,15 @@ class Persistence:
         self.owner_factories = owner_factories if owner_factories is not None else {}
         # Where durable subscriptions queue their cursors (written in batches by `flush`).
         self.sink = ports if ports is not None else MetadataPorts(store)
-        broker.cursor_sink = self.sink
+        # What the broker tells this keeper is saved from the end of each restore on.
+        self._keeping_retained = False
+        self._keeping_subscriptions = False
+        broker.keeper.install(self)
         self._task: asyncio.Task[None] | None = None
         self._last_activity: tuple[int, int, int, int] | None = None
         self._released = False
         self._saved: dict[str, tuple[str, tuple[str, ...], str]] = {}
-        # Set by the composition root when an archiver runs: the journal keeps what it has
-        # not archived yet.
+        # The archiver, when one runs (`start`): the journal keeps what it has not archived yet.
         self.archiver: object | None = None
         # cursors kept elsewhere (a cluster's other nodes): per shard, the lowest offset they
         # still need, counted by retention as local cursors are
@@ -156,11 +166,11 @@ class Persistence:
                 continue
             count += 1
         self.broker.restore_schemas()
-        self.broker.on_retained_change = self._retained_changed
+        self._keeping_retained = True
         return count
 
-    def _retained_changed(self, topic: str, message: Message | None) -> None:
-        if topic.startswith("$SYS/"):
+    def retained_changed(self, topic: str, message: Message | None) -> None:
+        if not self._keeping_retained or topic.startswith("$SYS/"):
             return
         try:
             if message is None:
@@ -187,12 +197,13 @@ class Persistence:
             if isinstance(sub, DurableSubscription):
                 self._save_definition(sub)
 
-    def subscription_defined(self, sub: DurableSubscription) -> None:
+    def durable_defined(self, sub: DurableSubscription) -> None:
         """Save a durable subscription and its cursors as soon as it is created or its
         filters change (a durable AMQP queue declared or bound, a gRPC durable subscription
         opened), before the client is told: a crash right after declare-ok and a confirmed
         publish must find the queue, positioned before that message, after the restart."""
-        if sub.name.startswith("mqtt:") or getattr(sub.owner, "transient", False):
+        if (not self._keeping_subscriptions or sub.name.startswith("mqtt:")
+                or getattr(sub.owner, "transient", False)):
             return
         self._save_definition(sub)
         # Cursors on every reliable shard from now on ("latest" is where it stands now), saved
@@ -224,8 +235,10 @@ class Persistence:
         except Exception:
             log.exception("could not save subscription %r", sub.name)
 
-    def _subscription_removed(self, sub: object) -> None:
-        name = getattr(sub, "name", "")
+    def subscription_removed(self, sub: Subscription) -> None:
+        if not self._keeping_subscriptions:
+            return
+        name = sub.name
         self._saved.pop(name, None)
         try:
             self.store.delete_subscription(name)
@@ -234,7 +247,9 @@ class Persistence:
 
     def restore_subscriptions(self) -> int:
         """Bring back durable subscriptions (gRPC and others) with their cursors; their
-        consumers attach when they reconnect."""
+        consumers attach when they reconnect. Nothing is saved or deleted meanwhile: a
+        subscription that does not come back stays in the store as it was."""
+        self._keeping_subscriptions = False
         count = 0
         for record in self.store.list_subscriptions():
             if record.name.startswith("mqtt:") or not record.durable:
@@ -244,15 +259,10 @@ class Persistence:
             except Exception as exc:
                 set_aside(log, f"durable subscription {record.name!r}", record, exc)
                 # not restored: gone from the broker (the stored record stays where it is)
-                removed, self.broker.on_subscription_removed = self.broker.on_subscription_removed, None
-                try:
-                    self.broker.remove_subscription(record.name)
-                finally:
-                    self.broker.on_subscription_removed = removed
+                self.broker.remove_subscription(record.name)
                 continue
             count += 1
-        self.broker.on_subscription_removed = self._subscription_removed
-        self.broker.on_durable_defined = self.subscription_defined
+        self._keeping_subscriptions = True
         return count
 
     def _restore_subscription(self, record: SubscriptionRecord) -> None:
@@ -278,7 +288,11 @@ class Persistence:
                     set_aside(log, f"cursor of durable subscription {record.name!r}", cursor, exc)
         self._saved[record.name] = self._signature(sub)
 
-    def start(self) -> None:
+    def start(self, archiver: object | None = None) -> None:
+        """Save cursors and apply retention periodically from now on; `archiver`: the archiver
+        that runs, if any (retention keeps what it has not archived, and what it writes counts
+        as activity)."""
+        self.archiver = archiver
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:

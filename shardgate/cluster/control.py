@@ -74,6 +74,9 @@ log = logging.getLogger(__name__)
 LOAD_INTERVAL_S = 5.0
 # how long `drain` waits for the watch to bring its own write back into the view
 DRAIN_SEEN_S = 5.0
+# at most how long a leaving node waits for the followers of the shards it leads to know
+# where it ends (`ReplicatedShards.quiesce`; at most a third of `leave_timeout_s`)
+QUIESCE_S = 3.0
 
 
 class ClusterStartError(Exception):
@@ -256,8 +259,24 @@ class ClusterNode:
             asyncio.create_task(self._control(), name="cluster-controller"),
             asyncio.create_task(self._report_load(), name="cluster-load"),
         ]
+        for task in self._tasks:
+            task.add_done_callback(self._task_ended)
         log.info("cluster %s: node %s joined (internal address %s)", self.settings.name,
                  self.node_id, cluster_address)
+
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        """Say so when one of the control plane's loops ends while the node runs: each is
+        meant to run until `stop`, and one that ended quietly (the watch, say) leaves the
+        node's view of the cluster stale for good."""
+        if not self._running:
+            return
+        if task.cancelled():
+            log.error("cluster: %s was cancelled while the node runs", task.get_name())
+        elif task.exception() is not None:
+            log.error("cluster: %s failed while the node runs", task.get_name(),
+                      exc_info=task.exception())
+        else:
+            log.error("cluster: %s ended while the node runs", task.get_name())
 
     async def _register(self) -> None:
         assert self.registration is not None
@@ -459,6 +478,10 @@ class ClusterNode:
             empty = set(self.empty_shards(mine))
             self.view.released.intersection_update(empty)
             self.registration.released = sorted(f"{stream}/{shard}" for stream, shard in empty)
+        if others and self.replicas is not None:
+            # the replicated shards it leads take no more publishes, and their followers learn
+            # where its dispatching ends before the controller moves them (no message twice)
+            await self.replicas.quiesce(min(QUIESCE_S, self.settings.leave_timeout_s / 3))
         self.registration.leaving = True
         try:
             announced = await self.store.put_registration(self.registration, self.lease_id)

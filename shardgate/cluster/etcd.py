@@ -67,6 +67,13 @@ def _kv(raw: rpc.KeyValue) -> KeyValue:
     return KeyValue(raw.key.decode(), raw.value, raw.create_revision, raw.mod_revision, raw.lease)
 
 
+def _closed_under_us() -> bool:
+    """True when a CancelledError reached the running task from a gRPC call whose channel was
+    closed (grpc.aio reports it so), not from a cancellation of the task itself."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() == 0
+
+
 def prefix_end(prefix: bytes) -> bytes:
     """The range end that covers every key starting with `prefix` (etcd's convention)."""
     end = bytearray(prefix)
@@ -243,13 +250,16 @@ class EtcdClient:
             await self._connect_locked()
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
+        # no longer the current channel while it closes: a call it cancels is not asked again
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
 
     async def _unary(self, method: str, stub_name: str, request: object) -> object:
         """Call a unary RPC, failing over to the next endpoint once on UNAVAILABLE and
-        re-authenticating once on an expired token."""
+        re-authenticating once on an expired token. A call whose channel another call's
+        reconnect closed (grpc.aio then raises CancelledError in the caller, which no
+        `except Exception` retry loop catches) is a read asked again, or EtcdUnavailable."""
         for attempt in range(2):
             if self._channel is None:
                 await self.connect()
@@ -258,6 +268,15 @@ class EtcdClient:
             try:
                 return await getattr(stub, method)(request, timeout=self.timeout,
                                                    metadata=self._metadata)
+            except asyncio.CancelledError:
+                if not _closed_under_us():
+                    raise
+                # another call moved this client to a new channel and closed this one: a read
+                # is asked again there; a write may have been applied, so the caller decides
+                if method == "Range" and attempt == 0 and self._channel not in (None, channel):
+                    continue
+                raise EtcdUnavailable(f"etcd at {self.endpoint}: the call's channel was closed "
+                                      "(the client reconnected)") from None
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 retry = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED) or (
@@ -396,6 +415,11 @@ class EtcdClient:
             raise EtcdUnavailable(f"lease keep-alive: {exc.code().name} {exc.details()}") from None
         except TimeoutError:
             raise EtcdUnavailable("lease keep-alive: no answer from etcd") from None
+        except asyncio.CancelledError:
+            if not _closed_under_us():
+                raise
+            raise EtcdUnavailable("lease keep-alive: the channel was closed (the client "
+                                  "reconnected)") from None
         except (grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
             raise EtcdUnavailable(f"lease keep-alive stream ended: {exc!r}") from None
         finally:
@@ -447,5 +471,9 @@ class EtcdClient:
             raise EtcdUnavailable(f"watch: {exc.code().name} {exc.details()}") from None
         except (grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
             raise EtcdUnavailable(f"watch stream ended: {exc!r}") from None
+        except asyncio.CancelledError:
+            if not _closed_under_us():
+                raise
+            raise EtcdUnavailable("watch: the channel was closed (the client reconnected)") from None
         finally:
             call.cancel()

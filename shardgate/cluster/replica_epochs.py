@@ -189,12 +189,14 @@ class Refused:
 @dataclass(frozen=True, slots=True)
 class FetchRequest:
     """A follower's fetch: it has appended every record below `fetch_offset` and holds every
-    record below `durable_end` under its fsync policy."""
+    record below `durable_end` under its fsync policy; `high_watermark` is the one it knows
+    (from the leader's earlier answers; 0 from a node that does not say)."""
 
     replica: str
     leader_epoch: int
     fetch_offset: int
     durable_end: int
+    high_watermark: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -121,7 +121,7 @@ class FollowerReplica:
         if self._durable_end < self._log_end:
             return None
         self._in_flight = True
-        return FetchRequest(self.node_id, self.epoch, self._log_end, self._durable_end)
+        return FetchRequest(self.node_id, self.epoch, self._log_end, self._durable_end, self._hw)
 
     def on_epoch_end(self, answer: EpochEndAnswer | Refused) -> Truncate | ResetLog | None:
         """The leader's answer to `EpochEndRequest`: the truncation to make, if any."""

@@ -69,7 +69,7 @@ def request_message(request_id: int, stream: str, shard: int,
         return pb.ReplicaRequest(
             id=request_id, stream=stream, shard=shard, replica=request.replica,
             leader_epoch=request.leader_epoch, fetch_offset=request.fetch_offset,
-            durable_end=request.durable_end)
+            durable_end=request.durable_end, high_watermark=request.high_watermark)
     return pb.ReplicaRequest(
         id=request_id, stream=stream, shard=shard, replica=request.replica,
         leader_epoch=request.leader_epoch, epoch_end=True, epoch=request.epoch)
@@ -84,7 +84,7 @@ def request_from(message: pb.ReplicaRequest) -> FetchRequest | EpochEndRequest:
         raise ReplicaFrameError(f"a fetch whose durable end {message.durable_end} is past its "
                                 f"offset {message.fetch_offset}")
     return FetchRequest(message.replica, message.leader_epoch, message.fetch_offset,
-                        message.durable_end)
+                        message.durable_end, message.high_watermark)
 
 
 def fetch_answer(request_id: int,

@@ -26,6 +26,12 @@ each fetch saying how far the follower holds the log durably. From that the lead
   seen here, makes this node lead again (`hand_over`: what waits carries over). Nothing is
   acknowledged meanwhile that the newer epoch's followers do not hold: only fetches naming
   this leader's own epoch move its high watermark.
+- **a graceful leave** (SIGTERM): the leaving leader, before the controller moves its
+  leadership, takes no more publishes (`close`: NOT_LEADER, retryable) and lets what it holds
+  commit; once the high watermark can move no further (it reached the log end, or `freeze`
+  stopped it) and every in-sync follower's fetch says it knows that mark
+  (`final_mark_known`), the follower the controller elects knows exactly where this leader's
+  dispatching ended, and hands on only what lies above it.
 
 Time is given by the caller (`now`, monotonic seconds); acknowledgements are handed back as
 (waiter, error or None) pairs by `take_completed`, so the I/O side resolves its own futures.
@@ -63,6 +69,8 @@ class FollowerProgress:
     last_caught_up: float
     last_fetch_time: float = -math.inf
     leader_end_at_last_fetch: int = 0
+    known_high_watermark: int = -1
+    """The high watermark its last fetch said it knew (-1: no fetch this epoch)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +133,8 @@ class LeaderReplica(Generic[W]):
         self._hw = min(max(high_watermark, 0), durable_end)
         self._lease_deadline = lease_deadline
         self._fenced = False
+        self._closed = False  # a graceful leave: no more publishes
+        self._frozen = False  # ... and the high watermark stays where it is
         self._followers = {
             replica: FollowerProgress(None, now if replica in in_sync else -math.inf)
             for replica in self.replicas if replica != node_id
@@ -163,6 +173,14 @@ class LeaderReplica(Generic[W]):
         return self._fenced
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
+
+    @property
     def pending_proposal(self) -> IsrProposal | None:
         return self._proposal
 
@@ -182,7 +200,7 @@ class LeaderReplica(Generic[W]):
 
     def check_append(self, now: float) -> ReplicaError | None:
         """None when a publish may be appended now; else why not (both retryable)."""
-        if self._fenced or not self.lease_alive(now):
+        if self._fenced or self._closed or not self.lease_alive(now):
             return ReplicaError.NOT_LEADER
         if len(self._isr) < self.min_insync:
             return ReplicaError.NOT_ENOUGH_REPLICAS
@@ -245,6 +263,7 @@ class LeaderReplica(Generic[W]):
         progress.leader_end_at_last_fetch = self._log_end
         progress.last_fetch_time = now
         progress.durable_end = end
+        progress.known_high_watermark = request.high_watermark
         if (request.replica not in self._isr and self._proposal is None
                 and end >= self._hw and end >= self.epoch_start):
             self._propose(self._isr | {request.replica})
@@ -350,6 +369,29 @@ class LeaderReplica(Generic[W]):
         self._waiting = []
         return waiting
 
+    # -- a graceful leave ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """This node leaves (see the module docstring): it takes no more publishes, and what
+        it holds goes on committing."""
+        self._closed = True
+
+    def freeze(self) -> None:
+        """Acknowledge nothing more: the high watermark stays where it is, so that the mark
+        the followers know is the one this leader ends at (what waits is refused when the
+        leadership ends, and the next leader hands it on)."""
+        self._frozen = True
+
+    def final_mark_known(self) -> bool:
+        """Whether this closed leader's high watermark can move no further (it reached the
+        log end, or it is frozen) and every in-sync follower said in a fetch that it knows it:
+        then it is the offset this leader dispatched to, and the follower the controller elects
+        knows it."""
+        if not self._closed or (not self._frozen and self._hw < self._log_end):
+            return False
+        return all(self._followers[replica].known_high_watermark >= self._hw
+                   for replica in self._maximal_isr() if replica != self.node_id)
+
     # -- the high watermark -----------------------------------------------------------------
 
     def _maximal_isr(self) -> frozenset[str]:
@@ -362,7 +404,7 @@ class LeaderReplica(Generic[W]):
         self._proposal_sent = False
 
     def _advance(self, now: float) -> None:
-        if self._fenced or not self.lease_alive(now):
+        if self._fenced or self._frozen or not self.lease_alive(now):
             return
         candidate = self._durable_end
         for replica in self._maximal_isr():

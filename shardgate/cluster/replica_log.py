@@ -27,6 +27,10 @@ offsets it may have sent are then cut from its log at the role change, never wri
 with other (empty) records under the same epoch; and it tells `gave_up` (the replica manager
 asks the controller to move the shard). A follower whose journal fails a write (a full disk)
 cuts its log back to its durable end and fetches again after a pause (`follow`).
+
+A node that leaves gracefully stops taking publishes for the shards it leads (`stop_taking`,
+then maybe `freeze`; `replica_leader`'s graceful leave) until `handed_over`: its followers
+know the high watermark it ends at. Its leaderships in a newer epoch, if any, stay so.
 """
 
 from __future__ import annotations
@@ -99,6 +103,9 @@ class ReplicatedShardLog:
         # told the leadership this node gave up after its journal failed a commit (a full
         # disk), once it resigned: the replica manager asks the controller to move the shard
         self.gave_up: Callable[[LeaderReplica[asyncio.Future[None]]], None] | None = None
+        # this node leaves: no more publishes (and, once frozen, no more commits)
+        self._closed = False
+        self._frozen = False
 
     # -- leadership ---------------------------------------------------------------------------
 
@@ -106,6 +113,7 @@ class ReplicatedShardLog:
         """This node leads the shard from now on, in `leader`'s epoch."""
         self.resign()
         self.leader = leader
+        self._closing(leader)
         self._unsynced = []
         self._unsynced_start = self.log.next_offset
         self._watch_commit()  # appends still on their way to the disk count when written
@@ -123,6 +131,7 @@ class ReplicatedShardLog:
         carried = old.hand_over()
         self._settle()
         self.leader = leader
+        self._closing(leader)
         now = self._clock()
         for end, waiter in carried:
             leader.await_commit(end, waiter, now)
@@ -175,6 +184,44 @@ class ReplicatedShardLog:
         self._waiter_end = -1
         self._unsynced = []
         self._wake()
+
+    # -- a graceful leave ---------------------------------------------------------------------
+
+    def stop_taking(self) -> None:
+        """This node leaves: it takes no more publishes for the shard (refused, retryable),
+        and what it holds goes on committing (see the module docstring)."""
+        self._closed = True
+        if self.leader is not None:
+            self.leader.close()
+
+    def freeze(self) -> None:
+        """... and commits nothing more: its high watermark stays where it is."""
+        self._closed = self._frozen = True
+        if self.leader is not None:
+            self.leader.close()
+            self.leader.freeze()
+        self._wake()
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
+
+    @property
+    def handed_over(self) -> bool:
+        """Whether this node leads the shard no more, or its in-sync followers know the high
+        watermark it ends at (after `stop_taking`)."""
+        leader = self.leader
+        return leader is None or leader.fenced or leader.final_mark_known()
+
+    def wake_fetches(self) -> None:
+        """Answer the followers' parked fetches now (with the high watermark as it is)."""
+        self._wake()
+
+    def _closing(self, leader: LeaderReplica[asyncio.Future[None]]) -> None:
+        if self._closed:
+            leader.close()
+        if self._frozen:
+            leader.freeze()
 
     @property
     def high_watermark(self) -> int:

@@ -23,7 +23,11 @@ the cluster view and the peer link (`attach.join` builds one per node).
   - the old leader still runs under the lease it led with (a drain, a graceful leave): from
     the high watermark this node knew. It dispatched what it committed; what it had not
     committed when it stopped leading was refused to its publishers and never dispatched,
-    and this node commits it now;
+    and this node commits it now. At a graceful leave (SIGTERM) that mark is exactly where
+    the old leader's dispatching ended: before it announced the leave it stopped taking
+    publishes and waited until its in-sync followers knew the high watermark it ends at
+    (`quiesce`). Elsewhere (a drain) the mark this node knew may lag the old leader's last
+    one, and what lies between is dispatched twice;
   - a shard this node held alone before it was given replicas is not handed on: it was
     dispatched here.
   Durable cursors drop what they already have; a live subscriber may get such a message
@@ -64,6 +68,10 @@ log = logging.getLogger(__name__)
 # death may have lost.
 REDISPATCH_RECORDS = 10_000
 REDISPATCH_BATCH = 2_000
+# A leaving leader's wait for its followers to know where it ends (`quiesce`): the part of it
+# for what it holds to commit, before the high watermark is frozen where it is
+QUIESCE_COMMIT_SHARE = 2 / 3
+QUIESCE_POLL_S = 0.01
 
 
 def inherited_from(previous: tuple[str, int | None] | None, *, node_id: str,
@@ -250,6 +258,46 @@ class ReplicatedShards:
             committed(None)
         else:
             waiter.add_done_callback(committed)
+
+    async def quiesce(self, timeout_s: float) -> None:
+        """A graceful leave, before this node announces it (`ClusterNode.leave`), so that the
+        controller moves its leaderships to followers that know where its dispatching ended:
+        the shards it leads take no more publishes (refused, retryable: their clients send
+        them again to the next leader), what they hold commits (for up to two thirds of
+        `timeout_s`; then each high watermark stays where it is, what waits is refused and the
+        next leader hands it on), and it waits (bounded by `timeout_s`) until every in-sync
+        follower said in a fetch that it knows the high watermark this node ends at."""
+        led = [(stream, index, shard_log) for stream, index in sorted(self._led)
+               if (shard_log := self.manager.leading(stream, index)) is not None]
+        if not led:
+            return
+        for _stream, _index, shard_log in led:
+            shard_log.stop_taking()
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        freeze_at, deadline = began + timeout_s * QUIESCE_COMMIT_SHARE, began + timeout_s
+        marks: dict[tuple[str, int], int] = {}
+        while True:
+            waiting = [entry for entry in led if not entry[2].handed_over]
+            now = loop.time()
+            if not waiting or now >= deadline:
+                break
+            for stream, index, shard_log in waiting:
+                if now >= freeze_at and not shard_log.frozen:
+                    shard_log.freeze()
+                mark = shard_log.high_watermark
+                if marks.get((stream, index)) != mark:
+                    marks[(stream, index)] = mark
+                    shard_log.wake_fetches()  # parked fetches learn the new mark at once
+            await asyncio.sleep(QUIESCE_POLL_S)
+        frozen = [f"{stream}/{index}" for stream, index, shard_log in led if shard_log.frozen]
+        if waiting:
+            log.warning("leaving: not every in-sync follower of %s said it knows where this "
+                        "leader's dispatching ends (if elected, it may dispatch some again)",
+                        ", ".join(f"{stream}/{index}" for stream, index, _log in waiting))
+        log.info("leaving: %d led shards stopped taking publishes in %.2f s%s", len(led),
+                 loop.time() - began,
+                 f" ({', '.join(frozen)} with messages not committed)" if frozen else "")
 
     async def close(self) -> None:
         self._started = False

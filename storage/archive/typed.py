@@ -41,6 +41,8 @@ _AVRO_SCALARS = {"string": pa.string(), "int": pa.int32(), "long": pa.int64(),
 LAYOUTS = 3
 """Byte layouts of payloads that `TypedSchema.columns_of` tries in one file (one per
 serializer writing to the stream, typically one)."""
+LAYOUT_SAMPLE = 64
+"""Payloads a layout is first tried on: it reads the whole file only if it fits half of them."""
 _TEXT = pa.string()
 """A value of several types, kept as its JSON text."""
 
@@ -265,7 +267,9 @@ class TypedSchema:
             subset = payloads if len(left) == count else pc.take(payloads, left)
             first = subset[0].as_py()
             layout = None if first is None else typed_layout.layout_of(first, names, kinds)
-            read = None if layout is None else typed_layout.read_layout(subset, layout, schema)
+            if layout is None or not self._layout_fits(subset, layout, schema):
+                break
+            read = typed_layout.read_layout(subset, layout, schema)
             if read is None:
                 break
             arrays, taken = read
@@ -290,6 +294,15 @@ class TypedSchema:
         where[np.concatenate(rows)] = np.arange(count, dtype=np.int64)
         picked = pa.concat_tables(tables).take(pa.array(where))
         return [column.combine_chunks() for column in picked.columns], pa.array(decoded)
+
+    @staticmethod
+    def _layout_fits(payloads: pa.Array, layout: typed_layout.Layout, schema: pa.Schema) -> bool:
+        """Whether most of the first `LAYOUT_SAMPLE` payloads have `layout` (a stream whose
+        rows differ in their key order or spacing is not read twice)."""
+        if len(payloads) <= LAYOUT_SAMPLE:
+            return True
+        read = typed_layout.read_layout(payloads.slice(0, LAYOUT_SAMPLE), layout, schema)
+        return read is not None and 2 * int(read[1].sum()) >= LAYOUT_SAMPLE
 
     def _columns_read(self, payloads: pa.Array) -> tuple[list[pa.Array], pa.Array]:
         """`columns_of` by Arrow's JSON reader, and row by row for what it cannot vouch for."""

@@ -9,7 +9,8 @@ scan of one row); `read_layout` then checks every payload against them at once (
 and `find_substring` over views of the payload buffer, no copy), takes the values between
 them, and converts each column with one kernel (a cast; a regular expression checks the
 numbers' JSON grammar). Parsing a file's payloads costs a few kernel passes instead of a JSON
-parse per row, about twice as fast as Arrow's reader.
+parse per row: about 1.7 times as fast as Arrow's reader on the three-field rows of
+`bench/bench_archive_table.py`.
 
 A row is taken only when every byte of it is accounted for: the literals match exactly, a
 string value holds no quote, backslash or control character (so its bytes are its text, the
@@ -202,6 +203,9 @@ def read_layout(payloads: pa.Array, layout: Layout, schema: pa.Schema
             return None
         ok &= good
         columns[index] = column
+    if ok.all():
+        return [column if column is not None else pa.nulls(count, field.type)
+                for column, field in zip(columns, schema, strict=True)], ok
     chosen = pa.array(ok)
     arrays = [
         pc.filter(column, chosen) if column is not None else pa.nulls(int(ok.sum()), field.type)

@@ -203,3 +203,16 @@ def test_a_file_of_one_layout_is_read_by_its_layout() -> None:
     sliced = typed.columns_of(pa.array(payloads, pa.binary()).slice(123, 200))
     assert sliced[0][0].to_pylist() == [f"d{i}" for i in range(123, 323)]
     assert sliced[1].to_pylist() == [True] * 200
+
+
+def test_payloads_of_no_common_layout_decode_as_row_by_row() -> None:
+    """Keys in a different order in each row: no layout fits the first rows, so the file goes
+    to Arrow's reader (and the layout is not tried on the whole file)."""
+    rng = random.Random(7)
+    typed = TypedSchema("json", SCALARS, 1, RESERVED)
+    payloads = []
+    for i in range(300):
+        fields = [("device", f"d{i}"), ("temp", i / 2), ("n", i), ("ok", i % 3 == 0)]
+        rng.shuffle(fields)
+        payloads.append(json.dumps(dict(fields)).encode())
+    check(typed, payloads)

@@ -128,9 +128,8 @@ async def test_ack_timeout_redelivers():
 
 async def test_saved_cursor_restores_unacked_and_position():
     storage = MemoryStorage(max_records_per_shard=1_000_000)
-    broker = Broker(storage, StreamConfig("default", mode="reliable"))
     sink = Sink()
-    broker.cursor_sink = sink
+    broker = Broker(storage, StreamConfig("default", mode="reliable"), cursor_sink=sink)
     sub = broker.durable_subscription("d")
     broker.add_filter(sub, "t")
     consumer = Consumer("c")

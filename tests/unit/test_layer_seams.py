@@ -42,6 +42,17 @@ def _base_name(node: ast.expr) -> str | None:
     return None
 
 
+def _holder_name(node: ast.expr) -> str | None:
+    """The name an assigned-to object is held under, at any depth: `broker` in `broker.x = ...`
+    and `self.broker.x = ...`, `delayed` in `self.broker.delayed.x = ...`, `persistence` in
+    `app.persistence.x = ...`."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
 def _assigned_attributes(path: Path) -> list[tuple[int, str]]:
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
     found = []
@@ -55,7 +66,7 @@ def _assigned_attributes(path: Path) -> list[tuple[int, str]]:
         for target in targets:
             for part in ast.walk(target):
                 if isinstance(part, ast.Attribute) and isinstance(part.ctx, ast.Store):
-                    name = _base_name(part.value)
+                    name = _holder_name(part.value)
                     if name in BUILT_WITH_PORTS:
                         found.append((node.lineno, f"{name}.{part.attr}"))
     return found
@@ -106,22 +117,21 @@ def test_the_rule_sees_an_assignment_it_forbids(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text("def f(broker, self):\n    broker.hook = 1\n    self.vhost.directory = 2\n"
                       "    self.own = 3\n    plane.peer_gone = 4\n    self.plane.stats.frames = 5\n"
-                      "    link.port = 6\n")
+                      "    link.port = 6\n    self.broker.delayed.store = 7\n"
+                      "    app.persistence.archiver = 8\n")
     assert _assigned_attributes(sample) == [(2, "broker.hook"), (3, "vhost.directory"),
-                                            (5, "plane.peer_gone")]
+                                            (5, "plane.peer_gone"), (8, "delayed.store"),
+                                            (9, "persistence.archiver")]
 
 
 # What the composition root (`shardgate/` outside the cluster layer) still sets on a core or
-# protocol object after building it, by file: each is a collaborator, hook or setting it could
-# be built with instead. An entry may go; never add one (give the object a constructor
-# argument, a typed port).
-ROOT_STILL_ASSIGNS: dict[str, frozenset[str]] = {
-    "shardgate/app.py": frozenset({"broker.topology_sink"}),
-    "shardgate/archiving.py": frozenset({"broker.archive"}),
-    "shardgate/persistence.py": frozenset({
-        "broker.cursor_sink", "broker.on_retained_change", "broker.on_subscription_removed",
-        "broker.on_durable_defined"}),
-}
+# protocol object after building it, by file: none since the broker is built with its cursor
+# sink, its delayed messages' store and the slots its stores fill (`core/store_ports.py`), the
+# persistence starts with the archiver, the services offer what the memory alarm and their
+# listeners change as methods, and a bridge takes over its restored subscription
+# (`DurableSubscription.take_over`) (issue 27). Never add one: give the object a constructor
+# argument, a typed port.
+ROOT_STILL_ASSIGNS: dict[str, frozenset[str]] = {}
 
 
 def test_the_composition_root_sets_no_new_attribute_of_a_core_protocol_or_cluster_object() -> None:

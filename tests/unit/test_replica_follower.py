@@ -46,7 +46,8 @@ def test_it_fetches_again_only_once_what_it_appended_is_durable() -> None:
     assert replica.history.entries == (EpochStart(4, 0), EpochStart(5, 2))
     assert replica.next_request() is None  # its 3 records are not durable yet
     replica.durable(3)
-    assert replica.next_request() == FetchRequest("b", 5, 3, 3)
+    # ... and says the high watermark it knows (a leaving leader waits for it)
+    assert replica.next_request() == FetchRequest("b", 5, 3, 3, 2)
 
 
 def test_the_high_watermark_never_passes_the_followers_own_end() -> None:
@@ -78,7 +79,7 @@ def test_a_follower_with_epochs_first_asks_where_its_latest_epoch_ends() -> None
     assert replica.on_epoch_end(EpochEndAnswer(3, 8)) == Truncate(8)
     assert replica.log_end == 8
     assert replica.state is FollowerState.FETCHING
-    assert replica.next_request() == FetchRequest("b", 5, 8, 8)
+    assert replica.next_request() == FetchRequest("b", 5, 8, 8, 6)
 
 
 def test_no_truncation_when_the_leader_holds_at_least_as_much() -> None:
@@ -118,7 +119,7 @@ def test_a_leader_that_knows_no_such_epoch_leaves_only_the_committed_records() -
 def test_a_log_written_before_replication_is_cut_to_its_high_watermark() -> None:
     replica = follower(log_end=9, hw=4)
     assert replica.next_request() == Truncate(4)
-    assert replica.next_request() == FetchRequest("b", 5, 4, 4)
+    assert replica.next_request() == FetchRequest("b", 5, 4, 4, 4)
 
 
 def test_a_refused_request_waits_then_retries_the_same_step() -> None:
@@ -156,7 +157,7 @@ def test_a_log_behind_the_leaders_retention_starts_again_at_the_leaders_start() 
     replica.next_request()
     assert replica.on_fetch(Refused(ReplicaError.BEHIND_LOG_START, 50)) == ResetLog(50)
     assert (replica.log_end, replica.durable_end, len(replica.history)) == (50, 50, 0)
-    assert replica.next_request() == FetchRequest("b", 5, 50, 50)
+    assert replica.next_request() == FetchRequest("b", 5, 50, 50, 50)
 
 
 def test_epochs_below_the_answer_are_cut_where_the_followers_first_later_epoch_starts() -> None:
@@ -166,7 +167,7 @@ def test_epochs_below_the_answer_are_cut_where_the_followers_first_later_epoch_s
     assert replica.next_request() == EpochEndRequest("b", 5, 3)
     assert replica.on_epoch_end(EpochEndAnswer(2, 12)) == Truncate(10)
     assert replica.state is FollowerState.FETCHING
-    assert replica.next_request() == FetchRequest("b", 5, 10, 10)
+    assert replica.next_request() == FetchRequest("b", 5, 10, 10, 10)
 
 
 def test_an_empty_epoch_the_leader_never_had_is_dropped_and_not_asked_about_again() -> None:

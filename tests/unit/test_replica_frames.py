@@ -34,7 +34,7 @@ def wire(message: pb.ReplicaRequest | pb.ReplicaAnswer) -> bytes:
 
 
 def test_requests_round_trip() -> None:
-    for request in (FetchRequest("b", 7, 120, 100), EpochEndRequest("c", 7, 5)):
+    for request in (FetchRequest("b", 7, 120, 100, 90), EpochEndRequest("c", 7, 5)):
         message = pb.ReplicaRequest.FromString(wire(request_message(3, "s", 2, request)))
         assert (message.id, message.stream, message.shard) == (3, "s", 2)
         assert request_from(message) == request

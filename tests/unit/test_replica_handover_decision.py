@@ -1,7 +1,8 @@
 """Where a node that has just begun to lead a replicated shard starts handing on what it
 inherited (`replicated_shards.inherited_from`): the records of an earlier epoch that nobody may
 have dispatched to live subscribers. From its known high watermark when the old leader's
-process still runs (it dispatched what it committed), from further back when that process is
+process still runs (it dispatched what it committed; at a graceful leave this node knows its
+last high watermark, the old leader waited for that), from further back when that process is
 gone or was started again (it may have died before its pushes arrived), from before the log's
 end when nothing is known of it (this process started since), and nothing for a shard this
 process held alone (it dispatched it)."""
@@ -27,6 +28,9 @@ def start(previous: tuple[str, int | None] | None, registrations: dict[str, Node
 
 def test_a_leader_that_still_runs_under_its_lease_is_handed_on_from_the_known_high_watermark() -> None:
     assert start(("n1", 7), registered(n1=7, n2=9)) == HW
+    # a graceful leave: the old leader took no more publishes and waited until this node knew
+    # the high watermark it ended at, here all it held; nothing is handed on
+    assert start(("n1", 7), registered(n1=7, n2=9), high_watermark=END) == END
 
 
 def test_a_leader_gone_or_started_again_is_handed_on_from_further_back() -> None:

@@ -1,8 +1,8 @@
 """The leader of a replicated shard, driven alone with hand-made fetches on a manual clock:
 the high watermark is the lowest durable end of the in-sync set, a publish is acknowledged
 only past it and with enough replicas in sync, lagging followers are proposed out and
-caught-up ones back in, and a superseded leader or one without a live lease acknowledges
-nothing."""
+caught-up ones back in, a superseded leader or one without a live lease acknowledges
+nothing, and a leader that leaves knows when its in-sync followers know where it ends."""
 
 from __future__ import annotations
 
@@ -46,8 +46,9 @@ def append(replica: LeaderReplica[str], count: int, now: float = 0.0, durable: b
 
 
 def fetch(replica: LeaderReplica[str], name: str, offset: int, now: float = 0.0,
-          durable: int | None = None, epoch: int = 3) -> FetchPlan | Refused:
-    return replica.on_fetch(FetchRequest(name, epoch, offset, offset if durable is None else durable), now)
+          durable: int | None = None, epoch: int = 3, knows: int = 0) -> FetchPlan | Refused:
+    return replica.on_fetch(
+        FetchRequest(name, epoch, offset, offset if durable is None else durable, knows), now)
 
 
 def test_the_high_watermark_is_the_lowest_durable_end_of_the_in_sync_set() -> None:
@@ -286,3 +287,50 @@ def test_a_follower_behind_the_leaders_retention_is_told_where_the_log_starts() 
     replica.retained_from(4)
     assert fetch(replica, "b", 2) == Refused(ReplicaError.BEHIND_LOG_START, 4)
     assert fetch(replica, "b", 4) == FetchPlan(4, 6, 0, (EpochStart(3, 4),))
+
+
+def test_a_leaving_leader_takes_no_publish_and_commits_what_it_holds() -> None:
+    replica = leader()
+    append(replica, 4)
+    fetch(replica, "b", 4)
+    fetch(replica, "c", 2)
+    replica.close()
+    assert replica.check_append(0.0) is ReplicaError.NOT_LEADER  # retryable
+    assert not replica.final_mark_known()  # the mark may still move
+    fetch(replica, "c", 4)
+    assert replica.high_watermark == 4
+    assert replica.take_completed() == [(f"m{i}", None) for i in range(4)]
+    # where it ends is known once each in-sync follower's fetch says it knows the mark
+    assert not replica.final_mark_known()
+    fetch(replica, "b", 4, knows=4)
+    assert not replica.final_mark_known()
+    fetch(replica, "c", 4, knows=4)
+    assert replica.final_mark_known()
+
+
+def test_a_frozen_leaving_leader_commits_nothing_more_and_ends_at_its_mark() -> None:
+    replica = leader()
+    append(replica, 4)
+    fetch(replica, "b", 4)
+    fetch(replica, "c", 2)
+    assert replica.take_completed() == [("m0", None), ("m1", None)]
+    replica.close()
+    replica.freeze()
+    fetch(replica, "c", 4, knows=2)  # caught up, but the mark stays where it is
+    assert replica.high_watermark == 2
+    assert replica.take_completed() == []
+    assert not replica.final_mark_known()  # b's last fetch did not say it knows 2
+    fetch(replica, "b", 4, knows=2)
+    assert replica.final_mark_known()
+    replica.supersede()  # the next leader commits and hands on the rest
+    assert replica.take_completed() == [("m2", ReplicaError.NOT_LEADER), ("m3", ReplicaError.NOT_LEADER)]
+
+
+def test_only_in_sync_followers_need_to_know_where_a_leaving_leader_ends() -> None:
+    replica = leader(("a", "b"), min_insync=1)
+    append(replica, 3)
+    fetch(replica, "b", 3, knows=0)
+    replica.close()
+    assert not replica.final_mark_known()
+    fetch(replica, "b", 3, knows=3)
+    assert replica.final_mark_known()  # c, not in sync, never fetched

@@ -3,7 +3,8 @@ under the core's `Broker`, a follower fetching from it with `follow` over a dire
 transport. A publish is acknowledged, and delivered to subscribers, only once the follower
 holds it durably; readers stay below the high watermark; the follower's journal ends up with
 the same records at the same offsets; below the in-sync minimum, or after the leader
-resigned, nothing is acknowledged."""
+resigned, nothing is acknowledged; a leader that leaves takes no publish and waits until its
+follower knows the high watermark it ends at."""
 
 from __future__ import annotations
 
@@ -541,3 +542,43 @@ async def test_a_leader_whose_journal_failed_a_commit_resigns_before_the_next_ap
             await waiter
     finally:
         journal.close()
+
+
+async def test_a_leaving_leader_takes_no_publish_and_its_follower_learns_where_it_ends(pair: Pair) -> None:
+    pair.start_following()
+    future = pair.broker.publish(Message("t/1", b"one"))
+    assert future is not None
+    await asyncio.wait_for(future, 10)
+    pair.replicated.stop_taking()
+    with pytest.raises(StorageUnavailable):
+        pair.replicated.append([(0, b"two")])
+    pair.replicated.wake_fetches()
+    await wait_for(lambda: pair.replicated.handed_over)
+    assert pair.follower.high_watermark == pair.replicated.high_watermark == 1
+    assert pair.recorder.got == [(0, b"one")]
+    # leading again in a newer epoch (its replicas changed meanwhile) takes no publish either
+    again: LeaderReplica[asyncio.Future[None]] = LeaderReplica(
+        "a", 2, ("a", "b"), ("a", "b"), min_insync=2, lag_time_max_s=30.0,
+        history=pair.history["a"], log_end=pair.logs["a"].next_offset,
+        durable_end=pair.logs["a"].committed_offset, high_watermark=pair.replicated.high_watermark,
+        now=time.monotonic())
+    pair.replicated.lead_again(again)
+    with pytest.raises(StorageUnavailable):
+        pair.replicated.append([(0, b"two")])
+
+
+async def test_a_frozen_leaving_leader_commits_nothing_more_while_its_follower_catches_up(
+        pair: Pair) -> None:
+    future = pair.broker.publish(Message("t/1", b"one"))  # stored, never committed
+    assert future is not None
+    pair.replicated.stop_taking()
+    pair.replicated.freeze()
+    pair.start_following()
+    await wait_for(lambda: pair.logs["b"].committed_offset == 1 and pair.replicated.handed_over)
+    await asyncio.sleep(0.1)  # the follower's fetches go on
+    assert pair.replicated.high_watermark == pair.follower.high_watermark == 0
+    assert not future.done() and pair.recorder.got == []
+    pair.replicated.resign()  # the next leader commits it and hands it on
+    with pytest.raises(ShardUnavailable):
+        await asyncio.wait_for(future, 10)
+    assert pair.recorder.got == []
