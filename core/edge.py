@@ -218,7 +218,9 @@ class Edge:
     def __init__(self, broker: Broker, router: ShardRouter | None = None, *,
                  remote_durables: RemoteDurables | None = None,
                  listeners: Mapping[str, ListenerInfo] | None = None,
-                 security: SecurityPort | None = None) -> None:
+                 security: SecurityPort | None = None,
+                 owner_factories: Mapping[str, Callable[[Mapping[str, object]], object]] | None = None,
+                 ) -> None:
         self.broker = broker
         self.clients = ClientRegistry()
         # The broker's statistics (one object for the broker's life): every protocol counts in it.
@@ -231,7 +233,8 @@ class Edge:
         self.listeners: Mapping[str, ListenerInfo] = {} if listeners is None else listeners
         # Durable subscription owners by kind, so that subscriptions saved by a protocol come
         # back with the right owner after a restart (`"grpc"` -> its state factory).
-        self.owner_factories: dict[str, Callable[[Mapping[str, object]], object]] = {}
+        self.owner_factories: dict[str, Callable[[Mapping[str, object]], object]] = dict(
+            owner_factories or {})
         # Cluster mode: awaited before a consumer attaches here to a durable subscription this
         # node does not have (`core.placement.RemoteDurables.find`). None on one node.
         self.find_durable_elsewhere: Callable[[str], Awaitable[str | None]] | None = (

@@ -38,6 +38,10 @@ class KeptState:
         if (keeper := self.keeper.current) is not None:
             keeper.retained_changed(message.topic, message if message.payload else None)
 
+    def restore_internal(self, topic: str, message: Message) -> None:
+        """Internal state read back from the store at start (the keeper is not told)."""
+        self.internal_state[topic] = message
+
     def forget_retained(self, topic: str) -> None:
         """Remove the retained message of `topic`, if any (its store is told)."""
         self._retain(Message(topic, b""))

@@ -184,14 +184,15 @@ class Shardgate:
             self.cluster_views = ClusterViews(self.cluster.view, self.cluster.credentials,
                                               local_view(self), local_action(self))
         assert self.metadata is not None
-        # Security: the port every protocol asks through the Edge; `install_security` below
-        # (and again on a running broker) swaps the policy in it.
-        self.edge = edge = Edge(self.broker,
-                                remote_durables=parts.durables if parts is not None else None,
-                                listeners=self.listeners, security=SecurityPort())
         from .protocols.grpc.consumer import GrpcSubscriptionState
 
-        edge.owner_factories[GrpcSubscriptionState.OWNER_KIND] = GrpcSubscriptionState.restored
+        # Security: the port every protocol asks through the Edge; `install_security` below
+        # (and again on a running broker) swaps the policy in it. gRPC's durable subscriptions
+        # come back from the store with their consumer state.
+        self.edge = edge = Edge(
+            self.broker, remote_durables=parts.durables if parts is not None else None,
+            listeners=self.listeners, security=SecurityPort(),
+            owner_factories={GrpcSubscriptionState.OWNER_KIND: GrpcSubscriptionState.restored})
         stored = self.ports
         assert stored is not None
         self.persistence = Persistence(

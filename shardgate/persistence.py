@@ -158,7 +158,7 @@ class Persistence:
             try:
                 message = decode_to_message(data)
                 if topic.startswith(INTERNAL_PREFIX):
-                    self.broker.internal_state[topic] = message
+                    self.broker.restore_internal(topic, message)
                     continue
                 self.broker.retained.set(topic, message)
             except Exception as exc:

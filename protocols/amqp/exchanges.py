@@ -162,6 +162,13 @@ class ExchangeGraph:
         self._exchanges_changed()
         return exchange
 
+    def add_declared_elsewhere(self, exchange: Exchange) -> None:
+        """An exchange another node of the cluster declared: kept here as one declared here
+        is (saved when durable), without telling `on_exchanges_changed` (it came from there)."""
+        self.exchanges[exchange.name] = exchange
+        if exchange.durable:
+            self.save_topology()
+
     def delete_exchange(self, name: str, if_unused: bool) -> None:
         method = commands.Exchange.Delete
         exchange = self.exchanges.get(name)

@@ -89,6 +89,14 @@ class ClusterSessions(ServiceState):
                 del self._awaiting_session[connection.client_id]
         return self._overtaken.pop(connection, None)
 
+    def remove_session(self, session: MqttSession) -> None:
+        """Cluster mode: `session` lives on another node now (handed over, or moved while
+        this node was away): it leaves this service, if it is still the one held here, and
+        is discarded. Its timers are the caller's to stop."""
+        if self.sessions.get(session.client_id) is session:
+            del self.sessions[session.client_id]
+        session.discard()
+
     def release_for_takeover(self, client_id: str, where: str, *,
                              clean_start: bool) -> MqttSession | None:
         """Cluster mode: another node took the client's session over. Its connection here

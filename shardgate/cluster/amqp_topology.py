@@ -320,11 +320,9 @@ class SharedExchanges:
             return
         if definition.get("type") not in EXCHANGE_TYPES:
             return
-        vhost.exchanges[name] = Exchange(
+        vhost.add_declared_elsewhere(Exchange(
             name, definition["type"], durable, bool(definition.get("auto_delete")),
-            bool(definition.get("internal")), dict(definition.get("arguments") or {}))
-        if durable:
-            vhost.save_topology()
+            bool(definition.get("internal")), dict(definition.get("arguments") or {})))
         log.info("cluster: AMQP exchange %r declared on another node", name)
 
     @staticmethod

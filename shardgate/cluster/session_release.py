@@ -186,9 +186,7 @@ class SessionRelease:
             stand_in.state = snapshot
         self.releasing.add(client_id)
         try:
-            if service.sessions.get(client_id) is session:
-                del service.sessions[client_id]
-            session.discard()
+            service.remove_session(session)
         finally:
             self.releasing.discard(client_id)
         self.handed_over += 1

@@ -224,8 +224,7 @@ class SessionSnapshots:
             if holder != self.node.node_id:
                 self.releasing.add(client_id)
                 try:
-                    del service.sessions[client_id]
-                    session.discard()
+                    service.remove_session(session)
                 finally:
                     self.releasing.discard(client_id)
                 service.stop_timers(client_id, publish_will=False)

@@ -76,7 +76,7 @@ def test_the_cluster_layer_sets_no_attribute_of_a_core_or_protocol_object() -> N
     offending = [
         f"{path.relative_to(ROOT)}:{line}: {target} = ..."
         for path in sorted((ROOT / "shardgate" / "cluster").rglob("*.py"))
-        for line, target in _assigned_attributes(path)
+        for line, target in _assigned_attributes(path) + _filled_entries(path)
         if target not in STILL_ASSIGNED
     ]
     assert not offending, (
@@ -129,9 +129,39 @@ def test_the_rule_sees_an_assignment_it_forbids(tmp_path: Path) -> None:
 # sink, its delayed messages' store and the slots its stores fill (`core/store_ports.py`), the
 # persistence starts with the archiver, the services offer what the memory alarm and their
 # listeners change as methods, and a bridge takes over its restored subscription
-# (`DurableSubscription.take_over`) (issue 27). Never add one: give the object a constructor
-# argument, a typed port.
+# (`DurableSubscription.take_over`) (issue 27). Nor does it fill in a mapping such an object
+# holds (`edge.owner_factories[kind] = ...`: the Edge is built with them). Never add one: give
+# the object a constructor argument, a typed port.
 ROOT_STILL_ASSIGNS: dict[str, frozenset[str]] = {}
+
+
+def _filled_entries(path: Path) -> list[tuple[int, str]]:
+    """Entries set in (or deleted from) a mapping a core or protocol object holds:
+    `edge.owner_factories[kind] = ...` is `edge.owner_factories[]`."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        else:
+            continue
+        for target in targets:
+            if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Attribute):
+                name = _holder_name(target.value.value)
+                if name in BUILT_WITH_PORTS:
+                    found.append((node.lineno, f"{name}.{target.value.attr}[]"))
+    return found
+
+
+def test_the_rule_sees_an_entry_filled_in(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text("def f(edge, self):\n    edge.owner_factories['grpc'] = 1\n"
+                      "    self.broker.internal_state['t'] = 2\n    self.seen['x'] = 3\n"
+                      "    del self.vhost.exchanges['x']\n")
+    assert _filled_entries(sample) == [(2, "edge.owner_factories[]"),
+                                       (3, "broker.internal_state[]"), (5, "vhost.exchanges[]")]
 
 
 def test_the_composition_root_sets_no_new_attribute_of_a_core_protocol_or_cluster_object() -> None:
@@ -139,7 +169,7 @@ def test_the_composition_root_sets_no_new_attribute_of_a_core_protocol_or_cluste
     offending = [
         f"{name}:{line}: {target} = ..."
         for path in sorted((ROOT / "shardgate").rglob("*.py")) if cluster not in path.parents
-        for line, target in _assigned_attributes(path)
+        for line, target in _assigned_attributes(path) + _filled_entries(path)
         if target not in ROOT_STILL_ASSIGNS.get(name := str(path.relative_to(ROOT)), frozenset())
     ]
     assert not offending, (
