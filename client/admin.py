@@ -76,7 +76,7 @@ class Admin:
         """Create a stream; it receives topic `name` and `name/#` unless `routes` say otherwise.
         Without `mode` the broker's `default_stream_mode` applies (reliable unless configured).
         In a cluster a reliable stream keeps `replicas` copies of each shard (default: the
-        nodes' `[cluster] default_replicas`, 1 unless set; capped by the live nodes) and acknowledges a message once `min_insync_replicas`
+        nodes' `[cluster] default_replicas`, 3 unless set; capped by the live nodes) and acknowledges a message once `min_insync_replicas`
         (default 2) hold it; a single node keeps one."""
         spec = pb.StreamSpec(name=name, partitions=partitions,
                              mode=Mode(mode).to_pb() if mode is not None else pb.DISPATCH_MODE_UNSPECIFIED,

@@ -400,7 +400,7 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
                         help="journal retention by size per shard (default: journal.retention_bytes)")
     create.add_argument("--replicas", type=_positive, default=None, metavar="N",
                         help="in a cluster, copies of each shard of a reliable stream "
-                             "(default: [cluster] default_replicas, 1, capped by the live "
+                             "(default: [cluster] default_replicas, 3, capped by the live "
                              "nodes; a single node keeps one)")
     create.add_argument("--min-insync", type=_positive, default=None, metavar="N",
                         help="replicas that must hold a message before it is acknowledged "

@@ -25,13 +25,13 @@ from typing import Any
 from ..core.streams import MAX_REPLICAS
 
 # What a reliable stream without the settings gets in a cluster (`[cluster] default_replicas`,
-# `default_min_insync_replicas`): one replica for now (three, capped by the nodes that may hold
-# them, is the aim: to be raised once every cluster test file passes with it), two in sync to
-# acknowledge (capped by the replicas the shard has, not counting one still being added), as
-# Kafka's `min.insync.replicas`. So a shard placed on two nodes refuses publishes while one of
+# `default_min_insync_replicas`): three replicas (capped by the live nodes that may hold them,
+# as Kafka's `default.replication.factor` 3), two in sync to acknowledge (capped by the
+# replicas the shard has, not counting one still being added), as Kafka's
+# `min.insync.replicas`. So a shard placed on two nodes refuses publishes while one of
 # them is dead, as a Kafka topic of replication factor 2 and `min.insync.replicas` 2 does: an
 # acknowledged message is on two disks or is not acknowledged. A single node (no cluster) keeps one copy and none of this runs.
-DEFAULT_REPLICAS = 1
+DEFAULT_REPLICAS = 3
 DEFAULT_MIN_INSYNC_REPLICAS = 2
 
 # The definition's keys (the stream settings `replicas` and `min_insync_replicas`).

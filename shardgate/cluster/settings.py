@@ -48,8 +48,9 @@ class ClusterSettings:
     # What a reliable stream without its own `replicas` / `min_insync_replicas` gets: this many
     # replicas per shard (capped by the live nodes that may hold them), and this many of them in
     # sync to acknowledge a publish (capped by the replicas the shard has). Give every node the
-    # same values. The defaults are `replication.DEFAULT_REPLICAS` (1: one copy per shard, lost
-    # with its node's disk) and `DEFAULT_MIN_INSYNC_REPLICAS`
+    # same values. The defaults are `replication.DEFAULT_REPLICAS` (3) and
+    # `DEFAULT_MIN_INSYNC_REPLICAS` (2); 1 replica keeps one copy per shard, lost with its
+    # node's disk
     default_replicas: int = DEFAULT_REPLICAS
     default_min_insync_replicas: int = DEFAULT_MIN_INSYNC_REPLICAS
     # how often the controller removes expired MQTT sessions' snapshots from etcd

@@ -32,9 +32,9 @@ def test_the_cluster_reads_the_settings_and_caps_the_in_sync_minimum() -> None:
 
 def test_a_stream_without_the_settings_gets_the_cluster_defaults() -> None:
     unset = stream_definition(StreamConfig("plain", mode=DispatchMode.RELIABLE))
-    # built in, for now: one replica (issue 28's three once every cluster test passes with it)
-    assert stream_replication(unset) == Replication(1, 1)
-    assert stream_replication(unset, ClusterSettings().replication_defaults) == Replication(1, 1)
+    # built in: three replicas, two in sync (issue 28), capped by the live nodes at placement
+    assert stream_replication(unset) == Replication(3, 2)
+    assert stream_replication(unset, ClusterSettings().replication_defaults) == Replication(3, 2)
     issue = ClusterSettings(default_replicas=3).replication_defaults
     assert issue == Replication(3, 2)
     assert stream_replication(unset, issue) == Replication(3, 2)
