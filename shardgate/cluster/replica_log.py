@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -471,14 +472,17 @@ class FollowerLog:
     offsets, truncation, and the durability that the next fetch reports."""
 
     def __init__(self, journal_log: JournalShardLog, follower: FollowerReplica,
-                 replicated: ReplicatedShardLog | None = None) -> None:
+                 replicated: ReplicatedShardLog | None = None, *,
+                 failed: BaseException | None = None) -> None:
         self.log = journal_log
         self.follower = follower
         self._replicated = replicated
         self._watched: asyncio.Future[None] | None = None
         self.durable_changed = asyncio.Event()
-        # why the journal could not keep what was fetched (a full disk), until `recover`
-        self.failed: BaseException | None = None
+        # why the journal could not keep what was fetched (a full disk), until `recover`;
+        # set from the start when this node has just given the shard's leadership up for a
+        # failed write: it fetches only once its disk takes a write again
+        self.failed: BaseException | None = failed
         self.failures = 0  # failed writes in a row
 
     async def apply(self, action: Truncate | ResetLog | None) -> None:
@@ -545,6 +549,10 @@ class FollowerLog:
         end = self.log.committed_offset
         self.log.truncate_to(end)
         self.follower.rewind(end)
+        # A disk that is still full must not fetch again: a follower whose durable end is
+        # the leader's (nothing new since) would be taken back into the in-sync set at its
+        # first fetch, and every commit would then wait for it until it lags out again.
+        await asyncio.to_thread(probe_disk, self.log.directory)
         self.failed = None
 
     def _durable(self) -> None:
@@ -552,6 +560,23 @@ class FollowerLog:
         self.durable_changed.set()
         if self.log.commit_waiter() is not None:
             self._watch_commit()
+
+
+# what `probe_disk` writes and removes: a few pages, more than a record batch's header
+PROBE_BYTES = 64 * 1024
+
+
+def probe_disk(directory: str | os.PathLike[str]) -> None:
+    """Raise OSError unless `directory`'s file system takes (and syncs) a small write now."""
+    path = os.path.join(directory, ".write-probe")
+    try:
+        with open(path, "wb") as probe:
+            probe.write(b"\0" * PROBE_BYTES)
+            probe.flush()
+            os.fsync(probe.fileno())
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(path)
 
 
 class ReplicaTransport(Protocol):

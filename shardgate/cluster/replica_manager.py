@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..storage.interfaces import StorageUnavailable
 from ..storage.journal import JournalStorage
 from .membership import ClusterView, ShardAssignment
 from .replica_follower import FollowerReplica
@@ -317,7 +318,12 @@ class ReplicaManager:
             self.node_id, role.leader, role.epoch, history=journal_log.leader_epochs,
             log_end=journal_log.next_offset, durable_end=journal_log.committed_offset,
             high_watermark=entry.log.high_watermark)
-        follower_log = FollowerLog(journal_log, follower, entry.log)
+        # having just given the leadership up for a failed write, it fetches only once its
+        # disk takes a write again (`FollowerLog.recover`), not at once into the in-sync set
+        gave_up = entry.gave_up >= 0 and entry.gave_up == entry.led_epoch
+        follower_log = FollowerLog(journal_log, follower, entry.log, failed=StorageUnavailable(
+            f"{journal_log.directory}: the journal failed a write in epoch {entry.gave_up}")
+            if gave_up else None)
         entry.follower_task = asyncio.get_running_loop().create_task(
             follow(follower_log, self.transport(stream, shard)))
 

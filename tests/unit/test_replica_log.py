@@ -582,3 +582,46 @@ async def test_a_frozen_leaving_leader_commits_nothing_more_while_its_follower_c
     with pytest.raises(ShardUnavailable):
         await asyncio.wait_for(future, 10)
     assert pair.recorder.got == []
+
+
+async def test_a_replica_that_gave_the_leadership_up_for_a_full_disk_fetches_only_once_it_has_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # b led the shard, its journal failed a write, it resigned; it follows a now, holding
+    # everything up to a's epoch start: fetching at once would put it back in the in-sync
+    # set (its durable end is a's log end), with a disk that still cannot write
+    from shardgate.cluster import replica_log
+
+    full = True
+    probes = 0
+
+    def probe(directory: object) -> None:
+        nonlocal probes
+        probes += 1
+        if full:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(replica_log, "probe_disk", probe)
+    pair = Pair(tmp_path, isr=("a",), min_insync=1)
+    try:
+        pair.follower_log = FollowerLog(pair.logs["b"], pair.follower,
+                                        failed=StorageUnavailable("the journal failed a write"))
+        pair.start_following()
+        await wait_for(lambda: probes >= 3)
+        assert pair.leader.follower("b").last_fetch_time == float("-inf")  # never fetched
+        assert pair.leader.pending_proposal is None  # never proposed back into the in-sync set
+        full = False  # room again: it fetches, and the leader proposes it back
+        await wait_for(lambda: pair.leader.pending_proposal is not None)
+        assert pair.leader.pending_proposal.isr == frozenset({"a", "b"})
+        assert pair.follower_log.failed is None
+    finally:
+        await pair.stop()
+
+
+def test_the_disk_probe_writes_syncs_and_removes_its_file(tmp_path: Path) -> None:
+    from shardgate.cluster.replica_log import probe_disk
+
+    probe_disk(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(OSError):
+        probe_disk(tmp_path / "missing")
