@@ -1,6 +1,6 @@
 """Replication by default in a cluster (issue 28): a reliable stream created with no replica
-settings gets `[cluster] default_replicas` replicas per shard (here 3, as the issue asks; the
-built-in default is still 1, see docs/OPERATIONS.md), capped by the live nodes, and
+settings gets `[cluster] default_replicas` replicas per shard (here set to 3, which is
+also the built-in default, see docs/OPERATIONS.md), capped by the live nodes, and
 `default_min_insync_replicas` (2), capped by the replicas the shard has. Real
 `shardgate serve` nodes and a real etcd on loopback, MQTT clients and the gRPC SDK.
 
