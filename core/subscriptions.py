@@ -92,6 +92,11 @@ class Subscription:
     def __repr__(self) -> str:
         return f"Subscription({self.name!r}, {self.type.value}, filters={list(self.filters)})"
 
+    def belongs_to(self, owner: Any) -> None:
+        """`owner` (opaque to the core: an AMQP queue, say) is what this subscription feeds
+        from now on; a protocol made the subscription first and its owner over it."""
+        self.owner = owner
+
     def filters_changed(self) -> None:
         """Called by the broker after a filter was added to or removed from `filters`: drop
         anything made from the filters before."""

@@ -280,7 +280,7 @@ class VirtualHost(ExchangeGraph, TopologyRecord, DeadLettering):
             name, sub, durable=durable, exclusive_owner=exclusive_owner, auto_delete=auto_delete,
             arguments=arguments, dead_letter=self.dead_letter,
         )
-        sub.owner = queue
+        sub.belongs_to(queue)
         self.edge.attach(sub, queue)
         self.queues[name] = queue
         default = binding_for("", "direct", name, None)

@@ -75,7 +75,7 @@ class ClusterSessions(ServiceState):
 
     def await_session(self, connection: MqttConnection) -> None:
         """`connection`'s CONNECT waits for its session (`session_elsewhere`)."""
-        self._awaiting_session.setdefault(connection.client_id, set()).add(connection)
+        self._awaiting_session.setdefault(connection.client_id, {})[connection] = None
 
     def session_awaited(self, connection: MqttConnection) -> str | None:
         """`connection` waits no more (its session came, or it closed): the node whose later
@@ -83,11 +83,12 @@ class ClusterSessions(ServiceState):
         new, empty session here beside the one that moved on: it is refused, retryably, as
         a takeover on one node ends the earlier connection."""
         waiting = self._awaiting_session.get(connection.client_id)
-        if waiting is not None:
-            waiting.discard(connection)
-            if not waiting:
-                del self._awaiting_session[connection.client_id]
-        return self._overtaken.pop(connection, None)
+        if waiting is None:
+            return None
+        overtaken_by = waiting.pop(connection, None)
+        if not waiting:
+            del self._awaiting_session[connection.client_id]
+        return overtaken_by
 
     def remove_session(self, session: MqttSession) -> None:
         """Cluster mode: `session` lives on another node now (handed over, or moved while
@@ -104,9 +105,10 @@ class ClusterSessions(ServiceState):
         takeover), and the session's timers stop (a pending will is published when the new
         session starts clean). Returns the session, still here for its state to be taken
         (the caller then removes it); None when there is none."""
-        for waiting in self._awaiting_session.get(client_id, ()):
+        waiting = self._awaiting_session.get(client_id, {})
+        for waiting_connection in waiting:
             # a CONNECT here still waits for this session: `where`'s claim came after its own
-            self._overtaken[waiting] = where
+            waiting[waiting_connection] = where
         session = self.sessions.get(client_id)
         if session is None:
             return None

@@ -120,10 +120,9 @@ class ServiceState:
         # runs from accept, whatever the client trickles in meanwhile.
         self._handshaking: dict[MqttConnection, float] = {}
         # Cluster mode: connections whose CONNECT waits for its session to come from (or end
-        # on) another node, by client id, and those of them a later CONNECT on another node
-        # overtook meanwhile (-> that node): `service_cluster.py`.
-        self._awaiting_session: dict[str, set[MqttConnection]] = {}
-        self._overtaken: dict[MqttConnection, str] = {}
+        # on) another node, by client id, each with the node whose later CONNECT overtook it
+        # meanwhile (None until one does): `service_cluster.py`.
+        self._awaiting_session: dict[str, dict[MqttConnection, str | None]] = {}
         # The connection whose packets are being handled (its writes are grouped).
         self.publishing: MqttConnection | None = None
         # Back-pressure (`core/backpressure.py`, shared with every publisher of the broker: a

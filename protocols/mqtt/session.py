@@ -417,4 +417,4 @@ class MqttSession:
         subscription = self.subscription
         subscription.consumers.clear()
         if subscription.owner is self:
-            subscription.owner = None
+            subscription.belongs_to(None)

@@ -622,14 +622,13 @@ class SessionHandover:
         self.taken_over += 1
         log.info("cluster: session %r taken over from %s", client_id, state.node)
         self.snapshots.went_offline(client_id)  # etcd now names this node
-        if session.shared or stood_in:
-            # CONNACK waits (bounded) until the peers know this node serves the session's
-            # routes: a message published after it reaches the session here, as after a
-            # SUBACK, and the old node's stand-in can leave (its cursors replay the owners'
-            # reliable shards in any case)
-            ready = self.broker.routes_ready()
-            if ready is not None:
-                await ready
+        # CONNACK waits (bounded) until the peers know this node serves the session's routes:
+        # a message published after it reaches the session here, as after a SUBACK (its
+        # cursors replay only what the owners' reliable shards held when it came), and the
+        # old node's stand-in can leave. Nothing to wait for when the peers know them already.
+        ready = self.broker.routes_ready()
+        if ready is not None:
+            await ready
 
 
 def _unreadable(entry: Any, exc: Exception) -> None:

@@ -77,7 +77,7 @@ async def test_a_connect_overtaken_while_its_session_comes_is_refused_not_given_
         await _turns()
         assert wire.out[0] == 0x20 and wire.out[3] == int(refused), bytes(wire.out)
         assert "roamer" not in service.sessions  # no empty session left here beside n3's
-        assert not service._awaiting_session and not service._overtaken
+        assert not service._awaiting_session
 
 
 async def test_a_connect_whose_session_comes_undisturbed_opens_it() -> None:
@@ -89,4 +89,4 @@ async def test_a_connect_whose_session_comes_undisturbed_opens_it() -> None:
     assert not service._awaiting_session
     # a takeover from another node after the CONNACK ends the connection, as before
     assert service.release_for_takeover("roamer", "n3", clean_start=False) is not None
-    assert not service._overtaken
+    assert not service._awaiting_session
