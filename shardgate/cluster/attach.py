@@ -276,6 +276,11 @@ async def join(app: Shardgate, node: ClusterNode, parts: ClusterParts) -> None:
     replicas = node.replicas = parts.replicas
     plane.add_service(replicas.service.handler())  # (for nodes that still call by gRPC)
     replicas.start()
+    from .leader_handoff import LeaderHandoff
+
+    # a drain asks the leader to quiesce each replicated shard before it is moved
+    node.handoff = LeaderHandoff(node, replicas)
+    node.handoff.start()
     node.replication = True  # its registration says so: the controller may place replicas here
     node.replica_leading = replicas.leading_figures
     from .sessions import SessionHandover

@@ -19,6 +19,8 @@ their own, which `ClusterNode` builds and runs:
   shards when that runs out, and registers again (a new lease) when etcd is back.
 - Leave (SIGTERM): the node says it is leaving and waits (bounded) until the controller has
   moved what it leads (`controller.movable_led`).
+- Drain (`drain`): the controller moves what a node holds off it; the leader quiesces each
+  replicated shard first when the controller asks (`leader_handoff.py`).
 
 The names other modules import from here (`EtcdClusterView`, `ClaimRefused`, `SessionMovedOn`)
 stay importable.
@@ -57,6 +59,7 @@ from .waits import wait_within
 if TYPE_CHECKING:
     from .durables import DurableHandover
     from .floors import CursorFloors
+    from .leader_handoff import LeaderHandoff
     from .replicated_shards import ReplicatedShards
     from .sessions import SessionHandover
     from .shared_files import SharedFiles
@@ -173,6 +176,9 @@ class ClusterNode:
         self.floors: CursorFloors | None = None
         # the replicated shards this node leads or follows (replicated_shards.ReplicatedShards)
         self.replicas: ReplicatedShards | None = None
+        # this node's answers to the controller's requests to quiesce a shard before a drain
+        # moves it (leader_handoff.LeaderHandoff; set by `attach.join` with `replicas`)
+        self.handoff: LeaderHandoff | None = None
         # this node runs the replication data path (set before `join`; its registration says
         # so, and only such nodes receive replicas: `replication.py`)
         self.replication = False
@@ -522,6 +528,8 @@ class ClusterNode:
 
     async def stop(self) -> None:
         """Stop the loops and end the lease (the node's keys go with it)."""
+        if self.handoff is not None:
+            await self.handoff.close()
         if self.durables is not None:
             self.durables.stop()
         if self.handover is not None:

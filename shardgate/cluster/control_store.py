@@ -11,6 +11,7 @@ The transactions:
 - a registration, created only where no key is (`register`), or taken over from a stale key
   of the same node only while that key is unchanged (`take_over_registration`);
 - the controller's election: `controller` created under the campaigner's lease (`campaign`);
+- a drain's quiesce requests (`write_quiesce_requests`), compared on the election;
 - placement (`write_placement`): each transaction compares the controller's election (the
   `controller` key's create revision) and the `placement-guard` revision the writer last
   saw, and bumps the guard, so a deposed controller's write, or one made from a stale view,
@@ -170,6 +171,25 @@ class ControlStore:
 
     async def clear_drain(self, node_id: str) -> None:
         await self.delete(keys.DRAIN + node_id)
+
+    async def write_quiesce_requests(self, controller_revision: int,
+                                     put: Mapping[tuple[str, int], tuple[str, int]],
+                                     removed: Iterable[tuple[str, int]], lease: int) -> bool:
+        """The controller's requests that live leaders quiesce shards before a drain moves
+        them: `put` (shard -> (leader, its epoch)) under the controller's `lease` (a deposed
+        controller's requests go with it), `removed` deleted; each transaction compared on the
+        controller's election. False when one failed (another controller won)."""
+        ops = [put_op(self.key(f"{keys.QUIESCE}{stream}/{shard}"),
+                      keys.encode({"leader": leader, "epoch": epoch}), lease)
+               for (stream, shard), (leader, epoch) in put.items()]
+        ops += [delete_op(self.key(f"{keys.QUIESCE}{stream}/{shard}")) for stream, shard in removed]
+        for start in range(0, len(ops), MAX_TXN_OPS):
+            result = await self.client.txn(
+                [create_revision_is(self.key(keys.CONTROLLER), controller_revision)],
+                ops[start:start + MAX_TXN_OPS])
+            if not result.succeeded:
+                return False
+        return True
 
     # ---------------------------------------------------------------- leases and registration
     async def grant_lease(self, ttl: int) -> int:

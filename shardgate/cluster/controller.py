@@ -12,6 +12,10 @@ streams (and reliable shards with a replica on a draining node, moved by copying
 `replica_placement.ReplicaPlacer`: replicas for new shards, a new leader from the in-sync set
 when one dies (a new epoch), the in-sync set changes leaders propose (`isr/<stream>/<shard>`,
 deleted in the same transaction), and the drain of the nodes named under `drain/` or leaving.
+Before a drain moves a live leader's leadership away, the controller asks that leader to
+quiesce the shard (`quiesce/<stream>/<shard>`, under the controller's lease) and moves it once
+the leader answered (`quiesced/...`, `leader_handoff.py`) or a bound passed
+(`replica_placement.QUIESCE_WAIT_S`); a request no longer wanted is deleted.
 
 The decisions here read the view and decide; every etcd write is `control_store.py`'s.
 """
@@ -110,7 +114,9 @@ def desired_placement(view: EtcdClusterView, placer: ReplicaPlacer, leases_seen:
                     and registrations[placed.leader].lease != placed.leader_lease)
     nodes = Nodes(
         alive=frozenset(registrations), placeable=frozenset(replica_nodes(view, draining)),
-        rejoined=frozenset(rejoined), draining=frozenset(draining))
+        rejoined=frozenset(rejoined), draining=frozenset(draining),
+        leaving=frozenset(node for node, reg in registrations.items() if reg.leaving),
+        quiesced=dict(view.quiesced))
     proposals = {key: proposal for key, (proposal, _) in view.proposals.items()}
     for key, placed in placer.place(replicated, current, nodes, now, proposals).items():
         placed_now[key] = _with_leader_lease(placed, current.get(key), registrations)
@@ -174,6 +180,10 @@ class Controller:
                                             settings.unclean_leader_election)
         self.leases_seen: dict[str, int] = {}
         self.replication_defaults = settings.replication_defaults
+        # the quiesce requests this controller wrote (`replica_placement.ReplicaPlacer.quiesce_wanted`),
+        # under the lease it held then (they go with it)
+        self.quiesce_asked: dict[tuple[str, int], tuple[str, int]] = {}
+        self._quiesce_lease = 0
 
     @property
     def elected(self) -> bool:
@@ -188,6 +198,8 @@ class Controller:
             await self.campaign(lease)
         if self.elected:
             await self.write_placement()
+            if self.elected:
+                await self.ask_quiesce(lease)
 
     async def campaign(self, lease: int) -> None:
         elected = await self.store.campaign(self.node_id, lease)
@@ -220,3 +232,26 @@ class Controller:
                 del view.placement[name]
             log.info("cluster: placement written (%d streams changed)",
                      len(change.put) + len(change.removed))
+
+    async def ask_quiesce(self, lease: int) -> None:
+        """Keep in etcd the requests that live leaders quiesce the shards a drain moves off
+        them (what the last placement pass wanted), and no others. Raises EtcdError."""
+        view = self.view
+        wanted = self.replica_placer.quiesce_wanted
+        if lease != self._quiesce_lease:
+            self.quiesce_asked.clear()
+            self._quiesce_lease = lease
+        removed = sorted((view.quiesce_requests.keys() | self.quiesce_asked.keys()) - wanted.keys())
+        put = {key: asked for key, asked in sorted(wanted.items())
+               if self.quiesce_asked.get(key) != asked}
+        if not put and not removed:
+            return
+        if not await self.store.write_quiesce_requests(view.controller_revision, put, removed,
+                                                       lease):
+            return  # another controller won: the watch catches up
+        for key in removed:
+            self.quiesce_asked.pop(key, None)
+        self.quiesce_asked.update(put)
+        for (stream, shard), (leader, epoch) in put.items():
+            log.info("cluster: asked %s to quiesce %s/%d (epoch %d) before it is moved",
+                     leader, stream, shard, epoch)

@@ -57,6 +57,10 @@ class EtcdClusterView:
         self.draining: set[str] = set()
         # in-sync set proposals of replicated shards' leaders, with their etcd key's revision
         self.proposals: dict[tuple[str, int], tuple[IsrProposal, int]] = {}
+        # a drain's handshake (`leader_handoff.py`): the controller's requests that a shard's
+        # leader quiesce it, and the leaders' answers, each as (leader, leader epoch)
+        self.quiesce_requests: dict[tuple[str, int], tuple[str, int]] = {}
+        self.quiesced: dict[tuple[str, int], tuple[str, int]] = {}
         self._callbacks: list[Callable[[], None]] = []
         self._node_infos: dict[str, NodeInfo] = {}
 
@@ -131,6 +135,8 @@ class EtcdClusterView:
         self.session_entries.clear()
         self.draining.clear()
         self.proposals.clear()
+        self.quiesce_requests.clear()
+        self.quiesced.clear()
         self.controller_id = None
         self.controller_revision = 0
         self.guard_revision = 0
@@ -237,6 +243,10 @@ class EtcdClusterView:
                     self.proposals.pop((stream, int(index)), None)
                 else:
                     self.proposals[(stream, int(index))] = (decode_proposal(value), event.revision)
+            elif key.startswith(keys.QUIESCE):
+                self._set_handoff(self.quiesce_requests, key[len(keys.QUIESCE):], value)
+            elif key.startswith(keys.QUIESCED):
+                self._set_handoff(self.quiesced, key[len(keys.QUIESCED):], value)
             elif key.startswith((keys.DOCUMENTS, keys.AMQP, keys.SCHEMAS)):
                 if value is None:
                     self.documents.pop(key, None)
@@ -251,6 +261,16 @@ class EtcdClusterView:
             table.pop(name, None)
         else:
             table[name] = keys.decode(value)
+
+    @staticmethod
+    def _set_handoff(table: dict[tuple[str, int], tuple[str, int]], name: str,
+                     value: bytes | None) -> None:
+        stream, _, index = name.rpartition("/")
+        if value is None:
+            table.pop((stream, int(index)), None)
+        else:
+            data = keys.decode(value)
+            table[(stream, int(index))] = (str(data["leader"]), int(data["epoch"]))
 
     def _refresh_nodes(self) -> None:
         self._node_infos = {

@@ -17,6 +17,11 @@ agrees. Every key lives under `/shardgate/<cluster name>/`; values are JSON.
                            leadership off that node (deleted by `--cancel`)
     isr/<stream>/<shard>   a replicated shard's leader's in-sync set proposal (under the
                            leader's lease); the controller applies or refuses it, then deletes it
+    quiesce/<stream>/<shard>   the controller asks the shard's live leader to quiesce it before
+                           it moves the leadership away (a drain): {leader, epoch}, under the
+                           controller's lease; deleted once moved, or no longer wanted
+    quiesced/<stream>/<shard>  the leader's answer (under its lease): {leader, epoch,
+                           high_watermark, known}; the leader deletes it with the request
 
 Outside that prefix, under `/shardgate/<cluster name>.state/` (read on demand, never watched):
     sessions/<client id>   an MQTT persistent session's last snapshot (sessions.py)
@@ -45,6 +50,9 @@ SCHEMAS = "schemas/"
 SESSIONS = "sessions/"
 DRAIN = "drain/"
 ISR_PROPOSALS = "isr/"
+# a drain's handshake before a live leader is moved (`leader_handoff.py`)
+QUIESCE = "quiesce/"
+QUIESCED = "quiesced/"
 
 
 def encode(value: Any) -> bytes:

@@ -37,7 +37,8 @@ each fetch saying how far the follower holds the log durably. From that the lead
   commit; once the high watermark can move no further (it reached the log end, or `freeze`
   stopped it) and every in-sync follower's fetch says it knows that mark
   (`final_mark_known`), the follower the controller elects knows exactly where this leader's
-  dispatching ended, and hands on only what lies above it.
+  dispatching ended, and hands on only what lies above it. A drain does the same for one
+  shard before the controller moves it; if the move is called off, `reopen` ends it.
 
 Time is given by the caller (`now`, monotonic seconds); acknowledgements are handed back as
 (waiter, error or None) pairs by `take_completed`, so the I/O side resolves its own futures.
@@ -387,6 +388,11 @@ class LeaderReplica(Generic[W]):
         the followers know is the one this leader ends at (what waits is refused when the
         leadership ends, and the next leader hands it on)."""
         self._frozen = True
+
+    def reopen(self) -> None:
+        """A drain's quiesce given up while this leadership stands: publishes are taken,
+        and commits made, again."""
+        self._closed = self._frozen = False
 
     def final_mark_known(self) -> bool:
         """Whether this closed leader's high watermark can move no further (it reached the

@@ -31,7 +31,8 @@ cuts its log back to its durable end and fetches again after a pause (`follow`).
 
 A node that leaves gracefully stops taking publishes for the shards it leads (`stop_taking`,
 then maybe `freeze`; `replica_leader`'s graceful leave) until `handed_over`: its followers
-know the high watermark it ends at. Its leaderships in a newer epoch, if any, stay so.
+know the high watermark it ends at. Its leaderships in a newer epoch, if any, stay so. A
+drain does the same for one shard before the controller moves it, and `reopen` ends it.
 """
 
 from __future__ import annotations
@@ -201,6 +202,14 @@ class ReplicatedShardLog:
             self.leader.close()
             self.leader.freeze()
         self._wake()
+
+    def reopen(self, *, leading: bool) -> None:
+        """A drain's quiesce is over (`replicated_shards.ReplicatedShards.reopen`): a later
+        leadership takes publishes again, and with `leading` the present one too."""
+        self._closed = self._frozen = False
+        if leading and self.leader is not None:
+            self.leader.reopen()
+            self._wake()
 
     @property
     def frozen(self) -> bool:

@@ -17,7 +17,12 @@ Per shard, in order:
 - drain: a draining node's replica is first matched by a new replica on another node; once
   every other replica is in sync (the new one caught up), leadership moves off the draining
   node (next epoch) and its replica is removed. With no node to take its place, it is removed
-  once the others are in sync;
+  once the others are in sync. A live leader that is not leaving is moved only once it
+  quiesced the shard (`leader_handoff.py`): the placer wants a request for it
+  (`ReplicaPlacer.quiesce_wanted`, which the controller keeps in etcd) until the leader
+  answered for its epoch (`Nodes.quiesced`), or `quiesce_wait_s` passed (then it moves as
+  before, and the new leader may dispatch some messages again). A leaving node quiesced what
+  it leads before it said it leaves;
 - a replica added by the rules below is `adding` until it is first in sync: until then it does
   not count towards the replicas that cap the in-sync minimum, so a shard that grows from
   one replica to two goes on acknowledging while the new one copies the log;
@@ -34,14 +39,22 @@ the controller writes only what changed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Set
+import logging
+from collections.abc import Callable, Iterable, Mapping, Set
 from dataclasses import dataclass, field
+from functools import partial
 
 from .placement import ShardPlacement
 from .replica_control import ReplicaSet, apply_proposal, elect, rejoined
 from .replica_leader import IsrProposal
 
+log = logging.getLogger(__name__)
+
 ShardKey = tuple[str, int]
+# how long the controller waits for a live leader's answer to its request to quiesce a shard
+# before it moves the leadership anyway (the leader itself waits at most 3 s for its followers:
+# `leader_handoff.QUIESCE_S`)
+QUIESCE_WAIT_S = 6.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +77,11 @@ class Nodes:
     rejoined: frozenset[str] = frozenset()
     """Registered again (a new lease) since the previous pass."""
     draining: frozenset[str] = frozenset()
+    """Draining or leaving."""
+    leaving: frozenset[str] = frozenset()
+    """Leaving (SIGTERM): each quiesced the shards it leads before it said so."""
+    quiesced: Mapping[ShardKey, tuple[str, int]] = field(default_factory=dict)
+    """The shards whose leader answered a request to quiesce them: (leader, its epoch)."""
 
 
 @dataclass(slots=True)
@@ -74,6 +92,12 @@ class ReplicaPlacer:
     re_replicate_after_s: float = 30.0
     unclean: bool = False
     under_replicated_since: dict[ShardKey, float] = field(default_factory=dict)
+    quiesce_wait_s: float = QUIESCE_WAIT_S
+    quiesce_wanted: dict[ShardKey, tuple[str, int]] = field(default_factory=dict)
+    """After a pass: the shards whose live leader should quiesce them before the move that
+    waits for it: (leader, its epoch); the controller keeps these requests in etcd."""
+    quiesce_since: dict[ShardKey, tuple[str, int, float]] = field(default_factory=dict)
+    """Since when each such move has waited (leader, epoch, time)."""
 
     def place(
         self,
@@ -97,6 +121,7 @@ class ReplicaPlacer:
                     holding[replica] += 1
         result: dict[ShardKey, ShardPlacement] = {}
         wanted_keys = set()
+        quiesce: dict[ShardKey, tuple[str, int]] = {}
         for spec in specs:
             key = (spec.stream, spec.shard)
             wanted_keys.add(key)
@@ -113,14 +138,40 @@ class ReplicaPlacer:
             proposal = proposals.get(key)
             if proposal is not None:
                 record = apply_proposal(record, proposal, nodes.alive) or record
-            record = _drain(record, spec.replicas, nodes, holding)
+            record = _drain(record, spec.replicas, nodes, holding, partial(
+                self._may_move, key, nodes=nodes, now=now, quiesce=quiesce))
             record = self._re_replicate(key, record, spec.replicas, nodes, holding, now)
             record = _shrink(record, spec.replicas, nodes)
             result[key] = _placement(record, placed)
         for key in list(self.under_replicated_since):
             if key not in wanted_keys:
                 del self.under_replicated_since[key]
+        self.quiesce_wanted = quiesce
+        for key in list(self.quiesce_since):
+            if key not in quiesce:
+                del self.quiesce_since[key]
         return result
+
+    def _may_move(self, key: ShardKey, record: ReplicaSet, nodes: Nodes, now: float,
+                  quiesce: dict[ShardKey, tuple[str, int]]) -> bool:
+        """Whether the leadership of `record` may move off its leader now (see the module
+        docstring); where not, the request that it quiesce the shard goes into `quiesce`."""
+        leader = record.leader
+        if leader is None or leader not in nodes.alive or leader in nodes.leaving:
+            return True
+        asked = (leader, record.epoch)
+        if nodes.quiesced.get(key) == asked:
+            return True
+        since = self.quiesce_since.get(key)
+        if since is None or since[:2] != asked:
+            since = self.quiesce_since[key] = (*asked, now)
+        if now - since[2] >= self.quiesce_wait_s:
+            log.warning("%s/%d: leader %s did not quiesce the shard within %.1f s; moving it "
+                        "anyway (the next leader may dispatch some messages again)",
+                        key[0], key[1], leader, self.quiesce_wait_s)
+            return True
+        quiesce[key] = asked
+        return False
 
     def _elect(self, record: ReplicaSet, nodes: Nodes) -> ReplicaSet:
         elected = elect(record, nodes.alive)
@@ -222,8 +273,10 @@ def _new_shard(wanted: int, placeable: frozenset[str], leaders: dict[str, int],
     return ShardPlacement(leader, tuple(replicas), tuple(replicas), 1)
 
 
-def _drain(record: ReplicaSet, wanted: int, nodes: Nodes, holding: dict[str, int]) -> ReplicaSet:
-    """Move a draining node's replica (and leadership) off it (see the module docstring)."""
+def _drain(record: ReplicaSet, wanted: int, nodes: Nodes, holding: dict[str, int],
+           may_move: Callable[[ReplicaSet], bool] = lambda _record: True) -> ReplicaSet:
+    """Move a draining node's replica (and leadership) off it (see the module docstring);
+    `may_move` says whether a draining leader may be moved now."""
     draining = [replica for replica in record.replicas if replica in nodes.draining]
     if not draining or record.leader is None or record.leader not in nodes.alive:
         return record
@@ -246,6 +299,8 @@ def _drain(record: ReplicaSet, wanted: int, nodes: Nodes, holding: dict[str, int
         return record
     leader, epoch = record.leader, record.epoch
     if leader in nodes.draining:
+        if not may_move(record):
+            return record
         leader, epoch = in_sync[0], epoch + 1
     remaining = tuple(replica for replica in replicas if replica not in nodes.draining)
     isr = frozenset(replica for replica in record.isr if replica in remaining)

@@ -26,8 +26,10 @@ the cluster view and the peer link (`attach.join` builds one per node).
     and this node commits it now. At a graceful leave (SIGTERM) that mark is exactly where
     the old leader's dispatching ended: before it announced the leave it stopped taking
     publishes and waited until its in-sync followers knew the high watermark it ends at
-    (`quiesce`). Elsewhere (a drain) the mark this node knew may lag the old leader's last
-    one, and what lies between is dispatched twice;
+    (`quiesce`). A drain does the same per shard before the controller moves it
+    (`leader_handoff.py`). Where the old leader could not (the controller stopped waiting
+    for its answer) the mark this node knew may lag the old leader's last one, and what
+    lies between is dispatched twice;
   - a shard this node held alone before it was given replicas is not handed on: it was
     dispatched here.
   Durable cursors drop what they already have; a live subscriber may get such a message
@@ -47,7 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..core.records import decode_to_message
@@ -118,6 +120,7 @@ class ReplicatedShards:
         self._followed: dict[tuple[str, int], tuple[str, int | None]] = {}
         # the shards this process held alone (one replica, this node): dispatched here
         self._held_alone: set[tuple[str, int]] = set()
+        self._leaving = False  # (`quiesce` of every led shard: `reopen` does nothing then)
 
     def _leading(self, stream: str, shard: int) -> Any:
         return self.manager.leading(stream, shard)
@@ -259,18 +262,24 @@ class ReplicatedShards:
         else:
             waiter.add_done_callback(committed)
 
-    async def quiesce(self, timeout_s: float) -> None:
+    async def quiesce(self, timeout_s: float, shards: Collection[tuple[str, int]] | None = None,
+                      *, why: str = "leaving") -> bool:
         """A graceful leave, before this node announces it (`ClusterNode.leave`), so that the
         controller moves its leaderships to followers that know where its dispatching ended:
         the shards it leads take no more publishes (refused, retryable: their clients send
         them again to the next leader), what they hold commits (for up to two thirds of
         `timeout_s`; then each high watermark stays where it is, what waits is refused and the
         next leader hands it on), and it waits (bounded by `timeout_s`) until every in-sync
-        follower said in a fetch that it knows the high watermark this node ends at."""
+        follower said in a fetch that it knows the high watermark this node ends at.
+        With `shards`, only those (a drain: `leader_handoff.py`; `reopen` undoes it). Whether
+        every in-sync follower said so."""
+        if shards is None:
+            self._leaving = True
         led = [(stream, index, shard_log) for stream, index in sorted(self._led)
-               if (shard_log := self.manager.leading(stream, index)) is not None]
+               if (shards is None or (stream, index) in shards)
+               and (shard_log := self.manager.leading(stream, index)) is not None]
         if not led:
-            return
+            return True
         for _stream, _index, shard_log in led:
             shard_log.stop_taking()
         loop = asyncio.get_running_loop()
@@ -292,12 +301,21 @@ class ReplicatedShards:
             await asyncio.sleep(QUIESCE_POLL_S)
         frozen = [f"{stream}/{index}" for stream, index, shard_log in led if shard_log.frozen]
         if waiting:
-            log.warning("leaving: not every in-sync follower of %s said it knows where this "
-                        "leader's dispatching ends (if elected, it may dispatch some again)",
+            log.warning("%s: not every in-sync follower of %s said it knows where this "
+                        "leader's dispatching ends (if elected, it may dispatch some again)", why,
                         ", ".join(f"{stream}/{index}" for stream, index, _log in waiting))
-        log.info("leaving: %d led shards stopped taking publishes in %.2f s%s", len(led),
+        log.info("%s: %d led shards stopped taking publishes in %.2f s%s", why, len(led),
                  loop.time() - began,
                  f" ({', '.join(frozen)} with messages not committed)" if frozen else "")
+        return not waiting
+
+    def reopen(self, stream: str, index: int, *, leading: bool) -> None:
+        """A drain's `quiesce` of the shard is over (the controller moved it, or wants it
+        moved no more): its next leadership here takes publishes, and with `leading` (this
+        node still leads it in that epoch) so does the present one. Not while this node
+        leaves."""
+        if not self._leaving and self.manager.knows(stream, index):
+            self.manager.shard_log(stream, index).reopen(leading=leading)
 
     async def close(self) -> None:
         self._started = False

@@ -4,7 +4,8 @@
 Replicated shards are placed on every node with leaders spread; a dead leader is replaced by an
 in-sync replica in a new epoch in one transaction; with no live in-sync replica the shard stays
 unavailable until one is back, in a new epoch; leaders' in-sync set proposals are applied or
-refused and deleted; `drain` moves replicas and leadership off a node; and when the controller
+refused and deleted; `drain` moves replicas and leadership off a node (a live leader once it
+answered the controller's request to quiesce the shard); and when the controller
 itself dies another node takes over and goes on.
 """
 
@@ -164,13 +165,27 @@ async def test_drain_moves_replicas_and_leadership_off_a_node_once_the_new_repli
         assert added.leader_epoch == shard.leader_epoch + 1  # the leader learns its new follower
         await asyncio.sleep(1.0)
         assert (await placement_in_etcd(a))[0] == added
-        # the leader says it caught up: leadership and the replica leave the drained node
-        nodes[shard.leader].propose_isr(STREAM, 0, IsrProposal(
+        # the leader says it caught up: the controller asks it to quiesce the shard first
+        leader = nodes[shard.leader]
+        leader.propose_isr(STREAM, 0, IsrProposal(
             shard.leader, added.leader_epoch, added.isr_version, frozenset(added.replicas)))
+        request = leader.key(f"{keys.QUIESCE}{STREAM}/0")
+        await until(lambda: a.view.quiesce_requests.get((STREAM, 0)) is not None)
+        kv = await leader.client.get(request)
+        assert kv is not None and kv.lease  # under the controller's lease
+        assert keys.decode(kv.value) == {"leader": shard.leader, "epoch": added.leader_epoch}
+        assert (await placement_in_etcd(a))[0].leader == shard.leader
+        # it answers (as `leader_handoff.LeaderHandoff` does): leadership and the replica
+        # leave the drained node, and the request goes
+        leader.submit(f"{keys.QUIESCED}{STREAM}/0", keys.encode(
+            {"leader": shard.leader, "epoch": added.leader_epoch, "high_watermark": 0,
+             "known": True}), under_lease=True)
         await until(lambda: shard.leader not in a.view.placement[STREAM][0].replicas)
         drained = (await placement_in_etcd(a))[0]
         assert drained.leader != shard.leader and drained.leader_epoch == added.leader_epoch + 1
         assert set(drained.replicas) == set(drained.isr) == {"a", "b", "c", "d"} - {shard.leader}
+        await until(lambda: (STREAM, 0) not in a.view.quiesce_requests)
+        assert await leader.client.get(request) is None
     finally:
         for node in nodes.values():
             await node.stop()

@@ -349,3 +349,19 @@ def test_only_in_sync_followers_need_to_know_where_a_leaving_leader_ends() -> No
     assert not replica.final_mark_known()
     fetch(replica, "b", 3, knows=3)
     assert replica.final_mark_known()  # c, not in sync, never fetched
+
+
+def test_a_drained_leader_whose_move_is_called_off_takes_publishes_and_commits_again() -> None:
+    replica = leader()
+    append(replica, 4)
+    fetch(replica, "b", 4)
+    fetch(replica, "c", 2)
+    replica.close()
+    replica.freeze()
+    fetch(replica, "c", 4)
+    assert replica.high_watermark == 2
+    replica.reopen()  # the controller wants it moved no more
+    assert replica.check_append(0.0) is None
+    fetch(replica, "c", 4)
+    assert replica.high_watermark == 4
+    assert replica.take_completed() == [(f"m{i}", None) for i in range(4)]

@@ -584,6 +584,35 @@ async def test_a_frozen_leaving_leader_commits_nothing_more_while_its_follower_c
     assert pair.recorder.got == []
 
 
+async def test_a_drains_quiesce_called_off_takes_publishes_and_commits_again(pair: Pair) -> None:
+    future = pair.broker.publish(Message("t/1", b"one"))  # stored, not committed yet
+    assert future is not None
+    pair.replicated.stop_taking()
+    pair.replicated.freeze()
+    pair.start_following()
+    await wait_for(lambda: pair.logs["b"].committed_offset == 1 and pair.replicated.handed_over)
+    assert not future.done()
+    # the controller wants the shard moved no more: this leadership goes on as before
+    pair.replicated.reopen(leading=True)
+    await asyncio.wait_for(future, 10)
+    more = pair.broker.publish(Message("t/1", b"two"))
+    assert more is not None
+    await asyncio.wait_for(more, 10)
+    assert pair.recorder.got == [(0, b"one"), (1, b"two")]
+    # quiesced again, then moved (reopened without its leadership): a later one is open
+    pair.replicated.stop_taking()
+    pair.replicated.reopen(leading=False)
+    with pytest.raises(StorageUnavailable):
+        pair.replicated.append([(0, b"three")])
+    again: LeaderReplica[asyncio.Future[None]] = LeaderReplica(
+        "a", 2, ("a", "b"), ("a", "b"), min_insync=2, lag_time_max_s=30.0,
+        history=pair.history["a"], log_end=pair.logs["a"].next_offset,
+        durable_end=pair.logs["a"].committed_offset, high_watermark=pair.replicated.high_watermark,
+        now=time.monotonic())
+    pair.replicated.lead_again(again)
+    assert pair.replicated.append([(0, b"three")]) == 2
+
+
 async def test_a_replica_that_gave_the_leadership_up_for_a_full_disk_fetches_only_once_it_has_room(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

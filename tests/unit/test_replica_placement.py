@@ -144,10 +144,49 @@ def test_drain_adds_a_replica_then_moves_leadership_once_it_caught_up() -> None:
     assert step1.isr == ("a", "b", "c") and step1.leader_epoch == 4
     # not caught up yet: nothing moves
     assert placer.place(SPEC, {KEY: step1}, draining, now=1.0)[KEY] is step1
+    assert placer.quiesce_wanted == {}
     caught_up = IsrProposal("a", 4, 1, frozenset({"a", "b", "c", "d"}))
     step2 = placer.place(SPEC, {KEY: step1}, draining, now=2.0, proposals={KEY: caught_up})[KEY]
-    assert step2.replicas == ("b", "c", "d") and step2.isr == ("b", "c", "d")
-    assert step2.leader == "b" and step2.leader_epoch == 5
+    # caught up: the leader, live, is asked to quiesce the shard first
+    assert step2.leader == "a" and step2.isr == ("a", "b", "c", "d") and step2.leader_epoch == 4
+    assert placer.quiesce_wanted == {KEY: ("a", 4)}
+    assert placer.place(SPEC, {KEY: step2}, draining, now=3.0)[KEY] is step2
+    # it answered for its epoch: off it goes
+    answered = Nodes(draining.alive, draining.placeable, draining=draining.draining,
+                     quiesced={KEY: ("a", 4)})
+    step3 = placer.place(SPEC, {KEY: step2}, answered, now=3.5)[KEY]
+    assert step3.replicas == ("b", "c", "d") and step3.isr == ("b", "c", "d")
+    assert step3.leader == "b" and step3.leader_epoch == 5
+    assert placer.quiesce_wanted == {} and placer.quiesce_since == {}
+
+
+def test_a_drained_leader_that_does_not_answer_is_moved_after_the_bound() -> None:
+    current = {KEY: ShardPlacement("a", ("a", "b", "c"), ("a", "b", "c"), 3, 1)}
+    draining = nodes(draining=frozenset({"a"}))
+    placer = ReplicaPlacer(quiesce_wait_s=6.0)
+    assert placer.place(SPEC, current, draining, now=10.0)[KEY] is current[KEY]
+    assert placer.quiesce_wanted == {KEY: ("a", 3)}
+    # an answer for another epoch is not one for this
+    stale = Nodes(draining.alive, draining.placeable, draining=draining.draining,
+                  quiesced={KEY: ("a", 2)})
+    assert placer.place(SPEC, current, stale, now=15.9)[KEY] is current[KEY]
+    moved = placer.place(SPEC, current, draining, now=16.0)[KEY]
+    assert moved.leader == "b" and moved.replicas == ("b", "c") and moved.leader_epoch == 4
+    assert placer.quiesce_wanted == {}
+
+
+def test_a_leaving_leader_is_not_asked_to_quiesce_nor_one_no_longer_drained() -> None:
+    current = {KEY: ShardPlacement("a", ("a", "b", "c"), ("a", "b", "c"), 3, 1)}
+    # a leaving node quiesced what it leads before it said it leaves
+    leaving = Nodes(ABC, ABC - {"a"}, draining=frozenset({"a"}), leaving=frozenset({"a"}))
+    placer = ReplicaPlacer()
+    moved = placer.place(SPEC, current, leaving, now=0.0)[KEY]
+    assert moved.leader == "b" and moved.leader_epoch == 4 and placer.quiesce_wanted == {}
+    # a drain withdrawn before the leader answered: no request is wanted any more
+    placer.place(SPEC, current, nodes(draining=frozenset({"a"})), now=1.0)
+    assert placer.quiesce_wanted == {KEY: ("a", 3)}
+    assert placer.place(SPEC, current, nodes(), now=2.0)[KEY] is current[KEY]
+    assert placer.quiesce_wanted == {} and placer.quiesce_since == {}
 
 
 def test_drain_without_a_spare_node_shrinks_the_replicas() -> None:
