@@ -116,7 +116,9 @@ def desired_placement(view: EtcdClusterView, placer: ReplicaPlacer, leases_seen:
         alive=frozenset(registrations), placeable=frozenset(replica_nodes(view, draining)),
         rejoined=frozenset(rejoined), draining=frozenset(draining),
         leaving=frozenset(node for node, reg in registrations.items() if reg.leaving),
-        quiesced=dict(view.quiesced))
+        # answers to the requests as they stand (not to one withdrawn and made again since)
+        quiesced={key: answer[:2] for key, answer in view.quiesced.items()
+                  if view.quiesce_requests.get(key) == answer})
     proposals = {key: proposal for key, (proposal, _) in view.proposals.items()}
     for key, placed in placer.place(replicated, current, nodes, now, proposals).items():
         placed_now[key] = _with_leader_lease(placed, current.get(key), registrations)

@@ -58,9 +58,10 @@ class EtcdClusterView:
         # in-sync set proposals of replicated shards' leaders, with their etcd key's revision
         self.proposals: dict[tuple[str, int], tuple[IsrProposal, int]] = {}
         # a drain's handshake (`leader_handoff.py`): the controller's requests that a shard's
-        # leader quiesce it, and the leaders' answers, each as (leader, leader epoch)
-        self.quiesce_requests: dict[tuple[str, int], tuple[str, int]] = {}
-        self.quiesced: dict[tuple[str, int], tuple[str, int]] = {}
+        # leader quiesce it, as (leader, leader epoch, the request's etcd revision), and the
+        # leaders' answers, as (leader, leader epoch, the revision of the request answered)
+        self.quiesce_requests: dict[tuple[str, int], tuple[str, int, int]] = {}
+        self.quiesced: dict[tuple[str, int], tuple[str, int, int]] = {}
         self._callbacks: list[Callable[[], None]] = []
         self._node_infos: dict[str, NodeInfo] = {}
 
@@ -244,7 +245,8 @@ class EtcdClusterView:
                 else:
                     self.proposals[(stream, int(index))] = (decode_proposal(value), event.revision)
             elif key.startswith(keys.QUIESCE):
-                self._set_handoff(self.quiesce_requests, key[len(keys.QUIESCE):], value)
+                self._set_handoff(self.quiesce_requests, key[len(keys.QUIESCE):], value,
+                                  event.revision)
             elif key.startswith(keys.QUIESCED):
                 self._set_handoff(self.quiesced, key[len(keys.QUIESCED):], value)
             elif key.startswith((keys.DOCUMENTS, keys.AMQP, keys.SCHEMAS)):
@@ -263,14 +265,16 @@ class EtcdClusterView:
             table[name] = keys.decode(value)
 
     @staticmethod
-    def _set_handoff(table: dict[tuple[str, int], tuple[str, int]], name: str,
-                     value: bytes | None) -> None:
+    def _set_handoff(table: dict[tuple[str, int], tuple[str, int, int]], name: str,
+                     value: bytes | None, revision: int | None = None) -> None:
+        """A request (at its `revision`) or an answer (naming the request's) of a drain."""
         stream, _, index = name.rpartition("/")
         if value is None:
             table.pop((stream, int(index)), None)
         else:
             data = keys.decode(value)
-            table[(stream, int(index))] = (str(data["leader"]), int(data["epoch"]))
+            asked = revision if revision is not None else int(data.get("asked", 0))
+            table[(stream, int(index))] = (str(data["leader"]), int(data["epoch"]), asked)
 
     def _refresh_nodes(self) -> None:
         self._node_infos = {

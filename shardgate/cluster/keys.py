@@ -20,8 +20,9 @@ agrees. Every key lives under `/shardgate/<cluster name>/`; values are JSON.
     quiesce/<stream>/<shard>   the controller asks the shard's live leader to quiesce it before
                            it moves the leadership away (a drain): {leader, epoch}, under the
                            controller's lease; deleted once moved, or no longer wanted
-    quiesced/<stream>/<shard>  the leader's answer (under its lease): {leader, epoch,
-                           high_watermark, known}; the leader deletes it with the request
+    quiesced/<stream>/<shard>  the leader's answer (under its lease): {leader, epoch, asked
+                           (the request's revision), high_watermark, known}; the leader
+                           deletes it once the request is gone
 
 Outside that prefix, under `/shardgate/<cluster name>.state/` (read on demand, never watched):
     sessions/<client id>   an MQTT persistent session's last snapshot (sessions.py)

@@ -6,8 +6,10 @@ shard it leads (`ReplicatedShards.quiesce`): the shard takes no more publishes (
 retryable; a forwarding node holds them for the next leader), what it holds commits, and it
 waits, at most `QUIESCE_S`, until every in-sync follower said in a fetch that it knows the
 high watermark this leader ends at. Then it answers (`quiesced/<stream>/<shard>`, under this
-node's lease) and the controller moves the leadership: the follower it elects hands on
-exactly what this leader never dispatched, so no subscriber gets a message twice.
+node's lease, naming the request's etcd revision: an answer to a request withdrawn and made
+again since is no answer to the new one) and the controller moves the leadership: the
+follower it elects hands on exactly what this leader never dispatched, so no subscriber gets
+a message twice.
 
 When the request goes (the controller moved the shard, or wants it moved no more: the drain
 was cancelled, a follower fell out of sync), the shard takes publishes again here, if this
@@ -47,8 +49,9 @@ class LeaderHandoff:
         self.node = node
         self.view = node.view
         self.replicas = replicas
-        # the requests this node took up: shard -> (epoch, the task quiescing it)
-        self._taken: dict[ShardKey, tuple[int, asyncio.Task[None]]] = {}
+        # the requests this node took up: shard -> ((epoch, the request's etcd revision),
+        # the task quiescing it)
+        self._taken: dict[ShardKey, tuple[tuple[int, int], asyncio.Task[None]]] = {}
         self._running = False
 
     def start(self) -> None:
@@ -61,18 +64,19 @@ class LeaderHandoff:
         if not self._running:
             return
         me = self.node.node_id
-        asked = {key: epoch for key, (leader, epoch) in self.view.quiesce_requests.items()
+        asked = {key: (epoch, revision)
+                 for key, (leader, epoch, revision) in self.view.quiesce_requests.items()
                  if leader == me}
-        for key, (epoch, _task) in list(self._taken.items()):
-            if asked.get(key) != epoch:
-                self._withdrawn(key, epoch)
-        for key, epoch in asked.items():
+        for key, (request, _task) in list(self._taken.items()):
+            if asked.get(key) != request:  # withdrawn (and maybe made again since)
+                self._withdrawn(key, request[0])
+        for key, (epoch, revision) in asked.items():
             if key not in self._taken:
                 task = asyncio.get_running_loop().create_task(
-                    self._quiesce(key, epoch), name=f"quiesce-{key[0]}/{key[1]}")
-                self._taken[key] = (epoch, task)
+                    self._quiesce(key, epoch, revision), name=f"quiesce-{key[0]}/{key[1]}")
+                self._taken[key] = ((epoch, revision), task)
 
-    async def _quiesce(self, key: ShardKey, epoch: int) -> None:
+    async def _quiesce(self, key: ShardKey, epoch: int, revision: int) -> None:
         stream, index = key
         loop = asyncio.get_running_loop()
         deadline = loop.time() + QUIESCE_S
@@ -87,8 +91,8 @@ class LeaderHandoff:
         shard_log = self.replicas.manager.leading(stream, index)
         mark = shard_log.high_watermark if shard_log is not None else -1
         self.node.submit(f"{keys.QUIESCED}{stream}/{index}", keys.encode({
-            "leader": self.node.node_id, "epoch": epoch, "high_watermark": mark,
-            "known": known}), under_lease=True)
+            "leader": self.node.node_id, "epoch": epoch, "asked": revision,
+            "high_watermark": mark, "known": known}), under_lease=True)
         log.info("%s/%d: quiesced for the drain (epoch %d, high watermark %d%s)", stream, index,
                  epoch, mark, "" if known else ", not every follower said it knows it")
 
@@ -99,7 +103,7 @@ class LeaderHandoff:
         return leader.epoch if leader is not None else -1
 
     def _withdrawn(self, key: ShardKey, epoch: int) -> None:
-        _epoch, task = self._taken.pop(key)
+        _request, task = self._taken.pop(key)
         task.cancel()
         placed = self.view.leader(*key)
         leading = (placed is not None and placed.leader == self.node.node_id

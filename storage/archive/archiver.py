@@ -14,8 +14,12 @@ record `max_delay_s` old, or `flush`): until then the records stay in the journa
 memory. A buffer becomes a file when it reaches the row or byte target, at an hour boundary
 (each file lies in one `date=/hour=` partition), or when it holds all that is due. Decoding, Parquet encoding and uploads run in
 worker threads: a buffer's row groups are built (decoded) as soon as their records are read,
-two at a time, and at the seal those still missing, while the row groups already built are
-encoded (`_build_ahead`, `_build_and_write`). A failing store is retried with exponential backoff while the lag grows in
+two at a time, and each is Parquet-encoded (which releases the GIL) as soon as it and those
+before it are built, so that a file is mostly encoded while its last records are still read
+on the event loop; the footer entries known only at the seal (the last offset) are added when
+the file is closed, which writes the footer (`_build_ahead`, `_encode_ahead`). At the seal the row groups
+still missing are built, two at a time, and encoded in order (`_build_and_write`). A failing
+store is retried with exponential backoff while the lag grows in
 `status()`. This module never deletes journal data: the caller feeds `archived_offset` to the
 journal's retention.
 
@@ -45,21 +49,23 @@ from .columns import FileEncoder, build_table, warm_up
 from .local_files import write_local_atomically
 from .maintenance import ArchiveMaintenance
 from .settings import ArchiveUnavailable
-from .shard_state import Ahead, ShardState, describe, forget_ahead
+from .shard_state import (
+    Ahead,
+    EncodingAhead,
+    ShardState,
+    describe,
+    forget_ahead,
+    forget_encoding,
+    retrieve,
+)
 from .store import ContinueLog, Leads, RegisteredSchema, StreamList, log
 
 __all__ = ["ContinueLog", "Leads", "RegisteredSchema", "StreamList", "Archiver",
            "write_local_atomically"]
 
 BUILDS_AHEAD = 2
-"""Row groups of a file being built at once (the workers' other thread encodes), and at most
+"""Row groups of a file being built at once (the workers' third thread encodes), and at most
 as many started ahead while a buffer fills."""
-
-
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    """Take a dropped future's outcome, so that its failure is not reported as lost."""
-    if not future.cancelled():
-        future.exception()
 
 
 class Archiver(ArchiveMaintenance):
@@ -274,9 +280,10 @@ class Archiver(ArchiveMaintenance):
     def _build_ahead(self, state: ShardState, last: bool = False) -> None:
         """Start building the buffer's row groups that are whole (`row_group_rows` records)
         and not started yet, at most `BUILDS_AHEAD` unfinished at once; with `last` (the
-        buffer is a whole file: no record will join it), its last part too. A file's table is
-        then mostly built while its records are still being read, or while the file before
-        it is uploaded. The seal uses what was built (`_build_and_write`)."""
+        buffer is a whole file: no record will join it), its last part too. A file's
+        table is then mostly built, and encoded (`_encode_ahead`), while its records are still
+        being read, or while the file before it is uploaded. The seal uses what was built and
+        the file begun (`_build_and_write`)."""
         buffer = state.buffer
         rows = self.settings.row_group_rows
         key = self._build_key(state)
@@ -295,6 +302,35 @@ class Archiver(ArchiveMaintenance):
                 break
             buffer.ahead.append(Ahead(len(part), key, self._workers.run(
                 build_table, state.stream, state.shard, state.schema, part, key[1], key[2])))
+        self._encode_ahead(state, buffer, key)
+
+    def _encode_ahead(self, state: ShardState, buffer: RecordBuffer, key: tuple[Any, ...]) -> None:
+        """Hand the tables built ahead of `buffer` that are not yet to its file's encoder,
+        beginning the file with the first: each is encoded (Parquet encoding releases the GIL)
+        once it and those before it are built, while the journal is still being read. The
+        footer entries known only at the seal (the last offset) are added then."""
+        if not buffer.ahead:
+            return
+        encoding: EncodingAhead | None = buffer.encoding
+        if encoding is None:
+            settings = self.settings
+            encoding = buffer.encoding = EncodingAhead(key, FileEncoder(
+                compression_level=settings.compression_level,
+                row_group_rows=settings.row_group_rows,
+                metadata=self._file_metadata(state.stream, state.shard, buffer[0].offset)))
+        for entry in buffer.ahead[encoding.parts:]:
+            encoding.tail = asyncio.ensure_future(
+                self._encode_after(encoding.tail, entry.table, encoding.encoder))
+            encoding.parts += 1
+
+    async def _encode_after(self, previous: asyncio.Future[None] | None,
+                            table: asyncio.Future[pa.Table], encoder: FileEncoder) -> None:
+        """Encode `table` once it is built and `previous` (the part before it) is encoded; fails
+        if either failed. Shielded: dropping this encode never cancels the build."""
+        if previous is not None:
+            await asyncio.shield(previous)
+        built = await asyncio.shield(table)
+        await self._workers.run(encoder.write, built)
 
     def _built_ahead(self, state: ShardState, records: RecordBuffer,
                      parts: list[RecordBuffer]) -> list[asyncio.Future[pa.Table]]:
@@ -313,32 +349,43 @@ class Archiver(ArchiveMaintenance):
     async def _build_and_write(self, state: ShardState, records: RecordBuffer, path: str) -> int:
         """Build the table of `records` and write it as the file `path`; returns its size.
         A file of several row groups is built a row group's records at a time, `BUILDS_AHEAD`
-        parts at once (those built ahead, `_build_ahead`, are taken as they are), and each
-        part is encoded as soon as it and those before it are built:
-        decoding and Parquet encoding overlap on the worker threads, and the Parquet file is
-        the one `encode_parquet` writes of the whole table."""
+        parts at once (those built ahead, `_build_ahead`, are taken as they are, and the file
+        begun from them, `_encode_ahead`, is continued), and each part is encoded as soon as
+        it and those before it are built: decoding and Parquet encoding overlap on the worker
+        threads, and the Parquet file is, byte for byte, the one `encode_parquet` writes of the
+        whole table."""
         settings = self.settings
         stream, shard = state.stream, state.shard
         first, last = records[0].offset, records[-1].offset
         typed = self._typed_for(stream)
         parts = records.split(settings.row_group_rows)
+        begun: EncodingAhead | None = records.encoding
+        records.encoding = None
         built = self._built_ahead(state, records, parts)
+        if begun is not None and (begun.key != self._build_key(state) or begun.parts > len(built)):
+            records.encoding = begun
+            forget_encoding(records)
+            begun = None
+        encoding: asyncio.Future[None] | None = None
+        if begun is not None:  # the file was begun while its records were read
+            encoder, encoding = begun.encoder, begun.tail
+            built = built[begun.parts:]
         builds: collections.deque[asyncio.Future[pa.Table]] = collections.deque(built)
-        if len(parts) == 1:
+        if len(parts) == 1 and begun is None:
             try:
                 table = await (builds.popleft() if builds else self._workers.run(
                     build_table, stream, shard, state.schema, records, typed,
                     settings.keep_typed_payload))
             finally:
                 for build in builds:
-                    build.add_done_callback(_retrieve)
+                    build.add_done_callback(retrieve)
             return await self._workers.run(self._write_file, path, stream, shard, table,
                                            first, last)
-        encoder = FileEncoder(compression_level=settings.compression_level,
-                              row_group_rows=settings.row_group_rows,
-                              metadata=self._file_metadata(stream, shard, first, last))
-        upcoming = iter(parts[len(built):])
-        encoding: asyncio.Future[None] | None = None
+        if begun is None:
+            encoder = FileEncoder(compression_level=settings.compression_level,
+                                  row_group_rows=settings.row_group_rows,
+                                  metadata=self._file_metadata(stream, shard, first))
+        upcoming = iter(parts[(begun.parts if begun else 0) + len(built):])
 
         def build_next() -> None:
             part = next(upcoming, None)
@@ -358,12 +405,15 @@ class Archiver(ArchiveMaintenance):
                 del table
             if encoding is not None:
                 await encoding
-            data = await self._workers.run(encoder.finish)
+            data = await self._workers.run(
+                encoder.finish, self._file_metadata(stream, shard, first, last))
             await self._workers.run(self._put, path, data)
             return len(data)
         finally:
             for build in builds:  # a failed or cancelled file: what still runs is dropped
-                build.add_done_callback(_retrieve)
+                build.add_done_callback(retrieve)
+            if encoding is not None:
+                encoding.add_done_callback(retrieve)
 
     def _full(self, state: ShardState) -> bool:
         """Whether the buffer is a whole file: no more records will join it."""
@@ -395,9 +445,9 @@ class Archiver(ArchiveMaintenance):
         Arrow tables, a row group's records at a time, two at once, while the row groups
         already built are Parquet-encoded in order (long calls without the GIL), then the
         write; the parts built ahead while the buffer filled (`_build_ahead`) are not built
-        again. Meanwhile the buffer, emptied, reads ahead from `shard_log`, building its row
-        groups ahead too, and its last part when what it read is a whole file, for the next
-        seal. Files of a shard are
+        again, nor encoded again (`_encode_ahead`). Meanwhile the buffer, emptied, reads ahead
+        from `shard_log`, building and encoding its row groups ahead too, and its last part
+        when what it read is a whole file, for the next seal. Files of a shard are
         still uploaded one after the other, in offset order (progress is the highest offset
         among the files). If the upload fails or is cancelled, what was read ahead is dropped
         and the file's records become the buffer again."""

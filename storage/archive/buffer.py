@@ -3,7 +3,8 @@ record blocks (buffers plus position arrays) rather than one object per record.
 
 It reads as a sequence of records where the archiver needs one (`buffer[0]`, `buffer[-1]`,
 `len`), and `joined` gives the Arrow view that `build_table` decodes in bulk. It also carries
-what the archiver built ahead from its first records (`ahead`), which lives and dies with it.
+what the archiver built ahead from its first records (`ahead`) and the file it began encoding
+from them (`encoding`), which live and die with it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def int64_array(values: array[int]) -> pa.Array:
 class RecordBuffer:
     """Record blocks in offset order (see the module docstring)."""
 
-    __slots__ = ("ahead", "blocks", "count")
+    __slots__ = ("ahead", "blocks", "count", "encoding")
 
     def __init__(self, blocks: list[RecordBlock] | None = None) -> None:
         self.blocks: list[RecordBlock] = blocks or []
@@ -38,6 +39,9 @@ class RecordBuffer:
         self.ahead: list[Any] = []
         """The archiver's tables of this buffer's first row groups, built while it filled
         (`archiver.Ahead`): a buffer only grows at its end, so they stay its first rows."""
+        self.encoding: Any = None
+        """The Parquet encoding of those tables, in order, as they are built
+        (`shard_state.EncodingAhead`): the file is begun before its last records are read."""
 
     def __len__(self) -> int:
         return self.count

@@ -12,6 +12,7 @@ column and converted with `pa.array`, never from per-row dicts. No file or netwo
 
 from __future__ import annotations
 
+import base64
 import struct
 from array import array
 from collections.abc import Sequence
@@ -346,16 +347,20 @@ def encode_parquet(
 class FileEncoder:
     """One Parquet file encoded a part at a time (the tables of consecutive rows, all of one
     schema), with `encode_parquet`'s options and footer: the archiver encodes a file's first
-    row groups while the next ones are still being built. Not thread-safe: one thread at a
-    time calls `write` and `finish`, in order."""
+    row groups while its last records are still being read. The footer entries known when the
+    file begins (`metadata`: stream, shard, first offset) are given here, the others (the last
+    offset) to `finish`; the file is byte for byte the one `encode_parquet` writes of the
+    whole table with all of them. Not thread-safe: one thread at a time calls `write` and
+    `finish`, in order."""
 
     def __init__(self, *, compression_level: int = 3, row_group_rows: int = 64 * 1024,
                  metadata: dict[str, str] | None = None) -> None:
         self._options = {"compression_level": compression_level, **PARQUET_OPTIONS}
         self._row_group_rows = row_group_rows
-        self._metadata = metadata
+        self._metadata = dict(metadata or {})
         self._sink = pa.BufferOutputStream()
         self._writer: pq.ParquetWriter | None = None
+        self._schema: pa.Schema | None = None
         self._empty: pa.Table | None = None
 
     def write(self, table: pa.Table) -> None:
@@ -364,21 +369,38 @@ class FileEncoder:
             if not table.num_rows:
                 self._empty = table
                 return
+            self._schema = table.schema
             self._writer = pq.ParquetWriter(
                 self._sink, _file_schema(table.schema, self._metadata), **self._options)
         if table.num_rows:
             self._writer.write_table(table, row_group_size=self._row_group_rows)
 
-    def finish(self) -> bytes:
-        """The whole file's bytes (a file of no rows, as `encode_parquet` writes one, if every
-        part was empty)."""
+    def finish(self, metadata: dict[str, str] | None = None) -> bytes:
+        """The whole file's bytes, its footer entries `metadata` added to those given at the
+        start (a file of no rows, as `encode_parquet` writes one, if every part was empty)."""
+        entries = {**self._metadata, **(metadata or {})}
         if self._writer is None:
             if self._empty is None:
                 raise ValueError("a file encoder was given no table")
             return encode_parquet(self._empty, compression_level=self._options[
-                "compression_level"], row_group_rows=self._row_group_rows, metadata=self._metadata)
+                "compression_level"], row_group_rows=self._row_group_rows, metadata=entries)
+        assert self._schema is not None
+        if entries != self._metadata:
+            self._writer.add_key_value_metadata(_footer_entries(_file_schema(self._schema, entries)))
         self._writer.close()
         return self._sink.getvalue().to_pybytes()
+
+
+def _footer_entries(schema: pa.Schema) -> dict[str, str]:
+    """The key-value entries of the footer of a file written with `schema`: its metadata and
+    the serialized Arrow schema (`ARROW:schema`, which carries that metadata too). Added at the
+    close of a writer opened with fewer entries, they replace its own (later entries win), so
+    that readers find every entry in both places, as in a file written at once: the footer's
+    entries (`pq.read_metadata(...).metadata`) and the Arrow schema's
+    (`pq.read_schema(...).metadata`, `pq.read_table(...).schema.metadata`)."""
+    entries = {key.decode(): value.decode() for key, value in (schema.metadata or {}).items()}
+    entries["ARROW:schema"] = base64.b64encode(schema.serialize().to_pybytes()).decode("ascii")
+    return entries
 
 
 def records_from_table(table: pa.Table) -> list[StoredRecord]:

@@ -55,13 +55,42 @@ class Ahead:
     table: asyncio.Future[pa.Table]
 
 
+@dataclass(slots=True)
+class EncodingAhead:
+    """The Parquet file of a buffer begun before the buffer is sealed: its first `parts`
+    tables built ahead are handed, in order, to `encoder` (`columns.FileEncoder`), each once
+    it and those before it are built; `tail` is done when the last handed over is encoded."""
+
+    key: tuple[Any, ...]
+    """What the tables were built with (as `Ahead.key`)."""
+    encoder: Any
+    parts: int = 0
+    tail: asyncio.Future[None] | None = None
+
+
+def retrieve(future: asyncio.Future[Any]) -> None:
+    """Take a dropped future's outcome, so that its failure is not reported as lost."""
+    if not future.cancelled():
+        future.exception()
+
+
 def forget_ahead(buffer: RecordBuffer, keep: int = 0) -> None:
     """Forget the tables built ahead from `buffer` after its first `keep` (the buffer is
-    dropped, or those tables no longer fit it)."""
+    dropped, or those tables no longer fit it), and the file begun from them if it holds one
+    of those."""
     for entry in buffer.ahead[keep:]:
-        # Retrieve its outcome once done, so that a failed build is not reported as lost.
-        entry.table.add_done_callback(lambda f: f.cancelled() or f.exception())
+        entry.table.add_done_callback(retrieve)
     del buffer.ahead[keep:]
+    forget_encoding(buffer, keep)
+
+
+def forget_encoding(buffer: RecordBuffer, keep: int = 0) -> None:
+    """Drop the file begun from `buffer`'s tables built ahead if it holds more than `keep`."""
+    encoding: EncodingAhead | None = buffer.encoding
+    if encoding is not None and encoding.parts > keep:
+        buffer.encoding = None
+        if encoding.tail is not None:
+            encoding.tail.add_done_callback(retrieve)
 
 
 def describe(exc: BaseException) -> str:

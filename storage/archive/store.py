@@ -195,14 +195,18 @@ class ArchiveStore:
         return len(data)
 
     @staticmethod
-    def _file_metadata(stream: str, shard: int, first: int, last: int) -> dict[str, str]:
-        """The footer entries of an archive file of a shard's offsets `first..last`."""
-        return {
+    def _file_metadata(stream: str, shard: int, first: int,
+                       last: int | None = None) -> dict[str, str]:
+        """The footer entries of an archive file of a shard's offsets `first..last` (without
+        `last`: those known when the file begins, before its last record is read)."""
+        entries = {
             "shardgate.stream": stream,
             "shardgate.shard": str(shard),
             "shardgate.first_offset": str(first),
-            "shardgate.last_offset": str(last),
         }
+        if last is not None:
+            entries["shardgate.last_offset"] = str(last)
+        return entries
 
     def _put(self, path: str, data: bytes) -> None:
         """Make `data` visible at `path` all at once (replacing a previous upload)."""

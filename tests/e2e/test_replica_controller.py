@@ -178,8 +178,8 @@ async def test_drain_moves_replicas_and_leadership_off_a_node_once_the_new_repli
         # it answers (as `leader_handoff.LeaderHandoff` does): leadership and the replica
         # leave the drained node, and the request goes
         leader.submit(f"{keys.QUIESCED}{STREAM}/0", keys.encode(
-            {"leader": shard.leader, "epoch": added.leader_epoch, "high_watermark": 0,
-             "known": True}), under_lease=True)
+            {"leader": shard.leader, "epoch": added.leader_epoch, "asked": kv.mod_revision,
+             "high_watermark": 0, "known": True}), under_lease=True)
         await until(lambda: shard.leader not in a.view.placement[STREAM][0].replicas)
         drained = (await placement_in_etcd(a))[0]
         assert drained.leader != shard.leader and drained.leader_epoch == added.leader_epoch + 1

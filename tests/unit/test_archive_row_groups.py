@@ -2,11 +2,13 @@
 the row groups already built are encoded: the file holds what the whole table written at once
 holds (rows, row groups, footer), its first row group is encoded before its last is built, and
 a part that cannot be built fails the file as a whole, which is retried. Whole row groups are
-built as soon as their records are read, before the file is sealed, each once; a part built
-with a schema version that is no longer the latest at the seal is built again."""
+built as soon as their records are read, before the file is sealed, each once, and encoded
+then, the footer's last offset added at the close; a part built with a schema version that is
+no longer the latest at the seal is built again."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from pathlib import Path
@@ -69,8 +71,10 @@ async def test_a_file_built_in_parts_is_the_file_of_the_whole_table(tmp_path: Pa
 
         records = RecordBuffer([journal.open_shard("s", 0).read_block(0, ROWS)])
         whole = build_table("s", 0, "json", records, TypedSchema("json", SCHEMA, 1, RESERVED))
-        expected = pq.ParquetFile(pa.BufferReader(encode_parquet(
-            whole, row_group_rows=GROUP, metadata=Archiver._file_metadata("s", 0, 0, ROWS - 1))))
+        whole_file = encode_parquet(
+            whole, row_group_rows=GROUP, metadata=Archiver._file_metadata("s", 0, 0, ROWS - 1))
+        assert Path(entry.path).read_bytes() == whole_file  # footer entries included
+        expected = pq.ParquetFile(pa.BufferReader(whole_file))
 
         assert written.metadata.num_row_groups == -(-ROWS // GROUP)
         assert [written.metadata.row_group(i).num_rows for i in range(written.metadata.num_row_groups)] \
@@ -148,6 +152,76 @@ async def test_row_groups_are_built_while_the_file_is_still_being_read(
     assert sorted(e for e in events if e.startswith("build")) == sorted(f"build {p}" for p in parts)
     table = pq.read_table(only_file(tmp_path / "archive").path)
     assert table.column("offset").to_pylist() == list(range(ROWS))
+
+
+async def test_a_file_is_begun_before_its_last_record_is_read_and_ends_as_one_written_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The row groups built while the buffer fills are encoded then, before the last offset
+    (a footer entry) is known; the entries known only at the seal are added at the close, so
+    that the file is the one written at once, and readers find the last offset in the footer
+    and in the Arrow schema as before."""
+    events: list[str] = []
+    lock = threading.Lock()
+    real_write, real_seal = FileEncoder.write, Archiver._seal
+
+    def write_logged(self: FileEncoder, table: pa.Table) -> None:
+        with lock:
+            events.append(f"encode {table.column('offset')[0].as_py()}")
+        real_write(self, table)
+
+    async def seal_logged(self: Archiver, state: Any, *rest: Any) -> bool:
+        begun = state.buffer.encoding
+        assert begun is not None and begun.parts >= 1
+        await asyncio.shield(begun.tail)  # handed over before the seal: it encodes meanwhile
+        events.append("seal")
+        return await real_seal(self, state, *rest)
+
+    monkeypatch.setattr(FileEncoder, "write", write_logged)
+    monkeypatch.setattr(Archiver, "_seal", seal_logged)
+    journal = JournalStorage(tmp_path / "journal", fsync="os")
+    try:
+        fill(journal)
+        await archiver(journal, tmp_path / "archive", read_batch=100).flush(timeout=30)
+        records = RecordBuffer([journal.open_shard("s", 0).read_block(0, ROWS)])
+        whole = build_table("s", 0, "json", records, TypedSchema("json", SCHEMA, 1, RESERVED))
+    finally:
+        journal.close()
+    assert events.index("encode 0") < events.index("seal"), events
+    assert [e for e in events if e.startswith("encode")] == [
+        f"encode {p}" for p in range(0, ROWS, GROUP)]
+    path = only_file(tmp_path / "archive").path
+    assert Path(path).read_bytes() == encode_parquet(
+        whole, row_group_rows=GROUP, metadata=Archiver._file_metadata("s", 0, 0, ROWS - 1))
+    for entries in (pq.read_metadata(path).metadata, pq.read_schema(path).metadata):
+        assert entries[b"shardgate.first_offset"] == b"0"
+        assert entries[b"shardgate.last_offset"] == str(ROWS - 1).encode()
+
+
+async def test_a_part_that_fails_to_encode_before_the_seal_fails_the_file_which_is_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_write = FileEncoder.write
+    failures: list[int] = []
+
+    def write_failing_once(self: FileEncoder, table: pa.Table) -> None:
+        if not failures:
+            failures.append(table.column("offset")[0].as_py())
+            raise MemoryError("a part could not be encoded")
+        real_write(self, table)
+
+    monkeypatch.setattr(FileEncoder, "write", write_failing_once)
+    journal = JournalStorage(tmp_path / "journal", fsync="os")
+    try:
+        fill(journal)
+        archive = archiver(journal, tmp_path / "archive", read_batch=100)
+        await archive.flush(timeout=30)
+    finally:
+        journal.close()
+    assert failures == [0]
+    assert pq.read_table(only_file(tmp_path / "archive").path).column("offset").to_pylist() \
+        == list(range(ROWS))
+    assert archive.status()[0]["files"] == 1
 
 
 async def test_parts_built_before_a_new_schema_version_are_built_again_with_it(
@@ -231,6 +305,7 @@ def test_a_file_encoder_given_only_empty_parts_writes_the_empty_file() -> None:
     encoder = FileEncoder(metadata={"shardgate.stream": "s"})
     encoder.write(empty)
     encoder.write(empty)
-    data = encoder.finish()
-    assert data == encode_parquet(empty, metadata={"shardgate.stream": "s"})
+    data = encoder.finish({"shardgate.last_offset": "0"})
+    assert data == encode_parquet(empty, metadata={"shardgate.stream": "s",
+                                                   "shardgate.last_offset": "0"})
     assert pq.read_table(pa.BufferReader(data)).num_rows == 0

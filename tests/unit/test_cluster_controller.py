@@ -187,3 +187,26 @@ async def test_a_complete_write_becomes_the_views_placement_and_a_refused_one_do
     assert [placed.leader for placed in view.placement["s"]] == ["a"]
     assert view.guard_revision == 1 and not view.proposals
     assert controller.leases_seen == {"a": 1}
+
+
+def test_a_drained_live_leader_is_moved_once_it_answered_the_request_as_it_stands() -> None:
+    three = ShardPlacement("a", ("a", "b", "c"), ("a", "b", "c"), 4)
+    entries = {**{f"nodes/{n}": registration(n, replication=True) for n in "abc"},
+               "streams/r": stream(1, replicas=3), "placement/r": encode_placement([three]),
+               "drain/a": keys.encode({"since_ms": 1})}
+    placer = ReplicaPlacer()
+    desired, _ = desired_placement(view_of(entries), placer, {}, time.monotonic())
+    assert desired["r"] == [three] and placer.quiesce_wanted == {("r", 0): ("a", 4)}
+    # the request (here at revision 7, the seventh key) and an answer naming it: off it goes
+    entries["quiesce/r/0"] = keys.encode({"leader": "a", "epoch": 4})
+    answer = {"leader": "a", "epoch": 4, "asked": 7, "high_watermark": 9, "known": True}
+    entries["quiesced/r/0"] = keys.encode(answer)
+    view = view_of(entries)
+    assert view.quiesce_requests[("r", 0)] == ("a", 4, 7)
+    moved, _ = desired_placement(view, placer, {}, time.monotonic())
+    assert (moved["r"][0].leader, moved["r"][0].leader_epoch) == ("b", 5)
+    assert placer.quiesce_wanted == {}
+    # an answer to an earlier request (withdrawn and made again since) is none to this one
+    entries["quiesced/r/0"] = keys.encode({**answer, "asked": 3})
+    held, _ = desired_placement(view_of(entries), ReplicaPlacer(), {}, time.monotonic())
+    assert held["r"] == [three]

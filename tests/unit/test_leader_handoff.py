@@ -91,8 +91,8 @@ async def test_a_request_is_quiesced_and_answered_and_its_withdrawal_after_the_m
     node.etcd("quiesce/s/0", {"leader": "a", "epoch": 3}, 3)
     await settle()
     assert replicas.quiesced == [(KEY,)]
-    assert node.written == [("quiesced/s/0", {"leader": "a", "epoch": 3, "high_watermark": 42,
-                                              "known": True}, True)]
+    assert node.written == [("quiesced/s/0", {"leader": "a", "epoch": 3, "asked": 3,
+                                              "high_watermark": 42, "known": True}, True)]
     # the controller moved the shard, then deleted its request
     node.etcd("placement/s", placed("b", 4), 4)
     node.etcd("quiesce/s/0", None, 5)
@@ -112,6 +112,18 @@ async def test_a_request_withdrawn_while_this_node_still_leads_reopens_the_prese
     node.etcd("quiesce/s/0", None, 3)  # the drain was cancelled
     assert replicas.reopened == [("s", 0, True)]
     assert node.written[-1] == ("quiesced/s/0", None, False)
+    # drained again: a new request (its answer names it), taken up anew
+    node.etcd("quiesce/s/0", {"leader": "a", "epoch": 3}, 4)
+    await settle()
+    assert replicas.quiesced == [(KEY,), (KEY,)] and node.written[-1][1]["asked"] == 4
+    # withdrawn and made again between two looks at the view: reopened, then quiesced again
+    node.view.apply(PREFIX, [WatchEvent(PREFIX + "quiesce/s/0", None, 5, 0),
+                             WatchEvent(PREFIX + "quiesce/s/0", keys.encode(
+                                 {"leader": "a", "epoch": 3}), 6, 6)])
+    node.view.changed()
+    await settle()
+    assert replicas.reopened == [("s", 0, True), ("s", 0, True)]
+    assert replicas.quiesced == [(KEY,)] * 3 and node.written[-1][1]["asked"] == 6
     await handoff.close()
 
 
