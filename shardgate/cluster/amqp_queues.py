@@ -110,6 +110,8 @@ class SharedQueues:
         self.host: QueueHost | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._live: set[str] = set()
+        # the consumer links of this node's clients, open to the queues' homes
+        self._consumer_links: set[ConsumerLink] = set()
         # calls waiting until this node's view of etcd reaches a revision
         self._revision_waiters: list[tuple[int, asyncio.Future[None]]] = []
         # records in etcd that cannot be restored: logged once each, left where they are
@@ -293,13 +295,20 @@ class SharedQueues:
         return json.loads(reply)  # type: ignore[no-any-return]
 
     def consume(self, node: str, request: dict[str, Any], receive: Callable[[bytes], None]) -> ConsumerLink:
-        return ConsumerLink(self, node, {**request, "node": self.node.node_id}, receive)
+        link = ConsumerLink(self, node, {**request, "node": self.node.node_id}, receive)
+        self._consumer_links.add(link)
+        link.ended.add_done_callback(lambda _ended: self._consumer_links.discard(link))
+        return link
 
     def _view_changed(self) -> None:
         live = set(self.node.view.nodes())
         assert self.host is not None  # watched once installed
         for gone in self._live - live:
             self.host.node_gone(gone)
+            # (a home that stopped answering, frozen or cut off, leaves its streams open
+            # for good: their consumers would wait on them without a word)
+            for link in [link for link in self._consumer_links if link.node == gone]:
+                link.home_gone()
         self._live = live
         if self.replicas is not None:
             self.replicas.consider()
@@ -436,10 +445,26 @@ class ConsumerLink:
     def __init__(self, queues: SharedQueues, node: str, request: dict[str, Any],
                  receive: Callable[[bytes], None]) -> None:
         self.receive = receive
+        self.node = node
         self.closed = False
         self._out: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._out.put_nowait(json.dumps(request, separators=(",", ":")).encode())
         self._task = asyncio.get_running_loop().create_task(self._run(queues, node))
+        # done when the link has ended, however
+        self.ended: asyncio.Future[None] = self._task
+
+    def home_gone(self) -> None:
+        """The home node left the view: the link ends (the consumer gets b"", as when the
+        stream breaks), without waiting for a stream the home may never answer again."""
+        self._task.cancel()
+        # (a task cancelled before it ran never reaches its `finally`)
+        self._task.add_done_callback(lambda _task: self._gone())
+
+    def _gone(self) -> None:
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(Exception):
+                self.receive(b"")
 
     def send(self, frame: bytes) -> None:
         if not self.closed:
@@ -476,7 +501,4 @@ class ConsumerLink:
         except asyncio.CancelledError:
             pass
         finally:
-            if not self.closed:
-                self.closed = True
-                with contextlib.suppress(Exception):
-                    self.receive(b"")
+            self._gone()

@@ -7,7 +7,9 @@ remotely: its node relays its `Subscribe` stream to the holder over the cluster 
 client's credit window passing through end to end), where it is one more consumer of the
 subscription; deliveries, acks, nacks and redeliveries all go through the one cursor. When the
 holder dies, a relayed stream ends with UNAVAILABLE and the SDK resubscribes on its own node,
-which takes the subscription over (`DurableHandover.find`).
+which takes the subscription over (`DurableHandover.find`). So does it when the holder leaves
+this node's view: a holder frozen or cut off past its lease keeps the stream open and silent,
+and its consumers here would wait on it for good.
 
 `DescribeSubscription` and `DeleteSubscription` for a subscription held elsewhere are asked of
 its holder the same way, or answered from its etcd record when the holder is down.
@@ -67,6 +69,17 @@ class DurableConsumers:
         self.node = handover.node
         self.broker = handover.broker
         self.rpc = handover.rpc
+        # the relayed streams open now, by holder: ended when their holder leaves the view
+        self._relays: dict[str, set[Any]] = {}
+        self.node.view.on_change(self._view_changed)
+
+    def _view_changed(self) -> None:
+        if not self._relays:
+            return
+        live = self.node.view.nodes()
+        for holder in [holder for holder in self._relays if holder not in live]:
+            for call in self._relays.pop(holder):
+                call.cancel()
 
     # ------------------------------------------------------------ the holder
     def serve(self, grpc_server: GrpcServer) -> grpc.GenericRpcHandler:
@@ -240,7 +253,10 @@ class DurableConsumers:
 
         sender = asyncio.ensure_future(upstream())
         sender.add_done_callback(lambda task: task.cancelled() or task.exception())
+        relays = self._relays.setdefault(holder, set())
+        relays.add(call)
         failure: grpc.aio.AioRpcError | None = None
+        left = False
         try:
             while True:
                 response = await call.read()
@@ -249,9 +265,25 @@ class DurableConsumers:
                 await context.write(response)
         except grpc.aio.AioRpcError as exc:
             failure = exc
+        except asyncio.CancelledError:
+            # grpc.aio raises CancelledError in the reader of a call cancelled elsewhere: here
+            # `_view_changed` (the holder left), unless this task itself is being cancelled
+            task = asyncio.current_task()
+            if not call.cancelled() or self._relays.get(holder) is relays or (
+                    task is not None and task.cancelling()):
+                raise
+            left = True
         finally:
             sender.cancel()
             call.cancel()
+            relays.discard(call)
+            if not relays and self._relays.get(holder) is relays:
+                del self._relays[holder]
+        if left:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"node {holder}, where durable subscription {name!r} is consumed, "
+                                "left the cluster; retry")
+            return
         if failure is None:
             return
         code, details = failure.code(), failure.details() or ""

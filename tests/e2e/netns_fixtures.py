@@ -20,6 +20,10 @@ with setns(2), which needs root), which the caller then uses from any thread.
 
 Creating namespaces needs root and iproute2's `ip`: `PartitionNet.create` skips the test
 (pytest.skip, with the reason) where either is missing or a namespace cannot be made.
+
+A link can also be made slow and lossy instead of cut (`impair_peer_link`: iproute2's `tc`
+with the kernel's netem queueing discipline, both ways); `netem_missing` says why that cannot
+be done here (no `tc`, or a kernel built without netem), tried in a namespace of its own.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from typing import TypeVar
 import pytest
 
 IP = shutil.which("ip") or next((path for path in ("/usr/sbin/ip", "/sbin/ip") if os.path.exists(path)), None)
+TC = shutil.which("tc") or next((path for path in ("/usr/sbin/tc", "/sbin/tc") if os.path.exists(path)), None)
 CLONE_NEWNET = 0x40000000
 _RUNS = itertools.count()
 T = TypeVar("T")
@@ -51,6 +56,38 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     if check and done.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
     return done
+
+
+def _tc(*args: str, netns: str | None = None) -> None:
+    assert TC is not None and IP is not None
+    command = [TC, *args] if netns is None else [IP, "netns", "exec", netns, TC, *args]
+    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"tc {' '.join(args)}: {done.stderr.strip()}")
+
+
+def netem_missing() -> str | None:
+    """Why a link cannot be made slow and lossy here (None: it can): tried on the loopback of
+    a namespace made for it (root and `ip` are needed, as for `PartitionNet`)."""
+    if IP is None:
+        return "no iproute2 `ip` command to make network namespaces with"
+    if TC is None:
+        return "no iproute2 `tc` command to shape a link with"
+    if os.geteuid() != 0:
+        return "network namespaces and queueing disciplines need root"
+    probe = f"sg{os.getpid()}{next(_RUNS)}"[-8:] + "nm"
+    done = _ip("netns", "add", probe, check=False)
+    if done.returncode != 0:
+        return f"cannot create a network namespace: {done.stderr.strip()}"
+    try:
+        _ip("-n", probe, "link", "set", "lo", "up")
+        _tc("qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms", netns=probe)
+    except RuntimeError as exc:
+        return (f"this kernel cannot delay or drop packets with netem (CONFIG_NET_SCH_NETEM; "
+                f"{exc})")
+    finally:
+        _ip("netns", "del", probe, check=False)
+    return None
 
 
 def in_netns(netns: str, work: Callable[[], T]) -> T:
@@ -211,6 +248,17 @@ class PartitionNet:
     def cut_from_everything(self, index: int) -> None:
         _ip("link", "set", self._peer_link(index), "down")
         _ip("link", "set", self._front_link(index), "down")
+
+    def impair_peer_link(self, index: int, *netem: str) -> None:
+        """Make node `index`'s peer link slow or lossy both ways: `netem` is what follows
+        `tc qdisc add ... netem` (e.g. "delay", "200ms", "loss", "5%"); each way gets it."""
+        _tc("qdisc", "add", "dev", self._peer_link(index), "root", "netem", *netem)
+        _tc("qdisc", "add", "dev", "peer", "root", "netem", *netem, netns=self.netns(index))
+
+    def restore_peer_link(self, index: int) -> None:
+        """Node `index`'s peer link as it was before `impair_peer_link`."""
+        _tc("qdisc", "del", "dev", self._peer_link(index), "root")
+        _tc("qdisc", "del", "dev", "peer", "root", netns=self.netns(index))
 
     def heal(self, index: int) -> None:
         _ip("link", "set", self._peer_link(index), "up")
