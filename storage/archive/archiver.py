@@ -330,7 +330,7 @@ class Archiver(ArchiveMaintenance):
         if previous is not None:
             await asyncio.shield(previous)
         built = await asyncio.shield(table)
-        await self._workers.run(encoder.write, built)
+        await self._workers.encode(encoder.write, built)
 
     def _built_ahead(self, state: ShardState, records: RecordBuffer,
                      parts: list[RecordBuffer]) -> list[asyncio.Future[pa.Table]]:
@@ -401,11 +401,11 @@ class Archiver(ArchiveMaintenance):
                 build_next()
                 if encoding is not None:
                     await encoding
-                encoding = self._workers.run(encoder.write, table)
+                encoding = self._workers.encode(encoder.write, table)
                 del table
             if encoding is not None:
                 await encoding
-            data = await self._workers.run(
+            data = await self._workers.encode(
                 encoder.finish, self._file_metadata(stream, shard, first, last))
             await self._workers.run(self._put, path, data)
             return len(data)

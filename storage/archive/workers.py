@@ -13,9 +13,13 @@ from typing import Any, TypeVar
 import pyarrow as pa
 
 T = TypeVar("T")
-ARCHIVE_THREADS = 3
-"""An archiver's worker threads: two build a file's row groups (or the next file's table)
-while the third encodes and writes those already built."""
+ARCHIVE_THREADS = 2
+"""Threads that build tables (two row groups of a file at once, or the next file's) and run
+the archiver's other work (uploads, listings, compaction)."""
+ENCODE_THREADS = 1
+"""Threads that only Parquet-encode (`encode`): a row group built is encoded at once, never
+queued behind builds that hold the GIL, so that encoding overlaps them and the journal's
+reading on the second core."""
 RELEASE_WAIT_S = 1.0
 
 
@@ -28,22 +32,35 @@ class Workers:
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
+        self._encode_pool: ThreadPoolExecutor | None = None
 
     def run(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(ARCHIVE_THREADS, thread_name_prefix="shardgate-archive")
         return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    def encode(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Run a Parquet encoding step (in submission order: one thread)."""
+        if self._encode_pool is None:
+            self._encode_pool = ThreadPoolExecutor(
+                ENCODE_THREADS, thread_name_prefix="shardgate-archive-encode")
+        return asyncio.get_running_loop().run_in_executor(self._encode_pool, fn, *args)
+
     async def release(self) -> None:
         """Every worker returns Arrow's free pages (each call waits at a barrier until all
-        have started, so that each runs in a different thread)."""
-        barrier = threading.Barrier(ARCHIVE_THREADS, timeout=RELEASE_WAIT_S)
-        await asyncio.gather(*(self.run(_release_in_thread, barrier) for _ in range(ARCHIVE_THREADS)))
+        of its pool's have started, so that each runs in a different thread)."""
+        builders = threading.Barrier(ARCHIVE_THREADS, timeout=RELEASE_WAIT_S)
+        encoders = threading.Barrier(ENCODE_THREADS, timeout=RELEASE_WAIT_S)
+        await asyncio.gather(
+            *(self.run(_release_in_thread, builders) for _ in range(ARCHIVE_THREADS)),
+            *(self.encode(_release_in_thread, encoders) for _ in range(ENCODE_THREADS)),
+        )
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
+        for pool in (self._pool, self._encode_pool):
+            if pool is not None:
+                pool.shutdown(wait=False)
+        self._pool = self._encode_pool = None
 
 
 def _release_in_thread(barrier: threading.Barrier) -> None:
