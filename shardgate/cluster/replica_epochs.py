@@ -173,9 +173,6 @@ class ReplicaError(enum.Enum):
     """The follower's next offset is no longer in the leader's log (retention)."""
     NOT_ENOUGH_REPLICAS = "not_enough_replicas"
     """Fewer replicas than `min_insync_replicas` are in sync: the publish is not taken."""
-    NOT_ENOUGH_REPLICAS_AFTER_APPEND = "not_enough_replicas_after_append"
-    """The message is stored, but the in-sync set shrank below the minimum before it was
-    committed: not acknowledged (a retry may store it twice: at least once)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,13 @@ each fetch saying how far the follower holds the log durably. From that the lead
 - the **high watermark**: the lowest durable end over the in-sync set (the leader's own
   included). Everything below it is held by every in-sync replica; readers see only that;
 - the acknowledgement of each publish: once the high watermark passes it, and only while at
-  least `min_insync_replicas` replicas are in sync (else it is refused, retryable);
+  least `min_insync_replicas` replicas are in sync. A publish is refused (retryable) before it
+  is appended when fewer are in sync, never after: one the mark passed while the set was below
+  the minimum is in the shard for good (readers see it), so a refusal would only make its
+  client send it again and the shard hold it twice (Kafka's NOT_ENOUGH_REPLICAS_AFTER_APPEND
+  without an idempotent producer). It waits instead, and is acknowledged once the set is back
+  at the minimum (a follower returns to it only holding everything below the mark), or
+  refused (NOT_LEADER) when this leadership ends first;
 - **in-sync set changes**, proposed, never made: a follower not caught up for
   `lag_time_max_s` is proposed for removal, a follower that reached the high watermark
   (fetching in this epoch) for return. The controller writes the change in etcd and the
@@ -423,9 +429,9 @@ class LeaderReplica(Generic[W]):
         if candidate > self._hw:
             self._hw = candidate
         waiting = self._waiting
-        if not waiting or waiting[0][0] > self._hw:
+        if not waiting or waiting[0][0] > self._hw or len(self._isr) < self.min_insync:
+            # below the minimum, what the mark passed waits (see the module docstring)
             return
-        error = None if len(self._isr) >= self.min_insync else ReplicaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND
         while waiting and waiting[0][0] <= self._hw:
             _end, _seq, waiter = heapq.heappop(waiting)
-            self._done.append((waiter, error))
+            self._done.append((waiter, None))

@@ -5,8 +5,9 @@ follower's side as the fetcher fills it (the I/O around `replica_leader` and
 `ReplicatedShardLog` stands where the core expects a `ShardLog` (the broker appends to it,
 durable cursors and the archiver read it). While this node leads the shard
 (`lead`), an append goes to the journal and its commit future resolves when the high
-watermark passes it, not when the local fsync is done; it fails with `ShardUnavailable`
-when this leadership ends first or the in-sync set fell below the minimum. Readers see only
+watermark passes it while `min_insync_replicas` replicas are in sync (it waits while fewer
+are: `replica_leader`), not when the local fsync is done; it fails with `ShardUnavailable`
+when this leadership ends first. Readers see only
 what is below the high watermark (`deliverable_end`, `committed_offset`, `read`,
 `read_block`): a record above it may still be cut by a failover, so nobody may have seen it.
 Appends are refused (`NotEnoughReplicas`, `NotLeader`: both `StorageUnavailable`, which the
@@ -75,8 +76,6 @@ class NotEnoughReplicas(StorageUnavailable):
 _REFUSALS: dict[ReplicaError, str] = {
     ReplicaError.NOT_LEADER: "this node no longer leads the shard",
     ReplicaError.NOT_ENOUGH_REPLICAS: "fewer replicas than min_insync_replicas are in sync",
-    ReplicaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND:
-        "the in-sync replicas fell below min_insync_replicas before the message was committed",
 }
 
 

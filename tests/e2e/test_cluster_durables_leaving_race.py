@@ -28,12 +28,11 @@ from tests.e2e.cluster_fixtures import (
 )
 from tests.e2e.test_cluster_state_sessions import etcd_get
 
-# One copy per shard: these tests are about the subscription's move, and count every message a
-# consumer gets twice. With replicated shards (the default in a cluster), the leader of a shard
-# whose replica leaves can refuse a publish it had already appended, retryably; the producer
-# sends it again and the stream holds it twice (at least once), which is not what is tested here.
-WORK = ('[[streams]]\nname = "work"\nmode = "reliable"\npartitions = 3\nroutes = ["work/#"]\n'
-        'replicas = 1\n')
+# Replicated shards, as a cluster has them by default (3 replicas, 2 in sync): a publish its
+# shard's leader appended is stored once even when a node leaves before it is committed (a
+# forwarded one is held and sent to the next leader, which finds it; one on the leader's node
+# waits for its replicas), so the consumer gets nothing twice.
+WORK = '[[streams]]\nname = "work"\nmode = "reliable"\npartitions = 3\nroutes = ["work/#"]\n'
 KEY = "/shardgate/test.state/durables/ledger"
 BEFORE = 20  # acknowledged on the leaving node, and known there to be: never sent again
 DURING = 60  # published while the leaving node stops and the consumer moves

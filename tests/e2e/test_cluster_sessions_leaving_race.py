@@ -18,12 +18,8 @@ from typing import Any
 from tests.e2e.cluster_fixtures import EtcdServer, protocol_node, settled_nodes, wait_settled
 from tests.mqtt_clients import V5, Paho
 
-# One copy per shard: these tests are about the sessions' move. With replicated shards (the
-# default in a cluster), a shard whose third replica was still catching up when a node left
-# refuses publishes (retryably: fewer replicas than min_insync_replicas in sync), which is
-# not what is tested here (see test_cluster_durables_leaving_race.py).
-WORK = ('[[streams]]\nname = "work"\nmode = "reliable"\npartitions = 3\nroutes = ["work/#"]\n'
-        'replicas = 1\n')
+# Replicated shards, as a cluster has them by default (3 replicas, 2 in sync).
+WORK = '[[streams]]\nname = "work"\nmode = "reliable"\npartitions = 3\nroutes = ["work/#"]\n'
 # sessions on the leaving node: its handover sends every other one to the node their clients
 # do not come back to, and the clients and the handover race for each of them
 SESSIONS = 8
