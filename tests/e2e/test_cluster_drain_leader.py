@@ -123,10 +123,14 @@ def test_a_drain_of_the_leading_node_while_publishing_loses_and_duplicates_nothi
                        if count > 1)
         assert not twice, f"{name}: {len(twice)} delivered twice: {twice[:10]}"
     # the drained node's own clients may be refused (retryably) while a shard it leads is
-    # quiesced; a publish forwarded from another node is held there for the next leader
+    # quiesced; a publish forwarded from another node is held there for the next leader. (A
+    # client of the new leader's node may be refused too, in the few milliseconds between
+    # its view naming that node and its replica manager leading: seen once in about 20 runs.)
     refused = [entry for publisher in publishers for entry in publisher.refused]
     assert {code for code, _reason, _topic in refused} <= RETRYABLE, refused[:5]
-    assert [p.refused for p in publishers if p.name != f"via-{drained}"] == [[]] * (count - 1)
+    elsewhere = [entry for p in publishers if p.name != f"via-{drained}" for entry in p.refused]
+    assert all(reason.endswith("this node does not lead the shard")
+               for _code, reason, _topic in elsewhere), elsewhere[:5]
     assert not any(publisher.dropped.is_set() for publisher in publishers)
     # the handshake's keys are gone: requests deleted by the controller, answers by the leader
     wait_for(lambda: not etcd.keys("/quiesce"), timeout=30, interval=0.1)
