@@ -139,7 +139,7 @@ class Broker(StreamCatalog, SubscriptionRegistry, ShardAppends, KeptState):
         if isinstance(shard, Held):
             return shard.receipt  # held for delayed delivery
         placement = self.placement
-        if placement is not None and not placement.serves(shard.stream, shard.index):
+        if placement is not None and not placement.stores(shard.stream, shard.index):
             return placement.forward(message)
         if message.retain:
             self._retain(message)
@@ -218,7 +218,7 @@ class Broker(StreamCatalog, SubscriptionRegistry, ShardAppends, KeptState):
                         outcomes[index] = routed.receipt  # held for delayed delivery
                         continue
                     shard = routed
-                    if placement is not None and not placement.serves(shard.stream, shard.index):
+                    if placement is not None and not placement.stores(shard.stream, shard.index):
                         outcomes[index] = placement.forward(message)
                         continue
                     if (

@@ -29,6 +29,13 @@ class ShardPlacement(Protocol):
         """True when this node owns `stream`/`shard` now and stores its messages itself."""
         ...
 
+    def stores(self, stream: str, shard: int) -> bool:
+        """True when a publish to `stream`/`shard` is stored here now: this node serves it and
+        its log takes messages. False also while the shard's leadership is coming to this node
+        (its replicated log not leading yet): `forward` holds the message for it then, as for
+        a leader elsewhere, instead of the publish being refused."""
+        ...
+
     def forward(self, message: Message) -> asyncio.Future[None]:
         """Send `message` (stream and shard set) to the shard's owner. The future resolves once
         the owner holds it under the stream's durability policy (`message.offset` is set

@@ -166,7 +166,7 @@ class Forwarding:
         if assignment is None or assignment.leader_epoch <= refused_epoch:
             return False
         if assignment.leader == self.node_id:
-            if not self.view.leads(message.stream, message.shard):
+            if not self.plane.stores(message.stream, message.shard):
                 return False
             try:
                 stored = self.publish_here(message)
@@ -318,7 +318,7 @@ class HeldForwards:
                 if key in routes:
                     route = routes[key]
                 else:
-                    route = routes[key] = self._route(view, links, node_id, key)
+                    route = routes[key] = self._route(view, links, node_id, key, plane.stores)
             if route is None:
                 blocked.add(key)
                 self._held.append((message, future, error))
@@ -361,14 +361,16 @@ class HeldForwards:
 
     @staticmethod
     def _route(view: ClusterView, links: dict[str, PeerLink], node_id: str,
-               key: tuple[str, int]) -> tuple[PeerLink | None, int] | None:
+               key: tuple[str, int], stores: Callable[[str, int], bool],
+               ) -> tuple[PeerLink | None, int] | None:
         """Where a held message of shard `key` goes now: the link to its leader (None: this
         node, which leads it) and the leader's epoch; None while no leader can be reached."""
         assignment = view.leader(*key)
         if assignment is None:
             return None
         if assignment.leader == node_id:
-            return (None, assignment.leader_epoch) if view.leads(*key) else None
+            # (not before its replicated log leads: a publish made here meanwhile waits too)
+            return (None, assignment.leader_epoch) if stores(*key) else None
         link = links.get(assignment.leader)
         if link is None or not link.reachable:
             return None

@@ -174,7 +174,8 @@ class ForwardStore:
         acknowledged = not batch.unacknowledged
         result.size(len(items))
         broker = self.broker
-        owned = not self.plane.stopping and self.view.leads(stream_name, shard)
+        # (not while its log does not take publishes: refused, retryably, as below)
+        owned = not self.plane.stopping and self.plane.stores(stream_name, shard)
         # topic -> whether this node routes it to the batch's shard (messages without a key)
         here: dict[str, bool] = {}
         direct: list[Message] = []
@@ -245,7 +246,10 @@ class ForwardStore:
                 later(outcome, message, epoch)
                 return None
             shard = stream.shard_for(message.topic, message.key).index
-            if not view.leads(stream.name, shard):
+            # Named its leader but its log does not take publishes (leadership coming here, or
+            # quiesced to move on): refused like a non-owner's, so that the sender holds it,
+            # under the identity it gave it (held here, it would get another one)
+            if not self.plane.stores(stream.name, shard):
                 assignment = view.leader(stream.name, shard)
                 known = assignment.leader_epoch if assignment is not None else 0
                 if later is not None and epoch > known:

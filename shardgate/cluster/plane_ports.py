@@ -42,6 +42,12 @@ class ReplicaRequests(Protocol):
         """Answer each of `requests` once, through `reply` (the stream they came by)."""
         ...
 
+    def settling(self, stream: str, shard: int) -> bool:
+        """True while the view names this node the leader of replicated shard `stream`/`shard`
+        and its log does not lead yet (its role is changing): a publish here is held for it
+        (`Forwarding`), not refused."""
+        ...
+
 
 class PeerWatch(Protocol):
     """Told of a peer whose cluster port refused every dial for a while (its process is gone)."""
@@ -67,6 +73,9 @@ class NoReplicas:
                    reply: Callable[[pb.PeerReply], None]) -> None:
         reply(pb.PeerReply(replica=[pb.ReplicaAnswer(id=request.id, error="not_leader")
                                     for request in requests]))
+
+    def settling(self, stream: str, shard: int) -> bool:
+        return False
 
 
 class NoPeerWatch:

@@ -87,9 +87,12 @@ class ReplicaService:
     def __init__(self, view: ClusterView, leading: Leading,
                  credentials: NodeCredentials | None = None, *,
                  fetch_wait_s: float = FETCH_WAIT_S,
-                 links: Mapping[str, PeerLink] | None = None) -> None:
+                 links: Mapping[str, PeerLink] | None = None,
+                 replicated: Callable[[str, int], bool] | None = None) -> None:
         self.view = view
         self.leading = leading
+        # whether the placement makes this node one of a shard's several replicas (None: never)
+        self.replicated = replicated
         self.credentials = credentials or NodeCredentials(view.node_id)
         self.fetch_wait_s = fetch_wait_s
         # this node's links to its peers (the data plane's): requests go there; None: gRPC
@@ -98,6 +101,19 @@ class ReplicaService:
         self._next_id = 0
         # the fetches answered after a long poll, until they are
         self._parked: set[asyncio.Task[None]] = set()
+
+    def settling(self, stream: str, shard: int) -> bool:
+        """True while the view names this node the leader of replicated shard `stream`/`shard`
+        and its log does not take publishes: it does not lead yet (its role is changing: the
+        follower's fetch stopping, what it never wrote cut; or it waits for an epoch an
+        earlier run of it did not lead), or it is quiesced for a leave or a drain and its
+        leadership is about to move. Publishes are held meanwhile, for whichever node leads
+        next (`plane_ports.ReplicaRequests.settling`)."""
+        replicated = self.replicated
+        if replicated is None or not replicated(stream, shard):
+            return False
+        leading = self.leading(stream, shard)
+        return leading is None or leading.leader is None or leading.leader.closed
 
     # ------------------------------------------------------------ the leader's side, on a link
     def serve_link(self, peer: str, requests: Sequence[pb.ReplicaRequest],

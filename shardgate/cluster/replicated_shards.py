@@ -107,7 +107,8 @@ class ReplicatedShards:
         self.view = view = node.view
         self.broker = broker
         self.journal = journal
-        self.service = ReplicaService(view, self._leading, node.credentials, links=links)
+        self.service = ReplicaService(view, self._leading, node.credentials, links=links,
+                                      replicated=self._replicated)
         self.manager = ReplicaManager(
             node.node_id, view, journal, self.service.transport,
             min_insync=self._min_insync, lag_time_max_s=lag_time_max_s, propose=propose,
@@ -124,6 +125,9 @@ class ReplicatedShards:
 
     def _leading(self, stream: str, shard: int) -> Any:
         return self.manager.leading(stream, shard)
+
+    def _replicated(self, stream: str, shard: int) -> bool:
+        return self.manager.replicated(stream, shard)
 
     def leading_figures(self, stream: str, shard: int) -> Any:
         """The shard's leadership here (high watermark, log end, lag), for cluster status and

@@ -29,7 +29,7 @@ from shardgate.cluster.link_auth import (
     NodeCredentials,
 )
 from shardgate.cluster.membership import NodeInfo, ShardAssignment, StaticClusterView
-from shardgate.cluster.plane_ports import NoOwnerReads, OwnerReads
+from shardgate.cluster.plane_ports import NoOwnerReads, NoReplicas, OwnerReads
 from shardgate.cluster.routes import Route, RouteDelta
 
 
@@ -921,3 +921,43 @@ async def test_a_peer_whose_port_refuses_every_dial_is_reported_gone_once(cluste
     assert len(a.peers.gone) == 1
     assert a.peers.gone[0] is seen and a.peers.gone[0].lease == 7
     assert a.plane.links["b"]._refused_since is not None
+
+
+class SettlingReplicas(NoReplicas):
+    """The plane's replicas: the shards in `settling` are named this node's in the view, their
+    replicated log not leading yet."""
+
+    def __init__(self) -> None:
+        self.settling_shards: set[tuple[str, int]] = set()
+
+    def settling(self, stream: str, shard: int) -> bool:
+        return (stream, shard) in self.settling_shards
+
+
+async def test_a_publish_to_a_shard_whose_leadership_is_still_coming_here_waits_for_it(tmp_path):
+    """A client of the node the view names a shard's new leader, publishing before that
+    node's replicated log leads, sees a pause, not a refusal (as a client of another node,
+    whose forwarded publish is held, does)."""
+    broker = make_broker(tmp_path / "a")
+    view = StaticClusterView("a", {}, {("ledger", 0): ShardAssignment("ledger", 0, "a", 2)})
+    replicas = SettlingReplicas()
+    replicas.settling_shards.add(("ledger", 0))
+    plane = DataPlane(broker, view, owner_reads=OwnerReadsOfTest(), peers=GoneRecorder(),
+                      replicas=replicas)
+    await plane.start()
+    try:
+        subscriber = Node("a", broker, view, plane, OwnerReadsOfTest(), GoneRecorder()).subscribe("ledger/#")
+        first, second = Message("ledger/x", b"1", qos=1), Message("ledger/x", b"2", qos=1)
+        waiting = [broker.publish(first), *broker.publish_many([second])]
+        assert all(isinstance(outcome, asyncio.Future) for outcome in waiting), waiting
+        await until(lambda: plane.forwarding.held.count == 2)
+        assert not any(outcome.done() for outcome in waiting)  # type: ignore[union-attr]
+        assert broker.streams["ledger"].shards[0].next_offset == 0  # nothing stored yet
+        replicas.settling_shards.clear()  # its log leads now
+        await asyncio.wait_for(asyncio.gather(*waiting), 5)  # type: ignore[arg-type]
+        assert (first.offset, second.offset) == (0, 1)
+        await until(lambda: len(subscriber.got) == 2)
+        assert [m.payload for m in subscriber.got] == [b"1", b"2"]
+    finally:
+        await plane.stop()
+        broker.storage.close()  # type: ignore[union-attr]
