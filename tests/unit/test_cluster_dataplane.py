@@ -921,3 +921,19 @@ async def test_a_peer_whose_port_refuses_every_dial_is_reported_gone_once(cluste
     assert len(a.peers.gone) == 1
     assert a.peers.gone[0] is seen and a.peers.gone[0].lease == 7
     assert a.plane.links["b"]._refused_since is not None
+
+
+async def test_an_owner_knows_how_far_it_dispatched_and_which_pushes_its_peers_answered(cluster):
+    # (what a replicated shard's leader tells its followers: `dispatch_marks.py`)
+    a, b = cluster["a"], cluster["b"]
+    topic = topic_on(b.broker, "ledger", 0, "ledger")
+    on_a = a.subscribe("ledger/#")
+    await routes_seen(b, a, 1)
+    link = b.plane.links["a"]
+    for index in range(20):
+        pending = b.broker.publish(Message(topic, str(index).encode(), qos=1))
+        if pending is not None:
+            await asyncio.wait_for(pending, 5)
+    await until(lambda: len(on_a.got) == 20)
+    assert b.plane.fanout.dispatched[("ledger", 0)] == 20  # the offset after the last one
+    await until(lambda: link.pushes_settled == link.pushes_queued == 20)
