@@ -231,7 +231,7 @@ class ReplicaRequest(_message.Message):
     def __init__(self, id: _Optional[int] = ..., stream: _Optional[str] = ..., shard: _Optional[int] = ..., replica: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., fetch_offset: _Optional[int] = ..., durable_end: _Optional[int] = ..., epoch_end: _Optional[bool] = ..., epoch: _Optional[int] = ..., high_watermark: _Optional[int] = ...) -> None: ...
 
 class ReplicaAnswer(_message.Message):
-    __slots__ = ("id", "error", "log_start", "leader_epoch", "start", "end", "high_watermark", "epochs", "records", "epoch", "end_offset")
+    __slots__ = ("id", "error", "log_start", "leader_epoch", "start", "end", "high_watermark", "epochs", "records", "epoch", "end_offset", "dispatched_end")
     ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     LOG_START_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +243,7 @@ class ReplicaAnswer(_message.Message):
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     END_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DISPATCHED_END_FIELD_NUMBER: _ClassVar[int]
     id: int
     error: str
     log_start: int
@@ -254,4 +255,5 @@ class ReplicaAnswer(_message.Message):
     records: bytes
     epoch: int
     end_offset: int
-    def __init__(self, id: _Optional[int] = ..., error: _Optional[str] = ..., log_start: _Optional[int] = ..., leader_epoch: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., high_watermark: _Optional[int] = ..., epochs: _Optional[_Iterable[int]] = ..., records: _Optional[bytes] = ..., epoch: _Optional[int] = ..., end_offset: _Optional[int] = ...) -> None: ...
+    dispatched_end: int
+    def __init__(self, id: _Optional[int] = ..., error: _Optional[str] = ..., log_start: _Optional[int] = ..., leader_epoch: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., high_watermark: _Optional[int] = ..., epochs: _Optional[_Iterable[int]] = ..., records: _Optional[bytes] = ..., epoch: _Optional[int] = ..., end_offset: _Optional[int] = ..., dispatched_end: _Optional[int] = ...) -> None: ...

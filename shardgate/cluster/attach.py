@@ -142,6 +142,7 @@ def assemble(app: Shardgate, node: ClusterNode) -> ClusterParts:
     from .amqp_queue_replicas import QueueReplicas
     from .amqp_topology import SharedExchanges
     from .data_plane import DataPlane
+    from .dispatch_marks import DispatchMarks
     from .durable_consumers import DurableConsumers
     from .durables import DurableHandover
     from .floors import CursorFloors
@@ -166,6 +167,10 @@ def assemble(app: Shardgate, node: ClusterNode) -> ClusterParts:
                       # peer's lease ends at once, so its shards fail over
                       owner_reads=OwnerLogs(rpc), replicas=replicas.service, peers=node,
                       links=links)
+    # how far the shards this node leads were dispatched to every node (pushes answered)
+    unrouted = plane.unrouted
+    replicas.track_dispatch(DispatchMarks(plane.fanout.dispatched, links,
+                                          lambda: unrouted.held() > 0))
     writer = StateWriter(node)
     placer = CursorPlacer(node, broker, plane, rpc)
     durables = DurableHandover(node, broker, placer, rpc, writer)

@@ -31,10 +31,16 @@ class PushFanout:
         self.unrouted = plane.unrouted
         # share group -> the turn of its next message (`_choose`)
         self._turns: dict[str, int] = {}
+        # (stream, shard) -> the offset after the last stored message of it dispatched here
+        # (the core dispatches a shard's messages in offset order): how far a replicated
+        # shard's leader dispatched (`dispatch_marks.py`)
+        self.dispatched: dict[tuple[str, int], int] = {}
 
     def push(
         self, message: Message, local: list[tuple[Subscription, tuple[str, ...]]]
     ) -> Container[str] | None:
+        if message.offset >= 0:
+            self.dispatched[(message.stream, message.shard)] = message.offset + 1
         interest = self.remote.lookup(message.topic)
         unknown = self.unrouted.unknown
         if message.stream in NODE_LOCAL_STREAMS:

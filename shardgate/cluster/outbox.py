@@ -82,16 +82,19 @@ class SentFrame:
     """A frame written to the peer and not answered yet: written again on a new stream of the
     same session after a break, until its answer comes."""
 
-    __slots__ = ("frame", "batches", "forwarded", "pushes", "route_generation", "written_at")
+    __slots__ = ("frame", "batches", "forwarded", "pushes", "route_generation", "written_at",
+                 "pushes_before")
 
     def __init__(
         self, frame: pb.PeerFrame, batches: list[SentBatch], forwarded: int,
-        pushes: int, route_generation: int,
+        pushes: int, route_generation: int, pushes_before: int = 0,
     ) -> None:
         self.frame = frame
         self.batches = batches
         self.forwarded = forwarded  # messages in the batches
         self.pushes = pushes
+        # how many pushes the link had put into frames before this one's
+        self.pushes_before = pushes_before
         self.route_generation = route_generation
         self.written_at = time.perf_counter()
 

@@ -113,6 +113,9 @@ class PeerLink:
         self._replica_waiting: dict[int, asyncio.Future[pb.ReplicaAnswer]] = {}
         self._in_flight = 0  # forwards queued or not answered
         self._pushes_held = 0  # pushes queued or not answered
+        # Pushes put into frames (or dropped with them, `_fail_all`) since the link began: with
+        # the queued ones, `pushes_queued`; see `pushes_settled`.
+        self._pushes_framed = 0
         # Whether this link holds publishers (over its credit, see PUSH_HIGH_WATER).
         self._over_credit = False
         # Pushes were dropped since the last frame: the next one says so (`pushes_lost`).
@@ -140,6 +143,20 @@ class PeerLink:
 
     def __repr__(self) -> str:
         return f"PeerLink({self.node.node_id} at {self.node.cluster_address})"
+
+    @property
+    def pushes_queued(self) -> int:
+        """How many pushes were queued on this link since it began (dropped ones not counted)."""
+        return self._pushes_framed + len(self._pushes)
+
+    @property
+    def pushes_settled(self) -> int:
+        """How many of the pushes queued on this link, in order, are settled: answered by the
+        peer (it dispatched them), or given up with the peer (`_fail_all`). A replicated
+        shard's leader tells its followers how far its dispatch reached every node from it
+        (`dispatch_marks.py`)."""
+        oldest = next(iter(self._unanswered.values()), None)
+        return oldest.pushes_before if oldest is not None else self._pushes_framed
 
     @property
     def holding(self) -> bool:
@@ -455,13 +472,16 @@ class PeerLink:
         if self._forwards:
             batches, count, size = take_batches(self._forwards, frame, self._refuse_unpackable)
         pushes = 0
+        pushes_before = self._pushes_framed
         if self._pushes and count < FRAME_MAX_MESSAGES:
             pushes = take_pushes(self._pushes, frame, count, size)
+            self._pushes_framed += pushes
         if self._routes_mark and not self._pushes:
             frame.routes_applied = self._routes_mark
             self._routes_mark = 0
         forwarded = sum(len(batch.messages) for batch in batches)
-        self._unanswered[sequence] = SentFrame(frame, batches, forwarded, pushes, route_generation)
+        self._unanswered[sequence] = SentFrame(frame, batches, forwarded, pushes, route_generation,
+                                               pushes_before)
         return frame
 
     def _refuse_unpackable(self, waiter: Waiter, error: PublishRejected) -> None:
@@ -544,6 +564,7 @@ class PeerLink:
             lost = lost or sent.frame.pushes_lost
         self._forwards = []
         self._shared = None
+        self._pushes_framed += len(self._pushes)
         self._unanswered = {}
         self._answered_floor = self._next_sequence
         self._in_flight = 0

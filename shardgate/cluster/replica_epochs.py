@@ -211,13 +211,15 @@ class FetchPlan:
 @dataclass(frozen=True, slots=True)
 class FetchResponse:
     """What a follower receives: the records in [`start`, `end`) (carried beside it), their
-    epochs and the leader's high watermark, from the leader of `leader_epoch`."""
+    epochs and the leader's high watermark, from the leader of `leader_epoch`; and its
+    dispatched mark (`dispatch_marks.py`; None: not known)."""
 
     leader_epoch: int
     start: int
     end: int
     high_watermark: int
     epochs: tuple[EpochStart, ...]
+    dispatched_end: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

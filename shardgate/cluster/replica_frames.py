@@ -98,7 +98,7 @@ def fetch_answer(request_id: int,
     return pb.ReplicaAnswer(
         id=request_id, leader_epoch=response.leader_epoch, start=response.start,
         end=response.end, high_watermark=response.high_watermark, epochs=epochs,
-        records=pack_records(records))
+        records=pack_records(records), dispatched_end=response.dispatched_end)
 
 
 def epoch_end_answer(request_id: int, answer: EpochEndAnswer | Refused) -> pb.ReplicaAnswer:
@@ -133,8 +133,9 @@ def fetch_answer_from(message: pb.ReplicaAnswer
     pairs = message.epochs
     epochs = tuple(EpochStart(pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2))
     records = unpack_records(message.records, message.start, message.end - message.start)
-    response = FetchResponse(message.leader_epoch, message.start, message.end,
-                             message.high_watermark, epochs)
+    response = FetchResponse(
+        message.leader_epoch, message.start, message.end, message.high_watermark, epochs,
+        message.dispatched_end if message.HasField("dispatched_end") else None)
     return response, records
 
 

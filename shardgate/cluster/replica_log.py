@@ -22,11 +22,13 @@ and the journal has not made durable yet, kept in memory until it has). The lead
 and its followers' then run side by side, instead of one after the other. Nothing is
 acknowledged earlier for it: the high watermark is still the lowest durable end over the
 in-sync set, this leader's own included. A fetch that finds nothing new is parked (`fetch`)
-and answered at the next append. Should the journal fail a commit, this node resigns before
-anything else is appended (`append` checks it too, not only the commit's callback): the
-offsets it may have sent are then cut from its log at the role change, never written here
-with other (empty) records under the same epoch; and it tells `gave_up` (the replica manager
-asks the controller to move the shard). A follower whose journal fails a write (a full disk)
+and answered at the next append. Each answer also carries the leader's dispatched mark
+(`dispatch_mark`, `dispatch_marks.py`), which the follower keeps (`dispatched_known`): where a
+new leader hands on from after this one died. Should the journal fail a commit, this node
+resigns before anything else is appended (`append` checks it too, not only the commit's
+callback): the offsets it may have sent are then cut from its log at the role change, never
+written here with other (empty) records under the same epoch; and it tells `gave_up` (the
+replica manager asks the controller to move the shard). A follower whose journal fails a write (a full disk)
 cuts its log back to its durable end and fetches again after a pause (`follow`).
 
 A node that leaves gracefully stops taking publishes for the shards it leads (`stop_taking`,
@@ -104,6 +106,11 @@ class ReplicatedShardLog:
         # told the leadership this node gave up after its journal failed a commit (a full
         # disk), once it resigned: the replica manager asks the controller to move the shard
         self.gave_up: Callable[[LeaderReplica[asyncio.Future[None]]], None] | None = None
+        # while this node leads: its dispatched mark, told with each fetch answer (the replica
+        # manager's user sets it; `dispatch_marks.py`)
+        self.dispatch_mark: Callable[[], int | None] | None = None
+        # while it follows: the mark its leader told it last (None: not known)
+        self.dispatched_known: int | None = None
         # this node leaves: no more publishes (and, once frozen, no more commits)
         self._closed = False
         self._frozen = False
@@ -378,6 +385,12 @@ class ReplicatedShardLog:
         await self.wait_for_news(max_wait_s)
         return self.serve_fetch(request, max_records)
 
+    @property
+    def fetch_parked(self) -> bool:
+        """Whether a fetch waits for news here (`wait_for_news`)."""
+        news = self._news
+        return news is not None and not news.done()
+
     async def wait_for_news(self, max_wait_s: float) -> None:
         """Return once something is appended here (or this node stops leading), or after
         `max_wait_s`: a fetch that found nothing to send waits so (a long poll)."""
@@ -407,7 +420,10 @@ class ReplicatedShardLog:
                 records.extend(unsynced[end - first:upto - first])
                 end = plan.start + len(records)
         epochs = tuple(entry for entry in plan.epochs if entry.start_offset < end)
-        return FetchResponse(epoch, plan.start, end, plan.high_watermark, epochs), records
+        mark = self.dispatch_mark() if self.dispatch_mark is not None else None
+        if mark is not None:
+            mark = min(mark, plan.high_watermark)
+        return FetchResponse(epoch, plan.start, end, plan.high_watermark, epochs, mark), records
 
     # -- commits ------------------------------------------------------------------------------
 
@@ -525,6 +541,9 @@ class FollowerLog:
         follower.on_fetch(response)
         if self._replicated is not None:
             self._replicated.high_watermark = follower.high_watermark
+            mark = response.dispatched_end
+            self._replicated.dispatched_known = (
+                None if mark is None else min(mark, follower.high_watermark))
         self._watch_commit()
 
     def refused(self, refusal: Refused) -> Truncate | ResetLog | None:

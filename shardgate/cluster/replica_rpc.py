@@ -311,5 +311,6 @@ def _bounded(response: FetchResponse, records: Sequence[StoredRecord]
             end = response.start + count
             epochs = tuple(entry for entry in response.epochs if entry.start_offset < end)
             return (FetchResponse(response.leader_epoch, response.start, end,
-                                  response.high_watermark, epochs), records[:count])
+                                  response.high_watermark, epochs, response.dispatched_end),
+                    records[:count])
     return response, records

@@ -17,9 +17,19 @@ the cluster view and the peer link (`attach.join` builds one per node).
   to subscribers (here and, through the fanout, on other nodes) once its high watermark
   passes them, before anything it stores itself, since nobody may have dispatched them:
   - the old leader's process is gone (its lease ended, or it registered again under a new
-    one: a restarted process, maybe this node's own earlier run): from up to
-    `REDISPATCH_RECORDS` below the high watermark this node knew (below the log end where it
-    knew none), since that process may have died before its pushes arrived;
+    one: a restarted process): from the **dispatched mark** it told this node last
+    (`dispatch_marks.py`, with each fetch answer, as the high watermark; a parked fetch is
+    answered again as soon as the pushes it waited for were, `_mark`): below it every
+    record was dispatched and each push of it answered by the node it went to, so nothing
+    there is missing anywhere; above it a push may have died with the process. Nothing is
+    lost, and what a live subscriber may get twice is bounded by what the old leader
+    dispatched after that mark: the records it dispatched after taking the checkpoint the
+    mark came from (at a fetch answer before the last one this node got) and those whose
+    pushes it had not seen answered by then: about one fetch round and one push round
+    trip's worth, not the whole shard. Where no mark was told (this node's own earlier run
+    led, or a leader that knew none): from up to `REDISPATCH_RECORDS` below the high
+    watermark this node knew (below the log end where it knew none), the most pushes a peer
+    link holds unanswered;
   - the old leader still runs under the lease it led with (a drain, a graceful leave): from
     the high watermark this node knew. It dispatched what it committed; what it had not
     committed when it stopped leading was refused to its publishers and never dispatched,
@@ -32,8 +42,10 @@ the cluster view and the peer link (`attach.join` builds one per node).
     lies between is dispatched twice;
   - a shard this node held alone before it was given replicas is not handed on: it was
     dispatched here.
-  Durable cursors drop what they already have; a live subscriber may get such a message
-  twice (at least once).
+  Durable cursors (persistent sessions, durable subscriptions) keep their own position by
+  offset: their node answered the pushes below the mark (it holds those records), the
+  hand-on brings the rest, and they drop what they already have. A live subscriber may get
+  such a message twice (at least once), never miss it.
 - The archive: a replicated shard is archived by its leader only, from below the high
   watermark (`archived_log`, the archiver's reader in cluster mode).
 - Fencing: a leader acknowledges only while this node's etcd lease is known alive
@@ -61,29 +73,35 @@ if TYPE_CHECKING:
     from ..core.broker import Broker
     from ..storage.journal import JournalStorage
     from .control import ClusterNode
+    from .dispatch_marks import DispatchMarks
     from .peer_link import PeerLink
 
 log = logging.getLogger(__name__)
 
-# How far below the high watermark it knew a new leader dispatches again what it inherited:
-# the most pushes a peer link holds unanswered (`PUSH_HIGH_WATER`), which the old leader's
-# death may have lost.
+# How far below the high watermark it knew a new leader dispatches again what it inherited
+# when its dead predecessor told it no dispatched mark: the most pushes a peer link holds
+# unanswered (`PUSH_HIGH_WATER`), which the old leader's death may have lost.
 REDISPATCH_RECORDS = 10_000
 REDISPATCH_BATCH = 2_000
 # A leaving leader's wait for its followers to know where it ends (`quiesce`): the part of it
 # for what it holds to commit, before the high watermark is frozen where it is
 QUIESCE_COMMIT_SHARE = 2 / 3
 QUIESCE_POLL_S = 0.01
+# While a fetch is parked and pushes of a shard this node leads are on their way, how often it
+# looks whether they were answered: then the fetch is answered at once, with the new
+# dispatched mark (else the follower learns it at the next append or the long poll's end)
+MARK_CHECK_S = 0.005
 
 
 def inherited_from(previous: tuple[str, int | None] | None, *, node_id: str,
                    registrations: Mapping[str, Any], held_alone: bool, high_watermark: int,
-                   log_end: int) -> int | None:
+                   log_end: int, dispatched: int | None = None) -> int | None:
     """Where a node that has just begun to lead a shard starts handing on what it inherited
     (None: nothing to hand on; see the module docstring). `previous` is the leader it followed
     and the etcd lease that leader's process led under (None: not known, or `node_id`'s own
     earlier run); `registrations` are the registered nodes (each with its `lease`);
-    `high_watermark` is the one this node knew as it took over."""
+    `high_watermark` is the one this node knew as it took over, `dispatched` the dispatched
+    mark its leader told it last (None: none told)."""
     if previous is None:
         if held_alone:
             return None  # its records were stored and dispatched here
@@ -93,6 +111,9 @@ def inherited_from(previous: tuple[str, int | None] | None, *, node_id: str,
     if lease is not None and registration is not None and registration.lease == lease:
         # the old leader's process still runs: it dispatched what it committed
         return high_watermark
+    if dispatched is not None and leader != node_id:
+        # below it, every record was dispatched and each push of it answered
+        return min(dispatched, high_watermark)
     known = high_watermark if leader != node_id and high_watermark > 0 else log_end
     return known - REDISPATCH_RECORDS
 
@@ -122,6 +143,15 @@ class ReplicatedShards:
         # the shards this process held alone (one replica, this node): dispatched here
         self._held_alone: set[tuple[str, int]] = set()
         self._leaving = False  # (`quiesce` of every led shard: `reopen` does nothing then)
+        # how far the shards this node leads were dispatched to every node (`track_dispatch`)
+        self._marks: DispatchMarks | None = None
+        self._mark_checks: set[tuple[str, int]] = set()  # the shards `_check_mark` looks at
+
+    def track_dispatch(self, marks: DispatchMarks) -> None:
+        """The data plane's dispatched marks (built with its fanout and links, after this):
+        the shards this node leads tell their followers how far they were dispatched, and a
+        new leader hands on only from what it was told (see the module docstring)."""
+        self._marks = marks
 
     def _leading(self, stream: str, shard: int) -> Any:
         return self.manager.leading(stream, shard)
@@ -198,6 +228,8 @@ class ReplicatedShards:
         leading = self.manager.leading(stream, index)
         if leading is None:
             self._led.discard(key)
+            if self._marks is not None:
+                self._marks.end(key)
             role = self.manager.role(stream, index)
             if role is not None:
                 self._followed[key] = (role.leader, self._leader_lease(stream, index, role.leader))
@@ -225,9 +257,36 @@ class ReplicatedShards:
         start = inherited_from(
             previous, node_id=self.node.node_id, registrations=self.view.registrations,
             held_alone=(stream, index) in self._held_alone,
-            high_watermark=shard_log.high_watermark, log_end=shard_log.next_offset)
+            high_watermark=shard_log.high_watermark, log_end=shard_log.next_offset,
+            dispatched=shard_log.dispatched_known)
+        marks = self._marks
+        if marks is not None:
+            key = (stream, index)
+            marks.begin(key, None if start is None else max(start, shard_log.low_watermark, 0))
+            shard_log.dispatch_mark = lambda: self._mark(marks, key, shard_log)
         if start is not None:
             self._hand_on(stream, index, shard_log, start)
+
+    def _mark(self, marks: DispatchMarks, key: tuple[str, int], shard_log: Any) -> int | None:
+        """The shard's dispatched mark for a fetch answer. While pushes are on their way, a
+        fetch parked here is answered again once they were (eagerly, as Kafka answers a
+        parked fetch when the high watermark moves)."""
+        mark = marks.mark(key)
+        if key not in self._mark_checks and marks.waiting(key):
+            self._mark_checks.add(key)
+            asyncio.get_running_loop().call_later(
+                MARK_CHECK_S, self._check_mark, marks, key, shard_log)
+        return mark
+
+    def _check_mark(self, marks: DispatchMarks, key: tuple[str, int], shard_log: Any) -> None:
+        # (a fetch not parked finds the mark itself when it comes)
+        if shard_log.leader is not None and shard_log.fetch_parked and marks.waiting(key):
+            if not marks.ready(key):
+                asyncio.get_running_loop().call_later(
+                    MARK_CHECK_S, self._check_mark, marks, key, shard_log)
+                return
+            shard_log.wake_fetches()
+        self._mark_checks.discard(key)
 
     def _hand_on(self, stream: str, index: int, shard_log: Any, start: int) -> None:
         """Dispatch the records from `start` to the log's end now once this new leader's

@@ -11,8 +11,9 @@ Before it did, only a leader whose predecessor's node was no longer registered h
 on, so here the clean-session subscriber never got the message, and a persistent session whose
 cursor had gone live again passed over it when the next message came. The publisher of that
 message got a retryable refusal and never sends it again. (The old leader's process being gone,
-or started again under a new lease, is the other way in: then from further back, since it may
-have died after committing and before its pushes arrived; `test_replica_handover_decision.py`.)
+or started again under a new lease, is the other way in: then from the dispatched mark it told,
+below the high watermark, since it may have died after committing and before its pushes
+arrived; `test_replica_handover_decision.py`, `test_replica_crash_handover_duplicates.py`.)
 """
 
 from __future__ import annotations

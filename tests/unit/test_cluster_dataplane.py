@@ -961,3 +961,19 @@ async def test_a_publish_to_a_shard_whose_leadership_is_still_coming_here_waits_
     finally:
         await plane.stop()
         broker.storage.close()  # type: ignore[union-attr]
+
+
+async def test_an_owner_knows_how_far_it_dispatched_and_which_pushes_its_peers_answered(cluster):
+    # (what a replicated shard's leader tells its followers: `dispatch_marks.py`)
+    a, b = cluster["a"], cluster["b"]
+    topic = topic_on(b.broker, "ledger", 0, "ledger")
+    on_a = a.subscribe("ledger/#")
+    await routes_seen(b, a, 1)
+    link = b.plane.links["a"]
+    for index in range(20):
+        pending = b.broker.publish(Message(topic, str(index).encode(), qos=1))
+        if pending is not None:
+            await asyncio.wait_for(pending, 5)
+    await until(lambda: len(on_a.got) == 20)
+    assert b.plane.fanout.dispatched[("ledger", 0)] == 20  # the offset after the last one
+    await until(lambda: link.pushes_settled == link.pushes_queued == 20)

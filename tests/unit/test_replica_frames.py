@@ -49,6 +49,13 @@ def test_a_fetch_answer_round_trips_with_its_records_and_epochs() -> None:
     assert fetch_answer_from(message) == (response, records)
 
 
+def test_a_fetch_answer_carries_the_dispatched_mark_only_when_the_leader_knows_it() -> None:
+    for mark in (None, 0, 38):
+        response = FetchResponse(7, 40, 40, 41, (), mark)
+        message = pb.ReplicaAnswer.FromString(wire(fetch_answer(9, (response, []))))
+        assert fetch_answer_from(message) == (response, [])
+
+
 def test_refusals_and_epoch_ends_round_trip() -> None:
     refused = Refused(ReplicaError.BEHIND_LOG_START, 500)
     assert fetch_answer_from(pb.ReplicaAnswer.FromString(wire(fetch_answer(1, refused)))) == refused

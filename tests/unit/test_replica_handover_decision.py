@@ -3,7 +3,8 @@ inherited (`replicated_shards.inherited_from`): the records of an earlier epoch 
 have dispatched to live subscribers. From its known high watermark when the old leader's
 process still runs (it dispatched what it committed; at a graceful leave this node knows its
 last high watermark, the old leader waited for that), from further back when that process is
-gone or was started again (it may have died before its pushes arrived), from before the log's
+gone or was started again (it may have died before its pushes arrived: from the dispatched
+mark it told this node, else further back), from before the log's
 end when nothing is known of it (this process started since), and nothing for a shard this
 process held alone (it dispatched it)."""
 
@@ -21,9 +22,11 @@ def registered(**leases: int) -> dict[str, NodeRegistration]:
 
 
 def start(previous: tuple[str, int | None] | None, registrations: dict[str, NodeRegistration],
-          *, held_alone: bool = False, high_watermark: int = HW) -> int | None:
+          *, held_alone: bool = False, high_watermark: int = HW,
+          dispatched: int | None = None) -> int | None:
     return inherited_from(previous, node_id="n2", registrations=registrations,
-                          held_alone=held_alone, high_watermark=high_watermark, log_end=END)
+                          held_alone=held_alone, high_watermark=high_watermark, log_end=END,
+                          dispatched=dispatched)
 
 
 def test_a_leader_that_still_runs_under_its_lease_is_handed_on_from_the_known_high_watermark() -> None:
@@ -37,6 +40,20 @@ def test_a_leader_gone_or_started_again_is_handed_on_from_further_back() -> None
     assert start(("n1", 7), registered(n2=9)) == HW - REDISPATCH_RECORDS
     assert start(("n1", 7), registered(n1=8, n2=9)) == HW - REDISPATCH_RECORDS  # a new process
     assert start(("n1", None), registered(n1=8, n2=9)) == HW - REDISPATCH_RECORDS  # lease not known
+
+
+def test_a_leader_gone_is_handed_on_from_the_dispatched_mark_it_told() -> None:
+    # every record below the mark was dispatched and each push of it answered: nothing below
+    # it can be missing anywhere, what lies above it may be
+    assert start(("n1", 7), registered(n2=9), dispatched=HW - 3) == HW - 3
+    assert start(("n1", 7), registered(n1=8, n2=9), dispatched=HW - 3) == HW - 3  # a new process
+    assert start(("n1", None), registered(n2=9), dispatched=0) == 0
+    # never above the high watermark this node knew (the mark came with it, bounded by it)
+    assert start(("n1", 7), registered(n2=9), dispatched=HW + 5) == HW
+    # the old leader still runs: it dispatched what it committed, the mark changes nothing
+    assert start(("n1", 7), registered(n1=7, n2=9), dispatched=HW - 3) == HW
+    # placed as leader in an epoch this node's earlier run led: nothing was told of that run
+    assert start(("n2", None), registered(n2=9), dispatched=HW - 3) == END - REDISPATCH_RECORDS
 
 
 def test_where_no_high_watermark_is_known_the_margin_is_taken_below_the_logs_end() -> None:

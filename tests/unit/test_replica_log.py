@@ -654,3 +654,30 @@ def test_the_disk_probe_writes_syncs_and_removes_its_file(tmp_path: Path) -> Non
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(OSError):
         probe_disk(tmp_path / "missing")
+
+
+async def test_the_follower_learns_the_leaders_dispatched_mark_with_each_fetch(tmp_path: Path) -> None:
+    # (a follower elected after the leader died hands on from it: `dispatch_marks.py`)
+    pair = Pair(tmp_path)
+    try:
+        b_log = ReplicatedShardLog(pair.logs["b"], time.monotonic, "b:s/0")
+        pair.follower_log = FollowerLog(pair.logs["b"], pair.follower, b_log)
+        told: list[int | None] = [None]
+        pair.replicated.dispatch_mark = lambda: told[0]
+        pair.start_following()
+        for index in range(3):
+            future = pair.broker.publish(Message("t/1", str(index).encode()))
+            assert future is not None
+            await asyncio.wait_for(future, 10)
+        assert b_log.dispatched_known is None  # the leader knows none
+        told[0] = 2
+        future = pair.broker.publish(Message("t/1", b"3"))
+        assert future is not None
+        await asyncio.wait_for(future, 10)
+        await wait_for(lambda: b_log.dispatched_known == 2)
+        told[0] = 100  # never above the high watermark
+        await wait_for(lambda: b_log.dispatched_known == b_log.high_watermark == 4)
+        told[0] = None  # a leader that knows none says so: what was told of another is gone
+        await wait_for(lambda: b_log.dispatched_known is None)
+    finally:
+        await pair.stop()
