@@ -2,7 +2,7 @@
 `shardgate serve` on the default ports), and its Python snippets (aio-pika, the SDK, Spark).
 
 Two commands are checked elsewhere: the test-suite command (`pip install -q -e '.[test]' &&
-python -m pytest -q`) is what `.ci/run` runs verbatim (running it here would recurse), and the
+python -m pytest -q -n auto`) is what `.ci/run` runs verbatim (running it here would recurse), and the
 "Running a cluster" and "Multi-core on one host" blocks have their own test
 (`test_readme_cluster.py`)."""
 
@@ -25,7 +25,7 @@ from tests.e2e.readme_shell import end_groups, port_free
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-TEST_SUITE = "pip install -q -e '.[test]' && python -m pytest -q"
+TEST_SUITE = "pip install -q -e '.[test]' && python -m pytest -q -n auto"
 DEFAULT_PORTS = (1883, 8083, 5672, 6650, 8080)
 
 
