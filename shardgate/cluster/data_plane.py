@@ -287,8 +287,7 @@ class DataPlane:
         return stream in NODE_LOCAL_STREAMS or self.view.leads(stream, shard)
 
     def stores(self, stream: str, shard: int) -> bool:
-        return stream in NODE_LOCAL_STREAMS or (
-            self.view.leads(stream, shard) and not self.replicas.settling(stream, shard))
+        return self.serves(stream, shard) and not self.replicas.settling(stream, shard)
 
     def forward(self, message: Message) -> asyncio.Future[None]:
         return self.forwarding.forward(message)
