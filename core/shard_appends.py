@@ -10,7 +10,7 @@ import asyncio
 import logging
 import struct
 import time
-from collections.abc import Container
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -226,6 +226,27 @@ class ShardAppends:
                     held[key] = message.offset
                     break
         return held
+
+    def dispatched_elsewhere(self, waiters: Iterable[asyncio.Future[None]]) -> None:
+        """The stored messages held until one of `waiters` commits are not this node's to
+        dispatch any more, whatever the commit's outcome: their shard's log stopped leading
+        while they waited (a replicated shard's leadership moved), and the node that leads it
+        next dispatches every record it holds from there. Their publishers still wait on
+        `waiters`; a transient message held behind them still goes out with the commit."""
+        held = self._held
+        for waiter in waiters:
+            group = self._awaiting_commit.get(waiter)
+            if group is None or not group.messages:
+                continue
+            group.messages = [message for message in group.messages if message.offset < 0]
+            if group.messages:
+                continue
+            shard = group.shard
+            count = held.get(shard, 0) - 1
+            if count > 0:
+                held[shard] = count
+            else:
+                held.pop(shard, None)
 
     def _release_reserved(self, shard: Shard, deliverable_end: int) -> None:
         """Dispatch now, oldest first, the held messages of `shard` that the log's durable

@@ -23,8 +23,13 @@ each fetch saying how far the follower holds the log durably. From that the lead
   leader applies it when it reads it back (`isr_changed`). While a change is in flight the
   high watermark counts the larger set (Kafka's "maximal ISR"), so it never counts a follower
   out before the controller did;
-- **fencing**: the controller's placement (`supersede`) ends this leadership: every waiting
-  publish is refused (NOT_LEADER) and nothing more is acknowledged. While this node's etcd
+- **fencing**: the controller's placement ends this leadership: nothing more is acknowledged
+  by it. What waits is refused (NOT_LEADER, `supersede`) where this node stops holding the
+  shard; where it stays a replica and follows, it is handed back (`hand_over`) and kept
+  (`replica_deposed`): a publish this leader appended may have reached the new leader, and a
+  refusal would then make its client store it twice. Only a fetch answer of the new leader
+  settles it: acknowledged once that leader's high watermark passes it on a log never cut
+  below it, refused if its records were cut or after a few seconds. While this node's etcd
   lease is not known to be alive (`renew_lease`), it acknowledges nothing and takes no publish.
   A request naming a newer epoch does not fence: a follower asks only the leader its own view
   names, so such a request means this node leads that epoch too and the follower saw the
@@ -362,11 +367,13 @@ class LeaderReplica(Generic[W]):
             self._done.append((waiter, ReplicaError.NOT_LEADER))
 
     def hand_over(self) -> list[tuple[int, W]]:
-        """This leadership ends while this node's log stays the shard's log (the controller
-        changed the replicas: this node leads again in a newer epoch, or holds the shard
-        alone): fenced as by `supersede`, but what waits is handed back, not refused, as
-        (log end it waits for, waiter), for what comes next to acknowledge (as Kafka's
-        delayed produce outlives a leader epoch bump on the same broker)."""
+        """This leadership ends while this node keeps the shard's log (the controller changed
+        the replicas: this node leads again in a newer epoch, or holds the shard alone; or
+        another node leads now and this one follows it): fenced as by `supersede`, but what
+        waits is handed back, not refused, as (log end it waits for, waiter), for what comes
+        next to acknowledge (as Kafka's delayed produce outlives a leader epoch bump on the
+        same broker), or, for a follower, to settle by the new leader's high watermark
+        (`replica_deposed`)."""
         if self._fenced:
             return []
         self._fenced = True

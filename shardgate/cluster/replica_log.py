@@ -1,13 +1,14 @@
-"""A replicated shard's journal log on this node: the leader's side as the core sees it, the
-follower's side as the fetcher fills it (the I/O around `replica_leader` and
-`replica_follower`).
+"""A replicated shard's journal log on this node: the leader's side as the core sees it (the
+I/O around `replica_leader`); the follower's side, which fills the same journal, is
+`replica_follow.py`.
 
 `ReplicatedShardLog` stands where the core expects a `ShardLog` (the broker appends to it,
 durable cursors and the archiver read it). While this node leads the shard
 (`lead`), an append goes to the journal and its commit future resolves when the high
 watermark passes it while `min_insync_replicas` replicas are in sync (it waits while fewer
 are: `replica_leader`), not when the local fsync is done; it fails with `ShardUnavailable`
-when this leadership ends first. Readers see only
+when this leadership ends first, or, once this node follows, when the new leader turns out
+not to hold it (`depose`, `replica_deposed.py`). Readers see only
 what is below the high watermark (`deliverable_end`, `committed_offset`, `read`,
 `read_block`): a record above it may still be cut by a failover, so nobody may have seen it.
 Appends are refused (`NotEnoughReplicas`, `NotLeader`: both `StorageUnavailable`, which the
@@ -15,7 +16,8 @@ core answers with its retryable `ShardUnavailable`) while the leader cannot take
 replica, and every shard on a single node, never gets here.
 
 The same object answers followers' fetches (`serve_fetch`, `serve_epoch_end`), and, while
-this node follows, takes the fetched records (`FollowerLog`). As Kafka's leader, it sends
+this node follows, learns the leader's high watermark and dispatched mark from the fetched
+answers (`replica_follow.FollowerLog`). As Kafka's leader, it sends
 followers what it appended before its own fsync is done: the records the journal has
 published are read from it, the newer ones from `_unsynced` (the records this leader appended
 and the journal has not made durable yet, kept in memory until it has). The leader's fsync
@@ -28,8 +30,15 @@ new leader hands on from after this one died. Should the journal fail a commit, 
 resigns before anything else is appended (`append` checks it too, not only the commit's
 callback): the offsets it may have sent are then cut from its log at the role change, never
 written here with other (empty) records under the same epoch; and it tells `gave_up` (the
-replica manager asks the controller to move the shard). A follower whose journal fails a write (a full disk)
-cuts its log back to its durable end and fetches again after a pause (`follow`).
+replica manager asks the controller to move the shard).
+
+A leadership that ends while this node stays a replica (`depose`: it lost its epoch, frozen
+past its lease, or moved by the controller) keeps what waits for its commit: once a fetch
+answer of the new leader says its high watermark passed it, on a journal never cut below it
+since (`truncate_to`), it is acknowledged; else it is refused as before (cut, or not settled
+within `deposed_wait_s`). The messages of one so acknowledged are not dispatched here
+(`hand_off`): the new leader dispatches what it holds. Carried into a new leadership here
+instead (`lead`), it is acknowledged and dispatched as this node's own.
 
 A node that leaves gracefully stops taking publishes for the shards it leads (`stop_taking`,
 then maybe `freeze`; `replica_leader`'s graceful leave) until `handed_over`: its followers
@@ -40,15 +49,13 @@ drain does the same for one shard before the controller moves it, and `reopen` e
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 from ..core.errors import ShardUnavailable
-from ..storage.interfaces import StorageError, StorageUnavailable, StoredRecord
+from ..storage.interfaces import StorageUnavailable, StoredRecord
 from ..storage.journal import JournalShardLog, RecordBlock
+from .replica_deposed import DeposedWaiters
 from .replica_epochs import (
     EpochCache,
     EpochEndAnswer,
@@ -59,12 +66,17 @@ from .replica_epochs import (
     Refused,
     ReplicaError,
 )
-from .replica_follower import FollowerReplica, FollowerState, ResetLog, Truncate
 from .replica_leader import LeaderReplica
 
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+Waiter = asyncio.Future[None]
+
+# How long a leader that lost its epoch keeps a publish it appended and had not acknowledged,
+# waiting to learn from the new leader whether that one holds it (`depose`): about a
+# failover's time (the default lease), after which it is refused as before
+DEPOSED_WAIT_S = 5.0
 
 
 class NotLeader(StorageUnavailable):
@@ -114,16 +126,31 @@ class ReplicatedShardLog:
         # this node leaves: no more publishes (and, once frozen, no more commits)
         self._closed = False
         self._frozen = False
+        # the publishes a leadership here appended and had not acknowledged when it lost its
+        # epoch, kept while this node follows (`depose`, `replica_deposed.py`)
+        self._deposed: DeposedWaiters[Waiter] = DeposedWaiters()
+        self.deposed_wait_s = DEPOSED_WAIT_S
+        # told the waiters `depose` kept that the next leader's high watermark acknowledges,
+        # just before: the messages they hold are not this node's to dispatch (that leader
+        # does; the replica manager's user sets it to the core's `dispatched_elsewhere`)
+        self.hand_off: Callable[[list[Waiter]], None] | None = None
 
     # -- leadership ---------------------------------------------------------------------------
 
     def lead(self, leader: LeaderReplica[asyncio.Future[None]]) -> None:
-        """This node leads the shard from now on, in `leader`'s epoch."""
+        """This node leads the shard from now on, in `leader`'s epoch. What an earlier
+        leadership here kept after it lost its epoch (`depose`) carries over: its records are
+        in this log (never cut since), and are acknowledged once this high watermark passes
+        them."""
+        carried = self._deposed.take_all()
         self.resign()
         self.leader = leader
         self._closing(leader)
         self._unsynced = []
         self._unsynced_start = self.log.next_offset
+        now = self._clock()
+        for end, waiter in carried:
+            leader.await_commit(end, waiter, now)
         self._watch_commit()  # appends still on their way to the disk count when written
         self._settle()
 
@@ -180,18 +207,68 @@ class ReplicatedShardLog:
             journal_waiter.add_done_callback(settle)
 
     def resign(self) -> None:
-        """This node stops leading (a newer epoch, or it follows now): what waits fails."""
+        """This node stops leading, and stops holding the shard (it is no longer a replica,
+        its journal failed, it shuts down): what waits fails, retryable, and so does what
+        a deposed leadership here kept (`depose`)."""
+        leader = self.leader
+        if leader is not None:
+            self._follower_hw = leader.high_watermark
+            leader.supersede()
+            self._settle()
+            self._stepped_down()
+        self._deposed.refuse_all()
+        self._settle_deposed()
+
+    def depose(self) -> None:
+        """This node stops leading and goes on holding the shard's log (it follows the new
+        leader, or waits to): what waits for its commit is kept, not refused
+        (`replica_deposed.py`). A fetch answer of the new leader acknowledges it once that
+        leader's high watermark passes it (`learned`), unless its records are cut from this
+        log first (`truncate_to`) or `deposed_wait_s` passes (`tick`): then it is refused."""
         leader = self.leader
         if leader is None:
             return
         self._follower_hw = leader.high_watermark
-        leader.supersede()
+        waiting = leader.hand_over()
         self._settle()
+        self._stepped_down()
+        if waiting:
+            log.info("%s: lost the leadership of epoch %d with %d commits waiting (up to offset "
+                     "%d): kept until the next leader's high watermark settles them",
+                     self._name, leader.epoch, len(waiting), waiting[-1][0] - 1)
+            self._deposed.add(leader.epoch, waiting, self._clock() + self.deposed_wait_s)
+
+    def _stepped_down(self) -> None:
         self.leader = None
         self._waiter = None
         self._waiter_end = -1
         self._unsynced = []
         self._wake()
+
+    def truncate_to(self, end_offset: int) -> None:
+        """Cut the journal at `end_offset` (a role change, a follower's truncation): a
+        publish a deposed leadership here kept is refused if its records were cut."""
+        self.log.truncate_to(end_offset)
+        self.cut(end_offset)
+
+    def cut(self, end_offset: int) -> None:
+        """The journal was cut at `end_offset` (see `truncate_to`)."""
+        if len(self._deposed):
+            self._deposed.cut(end_offset)
+            self._settle_deposed()
+
+    def learned(self, leader_epoch: int, high_watermark: int) -> None:
+        """A fetch answer from the leader of `leader_epoch`: its high watermark, bounded by
+        this log's end (below which this log is now the leader's). What a deposed leadership
+        here kept below it is in the shard for good: acknowledged."""
+        if len(self._deposed):
+            self._deposed.learned(leader_epoch, high_watermark)
+            self._settle_deposed()
+
+    @property
+    def deposed_waiting(self) -> int:
+        """How many publishes a deposed leadership here still keeps (`depose`)."""
+        return len(self._deposed)
 
     # -- a graceful leave ---------------------------------------------------------------------
 
@@ -428,10 +505,19 @@ class ReplicatedShardLog:
     # -- commits ------------------------------------------------------------------------------
 
     def tick(self) -> None:
-        """Let the leader look at its followers' lag (call every second or so)."""
+        """Let the leader look at its followers' lag, and refuse what a deposed leadership
+        kept past `deposed_wait_s` (call every second or so)."""
         if self.leader is not None:
             self.leader.tick(self._clock())
             self._settle()
+        if len(self._deposed):
+            self._deposed.expire(self._clock())
+            expired = self._deposed.take_completed()
+            if expired:
+                log.warning("%s: %d commits kept from a lost leadership were not settled by the "
+                            "next leader in %.1f s: refused (retryable)", self._name, len(expired),
+                            self.deposed_wait_s)
+                self._resolve(expired)
 
     def _watch_commit(self) -> None:
         waiter = self.log.commit_waiter()
@@ -467,9 +553,19 @@ class ReplicatedShardLog:
 
     def _settle(self) -> None:
         leader = self.leader
-        if leader is None:
-            return
-        for waiter, error in leader.take_completed():
+        if leader is not None:
+            self._resolve(leader.take_completed())
+
+    def _settle_deposed(self) -> None:
+        completed = self._deposed.take_completed()
+        acknowledged = [waiter for waiter, error in completed if error is None and not waiter.done()]
+        if acknowledged and self.hand_off is not None:
+            # the new leader dispatches these records (it hands on what it holds): not here
+            self.hand_off(acknowledged)
+        self._resolve(completed)
+
+    def _resolve(self, completed: list[tuple[Waiter, ReplicaError | None]]) -> None:
+        for waiter, error in completed:
             if waiter.done():
                 continue
             if error is None:
@@ -489,190 +585,3 @@ class ReplicatedShardLog:
         news, self._news = self._news, None
         if news is not None and not news.done():
             news.set_result(None)
-
-
-class FollowerLog:
-    """The follower's side of one shard: fetched records into the journal at the leader's
-    offsets, truncation, and the durability that the next fetch reports."""
-
-    def __init__(self, journal_log: JournalShardLog, follower: FollowerReplica,
-                 replicated: ReplicatedShardLog | None = None, *,
-                 failed: BaseException | None = None) -> None:
-        self.log = journal_log
-        self.follower = follower
-        self._replicated = replicated
-        self._watched: asyncio.Future[None] | None = None
-        self.durable_changed = asyncio.Event()
-        # why the journal could not keep what was fetched (a full disk), until `recover`;
-        # set from the start when this node has just given the shard's leadership up for a
-        # failed write: it fetches only once its disk takes a write again
-        self.failed: BaseException | None = failed
-        self.failures = 0  # failed writes in a row
-
-    async def apply(self, action: Truncate | ResetLog | None) -> None:
-        """Carry out on the journal what the follower decided (its state moved already)."""
-        if action is None:
-            return
-        await self.log.flush()
-        if isinstance(action, Truncate):
-            self.log.truncate_to(action.end_offset)
-            return
-        # The leader's retention passed this log's end: the offsets up to its start become
-        # empty records here (readers pass over them), and fetching goes on from there.
-        gap = action.start_offset - self.log.next_offset
-        while gap > 0:
-            count = min(gap, 10_000)
-            self.log.append([(0, b"")] * count)
-            gap -= count
-        await self.log.flush()
-        self.follower.durable(self.log.committed_offset)
-
-    def take(self, response: FetchResponse, records: Sequence[StoredRecord]) -> None:
-        """The records of a fetch answer: append them where the leader has them."""
-        follower = self.follower
-        if not follower.accepts(response) or len(records) != response.end - response.start:
-            follower.on_fetch(response)  # stale: dropped
-            return
-        if records:
-            if self.log.next_offset != response.start:
-                raise ValueError(f"{self.log.directory}: fetched records start at "
-                                 f"{response.start}, the log ends at {self.log.next_offset}")
-            self.log.append([(record.timestamp_ms, record.data) for record in records])
-        follower.on_fetch(response)
-        if self._replicated is not None:
-            self._replicated.high_watermark = follower.high_watermark
-            mark = response.dispatched_end
-            self._replicated.dispatched_known = (
-                None if mark is None else min(mark, follower.high_watermark))
-        self._watch_commit()
-
-    def refused(self, refusal: Refused) -> Truncate | ResetLog | None:
-        return self.follower.on_fetch(refusal)
-
-    def _watch_commit(self) -> None:
-        waiter = self.log.commit_waiter()
-        if waiter is None:
-            self._durable()
-        elif waiter is not self._watched:
-            self._watched = waiter
-            waiter.add_done_callback(self._committed)
-
-    def _committed(self, waiter: asyncio.Future[None]) -> None:
-        if waiter.cancelled() or waiter.exception() is not None:
-            # the journal rolled back what it could not write: `follow` fetches it again
-            self.failed = (waiter.exception() if not waiter.cancelled()
-                           else StorageUnavailable(f"{self.log.directory}: commit cancelled"))
-            self.durable_changed.set()
-            return
-        self.failures = 0
-        self._durable()
-
-    async def recover(self) -> None:
-        """After a failed write: cut the log back to what it holds durably (the offsets the
-        journal handed out and did not write included: here they are the leader's records,
-        never empty ones) and fetch from there again."""
-        with contextlib.suppress(StorageError):
-            await self.log.flush()  # anything still appended is written or rolled back
-        end = self.log.committed_offset
-        self.log.truncate_to(end)
-        self.follower.rewind(end)
-        # A disk that is still full must not fetch again: a follower whose durable end is
-        # the leader's (nothing new since) would be taken back into the in-sync set at its
-        # first fetch, and every commit would then wait for it until it lags out again.
-        await asyncio.to_thread(probe_disk, self.log.directory)
-        self.failed = None
-
-    def _durable(self) -> None:
-        self.follower.durable(self.log.committed_offset)
-        self.durable_changed.set()
-        if self.log.commit_waiter() is not None:
-            self._watch_commit()
-
-
-# what `probe_disk` writes and removes: a few pages, more than a record batch's header
-PROBE_BYTES = 64 * 1024
-
-
-def probe_disk(directory: str | os.PathLike[str]) -> None:
-    """Raise OSError unless `directory`'s file system takes (and syncs) a small write now."""
-    path = os.path.join(directory, ".write-probe")
-    try:
-        with open(path, "wb") as probe:
-            probe.write(b"\0" * PROBE_BYTES)
-            probe.flush()
-            os.fsync(probe.fileno())
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(path)
-
-
-class ReplicaTransport(Protocol):
-    """How a follower reaches its leader (the peer link; in tests, direct calls). A request
-    that cannot be answered raises `ConnectionError` or `TimeoutError`."""
-
-    async def epoch_end(self, leader: str, request: EpochEndRequest) -> EpochEndAnswer | Refused: ...
-
-    async def fetch(self, leader: str, request: FetchRequest
-                    ) -> tuple[FetchResponse, Sequence[StoredRecord]] | Refused: ...
-
-
-async def follow(follower_log: FollowerLog, transport: ReplicaTransport, *,
-                 retry_s: float = 0.2, max_retry_s: float = 10.0) -> None:
-    """Follow one shard's leader until cancelled: truncate, then fetch, one request at a
-    time, each sent once what the previous one brought is durable here. When the journal
-    cannot write what was fetched (a full disk), the log is cut back to its durable end and
-    fetched again after a pause that doubles at each failure in a row, up to `max_retry_s`:
-    the follower drops out of the in-sync set meanwhile, and is back once it caught up."""
-    while True:
-        await asyncio.sleep(0)  # an answer that came at once must not starve the loop
-        if follower_log.failed is not None:
-            follower_log.failures += 1
-            pause = min(retry_s * 2 ** follower_log.failures, max_retry_s)
-            log.warning("%s: could not write the records fetched from %s (%s); fetching them "
-                        "again in %.1f s", follower_log.log.directory, follower_log.follower.leader,
-                        follower_log.failed, pause)
-            await asyncio.sleep(pause)
-            try:
-                await follower_log.recover()
-            except (StorageError, OSError) as exc:
-                follower_log.failed = exc
-            continue
-        try:
-            await _follow_step(follower_log, transport, retry_s)
-        except (StorageError, OSError) as exc:
-            follower_log.failed = exc
-
-
-async def _follow_step(follower_log: FollowerLog, transport: ReplicaTransport,
-                       retry_s: float) -> None:
-    """One step of `follow`: wait, or one request and what its answer asks of the log."""
-    follower = follower_log.follower
-    unreachable = Refused(ReplicaError.NOT_LEADER)
-    follower_log.durable_changed.clear()
-    step = follower.next_request()
-    if step is None:
-        if follower.state is FollowerState.WAITING:
-            await asyncio.sleep(retry_s)
-            follower.retry()
-        else:
-            await follower_log.durable_changed.wait()
-        return
-    if isinstance(step, Truncate):
-        await follower_log.apply(step)
-    elif isinstance(step, EpochEndRequest):
-        try:
-            answer: EpochEndAnswer | Refused = await transport.epoch_end(follower.leader, step)
-        except (ConnectionError, TimeoutError) as exc:
-            log.debug("epoch end from %s: %s", follower.leader, exc)
-            answer = unreachable
-        await follower_log.apply(follower.on_epoch_end(answer))
-    else:
-        try:
-            fetched = await transport.fetch(follower.leader, step)
-        except (ConnectionError, TimeoutError) as exc:
-            log.debug("fetch from %s: %s", follower.leader, exc)
-            fetched = unreachable
-        if isinstance(fetched, Refused):
-            await follower_log.apply(follower_log.refused(fetched))
-        else:
-            follower_log.take(*fetched)

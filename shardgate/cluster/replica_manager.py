@@ -6,9 +6,11 @@ replicas, in-sync set, leader epoch; `membership.ShardAssignment`) says what thi
 - the leader: its `ReplicatedShardLog` leads under that epoch (a `LeaderReplica` built from the
   journal: its end, what is durable, the high watermark it knew as a follower); a changed
   in-sync set of the same epoch is applied to it;
-- a follower: the log resigns any leadership (waiting publishes fail, retryable) and a `follow`
-  task fetches from the leader, first cutting what diverged (KIP-101);
-- neither (no longer a replica): it stops both.
+- a follower: the log gives up any leadership (`depose`: waiting publishes are kept, and
+  acknowledged once the new leader's high watermark passes them, or refused, retryable, if
+  the truncation cuts them or after `deposed_wait_s`) and a `follow` task fetches from the
+  leader, first cutting what diverged (KIP-101);
+- neither (no longer a replica): it stops both (waiting publishes are refused).
 A node leads only in an epoch its log has not seen, or that this process itself led: a
 placement naming it leader in an epoch its log already holds was made for an earlier run of
 this node (only a leader starts an epoch), whose followers may hold records that run sent
@@ -46,9 +48,10 @@ from dataclasses import dataclass
 from ..storage.interfaces import StorageUnavailable
 from ..storage.journal import JournalStorage
 from .membership import ClusterView, ShardAssignment
+from .replica_follow import FollowerLog, ReplicaTransport, follow
 from .replica_follower import FollowerReplica
 from .replica_leader import IsrProposal, LeaderReplica
-from .replica_log import FollowerLog, ReplicatedShardLog, ReplicaTransport, follow
+from .replica_log import DEPOSED_WAIT_S, ReplicatedShardLog
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +112,8 @@ class ReplicaManager:
         lease_deadline: Callable[[], float] = lambda: math.inf,
         clock: Callable[[], float] = time.monotonic,
         on_role: Callable[[str, int], None] | None = None,
+        deposed_wait_s: float = DEPOSED_WAIT_S,
+        hand_off: Callable[[list[asyncio.Future[None]]], None] | None = None,
     ) -> None:
         self.node_id = node_id
         self.view = view
@@ -126,6 +131,10 @@ class ReplicaManager:
         # told after each change of a shard's role took effect (the log is cut and led or
         # followed from then on)
         self.on_role = on_role
+        # how long a deposed leader keeps what waited (`ReplicatedShardLog.depose`), and whom
+        # it tells that those publishes are not dispatched here (the core)
+        self.deposed_wait_s = deposed_wait_s
+        self.hand_off = hand_off
         self._shards: dict[ShardKey, _Shard] = {}
         self._ticker: asyncio.Task[None] | None = None
         self._closed = False
@@ -138,6 +147,8 @@ class ReplicaManager:
         if entry is None:
             journal_log = self.journal.open_shard(stream, shard)
             replicated = ReplicatedShardLog(journal_log, self.clock, f"{stream}/{shard}")
+            replicated.deposed_wait_s = self.deposed_wait_s
+            replicated.hand_off = self.hand_off
             entry = self._shards[(stream, shard)] = _Shard(replicated)
             replicated.gave_up = lambda leader, entry=entry: self._gave_up(
                 stream, shard, entry, leader.epoch)
@@ -246,7 +257,7 @@ class ReplicaManager:
         try:
             while not self._closed and entry.wanted != entry.role:
                 wanted = entry.wanted
-                await self._stop_role(entry)
+                await self._stop_role(entry, keep=wanted is not None)
                 if wanted is not None:
                     await self._cut_unwritten(entry)
                     if wanted.leader != self.node_id:
@@ -267,8 +278,13 @@ class ReplicaManager:
         finally:
             entry.changing = False
 
-    async def _stop_role(self, entry: _Shard) -> None:
-        entry.log.resign()
+    async def _stop_role(self, entry: _Shard, *, keep: bool) -> None:
+        """End this node's role; with `keep` (it stays a replica), what a leadership here
+        had not acknowledged waits for the next leader's high watermark (`depose`)."""
+        if keep:
+            entry.log.depose()
+        else:
+            entry.log.resign()
         task, entry.follower_task = entry.follower_task, None
         if task is not None:
             task.cancel()
@@ -278,7 +294,7 @@ class ReplicaManager:
         journal_log = entry.log.log
         await journal_log.flush()
         if journal_log.next_offset > journal_log.committed_offset:
-            journal_log.truncate_to(journal_log.committed_offset)
+            entry.log.truncate_to(journal_log.committed_offset)
 
     def _leading_live(self, entry: _Shard) -> bool:
         """This node leads the shard now, in the role it was given, and may acknowledge."""
@@ -364,6 +380,7 @@ class ReplicaManager:
             leader = entry.log.leader
             if leader is None:
                 self._propose_give_up(stream, shard, entry, now)
+                entry.log.tick()  # what a deposed leadership kept expires
                 continue
             leader.renew_lease(deadline, now)
             if leader.pending_proposal is None:
@@ -387,4 +404,4 @@ class ReplicaManager:
             if entry.task is not None:
                 entry.task.cancel()
                 await asyncio.gather(entry.task, return_exceptions=True)
-            await self._stop_role(entry)
+            await self._stop_role(entry, keep=False)

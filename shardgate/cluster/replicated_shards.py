@@ -32,8 +32,9 @@ the cluster view and the peer link (`attach.join` builds one per node).
     link holds unanswered;
   - the old leader still runs under the lease it led with (a drain, a graceful leave): from
     the high watermark this node knew. It dispatched what it committed; what it had not
-    committed when it stopped leading was refused to its publishers and never dispatched,
-    and this node commits it now. At a graceful leave (SIGTERM) that mark is exactly where
+    committed when it stopped leading it never dispatches (`hand_off`: it acknowledges
+    those its publishers wait for once this node's high watermark passes them, or refuses
+    them), and this node commits it now. At a graceful leave (SIGTERM) that mark is exactly where
     the old leader's dispatching ended: before it announced the leave it stopped taking
     publishes and waited until its in-sync followers knew the high watermark it ends at
     (`quiesce`). A drain does the same per shard before the controller moves it
@@ -133,7 +134,8 @@ class ReplicatedShards:
         self.manager = ReplicaManager(
             node.node_id, view, journal, self.service.transport,
             min_insync=self._min_insync, lag_time_max_s=lag_time_max_s, propose=propose,
-            lease_deadline=lambda: view.lease_valid_until, on_role=self._role_changed)
+            lease_deadline=lambda: view.lease_valid_until, on_role=self._role_changed,
+            hand_off=broker.dispatched_elsewhere)
         self._started = False
         self._led: set[tuple[str, int]] = set()
         # the leader each shard had while this node followed it, and the etcd lease that

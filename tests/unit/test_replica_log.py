@@ -31,14 +31,10 @@ from shardgate.cluster.replica_epochs import (
     Refused,
     ReplicaError,
 )
+from shardgate.cluster.replica_follow import FollowerLog, follow
 from shardgate.cluster.replica_follower import FollowerReplica
 from shardgate.cluster.replica_leader import LeaderReplica
-from shardgate.cluster.replica_log import (
-    FollowerLog,
-    NotEnoughReplicas,
-    ReplicatedShardLog,
-    follow,
-)
+from shardgate.cluster.replica_log import NotEnoughReplicas, ReplicatedShardLog
 
 
 class Transport:
@@ -619,7 +615,7 @@ async def test_a_replica_that_gave_the_leadership_up_for_a_full_disk_fetches_onl
     # b led the shard, its journal failed a write, it resigned; it follows a now, holding
     # everything up to a's epoch start: fetching at once would put it back in the in-sync
     # set (its durable end is a's log end), with a disk that still cannot write
-    from shardgate.cluster import replica_log
+    from shardgate.cluster import replica_follow
 
     full = True
     probes = 0
@@ -630,7 +626,7 @@ async def test_a_replica_that_gave_the_leadership_up_for_a_full_disk_fetches_onl
         if full:
             raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(replica_log, "probe_disk", probe)
+    monkeypatch.setattr(replica_follow, "probe_disk", probe)
     pair = Pair(tmp_path, isr=("a",), min_insync=1)
     try:
         pair.follower_log = FollowerLog(pair.logs["b"], pair.follower,
@@ -648,7 +644,7 @@ async def test_a_replica_that_gave_the_leadership_up_for_a_full_disk_fetches_onl
 
 
 def test_the_disk_probe_writes_syncs_and_removes_its_file(tmp_path: Path) -> None:
-    from shardgate.cluster.replica_log import probe_disk
+    from shardgate.cluster.replica_follow import probe_disk
 
     probe_disk(tmp_path)
     assert list(tmp_path.iterdir()) == []

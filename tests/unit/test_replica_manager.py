@@ -46,6 +46,8 @@ class Cluster:
         self.proposals: list[IsrProposal] = []
         self.fetching = 0
         self.refusals: list[tuple[str, ReplicaError]] = []
+        # fetches that get no answer, as if the link dropped them: (follower, leader, request)
+        self.lost: Callable[[str, FetchRequest], bool] = lambda _leader, _request: False
 
     def start(self, node: str) -> ReplicaManager:
         self.down.discard(node)
@@ -101,6 +103,8 @@ class Transport:
         shard_log = self._leading(leader)
         if shard_log is None:
             return Refused(ReplicaError.NOT_LEADER)
+        if self.cluster.lost(leader, request):
+            raise ConnectionError(f"the fetch from {leader} was lost")
         self.cluster.fetching += 1
         try:
             answer = await shard_log.fetch(request, max_wait_s=0.05)
@@ -440,3 +444,69 @@ async def test_a_leader_restarted_while_placed_in_its_old_epoch_waits_for_a_new_
         await wait_for(lambda node=node: cluster.records(node) == [b"m0", b"m1"])  # type: ignore[misc]
     epochs = cluster.journals["b"].open_shard(*KEY).leader_epochs.entries
     assert [entry.epoch for entry in epochs] == [1, 2]
+
+
+async def test_a_leader_deposed_after_its_followers_fetched_acknowledges_what_the_new_leader_kept(
+    cluster: Cluster,
+) -> None:
+    """a appends m1; b and c fetch it, but a never hears them say so (their next fetches are
+    lost): a leads no more (the controller elects b in epoch 2). a neither acknowledges nor
+    refuses m1 until b's fetch answer says b's high watermark passed it: refused, a client
+    would send it again and the shard would hold it twice."""
+    for node in NODES:
+        cluster.start(node)
+    cluster.place("a", 1, NODES)
+    await wait_for(lambda: cluster.managers["a"].leading(*KEY) is not None)
+    first = cluster.publish("a", b"m0")
+    assert first is not None
+    await asyncio.wait_for(first, 15)
+    cluster.lost = lambda leader, request: leader == "a" and request.fetch_offset > 1
+    waiting = cluster.publish("a", b"m1")
+    assert waiting is not None
+    for node in ("b", "c"):
+        await wait_for(lambda node=node: cluster.records(node) == [b"m0", b"m1"])  # type: ignore[misc]
+    await asyncio.sleep(0.1)
+    assert not waiting.done()
+    cluster.place("b", 2, ("b", "c"))  # a's lease ran out, say
+    await wait_for(lambda: cluster.managers["a"].role(*KEY) is not None
+                   and cluster.managers["a"].role(*KEY).leader == "b")  # type: ignore[union-attr]
+    await asyncio.wait_for(waiting, 15)
+    assert cluster.managers["a"].shard_log(*KEY).deposed_waiting == 0
+    after = cluster.publish("b", b"m2")
+    assert after is not None
+    await asyncio.wait_for(after, 15)
+    for node in NODES:
+        await wait_for(lambda node=node: cluster.records(node) == [b"m0", b"m1", b"m2"])  # type: ignore[misc]
+
+
+async def test_a_deposed_leaders_wait_is_bounded_and_ends_with_its_replica(
+    cluster: Cluster,
+) -> None:
+    """What a deposed leader keeps is refused, retryable, when the new leader's high
+    watermark does not pass it within `deposed_wait_s`, or at once when the node is no longer
+    a replica of the shard."""
+    for node in NODES:
+        cluster.start(node)
+    cluster.managers["a"].shard_log(*KEY).deposed_wait_s = 0.3
+    cluster.place("a", 1, NODES)
+    await wait_for(lambda: cluster.managers["a"].leading(*KEY) is not None)
+    # the followers get m0, a never hears that they hold it, nor a from b later
+    cluster.lost = lambda leader, request: leader in ("a", "b") and request.fetch_offset > 0
+    waiting = cluster.publish("a", b"m0")
+    assert waiting is not None
+    await wait_for(lambda: cluster.records("b") == cluster.records("c") == [b"m0"])
+    cluster.place("b", 2, ("b", "c"))
+    with pytest.raises(ShardUnavailable, match="no longer leads"):
+        await asyncio.wait_for(waiting, 15)  # past the wait
+    # kept again, then the controller drops a from the replicas: refused at once
+    cluster.lost = lambda _leader, _request: False
+    cluster.managers["a"].shard_log(*KEY).deposed_wait_s = 60.0
+    cluster.place("a", 3, NODES)
+    await wait_for(lambda: cluster.managers["a"].leading(*KEY) is not None)
+    cluster.lost = lambda leader, request: leader == "a" and request.fetch_offset > 1
+    second = cluster.publish("a", b"m1")
+    assert second is not None
+    await wait_for(lambda: cluster.records("b") == [b"m0", b"m1"])
+    place_replicas(cluster, "b", 4, ("b", "c"), ("b", "c"))
+    with pytest.raises(ShardUnavailable, match="no longer leads"):
+        await asyncio.wait_for(second, 5)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 
 from shardgate.cluster.replica_epochs import EpochEndRequest, EpochHistory
+from shardgate.cluster.replica_follow import FollowerLog, follow
 from shardgate.cluster.replica_follower import FollowerReplica
-from shardgate.cluster.replica_log import FollowerLog, follow
 from tests.unit import test_replica_link as replica_link
 from tests.unit.test_replica_link import KEY, Node, wait_for
 
