@@ -304,7 +304,14 @@ class PeerLink:
         self._task.cancel()
         try:
             await self._task
-        except (asyncio.CancelledError, Exception):
+        except asyncio.CancelledError:
+            # the link's task ends so; a cancellation of the caller itself goes on, once what
+            # the link held is given up on
+            caller = asyncio.current_task()
+            if caller is not None and caller.cancelling():
+                self._fail_all(ShardUnavailable(f"node {self.node.node_id} left the cluster"))
+                raise
+        except Exception:  # noqa: BLE001 - the link is closed; how its task ended is moot
             pass
         self._fail_all(ShardUnavailable(f"node {self.node.node_id} left the cluster"))
 
