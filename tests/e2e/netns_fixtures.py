@@ -21,15 +21,28 @@ with setns(2), which needs root), which the caller then uses from any thread.
 Creating namespaces needs root and iproute2's `ip`: `PartitionNet.create` skips the test
 (pytest.skip, with the reason) where either is missing or a namespace cannot be made.
 
-A link can also be made slow and lossy instead of cut (`impair_peer_link`: iproute2's `tc`
-with the kernel's netem queueing discipline, both ways); `netem_missing` says why that cannot
-be done here (no `tc`, or a kernel built without netem), tried in a namespace of its own.
+A link can also be made slow and lossy instead of cut (`impair_peer_link`, both ways), by
+one of two means, whichever `link_impairment()` finds this kernel has (tried once, in a
+namespace of its own):
+
+- netem (iproute2's `tc` with the kernel's netem queueing discipline): a fixed delay and a
+  random loss, as asked;
+- else the token bucket filter (`tc ... tbf`: a rate limit; what exceeds it waits in its queue,
+  up to its `latency`, and is dropped past that) and iptables' `statistic` match dropping a
+  random share of the packets the node sends and receives on its peer link (kernels built
+  without netem, as this project's CI machine is, do have these). The delay is then the
+  rate's and the queue's: a full packet waits about the delay asked for, a small one less,
+  a burst up to twice that.
+
+`link_impairment()` returns None (with the reason) where neither can be done: no `tc`, no
+iptables for the second, not root.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import http.client
 import itertools
 import os
@@ -39,12 +52,18 @@ import socket
 import subprocess
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import pytest
 
 IP = shutil.which("ip") or next((path for path in ("/usr/sbin/ip", "/sbin/ip") if os.path.exists(path)), None)
 TC = shutil.which("tc") or next((path for path in ("/usr/sbin/tc", "/sbin/tc") if os.path.exists(path)), None)
+# iptables-nft and iptables-legacy both work with a kernel of the CI machine's kind; the first
+# that can add a `statistic` rule in a namespace is used
+IPTABLES = [path for path in dict.fromkeys(
+    shutil.which(name) or next((f"{d}/{name}" for d in ("/usr/sbin", "/sbin") if os.path.exists(f"{d}/{name}")), "")
+    for name in ("iptables", "iptables-legacy", "iptables-nft")) if path]
 CLONE_NEWNET = 0x40000000
 _RUNS = itertools.count()
 T = TypeVar("T")
@@ -66,28 +85,68 @@ def _tc(*args: str, netns: str | None = None) -> None:
         raise RuntimeError(f"tc {' '.join(args)}: {done.stderr.strip()}")
 
 
-def netem_missing() -> str | None:
-    """Why a link cannot be made slow and lossy here (None: it can): tried on the loopback of
-    a namespace made for it (root and `ip` are needed, as for `PartitionNet`)."""
+def _iptables(iptables: str, netns: str, *args: str) -> None:
+    assert IP is not None
+    done = subprocess.run([IP, "netns", "exec", netns, iptables, "-w", *args], capture_output=True,
+                          text=True, check=False, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"{os.path.basename(iptables)} {' '.join(args)}: {done.stderr.strip()}")
+
+
+@dataclass(frozen=True)
+class LinkImpairment:
+    """How this kernel can make a link slow and lossy: "netem", or "tbf" with `iptables` (the
+    binary that can drop at random in a namespace). See the module docstring."""
+
+    kind: str
+    iptables: str | None = None
+
+    def __str__(self) -> str:
+        if self.kind == "netem":
+            return "netem"
+        return f"tbf + {os.path.basename(self.iptables or 'iptables')} statistic (no netem in this kernel)"
+
+
+@functools.cache
+def link_impairment() -> LinkImpairment | str:
+    """How a link can be made slow and lossy here, or why it cannot (a string): tried once on
+    the loopback of a namespace made for it (root and `ip` are needed, as for
+    `PartitionNet`)."""
     if IP is None:
         return "no iproute2 `ip` command to make network namespaces with"
     if TC is None:
         return "no iproute2 `tc` command to shape a link with"
     if os.geteuid() != 0:
-        return "network namespaces and queueing disciplines need root"
+        return "network namespaces, queueing disciplines and iptables rules need root"
     probe = f"sg{os.getpid()}{next(_RUNS)}"[-8:] + "nm"
     done = _ip("netns", "add", probe, check=False)
     if done.returncode != 0:
         return f"cannot create a network namespace: {done.stderr.strip()}"
     try:
         _ip("-n", probe, "link", "set", "lo", "up")
-        _tc("qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms", netns=probe)
-    except RuntimeError as exc:
-        return (f"this kernel cannot delay or drop packets with netem (CONFIG_NET_SCH_NETEM; "
-                f"{exc})")
+        try:
+            _tc("qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms", netns=probe)
+            return LinkImpairment("netem")
+        except RuntimeError as exc:
+            no_netem = f"no netem in this kernel (CONFIG_NET_SCH_NETEM; {exc})"
+        try:
+            _tc("qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1mbit", "burst", "32kbit",
+                "latency", "400ms", netns=probe)
+        except RuntimeError as exc:
+            return f"{no_netem}, and no tbf either ({exc})"
+        if not IPTABLES:
+            return f"{no_netem}, and no iptables for random loss (apt-get install iptables)"
+        refused = []
+        for iptables in IPTABLES:
+            try:
+                _iptables(iptables, probe, "-A", "INPUT", "-m", "statistic", "--mode", "random",
+                          "--probability", "0.05", "-j", "DROP")
+                return LinkImpairment("tbf", iptables)
+            except RuntimeError as exc:
+                refused.append(str(exc))
+        return f"{no_netem}, and iptables cannot drop at random here: {'; '.join(refused)}"
     finally:
         _ip("netns", "del", probe, check=False)
-    return None
 
 
 def in_netns(netns: str, work: Callable[[], T]) -> T:
@@ -158,6 +217,8 @@ class PartitionNet:
         self.subnet = 0  # N of the front subnet 10.213.N.0/24 (the peer one is 10.214.N.0/24)
         self.namespaces: list[str] = []
         self._bridges: list[str] = []
+        # the iptables rules of `impair_peer_link` by node (they go with its namespace too)
+        self._random_drops: dict[int, list[tuple[str, ...]]] = {}
 
     @classmethod
     def create(cls, count: int) -> PartitionNet:
@@ -249,16 +310,66 @@ class PartitionNet:
         _ip("link", "set", self._peer_link(index), "down")
         _ip("link", "set", self._front_link(index), "down")
 
-    def impair_peer_link(self, index: int, *netem: str) -> None:
-        """Make node `index`'s peer link slow or lossy both ways: `netem` is what follows
-        `tc qdisc add ... netem` (e.g. "delay", "200ms", "loss", "5%"); each way gets it."""
-        _tc("qdisc", "add", "dev", self._peer_link(index), "root", "netem", *netem)
-        _tc("qdisc", "add", "dev", "peer", "root", "netem", *netem, netns=self.netns(index))
+    def impair_peer_link(self, index: int, delay_ms: int, loss_percent: float) -> LinkImpairment:
+        """Make node `index`'s peer link slow and lossy both ways, by the means this kernel has
+        (`link_impairment()`, see the module docstring; the test has skipped where it has
+        none): with netem, `delay_ms` of delay and `loss_percent` % loss each way; else a tbf
+        rate limit at which a full packet takes `delay_ms` (60 kbit/s for 200 ms), its queue
+        holding a packet up to twice `delay_ms`, and `loss_percent` % of the packets in and out
+        dropped at random."""
+        means = link_impairment()
+        assert isinstance(means, LinkImpairment), means
+        node, root_end = self.netns(index), self._peer_link(index)
+        if means.kind == "netem":
+            netem = ("netem", "delay", f"{delay_ms}ms", "loss", f"{loss_percent}%")
+            _tc("qdisc", "add", "dev", root_end, "root", *netem)
+            _tc("qdisc", "add", "dev", "peer", "root", *netem, netns=node)
+            return means
+        assert means.iptables is not None
+        # a full packet (1,500 bytes) waits about `delay_ms` at an empty bucket, smaller ones
+        # less; past twice `delay_ms` in the queue, packets are dropped
+        tbf = ("tbf", "rate", f"{1500 * 8 * 1000 // delay_ms}bit", "burst", "1600",
+               "latency", f"{2 * delay_ms}ms")
+        _tc("qdisc", "add", "dev", root_end, "root", *tbf)
+        _tc("qdisc", "add", "dev", "peer", "root", *tbf, netns=node)
+        self._random_drops[index] = drops = [
+            (chain, way, "peer", "-m", "statistic", "--mode", "random", "--probability",
+             f"{loss_percent / 100:.4f}", "-j", "DROP")
+            for chain, way in (("INPUT", "-i"), ("OUTPUT", "-o"))]
+        for rule in drops:
+            _iptables(means.iptables, node, "-A", *rule)
+        return means
+
+    def impairment_counts(self, index: int) -> dict[str, int]:
+        """What the impairment of node `index`'s peer link did so far, as its kernel counts it:
+        the packets the queueing disciplines of both ends dropped or held back
+        (`qdisc_dropped`, `qdisc_overlimits`) and, without netem, those iptables dropped at
+        random (`random_drops`)."""
+        assert TC is not None and IP is not None
+        counts = {"qdisc_dropped": 0, "qdisc_overlimits": 0, "random_drops": 0}
+        for command in ([TC, "-s", "qdisc", "show", "dev", self._peer_link(index)],
+                        [IP, "netns", "exec", self.netns(index), TC, "-s", "qdisc", "show", "dev", "peer"]):
+            shown = subprocess.run(command, capture_output=True, text=True, check=False, timeout=30).stdout
+            for dropped, overlimits in re.findall(r"dropped (\d+), overlimits (\d+)", shown):
+                counts["qdisc_dropped"] += int(dropped)
+                counts["qdisc_overlimits"] += int(overlimits)
+        means = link_impairment()
+        if isinstance(means, LinkImpairment) and means.iptables is not None:
+            shown = subprocess.run([IP, "netns", "exec", self.netns(index), means.iptables, "-w",
+                                    "-L", "-v", "-x", "-n"], capture_output=True, text=True,
+                                   check=False, timeout=30).stdout
+            counts["random_drops"] = sum(int(packets) for packets in re.findall(
+                r"^\s*(\d+)\s+\d+\s+DROP\b.*statistic", shown, re.MULTILINE))
+        return counts
 
     def restore_peer_link(self, index: int) -> None:
         """Node `index`'s peer link as it was before `impair_peer_link`."""
         _tc("qdisc", "del", "dev", self._peer_link(index), "root")
         _tc("qdisc", "del", "dev", "peer", "root", netns=self.netns(index))
+        means = link_impairment()
+        for rule in self._random_drops.pop(index, []):
+            assert isinstance(means, LinkImpairment) and means.iptables is not None
+            _iptables(means.iptables, self.netns(index), "-D", *rule)
 
     def heal(self, index: int) -> None:
         _ip("link", "set", self._peer_link(index), "up")
