@@ -383,7 +383,7 @@ class PeerLink:
         _transport, connection = await wait_within(
             self._loop.create_connection(
                 lambda: LinkClient(self._on_reply, self._flush_soon, self.plane.credentials,
-                                   self.node.node_id),
+                                   self.node.node_id, self.plane.link_timeout_s),
                 host, int(port),
                 ssl=tls.client_context if tls is not None else None,
                 server_hostname=tls.dial_name(host) if tls is not None else None),
