@@ -23,8 +23,10 @@ at any node's departure.
 
 A leadership starts at the mark its hand-on starts from (`begin`): records below it were
 dispatched and delivered under the earlier leader, and this leader's own dispatching counts
-from there (the shard's dispatched offset is forgotten as it begins). The marks are this
-process's: a node started again knows none, and its successor looks back further.
+from there (the shard's dispatched offset is forgotten as it begins). The marks are kept in
+memory and, for a node started again, on disk (`dispatch_checkpoints.py`: written in the
+background from `known` and from the marks told to this node as a follower, read back as "at
+least this far").
 """
 
 from __future__ import annotations
@@ -112,6 +114,12 @@ class DispatchMarks:
                     led.mark is None or checkpoint.end > led.mark):
                 led.mark = checkpoint.end
         return led.mark
+
+    def known(self, key: Key) -> int | None:
+        """The shard's dispatched mark as last found (None: not known, or not led here),
+        without taking a checkpoint."""
+        led = self._led.get(key)
+        return led.mark if led is not None else None
 
     def waiting(self, key: Key) -> bool:
         """Whether a checkpoint of the shard waits for pushes to be answered."""

@@ -26,10 +26,15 @@ the cluster view and the peer link (`attach.join` builds one per node).
     dispatched after that mark: the records it dispatched after taking the checkpoint the
     mark came from (at a fetch answer before the last one this node got) and those whose
     pushes it had not seen answered by then: about one fetch round and one push round
-    trip's worth, not the whole shard. Where no mark was told (this node's own earlier run
-    led, or a leader that knew none): from up to `REDISPATCH_RECORDS` below the high
-    watermark this node knew (below the log end where it knew none), the most pushes a peer
-    link holds unanswered;
+    trip's worth, not the whole shard. Where this process was told no mark (it was started
+    again since: all the shard's nodes were restarted, or the old leader was this node's own
+    earlier run), from the mark kept on disk (`dispatch_checkpoints.py`: the last mark this
+    node led with or was told before, written at most `SAVE_INTERVAL_S` apart and at a clean
+    stop, read as "at least this far"), so what may come twice is about an interval of the
+    shard's traffic; either mark, whichever is further, when both are known. Where neither is
+    (a node whose data directory was lost, or a leader that knew none): from up to
+    `REDISPATCH_RECORDS` below the high watermark this node knew (below the log end where it
+    knew none), the most pushes a peer link holds unanswered;
   - the old leader still runs under the lease it led with (a drain, a graceful leave): from
     the high watermark this node knew. It dispatched what it committed; what it had not
     committed when it stopped leading it never dispatches (`hand_off`: it acknowledges
@@ -66,6 +71,7 @@ from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..core.records import decode_to_message
+from .dispatch_checkpoints import SAVE_INTERVAL_S, KeptMarks
 from .replica_manager import Propose, ReplicaManager
 from .replica_rpc import ReplicaService
 from .replication import stream_replication
@@ -80,8 +86,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # How far below the high watermark it knew a new leader dispatches again what it inherited
-# when its dead predecessor told it no dispatched mark: the most pushes a peer link holds
-# unanswered (`PUSH_HIGH_WATER`), which the old leader's death may have lost.
+# when it knows no dispatched mark (none told, none kept on disk): the most pushes a peer link
+# holds unanswered (`PUSH_HIGH_WATER`), which the old leader's death may have lost.
 REDISPATCH_RECORDS = 10_000
 REDISPATCH_BATCH = 2_000
 # A leaving leader's wait for its followers to know where it ends (`quiesce`): the part of it
@@ -96,26 +102,33 @@ MARK_CHECK_S = 0.005
 
 def inherited_from(previous: tuple[str, int | None] | None, *, node_id: str,
                    registrations: Mapping[str, Any], held_alone: bool, high_watermark: int,
-                   log_end: int, dispatched: int | None = None) -> int | None:
+                   log_end: int, dispatched: int | None = None,
+                   kept: int | None = None) -> int | None:
     """Where a node that has just begun to lead a shard starts handing on what it inherited
     (None: nothing to hand on; see the module docstring). `previous` is the leader it followed
     and the etcd lease that leader's process led under (None: not known, or `node_id`'s own
     earlier run); `registrations` are the registered nodes (each with its `lease`);
     `high_watermark` is the one this node knew as it took over, `dispatched` the dispatched
-    mark its leader told it last (None: none told)."""
+    mark its leader told it last (None: none told), `kept` the mark kept on this node's disk
+    (`dispatch_checkpoints.py`, one of this log, so at most `log_end`; None: none counts)."""
+    if previous is None and held_alone:
+        return None  # its records were stored and dispatched here
+    if previous is not None:
+        leader, lease = previous
+        registration = registrations.get(leader)
+        if lease is not None and registration is not None and registration.lease == lease:
+            # the old leader's process still runs: it dispatched what it committed
+            return high_watermark
+    # Below either mark, every record was dispatched and each push of it answered (each is a
+    # lower bound of that, so the further one is too).
+    marks = [mark for mark in (
+        min(dispatched, high_watermark) if dispatched is not None and previous is not None
+        and previous[0] != node_id else None, kept) if mark is not None]
+    if marks:
+        return max(marks)
     if previous is None:
-        if held_alone:
-            return None  # its records were stored and dispatched here
         return log_end - REDISPATCH_RECORDS  # nothing known of who stored them
-    leader, lease = previous
-    registration = registrations.get(leader)
-    if lease is not None and registration is not None and registration.lease == lease:
-        # the old leader's process still runs: it dispatched what it committed
-        return high_watermark
-    if dispatched is not None and leader != node_id:
-        # below it, every record was dispatched and each push of it answered
-        return min(dispatched, high_watermark)
-    known = high_watermark if leader != node_id and high_watermark > 0 else log_end
+    known = high_watermark if previous[0] != node_id and high_watermark > 0 else log_end
     return known - REDISPATCH_RECORDS
 
 
@@ -148,6 +161,9 @@ class ReplicatedShards:
         # how far the shards this node leads were dispatched to every node (`track_dispatch`)
         self._marks: DispatchMarks | None = None
         self._mark_checks: set[tuple[str, int]] = set()  # the shards `_check_mark` looks at
+        # the marks kept on disk, for a start of this node with nothing in memory (`_keep_marks`)
+        self._kept = KeptMarks()
+        self._keeper: asyncio.Task[None] | None = None
 
     def track_dispatch(self, marks: DispatchMarks) -> None:
         """The data plane's dispatched marks (built with its fanout and links, after this):
@@ -183,6 +199,7 @@ class ReplicatedShards:
         self.manager.start()
         self.view.on_change(self.sync)
         self.sync()
+        self._keeper = asyncio.get_running_loop().create_task(self._keep_marks())
 
     def sync(self) -> None:
         """Hand the manager every replicated shard of this node, and give the broker the
@@ -256,14 +273,15 @@ class ReplicatedShards:
                    previous: tuple[str, int | None] | None) -> None:
         """This node has just begun to lead the shard (not again in a newer epoch: what
         waited carried over then): hand on what it inherited (see the module docstring)."""
+        key = (stream, index)
         start = inherited_from(
             previous, node_id=self.node.node_id, registrations=self.view.registrations,
-            held_alone=(stream, index) in self._held_alone,
+            held_alone=key in self._held_alone,
             high_watermark=shard_log.high_watermark, log_end=shard_log.next_offset,
-            dispatched=shard_log.dispatched_known)
+            dispatched=shard_log.dispatched_known,
+            kept=self._kept.kept(key, shard_log.log))
         marks = self._marks
         if marks is not None:
-            key = (stream, index)
             marks.begin(key, None if start is None else max(start, shard_log.low_watermark, 0))
             shard_log.dispatch_mark = lambda: self._mark(marks, key, shard_log)
         if start is not None:
@@ -289,6 +307,35 @@ class ReplicatedShards:
                 return
             shard_log.wake_fetches()
         self._mark_checks.discard(key)
+
+    async def _keep_marks(self) -> None:
+        """Write the dispatched marks that moved to disk, every `SAVE_INTERVAL_S`."""
+        while True:
+            await asyncio.sleep(SAVE_INTERVAL_S)
+            try:
+                self._save_marks()
+            except Exception:
+                log.exception("cannot keep the dispatched marks on disk")
+
+    def _save_marks(self, *, sync: bool = False) -> None:
+        """Keep on disk each replicated shard's dispatched mark as known now, where it moved
+        (`dispatch_checkpoints.py`): this node's own while it leads, the one its leader told it
+        while it follows (the further, where both are known)."""
+        manager, marks = self.manager, self._marks
+        for stream, shards in list(self.view.placement.items()):
+            local = self.broker.streams.get(stream)
+            for index in range(len(shards)):
+                if not manager.knows(stream, index):
+                    continue
+                shard_log = manager.shard_log(stream, index)
+                if local is None or index >= len(local.shards) or local.shards[index].log is not shard_log:
+                    continue  # (the core's log of it is not this one: no mark of this log)
+                key = (stream, index)
+                known = [mark for mark in (
+                    shard_log.dispatched_known, marks.known(key) if marks is not None else None)
+                    if mark is not None]
+                if known:
+                    self._kept.keep(key, shard_log.log, max(known), sync=sync)
 
     def _hand_on(self, stream: str, index: int, shard_log: Any, start: int) -> None:
         """Dispatch the records from `start` to the log's end now once this new leader's
@@ -384,5 +431,13 @@ class ReplicatedShards:
 
     async def close(self) -> None:
         self._started = False
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
+            try:
+                self._save_marks(sync=True)  # a clean stop: the marks as they are last
+            except Exception:
+                log.exception("cannot keep the dispatched marks on disk")
         await self.manager.close()
         await self.service.close()
