@@ -6,10 +6,20 @@ of the event loop), and at most `max_inflight_batches` wait for their acknowledg
 out, and are acknowledged, in order, so messages keep their order per key (and per topic).
 
 When the stream breaks (broker restarting, network), the producer reconnects with exponential
-backoff and resends the batches not yet acknowledged, in order: delivery is at least once. A
-message the broker refuses (schema mismatch, too large) fails its own future only.
+backoff and resends the batches not yet acknowledged, in order. A message the broker refuses
+(schema mismatch, too large) fails its own future only.
 
-`publish()` is the unary alternative: one round trip per message, also retried.
+`publish()` is the unary alternative: one round trip per message, also retried (after
+UNAVAILABLE, DEADLINE_EXCEEDED or ABORTED).
+
+Idempotent (the default, `idempotent=True`): every message carries the producer's identity (16
+random bytes chosen per `Producer`) and its own sequence number, and whatever is sent again (a
+retried `publish`, the batches resent on a new stream) is marked so. The broker then answers a
+message it already stored with where it stored it, instead of storing it twice: a publish whose
+answer was lost, or that outlived its deadline (a failover, a replicated shard below its
+minimum of in-sync replicas), is stored once. The broker's look-up reaches back about 30 s
+before the first send (`ProducerIdentity` in `proto/shardgate.proto` gives the bound); a
+resend beyond it is stored again: at least once, as with `idempotent=False`.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 import random
 from collections import OrderedDict
 from collections.abc import Awaitable
@@ -45,9 +56,13 @@ class Producer:
         self, client: Client, name: str = "", *, max_batch_messages: int = 1000,
         max_batch_bytes: int = 1024 * 1024, linger_s: float = 0.0, max_inflight_batches: int = 16,
         retries: int = 5, backoff_s: float = 0.1, max_backoff_s: float = 2.0,
+        idempotent: bool = True,
     ) -> None:
         self._client = client
         self.name = name
+        # This producer's identity (see the module docstring); None: not idempotent.
+        self.producer_id: bytes | None = os.urandom(16) if idempotent else None
+        self._next_message = 1  # the sequence number of the next message
         self.max_batch_messages = max_batch_messages
         self.max_batch_bytes = max_batch_bytes
         self.linger_s = linger_s
@@ -63,6 +78,8 @@ class Producer:
         self._sequence = itertools.count(1)
         self._queue: asyncio.Queue[_Entry | None] = asyncio.Queue()
         self._inflight: OrderedDict[int, _Entry] = OrderedDict()
+        # batch sequence -> when it was first written (loop time), while not acknowledged
+        self._first_sent: dict[int, float] = {}
         self._acked = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
         self._closed = False
@@ -92,8 +109,17 @@ class Producer:
         """Publish one message with a unary call (retried on UNAVAILABLE); returns where it
         was stored. Takes the same keyword fields as `send`."""
         request = self._request(topic, payload, **fields)  # type: ignore[arg-type]
+        if self.producer_id is not None:
+            request.identity.producer_id = self.producer_id
+            request.identity.sequence = self._take_sequences(1)
+        loop = asyncio.get_running_loop()
+        first_sent = loop.time()
         attempt = 0
         while True:
+            if attempt and self.producer_id is not None:
+                # sent before: the broker answers with the first copy if it stored one
+                request.identity.resent = True
+                request.identity.first_sent_ms_ago = int((loop.time() - first_sent) * 1000)
             try:
                 response = await self._stub.Publish(
                     request, metadata=self._client.metadata, timeout=self._client.timeout)
@@ -139,6 +165,9 @@ class Producer:
         if not self._batch:
             return
         batch = pb.PublishBatch(sequence=next(self._sequence), messages=self._batch)
+        if self.producer_id is not None:
+            batch.identity.producer_id = self.producer_id
+            batch.identity.sequence = self._take_sequences(len(self._batch))
         self._queue.put_nowait((batch, self._batch_futures))
         self._batch, self._batch_futures, self._batch_bytes = [], [], 0
         if self._pump is None or self._pump.done():
@@ -171,6 +200,12 @@ class Producer:
                 await asyncio.wait_for(self._pump, self._client.timeout)
         self._client._forget(self)
 
+    def _take_sequences(self, count: int) -> int:
+        """Number `count` messages: returns the first one's sequence number."""
+        first = self._next_message
+        self._next_message = first + count
+        return first
+
     def _backoff(self, attempt: int) -> float:
         delay = min(self.max_backoff_s, self.backoff_s * (2 ** (attempt - 1)))
         return delay * random.uniform(0.8, 1.2)
@@ -182,7 +217,13 @@ class Producer:
             call = self._stub.PublishStream(metadata=self._client.metadata)
             receiver = asyncio.ensure_future(self._receive(call))
             try:
+                now = asyncio.get_running_loop().time()
                 for batch, _ in list(self._inflight.values()):
+                    if self.producer_id is not None:
+                        # written before, on the stream that broke: the broker may hold it
+                        batch.identity.resent = True
+                        first_sent = self._first_sent.get(batch.sequence, now)
+                        batch.identity.first_sent_ms_ago = int((now - first_sent) * 1000)
                     await call.write(batch)
                 while True:
                     entry = await self._wait(self._queue.get(), receiver)
@@ -194,6 +235,7 @@ class Producer:
                         self._acked.clear()
                         await self._wait(self._acked.wait(), receiver)
                     self._inflight[entry[0].sequence] = entry
+                    self._first_sent[entry[0].sequence] = asyncio.get_running_loop().time()
                     await call.write(entry[0])
                     attempt = 0
             except (grpc.aio.AioRpcError, ShardgateError, asyncio.InvalidStateError) as exc:
@@ -232,6 +274,7 @@ class Producer:
             entry = inflight.pop(ack.sequence, None)
             if entry is None:
                 continue
+            self._first_sent.pop(ack.sequence, None)
             for result, future in zip(ack.results, entry[1], strict=False):
                 if future.done():
                     continue
@@ -245,6 +288,7 @@ class Producer:
         """Fail every queued and unacknowledged message; the next send opens a new stream."""
         entries = list(self._inflight.values())
         self._inflight.clear()
+        self._first_sent.clear()
         while not self._queue.empty():
             entry = self._queue.get_nowait()
             if entry is not None:

@@ -31,6 +31,7 @@ from .message import Message, now_ms
 from .placement import DurableWatcher, Fanout, ShardPlacement
 from .ports import DelayedStore
 from .records import encode_records
+from .resends import ResendCheck, is_resent
 from .retained import RetainedStore
 from .schema_registry import SchemaRegistry
 from .shard_appends import CommitGroup, PublishOutcome, ShardAppends
@@ -112,6 +113,8 @@ class Broker(StreamCatalog, SubscriptionRegistry, ShardAppends, KeptState):
         # single node): where shards are served, which other nodes want a stored message, who
         # is told when local subscriptions change and when a retained message changes here.
         self.placement: ShardPlacement | None = None
+        # The look-up of messages sent again in the shards stored here (`core/resends.py`).
+        self.resends = ResendCheck()
         self.fanout: Fanout | None = None
         self.on_routes_changed: Callable[[], None] | None = None
         self._cluster_retained: Callable[[str, Message | None], None] | None = None
@@ -141,6 +144,10 @@ class Broker(StreamCatalog, SubscriptionRegistry, ShardAppends, KeptState):
         placement = self.placement
         if placement is not None and not placement.stores(shard.stream, shard.index):
             return placement.forward(message)
+        if message.native_properties is not None and is_resent(message):
+            # sent again: a copy already stored is acknowledged where it is (`core/resends.py`)
+            if self.resends.stored_at(message, shard) is not None:
+                return None
         if message.retain:
             self._retain(message)
         if shard.log is None:
@@ -171,13 +178,13 @@ class Broker(StreamCatalog, SubscriptionRegistry, ShardAppends, KeptState):
         topic, forward) ends the list there: the messages after it are not processed at all
         (not counted, retained, stored or dispatched) and the outcomes returned stop at it
         (a client that is disconnected for a refusal expects nothing after it to take
-        effect). A refusal by the journal itself does not stop the others."""
+        effect). A refusal by the journal itself does not stop the others.
+
+        Messages sent again (`core/resends.py`: a client's retry) are looked for first, so a
+        list holding one goes through `publish` one message at a time."""
         count = len(messages)
-        if count == 1:
-            try:
-                return [self.publish(messages[0], counted=counted)]
-            except PublishRejected as exc:
-                return [exc]
+        if count == 1 or any(m.native_properties is not None and is_resent(m) for m in messages):
+            return self._publish_each(messages, counted, stop_at_refusal)
         outcomes: list[PublishOutcome] = [None] * count
         # What happens to each message once the appends are done, in the list's order: the
         # shard it is stored in or dispatched from, and how (_STORED, _MEMORY, _TRANSIENT).
@@ -280,6 +287,18 @@ class Broker(StreamCatalog, SubscriptionRegistry, ShardAppends, KeptState):
                 self.dispatch(message)
             else:
                 outcomes[index] = self._deliver_transient(shard, message)
+        return outcomes
+
+    def _publish_each(self, messages: Sequence[Message], counted: bool,
+                      stop_at_refusal: bool) -> list[PublishOutcome]:
+        outcomes: list[PublishOutcome] = []
+        for message in messages:
+            try:
+                outcomes.append(self.publish(message, counted=counted))
+            except PublishRejected as exc:
+                outcomes.append(exc)
+                if stop_at_refusal:
+                    break
         return outcomes
 
     def _route(self, message: Message, counted: bool) -> Shard | Held:

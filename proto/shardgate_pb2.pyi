@@ -49,7 +49,7 @@ class Header(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("topic", "payload", "key", "headers", "content_type", "correlation_data", "reply_to", "ttl_ms", "retain", "stream", "producer_name")
+    __slots__ = ("topic", "payload", "key", "headers", "content_type", "correlation_data", "reply_to", "ttl_ms", "retain", "stream", "producer_name", "identity")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class PublishRequest(_message.Message):
     RETAIN_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_NAME_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
     topic: str
     payload: bytes
     key: bytes
@@ -72,7 +73,20 @@ class PublishRequest(_message.Message):
     retain: bool
     stream: str
     producer_name: str
-    def __init__(self, topic: _Optional[str] = ..., payload: _Optional[bytes] = ..., key: _Optional[bytes] = ..., headers: _Optional[_Iterable[_Union[Header, _Mapping]]] = ..., content_type: _Optional[str] = ..., correlation_data: _Optional[bytes] = ..., reply_to: _Optional[str] = ..., ttl_ms: _Optional[int] = ..., retain: _Optional[bool] = ..., stream: _Optional[str] = ..., producer_name: _Optional[str] = ...) -> None: ...
+    identity: ProducerIdentity
+    def __init__(self, topic: _Optional[str] = ..., payload: _Optional[bytes] = ..., key: _Optional[bytes] = ..., headers: _Optional[_Iterable[_Union[Header, _Mapping]]] = ..., content_type: _Optional[str] = ..., correlation_data: _Optional[bytes] = ..., reply_to: _Optional[str] = ..., ttl_ms: _Optional[int] = ..., retain: _Optional[bool] = ..., stream: _Optional[str] = ..., producer_name: _Optional[str] = ..., identity: _Optional[_Union[ProducerIdentity, _Mapping]] = ...) -> None: ...
+
+class ProducerIdentity(_message.Message):
+    __slots__ = ("producer_id", "sequence", "resent", "first_sent_ms_ago")
+    PRODUCER_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    RESENT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SENT_MS_AGO_FIELD_NUMBER: _ClassVar[int]
+    producer_id: bytes
+    sequence: int
+    resent: bool
+    first_sent_ms_ago: int
+    def __init__(self, producer_id: _Optional[bytes] = ..., sequence: _Optional[int] = ..., resent: _Optional[bool] = ..., first_sent_ms_ago: _Optional[int] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("stream", "shard", "offset")
@@ -85,12 +99,14 @@ class PublishResponse(_message.Message):
     def __init__(self, stream: _Optional[str] = ..., shard: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class PublishBatch(_message.Message):
-    __slots__ = ("sequence", "messages")
+    __slots__ = ("sequence", "messages", "identity")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     messages: _containers.RepeatedCompositeFieldContainer[PublishRequest]
-    def __init__(self, sequence: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[PublishRequest, _Mapping]]] = ...) -> None: ...
+    identity: ProducerIdentity
+    def __init__(self, sequence: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[PublishRequest, _Mapping]]] = ..., identity: _Optional[_Union[ProducerIdentity, _Mapping]] = ...) -> None: ...
 
 class PublishResult(_message.Message):
     __slots__ = ("stream", "shard", "offset", "code", "error")

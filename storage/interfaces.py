@@ -84,6 +84,23 @@ class ShardLog(Protocol):
 
 
 @runtime_checkable
+class ReplicatedLog(Protocol):
+    """A shard log kept on several nodes (a cluster's replicated shard, led from this node): a
+    record counts once it is below `committed_offset` (on enough replicas), and `log` is this
+    node's own copy, read past that mark too. `settled`: this node leads the shard and every
+    record an earlier leader may have acknowledged is readable here."""
+
+    @property
+    def settled(self) -> bool: ...
+
+    @property
+    def committed_offset(self) -> int: ...
+
+    @property
+    def log(self) -> ShardLog: ...
+
+
+@runtime_checkable
 class IdleReleasable(Protocol):
     """An engine object that keeps caches it can rebuild from its data (a shard log's key
     indexes): the broker has it drop them once idle, so that what a load made does not outlive

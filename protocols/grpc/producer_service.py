@@ -75,7 +75,9 @@ class ProducerService(pb_grpc.ProducerServicer):
             waiter = server.publish(message)
             if waiter is not None:
                 try:
-                    await waiter
+                    # shielded: a client gone meanwhile must not cancel the commit future, which
+                    # the other messages of its commit group share
+                    await asyncio.shield(waiter)
                 except Exception as exc:
                     raise Refusal(grpc.StatusCode.UNAVAILABLE,
                                   f"the message could not be stored: {exc}") from exc
@@ -156,11 +158,13 @@ class ProducerService(pb_grpc.ProducerServicer):
         # Per request, in order: the message to publish, or the refusal of its validation.
         checked: list[Message | Refusal] = []
         accepted: list[Message] = []
-        for request in batch.messages:
+        # (the n-th message's identity counts on from the batch's: `ProducerIdentity`)
+        identity = batch.identity if batch.HasField("identity") else None
+        for index, request in enumerate(batch.messages):
             if not info.name and request.producer_name:
                 info.name = request.producer_name
             try:
-                message = message_from(request, producer_id, user)
+                message = message_from(request, producer_id, user, identity, index)
             except Refusal as refusal:
                 checked.append(refusal)
                 continue
@@ -192,7 +196,9 @@ class ProducerService(pb_grpc.ProducerServicer):
     ) -> None:
         """Wait until every waited-for message is durable; a message whose commit failed gets
         UNAVAILABLE in its own result (the others keep theirs)."""
-        await asyncio.gather(*{waiter for _, waiter in waiters}, return_exceptions=True)
+        # (shielded: a stream cancelled meanwhile must not cancel the shared commit futures)
+        await asyncio.gather(*{asyncio.shield(waiter) for waiter in {w for _, w in waiters}},
+                             return_exceptions=True)
         for result, waiter in waiters:
             failure = "cancelled" if waiter.cancelled() else waiter.exception()
             if failure is not None:

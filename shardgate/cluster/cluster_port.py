@@ -31,6 +31,7 @@ from .link import (
     FrameReader,
     LinkForgotten,
     frame_bytes,
+    give_up_unacknowledged,
     keepalive,
 )
 from .link_auth import (
@@ -260,6 +261,10 @@ class ClusterPortProtocol(asyncio.Protocol):
                     receiver.link_opened(self._peer, frame.session, self._reply)
                     if frame.heartbeat_ms:
                         self._start_heartbeats(frame.heartbeat_ms / 1000)
+                        if self.transport is not None:
+                            # replies this end cannot get across end the connection as
+                            # frames the dialer cannot get across do (`link.py`)
+                            give_up_unacknowledged(self.transport, frame.heartbeat_ms / 1000)
                 if not self._peer:
                     raise FrameError("the first frame of a link must name its node")
                 receiver.receive(self._peer, frame, self._reply)

@@ -30,7 +30,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from ..core.errors import PublishRejected, ShardUnavailable
-from .forward_ids import ForwardIds, ResendCheck, is_resent, mark_resent
+from .forward_ids import ForwardIds, mark_resent
 from .outbox import fail
 
 if TYPE_CHECKING:
@@ -77,10 +77,10 @@ class Forwarding:
         self._epoch_waiters: list[
             tuple[float, str, int, int, Callable[[], None], Callable[[], bool] | None]] = []
         self.held = HeldForwards(self)
-        # the identity of the publishes forwarded from here, and (as a leader) the check of
-        # those sent again (`forward_ids.py`)
+        # the identity of the publishes forwarded from here, and (as a leader) the broker's
+        # check of those sent again (`forward_ids.py`, `core/resends.py`)
         self.ids = ForwardIds(self.node_id)
-        self.resends = ResendCheck(plane.broker)
+        self.resends = plane.broker.resends
 
     def view_changed(self) -> None:
         """The view moved: forget the owners asked so far, and settle who waited for it."""
@@ -190,9 +190,7 @@ class Forwarding:
     def publish_here(self, message: Message) -> asyncio.Future[None] | None:
         """Store a forwarded `message` here, its shard's leader now (counted when it came
         in); one that its earlier leader may have stored is looked for in the log first and
-        acknowledged where it is (`forward_ids.py`)."""
-        if is_resent(message) and self.resends.stored_at(message, message.stream, message.shard) is not None:
-            return None
+        acknowledged where it is (the broker's publish looks: `core/resends.py`)."""
         return self.plane.broker.publish(message, counted=False)
 
     def after_epoch(self, stream: str, shard: int, epoch: int, then: Callable[[], None],

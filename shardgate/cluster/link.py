@@ -17,6 +17,9 @@ even accepts new ones. So a dialing node asks for heartbeats in its hello (`hear
 the accepting end answers the hello at once and writes a heartbeat reply whenever it has
 written nothing for a third of that time, and the dialing end gives the connection up when it
 has heard nothing for the whole time (`LinkClient.silent_for`; `peer_link.PeerLink` decides).
+Hearing the peer does not prove that it hears this end, so both ends also have their kernel
+end the connection once what they wrote went unacknowledged for that time
+(`give_up_unacknowledged`: a path that loses one end's frames, or its bigger packets only).
 
 `FrameReader` and `frame_bytes` are sans-IO; `LinkClient` only moves bytes and calls back into
 the link that dialed it (`peer_link.PeerLink`), which owns every decision.
@@ -126,6 +129,24 @@ def keepalive(transport: asyncio.BaseTransport) -> None:
             pass
 
 
+def give_up_unacknowledged(transport: asyncio.BaseTransport, timeout_s: float) -> None:
+    """Have the kernel end the connection once bytes written on it went unacknowledged by the
+    peer's kernel for `timeout_s` (TCP_USER_TIMEOUT, Linux). The heartbeats prove that the
+    peer's end runs and that its bytes reach this one, not that this end's reach it: where the
+    path drops only what one end sends, or only its bigger packets (a path-MTU black hole),
+    the peer's small heartbeats and acknowledgements still arrive while every frame of this
+    end is lost, and TCP would send them again for about 15 minutes. A peer that is alive but
+    slow to read (its window shut) answers the kernel's probes, so it is not given up on."""
+    option = getattr(socket, "TCP_USER_TIMEOUT", None)
+    sock = transport.get_extra_info("socket")
+    if option is None or sock is None:
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, option, max(1, round(timeout_s * 1000)))
+    except OSError:
+        pass
+
+
 class LinkClient(asyncio.Protocol):
     """The dialing end of one link connection: proves this node (`credentials`) to the peer
     and the peer to this node (it must be node `peer`), then sends frames and hands each reply
@@ -135,8 +156,10 @@ class LinkClient(asyncio.Protocol):
     def __init__(
         self, on_reply: Callable[[pb.PeerReply], None], on_writable: Callable[[], None],
         credentials: NodeCredentials | None = None, peer: str | None = None,
+        unacknowledged_s: float | None = None,
     ) -> None:
         self._on_reply = on_reply
+        self._unacknowledged_s = unacknowledged_s
         self._on_writable = on_writable
         self._reader = FrameReader(HANDSHAKE_MAX_BYTES)
         self._handshake: DialerHandshake | None = DialerHandshake(
@@ -156,6 +179,8 @@ class LinkClient(asyncio.Protocol):
         stream = cast(asyncio.Transport, transport)
         self.transport = stream
         keepalive(stream)
+        if self._unacknowledged_s is not None:
+            give_up_unacknowledged(stream, self._unacknowledged_s)
         stream.set_write_buffer_limits(WRITE_HIGH_WATER, WRITE_LOW_WATER)
         assert self._handshake is not None
         stream.write(LINK_MAGIC + self._handshake.hello())

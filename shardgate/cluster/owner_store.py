@@ -260,14 +260,9 @@ class ForwardStore:
                 outcome.epoch = known
                 outcome.reason = f"node {self.node_id} does not own {stream.name}/{shard} now; retry"
                 return None
-            if is_resent(message):
-                # sent again after a failover: stored already (its earlier leader's record
-                # replicated here) is acknowledged where it is (`forward_ids.py`)
-                offset = self.plane.forwarding.resends.stored_at(message, stream.name, shard)
-                if offset is not None:
-                    outcome.offset = offset
-                    return None
-            # counted once, by the node its client published to
+            # counted once, by the node its client published to. One sent again after a
+            # failover that is stored already (its earlier leader's record replicated here) is
+            # acknowledged where it is (`forward_ids.py`, `core/resends.py`): None, its offset set
             future = broker.publish(message, counted=False)
         except PublishRejected as exc:
             outcome.code = pb.NOT_OWNER if isinstance(exc, ShardUnavailable) else pb.REJECTED

@@ -304,7 +304,14 @@ class PeerLink:
         self._task.cancel()
         try:
             await self._task
-        except (asyncio.CancelledError, Exception):
+        except asyncio.CancelledError:
+            # the link's task ends so; a cancellation of the caller itself goes on, once what
+            # the link held is given up on
+            caller = asyncio.current_task()
+            if caller is not None and caller.cancelling():
+                self._fail_all(ShardUnavailable(f"node {self.node.node_id} left the cluster"))
+                raise
+        except Exception:  # noqa: BLE001 - the link is closed; how its task ended is moot
             pass
         self._fail_all(ShardUnavailable(f"node {self.node.node_id} left the cluster"))
 
@@ -376,7 +383,7 @@ class PeerLink:
         _transport, connection = await wait_within(
             self._loop.create_connection(
                 lambda: LinkClient(self._on_reply, self._flush_soon, self.plane.credentials,
-                                   self.node.node_id),
+                                   self.node.node_id, self.plane.link_timeout_s),
                 host, int(port),
                 ssl=tls.client_context if tls is not None else None,
                 server_hostname=tls.dial_name(host) if tls is not None else None),

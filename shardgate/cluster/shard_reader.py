@@ -150,6 +150,7 @@ class OwnerLog:
         # from here on the pushes are complete for the filters (None: still fetching)
         self.handoff: int | None = None
         self._fetch: asyncio.Future[None] | None = None
+        self._fetching: asyncio.Task[None] | None = None
         self._retry = RETRY_MIN_S
 
     # ------------------------------------------------------------ ShardLog
@@ -218,25 +219,30 @@ class OwnerLog:
             return
         loop = asyncio.get_running_loop()
         self._fetch = loop.create_future()
-        loop.create_task(self._run_fetch(self._fetch))
+        # (kept: the loop holds a task only weakly)
+        self._fetching = loop.create_task(self._run_fetch(self._fetch))
 
     async def _run_fetch(self, done: asyncio.Future[None]) -> None:
-        wait = 0.0
         try:
-            wait = await self._fetch_once()
-        except Exception as exc:  # noqa: BLE001 - retried; the cursor waits meanwhile
-            # the first failure of a run is a warning; the retries while the owner stays away
-            # (every 0.2 to 2 s per cursor) are debug, until a read succeeds again
-            first = self._retry == RETRY_MIN_S
-            log.log(logging.WARNING if first else logging.DEBUG,
-                    "cluster: reading %s/%d from its owner failed: %s; retrying",
-                    self.stream, self.shard, exc)
-            wait = self._retry
-            self._retry = min(self._retry * 2, RETRY_MAX_S)
-        if wait:
-            await asyncio.sleep(wait)
-        if not done.done():
-            done.set_result(None)
+            wait = 0.0
+            try:
+                wait = await self._fetch_once()
+            except Exception as exc:  # noqa: BLE001 - retried; the cursor waits meanwhile
+                # the first failure of a run is a warning; the retries while the owner stays
+                # away (every 0.2 to 2 s per cursor) are debug, until a read succeeds again
+                first = self._retry == RETRY_MIN_S
+                log.log(logging.WARNING if first else logging.DEBUG,
+                        "cluster: reading %s/%d from its owner failed: %s; retrying",
+                        self.stream, self.shard, exc)
+                wait = self._retry
+                self._retry = min(self._retry * 2, RETRY_MAX_S)
+            if wait:
+                await asyncio.sleep(wait)
+        finally:
+            # also when cancelled (grpc.aio cancels a call whose channel closes under it): the
+            # subscription waiting on `done` pumps again and starts the next read
+            if not done.done():
+                done.set_result(None)
 
     async def _fetch_once(self) -> float:
         """One ReadShard call; returns how long to wait before the cursor reads again."""

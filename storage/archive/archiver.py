@@ -14,11 +14,12 @@ record `max_delay_s` old, or `flush`): until then the records stay in the journa
 memory. A buffer becomes a file when it reaches the row or byte target, at an hour boundary
 (each file lies in one `date=/hour=` partition), or when it holds all that is due. Decoding, Parquet encoding and uploads run in
 worker threads: a buffer's row groups are built (decoded) as soon as their records are read,
-two at a time, and each is Parquet-encoded (which releases the GIL) as soon as it and those
-before it are built, so that a file is mostly encoded while its last records are still read
-on the event loop; the footer entries known only at the seal (the last offset) are added when
-the file is closed, which writes the footer (`_build_ahead`, `_encode_ahead`). At the seal the row groups
-still missing are built, two at a time, and encoded in order (`_build_and_write`). A failing
+two at a time, and each is Parquet-encoded (which releases the GIL) as soon as it is built,
+two at a time as a Parquet file of its own, so that a file is mostly encoded while its last
+records are still read on the event loop (`_build_ahead`, `_encode_ahead`). At the seal the row
+groups still missing are built and encoded the same way, and the parts are stitched into the
+file, with the footer entries known only then (the last offset): byte for byte the file one
+Parquet writer writes of the whole table (`_build_and_write`, `columns.FileEncoder`). A failing
 store is retried with exponential backoff while the lag grows in
 `status()`. This module never deletes journal data: the caller feeds `archived_offset` to the
 journal's retention.
@@ -59,6 +60,7 @@ from .shard_state import (
     retrieve,
 )
 from .store import ContinueLog, Leads, RegisteredSchema, StreamList, log
+from .workers import ENCODE_THREADS
 
 __all__ = ["ContinueLog", "Leads", "RegisteredSchema", "StreamList", "Archiver",
            "write_local_atomically"]
@@ -307,8 +309,8 @@ class Archiver(ArchiveMaintenance):
     def _encode_ahead(self, state: ShardState, buffer: RecordBuffer, key: tuple[Any, ...]) -> None:
         """Hand the tables built ahead of `buffer` that are not yet to its file's encoder,
         beginning the file with the first: each is encoded (Parquet encoding releases the GIL)
-        once it and those before it are built, while the journal is still being read. The
-        footer entries known only at the seal (the last offset) are added then."""
+        once it is built, two at once, while the journal is still being read. The footer
+        entries known only at the seal (the last offset) are added then."""
         if not buffer.ahead:
             return
         encoding: EncodingAhead | None = buffer.encoding
@@ -319,18 +321,26 @@ class Archiver(ArchiveMaintenance):
                 row_group_rows=settings.row_group_rows,
                 metadata=self._file_metadata(state.stream, state.shard, buffer[0].offset)))
         for entry in buffer.ahead[encoding.parts:]:
-            encoding.tail = asyncio.ensure_future(
-                self._encode_after(encoding.tail, entry.table, encoding.encoder))
+            encoding.tail = asyncio.ensure_future(self._encode_after(
+                encoding.tail, entry.table, encoding.encoder, encoding.parts))
             encoding.parts += 1
 
     async def _encode_after(self, previous: asyncio.Future[None] | None,
-                            table: asyncio.Future[pa.Table], encoder: FileEncoder) -> None:
-        """Encode `table` once it is built and `previous` (the part before it) is encoded; fails
-        if either failed. Shielded: dropping this encode never cancels the build."""
+                            table: asyncio.Future[pa.Table], encoder: FileEncoder,
+                            index: int) -> None:
+        """Encode `table` as part `index` of the file once it is built (beside the part before
+        it, on the other encoding thread), then wait for `previous` (the parts before it): done
+        when every part up to this one is encoded; fails if one failed. Shielded: dropping this
+        encode never cancels the build."""
+        try:
+            built = await asyncio.shield(table)
+            await self._workers.encode(encoder.write, built, index)
+        except BaseException:
+            if previous is not None:
+                previous.add_done_callback(retrieve)
+            raise
         if previous is not None:
             await asyncio.shield(previous)
-        built = await asyncio.shield(table)
-        await self._workers.encode(encoder.write, built)
 
     def _built_ahead(self, state: ShardState, records: RecordBuffer,
                      parts: list[RecordBuffer]) -> list[asyncio.Future[pa.Table]]:
@@ -351,9 +361,10 @@ class Archiver(ArchiveMaintenance):
         A file of several row groups is built a row group's records at a time, `BUILDS_AHEAD`
         parts at once (those built ahead, `_build_ahead`, are taken as they are, and the file
         begun from them, `_encode_ahead`, is continued), and each part is encoded as soon as
-        it and those before it are built: decoding and Parquet encoding overlap on the worker
-        threads, and the Parquet file is, byte for byte, the one `encode_parquet` writes of the
-        whole table."""
+        it is built, two at once (at most `ENCODE_THREADS` built parts wait for their encoding):
+        decoding and Parquet encoding overlap on the worker threads, and the Parquet file
+        stitched from the parts is, byte for byte, the one `encode_parquet` writes of the whole
+        table."""
         settings = self.settings
         stream, shard = state.stream, state.shard
         first, last = records[0].offset, records[-1].offset
@@ -367,8 +378,9 @@ class Archiver(ArchiveMaintenance):
             forget_encoding(records)
             begun = None
         encoding: asyncio.Future[None] | None = None
+        index = 0
         if begun is not None:  # the file was begun while its records were read
-            encoder, encoding = begun.encoder, begun.tail
+            encoder, encoding, index = begun.encoder, begun.tail, begun.parts
             built = built[begun.parts:]
         builds: collections.deque[asyncio.Future[pa.Table]] = collections.deque(built)
         if len(parts) == 1 and begun is None:
@@ -393,27 +405,29 @@ class Archiver(ArchiveMaintenance):
                 builds.append(self._workers.run(build_table, stream, shard, state.schema, part,
                                                 typed, settings.keep_typed_payload))
 
+        encodes: collections.deque[asyncio.Future[None]] = collections.deque()
+        if encoding is not None:
+            encodes.append(encoding)
         try:
             for _ in range(BUILDS_AHEAD - sum(not build.done() for build in builds)):
                 build_next()
             while builds:
                 table = await builds.popleft()
                 build_next()
-                if encoding is not None:
-                    await encoding
-                encoding = self._workers.encode(encoder.write, table)
+                encodes.append(self._workers.encode(encoder.write, table, index))
+                index += 1
                 del table
-            if encoding is not None:
-                await encoding
+                while len(encodes) > ENCODE_THREADS:  # built tables wait in memory no longer
+                    await encodes.popleft()
+            while encodes:
+                await encodes.popleft()
             data = await self._workers.encode(
                 encoder.finish, self._file_metadata(stream, shard, first, last))
             await self._workers.run(self._put, path, data)
             return len(data)
         finally:
-            for build in builds:  # a failed or cancelled file: what still runs is dropped
-                build.add_done_callback(retrieve)
-            if encoding is not None:
-                encoding.add_done_callback(retrieve)
+            for future in (*builds, *encodes):  # a failed or cancelled file: what runs is dropped
+                future.add_done_callback(retrieve)
 
     def _full(self, state: ShardState) -> bool:
         """Whether the buffer is a whole file: no more records will join it."""
@@ -443,7 +457,7 @@ class Archiver(ArchiveMaintenance):
 
         The work runs in worker threads (`_build_and_write`): decoding the records into
         Arrow tables, a row group's records at a time, two at once, while the row groups
-        already built are Parquet-encoded in order (long calls without the GIL), then the
+        already built are Parquet-encoded, two at once (long calls without the GIL), then the
         write; the parts built ahead while the buffer filled (`_build_ahead`) are not built
         again, nor encoded again (`_encode_ahead`). Meanwhile the buffer, emptied, reads ahead
         from `shard_log`, building and encoding its row groups ahead too, and its last part

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import struct
+import threading
 from array import array
 from collections.abc import Sequence
 from typing import Any
@@ -40,6 +41,7 @@ from ...core.records import (
 )
 from ..interfaces import StoredRecord
 from ..journal import RecordBlock
+from . import footer
 from .buffer import RecordBuffer
 from .decode import NATIVE_PROPERTIES, PAD_BYTES, decode_spans
 from .typed import TypedSchema
@@ -347,48 +349,68 @@ def encode_parquet(
 class FileEncoder:
     """One Parquet file encoded a part at a time (the tables of consecutive rows, all of one
     schema), with `encode_parquet`'s options and footer: the archiver encodes a file's first
-    row groups while its last records are still being read. The footer entries known when the
+    row groups while its last records are still being read, two parts at once. Each part is
+    encoded as a Parquet file of its own (`write`, safe to call from several threads at once,
+    in any order), and `finish` stitches them into one (`footer.stitch`): the file is byte for
+    byte the one `encode_parquet` writes of the whole table. The footer entries known when the
     file begins (`metadata`: stream, shard, first offset) are given here, the others (the last
-    offset) to `finish`; the file is byte for byte the one `encode_parquet` writes of the
-    whole table with all of them. Not thread-safe: one thread at a time calls `write` and
-    `finish`, in order."""
+    offset) to `finish`."""
 
     def __init__(self, *, compression_level: int = 3, row_group_rows: int = 64 * 1024,
                  metadata: dict[str, str] | None = None) -> None:
         self._options = {"compression_level": compression_level, **PARQUET_OPTIONS}
         self._row_group_rows = row_group_rows
         self._metadata = dict(metadata or {})
-        self._sink = pa.BufferOutputStream()
-        self._writer: pq.ParquetWriter | None = None
+        self._lock = threading.Lock()
+        self._parts: dict[int, bytes] = {}
+        self._next = 0
         self._schema: pa.Schema | None = None
         self._empty: pa.Table | None = None
 
-    def write(self, table: pa.Table) -> None:
-        """Encode the next rows (a table without rows adds no row group)."""
-        if self._writer is None:
+    def write(self, table: pa.Table, index: int | None = None) -> None:
+        """Encode the rows of part `index` (the file's parts are its rows in the order of their
+        indices; None: the part after the last one given so far). A table without rows adds no
+        row group. Raises ValueError for a table of another schema than the parts before."""
+        with self._lock:
+            if index is None:
+                index = self._next
+            self._next = max(self._next, index + 1)
+            if self._schema is None:
+                self._schema = table.schema
+            elif not table.schema.equals(self._schema, check_metadata=False):
+                raise ValueError("a part of a Parquet file has another schema than the file")
             if not table.num_rows:
-                self._empty = table
+                if self._empty is None:
+                    self._empty = table
                 return
-            self._schema = table.schema
-            self._writer = pq.ParquetWriter(
-                self._sink, _file_schema(table.schema, self._metadata), **self._options)
-        if table.num_rows:
-            self._writer.write_table(table, row_group_size=self._row_group_rows)
+        sink = pa.BufferOutputStream()  # an Arrow sink: no Python call (and GIL) per page
+        writer = pq.ParquetWriter(sink, _file_schema(table.schema, self._metadata), **self._options)
+        writer.write_table(table, row_group_size=self._row_group_rows)
+        writer.close()
+        data = sink.getvalue().to_pybytes()
+        with self._lock:
+            self._parts[index] = data
 
     def finish(self, metadata: dict[str, str] | None = None) -> bytes:
         """The whole file's bytes, its footer entries `metadata` added to those given at the
         start (a file of no rows, as `encode_parquet` writes one, if every part was empty)."""
         entries = {**self._metadata, **(metadata or {})}
-        if self._writer is None:
-            if self._empty is None:
+        with self._lock:
+            parts = [self._parts[index] for index in sorted(self._parts)]
+            schema, empty = self._schema, self._empty
+        if not parts:
+            if empty is None:
                 raise ValueError("a file encoder was given no table")
-            return encode_parquet(self._empty, compression_level=self._options[
+            return encode_parquet(empty, compression_level=self._options[
                 "compression_level"], row_group_rows=self._row_group_rows, metadata=entries)
-        assert self._schema is not None
+        assert schema is not None
+        # The footer the whole file's writer ends with: its schema and entries, no row group.
+        sink = pa.BufferOutputStream()
+        writer = pq.ParquetWriter(sink, _file_schema(schema, self._metadata), **self._options)
         if entries != self._metadata:
-            self._writer.add_key_value_metadata(_footer_entries(_file_schema(self._schema, entries)))
-        self._writer.close()
-        return self._sink.getvalue().to_pybytes()
+            writer.add_key_value_metadata(_footer_entries(_file_schema(schema, entries)))
+        writer.close()
+        return footer.stitch(parts, sink.getvalue().to_pybytes())
 
 
 def _footer_entries(schema: pa.Schema) -> dict[str, str]:

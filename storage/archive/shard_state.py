@@ -58,8 +58,8 @@ class Ahead:
 @dataclass(slots=True)
 class EncodingAhead:
     """The Parquet file of a buffer begun before the buffer is sealed: its first `parts`
-    tables built ahead are handed, in order, to `encoder` (`columns.FileEncoder`), each once
-    it and those before it are built; `tail` is done when the last handed over is encoded."""
+    tables built ahead are handed to `encoder` (`columns.FileEncoder`) as parts 0, 1, ..., each
+    once it is built; `tail` is done when every part handed over is encoded."""
 
     key: tuple[Any, ...]
     """What the tables were built with (as `Ahead.key`)."""

@@ -16,10 +16,12 @@ T = TypeVar("T")
 ARCHIVE_THREADS = 2
 """Threads that build tables (two row groups of a file at once, or the next file's) and run
 the archiver's other work (uploads, listings, compaction)."""
-ENCODE_THREADS = 1
+ENCODE_THREADS = 2
 """Threads that only Parquet-encode (`encode`): a row group built is encoded at once, never
 queued behind builds that hold the GIL, so that encoding overlaps them and the journal's
-reading on the second core."""
+reading; two row groups of a file are encoded at once, each as a file of its own that the
+file's encoder stitches (`columns.FileEncoder`), since one Parquet writer encodes on one
+thread."""
 RELEASE_WAIT_S = 1.0
 
 
@@ -40,7 +42,7 @@ class Workers:
         return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def encode(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        """Run a Parquet encoding step (in submission order: one thread)."""
+        """Run a Parquet encoding step (started in submission order, `ENCODE_THREADS` at once)."""
         if self._encode_pool is None:
             self._encode_pool = ThreadPoolExecutor(
                 ENCODE_THREADS, thread_name_prefix="shardgate-archive-encode")

@@ -21,15 +21,35 @@ with setns(2), which needs root), which the caller then uses from any thread.
 Creating namespaces needs root and iproute2's `ip`: `PartitionNet.create` skips the test
 (pytest.skip, with the reason) where either is missing or a namespace cannot be made.
 
-A link can also be made slow and lossy instead of cut (`impair_peer_link`: iproute2's `tc`
-with the kernel's netem queueing discipline, both ways); `netem_missing` says why that cannot
-be done here (no `tc`, or a kernel built without netem), tried in a namespace of its own.
+A link can also be made slow and lossy instead of cut (`impair_peer_link`, both ways), by
+one of two means, whichever `link_impairment()` finds this kernel has (tried once, in a
+namespace of its own):
+
+- netem (iproute2's `tc` with the kernel's netem queueing discipline): a fixed delay and a
+  random loss, as asked;
+- else the token bucket filter (`tc ... tbf`: a rate limit; what exceeds it waits in its queue,
+  up to its `latency`, and is dropped past that) and iptables' `statistic` match dropping a
+  random share of the packets the node sends and receives on its peer link, where they
+  arrive (kernels built without netem, as this project's CI machine is, do have these). The
+  delay is then the rate's and the queue's: a full packet waits about the delay asked for, a
+  small one less, a burst up to twice that.
+
+`link_impairment()` returns the reason instead where neither can be done: no `tc`, no iptables
+for the second, not root.
+
+Between two nodes only, what one sends the other can be lost (`cut_between`, iptables): both
+ways, one way, or only its bigger packets (a path-MTU black hole); `iptables_in_netns()` says
+whether iptables can do it here.
+
+The iptables rules drop packets where they arrive, as a lossy path does: a rule on the
+sender's way out would make its kernel refuse to send, which TCP treats otherwise than a loss.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import http.client
 import itertools
 import os
@@ -38,13 +58,19 @@ import shutil
 import socket
 import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 import pytest
 
 IP = shutil.which("ip") or next((path for path in ("/usr/sbin/ip", "/sbin/ip") if os.path.exists(path)), None)
 TC = shutil.which("tc") or next((path for path in ("/usr/sbin/tc", "/sbin/tc") if os.path.exists(path)), None)
+# iptables-nft and iptables-legacy both work with a kernel of the CI machine's kind; the first
+# that can add a `statistic` rule in a namespace is used
+IPTABLES = [path for path in dict.fromkeys(
+    shutil.which(name) or next((f"{d}/{name}" for d in ("/usr/sbin", "/sbin") if os.path.exists(f"{d}/{name}")), "")
+    for name in ("iptables", "iptables-legacy", "iptables-nft")) if path]
 CLONE_NEWNET = 0x40000000
 _RUNS = itertools.count()
 T = TypeVar("T")
@@ -66,28 +92,102 @@ def _tc(*args: str, netns: str | None = None) -> None:
         raise RuntimeError(f"tc {' '.join(args)}: {done.stderr.strip()}")
 
 
-def netem_missing() -> str | None:
-    """Why a link cannot be made slow and lossy here (None: it can): tried on the loopback of
-    a namespace made for it (root and `ip` are needed, as for `PartitionNet`)."""
-    if IP is None:
-        return "no iproute2 `ip` command to make network namespaces with"
-    if TC is None:
-        return "no iproute2 `tc` command to shape a link with"
-    if os.geteuid() != 0:
-        return "network namespaces and queueing disciplines need root"
+def _iptables(iptables: str, netns: str, *args: str) -> None:
+    assert IP is not None
+    done = subprocess.run([IP, "netns", "exec", netns, iptables, "-w", *args], capture_output=True,
+                          text=True, check=False, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"{os.path.basename(iptables)} {' '.join(args)}: {done.stderr.strip()}")
+
+
+@dataclass(frozen=True)
+class LinkImpairment:
+    """How this kernel can make a link slow and lossy: "netem", or "tbf" with `iptables` (the
+    binary that can drop at random in a namespace). See the module docstring."""
+
+    kind: str
+    iptables: str | None = None
+
+    def __str__(self) -> str:
+        if self.kind == "netem":
+            return "netem"
+        return f"tbf + {os.path.basename(self.iptables or 'iptables')} statistic (no netem in this kernel)"
+
+
+@contextlib.contextmanager
+def _probe_netns() -> Iterator[str]:
+    """A namespace of its own, its loopback up, for a probe; RuntimeError if it cannot be made."""
     probe = f"sg{os.getpid()}{next(_RUNS)}"[-8:] + "nm"
     done = _ip("netns", "add", probe, check=False)
     if done.returncode != 0:
-        return f"cannot create a network namespace: {done.stderr.strip()}"
+        raise RuntimeError(f"cannot create a network namespace: {done.stderr.strip()}")
     try:
         _ip("-n", probe, "link", "set", "lo", "up")
-        _tc("qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms", netns=probe)
-    except RuntimeError as exc:
-        return (f"this kernel cannot delay or drop packets with netem (CONFIG_NET_SCH_NETEM; "
-                f"{exc})")
+        yield probe
     finally:
         _ip("netns", "del", probe, check=False)
+
+
+def _needs() -> str | None:
+    if IP is None:
+        return "no iproute2 `ip` command to make network namespaces with"
+    if os.geteuid() != 0:
+        return "network namespaces, queueing disciplines and iptables rules need root"
     return None
+
+
+@functools.cache
+def iptables_in_netns() -> tuple[str | None, str]:
+    """The iptables command that can add rules, the `statistic` match's included, in a
+    namespace (tried once, in one of its own), or None and why not."""
+    missing = _needs()
+    if missing is not None:
+        return None, missing
+    if not IPTABLES:
+        return None, "no iptables command (apt-get install iptables)"
+    refused = []
+    try:
+        with _probe_netns() as probe:
+            for iptables in IPTABLES:
+                try:
+                    _iptables(iptables, probe, "-A", "INPUT", "-m", "statistic", "--mode", "random",
+                              "--probability", "0.05", "-j", "DROP")
+                    return iptables, ""
+                except RuntimeError as exc:
+                    refused.append(str(exc))
+    except RuntimeError as exc:
+        return None, str(exc)
+    return None, f"iptables cannot add rules in a namespace here: {'; '.join(refused)}"
+
+
+@functools.cache
+def link_impairment() -> LinkImpairment | str:
+    """How a link can be made slow and lossy here, or why it cannot (a string): tried once on
+    the loopback of a namespace made for it (root and `ip` are needed, as for
+    `PartitionNet`)."""
+    missing = _needs()
+    if missing is not None:
+        return missing
+    if TC is None:
+        return "no iproute2 `tc` command to shape a link with"
+    try:
+        with _probe_netns() as probe:
+            try:
+                _tc("qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms", netns=probe)
+                return LinkImpairment("netem")
+            except RuntimeError as exc:
+                no_netem = f"no netem in this kernel (CONFIG_NET_SCH_NETEM; {exc})"
+            try:
+                _tc("qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1mbit", "burst", "32kbit",
+                    "latency", "400ms", netns=probe)
+            except RuntimeError as exc:
+                return f"{no_netem}, and no tbf either ({exc})"
+    except RuntimeError as exc:
+        return str(exc)
+    iptables, why_not = iptables_in_netns()
+    if iptables is None:
+        return f"{no_netem}, and no iptables for random loss: {why_not}"
+    return LinkImpairment("tbf", iptables)
 
 
 def in_netns(netns: str, work: Callable[[], T]) -> T:
@@ -158,6 +258,8 @@ class PartitionNet:
         self.subnet = 0  # N of the front subnet 10.213.N.0/24 (the peer one is 10.214.N.0/24)
         self.namespaces: list[str] = []
         self._bridges: list[str] = []
+        # the iptables rules of `impair_peer_link` and `cut_between` (see `_add_rules`)
+        self._rules: dict[str, list[tuple[int, tuple[str, ...]]]] = {}
 
     @classmethod
     def create(cls, count: int) -> PartitionNet:
@@ -249,16 +351,102 @@ class PartitionNet:
         _ip("link", "set", self._peer_link(index), "down")
         _ip("link", "set", self._front_link(index), "down")
 
-    def impair_peer_link(self, index: int, *netem: str) -> None:
-        """Make node `index`'s peer link slow or lossy both ways: `netem` is what follows
-        `tc qdisc add ... netem` (e.g. "delay", "200ms", "loss", "5%"); each way gets it."""
-        _tc("qdisc", "add", "dev", self._peer_link(index), "root", "netem", *netem)
-        _tc("qdisc", "add", "dev", "peer", "root", "netem", *netem, netns=self.netns(index))
+    def impair_peer_link(self, index: int, delay_ms: int, loss_percent: float) -> LinkImpairment:
+        """Make node `index`'s peer link slow and lossy both ways, by the means this kernel has
+        (`link_impairment()`, see the module docstring; the test has skipped where it has
+        none): with netem, `delay_ms` of delay and `loss_percent` % loss each way; else a tbf
+        rate limit at which a full packet takes `delay_ms` (60 kbit/s for 200 ms), its queue
+        holding a packet up to twice `delay_ms`, and `loss_percent` % of the packets in and out
+        dropped at random."""
+        means = link_impairment()
+        assert isinstance(means, LinkImpairment), means
+        node, root_end = self.netns(index), self._peer_link(index)
+        if means.kind == "netem":
+            netem = ("netem", "delay", f"{delay_ms}ms", "loss", f"{loss_percent}%")
+            _tc("qdisc", "add", "dev", root_end, "root", *netem)
+            _tc("qdisc", "add", "dev", "peer", "root", *netem, netns=node)
+            return means
+        assert means.iptables is not None
+        # a full packet (1,500 bytes) waits about `delay_ms` at an empty bucket, smaller ones
+        # less; past twice `delay_ms` in the queue, packets are dropped
+        tbf = ("tbf", "rate", f"{1500 * 8 * 1000 // delay_ms}bit", "burst", "1600",
+               "latency", f"{2 * delay_ms}ms")
+        _tc("qdisc", "add", "dev", root_end, "root", *tbf)
+        _tc("qdisc", "add", "dev", "peer", "root", *tbf, netns=node)
+        # dropped where they arrive, as a lossy path drops them (the sender's TCP sees a loss,
+        # not a local refusal to send): what comes in over the node's peer link, and what
+        # comes from it into each other node
+        probability = ("-m", "statistic", "--mode", "random", "--probability",
+                       f"{loss_percent / 100:.4f}", "-j", "DROP")
+        rules = [(index, ("INPUT", "-i", "peer", *probability))]
+        rules += [(peer, ("INPUT", "-s", self.peer_address(index), *probability))
+                  for peer in range(1, self.count + 1) if peer != index]
+        self._add_rules(f"impair {index}", rules)
+        return means
+
+    def impairment_counts(self, index: int) -> dict[str, int]:
+        """What the impairment of node `index`'s peer link did so far, as its kernel counts it:
+        the packets the queueing disciplines of both ends dropped or held back
+        (`qdisc_dropped`, `qdisc_overlimits`) and, without netem, those iptables dropped at
+        random (`random_drops`)."""
+        assert TC is not None and IP is not None
+        counts = {"qdisc_dropped": 0, "qdisc_overlimits": 0, "random_drops": 0}
+        for command in ([TC, "-s", "qdisc", "show", "dev", self._peer_link(index)],
+                        [IP, "netns", "exec", self.netns(index), TC, "-s", "qdisc", "show", "dev", "peer"]):
+            shown = subprocess.run(command, capture_output=True, text=True, check=False, timeout=30).stdout
+            for dropped, overlimits in re.findall(r"dropped (\d+), overlimits (\d+)", shown):
+                counts["qdisc_dropped"] += int(dropped)
+                counts["qdisc_overlimits"] += int(overlimits)
+        iptables, _why_not = iptables_in_netns()
+        if iptables is not None and f"impair {index}" in self._rules:
+            for netns in self.namespaces:
+                shown = subprocess.run([IP, "netns", "exec", netns, iptables, "-w", "-L", "-v",
+                                        "-x", "-n"], capture_output=True, text=True, check=False,
+                                       timeout=30).stdout
+                counts["random_drops"] += sum(int(packets) for packets in re.findall(
+                    r"^\s*(\d+)\s+\d+\s+DROP\b.*statistic", shown, re.MULTILINE))
+        return counts
 
     def restore_peer_link(self, index: int) -> None:
         """Node `index`'s peer link as it was before `impair_peer_link`."""
         _tc("qdisc", "del", "dev", self._peer_link(index), "root")
         _tc("qdisc", "del", "dev", "peer", "root", netns=self.netns(index))
+        self._remove_rules(f"impair {index}")
+
+    def cut_between(self, index: int, other: int, both_ways: bool = True,
+                    from_bytes: int | None = None) -> None:
+        """Drop the packets between node `index` and node `other` on the peer bridge, where
+        they arrive (iptables; `iptables_in_netns()` must have found a command). Both ways,
+        their established connections go silent, as on a pulled cable; else only what `index`
+        sends to `other` is lost, and what `other` sends arrives; `from_bytes`: only what
+        `index` sends in packets of that many bytes or more (as a path-MTU black hole loses
+        the big packets, while bare acknowledgements, about 60 bytes, pass). Each node still
+        reaches the third one, etcd and its clients."""
+        sized = ("-m", "length", "--length", f"{from_bytes}:65535") if from_bytes is not None else ()
+        rules = [(other, ("INPUT", "-s", self.peer_address(index), *sized, "-j", "DROP"))]
+        if both_ways:
+            rules.append((index, ("INPUT", "-s", self.peer_address(other), "-j", "DROP")))
+        self._add_rules(f"cut {index} {other}", rules)
+
+    def heal_between(self, index: int, other: int) -> None:
+        """Undo `cut_between(index, other)`."""
+        self._remove_rules(f"cut {index} {other}")
+
+    def _add_rules(self, key: str, rules: list[tuple[int, tuple[str, ...]]]) -> None:
+        """Append iptables `rules` (node index, rule) under `key`, for `_remove_rules(key)`
+        (they also go with the namespaces, at `close()`)."""
+        iptables, why_not = iptables_in_netns()
+        assert iptables is not None, why_not
+        added = self._rules.setdefault(key, [])
+        for index, rule in rules:
+            _iptables(iptables, self.netns(index), "-A", *rule)
+            added.append((index, rule))
+
+    def _remove_rules(self, key: str) -> None:
+        iptables, _why_not = iptables_in_netns()
+        for index, rule in self._rules.pop(key, []):
+            assert iptables is not None
+            _iptables(iptables, self.netns(index), "-D", *rule)
 
     def heal(self, index: int) -> None:
         _ip("link", "set", self._peer_link(index), "up")

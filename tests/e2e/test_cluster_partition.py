@@ -83,10 +83,11 @@ class NamespacedNode(ClusterNodeProcess):
 
 
 @contextlib.contextmanager
-def partitionable_cluster(directory: Path) -> Iterator[dict[str, NamespacedNode]]:
-    """Three settled nodes, each in its own namespace, and etcd on the front bridge; the
-    nodes killed, etcd stopped and every namespace, link and bridge deleted at the end,
-    whatever happened."""
+def partitionable_cluster(directory: Path, node_class: type[NamespacedNode] = NamespacedNode,
+                          ) -> Iterator[dict[str, NamespacedNode]]:
+    """Three settled nodes (of `node_class`), each in its own namespace, and etcd on the front
+    bridge; the nodes killed, etcd stopped and every namespace, link and bridge deleted at the
+    end, whatever happened."""
     if ETCD is None:
         pytest.skip("etcd is not installed (apt-get install etcd-server)")
     net = PartitionNet.create(3)
@@ -94,7 +95,7 @@ def partitionable_cluster(directory: Path) -> Iterator[dict[str, NamespacedNode]
     etcd: EtcdServer | None = None
     try:
         etcd = EtcdServer(directory / "etcd", host=net.front_host).start()
-        nodes = [NamespacedNode(net, index, directory, etcd.url) for index in (1, 2, 3)]
+        nodes = [node_class(net, index, directory, etcd.url) for index in (1, 2, 3)]
         start_together(list(nodes))
         wait_settled(list(nodes))
         yield {node.node_id: node for node in nodes}

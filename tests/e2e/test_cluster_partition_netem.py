@@ -1,8 +1,12 @@
 """A replicated shard's leader on a slow, lossy link (issue 28): three `shardgate serve` nodes
 in network namespaces as in `test_cluster_partition.py`, a reliable stream of one shard with
-three replicas of which two must be in sync, and the leader's peer link given 200 ms of delay
-and 5 % loss each way (`tc qdisc add ... netem delay 200ms loss 5%`). etcd and the clients
-are not slowed.
+three replicas of which two must be in sync, and the leader's peer link made slow and lossy
+each way: 200 ms of delay and 5 % loss with netem (`tc qdisc add ... netem delay 200ms loss
+5%`) where the kernel has it; else a 60 kbit/s token bucket (a full packet waits about 200 ms,
+and none more than 400 ms: `tc ... tbf`) and 5 % of the packets dropped at random by
+iptables' `statistic` match (`netns_fixtures.link_impairment`). The link stays impaired until
+the kernel counted at least `DROPS_WANTED` packets dropped on it. etcd and the clients are not
+slowed.
 
 Publishes to the leader go on being acknowledged, only slower (each waits for a follower's
 fetch over the slow link); none is refused; nothing acknowledged is lost: every replica's
@@ -11,8 +15,9 @@ pushed to it over the slow link) gets every acknowledged message exactly once: t
 promises that a pushed message in flight when a link's connection breaks is neither lost nor
 delivered twice, and nothing here fails a node over.
 
-Skips where the kernel has no netem queueing discipline (checked at run time, in a namespace
-of its own), as well as where namespaces cannot be made or etcd is absent.
+Skips where a link cannot be impaired by either means (checked at run time, in a namespace
+of its own: no `tc`, neither netem nor tbf, no iptables), as well as where namespaces cannot
+be made or etcd is absent.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import pytest
 
 from tests.conftest import wait_for
 from tests.e2e.cluster_fixtures import ContinuousPublisher
-from tests.e2e.netns_fixtures import netem_missing
+from tests.e2e.netns_fixtures import LinkImpairment, link_impairment
 from tests.e2e.test_cluster_partition import (
     STREAM,
     TOPIC,
@@ -38,7 +43,10 @@ from tests.e2e.test_cluster_partition import (
 )
 from tests.mqtt_clients import V5, Paho
 
-NETEM = ("delay", "200ms", "loss", "5%")
+DELAY_MS = 200
+LOSS_PERCENT = 5
+# packets the impairment must have dropped before it is lifted: the link was really lossy
+DROPS_WANTED = 10
 
 
 class CountingSubscriber:
@@ -75,9 +83,9 @@ class CountingSubscriber:
 @pytest.mark.timeout(240)
 def test_a_leader_on_a_slow_lossy_link_goes_on_acknowledging_and_loses_or_repeats_nothing(
         tmp_path: Path) -> None:
-    missing_netem = netem_missing()
-    if missing_netem is not None:
-        pytest.skip(missing_netem)
+    means = link_impairment()
+    if not isinstance(means, LinkImpairment):
+        pytest.skip(means)
     with partitionable_cluster(tmp_path) as nodes:
         placed = wait_for(lambda: fully_in_sync(nodes["n1"]), timeout=60, interval=0.1)
         leader = nodes[placed["leader"]]
@@ -89,11 +97,19 @@ def test_a_leader_on_a_slow_lossy_link_goes_on_acknowledging_and_loses_or_repeat
         try:
             wait_for(lambda: publisher.count() >= 50, timeout=60)
 
-            leader.net.impair_peer_link(leader.index, *NETEM)
+            leader.net.impair_peer_link(leader.index, DELAY_MS, LOSS_PERCENT)
             impaired = True
             impaired_at, before = time.monotonic(), publisher.count()
-            wait_for(lambda: publisher.count() >= before + 40, timeout=60)
+
+            def dropped() -> int:
+                counts = leader.net.impairment_counts(leader.index)
+                return counts["qdisc_dropped"] + counts["random_drops"]
+
+            wait_for(lambda: publisher.count() >= before + 40 and dropped() >= DROPS_WANTED,
+                     timeout=60, interval=0.2)
             slow_s = time.monotonic() - impaired_at
+            slowed = publisher.count() - before
+            counts = leader.net.impairment_counts(leader.index)
             assert publisher.refusals() == 0, sorted(
                 {(code, reason) for code, reason, _topic in publisher.refused})[:3]
             leader.net.restore_peer_link(leader.index)
@@ -115,8 +131,9 @@ def test_a_leader_on_a_slow_lossy_link_goes_on_acknowledging_and_loses_or_repeat
             subscriber.drain()
             twice = {payload: count for payload, count in subscriber.got.items() if count > 1}
             assert not twice, f"{len(twice)} delivered more than once, e.g. {sorted(twice)[:5]}"
-            print(f"40 acknowledged over the slow link in {slow_s:.1f} s; {len(everything)} "
-                  f"acknowledged in all, none refused, each received once, journals identical")
+            print(f"{means}: {slowed} acknowledged over the slow link in {slow_s:.1f} s "
+                  f"({counts}); {len(everything)} acknowledged in all, none refused, each "
+                  f"received once, journals identical")
         finally:
             if impaired:
                 with contextlib.suppress(Exception):

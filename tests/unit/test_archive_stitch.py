@@ -1,0 +1,119 @@
+"""A Parquet file stitched from parts encoded apart (`footer.stitch`, `FileEncoder`) is byte for
+byte the file one writer writes of the whole table: for tables of every column kind the archive
+writes (strings with dictionary pages, nested structs, lists and maps, all-null columns), parts
+of one or many row groups (more than 15: the long form of Thrift's list header), and parts
+encoded on several threads in any order. Readers (pyarrow, DuckDB) read it as that file."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from shardgate.core.records import MessageRecord, encode_message
+from shardgate.storage.archive.columns import (
+    PARQUET_OPTIONS,
+    RESERVED,
+    FileEncoder,
+    _file_schema,
+    _footer_entries,
+    build_table,
+    encode_parquet,
+)
+from shardgate.storage.archive.footer import FooterError, stitch
+from shardgate.storage.archive.typed import TypedSchema
+from shardgate.storage.interfaces import StoredRecord
+
+SCHEMA = {"type": "object", "properties": {
+    "device": {"type": "string"}, "temp": {"type": "number"}, "count": {"type": "integer"},
+    "pos": {"type": "object", "properties": {"lat": {"type": "number"}}},
+    "tags": {"type": "array", "items": {"type": "string"}}}}
+START = {"shardgate.stream": "s", "shardgate.shard": "0", "shardgate.first_offset": "0"}
+
+
+def records(count: int) -> list[StoredRecord]:
+    out = []
+    for i in range(count):
+        payload = (b"not json" if i % 31 == 3 else json.dumps({
+            "device": f"d{i % 7}", "temp": i / 4, "count": i,
+            "pos": {"lat": i / 8} if i % 5 else None, "tags": [str(i % 3)] * (i % 4)}).encode())
+        message = MessageRecord(
+            f"t/{i % 5}", payload, i % 3, i % 2 == 0, 1_000 + i, producer_id=f"p{i % 4}",
+            headers=[("h", str(i))] if i % 6 == 0 else None,
+            native_properties={"n": b"v"} if i % 9 == 0 else None)
+        out.append(StoredRecord(i, 1_000 + i, encode_message(message)))
+    return out
+
+
+def table(count: int, typed: bool = True) -> pa.Table:
+    schema = TypedSchema("json", SCHEMA, 1, RESERVED) if typed else None
+    return build_table("s", 0, "json", records(count), schema)
+
+
+def part(rows: pa.Table, group: int) -> bytes:
+    sink = pa.BufferOutputStream()
+    writer = pq.ParquetWriter(sink, _file_schema(rows.schema, START),
+                              compression_level=3, **PARQUET_OPTIONS)
+    writer.write_table(rows, row_group_size=group)
+    writer.close()
+    return sink.getvalue().to_pybytes()
+
+
+def template(schema: pa.Schema, entries: dict[str, str]) -> bytes:
+    sink = pa.BufferOutputStream()
+    writer = pq.ParquetWriter(sink, _file_schema(schema, START), compression_level=3,
+                              **PARQUET_OPTIONS)
+    writer.add_key_value_metadata(_footer_entries(_file_schema(schema, entries)))
+    writer.close()
+    return sink.getvalue().to_pybytes()
+
+
+@pytest.mark.parametrize(("rows", "group", "per_part", "typed"), [
+    (1000, 128, 1, True), (1000, 128, 3, True), (700, 10, 20, False), (1, 64, 1, True),
+])
+def test_stitched_parts_are_the_file_written_at_once(rows: int, group: int, per_part: int,
+                                                      typed: bool) -> None:
+    whole = table(rows, typed)
+    entries = {**START, "shardgate.last_offset": str(rows - 1)}
+    expected = encode_parquet(whole, row_group_rows=group, metadata=entries)
+    step = group * per_part
+    parts = [part(whole.slice(start, step), group) for start in range(0, rows, step)]
+    stitched = stitch(parts, template(whole.schema, entries))
+    assert stitched == expected
+    assert pq.read_table(pa.BufferReader(stitched)).equals(whole)
+
+
+def test_a_file_encoder_stitches_parts_encoded_on_threads_in_any_order(tmp_path: Path) -> None:
+    whole = table(1000)
+    entries = {"shardgate.last_offset": "999"}
+    encoder = FileEncoder(row_group_rows=128, metadata=START)
+    slices = [(index, whole.slice(start, 128)) for index, start in enumerate(range(0, 1000, 128))]
+    threads = [threading.Thread(target=encoder.write, args=(rows, index))
+               for index, rows in reversed(slices)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    data = encoder.finish(entries)
+    assert data == encode_parquet(whole, row_group_rows=128, metadata={**START, **entries})
+    path = tmp_path / "stitched.parquet"
+    path.write_bytes(data)
+    duckdb = pytest.importorskip("duckdb")
+    assert duckdb.sql(f"select count(*), sum(temp), max(\"offset\") from '{path}'").fetchall()[0] == (
+        1000, pytest.approx(sum(i / 4 for i in range(1000) if i % 31 != 3)), 999)
+    assert pq.read_metadata(path).metadata[b"shardgate.last_offset"] == b"999"
+
+
+def test_a_file_encoder_refuses_a_part_of_another_schema() -> None:
+    encoder = FileEncoder(metadata=START)
+    encoder.write(table(10))
+    with pytest.raises(ValueError, match="another schema"):
+        encoder.write(table(10, typed=False))
+
+
+def test_what_is_not_a_parquet_file_is_refused() -> None:
+    with pytest.raises(FooterError):
+        stitch([b"PAR1 not a footer PAR1"], template(table(1).schema, START))
