@@ -17,9 +17,10 @@ random bytes chosen per `Producer`) and its own sequence number, and whatever is
 retried `publish`, the batches resent on a new stream) is marked so. The broker then answers a
 message it already stored with where it stored it, instead of storing it twice: a publish whose
 answer was lost, or that outlived its deadline (a failover, a replicated shard below its
-minimum of in-sync replicas), is stored once. The broker's look-up reaches back about 30 s
-before the first send (`ProducerIdentity` in `proto/shardgate.proto` gives the bound); a
-resend beyond it is stored again: at least once, as with `idempotent=False`.
+minimum of in-sync replicas), is stored once. The broker's look-up reaches back to 30 s before
+the first send, for a resend up to 5 minutes after it (`ProducerIdentity` in
+`proto/shardgate.proto` gives the bound); a resend beyond is stored again: at least once, as
+with `idempotent=False`.
 """
 
 from __future__ import annotations

@@ -216,11 +216,12 @@ def encode_records(messages: Sequence[Message]) -> list[tuple[int, bytes]]:
     producer: str | None = None
     tail = b""
     for message in messages:
+        native = message.native_properties
         if (
             message.key is None and not message.headers and message.content_type is None
             and message.correlation_data is None and message.reply_to is None
             and message.payload_format is None and message.expires_at_ms is None
-            and not message.native_properties
+            and (not native or len(native) == 1)
         ):
             if message.topic != topic:
                 topic = message.topic
@@ -230,14 +231,40 @@ def encode_records(messages: Sequence[Message]) -> list[tuple[int, bytes]]:
                 tail = _producer_tail(protocol, producer)
             payload = message.payload
             time_ms = message.publish_time_ms
+            if not native:
+                append((time_ms, join((
+                    pack_head(VERSION, 0, message.qos, 1 if message.retain else 0, time_ms,
+                              len(topic_bytes)),
+                    topic_bytes, pack_u32(len(payload)), payload, tail,
+                ))))
+                continue
+            # one native property (a producer's identity, say): its section follows the tail
+            ((name, data),) = native.items()
             append((time_ms, join((
-                pack_head(VERSION, 0, message.qos, 1 if message.retain else 0, time_ms,
+                pack_head(VERSION, F_NATIVE, message.qos, 1 if message.retain else 0, time_ms,
                           len(topic_bytes)),
-                topic_bytes, pack_u32(len(payload)), payload, tail,
+                topic_bytes, pack_u32(len(payload)), payload, tail, _one_native_name(name),
+                pack_u32(len(data)), data,
             ))))
         else:
             append((message.publish_time_ms, encode_message(message)))
     return records
+
+
+# The start of a native properties section of one format, by its name.
+_one_native_names: dict[str, bytes] = {}
+
+
+def _one_native_name(name: str) -> bytes:
+    head = _one_native_names.get(name)
+    if head is None:
+        name_bytes = name.encode("ascii")
+        if len(name_bytes) > 255:
+            raise RecordFormatError(f"native property format name too long: {name!r}")
+        head = bytes((1, len(name_bytes))) + name_bytes
+        if len(_one_native_names) < 64:  # (format names are few: a bound all the same)
+            _one_native_names[name] = head
+    return head
 
 
 def decode_message(data: bytes) -> MessageRecord:

@@ -19,7 +19,8 @@ is undone and it is stored under its identity. The look-up reads the log through
 Protocols only (`ShardLog`, and `ReplicatedLog` for a replicated shard): a new leader answers
 only once it has settled (every record an earlier leader may have acknowledged is readable
 there); before, and for a copy found above the high watermark (a resend to the same leader whose
-first copy waits for its replicas), it raises `ShardUnavailable` (retry: a forwarding node holds
+first copy waits for its replicas) or while fewer than the minimum of replicas are in sync, it
+raises `ShardUnavailable` (retry: a forwarding node holds
 the message again, a client retries). What a node read is kept per shard (`ResendCheck`) until
 the view changes or the look-ups move on, so a failover's resends read the log once.
 
@@ -136,6 +137,7 @@ class ResendCheck:
             unmark(message)
             return None
         committed_end = None
+        shard_log_acknowledging = True
         if isinstance(shard_log, ReplicatedLog):
             if not shard_log.settled:
                 raise ShardUnavailable(
@@ -143,6 +145,7 @@ class ResendCheck:
             # read past the high watermark too: a resend to the same leader (its link broke)
             # may find its first copy still waiting for the replicas
             committed_end = shard_log.committed_offset
+            shard_log_acknowledging = shard_log.acknowledging
             shard_log = shard_log.log
         since = shard_log.offset_for_timestamp(message.publish_time_ms - SEARCH_BEFORE_MS)
         key = (shard.stream, shard.index)
@@ -177,7 +180,9 @@ class ResendCheck:
         offset = produced.get(producer_id) if producer_id is not None else None
         if offset is None and forward_id is not None:
             offset = forwarded.get(forward_id)
-        if offset is not None and committed_end is not None and offset >= committed_end:
+        if offset is not None and committed_end is not None and (
+                offset >= committed_end or not shard_log_acknowledging):
+            # (below the minimum of in-sync replicas, what the mark passed is not acknowledged)
             raise ShardUnavailable(f"{shard.stream}/{shard.index} holds the message, not yet "
                                    "on enough replicas; retry")
         if offset is not None:

@@ -88,10 +88,14 @@ class ReplicatedLog(Protocol):
     """A shard log kept on several nodes (a cluster's replicated shard, led from this node): a
     record counts once it is below `committed_offset` (on enough replicas), and `log` is this
     node's own copy, read past that mark too. `settled`: this node leads the shard and every
-    record an earlier leader may have acknowledged is readable here."""
+    record an earlier leader may have acknowledged is readable here. `acknowledging`: it
+    acknowledges what passes `committed_offset` now (enough replicas in sync)."""
 
     @property
     def settled(self) -> bool: ...
+
+    @property
+    def acknowledging(self) -> bool: ...
 
     @property
     def committed_offset(self) -> int: ...

@@ -21,6 +21,7 @@ from ...proto import shardgate_pb2 as pb
 from ...proto import shardgate_pb2_grpc as pb_grpc
 from .auth import peer_of, user_of
 from .convert import Refusal, abort
+from .identity import Identity
 
 if TYPE_CHECKING:
     from .server import GrpcServer
@@ -159,10 +160,19 @@ class ProducerService(pb_grpc.ProducerServicer):
         checked: list[Message | Refusal] = []
         accepted: list[Message] = []
         # (the n-th message's identity counts on from the batch's: `ProducerIdentity`)
-        identity = batch.identity if batch.HasField("identity") else None
+        identity: Identity | None = None
+        refused: Refusal | None = None  # a malformed identity refuses every message
+        if batch.HasField("identity"):
+            try:
+                identity = Identity(batch.identity, len(batch.messages))
+            except Refusal as refusal:
+                refused = refusal
         for index, request in enumerate(batch.messages):
             if not info.name and request.producer_name:
                 info.name = request.producer_name
+            if refused is not None:
+                checked.append(refused)
+                continue
             try:
                 message = message_from(request, producer_id, user, identity, index)
             except Refusal as refusal:

@@ -27,7 +27,6 @@ from ...core.errors import (
     StoreFull,
 )
 from ...core.message import Message
-from ...core.resends import PRODUCER_ID, PRODUCER_RESENT
 from ...core.streams import Stream
 from ...core.subscriptions import Subscription, SubscriptionType
 from ...core.topics import TopicError, validate_topic_name
@@ -47,6 +46,7 @@ from .convert import (
     lag_of,
     protocol_of,
 )
+from .identity import Identity, identify
 from .malformed import MalformedRequestInterceptor
 from .producer_service import ProducerService, ProducerStreamInfo
 from .settings import DEFAULT_PORT, GrpcSettings
@@ -87,33 +87,6 @@ class RemoteSubscriptions(Protocol):
     async def delete(self, name: str) -> bool:
         """Delete a subscription another node holds (False: no node holds it)."""
 
-
-
-# The longest a producer may say its first send of a message was ago (`first_sent_ms_ago`).
-MAX_RESEND_AGE_MS = 300_000
-MAX_PRODUCER_ID_BYTES = 64
-
-
-def identify(message: Message, identity: pb.ProducerIdentity, index: int) -> None:
-    """Give `message` its producer's identity (`ProducerIdentity` in the `.proto`), stored with
-    it as a record property: the producer id and the sequence number (`index` after the
-    identity's), 8 bytes big-endian. A resent one is marked so (the broker looks for its first
-    copy before storing, `core/resends.py`), and dated from its first send, so that the
-    look-up reaches back to it. Raises `Refusal` for a malformed identity."""
-    producer_id = identity.producer_id
-    if not 0 < len(producer_id) <= MAX_PRODUCER_ID_BYTES:
-        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"identity.producer_id must be 1 to {MAX_PRODUCER_ID_BYTES} bytes, "
-                      f"not {len(producer_id)}")
-    sequence = identity.sequence + index
-    if sequence >= 1 << 64:
-        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "identity.sequence is out of range")
-    value = producer_id + sequence.to_bytes(8, "big")
-    if identity.resent:
-        message.publish_time_ms -= min(identity.first_sent_ms_ago, MAX_RESEND_AGE_MS)
-        message.native_properties = {PRODUCER_RESENT: value}
-    else:
-        message.native_properties = {PRODUCER_ID: value}
 
 class GrpcServer:
     """The bound gRPC server; `close()` and `await wait_closed()` stop it."""
@@ -263,7 +236,7 @@ class GrpcServer:
 
     # ---------------------------------------------------------------- publishing
     def message_from(self, request: pb.PublishRequest, producer_id: str,
-                     user: str | None = None, identity: pb.ProducerIdentity | None = None,
+                     user: str | None = None, identity: Identity | None = None,
                      index: int = 0) -> Message:
         """Validate and authorize a publish request, build the core message; raises `Refusal`.
         Its producer identity is the request's own, else the `index`-th of its batch's
@@ -305,7 +278,7 @@ class GrpcServer:
         message = Message(topic, payload, qos=1, retain=request.retain,
                           producer_protocol="grpc", producer_id=request.producer_name or producer_id)
         if request.HasField("identity"):
-            identify(message, request.identity, 0)
+            identify(message, Identity(request.identity), 0)
         elif identity is not None:
             identify(message, identity, index)
         if request.HasField("key"):

@@ -257,6 +257,14 @@ class ReplicatedShardLog:
         leader = self.leader
         return leader is not None and leader.high_watermark >= leader.epoch_start
 
+    @property
+    def acknowledging(self) -> bool:
+        """Whether this node leads the shard and acknowledges what its high watermark passes
+        now (its lease alive, at least `min_insync_replicas` in sync): a copy sent again and
+        found below the mark is acknowledged only then (`core/resends.py`)."""
+        leader = self.leader
+        return leader is not None and leader.check_append(self._clock()) is None
+
     # -- ShardLog -----------------------------------------------------------------------------
 
     @property

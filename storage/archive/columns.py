@@ -352,9 +352,11 @@ class FileEncoder:
     row groups while its last records are still being read, two parts at once. Each part is
     encoded as a Parquet file of its own (`write`, safe to call from several threads at once,
     in any order), and `finish` stitches them into one (`footer.stitch`): the file is byte for
-    byte the one `encode_parquet` writes of the whole table. The footer entries known when the
-    file begins (`metadata`: stream, shard, first offset) are given here, the others (the last
-    offset) to `finish`."""
+    byte the one `encode_parquet` writes of the whole table. A part's columns of nulls only (a
+    message's unused fields, the payload once typed) are not encoded for each part: their
+    column chunks come from a part of them alone, encoded once for as many rows
+    (`_with_cached_nulls`). The footer entries known when the file begins (`metadata`: stream,
+    shard, first offset) are given here, the others (the last offset) to `finish`."""
 
     def __init__(self, *, compression_level: int = 3, row_group_rows: int = 64 * 1024,
                  metadata: dict[str, str] | None = None) -> None:
@@ -383,13 +385,35 @@ class FileEncoder:
                 if self._empty is None:
                     self._empty = table
                 return
+        nulls = [i for i, column in enumerate(table.columns) if column.null_count == len(column)]
+        if (nulls and len(nulls) < table.num_columns
+                and CACHED_NULLS_FROM <= table.num_rows <= self._row_group_rows):
+            data = self._with_cached_nulls(table, nulls)
+        else:
+            data = self._encode(table)
+        with self._lock:
+            self._parts[index] = data
+
+    def _encode(self, table: pa.Table) -> bytes:
         sink = pa.BufferOutputStream()  # an Arrow sink: no Python call (and GIL) per page
         writer = pq.ParquetWriter(sink, _file_schema(table.schema, self._metadata), **self._options)
         writer.write_table(table, row_group_size=self._row_group_rows)
         writer.close()
-        data = sink.getvalue().to_pybytes()
-        with self._lock:
-            self._parts[index] = data
+        return sink.getvalue().to_pybytes()
+
+    def _with_cached_nulls(self, table: pa.Table, nulls: list[int]) -> bytes:
+        """The part of `table` (one row group) with the column chunks of its columns of nulls
+        only (`nulls`: a message's unused fields, the payload once typed) taken from a part of
+        those columns alone encoded once for this many rows (`_null_part`), the others
+        encoded: the chunks are the same bytes, without encoding them again for each part."""
+        null_set = set(nulls)
+        kept = [i for i in range(table.num_columns) if i not in null_set]
+        encoded = self._encode(table.select(kept))
+        cached = _null_part(table.schema, tuple(nulls), table.num_rows,
+                            self._options["compression_level"], self._row_group_rows)
+        layout = [(1 if i in null_set else 0, _leaves(table.schema.field(i).type))
+                  for i in range(table.num_columns)]
+        return footer.merge_columns([encoded, cached], layout)
 
     def finish(self, metadata: dict[str, str] | None = None) -> bytes:
         """The whole file's bytes, its footer entries `metadata` added to those given at the
@@ -411,6 +435,54 @@ class FileEncoder:
             writer.add_key_value_metadata(_footer_entries(_file_schema(schema, entries)))
         writer.close()
         return footer.stitch(parts, sink.getvalue().to_pybytes())
+
+
+CACHED_NULLS_FROM = 4096
+"""Rows from which a part's columns of nulls are not encoded again (`FileEncoder`): below,
+encoding them is cheaper than merging the chunks."""
+_NULL_PARTS: dict[tuple[Any, ...], bytes] = {}
+_NULL_PARTS_KEPT = 16
+_NULL_PARTS_LOCK = threading.Lock()
+
+
+def _null_part(schema: pa.Schema, nulls: tuple[int, ...], rows: int, compression_level: int,
+               row_group_rows: int) -> bytes:
+    """A Parquet file of one row group of `rows` nulls in each of the columns `nulls` of
+    `schema`, encoded with the archive's options (kept for the next part of as many rows: at
+    most `_NULL_PARTS_KEPT` of them, the oldest dropped)."""
+    fields = [schema.field(i) for i in nulls]
+    key = (tuple((field.name, str(field.type), field.nullable) for field in fields), rows,
+           compression_level, row_group_rows)
+    with _NULL_PARTS_LOCK:
+        found = _NULL_PARTS.get(key)
+    if found is not None:
+        return found
+    only_nulls = pa.schema(fields)
+    table = pa.Table.from_arrays([pa.nulls(rows, field.type) for field in fields],
+                                 schema=only_nulls)
+    sink = pa.BufferOutputStream()
+    writer = pq.ParquetWriter(sink, only_nulls, compression_level=compression_level,
+                              **PARQUET_OPTIONS)
+    writer.write_table(table, row_group_size=row_group_rows)
+    writer.close()
+    data = sink.getvalue().to_pybytes()
+    with _NULL_PARTS_LOCK:
+        if len(_NULL_PARTS) >= _NULL_PARTS_KEPT:
+            del _NULL_PARTS[next(iter(_NULL_PARTS))]
+        _NULL_PARTS[key] = data
+    return data
+
+
+def _leaves(arrow_type: pa.DataType) -> int:
+    """The Parquet leaf columns (column chunks per row group) of a column of `arrow_type`."""
+    if pa.types.is_struct(arrow_type):
+        return sum(_leaves(arrow_type.field(i).type) for i in range(arrow_type.num_fields))
+    if pa.types.is_map(arrow_type):
+        return _leaves(arrow_type.key_type) + _leaves(arrow_type.item_type)
+    if (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
+            or pa.types.is_fixed_size_list(arrow_type)):
+        return _leaves(arrow_type.value_type)
+    return 1
 
 
 def _footer_entries(schema: pa.Schema) -> dict[str, str]:

@@ -1,6 +1,8 @@
 """One Parquet file from Parquet files of consecutive row groups, encoded apart (on two threads):
 the row groups' bytes are copied one after the other, and their footer entries follow, with
-every file position in them moved by where the row group now lies.
+every file position in them moved by where the row group now lies (`stitch`); and one row group
+from files of the same rows and different columns (`merge_columns`: a part whose columns of
+nulls only come from a file of them encoded once).
 
 A Parquet file is `PAR1`, the row groups' column chunks, the footer (a Thrift `FileMetaData` in
 Thrift's compact protocol), the footer's length (u32, little-endian) and `PAR1`. Nothing in a
@@ -334,3 +336,149 @@ def _with_num_rows(footer: bytes, rows: int) -> bytes:
             return bytes(out)
         pos = value if kind == _TRUE or kind == _FALSE else _skip(footer, value, kind)
     raise FooterError("a Parquet footer without a row count")
+
+
+def _meta_extent(data: bytes, pos: int) -> tuple[int, int, int, int]:
+    """(position after the ColumnMetaData at `pos`, its chunk's first byte, compressed size,
+    uncompressed size)."""
+    last = 0
+    data_page = dictionary_page = compressed = uncompressed = 0
+    while True:
+        fid, kind, pos = _field(data, pos, last)
+        if kind == 0:
+            first = dictionary_page if dictionary_page > 0 else data_page
+            return pos, first, compressed, uncompressed
+        last = fid
+        if kind == _TRUE or kind == _FALSE:
+            continue
+        end = _skip(data, pos, kind)
+        if kind == _I64 and fid in (6, 7, 9, 11):
+            value = _unzigzag(_varint(data, pos)[0])
+            if fid == 6:
+                uncompressed = value
+            elif fid == 7:
+                compressed = value
+            elif fid == 9:
+                data_page = value
+            else:
+                dictionary_page = value
+        pos = end
+
+
+def _chunk_extent(data: bytes, pos: int) -> tuple[int, int, int, int]:
+    """(position after the ColumnChunk at `pos`, its first byte in the file, compressed size,
+    uncompressed size)."""
+    last = 0
+    first = compressed = uncompressed = -1
+    while True:
+        fid, kind, pos = _field(data, pos, last)
+        if kind == 0:
+            if first < 4:
+                raise FooterError("a Parquet column chunk without its metadata")
+            return pos, first, compressed, uncompressed
+        last = fid
+        if fid in _CHUNK_ENCRYPTION:
+            raise FooterError("an encrypted Parquet column is not stitched")
+        if kind == _TRUE or kind == _FALSE:
+            continue
+        if fid == _CHUNK_META and kind == _STRUCT:
+            pos, first, compressed, uncompressed = _meta_extent(data, pos)
+        else:
+            pos = _skip(data, pos, kind)
+
+
+def _one_row_group(data: bytes) -> tuple[list[tuple[int, int, int, int, int]],
+                                         list[tuple[int, int, int, int]]]:
+    """Of a Parquet file of one row group: its column chunks, each as (start and end of its
+    ColumnChunk struct in `data`, its first byte, compressed and uncompressed size), and the
+    RowGroup's fields, each as (field id, start of its header, start and end of its value)."""
+    start, end = _footer(data)
+    at, _after, count = _groups(data, start, end)
+    if count != 1:
+        raise FooterError("a Parquet part of other than one row group")
+    pos = at + 1
+    if data[at] >> 4 == 15:
+        pos = _varint(data, pos)[1]
+    chunks: list[tuple[int, int, int, int, int]] = []
+    fields: list[tuple[int, int, int, int]] = []
+    last = 0
+    while True:
+        header = pos
+        fid, kind, pos = _field(data, pos, last)
+        if kind == 0:
+            return chunks, fields
+        last = fid
+        value = pos
+        if kind == _TRUE or kind == _FALSE:
+            fields.append((fid, header, value, value))
+            continue
+        if fid == _GROUP_COLUMNS and kind == _LIST:
+            chunk_count = data[pos] >> 4
+            pos += 1
+            if chunk_count == 15:
+                chunk_count, pos = _varint(data, pos)
+            for _ in range(chunk_count):
+                struct_start = pos
+                pos, first, compressed, uncompressed = _chunk_extent(data, pos)
+                chunks.append((struct_start, pos, first, compressed, uncompressed))
+        else:
+            pos = _skip(data, pos, kind)
+        fields.append((fid, header, value, pos))
+
+
+def merge_columns(sources: Sequence[bytes], layout: Sequence[tuple[int, int]]) -> bytes:
+    """A Parquet part of one row group whose column chunks are those of `sources` (Parquet
+    files of one row group each, of the same rows and different columns), in the order
+    `layout` gives: per column of the whole schema, (the source holding it, its number of leaf
+    chunks), each source's chunks taken in their own order. Its row group's totals and
+    positions are those a writer of all the columns writes; its footer holds only the row
+    group, which is what `stitch` reads of a part."""
+    parsed = [_one_row_group(source) for source in sources]
+    taken = [0] * len(sources)
+    body = bytearray(_MAGIC)
+    chunks = bytearray()
+    count = 0
+    compressed_total = 0
+    uncompressed_total = 0
+    for source, leaves in layout:
+        data = sources[source]
+        source_chunks = parsed[source][0]
+        for _ in range(leaves):
+            struct_start, _end, first, compressed, uncompressed = source_chunks[taken[source]]
+            taken[source] += 1
+            _column_chunk(data, struct_start, chunks, len(body) - first)
+            body += memoryview(data)[first:first + compressed]
+            compressed_total += compressed
+            uncompressed_total += uncompressed
+            count += 1
+    if taken != [len(chunks_of) for chunks_of, _fields in parsed]:
+        raise FooterError("the column layout does not match the parts' column chunks")
+    rows = {_unzigzag(_varint(data, value)[0])
+            for data, (_chunks, fields) in zip(sources, parsed, strict=True)
+            for fid, _header, value, _end in fields if fid == _GROUP_NUM_ROWS}
+    if len(rows) != 1:
+        raise FooterError("parts of one row group with different row counts")
+    group = bytearray()
+    first_data = sources[0]
+    for fid, header, value, end in parsed[0][1]:
+        group += first_data[header:value]
+        if fid == _GROUP_COLUMNS:
+            group += _list_header(count)
+            group += chunks
+        elif fid == 2:  # total_byte_size: the chunks' uncompressed sizes
+            _put_varint(group, _zigzag(uncompressed_total))
+        elif fid == 6:  # total_compressed_size
+            _put_varint(group, _zigzag(compressed_total))
+        elif fid == _GROUP_FILE_OFFSET:
+            _put_varint(group, _zigzag(len(_MAGIC)))  # the first chunk's first byte
+        else:
+            group += first_data[value:end]
+    group.append(0)
+    meta = bytearray([_FILE_ROW_GROUPS << 4 | _LIST])
+    meta += _list_header(1)
+    meta += group
+    meta.append(0)
+    body += meta
+    body += _TAIL.pack(len(meta))
+    body += _MAGIC
+    return bytes(body)

@@ -101,3 +101,57 @@ async def _publish_through_the_failover(
     finally:
         await proxy.close()
     return list(receipts), first.offset, after.offset
+
+
+HELD = (f'[[streams]]\nname = "{STREAM}"\nmode = "reliable"\npartitions = 1\n'
+        f'routes = ["{STREAM}/#"]\nreplicas = 2\nmin_insync_replicas = 2\n')
+
+
+@pytest.mark.timeout(300)
+def test_a_publish_held_past_its_deadline_below_min_in_sync_is_stored_once(
+        cluster: Callable[..., list[ClusterNodeProcess]]) -> None:
+    """The SDK's deadline (2 s here) runs out while the leader holds its publish: appended,
+    but its only follower is frozen, and the in-sync set falls below the minimum. The SDK
+    retries on the same leader: each retry finds the first copy still waiting for a replica
+    (UNAVAILABLE, retried again), until the follower is back and the first copy committed; then
+    the retry is answered with its offset. Before the producer identity, the retry was stored
+    again once the follower was back."""
+
+    nodes = {node.node_id: node for node in cluster(3, extra_config=HELD)}
+
+    def in_sync() -> dict[str, Any] | None:
+        placed = shard(nodes["n1"])
+        return placed if placed is not None and len(placed.get("isr", ())) == 2 else None
+
+    placed = wait_for(in_sync, timeout=60, interval=0.1)
+    leader = nodes[placed["leader"]]
+    follower = nodes[next(name for name in placed["replicas"] if name != leader.node_id)]
+    assert follower.proc is not None
+    receipts = asyncio.run(_publish_held(leader, follower))
+    before, once, after = (receipt.offset for receipt in receipts)
+    assert (once, after) == (before + 1, before + 2)
+    got = asyncio.run(read_back(leader.grpc_url, [f"{STREAM}/#"], {"before", "once", "after"}))
+    assert dict(got) == {"before": 1, "once": 1, "after": 1}
+
+
+async def _publish_held(leader: ClusterNodeProcess, follower: ClusterNodeProcess) -> list[Any]:
+    import signal
+
+    from shardgate.client import Client
+
+    assert follower.proc is not None
+    async with Client(leader.grpc_url, timeout=2.0) as client:
+        producer = client.producer(retries=60)
+        before = await producer.publish(f"{STREAM}/a", b"before")
+        follower.proc.send_signal(signal.SIGSTOP)
+        try:
+            task = asyncio.ensure_future(producer.publish(f"{STREAM}/a", b"once"))
+            # the controller takes the frozen follower out (its lease, 3 s, outlasts the SDK's
+            # deadline): the first copy waits for the in-sync set to be whole again
+            await eventually(lambda: (shard(leader) or {}).get("isr") == [leader.node_id])
+            assert not task.done()
+        finally:
+            follower.proc.send_signal(signal.SIGCONT)
+        once = await asyncio.wait_for(task, 120)
+        after = await producer.publish(f"{STREAM}/a", b"after")
+    return [before, once, after]

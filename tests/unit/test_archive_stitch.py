@@ -2,7 +2,9 @@
 byte the file one writer writes of the whole table: for tables of every column kind the archive
 writes (strings with dictionary pages, nested structs, lists and maps, all-null columns), parts
 of one or many row groups (more than 15: the long form of Thrift's list header), and parts
-encoded on several threads in any order. Readers (pyarrow, DuckDB) read it as that file."""
+encoded on several threads in any order, and parts whose columns of nulls only (a message's
+unused fields) are taken from a part of those columns encoded once for as many rows. Readers
+(pyarrow, DuckDB) read it as that file."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from shardgate.core.records import MessageRecord, encode_message
+from shardgate.storage.archive import columns
 from shardgate.storage.archive.columns import (
     PARQUET_OPTIONS,
     RESERVED,
@@ -86,7 +89,11 @@ def test_stitched_parts_are_the_file_written_at_once(rows: int, group: int, per_
     assert pq.read_table(pa.BufferReader(stitched)).equals(whole)
 
 
-def test_a_file_encoder_stitches_parts_encoded_on_threads_in_any_order(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cached_nulls_from", [1, 10**9])
+def test_a_file_encoder_stitches_parts_encoded_on_threads_in_any_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cached_nulls_from: int
+) -> None:
+    monkeypatch.setattr(columns, "CACHED_NULLS_FROM", cached_nulls_from)
     whole = table(1000)
     entries = {"shardgate.last_offset": "999"}
     encoder = FileEncoder(row_group_rows=128, metadata=START)
@@ -117,3 +124,17 @@ def test_a_file_encoder_refuses_a_part_of_another_schema() -> None:
 def test_what_is_not_a_parquet_file_is_refused() -> None:
     with pytest.raises(FooterError):
         stitch([b"PAR1 not a footer PAR1"], template(table(1).schema, START))
+
+
+def test_columns_of_nulls_are_encoded_once_for_parts_of_as_many_rows(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(columns, "CACHED_NULLS_FROM", 1)
+    monkeypatch.setattr(columns, "_NULL_PARTS", {})
+    whole = table(1000, typed=False)  # key, correlation data, ... are null in every row
+    assert [name for name in whole.column_names if whole.column(name).null_count == 1000]
+    encoder = FileEncoder(row_group_rows=100, metadata=START)
+    for index, start in enumerate(range(0, 1000, 100)):
+        encoder.write(whole.slice(start, 100), index)
+    assert len(columns._NULL_PARTS) == 1  # ten parts of 100 rows: one part of nulls
+    assert encoder.finish() == encode_parquet(whole, row_group_rows=100, metadata=START)

@@ -224,5 +224,9 @@ def test_encoding_a_read_at_once_gives_each_message_its_own_record() -> None:
                 producer_protocol="amqp", producer_id="p2"),
         Message("a/2", b"z", producer_protocol="amqp", producer_id="p2"),
         Message("ü/3", b"z", expires_at_ms=5, native_properties={"amqp-0-9-1": b"\x00"}),
+        Message("a/2", b"z", producer_protocol="grpc", producer_id="p3",
+                native_properties={"shardgate-producer-id": b"\x01" * 24}),
+        Message("a/2", b"z", 1, True, producer_protocol="grpc", producer_id="p3",
+                native_properties={"shardgate-producer-id": b"\x02" * 24, "x": b""}),
     ]
     assert encode_records(messages) == [(m.publish_time_ms, encode_message(m)) for m in messages]

@@ -1,6 +1,6 @@
 """A publish its client sends again under the same producer identity is stored once
 (`core/resends.py`): the broker looks for it in the shard's log before storing, on a real
-journal; and the gRPC layer's identity (`protocols/grpc/server.identify`)."""
+journal; and the gRPC layer's identity (`protocols/grpc/identity.py`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from shardgate.core.resends import (
 from shardgate.core.streams import StreamConfig
 from shardgate.proto import shardgate_pb2 as pb
 from shardgate.protocols.grpc.convert import Refusal
-from shardgate.protocols.grpc.server import MAX_RESEND_AGE_MS, identify
+from shardgate.protocols.grpc.identity import MAX_RESEND_AGE_MS, Identity, identify
 from shardgate.storage.journal import JournalStorage
 
 
@@ -151,27 +151,34 @@ async def test_what_was_read_is_kept_per_shard_and_dropped_once_the_look_ups_mov
 def test_the_grpc_identity_is_the_producer_id_and_the_sequence() -> None:
     identity = pb.ProducerIdentity(producer_id=b"\x01" * 16, sequence=41)
     message = Message("t", b"x")
-    identify(message, identity, 1)
+    identify(message, Identity(identity, 2), 1)
     assert message.native_properties == {PRODUCER_ID: b"\x01" * 16 + (42).to_bytes(8, "big")}
     resent = pb.ProducerIdentity(producer_id=b"\x01" * 16, sequence=41, resent=True,
                                  first_sent_ms_ago=2500)
     message = Message("t", b"x")
     published = message.publish_time_ms
-    identify(message, resent, 0)
+    identify(message, Identity(resent), 0)
     assert message.native_properties == {PRODUCER_RESENT: b"\x01" * 16 + (41).to_bytes(8, "big")}
     assert message.publish_time_ms == published - 2500  # dated from its first send
     resent.first_sent_ms_ago = 10 * MAX_RESEND_AGE_MS
     message = Message("t", b"x")
     published = message.publish_time_ms
-    identify(message, resent, 0)
+    identify(message, Identity(resent), 0)
     assert message.publish_time_ms == published - MAX_RESEND_AGE_MS
 
 
 @pytest.mark.parametrize("producer_id", [b"", b"x" * 65])
 def test_a_producer_id_of_a_bad_length_is_refused(producer_id: bytes) -> None:
     with pytest.raises(Refusal) as refused:
-        identify(Message("t", b"x"), pb.ProducerIdentity(producer_id=producer_id), 0)
+        Identity(pb.ProducerIdentity(producer_id=producer_id))
     assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_batch_whose_numbers_would_pass_the_largest_sequence_is_refused() -> None:
+    identity = pb.ProducerIdentity(producer_id=b"p", sequence=(1 << 64) - 2)
+    Identity(identity, 2)
+    with pytest.raises(Refusal):
+        Identity(identity, 3)
 
 
 class _Context:
