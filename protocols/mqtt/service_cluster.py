@@ -47,8 +47,11 @@ class ClusterSessions(ServiceState):
         joined = self._joined
         if joined is not None and not joined.done():
             return asyncio.ensure_future(self._after_joining(joined, client_id, clean_start, username))
-        if client_id in self.sessions:
+        session = self.sessions.get(client_id)
+        if session is not None and (session.connection is not None
+                                    or not self._remote.moved_on(client_id)):
             return None
+        # not here, or only the copy another node's takeover left here (`find` replaces it)
         return self._remote.find(client_id, clean_start, username)
 
     async def _after_joining(self, joined: asyncio.Future[None], client_id: str, clean_start: bool,

@@ -33,6 +33,13 @@ how far it got. Moving a session moves its state, not its messages:
   change is replicated in the internal stream (`state_log.StateLog`) before the PUBREC,
   PUBCOMP or PUBREL reporting it leaves (`exactly_once`), and the new node resumes the newer
   of the two (`_newest`).
+- **The holder was frozen** (SIGSTOP, or cut off from etcd, past its lease) while its client
+  resumed the session on another node: that node's `ReleaseSession` never reached it, and it
+  still holds the session as it was when it froze. When the client comes back to it, the
+  registry names the other node, so the CONNECT brings the session from there as for a
+  session not held here, and the old copy gives way to it (`moved_on`, `_give_way`).
+  Resuming the old copy would send the client again everything it acknowledged elsewhere
+  since the freeze.
 - **The holder stops (SIGTERM).** Its clients reconnect elsewhere while it is still stopping:
   it writes the snapshots of the sessions its stop took offline before its cluster port
   closes (`StateWriter.drain`), so a node whose `ReleaseSession` is refused reads the
@@ -154,6 +161,10 @@ class SessionHandover:
         # (holder None: it was gone, and its state could not be read yet)
         self._in_doubt: dict[str, tuple[str | None, str | None, bool]] = {}
         self._settling: dict[str, asyncio.Task[None]] = {}
+        # sessions held here, offline, that another node took over while this one was away
+        # (`moved_on`): a CONNECT here brings the session from that node, and this copy gives
+        # way to it (`_adopt_taken`)
+        self._superseded: dict[str, MqttSession] = {}
 
     def key(self, client_id: str) -> str:
         return self.snapshots.key(client_id)
@@ -230,13 +241,59 @@ class SessionHandover:
                  "etcd snapshot)", client_id, replicated.node)
         return replicated
 
+    def moved_on(self, client_id: str) -> bool:
+        """Whether the registry names another node for a session held here: that node took it
+        over while this one was away (frozen or cut off past its lease, so the takeover's
+        `ReleaseSession` never reached it, and the registry entry it had went with its
+        lease). The copy here stopped where this node stopped; the session went on there."""
+        holder = self.node.view.sessions.get(client_id)
+        return holder is not None and holder != self.node.node_id
+
     def find(self, client_id: str, clean_start: bool, username: str | None = None) -> asyncio.Future[None] | None:
         """A CONNECT for a session not held here waits for its claim (every kind of session:
         the registry orders takeovers) and, when another node held it, for that node to end
         its connection and hand the session over. A session another user made is neither
         claimed nor ended (with `mqtt.session_takeover_by_other_user = "refuse"`): the future
-        fails with SessionOfAnotherUser, and the CONNECT is refused as on the holder."""
-        return asyncio.ensure_future(self._take(client_id, clean_start, username, owned=True))
+        fails with SessionOfAnotherUser, and the CONNECT is refused as on the holder. A copy
+        held here that moved on (`moved_on`) is replaced by what the claim brings."""
+        left = self.service.sessions.get(client_id)
+        return asyncio.ensure_future(self._find(client_id, clean_start, username, left))
+
+    async def _find(self, client_id: str, clean_start: bool, username: str | None,
+                    left: MqttSession | None) -> None:
+        if left is None:
+            await self._take(client_id, clean_start, username, owned=True)
+            return
+        self._superseded[client_id] = left
+        log.info("cluster: session %r is held here as it was when node %s took it over; it "
+                 "comes from there", client_id, self.node.view.sessions.get(client_id))
+        try:
+            await self._take(client_id, clean_start, username, owned=True)
+        finally:
+            if self._superseded.get(client_id) is left:
+                del self._superseded[client_id]
+
+    def _here(self, client_id: str) -> MqttSession | None:
+        """The session held here for `client_id`, unless it is a copy that moved on."""
+        session = self.service.sessions.get(client_id)
+        if session is None or session is self._superseded.get(client_id):
+            return None
+        return session
+
+    def _give_way(self, client_id: str) -> None:
+        """The copy that moved on leaves this node (its snapshot in etcd, and the session's
+        registry entry, are the session's new node's: untouched), for the session the claim
+        brought."""
+        stale = self._superseded.pop(client_id, None)
+        if stale is None or self.service.sessions.get(client_id) is not stale:
+            return
+        releasing = self.snapshots.releasing
+        releasing.add(client_id)
+        try:
+            self.service.remove_session(stale)
+        finally:
+            releasing.discard(client_id)
+        self.service.stop_timers(client_id, publish_will=False)
 
     # ------------------------------------------------------------ the new node
     async def _take(self, client_id: str, clean_start: bool, username: str | None, *,
@@ -249,7 +306,7 @@ class SessionHandover:
         except SessionOfAnotherUser:
             raise
         except (TimeoutError, EtcdError, StateCallError) as exc:
-            if isinstance(exc, TimeoutError) and client_id in self.service.sessions:
+            if isinstance(exc, TimeoutError) and self._here(client_id) is not None:
                 # it came here; only what the old node kept for it while it moved is still on
                 # its way (`_collect_from`, in the background): the CONNECT goes on with it
                 log.info("cluster: session %r taken over; what it took while it moved comes "
@@ -345,7 +402,7 @@ class SessionHandover:
         state = self.snapshots.read(client_id, saved_kv[0] if saved_kv else None)
         doubt = self._in_doubt.get(client_id)
         if doubt is not None and (holder is None or holder == me):
-            if client_id in self.service.sessions:
+            if self._here(client_id) is not None:
                 self._in_doubt.pop(client_id, None)  # it came here after all
             else:
                 holder = doubt[0]  # an earlier claim here asked it and never heard back
@@ -387,7 +444,7 @@ class SessionHandover:
                 with contextlib.suppress(TimeoutError):
                     await wait_within(asyncio.shield(collecting), COLLECT_WAIT_S)
                 return
-        elif holder != me and not clean_start and client_id not in self.service.sessions:
+        elif holder != me and not clean_start and self._here(client_id) is None:
             # its holder is gone: its last snapshot, or the newer state it replicated
             try:
                 state = await self._newest(client_id, state)
@@ -452,7 +509,7 @@ class SessionHandover:
         while loop.time() < deadline:
             await asyncio.sleep(0.5)
             doubt = self._in_doubt.get(client_id)
-            if doubt is None or client_id in self.service.sessions:
+            if doubt is None or self._here(client_id) is not None:
                 self._in_doubt.pop(client_id, None)
                 return
             if client_id in self._adopting:
@@ -605,10 +662,11 @@ class SessionHandover:
 
     async def _adopt_taken(self, client_id: str, clean_start: bool, state: SessionSnapshot | None,
                            *, stood_in: bool = False) -> None:
-        if client_id in self.service.sessions:
+        if self._here(client_id) is not None:
             return  # a connection here made one meanwhile
         if clean_start or state is None or self.snapshots.expired(state):
             return  # a new session: opening it replaces or removes the snapshot (`opened`)
+        self._give_way(client_id)
         try:
             session = rebuild(self.service, state, self.placer.place_snapshot, _unreadable)
         except UNREADABLE as exc:

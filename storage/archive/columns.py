@@ -13,6 +13,7 @@ column and converted with `pa.array`, never from per-row dicts. No file or netwo
 from __future__ import annotations
 
 import base64
+import logging
 import struct
 import threading
 from array import array
@@ -45,6 +46,8 @@ from . import footer
 from .buffer import RecordBuffer
 from .decode import NATIVE_PROPERTIES, PAD_BYTES, decode_spans
 from .typed import TypedSchema
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = "3"
 """2 added the `native_properties` column (files of format 1 lack it); 3 dropped the `stream`
@@ -413,7 +416,11 @@ class FileEncoder:
                             self._options["compression_level"], self._row_group_rows)
         layout = [(1 if i in null_set else 0, _leaves(table.schema.field(i).type))
                   for i in range(table.num_columns)]
-        return footer.merge_columns([encoded, cached], layout)
+        try:
+            return footer.merge_columns([encoded, cached], layout)
+        except footer.FooterError as exc:  # a footer this build does not know: encode it all
+            log.warning("a Parquet part is encoded whole (%s)", exc)
+            return self._encode(table)
 
     def finish(self, metadata: dict[str, str] | None = None) -> bytes:
         """The whole file's bytes, its footer entries `metadata` added to those given at the
@@ -434,7 +441,15 @@ class FileEncoder:
         if entries != self._metadata:
             writer.add_key_value_metadata(_footer_entries(_file_schema(schema, entries)))
         writer.close()
-        return footer.stitch(parts, sink.getvalue().to_pybytes())
+        try:
+            return footer.stitch(parts, sink.getvalue().to_pybytes())
+        except footer.FooterError as exc:  # a footer this build does not know: one writer
+            log.warning("a Parquet file is encoded again at once (%s)", exc)
+            whole = pa.concat_tables([pq.read_table(pa.BufferReader(part)) for part in parts])
+            # one chunk, and the nested fields' names as built (a list's `item`, not `element`)
+            return encode_parquet(whole.combine_chunks().cast(schema),
+                                  compression_level=self._options["compression_level"],
+                                  row_group_rows=self._row_group_rows, metadata=entries)
 
 
 CACHED_NULLS_FROM = 4096

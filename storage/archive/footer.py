@@ -276,7 +276,14 @@ def stitch(parts: Sequence[bytes], template: bytes) -> bytes:
     """The Parquet file holding the row groups of `parts` (Parquet files of one schema, in
     order) in that order, with the footer of `template` (a file of no row group, written as the
     whole file's writer would end it: schema, footer entries) given the row groups and the row
-    count."""
+    count. Raises FooterError for a footer it cannot read."""
+    try:
+        return _stitch(parts, template)
+    except (IndexError, struct.error) as exc:
+        raise FooterError(f"a damaged Parquet footer: {exc}") from exc
+
+
+def _stitch(parts: Sequence[bytes], template: bytes) -> bytes:
     body = bytearray(_MAGIC)
     groups = bytearray()
     count = 0
@@ -432,7 +439,15 @@ def merge_columns(sources: Sequence[bytes], layout: Sequence[tuple[int, int]]) -
     `layout` gives: per column of the whole schema, (the source holding it, its number of leaf
     chunks), each source's chunks taken in their own order. Its row group's totals and
     positions are those a writer of all the columns writes; its footer holds only the row
-    group, which is what `stitch` reads of a part."""
+    group, which is what `stitch` reads of a part. Raises FooterError for a footer it cannot
+    read."""
+    try:
+        return _merge_columns(sources, layout)
+    except (IndexError, struct.error) as exc:
+        raise FooterError(f"a damaged Parquet footer: {exc}") from exc
+
+
+def _merge_columns(sources: Sequence[bytes], layout: Sequence[tuple[int, int]]) -> bytes:
     parsed = [_one_row_group(source) for source in sources]
     taken = [0] * len(sources)
     body = bytearray(_MAGIC)

@@ -122,8 +122,16 @@ def test_a_file_encoder_refuses_a_part_of_another_schema() -> None:
 
 
 def test_what_is_not_a_parquet_file_is_refused() -> None:
+    done = template(table(1).schema, START)
     with pytest.raises(FooterError):
-        stitch([b"PAR1 not a footer PAR1"], template(table(1).schema, START))
+        stitch([b"PAR1 not a footer PAR1"], done)
+    good = part(table(10), 64)
+    size = int.from_bytes(good[-8:-4], "little")
+    for keep in (1, 7, 40):  # a footer garbled from `keep` on (before its row groups end)
+        cut = (good[:-8 - size] + good[-8 - size:-8 - size + keep] + b"\xff" * (size - keep)
+               + good[-8:])
+        with pytest.raises(FooterError):
+            stitch([cut], done)
 
 
 def test_columns_of_nulls_are_encoded_once_for_parts_of_as_many_rows(
@@ -138,3 +146,23 @@ def test_columns_of_nulls_are_encoded_once_for_parts_of_as_many_rows(
         encoder.write(whole.slice(start, 100), index)
     assert len(columns._NULL_PARTS) == 1  # ten parts of 100 rows: one part of nulls
     assert encoder.finish() == encode_parquet(whole, row_group_rows=100, metadata=START)
+
+
+def test_a_footer_that_cannot_be_stitched_is_encoded_by_one_writer(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should a part's footer hold what the stitching does not know (a later pyarrow), the
+    file is still written: the parts are read back and encoded at once, the same bytes."""
+    def refuse(*_args: object) -> bytes:
+        raise FooterError("not known here")
+
+    monkeypatch.setattr(columns, "CACHED_NULLS_FROM", 1)
+    monkeypatch.setattr(columns.footer, "stitch", refuse)
+    monkeypatch.setattr(columns.footer, "merge_columns", refuse)
+    whole = table(1000)
+    encoder = FileEncoder(row_group_rows=128, metadata=START)
+    for index, start in enumerate(range(0, 1000, 128)):
+        encoder.write(whole.slice(start, 128), index)
+    entries = {"shardgate.last_offset": "999"}
+    assert encoder.finish(entries) == encode_parquet(
+        whole, row_group_rows=128, metadata={**START, **entries})

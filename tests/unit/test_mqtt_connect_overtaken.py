@@ -27,11 +27,16 @@ class Fetching:
 
     def __init__(self) -> None:
         self.fetches: list[asyncio.Future[None]] = []
+        # client ids whose session another node took over while this one was away
+        self.moved: set[str] = set()
 
     def find(self, client_id: str, clean_start: bool, username: str | None) -> asyncio.Future[None]:
         fetch = asyncio.get_running_loop().create_future()
         self.fetches.append(fetch)
         return fetch
+
+    def moved_on(self, client_id: str) -> bool:
+        return client_id in self.moved
 
     def saved(self, client_id: str, *, offline: bool) -> None:
         pass
@@ -90,3 +95,33 @@ async def test_a_connect_whose_session_comes_undisturbed_opens_it() -> None:
     # a takeover from another node after the CONNACK ends the connection, as before
     assert service.release_for_takeover("roamer", "n3", clean_start=False) is not None
     assert not service._awaiting_session
+
+
+async def test_a_connect_for_a_session_held_here_asks_the_cluster_only_when_it_moved_on() -> None:
+    """A session held here offline is resumed here at once; once another node took it over
+    while this one was away (`RemoteSessions.moved_on`), the CONNECT waits for it to come from
+    there instead of resuming the copy left here."""
+    service, connection, wire, remote = await _waiting(5)
+    remote.fetches[0].set_result(None)
+    await _turns()
+    connection.data_received(encode(p.Disconnect(), 5))
+    await _turns()
+    assert "roamer" in service.sessions and service.sessions["roamer"].connection is None
+    for moved, fetches in ((False, 1), (True, 2)):
+        if moved:
+            remote.moved.add("roamer")
+        wire = Wire()
+        again = MqttConnection(service, wire, "127.0.0.1:5001")
+        again.data_received(encode(p.Connect("MQTT", 5, False, 60, "roamer",
+                                             properties=p.Properties(session_expiry_interval=3600)), 5))
+        await _turns()
+        assert len(remote.fetches) == fetches
+        if not moved:
+            assert wire.out[0] == 0x20 and wire.out[3] == 0, bytes(wire.out)  # resumed here
+            again.data_received(encode(p.Disconnect(), 5))
+            await _turns()
+        else:
+            assert not wire.out  # the CONNACK waits for the session from its new node
+            remote.fetches[-1].set_result(None)
+            await _turns()
+            assert wire.out[0] == 0x20 and wire.out[3] == 0, bytes(wire.out)

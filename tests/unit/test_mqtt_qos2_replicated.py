@@ -35,6 +35,9 @@ class Replicating:
     def find(self, client_id: str, clean_start: bool, username: str | None) -> None:
         return None
 
+    def moved_on(self, client_id: str) -> bool:
+        return False
+
     def saved(self, client_id: str, *, offline: bool) -> None:
         pass
 
