@@ -350,8 +350,35 @@ def wait_settled(nodes: list[ClusterNodeProcess], timeout: float = 30) -> None:
                 and replicas_caught_up(status, everyone)
                 and linked(node) >= everyone - {node.node_id})
 
-    wait_for(lambda: all(node_settled(node) for node in live), timeout=timeout * len(live),
-             interval=0.05)
+    try:
+        wait_for(lambda: all(node_settled(node) for node in live), timeout=timeout * len(live),
+                 interval=0.05)
+    except AssertionError:
+        raise AssertionError(f"nodes not settled within {timeout * len(live)}s: "
+                             + "; ".join(unsettled(node, everyone) for node in live)) from None
+
+
+def unsettled(node: ClusterNodeProcess, everyone: set[str]) -> str:
+    """What `wait_settled` still waits for on `node`, for the failure's message."""
+    try:
+        status = node.status()
+    except (OSError, urllib.error.URLError) as exc:
+        return f"{node.node_id}: no status ({exc})"
+    waiting = []
+    if settled(node, everyone) is None:
+        waiting.append(f"sees {sorted(entry['node_id'] for entry in status['nodes'])}, "
+                       f"controller {status['controller']}, "
+                       f"{len(status['placement'])} of {status['streams']} streams placed")
+    if not status["lease_alive"]:
+        waiting.append("lease not proven alive")
+    if not replicas_caught_up(status, everyone):
+        waiting.append("replicas: " + ", ".join(
+            f"{key} leader {shard['leader']} replicas {shard['replicas']} isr {shard['isr']}"
+            for key, shard in status["replicated_shards"].items()))
+    links = linked(node)
+    if not links >= everyone - {node.node_id}:
+        waiting.append(f"links up to {sorted(links)}")
+    return f"{node.node_id}: " + (", ".join(waiting) or "settled")
 
 
 def topics_of(status: dict[str, Any], stream: str, prefix: str, owner: str | None = None,
