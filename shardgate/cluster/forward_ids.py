@@ -33,22 +33,10 @@ import itertools
 import os
 from typing import TYPE_CHECKING
 
-from ..core.resends import (
-    FORWARD_ID,
-    MAX_SCAN,
-    PRODUCER_ID,
-    RESENT_ID,
-    SEARCH_BEFORE_MS,
-    ResendCheck,
-    is_resent,
-    mark_resent,
-)
+from ..core.resends import FORWARD_ID, RESENT_ID
 
 if TYPE_CHECKING:
     from ..core.message import Message
-
-__all__ = ["FORWARD_ID", "MAX_SCAN", "PRODUCER_ID", "RESENT_ID", "SEARCH_BEFORE_MS", "ForwardIds",
-           "ResendCheck", "is_resent", "mark_resent"]
 
 
 class ForwardIds:

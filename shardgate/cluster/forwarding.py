@@ -30,7 +30,8 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from ..core.errors import PublishRejected, ShardUnavailable
-from .forward_ids import ForwardIds, mark_resent
+from ..core.resends import mark_resent
+from .forward_ids import ForwardIds
 from .outbox import fail
 
 if TYPE_CHECKING:

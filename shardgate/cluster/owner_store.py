@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ..core.errors import CoreError, PublishRejected, ShardUnavailable
+from ..core.resends import is_resent
 from ..proto import cluster_pb2 as pb
-from .forward_ids import is_resent
 from .frames import RecordFormatError, message_from_forward, unpack_records
 
 if TYPE_CHECKING:

@@ -12,9 +12,9 @@ import pytest
 from shardgate.core.errors import ShardUnavailable
 from shardgate.core.message import Message
 from shardgate.core.records import decode_to_message
+from shardgate.core.resends import FORWARD_ID, RESENT_ID
 
 from shardgate.cluster import forwarding
-from shardgate.cluster.forward_ids import FORWARD_ID, RESENT_ID
 from shardgate.cluster.membership import ShardAssignment
 from tests.unit import test_cluster_dataplane as dataplane
 from tests.unit.test_cluster_dataplane import Node, topic_on, until
