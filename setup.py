@@ -6,6 +6,8 @@ extension modules, installed beside their `.py` sources (an editable install bui
 an extension before a source of the same name, and `shardgate.core.native` checks at import that
 each compiled group was built from the sources present (a source hash is compiled in), falling
 back to the sources otherwise, so an edited `.py` is never shadowed by a stale build.
+The hand-written C modules of `C_EXTENSIONS` (same file) are built beside their sources too,
+each with its source's hash compiled in and checked the same way at import.
 
 An editable install whose compiled modules are already current beside the sources does not
 compile them again. The build is skipped, and the package is pure Python, when `SHARDGATE_PURE=1` is set, on an
@@ -35,6 +37,11 @@ STAGING = Path("build") / "mypyc-src"
 def compiled_groups() -> dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]]:
     """`COMPILED_GROUPS` of core/native.py (read from the file: the package is not built yet)."""
     return runpy.run_path(str(ROOT / "core" / "native.py"))["COMPILED_GROUPS"]
+
+
+def c_extensions() -> dict[str, str]:
+    """`C_EXTENSIONS` of core/native.py: module name -> C source."""
+    return runpy.run_path(str(ROOT / "core" / "native.py"))["C_EXTENSIONS"]
 
 
 def source_folder(package: str) -> Path:
@@ -108,8 +115,8 @@ def compiled_extensions() -> list:
     try:
         from mypyc.build import mypycify
     except ImportError:
-        print("shardgate: mypyc is not available; installing pure Python", file=sys.stderr)
-        return []
+        print("shardgate: mypyc is not available; its modules stay pure Python", file=sys.stderr)
+        return plain_c_extensions()
     extensions = []
     editable = "editable_wheel" in sys.argv
     for group, (package, modules, readonly) in compiled_groups().items():
@@ -131,7 +138,26 @@ def compiled_extensions() -> list:
         for extension in built:
             extension.optional = True  # no compiler, or it failed: the sources are used
         extensions.extend(built)
-    return extensions
+    return extensions + plain_c_extensions()
+
+
+def plain_c_extensions() -> list:
+    """The hand-written C modules, each with its source's hash compiled in (`SOURCE_HASH`,
+    which `core.native.load_c_extension` checks); optional: a failed build leaves the Python
+    equivalent in use."""
+    from setuptools import Extension
+
+    built = []
+    for name, source in c_extensions().items():
+        path = ROOT / source
+        if not path.exists():
+            continue
+        built.append(Extension(
+            name, [source], optional=True,
+            define_macros=[("SOURCE_HASH", f'"{source_hash(path)}"')],
+            extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-unused-function"],
+        ))
+    return built
 
 
 if __name__ == "__main__":

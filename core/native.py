@@ -25,6 +25,7 @@ import os
 import sys
 from collections.abc import Sequence
 from importlib.machinery import EXTENSION_SUFFIXES
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,17 @@ COMPILED_GROUPS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "shardgate.storage.journal.framing_native": ("shardgate.storage.journal", ("framing",), ()),
 }
 
+#: Hand-written C extension modules (hot loops that mypyc cannot make fast enough: per-byte
+#: parsing that releases the GIL), module name -> its C source in the repository. `setup.py`
+#: builds each one (optional, like the groups above) with the SHA-256 of its source compiled in
+#: as `SOURCE_HASH`; `load_c_extension` uses a build only when that matches the source present.
+#: Every one has a pure-Python equivalent that runs when it is not built.
+C_EXTENSIONS: dict[str, str] = {
+    "shardgate.storage.journal.scan_native": "storage/journal/scan_native.c",
+    "shardgate.storage.archive.records_native": "storage/archive/records_native.c",
+    "shardgate.storage.archive.typed_native": "storage/archive/typed_native.c",
+}
+
 # group -> whether its compiled build is in use (filled as packages are imported).
 _in_use: dict[str, bool] = {}
 
@@ -52,6 +64,33 @@ _in_use: dict[str, bool] = {}
 def compiled_in_use() -> dict[str, bool]:
     """For each group imported so far, whether its compiled build runs (False: pure Python)."""
     return dict(_in_use)
+
+
+def load_c_extension(name: str, directory: str) -> Any:
+    """The C extension module `name` (a key of C_EXTENSIONS) built from the source now in
+    `directory` (its package's folder), or None: not built, built from another version of its
+    source (an edited `.c` after `pip install -e .`), or `SHARDGATE_PURE=1`. A wheel ships no
+    C source: its build is then trusted. The result is recorded for `compiled_in_use`."""
+    module = None
+    reason = None
+    if os.environ.get(PURE_ENV) == "1":
+        reason = f"{PURE_ENV}=1"
+    else:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            reason = f"not built ({exc})"
+        else:
+            source = os.path.join(directory, os.path.basename(C_EXTENSIONS[name]))
+            if os.path.exists(source) and getattr(module, "SOURCE_HASH", None) != source_hash(
+                source
+            ):
+                module, reason = None, f"{os.path.basename(source)} changed since it was built"
+    _in_use[name] = module is not None
+    if reason is not None and os.environ.get(PURE_ENV) != "1" and "not built" not in reason:
+        log.warning("%s: running the Python equivalent (%s); `pip install -e .` rebuilds it",
+                    name, reason)
+    return module
 
 
 def is_compiled(module: object) -> bool:
