@@ -2,9 +2,10 @@
 record blocks (buffers plus position arrays) rather than one object per record.
 
 It reads as a sequence of records where the archiver needs one (`buffer[0]`, `buffer[-1]`,
-`len`), and `joined` gives the Arrow view that `build_table` decodes in bulk. It also carries
-what the archiver built ahead from its first records (`ahead`) and the file it began encoding
-from them (`encoding`), which live and die with it.
+`len`), `parts` gives the blocks as they are to the C decoder of `build_table`, and `joined`
+the Arrow view that its Python path decodes in bulk. It also carries what the archiver built
+ahead from its first records (`ahead`) and the file it began encoding from them
+(`encoding`), which live and die with it.
 """
 
 from __future__ import annotations
@@ -86,6 +87,12 @@ class RecordBuffer:
         if current:
             parts.append(RecordBuffer(current))
         return parts
+
+    def parts(self) -> list[tuple[bytes, array[int], array[int], array[int], int]]:
+        """(buffer, starts, ends, timestamps, first_offset) of each block: what the C decoder
+        (`decode.decode_blocks`) reads in place, without `joined`'s copy."""
+        return [(block.buffer, block.starts, block.ends, block.timestamps, block.first_offset)
+                for block in self.blocks]
 
     def joined(self, pad: int = 0) -> tuple[bytes, pa.Array, pa.Array, pa.Array, pa.Array]:
         """(buffer, starts, ends, offsets, timestamps): record i is buffer[starts[i]:ends[i]]

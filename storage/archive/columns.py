@@ -44,7 +44,7 @@ from ..interfaces import StoredRecord
 from ..journal import RecordBlock
 from . import footer
 from .buffer import RecordBuffer
-from .decode import NATIVE_PROPERTIES, PAD_BYTES, decode_spans
+from .decode import NATIVE_PROPERTIES, PAD_BYTES, decode_blocks, decode_spans
 from .typed import TypedSchema
 
 log = logging.getLogger(__name__)
@@ -230,30 +230,12 @@ def build_table(
     With `typed` (the stream's registered schema), the payloads' fields are columns after the
     archive's own, and the payload bytes of the rows they decoded from are not kept (unless
     `keep_payload`): tiered replay rebuilds them (`records_from_table`)."""
-    if isinstance(records, RecordBuffer):
-        buffer, starts, ends, offsets, stamps = records.joined(pad=PAD_BYTES)
+    in_c = decode_blocks(records.parts()) if isinstance(records, RecordBuffer) else None
+    if in_c is not None:  # the C decoder, reading the blocks in place without the GIL
+        columns, offsets, stamps = in_c
+        count = len(offsets)
     else:
-        datas = [record.data for record in records]
-        lengths = pa.array([len(data) for data in datas], pa.int64())
-        ends = pc.cumulative_sum(lengths)
-        starts = pc.subtract(ends, lengths)
-        buffer = b"".join([*datas, bytes(PAD_BYTES)])
-        offsets = pa.array([record.offset for record in records], pa.int64())
-        stamps = pa.array([record.timestamp_ms for record in records], pa.int64())
-    present = pc.greater(ends, starts)
-    if len(starts) and not pc.all(present).as_py():
-        starts, ends, offsets, stamps = (
-            pc.filter(array, present) for array in (starts, ends, offsets, stamps)
-        )
-    count = len(starts)
-    columns = decode_spans(buffer, starts, ends, padded=True)
-    if columns is None:  # a malformed record: decode one by one, which names it
-        columns = _decode_lists([
-            StoredRecord(offset, stamp, buffer[start:end]) for offset, stamp, start, end in zip(
-                offsets.to_pylist(), stamps.to_pylist(), starts.to_pylist(), ends.to_pylist(),
-                strict=True,
-            )
-        ])
+        columns, offsets, stamps, count = _decode_in_python(records)
     payloads = columns["payload"]
     decoded = {name: pa.nulls(count, ARROW_SCHEMA.field(name).type) for name in DECODED_COLUMN.values()}
     if schema == "string" or (schema == "json" and typed is None):  # else typed columns
@@ -293,6 +275,38 @@ def build_table(
         return pa.Table.from_arrays(arrays, schema=ARROW_SCHEMA)
     table_schema = pa.schema([*ARROW_SCHEMA, *typed.fields], metadata=typed.metadata())
     return pa.Table.from_arrays([*arrays, *typed_arrays], schema=table_schema)
+
+
+def _decode_in_python(
+    records: Sequence[StoredRecord] | RecordBuffer,
+) -> tuple[dict[str, pa.Array], pa.Array, pa.Array, int]:
+    """(columns, offsets, timestamps, rows) of `records` without the C decoder: `decode_spans`
+    in bulk, or record by record when it refuses some record (which names the bad one)."""
+    if isinstance(records, RecordBuffer):
+        buffer, starts, ends, offsets, stamps = records.joined(pad=PAD_BYTES)
+    else:
+        datas = [record.data for record in records]
+        lengths = pa.array([len(data) for data in datas], pa.int64())
+        ends = pc.cumulative_sum(lengths)
+        starts = pc.subtract(ends, lengths)
+        buffer = b"".join([*datas, bytes(PAD_BYTES)])
+        offsets = pa.array([record.offset for record in records], pa.int64())
+        stamps = pa.array([record.timestamp_ms for record in records], pa.int64())
+    present = pc.greater(ends, starts)
+    if len(starts) and not pc.all(present).as_py():
+        starts, ends, offsets, stamps = (
+            pc.filter(array, present) for array in (starts, ends, offsets, stamps)
+        )
+    count = len(starts)
+    columns = decode_spans(buffer, starts, ends, padded=True)
+    if columns is None:  # a malformed record: decode one by one, which names it
+        columns = _decode_lists([
+            StoredRecord(offset, stamp, buffer[start:end]) for offset, stamp, start, end in zip(
+                offsets.to_pylist(), stamps.to_pylist(), starts.to_pylist(), ends.to_pylist(),
+                strict=True,
+            )
+        ])
+    return columns, offsets, stamps, count
 
 
 def _decode_lists(records: Sequence[StoredRecord]) -> dict[str, pa.Array]:

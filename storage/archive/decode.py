@@ -18,16 +18,23 @@ view, stride 1 byte); the result becomes an Arrow array without a copy. The four
 another version, overruns its end, or holds invalid UTF-8 (or a QoS outside int8), and the
 caller then decodes record by record, which names the bad record in its error. Records are
 never changed: this is a reader of the existing byte format.
+
+`decode_blocks` is the same decoding in C (records_native.c, GIL released) straight from the
+journal's record blocks, without joining them; None when the C build is not there (then
+`decode_spans` runs) or when it does not vouch for every record.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ...core.native import load_c_extension
 from ...core.records import (
     F_CONTENT_TYPE,
     F_CORRELATION,
@@ -333,3 +340,64 @@ def _headers(batch: _Batch, flags: pa.Array, pos: pa.Array) -> tuple[pa.Array, p
     mask = pc.invert(present)
     mapped = pa.MapArray.from_arrays(offsets, names, values, type=_HEADERS, mask=mask)
     return mapped, pos
+
+
+NATIVE: Any = load_c_extension("shardgate.storage.archive.records_native", os.path.dirname(__file__))
+"""The C decoder (records_native.c), or None: not built, stale, or `SHARDGATE_PURE=1`."""
+
+_BLOCK_COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
+    ("topic", pa.string()), ("key", pa.binary()), ("payload", pa.binary()),
+    ("headers", _HEADERS), ("content_type", pa.string()), ("producer_protocol", pa.string()),
+    ("producer_id", pa.string()), ("qos", pa.int8()), ("retain", pa.bool_()),
+    ("correlation_data", pa.binary()), ("reply_to", pa.string()), ("payload_format", pa.int8()),
+    ("expires_at", _I64), ("native_properties", NATIVE_PROPERTIES), ("offset", _I64),
+    ("timestamp", _I64),
+)
+"""The columns of `records_native.decode_blocks`' result, in order (then the maps' keys and
+values: header names and values, native property names and values)."""
+
+
+def decode_blocks(
+    blocks: Sequence[tuple[Any, Any, Any, Any, int]], native: Any = None,
+    allocate: Any = pa.allocate_buffer,
+) -> tuple[dict[str, pa.Array], pa.Array, pa.Array] | None:
+    """`decode_spans` of the records of journal blocks given as (buffer, starts, ends,
+    timestamps, first_offset) (`RecordBuffer.parts`), in C without the GIL and without
+    joining the blocks: (the columns, the rows' offsets, their timestamps), the empty records
+    left out as `build_table` leaves them out. None when the C decoder is not built (`native`:
+    that module, by default `NATIVE`) or does not vouch for every record; `decode_spans` then
+    decides. The arrays' buffers come from `allocate(size)` (Arrow's memory pool: it reuses
+    its pages, where fresh memory for each batch would fault on every page; None: bytes)."""
+    module = native if native is not None else NATIVE
+    if module is None:
+        return None
+    raw = module.decode_blocks(blocks, allocate)
+    if raw is None:
+        return None
+    rows = raw[0]
+    arrays: dict[str, pa.Array] = {}
+    for (name, type_), parts in zip(_BLOCK_COLUMNS, raw[1:], strict=False):
+        arrays[name] = _array(type_, rows, parts, raw)
+    offsets, stamps = arrays.pop("offset"), arrays.pop("timestamp")
+    return arrays, offsets, stamps
+
+
+def _array(type_: pa.DataType, rows: int, parts: Any, raw: tuple[Any, ...]) -> pa.Array:
+    """An Arrow array of `decode_blocks`' (validity, offsets, data) buffers (None: nulls)."""
+    if parts is None:
+        return pa.nulls(rows, type_)
+    valid, offsets, data = (
+        part if part is None or isinstance(part, pa.Buffer) else pa.py_buffer(part)
+        for part in parts
+    )
+    if pa.types.is_map(type_):
+        first = 17 if type_ == _HEADERS else 19  # the maps' keys and values in `raw`
+        count = len(raw[first][1]) // 4 - 1
+        keys = _array(type_.key_type, count, raw[first], raw)
+        items = _array(type_.item_type, count, raw[first + 1], raw)
+        children = pa.StructArray.from_arrays([keys, items],
+                                              fields=[type_.key_field, type_.item_field])
+        return pa.Array.from_buffers(type_, rows, [valid, offsets], children=[children])
+    if offsets is not None:
+        return pa.Array.from_buffers(type_, rows, [valid, offsets, data])
+    return pa.Array.from_buffers(type_, rows, [valid, data])
