@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ...core.native import load_c_extension
 from . import typed_json, typed_layout
+
+_NATIVE = load_c_extension("shardgate.storage.archive.typed_native", os.path.dirname(__file__))
+"""The C parser of flat JSON payloads (`typed_native.c`), or None: the layout path then."""
 
 _JSON_SCALARS = {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(),
                  "boolean": pa.bool_()}
@@ -43,6 +48,8 @@ LAYOUTS = 3
 serializer writing to the stream, typically one)."""
 LAYOUT_SAMPLE = 64
 """Payloads a layout is first tried on: it reads the whole file only if it fits half of them."""
+NATIVE_FIELDS = 256
+"""The most fields `typed_native.c` reads (a wider schema goes by layout)."""
 _TEXT = pa.string()
 """A value of several types, kept as its JSON text."""
 
@@ -244,6 +251,8 @@ class TypedSchema:
             arrays, flags = self.columns(payloads.to_pylist())
             return arrays, pa.array(flags, pa.bool_())
         if self.layout_readable and len(payloads):
+            if _NATIVE is not None and len(self.fields) <= NATIVE_FIELDS:
+                return self._columns_parsed(payloads)
             return self._columns_by_layout(payloads)
         return self._columns_read(payloads)
 
@@ -292,6 +301,41 @@ class TypedSchema:
             decoded[left] = rest_decoded.to_numpy(zero_copy_only=False)
         where = np.empty(count, np.int64)
         where[np.concatenate(rows)] = np.arange(count, dtype=np.int64)
+        picked = pa.concat_tables(tables).take(pa.array(where))
+        return [column.combine_chunks() for column in picked.columns], pa.array(decoded)
+
+    def _columns_parsed(self, payloads: pa.Array) -> tuple[list[pa.Array], pa.Array]:
+        """`columns_of` for a schema of flat scalar fields by the C parser (`typed_native.c`,
+        the GIL released), and the rows it leaves by `_columns_read`."""
+        assert _NATIVE is not None
+        count = len(payloads)
+        binary = payloads if payloads.type in (pa.binary(), pa.large_binary()) \
+            else payloads.cast(pa.binary())
+        validity, offsets, data = binary.buffers()
+        kinds = "".join(typed_layout.KINDS[f.type] for f in self.fields).encode()
+        taken, parsed = _NATIVE.parse_flat(
+            validity, offsets, data, binary.offset, count, pa.types.is_large_binary(binary.type),
+            kinds, tuple(name.encode() for name in self.names),
+        )
+        arrays = [
+            pa.Array.from_buffers(field.type, count, [
+                None if valid is None else pa.py_buffer(valid), pa.py_buffer(values),
+                *([] if text is None else [pa.py_buffer(text)])])
+            for field, (valid, values, text) in zip(self.fields, parsed, strict=True)
+        ]
+        ok = np.frombuffer(taken, np.bool_)
+        if ok.all():
+            return arrays, pa.repeat(pa.scalar(True), count)
+        left = np.flatnonzero(~ok)
+        rest, rest_decoded = self._columns_read(pc.take(payloads, pa.array(left)))
+        schema = pa.schema(self.fields)
+        tables = [pa.Table.from_arrays(arrays, schema=schema).filter(pa.array(ok)),
+                  pa.Table.from_arrays(rest, schema=schema)]
+        where = np.empty(count, np.int64)
+        where[ok] = np.arange(count - len(left), dtype=np.int64)
+        where[left] = np.arange(count - len(left), count, dtype=np.int64)
+        decoded = ok.copy()
+        decoded[left] = rest_decoded.to_numpy(zero_copy_only=False)
         picked = pa.concat_tables(tables).take(pa.array(where))
         return [column.combine_chunks() for column in picked.columns], pa.array(decoded)
 
