@@ -100,6 +100,39 @@ def _holds_float(arrow_type: pa.DataType) -> bool:
     return False
 
 
+AvroPlan = tuple[bytes, tuple[int, ...], tuple[tuple[bytes, ...] | None, ...]]
+"""`typed_native.parse_avro`'s (kinds, null branches, enum symbols)."""
+_AVRO_KINDS = {"string": "s", "bytes": "y", "long": "i", "int": "I", "double": "n", "float": "f",
+               "boolean": "b"}
+
+
+def avro_flat_plan(types: list[Any]) -> AvroPlan | None:
+    """How `typed_native.parse_avro` reads datums whose fields have these (expanded) Avro types,
+    or None unless each is a scalar, an enum, or a union of null and one of those (no logical
+    type: fastavro turns those into other Python values)."""
+    kinds, nulls, symbols = [], [], []
+    for avro_type in types:
+        null = -1
+        if isinstance(avro_type, list):
+            if len(avro_type) != 2 or "null" not in avro_type:
+                return None
+            null = avro_type.index("null")
+            avro_type = avro_type[1 - null]
+        if isinstance(avro_type, dict) and "logicalType" not in avro_type:
+            if avro_type.get("type") == "enum":
+                kinds.append("e")
+                nulls.append(null)
+                symbols.append(tuple(str(symbol).encode() for symbol in avro_type["symbols"]))
+                continue
+            avro_type = avro_type.get("type")
+        if not isinstance(avro_type, str) or avro_type not in _AVRO_KINDS:
+            return None
+        kinds.append(_AVRO_KINDS[avro_type])
+        nulls.append(null)
+        symbols.append(None)
+    return "".join(kinds).encode(), tuple(nulls), tuple(symbols)
+
+
 def avro_arrow_type(schema: Any) -> tuple[pa.DataType, bool]:
     """(Arrow type, whether values are kept as JSON text) of a parsed Avro schema."""
     if isinstance(schema, list):
@@ -152,6 +185,8 @@ class TypedSchema:
     names: dict[str, str] = field(default_factory=dict)
     """Field name → column name."""
     _parsed: Any = None
+    _avro_plan: AvroPlan | None = None
+    """How `typed_native.parse_avro` reads these datums, for an Avro schema of scalar fields."""
 
     def __post_init__(self) -> None:
         if self.kind == "avro":
@@ -161,8 +196,10 @@ class TypedSchema:
             expanded = fastavro.parse_schema(self.document, expand=True, _write_hint=False)
             if isinstance(expanded, dict) and expanded.get("type") == "record":
                 top = [(f["name"], avro_arrow_type(f["type"])) for f in expanded["fields"]]
+                self._avro_plan = avro_flat_plan([f["type"] for f in expanded["fields"]])
             else:
                 top = [("value", avro_arrow_type(expanded))]
+                self._avro_plan = avro_flat_plan([expanded])
         else:
             properties = self.document.get("properties") if isinstance(self.document, dict) else None
             if properties:
@@ -247,6 +284,8 @@ class TypedSchema:
         """`columns` of a binary array of payloads, the decoded flags as a boolean array: in
         bulk where the schema allows it (the payloads of a known byte layout first,
         `typed_layout.py`, then Arrow's JSON reader, `typed_json.py`), else row by row."""
+        if self._avro_plan is not None and _NATIVE is not None and len(payloads):
+            return self._columns_avro(payloads)
         if not self.bulk_readable:
             arrays, flags = self.columns(payloads.to_pylist())
             return arrays, pa.array(flags, pa.bool_())
@@ -308,15 +347,35 @@ class TypedSchema:
         """`columns_of` for a schema of flat scalar fields by the C parser (`typed_native.c`,
         the GIL released), and the rows it leaves by `_columns_read`."""
         assert _NATIVE is not None
+        kinds = "".join(typed_layout.KINDS[f.type] for f in self.fields).encode()
+        names = tuple(name.encode() for name in self.names)
+        return self._columns_native(
+            payloads, lambda *buffers: _NATIVE.parse_flat(*buffers, kinds, names),
+            self._columns_read)
+
+    def _columns_avro(self, payloads: pa.Array) -> tuple[list[pa.Array], pa.Array]:
+        """`columns_of` for an Avro schema of scalar fields by the C reader (`typed_native.c`),
+        and the rows it leaves (not one writer's datum of this schema) row by row."""
+        assert _NATIVE is not None and self._avro_plan is not None
+        kinds, nulls, symbols = self._avro_plan
+
+        def rest(left: pa.Array) -> tuple[list[pa.Array], pa.Array]:
+            arrays, decoded = self.columns(left.to_pylist())
+            return arrays, pa.array(decoded, pa.bool_())
+
+        return self._columns_native(
+            payloads, lambda *buffers: _NATIVE.parse_avro(*buffers, kinds, nulls, symbols), rest)
+
+    def _columns_native(self, payloads: pa.Array, parse: Any, rest_of: Any
+                        ) -> tuple[list[pa.Array], pa.Array]:
+        """The columns `parse` (a `typed_native` reader, given the payloads' buffers) fills,
+        with the rows it leaves decoded by `rest_of` and put in their places."""
         count = len(payloads)
         binary = payloads if payloads.type in (pa.binary(), pa.large_binary()) \
             else payloads.cast(pa.binary())
         validity, offsets, data = binary.buffers()
-        kinds = "".join(typed_layout.KINDS[f.type] for f in self.fields).encode()
-        taken, parsed = _NATIVE.parse_flat(
-            validity, offsets, data, binary.offset, count, pa.types.is_large_binary(binary.type),
-            kinds, tuple(name.encode() for name in self.names),
-        )
+        taken, parsed = parse(validity, offsets, data, binary.offset, count,
+                              pa.types.is_large_binary(binary.type))
         arrays = [
             pa.Array.from_buffers(field.type, count, [
                 None if valid is None else pa.py_buffer(valid), pa.py_buffer(values),
@@ -327,7 +386,7 @@ class TypedSchema:
         if ok.all():
             return arrays, pa.repeat(pa.scalar(True), count)
         left = np.flatnonzero(~ok)
-        rest, rest_decoded = self._columns_read(pc.take(payloads, pa.array(left)))
+        rest, rest_decoded = rest_of(pc.take(payloads, pa.array(left)))
         schema = pa.schema(self.fields)
         tables = [pa.Table.from_arrays(arrays, schema=schema).filter(pa.array(ok)),
                   pa.Table.from_arrays(rest, schema=schema)]

@@ -39,19 +39,39 @@
 #define MAX_KEY 1024
 #define MAX_NUMBER 400
 
-enum kind { KIND_STRING = 's', KIND_INT = 'i', KIND_NUMBER = 'n', KIND_BOOL = 'b' };
+/* Column kinds: the letters `parse_flat` and `parse_avro` take (Arrow type in brackets). */
+enum kind {
+    KIND_STRING = 's', /* string */
+    KIND_INT = 'i',    /* int64 (JSON integer, Avro long) */
+    KIND_NUMBER = 'n', /* float64 (JSON number, Avro double) */
+    KIND_BOOL = 'b',   /* bool */
+    KIND_INT32 = 'I',  /* int32 (Avro int) */
+    KIND_FLOAT32 = 'f',/* float32 (Avro float) */
+    KIND_BYTES = 'y',  /* binary (Avro bytes) */
+    KIND_ENUM = 'e',   /* string: an Avro enum's symbol */
+};
 
 typedef struct {
     char kind;
-    const char *name;
+    const char *name;    /* JSON: the key */
     Py_ssize_t name_len;
+    int null_branch;     /* Avro: the union branch that is null (0 or 1), or -1 */
+    PyObject *symbols;   /* Avro enum: a tuple of bytes (borrowed) */
     uint8_t *validity;   /* bitmap, count bits */
-    uint8_t *values;     /* int64/float64 values, or the boolean bitmap */
-    int32_t *offsets;    /* string: count + 1 offsets */
-    char *data;          /* string: UTF-8 bytes */
+    uint8_t *values;     /* fixed-width values, or the boolean bitmap */
+    int32_t *offsets;    /* variable width: count + 1 offsets */
+    char *data;          /* variable width: the bytes */
     int64_t data_used;
     int64_t valid;       /* rows with a value */
 } column_t;
+
+static inline int variable_width(char kind) {
+    return kind == KIND_STRING || kind == KIND_BYTES || kind == KIND_ENUM;
+}
+
+static inline Py_ssize_t value_width(char kind) {
+    return (kind == KIND_INT32 || kind == KIND_FLOAT32) ? 4 : 8;
+}
 
 static locale_t c_locale = (locale_t)0;
 
@@ -253,8 +273,7 @@ static const unsigned char *scan_number(const unsigned char *p, const unsigned c
 }
 
 /* The float64 of the number text [start, stop): Python's float() of it. 0 if unsure. */
-static int number_value(const unsigned char *start, const unsigned char *stop, const number_t *n,
-                        double *out) {
+static int number_value(const unsigned char *stop, const number_t *n, double *out) {
     if (n->integer) {
         if (n->int_digits > 15) return 0;
         int64_t v = 0;
@@ -445,7 +464,6 @@ static int parse_row(const unsigned char *p, const unsigned char *end, column_t 
                 set_bit(c->validity, row);
             } else {
                 number_t n;
-                const unsigned char *start = p;
                 p = scan_number(p, end, &n);
                 if (p == NULL) return 0;
                 if (c->kind == KIND_INT) {
@@ -455,7 +473,7 @@ static int parse_row(const unsigned char *p, const unsigned char *end, column_t 
                     ((int64_t *)c->values)[row] = n.negative ? -v : v;
                 } else {
                     double v;
-                    if (!number_value(start, p, &n, &v)) return 0;
+                    if (!number_value(p, &n, &v)) return 0;
                     if (!(fabs(v) < 9007199254740992.0)) return 0; /* also inf */
                     ((double *)c->values)[row] = v;
                 }
@@ -481,6 +499,200 @@ static void release_views(Py_buffer *views, int n) {
         if (views[k].obj != NULL) PyBuffer_Release(&views[k]);
 }
 
+/* The payloads: an Arrow binary array's buffers, held while the GIL is released. */
+typedef struct {
+    Py_buffer views[3]; /* validity (may be empty), offsets, data */
+    const uint8_t *validity;
+    const void *offsets;
+    const unsigned char *data;
+    int wide;
+    Py_ssize_t offset, count;
+    int64_t first, last; /* the rows' bytes: data[first:last] */
+} payloads_t;
+
+static int open_payloads(payloads_t *in, PyObject *validity, PyObject *offsets, PyObject *data,
+                         Py_ssize_t offset, Py_ssize_t count, int wide) {
+    memset(in, 0, sizeof(*in));
+    in->offset = offset;
+    in->count = count;
+    in->wide = wide;
+    if (count < 0 || offset < 0) {
+        PyErr_SetString(PyExc_ValueError, "typed_native: negative offset or count");
+        return 0;
+    }
+    if ((validity != Py_None && PyObject_GetBuffer(validity, &in->views[0], PyBUF_SIMPLE) < 0) ||
+        PyObject_GetBuffer(offsets, &in->views[1], PyBUF_SIMPLE) < 0 ||
+        (data != Py_None && PyObject_GetBuffer(data, &in->views[2], PyBUF_SIMPLE) < 0)) {
+        release_views(in->views, 3);
+        return 0;
+    }
+    Py_ssize_t width = wide ? 8 : 4;
+    if (in->views[1].len < (offset + count + (count > 0 ? 1 : 0)) * width ||
+        (in->views[0].obj != NULL && in->views[0].len * 8 < offset + count)) {
+        release_views(in->views, 3);
+        PyErr_SetString(PyExc_ValueError, "typed_native: buffers shorter than the rows");
+        return 0;
+    }
+    in->validity = in->views[0].obj != NULL ? (const uint8_t *)in->views[0].buf : NULL;
+    in->offsets = in->views[1].buf;
+    in->data = in->views[2].obj != NULL ? (const unsigned char *)in->views[2].buf
+                                        : (const unsigned char *)"";
+    Py_ssize_t data_len = in->views[2].obj != NULL ? in->views[2].len : 0;
+    if (count > 0) {
+        in->first = wide ? ((const int64_t *)in->offsets)[offset]
+                         : ((const int32_t *)in->offsets)[offset];
+        in->last = wide ? ((const int64_t *)in->offsets)[offset + count]
+                        : ((const int32_t *)in->offsets)[offset + count];
+    }
+    if (in->first < 0 || in->last < in->first || in->last > data_len ||
+        in->last - in->first > INT32_MAX) {
+        release_views(in->views, 3);
+        PyErr_SetString(PyExc_ValueError, "typed_native: offsets outside the data");
+        return 0;
+    }
+    return 1;
+}
+
+/* Row `row`'s bytes, or 0 when it is null or its offsets are out of order. */
+static inline int payload_at(const payloads_t *in, Py_ssize_t row, const unsigned char **start,
+                             const unsigned char **stop) {
+    Py_ssize_t at = in->offset + row;
+    if (in->validity != NULL && !((in->validity[at >> 3] >> (at & 7)) & 1)) return 0;
+    int64_t a = in->wide ? ((const int64_t *)in->offsets)[at] : ((const int32_t *)in->offsets)[at];
+    int64_t b = in->wide ? ((const int64_t *)in->offsets)[at + 1]
+                         : ((const int32_t *)in->offsets)[at + 1];
+    if (a < in->first || b < a || b > in->last) return 0;
+    *start = in->data + a;
+    *stop = in->data + b;
+    return 1;
+}
+
+/* The output buffers of `fields` columns of `count` rows (bytes objects in `owned`); the
+ * variable-width ones get `data_bound[k]` bytes. 0 with an exception set on failure. */
+static int allocate_columns(column_t *columns, PyObject *(*owned)[3], Py_ssize_t fields,
+                            Py_ssize_t count, const int64_t *data_bound) {
+    Py_ssize_t bitmap = (count + 7) / 8;
+    for (Py_ssize_t k = 0; k < fields; k++) {
+        column_t *c = &columns[k];
+        c->data_used = 0;
+        c->valid = 0;
+        c->offsets = NULL;
+        c->data = NULL;
+        Py_ssize_t values = variable_width(c->kind) ? (count + 1) * 4
+                            : c->kind == KIND_BOOL  ? bitmap
+                                                    : count * value_width(c->kind);
+        owned[k][0] = PyBytes_FromStringAndSize(NULL, bitmap);
+        owned[k][1] = PyBytes_FromStringAndSize(NULL, values);
+        if (variable_width(c->kind)) owned[k][2] = PyBytes_FromStringAndSize(NULL, data_bound[k]);
+        if (owned[k][0] == NULL || owned[k][1] == NULL ||
+            (variable_width(c->kind) && owned[k][2] == NULL))
+            return 0;
+        c->validity = (uint8_t *)PyBytes_AS_STRING(owned[k][0]);
+        c->values = (uint8_t *)PyBytes_AS_STRING(owned[k][1]);
+        memset(c->validity, 0, (size_t)bitmap);
+        if (variable_width(c->kind)) {
+            c->offsets = (int32_t *)c->values;
+            c->data = PyBytes_AS_STRING(owned[k][2]);
+        } else {
+            memset(c->values, 0, (size_t)values);
+        }
+    }
+    return 1;
+}
+
+static void drop_owned(PyObject *(*owned)[3], Py_ssize_t from, Py_ssize_t fields) {
+    for (Py_ssize_t k = from; k < fields; k++)
+        for (int b = 0; b < 3; b++) Py_CLEAR(owned[k][b]);
+}
+
+/* Row `row` refused: nothing of it stays in the columns. */
+static void clear_row(column_t *columns, Py_ssize_t fields, Py_ssize_t row) {
+    for (Py_ssize_t k = 0; k < fields; k++) {
+        column_t *c = &columns[k];
+        c->validity[row >> 3] &= (uint8_t)~(1u << (row & 7));
+        if (variable_width(c->kind)) c->data_used = c->offsets[row];
+        else if (c->kind == KIND_BOOL) c->values[row >> 3] &= (uint8_t)~(1u << (row & 7));
+        else memset(c->values + row * value_width(c->kind), 0, (size_t)value_width(c->kind));
+    }
+}
+
+static void count_valid(column_t *columns, Py_ssize_t fields, Py_ssize_t count) {
+    for (Py_ssize_t k = 0; k < fields; k++) {
+        column_t *c = &columns[k];
+        if (variable_width(c->kind)) c->offsets[count] = (int32_t)c->data_used;
+        int64_t valid = 0;
+        for (Py_ssize_t b = 0; b < count / 8; b++) valid += __builtin_popcount(c->validity[b]);
+        for (Py_ssize_t row = count / 8 * 8; row < count; row++)
+            valid += (c->validity[row >> 3] >> (row & 7)) & 1;
+        c->valid = valid;
+    }
+}
+
+/* (taken, [(validity or None, values, data or None) per field]); consumes `owned`. */
+static PyObject *columns_result(column_t *columns, PyObject *(*owned)[3], Py_ssize_t fields,
+                                Py_ssize_t count, PyObject *taken) {
+    PyObject *outputs = PyList_New(fields);
+    if (outputs == NULL) {
+        drop_owned(owned, 0, fields);
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < fields; k++) {
+        column_t *c = &columns[k];
+        if (c->valid == count) Py_SETREF(owned[k][0], Py_NewRef(Py_None));
+        if (owned[k][2] != NULL && _PyBytes_Resize(&owned[k][2], c->data_used) < 0) {
+            drop_owned(owned, k, fields);
+            Py_DECREF(outputs);
+            return NULL;
+        }
+        PyObject *entry = PyTuple_Pack(3, owned[k][0], owned[k][1],
+                                       owned[k][2] != NULL ? owned[k][2] : Py_None);
+        drop_owned(owned, k, k + 1);
+        if (entry == NULL) {
+            drop_owned(owned, k + 1, fields);
+            Py_DECREF(outputs);
+            return NULL;
+        }
+        PyList_SET_ITEM(outputs, k, entry);
+    }
+    PyObject *result = PyTuple_Pack(2, taken, outputs);
+    Py_DECREF(outputs);
+    return result;
+}
+
+typedef int (*row_parser)(const unsigned char *p, const unsigned char *end, column_t *columns,
+                          int fields, int64_t row, uint8_t *scratch);
+
+/* Every row through `parse` with the GIL released; the rows refused are cleared. */
+static PyObject *parse_rows(payloads_t *in, column_t *columns, PyObject *(*owned)[3],
+                            Py_ssize_t fields, row_parser parse) {
+    Py_ssize_t count = in->count;
+    PyObject *taken = PyBytes_FromStringAndSize(NULL, count);
+    if (taken == NULL) {
+        drop_owned(owned, 0, fields);
+        release_views(in->views, 3);
+        return NULL;
+    }
+    uint8_t *ok = (uint8_t *)PyBytes_AS_STRING(taken);
+    uint8_t scratch[MAX_FIELDS];
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t row = 0; row < count; row++) {
+        for (Py_ssize_t k = 0; k < fields; k++)
+            if (variable_width(columns[k].kind))
+                columns[k].offsets[row] = (int32_t)columns[k].data_used;
+        const unsigned char *start, *stop;
+        int good = payload_at(in, row, &start, &stop) &&
+                   parse(start, stop, columns, (int)fields, row, scratch);
+        ok[row] = (uint8_t)good;
+        if (!good) clear_row(columns, fields, row);
+    }
+    count_valid(columns, fields, count);
+    Py_END_ALLOW_THREADS
+    release_views(in->views, 3);
+    PyObject *result = columns_result(columns, owned, fields, count, taken);
+    Py_DECREF(taken);
+    return result;
+}
+
 PyDoc_STRVAR(parse_flat_doc,
 "parse_flat(validity, offsets, data, offset, count, wide, kinds, names)\n"
 "--\n\n"
@@ -491,179 +703,242 @@ PyDoc_STRVAR(parse_flat_doc,
 "(validity bitmap or None when every row has a value, values or offsets, string data or None).");
 
 static PyObject *parse_flat(PyObject *self, PyObject *args) {
-    PyObject *validity_obj, *offsets_obj, *data_obj, *names;
-    Py_ssize_t offset, count;
+    PyObject *validity, *offsets, *data, *names;
+    Py_ssize_t offset, count, fields;
     int wide;
     const char *kinds;
-    Py_ssize_t fields;
-    if (!PyArg_ParseTuple(args, "OOOnnpy#O!", &validity_obj, &offsets_obj, &data_obj, &offset,
-                          &count, &wide, &kinds, &fields, &PyTuple_Type, &names))
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOnnpy#O!", &validity, &offsets, &data, &offset, &count, &wide,
+                          &kinds, &fields, &PyTuple_Type, &names))
         return NULL;
-    if (fields > MAX_FIELDS || fields != PyTuple_GET_SIZE(names) || count < 0 || offset < 0) {
-        PyErr_SetString(PyExc_ValueError, "parse_flat: bad arguments");
-        return NULL;
-    }
-    Py_buffer views[3];
-    memset(views, 0, sizeof(views));
-    if (validity_obj != Py_None && PyObject_GetBuffer(validity_obj, &views[0], PyBUF_SIMPLE) < 0)
-        return NULL;
-    if (PyObject_GetBuffer(offsets_obj, &views[1], PyBUF_SIMPLE) < 0 ||
-        (data_obj != Py_None && PyObject_GetBuffer(data_obj, &views[2], PyBUF_SIMPLE) < 0)) {
-        release_views(views, 3);
+    if (fields > MAX_FIELDS || fields != PyTuple_GET_SIZE(names)) {
+        PyErr_SetString(PyExc_ValueError, "parse_flat: kinds and names differ, or too many");
         return NULL;
     }
-    Py_ssize_t width = wide ? 8 : 4;
-    if (views[1].len < (offset + count + (count > 0 ? 1 : 0)) * width ||
-        (views[0].obj != NULL && views[0].len * 8 < offset + count)) {
-        release_views(views, 3);
-        PyErr_SetString(PyExc_ValueError, "parse_flat: buffers shorter than the rows");
-        return NULL;
-    }
-    const uint8_t *valid_in = views[0].obj != NULL ? (const uint8_t *)views[0].buf : NULL;
-    const unsigned char *data = views[2].obj != NULL ? (const unsigned char *)views[2].buf
-                                                     : (const unsigned char *)"";
-    Py_ssize_t data_len = views[2].obj != NULL ? views[2].len : 0;
-    int64_t first = 0, last = 0;
-    if (count > 0) {
-        first = wide ? ((const int64_t *)views[1].buf)[offset]
-                     : ((const int32_t *)views[1].buf)[offset];
-        last = wide ? ((const int64_t *)views[1].buf)[offset + count]
-                    : ((const int32_t *)views[1].buf)[offset + count];
-    }
-    if (first < 0 || last < first || last > data_len || last - first > INT32_MAX) {
-        release_views(views, 3);
-        PyErr_SetString(PyExc_ValueError, "parse_flat: offsets outside the data");
-        return NULL;
-    }
-
-    PyObject *taken = PyBytes_FromStringAndSize(NULL, count);
-    PyObject *outputs = PyList_New(fields);
     column_t columns[MAX_FIELDS];
+    int64_t bound[MAX_FIELDS];
+    for (Py_ssize_t k = 0; k < fields; k++) {
+        PyObject *name = PyTuple_GET_ITEM(names, k);
+        char kind = kinds[k];
+        if (!PyBytes_Check(name) || (kind != KIND_STRING && kind != KIND_INT &&
+                                     kind != KIND_NUMBER && kind != KIND_BOOL)) {
+            PyErr_SetString(PyExc_ValueError, "parse_flat: bad kinds or names");
+            return NULL;
+        }
+        columns[k].kind = kind;
+        columns[k].name = PyBytes_AS_STRING(name);
+        columns[k].name_len = PyBytes_GET_SIZE(name);
+        columns[k].null_branch = -1;
+        columns[k].symbols = NULL;
+    }
+    payloads_t in;
+    if (!open_payloads(&in, validity, offsets, data, offset, count, wide)) return NULL;
+    /* a string's text is never longer than its JSON */
+    for (Py_ssize_t k = 0; k < fields; k++) bound[k] = in.last - in.first;
     PyObject *owned[MAX_FIELDS][3];
     memset(owned, 0, sizeof(owned));
-    Py_ssize_t bitmap = (count + 7) / 8;
-    int failed = taken == NULL || outputs == NULL;
-    for (Py_ssize_t k = 0; k < fields && !failed; k++) {
-        column_t *c = &columns[k];
-        PyObject *name = PyTuple_GET_ITEM(names, k);
-        c->kind = kinds[k];
-        if (!PyBytes_Check(name) ||
-            (c->kind != KIND_STRING && c->kind != KIND_INT && c->kind != KIND_NUMBER &&
-             c->kind != KIND_BOOL)) {
-            PyErr_SetString(PyExc_ValueError, "parse_flat: bad kinds or names");
-            failed = 1;
-            break;
-        }
-        c->name = PyBytes_AS_STRING(name);
-        c->name_len = PyBytes_GET_SIZE(name);
-        c->data_used = 0;
-        c->valid = 0;
-        c->offsets = NULL;
-        c->data = NULL;
-        owned[k][0] = PyBytes_FromStringAndSize(NULL, bitmap);
-        Py_ssize_t values = c->kind == KIND_STRING ? (count + 1) * 4
-                            : c->kind == KIND_BOOL ? bitmap : count * 8;
-        owned[k][1] = PyBytes_FromStringAndSize(NULL, values);
-        if (c->kind == KIND_STRING) owned[k][2] = PyBytes_FromStringAndSize(NULL, last - first);
-        if (owned[k][0] == NULL || owned[k][1] == NULL ||
-            (c->kind == KIND_STRING && owned[k][2] == NULL)) {
-            failed = 1;
-            break;
-        }
-        c->validity = (uint8_t *)PyBytes_AS_STRING(owned[k][0]);
-        c->values = (uint8_t *)PyBytes_AS_STRING(owned[k][1]);
-        memset(c->validity, 0, (size_t)bitmap);
-        if (c->kind == KIND_STRING) {
-            c->offsets = (int32_t *)c->values;
-            c->data = PyBytes_AS_STRING(owned[k][2]);
-        } else {
-            memset(c->values, 0, (size_t)values);
-        }
-    }
-    if (failed) {
-        for (Py_ssize_t k = 0; k < fields; k++)
-            for (int b = 0; b < 3; b++) Py_XDECREF(owned[k][b]);
-        Py_XDECREF(taken);
-        Py_XDECREF(outputs);
-        release_views(views, 3);
+    if (!allocate_columns(columns, owned, fields, count, bound)) {
+        drop_owned(owned, 0, fields);
+        release_views(in.views, 3);
         return NULL;
     }
+    return parse_rows(&in, columns, owned, fields, parse_row);
+}
 
-    uint8_t *ok = (uint8_t *)PyBytes_AS_STRING(taken);
-    uint8_t seen[MAX_FIELDS];
-    const void *offsets_in = views[1].buf;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t row = 0; row < count; row++) {
-        Py_ssize_t at = offset + row;
-        for (Py_ssize_t k = 0; k < fields; k++)
-            if (columns[k].kind == KIND_STRING) columns[k].offsets[row] = (int32_t)columns[k].data_used;
-        int present = valid_in == NULL || (valid_in[at >> 3] >> (at & 7)) & 1;
-        int64_t start = wide ? ((const int64_t *)offsets_in)[at] : ((const int32_t *)offsets_in)[at];
-        int64_t stop = wide ? ((const int64_t *)offsets_in)[at + 1]
-                            : ((const int32_t *)offsets_in)[at + 1];
-        int good = present && start >= first && stop >= start && stop <= last &&
-                   parse_row(data + start, data + stop, columns, (int)fields, row, seen);
-        ok[row] = (uint8_t)good;
-        if (!good) {
-            for (Py_ssize_t k = 0; k < fields; k++) {
-                column_t *c = &columns[k];
-                c->validity[row >> 3] &= (uint8_t)~(1u << (row & 7));
-                if (c->kind == KIND_STRING) c->data_used = c->offsets[row];
-                else if (c->kind == KIND_BOOL) c->values[row >> 3] &= (uint8_t)~(1u << (row & 7));
-                else ((int64_t *)c->values)[row] = 0;
+/* -- Avro -------------------------------------------------------------------------------- */
+
+/* A zigzag varint long (at most 10 bytes, as an encoder writes it): the position after it,
+ * or NULL. */
+static inline const unsigned char *read_long(const unsigned char *p, const unsigned char *end,
+                                             int64_t *out) {
+    uint64_t v = 0;
+    for (int i = 0; i < 10; i++) {
+        if (p >= end) return NULL;
+        unsigned char b = *p++;
+        if (i == 9 && b > 1) return NULL;
+        v |= (uint64_t)(b & 0x7F) << (7 * i);
+        if (!(b & 0x80)) {
+            *out = (int64_t)((v >> 1) ^ (~(v & 1) + 1));
+            return p;
+        }
+    }
+    return NULL;
+}
+
+static int valid_utf8(const unsigned char *p, const unsigned char *end) {
+    while (p < end) {
+        if (*p < 0x80) {
+            p++;
+            continue;
+        }
+        int n = utf8_sequence(p, end);
+        if (n == 0) return 0;
+        p += n;
+    }
+    return 1;
+}
+
+/* One Avro datum (a record of the columns' fields in order, or one value) into row `row`;
+ * 0 where the caller must decide (see the file's comment). */
+static int parse_avro_row(const unsigned char *p, const unsigned char *end, column_t *columns,
+                          int fields, int64_t row, uint8_t *scratch) {
+    (void)scratch;
+    for (int k = 0; k < fields; k++) {
+        column_t *c = &columns[k];
+        int64_t n;
+        if (c->null_branch >= 0) {
+            p = read_long(p, end, &n);
+            if (p == NULL || (n != 0 && n != 1)) return 0;
+            if (n == c->null_branch) continue;
+        }
+        switch (c->kind) {
+        case KIND_BOOL:
+            if (p >= end) return 0;
+            if (*p++) set_bit(c->values, row);
+            break;
+        case KIND_INT32:
+            p = read_long(p, end, &n);
+            if (p == NULL || n < INT32_MIN || n > INT32_MAX) return 0;
+            ((int32_t *)c->values)[row] = (int32_t)n;
+            break;
+        case KIND_INT:
+            p = read_long(p, end, &n);
+            if (p == NULL) return 0;
+            ((int64_t *)c->values)[row] = n;
+            break;
+        case KIND_FLOAT32: {
+            float f;
+            if (end - p < 4) return 0;
+            memcpy(&f, p, 4);
+            if (isnan(f)) return 0;
+            ((float *)c->values)[row] = f;
+            p += 4;
+            break;
+        }
+        case KIND_NUMBER: {
+            double d;
+            if (end - p < 8) return 0;
+            memcpy(&d, p, 8);
+            if (isnan(d)) return 0;
+            ((double *)c->values)[row] = d;
+            p += 8;
+            break;
+        }
+        case KIND_STRING:
+        case KIND_BYTES:
+            p = read_long(p, end, &n);
+            if (p == NULL || n < 0 || n > end - p) return 0;
+            if (c->kind == KIND_STRING && !valid_utf8(p, p + n)) return 0;
+            memcpy(c->data + c->data_used, p, (size_t)n);
+            c->data_used += n;
+            p += n;
+            break;
+        case KIND_ENUM: {
+            p = read_long(p, end, &n);
+            if (p == NULL || n < 0 || n >= PyTuple_GET_SIZE(c->symbols)) return 0;
+            PyObject *symbol = PyTuple_GET_ITEM(c->symbols, n); /* immutable: no GIL needed */
+            memcpy(c->data + c->data_used, PyBytes_AS_STRING(symbol),
+                   (size_t)PyBytes_GET_SIZE(symbol));
+            c->data_used += PyBytes_GET_SIZE(symbol);
+            break;
+        }
+        default:
+            return 0;
+        }
+        set_bit(c->validity, row);
+    }
+    return p == end;
+}
+
+PyDoc_STRVAR(parse_avro_doc,
+"parse_avro(validity, offsets, data, offset, count, wide, kinds, null_branches, symbols)\n"
+"--\n\n"
+"The typed columns of `count` Avro payloads (binary datums of one writer schema: a record of\n"
+"scalar fields, or one scalar), from an Arrow binary array's buffers as `parse_flat` takes\n"
+"them. `kinds`: one letter per field (s string, y bytes, i long, I int, n double, f float,\n"
+"b boolean, e enum); `null_branches`: per field the union branch that is null (0 or 1), or -1\n"
+"for a field that is not a union with null; `symbols`: per field a tuple of an enum's symbols\n"
+"as UTF-8 bytes, else None. Returns what `parse_flat` returns.");
+
+static PyObject *parse_avro(PyObject *self, PyObject *args) {
+    PyObject *validity, *offsets, *data, *nulls, *symbols;
+    Py_ssize_t offset, count, fields;
+    int wide;
+    const char *kinds;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOnnpy#O!O!", &validity, &offsets, &data, &offset, &count,
+                          &wide, &kinds, &fields, &PyTuple_Type, &nulls, &PyTuple_Type, &symbols))
+        return NULL;
+    if (fields > MAX_FIELDS || fields != PyTuple_GET_SIZE(nulls) ||
+        fields != PyTuple_GET_SIZE(symbols)) {
+        PyErr_SetString(PyExc_ValueError, "parse_avro: kinds, nulls and symbols differ");
+        return NULL;
+    }
+    column_t columns[MAX_FIELDS];
+    int64_t bound[MAX_FIELDS];
+    Py_ssize_t longest_symbol[MAX_FIELDS];
+    for (Py_ssize_t k = 0; k < fields; k++) {
+        column_t *c = &columns[k];
+        c->kind = kinds[k];
+        c->name = NULL;
+        c->name_len = 0;
+        c->symbols = NULL;
+        longest_symbol[k] = 0;
+        long branch = PyLong_AsLong(PyTuple_GET_ITEM(nulls, k));
+        if (branch == -1 && PyErr_Occurred()) return NULL;
+        c->null_branch = (int)branch;
+        PyObject *names = PyTuple_GET_ITEM(symbols, k);
+        int known = strchr("syiInfbe", c->kind) != NULL && c->kind != '\0';
+        if (!known || branch < -1 || branch > 1 || (c->kind == KIND_ENUM) != (names != Py_None) ||
+            (names != Py_None && !PyTuple_Check(names))) {
+            PyErr_SetString(PyExc_ValueError, "parse_avro: bad kinds, nulls or symbols");
+            return NULL;
+        }
+        if (c->kind == KIND_ENUM) {
+            c->symbols = names;
+            for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(names); j++) {
+                PyObject *symbol = PyTuple_GET_ITEM(names, j);
+                if (!PyBytes_Check(symbol)) {
+                    PyErr_SetString(PyExc_ValueError, "parse_avro: a symbol is not bytes");
+                    return NULL;
+                }
+                if (PyBytes_GET_SIZE(symbol) > longest_symbol[k])
+                    longest_symbol[k] = PyBytes_GET_SIZE(symbol);
             }
         }
     }
+    payloads_t in;
+    if (!open_payloads(&in, validity, offsets, data, offset, count, wide)) return NULL;
+    for (Py_ssize_t k = 0; k < fields; k++) /* a row holds one symbol at most */
+        bound[k] = columns[k].kind == KIND_ENUM ? (int64_t)count * longest_symbol[k]
+                                                : in.last - in.first;
+    PyObject *owned[MAX_FIELDS][3];
+    memset(owned, 0, sizeof(owned));
     for (Py_ssize_t k = 0; k < fields; k++) {
-        column_t *c = &columns[k];
-        if (c->kind == KIND_STRING) c->offsets[count] = (int32_t)c->data_used;
-        int64_t valid = 0;
-        for (Py_ssize_t b = 0; b < count / 8; b++) valid += __builtin_popcount(c->validity[b]);
-        for (Py_ssize_t row = count / 8 * 8; row < count; row++)
-            valid += (c->validity[row >> 3] >> (row & 7)) & 1;
-        c->valid = valid;
-    }
-    Py_END_ALLOW_THREADS
-    release_views(views, 3);
-
-    for (Py_ssize_t k = 0; k < fields; k++) {
-        column_t *c = &columns[k];
-        PyObject *validity = owned[k][0];
-        if (c->valid == count) {
-            Py_DECREF(validity);
-            validity = Py_NewRef(Py_None);
-        }
-        PyObject *text = owned[k][2];
-        if (text != NULL && _PyBytes_Resize(&text, c->data_used) < 0) text = NULL;
-        PyObject *entry = (c->kind == KIND_STRING && text == NULL)
-                              ? NULL
-                              : PyTuple_Pack(3, validity, owned[k][1], text != NULL ? text : Py_None);
-        Py_DECREF(validity);
-        Py_DECREF(owned[k][1]);
-        Py_XDECREF(text);
-        if (entry == NULL) {
-            for (Py_ssize_t j = k + 1; j < fields; j++)
-                for (int b = 0; b < 3; b++) Py_XDECREF(owned[j][b]);
-            Py_DECREF(taken);
-            Py_DECREF(outputs);
+        if (bound[k] > INT32_MAX) { /* int32 offsets: the caller decodes it otherwise */
+            release_views(in.views, 3);
+            PyErr_SetString(PyExc_OverflowError, "parse_avro: the column would pass 2 GiB");
             return NULL;
         }
-        PyList_SET_ITEM(outputs, k, entry);
     }
-    PyObject *result = PyTuple_Pack(2, taken, outputs);
-    Py_DECREF(taken);
-    Py_DECREF(outputs);
-    return result;
+    if (!allocate_columns(columns, owned, fields, count, bound)) {
+        drop_owned(owned, 0, fields);
+        release_views(in.views, 3);
+        return NULL;
+    }
+    return parse_rows(&in, columns, owned, fields, parse_avro_row);
 }
 
 static PyMethodDef methods[] = {
     {"parse_flat", parse_flat, METH_VARARGS, parse_flat_doc},
+    {"parse_avro", parse_avro, METH_VARARGS, parse_avro_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "typed_native",
-    "JSON payloads of a flat schema into typed Arrow columns (see typed_native.c).", -1, methods,
+    "JSON and Avro payloads of a flat schema into typed Arrow columns (see typed_native.c).",
+    -1, methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit_typed_native(void) {

@@ -1,7 +1,8 @@
-"""The C parser of flat JSON payloads (`storage/archive/typed_native.c`) gives the columns and
-decoded flags of the per-row path (`json.loads`, then `pa.array`) on generated payloads: many
-serializers' spellings, every scalar type in every field, escapes and astral characters, keys
-outside the schema holding nested values, and random byte damage of all of these. A row it
+"""The C readers of flat JSON payloads and Avro datums (`storage/archive/typed_native.c`) give
+the columns and decoded flags of the per-row path (`json.loads` or fastavro, then `pa.array`) on
+generated payloads: many serializers' spellings, every scalar type in every field, escapes and
+astral characters, keys outside the schema holding nested values, every Avro scalar, enum and
+nullable union at its limits, and random byte damage of all of these. A row it
 cannot vouch for goes to the Python paths, so the result is the per-row one either way; these
 tests also check that it vouches for the ordinary rows (else it would only be slower). The
 parser must be built wherever the package is (CI builds it): the tests fail without it."""
@@ -41,8 +42,8 @@ def same(a: Any, b: Any) -> bool:
     return a == b and repr(a) == repr(b)
 
 
-def check(schema: TypedSchema, payloads: pa.Array) -> np.ndarray:
-    """Compare with the per-row path; returns which rows the C parser itself took."""
+def check(schema: TypedSchema, payloads: pa.Array, avro: bool = False) -> np.ndarray:
+    """Compare with the per-row path; returns which rows the C reader itself took."""
     slow_arrays, slow_decoded = schema.columns(payloads.to_pylist())
     fast_arrays, fast_decoded = schema.columns_of(payloads)
     assert fast_decoded.to_pylist() == slow_decoded
@@ -53,10 +54,15 @@ def check(schema: TypedSchema, payloads: pa.Array) -> np.ndarray:
     binary = payloads.cast(pa.binary()) if pa.types.is_string(payloads.type) else payloads
     validity, offsets, data = binary.buffers()
     assert typed._NATIVE is not None
-    taken, _ = typed._NATIVE.parse_flat(
-        validity, offsets, data, binary.offset, len(binary), pa.types.is_large_binary(binary.type),
-        b"".join(typed.typed_layout.KINDS[f.type].encode() for f in schema.fields),
-        tuple(name.encode() for name in schema.names))
+    buffers = (validity, offsets, data, binary.offset, len(binary),
+               pa.types.is_large_binary(binary.type))
+    if avro:
+        assert schema._avro_plan is not None
+        taken, _ = typed._NATIVE.parse_avro(*buffers, *schema._avro_plan)
+    else:
+        taken, _ = typed._NATIVE.parse_flat(
+            *buffers, b"".join(typed.typed_layout.KINDS[f.type].encode() for f in schema.fields),
+            tuple(name.encode() for name in schema.names))
     return np.frombuffer(taken, np.bool_)
 
 
@@ -220,3 +226,89 @@ def test_bad_arguments_are_errors_not_crashes(native: Any) -> None:
     with pytest.raises(ValueError):  # offsets pointing past the data
         native.parse_flat(validity, pa.py_buffer(np.array([0, 99], np.int32).tobytes()), data,
                           0, 1, False, b"i", (b"a",))
+
+
+AVRO = {"type": "record", "name": "Reading", "fields": [
+    {"name": "device", "type": "string"}, {"name": "raw", "type": "bytes"},
+    {"name": "count", "type": "long"}, {"name": "small", "type": "int"},
+    {"name": "temp", "type": "double"}, {"name": "ratio", "type": "float"},
+    {"name": "on", "type": "boolean"},
+    {"name": "level", "type": {"type": "enum", "name": "Level", "symbols": ["LOW", "HIGH", "VERY_HIGH_LEVEL"]}},
+    {"name": "site", "type": ["null", "string"]}, {"name": "seen", "type": ["long", "null"]},
+    {"name": "offset", "type": ["null", {"type": "enum", "name": "Side", "symbols": ["L", "R"]}]},
+]}
+
+
+def avro_datum(rng: random.Random) -> dict[str, Any]:
+    return {
+        "device": random_text(rng).encode("utf-8", "surrogatepass").decode("utf-8", "replace"),
+        "raw": rng.randbytes(rng.randint(0, 12)),
+        "count": rng.choice([0, -1, 2**63 - 1, -(2**63), rng.randint(-10**12, 10**12)]),
+        "small": rng.choice([0, -1, 2**31 - 1, -(2**31), rng.randint(-1000, 1000)]),
+        "temp": rng.choice([0.0, -0.0, 1e308, -5e-324, float("inf"), float("nan"), rng.uniform(-99, 99)]),
+        "ratio": rng.choice([0.0, -0.0, 3.4e38, float("-inf"), float("nan"), rng.uniform(-9, 9)]),
+        "on": rng.random() < 0.5, "level": rng.choice(["LOW", "HIGH", "VERY_HIGH_LEVEL"]),
+        "site": rng.choice([None, "s1", "é"]), "seen": rng.choice([None, 5, -7]),
+        "offset": rng.choice([None, "L", "R"]),
+    }
+
+
+def avro_payload(rng: random.Random, schema: Any) -> bytes:
+    import io
+
+    import fastavro
+
+    out = io.BytesIO()
+    fastavro.schemaless_writer(out, schema, avro_datum(rng))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_avro_datums_decode_as_row_by_row(native: Any, seed: int) -> None:
+    import fastavro
+
+    rng = random.Random(seed)
+    schema = TypedSchema("avro", AVRO, 1, RESERVED)
+    assert schema._avro_plan is not None
+    parsed = fastavro.parse_schema(AVRO)
+    payloads = [avro_payload(rng, parsed) for _ in range(300)]
+    if seed % 2:
+        payloads = [damaged(rng, p) if rng.random() < 0.5 else p for p in payloads]
+        payloads += [b"", b"\x00", rng.randbytes(40), payloads[0] + b"\x00", payloads[1][:-1]]
+    taken = check(schema, pa.array(payloads, pa.binary()), avro=True)
+    if not seed % 2:  # only NaN is left to the per-row path among intact datums
+        assert taken.mean() > 0.5
+
+
+def test_avro_varints_and_branches_at_their_limits(native: Any) -> None:
+    schema = TypedSchema("avro", {"type": "record", "name": "R", "fields": [
+        {"name": "n", "type": "long"}, {"name": "i", "type": ["null", "int"]}]}, 1, RESERVED)
+    payloads = [
+        b"\xfe\xff\xff\xff\xff\xff\xff\xff\xff\x01\x00",  # 2**63 - 1, null
+        b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01\x00",  # -2**63
+        b"\xfe\xff\xff\xff\xff\xff\xff\xff\xff\x7f\x00",  # a 10th byte beyond 64 bits
+        b"\xfe\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01\x00",  # 11 bytes
+        b"\x80\x00\x00",  # a long written in two bytes
+        b"\x00\x02\xfe\xff\xff\xff\x0f",  # int 2**31 - 1
+        b"\x00\x02\x80\x80\x80\x80\x10",  # int 2**31: not an int32
+        b"\x00\x04\x00", b"\x00\x01\x00", b"\x00\x02", b"\x00\x00\x00",
+    ]
+    check(schema, pa.array(payloads, pa.binary()), avro=True)
+
+
+def test_avro_schemas_the_c_reader_does_not_take(native: Any) -> None:
+    for document in (
+        {"type": "record", "name": "R", "fields": [{"name": "t", "type": {
+            "type": "long", "logicalType": "timestamp-millis"}}]},
+        {"type": "record", "name": "R", "fields": [{"name": "s", "type": {
+            "type": "record", "name": "S", "fields": [{"name": "x", "type": "int"}]}}]},
+        {"type": "record", "name": "R", "fields": [{"name": "u", "type": ["int", "string"]}]},
+        {"type": "record", "name": "R", "fields": [{"name": "a", "type": {
+            "type": "array", "items": "int"}}]},
+        {"type": "fixed", "name": "F", "size": 4},
+    ):
+        assert TypedSchema("avro", document, 1, RESERVED)._avro_plan is None
+    whole = TypedSchema("avro", ["null", "string"], 1, RESERVED)
+    assert whole._avro_plan is not None
+    check(whole, pa.array([b"\x00", b"\x02\x04ab", b"\x02\x02\xff", b"\x04"], pa.binary()),
+          avro=True)
