@@ -110,7 +110,9 @@ def avro_flat_plan(types: list[Any]) -> AvroPlan | None:
     """How `typed_native.parse_avro` reads datums whose fields have these (expanded) Avro types,
     or None unless each is a scalar, an enum, or a union of null and one of those (no logical
     type: fastavro turns those into other Python values)."""
-    kinds, nulls, symbols = [], [], []
+    kinds: list[str] = []
+    nulls: list[int] = []
+    symbols: list[tuple[bytes, ...] | None] = []
     for avro_type in types:
         null = -1
         if isinstance(avro_type, list):
