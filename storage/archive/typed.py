@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ...core.native import load_c_extension
 from . import typed_json, typed_layout
+
+_NATIVE = load_c_extension("shardgate.storage.archive.typed_native", os.path.dirname(__file__))
+"""The C parser of flat JSON payloads (`typed_native.c`), or None: the layout path then."""
 
 _JSON_SCALARS = {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(),
                  "boolean": pa.bool_()}
@@ -43,6 +48,8 @@ LAYOUTS = 3
 serializer writing to the stream, typically one)."""
 LAYOUT_SAMPLE = 64
 """Payloads a layout is first tried on: it reads the whole file only if it fits half of them."""
+NATIVE_FIELDS = 256
+"""The most fields `typed_native.c` reads (a wider schema goes by layout)."""
 _TEXT = pa.string()
 """A value of several types, kept as its JSON text."""
 
@@ -91,6 +98,41 @@ def _holds_float(arrow_type: pa.DataType) -> bool:
     if pa.types.is_map(arrow_type):
         return _holds_float(arrow_type.item_type)
     return False
+
+
+AvroPlan = tuple[bytes, tuple[int, ...], tuple[tuple[bytes, ...] | None, ...]]
+"""`typed_native.parse_avro`'s (kinds, null branches, enum symbols)."""
+_AVRO_KINDS = {"string": "s", "bytes": "y", "long": "i", "int": "I", "double": "n", "float": "f",
+               "boolean": "b"}
+
+
+def avro_flat_plan(types: list[Any]) -> AvroPlan | None:
+    """How `typed_native.parse_avro` reads datums whose fields have these (expanded) Avro types,
+    or None unless each is a scalar, an enum, or a union of null and one of those (no logical
+    type: fastavro turns those into other Python values)."""
+    kinds: list[str] = []
+    nulls: list[int] = []
+    symbols: list[tuple[bytes, ...] | None] = []
+    for avro_type in types:
+        null = -1
+        if isinstance(avro_type, list):
+            if len(avro_type) != 2 or "null" not in avro_type:
+                return None
+            null = avro_type.index("null")
+            avro_type = avro_type[1 - null]
+        if isinstance(avro_type, dict) and "logicalType" not in avro_type:
+            if avro_type.get("type") == "enum":
+                kinds.append("e")
+                nulls.append(null)
+                symbols.append(tuple(str(symbol).encode() for symbol in avro_type["symbols"]))
+                continue
+            avro_type = avro_type.get("type")
+        if not isinstance(avro_type, str) or avro_type not in _AVRO_KINDS:
+            return None
+        kinds.append(_AVRO_KINDS[avro_type])
+        nulls.append(null)
+        symbols.append(None)
+    return "".join(kinds).encode(), tuple(nulls), tuple(symbols)
 
 
 def avro_arrow_type(schema: Any) -> tuple[pa.DataType, bool]:
@@ -145,6 +187,8 @@ class TypedSchema:
     names: dict[str, str] = field(default_factory=dict)
     """Field name → column name."""
     _parsed: Any = None
+    _avro_plan: AvroPlan | None = None
+    """How `typed_native.parse_avro` reads these datums, for an Avro schema of scalar fields."""
 
     def __post_init__(self) -> None:
         if self.kind == "avro":
@@ -154,8 +198,10 @@ class TypedSchema:
             expanded = fastavro.parse_schema(self.document, expand=True, _write_hint=False)
             if isinstance(expanded, dict) and expanded.get("type") == "record":
                 top = [(f["name"], avro_arrow_type(f["type"])) for f in expanded["fields"]]
+                self._avro_plan = avro_flat_plan([f["type"] for f in expanded["fields"]])
             else:
                 top = [("value", avro_arrow_type(expanded))]
+                self._avro_plan = avro_flat_plan([expanded])
         else:
             properties = self.document.get("properties") if isinstance(self.document, dict) else None
             if properties:
@@ -240,10 +286,14 @@ class TypedSchema:
         """`columns` of a binary array of payloads, the decoded flags as a boolean array: in
         bulk where the schema allows it (the payloads of a known byte layout first,
         `typed_layout.py`, then Arrow's JSON reader, `typed_json.py`), else row by row."""
+        if self._avro_plan is not None and _NATIVE is not None and len(payloads):
+            return self._columns_avro(payloads)
         if not self.bulk_readable:
             arrays, flags = self.columns(payloads.to_pylist())
             return arrays, pa.array(flags, pa.bool_())
         if self.layout_readable and len(payloads):
+            if _NATIVE is not None and len(self.fields) <= NATIVE_FIELDS:
+                return self._columns_parsed(payloads)
             return self._columns_by_layout(payloads)
         return self._columns_read(payloads)
 
@@ -292,6 +342,61 @@ class TypedSchema:
             decoded[left] = rest_decoded.to_numpy(zero_copy_only=False)
         where = np.empty(count, np.int64)
         where[np.concatenate(rows)] = np.arange(count, dtype=np.int64)
+        picked = pa.concat_tables(tables).take(pa.array(where))
+        return [column.combine_chunks() for column in picked.columns], pa.array(decoded)
+
+    def _columns_parsed(self, payloads: pa.Array) -> tuple[list[pa.Array], pa.Array]:
+        """`columns_of` for a schema of flat scalar fields by the C parser (`typed_native.c`,
+        the GIL released), and the rows it leaves by `_columns_read`."""
+        assert _NATIVE is not None
+        kinds = "".join(typed_layout.KINDS[f.type] for f in self.fields).encode()
+        names = tuple(name.encode() for name in self.names)
+        return self._columns_native(
+            payloads, lambda *buffers: _NATIVE.parse_flat(*buffers, kinds, names),
+            self._columns_read)
+
+    def _columns_avro(self, payloads: pa.Array) -> tuple[list[pa.Array], pa.Array]:
+        """`columns_of` for an Avro schema of scalar fields by the C reader (`typed_native.c`),
+        and the rows it leaves (not one writer's datum of this schema) row by row."""
+        assert _NATIVE is not None and self._avro_plan is not None
+        kinds, nulls, symbols = self._avro_plan
+
+        def rest(left: pa.Array) -> tuple[list[pa.Array], pa.Array]:
+            arrays, decoded = self.columns(left.to_pylist())
+            return arrays, pa.array(decoded, pa.bool_())
+
+        return self._columns_native(
+            payloads, lambda *buffers: _NATIVE.parse_avro(*buffers, kinds, nulls, symbols), rest)
+
+    def _columns_native(self, payloads: pa.Array, parse: Any, rest_of: Any
+                        ) -> tuple[list[pa.Array], pa.Array]:
+        """The columns `parse` (a `typed_native` reader, given the payloads' buffers) fills,
+        with the rows it leaves decoded by `rest_of` and put in their places."""
+        count = len(payloads)
+        binary = payloads if payloads.type in (pa.binary(), pa.large_binary()) \
+            else payloads.cast(pa.binary())
+        validity, offsets, data = binary.buffers()
+        taken, parsed = parse(validity, offsets, data, binary.offset, count,
+                              pa.types.is_large_binary(binary.type))
+        arrays = [
+            pa.Array.from_buffers(field.type, count, [
+                None if valid is None else pa.py_buffer(valid), pa.py_buffer(values),
+                *([] if text is None else [pa.py_buffer(text)])])
+            for field, (valid, values, text) in zip(self.fields, parsed, strict=True)
+        ]
+        ok = np.frombuffer(taken, np.bool_)
+        if ok.all():
+            return arrays, pa.repeat(pa.scalar(True), count)
+        left = np.flatnonzero(~ok)
+        rest, rest_decoded = rest_of(pc.take(payloads, pa.array(left)))
+        schema = pa.schema(self.fields)
+        tables = [pa.Table.from_arrays(arrays, schema=schema).filter(pa.array(ok)),
+                  pa.Table.from_arrays(rest, schema=schema)]
+        where = np.empty(count, np.int64)
+        where[ok] = np.arange(count - len(left), dtype=np.int64)
+        where[left] = np.arange(count - len(left), count, dtype=np.int64)
+        decoded = ok.copy()
+        decoded[left] = rest_decoded.to_numpy(zero_copy_only=False)
         picked = pa.concat_tables(tables).take(pa.array(where))
         return [column.combine_chunks() for column in picked.columns], pa.array(decoded)
 

@@ -3,18 +3,21 @@ for flat scalar fields their byte layout, `typed_layout.py`) give the very colum
 flags of the per-row path (`json.loads`, then `pa.array`), for valid payloads and for every kind
 of payload the paths read differently, alone or mixed into a file of good rows in any order
 (for the layout path: any value, key, separator or end of a row changed from its layout); and the 8-byte payloads of an `int64` stream are read as
-before, without a loop per row."""
+before, without a loop per row. Every test runs twice: with the C parser of flat payloads
+(`typed_native.c`) where it is built, and with the Python paths alone."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
 from typing import Any
 
 import pyarrow as pa
 import pytest
+from shardgate.core.native import PURE_ENV
 from shardgate.core.records import MessageRecord, encode_message
-from shardgate.storage.archive import build_table, typed_layout
+from shardgate.storage.archive import build_table, typed, typed_layout
 from shardgate.storage.archive.columns import RESERVED
 from shardgate.storage.archive.typed import TypedSchema
 from shardgate.storage.interfaces import StoredRecord
@@ -43,13 +46,28 @@ ODD_PAYLOADS = [
 ]
 
 
+@pytest.fixture(autouse=True, params=["c-parser", "python"])
+def parser(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which flat-payload path runs: the C parser (required where the package is built, as
+    CI builds it) or the Python paths alone."""
+    if request.param == "python":
+        monkeypatch.setattr(typed, "_NATIVE", None)
+    elif os.environ.get(PURE_ENV) == "1":
+        pytest.skip(f"{PURE_ENV}=1: the C parser is not used")
+    else:
+        assert typed._NATIVE is not None, "typed_native is not built: `pip install -e .`"
+    return str(request.param)
+
+
 def good(i: int) -> bytes:
     return json.dumps({"device": f"d{i % 7}", "temp": i / 4, "n": i, "ok": i % 2 == 0,
                        "offset": i, "loc": {"lat": 1.5, "tags": ["a", str(i)]}}).encode()
 
 
 def same(slow: list[Any], fast: list[Any]) -> bool:
-    return all(a == b or (a != a and b != b) for a, b in zip(slow, fast, strict=True))
+    """Equal values, and -0.0 is not 0.0 (repr tells them apart), NaN is NaN."""
+    return all((a == b and repr(a) == repr(b)) or (a != a and b != b)
+               for a, b in zip(slow, fast, strict=True))
 
 
 def check(typed: TypedSchema, payloads: list[bytes]) -> None:

@@ -16,6 +16,8 @@ def test_a_tiny_run_measures_each_phase_within_its_bound() -> None:
     typed = results["typed rows per second"]
     assert typed["rows"] == 2000 and typed["typed_columns"] == ["device", "temp", "site"]
     assert typed["archiver_rows_per_s"] > 0 and typed["pyarrow_rows_per_s"] > 0
+    avro = results["typed rows per second, Avro schema"]
+    assert avro["rows"] == 2000 and avro["typed_columns"] == ["device", "temp", "site"]
     day = results["files per shard per day at 1 msg/s"]
     assert day["simulated_minutes"] == 60 and day["files_before"] == 60
     assert day["files_after"] == 1 and day["rows"] == 3600

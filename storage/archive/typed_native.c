@@ -1,0 +1,953 @@
+/* JSON payloads of a flat schema into typed Arrow columns, in C with the GIL released: the
+ * fast path of `TypedSchema.columns_of` (storage/archive/typed.py) for a schema whose fields
+ * are all scalars (string, integer, number, boolean).
+ *
+ * `parse_flat` reads each payload of an Arrow binary array as one JSON object and fills one
+ * column per field: Arrow buffers (validity bitmap, values or int32 offsets and UTF-8 data)
+ * that Python wraps with `pa.Array.from_buffers`, no Python object per row. A row is taken
+ * ("ok") only where its columns are certainly what the per-row path (`json.loads`, then
+ * `pa.array` of the field values) gives; every other row is null in every column here and
+ * flagged, and the caller decodes those rows by the existing paths, which decide what they
+ * hold. So the C parser may refuse more than JSON does, never less, and never read a value
+ * differently. It refuses (leaves to the caller):
+ *   - a null payload, or one that is not a JSON object (leading/trailing whitespace allowed);
+ *   - anything `json.loads` refuses: bad grammar, raw control characters or invalid UTF-8 in a
+ *     string, trailing data; and NaN/Infinity, which it accepts;
+ *   - a key of the schema given twice (json.loads keeps the last one), a key longer than
+ *     MAX_KEY bytes that is not plain ASCII, an object or array nested deeper than MAX_DEPTH
+ *     under a key outside the schema;
+ *   - a value of another JSON type than its field's (null is a null value: taken);
+ *   - a lone surrogate escape in a string field's value (pa.array refuses the text; elsewhere
+ *     it is accepted, as json.loads does);
+ *   - an integer field holding a fraction or exponent, or more than 18 digits;
+ *   - a number field holding an integer of more than 15 digits, or a value of magnitude
+ *     2**53 or more (pa.array refuses big integers; kept as typed_layout.py does).
+ * Numbers: an integer-looking number field value is the integer converted (so "-0" is 0.0,
+ * as json.loads gives the int 0); others are correctly rounded (Clinger's exact fast path,
+ * else strtod_l in the C locale), as Python's float().
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <locale.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_FIELDS 256
+#define MAX_DEPTH 64
+#define MAX_KEY 1024
+#define MAX_NUMBER 400
+
+/* Column kinds: the letters `parse_flat` and `parse_avro` take (Arrow type in brackets). */
+enum kind {
+    KIND_STRING = 's', /* string */
+    KIND_INT = 'i',    /* int64 (JSON integer, Avro long) */
+    KIND_NUMBER = 'n', /* float64 (JSON number, Avro double) */
+    KIND_BOOL = 'b',   /* bool */
+    KIND_INT32 = 'I',  /* int32 (Avro int) */
+    KIND_FLOAT32 = 'f',/* float32 (Avro float) */
+    KIND_BYTES = 'y',  /* binary (Avro bytes) */
+    KIND_ENUM = 'e',   /* string: an Avro enum's symbol */
+};
+
+typedef struct {
+    char kind;
+    const char *name;    /* JSON: the key */
+    Py_ssize_t name_len;
+    int null_branch;     /* Avro: the union branch that is null (0 or 1), or -1 */
+    PyObject *symbols;   /* Avro enum: a tuple of bytes (borrowed) */
+    uint8_t *validity;   /* bitmap, count bits */
+    uint8_t *values;     /* fixed-width values, or the boolean bitmap */
+    int32_t *offsets;    /* variable width: count + 1 offsets */
+    char *data;          /* variable width: the bytes */
+    int64_t data_used;
+    int64_t valid;       /* rows with a value */
+} column_t;
+
+static inline int variable_width(char kind) {
+    return kind == KIND_STRING || kind == KIND_BYTES || kind == KIND_ENUM;
+}
+
+static inline Py_ssize_t value_width(char kind) {
+    return (kind == KIND_INT32 || kind == KIND_FLOAT32) ? 4 : 8;
+}
+
+static locale_t c_locale = (locale_t)0;
+
+static const double POW10[] = {
+    1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11,
+    1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22,
+};
+
+static inline int is_space(unsigned char c) {
+    return c == ' ' || c == '\t' || c == '\n' || c == '\r';
+}
+
+static inline const unsigned char *skip_space(const unsigned char *p, const unsigned char *end) {
+    while (p < end && is_space(*p)) p++;
+    return p;
+}
+
+static inline void set_bit(uint8_t *bits, int64_t i) { bits[i >> 3] |= (uint8_t)(1u << (i & 7)); }
+
+static inline int hex_value(unsigned char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+static int read_hex4(const unsigned char *p, const unsigned char *end, uint32_t *out) {
+    if (end - p < 4) return 0;
+    uint32_t v = 0;
+    for (int k = 0; k < 4; k++) {
+        int h = hex_value(p[k]);
+        if (h < 0) return 0;
+        v = (v << 4) | (uint32_t)h;
+    }
+    *out = v;
+    return 1;
+}
+
+/* The length of the valid UTF-8 sequence at p (a byte >= 0x80), or 0: strict, as Python's
+ * and Arrow's decoders (no overlong form, no surrogate, nothing above U+10FFFF). */
+static int utf8_sequence(const unsigned char *p, const unsigned char *end) {
+    unsigned char c = p[0];
+    Py_ssize_t left = end - p;
+    if (c >= 0xC2 && c <= 0xDF) {
+        return (left >= 2 && (p[1] & 0xC0) == 0x80) ? 2 : 0;
+    }
+    if (c >= 0xE0 && c <= 0xEF) {
+        if (left < 3 || (p[1] & 0xC0) != 0x80 || (p[2] & 0xC0) != 0x80) return 0;
+        if (c == 0xE0 && p[1] < 0xA0) return 0;  /* overlong */
+        if (c == 0xED && p[1] >= 0xA0) return 0; /* surrogate */
+        return 3;
+    }
+    if (c >= 0xF0 && c <= 0xF4) {
+        if (left < 4 || (p[1] & 0xC0) != 0x80 || (p[2] & 0xC0) != 0x80 ||
+            (p[3] & 0xC0) != 0x80)
+            return 0;
+        if (c == 0xF0 && p[1] < 0x90) return 0;  /* overlong */
+        if (c == 0xF4 && p[1] >= 0x90) return 0; /* above U+10FFFF */
+        return 4;
+    }
+    return 0;
+}
+
+static inline char *put_utf8(char *out, uint32_t cp) {
+    if (cp < 0x80) {
+        *out++ = (char)cp;
+    } else if (cp < 0x800) {
+        *out++ = (char)(0xC0 | (cp >> 6));
+        *out++ = (char)(0x80 | (cp & 0x3F));
+    } else if (cp < 0x10000) {
+        *out++ = (char)(0xE0 | (cp >> 12));
+        *out++ = (char)(0x80 | ((cp >> 6) & 0x3F));
+        *out++ = (char)(0x80 | (cp & 0x3F));
+    } else {
+        *out++ = (char)(0xF0 | (cp >> 18));
+        *out++ = (char)(0x80 | ((cp >> 12) & 0x3F));
+        *out++ = (char)(0x80 | ((cp >> 6) & 0x3F));
+        *out++ = (char)(0x80 | (cp & 0x3F));
+    }
+    return out;
+}
+
+/* A JSON string whose opening quote is at p[-1]: its text, unescaped, written at `out` (when
+ * not NULL; never longer than the source). Returns the position after the closing quote, or
+ * NULL where the caller must refuse the row. `*written` gets the length written. */
+static const unsigned char *read_string(const unsigned char *p, const unsigned char *end,
+                                        char *out, int64_t *written) {
+    char *start = out;
+    for (;;) {
+        const unsigned char *run = p;
+        while (p < end && *p >= 0x20 && *p != '"' && *p != '\\' && *p < 0x80) p++;
+        if (out != NULL && p > run) {
+            memcpy(out, run, (size_t)(p - run));
+            out += p - run;
+        }
+        if (p >= end) return NULL;
+        unsigned char c = *p;
+        if (c == '"') {
+            if (written != NULL) *written = out - start;
+            return p + 1;
+        }
+        if (c < 0x20) return NULL;
+        if (c >= 0x80) {
+            int n = utf8_sequence(p, end);
+            if (n == 0) return NULL;
+            if (out != NULL) {
+                memcpy(out, p, (size_t)n);
+                out += n;
+            }
+            p += n;
+            continue;
+        }
+        /* an escape */
+        if (end - p < 2) return NULL;
+        unsigned char e = p[1];
+        p += 2;
+        char plain;
+        switch (e) {
+        case '"': plain = '"'; break;
+        case '\\': plain = '\\'; break;
+        case '/': plain = '/'; break;
+        case 'b': plain = '\b'; break;
+        case 'f': plain = '\f'; break;
+        case 'n': plain = '\n'; break;
+        case 'r': plain = '\r'; break;
+        case 't': plain = '\t'; break;
+        case 'u': {
+            uint32_t cp;
+            if (!read_hex4(p, end, &cp)) return NULL;
+            p += 4;
+            /* A lone surrogate: json.loads keeps it, pa.array refuses the text, so it is
+             * refused in a value kept, accepted where only validated. */
+            if (cp >= 0xDC00 && cp <= 0xDFFF) {
+                if (out != NULL) return NULL;
+                continue;
+            }
+            if (cp >= 0xD800 && cp <= 0xDBFF) {
+                uint32_t low;
+                if (end - p < 6 || p[0] != '\\' || p[1] != 'u' || !read_hex4(p + 2, end, &low) ||
+                    low < 0xDC00 || low > 0xDFFF) {
+                    if (out != NULL) return NULL;
+                    continue;
+                }
+                p += 6;
+                cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
+            }
+            if (out != NULL) out = put_utf8(out, cp);
+            continue;
+        }
+        default:
+            return NULL;
+        }
+        if (out != NULL) *out++ = plain;
+    }
+}
+
+typedef struct {
+    int negative;
+    int integer;          /* no fraction, no exponent */
+    const unsigned char *digits; /* the integer part's first digit */
+    int int_digits;
+} number_t;
+
+/* A JSON number at p (its grammar exactly): the position after it, or NULL. */
+static const unsigned char *scan_number(const unsigned char *p, const unsigned char *end,
+                                        number_t *n) {
+    n->negative = 0;
+    n->integer = 1;
+    if (p < end && *p == '-') {
+        n->negative = 1;
+        p++;
+    }
+    if (p >= end) return NULL;
+    n->digits = p;
+    if (*p == '0') {
+        p++;
+    } else if (*p >= '1' && *p <= '9') {
+        while (p < end && *p >= '0' && *p <= '9') p++;
+    } else {
+        return NULL;
+    }
+    n->int_digits = (int)(p - n->digits);
+    if (p < end && *p == '.') {
+        n->integer = 0;
+        p++;
+        const unsigned char *f = p;
+        while (p < end && *p >= '0' && *p <= '9') p++;
+        if (p == f) return NULL;
+    }
+    if (p < end && (*p == 'e' || *p == 'E')) {
+        n->integer = 0;
+        p++;
+        if (p < end && (*p == '+' || *p == '-')) p++;
+        const unsigned char *x = p;
+        while (p < end && *p >= '0' && *p <= '9') p++;
+        if (p == x) return NULL;
+    }
+    return p;
+}
+
+/* The float64 of the number text [start, stop): Python's float() of it. 0 if unsure. */
+static int number_value(const unsigned char *stop, const number_t *n, double *out) {
+    if (n->integer) {
+        if (n->int_digits > 15) return 0;
+        int64_t v = 0;
+        for (int k = 0; k < n->int_digits; k++) v = v * 10 + (n->digits[k] - '0');
+        *out = n->negative ? -(double)v : (double)v;
+        if (v == 0) *out = 0.0; /* json.loads reads -0 as the int 0 */
+        return 1;
+    }
+    /* Clinger: at most 15 significant digits and a power of ten within 22 are exact. */
+    const unsigned char *p = n->digits;
+    uint64_t mantissa = 0;
+    int significant = 0, scale = 0, exp_value = 0, exp_negative = 0;
+    for (; p < stop && *p >= '0' && *p <= '9'; p++) {
+        if (significant || *p != '0') {
+            mantissa = mantissa * 10 + (uint64_t)(*p - '0');
+            significant++;
+        }
+        if (significant > 15) break;
+    }
+    if (significant <= 15 && p < stop && *p == '.') {
+        for (p++; p < stop && *p >= '0' && *p <= '9'; p++) {
+            if (significant || *p != '0') {
+                mantissa = mantissa * 10 + (uint64_t)(*p - '0');
+                significant++;
+            }
+            scale--;
+            if (significant > 15) break;
+        }
+    }
+    int fast = significant <= 15;
+    if (fast && p < stop && (*p == 'e' || *p == 'E')) {
+        p++;
+        if (*p == '+' || *p == '-') exp_negative = *p++ == '-';
+        for (; p < stop; p++) {
+            exp_value = exp_value * 10 + (*p - '0');
+            if (exp_value > 10000) {
+                fast = 0;
+                break;
+            }
+        }
+    }
+    double value;
+    if (fast) {
+        int e = scale + (exp_negative ? -exp_value : exp_value);
+        if (mantissa == 0) {
+            value = 0.0;
+        } else if (e >= 0 && e <= 22) {
+            value = (double)mantissa * POW10[e];
+            if (e > 0 && value >= 9007199254740992.0) fast = 0; /* may not be exact */
+        } else if (e < 0 && e >= -22) {
+            value = (double)mantissa / POW10[-e];
+        } else {
+            fast = 0;
+        }
+    }
+    if (!fast) {
+        char text[MAX_NUMBER + 1];
+        const unsigned char *first = n->negative ? n->digits - 1 : n->digits;
+        Py_ssize_t len = stop - first;
+        if (len > MAX_NUMBER || c_locale == (locale_t)0) return 0;
+        memcpy(text, first, (size_t)len);
+        text[len] = '\0';
+        value = strtod_l(text, NULL, c_locale);
+        *out = value;
+        return 1;
+    }
+    *out = n->negative ? -value : value;
+    return 1;
+}
+
+/* Any JSON value at p (validated, not kept): the position after it, or NULL. */
+static const unsigned char *skip_value(const unsigned char *p, const unsigned char *end,
+                                       int depth) {
+    if (p >= end) return NULL;
+    switch (*p) {
+    case '"':
+        return read_string(p + 1, end, NULL, NULL);
+    case 't':
+        return (end - p >= 4 && memcmp(p, "true", 4) == 0) ? p + 4 : NULL;
+    case 'f':
+        return (end - p >= 5 && memcmp(p, "false", 5) == 0) ? p + 5 : NULL;
+    case 'n':
+        return (end - p >= 4 && memcmp(p, "null", 4) == 0) ? p + 4 : NULL;
+    case '[':
+    case '{': {
+        if (depth >= MAX_DEPTH) return NULL;
+        unsigned char close = *p == '[' ? ']' : '}';
+        int object = *p == '{';
+        p = skip_space(p + 1, end);
+        if (p < end && *p == close) return p + 1;
+        for (;;) {
+            if (object) {
+                if (p >= end || *p != '"') return NULL;
+                p = read_string(p + 1, end, NULL, NULL);
+                if (p == NULL) return NULL;
+                p = skip_space(p, end);
+                if (p >= end || *p != ':') return NULL;
+                p = skip_space(p + 1, end);
+            }
+            p = skip_value(p, end, depth + 1);
+            if (p == NULL) return NULL;
+            p = skip_space(p, end);
+            if (p >= end) return NULL;
+            if (*p == close) return p + 1;
+            if (*p != ',') return NULL;
+            p = skip_space(p + 1, end);
+        }
+    }
+    default: {
+        number_t n;
+        return scan_number(p, end, &n);
+    }
+    }
+}
+
+/* One payload into the columns at row `row`; 0 if the row is refused (the columns may then
+ * hold values written for it, which the caller's validity bits do not show). */
+static int parse_row(const unsigned char *p, const unsigned char *end, column_t *columns,
+                     int fields, int64_t row, uint8_t *seen) {
+    char key[MAX_KEY];
+    memset(seen, 0, (size_t)fields);
+    p = skip_space(p, end);
+    if (p >= end || *p != '{') return 0;
+    p = skip_space(p + 1, end);
+    if (p < end && *p == '}') {
+        p++;
+        goto done;
+    }
+    for (;;) {
+        if (p >= end || *p != '"') return 0;
+        /* a key: read in place when plain ASCII, else unescaped into `key` */
+        const unsigned char *q = p + 1;
+        while (q < end && *q != '"' && *q != '\\' && *q >= 0x20 && *q < 0x80) q++;
+        int64_t key_len;
+        const char *key_text;
+        if (q < end && *q == '"') {
+            key_text = (const char *)(p + 1);
+            key_len = q - (p + 1);
+            p = q + 1;
+        } else {
+            /* an escape or a non-ASCII byte: validate first, decode when short enough */
+            const unsigned char *after = read_string(p + 1, end, NULL, NULL);
+            if (after == NULL || after - p - 2 > MAX_KEY) return 0;
+            /* a key with a lone surrogate is no field's name (those are UTF-8) */
+            key_text = read_string(p + 1, end, key, &key_len) == after ? key : NULL;
+            p = after;
+        }
+        p = skip_space(p, end);
+        if (p >= end || *p != ':') return 0;
+        p = skip_space(p + 1, end);
+        int field = -1;
+        if (key_text != NULL) {
+            for (int k = 0; k < fields; k++) {
+                if (columns[k].name_len == key_len &&
+                    memcmp(columns[k].name, key_text, (size_t)key_len) == 0) {
+                    field = k;
+                    break;
+                }
+            }
+        }
+        if (field < 0) {
+            p = skip_value(p, end, 0);
+            if (p == NULL) return 0;
+        } else {
+            column_t *c = &columns[field];
+            if (seen[field]) return 0;
+            seen[field] = 1;
+            if (p >= end) return 0;
+            if (*p == 'n') {
+                if (end - p < 4 || memcmp(p, "null", 4) != 0) return 0;
+                p += 4;
+            } else if (c->kind == KIND_STRING) {
+                if (*p != '"') return 0;
+                int64_t len;
+                p = read_string(p + 1, end, c->data + c->data_used, &len);
+                if (p == NULL) return 0;
+                c->data_used += len;
+                set_bit(c->validity, row);
+            } else if (c->kind == KIND_BOOL) {
+                if (end - p >= 4 && memcmp(p, "true", 4) == 0) {
+                    set_bit(c->values, row);
+                    p += 4;
+                } else if (end - p >= 5 && memcmp(p, "false", 5) == 0) {
+                    p += 5;
+                } else {
+                    return 0;
+                }
+                set_bit(c->validity, row);
+            } else {
+                number_t n;
+                p = scan_number(p, end, &n);
+                if (p == NULL) return 0;
+                if (c->kind == KIND_INT) {
+                    if (!n.integer || n.int_digits > 18) return 0;
+                    int64_t v = 0;
+                    for (int k = 0; k < n.int_digits; k++) v = v * 10 + (n.digits[k] - '0');
+                    ((int64_t *)c->values)[row] = n.negative ? -v : v;
+                } else {
+                    double v;
+                    if (!number_value(p, &n, &v)) return 0;
+                    if (!(fabs(v) < 9007199254740992.0)) return 0; /* also inf */
+                    ((double *)c->values)[row] = v;
+                }
+                set_bit(c->validity, row);
+            }
+        }
+        p = skip_space(p, end);
+        if (p >= end) return 0;
+        if (*p == '}') {
+            p++;
+            break;
+        }
+        if (*p != ',') return 0;
+        p = skip_space(p + 1, end);
+    }
+done:
+    p = skip_space(p, end);
+    return p == end;
+}
+
+static void release_views(Py_buffer *views, int n) {
+    for (int k = 0; k < n; k++)
+        if (views[k].obj != NULL) PyBuffer_Release(&views[k]);
+}
+
+/* The payloads: an Arrow binary array's buffers, held while the GIL is released. */
+typedef struct {
+    Py_buffer views[3]; /* validity (may be empty), offsets, data */
+    const uint8_t *validity;
+    const void *offsets;
+    const unsigned char *data;
+    int wide;
+    Py_ssize_t offset, count;
+    int64_t first, last; /* the rows' bytes: data[first:last] */
+} payloads_t;
+
+static int open_payloads(payloads_t *in, PyObject *validity, PyObject *offsets, PyObject *data,
+                         Py_ssize_t offset, Py_ssize_t count, int wide) {
+    memset(in, 0, sizeof(*in));
+    in->offset = offset;
+    in->count = count;
+    in->wide = wide;
+    if (count < 0 || offset < 0) {
+        PyErr_SetString(PyExc_ValueError, "typed_native: negative offset or count");
+        return 0;
+    }
+    if ((validity != Py_None && PyObject_GetBuffer(validity, &in->views[0], PyBUF_SIMPLE) < 0) ||
+        PyObject_GetBuffer(offsets, &in->views[1], PyBUF_SIMPLE) < 0 ||
+        (data != Py_None && PyObject_GetBuffer(data, &in->views[2], PyBUF_SIMPLE) < 0)) {
+        release_views(in->views, 3);
+        return 0;
+    }
+    Py_ssize_t width = wide ? 8 : 4;
+    if (in->views[1].len < (offset + count + (count > 0 ? 1 : 0)) * width ||
+        (in->views[0].obj != NULL && in->views[0].len * 8 < offset + count)) {
+        release_views(in->views, 3);
+        PyErr_SetString(PyExc_ValueError, "typed_native: buffers shorter than the rows");
+        return 0;
+    }
+    in->validity = in->views[0].obj != NULL ? (const uint8_t *)in->views[0].buf : NULL;
+    in->offsets = in->views[1].buf;
+    in->data = in->views[2].obj != NULL ? (const unsigned char *)in->views[2].buf
+                                        : (const unsigned char *)"";
+    Py_ssize_t data_len = in->views[2].obj != NULL ? in->views[2].len : 0;
+    if (count > 0) {
+        in->first = wide ? ((const int64_t *)in->offsets)[offset]
+                         : ((const int32_t *)in->offsets)[offset];
+        in->last = wide ? ((const int64_t *)in->offsets)[offset + count]
+                        : ((const int32_t *)in->offsets)[offset + count];
+    }
+    if (in->first < 0 || in->last < in->first || in->last > data_len ||
+        in->last - in->first > INT32_MAX) {
+        release_views(in->views, 3);
+        PyErr_SetString(PyExc_ValueError, "typed_native: offsets outside the data");
+        return 0;
+    }
+    return 1;
+}
+
+/* Row `row`'s bytes, or 0 when it is null or its offsets are out of order. */
+static inline int payload_at(const payloads_t *in, Py_ssize_t row, const unsigned char **start,
+                             const unsigned char **stop) {
+    Py_ssize_t at = in->offset + row;
+    if (in->validity != NULL && !((in->validity[at >> 3] >> (at & 7)) & 1)) return 0;
+    int64_t a = in->wide ? ((const int64_t *)in->offsets)[at] : ((const int32_t *)in->offsets)[at];
+    int64_t b = in->wide ? ((const int64_t *)in->offsets)[at + 1]
+                         : ((const int32_t *)in->offsets)[at + 1];
+    if (a < in->first || b < a || b > in->last) return 0;
+    *start = in->data + a;
+    *stop = in->data + b;
+    return 1;
+}
+
+/* The output buffers of `fields` columns of `count` rows (bytes objects in `owned`); the
+ * variable-width ones get `data_bound[k]` bytes. 0 with an exception set on failure. */
+static int allocate_columns(column_t *columns, PyObject *(*owned)[3], Py_ssize_t fields,
+                            Py_ssize_t count, const int64_t *data_bound) {
+    Py_ssize_t bitmap = (count + 7) / 8;
+    for (Py_ssize_t k = 0; k < fields; k++) {
+        column_t *c = &columns[k];
+        c->data_used = 0;
+        c->valid = 0;
+        c->offsets = NULL;
+        c->data = NULL;
+        Py_ssize_t values = variable_width(c->kind) ? (count + 1) * 4
+                            : c->kind == KIND_BOOL  ? bitmap
+                                                    : count * value_width(c->kind);
+        owned[k][0] = PyBytes_FromStringAndSize(NULL, bitmap);
+        owned[k][1] = PyBytes_FromStringAndSize(NULL, values);
+        if (variable_width(c->kind)) owned[k][2] = PyBytes_FromStringAndSize(NULL, data_bound[k]);
+        if (owned[k][0] == NULL || owned[k][1] == NULL ||
+            (variable_width(c->kind) && owned[k][2] == NULL))
+            return 0;
+        c->validity = (uint8_t *)PyBytes_AS_STRING(owned[k][0]);
+        c->values = (uint8_t *)PyBytes_AS_STRING(owned[k][1]);
+        memset(c->validity, 0, (size_t)bitmap);
+        if (variable_width(c->kind)) {
+            c->offsets = (int32_t *)c->values;
+            c->data = PyBytes_AS_STRING(owned[k][2]);
+        } else {
+            memset(c->values, 0, (size_t)values);
+        }
+    }
+    return 1;
+}
+
+static void drop_owned(PyObject *(*owned)[3], Py_ssize_t from, Py_ssize_t fields) {
+    for (Py_ssize_t k = from; k < fields; k++)
+        for (int b = 0; b < 3; b++) Py_CLEAR(owned[k][b]);
+}
+
+/* Row `row` refused: nothing of it stays in the columns. */
+static void clear_row(column_t *columns, Py_ssize_t fields, Py_ssize_t row) {
+    for (Py_ssize_t k = 0; k < fields; k++) {
+        column_t *c = &columns[k];
+        c->validity[row >> 3] &= (uint8_t)~(1u << (row & 7));
+        if (variable_width(c->kind)) c->data_used = c->offsets[row];
+        else if (c->kind == KIND_BOOL) c->values[row >> 3] &= (uint8_t)~(1u << (row & 7));
+        else memset(c->values + row * value_width(c->kind), 0, (size_t)value_width(c->kind));
+    }
+}
+
+static void count_valid(column_t *columns, Py_ssize_t fields, Py_ssize_t count) {
+    for (Py_ssize_t k = 0; k < fields; k++) {
+        column_t *c = &columns[k];
+        if (variable_width(c->kind)) c->offsets[count] = (int32_t)c->data_used;
+        int64_t valid = 0;
+        for (Py_ssize_t b = 0; b < count / 8; b++) valid += __builtin_popcount(c->validity[b]);
+        for (Py_ssize_t row = count / 8 * 8; row < count; row++)
+            valid += (c->validity[row >> 3] >> (row & 7)) & 1;
+        c->valid = valid;
+    }
+}
+
+/* (taken, [(validity or None, values, data or None) per field]); consumes `owned`. */
+static PyObject *columns_result(column_t *columns, PyObject *(*owned)[3], Py_ssize_t fields,
+                                Py_ssize_t count, PyObject *taken) {
+    PyObject *outputs = PyList_New(fields);
+    if (outputs == NULL) {
+        drop_owned(owned, 0, fields);
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < fields; k++) {
+        column_t *c = &columns[k];
+        if (c->valid == count) Py_SETREF(owned[k][0], Py_NewRef(Py_None));
+        if (owned[k][2] != NULL && _PyBytes_Resize(&owned[k][2], c->data_used) < 0) {
+            drop_owned(owned, k, fields);
+            Py_DECREF(outputs);
+            return NULL;
+        }
+        PyObject *entry = PyTuple_Pack(3, owned[k][0], owned[k][1],
+                                       owned[k][2] != NULL ? owned[k][2] : Py_None);
+        drop_owned(owned, k, k + 1);
+        if (entry == NULL) {
+            drop_owned(owned, k + 1, fields);
+            Py_DECREF(outputs);
+            return NULL;
+        }
+        PyList_SET_ITEM(outputs, k, entry);
+    }
+    PyObject *result = PyTuple_Pack(2, taken, outputs);
+    Py_DECREF(outputs);
+    return result;
+}
+
+typedef int (*row_parser)(const unsigned char *p, const unsigned char *end, column_t *columns,
+                          int fields, int64_t row, uint8_t *scratch);
+
+/* Every row through `parse` with the GIL released; the rows refused are cleared. */
+static PyObject *parse_rows(payloads_t *in, column_t *columns, PyObject *(*owned)[3],
+                            Py_ssize_t fields, row_parser parse) {
+    Py_ssize_t count = in->count;
+    PyObject *taken = PyBytes_FromStringAndSize(NULL, count);
+    if (taken == NULL) {
+        drop_owned(owned, 0, fields);
+        release_views(in->views, 3);
+        return NULL;
+    }
+    uint8_t *ok = (uint8_t *)PyBytes_AS_STRING(taken);
+    uint8_t scratch[MAX_FIELDS];
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t row = 0; row < count; row++) {
+        for (Py_ssize_t k = 0; k < fields; k++)
+            if (variable_width(columns[k].kind))
+                columns[k].offsets[row] = (int32_t)columns[k].data_used;
+        const unsigned char *start, *stop;
+        int good = payload_at(in, row, &start, &stop) &&
+                   parse(start, stop, columns, (int)fields, row, scratch);
+        ok[row] = (uint8_t)good;
+        if (!good) clear_row(columns, fields, row);
+    }
+    count_valid(columns, fields, count);
+    Py_END_ALLOW_THREADS
+    release_views(in->views, 3);
+    PyObject *result = columns_result(columns, owned, fields, count, taken);
+    Py_DECREF(taken);
+    return result;
+}
+
+PyDoc_STRVAR(parse_flat_doc,
+"parse_flat(validity, offsets, data, offset, count, wide, kinds, names)\n"
+"--\n\n"
+"The typed columns of `count` JSON payloads: an Arrow binary array's buffers (`validity` may\n"
+"be None; int32 offsets, int64 when `wide`) from row `offset`. `kinds` holds one letter per\n"
+"field (s string, i int64, n float64, b bool), `names` the fields' keys as UTF-8 bytes.\n"
+"Returns (taken, columns): `taken` one byte per row (1: read here), and per field a tuple\n"
+"(validity bitmap or None when every row has a value, values or offsets, string data or None).");
+
+static PyObject *parse_flat(PyObject *self, PyObject *args) {
+    PyObject *validity, *offsets, *data, *names;
+    Py_ssize_t offset, count, fields;
+    int wide;
+    const char *kinds;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOnnpy#O!", &validity, &offsets, &data, &offset, &count, &wide,
+                          &kinds, &fields, &PyTuple_Type, &names))
+        return NULL;
+    if (fields > MAX_FIELDS || fields != PyTuple_GET_SIZE(names)) {
+        PyErr_SetString(PyExc_ValueError, "parse_flat: kinds and names differ, or too many");
+        return NULL;
+    }
+    column_t columns[MAX_FIELDS];
+    int64_t bound[MAX_FIELDS];
+    for (Py_ssize_t k = 0; k < fields; k++) {
+        PyObject *name = PyTuple_GET_ITEM(names, k);
+        char kind = kinds[k];
+        if (!PyBytes_Check(name) || (kind != KIND_STRING && kind != KIND_INT &&
+                                     kind != KIND_NUMBER && kind != KIND_BOOL)) {
+            PyErr_SetString(PyExc_ValueError, "parse_flat: bad kinds or names");
+            return NULL;
+        }
+        columns[k].kind = kind;
+        columns[k].name = PyBytes_AS_STRING(name);
+        columns[k].name_len = PyBytes_GET_SIZE(name);
+        columns[k].null_branch = -1;
+        columns[k].symbols = NULL;
+    }
+    payloads_t in;
+    if (!open_payloads(&in, validity, offsets, data, offset, count, wide)) return NULL;
+    /* a string's text is never longer than its JSON */
+    for (Py_ssize_t k = 0; k < fields; k++) bound[k] = in.last - in.first;
+    PyObject *owned[MAX_FIELDS][3];
+    memset(owned, 0, sizeof(owned));
+    if (!allocate_columns(columns, owned, fields, count, bound)) {
+        drop_owned(owned, 0, fields);
+        release_views(in.views, 3);
+        return NULL;
+    }
+    return parse_rows(&in, columns, owned, fields, parse_row);
+}
+
+/* -- Avro -------------------------------------------------------------------------------- */
+
+/* A zigzag varint long (at most 10 bytes, as an encoder writes it): the position after it,
+ * or NULL. */
+static inline const unsigned char *read_long(const unsigned char *p, const unsigned char *end,
+                                             int64_t *out) {
+    uint64_t v = 0;
+    for (int i = 0; i < 10; i++) {
+        if (p >= end) return NULL;
+        unsigned char b = *p++;
+        if (i == 9 && b > 1) return NULL;
+        v |= (uint64_t)(b & 0x7F) << (7 * i);
+        if (!(b & 0x80)) {
+            *out = (int64_t)((v >> 1) ^ (~(v & 1) + 1));
+            return p;
+        }
+    }
+    return NULL;
+}
+
+static int valid_utf8(const unsigned char *p, const unsigned char *end) {
+    while (p < end) {
+        if (*p < 0x80) {
+            p++;
+            continue;
+        }
+        int n = utf8_sequence(p, end);
+        if (n == 0) return 0;
+        p += n;
+    }
+    return 1;
+}
+
+/* One Avro datum (a record of the columns' fields in order, or one value) into row `row`;
+ * 0 where the caller must decide (see the file's comment). */
+static int parse_avro_row(const unsigned char *p, const unsigned char *end, column_t *columns,
+                          int fields, int64_t row, uint8_t *scratch) {
+    (void)scratch;
+    for (int k = 0; k < fields; k++) {
+        column_t *c = &columns[k];
+        int64_t n;
+        if (c->null_branch >= 0) {
+            p = read_long(p, end, &n);
+            if (p == NULL || (n != 0 && n != 1)) return 0;
+            if (n == c->null_branch) continue;
+        }
+        switch (c->kind) {
+        case KIND_BOOL:
+            if (p >= end) return 0;
+            if (*p++) set_bit(c->values, row);
+            break;
+        case KIND_INT32:
+            p = read_long(p, end, &n);
+            if (p == NULL || n < INT32_MIN || n > INT32_MAX) return 0;
+            ((int32_t *)c->values)[row] = (int32_t)n;
+            break;
+        case KIND_INT:
+            p = read_long(p, end, &n);
+            if (p == NULL) return 0;
+            ((int64_t *)c->values)[row] = n;
+            break;
+        case KIND_FLOAT32: {
+            float f;
+            if (end - p < 4) return 0;
+            memcpy(&f, p, 4);
+            if (isnan(f)) return 0;
+            ((float *)c->values)[row] = f;
+            p += 4;
+            break;
+        }
+        case KIND_NUMBER: {
+            double d;
+            if (end - p < 8) return 0;
+            memcpy(&d, p, 8);
+            if (isnan(d)) return 0;
+            ((double *)c->values)[row] = d;
+            p += 8;
+            break;
+        }
+        case KIND_STRING:
+        case KIND_BYTES:
+            p = read_long(p, end, &n);
+            if (p == NULL || n < 0 || n > end - p) return 0;
+            if (c->kind == KIND_STRING && !valid_utf8(p, p + n)) return 0;
+            memcpy(c->data + c->data_used, p, (size_t)n);
+            c->data_used += n;
+            p += n;
+            break;
+        case KIND_ENUM: {
+            p = read_long(p, end, &n);
+            if (p == NULL || n < 0 || n >= PyTuple_GET_SIZE(c->symbols)) return 0;
+            PyObject *symbol = PyTuple_GET_ITEM(c->symbols, n); /* immutable: no GIL needed */
+            memcpy(c->data + c->data_used, PyBytes_AS_STRING(symbol),
+                   (size_t)PyBytes_GET_SIZE(symbol));
+            c->data_used += PyBytes_GET_SIZE(symbol);
+            break;
+        }
+        default:
+            return 0;
+        }
+        set_bit(c->validity, row);
+    }
+    return p == end;
+}
+
+PyDoc_STRVAR(parse_avro_doc,
+"parse_avro(validity, offsets, data, offset, count, wide, kinds, null_branches, symbols)\n"
+"--\n\n"
+"The typed columns of `count` Avro payloads (binary datums of one writer schema: a record of\n"
+"scalar fields, or one scalar), from an Arrow binary array's buffers as `parse_flat` takes\n"
+"them. `kinds`: one letter per field (s string, y bytes, i long, I int, n double, f float,\n"
+"b boolean, e enum); `null_branches`: per field the union branch that is null (0 or 1), or -1\n"
+"for a field that is not a union with null; `symbols`: per field a tuple of an enum's symbols\n"
+"as UTF-8 bytes, else None. Returns what `parse_flat` returns.");
+
+static PyObject *parse_avro(PyObject *self, PyObject *args) {
+    PyObject *validity, *offsets, *data, *nulls, *symbols;
+    Py_ssize_t offset, count, fields;
+    int wide;
+    const char *kinds;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOnnpy#O!O!", &validity, &offsets, &data, &offset, &count,
+                          &wide, &kinds, &fields, &PyTuple_Type, &nulls, &PyTuple_Type, &symbols))
+        return NULL;
+    if (fields > MAX_FIELDS || fields != PyTuple_GET_SIZE(nulls) ||
+        fields != PyTuple_GET_SIZE(symbols)) {
+        PyErr_SetString(PyExc_ValueError, "parse_avro: kinds, nulls and symbols differ");
+        return NULL;
+    }
+    column_t columns[MAX_FIELDS];
+    int64_t bound[MAX_FIELDS];
+    Py_ssize_t longest_symbol[MAX_FIELDS];
+    for (Py_ssize_t k = 0; k < fields; k++) {
+        column_t *c = &columns[k];
+        c->kind = kinds[k];
+        c->name = NULL;
+        c->name_len = 0;
+        c->symbols = NULL;
+        longest_symbol[k] = 0;
+        long branch = PyLong_AsLong(PyTuple_GET_ITEM(nulls, k));
+        if (branch == -1 && PyErr_Occurred()) return NULL;
+        c->null_branch = (int)branch;
+        PyObject *names = PyTuple_GET_ITEM(symbols, k);
+        int known = strchr("syiInfbe", c->kind) != NULL && c->kind != '\0';
+        if (!known || branch < -1 || branch > 1 || (c->kind == KIND_ENUM) != (names != Py_None) ||
+            (names != Py_None && !PyTuple_Check(names))) {
+            PyErr_SetString(PyExc_ValueError, "parse_avro: bad kinds, nulls or symbols");
+            return NULL;
+        }
+        if (c->kind == KIND_ENUM) {
+            c->symbols = names;
+            for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(names); j++) {
+                PyObject *symbol = PyTuple_GET_ITEM(names, j);
+                if (!PyBytes_Check(symbol)) {
+                    PyErr_SetString(PyExc_ValueError, "parse_avro: a symbol is not bytes");
+                    return NULL;
+                }
+                if (PyBytes_GET_SIZE(symbol) > longest_symbol[k])
+                    longest_symbol[k] = PyBytes_GET_SIZE(symbol);
+            }
+        }
+    }
+    payloads_t in;
+    if (!open_payloads(&in, validity, offsets, data, offset, count, wide)) return NULL;
+    for (Py_ssize_t k = 0; k < fields; k++) /* a row holds one symbol at most */
+        bound[k] = columns[k].kind == KIND_ENUM ? (int64_t)count * longest_symbol[k]
+                                                : in.last - in.first;
+    PyObject *owned[MAX_FIELDS][3];
+    memset(owned, 0, sizeof(owned));
+    for (Py_ssize_t k = 0; k < fields; k++) {
+        if (bound[k] > INT32_MAX) { /* int32 offsets: the caller decodes it otherwise */
+            release_views(in.views, 3);
+            PyErr_SetString(PyExc_OverflowError, "parse_avro: the column would pass 2 GiB");
+            return NULL;
+        }
+    }
+    if (!allocate_columns(columns, owned, fields, count, bound)) {
+        drop_owned(owned, 0, fields);
+        release_views(in.views, 3);
+        return NULL;
+    }
+    return parse_rows(&in, columns, owned, fields, parse_avro_row);
+}
+
+static PyMethodDef methods[] = {
+    {"parse_flat", parse_flat, METH_VARARGS, parse_flat_doc},
+    {"parse_avro", parse_avro, METH_VARARGS, parse_avro_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "typed_native",
+    "JSON and Avro payloads of a flat schema into typed Arrow columns (see typed_native.c).",
+    -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit_typed_native(void) {
+    if (c_locale == (locale_t)0) c_locale = newlocale(LC_ALL_MASK, "C", (locale_t)0);
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddStringConstant(m, "SOURCE_HASH", SOURCE_HASH) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
