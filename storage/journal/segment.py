@@ -28,14 +28,15 @@ import os
 from array import array
 from bisect import bisect_right
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
+from ...core.native import load_c_extension
 from ..interfaces import CorruptRecord, StoredRecord
 from .block import RecordBlock
 from .framing import SCAN_BAD_CRC, SCAN_BAD_OFFSET, scan_block
 from .handles import OpenFiles, default_files
 from .keyindex import INDEX_RECORDS, KeyFunction, KeyIndex
-from .record import CRC_START, HEADER, HEADER_SIZE, Checksum, checksum
+from .record import CRC_START, HEADER, HEADER_SIZE, Checksum, checksum, checksum_function
 from .segment_files import (
     BAD_CRC,
     INDEX_SUFFIX,
@@ -68,6 +69,28 @@ FETCH_CHUNK: Final = 32 * 1024
 """Bytes per read while serving `read` (a few index intervals: most reads want few records)."""
 BLOCK_CHUNK: Final = 1024 * 1024
 """Bytes per read while serving `read_block` (bulk readers want many records)."""
+
+_scan_native: Any = load_c_extension(
+    "shardgate.storage.journal.scan_native", os.path.dirname(__file__)
+)
+"""`scan_native.c` when built from the source present: `read_block`'s scan in C, without the
+GIL (None: `framing.scan_block` serves)."""
+
+
+def _native_checksums() -> dict[Checksum, str]:
+    """The checksum functions whose records the C scan verifies itself, by its name for them."""
+    if _scan_native is None:
+        return {}
+    names: dict[Checksum, str] = {}
+    for name in ("crc32c", "crc32"):
+        try:
+            names[checksum_function(name)] = name
+        except LookupError:  # pragma: no cover - the `crc32c` package is missing
+            pass
+    return names
+
+
+_NATIVE_CHECKSUMS: Final = _native_checksums()
 
 
 def sync_file(fd: int) -> None:
@@ -351,12 +374,14 @@ class Segment(SegmentIndexFiles, KeyedReads):
         """The published records from `from_offset` (at most `max_records`) that one read of
         about `chunk` bytes holds (more when a single record is larger), as one buffer and
         arrays of positions: no Python object per record. Checksums are verified; errors
-        are raised as `read` raises them."""
+        are raised as `read` raises them. The scan runs in C without the GIL (`scan_native.c`)
+        when it is built and knows the segment's checksum, else `framing.scan_block` runs."""
         end_offset = self.next_offset
         if from_offset >= end_offset or max_records <= 0:
             return RecordBlock.empty(from_offset)
         lengths: list[int] = []
         crc = self.crc
+        native = _NATIVE_CHECKSUMS.get(crc)  # the C scan's name for it, when it knows it
         pos = self.position_for(from_offset)
         # Read no further than the first indexed record after the last one wanted (when the
         # index knows one): a block then holds little besides the records asked for.
@@ -370,24 +395,33 @@ class Segment(SegmentIndexFiles, KeyedReads):
             if asked <= 0:
                 break
             buf = os.pread(self.fd, asked, pos)
-            status, p, found, other = scan_block(
-                buf, from_offset, max_records, end_offset, crc, lengths
-            )
+            if native is not None:
+                status, p, found, other, starts, ends, stamps = _scan_native.scan_block(
+                    buf, from_offset, max_records, end_offset, native
+                )
+                taken = 0 if starts is None else len(starts)
+            else:
+                status, p, found, other = scan_block(
+                    buf, from_offset, max_records, end_offset, crc, lengths
+                )
+                taken = len(lengths)
             if status == SCAN_BAD_OFFSET:
                 raise CorruptRecord(
                     f"{self.path()}: offset {found} where {other} was expected at byte {pos + p}"
                 )
             if status == SCAN_BAD_CRC:
                 raise CorruptRecord(f"{self.path()}: checksum mismatch at byte {pos + p}")
-            if lengths:
-                first = found - len(lengths)  # `found`: the offset after the last one taken
+            if taken:
+                first = found - taken  # `found`: the offset after the last one taken
                 if first != from_offset:
                     raise CorruptRecord(
                         f"{self.path()}: offset {first} where {from_offset} was expected"
                     )
+                if native is not None:
+                    return RecordBlock(buf, first, starts, ends, stamps)
                 return RecordBlock.from_scan(buf, first, p, lengths)
-            if len(buf) < asked:
-                break
+            if len(buf) < asked or pos + asked >= self.size:
+                break  # the published region ends inside a record (its length is corrupt)
             if p == 0:  # one record larger than the chunk: read it whole (`other`: its length)
                 want = max(2 * asked, HEADER_SIZE + other)
             else:  # only records before from_offset in this chunk: go on after them
