@@ -12,7 +12,7 @@ import asyncio
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 class StorageError(Exception):
@@ -144,9 +144,13 @@ class BlockReadable(Protocol):
     """A shard log that can also read in bulk (the journal): readers that go through many
     records and keep few (durable replay, the archiver) read blocks instead of `read`."""
 
-    def read_block(self, from_offset: int, max_records: int = 10_000) -> RecordSpans:
+    def read_block(self, from_offset: int, max_records: int = 10_000,
+                   allocate: Callable[[int], Any] | None = None) -> RecordSpans:
         """Published records from `from_offset` (clamped to the low watermark), possibly fewer
-        than `max_records` even when more are published; empty at the committed end."""
+        than `max_records` even when more are published; empty at the committed end. With
+        `allocate` (size -> a writable buffer, such as Arrow's `allocate_buffer`), the bytes may
+        be read into a buffer it gives instead of a new `bytes` (a reader that reads much and
+        soon frees it, the archiver, so reuses memory its allocator keeps)."""
 
 
 @runtime_checkable

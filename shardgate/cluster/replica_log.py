@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..core.errors import ShardUnavailable
 from ..storage.interfaces import StorageUnavailable, StoredRecord
@@ -413,9 +414,11 @@ class ReplicatedShardLog:
             return []
         return self.log.read(from_offset, min(max_records, end - max(from_offset, self.low_watermark)))
 
-    def read_block(self, from_offset: int, max_records: int = 10_000) -> RecordBlock:
+    def read_block(self, from_offset: int, max_records: int = 10_000,
+                   allocate: Callable[[int], Any] | None = None) -> RecordBlock:
         end = self.committed_offset
-        block = self.log.read_block(from_offset, max(0, min(max_records, end - from_offset)))
+        block = self.log.read_block(from_offset, max(0, min(max_records, end - from_offset)),
+                                    allocate)
         if block.end_offset > end:
             return block[:max(0, end - block.first_offset)]
         return block

@@ -88,7 +88,7 @@ class RecordBuffer:
             parts.append(RecordBuffer(current))
         return parts
 
-    def parts(self) -> list[tuple[bytes, array[int], array[int], array[int], int]]:
+    def parts(self) -> list[tuple[bytes | memoryview, array[int], array[int], array[int], int]]:
         """(buffer, starts, ends, timestamps, first_offset) of each block: what the C decoder
         (`decode.decode_blocks`) reads in place, without `joined`'s copy."""
         return [(block.buffer, block.starts, block.ends, block.timestamps, block.first_offset)
@@ -98,7 +98,7 @@ class RecordBuffer:
         """(buffer, starts, ends, offsets, timestamps): record i is buffer[starts[i]:ends[i]]
         (int64 arrays), the blocks' buffers joined into one (one copy), followed by `pad`
         zero bytes."""
-        parts: list[bytes] = []
+        parts: list[bytes | memoryview] = []
         starts: list[pa.Array] = []
         ends: list[pa.Array] = []
         offsets: list[pa.Array] = []
@@ -118,7 +118,7 @@ class RecordBuffer:
         if pad:
             parts.append(bytes(pad))
         return (
-            parts[0] if len(parts) == 1 else b"".join(parts),
+            bytes(parts[0]) if len(parts) == 1 else b"".join(parts),
             pa.concat_arrays(starts),
             pa.concat_arrays(ends),
             pa.concat_arrays(offsets),

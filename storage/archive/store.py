@@ -90,6 +90,8 @@ class ArchiveStore:
         self._wake = asyncio.Event()
         self._stopping = False
         self._workers = Workers()
+        self._memory_to_release = False
+        """Files were written since memory was last handed back (`_release_when_idle`)."""
 
     def _typed_for(self, stream: str) -> TypedSchema | None:
         """The typed columns of `stream`'s latest registered schema (built once per version);

@@ -352,7 +352,8 @@ class TypedSchema:
         kinds = "".join(typed_layout.KINDS[f.type] for f in self.fields).encode()
         names = tuple(name.encode() for name in self.names)
         return self._columns_native(
-            payloads, lambda *buffers: _NATIVE.parse_flat(*buffers, kinds, names),
+            payloads,
+            lambda *buffers: _NATIVE.parse_flat(*buffers, kinds, names, pa.allocate_buffer),
             self._columns_read)
 
     def _columns_avro(self, payloads: pa.Array) -> tuple[list[pa.Array], pa.Array]:
@@ -366,7 +367,10 @@ class TypedSchema:
             return arrays, pa.array(decoded, pa.bool_())
 
         return self._columns_native(
-            payloads, lambda *buffers: _NATIVE.parse_avro(*buffers, kinds, nulls, symbols), rest)
+            payloads,
+            lambda *buffers: _NATIVE.parse_avro(*buffers, kinds, nulls, symbols,
+                                                pa.allocate_buffer),
+            rest)
 
     def _columns_native(self, payloads: pa.Array, parse: Any, rest_of: Any
                         ) -> tuple[list[pa.Array], pa.Array]:
@@ -378,10 +382,9 @@ class TypedSchema:
         validity, offsets, data = binary.buffers()
         taken, parsed = parse(validity, offsets, data, binary.offset, count,
                               pa.types.is_large_binary(binary.type))
-        arrays = [
+        arrays = [  # the buffers come from Arrow's pool (see `typed_native.c`)
             pa.Array.from_buffers(field.type, count, [
-                None if valid is None else pa.py_buffer(valid), pa.py_buffer(values),
-                *([] if text is None else [pa.py_buffer(text)])])
+                valid, values, *([] if text is None else [text])])
             for field, (valid, values, text) in zip(self.fields, parsed, strict=True)
         ]
         ok = np.frombuffer(taken, np.bool_)

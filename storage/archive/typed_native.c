@@ -567,9 +567,59 @@ static inline int payload_at(const payloads_t *in, Py_ssize_t row, const unsigne
     return 1;
 }
 
-/* The output buffers of `fields` columns of `count` rows (bytes objects in `owned`); the
- * variable-width ones get `data_bound[k]` bytes. 0 with an exception set on failure. */
-static int allocate_columns(column_t *columns, PyObject *(*owned)[3], Py_ssize_t fields,
+/* The columns' output buffers: per field its validity, values (or offsets) and data, made by
+ * the caller's `allocate(size)` (Arrow's pool: it hands back pages freed earlier, where a fresh
+ * `bytes` costs a page fault per 4 KiB touched) or, without one, as bytes objects. The views
+ * of allocated buffers are held until the GIL is back. */
+typedef struct {
+    PyObject *allocate; /* borrowed; NULL: bytes */
+    PyObject *objects[MAX_FIELDS][3];
+    Py_buffer views[MAX_FIELDS][3];
+} outputs_t;
+
+static outputs_t *new_outputs(PyObject *allocate) {
+    outputs_t *out = PyMem_Calloc(1, sizeof(outputs_t));
+    if (out == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    out->allocate = allocate == Py_None ? NULL : allocate;
+    return out;
+}
+
+static void release_output_views(outputs_t *out, Py_ssize_t fields) {
+    for (Py_ssize_t k = 0; k < fields; k++)
+        for (int b = 0; b < 3; b++)
+            if (out->views[k][b].obj != NULL) PyBuffer_Release(&out->views[k][b]);
+}
+
+static void drop_outputs(outputs_t *out, Py_ssize_t fields) {
+    release_output_views(out, fields);
+    for (Py_ssize_t k = 0; k < fields; k++)
+        for (int b = 0; b < 3; b++) Py_CLEAR(out->objects[k][b]);
+    PyMem_Free(out);
+}
+
+/* Output buffer `b` of field `k`, `size` bytes; its memory, or NULL with an exception set. */
+static char *output_buffer(outputs_t *out, Py_ssize_t k, int b, Py_ssize_t size) {
+    if (out->allocate == NULL) {
+        out->objects[k][b] = PyBytes_FromStringAndSize(NULL, size);
+        return out->objects[k][b] == NULL ? NULL : PyBytes_AS_STRING(out->objects[k][b]);
+    }
+    out->objects[k][b] = PyObject_CallFunction(out->allocate, "n", size);
+    if (out->objects[k][b] == NULL ||
+        PyObject_GetBuffer(out->objects[k][b], &out->views[k][b], PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (out->views[k][b].len < size) {
+        PyErr_SetString(PyExc_ValueError, "typed_native: an allocated buffer is too small");
+        return NULL;
+    }
+    return out->views[k][b].buf;
+}
+
+/* The output buffers of `fields` columns of `count` rows; the variable-width ones get
+ * `data_bound[k]` bytes. 0 with an exception set on failure. */
+static int allocate_columns(column_t *columns, outputs_t *out, Py_ssize_t fields,
                             Py_ssize_t count, const int64_t *data_bound) {
     Py_ssize_t bitmap = (count + 7) / 8;
     for (Py_ssize_t k = 0; k < fields; k++) {
@@ -581,28 +631,20 @@ static int allocate_columns(column_t *columns, PyObject *(*owned)[3], Py_ssize_t
         Py_ssize_t values = variable_width(c->kind) ? (count + 1) * 4
                             : c->kind == KIND_BOOL  ? bitmap
                                                     : count * value_width(c->kind);
-        owned[k][0] = PyBytes_FromStringAndSize(NULL, bitmap);
-        owned[k][1] = PyBytes_FromStringAndSize(NULL, values);
-        if (variable_width(c->kind)) owned[k][2] = PyBytes_FromStringAndSize(NULL, data_bound[k]);
-        if (owned[k][0] == NULL || owned[k][1] == NULL ||
-            (variable_width(c->kind) && owned[k][2] == NULL))
-            return 0;
-        c->validity = (uint8_t *)PyBytes_AS_STRING(owned[k][0]);
-        c->values = (uint8_t *)PyBytes_AS_STRING(owned[k][1]);
+        c->validity = (uint8_t *)output_buffer(out, k, 0, bitmap);
+        if (c->validity == NULL) return 0;
+        c->values = (uint8_t *)output_buffer(out, k, 1, values);
+        if (c->values == NULL) return 0;
         memset(c->validity, 0, (size_t)bitmap);
         if (variable_width(c->kind)) {
             c->offsets = (int32_t *)c->values;
-            c->data = PyBytes_AS_STRING(owned[k][2]);
+            c->data = output_buffer(out, k, 2, data_bound[k]);
+            if (c->data == NULL) return 0;
         } else {
             memset(c->values, 0, (size_t)values);
         }
     }
     return 1;
-}
-
-static void drop_owned(PyObject *(*owned)[3], Py_ssize_t from, Py_ssize_t fields) {
-    for (Py_ssize_t k = from; k < fields; k++)
-        for (int b = 0; b < 3; b++) Py_CLEAR(owned[k][b]);
 }
 
 /* Row `row` refused: nothing of it stays in the columns. */
@@ -628,32 +670,36 @@ static void count_valid(column_t *columns, Py_ssize_t fields, Py_ssize_t count) 
     }
 }
 
-/* (taken, [(validity or None, values, data or None) per field]); consumes `owned`. */
-static PyObject *columns_result(column_t *columns, PyObject *(*owned)[3], Py_ssize_t fields,
+/* (taken, [(validity or None, values, data or None) per field]); frees `out`. A bytes data
+ * buffer is cut to its length; an allocated one keeps its size (the offsets say what is used). */
+static PyObject *columns_result(column_t *columns, outputs_t *out, Py_ssize_t fields,
                                 Py_ssize_t count, PyObject *taken) {
+    release_output_views(out, fields);
     PyObject *outputs = PyList_New(fields);
     if (outputs == NULL) {
-        drop_owned(owned, 0, fields);
+        drop_outputs(out, fields);
         return NULL;
     }
     for (Py_ssize_t k = 0; k < fields; k++) {
         column_t *c = &columns[k];
-        if (c->valid == count) Py_SETREF(owned[k][0], Py_NewRef(Py_None));
-        if (owned[k][2] != NULL && _PyBytes_Resize(&owned[k][2], c->data_used) < 0) {
-            drop_owned(owned, k, fields);
+        PyObject **objects = out->objects[k];
+        if (c->valid == count) Py_SETREF(objects[0], Py_NewRef(Py_None));
+        if (objects[2] != NULL && PyBytes_CheckExact(objects[2]) &&
+            _PyBytes_Resize(&objects[2], c->data_used) < 0) {
             Py_DECREF(outputs);
+            drop_outputs(out, fields);
             return NULL;
         }
-        PyObject *entry = PyTuple_Pack(3, owned[k][0], owned[k][1],
-                                       owned[k][2] != NULL ? owned[k][2] : Py_None);
-        drop_owned(owned, k, k + 1);
+        PyObject *entry = PyTuple_Pack(3, objects[0], objects[1],
+                                       objects[2] != NULL ? objects[2] : Py_None);
         if (entry == NULL) {
-            drop_owned(owned, k + 1, fields);
             Py_DECREF(outputs);
+            drop_outputs(out, fields);
             return NULL;
         }
         PyList_SET_ITEM(outputs, k, entry);
     }
+    drop_outputs(out, fields);
     PyObject *result = PyTuple_Pack(2, taken, outputs);
     Py_DECREF(outputs);
     return result;
@@ -663,12 +709,12 @@ typedef int (*row_parser)(const unsigned char *p, const unsigned char *end, colu
                           int fields, int64_t row, uint8_t *scratch);
 
 /* Every row through `parse` with the GIL released; the rows refused are cleared. */
-static PyObject *parse_rows(payloads_t *in, column_t *columns, PyObject *(*owned)[3],
+static PyObject *parse_rows(payloads_t *in, column_t *columns, outputs_t *out,
                             Py_ssize_t fields, row_parser parse) {
     Py_ssize_t count = in->count;
     PyObject *taken = PyBytes_FromStringAndSize(NULL, count);
     if (taken == NULL) {
-        drop_owned(owned, 0, fields);
+        drop_outputs(out, fields);
         release_views(in->views, 3);
         return NULL;
     }
@@ -688,28 +734,30 @@ static PyObject *parse_rows(payloads_t *in, column_t *columns, PyObject *(*owned
     count_valid(columns, fields, count);
     Py_END_ALLOW_THREADS
     release_views(in->views, 3);
-    PyObject *result = columns_result(columns, owned, fields, count, taken);
+    PyObject *result = columns_result(columns, out, fields, count, taken);
     Py_DECREF(taken);
     return result;
 }
 
 PyDoc_STRVAR(parse_flat_doc,
-"parse_flat(validity, offsets, data, offset, count, wide, kinds, names)\n"
+"parse_flat(validity, offsets, data, offset, count, wide, kinds, names, allocate=None)\n"
 "--\n\n"
 "The typed columns of `count` JSON payloads: an Arrow binary array's buffers (`validity` may\n"
 "be None; int32 offsets, int64 when `wide`) from row `offset`. `kinds` holds one letter per\n"
 "field (s string, i int64, n float64, b bool), `names` the fields' keys as UTF-8 bytes.\n"
 "Returns (taken, columns): `taken` one byte per row (1: read here), and per field a tuple\n"
-"(validity bitmap or None when every row has a value, values or offsets, string data or None).");
+"(validity bitmap or None when every row has a value, values or offsets, string data or None).\n"
+"The buffers come from `allocate(size)` (a writable buffer, such as Arrow's allocate_buffer;\n"
+"string data then keeps its size, the offsets saying what is used), else they are bytes.");
 
 static PyObject *parse_flat(PyObject *self, PyObject *args) {
-    PyObject *validity, *offsets, *data, *names;
+    PyObject *validity, *offsets, *data, *names, *allocate = Py_None;
     Py_ssize_t offset, count, fields;
     int wide;
     const char *kinds;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOnnpy#O!", &validity, &offsets, &data, &offset, &count, &wide,
-                          &kinds, &fields, &PyTuple_Type, &names))
+    if (!PyArg_ParseTuple(args, "OOOnnpy#O!|O", &validity, &offsets, &data, &offset, &count,
+                          &wide, &kinds, &fields, &PyTuple_Type, &names, &allocate))
         return NULL;
     if (fields > MAX_FIELDS || fields != PyTuple_GET_SIZE(names)) {
         PyErr_SetString(PyExc_ValueError, "parse_flat: kinds and names differ, or too many");
@@ -735,14 +783,13 @@ static PyObject *parse_flat(PyObject *self, PyObject *args) {
     if (!open_payloads(&in, validity, offsets, data, offset, count, wide)) return NULL;
     /* a string's text is never longer than its JSON */
     for (Py_ssize_t k = 0; k < fields; k++) bound[k] = in.last - in.first;
-    PyObject *owned[MAX_FIELDS][3];
-    memset(owned, 0, sizeof(owned));
-    if (!allocate_columns(columns, owned, fields, count, bound)) {
-        drop_owned(owned, 0, fields);
+    outputs_t *out = new_outputs(allocate);
+    if (out == NULL || !allocate_columns(columns, out, fields, count, bound)) {
+        if (out != NULL) drop_outputs(out, fields);
         release_views(in.views, 3);
         return NULL;
     }
-    return parse_rows(&in, columns, owned, fields, parse_row);
+    return parse_rows(&in, columns, out, fields, parse_row);
 }
 
 /* -- Avro -------------------------------------------------------------------------------- */
@@ -851,7 +898,8 @@ static int parse_avro_row(const unsigned char *p, const unsigned char *end, colu
 }
 
 PyDoc_STRVAR(parse_avro_doc,
-"parse_avro(validity, offsets, data, offset, count, wide, kinds, null_branches, symbols)\n"
+"parse_avro(validity, offsets, data, offset, count, wide, kinds, null_branches, symbols,\n"
+"           allocate=None)\n"
 "--\n\n"
 "The typed columns of `count` Avro payloads (binary datums of one writer schema: a record of\n"
 "scalar fields, or one scalar), from an Arrow binary array's buffers as `parse_flat` takes\n"
@@ -861,13 +909,14 @@ PyDoc_STRVAR(parse_avro_doc,
 "as UTF-8 bytes, else None. Returns what `parse_flat` returns.");
 
 static PyObject *parse_avro(PyObject *self, PyObject *args) {
-    PyObject *validity, *offsets, *data, *nulls, *symbols;
+    PyObject *validity, *offsets, *data, *nulls, *symbols, *allocate = Py_None;
     Py_ssize_t offset, count, fields;
     int wide;
     const char *kinds;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOnnpy#O!O!", &validity, &offsets, &data, &offset, &count,
-                          &wide, &kinds, &fields, &PyTuple_Type, &nulls, &PyTuple_Type, &symbols))
+    if (!PyArg_ParseTuple(args, "OOOnnpy#O!O!|O", &validity, &offsets, &data, &offset, &count,
+                          &wide, &kinds, &fields, &PyTuple_Type, &nulls, &PyTuple_Type, &symbols,
+                          &allocate))
         return NULL;
     if (fields > MAX_FIELDS || fields != PyTuple_GET_SIZE(nulls) ||
         fields != PyTuple_GET_SIZE(symbols)) {
@@ -912,8 +961,6 @@ static PyObject *parse_avro(PyObject *self, PyObject *args) {
     for (Py_ssize_t k = 0; k < fields; k++) /* a row holds one symbol at most */
         bound[k] = columns[k].kind == KIND_ENUM ? (int64_t)count * longest_symbol[k]
                                                 : in.last - in.first;
-    PyObject *owned[MAX_FIELDS][3];
-    memset(owned, 0, sizeof(owned));
     for (Py_ssize_t k = 0; k < fields; k++) {
         if (bound[k] > INT32_MAX) { /* int32 offsets: the caller decodes it otherwise */
             release_views(in.views, 3);
@@ -921,12 +968,13 @@ static PyObject *parse_avro(PyObject *self, PyObject *args) {
             return NULL;
         }
     }
-    if (!allocate_columns(columns, owned, fields, count, bound)) {
-        drop_owned(owned, 0, fields);
+    outputs_t *out = new_outputs(allocate);
+    if (out == NULL || !allocate_columns(columns, out, fields, count, bound)) {
+        if (out != NULL) drop_outputs(out, fields);
         release_views(in.views, 3);
         return NULL;
     }
-    return parse_rows(&in, columns, owned, fields, parse_avro_row);
+    return parse_rows(&in, columns, out, fields, parse_avro_row);
 }
 
 static PyMethodDef methods[] = {

@@ -24,7 +24,7 @@ class RecordBlock(Sequence[StoredRecord]):
 
     def __init__(
         self,
-        buffer: bytes,
+        buffer: bytes | memoryview,
         first_offset: int,
         starts: array[int],
         ends: array[int],
@@ -68,7 +68,8 @@ class RecordBlock(Sequence[StoredRecord]):
         return self.first_offset + len(self.starts)
 
     def data(self, index: int) -> bytes:
-        return self.buffer[self.starts[index] : self.ends[index]]
+        piece = self.buffer[self.starts[index] : self.ends[index]]
+        return piece if type(piece) is bytes else bytes(piece)
 
     def size(self, index: int) -> int:
         return self.ends[index] - self.starts[index]

@@ -29,6 +29,7 @@ import struct
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from ..interfaces import StorageFull, StoredRecord
 from .block import RecordBlock
@@ -288,15 +289,18 @@ class JournalShardLog(LogEnds, CommitHandover):
             i += 1
         return out
 
-    def read_block(self, from_offset: int, max_records: int = 10_000) -> RecordBlock:
+    def read_block(self, from_offset: int, max_records: int = 10_000,
+                   allocate: Callable[[int], Any] | None = None) -> RecordBlock:
         """Published records from `from_offset` (clamped to the low watermark) as one
         `RecordBlock` (one segment, one read: possibly fewer than `max_records` even when more
-        are published; an empty block at the committed end). For bulk readers."""
+        are published; an empty block at the committed end). For bulk readers; `allocate`:
+        see `Segment.read_block`."""
         start = max(from_offset, self._bases[0])
         i = self._segment_for_read(start, max_records)
         if i is None:
             return RecordBlock.empty(start)
-        return self._segments[i].read_block(start, min(max_records, self._committed - start))
+        return self._segments[i].read_block(start, min(max_records, self._committed - start),
+                                            allocate=allocate)
 
     def read_keyed(
         self, from_offset: int, max_records: int, wants: Callable[[bytes], bool]

@@ -27,6 +27,7 @@ import logging
 import os
 from array import array
 from bisect import bisect_right
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
@@ -370,12 +371,19 @@ class Segment(SegmentIndexFiles, KeyedReads):
         )
 
     @pinned
-    def read_block(self, from_offset: int, max_records: int, chunk: int = BLOCK_CHUNK) -> RecordBlock:
+    def read_block(self, from_offset: int, max_records: int, chunk: int = BLOCK_CHUNK,
+                   allocate: Callable[[int], Any] | None = None) -> RecordBlock:
         """The published records from `from_offset` (at most `max_records`) that one read of
         about `chunk` bytes holds (more when a single record is larger), as one buffer and
         arrays of positions: no Python object per record. Checksums are verified; errors
         are raised as `read` raises them. The scan runs in C without the GIL (`scan_native.c`)
-        when it is built and knows the segment's checksum, else `framing.scan_block` runs."""
+        when it is built and knows the segment's checksum, else `framing.scan_block` runs.
+
+        With `allocate` (and the C scan), the bytes are read into `allocate(size)` (a writable
+        buffer) instead of a new `bytes`: the block's buffer is then a memoryview of it. Fresh
+        memory costs a page fault per 4 KiB page touched (about 3 us each on a virtual machine:
+        a tenth of the archiver's time), while an allocator such as Arrow's pool hands a bulk
+        reader back the pages it freed."""
         end_offset = self.next_offset
         if from_offset >= end_offset or max_records <= 0:
             return RecordBlock.empty(from_offset)
@@ -394,13 +402,19 @@ class Segment(SegmentIndexFiles, KeyedReads):
             asked = min(want, self.size - pos)
             if asked <= 0:
                 break
-            buf = os.pread(self.fd, asked, pos)
+            buf: bytes | memoryview
+            if native is not None and allocate is not None:
+                view = memoryview(allocate(asked)).cast("B")
+                buf = view[:os.preadv(self.fd, [view], pos)]
+            else:
+                buf = os.pread(self.fd, asked, pos)
             if native is not None:
                 status, p, found, other, starts, ends, stamps = _scan_native.scan_block(
                     buf, from_offset, max_records, end_offset, native
                 )
                 taken = 0 if starts is None else len(starts)
             else:
+                assert isinstance(buf, bytes)
                 status, p, found, other = scan_block(
                     buf, from_offset, max_records, end_offset, crc, lengths
                 )
@@ -419,6 +433,7 @@ class Segment(SegmentIndexFiles, KeyedReads):
                     )
                 if native is not None:
                     return RecordBlock(buf, first, starts, ends, stamps)
+                assert isinstance(buf, bytes)
                 return RecordBlock.from_scan(buf, first, p, lengths)
             if len(buf) < asked or pos + asked >= self.size:
                 break  # the published region ends inside a record (its length is corrupt)

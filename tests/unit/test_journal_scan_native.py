@@ -22,6 +22,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -352,16 +353,23 @@ def read_both(
     monkeypatch: pytest.MonkeyPatch, read: Callable[..., RecordBlock], *args: int, **kwargs: int
 ) -> tuple[Any, Any]:
     """`read(*args, **kwargs)` through the C scan, then through the Python scan: each one's
-    block fields, or the CorruptRecord message it raised."""
+    block fields, or the CorruptRecord message it raised. The C scan reading into buffers of
+    Arrow's pool (`allocate`, as the archiver reads) must give the C scan's own outcome, and
+    its records' data as bytes."""
     outcomes = []
-    for use_native in (True, False):
+    for use_native, allocate in ((True, None), (False, None), (True, pa.allocate_buffer)):
         with monkeypatch.context() as patch:
             if not use_native:
                 patch.setattr(segment_module, "_NATIVE_CHECKSUMS", {})
             try:
-                outcomes.append(block_fields(read(*args, **kwargs)))
+                block = read(*args, allocate=allocate, **kwargs)
+                outcomes.append(block_fields(block))
+                if allocate is not None and len(block):
+                    assert type(block.data(len(block) - 1)) is bytes
+                    assert block[0].data == outcomes[0][0][block.starts[0]:block.ends[0]]
             except CorruptRecord as exc:
                 outcomes.append(("CorruptRecord", str(exc)))
+    assert outcomes[2] == outcomes[0]
     return outcomes[0], outcomes[1]
 
 
