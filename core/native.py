@@ -44,6 +44,7 @@ COMPILED_GROUPS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     ),
     "shardgate.core.topics_native": ("shardgate.core", ("topics", "trie"), ("errors",)),
     "shardgate.storage.journal.framing_native": ("shardgate.storage.journal", ("framing",), ()),
+    "shardgate.storage.archive.footer_native": ("shardgate.storage.archive", ("footer",), ()),
 }
 
 #: Hand-written C extension modules (hot loops that mypyc cannot make fast enough: per-byte

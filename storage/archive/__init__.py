@@ -6,6 +6,15 @@ Layout: `<url>/stream=<name>/date=YYYY-MM-DD/hour=H/shard0003/shard0003-<first>-
 (`layout`); `archive_files` names the files that hold each row once at any moment.
 """
 
+# ruff: noqa: E402 - the compiled build is chosen before any module imports `footer`
+import os
+
+from ...core.native import use_compiled_if_current
+
+# The Parquet footer stitching (`footer.py`, a Thrift reader in Python) runs compiled when
+# `pip install` built it from this source: it is on the path of every archive file's seal.
+use_compiled_if_current("shardgate.storage.archive.footer_native", os.path.dirname(__file__))
+
 from .archiver import Archiver, StreamList, write_local_atomically
 from .columns import ARROW_SCHEMA, DECODED_COLUMN, build_table, records_from_table
 from .layout import (
