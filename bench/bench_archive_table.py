@@ -10,7 +10,9 @@
    the archiver wrote (one file, read back) with the archiver's Parquet options
    (`PARQUET_OPTIONS`, its zstd level and its row group size, not pyarrow's defaults of level
    1 and 1 Mi rows): the ratio is the goal of issue 29 (>= 1x, the archiver may use both
-   cores). Wall clock and process CPU time (all threads), best and median of `--repeat`.
+   cores). Each repeat times an archiver flush and pyarrow's write back to back (the
+   machine's drift weighs on both alike); wall clock and process CPU time (all threads),
+   rows/s and ratios of the medians of `--repeat` (the best ones too).
 2. **files per shard per day at 1 msg/s**: a day of one reading a second, archived as a live
    broker does (a file each `max_delay_s`, 60 s: one flush per simulated minute), then
    compacted (`compact_after_s = 0`): file count and sizes before and after. `--day-hours`
@@ -98,11 +100,12 @@ def _parsed_avro() -> Any:
 
 
 def fill(journal: JournalStorage, stream: str, count: int, step_ms: int = 1, start: int = 0,
-         kind: str = "json") -> None:
+         kind: str = "json", per_ms: int = 1) -> None:
+    """Readings `start`.. of `stream`, `per_ms` of them a millisecond (a step of `step_ms`)."""
     log = journal.open_shard(stream, 0)
     for first in range(start, start + count, 10_000):
         last = min(start + count, first + 10_000)
-        log.append([(T0 + i * step_ms, reading(i, T0 + i * step_ms, kind))
+        log.append([(T0 + i // per_ms * step_ms, reading(i, T0 + i // per_ms * step_ms, kind))
                     for i in range(first, last)])
         journal.flush_sync()
 
@@ -135,30 +138,47 @@ def compiled_build() -> str:
 
 
 def archive_runs(journal: JournalStorage, work: Path, stream: str, rows: int, files: int,
-                 repeat: int, deadline: Deadline, kind: str) -> tuple[Archiver, list[float],
-                                                                   list[float]]:
+                 repeat: int, deadline: Deadline, kind: str) -> dict[str, list[float]]:
     """One archiver of `stream`, kept running as a broker keeps it: each repeat appends the
-    next `files * rows` readings to the journal (untimed) and times the `flush` that archives
-    them, a file of `rows` each. Returns it, and each flush's wall and CPU seconds."""
-    assert repeat * files * rows < HOUR_MS, "every file in one hour partition (a ms a row)"
+    next `files * rows` readings to the journal (untimed), times the `flush` that archives
+    them (a file of `rows` each), then times pyarrow writing the table of one file of the
+    archive (the first, archived by an untimed warm-up flush) with the archiver's options,
+    back to back, so that the machine's drift weighs on both alike. Returns the wall and CPU
+    seconds of each: `archiver_wall`, `archiver_cpu`, `pyarrow_wall`, `pyarrow_cpu`, and the
+    table as `table` (one element)."""
+    per_ms = 1 + (repeat + 1) * files * rows // HOUR_MS  # every file in one hour partition
     settings = ArchiveSettings(target_rows=rows, max_delay_s=3600, compaction=False)
     archiver = Archiver(journal, (work / f"archive-{kind}").as_uri(),
                         lambda: [(stream, 1, "json")], settings, registered_schema=typed(kind))
-    walls: list[float] = []
-    cpus: list[float] = []
+    found: dict[str, list[Any]] = {"archiver_wall": [], "archiver_cpu": [], "pyarrow_wall": [],
+                                   "pyarrow_cpu": []}
     with asyncio.Runner() as runner:
-        for attempt in range(repeat):
-            if deadline.passed() and walls:
+        fill(journal, stream, files * rows, kind=kind, per_ms=per_ms)
+        runner.run(archiver.flush())  # the warm-up: the table pyarrow writes
+        first = list_stream_files(archiver.fs, archiver.root, stream)[0]
+        table = pq.read_table(first.path)  # the file's own columns (no partition columns)
+        for attempt in range(1, repeat + 1):
+            if deadline.passed() and found["archiver_wall"]:
                 break
-            fill(journal, stream, files * rows, start=attempt * files * rows, kind=kind)
+            fill(journal, stream, files * rows, start=attempt * files * rows, kind=kind,
+                 per_ms=per_ms)
             wall, used = time.perf_counter(), cpu()
             runner.run(archiver.flush())
-            walls.append(time.perf_counter() - wall)
-            cpus.append(cpu() - used)
+            found["archiver_wall"].append(time.perf_counter() - wall)
+            found["archiver_cpu"].append(cpu() - used)
+            target = work / f"pyarrow-{kind}-{stream}.parquet"
+            wall, used = time.perf_counter(), cpu()
+            pq.write_table(table, target, compression_level=settings.compression_level,
+                           row_group_size=settings.row_group_rows, **PARQUET_OPTIONS)
+            found["pyarrow_wall"].append(time.perf_counter() - wall)
+            found["pyarrow_cpu"].append(cpu() - used)
+            target.unlink()
         runner.run(archiver.stop(flush=False))
-    found = list_stream_files(archiver.fs, archiver.root, stream)
-    assert len(found) == files * len(walls), "a file of `rows` records each"
-    return archiver, walls, cpus
+    count = len(list_stream_files(archiver.fs, archiver.root, stream))
+    assert count == files * (len(found["archiver_wall"]) + 1), "a file of `rows` records each"
+    assert table.num_rows == rows, "the archive holds every row"
+    found["table"] = [table]
+    return found
 
 
 def typed_throughput(work: Path, rows: int, repeat: int, deadline: Deadline,
@@ -166,58 +186,37 @@ def typed_throughput(work: Path, rows: int, repeat: int, deadline: Deadline,
     """Rows/s archiving into typed columns, one file at a time (each flush archives one file:
     its latency) and sustained (each flush archives `files` files: the archiver reads and
     builds the next file while the one before is encoded, as under a steady load), against
-    pyarrow writing the table of one file."""
+    pyarrow writing the table of one file (`archive_runs`)."""
     load_at_start = load_average()
     journal = JournalStorage(work / f"journal-typed-{kind}", fsync="os")
     try:
-        archiver, one_walls, one_cpus = archive_runs(
-            journal, work / "one", "readings", rows, 1, repeat, deadline, kind)
-        _, many_walls, many_cpus = archive_runs(
-            journal, work / "many", "sustained", rows, files, repeat, deadline, kind)
-        table = pq.read_table(list_stream_files(archiver.fs, archiver.root, "readings")[0].path)
-        assert table.num_rows == rows, "the archive holds every row"
-        settings = archiver.settings
-        py_walls: list[float] = []
-        py_cpus: list[float] = []
-        for attempt in range(repeat):
-            if deadline.passed() and py_walls:
-                break
-            target = work / f"pyarrow-{kind}-{attempt}.parquet"
-            wall, used = time.perf_counter(), cpu()
-            pq.write_table(table, target, compression_level=settings.compression_level,
-                           row_group_size=settings.row_group_rows, **PARQUET_OPTIONS)
-            py_walls.append(time.perf_counter() - wall)
-            py_cpus.append(cpu() - used)
-            target.unlink()
-        columns = [name for name in table.column_names if name in SCHEMA["properties"]]
-        typed_payloads = table.column("payload").null_count
-        assert typed_payloads == rows, f"every row decoded into the typed columns ({typed_payloads})"
-        per_file = [wall / files for wall in many_walls]
-        pyarrow_best, pyarrow_median = min(py_walls), statistics.median(py_walls)
-        return {
-            "rows": rows, "typed_columns": columns, "load_average_at_start": load_at_start,
-            "load_average_at_end": load_average(), "compiled": compiled_build(),
-            "repeats": len(one_walls),
-            "pyarrow_rows_per_s": round(rows / pyarrow_best),
-            "sustained_rows_per_s": round(rows / min(per_file)),
-            "sustained_ratio_wall": round(pyarrow_best / min(per_file), 2),
-            "sustained_ratio_wall_median": round(pyarrow_median / statistics.median(per_file), 2),
-            "sustained_ratio_cpu": round(min(py_cpus) * files / min(many_cpus), 2),
-            "one_file_rows_per_s": round(rows / min(one_walls)),
-            "one_file_ratio_wall": round(pyarrow_best / min(one_walls), 2),
-            "one_file_ratio_wall_median": round(pyarrow_median / statistics.median(one_walls), 2),
-            "one_file_ratio_cpu": round(min(py_cpus) / min(one_cpus), 2),
-            "pyarrow_wall_s": round(pyarrow_best, 3),
-            "pyarrow_median_wall_s": round(pyarrow_median, 3),
-            "sustained_wall_per_file_s": round(min(per_file), 3),
-            "sustained_median_wall_per_file_s": round(statistics.median(per_file), 3),
-            "one_file_wall_s": round(min(one_walls), 3),
-            "one_file_median_wall_s": round(statistics.median(one_walls), 3),
-            "one_file_cpu_s": round(min(one_cpus), 3),
-            "pyarrow_cpu_s": round(min(py_cpus), 3),
-        }
+        one = archive_runs(journal, work, "readings", rows, 1, repeat, deadline, kind)
+        many = archive_runs(journal, work, "sustained", rows, files, repeat, deadline, kind)
     finally:
         journal.close()
+    table = one["table"][0]
+    columns = [name for name in table.column_names if name in SCHEMA["properties"]]
+    typed_payloads = table.column("payload").null_count
+    assert typed_payloads == rows, f"every row decoded into the typed columns ({typed_payloads})"
+    per_file = [wall / files for wall in many["archiver_wall"]]
+    many_cpu = [used / files for used in many["archiver_cpu"]]
+    result: dict[str, Any] = {
+        "rows": rows, "typed_columns": columns, "load_average_at_start": load_at_start,
+        "load_average_at_end": load_average(), "compiled": compiled_build(),
+        "repeats": len(one["archiver_wall"]),
+    }
+    for name, walls, cpus, base in (("sustained", per_file, many_cpu, many),
+                                    ("one_file", one["archiver_wall"], one["archiver_cpu"], one)):
+        result[f"{name}_rows_per_s"] = round(rows / statistics.median(walls))
+        result[f"{name}_pyarrow_rows_per_s"] = round(rows / statistics.median(base["pyarrow_wall"]))
+        result[f"{name}_ratio_wall_median"] = round(
+            statistics.median(base["pyarrow_wall"]) / statistics.median(walls), 2)
+        result[f"{name}_ratio_wall_best"] = round(min(base["pyarrow_wall"]) / min(walls), 2)
+        result[f"{name}_ratio_cpu_median"] = round(
+            statistics.median(base["pyarrow_cpu"]) / statistics.median(cpus), 2)
+        result[f"{name}_median_wall_s"] = round(statistics.median(walls), 4)
+        result[f"{name}_pyarrow_median_wall_s"] = round(statistics.median(base["pyarrow_wall"]), 4)
+    return result
 
 
 def day_of_files(work: Path, hours: int, deadline: Deadline) -> dict[str, Any]:
