@@ -39,13 +39,13 @@ import random
 import time
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from ..allocators import return_freed_memory
 from ..journal import RecordBlock
 from . import compaction, layout
-from .buffer import RecordBuffer, int64_array
+from .buffer import RecordBuffer
 from .columns import FileEncoder, build_table, warm_up
 from .local_files import write_local_atomically
 from .maintenance import ArchiveMaintenance
@@ -267,27 +267,27 @@ class Archiver(ArchiveMaintenance):
 
     def _take(self, state: ShardState, batch: RecordBlock) -> None:
         """Append the head of `batch` that lies in the buffer's hour and fits the byte target
-        (the record reaching the target included) to the buffer (array kernels over the
-        block's positions and timestamps, no loop per record)."""
+        (the record reaching the target included) to the buffer (numpy over the block's
+        position and timestamp arrays, without a copy: no loop per record, and a few
+        microseconds a block, on the event loop that reads the journal)."""
         buffer = state.buffer
-        times = batch.timestamps
-        hour = layout.hour_of(buffer[0].timestamp_ms if buffer else times[0])
+        times = np.frombuffer(batch.timestamps, np.int64)
+        first = buffer.blocks[0].timestamps[0] if buffer else int(times[0])
+        hour = layout.hour_of(first)
         low, high = hour * layout.HOUR_MS, (hour + 1) * layout.HOUR_MS
         hour_end = len(batch)
-        stamps = int64_array(times)
-        if pc.min(stamps).as_py() < low or pc.max(stamps).as_py() >= high:
-            outside = pc.invert(pc.and_(pc.greater_equal(stamps, low), pc.less(stamps, high)))
-            hour_end = pc.index(outside, True).as_py()
-        sizes = pc.cumulative_sum(pc.subtract(
-            int64_array(batch.ends[:hour_end]), int64_array(batch.starts[:hour_end])))
+        if times.min() < low or times.max() >= high:
+            hour_end = int(((times < low) | (times >= high)).argmax())
+        sizes = np.cumsum(np.frombuffer(batch.ends, np.int64)[:hour_end]
+                          - np.frombuffer(batch.starts, np.int64)[:hour_end])
         room = self.settings.target_bytes - state.buffer_bytes
         take = hour_end
-        if hour_end and sizes[-1].as_py() >= room:
-            take = pc.sum(pc.less(sizes, room)).as_py() + 1
+        if hour_end and sizes[-1] >= room:
+            take = int(np.count_nonzero(sizes < room)) + 1
         elif hour_end < len(batch):
             state.hour_closed = True
         buffer.extend(batch[:take] if take < len(batch) else batch)
-        state.buffer_bytes += sizes[take - 1].as_py() if take else 0
+        state.buffer_bytes += int(sizes[take - 1]) if take else 0
 
     def _build_key(self, state: ShardState) -> tuple[Any, ...]:
         """What a table of the shard's records is built with now (see `Ahead.key`)."""
