@@ -402,12 +402,102 @@ static const unsigned char *skip_value(const unsigned char *p, const unsigned ch
     }
 }
 
+static void clear_row(column_t *columns, Py_ssize_t fields, Py_ssize_t row);
+
+/* A value of field column `c` at p (null, or its kind's JSON type) into row `row`: the
+ * position after it, or NULL where the row is refused. */
+static const unsigned char *parse_value(column_t *c, const unsigned char *p,
+                                        const unsigned char *end, int64_t row) {
+    if (p >= end) return NULL;
+    if (*p == 'n') return is_word(p, end, "null", 4) ? p + 4 : NULL;
+    if (c->kind == KIND_STRING) {
+        if (*p != '"') return NULL;
+        int64_t len;
+        p = read_string(p + 1, end, c->data + c->data_used, &len);
+        if (p == NULL) return NULL;
+        c->data_used += len;
+    } else if (c->kind == KIND_BOOL) {
+        if (is_word(p, end, "true", 4)) {
+            set_bit(c->values, row);
+            p += 4;
+        } else if (is_word(p, end, "false", 5)) {
+            p += 5;
+        } else {
+            return NULL;
+        }
+    } else {
+        number_t n;
+        p = scan_number(p, end, &n);
+        if (p == NULL) return NULL;
+        if (c->kind == KIND_INT) {
+            if (!n.integer || n.int_digits > 18) return NULL;
+            int64_t v = 0;
+            for (int k = 0; k < n.int_digits; k++) v = v * 10 + (n.digits[k] - '0');
+            ((int64_t *)c->values)[row] = n.negative ? -v : v;
+        } else {
+            double v;
+            if (!number_value(p, &n, &v)) return NULL;
+            if (!(fabs(v) < 9007199254740992.0)) return NULL; /* also inf */
+            ((double *)c->values)[row] = v;
+        }
+    }
+    set_bit(c->validity, row);
+    return p;
+}
+
+/* A row layout: the bytes between the values of one serializer's rows (`{"device": "`,
+ * `, "temp": `, `}` ...: whitespace, keys, colons, commas), learned from a row the full
+ * parser read whose keys were all fields. A row with the very same bytes there is read by
+ * checking them and parsing the values alone (`parse_by_layout`); the full parser would read
+ * it the same way, the structure being the same bytes. Any other row goes to the full
+ * parser. */
+#define MAX_LAYOUT 4096
+typedef struct {
+    int ready;
+    int count;                    /* values */
+    int fields[MAX_FIELDS];       /* the field of value k */
+    int start[MAX_FIELDS + 1];    /* literal k: bytes[start[k]:start[k] + length[k]] */
+    int length[MAX_FIELDS + 1];   /* literal k precedes value k; the last one ends the row */
+    unsigned char bytes[MAX_LAYOUT];
+} layout_t;
+
+/* What parse_object notes of a row for learning its layout (spans of the row's bytes). */
+typedef struct {
+    int valid;
+    int count;
+    int fields[MAX_FIELDS];
+    const unsigned char *from[MAX_FIELDS + 1];
+    const unsigned char *to[MAX_FIELDS + 1];
+} spans_t;
+
+static int parse_by_layout(const layout_t *layout, const unsigned char *p,
+                           const unsigned char *end, column_t *columns, int64_t row) {
+    for (int k = 0; k < layout->count; k++) {
+        int length = layout->length[k];
+        if (end - p < length ||
+            !same_bytes((const char *)p, (const char *)layout->bytes + layout->start[k], length))
+            return 0;
+        p = parse_value(&columns[layout->fields[k]], p + length, end, row);
+        if (p == NULL) return 0;
+    }
+    int length = layout->length[layout->count];
+    return end - p == length &&
+           same_bytes((const char *)p, (const char *)layout->bytes + layout->start[layout->count],
+                      length);
+}
+
 /* One payload into the columns at row `row`; 0 if the row is refused (the columns may then
- * hold values written for it, which the caller's validity bits do not show). */
-static int parse_row(const unsigned char *p, const unsigned char *end, column_t *columns,
-                     int fields, int64_t row, uint8_t *seen) {
+ * hold values written for it, which the caller clears). With `spans`, notes the bytes
+ * between the values (spans->valid stays 0 when a key is not a field's). */
+static int parse_object(const unsigned char *p, const unsigned char *end, column_t *columns,
+                        int fields, int64_t row, uint8_t *seen, spans_t *spans) {
     char key[MAX_KEY];
     int next_field = 0;
+    const unsigned char *mark = p;
+    if (spans != NULL) {
+        spans->valid = 1;
+        spans->count = 0;
+    }
     memset(seen, 0, (size_t)fields);
     p = skip_space(p, end);
     if (p >= end || *p != '{') return 0;
@@ -452,50 +542,21 @@ static int parse_row(const unsigned char *p, const unsigned char *end, column_t 
             }
         }
         if (field < 0) {
+            if (spans != NULL) spans->valid = 0;
             p = skip_value(p, end, 0);
             if (p == NULL) return 0;
         } else {
-            column_t *c = &columns[field];
             if (seen[field]) return 0;
             seen[field] = 1;
-            if (p >= end) return 0;
-            if (*p == 'n') {
-                if (!is_word(p, end, "null", 4)) return 0;
-                p += 4;
-            } else if (c->kind == KIND_STRING) {
-                if (*p != '"') return 0;
-                int64_t len;
-                p = read_string(p + 1, end, c->data + c->data_used, &len);
-                if (p == NULL) return 0;
-                c->data_used += len;
-                set_bit(c->validity, row);
-            } else if (c->kind == KIND_BOOL) {
-                if (is_word(p, end, "true", 4)) {
-                    set_bit(c->values, row);
-                    p += 4;
-                } else if (is_word(p, end, "false", 5)) {
-                    p += 5;
-                } else {
-                    return 0;
-                }
-                set_bit(c->validity, row);
-            } else {
-                number_t n;
-                p = scan_number(p, end, &n);
-                if (p == NULL) return 0;
-                if (c->kind == KIND_INT) {
-                    if (!n.integer || n.int_digits > 18) return 0;
-                    int64_t v = 0;
-                    for (int k = 0; k < n.int_digits; k++) v = v * 10 + (n.digits[k] - '0');
-                    ((int64_t *)c->values)[row] = n.negative ? -v : v;
-                } else {
-                    double v;
-                    if (!number_value(p, &n, &v)) return 0;
-                    if (!(fabs(v) < 9007199254740992.0)) return 0; /* also inf */
-                    ((double *)c->values)[row] = v;
-                }
-                set_bit(c->validity, row);
+            if (spans != NULL && spans->valid) {
+                spans->fields[spans->count] = field;
+                spans->from[spans->count] = mark;
+                spans->to[spans->count] = p;
+                spans->count++;
             }
+            p = parse_value(&columns[field], p, end, row);
+            if (p == NULL) return 0;
+            mark = p;
         }
         p = skip_space(p, end);
         if (p >= end) return 0;
@@ -508,7 +569,46 @@ static int parse_row(const unsigned char *p, const unsigned char *end, column_t 
     }
 done:
     p = skip_space(p, end);
-    return p == end;
+    if (p != end) return 0;
+    if (spans != NULL && spans->valid) {
+        spans->from[spans->count] = mark;
+        spans->to[spans->count] = end;
+    }
+    return 1;
+}
+
+typedef struct {
+    uint8_t seen[MAX_FIELDS];
+    spans_t spans;
+    layout_t layout;
+} json_context_t;
+
+static void learn_layout(layout_t *layout, const spans_t *spans) {
+    int used = 0;
+    for (int k = 0; k <= spans->count; k++) {
+        int length = (int)(spans->to[k] - spans->from[k]);
+        if (used + length > MAX_LAYOUT) return;
+        memcpy(layout->bytes + used, spans->from[k], (size_t)length);
+        layout->start[k] = used;
+        layout->length[k] = length;
+        if (k < spans->count) layout->fields[k] = spans->fields[k];
+        used += length;
+    }
+    layout->count = spans->count;
+    layout->ready = 1;
+}
+
+static int parse_row(const unsigned char *p, const unsigned char *end, column_t *columns,
+                     int fields, int64_t row, void *context) {
+    json_context_t *json = context;
+    if (json->layout.ready) {
+        if (parse_by_layout(&json->layout, p, end, columns, row)) return 1;
+        clear_row(columns, fields, row);
+        return parse_object(p, end, columns, fields, row, json->seen, NULL);
+    }
+    if (!parse_object(p, end, columns, fields, row, json->seen, &json->spans)) return 0;
+    if (json->spans.valid) learn_layout(&json->layout, &json->spans);
+    return 1;
 }
 
 static void release_views(Py_buffer *views, int n) {
@@ -723,11 +823,11 @@ static PyObject *columns_result(column_t *columns, outputs_t *out, Py_ssize_t fi
 }
 
 typedef int (*row_parser)(const unsigned char *p, const unsigned char *end, column_t *columns,
-                          int fields, int64_t row, uint8_t *scratch);
+                          int fields, int64_t row, void *context);
 
 /* Every row through `parse` with the GIL released; the rows refused are cleared. */
 static PyObject *parse_rows(payloads_t *in, column_t *columns, outputs_t *out,
-                            Py_ssize_t fields, row_parser parse) {
+                            Py_ssize_t fields, row_parser parse, void *context) {
     Py_ssize_t count = in->count;
     PyObject *taken = PyBytes_FromStringAndSize(NULL, count);
     if (taken == NULL) {
@@ -736,7 +836,6 @@ static PyObject *parse_rows(payloads_t *in, column_t *columns, outputs_t *out,
         return NULL;
     }
     uint8_t *ok = (uint8_t *)PyBytes_AS_STRING(taken);
-    uint8_t scratch[MAX_FIELDS];
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t row = 0; row < count; row++) {
         for (Py_ssize_t k = 0; k < fields; k++)
@@ -744,7 +843,7 @@ static PyObject *parse_rows(payloads_t *in, column_t *columns, outputs_t *out,
                 columns[k].offsets[row] = (int32_t)columns[k].data_used;
         const unsigned char *start, *stop;
         int good = payload_at(in, row, &start, &stop) &&
-                   parse(start, stop, columns, (int)fields, row, scratch);
+                   parse(start, stop, columns, (int)fields, row, context);
         ok[row] = (uint8_t)good;
         if (!good) clear_row(columns, fields, row);
     }
@@ -806,7 +905,15 @@ static PyObject *parse_flat(PyObject *self, PyObject *args) {
         release_views(in.views, 3);
         return NULL;
     }
-    return parse_rows(&in, columns, out, fields, parse_row);
+    json_context_t *context = PyMem_Calloc(1, sizeof(json_context_t));
+    if (context == NULL) {
+        drop_outputs(out, fields);
+        release_views(in.views, 3);
+        return PyErr_NoMemory();
+    }
+    PyObject *result = parse_rows(&in, columns, out, fields, parse_row, context);
+    PyMem_Free(context);
+    return result;
 }
 
 /* -- Avro -------------------------------------------------------------------------------- */
@@ -845,8 +952,8 @@ static int valid_utf8(const unsigned char *p, const unsigned char *end) {
 /* One Avro datum (a record of the columns' fields in order, or one value) into row `row`;
  * 0 where the caller must decide (see the file's comment). */
 static int parse_avro_row(const unsigned char *p, const unsigned char *end, column_t *columns,
-                          int fields, int64_t row, uint8_t *scratch) {
-    (void)scratch;
+                          int fields, int64_t row, void *context) {
+    (void)context;
     for (int k = 0; k < fields; k++) {
         column_t *c = &columns[k];
         int64_t n;
@@ -991,7 +1098,7 @@ static PyObject *parse_avro(PyObject *self, PyObject *args) {
         release_views(in.views, 3);
         return NULL;
     }
-    return parse_rows(&in, columns, out, fields, parse_avro_row);
+    return parse_rows(&in, columns, out, fields, parse_avro_row, NULL);
 }
 
 static PyMethodDef methods[] = {
