@@ -76,7 +76,7 @@ def decoded_columns(journal: JournalStorage, count: int) -> list[pa.Array]:
         for record in log.read(offset, 10_000):
             m = decode_message(record.data)
             for name, value in (
-                ("stream", "bench"), ("shard", 0), ("offset", record.offset),
+                ("shard", 0), ("offset", record.offset),
                 ("publish_time", record.timestamp_ms), ("topic", m.topic), ("key", m.key),
                 ("payload", m.payload), ("headers", m.headers), ("content_type", m.content_type),
                 ("producer_protocol", m.producer_protocol), ("producer_id", m.producer_id),
