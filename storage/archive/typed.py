@@ -332,18 +332,22 @@ class TypedSchema:
         if len(pieces) == 1 and not len(left):
             return pieces[0][1], pa.repeat(pa.scalar(True), count)
         decoded = np.ones(count, np.bool_)
-        rows = [rows for rows, _ in pieces]
-        tables = [pa.Table.from_arrays(arrays, schema=pa.schema(self.fields))
-                  for _, arrays in pieces]
         if len(left):
             rest, rest_decoded = self._columns_read(pc.take(payloads, left))
-            tables.append(pa.Table.from_arrays(rest, schema=pa.schema(self.fields)))
-            rows.append(left)
+            pieces.append((left, rest))
             decoded[left] = rest_decoded.to_numpy(zero_copy_only=False)
+        return self._in_row_order(count, pieces), pa.array(decoded)
+
+    def _in_row_order(self, count: int, pieces: list[tuple[np.ndarray, list[pa.Array]]]
+                      ) -> list[pa.Array]:
+        """The typed columns of `count` rows from pieces of them, (the indices of the rows a
+        piece holds, its columns), each row in one piece."""
+        schema = pa.schema(self.fields)
         where = np.empty(count, np.int64)
-        where[np.concatenate(rows)] = np.arange(count, dtype=np.int64)
-        picked = pa.concat_tables(tables).take(pa.array(where))
-        return [column.combine_chunks() for column in picked.columns], pa.array(decoded)
+        where[np.concatenate([rows for rows, _ in pieces])] = np.arange(count, dtype=np.int64)
+        picked = pa.concat_tables([pa.Table.from_arrays(arrays, schema=schema)
+                                   for _, arrays in pieces]).take(pa.array(where))
+        return [column.combine_chunks() for column in picked.columns]
 
     def _columns_parsed(self, payloads: pa.Array) -> tuple[list[pa.Array], pa.Array]:
         """`columns_of` for a schema of flat scalar fields by the C parser (`typed_native.c`,
@@ -392,16 +396,11 @@ class TypedSchema:
             return arrays, pa.repeat(pa.scalar(True), count)
         left = np.flatnonzero(~ok)
         rest, rest_decoded = rest_of(pc.take(payloads, pa.array(left)))
-        schema = pa.schema(self.fields)
-        tables = [pa.Table.from_arrays(arrays, schema=schema).filter(pa.array(ok)),
-                  pa.Table.from_arrays(rest, schema=schema)]
-        where = np.empty(count, np.int64)
-        where[ok] = np.arange(count - len(left), dtype=np.int64)
-        where[left] = np.arange(count - len(left), count, dtype=np.int64)
+        chosen = pa.array(ok)
         decoded = ok.copy()
         decoded[left] = rest_decoded.to_numpy(zero_copy_only=False)
-        picked = pa.concat_tables(tables).take(pa.array(where))
-        return [column.combine_chunks() for column in picked.columns], pa.array(decoded)
+        pieces = [(np.flatnonzero(ok), [array.filter(chosen) for array in arrays]), (left, rest)]
+        return self._in_row_order(count, pieces), pa.array(decoded)
 
     @staticmethod
     def _layout_fits(payloads: pa.Array, layout: typed_layout.Layout, schema: pa.Schema) -> bool:
