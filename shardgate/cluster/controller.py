@@ -37,6 +37,9 @@ from .settings import ClusterSettings
 
 log = logging.getLogger(__name__)
 
+# a warning every this many placement writes refused in a row (passes run about every second)
+REFUSED_WARN_EVERY = 30
+
 
 def replica_nodes(view: EtcdClusterView, draining: set[str]) -> list[str]:
     """The live nodes that may receive replicas: they run the replication data path and are
@@ -186,6 +189,8 @@ class Controller:
         # under the lease it held then (they go with it)
         self.quiesce_asked: dict[tuple[str, int], tuple[str, int]] = {}
         self._quiesce_lease = 0
+        # placement writes refused in a row (a few are a lagging watch; many, a stuck view)
+        self.refused = 0
 
     @property
     def elected(self) -> bool:
@@ -219,14 +224,26 @@ class Controller:
         desired, leases = self.desired()
         change = placement_change(view, self.node_id, desired)
         written = await self.store.write_placement(change)
-        view.guard_revision = written.guard_revision
         for answered in written.answered:
             key = (answered.stream, answered.shard)
             if key in view.proposals and view.proposals[key][1] == answered.revision:
                 del view.proposals[key]
         if not written.complete:
-            return  # the view was stale or another controller won: the watch catches up
+            # The view was stale or another controller won: the watch catches up. The view's
+            # guard stays the one the watch last brought, with the placement it came with:
+            # not the one this pass read, which the watch may have moved past meanwhile (its
+            # events of this controller's own earlier writes come late), and which no later
+            # event would correct: every pass would be refused for good.
+            self.refused += 1
+            if self.refused % REFUSED_WARN_EVERY == 0:
+                log.warning("cluster: %d placement writes in a row refused (the view's guard "
+                            "at revision %d, etcd's moved on)", self.refused, view.guard_revision)
+            return
+        self.refused = 0
         self.leases_seen.update(leases)
+        if written.guard_revision < view.guard_revision:
+            return  # the watch already brought a later placement write, with its guard
+        view.guard_revision = written.guard_revision
         if change.put or change.removed:
             for name, shards in desired.items():
                 view.placement[name] = shards

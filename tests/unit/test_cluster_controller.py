@@ -23,7 +23,7 @@ from shardgate.cluster.controller import (
     movable_led,
     placement_change,
 )
-from shardgate.cluster.etcd import KeyValue
+from shardgate.cluster.etcd import KeyValue, WatchEvent
 from shardgate.cluster.etcd_view import EtcdClusterView
 from shardgate.cluster.placement import ShardPlacement
 from shardgate.cluster.replica_leader import IsrProposal
@@ -187,6 +187,40 @@ async def test_a_complete_write_becomes_the_views_placement_and_a_refused_one_do
     assert [placed.leader for placed in view.placement["s"]] == ["a"]
     assert view.guard_revision == 1 and not view.proposals
     assert controller.leases_seen == {"a": 1}
+
+
+class RefusedWhileTheWatchCatchesUp(RecordingStore):
+    """Refuses the write (the guard it compared on is an older one), while the view's watch
+    brings the guard's newer revision, `newer`, before the answer."""
+
+    def __init__(self, view: EtcdClusterView, newer: int) -> None:
+        super().__init__()
+        self.view = view
+        self.newer = newer
+
+    async def write_placement(self, change: PlacementChange) -> PlacementWritten:
+        self.changes.append(change)
+        self.view.apply(PREFIX, [WatchEvent(PREFIX + keys.PLACEMENT_GUARD, b"{}", self.newer, 1)])
+        return PlacementWritten(change.guard_revision, False, ())
+
+
+async def test_a_refused_write_leaves_the_view_at_the_guard_its_watch_brought_meanwhile() -> None:
+    """A pass made from an older guard (the watch brought an earlier write of this controller's
+    late) is refused, and the watch brings the newer guard while it is on its way: the view
+    keeps that one. Going back to the one the pass read, it was refused at every pass after:
+    no later event corrects it (only the controller writes the guard), and the placement froze
+    (`test_cluster_controller_watch_lag.py`, on etcd)."""
+    proposal = IsrProposal("a", 0, 0, frozenset({"a"}))
+    view = view_of({"nodes/a": registration("a"), "streams/s": stream(1, mode="non-reliable"),
+                    keys.PLACEMENT_GUARD: b"{}", "isr/x/0": encode_proposal(proposal)})
+    read = view.guard_revision
+    store = RefusedWhileTheWatchCatchesUp(view, read + 10)
+    await controller_over(view, store).write_placement()
+    assert store.changes[0].guard_revision == read and "s" not in view.placement
+    assert view.guard_revision == read + 10
+    # and the next pass compares on it
+    await controller_over(view, RecordingStore()).write_placement()
+    assert view.guard_revision == read + 11 and [p.leader for p in view.placement["s"]] == ["a"]
 
 
 def test_a_drained_live_leader_is_moved_once_it_answered_the_request_as_it_stands() -> None:
