@@ -369,11 +369,12 @@ class FileEncoder:
     row groups while its last records are still being read, two parts at once. Each part is
     encoded as a Parquet file of its own (`write`, safe to call from several threads at once,
     in any order), and `finish` stitches them into one (`footer.stitch`): the file is byte for
-    byte the one `encode_parquet` writes of the whole table. A part's columns of nulls only (a
-    message's unused fields, the payload once typed) are not encoded for each part: their
-    column chunks come from a part of them alone, encoded once for as many rows
-    (`_with_cached_nulls`). The footer entries known when the file begins (`metadata`: stream,
-    shard, first offset) are given here, the others (the last offset) to `finish`."""
+    byte the one `encode_parquet` writes of the whole table. A part's columns of one value in
+    every row (nulls: a message's unused fields, the payload once typed; or one value: the
+    shard, a QoS, a protocol) are not encoded for each part: their column chunks come from a
+    part of them alone, encoded once for as many rows (`_with_cached_columns`). The footer
+    entries known when the file begins (`metadata`: stream, shard, first offset) are given
+    here, the others (the last offset) to `finish`."""
 
     def __init__(self, *, compression_level: int = 3, row_group_rows: int = 64 * 1024,
                  metadata: dict[str, str] | None = None) -> None:
@@ -402,10 +403,10 @@ class FileEncoder:
                 if self._empty is None:
                     self._empty = table
                 return
-        nulls = [i for i, column in enumerate(table.columns) if column.null_count == len(column)]
-        if (nulls and len(nulls) < table.num_columns
-                and CACHED_NULLS_FROM <= table.num_rows <= self._row_group_rows):
-            data = self._with_cached_nulls(table, nulls)
+        cached = _cacheable_columns(table) if (
+            CACHED_NULLS_FROM <= table.num_rows <= self._row_group_rows) else {}
+        if cached and len(cached) < table.num_columns:
+            data = self._with_cached_columns(table, cached)
         else:
             data = self._encode(table)
         with self._lock:
@@ -418,20 +419,21 @@ class FileEncoder:
         writer.close()
         return sink.getvalue().to_pybytes()
 
-    def _with_cached_nulls(self, table: pa.Table, nulls: list[int]) -> bytes:
-        """The part of `table` (one row group) with the column chunks of its columns of nulls
-        only (`nulls`: a message's unused fields, the payload once typed) taken from a part of
-        those columns alone encoded once for this many rows (`_null_part`), the others
-        encoded: the chunks are the same bytes, without encoding them again for each part."""
-        null_set = set(nulls)
-        kept = [i for i in range(table.num_columns) if i not in null_set]
+    def _with_cached_columns(self, table: pa.Table, cached: dict[int, pa.Scalar | None]) -> bytes:
+        """The part of `table` (one row group) with the column chunks of its columns of one
+        value in every row (`cached`: index -> the value, None for nulls: a message's unused
+        fields, the payload once typed, the shard, the QoS) taken from a part of those columns
+        alone encoded once for this many rows (`_repeated_part`), the others encoded: a
+        column's chunk depends on its own values only, so the chunks are the same bytes,
+        without encoding them again for each part."""
+        kept = [i for i in range(table.num_columns) if i not in cached]
         encoded = self._encode(table.select(kept))
-        cached = _null_part(table.schema, tuple(nulls), table.num_rows,
-                            self._options["compression_level"], self._row_group_rows)
-        layout = [(1 if i in null_set else 0, _leaves(table.schema.field(i).type))
+        repeated = _repeated_part(table.schema, tuple(cached.items()), table.num_rows,
+                                  self._options["compression_level"], self._row_group_rows)
+        layout = [(1 if i in cached else 0, _leaves(table.schema.field(i).type))
                   for i in range(table.num_columns)]
         try:
-            return footer.merge_columns([encoded, cached], layout)
+            return footer.merge_columns([encoded, repeated], layout)
         except footer.FooterError as exc:  # a footer this build does not know: encode it all
             log.warning("a Parquet part is encoded whole (%s)", exc)
             return self._encode(table)
@@ -467,38 +469,69 @@ class FileEncoder:
 
 
 CACHED_NULLS_FROM = 4096
-"""Rows from which a part's columns of nulls are not encoded again (`FileEncoder`): below,
-encoding them is cheaper than merging the chunks."""
-_NULL_PARTS: dict[tuple[Any, ...], bytes] = {}
-_NULL_PARTS_KEPT = 16
-_NULL_PARTS_LOCK = threading.Lock()
+"""Rows from which a part's columns of one value (nulls, or one value repeated) are not
+encoded again (`FileEncoder`): below, encoding them is cheaper than merging the chunks."""
+_REPEATED_PARTS: dict[tuple[Any, ...], bytes] = {}
+_REPEATED_PARTS_KEPT = 16
+_REPEATED_PARTS_LOCK = threading.Lock()
 
 
-def _null_part(schema: pa.Schema, nulls: tuple[int, ...], rows: int, compression_level: int,
-               row_group_rows: int) -> bytes:
-    """A Parquet file of one row group of `rows` nulls in each of the columns `nulls` of
-    `schema`, encoded with the archive's options (kept for the next part of as many rows: at
-    most `_NULL_PARTS_KEPT` of them, the oldest dropped)."""
-    fields = [schema.field(i) for i in nulls]
-    key = (tuple((field.name, str(field.type), field.nullable) for field in fields), rows,
-           compression_level, row_group_rows)
-    with _NULL_PARTS_LOCK:
-        found = _NULL_PARTS.get(key)
+def _cacheable_columns(table: pa.Table) -> dict[int, pa.Scalar | None]:
+    """The columns of `table` whose every row holds one value: index -> that value (None:
+    null in every row). Values are checked for integers, booleans, timestamps, strings and
+    binaries only (not floats: 0.0 and -0.0, or NaNs, compare equal but are other bytes)."""
+    found: dict[int, pa.Scalar | None] = {}
+    rows = table.num_rows
+    for i, column in enumerate(table.columns):
+        if column.null_count == rows:
+            found[i] = None
+        elif not column.null_count and (value := _one_value(column)) is not None:
+            found[i] = value
+    return found
+
+
+def _one_value(column: pa.ChunkedArray) -> pa.Scalar | None:
+    """The value of every row of `column` (no nulls), if there is one."""
+    kind = column.type
+    if pa.types.is_integer(kind) or pa.types.is_boolean(kind) or pa.types.is_timestamp(kind):
+        low, high = pc.min_max(column).values()
+        return low if low == high else None
+    if pa.types.is_string(kind) or pa.types.is_binary(kind):
+        first = column[0]
+        if column[len(column) // 2] != first or column[-1] != first:
+            return None  # most varying columns differ here, without comparing every row
+        return first if pc.all(pc.equal(column, first)).as_py() else None
+    return None
+
+
+def _repeated_part(schema: pa.Schema, columns: tuple[tuple[int, pa.Scalar | None], ...],
+                   rows: int, compression_level: int, row_group_rows: int) -> bytes:
+    """A Parquet file of one row group of `rows` rows of the columns of `schema` in `columns`
+    (index, value: None for nulls), each holding its value in every row, encoded with the
+    archive's options (kept for the next part of as many rows and the same values: at most
+    `_REPEATED_PARTS_KEPT` of them, the oldest dropped)."""
+    fields = [schema.field(i) for i, _ in columns]
+    values = [None if value is None else value.as_py() for _, value in columns]
+    key = (tuple((field.name, str(field.type), field.nullable) for field in fields),
+           tuple(values), rows, compression_level, row_group_rows)
+    with _REPEATED_PARTS_LOCK:
+        found = _REPEATED_PARTS.get(key)
     if found is not None:
         return found
-    only_nulls = pa.schema(fields)
-    table = pa.Table.from_arrays([pa.nulls(rows, field.type) for field in fields],
-                                 schema=only_nulls)
+    only_these = pa.schema(fields)
+    table = pa.Table.from_arrays(
+        [pa.nulls(rows, field.type) if value is None else pa.repeat(value, rows)
+         for field, (_, value) in zip(fields, columns, strict=True)], schema=only_these)
     sink = pa.BufferOutputStream()
-    writer = pq.ParquetWriter(sink, only_nulls, compression_level=compression_level,
+    writer = pq.ParquetWriter(sink, only_these, compression_level=compression_level,
                               **PARQUET_OPTIONS)
     writer.write_table(table, row_group_size=row_group_rows)
     writer.close()
     data = sink.getvalue().to_pybytes()
-    with _NULL_PARTS_LOCK:
-        if len(_NULL_PARTS) >= _NULL_PARTS_KEPT:
-            del _NULL_PARTS[next(iter(_NULL_PARTS))]
-        _NULL_PARTS[key] = data
+    with _REPEATED_PARTS_LOCK:
+        if len(_REPEATED_PARTS) >= _REPEATED_PARTS_KEPT:
+            del _REPEATED_PARTS[next(iter(_REPEATED_PARTS))]
+        _REPEATED_PARTS[key] = data
     return data
 
 

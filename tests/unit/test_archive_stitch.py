@@ -138,13 +138,13 @@ def test_columns_of_nulls_are_encoded_once_for_parts_of_as_many_rows(
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(columns, "CACHED_NULLS_FROM", 1)
-    monkeypatch.setattr(columns, "_NULL_PARTS", {})
+    monkeypatch.setattr(columns, "_REPEATED_PARTS", {})
     whole = table(1000, typed=False)  # key, correlation data, ... are null in every row
     assert [name for name in whole.column_names if whole.column(name).null_count == 1000]
     encoder = FileEncoder(row_group_rows=100, metadata=START)
     for index, start in enumerate(range(0, 1000, 100)):
         encoder.write(whole.slice(start, 100), index)
-    assert len(columns._NULL_PARTS) == 1  # ten parts of 100 rows: one part of nulls
+    assert len(columns._REPEATED_PARTS) == 1  # ten parts of 100 rows: one part of them
     assert encoder.finish() == encode_parquet(whole, row_group_rows=100, metadata=START)
 
 
@@ -166,3 +166,40 @@ def test_a_footer_that_cannot_be_stitched_is_encoded_by_one_writer(
     entries = {"shardgate.last_offset": "999"}
     assert encoder.finish(entries) == encode_parquet(
         whole, row_group_rows=128, metadata={**START, **entries})
+
+
+def test_columns_of_one_value_are_encoded_once_and_the_file_is_the_same_bytes(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A column holding one value in every row of a part (the shard, a QoS, a protocol) is
+    taken from a part of such columns encoded once; a column that differs in a single row, a
+    float column (0.0 and -0.0 are equal but other bytes) and parts of other values are not
+    mistaken for it: the file is byte for byte the one written at once."""
+    monkeypatch.setattr(columns, "CACHED_NULLS_FROM", 1)
+    monkeypatch.setattr(columns, "_REPEATED_PARTS", {})
+    rows = 1000
+    almost = ["same"] * rows
+    almost[337] = "other"  # neither the first, the middle nor the last row
+    stamp = pa.timestamp("ms", tz="UTC")
+    whole = pa.table({
+        "shard": pa.array([7] * 500 + [8] * 500, pa.int32()),
+        "offset": pa.array(range(rows), pa.int64()),
+        "retain": pa.array([False] * rows),
+        "at": pa.array([1_700_000_000_000] * rows, stamp),
+        "protocol": pa.array(["mqtt"] * rows),
+        "key": pa.array([b"k"] * rows),
+        "almost": pa.array(almost),
+        "zero": pa.array([0.0, -0.0] * (rows // 2)),
+        "unused": pa.nulls(rows, pa.string()),
+    })
+    encoder = FileEncoder(row_group_rows=100, metadata=START)
+    for index, start in enumerate(range(0, rows, 100)):
+        encoder.write(whole.slice(start, 100), index)
+    # two parts' values (shard 7, then 8) for every part of 100 rows, almost's part apart
+    assert len(columns._REPEATED_PARTS) == 3
+    cached = columns._cacheable_columns(whole.slice(300, 100))
+    assert [whole.column_names[i] for i in cached] == ["shard", "retain", "at", "protocol",
+                                                      "key", "unused"]
+    data = encoder.finish()
+    assert data == encode_parquet(whole, row_group_rows=100, metadata=START)
+    assert pq.read_table(pa.BufferReader(data)).equals(whole)
