@@ -38,6 +38,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 from shardgate.core.records import MessageRecord, decode_message, encode_message
+from shardgate.storage.allocators import tune_malloc
 from shardgate.storage.archive import ARROW_SCHEMA, Archiver, ArchiveSettings
 from shardgate.storage.archive.columns import PARQUET_OPTIONS
 from shardgate.storage.journal import JournalStorage
@@ -136,6 +137,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     args = parser.parse_args()
+    tune_malloc()  # the archiver runs under `shardgate serve`'s allocator settings
     base = Path(tempfile.mkdtemp(prefix="bench-archive-", dir=args.dir))
     try:
         journal = JournalStorage(base / "journal", fsync="os")

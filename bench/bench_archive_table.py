@@ -23,7 +23,8 @@
    and whether the plan shows the pushed filter (each query runs once untimed first, for the
    JVM's warm-up).
 
-The first phase also prints the load average at its start and end, and whether the archive's
+The process runs with `shardgate serve`'s allocator settings (`tune_malloc`), as the archiver
+does in a broker. The first phase also prints the load average at its start and end, and whether the archive's
 compiled readers ran (`compiled`: "all" in a release build).
 
 Every phase checks the `--max-seconds` deadline (default 900 s) and is skipped or cut short
@@ -52,6 +53,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 from shardgate.core.records import MessageRecord, encode_message
+from shardgate.storage.allocators import tune_malloc
 from shardgate.storage.archive import Archiver, ArchiveSettings, list_stream_files
 from shardgate.storage.archive.columns import PARQUET_OPTIONS
 from shardgate.storage.journal import JournalStorage
@@ -352,6 +354,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     args = parser.parse_args(argv)
+    tune_malloc()  # the archiver runs under `shardgate serve`'s allocator settings
     deadline = Deadline(args.max_seconds)
     work = Path(tempfile.mkdtemp(prefix="shardgate-archive-table-", dir=args.dir))
     results: dict[str, Any] = {}

@@ -70,6 +70,13 @@ BUILDS_AHEAD = 2
 as many started ahead while a buffer fills."""
 
 
+def _read_buffer(size: int) -> pa.Buffer:
+    """A buffer for a journal read, from the system allocator, whose heap hands the pages
+    of the last file's reads to the next one's (Arrow's pool returns freed blocks of this
+    size to the system, and a page fault per 4 KiB follows each read)."""
+    return pa.allocate_buffer(size, memory_pool=pa.system_memory_pool())
+
+
 class Archiver(ArchiveMaintenance):
     """Archives the journal's reliable streams into Parquet (see the module docstring): the
     lifecycle, the background task and the write path (reading a shard's committed records
@@ -246,7 +253,7 @@ class Archiver(ArchiveMaintenance):
                     log.error("%s/%d: %s", state.stream, state.shard, state.last_error)
                 return
             want = min(settings.read_batch, settings.target_rows - len(state.buffer))
-            batch = shard_log.read_block(start, want, allocate=pa.allocate_buffer)
+            batch = shard_log.read_block(start, want, allocate=_read_buffer)
             if not batch:
                 return
             if batch.first_offset != start:

@@ -44,7 +44,7 @@ from ..interfaces import StoredRecord
 from ..journal import RecordBlock
 from . import footer
 from .buffer import RecordBuffer
-from .decode import NATIVE_PROPERTIES, PAD_BYTES, decode_blocks, decode_spans
+from .decode import NATIVE_PROPERTIES, PAD_BYTES, decode_blocks, decode_spans, nulls
 from .typed import TypedSchema
 
 log = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ def build_table(
     else:
         columns, offsets, stamps, count = _decode_in_python(records)
     payloads = columns["payload"]
-    decoded = {name: pa.nulls(count, ARROW_SCHEMA.field(name).type) for name in DECODED_COLUMN.values()}
+    decoded = {name: nulls(count, ARROW_SCHEMA.field(name).type) for name in DECODED_COLUMN.values()}
     if schema == "string" or (schema == "json" and typed is None):  # else typed columns
         decoded[DECODED_COLUMN[schema]] = _as_text(payloads)
     elif schema == "int64":
@@ -245,10 +245,10 @@ def build_table(
     typed_arrays: list[pa.Array] = []
     if typed is not None:
         typed_arrays, decodable = typed.columns_of(payloads)
-        decoded["payload_json"] = pa.nulls(count, pa.string())  # the typed columns hold it
+        decoded["payload_json"] = nulls(count, pa.string())  # the typed columns hold it
         if not keep_payload:
-            payloads = (pa.nulls(count, pa.binary()) if pc.all(decodable).as_py() is not False
-                        else pc.if_else(decodable, pa.nulls(count, pa.binary()), payloads))
+            payloads = (nulls(count, pa.binary()) if pc.all(decodable).as_py() is not False
+                        else pc.if_else(decodable, nulls(count, pa.binary()), payloads))
     arrays = [
         pa.repeat(pa.scalar(shard, pa.int32()), count),
         offsets,

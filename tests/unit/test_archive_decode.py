@@ -18,7 +18,7 @@ from shardgate.core.records import (
     encode_message,
 )
 from shardgate.storage.archive import build_table
-from shardgate.storage.archive.decode import COLUMNS, decode_batch
+from shardgate.storage.archive.decode import COLUMNS, decode_batch, nulls
 from shardgate.storage.interfaces import StoredRecord
 
 text = st.text(max_size=40)
@@ -163,3 +163,15 @@ def test_an_empty_native_properties_section_reads_as_none_as_a_message_does() ->
     empty = with_one[:section] + b"\x00" + with_one[section + 1 + 1 + 1 + 4 + 1:]
     assert not decode_message(empty).native_properties
     assert decoded_rows([empty]) == [expected(empty)]
+
+
+def test_columns_of_nulls_share_one_array_per_type_and_are_nulls_of_the_length_asked() -> None:
+    headers = pa.map_(pa.string(), pa.string())
+    for rows in (65536, 3, 65536, 0, 70000, 12):
+        for type_ in (pa.string(), pa.int64(), headers):
+            array = nulls(rows, type_)
+            assert array.type == type_ and len(array) == rows and array.null_count == rows
+            assert array.equals(pa.nulls(rows, type_))
+    # a shorter one is a slice of the one kept: no buffer allocated for it
+    big, small = nulls(70000, pa.int64()), nulls(100, pa.int64())
+    assert small.buffers()[1].address == big.buffers()[1].address
