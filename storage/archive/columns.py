@@ -491,17 +491,20 @@ def _cacheable_columns(table: pa.Table) -> dict[int, pa.Scalar | None]:
 
 
 def _one_value(column: pa.ChunkedArray) -> pa.Scalar | None:
-    """The value of every row of `column` (no nulls), if there is one."""
+    """The value of every row of `column` (no nulls), if there is one. Most columns that vary
+    differ at the first, middle or last row, seen without a compute call (each one lets the
+    GIL go and waits to take it back, behind the other threads' Python)."""
     kind = column.type
-    if pa.types.is_integer(kind) or pa.types.is_boolean(kind) or pa.types.is_timestamp(kind):
+    exact = pa.types.is_integer(kind) or pa.types.is_boolean(kind) or pa.types.is_timestamp(kind)
+    if not (exact or pa.types.is_string(kind) or pa.types.is_binary(kind)):
+        return None
+    first = column[0]
+    if column[len(column) // 2] != first or column[-1] != first:
+        return None
+    if exact:
         low, high = pc.min_max(column).values()
-        return low if low == high else None
-    if pa.types.is_string(kind) or pa.types.is_binary(kind):
-        first = column[0]
-        if column[len(column) // 2] != first or column[-1] != first:
-            return None  # most varying columns differ here, without comparing every row
-        return first if pc.all(pc.equal(column, first)).as_py() else None
-    return None
+        return first if low == high else None
+    return first if pc.all(pc.equal(column, first)).as_py() else None
 
 
 def _repeated_part(schema: pa.Schema, columns: tuple[tuple[int, pa.Scalar | None], ...],

@@ -312,3 +312,51 @@ def test_avro_schemas_the_c_reader_does_not_take(native: Any) -> None:
     assert whole._avro_plan is not None
     check(whole, pa.array([b"\x00", b"\x02\x04ab", b"\x02\x02\xff", b"\x04"], pa.binary()),
           avro=True)
+
+
+NUMBER_SPELLINGS = [
+    "0", "-0", "0.0", "-0.0", "0.000", "-0.000", "00", "01", "-01", "1.", ".5", "-", "-.5",
+    "1.5e3", "1.5E-3", "2e0", "7.0", "1.50", "-12.75", "1.5.3", "1-2", "1+2", "3 ", "4\n",
+    "123456789012345", "-123456789012345", "1234567890123456", "12345678901234.5",
+    "123456789012345.6", "99999999999999.9", "0.30000000000000004", "2.500000000000000",
+    "2.50000000000000", "0.1234567890123456789012", "0.12345678901234567890123",
+    "0.0000000000000000000001", "0.00000000000000000000001", "0.000000000000001234567890123",
+    "9007199254740991", "9007199254740993.0", "1e-400", "5e-324",
+]
+
+
+@pytest.mark.parametrize("layout", [False, True])
+def test_number_spellings_decode_as_row_by_row(native: Any, layout: bool) -> None:
+    """Each spelling of a number field's value, at the limits of the one-pass reading of short
+    decimals (15 significant digits, 22 fraction digits, signs, zeros, exponents, a number
+    followed by what cannot follow it), read by the full parser and by a row layout learned
+    from the row before (`layout`)."""
+    schema = TypedSchema("json", SCHEMA, 1, RESERVED)
+    payloads = []
+    for text in NUMBER_SPELLINGS:
+        if layout:
+            payloads.append(b'{"device": "d", "temp": 1.5}')
+        payloads.append(b'{"device": "d", "temp": ' + text.encode() + b"}")
+    taken = check(schema, pa.array(payloads, pa.binary()))
+    assert taken[payloads.index(b'{"device": "d", "temp": 12345678901234.5}')]
+
+
+def test_strings_around_sixteen_byte_runs_decode_as_row_by_row(native: Any) -> None:
+    """A string field's text read sixteen bytes at a time: a quote, backslash escape, control
+    character, non-ASCII or invalid byte at every position of the first 40, and strings that
+    end (or are cut off) at the payloads' very end."""
+    schema = TypedSchema("json", SCHEMA, 1, RESERVED)
+    specials = [b'\\"', b"\\\\", b"\\n", b"\\u00e9", b"\xc3\xa9", b"\x01", b"\xff", b"\xed\xa0\x80",
+                b"\xf0\x9f\x98\x80", b"/"]
+    payloads = []
+    for length in (0, 1, 7, 8, 15, 16, 17, 31, 32, 33, 40):
+        payloads.append(b'{"device": "' + b"a" * length + b'"}')
+        for position in range(length):
+            for special in specials:
+                text = b"a" * position + special + b"a" * (length - position)
+                payloads.append(b'{"device": "' + text + b'", "temp": 2.5}')
+    cut = [b'{"device": "' + b"b" * n for n in (0, 5, 15, 16, 17, 40)]
+    for tail in cut:
+        check(schema, pa.array(payloads + [tail], pa.binary()))
+    plain = [b'{"device": "' + b"a" * length + b'"}' for length in (0, 7, 16, 17, 33, 40)]
+    assert check(schema, pa.array(plain, pa.binary())).all()
