@@ -178,7 +178,10 @@ async def follow(follower_log: FollowerLog, transport: ReplicaTransport, *,
     time, each sent once what the previous one brought is durable here. When the journal
     cannot write what was fetched (a full disk), the log is cut back to its durable end and
     fetched again after a pause that doubles at each failure in a row, up to `max_retry_s`:
-    the follower drops out of the in-sync set meanwhile, and is back once it caught up."""
+    the follower drops out of the in-sync set meanwhile, and is back once it caught up. Any
+    other error (an answer this node cannot use, a bug) is logged with its traceback and
+    handled the same way: a follower never stops following silently, which would leave the
+    shard short of a replica for good."""
     while True:
         await asyncio.sleep(0)  # an answer that came at once must not starve the loop
         if follower_log.failed is not None:
@@ -192,10 +195,17 @@ async def follow(follower_log: FollowerLog, transport: ReplicaTransport, *,
                 await follower_log.recover()
             except (StorageError, OSError) as exc:
                 follower_log.failed = exc
+            except Exception as exc:  # noqa: BLE001 - logged; never stop following
+                log.exception("%s: recovering the follower failed", follower_log.log.directory)
+                follower_log.failed = exc
             continue
         try:
             await _follow_step(follower_log, transport, retry_s)
         except (StorageError, OSError) as exc:
+            follower_log.failed = exc
+        except Exception as exc:  # noqa: BLE001 - logged; never stop following
+            log.exception("%s: following %s failed", follower_log.log.directory,
+                          follower_log.follower.leader)
             follower_log.failed = exc
 
 

@@ -144,3 +144,46 @@ async def test_a_request_without_a_link_fails_at_once_as_a_connection_error(node
             await transport.fetch("a", FetchRequest("b", 1, 0, 0))
     finally:
         nodes["b"].plane.links["a"] = link
+
+
+class FailingOnce:
+    """A shard's transport whose first fetch fails with an error no follower expects."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.failed = False
+
+    async def epoch_end(self, leader: str, request: object) -> object:
+        return await self.inner.epoch_end(leader, request)  # type: ignore[attr-defined]
+
+    async def fetch(self, leader: str, request: object) -> object:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("an answer this follower cannot use")
+        return await self.inner.fetch(leader, request)  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def failing_once(monkeypatch: pytest.MonkeyPatch) -> list[FailingOnce]:
+    made: list[FailingOnce] = []
+    transport = ReplicaService.transport
+
+    def failing(self: ReplicaService, stream: str, shard: int) -> FailingOnce:
+        made.append(FailingOnce(transport(self, stream, shard)))
+        return made[-1]
+
+    monkeypatch.setattr(ReplicaService, "transport", failing)
+    return made
+
+
+async def test_a_follower_whose_fetch_fails_unexpectedly_follows_on(failing_once, nodes) -> None:
+    """An error the follower does not expect (not the disk's, not the link's) is logged and
+    fetched past: the follower goes on, and the publishes waiting for it are acknowledged."""
+    leader = nodes["a"]
+    await wait_for(lambda: leader.manager.leading(*KEY) is not None)
+    futures = [leader.publish(f"m{i}".encode()) for i in range(20)]
+    await asyncio.wait_for(asyncio.gather(*[f for f in futures if f is not None]), 30)
+    expected = [f"m{i}".encode() for i in range(20)]
+    for name in ("b", "c"):
+        await wait_for(lambda name=name: nodes[name].records() == expected)  # type: ignore[misc]
+    assert any(transport.failed for transport in failing_once)
