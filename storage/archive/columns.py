@@ -404,7 +404,7 @@ class FileEncoder:
                     self._empty = table
                 return
         cached = _cacheable_columns(table) if (
-            CACHED_COLUMNS_FROM <= table.num_rows <= self._row_group_rows) else {}
+            CACHED_NULLS_FROM <= table.num_rows <= self._row_group_rows) else {}
         if cached and len(cached) < table.num_columns:
             data = self._with_cached_columns(table, cached)
         else:
@@ -468,7 +468,7 @@ class FileEncoder:
                                   row_group_rows=self._row_group_rows, metadata=entries)
 
 
-CACHED_COLUMNS_FROM = 4096
+CACHED_NULLS_FROM = 4096
 """Rows from which a part's columns of one value (nulls, or one value repeated) are not
 encoded again (`FileEncoder`): below, encoding them is cheaper than merging the chunks."""
 _REPEATED_PARTS: dict[tuple[Any, ...], bytes] = {}
@@ -521,11 +521,16 @@ def _repeated_part(schema: pa.Schema, columns: tuple[tuple[int, pa.Scalar | None
         found = _REPEATED_PARTS.get(key)
     if found is not None:
         return found
+    only_these = pa.schema(fields)
     table = pa.Table.from_arrays(
         [pa.nulls(rows, field.type) if value is None else pa.repeat(value, rows)
-         for field, (_, value) in zip(fields, columns, strict=True)], schema=pa.schema(fields))
-    data = encode_parquet(table, compression_level=compression_level,
-                          row_group_rows=row_group_rows)
+         for field, (_, value) in zip(fields, columns, strict=True)], schema=only_these)
+    sink = pa.BufferOutputStream()
+    writer = pq.ParquetWriter(sink, only_these, compression_level=compression_level,
+                              **PARQUET_OPTIONS)
+    writer.write_table(table, row_group_size=row_group_rows)
+    writer.close()
+    data = sink.getvalue().to_pybytes()
     with _REPEATED_PARTS_LOCK:
         if len(_REPEATED_PARTS) >= _REPEATED_PARTS_KEPT:
             del _REPEATED_PARTS[next(iter(_REPEATED_PARTS))]

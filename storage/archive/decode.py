@@ -53,6 +53,7 @@ _U64 = pa.uint64()
 _HEAD_SIZE = 12
 """u8 version | u8 flags | u8 qos | u8 retain | i64 publish time."""
 PAD_BYTES = 8
+
 _PAD = bytes(PAD_BYTES)
 """Appended to the joined buffer so that a fixed-size read at any position up to the end of
 the last record stays inside the buffer (the value read there is then rejected)."""

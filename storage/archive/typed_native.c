@@ -442,6 +442,7 @@ static const unsigned char *short_decimal(const unsigned char *p, const unsigned
     if (p < end && (*p == 'e' || *p == 'E' || *p == '.' || (*p >= '0' && *p <= '9')))
         return NULL;
     double value = fraction ? (double)mantissa / POW10[fraction] : (double)mantissa;
+    if (mantissa == 0) value = 0.0;
     /* json.loads reads -0 as the int 0; -0.0 is the float -0.0 */
     *out = negative && (fraction || mantissa != 0) ? -value : value;
     return p;

@@ -89,11 +89,11 @@ def test_stitched_parts_are_the_file_written_at_once(rows: int, group: int, per_
     assert pq.read_table(pa.BufferReader(stitched)).equals(whole)
 
 
-@pytest.mark.parametrize("cached_columns_from", [1, 10**9])
+@pytest.mark.parametrize("cached_nulls_from", [1, 10**9])
 def test_a_file_encoder_stitches_parts_encoded_on_threads_in_any_order(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cached_columns_from: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cached_nulls_from: int
 ) -> None:
-    monkeypatch.setattr(columns, "CACHED_COLUMNS_FROM", cached_columns_from)
+    monkeypatch.setattr(columns, "CACHED_NULLS_FROM", cached_nulls_from)
     whole = table(1000)
     entries = {"shardgate.last_offset": "999"}
     encoder = FileEncoder(row_group_rows=128, metadata=START)
@@ -137,7 +137,7 @@ def test_what_is_not_a_parquet_file_is_refused() -> None:
 def test_columns_of_nulls_are_encoded_once_for_parts_of_as_many_rows(
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(columns, "CACHED_COLUMNS_FROM", 1)
+    monkeypatch.setattr(columns, "CACHED_NULLS_FROM", 1)
     monkeypatch.setattr(columns, "_REPEATED_PARTS", {})
     whole = table(1000, typed=False)  # key, correlation data, ... are null in every row
     assert [name for name in whole.column_names if whole.column(name).null_count == 1000]
@@ -156,7 +156,7 @@ def test_a_footer_that_cannot_be_stitched_is_encoded_by_one_writer(
     def refuse(*_args: object) -> bytes:
         raise FooterError("not known here")
 
-    monkeypatch.setattr(columns, "CACHED_COLUMNS_FROM", 1)
+    monkeypatch.setattr(columns, "CACHED_NULLS_FROM", 1)
     monkeypatch.setattr(columns.footer, "stitch", refuse)
     monkeypatch.setattr(columns.footer, "merge_columns", refuse)
     whole = table(1000)
@@ -175,7 +175,7 @@ def test_columns_of_one_value_are_encoded_once_and_the_file_is_the_same_bytes(
     taken from a part of such columns encoded once; a column that differs in a single row, a
     float column (0.0 and -0.0 are equal but other bytes) and parts of other values are not
     mistaken for it: the file is byte for byte the one written at once."""
-    monkeypatch.setattr(columns, "CACHED_COLUMNS_FROM", 1)
+    monkeypatch.setattr(columns, "CACHED_NULLS_FROM", 1)
     monkeypatch.setattr(columns, "_REPEATED_PARTS", {})
     rows = 1000
     almost = ["same"] * rows
